@@ -1,0 +1,126 @@
+"""The ``mograph`` command line.
+
+Each sub-command lives in its own module (``optimize``, ``passes``, ``inspect``, ``diff``, ``bench``
+...) exposing ``add_parser(subparsers)`` and ``run(args) -> CommandResult``.  This module owns what is
+common: global flags, ``--json`` output, logging, and turning :class:`~mograph.errors.MographError`
+into one clear line on stderr and a documented exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from mograph.errors import MographError
+
+__all__ = ["main", "CommandResult", "COMMANDS", "EXIT_CODES_HELP"]
+
+#: Sub-command modules under ``mograph.cli``, in the order ``--help`` lists them.
+COMMANDS: tuple[str, ...] = ("optimize", "passes", "inspect", "diff", "bench", "build", "validate")
+
+EXIT_CODES_HELP = """exit codes:
+  0  success
+  1  internal error (a bug: please report it with the traceback)
+  2  usage error: bad command line, unknown pass, bad option value
+  3  the model could not be loaded or is invalid
+  4  a pass failed
+  5  numeric verification failed (outputs drifted past tolerance)
+  6  a plugin failed to load or misbehaved
+  7  an optional dependency is missing (the message names the pip extra)
+"""
+
+
+@dataclass
+class CommandResult:
+    """What a command produced: ``data`` for ``--json``, ``text`` for people, and an exit code."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+    text: str = ""
+    exit_code: int = 0
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # argparse exits 2 on usage errors: keep that, one line
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _load_command(name: str) -> Any:
+    try:
+        return importlib.import_module(f"mograph.cli.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name == f"mograph.cli.{name}":
+            return None
+        raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="mograph",
+        description="mograph: optimize ONNX models with an ordered pipeline of rewrite passes "
+        "(cleanup, fusion, shapes, precision, pruning), lower them to a backend, and check the numbers.",
+        epilog=EXIT_CODES_HELP
+        + "\nplugins: MOGRAPH_DISABLE_PLUGIN_AUTOLOAD=1 loads no third-party plugin; "
+        "MOGRAPH_BLOCK_PLUGINS=a,b or --block-plugin NAME skips some.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from mograph import __version__
+
+    parser.add_argument("--version", action="version", version=f"mograph {__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
+    common.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    common.add_argument("-q", "--quiet", action="store_true", help="only errors")
+    common.add_argument(
+        "--block-plugin", action="append", default=[], metavar="NAME", help="do not load this plugin (repeatable)"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name in COMMANDS:
+        module = _load_command(name)
+        if module is not None:
+            module.add_parser(sub, common)
+    return parser
+
+
+def _emit(result: CommandResult, as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(result.data, indent=2, default=str) + "\n")
+    elif result.text:
+        sys.stdout.write(result.text.rstrip("\n") + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``mograph`` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    level = logging.WARNING
+    if getattr(args, "quiet", False):
+        level = logging.ERROR
+    elif getattr(args, "verbose", 0) >= 2:
+        level = logging.DEBUG
+    elif getattr(args, "verbose", 0) == 1:
+        level = logging.INFO
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        result = args.run(args)
+    except MographError as exc:
+        if getattr(args, "json", False):
+            _emit(CommandResult(data={"error": str(exc), "exit_code": exc.exit_code}), True)
+        sys.stderr.write(f"mograph: error: {exc}\n")
+        return exc.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write("mograph: interrupted\n")
+        return 130
+    _emit(result, getattr(args, "json", False))
+    return result.exit_code
+
+
+def entry() -> None:
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""``mograph optimize``: run an ordered pipeline of passes on a model and save the result."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from mograph.cli import CommandResult
+from mograph.cli._common import default_output, example_path, parse_shapes
+from mograph.errors import MographError, UsageError
+
+__all__ = ["add_parser", "run"]
+
+# Options the command itself owns; a pass declaring one of these names receives the command's value.
+_OWN = {"shape", "explain"}
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "optimize",
+        parents=[common],
+        help="run passes on a model and save the optimized model",
+        description="Run an explicit, ordered pipeline of passes on MODEL and write the result atomically "
+        "(never over the input). Presets such as 'cleanup' or 'fuse' expand to their passes in place. "
+        "`mograph passes` lists passes and presets.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", nargs="?", help="input .onnx file (or use --example)")
+    p.add_argument("--example", metavar="NAME", help="use a model shipped with mograph: bert-tiny, cnn-small")
+    p.add_argument("-o", "--output", help="output file (default: IN.opt.onnx beside the input)")
+    p.add_argument("--passes", default="cleanup", help="comma-separated passes and presets, in order (default: cleanup)")
+    p.add_argument(
+        "--verify",
+        nargs="?",
+        const="end",
+        choices=["end", "each"],
+        help="compare outputs with the original on seeded feeds (ONNX Runtime, its optimizations off); "
+        "'each' checks after every pass and names the first that drifts. Fails with exit 5 past tolerance.",
+    )
+    p.add_argument(
+        "--shape",
+        action="append",
+        metavar="NAME:DIMS",
+        help="input shape, e.g. input_ids:1x128 (repeatable): sizes for dynamic dims of verification feeds, "
+        "and the shapes fix-shapes pins",
+    )
+    p.add_argument("--feeds", metavar="FILE.npz", help="use these input feeds for verification instead of random ones")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random verification feeds (default 0)")
+    p.add_argument("--report", metavar="FILE.json", help="write the full report (per-pass stats, timing, checks) as JSON")
+    p.add_argument("--explain", action="store_true", help="show why rules did or did not apply (near misses and reasons)")
+    p.add_argument(
+        "--check-modified",
+        action="store_true",
+        help="debug: fail a pass that reports 'unchanged' but changed the graph",
+    )
+    p.add_argument("--external-data", action="store_true", help="save initializers to OUT.data beside the model")
+    group = p.add_argument_group("pass options (each pass reads the ones it declares)")
+    try:
+        from mograph.plugins import get_registry
+
+        declared = get_registry().all_options()
+    except MographError as exc:  # a broken plugin must not break --help; the error shows on run
+        p.set_defaults(_registry_error=exc)
+        declared = {}
+    for key, (opt, owners) in sorted(declared.items()):
+        if key in _OWN:
+            continue
+        kwargs: dict[str, Any] = {
+            "dest": f"opt_{key}",
+            "default": None,
+            "metavar": opt.metavar or key.upper(),
+            "help": f"{opt.help} [{', '.join(owners)}; default: {opt.default}]",
+        }
+        if opt.multiple:
+            kwargs["action"] = "append"
+        if opt.choices:
+            kwargs["choices"] = [str(c) for c in opt.choices]
+            kwargs.pop("metavar")
+        group.add_argument(f"--{opt.name}", **kwargs)
+    p.set_defaults(run=run)
+
+
+def _progress(args: argparse.Namespace) -> Any:
+    from mograph.hookspecs import hookimpl
+
+    class Progress:
+        def __init__(self) -> None:
+            self.i = 0
+
+        @hookimpl(wrapper=True)
+        def mograph_run_pass(self, pass_: Any, model: Any, context: dict[str, Any]):  # type: ignore[no-untyped-def]
+            self.i += 1
+            sys.stderr.write(f"[{self.i}] {pass_.name} ...\n")
+            sys.stderr.flush()
+            return (yield)
+
+    return Progress()
+
+
+def _summary(report: Any, out: Path | None) -> str:
+    lines = [f"{'pass':<24} {'changed':<8} {'nodes':>13} {'time':>9}  stats"]
+    for p in report.passes:
+        stats = ", ".join(f"{k}={v}" for k, v in p.stats.items() if v) or "-"
+        lines.append(
+            f"{p.name:<24} {('yes' if p.modified else 'no'):<8} {p.nodes_before:>6}->{p.nodes_after:<6} "
+            f"{p.seconds * 1000:>7.1f}ms  {stats}"
+        )
+    if report.verification is not None:
+        v = report.verification
+        lines.append(f"verify: {'passed' if v['passed'] else 'FAILED'} — {v.get('summary', '')}")
+    if out is not None:
+        lines.append(f"wrote {out}")
+    return "\n".join(lines)
+
+
+def _explain_text(report: Any) -> str:
+    lines = []
+    for p in report.passes:
+        if p.details:
+            lines.append(f"== {p.name}")
+            lines.append(json.dumps(p.details, indent=2, default=str))
+    return "\n".join(lines) if lines else "(no pass reported details)"
+
+
+def run(args: argparse.Namespace) -> CommandResult:
+    from mograph import api, ir_io
+    from mograph.plugins import get_registry
+
+    if getattr(args, "_registry_error", None) is not None:
+        raise args._registry_error
+    if bool(args.model) == bool(args.example):
+        raise UsageError("give exactly one of MODEL or --example NAME")
+    src = Path(args.model) if args.model else example_path(args.example)
+    out = Path(args.output) if args.output else default_output(src, cwd_for=bool(args.example))
+    if src.exists() and out.exists() and out.resolve() == src.resolve():
+        raise UsageError(f"refusing to write over the input model {src}; choose another -o")
+    reg = get_registry(args.block_plugin)
+    names = reg.expand(args.passes)
+    shapes = parse_shapes(args.shape)
+    options: dict[str, Any] = {}
+    for key in reg.all_options():
+        val = getattr(args, f"opt_{key}", None)
+        if val is not None:
+            options[key] = val
+    if args.shape:
+        options["shape"] = args.shape
+    if args.explain:
+        options["explain"] = True
+    options = {k: v for k, v in options.items() if k in reg.all_options()}
+    instances = reg.instantiate(names, options)
+    model = ir_io.load_model(src)
+    progress = None
+    if not args.json and not args.quiet:
+        progress = _progress(args)
+        reg.pm.register(progress, name="mograph.cli-progress")
+    verify_options: dict[str, Any] = {"shapes": shapes, "feeds": args.feeds, "seed": args.seed}
+    try:
+        report = api.run_passes(
+            model,
+            instances,
+            verify=args.verify,
+            verify_options=verify_options,
+            check_modified=args.check_modified,
+            blocked=args.block_plugin,
+        )
+    finally:
+        if progress is not None:
+            reg.pm.unregister(progress)
+    ir_io.save_model(model, out, external_data=True if args.external_data else None, forbid=src)
+    data = {"input": str(src), "output": str(out), "pipeline": names, **report.to_dict()}
+    if args.report:
+        Path(args.report).write_text(json.dumps(data, indent=2, default=str))
+    text = _summary(report, out)
+    if args.explain:
+        text += "\n" + _explain_text(report)
+    return CommandResult(data=data, text=text)

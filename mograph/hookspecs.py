@@ -1,0 +1,134 @@
+"""The plugin author's manual: every hook mograph calls, when, with what, and what a return means.
+
+mograph is built from plugins.  Its own passes, presets, custom ops and backends are registered
+through exactly these hooks (by the built-in plugins ``mograph.passes.cleanup``,
+``mograph.passes.fusion`` ...), so a third-party plugin has the same powers as the built-ins.
+
+Writing a plugin
+----------------
+1. Write a module with functions named after the hooks below, decorated with
+   ``mograph.hookimpl``::
+
+       import mograph
+
+       @mograph.hookimpl
+       def mograph_add_passes():
+           return [MyPass]
+
+2. Declare it in your distribution's ``pyproject.toml``::
+
+       [project.entry-points.mograph]
+       my-plugin = "my_package.plugin"
+
+   The entry-point *name* (``my-plugin``) is the plugin's name: it is shown by ``mograph passes``,
+   named in errors, and used to block it.
+
+3. ``pip install`` it.  ``mograph passes`` now lists your pass.
+
+Only functions whose names start with ``mograph_`` are hooks; anything else in the module is
+ignored.  Set ``MOGRAPH_DISABLE_PLUGIN_AUTOLOAD=1`` to load no third-party plugin at all, or
+``MOGRAPH_BLOCK_PLUGINS=name1,name2`` (or ``mograph --block-plugin NAME``) to skip some by name.
+A plugin that fails to import, or whose hook raises, stops mograph with an error naming it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
+
+    from mograph.custom_ops import CustomOp
+    from mograph.pass_infra import Pass, PassResult
+
+__all__ = ["hookspec", "hookimpl", "PROJECT"]
+
+PROJECT = "mograph"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def mograph_add_passes() -> list[type[Pass]]:
+    """Contribute pass classes.
+
+    Called once, when the registry is first built (at the first ``mograph`` command or API call
+    that needs passes), for every registered plugin.
+
+    Returns:
+        A list of :class:`mograph.Pass` subclasses.  Each must have a unique kebab-case ``name``;
+        a name already taken by another plugin is an error naming both plugins.  Return ``[]`` (or
+        nothing) to add none.
+    """
+
+
+@hookspec
+def mograph_add_presets() -> dict[str, list[str]]:
+    """Contribute pipeline presets: names that expand to ordered lists of pass or preset names.
+
+    Called once, when the registry is built, after every plugin's passes are known.
+
+    Returns:
+        A mapping ``{"preset-name": ["pass-a", "pass-b", ...]}``.  Entries may name other presets;
+        expansion is recursive and a cycle is an error.  A preset name may not equal a pass name.
+        ``--passes fuse,cleanup`` expands each preset in place, preserving order.
+    """
+
+
+@hookspec
+def mograph_add_custom_ops() -> list[CustomOp]:
+    """Contribute custom operators (fused ops in a plugin-owned domain).
+
+    Called once, when the registry is built.
+
+    Returns:
+        A list of :class:`mograph.custom_ops.CustomOp`: name, domain, version, numpy reference,
+        ONNX function body, shape function and per-backend lowerings.  ``(domain, name)`` must be
+        unique across plugins.
+    """
+
+
+@hookspec
+def mograph_add_backends() -> list[Any]:
+    """Contribute backends (runtimes a model can be lowered to, benchmarked or validated on).
+
+    Called once, when the registry is built.  A backend object has a ``name`` (``"ort"``,
+    ``"tensorrt"``) and imports its runtime lazily: contributing a backend must not import
+    onnxruntime, tensorrt or torch.
+
+    Returns:
+        A list of backend objects; names must be unique.
+    """
+
+
+@hookspec(firstresult=True)
+def mograph_run_pass(pass_: Pass, model: ir.Model, context: dict[str, Any]) -> PassResult:
+    """Run one pass on the model.  Implement it as a *wrapper* to act around every pass.
+
+    Called by the pass manager once per pass in the pipeline, in order.  The built-in core plugin
+    provides the innermost implementation, which calls ``pass_.call(model)``.
+
+    Plugins normally implement this hook as a wrapper, to time, log, dump or check each pass
+    without the pass knowing::
+
+        @mograph.hookimpl(wrapper=True)
+        def mograph_run_pass(pass_, model, context):
+            result = yield          # the pass runs here; it may raise
+            ...                     # inspect `model` (already rewritten) and `result`
+            return result
+
+    Args:
+        pass_: the :class:`mograph.Pass` instance about to run (its ``config`` holds its options).
+        model: the ``onnx_ir.Model`` the pass rewrites in place.
+        context: a dict shared by the whole pipeline run.  Keys set by mograph: ``"verify"`` (the
+            numeric-check setting or ``None``), ``"feeds"`` (the input feeds, when verifying),
+            ``"reference"`` (the original model's outputs on those feeds).  A wrapper that
+            measures something for the report stores it under ``"last_check"``; the manager
+            moves it into that pass's report entry.
+
+    Returns:
+        The :class:`mograph.PassResult` of the pass (first non-``None`` result wins).  A wrapper
+        may raise a :class:`mograph.MographError` to stop the pipeline.
+    """

@@ -1,0 +1,233 @@
+"""Loading and saving models at the API edge.
+
+mograph works on one in-memory IR, `onnx-ir <https://github.com/onnx/ir-py>`_.  This module is the
+only place that converts between it and the forms users hand us: a file path, raw bytes, an
+``onnx.ModelProto``, an ``onnx_ir.Model`` or an ``onnx_graphsurgeon.Graph``.  Everything inside the
+pipeline sees ``onnx_ir.Model`` only.
+
+Why this matters:
+
+* **Load once, save once.**  Passes never serialise the model between them.
+* **External data stays lazy.**  A model loaded from a path keeps its large initializers as
+  memory-mapped external tensors; nothing reads them wholesale, so models above 2 GB work.
+* **Safety.**  An external-data ``location`` that escapes the model's folder (``../../etc/passwd``,
+  an absolute path) is refused: loading it would read arbitrary files.
+* **Atomic writes.**  :func:`save_model` writes into a temporary folder beside the destination and
+  moves the files into place only when everything was written, so an interrupted run never leaves a
+  half-written model behind, and it refuses to write over the model it was loaded from.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Union
+
+import onnx
+import onnx_ir as ir
+
+from mograph.errors import ModelError, UsageError
+
+__all__ = ["ModelSource", "load_model", "save_model", "to_format", "model_size_bytes", "TWO_GB"]
+
+TWO_GB = 2**31
+
+#: Anything :func:`load_model` accepts.
+ModelSource = Union[str, os.PathLike, bytes, onnx.ModelProto, ir.Model, Any]
+
+
+def _check_external_locations(model: ir.Model, base_dir: Path) -> None:
+    base = base_dir.resolve()
+    for value in _all_initializers(model):
+        tensor = value.const_value
+        if isinstance(tensor, ir.ExternalTensor):
+            loc = tensor.location
+            target = (base / loc).resolve()
+            if os.path.isabs(loc) or (base != target and base not in target.parents):
+                raise ModelError(
+                    f"initializer '{value.name}' has external data at '{loc}', outside the model's "
+                    f"folder {base}: refused (it could read arbitrary files)"
+                )
+            if not target.is_file():
+                raise ModelError(
+                    f"initializer '{value.name}' has external data at '{loc}', which does not exist "
+                    f"beside the model in {base}"
+                )
+
+
+def _all_initializers(model: ir.Model) -> list[ir.Value]:
+    out = list(model.graph.initializers.values())
+    for sub in model.graph.subgraphs():
+        out.extend(sub.initializers.values())
+    return out
+
+
+def _check_structure(model: ir.Model) -> None:
+    """Refuse models whose structure no pass can work on: dangling references and cycles."""
+    graph = model.graph
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        for inp in node.inputs:
+            if inp is None:
+                continue
+            if inp.producer() is None and not inp.is_graph_input() and not inp.is_initializer():
+                # Values captured from an outer scope are fine inside subgraphs.
+                if node.graph is graph:
+                    raise ModelError(
+                        f"node '{node.name or node.op_type}' reads '{inp.name}', which is neither a "
+                        "graph input, an initializer nor the output of any node (missing initializer?)"
+                    )
+    # Cycle check (Kahn's algorithm on the main graph).
+    nodes = list(graph)
+    indeg = {id(n): 0 for n in nodes}
+    for n in nodes:
+        for pred in {id(p) for p in n.predecessors()}:
+            if pred in indeg:
+                indeg[id(n)] += 1
+    ready = [n for n in nodes if indeg[id(n)] == 0]
+    seen = 0
+    while ready:
+        n = ready.pop()
+        seen += 1
+        for succ in {id(s): s for s in n.successors()}.values():
+            if id(succ) in indeg:
+                indeg[id(succ)] -= 1
+                if indeg[id(succ)] == 0:
+                    ready.append(succ)
+    if seen != len(nodes):
+        stuck = [n.name or n.op_type for n in nodes if indeg[id(n)] > 0][:5]
+        raise ModelError(f"the graph has a cycle through nodes {stuck}")
+
+
+def _from_proto(proto: onnx.ModelProto, base_dir: Path | None) -> ir.Model:
+    try:
+        model = ir.serde.deserialize_model(proto)
+    except Exception as exc:  # noqa: BLE001 - any decoding failure means a bad model
+        raise ModelError(f"cannot read the model: {exc}") from exc
+    if base_dir is not None:
+        for value in _all_initializers(model):
+            tensor = value.const_value
+            if isinstance(tensor, ir.ExternalTensor):
+                tensor.base_dir = str(base_dir)
+    return model
+
+
+def load_model(source: ModelSource, *, check: bool = True) -> ir.Model:
+    """Turn any accepted model form into an ``onnx_ir.Model``.
+
+    Args:
+        source: a path to an ``.onnx`` file (external data is resolved next to it and mapped
+            lazily), the bytes of a serialised model, an ``onnx.ModelProto``, an ``onnx_ir.Model``
+            (returned as is: passes then rewrite it in place) or an ``onnx_graphsurgeon.Graph``.
+        check: refuse models with a missing initializer, a cycle, or external data outside the
+            model's folder.
+
+    Raises:
+        ModelError: the file is missing, not ONNX, truncated, or structurally invalid.
+    """
+    base_dir: Path | None = None
+    if isinstance(source, ir.Model):
+        model = source
+    elif isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.exists():
+            raise ModelError(f"{path}: no such file")
+        if path.is_dir():
+            raise ModelError(f"{path}: is a folder, not an ONNX file")
+        base_dir = path.resolve().parent
+        try:
+            proto = onnx.load(str(path), load_external_data=False)
+        except Exception as exc:  # noqa: BLE001 - protobuf raises several unrelated types
+            raise ModelError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc})") from exc
+        if not proto.graph.node and not proto.graph.output:
+            raise ModelError(f"{path}: not an ONNX model (no graph found: truncated or another format?)")
+        model = _from_proto(proto, base_dir)
+    elif isinstance(source, (bytes, bytearray)):
+        try:
+            proto = onnx.load_from_string(bytes(source))
+        except Exception as exc:  # noqa: BLE001
+            raise ModelError(f"bytes are not a readable ONNX model: {exc}") from exc
+        if not proto.graph.node and not proto.graph.output:
+            raise ModelError("bytes are not an ONNX model (no graph found)")
+        model = _from_proto(proto, None)
+    elif isinstance(source, onnx.ModelProto):
+        model = _from_proto(source, None)
+    elif type(source).__module__.startswith("onnx_graphsurgeon"):
+        import onnx_graphsurgeon as gs
+
+        model = _from_proto(gs.export_onnx(source), None)
+    else:
+        raise UsageError(
+            f"cannot load a model from {type(source).__name__}: give a path, bytes, onnx.ModelProto, "
+            "onnx_ir.Model or onnx_graphsurgeon.Graph"
+        )
+    if check:
+        if base_dir is not None:
+            _check_external_locations(model, base_dir)
+        _check_structure(model)
+    return model
+
+
+def model_size_bytes(model: ir.Model) -> int:
+    """Bytes of initializer data (the bulk of a saved model), without reading external data."""
+    total = 0
+    for value in _all_initializers(model):
+        tensor = value.const_value
+        if tensor is not None:
+            total += tensor.nbytes
+    return total
+
+
+def save_model(
+    model: ir.Model,
+    path: str | os.PathLike,
+    *,
+    external_data: bool | None = None,
+    forbid: str | os.PathLike | None = None,
+) -> Path:
+    """Write ``model`` to ``path`` atomically.
+
+    Args:
+        model: the model to write.
+        path: destination ``.onnx`` file.
+        external_data: write initializers to ``<name>.data`` beside the model. ``None`` chooses it
+            when the initializers need more than 2 GB or the model already had external data.
+        forbid: a path that must not be written over (the input model).
+
+    Returns:
+        The destination path.
+    """
+    dest = Path(path)
+    if forbid is not None and dest.resolve() == Path(forbid).resolve():
+        raise UsageError(f"refusing to write over the input model {forbid}; choose another output path")
+    if external_data is None:
+        external_data = model_size_bytes(model) >= TWO_GB - 64 * 2**20 or any(
+            isinstance(v.const_value, ir.ExternalTensor) for v in _all_initializers(model)
+        )
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmpdir = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        tmp_model = tmpdir / dest.name
+        data_name = f"{dest.name}.data"
+        if external_data:
+            ir.save(model, tmp_model, external_data=data_name)
+            os.replace(tmpdir / data_name, dest.parent / data_name)
+        else:
+            ir.save(model, tmp_model)
+        os.replace(tmp_model, dest)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    return dest
+
+
+def to_format(model: ir.Model, like: object) -> object:
+    """Return ``model`` in the same form as ``like`` (the object the user passed in)."""
+    if isinstance(like, onnx.ModelProto) or isinstance(like, (bytes, bytearray)):
+        proto = ir.serde.serialize_model(model)
+        return proto.SerializeToString() if isinstance(like, (bytes, bytearray)) else proto
+    if type(like).__module__.startswith("onnx_graphsurgeon"):
+        import onnx_graphsurgeon as gs
+
+        return gs.import_onnx(ir.serde.serialize_model(model))
+    return model

@@ -1,0 +1,330 @@
+"""Passes, their results, and the manager that runs an explicit ordered list of them.
+
+A pass is a small class: a stable kebab-case ``name``, a docstring whose first line is shown by
+``mograph passes``, a ``family`` (``cleanup``, ``fusion``, ``shape``, ``quant``, ``prune``) that
+selects numeric tolerances, declared :class:`Option` s with defaults, and a :meth:`Pass.call` that
+rewrites an ``onnx_ir.Model`` in place and returns a :class:`PassResult`.
+
+``PassResult.modified`` must be true exactly when the graph changed.  ``PassManager(check_modified=
+True)`` enforces this (MLIR-style): it fingerprints the graph around each pass and fails a pass that
+reports "unchanged" but changed something.
+
+Cross-cutting work — timing, node counts, provenance stamping, dumping, numeric checks — happens
+here or in plugins implementing the ``mograph_run_pass`` wrapper hook, never inside passes.
+
+Options are shared by name across passes: ``--target`` means the same to every fusion pass.  The CLI
+turns every option declared by any registered pass into a ``--flag``; a pass reads only the ones it
+declares.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Iterable
+
+import onnx_ir as ir
+
+from mograph.errors import MographError, OptionError, PassFailedError
+
+__all__ = [
+    "Option",
+    "Pass",
+    "PassResult",
+    "PassReport",
+    "PipelineReport",
+    "PassManager",
+    "PROVENANCE_PASS",
+    "PROVENANCE_RULE",
+    "stamp",
+    "graph_fingerprint",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Metadata keys put on every node a pass creates.
+PROVENANCE_PASS = "mograph.pass"
+PROVENANCE_RULE = "mograph.rule"
+
+
+@dataclass(frozen=True)
+class Option:
+    """One documented option of a pass.
+
+    Attributes:
+        name: kebab-case; becomes ``--name`` on the command line and ``name`` (with ``_`` for
+            ``-``) as a Python keyword.
+        type: converts a command-line string to the value (``int``, ``float``, ``str`` or any
+            callable raising ``ValueError`` on bad input).
+        default: used when the user gives nothing.
+        help: one line shown in ``--help``.
+        multiple: the option may be repeated; the value is a list.
+        choices: allowed values, if limited.
+        metavar: placeholder shown in ``--help``.
+    """
+
+    name: str
+    type: Callable[[str], Any] = str
+    default: Any = None
+    help: str = ""
+    multiple: bool = False
+    choices: tuple[Any, ...] | None = None
+    metavar: str | None = None
+
+    @property
+    def key(self) -> str:
+        return self.name.replace("-", "_")
+
+    def convert(self, raw: Any, pass_name: str) -> Any:
+        if self.multiple:
+            items = raw if isinstance(raw, (list, tuple)) else [raw]
+            return [self._one(v, pass_name) for v in items]
+        return self._one(raw, pass_name)
+
+    def _one(self, raw: Any, pass_name: str) -> Any:
+        if isinstance(raw, str) and self.type is not str:
+            try:
+                value = self.type(raw)
+            except (ValueError, TypeError) as exc:
+                raise OptionError(f"{pass_name}: bad value for --{self.name}: {raw!r} ({exc})") from exc
+        else:
+            value = raw
+        if self.choices is not None and value not in self.choices:
+            allowed = ", ".join(map(str, self.choices))
+            raise OptionError(f"{pass_name}: --{self.name} must be one of {allowed}, not {value!r}")
+        return value
+
+
+@dataclass
+class PassResult:
+    """What a pass did.
+
+    Attributes:
+        modified: true exactly when the model changed.
+        stats: counts per rule or action (``{"LayerNormFusion": 12}``); numbers only.
+        details: free-form, JSON-serialisable explanations (near misses and their reasons, plans).
+    """
+
+    modified: bool
+    stats: dict[str, int | float] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PassReport:
+    """One pass run as the manager saw it."""
+
+    name: str
+    modified: bool
+    stats: dict[str, int | float]
+    seconds: float
+    nodes_before: int
+    nodes_after: int
+    details: dict[str, Any] = field(default_factory=dict)
+    check: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "name": self.name,
+            "modified": self.modified,
+            "stats": self.stats,
+            "seconds": round(self.seconds, 6),
+            "nodes_before": self.nodes_before,
+            "nodes_after": self.nodes_after,
+        }
+        if self.details:
+            out["details"] = self.details
+        if self.check is not None:
+            out["check"] = self.check
+        return out
+
+
+@dataclass
+class PipelineReport:
+    """Everything a pipeline run produced, ready for ``--report report.json``."""
+
+    passes: list[PassReport] = field(default_factory=list)
+    verification: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def modified(self) -> bool:
+        return any(p.modified for p in self.passes)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"passes": [p.to_dict() for p in self.passes], "modified": self.modified}
+        if self.verification is not None:
+            out["verification"] = self.verification
+        out.update(self.extra)
+        return out
+
+
+class Pass:
+    """Base class of every pass. Subclasses set ``name``, ``family``, ``options`` and ``call``."""
+
+    name: ClassVar[str] = ""
+    family: ClassVar[str] = "cleanup"
+    options: ClassVar[tuple[Option, ...]] = ()
+
+    def __init__(self, **values: Any) -> None:
+        self.config: dict[str, Any] = {}
+        known = {o.key: o for o in self.options}
+        for key in values:
+            if key not in known:
+                names = ", ".join(sorted(known)) or "none"
+                raise OptionError(f"{self.name}: unknown option {key!r} (known: {names})")
+        for key, opt in known.items():
+            raw = values.get(key, opt.default)
+            self.config[key] = opt.convert(raw, self.name) if raw is not None else (
+                [] if opt.multiple else None
+            )
+
+    @classmethod
+    def summary(cls) -> str:
+        """First line of the docstring."""
+        doc = (cls.__doc__ or "").strip()
+        return doc.splitlines()[0] if doc else ""
+
+    def call(self, model: ir.Model) -> PassResult:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config})"
+
+
+def stamp(node: ir.Node, pass_name: str, rule: str | None = None) -> None:
+    """Record which pass (and rule) created ``node`` in its metadata properties."""
+    node.metadata_props.setdefault(PROVENANCE_PASS, pass_name)
+    if rule is not None:
+        node.metadata_props.setdefault(PROVENANCE_RULE, rule)
+
+
+def _iter_nodes(graph: ir.Graph) -> Iterable[ir.Node]:
+    return ir.traversal.RecursiveGraphIterator(graph)
+
+
+def count_nodes(model: ir.Model) -> int:
+    return sum(1 for _ in _iter_nodes(model.graph))
+
+
+def graph_fingerprint(model: ir.Model) -> str:
+    """A hash of the graph's structure: nodes, attributes, edges, inputs, outputs, initializers.
+
+    Tensor contents are represented by identity and shape, not read (external data stays lazy);
+    replacing an initializer's tensor object counts as a change.
+    """
+    h = hashlib.sha256()
+
+    def upd(*parts: object) -> None:
+        h.update(repr(parts).encode())
+
+    def vname(v: ir.Value | None) -> str:
+        return "" if v is None else f"{v.name}:{v.dtype}:{v.shape}"
+
+    def walk(graph: ir.Graph) -> None:
+        upd("in", [vname(v) for v in graph.inputs])
+        upd("out", [vname(v) for v in graph.outputs])
+        for name, v in graph.initializers.items():
+            t = v.const_value
+            upd("init", name, None if t is None else (id(t), t.dtype, tuple(t.shape)))
+        for node in graph:
+            attrs = []
+            for k, a in node.attributes.items():
+                if isinstance(a.value, ir.Graph):
+                    walk(a.value)
+                    attrs.append((k, "graph"))
+                elif isinstance(a.value, ir.TensorProtocol):
+                    attrs.append((k, id(a.value)))
+                else:
+                    attrs.append((k, repr(a.value)))
+            upd(
+                node.domain,
+                node.op_type,
+                node.overload,
+                [vname(i) for i in node.inputs],
+                [vname(o) for o in node.outputs],
+                attrs,
+            )
+
+    walk(model.graph)
+    upd("opsets", sorted(model.opset_imports.items()))
+    upd("functions", sorted(str(k) for k in model.functions))
+    return h.hexdigest()
+
+
+class PassManager:
+    """Runs passes in the given order through the plugin manager's ``mograph_run_pass`` hook.
+
+    Args:
+        passes: pass instances, in the order to run them.
+        hook: the plugin manager's hook relay (``pm.hook``); ``None`` runs passes directly with no
+            wrappers (used in unit tests of single passes).
+        check_modified: fail a pass whose result says "unchanged" while the graph changed.
+        context: shared data given to wrapper hooks (``verify``, feeds, reference outputs ...).
+    """
+
+    def __init__(
+        self,
+        passes: list[Pass],
+        *,
+        hook: Any | None = None,
+        check_modified: bool = False,
+        context: dict[str, Any] | None = None,
+    ) -> None:
+        self.passes = passes
+        self.hook = hook
+        self.check_modified = check_modified
+        self.context = context if context is not None else {}
+
+    def _run_one(self, p: Pass, model: ir.Model) -> PassResult:
+        if self.hook is None:
+            return p.call(model)
+        return self.hook.mograph_run_pass(pass_=p, model=model, context=self.context)
+
+    def run(self, model: ir.Model, report: PipelineReport | None = None) -> PipelineReport:
+        report = report if report is not None else PipelineReport()
+        for p in self.passes:
+            # Keep the old nodes alive while comparing so their ids cannot be reused by new ones.
+            before_nodes = list(_iter_nodes(model.graph))
+            before_ids = {id(n) for n in before_nodes}
+            nodes_before = len(before_ids)
+            fp_before = graph_fingerprint(model) if self.check_modified else None
+            logger.info("running pass %s", p.name)
+            start = time.perf_counter()
+            try:
+                result = self._run_one(p, model)
+            except MographError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - turn any pass crash into an error naming it
+                raise PassFailedError(p.name, f"{type(exc).__name__}: {exc}") from exc
+            seconds = time.perf_counter() - start
+            if not isinstance(result, PassResult):
+                raise PassFailedError(p.name, f"returned {type(result).__name__}, not a PassResult")
+            new_nodes = [n for n in _iter_nodes(model.graph) if id(n) not in before_ids]
+            for node in new_nodes:
+                stamp(node, p.name)
+            del before_nodes
+            if fp_before is not None and not result.modified and graph_fingerprint(model) != fp_before:
+                raise PassFailedError(p.name, "reported modified=False but changed the graph")
+            if new_nodes and not result.modified:
+                raise PassFailedError(p.name, "reported modified=False but created nodes")
+            entry = PassReport(
+                name=p.name,
+                modified=result.modified,
+                stats=dict(result.stats),
+                seconds=seconds,
+                nodes_before=nodes_before,
+                nodes_after=count_nodes(model),
+                details=dict(result.details),
+            )
+            check = self.context.pop("last_check", None)
+            if check is not None:
+                entry.check = check
+            report.passes.append(entry)
+            logger.info(
+                "pass %s: modified=%s nodes %d -> %d in %.3fs %s",
+                p.name, result.modified, entry.nodes_before, entry.nodes_after, seconds, result.stats,
+            )
+        return report

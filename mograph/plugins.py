@@ -1,0 +1,244 @@
+"""The plugin manager and the registry it fills.
+
+Plugins come from two places:
+
+* **built-ins** — the modules in :data:`BUILTIN_PLUGINS`, registered first under their own names,
+  through the very same hooks as third-party code;
+* **entry points** in the ``mograph`` group of installed distributions, loaded unless
+  ``MOGRAPH_DISABLE_PLUGIN_AUTOLOAD`` is set to a non-empty value other than ``0``.  A plugin
+  named in ``MOGRAPH_BLOCK_PLUGINS`` (comma-separated) or passed to :func:`get_registry` as
+  ``blocked`` is skipped.
+
+A plugin that fails to import or whose hook raises becomes a :class:`~mograph.errors.PluginError`
+that names it.  The :class:`Registry` holds what the hooks returned: passes (with the plugin each came
+from), presets, custom ops and backends, and expands ``--passes`` lists into ordered pass names.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, Iterable
+
+import pluggy
+
+from mograph import hookspecs
+from mograph.custom_ops import CustomOp
+from mograph.errors import PluginError, UnknownPassError
+from mograph.pass_infra import Pass, PassResult
+
+__all__ = [
+    "BUILTIN_PLUGINS",
+    "ENTRY_POINT_GROUP",
+    "Registry",
+    "get_plugin_manager",
+    "get_registry",
+    "reset",
+]
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "mograph"
+AUTOLOAD_ENV = "MOGRAPH_DISABLE_PLUGIN_AUTOLOAD"
+BLOCK_ENV = "MOGRAPH_BLOCK_PLUGINS"
+
+#: Built-in plugin modules, registered under these names. Order does not define pass order.
+BUILTIN_PLUGINS: tuple[str, ...] = (
+    "mograph.passes.cleanup",
+    "mograph.passes.fusion",
+    "mograph.passes.shape",
+    "mograph.passes.quant",
+    "mograph.passes.prune",
+    "mograph.backends",
+)
+
+
+class _CorePlugin:
+    """The innermost ``mograph_run_pass``: actually run the pass."""
+
+    @hookspecs.hookimpl(trylast=True)
+    def mograph_run_pass(self, pass_: Pass, model: Any, context: dict[str, Any]) -> PassResult:
+        return pass_.call(model)
+
+
+def _autoload_disabled() -> bool:
+    val = os.environ.get(AUTOLOAD_ENV, "")
+    return val not in ("", "0", "false", "False", "no")
+
+
+def _blocked_from_env() -> set[str]:
+    return {n.strip() for n in os.environ.get(BLOCK_ENV, "").split(",") if n.strip()}
+
+
+def get_plugin_manager(blocked: Iterable[str] = (), autoload: bool | None = None) -> pluggy.PluginManager:
+    """Build a plugin manager with the built-ins and (unless disabled) the entry-point plugins."""
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    blocked_set = set(blocked) | _blocked_from_env()
+    for name in blocked_set:
+        pm.set_blocked(name)
+    pm.register(_CorePlugin(), name="mograph.core")
+    for modname in BUILTIN_PLUGINS:
+        if modname in blocked_set:
+            continue
+        try:
+            module = importlib.import_module(modname)
+        except ModuleNotFoundError as exc:
+            if exc.name == modname:  # family not built yet
+                continue
+            raise PluginError(f"built-in plugin '{modname}' failed to import: {exc}") from exc
+        pm.register(module, name=modname)
+    if autoload is None:
+        autoload = not _autoload_disabled()
+    if autoload:
+        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name in blocked_set or pm.is_blocked(ep.name):
+                logger.info("plugin %s blocked", ep.name)
+                continue
+            if pm.get_plugin(ep.name) is not None:
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as exc:  # noqa: BLE001 - any import failure is the plugin's
+                raise PluginError(
+                    f"plugin '{ep.name}' ({ep.value}) failed to load: {type(exc).__name__}: {exc}"
+                ) from exc
+            try:
+                pm.register(plugin, name=ep.name)
+            except Exception as exc:  # noqa: BLE001 - pluggy validation errors
+                raise PluginError(f"plugin '{ep.name}' is not a valid mograph plugin: {exc}") from exc
+            dist = getattr(ep, "dist", None)
+            logger.info("loaded plugin %s from %s", ep.name, dist.name if dist else ep.value)
+    return pm
+
+
+def _call_collecting(pm: pluggy.PluginManager, hook_name: str) -> list[tuple[str, Any]]:
+    """Call a collecting hook plugin by plugin, so a failure names the plugin responsible."""
+    out: list[tuple[str, Any]] = []
+    hook = getattr(pm.hook, hook_name)
+    for impl in hook.get_hookimpls():
+        name = pm.get_name(impl.plugin) or repr(impl.plugin)
+        try:
+            value = impl.function()
+        except Exception as exc:  # noqa: BLE001
+            raise PluginError(f"plugin '{name}' failed in {hook_name}: {type(exc).__name__}: {exc}") from exc
+        if value is not None:
+            out.append((name, value))
+    return out
+
+
+@dataclass
+class Registry:
+    """What every plugin contributed."""
+
+    pm: pluggy.PluginManager
+    passes: dict[str, type[Pass]] = field(default_factory=dict)
+    pass_source: dict[str, str] = field(default_factory=dict)
+    presets: dict[str, list[str]] = field(default_factory=dict)
+    preset_source: dict[str, str] = field(default_factory=dict)
+    custom_ops: dict[tuple[str, str], CustomOp] = field(default_factory=dict)
+    backends: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, pm: pluggy.PluginManager) -> Registry:
+        reg = cls(pm=pm)
+        for plugin, classes in _call_collecting(pm, "mograph_add_passes"):
+            for pcls in classes:
+                if not (isinstance(pcls, type) and issubclass(pcls, Pass)):
+                    raise PluginError(f"plugin '{plugin}' returned {pcls!r} from mograph_add_passes: not a Pass subclass")
+                name = pcls.name
+                if not name or name != name.lower() or " " in name or "_" in name:
+                    raise PluginError(f"plugin '{plugin}': pass {pcls.__name__} needs a kebab-case name, got {name!r}")
+                if name in reg.passes:
+                    raise PluginError(
+                        f"pass name '{name}' is provided by both '{reg.pass_source[name]}' and '{plugin}'"
+                    )
+                reg.passes[name] = pcls
+                reg.pass_source[name] = plugin
+        for plugin, presets in _call_collecting(pm, "mograph_add_presets"):
+            for name, items in presets.items():
+                if name in reg.passes:
+                    raise PluginError(f"plugin '{plugin}': preset '{name}' has the name of a pass")
+                if name in reg.presets:
+                    raise PluginError(
+                        f"preset '{name}' is provided by both '{reg.preset_source[name]}' and '{plugin}'"
+                    )
+                reg.presets[name] = list(items)
+                reg.preset_source[name] = plugin
+        for plugin, ops in _call_collecting(pm, "mograph_add_custom_ops"):
+            for op in ops:
+                if op.key in reg.custom_ops:
+                    raise PluginError(f"plugin '{plugin}': custom op {op.domain}::{op.name} is declared twice")
+                reg.custom_ops[op.key] = op
+        for plugin, backends in _call_collecting(pm, "mograph_add_backends"):
+            for backend in backends:
+                if backend.name in reg.backends:
+                    raise PluginError(f"plugin '{plugin}': backend '{backend.name}' is declared twice")
+                reg.backends[backend.name] = backend
+        return reg
+
+    def expand(self, names: Iterable[str] | str) -> list[str]:
+        """Expand a pass list (``"fuse,cleanup"`` or a list) into an ordered list of pass names."""
+        if isinstance(names, str):
+            names = [n for n in (s.strip() for s in names.split(",")) if n]
+        out: list[str] = []
+
+        def visit(name: str, stack: tuple[str, ...]) -> None:
+            if name in self.passes:
+                out.append(name)
+            elif name in self.presets:
+                if name in stack:
+                    raise PluginError(f"preset cycle: {' -> '.join(stack + (name,))}")
+                for child in self.presets[name]:
+                    visit(child, stack + (name,))
+            else:
+                known = sorted(self.passes) + sorted(self.presets)
+                close = [k for k in known if name in k or k in name][:3]
+                hint = f" (did you mean {', '.join(close)}?)" if close else ""
+                raise UnknownPassError(f"unknown pass or preset '{name}'{hint}; `mograph passes` lists them")
+
+        for n in names:
+            visit(n, ())
+        if not out:
+            raise UnknownPassError("no passes given")
+        return out
+
+    def instantiate(self, names: list[str], options: dict[str, Any] | None = None) -> list[Pass]:
+        """Create pass instances, giving each only the options it declares."""
+        options = options or {}
+        passes = []
+        for name in names:
+            pcls = self.passes[name]
+            mine = {o.key: options[o.key] for o in pcls.options if options.get(o.key) is not None}
+            passes.append(pcls(**mine))
+        return passes
+
+    def all_options(self) -> dict[str, tuple[Any, list[str]]]:
+        """Every declared option: key -> (Option, [pass names declaring it])."""
+        out: dict[str, tuple[Any, list[str]]] = {}
+        for name in sorted(self.passes):
+            for opt in self.passes[name].options:
+                if opt.key in out:
+                    out[opt.key][1].append(name)
+                else:
+                    out[opt.key] = (opt, [name])
+        return out
+
+
+_cache: dict[tuple[frozenset[str], bool | None], Registry] = {}
+
+
+def get_registry(blocked: Iterable[str] = (), autoload: bool | None = None) -> Registry:
+    """The registry for the current environment (cached per blocked set and autoload setting)."""
+    key = (frozenset(blocked) | frozenset(_blocked_from_env()), autoload if autoload is not None else not _autoload_disabled())
+    if key not in _cache:
+        _cache[key] = Registry.build(get_plugin_manager(blocked, autoload))
+    return _cache[key]
+
+
+def reset() -> None:
+    """Forget cached registries (after installing a plugin, or in tests)."""
+    _cache.clear()
