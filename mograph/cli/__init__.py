@@ -58,6 +58,22 @@ def _load_command(name: str) -> Any:
         raise
 
 
+def prescan_blocked(argv: Sequence[str]) -> list[str]:
+    """Plugin names given with ``--block-plugin`` anywhere in ``argv`` (needed before parsing, since
+    the pass options a parser offers depend on which plugins load)."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--block-plugin" and i + 1 < len(argv):
+            out.append(argv[i + 1])
+        elif arg.startswith("--block-plugin="):
+            out.append(arg.split("=", 1)[1])
+    return out
+
+
+#: Plugins blocked on this command line, known before the parser is built.
+BLOCKED: list[str] = []
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="mograph",
@@ -95,6 +111,8 @@ def _emit(result: CommandResult, as_json: bool) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mograph`` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    BLOCKED[:] = prescan_blocked(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):

@@ -59,9 +59,10 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--external-data", action="store_true", help="save initializers to OUT.data beside the model")
     group = p.add_argument_group("pass options (each pass reads the ones it declares)")
     try:
+        from mograph.cli import BLOCKED
         from mograph.plugins import get_registry
 
-        declared = get_registry().all_options()
+        declared = get_registry(BLOCKED).all_options()
     except MographError as exc:  # a broken plugin must not break --help; the error shows on run
         p.set_defaults(_registry_error=exc)
         declared = {}

@@ -1,0 +1,112 @@
+// common.cuh - building blocks shared by mograph's kernels: dtype conversions, 16-byte packs,
+// warp/row reductions and the argument checks every C entry point makes.
+//
+// Why packs: the kernels are bound by memory bandwidth, and a 16-byte access per thread (LDG.E.128 /
+// STG.E.128) moves the most bytes per instruction. A Pack<T, N> is N elements of T that travel as one
+// access when N * sizeof(T) is 16 (or 8, 4, 2); N = 1 is the scalar fallback for sizes or pointers that
+// are not aligned.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "mograph_kernels.h"
+
+namespace mograph {
+
+// ---- dtype conversions: fp32 is the compute type of every op --------------------------------------------
+template <typename T>
+__device__ __forceinline__ float to_f32(T v);
+template <>
+__device__ __forceinline__ float to_f32<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
+template <>
+__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_f32(float v);
+template <>
+__device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// Elements of T in one 16-byte access.
+template <typename T>
+constexpr int kVec16 = static_cast<int>(16 / sizeof(T));
+
+// ---- packs -----------------------------------------------------------------------------------------------
+template <int BYTES>
+struct RawOf;
+template <>
+struct RawOf<16> { using type = uint4; };
+template <>
+struct RawOf<8> { using type = uint2; };
+template <>
+struct RawOf<4> { using type = unsigned int; };
+template <>
+struct RawOf<2> { using type = unsigned short; };
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+    T v[N];
+};
+
+// One access of N elements starting at p (p must be aligned to sizeof(T) * N). Read-only data path.
+template <typename T, int N>
+__device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
+    using Raw = typename RawOf<sizeof(T) * N>::type;
+    Pack<T, N> out;
+    *reinterpret_cast<Raw*>(&out) = __ldg(reinterpret_cast<const Raw*>(p));
+    return out;
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& v) {
+    using Raw = typename RawOf<sizeof(T) * N>::type;
+    *reinterpret_cast<Raw*>(p) = *reinterpret_cast<const Raw*>(&v);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ Pack<T, N> zero_pack() {
+    Pack<T, N> out;
+#pragma unroll
+    for (int j = 0; j < N; ++j) out.v[j] = from_f32<T>(0.f);
+    return out;
+}
+
+// ---- reductions -------------------------------------------------------------------------------------------
+// Butterfly sum over the 32 lanes of a warp; every lane gets the same (bit-identical) total.
+__device__ __forceinline__ float warp_allreduce_sum(float v) {
+#pragma unroll
+    for (int mask = 16; mask > 0; mask >>= 1) v += __shfl_xor_sync(0xffffffffu, v, mask);
+    return v;
+}
+
+// ---- host-side helpers -------------------------------------------------------------------------------------
+inline bool aligned16(const void* p) { return p == nullptr || (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Turns the result of a launch into a status code. cudaGetLastError also clears a launch error, so the
+// next call does not report it again.
+inline int launch_status() {
+    const cudaError_t err = cudaGetLastError();
+    return err == cudaSuccess ? MOGRAPH_OK : MOGRAPH_ERR_CUDA_BASE + static_cast<int>(err);
+}
+
+// Grid size for `work` items with `per_block` items per block, capped at the largest x dimension; the
+// kernels loop when the cap bites.
+inline unsigned int grid_for(int64_t work, int64_t per_block) {
+    int64_t blocks = (work + per_block - 1) / per_block;
+    const int64_t cap = 0x7fffffff;
+    if (blocks > cap) blocks = cap;
+    if (blocks < 1) blocks = 1;
+    return static_cast<unsigned int>(blocks);
+}
+
+}  // namespace mograph

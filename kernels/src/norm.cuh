@@ -1,0 +1,361 @@
+// norm.cuh - row-wise normalization kernels: LayerNorm, RMSNorm and SkipLayerNorm.
+//
+// Each op is one pass over HBM: a row is read once, its statistics are reduced in fp32, and the output
+// is written once. Two kernels share the work:
+//
+// * norm_register_kernel (the fast path): taken when hidden is a multiple of the 16-byte vector width and
+//   every pointer is 16-byte aligned. A group of TPR threads owns a row; each thread keeps VPT packs of
+//   16 bytes of it in registers, so the row is loaded with LDG.128 and never re-read. Small rows use a
+//   group of 4..32 lanes inside a warp (several rows per block, reduced with shuffles), large rows a group
+//   of 2..32 warps (one row per block, reduced through shared memory). The mean is reduced first and the
+//   variance second, from the registers, which is exact where E[x^2] - E[x]^2 would cancel.
+// * norm_generic_kernel (any hidden, any alignment): scalar accesses, the row cached in shared memory as
+//   fp32 when it fits (still one pass over HBM), otherwise re-read from global memory (L2) per phase.
+//
+// SkipLayerNorm rounds s = x + skip (+ bias) to the storage dtype before normalizing, so the fused op
+// computes what the unfused Add -> LayerNorm graph computes, and its optional second output is exactly
+// the tensor that was normalized.
+#pragma once
+
+#include "common.cuh"
+
+namespace mograph {
+
+enum class NormKind : int { kLayerNorm = 0, kRmsNorm = 1, kSkipLayerNorm = 2 };
+
+template <typename T>
+struct NormArgs {
+    const T* x;
+    const T* skip;   // SkipLayerNorm only
+    const T* bias;   // SkipLayerNorm only, may be null
+    const T* gamma;
+    const T* beta;   // may be null; unused by RMSNorm
+    T* y;
+    T* sum_out;      // SkipLayerNorm only, may be null
+    int64_t rows;
+    int hidden;
+    float eps;
+    float inv_hidden;
+};
+
+// Sum over a group of TPR threads (TPR a power of two up to 32: lanes of one warp, aligned groups).
+template <int TPR>
+__device__ __forceinline__ float group_allreduce_sum(float v) {
+#pragma unroll
+    for (int mask = TPR / 2; mask > 0; mask >>= 1) v += __shfl_xor_sync(0xffffffffu, v, mask);
+    return v;
+}
+
+// Sum over the TPR threads that own one row. For TPR > 32 the warps' partial sums meet in shared memory;
+// two buffers are used alternately so that one barrier per reduction is enough (a buffer is written again
+// only after every thread has passed the barrier of the reduction in between).
+template <int TPR, int RPB>
+struct RowReducer {
+    float* buf;  // [2][RPB * max(TPR / 32, 1)]
+    int parity;
+
+    __device__ __forceinline__ float sum(float v, int row_in_block, int t) {
+        if constexpr (TPR <= 32) {
+            return group_allreduce_sum<TPR>(v);
+        } else {
+            constexpr int kWarps = TPR / 32;
+            v = warp_allreduce_sum(v);
+            float* b = buf + parity * (RPB * kWarps) + row_in_block * kWarps;
+            parity ^= 1;
+            if ((threadIdx.x & 31) == 0) b[t / 32] = v;
+            __syncthreads();
+            v = 0.f;
+#pragma unroll
+            for (int i = 0; i < kWarps; ++i) v += b[i];  // same order in every thread: identical results
+            return v;
+        }
+    }
+};
+
+// Fast path. Block = TPR * RPB threads; thread t of a row group holds packs t, t + TPR, ... of the row.
+// All threads of a block run the same number of loop iterations (rows past the end just skip their
+// loads and stores) so that the barriers inside RowReducer are reached by everyone.
+template <typename T, NormKind KIND, int VEC, int VPT, int TPR, int RPB>
+__global__ void __launch_bounds__(TPR * RPB) norm_register_kernel(const NormArgs<T> a) {
+    constexpr int kWarpsPerRow = TPR > 32 ? TPR / 32 : 1;
+    __shared__ float red[2 * RPB * kWarpsPerRow];
+    RowReducer<TPR, RPB> reducer{red, 0};
+
+    const int row_in_block = static_cast<int>(threadIdx.x) / TPR;
+    const int t = static_cast<int>(threadIdx.x) % TPR;
+    const int nvec = a.hidden / VEC;
+
+    for (int64_t base = static_cast<int64_t>(blockIdx.x) * RPB; base < a.rows;
+         base += static_cast<int64_t>(gridDim.x) * RPB) {
+        const int64_t row = base + row_in_block;
+        const bool row_ok = row < a.rows;
+        const int64_t off = row * a.hidden;
+
+        Pack<T, VEC> v[VPT];
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {
+            const int c = t + k * TPR;
+            v[k] = (row_ok && c < nvec) ? load_pack<T, VEC>(a.x + off + static_cast<int64_t>(c) * VEC)
+                                        : zero_pack<T, VEC>();
+        }
+        if constexpr (KIND == NormKind::kSkipLayerNorm) {
+            Pack<T, VEC> s[VPT];
+#pragma unroll
+            for (int k = 0; k < VPT; ++k) {
+                const int c = t + k * TPR;
+                s[k] = (row_ok && c < nvec) ? load_pack<T, VEC>(a.skip + off + static_cast<int64_t>(c) * VEC)
+                                            : zero_pack<T, VEC>();
+            }
+#pragma unroll
+            for (int k = 0; k < VPT; ++k) {
+                const int c = t + k * TPR;
+                if (row_ok && c < nvec) {
+                    const Pack<T, VEC> b =
+                        a.bias != nullptr ? load_pack<T, VEC>(a.bias + c * VEC) : zero_pack<T, VEC>();
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) {
+                        v[k].v[j] = from_f32<T>(to_f32(v[k].v[j]) + to_f32(s[k].v[j]) + to_f32(b.v[j]));
+                    }
+                    if (a.sum_out != nullptr) store_pack<T, VEC>(a.sum_out + off + static_cast<int64_t>(c) * VEC, v[k]);
+                }
+            }
+        }
+
+        float mean = 0.f;
+        if constexpr (KIND != NormKind::kRmsNorm) {
+            float sum = 0.f;
+#pragma unroll
+            for (int k = 0; k < VPT; ++k) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) sum += to_f32(v[k].v[j]);
+            }
+            mean = reducer.sum(sum, row_in_block, t) * a.inv_hidden;
+        }
+        float sq = 0.f;
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {
+            if (t + k * TPR < nvec) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const float d = to_f32(v[k].v[j]) - mean;
+                    sq = fmaf(d, d, sq);
+                }
+            }
+        }
+        const float rstd = rsqrtf(reducer.sum(sq, row_in_block, t) * a.inv_hidden + a.eps);
+
+        const bool has_beta = KIND != NormKind::kRmsNorm && a.beta != nullptr;
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {
+            const int c = t + k * TPR;
+            if (row_ok && c < nvec) {
+                const Pack<T, VEC> g = load_pack<T, VEC>(a.gamma + c * VEC);
+                const Pack<T, VEC> b = has_beta ? load_pack<T, VEC>(a.beta + c * VEC) : zero_pack<T, VEC>();
+                Pack<T, VEC> o;
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const float n = (to_f32(v[k].v[j]) - mean) * rstd;
+                    o.v[j] = from_f32<T>(fmaf(n, to_f32(g.v[j]), to_f32(b.v[j])));
+                }
+                store_pack<T, VEC>(a.y + off + static_cast<int64_t>(c) * VEC, o);
+            }
+        }
+    }
+}
+
+// Generic path: one warp per row (row_threads == 32, several rows per block) or one block per row
+// (row_threads == blockDim.x, a multiple of 32). With CACHE the row's fp32 values are kept in dynamic
+// shared memory ([rows per block][hidden]) so HBM is read once; without it each phase re-reads the row.
+template <typename T, NormKind KIND, bool CACHE>
+__global__ void __launch_bounds__(1024) norm_generic_kernel(const NormArgs<T> a, int row_threads) {
+    extern __shared__ float row_cache[];
+    __shared__ float red[2 * 32];
+
+    const int rows_per_block = static_cast<int>(blockDim.x) / row_threads;
+    const int row_in_block = static_cast<int>(threadIdx.x) / row_threads;
+    const int t = static_cast<int>(threadIdx.x) % row_threads;
+    const int warps_per_row = row_threads / 32;
+    float* cache = row_cache + (CACHE ? static_cast<int64_t>(row_in_block) * a.hidden : 0);
+    int parity = 0;
+
+    auto row_sum = [&](float v) {
+        v = warp_allreduce_sum(v);
+        if (warps_per_row > 1) {  // only with one row per block
+            float* b = red + parity * 32;
+            parity ^= 1;
+            if ((threadIdx.x & 31) == 0) b[t / 32] = v;
+            __syncthreads();
+            v = 0.f;
+            for (int i = 0; i < warps_per_row; ++i) v += b[i];
+        }
+        return v;
+    };
+    // Value of column c that gets normalized, as fp32: x, or x + skip (+ bias) rounded to T.
+    auto element = [&](int64_t off, int c) {
+        float v = to_f32(a.x[off + c]);
+        if constexpr (KIND == NormKind::kSkipLayerNorm) {
+            const float b = a.bias != nullptr ? to_f32(a.bias[c]) : 0.f;
+            v = to_f32(from_f32<T>(v + to_f32(a.skip[off + c]) + b));
+        }
+        return v;
+    };
+
+    for (int64_t base = static_cast<int64_t>(blockIdx.x) * rows_per_block; base < a.rows;
+         base += static_cast<int64_t>(gridDim.x) * rows_per_block) {
+        const int64_t row = base + row_in_block;
+        const bool row_ok = row < a.rows;
+        const int64_t off = row * a.hidden;
+
+        // Phase 1: sum (LayerNorm) or sum of squares (RMSNorm); fill the cache and the optional sum output.
+        float acc = 0.f;
+        if (row_ok) {
+            for (int c = t; c < a.hidden; c += row_threads) {
+                const float v = element(off, c);
+                if constexpr (KIND == NormKind::kSkipLayerNorm) {
+                    if (a.sum_out != nullptr) a.sum_out[off + c] = from_f32<T>(v);
+                }
+                if constexpr (CACHE) cache[c] = v;
+                acc = KIND == NormKind::kRmsNorm ? fmaf(v, v, acc) : acc + v;
+            }
+        }
+        float mean = 0.f;
+        float sq = acc;
+        if constexpr (KIND != NormKind::kRmsNorm) {
+            mean = row_sum(acc) * a.inv_hidden;
+            // Phase 2: squared deviations from the mean.
+            sq = 0.f;
+            if (row_ok) {
+                for (int c = t; c < a.hidden; c += row_threads) {
+                    const float d = (CACHE ? cache[c] : element(off, c)) - mean;
+                    sq = fmaf(d, d, sq);
+                }
+            }
+        }
+        const float rstd = rsqrtf(row_sum(sq) * a.inv_hidden + a.eps);
+
+        // Phase 3: normalize, scale, shift.
+        if (row_ok) {
+            const bool has_beta = KIND != NormKind::kRmsNorm && a.beta != nullptr;
+            for (int c = t; c < a.hidden; c += row_threads) {
+                const float n = ((CACHE ? cache[c] : element(off, c)) - mean) * rstd;
+                const float b = has_beta ? to_f32(a.beta[c]) : 0.f;
+                a.y[off + c] = from_f32<T>(fmaf(n, to_f32(a.gamma[c]), b));
+            }
+        }
+    }
+}
+
+template <typename T, NormKind KIND, int VPT, int TPR>
+int launch_register(const NormArgs<T>& a, cudaStream_t stream) {
+    constexpr int kVec = kVec16<T>;
+    constexpr int kRpb = TPR >= 128 ? 1 : 128 / TPR;  // blocks of 128 threads for the small-row groups
+    norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb><<<grid_for(a.rows, kRpb), TPR * kRpb, 0, stream>>>(a);
+    return launch_status();
+}
+
+// Largest hidden (in elements) the generic path keeps in shared memory with one row per block.
+constexpr int kGenericCacheLimit = 48 * 1024 / static_cast<int>(sizeof(float));
+
+template <typename T, NormKind KIND>
+int launch_generic(const NormArgs<T>& a, cudaStream_t stream) {
+    if (a.hidden <= 1024) {  // one warp per row, four rows per block, row cached
+        const size_t smem = 4 * sizeof(float) * static_cast<size_t>(a.hidden);
+        norm_generic_kernel<T, KIND, true><<<grid_for(a.rows, 4), 128, smem, stream>>>(a, 32);
+        return launch_status();
+    }
+    int threads = ((a.hidden + 7) / 8 + 31) / 32 * 32;  // about 8 elements per thread
+    threads = threads < 128 ? 128 : (threads > 1024 ? 1024 : threads);
+    if (a.hidden <= kGenericCacheLimit) {
+        const size_t smem = sizeof(float) * static_cast<size_t>(a.hidden);
+        norm_generic_kernel<T, KIND, true><<<grid_for(a.rows, 1), threads, smem, stream>>>(a, threads);
+    } else {
+        norm_generic_kernel<T, KIND, false><<<grid_for(a.rows, 1), threads, 0, stream>>>(a, threads);
+    }
+    return launch_status();
+}
+
+// Picks the kernel for a validated argument set. The register path's configurations are chosen so that
+// each thread moves up to 8 x 16 bytes per row: enough loads in flight to cover HBM latency without
+// spilling registers, and few idle threads for the hidden sizes models use.
+template <typename T, NormKind KIND>
+int launch_norm(const NormArgs<T>& a, cudaStream_t stream) {
+    constexpr int kVec = kVec16<T>;
+    const bool vector_ok = a.hidden % kVec == 0 && aligned16(a.x) && aligned16(a.skip) && aligned16(a.bias) &&
+                           aligned16(a.gamma) && aligned16(a.beta) && aligned16(a.y) && aligned16(a.sum_out);
+    if (vector_ok) {
+        const int nvec = a.hidden / kVec;
+        if (nvec <= 4) return launch_register<T, KIND, 1, 4>(a, stream);
+        if (nvec <= 8) return launch_register<T, KIND, 1, 8>(a, stream);
+        if (nvec <= 16) return launch_register<T, KIND, 1, 16>(a, stream);
+        if (nvec <= 32) return launch_register<T, KIND, 1, 32>(a, stream);
+        if (nvec <= 64) return launch_register<T, KIND, 2, 32>(a, stream);
+        if (nvec <= 96) return launch_register<T, KIND, 3, 32>(a, stream);
+        if (nvec <= 128) return launch_register<T, KIND, 4, 32>(a, stream);
+        if (nvec <= 192) return launch_register<T, KIND, 6, 32>(a, stream);
+        if (nvec <= 256) return launch_register<T, KIND, 8, 32>(a, stream);
+        if (nvec <= 512) return launch_register<T, KIND, 8, 64>(a, stream);
+        if (nvec <= 1024) return launch_register<T, KIND, 8, 128>(a, stream);
+        if (nvec <= 2048) return launch_register<T, KIND, 8, 256>(a, stream);
+        if (nvec <= 4096) return launch_register<T, KIND, 8, 512>(a, stream);
+        if (nvec <= 8192) return launch_register<T, KIND, 8, 1024>(a, stream);
+    }
+    return launch_generic<T, KIND>(a, stream);
+}
+
+// Argument checks shared by the C entry points; returns MOGRAPH_OK or an error status.
+inline int check_norm_args(const void* x, const void* gamma, const void* y, int64_t rows, int64_t hidden,
+                           uint32_t flags) {
+    if (flags != 0 || rows < 0 || hidden < 0) return MOGRAPH_ERR_INVALID_ARGUMENT;
+    if (rows == 0) return MOGRAPH_OK;
+    if (hidden < 1 || x == nullptr || gamma == nullptr || y == nullptr) return MOGRAPH_ERR_INVALID_ARGUMENT;
+    if (hidden > 0x7fffffff) return MOGRAPH_ERR_UNSUPPORTED;
+    return MOGRAPH_OK;
+}
+
+template <typename T>
+NormArgs<T> make_norm_args(const void* x, const void* skip, const void* bias, const void* gamma, const void* beta,
+                           void* y, void* sum_out, int64_t rows, int64_t hidden, float eps) {
+    NormArgs<T> a;
+    a.x = static_cast<const T*>(x);
+    a.skip = static_cast<const T*>(skip);
+    a.bias = static_cast<const T*>(bias);
+    a.gamma = static_cast<const T*>(gamma);
+    a.beta = static_cast<const T*>(beta);
+    a.y = static_cast<T*>(y);
+    a.sum_out = static_cast<T*>(sum_out);
+    a.rows = rows;
+    a.hidden = static_cast<int>(hidden);
+    a.eps = eps;
+    a.inv_hidden = 1.0f / static_cast<float>(hidden);
+    return a;
+}
+
+template <typename T>
+int layer_norm(const void* x, const void* gamma, const void* beta, void* y, int64_t rows, int64_t hidden, float eps,
+               uint32_t flags, cudaStream_t stream) {
+    const int st = check_norm_args(x, gamma, y, rows, hidden, flags);
+    if (st != MOGRAPH_OK || rows == 0) return st;
+    return launch_norm<T, NormKind::kLayerNorm>(
+        make_norm_args<T>(x, nullptr, nullptr, gamma, beta, y, nullptr, rows, hidden, eps), stream);
+}
+
+template <typename T>
+int rms_norm(const void* x, const void* gamma, void* y, int64_t rows, int64_t hidden, float eps, uint32_t flags,
+             cudaStream_t stream) {
+    const int st = check_norm_args(x, gamma, y, rows, hidden, flags);
+    if (st != MOGRAPH_OK || rows == 0) return st;
+    return launch_norm<T, NormKind::kRmsNorm>(
+        make_norm_args<T>(x, nullptr, nullptr, gamma, nullptr, y, nullptr, rows, hidden, eps), stream);
+}
+
+template <typename T>
+int skip_layer_norm(const void* x, const void* skip, const void* bias, const void* gamma, const void* beta, void* y,
+                    void* sum_out, int64_t rows, int64_t hidden, float eps, uint32_t flags, cudaStream_t stream) {
+    const int st = check_norm_args(x, gamma, y, rows, hidden, flags);
+    if (st != MOGRAPH_OK || rows == 0) return st;
+    if (skip == nullptr) return MOGRAPH_ERR_INVALID_ARGUMENT;
+    return launch_norm<T, NormKind::kSkipLayerNorm>(
+        make_norm_args<T>(x, skip, bias, gamma, beta, y, sum_out, rows, hidden, eps), stream);
+}
+
+}  // namespace mograph
