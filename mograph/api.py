@@ -18,7 +18,7 @@ from typing import Any, Iterable, Literal, Sequence
 import onnx_ir as ir
 
 from mograph import ir_io
-from mograph.errors import UsageError, VerificationError
+from mograph.errors import OptionError, UsageError, VerificationError
 from mograph.hookspecs import hookimpl
 from mograph.pass_infra import Pass, PassManager, PassResult, PipelineReport
 from mograph.plugins import get_registry
@@ -159,7 +159,7 @@ def optimize(
     declared = reg.all_options()
     unknown = [k for k in options if k.replace("-", "_") not in declared]
     if unknown:
-        raise UsageError(f"unknown option(s) {unknown}; `mograph passes --json` lists each pass's options")
+        raise OptionError(f"unknown option(s) {unknown}; `mograph passes --json` lists each pass's options")
     options = {k.replace("-", "_"): v for k, v in options.items()}
     instances = reg.instantiate(names, options)
     ir_model = ir_io.load_model(model)

@@ -163,8 +163,9 @@ def load_model(source: ModelSource, *, check: bool = True) -> ir.Model:
             "onnx_ir.Model or onnx_graphsurgeon.Graph"
         )
     if check:
-        if base_dir is not None:
-            _check_external_locations(model, base_dir)
+        # Bytes and protos have no folder of their own: their external data is read relative to
+        # the working directory, so that is the folder it may not escape.
+        _check_external_locations(model, base_dir if base_dir is not None else Path.cwd())
         _check_structure(model)
     return model
 
@@ -193,32 +194,56 @@ def save_model(
         path: destination ``.onnx`` file.
         external_data: write initializers to ``<name>.data`` beside the model. ``None`` chooses it
             when the initializers need more than 2 GB or the model already had external data.
-        forbid: a path that must not be written over (the input model).
+        forbid: a path that must not be written over (the input model); the external data files the
+            model reads from are then protected as well.
 
     Returns:
         The destination path.
     """
     dest = Path(path)
-    if forbid is not None and dest.resolve() == Path(forbid).resolve():
+    if forbid is not None and _same_file(dest, Path(forbid)):
         raise UsageError(f"refusing to write over the input model {forbid}; choose another output path")
     if external_data is None:
         external_data = model_size_bytes(model) >= TWO_GB - 64 * 2**20 or any(
             isinstance(v.const_value, ir.ExternalTensor) for v in _all_initializers(model)
         )
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmpdir = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    data_name = f"{dest.name}.data"
+    if external_data and forbid is not None:  # the input's weights must survive too
+        for value in _all_initializers(model):
+            tensor = value.const_value
+            if isinstance(tensor, ir.ExternalTensor) and _same_file(dest.parent / data_name, Path(tensor.path)):
+                raise UsageError(
+                    f"refusing to write {dest.parent / data_name}: the model still reads its weights from "
+                    "that file; choose another output path"
+                )
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmpdir = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    except OSError as exc:  # an output folder that cannot be created or written is the user's to fix
+        raise UsageError(f"cannot write {dest}: {exc.strerror or exc}") from exc
     try:
         tmp_model = tmpdir / dest.name
-        data_name = f"{dest.name}.data"
         if external_data:
             ir.save(model, tmp_model, external_data=data_name)
             os.replace(tmpdir / data_name, dest.parent / data_name)
         else:
             ir.save(model, tmp_model)
         os.replace(tmp_model, dest)
+    except OSError as exc:  # disk full, a folder in the way ...: nothing half-written is left behind
+        raise UsageError(f"cannot write {dest}: {exc.strerror or exc}") from exc
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
     return dest
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """True when ``a`` and ``b`` name the same file (symbolic and hard links included)."""
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def to_format(model: ir.Model, like: object) -> object:

@@ -89,12 +89,23 @@ class Option:
                 value = self.type(raw)
             except (ValueError, TypeError) as exc:
                 raise OptionError(f"{pass_name}: bad value for --{self.name}: {raw!r} ({exc})") from exc
+        elif self.type in (int, float):
+            if not _is_number(raw, integral=self.type is int):
+                raise OptionError(f"{pass_name}: bad value for --{self.name}: {raw!r} (expected {self.type.__name__})")
+            value = self.type(raw)
         else:
             value = raw
         if self.choices is not None and value not in self.choices:
             allowed = ", ".join(map(str, self.choices))
             raise OptionError(f"{pass_name}: --{self.name} must be one of {allowed}, not {value!r}")
         return value
+
+
+def _is_number(raw: Any, *, integral: bool) -> bool:
+    """Whether a non-string option value given from Python is acceptable for an int/float option."""
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+        return False
+    return not integral or float(raw).is_integer()
 
 
 @dataclass

@@ -7,7 +7,7 @@
 //   every pointer is 16-byte aligned. A group of TPR threads owns a row; each thread keeps VPT packs of
 //   16 bytes of it in registers, so the row is loaded with LDG.128 and never re-read. Small rows use a
 //   group of 4..32 lanes inside a warp (several rows per block, reduced with shuffles), large rows a group
-//   of 2..32 warps (one row per block, reduced through shared memory). The mean is reduced first and the
+//   of 2..16 warps (one row per block, reduced through shared memory). The mean is reduced first and the
 //   variance second, from the registers, which is exact where E[x^2] - E[x]^2 would cancel.
 // * norm_generic_kernel (any hidden, any alignment): scalar accesses, the row cached in shared memory as
 //   fp32 when it fits (still one pass over HBM), otherwise re-read from global memory (L2) per phase.
@@ -274,12 +274,14 @@ int launch_generic(const NormArgs<T>& a, cudaStream_t stream) {
     return launch_status();
 }
 
-// Picks the kernel for a validated argument set. The register path's configurations are chosen so that
-// each thread moves up to 8 x 16 bytes per row: enough loads in flight to cover HBM latency without
-// spilling registers, and few idle threads for the hidden sizes models use.
+// Picks the kernel for a validated argument set. A thread of the register path holds at most 32 elements of
+// a row (8 packs of fp32 or 4 packs of fp16/bf16): enough 16-byte loads in flight to cover HBM latency,
+// without spilling (ptxas --resource-usage). Groups of 4..32 lanes take rows of up to one warp's worth,
+// groups of 64..512 threads the larger ones (hidden up to 16384); larger or unaligned rows go generic.
 template <typename T, NormKind KIND>
 int launch_norm(const NormArgs<T>& a, cudaStream_t stream) {
     constexpr int kVec = kVec16<T>;
+    constexpr int kMaxVpt = 32 / kVec;
     const bool vector_ok = a.hidden % kVec == 0 && aligned16(a.x) && aligned16(a.skip) && aligned16(a.bias) &&
                            aligned16(a.gamma) && aligned16(a.beta) && aligned16(a.y) && aligned16(a.sum_out);
     if (vector_ok) {
@@ -291,13 +293,14 @@ int launch_norm(const NormArgs<T>& a, cudaStream_t stream) {
         if (nvec <= 64) return launch_register<T, KIND, 2, 32>(a, stream);
         if (nvec <= 96) return launch_register<T, KIND, 3, 32>(a, stream);
         if (nvec <= 128) return launch_register<T, KIND, 4, 32>(a, stream);
-        if (nvec <= 192) return launch_register<T, KIND, 6, 32>(a, stream);
-        if (nvec <= 256) return launch_register<T, KIND, 8, 32>(a, stream);
-        if (nvec <= 512) return launch_register<T, KIND, 8, 64>(a, stream);
-        if (nvec <= 1024) return launch_register<T, KIND, 8, 128>(a, stream);
-        if (nvec <= 2048) return launch_register<T, KIND, 8, 256>(a, stream);
-        if (nvec <= 4096) return launch_register<T, KIND, 8, 512>(a, stream);
-        if (nvec <= 8192) return launch_register<T, KIND, 8, 1024>(a, stream);
+        if constexpr (kMaxVpt == 8) {
+            if (nvec <= 192) return launch_register<T, KIND, 6, 32>(a, stream);
+            if (nvec <= 256) return launch_register<T, KIND, 8, 32>(a, stream);
+        }
+        if (nvec <= 64 * kMaxVpt) return launch_register<T, KIND, kMaxVpt, 64>(a, stream);
+        if (nvec <= 128 * kMaxVpt) return launch_register<T, KIND, kMaxVpt, 128>(a, stream);
+        if (nvec <= 256 * kMaxVpt) return launch_register<T, KIND, kMaxVpt, 256>(a, stream);
+        if (nvec <= 512 * kMaxVpt) return launch_register<T, KIND, kMaxVpt, 512>(a, stream);
     }
     return launch_generic<T, KIND>(a, stream);
 }

@@ -5,16 +5,27 @@ ONNX's shape inference with data propagation through onnx-ir (which keeps large 
 the protobuf it builds, so big models work) and merges the results back.  Declared shapes that the
 inference contradicts are replaced by the inferred ones: exporters sometimes declare wrong output
 shapes, and inference is derived from the computation itself.
+
+ONNX's inference trusts a declared shape over the one it computes (and propagates a wrong one
+downstream), so the shapes declared on outputs of standard operators are set aside while it runs.
+Afterwards each declared shape comes back where inference knows less: a dimension inference left
+unknown or symbolic keeps its declared size or name, and a value inference could not type at all
+(outputs of custom-domain ops are never cleared) keeps its declared shape whole.
 """
 
 from __future__ import annotations
 
+import logging
+
+import onnx
 import onnx_ir as ir
 from onnx_ir.passes import common as irp
 
 from mograph.pass_infra import Pass, PassResult
 
 __all__ = ["InferShapesPass"]
+
+logger = logging.getLogger(__name__)
 
 
 def _typed_values(model: ir.Model) -> dict[int, tuple[object, object]]:
@@ -27,6 +38,25 @@ def _typed_values(model: ir.Model) -> dict[int, tuple[object, object]]:
     return out
 
 
+def _has_schema(node: ir.Node) -> bool:
+    return onnx.defs.has(node.op_type, node.domain if node.domain != "ai.onnx" else "")
+
+
+def _merge(declared: ir.Shape, inferred: ir.Shape) -> tuple[ir.Shape, bool]:
+    """The inferred shape, with declared dims where inference is vaguer; and whether they contradict."""
+    if declared.rank() != inferred.rank():
+        return inferred, True
+    dims: list[int | ir.SymbolicDim] = []
+    contradicts = False
+    for d, i in zip(declared, inferred):
+        if isinstance(i, int):
+            contradicts |= isinstance(d, int) and d != i
+            dims.append(i)
+        else:
+            dims.append(d)  # declared size or name beats an unknown or invented symbol
+    return ir.Shape(dims), contradicts
+
+
 class InferShapesPass(Pass):
     """Infer dtypes and shapes of every value (ONNX shape inference with data propagation)."""
 
@@ -35,8 +65,29 @@ class InferShapesPass(Pass):
 
     def call(self, model: ir.Model) -> PassResult:
         before = _typed_values(model)
-        irp.ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
+        declared: list[tuple[ir.Value, ir.Shape]] = []
+        for node in ir.traversal.RecursiveGraphIterator(model.graph):
+            if _has_schema(node):
+                for v in node.outputs:
+                    if v.shape is not None:
+                        declared.append((v, v.shape))
+                        v.shape = None
+        try:
+            irp.ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
+        finally:
+            corrected = 0
+            for v, shape in declared:
+                if v.shape is None:
+                    v.shape = shape
+                    continue
+                v.shape, contradicts = _merge(shape, v.shape)
+                if contradicts:
+                    corrected += 1
+                    logger.info("value %s: declared shape %s contradicts the inferred %s", v.name, shape, v.shape)
         after = _typed_values(model)
         changed = sum(1 for k, v in after.items() if before.get(k) != v)
         known = sum(1 for t, s in after.values() if t is not None and s is not None)
-        return PassResult(modified=changed > 0, stats={"values_changed": changed, "values_with_shape": known})
+        return PassResult(
+            modified=changed > 0,
+            stats={"values_changed": changed, "values_with_shape": known, "declared_shapes_corrected": corrected},
+        )

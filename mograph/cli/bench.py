@@ -1,0 +1,286 @@
+"""``mograph bench``: latency, throughput and memory of a model on a backend (ONNX Runtime by default).
+
+What is measured, exactly:
+
+* **latency** — wall-clock time of each ``run`` call after the warm-up runs, on the same feeds every
+  time; reported as p50/p90/p99 (and mean/min/max) in milliseconds;
+* **throughput** — timed runs divided by their total time (inferences/s); times the batch size
+  (samples/s) when the model has a dynamic leading batch dim or ``--batch`` is given;
+* **memory** — the peak resident set size (RSS) of this process while the session is created and
+  run, minus the RSS just before the session was created: a background thread samples RSS every
+  few milliseconds (psutil), so short spikes between samples can be missed.  It covers the
+  runtime's copy of the weights, its arena and its kernels' scratch, but not the feeds (made before).
+
+ONNX Runtime's own graph optimizations are **on** (``ORT_ENABLE_ALL``), as in a deployment;
+``--no-ort-optimizations`` measures the graph exactly as written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mograph.cli import CommandResult
+from mograph.cli._common import example_path, parse_shapes
+from mograph.errors import BackendUnavailableError, UsageError
+
+__all__ = ["add_parser", "run", "RssSampler"]
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "bench",
+        parents=[common],
+        help="measure latency, throughput and peak memory of a model (ONNX Runtime)",
+        description="Run MODEL repeatedly on seeded random feeds (or --feeds) and report latency p50/p90/p99 "
+        "after warm-up, throughput (inferences/s, and samples/s when there is a batch dim), session creation "
+        "time and peak memory (RSS increase of this process during session creation and runs, sampled). "
+        "ONNX Runtime's graph optimizations are ON, as deployed; --no-ort-optimizations turns them off.",
+    )
+    p.add_argument("model", nargs="?", help="the .onnx file (or use --example)")
+    p.add_argument("--example", metavar="NAME", help="benchmark a model shipped with mograph: bert-tiny, cnn-small")
+    p.add_argument("--backend", default="ort", help="backend to run on (default: ort)")
+    p.add_argument(
+        "--provider",
+        action="append",
+        metavar="NAME",
+        help="ONNX Runtime execution provider, in priority order (repeatable; default CPUExecutionProvider)",
+    )
+    p.add_argument("--threads", type=int, metavar="N", help="intra-op threads (default: the runtime's choice)")
+    p.add_argument(
+        "--shape",
+        action="append",
+        metavar="NAME:DIMS",
+        help="size of an input's dynamic dims, e.g. input_ids:1x128 (repeatable); wins over --batch",
+    )
+    p.add_argument("--batch", type=int, metavar="N", help="size of dynamic leading (batch) dims (default 1)")
+    p.add_argument("--feeds", metavar="FILE.npz", help="input feeds (keys are input names) instead of random ones")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random feeds (default 0)")
+    p.add_argument("--warmup", type=int, default=10, metavar="N", help="untimed runs first (default 10)")
+    p.add_argument("--iterations", type=int, default=100, metavar="N", help="timed runs (default 100)")
+    p.add_argument(
+        "--no-ort-optimizations",
+        dest="ort_optimizations",
+        action="store_false",
+        help="turn ONNX Runtime's own graph optimizations off (ORT_DISABLE_ALL)",
+    )
+    p.set_defaults(run=run)
+
+
+class RssSampler:
+    """Track the peak RSS of this process from a background thread (psutil)."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        import psutil
+
+        self._proc = psutil.Process()
+        self.interval = interval
+        self.baseline = self._proc.memory_info().rss
+        self.peak = self.baseline
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="mograph-rss", daemon=True)
+
+    def _sample(self) -> None:
+        rss = self._proc.memory_info().rss
+        if rss > self.peak:
+            self.peak = rss
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
+class _Progress:
+    """Progress lines on stderr, at most one a second, and only once a run takes that long."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.start = time.perf_counter()
+        self.last = self.start
+
+    def update(self, phase: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if now - self.last >= 1.0 or (done == total and self.last != self.start):
+            self.last = now
+            sys.stderr.write(f"bench: {phase} {done}/{total} ({now - self.start:.1f}s)\n")
+            sys.stderr.flush()
+
+
+def _batch_size(model: Any, feeds: dict[str, np.ndarray], requested: int | None) -> int | None:
+    """The batch size, when every input has a dynamic leading dim (or ``--batch`` was given)."""
+    from mograph.validate import graph_inputs
+
+    inputs = [v for v in graph_inputs(model) if v.shape is not None and len(v.shape) > 0]
+    if requested is not None:
+        for v in inputs:
+            dim = v.shape[0]
+            if isinstance(dim, int) and dim != requested:
+                raise UsageError(f"--batch {requested}: input '{v.name}' has a fixed leading dim of {dim}")
+        return requested
+    if inputs and all(not isinstance(v.shape[0], int) for v in inputs):
+        sizes = {int(feeds[v.name].shape[0]) for v in inputs if v.name in feeds and feeds[v.name].ndim}
+        if len(sizes) == 1:
+            return sizes.pop()
+    return None
+
+
+def _stats(latencies: list[float]) -> dict[str, float]:
+    ms = np.asarray(latencies) * 1000.0
+    return {
+        "p50": float(np.percentile(ms, 50)),
+        "p90": float(np.percentile(ms, 90)),
+        "p99": float(np.percentile(ms, 99)),
+        "mean": float(ms.mean()),
+        "min": float(ms.min()),
+        "max": float(ms.max()),
+        "std": float(ms.std()),
+    }
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def run(args: argparse.Namespace) -> CommandResult:
+    from mograph import ir_io
+    from mograph.plugins import get_registry
+    from mograph.validate import make_feeds
+
+    if bool(args.model) == bool(args.example):
+        raise UsageError("give exactly one of MODEL or --example NAME")
+    if args.iterations < 1 or args.warmup < 0:
+        raise UsageError("--iterations must be at least 1 and --warmup at least 0")
+    if args.batch is not None and args.batch < 1:
+        raise UsageError("--batch must be at least 1")
+    src = Path(args.model) if args.model else example_path(args.example)
+    backends = get_registry(args.block_plugin).backends
+    if args.backend not in backends:
+        raise UsageError(f"unknown backend '{args.backend}'; available: {', '.join(sorted(backends)) or 'none'}")
+    backend = backends[args.backend]
+    if not backend.available():
+        raise BackendUnavailableError(getattr(backend, "module", args.backend), getattr(backend, "extra", args.backend))
+
+    if hasattr(backend, "import_runtime"):
+        backend.import_runtime()  # not inside the memory measurement
+    model = ir_io.load_model(src)
+    feeds, info = make_feeds(
+        model, shapes=parse_shapes(args.shape), feeds=args.feeds, seed=args.seed, batch=args.batch or 1
+    )
+    batch = _batch_size(model, feeds, args.batch)
+    del model
+    progress = _Progress(enabled=not (args.json or args.quiet))
+
+    try:
+        sampler: RssSampler | None = RssSampler()
+    except ImportError:
+        sampler = None
+    latencies: list[float] = []
+    with sampler if sampler is not None else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        runner = backend.make_runner(
+            src, optimizations=args.ort_optimizations, threads=args.threads, providers=args.provider
+        )
+        session_s = time.perf_counter() - t0
+        for i in range(args.warmup):
+            runner(feeds)
+            progress.update("warm-up", i + 1, args.warmup)
+        total_start = time.perf_counter()
+        for i in range(args.iterations):
+            start = time.perf_counter()
+            runner(feeds)
+            latencies.append(time.perf_counter() - start)
+            progress.update("runs", i + 1, args.iterations)
+        total_s = time.perf_counter() - total_start
+
+    session = getattr(runner, "session", None)
+    runtime = args.backend
+    providers = list(args.provider or [])
+    if args.backend == "ort":
+        from mograph.backends.ort import ort_version
+
+        runtime = f"onnxruntime {ort_version()}"
+        if session is not None:
+            providers = list(session.get_providers())
+    ips = args.iterations / total_s if total_s > 0 else None
+    memory: dict[str, Any] = {
+        "measures": "peak RSS of this process during session creation and runs minus RSS just before "
+        "session creation (psutil, sampled every 2 ms)",
+        "rss_before_bytes": None,
+        "peak_rss_bytes": None,
+        "peak_increase_bytes": None,
+    }
+    if sampler is not None:
+        memory.update(
+            rss_before_bytes=sampler.baseline,
+            peak_rss_bytes=sampler.peak,
+            peak_increase_bytes=sampler.peak - sampler.baseline,
+        )
+    else:
+        memory["measures"] = "not measured: psutil is not installed (pip install 'mograph[bench]')"
+    data: dict[str, Any] = {
+        "model": str(src),
+        "backend": args.backend,
+        "runtime": runtime,
+        "providers": providers,
+        "ort_optimizations": bool(args.ort_optimizations),
+        "threads": args.threads,
+        "feeds": info["inputs"],
+        "defaulted_dims": info["defaulted_dims"],
+        "batch": batch,
+        "warmup": args.warmup,
+        "iterations": args.iterations,
+        "session_seconds": session_s,
+        "latency_ms": _stats(latencies),
+        "throughput": {
+            "inferences_per_s": ips,
+            "samples_per_s": ips * batch if (ips is not None and batch is not None) else None,
+        },
+        "memory": memory,
+    }
+    lat = data["latency_ms"]
+    feeds_s = ", ".join(f"{n} {i['dtype']} {'x'.join(map(str, i['shape'])) or 'scalar'}" for n, i in info["inputs"].items())
+    lines = [
+        f"model:      {src}",
+        f"backend:    {runtime} [{', '.join(providers) or '-'}], graph optimizations "
+        f"{'on' if args.ort_optimizations else 'off'}, threads {args.threads or 'default'}",
+        f"feeds:      {feeds_s or '(none)'}",
+    ]
+    if info["defaulted_dims"]:
+        dims = ", ".join(f"{k}={v}" for k, v in info["defaulted_dims"].items())
+        lines.append(f"            dynamic dims defaulted: {dims} (set them with --shape / --batch)")
+    lines += [
+        f"session:    created in {session_s * 1000:.1f} ms",
+        f"latency:    p50 {lat['p50']:.3f} ms   p90 {lat['p90']:.3f} ms   p99 {lat['p99']:.3f} ms   "
+        f"(mean {lat['mean']:.3f}, min {lat['min']:.3f}, max {lat['max']:.3f}; {args.iterations} runs after "
+        f"{args.warmup} warm-up)",
+    ]
+    tp = f"throughput: {ips:.1f} inferences/s" if ips is not None else "throughput: -"
+    if data["throughput"]["samples_per_s"] is not None:
+        tp += f", {data['throughput']['samples_per_s']:.1f} samples/s at batch {batch}"
+    lines.append(tp)
+    if sampler is not None:
+        lines.append(
+            f"memory:     peak +{_mib(memory['peak_increase_bytes'])} RSS over {_mib(memory['rss_before_bytes'])} "
+            "before the session (session creation and runs, sampled)"
+        )
+    else:
+        lines.append("memory:     not measured (psutil is not installed)")
+    return CommandResult(data=data, text="\n".join(lines))

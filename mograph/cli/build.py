@@ -1,0 +1,122 @@
+"""``mograph build``: lower a model to a backend's deployable artifact (a TensorRT engine).
+
+``mograph build MODEL.onnx --backend tensorrt -o MODEL.engine [--fp16] [--int8] [--profile NAME:MIN,OPT,MAX]``
+parses the model with TensorRT (``tensorrt``, else ``tensorrt_rtx``, which builds without a GPU), with the
+mograph plugins registered, and writes the engine atomically. It prints which layers became plugins and,
+when TensorRT refuses the model, which ops it could not take. ``--json`` prints the whole report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from mograph.cli import CommandResult
+from mograph.cli._common import example_path
+from mograph.errors import UsageError
+
+__all__ = ["add_parser", "run"]
+
+BACKENDS = ("tensorrt",)
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "build",
+        parents=[common],
+        help="build a backend artifact from a model (a TensorRT engine)",
+        description="Build a TensorRT engine from MODEL with the mograph plugins registered, so fused nodes written "
+        "by `mograph optimize ... --target tensorrt` become plugin layers. Uses the `tensorrt` package, else "
+        "`tensorrt_rtx` (which builds ahead of time without a GPU). Every dynamic input needs a profile, from "
+        "--profile or from the model's metadata (set-trt-profile pass).",
+        epilog="example: mograph build bert.onnx -o bert.engine --profile input_ids:1x16,8x128,32x512 "
+        "--profile attention_mask:1x16,8x128,32x512",
+    )
+    p.add_argument("model", nargs="?", help="input .onnx file (or use --example)")
+    p.add_argument("--example", metavar="NAME", help="use a model shipped with mograph: bert-tiny, cnn-small")
+    p.add_argument("--backend", default="tensorrt", help="what to build for (default and only one so far: tensorrt)")
+    p.add_argument("-o", "--output", help="engine file to write (default: MODEL.engine beside the input)")
+    p.add_argument(
+        "--fp16",
+        action="store_true",
+        help="allow float16 kernels (tensorrt; with tensorrt_rtx networks are strongly typed and the report says so)",
+    )
+    p.add_argument(
+        "--int8",
+        action="store_true",
+        help="allow int8 kernels (tensorrt; in practice needs Q/DQ nodes, e.g. from the qdq-int8 pass)",
+    )
+    p.add_argument(
+        "--profile",
+        action="append",
+        metavar="NAME:MIN,OPT,MAX",
+        help="optimization profile of a dynamic input, e.g. input_ids:1x16,8x128,32x512 (repeatable); "
+        "NAME:SHAPE fixes it. Default: the profiles stored in the model",
+    )
+    p.add_argument("--workspace", type=int, metavar="MIB", help="cap the builder's workspace memory (MiB)")
+    p.set_defaults(run=run)
+
+
+def _summary(report: dict[str, Any]) -> str:
+    lines = [
+        f"built {report['engine']} ({report['engine_bytes'] / 1024:.1f} KiB) with {report['module']} "
+        f"{report['version']} in {report['build_seconds']:.2f}s (parse {report['parse_seconds']:.2f}s)"
+        + (" in a child process" if report.get("subprocess") else ""),
+        f"layers: {report['layers']} ("
+        + ", ".join(f"{k.lower()}={v}" for k, v in sorted(report["layer_types"].items(), key=lambda kv: -kv[1])[:8])
+        + ")",
+    ]
+    plugins = report.get("plugin_layers") or []
+    if plugins:
+        lines.append(f"plugin layers: {len(plugins)}")
+        for pl in plugins:
+            lines.append(
+                f"  {pl['layer']}: {pl.get('namespace', '?')}::{pl.get('plugin', '?')} v{pl.get('version', '?')}"
+            )
+    else:
+        lines.append("plugin layers: none")
+    if report.get("profiles"):
+        for name, (mn, opt, mx) in report["profiles"].items():
+            lines.append(
+                f"profile {name}: min {'x'.join(map(str, mn))}, opt {'x'.join(map(str, opt))}, max {'x'.join(map(str, mx))}"
+            )
+    for note in report.get("notes", []):
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> CommandResult:
+    if args.backend not in BACKENDS:
+        raise UsageError(f"unknown --backend {args.backend!r}: choose from {', '.join(BACKENDS)}")
+    if bool(args.model) == bool(args.example):
+        raise UsageError("give exactly one of MODEL or --example NAME")
+    src = Path(args.model) if args.model else example_path(args.example)
+    if args.output:
+        out = Path(args.output)
+    else:
+        stem = src.name[:-5] if src.name.endswith(".onnx") else src.name
+        out = (Path.cwd() if args.example else src.parent) / f"{stem}.engine"
+    if src.exists() and out.exists() and out.resolve() == src.resolve():
+        raise UsageError(f"refusing to write over the input model {src}; choose another -o")
+    if args.workspace is not None and args.workspace <= 0:
+        raise UsageError("--workspace must be a positive number of MiB")
+    from mograph.backends.tensorrt import EngineBuildError, build_engine, parse_profile_specs
+
+    profiles = parse_profile_specs(args.profile) if args.profile else None
+    try:
+        report = build_engine(src, out, fp16=args.fp16, int8=args.int8, profiles=profiles, workspace_mib=args.workspace)
+    except EngineBuildError as exc:
+        unsupported = exc.report.get("unsupported") or []
+        if not unsupported:
+            raise
+        # Parser refusals are a result worth showing in full (and in --json), not only one line.
+        sys.stderr.write(f"mograph: error: TensorRT could not take {len(unsupported)} node(s) of {src}\n")
+        lines = [f"{'op':<28} {'node':<40} reason"]
+        lines += [
+            f"{u.get('op') or '?':<28} {u.get('node') or u.get('node_index'):<40} {u.get('error')}" for u in unsupported
+        ]
+        data = {"input": str(src), "output": None, "error": str(exc), "exit_code": exc.exit_code, **exc.report}
+        return CommandResult(data=data, text="\n".join(lines), exit_code=exc.exit_code)
+    return CommandResult(data={"input": str(src), "output": str(out), **report}, text=_summary(report))

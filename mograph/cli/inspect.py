@@ -1,0 +1,41 @@
+"""``mograph inspect``: what is in a model (opsets, inputs/outputs, ops, parameters, sizes)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from mograph.cli import CommandResult
+from mograph.cli._common import example_path
+from mograph.errors import UsageError
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "inspect",
+        parents=[common],
+        help="summarize a model: opsets, inputs/outputs, op histogram, parameters, sizes",
+        description="Summarize MODEL: producer, IR version and opsets, inputs and outputs with dtypes and shapes "
+        "(symbolic dims by name), node count, a histogram of op types (domain::Op outside the default domain), "
+        "parameter count (initializer elements plus Constant-node tensors) and sizes (file, initializers, "
+        "external data). External data is never read: sizes come from tensor metadata and the file system.",
+    )
+    p.add_argument("model", nargs="?", help="the .onnx file (or use --example)")
+    p.add_argument("--example", metavar="NAME", help="inspect a model shipped with mograph: bert-tiny, cnn-small")
+    p.add_argument("--top", type=int, metavar="N", help="show only the N most frequent op types")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> CommandResult:
+    from mograph.inspect import format_summary, summarize
+
+    if bool(args.model) == bool(args.example):
+        raise UsageError("give exactly one of MODEL or --example NAME")
+    if args.top is not None and args.top < 1:
+        raise UsageError("--top must be at least 1")
+    src = Path(args.model) if args.model else example_path(args.example)
+    summary = summarize(src)
+    return CommandResult(data=summary, text=format_summary(summary, top=args.top))

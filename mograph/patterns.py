@@ -1,0 +1,657 @@
+"""Declarative rewrite rules: pattern / check / rewrite, over the onnxscript rewriter.
+
+A fusion is written as a :class:`Rule`: three methods, nothing else::
+
+    class GeluSigmoidFusion(Rule):
+        def pattern(self, op, x):
+            return op.Mul(x, op.Sigmoid(op.Mul(x, const(1.702))))
+
+        def check(self, context, x, **_):
+            if x.dtype not in FLOATS:
+                return self.fail("input is not a floating-point tensor", x)
+            return self.ok()
+
+        def rewrite(self, op, x, **_):
+            return op.QuickGelu(x, alpha=1.702, _domain="mograph")
+
+The pattern language is onnxscript's (``op.Xxx(...)`` node patterns, :func:`OrValue` alternatives,
+named variables, ``_outputs=[...]`` to bind intermediate values).  This module adds what exporter
+variety needs and the stock matcher lacks:
+
+* **Commutation without blow-up.** ``Add``/``Mul``/``Max``/``Min`` inputs are tried in both orders
+  at the node being matched (local backtracking), instead of cloning the whole pattern 2^k times.
+* **Alternatives at the root.** ``pattern`` may return an :func:`OrValue`; each alternative is
+  tried as its own root, and its tag (``tag_var``) is bound for ``check``/``rewrite``.
+* **Constants with tolerance, in any form.** :func:`const` matches a single-element tensor close to
+  a value (relative tolerance), whether it is an initializer, a ``Constant`` node, or a small chain
+  of ``Cast``/``Identity``/``Reshape``/``Sqrt``/... over constants (:func:`constant_array`).
+* **Eager value checks.** A ``Var(name, check=...)`` is checked while matching, so a failed check
+  makes the matcher try the next alternative or input order instead of failing the whole match.
+* **Reasons.** A failed match keeps the reason of the deepest partial match, and a match that would
+  delete a value still read outside the pattern fails with a reason naming the value and its reader.
+
+:func:`apply_rules` runs a list of rules over a model (the main graph and its subgraphs, never
+model-local functions: those are the fused ops' own bodies), and returns a :class:`RuleReport`
+with exact counts per rule and variant and, per rule, the near misses and why they failed.
+
+The matcher builds on private modules of onnxscript (``_matcher``, ``_pattern_ir``, ``_basics``),
+pinned by the installed onnxscript version; this module is the one place that knows about them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript.rewriter import _basics, _matcher, _pattern_ir
+from onnxscript.rewriter._rewrite_rule import ReplacementPatternFunction, RewriteRuleClassBase
+
+__all__ = [
+    "MatchResult",
+    "OrValue",
+    "any_value",
+    "Rule",
+    "RuleReport",
+    "Var",
+    "apply_rules",
+    "const",
+    "constant_array",
+    "scalar_value",
+]
+
+logger = logging.getLogger(__name__)
+
+MatchResult = _basics.MatchResult
+OrValue = _pattern_ir.OrValue
+Var = _pattern_ir.Var
+
+#: Binary ops of the default domain whose two inputs may be swapped.
+COMMUTATIVE = frozenset({"Add", "Mul", "Max", "Min", "Sum", "And", "Or", "Equal"})
+
+#: Ops the constant evaluator looks through (all inputs constant -> result constant).
+_MAX_CONST_DEPTH = 8
+
+
+# ---------------------------------------------------------------------------------------------
+# constants
+# ---------------------------------------------------------------------------------------------
+
+
+def _attr_constant(node: ir.Node) -> np.ndarray | None:
+    for key, attr in node.attributes.items():
+        if key == "value" and isinstance(attr.value, ir.TensorProtocol):
+            return attr.value.numpy()
+        if key == "value_float":
+            return np.array(attr.value, dtype=np.float32)
+        if key == "value_int":
+            return np.array(attr.value, dtype=np.int64)
+        if key == "value_floats":
+            return np.array(list(attr.value), dtype=np.float32)
+        if key == "value_ints":
+            return np.array(list(attr.value), dtype=np.int64)
+    return None
+
+
+_UNARY = {
+    "Identity": lambda a: a,
+    "Sqrt": np.sqrt,
+    "Reciprocal": lambda a: np.reciprocal(a),
+    "Neg": np.negative,
+}
+_BINARY = {
+    "Add": np.add,
+    "Sub": np.subtract,
+    "Mul": np.multiply,
+    "Div": lambda a, b: a / b if a.dtype.kind == "f" else a // b,
+    "Pow": np.power,
+}
+
+
+def constant_array(value: ir.Value | None, _depth: int = 0) -> np.ndarray | None:
+    """The value as a numpy array if it is a constant in any form, else ``None``.
+
+    Looks through initializers (not those that are also graph inputs: a user may override them),
+    ``Constant`` nodes, and ``Cast``/``Identity``/``Reshape``/``Unsqueeze``/``Squeeze``/``Sqrt``/
+    ``Reciprocal``/``Neg`` and binary arithmetic over constants, to a small depth.  Nothing in the
+    graph is changed.
+    """
+    if value is None or _depth > _MAX_CONST_DEPTH:
+        return None
+    if value.is_graph_input():
+        return None
+    if value.const_value is not None:
+        try:
+            return value.const_value.numpy()
+        except Exception:  # noqa: BLE001 - external data missing: not usable as a constant
+            return None
+    node = value.producer()
+    if node is None or node.domain not in ("", "ai.onnx"):
+        return None
+    op = node.op_type
+    if op == "Constant":
+        return _attr_constant(node)
+    args = [constant_array(v, _depth + 1) if v is not None else None for v in node.inputs]
+    if not args or args[0] is None:
+        return None
+    a = args[0]
+    try:
+        if op == "Cast":
+            to = node.attributes.get("to")
+            return a.astype(ir.DataType(to.value).numpy()) if to is not None else None
+        if op in _UNARY:
+            return np.asarray(_UNARY[op](a))
+        if op in _BINARY and len(args) == 2 and args[1] is not None:
+            return np.asarray(_BINARY[op](a, args[1])).astype(np.result_type(a, args[1]))
+        if op in ("Reshape", "Unsqueeze", "Squeeze"):
+            # Only single-element tensors matter to the rules: keep the element, drop the rank.
+            return a.reshape(()) if a.size == 1 else None
+    except (ValueError, TypeError, OverflowError):
+        return None
+    return None
+
+
+def scalar_value(value: ir.Value | None) -> float | None:
+    """The single element of a constant value (see :func:`constant_array`) as a float, else ``None``."""
+    arr = constant_array(value)
+    if arr is None or arr.size != 1:
+        return None
+    return float(arr.reshape(()))
+
+
+class _ApproxConstant(_pattern_ir.Constant):
+    """A single-element constant matched with a relative tolerance, in any constant form."""
+
+    def __init__(self, value: float, rel_tol: float, abs_tol: float) -> None:
+        super().__init__(value, rel_tol, abs_tol)
+
+    def clone(self, node_map: dict) -> _ApproxConstant:  # type: ignore[override]
+        del node_map
+        return _ApproxConstant(self._value, self._rel_tol, self._abs_tol)  # type: ignore[arg-type]
+
+
+def any_value() -> _pattern_ir.ValuePattern:
+    """An anonymous pattern matching any one value (each call is a different one)."""
+    return _pattern_ir.ValuePattern(None)
+
+
+def const(value: float, rel_tol: float = 1e-3, abs_tol: float = 1e-7) -> _pattern_ir.Constant:
+    """A pattern matching a single-element constant within ``rel_tol`` of ``value``.
+
+    The default tolerance accepts the value rounded to float16 (0.044715 -> 0.04471).
+    """
+    return _ApproxConstant(float(value), rel_tol, abs_tol)
+
+
+# ---------------------------------------------------------------------------------------------
+# matcher
+# ---------------------------------------------------------------------------------------------
+
+
+def _merge_partial(match: MatchResult) -> None:
+    """Merge the innermost partial match into its parent, node and value bindings included."""
+    inner = match._partial_matches.pop()
+    outer = match._partial_matches[-1]
+    outer._bindings.update(inner._bindings)
+    outer._value_bindings.update(inner._value_bindings)
+    outer._node_bindings.update(inner._node_bindings)
+    outer._matched_nodes.extend(inner._matched_nodes)
+
+
+class _Matcher(_matcher.SimplePatternMatcher):
+    """onnxscript's matcher plus commutation, tolerant constants, eager checks and deepest reasons."""
+
+    def _init_match(self, verbose: int) -> None:
+        super()._init_match(verbose)
+        self.best_depth = -1
+        self.best_reason = ""
+        self.best_nodes: list[ir.Node] = []
+
+    def fail(self, reason: str, node: ir.Node | None = None) -> bool:
+        depth = self._match.num_matched_nodes()
+        if depth >= self.best_depth:
+            self.best_depth = depth
+            self.best_reason = reason
+            nodes: list[ir.Node] = []
+            for partial in self._match._partial_matches:
+                nodes.extend(partial._matched_nodes)
+            self.best_nodes = nodes
+        self._match.fail(reason, node or self._current_node)
+        return False
+
+    def _match_constant(self, pattern_constant: _pattern_ir.Constant, value: ir.Value) -> bool:
+        if not isinstance(pattern_constant, _ApproxConstant):
+            return super()._match_constant(pattern_constant, value)
+        arr = constant_array(value)
+        expected = pattern_constant.value
+        if arr is None:
+            return self.fail(f"'{value.name}' is not a constant (expected {expected})")
+        if arr.size != 1:
+            return self.fail(f"'{value.name}' has shape {list(arr.shape)}, expected a single value {expected}")
+        got = float(arr.reshape(()))
+        tol = max(pattern_constant._abs_tol, pattern_constant._rel_tol * abs(float(expected)))  # type: ignore[arg-type]
+        if not abs(got - float(expected)) <= tol:  # type: ignore[arg-type]
+            return self.fail(f"constant '{value.name}' is {got:g}, expected {expected}")
+        return True
+
+    def _match_value(self, pattern_value: _pattern_ir.ValuePattern, value: ir.Value | None) -> bool:
+        if isinstance(pattern_value, _pattern_ir.BacktrackingOr):
+            if not self._match.bind_value(pattern_value, value):
+                return False
+            for i, choice in enumerate(pattern_value._values):
+                self._match.enter_new_match()
+                if self._match_value(choice, value):
+                    if pattern_value.tag_var is not None:
+                        self._match.bind(pattern_value.tag_var, pattern_value._tag_values[i])
+                    _merge_partial(self._match)
+                    return True
+                self._match.abandon_current_match()
+            return self.fail(self.best_reason or "none of the alternatives matched")
+        ok = super()._match_value(pattern_value, value)
+        if ok and type(pattern_value) in (_pattern_ir.Var, _pattern_ir.ValuePattern):
+            check = pattern_value.check_method
+            if check is not None and value is not None:
+                result = check(None, value)
+                if not result:
+                    reason = getattr(result, "reason", "") or f"check on '{pattern_value}' failed"
+                    return self.fail(f"{reason} ('{value.name}')")
+        return ok
+
+    def _match_inputs(self, patterns: Sequence[Any], values: Sequence[ir.Value | None]) -> bool:
+        for arg_value, arg_pattern in zip(values, patterns):
+            if arg_pattern is None:
+                if arg_value is None:
+                    continue
+                return self.fail("(optional) input is expected to be missing")
+            if not self._match_value(arg_pattern, arg_value):
+                return False
+        return True
+
+    def _match_node(self, pattern_node: _pattern_ir.NodePattern, node: ir.Node) -> bool:
+        self._current_node = node
+        bound = self._match.lookup_node(pattern_node)
+        if bound is not None:
+            return True if bound is node else self.fail("one pattern node matched to two graph nodes")
+        match = self._match
+        if not pattern_node.matches(node, match):
+            return self.fail(match.reason, node)
+        match.bind_node(pattern_node, node)
+        patterns = list(pattern_node.inputs)
+        values = list(node.inputs)
+        if len(values) > len(patterns):
+            if not pattern_node.allow_other_inputs:
+                return self.fail(f"{node.op_type} has {len(values)} inputs, expected {len(patterns)}", node)
+            values = values[: len(patterns)]
+        values += [None] * (len(patterns) - len(values))
+        if node.op_type in COMMUTATIVE and node.domain in ("", "ai.onnx") and len(values) == 2:
+            for order in (values, values[::-1]):
+                match.enter_new_match()
+                if self._match_inputs(patterns, order):
+                    _merge_partial(match)
+                    break
+                match.abandon_current_match()
+                if values[0] is values[1]:
+                    return self.fail(self.best_reason or "inputs do not match", node)
+            else:
+                return self.fail(self.best_reason or "inputs do not match in either order", node)
+        elif not self._match_inputs(patterns, values):
+            return False
+        for i, output_pattern in enumerate(pattern_node.outputs):
+            if i >= len(node.outputs):
+                return self.fail(f"{node.op_type} has fewer outputs than the pattern", node)
+            if not match.bind_value(output_pattern, node.outputs[i]):
+                return False
+        return True
+
+
+# ---------------------------------------------------------------------------------------------
+# rules
+# ---------------------------------------------------------------------------------------------
+
+
+class Rule(RewriteRuleClassBase):
+    """A declarative rewrite rule: ``pattern``, ``check`` (returns a reason on failure), ``rewrite``.
+
+    Subclasses implement:
+
+    * ``pattern(self, op, *vars)`` — the computation to find; may return an :func:`OrValue` of
+      alternatives for the root. Parameters become pattern variables bound by name.
+    * ``check(self, context, **bindings) -> MatchResult`` — conditions the pattern cannot say
+      (constants, axes, dtypes, shapes). Return :meth:`ok` or :meth:`fail` with a reason a person
+      understands ("epsilon is not a constant").
+    * ``rewrite(self, op, **bindings)`` — build the replacement with ``op.Xxx(...)``; return one
+      value per pattern output (``None`` for an output nothing reads).
+    * ``variant(self, bindings) -> str | None`` — optional label counted in stats as
+      ``"<Rule>.<variant>"``.
+
+    Class attributes: ``min_candidate_nodes`` — a failed match that got at least this far counts as
+    a *near miss* (reported with its reason); ``max_alternative_fanout`` is informative only.
+    """
+
+    min_candidate_nodes: int = 3
+
+    def __init__(self) -> None:
+        super().__init__(type(self).__name__)
+        self._compiled: list[tuple[_pattern_ir.GraphPattern, _Matcher, tuple[str, Any] | None]] | None = None
+
+    # -- helpers for check -------------------------------------------------------------------
+    @staticmethod
+    def ok() -> MatchResult:
+        return MatchResult()
+
+    @staticmethod
+    def fail(reason: str, *sources: ir.Node | ir.Value | None) -> MatchResult:
+        return MatchResult().fail(reason, [s for s in sources if s is not None])
+
+    def variant(self, bindings: dict[str, Any]) -> str | None:
+        return None
+
+    # -- compilation -------------------------------------------------------------------------
+    def compiled(self) -> list[tuple[_pattern_ir.GraphPattern, _Matcher, tuple[str, Any] | None]]:
+        """One (graph pattern, matcher, root tag) per root alternative of ``pattern``."""
+        if self._compiled is not None:
+            return self._compiled
+        import inspect
+
+        params = list(inspect.signature(self.pattern).parameters)
+        inputs = [_pattern_ir.Var(p) for p in params[1:]]
+        builder = _pattern_ir.OpsetPatternBuilder("", record=True)
+        with _pattern_ir.pattern_builder(builder):
+            out = self.pattern(builder, *inputs)
+        outputs = list(out) if isinstance(out, (list, tuple)) else [out]
+        roots: list[tuple[_pattern_ir.ValuePattern, tuple[str, Any] | None]] = []
+        first = outputs[0]
+        if isinstance(first, _pattern_ir.OpIdDispatchOr):
+            for tag, alt in first._op_to_pattern.values():
+                roots.append((alt, (first.tag_var, tag) if first.tag_var else None))
+        elif isinstance(first, _pattern_ir.BacktrackingOr):
+            for tag, alt in zip(first._tag_values, first._values):
+                roots.append((alt, (first.tag_var, tag) if first.tag_var else None))
+        else:
+            roots.append((first, None))
+        compiled = []
+        for root, tag in roots:
+            gp = _pattern_ir.GraphPattern(inputs, [root, *outputs[1:]], builder.nodes())
+            compiled.append((gp, _Matcher(gp), tag))
+        self._compiled = compiled
+        return compiled
+
+
+# ---------------------------------------------------------------------------------------------
+# driver
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class NearMiss:
+    """A subgraph a rule almost matched, and why it did not."""
+
+    rule: str
+    root: str
+    nodes: list[str]
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"root": self.root, "nodes": self.nodes, "reason": self.reason}
+
+
+@dataclass
+class RuleReport:
+    """What :func:`apply_rules` did.
+
+    ``stats`` counts rewrites per rule (``{"LayerNormFusion": 5}``) and per rule variant
+    (``"LayerNormFusion.div-sqrt"``); ``candidates`` counts root nodes where a rule matched at least
+    its ``min_candidate_nodes`` (fused or not); ``near_misses`` explains the ones not fused.
+    ``new_nodes`` are the nodes the rules created, in creation order.
+    """
+
+    stats: Counter = field(default_factory=Counter)
+    candidates: Counter = field(default_factory=Counter)
+    near_misses: list[NearMiss] = field(default_factory=list)
+    new_nodes: list[ir.Node] = field(default_factory=list)
+
+    @property
+    def count(self) -> int:
+        return sum(v for k, v in self.stats.items() if "." not in k)
+
+    def details(self, rules: Iterable[Rule], explain: bool) -> dict[str, Any]:
+        """Per-rule summary for ``PassResult.details`` (near-miss lists only with ``explain``)."""
+        out: dict[str, Any] = {}
+        for rule in rules:
+            name = rule.name
+            misses = [m for m in self.near_misses if m.rule == name]
+            entry: dict[str, Any] = {
+                "candidates": int(self.stats.get(name, 0)) + len(misses),
+                "fused": int(self.stats.get(name, 0)),
+                "near_misses": len(misses),
+            }
+            variants = {k.split(".", 1)[1]: v for k, v in self.stats.items() if k.startswith(name + ".")}
+            if variants:
+                entry["variants"] = variants
+            if explain and misses:
+                entry["near_miss_list"] = [m.to_dict() for m in misses]
+            out[name] = entry
+        return out
+
+
+def _removal_blocker(nodes: Sequence[ir.Node], outputs: Sequence[ir.Value]) -> str | None:
+    """Why deleting ``nodes`` would lose a value read outside them (``None`` when it would not)."""
+    node_set = set(nodes)
+    keep = set(outputs)
+    for n in nodes:
+        for v in n.outputs:
+            if v in keep:
+                continue
+            if v.is_graph_output():
+                return f"intermediate value '{v.name}' is also a graph output"
+            for consumer, _ in v.uses():
+                if consumer not in node_set:
+                    return (
+                        f"intermediate value '{v.name}' is also read by '{consumer.name}' "
+                        f"({consumer.op_type}) outside the pattern"
+                    )
+    return None
+
+
+def _remove_dead_producers(graph: ir.Graph, values: Iterable[ir.Value | None]) -> None:
+    """Remove producers of ``values`` that nothing reads any more (transitively)."""
+    stack = [v for v in values if v is not None]
+    while stack:
+        v = stack.pop()
+        node = v.producer()
+        if node is None:
+            if (
+                v.is_initializer()
+                and not v.uses()
+                and not v.is_graph_input()
+                and not v.is_graph_output()
+                and v.name in graph.initializers
+                and graph.initializers[v.name] is v
+            ):
+                del graph.initializers[v.name]
+            continue
+        if node.graph is not graph:
+            continue
+        if any(o.uses() or o.is_graph_output() for o in node.outputs):
+            continue
+        inputs = list(node.inputs)
+        graph.remove(node, safe=True)
+        stack.extend(i for i in inputs if i is not None)
+
+
+def _bind_defaults(rule: Rule, gp: _pattern_ir.GraphPattern, match: MatchResult) -> None:
+    for var in gp.inputs:
+        if var.name is not None and var.name not in match.bindings:
+            match.bind(var.name, None)
+
+
+def _node_checks(match: MatchResult, context: _basics.MatchContext) -> str | None:
+    for pattern_node, node in match.node_bindings.items():
+        check = pattern_node.check_method
+        if check is None:
+            continue
+        try:
+            result = check(context, node)
+        except _basics.MatchFailureError as exc:
+            return exc.reason
+        if not result:
+            return getattr(result, "reason", "") or f"check failed on node '{node.name}'"
+    return None
+
+
+def _try(
+    rule: Rule,
+    model: ir.Model,
+    graph: ir.Graph,
+    node: ir.Node,
+    report: RuleReport,
+    fused_nodes: set[ir.Node],
+) -> list[ir.Node] | None:
+    """Try ``rule`` at root ``node``; on success rewrite and return the new nodes."""
+    best_miss: tuple[int, str, list[ir.Node]] | None = None
+    for gp, matcher, tag in rule.compiled():
+        match = matcher.match(model, graph, node, remove_nodes=False)
+        if not match:
+            depth = matcher.best_depth
+            if depth >= rule.min_candidate_nodes and (best_miss is None or depth > best_miss[0]):
+                best_miss = (depth, matcher.best_reason or match.reason, list(matcher.best_nodes))
+            continue
+        if tag is not None:
+            match.bind(tag[0], tag[1])
+        _bind_defaults(rule, gp, match)
+        nodes = list(dict.fromkeys(match.nodes))
+        context = _basics.MatchContext(model, graph, node, match)
+        reason = _node_checks(match, context)
+        if reason is None:
+            reason = _removal_blocker(nodes, match.outputs)
+        if reason is None:
+            try:
+                result = rule.check(context, **match.bindings)
+            except _basics.MatchFailureError as exc:
+                result = MatchResult().fail(exc.reason)
+            if not result:
+                reason = getattr(result, "reason", "") or "check failed"
+        if reason is not None:
+            if len(nodes) >= rule.min_candidate_nodes and (best_miss is None or len(nodes) + 1000 > best_miss[0]):
+                best_miss = (len(nodes) + 1000, reason, nodes)
+            continue
+        replacement = ReplacementPatternFunction(rule.rewrite).get_replacement(match)
+        if replacement is None:
+            if len(nodes) >= rule.min_candidate_nodes:
+                best_miss = (len(nodes) + 1000, match.reason or "rewrite declined", nodes)
+            continue
+        new_outputs = list(replacement.new_outputs)
+        if len(new_outputs) != len(match.outputs):
+            raise ValueError(f"{rule.name}: rewrite returned {len(new_outputs)} values for {len(match.outputs)} outputs")
+        for domain, version in replacement.used_opsets:
+            if domain not in model.opset_imports:
+                model.opset_imports[domain] = version if version is not None else 1
+        for init in replacement.new_initializers:
+            base, i = init.name or "mograph_const", 0
+            while init.name in graph.initializers or not init.name:
+                i += 1
+                init.name = f"{base}_{i}"
+            graph.register_initializer(init)
+        old_vals, new_vals = [], []
+        node_set = set(nodes)
+        for old, new in zip(match.outputs, new_outputs):
+            if new is None:
+                if old.is_graph_output() or any(c not in node_set for c, _ in old.uses()):
+                    raise ValueError(f"{rule.name}: rewrite dropped output '{old.name}' that is still read")
+                continue
+            old_vals.append(old)
+            new_vals.append(new)
+        inputs_read = [v for n in nodes for v in n.inputs]
+        ir.convenience.replace_nodes_and_values(graph, node, nodes, replacement.new_nodes, old_vals, new_vals)
+        _remove_dead_producers(graph, inputs_read)
+        report.stats[rule.name] += 1
+        report.candidates[rule.name] += 1
+        label = rule.variant(match.bindings)
+        if label:
+            report.stats[f"{rule.name}.{label}"] += 1
+        fused_nodes.update(nodes)
+        return list(replacement.new_nodes)
+    if best_miss is not None:
+        report.candidates[rule.name] += 1
+        report.near_misses.append(
+            NearMiss(rule.name, node.name or node.op_type, [n.name or n.op_type for n in best_miss[2]], best_miss[1])
+        )
+    return None
+
+
+def _needs_sort(graph: ir.Graph, new_nodes: Sequence[ir.Node]) -> bool:
+    position = {id(n): i for i, n in enumerate(graph)}
+    for n in new_nodes:
+        here = position.get(id(n))
+        if here is None:
+            continue
+        for out in n.outputs:
+            for consumer, _ in out.uses():
+                if consumer.graph is graph and position.get(id(consumer), here + 1) < here:
+                    return True
+    return False
+
+
+def _apply_graph(
+    model: ir.Model,
+    graph: ir.Graph,
+    rules: Sequence[Rule],
+    report: RuleReport,
+    namer: Callable[[ir.Node, Rule], None] | None,
+) -> None:
+    fused: set[ir.Node] = set()
+    created: list[ir.Node] = []
+    for node in graph:
+        if node in fused:
+            continue
+        for rule in rules:
+            new_nodes = _try(rule, model, graph, node, report, fused)
+            if new_nodes is not None:
+                if namer is not None:
+                    for n in new_nodes:
+                        namer(n, rule)
+                created.extend(new_nodes)
+                report.new_nodes.extend(new_nodes)
+                break
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.GRAPH:
+                _apply_graph(model, attr.value, rules, report, namer)
+            elif attr.type == ir.AttributeType.GRAPHS:
+                for sub in attr.value:
+                    _apply_graph(model, sub, rules, report, namer)
+    if created and _needs_sort(graph, created):
+        graph.sort()
+    # A near miss whose nodes were fused later by another rule or root is not a miss.
+    fused_names = {n.name for n in fused if n.name}
+    report.near_misses = [m for m in report.near_misses if not (set(m.nodes) & fused_names)]
+
+
+def apply_rules(
+    model: ir.Model,
+    rules: Sequence[Rule],
+    *,
+    namer: Callable[[ir.Node, Rule], None] | None = None,
+) -> RuleReport:
+    """Apply ``rules`` once over every node of the main graph and its subgraphs, in graph order.
+
+    At each node the rules are tried in the given order and the first that matches, passes its
+    check and rewrites wins.  Nodes created by a rewrite are seen by later nodes' matches, so a
+    rule may build on what an earlier rule produced in the same sweep.  ``namer(node, rule)`` is
+    called for every created node (to name it and stamp provenance).
+    """
+    report = RuleReport()
+    _apply_graph(model, model.graph, rules, report, namer)
+    # Remove near-miss duplicates: the same nodes reported from several roots keep the first.
+    seen: set[tuple[str, tuple[str, ...]]] = set()
+    unique = []
+    for m in report.near_misses:
+        key = (m.rule, tuple(sorted(m.nodes)))
+        if key in seen:
+            continue
+        seen.add(key)
+        unique.append(m)
+    report.near_misses = unique
+    return report

@@ -1,0 +1,43 @@
+"""Built-in plugin ``mograph.passes.fusion``: fusion passes, the ``fuse`` preset and the fused ops.
+
+Passes (preset ``fuse``, in this order): ``fuse-layernorm``, ``fuse-rmsnorm``,
+``fuse-skip-layernorm``, ``fuse-gelu``, ``fuse-bias-gelu``.  Each fuses into ops of the versioned
+``mograph`` domain (declared once, in :mod:`.ops`, through ``mograph_add_custom_ops``) and lowers
+them for ``--target`` (:mod:`.lowering`; default ``onnx``).
+"""
+
+from __future__ import annotations
+
+from mograph.hookspecs import hookimpl
+from mograph.passes.fusion.bias_gelu import FuseBiasGeluPass
+from mograph.passes.fusion.gelu import FuseGeluPass
+from mograph.passes.fusion.layernorm import FuseLayerNormPass
+from mograph.passes.fusion.rmsnorm import FuseRMSNormPass
+from mograph.passes.fusion.skip_layernorm import FuseSkipLayerNormPass
+
+__all__ = ["FuseBiasGeluPass", "FuseGeluPass", "FuseLayerNormPass", "FuseRMSNormPass", "FuseSkipLayerNormPass", "FUSE"]
+
+FUSE = ["fuse-layernorm", "fuse-rmsnorm", "fuse-skip-layernorm", "fuse-gelu", "fuse-bias-gelu"]
+
+
+def _passes() -> list[type]:
+    out: list[type] = [FuseLayerNormPass, FuseRMSNormPass, FuseSkipLayerNormPass, FuseGeluPass, FuseBiasGeluPass]
+    return out
+
+
+@hookimpl
+def mograph_add_passes() -> list[type]:
+    return _passes()
+
+
+@hookimpl
+def mograph_add_presets() -> dict[str, list[str]]:
+    names = {p.name for p in _passes()}
+    return {"fuse": [n for n in FUSE if n in names]}
+
+
+@hookimpl
+def mograph_add_custom_ops() -> list:
+    from mograph.passes.fusion.ops import custom_ops
+
+    return custom_ops()

@@ -1,0 +1,428 @@
+"""Lowering of the fused ``mograph`` ops to what each target runs natively.
+
+``--target`` (an option of every fusion pass, default ``onnx``):
+
+``mograph``
+    keep the ``mograph`` ops; each carries its ONNX function body (runs anywhere, no speed-up by
+    itself; for tools and runtimes that load mograph's kernels).
+``onnx`` (default)
+    standard ops where the model's opset has them: ``LayerNormalization`` (opset >= 17),
+    ``RMSNormalization`` (>= 23), ``Gelu`` with ``approximate`` (>= 20); ``SkipLayerNorm`` becomes
+    ``Add`` + ``LayerNormalization`` (>= 17).  Everything else stays a ``mograph`` op with its function
+    body, so the model stays valid standard ONNX plus local functions.  The opset is never changed.
+``ort``
+    ONNX Runtime's own kernels: ``LayerNormalization`` and ``SimplifiedLayerNormalization`` (ORT
+    registers both in the default domain at every opset), ``com.microsoft`` ``SkipLayerNormalization``,
+    ``Gelu``, ``FastGelu``, ``QuickGelu``, ``BiasGelu``.  The result runs in ONNX Runtime only.
+``tensorrt``
+    native TensorRT layers where the ONNX parser has them (``LayerNormalization`` at opset >= 17,
+    ``Gelu`` at >= 20, pointwise ops for ``QuickGelu``); otherwise a plugin node: op type = plugin
+    name (``LayerNorm``, ``RMSNorm``, ``SkipLayerNorm``, ``Gelu``, ``BiasGelu``), attributes
+    ``plugin_namespace="mograph"``, ``plugin_version="1"`` and the op's own attributes
+    (``approximate`` = ``"none"``/``"tanh"`` for the GELUs).  Plugin nodes carry no function body, so
+    the parser falls back to the plugin registry instead of inlining a body.
+
+A lowering that cannot apply (dynamic hidden size where a 1-D scale must be built, shapes that the
+runtime's kernel does not accept) leaves the ``mograph`` op in place; it is never an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable
+
+import numpy as np
+import onnx_ir as ir
+
+from mograph.custom_ops import DOMAIN, DOMAIN_VERSION
+from mograph.patterns import constant_array
+
+__all__ = ["TARGETS", "DEFAULT_TARGET", "lower_nodes", "ensure_functions", "lowerings_for", "PLUGIN_VERSION"]
+
+logger = logging.getLogger(__name__)
+
+TARGETS = ("mograph", "onnx", "ort", "tensorrt")
+DEFAULT_TARGET = "onnx"
+PLUGIN_NAMESPACE = "mograph"
+PLUGIN_VERSION = "1"
+MS_DOMAIN = "com.microsoft"
+
+Lowering = Callable[[ir.Node, ir.Model], bool]
+
+
+def _opset(model: ir.Model) -> int:
+    return int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1)))
+
+
+def _attr(node: ir.Node, name: str, default: object) -> object:
+    a = node.attributes.get(name)
+    return default if a is None else a.value
+
+
+def _hidden(x: ir.Value) -> int | None:
+    if x.shape is None or len(x.shape) == 0:
+        return None
+    d = x.shape[-1]
+    return d if isinstance(d, int) else None
+
+
+def _unique_name(graph: ir.Graph, base: str) -> str:
+    name, i = base, 0
+    while name in graph.initializers:
+        i += 1
+        name = f"{base}_{i}"
+    return name
+
+
+def _initializer(graph: ir.Graph, base: str, arr: np.ndarray) -> ir.Value:
+    name = _unique_name(graph, base)
+    value = ir.Value(name=name, shape=ir.Shape(arr.shape), type=ir.TensorType(ir.DataType.from_numpy(arr.dtype)),
+                     const_value=ir.tensor(arr, name=name))
+    graph.register_initializer(value)
+    return value
+
+
+def is_zero(value: ir.Value | None) -> bool:
+    """True for a missing input or a constant of zeros."""
+    if value is None:
+        return True
+    arr = constant_array(value)
+    return arr is not None and not np.any(arr)
+
+
+def _vector(graph: ir.Graph, value: ir.Value, x: ir.Value, base: str) -> ir.Value | None:
+    """``value`` as a 1-D ``[hidden]`` tensor of x's dtype, materialised if it is a constant."""
+    hidden = _hidden(x)
+    arr = constant_array(value)
+    if arr is None:
+        if value.shape is not None and len(value.shape) == 1 and value.dtype == x.dtype:
+            return value
+        return None
+    if hidden is None:
+        if arr.ndim == 1 and arr.size > 1 and value.const_value is not None:
+            return value
+        return None
+    dtype = x.dtype.numpy() if x.dtype is not None else arr.dtype
+    if arr.size == 1:
+        arr = np.full((hidden,), arr.reshape(()), dtype=dtype)
+    elif arr.size == hidden:
+        if arr.ndim == 1 and arr.dtype == dtype and value.const_value is not None and value.is_initializer():
+            return value
+        arr = arr.reshape(hidden).astype(dtype)
+    else:
+        return None
+    return _initializer(graph, f"{base}_{hidden}", arr)
+
+
+def _replace(node: ir.Node, new_nodes: list[ir.Node], new_outputs: list[ir.Value | None]) -> None:
+    graph = node.graph
+    assert graph is not None
+    model_opsets = graph.opset_imports
+    for n in new_nodes:
+        if n.domain == MS_DOMAIN and MS_DOMAIN not in model_opsets:
+            model_opsets[MS_DOMAIN] = 1
+    olds, news = [], []
+    for old, new in zip(node.outputs, new_outputs):
+        if new is None:
+            continue
+        olds.append(old)
+        news.append(new)
+    for n in new_nodes:
+        n.metadata_props.update(node.metadata_props)
+    base = node.name or node.op_type
+    for i, n in enumerate(new_nodes):
+        n.name = base if len(new_nodes) == 1 else f"{base}/{i}"
+    ir.convenience.replace_nodes_and_values(graph, node, [node], new_nodes, olds, news)
+
+
+def _used(value: ir.Value) -> bool:
+    return bool(value.uses()) or value.is_graph_output()
+
+
+# ---------------------------------------------------------------------------------------------
+# per op, per target
+# ---------------------------------------------------------------------------------------------
+
+
+def _layer_norm_node(graph: ir.Graph, node: ir.Node, x: ir.Value, scale: ir.Value, beta: ir.Value | None,
+                     domain: str = "") -> ir.Node | None:
+    s = _vector(graph, scale, x, "mograph_ln_scale")
+    if s is None:
+        return None
+    inputs = [x, s]
+    if not is_zero(beta):
+        assert beta is not None
+        b = _vector(graph, beta, x, "mograph_ln_bias")
+        if b is None:
+            return None
+        inputs.append(b)
+    return ir.node(
+        "LayerNormalization",
+        inputs,
+        attributes={"axis": -1, "epsilon": float(_attr(node, "epsilon", 1e-5)),  # type: ignore[arg-type]
+                    "stash_type": int(_attr(node, "stash_type", 1))},  # type: ignore[call-overload]
+        domain=domain,
+    )
+
+
+def _ln_to_standard(node: ir.Node, model: ir.Model) -> bool:
+    x, scale, beta = node.inputs
+    assert node.graph is not None and x is not None and scale is not None
+    new = _layer_norm_node(node.graph, node, x, scale, beta)
+    if new is None:
+        return False
+    _replace(node, [new], [new.outputs[0]])
+    return True
+
+
+def _plugin(node: ir.Node, model: ir.Model, name: str | None = None, **extra: object) -> bool:
+    attrs = {k: a.value for k, a in node.attributes.items() if k != "stash_type"}
+    attrs.update(extra)
+    attrs["plugin_namespace"] = PLUGIN_NAMESPACE
+    attrs["plugin_version"] = PLUGIN_VERSION
+    inputs = [v for v in node.inputs]
+    new = ir.node(name or node.op_type, inputs, attributes=attrs, domain=DOMAIN, num_outputs=len(node.outputs))
+    _replace(node, [new], list(new.outputs))
+    return True
+
+
+def _ln_onnx(node: ir.Node, model: ir.Model) -> bool:
+    return _opset(model) >= 17 and _ln_to_standard(node, model)
+
+
+def _ln_ort(node: ir.Node, model: ir.Model) -> bool:
+    return _ln_to_standard(node, model)
+
+
+def _ln_trt(node: ir.Node, model: ir.Model) -> bool:
+    if _opset(model) >= 17 and _ln_to_standard(node, model):
+        return True
+    return _plugin(node, model)
+
+
+def _rms(node: ir.Node, model: ir.Model, op_type: str, domain: str = "") -> bool:
+    x, scale = node.inputs
+    assert node.graph is not None and x is not None and scale is not None
+    s = _vector(node.graph, scale, x, "mograph_rms_scale")
+    if s is None:
+        return False
+    new = ir.node(op_type, [x, s], attributes={
+        "axis": -1, "epsilon": float(_attr(node, "epsilon", 1e-6)),  # type: ignore[arg-type]
+        "stash_type": int(_attr(node, "stash_type", 1))}, domain=domain)  # type: ignore[call-overload]
+    _replace(node, [new], [new.outputs[0]])
+    return True
+
+
+def _rms_onnx(node: ir.Node, model: ir.Model) -> bool:
+    return _opset(model) >= 23 and _rms(node, model, "RMSNormalization")
+
+
+def _rms_ort(node: ir.Node, model: ir.Model) -> bool:
+    return _rms(node, model, "SimplifiedLayerNormalization")
+
+
+def _rms_trt(node: ir.Node, model: ir.Model) -> bool:
+    return _plugin(node, model)
+
+
+def _same_shape(a: ir.Value, b: ir.Value) -> bool:
+    if a.shape is None or b.shape is None or len(a.shape) != len(b.shape):
+        return False
+    return all(
+        (isinstance(da, int) and da == db) or (not isinstance(da, int) and da.value is not None and da == db)
+        for da, db in zip(a.shape, b.shape)
+    )
+
+
+def _skip_onnx(node: ir.Node, model: ir.Model) -> bool:
+    if _opset(model) < 17:
+        return False
+    x, skip, scale, beta, bias = node.inputs
+    graph = node.graph
+    assert graph is not None and x is not None and skip is not None and scale is not None
+    nodes = []
+    s = x
+    if not is_zero(bias):
+        add_b = ir.node("Add", [x, bias])
+        nodes.append(add_b)
+        s = add_b.outputs[0]
+    add = ir.node("Add", [s, skip])
+    nodes.append(add)
+    total = add.outputs[0]
+    total.type, total.shape = x.type, x.shape
+    ln = _layer_norm_node(graph, node, total, scale, beta)
+    if ln is None:
+        return False
+    nodes.append(ln)
+    outs: list[ir.Value | None] = [ln.outputs[0]]
+    if len(node.outputs) > 1:
+        outs.append(total)
+    _replace(node, nodes, outs)
+    return True
+
+
+def _skip_ort(node: ir.Node, model: ir.Model) -> bool:
+    x, skip, scale, beta, bias = node.inputs
+    graph = node.graph
+    assert graph is not None and x is not None and skip is not None and scale is not None
+    if not _same_shape(x, skip) or x.shape is None or len(x.shape) not in (2, 3):
+        return False
+    gamma = _vector(graph, scale, x, "mograph_ln_scale")
+    if gamma is None:
+        return False
+    inputs: list[ir.Value | None] = [x, skip, gamma, None, None]
+    if not is_zero(beta):
+        assert beta is not None
+        inputs[3] = _vector(graph, beta, x, "mograph_ln_bias")
+        if inputs[3] is None:
+            return False
+    if not is_zero(bias):
+        assert bias is not None
+        inputs[4] = _vector(graph, bias, x, "mograph_skip_bias")
+        if inputs[4] is None:
+            return False
+    while inputs[-1] is None:
+        inputs.pop()
+    want_sum = len(node.outputs) > 1 and _used(node.outputs[1])
+    new = ir.node("SkipLayerNormalization", inputs, attributes={"epsilon": float(_attr(node, "epsilon", 1e-5))},  # type: ignore[arg-type]
+                  domain=MS_DOMAIN, num_outputs=4 if want_sum else 1)
+    if want_sum:
+        for i in (1, 2):
+            new.outputs[i].name = ""
+    outs: list[ir.Value | None] = [new.outputs[0]]
+    if len(node.outputs) > 1:
+        outs.append(new.outputs[3] if want_sum else None)
+    _replace(node, [new], outs)
+    return True
+
+
+def _skip_trt(node: ir.Node, model: ir.Model) -> bool:
+    return _plugin(node, model)
+
+
+def _gelu_standard(node: ir.Node, model: ir.Model, approximate: str, with_bias: bool) -> bool:
+    if _opset(model) < 20:
+        return False
+    nodes = []
+    x = node.inputs[0]
+    assert x is not None
+    if with_bias:
+        add = ir.node("Add", [x, node.inputs[1]])
+        add.outputs[0].type, add.outputs[0].shape = x.type, x.shape
+        nodes.append(add)
+        x = add.outputs[0]
+    gelu = ir.node("Gelu", [x], attributes={"approximate": approximate})
+    nodes.append(gelu)
+    _replace(node, nodes, [gelu.outputs[0]])
+    return True
+
+
+def _ms(node: ir.Node, op_type: str, inputs: list[ir.Value | None], **attrs: object) -> bool:
+    new = ir.node(op_type, inputs, attributes=attrs, domain=MS_DOMAIN)
+    _replace(node, [new], [new.outputs[0]])
+    return True
+
+
+def _bias_1d(node: ir.Node) -> ir.Value | None:
+    x, bias = node.inputs
+    assert node.graph is not None and x is not None and bias is not None
+    return _vector(node.graph, bias, x, "mograph_gelu_bias")
+
+
+def _gelu_lowerings(name: str) -> dict[str, Lowering]:
+    approximate = "tanh" if "Fast" in name else "none"
+    with_bias = name.startswith("Bias")
+    ms_name = {"Gelu": "Gelu", "FastGelu": "FastGelu", "BiasGelu": "BiasGelu", "BiasFastGelu": "FastGelu"}[name]
+
+    def ort(node: ir.Node, model: ir.Model) -> bool:
+        if with_bias:
+            b = _bias_1d(node)
+            return b is not None and _ms(node, ms_name, [node.inputs[0], b])
+        return _ms(node, ms_name, [node.inputs[0]])
+
+    def onnx(node: ir.Node, model: ir.Model) -> bool:
+        return _gelu_standard(node, model, approximate, with_bias)
+
+    def trt(node: ir.Node, model: ir.Model) -> bool:
+        if _gelu_standard(node, model, approximate, with_bias):
+            return True
+        return _plugin(node, model, "BiasGelu" if with_bias else "Gelu", approximate=approximate)
+
+    return {"onnx": onnx, "ort": ort, "tensorrt": trt}
+
+
+def _quick_ort(node: ir.Node, model: ir.Model) -> bool:
+    return _ms(node, "QuickGelu", [node.inputs[0]], alpha=float(_attr(node, "alpha", 1.702)))  # type: ignore[arg-type]
+
+
+def _quick_trt(node: ir.Node, model: ir.Model) -> bool:
+    x = node.inputs[0]
+    assert x is not None
+    alpha = np.array(float(_attr(node, "alpha", 1.702)), dtype=x.dtype.numpy() if x.dtype else np.float32)  # type: ignore[arg-type]
+    c = ir.node("Constant", [], attributes={"value": ir.tensor(alpha)})
+    m = ir.node("Mul", [x, c.outputs[0]])
+    s = ir.node("Sigmoid", [m.outputs[0]])
+    y = ir.node("Mul", [x, s.outputs[0]])
+    _replace(node, [c, m, s, y], [y.outputs[0]])
+    return True
+
+
+_LOWERINGS: dict[str, dict[str, Lowering]] = {
+    "LayerNorm": {"onnx": _ln_onnx, "ort": _ln_ort, "tensorrt": _ln_trt},
+    "RMSNorm": {"onnx": _rms_onnx, "ort": _rms_ort, "tensorrt": _rms_trt},
+    "SkipLayerNorm": {"onnx": _skip_onnx, "ort": _skip_ort, "tensorrt": _skip_trt},
+    "Gelu": _gelu_lowerings("Gelu"),
+    "FastGelu": _gelu_lowerings("FastGelu"),
+    "BiasGelu": _gelu_lowerings("BiasGelu"),
+    "BiasFastGelu": _gelu_lowerings("BiasFastGelu"),
+    "QuickGelu": {"ort": _quick_ort, "tensorrt": _quick_trt},
+}
+
+
+def lowerings_for(name: str) -> dict[str, Lowering]:
+    return dict(_LOWERINGS.get(name, {}))
+
+
+def is_plugin_node(node: ir.Node) -> bool:
+    return node.domain == DOMAIN and "plugin_namespace" in node.attributes
+
+
+def lower_nodes(model: ir.Model, nodes: Iterable[ir.Node], target: str) -> dict[str, int]:
+    """Lower the given ``mograph`` nodes (still in the graph) for ``target``; count per op."""
+    counts: dict[str, int] = {}
+    if target == "mograph":
+        return counts
+    for node in list(nodes):
+        if node.graph is None or node.domain != DOMAIN or is_plugin_node(node):
+            continue
+        lower = _LOWERINGS.get(node.op_type, {}).get(target)
+        if lower is not None and lower(node, model):
+            key = f"lowered.{node.op_type}"
+            counts[key] = counts.get(key, 0) + 1
+        else:
+            logger.debug("%s: %s stays a mograph op for target %s", node.name, node.op_type, target)
+    return counts
+
+
+def ensure_functions(model: ir.Model) -> bool:
+    """Give every ``mograph`` op used in the graph its function body; True if one was added."""
+    from mograph.passes.fusion.ops import FUSED_OPS, function_for
+
+    used: set[str] = set()
+    any_mograph = False
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.domain == DOMAIN:
+            any_mograph = True
+            if not is_plugin_node(node) and node.op_type in FUSED_OPS:
+                used.add(node.op_type)
+    changed = False
+    if any_mograph and DOMAIN not in model.opset_imports:
+        model.opset_imports[DOMAIN] = DOMAIN_VERSION
+        changed = True
+    opset = _opset(model)
+    for name in sorted(used):
+        key = (DOMAIN, name, "")
+        if key not in model.functions:
+            model.functions[key] = function_for(name, opset)
+            changed = True
+    return changed

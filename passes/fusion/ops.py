@@ -1,0 +1,348 @@
+"""The fused ops of the ``mograph`` domain: math, numpy references, ONNX function bodies, shapes.
+
+Every op normalises or activates over the **last axis** and computes in float32 (``stash_type``)
+whatever the storage dtype; outputs have the dtype of ``X``.
+
+==================  =========================================  ======================================
+op                  inputs -> outputs                          math
+==================  =========================================  ======================================
+``LayerNorm``       X, Scale, B -> Y                           (X - E[X]) / sqrt(Var[X] + eps) * Scale + B
+``RMSNorm``         X, Scale -> Y                              X / sqrt(E[X^2] + eps) * Scale
+``SkipLayerNorm``   X, Skip, Scale, B, Bias -> Y, Sum?         Sum = X + Bias + Skip; Y = LayerNorm(Sum)
+``Gelu``            X -> Y                                     X/2 (1 + erf(X / sqrt 2))
+``FastGelu``        X -> Y                                     X/2 (1 + tanh(sqrt(2/pi) (X + 0.044715 X^3)))
+``QuickGelu``       X -> Y                                     X sigmoid(alpha X), alpha = 1.702
+``BiasGelu``        X, Bias -> Y                               Gelu(X + Bias)
+``BiasFastGelu``    X, Bias -> Y                               FastGelu(X + Bias)
+==================  =========================================  ======================================
+
+Scale, B and Bias are 1-D (``[hidden]``) or single-element tensors broadcast over the last axis
+(a fusion without scale or bias passes a constant 1 or 0).  ``Sum`` is returned only when the
+graph reads the residual sum elsewhere.
+
+The function bodies decompose each op into default-domain ops of the model's own opset, so any
+ONNX runtime runs a fused model as it is (ONNX Runtime inlines them).  Attributes are passed by
+reference (``epsilon``, ``stash_type``, ``alpha``).  At opset >= 15 the body computes in
+``stash_type`` and casts back with ``CastLike``; below 15 (no ``CastLike``) it computes in the
+input dtype, so the fusions require float32 inputs there (:func:`body_supports`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import numpy as np
+import onnx_ir as ir
+
+from mograph.custom_ops import DOMAIN, DOMAIN_VERSION, CustomOp
+
+__all__ = [
+    "DOMAIN",
+    "DOMAIN_VERSION",
+    "FUSED_OPS",
+    "body_supports",
+    "custom_ops",
+    "layer_norm",
+    "rms_norm",
+    "skip_layer_norm",
+    "gelu",
+    "bias_gelu",
+    "quick_gelu",
+]
+
+SQRT_2 = math.sqrt(2.0)
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+GELU_TANH_COEF = 0.044715
+QUICK_GELU_ALPHA = 1.702
+
+FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE})
+
+
+# ---------------------------------------------------------------------------------------------
+# numpy references (float32 arithmetic, result in the input dtype)
+# ---------------------------------------------------------------------------------------------
+
+
+def _f32(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float64 if a.dtype == np.float64 else np.float32)
+
+
+def layer_norm(x: np.ndarray, scale: np.ndarray | None = None, bias: np.ndarray | None = None,
+               epsilon: float = 1e-5) -> np.ndarray:
+    """LayerNorm over the last axis."""
+    xf = _f32(x)
+    mean = xf.mean(axis=-1, keepdims=True)
+    var = ((xf - mean) ** 2).mean(axis=-1, keepdims=True)
+    y = (xf - mean) / np.sqrt(var + np.asarray(epsilon, xf.dtype))
+    if scale is not None:
+        y = y * _f32(scale)
+    if bias is not None:
+        y = y + _f32(bias)
+    return y.astype(x.dtype)
+
+
+def rms_norm(x: np.ndarray, scale: np.ndarray | None = None, epsilon: float = 1e-6) -> np.ndarray:
+    """RMSNorm over the last axis."""
+    xf = _f32(x)
+    y = xf / np.sqrt((xf * xf).mean(axis=-1, keepdims=True) + np.asarray(epsilon, xf.dtype))
+    if scale is not None:
+        y = y * _f32(scale)
+    return y.astype(x.dtype)
+
+
+def skip_layer_norm(x: np.ndarray, skip: np.ndarray, scale: np.ndarray | None = None,
+                    beta: np.ndarray | None = None, bias: np.ndarray | None = None,
+                    epsilon: float = 1e-5) -> tuple[np.ndarray, np.ndarray]:
+    """Residual sum (``x + bias + skip``, rounded to the dtype) and its LayerNorm."""
+    s = _f32(x) + (_f32(bias) if bias is not None else 0) + _f32(skip)
+    s = s.astype(x.dtype)
+    return layer_norm(s, scale, beta, epsilon), s
+
+
+def gelu(x: np.ndarray, approximate: str = "none") -> np.ndarray:
+    """GELU: exact (``"none"``), tanh approximation (``"tanh"``) or ``"sigmoid"`` (x sigmoid(1.702 x))."""
+    xf = _f32(x)
+    if approximate == "tanh":
+        y = 0.5 * xf * (1.0 + np.tanh(SQRT_2_OVER_PI * (xf + GELU_TANH_COEF * xf**3)))
+    elif approximate == "sigmoid":
+        y = quick_gelu(xf)
+    elif approximate == "none":
+        from math import erf
+
+        y = 0.5 * xf * (1.0 + np.vectorize(erf, otypes=[xf.dtype])(xf / SQRT_2))
+    else:
+        raise ValueError(f"approximate must be 'none', 'tanh' or 'sigmoid', not {approximate!r}")
+    return np.asarray(y).astype(x.dtype)
+
+
+def quick_gelu(x: np.ndarray, alpha: float = QUICK_GELU_ALPHA) -> np.ndarray:
+    xf = _f32(x)
+    return (xf / (1.0 + np.exp(-alpha * xf))).astype(x.dtype)
+
+
+def bias_gelu(x: np.ndarray, bias: np.ndarray, approximate: str = "none") -> np.ndarray:
+    """GELU of ``x + bias``, the sum kept in float32."""
+    return gelu(_f32(x) + _f32(bias), approximate).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# function bodies
+# ---------------------------------------------------------------------------------------------
+
+
+def body_supports(opset: int, dtype: ir.DataType | None) -> bool:
+    """Whether the function bodies can run ``dtype`` inputs at the model's default-domain opset."""
+    return dtype == ir.DataType.FLOAT or (opset >= 15 and dtype in FLOAT_TYPES)
+
+
+class _Body:
+    """A tiny builder of function bodies in the default domain."""
+
+    def __init__(self, opset: int) -> None:
+        self.opset = opset
+        self.nodes: list[ir.Node] = []
+
+    def __call__(self, op_type: str, *inputs: ir.Value, **attrs: Any) -> ir.Value:
+        node = ir.node(op_type, list(inputs), attributes=attrs)
+        self.nodes.append(node)
+        return node.outputs[0]
+
+    def ref(self, attr: str, ref: str, kind: ir.AttributeType) -> ir.RefAttr:
+        return ir.RefAttr(attr, ref, kind)
+
+    def const(self, value: float, like: ir.Value) -> ir.Value:
+        c = self("Constant", value_float=float(value))
+        return self("CastLike", c, like) if self.opset >= 15 else c
+
+    def const_ref(self, ref: str, like: ir.Value) -> ir.Value:
+        c = self("Constant", value_float=self.ref("value_float", ref, ir.AttributeType.FLOAT))
+        return self("CastLike", c, like) if self.opset >= 15 else c
+
+    def to_stash(self, x: ir.Value) -> ir.Value:
+        if self.opset < 15:
+            return x
+        return self("Cast", x, to=self.ref("to", "stash_type", ir.AttributeType.INT))
+
+    def like(self, y: ir.Value, x: ir.Value) -> ir.Value:
+        return self("CastLike", y, x) if self.opset >= 15 else y
+
+    def mean_last(self, x: ir.Value) -> ir.Value:
+        if self.opset >= 18:
+            axes = self("Constant", value_ints=[-1])
+            return self("ReduceMean", x, axes, keepdims=1)
+        return self("ReduceMean", x, axes=[-1], keepdims=1)
+
+    def function(self, name: str, inputs: list[ir.Value], outputs: list[ir.Value],
+                 attributes: list[ir.Attr]) -> ir.Function:
+        graph = ir.Graph(inputs, outputs, nodes=self.nodes, opset_imports={"": self.opset})
+        return ir.Function(DOMAIN, name, "", graph=graph, attributes=attributes)
+
+
+def _inputs(*names: str) -> list[ir.Value]:
+    return [ir.Value(name=n) for n in names]
+
+
+def _eps_attrs(default: float) -> list[ir.Attr]:
+    return [ir.AttrFloat32("epsilon", default), ir.AttrInt64("stash_type", 1)]
+
+
+def _layer_norm_core(b: _Body, x: ir.Value, scale: ir.Value, beta: ir.Value) -> ir.Value:
+    xs = b.to_stash(x)
+    d = b("Sub", xs, b.mean_last(xs))
+    var = b.mean_last(b("Mul", d, d))
+    y = b("Div", d, b("Sqrt", b("Add", var, b.const_ref("epsilon", xs))))
+    y = b("Add", b("Mul", y, b.like(scale, xs)), b.like(beta, xs))
+    return b.like(y, x)
+
+
+def _layer_norm_fn(opset: int) -> ir.Function:
+    b = _Body(opset)
+    x, scale, beta = _inputs("X", "Scale", "B")
+    y = _layer_norm_core(b, x, scale, beta)
+    return b.function("LayerNorm", [x, scale, beta], [y], _eps_attrs(1e-5))
+
+
+def _rms_norm_fn(opset: int) -> ir.Function:
+    b = _Body(opset)
+    x, scale = _inputs("X", "Scale")
+    xs = b.to_stash(x)
+    ms = b.mean_last(b("Mul", xs, xs))
+    y = b("Div", xs, b("Sqrt", b("Add", ms, b.const_ref("epsilon", xs))))
+    y = b.like(b("Mul", y, b.like(scale, xs)), x)
+    return b.function("RMSNorm", [x, scale], [y], _eps_attrs(1e-6))
+
+
+def _skip_layer_norm_fn(opset: int) -> ir.Function:
+    b = _Body(opset)
+    x, skip, scale, beta, bias = _inputs("X", "Skip", "Scale", "B", "Bias")
+    s = b("Add", b("Add", x, bias), skip)
+    y = _layer_norm_core(b, s, scale, beta)
+    return b.function("SkipLayerNorm", [x, skip, scale, beta, bias], [y, s], _eps_attrs(1e-5))
+
+
+def _gelu_expr(b: _Body, x: ir.Value, approximate: str) -> ir.Value:
+    xs = b.to_stash(x)
+    half_x = b("Mul", xs, b.const(0.5, xs))
+    if approximate == "tanh":
+        cube = b("Mul", b("Mul", xs, xs), xs)
+        inner = b("Mul", b("Add", xs, b("Mul", cube, b.const(GELU_TANH_COEF, xs))), b.const(SQRT_2_OVER_PI, xs))
+        core = b("Tanh", inner)
+    else:
+        core = b("Erf", b("Div", xs, b.const(SQRT_2, xs)))
+    y = b("Mul", half_x, b("Add", core, b.const(1.0, xs)))
+    return b.like(y, x)
+
+
+def _gelu_fn(name: str, approximate: str, with_bias: bool) -> Callable[[int], ir.Function]:
+    def build(opset: int) -> ir.Function:
+        b = _Body(opset)
+        if with_bias:
+            x, bias = _inputs("X", "Bias")
+            xin = b("Add", b.to_stash(x), b.like(bias, b.to_stash(x))) if opset >= 15 else b("Add", x, bias)
+            y = b.like(_gelu_expr(b, xin, approximate), x)
+            inputs = [x, bias]
+        else:
+            (x,) = _inputs("X")
+            y = _gelu_expr(b, x, approximate)
+            inputs = [x]
+        attrs = [ir.AttrInt64("stash_type", 1)]
+        return b.function(name, inputs, [y], attrs)
+
+    return build
+
+
+def _quick_gelu_fn(opset: int) -> ir.Function:
+    b = _Body(opset)
+    (x,) = _inputs("X")
+    xs = b.to_stash(x)
+    y = b("Mul", xs, b("Sigmoid", b("Mul", xs, b.const_ref("alpha", xs))))
+    return b.function("QuickGelu", [x], [b.like(y, x)], [ir.AttrFloat32("alpha", QUICK_GELU_ALPHA),
+                                                         ir.AttrInt64("stash_type", 1)])
+
+
+# ---------------------------------------------------------------------------------------------
+# shape inference
+# ---------------------------------------------------------------------------------------------
+
+
+def _same_as_first(node: ir.Node) -> None:
+    """Every output has the type and shape of input 0."""
+    x = node.inputs[0]
+    if x is None:
+        return
+    for out in node.outputs:
+        if x.type is not None:
+            out.type = x.type
+        if x.shape is not None:
+            out.shape = x.shape
+
+
+# ---------------------------------------------------------------------------------------------
+# declarations
+# ---------------------------------------------------------------------------------------------
+
+_REFERENCES: dict[str, Callable[..., Any]] = {
+    "LayerNorm": lambda x, scale, b, epsilon=1e-5, stash_type=1: (layer_norm(x, scale, b, epsilon),),
+    "RMSNorm": lambda x, scale, epsilon=1e-6, stash_type=1: (rms_norm(x, scale, epsilon),),
+    "SkipLayerNorm": lambda x, skip, scale, b, bias, epsilon=1e-5, stash_type=1: skip_layer_norm(
+        x, skip, scale, b, bias, epsilon
+    ),
+    "Gelu": lambda x, stash_type=1: (gelu(x, "none"),),
+    "FastGelu": lambda x, stash_type=1: (gelu(x, "tanh"),),
+    "QuickGelu": lambda x, alpha=QUICK_GELU_ALPHA, stash_type=1: (quick_gelu(x, alpha),),
+    "BiasGelu": lambda x, bias, stash_type=1: (bias_gelu(x, bias, "none"),),
+    "BiasFastGelu": lambda x, bias, stash_type=1: (bias_gelu(x, bias, "tanh"),),
+}
+
+_SCHEMAS: dict[str, tuple[tuple[str, ...], tuple[str, ...], dict[str, Any], Callable[[int], ir.Function], str]] = {
+    "LayerNorm": (("X", "Scale", "B"), ("Y",), {"epsilon": 1e-5, "stash_type": 1}, _layer_norm_fn,
+                  "LayerNorm over the last axis: (X - mean) / sqrt(var + epsilon) * Scale + B."),
+    "RMSNorm": (("X", "Scale"), ("Y",), {"epsilon": 1e-6, "stash_type": 1}, _rms_norm_fn,
+                "RMSNorm over the last axis: X / sqrt(mean(X^2) + epsilon) * Scale."),
+    "SkipLayerNorm": (("X", "Skip", "Scale", "B", "Bias"), ("Y", "Sum?"), {"epsilon": 1e-5, "stash_type": 1},
+                      _skip_layer_norm_fn,
+                      "Residual add and LayerNorm: Sum = X + Bias + Skip, Y = LayerNorm(Sum)."),
+    "Gelu": (("X",), ("Y",), {"stash_type": 1}, _gelu_fn("Gelu", "none", False),
+             "Exact GELU: X/2 (1 + erf(X / sqrt(2)))."),
+    "FastGelu": (("X",), ("Y",), {"stash_type": 1}, _gelu_fn("FastGelu", "tanh", False),
+                 "GELU, tanh approximation: X/2 (1 + tanh(sqrt(2/pi) (X + 0.044715 X^3)))."),
+    "QuickGelu": (("X",), ("Y",), {"alpha": QUICK_GELU_ALPHA, "stash_type": 1}, _quick_gelu_fn,
+                  "Sigmoid GELU approximation: X sigmoid(alpha X)."),
+    "BiasGelu": (("X", "Bias"), ("Y",), {"stash_type": 1}, _gelu_fn("BiasGelu", "none", True),
+                 "Exact GELU of X + Bias."),
+    "BiasFastGelu": (("X", "Bias"), ("Y",), {"stash_type": 1}, _gelu_fn("BiasFastGelu", "tanh", True),
+                     "tanh-approximated GELU of X + Bias."),
+}
+
+#: Names of the fused ops, all in the ``mograph`` domain.
+FUSED_OPS = tuple(_SCHEMAS)
+
+
+def custom_ops() -> list[CustomOp]:
+    """The declarations contributed through ``mograph_add_custom_ops``."""
+    from mograph.passes.fusion import lowering
+
+    out = []
+    for name, (inputs, outputs, attrs, fn, doc) in _SCHEMAS.items():
+        out.append(
+            CustomOp(
+                name=name,
+                domain=DOMAIN,
+                version=DOMAIN_VERSION,
+                doc=doc,
+                inputs=inputs,
+                outputs=outputs,
+                attributes=dict(attrs),
+                reference=_REFERENCES[name],
+                function=fn,
+                infer_shapes=_same_as_first,
+                lowerings=lowering.lowerings_for(name),
+            )
+        )
+    return out
+
+
+def function_for(name: str, opset: int) -> ir.Function:
+    """The function body of op ``name`` for a model whose default-domain opset is ``opset``."""
+    return _SCHEMAS[name][3](opset)

@@ -1,0 +1,72 @@
+"""``fuse-rmsnorm``: RMSNorm written out in primitive ops -> one ``mograph.RMSNorm``.
+
+The math matched, over the last axis of ``x`` (LLaMA, T5, Mistral ...)::
+
+    ms = E[x^2]                     ReduceMean or ReduceSum / N; square as Mul(x, x) or Pow(x, 2)
+    y  = x / sqrt(ms + eps)         Div by Sqrt, Mul by Reciprocal(Sqrt), Mul by Pow(., -0.5)
+       | x / sqrt(ms)               (no epsilon inside the root: eps = 0)
+    y  = y * scale                  optional, absorbed (see :mod:`._absorb`), as are the Casts to
+                                    float32 and back of fp16/bf16 models
+
+Run after ``fuse-layernorm``: a LayerNorm's tail ``d / sqrt(E[d^2] + eps)`` is an RMSNorm of the
+centred ``d`` (fusing it is correct, but LayerNorm fusion is the better rewrite).  Lowers to
+``SimplifiedLayerNormalization`` (``ort``), ``RMSNormalization`` (``onnx``, opset >= 23) or the
+``RMSNorm`` plugin (``tensorrt``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import onnx_ir as ir
+
+from mograph.passes.fusion._absorb import NormCastFusion, NormScaleFusion
+from mograph.passes.fusion._common import FusionPass, check_norm_input, mean_last, mograph_op, placeholder, square
+from mograph.patterns import MatchResult, OrValue, Rule, const
+
+__all__ = ["RMSNormFusion", "FuseRMSNormPass"]
+
+
+class RMSNormFusion(Rule):
+    """x / sqrt(E[x^2] + eps) over the last axis -> mograph.RMSNorm(x, 1)."""
+
+    min_candidate_nodes = 3
+
+    def pattern(self, op: Any, x: Any, eps: Any) -> Any:
+        ms = mean_last(op, square(op, x), tag="mean")
+        ms_eps = OrValue([op.Add(ms, eps), ms], tag_var="eps_form", tag_values=["eps", "no-eps"])
+        rms = op.Sqrt(ms_eps)
+        return OrValue(
+            [
+                op.Div(x, rms),
+                op.Mul(x, op.Reciprocal(rms)),
+                op.Mul(x, op.Pow(ms_eps, const(-0.5))),
+                op.Div(x, op.Pow(ms_eps, const(0.5))),
+            ],
+            tag_var="norm",
+            tag_values=["div-sqrt", "mul-reciprocal", "mul-pow", "div-pow"],
+        )
+
+    def check(self, context: Any, x: ir.Value, eps: ir.Value | None, **_: Any) -> MatchResult:
+        value = check_norm_input(self, x, eps)
+        if isinstance(value, MatchResult):
+            return value
+        self._eps = value
+        return self.ok()
+
+    def rewrite(self, op: Any, x: ir.Value, **_: Any) -> Any:
+        stash = int(ir.DataType.DOUBLE if x.dtype == ir.DataType.DOUBLE else ir.DataType.FLOAT)
+        return mograph_op(op, "RMSNorm", x, placeholder(op, 1.0, x), epsilon=self._eps, stash_type=stash)
+
+    def variant(self, bindings: dict[str, Any]) -> str | None:
+        parts = [bindings.get("norm"), bindings.get("eps_form"), bindings.get("mean")]
+        return ".".join(p for p in parts if p)
+
+
+class FuseRMSNormPass(FusionPass):
+    """Fuse RMSNorm subgraphs (with or without epsilon, any exporter's form) into one RMSNorm op."""
+
+    name = "fuse-rmsnorm"
+
+    def make_rules(self) -> list[Rule]:
+        return [RMSNormFusion(), NormCastFusion(("RMSNorm",)), NormScaleFusion(("RMSNorm",))]

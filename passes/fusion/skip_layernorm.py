@@ -1,0 +1,114 @@
+"""``fuse-skip-layernorm``: residual ``Add`` (+ optional bias ``Add``) then LayerNorm -> ``mograph.SkipLayerNorm``.
+
+The math matched::
+
+    s = (a + bias) + skip       bias a constant broadcast over the last axis (the dense layer's bias),
+      | a + skip                 in any order of the Adds' inputs
+    y = LayerNorm(s)            a ``mograph.LayerNorm`` (from ``fuse-layernorm``) or a standard
+                                ``LayerNormalization`` over the last axis (exporters at opset >= 17)
+
+When something else reads ``s`` (pre-LN transformers: the residual stream goes on to the next
+block), the fused op returns it as a second output, so nothing outside the pattern loses a value.
+Lowers to ``com.microsoft.SkipLayerNormalization`` (``ort``; sum as its 4th output; needs ``a`` and
+``skip`` of the same 2-D/3-D shape), ``Add`` + ``LayerNormalization`` (``onnx``, opset >= 17) or the
+``SkipLayerNorm`` plugin (``tensorrt``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from mograph.custom_ops import DOMAIN
+from mograph.passes.fusion._common import FusionPass, is_float, mograph_op
+from mograph.passes.fusion.ops import body_supports
+from mograph.patterns import MatchResult, OrValue, Rule, Var, constant_array
+
+__all__ = ["SkipLayerNormFusion", "FuseSkipLayerNormPass"]
+
+
+def _is_bias(context: Any, value: ir.Value) -> MatchResult:
+    arr = constant_array(value)
+    result = MatchResult()
+    if arr is None:
+        return result.fail("bias is not a constant")
+    if arr.ndim > 1 and any(d != 1 for d in arr.shape[:-1]):
+        return result.fail("bias does not broadcast over the last axis only")
+    return result
+
+
+class SkipLayerNormFusion(Rule):
+    """LayerNorm((a + bias) + skip) -> mograph.SkipLayerNorm(a, skip, scale, beta, bias) [+ sum]."""
+
+    min_candidate_nodes = 2
+
+    def pattern(self, op: Any, a: Any, skip: Any, scale: Any, beta: Any) -> Any:
+        bias = Var("bias", check=_is_bias)
+        s = OrValue([op.Add(op.Add(a, bias), skip), op.Add(a, skip)], name="sum",
+                    tag_var="form", tag_values=["bias", "plain"])
+        ln = OrValue(
+            [
+                op.LayerNorm(s, scale, beta, _domain=DOMAIN, _outputs=["ln_out"]),
+                op.LayerNormalization(s, scale, _allow_other_inputs=True, _outputs=["ln_out"]),
+            ],
+        )
+        return ln, s
+
+    def check(self, context: Any, a: ir.Value, skip: ir.Value, scale: ir.Value, ln_out: ir.Value,
+              sum: ir.Value, **kw: Any) -> MatchResult:
+        node = ln_out.producer()
+        assert node is not None
+        if "plugin_namespace" in node.attributes:
+            return self.fail("the LayerNorm is already a TensorRT plugin node", node)
+        if node.op_type == "LayerNormalization":
+            axis = node.attributes.get("axis")
+            rank = len(sum.shape) if sum.shape is not None else None
+            ax = -1 if axis is None else int(axis.value)
+            if not (ax == -1 or (rank is not None and ax == rank - 1)):
+                return self.fail(f"LayerNormalization '{node.name}' is not over the last axis", node)
+            if any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
+                return self.fail(f"mean or inverse std of '{node.name}' is read elsewhere", node)
+        if not is_float(sum):
+            return self.fail("the residual sum is not a floating-point tensor", sum)
+        if a.dtype != skip.dtype or a.dtype != sum.dtype:
+            return self.fail("the residual Add mixes dtypes", sum)
+        if not body_supports(getattr(self, "model_opset", 17), sum.dtype):
+            return self.fail("an fp16/bf16 skip LayerNorm needs opset >= 15", sum)
+        if sum.shape is not None and a.shape is not None and len(a.shape) != len(sum.shape):
+            return self.fail("the residual Add broadcasts a lower-rank input", sum)
+        return self.ok()
+
+    def rewrite(self, op: Any, a: ir.Value, skip: ir.Value, scale: ir.Value, ln_out: ir.Value,
+                sum: ir.Value, bias: ir.Value | None = None, **_: Any) -> Any:
+        node = ln_out.producer()
+        assert node is not None
+        attrs = {k: v.value for k, v in node.attributes.items() if k in ("epsilon", "stash_type")}
+        attrs.setdefault("epsilon", 1e-5)
+        beta = node.inputs[2] if len(node.inputs) > 2 else None
+        dtype = sum.dtype.numpy() if sum.dtype is not None else np.float32
+        if beta is None:
+            beta = op.Constant(value=ir.tensor(np.zeros(1, dtype=dtype)))
+        if bias is None:
+            bias = op.Constant(value=ir.tensor(np.zeros(1, dtype=dtype)))
+        elif constant_array(bias).ndim != 1:  # type: ignore[union-attr]
+            bias = op.initializer(ir.tensor(constant_array(bias).reshape(-1)), name="mograph_skip_bias")  # type: ignore[union-attr]
+        keep_sum = bool(sum.uses()) and any(c is not node for c, _ in sum.uses()) or sum.is_graph_output()
+        y, total = mograph_op(op, "SkipLayerNorm", a, skip, scale, beta, bias, _outputs=2, **attrs)
+        return y, (total if keep_sum else None)
+
+    def variant(self, bindings: dict[str, Any]) -> str | None:
+        s = bindings.get("sum")
+        keep = s is not None and (s.is_graph_output() or any(c.op_type not in ("LayerNorm", "LayerNormalization")
+                                                              for c, _ in s.uses()))
+        return f"{bindings.get('form')}{'.sum-output' if keep else ''}"
+
+
+class FuseSkipLayerNormPass(FusionPass):
+    """Fuse a residual Add (and bias) with the LayerNorm after it into one SkipLayerNorm op."""
+
+    name = "fuse-skip-layernorm"
+
+    def make_rules(self) -> list[Rule]:
+        return [SkipLayerNormFusion()]

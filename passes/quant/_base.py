@@ -1,0 +1,282 @@
+"""What the quantization passes share: their options, the calibration source, and the Q/DQ pass flow.
+
+The flow of a Q/DQ pass (``qdq-int8``, ``qdq-fp8``):
+
+1. find the candidates (MatMul, Gemm, Conv not yet quantized) and decide each one's precision: an edited
+   plan (``--precision-plan``) if given, else user overrides (``--keep-fp32``), else the default rules;
+2. refuse without calibration data, unless random data was asked for explicitly (``--calibration-random``);
+3. observe the activations to quantize on the calibration data (streaming) and turn the statistics into
+   ranges with the chosen calibrator;
+4. with ``--accuracy-budget``, replace the default rules by a measured per-layer sensitivity analysis;
+5. insert Q/DQ and write the precision plan (report ``details`` and ``--precision-plan-out``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import onnx_ir as ir
+
+from mograph.errors import OptionError
+from mograph.pass_infra import Option, Pass, PassResult
+from mograph.passes.quant import calibration as cal
+from mograph.passes.quant._qdq import (
+    Candidate,
+    QdqWriter,
+    Scheme,
+    default_precision,
+    find_candidates,
+    sensitive_nodes,
+    tensors_to_observe,
+)
+from mograph.passes.quant.plan import PrecisionPlan, load_plan, node_key, parse_budget
+
+__all__ = ["CALIBRATION_OPTIONS", "PLAN_OPTIONS", "QdqPassBase", "open_calibration", "parse_shapes"]
+
+logger = logging.getLogger(__name__)
+
+RANDOM_WARNING = (
+    "CALIBRATED ON RANDOM DATA (--calibration-random): the ranges do not describe real inputs and the "
+    "accuracy of this model is unknown; calibrate with --calibration-data before shipping it"
+)
+
+CALIBRATION_OPTIONS = (
+    Option(
+        "calibration-data",
+        str,
+        None,
+        "calibration feeds: a folder of .npz files, one .npz of stacked feeds, or module:function",
+        metavar="PATH|MODULE:FUNC",
+    ),
+    Option(
+        "calibration-random",
+        int,
+        0,
+        "calibrate on N seeded RANDOM samples instead of data (explicit opt-in; the report warns)",
+        metavar="N",
+    ),
+    Option("calibration-samples", int, 0, "use at most N calibration samples (0: all)", metavar="N"),
+    Option(
+        "shape",
+        str,
+        None,
+        "input shape for random calibration feeds, e.g. input_ids:1x128",
+        multiple=True,
+        metavar="NAME:DIMS",
+    ),
+)
+
+PLAN_OPTIONS = (
+    Option("precision-plan", str, None, "apply this edited precision plan (YAML) instead of deciding", metavar="FILE"),
+    Option("precision-plan-out", str, None, "write the per-node precision plan (YAML) here", metavar="FILE"),
+    Option(
+        "keep-fp32",
+        str,
+        None,
+        "node name or op type to keep in float (repeatable; recorded as a user override)",
+        multiple=True,
+        metavar="NODE|OP",
+    ),
+)
+
+QDQ_OPTIONS = (
+    Option("calibrator", str, "minmax", "how ranges are chosen", choices=("minmax", "percentile", "entropy")),
+    Option("percentile", float, 99.99, "percentile kept by --calibrator percentile", metavar="P"),
+    Option(
+        "accuracy-budget",
+        str,
+        None,
+        "measure per-layer sensitivity and keep the fewest layers in float that meet this budget",
+        metavar="cosine>=X|max-abs<=X",
+    ),
+    Option("sensitivity-samples", int, 8, "calibration samples used by the sensitivity analysis", metavar="N"),
+)
+
+
+def parse_shapes(items: list[str] | None) -> dict[str, tuple[int, ...]]:
+    """``["input_ids:1x128"]`` -> ``{"input_ids": (1, 128)}`` (the name may itself contain ':')."""
+    out: dict[str, tuple[int, ...]] = {}
+    for item in items or []:
+        if isinstance(item, (tuple, list)):
+            name, dims = item
+            out[str(name)] = tuple(int(d) for d in dims)
+            continue
+        name, sep, dims = str(item).rpartition(":")
+        try:
+            if not sep or not name:
+                raise ValueError
+            out[name] = tuple(int(d) for d in dims.lower().split("x"))
+        except ValueError as exc:
+            raise OptionError(f"--shape {item!r}: expected NAME:DIMS such as input_ids:1x128") from exc
+    return out
+
+
+def open_calibration(p: Pass, model: ir.Model) -> cal.CalibrationSource:
+    """The pass's calibration source; refuses (OptionError) when there is neither data nor explicit random."""
+    data = p.config.get("calibration_data")
+    random_n = int(p.config.get("calibration_random") or 0)
+    limit = int(p.config.get("calibration_samples") or 0) or None
+    if data is not None and random_n:
+        raise OptionError(f"{p.name}: give --calibration-data or --calibration-random, not both")
+    if data is not None:
+        return cal.open_source(data, model, limit=limit)
+    if random_n > 0:
+        logger.warning("%s: %s", p.name, RANDOM_WARNING)
+        return cal.RandomSource(model, random_n, parse_shapes(p.config.get("shape")))
+    raise OptionError(
+        f"{p.name} needs calibration data: --calibration-data DIR|FILE.npz|module:function. It will not calibrate "
+        "on random numbers silently; pass --calibration-random N to do so explicitly (the report will say so)."
+    )
+
+
+def calibration_meta(source: cal.CalibrationSource, samples: int, calibrator: str | None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"source": source.description, "samples": samples, "random": source.random}
+    if calibrator:
+        meta["calibrator"] = calibrator
+    if source.random:
+        meta["warning"] = RANDOM_WARNING
+    return meta
+
+
+class QdqPassBase(Pass):
+    """Shared flow of the Q/DQ passes; subclasses give the scheme."""
+
+    family = "quant"
+    precision: ClassVar[str] = "int8"
+    #: Optional ``callback(done, total)`` for calibration and sensitivity progress (set on the instance).
+    progress: Callable[[int, int | None], None] | None = None
+
+    def scheme(self) -> Scheme:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def check_model(self, model: ir.Model) -> None:
+        """Raise if the model cannot hold this pass's Q/DQ (opset too old)."""
+
+    def _decide(self, model: ir.Model, cands: list[Candidate]) -> tuple[dict[str, tuple[str, str]], set[str], list[str]]:
+        decisions = default_precision(model, cands, self.precision)
+        overridden: set[str] = set()
+        notes: list[str] = []
+        plan_src = self.config.get("precision_plan")
+        if plan_src:
+            user = load_plan(plan_src)
+            keys = {c.key for c in cands}
+            for e in user.entries:
+                if e.node not in keys:
+                    continue
+                if e.precision not in (self.precision, "fp32", "fp16", "float"):
+                    raise OptionError(
+                        f"{self.name}: plan entry {e.node!r} has precision {e.precision!r}; "
+                        f"use {self.precision} or fp32"
+                    )
+                prec = self.precision if e.precision == self.precision else "fp32"
+                if prec != decisions[e.node][0]:
+                    decisions[e.node] = (prec, f"user override (plan {plan_src})")
+                else:
+                    decisions[e.node] = (prec, f"from plan {plan_src}: {e.reason}" if e.reason else "from plan")
+                overridden.add(e.node)
+            unknown = [e.node for e in user.entries if e.op in ("MatMul", "Gemm", "Conv") and e.node not in keys]
+            if unknown:
+                notes.append(f"plan names {len(unknown)} node(s) not found or not quantizable here: {unknown[:5]}")
+        keep = set(self.config.get("keep_fp32") or [])
+        for c in cands:
+            if c.key in keep or c.node.op_type in keep:
+                decisions[c.key] = ("fp32", "user override (--keep-fp32)")
+                overridden.add(c.key)
+        return decisions, overridden, notes
+
+    def call(self, model: ir.Model) -> PassResult:
+        scheme = self.scheme()
+        cands, done = find_candidates(model)
+        stats: dict[str, int | float] = {"quantized": 0, "kept_float": 0, "skipped_already_quantized": len(done)}
+        plan = PrecisionPlan(self.name, meta={"scheme": scheme.name})
+        if not cands:
+            for node in done:
+                plan.add(node, "quantized", "already quantized (inputs come from DequantizeLinear)")
+            return PassResult(False, stats, {"plan": plan.to_dict()} if done else {})
+        self.check_model(model)
+        decisions, overridden, notes = self._decide(model, cands)
+        budget = None
+        if self.config.get("accuracy_budget") and not self.config.get("precision_plan"):
+            budget = parse_budget(self.config["accuracy_budget"])
+        measured = [c for c in cands if c.key not in overridden] if budget else []
+        wanted = [c for c in cands if decisions[c.key][0] == self.precision]
+        observe_for = wanted if not budget else [c for c in cands if c in measured or c in wanted]
+        source = None
+        ranges: dict[str, tuple[float, float]] = {}
+        if observe_for:
+            source = open_calibration(self, model)
+            calibrator = self.config.get("calibrator") or "minmax"
+            raw = cal.observe(
+                model,
+                tensors_to_observe(observe_for),
+                source,
+                histogram=cal.needs_histogram(calibrator),
+                progress=self.progress,
+            )
+            ranges = cal.compute_ranges(raw, calibrator, percentile=float(self.config.get("percentile") or 99.99))
+            stats["calibration_samples"] = max((s.samples for s in raw.values()), default=0)
+            plan.meta["calibration"] = calibration_meta(source, int(stats["calibration_samples"]), calibrator)
+            if source.random:
+                stats["calibrated_on_random_data"] = 1
+        if budget is not None and source is not None:
+            from mograph.passes.quant.sensitivity import analyse
+
+            n = int(self.config.get("sensitivity_samples") or 8)
+            samples = list(itertools.islice(iter(source), n))
+            fixed = {c.key for c in cands if c.key in overridden and decisions[c.key][0] == self.precision}
+            res = analyse(model, [c.key for c in measured], ranges, scheme, samples, budget, fixed=fixed,
+                          progress=self.progress)
+            for c in measured:
+                value = f"{budget.metric}={res.alone[c.key]:.6f} when quantized alone"
+                if c.key in res.keep:
+                    decisions[c.key] = ("fp32", f"measured sensitivity: {value}; kept to meet {budget}")
+                else:
+                    decisions[c.key] = (self.precision, f"measured sensitivity: {value}; within {budget}")
+            plan.meta["accuracy_budget"] = {
+                "budget": str(budget),
+                "measured": round(res.final, 6),
+                "met": res.met,
+                "kept_float": len(res.keep),
+                "samples": len(samples),
+                "evaluations": res.evaluations,
+            }
+            stats["sensitivity_evaluations"] = res.evaluations
+            if not res.met:
+                notes.append(f"accuracy budget {budget} not met even with every measured layer in float")
+        sensitive = sensitive_nodes(model)
+        writer = QdqWriter(model, scheme, ranges)
+        for c in cands:
+            prec, reason = decisions[c.key]
+            if prec == self.precision:
+                if writer.quantize(c):
+                    stats["quantized"] += 1
+                    stats[f"quantized.{c.node.op_type}"] = stats.get(f"quantized.{c.node.op_type}", 0) + 1
+                else:
+                    prec, reason = "fp32", "no calibrated range for an input (never observed as a float tensor)"
+            if prec != self.precision:
+                stats["kept_float"] += 1
+            plan.add(c.node, prec, reason)
+        for node, reason in sensitive:
+            plan.add(node, "fp32", reason)
+        for node in done:
+            plan.add(node, "quantized", "already quantized (inputs come from DequantizeLinear)")
+        stats["q_nodes"] = writer.q_nodes
+        stats["dq_nodes"] = writer.dq_nodes
+        details: dict[str, Any] = {"plan": plan.to_dict()}
+        if source is not None and source.random:
+            details = {"WARNING": RANDOM_WARNING, **details}
+        if notes:
+            details["notes"] = notes
+            for n in notes:
+                logger.warning("%s: %s", self.name, n)
+        out = self.config.get("precision_plan_out")
+        if out:
+            plan.write(out)
+            logger.info("%s: wrote precision plan to %s", self.name, out)
+        return PassResult(stats["quantized"] > 0, stats, details)
+
+
+__all__ += ["node_key", "RANDOM_WARNING", "QDQ_OPTIONS", "calibration_meta"]

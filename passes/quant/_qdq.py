@@ -1,0 +1,414 @@
+"""Where Q/DQ goes, the default precision rules, and the writer that inserts QuantizeLinear/DequantizeLinear.
+
+Placement follows what the backends fuse:
+
+- **activations** are quantized per tensor, once per tensor: one ``QuantizeLinear → DequantizeLinear``
+  pair right after the producer, whose output feeds every quantized consumer (Q, K and V projections of
+  one hidden state share it).  ONNX Runtime duplicates a shared DQ for each node group it fuses, and
+  TensorRT propagates a shared pair, so sharing costs neither backend a fusion.
+- **weights** become an integer (or FP8) initializer followed by a ``DequantizeLinear``; INT8 weights are
+  symmetric (zero point 0, range ``[-127, 127]``) with one scale per output channel (MatMul ``[K, N]``:
+  axis 1; Gemm: axis 0 with ``transB=1``, else 1; Conv ``[M, C, kh, kw]``: axis 0).
+- **bias** of Conv and Gemm becomes INT32 with scale ``input_scale * weight_scale[c]``, as ONNX Runtime's
+  ``QLinearConv``/``QGemm`` fusions require.
+- **Conv outputs** get their own pair as well: ONNX Runtime forms ``QLinearConv`` only from
+  ``DQ → Conv → Q``; MatMul and Gemm need no output pair (``DQ → MatMul`` becomes
+  ``MatMulIntegerToFloat``, ``DQ → Gemm`` a float-output ``QGemm``).
+
+Nothing is put inside the nodes a backend fuses with a MatMul (bias Add, GELU, LayerNorm): only the
+MatMul/Gemm/Conv inputs are touched.
+
+Default rules (each recorded as a plan reason): weight MatMul/Gemm/Conv are quantized; a MatMul of two
+activations (attention scores and context) stays in float — its inputs are the softmax output and the
+query/key/value tensors, whose quantization costs accuracy for little speed; the final projection (a
+candidate with no other candidate downstream) stays in float; embedding lookups, normalization and
+softmax are never quantized and are listed in the plan as such.  Nodes whose inputs already come from a
+``DequantizeLinear`` are skipped, so running a pass twice changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from mograph.passes.quant.plan import node_key
+
+__all__ = [
+    "Candidate",
+    "Scheme",
+    "INT8_U8",
+    "INT8_S8",
+    "FP8_E4M3",
+    "find_candidates",
+    "sensitive_nodes",
+    "default_precision",
+    "QdqWriter",
+    "tensors_to_observe",
+]
+
+QUANT_OPS = ("MatMul", "Gemm", "Conv")
+_FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, None)
+_NORM_OPS = {
+    "LayerNormalization",
+    "SimplifiedLayerNormalization",
+    "SkipLayerNormalization",
+    "BatchNormalization",
+    "InstanceNormalization",
+    "GroupNormalization",
+    "RMSNormalization",
+}
+
+
+@dataclass
+class Candidate:
+    """One node Q/DQ may be put in front of."""
+
+    node: ir.Node
+    key: str
+    act_inputs: tuple[int, ...]
+    weight_input: int | None
+    weight_axis: int | None
+    bias_input: int | None
+    quantize_output: bool
+
+    @property
+    def has_weight(self) -> bool:
+        return self.weight_input is not None
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """How values are quantized: element types, symmetric or not, per-channel weights or not."""
+
+    name: str
+    act_dtype: Any  # numpy dtype of quantized activations
+    weight_dtype: Any
+    act_symmetric: bool
+    per_channel: bool
+    qmax: float  # largest magnitude of the weight / symmetric activation range
+    is_float: bool = False
+
+    @property
+    def precision(self) -> str:
+        return "fp8" if self.is_float else "int8"
+
+
+INT8_U8 = Scheme("int8 (uint8 activations)", np.uint8, np.int8, False, True, 127.0)
+INT8_S8 = Scheme("int8 (int8 activations)", np.int8, np.int8, True, True, 127.0)
+
+
+def _fp8() -> Any:
+    import ml_dtypes
+
+    return ml_dtypes.float8_e4m3fn
+
+
+FP8_E4M3 = Scheme("fp8 e4m3fn", "float8_e4m3fn", "float8_e4m3fn", True, False, 448.0, is_float=True)
+
+
+def _is_const(v: ir.Value | None) -> bool:
+    return v is not None and v.const_value is not None
+
+
+def _from_dq(v: ir.Value | None) -> bool:
+    return v is not None and v.producer() is not None and v.producer().op_type == "DequantizeLinear"
+
+
+def _is_float(v: ir.Value | None) -> bool:
+    return v is not None and v.dtype in _FLOATS
+
+
+def find_candidates(model: ir.Model, ops: tuple[str, ...] = QUANT_OPS) -> tuple[list[Candidate], list[ir.Node]]:
+    """Nodes of the main graph Q/DQ can go in front of, and those already quantized (skipped)."""
+    cands: list[Candidate] = []
+    done: list[ir.Node] = []
+    for node in model.graph:
+        if node.domain not in ("", "ai.onnx") or node.op_type not in ops:
+            continue
+        ins = list(node.inputs)
+        if len(ins) < 2 or not all(_is_float(v) for v in ins[:2]):
+            continue
+        if any(_from_dq(v) for v in ins[:2]):
+            done.append(node)
+            continue
+        a, b = ins[0], ins[1]
+        if _is_const(a):  # constant left operand: not a layout the integer kernels take
+            continue
+        weight = 1 if _is_const(b) else None
+        axis = None
+        bias = None
+        if node.op_type == "MatMul":
+            if weight is not None:
+                rank = len(b.const_value.shape)  # type: ignore[union-attr]
+                if rank < 2:
+                    continue
+                axis = rank - 1
+            acts = (0,) if weight is not None else (0, 1)
+        elif node.op_type == "Gemm":
+            if weight is None:
+                continue
+            trans_b = node.attributes.get("transB")
+            axis = 0 if trans_b is not None and trans_b.as_int() == 1 else 1
+            acts = (0,)
+            beta = node.attributes.get("beta")
+            if len(ins) > 2 and _is_const(ins[2]) and (beta is None or beta.as_float() == 1.0):
+                if len(ins[2].const_value.shape) == 1:  # type: ignore[union-attr]
+                    bias = 2
+        else:  # Conv
+            if weight is None:
+                continue
+            axis = 0
+            acts = (0,)
+            if len(ins) > 2 and _is_const(ins[2]):
+                bias = 2
+        cands.append(
+            Candidate(
+                node=node,
+                key=node_key(node),
+                act_inputs=acts,
+                weight_input=weight,
+                weight_axis=axis,
+                bias_input=bias,
+                quantize_output=node.op_type == "Conv" and not node.outputs[0].is_graph_output(),
+            )
+        )
+    return cands, done
+
+
+def _final_projections(model: ir.Model, cands: list[Candidate]) -> set[str]:
+    """Keys of candidates with no other candidate downstream of them."""
+    cand_nodes = {id(c.node) for c in cands}
+    downstream: dict[int, bool] = {}
+    for node in reversed(list(model.graph)):
+        found = False
+        for out in node.outputs:
+            for use in out.uses():
+                consumer = use.node
+                if id(consumer) in cand_nodes or downstream.get(id(consumer), False):
+                    found = True
+                    break
+            if found:
+                break
+        downstream[id(node)] = found
+    return {c.key for c in cands if not downstream.get(id(c.node), False)}
+
+
+def default_precision(model: ir.Model, cands: list[Candidate], precision: str) -> dict[str, tuple[str, str]]:
+    """Default rule decision and reason for every candidate."""
+    finals = _final_projections(model, cands)
+    out: dict[str, tuple[str, str]] = {}
+    for c in cands:
+        if not c.has_weight:
+            out[c.key] = ("fp32", "default rule: activation x activation matmul (attention); sensitive, little gain")
+        elif c.key in finals:
+            out[c.key] = ("fp32", "default rule: final projection")
+        else:
+            out[c.key] = (precision, f"default rule: {c.node.op_type} with weights")
+    return out
+
+
+def sensitive_nodes(model: ir.Model) -> list[tuple[ir.Node, str]]:
+    """Nodes that stay in float by rule (listed in the plan): embeddings, normalization, softmax."""
+    out = []
+    for node in model.graph:
+        if node.op_type == "Gather" and node.inputs and _is_const(node.inputs[0]) and _is_float(node.inputs[0]):
+            out.append((node, "default rule: embedding lookup"))
+        elif node.op_type in _NORM_OPS:
+            out.append((node, "default rule: normalization"))
+        elif node.op_type in ("Softmax", "LogSoftmax"):
+            out.append((node, "default rule: softmax"))
+    return out
+
+
+def tensors_to_observe(cands: list[Candidate]) -> list[str]:
+    """Names of the activations whose ranges the given candidates need."""
+    names: list[str] = []
+    for c in cands:
+        for i in c.act_inputs:
+            v = c.node.inputs[i]
+            if v is not None and v.name:
+                names.append(v.name)
+        if c.quantize_output and c.node.outputs[0].name:
+            names.append(c.node.outputs[0].name)
+    return list(dict.fromkeys(names))
+
+
+class QdqWriter:
+    """Inserts Q/DQ into one graph for a :class:`Scheme`, sharing pairs per tensor and per weight."""
+
+    def __init__(self, model: ir.Model, scheme: Scheme, ranges: dict[str, tuple[float, float]]) -> None:
+        self.graph = model.graph
+        self.scheme = scheme
+        self.ranges = ranges
+        self._act: dict[int, tuple[ir.Value, np.ndarray]] = {}
+        self._weight: dict[tuple[int, int | None], tuple[ir.Value, np.ndarray]] = {}
+        self._names: set[str] = set(self.graph.initializers)
+        for node in self.graph:
+            self._names.update(o.name for o in node.outputs if o.name)
+        self._names.update(v.name for v in self.graph.inputs if v.name)
+        self.q_nodes = 0
+        self.dq_nodes = 0
+        self._first = next(iter(self.graph), None)
+
+    # -- helpers
+    def _name(self, base: str) -> str:
+        name, i = base, 1
+        while name in self._names:
+            i += 1
+            name = f"{base}_{i}"
+        self._names.add(name)
+        return name
+
+    def _init(self, base: str, array: np.ndarray) -> ir.Value:
+        value = ir.Value(name=self._name(base), const_value=ir.tensor(array))
+        self.graph.register_initializer(value)
+        return value
+
+    def _act_params(self, lo: float, hi: float) -> tuple[np.ndarray, np.ndarray]:
+        s = self.scheme
+        if s.is_float:
+            amax = max(abs(lo), abs(hi), 1e-12)
+            return np.array(amax / s.qmax, np.float32), np.zeros((), _fp8())
+        if s.act_symmetric:
+            amax = max(abs(lo), abs(hi), 1e-12)
+            return np.array(amax / 127.0, np.float32), np.zeros((), np.int8)
+        lo, hi = min(lo, 0.0), max(hi, 0.0)
+        scale = max((hi - lo) / 255.0, 1e-12)
+        zp = int(np.clip(round(-lo / scale), 0, 255))
+        return np.array(scale, np.float32), np.array(zp, np.uint8)
+
+    def _insert_at_start(self, nodes: list[ir.Node]) -> None:
+        if self._first is None:
+            self.graph.extend(nodes)
+        else:
+            self.graph.insert_before(self._first, nodes)
+
+    # -- activations
+    def activation(self, value: ir.Value) -> tuple[ir.Value, np.ndarray] | None:
+        """Q/DQ after ``value`` (once); return the DQ output and the scale, or None without a range."""
+        if id(value) in self._act:
+            return self._act[id(value)]
+        rng = self.ranges.get(value.name or "")
+        if rng is None:
+            return None
+        scale, zp = self._act_params(*rng)
+        base = value.name or "act"
+        s_val = self._init(f"{base}_scale", scale)
+        z_val = self._init(f"{base}_zero_point", zp)
+        q = ir.node("QuantizeLinear", [value, s_val, z_val], name=self._name(f"{base}_QuantizeLinear"))
+        q.outputs[0].name = self._name(f"{base}_quantized")
+        dq = ir.node("DequantizeLinear", [q.outputs[0], s_val, z_val], name=self._name(f"{base}_DequantizeLinear"))
+        dq.outputs[0].name = self._name(f"{base}_dequantized")
+        if value.dtype is not None:
+            dq.outputs[0].dtype = value.dtype
+            dq.outputs[0].shape = value.shape
+            q.outputs[0].dtype = ir.DataType.from_numpy(zp.dtype)
+            q.outputs[0].shape = value.shape
+        producer = value.producer()
+        if producer is not None:
+            self.graph.insert_after(producer, [q, dq])
+        else:
+            self._insert_at_start([q, dq])
+        self.q_nodes += 1
+        self.dq_nodes += 1
+        self._act[id(value)] = (dq.outputs[0], scale)
+        return self._act[id(value)]
+
+    # -- weights
+    def weight(self, value: ir.Value, axis: int | None) -> tuple[ir.Value, np.ndarray]:
+        """Quantized initializer + DQ for ``value`` (once per weight and axis)."""
+        key = (id(value), axis)
+        if key in self._weight:
+            return self._weight[key]
+        w = value.const_value.numpy().astype(np.float32)  # type: ignore[union-attr]
+        s = self.scheme
+        if s.per_channel and axis is not None:
+            reduce_axes = tuple(i for i in range(w.ndim) if i != axis)
+            amax = np.abs(w).max(axis=reduce_axes) if reduce_axes else np.abs(w)
+            scale = np.maximum(amax / s.qmax, 1e-12).astype(np.float32)
+            bshape = [1] * w.ndim
+            bshape[axis] = -1
+            q = w / scale.reshape(bshape)
+        else:
+            scale = np.array(max(float(np.abs(w).max()) / s.qmax, 1e-12), np.float32)
+            q = w / scale
+        base = value.name or "weight"
+        if s.is_float:
+            qarr = np.clip(q, -s.qmax, s.qmax).astype(_fp8())
+            zp = np.zeros(scale.shape, _fp8())
+        else:
+            qarr = np.clip(np.rint(q), -127, 127).astype(np.int8)
+            zp = np.zeros(scale.shape, np.int8)
+        q_val = self._init(f"{base}_quantized", qarr)
+        s_val = self._init(f"{base}_scale", scale)
+        z_val = self._init(f"{base}_zero_point", zp)
+        attrs = {"axis": int(axis)} if scale.ndim == 1 and axis is not None else {}
+        dq = ir.node("DequantizeLinear", [q_val, s_val, z_val], attrs, name=self._name(f"{base}_DequantizeLinear"))
+        dq.outputs[0].name = self._name(f"{base}_dequantized")
+        dq.outputs[0].dtype = ir.DataType.FLOAT
+        dq.outputs[0].shape = ir.Shape(list(w.shape))
+        self._insert_at_start([dq])
+        self.dq_nodes += 1
+        self._weight[key] = (dq.outputs[0], scale)
+        return self._weight[key]
+
+    def bias(self, value: ir.Value, act_scale: np.ndarray, w_scale: np.ndarray) -> ir.Value:
+        b = value.const_value.numpy().astype(np.float64)  # type: ignore[union-attr]
+        scale = (float(act_scale) * w_scale.astype(np.float64)).reshape(-1)
+        if scale.size == 1:
+            scale = np.full(b.shape, scale[0])
+        scale = np.maximum(scale, 1e-30)
+        q = np.clip(np.rint(b / scale), -(2**31), 2**31 - 1).astype(np.int32)
+        base = value.name or "bias"
+        q_val = self._init(f"{base}_quantized", q)
+        s_val = self._init(f"{base}_scale", scale.astype(np.float32))
+        z_val = self._init(f"{base}_zero_point", np.zeros(b.shape, np.int32))
+        dq = ir.node("DequantizeLinear", [q_val, s_val, z_val], {"axis": 0}, name=self._name(f"{base}_DequantizeLinear"))
+        dq.outputs[0].name = self._name(f"{base}_dequantized")
+        dq.outputs[0].dtype = ir.DataType.FLOAT
+        dq.outputs[0].shape = ir.Shape(list(b.shape))
+        self._insert_at_start([dq])
+        self.dq_nodes += 1
+        return dq.outputs[0]
+
+    # -- nodes
+    def quantize(self, c: Candidate) -> bool:
+        """Put Q/DQ in front of candidate ``c``; False (and nothing changed) if a range is missing."""
+        node = c.node
+        names = [node.inputs[i].name or "" for i in c.act_inputs]  # type: ignore[union-attr]
+        if c.quantize_output:
+            names.append(node.outputs[0].name or "")
+        if any(n not in self.ranges for n in names):
+            return False
+        act_scale = None
+        for i in c.act_inputs:
+            v = node.inputs[i]
+            assert v is not None
+            dq_out, act_scale = self.activation(v)  # type: ignore[misc]
+            node.replace_input_with(i, dq_out)
+        if c.weight_input is not None:
+            w_in = node.inputs[c.weight_input]
+            assert w_in is not None
+            dq_w, w_scale = self.weight(w_in, c.weight_axis)
+            node.replace_input_with(c.weight_input, dq_w)
+            self._drop_if_unused(w_in)
+            if c.bias_input is not None and not self.scheme.is_float and act_scale is not None:
+                b_in = node.inputs[c.bias_input]
+                assert b_in is not None
+                node.replace_input_with(c.bias_input, self.bias(b_in, act_scale, w_scale))
+                self._drop_if_unused(b_in)
+        if c.quantize_output:
+            out = node.outputs[0]
+            dq_out, _ = self.activation(out)  # type: ignore[misc]
+            q_node = dq_out.producer().inputs[0].producer()  # type: ignore[union-attr]
+            for use in list(out.uses()):
+                if use.node is not q_node:
+                    use.node.replace_input_with(use.idx, dq_out)
+        return True
+
+    def _drop_if_unused(self, value: ir.Value) -> None:
+        if not value.uses() and value.is_initializer() and not value.is_graph_output() and value.name:
+            self.graph.initializers.pop(value.name, None)

@@ -1,0 +1,471 @@
+"""Calibration: where the feeds come from, how intermediate tensors are observed, and the calibrators.
+
+Quantization needs the range of every tensor it quantizes, measured on data that looks like what the
+model will see.  This module provides three things:
+
+**Sources** (:func:`open_source`).  ``--calibration-data`` is one of
+
+- a folder of ``.npz`` files, each one feed (``{input name: array}``), read one at a time in name order;
+- one ``.npz`` file of stacked feeds: every array has one more leading axis than the model input (sample
+  ``i`` is ``array[i]``), or the same rank (sample ``i`` is ``array[i:i+1]``, a batch of one);
+- ``module:function``: the function is called (again for every pass over the data) and returns an
+  iterable of feeds, so data can be generated or read lazily.
+
+Random data is never used silently: :class:`RandomSource` exists only for an explicit
+``--calibration-random N``, and the passes report it prominently.
+
+**Observation** (:func:`observe`).  A copy of the model is given the tensors to watch as extra graph
+outputs and run by ONNX Runtime with its graph optimizations off (so the tensors observed are the
+tensors of the graph, not of a fused one).  Feeds are processed one at a time and folded into
+per-tensor statistics (:class:`TensorStats`: min, max, largest magnitude, largest reduced extent and a
+signed histogram), so memory does not grow with the number of samples; samples may have different shapes
+(sentences of different lengths).  Progress is logged at INFO and given to an optional callback.
+
+**Calibrators** turn statistics into a ``(low, high)`` range per tensor:
+
+- ``minmax``: the observed extremes;
+- ``percentile``: the ``p``-th percentile at each end of the histogram (clips rare outliers);
+- ``entropy``: the symmetric threshold minimising the KL divergence between the histogram and its
+  128-level quantized version (the TensorRT INT8 calibration method).
+
+The histogram covers ``[-R, R]`` with a fixed number of bins; when a sample exceeds ``R`` the range doubles
+and neighbouring bins merge, so no sample needs to be kept to rebin later.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from mograph.errors import BackendUnavailableError, OptionError
+
+__all__ = [
+    "Feed",
+    "CalibrationSource",
+    "RandomSource",
+    "open_source",
+    "TensorStats",
+    "observe",
+    "CALIBRATORS",
+    "compute_ranges",
+    "needs_histogram",
+    "run_model",
+]
+
+logger = logging.getLogger(__name__)
+
+Feed = dict[str, np.ndarray]
+ProgressCallback = Callable[[int, "int | None"], None]
+
+_HIST_BINS = 2048  # signed histogram over [-R, R]; must be divisible by 4
+
+
+# ------------------------------------------------------------------------------------------- sources
+
+
+@dataclass
+class _InputSpec:
+    name: str
+    dtype: np.dtype
+    rank: int | None
+    shape: tuple[int | str | None, ...] | None
+
+
+def _input_specs(model: ir.Model) -> list[_InputSpec]:
+    specs = []
+    for v in model.graph.inputs:
+        if v.is_initializer():
+            continue
+        dtype = v.dtype.numpy() if v.dtype is not None else np.dtype(np.float32)
+        shape = None
+        if v.shape is not None:
+            shape = tuple(d if isinstance(d, int) else (str(d) if d is not None else None) for d in v.shape)
+        specs.append(_InputSpec(v.name or "", np.dtype(dtype), len(shape) if shape is not None else None, shape))
+    return specs
+
+
+class CalibrationSource:
+    """A re-iterable stream of feeds. ``description`` says where they come from (for the report)."""
+
+    random = False
+
+    def __init__(self, factory: Callable[[], Iterable[Mapping[str, Any]]], description: str,
+                 model: ir.Model, limit: int | None = None, count: int | None = None) -> None:
+        self._factory = factory
+        self.description = description
+        self._specs = _input_specs(model)
+        self.limit = limit if limit else None
+        self._count = count
+
+    @property
+    def count(self) -> int | None:
+        """Number of samples one pass yields, when known in advance."""
+        if self._count is None:
+            return self.limit
+        return min(self._count, self.limit) if self.limit else self._count
+
+    def __iter__(self) -> Iterator[Feed]:
+        for i, raw in enumerate(self._factory()):
+            if self.limit is not None and i >= self.limit:
+                return
+            yield self._check(raw, i)
+
+    def _check(self, raw: Mapping[str, Any], index: int) -> Feed:
+        if not isinstance(raw, Mapping):
+            raise OptionError(f"calibration sample {index} from {self.description} is not a dict of arrays")
+        names = [s.name for s in self._specs]
+        missing = [n for n in names if n not in raw]
+        if missing:
+            raise OptionError(
+                f"calibration sample {index} from {self.description} lacks model input(s) {missing} "
+                f"(it has {sorted(raw)})"
+            )
+        feed: Feed = {}
+        for spec in self._specs:
+            arr = np.asarray(raw[spec.name])
+            if spec.rank is not None and arr.ndim != spec.rank:
+                raise OptionError(
+                    f"calibration sample {index} from {self.description}: input {spec.name!r} has rank "
+                    f"{arr.ndim}, the model expects {spec.rank}"
+                )
+            feed[spec.name] = arr.astype(spec.dtype, copy=False)
+        return feed
+
+
+class RandomSource(CalibrationSource):
+    """Seeded random feeds. Only ever used when the user asks for it explicitly."""
+
+    random = True
+
+    def __init__(self, model: ir.Model, samples: int, shapes: Mapping[str, tuple[int, ...]] | None = None,
+                 seed: int = 0) -> None:
+        specs = _input_specs(model)
+        shapes = dict(shapes or {})
+        vocab = _vocab_sizes(model)
+
+        def make() -> Iterator[Feed]:
+            rng = np.random.default_rng(seed)
+            for _ in range(samples):
+                feed = {}
+                for s in specs:
+                    if s.name in shapes:
+                        shape = tuple(shapes[s.name])
+                    else:
+                        shape = tuple(d if isinstance(d, int) else 1 for d in (s.shape or ()))
+                    if np.issubdtype(s.dtype, np.floating):
+                        feed[s.name] = rng.standard_normal(shape).astype(s.dtype)
+                    elif s.dtype == np.bool_:
+                        feed[s.name] = rng.integers(0, 2, shape).astype(np.bool_)
+                    elif "mask" in s.name.lower():
+                        feed[s.name] = np.ones(shape, dtype=s.dtype)
+                    else:
+                        feed[s.name] = rng.integers(0, vocab.get(s.name, 100), shape).astype(s.dtype)
+                yield feed
+
+        super().__init__(make, f"RANDOM data ({samples} seeded samples)", model, count=samples)
+
+
+def _vocab_sizes(model: ir.Model) -> dict[str, int]:
+    """For integer graph inputs used as Gather indices into an initializer: that table's row count."""
+    out: dict[str, int] = {}
+    for v in model.graph.inputs:
+        for use in v.uses():
+            node = use.node
+            if node.op_type == "Gather" and use.idx == 1 and node.inputs[0] is not None:
+                table = node.inputs[0].const_value
+                if table is not None and len(table.shape) > 0:
+                    out[v.name or ""] = int(table.shape[0])
+    return out
+
+
+def _npz_folder(folder: Path) -> Callable[[], Iterator[dict[str, np.ndarray]]]:
+    files = sorted(folder.glob("*.npz"))
+    if not files:
+        raise OptionError(f"--calibration-data: folder {folder} holds no .npz files")
+
+    def gen() -> Iterator[dict[str, np.ndarray]]:
+        for f in files:
+            with np.load(f, allow_pickle=False) as z:
+                yield {k: z[k] for k in z.files}
+
+    gen.count = len(files)  # type: ignore[attr-defined]
+    return gen
+
+
+def _npz_stacked(path: Path, specs: list[_InputSpec]) -> Callable[[], Iterator[dict[str, np.ndarray]]]:
+    ranks = {s.name: s.rank for s in specs}
+    with np.load(path, allow_pickle=False) as z:
+        lengths = {k: z[k].shape[0] if z[k].ndim else 0 for k in z.files}
+    if len(set(lengths.values())) != 1:
+        raise OptionError(f"--calibration-data: arrays in {path} differ in their leading (sample) axis: {lengths}")
+
+    def gen() -> Iterator[dict[str, np.ndarray]]:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+        n = next(iter(lengths.values()))
+        for i in range(n):
+            feed = {}
+            for k, a in arrays.items():
+                rank = ranks.get(k)
+                feed[k] = a[i : i + 1] if rank is not None and a.ndim == rank else a[i]
+            yield feed
+
+    gen.count = next(iter(lengths.values()))  # type: ignore[attr-defined]
+    return gen
+
+
+def _module_function(spec: str) -> Callable[[], Iterable[Mapping[str, Any]]]:
+    mod_name, _, func_name = spec.partition(":")
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise OptionError(f"--calibration-data {spec}: cannot import module {mod_name!r} ({exc})") from exc
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise OptionError(f"--calibration-data {spec}: {mod_name} has no callable {func_name!r}")
+    return func
+
+
+def open_source(data: Any, model: ir.Model, *, limit: int | None = None) -> CalibrationSource:
+    """Open ``--calibration-data``: a path (folder or ``.npz``), ``module:function``, a callable or a list.
+
+    Raises :class:`OptionError` for anything that is none of these.
+    """
+    if isinstance(data, CalibrationSource):
+        return data
+    if callable(data):
+        return CalibrationSource(data, f"{getattr(data, '__name__', 'callable')}()", model, limit)
+    if isinstance(data, (list, tuple)):
+        items = list(data)
+        return CalibrationSource(lambda: iter(items), f"{len(items)} in-memory feeds", model, limit, len(items))
+    if not isinstance(data, (str, Path)):
+        raise OptionError(f"--calibration-data: expected a path or module:function, not {type(data).__name__}")
+    path = Path(data)
+    if path.is_dir():
+        gen = _npz_folder(path)
+        return CalibrationSource(gen, f"folder {path}", model, limit, gen.count)  # type: ignore[attr-defined]
+    if path.suffix == ".npz":
+        if not path.exists():
+            raise OptionError(f"--calibration-data: file {path} does not exist")
+        gen = _npz_stacked(path, _input_specs(model))
+        return CalibrationSource(gen, f"stacked feeds {path}", model, limit, gen.count)  # type: ignore[attr-defined]
+    text = str(data)
+    if ":" in text and not path.exists():
+        return CalibrationSource(_module_function(text), text, model, limit)
+    raise OptionError(
+        f"--calibration-data {text!r}: not a folder of .npz feeds, a .npz of stacked feeds, or module:function"
+    )
+
+
+# ------------------------------------------------------------------------------------------- observing
+
+
+@dataclass
+class TensorStats:
+    """Streaming statistics of one tensor over all calibration samples."""
+
+    min: float = math.inf
+    max: float = -math.inf
+    samples: int = 0
+    max_reduced: int = 0  # largest number of elements along the last axis seen (for reductions)
+    hist: np.ndarray | None = None
+    hist_range: float = 0.0  # histogram covers [-hist_range, hist_range]
+    nonfinite: int = 0
+
+    @property
+    def amax(self) -> float:
+        return max(abs(self.min), abs(self.max)) if self.samples else 0.0
+
+    def update(self, x: np.ndarray, histogram: bool) -> None:
+        x = np.asarray(x)
+        if x.size == 0:
+            return
+        finite = np.isfinite(x)
+        if not finite.all():
+            self.nonfinite += int((~finite).sum())
+            x = x[finite]
+            if x.size == 0:
+                return
+        lo, hi = float(x.min()), float(x.max())
+        self.min, self.max = min(self.min, lo), max(self.max, hi)
+        self.samples += 1
+        self.max_reduced = max(self.max_reduced, int(x.shape[-1]) if x.ndim else 1)
+        if histogram:
+            self._hist_update(x.ravel().astype(np.float32, copy=False), max(abs(lo), abs(hi)))
+
+    def _hist_update(self, x: np.ndarray, m: float) -> None:
+        if self.hist is None:
+            self.hist = np.zeros(_HIST_BINS, dtype=np.int64)
+            self.hist_range = m if m > 0 else 1e-8
+        while m > self.hist_range:  # double the range: merge bin pairs, pad a quarter on each side
+            merged = self.hist.reshape(-1, 2).sum(axis=1)
+            pad = _HIST_BINS // 4
+            self.hist = np.concatenate([np.zeros(pad, np.int64), merged, np.zeros(pad, np.int64)])
+            self.hist_range *= 2.0
+        r = self.hist_range
+        idx = ((x + r) * (_HIST_BINS / (2.0 * r))).astype(np.int64)
+        np.clip(idx, 0, _HIST_BINS - 1, out=idx)
+        self.hist += np.bincount(idx, minlength=_HIST_BINS)
+
+
+def _require_ort() -> Any:
+    try:
+        import onnxruntime as ort
+    except ImportError as exc:
+        raise BackendUnavailableError("onnxruntime (needed to calibrate)", "ort") from exc
+    return ort
+
+
+def _session(model_bytes: bytes) -> Any:
+    ort = _require_ort()
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 3
+    return ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
+
+
+def _with_outputs(model: ir.Model, names: Iterable[str]) -> bytes:
+    """Serialize a copy of ``model`` whose graph also outputs the named tensors."""
+    import onnx
+
+    proto = ir.serde.serialize_model(model)
+    have = {o.name for o in proto.graph.output}
+    values = _values_by_name(model)
+    for name in names:
+        if name in have:
+            continue
+        v = values.get(name)
+        elem = v.dtype.value if v is not None and v.dtype is not None else onnx.TensorProto.FLOAT
+        proto.graph.output.append(onnx.helper.make_tensor_value_info(name, elem, None))
+    return proto.SerializeToString()
+
+
+def _values_by_name(model: ir.Model) -> dict[str, ir.Value]:
+    out: dict[str, ir.Value] = {v.name: v for v in model.graph.inputs if v.name}
+    for node in model.graph:
+        for v in node.outputs:
+            if v.name:
+                out[v.name] = v
+    return out
+
+
+def run_model(model_bytes: bytes, feeds: Iterable[Feed], output_names: list[str] | None = None) -> Iterator[list[np.ndarray]]:
+    """Run serialized ``model_bytes`` (ORT, optimizations off) on each feed; yield the outputs."""
+    sess = _session(model_bytes)
+    for feed in feeds:
+        yield sess.run(output_names, feed)
+
+
+def observe(
+    model: ir.Model,
+    tensors: Iterable[str],
+    source: CalibrationSource,
+    *,
+    histogram: bool = False,
+    progress: ProgressCallback | None = None,
+) -> dict[str, TensorStats]:
+    """Run every calibration feed once and return streaming statistics of each named tensor."""
+    names = list(dict.fromkeys(tensors))
+    stats = {n: TensorStats() for n in names}
+    if not names:
+        return stats
+    sess = _session(_with_outputs(model, names))
+    total = source.count
+    every = max(1, (total or 100) // 10)
+    seen = 0
+    for feed in source:
+        outs = sess.run(names, feed)
+        for name, arr in zip(names, outs):
+            if np.issubdtype(arr.dtype, np.floating):
+                stats[name].update(arr, histogram)
+        seen += 1
+        if progress is not None:
+            progress(seen, total)
+        if seen % every == 0 or seen == total:
+            logger.info("calibration: %d/%s samples from %s", seen, total if total is not None else "?",
+                        source.description)
+    if seen == 0:
+        raise OptionError(f"--calibration-data: {source.description} yielded no samples")
+    return stats
+
+
+# ------------------------------------------------------------------------------------------- calibrators
+
+
+def _minmax(s: TensorStats, **_: Any) -> tuple[float, float]:
+    return s.min, s.max
+
+
+def _hist_edges(s: TensorStats) -> np.ndarray:
+    return np.linspace(-s.hist_range, s.hist_range, _HIST_BINS + 1)
+
+
+def _percentile(s: TensorStats, percentile: float = 99.99, **_: Any) -> tuple[float, float]:
+    if s.hist is None or s.hist.sum() == 0:
+        return s.min, s.max
+    cdf = np.cumsum(s.hist) / s.hist.sum()
+    tail = (100.0 - percentile) / 100.0
+    edges = _hist_edges(s)
+    lo = float(edges[int(np.searchsorted(cdf, tail, side="left"))])
+    hi = float(edges[min(int(np.searchsorted(cdf, 1.0 - tail, side="left")) + 1, _HIST_BINS)])
+    return max(lo, s.min), min(hi, s.max)
+
+
+def _entropy(s: TensorStats, levels: int = 128, **_: Any) -> tuple[float, float]:
+    if s.hist is None or s.hist.sum() == 0:
+        return s.min, s.max
+    half = _HIST_BINS // 2
+    absh = (s.hist[half:] + s.hist[:half][::-1]).astype(np.float64)  # |x| histogram, half bins over [0, R]
+    width = s.hist_range / half
+    last = int(np.nonzero(absh)[0][-1]) + 1 if absh.any() else half
+    if last <= levels:
+        return s.min, s.max
+    best_i, best_kl = last, math.inf
+    for i in range(levels, last + 1, max(1, (last - levels) // 256)):
+        ref = absh[:i].copy()
+        ref[i - 1] += absh[i:].sum()
+        chunks = np.array_split(absh[:i], levels)
+        q = np.concatenate(
+            [np.where(c > 0, c.sum() / max(int((c > 0).sum()), 1), 0.0) for c in chunks]
+        )
+        p_sum, q_sum = ref.sum(), q.sum()
+        if q_sum == 0:
+            continue
+        p = ref / p_sum
+        qq = q / q_sum
+        mask = p > 0
+        kl = float(np.sum(p[mask] * np.log(p[mask] / np.maximum(qq[mask], 1e-12))))
+        if kl < best_kl:
+            best_kl, best_i = kl, i
+    t = (best_i + 0.5) * width
+    return max(s.min, -t), min(s.max, t)
+
+
+CALIBRATORS: dict[str, Callable[..., tuple[float, float]]] = {
+    "minmax": _minmax,
+    "percentile": _percentile,
+    "entropy": _entropy,
+}
+
+
+def compute_ranges(stats: Mapping[str, TensorStats], calibrator: str, **kwargs: Any) -> dict[str, tuple[float, float]]:
+    """Apply a calibrator to every tensor's statistics."""
+    fn = CALIBRATORS[calibrator]
+    out = {}
+    for name, s in stats.items():
+        if s.samples == 0:
+            continue
+        out[name] = fn(s, **kwargs)
+    return out
+
+
+def needs_histogram(calibrator: str) -> bool:
+    return calibrator != "minmax"

@@ -1,0 +1,205 @@
+"""Fix dynamic input dimensions to concrete sizes, propagate them, and fold what becomes constant.
+
+Exporters leave batch and sequence dimensions symbolic, and every layer then recomputes its reshape
+targets at run time (``Shape -> Gather -> Unsqueeze -> Concat -> Reshape``).  A deployment that always
+runs one size gains from pinning it: once the inputs are static, shape inference makes every shape in
+the graph static, those shape computations fold into constants, and the model shrinks and runs faster.
+
+Two ways to say what to pin, combinable:
+
+- ``--shape NAME:D1xD2...`` gives an input its whole shape.  The name may contain ``:`` (the dims follow
+  the last one).  Symbols of that input's dynamic dims are pinned everywhere they occur: fixing
+  ``input_ids:1x128`` also fixes ``attention_mask`` when both say ``[batch, seq]``.
+- ``--dim SYMBOL=SIZE`` pins a named dimension in every input that uses it.
+
+Refused with ``OptionError`` naming the input and dimension: an unknown input or symbol, a size that is
+not positive, a rank that differs from the input's, a size that contradicts a static dim of the model,
+and two requests giving one symbol different sizes.
+
+Every derived shape (node outputs, graph outputs, value_info, subgraphs included) is cleared before
+shape inference runs again, so a wrong declared shape never survives: inference is derived from the
+computation.  Only where inference derives nothing does a graph output keep its declared shape, with
+the pinned symbols substituted.  Folding is onnxscript's constant folder followed by dead-node removal;
+it folds results up to ``FOLD_OUTPUT_LIMIT`` elements (shape arithmetic is tiny; bigger folds are the
+``fold-constants`` pass's business).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import onnx_ir as ir
+from mograph.passes.shape._spec import find_input, parse_dim_assignment, parse_shape_spec
+from onnx_ir.passes import common as irp
+from onnxscript.optimizer import _constant_folding as cf
+
+from mograph.errors import OptionError
+from mograph.pass_infra import Option, Pass, PassResult
+
+__all__ = ["FixShapesPass", "FOLD_OUTPUT_LIMIT"]
+
+logger = logging.getLogger(__name__)
+
+#: Largest folded tensor, in elements, that fix-shapes creates.
+FOLD_OUTPUT_LIMIT = 8192
+#: Largest constant input the folder reads (a position-id table of a few thousand entries is fine).
+FOLD_INPUT_LIMIT = 1 << 20
+
+
+def _dims(value: ir.Value) -> list[int | str | None] | None:
+    if value.shape is None:
+        return None
+    return [d if isinstance(d, int) else d.value if isinstance(d.value, str) else None for d in value.shape.dims]
+
+
+def _node_count(model: ir.Model) -> int:
+    return sum(1 for _ in ir.traversal.RecursiveGraphIterator(model.graph))
+
+
+class FixShapesPass(Pass):
+    """Pin dynamic input dims (--shape NAME:1x128, --dim batch=1), re-infer shapes, fold the shape arithmetic."""
+
+    name = "fix-shapes"
+    family = "shape"
+    options = (
+        Option(
+            "shape",
+            str,
+            None,
+            "input shape to pin, NAME:D1xD2... (e.g. input_ids:1x128); repeatable",
+            multiple=True,
+            metavar="NAME:DIMS",
+        ),
+        Option(
+            "dim",
+            str,
+            None,
+            "named dimension to pin in every input, SYMBOL=SIZE (e.g. batch=1); repeatable",
+            multiple=True,
+            metavar="SYMBOL=SIZE",
+        ),
+    )
+
+    # ------------------------------------------------------------------------------------------ plan
+    def _plan(self, graph: ir.Graph) -> dict[str, tuple[int | str | None, ...]]:
+        """New dims per input name, for the inputs whose dims change."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        for spec in self.config["shape"]:
+            name, dims = parse_shape_spec(spec, self.name)
+            if name in shapes and shapes[name] != dims:
+                raise OptionError(f"{self.name}: input '{name}' given two shapes: {shapes[name]} and {dims}")
+            find_input(graph, name, self.name)
+            shapes[name] = dims
+        symbols: dict[str, tuple[int, str]] = {}  # symbol -> (size, where it was asked)
+        for spec in self.config["dim"]:
+            sym, size = parse_dim_assignment(spec, self.name)
+            if sym in symbols and symbols[sym][0] != size:
+                raise OptionError(f"{self.name}: --dim {sym} given two sizes: {symbols[sym][0]} and {size}")
+            symbols[sym] = (size, f"--dim {sym}={size}")
+        inits = set(graph.initializers)
+        inputs = [v for v in graph.inputs if v.name not in inits]
+        used_symbols = {d for v in inputs for d in (_dims(v) or []) if isinstance(d, str)}
+        for sym in symbols:
+            if sym not in used_symbols:
+                known = ", ".join(sorted(used_symbols)) or "none"
+                raise OptionError(f"{self.name}: --dim {sym}: no input has a dimension named '{sym}' (named: {known})")
+
+        # --shape: check against the model, and learn the sizes of the symbols it covers.
+        for v in inputs:
+            if v.name not in shapes:
+                continue
+            want, have = shapes[v.name], _dims(v)
+            if have is None:
+                continue
+            if len(want) != len(have):
+                raise OptionError(
+                    f"{self.name}: --shape of input '{v.name}' has rank {len(want)}, the model's input has rank "
+                    f"{len(have)} ({_fmt(have)})"
+                )
+            for axis, (w, h) in enumerate(zip(want, have)):
+                if isinstance(h, int) and h != w:
+                    raise OptionError(
+                        f"{self.name}: --shape of input '{v.name}' dimension {axis}: the model fixes it to {h}, "
+                        f"not {w}"
+                    )
+                if isinstance(h, str):
+                    if h in symbols and symbols[h][0] != w:
+                        raise OptionError(
+                            f"{self.name}: input '{v.name}' dimension {axis} ('{h}') set to {w}, but "
+                            f"{symbols[h][1]} sets '{h}' to {symbols[h][0]}"
+                        )
+                    symbols[h] = (w, f"--shape {v.name} dimension {axis}")
+
+        plan: dict[str, tuple[int | str | None, ...]] = {}
+        for v in inputs:
+            have = _dims(v)
+            if have is None:
+                if v.name in shapes:
+                    plan[v.name] = shapes[v.name]
+                continue
+            new: list[int | str | None] = []
+            for axis, h in enumerate(have):
+                if v.name in shapes:
+                    new.append(shapes[v.name][axis])
+                elif isinstance(h, str) and h in symbols:
+                    new.append(symbols[h][0])
+                else:
+                    new.append(h)
+            if new != have:
+                plan[v.name] = tuple(new)
+        return plan
+
+    # ------------------------------------------------------------------------------------------ call
+    def call(self, model: ir.Model) -> PassResult:
+        graph = model.graph
+        plan = self._plan(graph)
+        if not plan:
+            return PassResult(modified=False, stats={"inputs_fixed": 0, "dims_fixed": 0})
+        nodes_before = _node_count(model)
+        pinned: dict[str, int] = {}
+        dims_fixed = 0
+        for v in graph.inputs:
+            if v.name not in plan:
+                continue
+            old = _dims(v)
+            new = plan[v.name]
+            for axis, d in enumerate(new):
+                if old is None or old[axis] != d:
+                    dims_fixed += 1
+                if old is not None and isinstance(old[axis], str) and isinstance(d, int):
+                    pinned[old[axis]] = d
+            v.shape = ir.Shape(list(new))
+
+        # Forget every derived shape: declared ones may be wrong, and stale symbols must not survive.
+        declared = {id(v): _dims(v) for v in graph.outputs}
+        for node in ir.traversal.RecursiveGraphIterator(graph):
+            for out in node.outputs:
+                if not out.is_graph_input():
+                    out.shape = None
+        irp.ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
+        kept_declared = 0
+        for v in graph.outputs:
+            if v.shape is None and declared.get(id(v)) is not None and not v.is_graph_input():
+                dims = [pinned.get(d, d) if isinstance(d, str) else d for d in declared[id(v)]]  # type: ignore[union-attr]
+                v.shape = ir.Shape(dims)
+                kept_declared += 1
+                logger.info("fix-shapes: inference derived no shape for output %s; kept its declared one", v.name)
+
+        cf.FoldConstantsPass(
+            shape_inference=True, input_size_limit=FOLD_INPUT_LIMIT, output_size_limit=FOLD_OUTPUT_LIMIT
+        )(model)
+        irp.RemoveUnusedNodesPass()(model)
+        nodes_after = _node_count(model)
+        stats: dict[str, int | float] = {
+            "inputs_fixed": len(plan),
+            "dims_fixed": dims_fixed,
+            "nodes_removed": nodes_before - nodes_after,
+        }
+        if kept_declared:
+            stats["outputs_declared_shape_kept"] = kept_declared
+        details = {"inputs": {k: list(v) for k, v in plan.items()}, "symbols": pinned}
+        return PassResult(modified=True, stats=stats, details=details)
+
+
+def _fmt(dims: list[int | str | None]) -> str:
+    return "x".join("?" if d is None else str(d) for d in dims)

@@ -1,0 +1,150 @@
+"""TensorRT optimization profiles, carried in the model's metadata.
+
+A TensorRT engine built for dynamic inputs needs, per dynamic input, the smallest, the most common and
+the largest shape it will see (``min``, ``opt``, ``max``).  Those belong to the model, not to a build
+script: this pass validates them against the model (rank, static dims unchanged, ``min <= opt <= max``,
+positive sizes) and stores them as one JSON document in the model's ``metadata_props`` under
+:data:`METADATA_KEY`::
+
+    {"input_ids": {"min": [1, 16], "opt": [8, 128], "max": [32, 512]}}
+
+The TensorRT backend reads them back with :func:`read_profiles` when it builds an engine.  Running the
+pass again with the same profiles changes nothing; a new profile for an input replaces the old one,
+profiles of other inputs are kept.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import onnx_ir as ir
+from mograph.passes.shape._spec import input_dims, parse_dims
+
+from mograph.errors import ModelError, OptionError
+from mograph.pass_infra import Option, Pass, PassResult
+
+__all__ = ["METADATA_KEY", "SetTrtProfilePass", "parse_profile", "read_profiles", "write_profiles"]
+
+#: The ``metadata_props`` key holding every input's profile as one JSON object.
+METADATA_KEY = "mograph.tensorrt_profiles"
+
+Profile = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
+def parse_profile(spec: str, pass_name: str = "set-trt-profile") -> tuple[str, Profile]:
+    """Parse ``NAME:MIN,OPT,MAX`` (each ``1x16``) into ``(name, (min, opt, max))``.
+
+    The name may contain ``:``; the shapes follow the last one.
+    """
+    name, sep, body = spec.rpartition(":")
+    if not sep or not name:
+        raise OptionError(f"{pass_name}: bad --profile {spec!r}: expected NAME:MIN,OPT,MAX (e.g. input_ids:1x16,8x128,32x512)")
+    parts = body.split(",")
+    if len(parts) != 3:
+        raise OptionError(f"{pass_name}: bad --profile {spec!r}: give exactly three shapes MIN,OPT,MAX")
+    shapes = tuple(parse_dims(p, name, pass_name, what="--profile") for p in parts)
+    return name, shapes  # type: ignore[return-value]
+
+
+def _profile_to_json(p: Profile) -> dict[str, list[int]]:
+    return {"min": list(p[0]), "opt": list(p[1]), "max": list(p[2])}
+
+
+def read_profiles(model: ir.Model) -> dict[str, Profile]:
+    """The TensorRT profiles stored in ``model`` (input name -> ``(min, opt, max)`` shapes); empty if none.
+
+    Accepts an ``onnx_ir.Model`` or an ``onnx.ModelProto``.  A malformed entry raises ``ModelError``.
+    """
+    raw = _metadata(model).get(METADATA_KEY)
+    if not raw:
+        return {}
+    try:
+        data = json.loads(raw)
+        return {
+            str(name): (tuple(map(int, p["min"])), tuple(map(int, p["opt"])), tuple(map(int, p["max"])))
+            for name, p in data.items()
+        }
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ModelError(f"malformed {METADATA_KEY} metadata: {exc}") from exc
+
+
+def write_profiles(model: ir.Model, profiles: dict[str, Profile]) -> None:
+    """Store ``profiles`` (replacing what was stored) in ``model.metadata_props``; none removes the key."""
+    if profiles:
+        body = {k: _profile_to_json(v) for k, v in sorted(profiles.items())}
+        model.metadata_props[METADATA_KEY] = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    else:
+        model.metadata_props.pop(METADATA_KEY, None)
+
+
+def _metadata(model: Any) -> dict[str, str]:
+    if isinstance(model, ir.Model):
+        return dict(model.metadata_props)
+    props = getattr(model, "metadata_props", None)  # onnx.ModelProto
+    if props is None:
+        return {}
+    return {p.key: p.value for p in props}
+
+
+def validate_profile(graph: ir.Graph, name: str, profile: Profile, pass_name: str) -> None:
+    """Raise ``OptionError`` unless ``profile`` fits input ``name`` of ``graph``."""
+    dims = input_dims(graph, name, pass_name)
+    labels = ("min", "opt", "max")
+    for label, shape in zip(labels, profile):
+        if dims is not None and len(shape) != len(dims):
+            raise OptionError(
+                f"{pass_name}: --profile {label} shape of input '{name}' has rank {len(shape)}, "
+                f"the model's input has rank {len(dims)}"
+            )
+    rank = len(profile[0])
+    if any(len(s) != rank for s in profile):
+        raise OptionError(f"{pass_name}: --profile shapes of input '{name}' differ in rank")
+    for axis in range(rank):
+        lo, opt, hi = (s[axis] for s in profile)
+        if not lo <= opt <= hi:
+            raise OptionError(
+                f"{pass_name}: --profile of input '{name}' dimension {axis}: need min <= opt <= max, got {lo}, {opt}, {hi}"
+            )
+        static = dims[axis] if dims is not None else None
+        if isinstance(static, int) and (lo, opt, hi) != (static, static, static):
+            raise OptionError(
+                f"{pass_name}: --profile of input '{name}' dimension {axis} must be {static} "
+                f"(static in the model), got {lo}, {opt}, {hi}"
+            )
+
+
+class SetTrtProfilePass(Pass):
+    """Record TensorRT optimization profiles (min/opt/max shapes per input) in the model's metadata."""
+
+    name = "set-trt-profile"
+    family = "shape"
+    options = (
+        Option(
+            "profile",
+            str,
+            None,
+            "TensorRT profile of one input, NAME:MIN,OPT,MAX (e.g. input_ids:1x16,8x128,32x512); repeatable",
+            multiple=True,
+            metavar="NAME:MIN,OPT,MAX",
+        ),
+    )
+
+    def call(self, model: ir.Model) -> PassResult:
+        requested: dict[str, Profile] = {}
+        for spec in self.config["profile"]:
+            name, prof = parse_profile(spec, self.name)
+            if name in requested and requested[name] != prof:
+                raise OptionError(f"{self.name}: input '{name}' given two different profiles")
+            validate_profile(model.graph, name, prof, self.name)
+            requested[name] = prof
+        current = read_profiles(model)
+        merged = {**current, **requested}
+        changed = sum(1 for k, v in requested.items() if current.get(k) != v)
+        if changed:
+            write_profiles(model, merged)
+        return PassResult(
+            modified=changed > 0,
+            stats={"profiles_set": changed, "profiles_total": len(merged)},
+            details={"profiles": {k: _profile_to_json(v) for k, v in sorted(merged.items())}} if merged else {},
+        )

@@ -1,0 +1,118 @@
+"""The kernels' build and ABI: the library compiles with nvcc and exports exactly the documented C functions.
+
+The header, the ctypes binding (``kernels/abi.py``) and ``kernels/README.md`` must name the same functions;
+that part needs no compiler. Building needs nvcc on PATH (skipped otherwise) but no GPU, and neither do the
+argument checks at the end: an entry point rejects bad arguments before it touches CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNELS = ROOT / "kernels"
+
+
+def _load(name: str):
+    mod_name = f"mograph_kernels_{name}"
+    if mod_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(mod_name, KERNELS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[mod_name]
+
+
+abi = _load("abi")
+build = _load("build")
+
+NVCC = build.find_nvcc()
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH (nor NVCC / CUDA_HOME): cannot build")
+
+
+def test_header_declares_exactly_the_binding():
+    header = (KERNELS / "include" / "mograph_kernels.h").read_text()
+    declared = re.findall(r"MOGRAPH_API\s+[\w\s\*]+?\b(mograph_\w+)\s*\(", header)
+    assert sorted(declared) == sorted(abi.EXPORTED_SYMBOLS)
+    assert f"#define MOGRAPH_KERNELS_ABI_VERSION {abi.ABI_VERSION}" in header
+    assert f"#define MOGRAPH_GELU_TANH {abi.GELU_TANH}u" in header
+
+
+def test_header_parameter_counts_match_the_binding():
+    header = (KERNELS / "include" / "mograph_kernels.h").read_text()
+    for name, (_, argtypes) in abi.SIGNATURES.items():
+        match = re.search(rf"\b{name}\s*\(([^)]*)\)", header)
+        assert match, name
+        params = [p for p in match.group(1).split(",") if p.strip() and p.strip() != "void"]
+        assert len(params) == len(argtypes), name
+
+
+def test_readme_documents_every_symbol():
+    readme = (KERNELS / "README.md").read_text()
+    for op in abi.OPS:
+        assert f"mograph_{op}_<dtype>" in readme or all(abi.symbol(op, d) in readme for d in abi.DTYPES), op
+    assert "mograph_kernels_abi_version" in readme
+    assert "mograph_kernels_status_string" in readme
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory) -> Path:
+    if NVCC is None:
+        pytest.skip("nvcc not found on PATH (nor NVCC / CUDA_HOME): cannot build")
+    out = tmp_path_factory.mktemp("kernels_build")
+    return build.build(build_dir=out, force=True)
+
+
+@pytest.mark.slow
+@needs_nvcc
+def test_build_exports_every_symbol_through_ctypes(library):
+    lib = abi.load(library)  # sets argtypes of every symbol; AttributeError if one is missing
+    assert lib.mograph_kernels_abi_version() == abi.ABI_VERSION
+
+
+@pytest.mark.slow
+@needs_nvcc
+@pytest.mark.skipif(shutil.which("nm") is None, reason="nm (binutils) not installed")
+def test_build_exports_nothing_else(library):
+    out = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True, check=True)
+    exported = {line.split()[-1] for line in out.stdout.splitlines() if line.split()[-2:-1] == ["T"]}
+    assert set(abi.EXPORTED_SYMBOLS) <= exported
+    assert {s for s in exported if s.startswith("mograph")} == set(abi.EXPORTED_SYMBOLS)
+
+
+@pytest.mark.slow
+@needs_nvcc
+def test_bad_arguments_are_rejected_without_a_gpu(library):
+    lib = abi.load(library)
+    bad = abi.ERR_INVALID_ARGUMENT
+    fake = 0x1000  # never dereferenced: the checks come first
+    for dt in abi.DTYPES:
+        ln = getattr(lib, abi.symbol("layer_norm", dt))
+        assert ln(None, fake, None, fake, 4, 8, 1e-5, 0, None) == bad  # x missing
+        assert ln(fake, None, None, fake, 4, 8, 1e-5, 0, None) == bad  # gamma missing
+        assert ln(fake, fake, None, fake, 4, 0, 1e-5, 0, None) == bad  # hidden 0
+        assert ln(fake, fake, None, fake, -1, 8, 1e-5, 0, None) == bad  # negative rows
+        assert ln(fake, fake, None, fake, 4, 8, 1e-5, 1, None) == bad  # unknown flag
+        assert ln(fake, fake, None, fake, 4, 1 << 31, 1e-5, 0, None) == abi.ERR_UNSUPPORTED
+        assert ln(None, None, None, None, 0, 8, 1e-5, 0, None) == abi.OK  # nothing to do
+        rms = getattr(lib, abi.symbol("rms_norm", dt))
+        assert rms(fake, fake, None, 4, 8, 1e-5, 0, None) == bad
+        sln = getattr(lib, abi.symbol("skip_layer_norm", dt))
+        assert sln(fake, None, None, fake, None, fake, None, 4, 8, 1e-5, 0, None) == bad  # skip missing
+        gelu = getattr(lib, abi.symbol("gelu", dt))
+        assert gelu(fake, None, 16, 0, None) == bad
+        assert gelu(fake, fake, 16, 2, None) == bad  # unknown flag
+        assert gelu(None, None, 0, abi.GELU_TANH, None) == abi.OK
+        bias_gelu = getattr(lib, abi.symbol("bias_gelu", dt))
+        assert bias_gelu(fake, None, fake, 4, 8, 0, None) == bad
+    assert lib.mograph_kernels_status_string(abi.OK) == b"ok"
+    assert b"invalid" in lib.mograph_kernels_status_string(bad)
+    with pytest.raises(abi.KernelError, match="status 1"):
+        abi.check(lib, "mograph_layer_norm_f32", bad)

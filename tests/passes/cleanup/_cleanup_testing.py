@@ -1,0 +1,75 @@
+"""Helpers for the cleanup-pass tests: run one pass the way the pipeline does, list ops, compare numbers.
+
+Numbers are compared under ONNX Runtime with its graph optimizations off (its own fusions could hide a
+broken rewrite), on seeded feeds, with a tolerance chosen by dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+from mograph.pass_infra import Pass, PassManager, PassReport
+
+#: (rtol, atol) per output dtype; cleanup passes only reorder or precompute, so these are tight.
+TOLERANCE = {np.dtype(np.float32): (1e-6, 1e-6), np.dtype(np.float16): (1e-3, 1e-3), np.dtype(np.float64): (1e-12, 1e-12)}
+
+
+def to_ir(proto: onnx.ModelProto) -> ir.Model:
+    return ir.serde.deserialize_model(proto)
+
+
+def run_pass(p: Pass, model: ir.Model) -> PassReport:
+    """Run ``p`` through the pass manager with the honesty check on (a lying ``modified`` fails)."""
+    return PassManager([p], check_modified=True).run(model).passes[0]
+
+
+def op_types(model: ir.Model) -> list[str]:
+    return [n.op_type for n in model.graph]
+
+
+def to_proto_with_data(model: ir.Model) -> onnx.ModelProto:
+    """Serialise ``model`` with external data inlined (the model itself is left as it was)."""
+    external = [v for v in model.graph.initializers.values() if isinstance(v.const_value, ir.ExternalTensor)]
+    saved = [v.const_value for v in external]
+    try:
+        for v in external:
+            v.const_value = ir.Tensor(np.array(v.const_value.numpy()), name=v.name)
+        return ir.serde.serialize_model(model)
+    finally:
+        for v, tensor in zip(external, saved):
+            v.const_value = tensor
+
+
+def ort_outputs(model: onnx.ModelProto | ir.Model, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    ort = pytest.importorskip("onnxruntime")
+    proto = to_proto_with_data(model) if isinstance(model, ir.Model) else model
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, dict(feeds))
+
+
+def assert_same_outputs(original: onnx.ModelProto, optimized: ir.Model, feeds: Mapping[str, np.ndarray]) -> None:
+    """Same output names, and values equal within the dtype's tolerance."""
+    assert [o.name for o in original.graph.output] == [v.name for v in optimized.graph.outputs]
+    want, got = ort_outputs(original, feeds), ort_outputs(optimized, feeds)
+    for w, g in zip(want, got):
+        assert w.dtype == g.dtype and w.shape == g.shape
+        if w.dtype in TOLERANCE:
+            rtol, atol = TOLERANCE[w.dtype]
+            np.testing.assert_allclose(g, w, rtol=rtol, atol=atol)
+        else:
+            np.testing.assert_array_equal(g, w)
+
+
+def assert_second_run_changes_nothing(p: Pass, model: ir.Model) -> PassReport:
+    ops = op_types(model)
+    again = run_pass(type(p)(**p.config), model)
+    assert again.modified is False
+    assert op_types(model) == ops
+    return again

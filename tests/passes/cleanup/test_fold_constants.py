@@ -1,0 +1,130 @@
+"""``fold-constants``: computations on constants become initializers, bounded by ``--fold-limit``."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from _cleanup_testing import assert_same_outputs, assert_second_run_changes_nothing, op_types, run_pass, to_ir
+from onnx import helper, numpy_helper
+
+from models.builders import make_model
+from mograph.errors import OptionError
+from mograph.passes.cleanup import FoldConstantsPass, InferShapesPass
+
+RNG = np.random.default_rng(0)
+FEEDS = {"x": RNG.standard_normal((2, 3)).astype(np.float32)}
+
+
+def _foldable():
+    # c = Constant; c2 = c + w; s = Shape(x) (static: [2, 3]); c3 = Reshape(c2, s); y = x + c3
+    c = numpy_helper.from_array(np.arange(6, dtype=np.float32).reshape(3, 2), "")
+    nodes = [
+        helper.make_node("Constant", [], ["c"], value=c),
+        helper.make_node("Add", ["c", "w"], ["c2"]),
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Reshape", ["c2", "s"], ["c3"]),
+        helper.make_node("Add", ["x", "c3"], ["y"]),
+    ]
+    w = RNG.standard_normal((3, 2)).astype(np.float32)
+    return make_model(nodes, [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])], {"w": w})
+
+
+def test_constant_computations_are_folded():
+    proto = _foldable()
+    model = to_ir(proto)
+    entry = run_pass(FoldConstantsPass(), model)
+    # The Add on constants, the Shape of a static input and the Reshape are gone; Reshape's result is
+    # an initializer. The source Constant and the folded Shape's Constant are left for eliminate-dead.
+    assert op_types(model) == ["Constant", "Constant", "Add"]
+    assert entry.stats == {"folded_nodes": 3, "removed.Add": 1, "removed.Reshape": 1, "removed.Shape": 1}
+    assert entry.modified is True
+    folded = model.graph.node(2).inputs[1]
+    assert folded.is_initializer()
+    np.testing.assert_array_equal(
+        folded.const_value.numpy(), (np.arange(6, dtype=np.float32).reshape(3, 2) + proto_w(proto)).reshape(2, 3)
+    )
+    assert_same_outputs(proto, model, FEEDS)
+    again = assert_second_run_changes_nothing(FoldConstantsPass(), model)
+    assert again.stats == {"folded_nodes": 0}
+
+
+def proto_w(proto: onnx.ModelProto) -> np.ndarray:
+    return numpy_helper.to_array(next(t for t in proto.graph.initializer if t.name == "w"))
+
+
+def test_computation_on_inputs_is_a_near_miss():
+    nodes = [helper.make_node("Add", ["x", "w"], ["t"]), helper.make_node("Relu", ["t"], ["y"])]
+    proto = make_model(nodes, [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])], {"w": np.ones((2, 3), np.float32)})
+    model = to_ir(proto)
+    run_pass(InferShapesPass(), model)  # fully typed: the folder's own shape inference adds nothing
+    entry = run_pass(FoldConstantsPass(), model)
+    assert entry.modified is False
+    assert entry.stats == {"folded_nodes": 0}
+    assert op_types(model) == ["Add", "Relu"]
+
+
+def _big_constant_sum(n: int):
+    a, b = RNG.standard_normal(n).astype(np.float32), RNG.standard_normal(n).astype(np.float32)
+    nodes = [helper.make_node("Add", ["a", "b"], ["ab"]), helper.make_node("Add", ["x", "ab"], ["y"])]
+    return make_model(nodes, [("x", np.float32, [n])], [("y", np.float32, [n])], {"a": a, "b": b})
+
+
+def test_fold_limit_keeps_big_results_as_computation():
+    proto = _big_constant_sum(1000)
+    feeds = {"x": RNG.standard_normal(1000).astype(np.float32)}
+
+    small = to_ir(proto)
+    run_pass(InferShapesPass(), small)
+    entry = run_pass(FoldConstantsPass(fold_limit=100), small)
+    assert op_types(small) == ["Add", "Add"]
+    assert entry.modified is False
+    assert entry.stats == {"folded_nodes": 0}
+    assert_same_outputs(proto, small, feeds)
+
+    default = to_ir(proto)
+    entry = run_pass(FoldConstantsPass(), default)  # 1000 elements is under the default limit
+    assert op_types(default) == ["Add"]
+    assert entry.stats == {"folded_nodes": 1, "removed.Add": 1}
+    assert_same_outputs(proto, default, feeds)
+
+
+def test_fold_limit_must_be_a_non_negative_integer():
+    with pytest.raises(OptionError, match="fold-limit"):
+        FoldConstantsPass(fold_limit="abc")
+    with pytest.raises(OptionError, match=">= 0"):
+        FoldConstantsPass(fold_limit=-1).call(to_ir(_foldable()))
+    assert FoldConstantsPass().config["fold_limit"] == 1 << 20
+
+
+def _transposed_weight(tmp_path, *, external: bool):
+    w = RNG.standard_normal((40, 50)).astype(np.float32)  # 2000 elements
+    nodes = [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]), helper.make_node("MatMul", ["x", "wt"], ["y"])]
+    proto = make_model(nodes, [("x", np.float32, [2, 50])], [("y", np.float32, [2, 40])], {"w": w})
+    if not external:
+        return proto, to_ir(proto)
+    path = tmp_path / "m.onnx"
+    onnx.save(onnx.ModelProto.FromString(proto.SerializeToString()), path, save_as_external_data=True, location="m.data")
+    model = ir.load(path)
+    assert isinstance(model.graph.initializers["w"].const_value, ir.ExternalTensor)
+    return proto, model
+
+
+def test_large_external_tensors_are_never_read(tmp_path):
+    proto, model = _transposed_weight(tmp_path, external=True)
+    entry = run_pass(FoldConstantsPass(fold_limit=1000), model)
+    assert op_types(model) == ["Transpose", "MatMul"]
+    assert entry.stats == {"folded_nodes": 0}
+    tensor = model.graph.initializers["w"].const_value
+    assert tensor.raw is None  # never even memory-mapped
+    assert_same_outputs(proto, model, {"x": RNG.standard_normal((2, 50)).astype(np.float32)})
+
+
+def test_single_use_transpose_of_in_memory_weight_folds_regardless_of_limit(tmp_path):
+    # The folder's documented exception: the result replaces its input, so the model does not grow.
+    proto, model = _transposed_weight(tmp_path, external=False)
+    entry = run_pass(FoldConstantsPass(fold_limit=1000), model)
+    assert op_types(model) == ["MatMul"]
+    assert entry.stats == {"folded_nodes": 1, "removed.Transpose": 1}
+    assert_same_outputs(proto, model, {"x": RNG.standard_normal((2, 50)).astype(np.float32)})

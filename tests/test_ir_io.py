@@ -1,0 +1,235 @@
+"""Loading and saving at the API edge: every accepted form comes back in the same form, external data
+round-trips with equal values and stays lazy, and writes are atomic and never clobber the input."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import helper, numpy_helper
+
+import mograph
+from models.builders import make_model
+from mograph import ir_io
+from mograph.errors import ModelError, UsageError
+
+X = np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32)
+
+
+def _model() -> onnx.ModelProto:
+    """y = Relu(Identity(x) @ w + b), plus a dead Sigmoid: cleanup removes two nodes."""
+    nodes = [
+        helper.make_node("Identity", ["x"], ["xi"]),
+        helper.make_node("MatMul", ["xi", "w"], ["t"]),
+        helper.make_node("Add", ["t", "b"], ["u"]),
+        helper.make_node("Relu", ["u"], ["y"]),
+        helper.make_node("Sigmoid", ["x"], ["dead"]),
+    ]
+    rng = np.random.default_rng(1)  # the same weights on every call
+    inits = {"w": rng.standard_normal((8, 16)).astype(np.float32), "b": rng.standard_normal(16).astype(np.float32)}
+    return make_model(nodes, [("x", np.float32, [2, 8])], [("y", np.float32, [2, 16])], inits)
+
+
+def _reference(proto: onnx.ModelProto) -> np.ndarray:
+    w = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    return np.maximum(X @ w["w"] + w["b"], 0)
+
+
+def _run(model: onnx.ModelProto) -> np.ndarray:
+    ort = pytest.importorskip("onnxruntime")
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": X})[0]
+
+
+def _as_proto(result: object) -> onnx.ModelProto:
+    if isinstance(result, ir.Model):
+        return ir.serde.serialize_model(result)
+    if isinstance(result, bytes):
+        return onnx.load_from_string(result)
+    if isinstance(result, onnx.ModelProto):
+        return result
+    import onnx_graphsurgeon as gs
+
+    return gs.export_onnx(result)
+
+
+def _forms(tmp_path: Path):
+    proto = _model()
+    path = tmp_path / "m.onnx"
+    onnx.save(proto, path)
+    yield "path", str(path), ir.Model
+    yield "pathlike", path, ir.Model
+    yield "bytes", proto.SerializeToString(), bytes
+    yield "proto", proto, onnx.ModelProto
+    yield "ir", ir.serde.deserialize_model(proto), ir.Model
+
+
+@pytest.mark.parametrize("form", ["path", "pathlike", "bytes", "proto", "ir"])
+def test_optimize_returns_the_form_it_was_given(tmp_path, form):
+    name, source, kind = next(f for f in _forms(tmp_path) if f[0] == form)
+    before = source.SerializeToString() if isinstance(source, onnx.ModelProto) else None
+    result, report = mograph.optimize(source, passes="cleanup")
+    assert isinstance(result, kind)
+    if name == "ir":
+        assert result is source  # rewritten in place
+    if before is not None:
+        assert source.SerializeToString() == before  # the caller's proto is left alone
+    out = _as_proto(result)
+    assert [n.op_type for n in out.graph.node] == ["MatMul", "Add", "Relu"]
+    assert report.modified
+    np.testing.assert_allclose(_run(out), _reference(_model()), rtol=1e-5, atol=1e-6)
+
+
+def test_optimize_accepts_and_returns_a_graphsurgeon_graph():
+    gs = pytest.importorskip("onnx_graphsurgeon")
+    graph = gs.import_onnx(_model())
+    result, _ = mograph.optimize(graph, passes="cleanup")
+    assert isinstance(result, gs.Graph)
+    out = gs.export_onnx(result)
+    assert [n.op_type for n in out.graph.node] == ["MatMul", "Add", "Relu"]
+    np.testing.assert_allclose(_run(out), _reference(_model()), rtol=1e-5, atol=1e-6)
+
+
+def test_unsupported_source_type_is_a_usage_error():
+    with pytest.raises(UsageError, match="cannot load a model from int"):
+        mograph.load(42)
+
+
+def _save_external(proto: onnx.ModelProto, path: Path, location: str = "weights.bin") -> None:
+    copy = onnx.ModelProto.FromString(proto.SerializeToString())  # onnx.save converts in place
+    onnx.save(copy, path, save_as_external_data=True, location=location, size_threshold=0)
+
+
+def _values(path: Path) -> dict[str, np.ndarray]:
+    model = onnx.load(str(path))  # loads external data too
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+
+
+def test_external_data_loads_lazily_and_saves_with_equal_values(tmp_path):
+    proto = _model()
+    src = tmp_path / "in" / "m.onnx"
+    src.parent.mkdir()
+    _save_external(proto, src)
+    want = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+
+    model = mograph.load(src)
+    tensors = {name: v.const_value for name, v in model.graph.initializers.items()}
+    assert all(isinstance(t, ir.ExternalTensor) for t in tensors.values())
+    assert all(t.raw is None for t in tensors.values())  # nothing read yet
+
+    # Kept external (the default for a model that had external data): a .data file beside the output.
+    out = tmp_path / "out" / "m.opt.onnx"
+    mograph.save(model, str(out))
+    assert sorted(os.listdir(out.parent)) == ["m.opt.onnx", "m.opt.onnx.data"]
+    assert not any(t.data_location == onnx.TensorProto.EXTERNAL and "in" in str(t.external_data) for t in
+                   onnx.load(str(out), load_external_data=False).graph.initializer)
+    got = _values(out)
+    assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+
+    # Inlined on request.
+    inline = tmp_path / "inline.onnx"
+    mograph.save(model, str(inline), external_data=False)
+    loaded = onnx.load(str(inline), load_external_data=False)
+    assert all(t.data_location != onnx.TensorProto.EXTERNAL for t in loaded.graph.initializer)
+    for name, value in _values(inline).items():
+        np.testing.assert_array_equal(value, want[name])
+
+
+def test_in_memory_model_can_be_saved_with_external_data(tmp_path):
+    out = tmp_path / "m.onnx"
+    mograph.save(mograph.load(_model()), str(out), external_data=True)
+    assert (tmp_path / "m.onnx.data").stat().st_size > 0
+    np.testing.assert_allclose(_run(onnx.load(str(out))), _reference(_model()), rtol=1e-5, atol=1e-6)
+
+
+def test_cleanup_never_reads_external_data_it_cannot_fold(tmp_path):
+    """Passes see external tensors by shape and dtype only; their bytes are copied at save time."""
+    proto = _model()
+    src = tmp_path / "m.onnx"
+    _save_external(proto, src)
+    model, _ = mograph.optimize(str(src), passes="cleanup", options={"fold_limit": 4})
+    assert [n.op_type for n in model.graph] == ["MatMul", "Add", "Relu"]
+    for value in model.graph.initializers.values():
+        assert isinstance(value.const_value, ir.ExternalTensor)
+        assert value.const_value.raw is None, f"{value.name} was read"
+    out = tmp_path / "out.onnx"
+    mograph.save(model, str(out))
+    np.testing.assert_allclose(_run(onnx.load(str(out))), _reference(proto), rtol=1e-5, atol=1e-6)
+
+
+def test_bytes_with_external_data_outside_the_working_directory_are_refused(tmp_path, monkeypatch):
+    proto = _model()
+    _save_external(proto, tmp_path / "m.onnx", location="../w.bin")
+    data = (tmp_path / "m.onnx").read_bytes()
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    with pytest.raises(ModelError, match="outside the model's folder"):
+        mograph.load(data)
+
+
+def test_save_is_atomic_when_writing_fails(tmp_path, monkeypatch):
+    out = tmp_path / "out.onnx"
+    out.write_bytes(b"previous result")
+    listing = sorted(os.listdir(tmp_path))
+    real_save = ir.save
+
+    def broken_save(model, path, **kwargs):
+        real_save(model, path, **kwargs)  # the temporary file is complete ...
+        Path(path).write_bytes(Path(path).read_bytes()[:10])  # ... then the disk fills up
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ir, "save", broken_save)
+    with pytest.raises(UsageError, match="No space left on device"):
+        ir_io.save_model(mograph.load(_model()), out)
+    assert sorted(os.listdir(tmp_path)) == listing  # no temporary folder left behind
+    assert out.read_bytes() == b"previous result"  # the old output is intact
+
+
+def test_unwritable_destination_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(UsageError, match="cannot write"):
+        ir_io.save_model(mograph.load(_model()), blocker / "out.onnx")
+
+
+@pytest.mark.parametrize("alias", ["same", "symlink", "hardlink"])
+def test_save_refuses_to_write_over_the_input(tmp_path, alias):
+    src = tmp_path / "m.onnx"
+    onnx.save(_model(), src)
+    before = src.read_bytes()
+    dest = {"same": src, "symlink": tmp_path / "link.onnx", "hardlink": tmp_path / "hard.onnx"}[alias]
+    if alias == "symlink":
+        dest.symlink_to(src)
+    elif alias == "hardlink":
+        os.link(src, dest)
+    with pytest.raises(UsageError, match="refusing to write over the input model"):
+        ir_io.save_model(mograph.load(src), dest, forbid=src)
+    assert src.read_bytes() == before
+
+
+def test_save_refuses_to_replace_the_weights_the_input_reads(tmp_path):
+    # The input's external data is named like the output's data file would be.
+    src = tmp_path / "m.onnx"
+    _save_external(_model(), src, location="out.onnx.data")
+    data_before = (tmp_path / "out.onnx.data").read_bytes()
+    with pytest.raises(UsageError, match="still reads its weights"):
+        ir_io.save_model(mograph.load(src), tmp_path / "out.onnx", forbid=src)
+    assert (tmp_path / "out.onnx.data").read_bytes() == data_before
+    assert not (tmp_path / "out.onnx").exists()
+
+
+def test_model_size_does_not_read_external_data(tmp_path):
+    src = tmp_path / "m.onnx"
+    _save_external(_model(), src)
+    model = mograph.load(src)
+    assert ir_io.model_size_bytes(model) == (8 * 16 + 16) * 4
+    assert all(v.const_value.raw is None for v in model.graph.initializers.values())

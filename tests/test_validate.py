@@ -1,0 +1,359 @@
+"""Numeric validation: feeds, tolerances, the Verifier and diff_models, the ORT backend."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from mograph import ir_io
+from mograph.backends import ort as ort_backend
+from mograph.errors import BackendUnavailableError, ModelError, UsageError
+from mograph.validate import Verifier, diff_models, make_feeds, tolerance_for
+
+OPSET = [helper.make_opsetid("", 17)]
+
+
+def _model(nodes, inputs, outputs, inits=()) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "g", inputs, outputs, list(inits))
+    return helper.make_model(graph, opset_imports=OPSET)
+
+
+def matmul_model(w: np.ndarray, dtype: int = TensorProto.FLOAT) -> onnx.ModelProto:
+    """y = x @ w + 1, x: [batch, 8]."""
+    one = np.ones((w.shape[1],), dtype=w.dtype)
+    return _model(
+        [helper.make_node("MatMul", ["x", "w"], ["xw"]), helper.make_node("Add", ["xw", "one"], ["y"])],
+        [helper.make_tensor_value_info("x", dtype, ["batch", w.shape[0]])],
+        [helper.make_tensor_value_info("y", dtype, ["batch", w.shape[1]])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(one, "one")],
+    )
+
+
+def embedding_model(vocab: int = 30, types: int = 2) -> onnx.ModelProto:
+    """Token + token-type embeddings, a mask sum, and a Gather on axis 1 of a 3x7 table."""
+    rng = np.random.default_rng(1)
+    words = numpy_helper.from_array(rng.standard_normal((vocab, 4)).astype(np.float32), "words")
+    segs = numpy_helper.from_array(rng.standard_normal((types, 4)).astype(np.float32), "segs")
+    cols = numpy_helper.from_array(rng.standard_normal((3, 7)).astype(np.float32), "cols")
+    return _model(
+        [
+            helper.make_node("Gather", ["words", "input_ids"], ["we"]),
+            helper.make_node("Gather", ["segs", "token_type_ids"], ["se"]),
+            helper.make_node("Add", ["we", "se"], ["emb"]),
+            helper.make_node("Cast", ["attention_mask"], ["mf"], to=TensorProto.FLOAT),
+            helper.make_node("ReduceSum", ["mf"], ["count"], keepdims=0),
+            helper.make_node("Cast", ["col_idx"], ["col_idx64"], to=TensorProto.INT64),
+            helper.make_node("Gather", ["cols", "col_idx64"], ["picked"], axis=1),
+        ],
+        [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
+            helper.make_tensor_value_info("token_type_ids", TensorProto.INT64, ["batch", "seq"]),
+            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "seq"]),
+            helper.make_tensor_value_info("col_idx", TensorProto.INT32, [5]),
+        ],
+        [
+            helper.make_tensor_value_info("emb", TensorProto.FLOAT, ["batch", "seq", 4]),
+            helper.make_tensor_value_info("count", TensorProto.FLOAT, []),
+            helper.make_tensor_value_info("picked", TensorProto.FLOAT, [3, 5]),
+        ],
+        [words, segs, cols],
+    )
+
+
+def _w(shape=(8, 4), seed=0, dtype=np.float32) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def _ir(proto: onnx.ModelProto) -> ir.Model:
+    return ir_io.load_model(proto)
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_identical_models_pass():
+    w = _w()
+    verifier = Verifier(_ir(matmul_model(w)), shapes={"x": (2, 8)})
+    check = verifier.check(_ir(matmul_model(w.copy())), family="fusion")
+    assert check["passed"] is True
+    out = check["outputs"]["y"]
+    assert out["max_abs"] == 0.0 and out["cosine"] == pytest.approx(1.0)
+    assert out["atol"] == 1e-4 and out["rtol"] == 1e-3
+    assert check["seed"] == 0 and check["feeds"]["x"]["shape"] == [2, 8]
+    assert check["summary"].startswith("passed")
+    import json
+
+    json.dumps(check, allow_nan=False)  # strictly JSON-serialisable
+
+
+def test_perturbed_weight_fails_with_correct_max_abs():
+    w = _w()
+    w2 = w.copy()
+    w2[3, 1] += 0.25
+    original = _ir(matmul_model(w))
+    verifier = Verifier(original, shapes={"x": (3, 8)}, seed=7)
+    check = verifier.check(_ir(matmul_model(w2)), family="fusion")
+    assert check["passed"] is False
+    x = verifier.feeds["x"]
+    ref = x @ w + 1
+    got = x @ w2 + 1
+    expected_abs = float(np.max(np.abs(got - ref)))
+    expected_cos = float(np.dot(ref.ravel(), got.ravel()) / (np.linalg.norm(ref) * np.linalg.norm(got)))
+    out = check["outputs"]["y"]
+    assert out["max_abs"] == pytest.approx(expected_abs, rel=1e-5)
+    assert out["cosine"] == pytest.approx(expected_cos, rel=1e-6)
+    assert out["passed"] is False and out["failures"]
+    assert "'y'" in check["summary"] and "FAILED" in check["summary"]
+    message = verifier.describe_failure(check)
+    assert "output 'y'" in message and "atol" in message and "seed 7" in message
+
+
+def test_gather_index_feeds_stay_in_range_and_run():
+    verifier = Verifier(_ir(embedding_model(vocab=30, types=2)), shapes={"input_ids": (2, 9)})
+    feeds = verifier.feeds
+    assert feeds["input_ids"].shape == (2, 9)
+    assert feeds["token_type_ids"].shape == (2, 9)  # "batch"/"seq" bound by input_ids' shape
+    assert feeds["input_ids"].min() >= 0 and feeds["input_ids"].max() < 30
+    assert set(np.unique(feeds["token_type_ids"])) <= {0, 1}
+    assert set(np.unique(feeds["attention_mask"])) <= {0, 1}
+    assert (feeds["attention_mask"][:, 0] == 1).all()
+    assert feeds["col_idx"].dtype == np.int32  # found through a Cast: Gather axis=1 over 7 columns
+    assert feeds["col_idx"].min() >= 0 and feeds["col_idx"].max() < 7
+    assert verifier.feed_info["inputs"]["input_ids"]["range"] == [0, 29]
+    check = verifier.check(_ir(embedding_model(vocab=30, types=2)))
+    assert check["passed"]
+
+
+def test_index_feeds_stay_in_range_over_many_seeds():
+    model = _ir(embedding_model(vocab=5, types=2))
+    for seed in range(20):
+        feeds, _ = make_feeds(model, shapes={"input_ids": (4, 16)}, seed=seed)
+        assert feeds["input_ids"].max() < 5 and feeds["col_idx"].max() < 7
+
+
+def test_fp16_tolerances_are_looser_than_fp32():
+    w = _w()
+    delta = np.zeros_like(w)
+    delta[0, 0] = 5e-3  # far past the float32 bound, inside the float16 one
+    x_shape = {"x": (16, 8)}
+    v32 = Verifier(_ir(matmul_model(w)), shapes=x_shape)
+    assert not v32.check(_ir(matmul_model(w + delta)), family="fusion")["passed"]
+    w16 = w.astype(np.float16)
+    v16 = Verifier(_ir(matmul_model(w16, TensorProto.FLOAT16)), shapes=x_shape)
+    assert v16.feeds["x"].dtype == np.float16
+    check = v16.check(_ir(matmul_model((w + delta).astype(np.float16), TensorProto.FLOAT16)), family="fusion")
+    assert check["passed"], check["summary"]
+    assert check["outputs"]["y"]["atol"] == 1e-2 and check["outputs"]["y"]["dtype"] == "float16"
+    # A real error in float16 still fails.
+    check = v16.check(_ir(matmul_model((w + 200 * delta).astype(np.float16), TensorProto.FLOAT16)))
+    assert not check["passed"]
+
+
+def test_tolerance_table_by_dtype_and_family():
+    assert tolerance_for(np.int64, "fusion").atol == 0.0
+    assert tolerance_for(np.float16, "fusion").atol > tolerance_for(np.float32, "fusion").atol
+    assert tolerance_for(ml_dtypes.bfloat16, "fusion").atol >= tolerance_for(np.float16, "fusion").atol
+    quant = tolerance_for(np.float32, "quant")
+    assert quant.atol is None and quant.min_cosine is not None
+    mixed = tolerance_for(np.float32, {"fusion", "quant"})
+    assert mixed.atol is None and mixed.min_cosine == quant.min_cosine  # the loosest applies
+    assert tolerance_for(np.int64, {"fusion", "prune"}).max_mismatch == pytest.approx(0.05)
+    assert tolerance_for(np.float32, "some-plugin-family") == tolerance_for(np.float32, "fusion")
+    over = tolerance_for(np.float32, "quant", atol=0.5)
+    assert over.atol == 0.5 and over.rtol == 0.0
+    assert tolerance_for(np.int32, "fusion", atol=3.0).atol == 0.0  # overrides are for floats only
+
+
+def test_family_selects_tolerance():
+    w = _w()
+    w2 = w * 1.01  # a 1% change: a quantization-sized error
+    verifier = Verifier(_ir(matmul_model(w)), shapes={"x": (4, 8)})
+    assert not verifier.check(_ir(matmul_model(w2)), family="fusion")["passed"]
+    assert verifier.check(_ir(matmul_model(w2)), family="quant")["passed"]
+    assert verifier.check(_ir(matmul_model(w2)), family={"fusion", "quant"})["passed"]
+    loose = Verifier(_ir(matmul_model(w)), shapes={"x": (4, 8)}, atol=1.0, rtol=1.0)
+    assert loose.check(_ir(matmul_model(w2)), family="fusion")["passed"]
+    strict = Verifier(_ir(matmul_model(w)), shapes={"x": (4, 8)}, min_cosine=0.999999999)
+    assert not strict.check(_ir(matmul_model(w2)), family="quant")["passed"]
+
+
+def test_user_npz_feeds_are_used_exactly(tmp_path):
+    w = _w()
+    x = np.linspace(-3, 3, 5 * 8, dtype=np.float32).reshape(5, 8)
+    path = tmp_path / "feeds.npz"
+    np.savez(path, x=x)
+    verifier = Verifier(_ir(matmul_model(w)), feeds=str(path))
+    assert np.array_equal(verifier.feeds["x"], x)
+    np.testing.assert_allclose(verifier.reference["y"], x @ w + 1, rtol=1e-5, atol=1e-5)
+    check = verifier.check(_ir(matmul_model(w)))
+    assert check["feeds"]["x"] == {"shape": [5, 8], "dtype": "float32", "source": "file"}
+    np.savez(tmp_path / "bad.npz", nope=x)
+    with pytest.raises(UsageError, match="unknown input"):
+        Verifier(_ir(matmul_model(w)), feeds=str(tmp_path / "bad.npz"))
+    with pytest.raises(UsageError, match="no such file"):
+        Verifier(_ir(matmul_model(w)), feeds=str(tmp_path / "missing.npz"))
+
+
+def test_dynamic_dims_from_shapes_and_defaults():
+    model = _model(
+        [helper.make_node("Add", ["a", "b"], ["c"])],
+        [
+            helper.make_tensor_value_info("a", TensorProto.FLOAT, ["batch", "seq"]),
+            helper.make_tensor_value_info("b", TensorProto.FLOAT, ["batch", "seq"]),
+        ],
+        [helper.make_tensor_value_info("c", TensorProto.FLOAT, ["batch", "seq"])],
+    )
+    verifier = Verifier(_ir(model), shapes={"a": (3, 5)})
+    assert verifier.feeds["a"].shape == (3, 5) and verifier.feeds["b"].shape == (3, 5)
+    assert verifier.feed_info["defaulted_dims"] == {}
+    defaulted = Verifier(_ir(model))
+    assert defaulted.feeds["a"].shape == (1, 16)
+    assert defaulted.feed_info["defaulted_dims"] == {"batch": 1, "seq": 16}
+    unnamed = _model(
+        [helper.make_node("Relu", ["a"], ["c"])],
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [None, None, 4])],
+        [helper.make_tensor_value_info("c", TensorProto.FLOAT, [None, None, 4])],
+    )
+    feeds, info = make_feeds(_ir(unnamed))
+    assert feeds["a"].shape == (1, 16, 4)
+    assert info["defaulted_dims"] == {"a[0]": 1, "a[1]": 16}
+    with pytest.raises(UsageError, match="fixed at 4"):
+        make_feeds(_ir(unnamed), shapes={"a": (1, 2, 3)})
+    with pytest.raises(UsageError, match="unknown input"):
+        make_feeds(_ir(unnamed), shapes={"nope": (1,)})
+
+
+def test_changed_outputs_fail_with_a_reason():
+    w = _w()
+    verifier = Verifier(_ir(matmul_model(w)), shapes={"x": (1, 8)})
+    renamed = matmul_model(w)
+    renamed.graph.node[1].output[0] = "z"
+    renamed.graph.output[0].name = "z"
+    check = verifier.check(_ir(renamed))
+    assert not check["passed"] and "output names changed" in check["reason"]
+    extra = matmul_model(w)
+    extra.graph.output.append(helper.make_tensor_value_info("xw", TensorProto.FLOAT, None))
+    check = verifier.check(_ir(extra))
+    assert not check["passed"] and "count changed from 1 to 2" in check["reason"]
+    assert "count changed" in verifier.describe_failure(check)
+
+
+def test_shape_change_fails():
+    verifier = Verifier(_ir(matmul_model(_w((8, 4)))), shapes={"x": (1, 8)})
+    check = verifier.check(_ir(matmul_model(_w((8, 5)))))
+    assert not check["passed"]
+    assert "shape (1, 5) differs" in check["outputs"]["y"]["failures"][0]
+
+
+def test_nan_in_both_models_is_agreement():
+    model = _model(
+        [helper.make_node("Log", ["x"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64])],
+    )
+    verifier = Verifier(_ir(model))
+    assert np.isnan(verifier.reference["y"]).any()  # uniform [-1, 1): negative inputs
+    check = verifier.check(_ir(model))
+    assert check["passed"] and check["outputs"]["y"]["nan_both"] > 0
+
+
+def test_int_outputs_are_exact():
+    def argmax_model(w):
+        return _model(
+            [helper.make_node("MatMul", ["x", "w"], ["s"]), helper.make_node("ArgMax", ["s"], ["i"], axis=1)],
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [16, 8])],
+            [helper.make_tensor_value_info("i", TensorProto.INT64, [16, 1])],
+            [numpy_helper.from_array(w, "w")],
+        )
+
+    w = _w()
+    verifier = Verifier(_ir(argmax_model(w)))
+    assert verifier.check(_ir(argmax_model(w)))["passed"]
+    check = verifier.check(_ir(argmax_model(-w)))
+    assert not check["passed"] and check["outputs"]["i"]["atol"] == 0.0
+
+
+def test_external_data_and_large_models_go_through_a_file(tmp_path, monkeypatch):
+    w = _w((64, 32))
+    path = tmp_path / "ext.onnx"
+    onnx.save(matmul_model(w), str(path), save_as_external_data=True, location="ext.onnx.data", size_threshold=0)
+    model = ir_io.load_model(path)
+    assert ort_backend.needs_file(model)
+    verifier = Verifier(model, shapes={"x": (2, 64)})
+    assert verifier.check(model)["passed"]
+    # In memory but "above 2 GB": lower the limit to force the temporary-file path.
+    monkeypatch.setattr(ort_backend, "_PROTO_LIMIT", 1024)
+    in_memory = _ir(matmul_model(w))
+    assert ort_backend.needs_file(in_memory)
+    session = ort_backend.make_session(in_memory)
+    assert session._mograph_tmpdir is not None
+    assert verifier.check(in_memory)["passed"]
+
+
+def test_bfloat16_inputs_and_outputs():
+    model = _model(
+        [
+            helper.make_node("Cast", ["x"], ["xf"], to=TensorProto.FLOAT),
+            helper.make_node("Relu", ["xf"], ["r"]),
+            helper.make_node("Cast", ["r"], ["y"], to=TensorProto.BFLOAT16),
+        ],
+        [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [2, 3])],
+    )
+    verifier = Verifier(_ir(model))
+    assert verifier.feeds["x"].dtype == ml_dtypes.bfloat16
+    assert verifier.reference["y"].dtype == ml_dtypes.bfloat16
+    expected = np.maximum(verifier.feeds["x"].astype(np.float32), 0)
+    np.testing.assert_array_equal(verifier.reference["y"].astype(np.float32), expected)
+    check = verifier.check(_ir(model))
+    assert check["passed"] and check["outputs"]["y"]["atol"] == 5e-2
+
+
+def test_diff_models_and_original_failures(tmp_path):
+    w = _w()
+    a, b = tmp_path / "a.onnx", tmp_path / "b.onnx"
+    onnx.save(matmul_model(w), str(a))
+    onnx.save(matmul_model(w + 1), str(b))
+    same = diff_models(a, a, shapes={"x": (2, 8)}, seed=3)
+    assert same["passed"] and same["seed"] == 3 and "tolerances" in same
+    differ = diff_models(a, b, shapes={"x": (2, 8)})
+    assert not differ["passed"] and "output 'y'" in differ["failure"]
+    with pytest.raises(ModelError):
+        diff_models(a, tmp_path / "missing.onnx")
+    broken = matmul_model(w)
+    broken.graph.node[0].op_type = "NoSuchOp"
+    with pytest.raises(ModelError, match="original model"):
+        Verifier(broken, shapes={"x": (1, 8)})
+    check = Verifier(matmul_model(w), shapes={"x": (1, 8)}).check(broken)
+    assert not check["passed"] and "cannot be loaded" in check["reason"]
+
+
+def test_missing_onnxruntime_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    with pytest.raises(BackendUnavailableError, match=r"mograph\[ort\]"):
+        ort_backend.make_session(matmul_model(_w()))
+
+
+def test_backend_plugin_registers_ort_without_importing_it():
+    code = (
+        "import sys, mograph.backends as b\n"
+        "backends = {x.name: x for x in b.mograph_add_backends()}\n"
+        "assert 'ort' in backends and backends['ort'].available() is True\n"
+        "assert backends['ort'].description and backends['ort'].extra == 'ort'\n"
+        "assert 'onnxruntime' not in sys.modules, 'registration imported onnxruntime'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_ort_runner_runs_with_optimizations():
+    w = _w()
+    runner = ort_backend.BACKEND.make_runner(matmul_model(w), optimizations=True, threads=1)
+    x = np.ones((2, 8), np.float32)
+    np.testing.assert_allclose(runner({"x": x})["y"], x @ w + 1, rtol=1e-5)

@@ -1,0 +1,444 @@
+"""Build, check and benchmark mograph's CUDA kernels on a GPU machine, in one run.
+
+    python tools/gpu_kernels.py                 # build + correctness grid + benchmark, table at the end
+    python tools/gpu_kernels.py --no-compile    # skip the torch.compile baseline (its compiles take minutes)
+
+Steps:
+  1. build ``kernels/build/libmograph_kernels.so`` with nvcc (``kernels/build.py``);
+  2. the correctness grid of ``kernels/harness.py`` (every op x fp32/fp16/bf16 x hidden in
+     {64, 768, 1000, 1024, 4096, 8192, 33, ...}, options, misaligned pointers) against the numpy reference;
+  3. benchmarks at 16384x768, 65536x1024, 16384x4096 and 4096x8192: each kernel's time, its achieved
+     bandwidth (bytes it must read and write / time) as a fraction of the device-to-device copy bandwidth
+     measured in the same run, and its speed-up over torch.nn.functional and over torch.compile of the
+     decomposed formula. Each kernel's output is also compared with torch's at those shapes.
+
+Timing: every candidate is warmed up, then K calls are captured in a CUDA graph (so Python and ctypes
+launch overhead does not hide the GPU time), the graph is replayed between CUDA events, and the median of
+many replays / K is the time of one call. Calls rotate over enough input/output sets that their bytes
+exceed the L2 cache several times, so the numbers are HBM numbers, not cache numbers.
+
+Output: progress lines, then a table; with ``--json PATH`` or ``$OUT`` set, the full results as JSON
+(``$OUT/gpu_kernels.json``). Needs torch with CUDA and nvcc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SHAPES = ((16384, 768), (65536, 1024), (16384, 4096), (4096, 8192))
+BENCH_OPS = ("layer_norm", "rms_norm", "skip_layer_norm", "gelu", "gelu_tanh", "bias_gelu")
+EPS = 1e-5
+L2_MULTIPLE_BYTES = 256 << 20  # rotate buffers until one graph's sets span this many bytes (L2 is 50-60 MB)
+
+
+def _load(name: str):
+    mod_name = f"mograph_kernels_{name}"
+    if mod_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(mod_name, ROOT / "kernels" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[mod_name]
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ---- timing ------------------------------------------------------------------------------------------------
+def time_graph(torch, calls, reps: int, use_graph: bool = True) -> tuple[float, str]:
+    """Median seconds per call of ``calls`` (a list of closures run in order), timed as explained above.
+
+    Falls back to timing a plain loop between events if graph capture fails (returned mode says which).
+    """
+    for fn in calls:  # warm-up: loads modules, compiles, fills allocator pools
+        fn()
+    torch.cuda.synchronize()
+    mode = "graph"
+    graph = None
+    if use_graph:
+        try:
+            graph = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for fn in calls:
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(graph):
+                for fn in calls:
+                    fn()
+            graph.replay()
+            torch.cuda.synchronize()
+        except Exception as exc:  # a baseline that cannot be captured is still timed, less precisely
+            log(f"    (graph capture failed: {exc.__class__.__name__}: {str(exc)[:120]}; timing eagerly)")
+            graph = None
+            mode = "eager"
+            torch.cuda.synchronize()
+
+    def run_once():
+        if graph is not None:
+            graph.replay()
+        else:
+            for fn in calls:
+                fn()
+
+    run_once()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        run_once()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / len(calls))
+    return statistics.median(times), mode
+
+
+def copy_bandwidth(torch, reps: int) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written) over 1 GiB buffers."""
+    n = (1 << 30) // 4
+    src = torch.empty(n, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    t, _ = time_graph(torch, [functools.partial(dst.copy_, src)] * 10, reps)
+    return 2 * n * 4 / t
+
+
+# ---- one benchmark ------------------------------------------------------------------------------------------
+class Bench:
+    """Inputs, our launcher and the torch baselines of one (op, dtype, shape)."""
+
+    def __init__(self, torch, lib, abi, op: str, dtype: str, rows: int, hidden: int, device: str = "cuda"):
+        self.torch, self.lib, self.abi = torch, lib, abi
+        self.op, self.dtype, self.rows, self.hidden = op, dtype, rows, hidden
+        tdt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dtype]
+        self.tdt = tdt
+        n = rows * hidden
+        esize = torch.tensor([], dtype=tdt).element_size()
+        reads = 2 if op == "skip_layer_norm" else 1
+        writes = 2 if op == "skip_layer_norm" else 1
+        self.bytes = (reads + writes) * n * esize  # vectors (gamma, beta, bias) are negligible and cached
+        nsets = max(1, min(8, math.ceil(L2_MULTIPLE_BYTES / self.bytes)))
+        gen = torch.Generator(device=device).manual_seed(0)
+
+        def rnd(*shape, scale=1.0, shift=0.0):
+            return (torch.randn(*shape, generator=gen, device=device) * scale + shift).to(tdt)
+
+        self.sets = []
+        for _ in range(nsets):
+            s = {"x": rnd(rows, hidden, scale=2.0, shift=0.5 if "gelu" not in op else 0.0)}
+            s["y"] = torch.empty_like(s["x"])
+            if op == "skip_layer_norm":
+                s["skip"] = rnd(rows, hidden)
+                s["sum"] = torch.empty_like(s["x"])
+            self.sets.append(s)
+        self.vecs = {"gamma": rnd(hidden, scale=0.2, shift=1.0), "beta": rnd(hidden, scale=0.2),
+                     "bias": rnd(hidden, scale=0.2)}  # fmt: skip
+        self.fn = getattr(lib, abi.symbol(self._kernel_op, dtype))
+
+    @property
+    def _kernel_op(self) -> str:
+        return "gelu" if self.op == "gelu_tanh" else self.op
+
+    def calls_needed(self) -> int:
+        est = self.bytes / 3.5e12
+        return int(min(50, max(5, math.ceil(3e-3 / est))))
+
+    # ours
+    def ours(self, s) -> None:
+        a, r, h, v = self.abi, self.rows, self.hidden, self.vecs
+        stream = self.torch.cuda.current_stream().cuda_stream
+        p = lambda t: t.data_ptr()  # noqa: E731
+        if self.op == "layer_norm":
+            st = self.fn(p(s["x"]), p(v["gamma"]), p(v["beta"]), p(s["y"]), r, h, EPS, 0, stream)
+        elif self.op == "rms_norm":
+            st = self.fn(p(s["x"]), p(v["gamma"]), p(s["y"]), r, h, EPS, 0, stream)
+        elif self.op == "skip_layer_norm":
+            st = self.fn(p(s["x"]), p(s["skip"]), p(v["bias"]), p(v["gamma"]), p(v["beta"]), p(s["y"]), p(s["sum"]),
+                         r, h, EPS, 0, stream)  # fmt: skip
+        elif self.op in ("gelu", "gelu_tanh"):
+            st = self.fn(p(s["x"]), p(s["y"]), r * h, a.GELU_TANH if self.op == "gelu_tanh" else 0, stream)
+        else:
+            st = self.fn(p(s["x"]), p(v["bias"]), p(s["y"]), r, h, 0, stream)
+        if st != a.OK:
+            a.check(self.lib, self.op, st)
+
+    # torch.nn.functional
+    def eager(self, s, vecs=None):
+        F = self.torch.nn.functional
+        h = self.hidden
+        v = vecs or self.vecs
+        if self.op == "layer_norm":
+            return F.layer_norm(s["x"], (h,), v["gamma"], v["beta"], EPS)
+        if self.op == "rms_norm":
+            return F.rms_norm(s["x"], (h,), v["gamma"], EPS)
+        if self.op == "skip_layer_norm":
+            t = s["x"] + s["skip"] + v["bias"]
+            return F.layer_norm(t, (h,), v["gamma"], v["beta"], EPS), t
+        if self.op == "gelu":
+            return F.gelu(s["x"])
+        if self.op == "gelu_tanh":
+            return F.gelu(s["x"], approximate="tanh")
+        return F.gelu(s["x"] + v["bias"])
+
+    # decomposed formulas for torch.compile (fp32 math, cast back, as the kernels do)
+    def decomposed(self):
+        torch = self.torch
+        op = self.op
+
+        def ln(x, g, b):
+            xf = x.float()
+            mean = xf.mean(-1, keepdim=True)
+            d = xf - mean
+            var = (d * d).mean(-1, keepdim=True)
+            return (d * torch.rsqrt(var + EPS) * g.float() + b.float()).to(x.dtype)
+
+        v = self.vecs
+        if op == "layer_norm":
+            return lambda s: ln(s["x"], v["gamma"], v["beta"])
+        if op == "rms_norm":
+
+            def rms(x, g):
+                xf = x.float()
+                return (xf * torch.rsqrt((xf * xf).mean(-1, keepdim=True) + EPS) * g.float()).to(x.dtype)
+
+            return lambda s: rms(s["x"], v["gamma"])
+        if op == "skip_layer_norm":
+
+            def sln(x, skip, bias, g, b):
+                t = (x.float() + skip.float() + bias.float()).to(x.dtype)
+                return ln(t, g, b), t
+
+            return lambda s: sln(s["x"], s["skip"], v["bias"], v["gamma"], v["beta"])
+
+        def gelu_exact(v):
+            return 0.5 * v * (1.0 + torch.erf(v * 0.7071067811865476))
+
+        def gelu_tanh(v):
+            return 0.5 * v * (1.0 + torch.tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)))
+
+        if op == "gelu":
+            return lambda s: gelu_exact(s["x"].float()).to(s["x"].dtype)
+        if op == "gelu_tanh":
+            return lambda s: gelu_tanh(s["x"].float()).to(s["x"].dtype)
+        return lambda s: gelu_exact(s["x"].float() + v["bias"].float()).to(s["x"].dtype)
+
+    def error_vs_torch(self) -> float:
+        """max |ours - F(fp32 copies of the inputs)| / rms(F) over every output, on the first input set."""
+        torch = self.torch
+        s = self.sets[0]
+        self.ours(s)
+        ref = self.eager({k: t.float() for k, t in s.items()}, {k: t.float() for k, t in self.vecs.items()})
+        pairs = [(s["y"], ref[0] if isinstance(ref, tuple) else ref)]
+        if isinstance(ref, tuple):
+            pairs.append((s["sum"], ref[1]))
+        err = 0.0
+        for got, want in pairs:
+            want = want.float()
+            err = max(err, ((got.float() - want).abs().max() / want.pow(2).mean().sqrt()).item())
+        torch.cuda.synchronize()
+        return err
+
+
+def _rotating(fn, sets: list, k: int) -> list:
+    """k calls of fn, the i-th on input set i mod len(sets)."""
+    return [functools.partial(fn, sets[i % len(sets)]) for i in range(k)]
+
+
+def run_benchmarks(
+    torch, lib, abi, args, copy_bps: float, results: list, compile_deadline: float, on_record=None
+) -> None:
+    dtypes = args.dtypes.split(",")
+    ops = args.ops.split(",")
+    compile_dtypes = set(args.compile_dtypes.split(","))
+    for rows, hidden in SHAPES:
+        for dtype in dtypes:
+            for op in ops:
+                rec = {"op": op, "dtype": dtype, "rows": rows, "hidden": hidden}
+                try:
+                    b = Bench(torch, lib, abi, op, dtype, rows, hidden)
+                    rec.update(bytes=b.bytes, sets=len(b.sets))
+                    k = b.calls_needed()
+
+                    rec["max_err_vs_torch_fp32"] = b.error_vs_torch()
+
+                    calls = _rotating(b.ours, b.sets, k)
+                    t_ours, _ = time_graph(torch, calls, args.reps)
+                    rec["ours_s"] = t_ours
+                    rec["ours_bw"] = b.bytes / t_ours
+                    rec["ours_frac_copy"] = b.bytes / t_ours / copy_bps
+
+                    calls = _rotating(b.eager, b.sets, k)
+                    try:
+                        t_eager, mode = time_graph(torch, calls, args.reps)
+                        rec["torch_s"] = t_eager
+                        rec["torch_mode"] = mode
+                        rec["speedup_vs_torch"] = t_eager / t_ours
+                    except Exception as exc:
+                        rec["torch_error"] = f"{exc.__class__.__name__}: {exc}"[:300]
+
+                    if args.compile and dtype in compile_dtypes and time.monotonic() < compile_deadline:
+                        try:
+                            t0 = time.monotonic()
+                            torch._dynamo.reset()  # a fresh cache: no recompile limit reached, no stale guards
+                            compiled = torch.compile(b.decomposed(), dynamic=False)
+                            calls = _rotating(compiled, b.sets, k)
+                            t_comp, mode = time_graph(torch, calls, args.reps)
+                            rec["compile_s"] = t_comp
+                            rec["compile_mode"] = mode
+                            rec["compile_wall_s"] = time.monotonic() - t0
+                            rec["speedup_vs_compile"] = t_comp / t_ours
+                        except Exception as exc:
+                            rec["compile_error"] = f"{exc.__class__.__name__}: {exc}"[:300]
+                    elif args.compile and dtype in compile_dtypes:
+                        rec["compile_error"] = "skipped: compile time budget spent"
+                except Exception as exc:  # keep going: one broken combination must not lose the others
+                    rec["error"] = traceback.format_exc()[-1500:]
+                    log(f"  ERROR {op} {dtype} {rows}x{hidden}: {exc.__class__.__name__}: {exc}")
+                results.append(rec)
+                log(_row(rec))
+                if on_record:
+                    on_record()
+                b = calls = None  # free this shape's buffers before the next one
+                torch.cuda.empty_cache()
+
+
+def _fmt(v, spec):
+    return format(v, spec) if isinstance(v, (int, float)) else "-"
+
+
+HEADER = (
+    f"{'op':<16}{'dtype':<6}{'shape':>12}{'ours us':>10}{'GB/s':>8}{'/copy':>7}"
+    f"{'torch us':>10}{'x torch':>9}{'compile us':>12}{'x comp':>8}{'err':>10}"
+)
+
+
+def _row(r: dict) -> str:
+    return (
+        f"{r['op']:<16}{r['dtype']:<6}{str(r['rows']) + 'x' + str(r['hidden']):>12}"
+        f"{_fmt(r.get('ours_s', 0) * 1e6, '.1f'):>10}{_fmt(r.get('ours_bw', 0) / 1e9, '.0f'):>8}"
+        f"{_fmt(r.get('ours_frac_copy'), '.3f'):>7}"
+        f"{_fmt(r.get('torch_s', float('nan')) * 1e6, '.1f'):>10}{_fmt(r.get('speedup_vs_torch'), '.2f'):>9}"
+        f"{_fmt(r.get('compile_s', float('nan')) * 1e6, '.1f'):>12}{_fmt(r.get('speedup_vs_compile'), '.2f'):>8}"
+        f"{_fmt(r.get('max_err_vs_torch_fp32'), '.2e'):>10}"
+    )
+
+
+def run_correctness(lib, harness, backend, args) -> list:
+    cases = harness.make_grid(rows=args.grid_rows)
+    out = []
+    failures = 0
+    t0 = time.monotonic()
+    for i, case in enumerate(cases):
+        try:
+            res = harness.check_case(lib, backend, case, seed=i)
+            rec = {"case": case.label, "ok": res.ok, "err": res.max_scaled_err, "tol": res.tolerance,
+                   "message": res.message}  # fmt: skip
+        except Exception as exc:
+            rec = {"case": case.label, "ok": False, "err": None, "message": f"{exc.__class__.__name__}: {exc}"}
+        out.append(rec)
+        if not rec["ok"]:
+            failures += 1
+            log(f"  FAIL {rec['case']}: {rec['message']}")
+    worst = {}
+    for rec in out:
+        dt = rec["case"].split("[")[1].split(",")[0]
+        if rec["err"] is not None:
+            worst[dt] = max(worst.get(dt, 0.0), rec["err"])
+    log(
+        f"correctness: {len(cases) - failures}/{len(cases)} cases pass in {time.monotonic() - t0:.1f}s; "
+        f"worst scaled error per dtype: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
+    )
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lib", type=Path, default=None, help="use this library instead of building")
+    parser.add_argument("--arch", default="80,90", help="machine-code archs for the build (default: %(default)s)")
+    parser.add_argument("--no-correctness", dest="correctness", action="store_false")
+    parser.add_argument("--no-bench", dest="bench", action="store_false")
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile baseline")
+    parser.add_argument("--compile-budget", type=float, default=240.0, help="seconds for torch.compile baselines")
+    parser.add_argument("--compile-dtypes", default="f16,f32", help="dtypes that get a torch.compile baseline")
+    parser.add_argument("--dtypes", default="f16,f32,bf16")
+    parser.add_argument("--ops", default=",".join(BENCH_OPS))
+    parser.add_argument("--reps", type=int, default=25, help="timed graph replays per candidate")
+    parser.add_argument("--grid-rows", type=int, default=67)
+    parser.add_argument("--json", type=Path, default=None, help="write results here (default: $OUT/gpu_kernels.json)")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        log("no CUDA GPU visible to torch: nothing to do")
+        return 2
+    abi = _load("abi")
+    build = _load("build")
+    harness = _load("harness")
+    props = torch.cuda.get_device_properties(0)
+    info = {
+        "device": torch.cuda.get_device_name(),
+        "sms": props.multi_processor_count,
+        "l2_bytes": getattr(props, "L2_cache_size", None),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
+    log(f"device: {info}")
+    json_path = args.json or (Path(os.environ["OUT"]) / "gpu_kernels.json" if os.environ.get("OUT") else None)
+    results: dict = {"info": info}
+
+    def save():
+        if json_path:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            json_path.write_text(json.dumps(results, indent=1))
+
+    t0 = time.monotonic()
+    lib_path = args.lib or build.build(archs=tuple(args.arch.split(",")), log=log)
+    results["build_s"] = time.monotonic() - t0
+    lib = abi.load(lib_path)
+    log(f"library: {lib_path} ({results['build_s']:.1f}s)")
+
+    if args.correctness:
+        backend, why = harness.find_backend()
+        results["correctness"] = run_correctness(lib, harness, backend, args)
+        save()
+
+    if args.bench:
+        copy_bps = copy_bandwidth(torch, args.reps)
+        results["copy_bytes_per_s"] = copy_bps
+        log(f"copy bandwidth: {copy_bps / 1e9:.0f} GB/s (read + write, 1 GiB buffers)")
+        bench: list = []
+        results["bench"] = bench
+        log(HEADER)
+        try:
+            run_benchmarks(torch, lib, abi, args, copy_bps, bench, time.monotonic() + args.compile_budget, save)
+        finally:
+            save()
+        log("")
+        log(f"copy bandwidth {copy_bps / 1e9:.0f} GB/s; x torch / x comp = time of torch / time of ours (>1: faster)")
+        log(HEADER)
+        for rec in bench:
+            log(_row(rec))
+    save()
+    if args.correctness and not all(r["ok"] for r in results["correctness"]):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
