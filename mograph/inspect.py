@@ -28,6 +28,16 @@ def op_key(node: ir.Node) -> str:
     return node.op_type if node.domain in _DEFAULT_DOMAINS else f"{node.domain}::{node.op_type}"
 
 
+_DTYPE_NAMES = {"FLOAT": "float32", "DOUBLE": "float64"}
+
+
+def _dtype_name(dtype: ir.DataType | None) -> str | None:
+    """``float32``, ``float16``, ``int64`` ... (numpy's spelling where ONNX's differs)."""
+    if dtype is None:
+        return None
+    return _DTYPE_NAMES.get(dtype.name, dtype.name.lower())
+
+
 def _dims(shape: ir.Shape | None) -> list[int | str] | None:
     if shape is None:
         return None
@@ -37,7 +47,7 @@ def _dims(shape: ir.Shape | None) -> list[int | str] | None:
 def _io(value: ir.Value) -> dict[str, Any]:
     return {
         "name": value.name,
-        "dtype": value.dtype.name.lower() if value.dtype is not None else None,
+        "dtype": _dtype_name(value.dtype),
         "shape": _dims(value.shape),
     }
 
@@ -49,12 +59,12 @@ def _attr_elements(attr: Any) -> tuple[int, str | None]:
         tensor = attr.value
         if tensor is None:
             return 0, None
-        return math.prod(tensor.shape.numpy()), tensor.dtype.name.lower()
+        return math.prod(tensor.shape.numpy()), _dtype_name(tensor.dtype)
     if name in ("value_floats", "value_ints", "value_strings"):
-        kind = {"value_floats": "float", "value_ints": "int64", "value_strings": "string"}[name]
+        kind = {"value_floats": "float32", "value_ints": "int64", "value_strings": "string"}[name]
         return len(attr.value), kind
     if name in ("value_float", "value_int", "value_string"):
-        kind = {"value_float": "float", "value_int": "int64", "value_string": "string"}[name]
+        kind = {"value_float": "float32", "value_int": "int64", "value_string": "string"}[name]
         return 1, kind
     return 0, None
 
@@ -100,10 +110,10 @@ def summarize(source: Any) -> dict[str, Any]:
             tensor = value.const_value
             if tensor is None:
                 continue
-            params[tensor.dtype.name.lower()] += math.prod(tensor.shape.numpy())
+            params[str(_dtype_name(tensor.dtype))] += math.prod(tensor.shape.numpy())
             init_bytes += tensor.nbytes
             if isinstance(tensor, ir.ExternalTensor):
-                entry = external.setdefault(tensor.location, {"tensors": 0, "bytes": 0})
+                entry = external.setdefault(str(tensor.location), {"tensors": 0, "bytes": 0})
                 entry["tensors"] += 1
                 entry["bytes"] += tensor.nbytes
 

@@ -19,12 +19,14 @@ Why this matters:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Iterator, Union
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 
@@ -193,7 +195,8 @@ def save_model(
         model: the model to write.
         path: destination ``.onnx`` file.
         external_data: write initializers to ``<name>.data`` beside the model. ``None`` chooses it
-            when the initializers need more than 2 GB or the model already had external data.
+            when the initializers need more than 2 GB or the model already had external data;
+            ``False`` writes one self-contained file (external tensors are read in for it).
         forbid: a path that must not be written over (the input model); the external data files the
             model reads from are then protected as well.
 
@@ -206,6 +209,11 @@ def save_model(
     if external_data is None:
         external_data = model_size_bytes(model) >= TWO_GB - 64 * 2**20 or any(
             isinstance(v.const_value, ir.ExternalTensor) for v in _all_initializers(model)
+        )
+    elif not external_data and model_size_bytes(model) >= TWO_GB:
+        raise UsageError(
+            f"the model's initializers need {model_size_bytes(model) / 2**30:.1f} GiB, past protobuf's 2 GB "
+            "limit: save it with external data"
         )
     data_name = f"{dest.name}.data"
     if external_data and forbid is not None:  # the input's weights must survive too
@@ -227,13 +235,33 @@ def save_model(
             ir.save(model, tmp_model, external_data=data_name)
             os.replace(tmpdir / data_name, dest.parent / data_name)
         else:
-            ir.save(model, tmp_model)
+            with _inlined(model):
+                ir.save(model, tmp_model)
         os.replace(tmp_model, dest)
     except OSError as exc:  # disk full, a folder in the way ...: nothing half-written is left behind
         raise UsageError(f"cannot write {dest}: {exc.strerror or exc}") from exc
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
     return dest
+
+
+@contextlib.contextmanager
+def _inlined(model: ir.Model) -> Iterator[None]:
+    """Hold external tensors in memory while the model is written without external data.
+
+    Otherwise their references would be written as they are, relative to a folder the new file may
+    not be in.
+    """
+    external = [v for v in _all_initializers(model) if isinstance(v.const_value, ir.ExternalTensor)]
+    saved = [v.const_value for v in external]
+    try:
+        for value, tensor in zip(external, saved):
+            assert tensor is not None
+            value.const_value = ir.Tensor(np.array(tensor.numpy()), name=value.name)
+        yield
+    finally:
+        for value, tensor in zip(external, saved):
+            value.const_value = tensor
 
 
 def _same_file(a: Path, b: Path) -> bool:

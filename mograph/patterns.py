@@ -60,6 +60,7 @@ __all__ = [
     "apply_rules",
     "const",
     "constant_array",
+    "remove_dead_producers",
     "scalar_value",
 ]
 
@@ -456,7 +457,7 @@ def _removal_blocker(nodes: Sequence[ir.Node], outputs: Sequence[ir.Value]) -> s
     return None
 
 
-def _remove_dead_producers(graph: ir.Graph, values: Iterable[ir.Value | None]) -> None:
+def remove_dead_producers(graph: ir.Graph, values: Iterable[ir.Value | None]) -> None:
     """Remove producers of ``values`` that nothing reads any more (transitively)."""
     stack = [v for v in values if v is not None]
     while stack:
@@ -538,6 +539,7 @@ def _try(
             if len(nodes) >= rule.min_candidate_nodes and (best_miss is None or len(nodes) + 1000 > best_miss[0]):
                 best_miss = (len(nodes) + 1000, reason, nodes)
             continue
+        label = rule.variant(match.bindings)
         replacement = ReplacementPatternFunction(rule.rewrite).get_replacement(match)
         if replacement is None:
             if len(nodes) >= rule.min_candidate_nodes:
@@ -566,10 +568,9 @@ def _try(
             new_vals.append(new)
         inputs_read = [v for n in nodes for v in n.inputs]
         ir.convenience.replace_nodes_and_values(graph, node, nodes, replacement.new_nodes, old_vals, new_vals)
-        _remove_dead_producers(graph, inputs_read)
+        remove_dead_producers(graph, inputs_read)
         report.stats[rule.name] += 1
         report.candidates[rule.name] += 1
-        label = rule.variant(match.bindings)
         if label:
             report.stats[f"{rule.name}.{label}"] += 1
         fused_nodes.update(nodes)

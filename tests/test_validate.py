@@ -357,3 +357,17 @@ def test_ort_runner_runs_with_optimizations():
     runner = ort_backend.BACKEND.make_runner(matmul_model(w), optimizations=True, threads=1)
     x = np.ones((2, 8), np.float32)
     np.testing.assert_allclose(runner({"x": x})["y"], x @ w + 1, rtol=1e-5)
+
+
+def test_output_made_float16_is_judged_at_float16_precision():
+    w = _w()
+    half = matmul_model(w)
+    # The same computation, with a Cast of the output to float16 (what a precision pass may leave).
+    half.graph.node[1].output[0] = "y32"
+    half.graph.node.append(helper.make_node("Cast", ["y32"], ["y"], to=TensorProto.FLOAT16))
+    half.graph.output[0].type.tensor_type.elem_type = TensorProto.FLOAT16
+    verifier = Verifier(_ir(matmul_model(w)), shapes={"x": (4, 8)})
+    check = verifier.check(_ir(half), family="fusion")
+    assert check["passed"], check["summary"]
+    out = check["outputs"]["y"]
+    assert out["actual_dtype"] == "float16" and out["atol"] == 1e-2

@@ -73,6 +73,31 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& v) {
     *reinterpret_cast<Raw*>(p) = *reinterpret_cast<const Raw*>(&v);
 }
 
+// Accesses to data touched once (activations), as opposed to gamma/beta/bias that every row re-reads.
+// With MOGRAPH_STREAMING_HINTS they are marked evict-first (ld/st.global.cs), so they do not push the
+// reused vectors out of the caches; without it they are plain accesses.
+template <typename T, int N>
+__device__ __forceinline__ Pack<T, N> load_stream(const T* p) {
+#ifdef MOGRAPH_STREAMING_HINTS
+    using Raw = typename RawOf<sizeof(T) * N>::type;
+    Pack<T, N> out;
+    *reinterpret_cast<Raw*>(&out) = __ldcs(reinterpret_cast<const Raw*>(p));
+    return out;
+#else
+    return load_pack<T, N>(p);
+#endif
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_stream(T* p, const Pack<T, N>& v) {
+#ifdef MOGRAPH_STREAMING_HINTS
+    using Raw = typename RawOf<sizeof(T) * N>::type;
+    __stcs(reinterpret_cast<Raw*>(p), *reinterpret_cast<const Raw*>(&v));
+#else
+    store_pack<T, N>(p, v);
+#endif
+}
+
 template <typename T, int N>
 __device__ __forceinline__ Pack<T, N> zero_pack() {
     Pack<T, N> out;

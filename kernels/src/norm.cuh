@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(TPR * RPB) norm_register_kernel(const NormArgs
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
             const int c = t + k * TPR;
-            v[k] = (row_ok && c < nvec) ? load_pack<T, VEC>(a.x + off + static_cast<int64_t>(c) * VEC)
+            v[k] = (row_ok && c < nvec) ? load_stream<T, VEC>(a.x + off + static_cast<int64_t>(c) * VEC)
                                         : zero_pack<T, VEC>();
         }
         if constexpr (KIND == NormKind::kSkipLayerNorm) {
@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(TPR * RPB) norm_register_kernel(const NormArgs
 #pragma unroll
             for (int k = 0; k < VPT; ++k) {
                 const int c = t + k * TPR;
-                s[k] = (row_ok && c < nvec) ? load_pack<T, VEC>(a.skip + off + static_cast<int64_t>(c) * VEC)
+                s[k] = (row_ok && c < nvec) ? load_stream<T, VEC>(a.skip + off + static_cast<int64_t>(c) * VEC)
                                             : zero_pack<T, VEC>();
             }
 #pragma unroll
@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(TPR * RPB) norm_register_kernel(const NormArgs
                     for (int j = 0; j < VEC; ++j) {
                         v[k].v[j] = from_f32<T>(to_f32(v[k].v[j]) + to_f32(s[k].v[j]) + to_f32(b.v[j]));
                     }
-                    if (a.sum_out != nullptr) store_pack<T, VEC>(a.sum_out + off + static_cast<int64_t>(c) * VEC, v[k]);
+                    if (a.sum_out != nullptr) store_stream<T, VEC>(a.sum_out + off + static_cast<int64_t>(c) * VEC, v[k]);
                 }
             }
         }
@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(TPR * RPB) norm_register_kernel(const NormArgs
                     const float n = (to_f32(v[k].v[j]) - mean) * rstd;
                     o.v[j] = from_f32<T>(fmaf(n, to_f32(g.v[j]), to_f32(b.v[j])));
                 }
-                store_pack<T, VEC>(a.y + off + static_cast<int64_t>(c) * VEC, o);
+                store_stream<T, VEC>(a.y + off + static_cast<int64_t>(c) * VEC, o);
             }
         }
     }
@@ -274,34 +274,59 @@ int launch_generic(const NormArgs<T>& a, cudaStream_t stream) {
     return launch_status();
 }
 
-// Picks the kernel for a validated argument set. A thread of the register path holds at most 32 elements of
-// a row (8 packs of fp32 or 4 packs of fp16/bf16): enough 16-byte loads in flight to cover HBM latency,
-// without spilling (ptxas --resource-usage). Groups of 4..32 lanes take rows of up to one warp's worth,
-// groups of 64..512 threads the larger ones (hidden up to 16384); larger or unaligned rows go generic.
+// Register budget of the fast path: the most row elements one thread keeps (8, 16 or 32). Fewer elements
+// per thread mean more threads per row, more resident warps and shorter-lived blocks; more mean more
+// 16-byte loads in flight per thread. tools/gpu_kernels.py --sweep measures the choices.
+#ifndef MOGRAPH_NORM_MAX_ELEMS
+#define MOGRAPH_NORM_MAX_ELEMS 32
+#endif
+static_assert(MOGRAPH_NORM_MAX_ELEMS == 8 || MOGRAPH_NORM_MAX_ELEMS == 16 || MOGRAPH_NORM_MAX_ELEMS == 32,
+              "MOGRAPH_NORM_MAX_ELEMS must be 8, 16 or 32");
+
+template <typename T>
+constexpr int kNormMaxVpt = MOGRAPH_NORM_MAX_ELEMS / kVec16<T> > 0 ? MOGRAPH_NORM_MAX_ELEMS / kVec16<T> : 1;
+
+// Packs per thread that have a kernel instance; a request for v packs takes the smallest choice >= v.
+constexpr int kVptChoices[] = {1, 2, 3, 4, 6, 8};
+
+// Launches the register kernel with TPR threads per row and the smallest instantiated VPT >= v. Only the
+// VPTs the dispatch below can ask for are instantiated: any for TPR == 4, otherwise more than half the
+// budget (a group half as large was too small), and at most 16 elements per thread with 1024 threads
+// (the 64-register cap of a 1024-thread block spills beyond that).
+template <typename T, NormKind KIND, int MAXV, int TPR, int I = 0>
+int launch_with_vpt(const NormArgs<T>& a, int v, cudaStream_t stream) {
+    if constexpr (I >= static_cast<int>(sizeof(kVptChoices) / sizeof(kVptChoices[0]))) {
+        return launch_generic<T, KIND>(a, stream);
+    } else {
+        constexpr int kVpt = kVptChoices[I];
+        constexpr bool kUsable =
+            kVpt <= MAXV && (TPR == 4 || 2 * kVpt > MAXV) && (TPR < 1024 || kVpt * kVec16<T> <= 16);
+        if constexpr (kUsable) {
+            if (v <= kVpt) return launch_register<T, KIND, kVpt, TPR>(a, stream);
+        }
+        return launch_with_vpt<T, KIND, MAXV, TPR, I + 1>(a, v, stream);
+    }
+}
+
+// The fewest threads per row (4, 8, ..., 1024) that hold the row within the register budget.
+template <typename T, NormKind KIND, int MAXV, int TPR = 4>
+int launch_with_tpr(const NormArgs<T>& a, int nvec, cudaStream_t stream) {
+    if constexpr (TPR > 1024) {
+        return launch_generic<T, KIND>(a, stream);
+    } else {
+        if (nvec <= TPR * MAXV) return launch_with_vpt<T, KIND, MAXV, TPR>(a, (nvec + TPR - 1) / TPR, stream);
+        return launch_with_tpr<T, KIND, MAXV, TPR * 2>(a, nvec, stream);
+    }
+}
+
+// Picks the kernel for a validated argument set: the register path when hidden is a whole number of
+// 16-byte packs and every pointer is 16-byte aligned (rows up to 1024 threads x the budget), else generic.
 template <typename T, NormKind KIND>
 int launch_norm(const NormArgs<T>& a, cudaStream_t stream) {
     constexpr int kVec = kVec16<T>;
-    constexpr int kMaxVpt = 32 / kVec;
     const bool vector_ok = a.hidden % kVec == 0 && aligned16(a.x) && aligned16(a.skip) && aligned16(a.bias) &&
                            aligned16(a.gamma) && aligned16(a.beta) && aligned16(a.y) && aligned16(a.sum_out);
-    if (vector_ok) {
-        const int nvec = a.hidden / kVec;
-        if (nvec <= 4) return launch_register<T, KIND, 1, 4>(a, stream);
-        if (nvec <= 8) return launch_register<T, KIND, 1, 8>(a, stream);
-        if (nvec <= 16) return launch_register<T, KIND, 1, 16>(a, stream);
-        if (nvec <= 32) return launch_register<T, KIND, 1, 32>(a, stream);
-        if (nvec <= 64) return launch_register<T, KIND, 2, 32>(a, stream);
-        if (nvec <= 96) return launch_register<T, KIND, 3, 32>(a, stream);
-        if (nvec <= 128) return launch_register<T, KIND, 4, 32>(a, stream);
-        if constexpr (kMaxVpt == 8) {
-            if (nvec <= 192) return launch_register<T, KIND, 6, 32>(a, stream);
-            if (nvec <= 256) return launch_register<T, KIND, 8, 32>(a, stream);
-        }
-        if (nvec <= 64 * kMaxVpt) return launch_register<T, KIND, kMaxVpt, 64>(a, stream);
-        if (nvec <= 128 * kMaxVpt) return launch_register<T, KIND, kMaxVpt, 128>(a, stream);
-        if (nvec <= 256 * kMaxVpt) return launch_register<T, KIND, kMaxVpt, 256>(a, stream);
-        if (nvec <= 512 * kMaxVpt) return launch_register<T, KIND, kMaxVpt, 512>(a, stream);
-    }
+    if (vector_ok) return launch_with_tpr<T, KIND, kNormMaxVpt<T>>(a, a.hidden / kVec, stream);
     return launch_generic<T, KIND>(a, stream);
 }
 

@@ -12,8 +12,8 @@ The protocol a backend object follows (duck-typed; subclassing :class:`Backend` 
 * ``description`` — one line;
 * ``extra`` — the pip extra that installs its runtime (``pip install 'mograph[ort]'``);
 * ``available() -> bool`` — whether the runtime can be imported, without importing it;
-* ``import_runtime()`` (optional) — import the runtime now, so that ``mograph bench`` does not count
-  the import in the session's memory;
+* ``import_runtime()`` (optional) — import the runtime now (best effort), so that ``mograph bench``
+  does not count the import in the session's memory;
 * ``make_runner(model, *, optimizations=True, threads=None, providers=None) -> Runner`` — load
   ``model`` (a path, bytes, ``onnx.ModelProto`` or ``onnx_ir.Model``) and return a callable that
   maps a feed dict to an output dict; raises :class:`~mograph.errors.BackendUnavailableError`
@@ -65,13 +65,18 @@ class Backend:
             return False
 
     def import_runtime(self) -> Any:
-        """Import the runtime now (optional in the protocol): ``bench`` calls it before measuring memory."""
+        """Import the runtime now, if installed (best effort; ``None`` otherwise).
+
+        Optional in the protocol: ``mograph bench`` calls it before it starts measuring memory, so
+        that importing the runtime is not counted as the session's memory.  A missing runtime is
+        reported by ``make_runner``, not here.
+        """
+        if not self.available():
+            return None
         try:
             return importlib.import_module(self.module)
-        except ImportError as exc:
-            from mograph.errors import BackendUnavailableError
-
-            raise BackendUnavailableError(self.module, self.extra) from exc
+        except ImportError:
+            return None
 
     def make_runner(
         self,

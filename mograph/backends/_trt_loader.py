@@ -221,20 +221,20 @@ def plugin_lib_fix(trt: ModuleType | None = None) -> PluginLibFix:
         else:
             logger.info("created %s -> %s (works around the RTX plugin-library abort)", link, target.name)
             return PluginLibFix(in_process=True, link=link, how=f"created {link} -> {target.name}")
-    folder = _cache_dir() / hashlib.sha256(str(lib_dir.resolve()).encode()).hexdigest()[:16]
-    folder.mkdir(parents=True, exist_ok=True)
-    link = folder / _RTX_LINK
+    cache = _cache_dir() / hashlib.sha256(str(lib_dir.resolve()).encode()).hexdigest()[:16]
+    cache.mkdir(parents=True, exist_ok=True)
+    link = cache / _RTX_LINK
     if not _resolves_to(link, target):
-        link = _make_link(folder, target)
+        link = _make_link(cache, target)
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.pathsep.join(
-        [str(folder), *[p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]]
+        [str(cache), *[p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]]
     )
     return PluginLibFix(
         in_process=False,
         env=env,
         link=link,
-        how=f"child process with LD_LIBRARY_PATH={folder} ({link} -> {target})",
+        how=f"child process with LD_LIBRARY_PATH={cache} ({link} -> {target})",
     )
 
 

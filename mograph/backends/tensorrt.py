@@ -213,6 +213,117 @@ def _nonstandard_ops(model: Any) -> list[str]:
     return seen
 
 
+def _mograph_plugin_nodes(model: Any) -> list[Any]:
+    import onnx_ir as ir
+
+    from mograph.backends.tensorrt_plugins import PLUGIN_NAMESPACE, PLUGINS
+
+    out = []
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        ns = node.attributes.get("plugin_namespace")
+        if ns is not None and ns.value == PLUGIN_NAMESPACE and node.op_type in PLUGINS:
+            out.append(node)
+    return out
+
+
+def _vector_inputs(node: Any) -> list[int]:
+    from mograph.backends.tensorrt_plugins import PLUGINS
+
+    spec = PLUGINS[node.op_type]
+    return [k for k, n in enumerate(spec.inputs) if k > 0 and n.rstrip("?") != "Skip"]
+
+
+def _hidden_of(node: Any) -> int | None:
+    """The normalized (last) axis size of a plugin node, from X's shape or a constant Scale/Bias."""
+    from mograph.patterns import constant_array
+
+    x = node.inputs[0]
+    if x is not None and x.shape is not None and len(x.shape) and isinstance(x.shape[-1], int):
+        return int(x.shape[-1])
+    for k in _vector_inputs(node):
+        if k < len(node.inputs):
+            arr = constant_array(node.inputs[k])
+            if arr is not None and arr.size > 1:
+                return int(arr.size)
+    return None
+
+
+def _needs_legalizing(model: Any) -> bool:
+    from mograph.patterns import constant_array
+
+    for node in _mograph_plugin_nodes(model):
+        if node.op_type == "SkipLayerNorm" and len(node.outputs) > 1 and "sum_output" not in node.attributes:
+            return True
+        if any(v is None for v in node.inputs):
+            return True
+        for k in _vector_inputs(node):
+            if k < len(node.inputs):
+                arr = constant_array(node.inputs[k])
+                if arr is not None and arr.size == 1 and (_hidden_of(node) or 1) > 1:
+                    return True
+    return False
+
+
+def _legalize_plugin_nodes(model: Any) -> list[str]:
+    """Bring mograph plugin nodes to the form the plugins take (see :mod:`~mograph.backends.tensorrt_plugins`).
+
+    * a SkipLayerNorm with a second output and no ``sum_output``: the output is dropped when nothing reads
+      it, else ``sum_output=1`` is set (the parser needs the plugin's output count to match the node's);
+    * a one-element constant Scale/B/Bias becomes a ``[hidden]`` initializer (the kernels take vectors);
+    * missing optional inputs: dropped at the end, zeros ``[hidden]`` in the middle.
+
+    Returns one line per change, for the build report.
+    """
+    import numpy as np
+    import onnx_ir as ir
+
+    from mograph.patterns import constant_array
+
+    notes: list[str] = []
+    for node in _mograph_plugin_nodes(model):
+        label = node.name or node.op_type
+        graph = node.graph
+        if node.op_type == "SkipLayerNorm" and len(node.outputs) > 1 and "sum_output" not in node.attributes:
+            extra = node.outputs[1]
+            if not extra.uses() and not extra.is_graph_output():
+                node.resize_outputs(1)
+                notes.append(f"{label}: dropped its unused second output (Sum)")
+            else:
+                node.attributes["sum_output"] = ir.AttrInt64("sum_output", 1)
+                notes.append(f"{label}: set sum_output=1 (its Sum output is read)")
+        while node.inputs and node.inputs[-1] is None:
+            node.resize_inputs(len(node.inputs) - 1)
+        hidden = _hidden_of(node)
+        if hidden is None or graph is None:
+            continue
+        x_dtype = node.inputs[0].dtype if node.inputs[0] is not None else None
+        for k in _vector_inputs(node):
+            if k >= len(node.inputs):
+                break
+            value = node.inputs[k]
+            arr = constant_array(value) if value is not None else None
+            if value is None:
+                np_dtype = x_dtype.numpy() if x_dtype is not None else np.float32
+                full = np.zeros(hidden, dtype=np_dtype)
+                why = "missing"
+            elif arr is not None and arr.size == 1 and hidden > 1:
+                full = np.full(hidden, arr.reshape(-1)[0], dtype=arr.dtype)
+                why = f"a one-element constant ({float(arr.reshape(-1)[0]):g})"
+            else:
+                continue
+            base = f"{label}_input{k}_{hidden}"
+            name, i = base, 0
+            while name in graph.initializers:
+                i += 1
+                name = f"{base}_{i}"
+            tensor = ir.tensor(full, name=name)
+            new = ir.Value(name=name, shape=ir.Shape([hidden]), type=ir.TensorType(tensor.dtype), const_value=tensor)
+            graph.register_initializer(new)
+            node.replace_input_with(k, new)
+            notes.append(f"{label}: input {k} was {why}; now a [{hidden}] initializer")
+    return notes
+
+
 def _make_logger(trt: Any) -> Any:
     class _Bridge(trt.ILogger):
         """TensorRT's log lines into Python logging; errors and warnings also kept for the report."""
@@ -283,6 +394,15 @@ def build_engine(
     if source_path is not None and dest.exists() and dest.resolve() == source_path.resolve():
         raise UsageError(f"refusing to write the engine over the input model {source_path}")
     resolved = _normalize_profiles(profiles) if profiles else _profiles_from_metadata(ir_model)
+    if _needs_legalizing(ir_model):
+        if ir_model is model:  # the caller's model: work on a copy
+            import onnx_ir as ir
+
+            ir_model = ir.serde.deserialize_model(ir.serde.serialize_model(ir_model))
+        legalized = _legalize_plugin_nodes(ir_model)
+        source_path = None  # parse the legalized copy
+    else:
+        legalized = []
     nonstandard = _nonstandard_ops(ir_model)
     fix = None
     if nonstandard:
@@ -309,6 +429,7 @@ def build_engine(
         else:
             report = _build_here(trt, request)
     report["nonstandard_ops"] = nonstandard
+    report["legalized"] = legalized
     report["plugin_lib_fix"] = fix.how if fix is not None else "not needed (no plugin nodes)"
     report["subprocess"] = use_child
     return report
@@ -334,7 +455,8 @@ def _build_here(trt: Any, request: dict[str, Any]) -> dict[str, Any]:
     builder = trt.Builder(log)
     flags = 0
     explicit = getattr(trt.NetworkDefinitionCreationFlag, "EXPLICIT_BATCH", None)
-    if explicit is not None and int(str(report["version"]).split(".")[0] or 0) < 10:
+    major = str(report["version"]).split(".")[0]
+    if explicit is not None and not rtx and major.isdigit() and int(major) < 10:  # TensorRT 8/9: not the default
         flags |= 1 << int(explicit)
     network = builder.create_network(flags)
     parser = trt.OnnxParser(network, log)
@@ -616,7 +738,8 @@ def load_engine(path: str | os.PathLike[str]) -> Any:
             f"{p}: {trt.__name__} {getattr(trt, '__version__', '')} could not deserialize it: "
             + ("; ".join(log.errors[-3:]) or "not an engine of this TensorRT version/GPU")
         )
-    engine._mograph_runtime = runtime  # type: ignore[attr-defined] - keep the runtime alive with the engine
+    # keep the runtime alive as long as the engine
+    engine._mograph_runtime = runtime  # type: ignore[attr-defined]
     return engine
 
 
@@ -665,9 +788,12 @@ class TensorRTBackend(Backend):
         Raises :class:`CannotRunError` where no GPU is (``optimizations``/``threads``/``providers`` do not apply).
         """
         trt = ensure_can_run()
-        if _trt_loader.is_rtx(trt):
-            os.environ.setdefault("POLYGRAPHY_USE_TENSORRT_RTX", "1")
         try:
+            if _trt_loader.is_rtx(trt):  # Polygraphy picks its TensorRT module from this setting
+                os.environ["POLYGRAPHY_USE_TENSORRT_RTX"] = "1"
+                import polygraphy.config
+
+                polygraphy.config.USE_TENSORRT_RTX = True
             from polygraphy.backend.trt import TrtRunner
         except ImportError as exc:
             raise BackendUnavailableError("polygraphy", "polygraphy") from exc

@@ -550,7 +550,7 @@ def _plugin_classes(trt: ModuleType) -> dict[str, tuple[type, type]]:
     if hasattr(trt.DataType, "BF16"):
         supported[trt.DataType.BF16] = "bfloat16"
 
-    class MographPluginBase(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, trt.IPluginV3OneRuntime):
+    class MographPluginBase(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, trt.IPluginV3OneRuntime):  # type: ignore[name-defined,misc]
         """Shape/type inference, formats and serialization shared by the mograph plugins; enqueue -> launch()."""
 
         spec: PluginSpec
@@ -639,7 +639,7 @@ def _plugin_classes(trt: ModuleType) -> dict[str, tuple[type, type]]:
                 stream,
             )
 
-    class MographCreatorBase(trt.IPluginCreatorV3One):
+    class MographCreatorBase(trt.IPluginCreatorV3One):  # type: ignore[name-defined,misc]
         spec: PluginSpec
         plugin_class: type
 

@@ -107,36 +107,48 @@ class RssSampler:
 
 
 class _Progress:
-    """Progress lines on stderr, at most one a second, and only once a run takes that long."""
+    """Progress on stderr once a phase takes more than a second: one line rewritten in place on a
+    terminal, a line every ten seconds otherwise (logs, CI)."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
+        self.tty = enabled and sys.stderr.isatty()
+        self.interval = 1.0 if self.tty else 10.0
         self.start = time.perf_counter()
         self.last = self.start
+        self.shown = False
 
     def update(self, phase: str, done: int, total: int) -> None:
         if not self.enabled:
             return
         now = time.perf_counter()
-        if now - self.last >= 1.0 or (done == total and self.last != self.start):
-            self.last = now
-            sys.stderr.write(f"bench: {phase} {done}/{total} ({now - self.start:.1f}s)\n")
-            sys.stderr.flush()
+        finished = done == total
+        if now - self.last < self.interval and not (finished and self.shown):
+            return
+        self.last = now
+        self.shown = True
+        text = f"bench: {phase} {done}/{total} ({now - self.start:.1f}s)"
+        if self.tty:
+            sys.stderr.write("\r" + text + ("\n" if finished else ""))
+        else:
+            sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+        if finished:
+            self.shown = False
 
 
 def _batch_size(model: Any, feeds: dict[str, np.ndarray], requested: int | None) -> int | None:
     """The batch size, when every input has a dynamic leading dim (or ``--batch`` was given)."""
     from mograph.validate import graph_inputs
 
-    inputs = [v for v in graph_inputs(model) if v.shape is not None and len(v.shape) > 0]
+    leading = {str(v.name): v.shape[0] for v in graph_inputs(model) if v.shape is not None and len(v.shape) > 0}
     if requested is not None:
-        for v in inputs:
-            dim = v.shape[0]
+        for name, dim in leading.items():
             if isinstance(dim, int) and dim != requested:
-                raise UsageError(f"--batch {requested}: input '{v.name}' has a fixed leading dim of {dim}")
+                raise UsageError(f"--batch {requested}: input '{name}' has a fixed leading dim of {dim}")
         return requested
-    if inputs and all(not isinstance(v.shape[0], int) for v in inputs):
-        sizes = {int(feeds[v.name].shape[0]) for v in inputs if v.name in feeds and feeds[v.name].ndim}
+    if leading and all(not isinstance(dim, int) for dim in leading.values()):
+        sizes = {int(feeds[n].shape[0]) for n in leading if n in feeds and feeds[n].ndim}
         if len(sizes) == 1:
             return sizes.pop()
     return None

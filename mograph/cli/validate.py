@@ -211,7 +211,10 @@ def _validate_tensorrt(args: argparse.Namespace, src: Path, ir_model: Any, feeds
         ref_out, trt_out = _run_polygraphy(
             [_ort_runner(str(reference), False, "onnxruntime"), TrtRunner(engine, name="tensorrt")], feeds
         )
-    info = {"reference": f"onnxruntime (optimizations off) on {reference}", "candidate": f"{trt.__name__} engine"}
+    info: dict[str, Any] = {
+        "reference": f"onnxruntime (optimizations off) on {reference}",
+        "candidate": f"{trt.__name__} engine",
+    }
     if build:
         info["build"] = {k: build.get(k) for k in ("engine_bytes", "build_seconds", "plugin_layers", "notes")}
     return info, _compare(ref_out, trt_out, args.rtol, args.atol)

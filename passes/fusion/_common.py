@@ -60,7 +60,15 @@ class FusionPass(Pass):
     def make_rules(self) -> list[Rule]:
         return [cls() for cls in self.rules]
 
+    #: With ``--target onnx`` at this opset or above, the fused op would lower back to exactly the
+    #: standard ops it was fused from, so the pass does nothing (it stays idempotent).
+    onnx_noop_opset: ClassVar[int | None] = None
+
     def call(self, model: ir.Model) -> PassResult:
+        target = self.config["target"]
+        if target == "onnx" and self.onnx_noop_opset is not None and _opset(model) >= self.onnx_noop_opset:
+            reason = f"target onnx at opset >= {self.onnx_noop_opset}: the standard-op form is already the onnx form"
+            return PassResult(modified=False, details={"skipped": reason, "target": target})
         rules = self.make_rules()
         for rule in rules:
             rule.model_opset = _opset(model)  # type: ignore[attr-defined]
@@ -102,7 +110,7 @@ def _infer_types(model: ir.Model) -> list[tuple[ir.Value, Any, Any]]:
 
     snapshot = []
     for graph in model.graphs():
-        for v in graph.inputs:
+        for v in list(graph.inputs) + list(graph.initializers.values()):
             snapshot.append((v, v.type, v.shape))
         for node in graph:
             for v in node.outputs:
@@ -110,12 +118,18 @@ def _infer_types(model: ir.Model) -> list[tuple[ir.Value, Any, Any]]:
     quiet = logging.getLogger("onnx_ir.passes.common.shape_inference")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
+    orders = [(g, list(g.initializers.values())) for g in model.graphs()]
     try:
         ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
     except Exception:  # noqa: BLE001 - inference is best effort; rules fail with a reason without it
         logger.debug("shape inference failed", exc_info=True)
     finally:
         quiet.setLevel(level)
+        for g, inits in orders:  # the inference call re-registers initializers: keep their order
+            if list(g.initializers.values()) != inits:
+                g.initializers.clear()
+                for v in inits:
+                    g.register_initializer(v)
     return snapshot
 
 
@@ -250,7 +264,8 @@ def check_norm_input(rule: Rule, x: ir.Value, eps: ir.Value | None) -> MatchResu
 def placeholder(op: Any, value: float, like: ir.Value) -> Any:
     """A single-element constant of x's dtype (a scale of 1 or a bias of 0 before absorption)."""
     dtype = like.dtype.numpy() if like.dtype is not None else np.float32
-    return op.Constant(value=ir.tensor(np.array([value], dtype=dtype)))
+    name = "mograph_one" if value == 1.0 else "mograph_zero"
+    return op.initializer(ir.tensor(np.array([value], dtype=dtype)), name=name)
 
 
 def mograph_op(op: Any, name: str, *inputs: Any, **attrs: Any) -> Any:

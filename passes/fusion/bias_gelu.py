@@ -4,7 +4,7 @@ Runs after ``fuse-gelu`` and matches its output in every lowered form (``mograph
 ``FastGelu``, standard ``Gelu``, ``com.microsoft`` ``Gelu``/``FastGelu``).  ``bias`` must be a
 constant that broadcasts over the last axis only (the dense layer's bias, ``[hidden]``); the sum
 ``x + bias`` must not be read elsewhere.  Lowers to ``com.microsoft`` ``BiasGelu``/``FastGelu`` with
-bias (``ort``), ``Add`` + ``Gelu`` (``onnx`` at opset >= 20) or the ``BiasGelu`` plugin (``tensorrt``).
+bias (``ort``), nothing for ``onnx`` at opset >= 20 (``Add`` + ``Gelu`` is already standard; the pass is a no-op there) or the ``BiasGelu`` plugin (``tensorrt``).
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ class FuseBiasGeluPass(FusionPass):
     """Fuse a bias Add feeding a GELU into one BiasGelu op (run after fuse-gelu)."""
 
     name = "fuse-bias-gelu"
+    onnx_noop_opset = 20
 
     def make_rules(self) -> list[Rule]:
         return [BiasGeluFusion()]

@@ -51,11 +51,12 @@ class LayerNormFusion(Rule):
             [
                 op.Div(d_norm, std),
                 op.Mul(d_norm, op.Reciprocal(std)),
+                op.Mul(d_norm, op.Div(const(1.0), std)),
                 op.Mul(d_norm, op.Pow(var_eps, const(-0.5))),
                 op.Div(d_norm, op.Pow(var_eps, const(0.5))),
             ],
             tag_var="norm",
-            tag_values=["div-sqrt", "mul-reciprocal", "mul-pow", "div-pow"],
+            tag_values=["div-sqrt", "mul-reciprocal", "mul-one-div", "mul-pow", "div-pow"],
         )
 
     def check(self, context: Any, x: ir.Value, eps: ir.Value, **_: Any) -> MatchResult:

@@ -7,8 +7,9 @@
     itself; for tools and runtimes that load mograph's kernels).
 ``onnx`` (default)
     standard ops where the model's opset has them: ``LayerNormalization`` (opset >= 17),
-    ``RMSNormalization`` (>= 23), ``Gelu`` with ``approximate`` (>= 20); ``SkipLayerNorm`` becomes
-    ``Add`` + ``LayerNormalization`` (>= 17).  Everything else stays a ``mograph`` op with its function
+    ``RMSNormalization`` (>= 23), ``Gelu`` with ``approximate`` (>= 20).  (``fuse-skip-layernorm`` and
+    ``fuse-bias-gelu`` do nothing for ``onnx`` where the standard ops exist: their standard form is the
+    unfused one.)  Everything else stays a ``mograph`` op with its function
     body, so the model stays valid standard ONNX plus local functions.  The opset is never changed.
 ``ort``
     ONNX Runtime's own kernels: ``LayerNormalization`` and ``SimplifiedLayerNormalization`` (ORT
@@ -35,7 +36,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mograph.custom_ops import DOMAIN, DOMAIN_VERSION
-from mograph.patterns import constant_array
+from mograph.patterns import constant_array, remove_dead_producers
 
 __all__ = ["TARGETS", "DEFAULT_TARGET", "lower_nodes", "ensure_functions", "lowerings_for", "PLUGIN_VERSION"]
 
@@ -132,7 +133,9 @@ def _replace(node: ir.Node, new_nodes: list[ir.Node], new_outputs: list[ir.Value
     base = node.name or node.op_type
     for i, n in enumerate(new_nodes):
         n.name = base if len(new_nodes) == 1 else f"{base}/{i}"
+    inputs = list(node.inputs)
     ir.convenience.replace_nodes_and_values(graph, node, [node], new_nodes, olds, news)
+    remove_dead_producers(graph, inputs)
 
 
 def _used(value: ir.Value) -> bool:
@@ -225,48 +228,40 @@ def _rms_trt(node: ir.Node, model: ir.Model) -> bool:
     return _plugin(node, model)
 
 
-def _same_shape(a: ir.Value, b: ir.Value) -> bool:
-    if a.shape is None or b.shape is None or len(a.shape) != len(b.shape):
-        return False
-    return all(
-        (isinstance(da, int) and da == db) or (not isinstance(da, int) and da.value is not None and da == db)
-        for da, db in zip(a.shape, b.shape)
-    )
+def _skip_order(x: ir.Value, skip: ir.Value) -> tuple[ir.Value, ir.Value] | None:
+    """(input, skip) as ORT's SkipLayerNormalization needs them, or None if it cannot take them.
 
-
-def _skip_onnx(node: ir.Node, model: ir.Model) -> bool:
-    if _opset(model) < 17:
-        return False
-    x, skip, scale, beta, bias = node.inputs
-    graph = node.graph
-    assert graph is not None and x is not None and skip is not None and scale is not None
-    nodes = []
-    s = x
-    if not is_zero(bias):
-        add_b = ir.node("Add", [x, bias])
-        nodes.append(add_b)
-        s = add_b.outputs[0]
-    add = ir.node("Add", [s, skip])
-    nodes.append(add)
-    total = add.outputs[0]
-    total.type, total.shape = x.type, x.shape
-    ln = _layer_norm_node(graph, node, total, scale, beta)
-    if ln is None:
-        return False
-    nodes.append(ln)
-    outs: list[ir.Value | None] = [ln.outputs[0]]
-    if len(node.outputs) > 1:
-        outs.append(total)
-    _replace(node, nodes, outs)
-    return True
+    The kernel broadcasts ``skip`` (``[1, S, H]`` or ``[S, H]``) over ``input`` ``[B, S, H]`` but
+    never the other way, and gives a wrong shape if ``input`` is the smaller one.  A static 1 in a
+    dim of one operand where the other has a different dim makes that operand the skip; symbolic dims
+    of the two operands are taken to be equal (both are residual-stream activations).
+    """
+    if x.shape is None or skip.shape is None:
+        return None
+    if len(x.shape) < len(skip.shape):
+        x, skip = skip, x
+    if len(x.shape) not in (2, 3) or len(skip.shape) not in (2, 3):
+        return None
+    if not isinstance(x.shape[-1], int) or x.shape[-1] != skip.shape[-1]:
+        return None
+    if len(x.shape) == len(skip.shape):
+        x_ones = any(d == 1 and e != 1 for d, e in zip(x.shape, skip.shape))
+        s_ones = any(e == 1 and d != 1 for d, e in zip(x.shape, skip.shape))
+        if x_ones and s_ones:
+            return None
+        if x_ones:
+            x, skip = skip, x
+    return x, skip
 
 
 def _skip_ort(node: ir.Node, model: ir.Model) -> bool:
     x, skip, scale, beta, bias = node.inputs
     graph = node.graph
     assert graph is not None and x is not None and skip is not None and scale is not None
-    if not _same_shape(x, skip) or x.shape is None or len(x.shape) not in (2, 3):
+    order = _skip_order(x, skip)
+    if order is None:
         return False
+    x, skip = order
     gamma = _vector(graph, scale, x, "mograph_ln_scale")
     if gamma is None:
         return False
@@ -341,7 +336,7 @@ def _gelu_lowerings(name: str) -> dict[str, Lowering]:
         return _ms(node, ms_name, [node.inputs[0]])
 
     def onnx(node: ir.Node, model: ir.Model) -> bool:
-        return _gelu_standard(node, model, approximate, with_bias)
+        return not with_bias and _gelu_standard(node, model, approximate, with_bias)
 
     def trt(node: ir.Node, model: ir.Model) -> bool:
         if _gelu_standard(node, model, approximate, with_bias):
@@ -370,7 +365,7 @@ def _quick_trt(node: ir.Node, model: ir.Model) -> bool:
 _LOWERINGS: dict[str, dict[str, Lowering]] = {
     "LayerNorm": {"onnx": _ln_onnx, "ort": _ln_ort, "tensorrt": _ln_trt},
     "RMSNorm": {"onnx": _rms_onnx, "ort": _rms_ort, "tensorrt": _rms_trt},
-    "SkipLayerNorm": {"onnx": _skip_onnx, "ort": _skip_ort, "tensorrt": _skip_trt},
+    "SkipLayerNorm": {"ort": _skip_ort, "tensorrt": _skip_trt},
     "Gelu": _gelu_lowerings("Gelu"),
     "FastGelu": _gelu_lowerings("FastGelu"),
     "BiasGelu": _gelu_lowerings("BiasGelu"),

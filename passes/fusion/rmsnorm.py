@@ -40,11 +40,12 @@ class RMSNormFusion(Rule):
             [
                 op.Div(x, rms),
                 op.Mul(x, op.Reciprocal(rms)),
+                op.Mul(x, op.Div(const(1.0), rms)),
                 op.Mul(x, op.Pow(ms_eps, const(-0.5))),
                 op.Div(x, op.Pow(ms_eps, const(0.5))),
             ],
             tag_var="norm",
-            tag_values=["div-sqrt", "mul-reciprocal", "mul-pow", "div-pow"],
+            tag_values=["div-sqrt", "mul-reciprocal", "mul-one-div", "mul-pow", "div-pow"],
         )
 
     def check(self, context: Any, x: ir.Value, eps: ir.Value | None, **_: Any) -> MatchResult:

@@ -10,7 +10,7 @@ The math matched::
 When something else reads ``s`` (pre-LN transformers: the residual stream goes on to the next
 block), the fused op returns it as a second output, so nothing outside the pattern loses a value.
 Lowers to ``com.microsoft.SkipLayerNormalization`` (``ort``; sum as its 4th output; needs ``a`` and
-``skip`` of the same 2-D/3-D shape), ``Add`` + ``LayerNormalization`` (``onnx``, opset >= 17) or the
+``skip`` of the same 2-D/3-D shape), nothing for ``onnx`` at opset >= 17 (``Add`` + ``LayerNormalization`` is already standard ONNX; the pass is a no-op there) or the
 ``SkipLayerNorm`` plugin (``tensorrt``).
 """
 
@@ -89,9 +89,9 @@ class SkipLayerNormFusion(Rule):
         beta = node.inputs[2] if len(node.inputs) > 2 else None
         dtype = sum.dtype.numpy() if sum.dtype is not None else np.float32
         if beta is None:
-            beta = op.Constant(value=ir.tensor(np.zeros(1, dtype=dtype)))
+            beta = op.initializer(ir.tensor(np.zeros(1, dtype=dtype)), name="mograph_zero")
         if bias is None:
-            bias = op.Constant(value=ir.tensor(np.zeros(1, dtype=dtype)))
+            bias = op.initializer(ir.tensor(np.zeros(1, dtype=dtype)), name="mograph_zero")
         elif constant_array(bias).ndim != 1:  # type: ignore[union-attr]
             bias = op.initializer(ir.tensor(constant_array(bias).reshape(-1)), name="mograph_skip_bias")  # type: ignore[union-attr]
         keep_sum = bool(sum.uses()) and any(c is not node for c, _ in sum.uses()) or sum.is_graph_output()
@@ -109,6 +109,7 @@ class FuseSkipLayerNormPass(FusionPass):
     """Fuse a residual Add (and bias) with the LayerNorm after it into one SkipLayerNorm op."""
 
     name = "fuse-skip-layernorm"
+    onnx_noop_opset = 17
 
     def make_rules(self) -> list[Rule]:
         return [SkipLayerNormFusion()]

@@ -608,14 +608,17 @@ class _Analysis:
                           f"{[_fmt(d) for d in ddims]}")
         best = max(results.values())
         top = [r for r, s in results.items() if s == best]
-        if len(top) > 1 and all(self.sizes[x] == 1 for x in syms):
-            # A size-1 symbol (batch 1) next to literal 1s: take the outermost placement (the first found).
+        if len(top) > 1 and len({self._without_unit_syms(r) for r in top}) == 1:
+            # Only where a size-1 symbol (batch 1) sits among literal 1s differs: take the outermost placement.
             top = top[:1]
         if len(top) > 1:
             shown = " or ".join(str([_fmt(d) for d in r]) for r in top[:3])
             raise _Refuse(node, f"its constant target {entries} is ambiguous for input dims "
                           f"{[_fmt(d) for d in ddims]}: it reads as {shown}")
         return list(top[0])
+
+    def _without_unit_syms(self, dims: tuple) -> tuple:
+        return tuple(canon(tuple(f for f in d if not (isinstance(f, str) and self.sizes[f] == 1))) for d in dims)
 
     def _try_assign(self, syms: list[str], runs: list[int], values: list[int], assign: tuple[int, ...]) -> list[Dim] | None:
         rem = runs[0]
@@ -860,10 +863,29 @@ class _Analysis:
     r_scatternd = r_scatterelements
 
 
+def _ramp_parts(arr: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``first``, ``step`` (size 1 along ``axis``) and ``first + k * step`` for k along ``axis``."""
+    first = np.take(arr, [0], axis=axis)
+    step = np.take(arr, [1], axis=axis) - first
+    shape = [1] * arr.ndim
+    shape[axis] = arr.shape[axis]
+    k = np.arange(arr.shape[axis]).reshape(shape).astype(arr.dtype)
+    return first, step, first + k * step
+
+
+def _is_ramp(arr: np.ndarray, axis: int) -> bool:
+    """Every slice along ``axis`` is ``first + k * step`` (``arange`` times a vector, as rotary tables are)."""
+    _, step, ramp = _ramp_parts(arr, axis)
+    if arr.dtype.kind in "iu":
+        return bool(np.array_equal(ramp, arr))
+    scale = float(np.abs(arr).max()) or 1.0
+    return bool(np.allclose(ramp, arr, rtol=1e-6, atol=1e-6 * scale))
+
+
 def _is_shape_arithmetic(node: ir.Node) -> bool:
     """Fold integer and boolean computations on constants only: they are how exporters compute shapes.
 
-    Float results stay, so a baked size keeps its origin (a ``Gather`` of a position table by an
+    Float results and boolean masks stay, so a baked size keeps its origin (a ``Gather`` of a position table by an
     ``arange``) for tracing back.
     """
     if node.op_type == "Constant":
@@ -871,6 +893,8 @@ def _is_shape_arithmetic(node: ir.Node) -> bool:
     for out in node.outputs:
         if out.dtype is None or out.dtype.is_floating_point():
             return False
+        if out.dtype == ir.DataType.BOOL and (out.shape is None or len(out.shape) >= 2):
+            return False  # a mask (causal, padding): its comparisons show where its sizes come from
     return True
 
 
@@ -983,7 +1007,13 @@ class MakeDynamicPass(Pass):
             if axis in overrides.get(value, {}):
                 raise self._error(need.node, f"internal: '{value.name}' axis {axis} traced twice")
             overrides.setdefault(value, {})[axis] = need.dim
-            sources.append(action)
+            same = [a for a in sources if isinstance(a, _Action) and isinstance(action, _Action)
+                    and a.node is action.node and a.index == action.index]
+            if same:  # a second dynamic axis of the same shape input: merge into the first rewrite
+                same[0].pieces = [n if not isinstance(o, int) else n if not isinstance(n, int) else o
+                                  for o, n in zip(same[0].pieces, action.pieces)]
+            else:
+                sources.append(action)
 
     def _find_source(self, an: _Analysis, v: ir.Value, axis: int, dim: Dim, depth: int) -> list | None:
         if depth > 32:
@@ -991,6 +1021,12 @@ class MakeDynamicPass(Pass):
         n = an.num(dim)
         node = v.producer()
         arr = _const(v)
+        if arr is None and node is not None and node.op_type == "GatherElements":
+            data, idx = _const(node.inputs[0]), _const(node.inputs[1])
+            if data is not None and idx is not None:  # a constant the folder left (its evaluator fails on it)
+                arr = np.take_along_axis(data, idx.astype(np.int64) % data.shape[_attr(node, "axis", 0)],
+                                         axis=_attr(node, "axis", 0))
+                node = None
         if arr is not None and (node is None or node.op_type == "Constant"):
             if arr.dtype.kind in "iuf" and arr.ndim > axis and arr.shape[axis] == n and all(
                 s == 1 for i, s in enumerate(arr.shape) if i != axis
@@ -999,10 +1035,12 @@ class MakeDynamicPass(Pass):
                 step = flat[1] - flat[0] if flat.size > 1 else 1
                 if flat.size > 1 and np.array_equal(flat, flat[0] + step * np.arange(flat.size, dtype=flat.dtype)) and step != 0:
                     return [(v, axis, _SourceAction(v, axis, dim, arr))]
-            if arr.ndim > axis and arr.shape[axis] == n and n > 1:
+            if arr.ndim > axis and arr.shape[axis] == n:
                 first = np.take(arr, [0], axis=axis)
                 if np.array_equal(np.broadcast_to(first, arr.shape), arr):
                     return [(v, axis, _SourceAction(v, axis, dim, arr, kind="uniform"))]
+                if n > 1 and arr.dtype.kind in "iuf" and _is_ramp(arr, axis):
+                    return [(v, axis, _SourceAction(v, axis, dim, arr, kind="ramp"))]
             return None
         if node is None:
             return None
@@ -1068,7 +1106,7 @@ class MakeDynamicPass(Pass):
                 axes_n = sorted(int(x) % out_rank for x in axes_v)
                 if axis in axes_n:
                     return None
-                src = [i for i in range(out_rank) if i not in axes_n][axis]
+                src = [i for i in range(out_rank) if i not in axes_n].index(axis)
             else:
                 axes_n = sorted(int(x) % in_rank for x in axes_v)
                 src = [i for i in range(in_rank) if i not in axes_n][axis]
@@ -1080,6 +1118,29 @@ class MakeDynamicPass(Pass):
             if g <= axis < g + rank_i:
                 return self._find_source(an, ins[1], axis - g, dim, depth + 1)
             return None
+        if op == "MatMul":
+            rank = len(an.static(node, v))
+            ra, rb = len(an.static(node, ins[0])), len(an.static(node, ins[1]))
+            if ra < 2 or rb < 2:
+                return None
+            if axis == rank - 2:
+                return self._find_source(an, ins[0], ra - 2, dim, depth + 1)
+            if axis == rank - 1:
+                return self._find_source(an, ins[1], rb - 1, dim, depth + 1)
+            return None
+        if op == "Concat":
+            rank = len(an.static(node, v))
+            if _attr(node, "axis", 0) % rank == axis:
+                return None
+            found_c: list = []
+            for i in ins:
+                if i is None or (i in an.tags and has_sym(an.tags[i][axis])):
+                    continue
+                sub = self._find_source(an, i, axis, dim, depth + 1)
+                if sub is None:
+                    return None
+                found_c.extend(sub)
+            return found_c or None
         if op in _BROADCAST:
             rank = len(an.static(node, v))
             found: list = []
@@ -1088,6 +1149,9 @@ class MakeDynamicPass(Pass):
                     continue
                 shape_i = an.static(node, i)
                 ax = len(shape_i) - rank + axis
+                if ax >= len(shape_i):
+                    logger.debug("make-dynamic: %s %s: rank of %s exceeds its output's", op, node.name, i.name)
+                    return None
                 if ax < 0 or shape_i[ax] == 1:
                     continue
                 if i in an.tags and has_sym(an.tags[i][ax]):
@@ -1284,6 +1348,22 @@ class _Builder:
             out = self._op(anchor, "Expand", [first, shape], base)
             self._swap(value, out)
             return
+        if action.kind == "ramp":
+            base = f"{value.name}_ramp_dyn"
+            first, step, _ = _ramp_parts(arr, action.axis)
+            n = self.dim_value(action.dim, True, anchor, base)
+            zero = self.const(np.array(0, dtype=np.int64), f"{base}_zero")
+            one = self.const(np.array(1, dtype=np.int64), f"{base}_one")
+            k = self._op(anchor, "Range", [zero, n, one], base)
+            if arr.dtype != np.int64:
+                k = self._op(anchor, "Cast", [k], base, to=ir.DataType.from_numpy(arr.dtype))
+            target = [1] * arr.ndim
+            target[action.axis] = -1
+            k = self._op(anchor, "Reshape", [k, self.const(np.array(target, dtype=np.int64), f"{base}_shape")], base)
+            out = self._op(anchor, "Mul", [k, self.const(np.ascontiguousarray(step), f"{base}_step")], base)
+            out = self._op(anchor, "Add", [out, self.const(np.ascontiguousarray(first), f"{base}_first")], base)
+            self._swap(value, out)
+            return
         flat = arr.reshape(-1)
         start, step = flat[0], flat[1] - flat[0]
         base = f"{value.name}_range_dyn"
@@ -1318,5 +1398,5 @@ class _Builder:
             if v.name in self.graph.initializers and self.graph.initializers[v.name] is v:
                 del self.graph.initializers[v.name]
             node = v.producer()
-            if node is not None and node.op_type == "Constant" and not any(o.uses() for o in node.outputs):
+            if node is not None and not any(o.uses() or o.is_graph_output() for o in node.outputs):
                 self.graph.remove(node, safe=True)

@@ -487,10 +487,11 @@ _CHILD = textwrap.dedent(
         build_engine(os.path.join(folder, "unknown.onnx"), os.path.join(folder, "unknown.engine"))
     except EngineBuildError as exc:
         out["unknown"] = {"message": str(exc), "unsupported": exc.report["unsupported"]}
+    out["scalar_beta"] = build_engine(os.path.join(folder, "scalar_beta.onnx"), os.path.join(folder, "scalar_beta.engine"))
     try:
-        build_engine(os.path.join(folder, "scalar_beta.onnx"), os.path.join(folder, "scalar_beta.engine"))
+        build_engine(os.path.join(folder, "beta_input.onnx"), os.path.join(folder, "beta_input.engine"))
     except EngineBuildError as exc:
-        out["scalar_beta"] = {"message": str(exc), "unsupported": exc.report.get("unsupported")}
+        out["beta_input"] = {"message": str(exc), "unsupported": exc.report.get("unsupported")}
     os.environ["MOGRAPH_TRT_LIB_FIX"] = "subprocess-always"
     out["chain_child"] = build_engine(os.path.join(folder, "chain.onnx"), os.path.join(folder, "chain2.engine"), profiles=chain)
     print("RESULT " + json.dumps(out))
@@ -507,21 +508,29 @@ def unknown_op_model() -> onnx.ModelProto:
     return model
 
 
-def scalar_beta_model(hidden: int = HIDDEN) -> onnx.ModelProto:
-    """A SkipLayerNorm plugin node whose B is a ``[1]`` zero constant: the plugin must refuse it at build time."""
+def scalar_beta_model(hidden: int = HIDDEN, beta_as_input: bool = False) -> onnx.ModelProto:
+    """A SkipLayerNorm plugin node whose B has one element and no Sum output read: as a constant the backend
+    legalizes it (``[hidden]`` initializer, unused Sum dropped); as a graph input the plugin refuses it."""
     nodes = [
         helper.make_node(
             "SkipLayerNorm",
             ["x", "s", "g", "b0"],
-            ["y"],
+            ["y", "unused_sum"],
             name="/sln/SkipLayerNorm",
             domain="mograph",
-            **plugin_attributes("SkipLayerNorm"),
+            epsilon=1e-5,
+            plugin_namespace="mograph",
+            plugin_version="1",
         )
     ]
-    inits = [_init("g", np.ones(hidden, np.float32)), _init("b0", np.zeros(1, np.float32))]
+    inits = [_init("g", np.ones(hidden, np.float32))]
     io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, hidden]) for n in ("x", "s", "y")]
-    graph = helper.make_graph(nodes, "scalar_beta", io[:2], io[2:], inits)
+    inputs = io[:2]
+    if beta_as_input:
+        inputs.append(helper.make_tensor_value_info("b0", TensorProto.FLOAT, [1]))
+    else:
+        inits.append(_init("b0", np.zeros(1, np.float32)))
+    graph = helper.make_graph(nodes, "scalar_beta", inputs, io[2:], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("mograph", 1)])
 
 
@@ -534,6 +543,7 @@ def plugin_builds(tmp_path_factory):
     onnx.save(fused_bert_model(), folder / "bert.onnx")
     onnx.save(unknown_op_model(), folder / "unknown.onnx")
     onnx.save(scalar_beta_model(), folder / "scalar_beta.onnx")
+    onnx.save(scalar_beta_model(beta_as_input=True), folder / "beta_input.onnx")
     env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "MOGRAPH_TRT_LIB_FIX")}
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, str(folder)], capture_output=True, text=True, env=env, timeout=300
@@ -598,7 +608,6 @@ def test_fusion_pass_output_builds_if_present(tmp_path):
     if not targets:
         pytest.skip("no fusion pass with a 'target' option is registered yet")
     from models.builders import bert_tiny
-
     from mograph import api, ir_io
 
     model, _report = api.optimize(bert_tiny(), ["cleanup", "fuse"], options={"target": "tensorrt"})
@@ -635,8 +644,18 @@ def test_engine_file_is_not_half_written(trt, tmp_path, monkeypatch):
     assert list(Path(tmp_path).iterdir()) == []
 
 
+def test_plugin_nodes_are_legalized_before_parsing(plugin_builds):
+    _folder, out = plugin_builds
+    report = out["scalar_beta"]
+    assert report["legalized"] == [
+        "/sln/SkipLayerNorm: dropped its unused second output (Sum)",
+        "/sln/SkipLayerNorm: input 3 was a one-element constant (0); now a [64] initializer",
+    ]
+    assert [p.get("plugin") for p in report["plugin_layers"]] == ["SkipLayerNorm"]
+
+
 def test_plugin_refuses_a_scalar_vector_at_build_time(plugin_builds):
     _folder, out = plugin_builds
-    assert "must be 1-D of X's last axis" in out["scalar_beta"]["message"] or any(
-        "must be 1-D" in (u.get("error") or "") for u in out["scalar_beta"]["unsupported"] or []
-    ), out["scalar_beta"]
+    refused = out["beta_input"]
+    assert "B has shape [1], but must be 1-D of X's last axis (64)" in refused["message"]
+    assert refused["unsupported"][0]["op"] == "SkipLayerNorm"

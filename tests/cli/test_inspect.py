@@ -52,13 +52,13 @@ def test_inspect_json(tmp_path, capsys):
     assert code == 0
     assert data["opsets"] == {"ai.onnx": 17, "com.example": 1}
     assert data["producer"]["name"] == "tests" and data["producer"]["version"] == "1.0"
-    assert data["inputs"] == [{"name": "x", "dtype": "float", "shape": ["batch", 16]}]
-    assert data["outputs"] == [{"name": "y", "dtype": "float", "shape": ["batch", 8]}]
+    assert data["inputs"] == [{"name": "x", "dtype": "float32", "shape": ["batch", 16]}]
+    assert data["outputs"] == [{"name": "y", "dtype": "float32", "shape": ["batch", 8]}]
     assert data["ops"] == {"Constant": 2, "Relu": 2, "MatMul": 1, "com.example::FusedThing": 1}
     assert data["nodes"]["main_graph"] == 6
     # 16*8 float + 8 float16 initializer elements, 6 int64 + 4 float Constant elements.
     assert data["parameters"]["total"] == 16 * 8 + 8 + 6 + 4
-    assert data["parameters"]["by_dtype"] == {"float": 128 + 4, "float16": 8, "int64": 6}
+    assert data["parameters"]["by_dtype"] == {"float32": 128 + 4, "float16": 8, "int64": 6}
     assert data["sizes"]["file"] == path.stat().st_size
     assert data["sizes"]["initializer_bytes"] == 16 * 8 * 4 + 8 * 2
     assert data["sizes"]["external_data"] == 0 and data["warnings"] == []

@@ -1,0 +1,359 @@
+"""fuse-layernorm / fuse-rmsnorm / fuse-skip-layernorm on graphs built in code, one per variant."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from _util import assert_untouched, check_fusion, feeds_for, op_types, parse, run_pass
+from mograph.passes.fusion.layernorm import FuseLayerNormPass
+from mograph.passes.fusion.rmsnorm import FuseRMSNormPass
+from mograph.passes.fusion.skip_layernorm import FuseSkipLayerNormPass
+
+H = 16
+GAMMA = ",".join(f"{0.5 + 0.05 * i:.3f}" for i in range(H))
+BETA = ",".join(f"{0.01 * i - 0.05:.3f}" for i in range(H))
+
+
+def _mean(opset: int, form: str, src: str, out: str) -> str:
+    """Lines computing ``out`` = mean of ``src`` over the last axis."""
+    if form == "reducemean":
+        if opset >= 18:
+            return f"{out} = ReduceMean({src}, ax)"
+        return f"{out} = ReduceMean<axes=[-1]>({src})"
+    red = f"ReduceSum({src}, ax)" if opset >= 13 else f"ReduceSum<axes=[-1]>({src})"
+    if form == "reducesum-div":
+        return f"{out}_s = {red}\n  {out} = Div({out}_s, n)"
+    return f"{out}_s = {red}\n  {out} = Mul(ninv, {out}_s)"
+
+
+def layernorm_model(*, opset: int = 17, mean: str = "reducemean", square: str = "pow", var: str = "centered",
+                    clamp: bool = False, norm: str = "div-sqrt", scale: bool = True, bias: bool = True,
+                    eps: str = "initializer", fp16: bool = False, x_dtype: str = "float") -> str:
+    lines = []
+    x = "x"
+    if fp16:
+        lines.append("xf = Cast<to=1>(x)")
+        x = "xf"
+    lines.append(_mean(opset, mean, x, "m"))
+    lines.append(f"d = Sub({x}, m)")
+    sq = (lambda v: f"Pow({v}, two)") if square == "pow" else (lambda v: f"Mul({v}, {v})")
+    if var == "centered":
+        lines.append(f"dd = {sq('d')}")
+        lines.append(_mean(opset, mean, "dd", "v0"))
+    else:
+        lines.append(f"xx = {sq(x)}")
+        lines.append(_mean(opset, mean, "xx", "ex2"))
+        lines.append(f"m2 = {sq('m')}")
+        lines.append("v0 = Sub(ex2, m2)")
+    vname = "v0"
+    if clamp:
+        lines.append("v = Max(v0, zero)")
+        vname = "v"
+    eps_name = {"initializer": "eps", "constant": "eps_c", "cast": "eps_cast", "input": "eps_in"}[eps]
+    if eps == "constant":
+        lines.append("eps_c = Constant<value = float {1e-5}>()")
+    elif eps == "cast":
+        lines.append("eps_d = Constant<value = double {1e-5}>()")
+        lines.append("eps_cast = Cast<to=1>(eps_d)")
+    elif eps == "input":
+        eps_name = "eps_in"
+    lines.append(f"ve = Add({vname}, {eps_name})")
+    if norm == "div-sqrt":
+        lines += ["sd = Sqrt(ve)", "y0 = Div(d, sd)"]
+    elif norm == "mul-reciprocal":
+        lines += ["sd = Sqrt(ve)", "r = Reciprocal(sd)", "y0 = Mul(r, d)"]
+    else:
+        lines += ["r = Pow(ve, mhalf)", "y0 = Mul(d, r)"]
+    y = "y0"
+    if fp16:
+        lines.append("yh = Cast<to=10>(y0)")
+        y = "yh"
+    if scale:
+        lines.append(f"y1 = Mul(gamma, {y})")
+        y = "y1"
+    if bias:
+        lines.append(f"y2 = Add({y}, beta)")
+        y = "y2"
+    lines.append(f"y = Identity({y})")
+    t = "float"
+    inputs = f"{t}[2,5,{H}] x" + (", float eps_in" if eps == "input" else "")
+    inits = [
+        f"{t}[{H}] gamma = {{{GAMMA}}}", f"{t}[{H}] beta = {{{BETA}}}", "float eps = {1e-5}", "float two = {2.0}",
+        "float zero = {0.0}", "float mhalf = {-0.5}", f"float n = {{{H}.0}}", f"float ninv = {{{1.0 / H}}}",
+        "int64[1] ax = {-1}",
+    ]
+    body = "\n  ".join(lines)
+    return (f'<ir_version: 8, opset_import: ["" : {opset}]>\n'
+            f"g ({inputs}) => ({t}[2,5,{H}] y) <{', '.join(inits)}> {{\n  {body}\n}}")
+
+
+def _ln(text: str):
+    proto = parse(text)
+    if "Cast<to=10>" in text:
+        proto = to_fp16(proto)
+    return proto
+
+
+def to_fp16(proto):
+    """The fp16 version of a graph written with float I/O and float scale/bias (Casts already in the text)."""
+    import onnx
+    from onnx import numpy_helper
+
+    for v in list(proto.graph.input) + list(proto.graph.output):
+        v.type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
+    for i, init in enumerate(proto.graph.initializer):
+        if init.name in ("gamma", "beta"):
+            arr = numpy_helper.to_array(init).astype(np.float16)
+            proto.graph.initializer[i].CopyFrom(numpy_helper.from_array(arr, init.name))
+    onnx.checker.check_model(proto)
+    return proto
+
+
+CORE = {"LayerNormFusion": 1, "LayerNormScaleFusion": 1, "LayerNormBiasFusion": 1}
+
+
+def _stats(variant: str, *, scale: bool = True, bias: bool = True, cast: bool = False) -> dict[str, int]:
+    out = {"LayerNormFusion": 1, f"LayerNormFusion.{variant}": 1}
+    if scale:
+        out["LayerNormScaleFusion"] = 1
+    if bias:
+        out["LayerNormBiasFusion"] = 1
+    if cast:
+        out["LayerNormCastFusion"] = 1
+        out["LayerNormCastFusion.stash"] = 1
+    return out
+
+
+@pytest.mark.parametrize("opset", [14, 17, 18])
+@pytest.mark.parametrize("mean", ["reducemean", "reducesum-div", "reducesum-mul"])
+def test_layernorm_mean_forms(opset, mean):
+    text = layernorm_model(opset=opset, mean=mean)
+    variant = f"div-sqrt.centered.{mean}"
+    check_fusion(FuseLayerNormPass(target="mograph"), _ln(text), stats=_stats(variant), ops_left=["mograph.LayerNorm", "Identity"])
+
+
+@pytest.mark.parametrize("square", ["pow", "mul"])
+@pytest.mark.parametrize("var", ["centered", "moments"])
+@pytest.mark.parametrize("clamp", [False, True])
+@pytest.mark.parametrize("norm", ["div-sqrt", "mul-reciprocal", "mul-pow"])
+def test_layernorm_variance_and_norm_forms(square, var, clamp, norm):
+    text = layernorm_model(square=square, var=var, clamp=clamp, norm=norm)
+    variant = f"{norm}.{var}.reducemean" + (".max0" if clamp else "")
+    check_fusion(FuseLayerNormPass(target="mograph"), _ln(text), stats=_stats(variant), ops_left=["mograph.LayerNorm", "Identity"])
+
+
+@pytest.mark.parametrize("scale,bias", [(False, False), (True, False), (False, True)])
+def test_layernorm_without_scale_or_bias(scale, bias):
+    text = layernorm_model(scale=scale, bias=bias)
+    model = check_fusion(FuseLayerNormPass(target="ort"), _ln(text),
+                         stats={**_stats("div-sqrt.centered.reducemean", scale=scale, bias=bias), "lowered.LayerNorm": 1})
+    assert op_types(model) == ["LayerNormalization", "Identity"]
+
+
+@pytest.mark.parametrize("eps", ["initializer", "constant", "cast"])
+def test_layernorm_epsilon_forms(eps):
+    text = layernorm_model(eps=eps)
+    check_fusion(FuseLayerNormPass(target="mograph"), _ln(text), stats=_stats("div-sqrt.centered.reducemean"))
+
+
+@pytest.mark.parametrize("opset", [17, 18])
+def test_layernorm_fp16_with_casts_around_the_reduction(opset):
+    text = layernorm_model(opset=opset, fp16=True)
+    model = check_fusion(FuseLayerNormPass(target="mograph"), _ln(text),
+                         stats=_stats("div-sqrt.centered.reducemean", cast=True), rel=2e-3)
+    assert op_types(model) == ["mograph.LayerNorm", "Identity"]
+    node = next(iter(model.graph))
+    assert node.attributes["stash_type"].value == 1
+    assert node.inputs[0].name == "x"
+
+
+@pytest.mark.parametrize("target,expected", [
+    ("mograph", ["mograph.LayerNorm", "Identity"]),
+    ("onnx", ["LayerNormalization", "Identity"]),
+    ("ort", ["LayerNormalization", "Identity"]),
+    ("tensorrt", ["LayerNormalization", "Identity"]),
+])
+def test_layernorm_targets_opset17(target, expected):
+    model = check_fusion(FuseLayerNormPass(target=target), _ln(layernorm_model(opset=17)))
+    assert op_types(model) == expected
+
+
+def test_layernorm_targets_opset14():
+    proto = _ln(layernorm_model(opset=14))
+    model = check_fusion(FuseLayerNormPass(target="onnx"), proto)
+    assert op_types(model) == ["mograph.LayerNorm", "Identity"]  # no standard op below 17: function body
+    assert ("mograph", "LayerNorm", "") in model.functions
+    model = check_fusion(FuseLayerNormPass(target="ort"), proto)
+    assert op_types(model) == ["LayerNormalization", "Identity"]  # ORT's own op at any opset
+    model, _ = run_pass(FuseLayerNormPass(target="tensorrt"), proto)
+    node = next(iter(model.graph))
+    assert (node.domain, node.op_type) == ("mograph", "LayerNorm")
+    assert node.attributes["plugin_namespace"].value == "mograph"
+    assert node.attributes["plugin_version"].value == "1"
+    assert not model.functions  # a plugin node has no body, so the parser falls back to the plugin
+
+
+# ------------------------------------------------------------------ near misses -----------------
+
+
+def test_near_miss_epsilon_not_constant():
+    text = layernorm_model(eps="input")
+    result = assert_untouched(FuseLayerNormPass(explain=True), _ln(text))
+    misses = result.details["rules"]["LayerNormFusion"]["near_miss_list"]
+    assert [m["reason"] for m in misses] == ["epsilon is not a constant"]
+    assert result.details["rules"]["LayerNormFusion"]["candidates"] == 1
+
+
+def test_near_miss_reduction_not_last_axis():
+    text = layernorm_model().replace("axes=[-1]", "axes=[1]")
+    result = assert_untouched(FuseLayerNormPass(explain=True), _ln(text))
+    (miss,) = result.details["rules"]["LayerNormFusion"]["near_miss_list"]
+    assert "is not over the last axis" in miss["reason"]
+
+
+def test_near_miss_intermediate_is_graph_output():
+    text = layernorm_model().replace("=> (float[2,5,16] y)", "=> (float[2,5,16] y, float[2,5,1] v0)")
+    proto = _ln(text)
+    result = assert_untouched(FuseLayerNormPass(explain=True), proto)
+    (miss,) = result.details["rules"]["LayerNormFusion"]["near_miss_list"]
+    assert miss["reason"] == "intermediate value 'v0' is also a graph output"
+    assert miss["nodes"]  # names of the nodes involved
+
+
+def test_near_miss_without_explain_counts_only():
+    result = assert_untouched(FuseLayerNormPass(), _ln(layernorm_model(eps="input")))
+    entry = result.details["rules"]["LayerNormFusion"]
+    assert entry == {"candidates": 1, "fused": 0, "near_misses": 1}
+
+
+def test_mean_read_elsewhere_is_left_correct():
+    # the mean is read by another node: fusing would delete it -> near miss, numbers unchanged
+    text = layernorm_model().replace("y = Identity(y2)", "y3 = Add(y2, m)\n  y = Identity(y3)")
+    result = assert_untouched(FuseLayerNormPass(explain=True), _ln(text))
+    (miss,) = result.details["rules"]["LayerNormFusion"]["near_miss_list"]
+    assert "is also read by" in miss["reason"]
+
+
+# ------------------------------------------------------------------ RMSNorm ---------------------
+
+
+def rmsnorm_model(*, opset: int = 17, eps: bool = True, norm: str = "mul-reciprocal", square: str = "pow",
+                  fp16: bool = False, mean: str = "reducemean") -> str:
+    t = "float"
+    lines = []
+    x = "x"
+    if fp16:
+        lines.append("xf = Cast<to=1>(x)")
+        x = "xf"
+    lines.append(f"xx = Pow({x}, two)" if square == "pow" else f"xx = Mul({x}, {x})")
+    lines.append(_mean(opset, mean, "xx", "ms"))
+    root = "ms"
+    if eps:
+        lines.append("mse = Add(ms, eps)")
+        root = "mse"
+    if norm == "mul-reciprocal":
+        lines += [f"r = Sqrt({root})", "ri = Reciprocal(r)", f"y0 = Mul({x}, ri)"]
+    elif norm == "mul-one-div":
+        lines += [f"r = Sqrt({root})", "ri = Div(one, r)", f"y0 = Mul({x}, ri)"]
+    elif norm == "div-sqrt":
+        lines += [f"r = Sqrt({root})", f"y0 = Div({x}, r)"]
+    else:
+        lines += [f"ri = Pow({root}, mhalf)", f"y0 = Mul(ri, {x})"]
+    y = "y0"
+    if fp16:
+        lines.append("yh = Cast<to=10>(y0)")
+        y = "yh"
+    lines.append(f"y = Mul(gamma, {y})")
+    inits = [f"{t}[{H}] gamma = {{{GAMMA}}}", "float eps = {1e-6}", "float two = {2.0}", "float one = {1.0}",
+             "float mhalf = {-0.5}", f"float n = {{{H}.0}}", f"float ninv = {{{1.0 / H}}}", "int64[1] ax = {-1}"]
+    body = "\n  ".join(lines)
+    return (f'<ir_version: 8, opset_import: ["" : {opset}]>\n'
+            f"g ({t}[2,5,{H}] x) => ({t}[2,5,{H}] y) <{', '.join(inits)}> {{\n  {body}\n}}")
+
+
+@pytest.mark.parametrize("norm", ["mul-reciprocal", "mul-one-div", "div-sqrt", "mul-pow"])
+@pytest.mark.parametrize("eps", [True, False])
+def test_rmsnorm_forms(norm, eps):
+    proto = parse(rmsnorm_model(norm=norm, eps=eps))
+    variant = f"{norm}.{'eps' if eps else 'no-eps'}.reducemean"
+    stats = {"RMSNormFusion": 1, f"RMSNormFusion.{variant}": 1, "RMSNormScaleFusion": 1, "lowered.RMSNorm": 1}
+    check_fusion(FuseRMSNormPass(target="ort"), proto, stats=stats, ops_left=["SimplifiedLayerNormalization"])
+
+
+@pytest.mark.parametrize("mean,square", [("reducesum-div", "mul"), ("reducesum-mul", "pow")])
+def test_rmsnorm_reducesum_forms(mean, square):
+    proto = parse(rmsnorm_model(mean=mean, square=square, opset=18))
+    stats = {"RMSNormFusion": 1, f"RMSNormFusion.mul-reciprocal.eps.{mean}": 1, "RMSNormScaleFusion": 1}
+    check_fusion(FuseRMSNormPass(target="mograph"), proto, stats=stats, ops_left=["mograph.RMSNorm"])
+
+
+def test_rmsnorm_fp16_casts():
+    proto = _ln(rmsnorm_model(fp16=True))
+    stats = {"RMSNormFusion": 1, "RMSNormFusion.mul-reciprocal.eps.reducemean": 1, "RMSNormCastFusion": 1,
+             "RMSNormCastFusion.stash": 1, "RMSNormScaleFusion": 1}
+    check_fusion(FuseRMSNormPass(target="mograph"), proto, stats=stats, ops_left=["mograph.RMSNorm"], rel=2e-3)
+
+
+def test_rmsnorm_near_miss_axis():
+    text = rmsnorm_model().replace("axes=[-1]", "axes=[0]")
+    result = assert_untouched(FuseRMSNormPass(explain=True), parse(text))
+    (miss,) = result.details["rules"]["RMSNormFusion"]["near_miss_list"]
+    assert "is not over the last axis" in miss["reason"]
+
+
+# ------------------------------------------------------------------ skip LayerNorm --------------
+
+
+def skip_model(*, bias: bool = True, sum_output: bool = False, opset: int = 17) -> str:
+    lines = ["h = MatMul(a, w)"]
+    if bias:
+        lines.append("hb = Add(dense_b, h)")
+        lines.append("s = Add(res, hb)")
+    else:
+        lines.append("s = Add(h, res)")
+    lines.append("y = LayerNormalization<axis=-1, epsilon=1e-5>(s, gamma, beta)")
+    outs = f"float[2,5,{H}] y" + (f", float[2,5,{H}] s2" if sum_output else "")
+    if sum_output:
+        lines.append("s2 = Mul(s, two)")
+    w = ",".join(f"{(i * 7 % 11) / 11 - 0.5:.3f}" for i in range(H * H))
+    inits = [f"float[{H}] gamma = {{{GAMMA}}}", f"float[{H}] beta = {{{BETA}}}", f"float[{H}] dense_b = {{{BETA}}}",
+             f"float[{H},{H}] w = {{{w}}}", "float two = {2.0}"]
+    body = "\n  ".join(lines)
+    return (f'<ir_version: 8, opset_import: ["" : {opset}]>\n'
+            f"g (float[2,5,{H}] a, float[2,5,{H}] res) => ({outs}) <{', '.join(inits)}> {{\n  {body}\n}}")
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("sum_output", [False, True])
+@pytest.mark.parametrize("target,op", [("ort", "com.microsoft.SkipLayerNormalization"), ("mograph", "mograph.SkipLayerNorm")])
+def test_skip_layernorm(bias, sum_output, target, op):
+    proto = parse(skip_model(bias=bias, sum_output=sum_output))
+    variant = ("bias" if bias else "plain") + (".sum-output" if sum_output else "")
+    stats = {"SkipLayerNormFusion": 1, f"SkipLayerNormFusion.{variant}": 1}
+    if target == "ort":
+        stats["lowered.SkipLayerNorm"] = 1
+    expected = ["MatMul", op] + (["Mul"] if sum_output else [])
+    check_fusion(FuseSkipLayerNormPass(target=target), proto, stats=stats, ops_left=expected)
+
+
+def test_skip_layernorm_after_fuse_layernorm():
+    text = layernorm_model().replace("g (float[2,5,16] x)", "g (float[2,5,16] a, float[2,5,16] b)").replace(
+        "  m = ReduceMean", "  x = Add(a, b)\n  m = ReduceMean")
+    proto = parse(text)
+    from _util import to_ir, to_proto, run_ort
+    feeds = feeds_for(proto)
+    model = to_ir(proto)
+    FuseLayerNormPass(target="mograph").call(model)
+    result = FuseSkipLayerNormPass(target="mograph").call(model)
+    assert result.stats == {"SkipLayerNormFusion": 1, "SkipLayerNormFusion.plain": 1}
+    assert op_types(model) == ["mograph.SkipLayerNorm", "Identity"]
+    np.testing.assert_allclose(run_ort(to_proto(model), feeds)[0], run_ort(proto, feeds)[0], atol=1e-5)
+
+
+def test_skip_layernorm_near_miss_mean_output_used():
+    text = skip_model().replace("y = LayerNormalization<axis=-1, epsilon=1e-5>(s, gamma, beta)",
+                                "y0, mu = LayerNormalization<axis=-1, epsilon=1e-5>(s, gamma, beta)\n  y = Add(y0, mu)")
+    result = assert_untouched(FuseSkipLayerNormPass(explain=True), parse(text))
+    (miss,) = result.details["rules"]["SkipLayerNormFusion"]["near_miss_list"]
+    assert "read" in miss["reason"]

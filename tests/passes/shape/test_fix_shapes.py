@@ -1,0 +1,105 @@
+"""fix-shapes on the hand-built BERT and CNN (dynamic axes) and on small graphs for every refusal."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _shape_testing import dims, f32, graph_input, i64, make, ops, run_ort, to_ir
+from onnx import helper
+
+from models import bert_feeds, bert_tiny, cnn_small
+from mograph.errors import OptionError
+from mograph.pass_infra import graph_fingerprint
+from mograph.passes.shape import FixShapesPass
+
+SHAPE_OPS = {"Shape", "Concat", "Unsqueeze", "Slice"}
+
+
+def test_bert_fixed_folds_shape_arithmetic():
+    proto = bert_tiny(dynamic=True)
+    model = to_ir(proto)
+    before = ops(model)
+    result = FixShapesPass(shape=["input_ids:2x16"]).call(model)
+    assert result.modified
+    assert result.stats == {"inputs_fixed": 2, "dims_fixed": 4, "nodes_removed": 65}
+    after = ops(model)
+    assert before["Shape"] > 0 and not SHAPE_OPS & set(after)
+    assert set(after) == {"Add", "Constant", "MatMul", "ReduceMean", "Mul", "Div", "Reshape", "Transpose", "Sub",
+                          "Pow", "Sqrt", "Softmax", "Erf", "Gather", "Unsqueeze", "Cast"} - SHAPE_OPS
+    assert dims(graph_input(model, "attention_mask")) == [2, 16]  # same symbols, pinned too
+    assert dims(model.graph.outputs[0]) == [2, 16, 64]
+    feeds = bert_feeds(batch=2, seq=16)
+    np.testing.assert_allclose(run_ort(model, feeds)[0], run_ort(proto, feeds)[0], rtol=1e-5, atol=1e-5)
+    fp = graph_fingerprint(model)
+    again = FixShapesPass(shape=["input_ids:2x16"]).call(model)
+    assert not again.modified and graph_fingerprint(model) == fp
+
+
+def test_dim_pins_one_symbol_only():
+    proto = bert_tiny(dynamic=True)
+    model = to_ir(proto)
+    result = FixShapesPass(dim=["batch=1"]).call(model)
+    assert result.stats["inputs_fixed"] == 2 and result.stats["dims_fixed"] == 2
+    assert dims(graph_input(model, "input_ids")) == [1, "seq"]
+    for seq in (5, 16):
+        feeds = bert_feeds(batch=1, seq=seq)
+        np.testing.assert_allclose(run_ort(model, feeds)[0], run_ort(proto, feeds)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_cnn_batch_fixed():
+    proto = cnn_small(dynamic_batch=True)
+    model = to_ir(proto)
+    result = FixShapesPass(dim=["batch=3"]).call(model)
+    assert result.modified and result.stats["dims_fixed"] == 1
+    x = np.random.default_rng(0).standard_normal((3, 3, 32, 32)).astype(np.float32)
+    np.testing.assert_allclose(run_ort(model, {"image": x})[0], run_ort(proto, {"image": x})[0], rtol=1e-5, atol=1e-5)
+
+
+def test_already_static_is_a_near_miss():
+    proto = bert_tiny(dynamic=False, batch=1, seq=16)
+    model = to_ir(proto)
+    fp = graph_fingerprint(model)
+    result = FixShapesPass(shape=["input_ids:1x16"]).call(model)
+    assert not result.modified and result.stats == {"inputs_fixed": 0, "dims_fixed": 0}
+    assert graph_fingerprint(model) == fp
+
+
+def test_wrong_declared_output_shape_is_replaced():
+    proto = make([helper.make_node("Reshape", ["x", "t"], ["y"])],
+                 [f32("x", ["n", 6])], [f32("y", [7, 7, 7])], [i64("t", [-1, 3, 2])])
+    model = to_ir(proto)
+    FixShapesPass(shape=["x:2x6"]).call(model)
+    assert dims(model.graph.outputs[0]) == [2, 3, 2]
+
+
+def test_input_name_with_colons():
+    proto = make([helper.make_node("Relu", ["onnx::Flatten_0"], ["y"])],
+                 [f32("onnx::Flatten_0", ["n", 4])], [f32("y", ["n", 4])])
+    model = to_ir(proto)
+    assert FixShapesPass(shape=["onnx::Flatten_0:3x4"]).call(model).modified
+    assert dims(graph_input(model, "onnx::Flatten_0")) == [3, 4]
+    assert dims(model.graph.outputs[0]) == [3, 4]
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"shape": ["nope:1x16"]}, "no input 'nope'"),
+        ({"shape": ["input_ids:1x16x2"]}, "input 'input_ids' has rank 3"),
+        ({"shape": ["input_ids:0x16"]}, "input 'input_ids' dimension 0: size must be positive"),
+        ({"shape": ["input_ids:1x-3"]}, "input 'input_ids' dimension 1"),
+        ({"dim": ["heads=2"]}, "no input has a dimension named 'heads'"),
+        ({"dim": ["batch=0"]}, "batch: size must be positive"),
+        ({"dim": ["batch=2"], "shape": ["input_ids:1x16"]}, "dimension 0 \\('batch'\\) set to 1"),
+        ({"shape": ["input_ids:1x16", "attention_mask:1x8"]}, "attention_mask' dimension 1 \\('seq'\\)"),
+    ],
+)
+def test_refusals_name_input_and_dimension(options, words):
+    with pytest.raises(OptionError, match=words):
+        FixShapesPass(**options).call(to_ir(bert_tiny(dynamic=True)))
+
+
+def test_refuses_conflict_with_static_dim():
+    proto = bert_tiny(dynamic=False, batch=1, seq=16)
+    with pytest.raises(OptionError, match="input 'input_ids' dimension 1: the model fixes it to 16, not 8"):
+        FixShapesPass(shape=["input_ids:1x8"]).call(to_ir(proto))

@@ -1,0 +1,222 @@
+"""make-dynamic on small hand-built graphs: one per rewrite kind, plus every refusal.
+
+Each rewrite test shows the op types left, the exact stats, the numbers (original size: equal to the
+static model; other sizes: equal to numpy), that a second run changes nothing, and the near miss (an
+axis already dynamic) is left alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+from _shape_testing import const, dims, f32, graph_input, i64, make, ops, run_ort, to_ir
+from onnx import TensorProto, helper
+
+from mograph.errors import OptionError, PassFailedError
+from mograph.pass_infra import graph_fingerprint
+from mograph.passes.shape import MakeDynamicPass
+
+RNG = np.random.default_rng(0)
+
+
+def _check(proto, spec, x_shape_at, reference, sizes, expect_ops, expect_stats, name="x"):
+    """Make ``spec`` dynamic, check op types, stats, numbers at every size, and a no-op second run."""
+    model = to_ir(proto)
+    result = MakeDynamicPass(dynamic=[spec]).call(model)
+    assert result.modified
+    assert result.stats == expect_stats
+    assert ops(model) == expect_ops
+    for n in sizes:
+        x = RNG.standard_normal(x_shape_at(n)).astype(np.float32)
+        got = run_ort(model, {name: x})[0]
+        np.testing.assert_allclose(got, reference(x), rtol=1e-6, atol=1e-6)
+        if n == sizes[0]:  # the export size: identical to the static model
+            np.testing.assert_array_equal(got, run_ort(proto, {name: x})[0])
+    fp = graph_fingerprint(model)
+    again = MakeDynamicPass(dynamic=[spec]).call(model)
+    assert not again.modified and graph_fingerprint(model) == fp
+    return model
+
+
+def test_reshape_target_rewritten():
+    proto = make([helper.make_node("Reshape", ["x", "t"], ["y"], name="reshape")],
+                 [f32("x", [2, 6])], [f32("y", [2, 3, 2])], [i64("t", [2, 3, 2])])
+    model = _check(proto, "x:0=n", lambda n: (n, 6), lambda x: x.reshape(len(x), 3, 2), [2, 5, 1],
+                   {"Shape": 1, "Gather": 1, "Concat": 1, "Reshape": 1},
+                   {"dims_made_dynamic": 1, "rewritten.Reshape": 1, "nodes_added": 3})
+    assert dims(graph_input(model, "x")) == ["n", 6]
+    assert dims(model.graph.outputs[0]) == ["n", 3, 2]
+
+
+def test_reshape_batch_one_flatten_and_unflatten():
+    # [1, 4, 3] -> [4, 3] ([-1, 3]) -> [1, 4, 3]: with batch 1 the 1 in the second target is the batch.
+    proto = make([
+        helper.make_node("Reshape", ["x", "t1"], ["h"], name="flatten"),
+        helper.make_node("Relu", ["h"], ["r"]),
+        helper.make_node("Reshape", ["r", "t2"], ["y"], name="unflatten"),
+    ], [f32("x", [1, 4, 3])], [f32("y", [1, 4, 3])], [i64("t1", [-1, 3]), i64("t2", [1, 4, 3])])
+    _check(proto, "x:0=batch", lambda n: (n, 4, 3), lambda x: np.maximum(x, 0), [1, 3, 8],
+           {"Shape": 1, "Gather": 1, "Concat": 1, "Reshape": 2, "Relu": 1},
+           {"dims_made_dynamic": 1, "rewritten.Reshape": 1, "nodes_added": 3})
+
+
+def test_expand_shape_rewritten():
+    proto = make([helper.make_node("Expand", ["x", "s"], ["y"], name="expand")],
+                 [f32("x", [3, 1])], [f32("y", [3, 4])], [i64("s", [3, 4])])
+    _check(proto, "x:0=n", lambda n: (n, 1), lambda x: np.broadcast_to(x, (len(x), 4)), [3, 6],
+           {"Expand": 1}, {"dims_made_dynamic": 1, "rewritten.Expand": 1, "nodes_added": 0})
+
+
+def test_slice_end_of_dynamic_axis_rewritten():
+    proto = make([helper.make_node("Slice", ["x", "st", "en", "ax"], ["s"], name="slice"),
+                  helper.make_node("Relu", ["s"], ["y"])],
+                 [f32("x", [5, 4])], [f32("y", [5, 4])], [i64("st", [0]), i64("en", [5]), i64("ax", [0])])
+    _check(proto, "x:0=n", lambda n: (n, 4), lambda x: np.maximum(x, 0), [5, 8],
+           {"Slice": 1, "Relu": 1}, {"dims_made_dynamic": 1, "rewritten.Slice": 1, "nodes_added": 0})
+
+
+def test_slice_of_a_table_traced_back():
+    table = RNG.standard_normal((10, 4)).astype(np.float32)
+    proto = make([helper.make_node("Slice", ["P", "st", "en", "ax"], ["s"], name="slice_table"),
+                  helper.make_node("Add", ["x", "s"], ["y"], name="add")],
+                 [f32("x", [5, 4])], [f32("y", [5, 4])],
+                 [const("P", table), i64("st", [0]), i64("en", [5]), i64("ax", [0])])
+    _check(proto, "x:0=n", lambda n: (n, 4), lambda x: x + table[: len(x)], [5, 7, 2],
+           {"Shape": 1, "Gather": 1, "Slice": 1, "Add": 1},
+           {"dims_made_dynamic": 1, "rewritten.Slice": 1, "nodes_added": 2})
+
+
+def test_constant_of_shape_rewritten():
+    value = helper.make_tensor("v", TensorProto.FLOAT, [1], [2.0])
+    proto = make([helper.make_node("ConstantOfShape", ["s"], ["c"], name="cos", value=value),
+                  helper.make_node("Mul", ["x", "c"], ["y"])],
+                 [f32("x", [3, 4])], [f32("y", [3, 4])], [i64("s", [3, 4])])
+    _check(proto, "x:0=n", lambda n: (n, 4), lambda x: 2 * x, [3, 5],
+           {"Shape": 1, "Gather": 1, "Concat": 1, "ConstantOfShape": 1, "Mul": 1},
+           {"dims_made_dynamic": 1, "rewritten.ConstantOfShape": 1, "nodes_added": 3})
+
+
+def test_tile_repeats_rewritten():
+    row = RNG.standard_normal((1, 4)).astype(np.float32)
+    proto = make([helper.make_node("Tile", ["row", "r"], ["t"], name="tile"),
+                  helper.make_node("Add", ["x", "t"], ["y"])],
+                 [f32("x", [3, 4])], [f32("y", [3, 4])], [const("row", row), i64("r", [3, 1])])
+    _check(proto, "x:0=n", lambda n: (n, 4), lambda x: x + row, [3, 6],
+           {"Shape": 1, "Gather": 1, "Concat": 1, "Tile": 1, "Add": 1},
+           {"dims_made_dynamic": 1, "rewritten.Tile": 1, "nodes_added": 3})
+
+
+def test_range_limit_rewritten():
+    # A float Range (an integer one on constants is folded first, then read as an arange table).
+    f = np.float32
+    proto = make([helper.make_node("Range", ["a", "b", "c"], ["r"], name="range"),
+                  helper.make_node("Add", ["x", "r"], ["y"])],
+                 [f32("x", [3])], [f32("y", [3])], [const("a", f(0)), const("b", f(3)), const("c", f(1))])
+    _check(proto, "x:0=n", lambda n: (n,), lambda x: x + np.arange(len(x)), [3, 5],
+           {"Shape": 1, "Gather": 1, "Cast": 1, "Range": 1, "Add": 1},
+           {"dims_made_dynamic": 1, "rewritten.Range": 1, "nodes_added": 3})
+
+
+def test_arange_position_ids_become_range():
+    table = RNG.standard_normal((10, 2)).astype(np.float32)
+    proto = make([helper.make_node("Gather", ["T", "pos"], ["g"], name="pos_embed"),
+                  helper.make_node("Add", ["x", "g"], ["y"])],
+                 [f32("x", [1, 4, 2])], [f32("y", [1, 4, 2])], [const("T", table), i64("pos", [[0, 1, 2, 3]])])
+    _check(proto, "x:1=seq", lambda n: (1, n, 2), lambda x: x + table[np.arange(x.shape[1])][None], [4, 7, 1],
+           {"Shape": 1, "Gather": 2, "Range": 1, "Reshape": 1, "Add": 1},
+           {"dims_made_dynamic": 1, "rewritten.arange": 1, "nodes_added": 4})
+
+
+def test_input_name_with_colons():
+    proto = make([helper.make_node("Reshape", ["onnx::Flatten_0", "t"], ["y"])],
+                 [f32("onnx::Flatten_0", [2, 6])], [f32("y", [2, 3, 2])], [i64("t", [2, 3, 2])])
+    model = to_ir(proto)
+    assert MakeDynamicPass(dynamic=["onnx::Flatten_0:0=n"]).call(model).modified
+    x = RNG.standard_normal((4, 6)).astype(np.float32)
+    np.testing.assert_array_equal(run_ort(model, {"onnx::Flatten_0": x})[0], x.reshape(4, 3, 2))
+
+
+def test_already_dynamic_axis_is_a_near_miss():
+    proto = make([helper.make_node("Relu", ["x"], ["y"])], [f32("x", ["n", 4])], [f32("y", ["n", 4])])
+    model = to_ir(proto)
+    fp = graph_fingerprint(model)
+    result = MakeDynamicPass(dynamic=["x:0=batch"]).call(model)
+    assert not result.modified and result.stats == {"dims_made_dynamic": 0}
+    assert graph_fingerprint(model) == fp
+
+
+# ----------------------------------------------------------------------------------------------- refusals
+
+
+def _refused(proto, spec, *words):
+    model = to_ir(proto)
+    with pytest.raises(PassFailedError) as err:
+        MakeDynamicPass(dynamic=[spec]).call(model)
+    message = str(err.value)
+    assert "make-dynamic" in message
+    for w in words:
+        assert w in message, message
+    assert all(isinstance(d, int) for d in graph_input(model, spec.rpartition(":")[0]).shape.dims)
+
+
+def test_refuses_a_weight_with_the_size_baked_in():
+    w = RNG.standard_normal((3, 4)).astype(np.float32)
+    proto = make([helper.make_node("Add", ["x", "W"], ["y"], name="add_w")],
+                 [f32("x", [3, 4])], [f32("y", [3, 4])], [const("W", w)])
+    _refused(proto, "x:0=n", "node 'add_w'", "baked in")
+
+
+def test_refuses_gather_of_the_last_position():
+    proto = make([helper.make_node("Gather", ["x", "i"], ["y"], name="last", axis=0)],
+                 [f32("x", [3, 4])], [f32("y", [4])], [i64("i", 2)])
+    _refused(proto, "x:0=n", "node 'last'", "index 2")
+
+
+def test_refuses_partial_slice_of_dynamic_axis():
+    proto = make([helper.make_node("Slice", ["x", "st", "en", "ax"], ["y"], name="head")],
+                 [f32("x", [3, 4])], [f32("y", [2, 4])], [i64("st", [0]), i64("en", [2]), i64("ax", [0])])
+    _refused(proto, "x:0=n", "node 'head'", "cannot be told apart")
+
+
+def test_refuses_unknown_op():
+    node = helper.make_node("Mystery", ["x"], ["y"], name="custom", domain="acme")
+    graph = helper.make_graph([node], "g", [f32("x", [3, 4])], [f32("y", [3, 4])])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("acme", 1)])
+    _refused(proto, "x:0=n", "node 'custom'", "no rule")
+
+
+def test_refuses_reshape_that_splits_the_dynamic_axis():
+    proto = make([helper.make_node("Reshape", ["x", "t"], ["y"], name="split_axis")],
+                 [f32("x", [4])], [f32("y", [2, 2])], [i64("t", [2, 2])])
+    _refused(proto, "x:0=n", "node 'split_axis'", "cannot be matched")
+
+
+def test_refuses_squeezing_a_size_one_dynamic_axis():
+    proto = make([helper.make_node("Squeeze", ["x", "a"], ["y"], name="squeeze")],
+                 [f32("x", [1, 4])], [f32("y", [4])], [i64("a", [0])])
+    _refused(proto, "x:0=batch", "node 'squeeze'", "squeezes")
+
+
+@pytest.mark.parametrize(
+    ("specs", "words"),
+    [
+        (["nope:0=n"], "no input 'nope'"),
+        (["x:zero=n"], "expected NAME:AXIS=SYMBOL"),
+        (["x:0=1abc"], "expected NAME:AXIS=SYMBOL"),
+        (["x:5=n"], "no dimension 5"),
+        (["x:0=n", "x:1=n"], "one name means one size"),
+    ],
+)
+def test_option_errors(specs, words):
+    proto = make([helper.make_node("Relu", ["x"], ["y"])], [f32("x", [3, 4])], [f32("y", [3, 4])])
+    with pytest.raises(OptionError, match=words):
+        MakeDynamicPass(dynamic=specs).call(to_ir(proto))
+
+
+def test_registered_as_plugin():
+    from mograph.plugins import get_registry
+
+    reg = get_registry()
+    assert reg.passes["make-dynamic"] is MakeDynamicPass
+    assert isinstance(ir.Model, type)

@@ -1,0 +1,255 @@
+"""What a user sees when something is wrong: one line on stderr, the documented exit code, the input
+untouched, and no output (or temporary file) left behind.
+
+Most cases run ``mograph.cli.main`` in-process (an unexpected exception would fail the test with its
+traceback); a few run the real console script in a subprocess to prove the same from the outside.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+import mograph
+from models.builders import make_model
+from mograph.cli import main
+from mograph.errors import (
+    BackendUnavailableError,
+    ModelError,
+    OptionError,
+    PassFailedError,
+    PluginError,
+    UnknownPassError,
+    UsageError,
+    VerificationError,
+)
+from mograph.plugins import get_registry
+
+IO = ([("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])])
+
+
+def _good() -> onnx.ModelProto:
+    nodes = [helper.make_node("Add", ["x", "w"], ["t"]), helper.make_node("Relu", ["t"], ["y"])]
+    return make_model(nodes, *IO, {"w": np.ones((2, 3), np.float32)})
+
+
+def _cycle() -> onnx.ModelProto:
+    nodes = [
+        helper.make_node("Add", ["x", "u"], ["t"], name="add"),
+        helper.make_node("Relu", ["t"], ["u"], name="relu"),
+        helper.make_node("Neg", ["t"], ["y"], name="neg"),
+    ]
+    return make_model(nodes, *IO)
+
+
+def _missing_initializer() -> onnx.ModelProto:
+    return make_model([helper.make_node("Add", ["x", "w_missing"], ["y"], name="add")], *IO)
+
+
+def _external(location: str) -> onnx.ModelProto:
+    proto = _good()
+    tensor = proto.graph.initializer[0]
+    tensor.ClearField("raw_data")
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    tensor.external_data.add(key="location", value=location)
+    return proto
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _snapshot(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): _digest(p) if p.is_file() else "dir" for p in sorted(folder.rglob("*"))}
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse's own usage errors exit from inside the parser
+        code = exc.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _assert_one_line(err: str, *fragments: str) -> None:
+    lines = err.splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{err}"
+    assert lines[0].startswith("mograph: error: ") or lines[0].startswith("mograph optimize: error: ")
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    work = tmp_path / "work"
+    work.mkdir()
+    onnx.save(_good(), work / "good.onnx")
+    (tmp_path / "secret.bin").write_bytes(np.ones(6, np.float32).tobytes())
+    return work
+
+
+def _write_case(work: Path, case: str) -> Path:
+    path = work / f"{case}.onnx"
+    if case == "text":
+        path.write_text("this is a text file, not a model\n" * 20)
+    elif case == "empty":
+        path.write_bytes(b"")
+    elif case == "truncated":
+        data = _good().SerializeToString()
+        path.write_bytes(data[: len(data) // 2])
+    elif case == "cycle":
+        onnx.save(_cycle(), path)
+    elif case == "missing-initializer":
+        onnx.save(_missing_initializer(), path)
+    elif case == "external-parent":
+        onnx.save(_external("../secret.bin"), path)
+    elif case == "external-absolute":
+        onnx.save(_external(str(work.parent / "secret.bin")), path)
+    elif case == "external-symlink":
+        (work / "link.bin").symlink_to(work.parent / "secret.bin")
+        onnx.save(_external("link.bin"), path)
+    return path
+
+
+MODEL_ERRORS = {
+    "text": "not a readable ONNX model",
+    "empty": "not an ONNX model",
+    "truncated": "not a readable ONNX model",
+    "cycle": "cycle",
+    "missing-initializer": "w_missing",
+    "external-parent": "outside the model's folder",
+    "external-absolute": "outside the model's folder",
+    "external-symlink": "outside the model's folder",
+}
+
+
+@pytest.mark.parametrize("case", sorted(MODEL_ERRORS))
+def test_bad_models_give_one_line_and_exit_3(capsys, workdir, case):
+    path = _write_case(workdir, case)
+    before = _snapshot(workdir.parent)
+    code, out, err = _cli(capsys, "optimize", str(path), "-o", str(workdir / "out.onnx"))
+    assert code == ModelError.exit_code == 3
+    _assert_one_line(err, MODEL_ERRORS[case])
+    assert out == ""
+    assert _snapshot(workdir.parent) == before  # input unchanged, no output, no temporary files
+
+
+def test_missing_file(capsys, workdir):
+    before = _snapshot(workdir)
+    code, _, err = _cli(capsys, "optimize", str(workdir / "nope.onnx"))
+    assert code == 3
+    _assert_one_line(err, "nope.onnx", "no such file")
+    assert _snapshot(workdir) == before
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--passes", "no-such-pass"], "unknown pass or preset 'no-such-pass'"),
+        (["--passes", ","], "no passes given"),
+        (["--fold-limit", "abc"], "bad value for --fold-limit: 'abc'"),
+        (["--fold-limit", "-5"], "--fold-limit must be >= 0"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+    ids=["unknown-pass", "empty-pipeline", "option-not-int", "option-negative", "unknown-flag"],
+)
+def test_usage_errors_exit_2(capsys, workdir, args, fragment):
+    src = workdir / "good.onnx"
+    before = _snapshot(workdir)
+    code, _, err = _cli(capsys, "optimize", str(src), "-o", str(workdir / "out.onnx"), "-q", *args)
+    assert code == UsageError.exit_code == 2
+    _assert_one_line(err, fragment)
+    assert _snapshot(workdir) == before
+
+
+@pytest.mark.parametrize("alias", ["same", "dot-path", "symlink", "hardlink"])
+def test_output_never_overwrites_input(capsys, workdir, alias):
+    src = workdir / "good.onnx"
+    dest = {
+        "same": str(src),
+        "dot-path": str(workdir / "." / "good.onnx"),
+        "symlink": str(workdir / "link.onnx"),
+        "hardlink": str(workdir / "hard.onnx"),
+    }[alias]
+    if alias == "symlink":
+        Path(dest).symlink_to(src)
+    elif alias == "hardlink":
+        os.link(src, dest)
+    before = _snapshot(workdir)
+    code, _, err = _cli(capsys, "optimize", str(src), "-o", dest, "-q")
+    assert code == 2
+    _assert_one_line(err, "refusing to write over the input model")
+    assert _snapshot(workdir) == before
+
+
+class _ExplodingPass(mograph.Pass):
+    """Raise halfway through (a bug in a pass)."""
+
+    name = "explode"
+
+    def call(self, model):
+        model.graph.remove(model.graph.node(0), safe=False)  # half-done rewrite ...
+        raise RuntimeError("boom")  # ... then a crash
+
+
+def test_failing_pass_names_the_pass_exit_4_and_writes_nothing(capsys, workdir, monkeypatch):
+    reg = get_registry()
+    monkeypatch.setitem(reg.passes, "explode", _ExplodingPass)
+    monkeypatch.setitem(reg.pass_source, "explode", "tests")
+    src = workdir / "good.onnx"
+    before = _snapshot(workdir)
+    code, _, err = _cli(capsys, "optimize", str(src), "-o", str(workdir / "out.onnx"), "--passes", "cleanup,explode", "-q")
+    assert code == PassFailedError.exit_code == 4
+    _assert_one_line(err, "pass 'explode' failed", "RuntimeError: boom")
+    assert _snapshot(workdir) == before
+
+
+def test_unwritable_output_is_one_line(capsys, workdir):
+    (workdir / "blocker").write_text("a file where a folder should be")
+    before = _snapshot(workdir)
+    code, _, err = _cli(capsys, "optimize", str(workdir / "good.onnx"), "-o", str(workdir / "blocker" / "o.onnx"), "-q")
+    assert code == 2
+    _assert_one_line(err, "cannot write")
+    assert _snapshot(workdir) == before
+
+
+def test_successful_run_leaves_input_unchanged_and_no_temporary_files(capsys, workdir):
+    src = workdir / "good.onnx"
+    digest = _digest(src)
+    code, out, _ = _cli(capsys, "optimize", str(src), "-q")
+    assert code == 0
+    assert _digest(src) == digest
+    assert sorted(p.name for p in workdir.iterdir()) == ["good.onnx", "good.opt.onnx"]
+    assert "wrote" in out
+
+
+def test_exit_codes_are_documented():
+    assert [c.exit_code for c in (UsageError, UnknownPassError, OptionError)] == [2, 2, 2]
+    assert ModelError.exit_code == 3 and PassFailedError.exit_code == 4 and VerificationError.exit_code == 5
+    assert PluginError.exit_code == 6 and BackendUnavailableError.exit_code == 7
+    assert "pip install 'mograph[ort]'" in str(BackendUnavailableError("onnxruntime", "ort"))
+    from mograph.cli import EXIT_CODES_HELP
+
+    for code in range(8):
+        assert f"\n  {code}  " in "\n" + EXIT_CODES_HELP
+
+
+@pytest.mark.parametrize("case", ["missing", "truncated"])
+def test_console_script_in_a_subprocess(workdir, case):
+    path = workdir / "nope.onnx" if case == "missing" else _write_case(workdir, "truncated")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mograph", "optimize", str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 3
+    _assert_one_line(proc.stderr)
+    assert proc.stdout == ""

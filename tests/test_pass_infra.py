@@ -1,0 +1,349 @@
+"""The pass infrastructure: explicit order, presets, the report, provenance, the honesty check,
+failures that name the pass, and options."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+from onnx import helper
+
+import mograph
+from models.builders import make_model
+from mograph.errors import OptionError, PassFailedError, PluginError, UnknownPassError
+from mograph.hookspecs import hookimpl
+from mograph.pass_infra import PROVENANCE_PASS, PROVENANCE_RULE, Option, PassManager, PassResult
+from mograph.plugins import Registry, get_plugin_manager
+
+
+def _model() -> ir.Model:
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="relu"),
+        helper.make_node("LeakyRelu", ["r"], ["y"], name="leaky", alpha=0.1),
+    ]
+    return ir.serde.deserialize_model(make_model(nodes, [("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])]))
+
+
+# --- order, presets --------------------------------------------------------------------------------
+
+CALLS: list[str] = []
+
+
+def _recording(pass_name: str) -> type[mograph.Pass]:
+    class Recording(mograph.Pass):
+        """Record that it ran; change nothing."""
+
+        name = pass_name
+
+        def call(self, model: ir.Model) -> PassResult:
+            CALLS.append(self.name)
+            return PassResult(modified=False, stats={"calls": 1})
+
+    return Recording
+
+
+class _OrderPlugin:
+    """Registers passes a, b, c (in that order) and some presets."""
+
+    @hookimpl
+    def mograph_add_passes(self):
+        return [_recording("pass-a"), _recording("pass-b"), _recording("pass-c")]
+
+    @hookimpl
+    def mograph_add_presets(self):
+        return {"outer": ["pass-c", "inner", "pass-a"], "inner": ["pass-b", "pass-a"]}
+
+
+def _registry(*plugins: object) -> Registry:
+    pm = get_plugin_manager(autoload=False)
+    for i, plugin in enumerate(plugins):
+        pm.register(plugin, name=f"test-plugin-{i}")
+    return Registry.build(pm)
+
+
+def test_manager_runs_the_explicit_order_not_registration_order():
+    reg = _registry(_OrderPlugin())
+    names = reg.expand("pass-c,pass-a,pass-b")
+    assert names == ["pass-c", "pass-a", "pass-b"]
+    CALLS.clear()
+    report = PassManager(reg.instantiate(names), hook=reg.pm.hook).run(_model())
+    assert CALLS == ["pass-c", "pass-a", "pass-b"]
+    assert [p.name for p in report.passes] == ["pass-c", "pass-a", "pass-b"]
+
+
+def test_presets_expand_recursively_in_place_and_in_order():
+    reg = _registry(_OrderPlugin())
+    assert reg.expand("outer") == ["pass-c", "pass-b", "pass-a", "pass-a"]
+    assert reg.expand(["pass-b", "outer", "inner"]) == ["pass-b", "pass-c", "pass-b", "pass-a", "pass-a", "pass-b", "pass-a"]
+    # The built-in preset, from the real registry.
+    assert mograph.plugins.get_registry().expand("cleanup") == [
+        "infer-shapes", "fold-constants", "eliminate-identity", "cse", "eliminate-dead", "topo-sort",
+    ]
+
+
+def test_preset_cycle_is_an_error_naming_the_cycle():
+    class Cyclic:
+        @hookimpl
+        def mograph_add_presets(self):
+            return {"loop-a": ["pass-a", "loop-b"], "loop-b": ["loop-a"]}
+
+    reg = _registry(_OrderPlugin(), Cyclic())
+    with pytest.raises(PluginError, match="preset cycle: loop-a -> loop-b -> loop-a"):
+        reg.expand("loop-a")
+
+
+def test_unknown_name_suggests_close_ones():
+    reg = _registry(_OrderPlugin())
+    with pytest.raises(UnknownPassError, match="did you mean pass-a"):
+        reg.expand("pass-a,pass")
+
+
+# --- the report ------------------------------------------------------------------------------------
+
+
+class _RemoveLeaky(mograph.Pass):
+    """Replace LeakyRelu with Relu (creates a node)."""
+
+    name = "leaky-to-relu"
+
+    def call(self, model: ir.Model) -> PassResult:
+        count = 0
+        for node in list(model.graph):
+            if node.op_type == "LeakyRelu":
+                new = ir.node("Relu", inputs=[node.inputs[0]])
+                mograph.stamp(new, self.name, "LeakyToRelu")
+                ir.convenience.replace_nodes_and_values(model.graph, node, [node], [new], node.outputs, new.outputs)
+                count += 1
+        return PassResult(modified=count > 0, stats={"LeakyToRelu": count})
+
+
+class _AddNeg(mograph.Pass):
+    """Append Neg(Neg(y)) in front of the output (creates two nodes, no rule stamped)."""
+
+    name = "add-neg"
+
+    def call(self, model: ir.Model) -> PassResult:
+        out = model.graph.outputs[0]
+        first = ir.node("Neg", inputs=[out])
+        second = ir.node("Neg", inputs=[first.outputs[0]])
+        model.graph.extend([first, second])
+        second.outputs[0].name = out.name + "_negneg"
+        model.graph.outputs[0] = second.outputs[0]
+        return PassResult(modified=True, stats={"added": 2})
+
+
+def test_report_has_timing_node_counts_and_stats():
+    model = _model()
+    report = PassManager([_RemoveLeaky(), _AddNeg(), _RemoveLeaky()]).run(model)
+    first, second, third = report.passes
+    assert (first.name, first.modified, first.stats, first.nodes_before, first.nodes_after) == (
+        "leaky-to-relu", True, {"LeakyToRelu": 1}, 2, 2,
+    )
+    assert (second.nodes_before, second.nodes_after, second.stats) == (2, 4, {"added": 2})
+    assert (third.modified, third.stats) == (False, {"LeakyToRelu": 0})
+    assert all(isinstance(p.seconds, float) and p.seconds >= 0 for p in report.passes)
+    assert report.modified is True
+    as_dict = report.to_dict()
+    assert [p["name"] for p in as_dict["passes"]] == ["leaky-to-relu", "add-neg", "leaky-to-relu"]
+    assert set(as_dict["passes"][0]) == {"name", "modified", "stats", "seconds", "nodes_before", "nodes_after"}
+
+
+def test_nodes_a_pass_creates_carry_provenance():
+    model = _model()
+    PassManager([_RemoveLeaky(), _AddNeg()]).run(model)
+    relu, new_relu, neg1, neg2 = list(model.graph)
+    assert PROVENANCE_PASS not in relu.metadata_props  # was there before
+    assert new_relu.metadata_props[PROVENANCE_PASS] == "leaky-to-relu"
+    assert new_relu.metadata_props[PROVENANCE_RULE] == "LeakyToRelu"
+    for neg in (neg1, neg2):  # stamped by the manager, though the pass did nothing about it
+        assert neg.metadata_props[PROVENANCE_PASS] == "add-neg"
+        assert PROVENANCE_RULE not in neg.metadata_props
+    # It survives saving.
+    proto = ir.serde.serialize_model(model)
+    saved = {p.key: p.value for p in proto.graph.node[1].metadata_props}
+    assert saved == {PROVENANCE_PASS: "leaky-to-relu", PROVENANCE_RULE: "LeakyToRelu"}
+
+
+# --- honesty: check_modified -----------------------------------------------------------------------
+
+
+class _Lying(mograph.Pass):
+    """Change LeakyRelu's alpha but claim nothing changed."""
+
+    name = "lying"
+
+    def call(self, model: ir.Model) -> PassResult:
+        model.graph.node(1).attributes["alpha"] = ir.AttrFloat32("alpha", 0.3)
+        return PassResult(modified=False)
+
+
+class _LyingShape(mograph.Pass):
+    """Set a value's shape but claim nothing changed."""
+
+    name = "lying-shape"
+
+    def call(self, model: ir.Model) -> PassResult:
+        model.graph.node(0).outputs[0].shape = ir.Shape([2, 3])
+        return PassResult(modified=False)
+
+
+class _LyingNewNode(mograph.Pass):
+    """Create a node but claim nothing changed."""
+
+    name = "lying-new-node"
+
+    def call(self, model: ir.Model) -> PassResult:
+        model.graph.append(ir.node("Neg", inputs=[model.graph.inputs[0]]))
+        return PassResult(modified=False)
+
+
+@pytest.mark.parametrize("liar", [_Lying, _LyingShape])
+def test_check_modified_fails_a_pass_that_lies(liar):
+    with pytest.raises(PassFailedError, match=f"pass '{liar.name}' failed: reported modified=False but changed"):
+        PassManager([liar()], check_modified=True).run(_model())
+    # Off by default: the lie goes unnoticed (the check costs two graph hashes per pass).
+    report = PassManager([liar()]).run(_model())
+    assert report.passes[0].modified is False
+
+
+def test_a_pass_that_creates_nodes_while_saying_unchanged_always_fails():
+    with pytest.raises(PassFailedError, match="reported modified=False but created nodes"):
+        PassManager([_LyingNewNode()]).run(_model())
+
+
+def test_check_modified_passes_honest_passes():
+    model = _model()
+    report = PassManager([_RemoveLeaky(), _RemoveLeaky(), _AddNeg()], check_modified=True).run(model)
+    assert [p.modified for p in report.passes] == [True, False, True]
+    reg = mograph.plugins.get_registry()
+    report = PassManager(reg.instantiate(reg.expand("cleanup")), check_modified=True).run(model)
+    assert len(report.passes) == 6  # the built-in cleanup passes are honest too
+
+
+def test_check_modified_through_the_api():
+    with pytest.raises(PassFailedError, match="pass 'lying' failed"):
+        mograph.run_passes(_model(), [_Lying()], check_modified=True)
+    mograph.run_passes(_model(), [_Lying()])  # off unless asked for
+
+
+# --- failures name the pass ------------------------------------------------------------------------
+
+
+class _Crashing(mograph.Pass):
+    """Crash."""
+
+    name = "crashing"
+
+    def call(self, model: ir.Model) -> PassResult:
+        return {}["missing"]
+
+
+class _WrongReturn(mograph.Pass):
+    """Return the wrong thing."""
+
+    name = "wrong-return"
+
+    def call(self, model: ir.Model):
+        return True
+
+
+class _UserError(mograph.Pass):
+    """Raise a user-facing error itself."""
+
+    name = "user-error"
+
+    def call(self, model: ir.Model) -> PassResult:
+        raise OptionError("user-error: --thing must be set")
+
+
+def test_a_crashing_pass_becomes_pass_failed_error_naming_it():
+    with pytest.raises(PassFailedError, match=r"pass 'crashing' failed: KeyError: 'missing'") as info:
+        PassManager([_RemoveLeaky(), _Crashing()]).run(_model())
+    assert info.value.pass_name == "crashing"
+    assert isinstance(info.value.__cause__, KeyError)
+    with pytest.raises(PassFailedError, match="pass 'wrong-return' failed: returned bool, not a PassResult"):
+        PassManager([_WrongReturn()]).run(_model())
+    with pytest.raises(OptionError, match="--thing must be set"):  # mograph's own errors pass through as they are
+        PassManager([_UserError()]).run(_model())
+
+
+# --- wrappers act from outside ---------------------------------------------------------------------
+
+
+def test_run_pass_wrappers_wrap_every_pass_and_feed_the_report():
+    seen: list[tuple[str, bool]] = []
+
+    class Instrument:
+        @hookimpl(wrapper=True)
+        def mograph_run_pass(self, pass_, model, context):
+            result = yield
+            seen.append((pass_.name, result.modified))
+            context["last_check"] = {"nodes": len(model.graph)}
+            return result
+
+    reg = _registry(Instrument())
+    report = PassManager([_RemoveLeaky(), _AddNeg()], hook=reg.pm.hook).run(_model())
+    assert seen == [("leaky-to-relu", True), ("add-neg", True)]
+    assert [p.check for p in report.passes] == [{"nodes": 2}, {"nodes": 4}]
+
+
+# --- options ---------------------------------------------------------------------------------------
+
+
+class _Configurable(mograph.Pass):
+    """A pass with one option of each kind."""
+
+    name = "configurable"
+    options = (
+        Option("size-limit", int, 10, "elements"),
+        Option("scale", float, 0.5, "a factor"),
+        Option("mode", str, "fast", "how", choices=("fast", "exact")),
+        Option("keep", str, None, "names to keep", multiple=True),
+    )
+
+    def call(self, model: ir.Model) -> PassResult:
+        return PassResult(modified=False)
+
+
+def test_option_defaults_are_applied_with_python_keys():
+    assert _Configurable().config == {"size_limit": 10, "scale": 0.5, "mode": "fast", "keep": []}
+    assert mograph.passes.cleanup.FoldConstantsPass().config == {"fold_limit": 1 << 20}
+
+
+def test_option_values_are_converted():
+    p = _Configurable(size_limit="25", scale="2", mode="exact", keep=["a", "b"])
+    assert p.config == {"size_limit": 25, "scale": 2.0, "mode": "exact", "keep": ["a", "b"]}
+    assert _Configurable(size_limit=7.0, scale=3).config["size_limit"] == 7
+    assert _Configurable(keep="only").config["keep"] == ["only"]
+
+
+def test_unknown_option_is_an_option_error():
+    with pytest.raises(OptionError, match="configurable: unknown option 'sise_limit' .*known: keep, mode, scale, size_limit"):
+        _Configurable(sise_limit=3)
+    with pytest.raises(OptionError, match=r"unknown option\(s\) \['no_such_option'\]"):
+        mograph.optimize(_model(), passes="cse", options={"no_such_option": 1})
+
+
+@pytest.mark.parametrize(
+    ("values", "fragment"),
+    [
+        ({"size_limit": "ten"}, "bad value for --size-limit: 'ten'"),
+        ({"size_limit": 2.5}, "bad value for --size-limit: 2.5 (expected int)"),
+        ({"size_limit": True}, "bad value for --size-limit: True"),
+        ({"size_limit": [1]}, "bad value for --size-limit: [1]"),
+        ({"scale": "half"}, "bad value for --scale: 'half'"),
+        ({"mode": "slow"}, "--mode must be one of fast, exact, not 'slow'"),
+    ],
+)
+def test_bad_option_values_are_option_errors(values, fragment):
+    with pytest.raises(OptionError) as info:
+        _Configurable(**values)
+    assert fragment in str(info.value)
+
+
+def test_api_options_reach_the_passes_that_declare_them():
+    model, report = mograph.optimize(_model(), passes="cse,fold-constants", options={"fold-limit": 5, "cse_size_limit": 3})
+    assert [p.name for p in report.passes] == ["cse", "fold-constants"]
+    reg = mograph.plugins.get_registry()
+    instances = reg.instantiate(["cse", "fold-constants"], {"fold_limit": 5, "cse_size_limit": 3})
+    assert [i.config for i in instances] == [{"cse_size_limit": 3}, {"fold_limit": 5}]

@@ -1,0 +1,252 @@
+"""The plugin system: hookspecs as the author's manual, built-ins through the same door, blocking,
+autoload switch, and broken plugins reported by name (exit code 6 from the CLI).
+
+Third-party plugins are simulated without pip: a package and a ``*.dist-info`` folder holding
+``entry_points.txt`` are written into a temporary folder put on ``sys.path`` (in-process) or on
+``PYTHONPATH`` (for the console script in a subprocess) — that is all ``importlib.metadata`` needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+import mograph
+from models.builders import make_model
+from mograph import hookspecs, plugins
+from mograph.cli import main
+from mograph.errors import PluginError
+
+GOOD = '''
+import mograph
+
+class FakePass(mograph.Pass):
+    """Do nothing, from a third-party plugin."""
+
+    name = "fake-pass"
+
+    def call(self, model):
+        return mograph.PassResult(modified=False)
+
+@mograph.hookimpl
+def mograph_add_passes():
+    return [FakePass]
+
+@mograph.hookimpl
+def mograph_add_presets():
+    return {"fake-preset": ["cleanup", "fake-pass"]}
+
+def add_passes():  # not prefixed: not a hook, never called
+    raise AssertionError("unprefixed functions are not hooks")
+'''
+
+IMPORT_ERROR = "import mograph\nimport a_module_that_does_not_exist\n"
+
+HOOK_RAISES = '''
+import mograph
+
+@mograph.hookimpl
+def mograph_add_passes():
+    raise RuntimeError("registry exploded")
+'''
+
+DUPLICATE = '''
+import mograph
+
+class MyCse(mograph.Pass):
+    """Another pass called cse."""
+
+    name = "cse"
+
+    def call(self, model):
+        return mograph.PassResult(modified=False)
+
+@mograph.hookimpl
+def mograph_add_passes():
+    return [MyCse]
+'''
+
+
+def write_plugin(site: Path, plugin: str, source: str | None, *, target: str | None = None) -> str:
+    """Write module + dist-info declaring entry point ``plugin`` in group ``mograph``; return the module name."""
+    module = f"mograph_fake_{plugin.replace('-', '_')}_{uuid.uuid4().hex[:8]}"
+    if source is not None:
+        (site / f"{module}.py").write_text(textwrap.dedent(source))
+    dist = site / f"{module}-0.1.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(f"[mograph]\n{plugin} = {target or module}\n")
+    return module
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    """A folder on sys.path for fake distributions; registries rebuilt before and after."""
+    folder = tmp_path / "site"
+    folder.mkdir()
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.delenv(plugins.AUTOLOAD_ENV, raising=False)
+    monkeypatch.delenv(plugins.BLOCK_ENV, raising=False)
+    importlib.invalidate_caches()
+    plugins.reset()
+    before = set(sys.modules)
+    yield folder
+    for name in set(sys.modules) - before:
+        if name.startswith("mograph_fake_"):
+            del sys.modules[name]
+    plugins.reset()
+
+
+def _model_file(folder: Path) -> Path:
+    path = folder / "m.onnx"
+    nodes = [helper.make_node("Identity", ["x"], ["t"]), helper.make_node("Relu", ["t"], ["y"])]
+    onnx.save(make_model(nodes, [("x", np.float32, [2])], [("y", np.float32, [2])]), path)
+    return path
+
+
+def _cli(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# --- hookspecs are the manual ----------------------------------------------------------------------
+
+
+def test_every_hookspec_is_documented():
+    specs = [name for name, _ in inspect.getmembers(hookspecs, inspect.isfunction) if name.startswith("mograph_")]
+    assert sorted(specs) == [
+        "mograph_add_backends", "mograph_add_custom_ops", "mograph_add_passes", "mograph_add_presets",
+        "mograph_run_pass",
+    ]
+    for name in specs:
+        doc = inspect.getdoc(getattr(hookspecs, name)) or ""
+        assert len(doc.splitlines()) >= 5, f"{name} needs a real docstring"
+        assert "Returns:" in doc, f"{name}: say what a return value means"
+        assert "Called" in doc, f"{name}: say when it is called"
+    manual = hookspecs.__doc__ or ""
+    for needle in ("[project.entry-points.mograph]", "MOGRAPH_DISABLE_PLUGIN_AUTOLOAD", "MOGRAPH_BLOCK_PLUGINS",
+                   "--block-plugin", "mograph_"):
+        assert needle in manual
+
+
+def test_builtins_register_through_the_same_hooks():
+    reg = plugins.get_registry()
+    cleanup = importlib.import_module("mograph.passes.cleanup")
+    assert reg.pm.get_plugin("mograph.passes.cleanup") is cleanup
+    impls = {reg.pm.get_name(i.plugin) for i in reg.pm.hook.mograph_add_passes.get_hookimpls()}
+    assert "mograph.passes.cleanup" in impls
+    for name in ("infer-shapes", "fold-constants", "eliminate-identity", "cse", "eliminate-dead", "topo-sort"):
+        assert reg.pass_source[name] == "mograph.passes.cleanup"
+    assert reg.preset_source["cleanup"] == "mograph.passes.cleanup"
+    listed = {p["name"]: p["plugin"] for p in mograph.list_passes()}
+    assert listed["cse"] == "mograph.passes.cleanup"
+
+
+def test_a_builtin_can_be_blocked_by_name():
+    pm = plugins.get_plugin_manager(blocked=["mograph.passes.cleanup"], autoload=False)
+    reg = plugins.Registry.build(pm)
+    assert "cse" not in reg.passes and "cleanup" not in reg.presets
+
+
+# --- third-party plugins ---------------------------------------------------------------------------
+
+
+def test_entry_point_plugin_is_loaded_under_its_name(site, capsys):
+    module = write_plugin(site, "fake", GOOD)
+    reg = plugins.get_registry()
+    assert reg.pass_source["fake-pass"] == "fake"
+    assert reg.expand("fake-preset")[-1] == "fake-pass"
+    code, out, _ = _cli(capsys, "passes", "--json")
+    assert code == 0
+    listed = {p["name"]: p["plugin"] for p in json.loads(out)["passes"]}
+    assert listed["fake-pass"] == "fake"
+    assert module in sys.modules
+
+
+@pytest.mark.parametrize("how", ["env", "argument", "cli-flag"])
+def test_blocked_plugin_is_not_loaded(site, monkeypatch, capsys, how):
+    module = write_plugin(site, "fake", GOOD)
+    if how == "env":
+        monkeypatch.setenv(plugins.BLOCK_ENV, "other, fake")
+        reg = plugins.get_registry()
+    elif how == "argument":
+        reg = plugins.get_registry(blocked=["fake"])
+    else:
+        code, out, _ = _cli(capsys, "passes", "--json", "--block-plugin", "fake")
+        assert code == 0
+        assert "fake-pass" not in {p["name"] for p in json.loads(out)["passes"]}
+        reg = plugins.get_registry(blocked=["fake"])
+    assert "fake-pass" not in reg.passes
+    assert "cse" in reg.passes
+    assert module not in sys.modules  # never even imported
+
+
+def test_autoload_can_be_disabled(site, monkeypatch):
+    module = write_plugin(site, "fake", GOOD)
+    monkeypatch.setenv(plugins.AUTOLOAD_ENV, "1")
+    reg = plugins.get_registry()
+    assert "fake-pass" not in reg.passes
+    assert reg.pass_source["cse"] == "mograph.passes.cleanup"  # built-ins are not entry points
+    assert module not in sys.modules
+    monkeypatch.setenv(plugins.AUTOLOAD_ENV, "0")
+    assert "fake-pass" in plugins.get_registry().passes
+
+
+BROKEN = {
+    "import-error": (IMPORT_ERROR, None, "plugin 'broken' (", "failed to load: ModuleNotFoundError"),
+    "missing-module": (None, "mograph_fake_not_there", "plugin 'broken' (mograph_fake_not_there) failed to load", ""),
+    "hook-raises": (HOOK_RAISES, None, "plugin 'broken' failed in mograph_add_passes: RuntimeError: registry exploded", ""),
+    "duplicate-pass": (DUPLICATE, None, "pass name 'cse' is provided by both 'mograph.passes.cleanup' and 'broken'", ""),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_broken_plugin_is_a_plugin_error_naming_it(site, capsys, case):
+    source, target, fragment, more = BROKEN[case]
+    write_plugin(site, "broken", source, target=target)
+    with pytest.raises(PluginError) as info:
+        plugins.get_registry()
+    assert fragment in str(info.value) and more in str(info.value)
+    code, out, err = _cli(capsys, "passes")
+    assert code == PluginError.exit_code == 6
+    assert err.splitlines() == [f"mograph: error: {info.value}"]
+    # Blocking the broken plugin by name gets the user going again.
+    code, _, _ = _cli(capsys, "passes", "--block-plugin", "broken")
+    assert code == 0
+
+
+def test_broken_plugin_through_the_console_script(site, tmp_path):
+    """The real ``mograph`` process: exit 6 and one line; ``--help`` and a blocked run still work."""
+    write_plugin(site, "broken", HOOK_RAISES)
+    model = _model_file(tmp_path)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    env.pop(plugins.BLOCK_ENV, None)
+    env.pop(plugins.AUTOLOAD_ENV, None)
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "mograph", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+
+    failed = run("optimize", str(model), "-q")
+    assert failed.returncode == 6
+    assert failed.stderr.splitlines() == [
+        "mograph: error: plugin 'broken' failed in mograph_add_passes: RuntimeError: registry exploded"
+    ]
+    assert not (tmp_path / "m.opt.onnx").exists()
+    assert run("--help").returncode == 0
+    blocked = run("optimize", str(model), "-q", "--block-plugin", "broken", "--fold-limit", "8")
+    assert blocked.returncode == 0, blocked.stderr
+    assert (tmp_path / "m.opt.onnx").exists()
