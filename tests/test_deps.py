@@ -34,6 +34,8 @@ def record(name):
     failures[name] = traceback.format_exc().strip().splitlines()[-1]
 
 for info in pkgutil.walk_packages(mograph.__path__, "mograph.", onerror=record):
+    if info.name.endswith(".__main__"):  # importing it runs the command line
+        continue
     try:
         importlib.import_module(info.name)
         imported.append(info.name)

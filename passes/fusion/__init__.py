@@ -8,12 +8,13 @@ them for ``--target`` (:mod:`.lowering`; default ``onnx``).
 
 from __future__ import annotations
 
-from mograph.hookspecs import hookimpl
 from mograph.passes.fusion.bias_gelu import FuseBiasGeluPass
 from mograph.passes.fusion.gelu import FuseGeluPass
 from mograph.passes.fusion.layernorm import FuseLayerNormPass
 from mograph.passes.fusion.rmsnorm import FuseRMSNormPass
 from mograph.passes.fusion.skip_layernorm import FuseSkipLayerNormPass
+
+from mograph.hookspecs import hookimpl
 
 __all__ = ["FuseBiasGeluPass", "FuseGeluPass", "FuseLayerNormPass", "FuseRMSNormPass", "FuseSkipLayerNormPass", "FUSE"]
 

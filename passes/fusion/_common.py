@@ -15,13 +15,13 @@ from typing import Any, ClassVar
 
 import numpy as np
 import onnx_ir as ir
+from mograph.passes.fusion.lowering import DEFAULT_TARGET, TARGETS, ensure_functions, lower_nodes
+from mograph.passes.fusion.ops import FLOAT_TYPES, body_supports
 
 from mograph.custom_ops import DOMAIN, DOMAIN_VERSION
 from mograph.pass_infra import Option, Pass, PassResult, stamp
-from mograph.passes.fusion.lowering import DEFAULT_TARGET, TARGETS, ensure_functions, lower_nodes
-from mograph.passes.fusion.ops import FLOAT_TYPES, body_supports
-from mograph.patterns import OrValue, Rule, RuleReport, any_value, apply_rules, const, constant_array, scalar_value
 from mograph.patterns import MatchResult as MatchResult
+from mograph.patterns import OrValue, Rule, RuleReport, any_value, apply_rules, const, constant_array, scalar_value
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 import onnx_ir as ir
+from mograph.passes.fusion._common import FusionPass, is_float, mograph_op
 
 from mograph.custom_ops import DOMAIN
-from mograph.passes.fusion._common import FusionPass, is_float, mograph_op
 from mograph.patterns import MatchResult, OrValue, Rule, Var, constant_array
 
 __all__ = ["BiasGeluFusion", "FuseBiasGeluPass"]

@@ -20,9 +20,9 @@ import math
 from typing import Any
 
 import onnx_ir as ir
-
 from mograph.passes.fusion._common import FusionPass, is_float, mograph_op
 from mograph.passes.fusion.ops import GELU_TANH_COEF, QUICK_GELU_ALPHA, SQRT_2, SQRT_2_OVER_PI, body_supports
+
 from mograph.patterns import MatchResult, OrValue, Rule, const
 
 __all__ = ["GeluFusion", "GeluTanhFusion", "QuickGeluFusion", "FuseGeluPass", "half_x_times"]

@@ -30,7 +30,7 @@ runtime's kernel does not accept) leaves the ``mograph`` op in place; it is neve
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import onnx_ir as ir

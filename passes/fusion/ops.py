@@ -30,7 +30,8 @@ input dtype, so the fusions require float32 inputs there (:func:`body_supports`)
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir

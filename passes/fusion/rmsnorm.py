@@ -19,9 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 import onnx_ir as ir
-
 from mograph.passes.fusion._absorb import NormCastFusion, NormScaleFusion
 from mograph.passes.fusion._common import FusionPass, check_norm_input, mean_last, mograph_op, placeholder, square
+
 from mograph.patterns import MatchResult, OrValue, Rule, const
 
 __all__ = ["RMSNormFusion", "FuseRMSNormPass"]

@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
-
-from mograph.custom_ops import DOMAIN
 from mograph.passes.fusion._common import FusionPass, is_float, mograph_op
 from mograph.passes.fusion.ops import body_supports
+
+from mograph.custom_ops import DOMAIN
 from mograph.patterns import MatchResult, OrValue, Rule, Var, constant_array
 
 __all__ = ["SkipLayerNormFusion", "FuseSkipLayerNormPass"]

@@ -200,6 +200,14 @@ class ShapeInfo:
         dims = self.dims(value)
         return None if dims is None or not 0 <= axis < len(dims) else dims[axis]
 
+    def refine(self, value: ir.Value, dims: list[DimSize]) -> None:
+        """Fill unknown sizes of ``value`` with sizes derived by a rule (a Reshape's ``-1``)."""
+        known = self.dims(value)
+        if known is None or len(known) != len(dims):
+            self._by_name[value.name or ""] = list(dims)
+            return
+        self._by_name[value.name or ""] = [k if isinstance(k, int) else d for k, d in zip(known, dims)]
+
     def set_size(self, value: ir.Value, axis: int, size: int) -> None:
         """Record a pruned size (used after pruning to recount multiply-accumulates)."""
         dims = self.dims(value)
@@ -749,6 +757,7 @@ def reshape_plan(node: ir.Node, shapes: ShapeInfo) -> ReshapePlan | str:
     groups = _reshape_groups(in_dims, out_dims)
     if groups is None:
         return f"Reshape {node.name!r}: cannot pair input and output axes"
+    shapes.refine(y, out_dims)
     return in_dims, out_dims, literals, groups
 
 

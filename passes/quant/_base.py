@@ -227,10 +227,9 @@ class QdqPassBase(Pass):
             n = int(self.config.get("sensitivity_samples") or 8)
             samples = list(itertools.islice(iter(source), n))
             fixed = {c.key for c in cands if c.key in overridden and decisions[c.key][0] == self.precision}
-            res = analyse(model, [c.key for c in measured], ranges, scheme, samples, budget, fixed=fixed,
-                          progress=self.progress)
+            res = analyse(model, measured, ranges, scheme, samples, budget, fixed=fixed, progress=self.progress)
             for c in measured:
-                value = f"{budget.metric}={res.alone[c.key]:.6f} when quantized alone"
+                value = f"layer output relative error {res.alone[c.key]:.5f} when quantized alone"
                 if c.key in res.keep:
                     decisions[c.key] = ("fp32", f"measured sensitivity: {value}; kept to meet {budget}")
                 else:

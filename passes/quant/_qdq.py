@@ -47,6 +47,10 @@ __all__ = [
     "default_precision",
     "QdqWriter",
     "tensors_to_observe",
+    "activation_params",
+    "fake_quant_activation",
+    "fake_quant_weight",
+    "quantize_weight_array",
 ]
 
 QUANT_OPS = ("MatMul", "Gemm", "Conv")
@@ -236,6 +240,57 @@ def tensors_to_observe(cands: list[Candidate]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+
+def activation_params(lo: float, hi: float, s: Scheme) -> tuple[np.ndarray, np.ndarray]:
+    """Scale and zero point of a per-tensor activation range under scheme ``s``."""
+    if s.is_float:
+        amax = max(abs(lo), abs(hi), 1e-12)
+        return np.array(amax / s.qmax, np.float32), np.zeros((), _fp8())
+    if s.act_symmetric:
+        amax = max(abs(lo), abs(hi), 1e-12)
+        return np.array(amax / 127.0, np.float32), np.zeros((), np.int8)
+    lo, hi = min(lo, 0.0), max(hi, 0.0)
+    scale = max((hi - lo) / 255.0, 1e-12)
+    zp = int(np.clip(round(-lo / scale), 0, 255))
+    return np.array(scale, np.float32), np.array(zp, np.uint8)
+
+
+def fake_quant_activation(x: np.ndarray, lo: float, hi: float, s: Scheme) -> np.ndarray:
+    """``DequantizeLinear(QuantizeLinear(x))`` in numpy, as the inserted pair computes it."""
+    scale, zp = activation_params(lo, hi, s)
+    if s.is_float:
+        return (np.clip(x / scale, -s.qmax, s.qmax).astype(_fp8()).astype(np.float32) * scale).astype(np.float32)
+    info = np.iinfo(zp.dtype)
+    q = np.clip(np.rint(x / scale) + int(zp), info.min, info.max)
+    return ((q - int(zp)) * scale).astype(np.float32)
+
+
+def quantize_weight_array(w: np.ndarray, axis: int | None, s: Scheme) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric quantization of a weight: per channel along ``axis`` when the scheme says so."""
+    if s.per_channel and axis is not None:
+        reduce_axes = tuple(i for i in range(w.ndim) if i != axis)
+        amax = np.abs(w).max(axis=reduce_axes) if reduce_axes else np.abs(w)
+        scale = np.maximum(amax / s.qmax, 1e-12).astype(np.float32)
+        bshape = [1] * w.ndim
+        bshape[axis] = -1
+        q = w / scale.reshape(bshape)
+    else:
+        scale = np.array(max(float(np.abs(w).max()) / s.qmax, 1e-12), np.float32)
+        q = w / scale
+    if s.is_float:
+        return np.clip(q, -s.qmax, s.qmax).astype(_fp8()), scale
+    return np.clip(np.rint(q), -127, 127).astype(np.int8), scale
+
+
+def fake_quant_weight(w: np.ndarray, axis: int | None, s: Scheme) -> np.ndarray:
+    q, scale = quantize_weight_array(w, axis, s)
+    if scale.ndim == 1 and axis is not None:
+        bshape = [1] * w.ndim
+        bshape[axis] = -1
+        scale = scale.reshape(bshape)
+    return (q.astype(np.float32) * scale).astype(np.float32)
+
+
 class QdqWriter:
     """Inserts Q/DQ into one graph for a :class:`Scheme`, sharing pairs per tensor and per weight."""
 
@@ -268,17 +323,7 @@ class QdqWriter:
         return value
 
     def _act_params(self, lo: float, hi: float) -> tuple[np.ndarray, np.ndarray]:
-        s = self.scheme
-        if s.is_float:
-            amax = max(abs(lo), abs(hi), 1e-12)
-            return np.array(amax / s.qmax, np.float32), np.zeros((), _fp8())
-        if s.act_symmetric:
-            amax = max(abs(lo), abs(hi), 1e-12)
-            return np.array(amax / 127.0, np.float32), np.zeros((), np.int8)
-        lo, hi = min(lo, 0.0), max(hi, 0.0)
-        scale = max((hi - lo) / 255.0, 1e-12)
-        zp = int(np.clip(round(-lo / scale), 0, 255))
-        return np.array(scale, np.float32), np.array(zp, np.uint8)
+        return activation_params(lo, hi, self.scheme)
 
     def _insert_at_start(self, nodes: list[ir.Node]) -> None:
         if self._first is None:
@@ -324,24 +369,9 @@ class QdqWriter:
         if key in self._weight:
             return self._weight[key]
         w = value.const_value.numpy().astype(np.float32)  # type: ignore[union-attr]
-        s = self.scheme
-        if s.per_channel and axis is not None:
-            reduce_axes = tuple(i for i in range(w.ndim) if i != axis)
-            amax = np.abs(w).max(axis=reduce_axes) if reduce_axes else np.abs(w)
-            scale = np.maximum(amax / s.qmax, 1e-12).astype(np.float32)
-            bshape = [1] * w.ndim
-            bshape[axis] = -1
-            q = w / scale.reshape(bshape)
-        else:
-            scale = np.array(max(float(np.abs(w).max()) / s.qmax, 1e-12), np.float32)
-            q = w / scale
+        qarr, scale = quantize_weight_array(w, axis, self.scheme)
         base = value.name or "weight"
-        if s.is_float:
-            qarr = np.clip(q, -s.qmax, s.qmax).astype(_fp8())
-            zp = np.zeros(scale.shape, _fp8())
-        else:
-            qarr = np.clip(np.rint(q), -127, 127).astype(np.int8)
-            zp = np.zeros(scale.shape, np.int8)
+        zp = np.zeros(scale.shape, qarr.dtype)
         q_val = self._init(f"{base}_quantized", qarr)
         s_val = self._init(f"{base}_scale", scale)
         z_val = self._init(f"{base}_zero_point", zp)

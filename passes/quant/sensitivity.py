@@ -4,13 +4,17 @@ Given a budget on the model outputs (``cosine>=0.995``: the smallest per-sample 
 the quantized and the float outputs; ``max-abs<=X``: the largest absolute difference), measured on the
 first calibration samples:
 
-1. every candidate layer is quantized *alone* and the budget metric measured — its sensitivity;
-2. layers are ranked from most to least sensitive, and a binary search finds the smallest ``k`` such that
-   quantizing everything except the ``k`` most sensitive layers meets the budget (the metric is close to
-   monotone in ``k``; the final choice is measured, never assumed).
+1. **rank**: every candidate layer is run alone (a one-node model, ONNX Runtime) on the inputs it sees in
+   the float model for those samples, once in float and once with its inputs and weights fake-quantized
+   exactly as the inserted Q/DQ will do; its sensitivity is the relative error of its output
+   ``||y_q - y|| / ||y||`` (one float pass over the samples, not one model build per layer);
+2. **choose**: layers are ranked from most to least sensitive, and a binary search over ``k`` builds the
+   real Q/DQ model with all but the ``k`` most sensitive layers quantized, runs it end to end and keeps the
+   smallest ``k`` that meets the budget.  The budget check is always measured on the model outputs, never
+   inferred from the per-layer figures.
 
-Each evaluation builds a quantized copy from the untouched float model and runs it with ONNX Runtime, its
-optimizations off, so the measurement sees exactly the Q/DQ graph the pass will write.
+Each end-to-end evaluation builds a quantized copy from the untouched float model and runs it with ONNX
+Runtime, optimizations off, so it measures exactly the graph the pass will write.
 """
 
 from __future__ import annotations
@@ -22,8 +26,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from mograph.passes.quant._qdq import QdqWriter, Scheme, find_candidates
-from mograph.passes.quant.calibration import Feed, run_model
+from mograph.passes.quant._qdq import (
+    Candidate,
+    QdqWriter,
+    Scheme,
+    fake_quant_activation,
+    fake_quant_weight,
+    find_candidates,
+    tensors_to_observe,
+)
+from mograph.passes.quant.calibration import Feed, _session, _with_outputs, run_model
 from mograph.passes.quant.plan import Budget
 
 __all__ = ["SensitivityResult", "analyse"]
@@ -33,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class SensitivityResult:
-    alone: dict[str, float] = field(default_factory=dict)  # metric with only this layer quantized
+    alone: dict[str, float] = field(default_factory=dict)  # relative output error of the layer quantized alone
     keep: list[str] = field(default_factory=list)  # layers kept in higher precision
     final: float = float("nan")  # metric of the chosen mix
     met: bool = False
@@ -52,9 +64,60 @@ def _metric(budget: Budget, refs: list[list[np.ndarray]], outs: list[list[np.nda
     return min(values) if budget.metric == "cosine" else max(values)
 
 
+def _layer_errors(
+    model: ir.Model,
+    cands: list[Candidate],
+    ranges: dict[str, tuple[float, float]],
+    scheme: Scheme,
+    samples: list[Feed],
+) -> dict[str, float]:
+    """Relative output error of each candidate run alone with quantized inputs and weights."""
+    import onnx
+
+    names = tensors_to_observe(cands)
+    sess = _session(_with_outputs(model, names))
+    opset = model.opset_imports.get("", 13)
+    singles = {}
+    for c in cands:
+        node = ir.serde.serialize_node(c.node)
+        n_in = len([v for v in c.node.inputs])
+        ins = [f"x{i}" for i in range(n_in)]
+        del node.input[:]
+        node.input.extend(ins)
+        del node.output[:]
+        node.output.extend(["y"])
+        graph = onnx.helper.make_graph(
+            [node], "layer", [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in ins],
+            [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        )
+        proto = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
+        singles[c.key] = _session(proto.SerializeToString())
+    err_num = {c.key: 0.0 for c in cands}
+    err_den = {c.key: 0.0 for c in cands}
+    for feed in samples:
+        acts = dict(zip(names, sess.run(names, feed)))
+        for c in cands:
+            xs_f, xs_q = {}, {}
+            for i, v in enumerate(c.node.inputs):
+                assert v is not None
+                if i in c.act_inputs:
+                    x = acts[v.name or ""].astype(np.float32)
+                    lo, hi = ranges[v.name or ""]
+                    xs_f[f"x{i}"], xs_q[f"x{i}"] = x, fake_quant_activation(x, lo, hi, scheme)
+                else:
+                    w = v.const_value.numpy().astype(np.float32)  # type: ignore[union-attr]
+                    xs_f[f"x{i}"] = w
+                    xs_q[f"x{i}"] = fake_quant_weight(w, c.weight_axis, scheme) if i == c.weight_input else w
+            y = singles[c.key].run(None, xs_f)[0].astype(np.float64)
+            yq = singles[c.key].run(None, xs_q)[0].astype(np.float64)
+            err_num[c.key] += float(((yq - y) ** 2).sum())
+            err_den[c.key] += float((y**2).sum())
+    return {k: (err_num[k] / err_den[k]) ** 0.5 if err_den[k] > 0 else 0.0 for k in err_num}
+
+
 def analyse(
     model: ir.Model,
-    keys: Iterable[str],
+    cands: list[Candidate],
     ranges: dict[str, tuple[float, float]],
     scheme: Scheme,
     samples: list[Feed],
@@ -63,32 +126,27 @@ def analyse(
     fixed: Iterable[str] = (),
     progress: Callable[[int, int | None], None] | None = None,
 ) -> SensitivityResult:
-    """Choose which of ``keys`` to keep in float so the budget holds; ``fixed`` are quantized regardless."""
-    keys = list(keys)
+    """Choose which of ``cands`` to keep in float so the budget holds; ``fixed`` are quantized regardless."""
     fixed = set(fixed)
     base = ir.serde.serialize_model(model)
     refs = list(run_model(base.SerializeToString(), samples))
     result = SensitivityResult()
+    result.alone = _layer_errors(model, cands, ranges, scheme, samples)
 
     def evaluate(quantized: set[str]) -> float:
         m = ir.serde.deserialize_model(base)
-        cands, _ = find_candidates(m)
+        all_cands, _ = find_candidates(m)
         writer = QdqWriter(m, scheme, ranges)
-        for c in cands:
+        for c in all_cands:
             if c.key in quantized:
                 writer.quantize(c)
         outs = list(run_model(ir.serde.serialize_model(m).SerializeToString(), samples))
         result.evaluations += 1
+        if progress is not None:
+            progress(result.evaluations, None)
         return _metric(budget, refs, outs)
 
-    total = len(keys)
-    for i, key in enumerate(keys):
-        result.alone[key] = evaluate({key} | fixed)
-        if progress is not None:
-            progress(i + 1, total)
-        logger.info("sensitivity %d/%d: %s %s=%.6f", i + 1, total, key, budget.metric, result.alone[key])
-
-    worst_first = sorted(keys, key=lambda k: result.alone[k], reverse=budget.metric != "cosine")
+    worst_first = sorted((c.key for c in cands), key=lambda k: result.alone[k], reverse=True)
     cache: dict[int, float] = {}
 
     def with_k(k: int) -> float:
@@ -101,7 +159,7 @@ def analyse(
     if budget.met(with_k(0)):
         hi = 0
     else:
-        while lo + 1 < hi:  # invariant: with_k(lo) fails, with_k(hi) meets (k = n quantizes nothing extra)
+        while lo + 1 < hi:  # invariant: with_k(lo) fails; with_k(hi) meets or hi = n (nothing measured quantized)
             mid = (lo + hi) // 2
             if budget.met(with_k(mid)):
                 hi = mid

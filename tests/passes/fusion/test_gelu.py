@@ -7,11 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from _util import assert_untouched, check_fusion, parse
+from mograph.passes.fusion import ops
 from mograph.passes.fusion.bias_gelu import FuseBiasGeluPass
 from mograph.passes.fusion.gelu import FuseGeluPass
-from mograph.passes.fusion import ops
 
 H = 8
 HEAD = f'<ir_version: 8, opset_import: ["" : 17]>\ng (float[2,3,{H}] x) => (float[2,3,{H}] y) '
@@ -100,7 +99,8 @@ BIAS = ",".join(f"{0.1 * i - 0.3:.2f}" for i in range(H))
 @pytest.mark.parametrize("form,op_name", [("exact", "BiasGelu"), ("tanh", "BiasFastGelu")])
 @pytest.mark.parametrize("target", ["mograph", "ort"])
 def test_bias_gelu(form, op_name, target):
-    from _util import to_ir, to_proto, run_ort, feeds_for, op_types
+    from _util import feeds_for, op_types, run_ort, to_ir, to_proto
+
     from mograph.pass_infra import graph_fingerprint
 
     gelu = ("z = Div(xb, sqrt2)\n e = Erf(z)\n t = Add(one, e)\n h = Mul(xb, t)\n y = Mul(h, half)" if form == "exact"
@@ -143,9 +143,8 @@ def test_bias_gelu_near_miss_bias_not_constant():
 def test_references_match_function_bodies():
     """The numpy references agree with the ONNX function bodies run by ONNX Runtime."""
     import onnx
-    from onnx import helper
-
     from _util import run_ort
+    from onnx import helper
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 3, H)).astype(np.float32)

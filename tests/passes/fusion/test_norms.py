@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from _util import assert_untouched, check_fusion, feeds_for, op_types, parse, run_pass
 from mograph.passes.fusion.layernorm import FuseLayerNormPass
 from mograph.passes.fusion.rmsnorm import FuseRMSNormPass
@@ -341,7 +340,7 @@ def test_skip_layernorm_after_fuse_layernorm():
     text = layernorm_model().replace("g (float[2,5,16] x)", "g (float[2,5,16] a, float[2,5,16] b)").replace(
         "  m = ReduceMean", "  x = Add(a, b)\n  m = ReduceMean")
     proto = parse(text)
-    from _util import to_ir, to_proto, run_ort
+    from _util import run_ort, to_ir, to_proto
     feeds = feeds_for(proto)
     model = to_ir(proto)
     FuseLayerNormPass(target="mograph").call(model)

@@ -1,0 +1,155 @@
+"""Benchmark mograph's fusion passes against ONNX Runtime's transformers optimizer, side by side.
+
+For each model (BERT and GPT-2 exported with torch from random-weight ``transformers`` configs, at
+the given layer counts and hidden size) and in the same run:
+
+* fusion time: mograph's ``fuse`` preset (``--target ort``) vs
+  ``onnxruntime.transformers.optimizer.optimize_model`` (``opt_level=0``: its Python fusions only),
+  both on the same loaded model, as a ratio;
+* instances fused: LayerNorm-family nodes (``LayerNormalization``, ``SkipLayerNormalization``,
+  ``SimplifiedLayerNormalization`` ...) and GELU-family nodes (``Gelu``, ``FastGelu``, ``BiasGelu``,
+  ``QuickGelu``) in each output;
+* ONNX Runtime CPU latency (``--threads`` intra-op threads, graph optimizations as ``--ort-level``)
+  of the original, mograph's output and that optimizer's output.
+
+Usage::
+
+    python tools/bench_fusion.py --kinds bert gpt2 --layers 12 48 --hidden 768 --opset 14
+
+Exports are cached in ``--cache`` (default ``/tmp/mograph-bench``).  Prints a table; ``--json`` writes
+the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+NORM_OPS = ("LayerNormalization", "SkipLayerNormalization", "SimplifiedLayerNormalization",
+            "SkipSimplifiedLayerNormalization", "EmbedLayerNormalization", "LayerNorm", "RMSNorm", "SkipLayerNorm")
+GELU_OPS = ("Gelu", "FastGelu", "BiasGelu", "QuickGelu", "BiasFastGelu")
+
+
+def _count(proto: onnx.ModelProto) -> tuple[int, int]:
+    ops = Counter(n.op_type for n in proto.graph.node)
+    return sum(ops[o] for o in NORM_OPS), sum(ops[o] for o in GELU_OPS)
+
+
+def _latency(proto: onnx.ModelProto, feeds: dict[str, np.ndarray], threads: int, level: str, repeat: int) -> float:
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.graph_optimization_level = {
+        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }[level]
+    sess = ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    names = {i.name for i in sess.get_inputs()}
+    feeds = {k: v for k, v in feeds.items() if k in names}
+    for _ in range(3):
+        sess.run(None, feeds)
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        sess.run(None, feeds)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def bench_one(kind: str, layers: int, args: argparse.Namespace) -> dict:
+    import onnx_ir as ir
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    from models import export_hf
+    from mograph.plugins import get_registry
+
+    cache = Path(args.cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache / f"{kind}_{args.exporter}_{args.opset}_L{layers}_H{args.hidden}.onnx"
+    t = time.perf_counter()
+    if not path.exists():
+        export_hf.export(kind, path, exporter=args.exporter, opset=args.opset, layers=layers, hidden=args.hidden)
+    export_s = time.perf_counter() - t
+    proto = onnx.load(str(path))
+
+    reg = get_registry()
+    model = ir.serde.deserialize_model(proto)
+    t = time.perf_counter()
+    for p in reg.instantiate(reg.expand("fuse"), {"target": "ort"}):
+        p.call(model)
+    mograph_s = time.perf_counter() - t
+    ours = ir.serde.serialize_model(model)
+
+    t = time.perf_counter()
+    theirs_opt = optimize_model(str(path), model_type=kind, num_heads=export_hf.HEADS, hidden_size=args.hidden,
+                                opt_level=0, use_gpu=False)
+    ort_s = time.perf_counter() - t
+    theirs = theirs_opt.model
+
+    feeds = export_hf.sample_feeds(kind, args.batch, args.seq, seed=0)
+    row = {
+        "kind": kind, "layers": layers, "hidden": args.hidden, "export_s": round(export_s, 1),
+        "mograph_fuse_s": round(mograph_s, 3), "ort_optimizer_s": round(ort_s, 3),
+        "time_ratio": round(mograph_s / ort_s, 3),
+        "norms": {"original": _count(proto)[0], "mograph": _count(ours)[0], "ort_optimizer": _count(theirs)[0]},
+        "gelus": {"original": _count(proto)[1], "mograph": _count(ours)[1], "ort_optimizer": _count(theirs)[1]},
+    }
+    if not args.no_latency:
+        row["latency_ms"] = {
+            name: round(_latency(m, feeds, args.threads, args.ort_level, args.repeat), 3)
+            for name, m in (("original", proto), ("mograph", ours), ("ort_optimizer", theirs))
+        }
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kinds", nargs="+", default=["bert", "gpt2"])
+    ap.add_argument("--layers", nargs="+", type=int, default=[12, 48])
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--exporter", default="torchscript", choices=["torchscript", "dynamo"])
+    ap.add_argument("--opset", type=int, default=14)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ort-level", default="disable", choices=["disable", "basic", "all"],
+                    help="ONNX Runtime graph optimizations when measuring latency (default: disable, so the "
+                    "offline fusions are what is measured)")
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--no-latency", action="store_true")
+    ap.add_argument("--cache", default="/tmp/mograph-bench")
+    ap.add_argument("--json", metavar="FILE")
+    args = ap.parse_args(argv)
+    rows = []
+    for kind in args.kinds:
+        for layers in args.layers:
+            row = bench_one(kind, layers, args)
+            rows.append(row)
+            lat = row.get("latency_ms", {})
+            sys.stdout.write(
+                f"{kind:5s} L={layers:<3d} fuse: mograph {row['mograph_fuse_s']:.3f}s vs ORT optimizer "
+                f"{row['ort_optimizer_s']:.3f}s (ratio {row['time_ratio']:.2f}) | norms {row['norms']} | "
+                f"gelus {row['gelus']} | latency ms {lat}\n"
+            )
+            sys.stdout.flush()
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
