@@ -191,6 +191,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--resource-usage", action="store_true", help="print each kernel's registers, shared memory and spills"
     )
+    parser.add_argument(
+        "--define",
+        "-D",
+        action="append",
+        default=[],
+        metavar="NAME[=VALUE]",
+        help="preprocessor definition for every source, e.g. -D MOGRAPH_NORM_MAX_ELEMS=16 (repeatable)",
+    )
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
     args = parser.parse_args(argv)
     try:
@@ -201,6 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             nvcc=args.nvcc,
             jobs=args.jobs,
             resource_usage=args.resource_usage,
+            extra_flags=[f"-D{d}" for d in args.define],
             force=args.force,
             log=print,
         )

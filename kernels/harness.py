@@ -163,8 +163,8 @@ def find_backend() -> tuple[Any | None, str]:
 class Case:
     """One kernel invocation to check.
 
-    ``options`` (key, value) pairs: beta, bias, with_sum, inplace (bool: y written over x), approximate
-    ("none" or "tanh"). ``misalign`` offsets every device pointer by one element.
+    ``options`` (key, value) pairs: beta, bias, with_sum, inplace (bool: y written over x), special (bool:
+    the first inputs are infinities, NaN, zeros and extremes), approximate ("none" or "tanh"). ``misalign`` offsets every device pointer by one element.
     """
 
     op: str
@@ -219,6 +219,8 @@ def make_grid(
             for approx in ("none", "tanh"):
                 cases.append(Case("gelu", dt, rows, h, options=(("approximate", approx),)))
                 cases.append(Case("bias_gelu", dt, rows, h, options=(("approximate", approx),)))
+        for approx in ("none", "tanh"):
+            cases.append(Case("gelu", dt, 3, 40, options=(("approximate", approx), ("special", True))))
         for h in (768, 4096):  # aligned sizes through the generic path
             cases.append(Case("layer_norm", dt, 5, h, misalign=True, options=(("beta", True),)))
             cases.append(Case("rms_norm", dt, 5, h, misalign=True))
@@ -252,6 +254,11 @@ def _inputs(case: Case, dtype: np.dtype, seed: int) -> dict[str, np.ndarray]:
     else:
         # shifted rows (mean 2..4, std 0.5..2): a cancelling variance formula would show
         x = rng.standard_normal((r, h)) * rng.uniform(0.5, 2.0, (r, 1)) + rng.uniform(2.0, 4.0, (r, 1))
+    if case.opt("special", False):  # infinities, NaN, signed zeros, tiny and huge values, then random
+        special = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, 1e-30, -1e-30, 1e-3, -1e-3, 8.0, -8.0, 30.0, -30.0,
+                            60000.0, -60000.0])  # fmt: skip
+        flat = x.reshape(-1)
+        flat[: special.size] = special[: flat.size]
     out = {"x": x.astype(np.float32).astype(dtype)}
     if case.op in ("layer_norm", "rms_norm", "skip_layer_norm"):
         out["gamma"] = (1.0 + 0.25 * rng.standard_normal(h)).astype(np.float32).astype(dtype)
@@ -309,7 +316,9 @@ def _scaled_error(out: np.ndarray, ref: np.ndarray) -> float:
         return float("inf")
     if np.any(np.isnan(o) != np.isnan(rf)):
         return float("inf")
-    finite = ~np.isnan(rf)
+    if np.any(np.isinf(rf) & (o != rf)):
+        return float("inf")
+    finite = np.isfinite(rf)
     o, rf = o[finite], rf[finite]
     if rf.size == 0:
         return 0.0

@@ -150,10 +150,12 @@ def skip_layer_norm(
 def _gelu_f64(v: np.ndarray, approximate: str) -> np.ndarray:
     v = v.astype(np.float64)
     if approximate == "none":
-        return 0.5 * v * erfc(-v / _SQRT_2)
+        with np.errstate(invalid="ignore"):
+            y = 0.5 * v * erfc(-v / _SQRT_2)
+        return np.where(np.isneginf(v), -0.0, y)  # the limit at -inf, where the product is inf * 0
     if approximate == "tanh":
         u = _TANH_K * (v + 0.044715 * v * v * v)
-        with np.errstate(over="ignore"):
+        with np.errstate(over="ignore", invalid="ignore"):
             return v / (1.0 + np.exp(-2.0 * u))  # = 0.5 v (1 + tanh u), without the cancellation near -1
     raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
 

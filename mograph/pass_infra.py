@@ -241,7 +241,7 @@ def graph_fingerprint(model: ir.Model) -> str:
             t = v.const_value
             upd("init", name, None if t is None else (id(t), t.dtype, tuple(t.shape)))
         for node in graph:
-            attrs = []
+            attrs: list[tuple[str, object]] = []
             for k, a in node.attributes.items():
                 if isinstance(a.value, ir.Graph):
                     walk(a.value)

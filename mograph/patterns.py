@@ -329,8 +329,8 @@ class Rule(RewriteRuleClassBase):
     * ``variant(self, bindings) -> str | None`` — optional label counted in stats as
       ``"<Rule>.<variant>"``.
 
-    Class attributes: ``min_candidate_nodes`` — a failed match that got at least this far counts as
-    a *near miss* (reported with its reason); ``max_alternative_fanout`` is informative only.
+    Class attribute ``min_candidate_nodes``: a failed match that got at least this many nodes deep
+    counts as a *near miss* (reported with its reason).
     """
 
     min_candidate_nodes: int = 3

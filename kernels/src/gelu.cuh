@@ -7,43 +7,53 @@
 //
 // Math, in fp32. Exact form: gelu(x) = x Phi(x) with Phi(x) = 1 - q for x >= 0 and q for x < 0, where
 // q = erfc(|x| / sqrt 2) / 2. The library erff costs ~33 instructions an element, which made fp16/bf16 Gelu
-// compute-bound; instead q = t exp(-x^2/2 + P(t)) with t = 1 / (1 + z/2), z = |x| / sqrt 2, and P a
-// polynomial fitted here (weighted least squares towards minimax, z in [0, 10]) to ln(erfc(z) e^(z^2) / t)
-// - ln 2: about 19 instructions, one reciprocal and one exponential, and relative accuracy in both tails
-// (no 1 + erf cancellation). Fit error of P: 4.5e-8 (degree 9, fp32 data) and 6.4e-7 (degree 7, fp16/bf16,
-// whose own rounding is 1e-3 to 1e-2). fp32 also splits x^2 = hi + lo exactly and uses the accurate expf on
-// hi, so the deep negative tail keeps ~1e-6 relative accuracy (an fp32 z = x / sqrt 2 alone would cost 1e-5
-// there). Tanh form: 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)), u = sqrt(2/pi) (x + 0.044715 x^3): the same
-// function without the cancellation of 1 + tanh(u) near -1; fp32 uses expf, fp16/bf16 __expf.
+// compute-bound at ~0.77 of HBM bandwidth on an H200; instead
+//     q = t 2^(P(t) - x^2 log2(e) / 2),  t = 1 / (1 + z/2),  z = |x| / sqrt 2,
+// with P a polynomial fitted here (weighted least squares towards minimax, z in [0, 10]) to
+// log2(erfc(z) e^(z^2) / (2t)): about 20 instructions, one reciprocal and one exp2, and relative accuracy in
+// both tails (no 1 + erf cancellation). Fit error of P: 4.5e-8 relative (degree 9, for fp32) and 6.4e-7
+// (degree 7, for fp16/bf16, whose own rounding is 5e-4 to 4e-3). In fp32 the result is within 1.5e-6
+// relative for |x| < 5 and 1e-5 beyond (there the rounding of x^2 in the exponent dominates, as it does for
+// erfcf(x / sqrt 2)).
+// Tanh form: 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)), u = sqrt(2/pi) (x + 0.044715 x^3): the same
+// function without the cancellation of 1 + tanh(u) near -1; fp32 uses the accurate expf, fp16/bf16 __expf.
 #pragma once
 
 #include "common.cuh"
 
 namespace mograph {
 
-// P(t) coefficients, constant term first.
-__device__ __forceinline__ float gelu_poly9(float t) {
-    float p = 0.1421961933374405f;
-    p = fmaf(p, t, -0.6660686731338501f);
-    p = fmaf(p, t, 1.122402548789978f);
-    p = fmaf(p, t, -0.6512351632118225f);
-    p = fmaf(p, t, -0.11681104451417923f);
-    p = fmaf(p, t, 0.02021496742963791f);
-    p = fmaf(p, t, 0.028348522260785103f);
-    p = fmaf(p, t, 0.3879019320011139f);
-    p = fmaf(p, t, 0.9984922409057617f);
-    return fmaf(p, t, -1.9585886001586914f);
+// 2^a by the special-function unit (relative error ~2^-22); results below 2^-126 flush to 0.
+__device__ __forceinline__ float exp2_approx(float a) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(a));
+    return r;
 }
 
-__device__ __forceinline__ float gelu_poly7(float t) {
-    float p = -0.1836673468351364f;
-    p = fmaf(p, t, 0.7340124249458313f);
-    p = fmaf(p, t, -0.970150351524353f);
-    p = fmaf(p, t, 0.32093101739883423f);
-    p = fmaf(p, t, -0.024188201874494553f);
-    p = fmaf(p, t, 0.3892572522163391f);
-    p = fmaf(p, t, 0.9993281364440918f);
-    return fmaf(p, t, -1.958670735359192f);
+// P(t), Horner form, highest coefficient first.
+template <bool PRECISE>
+__device__ __forceinline__ float gelu_tail_poly(float t) {
+    if constexpr (PRECISE) {
+        float p = 0.20514574646949768f;
+        p = fmaf(p, t, -0.9609339833259583f);
+        p = fmaf(p, t, 1.6192846298217773f);
+        p = fmaf(p, t, -0.9395337700843811f);
+        p = fmaf(p, t, -0.16852271556854248f);
+        p = fmaf(p, t, 0.029164033010601997f);
+        p = fmaf(p, t, 0.04089827090501785f);
+        p = fmaf(p, t, 0.559624195098877f);
+        p = fmaf(p, t, 1.4405198097229004f);
+        return fmaf(p, t, -2.825646162033081f);
+    } else {
+        float p = -0.26497596502304077f;
+        p = fmaf(p, t, 1.0589560270309448f);
+        p = fmaf(p, t, -1.399631142616272f);
+        p = fmaf(p, t, 0.46300557255744934f);
+        p = fmaf(p, t, -0.03489619866013527f);
+        p = fmaf(p, t, 0.5615795254707336f);
+        p = fmaf(p, t, 1.441725730895996f);
+        return fmaf(p, t, -2.8257646560668945f);
+    }
 }
 
 template <bool TANH, bool PRECISE>
@@ -53,18 +63,9 @@ __device__ __forceinline__ float gelu_f32(float x) {
         const float e = PRECISE ? expf(-2.0f * u) : __expf(-2.0f * u);
         return __fdividef(x, 1.0f + e);  // a denominator past 2^126 gives 0: the true value is below 1e-37
     } else {
-        const float z = fabsf(x) * 0.7071067811865476f;
-        float q;
-        if constexpr (PRECISE) {
-            const float t = __frcp_rn(fmaf(0.5f, z, 1.0f));
-            const float hi = x * x;
-            const float lo = fmaf(x, x, -hi);  // x^2 = hi + lo exactly
-            q = t * expf(-0.5f * hi) * __expf(gelu_poly9(t)) * fmaf(-0.5f, lo, 1.0f);
-        } else {
-            const float t = __fdividef(1.0f, fmaf(0.5f, z, 1.0f));
-            q = t * __expf(fmaf(-0.5f * x, x, gelu_poly7(t)));
-        }
-        const float m = q == 0.0f ? 0.0f : x * q;  // q == 0: |x| huge or infinite, where x * q is not 0
+        const float t = __fdividef(1.0f, fmaf(fabsf(x), 0.35355339059327373f, 1.0f));  // 1 / (1 + |x| / sqrt 8)
+        const float q = t * exp2_approx(fmaf(-0.7213475204444817f * x, x, gelu_tail_poly<PRECISE>(t)));
+        const float m = fminf(fmaxf(x, -30.0f), 30.0f) * q;  // clamped: an infinite x times q == 0 is not 0
         return x >= 0.0f ? x - m : m;
     }
 }

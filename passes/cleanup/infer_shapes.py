@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 def _typed_values(model: ir.Model) -> dict[int, tuple[object, object]]:
-    out = {}
+    out: dict[int, tuple[object, object]] = {}
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         for v in node.outputs:
             out[id(v)] = (v.type, None if v.shape is None else tuple(v.shape))

@@ -22,8 +22,9 @@ a group with any reason is *blocked* — left alone — because the dimension is
 - reshaped in a way that does not keep units contiguous, or whose target shape is computed at run time;
 - a weight shared with a node outside the group.
 
-Shapes come from ONNX shape inference run on a serialized copy (the analysed model is never mutated
-here), completed with the shapes already on the values.
+Shapes come from shape inference run on a serialized copy (the analysed model is never mutated here):
+ONNX Runtime's symbolic inference when onnxruntime is installed, else ONNX's own, completed with the
+shapes already on the values.  An unknown size is taken as possibly coupled (never as a broadcast 1).
 """
 
 from __future__ import annotations
@@ -150,6 +151,21 @@ def const_tensor(value: ir.Value) -> ir.TensorProtocol | None:
     return None
 
 
+def _symbolic_inference(proto: object) -> object | None:
+    """ONNX Runtime's symbolic shape inference, when installed: it follows run-time shape arithmetic
+    (an attention mask built by ``Expand`` keeps its broadcast 1 on the head axis) where ONNX's own
+    inference gives up."""
+    try:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+    except ImportError:
+        return None
+    try:
+        return SymbolicShapeInference.infer_shapes(proto, auto_merge=True, guess_output_rank=False)
+    except Exception as exc:  # noqa: BLE001 - fall back to ONNX's inference
+        logger.info("prune: symbolic shape inference failed (%s)", exc)
+        return None
+
+
 class ShapeInfo:
     """Shapes of the values of one graph: inferred on a serialized copy, then the values' own shapes."""
 
@@ -159,7 +175,7 @@ class ShapeInfo:
             import onnx
 
             proto = ir.serde.serialize_model(model)
-            inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+            inferred = _symbolic_inference(proto) or onnx.shape_inference.infer_shapes(proto, data_prop=True)
             for vi in [*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input]:
                 tt = vi.type.tensor_type
                 if not tt.HasField("shape"):
@@ -803,7 +819,8 @@ def _reshape(ctx: _Ctx, node: ir.Node, is_input: bool, index: int, d: Dim) -> Ru
             elif lit == 0 and in_axis != out_axis:
                 return f"Reshape {node.name!r}: target copies axis {out_axis} from a different input axis"
             return [(x, in_axis, in_off, in_inner, "", 0), (y, out_axis, out_off, out_inner, "", -1)]
-        return f"Reshape {node.name!r}: units do not map onto one axis of {dst_dims}"
+        shown = [dst_dims[a] for a in dst_axes]
+        return f"Reshape {node.name!r} splits the channel axis into {shown}: units of {flat_inner} do not fit one axis"
     return f"Reshape {node.name!r}: channel axis not found"
 
 
@@ -873,8 +890,12 @@ def analyze(seed_node: ir.Node, seed: Dim, units: int, scope: str, name: str, sh
                 group.reasons.append(f"{d.value.name!r} axis {d.axis} is reached with two different layouts")
             continue
         group.dims[key] = d
+        rank = shapes.rank(d.value)
         size = shapes.size(d.value, d.axis)
-        if not isinstance(size, int) or size < d.offset + units * d.inner:
+        if rank is None or not 0 <= d.axis < rank:
+            group.reasons.append(f"{d.value.name!r}: rank unknown")
+            continue
+        if isinstance(size, int) and size < d.offset + units * d.inner:
             group.reasons.append(f"{d.value.name!r} axis {d.axis}: size {size} does not hold {units} units")
             continue
         if const_tensor(d.value) is not None:

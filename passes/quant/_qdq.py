@@ -11,9 +11,9 @@ Placement follows what the backends fuse:
   axis 1; Gemm: axis 0 with ``transB=1``, else 1; Conv ``[M, C, kh, kw]``: axis 0).
 - **bias** of Conv and Gemm becomes INT32 with scale ``input_scale * weight_scale[c]``, as ONNX Runtime's
   ``QLinearConv``/``QGemm`` fusions require.
-- **Conv outputs** get their own pair as well: ONNX Runtime forms ``QLinearConv`` only from
-  ``DQ → Conv → Q``; MatMul and Gemm need no output pair (``DQ → MatMul`` becomes
-  ``MatMulIntegerToFloat``, ``DQ → Gemm`` a float-output ``QGemm``).
+- **Conv and Gemm outputs** get their own pair as well: ONNX Runtime forms ``QLinearConv``/``QGemm`` only from
+  ``DQ → Conv → Q`` (``DQ → Gemm → Q``); MatMul needs no output pair (``DQ → MatMul`` becomes
+  ``MatMulIntegerToFloat``).
 
 Nothing is put inside the nodes a backend fuses with a MatMul (bias Add, GELU, LayerNorm): only the
 MatMul/Gemm/Conv inputs are touched.
@@ -176,7 +176,7 @@ def find_candidates(model: ir.Model, ops: tuple[str, ...] = QUANT_OPS) -> tuple[
                 weight_input=weight,
                 weight_axis=axis,
                 bias_input=bias,
-                quantize_output=node.op_type == "Conv" and not node.outputs[0].is_graph_output(),
+                quantize_output=node.op_type in ("Conv", "Gemm") and not node.outputs[0].is_graph_output(),
             )
         )
     return cands, done

@@ -4,7 +4,7 @@ Weights are symmetric INT8 with one scale per output channel; activations are pe
 UINT8 by default (``--activation-type int8`` for symmetric INT8).  UINT8 activations with INT8 weights
 (U8S8) is the combination ONNX Runtime's CPU kernels run fastest: with graph optimizations on, its QDQ
 transformer turns ``DQ → MatMul`` into ``MatMulIntegerToFloat`` (bias ``Add`` folded in),
-``DQ → Conv → Q`` into ``QLinearConv`` and ``DQ → Gemm`` into ``QGemm``; TensorRT consumes the same
+``DQ → Conv → Q`` into ``QLinearConv`` and ``DQ → Gemm → Q`` into ``QGemm``; TensorRT consumes the same
 explicit Q/DQ graph.  Placement, default precision rules and the plan are described in
 :mod:`mograph.passes.quant._qdq` and :mod:`mograph.passes.quant.plan`; calibration in
 :mod:`mograph.passes.quant.calibration`.

@@ -92,6 +92,7 @@ def _layer_errors(
         )
         proto = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
         singles[c.key] = _session(proto.SerializeToString())
+    weights_q: dict[tuple[str, int], np.ndarray] = {}
     err_num = {c.key: 0.0 for c in cands}
     err_den = {c.key: 0.0 for c in cands}
     for feed in samples:
@@ -107,7 +108,12 @@ def _layer_errors(
                 else:
                     w = v.const_value.numpy().astype(np.float32)  # type: ignore[union-attr]
                     xs_f[f"x{i}"] = w
-                    xs_q[f"x{i}"] = fake_quant_weight(w, c.weight_axis, scheme) if i == c.weight_input else w
+                    if i == c.weight_input:
+                        if (c.key, i) not in weights_q:
+                            weights_q[(c.key, i)] = fake_quant_weight(w, c.weight_axis, scheme)
+                        xs_q[f"x{i}"] = weights_q[(c.key, i)]
+                    else:
+                        xs_q[f"x{i}"] = w
             y = singles[c.key].run(None, xs_f)[0].astype(np.float64)
             yq = singles[c.key].run(None, xs_q)[0].astype(np.float64)
             err_num[c.key] += float(((yq - y) ** 2).sum())

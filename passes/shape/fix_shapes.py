@@ -27,6 +27,7 @@ it folds results up to ``FOLD_OUTPUT_LIMIT`` elements (shape arithmetic is tiny;
 from __future__ import annotations
 
 import logging
+import math
 
 import onnx_ir as ir
 from mograph.passes.shape._spec import find_input, parse_dim_assignment, parse_shape_spec
@@ -44,6 +45,8 @@ logger = logging.getLogger(__name__)
 FOLD_OUTPUT_LIMIT = 8192
 #: Largest constant input the folder reads (a position-id table of a few thousand entries is fine).
 FOLD_INPUT_LIMIT = 1 << 20
+#: Rounds of fold + re-inference at most.
+MAX_FOLD_ROUNDS = 4
 
 
 def _dims(value: ir.Value) -> list[int | str | None] | None:
@@ -185,10 +188,16 @@ class FixShapesPass(Pass):
                 kept_declared += 1
                 logger.info("fix-shapes: inference derived no shape for output %s; kept its declared one", v.name)
 
-        cf.FoldConstantsPass(
-            shape_inference=True, input_size_limit=FOLD_INPUT_LIMIT, output_size_limit=FOLD_OUTPUT_LIMIT
-        )(model)
-        irp.RemoveUnusedNodesPass()(model)
+        # A fold can make more shapes static (an Expand whose shape was computed), which lets more fold.
+        for _ in range(MAX_FOLD_ROUNDS):
+            folded = cf.FoldConstantsPass(
+                shape_inference=True, input_size_limit=FOLD_INPUT_LIMIT, output_size_limit=FOLD_OUTPUT_LIMIT,
+                should_fold=_small_shape_vector,
+            )(model)
+            irp.RemoveUnusedNodesPass()(model)
+            if not folded.modified:
+                break
+            irp.ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
         nodes_after = _node_count(model)
         stats: dict[str, int | float] = {
             "inputs_fixed": len(plan),
@@ -199,6 +208,18 @@ class FixShapesPass(Pass):
             stats["outputs_declared_shape_kept"] = kept_declared
         details = {"inputs": {k: list(v) for k, v in plan.items()}, "symbols": pinned}
         return PassResult(modified=True, stats=stats, details=details)
+
+
+def _small_shape_vector(node: ir.Node) -> bool | None:
+    """Force folding of small integer vectors (shape arithmetic, ``ConstantOfShape`` included); else default."""
+    if node.op_type == "Constant" or not node.outputs:
+        return None
+    for out in node.outputs:
+        if out.dtype not in (ir.DataType.INT64, ir.DataType.INT32, ir.DataType.BOOL) or out.shape is None:
+            return None
+        if not out.shape.is_static() or len(out.shape) > 1 or math.prod(out.shape.numpy()) > 64:
+            return None
+    return True
 
 
 def _fmt(dims: list[int | str | None]) -> str:

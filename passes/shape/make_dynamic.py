@@ -28,8 +28,20 @@ outputs' symbolic sizes and checks its inputs:
 - Ops without a rule (custom domains, control flow, RNNs, ``Einsum`` ...) consuming a dynamic tensor are
   refused.
 
-Nothing is changed until the whole graph has been checked: a refusal leaves the graph as it was (value
-shapes aside, which the pass infers first).  The refusal is a ``PassFailedError`` naming the node.
+Before the walk, integer and boolean computations on constants (how exporters compute shapes) are
+folded and shapes are inferred, so every static size is known; boolean masks and float tensors are
+kept so a baked size can still be traced to its origin.  The rewrites themselves are applied only once
+the whole graph has been checked, so a refusal leaves a model equivalent to the input (folded, not
+rewritten).  The refusal is a ``PassFailedError`` naming the node.
+
+With a batch of 1 in the export, a reshape target such as ``[1, 1, 16]`` for a ``[batch * 16]`` input
+fits ``[batch, 1, 16]`` and ``[1, batch, 16]`` alike; where candidates differ only in where a size-1
+symbol sits among literal 1s, the outermost placement is taken (batch leads).  This is a heuristic, not
+a proof; ties involving symbols of other sizes are refused.
+
+Limits: inputs must be fully static (make other dynamic dims static first with ``fix-shapes``); sizes
+derived in ways the pass does not model (``seq - 1``, a concat of two dynamic dims) get fresh symbols and
+their graph outputs an unnamed dim.
 
 Option ``--dynamic NAME:AXIS=SYMBOL`` (repeatable; NAME may contain ``:``).  Give the same symbol to axes
 that must agree (``input_ids:0=batch --dynamic attention_mask:0=batch``).  An axis already dynamic is left

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from _util import assert_close, op_counts, run_ort, to_ir, to_proto  # noqa: E402
+from _fusion_util import assert_close, op_counts, run_ort, to_ir, to_proto  # noqa: E402
 
 from models import export_hf  # noqa: E402
 from mograph.pass_infra import graph_fingerprint  # noqa: E402

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _util import assert_untouched, check_fusion, parse
+from _fusion_util import assert_untouched, check_fusion, parse
 from mograph.passes.fusion import ops
 from mograph.passes.fusion.bias_gelu import FuseBiasGeluPass
 from mograph.passes.fusion.gelu import FuseGeluPass
@@ -99,7 +99,7 @@ BIAS = ",".join(f"{0.1 * i - 0.3:.2f}" for i in range(H))
 @pytest.mark.parametrize("form,op_name", [("exact", "BiasGelu"), ("tanh", "BiasFastGelu")])
 @pytest.mark.parametrize("target", ["mograph", "ort"])
 def test_bias_gelu(form, op_name, target):
-    from _util import feeds_for, op_types, run_ort, to_ir, to_proto
+    from _fusion_util import feeds_for, op_types, run_ort, to_ir, to_proto
 
     from mograph.pass_infra import graph_fingerprint
 
@@ -127,7 +127,7 @@ def test_bias_gelu(form, op_name, target):
 def test_bias_gelu_near_miss_bias_not_constant():
     text = model("z = Div(xb, sqrt2)\n e = Erf(z)\n t = Add(one, e)\n h = Mul(xb, t)\n y = Mul(h, half)")
     text = text.replace("g (float[2,3,8] x)", "g (float[2,3,8] x, float[8] b)").replace("  z = Div", "  xb = Add(x, b)\n  z = Div")
-    from _util import to_ir
+    from _fusion_util import to_ir
 
     m = to_ir(parse(text))
     FuseGeluPass(target="mograph").call(m)
@@ -143,7 +143,7 @@ def test_bias_gelu_near_miss_bias_not_constant():
 def test_references_match_function_bodies():
     """The numpy references agree with the ONNX function bodies run by ONNX Runtime."""
     import onnx
-    from _util import run_ort
+    from _fusion_util import run_ort
     from onnx import helper
 
     rng = np.random.default_rng(0)

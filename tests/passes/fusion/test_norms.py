@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _util import assert_untouched, check_fusion, feeds_for, op_types, parse, run_pass
+from _fusion_util import assert_untouched, check_fusion, feeds_for, op_types, parse, run_pass
 from mograph.passes.fusion.layernorm import FuseLayerNormPass
 from mograph.passes.fusion.rmsnorm import FuseRMSNormPass
 from mograph.passes.fusion.skip_layernorm import FuseSkipLayerNormPass
@@ -340,7 +340,7 @@ def test_skip_layernorm_after_fuse_layernorm():
     text = layernorm_model().replace("g (float[2,5,16] x)", "g (float[2,5,16] a, float[2,5,16] b)").replace(
         "  m = ReduceMean", "  x = Add(a, b)\n  m = ReduceMean")
     proto = parse(text)
-    from _util import run_ort, to_ir, to_proto
+    from _fusion_util import run_ort, to_ir, to_proto
     feeds = feeds_for(proto)
     model = to_ir(proto)
     FuseLayerNormPass(target="mograph").call(model)
@@ -353,6 +353,20 @@ def test_skip_layernorm_after_fuse_layernorm():
 def test_skip_layernorm_near_miss_mean_output_used():
     text = skip_model().replace("y = LayerNormalization<axis=-1, epsilon=1e-5>(s, gamma, beta)",
                                 "y0, mu = LayerNormalization<axis=-1, epsilon=1e-5>(s, gamma, beta)\n  y = Add(y0, mu)")
-    result = assert_untouched(FuseSkipLayerNormPass(explain=True), parse(text))
+    result = assert_untouched(FuseSkipLayerNormPass(target="ort", explain=True), parse(text))
     (miss,) = result.details["rules"]["SkipLayerNormFusion"]["near_miss_list"]
     assert "read" in miss["reason"]
+
+
+def test_optimize_api_reports_near_misses_with_explain():
+    import mograph
+
+    proto = _ln(layernorm_model(eps="input"))
+    _, report = mograph.optimize(proto, "fuse", options={"explain": True})
+    entry = report.to_dict()["passes"][0]
+    assert entry["name"] == "fuse-layernorm" and entry["modified"] is False
+    (miss,) = entry["details"]["rules"]["LayerNormFusion"]["near_miss_list"]
+    assert miss["reason"] == "epsilon is not a constant"
+    _, report = mograph.optimize(_ln(layernorm_model()), "fuse", options={"target": "ort"}, verify=True)
+    assert report.passes[0].stats["LayerNormFusion"] == 1
+    assert report.verification["passed"]

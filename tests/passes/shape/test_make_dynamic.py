@@ -11,11 +11,11 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 from _shape_testing import const, dims, f32, graph_input, i64, make, ops, run_ort, to_ir
+from mograph.passes.shape import MakeDynamicPass
 from onnx import TensorProto, helper
 
 from mograph.errors import OptionError, PassFailedError
 from mograph.pass_infra import graph_fingerprint
-from mograph.passes.shape import MakeDynamicPass
 
 RNG = np.random.default_rng(0)
 

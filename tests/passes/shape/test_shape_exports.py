@@ -15,7 +15,6 @@ import numpy as np
 import onnx
 import pytest
 from _shape_testing import run_ort, to_ir
-
 from mograph.passes.shape import FixShapesPass, MakeDynamicPass
 
 pytest.importorskip("torch")

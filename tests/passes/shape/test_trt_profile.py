@@ -7,10 +7,10 @@ import json
 import onnx_ir as ir
 import pytest
 from _shape_testing import to_ir
+from mograph.passes.shape import METADATA_KEY, SetTrtProfilePass, read_profiles
 
 from models import bert_tiny
 from mograph.errors import OptionError
-from mograph.passes.shape import METADATA_KEY, SetTrtProfilePass, read_profiles
 
 
 def test_profiles_recorded_and_read_back():

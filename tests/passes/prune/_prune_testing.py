@@ -1,0 +1,68 @@
+"""Helpers for the pruning tests: zero chosen channels of a model, run a pass as the pipeline does,
+run models under ONNX Runtime with its graph optimizations off."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import numpy_helper
+
+from mograph.pass_infra import Pass, PassManager, PassReport
+
+
+def to_ir(proto: onnx.ModelProto) -> ir.Model:
+    return ir.serde.deserialize_model(proto)
+
+
+def run_pass(p: Pass, model: ir.Model) -> PassReport:
+    """Run ``p`` through the pass manager with the honesty check on (a lying ``modified`` fails)."""
+    return PassManager([p], check_modified=True).run(model).passes[0]
+
+
+def op_types(model: ir.Model) -> list[str]:
+    return [n.op_type for n in model.graph]
+
+
+def ort_run(model: onnx.ModelProto | ir.Model, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    ort = pytest.importorskip("onnxruntime")
+    proto = ir.serde.serialize_model(model) if isinstance(model, ir.Model) else model
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    names = {i.name for i in session.get_inputs()}
+    return session.run(None, {k: v for k, v in feeds.items() if k in names})
+
+
+def checked(model: ir.Model) -> onnx.ModelProto:
+    """The model as a proto that passes ``onnx.checker`` (full check, with shape inference)."""
+    proto = ir.serde.serialize_model(model)
+    onnx.checker.check_model(proto, full_check=True)
+    return proto
+
+
+def zero_slices(proto: onnx.ModelProto, spec: Iterable[tuple[str, int, list[int]]]) -> onnx.ModelProto:
+    """Set ``initializer[name]`` to 0 at ``indices`` along ``axis``, for each ``(name, axis, indices)``."""
+    inits = {t.name: t for t in proto.graph.initializer}
+    for name, axis, indices in spec:
+        arr = numpy_helper.to_array(inits[name]).copy()
+        index: list[slice | list[int]] = [slice(None)] * arr.ndim
+        index[axis] = indices
+        arr[tuple(index)] = 0
+        inits[name].CopyFrom(numpy_helper.from_array(arr, name))
+    return proto
+
+
+def init_shape(model: ir.Model, name: str) -> tuple[int, ...]:
+    return tuple(model.graph.initializers[name].const_value.shape)
+
+
+def assert_second_run_changes_nothing(p: Pass, model: ir.Model) -> PassReport:
+    ops = op_types(model)
+    again = run_pass(type(p)(**p.config), model)
+    assert again.modified is False
+    assert op_types(model) == ops
+    return again

@@ -1,0 +1,190 @@
+"""The example third-party plugin, installed the way a user installs it, works from the CLI and Python.
+
+``plugins/mograph-example-plugin`` is built and installed with pip into a temporary ``--target`` folder
+(offline: no dependencies, no build isolation, when setuptools is at hand).  The test environment itself
+is left as it was: the folder goes on ``PYTHONPATH`` of the ``mograph`` console script run in a
+subprocess, and on ``sys.path`` only for the duration of the in-process tests (the plugin's modules
+and mograph's registry cache are dropped afterwards).  mograph must find the plugin through its entry
+point, list its pass under the plugin's name, run it, offer its option as a flag, block it on request,
+and the plugin's own test-suite must pass against this mograph.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from models.builders import make_model
+
+ROOT = Path(__file__).resolve().parent.parent
+PLUGIN = ROOT / "plugins" / "mograph-example-plugin"
+
+
+@pytest.fixture(scope="module")
+def plugin_path(tmp_path_factory) -> Path:
+    """Install the plugin into a temporary folder; return that folder (for PYTHONPATH)."""
+    work = tmp_path_factory.mktemp("example-plugin")
+    source = work / "source"  # pip builds in the source tree: build a copy, never the checkout
+    shutil.copytree(PLUGIN, source, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "build", ".pytest_cache"))
+    target = work / "site"
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target)]
+    if importlib.util.find_spec("setuptools") is not None:
+        cmd += ["--no-build-isolation", "--no-index"]  # fully offline
+    proc = subprocess.run([*cmd, str(source)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert list(target.glob("mograph_example_plugin-*.dist-info/entry_points.txt"))
+    return target
+
+
+@pytest.fixture
+def in_process(plugin_path, monkeypatch):
+    """The installed plugin visible to this process, for one test."""
+    from mograph import plugins
+
+    monkeypatch.syspath_prepend(str(plugin_path))
+    monkeypatch.delenv(plugins.BLOCK_ENV, raising=False)
+    monkeypatch.delenv(plugins.AUTOLOAD_ENV, raising=False)
+    importlib.invalidate_caches()
+    plugins.reset()
+    yield
+    for name in [m for m in sys.modules if m.split(".")[0] == "mograph_example_plugin"]:
+        del sys.modules[name]
+    plugins.reset()
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    from mograph.cli import main
+
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _env(plugin_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("MOGRAPH_BLOCK_PLUGINS", "MOGRAPH_DISABLE_PLUGIN_AUTOLOAD")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(plugin_path), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _mograph(plugin_path: Path, *args: str, **kwargs) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "mograph", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(plugin_path), timeout=300, **kwargs)
+
+
+def _transposes_model(path: Path) -> onnx.ModelProto:
+    """Relu -> (Transpose, Transpose: cancel) -> Sigmoid -> (Transpose, Transpose: merge) -> y."""
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node("Transpose", ["r"], ["a"], perm=[0, 2, 1]),
+        helper.make_node("Transpose", ["a"], ["b"], perm=[0, 2, 1]),
+        helper.make_node("Sigmoid", ["b"], ["s"]),
+        helper.make_node("Transpose", ["s"], ["c"], perm=[1, 0, 2]),
+        helper.make_node("Transpose", ["c"], ["y"], perm=[0, 2, 1]),
+    ]
+    proto = make_model(nodes, [("x", np.float32, [2, 3, 4])], [("y", np.float32, None)])
+    onnx.save(proto, path)
+    return proto
+
+
+def _ort(path_or_proto, x: np.ndarray) -> np.ndarray:
+    ort = pytest.importorskip("onnxruntime")
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    data = path_or_proto.SerializeToString() if isinstance(path_or_proto, onnx.ModelProto) else str(path_or_proto)
+    return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+def test_not_installed_in_this_environment():
+    # The install goes to a private folder; only the source checkout may be importable here.
+    spec = importlib.util.find_spec("mograph_example_plugin")
+    assert spec is None or str(PLUGIN) in str(spec.origin)
+
+
+def test_passes_lists_the_plugin_pass_and_preset(plugin_path):
+    proc = _mograph(plugin_path, "passes", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    listed = {p["name"]: p for p in data["passes"]}
+    assert listed["remove-double-transpose"]["plugin"] == "example"
+    assert listed["remove-double-transpose"]["summary"].startswith("Remove back-to-back Transposes")
+    assert [o["name"] for o in listed["remove-double-transpose"]["options"]] == ["transpose-merge"]
+    assert data["presets"]["simplify-transposes"] == {
+        "expands_to": ["remove-double-transpose", "eliminate-dead", "topo-sort"],
+        "plugin": "example",
+    }
+
+
+def test_optimize_runs_the_plugin_pass(plugin_path, tmp_path):
+    src, out = tmp_path / "m.onnx", tmp_path / "out.onnx"
+    _transposes_model(src)
+    proc = _mograph(plugin_path, "optimize", str(src), "-o", str(out), "--passes", "remove-double-transpose", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["pipeline"] == ["remove-double-transpose"]
+    assert report["passes"][0]["stats"] == {"cancelled_pairs": 1, "merged_pairs": 1}
+    saved = onnx.load(str(out))
+    assert [n.op_type for n in saved.graph.node] == ["Relu", "Sigmoid", "Transpose"]
+    provenance = {p.key: p.value for p in saved.graph.node[2].metadata_props}
+    assert provenance["mograph.pass"] == "remove-double-transpose"
+    x = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
+    np.testing.assert_array_equal(_ort(out, x), _ort(src, x))
+
+
+def test_plugin_option_is_a_command_line_flag(in_process, capsys, tmp_path):
+    src, out = tmp_path / "m.onnx", tmp_path / "out.onnx"
+    _transposes_model(src)
+    args = ["optimize", str(src), "-o", str(out), "--passes", "remove-double-transpose", "--json"]
+    code, stdout, err = _cli(capsys, *args, "--transpose-merge", "no")
+    assert code == 0, err
+    assert json.loads(stdout)["passes"][0]["stats"] == {"cancelled_pairs": 1, "merged_pairs": 0}
+    code, _, err = _cli(capsys, *args[:-1], "--transpose-merge", "maybe")
+    assert code == 2
+    assert err.splitlines() == [
+        "mograph: error: remove-double-transpose: bad value for --transpose-merge: 'maybe' (expected yes or no)"
+    ]
+
+
+def test_blocked_plugin_pass_is_unknown(in_process, capsys, tmp_path):
+    src = tmp_path / "m.onnx"
+    _transposes_model(src)
+    code, _, err = _cli(capsys, "optimize", str(src), "--passes", "remove-double-transpose", "--block-plugin", "example")
+    assert code == 2
+    assert "unknown pass or preset 'remove-double-transpose'" in err
+    assert not (tmp_path / "m.opt.onnx").exists()
+
+
+def test_python_api_runs_the_plugin_preset(in_process, plugin_path, tmp_path):
+    import mograph
+
+    src = tmp_path / "m.onnx"
+    proto = _transposes_model(src)
+    model, report = mograph.optimize(str(src), passes="simplify-transposes")
+    assert [n.op_type for n in model.graph] == ["Relu", "Sigmoid", "Transpose"]
+    assert [p.name for p in report.passes] == ["remove-double-transpose", "eliminate-dead", "topo-sort"]
+    assert report.passes[0].stats == {"cancelled_pairs": 1, "merged_pairs": 1}
+    assert sys.modules["mograph_example_plugin"].__file__.startswith(str(plugin_path))  # the installed copy
+    x = np.random.default_rng(1).standard_normal((2, 3, 4)).astype(np.float32)
+    out = tmp_path / "api.onnx"
+    mograph.save(model, str(out))
+    np.testing.assert_array_equal(_ort(out, x), _ort(proto, x))
+
+
+@pytest.mark.slow
+def test_the_plugin_own_tests_pass(plugin_path, tmp_path):
+    """Its test-suite, run against the installed copy and this mograph."""
+    tests = tmp_path / "plugin-tests"
+    shutil.copytree(PLUGIN / "tests", tests, ignore=shutil.ignore_patterns("__pycache__"))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(tests)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(plugin_path), cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout
