@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterable
@@ -103,7 +104,7 @@ class Option:
 
 def _is_number(raw: Any, *, integral: bool) -> bool:
     """Whether a non-string option value given from Python is acceptable for an int/float option."""
-    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+    if isinstance(raw, bool) or not isinstance(raw, numbers.Real):  # numpy scalars are Real too
         return False
     return not integral or float(raw).is_integer()
 

@@ -314,6 +314,9 @@ def test_option_values_are_converted():
     p = _Configurable(size_limit="25", scale="2", mode="exact", keep=["a", "b"])
     assert p.config == {"size_limit": 25, "scale": 2.0, "mode": "exact", "keep": ["a", "b"]}
     assert _Configurable(size_limit=7.0, scale=3).config["size_limit"] == 7
+    assert _Configurable(size_limit=np.int64(9), scale=np.float32(0.25)).config == {
+        "size_limit": 9, "scale": 0.25, "mode": "fast", "keep": [],
+    }
     assert _Configurable(keep="only").config["keep"] == ["only"]
 
 

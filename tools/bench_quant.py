@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import onnx_ir as ir
+    from mograph.passes.quant.qdq_int8 import QdqInt8Pass
     from onnxruntime.quantization import (
         CalibrationDataReader,
         QuantFormat,
@@ -81,8 +82,6 @@ def main(argv: list[str] | None = None) -> int:
         quantize_dynamic,
         quantize_static,
     )
-
-    from mograph.passes.quant.qdq_int8 import QdqInt8Pass
 
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_quant_"))
     out.mkdir(parents=True, exist_ok=True)

@@ -74,8 +74,11 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& v) {
 }
 
 // Accesses to data touched once (activations), as opposed to gamma/beta/bias that every row re-reads.
-// With MOGRAPH_STREAMING_HINTS they are marked evict-first (ld/st.global.cs), so they do not push the
-// reused vectors out of the caches; without it they are plain accesses.
+// They are marked evict-first (ld/st.global.cs), so they do not push the reused vectors out of the caches
+// (measured on an H200: 0-4% faster norms); MOGRAPH_NO_STREAMING_HINTS makes them plain accesses.
+#ifndef MOGRAPH_NO_STREAMING_HINTS
+#define MOGRAPH_STREAMING_HINTS 1
+#endif
 template <typename T, int N>
 __device__ __forceinline__ Pack<T, N> load_stream(const T* p) {
 #ifdef MOGRAPH_STREAMING_HINTS
@@ -103,6 +106,31 @@ __device__ __forceinline__ Pack<T, N> zero_pack() {
     Pack<T, N> out;
 #pragma unroll
     for (int j = 0; j < N; ++j) out.v[j] = from_f32<T>(0.f);
+    return out;
+}
+
+// Rounds N fp32 values into a pack; fp16/bf16 pairs go through one packed conversion (F2FP) per two.
+template <typename T, int N>
+__device__ __forceinline__ Pack<T, N> pack_from_f32(const float (&f)[N]) {
+    Pack<T, N> out;
+    if constexpr (std::is_same<T, __half>::value && N % 2 == 0) {
+#pragma unroll
+        for (int j = 0; j < N; j += 2) {
+            const __half2 h = __floats2half2_rn(f[j], f[j + 1]);
+            out.v[j] = __low2half(h);
+            out.v[j + 1] = __high2half(h);
+        }
+    } else if constexpr (std::is_same<T, __nv_bfloat16>::value && N % 2 == 0) {
+#pragma unroll
+        for (int j = 0; j < N; j += 2) {
+            const __nv_bfloat162 h = __floats2bfloat162_rn(f[j], f[j + 1]);
+            out.v[j] = __low2bfloat16(h);
+            out.v[j + 1] = __high2bfloat16(h);
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < N; ++j) out.v[j] = from_f32<T>(f[j]);
+    }
     return out;
 }
 

@@ -7,7 +7,8 @@
 //   every pointer is 16-byte aligned. A group of TPR threads owns a row; each thread keeps VPT packs of
 //   16 bytes of it in registers, so the row is loaded with LDG.128 and never re-read. Small rows use a
 //   group of 4..32 lanes inside a warp (several rows per block, reduced with shuffles), large rows a group
-//   of 2..16 warps (one row per block, reduced through shared memory). The mean is reduced first and the
+//   of 2..32 warps (one row per block, reduced through shared memory). Activations are loaded and stored
+//   evict-first (see load_stream), so gamma/beta stay cached for the next rows. The mean is reduced first and the
 //   variance second, from the registers, which is exact where E[x^2] - E[x]^2 would cancel.
 // * norm_generic_kernel (any hidden, any alignment): scalar accesses, the row cached in shared memory as
 //   fp32 when it fits (still one pass over HBM), otherwise re-read from global memory (L2) per phase.
@@ -112,10 +113,10 @@ __global__ void __launch_bounds__(TPR * RPB) norm_register_kernel(const NormArgs
                 if (row_ok && c < nvec) {
                     const Pack<T, VEC> b =
                         a.bias != nullptr ? load_pack<T, VEC>(a.bias + c * VEC) : zero_pack<T, VEC>();
+                    float f[VEC];
 #pragma unroll
-                    for (int j = 0; j < VEC; ++j) {
-                        v[k].v[j] = from_f32<T>(to_f32(v[k].v[j]) + to_f32(s[k].v[j]) + to_f32(b.v[j]));
-                    }
+                    for (int j = 0; j < VEC; ++j) f[j] = to_f32(v[k].v[j]) + to_f32(s[k].v[j]) + to_f32(b.v[j]);
+                    v[k] = pack_from_f32<T, VEC>(f);
                     if (a.sum_out != nullptr) store_stream<T, VEC>(a.sum_out + off + static_cast<int64_t>(c) * VEC, v[k]);
                 }
             }
@@ -151,13 +152,13 @@ __global__ void __launch_bounds__(TPR * RPB) norm_register_kernel(const NormArgs
             if (row_ok && c < nvec) {
                 const Pack<T, VEC> g = load_pack<T, VEC>(a.gamma + c * VEC);
                 const Pack<T, VEC> b = has_beta ? load_pack<T, VEC>(a.beta + c * VEC) : zero_pack<T, VEC>();
-                Pack<T, VEC> o;
+                float f[VEC];
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
                     const float n = (to_f32(v[k].v[j]) - mean) * rstd;
-                    o.v[j] = from_f32<T>(fmaf(n, to_f32(g.v[j]), to_f32(b.v[j])));
+                    f[j] = fmaf(n, to_f32(g.v[j]), to_f32(b.v[j]));
                 }
-                store_stream<T, VEC>(a.y + off + static_cast<int64_t>(c) * VEC, o);
+                store_stream<T, VEC>(a.y + off + static_cast<int64_t>(c) * VEC, pack_from_f32<T, VEC>(f));
             }
         }
     }
@@ -274,17 +275,26 @@ int launch_generic(const NormArgs<T>& a, cudaStream_t stream) {
     return launch_status();
 }
 
-// Register budget of the fast path: the most row elements one thread keeps (8, 16 or 32). Fewer elements
-// per thread mean more threads per row, more resident warps and shorter-lived blocks; more mean more
-// 16-byte loads in flight per thread. tools/gpu_kernels.py --sweep measures the choices.
-#ifndef MOGRAPH_NORM_MAX_ELEMS
-#define MOGRAPH_NORM_MAX_ELEMS 32
+// Register budget of the fast path: the most row elements one thread keeps. Fewer elements per thread mean
+// more threads per row, more resident warps and shorter-lived blocks; more mean more 16-byte loads in flight
+// per thread and fewer barriers per row. Measured on an H200 (tools/gpu_kernels.py --sweep, 8/16/32 for each
+// op and dtype at 16384x768 .. 4096x8192): 16 is best or within noise of best for fp32 and for
+// SkipLayerNorm (two input streams), 32 for fp16/bf16 LayerNorm and RMSNorm, whose 16-element version
+// needs twice the threads and barriers per row (0.84 instead of 0.93 of copy bandwidth at 16384x4096 fp16).
+// MOGRAPH_NORM_MAX_ELEMS=8|16|32 overrides the table for experiments.
+template <typename T, NormKind KIND>
+constexpr int kNormMaxElems =
+#ifdef MOGRAPH_NORM_MAX_ELEMS
+    MOGRAPH_NORM_MAX_ELEMS;
+#else
+    (sizeof(T) == 4 || KIND == NormKind::kSkipLayerNorm) ? 16 : 32;
 #endif
-static_assert(MOGRAPH_NORM_MAX_ELEMS == 8 || MOGRAPH_NORM_MAX_ELEMS == 16 || MOGRAPH_NORM_MAX_ELEMS == 32,
-              "MOGRAPH_NORM_MAX_ELEMS must be 8, 16 or 32");
 
-template <typename T>
-constexpr int kNormMaxVpt = MOGRAPH_NORM_MAX_ELEMS / kVec16<T> > 0 ? MOGRAPH_NORM_MAX_ELEMS / kVec16<T> : 1;
+template <typename T, NormKind KIND>
+constexpr int kNormMaxVpt = kNormMaxElems<T, KIND> / kVec16<T> > 0 ? kNormMaxElems<T, KIND> / kVec16<T> : 1;
+
+static_assert(kNormMaxVpt<float, NormKind::kLayerNorm> <= 8 && kNormMaxVpt<__half, NormKind::kLayerNorm> <= 8,
+              "at most 8 packs per thread are instantiated");
 
 // Packs per thread that have a kernel instance; a request for v packs takes the smallest choice >= v.
 constexpr int kVptChoices[] = {1, 2, 3, 4, 6, 8};
@@ -326,7 +336,7 @@ int launch_norm(const NormArgs<T>& a, cudaStream_t stream) {
     constexpr int kVec = kVec16<T>;
     const bool vector_ok = a.hidden % kVec == 0 && aligned16(a.x) && aligned16(a.skip) && aligned16(a.bias) &&
                            aligned16(a.gamma) && aligned16(a.beta) && aligned16(a.y) && aligned16(a.sum_out);
-    if (vector_ok) return launch_with_tpr<T, KIND, kNormMaxVpt<T>>(a, a.hidden / kVec, stream);
+    if (vector_ok) return launch_with_tpr<T, KIND, kNormMaxVpt<T, KIND>>(a, a.hidden / kVec, stream);
     return launch_generic<T, KIND>(a, stream);
 }
 

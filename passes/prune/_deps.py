@@ -20,7 +20,9 @@ a group with any reason is *blocked* — left alone — because the dimension is
   the axis (a reduction or normalisation over it, a Softmax along it, a Gather, a Slice, ...);
 - a graph input or output (the model's interface never changes);
 - reshaped in a way that does not keep units contiguous, or whose target shape is computed at run time;
-- a weight shared with a node outside the group.
+
+A weight also read outside the group (exporters share equal tensors, often through ``Identity``) does
+not block: the group gets a private, sliced copy and the other readers keep the original.
 
 Shapes come from shape inference run on a serialized copy (the analysed model is never mutated here):
 ONNX Runtime's symbolic inference when onnxruntime is installed, else ONNX's own, completed with the
@@ -47,6 +49,7 @@ __all__ = [
     "analyze",
     "const_tensor",
     "int_vector",
+    "owns_tensor",
     "reshape_plan",
 ]
 
@@ -110,14 +113,15 @@ class Group:
     scope: str
     seed: ir.Node
     units: int
-    dims: dict[tuple[int, int], Dim] = field(default_factory=dict)
-    consts: dict[tuple[int, int], ConstSlice] = field(default_factory=dict)
+    #: keyed by (id(value), axis, offset): a fused QKV projection holds one group at three offsets.
+    dims: dict[tuple[int, int, int], Dim] = field(default_factory=dict)
+    consts: dict[tuple[int, int, int], ConstSlice] = field(default_factory=dict)
     shape_edits: dict[tuple[int, int], ShapeEdit] = field(default_factory=dict)
     split_edits: dict[tuple[int, int], SplitEdit] = field(default_factory=dict)
     nodes: dict[int, ir.Node] = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)
     #: (id(node), input index) of every read of a sliced constant that the group accounts for.
-    const_ports: dict[tuple[int, int], set[tuple[int, int]]] = field(default_factory=dict)
+    const_ports: dict[tuple[int, int, int], set[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def blocked(self) -> bool:
@@ -140,15 +144,25 @@ class Group:
 
 
 def const_tensor(value: ir.Value) -> ir.TensorProtocol | None:
-    """The tensor of an initializer or of a ``Constant`` node's ``value`` attribute, else ``None``."""
+    """The tensor of an initializer, of a ``Constant`` node's ``value`` attribute, or of an ``Identity``
+    of either (exporters deduplicate equal weights and hand the copies out through Identity nodes)."""
     if value.const_value is not None and (value.is_initializer() or value.producer() is None):
         return value.const_value
     node = value.producer()
-    if node is not None and node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
-        attr = node.attributes.get("value")
-        if attr is not None and isinstance(attr.value, ir.TensorProtocol):
-            return attr.value
+    if node is not None and node.domain in ("", "ai.onnx"):
+        if node.op_type == "Constant":
+            attr = node.attributes.get("value")
+            if attr is not None and isinstance(attr.value, ir.TensorProtocol):
+                return attr.value
+        if node.op_type == "Identity" and node.inputs and node.inputs[0] is not None:
+            return const_tensor(node.inputs[0])
     return None
+
+
+def owns_tensor(value: ir.Value) -> bool:
+    """Whether the constant's tensor is stored on ``value`` itself (not behind an Identity)."""
+    node = value.producer()
+    return node is None or node.op_type == "Constant"
 
 
 def _symbolic_inference(proto: object) -> object | None:
@@ -883,10 +897,10 @@ def analyze(seed_node: ir.Node, seed: Dim, units: int, scope: str, name: str, sh
     work: list[tuple[Dim, str]] = [(seed, "")]
     while work:
         d, role = work.pop()
-        key = (id(d.value), d.axis)
+        key = (id(d.value), d.axis, d.offset)
         seen = group.dims.get(key)
         if seen is not None:
-            if (seen.offset, seen.inner) != (d.offset, d.inner):
+            if seen.inner != d.inner:
                 group.reasons.append(f"{d.value.name!r} axis {d.axis} is reached with two different layouts")
             continue
         group.dims[key] = d
@@ -915,12 +929,6 @@ def analyze(seed_node: ir.Node, seed: Dim, units: int, scope: str, name: str, sh
             _visit(ctx, producer, False, producer.outputs.index(d.value), d, work)
         for use in d.value.uses():
             _visit(ctx, use.node, True, use.idx, d, work)
-    # Weights read by nodes outside the group would change for them too.
-    for c in group.consts.values():
-        ports = group.const_ports.get((id(c.value), c.axis), set())
-        for use in c.value.uses():
-            if (id(use.node), use.idx) not in ports:
-                group.reasons.append(f"weight {c.value.name!r} is also read by {use.node.op_type} {use.node.name!r}")
     return group
 
 
@@ -941,5 +949,5 @@ def _visit(ctx: _Ctx, node: ir.Node, is_input: bool, index: int, d: Dim, work: l
         return
     for value, axis, offset, inner, role, port in result:
         if port >= 0 and const_tensor(value) is not None:
-            group.const_ports.setdefault((id(value), axis), set()).add((id(node), port))
+            group.const_ports.setdefault((id(value), axis, offset), set()).add((id(node), port))
         work.append((Dim(value, axis, offset, inner), role))

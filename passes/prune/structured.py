@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 from mograph.passes.prune._cost import count_params, param_count, total_macs
-from mograph.passes.prune._deps import Dim, Group, ShapeInfo, analyze, const_tensor, reshape_plan
+from mograph.passes.prune._deps import Dim, Group, ShapeInfo, analyze, const_tensor, owns_tensor, reshape_plan
 
 from mograph.errors import OptionError
 from mograph.pass_infra import Option, Pass, PassResult
@@ -137,18 +137,17 @@ class PruneStructuredPass(Pass):
             entry.update(status="pruned", kept=keep, removed=len(removed))
 
         live = [g for g in groups if not g.blocked and _excluded(g, patterns) is None]
-        scope_consts = {s: _scope_consts(live, s) for s in scopes}
         scope_nodes = {s: _scope_nodes(live, s) for s in scopes}
         params_before = count_params(model)
         macs_before = total_macs(graph, shapes)
         per_scope_before = {
-            s: (sum(param_count(v) for v in scope_consts[s]), total_macs(scope_nodes[s], shapes)) for s in scopes
+            s: (_scope_params(live, s), total_macs(scope_nodes[s], shapes)) for s in scopes
         }
 
         for g, removed, original in plans:
             _apply(graph, g, removed, shapes)
             g.seed.metadata_props[META_UNITS] = str(original)
-        _delete_slices(plans)
+        _delete_slices(graph, plans)
 
         stats["params_before"] = params_before
         stats["params_after"] = count_params(model) if plans else params_before
@@ -157,7 +156,7 @@ class PruneStructuredPass(Pass):
         for s in scopes:
             p_before, m_before = per_scope_before[s]
             stats[f"{s}.params_before"] = p_before
-            stats[f"{s}.params_after"] = sum(param_count(v) for v in scope_consts[s]) if plans else p_before
+            stats[f"{s}.params_after"] = _scope_params(live, s) if plans else p_before
             stats[f"{s}.macs_before"] = m_before
             stats[f"{s}.macs_after"] = total_macs(scope_nodes[s], shapes) if plans else m_before
         details: dict[str, Any] = {"groups": listing, "macs_note": "MatMul/Gemm/Conv; symbolic dims count as 1"}
@@ -198,10 +197,10 @@ def _find_groups(graph: ir.Graph, shapes: ShapeInfo, opset: int, scopes: tuple[s
     groups: list[Group] = []
     covered: set[tuple[int, int]] = set()
     for scope, node, dim, units, name in seeds:
-        if (id(dim.value), dim.axis) in covered:
+        if (id(dim.value), dim.axis) in covered:  # already inside an earlier group, at any offset
             continue
         g = analyze(node, dim, units, scope, name, shapes, opset)
-        covered |= set(g.dims)
+        covered |= {key[:2] for key in g.dims}
         groups.append(g)
     return groups
 
@@ -264,13 +263,18 @@ def _importance(group: Group, criterion: str) -> np.ndarray:
     return total if criterion == "l1" else np.sqrt(total)
 
 
-def _scope_consts(groups: list[Group], scope: str) -> list[ir.Value]:
+def _scope_params(groups: list[Group], scope: str) -> int:
+    """Parameters of the constants the scope's groups read (after pruning: the cut or private copies)."""
     seen: dict[int, ir.Value] = {}
     for g in groups:
-        if g.scope == scope:
-            for c in g.consts.values():
-                seen[id(c.value)] = c.value
-    return list(seen.values())
+        if g.scope != scope:
+            continue
+        for ports in g.const_ports.values():
+            for node_id, idx in ports:
+                value = g.nodes[node_id].inputs[idx]
+                if value is not None:
+                    seen[id(value)] = value
+    return sum(param_count(v) for v in seen.values())
 
 
 def _scope_nodes(groups: list[Group], scope: str) -> list[ir.Node]:
@@ -311,23 +315,58 @@ def _apply(graph: ir.Graph, group: Group, removed: list[int], shapes: ShapeInfo)
         split.node.attributes["split"] = ir.AttrInt64s("split", sizes)
 
 
-def _delete_slices(plans: list[tuple[Group, list[int], int]]) -> None:
-    """Cut every pruned unit out of every constant, all groups at once (indices are the original ones)."""
+def _delete_slices(graph: ir.Graph, plans: list[tuple[Group, list[int], int]]) -> None:
+    """Cut every pruned unit out of every constant (indices are the original ones).
+
+    A constant read only by its groups is cut in place, all groups at once.  One also read elsewhere
+    (or reached through an ``Identity``) is copied: the group's readers get a private, cut copy.
+    """
     cuts: dict[int, tuple[ir.Value, dict[int, set[int]]]] = {}
+    private: dict[tuple[int, int], tuple[Group, ir.Value, dict[int, set[int]], set[tuple[int, int]]]] = {}
     for group, removed, _ in plans:
-        for c in group.consts.values():
-            _value, per_axis = cuts.setdefault(id(c.value), (c.value, {}))
-            idx = per_axis.setdefault(c.axis, set())
+        for key, c in group.consts.items():
+            idx: set[int] = set()
             for u in removed:
                 start = c.offset + u * c.inner
                 idx.update(range(start, start + c.inner))
+            ports = group.const_ports.get(key, set())
+            if owns_tensor(c.value) and all((id(use.node), use.idx) in ports for use in c.value.uses()):
+                _value, per_axis = cuts.setdefault(id(c.value), (c.value, {}))
+            else:
+                _g, _value, per_axis, all_ports = private.setdefault((id(group), id(c.value)), (group, c.value, {}, set()))
+                all_ports |= ports
+            per_axis.setdefault(c.axis, set()).update(idx)
     for value, per_axis in cuts.values():
-        tensor = const_tensor(value)
-        assert tensor is not None
-        arr = tensor.numpy()
-        for axis, idx in per_axis.items():
-            arr = np.delete(arr, sorted(idx), axis=axis)
-        _set_const(value, np.ascontiguousarray(arr))
+        _set_const(value, _cut(value, per_axis))
+    for group, value, per_axis, ports in private.values():
+        copy = _new_initializer(graph, value.name or "weight", _cut(value, per_axis))
+        for node_id, input_index in ports:
+            node = group.nodes[node_id]
+            if node.inputs[input_index] is value:
+                node.replace_input_with(input_index, copy)
+        producer = value.producer()
+        if producer is not None and producer.op_type == "Identity" and not value.uses() and not value.is_graph_output():
+            graph.remove(producer, safe=True)
+
+
+def _cut(value: ir.Value, per_axis: dict[int, set[int]]) -> np.ndarray:
+    tensor = const_tensor(value)
+    assert tensor is not None
+    arr = tensor.numpy()
+    for axis, idx in per_axis.items():
+        arr = np.delete(arr, sorted(idx), axis=axis)
+    return np.ascontiguousarray(arr)
+
+
+def _new_initializer(graph: ir.Graph, base: str, arr: np.ndarray) -> ir.Value:
+    name, k = f"{base}_pruned", 1
+    while name in graph.initializers:
+        k += 1
+        name = f"{base}_pruned{k}"
+    value = ir.Value(name=name, shape=ir.Shape(arr.shape), type=ir.TensorType(ir.DataType.from_numpy(arr.dtype)))
+    value.const_value = ir.Tensor(arr, name=name)
+    graph.register_initializer(value)
+    return value
 
 
 def _set_const(value: ir.Value, arr: np.ndarray) -> None:
@@ -356,13 +395,6 @@ def _edit_literal(
     if all((id(use.node), use.idx) in ours for use in holder.uses()):
         _set_const(holder, arr)
         return
-    base = holder.name or "shape"
-    name, k = f"{base}_pruned", 1
-    while name in graph.initializers:
-        k += 1
-        name = f"{base}_pruned{k}"
-    clone = ir.Value(name=name, shape=ir.Shape(arr.shape), type=ir.TensorType(tensor.dtype))
-    clone.const_value = ir.Tensor(arr, name=name)
-    graph.register_initializer(clone)
+    clone = _new_initializer(graph, holder.name or "shape", arr)
     for node, idx in readers:
         node.replace_input_with(idx, clone)

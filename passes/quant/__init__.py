@@ -8,8 +8,9 @@
 
 from __future__ import annotations
 
-from mograph.hookspecs import hookimpl
 from mograph.passes.quant.qdq_int8 import QdqInt8Pass
+
+from mograph.hookspecs import hookimpl
 
 __all__ = ["QdqInt8Pass"]
 

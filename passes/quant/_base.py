@@ -19,9 +19,6 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import onnx_ir as ir
-
-from mograph.errors import OptionError
-from mograph.pass_infra import Option, Pass, PassResult
 from mograph.passes.quant import calibration as cal
 from mograph.passes.quant._qdq import (
     Candidate,
@@ -33,6 +30,9 @@ from mograph.passes.quant._qdq import (
     tensors_to_observe,
 )
 from mograph.passes.quant.plan import PrecisionPlan, load_plan, node_key, parse_budget
+
+from mograph.errors import OptionError
+from mograph.pass_infra import Option, Pass, PassResult
 
 __all__ = ["CALIBRATION_OPTIONS", "PLAN_OPTIONS", "QdqPassBase", "open_calibration", "parse_shapes"]
 

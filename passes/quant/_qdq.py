@@ -33,7 +33,6 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
-
 from mograph.passes.quant.plan import node_key
 
 __all__ = [

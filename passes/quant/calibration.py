@@ -58,6 +58,7 @@ __all__ = [
     "compute_ranges",
     "needs_histogram",
     "run_model",
+    "infer_dtypes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -275,6 +276,7 @@ class TensorStats:
     min: float = math.inf
     max: float = -math.inf
     samples: int = 0
+    max_size: int = 0  # largest number of elements seen
     max_reduced: int = 0  # largest number of elements along the last axis seen (for reductions)
     hist: np.ndarray | None = None
     hist_range: float = 0.0  # histogram covers [-hist_range, hist_range]
@@ -298,6 +300,7 @@ class TensorStats:
         self.min, self.max = min(self.min, lo), max(self.max, hi)
         self.samples += 1
         self.max_reduced = max(self.max_reduced, int(x.shape[-1]) if x.ndim else 1)
+        self.max_size = max(self.max_size, int(x.size))
         if histogram:
             self._hist_update(x.ravel().astype(np.float32, copy=False), max(abs(lo), abs(hi)))
 
@@ -332,7 +335,28 @@ def _session(model_bytes: bytes) -> Any:
     return ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
 
 
-def _with_outputs(model: ir.Model, names: Iterable[str]) -> bytes:
+def infer_dtypes(model: ir.Model) -> dict[str, int]:
+    """Element type (``onnx.TensorProto`` code) of every named tensor, from ONNX shape inference on a copy."""
+    import onnx
+
+    proto = ir.serde.serialize_model(model)
+    try:
+        proto = onnx.shape_inference.infer_shapes(proto)
+    except Exception as exc:  # noqa: BLE001 - inference is best effort; known dtypes still count
+        logger.debug("shape inference failed: %s", exc)
+    out: dict[str, int] = {}
+    for vi in [*proto.graph.input, *proto.graph.value_info, *proto.graph.output]:
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+            out[vi.name] = vi.type.tensor_type.elem_type
+    for init in proto.graph.initializer:
+        out[init.name] = init.data_type
+    for name, v in _values_by_name(model).items():
+        if v.dtype is not None:
+            out[name] = v.dtype.value
+    return out
+
+
+def _with_outputs(model: ir.Model, names: Iterable[str], dtypes: dict[str, int] | None = None) -> bytes:
     """Serialize a copy of ``model`` whose graph also outputs the named tensors."""
     import onnx
 
@@ -343,7 +367,10 @@ def _with_outputs(model: ir.Model, names: Iterable[str]) -> bytes:
         if name in have:
             continue
         v = values.get(name)
-        elem = v.dtype.value if v is not None and v.dtype is not None else onnx.TensorProto.FLOAT
+        if dtypes is not None and name in dtypes:
+            elem = dtypes[name]
+        else:
+            elem = v.dtype.value if v is not None and v.dtype is not None else onnx.TensorProto.FLOAT
         proto.graph.output.append(onnx.helper.make_tensor_value_info(name, elem, None))
     return proto.SerializeToString()
 
@@ -371,13 +398,14 @@ def observe(
     *,
     histogram: bool = False,
     progress: ProgressCallback | None = None,
+    dtypes: dict[str, int] | None = None,
 ) -> dict[str, TensorStats]:
     """Run every calibration feed once and return streaming statistics of each named tensor."""
     names = list(dict.fromkeys(tensors))
     stats = {n: TensorStats() for n in names}
     if not names:
         return stats
-    sess = _session(_with_outputs(model, names))
+    sess = _session(_with_outputs(model, names, dtypes))
     total = source.count
     every = max(1, (total or 100) // 10)
     seen = 0

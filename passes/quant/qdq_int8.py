@@ -15,11 +15,11 @@ Needs opset 13 or later (per-channel ``DequantizeLinear``).
 from __future__ import annotations
 
 import onnx_ir as ir
+from mograph.passes.quant._base import CALIBRATION_OPTIONS, PLAN_OPTIONS, QDQ_OPTIONS, QdqPassBase
+from mograph.passes.quant._qdq import INT8_S8, INT8_U8, Scheme
 
 from mograph.errors import ModelError
 from mograph.pass_infra import Option
-from mograph.passes.quant._base import CALIBRATION_OPTIONS, PLAN_OPTIONS, QDQ_OPTIONS, QdqPassBase
-from mograph.passes.quant._qdq import INT8_S8, INT8_U8, Scheme
 
 __all__ = ["QdqInt8Pass"]
 

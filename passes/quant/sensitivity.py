@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
-
 from mograph.passes.quant._qdq import (
     Candidate,
     QdqWriter,

@@ -229,16 +229,20 @@ def test_near_miss_channel_also_read_elsewhere_is_left_alone(reader, reason):
         np.testing.assert_array_equal(got, want)
 
 
-def test_shared_weight_blocks_the_group():
-    # w1 is read by a second MatMul whose output is not coupled to fc1's: slicing it would break that one.
+def test_shared_weight_gets_a_private_copy():
+    # w1 is also read by a MatMul outside the group: the group gets a cut copy, 'other' keeps w1 whole.
     proto = _mlp()
     proto.graph.node.append(helper.make_node("MatMul", ["x", "w1"], ["z"], name="other"))
     proto.graph.output.append(helper.make_tensor_value_info("z", 1, [2, 16]))
     model = to_ir(proto)
     entry = run_pass(PruneStructuredPass(ratio=0.5), model)
-    assert entry.modified is False
-    reasons = {b["group"]: b["reasons"] for b in entry.details["blocked"]}["fc1:out"]
-    assert "weight 'w1' is also read by MatMul 'other'" in reasons
+    assert entry.modified is True and entry.stats["ffn.removed_units"] == 8
+    assert init_shape(model, "w1") == (8, 16) and init_shape(model, "w1_pruned") == (8, 8)
+    assert [n.inputs[1].name for n in model.graph if n.op_type == "MatMul"] == ["w1_pruned", "w2", "w1"]
+    assert entry.stats["params_after"] - entry.stats["params_before"] == 8 * 8 - 8 - 8 * 4  # copy - cuts
+    for got, want in zip(ort_run(checked(model), X), ort_run(proto, X)):
+        np.testing.assert_array_equal(got, want)
+    assert_second_run_changes_nothing(PruneStructuredPass(ratio=0.5), model)
 
 
 def test_concat_offsets():

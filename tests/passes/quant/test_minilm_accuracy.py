@@ -22,8 +22,8 @@ if minilm.find_model_dir() is None:
                 allow_module_level=True)
 
 import onnx_ir as ir  # noqa: E402
-
 from mograph.passes.quant import QdqInt8Pass  # noqa: E402
+
 from models.sentences import CALIBRATION, EVALUATION  # noqa: E402
 from tests.passes.quant._helpers import op_counts  # noqa: E402
 

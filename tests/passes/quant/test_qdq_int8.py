@@ -10,12 +10,12 @@ import numpy as np
 import onnx
 import pytest
 import yaml
+from mograph.passes.quant import QdqInt8Pass
 from onnx import helper, numpy_helper
 
+from models.builders import bert_feeds, bert_tiny, cnn_small
 from mograph.errors import OptionError
 from mograph.pass_infra import PassManager
-from mograph.passes.quant import QdqInt8Pass
-from models.builders import bert_feeds, bert_tiny, cnn_small
 from tests.passes.quant._helpers import cosine, op_counts, optimized_ops, run, to_ir
 
 

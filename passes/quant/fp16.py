@@ -1,0 +1,251 @@
+"""``fp16``: convert a float32 model to float16, keeping float32 where calibration shows it is needed.
+
+Half precision halves memory traffic and runs on tensor cores, but it has two failure modes: values above
+65504 overflow to infinity, and long reductions (sums and means over thousands of elements, normalization
+statistics) lose the small addends.  Both are measured rather than guessed: every float tensor is observed
+on the calibration data (largest magnitude, largest reduced extent), and a node stays in float32 when
+
+- any of its float inputs or outputs reached ``--fp16-max`` (default 65504) in magnitude — **overflow**;
+- it reduces (``Reduce*``, ``*Normalization``, ``GlobalAveragePool``, ``Softmax``, ``CumSum``) over at least
+  ``--fp16-reduction-limit`` elements (default 4096) — **deep reduction**;
+- it is in a custom domain, or the user said so (``--keep-fp32``, an edited ``--precision-plan``).
+
+Every other node computes in float16: its float initializers are stored in float16, ``Cast``s to float and
+float ``Constant``/``ConstantOfShape`` values follow, and one ``Cast`` is inserted on each edge that crosses
+between the two precisions (shared per tensor).  Graph inputs and outputs stay float32 (a ``Cast`` at each)
+unless ``--fp16-io yes``.  Every node that computes in float is listed in the precision plan with its
+reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+from mograph.passes.quant import calibration as cal
+from mograph.passes.quant._base import CALIBRATION_OPTIONS, PLAN_OPTIONS, calibration_meta, open_calibration
+from mograph.passes.quant.plan import PrecisionPlan, load_plan, node_key
+
+from mograph.errors import OptionError
+from mograph.pass_infra import Option, Pass, PassResult
+
+__all__ = ["Fp16Pass"]
+
+logger = logging.getLogger(__name__)
+
+_F32 = ir.DataType.FLOAT.value
+_F16 = ir.DataType.FLOAT16.value
+_REDUCTIONS_BY_SIZE = {"ReduceSum", "ReduceMean", "ReduceSumSquare", "ReduceL1", "ReduceL2", "ReduceLogSumExp",
+                       "ReduceProd", "GlobalAveragePool", "CumSum"}
+_REDUCTIONS_LAST_AXIS = {"LayerNormalization", "SimplifiedLayerNormalization", "GroupNormalization",
+                         "InstanceNormalization", "RMSNormalization", "Softmax", "LogSoftmax"}
+_FP16_MARK = "mograph.fp16"
+
+
+def _yes(text: str) -> bool:
+    t = str(text).strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected yes or no")
+
+
+class Fp16Pass(Pass):
+    """Convert to FP16, keeping FP32 where calibration measures overflow or reductions are deep."""
+
+    name = "fp16"
+    family = "quant"
+    options = (
+        *CALIBRATION_OPTIONS,
+        *PLAN_OPTIONS,
+        Option("fp16-io", _yes, False, "make graph inputs and outputs float16 too (yes/no)", metavar="yes|no"),
+        Option("fp16-max", float, 65504.0, "magnitude at which a tensor counts as overflowing float16", metavar="X"),
+        Option("fp16-reduction-limit", int, 4096, "reductions over this many elements or more stay float32",
+               metavar="N"),
+    )
+    progress = None
+
+    def call(self, model: ir.Model) -> PassResult:
+        graph = model.graph
+        if any(n.metadata_props.get(_FP16_MARK) for n in graph) or any(
+            v.dtype == ir.DataType.FLOAT16 for v in graph.inputs
+        ):
+            return PassResult(False, {"converted": 0, "skipped_already_fp16": 1})
+        dtypes = cal.infer_dtypes(model)
+        floats = {name for name, t in dtypes.items() if t == _F32}
+        compute = [n for n in graph if any(v is not None and v.name in floats for v in (*n.inputs, *n.outputs))]
+        if not compute:
+            return PassResult(False, {"converted": 0})
+        source = open_calibration(self, model)
+        observed = [v.name for n in compute for v in n.outputs if v.name in floats]
+        observed += [v.name for v in graph.inputs if v.name in floats]
+        stats_by = cal.observe(model, observed, source, progress=self.progress, dtypes=dtypes)
+        limit_abs = float(self.config["fp16_max"])
+        limit_red = int(self.config["fp16_reduction_limit"])
+
+        def amax(v: ir.Value | None) -> float:
+            if v is None or v.name not in floats:
+                return 0.0
+            if v.const_value is not None:
+                return float(np.abs(v.const_value.numpy()).max()) if v.const_value.size else 0.0
+            s = stats_by.get(v.name or "")
+            return s.amax if s is not None else 0.0
+
+        def reduced(n: ir.Node) -> int:
+            x = stats_by.get(n.inputs[0].name or "") if n.inputs and n.inputs[0] is not None else None
+            y = stats_by.get(n.outputs[0].name or "")
+            if x is None:
+                return 0
+            if n.op_type in _REDUCTIONS_LAST_AXIS:
+                return x.max_reduced
+            return x.max_size // max(y.max_size, 1) if y is not None else x.max_size
+
+        decisions: dict[int, tuple[str, str]] = {}
+        keep = set(self.config.get("keep_fp32") or [])
+        user = load_plan(self.config["precision_plan"]) if self.config.get("precision_plan") else None
+        for n in compute:
+            key = node_key(n)
+            if user is not None and user.precision_of(key) is not None:
+                prec = "fp16" if user.precision_of(key) == "fp16" else "fp32"
+                decisions[id(n)] = (prec, f"user override (plan {self.config['precision_plan']})")
+            elif key in keep or n.op_type in keep:
+                decisions[id(n)] = ("fp32", "user override (--keep-fp32)")
+            elif n.domain not in ("", "ai.onnx"):
+                decisions[id(n)] = ("fp32", f"default rule: custom domain {n.domain}")
+            else:
+                peak = max(amax(v) for v in (*n.inputs, *n.outputs))
+                depth = reduced(n) if n.op_type in _REDUCTIONS_BY_SIZE | _REDUCTIONS_LAST_AXIS else 0
+                if peak >= limit_abs:
+                    decisions[id(n)] = ("fp32", f"measured sensitivity: |x| reached {peak:.4g} >= {limit_abs:g}")
+                elif depth >= limit_red:
+                    decisions[id(n)] = ("fp32", f"measured sensitivity: reduces {depth} elements >= {limit_red}")
+                else:
+                    decisions[id(n)] = ("fp16", "default rule: float16")
+        converted = self._convert(model, compute, decisions, floats)
+        plan = PrecisionPlan(self.name)
+        plan.meta["calibration"] = calibration_meta(source, max((s.samples for s in stats_by.values()), default=0),
+                                                    None)
+        for n in compute:
+            plan.add(n, *decisions[id(n)])
+        stats: dict[str, int | float] = {
+            "converted": sum(1 for n in compute if decisions[id(n)][0] == "fp16"),
+            "kept_fp32": sum(1 for n in compute if decisions[id(n)][0] == "fp32"),
+            "kept_fp32.overflow": sum(1 for n in compute if "|x| reached" in decisions[id(n)][1]),
+            "kept_fp32.reduction": sum(1 for n in compute if "reduces" in decisions[id(n)][1]),
+            "initializers_fp16": converted["initializers"],
+            "casts": converted["casts"],
+        }
+        if source.random:
+            stats["calibrated_on_random_data"] = 1
+        details: dict[str, Any] = {"plan": plan.to_dict()}
+        if source.random:
+            from mograph.passes.quant._base import RANDOM_WARNING
+
+            details = {"WARNING": RANDOM_WARNING, **details}
+        if self.config.get("precision_plan_out"):
+            plan.write(self.config["precision_plan_out"])
+        return PassResult(stats["converted"] > 0, stats, details)
+
+    def _convert(self, model: ir.Model, compute: list[ir.Node], decisions: dict[int, tuple[str, str]],
+                 floats: set[str]) -> dict[str, int]:
+        graph = model.graph
+        half = {id(n) for n in compute if decisions[id(n)][0] == "fp16"}
+        if not half:
+            return {"initializers": 0, "casts": 0}
+        io16 = bool(self.config.get("fp16_io"))
+        counts = {"initializers": 0, "casts": 0}
+        # where each float value lives: its producer's precision, initializers where all consumers are fp16
+        home: dict[int, str] = {}
+        values: list[ir.Value] = []
+        for v in graph.inputs:
+            if v.name in floats:
+                home[id(v)] = "fp16" if io16 else "fp32"
+                values.append(v)
+        for name, v in list(graph.initializers.items()):
+            if name in floats and v.uses() and all(id(u.node) in half for u in v.uses()):
+                t = v.const_value
+                assert t is not None
+                v.const_value = ir.tensor(t.numpy().astype(np.float16), name=name)
+                v.dtype = ir.DataType.FLOAT16
+                home[id(v)] = "fp16"
+                counts["initializers"] += 1
+            elif name in floats:
+                home[id(v)] = "fp32"
+                values.append(v)
+        for n in compute:
+            prec = decisions[id(n)][0]
+            for v in n.outputs:
+                if v.name in floats:
+                    home[id(v)] = prec
+                    values.append(v)
+                    if prec == "fp16":
+                        v.dtype = ir.DataType.FLOAT16
+            if prec == "fp16":
+                n.metadata_props[_FP16_MARK] = "1"
+                self._retype_attributes(n)
+        if io16:
+            for v in graph.inputs:
+                if v.name in floats:
+                    v.dtype = ir.DataType.FLOAT16
+        # casts on edges that cross precisions (one per value and direction)
+        casts: dict[tuple[int, str], ir.Value] = {}
+        first = next(iter(graph))
+        for v in values:
+            for use in list(v.uses()):
+                consumer = use.node
+                if consumer.op_type == "Cast" and consumer.metadata_props.get("mograph.fp16.cast"):
+                    continue
+                want = "fp16" if id(consumer) in half else "fp32"
+                if want == home.get(id(v)) or consumer.op_type in ("Shape", "Size"):
+                    continue
+                key = (id(v), want)
+                if key not in casts:
+                    to = ir.DataType.FLOAT16 if want == "fp16" else ir.DataType.FLOAT
+                    cast = ir.node("Cast", [v], {"to": to.value}, name=f"{v.name}_to_{want}")
+                    cast.metadata_props["mograph.fp16.cast"] = "1"
+                    cast.outputs[0].name = f"{v.name}_{want}"
+                    cast.outputs[0].dtype = to
+                    producer = v.producer()
+                    if producer is not None:
+                        graph.insert_after(producer, cast)
+                    else:
+                        graph.insert_before(first, cast)
+                    casts[key] = cast.outputs[0]
+                    counts["casts"] += 1
+                consumer.replace_input_with(use.idx, casts[key])
+        # graph outputs back to float32 unless asked
+        for i, v in enumerate(list(graph.outputs)):
+            if home.get(id(v)) == "fp16" and not io16:
+                name = v.name
+                v.name = f"{name}_fp16"
+                cast = ir.node("Cast", [v], {"to": _F32}, name=f"{name}_to_fp32")
+                cast.outputs[0].name = name
+                cast.outputs[0].dtype = ir.DataType.FLOAT
+                cast.outputs[0].shape = v.shape
+                graph.append(cast)
+                graph.outputs[i] = cast.outputs[0]
+                counts["casts"] += 1
+            elif home.get(id(v)) == "fp32" and io16 and v.name in floats:
+                raise OptionError(f"{self.name}: output {v.name} stays float32 (kept node); --fp16-io not possible")
+        return counts
+
+    @staticmethod
+    def _retype_attributes(n: ir.Node) -> None:
+        if n.op_type == "Cast":
+            to = n.attributes.get("to")
+            if to is not None and to.as_int() == _F32:
+                n.attributes["to"] = ir.AttrInt64("to", _F16)
+        elif n.op_type in ("Constant", "ConstantOfShape"):
+            for key in ("value",):
+                a = n.attributes.get(key)
+                if a is not None and isinstance(a.value, ir.TensorProtocol) and a.value.dtype == ir.DataType.FLOAT:
+                    n.attributes[key] = ir.AttrTensor(key, ir.tensor(a.value.numpy().astype(np.float16)))
+            for key in ("value_float", "value_floats"):
+                a = n.attributes.get(key)
+                if a is not None:
+                    arr = np.array(a.value, dtype=np.float16)
+                    del n.attributes[key]
+                    n.attributes["value"] = ir.AttrTensor("value", ir.tensor(arr))
