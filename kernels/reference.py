@@ -151,8 +151,7 @@ def _gelu_f64(v: np.ndarray, approximate: str) -> np.ndarray:
     v = v.astype(np.float64)
     if approximate == "none":
         with np.errstate(invalid="ignore"):
-            y = 0.5 * v * erfc(-v / _SQRT_2)
-        return np.where(np.isneginf(v), -0.0, y)  # the limit at -inf, where the product is inf * 0
+            return 0.5 * v * erfc(-v / _SQRT_2)  # NaN at -inf (-inf * 0), as in PyTorch and the kernels
     if approximate == "tanh":
         u = _TANH_K * (v + 0.044715 * v * v * v)
         with np.errstate(over="ignore", invalid="ignore"):

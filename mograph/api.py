@@ -13,7 +13,8 @@ model in the same form it was given (a path gives an ``onnx_ir.Model``).
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Literal, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
 
 import onnx_ir as ir
 

@@ -23,8 +23,9 @@ import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Union
+from typing import Any, Union
 
 import numpy as np
 import onnx

@@ -23,8 +23,9 @@ import hashlib
 import logging
 import numbers
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterable
+from typing import Any, ClassVar
 
 import onnx_ir as ir
 

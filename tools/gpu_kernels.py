@@ -166,10 +166,10 @@ class Bench:
             self.sets.append(s)
         self.vecs = {"gamma": rnd(hidden, scale=0.2, shift=1.0), "beta": rnd(hidden, scale=0.2),
                      "bias": rnd(hidden, scale=0.2)}  # fmt: skip
-        self.fn = getattr(lib, abi.symbol(self._kernel_op, dtype))
+        self.fn = getattr(lib, abi.symbol(self.kernel_op, dtype))
 
     @property
-    def _kernel_op(self) -> str:
+    def kernel_op(self) -> str:
         return "gelu" if self.op == "gelu_tanh" else self.op
 
     def calls_needed(self) -> int:
@@ -339,15 +339,18 @@ SWEEP_VARIANTS = {
     "E8": ["-DMOGRAPH_NORM_MAX_ELEMS=8"],
     "E16": ["-DMOGRAPH_NORM_MAX_ELEMS=16"],
     "E32": ["-DMOGRAPH_NORM_MAX_ELEMS=32"],
-    "E16cs": ["-DMOGRAPH_NORM_MAX_ELEMS=16", "-DMOGRAPH_STREAMING_HINTS"],
-    "E32cs": ["-DMOGRAPH_NORM_MAX_ELEMS=32", "-DMOGRAPH_STREAMING_HINTS"],
+    "nocs": ["-DMOGRAPH_NO_STREAMING_HINTS"],
+    "E16nocs": ["-DMOGRAPH_NORM_MAX_ELEMS=16", "-DMOGRAPH_NO_STREAMING_HINTS"],
+    "E32nocs": ["-DMOGRAPH_NORM_MAX_ELEMS=32", "-DMOGRAPH_NO_STREAMING_HINTS"],
+    "flatbias": ["-DMOGRAPH_GELU_FLAT_BIAS"],
 }
+"""Compile-time variants of the library for --sweep (see the MOGRAPH_* macros in kernels/src)."""
 
 
-def run_sweep(torch, abi, build, args, copy_bps: float) -> list:
-    """Time the norm kernels of several compile-time variants (register budget, cache hints) side by side.
+def run_sweep(torch, abi, build, harness, args, copy_bps: float) -> list:
+    """Time our kernels in several compile-time variants side by side, each also run through the correctness grid.
 
-    Each variant is built for sm_90 only into kernels/build/sweep_<name>; only our kernels are timed.
+    Each variant is built for sm_90 only into kernels/build/sweep_<name>; "default" is the main library.
     """
     names = args.sweep.split(",")
     t0 = time.monotonic()
@@ -360,26 +363,33 @@ def run_sweep(torch, abi, build, args, copy_bps: float) -> list:
         paths = dict(zip(names, pool.map(build_variant, names)))
     log(f"sweep: built {len(names)} variants in {time.monotonic() - t0:.1f}s")
     libs = {nm: abi.load(p) for nm, p in paths.items()}
-    out = []
-    log(f"{'op':<16}{'dtype':<6}{'shape':>12}" + "".join(f"{nm + ' us':>10}{'/copy':>7}" for nm in names))
+    backend, _ = harness.find_backend()
+    out: list = []
+    for nm, lib in libs.items():
+        cases = harness.make_grid(rows=args.grid_rows)
+        bad = [c.label for i, c in enumerate(cases) if not harness.check_case(lib, backend, c, seed=i).ok]
+        out.append({"variant": nm, "grid_cases": len(cases), "grid_failures": bad})
+        log(f"sweep {nm}: correctness {len(cases) - len(bad)}/{len(cases)}" + (f" FAIL {bad[:5]}" if bad else ""))
+    ops = args.sweep_ops.split(",")
+    log(f"{'op':<16}{'dtype':<6}{'shape':>12}" + "".join(f"{nm + ' us':>12}{'/copy':>7}" for nm in names))
     for rows, hidden in SHAPES:
         for dtype in args.sweep_dtypes.split(","):
-            for op in ("layer_norm", "rms_norm", "skip_layer_norm"):
+            for op in ops:
                 rec = {"op": op, "dtype": dtype, "rows": rows, "hidden": hidden}
                 line = f"{op:<16}{dtype:<6}{str(rows) + 'x' + str(hidden):>12}"
                 b = Bench(torch, libs[names[0]], abi, op, dtype, rows, hidden)
                 k = b.calls_needed()
                 for nm in names:
                     b.lib = libs[nm]
-                    b.fn = getattr(libs[nm], abi.symbol(op, dtype))
+                    b.fn = getattr(libs[nm], abi.symbol(b.kernel_op, dtype))
                     try:
                         err = b.error_vs_torch()
                         t, _ = time_graph(torch, _rotating(b.ours, b.sets, k), args.reps)
                         rec[nm] = {"s": t, "frac_copy": b.bytes / t / copy_bps, "err": err}
-                        line += f"{t * 1e6:>10.1f}{b.bytes / t / copy_bps:>7.3f}"
+                        line += f"{t * 1e6:>12.1f}{b.bytes / t / copy_bps:>7.3f}"
                     except Exception as exc:
                         rec[nm] = {"error": f"{exc.__class__.__name__}: {exc}"[:300]}
-                        line += f"{'ERR':>10}{'':>7}"
+                        line += f"{'ERR':>12}{'':>7}"
                 out.append(rec)
                 log(line)
                 b = None
@@ -444,7 +454,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-bench", dest="bench", action="store_false")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile baseline")
     parser.add_argument("--compile-budget", type=float, default=240.0, help="seconds for torch.compile baselines")
-    parser.add_argument("--compile-dtypes", default="f16,f32", help="dtypes that get a torch.compile baseline")
+    parser.add_argument("--compile-dtypes", default="f16,f32,bf16", help="dtypes that get a torch.compile baseline")
     parser.add_argument("--dtypes", default="f16,f32,bf16")
     parser.add_argument("--ops", default=",".join(BENCH_OPS))
     parser.add_argument("--reps", type=int, default=25, help="timed graph replays per candidate")
@@ -455,6 +465,7 @@ def main(argv=None) -> int:
         help=f"comma-separated norm-kernel variants to build and time side by side: {', '.join(SWEEP_VARIANTS)}",
     )
     parser.add_argument("--sweep-dtypes", default="f16,f32")
+    parser.add_argument("--sweep-ops", default="layer_norm,rms_norm,skip_layer_norm,bias_gelu")
     parser.add_argument("--json", type=Path, default=None, help="write results here (default: $OUT/gpu_kernels.json)")
     args = parser.parse_args(argv)
 
@@ -500,7 +511,7 @@ def main(argv=None) -> int:
         results["copy_bytes_per_s"] = copies
         log("copy bandwidth (read + write, 1 GiB): " + ", ".join(f"{k} {v / 1e9:.0f} GB/s" for k, v in copies.items()))
         if args.sweep:
-            results["sweep"] = run_sweep(torch, abi, build, args, copy_bps)
+            results["sweep"] = run_sweep(torch, abi, build, harness, args, copy_bps)
             save()
         bench: list = []
         results["bench"] = bench

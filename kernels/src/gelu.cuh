@@ -31,6 +31,13 @@ __device__ __forceinline__ float exp2_approx(float a) {
     return r;
 }
 
+// 1 / a by the special-function unit (within 1 ulp).
+__device__ __forceinline__ float rcp_approx(float a) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(a));
+    return r;
+}
+
 // P(t), Horner form, highest coefficient first.
 template <bool PRECISE>
 __device__ __forceinline__ float gelu_tail_poly(float t) {
@@ -64,7 +71,7 @@ __device__ __forceinline__ float gelu_f32(float x) {
         const float e = PRECISE ? expf(-2.0f * u) : __expf(-2.0f * u);
         return __fdividef(x, 1.0f + e);  // a denominator past 2^126 gives 0: the true value is below 1e-37
     } else {
-        const float t = __fdividef(1.0f, fmaf(fabsf(x), 0.35355339059327373f, 1.0f));  // 1 / (1 + |x| / sqrt 8)
+        const float t = rcp_approx(fmaf(fabsf(x), 0.35355339059327373f, 1.0f));  // 1 / (1 + |x| / sqrt 8)
         const float q = t * exp2_approx(fmaf(-0.7213475204444817f * x, x, gelu_tail_poly<PRECISE>(t)));
         return x * (x >= 0.0f ? 1.0f - q : q);  // gelu(+inf) = inf; gelu(-inf) = -inf * 0 = NaN, as in PyTorch
     }

@@ -111,7 +111,7 @@ def _summary(report: Any, out: Path | None) -> str:
         )
     if report.verification is not None:
         v = report.verification
-        lines.append(f"verify: {'passed' if v['passed'] else 'FAILED'} — {v.get('summary', '')}")
+        lines.append(f"verify: {v.get('summary', 'passed' if v['passed'] else 'FAILED')}")
     if out is not None:
         lines.append(f"wrote {out}")
     return "\n".join(lines)

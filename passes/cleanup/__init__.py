@@ -7,13 +7,14 @@ topological sort.
 
 from __future__ import annotations
 
-from mograph.hookspecs import hookimpl
 from mograph.passes.cleanup.cse import CsePass
 from mograph.passes.cleanup.eliminate_dead import EliminateDeadPass
 from mograph.passes.cleanup.eliminate_identity import EliminateIdentityPass
 from mograph.passes.cleanup.fold_constants import FoldConstantsPass
 from mograph.passes.cleanup.infer_shapes import InferShapesPass
 from mograph.passes.cleanup.topo_sort import TopoSortPass
+
+from mograph.hookspecs import hookimpl
 
 __all__ = [
     "CsePass",

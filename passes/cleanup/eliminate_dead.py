@@ -9,10 +9,10 @@ removed too (they are dead weight in the saved file).
 from __future__ import annotations
 
 import onnx_ir as ir
+from mograph.passes.cleanup._util import op_histogram, removed_by_op
 from onnx_ir.passes import common as irp
 
 from mograph.pass_infra import Pass, PassResult
-from mograph.passes.cleanup._util import op_histogram, removed_by_op
 
 __all__ = ["EliminateDeadPass"]
 

@@ -16,10 +16,10 @@ must be optimizable with memory far below its size).
 from __future__ import annotations
 
 import onnx_ir as ir
+from mograph.passes.cleanup._util import op_histogram, removed_by_op
 from onnxscript.optimizer import _constant_folding as cf
 
 from mograph.pass_infra import Option, Pass, PassResult, graph_fingerprint
-from mograph.passes.cleanup._util import op_histogram, removed_by_op
 
 __all__ = ["FoldConstantsPass"]
 

@@ -344,9 +344,21 @@ def _delete_slices(graph: ir.Graph, plans: list[tuple[Group, list[int], int]]) -
             node = group.nodes[node_id]
             if node.inputs[input_index] is value:
                 node.replace_input_with(input_index, copy)
-        producer = value.producer()
-        if producer is not None and producer.op_type == "Identity" and not value.uses() and not value.is_graph_output():
-            graph.remove(producer, safe=True)
+        _drop_if_unread(graph, value)
+
+
+def _drop_if_unread(graph: ir.Graph, value: ir.Value) -> None:
+    """Remove an Identity or initializer left without readers by the private copies (and what it read)."""
+    if value.uses() or value.is_graph_output() or value.is_graph_input():
+        return
+    producer = value.producer()
+    if producer is not None and producer.op_type == "Identity":
+        source = producer.inputs[0]
+        graph.remove(producer, safe=True)
+        if source is not None:
+            _drop_if_unread(graph, source)
+    elif value.is_initializer() and value.name in graph.initializers:
+        graph.initializers.pop(value.name)
 
 
 def _cut(value: ir.Value, per_axis: dict[int, set[int]]) -> np.ndarray:
