@@ -350,3 +350,13 @@ def test_api_options_reach_the_passes_that_declare_them():
     reg = mograph.plugins.get_registry()
     instances = reg.instantiate(["cse", "fold-constants"], {"fold_limit": 5, "cse_size_limit": 3})
     assert [i.config for i in instances] == [{"cse_size_limit": 3}, {"fold_limit": 5}]
+
+
+@pytest.mark.parametrize("builder", ["bert_tiny", "cnn_small"])
+def test_cleanup_is_honest_on_exporter_shaped_models(builder):
+    from models import builders
+
+    proto = getattr(builders, builder)()
+    model, report = mograph.optimize(proto, passes="cleanup", check_modified=True)
+    assert [p.name for p in report.passes] == mograph.plugins.get_registry().expand("cleanup")
+    assert report.passes[-1].nodes_after <= report.passes[0].nodes_before
