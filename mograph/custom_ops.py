@@ -14,8 +14,9 @@ plugin that owns it, with everything every other part of mograph needs:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["CustomOp", "DOMAIN", "DOMAIN_VERSION"]
 

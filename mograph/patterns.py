@@ -98,13 +98,13 @@ def _attr_constant(node: ir.Node) -> np.ndarray | None:
     return None
 
 
-_UNARY = {
+_UNARY: dict[str, Callable[[np.ndarray], Any]] = {
     "Identity": lambda a: a,
     "Sqrt": np.sqrt,
     "Reciprocal": lambda a: np.reciprocal(a),
     "Neg": np.negative,
 }
-_BINARY = {
+_BINARY: dict[str, Callable[[np.ndarray, np.ndarray], Any]] = {
     "Add": np.add,
     "Sub": np.subtract,
     "Mul": np.multiply,
@@ -470,6 +470,7 @@ def remove_dead_producers(graph: ir.Graph, values: Iterable[ir.Value | None]) ->
                 and not v.uses()
                 and not v.is_graph_input()
                 and not v.is_graph_output()
+                and v.name is not None
                 and v.name in graph.initializers
                 and graph.initializers[v.name] is v
             ):

@@ -19,9 +19,10 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, Iterable
+from typing import Any
 
 import pluggy
 

@@ -336,6 +336,7 @@ def run_benchmarks(
 
 
 SWEEP_VARIANTS = {
+    "default": [],
     "E8": ["-DMOGRAPH_NORM_MAX_ELEMS=8"],
     "E16": ["-DMOGRAPH_NORM_MAX_ELEMS=16"],
     "E32": ["-DMOGRAPH_NORM_MAX_ELEMS=32"],

@@ -13,8 +13,9 @@ import importlib
 import json
 import logging
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from mograph.errors import MographError
 

@@ -15,19 +15,20 @@ from mograph.passes.fusion.rmsnorm import FuseRMSNormPass
 from mograph.passes.fusion.skip_layernorm import FuseSkipLayerNormPass
 
 from mograph.hookspecs import hookimpl
+from mograph.pass_infra import Pass
 
 __all__ = ["FuseBiasGeluPass", "FuseGeluPass", "FuseLayerNormPass", "FuseRMSNormPass", "FuseSkipLayerNormPass", "FUSE"]
 
 FUSE = ["fuse-layernorm", "fuse-rmsnorm", "fuse-skip-layernorm", "fuse-gelu", "fuse-bias-gelu"]
 
 
-def _passes() -> list[type]:
-    out: list[type] = [FuseLayerNormPass, FuseRMSNormPass, FuseSkipLayerNormPass, FuseGeluPass, FuseBiasGeluPass]
+def _passes() -> list[type[Pass]]:
+    out: list[type[Pass]] = [FuseLayerNormPass, FuseRMSNormPass, FuseSkipLayerNormPass, FuseGeluPass, FuseBiasGeluPass]
     return out
 
 
 @hookimpl
-def mograph_add_passes() -> list[type]:
+def mograph_add_passes() -> list[type[Pass]]:
     return _passes()
 
 

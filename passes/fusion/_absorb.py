@@ -95,8 +95,9 @@ class NormCastFusion(_NormRule):
     def pattern(self, op: Any, xin: Any, s0: Any, b0: Any, to: Any) -> Any:
         return op.Cast(_norm(op, self.kinds, xin, s0, b0), to=to)
 
-    def check(self, context: Any, xin: ir.Value, s0: ir.Value, b0: ir.Value | None, to: ir.Attr,
-              norm_out: ir.Value, **_: Any) -> MatchResult:
+    def check(self, context: Any,  # type: ignore[override]  # bindings come by keyword
+              xin: ir.Value, s0: ir.Value, b0: ir.Value | None, to: ir.Attr, norm_out: ir.Value,
+              **_: Any) -> MatchResult:
         target = ir.DataType(to.value)
         self._x0 = None
         if target == xin.dtype:
@@ -138,8 +139,8 @@ class NormScaleFusion(_NormRule):
     def pattern(self, op: Any, x: Any, s0: Any, b0: Any, scale: Any) -> Any:
         return op.Mul(_norm(op, self.kinds, x, s0, b0), scale)
 
-    def check(self, context: Any, x: ir.Value, s0: ir.Value, b0: ir.Value | None, scale: ir.Value,
-              **_: Any) -> MatchResult:
+    def check(self, context: Any,  # type: ignore[override]  # bindings come by keyword
+              x: ir.Value, s0: ir.Value, b0: ir.Value | None, scale: ir.Value, **_: Any) -> MatchResult:
         if not _all(s0, 1.0) or not _all(b0, 0.0):
             return self.fail("the norm already has a scale or bias", s0)
         if scale.dtype != x.dtype:
@@ -167,7 +168,8 @@ class NormBiasFusion(_NormRule):
     def pattern(self, op: Any, x: Any, s0: Any, b0: Any, bias: Any) -> Any:
         return op.Add(_norm(op, self.kinds, x, s0, b0), bias)
 
-    def check(self, context: Any, x: ir.Value, b0: ir.Value | None, bias: ir.Value, **_: Any) -> MatchResult:
+    def check(self, context: Any,  # type: ignore[override]  # bindings come by keyword
+              x: ir.Value, b0: ir.Value | None, bias: ir.Value, **_: Any) -> MatchResult:
         if not _all(b0, 0.0):
             return self.fail("the norm already has a bias", b0)
         if bias.dtype != x.dtype:

@@ -168,16 +168,16 @@ def check_reduction(context: Any, node: ir.Node) -> MatchResult:
     """A Reduce* node of a norm must reduce only the last axis, keeping dims."""
     result = MatchResult()
     axes = _axes_of(node)
-    if axes == "dynamic":
+    if isinstance(axes, str):  # "dynamic"
         return result.fail(f"reduction '{node.name}' has axes that are not constant", node)
     keepdims = node.attributes.get("keepdims")
     if keepdims is not None and int(keepdims.value) == 0:
         return result.fail(f"reduction '{node.name}' does not keep dims", node)
     x = node.inputs[0]
     rank = len(x.shape) if x is not None and x.shape is not None else None
-    if axes is None or len(axes) != 1:  # type: ignore[arg-type]
+    if axes is None or len(axes) != 1:
         return result.fail(f"reduction '{node.name}' is not over the last axis (axes {axes})", node)
-    axis = axes[0]  # type: ignore[index]
+    axis = axes[0]
     if axis == -1 or (rank is not None and axis == rank - 1):
         return result
     if rank is None and axis >= 0:

@@ -46,7 +46,8 @@ class BiasGeluFusion(Rule):
             tag_values=["exact", "tanh", "onnx", "exact", "tanh"],
         )
 
-    def check(self, context: Any, x: ir.Value, bias: ir.Value, g: ir.Value, form: str, **_: Any) -> MatchResult:
+    def check(self, context: Any,  # type: ignore[override]  # bindings come by keyword
+              x: ir.Value, bias: ir.Value, g: ir.Value, form: str, **_: Any) -> MatchResult:
         node = g.producer()
         assert node is not None
         if "plugin_namespace" in node.attributes:

@@ -46,7 +46,8 @@ class _GeluRule(Rule):
     min_candidate_nodes = 4
     op_name = "Gelu"
 
-    def check(self, context: Any, x: ir.Value, **_: Any) -> MatchResult:
+    def check(self, context: Any,  # type: ignore[override]  # bindings come by keyword
+              x: ir.Value, **_: Any) -> MatchResult:
         if not is_float(x):
             return self.fail(f"input '{x.name}' is not a floating-point tensor", x)
         opset = getattr(self, "model_opset", 17)

@@ -59,7 +59,8 @@ class LayerNormFusion(Rule):
             tag_values=["div-sqrt", "mul-reciprocal", "mul-one-div", "mul-pow", "div-pow"],
         )
 
-    def check(self, context: Any, x: ir.Value, eps: ir.Value, **_: Any) -> MatchResult:
+    def check(self, context: Any,  # type: ignore[override]  # bindings come by keyword
+              x: ir.Value, eps: ir.Value, **_: Any) -> MatchResult:
         value = check_norm_input(self, x, eps)
         if isinstance(value, MatchResult):
             return value

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -236,17 +237,19 @@ def _skip_order(x: ir.Value, skip: ir.Value) -> tuple[ir.Value, ir.Value] | None
     dim of one operand where the other has a different dim makes that operand the skip; symbolic dims
     of the two operands are taken to be equal (both are residual-stream activations).
     """
-    if x.shape is None or skip.shape is None:
+    x_shape, s_shape = x.shape, skip.shape
+    if x_shape is None or s_shape is None:
         return None
-    if len(x.shape) < len(skip.shape):
+    if len(x_shape) < len(s_shape):
         x, skip = skip, x
-    if len(x.shape) not in (2, 3) or len(skip.shape) not in (2, 3):
+        x_shape, s_shape = s_shape, x_shape
+    if len(x_shape) not in (2, 3) or len(s_shape) not in (2, 3):
         return None
-    if not isinstance(x.shape[-1], int) or x.shape[-1] != skip.shape[-1]:
+    if not isinstance(x_shape[-1], int) or x_shape[-1] != s_shape[-1]:
         return None
-    if len(x.shape) == len(skip.shape):
-        x_ones = any(d == 1 and e != 1 for d, e in zip(x.shape, skip.shape))
-        s_ones = any(e == 1 and d != 1 for d, e in zip(x.shape, skip.shape))
+    if len(x_shape) == len(s_shape):
+        x_ones = any(d == 1 and e != 1 for d, e in zip(x_shape, s_shape))
+        s_ones = any(e == 1 and d != 1 for d, e in zip(x_shape, s_shape))
         if x_ones and s_ones:
             return None
         if x_ones:
@@ -312,7 +315,7 @@ def _gelu_standard(node: ir.Node, model: ir.Model, approximate: str, with_bias: 
     return True
 
 
-def _ms(node: ir.Node, op_type: str, inputs: list[ir.Value | None], **attrs: object) -> bool:
+def _ms(node: ir.Node, op_type: str, inputs: list[ir.Value | None], **attrs: Any) -> bool:
     new = ir.node(op_type, inputs, attributes=attrs, domain=MS_DOMAIN)
     _replace(node, [new], [new.outputs[0]])
     return True

@@ -149,7 +149,7 @@ class _Body:
         self.nodes.append(node)
         return node.outputs[0]
 
-    def ref(self, attr: str, ref: str, kind: ir.AttributeType) -> ir.RefAttr:
+    def ref(self, attr: str, ref: str, kind: ir.AttributeType) -> ir.Attr:
         return ir.RefAttr(attr, ref, kind)
 
     def const(self, value: float, like: ir.Value) -> ir.Value:

@@ -48,7 +48,8 @@ class RMSNormFusion(Rule):
             tag_values=["div-sqrt", "mul-reciprocal", "mul-one-div", "mul-pow", "div-pow"],
         )
 
-    def check(self, context: Any, x: ir.Value, eps: ir.Value | None, **_: Any) -> MatchResult:
+    def check(self, context: Any,  # type: ignore[override]  # bindings come by keyword
+              x: ir.Value, eps: ir.Value | None, **_: Any) -> MatchResult:
         value = check_norm_input(self, x, eps)
         if isinstance(value, MatchResult):
             return value

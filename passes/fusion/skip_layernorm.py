@@ -56,8 +56,8 @@ class SkipLayerNormFusion(Rule):
         )
         return ln, s
 
-    def check(self, context: Any, a: ir.Value, skip: ir.Value, scale: ir.Value, ln_out: ir.Value,
-              sum: ir.Value, **kw: Any) -> MatchResult:
+    def check(self, context: Any,  # type: ignore[override]  # bindings come by keyword
+              a: ir.Value, skip: ir.Value, scale: ir.Value, ln_out: ir.Value, sum: ir.Value, **kw: Any) -> MatchResult:
         node = ln_out.producer()
         assert node is not None
         if "plugin_namespace" in node.attributes:

@@ -35,9 +35,13 @@ import logging
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx_ir as ir
+
+if TYPE_CHECKING:
+    import onnx
 
 __all__ = [
     "ConstSlice",
@@ -165,7 +169,7 @@ def owns_tensor(value: ir.Value) -> bool:
     return node is None or node.op_type == "Constant"
 
 
-def _symbolic_inference(proto: object) -> object | None:
+def _symbolic_inference(proto: onnx.ModelProto) -> onnx.ModelProto | None:
     """ONNX Runtime's symbolic shape inference, when installed: it follows run-time shape arithmetic
     (an attention mask built by ``Expand`` keeps its broadcast 1 on the head axis) where ONNX's own
     inference gives up."""
@@ -211,7 +215,7 @@ class ShapeInfo:
             return None
         tensor = const_tensor(value)
         if tensor is not None:
-            return [int(d) for d in tensor.shape]
+            return [int(d) for d in tensor.shape.numpy()]
         own = None
         if value.shape is not None:
             own = [d if isinstance(d, int) else (d.value if d.value is not None else None) for d in value.shape]
@@ -423,7 +427,6 @@ def _gemm(ctx: _Ctx, node: ir.Node, is_input: bool, index: int, d: Dim) -> RuleR
         rc = ctx.shapes.rank(c) or 0
         y_axis = d.axis + (2 - rc)
     elif is_input:
-        y_axis = None
         if (index == 0 and d.axis == a_k) or (index == 1 and d.axis == b_k):
             return [(a, a_k, o, i_, "", 0), (b, b_k, o, i_, _role(b, "weight"), 1)]
         y_axis = 0 if index == 0 else 1
@@ -435,10 +438,10 @@ def _gemm(ctx: _Ctx, node: ir.Node, is_input: bool, index: int, d: Dim) -> RuleR
     else:
         result.append((b, b_n, o, i_, _role(b, "weight"), 1))
     if c is not None:
-        rc = ctx.shapes.rank(c)
-        if rc is None:
+        rank_c = ctx.shapes.rank(c)
+        if rank_c is None:
             return f"Gemm {node.name!r}: rank of C unknown"
-        axis = y_axis - (2 - rc)
+        axis = y_axis - (2 - rank_c)
         if axis >= 0 and not (_is_one(ctx.shapes.size(c, axis)) and not _is_one(ctx.shapes.size(y, y_axis))):
             result.append((c, axis, o, i_, _role(c, "bias"), 2))
     return result
@@ -731,15 +734,17 @@ def _reshape_groups(in_dims: list[DimSize], out_dims: list[DimSize]) -> list[tup
         pi = po = 1
         while True:
             if (not ins or pi < po) and i < len(in_dims):
-                if not isinstance(in_dims[i], int):
+                in_dim = in_dims[i]
+                if not isinstance(in_dim, int):
                     return None
-                pi *= in_dims[i]  # type: ignore[operator]
+                pi *= in_dim
                 ins.append(i)
                 i += 1
             elif (not outs or po < pi) and o < len(out_dims):
-                if not isinstance(out_dims[o], int):
+                out_dim = out_dims[o]
+                if not isinstance(out_dim, int):
                     return None
-                po *= out_dims[o]  # type: ignore[operator]
+                po *= out_dim
                 outs.append(o)
                 o += 1
             else:

@@ -357,7 +357,7 @@ def _drop_if_unread(graph: ir.Graph, value: ir.Value) -> None:
         graph.remove(producer, safe=True)
         if source is not None:
             _drop_if_unread(graph, source)
-    elif value.is_initializer() and value.name in graph.initializers:
+    elif value.is_initializer() and value.name is not None and value.name in graph.initializers:
         graph.initializers.pop(value.name)
 
 

@@ -269,8 +269,8 @@ class QdqPassBase(Pass):
             details = {"WARNING": RANDOM_WARNING, **details}
         if notes:
             details["notes"] = notes
-            for n in notes:
-                logger.warning("%s: %s", self.name, n)
+            for note in notes:
+                logger.warning("%s: %s", self.name, note)
         out = self.config.get("precision_plan_out")
         if out:
             plan.write(out)

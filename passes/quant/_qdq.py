@@ -117,7 +117,10 @@ def _is_const(v: ir.Value | None) -> bool:
 
 
 def _from_dq(v: ir.Value | None) -> bool:
-    return v is not None and v.producer() is not None and v.producer().op_type == "DequantizeLinear"
+    if v is None:
+        return False
+    producer = v.producer()
+    return producer is not None and producer.op_type == "DequantizeLinear"
 
 
 def _is_float(v: ir.Value | None) -> bool:

@@ -183,7 +183,7 @@ def _vocab_sizes(model: ir.Model) -> dict[str, int]:
             if node.op_type == "Gather" and use.idx == 1 and node.inputs[0] is not None:
                 table = node.inputs[0].const_value
                 if table is not None and len(table.shape) > 0:
-                    out[v.name or ""] = int(table.shape[0])
+                    out[v.name or ""] = int(table.shape.numpy()[0])
     return out
 
 

@@ -219,10 +219,10 @@ class Fp16Pass(Pass):
         # graph outputs back to float32 unless asked
         for i, v in enumerate(list(graph.outputs)):
             if home.get(id(v)) == "fp16" and not io16:
-                name = v.name
-                v.name = f"{name}_fp16"
-                cast = ir.node("Cast", [v], {"to": _F32}, name=f"{name}_to_fp32")
-                cast.outputs[0].name = name
+                out_name = v.name
+                v.name = f"{out_name}_fp16"
+                cast = ir.node("Cast", [v], {"to": _F32}, name=f"{out_name}_to_fp32")
+                cast.outputs[0].name = out_name
                 cast.outputs[0].dtype = ir.DataType.FLOAT
                 cast.outputs[0].shape = v.shape
                 graph.append(cast)

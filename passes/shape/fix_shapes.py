@@ -34,7 +34,7 @@ from mograph.passes.shape._spec import find_input, parse_dim_assignment, parse_s
 from onnx_ir.passes import common as irp
 from onnxscript.optimizer import _constant_folding as cf
 
-from mograph.errors import OptionError
+from mograph.errors import ModelError, OptionError
 from mograph.pass_infra import Option, Pass, PassResult
 
 __all__ = ["FixShapesPass", "FOLD_OUTPUT_LIMIT"]
@@ -149,6 +149,8 @@ class FixShapesPass(Pass):
                 else:
                     new.append(h)
             if new != have:
+                if v.name is None:  # ONNX requires graph inputs to be named
+                    raise ModelError(f"{self.name}: a graph input has no name, so its new shape cannot be planned")
                 plan[v.name] = tuple(new)
         return plan
 
@@ -169,8 +171,10 @@ class FixShapesPass(Pass):
             for axis, d in enumerate(new):
                 if old is None or old[axis] != d:
                     dims_fixed += 1
-                if old is not None and isinstance(old[axis], str) and isinstance(d, int):
-                    pinned[old[axis]] = d
+                if old is not None:
+                    was = old[axis]
+                    if isinstance(was, str) and isinstance(d, int):
+                        pinned[was] = d
             v.shape = ir.Shape(list(new))
 
         # Forget every derived shape: declared ones may be wrong, and stale symbols must not survive.

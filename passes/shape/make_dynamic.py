@@ -167,6 +167,22 @@ def _const(v: ir.Value | None) -> np.ndarray | None:
     return None if t is None else t.numpy()
 
 
+def _input(node: ir.Node, index: int) -> ir.Value:
+    """Input ``index`` of ``node``, one the op requires; refuses when the model leaves it out."""
+    v = node.inputs[index] if index < len(node.inputs) else None
+    if v is None:
+        raise _Refuse(node, f"its required input {index} is missing")
+    return v
+
+
+def _static_shape(v: ir.Value) -> list[int] | None:
+    """The shape of ``v`` when every dim is a known integer, else ``None``."""
+    if v.shape is None:
+        return None
+    dims = [int(d) for d in v.shape.dims if isinstance(d, int)]
+    return dims if len(dims) == len(v.shape.dims) else None
+
+
 def _attr(node: ir.Node, name: str, default: Any = None) -> Any:
     a = node.attributes.get(name)
     return default if a is None else a.value
@@ -183,7 +199,7 @@ class _Analysis:
         self.witness = dict(witness)
         self.overrides = overrides
         self.tags: dict[ir.Value, list[Dim]] = {}
-        self.elems: dict[ir.Value, list[Dim]] = {}  # symbolic contents of small int shape tensors
+        self.elems: dict[ir.Value, list[Dim | None]] = {}  # symbolic contents of small int shape tensors
         self.actions: list[Any] = list(source_actions)
         self._fresh = 0
         for v, dims in seeds.items():
@@ -205,9 +221,10 @@ class _Analysis:
         return (name,)
 
     def static(self, node: ir.Node | None, v: ir.Value) -> list[int]:
-        if v.shape is None or not all(isinstance(d, int) for d in v.shape.dims):
+        shape = _static_shape(v)
+        if shape is None:
             raise _Refuse(node, f"the static shape of '{v.name}' is unknown, so its dims cannot be tracked")
-        return [int(d) for d in v.shape.dims]
+        return shape
 
     def dims(self, node: ir.Node, v: ir.Value) -> list[Dim]:
         if v in self.tags:
@@ -218,9 +235,7 @@ class _Analysis:
         return v is not None and (v in self.tags or v in self.elems)
 
     def set(self, node: ir.Node, v: ir.Value, dims: list[Dim]) -> None:
-        static = None
-        if v.shape is not None and all(isinstance(d, int) for d in v.shape.dims):
-            static = [int(d) for d in v.shape.dims]
+        static = _static_shape(v)
         if static is not None and len(static) != len(dims):
             raise _Refuse(node, f"internal: rank of '{v.name}' disagrees with inference")
         if static is not None:
@@ -270,7 +285,7 @@ class _Analysis:
                     self._overlay(out)
 
     def _subgraph_uses(self, node: ir.Node) -> list[ir.Value]:
-        out = []
+        out: list[ir.Value] = []
         for a in node.attributes.values():
             graphs = [a.value] if isinstance(a.value, ir.Graph) else list(a.value) if a.type == ir.AttributeType.GRAPHS else []
             for g in graphs:
@@ -335,14 +350,14 @@ class _Analysis:
 
     # ------------------------------------------------------------------ rules
     def r_unary(self, node: ir.Node) -> None:
-        src = node.inputs[0]
+        src = _input(node, 0)
         if src in self.elems and node.op_type in ("Cast", "Identity", "CastLike"):
             self.elems[node.outputs[0]] = self.elems[src]
         if src in self.elems and node.op_type not in ("Cast", "Identity", "CastLike"):
             self.elems[node.outputs[0]] = [None] * len(self.elems[src])
         dims = self.dims(node, src)
         if node.op_type == "PRelu":
-            dims = self.broadcast(node, list(node.inputs))
+            dims = self.broadcast(node, [_input(node, i) for i in range(len(node.inputs))])
         self.set(node, node.outputs[0], dims)
         if node.op_type in ("LayerNormalization", "SimplifiedLayerNormalization"):
             axis = _attr(node, "axis", -1) % max(len(dims), 1)
@@ -363,10 +378,11 @@ class _Analysis:
         out = node.outputs[0]
         vals = [self.elem_values(i) for i in node.inputs]
         n = max(len(v) for v in vals if v is not None)
-        if node.op_type == "Mul" and len(vals) == 2 and all(v is not None for v in vals):
+        known = [v for v in vals if v is not None]
+        if node.op_type == "Mul" and len(vals) == 2 and len(known) == 2:
             res: list[Dim | None] = []
             for k in range(n):
-                a, b = (v[k] if len(v) > 1 else v[0] for v in vals)  # type: ignore[index]
+                a, b = (v[k] if len(v) > 1 else v[0] for v in known)
                 a, b = self._as_dim(a), self._as_dim(b)
                 res.append(None if a is None or b is None else canon(a + b))
             self.elems[out] = res
@@ -382,7 +398,7 @@ class _Analysis:
         return e
 
     def r_matmul(self, node: ir.Node) -> None:
-        a, b = node.inputs[0], node.inputs[1]
+        a, b = _input(node, 0), _input(node, 1)
         da, db = self.dims(node, a), self.dims(node, b)
         if len(da) < 2 or len(db) < 2:
             raise _Refuse(node, "MatMul with a 1-D operand on a dynamic tensor is not supported")
@@ -400,7 +416,7 @@ class _Analysis:
         self.set(node, node.outputs[0], batch + [da[-2], db[-1]])
 
     def r_gemm(self, node: ir.Node) -> None:
-        a, b = node.inputs[0], node.inputs[1]
+        a, b = _input(node, 0), _input(node, 1)
         da, db = self.dims(node, a), self.dims(node, b)
         if _attr(node, "transA", 0):
             da = da[::-1]
@@ -418,7 +434,7 @@ class _Analysis:
         self.set(node, node.outputs[0], out)
 
     def r_transpose(self, node: ir.Node) -> None:
-        dims = self.dims(node, node.inputs[0])
+        dims = self.dims(node, _input(node, 0))
         perm = _attr(node, "perm") or list(range(len(dims)))[::-1]
         self.set(node, node.outputs[0], [dims[p] for p in perm])
 
@@ -432,7 +448,7 @@ class _Analysis:
         return None if axes is None else [int(a) % rank for a in axes]
 
     def r_unsqueeze(self, node: ir.Node) -> None:
-        src, out = node.inputs[0], node.outputs[0]
+        src, out = _input(node, 0), node.outputs[0]
         dims = self.dims(node, src)
         rank = len(self.static(node, out))
         axes = sorted(self._axes(node, rank) or [])
@@ -443,7 +459,7 @@ class _Analysis:
             self.elems[out] = self.elems[src]
 
     def r_squeeze(self, node: ir.Node) -> None:
-        src, out = node.inputs[0], node.outputs[0]
+        src, out = _input(node, 0), node.outputs[0]
         dims = self.dims(node, src)
         axes = self._axes(node, len(dims))
         if axes is None:
@@ -456,7 +472,7 @@ class _Analysis:
             self.elems[out] = self.elems[src]
 
     def r_flatten(self, node: ir.Node) -> None:
-        dims = self.dims(node, node.inputs[0])
+        dims = self.dims(node, _input(node, 0))
         axis = _attr(node, "axis", 1) % (len(dims) + 1) if dims else 0
         left = canon(tuple(f for d in dims[:axis] for f in d))
         right = canon(tuple(f for d in dims[axis:] for f in d))
@@ -494,7 +510,7 @@ class _Analysis:
         self.set(node, out, new)
 
     def r_split(self, node: ir.Node) -> None:
-        src = node.inputs[0]
+        src = _input(node, 0)
         dims = self.dims(node, src)
         axis = _attr(node, "axis", 0) % len(dims)
         if has_sym(dims[axis]):
@@ -505,7 +521,7 @@ class _Analysis:
                 self.set(node, out, [const_dim(shape[i]) if i == axis else d for i, d in enumerate(dims)])
 
     def r_shape(self, node: ir.Node) -> None:
-        dims = self.dims(node, node.inputs[0])
+        dims = self.dims(node, _input(node, 0))
         start, end = _attr(node, "start", 0), _attr(node, "end", None)
         sel = dims[slice(start, end)]
         self.elems[node.outputs[0]] = list(sel)
@@ -514,7 +530,7 @@ class _Analysis:
         self.elems[node.outputs[0]] = [None]
 
     def r_gather(self, node: ir.Node) -> None:
-        data, idx, out = node.inputs[0], node.inputs[1], node.outputs[0]
+        data, idx, out = _input(node, 0), _input(node, 1), node.outputs[0]
         ddims = self.dims(node, data)
         axis = _attr(node, "axis", 0) % len(ddims)
         idims = self.dims(node, idx)
@@ -544,15 +560,14 @@ class _Analysis:
                 self.elems[out] = [ev[int(i)] for i in arr.reshape(-1)]
 
     def r_reshape(self, node: ir.Node) -> None:
-        data, target, out = node.inputs[0], node.inputs[1], node.outputs[0]
+        data, target, out = _input(node, 0), _input(node, 1), node.outputs[0]
         ddims = self.dims(node, data)
         if data in self.elems:
             self.elems[out] = self.elems[data]
         zero_literal = bool(_attr(node, "allowzero", 0))
         if target in self.elems:
-            entries = self.elems[target]
             new = []
-            for j, e in enumerate(entries):
+            for j, e in enumerate(self.elems[target]):
                 d = self._as_dim(e)
                 if e is not None and len(e) == 2 and e[0] == "#" and e[1] == 0:
                     d = () if zero_literal else ddims[j]
@@ -576,14 +591,14 @@ class _Analysis:
         self.set(node, out, new)
         pieces: list[Any] = []
         needs = False
-        for e, d in zip(entries, new):
-            if e in (0, -1):
-                pieces.append(e)
+        for entry, d in zip(entries, new):
+            if entry in (0, -1):
+                pieces.append(entry)
             elif has_sym(d):
                 pieces.append(d)
                 needs = True
             else:
-                pieces.append(e)
+                pieces.append(entry)
         if needs:
             self.actions.append(_Action("Reshape", node, 1, pieces))
 
@@ -667,7 +682,7 @@ class _Analysis:
         return out if rem == 1 and s == len(syms) else None
 
     def r_expand(self, node: ir.Node) -> None:
-        data, shape, out = node.inputs[0], node.inputs[1], node.outputs[0]
+        data, shape, out = _input(node, 0), _input(node, 1), node.outputs[0]
         ddims = self.dims(node, data)
         if shape in self.elems:
             entries = [self._as_dim(e) for e in self.elems[shape]]
@@ -695,19 +710,19 @@ class _Analysis:
             ax = len(ddims) - rank + pos
             ej = len(entries_i) - rank + pos
             d = ddims[ax] if ax >= 0 else ()
-            e = entries_i[ej] if ej >= 0 else 1
+            ent = entries_i[ej] if ej >= 0 else 1
             if has_sym(d):
                 n = self.num(d)
-                if e == 1:
+                if ent == 1:
                     piece = 1
-                elif e == n:
+                elif ent == n:
                     piece, needs = 1, True
                 else:
-                    raise _Refuse(node, f"it expands the dynamic dim {_fmt(d)} (size {n} in the export) to {e}")
+                    raise _Refuse(node, f"it expands the dynamic dim {_fmt(d)} (size {n} in the export) to {ent}")
                 new.append(d)
             else:
-                piece = e
-                new.append(const_dim(max(e, self.num(d))))
+                piece = ent
+                new.append(const_dim(max(ent, self.num(d))))
             if ej >= 0:
                 pieces.append(piece)
         self.set(node, out, new)
@@ -715,7 +730,7 @@ class _Analysis:
             self.actions.append(_Action("Expand", node, 1, pieces))
 
     def r_constantofshape(self, node: ir.Node) -> None:
-        shape, out = node.inputs[0], node.outputs[0]
+        shape, out = _input(node, 0), node.outputs[0]
         entries = self.elems.get(shape, [])
         new = []
         for j, e in enumerate(entries):
@@ -724,7 +739,7 @@ class _Analysis:
         self.set(node, out, new)
 
     def r_tile(self, node: ir.Node) -> None:
-        data, reps, out = node.inputs[0], node.inputs[1], node.outputs[0]
+        data, reps, out = _input(node, 0), _input(node, 1), node.outputs[0]
         ddims = self.dims(node, data)
         ev = self.elem_values(reps)
         if ev is None:
@@ -738,13 +753,14 @@ class _Analysis:
     def r_range(self, node: ir.Node) -> None:
         start, limit, delta = (self.elem_values(i) for i in node.inputs[:3])
         out = node.outputs[0]
-        if start == [("#", 0)] and delta == [("#", 1)] and limit is not None and self._as_dim(limit[0]) is not None:
-            self.set(node, out, [self._as_dim(limit[0])])  # type: ignore[list-item]
+        size = self._as_dim(limit[0]) if start == [("#", 0)] and delta == [("#", 1)] and limit is not None else None
+        if size is not None:
+            self.set(node, out, [size])
         else:
             self.set(node, out, [self.fresh(node, out, 0)])
 
     def r_slice(self, node: ir.Node) -> None:
-        data, out = node.inputs[0], node.outputs[0]
+        data, out = _input(node, 0), node.outputs[0]
         ddims = self.dims(node, data)
         params = [_const(node.inputs[i]) if len(node.inputs) > i and node.inputs[i] is not None else None
                   for i in range(1, 5)]
@@ -783,11 +799,12 @@ class _Analysis:
             ev = self.elems[data]
             self.elems[out] = ev[slice(int(starts_l[0]), int(ends_l[0]), int(steps[0]))]
         if needs:
-            self.actions.append(_Action("Slice", node, 2, [int(x) for x in new_ends], dtype=node.inputs[2].dtype or ir.DataType.INT64))
+            self.actions.append(_Action("Slice", node, 2, [int(x) for x in new_ends], dtype=_input(node, 2).dtype or ir.DataType.INT64))
 
     def r_reduce(self, node: ir.Node) -> None:
-        dims = self.dims(node, node.inputs[0])
+        dims = self.dims(node, _input(node, 0))
         keep = _attr(node, "keepdims", 1)
+        axes: list[int] | None
         if node.op_type in ("ArgMax", "ArgMin"):
             axes = [_attr(node, "axis", 0) % len(dims)]
         else:
@@ -798,7 +815,7 @@ class _Analysis:
         self.set(node, node.outputs[0], new)
 
     def r_pool(self, node: ir.Node) -> None:
-        dims = self.dims(node, node.inputs[0])
+        dims = self.dims(node, _input(node, 0))
         if has_sym(dims[1]):
             raise _Refuse(node, "the channel axis is dynamic")
         for w in node.inputs[1:]:
@@ -815,13 +832,13 @@ class _Analysis:
                 self.set(node, extra, new)
 
     def r_global_pool(self, node: ir.Node) -> None:
-        dims = self.dims(node, node.inputs[0])
+        dims = self.dims(node, _input(node, 0))
         if has_sym(dims[1]):
             raise _Refuse(node, "the channel axis is dynamic")
         self.set(node, node.outputs[0], [dims[0], dims[1]] + [()] * (len(dims) - 2))
 
     def r_pad(self, node: ir.Node) -> None:
-        dims = self.dims(node, node.inputs[0])
+        dims = self.dims(node, _input(node, 0))
         pads = _const(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
         if pads is None:
             pads = np.asarray(_attr(node, "pads", []) or [])
@@ -839,14 +856,14 @@ class _Analysis:
         self.set(node, out, new)
 
     def r_topk(self, node: ir.Node) -> None:
-        dims = self.dims(node, node.inputs[0])
+        dims = self.dims(node, _input(node, 0))
         axis = _attr(node, "axis", -1) % len(dims)
         for out in node.outputs:
             static = self.static(node, out)
             self.set(node, out, [const_dim(static[i]) if i == axis else d for i, d in enumerate(dims)])
 
     def r_gathernd(self, node: ir.Node) -> None:
-        data, idx, out = node.inputs[0], node.inputs[1], node.outputs[0]
+        data, idx, out = _input(node, 0), _input(node, 1), node.outputs[0]
         ddims = self.dims(node, data)
         arr = _const(idx)
         if arr is None or _attr(node, "batch_dims", 0) != 0 or idx in self.tags:
@@ -867,10 +884,10 @@ class _Analysis:
         self.actions.append(_Action("GatherND", node, 0, pieces))
 
     def r_gatherelements(self, node: ir.Node) -> None:
-        self.set(node, node.outputs[0], self.dims(node, node.inputs[1]))
+        self.set(node, node.outputs[0], self.dims(node, _input(node, 1)))
 
     def r_scatterelements(self, node: ir.Node) -> None:
-        self.set(node, node.outputs[0], self.dims(node, node.inputs[0]))
+        self.set(node, node.outputs[0], self.dims(node, _input(node, 0)))
 
     r_scatternd = r_scatterelements
 
@@ -973,12 +990,13 @@ class MakeDynamicPass(Pass):
             should_fold=_is_shape_arithmetic,
         )(model)
         irp.ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
-        seeds = {}
+        seeds: dict[ir.Value, list[Dim]] = {}
         for v, axes in per_input.items():
-            dims = [const_dim(int(d)) if isinstance(d, int) else None for d in v.shape.dims]  # type: ignore[union-attr]
-            if any(d is None for d in dims):
+            static = _static_shape(v)
+            if static is None:
                 raise OptionError(f"{self.name}: input '{v.name}' mixes static and dynamic dims; only fully static inputs "
                                   "are supported")
+            dims = [const_dim(d) for d in static]
             for axis, sym in axes.items():
                 dims[axis] = (sym,)
             seeds[v] = dims
@@ -1065,14 +1083,14 @@ class MakeDynamicPass(Pass):
             rank = len(an.static(node, v))
             axes = [int(a) % rank for a in params[2].reshape(-1)] if params[2] is not None else list(range(params[0].size))
             if axis not in axes:
-                return self._find_source(an, ins[0], axis, dim, depth + 1)
+                return self._find_source(an, _input(node, 0), axis, dim, depth + 1)
             k = axes.index(axis)
             steps = params[3].reshape(-1) if params[3] is not None else np.ones(len(axes), np.int64)
             if int(params[0].reshape(-1)[k]) == 0 and int(steps[k]) == 1 and int(params[1].reshape(-1)[k]) == n:
                 ends = params[1].reshape(-1).tolist()
                 pieces: list[Any] = [int(e) for e in ends]
                 pieces[k] = dim
-                return [(v, axis, _Action("Slice", node, 2, pieces, dtype=ins[2].dtype or ir.DataType.INT64))]
+                return [(v, axis, _Action("Slice", node, 2, pieces, dtype=_input(node, 2).dtype or ir.DataType.INT64))]
             return None
         if op in ("Expand", "ConstantOfShape", "Tile"):
             sidx = 1 if op != "ConstantOfShape" else 0
@@ -1085,7 +1103,7 @@ class MakeDynamicPass(Pass):
             if j < 0:
                 return None
             if op != "ConstantOfShape":
-                ddims = an.static(node, ins[0])
+                ddims = an.static(node, _input(node, 0))
                 dax = len(ddims) - rank + axis
                 if dax >= 0 and ddims[dax] != 1:
                     return None
@@ -1095,19 +1113,20 @@ class MakeDynamicPass(Pass):
             pieces[j] = dim
             return [(v, axis, _Action(op, node, sidx, pieces))]
         if op == "Range":
-            vals = [_const(i) for i in ins[:3]]
-            if any(x is None for x in vals) or vals[0].item() != 0 or vals[2].item() != 1 or vals[1].item() != n:
+            start, limit, delta = (_const(ins[i]) if i < len(ins) else None for i in range(3))
+            if start is None or limit is None or delta is None or start.item() != 0 or delta.item() != 1 \
+                    or limit.item() != n:
                 return None
-            return [(v, axis, _Action("Range", node, 1, [dim], scalar=True, dtype=ins[1].dtype or ir.DataType.INT64))]
+            return [(v, axis, _Action("Range", node, 1, [dim], scalar=True, dtype=_input(node, 1).dtype or ir.DataType.INT64))]
         if op in _UNARY and op not in ("Softmax", "LogSoftmax", "Hardmax", "CumSum"):
-            return self._find_source(an, ins[0], axis, dim, depth + 1)
+            return self._find_source(an, _input(node, 0), axis, dim, depth + 1)
         if op == "Transpose":
             rank = len(an.static(node, v))
             perm = _attr(node, "perm") or list(range(rank))[::-1]
-            return self._find_source(an, ins[0], perm[axis], dim, depth + 1)
+            return self._find_source(an, _input(node, 0), perm[axis], dim, depth + 1)
         if op in ("Unsqueeze", "Squeeze"):
             out_rank = len(an.static(node, v))
-            in_rank = len(an.static(node, ins[0]))
+            in_rank = len(an.static(node, _input(node, 0)))
             axes_v = _attr(node, "axes")
             if axes_v is None:
                 a = _const(ins[1]) if len(ins) > 1 and ins[1] is not None else None
@@ -1122,23 +1141,23 @@ class MakeDynamicPass(Pass):
             else:
                 axes_n = sorted(int(x) % in_rank for x in axes_v)
                 src = [i for i in range(in_rank) if i not in axes_n][axis]
-            return self._find_source(an, ins[0], src, dim, depth + 1)
+            return self._find_source(an, _input(node, 0), src, dim, depth + 1)
         if op == "Gather":
-            rank_d = len(an.static(node, ins[0]))
+            rank_d = len(an.static(node, _input(node, 0)))
             g = _attr(node, "axis", 0) % rank_d
-            rank_i = len(an.static(node, ins[1]))
+            rank_i = len(an.static(node, _input(node, 1)))
             if g <= axis < g + rank_i:
-                return self._find_source(an, ins[1], axis - g, dim, depth + 1)
+                return self._find_source(an, _input(node, 1), axis - g, dim, depth + 1)
             return None
         if op == "MatMul":
             rank = len(an.static(node, v))
-            ra, rb = len(an.static(node, ins[0])), len(an.static(node, ins[1]))
+            ra, rb = len(an.static(node, _input(node, 0))), len(an.static(node, _input(node, 1)))
             if ra < 2 or rb < 2:
                 return None
             if axis == rank - 2:
-                return self._find_source(an, ins[0], ra - 2, dim, depth + 1)
+                return self._find_source(an, _input(node, 0), ra - 2, dim, depth + 1)
             if axis == rank - 1:
-                return self._find_source(an, ins[1], rb - 1, dim, depth + 1)
+                return self._find_source(an, _input(node, 1), rb - 1, dim, depth + 1)
             return None
         if op == "Concat":
             rank = len(an.static(node, v))
@@ -1181,7 +1200,9 @@ class MakeDynamicPass(Pass):
         builder = _Builder(graph, an, self.name)
         stats: dict[str, int | float] = {"dims_made_dynamic": sum(len(a) for a in per_input.values())}
         for v, axes in per_input.items():
-            dims = list(v.shape.dims)  # type: ignore[union-attr]
+            if v.shape is None:  # _requests only keeps inputs with a shape
+                raise PassFailedError(self.name, f"internal: input '{v.name}' lost its shape")
+            dims = list(v.shape.dims)
             for axis, sym in axes.items():
                 dims[axis] = ir.SymbolicDim(sym)
             v.shape = ir.Shape(dims)
@@ -1202,16 +1223,16 @@ class MakeDynamicPass(Pass):
                     out.shape = None
         irp.ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
         for out in graph.outputs:
-            dims = an.tags.get(out)
+            out_dims = an.tags.get(out)
             static = out.shape
-            if dims is None:
+            if out_dims is None:
                 continue
             new: list[Any] = []
-            for i, d in enumerate(dims):
+            for i, d in enumerate(out_dims):
                 if not has_sym(d):
                     new.append(an.num(d))
                 elif any(isinstance(f, str) and f.startswith("_d") for f in d):
-                    new.append(static.dims[i] if static is not None and len(static) == len(dims) and not isinstance(static.dims[i], int) else None)
+                    new.append(static.dims[i] if static is not None and len(static) == len(out_dims) and not isinstance(static.dims[i], int) else None)
                 else:
                     new.append(ir.SymbolicDim(_fmt(d)))
             out.shape = ir.Shape(new)
@@ -1262,7 +1283,7 @@ class _Builder:
         self._insert(before, node)
         return node.outputs[0]
 
-    def sym(self, sym: str, scalar: bool, before: ir.Node) -> tuple[ir.Value, ir.Node | None]:
+    def sym(self, sym: str, scalar: bool, before: ir.Node | None) -> tuple[ir.Value, ir.Node | None]:
         """The run-time value of ``sym`` (int64 scalar or shape-[1] tensor)."""
         value, axis = self.an.witness[sym]
         fresh = sym.startswith("_d")
@@ -1277,7 +1298,7 @@ class _Builder:
             self._sym_cache[key] = out
         return out, anchor
 
-    def dim_value(self, d: Dim, scalar: bool, before: ir.Node, base: str) -> ir.Value:
+    def dim_value(self, d: Dim, scalar: bool, before: ir.Node | None, base: str) -> ir.Value:
         coef = math.prod(f for f in d if not isinstance(f, str))
         acc: ir.Value | None = None
         for f in d:
@@ -1303,7 +1324,7 @@ class _Builder:
             if run:
                 parts.append(self.const(np.array(run, dtype=np.int64), f"{base}_const"))
                 run = []
-            parts.append(self.dim_value(p, False, before, base))  # type: ignore[arg-type]
+            parts.append(self.dim_value(p, False, before, base))
         if run:
             parts.append(self.const(np.array(run, dtype=np.int64), f"{base}_const"))
         return parts[0] if len(parts) == 1 else self._op(before, "Concat", parts, base, axis=0)
@@ -1314,7 +1335,7 @@ class _Builder:
         old = node.inputs[action.index]
         if action.kind == "GatherND":  # an all-positions GatherND is a Reshape
             out = node.outputs[0]
-            new = self._op(node, "Reshape", [node.inputs[0], self._shape_tensor(action.pieces, node, base)], base)
+            new = self._op(node, "Reshape", [_input(node, 0), self._shape_tensor(action.pieces, node, base)], base)
             out.replace_all_uses_with(new, replace_graph_outputs=True)
             self.graph.remove(node, safe=True)
             return
@@ -1353,16 +1374,16 @@ class _Builder:
         anchor = self._first  # depends on graph inputs and constants only
         if action.kind == "uniform":
             base = f"{value.name}_expand_dyn"
-            first = self.const(np.ascontiguousarray(np.take(arr, [0], axis=action.axis)), f"{base}_row")
+            row = self.const(np.ascontiguousarray(np.take(arr, [0], axis=action.axis)), f"{base}_row")
             pieces: list[Any] = [int(s) for s in arr.shape]
             pieces[action.axis] = action.dim
             shape = self._shape_tensor(pieces, anchor, base)
-            out = self._op(anchor, "Expand", [first, shape], base)
+            out = self._op(anchor, "Expand", [row, shape], base)
             self._swap(value, out)
             return
         if action.kind == "ramp":
             base = f"{value.name}_ramp_dyn"
-            first, step, _ = _ramp_parts(arr, action.axis)
+            ramp_first, ramp_step, _ = _ramp_parts(arr, action.axis)
             n = self.dim_value(action.dim, True, anchor, base)
             zero = self.const(np.array(0, dtype=np.int64), f"{base}_zero")
             one = self.const(np.array(1, dtype=np.int64), f"{base}_one")
@@ -1372,16 +1393,17 @@ class _Builder:
             target = [1] * arr.ndim
             target[action.axis] = -1
             k = self._op(anchor, "Reshape", [k, self.const(np.array(target, dtype=np.int64), f"{base}_shape")], base)
-            out = self._op(anchor, "Mul", [k, self.const(np.ascontiguousarray(step), f"{base}_step")], base)
-            out = self._op(anchor, "Add", [out, self.const(np.ascontiguousarray(first), f"{base}_first")], base)
+            out = self._op(anchor, "Mul", [k, self.const(np.ascontiguousarray(ramp_step), f"{base}_step")], base)
+            out = self._op(anchor, "Add", [out, self.const(np.ascontiguousarray(ramp_first), f"{base}_first")], base)
             self._swap(value, out)
             return
         flat = arr.reshape(-1)
         start, step = flat[0], flat[1] - flat[0]
         base = f"{value.name}_range_dyn"
         n = self.dim_value(action.dim, True, anchor, base)
-        start_v = self.const(np.array(start, dtype=np.int64 if arr.dtype.kind in "iu" else arr.dtype), f"{base}_start")
-        step_v = self.const(np.array(step, dtype=start_v.const_value.numpy().dtype), f"{base}_step")  # type: ignore[union-attr]
+        start_a = np.array(start, dtype=np.int64 if arr.dtype.kind in "iu" else arr.dtype)
+        start_v = self.const(start_a, f"{base}_start")
+        step_v = self.const(np.array(step, dtype=start_a.dtype), f"{base}_step")
         if arr.dtype.kind in "iu" and start == 0 and step == 1:
             limit = n
         elif arr.dtype.kind in "iu":
@@ -1407,7 +1429,7 @@ class _Builder:
         for v in self.replaced:
             if v.uses() or v.is_graph_output() or v.is_graph_input():
                 continue
-            if v.name in self.graph.initializers and self.graph.initializers[v.name] is v:
+            if v.name is not None and v.name in self.graph.initializers and self.graph.initializers[v.name] is v:
                 del self.graph.initializers[v.name]
             node = v.producer()
             if node is not None and not any(o.uses() or o.is_graph_output() for o in node.outputs):
