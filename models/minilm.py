@@ -81,49 +81,15 @@ def tokenize(tokenizer, sentences: Sequence[str], max_length: int = 128, pad_to:
     return {"input_ids": enc["input_ids"].astype(np.int64), "attention_mask": enc["attention_mask"].astype(np.int64)}
 
 
-def export_minilm(path: str | Path, model_dir: str | Path | None = None, opset: int = 17) -> Path:
-    """Export all-MiniLM-L6-v2 (FP32) to ``path``; return the path.
+def export_minilm(path: str | Path, opset: int = 17) -> Path:
+    """Export all-MiniLM-L6-v2 (FP32, TorchScript exporter, dynamic batch and sequence) to ``path``.
 
-    Uses the TorchScript exporter (``dynamo=False``) with dynamic batch and sequence axes.
+    A thin alias of :func:`models.export_hf.export_minilm`, kept for the quantization tests and tools:
+    output 0 is ``last_hidden_state`` (output 1, the normalised sentence embedding, is unused here).
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
-    from transformers import AutoModel
+    from models.export_hf import export_minilm as _export
 
-    folder = _require_dir(model_dir)
-    bert = AutoModel.from_pretrained(str(folder))
-    bert.eval()
-
-    class _Wrapper(torch.nn.Module):
-        def __init__(self, inner: torch.nn.Module) -> None:
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-            return self.inner(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-
-    tok = load_tokenizer(folder)
-    sample = tokenize(tok, ["an example sentence for tracing", "another one"])
-    args = (torch.from_numpy(sample["input_ids"]), torch.from_numpy(sample["attention_mask"]))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad():
-        torch.onnx.export(
-            _Wrapper(bert),
-            args,
-            str(path),
-            input_names=["input_ids", "attention_mask"],
-            output_names=["last_hidden_state"],
-            dynamic_axes={
-                "input_ids": {0: "batch", 1: "seq"},
-                "attention_mask": {0: "batch", 1: "seq"},
-                "last_hidden_state": {0: "batch", 1: "seq"},
-            },
-            opset_version=opset,
-            do_constant_folding=True,
-            dynamo=False,
-        )
-    return path
+    return Path(_export(path, exporter="torchscript", opset=opset).path)
 
 
 def mean_pool(last_hidden_state: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:

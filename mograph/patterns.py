@@ -170,7 +170,7 @@ class _ApproxConstant(_pattern_ir.Constant):
     def __init__(self, value: float, rel_tol: float, abs_tol: float) -> None:
         super().__init__(value, rel_tol, abs_tol)
 
-    def clone(self, node_map: dict) -> _ApproxConstant:  # type: ignore[override]
+    def clone(self, node_map: dict) -> _ApproxConstant:
         del node_map
         return _ApproxConstant(self._value, self._rel_tol, self._abs_tol)  # type: ignore[arg-type]
 

@@ -105,7 +105,7 @@ def _layer_errors(
                     lo, hi = ranges[v.name or ""]
                     xs_f[f"x{i}"], xs_q[f"x{i}"] = x, fake_quant_activation(x, lo, hi, scheme)
                 else:
-                    w = v.const_value.numpy().astype(np.float32)  # type: ignore[union-attr]
+                    w = v.const_value.numpy().astype(np.float32)
                     xs_f[f"x{i}"] = w
                     if i == c.weight_input:
                         if (c.key, i) not in weights_q:

@@ -44,7 +44,7 @@ def parse_profile(spec: str, pass_name: str = "set-trt-profile") -> tuple[str, P
     if len(parts) != 3:
         raise OptionError(f"{pass_name}: bad --profile {spec!r}: give exactly three shapes MIN,OPT,MAX")
     shapes = tuple(parse_dims(p, name, pass_name, what="--profile") for p in parts)
-    return name, shapes  # type: ignore[return-value]
+    return name, shapes
 
 
 def _profile_to_json(p: Profile) -> dict[str, list[int]]:
