@@ -109,6 +109,10 @@ def _summary(report: Any, out: Path | None) -> str:
             f"{p.name:<24} {('yes' if p.modified else 'no'):<8} {p.nodes_before:>6}->{p.nodes_after:<6} "
             f"{p.seconds * 1000:>7.1f}ms  {stats}"
         )
+    for p in report.passes:
+        warning = p.details.get("WARNING") if isinstance(p.details, dict) else None
+        if warning:
+            lines.append(f"WARNING ({p.name}): {warning}")
     if report.verification is not None:
         v = report.verification
         lines.append(f"verify: {v.get('summary', 'passed' if v['passed'] else 'FAILED')}")

@@ -8,33 +8,19 @@
 
 from __future__ import annotations
 
+from mograph.passes.quant.fp16 import Fp16Pass
+from mograph.passes.quant.qdq_fp8 import QdqFp8Pass
 from mograph.passes.quant.qdq_int8 import QdqInt8Pass
 
 from mograph.hookspecs import hookimpl
+from mograph.pass_infra import Pass
 
-__all__ = ["QdqInt8Pass"]
-
-_PASSES: list[type] = [QdqInt8Pass]
-
-try:  # the later passes are optional modules while they are being written
-    from mograph.passes.quant.qdq_fp8 import QdqFp8Pass
-
-    _PASSES.append(QdqFp8Pass)
-    __all__.append("QdqFp8Pass")
-except ImportError:  # pragma: no cover
-    pass
-try:
-    from mograph.passes.quant.fp16 import Fp16Pass
-
-    _PASSES.append(Fp16Pass)
-    __all__.append("Fp16Pass")
-except ImportError:  # pragma: no cover
-    pass
+__all__ = ["QdqInt8Pass", "QdqFp8Pass", "Fp16Pass"]
 
 
 @hookimpl
-def mograph_add_passes() -> list[type]:
-    return list(_PASSES)
+def mograph_add_passes() -> list[type[Pass]]:
+    return [QdqInt8Pass, QdqFp8Pass, Fp16Pass]
 
 
 @hookimpl
