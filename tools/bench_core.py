@@ -17,7 +17,7 @@ fresh Python subprocess so that neither tool profits from the other's caches or 
 
 The timed span starts after the tool's top-level ``import`` and ends when the output file is written;
 the subprocess wall time (interpreter start and imports included) is reported beside it.  Peak RSS is
-the subprocess's ``ru_maxrss``.  After timing, each tool's output is checked with ``onnx.checker`` and run
+the subprocess's own ``VmHWM``.  After timing, each tool's output is checked with ``onnx.checker`` and run
 once with ONNX Runtime (graph optimizations off) on seeded feeds against the input model: the table shows
 the largest absolute difference over all outputs.
 
@@ -121,10 +121,18 @@ def _rss_now() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _peak_rss() -> int:
+    """This process's own peak RSS (``VmHWM``).  Not ``ru_maxrss``: Linux carries the parent's peak into a
+    child across ``vfork``+``exec``, so a parent that once held a big model would inflate every reading."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def _tool_worker(tool: str, src: str, dst: str, result_path: str, profile_path: str | None) -> None:
     """Run one tool once on ``src`` in this (fresh) process; write timings and peak RSS as JSON."""
-    import resource
-
     t_imp = time.perf_counter()
     if tool == "mograph":
         import mograph
@@ -158,7 +166,7 @@ def _tool_worker(tool: str, src: str, dst: str, result_path: str, profile_path: 
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(profile_path)
-    out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["peak_rss"] = _peak_rss()
     Path(result_path).write_text(json.dumps(out))
 
 

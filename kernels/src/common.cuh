@@ -11,8 +11,10 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include "mograph_kernels.h"
 
@@ -74,32 +76,59 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& v) {
 }
 
 // Accesses to data touched once (activations), as opposed to gamma/beta/bias that every row re-reads.
-// They are marked evict-first (ld/st.global.cs), so they do not push the reused vectors out of the caches.
-// Measured on an H200 (tools/gpu_kernels.py --sweep ...,nocs): 0-4% faster for most norm and BiasGelu
-// shapes, but fp16 LayerNorm at 4096x8192 ran 7% faster without them (a lead, not yet acted on).
-// MOGRAPH_NO_STREAMING_HINTS makes them plain accesses.
-#ifndef MOGRAPH_NO_STREAMING_HINTS
-#define MOGRAPH_STREAMING_HINTS 1
-#endif
-template <typename T, int N>
+// HINTS selects the cache qualifiers (a template parameter, so each kernel instance picks its own; the
+// dispatch in norm.cuh / gelu.cuh chooses per op and size from H200 measurements):
+//   kHintsNone   (0): plain accesses (loads through the read-only path, ld.global.nc);
+//   kHintsStream (1): loads and stores evict-first (ld/st.global.cs), so the reused vectors stay cached;
+//   kHintsLoad   (2): evict-first loads, plain stores.
+// MOGRAPH_NO_STREAMING_HINTS makes every access plain (kHintsNone), whatever the dispatch asks for.
+constexpr int kHintsNone = 0;
+constexpr int kHintsStream = 1;
+constexpr int kHintsLoad = 2;
+
+template <typename T, int N, int HINTS = kHintsStream>
 __device__ __forceinline__ Pack<T, N> load_stream(const T* p) {
-#ifdef MOGRAPH_STREAMING_HINTS
-    using Raw = typename RawOf<sizeof(T) * N>::type;
-    Pack<T, N> out;
-    *reinterpret_cast<Raw*>(&out) = __ldcs(reinterpret_cast<const Raw*>(p));
-    return out;
-#else
+#ifndef MOGRAPH_NO_STREAMING_HINTS
+    if constexpr (HINTS == kHintsStream || HINTS == kHintsLoad) {
+        using Raw = typename RawOf<sizeof(T) * N>::type;
+        Pack<T, N> out;
+        *reinterpret_cast<Raw*>(&out) = __ldcs(reinterpret_cast<const Raw*>(p));
+        return out;
+    }
+#endif
     return load_pack<T, N>(p);
+}
+
+template <typename T, int N, int HINTS = kHintsStream>
+__device__ __forceinline__ void store_stream(T* p, const Pack<T, N>& v) {
+#ifndef MOGRAPH_NO_STREAMING_HINTS
+    if constexpr (HINTS == kHintsStream) {
+        using Raw = typename RawOf<sizeof(T) * N>::type;
+        __stcs(reinterpret_cast<Raw*>(p), *reinterpret_cast<const Raw*>(&v));
+        return;
+    }
+#endif
+    store_pack<T, N>(p, v);
+}
+
+// ---- programmatic dependent launch (Hopper) -----------------------------------------------------------------
+// Kernels are launched with programmatic stream serialization where the device supports it (sm_90+), so the
+// next kernel in the stream can be scheduled onto SMs while this one drains its last blocks, instead of
+// after it has completed. Correctness: every kernel calls pdl_wait() before its first global memory access;
+// griddepcontrol.wait returns once the previous grid in the stream has completed and its writes are visible
+// (immediately when the launch had no programmatic dependency). pdl_trigger() lets the next grid launch
+// (once every block of this grid has triggered or exited); it does not make this grid's writes visible early.
+// Both are no-ops on older architectures. MOGRAPH_NO_PDL launches plainly (cudaLaunchKernelEx without the
+// attribute).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(MOGRAPH_NO_PDL_DEVICE)
+    asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 
-template <typename T, int N>
-__device__ __forceinline__ void store_stream(T* p, const Pack<T, N>& v) {
-#ifdef MOGRAPH_STREAMING_HINTS
-    using Raw = typename RawOf<sizeof(T) * N>::type;
-    __stcs(reinterpret_cast<Raw*>(p), *reinterpret_cast<const Raw*>(&v));
-#else
-    store_pack<T, N>(p, v);
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(MOGRAPH_NO_PDL_DEVICE)
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 
@@ -162,6 +191,68 @@ inline unsigned int grid_for(int64_t work, int64_t per_block) {
     if (blocks > cap) blocks = cap;
     if (blocks < 1) blocks = 1;
     return static_cast<unsigned int>(blocks);
+}
+
+// Facts about the current device that launch decisions need, read once per device and cached (the calls are
+// cheap but not free, and a launch should cost as little host time as possible). Queries only: the current
+// device is not changed, nothing is synchronized.
+struct DeviceFacts {
+    int sms = 0;        // multiprocessors
+    int cc_major = 0;   // compute capability major
+};
+
+inline DeviceFacts device_facts() {
+    constexpr int kMaxDevices = 64;
+    static std::atomic<int> sms_cache[kMaxDevices];    // 0 = not read yet
+    static std::atomic<int> major_cache[kMaxDevices];
+    DeviceFacts f;
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        f.sms = 132;
+        return f;
+    }
+    if (dev >= 0 && dev < kMaxDevices) {
+        f.sms = sms_cache[dev].load(std::memory_order_acquire);
+        f.cc_major = major_cache[dev].load(std::memory_order_relaxed);
+        if (f.sms > 0) return f;
+    }
+    if (cudaDeviceGetAttribute(&f.sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&f.cc_major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        f.sms = 132;
+        f.cc_major = 0;
+        return f;
+    }
+    if (dev >= 0 && dev < kMaxDevices) {
+        major_cache[dev].store(f.cc_major, std::memory_order_relaxed);
+        sms_cache[dev].store(f.sms, std::memory_order_release);
+    }
+    return f;
+}
+
+// Enqueues kernel<<<grid, block, smem, stream>>>(args...) with programmatic stream serialization on sm_90+
+// (see pdl_wait), plainly elsewhere or with MOGRAPH_NO_PDL; returns the launch status.
+template <typename... KArgs, typename... Args>
+int launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                  Args&&... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+#ifdef MOGRAPH_NO_PDL
+    cfg.numAttrs = 0;
+#else
+    cfg.numAttrs = device_facts().cc_major >= 9 ? 1 : 0;
+#endif
+    const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+    const int st = launch_status();  // also clears the error it reads
+    return err != cudaSuccess ? MOGRAPH_ERR_CUDA_BASE + static_cast<int>(err) : st;
 }
 
 }  // namespace mograph

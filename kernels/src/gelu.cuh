@@ -77,24 +77,62 @@ __device__ __forceinline__ float gelu_f32(float x) {
     }
 }
 
-// x, y: n_packs packs of VEC elements (then `tail` scalars for plain Gelu). bias: nullptr for plain Gelu,
-// else a row of cols_packs packs, indexed by column.
-template <typename T, int VEC, int UNROLL, int THREADS, bool TANH, bool HAS_BIAS>
-__global__ void __launch_bounds__(THREADS) gelu_kernel(const T* __restrict__ x, const T* __restrict__ bias,
-                                                       T* __restrict__ y, int64_t n_packs, int64_t cols_packs,
-                                                       int tail) {
-    constexpr bool kPrecise = std::is_same<T, float>::value;
-    constexpr int64_t kChunk = static_cast<int64_t>(UNROLL) * THREADS;
-    int64_t col_step = 0;
-    if constexpr (HAS_BIAS) col_step = THREADS % cols_packs;
+// Tuning of the Gelu kernels for one dtype: cache hints (see load_stream), resident threads per SM that
+// the register allocation must allow (0: no cap), and for plain Gelu the layout: grid_per_sm == 0 gives
+// each block contiguous chunks of UNROLL x THREADS packs (a thread's packs THREADS apart); grid_per_sm > 0
+// launches that many blocks per SM and strides over the grid (a thread's UNROLL packs a whole grid's width
+// apart). The table is in gelu_tuning(); MOGRAPH_GELU_HINTS, MOGRAPH_GELU_MIN_THREADS and
+// MOGRAPH_GELU_GRID_PER_SM force one value everywhere (for tools/gpu_kernels.py --sweep).
+struct GeluTune {
+    int hints;
+    int min_threads;
+    int grid_per_sm;
+};
 
-    for (int64_t chunk = blockIdx.x; chunk * kChunk < n_packs; chunk += gridDim.x) {
-        const int64_t first = chunk * kChunk + threadIdx.x;
+template <typename T, bool HAS_BIAS>
+constexpr GeluTune gelu_tuning() {
+    GeluTune t{kHintsStream, 0, 0};
+#ifdef MOGRAPH_GELU_HINTS
+    t.hints = MOGRAPH_GELU_HINTS;
+#endif
+#ifdef MOGRAPH_GELU_MIN_THREADS
+    t.min_threads = MOGRAPH_GELU_MIN_THREADS;
+#endif
+#ifdef MOGRAPH_GELU_GRID_PER_SM
+    t.grid_per_sm = MOGRAPH_GELU_GRID_PER_SM;
+#endif
+    return t;
+}
+
+// minBlocksPerMultiprocessor for __launch_bounds__: 0 (no cap, ptxas's default; an explicit 1 lets it take
+// more registers) when min_threads asks for less than one block.
+constexpr int min_blocks_for(int min_threads, int block_threads) {
+    return min_threads / block_threads < 1 ? 0 : (min_threads / block_threads > 32 ? 32 : min_threads / block_threads);
+}
+
+// x, y: n_packs packs of VEC elements (then `tail` scalars for plain Gelu). bias: nullptr for plain Gelu,
+// else a row of cols_packs packs, indexed by column. GRID_STRIDE selects the layout (see GeluTune).
+template <typename T, int VEC, int UNROLL, int THREADS, bool TANH, bool HAS_BIAS, int HINTS, int MINB,
+          bool GRID_STRIDE>
+__global__ void __launch_bounds__(THREADS, MINB) gelu_kernel(const T* __restrict__ x, const T* __restrict__ bias,
+                                                             T* __restrict__ y, int64_t n_packs, int64_t cols_packs,
+                                                             int tail) {
+    constexpr bool kPrecise = std::is_same<T, float>::value;
+    pdl_trigger();
+    pdl_wait();
+    // step: packs between a thread's unrolled packs; advance: packs between a thread's loop iterations.
+    const int64_t step = GRID_STRIDE ? static_cast<int64_t>(gridDim.x) * THREADS : THREADS;
+    const int64_t advance = static_cast<int64_t>(gridDim.x) * THREADS * UNROLL;
+    const int64_t start = static_cast<int64_t>(blockIdx.x) * (GRID_STRIDE ? THREADS : THREADS * UNROLL) + threadIdx.x;
+    int64_t col_step = 0;
+    if constexpr (HAS_BIAS) col_step = step % cols_packs;
+
+    for (int64_t first = start; first < n_packs; first += advance) {
         Pack<T, VEC> in[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            const int64_t i = first + static_cast<int64_t>(u) * THREADS;
-            if (i < n_packs) in[u] = load_stream<T, VEC>(x + i * VEC);
+            const int64_t i = first + static_cast<int64_t>(u) * step;
+            if (i < n_packs) in[u] = load_stream<T, VEC, HINTS>(x + i * VEC);
         }
         int64_t c = 0;
         if constexpr (HAS_BIAS) {
@@ -104,7 +142,7 @@ __global__ void __launch_bounds__(THREADS) gelu_kernel(const T* __restrict__ x, 
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            const int64_t i = first + static_cast<int64_t>(u) * THREADS;
+            const int64_t i = first + static_cast<int64_t>(u) * step;
             if (i < n_packs) {
                 Pack<T, VEC> b;
                 if constexpr (HAS_BIAS) b = load_pack<T, VEC>(bias + c * VEC);
@@ -115,7 +153,7 @@ __global__ void __launch_bounds__(THREADS) gelu_kernel(const T* __restrict__ x, 
                     if constexpr (HAS_BIAS) v += to_f32(b.v[j]);
                     f[j] = gelu_f32<TANH, kPrecise>(v);
                 }
-                store_stream<T, VEC>(y + i * VEC, pack_from_f32<T, VEC>(f));
+                store_stream<T, VEC, HINTS>(y + i * VEC, pack_from_f32<T, VEC>(f));
             }
             if constexpr (HAS_BIAS) {
                 c += col_step;
@@ -136,10 +174,12 @@ __global__ void __launch_bounds__(THREADS) gelu_kernel(const T* __restrict__ x, 
 // BiasGelu, column-owning form. Block (bx, by): thread (tx, ty) owns column pack blockIdx.x * bx + tx and
 // rows base + u * by + ty (u < UNROLL), base stepping over the grid's rows. No barriers, so threads past
 // the last column simply return.
-template <typename T, int VEC, int UNROLL, bool TANH>
-__global__ void __launch_bounds__(256) bias_gelu_kernel(const T* __restrict__ x, const T* __restrict__ bias,
-                                                        T* __restrict__ y, int64_t rows, int cols_packs) {
+template <typename T, int VEC, int UNROLL, bool TANH, int HINTS, int MINB>
+__global__ void __launch_bounds__(256, MINB) bias_gelu_kernel(const T* __restrict__ x, const T* __restrict__ bias,
+                                                              T* __restrict__ y, int64_t rows, int cols_packs) {
     constexpr bool kPrecise = std::is_same<T, float>::value;
+    pdl_trigger();
+    pdl_wait();
     const int c = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
     if (c >= cols_packs) return;
     float b[VEC];
@@ -156,7 +196,7 @@ __global__ void __launch_bounds__(256) bias_gelu_kernel(const T* __restrict__ x,
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int64_t r = base + static_cast<int64_t>(u) * blockDim.y;
-            if (r < rows) in[u] = load_stream<T, VEC>(x + r * row_stride + static_cast<int64_t>(c) * VEC);
+            if (r < rows) in[u] = load_stream<T, VEC, HINTS>(x + r * row_stride + static_cast<int64_t>(c) * VEC);
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
@@ -165,7 +205,8 @@ __global__ void __launch_bounds__(256) bias_gelu_kernel(const T* __restrict__ x,
                 float f[VEC];
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) f[j] = gelu_f32<TANH, kPrecise>(to_f32(in[u].v[j]) + b[j]);
-                store_stream<T, VEC>(y + r * row_stride + static_cast<int64_t>(c) * VEC, pack_from_f32<T, VEC>(f));
+                store_stream<T, VEC, HINTS>(y + r * row_stride + static_cast<int64_t>(c) * VEC,
+                                            pack_from_f32<T, VEC>(f));
             }
         }
     }
@@ -174,6 +215,7 @@ __global__ void __launch_bounds__(256) bias_gelu_kernel(const T* __restrict__ x,
 template <typename T, int VEC, bool TANH>
 int launch_bias_gelu_kernel(const T* x, const T* bias, T* y, int64_t rows, int cols_packs, cudaStream_t stream) {
     constexpr int kUnroll = 4;
+    constexpr GeluTune kTune = gelu_tuning<T, true>();
     // Column packs per block: a power of two up to 32 for narrow rows (a warp then spans whole rows), else
     // whole warps up to 256; the rest of the 256 threads go down the rows.
     int bx = 1;
@@ -186,9 +228,9 @@ int launch_bias_gelu_kernel(const T* x, const T* bias, T* y, int64_t rows, int c
     const unsigned int gx = static_cast<unsigned int>((cols_packs + bx - 1) / bx);
     int64_t gy = (rows + int64_t{by} * kUnroll - 1) / (int64_t{by} * kUnroll);
     if (gy > 65535) gy = 65535;
-    bias_gelu_kernel<T, VEC, kUnroll, TANH>
-        <<<dim3(gx, static_cast<unsigned int>(gy)), dim3(bx, by), 0, stream>>>(x, bias, y, rows, cols_packs);
-    return launch_status();
+    return launch_kernel(bias_gelu_kernel<T, VEC, kUnroll, TANH, kTune.hints, min_blocks_for(kTune.min_threads, 256)>,
+                         dim3(gx, static_cast<unsigned int>(gy)), dim3(bx, by), 0, stream, x, bias, y, rows,
+                         cols_packs);
 }
 
 constexpr int kGeluThreads = 256;
@@ -197,10 +239,16 @@ constexpr int kGeluUnroll = 4;
 template <typename T, int VEC, bool TANH, bool HAS_BIAS>
 int launch_gelu_kernel(const T* x, const T* bias, T* y, int64_t n_packs, int64_t cols_packs, int tail,
                        cudaStream_t stream) {
-    const unsigned int grid = grid_for(n_packs > 0 ? n_packs : 1, int64_t{kGeluThreads} * kGeluUnroll);
-    gelu_kernel<T, VEC, kGeluUnroll, kGeluThreads, TANH, HAS_BIAS>
-        <<<grid, kGeluThreads, 0, stream>>>(x, bias, y, n_packs, cols_packs, tail);
-    return launch_status();
+    constexpr GeluTune kTune = gelu_tuning<T, HAS_BIAS>();
+    constexpr bool kGridStride = kTune.grid_per_sm > 0;
+    unsigned int grid = grid_for(n_packs > 0 ? n_packs : 1, int64_t{kGeluThreads} * kGeluUnroll);
+    if constexpr (kGridStride) {
+        const int64_t cap = static_cast<int64_t>(device_facts().sms) * kTune.grid_per_sm;
+        if (grid > cap) grid = static_cast<unsigned int>(cap);
+    }
+    return launch_kernel(gelu_kernel<T, VEC, kGeluUnroll, kGeluThreads, TANH, HAS_BIAS, kTune.hints,
+                                     min_blocks_for(kTune.min_threads, kGeluThreads), kGridStride>,
+                         dim3(grid), dim3(kGeluThreads), 0, stream, x, bias, y, n_packs, cols_packs, tail);
 }
 
 template <typename T, int VEC, bool HAS_BIAS>

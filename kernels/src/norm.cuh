@@ -47,22 +47,28 @@ __device__ __forceinline__ float group_allreduce_sum(float v) {
     return v;
 }
 
-// Sum over the TPR threads that own one row. For TPR > 32 the warps' partial sums meet in shared memory;
-// two buffers are used alternately so that one barrier per reduction is enough (a buffer is written again
-// only after every thread has passed the barrier of the reduction in between).
+// Reductions over the TPR threads that own one row. For TPR > 32 the warps' partials meet in shared memory;
+// two slots are used alternately so that one barrier per reduction is enough (a slot is written again only
+// after every thread has passed the barrier of the reduction in between). A slot holds three floats per warp.
 template <int TPR, int RPB>
 struct RowReducer {
-    float* buf;  // [2][RPB * max(TPR / 32, 1)]
+    static constexpr int kWarps = TPR > 32 ? TPR / 32 : 1;
+    static constexpr int kFloats = 2 * 3 * RPB * kWarps;  // size of buf
+    float* buf;
     int parity;
+
+    __device__ __forceinline__ float* slot(int row_in_block) {
+        float* b = buf + parity * (3 * RPB * kWarps) + row_in_block * (3 * kWarps);
+        parity ^= 1;
+        return b;
+    }
 
     __device__ __forceinline__ float sum(float v, int row_in_block, int t) {
         if constexpr (TPR <= 32) {
             return group_allreduce_sum<TPR>(v);
         } else {
-            constexpr int kWarps = TPR / 32;
             v = warp_allreduce_sum(v);
-            float* b = buf + parity * (RPB * kWarps) + row_in_block * kWarps;
-            parity ^= 1;
+            float* b = slot(row_in_block);
             if ((threadIdx.x & 31) == 0) b[t / 32] = v;
             __syncthreads();
             v = 0.f;
@@ -71,16 +77,60 @@ struct RowReducer {
             return v;
         }
     }
+
+    // Mean and sum of squared deviations of the row from per-thread partials: n elements (may be 0), their
+    // mean m and their squared deviations m2 from m. Groups combine as n = na + nb,
+    // m = (na ma + nb mb) / n, M2 = M2a + M2b + (mb - ma)^2 na nb / n (Chan et al.): a two-pass result, no
+    // E[x^2] - E[x]^2 cancellation, in one reduction (one barrier for TPR > 32) instead of two. The formula
+    // is symmetric in a and b, so every thread of the group gets bit-identical results.
+    __device__ __forceinline__ void mean_m2(float& m, float& m2, float n, int row_in_block, int t) {
+        constexpr int kLanes = TPR < 32 ? TPR : 32;
+#pragma unroll
+        for (int mask = kLanes / 2; mask > 0; mask >>= 1) {
+            const float mo = __shfl_xor_sync(0xffffffffu, m, mask);
+            const float m2o = __shfl_xor_sync(0xffffffffu, m2, mask);
+            const float no = __shfl_xor_sync(0xffffffffu, n, mask);
+            combine(m, m2, n, mo, m2o, no);
+        }
+        if constexpr (TPR > 32) {
+            float* b = slot(row_in_block);
+            if ((threadIdx.x & 31) == 0) {
+                b[t / 32] = m;
+                b[kWarps + t / 32] = m2;
+                b[2 * kWarps + t / 32] = n;
+            }
+            __syncthreads();
+            m = b[0];
+            m2 = b[kWarps];
+            n = b[2 * kWarps];
+#pragma unroll
+            for (int i = 1; i < kWarps; ++i) combine(m, m2, n, b[i], b[kWarps + i], b[2 * kWarps + i]);
+        }
+    }
+
+    __device__ __forceinline__ static void combine(float& m, float& m2, float& n, float mo, float m2o, float no) {
+        const float nt = n + no;
+        const float r = nt > 0.f ? 1.0f / nt : 0.f;
+        const float d = mo - m;
+        m = (n * m + no * mo) * r;
+        m2 = (m2 + m2o) + (d * d) * (n * no * r);
+        n = nt;
+    }
 };
 
 // Fast path. Block = TPR * RPB threads; thread t of a row group holds packs t, t + TPR, ... of the row.
 // All threads of a block run the same number of loop iterations (rows past the end just skip their
 // loads and stores) so that the barriers inside RowReducer are reached by everyone.
-template <typename T, NormKind KIND, int VEC, int VPT, int TPR, int RPB>
-__global__ void __launch_bounds__(TPR * RPB) norm_register_kernel(const NormArgs<T> a) {
-    constexpr int kWarpsPerRow = TPR > 32 ? TPR / 32 : 1;
-    __shared__ float red[2 * RPB * kWarpsPerRow];
+// HINTS: cache qualifiers of the activations (see load_stream); MINB: resident blocks per SM the register
+// allocation must allow (__launch_bounds__; 0 leaves ptxas its default, which is not the same as 1: with an
+// explicit 1 it takes more registers); ONE_PASS: LayerNorm statistics by one combined reduction
+// (RowReducer::mean_m2) instead of the mean first and the squared deviations second.
+template <typename T, NormKind KIND, int VEC, int VPT, int TPR, int RPB, int HINTS, int MINB, bool ONE_PASS>
+__global__ void __launch_bounds__(TPR * RPB, MINB) norm_register_kernel(const NormArgs<T> a) {
+    __shared__ float red[RowReducer<TPR, RPB>::kFloats];
     RowReducer<TPR, RPB> reducer{red, 0};
+    pdl_trigger();
+    pdl_wait();
 
     const int row_in_block = static_cast<int>(threadIdx.x) / TPR;
     const int t = static_cast<int>(threadIdx.x) % TPR;
@@ -96,7 +146,7 @@ __global__ void __launch_bounds__(TPR * RPB) norm_register_kernel(const NormArgs
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
             const int c = t + k * TPR;
-            v[k] = (row_ok && c < nvec) ? load_stream<T, VEC>(a.x + off + static_cast<int64_t>(c) * VEC)
+            v[k] = (row_ok && c < nvec) ? load_stream<T, VEC, HINTS>(a.x + off + static_cast<int64_t>(c) * VEC)
                                         : zero_pack<T, VEC>();
         }
         if constexpr (KIND == NormKind::kSkipLayerNorm) {
@@ -104,8 +154,9 @@ __global__ void __launch_bounds__(TPR * RPB) norm_register_kernel(const NormArgs
 #pragma unroll
             for (int k = 0; k < VPT; ++k) {
                 const int c = t + k * TPR;
-                s[k] = (row_ok && c < nvec) ? load_stream<T, VEC>(a.skip + off + static_cast<int64_t>(c) * VEC)
-                                            : zero_pack<T, VEC>();
+                s[k] = (row_ok && c < nvec)
+                           ? load_stream<T, VEC, HINTS>(a.skip + off + static_cast<int64_t>(c) * VEC)
+                           : zero_pack<T, VEC>();
             }
 #pragma unroll
             for (int k = 0; k < VPT; ++k) {
@@ -117,33 +168,66 @@ __global__ void __launch_bounds__(TPR * RPB) norm_register_kernel(const NormArgs
 #pragma unroll
                     for (int j = 0; j < VEC; ++j) f[j] = to_f32(v[k].v[j]) + to_f32(s[k].v[j]) + to_f32(b.v[j]);
                     v[k] = pack_from_f32<T, VEC>(f);
-                    if (a.sum_out != nullptr) store_stream<T, VEC>(a.sum_out + off + static_cast<int64_t>(c) * VEC, v[k]);
+                    if (a.sum_out != nullptr) {
+                        store_stream<T, VEC, HINTS>(a.sum_out + off + static_cast<int64_t>(c) * VEC, v[k]);
+                    }
                 }
             }
         }
 
         float mean = 0.f;
-        if constexpr (KIND != NormKind::kRmsNorm) {
+        float ssd = 0.f;  // sum of squared deviations from the mean (RMSNorm: of squares)
+        if constexpr (ONE_PASS && KIND != NormKind::kRmsNorm) {
             float sum = 0.f;
+            int packs = 0;
 #pragma unroll
             for (int k = 0; k < VPT; ++k) {
+                if (t + k * TPR < nvec) {
+                    ++packs;
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) sum += to_f32(v[k].v[j]);
-            }
-            mean = reducer.sum(sum, row_in_block, t) * a.inv_hidden;
-        }
-        float sq = 0.f;
-#pragma unroll
-        for (int k = 0; k < VPT; ++k) {
-            if (t + k * TPR < nvec) {
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    const float d = to_f32(v[k].v[j]) - mean;
-                    sq = fmaf(d, d, sq);
+                    for (int j = 0; j < VEC; ++j) sum += to_f32(v[k].v[j]);
                 }
             }
+            float n = static_cast<float>(packs * VEC);
+            float m = packs > 0 ? sum / n : 0.f;
+            float m2 = 0.f;
+#pragma unroll
+            for (int k = 0; k < VPT; ++k) {
+                if (t + k * TPR < nvec) {
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) {
+                        const float d = to_f32(v[k].v[j]) - m;
+                        m2 = fmaf(d, d, m2);
+                    }
+                }
+            }
+            reducer.mean_m2(m, m2, n, row_in_block, t);
+            mean = m;
+            ssd = m2;
+        } else {
+            if constexpr (KIND != NormKind::kRmsNorm) {
+                float sum = 0.f;
+#pragma unroll
+                for (int k = 0; k < VPT; ++k) {
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) sum += to_f32(v[k].v[j]);
+                }
+                mean = reducer.sum(sum, row_in_block, t) * a.inv_hidden;
+            }
+            float sq = 0.f;
+#pragma unroll
+            for (int k = 0; k < VPT; ++k) {
+                if (t + k * TPR < nvec) {
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) {
+                        const float d = to_f32(v[k].v[j]) - mean;
+                        sq = fmaf(d, d, sq);
+                    }
+                }
+            }
+            ssd = reducer.sum(sq, row_in_block, t);
         }
-        const float rstd = rsqrtf(reducer.sum(sq, row_in_block, t) * a.inv_hidden + a.eps);
+        const float rstd = rsqrtf(ssd * a.inv_hidden + a.eps);
 
         const bool has_beta = KIND != NormKind::kRmsNorm && a.beta != nullptr;
 #pragma unroll
@@ -158,7 +242,7 @@ __global__ void __launch_bounds__(TPR * RPB) norm_register_kernel(const NormArgs
                     const float n = (to_f32(v[k].v[j]) - mean) * rstd;
                     f[j] = fmaf(n, to_f32(g.v[j]), to_f32(b.v[j]));
                 }
-                store_stream<T, VEC>(a.y + off + static_cast<int64_t>(c) * VEC, pack_from_f32<T, VEC>(f));
+                store_stream<T, VEC, HINTS>(a.y + off + static_cast<int64_t>(c) * VEC, pack_from_f32<T, VEC>(f));
             }
         }
     }
@@ -178,6 +262,8 @@ __global__ void __launch_bounds__(1024) norm_generic_kernel(const NormArgs<T> a,
     const int warps_per_row = row_threads / 32;
     float* cache = row_cache + (CACHE ? static_cast<int64_t>(row_in_block) * a.hidden : 0);
     int parity = 0;
+    pdl_trigger();
+    pdl_wait();
 
     auto row_sum = [&](float v) {
         v = warp_allreduce_sum(v);
@@ -246,12 +332,44 @@ __global__ void __launch_bounds__(1024) norm_generic_kernel(const NormArgs<T> a,
     }
 }
 
+// Tuning of the register kernel for one (dtype, op, threads per row, packs per thread), which the dispatch
+// derives from hidden: cache hints of the activations, resident threads per SM that the register
+// allocation must allow (0: no cap), and one-pass LayerNorm statistics. The table is in norm_tuning()
+// below; MOGRAPH_NORM_HINTS=0|1|2, MOGRAPH_NORM_MIN_THREADS=N and MOGRAPH_NORM_ONE_PASS=0|1 force one
+// value everywhere (for tools/gpu_kernels.py --sweep).
+struct NormTune {
+    int hints;
+    int min_threads;
+    bool one_pass;
+};
+
+template <typename T, NormKind KIND, int TPR, int VPT>
+constexpr NormTune norm_tuning() {
+    NormTune t{kHintsStream, 0, false};
+    (void)TPR;
+    (void)VPT;
+#ifdef MOGRAPH_NORM_HINTS
+    t.hints = MOGRAPH_NORM_HINTS;
+#endif
+#ifdef MOGRAPH_NORM_MIN_THREADS
+    t.min_threads = MOGRAPH_NORM_MIN_THREADS;
+#endif
+#ifdef MOGRAPH_NORM_ONE_PASS
+    t.one_pass = MOGRAPH_NORM_ONE_PASS != 0;
+#endif
+    return t;
+}
+
 template <typename T, NormKind KIND, int VPT, int TPR>
 int launch_register(const NormArgs<T>& a, cudaStream_t stream) {
     constexpr int kVec = kVec16<T>;
     constexpr int kRpb = TPR >= 128 ? 1 : 128 / TPR;  // blocks of 128 threads for the small-row groups
-    norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb><<<grid_for(a.rows, kRpb), TPR * kRpb, 0, stream>>>(a);
-    return launch_status();
+    constexpr NormTune kTune = norm_tuning<T, KIND, TPR, VPT>();
+    constexpr int kMinBlocks = kTune.min_threads / (TPR * kRpb) < 1    ? 0
+                               : kTune.min_threads / (TPR * kRpb) > 32 ? 32
+                                                                       : kTune.min_threads / (TPR * kRpb);
+    return launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kMinBlocks, kTune.one_pass>,
+                         dim3(grid_for(a.rows, kRpb)), dim3(TPR * kRpb), 0, stream, a);
 }
 
 // Largest hidden (in elements) the generic path keeps in shared memory with one row per block.
@@ -261,18 +379,18 @@ template <typename T, NormKind KIND>
 int launch_generic(const NormArgs<T>& a, cudaStream_t stream) {
     if (a.hidden <= 1024) {  // one warp per row, four rows per block, row cached
         const size_t smem = 4 * sizeof(float) * static_cast<size_t>(a.hidden);
-        norm_generic_kernel<T, KIND, true><<<grid_for(a.rows, 4), 128, smem, stream>>>(a, 32);
-        return launch_status();
+        return launch_kernel(norm_generic_kernel<T, KIND, true>, dim3(grid_for(a.rows, 4)), dim3(128), smem, stream,
+                             a, 32);
     }
     int threads = ((a.hidden + 7) / 8 + 31) / 32 * 32;  // about 8 elements per thread
     threads = threads < 128 ? 128 : (threads > 1024 ? 1024 : threads);
     if (a.hidden <= kGenericCacheLimit) {
         const size_t smem = sizeof(float) * static_cast<size_t>(a.hidden);
-        norm_generic_kernel<T, KIND, true><<<grid_for(a.rows, 1), threads, smem, stream>>>(a, threads);
-    } else {
-        norm_generic_kernel<T, KIND, false><<<grid_for(a.rows, 1), threads, 0, stream>>>(a, threads);
+        return launch_kernel(norm_generic_kernel<T, KIND, true>, dim3(grid_for(a.rows, 1)), dim3(threads), smem,
+                             stream, a, threads);
     }
-    return launch_status();
+    return launch_kernel(norm_generic_kernel<T, KIND, false>, dim3(grid_for(a.rows, 1)), dim3(threads), 0, stream, a,
+                         threads);
 }
 
 // Register budget of the fast path: the most row elements one thread keeps. Fewer elements per thread mean

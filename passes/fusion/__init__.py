@@ -1,13 +1,14 @@
 """Built-in plugin ``mograph.passes.fusion``: fusion passes, the ``fuse`` preset and the fused ops.
 
 Passes (preset ``fuse``, in this order): ``fuse-layernorm``, ``fuse-rmsnorm``,
-``fuse-skip-layernorm``, ``fuse-gelu``, ``fuse-bias-gelu``.  Each fuses into ops of the versioned
+``fuse-skip-layernorm``, ``fuse-gelu``, ``fuse-bias-gelu``, ``fuse-attention``.  Each fuses into ops of the versioned
 ``mograph`` domain (declared once, in :mod:`.ops`, through ``mograph_add_custom_ops``) and lowers
 them for ``--target`` (:mod:`.lowering`; default ``onnx``).
 """
 
 from __future__ import annotations
 
+from mograph.passes.fusion.attention import FuseAttentionPass
 from mograph.passes.fusion.bias_gelu import FuseBiasGeluPass
 from mograph.passes.fusion.gelu import FuseGeluPass
 from mograph.passes.fusion.layernorm import FuseLayerNormPass
@@ -17,13 +18,14 @@ from mograph.passes.fusion.skip_layernorm import FuseSkipLayerNormPass
 from mograph.hookspecs import hookimpl
 from mograph.pass_infra import Pass
 
-__all__ = ["FuseBiasGeluPass", "FuseGeluPass", "FuseLayerNormPass", "FuseRMSNormPass", "FuseSkipLayerNormPass", "FUSE"]
+__all__ = ["FuseAttentionPass", "FuseBiasGeluPass", "FuseGeluPass", "FuseLayerNormPass", "FuseRMSNormPass", "FuseSkipLayerNormPass", "FUSE"]
 
-FUSE = ["fuse-layernorm", "fuse-rmsnorm", "fuse-skip-layernorm", "fuse-gelu", "fuse-bias-gelu"]
+FUSE = ["fuse-layernorm", "fuse-rmsnorm", "fuse-skip-layernorm", "fuse-gelu", "fuse-bias-gelu", "fuse-attention"]
 
 
 def _passes() -> list[type[Pass]]:
-    out: list[type[Pass]] = [FuseLayerNormPass, FuseRMSNormPass, FuseSkipLayerNormPass, FuseGeluPass, FuseBiasGeluPass]
+    out: list[type[Pass]] = [FuseLayerNormPass, FuseRMSNormPass, FuseSkipLayerNormPass, FuseGeluPass, FuseBiasGeluPass,
+                              FuseAttentionPass]
     return out
 
 
@@ -40,6 +42,7 @@ def mograph_add_presets() -> dict[str, list[str]]:
 
 @hookimpl
 def mograph_add_custom_ops() -> list:
+    from mograph.passes.fusion import attention
     from mograph.passes.fusion.ops import custom_ops
 
-    return custom_ops()
+    return custom_ops() + attention.custom_ops()

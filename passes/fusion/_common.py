@@ -15,17 +15,19 @@ from typing import Any, ClassVar
 
 import numpy as np
 import onnx_ir as ir
-from mograph.passes.fusion.lowering import DEFAULT_TARGET, TARGETS, ensure_functions, lower_nodes
+from mograph.passes.fusion._opset import OpsetUpgradeError, upgrade_opset
+from mograph.passes.fusion.lowering import DEFAULT_TARGET, ONNX_STANDARD_OPSET, TARGETS, ensure_functions, lower_nodes
 from mograph.passes.fusion.ops import FLOAT_TYPES, body_supports
 
 from mograph.custom_ops import DOMAIN, DOMAIN_VERSION
+from mograph.errors import OptionError
 from mograph.pass_infra import Option, Pass, PassResult, stamp
 from mograph.patterns import MatchResult as MatchResult
 from mograph.patterns import OrValue, Rule, RuleReport, any_value, apply_rules, const, constant_array, scalar_value
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FusionPass", "flag", "mean_last", "square", "check_reduction", "norm_attrs"]
+__all__ = ["FusionPass", "flag", "opset_level", "mean_last", "square", "check_reduction", "norm_attrs"]
 
 
 def flag(raw: str) -> bool:
@@ -50,12 +52,48 @@ TARGET_OPTION = Option(
 EXPLAIN_OPTION = Option("explain", flag, False, "list near misses and why each rule did not apply")
 
 
+def opset_level(raw: object) -> int | str:
+    """Parse ``--upgrade-opset``: a positive opset number or ``auto``."""
+    if isinstance(raw, str):
+        text = raw.strip().lower()
+        if text == "auto":
+            return "auto"
+        value = int(text)
+    elif isinstance(raw, int) and not isinstance(raw, bool):
+        value = raw
+    else:
+        raise ValueError("expected an opset number or 'auto'")
+    if value < 1:
+        raise ValueError("an opset is a positive number")
+    return value
+
+
+UPGRADE_OPTION = Option(
+    "upgrade-opset",
+    opset_level,
+    None,
+    "with --target onnx: raise the model's opset (to N, or 'auto': the lowest that has the standard op) "
+    "when a fused op's standard form needs it (LayerNormalization 17, Gelu 20, RMSNormalization 23); "
+    "by default the opset never changes",
+    metavar="N|auto",
+)
+
+
 class FusionPass(Pass):
     """Base of the fusion passes: rules, then lowering, then function bodies."""
 
     family = "fusion"
-    options: ClassVar[tuple[Option, ...]] = (TARGET_OPTION, EXPLAIN_OPTION)
+    options: ClassVar[tuple[Option, ...]] = (TARGET_OPTION, EXPLAIN_OPTION, UPGRADE_OPTION)
     rules: ClassVar[tuple[type[Rule], ...]] = ()
+
+    def __init__(self, **values: Any) -> None:
+        super().__init__(**values)
+        raw = self.config.get("upgrade_opset")
+        if raw is not None:  # values given from Python arrive unconverted
+            try:
+                self.config["upgrade_opset"] = opset_level(raw)
+            except ValueError as exc:
+                raise OptionError(f"{self.name}: bad value for --upgrade-opset: {raw!r} ({exc})") from exc
 
     def make_rules(self) -> list[Rule]:
         return [cls() for cls in self.rules]
@@ -63,12 +101,22 @@ class FusionPass(Pass):
     #: With ``--target onnx`` at this opset or above, the fused op would lower back to exactly the
     #: standard ops it was fused from, so the pass does nothing (it stays idempotent).
     onnx_noop_opset: ClassVar[int | None] = None
+    #: The same for ``--target tensorrt`` (whose lowering also prefers standard ops TensorRT has).
+    tensorrt_noop_opset: ClassVar[int | None] = None
 
     def call(self, model: ir.Model) -> PassResult:
         target = self.config["target"]
-        if target == "onnx" and self.onnx_noop_opset is not None and _opset(model) >= self.onnx_noop_opset:
-            reason = f"target onnx at opset >= {self.onnx_noop_opset}: the standard-op form is already the onnx form"
-            return PassResult(modified=False, details={"skipped": reason, "target": target})
+        upgrade = self.config.get("upgrade_opset") if target == "onnx" else None
+        noop = {"onnx": self.onnx_noop_opset, "tensorrt": self.tensorrt_noop_opset}.get(target)
+        if noop is not None:
+            reach = _opset(model)
+            if upgrade is not None:
+                reach = max(reach, noop if upgrade == "auto" else int(upgrade))
+            if reach >= noop:
+                reason = (f"target {target} at opset >= {noop}"
+                          f"{' (reachable by --upgrade-opset)' if reach > _opset(model) else ''}: "
+                          f"the standard-op form is already the {target} form")
+                return PassResult(modified=False, details={"skipped": reason, "target": target})
         rules = self.make_rules()
         for rule in rules:
             rule.model_opset = _opset(model)  # type: ignore[attr-defined]
@@ -91,13 +139,51 @@ class FusionPass(Pass):
         if not modified:
             for value, type_, shape in snapshot:
                 value.type, value.shape = type_, shape
+        details: dict[str, Any] = {"rules": report.details(rules, bool(self.config.get("explain"))),
+                                   "target": self.config["target"]}
         if modified:
+            if upgrade is not None:
+                _upgrade_for(model, report.new_nodes, upgrade, stats, details)
             stats.update(lower_nodes(model, report.new_nodes, self.config["target"]))
             ensure_functions(model)
             _drop_unused_functions(model)
-        details: dict[str, Any] = {"rules": report.details(rules, bool(self.config.get("explain"))),
-                                   "target": self.config["target"]}
         return PassResult(modified=modified, stats=stats, details=details)
+
+
+def _upgrade_for(model: ir.Model, new_nodes: list[ir.Node], upgrade: int | str, stats: dict[str, int | float],
+                 details: dict[str, Any]) -> None:
+    """Raise the opset when a fused op of this run needs it for its standard form; record what happened.
+
+    Stats ``opset_upgrade.from`` / ``.to`` / ``.rewritten`` (nodes the converter rewrote) when it did;
+    ``details["opset_upgrade"]`` says what was done or why not.
+    """
+    current = _opset(model)
+    needs: dict[str, int] = {}
+    for node in new_nodes:
+        need = ONNX_STANDARD_OPSET.get(node.op_type)
+        if node.graph is not None and node.domain == DOMAIN and need is not None and need > current:
+            needs[node.op_type] = need
+    if not needs:
+        details["opset_upgrade"] = {"done": False, "reason": f"not needed at opset {current}"}
+        return
+    want = max(needs.values())
+    to = want if upgrade == "auto" else int(upgrade)
+    ops = ", ".join(f"{k} ({v})" for k, v in sorted(needs.items()))
+    if to < want:
+        reason = f"--upgrade-opset {to} is below the opset the standard form of {ops} needs"
+        details["opset_upgrade"] = {"done": False, "reason": reason}
+        return
+    try:
+        done = upgrade_opset(model, to)
+    except OpsetUpgradeError as exc:
+        logger.warning("opset not raised to %d: %s", to, exc)
+        details["opset_upgrade"] = {"done": False, "reason": f"cannot raise opset {current} to {to}: {exc}"}
+        return
+    stats["opset_upgrade.from"] = done.from_opset
+    stats["opset_upgrade.to"] = done.to_opset
+    stats["opset_upgrade.rewritten"] = sum(done.rewritten.values())
+    details["opset_upgrade"] = {"done": True, "from": done.from_opset, "to": done.to_opset, "for": ops,
+                                "rewritten": dict(done.rewritten)}
 
 
 def _infer_types(model: ir.Model) -> list[tuple[ir.Value, Any, Any]]:

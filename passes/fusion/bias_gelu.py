@@ -1,10 +1,12 @@
 """``fuse-bias-gelu``: ``Gelu(x + bias)`` -> ``mograph.BiasGelu`` / ``BiasFastGelu``.
 
 Runs after ``fuse-gelu`` and matches its output in every lowered form (``mograph`` ``Gelu``/
-``FastGelu``, standard ``Gelu``, ``com.microsoft`` ``Gelu``/``FastGelu``).  ``bias`` must be a
+``FastGelu``, standard ``Gelu``, ``com.microsoft`` ``Gelu``/``FastGelu``, and with ``--target tensorrt``
+the ``Gelu`` plugin node).  ``bias`` must be a
 constant that broadcasts over the last axis only (the dense layer's bias, ``[hidden]``); the sum
 ``x + bias`` must not be read elsewhere.  Lowers to ``com.microsoft`` ``BiasGelu``/``FastGelu`` with
-bias (``ort``), nothing for ``onnx`` at opset >= 20 (``Add`` + ``Gelu`` is already standard; the pass is a no-op there) or the ``BiasGelu`` plugin (``tensorrt``).
+bias (``ort``), nothing for ``onnx`` and ``tensorrt`` at opset >= 20 (``Add`` + ``Gelu`` is already standard;
+the pass is a no-op there) or the ``BiasGelu`` plugin (``tensorrt`` below opset 20).
 """
 
 from __future__ import annotations
@@ -28,9 +30,17 @@ def _constant(context: Any, value: ir.Value) -> MatchResult:
 
 
 class BiasGeluFusion(Rule):
-    """Gelu(x + bias) with a constant 1-D bias -> mograph.BiasGelu(x, bias) (or BiasFastGelu)."""
+    """Gelu(x + bias) with a constant 1-D bias -> mograph.BiasGelu(x, bias) (or BiasFastGelu).
+
+    With ``plugins`` (``--target tensorrt``) a ``Gelu`` TensorRT plugin node (what ``fuse-gelu`` left)
+    is taken too, its form read from its ``approximate`` attribute; it becomes a ``BiasGelu`` plugin.
+    """
 
     min_candidate_nodes = 2
+
+    def __init__(self, plugins: bool = False) -> None:
+        super().__init__()
+        self.plugins = plugins
 
     def pattern(self, op: Any, x: Any) -> Any:
         s = op.Add(x, Var("bias", check=_constant))
@@ -51,7 +61,9 @@ class BiasGeluFusion(Rule):
         node = g.producer()
         assert node is not None
         if "plugin_namespace" in node.attributes:
-            return self.fail("the GELU is already a TensorRT plugin node", node)
+            if not self.plugins or node.op_type != "Gelu":
+                return self.fail("the GELU is already a TensorRT plugin node (and the target is not tensorrt)", node)
+            form = "onnx"  # the plugin's approximate attribute says which
         if form == "onnx":
             approx = node.attributes.get("approximate")
             form = "tanh" if approx is not None and approx.value == "tanh" else "exact"
@@ -84,6 +96,7 @@ class FuseBiasGeluPass(FusionPass):
 
     name = "fuse-bias-gelu"
     onnx_noop_opset = 20
+    tensorrt_noop_opset = 20  # Add + Gelu: TensorRT's own layers
 
     def make_rules(self) -> list[Rule]:
-        return [BiasGeluFusion()]
+        return [BiasGeluFusion(plugins=self.config["target"] == "tensorrt")]

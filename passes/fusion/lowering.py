@@ -10,7 +10,11 @@
     ``RMSNormalization`` (>= 23), ``Gelu`` with ``approximate`` (>= 20).  (``fuse-skip-layernorm`` and
     ``fuse-bias-gelu`` do nothing for ``onnx`` where the standard ops exist: their standard form is the
     unfused one.)  Everything else stays a ``mograph`` op with its function
-    body, so the model stays valid standard ONNX plus local functions.  The opset is never changed.
+    body, so the model stays valid standard ONNX plus local functions.  The opset is not changed
+    unless ``--upgrade-opset`` asks for it (``N`` or ``auto``): then a pass that fused an op whose
+    standard form needs a newer opset first raises the model's opset (:mod:`._opset`, through
+    ``onnx.version_converter``, node by node, numerics unchanged) and lowers to the standard op.
+    ONNX Runtime 1.32's CPU provider has kernels for ``Gelu``-20 and ``RMSNormalization``-23.
 ``ort``
     ONNX Runtime's own kernels: ``LayerNormalization`` and ``SimplifiedLayerNormalization`` (ORT
     registers both in the default domain at every opset), ``com.microsoft`` ``SkipLayerNormalization``,
@@ -19,9 +23,14 @@
     native TensorRT layers where the ONNX parser has them (``LayerNormalization`` at opset >= 17,
     ``Gelu`` at >= 20, pointwise ops for ``QuickGelu``); otherwise a plugin node: op type = plugin
     name (``LayerNorm``, ``RMSNorm``, ``SkipLayerNorm``, ``Gelu``, ``BiasGelu``), attributes
-    ``plugin_namespace="mograph"``, ``plugin_version="1"`` and the op's own attributes
-    (``approximate`` = ``"none"``/``"tanh"`` for the GELUs).  Plugin nodes carry no function body, so
-    the parser falls back to the plugin registry instead of inlining a body.
+    ``plugin_namespace="mograph"``, ``plugin_version="1"`` and the plugin's own attributes
+    (``epsilon``; ``approximate`` = ``"none"``/``"tanh"`` for the GELUs; ``sum_output``).  Plugin
+    nodes carry no function body, so the parser falls back to the plugin registry instead of
+    inlining a body.  They are emitted in the form the plugins take
+    (:data:`mograph.backends.tensorrt_plugins.PLUGINS`), so ``build_engine`` has nothing to legalize:
+    Scale/B/Bias are ``[hidden]`` vectors (a one-element constant is widened), a zero B or Bias is
+    left off when nothing after it is kept (else zeros ``[hidden]``: no empty input names), and a
+    SkipLayerNorm has its ``Sum`` output (``sum_output=1``) only when something reads the sum.
 
 A lowering that cannot apply (dynamic hidden size where a 1-D scale must be built, shapes that the
 runtime's kernel does not accept) leaves the ``mograph`` op in place; it is never an error.
@@ -39,7 +48,8 @@ import onnx_ir as ir
 from mograph.custom_ops import DOMAIN, DOMAIN_VERSION
 from mograph.patterns import constant_array, remove_dead_producers
 
-__all__ = ["TARGETS", "DEFAULT_TARGET", "lower_nodes", "ensure_functions", "lowerings_for", "PLUGIN_VERSION"]
+__all__ = ["TARGETS", "DEFAULT_TARGET", "ONNX_STANDARD_OPSET", "lower_nodes", "ensure_functions", "lowerings_for",
+           "PLUGIN_VERSION"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +60,9 @@ PLUGIN_VERSION = "1"
 MS_DOMAIN = "com.microsoft"
 
 Lowering = Callable[[ir.Node, ir.Model], bool]
+
+#: The default-domain opset from which a fused op has a standard ONNX form (``--target onnx``).
+ONNX_STANDARD_OPSET = {"LayerNorm": 17, "Gelu": 20, "FastGelu": 20, "RMSNorm": 23}
 
 
 def _opset(model: ir.Model) -> int:
@@ -179,15 +192,44 @@ def _ln_to_standard(node: ir.Node, model: ir.Model) -> bool:
     return True
 
 
-def _plugin(node: ir.Node, model: ir.Model, name: str | None = None, **extra: object) -> bool:
-    attrs = {k: a.value for k, a in node.attributes.items() if k != "stash_type"}
-    attrs.update(extra)
-    attrs["plugin_namespace"] = PLUGIN_NAMESPACE
-    attrs["plugin_version"] = PLUGIN_VERSION
-    inputs = [v for v in node.inputs]
-    new = ir.node(name or node.op_type, inputs, attributes=attrs, domain=DOMAIN, num_outputs=len(node.outputs))
-    _replace(node, [new], list(new.outputs))
-    return True
+def _plugin(node: ir.Node, name: str, inputs: list[ir.Value], num_outputs: int = 1, **attrs: Any) -> ir.Node:
+    """A plugin node in the form the mograph TensorRT plugins take (:data:`~mograph.backends.tensorrt_plugins.PLUGINS`).
+
+    The attributes are the plugin's own (its table fills in defaults, namespace and version and refuses
+    unknown ones); ``inputs`` must already be legal: vectors ``[hidden]``, optional ones only left off
+    the end.  The caller replaces ``node`` with it.
+    """
+    from mograph.backends.tensorrt_plugins import plugin_attributes
+
+    return ir.node(name, inputs, attributes=plugin_attributes(name, **attrs), domain=DOMAIN, num_outputs=num_outputs)
+
+
+def _plugin_vectors(node: ir.Node, x: ir.Value, values: list[tuple[ir.Value | None, str, bool]]) -> list[ir.Value] | None:
+    """Legal vector inputs of a plugin node: each ``(value, base name, optional)`` in order.
+
+    A vector must be ``[hidden]`` (a one-element constant is widened); an optional one that is zero is
+    left off when nothing after it is kept, else it becomes zeros ``[hidden]`` (the parser refuses
+    empty input names).  None if one cannot be built (unknown hidden size).
+    """
+    graph = node.graph
+    assert graph is not None
+    keep = [not (optional and is_zero(v)) for v, _, optional in values]
+    while keep and not keep[-1]:
+        keep.pop()
+    out: list[ir.Value] = []
+    for (value, base, _), _keep in zip(values, keep):
+        if value is None:
+            hidden = _hidden(x)
+            if hidden is None:
+                return None
+            dtype = x.dtype.numpy() if x.dtype is not None else np.float32
+            out.append(_initializer(graph, f"{base}_{hidden}", np.zeros((hidden,), dtype=dtype)))
+            continue
+        vec = _vector(graph, value, x, base)
+        if vec is None or (_hidden(x) is None and (vec.shape is None or len(vec.shape) != 1)):
+            return None
+        out.append(vec)
+    return out
 
 
 def _ln_onnx(node: ir.Node, model: ir.Model) -> bool:
@@ -201,7 +243,14 @@ def _ln_ort(node: ir.Node, model: ir.Model) -> bool:
 def _ln_trt(node: ir.Node, model: ir.Model) -> bool:
     if _opset(model) >= 17 and _ln_to_standard(node, model):
         return True
-    return _plugin(node, model)
+    x, scale, beta = node.inputs
+    assert x is not None
+    vectors = _plugin_vectors(node, x, [(scale, "mograph_ln_scale", False), (beta, "mograph_ln_bias", True)])
+    if vectors is None:
+        return False
+    new = _plugin(node, "LayerNorm", [x, *vectors], epsilon=float(_attr(node, "epsilon", 1e-5)))  # type: ignore[arg-type]
+    _replace(node, [new], [new.outputs[0]])
+    return True
 
 
 def _rms(node: ir.Node, model: ir.Model, op_type: str, domain: str = "") -> bool:
@@ -226,7 +275,14 @@ def _rms_ort(node: ir.Node, model: ir.Model) -> bool:
 
 
 def _rms_trt(node: ir.Node, model: ir.Model) -> bool:
-    return _plugin(node, model)
+    x, scale = node.inputs
+    assert x is not None
+    vectors = _plugin_vectors(node, x, [(scale, "mograph_rms_scale", False)])
+    if vectors is None:
+        return False
+    new = _plugin(node, "RMSNorm", [x, *vectors], epsilon=float(_attr(node, "epsilon", 1e-6)))  # type: ignore[arg-type]
+    _replace(node, [new], [new.outputs[0]])
+    return True
 
 
 def _skip_order(x: ir.Value, skip: ir.Value) -> tuple[ir.Value, ir.Value] | None:
@@ -295,7 +351,23 @@ def _skip_ort(node: ir.Node, model: ir.Model) -> bool:
 
 
 def _skip_trt(node: ir.Node, model: ir.Model) -> bool:
-    return _plugin(node, model)
+    """The ``SkipLayerNorm`` plugin: ``Sum`` as a second output (``sum_output=1``) only when it is read."""
+    x, skip, scale, beta, bias = node.inputs
+    assert x is not None and skip is not None
+    if x.shape is None or skip.shape is None or len(x.shape) != len(skip.shape):
+        return False  # the plugin broadcasts Skip over leading axes of the same rank only
+    vectors = _plugin_vectors(node, x, [(scale, "mograph_ln_scale", False), (beta, "mograph_ln_bias", True),
+                                        (bias, "mograph_skip_bias", True)])
+    if vectors is None:
+        return False
+    want_sum = len(node.outputs) > 1 and _used(node.outputs[1])
+    new = _plugin(node, "SkipLayerNorm", [x, skip, *vectors], num_outputs=2 if want_sum else 1,
+                  epsilon=float(_attr(node, "epsilon", 1e-5)), sum_output=int(want_sum))  # type: ignore[arg-type]
+    outs: list[ir.Value | None] = [new.outputs[0]]
+    if len(node.outputs) > 1:
+        outs.append(new.outputs[1] if want_sum else None)
+    _replace(node, [new], outs)
+    return True
 
 
 def _gelu_standard(node: ir.Node, model: ir.Model, approximate: str, with_bias: bool) -> bool:
@@ -344,7 +416,17 @@ def _gelu_lowerings(name: str) -> dict[str, Lowering]:
     def trt(node: ir.Node, model: ir.Model) -> bool:
         if _gelu_standard(node, model, approximate, with_bias):
             return True
-        return _plugin(node, model, "BiasGelu" if with_bias else "Gelu", approximate=approximate)
+        x = node.inputs[0]
+        assert x is not None
+        inputs = [x]
+        if with_bias:
+            vectors = _plugin_vectors(node, x, [(node.inputs[1], "mograph_gelu_bias", False)])
+            if vectors is None:
+                return False
+            inputs += vectors
+        new = _plugin(node, "BiasGelu" if with_bias else "Gelu", inputs, approximate=approximate)
+        _replace(node, [new], [new.outputs[0]])
+        return True
 
     return {"onnx": onnx, "ort": ort, "tensorrt": trt}
 

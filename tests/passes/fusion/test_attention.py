@@ -1,0 +1,257 @@
+"""fuse-attention on graphs built in code (every variant), on bert_tiny, and on real BERT exports.
+
+Numerics are checked with ONNX Runtime's own optimizations off, on feeds whose attention mask has
+padded positions (zeros), so the masked softmax is exercised.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _fusion_util import (
+    assert_close,
+    assert_untouched,
+    check_fusion,
+    op_counts,
+    parse,
+    run_ort,
+    run_pass,
+    to_ir,
+    to_proto,
+)
+from mograph.passes.fusion import attention as att
+from mograph.passes.fusion.attention import FuseAttentionPass
+
+from models.builders import bert_feeds, bert_tiny
+from mograph.pass_infra import graph_fingerprint
+
+B, S, H, D = 2, 5, 4, 4
+HID = H * D
+UNFUSED = {"Reshape", "Transpose", "Softmax"}  # what the attention core is made of
+
+
+def attention_text(*, scale: str = "div", mask: str = "bias", k_form: str = "0231", opset: int = 17,
+                   scale_input: bool = False, heads: str = "const", axis: int = -1) -> str:
+    """Q, K, V graph inputs [B, S, H*D] through the attention core, one form per argument."""
+    lines = [
+        "q4 = Reshape(q, shp)", "k4 = Reshape(k, shp)", "v4 = Reshape(v, shp)",
+        "qh = Transpose<perm=[0,2,1,3]>(q4)", "vh = Transpose<perm=[0,2,1,3]>(v4)",
+    ]
+    if k_form == "0231":
+        lines.append("kt = Transpose<perm=[0,2,3,1]>(k4)")
+    else:
+        lines += ["kh = Transpose<perm=[0,2,1,3]>(k4)", "kt = Transpose<perm=[0,1,3,2]>(kh)"]
+    c = "sc_in" if scale_input else "sc"
+    if scale == "div":
+        lines += ["mm = MatMul(qh, kt)", f"s = Div(mm, {c})"]
+    elif scale == "mul":
+        lines += ["mm = MatMul(qh, kt)", f"s = Mul({c}, mm)"]
+    elif scale == "mul-qk":
+        lines += ["qs = Mul(qh, qk)", "ks = Mul(qk, kt)", "s = MatMul(qs, ks)"]
+    else:
+        lines += ["s = MatMul(qh, kt)"]
+    if mask == "bias":
+        lines.append("sm = Add(bias, s)")
+    lines += [f"p = Softmax<axis={axis}>({'sm' if mask == 'bias' else 's'})", "o = MatMul(p, vh)", "ot = Transpose<perm=[0,2,1,3]>(o)",
+              "y = Reshape(ot, shp3)"]
+    sc = {"div": math.sqrt(D), "mul": 1 / math.sqrt(D)}.get(scale, 1.0)
+    inits = [f"float sc = {{{sc}}}", f"float qk = {{{D ** -0.25}}}", "int64[3] shp3 = {0, 0, -1}"]
+    inputs = [f"float[{B},{S},{HID}] q", f"float[{B},{S},{HID}] k", f"float[{B},{S},{HID}] v"]
+    if heads == "const":
+        inits.append(f"int64[4] shp = {{0, 0, {H}, -1}}")
+    else:
+        inputs.append("int64[4] shp")
+    if mask == "bias":
+        inputs.append(f"float[{B},1,1,{S}] bias")
+    if scale_input:
+        inputs.append("float sc_in")
+    body = "\n  ".join(lines)
+    return (f'<ir_version: 8, opset_import: ["" : {opset}]>\n'
+            f"g ({', '.join(inputs)}) => (float[{B},{S},{HID}] y) <{', '.join(inits)}> {{\n  {body}\n}}")
+
+
+def _feeds(proto, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    feeds = {n: rng.standard_normal((B, S, HID)).astype(np.float32) for n in ("q", "k", "v")}
+    names = {i.name for i in proto.graph.input}
+    if "bias" in names:
+        keep = np.ones((B, S), dtype=np.float32)
+        keep[1, 3:] = 0  # padded keys of the second row
+        feeds["bias"] = ((1.0 - keep) * np.finfo(np.float32).min)[:, None, None, :]
+    if "shp" in names:
+        feeds["shp"] = np.array([0, 0, H, -1], dtype=np.int64)
+    if "sc_in" in names:
+        feeds["sc_in"] = np.array(math.sqrt(D), dtype=np.float32)
+    return feeds
+
+
+def _stats(variant: str, lowered: bool = True) -> dict[str, int]:
+    out = {"AttentionFusion": 1, f"AttentionFusion.{variant}": 1}
+    if lowered:
+        out["lowered.Attention"] = 1
+    return out
+
+
+# ------------------------------------------------------------------ variants, graphs in code -----
+
+
+@pytest.mark.parametrize("scale", ["div", "mul", "mul-qk", "none"])
+@pytest.mark.parametrize("k_form", ["0231", "0213.0132"])
+def test_attention_variants_mograph(scale: str, k_form: str) -> None:
+    proto = parse(attention_text(scale=scale, k_form=k_form))
+    model = check_fusion(FuseAttentionPass(target="mograph"), proto, stats=_stats(f"{scale}.mask", lowered=False),
+                         ops_left=["mograph.Attention"], feeds=_feeds(proto))
+    node = next(iter(model.graph))
+    assert node.attributes["num_heads"].value == H
+    expected = {"div": 1 / math.sqrt(D), "mul": 1 / math.sqrt(D), "mul-qk": 1 / math.sqrt(D), "none": 1.0}[scale]
+    assert node.attributes["scale"].value == pytest.approx(expected, rel=1e-6)
+    assert ("mograph", "Attention", "") in model.functions
+
+
+def test_attention_without_mask() -> None:
+    proto = parse(attention_text(mask="none"))
+    check_fusion(FuseAttentionPass(target="mograph"), proto, stats=_stats("div.nomask", lowered=False),
+                 ops_left=["mograph.Attention"], feeds=_feeds(proto))
+    # ort: no projections to pack -> MultiHeadAttention, no attention_bias input
+    model = check_fusion(FuseAttentionPass(target="ort"), proto, stats=_stats("div.nomask"),
+                         ops_left=["com.microsoft.MultiHeadAttention"], feeds=_feeds(proto))
+    assert len(next(iter(model.graph)).inputs) == 3
+
+
+def test_attention_ort_multihead_with_expanded_bias() -> None:
+    """Q/K/V not packable (graph inputs): MultiHeadAttention; the [B,1,1,T] bias is expanded to [B,1,S,T]."""
+    proto = parse(attention_text())
+    model = check_fusion(FuseAttentionPass(target="ort"), proto, stats=_stats("div.mask"), feeds=_feeds(proto))
+    assert op_counts(model) == Counter({"com.microsoft.MultiHeadAttention": 1, "Constant": 2, "Shape": 1,
+                                        "Gather": 1, "Concat": 1, "Expand": 1})
+
+
+def test_attention_reference_matches_function_body() -> None:
+    proto = parse(attention_text())
+    feeds = _feeds(proto)
+    model, _ = run_pass(FuseAttentionPass(target="mograph"), proto)
+    decl = att.custom_ops()[0]
+    (expected,) = decl.reference(feeds["q"], feeds["k"], feeds["v"], feeds["bias"], num_heads=H,
+                                 scale=1 / math.sqrt(D))
+    (got,) = run_ort(model, feeds)
+    assert_close([expected], [got], 1e-5)
+
+
+# ------------------------------------------------------------------ near misses ------------------
+
+
+def test_near_miss_scale_not_constant() -> None:
+    proto = parse(attention_text(scale_input=True))
+    result = assert_untouched(FuseAttentionPass(target="ort", explain="true"), proto)
+    misses = result.details["rules"]["AttentionFusion"]["near_miss_list"]
+    assert [m["reason"] for m in misses] == ["scale is not a constant"]
+
+
+def test_near_miss_heads_not_constant() -> None:
+    proto = parse(attention_text(heads="input"))
+    result = assert_untouched(FuseAttentionPass(target="ort", explain="true"), proto)
+    (miss,) = result.details["rules"]["AttentionFusion"]["near_miss_list"]
+    assert miss["reason"].startswith("num_heads cannot be determined: reshape target")
+
+
+def test_near_miss_softmax_not_over_keys() -> None:
+    proto = parse(attention_text(axis=2))
+    result = assert_untouched(FuseAttentionPass(target="ort", explain="true"), proto)
+    (miss,) = result.details["rules"]["AttentionFusion"]["near_miss_list"]
+    assert miss["reason"] == "Softmax is over axis 2, not the key axis"
+
+
+def test_onnx_target_below_opset_23_is_a_no_op() -> None:
+    result = assert_untouched(FuseAttentionPass(target="onnx"), bert_tiny())
+    assert "no attention op" in result.details["skipped"]
+
+
+# ------------------------------------------------------------------ bert_tiny --------------------
+
+BERT_STATS = {"AttentionFusion": 2, "AttentionFusion.div.mask": 2, "lowered.Attention": 2}
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_bert_tiny_ort(dynamic: bool) -> None:
+    proto = bert_tiny(dynamic=dynamic, batch=3)
+    feeds = bert_feeds(3, 16)
+    assert feeds["attention_mask"].min() == 0  # padded positions
+    model = check_fusion(FuseAttentionPass(target="ort"), proto, stats=BERT_STATS, feeds=feeds)
+    left = op_counts(model)
+    assert left["com.microsoft.Attention"] == 2
+    assert not UNFUSED & set(left), left
+    assert left["MatMul"] == 6  # per layer: output projection + 2 FFN; Q/K/V packed into the Attention
+
+
+@pytest.mark.parametrize("target,opset,op", [("mograph", 17, "mograph.Attention"), ("tensorrt", 17, "mograph.Attention"),
+                                              ("onnx", 23, "Attention")])
+def test_bert_tiny_other_targets(target: str, opset: int, op: str) -> None:
+    proto = bert_tiny(opset=opset)
+    stats = {k: v for k, v in BERT_STATS.items() if target == "onnx" or not k.startswith("lowered")}
+    model = check_fusion(FuseAttentionPass(target=target), proto, stats=stats, feeds=bert_feeds(3, 16))
+    assert op_counts(model)[op] == 2
+    assert "Softmax" not in op_counts(model)
+
+
+# ------------------------------------------------------------------ real exports -----------------
+
+EXPORTS = [("torchscript", 14), ("torchscript", 17), ("dynamo", 18)]
+L = 2
+
+
+@pytest.fixture(scope="session")
+def export_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    env = os.environ.get("MOGRAPH_TEST_EXPORT_DIR")
+    if env:
+        Path(env).mkdir(parents=True, exist_ok=True)
+        return Path(env)
+    return tmp_path_factory.mktemp("exports")
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("exporter,opset", EXPORTS, ids=[f"{e}-{o}" for e, o in EXPORTS])
+def test_bert_export_ort(export_dir: Path, exporter: str, opset: int) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import onnx
+
+    from models import export_hf
+    from mograph.plugins import get_registry
+
+    path = export_dir / f"bert_{exporter}_{opset}.onnx"  # the same cache as test_exports.py
+    if not path.exists():
+        export_hf.export("bert", path, exporter=exporter, opset=opset, layers=L)
+    proto = onnx.load(str(path))
+    feeds = export_hf.sample_feeds("bert", 3, 16, seed=1)
+    assert feeds["attention_mask"].min() == 0
+    check_fusion(FuseAttentionPass(target="ort"), proto, stats={
+        "AttentionFusion": L, "AttentionFusion.mul.mask": L, "lowered.Attention": L}, feeds=feeds)
+
+    # the whole preset, as deployed: cleanup then fuse, every fusion lowered for ONNX Runtime
+    model = to_ir(proto)
+    reg = get_registry()
+    fused = 0
+    for p in reg.instantiate(reg.expand("cleanup") + reg.expand("fuse"), {"target": "ort"}):
+        fused += int(p.call(model).stats.get("AttentionFusion", 0))
+    assert fused == L
+    left = op_counts(model)
+    assert left["com.microsoft.Attention"] == L and "Softmax" not in left, left
+    assert_close(run_ort(proto, feeds), run_ort(to_proto(model), feeds), 1e-4)
+    before = graph_fingerprint(model)
+    assert not FuseAttentionPass(target="ort").call(model).modified
+    assert graph_fingerprint(model) == before
+
+
+def test_pass_registered() -> None:
+    from mograph.plugins import get_registry
+
+    reg = get_registry()
+    assert "fuse-attention" in reg.passes
+    assert "fuse-attention" in reg.expand("fuse")
+    assert ("mograph", "Attention") in reg.custom_ops
+    assert set(reg.custom_ops[("mograph", "Attention")].lowerings) == {"ort", "onnx"}
