@@ -30,6 +30,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -283,6 +284,8 @@ def run_benchmarks(
     dtypes = args.dtypes.split(",")
     ops = args.ops.split(",")
     compile_dtypes = set(args.compile_dtypes.split(","))
+    if args.compile:
+        _fresh_autotune(torch)
     for rows, hidden in SHAPES:
         for dtype in dtypes:
             for op in ops:
@@ -335,44 +338,96 @@ def run_benchmarks(
                 torch.cuda.empty_cache()
 
 
+def _tune(norm: tuple[int, int, int] | None = None, gelu: tuple[int, int, int] | None = None, pdl: bool = True):
+    """-D flags forcing the tuning knobs of kernels/src (see NormTune and GeluTune there).
+
+    norm = (hints, min_threads, one_pass), gelu = (hints, min_threads, grid_waves); None keeps the shipped
+    per-shape table for that family. pdl=False launches without programmatic dependent launch.
+    """
+    flags = []
+    if norm is not None:
+        flags += [f"-DMOGRAPH_NORM_HINTS={norm[0]}", f"-DMOGRAPH_NORM_MIN_THREADS={norm[1]}",
+                  f"-DMOGRAPH_NORM_ONE_PASS={norm[2]}"]  # fmt: skip
+    if gelu is not None:
+        flags += [f"-DMOGRAPH_GELU_HINTS={gelu[0]}", f"-DMOGRAPH_GELU_MIN_THREADS={gelu[1]}",
+                  f"-DMOGRAPH_GELU_GRID_WAVES={gelu[2]}"]  # fmt: skip
+    if not pdl:
+        flags.append("-DMOGRAPH_NO_PDL")
+    return flags
+
+
 SWEEP_VARIANTS = {
-    "default": [],
+    "default": [],  # the shipped tuning
+    # the kernels as they were before the tuning table: evict-first hints, no register cap, two-pass
+    # LayerNorm statistics, chunked Gelu, plain launches
+    "legacy": _tune((1, 0, 0), (1, 0, 0), pdl=False),
+    "nopdl": _tune(pdl=False),  # the shipped table, launched without programmatic dependent launch
+    "pdl": _tune((1, 0, 0), (1, 0, 0)),
+    "t1": _tune((1, 0, 1), (0, 0, 0)),
+    "t2": _tune((1, 1024, 1), (1, 1024, 0)),
+    "t3": _tune((1, 1280, 1), (1, 1280, 0)),
+    "t4": _tune((0, 0, 1), (1, 0, 1)),
+    "t5": _tune((0, 1024, 1), (0, 0, 1)),
+    "t6": _tune((2, 1024, 1), (2, 0, 0)),
+    "t7": _tune((0, 1280, 1), (1, 0, 2)),
+    "t8": _tune((1, 1536, 1), (0, 1280, 0)),
     "E8": ["-DMOGRAPH_NORM_MAX_ELEMS=8"],
     "E16": ["-DMOGRAPH_NORM_MAX_ELEMS=16"],
     "E32": ["-DMOGRAPH_NORM_MAX_ELEMS=32"],
     "nocs": ["-DMOGRAPH_NO_STREAMING_HINTS"],
-    "E16nocs": ["-DMOGRAPH_NORM_MAX_ELEMS=16", "-DMOGRAPH_NO_STREAMING_HINTS"],
-    "E32nocs": ["-DMOGRAPH_NORM_MAX_ELEMS=32", "-DMOGRAPH_NO_STREAMING_HINTS"],
     "flatbias": ["-DMOGRAPH_GELU_FLAT_BIAS"],
 }
 """Compile-time variants of the library for --sweep (see the MOGRAPH_* macros in kernels/src)."""
 
 
-def run_sweep(torch, abi, build, harness, args, copy_bps: float) -> list:
-    """Time our kernels in several compile-time variants side by side, each also run through the correctness grid.
+def sweep_library_path(name: str) -> Path:
+    return ROOT / "kernels" / "build" / f"sweep_{name}" / "libmograph_kernels.so"
 
-    Each variant is built for sm_90 only into kernels/build/sweep_<name>; "default" is the main library.
+
+def build_sweep_variants(build, names: list[str], log_fn=None) -> dict[str, Path]:
+    """Build each variant for sm_90 only into kernels/build/sweep_<name> (in parallel); returns the paths."""
+
+    def build_variant(name: str) -> Path:
+        out_dir = sweep_library_path(name).parent
+        return build.build(archs=("90",), ptx=(), build_dir=out_dir, extra_flags=SWEEP_VARIANTS[name], log=log_fn)
+
+    with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:
+        return dict(zip(names, pool.map(build_variant, names)))
+
+
+def run_sweep(torch, abi, build, harness, args, copy_bps: float, on_record=None) -> list:
+    """Time our kernels in several compile-time variants side by side.
+
+    Each variant is built for sm_90 only into kernels/build/sweep_<name> ("default": the shipped tuning), or
+    with --prebuilt taken from there as it is. Variants named by --sweep-grid (default: all) are also run
+    through the correctness grid; every timed case records its error against torch in fp32.
     """
     names = args.sweep.split(",")
     t0 = time.monotonic()
-
-    def build_variant(name: str) -> Path:
-        out_dir = ROOT / "kernels" / "build" / f"sweep_{name}"
-        return build.build(archs=("90",), ptx=(), build_dir=out_dir, extra_flags=SWEEP_VARIANTS[name])
-
-    with ThreadPoolExecutor(max_workers=len(names)) as pool:
-        paths = dict(zip(names, pool.map(build_variant, names)))
-    log(f"sweep: built {len(names)} variants in {time.monotonic() - t0:.1f}s")
-    libs = {nm: abi.load(p) for nm, p in paths.items()}
+    paths = {}
+    missing = []
+    for nm in names:
+        if args.prebuilt and sweep_library_path(nm).is_file():
+            paths[nm] = sweep_library_path(nm)
+        else:
+            missing.append(nm)
+    if missing:
+        paths.update(build_sweep_variants(build, missing))
+    log(f"sweep: {len(names) - len(missing)} prebuilt, built {len(missing)} variants in {time.monotonic() - t0:.1f}s")
+    libs = {nm: abi.load(paths[nm]) for nm in names}
     backend, _ = harness.find_backend()
     out: list = []
-    for nm, lib in libs.items():
+    grid_names = names if args.sweep_grid == "all" else [n for n in args.sweep_grid.split(",") if n in libs]
+    for nm in grid_names:
+        lib = libs[nm]
         cases = harness.make_grid(rows=args.grid_rows)
         bad = [c.label for i, c in enumerate(cases) if not harness.check_case(lib, backend, c, seed=i).ok]
         out.append({"variant": nm, "grid_cases": len(cases), "grid_failures": bad})
         log(f"sweep {nm}: correctness {len(cases) - len(bad)}/{len(cases)}" + (f" FAIL {bad[:5]}" if bad else ""))
     ops = args.sweep_ops.split(",")
-    log(f"{'op':<16}{'dtype':<6}{'shape':>12}" + "".join(f"{nm + ' us':>12}{'/copy':>7}" for nm in names))
+    header = f"{'op':<16}{'dtype':<6}{'shape':>12}" + "".join(f"{nm[:9] + ' us':>12}{'/copy':>7}" for nm in names)
+    log(header)
+    lines = [header]
     for rows, hidden in SHAPES:
         for dtype in args.sweep_dtypes.split(","):
             for op in ops:
@@ -385,17 +440,92 @@ def run_sweep(torch, abi, build, harness, args, copy_bps: float) -> list:
                     b.fn = getattr(libs[nm], abi.symbol(b.kernel_op, dtype))
                     try:
                         err = b.error_vs_torch()
-                        t, _ = time_graph(torch, _rotating(b.ours, b.sets, k), args.reps)
-                        rec[nm] = {"s": t, "frac_copy": b.bytes / t / copy_bps, "err": err}
+                        t, mode = time_graph(torch, _rotating(b.ours, b.sets, k), args.sweep_reps)
+                        rec[nm] = {"s": t, "frac_copy": b.bytes / t / copy_bps, "err": err, "mode": mode}
                         line += f"{t * 1e6:>12.1f}{b.bytes / t / copy_bps:>7.3f}"
                     except Exception as exc:
                         rec[nm] = {"error": f"{exc.__class__.__name__}: {exc}"[:300]}
                         line += f"{'ERR':>12}{'':>7}"
                 out.append(rec)
                 log(line)
+                lines.append(line)
+                if on_record:
+                    on_record()
                 b = None
                 torch.cuda.empty_cache()
+    # summary: per variant, geometric mean of (time of the first variant / time of this one)
+    timed = [r for r in out if "op" in r]
+    summary = []
+    for nm in names:
+        ratios = [r[names[0]]["s"] / r[nm]["s"] for r in timed if "s" in r.get(nm, {}) and "s" in r.get(names[0], {})]
+        if ratios:
+            g = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+            summary.append(f"{nm}: {g:.3f} ({min(ratios):.3f}..{max(ratios):.3f}) over {len(ratios)} cases")
+    out.append({"summary_vs_first": summary})
+    log("sweep speed-up over " + names[0] + " (geometric mean, range): " + "; ".join(summary))
     return out
+
+
+def _fresh_autotune(torch) -> None:
+    """Make torch.compile autotune in this process instead of reusing autotuning results stored on disk.
+
+    Set the same way in the compile workers and the benchmark (the setting is part of the cache key of the
+    compiled graphs), so the benchmark reuses the workers' compiled code but picks its kernel configurations
+    itself, on a quiet GPU.
+    """
+    try:
+        cfg = importlib.import_module("torch._inductor.config")
+    except ImportError:
+        return
+    if hasattr(cfg, "autotune_local_cache"):
+        cfg.autotune_local_cache = False
+
+
+def prewarm_compile(args) -> None:
+    """Fill the torch.compile caches (FX graph + Triton) for every benchmarked case, in parallel processes.
+
+    The benchmark itself then compiles from the caches (and autotunes again, see run_benchmarks), which saves
+    minutes of a GPU lease; the compiled code is the same.
+    """
+    n = args.prewarm_compile
+    env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="1")
+    t0 = time.monotonic()
+    procs = []
+    for i in range(n):
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--compile-worker", f"{i}/{n}",
+               "--dtypes", args.dtypes, "--ops", args.ops, "--compile-dtypes", args.compile_dtypes]  # fmt: skip
+        if args.lib:
+            cmd += ["--lib", str(args.lib)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for i, p in enumerate(procs):
+        out, _ = p.communicate()
+        if p.returncode != 0:
+            log(f"  compile worker {i}/{n} failed ({p.returncode}): {out[-800:]}")
+    log(f"prewarm: {n} compile workers done in {time.monotonic() - t0:.1f}s")
+
+
+def compile_worker(args) -> int:
+    i, n = (int(v) for v in args.compile_worker.split("/"))
+    import torch
+
+    _fresh_autotune(torch)
+    abi = _load("abi")
+    build = _load("build")
+    lib = abi.load(args.lib or build.default_library_path())
+    compile_dtypes = set(args.compile_dtypes.split(","))
+    combos = [(rows, hidden, dtype, op) for rows, hidden in SHAPES for dtype in args.dtypes.split(",")
+              for op in args.ops.split(",") if dtype in compile_dtypes]  # fmt: skip
+    for j, (rows, hidden, dtype, op) in enumerate(combos):
+        if j % n != i:
+            continue
+        b = Bench(torch, lib, abi, op, dtype, rows, hidden)
+        torch._dynamo.reset()
+        compiled = torch.compile(b.decomposed(), dynamic=False)
+        compiled(b.sets[0])
+        torch.cuda.synchronize()
+        b = compiled = None
+        torch.cuda.empty_cache()
+    return 0
 
 
 def _fmt(v, spec):
@@ -465,10 +595,33 @@ def main(argv=None) -> int:
         default="",
         help=f"comma-separated norm-kernel variants to build and time side by side: {', '.join(SWEEP_VARIANTS)}",
     )
-    parser.add_argument("--sweep-dtypes", default="f16,f32")
-    parser.add_argument("--sweep-ops", default="layer_norm,rms_norm,skip_layer_norm,bias_gelu")
+    parser.add_argument("--sweep-dtypes", default="f16,f32,bf16")
+    parser.add_argument("--sweep-ops", default=",".join(BENCH_OPS))
+    parser.add_argument("--sweep-reps", type=int, default=25, help="timed graph replays per sweep candidate")
+    parser.add_argument("--sweep-grid", default="all", help="variants to run through the correctness grid, or all")
+    parser.add_argument(
+        "--prebuilt",
+        action="store_true",
+        help="use kernels/build/sweep_<name> libraries that exist instead of building",
+    )
+    parser.add_argument(
+        "--prewarm-compile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="first fill the torch.compile caches for every case with N parallel processes",
+    )
+    parser.add_argument(
+        "--prewarm-only", action="store_true", help="only run the --prewarm-compile step (needs a built library)"
+    )
+    parser.add_argument("--compile-worker", default="", help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, default=None, help="write results here (default: $OUT/gpu_kernels.json)")
     args = parser.parse_args(argv)
+    if args.compile_worker:
+        return compile_worker(args)
+    if args.prewarm_only:
+        prewarm_compile(args)
+        return 0
 
     import torch
 
@@ -512,8 +665,11 @@ def main(argv=None) -> int:
         results["copy_bytes_per_s"] = copies
         log("copy bandwidth (read + write, 1 GiB): " + ", ".join(f"{k} {v / 1e9:.0f} GB/s" for k, v in copies.items()))
         if args.sweep:
+            results["sweep"] = []
             results["sweep"] = run_sweep(torch, abi, build, harness, args, copy_bps)
             save()
+        if args.compile and args.prewarm_compile > 0:
+            prewarm_compile(args)
         bench: list = []
         results["bench"] = bench
         log(HEADER)

@@ -78,28 +78,29 @@ __device__ __forceinline__ float gelu_f32(float x) {
 }
 
 // Tuning of the Gelu kernels for one dtype: cache hints (see load_stream), resident threads per SM that
-// the register allocation must allow (0: no cap), and for plain Gelu the layout: grid_per_sm == 0 gives
-// each block contiguous chunks of UNROLL x THREADS packs (a thread's packs THREADS apart); grid_per_sm > 0
-// launches that many blocks per SM and strides over the grid (a thread's UNROLL packs a whole grid's width
-// apart). The table is in gelu_tuning(); MOGRAPH_GELU_HINTS, MOGRAPH_GELU_MIN_THREADS and
-// MOGRAPH_GELU_GRID_PER_SM force one value everywhere (for tools/gpu_kernels.py --sweep).
+// the register allocation must allow (0: no cap), and for plain Gelu the layout: grid_waves == 0 gives
+// each block contiguous chunks of UNROLL x THREADS packs (a thread's packs THREADS apart, as many blocks as
+// chunks); grid_waves > 0 launches that many waves of resident blocks (occupancy x SMs) and strides over
+// the grid (a thread's UNROLL packs a whole grid's width apart). The table is in gelu_tuning();
+// MOGRAPH_GELU_HINTS, MOGRAPH_GELU_MIN_THREADS and MOGRAPH_GELU_GRID_WAVES force one value everywhere (for
+// tools/gpu_kernels.py --sweep).
 struct GeluTune {
     int hints;
     int min_threads;
-    int grid_per_sm;
+    int grid_waves;
 };
 
 template <typename T, bool HAS_BIAS>
 constexpr GeluTune gelu_tuning() {
-    GeluTune t{kHintsStream, 0, 0};
+    GeluTune t{kHintsLoad, 0, 1};  // PROVISIONAL (first measurement run)
 #ifdef MOGRAPH_GELU_HINTS
     t.hints = MOGRAPH_GELU_HINTS;
 #endif
 #ifdef MOGRAPH_GELU_MIN_THREADS
     t.min_threads = MOGRAPH_GELU_MIN_THREADS;
 #endif
-#ifdef MOGRAPH_GELU_GRID_PER_SM
-    t.grid_per_sm = MOGRAPH_GELU_GRID_PER_SM;
+#ifdef MOGRAPH_GELU_GRID_WAVES
+    t.grid_waves = MOGRAPH_GELU_GRID_WAVES;
 #endif
     return t;
 }
@@ -236,19 +237,34 @@ int launch_bias_gelu_kernel(const T* x, const T* bias, T* y, int64_t rows, int c
 constexpr int kGeluThreads = 256;
 constexpr int kGeluUnroll = 4;
 
+// Resident blocks per SM of a kernel, read once per kernel instance (the first device that asks decides).
+template <typename Kernel>
+int resident_blocks(Kernel kernel, int threads) {
+    static const int blocks = [&] {
+        int n = 0;
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0) != cudaSuccess || n < 1) {
+            (void)cudaGetLastError();
+            n = 1;
+        }
+        return n;
+    }();
+    return blocks;
+}
+
 template <typename T, int VEC, bool TANH, bool HAS_BIAS>
 int launch_gelu_kernel(const T* x, const T* bias, T* y, int64_t n_packs, int64_t cols_packs, int tail,
                        cudaStream_t stream) {
     constexpr GeluTune kTune = gelu_tuning<T, HAS_BIAS>();
-    constexpr bool kGridStride = kTune.grid_per_sm > 0;
+    constexpr bool kGridStride = kTune.grid_waves > 0;
+    const auto kernel = gelu_kernel<T, VEC, kGeluUnroll, kGeluThreads, TANH, HAS_BIAS, kTune.hints,
+                                    min_blocks_for(kTune.min_threads, kGeluThreads), kGridStride>;
     unsigned int grid = grid_for(n_packs > 0 ? n_packs : 1, int64_t{kGeluThreads} * kGeluUnroll);
     if constexpr (kGridStride) {
-        const int64_t cap = static_cast<int64_t>(device_facts().sms) * kTune.grid_per_sm;
+        const int64_t cap = static_cast<int64_t>(device_facts().sms) * resident_blocks(kernel, kGeluThreads) *
+                            kTune.grid_waves;
         if (grid > cap) grid = static_cast<unsigned int>(cap);
     }
-    return launch_kernel(gelu_kernel<T, VEC, kGeluUnroll, kGeluThreads, TANH, HAS_BIAS, kTune.hints,
-                                     min_blocks_for(kTune.min_threads, kGeluThreads), kGridStride>,
-                         dim3(grid), dim3(kGeluThreads), 0, stream, x, bias, y, n_packs, cols_packs, tail);
+    return launch_kernel(kernel, dim3(grid), dim3(kGeluThreads), 0, stream, x, bias, y, n_packs, cols_packs, tail);
 }
 
 template <typename T, int VEC, bool HAS_BIAS>

@@ -345,7 +345,7 @@ struct NormTune {
 
 template <typename T, NormKind KIND, int TPR, int VPT>
 constexpr NormTune norm_tuning() {
-    NormTune t{kHintsStream, 0, false};
+    NormTune t{kHintsLoad, 1280, true};  // PROVISIONAL (first measurement run)
     (void)TPR;
     (void)VPT;
 #ifdef MOGRAPH_NORM_HINTS

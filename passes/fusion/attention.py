@@ -30,8 +30,12 @@ Lowering per ``--target``:
     way, since ONNX Runtime does not broadcast its dim -2) at opset >= 23; below that ONNX has no
     attention op and the pass does nothing (the unfused graph is the onnx form).  The opset is never
     changed.
-``mograph`` / ``tensorrt``
+``mograph``
     ``mograph.Attention`` with its function body in standard ops.
+``tensorrt``
+    nothing: mograph has no TensorRT plugin for attention yet, and TensorRT's ONNX parser would take a
+    node named ``Attention`` for its own op and refuse it; TensorRT fuses the unfused attention
+    subgraph itself.
 """
 
 from __future__ import annotations
@@ -557,6 +561,9 @@ class FuseAttentionPass(FusionPass):
         if target == "onnx" and opset < ONNX_ATTENTION_OPSET:
             reason = (f"target onnx below opset {ONNX_ATTENTION_OPSET}: ONNX has no attention op, "
                       "the unfused graph is already the onnx form")
+            return PassResult(modified=False, details={"skipped": reason, "target": target})
+        if target == "tensorrt":
+            reason = "target tensorrt: no TensorRT form for attention yet (TensorRT fuses the subgraph itself)"
             return PassResult(modified=False, details={"skipped": reason, "target": target})
         before = set(_attention_nodes(model))
         result = super().call(model)
