@@ -2,6 +2,10 @@
 
     python tools/gpu_kernels.py                 # build + correctness grid + benchmark, table at the end
     python tools/gpu_kernels.py --no-compile    # skip the torch.compile baseline (its compiles take minutes)
+    python tools/gpu_kernels.py --prewarm-compile 8             # compile the baselines in 8 processes first
+    python tools/gpu_kernels.py --sweep legacy,nopdl,default    # also time compile-time variants side by side
+    python tools/gpu_kernels.py --no-correctness --sweep-only --sweep v1,v2,...,v12 --json sweep.json
+    python tools/gpu_kernels.py --emit-tuning sweep.json        # rewrite kernels/src/tuning_table.cuh
 
 Steps:
   1. build ``kernels/build/libmograph_kernels.so`` with nvcc (``kernels/build.py``);
@@ -338,39 +342,47 @@ def run_benchmarks(
                 torch.cuda.empty_cache()
 
 
-def _tune(norm: tuple[int, int, int] | None = None, gelu: tuple[int, int, int] | None = None, pdl: bool = True):
-    """-D flags forcing the tuning knobs of kernels/src (see NormTune and GeluTune there).
+def _tune(norm: tuple[int, int] | None = None, gelu: tuple[int, int, int] | None = None, pdl: bool = True):
+    """-D flags forcing the tuning knobs of kernels/src (NormTune and GeluTune in common.cuh).
 
-    norm = (hints, min_threads, one_pass), gelu = (hints, min_threads, grid_waves); None keeps the shipped
-    per-shape table for that family. pdl=False launches without programmatic dependent launch.
+    norm = (hints, min_threads), gelu = (hints, min_threads, group); None keeps the table of
+    kernels/src/tuning_table.cuh for that family. pdl=False launches without programmatic dependent launch.
     """
     flags = []
     if norm is not None:
-        flags += [f"-DMOGRAPH_NORM_HINTS={norm[0]}", f"-DMOGRAPH_NORM_MIN_THREADS={norm[1]}",
-                  f"-DMOGRAPH_NORM_ONE_PASS={norm[2]}"]  # fmt: skip
+        flags += [f"-DMOGRAPH_NORM_HINTS={norm[0]}", f"-DMOGRAPH_NORM_MIN_THREADS={norm[1]}"]
     if gelu is not None:
         flags += [f"-DMOGRAPH_GELU_HINTS={gelu[0]}", f"-DMOGRAPH_GELU_MIN_THREADS={gelu[1]}",
-                  f"-DMOGRAPH_GELU_GRID_WAVES={gelu[2]}"]  # fmt: skip
+                  f"-DMOGRAPH_GELU_GROUP={gelu[2]}"]  # fmt: skip
     if not pdl:
         flags.append("-DMOGRAPH_NO_PDL")
     return flags
 
 
+# Candidates of --emit-tuning: each forces one norm setting (hints, min_threads) and one Gelu setting
+# (hints, min_threads, group); norm and Gelu ops are timed separately, so each variant is two candidates.
+TUNING_VARIANTS = {
+    "v1": ((1, 0), (1, 0, 1)),  # the choices before tuning, with programmatic dependent launch
+    "v2": ((1, 1024), (1, 1024, 1)),
+    "v3": ((1, 1280), (1, 1280, 1)),
+    "v4": ((1, 1536), (0, 1280, 1)),
+    "v5": ((0, 0), (0, 0, 1)),
+    "v6": ((0, 1024), (0, 1024, 1)),
+    "v7": ((0, 1280), (1, 0, 4)),
+    "v8": ((0, 1536), (0, 0, 4)),
+    "v9": ((2, 0), (1, 1024, 4)),
+    "v10": ((2, 1024), (0, 1024, 4)),
+    "v11": ((2, 1280), (1, 0, 8)),
+    "v12": ((2, 1536), (0, 0, 8)),
+}
+
 SWEEP_VARIANTS = {
-    "default": [],  # the shipped tuning
-    # the kernels as they were before the tuning table: evict-first hints, no register cap, two-pass
-    # LayerNorm statistics, chunked Gelu, plain launches
-    "legacy": _tune((1, 0, 0), (1, 0, 0), pdl=False),
+    "default": [],  # the shipped tuning table
+    # the kernels as they were before tuning: evict-first hints, no register cap, contiguous Gelu chunks,
+    # plain launches
+    "legacy": _tune((1, 0), (1, 0, 1), pdl=False),
     "nopdl": _tune(pdl=False),  # the shipped table, launched without programmatic dependent launch
-    "pdl": _tune((1, 0, 0), (1, 0, 0)),
-    "t1": _tune((1, 0, 1), (0, 0, 0)),
-    "t2": _tune((1, 1024, 1), (1, 1024, 0)),
-    "t3": _tune((1, 1280, 1), (1, 1280, 0)),
-    "t4": _tune((0, 0, 1), (1, 0, 1)),
-    "t5": _tune((0, 1024, 1), (0, 0, 1)),
-    "t6": _tune((2, 1024, 1), (2, 0, 0)),
-    "t7": _tune((0, 1280, 1), (1, 0, 2)),
-    "t8": _tune((1, 1536, 1), (0, 1280, 0)),
+    **{name: _tune(n, g) for name, (n, g) in TUNING_VARIANTS.items()},
     "E8": ["-DMOGRAPH_NORM_MAX_ELEMS=8"],
     "E16": ["-DMOGRAPH_NORM_MAX_ELEMS=16"],
     "E32": ["-DMOGRAPH_NORM_MAX_ELEMS=32"],
@@ -378,6 +390,140 @@ SWEEP_VARIANTS = {
     "flatbias": ["-DMOGRAPH_GELU_FLAT_BIAS"],
 }
 """Compile-time variants of the library for --sweep (see the MOGRAPH_* macros in kernels/src)."""
+
+
+# ---- tuning table -------------------------------------------------------------------------------------------
+_DTYPE_CODE = {"f32": 0, "f16": 1, "bf16": 2}
+_KIND_CODE = {"layer_norm": 0, "rms_norm": 1, "skip_layer_norm": 2}
+_GELU_CODE = {"gelu": 0, "gelu_tanh": 1, "bias_gelu": 2}
+_VPT_CHOICES = (1, 2, 3, 4, 6, 8)
+TUNING_KEEP_MARGIN = 0.005  # a candidate must beat the untuned choice (v1) by this fraction to replace it
+
+
+def norm_launch_shape(op: str, dtype: str, hidden: int) -> tuple[int, int] | None:
+    """(threads per row, packs per thread) that kernels/src/norm.cuh launches for an aligned row of hidden."""
+    esize = 4 if dtype == "f32" else 2
+    vec = 16 // esize
+    if hidden % vec:
+        return None
+    max_elems = 16 if (esize == 4 or op == "skip_layer_norm") else 32
+    maxv = max(1, max_elems // vec)
+    nvec = hidden // vec
+    tpr = 4
+    while tpr <= 1024 and nvec > tpr * maxv:
+        tpr *= 2
+    if tpr > 1024:
+        return None
+    need = -(-nvec // tpr)
+    for vpt in _VPT_CHOICES:
+        usable = vpt <= maxv and (tpr == 4 or 2 * vpt > maxv) and (tpr < 1024 or vpt * vec <= 16)
+        if usable and vpt >= need:
+            return tpr, vpt
+    return None
+
+
+def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
+    """Choose each table entry from a sweep of TUNING_VARIANTS and write kernels/src/tuning_table.cuh.
+
+    Norm ops: per (dtype, op, benchmarked shape), i.e. per (threads per row, packs per thread), the fastest
+    variant's norm setting. Gelu ops: per (dtype, form), the Gelu setting with the best geometric mean over
+    the shapes. A candidate replaces v1 (the untuned choices) only when faster by TUNING_KEEP_MARGIN.
+    Returns a text summary.
+    """
+    names = [n for n in TUNING_VARIANTS if any(n in r for r in sweep if "op" in r)]
+    if "v1" not in names:
+        raise ValueError("the sweep has no v1 variant")
+    summary = []
+    norm_scores: dict = {}  # (dtype, op, (tpr, vpt)) -> variant -> [log(time / v1)]
+    norm_cases: dict = {}
+    gelu_scores: dict = {}
+    for r in sweep:
+        if "op" not in r:
+            continue
+        times = {n: r[n]["s"] for n in names if isinstance(r.get(n), dict) and "s" in r[n]}
+        if "v1" not in times:
+            continue
+        if r["op"] in _KIND_CODE:
+            shape = norm_launch_shape(r["op"], r["dtype"], r["hidden"])
+            if shape is None:
+                continue
+            key = (r["dtype"], r["op"], shape)
+            norm_cases.setdefault(key, []).append(f"{r['rows']}x{r['hidden']}")
+            for n, t in times.items():
+                norm_scores.setdefault(key, {}).setdefault(n, []).append(math.log(t / times["v1"]))
+        elif r["op"] in _GELU_CODE:
+            key = (r["dtype"], r["op"])
+            for n, t in times.items():
+                gelu_scores.setdefault(key, {}).setdefault(TUNING_VARIANTS[n][1], []).append(math.log(t / times["v1"]))
+    # shapes that launch the same (threads per row, packs per thread) share an entry: best geometric mean
+    norm_rows = []
+    for key, by_variant in norm_scores.items():
+        means = {n: sum(v) / len(v) for n, v in by_variant.items() if len(v) == len(norm_cases[key])}
+        best = min(means, key=means.get)
+        if math.exp(means[best]) > 1 - TUNING_KEEP_MARGIN:
+            best = "v1"
+        hints, min_threads = TUNING_VARIANTS[best][0]
+        dtype, op, shape = key
+        norm_rows.append((dtype, op, shape, hints, min_threads, best, ", ".join(norm_cases[key])))
+        summary.append(
+            f"{op:<16}{dtype:<5}{', '.join(norm_cases[key]):<22} tpr={shape[0]:<4} vpt={shape[1]} -> {best} "
+            f"(hints {hints}, min_threads {min_threads}): time / v1 {math.exp(means[best]):.3f}"
+        )
+    gelu_rows = []
+    for (dtype, op), by_setting in sorted(gelu_scores.items()):
+        means = {k: sum(v) / len(v) for k, v in by_setting.items()}
+        v1_setting = TUNING_VARIANTS["v1"][1]
+        best = min(means, key=means.get)
+        if math.exp(means[best]) > 1 - TUNING_KEEP_MARGIN:
+            best = v1_setting
+        if op == "bias_gelu":
+            best = (best[0], best[1], 1)  # the column kernel has no group
+        gelu_rows.append((dtype, op, best, math.exp(means[best])))
+        summary.append(f"{op:<16}{dtype:<5} -> hints {best[0]}, min_threads {best[1]}, group {best[2]}: "
+                       f"time / v1 {math.exp(means[best]):.3f} (geometric mean over shapes)")  # fmt: skip
+
+    hint_name = {0: "kHintsNone", 1: "kHintsStream", 2: "kHintsLoad"}
+    lines = [
+        "// tuning_table.cuh - launch choices per dtype, op and row shape (see NormTune / GeluTune in common.cuh).",
+        "//",
+        "// Generated by tools/gpu_kernels.py --emit-tuning from a sweep of its TUNING_VARIANTS",
+        f"// ({source}).",
+        "// Norms: per launch shape (threads per row, packs per thread) of a benchmarked size, the fastest setting",
+        "// there; other launch shapes get the untuned choices. Gelu: per dtype and form, the setting with the best",
+        f"// geometric mean over the sizes. A setting replaces the untuned one (v1) only when {TUNING_KEEP_MARGIN:.1%} faster.",
+        "// Do not edit by hand: sweep again.",
+        "#pragma once",
+        "",
+        '#include "common.cuh"',
+        "",
+        "namespace mograph {",
+        "",
+        "// dtype: 0 fp32, 1 fp16, 2 bf16; kind: 0 LayerNorm, 1 RMSNorm, 2 SkipLayerNorm; tpr, vpt: threads per row",
+        "// and 16-byte packs per thread of the register kernel.",
+        "constexpr NormTune norm_table(int dtype, int kind, int tpr, int vpt) {",
+    ]
+    for dtype, op, (tpr, vpt), hints, min_threads, best, cases in norm_rows:
+        lines.append(
+            f"    if (dtype == {_DTYPE_CODE[dtype]} && kind == {_KIND_CODE[op]} && tpr == {tpr} && vpt == {vpt}) "
+            f"return {{{hint_name[hints]}, {min_threads}}};  // {op} {dtype} {cases}: {best}"
+        )
+    lines += [
+        "    return {kHintsStream, 0};",
+        "}",
+        "",
+        "// op: 0 Gelu, 1 Gelu (tanh), 2 BiasGelu, 3 BiasGelu (tanh; takes the exact form's entry).",
+        "constexpr GeluTune gelu_table(int dtype, int op) {",
+    ]
+    for dtype, op, (hints, min_threads, group), _ in gelu_rows:
+        code = _GELU_CODE[op]
+        cond = "(op == 2 || op == 3)" if code == 2 else f"op == {code}"
+        lines.append(
+            f"    if (dtype == {_DTYPE_CODE[dtype]} && {cond}) return {{{hint_name[hints]}, {min_threads}, {group}}};"
+            f"  // {op} {dtype}"
+        )
+    lines += ["    return {kHintsStream, 0, 1};", "}", "", "}  // namespace mograph", ""]
+    out_path.write_text("\n".join(lines))
+    return "\n".join(summary)
 
 
 def sweep_library_path(name: str) -> Path:
@@ -395,12 +541,13 @@ def build_sweep_variants(build, names: list[str], log_fn=None) -> dict[str, Path
         return dict(zip(names, pool.map(build_variant, names)))
 
 
-def run_sweep(torch, abi, build, harness, args, copy_bps: float, on_record=None) -> list:
+def run_sweep(torch, abi, build, harness, args, copy_bps: float, on_record=None, main_lib=None, out=None) -> list:
     """Time our kernels in several compile-time variants side by side.
 
     Each variant is built for sm_90 only into kernels/build/sweep_<name> ("default": the shipped tuning), or
-    with --prebuilt taken from there as it is. Variants named by --sweep-grid (default: all) are also run
-    through the correctness grid; every timed case records its error against torch in fp32.
+    with --prebuilt taken from there as it is ("default" then falls back to the main library). Variants named
+    by --sweep-grid (default: all) are also run through the correctness grid; every timed case records its
+    error against torch in fp32. The first variant is the reference of the closing summary.
     """
     names = args.sweep.split(",")
     t0 = time.monotonic()
@@ -409,6 +556,8 @@ def run_sweep(torch, abi, build, harness, args, copy_bps: float, on_record=None)
     for nm in names:
         if args.prebuilt and sweep_library_path(nm).is_file():
             paths[nm] = sweep_library_path(nm)
+        elif args.prebuilt and nm == "default" and main_lib is not None:
+            paths[nm] = Path(main_lib)
         else:
             missing.append(nm)
     if missing:
@@ -416,7 +565,7 @@ def run_sweep(torch, abi, build, harness, args, copy_bps: float, on_record=None)
     log(f"sweep: {len(names) - len(missing)} prebuilt, built {len(missing)} variants in {time.monotonic() - t0:.1f}s")
     libs = {nm: abi.load(paths[nm]) for nm in names}
     backend, _ = harness.find_backend()
-    out: list = []
+    out = [] if out is None else out
     grid_names = names if args.sweep_grid == "all" else [n for n in args.sweep_grid.split(",") if n in libs]
     for nm in grid_names:
         lib = libs[nm]
@@ -614,6 +763,16 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--prewarm-only", action="store_true", help="only run the --prewarm-compile step (needs a built library)"
     )
+    parser.add_argument("--sweep-only", action="store_true", help="stop after the sweep (no benchmark table)")
+    parser.add_argument("--build-variants", default="", help="only build these sweep variants (comma-separated)")
+    parser.add_argument(
+        "--emit-tuning",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="only write kernels/src/tuning_table.cuh (or --tuning-out) from the sweep in this results file",
+    )
+    parser.add_argument("--tuning-out", type=Path, default=ROOT / "kernels" / "src" / "tuning_table.cuh")
     parser.add_argument("--compile-worker", default="", help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, default=None, help="write results here (default: $OUT/gpu_kernels.json)")
     args = parser.parse_args(argv)
@@ -621,6 +780,17 @@ def main(argv=None) -> int:
         return compile_worker(args)
     if args.prewarm_only:
         prewarm_compile(args)
+        return 0
+    if args.emit_tuning:
+        data = json.loads(args.emit_tuning.read_text())
+        dev = data.get("info", {})
+        source = f"{dev.get('device', '?')}, torch {dev.get('torch', '?')}, {args.emit_tuning.name}"
+        log(emit_tuning(data.get("sweep", []), args.tuning_out, source))
+        log(f"wrote {args.tuning_out}")
+        return 0
+    if args.build_variants:
+        for nm, path in build_sweep_variants(_load("build"), args.build_variants.split(","), log).items():
+            log(f"{nm}: {path}")
         return 0
 
     import torch
@@ -666,8 +836,10 @@ def main(argv=None) -> int:
         log("copy bandwidth (read + write, 1 GiB): " + ", ".join(f"{k} {v / 1e9:.0f} GB/s" for k, v in copies.items()))
         if args.sweep:
             results["sweep"] = []
-            results["sweep"] = run_sweep(torch, abi, build, harness, args, copy_bps)
+            run_sweep(torch, abi, build, harness, args, copy_bps, save, main_lib=lib_path, out=results["sweep"])
             save()
+            if args.sweep_only:
+                return 0
         if args.compile and args.prewarm_compile > 0:
             prewarm_compile(args)
         bench: list = []

@@ -14,7 +14,6 @@
 #include <atomic>
 #include <cstdint>
 #include <type_traits>
-#include <utility>
 
 #include "mograph_kernels.h"
 
@@ -111,6 +110,25 @@ __device__ __forceinline__ void store_stream(T* p, const Pack<T, N>& v) {
     store_pack<T, N>(p, v);
 }
 
+// ---- tuning -------------------------------------------------------------------------------------------------
+// Per-shape launch choices; the values live in tuning_table.cuh (see norm.cuh and gelu.cuh for their use).
+struct NormTune {
+    int hints;        // kHints* for the activations
+    int min_threads;  // resident threads per SM the register allocation must allow (0: no cap)
+};
+
+struct GeluTune {
+    int hints;        // kHints* for x and y
+    int min_threads;  // as for NormTune
+    int group;        // plain Gelu: blocks per group (1: contiguous chunks; see gelu_kernel)
+};
+
+// Codes of the dtypes in the tables: 0 fp32, 1 fp16, 2 bf16.
+template <typename T>
+constexpr int dtype_code() {
+    return std::is_same<T, float>::value ? 0 : (std::is_same<T, __half>::value ? 1 : 2);
+}
+
 // ---- programmatic dependent launch (Hopper) -----------------------------------------------------------------
 // Kernels are launched with programmatic stream serialization where the device supports it (sm_90+), so the
 // next kernel in the stream can be scheduled onto SMs while this one drains its last blocks, instead of
@@ -121,13 +139,13 @@ __device__ __forceinline__ void store_stream(T* p, const Pack<T, N>& v) {
 // Both are no-ops on older architectures. MOGRAPH_NO_PDL launches plainly (cudaLaunchKernelEx without the
 // attribute).
 __device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(MOGRAPH_NO_PDL_DEVICE)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 
 __device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(MOGRAPH_NO_PDL_DEVICE)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
@@ -235,7 +253,7 @@ inline DeviceFacts device_facts() {
 // (see pdl_wait), plainly elsewhere or with MOGRAPH_NO_PDL; returns the launch status.
 template <typename... KArgs, typename... Args>
 int launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                  Args&&... args) {
+                  const Args&... args) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
@@ -250,7 +268,13 @@ int launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, 
 #else
     cfg.numAttrs = device_facts().cc_major >= 9 ? 1 : 0;
 #endif
-    const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+    cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, args...);
+    if (err != cudaSuccess && cfg.numAttrs != 0 && err != cudaErrorStreamCaptureInvalidated &&
+        err != cudaErrorStreamCaptureUnsupported) {
+        (void)cudaGetLastError();  // a stream that refuses the attribute: launch plainly
+        cfg.numAttrs = 0;
+        err = cudaLaunchKernelEx(&cfg, kernel, args...);
+    }
     const int st = launch_status();  // also clears the error it reads
     return err != cudaSuccess ? MOGRAPH_ERR_CUDA_BASE + static_cast<int>(err) : st;
 }

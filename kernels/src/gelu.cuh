@@ -1,7 +1,8 @@
 // gelu.cuh - elementwise Gelu and BiasGelu (gelu(x + bias[column])).
 //
-// Gelu: each block takes a contiguous chunk of UNROLL x 256 packs of 16 bytes, and each thread loads its
-// UNROLL packs before computing, so enough independent loads are in flight to reach HBM bandwidth.
+// Gelu: each thread loads its UNROLL packs of 16 bytes before computing, so enough independent loads are in
+// flight to reach HBM bandwidth; blocks work in groups that spread a thread's packs apart (see gelu_kernel;
+// the group size, cache hints and register cap per dtype and form come from tuning_table.cuh).
 // BiasGelu: a thread owns one column pack of the [rows, hidden] view, keeps its bias pack in registers as
 // fp32 and walks down UNROLL rows at a time, so the bias costs neither a load nor an index computation per
 // element (MOGRAPH_GELU_FLAT_BIAS selects the older flat form, which tracks the column of each pack).
@@ -21,6 +22,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "tuning_table.cuh"
 
 namespace mograph {
 
@@ -77,30 +79,21 @@ __device__ __forceinline__ float gelu_f32(float x) {
     }
 }
 
-// Tuning of the Gelu kernels for one dtype: cache hints (see load_stream), resident threads per SM that
-// the register allocation must allow (0: no cap), and for plain Gelu the layout: grid_waves == 0 gives
-// each block contiguous chunks of UNROLL x THREADS packs (a thread's packs THREADS apart, as many blocks as
-// chunks); grid_waves > 0 launches that many waves of resident blocks (occupancy x SMs) and strides over
-// the grid (a thread's UNROLL packs a whole grid's width apart). The table is in gelu_tuning();
-// MOGRAPH_GELU_HINTS, MOGRAPH_GELU_MIN_THREADS and MOGRAPH_GELU_GRID_WAVES force one value everywhere (for
-// tools/gpu_kernels.py --sweep).
-struct GeluTune {
-    int hints;
-    int min_threads;
-    int grid_waves;
-};
-
-template <typename T, bool HAS_BIAS>
+// Tuning of the Gelu kernels for one dtype and form (tuning_table.cuh): cache hints (see load_stream),
+// resident threads per SM that the register allocation must allow (0: no cap), and for plain Gelu the
+// layout (GeluTune::group, see gelu_kernel). MOGRAPH_GELU_HINTS, MOGRAPH_GELU_MIN_THREADS and
+// MOGRAPH_GELU_GROUP force one value everywhere (for tools/gpu_kernels.py --sweep).
+template <typename T, bool HAS_BIAS, bool TANH>
 constexpr GeluTune gelu_tuning() {
-    GeluTune t{kHintsLoad, 0, 1};  // PROVISIONAL (first measurement run)
+    GeluTune t = gelu_table(dtype_code<T>(), (HAS_BIAS ? 2 : 0) + (TANH ? 1 : 0));
 #ifdef MOGRAPH_GELU_HINTS
     t.hints = MOGRAPH_GELU_HINTS;
 #endif
 #ifdef MOGRAPH_GELU_MIN_THREADS
     t.min_threads = MOGRAPH_GELU_MIN_THREADS;
 #endif
-#ifdef MOGRAPH_GELU_GRID_WAVES
-    t.grid_waves = MOGRAPH_GELU_GRID_WAVES;
+#ifdef MOGRAPH_GELU_GROUP
+    t.group = MOGRAPH_GELU_GROUP;
 #endif
     return t;
 }
@@ -112,23 +105,26 @@ constexpr int min_blocks_for(int min_threads, int block_threads) {
 }
 
 // x, y: n_packs packs of VEC elements (then `tail` scalars for plain Gelu). bias: nullptr for plain Gelu,
-// else a row of cols_packs packs, indexed by column. GRID_STRIDE selects the layout (see GeluTune).
-template <typename T, int VEC, int UNROLL, int THREADS, bool TANH, bool HAS_BIAS, int HINTS, int MINB,
-          bool GRID_STRIDE>
+// else a row of cols_packs packs, indexed by column. Layout: the grid is GROUP-block groups (gridDim.x a
+// multiple of GROUP); group g covers the GROUP x UNROLL x THREADS consecutive packs from g x that, and its
+// block s takes packs s x THREADS + u x GROUP x THREADS + threadIdx.x (u < UNROLL). GROUP = 1: each block a
+// contiguous chunk, a thread's packs THREADS apart; larger groups spread a thread's packs further apart.
+template <typename T, int VEC, int UNROLL, int THREADS, bool TANH, bool HAS_BIAS, int HINTS, int MINB, int GROUP>
 __global__ void __launch_bounds__(THREADS, MINB) gelu_kernel(const T* __restrict__ x, const T* __restrict__ bias,
                                                              T* __restrict__ y, int64_t n_packs, int64_t cols_packs,
                                                              int tail) {
     constexpr bool kPrecise = std::is_same<T, float>::value;
+    constexpr int64_t kSpan = static_cast<int64_t>(GROUP) * UNROLL * THREADS;
     pdl_trigger();
     pdl_wait();
-    // step: packs between a thread's unrolled packs; advance: packs between a thread's loop iterations.
-    const int64_t step = GRID_STRIDE ? static_cast<int64_t>(gridDim.x) * THREADS : THREADS;
-    const int64_t advance = static_cast<int64_t>(gridDim.x) * THREADS * UNROLL;
-    const int64_t start = static_cast<int64_t>(blockIdx.x) * (GRID_STRIDE ? THREADS : THREADS * UNROLL) + threadIdx.x;
+    const int64_t step = static_cast<int64_t>(GROUP) * THREADS;  // between a thread's unrolled packs
+    const int64_t groups = gridDim.x / GROUP;
+    const int64_t lane = static_cast<int64_t>(blockIdx.x % GROUP) * THREADS + threadIdx.x;
     int64_t col_step = 0;
     if constexpr (HAS_BIAS) col_step = step % cols_packs;
 
-    for (int64_t first = start; first < n_packs; first += advance) {
+    for (int64_t g = blockIdx.x / GROUP; g * kSpan < n_packs; g += groups) {
+        const int64_t first = g * kSpan + lane;
         Pack<T, VEC> in[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
@@ -216,7 +212,7 @@ __global__ void __launch_bounds__(256, MINB) bias_gelu_kernel(const T* __restric
 template <typename T, int VEC, bool TANH>
 int launch_bias_gelu_kernel(const T* x, const T* bias, T* y, int64_t rows, int cols_packs, cudaStream_t stream) {
     constexpr int kUnroll = 4;
-    constexpr GeluTune kTune = gelu_tuning<T, true>();
+    constexpr GeluTune kTune = gelu_tuning<T, true, TANH>();
     // Column packs per block: a power of two up to 32 for narrow rows (a warp then spans whole rows), else
     // whole warps up to 256; the rest of the 256 threads go down the rows.
     int bx = 1;
@@ -237,34 +233,19 @@ int launch_bias_gelu_kernel(const T* x, const T* bias, T* y, int64_t rows, int c
 constexpr int kGeluThreads = 256;
 constexpr int kGeluUnroll = 4;
 
-// Resident blocks per SM of a kernel, read once per kernel instance (the first device that asks decides).
-template <typename Kernel>
-int resident_blocks(Kernel kernel, int threads) {
-    static const int blocks = [&] {
-        int n = 0;
-        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0) != cudaSuccess || n < 1) {
-            (void)cudaGetLastError();
-            n = 1;
-        }
-        return n;
-    }();
-    return blocks;
-}
-
 template <typename T, int VEC, bool TANH, bool HAS_BIAS>
 int launch_gelu_kernel(const T* x, const T* bias, T* y, int64_t n_packs, int64_t cols_packs, int tail,
                        cudaStream_t stream) {
-    constexpr GeluTune kTune = gelu_tuning<T, HAS_BIAS>();
-    constexpr bool kGridStride = kTune.grid_waves > 0;
-    const auto kernel = gelu_kernel<T, VEC, kGeluUnroll, kGeluThreads, TANH, HAS_BIAS, kTune.hints,
-                                    min_blocks_for(kTune.min_threads, kGeluThreads), kGridStride>;
-    unsigned int grid = grid_for(n_packs > 0 ? n_packs : 1, int64_t{kGeluThreads} * kGeluUnroll);
-    if constexpr (kGridStride) {
-        const int64_t cap = static_cast<int64_t>(device_facts().sms) * resident_blocks(kernel, kGeluThreads) *
-                            kTune.grid_waves;
-        if (grid > cap) grid = static_cast<unsigned int>(cap);
-    }
-    return launch_kernel(kernel, dim3(grid), dim3(kGeluThreads), 0, stream, x, bias, y, n_packs, cols_packs, tail);
+    constexpr GeluTune kTune = gelu_tuning<T, HAS_BIAS, TANH>();
+    constexpr int kGroup = kTune.group < 1 ? 1 : kTune.group;
+    const int64_t span = int64_t{kGroup} * kGeluUnroll * kGeluThreads;
+    int64_t groups = ((n_packs > 0 ? n_packs : 1) + span - 1) / span;
+    const int64_t max_groups = 0x7fffffff / kGroup;
+    if (groups > max_groups) groups = max_groups;  // the kernel loops when this bites
+    return launch_kernel(gelu_kernel<T, VEC, kGeluUnroll, kGeluThreads, TANH, HAS_BIAS, kTune.hints,
+                                     min_blocks_for(kTune.min_threads, kGeluThreads), kGroup>,
+                         dim3(static_cast<unsigned int>(groups * kGroup)), dim3(kGeluThreads), 0, stream, x, bias, y,
+                         n_packs, cols_packs, tail);
 }
 
 template <typename T, int VEC, bool HAS_BIAS>

@@ -7,8 +7,9 @@
 //   every pointer is 16-byte aligned. A group of TPR threads owns a row; each thread keeps VPT packs of
 //   16 bytes of it in registers, so the row is loaded with LDG.128 and never re-read. Small rows use a
 //   group of 4..32 lanes inside a warp (several rows per block, reduced with shuffles), large rows a group
-//   of 2..32 warps (one row per block, reduced through shared memory). Activations are loaded and stored
-//   evict-first (see load_stream), so gamma/beta stay cached for the next rows. The mean is reduced first and the
+//   of 2..32 warps (one row per block, reduced through shared memory). The cache hints of the activations
+//   (see load_stream) and a register cap come from tuning_table.cuh per launch shape; gamma/beta always
+//   take the plain read-only path and stay cached for the next rows. The mean is reduced first and the
 //   variance second, from the registers, which is exact where E[x^2] - E[x]^2 would cancel.
 // * norm_generic_kernel (any hidden, any alignment): scalar accesses, the row cached in shared memory as
 //   fp32 when it fits (still one pass over HBM), otherwise re-read from global memory (L2) per phase.
@@ -19,6 +20,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "tuning_table.cuh"
 
 namespace mograph {
 
@@ -47,18 +49,18 @@ __device__ __forceinline__ float group_allreduce_sum(float v) {
     return v;
 }
 
-// Reductions over the TPR threads that own one row. For TPR > 32 the warps' partials meet in shared memory;
+// Sums over the TPR threads that own one row. For TPR > 32 the warps' partials meet in shared memory;
 // two slots are used alternately so that one barrier per reduction is enough (a slot is written again only
-// after every thread has passed the barrier of the reduction in between). A slot holds three floats per warp.
+// after every thread has passed the barrier of the reduction in between).
 template <int TPR, int RPB>
 struct RowReducer {
     static constexpr int kWarps = TPR > 32 ? TPR / 32 : 1;
-    static constexpr int kFloats = 2 * 3 * RPB * kWarps;  // size of buf
+    static constexpr int kFloats = 2 * RPB * kWarps;  // size of buf: [2][RPB][kWarps]
     float* buf;
     int parity;
 
     __device__ __forceinline__ float* slot(int row_in_block) {
-        float* b = buf + parity * (3 * RPB * kWarps) + row_in_block * (3 * kWarps);
+        float* b = buf + parity * (RPB * kWarps) + row_in_block * kWarps;
         parity ^= 1;
         return b;
     }
@@ -77,45 +79,6 @@ struct RowReducer {
             return v;
         }
     }
-
-    // Mean and sum of squared deviations of the row from per-thread partials: n elements (may be 0), their
-    // mean m and their squared deviations m2 from m. Groups combine as n = na + nb,
-    // m = (na ma + nb mb) / n, M2 = M2a + M2b + (mb - ma)^2 na nb / n (Chan et al.): a two-pass result, no
-    // E[x^2] - E[x]^2 cancellation, in one reduction (one barrier for TPR > 32) instead of two. The formula
-    // is symmetric in a and b, so every thread of the group gets bit-identical results.
-    __device__ __forceinline__ void mean_m2(float& m, float& m2, float n, int row_in_block, int t) {
-        constexpr int kLanes = TPR < 32 ? TPR : 32;
-#pragma unroll
-        for (int mask = kLanes / 2; mask > 0; mask >>= 1) {
-            const float mo = __shfl_xor_sync(0xffffffffu, m, mask);
-            const float m2o = __shfl_xor_sync(0xffffffffu, m2, mask);
-            const float no = __shfl_xor_sync(0xffffffffu, n, mask);
-            combine(m, m2, n, mo, m2o, no);
-        }
-        if constexpr (TPR > 32) {
-            float* b = slot(row_in_block);
-            if ((threadIdx.x & 31) == 0) {
-                b[t / 32] = m;
-                b[kWarps + t / 32] = m2;
-                b[2 * kWarps + t / 32] = n;
-            }
-            __syncthreads();
-            m = b[0];
-            m2 = b[kWarps];
-            n = b[2 * kWarps];
-#pragma unroll
-            for (int i = 1; i < kWarps; ++i) combine(m, m2, n, b[i], b[kWarps + i], b[2 * kWarps + i]);
-        }
-    }
-
-    __device__ __forceinline__ static void combine(float& m, float& m2, float& n, float mo, float m2o, float no) {
-        const float nt = n + no;
-        const float r = nt > 0.f ? 1.0f / nt : 0.f;
-        const float d = mo - m;
-        m = (n * m + no * mo) * r;
-        m2 = (m2 + m2o) + (d * d) * (n * no * r);
-        n = nt;
-    }
 };
 
 // Fast path. Block = TPR * RPB threads; thread t of a row group holds packs t, t + TPR, ... of the row.
@@ -123,9 +86,8 @@ struct RowReducer {
 // loads and stores) so that the barriers inside RowReducer are reached by everyone.
 // HINTS: cache qualifiers of the activations (see load_stream); MINB: resident blocks per SM the register
 // allocation must allow (__launch_bounds__; 0 leaves ptxas its default, which is not the same as 1: with an
-// explicit 1 it takes more registers); ONE_PASS: LayerNorm statistics by one combined reduction
-// (RowReducer::mean_m2) instead of the mean first and the squared deviations second.
-template <typename T, NormKind KIND, int VEC, int VPT, int TPR, int RPB, int HINTS, int MINB, bool ONE_PASS>
+// explicit 1 it takes more registers).
+template <typename T, NormKind KIND, int VEC, int VPT, int TPR, int RPB, int HINTS, int MINB>
 __global__ void __launch_bounds__(TPR * RPB, MINB) norm_register_kernel(const NormArgs<T> a) {
     __shared__ float red[RowReducer<TPR, RPB>::kFloats];
     RowReducer<TPR, RPB> reducer{red, 0};
@@ -176,58 +138,27 @@ __global__ void __launch_bounds__(TPR * RPB, MINB) norm_register_kernel(const No
         }
 
         float mean = 0.f;
-        float ssd = 0.f;  // sum of squared deviations from the mean (RMSNorm: of squares)
-        if constexpr (ONE_PASS && KIND != NormKind::kRmsNorm) {
+        if constexpr (KIND != NormKind::kRmsNorm) {
             float sum = 0.f;
-            int packs = 0;
 #pragma unroll
             for (int k = 0; k < VPT; ++k) {
-                if (t + k * TPR < nvec) {
-                    ++packs;
 #pragma unroll
-                    for (int j = 0; j < VEC; ++j) sum += to_f32(v[k].v[j]);
-                }
+                for (int j = 0; j < VEC; ++j) sum += to_f32(v[k].v[j]);
             }
-            float n = static_cast<float>(packs * VEC);
-            float m = packs > 0 ? sum / n : 0.f;
-            float m2 = 0.f;
-#pragma unroll
-            for (int k = 0; k < VPT; ++k) {
-                if (t + k * TPR < nvec) {
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) {
-                        const float d = to_f32(v[k].v[j]) - m;
-                        m2 = fmaf(d, d, m2);
-                    }
-                }
-            }
-            reducer.mean_m2(m, m2, n, row_in_block, t);
-            mean = m;
-            ssd = m2;
-        } else {
-            if constexpr (KIND != NormKind::kRmsNorm) {
-                float sum = 0.f;
-#pragma unroll
-                for (int k = 0; k < VPT; ++k) {
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) sum += to_f32(v[k].v[j]);
-                }
-                mean = reducer.sum(sum, row_in_block, t) * a.inv_hidden;
-            }
-            float sq = 0.f;
-#pragma unroll
-            for (int k = 0; k < VPT; ++k) {
-                if (t + k * TPR < nvec) {
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) {
-                        const float d = to_f32(v[k].v[j]) - mean;
-                        sq = fmaf(d, d, sq);
-                    }
-                }
-            }
-            ssd = reducer.sum(sq, row_in_block, t);
+            mean = reducer.sum(sum, row_in_block, t) * a.inv_hidden;
         }
-        const float rstd = rsqrtf(ssd * a.inv_hidden + a.eps);
+        float sq = 0.f;
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {
+            if (t + k * TPR < nvec) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const float d = to_f32(v[k].v[j]) - mean;
+                    sq = fmaf(d, d, sq);
+                }
+            }
+        }
+        const float rstd = rsqrtf(reducer.sum(sq, row_in_block, t) * a.inv_hidden + a.eps);
 
         const bool has_beta = KIND != NormKind::kRmsNorm && a.beta != nullptr;
 #pragma unroll
@@ -333,29 +264,18 @@ __global__ void __launch_bounds__(1024) norm_generic_kernel(const NormArgs<T> a,
 }
 
 // Tuning of the register kernel for one (dtype, op, threads per row, packs per thread), which the dispatch
-// derives from hidden: cache hints of the activations, resident threads per SM that the register
-// allocation must allow (0: no cap), and one-pass LayerNorm statistics. The table is in norm_tuning()
-// below; MOGRAPH_NORM_HINTS=0|1|2, MOGRAPH_NORM_MIN_THREADS=N and MOGRAPH_NORM_ONE_PASS=0|1 force one
-// value everywhere (for tools/gpu_kernels.py --sweep).
-struct NormTune {
-    int hints;
-    int min_threads;
-    bool one_pass;
-};
-
+// derives from hidden: cache hints of the activations and the resident threads per SM that the register
+// allocation must allow (0: no cap). The values come from tuning_table.cuh, chosen per benchmarked shape
+// from an H200 sweep; MOGRAPH_NORM_HINTS=0|1|2 and MOGRAPH_NORM_MIN_THREADS=N force one value everywhere
+// (for tools/gpu_kernels.py --sweep).
 template <typename T, NormKind KIND, int TPR, int VPT>
 constexpr NormTune norm_tuning() {
-    NormTune t{kHintsLoad, 1280, true};  // PROVISIONAL (first measurement run)
-    (void)TPR;
-    (void)VPT;
+    NormTune t = norm_table(dtype_code<T>(), static_cast<int>(KIND), TPR, VPT);
 #ifdef MOGRAPH_NORM_HINTS
     t.hints = MOGRAPH_NORM_HINTS;
 #endif
 #ifdef MOGRAPH_NORM_MIN_THREADS
     t.min_threads = MOGRAPH_NORM_MIN_THREADS;
-#endif
-#ifdef MOGRAPH_NORM_ONE_PASS
-    t.one_pass = MOGRAPH_NORM_ONE_PASS != 0;
 #endif
     return t;
 }
@@ -368,7 +288,7 @@ int launch_register(const NormArgs<T>& a, cudaStream_t stream) {
     constexpr int kMinBlocks = kTune.min_threads / (TPR * kRpb) < 1    ? 0
                                : kTune.min_threads / (TPR * kRpb) > 32 ? 32
                                                                        : kTune.min_threads / (TPR * kRpb);
-    return launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kMinBlocks, kTune.one_pass>,
+    return launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kMinBlocks>,
                          dim3(grid_for(a.rows, kRpb)), dim3(TPR * kRpb), 0, stream, a);
 }
 
