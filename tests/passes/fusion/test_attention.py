@@ -12,6 +12,8 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import onnx
+import onnx_ir as ir
 import pytest
 from _fusion_util import (
     assert_close,
@@ -126,7 +128,8 @@ def test_attention_without_mask() -> None:
 def test_attention_ort_multihead_with_expanded_bias() -> None:
     """Q/K/V not packable (graph inputs): MultiHeadAttention; the [B,1,1,T] bias is expanded to [B,1,S,T]."""
     proto = parse(attention_text())
-    model = check_fusion(FuseAttentionPass(target="ort"), proto, stats=_stats("div.mask"), feeds=_feeds(proto))
+    model = check_fusion(FuseAttentionPass(target="ort"), proto, stats={**_stats("div.mask"), "bias_expansions": 1},
+                         feeds=_feeds(proto))
     assert op_counts(model) == Counter({"com.microsoft.MultiHeadAttention": 1, "Constant": 2, "Shape": 1,
                                         "Gather": 1, "Concat": 1, "Expand": 1})
 
@@ -140,6 +143,35 @@ def test_attention_reference_matches_function_body() -> None:
                                  scale=1 / math.sqrt(D))
     (got,) = run_ort(model, feeds)
     assert_close([expected], [got], 1e-5)
+
+
+def two_layer_text() -> str:
+    """Two attention cores reading one [B,1,1,S] bias input; the second takes the first's output as Q, K, V."""
+    core = attention_text().split("{\n  ", 1)[1].rsplit("\n}", 1)[0].splitlines()
+    second = [line.strip().replace("(q,", "(y,").replace("(k,", "(y,").replace("(v,", "(y,") for line in core]
+    names = ("q4", "k4", "v4", "qh", "vh", "kt", "mm", "s", "sm", "p", "o", "ot")
+    renamed = []
+    for line in second:
+        lhs, rhs = line.split(" = ", 1)
+        for n in names:
+            rhs = rhs.replace(f"({n})", f"({n}2)").replace(f"({n},", f"({n}2,").replace(f", {n})", f", {n}2)")
+        renamed.append(f"{lhs}2 = {rhs}" if lhs != "y" else f"y2 = {rhs}")
+    head, rest = attention_text().split("{\n  ", 1)
+    body = rest.rsplit("\n}", 1)[0]
+    head = head.replace(f"float[{B},{S},{HID}] y)", f"float[{B},{S},{HID}] y2)")
+    return head + "{\n  " + body + "\n  " + "\n  ".join(renamed) + "\n}"
+
+
+def test_attention_ort_bias_expanded_once_for_all_layers() -> None:
+    """Two layers, one bias: one Shape/Gather/Concat/Expand chain, read by both MultiHeadAttention nodes."""
+    proto = parse(two_layer_text())
+    stats = {"AttentionFusion": 2, "AttentionFusion.div.mask": 2, "lowered.Attention": 2, "bias_expansions": 1}
+    model = check_fusion(FuseAttentionPass(target="ort"), proto, stats=stats, feeds=_feeds(proto))
+    assert op_counts(model) == Counter({"com.microsoft.MultiHeadAttention": 2, "Constant": 2, "Shape": 1,
+                                        "Gather": 1, "Concat": 1, "Expand": 1})
+    expand = next(n for n in model.graph if n.op_type == "Expand")
+    users = {u.op_type for u, _ in expand.outputs[0].uses()}
+    assert users == {"MultiHeadAttention"} and len(expand.outputs[0].uses()) == 2
 
 
 # ------------------------------------------------------------------ near misses ------------------
@@ -176,16 +208,73 @@ def test_onnx_target_below_opset_23_is_a_no_op() -> None:
 BERT_STATS = {"AttentionFusion": 2, "AttentionFusion.div.mask": 2, "lowered.Attention": 2}
 
 
+def padded_feeds(batch: int = 4, seq: int = 16) -> dict[str, np.ndarray]:
+    """bert feeds whose mask has right padding, a fully padded row and left padding."""
+    feeds = bert_feeds(batch, seq)
+    mask = np.ones((batch, seq), dtype=np.int64)
+    mask[1, 5:] = 0
+    mask[2, :] = 0  # every key masked: the original gives a uniform softmax over all keys
+    mask[3, :3] = 0
+    feeds["attention_mask"] = mask
+    return feeds
+
+
+def _mask_index_inputs(model: ir.Model) -> set[str]:
+    """The names of the values every com.microsoft.Attention takes as mask_index (input 3)."""
+    return {n.inputs[3].name for n in model.graph if n.op_type == "Attention" and len(n.inputs) > 3 and n.inputs[3]}
+
+
 @pytest.mark.parametrize("dynamic", [True, False])
 def test_bert_tiny_ort(dynamic: bool) -> None:
-    proto = bert_tiny(dynamic=dynamic, batch=3)
-    feeds = bert_feeds(3, 16)
-    assert feeds["attention_mask"].min() == 0  # padded positions
-    model = check_fusion(FuseAttentionPass(target="ort"), proto, stats=BERT_STATS, feeds=feeds)
+    """(1 - mask) * float32.min is traced to attention_mask: one Cast to int32 is the mask_index of both layers."""
+    proto = bert_tiny(dynamic=dynamic, batch=4)
+    feeds = padded_feeds()
+    model = check_fusion(FuseAttentionPass(target="ort"), proto, stats={**BERT_STATS, "mask_index_casts": 1},
+                         feeds=feeds, rel=1e-5)
     left = op_counts(model)
     assert left["com.microsoft.Attention"] == 2
     assert not UNFUSED & set(left), left
     assert left["MatMul"] == 6  # per layer: output projection + 2 FFN; Q/K/V packed into the Attention
+    before = op_counts(to_ir(proto))  # the float bias (Unsqueeze, Cast, Sub, Mul) is gone and nothing is expanded
+    assert "Expand" not in left and left["Sub"] == before["Sub"] - 1 and left["Unsqueeze"] == before["Unsqueeze"] - 1
+    (cast,) = [n for n in model.graph if n.op_type == "Cast"]
+    assert cast.inputs[0].name == "attention_mask" and cast.attributes["to"].value == ir.DataType.INT32.value
+    assert _mask_index_inputs(model) == {cast.outputs[0].name}
+    for node in model.graph:
+        if node.op_type == "Attention":
+            assert node.attributes["mask_filter_value"].value == pytest.approx(float(np.finfo(np.float32).min))
+
+
+def test_bert_tiny_fully_padded_row_matches_original() -> None:
+    """The kernel fills masked scores with the original constant, so even an all-masked row agrees."""
+    proto = bert_tiny(batch=4)
+    feeds = padded_feeds()
+    model, _ = run_pass(FuseAttentionPass(target="ort"), proto)
+    ref, got = run_ort(proto, feeds), run_ort(to_proto(model), feeds)
+    for r, g in zip(ref, got):
+        np.testing.assert_allclose(g[2], r[2], rtol=1e-5, atol=1e-5)  # the fully padded row
+    assert_close(ref, got, 1e-5)
+
+
+def test_bert_tiny_ort_bias_not_a_padding_mask_keeps_bias() -> None:
+    """Near miss for mask_index: (1 - mask) * 3 is not a padding mask; the bias stays, expanded once for both layers."""
+    proto = bert_tiny(batch=3)
+    lowest = float(np.finfo(np.float32).min)
+    for init in proto.graph.initializer:
+        arr = onnx.numpy_helper.to_array(init)
+        if arr.size == 1 and float(arr.reshape(())) == lowest:
+            init.CopyFrom(onnx.numpy_helper.from_array(np.array(3.0, dtype=arr.dtype), init.name))
+    for node in proto.graph.node:
+        for a in node.attribute:
+            if node.op_type == "Constant" and a.name == "value":
+                arr = onnx.numpy_helper.to_array(a.t)
+                if arr.size == 1 and float(arr.reshape(())) == lowest:
+                    a.t.CopyFrom(onnx.numpy_helper.from_array(np.array(3.0, dtype=arr.dtype)))
+    model = check_fusion(FuseAttentionPass(target="ort"), proto, stats={**BERT_STATS, "bias_expansions": 1},
+                         feeds=bert_feeds(3, 16))
+    left = op_counts(model)
+    assert left["Expand"] == 1 and left["com.microsoft.Attention"] == 2, left
+    assert _mask_index_inputs(model) == set()
 
 
 @pytest.mark.parametrize("target,opset,op", [("mograph", 17, "mograph.Attention"), ("onnx", 23, "Attention")])
@@ -226,8 +315,6 @@ def export_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_bert_export_ort(export_dir: Path, exporter: str, opset: int) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    import onnx
-
     from models import export_hf
     from mograph.plugins import get_registry
 
@@ -237,8 +324,14 @@ def test_bert_export_ort(export_dir: Path, exporter: str, opset: int) -> None:
     proto = onnx.load(str(path))
     feeds = export_hf.sample_feeds("bert", 3, 16, seed=1)
     assert feeds["attention_mask"].min() == 0
-    check_fusion(FuseAttentionPass(target="ort"), proto, stats={
-        "AttentionFusion": L, "AttentionFusion.mul.mask": L, "lowered.Attention": L}, feeds=feeds)
+    feeds["attention_mask"][2, :] = 0  # a fully padded row too
+    model = check_fusion(FuseAttentionPass(target="ort"), proto, stats={
+        "AttentionFusion": L, "AttentionFusion.mul.mask": L, "lowered.Attention": L, "mask_index_casts": 1},
+        feeds=feeds)
+    # transformers' index-based padding mask is traced to attention_mask: its computation is gone
+    (cast,) = [n for n in model.graph if n.op_type == "Cast" and n.inputs[0].name == "attention_mask"]
+    assert _mask_index_inputs(model) == {cast.outputs[0].name}
+    assert "Flatten" not in op_counts(model)
 
     # the whole preset, as deployed: cleanup then fuse, every fusion lowered for ONNX Runtime
     model = to_ir(proto)
