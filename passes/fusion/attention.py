@@ -24,7 +24,15 @@ Lowering per ``--target``:
     ``com.microsoft.Attention`` when ``Q``, ``K`` and ``V`` are ``x @ W + b`` of one ``x`` with
     constant weights (the three projections are packed into one ``[hidden, 3*H*D]`` GEMM, which is
     what ONNX Runtime's CPU kernel is fastest with), else ``com.microsoft.MultiHeadAttention``;
-    ``M`` goes to ``attention_bias``, expanded to ``[B|1, H|1, S, T]`` where the kernel needs it.
+    ``M`` goes to ``attention_bias``, expanded to ``[B|1, H|1, S, T]`` where the kernel needs it (one
+    expansion per bias and query length, shared by every layer).  Where ``Attention`` is used and
+    ``M`` is provably a key-padding bias of a 2-D ``[B, T]`` ``attention_mask`` input (0 where the
+    mask is 1, a negative constant ``c`` where it is 0: ``(1 - mask) * c``, ``Where(mask, 0, c)``, or
+    ``transformers``' index-based padding lookup as TorchScript exports it), the mask itself, cast
+    once to int32, goes to ``mask_index`` with ``mask_filter_value = c`` and the float bias is
+    dropped.  The kernel fills masked scores with ``c`` exactly as the original adds it, so even a
+    fully padded row (uniform softmax) agrees.  Exact for 0/1 masks, the contract of
+    ``attention_mask`` (other values are not checked to give the same result).
 ``onnx``
     the standard ``Attention`` (3-D form, ``q_num_heads``; ``M`` as ``attn_mask``, expanded the same
     way, since ONNX Runtime does not broadcast its dim -2) at opset >= 23; below that ONNX has no

@@ -236,7 +236,8 @@ def test_bert_tiny_ort(dynamic: bool) -> None:
     assert not UNFUSED & set(left), left
     assert left["MatMul"] == 6  # per layer: output projection + 2 FFN; Q/K/V packed into the Attention
     before = op_counts(to_ir(proto))  # the float bias (Unsqueeze, Cast, Sub, Mul) is gone and nothing is expanded
-    assert "Expand" not in left and left["Sub"] == before["Sub"] - 1 and left["Unsqueeze"] == before["Unsqueeze"] - 1
+    assert "Expand" not in left and left["Sub"] == before["Sub"] - 1
+    assert not any(u.op_type == "Unsqueeze" for u, _ in model.graph.inputs[1].uses())
     (cast,) = [n for n in model.graph if n.op_type == "Cast"]
     assert cast.inputs[0].name == "attention_mask" and cast.attributes["to"].value == ir.DataType.INT32.value
     assert _mask_index_inputs(model) == {cast.outputs[0].name}
@@ -257,7 +258,11 @@ def test_bert_tiny_fully_padded_row_matches_original() -> None:
 
 
 def test_bert_tiny_ort_bias_not_a_padding_mask_keeps_bias() -> None:
-    """Near miss for mask_index: (1 - mask) * 3 is not a padding mask; the bias stays, expanded once for both layers."""
+    """Near miss for mask_index: (1 - mask) * 3 is not a padding mask; the bias stays and is expanded.
+
+    Without shape inference the two layers' query lengths are not known to be equal, so each layer
+    expands it (after ``infer-shapes``, as in the ``cleanup`` preset, one expansion is shared).
+    """
     proto = bert_tiny(batch=3)
     lowest = float(np.finfo(np.float32).min)
     for init in proto.graph.initializer:
@@ -270,10 +275,10 @@ def test_bert_tiny_ort_bias_not_a_padding_mask_keeps_bias() -> None:
                 arr = onnx.numpy_helper.to_array(a.t)
                 if arr.size == 1 and float(arr.reshape(())) == lowest:
                     a.t.CopyFrom(onnx.numpy_helper.from_array(np.array(3.0, dtype=arr.dtype)))
-    model = check_fusion(FuseAttentionPass(target="ort"), proto, stats={**BERT_STATS, "bias_expansions": 1},
+    model = check_fusion(FuseAttentionPass(target="ort"), proto, stats={**BERT_STATS, "bias_expansions": 2},
                          feeds=bert_feeds(3, 16))
     left = op_counts(model)
-    assert left["Expand"] == 1 and left["com.microsoft.Attention"] == 2, left
+    assert left["Expand"] == 2 and left["com.microsoft.Attention"] == 2, left
     assert _mask_index_inputs(model) == set()
 
 
@@ -281,6 +286,8 @@ def test_bert_tiny_ort_bias_not_a_padding_mask_keeps_bias() -> None:
 def test_bert_tiny_other_targets(target: str, opset: int, op: str) -> None:
     proto = bert_tiny(opset=opset)
     stats = {k: v for k, v in BERT_STATS.items() if target == "onnx" or not k.startswith("lowered")}
+    if target == "onnx":
+        stats["bias_expansions"] = 2  # no shape inference here: the layers' query lengths are not known equal
     model = check_fusion(FuseAttentionPass(target=target), proto, stats=stats, feeds=bert_feeds(3, 16))
     assert op_counts(model)[op] == 2
     assert "Softmax" not in op_counts(model)
@@ -325,13 +332,16 @@ def test_bert_export_ort(export_dir: Path, exporter: str, opset: int) -> None:
     feeds = export_hf.sample_feeds("bert", 3, 16, seed=1)
     assert feeds["attention_mask"].min() == 0
     feeds["attention_mask"][2, :] = 0  # a fully padded row too
-    model = check_fusion(FuseAttentionPass(target="ort"), proto, stats={
-        "AttentionFusion": L, "AttentionFusion.mul.mask": L, "lowered.Attention": L, "mask_index_casts": 1},
-        feeds=feeds)
-    # transformers' index-based padding mask is traced to attention_mask: its computation is gone
-    (cast,) = [n for n in model.graph if n.op_type == "Cast" and n.inputs[0].name == "attention_mask"]
-    assert _mask_index_inputs(model) == {cast.outputs[0].name}
-    assert "Flatten" not in op_counts(model)
+    traced = exporter == "torchscript"  # dynamo writes the padding lookup with GatherND: not traced, stays a bias
+    stats = {"AttentionFusion": L, "AttentionFusion.mul.mask": L, "lowered.Attention": L,
+             **({"mask_index_casts": 1} if traced else {})}
+    model = check_fusion(FuseAttentionPass(target="ort"), proto, stats=stats, feeds=feeds)
+    if traced:  # transformers' index-based padding mask is traced to attention_mask: its computation is gone
+        (cast,) = [n for n in model.graph if n.op_type == "Cast" and n.inputs[0].name == "attention_mask"]
+        assert _mask_index_inputs(model) == {cast.outputs[0].name}
+        assert "Flatten" not in op_counts(model)
+    else:
+        assert _mask_index_inputs(model) == set()
 
     # the whole preset, as deployed: cleanup then fuse, every fusion lowered for ONNX Runtime
     model = to_ir(proto)
