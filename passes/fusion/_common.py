@@ -311,6 +311,24 @@ def mean_last(op: Any, v: Any, tag: str | None = None) -> Any:
     )
 
 
+def divide_by_root(op: Any, numerator: Any, radicand: Any) -> Any:
+    """``numerator / sqrt(radicand)`` in every form exporters write it (tag ``norm``): ``Div`` by
+    ``Sqrt``, ``Mul`` by ``Reciprocal(Sqrt)`` or by ``1 / Sqrt``, ``Mul`` by ``Pow(r, -0.5)``, ``Div`` by
+    ``Pow(r, 0.5)``. Shared by the LayerNorm and RMSNorm rules."""
+    root = op.Sqrt(radicand)
+    return OrValue(
+        [
+            op.Div(numerator, root),
+            op.Mul(numerator, op.Reciprocal(root)),
+            op.Mul(numerator, op.Div(const(1.0), root)),
+            op.Mul(numerator, op.Pow(radicand, const(-0.5))),
+            op.Div(numerator, op.Pow(radicand, const(0.5))),
+        ],
+        tag_var="norm",
+        tag_values=["div-sqrt", "mul-reciprocal", "mul-one-div", "mul-pow", "div-pow"],
+    )
+
+
 def square(op: Any, v: Any) -> Any:
     """``v * v`` or ``v ** 2``."""
     return OrValue([op.Mul(v, v), op.Pow(v, const(2.0))])

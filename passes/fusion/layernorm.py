@@ -23,7 +23,15 @@ from typing import Any
 
 import onnx_ir as ir
 from mograph.passes.fusion._absorb import NormBiasFusion, NormCastFusion, NormScaleFusion
-from mograph.passes.fusion._common import FusionPass, check_norm_input, mean_last, mograph_op, placeholder, square
+from mograph.passes.fusion._common import (
+    FusionPass,
+    check_norm_input,
+    divide_by_root,
+    mean_last,
+    mograph_op,
+    placeholder,
+    square,
+)
 
 from mograph.patterns import MatchResult, OrValue, Rule, const
 
@@ -45,19 +53,7 @@ class LayerNormFusion(Rule):
             tag_values=["centered", "moments"],
         )
         clamped = OrValue([op.Max(var, const(0.0)), var], tag_var="clamp", tag_values=["max0", ""])
-        var_eps = op.Add(clamped, eps)
-        std = op.Sqrt(var_eps)
-        return OrValue(
-            [
-                op.Div(d_norm, std),
-                op.Mul(d_norm, op.Reciprocal(std)),
-                op.Mul(d_norm, op.Div(const(1.0), std)),
-                op.Mul(d_norm, op.Pow(var_eps, const(-0.5))),
-                op.Div(d_norm, op.Pow(var_eps, const(0.5))),
-            ],
-            tag_var="norm",
-            tag_values=["div-sqrt", "mul-reciprocal", "mul-one-div", "mul-pow", "div-pow"],
-        )
+        return divide_by_root(op, d_norm, op.Add(clamped, eps))
 
     def check(self, context: Any,  # type: ignore[override]  # bindings come by keyword
               x: ir.Value, eps: ir.Value, **_: Any) -> MatchResult:

@@ -20,9 +20,17 @@ from typing import Any
 
 import onnx_ir as ir
 from mograph.passes.fusion._absorb import NormCastFusion, NormScaleFusion
-from mograph.passes.fusion._common import FusionPass, check_norm_input, mean_last, mograph_op, placeholder, square
+from mograph.passes.fusion._common import (
+    FusionPass,
+    check_norm_input,
+    divide_by_root,
+    mean_last,
+    mograph_op,
+    placeholder,
+    square,
+)
 
-from mograph.patterns import MatchResult, OrValue, Rule, const
+from mograph.patterns import MatchResult, OrValue, Rule
 
 __all__ = ["RMSNormFusion", "FuseRMSNormPass"]
 
@@ -35,18 +43,7 @@ class RMSNormFusion(Rule):
     def pattern(self, op: Any, x: Any, eps: Any) -> Any:
         ms = mean_last(op, square(op, x), tag="mean")
         ms_eps = OrValue([op.Add(ms, eps), ms], tag_var="eps_form", tag_values=["eps", "no-eps"])
-        rms = op.Sqrt(ms_eps)
-        return OrValue(
-            [
-                op.Div(x, rms),
-                op.Mul(x, op.Reciprocal(rms)),
-                op.Mul(x, op.Div(const(1.0), rms)),
-                op.Mul(x, op.Pow(ms_eps, const(-0.5))),
-                op.Div(x, op.Pow(ms_eps, const(0.5))),
-            ],
-            tag_var="norm",
-            tag_values=["div-sqrt", "mul-reciprocal", "mul-one-div", "mul-pow", "div-pow"],
-        )
+        return divide_by_root(op, x, ms_eps)
 
     def check(self, context: Any,  # type: ignore[override]  # bindings come by keyword
               x: ir.Value, eps: ir.Value | None, **_: Any) -> MatchResult:
