@@ -65,6 +65,7 @@ __all__ = [
     "export",
     "export_minilm",
     "minilm_dir",
+    "sentence_embedding_module",
     "minilm_feeds",
     "minilm_module",
     "run_torch",
@@ -412,6 +413,15 @@ def minilm_module() -> torch.nn.Module:
         bert = transformers.BertModel.from_pretrained(
             str(minilm_dir()), attn_implementation="eager", local_files_only=True, add_pooling_layer=False
         )
+
+    return sentence_embedding_module(bert)
+
+
+def sentence_embedding_module(bert: torch.nn.Module) -> torch.nn.Module:
+    """Wrap a transformers ``BertModel`` as sentence-transformers runs MiniLM: mean pooling over the
+    attention mask, then L2 normalisation. ``forward(input_ids, attention_mask)`` returns
+    ``(last_hidden_state, sentence_embedding)``."""
+    torch, _ = _require_torch()
 
     class SentenceEmbedding(torch.nn.Module):
         def __init__(self) -> None:

@@ -126,18 +126,9 @@ def export_random_minilm(path: Path, layers: int = 6, seed: int = 0, opset: int 
         for _, param in sorted(bert.named_parameters()):
             param.add_(0.02 * torch.randn(param.shape, generator=gen, dtype=param.dtype))
 
-    class SentenceEmbedding(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.bert = bert
+    from models.export_hf import sentence_embedding_module
 
-        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask, return_dict=True)[0]
-            weights = attention_mask.unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
-            return hidden, torch.nn.functional.normalize(pooled, p=2.0, dim=1)
-
-    module = SentenceEmbedding().eval()
+    module = sentence_embedding_module(bert)
     trace = _random_feed(np.random.default_rng(seed), 2, 16, pad=True)
     args = tuple(torch.from_numpy(v) for v in trace.values())
     names = list(trace)
