@@ -342,15 +342,17 @@ def run_benchmarks(
                 torch.cuda.empty_cache()
 
 
-def _tune(norm: tuple[int, int] | None = None, gelu: tuple[int, int, int] | None = None, pdl: bool = True):
+def _tune(norm: tuple[int, ...] | None = None, gelu: tuple[int, int, int] | None = None, pdl: bool = True):
     """-D flags forcing the tuning knobs of kernels/src (NormTune and GeluTune in common.cuh).
 
-    norm = (hints, min_threads), gelu = (hints, min_threads, group); None keeps the table of
+    norm = (hints, min_threads[, block]), gelu = (hints, min_threads, group); None keeps the table of
     kernels/src/tuning_table.cuh for that family. pdl=False launches without programmatic dependent launch.
     """
     flags = []
     if norm is not None:
         flags += [f"-DMOGRAPH_NORM_HINTS={norm[0]}", f"-DMOGRAPH_NORM_MIN_THREADS={norm[1]}"]
+        if len(norm) > 2:
+            flags.append(f"-DMOGRAPH_NORM_BLOCK={norm[2]}")
     if gelu is not None:
         flags += [f"-DMOGRAPH_GELU_HINTS={gelu[0]}", f"-DMOGRAPH_GELU_MIN_THREADS={gelu[1]}",
                   f"-DMOGRAPH_GELU_GROUP={gelu[2]}"]  # fmt: skip
@@ -359,9 +361,11 @@ def _tune(norm: tuple[int, int] | None = None, gelu: tuple[int, int, int] | None
     return flags
 
 
-# Candidates of --emit-tuning: each forces one norm setting (hints, min_threads) and one Gelu setting
+# Candidates of --emit-tuning: each forces one norm setting (hints, min_threads, block) and one Gelu setting
 # (hints, min_threads, group); norm and Gelu ops are timed separately, so each variant is two candidates.
-TUNING_VARIANTS = {
+# v13..v24 repeat the norm settings of v1..v12 with 64-thread blocks for rows that share blocks (their Gelu
+# settings repeat v1..v12 too, so a sweep of v13..v24 needs no Gelu ops).
+_TUNING_BASE = {
     "v1": ((1, 0), (1, 0, 1)),  # the choices before tuning, with programmatic dependent launch
     "v2": ((1, 1024), (1, 1024, 1)),
     "v3": ((1, 1280), (1, 1280, 1)),
@@ -375,17 +379,23 @@ TUNING_VARIANTS = {
     "v11": ((2, 1280), (1, 0, 8)),
     "v12": ((2, 1536), (0, 0, 8)),
 }
+TUNING_VARIANTS = {
+    **{name: ((*n, 128), g) for name, (n, g) in _TUNING_BASE.items()},
+    **{f"v{int(name[1:]) + 12}": ((*n, 64), g) for name, (n, g) in _TUNING_BASE.items()},
+}
 
 SWEEP_VARIANTS = {
     "default": [],  # the shipped tuning table
     # the kernels as they were before tuning: evict-first hints, no register cap, contiguous Gelu chunks,
     # plain launches
-    "legacy": _tune((1, 0), (1, 0, 1), pdl=False),
+    "legacy": _tune((1, 0, 128), (1, 0, 1), pdl=False),
     "nopdl": _tune(pdl=False),  # the shipped table, launched without programmatic dependent launch
     **{name: _tune(n, g) for name, (n, g) in TUNING_VARIANTS.items()},
     "E8": ["-DMOGRAPH_NORM_MAX_ELEMS=8"],
     "E16": ["-DMOGRAPH_NORM_MAX_ELEMS=16"],
     "E32": ["-DMOGRAPH_NORM_MAX_ELEMS=32"],
+    "H48": ["-DMOGRAPH_NORM_MAX_ELEMS_HALF=48"],  # fp16/bf16 LayerNorm/RMSNorm rows: up to 48 elements a thread
+    "M0": ["-DMOGRAPH_NORM_MIN_THREADS=0"],  # the table without its register caps
     "nocs": ["-DMOGRAPH_NO_STREAMING_HINTS"],
     "flatbias": ["-DMOGRAPH_GELU_FLAT_BIAS"],
 }
@@ -462,12 +472,12 @@ def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
         best = min(means, key=means.get)
         if math.exp(means[best]) > 1 - TUNING_KEEP_MARGIN:
             best = "v1"
-        hints, min_threads = TUNING_VARIANTS[best][0]
+        hints, min_threads, block = TUNING_VARIANTS[best][0]
         dtype, op, shape = key
-        norm_rows.append((dtype, op, shape, hints, min_threads, best, ", ".join(norm_cases[key])))
+        norm_rows.append((dtype, op, shape, hints, min_threads, block, best, ", ".join(norm_cases[key])))
         summary.append(
             f"{op:<16}{dtype:<5}{', '.join(norm_cases[key]):<22} tpr={shape[0]:<4} vpt={shape[1]} -> {best} "
-            f"(hints {hints}, min_threads {min_threads}): time / v1 {math.exp(means[best]):.3f}"
+            f"(hints {hints}, min_threads {min_threads}, block {block}): time / v1 {math.exp(means[best]):.3f}"
         )
     gelu_rows = []
     for (dtype, op), by_setting in sorted(gelu_scores.items()):
@@ -502,15 +512,26 @@ def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
         "// and 16-byte packs per thread of the register kernel.",
         "constexpr NormTune norm_table(int dtype, int kind, int tpr, int vpt) {",
     ]
-    for dtype, op, (tpr, vpt), hints, min_threads, best, cases in norm_rows:
+    for dtype, op, (tpr, vpt), hints, min_threads, block, best, cases in norm_rows:
         lines.append(
             f"    if (dtype == {_DTYPE_CODE[dtype]} && kind == {_KIND_CODE[op]} && tpr == {tpr} && vpt == {vpt}) "
-            f"return {{{hint_name[hints]}, {min_threads}}};  // {op} {dtype} {cases}: {best}"
+            f"return {{{hint_name[hints]}, {min_threads}, {block}}};  // {op} {dtype} {cases}: {best}"
         )
+    lines += ["    return {kHintsStream, 0, 128};", "}", ""]
+    if not gelu_rows:  # a sweep of the norm ops only: the Gelu entries stay as they are
+        old_text = out_path.read_text() if out_path.is_file() else ""
+        start = old_text.find("// op: 0 Gelu")
+        end = old_text.find("}  // namespace mograph")
+        if start < 0 or end < 0:
+            raise ValueError("the sweep has no Gelu ops and the current table has no Gelu entries to keep")
+        lines += [
+            "// Gelu entries: kept from the table this one replaced (the sweep above timed the norm ops only).",
+            *old_text[start:end].rstrip("\n").split("\n"),
+        ]
+        lines += ["", "}  // namespace mograph", ""]
+        out_path.write_text("\n".join(lines))
+        return "\n".join(summary)
     lines += [
-        "    return {kHintsStream, 0};",
-        "}",
-        "",
         "// op: 0 Gelu, 1 Gelu (tanh), 2 BiasGelu, 3 BiasGelu (tanh; takes the exact form's entry).",
         "constexpr GeluTune gelu_table(int dtype, int op) {",
     ]

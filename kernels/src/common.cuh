@@ -54,24 +54,35 @@ struct RawOf<4> { using type = unsigned int; };
 template <>
 struct RawOf<2> { using type = unsigned short; };
 
+// The N elements are held as one raw word (uint4 for 16 bytes), never as N separate values: a select or a
+// copy of a pack then moves whole 32-bit registers, where an array of 16-bit halves would be split by the
+// compiler into one register per half and re-assembled with a PRMT per element. unpack_f32 / pack_from_f32
+// convert between a pack and fp32 values.
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {
-    T v[N];
+    using Raw = typename RawOf<sizeof(T) * N>::type;
+    Raw w;
 };
+
+// Element j of a pack (the Gelu kernels convert element by element).
+template <typename T, int N>
+__device__ __forceinline__ T pack_elem(const Pack<T, N>& p, int j) {
+    return reinterpret_cast<const T*>(&p.w)[j];
+}
 
 // One access of N elements starting at p (p must be aligned to sizeof(T) * N). Read-only data path.
 template <typename T, int N>
 __device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
-    using Raw = typename RawOf<sizeof(T) * N>::type;
+    using Raw = typename Pack<T, N>::Raw;
     Pack<T, N> out;
-    *reinterpret_cast<Raw*>(&out) = __ldg(reinterpret_cast<const Raw*>(p));
+    out.w = __ldg(reinterpret_cast<const Raw*>(p));
     return out;
 }
 
 template <typename T, int N>
 __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& v) {
-    using Raw = typename RawOf<sizeof(T) * N>::type;
-    *reinterpret_cast<Raw*>(p) = *reinterpret_cast<const Raw*>(&v);
+    using Raw = typename Pack<T, N>::Raw;
+    *reinterpret_cast<Raw*>(p) = v.w;
 }
 
 // Accesses to data touched once (activations), as opposed to gamma/beta/bias that every row re-reads.
@@ -89,9 +100,9 @@ template <typename T, int N, int HINTS = kHintsStream>
 __device__ __forceinline__ Pack<T, N> load_stream(const T* p) {
 #ifndef MOGRAPH_NO_STREAMING_HINTS
     if constexpr (HINTS == kHintsStream || HINTS == kHintsLoad) {
-        using Raw = typename RawOf<sizeof(T) * N>::type;
+        using Raw = typename Pack<T, N>::Raw;
         Pack<T, N> out;
-        *reinterpret_cast<Raw*>(&out) = __ldcs(reinterpret_cast<const Raw*>(p));
+        out.w = __ldcs(reinterpret_cast<const Raw*>(p));
         return out;
     }
 #endif
@@ -102,8 +113,8 @@ template <typename T, int N, int HINTS = kHintsStream>
 __device__ __forceinline__ void store_stream(T* p, const Pack<T, N>& v) {
 #ifndef MOGRAPH_NO_STREAMING_HINTS
     if constexpr (HINTS == kHintsStream) {
-        using Raw = typename RawOf<sizeof(T) * N>::type;
-        __stcs(reinterpret_cast<Raw*>(p), *reinterpret_cast<const Raw*>(&v));
+        using Raw = typename Pack<T, N>::Raw;
+        __stcs(reinterpret_cast<Raw*>(p), v.w);
         return;
     }
 #endif
@@ -115,6 +126,7 @@ __device__ __forceinline__ void store_stream(T* p, const Pack<T, N>& v) {
 struct NormTune {
     int hints;        // kHints* for the activations
     int min_threads;  // resident threads per SM the register allocation must allow (0: no cap)
+    int block = 0;    // threads per block when rows are smaller (several rows per block); 0: 128
 };
 
 struct GeluTune {
@@ -150,35 +162,59 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
+// A pack of zeros (+0 is all-zero bits in fp32, fp16 and bf16), set as raw words: no conversions.
 template <typename T, int N>
 __device__ __forceinline__ Pack<T, N> zero_pack() {
     Pack<T, N> out;
-#pragma unroll
-    for (int j = 0; j < N; ++j) out.v[j] = from_f32<T>(0.f);
+    out.w = typename Pack<T, N>::Raw{};
     return out;
 }
 
-// Rounds N fp32 values into a pack; fp16/bf16 pairs go through one packed conversion (F2FP) per two.
+// The N elements of a pack as fp32. fp16/bf16 pairs are converted as one 32-bit word each (__half22float2 /
+// __bfloat1622float2: one conversion instruction per element reading either half of the word in place),
+// not element by element, which would first move each half into a register of its own (PRMT).
+template <typename T, int N>
+__device__ __forceinline__ void unpack_f32(const Pack<T, N>& p, float (&f)[N]) {
+    if constexpr (std::is_same<T, __half>::value && N % 2 == 0) {
+        const __half2* w = reinterpret_cast<const __half2*>(&p.w);
+#pragma unroll
+        for (int j = 0; j < N / 2; ++j) {
+            const float2 v = __half22float2(w[j]);
+            f[2 * j] = v.x;
+            f[2 * j + 1] = v.y;
+        }
+    } else if constexpr (std::is_same<T, __nv_bfloat16>::value && N % 2 == 0) {
+        const __nv_bfloat162* w = reinterpret_cast<const __nv_bfloat162*>(&p.w);
+#pragma unroll
+        for (int j = 0; j < N / 2; ++j) {
+            const float2 v = __bfloat1622float2(w[j]);
+            f[2 * j] = v.x;
+            f[2 * j + 1] = v.y;
+        }
+    } else {
+        const T* e = reinterpret_cast<const T*>(&p.w);
+#pragma unroll
+        for (int j = 0; j < N; ++j) f[j] = to_f32(e[j]);
+    }
+}
+
+// Rounds N fp32 values into a pack; fp16/bf16 pairs go through one packed conversion (F2FP) per two, written
+// as whole words.
 template <typename T, int N>
 __device__ __forceinline__ Pack<T, N> pack_from_f32(const float (&f)[N]) {
     Pack<T, N> out;
     if constexpr (std::is_same<T, __half>::value && N % 2 == 0) {
+        __half2* w = reinterpret_cast<__half2*>(&out.w);
 #pragma unroll
-        for (int j = 0; j < N; j += 2) {
-            const __half2 h = __floats2half2_rn(f[j], f[j + 1]);
-            out.v[j] = __low2half(h);
-            out.v[j + 1] = __high2half(h);
-        }
+        for (int j = 0; j < N / 2; ++j) w[j] = __floats2half2_rn(f[2 * j], f[2 * j + 1]);
     } else if constexpr (std::is_same<T, __nv_bfloat16>::value && N % 2 == 0) {
+        __nv_bfloat162* w = reinterpret_cast<__nv_bfloat162*>(&out.w);
 #pragma unroll
-        for (int j = 0; j < N; j += 2) {
-            const __nv_bfloat162 h = __floats2bfloat162_rn(f[j], f[j + 1]);
-            out.v[j] = __low2bfloat16(h);
-            out.v[j + 1] = __high2bfloat16(h);
-        }
+        for (int j = 0; j < N / 2; ++j) w[j] = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
     } else {
+        T* e = reinterpret_cast<T*>(&out.w);
 #pragma unroll
-        for (int j = 0; j < N; ++j) out.v[j] = from_f32<T>(f[j]);
+        for (int j = 0; j < N; ++j) e[j] = from_f32<T>(f[j]);
     }
     return out;
 }

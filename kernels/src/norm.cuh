@@ -8,9 +8,13 @@
 //   16 bytes of it in registers, so the row is loaded with LDG.128 and never re-read. Small rows use a
 //   group of 4..32 lanes inside a warp (several rows per block, reduced with shuffles), large rows a group
 //   of 2..32 warps (one row per block, reduced through shared memory). The cache hints of the activations
-//   (see load_stream) and a register cap come from tuning_table.cuh per launch shape; gamma/beta always
-//   take the plain read-only path and stay cached for the next rows. The mean is reduced first and the
-//   variance second, from the registers, which is exact where E[x^2] - E[x]^2 would cancel.
+//   (see load_stream), a register cap and the block size of small rows come from tuning_table.cuh per
+//   launch shape; gamma/beta always take the plain read-only path and stay cached for the next rows. The
+//   mean is reduced first and the variance second, from the registers, which is exact where
+//   E[x^2] - E[x]^2 would cancel. fp16/bf16 packs are converted a 32-bit word at a time (unpack_f32), and
+//   rows that the launch shape covers exactly (768, 1024, 4096, 8192, ...) run an instance compiled
+//   without per-pack bounds tests (fp16 LayerNorm at 768: 360 SASS instructions a row instead of 479 with
+//   element-wise packs; instruction issue is what limits these kernels at small hidden sizes, BENCHMARKS.md).
 // * norm_generic_kernel (any hidden, any alignment): scalar accesses, the row cached in shared memory as
 //   fp32 when it fits (still one pass over HBM), otherwise re-read from global memory (L2) per phase.
 //
@@ -79,15 +83,136 @@ struct RowReducer {
             return v;
         }
     }
+
 };
+
+// Registers of one row of the fast path for one thread: its packs of x (and of skip for SkipLayerNorm).
+template <typename T, NormKind KIND, int VEC, int VPT>
+struct RowRegs {
+    Pack<T, VEC> x[VPT];
+    Pack<T, VEC> s[KIND == NormKind::kSkipLayerNorm ? VPT : 1];
+};
+
+// Whether pack k of thread t lies inside the row. FULL: the launch shape covers the row exactly
+// (hidden == TPR * VPT * VEC, as at 768, 1024, 4096, 8192), so every pack does and no test is compiled.
+template <bool FULL, int TPR>
+__device__ __forceinline__ bool pack_in_row(int t, int k, int nvec) {
+    return FULL || t + k * TPR < nvec;
+}
+
+// Loads thread t's packs of `row` (zeros past the end of the matrix or of the row).
+template <typename T, NormKind KIND, int VEC, int VPT, int TPR, int HINTS, bool FULL>
+__device__ __forceinline__ void load_row(RowRegs<T, KIND, VEC, VPT>& r, const NormArgs<T>& a, int64_t row, int t,
+                                         int nvec) {
+    const bool row_ok = row < a.rows;
+    const T* x = a.x + row * a.hidden + static_cast<int64_t>(t) * VEC;
+    const T* skip = KIND == NormKind::kSkipLayerNorm ? a.skip + row * a.hidden + static_cast<int64_t>(t) * VEC
+                                                     : nullptr;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+        r.x[k] = (row_ok && pack_in_row<FULL, TPR>(t, k, nvec)) ? load_stream<T, VEC, HINTS>(x + k * TPR * VEC)
+                                                                 : zero_pack<T, VEC>();
+    }
+    if constexpr (KIND == NormKind::kSkipLayerNorm) {
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {
+            r.s[k] = (row_ok && pack_in_row<FULL, TPR>(t, k, nvec))
+                         ? load_stream<T, VEC, HINTS>(skip + k * TPR * VEC)
+                         : zero_pack<T, VEC>();
+        }
+    }
+}
+
+// Normalizes a loaded row and stores it (and SkipLayerNorm's sum). Every thread of the block calls it, rows
+// past the end included, so the barriers inside the reducer are reached by all. Packs outside the row hold
+// zeros, which add nothing to the sum; their squared deviations are left out explicitly.
+template <typename T, NormKind KIND, int VEC, int VPT, int TPR, int RPB, int HINTS, bool FULL>
+__device__ __forceinline__ void finish_row(RowRegs<T, KIND, VEC, VPT>& r, const NormArgs<T>& a, int64_t row,
+                                           int row_in_block, int t, int nvec, RowReducer<TPR, RPB>& reducer) {
+    const bool row_ok = row < a.rows;
+    const int64_t off = row * a.hidden + static_cast<int64_t>(t) * VEC;
+    float v[VPT][VEC];
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) unpack_f32<T, VEC>(r.x[k], v[k]);
+
+    if constexpr (KIND == NormKind::kSkipLayerNorm) {
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {
+            float s[VEC];
+            float b[VEC] = {};
+            unpack_f32<T, VEC>(r.s[k], s);
+            if (a.bias != nullptr && pack_in_row<FULL, TPR>(t, k, nvec)) {
+                unpack_f32<T, VEC>(load_pack<T, VEC>(a.bias + (t + k * TPR) * VEC), b);
+            }
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) v[k][j] = v[k][j] + s[j] + b[j];
+            const Pack<T, VEC> rounded = pack_from_f32<T, VEC>(v[k]);  // the sum is rounded to T, as unfused
+            unpack_f32<T, VEC>(rounded, v[k]);
+            if (a.sum_out != nullptr && row_ok && pack_in_row<FULL, TPR>(t, k, nvec)) {
+                store_stream<T, VEC, HINTS>(a.sum_out + off + k * TPR * VEC, rounded);
+            }
+        }
+    }
+
+    float mean = 0.f;
+    if constexpr (KIND != NormKind::kRmsNorm) {
+        float part[VPT];  // one chain per pack: shorter dependency chains than one running sum
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {
+            part[k] = 0.f;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) part[k] += v[k][j];
+        }
+        float sum = 0.f;
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) sum += part[k];
+        mean = reducer.sum(sum, row_in_block, t) * a.inv_hidden;
+    }
+    float sq = 0.f;
+    {
+        float part[VPT];
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {
+            part[k] = 0.f;
+            if (pack_in_row<FULL, TPR>(t, k, nvec)) {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const float d = v[k][j] - mean;
+                    part[k] = fmaf(d, d, part[k]);
+                }
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) sq += part[k];
+    }
+    const float rstd = rsqrtf(reducer.sum(sq, row_in_block, t) * a.inv_hidden + a.eps);
+
+    if (!row_ok) return;
+    const bool has_beta = KIND != NormKind::kRmsNorm && a.beta != nullptr;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+        const int c = t + k * TPR;
+        if (pack_in_row<FULL, TPR>(t, k, nvec)) {
+            float g[VEC];
+            float b[VEC] = {};
+            unpack_f32<T, VEC>(load_pack<T, VEC>(a.gamma + c * VEC), g);
+            if (has_beta) unpack_f32<T, VEC>(load_pack<T, VEC>(a.beta + c * VEC), b);
+            float f[VEC];
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) f[j] = fmaf((v[k][j] - mean) * rstd, g[j], b[j]);
+            store_stream<T, VEC, HINTS>(a.y + off + k * TPR * VEC, pack_from_f32<T, VEC>(f));
+        }
+    }
+}
 
 // Fast path. Block = TPR * RPB threads; thread t of a row group holds packs t, t + TPR, ... of the row.
 // All threads of a block run the same number of loop iterations (rows past the end just skip their
 // loads and stores) so that the barriers inside RowReducer are reached by everyone.
 // HINTS: cache qualifiers of the activations (see load_stream); MINB: resident blocks per SM the register
 // allocation must allow (__launch_bounds__; 0 leaves ptxas its default, which is not the same as 1: with an
-// explicit 1 it takes more registers).
-template <typename T, NormKind KIND, int VEC, int VPT, int TPR, int RPB, int HINTS, int MINB>
+// explicit 1 it takes more registers). FULL: hidden == TPR * VPT * VEC, so no per-pack bounds tests (a
+// separate instance, so that the general one's registers do not weigh on it).
+template <typename T, NormKind KIND, int VEC, int VPT, int TPR, int RPB, int HINTS, int MINB, bool FULL>
 __global__ void __launch_bounds__(TPR * RPB, MINB) norm_register_kernel(const NormArgs<T> a) {
     __shared__ float red[RowReducer<TPR, RPB>::kFloats];
     RowReducer<TPR, RPB> reducer{red, 0};
@@ -97,85 +222,12 @@ __global__ void __launch_bounds__(TPR * RPB, MINB) norm_register_kernel(const No
     const int row_in_block = static_cast<int>(threadIdx.x) / TPR;
     const int t = static_cast<int>(threadIdx.x) % TPR;
     const int nvec = a.hidden / VEC;
-
     for (int64_t base = static_cast<int64_t>(blockIdx.x) * RPB; base < a.rows;
          base += static_cast<int64_t>(gridDim.x) * RPB) {
-        const int64_t row = base + row_in_block;
-        const bool row_ok = row < a.rows;
-        const int64_t off = row * a.hidden;
-
-        Pack<T, VEC> v[VPT];
-#pragma unroll
-        for (int k = 0; k < VPT; ++k) {
-            const int c = t + k * TPR;
-            v[k] = (row_ok && c < nvec) ? load_stream<T, VEC, HINTS>(a.x + off + static_cast<int64_t>(c) * VEC)
-                                        : zero_pack<T, VEC>();
-        }
-        if constexpr (KIND == NormKind::kSkipLayerNorm) {
-            Pack<T, VEC> s[VPT];
-#pragma unroll
-            for (int k = 0; k < VPT; ++k) {
-                const int c = t + k * TPR;
-                s[k] = (row_ok && c < nvec)
-                           ? load_stream<T, VEC, HINTS>(a.skip + off + static_cast<int64_t>(c) * VEC)
-                           : zero_pack<T, VEC>();
-            }
-#pragma unroll
-            for (int k = 0; k < VPT; ++k) {
-                const int c = t + k * TPR;
-                if (row_ok && c < nvec) {
-                    const Pack<T, VEC> b =
-                        a.bias != nullptr ? load_pack<T, VEC>(a.bias + c * VEC) : zero_pack<T, VEC>();
-                    float f[VEC];
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) f[j] = to_f32(v[k].v[j]) + to_f32(s[k].v[j]) + to_f32(b.v[j]);
-                    v[k] = pack_from_f32<T, VEC>(f);
-                    if (a.sum_out != nullptr) {
-                        store_stream<T, VEC, HINTS>(a.sum_out + off + static_cast<int64_t>(c) * VEC, v[k]);
-                    }
-                }
-            }
-        }
-
-        float mean = 0.f;
-        if constexpr (KIND != NormKind::kRmsNorm) {
-            float sum = 0.f;
-#pragma unroll
-            for (int k = 0; k < VPT; ++k) {
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) sum += to_f32(v[k].v[j]);
-            }
-            mean = reducer.sum(sum, row_in_block, t) * a.inv_hidden;
-        }
-        float sq = 0.f;
-#pragma unroll
-        for (int k = 0; k < VPT; ++k) {
-            if (t + k * TPR < nvec) {
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    const float d = to_f32(v[k].v[j]) - mean;
-                    sq = fmaf(d, d, sq);
-                }
-            }
-        }
-        const float rstd = rsqrtf(reducer.sum(sq, row_in_block, t) * a.inv_hidden + a.eps);
-
-        const bool has_beta = KIND != NormKind::kRmsNorm && a.beta != nullptr;
-#pragma unroll
-        for (int k = 0; k < VPT; ++k) {
-            const int c = t + k * TPR;
-            if (row_ok && c < nvec) {
-                const Pack<T, VEC> g = load_pack<T, VEC>(a.gamma + c * VEC);
-                const Pack<T, VEC> b = has_beta ? load_pack<T, VEC>(a.beta + c * VEC) : zero_pack<T, VEC>();
-                float f[VEC];
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    const float n = (to_f32(v[k].v[j]) - mean) * rstd;
-                    f[j] = fmaf(n, to_f32(g.v[j]), to_f32(b.v[j]));
-                }
-                store_stream<T, VEC, HINTS>(a.y + off + static_cast<int64_t>(c) * VEC, pack_from_f32<T, VEC>(f));
-            }
-        }
+        RowRegs<T, KIND, VEC, VPT> cur;
+        load_row<T, KIND, VEC, VPT, TPR, HINTS, FULL>(cur, a, base + row_in_block, t, nvec);
+        finish_row<T, KIND, VEC, VPT, TPR, RPB, HINTS, FULL>(cur, a, base + row_in_block, row_in_block, t, nvec,
+                                                             reducer);
     }
 }
 
@@ -264,10 +316,10 @@ __global__ void __launch_bounds__(1024) norm_generic_kernel(const NormArgs<T> a,
 }
 
 // Tuning of the register kernel for one (dtype, op, threads per row, packs per thread), which the dispatch
-// derives from hidden: cache hints of the activations and the resident threads per SM that the register
-// allocation must allow (0: no cap). The values come from tuning_table.cuh, chosen per benchmarked shape
-// from an H200 sweep; MOGRAPH_NORM_HINTS=0|1|2 and MOGRAPH_NORM_MIN_THREADS=N force one value everywhere
-// (for tools/gpu_kernels.py --sweep).
+// derives from hidden: cache hints of the activations, the resident threads per SM that the register
+// allocation must allow (0: no cap) and the block size of rows that share blocks. The values come from
+// tuning_table.cuh, chosen per benchmarked shape from an H200 sweep; MOGRAPH_NORM_HINTS=0|1|2,
+// MOGRAPH_NORM_MIN_THREADS=N and MOGRAPH_NORM_BLOCK=N force one value everywhere (tools/gpu_kernels.py --sweep).
 template <typename T, NormKind KIND, int TPR, int VPT>
 constexpr NormTune norm_tuning() {
     NormTune t = norm_table(dtype_code<T>(), static_cast<int>(KIND), TPR, VPT);
@@ -277,19 +329,28 @@ constexpr NormTune norm_tuning() {
 #ifdef MOGRAPH_NORM_MIN_THREADS
     t.min_threads = MOGRAPH_NORM_MIN_THREADS;
 #endif
+#ifdef MOGRAPH_NORM_BLOCK
+    t.block = MOGRAPH_NORM_BLOCK;
+#endif
     return t;
 }
 
 template <typename T, NormKind KIND, int VPT, int TPR>
 int launch_register(const NormArgs<T>& a, cudaStream_t stream) {
     constexpr int kVec = kVec16<T>;
-    constexpr int kRpb = TPR >= 128 ? 1 : 128 / TPR;  // blocks of 128 threads for the small-row groups
     constexpr NormTune kTune = norm_tuning<T, KIND, TPR, VPT>();
+    constexpr int kBlock = kTune.block > 0 ? kTune.block : 128;
+    constexpr int kRpb = TPR >= kBlock ? 1 : kBlock / TPR;  // small rows: several per block
     constexpr int kMinBlocks = kTune.min_threads / (TPR * kRpb) < 1    ? 0
                                : kTune.min_threads / (TPR * kRpb) > 32 ? 32
                                                                        : kTune.min_threads / (TPR * kRpb);
-    return launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kMinBlocks>,
-                         dim3(grid_for(a.rows, kRpb)), dim3(TPR * kRpb), 0, stream, a);
+    const dim3 grid(grid_for(a.rows, kRpb));
+    if (a.hidden == TPR * VPT * kVec) {
+        return launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kMinBlocks, true>,
+                             grid, dim3(TPR * kRpb), 0, stream, a);
+    }
+    return launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kMinBlocks, false>, grid,
+                         dim3(TPR * kRpb), 0, stream, a);
 }
 
 // Largest hidden (in elements) the generic path keeps in shared memory with one row per block.
@@ -322,8 +383,10 @@ int launch_generic(const NormArgs<T>& a, cudaStream_t stream) {
 // MOGRAPH_NORM_MAX_ELEMS=8|16|32 overrides the table for experiments.
 template <typename T, NormKind KIND>
 constexpr int kNormMaxElems =
-#ifdef MOGRAPH_NORM_MAX_ELEMS
+#if defined(MOGRAPH_NORM_MAX_ELEMS)
     MOGRAPH_NORM_MAX_ELEMS;
+#elif defined(MOGRAPH_NORM_MAX_ELEMS_HALF)
+    (sizeof(T) == 4 || KIND == NormKind::kSkipLayerNorm) ? 16 : MOGRAPH_NORM_MAX_ELEMS_HALF;
 #else
     (sizeof(T) == 4 || KIND == NormKind::kSkipLayerNorm) ? 16 : 32;
 #endif

@@ -1,0 +1,100 @@
+"""CPU tests of the tuning-table generator in tools/gpu_kernels.py (no GPU, no torch needed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def gk():
+    name = "mograph_tools_gpu_kernels_under_test"
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / "gpu_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize(
+    ("op", "dtype", "hidden", "shape"),
+    [
+        ("layer_norm", "f16", 768, (32, 3)),
+        ("rms_norm", "bf16", 1024, (32, 4)),
+        ("layer_norm", "f32", 1024, (64, 4)),
+        ("skip_layer_norm", "f16", 8192, (512, 2)),
+        ("layer_norm", "f16", 4096, (128, 4)),
+        ("layer_norm", "f16", 1001, None),  # not a whole number of 16-byte packs: generic kernel
+        ("layer_norm", "f16", 1000, (32, 4)),  # 125 packs: a row of 32 x 4 with the last 3 packs empty
+    ],
+)
+def test_norm_launch_shape_mirrors_the_dispatch(gk, op, dtype, hidden, shape):
+    assert gk.norm_launch_shape(op, dtype, hidden) == shape
+
+
+def test_tuning_variants_cover_both_block_sizes(gk):
+    blocks = {setting[0][2] for setting in gk.TUNING_VARIANTS.values()}
+    assert blocks == {64, 128}
+    assert gk.TUNING_VARIANTS["v1"][0] == (1, 0, 128)
+    assert gk.TUNING_VARIANTS["v13"][0] == (1, 0, 64)
+    assert "-DMOGRAPH_NORM_BLOCK=64" in gk.SWEEP_VARIANTS["v13"]
+
+
+def _record(op, dtype, rows, hidden, times):
+    return {"op": op, "dtype": dtype, "rows": rows, "hidden": hidden, **{n: {"s": t} for n, t in times.items()}}
+
+
+GELU_TABLE = """// header
+constexpr NormTune norm_table(int dtype, int kind, int tpr, int vpt) {
+    return {kHintsStream, 0};
+}
+
+// op: 0 Gelu, 1 Gelu (tanh), 2 BiasGelu, 3 BiasGelu (tanh; takes the exact form's entry).
+constexpr GeluTune gelu_table(int dtype, int op) {
+    if (dtype == 1 && op == 0) return {kHintsStream, 1024, 1};  // gelu f16
+    return {kHintsStream, 0, 1};
+}
+
+}  // namespace mograph
+"""
+
+
+def test_emit_tuning_norm_only_sweep_keeps_gelu_entries(gk, tmp_path):
+    out = tmp_path / "tuning_table.cuh"
+    out.write_text(GELU_TABLE)
+    sweep = [
+        # v14 (hints 1, 1024 threads, 64-thread blocks) is 3% faster than v1: chosen
+        _record("layer_norm", "f16", 16384, 768, {"v1": 1.00e-5, "v5": 0.99e-5, "v14": 0.97e-5}),
+        # nothing beats v1 by the margin: v1 stays
+        _record("rms_norm", "f32", 16384, 4096, {"v1": 1.00e-4, "v2": 0.998e-4, "v13": 1.01e-4}),
+    ]
+    summary = gk.emit_tuning(sweep, out, "test sweep")
+    text = out.read_text()
+    assert "if (dtype == 1 && kind == 0 && tpr == 32 && vpt == 3) return {kHintsStream, 1024, 64};" in text
+    assert "if (dtype == 0 && kind == 1 && tpr == 256 && vpt == 4) return {kHintsStream, 0, 128};" in text
+    assert "// layer_norm f16 16384x768: v14" in text
+    # the Gelu entries of the replaced table are carried over verbatim, and said to be
+    assert "if (dtype == 1 && op == 0) return {kHintsStream, 1024, 1};  // gelu f16" in text
+    assert "kept from the table this one replaced" in text
+    assert text.rstrip().endswith("}  // namespace mograph")
+    assert f"time / v1 {math.exp(math.log(0.97)):.3f}" in summary
+
+
+def test_emit_tuning_refuses_when_no_gelu_entries_to_keep(gk, tmp_path):
+    out = tmp_path / "tuning_table.cuh"
+    sweep = [_record("layer_norm", "f16", 16384, 768, {"v1": 1.00e-5})]
+    with pytest.raises(ValueError, match="no Gelu"):
+        gk.emit_tuning(sweep, out, "test sweep")
+    assert not out.exists()
+
+
+def test_emit_tuning_needs_the_untuned_variant(gk, tmp_path):
+    with pytest.raises(ValueError, match="no v1"):
+        gk.emit_tuning([_record("layer_norm", "f16", 16384, 768, {"v2": 1e-5})], tmp_path / "t.cuh", "x")
