@@ -198,8 +198,11 @@ def save_model(
         external_data: write initializers to ``<name>.data`` beside the model. ``None`` chooses it
             when the initializers need more than 2 GB or the model already had external data;
             ``False`` writes one self-contained file (external tensors are read in for it).
-        forbid: a path that must not be written over (the input model); the external data files the
-            model reads from are then protected as well.
+        forbid: a path that must not be written over (the input model).
+
+    The external data files the model reads its weights from are never written over (with or without
+    ``forbid``): replacing one would leave this model, and any other model file that reads it, pointing at
+    bytes that are no longer its weights.
 
     Returns:
         The destination path.
@@ -217,7 +220,7 @@ def save_model(
             "limit: save it with external data"
         )
     data_name = f"{dest.name}.data"
-    if external_data and forbid is not None:  # the input's weights must survive too
+    if external_data:  # the weights the model reads (the input's, or another model's) must survive
         for value in _all_initializers(model):
             tensor = value.const_value
             if isinstance(tensor, ir.ExternalTensor) and _same_file(dest.parent / data_name, Path(tensor.path)):

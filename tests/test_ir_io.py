@@ -240,6 +240,24 @@ def test_save_refuses_to_replace_the_weights_the_input_reads(tmp_path):
     assert not (tmp_path / "out.onnx").exists()
 
 
+def test_python_save_refuses_to_replace_the_weights_the_model_reads(tmp_path):
+    # mograph.save() from Python has no input path to protect, but the data file is still refused: the
+    # loaded model (and the model file on disk) would otherwise read replaced bytes as their weights.
+    src = tmp_path / "m.onnx"
+    _save_external(_model(), src, location="m.onnx.data")
+    onnx_before, data_before = src.read_bytes(), (tmp_path / "m.onnx.data").read_bytes()
+    model = mograph.load(src)
+    with pytest.raises(UsageError, match="still reads its weights"):
+        mograph.save(model, str(src), external_data=True)
+    assert src.read_bytes() == onnx_before
+    assert (tmp_path / "m.onnx.data").read_bytes() == data_before
+    # a self-contained copy next to it is fine, and holds the same weights
+    mograph.save(model, str(tmp_path / "copy.onnx"), external_data=False)
+    assert _values(tmp_path / "copy.onnx").keys() == _values(src).keys()
+    for name, want in _values(src).items():
+        np.testing.assert_array_equal(_values(tmp_path / "copy.onnx")[name], want)
+
+
 def test_model_size_does_not_read_external_data(tmp_path):
     src = tmp_path / "m.onnx"
     _save_external(_model(), src)

@@ -13,7 +13,7 @@
 //   mean is reduced first and the variance second, from the registers, which is exact where
 //   E[x^2] - E[x]^2 would cancel. fp16/bf16 packs are converted a 32-bit word at a time (unpack_f32), and
 //   rows that the launch shape covers exactly (768, 1024, 4096, 8192, ...) run an instance compiled
-//   without per-pack bounds tests (fp16 LayerNorm at 768: 360 SASS instructions a row instead of 479 with
+//   without per-pack bounds tests (fp16 LayerNorm at 768: 310 SASS instructions a row instead of 479 with
 //   element-wise packs; instruction issue is what limits these kernels at small hidden sizes, BENCHMARKS.md).
 // * norm_generic_kernel (any hidden, any alignment): scalar accesses, the row cached in shared memory as
 //   fp32 when it fits (still one pass over HBM), otherwise re-read from global memory (L2) per phase.
@@ -100,25 +100,22 @@ __device__ __forceinline__ bool pack_in_row(int t, int k, int nvec) {
     return FULL || t + k * TPR < nvec;
 }
 
-// Loads thread t's packs of `row` (zeros past the end of the matrix or of the row).
+// Loads thread t's packs of `row` (zeros past the end of the row). A row past the end of the matrix (in the
+// last block) loads the last row instead, so the loads need no test of their own; nothing of it is stored.
 template <typename T, NormKind KIND, int VEC, int VPT, int TPR, int HINTS, bool FULL>
 __device__ __forceinline__ void load_row(RowRegs<T, KIND, VEC, VPT>& r, const NormArgs<T>& a, int64_t row, int t,
                                          int nvec) {
-    const bool row_ok = row < a.rows;
-    const T* x = a.x + row * a.hidden + static_cast<int64_t>(t) * VEC;
-    const T* skip = KIND == NormKind::kSkipLayerNorm ? a.skip + row * a.hidden + static_cast<int64_t>(t) * VEC
-                                                     : nullptr;
+    const int64_t src = (row < a.rows ? row : a.rows - 1) * a.hidden + static_cast<int64_t>(t) * VEC;
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
-        r.x[k] = (row_ok && pack_in_row<FULL, TPR>(t, k, nvec)) ? load_stream<T, VEC, HINTS>(x + k * TPR * VEC)
-                                                                 : zero_pack<T, VEC>();
+        r.x[k] = pack_in_row<FULL, TPR>(t, k, nvec) ? load_stream<T, VEC, HINTS>(a.x + src + k * TPR * VEC)
+                                                    : zero_pack<T, VEC>();
     }
     if constexpr (KIND == NormKind::kSkipLayerNorm) {
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
-            r.s[k] = (row_ok && pack_in_row<FULL, TPR>(t, k, nvec))
-                         ? load_stream<T, VEC, HINTS>(skip + k * TPR * VEC)
-                         : zero_pack<T, VEC>();
+            r.s[k] = pack_in_row<FULL, TPR>(t, k, nvec) ? load_stream<T, VEC, HINTS>(a.skip + src + k * TPR * VEC)
+                                                        : zero_pack<T, VEC>();
         }
     }
 }
@@ -126,7 +123,7 @@ __device__ __forceinline__ void load_row(RowRegs<T, KIND, VEC, VPT>& r, const No
 // Normalizes a loaded row and stores it (and SkipLayerNorm's sum). Every thread of the block calls it, rows
 // past the end included, so the barriers inside the reducer are reached by all. Packs outside the row hold
 // zeros, which add nothing to the sum; their squared deviations are left out explicitly.
-template <typename T, NormKind KIND, int VEC, int VPT, int TPR, int RPB, int HINTS, bool FULL>
+template <typename T, NormKind KIND, int VEC, int VPT, int TPR, int RPB, int HINTS, bool FULL, bool HAS_BETA>
 __device__ __forceinline__ void finish_row(RowRegs<T, KIND, VEC, VPT>& r, const NormArgs<T>& a, int64_t row,
                                            int row_in_block, int t, int nvec, RowReducer<TPR, RPB>& reducer) {
     const bool row_ok = row < a.rows;
@@ -188,18 +185,22 @@ __device__ __forceinline__ void finish_row(RowRegs<T, KIND, VEC, VPT>& r, const 
     const float rstd = rsqrtf(reducer.sum(sq, row_in_block, t) * a.inv_hidden + a.eps);
 
     if (!row_ok) return;
-    const bool has_beta = KIND != NormKind::kRmsNorm && a.beta != nullptr;
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
         const int c = t + k * TPR;
         if (pack_in_row<FULL, TPR>(t, k, nvec)) {
             float g[VEC];
-            float b[VEC] = {};
             unpack_f32<T, VEC>(load_pack<T, VEC>(a.gamma + c * VEC), g);
-            if (has_beta) unpack_f32<T, VEC>(load_pack<T, VEC>(a.beta + c * VEC), b);
             float f[VEC];
+            if constexpr (HAS_BETA) {
+                float b[VEC];
+                unpack_f32<T, VEC>(load_pack<T, VEC>(a.beta + c * VEC), b);
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) f[j] = fmaf((v[k][j] - mean) * rstd, g[j], b[j]);
+                for (int j = 0; j < VEC; ++j) f[j] = fmaf((v[k][j] - mean) * rstd, g[j], b[j]);
+            } else {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) f[j] = (v[k][j] - mean) * rstd * g[j];
+            }
             store_stream<T, VEC, HINTS>(a.y + off + k * TPR * VEC, pack_from_f32<T, VEC>(f));
         }
     }
@@ -211,8 +212,10 @@ __device__ __forceinline__ void finish_row(RowRegs<T, KIND, VEC, VPT>& r, const 
 // HINTS: cache qualifiers of the activations (see load_stream); MINB: resident blocks per SM the register
 // allocation must allow (__launch_bounds__; 0 leaves ptxas its default, which is not the same as 1: with an
 // explicit 1 it takes more registers). FULL: hidden == TPR * VPT * VEC, so no per-pack bounds tests (a
-// separate instance, so that the general one's registers do not weigh on it).
-template <typename T, NormKind KIND, int VEC, int VPT, int TPR, int RPB, int HINTS, int MINB, bool FULL>
+// separate instance, so that the general one's registers do not weigh on it). HAS_BETA: LayerNorm and
+// SkipLayerNorm with a beta (an instance without one has no test and no zeros for it).
+template <typename T, NormKind KIND, int VEC, int VPT, int TPR, int RPB, int HINTS, int MINB, bool FULL,
+          bool HAS_BETA>
 __global__ void __launch_bounds__(TPR * RPB, MINB) norm_register_kernel(const NormArgs<T> a) {
     __shared__ float red[RowReducer<TPR, RPB>::kFloats];
     RowReducer<TPR, RPB> reducer{red, 0};
@@ -226,8 +229,8 @@ __global__ void __launch_bounds__(TPR * RPB, MINB) norm_register_kernel(const No
          base += static_cast<int64_t>(gridDim.x) * RPB) {
         RowRegs<T, KIND, VEC, VPT> cur;
         load_row<T, KIND, VEC, VPT, TPR, HINTS, FULL>(cur, a, base + row_in_block, t, nvec);
-        finish_row<T, KIND, VEC, VPT, TPR, RPB, HINTS, FULL>(cur, a, base + row_in_block, row_in_block, t, nvec,
-                                                             reducer);
+        finish_row<T, KIND, VEC, VPT, TPR, RPB, HINTS, FULL, HAS_BETA>(cur, a, base + row_in_block, row_in_block,
+                                                                       t, nvec, reducer);
     }
 }
 
@@ -345,12 +348,24 @@ int launch_register(const NormArgs<T>& a, cudaStream_t stream) {
                                : kTune.min_threads / (TPR * kRpb) > 32 ? 32
                                                                        : kTune.min_threads / (TPR * kRpb);
     const dim3 grid(grid_for(a.rows, kRpb));
-    if (a.hidden == TPR * VPT * kVec) {
-        return launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kMinBlocks, true>,
-                             grid, dim3(TPR * kRpb), 0, stream, a);
+    const dim3 block(TPR * kRpb);
+    const bool full = a.hidden == TPR * VPT * kVec;
+    if constexpr (KIND != NormKind::kRmsNorm) {
+        if (a.beta != nullptr) {
+            return full ? launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kMinBlocks,
+                                                             true, true>,
+                                        grid, block, 0, stream, a)
+                        : launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kMinBlocks,
+                                                             false, true>,
+                                        grid, block, 0, stream, a);
+        }
     }
-    return launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kMinBlocks, false>, grid,
-                         dim3(TPR * kRpb), 0, stream, a);
+    return full ? launch_kernel(
+                      norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kMinBlocks, true, false>, grid,
+                      block, 0, stream, a)
+                : launch_kernel(
+                      norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kMinBlocks, false, false>,
+                      grid, block, 0, stream, a);
 }
 
 // Largest hidden (in elements) the generic path keeps in shared memory with one row per block.
