@@ -18,7 +18,8 @@
 ``ort``
     ONNX Runtime's own kernels: ``LayerNormalization`` and ``SimplifiedLayerNormalization`` (ORT
     registers both in the default domain at every opset), ``com.microsoft`` ``SkipLayerNormalization``,
-    ``Gelu``, ``FastGelu``, ``QuickGelu``, ``BiasGelu``.  The result runs in ONNX Runtime only.
+    ``SkipSimplifiedLayerNormalization``, ``Gelu``, ``FastGelu``, ``QuickGelu``, ``BiasGelu``.  The result
+    runs in ONNX Runtime only.
 ``tensorrt``
     native TensorRT layers where the ONNX parser has them (``LayerNormalization`` at opset >= 17,
     ``Gelu`` at >= 20, pointwise ops for ``QuickGelu``); otherwise a plugin node: op type = plugin
@@ -350,6 +351,39 @@ def _skip_ort(node: ir.Node, model: ir.Model) -> bool:
     return True
 
 
+def _skip_rms_ort(node: ir.Node, model: ir.Model) -> bool:
+    """``com.microsoft`` ``SkipSimplifiedLayerNormalization``: input, skip, gamma[, bias]; sum as output 3."""
+    x, skip, scale, bias = node.inputs
+    graph = node.graph
+    assert graph is not None and x is not None and skip is not None and scale is not None
+    order = _skip_order(x, skip)
+    if order is None:
+        return False
+    x, skip = order
+    gamma = _vector(graph, scale, x, "mograph_rms_scale")
+    if gamma is None:
+        return False
+    inputs: list[ir.Value | None] = [x, skip, gamma]
+    if not is_zero(bias):
+        assert bias is not None
+        vec = _vector(graph, bias, x, "mograph_skip_bias")
+        if vec is None:
+            return False
+        inputs.append(vec)
+    want_sum = len(node.outputs) > 1 and _used(node.outputs[1])
+    new = ir.node("SkipSimplifiedLayerNormalization", inputs,
+                  attributes={"epsilon": float(_attr(node, "epsilon", 1e-6))},  # type: ignore[arg-type]
+                  domain=MS_DOMAIN, num_outputs=4 if want_sum else 1)
+    if want_sum:
+        for i in (1, 2):
+            new.outputs[i].name = ""
+    outs: list[ir.Value | None] = [new.outputs[0]]
+    if len(node.outputs) > 1:
+        outs.append(new.outputs[3] if want_sum else None)
+    _replace(node, [new], outs)
+    return True
+
+
 def _skip_trt(node: ir.Node, model: ir.Model) -> bool:
     """The ``SkipLayerNorm`` plugin: ``Sum`` as a second output (``sum_output=1``) only when it is read."""
     x, skip, scale, beta, bias = node.inputs
@@ -451,6 +485,7 @@ _LOWERINGS: dict[str, dict[str, Lowering]] = {
     "LayerNorm": {"onnx": _ln_onnx, "ort": _ln_ort, "tensorrt": _ln_trt},
     "RMSNorm": {"onnx": _rms_onnx, "ort": _rms_ort, "tensorrt": _rms_trt},
     "SkipLayerNorm": {"ort": _skip_ort, "tensorrt": _skip_trt},
+    "SkipRMSNorm": {"ort": _skip_rms_ort},
     "Gelu": _gelu_lowerings("Gelu"),
     "FastGelu": _gelu_lowerings("FastGelu"),
     "BiasGelu": _gelu_lowerings("BiasGelu"),

@@ -9,6 +9,7 @@ op                  inputs -> outputs                          math
 ``LayerNorm``       X, Scale, B -> Y                           (X - E[X]) / sqrt(Var[X] + eps) * Scale + B
 ``RMSNorm``         X, Scale -> Y                              X / sqrt(E[X^2] + eps) * Scale
 ``SkipLayerNorm``   X, Skip, Scale, B, Bias -> Y, Sum?         Sum = X + Bias + Skip; Y = LayerNorm(Sum)
+``SkipRMSNorm``     X, Skip, Scale, Bias -> Y, Sum?            Sum = X + Bias + Skip; Y = RMSNorm(Sum)
 ``Gelu``            X -> Y                                     X/2 (1 + erf(X / sqrt 2))
 ``FastGelu``        X -> Y                                     X/2 (1 + tanh(sqrt(2/pi) (X + 0.044715 X^3)))
 ``QuickGelu``       X -> Y                                     X sigmoid(alpha X), alpha = 1.702
@@ -47,6 +48,7 @@ __all__ = [
     "layer_norm",
     "rms_norm",
     "skip_layer_norm",
+    "skip_rms_norm",
     "gelu",
     "bias_gelu",
     "quick_gelu",
@@ -99,6 +101,14 @@ def skip_layer_norm(x: np.ndarray, skip: np.ndarray, scale: np.ndarray | None = 
     s = _f32(x) + (_f32(bias) if bias is not None else 0) + _f32(skip)
     s = s.astype(x.dtype)
     return layer_norm(s, scale, beta, epsilon), s
+
+
+def skip_rms_norm(x: np.ndarray, skip: np.ndarray, scale: np.ndarray | None = None,
+                  bias: np.ndarray | None = None, epsilon: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
+    """Residual sum (``x + bias + skip``, rounded to the dtype) and its RMSNorm."""
+    s = _f32(x) + (_f32(bias) if bias is not None else 0) + _f32(skip)
+    s = s.astype(x.dtype)
+    return rms_norm(s, scale, epsilon), s
 
 
 def gelu(x: np.ndarray, approximate: str = "none") -> np.ndarray:
@@ -204,14 +214,24 @@ def _layer_norm_fn(opset: int) -> ir.Function:
     return b.function("LayerNorm", [x, scale, beta], [y], _eps_attrs(1e-5))
 
 
-def _rms_norm_fn(opset: int) -> ir.Function:
-    b = _Body(opset)
-    x, scale = _inputs("X", "Scale")
+def _rms_norm_core(b: _Body, x: ir.Value, scale: ir.Value) -> ir.Value:
     xs = b.to_stash(x)
     ms = b.mean_last(b("Mul", xs, xs))
     y = b("Div", xs, b("Sqrt", b("Add", ms, b.const_ref("epsilon", xs))))
-    y = b.like(b("Mul", y, b.like(scale, xs)), x)
-    return b.function("RMSNorm", [x, scale], [y], _eps_attrs(1e-6))
+    return b.like(b("Mul", y, b.like(scale, xs)), x)
+
+
+def _rms_norm_fn(opset: int) -> ir.Function:
+    b = _Body(opset)
+    x, scale = _inputs("X", "Scale")
+    return b.function("RMSNorm", [x, scale], [_rms_norm_core(b, x, scale)], _eps_attrs(1e-6))
+
+
+def _skip_rms_norm_fn(opset: int) -> ir.Function:
+    b = _Body(opset)
+    x, skip, scale, bias = _inputs("X", "Skip", "Scale", "Bias")
+    s = b("Add", b("Add", x, bias), skip)
+    return b.function("SkipRMSNorm", [x, skip, scale, bias], [_rms_norm_core(b, s, scale), s], _eps_attrs(1e-6))
 
 
 def _skip_layer_norm_fn(opset: int) -> ir.Function:
@@ -289,6 +309,9 @@ _REFERENCES: dict[str, Callable[..., Any]] = {
     "SkipLayerNorm": lambda x, skip, scale, b, bias, epsilon=1e-5, stash_type=1: skip_layer_norm(
         x, skip, scale, b, bias, epsilon
     ),
+    "SkipRMSNorm": lambda x, skip, scale, bias, epsilon=1e-6, stash_type=1: skip_rms_norm(
+        x, skip, scale, bias, epsilon
+    ),
     "Gelu": lambda x, stash_type=1: (gelu(x, "none"),),
     "FastGelu": lambda x, stash_type=1: (gelu(x, "tanh"),),
     "QuickGelu": lambda x, alpha=QUICK_GELU_ALPHA, stash_type=1: (quick_gelu(x, alpha),),
@@ -304,6 +327,8 @@ _SCHEMAS: dict[str, tuple[tuple[str, ...], tuple[str, ...], dict[str, Any], Call
     "SkipLayerNorm": (("X", "Skip", "Scale", "B", "Bias"), ("Y", "Sum?"), {"epsilon": 1e-5, "stash_type": 1},
                       _skip_layer_norm_fn,
                       "Residual add and LayerNorm: Sum = X + Bias + Skip, Y = LayerNorm(Sum)."),
+    "SkipRMSNorm": (("X", "Skip", "Scale", "Bias"), ("Y", "Sum?"), {"epsilon": 1e-6, "stash_type": 1},
+                    _skip_rms_norm_fn, "Residual add and RMSNorm: Sum = X + Bias + Skip, Y = RMSNorm(Sum)."),
     "Gelu": (("X",), ("Y",), {"stash_type": 1}, _gelu_fn("Gelu", "none", False),
              "Exact GELU: X/2 (1 + erf(X / sqrt(2)))."),
     "FastGelu": (("X",), ("Y",), {"stash_type": 1}, _gelu_fn("FastGelu", "tanh", False),

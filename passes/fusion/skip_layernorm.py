@@ -1,4 +1,5 @@
-"""``fuse-skip-layernorm``: residual ``Add`` (+ optional bias ``Add``) then LayerNorm -> ``mograph.SkipLayerNorm``.
+"""``fuse-skip-layernorm``: residual ``Add`` (+ optional bias ``Add``) then LayerNorm -> ``mograph.SkipLayerNorm``,
+or then RMSNorm -> ``mograph.SkipRMSNorm``.
 
 The math matched::
 
@@ -12,6 +13,12 @@ block), the fused op returns it as a second output, so nothing outside the patte
 Lowers to ``com.microsoft.SkipLayerNormalization`` (``ort``; sum as its 4th output; needs ``a`` and
 ``skip`` of the same 2-D/3-D shape), nothing for ``onnx`` at opset >= 17 (``Add`` + ``LayerNormalization`` is already standard ONNX; the pass is a no-op there) or the
 ``SkipLayerNorm`` plugin (``tensorrt``).
+
+The same with an RMSNorm (``mograph.RMSNorm`` from ``fuse-rmsnorm``, or ORT's
+``SimplifiedLayerNormalization`` when that pass ran with ``--target ort``): LLaMA-style decoders, where
+every norm but the first reads a residual sum.  ``mograph.SkipRMSNorm`` lowers to ``com.microsoft``
+``SkipSimplifiedLayerNormalization`` (``ort``) and keeps its function body elsewhere; with ``--target
+tensorrt`` it is not fused (there is no SkipRMSNorm plugin: the Add stays before the RMSNorm plugin).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from mograph.passes.fusion.ops import body_supports
 from mograph.custom_ops import DOMAIN
 from mograph.patterns import MatchResult, OrValue, Rule, Var, constant_array
 
-__all__ = ["SkipLayerNormFusion", "FuseSkipLayerNormPass"]
+__all__ = ["SkipLayerNormFusion", "SkipRMSNormFusion", "FuseSkipLayerNormPass"]
 
 
 def _is_bias(context: Any, value: ir.Value) -> MatchResult:
@@ -105,11 +112,90 @@ class SkipLayerNormFusion(Rule):
         return f"{bindings.get('form')}{'.sum-output' if keep else ''}"
 
 
+def _keeps_sum(s: ir.Value | None, norm_ops: tuple[str, ...]) -> bool:
+    return s is not None and (s.is_graph_output() or any(c.op_type not in norm_ops for c, _ in s.uses()))
+
+
+class SkipRMSNormFusion(Rule):
+    """RMSNorm((a + bias) + skip) -> mograph.SkipRMSNorm(a, skip, scale, bias) [+ sum]."""
+
+    min_candidate_nodes = 2
+    _NORMS = ("RMSNorm", "SimplifiedLayerNormalization")
+
+    def pattern(self, op: Any, a: Any, skip: Any, scale: Any) -> Any:
+        bias = Var("bias", check=_is_bias)
+        s0 = OrValue([op.Add(op.Add(a, bias), skip), op.Add(a, skip)], name="add_out",
+                     tag_var="form", tag_values=["bias", "plain"])
+        # TorchScript exports of LLaMA cast the residual sum to float32 before the norm, also when it is
+        # float32 already; that Cast's output is then the residual stream the next block reads.
+        s = OrValue([op.Cast(s0, _outputs=["cast_out"]), s0], name="sum", tag_var="cast",
+                    tag_values=["cast", "no-cast"])
+        rms = OrValue(
+            [
+                op.RMSNorm(s, scale, _domain=DOMAIN, _outputs=["rms_out"]),
+                op.SimplifiedLayerNormalization(s, scale, _outputs=["rms_out"]),
+            ],
+        )
+        return rms, s
+
+    def check(self, context: Any,  # type: ignore[override]  # bindings come by keyword
+              a: ir.Value, skip: ir.Value, scale: ir.Value, rms_out: ir.Value, sum: ir.Value, **kw: Any) -> MatchResult:
+        node = rms_out.producer()
+        assert node is not None
+        if "plugin_namespace" in node.attributes:
+            return self.fail("the RMSNorm is already a TensorRT plugin node", node)
+        if node.op_type == "SimplifiedLayerNormalization":
+            axis = node.attributes.get("axis")
+            rank = len(sum.shape) if sum.shape is not None else None
+            ax = -1 if axis is None else int(axis.value)
+            if not (ax == -1 or (rank is not None and ax == rank - 1)):
+                return self.fail(f"SimplifiedLayerNormalization '{node.name}' is not over the last axis", node)
+            if any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
+                return self.fail(f"inverse std of '{node.name}' is read elsewhere", node)
+        if not is_float(sum):
+            return self.fail("the residual sum is not a floating-point tensor", sum)
+        add_out = kw.get("add_out")
+        if add_out is not None and add_out is not sum and add_out.dtype != sum.dtype:
+            return self.fail("the Cast after the residual Add changes its dtype", sum)
+        if a.dtype != skip.dtype or a.dtype != sum.dtype:
+            return self.fail("the residual Add mixes dtypes", sum)
+        if not body_supports(getattr(self, "model_opset", 17), sum.dtype):
+            return self.fail("an fp16/bf16 skip RMSNorm needs opset >= 15", sum)
+        if sum.shape is not None and a.shape is not None and len(a.shape) != len(sum.shape):
+            return self.fail("the residual Add broadcasts a lower-rank input", sum)
+        return self.ok()
+
+    def rewrite(self, op: Any, a: ir.Value, skip: ir.Value, scale: ir.Value, rms_out: ir.Value,
+                sum: ir.Value, bias: ir.Value | None = None, **_: Any) -> Any:
+        node = rms_out.producer()
+        assert node is not None
+        attrs = {k: v.value for k, v in node.attributes.items() if k in ("epsilon", "stash_type")}
+        attrs.setdefault("epsilon", 1e-6)
+        if "stash_type" not in attrs:
+            attrs["stash_type"] = 1
+        dtype = sum.dtype.numpy() if sum.dtype is not None else np.float32
+        if bias is None:
+            bias = op.initializer(ir.tensor(np.zeros(1, dtype=dtype)), name="mograph_zero")
+        elif constant_array(bias).ndim != 1:  # type: ignore[union-attr]
+            bias = op.initializer(ir.tensor(constant_array(bias).reshape(-1)), name="mograph_skip_bias")  # type: ignore[union-attr]
+        keep_sum = bool(sum.uses()) and any(c is not node for c, _ in sum.uses()) or sum.is_graph_output()
+        y, total = mograph_op(op, "SkipRMSNorm", a, skip, scale, bias, _outputs=2, **attrs)
+        return y, (total if keep_sum else None)
+
+    def variant(self, bindings: dict[str, Any]) -> str | None:
+        keep = _keeps_sum(bindings.get("sum"), self._NORMS)
+        cast = ".cast" if bindings.get("cast") == "cast" else ""
+        return f"{bindings.get('form')}{cast}{'.sum-output' if keep else ''}"
+
+
 class FuseSkipLayerNormPass(FusionPass):
-    """Fuse a residual Add (and bias) with the LayerNorm after it into one SkipLayerNorm op."""
+    """Fuse a residual Add (and bias) with the LayerNorm or RMSNorm after it into one Skip* op."""
 
     name = "fuse-skip-layernorm"
     onnx_noop_opset = 17
 
     def make_rules(self) -> list[Rule]:
-        return [SkipLayerNormFusion()]
+        rules: list[Rule] = [SkipLayerNormFusion()]
+        if self.config["target"] != "tensorrt":  # no SkipRMSNorm plugin: Add + RMSNorm plugin stays
+            rules.append(SkipRMSNormFusion())
+        return rules

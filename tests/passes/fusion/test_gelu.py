@@ -153,6 +153,7 @@ def test_references_match_function_bodies():
         "LayerNorm": ([x, vec, vec * 0.1], {"epsilon": 1e-5}),
         "RMSNorm": ([x, vec], {"epsilon": 1e-6}),
         "SkipLayerNorm": ([x, x[::-1].copy(), vec, vec * 0.1, vec * 0.2], {"epsilon": 1e-5}),
+        "SkipRMSNorm": ([x, x[::-1].copy(), vec, vec * 0.2], {"epsilon": 1e-6}),
         "Gelu": ([x], {}), "FastGelu": ([x], {}), "QuickGelu": ([x], {}),
         "BiasGelu": ([x, vec], {}), "BiasFastGelu": ([x, vec], {}),
     }

@@ -370,3 +370,93 @@ def test_optimize_api_reports_near_misses_with_explain():
     _, report = mograph.optimize(_ln(layernorm_model()), "fuse", options={"target": "ort"}, verify=True)
     assert report.passes[0].stats["LayerNormFusion"] == 1
     assert report.verification["passed"]
+
+
+# ------------------------------------------------------------------ skip RMSNorm ----------------
+
+
+def skip_rms_model(*, bias: bool = False, sum_output: bool = False, cast: bool = False) -> str:
+    """Residual Add (and dense bias) feeding a decomposed RMSNorm; optionally the sum is read on, and
+    optionally goes through a float-to-float Cast first (as TorchScript exports of LLaMA have it)."""
+    add = "x0" if cast else "x"
+    head = ["hb = Add(dense_b, h)", f"{add} = Add(res, hb)"] if bias else [f"{add} = Add(h, res)"]
+    if cast:
+        head.append("x = Cast<to=1>(x0)")
+    text = rmsnorm_model().replace("g (float[2,5,16] x)", "g (float[2,5,16] h, float[2,5,16] res)")
+    text = text.replace("  xx = Pow", "  " + "\n  ".join(head) + "\n  xx = Pow")
+    text = text.replace("float eps = {1e-6}", f"float eps = {{1e-6}}, float[{H}] dense_b = {{{BETA}}}")
+    if sum_output:
+        text = text.replace(f"=> (float[2,5,{H}] y)", f"=> (float[2,5,{H}] y, float[2,5,{H}] s2)")
+        text = text.replace("  y = Mul(gamma", "  s2 = Mul(x, two)\n  y = Mul(gamma")
+    return text
+
+
+def _rms_fused(text: str, target: str):
+    from _fusion_util import to_ir, to_proto
+
+    model = to_ir(parse(text))
+    assert FuseRMSNormPass(target=target).call(model).stats["RMSNormFusion"] == 1
+    return to_proto(model)
+
+
+@pytest.mark.parametrize("bias,cast", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("sum_output", [False, True])
+@pytest.mark.parametrize("target,op", [("ort", "com.microsoft.SkipSimplifiedLayerNormalization"),
+                                       ("mograph", "mograph.SkipRMSNorm")])
+def test_skip_rmsnorm(bias, cast, sum_output, target, op):
+    from _fusion_util import assert_close, run_ort, to_proto
+
+    text = skip_rms_model(bias=bias, sum_output=sum_output, cast=cast)
+    original = parse(text)
+    proto = _rms_fused(text, target)  # fuse-rmsnorm first, as the fuse preset does
+    variant = ("bias" if bias else "plain") + (".cast" if cast else "") + (".sum-output" if sum_output else "")
+    stats = {"SkipRMSNormFusion": 1, f"SkipRMSNormFusion.{variant}": 1}
+    if target == "ort":
+        stats["lowered.SkipRMSNorm"] = 1
+    model = check_fusion(FuseSkipLayerNormPass(target=target), proto, stats=stats,
+                         ops_left=[op] + (["Mul"] if sum_output else []))
+    feeds = feeds_for(original)  # and against the unfused original
+    assert_close(run_ort(original, feeds), run_ort(to_proto(model), feeds), rel=1e-5)
+
+
+def test_skip_rmsnorm_reference_matches_function_body():
+    from _fusion_util import run_ort, to_proto
+    from mograph.passes.fusion.ops import skip_rms_norm
+
+    text = skip_rms_model(bias=True, sum_output=True)
+    model = run_pass(FuseSkipLayerNormPass(target="mograph"), _rms_fused(text, "mograph"))[0]
+    node = next(n for n in model.graph if n.op_type == "SkipRMSNorm")
+    feeds = feeds_for(parse(text))
+    y, s2 = run_ort(to_proto(model), feeds)
+    gamma = node.inputs[2].const_value.numpy()
+    bias = node.inputs[3].const_value.numpy()
+    ref_y, ref_s = skip_rms_norm(feeds["h"], feeds["res"], gamma, bias, epsilon=1e-6)
+    np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(s2, ref_s * 2, rtol=1e-6)
+
+
+def test_skip_rmsnorm_near_miss_cast_changes_dtype():
+    text = skip_rms_model(cast=True).replace("x = Cast<to=1>(x0)", "xd = Cast<to=11>(x0)\n  x = Cast<to=1>(xd)")
+    result = assert_untouched(FuseSkipLayerNormPass(target="mograph", explain=True), _rms_fused(text, "mograph"))
+    reasons = [m["reason"] for m in result.details["rules"]["SkipRMSNormFusion"]["near_miss_list"]]
+    assert reasons and all("Add" in r for r in reasons), reasons  # the double Cast is not an identity Cast
+
+
+def test_skip_rmsnorm_not_fused_for_tensorrt():
+    # There is no SkipRMSNorm plugin: the Add stays in front of the RMSNorm plugin node.
+    proto = _rms_fused(skip_rms_model(), "tensorrt")
+    assert_untouched(FuseSkipLayerNormPass(target="tensorrt"), proto)
+
+
+def test_skip_rmsnorm_near_miss_inverse_std_used():
+    text = (f'<ir_version: 8, opset_import: ["" : 17]>\n'
+            f"g (float[2,5,{H}] h, float[2,5,{H}] res) => (float[2,5,{H}] y) <float[{H}] gamma = {{{GAMMA}}}> {{\n"
+            "  x = Add(h, res)\n"
+            "  y0, inv = SimplifiedLayerNormalization<axis=-1, epsilon=1e-6>(x, gamma)\n"
+            "  y = Add(y0, inv)\n}")
+    import onnx
+
+    proto = onnx.parser.parse_model(text)  # ORT's SimplifiedLayerNormalization is not in onnx's checker
+    result = assert_untouched(FuseSkipLayerNormPass(target="ort", explain=True), proto)
+    (miss,) = result.details["rules"]["SkipRMSNormFusion"]["near_miss_list"]
+    assert "'inv'" in miss["reason"]  # the matcher's own check: a second output read outside the pattern
