@@ -40,8 +40,8 @@ __all__ = [
 _HERE = Path(__file__).resolve().parent
 
 TOLERANCE = {"f32": 1e-5, "f16": 1e-2, "bf16": 1e-2}
-ROW_OPS = ("layer_norm", "rms_norm", "skip_layer_norm", "bias_gelu")
-ALL_OPS = ("layer_norm", "rms_norm", "skip_layer_norm", "gelu", "bias_gelu")
+ROW_OPS = ("layer_norm", "rms_norm", "skip_layer_norm", "skip_rms_norm", "bias_gelu")
+ALL_OPS = ("layer_norm", "rms_norm", "skip_layer_norm", "skip_rms_norm", "gelu", "bias_gelu")
 
 
 def load_sibling(name: str):
@@ -216,6 +216,8 @@ def make_grid(
             cases.append(
                 Case("skip_layer_norm", dt, rows, h, options=(("bias", False), ("beta", False), ("with_sum", False)))
             )
+            cases.append(Case("skip_rms_norm", dt, rows, h, options=(("bias", True), ("with_sum", True))))
+            cases.append(Case("skip_rms_norm", dt, rows, h, options=(("bias", False), ("with_sum", False))))
             for approx in ("none", "tanh"):
                 cases.append(Case("gelu", dt, rows, h, options=(("approximate", approx),)))
                 cases.append(Case("bias_gelu", dt, rows, h, options=(("approximate", approx),)))
@@ -234,6 +236,7 @@ def make_grid(
                     options=(("bias", True), ("beta", True), ("with_sum", True)),
                 )
             )
+            cases.append(Case("skip_rms_norm", dt, 5, h, misalign=True, options=(("bias", True), ("with_sum", True))))
             cases.append(Case("gelu", dt, 5, h, misalign=True, options=(("approximate", "none"),)))
             cases.append(Case("bias_gelu", dt, 5, h, misalign=True, options=(("approximate", "tanh"),)))
     for dt in dtypes:
@@ -241,6 +244,7 @@ def make_grid(
         cases.append(
             Case("skip_layer_norm", dt, 3001, 768, options=(("bias", True), ("beta", True), ("with_sum", True)))
         )
+        cases.append(Case("skip_rms_norm", dt, 3001, 4096, options=(("bias", True), ("with_sum", True))))
         cases.append(Case("layer_norm", dt, rows, 768, options=(("beta", True), ("inplace", True))))
         cases.append(Case("gelu", dt, rows, 1000, options=(("approximate", "tanh"), ("inplace", True))))
     return cases
@@ -260,11 +264,11 @@ def _inputs(case: Case, dtype: np.dtype, seed: int) -> dict[str, np.ndarray]:
         flat = x.reshape(-1)
         flat[: special.size] = special[: flat.size]
     out = {"x": x.astype(np.float32).astype(dtype)}
-    if case.op in ("layer_norm", "rms_norm", "skip_layer_norm"):
+    if case.op in ("layer_norm", "rms_norm", "skip_layer_norm", "skip_rms_norm"):
         out["gamma"] = (1.0 + 0.25 * rng.standard_normal(h)).astype(np.float32).astype(dtype)
-        if case.op != "rms_norm" and case.opt("beta", True):
+        if case.op in ("layer_norm", "skip_layer_norm") and case.opt("beta", True):
             out["beta"] = (0.5 * rng.standard_normal(h)).astype(np.float32).astype(dtype)
-    if case.op == "skip_layer_norm":
+    if case.op in ("skip_layer_norm", "skip_rms_norm"):
         out["skip"] = rng.standard_normal((r, h)).astype(np.float32).astype(dtype)
         if case.opt("bias", False):
             out["bias"] = (0.5 * rng.standard_normal(h)).astype(np.float32).astype(dtype)
@@ -282,6 +286,9 @@ def _reference(ref, case: Case, inp: dict[str, np.ndarray], eps: float) -> dict[
         y, s = ref.skip_layer_norm(
             inp["x"], inp["skip"], inp["gamma"], inp.get("beta"), inp.get("bias"), eps, return_sum=True
         )
+        return {"y": y, "sum_out": s} if case.opt("with_sum", False) else {"y": y}
+    if case.op == "skip_rms_norm":
+        y, s = ref.skip_rms_norm(inp["x"], inp["skip"], inp["gamma"], inp.get("bias"), eps, return_sum=True)
         return {"y": y, "sum_out": s} if case.opt("with_sum", False) else {"y": y}
     if case.op == "gelu":
         return {"y": ref.gelu(inp["x"], case.opt("approximate", "none"))}
@@ -302,6 +309,8 @@ def launch(lib, abi, case: Case, ptrs: dict[str, int | None], stream: int, eps: 
         return fn(p("x"), p("gamma"), p("y"), r, h, eps, 0, stream)
     if case.op == "skip_layer_norm":
         return fn(p("x"), p("skip"), p("bias"), p("gamma"), p("beta"), p("y"), p("sum_out"), r, h, eps, 0, stream)
+    if case.op == "skip_rms_norm":
+        return fn(p("x"), p("skip"), p("bias"), p("gamma"), p("y"), p("sum_out"), r, h, eps, 0, stream)
     if case.op == "gelu":
         return fn(p("x"), p("y"), r * h, flags, stream)
     if case.op == "bias_gelu":

@@ -24,7 +24,7 @@ from typing import Literal
 
 import numpy as np
 
-__all__ = ["bias_gelu", "erfc", "gelu", "layer_norm", "rms_norm", "skip_layer_norm"]
+__all__ = ["bias_gelu", "erfc", "gelu", "layer_norm", "rms_norm", "skip_layer_norm", "skip_rms_norm"]
 
 _SQRT_2 = math.sqrt(2.0)
 _INV_SQRT_PI = 1.0 / math.sqrt(math.pi)
@@ -146,6 +146,28 @@ def skip_layer_norm(
     y = _layer_norm_f32(_f32(s), g, b, eps).astype(x.dtype)
     return (y, s) if return_sum else y
 
+
+
+def skip_rms_norm(
+    x: np.ndarray,
+    skip: np.ndarray,
+    gamma: np.ndarray,
+    bias: np.ndarray | None = None,
+    eps: float = 1e-5,
+    return_sum: bool = False,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """s = x + skip (+ bias), rounded to x's dtype; y = rms_norm(s, gamma, eps). As skip_layer_norm, no beta."""
+    x = np.asarray(x)
+    skip = np.asarray(skip)
+    if skip.shape != x.shape:
+        raise ValueError(f"skip must have x's shape {x.shape}, got {skip.shape}")
+    bi = _check_vector("bias", bias, x.shape[-1])
+    s32 = _f32(x) + _f32(skip)
+    if bi is not None:
+        s32 = s32 + bi
+    s = s32.astype(x.dtype)
+    y = rms_norm(s, gamma, eps)
+    return (y, s) if return_sum else y
 
 def _gelu_f64(v: np.ndarray, approximate: str) -> np.ndarray:
     v = v.astype(np.float64)

@@ -416,7 +416,7 @@ def norm_launch_shape(op: str, dtype: str, hidden: int) -> tuple[int, int] | Non
     vec = 16 // esize
     if hidden % vec:
         return None
-    max_elems = 16 if (esize == 4 or op == "skip_layer_norm") else 32
+    max_elems = 16 if (esize == 4 or op in ("skip_layer_norm", "skip_rms_norm")) else 32
     maxv = max(1, max_elems // vec)
     nvec = hidden // vec
     tpr = 4

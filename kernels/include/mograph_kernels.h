@@ -98,6 +98,21 @@ MOGRAPH_API int mograph_skip_layer_norm_bf16(const void* x, const void* skip, co
                                              mograph_stream_t stream);
 
 /*
+ * SkipRMSNorm: s = x + skip (+ bias), computed in fp32 and rounded once to the dtype; y = RMSNorm(s) of that
+ * rounded s, with gamma; sum_out, when not NULL, receives s. x, skip, y, sum_out: [rows, hidden]; bias,
+ * gamma: [hidden]; bias may be NULL. sum_out must not overlap any input. flags: 0.
+ */
+MOGRAPH_API int mograph_skip_rms_norm_f32(const void* x, const void* skip, const void* bias, const void* gamma,
+                                          void* y, void* sum_out, int64_t rows, int64_t hidden, float eps,
+                                          uint32_t flags, mograph_stream_t stream);
+MOGRAPH_API int mograph_skip_rms_norm_f16(const void* x, const void* skip, const void* bias, const void* gamma,
+                                          void* y, void* sum_out, int64_t rows, int64_t hidden, float eps,
+                                          uint32_t flags, mograph_stream_t stream);
+MOGRAPH_API int mograph_skip_rms_norm_bf16(const void* x, const void* skip, const void* bias, const void* gamma,
+                                           void* y, void* sum_out, int64_t rows, int64_t hidden, float eps,
+                                           uint32_t flags, mograph_stream_t stream);
+
+/*
  * Gelu over n elements (any shape, contiguous). flags = 0: y = 0.5 x (1 + erf(x / sqrt(2)));
  * flags = MOGRAPH_GELU_TANH: y = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
  */

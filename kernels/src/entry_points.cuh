@@ -32,6 +32,13 @@ MOGRAPH_API int MOGRAPH_FN(mograph_skip_layer_norm_)(const void* x, const void* 
                                                    stream);
 }
 
+MOGRAPH_API int MOGRAPH_FN(mograph_skip_rms_norm_)(const void* x, const void* skip, const void* bias,
+                                                   const void* gamma, void* y, void* sum_out, int64_t rows,
+                                                   int64_t hidden, float eps, uint32_t flags,
+                                                   mograph_stream_t stream) {
+    return mograph::skip_rms_norm<MOGRAPH_DTYPE>(x, skip, bias, gamma, y, sum_out, rows, hidden, eps, flags, stream);
+}
+
 MOGRAPH_API int MOGRAPH_FN(mograph_gelu_)(const void* x, void* y, int64_t n, uint32_t flags,
                                           mograph_stream_t stream) {
     return mograph::gelu<MOGRAPH_DTYPE>(x, y, n, flags, stream);

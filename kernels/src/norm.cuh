@@ -18,7 +18,7 @@
 // * norm_generic_kernel (any hidden, any alignment): scalar accesses, the row cached in shared memory as
 //   fp32 when it fits (still one pass over HBM), otherwise re-read from global memory (L2) per phase.
 //
-// SkipLayerNorm rounds s = x + skip (+ bias) to the storage dtype before normalizing, so the fused op
+// SkipLayerNorm and SkipRMSNorm round s = x + skip (+ bias) to the storage dtype before normalizing, so the fused op
 // computes what the unfused Add -> LayerNorm graph computes, and its optional second output is exactly
 // the tensor that was normalized.
 #pragma once
@@ -28,7 +28,12 @@
 
 namespace mograph {
 
-enum class NormKind : int { kLayerNorm = 0, kRmsNorm = 1, kSkipLayerNorm = 2 };
+enum class NormKind : int { kLayerNorm = 0, kRmsNorm = 1, kSkipLayerNorm = 2, kSkipRmsNorm = 3 };
+
+// SkipLayerNorm and SkipRMSNorm normalize x + skip (+ bias); LayerNorm and SkipLayerNorm subtract the mean
+// (and add beta), the RMS kinds do not.
+__host__ __device__ constexpr bool has_skip(NormKind k) { return k == NormKind::kSkipLayerNorm || k == NormKind::kSkipRmsNorm; }
+__host__ __device__ constexpr bool centered(NormKind k) { return k == NormKind::kLayerNorm || k == NormKind::kSkipLayerNorm; }
 
 template <typename T>
 struct NormArgs {
@@ -90,7 +95,7 @@ struct RowReducer {
 template <typename T, NormKind KIND, int VEC, int VPT>
 struct RowRegs {
     Pack<T, VEC> x[VPT];
-    Pack<T, VEC> s[KIND == NormKind::kSkipLayerNorm ? VPT : 1];
+    Pack<T, VEC> s[has_skip(KIND) ? VPT : 1];
 };
 
 // Whether pack k of thread t lies inside the row. FULL: the launch shape covers the row exactly
@@ -111,7 +116,7 @@ __device__ __forceinline__ void load_row(RowRegs<T, KIND, VEC, VPT>& r, const No
         r.x[k] = pack_in_row<FULL, TPR>(t, k, nvec) ? load_stream<T, VEC, HINTS>(a.x + src + k * TPR * VEC)
                                                     : zero_pack<T, VEC>();
     }
-    if constexpr (KIND == NormKind::kSkipLayerNorm) {
+    if constexpr (has_skip(KIND)) {
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
             r.s[k] = pack_in_row<FULL, TPR>(t, k, nvec) ? load_stream<T, VEC, HINTS>(a.skip + src + k * TPR * VEC)
@@ -132,7 +137,7 @@ __device__ __forceinline__ void finish_row(RowRegs<T, KIND, VEC, VPT>& r, const 
 #pragma unroll
     for (int k = 0; k < VPT; ++k) unpack_f32<T, VEC>(r.x[k], v[k]);
 
-    if constexpr (KIND == NormKind::kSkipLayerNorm) {
+    if constexpr (has_skip(KIND)) {
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
             float s[VEC];
@@ -152,7 +157,7 @@ __device__ __forceinline__ void finish_row(RowRegs<T, KIND, VEC, VPT>& r, const 
     }
 
     float mean = 0.f;
-    if constexpr (KIND != NormKind::kRmsNorm) {
+    if constexpr (centered(KIND)) {
         float part[VPT];  // one chain per pack: shorter dependency chains than one running sum
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
@@ -266,7 +271,7 @@ __global__ void __launch_bounds__(1024) norm_generic_kernel(const NormArgs<T> a,
     // Value of column c that gets normalized, as fp32: x, or x + skip (+ bias) rounded to T.
     auto element = [&](int64_t off, int c) {
         float v = to_f32(a.x[off + c]);
-        if constexpr (KIND == NormKind::kSkipLayerNorm) {
+        if constexpr (has_skip(KIND)) {
             const float b = a.bias != nullptr ? to_f32(a.bias[c]) : 0.f;
             v = to_f32(from_f32<T>(v + to_f32(a.skip[off + c]) + b));
         }
@@ -284,16 +289,16 @@ __global__ void __launch_bounds__(1024) norm_generic_kernel(const NormArgs<T> a,
         if (row_ok) {
             for (int c = t; c < a.hidden; c += row_threads) {
                 const float v = element(off, c);
-                if constexpr (KIND == NormKind::kSkipLayerNorm) {
+                if constexpr (has_skip(KIND)) {
                     if (a.sum_out != nullptr) a.sum_out[off + c] = from_f32<T>(v);
                 }
                 if constexpr (CACHE) cache[c] = v;
-                acc = KIND == NormKind::kRmsNorm ? fmaf(v, v, acc) : acc + v;
+                acc = centered(KIND) ? acc + v : fmaf(v, v, acc);
             }
         }
         float mean = 0.f;
         float sq = acc;
-        if constexpr (KIND != NormKind::kRmsNorm) {
+        if constexpr (centered(KIND)) {
             mean = row_sum(acc) * a.inv_hidden;
             // Phase 2: squared deviations from the mean.
             sq = 0.f;
@@ -308,7 +313,7 @@ __global__ void __launch_bounds__(1024) norm_generic_kernel(const NormArgs<T> a,
 
         // Phase 3: normalize, scale, shift.
         if (row_ok) {
-            const bool has_beta = KIND != NormKind::kRmsNorm && a.beta != nullptr;
+            const bool has_beta = centered(KIND) && a.beta != nullptr;
             for (int c = t; c < a.hidden; c += row_threads) {
                 const float n = ((CACHE ? cache[c] : element(off, c)) - mean) * rstd;
                 const float b = has_beta ? to_f32(a.beta[c]) : 0.f;
@@ -350,7 +355,7 @@ int launch_register(const NormArgs<T>& a, cudaStream_t stream) {
     const dim3 grid(grid_for(a.rows, kRpb));
     const dim3 block(TPR * kRpb);
     const bool full = a.hidden == TPR * VPT * kVec;
-    if constexpr (KIND != NormKind::kRmsNorm) {
+    if constexpr (centered(KIND)) {
         if (a.beta != nullptr) {
             return full ? launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kMinBlocks,
                                                              true, true>,
@@ -401,9 +406,9 @@ constexpr int kNormMaxElems =
 #if defined(MOGRAPH_NORM_MAX_ELEMS)
     MOGRAPH_NORM_MAX_ELEMS;
 #elif defined(MOGRAPH_NORM_MAX_ELEMS_HALF)
-    (sizeof(T) == 4 || KIND == NormKind::kSkipLayerNorm) ? 16 : MOGRAPH_NORM_MAX_ELEMS_HALF;
+    (sizeof(T) == 4 || has_skip(KIND)) ? 16 : MOGRAPH_NORM_MAX_ELEMS_HALF;
 #else
-    (sizeof(T) == 4 || KIND == NormKind::kSkipLayerNorm) ? 16 : 32;
+    (sizeof(T) == 4 || has_skip(KIND)) ? 16 : 32;
 #endif
 
 template <typename T, NormKind KIND>
@@ -500,6 +505,16 @@ int rms_norm(const void* x, const void* gamma, void* y, int64_t rows, int64_t hi
     if (st != MOGRAPH_OK || rows == 0) return st;
     return launch_norm<T, NormKind::kRmsNorm>(
         make_norm_args<T>(x, nullptr, nullptr, gamma, nullptr, y, nullptr, rows, hidden, eps), stream);
+}
+
+template <typename T>
+int skip_rms_norm(const void* x, const void* skip, const void* bias, const void* gamma, void* y, void* sum_out,
+                  int64_t rows, int64_t hidden, float eps, uint32_t flags, cudaStream_t stream) {
+    const int st = check_norm_args(x, gamma, y, rows, hidden, flags);
+    if (st != MOGRAPH_OK || rows == 0) return st;
+    if (skip == nullptr) return MOGRAPH_ERR_INVALID_ARGUMENT;
+    return launch_norm<T, NormKind::kSkipRmsNorm>(
+        make_norm_args<T>(x, skip, bias, gamma, nullptr, y, sum_out, rows, hidden, eps), stream);
 }
 
 template <typename T>

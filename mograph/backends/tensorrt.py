@@ -252,7 +252,7 @@ def _needs_legalizing(model: Any) -> bool:
     from mograph.patterns import constant_array
 
     for node in _mograph_plugin_nodes(model):
-        if node.op_type == "SkipLayerNorm" and len(node.outputs) > 1 and "sum_output" not in node.attributes:
+        if node.op_type in ("SkipLayerNorm", "SkipRMSNorm") and len(node.outputs) > 1 and "sum_output" not in node.attributes:
             return True
         if any(v is None for v in node.inputs):
             return True
@@ -283,7 +283,7 @@ def _legalize_plugin_nodes(model: Any) -> list[str]:
     for node in _mograph_plugin_nodes(model):
         label = node.name or node.op_type
         graph = node.graph
-        if node.op_type == "SkipLayerNorm" and len(node.outputs) > 1 and "sum_output" not in node.attributes:
+        if node.op_type in ("SkipLayerNorm", "SkipRMSNorm") and len(node.outputs) > 1 and "sum_output" not in node.attributes:
             extra = node.outputs[1]
             if not extra.uses() and not extra.is_graph_output():
                 node.resize_outputs(1)

@@ -15,6 +15,7 @@ plugin / op_type   inputs (``?`` = optional)         outputs     attributes (def
 ``LayerNorm``      X, Scale, B?                      Y           epsilon (1e-5)
 ``RMSNorm``        X, Scale                          Y           epsilon (1e-6)
 ``SkipLayerNorm``  X, Skip, Scale, B?, Bias?         Y, Sum?     epsilon (1e-5), sum_output (0)
+``SkipRMSNorm``    X, Skip, Scale, Bias?             Y, Sum?     epsilon (1e-6), sum_output (0)
 ``Gelu``           X                                 Y           approximate ("none" | "tanh")
 ``BiasGelu``       X, Bias                           Y           approximate ("none" | "tanh")
 =================  ================================  ==========  ====================================
@@ -28,7 +29,7 @@ checks them when it parses or builds:
   is refused at build time: materialize ``[hidden]`` or leave the input out);
 * optional inputs are positional and may only be left out from the end; an empty input name is refused
   by the parser (``addPluginV3: input != nullptr``) — a SkipLayerNorm with a Bias but no B takes a zero B;
-* the node has exactly as many outputs as the plugin: SkipLayerNorm has ``Sum`` (``X + Skip (+ Bias)``,
+* the node has exactly as many outputs as the plugin: SkipLayerNorm and SkipRMSNorm have ``Sum`` (``X + Skip (+ Bias)``,
   rounded to the dtype) as its second output only with ``sum_output=1``; the parser refuses a count
   mismatch ("Node has more output tensors than TRT expected").
 
@@ -109,7 +110,7 @@ class PluginSpec:
         return len(self.inputs)
 
     def num_outputs(self, attrs: dict[str, Any]) -> int:
-        if self.op == "SkipLayerNorm" and int(attrs.get("sum_output", 0)):
+        if self.op in _SKIP_OPS and int(attrs.get("sum_output", 0)):
             return 2
         return 1
 
@@ -123,6 +124,9 @@ class PluginSpec:
         out["plugin_version"] = PLUGIN_VERSION
         return out
 
+
+#: Plugins with a residual input (Skip) and the optional Sum output.
+_SKIP_OPS = ("SkipLayerNorm", "SkipRMSNorm")
 
 #: The mograph TensorRT plugins, by plugin name. The fusion pass's ``--target tensorrt`` must emit these.
 PLUGINS: dict[str, PluginSpec] = {
@@ -151,6 +155,14 @@ PLUGINS: dict[str, PluginSpec] = {
             ("Y", "Sum?"),
             {"epsilon": 1e-5, "sum_output": 0},
             "Sum = X + Skip (+ Bias); Y = LayerNorm(Sum) with Scale (+ B); Sum is output 1 when sum_output=1",
+        ),
+        PluginSpec(
+            "SkipRMSNorm",
+            "SkipRMSNorm",
+            ("X", "Skip", "Scale", "Bias?"),
+            ("Y", "Sum?"),
+            {"epsilon": 1e-6, "sum_output": 0},
+            "Sum = X + Skip (+ Bias); Y = RMSNorm(Sum) with Scale; Sum is output 1 when sum_output=1",
         ),
         PluginSpec(
             "Gelu",
@@ -221,6 +233,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "layer_norm": [p, p, p, p, i64, i64, f32, u32, p],
         "rms_norm": [p, p, p, i64, i64, f32, u32, p],
         "skip_layer_norm": [p, p, p, p, p, p, p, i64, i64, f32, u32, p],
+        "skip_rms_norm": [p, p, p, p, p, p, i64, i64, f32, u32, p],
         "gelu": [p, p, i64, u32, p],
         "bias_gelu": [p, p, p, i64, i64, u32, p],
     }
@@ -380,7 +393,7 @@ def launch(
         raise PluginError(f"{spec.name}: the shape of input 0 is needed")
     x_shape = tuple(int(d) for d in shapes[0])
     reps, stride = 1, 0
-    if spec.op == "SkipLayerNorm" and len(shapes) > 1:
+    if spec.op in _SKIP_OPS and len(shapes) > 1:
         x_shape, reps, swap = _skip_broadcast(spec, x_shape, tuple(int(d) for d in shapes[1]))
         if swap:  # X is the broadcast one: s = x + skip is symmetric, so hand the kernel the full one as x
             input_ptrs = [input_ptrs[1], input_ptrs[0], *input_ptrs[2:]]
@@ -413,8 +426,9 @@ def launch(
         )
     elif spec.op == "RMSNorm":
         status = getattr(lib, f"mograph_rms_norm_{suffix}")(ins[0], ins[1], outs[0], rows, hidden, eps, 0, strm)
-    elif spec.op == "SkipLayerNorm":
-        fn = getattr(lib, f"mograph_skip_layer_norm_{suffix}")
+    elif spec.op in _SKIP_OPS:
+        rms = spec.op == "SkipRMSNorm"
+        fn = getattr(lib, f"mograph_skip_{'rms' if rms else 'layer'}_norm_{suffix}")
         step = stride * _ITEMSIZE[dname]
         status = 0
         for r in range(reps):  # one launch, or one per leading index the Skip is broadcast over
@@ -424,9 +438,12 @@ def launch(
                 return ctypes.c_void_p(ptr.value + off) if ptr.value else ptr
 
             sum_out = at(outs[1]) if n_out > 1 else null
-            status = fn(
-                at(ins[0]), ins[1], opt(4), ins[2], opt(3), at(outs[0]), sum_out, rows // reps, hidden, eps, 0, strm
-            )
+            if rms:  # X, Skip, Scale, Bias?
+                status = fn(at(ins[0]), ins[1], opt(3), ins[2], at(outs[0]), sum_out, rows // reps, hidden, eps, 0,
+                            strm)  # fmt: skip
+            else:  # X, Skip, Scale, B?, Bias?
+                status = fn(at(ins[0]), ins[1], opt(4), ins[2], opt(3), at(outs[0]), sum_out, rows // reps, hidden,
+                            eps, 0, strm)  # fmt: skip
             if status != 0:
                 break
     elif spec.op == "Gelu":
@@ -596,7 +613,7 @@ def _plugin_classes(trt: ModuleType) -> dict[str, tuple[type, type]]:
                 _build_errors.append(str(exc))  # TensorRT reports only "output shape computation failed"
                 raise
             out = trt.DimsExprs(inputs[0])
-            if self.spec.op == "SkipLayerNorm" and len(inputs[1]) == len(out):  # leading-axis broadcast of Skip
+            if self.spec.op in _SKIP_OPS and len(inputs[1]) == len(out):  # leading-axis broadcast of Skip
                 for i in range(len(out)):
                     out[i] = expr_builder.operation(trt.DimensionOperation.MAX, inputs[0][i], inputs[1][i])
             return [trt.DimsExprs(out) for _ in range(self.num_outputs)]

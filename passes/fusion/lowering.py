@@ -23,7 +23,7 @@
 ``tensorrt``
     native TensorRT layers where the ONNX parser has them (``LayerNormalization`` at opset >= 17,
     ``Gelu`` at >= 20, pointwise ops for ``QuickGelu``); otherwise a plugin node: op type = plugin
-    name (``LayerNorm``, ``RMSNorm``, ``SkipLayerNorm``, ``Gelu``, ``BiasGelu``), attributes
+    name (``LayerNorm``, ``RMSNorm``, ``SkipLayerNorm``, ``SkipRMSNorm``, ``Gelu``, ``BiasGelu``), attributes
     ``plugin_namespace="mograph"``, ``plugin_version="1"`` and the plugin's own attributes
     (``epsilon``; ``approximate`` = ``"none"``/``"tanh"`` for the GELUs; ``sum_output``).  Plugin
     nodes carry no function body, so the parser falls back to the plugin registry instead of
@@ -31,7 +31,7 @@
     (:data:`mograph.backends.tensorrt_plugins.PLUGINS`), so ``build_engine`` has nothing to legalize:
     Scale/B/Bias are ``[hidden]`` vectors (a one-element constant is widened), a zero B or Bias is
     left off when nothing after it is kept (else zeros ``[hidden]``: no empty input names), and a
-    SkipLayerNorm has its ``Sum`` output (``sum_output=1``) only when something reads the sum.
+    SkipLayerNorm / SkipRMSNorm has its ``Sum`` output (``sum_output=1``) only when something reads the sum.
 
 A lowering that cannot apply (dynamic hidden size where a 1-D scale must be built, shapes that the
 runtime's kernel does not accept) leaves the ``mograph`` op in place; it is never an error.
@@ -404,6 +404,25 @@ def _skip_trt(node: ir.Node, model: ir.Model) -> bool:
     return True
 
 
+def _skip_rms_trt(node: ir.Node, model: ir.Model) -> bool:
+    """The ``SkipRMSNorm`` plugin: X, Skip, Scale[, Bias]; ``Sum`` as a second output only when it is read."""
+    x, skip, scale, bias = node.inputs
+    assert x is not None and skip is not None
+    if x.shape is None or skip.shape is None or len(x.shape) != len(skip.shape):
+        return False  # the plugin broadcasts Skip over leading axes of the same rank only
+    vectors = _plugin_vectors(node, x, [(scale, "mograph_rms_scale", False), (bias, "mograph_skip_bias", True)])
+    if vectors is None:
+        return False
+    want_sum = len(node.outputs) > 1 and _used(node.outputs[1])
+    new = _plugin(node, "SkipRMSNorm", [x, skip, *vectors], num_outputs=2 if want_sum else 1,
+                  epsilon=float(_attr(node, "epsilon", 1e-6)), sum_output=int(want_sum))  # type: ignore[arg-type]
+    outs: list[ir.Value | None] = [new.outputs[0]]
+    if len(node.outputs) > 1:
+        outs.append(new.outputs[1] if want_sum else None)
+    _replace(node, [new], outs)
+    return True
+
+
 def _gelu_standard(node: ir.Node, model: ir.Model, approximate: str, with_bias: bool) -> bool:
     if _opset(model) < 20:
         return False
@@ -485,7 +504,7 @@ _LOWERINGS: dict[str, dict[str, Lowering]] = {
     "LayerNorm": {"onnx": _ln_onnx, "ort": _ln_ort, "tensorrt": _ln_trt},
     "RMSNorm": {"onnx": _rms_onnx, "ort": _rms_ort, "tensorrt": _rms_trt},
     "SkipLayerNorm": {"ort": _skip_ort, "tensorrt": _skip_trt},
-    "SkipRMSNorm": {"ort": _skip_rms_ort},
+    "SkipRMSNorm": {"ort": _skip_rms_ort, "tensorrt": _skip_rms_trt},
     "Gelu": _gelu_lowerings("Gelu"),
     "FastGelu": _gelu_lowerings("FastGelu"),
     "BiasGelu": _gelu_lowerings("BiasGelu"),

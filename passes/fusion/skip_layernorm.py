@@ -17,8 +17,9 @@ Lowers to ``com.microsoft.SkipLayerNormalization`` (``ort``; sum as its 4th outp
 The same with an RMSNorm (``mograph.RMSNorm`` from ``fuse-rmsnorm``, or ORT's
 ``SimplifiedLayerNormalization`` when that pass ran with ``--target ort``): LLaMA-style decoders, where
 every norm but the first reads a residual sum.  ``mograph.SkipRMSNorm`` lowers to ``com.microsoft``
-``SkipSimplifiedLayerNormalization`` (``ort``) and keeps its function body elsewhere; with ``--target
-tensorrt`` it is not fused (there is no SkipRMSNorm plugin: the Add stays before the RMSNorm plugin).
+``SkipSimplifiedLayerNormalization`` (``ort``) or the ``SkipRMSNorm`` plugin (``tensorrt``; the
+RMSNorm plugin node that ``fuse-rmsnorm`` emitted for that target is taken with its Add), and keeps its
+function body elsewhere.
 """
 
 from __future__ import annotations
@@ -142,8 +143,7 @@ class SkipRMSNormFusion(Rule):
               a: ir.Value, skip: ir.Value, scale: ir.Value, rms_out: ir.Value, sum: ir.Value, **kw: Any) -> MatchResult:
         node = rms_out.producer()
         assert node is not None
-        if "plugin_namespace" in node.attributes:
-            return self.fail("the RMSNorm is already a TensorRT plugin node", node)
+
         if node.op_type == "SimplifiedLayerNormalization":
             axis = node.attributes.get("axis")
             rank = len(sum.shape) if sum.shape is not None else None
@@ -195,7 +195,4 @@ class FuseSkipLayerNormPass(FusionPass):
     onnx_noop_opset = 17
 
     def make_rules(self) -> list[Rule]:
-        rules: list[Rule] = [SkipLayerNormFusion()]
-        if self.config["target"] != "tensorrt":  # no SkipRMSNorm plugin: Add + RMSNorm plugin stays
-            rules.append(SkipRMSNormFusion())
-        return rules
+        return [SkipLayerNormFusion(), SkipRMSNormFusion()]

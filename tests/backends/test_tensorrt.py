@@ -278,7 +278,7 @@ def test_parse_profile_spec_rejects(spec):
 
 
 def test_plugin_table_is_the_contract():
-    assert set(PLUGINS) == {"LayerNorm", "RMSNorm", "SkipLayerNorm", "Gelu", "BiasGelu"}
+    assert set(PLUGINS) == {"LayerNorm", "RMSNorm", "SkipLayerNorm", "SkipRMSNorm", "Gelu", "BiasGelu"}
     assert plugin_for_op("LayerNorm") is PLUGINS["LayerNorm"] is plugin_for_op("LayerNorm")
     attrs = plugin_attributes("SkipLayerNorm", epsilon=1e-12)
     assert attrs == {"epsilon": 1e-12, "sum_output": 0, "plugin_namespace": "mograph", "plugin_version": "1"}
@@ -499,6 +499,7 @@ _CHILD = textwrap.dedent(
     except EngineBuildError as exc:
         out["unknown"] = {"message": str(exc), "unsupported": exc.report["unsupported"]}
     out["scalar_beta"] = build_engine(os.path.join(folder, "scalar_beta.onnx"), os.path.join(folder, "scalar_beta.engine"))
+    out["skip_rms"] = build_engine(os.path.join(folder, "skip_rms.onnx"), os.path.join(folder, "skip_rms.engine"))
     try:
         build_engine(os.path.join(folder, "beta_input.onnx"), os.path.join(folder, "beta_input.engine"))
     except EngineBuildError as exc:
@@ -545,6 +546,33 @@ def scalar_beta_model(hidden: int = HIDDEN, beta_as_input: bool = False) -> onnx
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("mograph", 1)])
 
 
+def skip_rms_model(hidden: int = HIDDEN) -> onnx.ModelProto:
+    """A LLaMA-style residual Add and RMSNorm (decomposed), the sum also read on, fused for TensorRT."""
+    import mograph
+
+    rng = np.random.default_rng(3)
+    nodes = [
+        helper.make_node("Add", ["h", "res"], ["s"]),
+        helper.make_node("Pow", ["s", "two"], ["sq"]),
+        helper.make_node("ReduceMean", ["sq", "axes"], ["ms"], keepdims=1),
+        helper.make_node("Add", ["ms", "eps"], ["mse"]),
+        helper.make_node("Sqrt", ["mse"], ["r"]),
+        helper.make_node("Reciprocal", ["r"], ["ri"]),
+        helper.make_node("Mul", ["s", "ri"], ["n"]),
+        helper.make_node("Mul", ["gamma", "n"], ["y"]),
+        helper.make_node("Mul", ["s", "two"], ["s2"]),
+    ]
+    inits = [_init("two", np.array(2.0, np.float32)), _init("axes", np.array([-1], np.int64)),
+             _init("eps", np.array(1e-6, np.float32)),
+             _init("gamma", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))]
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 8, hidden]) for n in ("h", "res", "y", "s2")]
+    graph = helper.make_graph(nodes, "skip_rms", io[:2], io[2:], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    fused, report = mograph.optimize(proto, "fuse-rmsnorm,fuse-skip-layernorm", options={"target": "tensorrt"})
+    assert report.passes[1].stats["SkipRMSNormFusion"] == 1, report.passes[1].stats
+    return fused
+
+
 @pytest.fixture(scope="module")
 def plugin_builds(tmp_path_factory):
     if TRT_NAME is None:
@@ -555,6 +583,7 @@ def plugin_builds(tmp_path_factory):
     onnx.save(unknown_op_model(), folder / "unknown.onnx")
     onnx.save(scalar_beta_model(), folder / "scalar_beta.onnx")
     onnx.save(scalar_beta_model(beta_as_input=True), folder / "beta_input.onnx")
+    onnx.save(skip_rms_model(), folder / "skip_rms.onnx")
     env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "MOGRAPH_TRT_LIB_FIX")}
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, str(folder)], capture_output=True, text=True, env=env, timeout=300
@@ -594,6 +623,19 @@ def test_fused_bert_engine_builds_with_plugins(plugin_builds):
     assert bert["mograph_plugin_layers"] == 7
     assert bert["profiles"] == {"input_ids": [[1, 1], [2, 16], [4, 128]]}
     assert (folder / "bert.engine").stat().st_size == bert["engine_bytes"] > 50_000
+
+
+def test_skip_rmsnorm_engine_builds_with_its_plugin(plugin_builds):
+    folder, out = plugin_builds
+    model = onnx.load(str(folder / "skip_rms.onnx"))
+    (node,) = [n for n in model.graph.node if n.domain == "mograph"]
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    assert node.op_type == "SkipRMSNorm" and attrs["sum_output"] == 1 and attrs["plugin_namespace"] == b"mograph"
+    assert [o for o in node.output] == ["y", "s"]  # Sum kept: the graph reads it (s2 = s * 2)
+    rms = out["skip_rms"]
+    assert [p.get("plugin") for p in rms["plugin_layers"]] == ["SkipRMSNorm"]
+    assert rms["mograph_plugin_layers"] == 1 and rms["unsupported"] == []
+    assert (folder / "skip_rms.engine").stat().st_size == rms["engine_bytes"] > 0
 
 
 def test_ops_tensorrt_cannot_take_are_listed(plugin_builds):

@@ -207,6 +207,33 @@ def test_skip_layer_norm(lib, ref, dtype, shape, skip_shape, variant):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("shape", "skip_shape"),
+    [((4, 64), None), ((2, 8, 4096), None), ((3, 1000), None), ((3, 16, 64), (1, 16, 64))],
+    ids=["4x64", "2x8x4096", "3x1000", "broadcast-skip"],
+)
+@pytest.mark.parametrize("variant", ["bias+sum", "no-bias"])
+def test_skip_rms_norm(lib, ref, dtype, shape, skip_shape, variant):
+    rng, x, vec = _case(dtype, shape)
+    skip = _host(rng.normal(0, 1, skip_shape or shape).astype(np.float32), dtype)
+    gamma, bias = vec(1.0), vec(0.0)
+    with_sum = variant == "bias+sum"
+    ins = [x, skip, gamma] + ([bias] if with_sum else [])
+    dev = [_dev(a) for a in ins]
+    y = torch.empty_like(dev[0])
+    s = torch.empty_like(dev[0])
+    outs = [y.data_ptr()] + ([s.data_ptr()] if with_sum else [])
+    attrs = {"epsilon": 1e-6, "sum_output": int(with_sum)}
+    launch("SkipRMSNorm", attrs, [t.data_ptr() for t in dev], outs, [a.shape for a in ins], dtype, _stream(), lib=lib)
+    torch.cuda.synchronize()
+    full_skip = np.broadcast_to(skip, x.shape).copy()
+    expected = ref.skip_rms_norm(x, full_skip, gamma, bias if with_sum else None, 1e-6, return_sum=True)
+    _check(_back(y, x), expected[0], dtype)
+    if with_sum:
+        _check(_back(s, x), expected[1], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(4, 64), (3, 1000), (7,), (2, 4096)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_gelu(lib, ref, dtype, shape, approximate):
@@ -282,4 +309,4 @@ def test_plugin_enqueue_with_tensor_descs(lib, ref, dtype):
     )
     torch.cuda.synchronize()
     _check(_back(y, x), ref.layer_norm(x, gamma, beta, 1e-5), dtype)
-    assert set(PLUGINS) == {"LayerNorm", "RMSNorm", "SkipLayerNorm", "Gelu", "BiasGelu"}
+    assert set(PLUGINS) == {"LayerNorm", "RMSNorm", "SkipLayerNorm", "SkipRMSNorm", "Gelu", "BiasGelu"}

@@ -106,6 +106,10 @@ def test_bad_arguments_are_rejected_without_a_gpu(library):
         assert rms(fake, fake, None, 4, 8, 1e-5, 0, None) == bad
         sln = getattr(lib, abi.symbol("skip_layer_norm", dt))
         assert sln(fake, None, None, fake, None, fake, None, 4, 8, 1e-5, 0, None) == bad  # skip missing
+        srn = getattr(lib, abi.symbol("skip_rms_norm", dt))
+        assert srn(fake, None, None, fake, fake, None, 4, 8, 1e-5, 0, None) == bad  # skip missing
+        assert srn(fake, fake, None, None, fake, None, 4, 8, 1e-5, 0, None) == bad  # gamma missing
+        assert srn(None, None, None, None, None, None, 0, 8, 1e-5, 0, None) == abi.OK  # nothing to do
         gelu = getattr(lib, abi.symbol("gelu", dt))
         assert gelu(fake, None, 16, 0, None) == bad
         assert gelu(fake, fake, 16, 2, None) == bad  # unknown flag

@@ -154,6 +154,19 @@ def test_skip_layer_norm_rounds_the_sum_to_the_dtype(rng):
     assert np.array_equal(y, ref.layer_norm(rounded, g))  # normalizes exactly the rounded sum
 
 
+def test_skip_rms_norm_is_rms_norm_of_the_rounded_sum(rng):
+    x, skip = (rng.standard_normal((4, 256)).astype(np.float16) for _ in range(2))
+    g = (1 + 0.1 * rng.standard_normal(256)).astype(np.float16)
+    bias = rng.standard_normal(256).astype(np.float16)
+    y, s = ref.skip_rms_norm(x, skip, g, bias, eps=1e-6, return_sum=True)
+    rounded = (x.astype(np.float32) + skip.astype(np.float32) + bias.astype(np.float32)).astype(np.float16)
+    assert s.dtype == np.float16 and np.array_equal(s, rounded)
+    assert np.array_equal(y, ref.rms_norm(rounded, g, 1e-6))
+    s64 = rounded.astype(np.float64)
+    _close(y.astype(np.float64), s64 / np.sqrt((s64 * s64).mean(-1, keepdims=True) + 1e-6) * g, 2e-3)
+    assert ref.skip_rms_norm(x, skip, g).shape == x.shape  # bias optional, one output
+
+
 def test_bias_gelu_is_gelu_of_the_fp32_sum(rng):
     x = rng.standard_normal((8, 96)).astype(np.float32)
     bias = rng.standard_normal(96).astype(np.float32)

@@ -442,10 +442,27 @@ def test_skip_rmsnorm_near_miss_cast_changes_dtype():
     assert reasons and all("Add" in r for r in reasons), reasons  # the double Cast is not an identity Cast
 
 
-def test_skip_rmsnorm_not_fused_for_tensorrt():
-    # There is no SkipRMSNorm plugin: the Add stays in front of the RMSNorm plugin node.
-    proto = _rms_fused(skip_rms_model(), "tensorrt")
-    assert_untouched(FuseSkipLayerNormPass(target="tensorrt"), proto)
+@pytest.mark.parametrize("sum_output", [False, True])
+def test_skip_rmsnorm_tensorrt_takes_the_rmsnorm_plugin_node(sum_output):
+    # fuse-rmsnorm --target tensorrt leaves an RMSNorm plugin node; the skip pass takes it with its Add and
+    # emits the SkipRMSNorm plugin in the form the plugin accepts (ORT cannot run it: checked structurally
+    # here, numerically by the plugin's GPU tests and by an engine build in tests/backends).
+    from mograph.backends.tensorrt_plugins import PLUGINS
+
+    model, result = run_pass(FuseSkipLayerNormPass(target="tensorrt"), _rms_fused(skip_rms_model(sum_output=sum_output),
+                                                                                 "tensorrt"))
+    variant = "plain" + (".sum-output" if sum_output else "")
+    assert result.stats == {"SkipRMSNormFusion": 1, f"SkipRMSNormFusion.{variant}": 1, "lowered.SkipRMSNorm": 1}
+    (node,) = [n for n in model.graph if n.domain == "mograph"]
+    assert node.op_type == "SkipRMSNorm"
+    assert {k: a.value for k, a in node.attributes.items()} == PLUGINS["SkipRMSNorm"].node_attributes(
+        epsilon=pytest.approx(1e-6), sum_output=int(sum_output))
+    assert [v.name for v in node.inputs[:2]] == ["h", "res"] and len(node.inputs) == 3  # zero Bias left off
+    assert node.inputs[2].shape.dims == (H,)
+    assert len(node.outputs) == (2 if sum_output else 1)
+    assert not model.functions  # plugin nodes carry no function body
+    again = FuseSkipLayerNormPass(target="tensorrt").call(model)
+    assert again.modified is False
 
 
 def test_skip_rmsnorm_near_miss_inverse_std_used():
