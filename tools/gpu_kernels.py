@@ -44,7 +44,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 SHAPES = ((16384, 768), (65536, 1024), (16384, 4096), (4096, 8192))
-BENCH_OPS = ("layer_norm", "rms_norm", "skip_layer_norm", "gelu", "gelu_tanh", "bias_gelu")
+BENCH_OPS = ("layer_norm", "rms_norm", "skip_layer_norm", "skip_rms_norm", "gelu", "gelu_tanh", "bias_gelu")
+SKIP_OPS = ("skip_layer_norm", "skip_rms_norm")
 EPS = 1e-5
 L2_MULTIPLE_BYTES = 256 << 20  # rotate buffers until one graph's sets span this many bytes (L2 is 50-60 MB)
 
@@ -152,8 +153,8 @@ class Bench:
         self.tdt = tdt
         n = rows * hidden
         esize = torch.tensor([], dtype=tdt).element_size()
-        reads = 2 if op == "skip_layer_norm" else 1
-        writes = 2 if op == "skip_layer_norm" else 1
+        reads = 2 if op in SKIP_OPS else 1
+        writes = 2 if op in SKIP_OPS else 1
         self.bytes = (reads + writes) * n * esize  # vectors (gamma, beta, bias) are negligible and cached
         nsets = max(1, min(8, math.ceil(L2_MULTIPLE_BYTES / self.bytes)))
         gen = torch.Generator(device=device).manual_seed(0)
@@ -165,7 +166,7 @@ class Bench:
         for _ in range(nsets):
             s = {"x": rnd(rows, hidden, scale=2.0, shift=0.5 if "gelu" not in op else 0.0)}
             s["y"] = torch.empty_like(s["x"])
-            if op == "skip_layer_norm":
+            if op in SKIP_OPS:
                 s["skip"] = rnd(rows, hidden)
                 s["sum"] = torch.empty_like(s["x"])
             self.sets.append(s)
@@ -193,6 +194,9 @@ class Bench:
         elif self.op == "skip_layer_norm":
             st = self.fn(p(s["x"]), p(s["skip"]), p(v["bias"]), p(v["gamma"]), p(v["beta"]), p(s["y"]), p(s["sum"]),
                          r, h, EPS, 0, stream)  # fmt: skip
+        elif self.op == "skip_rms_norm":
+            st = self.fn(p(s["x"]), p(s["skip"]), p(v["bias"]), p(v["gamma"]), p(s["y"]), p(s["sum"]), r, h, EPS, 0,
+                         stream)  # fmt: skip
         elif self.op in ("gelu", "gelu_tanh"):
             st = self.fn(p(s["x"]), p(s["y"]), r * h, a.GELU_TANH if self.op == "gelu_tanh" else 0, stream)
         else:
@@ -212,6 +216,9 @@ class Bench:
         if self.op == "skip_layer_norm":
             t = s["x"] + s["skip"] + v["bias"]
             return F.layer_norm(t, (h,), v["gamma"], v["beta"], EPS), t
+        if self.op == "skip_rms_norm":
+            t = s["x"] + s["skip"] + v["bias"]
+            return F.rms_norm(t, (h,), v["gamma"], EPS), t
         if self.op == "gelu":
             return F.gelu(s["x"])
         if self.op == "gelu_tanh":
@@ -230,15 +237,14 @@ class Bench:
             var = (d * d).mean(-1, keepdim=True)
             return (d * torch.rsqrt(var + EPS) * g.float() + b.float()).to(x.dtype)
 
+        def rms(x, g):
+            xf = x.float()
+            return (xf * torch.rsqrt((xf * xf).mean(-1, keepdim=True) + EPS) * g.float()).to(x.dtype)
+
         v = self.vecs
         if op == "layer_norm":
             return lambda s: ln(s["x"], v["gamma"], v["beta"])
         if op == "rms_norm":
-
-            def rms(x, g):
-                xf = x.float()
-                return (xf * torch.rsqrt((xf * xf).mean(-1, keepdim=True) + EPS) * g.float()).to(x.dtype)
-
             return lambda s: rms(s["x"], v["gamma"])
         if op == "skip_layer_norm":
 
@@ -247,6 +253,13 @@ class Bench:
                 return ln(t, g, b), t
 
             return lambda s: sln(s["x"], s["skip"], v["bias"], v["gamma"], v["beta"])
+        if op == "skip_rms_norm":
+
+            def srms(x, skip, bias, g):
+                t = (x.float() + skip.float() + bias.float()).to(x.dtype)
+                return rms(t, g), t
+
+            return lambda s: srms(s["x"], s["skip"], v["bias"], v["gamma"])
 
         def gelu_exact(v):
             return 0.5 * v * (1.0 + torch.erf(v * 0.7071067811865476))
@@ -404,7 +417,7 @@ SWEEP_VARIANTS = {
 
 # ---- tuning table -------------------------------------------------------------------------------------------
 _DTYPE_CODE = {"f32": 0, "f16": 1, "bf16": 2}
-_KIND_CODE = {"layer_norm": 0, "rms_norm": 1, "skip_layer_norm": 2}
+_KIND_CODE = {"layer_norm": 0, "rms_norm": 1, "skip_layer_norm": 2, "skip_rms_norm": 3}
 _GELU_CODE = {"gelu": 0, "gelu_tanh": 1, "bias_gelu": 2}
 _VPT_CHOICES = (1, 2, 3, 4, 6, 8)
 TUNING_KEEP_MARGIN = 0.005  # a candidate must beat the untuned choice (v1) by this fraction to replace it
@@ -508,8 +521,8 @@ def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
         "",
         "namespace mograph {",
         "",
-        "// dtype: 0 fp32, 1 fp16, 2 bf16; kind: 0 LayerNorm, 1 RMSNorm, 2 SkipLayerNorm; tpr, vpt: threads per row",
-        "// and 16-byte packs per thread of the register kernel.",
+        "// dtype: 0 fp32, 1 fp16, 2 bf16; kind: 0 LayerNorm, 1 RMSNorm, 2 SkipLayerNorm, 3 SkipRMSNorm;",
+        "// tpr, vpt: threads per row and 16-byte packs per thread of the register kernel.",
         "constexpr NormTune norm_table(int dtype, int kind, int tpr, int vpt) {",
     ]
     for dtype, op, (tpr, vpt), hints, min_threads, block, best, cases in norm_rows:

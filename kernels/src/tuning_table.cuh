@@ -12,8 +12,8 @@
 
 namespace mograph {
 
-// dtype: 0 fp32, 1 fp16, 2 bf16; kind: 0 LayerNorm, 1 RMSNorm, 2 SkipLayerNorm; tpr, vpt: threads per row
-// and 16-byte packs per thread of the register kernel.
+// dtype: 0 fp32, 1 fp16, 2 bf16; kind: 0 LayerNorm, 1 RMSNorm, 2 SkipLayerNorm, 3 SkipRMSNorm;
+// tpr, vpt: threads per row and 16-byte packs per thread of the register kernel.
 constexpr NormTune norm_table(int dtype, int kind, int tpr, int vpt) {
     if (dtype == 1 && kind == 0 && tpr == 32 && vpt == 3) return {kHintsNone, 1024, 128};  // layer_norm f16 16384x768: v6
     if (dtype == 1 && kind == 1 && tpr == 32 && vpt == 3) return {kHintsStream, 0, 128};  // rms_norm f16 16384x768: v1

@@ -98,3 +98,26 @@ def test_emit_tuning_refuses_when_no_gelu_entries_to_keep(gk, tmp_path):
 def test_emit_tuning_needs_the_untuned_variant(gk, tmp_path):
     with pytest.raises(ValueError, match="no v1"):
         gk.emit_tuning([_record("layer_norm", "f16", 16384, 768, {"v2": 1e-5})], tmp_path / "t.cuh", "x")
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "skip_layer_norm", "skip_rms_norm", "gelu", "bias_gelu"])
+def test_bench_baselines_agree_on_cpu(gk, op):
+    # The two torch baselines of the benchmark (torch.nn.functional and the decomposed formula given to
+    # torch.compile) must compute the same op as our kernel: checked here on CPU tensors, in fp32.
+    torch = pytest.importorskip("torch")
+
+    class NoLib:  # the kernel library is not needed for the baselines
+        def __getattr__(self, name):
+            return None
+
+    abi = gk._load("abi")
+    b = gk.Bench(torch, NoLib(), abi, op, "f32", 8, 64, device="cpu")
+    s = b.sets[0]
+    want = b.eager(s)
+    got = b.decomposed()(s)
+    want = want if isinstance(want, tuple) else (want,)
+    got = got if isinstance(got, tuple) else (got,)
+    assert len(got) == len(want) == (2 if op in gk.SKIP_OPS else 1)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert b.bytes == (4 if op in gk.SKIP_OPS else 2) * 8 * 64 * 4
