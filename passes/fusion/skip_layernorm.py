@@ -12,7 +12,8 @@ When something else reads ``s`` (pre-LN transformers: the residual stream goes o
 block), the fused op returns it as a second output, so nothing outside the pattern loses a value.
 Lowers to ``com.microsoft.SkipLayerNormalization`` (``ort``; sum as its 4th output; needs ``a`` and
 ``skip`` of the same 2-D/3-D shape), nothing for ``onnx`` at opset >= 17 (``Add`` + ``LayerNormalization`` is already standard ONNX; the pass is a no-op there) or the
-``SkipLayerNorm`` plugin (``tensorrt``).
+``SkipLayerNorm`` plugin (``tensorrt``; below opset 17 the LayerNorm is the plugin node that
+``fuse-layernorm`` emitted for that target, taken with its Add).
 
 The same with an RMSNorm (``mograph.RMSNorm`` from ``fuse-rmsnorm``, or ORT's
 ``SimplifiedLayerNormalization`` when that pass ran with ``--target ort``): LLaMA-style decoders, where
@@ -68,8 +69,6 @@ class SkipLayerNormFusion(Rule):
               a: ir.Value, skip: ir.Value, scale: ir.Value, ln_out: ir.Value, sum: ir.Value, **kw: Any) -> MatchResult:
         node = ln_out.producer()
         assert node is not None
-        if "plugin_namespace" in node.attributes:
-            return self.fail("the LayerNorm is already a TensorRT plugin node", node)
         if node.op_type == "LayerNormalization":
             axis = node.attributes.get("axis")
             rank = len(sum.shape) if sum.shape is not None else None
