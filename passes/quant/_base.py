@@ -187,6 +187,9 @@ class QdqPassBase(Pass):
                 overridden.add(c.key)
         return decisions, overridden, notes
 
+    def quantize_extra(self, model: ir.Model, plan: PrecisionPlan, stats: dict[str, int | float]) -> None:
+        """Weights quantized without calibration besides the Q/DQ candidates (none by default)."""
+
     def call(self, model: ir.Model) -> PassResult:
         scheme = self.scheme()
         cands, done = find_candidates(model)
@@ -245,6 +248,7 @@ class QdqPassBase(Pass):
             stats["sensitivity_evaluations"] = res.evaluations
             if not res.met:
                 notes.append(f"accuracy budget {budget} not met even with every measured layer in float")
+        self.quantize_extra(model, plan, stats)  # before the rule-based float list: an INT8 table is not float
         sensitive = sensitive_nodes(model)
         writer = QdqWriter(model, scheme, ranges)
         for c in cands:
@@ -275,7 +279,7 @@ class QdqPassBase(Pass):
         if out:
             plan.write(out)
             logger.info("%s: wrote precision plan to %s", self.name, out)
-        return PassResult(stats["quantized"] > 0, stats, details)
+        return PassResult(stats["quantized"] > 0 or stats.get("quantized.embeddings", 0) > 0, stats, details)
 
 
 __all__ += ["node_key", "RANDOM_WARNING", "QDQ_OPTIONS", "calibration_meta"]

@@ -21,8 +21,10 @@ MatMul/Gemm/Conv inputs are touched.
 Default rules (each recorded as a plan reason): weight MatMul/Gemm/Conv are quantized; a MatMul of two
 activations (attention scores and context) stays in float — its inputs are the softmax output and the
 query/key/value tensors, whose quantization costs accuracy for little speed; the final projection (a
-candidate with no other candidate downstream) stays in float; embedding lookups, normalization and
-softmax are never quantized and are listed in the plan as such.  Nodes whose inputs already come from a
+candidate with no other candidate downstream) stays in float; normalization and softmax are never
+quantized and are listed in the plan as such.  Embedding tables are weights: ``qdq-int8`` stores them as
+INT8 (:func:`quantize_embeddings`, ``--embeddings float`` to keep them) and the Gather's rows are
+dequantized after the lookup; passes that do not (``qdq-fp8``) list the lookups as float.  Nodes whose inputs already come from a
 ``DequantizeLinear`` are skipped, so running a pass twice changes nothing.
 """
 
@@ -444,3 +446,70 @@ class QdqWriter:
     def _drop_if_unused(self, value: ir.Value) -> None:
         if not value.uses() and value.is_initializer() and not value.is_graph_output() and value.name:
             self.graph.initializers.pop(value.name, None)
+
+
+#: Smallest embedding table (elements) that ``quantize_embeddings`` converts; smaller ones are not worth it.
+EMBEDDING_MIN_ELEMENTS = 1 << 16
+
+
+def quantize_embeddings(model: ir.Model, min_elements: int = EMBEDDING_MIN_ELEMENTS) -> list[tuple[ir.Node, str]]:
+    """Store the float tables that ``Gather`` nodes read (word, position, token-type embeddings) as INT8.
+
+    A table ``W [rows, hidden]`` (a float initializer read only by ``Gather`` on axis 0, at least
+    ``min_elements`` elements) becomes symmetric INT8 with one scale per column (per hidden unit, so the
+    few large-magnitude dimensions of transformer embeddings keep their own range), and each
+    ``Gather(W, ids)`` becomes ``DequantizeLinear(Gather(W_int8, ids), scale, 0, axis=-1)``: the rows are
+    gathered as INT8 and only they are dequantized.  Calibration is not needed (weights only).
+    Returns ``(gather node, description)`` for every converted Gather, for the precision plan.
+    """
+    graph = model.graph
+    names: set[str] = set(graph.initializers)
+    for node in graph:
+        names.update(o.name for o in node.outputs if o.name)
+
+    def fresh(base: str) -> str:
+        name, i = base, 1
+        while name in names:
+            i += 1
+            name = f"{base}_{i}"
+        names.add(name)
+        return name
+
+    done: list[tuple[ir.Node, str]] = []
+    for table in list(graph.initializers.values()):
+        arr = table.const_value.numpy() if table.const_value is not None else None
+        if arr is None or arr.ndim != 2 or arr.size < min_elements or arr.dtype not in (np.float32, np.float16):
+            continue
+        uses = list(table.uses())
+        if not uses or table.is_graph_output() or any(
+            u.op_type != "Gather" or u.domain not in ("", "ai.onnx") or idx != 0
+            or int(u.attributes["axis"].value if "axis" in u.attributes else 0) != 0
+            for u, idx in uses
+        ):
+            continue
+        w = arr.astype(np.float32)
+        amax = np.abs(w).max(axis=0)
+        scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+        q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+        q_value = ir.Value(name=fresh(f"{table.name}_int8"), const_value=ir.tensor(q))
+        s_value = ir.Value(name=fresh(f"{table.name}_scale"), const_value=ir.tensor(scale.astype(arr.dtype)))
+        z_value = ir.Value(name=fresh(f"{table.name}_zero_point"), const_value=ir.tensor(np.zeros_like(q[0])))
+        for v in (q_value, s_value, z_value):
+            graph.register_initializer(v)
+        for gather, _ in uses:
+            out = gather.outputs[0]
+            gather.replace_input_with(0, q_value)
+            gathered = ir.Value(name=fresh(f"{out.name}_int8"))
+            dq = ir.node("DequantizeLinear", [gathered, s_value, z_value], attributes={"axis": -1},
+                         outputs=[ir.Value(name=fresh(f"{out.name}_dq"))], name=fresh(f"{gather.name}_DequantizeLinear"))
+            out.replace_all_uses_with(dq.outputs[0], replace_graph_outputs=True)
+            # the Gather now writes the INT8 rows; the DequantizeLinear after it carries the float value on
+            gather_out_name = out.name
+            out.name = gathered.name
+            dq.outputs[0].name = gather_out_name
+            dq.outputs[0].type, dq.outputs[0].shape = out.type, out.shape
+            out.type = ir.TensorType(ir.DataType.INT8)
+            graph.insert_after(gather, dq)
+            done.append((gather, f"embedding table '{table.name}' stored as INT8, one scale per column"))
+        graph.initializers.pop(str(table.name))
+    return done

@@ -9,6 +9,12 @@ explicit Q/DQ graph.  Placement, default precision rules and the plan are descri
 :mod:`mograph.passes.quant._qdq` and :mod:`mograph.passes.quant.plan`; calibration in
 :mod:`mograph.passes.quant.calibration`.
 
+The embedding tables that ``Gather`` reads are stored as INT8 too, with one scale per column
+(:func:`mograph.passes.quant._qdq.quantize_embeddings`; ``--embeddings float`` keeps them): in BERT-style
+models they are about half of the weights.  all-MiniLM-L6-v2 (real weights, 220 sentences, default rules):
+57.6 -> 23.5 MiB, sentence-embedding cosine to FP32 mean 0.99344 -> 0.99339, min 0.96884 -> 0.96564.
+The accuracy budget measures the MatMul layers only; the embeddings' error is not part of its estimate.
+
 Needs opset 13 or later (per-channel ``DequantizeLinear``).
 """
 
@@ -16,7 +22,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 from mograph.passes.quant._base import CALIBRATION_OPTIONS, PLAN_OPTIONS, QDQ_OPTIONS, QdqPassBase
-from mograph.passes.quant._qdq import INT8_S8, INT8_U8, Scheme
+from mograph.passes.quant._qdq import INT8_S8, INT8_U8, Scheme, quantize_embeddings
+from mograph.passes.quant.plan import PrecisionPlan
 
 from mograph.errors import ModelError
 from mograph.pass_infra import Option
@@ -41,10 +48,24 @@ class QdqInt8Pass(QdqPassBase):
             "activation element type: uint8 (asymmetric, fastest on ORT CPU) or int8 (symmetric)",
             choices=("uint8", "int8"),
         ),
+        Option(
+            "embeddings",
+            str,
+            "int8",
+            "embedding tables read by Gather: int8 (one scale per column, ~4x smaller) or float (kept as they are)",
+            choices=("float", "int8"),
+        ),
     )
 
     def scheme(self) -> Scheme:
         return INT8_S8 if self.config.get("activation_type") == "int8" else INT8_U8
+
+    def quantize_extra(self, model: ir.Model, plan: PrecisionPlan, stats: dict[str, int | float]) -> None:
+        if self.config.get("embeddings") != "int8":
+            return
+        for node, reason in quantize_embeddings(model):
+            plan.add(node, "int8", reason)
+            stats["quantized.embeddings"] = stats.get("quantized.embeddings", 0) + 1
 
     def check_model(self, model: ir.Model) -> None:
         opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))

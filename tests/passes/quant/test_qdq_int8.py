@@ -276,3 +276,62 @@ def test_pass_manager_stamps_provenance():
     assert report.passes[0].modified
     q = [n for n in model.graph if n.op_type == "QuantizeLinear"]
     assert q and all(n.metadata_props.get("mograph.pass") == "qdq-int8" for n in q)
+
+
+def embedding_model(vocab: int = 600, hidden: int = 128, tied: bool = False) -> onnx.ModelProto:
+    """Gather(table, ids) -> MatMul -> y; with tied=True the table is also the output projection."""
+    rng = np.random.default_rng(7)
+    table = rng.standard_normal((vocab, hidden)).astype(np.float32) * 0.1
+    table[:, 3] *= 30.0  # one large-magnitude dimension, as transformer embeddings have
+    w = rng.standard_normal((hidden, hidden)).astype(np.float32) * 0.1
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["e"], name="/emb/Gather"),
+             helper.make_node("MatMul", ["e", "w"], ["h"], name="/proj/MatMul")]
+    outputs = [helper.make_tensor_value_info("h", onnx.TensorProto.FLOAT, [1, 8, hidden])]
+    if tied:
+        nodes += [helper.make_node("Transpose", ["table"], ["tt"], perm=[1, 0]),
+                  helper.make_node("MatMul", ["h", "tt"], ["logits"], name="/lm_head/MatMul")]
+        outputs.append(helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [1, 8, vocab]))
+    graph = helper.make_graph(nodes, "emb", [helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [1, 8])],
+                              outputs, [numpy_helper.from_array(table, "table"), numpy_helper.from_array(w, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _ids(n: int, vocab: int = 600) -> list[dict]:
+    rng = np.random.default_rng(11)
+    return [{"ids": rng.integers(0, vocab, (1, 8)).astype(np.int64)} for _ in range(n)]
+
+
+def test_embedding_table_stored_as_int8():
+    proto = embedding_model()
+    model, result = quantize(proto, calibration_data=_ids(6))
+    # the one MatMul is the model's final projection, kept float by the default rules
+    assert result.stats["quantized.embeddings"] == 1 and result.stats["quantized"] == 0
+    assert result.modified
+    assert [n.op_type for n in model.graph] == ["Gather", "DequantizeLinear", "MatMul"]
+    table = model.graph.initializers["table_int8"].const_value.numpy()
+    assert table.dtype == np.int8 and "table" not in model.graph.initializers
+    scale = model.graph.initializers["table_scale"].const_value.numpy()
+    assert scale.shape == (128,) and scale[3] > 10 * np.median(scale)  # one scale per column
+    entry = next(e for e in result.details["plan"]["nodes"] if e["op"] == "Gather")
+    assert entry["precision"] == "int8" and "one scale per column" in entry["reason"]
+    # numbers: the gathered rows are within half a step of each column's scale, the output close
+    for feeds in _ids(3):
+        ref, out = run(proto, feeds)[0], run(model, feeds)[0]
+        assert cosine(ref, out) > 0.999
+    # 4x smaller table; a second run changes nothing
+    assert table.nbytes * 4 == 600 * 128 * 4
+    before = model.graph.initializers["table_int8"].const_value.numpy().copy()
+    again = QdqInt8Pass(calibration_data=_ids(6)).call(model)
+    assert not again.modified and "quantized.embeddings" not in again.stats
+    np.testing.assert_array_equal(model.graph.initializers["table_int8"].const_value.numpy(), before)
+
+
+def test_embedding_tables_kept_float_when_asked_or_tied():
+    _, result = quantize(embedding_model(), calibration_data=_ids(6), embeddings="float")
+    assert "quantized.embeddings" not in result.stats
+    # a table that is also read by something else than Gather (tied output projection) stays float
+    model, result = quantize(embedding_model(tied=True), calibration_data=_ids(6))
+    assert "quantized.embeddings" not in result.stats
+    assert model.graph.initializers["table"].const_value.numpy().dtype == np.float32
+    with pytest.raises(OptionError, match="embeddings"):
+        QdqInt8Pass(calibration_data=_ids(2), embeddings="int4")
