@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from mograph.backends import Backend, Runner, _trt_loader
+from mograph.backends.tensorrt_plugins import SKIP_PLUGINS
 from mograph.errors import BackendUnavailableError, ModelError, MographError, UsageError
 
 __all__ = [
@@ -252,7 +253,7 @@ def _needs_legalizing(model: Any) -> bool:
     from mograph.patterns import constant_array
 
     for node in _mograph_plugin_nodes(model):
-        if node.op_type in ("SkipLayerNorm", "SkipRMSNorm") and len(node.outputs) > 1 and "sum_output" not in node.attributes:
+        if node.op_type in SKIP_PLUGINS and len(node.outputs) > 1 and "sum_output" not in node.attributes:
             return True
         if any(v is None for v in node.inputs):
             return True
@@ -283,7 +284,7 @@ def _legalize_plugin_nodes(model: Any) -> list[str]:
     for node in _mograph_plugin_nodes(model):
         label = node.name or node.op_type
         graph = node.graph
-        if node.op_type in ("SkipLayerNorm", "SkipRMSNorm") and len(node.outputs) > 1 and "sum_output" not in node.attributes:
+        if node.op_type in SKIP_PLUGINS and len(node.outputs) > 1 and "sum_output" not in node.attributes:
             extra = node.outputs[1]
             if not extra.uses() and not extra.is_graph_output():
                 node.resize_outputs(1)

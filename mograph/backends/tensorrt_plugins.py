@@ -110,7 +110,7 @@ class PluginSpec:
         return len(self.inputs)
 
     def num_outputs(self, attrs: dict[str, Any]) -> int:
-        if self.op in _SKIP_OPS and int(attrs.get("sum_output", 0)):
+        if self.op in SKIP_PLUGINS and int(attrs.get("sum_output", 0)):
             return 2
         return 1
 
@@ -126,7 +126,7 @@ class PluginSpec:
 
 
 #: Plugins with a residual input (Skip) and the optional Sum output.
-_SKIP_OPS = ("SkipLayerNorm", "SkipRMSNorm")
+SKIP_PLUGINS = ("SkipLayerNorm", "SkipRMSNorm")
 
 #: The mograph TensorRT plugins, by plugin name. The fusion pass's ``--target tensorrt`` must emit these.
 PLUGINS: dict[str, PluginSpec] = {
@@ -393,7 +393,7 @@ def launch(
         raise PluginError(f"{spec.name}: the shape of input 0 is needed")
     x_shape = tuple(int(d) for d in shapes[0])
     reps, stride = 1, 0
-    if spec.op in _SKIP_OPS and len(shapes) > 1:
+    if spec.op in SKIP_PLUGINS and len(shapes) > 1:
         x_shape, reps, swap = _skip_broadcast(spec, x_shape, tuple(int(d) for d in shapes[1]))
         if swap:  # X is the broadcast one: s = x + skip is symmetric, so hand the kernel the full one as x
             input_ptrs = [input_ptrs[1], input_ptrs[0], *input_ptrs[2:]]
@@ -426,7 +426,7 @@ def launch(
         )
     elif spec.op == "RMSNorm":
         status = getattr(lib, f"mograph_rms_norm_{suffix}")(ins[0], ins[1], outs[0], rows, hidden, eps, 0, strm)
-    elif spec.op in _SKIP_OPS:
+    elif spec.op in SKIP_PLUGINS:
         rms = spec.op == "SkipRMSNorm"
         fn = getattr(lib, f"mograph_skip_{'rms' if rms else 'layer'}_norm_{suffix}")
         step = stride * _ITEMSIZE[dname]
@@ -613,7 +613,7 @@ def _plugin_classes(trt: ModuleType) -> dict[str, tuple[type, type]]:
                 _build_errors.append(str(exc))  # TensorRT reports only "output shape computation failed"
                 raise
             out = trt.DimsExprs(inputs[0])
-            if self.spec.op in _SKIP_OPS and len(inputs[1]) == len(out):  # leading-axis broadcast of Skip
+            if self.spec.op in SKIP_PLUGINS and len(inputs[1]) == len(out):  # leading-axis broadcast of Skip
                 for i in range(len(out)):
                     out[i] = expr_builder.operation(trt.DimensionOperation.MAX, inputs[0][i], inputs[1][i])
             return [trt.DimsExprs(out) for _ in range(self.num_outputs)]

@@ -314,65 +314,33 @@ def _skip_order(x: ir.Value, skip: ir.Value) -> tuple[ir.Value, ir.Value] | None
     return x, skip
 
 
-def _skip_ort(node: ir.Node, model: ir.Model) -> bool:
-    x, skip, scale, beta, bias = node.inputs
+Vectors = list[tuple[ir.Value | None, str, bool]]  # (value, base name of a built vector, optional)
+
+
+def _skip_to_ort(node: ir.Node, op_type: str, vectors: Vectors, epsilon: float) -> bool:
+    """``com.microsoft`` ``op_type`` (SkipLayerNormalization and its RMS form): input, skip, then ``vectors``
+    as ``[hidden]`` tensors (a zero optional one left empty); the sum, when read, as output 3."""
+    x, skip = node.inputs[0], node.inputs[1]
     graph = node.graph
-    assert graph is not None and x is not None and skip is not None and scale is not None
+    assert graph is not None and x is not None and skip is not None
     order = _skip_order(x, skip)
     if order is None:
         return False
     x, skip = order
-    gamma = _vector(graph, scale, x, "mograph_ln_scale")
-    if gamma is None:
-        return False
-    inputs: list[ir.Value | None] = [x, skip, gamma, None, None]
-    if not is_zero(beta):
-        assert beta is not None
-        inputs[3] = _vector(graph, beta, x, "mograph_ln_bias")
-        if inputs[3] is None:
-            return False
-    if not is_zero(bias):
-        assert bias is not None
-        inputs[4] = _vector(graph, bias, x, "mograph_skip_bias")
-        if inputs[4] is None:
-            return False
-    while inputs[-1] is None:
-        inputs.pop()
-    want_sum = len(node.outputs) > 1 and _used(node.outputs[1])
-    new = ir.node("SkipLayerNormalization", inputs, attributes={"epsilon": float(_attr(node, "epsilon", 1e-5))},  # type: ignore[arg-type]
-                  domain=MS_DOMAIN, num_outputs=4 if want_sum else 1)
-    if want_sum:
-        for i in (1, 2):
-            new.outputs[i].name = ""
-    outs: list[ir.Value | None] = [new.outputs[0]]
-    if len(node.outputs) > 1:
-        outs.append(new.outputs[3] if want_sum else None)
-    _replace(node, [new], outs)
-    return True
-
-
-def _skip_rms_ort(node: ir.Node, model: ir.Model) -> bool:
-    """``com.microsoft`` ``SkipSimplifiedLayerNormalization``: input, skip, gamma[, bias]; sum as output 3."""
-    x, skip, scale, bias = node.inputs
-    graph = node.graph
-    assert graph is not None and x is not None and skip is not None and scale is not None
-    order = _skip_order(x, skip)
-    if order is None:
-        return False
-    x, skip = order
-    gamma = _vector(graph, scale, x, "mograph_rms_scale")
-    if gamma is None:
-        return False
-    inputs: list[ir.Value | None] = [x, skip, gamma]
-    if not is_zero(bias):
-        assert bias is not None
-        vec = _vector(graph, bias, x, "mograph_skip_bias")
+    inputs: list[ir.Value | None] = [x, skip]
+    for value, base, optional in vectors:
+        if optional and is_zero(value):
+            inputs.append(None)
+            continue
+        assert value is not None
+        vec = _vector(graph, value, x, base)
         if vec is None:
             return False
         inputs.append(vec)
+    while inputs[-1] is None:
+        inputs.pop()
     want_sum = len(node.outputs) > 1 and _used(node.outputs[1])
-    new = ir.node("SkipSimplifiedLayerNormalization", inputs,
-                  attributes={"epsilon": float(_attr(node, "epsilon", 1e-6))},  # type: ignore[arg-type]
+    new = ir.node(op_type, inputs, attributes={"epsilon": float(_attr(node, "epsilon", epsilon))},  # type: ignore[arg-type]
                   domain=MS_DOMAIN, num_outputs=4 if want_sum else 1)
     if want_sum:
         for i in (1, 2):
@@ -384,43 +352,50 @@ def _skip_rms_ort(node: ir.Node, model: ir.Model) -> bool:
     return True
 
 
-def _skip_trt(node: ir.Node, model: ir.Model) -> bool:
-    """The ``SkipLayerNorm`` plugin: ``Sum`` as a second output (``sum_output=1``) only when it is read."""
-    x, skip, scale, beta, bias = node.inputs
+def _skip_to_plugin(node: ir.Node, plugin: str, vectors: Vectors, epsilon: float) -> bool:
+    """The ``plugin`` node (SkipLayerNorm, SkipRMSNorm): ``Sum`` as a second output (``sum_output=1``) only
+    when it is read."""
+    x, skip = node.inputs[0], node.inputs[1]
     assert x is not None and skip is not None
     if x.shape is None or skip.shape is None or len(x.shape) != len(skip.shape):
         return False  # the plugin broadcasts Skip over leading axes of the same rank only
-    vectors = _plugin_vectors(node, x, [(scale, "mograph_ln_scale", False), (beta, "mograph_ln_bias", True),
-                                        (bias, "mograph_skip_bias", True)])
-    if vectors is None:
+    legal = _plugin_vectors(node, x, vectors)
+    if legal is None:
         return False
     want_sum = len(node.outputs) > 1 and _used(node.outputs[1])
-    new = _plugin(node, "SkipLayerNorm", [x, skip, *vectors], num_outputs=2 if want_sum else 1,
-                  epsilon=float(_attr(node, "epsilon", 1e-5)), sum_output=int(want_sum))  # type: ignore[arg-type]
+    new = _plugin(node, plugin, [x, skip, *legal], num_outputs=2 if want_sum else 1,
+                  epsilon=float(_attr(node, "epsilon", epsilon)), sum_output=int(want_sum))  # type: ignore[arg-type]
     outs: list[ir.Value | None] = [new.outputs[0]]
     if len(node.outputs) > 1:
         outs.append(new.outputs[1] if want_sum else None)
     _replace(node, [new], outs)
     return True
+
+
+def _skip_ln_vectors(node: ir.Node) -> Vectors:
+    _x, _skip, scale, beta, bias = node.inputs
+    return [(scale, "mograph_ln_scale", False), (beta, "mograph_ln_bias", True), (bias, "mograph_skip_bias", True)]
+
+
+def _skip_rms_vectors(node: ir.Node) -> Vectors:
+    _x, _skip, scale, bias = node.inputs
+    return [(scale, "mograph_rms_scale", False), (bias, "mograph_skip_bias", True)]
+
+
+def _skip_ort(node: ir.Node, model: ir.Model) -> bool:
+    return _skip_to_ort(node, "SkipLayerNormalization", _skip_ln_vectors(node), 1e-5)
+
+
+def _skip_rms_ort(node: ir.Node, model: ir.Model) -> bool:
+    return _skip_to_ort(node, "SkipSimplifiedLayerNormalization", _skip_rms_vectors(node), 1e-6)
+
+
+def _skip_trt(node: ir.Node, model: ir.Model) -> bool:
+    return _skip_to_plugin(node, "SkipLayerNorm", _skip_ln_vectors(node), 1e-5)
 
 
 def _skip_rms_trt(node: ir.Node, model: ir.Model) -> bool:
-    """The ``SkipRMSNorm`` plugin: X, Skip, Scale[, Bias]; ``Sum`` as a second output only when it is read."""
-    x, skip, scale, bias = node.inputs
-    assert x is not None and skip is not None
-    if x.shape is None or skip.shape is None or len(x.shape) != len(skip.shape):
-        return False  # the plugin broadcasts Skip over leading axes of the same rank only
-    vectors = _plugin_vectors(node, x, [(scale, "mograph_rms_scale", False), (bias, "mograph_skip_bias", True)])
-    if vectors is None:
-        return False
-    want_sum = len(node.outputs) > 1 and _used(node.outputs[1])
-    new = _plugin(node, "SkipRMSNorm", [x, skip, *vectors], num_outputs=2 if want_sum else 1,
-                  epsilon=float(_attr(node, "epsilon", 1e-6)), sum_output=int(want_sum))  # type: ignore[arg-type]
-    outs: list[ir.Value | None] = [new.outputs[0]]
-    if len(node.outputs) > 1:
-        outs.append(new.outputs[1] if want_sum else None)
-    _replace(node, [new], outs)
-    return True
+    return _skip_to_plugin(node, "SkipRMSNorm", _skip_rms_vectors(node), 1e-6)
 
 
 def _gelu_standard(node: ir.Node, model: ir.Model, approximate: str, with_bias: bool) -> bool:

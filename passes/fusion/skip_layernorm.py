@@ -48,6 +48,60 @@ def _is_bias(context: Any, value: ir.Value) -> MatchResult:
     return result
 
 
+def _check_standard_norm(rule: Rule, node: ir.Node, std_op: str, extras: str, sum: ir.Value) -> MatchResult | None:
+    """A failure if the norm is the standard/ORT op ``std_op`` not over the last axis or with its extra
+    outputs (``extras``: what they are, for the message) read; None otherwise."""
+    if node.op_type != std_op:
+        return None
+    axis = node.attributes.get("axis")
+    rank = len(sum.shape) if sum.shape is not None else None
+    ax = -1 if axis is None else int(axis.value)
+    if not (ax == -1 or (rank is not None and ax == rank - 1)):
+        return rule.fail(f"{std_op} '{node.name}' is not over the last axis", node)
+    if any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
+        return rule.fail(f"{extras} of '{node.name}' is read elsewhere", node)
+    return None
+
+
+def _check_residual(rule: Rule, a: ir.Value, skip: ir.Value, sum: ir.Value, what: str) -> MatchResult:
+    """The checks on the residual Add shared by both rules (``what`` names the norm in the messages)."""
+    if not is_float(sum):
+        return rule.fail("the residual sum is not a floating-point tensor", sum)
+    if a.dtype != skip.dtype or a.dtype != sum.dtype:
+        return rule.fail("the residual Add mixes dtypes", sum)
+    if not body_supports(getattr(rule, "model_opset", 17), sum.dtype):
+        return rule.fail(f"an fp16/bf16 skip {what} needs opset >= 15", sum)
+    if sum.shape is not None and a.shape is not None and len(a.shape) != len(sum.shape):
+        return rule.fail("the residual Add broadcasts a lower-rank input", sum)
+    return rule.ok()
+
+
+def _zero(op: Any, sum: ir.Value) -> ir.Value:
+    dtype = sum.dtype.numpy() if sum.dtype is not None else np.float32
+    return op.initializer(ir.tensor(np.zeros(1, dtype=dtype)), name="mograph_zero")
+
+
+def _bias_1d(op: Any, bias: ir.Value | None, sum: ir.Value) -> ir.Value:
+    """The dense bias as the fused op's 1-D Bias input (a zero when there is none)."""
+    if bias is None:
+        return _zero(op, sum)
+    arr = constant_array(bias)
+    assert arr is not None  # checked by _is_bias
+    if arr.ndim != 1:
+        return op.initializer(ir.tensor(arr.reshape(-1)), name="mograph_skip_bias")
+    return bias
+
+
+def _sum_if_read(sum: ir.Value, norm: ir.Node, total: ir.Value) -> ir.Value | None:
+    """The fused op's Sum output where something besides the norm reads the residual sum, else None."""
+    keep = bool(sum.uses()) and any(c is not norm for c, _ in sum.uses()) or sum.is_graph_output()
+    return total if keep else None
+
+
+def _keeps_sum(s: ir.Value | None, norm_ops: tuple[str, ...]) -> bool:
+    return s is not None and (s.is_graph_output() or any(c.op_type not in norm_ops for c, _ in s.uses()))
+
+
 class SkipLayerNormFusion(Rule):
     """LayerNorm((a + bias) + skip) -> mograph.SkipLayerNorm(a, skip, scale, beta, bias) [+ sum]."""
 
@@ -69,23 +123,8 @@ class SkipLayerNormFusion(Rule):
               a: ir.Value, skip: ir.Value, scale: ir.Value, ln_out: ir.Value, sum: ir.Value, **kw: Any) -> MatchResult:
         node = ln_out.producer()
         assert node is not None
-        if node.op_type == "LayerNormalization":
-            axis = node.attributes.get("axis")
-            rank = len(sum.shape) if sum.shape is not None else None
-            ax = -1 if axis is None else int(axis.value)
-            if not (ax == -1 or (rank is not None and ax == rank - 1)):
-                return self.fail(f"LayerNormalization '{node.name}' is not over the last axis", node)
-            if any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
-                return self.fail(f"mean or inverse std of '{node.name}' is read elsewhere", node)
-        if not is_float(sum):
-            return self.fail("the residual sum is not a floating-point tensor", sum)
-        if a.dtype != skip.dtype or a.dtype != sum.dtype:
-            return self.fail("the residual Add mixes dtypes", sum)
-        if not body_supports(getattr(self, "model_opset", 17), sum.dtype):
-            return self.fail("an fp16/bf16 skip LayerNorm needs opset >= 15", sum)
-        if sum.shape is not None and a.shape is not None and len(a.shape) != len(sum.shape):
-            return self.fail("the residual Add broadcasts a lower-rank input", sum)
-        return self.ok()
+        failed = _check_standard_norm(self, node, "LayerNormalization", "mean or inverse std", sum)
+        return failed if failed is not None else _check_residual(self, a, skip, sum, "LayerNorm")
 
     def rewrite(self, op: Any, a: ir.Value, skip: ir.Value, scale: ir.Value, ln_out: ir.Value,
                 sum: ir.Value, bias: ir.Value | None = None, **_: Any) -> Any:
@@ -94,26 +133,14 @@ class SkipLayerNormFusion(Rule):
         attrs = {k: v.value for k, v in node.attributes.items() if k in ("epsilon", "stash_type")}
         attrs.setdefault("epsilon", 1e-5)
         beta = node.inputs[2] if len(node.inputs) > 2 else None
-        dtype = sum.dtype.numpy() if sum.dtype is not None else np.float32
         if beta is None:
-            beta = op.initializer(ir.tensor(np.zeros(1, dtype=dtype)), name="mograph_zero")
-        if bias is None:
-            bias = op.initializer(ir.tensor(np.zeros(1, dtype=dtype)), name="mograph_zero")
-        elif constant_array(bias).ndim != 1:  # type: ignore[union-attr]
-            bias = op.initializer(ir.tensor(constant_array(bias).reshape(-1)), name="mograph_skip_bias")  # type: ignore[union-attr]
-        keep_sum = bool(sum.uses()) and any(c is not node for c, _ in sum.uses()) or sum.is_graph_output()
-        y, total = mograph_op(op, "SkipLayerNorm", a, skip, scale, beta, bias, _outputs=2, **attrs)
-        return y, (total if keep_sum else None)
+            beta = _zero(op, sum)
+        y, total = mograph_op(op, "SkipLayerNorm", a, skip, scale, beta, _bias_1d(op, bias, sum), _outputs=2, **attrs)
+        return y, _sum_if_read(sum, node, total)
 
     def variant(self, bindings: dict[str, Any]) -> str | None:
-        s = bindings.get("sum")
-        keep = s is not None and (s.is_graph_output() or any(c.op_type not in ("LayerNorm", "LayerNormalization")
-                                                              for c, _ in s.uses()))
+        keep = _keeps_sum(bindings.get("sum"), ("LayerNorm", "LayerNormalization"))
         return f"{bindings.get('form')}{'.sum-output' if keep else ''}"
-
-
-def _keeps_sum(s: ir.Value | None, norm_ops: tuple[str, ...]) -> bool:
-    return s is not None and (s.is_graph_output() or any(c.op_type not in norm_ops for c, _ in s.uses()))
 
 
 class SkipRMSNormFusion(Rule):
@@ -142,27 +169,13 @@ class SkipRMSNormFusion(Rule):
               a: ir.Value, skip: ir.Value, scale: ir.Value, rms_out: ir.Value, sum: ir.Value, **kw: Any) -> MatchResult:
         node = rms_out.producer()
         assert node is not None
-
-        if node.op_type == "SimplifiedLayerNormalization":
-            axis = node.attributes.get("axis")
-            rank = len(sum.shape) if sum.shape is not None else None
-            ax = -1 if axis is None else int(axis.value)
-            if not (ax == -1 or (rank is not None and ax == rank - 1)):
-                return self.fail(f"SimplifiedLayerNormalization '{node.name}' is not over the last axis", node)
-            if any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
-                return self.fail(f"inverse std of '{node.name}' is read elsewhere", node)
-        if not is_float(sum):
-            return self.fail("the residual sum is not a floating-point tensor", sum)
+        failed = _check_standard_norm(self, node, "SimplifiedLayerNormalization", "inverse std", sum)
+        if failed is not None:
+            return failed
         add_out = kw.get("add_out")
         if add_out is not None and add_out is not sum and add_out.dtype != sum.dtype:
             return self.fail("the Cast after the residual Add changes its dtype", sum)
-        if a.dtype != skip.dtype or a.dtype != sum.dtype:
-            return self.fail("the residual Add mixes dtypes", sum)
-        if not body_supports(getattr(self, "model_opset", 17), sum.dtype):
-            return self.fail("an fp16/bf16 skip RMSNorm needs opset >= 15", sum)
-        if sum.shape is not None and a.shape is not None and len(a.shape) != len(sum.shape):
-            return self.fail("the residual Add broadcasts a lower-rank input", sum)
-        return self.ok()
+        return _check_residual(self, a, skip, sum, "RMSNorm")
 
     def rewrite(self, op: Any, a: ir.Value, skip: ir.Value, scale: ir.Value, rms_out: ir.Value,
                 sum: ir.Value, bias: ir.Value | None = None, **_: Any) -> Any:
@@ -170,16 +183,9 @@ class SkipRMSNormFusion(Rule):
         assert node is not None
         attrs = {k: v.value for k, v in node.attributes.items() if k in ("epsilon", "stash_type")}
         attrs.setdefault("epsilon", 1e-6)
-        if "stash_type" not in attrs:
-            attrs["stash_type"] = 1
-        dtype = sum.dtype.numpy() if sum.dtype is not None else np.float32
-        if bias is None:
-            bias = op.initializer(ir.tensor(np.zeros(1, dtype=dtype)), name="mograph_zero")
-        elif constant_array(bias).ndim != 1:  # type: ignore[union-attr]
-            bias = op.initializer(ir.tensor(constant_array(bias).reshape(-1)), name="mograph_skip_bias")  # type: ignore[union-attr]
-        keep_sum = bool(sum.uses()) and any(c is not node for c, _ in sum.uses()) or sum.is_graph_output()
-        y, total = mograph_op(op, "SkipRMSNorm", a, skip, scale, bias, _outputs=2, **attrs)
-        return y, (total if keep_sum else None)
+        attrs.setdefault("stash_type", 1)
+        y, total = mograph_op(op, "SkipRMSNorm", a, skip, scale, _bias_1d(op, bias, sum), _outputs=2, **attrs)
+        return y, _sum_if_read(sum, node, total)
 
     def variant(self, bindings: dict[str, Any]) -> str | None:
         keep = _keeps_sum(bindings.get("sum"), self._NORMS)
