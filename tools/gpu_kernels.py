@@ -33,6 +33,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -392,6 +393,16 @@ _TUNING_BASE = {
     "v11": ((2, 1280), (1, 0, 8)),
     "v12": ((2, 1536), (0, 0, 8)),
 }
+# Candidates of the second stage of --emit-tuning: the layout choices of the norm kernel (gamma/beta loaded with
+# the row; LayerNorm statistics from one merged reduction), each forced everywhere on top of the table's
+# other settings. G0M0 is the baseline: gamma after the statistics, two reductions.
+LAYOUT_VARIANTS = {"G0M0": (0, 0), "G1M0": (1, 0), "G0M1": (0, 1), "G1M1": (1, 1)}
+
+
+def _layout(gamma_early: int, merged: int) -> list[str]:
+    return [f"-DMOGRAPH_NORM_GAMMA_EARLY={gamma_early}", f"-DMOGRAPH_NORM_MERGED={merged}"]
+
+
 TUNING_VARIANTS = {
     **{name: ((*n, 128), g) for name, (n, g) in _TUNING_BASE.items()},
     **{f"v{int(name[1:]) + 12}": ((*n, 64), g) for name, (n, g) in _TUNING_BASE.items()},
@@ -411,6 +422,10 @@ SWEEP_VARIANTS = {
     "M0": ["-DMOGRAPH_NORM_MIN_THREADS=0"],  # the table without its register caps
     "nocs": ["-DMOGRAPH_NO_STREAMING_HINTS"],
     "flatbias": ["-DMOGRAPH_GELU_FLAT_BIAS"],
+    **{name: _layout(*setting) for name, setting in LAYOUT_VARIANTS.items()},
+    "NL": ["-DMOGRAPH_NORM_ONE_PASS"],  # register kernel without its grid-stride loop (experiment)
+    "FR": ["-DMOGRAPH_NORM_FAST_RSQRT"],  # rsqrt.approx.ftz (experiment)
+    "NLFR": ["-DMOGRAPH_NORM_ONE_PASS", "-DMOGRAPH_NORM_FAST_RSQRT"],
 }
 """Compile-time variants of the library for --sweep (see the MOGRAPH_* macros in kernels/src)."""
 
@@ -420,6 +435,11 @@ _DTYPE_CODE = {"f32": 0, "f16": 1, "bf16": 2}
 _KIND_CODE = {"layer_norm": 0, "rms_norm": 1, "skip_layer_norm": 2, "skip_rms_norm": 3}
 _GELU_CODE = {"gelu": 0, "gelu_tanh": 1, "bias_gelu": 2}
 _VPT_CHOICES = (1, 2, 3, 4, 6, 8)
+
+
+def centered_op(op: str) -> bool:
+    """Whether a norm op subtracts the mean (LayerNorm kinds), i.e. has two statistics to reduce."""
+    return op in ("layer_norm", "skip_layer_norm")
 TUNING_KEEP_MARGIN = 0.005  # a candidate must beat the untuned choice (v1) by this fraction to replace it
 
 
@@ -445,53 +465,129 @@ def norm_launch_shape(op: str, dtype: str, hidden: int) -> tuple[int, int] | Non
     return None
 
 
-def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
-    """Choose each table entry from a sweep of TUNING_VARIANTS and write kernels/src/tuning_table.cuh.
+_NORM_ENTRY = re.compile(
+    r"if \(dtype == (\d) && kind == (\d) && tpr == (\d+) && vpt == (\d+)\) "
+    r"return \{(kHints\w+), (\d+), (\d+)(?:, (true|false), (true|false))?\};\s*// (.*)$"
+)
+_HINT_NAME = {0: "kHintsNone", 1: "kHintsStream", 2: "kHintsLoad"}
+_HINT_CODE = {v: k for k, v in _HINT_NAME.items()}
 
-    Norm ops: per (dtype, op, benchmarked shape), i.e. per (threads per row, packs per thread), the fastest
-    variant's norm setting. Gelu ops: per (dtype, form), the Gelu setting with the best geometric mean over
-    the shapes. A candidate replaces v1 (the untuned choices) only when faster by TUNING_KEEP_MARGIN.
-    Returns a text summary.
+
+def read_norm_table(path: Path) -> dict:
+    """The norm entries of a tuning_table.cuh written by emit_tuning.
+
+    Returns {(dtype, op, (tpr, vpt)): entry}, entry a dict of hints, min_threads, block, gamma_early, merged,
+    cases (the benchmarked sizes it was chosen on), tuning and layout (the chosen variants' names).
     """
-    names = [n for n in TUNING_VARIANTS if any(n in r for r in sweep if "op" in r)]
-    if "v1" not in names:
-        raise ValueError("the sweep has no v1 variant")
-    summary = []
-    norm_scores: dict = {}  # (dtype, op, (tpr, vpt)) -> variant -> [log(time / v1)]
-    norm_cases: dict = {}
-    gelu_scores: dict = {}
+    dtypes = {v: k for k, v in _DTYPE_CODE.items()}
+    kinds = {v: k for k, v in _KIND_CODE.items()}
+    out = {}
+    if not path.is_file():
+        return out
+    for line in path.read_text().splitlines():
+        m = _NORM_ENTRY.search(line.strip())
+        if not m:
+            continue
+        d, k, tpr, vpt, hints, min_threads, block, gamma, merged, note = m.groups()
+        cases, _, names = note.rpartition(": ")
+        tuning, _, layout = names.partition(", ")
+        out[(dtypes[int(d)], kinds[int(k)], (int(tpr), int(vpt)))] = {
+            "hints": _HINT_CODE[hints],
+            "min_threads": int(min_threads),
+            "block": int(block),
+            "gamma_early": gamma == "true",
+            "merged": merged == "true",
+            "cases": cases.split(" ", 2)[-1] if cases else "",
+            "tuning": tuning or "v1",
+            "layout": layout or "G0M0",
+        }
+    return out
+
+
+def _best_per_key(sweep: list, names: list[str], baseline: str) -> tuple[dict, dict]:
+    """Per norm launch shape (dtype, op, (tpr, vpt)): the variant with the best geometric mean of time / baseline
+    over the benchmarked sizes of that shape, replaced by the baseline unless it is TUNING_KEEP_MARGIN faster.
+    Returns ({key: (name, time ratio)}, {key: [sizes]})."""
+    scores: dict = {}
+    cases: dict = {}
     for r in sweep:
-        if "op" not in r:
+        if "op" not in r or r["op"] not in _KIND_CODE:
             continue
         times = {n: r[n]["s"] for n in names if isinstance(r.get(n), dict) and "s" in r[n]}
+        if baseline == "G0M0" and not centered_op(r["op"]):
+            times = {n: t for n, t in times.items() if not LAYOUT_VARIANTS[n][1]}  # merged: same code for RMS
+        if baseline not in times:
+            continue
+        shape = norm_launch_shape(r["op"], r["dtype"], r["hidden"])
+        if shape is None:
+            continue
+        key = (r["dtype"], r["op"], shape)
+        cases.setdefault(key, []).append(f"{r['rows']}x{r['hidden']}")
+        for n, t in times.items():
+            scores.setdefault(key, {}).setdefault(n, []).append(math.log(t / times[baseline]))
+    best = {}
+    for key, by_variant in scores.items():
+        means = {n: sum(v) / len(v) for n, v in by_variant.items() if len(v) == len(cases[key])}
+        name = min(means, key=means.get)
+        if math.exp(means[name]) > 1 - TUNING_KEEP_MARGIN:
+            name = baseline
+        best[key] = (name, math.exp(means[name]))
+    return best, cases
+
+
+def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
+    """Choose table entries from a sweep and rewrite kernels/src/tuning_table.cuh (``out_path``).
+
+    Two kinds of sweep, either or both in one file, each measured on top of the table it updates:
+    TUNING_VARIANTS (v1 the baseline) choose the norm kernel's hints, register cap and block size per
+    (dtype, op, threads per row, packs per thread), and the Gelu settings per (dtype, form) by the geometric
+    mean over the sizes; LAYOUT_VARIANTS (G0M0 the baseline) choose the norm kernel's layout (gamma/beta loaded
+    with the row, merged LayerNorm statistics) per launch shape. What a sweep did not time is kept from the
+    current table. A candidate replaces the baseline only when faster by TUNING_KEEP_MARGIN. Returns a
+    text summary.
+    """
+    present = {n for r in sweep if "op" in r for n in r}
+    tuning_names = [n for n in TUNING_VARIANTS if n in present]
+    layout_names = [n for n in LAYOUT_VARIANTS if n in present]
+    if not tuning_names and not layout_names:
+        raise ValueError("the sweep has no v1 variant and no G0M0 variant: nothing to choose from")
+    if tuning_names and "v1" not in tuning_names:
+        raise ValueError("the sweep has no v1 variant")
+    if layout_names and "G0M0" not in layout_names:
+        raise ValueError("the sweep has no G0M0 variant")
+    entries = read_norm_table(out_path)
+    default = {"hints": 1, "min_threads": 0, "block": 128, "gamma_early": False, "merged": False,
+               "cases": "", "tuning": "v1", "layout": "G0M0"}  # fmt: skip
+    summary = []
+    for names, baseline in ((tuning_names, "v1"), (layout_names, "G0M0")):
+        if not names:
+            continue
+        best, cases = _best_per_key(sweep, names, baseline)
+        for key, (name, ratio) in best.items():
+            e = entries.setdefault(key, dict(default))
+            e["cases"] = ", ".join(cases[key])
+            if baseline == "v1":
+                e["hints"], e["min_threads"], e["block"] = TUNING_VARIANTS[name][0]
+                e["tuning"] = name
+            else:
+                gamma, merged = LAYOUT_VARIANTS[name]
+                e["gamma_early"], e["merged"] = bool(gamma), bool(merged)
+                e["layout"] = f"G{gamma}M{merged}"
+            dtype, op, shape = key
+            summary.append(f"{op:<16}{dtype:<5}{e['cases']:<22} tpr={shape[0]:<4} vpt={shape[1]} -> {name}: "
+                           f"time / {baseline} {ratio:.3f}")  # fmt: skip
+
+    gelu_scores: dict = {}
+    for r in sweep:
+        if "op" not in r or r["op"] not in _GELU_CODE:
+            continue
+        times = {n: r[n]["s"] for n in tuning_names if isinstance(r.get(n), dict) and "s" in r[n]}
         if "v1" not in times:
             continue
-        if r["op"] in _KIND_CODE:
-            shape = norm_launch_shape(r["op"], r["dtype"], r["hidden"])
-            if shape is None:
-                continue
-            key = (r["dtype"], r["op"], shape)
-            norm_cases.setdefault(key, []).append(f"{r['rows']}x{r['hidden']}")
-            for n, t in times.items():
-                norm_scores.setdefault(key, {}).setdefault(n, []).append(math.log(t / times["v1"]))
-        elif r["op"] in _GELU_CODE:
-            key = (r["dtype"], r["op"])
-            for n, t in times.items():
-                gelu_scores.setdefault(key, {}).setdefault(TUNING_VARIANTS[n][1], []).append(math.log(t / times["v1"]))
-    # shapes that launch the same (threads per row, packs per thread) share an entry: best geometric mean
-    norm_rows = []
-    for key, by_variant in norm_scores.items():
-        means = {n: sum(v) / len(v) for n, v in by_variant.items() if len(v) == len(norm_cases[key])}
-        best = min(means, key=means.get)
-        if math.exp(means[best]) > 1 - TUNING_KEEP_MARGIN:
-            best = "v1"
-        hints, min_threads, block = TUNING_VARIANTS[best][0]
-        dtype, op, shape = key
-        norm_rows.append((dtype, op, shape, hints, min_threads, block, best, ", ".join(norm_cases[key])))
-        summary.append(
-            f"{op:<16}{dtype:<5}{', '.join(norm_cases[key]):<22} tpr={shape[0]:<4} vpt={shape[1]} -> {best} "
-            f"(hints {hints}, min_threads {min_threads}, block {block}): time / v1 {math.exp(means[best]):.3f}"
-        )
+        for n, t in times.items():
+            gelu_scores.setdefault((r["dtype"], r["op"]), {}).setdefault(TUNING_VARIANTS[n][1], []).append(
+                math.log(t / times["v1"])
+            )
     gelu_rows = []
     for (dtype, op), by_setting in sorted(gelu_scores.items()):
         means = {k: sum(v) / len(v) for k, v in by_setting.items()}
@@ -499,21 +595,18 @@ def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
         best = min(means, key=means.get)
         if math.exp(means[best]) > 1 - TUNING_KEEP_MARGIN:
             best = v1_setting
-        if op == "bias_gelu":
-            best = (best[0], best[1], 1)  # the column kernel has no group
         gelu_rows.append((dtype, op, best, math.exp(means[best])))
         summary.append(f"{op:<16}{dtype:<5} -> hints {best[0]}, min_threads {best[1]}, group {best[2]}: "
                        f"time / v1 {math.exp(means[best]):.3f} (geometric mean over shapes)")  # fmt: skip
 
-    hint_name = {0: "kHintsNone", 1: "kHintsStream", 2: "kHintsLoad"}
     lines = [
         "// tuning_table.cuh - launch choices per dtype, op and row shape (see NormTune / GeluTune in common.cuh).",
         "//",
-        "// Generated by tools/gpu_kernels.py --emit-tuning from a sweep of its TUNING_VARIANTS",
-        f"// ({source}).",
+        "// Generated by tools/gpu_kernels.py --emit-tuning from sweeps of its TUNING_VARIANTS and LAYOUT_VARIANTS",
+        f"// (last: {source}).",
         "// Norms: per launch shape (threads per row, packs per thread) of a benchmarked size, the fastest setting",
         "// there; other launch shapes get the untuned choices. Gelu: per dtype and form, the setting with the best",
-        f"// geometric mean over the sizes. A setting replaces the untuned one (v1) only when {TUNING_KEEP_MARGIN:.1%} faster.",
+        f"// geometric mean over the sizes. A setting replaces the untuned one only when {TUNING_KEEP_MARGIN:.1%} faster.",
         "// Do not edit by hand: sweep again.",
         "#pragma once",
         "",
@@ -522,25 +615,28 @@ def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
         "namespace mograph {",
         "",
         "// dtype: 0 fp32, 1 fp16, 2 bf16; kind: 0 LayerNorm, 1 RMSNorm, 2 SkipLayerNorm, 3 SkipRMSNorm;",
-        "// tpr, vpt: threads per row and 16-byte packs per thread of the register kernel.",
+        "// tpr, vpt: threads per row and 16-byte packs per thread of the register kernel;",
+        "// {hints, min_threads, block, gamma_early, merged}: see NormTune.",
         "constexpr NormTune norm_table(int dtype, int kind, int tpr, int vpt) {",
     ]
-    for dtype, op, (tpr, vpt), hints, min_threads, block, best, cases in norm_rows:
+    order = {k: i for i, k in enumerate(entries)}
+    for (dtype, op, (tpr, vpt)), e in sorted(entries.items(), key=lambda kv: order[kv[0]]):
+        flags = f"{'true' if e['gamma_early'] else 'false'}, {'true' if e['merged'] else 'false'}"
         lines.append(
             f"    if (dtype == {_DTYPE_CODE[dtype]} && kind == {_KIND_CODE[op]} && tpr == {tpr} && vpt == {vpt}) "
-            f"return {{{hint_name[hints]}, {min_threads}, {block}}};  // {op} {dtype} {cases}: {best}"
+            f"return {{{_HINT_NAME[e['hints']]}, {e['min_threads']}, {e['block']}, {flags}}};"
+            f"  // {op} {dtype} {e['cases']}: {e['tuning']}, {e['layout']}"
         )
-    lines += ["    return {kHintsStream, 0, 128};", "}", ""]
+    lines += ["    return {kHintsStream, 0, 128, false, false};", "}", ""]
     if not gelu_rows:  # a sweep of the norm ops only: the Gelu entries stay as they are
         old_text = out_path.read_text() if out_path.is_file() else ""
         start = old_text.find("// op: 0 Gelu")
         end = old_text.find("}  // namespace mograph")
         if start < 0 or end < 0:
             raise ValueError("the sweep has no Gelu ops and the current table has no Gelu entries to keep")
-        lines += [
-            "// Gelu entries: kept from the table this one replaced (the sweep above timed the norm ops only).",
-            *old_text[start:end].rstrip("\n").split("\n"),
-        ]
+        kept = old_text[start:end].rstrip("\n").split("\n")
+        note = "// Gelu entries: kept from the table this one replaced (the sweep above timed the norm ops only)."
+        lines += [note, *kept]
         lines += ["", "}  // namespace mograph", ""]
         out_path.write_text("\n".join(lines))
         return "\n".join(summary)
@@ -552,7 +648,7 @@ def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
         code = _GELU_CODE[op]
         cond = "(op == 2 || op == 3)" if code == 2 else f"op == {code}"
         lines.append(
-            f"    if (dtype == {_DTYPE_CODE[dtype]} && {cond}) return {{{hint_name[hints]}, {min_threads}, {group}}};"
+            f"    if (dtype == {_DTYPE_CODE[dtype]} && {cond}) return {{{_HINT_NAME[hints]}, {min_threads}, {group}}};"
             f"  // {op} {dtype}"
         )
     lines += ["    return {kHintsStream, 0, 1};", "}", "", "}  // namespace mograph", ""]

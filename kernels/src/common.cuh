@@ -127,6 +127,8 @@ struct NormTune {
     int hints;        // kHints* for the activations
     int min_threads;  // resident threads per SM the register allocation must allow (0: no cap)
     int block = 0;    // threads per block when rows are smaller (several rows per block); 0: 128
+    bool gamma_early = false;  // load gamma/beta with the row (see kLayoutGammaEarly in norm.cuh)
+    bool merged = false;       // LayerNorm: one merged (mean, M2) reduction (see kLayoutMerged in norm.cuh)
 };
 
 struct GeluTune {

@@ -168,10 +168,13 @@ __global__ void __launch_bounds__(THREADS, MINB) gelu_kernel(const T* __restrict
     }
 }
 
-// BiasGelu, column-owning form. Block (bx, by): thread (tx, ty) owns column pack blockIdx.x * bx + tx and
-// rows base + u * by + ty (u < UNROLL), base stepping over the grid's rows. No barriers, so threads past
-// the last column simply return.
-template <typename T, int VEC, int UNROLL, bool TANH, int HINTS, int MINB>
+// BiasGelu, column-owning form. Block (bx, by): thread (tx, ty) owns column pack blockIdx.x * bx + tx and,
+// like gelu_kernel's packs, rows in groups of GROUP blocks along y: block-group g covers the
+// GROUP x UNROLL x by consecutive rows from g x that, and its block s takes rows (u x GROUP + s) x by + ty
+// (u < UNROLL), g stepping over the grid. GROUP = 1: a block's rows are consecutive; larger groups spread a
+// thread's rows further apart (fp32 rows of 1024: 4 KB apart at GROUP 1, 16 KB at 4). No barriers, so
+// threads past the last column simply return.
+template <typename T, int VEC, int UNROLL, bool TANH, int HINTS, int MINB, int GROUP>
 __global__ void __launch_bounds__(256, MINB) bias_gelu_kernel(const T* __restrict__ x, const T* __restrict__ bias,
                                                               T* __restrict__ y, int64_t rows, int cols_packs) {
     constexpr bool kPrecise = std::is_same<T, float>::value;
@@ -185,19 +188,21 @@ __global__ void __launch_bounds__(256, MINB) bias_gelu_kernel(const T* __restric
 #pragma unroll
         for (int j = 0; j < VEC; ++j) b[j] = to_f32(pack_elem(bp, j));
     }
-    const int64_t rows_per_step = static_cast<int64_t>(blockDim.y) * UNROLL;
-    const int64_t row_stride = static_cast<int64_t>(cols_packs) * VEC;  // elements between rows
-    for (int64_t base = static_cast<int64_t>(blockIdx.y) * rows_per_step + threadIdx.y; base < rows;
-         base += static_cast<int64_t>(gridDim.y) * rows_per_step) {
+    const int64_t span = static_cast<int64_t>(blockDim.y) * UNROLL * GROUP;  // rows of one block-group
+    const int64_t step = static_cast<int64_t>(blockDim.y) * GROUP;          // between a thread's rows
+    const int64_t row_stride = static_cast<int64_t>(cols_packs) * VEC;      // elements between rows
+    const int64_t first = static_cast<int64_t>(blockIdx.y % GROUP) * blockDim.y + threadIdx.y;
+    for (int64_t base = static_cast<int64_t>(blockIdx.y / GROUP) * span + first; base - first < rows;
+         base += static_cast<int64_t>(gridDim.y / GROUP) * span) {
         Pack<T, VEC> in[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            const int64_t r = base + static_cast<int64_t>(u) * blockDim.y;
+            const int64_t r = base + static_cast<int64_t>(u) * step;
             if (r < rows) in[u] = load_stream<T, VEC, HINTS>(x + r * row_stride + static_cast<int64_t>(c) * VEC);
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            const int64_t r = base + static_cast<int64_t>(u) * blockDim.y;
+            const int64_t r = base + static_cast<int64_t>(u) * step;
             if (r < rows) {
                 float f[VEC];
 #pragma unroll
@@ -222,12 +227,14 @@ int launch_bias_gelu_kernel(const T* x, const T* bias, T* y, int64_t rows, int c
         bx = cols_packs >= 256 ? 256 : (cols_packs + 31) / 32 * 32;
     }
     const int by = 256 / bx;
+    constexpr int kGroup = kTune.group < 1 ? 1 : kTune.group;
     const unsigned int gx = static_cast<unsigned int>((cols_packs + bx - 1) / bx);
-    int64_t gy = (rows + int64_t{by} * kUnroll - 1) / (int64_t{by} * kUnroll);
-    if (gy > 65535) gy = 65535;
-    return launch_kernel(bias_gelu_kernel<T, VEC, kUnroll, TANH, kTune.hints, min_blocks_for(kTune.min_threads, 256)>,
-                         dim3(gx, static_cast<unsigned int>(gy)), dim3(bx, by), 0, stream, x, bias, y, rows,
-                         cols_packs);
+    const int64_t span = int64_t{by} * kUnroll * kGroup;
+    int64_t groups = (rows + span - 1) / span;
+    if (groups > 65535 / kGroup) groups = 65535 / kGroup;  // gridDim.y limit: the kernel loops when this bites
+    return launch_kernel(
+        bias_gelu_kernel<T, VEC, kUnroll, TANH, kTune.hints, min_blocks_for(kTune.min_threads, 256), kGroup>,
+        dim3(gx, static_cast<unsigned int>(groups * kGroup)), dim3(bx, by), 0, stream, x, bias, y, rows, cols_packs);
 }
 
 constexpr int kGeluThreads = 256;

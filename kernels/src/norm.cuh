@@ -64,7 +64,7 @@ __device__ __forceinline__ float group_allreduce_sum(float v) {
 template <int TPR, int RPB>
 struct RowReducer {
     static constexpr int kWarps = TPR > 32 ? TPR / 32 : 1;
-    static constexpr int kFloats = 2 * RPB * kWarps;  // size of buf: [2][RPB][kWarps]
+    static constexpr int kFloats = 4 * RPB * kWarps;  // buf: [2][RPB][kWarps] sums or [2][RPB][kWarps][2] pairs
     float* buf;
     int parity;
 
@@ -89,7 +89,64 @@ struct RowReducer {
         }
     }
 
+    // Mean and sum of squared deviations (M2) of the row in one reduction, from each thread's own mean and M2
+    // over n elements (the same n in every thread: rows the launch shape covers exactly). Partial results of
+    // equal counts merge as mean = (ma + mb) / 2, M2 = M2a + M2b + (mb - ma)^2 * n / 2 (Chan et al.), which
+    // is as exact as the two-reduction form and needs half the dependent shuffle rounds and barriers. The
+    // merge is symmetric in a and b, so every lane ends with bit-identical results.
+    __device__ __forceinline__ void mean_m2(float& mean, float& m2, float n, int row_in_block, int t) {
+        const int lanes = TPR < 32 ? TPR : 32;
+#pragma unroll
+        for (int mask = lanes / 2; mask > 0; mask >>= 1) {
+            const float om = __shfl_xor_sync(0xffffffffu, mean, mask);
+            const float om2 = __shfl_xor_sync(0xffffffffu, m2, mask);
+            const float d = om - mean;
+            m2 = (m2 + om2) + d * d * (0.5f * n);
+            mean = 0.5f * (mean + om);
+            n *= 2.f;
+        }
+        if constexpr (TPR > 32) {
+            float* b = buf + 2 * (parity * (RPB * kWarps) + row_in_block * kWarps);  // [2][RPB][kWarps][2]
+            parity ^= 1;
+            if ((threadIdx.x & 31) == 0) {
+                b[2 * (t / 32)] = mean;
+                b[2 * (t / 32) + 1] = m2;
+            }
+            __syncthreads();
+            mean = b[0];
+            m2 = b[1];
+#pragma unroll
+            for (int w = 1; w < kWarps; ++w) {  // running merge, same order in every thread
+                const float d = b[2 * w] - mean;
+                const float f = 1.f / static_cast<float>(w + 1);
+                mean = fmaf(d, f, mean);
+                m2 = (m2 + b[2 * w + 1]) + d * d * (n * static_cast<float>(w) * f);
+            }
+        }
+    }
 };
+
+// Layout choices of the register kernel, per launch shape in the tuning table (NormTune::gamma_early and
+// NormTune::merged in common.cuh), passed to the kernel as one bit set:
+// * kLayoutGammaEarly: gamma/beta are loaded together with the row, so their latency overlaps the loads and
+//   the reductions (faster for short rows, where that latency is on every row's critical path; for rows of
+//   16-32 elements a thread the extra live registers cost more than they save);
+// * kLayoutMerged: LayerNorm statistics of fully covered rows come from one merged (mean, M2) reduction
+//   (RowReducer::mean_m2) instead of a reduction of the sum and then one of the squared deviations.
+constexpr int kLayoutGammaEarly = 1;
+constexpr int kLayoutMerged = 2;
+
+// 1 / sqrt(v) of a row's mean square + eps. MOGRAPH_NORM_FAST_RSQRT (experiment) flushes a subnormal v to zero
+// (rsqrt.approx.ftz, as Triton emits) instead of rescaling it first.
+__device__ __forceinline__ float row_rsqrt(float v) {
+#ifdef MOGRAPH_NORM_FAST_RSQRT
+    float r;
+    asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
+    return r;
+#else
+    return rsqrtf(v);
+#endif
+}
 
 // Registers of one row of the fast path for one thread: its packs of x (and of skip for SkipLayerNorm).
 template <typename T, NormKind KIND, int VEC, int VPT>
@@ -128,7 +185,8 @@ __device__ __forceinline__ void load_row(RowRegs<T, KIND, VEC, VPT>& r, const No
 // Normalizes a loaded row and stores it (and SkipLayerNorm's sum). Every thread of the block calls it, rows
 // past the end included, so the barriers inside the reducer are reached by all. Packs outside the row hold
 // zeros, which add nothing to the sum; their squared deviations are left out explicitly.
-template <typename T, NormKind KIND, int VEC, int VPT, int TPR, int RPB, int HINTS, bool FULL, bool HAS_BETA>
+template <typename T, NormKind KIND, int VEC, int VPT, int TPR, int RPB, int HINTS, int LAYOUT, bool FULL,
+          bool HAS_BETA>
 __device__ __forceinline__ void finish_row(RowRegs<T, KIND, VEC, VPT>& r, const NormArgs<T>& a, int64_t row,
                                            int row_in_block, int t, int nvec, RowReducer<TPR, RPB>& reducer) {
     const bool row_ok = row < a.rows;
@@ -156,9 +214,28 @@ __device__ __forceinline__ void finish_row(RowRegs<T, KIND, VEC, VPT>& r, const 
         }
     }
 
+    // gamma (and beta) of this thread's columns: loaded with the row (kLayoutGammaEarly) or once the
+    // statistics are known.
+    Pack<T, VEC> gp[VPT];
+    Pack<T, VEC> bp[HAS_BETA ? VPT : 1];
+    auto load_affine = [&]() {
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {
+            const int c = t + k * TPR;
+            gp[k] = pack_in_row<FULL, TPR>(t, k, nvec) ? load_pack<T, VEC>(a.gamma + c * VEC) : zero_pack<T, VEC>();
+            if constexpr (HAS_BETA) {
+                bp[k] = pack_in_row<FULL, TPR>(t, k, nvec) ? load_pack<T, VEC>(a.beta + c * VEC) : zero_pack<T, VEC>();
+            }
+        }
+    };
+    if constexpr ((LAYOUT & kLayoutGammaEarly) != 0) load_affine();
+
+    // One chain per pack below: shorter dependency chains than one running sum.
     float mean = 0.f;
-    if constexpr (centered(KIND)) {
-        float part[VPT];  // one chain per pack: shorter dependency chains than one running sum
+    float rstd;
+    if constexpr (centered(KIND) && FULL && (LAYOUT & kLayoutMerged) != 0) {
+        constexpr float kInvN = 1.f / static_cast<float>(VPT * VEC);
+        float part[VPT];
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
             part[k] = 0.f;
@@ -168,38 +245,66 @@ __device__ __forceinline__ void finish_row(RowRegs<T, KIND, VEC, VPT>& r, const 
         float sum = 0.f;
 #pragma unroll
         for (int k = 0; k < VPT; ++k) sum += part[k];
-        mean = reducer.sum(sum, row_in_block, t) * a.inv_hidden;
-    }
-    float sq = 0.f;
-    {
-        float part[VPT];
+        mean = sum * kInvN;
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
             part[k] = 0.f;
-            if (pack_in_row<FULL, TPR>(t, k, nvec)) {
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    const float d = v[k][j] - mean;
-                    part[k] = fmaf(d, d, part[k]);
-                }
+            for (int j = 0; j < VEC; ++j) {
+                const float d = v[k][j] - mean;
+                part[k] = fmaf(d, d, part[k]);
             }
         }
+        float m2 = 0.f;
 #pragma unroll
-        for (int k = 0; k < VPT; ++k) sq += part[k];
+        for (int k = 0; k < VPT; ++k) m2 += part[k];
+        reducer.mean_m2(mean, m2, static_cast<float>(VPT * VEC), row_in_block, t);
+        rstd = row_rsqrt(m2 * a.inv_hidden + a.eps);
+    } else {
+        if constexpr (centered(KIND)) {
+            float part[VPT];
+#pragma unroll
+            for (int k = 0; k < VPT; ++k) {
+                part[k] = 0.f;
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) part[k] += v[k][j];
+            }
+            float sum = 0.f;
+#pragma unroll
+            for (int k = 0; k < VPT; ++k) sum += part[k];
+            mean = reducer.sum(sum, row_in_block, t) * a.inv_hidden;
+        }
+        float sq = 0.f;
+        {
+            float part[VPT];
+#pragma unroll
+            for (int k = 0; k < VPT; ++k) {
+                part[k] = 0.f;
+                if (pack_in_row<FULL, TPR>(t, k, nvec)) {
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) {
+                        const float d = v[k][j] - mean;
+                        part[k] = fmaf(d, d, part[k]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < VPT; ++k) sq += part[k];
+        }
+        rstd = row_rsqrt(reducer.sum(sq, row_in_block, t) * a.inv_hidden + a.eps);
     }
-    const float rstd = rsqrtf(reducer.sum(sq, row_in_block, t) * a.inv_hidden + a.eps);
 
     if (!row_ok) return;
+    if constexpr ((LAYOUT & kLayoutGammaEarly) == 0) load_affine();
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
-        const int c = t + k * TPR;
         if (pack_in_row<FULL, TPR>(t, k, nvec)) {
             float g[VEC];
-            unpack_f32<T, VEC>(load_pack<T, VEC>(a.gamma + c * VEC), g);
+            unpack_f32<T, VEC>(gp[k], g);
             float f[VEC];
             if constexpr (HAS_BETA) {
                 float b[VEC];
-                unpack_f32<T, VEC>(load_pack<T, VEC>(a.beta + c * VEC), b);
+                unpack_f32<T, VEC>(bp[k], b);
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) f[j] = fmaf((v[k][j] - mean) * rstd, g[j], b[j]);
             } else {
@@ -219,8 +324,8 @@ __device__ __forceinline__ void finish_row(RowRegs<T, KIND, VEC, VPT>& r, const 
 // explicit 1 it takes more registers). FULL: hidden == TPR * VPT * VEC, so no per-pack bounds tests (a
 // separate instance, so that the general one's registers do not weigh on it). HAS_BETA: LayerNorm and
 // SkipLayerNorm with a beta (an instance without one has no test and no zeros for it).
-template <typename T, NormKind KIND, int VEC, int VPT, int TPR, int RPB, int HINTS, int MINB, bool FULL,
-          bool HAS_BETA>
+template <typename T, NormKind KIND, int VEC, int VPT, int TPR, int RPB, int HINTS, int LAYOUT, int MINB,
+          bool FULL, bool HAS_BETA>
 __global__ void __launch_bounds__(TPR * RPB, MINB) norm_register_kernel(const NormArgs<T> a) {
     __shared__ float red[RowReducer<TPR, RPB>::kFloats];
     RowReducer<TPR, RPB> reducer{red, 0};
@@ -230,11 +335,16 @@ __global__ void __launch_bounds__(TPR * RPB, MINB) norm_register_kernel(const No
     const int row_in_block = static_cast<int>(threadIdx.x) / TPR;
     const int t = static_cast<int>(threadIdx.x) % TPR;
     const int nvec = a.hidden / VEC;
+#ifdef MOGRAPH_NORM_ONE_PASS
+    {  // experiment: the launch covers every row (grid_for), so one pass with no loop bookkeeping
+        const int64_t base = static_cast<int64_t>(blockIdx.x) * RPB;
+#else
     for (int64_t base = static_cast<int64_t>(blockIdx.x) * RPB; base < a.rows;
          base += static_cast<int64_t>(gridDim.x) * RPB) {
+#endif
         RowRegs<T, KIND, VEC, VPT> cur;
         load_row<T, KIND, VEC, VPT, TPR, HINTS, FULL>(cur, a, base + row_in_block, t, nvec);
-        finish_row<T, KIND, VEC, VPT, TPR, RPB, HINTS, FULL, HAS_BETA>(cur, a, base + row_in_block, row_in_block,
+        finish_row<T, KIND, VEC, VPT, TPR, RPB, HINTS, LAYOUT, FULL, HAS_BETA>(cur, a, base + row_in_block, row_in_block,
                                                                        t, nvec, reducer);
     }
 }
@@ -325,9 +435,10 @@ __global__ void __launch_bounds__(1024) norm_generic_kernel(const NormArgs<T> a,
 
 // Tuning of the register kernel for one (dtype, op, threads per row, packs per thread), which the dispatch
 // derives from hidden: cache hints of the activations, the resident threads per SM that the register
-// allocation must allow (0: no cap) and the block size of rows that share blocks. The values come from
-// tuning_table.cuh, chosen per benchmarked shape from an H200 sweep; MOGRAPH_NORM_HINTS=0|1|2,
-// MOGRAPH_NORM_MIN_THREADS=N and MOGRAPH_NORM_BLOCK=N force one value everywhere (tools/gpu_kernels.py --sweep).
+// allocation must allow (0: no cap), the block size of rows that share blocks and the layout choices
+// (kLayout*). The values come from tuning_table.cuh, chosen per benchmarked shape from H200 sweeps;
+// MOGRAPH_NORM_HINTS=0|1|2, MOGRAPH_NORM_MIN_THREADS=N, MOGRAPH_NORM_BLOCK=N, MOGRAPH_NORM_GAMMA_EARLY=0|1 and
+// MOGRAPH_NORM_MERGED=0|1 force one value everywhere (tools/gpu_kernels.py --sweep).
 template <typename T, NormKind KIND, int TPR, int VPT>
 constexpr NormTune norm_tuning() {
     NormTune t = norm_table(dtype_code<T>(), static_cast<int>(KIND), TPR, VPT);
@@ -339,6 +450,12 @@ constexpr NormTune norm_tuning() {
 #endif
 #ifdef MOGRAPH_NORM_BLOCK
     t.block = MOGRAPH_NORM_BLOCK;
+#endif
+#ifdef MOGRAPH_NORM_GAMMA_EARLY
+    t.gamma_early = MOGRAPH_NORM_GAMMA_EARLY != 0;
+#endif
+#ifdef MOGRAPH_NORM_MERGED
+    t.merged = MOGRAPH_NORM_MERGED != 0;
 #endif
     return t;
 }
@@ -352,24 +469,25 @@ int launch_register(const NormArgs<T>& a, cudaStream_t stream) {
     constexpr int kMinBlocks = kTune.min_threads / (TPR * kRpb) < 1    ? 0
                                : kTune.min_threads / (TPR * kRpb) > 32 ? 32
                                                                        : kTune.min_threads / (TPR * kRpb);
+    constexpr int kLayout = (kTune.gamma_early ? kLayoutGammaEarly : 0) | (kTune.merged ? kLayoutMerged : 0);
     const dim3 grid(grid_for(a.rows, kRpb));
     const dim3 block(TPR * kRpb);
     const bool full = a.hidden == TPR * VPT * kVec;
     if constexpr (centered(KIND)) {
         if (a.beta != nullptr) {
-            return full ? launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kMinBlocks,
+            return full ? launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kLayout, kMinBlocks,
                                                              true, true>,
                                         grid, block, 0, stream, a)
-                        : launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kMinBlocks,
+                        : launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kLayout, kMinBlocks,
                                                              false, true>,
                                         grid, block, 0, stream, a);
         }
     }
     return full ? launch_kernel(
-                      norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kMinBlocks, true, false>, grid,
+                      norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kLayout, kMinBlocks, true, false>, grid,
                       block, 0, stream, a)
                 : launch_kernel(
-                      norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kMinBlocks, false, false>,
+                      norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kLayout, kMinBlocks, false, false>,
                       grid, block, 0, stream, a);
 }
 

@@ -77,9 +77,9 @@ def test_emit_tuning_norm_only_sweep_keeps_gelu_entries(gk, tmp_path):
     ]
     summary = gk.emit_tuning(sweep, out, "test sweep")
     text = out.read_text()
-    assert "if (dtype == 1 && kind == 0 && tpr == 32 && vpt == 3) return {kHintsStream, 1024, 64};" in text
-    assert "if (dtype == 0 && kind == 1 && tpr == 256 && vpt == 4) return {kHintsStream, 0, 128};" in text
-    assert "// layer_norm f16 16384x768: v14" in text
+    assert "if (dtype == 1 && kind == 0 && tpr == 32 && vpt == 3) return {kHintsStream, 1024, 64, false, false};" in text
+    assert "if (dtype == 0 && kind == 1 && tpr == 256 && vpt == 4) return {kHintsStream, 0, 128, false, false};" in text
+    assert "// layer_norm f16 16384x768: v14, G0M0" in text
     # the Gelu entries of the replaced table are carried over verbatim, and said to be
     assert "if (dtype == 1 && op == 0) return {kHintsStream, 1024, 1};  // gelu f16" in text
     assert "kept from the table this one replaced" in text
@@ -98,6 +98,45 @@ def test_emit_tuning_refuses_when_no_gelu_entries_to_keep(gk, tmp_path):
 def test_emit_tuning_needs_the_untuned_variant(gk, tmp_path):
     with pytest.raises(ValueError, match="no v1"):
         gk.emit_tuning([_record("layer_norm", "f16", 16384, 768, {"v2": 1e-5})], tmp_path / "t.cuh", "x")
+    with pytest.raises(ValueError, match="no G0M0"):
+        gk.emit_tuning([_record("layer_norm", "f16", 16384, 768, {"G1M0": 1e-5})], tmp_path / "t.cuh", "x")
+    with pytest.raises(ValueError, match="nothing to choose"):
+        gk.emit_tuning([_record("layer_norm", "f16", 16384, 768, {"default": 1e-5})], tmp_path / "t.cuh", "x")
+
+
+def test_emit_tuning_layout_sweep_keeps_the_other_settings(gk, tmp_path):
+    # A sweep of LAYOUT_VARIANTS updates gamma_early/merged per launch shape and keeps each entry's hints,
+    # register cap and block size (chosen by an earlier sweep of TUNING_VARIANTS); a second stage-1 sweep then
+    # keeps the layout. RMSNorm kinds never get the merged form (they have one reduction).
+    out = tmp_path / "tuning_table.cuh"
+    out.write_text(GELU_TABLE)
+    gk.emit_tuning([_record("layer_norm", "f16", 16384, 768, {"v1": 1.00e-5, "v6": 0.97e-5})], out, "stage 1")
+    layout = [
+        _record("layer_norm", "f16", 16384, 768, {"G0M0": 1.00e-5, "G1M0": 0.96e-5, "G1M1": 0.97e-5}),
+        _record("rms_norm", "f32", 16384, 4096, {"G0M0": 1.00e-4, "G0M1": 0.98e-4, "G1M0": 0.99e-4}),
+        _record("skip_layer_norm", "f16", 16384, 768, {"G0M0": 1.00e-5, "G1M1": 0.998e-5}),  # within the margin
+    ]
+    summary = gk.emit_tuning(layout, out, "stage 2")
+    text = out.read_text()
+    assert "tpr == 32 && vpt == 3) return {kHintsNone, 1024, 128, true, false};  // layer_norm f16 16384x768: v6, G1M0" in text
+    assert "tpr == 256 && vpt == 4) return {kHintsStream, 0, 128, true, false};  // rms_norm f32 16384x4096: v1, G1M0" in text
+    assert "tpr == 64 && vpt == 2) return {kHintsStream, 0, 128, false, false};  // skip_layer_norm f16 16384x768: v1, G0M0" in text
+    assert "time / G0M0 0.960" in summary
+    gk.emit_tuning([_record("layer_norm", "f16", 16384, 768, {"v1": 1.00e-5, "v14": 0.98e-5})], out, "stage 1 again")
+    text = out.read_text()
+    assert "return {kHintsStream, 1024, 64, true, false};  // layer_norm f16 16384x768: v14, G1M0" in text
+    assert text.count("kept from the table this one replaced") == 1
+    table = gk.read_norm_table(out)
+    assert table[("f16", "layer_norm", (32, 3))]["gamma_early"] is True
+    assert table[("f16", "layer_norm", (32, 3))]["cases"] == "16384x768"
+
+
+def test_shipped_table_parses(gk):
+    # Every norm entry of the committed table is one the generator can read back (so a sweep of one stage
+    # keeps the other stage's choices).
+    path = ROOT / "kernels" / "src" / "tuning_table.cuh"
+    entries = [ln for ln in path.read_text().splitlines() if ln.strip().startswith("if (dtype") and "kind ==" in ln]
+    assert entries and len(gk.read_norm_table(path)) == len(entries)
 
 
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "skip_layer_norm", "skip_rms_norm", "gelu", "bias_gelu"])
