@@ -413,7 +413,7 @@ SWEEP_VARIANTS = {
     # the kernels as they were before tuning: evict-first hints, no register cap, contiguous Gelu chunks,
     # plain launches
     "legacy": _tune((1, 0, 128), (1, 0, 1), pdl=False),
-    "nopdl": _tune(pdl=False),  # the shipped table, launched without programmatic dependent launch
+    "nopdl": _tune(pdl=False),  # the shipped table without programmatic dependent launch (nor its instructions)
     **{name: _tune(n, g) for name, (n, g) in TUNING_VARIANTS.items()},
     "E8": ["-DMOGRAPH_NORM_MAX_ELEMS=8"],
     "E16": ["-DMOGRAPH_NORM_MAX_ELEMS=16"],
@@ -423,9 +423,7 @@ SWEEP_VARIANTS = {
     "nocs": ["-DMOGRAPH_NO_STREAMING_HINTS"],
     "flatbias": ["-DMOGRAPH_GELU_FLAT_BIAS"],
     **{name: _layout(*setting) for name, setting in LAYOUT_VARIANTS.items()},
-    "NL": ["-DMOGRAPH_NORM_ONE_PASS"],  # register kernel without its grid-stride loop (experiment)
-    "FR": ["-DMOGRAPH_NORM_FAST_RSQRT"],  # rsqrt.approx.ftz (experiment)
-    "NLFR": ["-DMOGRAPH_NORM_ONE_PASS", "-DMOGRAPH_NORM_FAST_RSQRT"],
+    "B32np": _tune((1, 0, 32), pdl=False),  # one 32-thread block per row of up to 32 threads, no PDL
 }
 """Compile-time variants of the library for --sweep (see the MOGRAPH_* macros in kernels/src)."""
 

@@ -151,15 +151,15 @@ constexpr int dtype_code() {
 // (immediately when the launch had no programmatic dependency). pdl_trigger() lets the next grid launch
 // (once every block of this grid has triggered or exited); it does not make this grid's writes visible early.
 // Both are no-ops on older architectures. MOGRAPH_NO_PDL launches plainly (cudaLaunchKernelEx without the
-// attribute).
+// attribute) and compiles both out.
 __device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(MOGRAPH_NO_PDL)
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 
 __device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(MOGRAPH_NO_PDL)
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }

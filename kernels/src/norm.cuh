@@ -8,9 +8,11 @@
 //   16 bytes of it in registers, so the row is loaded with LDG.128 and never re-read. Small rows use a
 //   group of 4..32 lanes inside a warp (several rows per block, reduced with shuffles), large rows a group
 //   of 2..32 warps (one row per block, reduced through shared memory). The cache hints of the activations
-//   (see load_stream), a register cap and the block size of small rows come from tuning_table.cuh per
-//   launch shape; gamma/beta always take the plain read-only path and stay cached for the next rows. The
-//   mean is reduced first and the variance second, from the registers, which is exact where
+//   (see load_stream), a register cap, the block size of small rows and the layout (gamma/beta loaded with
+//   the row or after the statistics; LayerNorm's mean and variance in two reductions or one merged one) come
+//   from tuning_table.cuh per launch shape; gamma/beta always take the plain read-only path and stay cached
+//   for the next rows. The statistics come from the registers: either the mean then the squared deviations
+//   from it, or each thread's own mean and M2 merged across threads; both are exact where
 //   E[x^2] - E[x]^2 would cancel. fp16/bf16 packs are converted a 32-bit word at a time (unpack_f32), and
 //   rows that the launch shape covers exactly (768, 1024, 4096, 8192, ...) run an instance compiled
 //   without per-pack bounds tests (fp16 LayerNorm at 768: 310 SASS instructions a row instead of 479 with
@@ -136,18 +138,6 @@ struct RowReducer {
 constexpr int kLayoutGammaEarly = 1;
 constexpr int kLayoutMerged = 2;
 
-// 1 / sqrt(v) of a row's mean square + eps. MOGRAPH_NORM_FAST_RSQRT (experiment) flushes a subnormal v to zero
-// (rsqrt.approx.ftz, as Triton emits) instead of rescaling it first.
-__device__ __forceinline__ float row_rsqrt(float v) {
-#ifdef MOGRAPH_NORM_FAST_RSQRT
-    float r;
-    asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
-    return r;
-#else
-    return rsqrtf(v);
-#endif
-}
-
 // Registers of one row of the fast path for one thread: its packs of x (and of skip for SkipLayerNorm).
 template <typename T, NormKind KIND, int VEC, int VPT>
 struct RowRegs {
@@ -259,7 +249,7 @@ __device__ __forceinline__ void finish_row(RowRegs<T, KIND, VEC, VPT>& r, const 
 #pragma unroll
         for (int k = 0; k < VPT; ++k) m2 += part[k];
         reducer.mean_m2(mean, m2, static_cast<float>(VPT * VEC), row_in_block, t);
-        rstd = row_rsqrt(m2 * a.inv_hidden + a.eps);
+        rstd = rsqrtf(m2 * a.inv_hidden + a.eps);
     } else {
         if constexpr (centered(KIND)) {
             float part[VPT];
@@ -291,7 +281,7 @@ __device__ __forceinline__ void finish_row(RowRegs<T, KIND, VEC, VPT>& r, const 
 #pragma unroll
             for (int k = 0; k < VPT; ++k) sq += part[k];
         }
-        rstd = row_rsqrt(reducer.sum(sq, row_in_block, t) * a.inv_hidden + a.eps);
+        rstd = rsqrtf(reducer.sum(sq, row_in_block, t) * a.inv_hidden + a.eps);
     }
 
     if (!row_ok) return;
@@ -335,13 +325,8 @@ __global__ void __launch_bounds__(TPR * RPB, MINB) norm_register_kernel(const No
     const int row_in_block = static_cast<int>(threadIdx.x) / TPR;
     const int t = static_cast<int>(threadIdx.x) % TPR;
     const int nvec = a.hidden / VEC;
-#ifdef MOGRAPH_NORM_ONE_PASS
-    {  // experiment: the launch covers every row (grid_for), so one pass with no loop bookkeeping
-        const int64_t base = static_cast<int64_t>(blockIdx.x) * RPB;
-#else
     for (int64_t base = static_cast<int64_t>(blockIdx.x) * RPB; base < a.rows;
          base += static_cast<int64_t>(gridDim.x) * RPB) {
-#endif
         RowRegs<T, KIND, VEC, VPT> cur;
         load_row<T, KIND, VEC, VPT, TPR, HINTS, FULL>(cur, a, base + row_in_block, t, nvec);
         finish_row<T, KIND, VEC, VPT, TPR, RPB, HINTS, LAYOUT, FULL, HAS_BETA>(cur, a, base + row_in_block, row_in_block,
