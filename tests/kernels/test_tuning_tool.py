@@ -160,3 +160,13 @@ def test_bench_baselines_agree_on_cpu(gk, op):
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     assert b.bytes == (4 if op in gk.SKIP_OPS else 2) * 8 * 64 * 4
+
+
+def test_profile_case_prints_usage_without_arguments():
+    # tools/profile_case.py (one case under an NVTX range, for Nsight Compute) needs a GPU to run; without its
+    # five arguments it must say how to call it and fail, before importing torch.
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "profile_case.py")], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "usage: python tools/profile_case.py LIBRARY OP DTYPE ROWS HIDDEN" in proc.stderr
