@@ -424,15 +424,6 @@ SWEEP_VARIANTS = {
     "flatbias": ["-DMOGRAPH_GELU_FLAT_BIAS"],
     **{name: _layout(*setting) for name, setting in LAYOUT_VARIANTS.items()},
     "B32np": _tune((1, 0, 32), pdl=False),  # one 32-thread block per row of up to 32 threads, no PDL
-    # the looped kernel for LayerNorm/RMSNorm rows covered exactly, N threads a row (u: both passes unrolled)
-    **{f"L{n}": [f"-DMOGRAPH_NORM_LOOPED={n}", "-DMOGRAPH_NORM_UNROLL=0"] for n in (256, 512, 1024)},
-    **{f"L{n}u": [f"-DMOGRAPH_NORM_LOOPED={n}", "-DMOGRAPH_NORM_UNROLL=1"] for n in (256, 512, 1024)},
-    "LT512": ["-DMOGRAPH_NORM_LOOPED=512", "-DMOGRAPH_NORM_UNROLL=0", "-DMOGRAPH_NORM_LOOP_TRITON"],
-    "LT512u": ["-DMOGRAPH_NORM_LOOPED=512", "-DMOGRAPH_NORM_UNROLL=1", "-DMOGRAPH_NORM_LOOP_TRITON"],
-    "LT256u": ["-DMOGRAPH_NORM_LOOPED=256", "-DMOGRAPH_NORM_UNROLL=1", "-DMOGRAPH_NORM_LOOP_TRITON"],
-    "xw0": ["-DMOGRAPH_NORM_SERIAL_XWARP"],  # cross-warp sums of the norms one warp after another (as before)
-    "R2": ["-DMOGRAPH_NORM_ROWS=2"],  # two rows a row group at once
-    "R2m0": ["-DMOGRAPH_NORM_ROWS=2", "-DMOGRAPH_NORM_MIN_THREADS=0"],
 }
 """Compile-time variants of the library for --sweep (see the MOGRAPH_* macros in kernels/src)."""
 

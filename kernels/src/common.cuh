@@ -129,9 +129,6 @@ struct NormTune {
     int block = 0;    // threads per block when rows are smaller (several rows per block); 0: 128
     bool gamma_early = false;  // load gamma/beta with the row (see kLayoutGammaEarly in norm.cuh)
     bool merged = false;       // LayerNorm: one merged (mean, M2) reduction (see kLayoutMerged in norm.cuh)
-    int looped = 0;     // > 0: LayerNorm/RMSNorm rows covered exactly take norm_looped_kernel with this many threads
-    bool unroll = false;  // looped kernel: unroll its two passes (all of a thread's loads in flight at once)
-    int rows = 1;       // register kernel: rows a row group handles at once (RPT of norm_register_kernel)
 };
 
 struct GeluTune {

@@ -84,17 +84,10 @@ struct RowReducer {
             float* b = slot(row_in_block);
             if ((threadIdx.x & 31) == 0) b[t / 32] = v;
             __syncthreads();
-#ifdef MOGRAPH_NORM_SERIAL_XWARP
             v = 0.f;
 #pragma unroll
             for (int i = 0; i < kWarps; ++i) v += b[i];  // same order in every thread: identical results
             return v;
-#else
-            // Each group of kWarps lanes takes the warps' partials and sums them in a butterfly: log2(kWarps)
-            // dependent steps instead of kWarps, and every lane of every warp computes the same sums in the same
-            // order, so all threads hold bit-identical totals.
-            return group_allreduce_sum<kWarps>(b[(threadIdx.x & 31) % kWarps]);
-#endif
         }
     }
 
@@ -122,7 +115,6 @@ struct RowReducer {
                 b[2 * (t / 32) + 1] = m2;
             }
             __syncthreads();
-#ifdef MOGRAPH_NORM_SERIAL_XWARP
             mean = b[0];
             m2 = b[1];
 #pragma unroll
@@ -132,21 +124,6 @@ struct RowReducer {
                 mean = fmaf(d, f, mean);
                 m2 = (m2 + b[2 * w + 1]) + d * d * (n * static_cast<float>(w) * f);
             }
-#else
-            // The warps' pairs, merged in a butterfly over groups of kWarps lanes (as the sum above).
-            const int w = (threadIdx.x & 31) % kWarps;
-            mean = b[2 * w];
-            m2 = b[2 * w + 1];
-#pragma unroll
-            for (int mask = kWarps / 2; mask > 0; mask >>= 1) {
-                const float om = __shfl_xor_sync(0xffffffffu, mean, mask);
-                const float om2 = __shfl_xor_sync(0xffffffffu, m2, mask);
-                const float d = om - mean;
-                m2 = (m2 + om2) + d * d * (0.5f * n);
-                mean = 0.5f * (mean + om);
-                n *= 2.f;
-            }
-#endif
         }
     }
 };
@@ -195,43 +172,16 @@ __device__ __forceinline__ void load_row(RowRegs<T, KIND, VEC, VPT>& r, const No
     }
 }
 
-// What a row keeps between row_stats and store_row: the values as fp32 (x, or the rounded
-// x + skip (+ bias)), gamma/beta when loaded early, and the mean (0 for the RMS kinds) and 1/std.
-template <typename T, bool HAS_BETA, int VEC, int VPT>
-struct RowState {
-    float v[VPT][VEC];
-    Pack<T, VEC> gp[VPT];
-    Pack<T, VEC> bp[HAS_BETA ? VPT : 1];
-    float mean;
-    float rstd;
-};
-
-// gamma (and beta) of thread t's columns.
-template <typename T, int VEC, int VPT, int TPR, bool FULL, bool HAS_BETA>
-__device__ __forceinline__ void load_affine(RowState<T, HAS_BETA, VEC, VPT>& st, const NormArgs<T>& a, int t,
-                                            int nvec) {
-#pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-        const int c = t + k * TPR;
-        st.gp[k] = pack_in_row<FULL, TPR>(t, k, nvec) ? load_pack<T, VEC>(a.gamma + c * VEC) : zero_pack<T, VEC>();
-        if constexpr (HAS_BETA) {
-            st.bp[k] = pack_in_row<FULL, TPR>(t, k, nvec) ? load_pack<T, VEC>(a.beta + c * VEC) : zero_pack<T, VEC>();
-        }
-    }
-}
-
-// First half of a row's work: its values as fp32 (SkipLayerNorm's sum is stored here), gamma/beta when the
-// layout loads them early, and the statistics. Every thread of the block calls it, rows past the end
-// included, so the barriers inside the reducer are reached by all. Packs outside the row hold zeros, which
-// add nothing to the sum; their squared deviations are left out explicitly.
+// Normalizes a loaded row and stores it (and SkipLayerNorm's sum). Every thread of the block calls it, rows
+// past the end included, so the barriers inside the reducer are reached by all. Packs outside the row hold
+// zeros, which add nothing to the sum; their squared deviations are left out explicitly.
 template <typename T, NormKind KIND, int VEC, int VPT, int TPR, int RPB, int HINTS, int LAYOUT, bool FULL,
           bool HAS_BETA>
-__device__ __forceinline__ void row_stats(RowState<T, HAS_BETA, VEC, VPT>& st, RowRegs<T, KIND, VEC, VPT>& r,
-                                          const NormArgs<T>& a, int64_t row, int row_in_block, int t, int nvec,
-                                          RowReducer<TPR, RPB>& reducer) {
+__device__ __forceinline__ void finish_row(RowRegs<T, KIND, VEC, VPT>& r, const NormArgs<T>& a, int64_t row,
+                                           int row_in_block, int t, int nvec, RowReducer<TPR, RPB>& reducer) {
     const bool row_ok = row < a.rows;
     const int64_t off = row * a.hidden + static_cast<int64_t>(t) * VEC;
-    auto& v = st.v;
+    float v[VPT][VEC];
 #pragma unroll
     for (int k = 0; k < VPT; ++k) unpack_f32<T, VEC>(r.x[k], v[k]);
 
@@ -255,8 +205,20 @@ __device__ __forceinline__ void row_stats(RowState<T, HAS_BETA, VEC, VPT>& st, R
     }
 
     // gamma (and beta) of this thread's columns: loaded with the row (kLayoutGammaEarly) or once the
-    // statistics are known (store_row).
-    if constexpr ((LAYOUT & kLayoutGammaEarly) != 0) load_affine<T, VEC, VPT, TPR, FULL, HAS_BETA>(st, a, t, nvec);
+    // statistics are known.
+    Pack<T, VEC> gp[VPT];
+    Pack<T, VEC> bp[HAS_BETA ? VPT : 1];
+    auto load_affine = [&]() {
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {
+            const int c = t + k * TPR;
+            gp[k] = pack_in_row<FULL, TPR>(t, k, nvec) ? load_pack<T, VEC>(a.gamma + c * VEC) : zero_pack<T, VEC>();
+            if constexpr (HAS_BETA) {
+                bp[k] = pack_in_row<FULL, TPR>(t, k, nvec) ? load_pack<T, VEC>(a.beta + c * VEC) : zero_pack<T, VEC>();
+            }
+        }
+    };
+    if constexpr ((LAYOUT & kLayoutGammaEarly) != 0) load_affine();
 
     // One chain per pack below: shorter dependency chains than one running sum.
     float mean = 0.f;
@@ -321,33 +283,23 @@ __device__ __forceinline__ void row_stats(RowState<T, HAS_BETA, VEC, VPT>& st, R
         }
         rstd = rsqrtf(reducer.sum(sq, row_in_block, t) * a.inv_hidden + a.eps);
     }
-    st.mean = mean;
-    st.rstd = rstd;
-}
 
-// Second half: normalizes, scales (and shifts) and stores the row; nothing for a row past the end.
-template <typename T, int VEC, int VPT, int TPR, int HINTS, int LAYOUT, bool FULL, bool HAS_BETA>
-__device__ __forceinline__ void store_row(RowState<T, HAS_BETA, VEC, VPT>& st, const NormArgs<T>& a, int64_t row,
-                                          int t, int nvec) {
-    if (row >= a.rows) return;
-    const int64_t off = row * a.hidden + static_cast<int64_t>(t) * VEC;
-    if constexpr ((LAYOUT & kLayoutGammaEarly) == 0) load_affine<T, VEC, VPT, TPR, FULL, HAS_BETA>(st, a, t, nvec);
-    const float mean = st.mean;
-    const float rstd = st.rstd;
+    if (!row_ok) return;
+    if constexpr ((LAYOUT & kLayoutGammaEarly) == 0) load_affine();
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
         if (pack_in_row<FULL, TPR>(t, k, nvec)) {
             float g[VEC];
-            unpack_f32<T, VEC>(st.gp[k], g);
+            unpack_f32<T, VEC>(gp[k], g);
             float f[VEC];
             if constexpr (HAS_BETA) {
                 float b[VEC];
-                unpack_f32<T, VEC>(st.bp[k], b);
+                unpack_f32<T, VEC>(bp[k], b);
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) f[j] = fmaf((st.v[k][j] - mean) * rstd, g[j], b[j]);
+                for (int j = 0; j < VEC; ++j) f[j] = fmaf((v[k][j] - mean) * rstd, g[j], b[j]);
             } else {
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) f[j] = (st.v[k][j] - mean) * rstd * g[j];
+                for (int j = 0; j < VEC; ++j) f[j] = (v[k][j] - mean) * rstd * g[j];
             }
             store_stream<T, VEC, HINTS>(a.y + off + k * TPR * VEC, pack_from_f32<T, VEC>(f));
         }
@@ -361,11 +313,9 @@ __device__ __forceinline__ void store_row(RowState<T, HAS_BETA, VEC, VPT>& st, c
 // allocation must allow (__launch_bounds__; 0 leaves ptxas its default, which is not the same as 1: with an
 // explicit 1 it takes more registers). FULL: hidden == TPR * VPT * VEC, so no per-pack bounds tests (a
 // separate instance, so that the general one's registers do not weigh on it). HAS_BETA: LayerNorm and
-// SkipLayerNorm with a beta (an instance without one has no test and no zeros for it). RPT: rows a row group
-// handles at once (rows base + row_in_block + r * RPB): all are loaded, then their statistics computed, then
-// stored, so their loads and reductions overlap.
+// SkipLayerNorm with a beta (an instance without one has no test and no zeros for it).
 template <typename T, NormKind KIND, int VEC, int VPT, int TPR, int RPB, int HINTS, int LAYOUT, int MINB,
-          bool FULL, bool HAS_BETA, int RPT = 1>
+          bool FULL, bool HAS_BETA>
 __global__ void __launch_bounds__(TPR * RPB, MINB) norm_register_kernel(const NormArgs<T> a) {
     __shared__ float red[RowReducer<TPR, RPB>::kFloats];
     RowReducer<TPR, RPB> reducer{red, 0};
@@ -375,131 +325,12 @@ __global__ void __launch_bounds__(TPR * RPB, MINB) norm_register_kernel(const No
     const int row_in_block = static_cast<int>(threadIdx.x) / TPR;
     const int t = static_cast<int>(threadIdx.x) % TPR;
     const int nvec = a.hidden / VEC;
-    for (int64_t base = static_cast<int64_t>(blockIdx.x) * (RPB * RPT); base < a.rows;
-         base += static_cast<int64_t>(gridDim.x) * (RPB * RPT)) {
-        RowRegs<T, KIND, VEC, VPT> cur[RPT];
-        RowState<T, HAS_BETA, VEC, VPT> st[RPT];
-#pragma unroll
-        for (int r = 0; r < RPT; ++r) {
-            load_row<T, KIND, VEC, VPT, TPR, HINTS, FULL>(cur[r], a, base + row_in_block + r * RPB, t, nvec);
-        }
-#pragma unroll
-        for (int r = 0; r < RPT; ++r) {
-            row_stats<T, KIND, VEC, VPT, TPR, RPB, HINTS, LAYOUT, FULL, HAS_BETA>(
-                st[r], cur[r], a, base + row_in_block + r * RPB, row_in_block, t, nvec, reducer);
-        }
-#pragma unroll
-        for (int r = 0; r < RPT; ++r) {
-            store_row<T, VEC, VPT, TPR, HINTS, LAYOUT, FULL, HAS_BETA>(st[r], a, base + row_in_block + r * RPB, t,
-                                                                       nvec);
-        }
-    }
-}
-
-// Loads and stores of the looped kernel. PASS 1 reads the row for its statistics, PASS 2 reads it again for the
-// output. MOGRAPH_NORM_LOOP_TRITON (experiment): L1::evict_last in pass 1, L1::evict_first in pass 2 and plain
-// stores, as Triton emits for Inductor's looped reductions; otherwise the read-only path in pass 1 and HINTS.
-template <typename T, int VEC, int PASS, int HINTS = kHintsNone>
-__device__ __forceinline__ Pack<T, VEC> loop_load(const T* p) {
-    static_assert(sizeof(T) * VEC == 16, "16-byte packs");
-#ifdef MOGRAPH_NORM_LOOP_TRITON
-    Pack<T, VEC> out;
-    if constexpr (PASS == 1) {
-        asm volatile("ld.global.L1::evict_last.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(out.w.x), "=r"(out.w.y), "=r"(out.w.z), "=r"(out.w.w) : "l"(p));
-    } else {
-        asm volatile("ld.global.L1::evict_first.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(out.w.x), "=r"(out.w.y), "=r"(out.w.z), "=r"(out.w.w) : "l"(p));
-    }
-    return out;
-#else
-    if constexpr (PASS == 1) return load_pack<T, VEC>(p);
-    return load_stream<T, VEC, HINTS>(p);
-#endif
-}
-
-template <typename T, int VEC, int HINTS>
-__device__ __forceinline__ void loop_store(T* p, const Pack<T, VEC>& v) {
-#ifdef MOGRAPH_NORM_LOOP_TRITON
-    store_pack<T, VEC>(p, v);
-#else
-    store_stream<T, VEC, HINTS>(p, v);
-#endif
-}
-
-// Looped path for rows the launch shape covers exactly (LayerNorm and RMSNorm): one row per block of TPR
-// threads, each thread taking ITERS packs of it (t, t + TPR, ...) one at a time, twice: a first pass reduces
-// the row (each thread's own mean and M2 merged pack by pack, or its sum of squares) with loads that stay
-// in L1, a second pass reads the row again (from L1/L2, not HBM) to normalize and store it. Only a pack is
-// live at a time, so a thread needs few registers and an SM holds many rows in flight; the register kernel
-// instead keeps a thread's whole share of the row (tuning_table.cuh picks per launch shape, NormTune::looped).
-template <typename T, NormKind KIND, int VEC, int ITERS, int TPR, int HINTS, int MINB, bool UNROLL, bool HAS_BETA>
-__global__ void __launch_bounds__(TPR, MINB) norm_looped_kernel(const NormArgs<T> a) {
-    static_assert(!has_skip(KIND), "the looped path takes LayerNorm and RMSNorm");
-    constexpr int kUnroll = UNROLL ? ITERS : 1;
-    __shared__ float red[RowReducer<TPR, 1>::kFloats];
-    RowReducer<TPR, 1> reducer{red, 0};
-    pdl_trigger();
-    pdl_wait();
-
-    const int t = static_cast<int>(threadIdx.x);
-    for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
-        const T* xr = a.x + row * a.hidden + static_cast<int64_t>(t) * VEC;
-        float mean = 0.f;
-        float m2 = 0.f;  // centered: M2 about the running mean; RMS kinds: the sum of squares
-#pragma unroll kUnroll
-        for (int k = 0; k < ITERS; ++k) {
-            float v[VEC];
-            unpack_f32<T, VEC>(loop_load<T, VEC, 1>(xr + k * TPR * VEC), v);
-            if constexpr (centered(KIND)) {
-                // Chan's merge of this pack (mean pm, M2 pm2 over VEC values) into the k * VEC values so far.
-                float s = 0.f;
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) s += v[j];
-                const float pm = s * (1.f / static_cast<float>(VEC));
-                float pm2 = 0.f;
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    const float d = v[j] - pm;
-                    pm2 = fmaf(d, d, pm2);
-                }
-                const float d = pm - mean;
-                const float kf = static_cast<float>(k);
-                const float w = __frcp_rn(kf + 1.f);  // VEC / ((k + 1) * VEC)
-                mean = fmaf(d, w, mean);
-                m2 = (m2 + pm2) + d * d * (static_cast<float>(VEC) * kf * w);
-            } else {
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) m2 = fmaf(v[j], v[j], m2);
-            }
-        }
-        float rstd;
-        if constexpr (centered(KIND)) {
-            reducer.mean_m2(mean, m2, static_cast<float>(ITERS * VEC), 0, t);
-            rstd = rsqrtf(m2 * a.inv_hidden + a.eps);
-        } else {
-            rstd = rsqrtf(reducer.sum(m2, 0, t) * a.inv_hidden + a.eps);
-        }
-        T* yr = a.y + row * a.hidden + static_cast<int64_t>(t) * VEC;
-#pragma unroll kUnroll
-        for (int k = 0; k < ITERS; ++k) {
-            const int c = (t + k * TPR) * VEC;
-            float v[VEC];
-            float g[VEC];
-            unpack_f32<T, VEC>(loop_load<T, VEC, 2, HINTS>(xr + k * TPR * VEC), v);
-            unpack_f32<T, VEC>(load_pack<T, VEC>(a.gamma + c), g);
-            float f[VEC];
-            if constexpr (HAS_BETA) {
-                float b[VEC];
-                unpack_f32<T, VEC>(load_pack<T, VEC>(a.beta + c), b);
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) f[j] = fmaf((v[j] - mean) * rstd, g[j], b[j]);
-            } else {
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) f[j] = (v[j] - mean) * rstd * g[j];
-            }
-            loop_store<T, VEC, HINTS>(yr + k * TPR * VEC, pack_from_f32<T, VEC>(f));
-        }
+    for (int64_t base = static_cast<int64_t>(blockIdx.x) * RPB; base < a.rows;
+         base += static_cast<int64_t>(gridDim.x) * RPB) {
+        RowRegs<T, KIND, VEC, VPT> cur;
+        load_row<T, KIND, VEC, VPT, TPR, HINTS, FULL>(cur, a, base + row_in_block, t, nvec);
+        finish_row<T, KIND, VEC, VPT, TPR, RPB, HINTS, LAYOUT, FULL, HAS_BETA>(cur, a, base + row_in_block, row_in_block,
+                                                                       t, nvec, reducer);
     }
 }
 
@@ -592,8 +423,7 @@ __global__ void __launch_bounds__(1024) norm_generic_kernel(const NormArgs<T> a,
 // allocation must allow (0: no cap), the block size of rows that share blocks and the layout choices
 // (kLayout*). The values come from tuning_table.cuh, chosen per benchmarked shape from H200 sweeps;
 // MOGRAPH_NORM_HINTS=0|1|2, MOGRAPH_NORM_MIN_THREADS=N, MOGRAPH_NORM_BLOCK=N, MOGRAPH_NORM_GAMMA_EARLY=0|1 and
-// MOGRAPH_NORM_MERGED=0|1, MOGRAPH_NORM_LOOPED=N, MOGRAPH_NORM_UNROLL=0|1 and MOGRAPH_NORM_ROWS=N force one value
-// everywhere (tools/gpu_kernels.py --sweep).
+// MOGRAPH_NORM_MERGED=0|1 force one value everywhere (tools/gpu_kernels.py --sweep).
 template <typename T, NormKind KIND, int TPR, int VPT>
 constexpr NormTune norm_tuning() {
     NormTune t = norm_table(dtype_code<T>(), static_cast<int>(KIND), TPR, VPT);
@@ -612,15 +442,6 @@ constexpr NormTune norm_tuning() {
 #ifdef MOGRAPH_NORM_MERGED
     t.merged = MOGRAPH_NORM_MERGED != 0;
 #endif
-#ifdef MOGRAPH_NORM_LOOPED
-    t.looped = MOGRAPH_NORM_LOOPED;
-#endif
-#ifdef MOGRAPH_NORM_UNROLL
-    t.unroll = MOGRAPH_NORM_UNROLL != 0;
-#endif
-#ifdef MOGRAPH_NORM_ROWS
-    t.rows = MOGRAPH_NORM_ROWS;
-#endif
     return t;
 }
 
@@ -628,51 +449,31 @@ template <typename T, NormKind KIND, int VPT, int TPR>
 int launch_register(const NormArgs<T>& a, cudaStream_t stream) {
     constexpr int kVec = kVec16<T>;
     constexpr NormTune kTune = norm_tuning<T, KIND, TPR, VPT>();
-    const bool full = a.hidden == TPR * VPT * kVec;
-    // The looped kernel, where the table asks for it: LayerNorm / RMSNorm rows the shape covers exactly, in
-    // blocks of kTune.looped threads that divide the row's packs.
-    constexpr int kLoopTpr = kTune.looped;
-    if constexpr (kLoopTpr >= 32 && kLoopTpr <= 1024 && !has_skip(KIND) &&
-                  (TPR * VPT) % (kLoopTpr > 0 ? kLoopTpr : 1) == 0) {
-        constexpr int kIters = TPR * VPT / kLoopTpr;
-        constexpr int kMinBlocks = kTune.min_threads / kLoopTpr > 32 ? 32 : kTune.min_threads / kLoopTpr;
-        if (full) {
-            const dim3 grid(grid_for(a.rows, 1));
-            if (centered(KIND) && a.beta != nullptr) {
-                return launch_kernel(
-                    norm_looped_kernel<T, KIND, kVec, kIters, kLoopTpr, kTune.hints, kMinBlocks, kTune.unroll, true>,
-                    grid, dim3(kLoopTpr), 0, stream, a);
-            }
-            return launch_kernel(
-                norm_looped_kernel<T, KIND, kVec, kIters, kLoopTpr, kTune.hints, kMinBlocks, kTune.unroll, false>,
-                grid, dim3(kLoopTpr), 0, stream, a);
-        }
-    }
     constexpr int kBlock = kTune.block > 0 ? kTune.block : 128;
     constexpr int kRpb = TPR >= kBlock ? 1 : kBlock / TPR;  // small rows: several per block
-    constexpr int kRpt = kTune.rows > 1 ? kTune.rows : 1;
     constexpr int kMinBlocks = kTune.min_threads / (TPR * kRpb) < 1    ? 0
                                : kTune.min_threads / (TPR * kRpb) > 32 ? 32
                                                                        : kTune.min_threads / (TPR * kRpb);
     constexpr int kLayout = (kTune.gamma_early ? kLayoutGammaEarly : 0) | (kTune.merged ? kLayoutMerged : 0);
-    const dim3 grid(grid_for(a.rows, kRpb * kRpt));
+    const dim3 grid(grid_for(a.rows, kRpb));
     const dim3 block(TPR * kRpb);
+    const bool full = a.hidden == TPR * VPT * kVec;
     if constexpr (centered(KIND)) {
         if (a.beta != nullptr) {
             return full ? launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kLayout, kMinBlocks,
-                                                             true, true, kRpt>,
+                                                             true, true>,
                                         grid, block, 0, stream, a)
                         : launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kLayout, kMinBlocks,
-                                                             false, true, kRpt>,
+                                                             false, true>,
                                         grid, block, 0, stream, a);
         }
     }
-    return full ? launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kLayout, kMinBlocks, true,
-                                                     false, kRpt>,
-                                grid, block, 0, stream, a)
-                : launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kLayout, kMinBlocks,
-                                                     false, false, kRpt>,
-                                grid, block, 0, stream, a);
+    return full ? launch_kernel(
+                      norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kLayout, kMinBlocks, true, false>, grid,
+                      block, 0, stream, a)
+                : launch_kernel(
+                      norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kLayout, kMinBlocks, false, false>,
+                      grid, block, 0, stream, a);
 }
 
 // Largest hidden (in elements) the generic path keeps in shared memory with one row per block.
