@@ -399,6 +399,17 @@ _TUNING_BASE = {
 LAYOUT_VARIANTS = {"G0M0": (0, 0), "G1M0": (1, 0), "G0M1": (0, 1), "G1M1": (1, 1)}
 
 
+# Candidates of the third stage: the cache hints of the norm activations, forced everywhere on top of the table's
+# other settings (hints 4: Triton's evict_last loads with evict-first stores, see load_stream in common.cuh).
+# "default" (the table as it is) is the baseline, so an entry changes only when a candidate beats what it has.
+# Hints 3 (the same loads, plain stores) is a sweep variant only: as fast as 4 on most shapes in sweep s18, but
+# 5-12% slower on four of them (bf16 LayerNorm 16384x768, fp16/bf16 LayerNorm 65536x1024, fp32/bf16
+# SkipLayerNorm 4096x8192), where 4 never was.
+HINT_VARIANTS = {"h4": 4}
+# The same for the Gelu kernels, per dtype and form (geometric mean over the sizes); gh3 is a sweep variant only.
+GELU_HINT_VARIANTS = {"gh4": 4}
+
+
 def _layout(gamma_early: int, merged: int) -> list[str]:
     return [f"-DMOGRAPH_NORM_GAMMA_EARLY={gamma_early}", f"-DMOGRAPH_NORM_MERGED={merged}"]
 
@@ -424,6 +435,9 @@ SWEEP_VARIANTS = {
     "flatbias": ["-DMOGRAPH_GELU_FLAT_BIAS"],
     **{name: _layout(*setting) for name, setting in LAYOUT_VARIANTS.items()},
     "B32np": _tune((1, 0, 32), pdl=False),  # one 32-thread block per row of up to 32 threads, no PDL
+    # norm activations with Triton's hints: L1/L2 evict_last loads, plain (h3) or evict-first (h4) stores
+    **{name: [f"-DMOGRAPH_NORM_HINTS={h}"] for name, h in {"h3": 3, **HINT_VARIANTS}.items()},
+    **{name: [f"-DMOGRAPH_GELU_HINTS={h}"] for name, h in {"gh3": 3, **GELU_HINT_VARIANTS}.items()},
 }
 """Compile-time variants of the library for --sweep (see the MOGRAPH_* macros in kernels/src)."""
 
@@ -467,7 +481,7 @@ _NORM_ENTRY = re.compile(
     r"if \(dtype == (\d) && kind == (\d) && tpr == (\d+) && vpt == (\d+)\) "
     r"return \{(kHints\w+), (\d+), (\d+)(?:, (true|false), (true|false))?\};\s*// (.*)$"
 )
-_HINT_NAME = {0: "kHintsNone", 1: "kHintsStream", 2: "kHintsLoad"}
+_HINT_NAME = {0: "kHintsNone", 1: "kHintsStream", 2: "kHintsLoad", 3: "kHintsL2Last", 4: "kHintsL2LastCs"}
 _HINT_CODE = {v: k for k, v in _HINT_NAME.items()}
 
 
@@ -475,7 +489,8 @@ def read_norm_table(path: Path) -> dict:
     """The norm entries of a tuning_table.cuh written by emit_tuning.
 
     Returns {(dtype, op, (tpr, vpt)): entry}, entry a dict of hints, min_threads, block, gamma_early, merged,
-    cases (the benchmarked sizes it was chosen on), tuning and layout (the chosen variants' names).
+    cases (the benchmarked sizes it was chosen on), tuning, layout and hint (the chosen variants' names; hint is
+    "" when the third stage kept the tuning stage's hints).
     """
     dtypes = {v: k for k, v in _DTYPE_CODE.items()}
     kinds = {v: k for k, v in _KIND_CODE.items()}
@@ -488,7 +503,7 @@ def read_norm_table(path: Path) -> dict:
             continue
         d, k, tpr, vpt, hints, min_threads, block, gamma, merged, note = m.groups()
         cases, _, names = note.rpartition(": ")
-        tuning, _, layout = names.partition(", ")
+        tuning, layout, hint = (names.split(", ") + ["", ""])[:3]
         out[(dtypes[int(d)], kinds[int(k)], (int(tpr), int(vpt)))] = {
             "hints": _HINT_CODE[hints],
             "min_threads": int(min_threads),
@@ -498,7 +513,28 @@ def read_norm_table(path: Path) -> dict:
             "cases": cases.split(" ", 2)[-1] if cases else "",
             "tuning": tuning or "v1",
             "layout": layout or "G0M0",
+            "hint": hint,
         }
+    return out
+
+
+_GELU_ENTRY = re.compile(
+    r"if \(dtype == (\d) && (?:\(op == 2 \|\| op == 3\)|op == (\d))\) return \{(kHints\w+), (\d+), (\d+)\};"
+    r"\s*// (\w+) (\w+)(?:: (\w+))?$"
+)
+
+
+def read_gelu_table(path: Path) -> dict:
+    """The Gelu entries of a tuning_table.cuh: {(dtype, op): {hints, min_threads, group, hint}} in file order."""
+    out = {}
+    if not path.is_file():
+        return out
+    for line in path.read_text().splitlines():
+        m = _GELU_ENTRY.search(line.strip())
+        if m:
+            _, _, hints, min_threads, group, op, dtype, hint = m.groups()
+            out[(dtype, op)] = {"hints": _HINT_CODE[hints], "min_threads": int(min_threads), "group": int(group),
+                                "hint": hint or ""}  # fmt: skip
     return out
 
 
@@ -547,17 +583,23 @@ def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
     present = {n for r in sweep if "op" in r for n in r}
     tuning_names = [n for n in TUNING_VARIANTS if n in present]
     layout_names = [n for n in LAYOUT_VARIANTS if n in present]
-    if not tuning_names and not layout_names:
-        raise ValueError("the sweep has no v1 variant and no G0M0 variant: nothing to choose from")
+    hint_names = [n for n in HINT_VARIANTS if n in present]
+    gelu_hint_names = [n for n in GELU_HINT_VARIANTS if n in present]
+    if (hint_names or gelu_hint_names) and "default" not in present:
+        raise ValueError("the sweep has hint variants but no default variant (the table as it is)")
+    if hint_names:
+        hint_names = ["default", *hint_names]
+    if not tuning_names and not layout_names and not hint_names and not gelu_hint_names:
+        raise ValueError("the sweep has no v1 variant, no G0M0 variant and no hint variant: nothing to choose from")
     if tuning_names and "v1" not in tuning_names:
         raise ValueError("the sweep has no v1 variant")
     if layout_names and "G0M0" not in layout_names:
         raise ValueError("the sweep has no G0M0 variant")
     entries = read_norm_table(out_path)
     default = {"hints": 1, "min_threads": 0, "block": 128, "gamma_early": False, "merged": False,
-               "cases": "", "tuning": "v1", "layout": "G0M0"}  # fmt: skip
+               "cases": "", "tuning": "v1", "layout": "G0M0", "hint": ""}  # fmt: skip
     summary = []
-    for names, baseline in ((tuning_names, "v1"), (layout_names, "G0M0")):
+    for names, baseline in ((tuning_names, "v1"), (layout_names, "G0M0"), (hint_names, "default")):
         if not names:
             continue
         best, cases = _best_per_key(sweep, names, baseline)
@@ -567,6 +609,11 @@ def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
             if baseline == "v1":
                 e["hints"], e["min_threads"], e["block"] = TUNING_VARIANTS[name][0]
                 e["tuning"] = name
+                e["hint"] = ""  # the tuning stage sets the hints
+            elif baseline == "default":
+                if name != "default":
+                    e["hints"] = HINT_VARIANTS[name]
+                    e["hint"] = name
             else:
                 gamma, merged = LAYOUT_VARIANTS[name]
                 e["gamma_early"], e["merged"] = bool(gamma), bool(merged)
@@ -586,22 +633,45 @@ def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
             gelu_scores.setdefault((r["dtype"], r["op"]), {}).setdefault(TUNING_VARIANTS[n][1], []).append(
                 math.log(t / times["v1"])
             )
-    gelu_rows = []
+    gelu = read_gelu_table(out_path)
     for (dtype, op), by_setting in sorted(gelu_scores.items()):
         means = {k: sum(v) / len(v) for k, v in by_setting.items()}
         v1_setting = TUNING_VARIANTS["v1"][1]
         best = min(means, key=means.get)
         if math.exp(means[best]) > 1 - TUNING_KEEP_MARGIN:
             best = v1_setting
-        gelu_rows.append((dtype, op, best, math.exp(means[best])))
+        gelu[(dtype, op)] = {"hints": best[0], "min_threads": best[1], "group": best[2], "hint": ""}
         summary.append(f"{op:<16}{dtype:<5} -> hints {best[0]}, min_threads {best[1]}, group {best[2]}: "
                        f"time / v1 {math.exp(means[best]):.3f} (geometric mean over shapes)")  # fmt: skip
+    # Gelu hint stage: per dtype and form, a hint variant replaces the entry's hints when faster in geometric mean.
+    hint_scores: dict = {}
+    for r in sweep:
+        if "op" not in r or r["op"] not in _GELU_CODE or not gelu_hint_names:
+            continue
+        times = {n: r[n]["s"] for n in ["default", *gelu_hint_names] if isinstance(r.get(n), dict) and "s" in r[n]}
+        if "default" not in times:
+            continue
+        for n, t in times.items():
+            hint_scores.setdefault((r["dtype"], r["op"]), {}).setdefault(n, []).append(math.log(t / times["default"]))
+    for key, by_name in sorted(hint_scores.items()):
+        if key not in gelu:
+            raise ValueError(f"the sweep times Gelu hints for {key} but the table has no entry for it")
+        means = {n: sum(v) / len(v) for n, v in by_name.items() if len(v) == len(by_name["default"])}
+        name = min(means, key=means.get)
+        if math.exp(means[name]) > 1 - TUNING_KEEP_MARGIN:
+            name = "default"
+        if name != "default":
+            gelu[key]["hints"], gelu[key]["hint"] = GELU_HINT_VARIANTS[name], name
+        summary.append(f"{key[1]:<16}{key[0]:<5} -> {name}: time / default {math.exp(means[name]):.3f} "
+                       "(geometric mean over shapes)")  # fmt: skip
+    gelu_rows = [] if not gelu_scores and not hint_scores else list(gelu.items())
 
     lines = [
         "// tuning_table.cuh - launch choices per dtype, op and row shape (see NormTune / GeluTune in common.cuh).",
         "//",
-        "// Generated by tools/gpu_kernels.py --emit-tuning from sweeps of its TUNING_VARIANTS and LAYOUT_VARIANTS",
-        f"// (last: {source}).",
+        "// Generated by tools/gpu_kernels.py --emit-tuning from sweeps of its TUNING_VARIANTS, LAYOUT_VARIANTS and",
+        f"// HINT_VARIANTS (last: {source}).",
+        "// A third name after a norm entry, a name after a Gelu entry: the hint variant that replaced its hints.",
         "// Norms: per launch shape (threads per row, packs per thread) of a benchmarked size, the fastest setting",
         "// there; other launch shapes get the untuned choices. Gelu: per dtype and form, the setting with the best",
         f"// geometric mean over the sizes. A setting replaces the untuned one only when {TUNING_KEEP_MARGIN:.1%} faster.",
@@ -623,10 +693,10 @@ def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
         lines.append(
             f"    if (dtype == {_DTYPE_CODE[dtype]} && kind == {_KIND_CODE[op]} && tpr == {tpr} && vpt == {vpt}) "
             f"return {{{_HINT_NAME[e['hints']]}, {e['min_threads']}, {e['block']}, {flags}}};"
-            f"  // {op} {dtype} {e['cases']}: {e['tuning']}, {e['layout']}"
+            f"  // {op} {dtype} {e['cases']}: {e['tuning']}, {e['layout']}" + (f", {e['hint']}" if e["hint"] else "")
         )
     lines += ["    return {kHintsStream, 0, 128, false, false};", "}", ""]
-    if not gelu_rows:  # a sweep of the norm ops only: the Gelu entries stay as they are
+    if not gelu_rows:  # no Gelu stage in this sweep: the Gelu entries stay as they are, verbatim
         old_text = out_path.read_text() if out_path.is_file() else ""
         start = old_text.find("// op: 0 Gelu")
         end = old_text.find("}  // namespace mograph")
@@ -642,12 +712,13 @@ def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
         "// op: 0 Gelu, 1 Gelu (tanh), 2 BiasGelu, 3 BiasGelu (tanh; takes the exact form's entry).",
         "constexpr GeluTune gelu_table(int dtype, int op) {",
     ]
-    for dtype, op, (hints, min_threads, group), _ in gelu_rows:
+    for (dtype, op), g in gelu_rows:
         code = _GELU_CODE[op]
         cond = "(op == 2 || op == 3)" if code == 2 else f"op == {code}"
         lines.append(
-            f"    if (dtype == {_DTYPE_CODE[dtype]} && {cond}) return {{{_HINT_NAME[hints]}, {min_threads}, {group}}};"
-            f"  // {op} {dtype}"
+            f"    if (dtype == {_DTYPE_CODE[dtype]} && {cond}) "
+            f"return {{{_HINT_NAME[g['hints']]}, {g['min_threads']}, {g['group']}}};"
+            f"  // {op} {dtype}" + (f": {g['hint']}" if g["hint"] else "")
         )
     lines += ["    return {kHintsStream, 0, 1};", "}", "", "}  // namespace mograph", ""]
     out_path.write_text("\n".join(lines))

@@ -92,13 +92,29 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& v) {
 //   kHintsStream (1): loads and stores evict-first (ld/st.global.cs), so the reused vectors stay cached;
 //   kHintsLoad   (2): evict-first loads, plain stores.
 // MOGRAPH_NO_STREAMING_HINTS makes every access plain (kHintsNone), whatever the dispatch asks for.
+//   kHintsL2Last (3): 16-byte loads marked L1::evict_last with an L2 evict_last access policy, plain stores (what
+//                     Triton emits for Inductor's reductions at eviction_policy='evict_last');
+//   kHintsL2LastCs (4): those loads with evict-first stores.
 constexpr int kHintsNone = 0;
 constexpr int kHintsStream = 1;
 constexpr int kHintsLoad = 2;
+constexpr int kHintsL2Last = 3;
+constexpr int kHintsL2LastCs = 4;
 
 template <typename T, int N, int HINTS = kHintsStream>
 __device__ __forceinline__ Pack<T, N> load_stream(const T* p) {
 #ifndef MOGRAPH_NO_STREAMING_HINTS
+    if constexpr ((HINTS == kHintsL2Last || HINTS == kHintsL2LastCs) && sizeof(T) * N == 16) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+        Pack<T, N> out;
+        uint64_t policy;
+        asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+        asm volatile("ld.global.L1::evict_last.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                     : "=r"(out.w.x), "=r"(out.w.y), "=r"(out.w.z), "=r"(out.w.w)
+                     : "l"(p), "l"(policy));
+        return out;
+#endif
+    }
     if constexpr (HINTS == kHintsStream || HINTS == kHintsLoad) {
         using Raw = typename Pack<T, N>::Raw;
         Pack<T, N> out;
@@ -112,7 +128,7 @@ __device__ __forceinline__ Pack<T, N> load_stream(const T* p) {
 template <typename T, int N, int HINTS = kHintsStream>
 __device__ __forceinline__ void store_stream(T* p, const Pack<T, N>& v) {
 #ifndef MOGRAPH_NO_STREAMING_HINTS
-    if constexpr (HINTS == kHintsStream) {
+    if constexpr (HINTS == kHintsStream || HINTS == kHintsL2LastCs) {
         using Raw = typename Pack<T, N>::Raw;
         __stcs(reinterpret_cast<Raw*>(p), v.w);
         return;

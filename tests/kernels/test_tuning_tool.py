@@ -101,7 +101,7 @@ def test_emit_tuning_needs_the_untuned_variant(gk, tmp_path):
     with pytest.raises(ValueError, match="no G0M0"):
         gk.emit_tuning([_record("layer_norm", "f16", 16384, 768, {"G1M0": 1e-5})], tmp_path / "t.cuh", "x")
     with pytest.raises(ValueError, match="nothing to choose"):
-        gk.emit_tuning([_record("layer_norm", "f16", 16384, 768, {"default": 1e-5})], tmp_path / "t.cuh", "x")
+        gk.emit_tuning([_record("layer_norm", "f16", 16384, 768, {"nopdl": 1e-5})], tmp_path / "t.cuh", "x")
 
 
 def test_emit_tuning_layout_sweep_keeps_the_other_settings(gk, tmp_path):
@@ -131,12 +131,64 @@ def test_emit_tuning_layout_sweep_keeps_the_other_settings(gk, tmp_path):
     assert table[("f16", "layer_norm", (32, 3))]["cases"] == "16384x768"
 
 
+def test_emit_tuning_hint_stage_changes_only_hints(gk, tmp_path):
+    # The third stage compares the table as it is ("default") with HINT_VARIANTS forced on top of it: an entry
+    # takes hints 4 only where that is TUNING_KEEP_MARGIN faster, keeps everything else, and says so in its note.
+    # Sweep-only variants (h3) are not candidates. A later tuning-stage sweep sets the hints again.
+    out = tmp_path / "tuning_table.cuh"
+    out.write_text(GELU_TABLE)
+    gk.emit_tuning([_record("layer_norm", "f16", 16384, 768, {"v1": 1.00e-5, "v6": 0.97e-5})], out, "stage 1")
+    hints = [
+        _record("layer_norm", "f16", 16384, 768, {"default": 1.00e-5, "h3": 0.90e-5, "h4": 0.98e-5}),
+        _record("rms_norm", "f32", 16384, 4096, {"default": 1.00e-4, "h4": 0.997e-4}),  # within the margin
+    ]
+    summary = gk.emit_tuning(hints, out, "stage 3")
+    text = out.read_text()
+    assert "return {kHintsL2LastCs, 1024, 128, false, false};  // layer_norm f16 16384x768: v6, G0M0, h4" in text
+    assert "return {kHintsStream, 0, 128, false, false};  // rms_norm f32 16384x4096: v1, G0M0\n" in text
+    assert "-> h4: time / default 0.980" in summary
+    entry = gk.read_norm_table(out)[("f16", "layer_norm", (32, 3))]
+    assert (entry["hints"], entry["min_threads"], entry["tuning"], entry["hint"]) == (4, 1024, "v6", "h4")
+    gk.emit_tuning([_record("layer_norm", "f16", 16384, 768, {"v1": 1.00e-5, "v2": 0.97e-5})], out, "stage 1 again")
+    assert "return {kHintsStream, 1024, 128, false, false};  // layer_norm f16 16384x768: v2, G0M0\n" in out.read_text()
+    with pytest.raises(ValueError, match="no default variant"):
+        gk.emit_tuning([_record("layer_norm", "f16", 16384, 768, {"h4": 1e-5})], out, "x")
+    assert "-DMOGRAPH_NORM_HINTS=4" in gk.SWEEP_VARIANTS["h4"] and "h3" in gk.SWEEP_VARIANTS
+
+
+def test_emit_tuning_gelu_hint_stage(gk, tmp_path):
+    # Gelu hint variants change an entry's hints per dtype and form by the geometric mean over the sizes; the
+    # untimed Gelu entries and every norm entry are kept; the table reads back.
+    out = tmp_path / "tuning_table.cuh"
+    out.write_text(GELU_TABLE.replace(
+        "    return {kHintsStream, 0, 1};\n}",
+        "    if (dtype == 0 && (op == 2 || op == 3)) return {kHintsStream, 1024, 4};  // bias_gelu f32\n"
+        "    return {kHintsStream, 0, 1};\n}",
+    ))  # fmt: skip
+    sweep = [
+        _record("gelu", "f16", 16384, 768, {"default": 1.00e-5, "gh4": 0.96e-5}),
+        _record("gelu", "f16", 65536, 1024, {"default": 1.00e-4, "gh4": 1.01e-4}),  # mean 0.985: taken
+        _record("bias_gelu", "f32", 16384, 768, {"default": 1.00e-5, "gh3": 0.90e-5, "gh4": 1.10e-5}),
+    ]
+    summary = gk.emit_tuning(sweep, out, "gelu hints")
+    text = out.read_text()
+    assert "if (dtype == 1 && op == 0) return {kHintsL2LastCs, 1024, 1};  // gelu f16: gh4" in text
+    assert "if (dtype == 0 && (op == 2 || op == 3)) return {kHintsStream, 1024, 4};  // bias_gelu f32\n" in text
+    assert "kept from the table" not in text
+    assert "bias_gelu       f32   -> default" in summary
+    assert gk.read_gelu_table(out)[("f16", "gelu")] == {"hints": 4, "min_threads": 1024, "group": 1, "hint": "gh4"}
+    with pytest.raises(ValueError, match="no entry"):
+        gk.emit_tuning([_record("gelu_tanh", "bf16", 16384, 768, {"default": 1e-5, "gh4": 0.9e-5})], out, "x")
+
+
 def test_shipped_table_parses(gk):
     # Every norm entry of the committed table is one the generator can read back (so a sweep of one stage
     # keeps the other stage's choices).
     path = ROOT / "kernels" / "src" / "tuning_table.cuh"
-    entries = [ln for ln in path.read_text().splitlines() if ln.strip().startswith("if (dtype") and "kind ==" in ln]
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip().startswith("if (dtype")]
+    entries = [ln for ln in lines if "kind ==" in ln]
     assert entries and len(gk.read_norm_table(path)) == len(entries)
+    assert len(gk.read_gelu_table(path)) == len(lines) - len(entries) > 0
 
 
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "skip_layer_norm", "skip_rms_norm", "gelu", "bias_gelu"])
