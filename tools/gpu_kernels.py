@@ -405,7 +405,24 @@ LAYOUT_VARIANTS = {"G0M0": (0, 0), "G1M0": (1, 0), "G0M1": (0, 1), "G1M1": (1, 1
 # Hints 3 (the same loads, plain stores) is a sweep variant only: as fast as 4 on most shapes in sweep s18, but
 # 5-12% slower on four of them (bf16 LayerNorm 16384x768, fp16/bf16 LayerNorm 65536x1024, fp32/bf16
 # SkipLayerNorm 4096x8192), where 4 never was.
-HINT_VARIANTS = {"h4": 4}
+# A candidate is (hints, min_threads, block); None keeps the entry's own. The h4m* variants also set the register
+# cap and the block size of rows that share blocks (the tuning stage's other two settings, re-chosen with hints 4).
+HINT_VARIANTS = {
+    "h4": (4, None, None),
+    **{f"h4m{m}b{b}": (4, m, b) for m in (0, 1024, 1280, 1536) for b in (128, 64)},
+}
+
+
+def _hint_flags(setting: tuple) -> list[str]:
+    hints, min_threads, block = setting
+    flags = [f"-DMOGRAPH_NORM_HINTS={hints}"]
+    if min_threads is not None:
+        flags.append(f"-DMOGRAPH_NORM_MIN_THREADS={min_threads}")
+    if block is not None:
+        flags.append(f"-DMOGRAPH_NORM_BLOCK={block}")
+    return flags
+
+
 # The same for the Gelu kernels, per dtype and form (geometric mean over the sizes); gh3 is a sweep variant only.
 GELU_HINT_VARIANTS = {"gh4": 4}
 
@@ -436,7 +453,7 @@ SWEEP_VARIANTS = {
     **{name: _layout(*setting) for name, setting in LAYOUT_VARIANTS.items()},
     "B32np": _tune((1, 0, 32), pdl=False),  # one 32-thread block per row of up to 32 threads, no PDL
     # norm activations with Triton's hints: L1/L2 evict_last loads, plain (h3) or evict-first (h4) stores
-    **{name: [f"-DMOGRAPH_NORM_HINTS={h}"] for name, h in {"h3": 3, **HINT_VARIANTS}.items()},
+    **{name: _hint_flags(h) for name, h in {"h3": (3, None, None), **HINT_VARIANTS}.items()},
     **{name: [f"-DMOGRAPH_GELU_HINTS={h}"] for name, h in {"gh3": 3, **GELU_HINT_VARIANTS}.items()},
 }
 """Compile-time variants of the library for --sweep (see the MOGRAPH_* macros in kernels/src)."""
@@ -612,7 +629,10 @@ def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
                 e["hint"] = ""  # the tuning stage sets the hints
             elif baseline == "default":
                 if name != "default":
-                    e["hints"] = HINT_VARIANTS[name]
+                    hints, min_threads, block = HINT_VARIANTS[name]
+                    e["hints"] = hints
+                    e["min_threads"] = e["min_threads"] if min_threads is None else min_threads
+                    e["block"] = e["block"] if block is None else block
                     e["hint"] = name
             else:
                 gamma, merged = LAYOUT_VARIANTS[name]

@@ -156,6 +156,23 @@ def test_emit_tuning_hint_stage_changes_only_hints(gk, tmp_path):
     assert "-DMOGRAPH_NORM_HINTS=4" in gk.SWEEP_VARIANTS["h4"] and "h3" in gk.SWEEP_VARIANTS
 
 
+def test_emit_tuning_hint_stage_with_cap_and_block(gk, tmp_path):
+    # The h4m<min_threads>b<block> candidates set the register cap and block size with the hints; the layout
+    # and the other entries stay.
+    out = tmp_path / "tuning_table.cuh"
+    out.write_text(GELU_TABLE)
+    gk.emit_tuning([_record("layer_norm", "f32", 16384, 4096, {"v1": 1.00e-4, "v2": 0.99e-4})], out, "stage 1")
+    gk.emit_tuning([_record("layer_norm", "f32", 16384, 4096, {"G0M0": 1.00e-4, "G1M1": 0.99e-4})], out, "stage 2")
+    sweep = [_record("layer_norm", "f32", 16384, 4096, {"default": 1.00e-4, "h4m0b128": 0.99e-4, "h4m1280b64": 0.98e-4})]
+    gk.emit_tuning(sweep, out, "stage 3")
+    assert "return {kHintsL2LastCs, 1280, 64, true, true};  // layer_norm f32 16384x4096: v2, G1M1, h4m1280b64" in (
+        out.read_text()
+    )
+    assert gk.HINT_VARIANTS["h4m1024b128"] == (4, 1024, 128) and gk.HINT_VARIANTS["h4"] == (4, None, None)
+    assert gk.SWEEP_VARIANTS["h4m1024b64"] == ["-DMOGRAPH_NORM_HINTS=4", "-DMOGRAPH_NORM_MIN_THREADS=1024",
+                                               "-DMOGRAPH_NORM_BLOCK=64"]  # fmt: skip
+
+
 def test_emit_tuning_gelu_hint_stage(gk, tmp_path):
     # Gelu hint variants change an entry's hints per dtype and form by the geometric mean over the sizes; the
     # untimed Gelu entries and every norm entry are kept; the table reads back.
