@@ -555,6 +555,12 @@ def read_gelu_table(path: Path) -> dict:
     return out
 
 
+def _pick(means: dict, baseline):
+    """The key with the smallest mean log time ratio, or baseline unless that one is TUNING_KEEP_MARGIN faster."""
+    best = min(means, key=means.get)
+    return baseline if math.exp(means[best]) > 1 - TUNING_KEEP_MARGIN else best
+
+
 def _best_per_key(sweep: list, names: list[str], baseline: str) -> tuple[dict, dict]:
     """Per norm launch shape (dtype, op, (tpr, vpt)): the variant with the best geometric mean of time / baseline
     over the benchmarked sizes of that shape, replaced by the baseline unless it is TUNING_KEEP_MARGIN faster.
@@ -579,9 +585,7 @@ def _best_per_key(sweep: list, names: list[str], baseline: str) -> tuple[dict, d
     best = {}
     for key, by_variant in scores.items():
         means = {n: sum(v) / len(v) for n, v in by_variant.items() if len(v) == len(cases[key])}
-        name = min(means, key=means.get)
-        if math.exp(means[name]) > 1 - TUNING_KEEP_MARGIN:
-            name = baseline
+        name = _pick(means, baseline)
         best[key] = (name, math.exp(means[name]))
     return best, cases
 
@@ -656,10 +660,7 @@ def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
     gelu = read_gelu_table(out_path)
     for (dtype, op), by_setting in sorted(gelu_scores.items()):
         means = {k: sum(v) / len(v) for k, v in by_setting.items()}
-        v1_setting = TUNING_VARIANTS["v1"][1]
-        best = min(means, key=means.get)
-        if math.exp(means[best]) > 1 - TUNING_KEEP_MARGIN:
-            best = v1_setting
+        best = _pick(means, TUNING_VARIANTS["v1"][1])
         gelu[(dtype, op)] = {"hints": best[0], "min_threads": best[1], "group": best[2], "hint": ""}
         summary.append(f"{op:<16}{dtype:<5} -> hints {best[0]}, min_threads {best[1]}, group {best[2]}: "
                        f"time / v1 {math.exp(means[best]):.3f} (geometric mean over shapes)")  # fmt: skip
@@ -677,9 +678,7 @@ def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
         if key not in gelu:
             raise ValueError(f"the sweep times Gelu hints for {key} but the table has no entry for it")
         means = {n: sum(v) / len(v) for n, v in by_name.items() if len(v) == len(by_name["default"])}
-        name = min(means, key=means.get)
-        if math.exp(means[name]) > 1 - TUNING_KEEP_MARGIN:
-            name = "default"
+        name = _pick(means, "default")
         if name != "default":
             gelu[key]["hints"], gelu[key]["hint"] = GELU_HINT_VARIANTS[name], name
         summary.append(f"{key[1]:<16}{key[0]:<5} -> {name}: time / default {math.exp(means[name]):.3f} "

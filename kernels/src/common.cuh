@@ -91,10 +91,10 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& v) {
 //   kHintsNone   (0): plain accesses (loads through the read-only path, ld.global.nc);
 //   kHintsStream (1): loads and stores evict-first (ld/st.global.cs), so the reused vectors stay cached;
 //   kHintsLoad   (2): evict-first loads, plain stores.
-// MOGRAPH_NO_STREAMING_HINTS makes every access plain (kHintsNone), whatever the dispatch asks for.
 //   kHintsL2Last (3): 16-byte loads marked L1::evict_last with an L2 evict_last access policy, plain stores (what
 //                     Triton emits for Inductor's reductions at eviction_policy='evict_last');
 //   kHintsL2LastCs (4): those loads with evict-first stores.
+// MOGRAPH_NO_STREAMING_HINTS makes every access plain (kHintsNone), whatever the dispatch asks for.
 constexpr int kHintsNone = 0;
 constexpr int kHintsStream = 1;
 constexpr int kHintsLoad = 2;
