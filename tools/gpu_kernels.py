@@ -411,6 +411,9 @@ HINT_VARIANTS = {
     "h4": (4, None, None),
     **{f"h4m{m}b{b}": (4, m, b) for m in (0, 1024, 1280, 1536) for b in (128, 64)},
 }
+# Also third-stage candidates: the register kernel without its grid-stride loop (NormTune::one_pass), on top of
+# each entry's other settings.
+ONE_PASS_VARIANTS = {"NL": ["-DMOGRAPH_NORM_ONE_PASS=1"]}
 
 
 def _hint_flags(setting: tuple) -> list[str]:
@@ -423,8 +426,22 @@ def _hint_flags(setting: tuple) -> list[str]:
     return flags
 
 
-# The same for the Gelu kernels, per dtype and form (geometric mean over the sizes); gh3 is a sweep variant only.
-GELU_HINT_VARIANTS = {"gh4": 4}
+# The same for the Gelu kernels, per dtype and form (geometric mean over the sizes): (hints, min_threads, group),
+# None keeping the entry's own; gh3 is a sweep variant only.
+GELU_HINT_VARIANTS = {
+    "gh4": (4, None, None),
+    **{f"gh4m{m}g{g}": (4, m, g) for m in (0, 1024) for g in (1, 4, 8)},
+}
+
+
+def _gelu_hint_flags(setting: tuple) -> list[str]:
+    hints, min_threads, group = setting
+    flags = [f"-DMOGRAPH_GELU_HINTS={hints}"]
+    if min_threads is not None:
+        flags.append(f"-DMOGRAPH_GELU_MIN_THREADS={min_threads}")
+    if group is not None:
+        flags.append(f"-DMOGRAPH_GELU_GROUP={group}")
+    return flags
 
 
 def _layout(gamma_early: int, merged: int) -> list[str]:
@@ -452,9 +469,12 @@ SWEEP_VARIANTS = {
     "flatbias": ["-DMOGRAPH_GELU_FLAT_BIAS"],
     **{name: _layout(*setting) for name, setting in LAYOUT_VARIANTS.items()},
     "B32np": _tune((1, 0, 32), pdl=False),  # one 32-thread block per row of up to 32 threads, no PDL
+    "B32nph4": _tune((4, 0, 32), pdl=False),  # the same with hints 4
+    "H48h4": ["-DMOGRAPH_NORM_MAX_ELEMS_HALF=48", "-DMOGRAPH_NORM_HINTS=4"],
+    **ONE_PASS_VARIANTS,
     # norm activations with Triton's hints: L1/L2 evict_last loads, plain (h3) or evict-first (h4) stores
     **{name: _hint_flags(h) for name, h in {"h3": (3, None, None), **HINT_VARIANTS}.items()},
-    **{name: [f"-DMOGRAPH_GELU_HINTS={h}"] for name, h in {"gh3": 3, **GELU_HINT_VARIANTS}.items()},
+    **{name: _gelu_hint_flags(h) for name, h in {"gh3": (3, None, None), **GELU_HINT_VARIANTS}.items()},
 }
 """Compile-time variants of the library for --sweep (see the MOGRAPH_* macros in kernels/src)."""
 
@@ -496,7 +516,7 @@ def norm_launch_shape(op: str, dtype: str, hidden: int) -> tuple[int, int] | Non
 
 _NORM_ENTRY = re.compile(
     r"if \(dtype == (\d) && kind == (\d) && tpr == (\d+) && vpt == (\d+)\) "
-    r"return \{(kHints\w+), (\d+), (\d+)(?:, (true|false), (true|false))?\};\s*// (.*)$"
+    r"return \{(kHints\w+), (\d+), (\d+)(?:, (true|false), (true|false)(?:, (true|false))?)?\};\s*// (.*)$"
 )
 _HINT_NAME = {0: "kHintsNone", 1: "kHintsStream", 2: "kHintsLoad", 3: "kHintsL2Last", 4: "kHintsL2LastCs"}
 _HINT_CODE = {v: k for k, v in _HINT_NAME.items()}
@@ -506,7 +526,7 @@ def read_norm_table(path: Path) -> dict:
     """The norm entries of a tuning_table.cuh written by emit_tuning.
 
     Returns {(dtype, op, (tpr, vpt)): entry}, entry a dict of hints, min_threads, block, gamma_early, merged,
-    cases (the benchmarked sizes it was chosen on), tuning, layout and hint (the chosen variants' names; hint is
+    one_pass, cases (the benchmarked sizes it was chosen on), tuning, layout and hint (the chosen variants' names; hint is
     "" when the third stage kept the tuning stage's hints).
     """
     dtypes = {v: k for k, v in _DTYPE_CODE.items()}
@@ -518,7 +538,7 @@ def read_norm_table(path: Path) -> dict:
         m = _NORM_ENTRY.search(line.strip())
         if not m:
             continue
-        d, k, tpr, vpt, hints, min_threads, block, gamma, merged, note = m.groups()
+        d, k, tpr, vpt, hints, min_threads, block, gamma, merged, one_pass, note = m.groups()
         cases, _, names = note.rpartition(": ")
         tuning, layout, hint = (names.split(", ") + ["", ""])[:3]
         out[(dtypes[int(d)], kinds[int(k)], (int(tpr), int(vpt)))] = {
@@ -527,6 +547,7 @@ def read_norm_table(path: Path) -> dict:
             "block": int(block),
             "gamma_early": gamma == "true",
             "merged": merged == "true",
+            "one_pass": one_pass == "true",
             "cases": cases.split(" ", 2)[-1] if cases else "",
             "tuning": tuning or "v1",
             "layout": layout or "G0M0",
@@ -604,7 +625,7 @@ def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
     present = {n for r in sweep if "op" in r for n in r}
     tuning_names = [n for n in TUNING_VARIANTS if n in present]
     layout_names = [n for n in LAYOUT_VARIANTS if n in present]
-    hint_names = [n for n in HINT_VARIANTS if n in present]
+    hint_names = [n for n in (*HINT_VARIANTS, *ONE_PASS_VARIANTS) if n in present]
     gelu_hint_names = [n for n in GELU_HINT_VARIANTS if n in present]
     if (hint_names or gelu_hint_names) and "default" not in present:
         raise ValueError("the sweep has hint variants but no default variant (the table as it is)")
@@ -617,7 +638,7 @@ def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
     if layout_names and "G0M0" not in layout_names:
         raise ValueError("the sweep has no G0M0 variant")
     entries = read_norm_table(out_path)
-    default = {"hints": 1, "min_threads": 0, "block": 128, "gamma_early": False, "merged": False,
+    default = {"hints": 1, "min_threads": 0, "block": 128, "gamma_early": False, "merged": False, "one_pass": False,
                "cases": "", "tuning": "v1", "layout": "G0M0", "hint": ""}  # fmt: skip
     summary = []
     for names, baseline in ((tuning_names, "v1"), (layout_names, "G0M0"), (hint_names, "default")):
@@ -632,12 +653,16 @@ def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
                 e["tuning"] = name
                 e["hint"] = ""  # the tuning stage sets the hints
             elif baseline == "default":
-                if name != "default":
+                if name in ONE_PASS_VARIANTS:
+                    e["one_pass"] = True
+                    tags = [t for t in e["hint"].split("+") if t and t != name]
+                    e["hint"] = "+".join([*tags, name])
+                elif name != "default":
                     hints, min_threads, block = HINT_VARIANTS[name]
                     e["hints"] = hints
                     e["min_threads"] = e["min_threads"] if min_threads is None else min_threads
                     e["block"] = e["block"] if block is None else block
-                    e["hint"] = name
+                    e["hint"] = "+".join([name, *(["NL"] if e.get("one_pass") else [])])
             else:
                 gamma, merged = LAYOUT_VARIANTS[name]
                 e["gamma_early"], e["merged"] = bool(gamma), bool(merged)
@@ -680,7 +705,12 @@ def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
         means = {n: sum(v) / len(v) for n, v in by_name.items() if len(v) == len(by_name["default"])}
         name = _pick(means, "default")
         if name != "default":
-            gelu[key]["hints"], gelu[key]["hint"] = GELU_HINT_VARIANTS[name], name
+            hints, min_threads, group = GELU_HINT_VARIANTS[name]
+            gelu[key]["hints"], gelu[key]["hint"] = hints, name
+            if min_threads is not None:
+                gelu[key]["min_threads"] = min_threads
+            if group is not None:
+                gelu[key]["group"] = group
         summary.append(f"{key[1]:<16}{key[0]:<5} -> {name}: time / default {math.exp(means[name]):.3f} "
                        "(geometric mean over shapes)")  # fmt: skip
     gelu_rows = [] if not gelu_scores and not hint_scores else list(gelu.items())
@@ -690,7 +720,8 @@ def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
         "//",
         "// Generated by tools/gpu_kernels.py --emit-tuning from sweeps of its TUNING_VARIANTS, LAYOUT_VARIANTS and",
         f"// HINT_VARIANTS (last: {source}).",
-        "// A third name after a norm entry, a name after a Gelu entry: the hint variant that replaced its hints.",
+        "// A third name after a norm entry, a name after a Gelu entry: the third-stage variants that replaced its",
+        "// hints (and cap, block or group) or dropped its grid-stride loop (NL).",
         "// Norms: per launch shape (threads per row, packs per thread) of a benchmarked size, the fastest setting",
         "// there; other launch shapes get the untuned choices. Gelu: per dtype and form, the setting with the best",
         f"// geometric mean over the sizes. A setting replaces the untuned one only when {TUNING_KEEP_MARGIN:.1%} faster.",
@@ -703,12 +734,14 @@ def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
         "",
         "// dtype: 0 fp32, 1 fp16, 2 bf16; kind: 0 LayerNorm, 1 RMSNorm, 2 SkipLayerNorm, 3 SkipRMSNorm;",
         "// tpr, vpt: threads per row and 16-byte packs per thread of the register kernel;",
-        "// {hints, min_threads, block, gamma_early, merged}: see NormTune.",
+        "// {hints, min_threads, block, gamma_early, merged[, one_pass]}: see NormTune.",
         "constexpr NormTune norm_table(int dtype, int kind, int tpr, int vpt) {",
     ]
     order = {k: i for i, k in enumerate(entries)}
     for (dtype, op, (tpr, vpt)), e in sorted(entries.items(), key=lambda kv: order[kv[0]]):
         flags = f"{'true' if e['gamma_early'] else 'false'}, {'true' if e['merged'] else 'false'}"
+        if e.get("one_pass"):
+            flags += ", true"
         lines.append(
             f"    if (dtype == {_DTYPE_CODE[dtype]} && kind == {_KIND_CODE[op]} && tpr == {tpr} && vpt == {vpt}) "
             f"return {{{_HINT_NAME[e['hints']]}, {e['min_threads']}, {e['block']}, {flags}}};"

@@ -145,6 +145,7 @@ struct NormTune {
     int block = 0;    // threads per block when rows are smaller (several rows per block); 0: 128
     bool gamma_early = false;  // load gamma/beta with the row (see kLayoutGammaEarly in norm.cuh)
     bool merged = false;       // LayerNorm: one merged (mean, M2) reduction (see kLayoutMerged in norm.cuh)
+    bool one_pass = false;     // no grid-stride loop: each block its RPB rows (see kLayoutOnePass in norm.cuh)
 };
 
 struct GeluTune {

@@ -135,8 +135,11 @@ struct RowReducer {
 //   16-32 elements a thread the extra live registers cost more than they save);
 // * kLayoutMerged: LayerNorm statistics of fully covered rows come from one merged (mean, M2) reduction
 //   (RowReducer::mean_m2) instead of a reduction of the sum and then one of the squared deviations.
+// * kLayoutOnePass: each block normalizes its RPB rows and exits, without the grid-stride loop's bookkeeping
+//   (the launch covers every row; a grid that would exceed the launch limit takes the looped instance).
 constexpr int kLayoutGammaEarly = 1;
 constexpr int kLayoutMerged = 2;
+constexpr int kLayoutOnePass = 4;
 
 // Registers of one row of the fast path for one thread: its packs of x (and of skip for SkipLayerNorm).
 template <typename T, NormKind KIND, int VEC, int VPT>
@@ -325,6 +328,14 @@ __global__ void __launch_bounds__(TPR * RPB, MINB) norm_register_kernel(const No
     const int row_in_block = static_cast<int>(threadIdx.x) / TPR;
     const int t = static_cast<int>(threadIdx.x) % TPR;
     const int nvec = a.hidden / VEC;
+    if constexpr ((LAYOUT & kLayoutOnePass) != 0) {
+        const int64_t base = static_cast<int64_t>(blockIdx.x) * RPB;
+        RowRegs<T, KIND, VEC, VPT> cur;
+        load_row<T, KIND, VEC, VPT, TPR, HINTS, FULL>(cur, a, base + row_in_block, t, nvec);
+        finish_row<T, KIND, VEC, VPT, TPR, RPB, HINTS, LAYOUT, FULL, HAS_BETA>(cur, a, base + row_in_block, row_in_block,
+                                                                       t, nvec, reducer);
+        return;
+    }
     for (int64_t base = static_cast<int64_t>(blockIdx.x) * RPB; base < a.rows;
          base += static_cast<int64_t>(gridDim.x) * RPB) {
         RowRegs<T, KIND, VEC, VPT> cur;
@@ -422,8 +433,8 @@ __global__ void __launch_bounds__(1024) norm_generic_kernel(const NormArgs<T> a,
 // derives from hidden: cache hints of the activations, the resident threads per SM that the register
 // allocation must allow (0: no cap), the block size of rows that share blocks and the layout choices
 // (kLayout*). The values come from tuning_table.cuh, chosen per benchmarked shape from H200 sweeps;
-// MOGRAPH_NORM_HINTS=0|1|2, MOGRAPH_NORM_MIN_THREADS=N, MOGRAPH_NORM_BLOCK=N, MOGRAPH_NORM_GAMMA_EARLY=0|1 and
-// MOGRAPH_NORM_MERGED=0|1 force one value everywhere (tools/gpu_kernels.py --sweep).
+// MOGRAPH_NORM_HINTS=0..4, MOGRAPH_NORM_MIN_THREADS=N, MOGRAPH_NORM_BLOCK=N, MOGRAPH_NORM_GAMMA_EARLY=0|1,
+// MOGRAPH_NORM_MERGED=0|1 and MOGRAPH_NORM_ONE_PASS=0|1 force one value everywhere (tools/gpu_kernels.py --sweep).
 template <typename T, NormKind KIND, int TPR, int VPT>
 constexpr NormTune norm_tuning() {
     NormTune t = norm_table(dtype_code<T>(), static_cast<int>(KIND), TPR, VPT);
@@ -442,38 +453,50 @@ constexpr NormTune norm_tuning() {
 #ifdef MOGRAPH_NORM_MERGED
     t.merged = MOGRAPH_NORM_MERGED != 0;
 #endif
+#ifdef MOGRAPH_NORM_ONE_PASS
+    t.one_pass = MOGRAPH_NORM_ONE_PASS != 0;
+#endif
     return t;
+}
+
+// The four instances of one launch shape and layout: rows the shape covers exactly or not, with or without beta.
+template <typename T, NormKind KIND, int VPT, int TPR, int RPB, int HINTS, int LAYOUT, int MINB>
+int launch_register_layout(const NormArgs<T>& a, dim3 grid, cudaStream_t stream) {
+    constexpr int kVec = kVec16<T>;
+    const dim3 block(TPR * RPB);
+    const bool full = a.hidden == TPR * VPT * kVec;
+    if constexpr (centered(KIND)) {
+        if (a.beta != nullptr) {
+            return full ? launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, RPB, HINTS, LAYOUT, MINB, true, true>,
+                                        grid, block, 0, stream, a)
+                        : launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, RPB, HINTS, LAYOUT, MINB, false, true>,
+                                        grid, block, 0, stream, a);
+        }
+    }
+    return full ? launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, RPB, HINTS, LAYOUT, MINB, true, false>, grid,
+                                block, 0, stream, a)
+                : launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, RPB, HINTS, LAYOUT, MINB, false, false>, grid,
+                                block, 0, stream, a);
 }
 
 template <typename T, NormKind KIND, int VPT, int TPR>
 int launch_register(const NormArgs<T>& a, cudaStream_t stream) {
-    constexpr int kVec = kVec16<T>;
     constexpr NormTune kTune = norm_tuning<T, KIND, TPR, VPT>();
     constexpr int kBlock = kTune.block > 0 ? kTune.block : 128;
     constexpr int kRpb = TPR >= kBlock ? 1 : kBlock / TPR;  // small rows: several per block
     constexpr int kMinBlocks = kTune.min_threads / (TPR * kRpb) < 1    ? 0
                                : kTune.min_threads / (TPR * kRpb) > 32 ? 32
                                                                        : kTune.min_threads / (TPR * kRpb);
-    constexpr int kLayout = (kTune.gamma_early ? kLayoutGammaEarly : 0) | (kTune.merged ? kLayoutMerged : 0);
+    constexpr int kLayout = (kTune.gamma_early ? kLayoutGammaEarly : 0) | (kTune.merged ? kLayoutMerged : 0) |
+                            (kTune.one_pass ? kLayoutOnePass : 0);
     const dim3 grid(grid_for(a.rows, kRpb));
-    const dim3 block(TPR * kRpb);
-    const bool full = a.hidden == TPR * VPT * kVec;
-    if constexpr (centered(KIND)) {
-        if (a.beta != nullptr) {
-            return full ? launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kLayout, kMinBlocks,
-                                                             true, true>,
-                                        grid, block, 0, stream, a)
-                        : launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kLayout, kMinBlocks,
-                                                             false, true>,
-                                        grid, block, 0, stream, a);
+    if constexpr ((kLayout & kLayoutOnePass) != 0) {
+        if (static_cast<int64_t>(grid.x) * kRpb < a.rows) {  // the grid was capped: only the loop covers every row
+            return launch_register_layout<T, KIND, VPT, TPR, kRpb, kTune.hints, kLayout & ~kLayoutOnePass, kMinBlocks>(
+                a, grid, stream);
         }
     }
-    return full ? launch_kernel(
-                      norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kLayout, kMinBlocks, true, false>, grid,
-                      block, 0, stream, a)
-                : launch_kernel(
-                      norm_register_kernel<T, KIND, kVec, VPT, TPR, kRpb, kTune.hints, kLayout, kMinBlocks, false, false>,
-                      grid, block, 0, stream, a);
+    return launch_register_layout<T, KIND, VPT, TPR, kRpb, kTune.hints, kLayout, kMinBlocks>(a, grid, stream);
 }
 
 // Largest hidden (in elements) the generic path keeps in shared memory with one row per block.

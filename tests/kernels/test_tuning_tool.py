@@ -173,6 +173,43 @@ def test_emit_tuning_hint_stage_with_cap_and_block(gk, tmp_path):
                                                "-DMOGRAPH_NORM_BLOCK=64"]  # fmt: skip
 
 
+def test_emit_tuning_one_pass_stage(gk, tmp_path):
+    # NL (the register kernel without its grid-stride loop) is a third-stage candidate like the hint variants:
+    # where it wins the entry gets one_pass (a sixth field, written only when true) and keeps the rest; a later
+    # hint variant keeps one_pass and both names stay in the note; an entry where it loses is unchanged.
+    out = tmp_path / "tuning_table.cuh"
+    out.write_text(GELU_TABLE)
+    gk.emit_tuning([_record("layer_norm", "f32", 4096, 8192, {"v1": 1.00e-4, "v2": 0.99e-4}),
+                    _record("rms_norm", "f16", 16384, 768, {"v1": 1.00e-5})], out, "stage 1")  # fmt: skip
+    sweep = [
+        _record("layer_norm", "f32", 4096, 8192, {"default": 1.00e-4, "NL": 0.98e-4, "h4": 0.99e-4}),
+        _record("rms_norm", "f16", 16384, 768, {"default": 1.00e-5, "NL": 1.01e-5}),
+    ]
+    summary = gk.emit_tuning(sweep, out, "stage 3")
+    text = out.read_text()
+    assert "return {kHintsStream, 1024, 128, false, false, true};  // layer_norm f32 4096x8192: v2, G0M0, NL" in text
+    assert "return {kHintsStream, 0, 128, false, false};  // rms_norm f16 16384x768: v1, G0M0\n" in text
+    assert "-> NL: time / default 0.980" in summary
+    assert gk.read_norm_table(out)[("f32", "layer_norm", (512, 4))]["one_pass"] is True
+    assert gk.read_norm_table(out)[("f16", "rms_norm", (32, 3))]["one_pass"] is False
+    gk.emit_tuning([_record("layer_norm", "f32", 4096, 8192, {"default": 1.00e-4, "h4": 0.98e-4})], out, "again")
+    entry = gk.read_norm_table(out)[("f32", "layer_norm", (512, 4))]
+    assert (entry["hints"], entry["min_threads"], entry["one_pass"], entry["hint"]) == (4, 1024, True, "h4+NL")
+    assert gk.SWEEP_VARIANTS["NL"] == ["-DMOGRAPH_NORM_ONE_PASS=1"]
+
+
+def test_emit_tuning_gelu_hint_stage_with_cap_and_group(gk, tmp_path):
+    # gh4m<min_threads>g<group> set the Gelu register cap and group with the hints.
+    out = tmp_path / "tuning_table.cuh"
+    out.write_text(GELU_TABLE)
+    sweep = [_record("gelu", "f16", 16384, 768, {"default": 1.00e-5, "gh4": 0.99e-5, "gh4m0g8": 0.97e-5})]
+    gk.emit_tuning(sweep, out, "gelu")
+    assert gk.read_gelu_table(out)[("f16", "gelu")] == {"hints": 4, "min_threads": 0, "group": 8, "hint": "gh4m0g8"}
+    assert gk.SWEEP_VARIANTS["gh4m1024g4"] == ["-DMOGRAPH_GELU_HINTS=4", "-DMOGRAPH_GELU_MIN_THREADS=1024",
+                                              "-DMOGRAPH_GELU_GROUP=4"]  # fmt: skip
+    assert gk.SWEEP_VARIANTS["gh4"] == ["-DMOGRAPH_GELU_HINTS=4"]
+
+
 def test_emit_tuning_gelu_hint_stage(gk, tmp_path):
     # Gelu hint variants change an entry's hints per dtype and form by the geometric mean over the sizes; the
     # untimed Gelu entries and every norm entry are kept; the table reads back.
