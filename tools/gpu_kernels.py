@@ -45,6 +45,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 SHAPES = ((16384, 768), (65536, 1024), (16384, 4096), (4096, 8192))
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """ "16384x768,4096x8192" -> [(16384, 768), (4096, 8192)] (--shapes)."""
+    out = []
+    for item in text.split(","):
+        rows, sep, hidden = item.strip().lower().partition("x")
+        if not sep or not rows.isdigit() or not hidden.isdigit() or int(rows) < 1 or int(hidden) < 1:
+            raise argparse.ArgumentTypeError(f"--shapes wants ROWSxHIDDEN[,ROWSxHIDDEN...], got {item!r}")
+        out.append((int(rows), int(hidden)))
+    return out
 BENCH_OPS = ("layer_norm", "rms_norm", "skip_layer_norm", "skip_rms_norm", "gelu", "gelu_tanh", "bias_gelu")
 SKIP_OPS = ("skip_layer_norm", "skip_rms_norm")
 EPS = 1e-5
@@ -304,7 +315,7 @@ def run_benchmarks(
     compile_dtypes = set(args.compile_dtypes.split(","))
     if args.compile:
         _fresh_autotune(torch)
-    for rows, hidden in SHAPES:
+    for rows, hidden in args.shapes:
         for dtype in dtypes:
             for op in ops:
                 rec = {"op": op, "dtype": dtype, "rows": rows, "hidden": hidden}
@@ -472,6 +483,7 @@ SWEEP_VARIANTS = {
     "B32nph4": _tune((4, 0, 32), pdl=False),  # the same with hints 4
     "H48h4": ["-DMOGRAPH_NORM_MAX_ELEMS_HALF=48", "-DMOGRAPH_NORM_HINTS=4"],
     **ONE_PASS_VARIANTS,
+    "h4NL": ["-DMOGRAPH_NORM_HINTS=4", "-DMOGRAPH_NORM_ONE_PASS=1"],  # both, everywhere (the untuned choice)
     # norm activations with Triton's hints: L1/L2 evict_last loads, plain (h3) or evict-first (h4) stores
     **{name: _hint_flags(h) for name, h in {"h3": (3, None, None), **HINT_VARIANTS}.items()},
     **{name: _gelu_hint_flags(h) for name, h in {"gh3": (3, None, None), **GELU_HINT_VARIANTS}.items()},
@@ -489,6 +501,10 @@ _VPT_CHOICES = (1, 2, 3, 4, 6, 8)
 def centered_op(op: str) -> bool:
     """Whether a norm op subtracts the mean (LayerNorm kinds), i.e. has two statistics to reduce."""
     return op in ("layer_norm", "skip_layer_norm")
+# The norm kernel's choice for launch shapes without an entry (kNormUntuned in the emitted table): hints 4 and one
+# pass, measured against hints 1 with the loop over 16 sizes outside the table (sweep s28; geometric mean 1.046,
+# 0.94-1.28); also the starting point of an entry that a sweep adds.
+UNTUNED_NORM = {"hints": 4, "min_threads": 0, "block": 128, "gamma_early": False, "merged": False, "one_pass": True}
 TUNING_KEEP_MARGIN = 0.005  # a candidate must beat the untuned choice (v1) by this fraction to replace it
 
 
@@ -514,8 +530,18 @@ def norm_launch_shape(op: str, dtype: str, hidden: int) -> tuple[int, int] | Non
     return None
 
 
+def norm_entry_shape(op: str, dtype: str, hidden: int) -> tuple[int, int, bool] | None:
+    """(threads per row, packs per thread, full) of the table entry that a row of hidden takes: full when the launch
+    shape covers the row exactly (hidden == tpr * vpt * pack width); rows it covers in part run another instance
+    (per-pack bounds tests, more registers) and have entries of their own."""
+    shape = norm_launch_shape(op, dtype, hidden)
+    if shape is None:
+        return None
+    return (*shape, shape[0] * shape[1] * (16 // (4 if dtype == "f32" else 2)) == hidden)
+
+
 _NORM_ENTRY = re.compile(
-    r"if \(dtype == (\d) && kind == (\d) && tpr == (\d+) && vpt == (\d+)\) "
+    r"if \(dtype == (\d) && kind == (\d) && tpr == (\d+) && vpt == (\d+) && (!?)full\) "
     r"return \{(kHints\w+), (\d+), (\d+)(?:, (true|false), (true|false)(?:, (true|false))?)?\};\s*// (.*)$"
 )
 _HINT_NAME = {0: "kHintsNone", 1: "kHintsStream", 2: "kHintsLoad", 3: "kHintsL2Last", 4: "kHintsL2LastCs"}
@@ -525,7 +551,7 @@ _HINT_CODE = {v: k for k, v in _HINT_NAME.items()}
 def read_norm_table(path: Path) -> dict:
     """The norm entries of a tuning_table.cuh written by emit_tuning.
 
-    Returns {(dtype, op, (tpr, vpt)): entry}, entry a dict of hints, min_threads, block, gamma_early, merged,
+    Returns {(dtype, op, (tpr, vpt, full)): entry} (see norm_entry_shape), entry a dict of hints, min_threads, block, gamma_early, merged,
     one_pass, cases (the benchmarked sizes it was chosen on), tuning, layout and hint (the chosen variants' names; hint is
     "" when the third stage kept the tuning stage's hints).
     """
@@ -538,10 +564,10 @@ def read_norm_table(path: Path) -> dict:
         m = _NORM_ENTRY.search(line.strip())
         if not m:
             continue
-        d, k, tpr, vpt, hints, min_threads, block, gamma, merged, one_pass, note = m.groups()
+        d, k, tpr, vpt, partial, hints, min_threads, block, gamma, merged, one_pass, note = m.groups()
         cases, _, names = note.rpartition(": ")
         tuning, layout, hint = (names.split(", ") + ["", ""])[:3]
-        out[(dtypes[int(d)], kinds[int(k)], (int(tpr), int(vpt)))] = {
+        out[(dtypes[int(d)], kinds[int(k)], (int(tpr), int(vpt), not partial))] = {
             "hints": _HINT_CODE[hints],
             "min_threads": int(min_threads),
             "block": int(block),
@@ -583,7 +609,7 @@ def _pick(means: dict, baseline):
 
 
 def _best_per_key(sweep: list, names: list[str], baseline: str) -> tuple[dict, dict]:
-    """Per norm launch shape (dtype, op, (tpr, vpt)): the variant with the best geometric mean of time / baseline
+    """Per norm table key (dtype, op, (tpr, vpt, full)): the variant with the best geometric mean of time / baseline
     over the benchmarked sizes of that shape, replaced by the baseline unless it is TUNING_KEEP_MARGIN faster.
     Returns ({key: (name, time ratio)}, {key: [sizes]})."""
     scores: dict = {}
@@ -592,11 +618,11 @@ def _best_per_key(sweep: list, names: list[str], baseline: str) -> tuple[dict, d
         if "op" not in r or r["op"] not in _KIND_CODE:
             continue
         times = {n: r[n]["s"] for n in names if isinstance(r.get(n), dict) and "s" in r[n]}
-        if baseline == "G0M0" and not centered_op(r["op"]):
-            times = {n: t for n, t in times.items() if not LAYOUT_VARIANTS[n][1]}  # merged: same code for RMS
+        if not centered_op(r["op"]):  # merged layouts: the same code as unmerged ones for the RMS kinds
+            times = {n: t for n, t in times.items() if n not in LAYOUT_VARIANTS or not LAYOUT_VARIANTS[n][1]}
         if baseline not in times:
             continue
-        shape = norm_launch_shape(r["op"], r["dtype"], r["hidden"])
+        shape = norm_entry_shape(r["op"], r["dtype"], r["hidden"])
         if shape is None:
             continue
         key = (r["dtype"], r["op"], shape)
@@ -611,16 +637,26 @@ def _best_per_key(sweep: list, names: list[str], baseline: str) -> tuple[dict, d
     return best, cases
 
 
+def _norm_init(e: dict) -> str:
+    """The C++ initializer of a NormTune (one_pass written only when set)."""
+    flags = f"{'true' if e['gamma_early'] else 'false'}, {'true' if e['merged'] else 'false'}"
+    if e.get("one_pass"):
+        flags += ", true"
+    return f"{{{_HINT_NAME[e['hints']]}, {e['min_threads']}, {e['block']}, {flags}}}"
+
+
 def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
     """Choose table entries from a sweep and rewrite kernels/src/tuning_table.cuh (``out_path``).
 
-    Two kinds of sweep, either or both in one file, each measured on top of the table it updates:
+    Three kinds of sweep, any of them in one file, each measured on top of the table it updates:
     TUNING_VARIANTS (v1 the baseline) choose the norm kernel's hints, register cap and block size per
     (dtype, op, threads per row, packs per thread), and the Gelu settings per (dtype, form) by the geometric
-    mean over the sizes; LAYOUT_VARIANTS (G0M0 the baseline) choose the norm kernel's layout (gamma/beta loaded
-    with the row, merged LayerNorm statistics) per launch shape. What a sweep did not time is kept from the
-    current table. A candidate replaces the baseline only when faster by TUNING_KEEP_MARGIN. Returns a
-    text summary.
+    mean over the sizes; LAYOUT_VARIANTS choose the norm kernel's layout (gamma/beta loaded with the row, merged
+    LayerNorm statistics) per launch shape, against G0M0, or against the table as it is when the sweep has the
+    "default" variant too; HINT_VARIANTS and ONE_PASS_VARIANTS (and GELU_HINT_VARIANTS for Gelu) against
+    "default" change an entry's hints (cap, block, group) or drop its grid-stride loop. What a sweep did not
+    time is kept from the current table. A candidate replaces the baseline only when faster by
+    TUNING_KEEP_MARGIN. Returns a text summary.
     """
     present = {n for r in sweep if "op" in r for n in r}
     tuning_names = [n for n in TUNING_VARIANTS if n in present]
@@ -637,14 +673,18 @@ def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
         raise ValueError("the sweep has no v1 variant")
     if layout_names and "G0M0" not in layout_names:
         raise ValueError("the sweep has no G0M0 variant")
+    # With the table as it is in the sweep too, a layout replaces an entry's own only when faster than it.
+    layout_baseline = "default" if layout_names and "default" in present else "G0M0"
+    if layout_baseline == "default":
+        layout_names = ["default", *layout_names]
     entries = read_norm_table(out_path)
-    default = {"hints": 1, "min_threads": 0, "block": 128, "gamma_early": False, "merged": False, "one_pass": False,
-               "cases": "", "tuning": "v1", "layout": "G0M0", "hint": ""}  # fmt: skip
+    default = {**UNTUNED_NORM, "cases": "", "tuning": "v1", "layout": "G0M0", "hint": ""}
     summary = []
-    for names, baseline in ((tuning_names, "v1"), (layout_names, "G0M0"), (hint_names, "default")):
+    for names, baseline in ((tuning_names, "v1"), (layout_names, layout_baseline), (hint_names, "default")):
         if not names:
             continue
         best, cases = _best_per_key(sweep, names, baseline)
+        layout_stage = names is layout_names
         for key, (name, ratio) in best.items():
             e = entries.setdefault(key, dict(default))
             e["cases"] = ", ".join(cases[key])
@@ -652,6 +692,11 @@ def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
                 e["hints"], e["min_threads"], e["block"] = TUNING_VARIANTS[name][0]
                 e["tuning"] = name
                 e["hint"] = ""  # the tuning stage sets the hints
+            elif layout_stage:
+                if name != "default":
+                    gamma, merged = LAYOUT_VARIANTS[name]
+                    e["gamma_early"], e["merged"] = bool(gamma), bool(merged)
+                    e["layout"] = f"G{gamma}M{merged}"
             elif baseline == "default":
                 if name in ONE_PASS_VARIANTS:
                     e["one_pass"] = True
@@ -662,13 +707,10 @@ def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
                     e["hints"] = hints
                     e["min_threads"] = e["min_threads"] if min_threads is None else min_threads
                     e["block"] = e["block"] if block is None else block
-                    e["hint"] = "+".join([name, *(["NL"] if e.get("one_pass") else [])])
-            else:
-                gamma, merged = LAYOUT_VARIANTS[name]
-                e["gamma_early"], e["merged"] = bool(gamma), bool(merged)
-                e["layout"] = f"G{gamma}M{merged}"
+                    e["hint"] = "+".join([name, *(t for t in e["hint"].split("+") if t in ONE_PASS_VARIANTS)])
             dtype, op, shape = key
-            summary.append(f"{op:<16}{dtype:<5}{e['cases']:<22} tpr={shape[0]:<4} vpt={shape[1]} -> {name}: "
+            summary.append(f"{op:<16}{dtype:<5}{e['cases']:<22} tpr={shape[0]:<4} vpt={shape[1]}"
+                           f"{'' if shape[2] else ' partial'} -> {name}: "
                            f"time / {baseline} {ratio:.3f}")  # fmt: skip
 
     gelu_scores: dict = {}
@@ -723,7 +765,7 @@ def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
         "// A third name after a norm entry, a name after a Gelu entry: the third-stage variants that replaced its",
         "// hints (and cap, block or group) or dropped its grid-stride loop (NL).",
         "// Norms: per launch shape (threads per row, packs per thread) of a benchmarked size, the fastest setting",
-        "// there; other launch shapes get the untuned choices. Gelu: per dtype and form, the setting with the best",
+        "// there; other launch shapes get kNormUntuned. Gelu: per dtype and form, the setting with the best",
         f"// geometric mean over the sizes. A setting replaces the untuned one only when {TUNING_KEEP_MARGIN:.1%} faster.",
         "// Do not edit by hand: sweep again.",
         "#pragma once",
@@ -733,21 +775,21 @@ def emit_tuning(sweep: list, out_path: Path, source: str) -> str:
         "namespace mograph {",
         "",
         "// dtype: 0 fp32, 1 fp16, 2 bf16; kind: 0 LayerNorm, 1 RMSNorm, 2 SkipLayerNorm, 3 SkipRMSNorm;",
-        "// tpr, vpt: threads per row and 16-byte packs per thread of the register kernel;",
+        "// tpr, vpt: threads per row and 16-byte packs per thread of the register kernel; full: the row is exactly",
+        "// tpr * vpt packs (rows covered in part run an instance with bounds tests, tuned apart);",
         "// {hints, min_threads, block, gamma_early, merged[, one_pass]}: see NormTune.",
-        "constexpr NormTune norm_table(int dtype, int kind, int tpr, int vpt) {",
+        f"constexpr NormTune kNormUntuned = {_norm_init(UNTUNED_NORM)};  // launch shapes without an entry",
+        "constexpr NormTune norm_table(int dtype, int kind, int tpr, int vpt, bool full) {",
     ]
     order = {k: i for i, k in enumerate(entries)}
-    for (dtype, op, (tpr, vpt)), e in sorted(entries.items(), key=lambda kv: order[kv[0]]):
-        flags = f"{'true' if e['gamma_early'] else 'false'}, {'true' if e['merged'] else 'false'}"
-        if e.get("one_pass"):
-            flags += ", true"
+    for (dtype, op, (tpr, vpt, full)), e in sorted(entries.items(), key=lambda kv: order[kv[0]]):
         lines.append(
-            f"    if (dtype == {_DTYPE_CODE[dtype]} && kind == {_KIND_CODE[op]} && tpr == {tpr} && vpt == {vpt}) "
-            f"return {{{_HINT_NAME[e['hints']]}, {e['min_threads']}, {e['block']}, {flags}}};"
+            f"    if (dtype == {_DTYPE_CODE[dtype]} && kind == {_KIND_CODE[op]} && tpr == {tpr} && vpt == {vpt} && "
+            f"{'' if full else '!'}full) "
+            f"return {_norm_init(e)};"
             f"  // {op} {dtype} {e['cases']}: {e['tuning']}, {e['layout']}" + (f", {e['hint']}" if e["hint"] else "")
         )
-    lines += ["    return {kHintsStream, 0, 128, false, false};", "}", ""]
+    lines += ["    return kNormUntuned;", "}", ""]
     if not gelu_rows:  # no Gelu stage in this sweep: the Gelu entries stay as they are, verbatim
         old_text = out_path.read_text() if out_path.is_file() else ""
         start = old_text.find("// op: 0 Gelu")
@@ -828,7 +870,7 @@ def run_sweep(torch, abi, build, harness, args, copy_bps: float, on_record=None,
     header = f"{'op':<16}{'dtype':<6}{'shape':>12}" + "".join(f"{nm[:9] + ' us':>12}{'/copy':>7}" for nm in names)
     log(header)
     lines = [header]
-    for rows, hidden in SHAPES:
+    for rows, hidden in args.shapes:
         for dtype in args.sweep_dtypes.split(","):
             for op in ops:
                 rec = {"op": op, "dtype": dtype, "rows": rows, "hidden": hidden}
@@ -893,7 +935,8 @@ def prewarm_compile(args) -> None:
     procs = []
     for i in range(n):
         cmd = [sys.executable, str(Path(__file__).resolve()), "--compile-worker", f"{i}/{n}",
-               "--dtypes", args.dtypes, "--ops", args.ops, "--compile-dtypes", args.compile_dtypes]  # fmt: skip
+               "--dtypes", args.dtypes, "--ops", args.ops, "--compile-dtypes", args.compile_dtypes,
+               "--shapes", ",".join(f"{r}x{h}" for r, h in args.shapes)]  # fmt: skip
         if args.lib:
             cmd += ["--lib", str(args.lib)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -913,7 +956,7 @@ def compile_worker(args) -> int:
     build = _load("build")
     lib = abi.load(args.lib or build.default_library_path())
     compile_dtypes = set(args.compile_dtypes.split(","))
-    combos = [(rows, hidden, dtype, op) for rows, hidden in SHAPES for dtype in args.dtypes.split(",")
+    combos = [(rows, hidden, dtype, op) for rows, hidden in args.shapes for dtype in args.dtypes.split(",")
               for op in args.ops.split(",") if dtype in compile_dtypes]  # fmt: skip
     for j, (rows, hidden, dtype, op) in enumerate(combos):
         if j % n != i:
@@ -988,6 +1031,12 @@ def main(argv=None) -> int:
     parser.add_argument("--compile-dtypes", default="f16,f32,bf16", help="dtypes that get a torch.compile baseline")
     parser.add_argument("--dtypes", default="f16,f32,bf16")
     parser.add_argument("--ops", default=",".join(BENCH_OPS))
+    parser.add_argument(
+        "--shapes",
+        type=parse_shapes,
+        default=list(SHAPES),
+        help="benchmark and sweep shapes, ROWSxHIDDEN,... (default: " + ",".join(f"{r}x{h}" for r, h in SHAPES) + ")",
+    )
     parser.add_argument("--reps", type=int, default=25, help="timed graph replays per candidate")
     parser.add_argument("--grid-rows", type=int, default=67)
     parser.add_argument(

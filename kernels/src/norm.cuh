@@ -432,12 +432,16 @@ __global__ void __launch_bounds__(1024) norm_generic_kernel(const NormArgs<T> a,
 // Tuning of the register kernel for one (dtype, op, threads per row, packs per thread), which the dispatch
 // derives from hidden: cache hints of the activations, the resident threads per SM that the register
 // allocation must allow (0: no cap), the block size of rows that share blocks and the layout choices
-// (kLayout*). The values come from tuning_table.cuh, chosen per benchmarked shape from H200 sweeps;
-// MOGRAPH_NORM_HINTS=0..4, MOGRAPH_NORM_MIN_THREADS=N, MOGRAPH_NORM_BLOCK=N, MOGRAPH_NORM_GAMMA_EARLY=0|1,
-// MOGRAPH_NORM_MERGED=0|1 and MOGRAPH_NORM_ONE_PASS=0|1 force one value everywhere (tools/gpu_kernels.py --sweep).
-template <typename T, NormKind KIND, int TPR, int VPT>
+// (kLayout*). The values come from tuning_table.cuh, chosen per benchmarked shape from H200 sweeps, separately
+// for rows the launch shape covers exactly (FULL: 768, 1024, 4096, 8192 mostly) and rows it covers in part
+// (3584 in the shape of 4096), which run an instance with per-pack bounds tests and more registers: given the
+// entries of full rows, some register caps made those spill (fp32 LayerNorm 8192x3584 at 0.38 of copy, sweep s29).
+// Shapes without an entry take kNormUntuned. MOGRAPH_NORM_HINTS=0..4, MOGRAPH_NORM_MIN_THREADS=N,
+// MOGRAPH_NORM_BLOCK=N, MOGRAPH_NORM_GAMMA_EARLY=0|1, MOGRAPH_NORM_MERGED=0|1 and MOGRAPH_NORM_ONE_PASS=0|1 force
+// one value everywhere (tools/gpu_kernels.py --sweep).
+template <typename T, NormKind KIND, int TPR, int VPT, bool FULL>
 constexpr NormTune norm_tuning() {
-    NormTune t = norm_table(dtype_code<T>(), static_cast<int>(KIND), TPR, VPT);
+    NormTune t = norm_table(dtype_code<T>(), static_cast<int>(KIND), TPR, VPT, FULL);
 #ifdef MOGRAPH_NORM_HINTS
     t.hints = MOGRAPH_NORM_HINTS;
 #endif
@@ -459,29 +463,24 @@ constexpr NormTune norm_tuning() {
     return t;
 }
 
-// The four instances of one launch shape and layout: rows the shape covers exactly or not, with or without beta.
-template <typename T, NormKind KIND, int VPT, int TPR, int RPB, int HINTS, int LAYOUT, int MINB>
+// The instances of one launch shape, coverage and layout: with or without beta.
+template <typename T, NormKind KIND, int VPT, int TPR, int RPB, int HINTS, int LAYOUT, int MINB, bool FULL>
 int launch_register_layout(const NormArgs<T>& a, dim3 grid, cudaStream_t stream) {
     constexpr int kVec = kVec16<T>;
     const dim3 block(TPR * RPB);
-    const bool full = a.hidden == TPR * VPT * kVec;
     if constexpr (centered(KIND)) {
         if (a.beta != nullptr) {
-            return full ? launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, RPB, HINTS, LAYOUT, MINB, true, true>,
-                                        grid, block, 0, stream, a)
-                        : launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, RPB, HINTS, LAYOUT, MINB, false, true>,
-                                        grid, block, 0, stream, a);
+            return launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, RPB, HINTS, LAYOUT, MINB, FULL, true>,
+                                 grid, block, 0, stream, a);
         }
     }
-    return full ? launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, RPB, HINTS, LAYOUT, MINB, true, false>, grid,
-                                block, 0, stream, a)
-                : launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, RPB, HINTS, LAYOUT, MINB, false, false>, grid,
-                                block, 0, stream, a);
+    return launch_kernel(norm_register_kernel<T, KIND, kVec, VPT, TPR, RPB, HINTS, LAYOUT, MINB, FULL, false>, grid,
+                         block, 0, stream, a);
 }
 
-template <typename T, NormKind KIND, int VPT, int TPR>
-int launch_register(const NormArgs<T>& a, cudaStream_t stream) {
-    constexpr NormTune kTune = norm_tuning<T, KIND, TPR, VPT>();
+template <typename T, NormKind KIND, int VPT, int TPR, bool FULL>
+int launch_register_tuned(const NormArgs<T>& a, cudaStream_t stream) {
+    constexpr NormTune kTune = norm_tuning<T, KIND, TPR, VPT, FULL>();
     constexpr int kBlock = kTune.block > 0 ? kTune.block : 128;
     constexpr int kRpb = TPR >= kBlock ? 1 : kBlock / TPR;  // small rows: several per block
     constexpr int kMinBlocks = kTune.min_threads / (TPR * kRpb) < 1    ? 0
@@ -492,11 +491,17 @@ int launch_register(const NormArgs<T>& a, cudaStream_t stream) {
     const dim3 grid(grid_for(a.rows, kRpb));
     if constexpr ((kLayout & kLayoutOnePass) != 0) {
         if (static_cast<int64_t>(grid.x) * kRpb < a.rows) {  // the grid was capped: only the loop covers every row
-            return launch_register_layout<T, KIND, VPT, TPR, kRpb, kTune.hints, kLayout & ~kLayoutOnePass, kMinBlocks>(
-                a, grid, stream);
+            return launch_register_layout<T, KIND, VPT, TPR, kRpb, kTune.hints, kLayout & ~kLayoutOnePass, kMinBlocks,
+                                          FULL>(a, grid, stream);
         }
     }
-    return launch_register_layout<T, KIND, VPT, TPR, kRpb, kTune.hints, kLayout, kMinBlocks>(a, grid, stream);
+    return launch_register_layout<T, KIND, VPT, TPR, kRpb, kTune.hints, kLayout, kMinBlocks, FULL>(a, grid, stream);
+}
+
+template <typename T, NormKind KIND, int VPT, int TPR>
+int launch_register(const NormArgs<T>& a, cudaStream_t stream) {
+    return a.hidden == TPR * VPT * kVec16<T> ? launch_register_tuned<T, KIND, VPT, TPR, true>(a, stream)
+                                              : launch_register_tuned<T, KIND, VPT, TPR, false>(a, stream);
 }
 
 // Largest hidden (in elements) the generic path keeps in shared memory with one row per block.

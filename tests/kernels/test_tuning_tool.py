@@ -52,7 +52,7 @@ def _record(op, dtype, rows, hidden, times):
 
 
 GELU_TABLE = """// header
-constexpr NormTune norm_table(int dtype, int kind, int tpr, int vpt) {
+constexpr NormTune norm_table(int dtype, int kind, int tpr, int vpt, bool full) {
     return {kHintsStream, 0};
 }
 
@@ -77,8 +77,8 @@ def test_emit_tuning_norm_only_sweep_keeps_gelu_entries(gk, tmp_path):
     ]
     summary = gk.emit_tuning(sweep, out, "test sweep")
     text = out.read_text()
-    assert "if (dtype == 1 && kind == 0 && tpr == 32 && vpt == 3) return {kHintsStream, 1024, 64, false, false};" in text
-    assert "if (dtype == 0 && kind == 1 && tpr == 256 && vpt == 4) return {kHintsStream, 0, 128, false, false};" in text
+    assert "if (dtype == 1 && kind == 0 && tpr == 32 && vpt == 3 && full) return {kHintsStream, 1024, 64, false, false, true};" in text
+    assert "if (dtype == 0 && kind == 1 && tpr == 256 && vpt == 4 && full) return {kHintsStream, 0, 128, false, false, true};" in text
     assert "// layer_norm f16 16384x768: v14, G0M0" in text
     # the Gelu entries of the replaced table are carried over verbatim, and said to be
     assert "if (dtype == 1 && op == 0) return {kHintsStream, 1024, 1};  // gelu f16" in text
@@ -118,17 +118,17 @@ def test_emit_tuning_layout_sweep_keeps_the_other_settings(gk, tmp_path):
     ]
     summary = gk.emit_tuning(layout, out, "stage 2")
     text = out.read_text()
-    assert "tpr == 32 && vpt == 3) return {kHintsNone, 1024, 128, true, false};  // layer_norm f16 16384x768: v6, G1M0" in text
-    assert "tpr == 256 && vpt == 4) return {kHintsStream, 0, 128, true, false};  // rms_norm f32 16384x4096: v1, G1M0" in text
-    assert "tpr == 64 && vpt == 2) return {kHintsStream, 0, 128, false, false};  // skip_layer_norm f16 16384x768: v1, G0M0" in text
+    assert "tpr == 32 && vpt == 3 && full) return {kHintsNone, 1024, 128, true, false, true};  // layer_norm f16 16384x768: v6, G1M0" in text
+    assert "tpr == 256 && vpt == 4 && full) return {kHintsL2LastCs, 0, 128, true, false, true};  // rms_norm f32 16384x4096: v1, G1M0" in text
+    assert "tpr == 64 && vpt == 2 && !full) return {kHintsL2LastCs, 0, 128, false, false, true};  // skip_layer_norm f16 16384x768: v1, G0M0" in text
     assert "time / G0M0 0.960" in summary
     gk.emit_tuning([_record("layer_norm", "f16", 16384, 768, {"v1": 1.00e-5, "v14": 0.98e-5})], out, "stage 1 again")
     text = out.read_text()
-    assert "return {kHintsStream, 1024, 64, true, false};  // layer_norm f16 16384x768: v14, G1M0" in text
+    assert "return {kHintsStream, 1024, 64, true, false, true};  // layer_norm f16 16384x768: v14, G1M0" in text
     assert text.count("kept from the table this one replaced") == 1
     table = gk.read_norm_table(out)
-    assert table[("f16", "layer_norm", (32, 3))]["gamma_early"] is True
-    assert table[("f16", "layer_norm", (32, 3))]["cases"] == "16384x768"
+    assert table[("f16", "layer_norm", (32, 3, True))]["gamma_early"] is True
+    assert table[("f16", "layer_norm", (32, 3, True))]["cases"] == "16384x768"
 
 
 def test_emit_tuning_hint_stage_changes_only_hints(gk, tmp_path):
@@ -144,13 +144,13 @@ def test_emit_tuning_hint_stage_changes_only_hints(gk, tmp_path):
     ]
     summary = gk.emit_tuning(hints, out, "stage 3")
     text = out.read_text()
-    assert "return {kHintsL2LastCs, 1024, 128, false, false};  // layer_norm f16 16384x768: v6, G0M0, h4" in text
-    assert "return {kHintsStream, 0, 128, false, false};  // rms_norm f32 16384x4096: v1, G0M0\n" in text
+    assert "return {kHintsL2LastCs, 1024, 128, false, false, true};  // layer_norm f16 16384x768: v6, G0M0, h4" in text
+    assert "return {kHintsL2LastCs, 0, 128, false, false, true};  // rms_norm f32 16384x4096: v1, G0M0\n" in text
     assert "-> h4: time / default 0.980" in summary
-    entry = gk.read_norm_table(out)[("f16", "layer_norm", (32, 3))]
+    entry = gk.read_norm_table(out)[("f16", "layer_norm", (32, 3, True))]
     assert (entry["hints"], entry["min_threads"], entry["tuning"], entry["hint"]) == (4, 1024, "v6", "h4")
     gk.emit_tuning([_record("layer_norm", "f16", 16384, 768, {"v1": 1.00e-5, "v2": 0.97e-5})], out, "stage 1 again")
-    assert "return {kHintsStream, 1024, 128, false, false};  // layer_norm f16 16384x768: v2, G0M0\n" in out.read_text()
+    assert "return {kHintsStream, 1024, 128, false, false, true};  // layer_norm f16 16384x768: v2, G0M0\n" in out.read_text()
     with pytest.raises(ValueError, match="no default variant"):
         gk.emit_tuning([_record("layer_norm", "f16", 16384, 768, {"h4": 1e-5})], out, "x")
     assert "-DMOGRAPH_NORM_HINTS=4" in gk.SWEEP_VARIANTS["h4"] and "h3" in gk.SWEEP_VARIANTS
@@ -165,7 +165,7 @@ def test_emit_tuning_hint_stage_with_cap_and_block(gk, tmp_path):
     gk.emit_tuning([_record("layer_norm", "f32", 16384, 4096, {"G0M0": 1.00e-4, "G1M1": 0.99e-4})], out, "stage 2")
     sweep = [_record("layer_norm", "f32", 16384, 4096, {"default": 1.00e-4, "h4m0b128": 0.99e-4, "h4m1280b64": 0.98e-4})]
     gk.emit_tuning(sweep, out, "stage 3")
-    assert "return {kHintsL2LastCs, 1280, 64, true, true};  // layer_norm f32 16384x4096: v2, G1M1, h4m1280b64" in (
+    assert "return {kHintsL2LastCs, 1280, 64, true, true, true};  // layer_norm f32 16384x4096: v2, G1M1, h4m1280b64" in (
         out.read_text()
     )
     assert gk.HINT_VARIANTS["h4m1024b128"] == (4, 1024, 128) and gk.HINT_VARIANTS["h4"] == (4, None, None)
@@ -178,9 +178,12 @@ def test_emit_tuning_one_pass_stage(gk, tmp_path):
     # where it wins the entry gets one_pass (a sixth field, written only when true) and keeps the rest; a later
     # hint variant keeps one_pass and both names stay in the note; an entry where it loses is unchanged.
     out = tmp_path / "tuning_table.cuh"
-    out.write_text(GELU_TABLE)
-    gk.emit_tuning([_record("layer_norm", "f32", 4096, 8192, {"v1": 1.00e-4, "v2": 0.99e-4}),
-                    _record("rms_norm", "f16", 16384, 768, {"v1": 1.00e-5})], out, "stage 1")  # fmt: skip
+    out.write_text(GELU_TABLE.replace("    return {kHintsStream, 0};", (
+        "    if (dtype == 0 && kind == 0 && tpr == 512 && vpt == 4 && full) return {kHintsStream, 1024, 128, false, false};"
+        "  // layer_norm f32 4096x8192: v2, G0M0\n"
+        "    if (dtype == 1 && kind == 1 && tpr == 32 && vpt == 3 && full) return {kHintsStream, 0, 128, false, false};"
+        "  // rms_norm f16 16384x768: v1, G0M0\n"
+        "    return kNormUntuned;")))  # fmt: skip
     sweep = [
         _record("layer_norm", "f32", 4096, 8192, {"default": 1.00e-4, "NL": 0.98e-4, "h4": 0.99e-4}),
         _record("rms_norm", "f16", 16384, 768, {"default": 1.00e-5, "NL": 1.01e-5}),
@@ -190,12 +193,25 @@ def test_emit_tuning_one_pass_stage(gk, tmp_path):
     assert "return {kHintsStream, 1024, 128, false, false, true};  // layer_norm f32 4096x8192: v2, G0M0, NL" in text
     assert "return {kHintsStream, 0, 128, false, false};  // rms_norm f16 16384x768: v1, G0M0\n" in text
     assert "-> NL: time / default 0.980" in summary
-    assert gk.read_norm_table(out)[("f32", "layer_norm", (512, 4))]["one_pass"] is True
-    assert gk.read_norm_table(out)[("f16", "rms_norm", (32, 3))]["one_pass"] is False
+    assert gk.read_norm_table(out)[("f32", "layer_norm", (512, 4, True))]["one_pass"] is True
+    assert gk.read_norm_table(out)[("f16", "rms_norm", (32, 3, True))]["one_pass"] is False
     gk.emit_tuning([_record("layer_norm", "f32", 4096, 8192, {"default": 1.00e-4, "h4": 0.98e-4})], out, "again")
-    entry = gk.read_norm_table(out)[("f32", "layer_norm", (512, 4))]
+    entry = gk.read_norm_table(out)[("f32", "layer_norm", (512, 4, True))]
     assert (entry["hints"], entry["min_threads"], entry["one_pass"], entry["hint"]) == (4, 1024, True, "h4+NL")
     assert gk.SWEEP_VARIANTS["NL"] == ["-DMOGRAPH_NORM_ONE_PASS=1"]
+
+
+def test_emit_tuning_untuned_choice(gk, tmp_path):
+    # Launch shapes without an entry get kNormUntuned (UNTUNED_NORM: hints 4, one pass), which an entry that a
+    # sweep adds starts from.
+    out = tmp_path / "tuning_table.cuh"
+    out.write_text(GELU_TABLE)
+    gk.emit_tuning([_record("layer_norm", "f16", 16384, 768, {"default": 1.00e-5, "G0M0": 1.00e-5, "G1M0": 0.9e-5})],
+                   out, "layout")  # fmt: skip
+    text = out.read_text()
+    assert "constexpr NormTune kNormUntuned = {kHintsL2LastCs, 0, 128, false, false, true};" in text
+    assert "    return kNormUntuned;\n}" in text
+    assert "return {kHintsL2LastCs, 0, 128, true, false, true};  // layer_norm f16 16384x768: v1, G1M0" in text
 
 
 def test_emit_tuning_gelu_hint_stage_with_cap_and_group(gk, tmp_path):
@@ -208,6 +224,57 @@ def test_emit_tuning_gelu_hint_stage_with_cap_and_group(gk, tmp_path):
     assert gk.SWEEP_VARIANTS["gh4m1024g4"] == ["-DMOGRAPH_GELU_HINTS=4", "-DMOGRAPH_GELU_MIN_THREADS=1024",
                                               "-DMOGRAPH_GELU_GROUP=4"]  # fmt: skip
     assert gk.SWEEP_VARIANTS["gh4"] == ["-DMOGRAPH_GELU_HINTS=4"]
+
+
+def test_emit_tuning_layout_stage_against_the_table(gk, tmp_path):
+    # With "default" in a layout sweep, a layout replaces the entry's own only when TUNING_KEEP_MARGIN faster
+    # than the table as it is (without it, against G0M0: an entry whose G1M0 ties G0M0 would go back to G0M0).
+    out = tmp_path / "tuning_table.cuh"
+    out.write_text(GELU_TABLE)
+    gk.emit_tuning([_record("layer_norm", "f16", 16384, 768, {"v1": 1.00e-5}),
+                    _record("layer_norm", "f32", 16384, 4096, {"v1": 1.00e-4})], out, "stage 1")  # fmt: skip
+    gk.emit_tuning([_record("layer_norm", "f16", 16384, 768, {"G0M0": 1.00e-5, "G1M0": 0.95e-5})], out, "stage 2")
+    sweep = [
+        _record("layer_norm", "f16", 16384, 768, {"default": 1.00e-5, "G0M0": 0.998e-5, "G1M0": 1.00e-5}),
+        _record("layer_norm", "f32", 16384, 4096, {"default": 1.00e-4, "G0M0": 1.00e-4, "G0M1": 0.98e-4}),
+    ]
+    gk.emit_tuning(sweep, out, "stage 2 again")
+    table = gk.read_norm_table(out)
+    assert table[("f16", "layer_norm", (32, 3, True))]["layout"] == "G1M0"  # kept: G0M0 is within the margin
+    assert table[("f32", "layer_norm", (256, 4, True))]["layout"] == "G0M1"
+    assert table[("f32", "layer_norm", (256, 4, True))]["merged"] is True
+
+
+@pytest.mark.parametrize(
+    ("op", "dtype", "hidden", "key"),
+    [
+        ("skip_layer_norm", "f16", 768, (64, 2, False)),  # 96 packs in a 64 x 2 shape: covered in part
+        ("skip_layer_norm", "f16", 1024, (64, 2, True)),
+        ("layer_norm", "f32", 3584, (256, 4, False)),
+        ("layer_norm", "f32", 4096, (256, 4, True)),
+        ("layer_norm", "f16", 1001, None),
+    ],
+)
+def test_norm_entry_shape_tells_full_from_partial_rows(gk, op, dtype, hidden, key):
+    assert gk.norm_entry_shape(op, dtype, hidden) == key
+
+
+def test_emit_tuning_full_and_partial_rows_get_their_own_entries(gk, tmp_path):
+    # Sizes of one launch shape that it covers exactly and in part run different instances: each gets its own
+    # entry, chosen on its own sizes.
+    out = tmp_path / "tuning_table.cuh"
+    out.write_text(GELU_TABLE)
+    sweep = [
+        _record("skip_layer_norm", "f16", 16384, 768, {"v1": 1.00e-5, "v2": 0.97e-5, "v3": 0.98e-5}),
+        _record("skip_layer_norm", "f16", 65536, 1024, {"v1": 1.00e-4, "v2": 1.01e-4, "v3": 0.98e-4}),
+    ]
+    gk.emit_tuning(sweep, out, "stage 1")
+    text = out.read_text()
+    assert "tpr == 64 && vpt == 2 && !full) return {kHintsStream, 1024, 128, false, false, true};" in text
+    assert "tpr == 64 && vpt == 2 && full) return {kHintsStream, 1280, 128, false, false, true};" in text
+    table = gk.read_norm_table(out)
+    assert table[("f16", "skip_layer_norm", (64, 2, False))]["cases"] == "16384x768"
+    assert table[("f16", "skip_layer_norm", (64, 2, True))]["tuning"] == "v3"
 
 
 def test_emit_tuning_gelu_hint_stage(gk, tmp_path):
@@ -276,3 +343,10 @@ def test_profile_case_prints_usage_without_arguments():
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "profile_case.py")], capture_output=True, text=True)
     assert proc.returncode == 2
     assert "usage: python tools/profile_case.py LIBRARY OP DTYPE ROWS HIDDEN" in proc.stderr
+
+
+def test_shapes_option_parses_and_refuses_bad_input(gk):
+    assert gk.parse_shapes("16384x768, 4096X8192") == [(16384, 768), (4096, 8192)]
+    for bad in ("16384", "x768", "16384x0", "16384x7.5"):
+        with pytest.raises(Exception, match="ROWSxHIDDEN"):
+            gk.parse_shapes(bad)
