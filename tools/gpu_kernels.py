@@ -427,14 +427,10 @@ HINT_VARIANTS = {
 ONE_PASS_VARIANTS = {"NL": ["-DMOGRAPH_NORM_ONE_PASS=1"]}
 
 
-def _hint_flags(setting: tuple) -> list[str]:
-    hints, min_threads, block = setting
-    flags = [f"-DMOGRAPH_NORM_HINTS={hints}"]
-    if min_threads is not None:
-        flags.append(f"-DMOGRAPH_NORM_MIN_THREADS={min_threads}")
-    if block is not None:
-        flags.append(f"-DMOGRAPH_NORM_BLOCK={block}")
-    return flags
+def _hint_flags(setting: tuple, family: str = "NORM", third: str = "BLOCK") -> list[str]:
+    """-D flags of a third-stage candidate (hints, min_threads, block or group); None leaves a setting out."""
+    names = ("HINTS", "MIN_THREADS", third)
+    return [f"-DMOGRAPH_{family}_{n}={v}" for n, v in zip(names, setting, strict=True) if v is not None]
 
 
 # The same for the Gelu kernels, per dtype and form (geometric mean over the sizes): (hints, min_threads, group),
@@ -443,16 +439,6 @@ GELU_HINT_VARIANTS = {
     "gh4": (4, None, None),
     **{f"gh4m{m}g{g}": (4, m, g) for m in (0, 1024) for g in (1, 4, 8)},
 }
-
-
-def _gelu_hint_flags(setting: tuple) -> list[str]:
-    hints, min_threads, group = setting
-    flags = [f"-DMOGRAPH_GELU_HINTS={hints}"]
-    if min_threads is not None:
-        flags.append(f"-DMOGRAPH_GELU_MIN_THREADS={min_threads}")
-    if group is not None:
-        flags.append(f"-DMOGRAPH_GELU_GROUP={group}")
-    return flags
 
 
 def _layout(gamma_early: int, merged: int) -> list[str]:
@@ -486,7 +472,7 @@ SWEEP_VARIANTS = {
     "h4NL": ["-DMOGRAPH_NORM_HINTS=4", "-DMOGRAPH_NORM_ONE_PASS=1"],  # both, everywhere (the untuned choice)
     # norm activations with Triton's hints: L1/L2 evict_last loads, plain (h3) or evict-first (h4) stores
     **{name: _hint_flags(h) for name, h in {"h3": (3, None, None), **HINT_VARIANTS}.items()},
-    **{name: _gelu_hint_flags(h) for name, h in {"gh3": (3, None, None), **GELU_HINT_VARIANTS}.items()},
+    **{name: _hint_flags(h, "GELU", "GROUP") for name, h in {"gh3": (3, None, None), **GELU_HINT_VARIANTS}.items()},
 }
 """Compile-time variants of the library for --sweep (see the MOGRAPH_* macros in kernels/src)."""
 
