@@ -5,7 +5,7 @@ exactly those two launches (Inductor's Triton kernel first, ours second)::
 
     ncu --clock-control none --nvtx --nvtx-include "prof/" --section SpeedOfLight --section Occupancy \\
         --section LaunchStats --section WarpStateStats --section InstructionStats \\
-        python tools/profile_case.py kernels/build/libmograph_kernels.so rms_norm f16 16384 768
+        python tools/profile_case.py mograph/_kernels/build/libmograph_kernels.so rms_norm f16 16384 768
 
 Arguments: the kernel library, then op, dtype (f32, f16, bf16), rows and hidden as in gpu_kernels.py.
 Needs a CUDA GPU and torch. Inductor's compiled kernels (with their cubins, for ``cuobjdump -sass``) are left
@@ -30,7 +30,8 @@ def main(argv: list[str]) -> int:
     spec = importlib.util.spec_from_file_location("gpu_kernels", Path(__file__).resolve().parent / "gpu_kernels.py")
     gk = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gk)
-    abi = gk._load("abi")
+    from mograph._kernels import abi
+
     lib = abi.load(argv[0])
     op, dtype, rows, hidden = argv[1], argv[2], int(argv[3]), int(argv[4])
     b = gk.Bench(torch, lib, abi, op, dtype, rows, hidden)

@@ -1,4 +1,4 @@
-"""The TensorRT plugins' enqueue path on a GPU, against the numpy reference (``kernels/reference.py``).
+"""The TensorRT plugins' enqueue path on a GPU, against the numpy reference (``mograph._kernels.reference``).
 
 TensorRT itself does not run on the GPU machine, so this calls what ``enqueue`` calls —
 :func:`mograph.backends.tensorrt_plugins.launch`, with the device pointers of torch CUDA tensors and torch's
@@ -7,22 +7,18 @@ hand-made ``PluginTensorDesc`` objects. Tolerance as for the kernels: ``|out - r
 rms(ref))``, tol 1e-5 for float32 and 1e-2 for float16/bfloat16.
 
 Skips, with the reason, without torch CUDA, without the kernel library (built here with nvcc when
-``kernels/build.py`` finds it), or (bfloat16 only) without ml_dtypes.
+``mograph._kernels.build`` finds nvcc), or (bfloat16 only) without ml_dtypes.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+from mograph._kernels import build as kernels_build
+from mograph._kernels import reference as kernels_reference
 from mograph.backends import _trt_loader
 from mograph.backends.tensorrt_plugins import PLUGINS, kernel_library_path, launch, load_kernels
-
-ROOT = Path(__file__).resolve().parents[2]
 
 try:
     import torch
@@ -44,33 +40,19 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_CUDA, reason=WHY)]
 TOL = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 1e-2}
 
 
-def _load_kernels_module(name: str):
-    mod_name = f"mograph_kernels_{name}"
-    if mod_name not in sys.modules:
-        path = ROOT / "kernels" / f"{name}.py"
-        if not path.exists():
-            pytest.skip(f"{path} is not there")
-        spec = importlib.util.spec_from_file_location(mod_name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[mod_name]
-
-
 @pytest.fixture(scope="module")
 def lib():
     path = kernel_library_path()
     if not path.exists():
-        build = _load_kernels_module("build")
-        if build.find_nvcc() is None:
+        if kernels_build.find_nvcc() is None:
             pytest.skip(f"{path} is not built and nvcc is not found")
-        build.build()
+        kernels_build.build()
     return load_kernels()
 
 
 @pytest.fixture(scope="module")
 def ref():
-    return _load_kernels_module("reference")
+    return kernels_reference
 
 
 # ------------------------------------------------------------------------------------------- helpers

@@ -1,37 +1,22 @@
 """The kernels' build and ABI: the library compiles with nvcc and exports exactly the documented C functions.
 
-The header, the ctypes binding (``kernels/abi.py``) and ``kernels/README.md`` must name the same functions;
+The header, the ctypes binding (``mograph._kernels.abi``) and ``mograph/_kernels/README.md`` must name the same functions;
 that part needs no compiler. Building needs nvcc on PATH (skipped otherwise) but no GPU, and neither do the
 argument checks at the end: an entry point rejects bad arguments before it touches CUDA.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-KERNELS = ROOT / "kernels"
+from mograph._kernels import abi, build
 
-
-def _load(name: str):
-    mod_name = f"mograph_kernels_{name}"
-    if mod_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(mod_name, KERNELS / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[mod_name]
-
-
-abi = _load("abi")
-build = _load("build")
+KERNELS = build.KERNELS_DIR
 
 NVCC = build.find_nvcc()
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH (nor NVCC / CUDA_HOME): cannot build")
@@ -52,6 +37,15 @@ def test_header_parameter_counts_match_the_binding():
         assert match, name
         params = [p for p in match.group(1).split(",") if p.strip() and p.strip() != "void"]
         assert len(params) == len(argtypes), name
+
+
+def test_production_sources_have_no_experiment_switches():
+    """Tuning is frozen: the only preprocessor switch of the sources is MOGRAPH_NO_PDL (plain launches)."""
+    switches = set()
+    for path in sorted((KERNELS / "src").iterdir()):
+        switches |= set(re.findall(r"#\s*(?:if|ifdef|ifndef|elif)\b[^\n]*?\b(MOGRAPH_\w+)", path.read_text()))
+        switches |= set(re.findall(r"defined\((MOGRAPH_\w+)\)", path.read_text()))
+    assert switches == {"MOGRAPH_NO_PDL"}
 
 
 def test_readme_documents_every_symbol():

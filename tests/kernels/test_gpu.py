@@ -1,37 +1,21 @@
 """Each CUDA kernel against the numpy reference on a GPU, over shapes, dtypes and options.
 
-The grid (``kernels/harness.py``: ``make_grid``) covers every op x fp32/fp16/bf16 x hidden in
+The grid (``mograph._kernels.harness``: ``make_grid``) covers every op x fp32/fp16/bf16 x hidden in
 {64, 768, 1000, 1024, 4096, 8192, 33, 1, 7, 8193}, with and without the optional inputs and outputs, both
 gelu forms, misaligned pointers (the generic path), in-place calls and many-block launches. Tolerance:
 ``|out - ref| <= tol * (|ref| + rms(ref))`` with tol 1e-5 for fp32 and 1e-2 for fp16/bf16.
 
-Skipped, with the reason, when no CUDA GPU is reachable through torch or CuPy, or when nvcc is missing.
+The library is ``$MOGRAPH_KERNELS_LIB`` when set, else built here (``mograph._kernels.build``). Skipped, with the
+reason, when no CUDA GPU is reachable through torch or CuPy, or when there is no library and nvcc is missing.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+import os
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load(name: str):
-    mod_name = f"mograph_kernels_{name}"
-    if mod_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(mod_name, ROOT / "kernels" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[mod_name]
-
-
-harness = _load("harness")
-abi = _load("abi")
-build = _load("build")
+from mograph._kernels import abi, build, harness
 
 BACKEND, BACKEND_INFO = harness.find_backend()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(BACKEND is None, reason=BACKEND_INFO)]
@@ -46,6 +30,8 @@ except ImportError:
 
 @pytest.fixture(scope="module")
 def lib():
+    if os.environ.get(build.LIBRARY_ENV):
+        return abi.load(build.library_path())
     if build.find_nvcc() is None:
         pytest.skip("nvcc not found on PATH (nor NVCC / CUDA_HOME): cannot build the kernels")
     return abi.load(build.build())

@@ -1,4 +1,4 @@
-"""The numpy references of ``kernels/reference.py`` against independent formulations.
+"""The numpy references of ``mograph._kernels.reference`` against independent formulations.
 
 Each op is recomputed here another way (float64, textbook formulas, ``math.erf``, known values), so a
 mistake in the ground truth the kernels are tested against cannot hide behind the kernels agreeing with it.
@@ -6,28 +6,12 @@ mistake in the ground truth the kernels are tested against cannot hide behind th
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load(name: str):
-    mod_name = f"mograph_kernels_{name}"
-    if mod_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(mod_name, ROOT / "kernels" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[mod_name]
-
-
-ref = _load("reference")
+from mograph._kernels import reference as ref
 
 
 def _close(got, want, tol):
@@ -98,7 +82,35 @@ def test_gelu_limits_and_nan():
 
 def test_gelu_rejects_unknown_approximation():
     with pytest.raises(ValueError, match="approximate"):
-        ref.gelu(np.zeros(3, np.float32), approximate="sigmoid")
+        ref.gelu(np.zeros(3, np.float32), approximate="erf")
+
+
+def test_quick_gelu_is_x_sigmoid_alpha_x(rng):
+    x = (rng.standard_normal(1000) * 4).astype(np.float32)
+    x64 = x.astype(np.float64)
+    _close(ref.quick_gelu(x), x64 / (1.0 + np.exp(-1.702 * x64)), 1e-6)
+    np.testing.assert_array_equal(ref.gelu(x, "sigmoid"), ref.quick_gelu(x))
+    _close(ref.quick_gelu(x, alpha=1.0), x64 / (1.0 + np.exp(-x64)), 1e-6)
+
+
+def test_optional_scale_and_one_element_vectors(rng):
+    """What a fusion without a scale (None) or with a one-element constant passes: broadcast over the row."""
+    x = rng.standard_normal((3, 16)).astype(np.float32)
+    np.testing.assert_array_equal(ref.layer_norm(x), ref.layer_norm(x, np.ones(16, np.float32)))
+    np.testing.assert_array_equal(ref.rms_norm(x, None, 1e-6), ref.rms_norm(x, np.ones(16, np.float32), 1e-6))
+    np.testing.assert_array_equal(
+        ref.layer_norm(x, np.array([2.0], np.float32), np.array(0.5, np.float32)),
+        ref.layer_norm(x, np.full(16, 2.0, np.float32), np.full(16, 0.5, np.float32)),
+    )
+    np.testing.assert_array_equal(ref.bias_gelu(x, np.array([0.25], np.float32)), ref.gelu(x + np.float32(0.25)))
+
+
+def test_float64_inputs_are_computed_in_float64(rng):
+    x = rng.standard_normal((4, 256)) + 1e3  # fp32 would leave ~1e-4 of error in the deviations
+    y = ref.layer_norm(x, eps=0.0)
+    assert y.dtype == np.float64
+    want = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True))
+    np.testing.assert_allclose(y, want, rtol=0, atol=1e-9)
 
 
 def test_layer_norm_matches_float64_textbook(rng):
@@ -159,7 +171,7 @@ def test_skip_rms_norm_is_rms_norm_of_the_rounded_sum(rng):
     g = (1 + 0.1 * rng.standard_normal(256)).astype(np.float16)
     bias = rng.standard_normal(256).astype(np.float16)
     y, s = ref.skip_rms_norm(x, skip, g, bias, eps=1e-6, return_sum=True)
-    rounded = (x.astype(np.float32) + skip.astype(np.float32) + bias.astype(np.float32)).astype(np.float16)
+    rounded = (x.astype(np.float32) + bias.astype(np.float32) + skip.astype(np.float32)).astype(np.float16)
     assert s.dtype == np.float16 and np.array_equal(s, rounded)
     assert np.array_equal(y, ref.rms_norm(rounded, g, 1e-6))
     s64 = rounded.astype(np.float64)

@@ -10,7 +10,7 @@
 //   of 2..32 warps (one row per block, reduced through shared memory). The cache hints of the activations
 //   (see load_stream), a register cap, the block size of small rows and the layout (gamma/beta loaded with
 //   the row or after the statistics; LayerNorm's mean and variance in two reductions or one merged one) come
-//   from tuning_table.cuh per launch shape; gamma/beta always take the plain read-only path and stay cached
+//   from launch_table.cuh per launch shape and GPU architecture; gamma/beta always take the plain read-only path and stay cached
 //   for the next rows. The statistics come from the registers: either the mean then the squared deviations
 //   from it, or each thread's own mean and M2 merged across threads; both are exact where
 //   E[x^2] - E[x]^2 would cancel. fp16/bf16 packs are converted a 32-bit word at a time (unpack_f32), and
@@ -26,7 +26,7 @@
 #pragma once
 
 #include "common.cuh"
-#include "tuning_table.cuh"
+#include "launch_table.cuh"
 
 namespace mograph {
 
@@ -128,8 +128,8 @@ struct RowReducer {
     }
 };
 
-// Layout choices of the register kernel, per launch shape in the tuning table (NormTune::gamma_early and
-// NormTune::merged in common.cuh), passed to the kernel as one bit set:
+// Layout choices of the register kernel, per launch shape in the launch table (NormTune::layout; the bits
+// kLayout* are defined in common.cuh), passed to the kernel as one bit set:
 // * kLayoutGammaEarly: gamma/beta are loaded together with the row, so their latency overlaps the loads and
 //   the reductions (faster for short rows, where that latency is on every row's critical path; for rows of
 //   16-32 elements a thread the extra live registers cost more than they save);
@@ -137,9 +137,6 @@ struct RowReducer {
 //   (RowReducer::mean_m2) instead of a reduction of the sum and then one of the squared deviations.
 // * kLayoutOnePass: each block normalizes its RPB rows and exits, without the grid-stride loop's bookkeeping
 //   (the launch covers every row; a grid that would exceed the launch limit takes the looped instance).
-constexpr int kLayoutGammaEarly = 1;
-constexpr int kLayoutMerged = 2;
-constexpr int kLayoutOnePass = 4;
 
 // Registers of one row of the fast path for one thread: its packs of x (and of skip for SkipLayerNorm).
 template <typename T, NormKind KIND, int VEC, int VPT>
@@ -429,40 +426,6 @@ __global__ void __launch_bounds__(1024) norm_generic_kernel(const NormArgs<T> a,
     }
 }
 
-// Tuning of the register kernel for one (dtype, op, threads per row, packs per thread), which the dispatch
-// derives from hidden: cache hints of the activations, the resident threads per SM that the register
-// allocation must allow (0: no cap), the block size of rows that share blocks and the layout choices
-// (kLayout*). The values come from tuning_table.cuh, chosen per benchmarked shape from H200 sweeps, separately
-// for rows the launch shape covers exactly (FULL: 768, 1024, 4096, 8192 mostly) and rows it covers in part
-// (3584 in the shape of 4096), which run an instance with per-pack bounds tests and more registers: given the
-// entries of full rows, some register caps made those spill (fp32 LayerNorm 8192x3584 at 0.38 of copy, sweep s29).
-// Shapes without an entry take kNormUntuned. MOGRAPH_NORM_HINTS=0..4, MOGRAPH_NORM_MIN_THREADS=N,
-// MOGRAPH_NORM_BLOCK=N, MOGRAPH_NORM_GAMMA_EARLY=0|1, MOGRAPH_NORM_MERGED=0|1 and MOGRAPH_NORM_ONE_PASS=0|1 force
-// one value everywhere (tools/gpu_kernels.py --sweep).
-template <typename T, NormKind KIND, int TPR, int VPT, bool FULL>
-constexpr NormTune norm_tuning() {
-    NormTune t = norm_table(dtype_code<T>(), static_cast<int>(KIND), TPR, VPT, FULL);
-#ifdef MOGRAPH_NORM_HINTS
-    t.hints = MOGRAPH_NORM_HINTS;
-#endif
-#ifdef MOGRAPH_NORM_MIN_THREADS
-    t.min_threads = MOGRAPH_NORM_MIN_THREADS;
-#endif
-#ifdef MOGRAPH_NORM_BLOCK
-    t.block = MOGRAPH_NORM_BLOCK;
-#endif
-#ifdef MOGRAPH_NORM_GAMMA_EARLY
-    t.gamma_early = MOGRAPH_NORM_GAMMA_EARLY != 0;
-#endif
-#ifdef MOGRAPH_NORM_MERGED
-    t.merged = MOGRAPH_NORM_MERGED != 0;
-#endif
-#ifdef MOGRAPH_NORM_ONE_PASS
-    t.one_pass = MOGRAPH_NORM_ONE_PASS != 0;
-#endif
-    return t;
-}
-
 // The instances of one launch shape, coverage and layout: with or without beta.
 template <typename T, NormKind KIND, int VPT, int TPR, int RPB, int HINTS, int LAYOUT, int MINB, bool FULL>
 int launch_register_layout(const NormArgs<T>& a, dim3 grid, cudaStream_t stream) {
@@ -478,16 +441,121 @@ int launch_register_layout(const NormArgs<T>& a, dim3 grid, cudaStream_t stream)
                          block, 0, stream, a);
 }
 
-template <typename T, NormKind KIND, int VPT, int TPR, bool FULL>
+// Register budget of the fast path: the most row elements one thread keeps. Fewer elements per thread mean
+// more threads per row, more resident warps and shorter-lived blocks; more mean more 16-byte loads in flight
+// per thread and fewer barriers per row. Measured on an H200 (8/16/32 for each op and dtype at 16384x768 ..
+// 4096x8192): 16 is best or within noise of best for fp32 and for SkipLayerNorm / SkipRMSNorm (two input
+// streams), 32 for fp16/bf16 LayerNorm and RMSNorm, whose 16-element version needs twice the threads and
+// barriers per row (0.84 instead of 0.93 of copy bandwidth at 16384x4096 fp16).
+template <typename T, NormKind KIND>
+constexpr int kNormMaxElems = (sizeof(T) == 4 || has_skip(KIND)) ? 16 : 32;
+
+template <typename T, NormKind KIND>
+constexpr int kNormMaxVpt = kNormMaxElems<T, KIND> / kVec16<T> > 0 ? kNormMaxElems<T, KIND> / kVec16<T> : 1;
+
+static_assert(kNormMaxVpt<float, NormKind::kLayerNorm> <= 8 && kNormMaxVpt<__half, NormKind::kLayerNorm> <= 8,
+              "at most 8 packs per thread are instantiated");
+
+// Packs per thread that have a kernel instance; a request for v packs takes the smallest choice >= v.
+constexpr int kVptChoices[] = {1, 2, 3, 4, 6, 8};
+constexpr int kNumVptChoices = static_cast<int>(sizeof(kVptChoices) / sizeof(kVptChoices[0]));
+
+// Whether (TPR threads per row, VPT packs per thread) has an instance: any VPT for TPR == 4, otherwise more
+// than half the budget MAXV (a group half as large was too small), and at most 16 elements per thread with
+// 1024 threads (the 64-register cap of a 1024-thread block spills beyond that).
+constexpr bool vpt_usable(int vpt, int maxv, int tpr, int vec) {
+    return vpt <= maxv && (tpr == 4 || 2 * vpt > maxv) && (tpr < 1024 || vpt * vec <= 16);
+}
+
+// The launch shape the dispatch below picks for an aligned row of `hidden` elements: the fewest threads per
+// row (4, 8, ..., 1024) that hold it within the budget, then the smallest usable VPT; {0, 0} when the row
+// takes the generic kernel. The same rules as launch_with_tpr / launch_with_vpt, for the launch table.
+struct NormShape {
+    int tpr, vpt;
+};
+
+template <typename T, NormKind KIND>
+constexpr NormShape norm_shape(int hidden) {
+    constexpr int kVec = kVec16<T>;
+    constexpr int kMaxV = kNormMaxVpt<T, KIND>;
+    if (hidden < 1 || hidden % kVec != 0) return {0, 0};
+    const int nvec = hidden / kVec;
+    int tpr = 4;
+    while (tpr <= 1024 && nvec > tpr * kMaxV) tpr *= 2;
+    if (tpr > 1024) return {0, 0};
+    const int need = (nvec + tpr - 1) / tpr;
+    for (int i = 0; i < kNumVptChoices; ++i) {
+        if (vpt_usable(kVptChoices[i], kMaxV, tpr, kVec) && need <= kVptChoices[i]) return {tpr, kVptChoices[i]};
+    }
+    return {0, 0};
+}
+
+// The launch choices of one (dtype, op, launch shape, coverage) on architecture ARCH (launch_table.cuh): the
+// sm_90 row whose row size has this shape and coverage, else kNormDefault.
+template <typename T, NormKind KIND, int TPR, int VPT, bool FULL, int ARCH>
+constexpr NormTune norm_launch() {
+    if (ARCH == kArchSm90) {
+        for (const launch_table::NormRow& r : launch_table::kNormSm90) {
+            if (r.dtype != dtype_code<T>() || r.kind != static_cast<int>(KIND)) continue;
+            const NormShape s = norm_shape<T, KIND>(r.hidden);
+            if (s.tpr == TPR && s.vpt == VPT && (r.hidden == TPR * VPT * kVec16<T>) == FULL) {
+                return {r.hints, r.cap, r.block, r.layout};
+            }
+        }
+    }
+    return launch_table::kNormDefault;
+}
+
+// Compile-time checks of the sm_90 norm rows: a known dtype and op, a row size with a register-kernel launch
+// shape, legal values, and no two rows for one shape and coverage.
+template <typename T, NormKind KIND>
+constexpr bool norm_row_ok(const launch_table::NormRow& r) {
+    const NormShape s = norm_shape<T, KIND>(r.hidden);
+    return s.tpr > 0 && (r.hints == kHintsNone || r.hints == kHintsStream || r.hints == kHintsL2LastCs) &&
+           r.cap >= 0 && r.cap <= 2048 && (r.block == 64 || r.block == 128) &&
+           (r.layout & ~(kLayoutGammaEarly | kLayoutMerged | kLayoutOnePass)) == 0;
+}
+
+constexpr bool norm_rows_ok() {
+    for (const launch_table::NormRow& r : launch_table::kNormSm90) {
+        if (r.kind < 0 || r.kind > 3 || r.dtype < 0 || r.dtype > 2) return false;
+    }
+    return true;
+}
+
+template <typename T, NormKind KIND>
+constexpr bool norm_rows_ok_for() {
+    const auto& rows = launch_table::kNormSm90;
+    const int n = static_cast<int>(sizeof(rows) / sizeof(rows[0]));
+    for (int i = 0; i < n; ++i) {
+        if (rows[i].dtype != dtype_code<T>() || rows[i].kind != static_cast<int>(KIND)) continue;
+        if (!norm_row_ok<T, KIND>(rows[i])) return false;
+        const NormShape a = norm_shape<T, KIND>(rows[i].hidden);
+        const bool full_a = rows[i].hidden == a.tpr * a.vpt * kVec16<T>;
+        for (int j = i + 1; j < n; ++j) {
+            if (rows[j].dtype != rows[i].dtype || rows[j].kind != rows[i].kind) continue;
+            const NormShape b = norm_shape<T, KIND>(rows[j].hidden);
+            const bool full_b = rows[j].hidden == b.tpr * b.vpt * kVec16<T>;
+            if (a.tpr == b.tpr && a.vpt == b.vpt && full_a == full_b) return false;
+        }
+    }
+    return true;
+}
+
+static_assert(norm_rows_ok(), "launch_table.cuh: a norm row with an unknown dtype or op");
+
+template <typename T, NormKind KIND, int VPT, int TPR, bool FULL, int ARCH>
 int launch_register_tuned(const NormArgs<T>& a, cudaStream_t stream) {
-    constexpr NormTune kTune = norm_tuning<T, KIND, TPR, VPT, FULL>();
+    static_assert(norm_rows_ok_for<T, KIND>(),
+                  "launch_table.cuh: a norm row without a register-kernel shape, with an illegal value, or two rows "
+                  "for one launch shape and coverage");
+    constexpr NormTune kTune = norm_launch<T, KIND, TPR, VPT, FULL, ARCH>();
     constexpr int kBlock = kTune.block > 0 ? kTune.block : 128;
     constexpr int kRpb = TPR >= kBlock ? 1 : kBlock / TPR;  // small rows: several per block
     constexpr int kMinBlocks = kTune.min_threads / (TPR * kRpb) < 1    ? 0
                                : kTune.min_threads / (TPR * kRpb) > 32 ? 32
                                                                        : kTune.min_threads / (TPR * kRpb);
-    constexpr int kLayout = (kTune.gamma_early ? kLayoutGammaEarly : 0) | (kTune.merged ? kLayoutMerged : 0) |
-                            (kTune.one_pass ? kLayoutOnePass : 0);
+    constexpr int kLayout = kTune.layout;
     const dim3 grid(grid_for(a.rows, kRpb));
     if constexpr ((kLayout & kLayoutOnePass) != 0) {
         if (static_cast<int64_t>(grid.x) * kRpb < a.rows) {  // the grid was capped: only the loop covers every row
@@ -498,10 +566,10 @@ int launch_register_tuned(const NormArgs<T>& a, cudaStream_t stream) {
     return launch_register_layout<T, KIND, VPT, TPR, kRpb, kTune.hints, kLayout, kMinBlocks, FULL>(a, grid, stream);
 }
 
-template <typename T, NormKind KIND, int VPT, int TPR>
+template <typename T, NormKind KIND, int VPT, int TPR, int ARCH>
 int launch_register(const NormArgs<T>& a, cudaStream_t stream) {
-    return a.hidden == TPR * VPT * kVec16<T> ? launch_register_tuned<T, KIND, VPT, TPR, true>(a, stream)
-                                              : launch_register_tuned<T, KIND, VPT, TPR, false>(a, stream);
+    return a.hidden == TPR * VPT * kVec16<T> ? launch_register_tuned<T, KIND, VPT, TPR, true, ARCH>(a, stream)
+                                              : launch_register_tuned<T, KIND, VPT, TPR, false, ARCH>(a, stream);
 }
 
 // Largest hidden (in elements) the generic path keeps in shared memory with one row per block.
@@ -525,71 +593,45 @@ int launch_generic(const NormArgs<T>& a, cudaStream_t stream) {
                          threads);
 }
 
-// Register budget of the fast path: the most row elements one thread keeps. Fewer elements per thread mean
-// more threads per row, more resident warps and shorter-lived blocks; more mean more 16-byte loads in flight
-// per thread and fewer barriers per row. Measured on an H200 (tools/gpu_kernels.py --sweep, 8/16/32 for each
-// op and dtype at 16384x768 .. 4096x8192): 16 is best or within noise of best for fp32 and for
-// SkipLayerNorm (two input streams), 32 for fp16/bf16 LayerNorm and RMSNorm, whose 16-element version
-// needs twice the threads and barriers per row (0.84 instead of 0.93 of copy bandwidth at 16384x4096 fp16).
-// MOGRAPH_NORM_MAX_ELEMS=8|16|32 overrides the table for experiments.
-template <typename T, NormKind KIND>
-constexpr int kNormMaxElems =
-#if defined(MOGRAPH_NORM_MAX_ELEMS)
-    MOGRAPH_NORM_MAX_ELEMS;
-#elif defined(MOGRAPH_NORM_MAX_ELEMS_HALF)
-    (sizeof(T) == 4 || has_skip(KIND)) ? 16 : MOGRAPH_NORM_MAX_ELEMS_HALF;
-#else
-    (sizeof(T) == 4 || has_skip(KIND)) ? 16 : 32;
-#endif
-
-template <typename T, NormKind KIND>
-constexpr int kNormMaxVpt = kNormMaxElems<T, KIND> / kVec16<T> > 0 ? kNormMaxElems<T, KIND> / kVec16<T> : 1;
-
-static_assert(kNormMaxVpt<float, NormKind::kLayerNorm> <= 8 && kNormMaxVpt<__half, NormKind::kLayerNorm> <= 8,
-              "at most 8 packs per thread are instantiated");
-
-// Packs per thread that have a kernel instance; a request for v packs takes the smallest choice >= v.
-constexpr int kVptChoices[] = {1, 2, 3, 4, 6, 8};
-
-// Launches the register kernel with TPR threads per row and the smallest instantiated VPT >= v. Only the
-// VPTs the dispatch below can ask for are instantiated: any for TPR == 4, otherwise more than half the
-// budget (a group half as large was too small), and at most 16 elements per thread with 1024 threads
-// (the 64-register cap of a 1024-thread block spills beyond that).
-template <typename T, NormKind KIND, int MAXV, int TPR, int I = 0>
+// Launches the register kernel with TPR threads per row and the smallest instantiated VPT >= v (see
+// vpt_usable: only the VPTs the dispatch can ask for are instantiated).
+template <typename T, NormKind KIND, int MAXV, int TPR, int ARCH, int I = 0>
 int launch_with_vpt(const NormArgs<T>& a, int v, cudaStream_t stream) {
-    if constexpr (I >= static_cast<int>(sizeof(kVptChoices) / sizeof(kVptChoices[0]))) {
+    if constexpr (I >= kNumVptChoices) {
         return launch_generic<T, KIND>(a, stream);
     } else {
         constexpr int kVpt = kVptChoices[I];
-        constexpr bool kUsable =
-            kVpt <= MAXV && (TPR == 4 || 2 * kVpt > MAXV) && (TPR < 1024 || kVpt * kVec16<T> <= 16);
-        if constexpr (kUsable) {
-            if (v <= kVpt) return launch_register<T, KIND, kVpt, TPR>(a, stream);
+        if constexpr (vpt_usable(kVpt, MAXV, TPR, kVec16<T>)) {
+            if (v <= kVpt) return launch_register<T, KIND, kVpt, TPR, ARCH>(a, stream);
         }
-        return launch_with_vpt<T, KIND, MAXV, TPR, I + 1>(a, v, stream);
+        return launch_with_vpt<T, KIND, MAXV, TPR, ARCH, I + 1>(a, v, stream);
     }
 }
 
 // The fewest threads per row (4, 8, ..., 1024) that hold the row within the register budget.
-template <typename T, NormKind KIND, int MAXV, int TPR = 4>
+template <typename T, NormKind KIND, int MAXV, int ARCH, int TPR = 4>
 int launch_with_tpr(const NormArgs<T>& a, int nvec, cudaStream_t stream) {
     if constexpr (TPR > 1024) {
         return launch_generic<T, KIND>(a, stream);
     } else {
-        if (nvec <= TPR * MAXV) return launch_with_vpt<T, KIND, MAXV, TPR>(a, (nvec + TPR - 1) / TPR, stream);
-        return launch_with_tpr<T, KIND, MAXV, TPR * 2>(a, nvec, stream);
+        if (nvec <= TPR * MAXV) return launch_with_vpt<T, KIND, MAXV, TPR, ARCH>(a, (nvec + TPR - 1) / TPR, stream);
+        return launch_with_tpr<T, KIND, MAXV, ARCH, TPR * 2>(a, nvec, stream);
     }
 }
 
 // Picks the kernel for a validated argument set: the register path when hidden is a whole number of
-// 16-byte packs and every pointer is 16-byte aligned (rows up to 1024 threads x the budget), else generic.
+// 16-byte packs and every pointer is 16-byte aligned (rows up to 1024 threads x the budget), else generic;
+// the register path's launch choices are those of the device's architecture (launch_table.cuh).
 template <typename T, NormKind KIND>
 int launch_norm(const NormArgs<T>& a, cudaStream_t stream) {
     constexpr int kVec = kVec16<T>;
+    constexpr int kMaxV = kNormMaxVpt<T, KIND>;
     const bool vector_ok = a.hidden % kVec == 0 && aligned16(a.x) && aligned16(a.skip) && aligned16(a.bias) &&
                            aligned16(a.gamma) && aligned16(a.beta) && aligned16(a.y) && aligned16(a.sum_out);
-    if (vector_ok) return launch_with_tpr<T, KIND, kNormMaxVpt<T, KIND>>(a, a.hidden / kVec, stream);
-    return launch_generic<T, KIND>(a, stream);
+    if (!vector_ok) return launch_generic<T, KIND>(a, stream);
+    const int nvec = a.hidden / kVec;
+    return table_arch() == kArchSm90 ? launch_with_tpr<T, KIND, kMaxV, kArchSm90>(a, nvec, stream)
+                                     : launch_with_tpr<T, KIND, kMaxV, kArchDefault>(a, nvec, stream);
 }
 
 // Argument checks shared by the C entry points; returns MOGRAPH_OK or an error status.

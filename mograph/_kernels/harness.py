@@ -1,8 +1,8 @@
-"""Correctness harness for the CUDA kernels: run one op on the GPU and compare it with ``reference.py``.
+"""Correctness harness for the CUDA kernels: run one op on the GPU and compare it with :mod:`.reference`.
 
 Shared by ``tests/kernels/test_gpu.py`` and ``tools/gpu_kernels.py`` so both check the same thing the same
 way. A :class:`Case` names an op, a dtype, a shape and the op's options; :func:`check_case` draws seeded
-inputs, runs the kernel through the ctypes binding of ``abi.py`` on device memory owned by torch (or
+inputs, runs the kernel through the ctypes binding of :mod:`.abi` on device memory owned by torch (or
 CuPy when torch has no CUDA), and compares every output with the numpy reference.
 
 What a check guards against: outputs are poisoned with NaN before the launch, so an element the kernel
@@ -18,13 +18,12 @@ Nothing here imports torch or CuPy until a backend is asked for, so the module l
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from mograph._kernels import abi, reference
 
 __all__ = [
     "TOLERANCE",
@@ -33,27 +32,12 @@ __all__ = [
     "check_case",
     "find_backend",
     "host_dtype",
-    "load_sibling",
     "make_grid",
 ]
-
-_HERE = Path(__file__).resolve().parent
 
 TOLERANCE = {"f32": 1e-5, "f16": 1e-2, "bf16": 1e-2}
 ROW_OPS = ("layer_norm", "rms_norm", "skip_layer_norm", "skip_rms_norm", "bias_gelu")
 ALL_OPS = ("layer_norm", "rms_norm", "skip_layer_norm", "skip_rms_norm", "gelu", "bias_gelu")
-
-
-def load_sibling(name: str):
-    """Import ``kernels/<name>.py`` by path as module ``mograph_kernels_<name>`` (kernels/ is no package)."""
-    mod_name = f"mograph_kernels_{name}"
-    if mod_name in sys.modules:
-        return sys.modules[mod_name]
-    spec = importlib.util.spec_from_file_location(mod_name, _HERE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def host_dtype(dtype: str) -> np.dtype:
@@ -337,8 +321,7 @@ def _scaled_error(out: np.ndarray, ref: np.ndarray) -> float:
 
 def check_case(lib, backend, case: Case, seed: int = 0, eps: float = 1e-5) -> CaseResult:
     """Run one case on the GPU and compare it with the reference; never raises for a numeric mismatch."""
-    abi = load_sibling("abi")
-    ref = load_sibling("reference")
+    ref = reference
     tol = TOLERANCE[case.dtype]
     dtype = host_dtype(case.dtype)
     inp = _inputs(case, dtype, seed)

@@ -1,6 +1,6 @@
-"""Build mograph's CUDA kernels into ``kernels/build/libmograph_kernels.so`` with nvcc.
+"""Build mograph's CUDA kernels into ``mograph/_kernels/build/libmograph_kernels.so`` with nvcc.
 
-Run it as a script (``python kernels/build.py --help``) or import it by path and call :func:`build`.
+Run it as ``python -m mograph._kernels.build`` (``--help`` for the options) or call :func:`build`.
 Every ``src/*.cu`` file is compiled to an object in parallel (one translation unit per dtype keeps the
 template-heavy compiles short), then they are linked into one shared library whose only exported symbols
 are the C functions of ``include/mograph_kernels.h`` (``-fvisibility=hidden`` plus ``MOGRAPH_API``).
@@ -23,7 +23,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,11 +31,13 @@ __all__ = [
     "DEFAULT_ARCHS",
     "DEFAULT_PTX",
     "KERNELS_DIR",
+    "LIBRARY_ENV",
     "LIBRARY_NAME",
     "BuildError",
     "build",
     "default_library_path",
     "find_nvcc",
+    "library_path",
     "main",
 ]
 
@@ -43,6 +45,8 @@ KERNELS_DIR = Path(__file__).resolve().parent
 SOURCE_DIR = KERNELS_DIR / "src"
 INCLUDE_DIR = KERNELS_DIR / "include"
 LIBRARY_NAME = "libmograph_kernels.so"
+LIBRARY_ENV = "MOGRAPH_KERNELS_LIB"
+"""Environment variable naming the library to load instead of :func:`default_library_path`."""
 DEFAULT_ARCHS: tuple[str, ...] = ("80", "90")
 DEFAULT_PTX: tuple[str, ...] = ("90",)
 
@@ -54,8 +58,14 @@ class BuildError(RuntimeError):
 
 
 def default_library_path(build_dir: Path | None = None) -> Path:
-    """Where :func:`build` puts the library: ``<build_dir or kernels/build>/libmograph_kernels.so``."""
+    """Where :func:`build` puts the library: ``<build_dir or mograph/_kernels/build>/libmograph_kernels.so``."""
     return (build_dir or KERNELS_DIR / "build") / LIBRARY_NAME
+
+
+def library_path() -> Path:
+    """The library a caller should load: ``$MOGRAPH_KERNELS_LIB`` when set, else :func:`default_library_path`."""
+    env = os.environ.get(LIBRARY_ENV)
+    return Path(env) if env else default_library_path()
 
 
 def find_nvcc(nvcc: str | None = None) -> str | None:
@@ -104,14 +114,14 @@ def build(
     resource_usage: bool = False,
     extra_flags: Sequence[str] = (),
     force: bool = False,
-    log=None,
+    log: Callable[[str], None] | None = None,
 ) -> Path:
     """Compile and link the kernels; returns the path of the shared library.
 
     Args:
         archs: compute capabilities to emit machine code for ("80", "90", ...).
         ptx: compute capabilities to embed PTX for (forward compatibility with later chips).
-        build_dir: output folder (default ``kernels/build``).
+        build_dir: output folder (default ``mograph/_kernels/build``).
         nvcc: nvcc executable (default: see :func:`find_nvcc`).
         jobs: parallel nvcc processes (default: number of sources, at most the CPU count).
         resource_usage: ask ptxas for each kernel's registers, shared memory and spills (printed to ``log``).
@@ -185,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=",".join(DEFAULT_PTX),
         help="comma-separated compute capabilities to embed PTX for; empty for none (default: %(default)s)",
     )
-    parser.add_argument("--build-dir", type=Path, default=None, help="output folder (default: kernels/build)")
+    parser.add_argument("--build-dir", type=Path, default=None, help="output folder (default: mograph/_kernels/build)")
     parser.add_argument("--nvcc", default=None, help="nvcc executable (default: $NVCC, PATH, $CUDA_HOME/bin)")
     parser.add_argument("--jobs", type=int, default=None, help="parallel nvcc processes")
     parser.add_argument(
@@ -197,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="NAME[=VALUE]",
-        help="preprocessor definition for every source, e.g. -D MOGRAPH_NORM_MAX_ELEMS=16 (repeatable)",
+        help="preprocessor definition for every source, e.g. -D MOGRAPH_NO_PDL (repeatable)",
     )
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
     args = parser.parse_args(argv)

@@ -1,18 +1,26 @@
 """Numpy reference implementations of mograph's fused ops: the ground truth for kernels and lowerings.
 
+This is the one numpy reference of each op: ``CustomOp.reference`` of the ``mograph`` domain
+(``mograph.passes.fusion.ops``) calls these functions, and the CUDA kernels' tests compare against them.
+
 Semantics shared with the CUDA kernels (``include/mograph_kernels.h``):
 
 * All ops work over the last axis; leading axes are rows. Inputs of any float dtype numpy can cast
   (float32, float16, ``ml_dtypes.bfloat16``) are upcast to float32, computed, and the result is cast back
-  to the input's dtype once (round to nearest even).
+  to the input's dtype once (round to nearest even). float64 inputs are computed in float64 (no kernel
+  takes them; the ONNX function bodies do).
 * Reductions (mean, variance, mean of squares) accumulate in float32; the variance is the population
   variance of the deviations from the mean (two-pass, no E[x^2] - E[x]^2 cancellation).
 * SkipLayerNorm rounds ``s = x + skip (+ bias)`` to the input dtype before normalizing, as the unfused
-  Add -> LayerNorm graph does; the optional second output is that rounded ``s``.
+  Add -> LayerNorm graph does; the optional second output is that rounded ``s``. The float32 sum is taken
+  as ``(x + bias) + skip``, the order of the ops' ONNX function bodies (the kernels add ``skip`` first: the two
+  differ by the float32 rounding of one addition).
 * BiasGelu adds the bias in float32 and does not round the sum before the gelu.
 * Gelu is elementwise: it is evaluated in float64 from the float32 input and rounded once (numpy has no
   erf, so the module carries its own float64 erfc; float64 also keeps the negative tail exact, where
-  ``1 + erf`` and ``1 + tanh`` cancel).
+  ``1 + erf`` and ``1 + tanh`` cancel). QuickGelu (``x sigmoid(alpha x)``, no kernel) is computed in float32.
+* gamma, beta and bias are ``[hidden]`` vectors or single elements broadcast over the row; gamma may be
+  ``None`` (no scale), as in a fusion without one.
 
 Pure numpy, no torch: it must run wherever mograph's tests run.
 """
@@ -24,11 +32,22 @@ from typing import Literal
 
 import numpy as np
 
-__all__ = ["bias_gelu", "erfc", "gelu", "layer_norm", "rms_norm", "skip_layer_norm", "skip_rms_norm"]
+__all__ = [
+    "QUICK_GELU_ALPHA",
+    "bias_gelu",
+    "erfc",
+    "gelu",
+    "layer_norm",
+    "quick_gelu",
+    "rms_norm",
+    "skip_layer_norm",
+    "skip_rms_norm",
+]
 
 _SQRT_2 = math.sqrt(2.0)
 _INV_SQRT_PI = 1.0 / math.sqrt(math.pi)
 _TANH_K = math.sqrt(2.0 / math.pi)
+QUICK_GELU_ALPHA = 1.702
 
 
 def erfc(z: np.ndarray | float) -> np.ndarray:
@@ -67,57 +86,86 @@ def erfc(z: np.ndarray | float) -> np.ndarray:
     return out
 
 
-def _check_vector(name: str, v: np.ndarray | None, hidden: int) -> np.ndarray | None:
+def _check_vector(name: str, v: np.ndarray | None, hidden: int, ctype: np.dtype) -> np.ndarray | None:
+    """``v`` as a ``[hidden]`` (or one-element, broadcast) vector of the compute dtype; None stays None."""
     if v is None:
         return None
     v = np.asarray(v)
-    if v.shape != (hidden,):
-        raise ValueError(f"{name} must have shape ({hidden},), got {v.shape}")
-    return v.astype(np.float32)
+    if v.size in (hidden, 1):
+        return v.reshape(-1).astype(ctype)
+    raise ValueError(f"{name} must have shape ({hidden},) or one element, got {v.shape}")
+
+
+def _ctype(x: np.ndarray) -> np.dtype:
+    """The compute dtype: float64 for float64 inputs, float32 for every other one."""
+    return np.dtype(np.float64 if x.dtype == np.float64 else np.float32)
 
 
 def _f32(x: np.ndarray) -> np.ndarray:
-    return np.asarray(x).astype(np.float32)
+    """``x`` in its compute dtype (float32; float64 stays float64)."""
+    x = np.asarray(x)
+    return x.astype(_ctype(x))
 
 
-def _layer_norm_f32(s: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, eps: float) -> np.ndarray:
-    mean = np.mean(s, axis=-1, keepdims=True, dtype=np.float32)
+def _layer_norm_f32(
+    s: np.ndarray, gamma: np.ndarray | None, beta: np.ndarray | None, eps: float
+) -> np.ndarray:
+    mean = np.mean(s, axis=-1, keepdims=True, dtype=s.dtype)
     d = s - mean
-    var = np.mean(d * d, axis=-1, keepdims=True, dtype=np.float32)
-    y = d / np.sqrt(var + np.float32(eps)) * gamma
+    var = np.mean(d * d, axis=-1, keepdims=True, dtype=s.dtype)
+    y = d / np.sqrt(var + np.asarray(eps, dtype=s.dtype))
+    if gamma is not None:
+        y = y * gamma
     if beta is not None:
         y = y + beta
     return y
 
 
-def layer_norm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None = None, eps: float = 1e-5) -> np.ndarray:
+def _rms_norm_f32(s: np.ndarray, gamma: np.ndarray | None, eps: float) -> np.ndarray:
+    ms = np.mean(s * s, axis=-1, keepdims=True, dtype=s.dtype)
+    y = s / np.sqrt(ms + np.asarray(eps, dtype=s.dtype))
+    return y * gamma if gamma is not None else y
+
+
+def _residual_sum(x: np.ndarray, skip: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    """``x + skip (+ bias)`` in the compute dtype, rounded to x's dtype (SkipLayerNorm / SkipRMSNorm)."""
+    if skip.shape != x.shape:
+        raise ValueError(f"skip must have x's shape {x.shape}, got {skip.shape}")
+    s = _f32(x)
+    bi = _check_vector("bias", bias, x.shape[-1], _ctype(x))
+    if bi is not None:
+        s = s + bi
+    return (s + np.asarray(skip).astype(_ctype(x))).astype(x.dtype)
+
+
+def layer_norm(
+    x: np.ndarray, gamma: np.ndarray | None = None, beta: np.ndarray | None = None, eps: float = 1e-5
+) -> np.ndarray:
     """y = (x - mean) / sqrt(var + eps) * gamma (+ beta) over the last axis; var is the population variance.
 
     Args:
-        x: [..., hidden]; gamma, beta: [hidden] (beta optional); eps: added to the variance.
+        x: [..., hidden]; gamma, beta: [hidden] or one element (both optional); eps: added to the variance.
     Returns:
         y with x's shape and dtype.
     """
     x = np.asarray(x)
-    hidden = x.shape[-1]
-    g = _check_vector("gamma", gamma, hidden)
-    b = _check_vector("beta", beta, hidden)
+    ct, hidden = _ctype(x), x.shape[-1]
+    g = _check_vector("gamma", gamma, hidden, ct)
+    b = _check_vector("beta", beta, hidden, ct)
     return _layer_norm_f32(_f32(x), g, b, eps).astype(x.dtype)
 
 
-def rms_norm(x: np.ndarray, gamma: np.ndarray, eps: float = 1e-5) -> np.ndarray:
-    """y = x / sqrt(mean(x^2) + eps) * gamma over the last axis; gamma: [hidden]. Returns x's dtype."""
+def rms_norm(x: np.ndarray, gamma: np.ndarray | None = None, eps: float = 1e-5) -> np.ndarray:
+    """y = x / sqrt(mean(x^2) + eps) * gamma over the last axis; gamma: [hidden] (optional). Returns x's dtype."""
     x = np.asarray(x)
-    g = _check_vector("gamma", gamma, x.shape[-1])
-    x32 = _f32(x)
-    ms = np.mean(x32 * x32, axis=-1, keepdims=True, dtype=np.float32)
-    return (x32 / np.sqrt(ms + np.float32(eps)) * g).astype(x.dtype)
+    g = _check_vector("gamma", gamma, x.shape[-1], _ctype(x))
+    return _rms_norm_f32(_f32(x), g, eps).astype(x.dtype)
 
 
 def skip_layer_norm(
     x: np.ndarray,
     skip: np.ndarray,
-    gamma: np.ndarray,
+    gamma: np.ndarray | None = None,
     beta: np.ndarray | None = None,
     bias: np.ndarray | None = None,
     eps: float = 1e-5,
@@ -126,48 +174,31 @@ def skip_layer_norm(
     """s = x + skip (+ bias), rounded to x's dtype; y = layer_norm(s, gamma, beta, eps).
 
     Args:
-        x, skip: [..., hidden] of one shape and dtype; gamma, beta, bias: [hidden] (beta, bias optional).
+        x, skip: [..., hidden] of one shape and dtype; gamma, beta, bias: [hidden] (all optional).
         return_sum: also return s (the op's optional second output).
     Returns:
         y, or (y, s) when return_sum; both with x's dtype.
     """
     x = np.asarray(x)
-    skip = np.asarray(skip)
-    if skip.shape != x.shape:
-        raise ValueError(f"skip must have x's shape {x.shape}, got {skip.shape}")
-    hidden = x.shape[-1]
-    g = _check_vector("gamma", gamma, hidden)
-    b = _check_vector("beta", beta, hidden)
-    bi = _check_vector("bias", bias, hidden)
-    s32 = _f32(x) + _f32(skip)
-    if bi is not None:
-        s32 = s32 + bi
-    s = s32.astype(x.dtype)
-    y = _layer_norm_f32(_f32(s), g, b, eps).astype(x.dtype)
+    s = _residual_sum(x, np.asarray(skip), bias)
+    y = layer_norm(s, gamma, beta, eps)
     return (y, s) if return_sum else y
-
 
 
 def skip_rms_norm(
     x: np.ndarray,
     skip: np.ndarray,
-    gamma: np.ndarray,
+    gamma: np.ndarray | None = None,
     bias: np.ndarray | None = None,
     eps: float = 1e-5,
     return_sum: bool = False,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """s = x + skip (+ bias), rounded to x's dtype; y = rms_norm(s, gamma, eps). As skip_layer_norm, no beta."""
     x = np.asarray(x)
-    skip = np.asarray(skip)
-    if skip.shape != x.shape:
-        raise ValueError(f"skip must have x's shape {x.shape}, got {skip.shape}")
-    bi = _check_vector("bias", bias, x.shape[-1])
-    s32 = _f32(x) + _f32(skip)
-    if bi is not None:
-        s32 = s32 + bi
-    s = s32.astype(x.dtype)
+    s = _residual_sum(x, np.asarray(skip), bias)
     y = rms_norm(s, gamma, eps)
     return (y, s) if return_sum else y
+
 
 def _gelu_f64(v: np.ndarray, approximate: str) -> np.ndarray:
     v = v.astype(np.float64)
@@ -181,17 +212,27 @@ def _gelu_f64(v: np.ndarray, approximate: str) -> np.ndarray:
     raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
 
 
-def gelu(x: np.ndarray, approximate: Literal["none", "tanh"] = "none") -> np.ndarray:
+def gelu(x: np.ndarray, approximate: Literal["none", "tanh", "sigmoid"] = "none") -> np.ndarray:
     """Gelu, elementwise. "none": 0.5 x (1 + erf(x / sqrt 2)); "tanh": 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 
-    Returns x's shape and dtype.
+    "sigmoid" is :func:`quick_gelu` with its default alpha. Returns x's shape and dtype.
     """
     x = np.asarray(x)
+    if approximate == "sigmoid":
+        return quick_gelu(x)
     return _gelu_f64(_f32(x), approximate).astype(x.dtype)
+
+
+def quick_gelu(x: np.ndarray, alpha: float = QUICK_GELU_ALPHA) -> np.ndarray:
+    """x sigmoid(alpha x), computed in float32 (float64 for float64 inputs). Returns x's shape and dtype."""
+    x = np.asarray(x)
+    xf = _f32(x)
+    with np.errstate(over="ignore"):
+        return (xf / (1.0 + np.exp(-alpha * xf))).astype(x.dtype)
 
 
 def bias_gelu(x: np.ndarray, bias: np.ndarray, approximate: Literal["none", "tanh"] = "none") -> np.ndarray:
     """gelu(x + bias) with bias: [hidden] broadcast over the last axis; the sum is kept in float32."""
     x = np.asarray(x)
-    b = _check_vector("bias", bias, x.shape[-1])
-    return _gelu_f64(_f32(x) + b, approximate).astype(x.dtype)
+    b = _check_vector("bias", bias, x.shape[-1], _ctype(x))
+    return gelu(_f32(x) + b, approximate).astype(x.dtype)

@@ -2,10 +2,10 @@
 //
 // Gelu: each thread loads its UNROLL packs of 16 bytes before computing, so enough independent loads are in
 // flight to reach HBM bandwidth; blocks work in groups that spread a thread's packs apart (see gelu_kernel;
-// the group size, cache hints and register cap per dtype and form come from tuning_table.cuh).
+// the group size, cache hints and register cap per dtype, form and GPU architecture come from launch_table.cuh).
 // BiasGelu: a thread owns one column pack of the [rows, hidden] view, keeps its bias pack in registers as
 // fp32 and walks down UNROLL rows at a time, so the bias costs neither a load nor an index computation per
-// element (MOGRAPH_GELU_FLAT_BIAS selects the older flat form, which tracks the column of each pack).
+// element.
 //
 // Math, in fp32. Exact form: gelu(x) = x Phi(x) with Phi(x) = 1 - q for x >= 0 and q for x < 0, where
 // q = erfc(|x| / sqrt 2) / 2. The library erff costs ~33 instructions an element, which made fp16/bf16 Gelu
@@ -24,7 +24,7 @@
 #pragma once
 
 #include "common.cuh"
-#include "tuning_table.cuh"
+#include "launch_table.cuh"
 
 namespace mograph {
 
@@ -79,40 +79,19 @@ __device__ __forceinline__ float gelu_f32(float x) {
     }
 }
 
-// Tuning of the Gelu kernels for one dtype and form (tuning_table.cuh): cache hints (see load_stream),
-// resident threads per SM that the register allocation must allow (0: no cap), and for plain Gelu the
-// layout (GeluTune::group, see gelu_kernel). MOGRAPH_GELU_HINTS, MOGRAPH_GELU_MIN_THREADS and
-// MOGRAPH_GELU_GROUP force one value everywhere (for tools/gpu_kernels.py --sweep).
-template <typename T, bool HAS_BIAS, bool TANH>
-constexpr GeluTune gelu_tuning() {
-    GeluTune t = gelu_table(dtype_code<T>(), (HAS_BIAS ? 2 : 0) + (TANH ? 1 : 0));
-#ifdef MOGRAPH_GELU_HINTS
-    t.hints = MOGRAPH_GELU_HINTS;
-#endif
-#ifdef MOGRAPH_GELU_MIN_THREADS
-    t.min_threads = MOGRAPH_GELU_MIN_THREADS;
-#endif
-#ifdef MOGRAPH_GELU_GROUP
-    t.group = MOGRAPH_GELU_GROUP;
-#endif
-    return t;
-}
-
 // minBlocksPerMultiprocessor for __launch_bounds__: 0 (no cap, ptxas's default; an explicit 1 lets it take
 // more registers) when min_threads asks for less than one block.
 constexpr int min_blocks_for(int min_threads, int block_threads) {
     return min_threads / block_threads < 1 ? 0 : (min_threads / block_threads > 32 ? 32 : min_threads / block_threads);
 }
 
-// x, y: n_packs packs of VEC elements (then `tail` scalars for plain Gelu). bias: nullptr for plain Gelu,
-// else a row of cols_packs packs, indexed by column. Layout: the grid is GROUP-block groups (gridDim.x a
+// x, y: n_packs packs of VEC elements, then `tail` scalars. Layout: the grid is GROUP-block groups (gridDim.x a
 // multiple of GROUP); group g covers the GROUP x UNROLL x THREADS consecutive packs from g x that, and its
 // block s takes packs s x THREADS + u x GROUP x THREADS + threadIdx.x (u < UNROLL). GROUP = 1: each block a
 // contiguous chunk, a thread's packs THREADS apart; larger groups spread a thread's packs further apart.
-template <typename T, int VEC, int UNROLL, int THREADS, bool TANH, bool HAS_BIAS, int HINTS, int MINB, int GROUP>
-__global__ void __launch_bounds__(THREADS, MINB) gelu_kernel(const T* __restrict__ x, const T* __restrict__ bias,
-                                                             T* __restrict__ y, int64_t n_packs, int64_t cols_packs,
-                                                             int tail) {
+template <typename T, int VEC, int UNROLL, int THREADS, bool TANH, int HINTS, int MINB, int GROUP>
+__global__ void __launch_bounds__(THREADS, MINB) gelu_kernel(const T* __restrict__ x, T* __restrict__ y,
+                                                             int64_t n_packs, int tail) {
     constexpr bool kPrecise = std::is_same<T, float>::value;
     constexpr int64_t kSpan = static_cast<int64_t>(GROUP) * UNROLL * THREADS;
     pdl_trigger();
@@ -120,8 +99,6 @@ __global__ void __launch_bounds__(THREADS, MINB) gelu_kernel(const T* __restrict
     const int64_t step = static_cast<int64_t>(GROUP) * THREADS;  // between a thread's unrolled packs
     const int64_t groups = gridDim.x / GROUP;
     const int64_t lane = static_cast<int64_t>(blockIdx.x % GROUP) * THREADS + threadIdx.x;
-    int64_t col_step = 0;
-    if constexpr (HAS_BIAS) col_step = step % cols_packs;
 
     for (int64_t g = blockIdx.x / GROUP; g * kSpan < n_packs; g += groups) {
         const int64_t first = g * kSpan + lane;
@@ -131,36 +108,20 @@ __global__ void __launch_bounds__(THREADS, MINB) gelu_kernel(const T* __restrict
             const int64_t i = first + static_cast<int64_t>(u) * step;
             if (i < n_packs) in[u] = load_stream<T, VEC, HINTS>(x + i * VEC);
         }
-        int64_t c = 0;
-        if constexpr (HAS_BIAS) {
-            c = n_packs <= 0xffffffffll ? static_cast<int64_t>(static_cast<uint32_t>(first) %
-                                                               static_cast<uint32_t>(cols_packs))
-                                        : first % cols_packs;
-        }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int64_t i = first + static_cast<int64_t>(u) * step;
             if (i < n_packs) {
-                Pack<T, VEC> b;
-                if constexpr (HAS_BIAS) b = load_pack<T, VEC>(bias + c * VEC);
                 float f[VEC];
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) {
-                    float v = to_f32(pack_elem(in[u], j));
-                    if constexpr (HAS_BIAS) v += to_f32(pack_elem(b, j));
-                    f[j] = gelu_f32<TANH, kPrecise>(v);
-                }
+                for (int j = 0; j < VEC; ++j) f[j] = gelu_f32<TANH, kPrecise>(to_f32(pack_elem(in[u], j)));
                 store_stream<T, VEC, HINTS>(y + i * VEC, pack_from_f32<T, VEC>(f));
-            }
-            if constexpr (HAS_BIAS) {
-                c += col_step;
-                if (c >= cols_packs) c -= cols_packs;
             }
         }
     }
 
-    // Plain Gelu whose size is not a multiple of VEC: the last few elements, one per thread of block 0.
-    if constexpr (!HAS_BIAS && VEC > 1) {
+    // A size that is not a multiple of VEC: the last few elements, one per thread of block 0.
+    if constexpr (VEC > 1) {
         if (blockIdx.x == 0 && static_cast<int>(threadIdx.x) < tail) {
             const int64_t i = n_packs * VEC + threadIdx.x;
             y[i] = from_f32<T>(gelu_f32<TANH, kPrecise>(to_f32(x[i])));
@@ -214,10 +175,10 @@ __global__ void __launch_bounds__(256, MINB) bias_gelu_kernel(const T* __restric
     }
 }
 
-template <typename T, int VEC, bool TANH>
+template <typename T, int VEC, bool TANH, int ARCH>
 int launch_bias_gelu_kernel(const T* x, const T* bias, T* y, int64_t rows, int cols_packs, cudaStream_t stream) {
     constexpr int kUnroll = 4;
-    constexpr GeluTune kTune = gelu_tuning<T, true, TANH>();
+    constexpr GeluTune kTune = gelu_launch<T, true, TANH, ARCH>();
     // Column packs per block: a power of two up to 32 for narrow rows (a warp then spans whole rows), else
     // whole warps up to 256; the rest of the 256 threads go down the rows.
     int bx = 1;
@@ -237,29 +198,38 @@ int launch_bias_gelu_kernel(const T* x, const T* bias, T* y, int64_t rows, int c
         dim3(gx, static_cast<unsigned int>(groups * kGroup)), dim3(bx, by), 0, stream, x, bias, y, rows, cols_packs);
 }
 
+template <typename T, int VEC, bool TANH>
+int launch_bias_gelu_arch(const T* x, const T* bias, T* y, int64_t rows, int cols_packs, cudaStream_t stream) {
+    return table_arch() == kArchSm90
+               ? launch_bias_gelu_kernel<T, VEC, TANH, kArchSm90>(x, bias, y, rows, cols_packs, stream)
+               : launch_bias_gelu_kernel<T, VEC, TANH, kArchDefault>(x, bias, y, rows, cols_packs, stream);
+}
+
 constexpr int kGeluThreads = 256;
 constexpr int kGeluUnroll = 4;
 
-template <typename T, int VEC, bool TANH, bool HAS_BIAS>
-int launch_gelu_kernel(const T* x, const T* bias, T* y, int64_t n_packs, int64_t cols_packs, int tail,
-                       cudaStream_t stream) {
-    constexpr GeluTune kTune = gelu_tuning<T, HAS_BIAS, TANH>();
+template <typename T, int VEC, bool TANH, int ARCH>
+int launch_gelu_kernel(const T* x, T* y, int64_t n_packs, int tail, cudaStream_t stream) {
+    constexpr GeluTune kTune = gelu_launch<T, false, TANH, ARCH>();
     constexpr int kGroup = kTune.group < 1 ? 1 : kTune.group;
     const int64_t span = int64_t{kGroup} * kGeluUnroll * kGeluThreads;
     int64_t groups = ((n_packs > 0 ? n_packs : 1) + span - 1) / span;
     const int64_t max_groups = 0x7fffffff / kGroup;
     if (groups > max_groups) groups = max_groups;  // the kernel loops when this bites
-    return launch_kernel(gelu_kernel<T, VEC, kGeluUnroll, kGeluThreads, TANH, HAS_BIAS, kTune.hints,
+    return launch_kernel(gelu_kernel<T, VEC, kGeluUnroll, kGeluThreads, TANH, kTune.hints,
                                      min_blocks_for(kTune.min_threads, kGeluThreads), kGroup>,
-                         dim3(static_cast<unsigned int>(groups * kGroup)), dim3(kGeluThreads), 0, stream, x, bias, y,
-                         n_packs, cols_packs, tail);
+                         dim3(static_cast<unsigned int>(groups * kGroup)), dim3(kGeluThreads), 0, stream, x, y, n_packs,
+                         tail);
 }
 
-template <typename T, int VEC, bool HAS_BIAS>
-int launch_gelu_mode(bool tanh_mode, const T* x, const T* bias, T* y, int64_t n_packs, int64_t cols_packs, int tail,
-                     cudaStream_t stream) {
-    return tanh_mode ? launch_gelu_kernel<T, VEC, true, HAS_BIAS>(x, bias, y, n_packs, cols_packs, tail, stream)
-                     : launch_gelu_kernel<T, VEC, false, HAS_BIAS>(x, bias, y, n_packs, cols_packs, tail, stream);
+template <typename T, int VEC>
+int launch_gelu_mode(bool tanh_mode, const T* x, T* y, int64_t n_packs, int tail, cudaStream_t stream) {
+    if (table_arch() == kArchSm90) {
+        return tanh_mode ? launch_gelu_kernel<T, VEC, true, kArchSm90>(x, y, n_packs, tail, stream)
+                         : launch_gelu_kernel<T, VEC, false, kArchSm90>(x, y, n_packs, tail, stream);
+    }
+    return tanh_mode ? launch_gelu_kernel<T, VEC, true, kArchDefault>(x, y, n_packs, tail, stream)
+                     : launch_gelu_kernel<T, VEC, false, kArchDefault>(x, y, n_packs, tail, stream);
 }
 
 template <typename T>
@@ -272,10 +242,9 @@ int gelu(const void* x_, void* y_, int64_t n, uint32_t flags, cudaStream_t strea
     const bool tanh_mode = (flags & MOGRAPH_GELU_TANH) != 0;
     constexpr int kVec = kVec16<T>;
     if (aligned16(x) && aligned16(y)) {
-        return launch_gelu_mode<T, kVec, false>(tanh_mode, x, nullptr, y, n / kVec, 1, static_cast<int>(n % kVec),
-                                                stream);
+        return launch_gelu_mode<T, kVec>(tanh_mode, x, y, n / kVec, static_cast<int>(n % kVec), stream);
     }
-    return launch_gelu_mode<T, 1, false>(tanh_mode, x, nullptr, y, n, 1, 0, stream);
+    return launch_gelu_mode<T, 1>(tanh_mode, x, y, n, 0, stream);
 }
 
 template <typename T>
@@ -291,21 +260,13 @@ int bias_gelu(const void* x_, const void* bias_, void* y_, int64_t rows, int64_t
     const bool tanh_mode = (flags & MOGRAPH_GELU_TANH) != 0;
     constexpr int kVec = kVec16<T>;
     const bool vector_ok = hidden % kVec == 0 && aligned16(x) && aligned16(bias) && aligned16(y);
-#ifdef MOGRAPH_GELU_FLAT_BIAS
-    if (vector_ok) {
-        return launch_gelu_mode<T, kVec, true>(tanh_mode, x, bias, y, rows * (hidden / kVec), hidden / kVec, 0,
-                                               stream);
-    }
-    return launch_gelu_mode<T, 1, true>(tanh_mode, x, bias, y, rows * hidden, hidden, 0, stream);
-#else
     const int h = static_cast<int>(hidden);
     if (vector_ok) {
-        return tanh_mode ? launch_bias_gelu_kernel<T, kVec, true>(x, bias, y, rows, h / kVec, stream)
-                         : launch_bias_gelu_kernel<T, kVec, false>(x, bias, y, rows, h / kVec, stream);
+        return tanh_mode ? launch_bias_gelu_arch<T, kVec, true>(x, bias, y, rows, h / kVec, stream)
+                         : launch_bias_gelu_arch<T, kVec, false>(x, bias, y, rows, h / kVec, stream);
     }
-    return tanh_mode ? launch_bias_gelu_kernel<T, 1, true>(x, bias, y, rows, h, stream)
-                     : launch_bias_gelu_kernel<T, 1, false>(x, bias, y, rows, h, stream);
-#endif
+    return tanh_mode ? launch_bias_gelu_arch<T, 1, true>(x, bias, y, rows, h, stream)
+                     : launch_bias_gelu_arch<T, 1, false>(x, bias, y, rows, h, stream);
 }
 
 }  // namespace mograph

@@ -87,24 +87,18 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& v) {
 
 // Accesses to data touched once (activations), as opposed to gamma/beta/bias that every row re-reads.
 // HINTS selects the cache qualifiers (a template parameter, so each kernel instance picks its own; the
-// dispatch in norm.cuh / gelu.cuh chooses per op and size from H200 measurements):
-//   kHintsNone   (0): plain accesses (loads through the read-only path, ld.global.nc);
-//   kHintsStream (1): loads and stores evict-first (ld/st.global.cs), so the reused vectors stay cached;
-//   kHintsLoad   (2): evict-first loads, plain stores.
-//   kHintsL2Last (3): 16-byte loads marked L1::evict_last with an L2 evict_last access policy, plain stores (what
-//                     Triton emits for Inductor's reductions at eviction_policy='evict_last');
-//   kHintsL2LastCs (4): those loads with evict-first stores.
-// MOGRAPH_NO_STREAMING_HINTS makes every access plain (kHintsNone), whatever the dispatch asks for.
+// launch table, launch_table.cuh, chooses per op and size from H200 measurements):
+//   kHintsNone     (0): plain accesses (loads through the read-only path, ld.global.nc);
+//   kHintsStream   (1): loads and stores evict-first (ld/st.global.cs), so the reused vectors stay cached;
+//   kHintsL2LastCs (2): 16-byte loads marked L1::evict_last with an L2 evict_last access policy (what Triton
+//                       emits for Inductor's reductions at eviction_policy='evict_last'), evict-first stores.
 constexpr int kHintsNone = 0;
 constexpr int kHintsStream = 1;
-constexpr int kHintsLoad = 2;
-constexpr int kHintsL2Last = 3;
-constexpr int kHintsL2LastCs = 4;
+constexpr int kHintsL2LastCs = 2;
 
 template <typename T, int N, int HINTS = kHintsStream>
 __device__ __forceinline__ Pack<T, N> load_stream(const T* p) {
-#ifndef MOGRAPH_NO_STREAMING_HINTS
-    if constexpr ((HINTS == kHintsL2Last || HINTS == kHintsL2LastCs) && sizeof(T) * N == 16) {
+    if constexpr (HINTS == kHintsL2LastCs && sizeof(T) * N == 16) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
         Pack<T, N> out;
         uint64_t policy;
@@ -115,43 +109,49 @@ __device__ __forceinline__ Pack<T, N> load_stream(const T* p) {
         return out;
 #endif
     }
-    if constexpr (HINTS == kHintsStream || HINTS == kHintsLoad) {
+    if constexpr (HINTS == kHintsStream) {
         using Raw = typename Pack<T, N>::Raw;
         Pack<T, N> out;
         out.w = __ldcs(reinterpret_cast<const Raw*>(p));
         return out;
     }
-#endif
     return load_pack<T, N>(p);
 }
 
 template <typename T, int N, int HINTS = kHintsStream>
 __device__ __forceinline__ void store_stream(T* p, const Pack<T, N>& v) {
-#ifndef MOGRAPH_NO_STREAMING_HINTS
     if constexpr (HINTS == kHintsStream || HINTS == kHintsL2LastCs) {
         using Raw = typename Pack<T, N>::Raw;
         __stcs(reinterpret_cast<Raw*>(p), v.w);
         return;
     }
-#endif
     store_pack<T, N>(p, v);
 }
 
-// ---- tuning -------------------------------------------------------------------------------------------------
-// Per-shape launch choices; the values live in tuning_table.cuh (see norm.cuh and gelu.cuh for their use).
+// ---- launch choices -----------------------------------------------------------------------------------------
+// Per launch shape and architecture; the values live in launch_table.cuh (see norm.cuh and gelu.cuh for their use).
+// Layout choices of the norm register kernel (NormTune::layout, bits):
+// * kLayoutGammaEarly: gamma/beta are loaded together with the row, so their latency overlaps the loads and
+//   the reductions instead of following them (costs registers: slower where a thread keeps 32 elements);
+// * kLayoutMerged: LayerNorm statistics of fully covered rows come from one merged (mean, M2) reduction
+//   instead of two (see RowReducer::mean_m2);
+// * kLayoutOnePass: each block normalizes its RPB rows and exits, without the grid-stride loop's bookkeeping
+//   (taken only when the grid covers every row).
+constexpr int kLayoutGammaEarly = 1;
+constexpr int kLayoutMerged = 2;
+constexpr int kLayoutOnePass = 4;
+
 struct NormTune {
     int hints;        // kHints* for the activations
     int min_threads;  // resident threads per SM the register allocation must allow (0: no cap)
-    int block = 0;    // threads per block when rows are smaller (several rows per block); 0: 128
-    bool gamma_early = false;  // load gamma/beta with the row (see kLayoutGammaEarly in norm.cuh)
-    bool merged = false;       // LayerNorm: one merged (mean, M2) reduction (see kLayoutMerged in norm.cuh)
-    bool one_pass = false;     // no grid-stride loop: each block its RPB rows (see kLayoutOnePass in norm.cuh)
+    int block;        // threads per block when rows are smaller (several rows per block): 64 or 128
+    int layout;       // kLayout* bits
 };
 
 struct GeluTune {
     int hints;        // kHints* for x and y
     int min_threads;  // as for NormTune
-    int group;        // plain Gelu: blocks per group (1: contiguous chunks; see gelu_kernel)
+    int group;        // blocks per group (1: contiguous chunks; see gelu_kernel and bias_gelu_kernel)
 };
 
 // Codes of the dtypes in the tables: 0 fp32, 1 fp16, 2 bf16.
