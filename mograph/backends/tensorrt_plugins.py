@@ -34,7 +34,7 @@ checks them when it parses or builds:
   mismatch ("Node has more output tensors than TRT expected").
 
 How a plugin runs: ``enqueue`` is a thin call to :func:`launch`, which calls the matching C function of the
-kernel library ``kernels/build/libmograph_kernels.so`` (``kernels/include/mograph_kernels.h``) through
+kernel library ``mograph/_kernels/build/libmograph_kernels.so`` (``mograph/_kernels/include/mograph_kernels.h``) through
 ctypes with the device pointers and stream TensorRT hands over. :func:`launch` needs neither TensorRT nor
 any CUDA Python package, so the GPU tests call it directly on torch tensors. The library is loaded on first
 launch (``MOGRAPH_KERNELS_LIB`` overrides its path); building an engine ahead of time on a machine without
@@ -220,62 +220,21 @@ _lib_lock = threading.Lock()
 
 
 def kernel_library_path() -> Path:
-    """Where the kernel library is looked for: ``$MOGRAPH_KERNELS_LIB``, else ``kernels/build/`` of the source tree."""
-    env = os.environ.get(KERNELS_ENV)
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[2] / "kernels" / "build" / "libmograph_kernels.so"
+    """Where the kernel library is looked for: ``$MOGRAPH_KERNELS_LIB``, else ``mograph/_kernels/build/``."""
+    from mograph._kernels import build
 
-
-def _declare(lib: ctypes.CDLL) -> None:
-    p, i64, f32, u32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_uint32
-    sigs: dict[str, list[Any]] = {
-        "layer_norm": [p, p, p, p, i64, i64, f32, u32, p],
-        "rms_norm": [p, p, p, i64, i64, f32, u32, p],
-        "skip_layer_norm": [p, p, p, p, p, p, p, i64, i64, f32, u32, p],
-        "skip_rms_norm": [p, p, p, p, p, p, i64, i64, f32, u32, p],
-        "gelu": [p, p, i64, u32, p],
-        "bias_gelu": [p, p, p, i64, i64, u32, p],
-    }
-    for base, args in sigs.items():
-        for suffix in _DTYPE_SUFFIX.values():
-            fn = getattr(lib, f"mograph_{base}_{suffix}")
-            fn.argtypes = args
-            fn.restype = ctypes.c_int
-    lib.mograph_kernels_abi_version.argtypes = []
-    lib.mograph_kernels_abi_version.restype = ctypes.c_int
-    lib.mograph_kernels_status_string.argtypes = [ctypes.c_int]
-    lib.mograph_kernels_status_string.restype = ctypes.c_char_p
-
-
-def _abi_module() -> Any | None:
-    """``kernels/abi.py`` of the source tree (the ABI's single Python statement), when present."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[2] / "kernels" / "abi.py"
-    if not path.exists():
-        return None
-    spec = importlib.util.spec_from_file_location("_mograph_kernels_abi", path)
-    if spec is None or spec.loader is None:
-        return None
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001 - fall back to our own declarations
-        logger.debug("cannot use %s: %s", path, exc)
-        return None
-    return module
+    return build.library_path()
 
 
 def load_kernels(path: str | os.PathLike[str] | None = None) -> ctypes.CDLL:
-    """Load (once) the mograph CUDA kernel library and declare its C functions.
-
-    Declarations come from ``kernels/abi.py`` when the source tree has it, else from this module.
+    """Load (once) the mograph CUDA kernel library and declare its C functions (:func:`mograph._kernels.abi.load`).
 
     Raises:
-        PluginError: the library is missing (build it with ``python kernels/build.py``), cannot be loaded,
-            or has another ABI version.
+        PluginError: the library is missing (build it with ``python -m mograph._kernels.build``), cannot be
+            loaded, or has another ABI version.
     """
+    from mograph._kernels import abi
+
     global _lib
     with _lib_lock:
         if _lib is not None and path is None:
@@ -283,18 +242,11 @@ def load_kernels(path: str | os.PathLike[str] | None = None) -> ctypes.CDLL:
         lib_path = Path(path) if path is not None else kernel_library_path()
         if not lib_path.exists():
             raise PluginError(
-                f"mograph kernel library not found at {lib_path}: build it with `python kernels/build.py` "
+                f"mograph kernel library not found at {lib_path}: build it with `python -m mograph._kernels.build` "
                 f"or point {KERNELS_ENV} at it"
             )
-        abi = _abi_module()
         try:
-            if abi is not None:
-                lib = abi.load(lib_path)
-            else:
-                lib = ctypes.CDLL(str(lib_path))
-                _declare(lib)
-                if lib.mograph_kernels_abi_version() != 1:
-                    raise RuntimeError(f"ABI version {lib.mograph_kernels_abi_version()}, this mograph needs 1")
+            lib = abi.load(lib_path)
         except (OSError, AttributeError, RuntimeError) as exc:
             raise PluginError(f"cannot load the mograph kernel library {lib_path}: {exc}") from exc
         if path is None:

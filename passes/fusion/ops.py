@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from mograph._kernels import reference as _reference
 from mograph.custom_ops import DOMAIN, DOMAIN_VERSION, CustomOp
 
 __all__ = [
@@ -63,78 +64,38 @@ FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFL
 
 
 # ---------------------------------------------------------------------------------------------
-# numpy references (float32 arithmetic, result in the input dtype)
+# numpy references: thin calls of the single reference of each op, mograph._kernels.reference
+# (float32 arithmetic, result in the input dtype), with this module's argument names and defaults
 # ---------------------------------------------------------------------------------------------
-
-
-def _f32(a: np.ndarray) -> np.ndarray:
-    return a.astype(np.float64 if a.dtype == np.float64 else np.float32)
 
 
 def layer_norm(x: np.ndarray, scale: np.ndarray | None = None, bias: np.ndarray | None = None,
                epsilon: float = 1e-5) -> np.ndarray:
-    """LayerNorm over the last axis."""
-    xf = _f32(x)
-    mean = xf.mean(axis=-1, keepdims=True)
-    var = ((xf - mean) ** 2).mean(axis=-1, keepdims=True)
-    y = (xf - mean) / np.sqrt(var + np.asarray(epsilon, xf.dtype))
-    if scale is not None:
-        y = y * _f32(scale)
-    if bias is not None:
-        y = y + _f32(bias)
-    return y.astype(x.dtype)
+    """LayerNorm over the last axis (:func:`mograph._kernels.reference.layer_norm`)."""
+    return _reference.layer_norm(x, scale, bias, epsilon)
 
 
 def rms_norm(x: np.ndarray, scale: np.ndarray | None = None, epsilon: float = 1e-6) -> np.ndarray:
-    """RMSNorm over the last axis."""
-    xf = _f32(x)
-    y = xf / np.sqrt((xf * xf).mean(axis=-1, keepdims=True) + np.asarray(epsilon, xf.dtype))
-    if scale is not None:
-        y = y * _f32(scale)
-    return y.astype(x.dtype)
+    """RMSNorm over the last axis (:func:`mograph._kernels.reference.rms_norm`)."""
+    return _reference.rms_norm(x, scale, epsilon)
 
 
 def skip_layer_norm(x: np.ndarray, skip: np.ndarray, scale: np.ndarray | None = None,
                     beta: np.ndarray | None = None, bias: np.ndarray | None = None,
                     epsilon: float = 1e-5) -> tuple[np.ndarray, np.ndarray]:
-    """Residual sum (``x + bias + skip``, rounded to the dtype) and its LayerNorm."""
-    s = _f32(x) + (_f32(bias) if bias is not None else 0) + _f32(skip)
-    s = s.astype(x.dtype)
-    return layer_norm(s, scale, beta, epsilon), s
+    """LayerNorm of the residual sum and the sum (``x + skip + bias``, rounded to the dtype)."""
+    return _reference.skip_layer_norm(x, skip, scale, beta, bias, epsilon, return_sum=True)  # type: ignore[return-value]
 
 
 def skip_rms_norm(x: np.ndarray, skip: np.ndarray, scale: np.ndarray | None = None,
                   bias: np.ndarray | None = None, epsilon: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
-    """Residual sum (``x + bias + skip``, rounded to the dtype) and its RMSNorm."""
-    s = _f32(x) + (_f32(bias) if bias is not None else 0) + _f32(skip)
-    s = s.astype(x.dtype)
-    return rms_norm(s, scale, epsilon), s
+    """RMSNorm of the residual sum and the sum (``x + skip + bias``, rounded to the dtype)."""
+    return _reference.skip_rms_norm(x, skip, scale, bias, epsilon, return_sum=True)  # type: ignore[return-value]
 
 
-def gelu(x: np.ndarray, approximate: str = "none") -> np.ndarray:
-    """GELU: exact (``"none"``), tanh approximation (``"tanh"``) or ``"sigmoid"`` (x sigmoid(1.702 x))."""
-    xf = _f32(x)
-    if approximate == "tanh":
-        y = 0.5 * xf * (1.0 + np.tanh(SQRT_2_OVER_PI * (xf + GELU_TANH_COEF * xf**3)))
-    elif approximate == "sigmoid":
-        y = quick_gelu(xf)
-    elif approximate == "none":
-        from math import erf
-
-        y = 0.5 * xf * (1.0 + np.vectorize(erf, otypes=[xf.dtype])(xf / SQRT_2))
-    else:
-        raise ValueError(f"approximate must be 'none', 'tanh' or 'sigmoid', not {approximate!r}")
-    return np.asarray(y).astype(x.dtype)
-
-
-def quick_gelu(x: np.ndarray, alpha: float = QUICK_GELU_ALPHA) -> np.ndarray:
-    xf = _f32(x)
-    return (xf / (1.0 + np.exp(-alpha * xf))).astype(x.dtype)
-
-
-def bias_gelu(x: np.ndarray, bias: np.ndarray, approximate: str = "none") -> np.ndarray:
-    """GELU of ``x + bias``, the sum kept in float32."""
-    return gelu(_f32(x) + _f32(bias), approximate).astype(x.dtype)
+gelu = _reference.gelu  # "none" (erf), "tanh" or "sigmoid" (quick_gelu)
+quick_gelu = _reference.quick_gelu
+bias_gelu = _reference.bias_gelu
 
 
 # ---------------------------------------------------------------------------------------------

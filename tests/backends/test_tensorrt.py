@@ -14,7 +14,6 @@ What runs where:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -308,12 +307,10 @@ def test_launch_reports_kernel_status(tmp_path, monkeypatch):
 
     Where the library is not built yet but nvcc is there (CI), it is built into a temporary folder first.
     """
+    from mograph._kernels import build as builder
     from mograph.backends.tensorrt_plugins import KERNELS_ENV, kernel_library_path, load_kernels
 
     if not kernel_library_path().exists():
-        spec = importlib.util.spec_from_file_location("mograph_kernels_build_for_trt", ROOT / "kernels" / "build.py")
-        builder = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(builder)
         if builder.find_nvcc() is None:
             pytest.skip(f"kernel library not built ({kernel_library_path()}) and no nvcc to build it")
         monkeypatch.setenv(KERNELS_ENV, str(builder.build(build_dir=tmp_path, force=True)))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -187,16 +186,10 @@ def test_custom_ops_registered_once():
                                       "fuse-bias-gelu"]
 
 
-KERNEL_REF = Path(__file__).resolve().parents[3] / "kernels" / "reference.py"
-
-
-@pytest.mark.skipif(not KERNEL_REF.exists(), reason="kernels/reference.py not written yet")
 def test_package_references_agree_with_kernel_references():
-    import importlib.util
+    """ops' references are thin calls of the one reference of each op, mograph._kernels.reference."""
+    from mograph._kernels import reference as kref
 
-    spec = importlib.util.spec_from_file_location("kernel_reference", KERNEL_REF)
-    kref = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kref)  # type: ignore[union-attr]
     rng = np.random.default_rng(1)
     x = rng.standard_normal((4, H)).astype(np.float32)
     g, b = rng.standard_normal(H).astype(np.float32), rng.standard_normal(H).astype(np.float32)
