@@ -140,7 +140,9 @@ def optimize(
     Args:
         model: path, bytes, ``onnx.ModelProto``, ``onnx_ir.Model`` (rewritten in place) or an
             ``onnx_graphsurgeon.Graph``.
-        passes: pass and preset names, in order (``["cleanup", "fuse"]`` or ``"cleanup,fuse"``).
+        passes: pass and preset names, in order (``["cleanup", "fuse"]`` or ``"cleanup,fuse"``); the
+            ``lower`` step is appended when a pass writes fused ops or ``target`` is given
+            (:meth:`mograph.plugins.Registry.plan`), and the report lists it like any pass.
         options: pass options by name (``{"target": "ort", "fold_limit": 1024}``); each pass takes
             the ones it declares. Unknown names are an error.
         verify: ``True``/``"end"`` to compare the final model's outputs with the original's,
@@ -155,13 +157,13 @@ def optimize(
         The optimized model in the form given (a path gives an ``onnx_ir.Model``) and the report.
     """
     reg = get_registry(blocked)
-    names = reg.expand(passes if isinstance(passes, str) else list(passes))
     options = dict(options or {})
     declared = reg.all_options()
     unknown = [k for k in options if k.replace("-", "_") not in declared]
     if unknown:
         raise OptionError(f"unknown option(s) {unknown}; `mograph passes --json` lists each pass's options")
     options = {k.replace("-", "_"): v for k, v in options.items()}
+    names = reg.plan(passes if isinstance(passes, str) else list(passes), options)
     instances = reg.instantiate(names, options)
     ir_model = ir_io.load_model(model)
     report = run_passes(

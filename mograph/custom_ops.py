@@ -1,28 +1,130 @@
 """Declarations of custom operators: one record per op, registered through plugins.
 
-A fused op (``mograph.LayerNorm``, ``mograph.Gelu`` ...) is declared once, here in shape, by the
-plugin that owns it, with everything every other part of mograph needs:
+A fused op (``mograph.LayerNorm``, ``mograph.Gelu`` ...) is declared once, by the plugin that owns it,
+with everything every other part of mograph needs:
 
 * ``schema``: inputs, outputs, attributes with defaults;
 * ``reference``: a numpy implementation — the ground truth kernels and lowerings are tested against;
 * ``function``: an ONNX function body in standard ops, so any ONNX runtime runs the fused model as
   it is and numerics can always be checked;
 * ``infer_shapes``: output types/shapes from input ones;
-* ``lowerings``: per target (``"onnx"``, ``"ort"``, ``"tensorrt"``) how a node of this op becomes
-  something that runtime runs natively.
+* ``lowerings``: per target (``"onnx"``, ``"ort"``, ``"tensorrt"``, or a plugin's own) how a node of
+  this op becomes what that runtime runs natively.  The one ``lower`` step
+  (:mod:`mograph.lowering`) calls them; fusion passes never lower;
+* ``tensorrt_plugin``: the TensorRT plugin that implements the op, with its attribute table — the
+  contract between the lowering that writes plugin nodes and the backend that builds them.
+
+Fusion rules emit and match only these canonical ops; nothing else knows how an op is spelled on a
+target.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["CustomOp", "DOMAIN", "DOMAIN_VERSION"]
+from mograph.errors import PluginError
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
+
+    from mograph.lowering import LoweringContext
+
+__all__ = ["CustomOp", "TensorRTPlugin", "Lowering", "DOMAIN", "DOMAIN_VERSION", "PLUGIN_NAMESPACE", "PLUGIN_VERSION"]
 
 #: The domain all built-in fused ops live in, and its version.
 DOMAIN = "mograph"
 DOMAIN_VERSION = 1
+#: Namespace and version of mograph's TensorRT plugins (attributes of every plugin node).
+PLUGIN_NAMESPACE = "mograph"
+PLUGIN_VERSION = "1"
+
+#: ``lower(node, ctx) -> bool``: replace ``node`` (still in its graph) by the target's form and
+#: return True, or return False to leave it (it then keeps its function body, or is inlined for
+#: ``--target onnx``).  ``ctx`` is a :class:`mograph.lowering.LoweringContext`.
+Lowering = Callable[["ir.Node", "LoweringContext"], bool]
+
+
+@dataclass(frozen=True)
+class TensorRTPlugin:
+    """A TensorRT plugin (IPluginV3) as ONNX sees it: one node whose ``op_type`` is the plugin name.
+
+    TensorRT's ONNX parser looks such a node up by name, ``plugin_version`` and ``plugin_namespace``
+    and hands every other attribute to the plugin as a field.
+
+    Attributes:
+        name: plugin name, the ``op_type`` of its nodes.
+        inputs: input names in order; a trailing ``?`` marks an optional input (left out only from
+            the end: the parser refuses empty input names).
+        outputs: output names; a trailing ``?`` marks one present only when ``output_flag`` is 1.
+        attributes: field name -> default; the default's Python type (float, int, str) is the type.
+        choices: field name -> allowed values.
+        minimum: field name -> smallest allowed value (numbers).
+        vector_inputs: indices of inputs that must be 1-D ``[hidden]`` (the last axis of input 0).
+        output_flag: the int field that switches the optional outputs on.
+        doc: the math, in one line.
+        namespace, version: ``plugin_namespace`` / ``plugin_version`` of its nodes.
+    """
+
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    attributes: dict[str, Any] = field(default_factory=dict)
+    choices: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    minimum: dict[str, float] = field(default_factory=dict)
+    vector_inputs: tuple[int, ...] = ()
+    output_flag: str | None = None
+    doc: str = ""
+    namespace: str = PLUGIN_NAMESPACE
+    version: str = PLUGIN_VERSION
+
+    @property
+    def min_inputs(self) -> int:
+        return sum(1 for i in self.inputs if not i.endswith("?"))
+
+    @property
+    def max_inputs(self) -> int:
+        return len(self.inputs)
+
+    def num_outputs(self, attrs: dict[str, Any]) -> int:
+        """How many outputs a node with these fields has."""
+        required = sum(1 for o in self.outputs if not o.endswith("?"))
+        if self.output_flag is not None and int(attrs.get(self.output_flag, 0)):
+            return len(self.outputs)
+        return required
+
+    def check_fields(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        """The plugin's fields with defaults filled in; :class:`PluginError` for an unknown or bad one."""
+        unknown = set(attrs) - set(self.attributes) - {"plugin_namespace", "plugin_version"}
+        if unknown:
+            raise PluginError(f"plugin {self.name}: unknown attribute(s) {sorted(unknown)}")
+        out = {k: v for k, v in {**self.attributes, **attrs}.items() if k in self.attributes}
+        for key, default in self.attributes.items():
+            value = out[key]
+            try:
+                value = type(default)(value.decode() if isinstance(value, bytes) else value)
+            except (TypeError, ValueError) as exc:
+                raise PluginError(f"plugin {self.name}: {key} must be a {type(default).__name__}, got {value!r}") from exc
+            if isinstance(value, float) and not math.isfinite(value):
+                raise PluginError(f"plugin {self.name}: {key} must be finite, got {value!r}")
+            allowed = self.choices.get(key)
+            if allowed is not None and value not in allowed:
+                raise PluginError(f"plugin {self.name}: {key} must be one of {', '.join(map(repr, allowed))}, "
+                                  f"got {value!r}")
+            low = self.minimum.get(key)
+            if low is not None and value < low:
+                raise PluginError(f"plugin {self.name}: {key} must be >= {low:g}, got {value!r}")
+            out[key] = value
+        return out
+
+    def node_attributes(self, **attrs: Any) -> dict[str, Any]:
+        """Every attribute of a node of this plugin: fields (checked, defaults filled in), namespace, version."""
+        out = self.check_fields(attrs)
+        out["plugin_namespace"] = self.namespace
+        out["plugin_version"] = self.version
+        return out
 
 
 @dataclass(frozen=True)
@@ -38,11 +140,13 @@ class CustomOp:
         outputs: output names in order; a trailing ``?`` marks an optional output.
         attributes: attribute names and their defaults.
         reference: numpy implementation ``reference(*inputs, **attributes) -> tuple[np.ndarray, ...]``.
-        function: builds the ONNX function body (an ``onnx_ir.Function``) for given attributes,
-            or ``None`` if the op has none.
+        function: ``function(opset) -> onnx_ir.Function``: the body in default-domain ops of that
+            opset (``None`` if the op has none: then it cannot run outside its lowerings).
         infer_shapes: ``infer_shapes(node) -> None`` sets the output values' dtype and shape.
-        lowerings: target name -> ``lower(node, model) -> bool`` that replaces the node with what
-            the target runs natively (returns ``False`` when it cannot, leaving the node).
+        lowerings: target name -> :data:`Lowering`.
+        onnx_opset: the default-domain opset from which the ``onnx`` lowering has a standard op
+            (``--upgrade-opset`` raises the opset to reach it); ``None`` if it never has one.
+        tensorrt_plugin: the TensorRT plugin implementing the op, if any.
     """
 
     name: str
@@ -53,9 +157,11 @@ class CustomOp:
     outputs: tuple[str, ...] = ()
     attributes: dict[str, Any] = field(default_factory=dict)
     reference: Callable[..., Any] | None = None
-    function: Callable[..., Any] | None = None
+    function: Callable[[int], Any] | None = None
     infer_shapes: Callable[..., Any] | None = None
-    lowerings: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    lowerings: dict[str, Lowering] = field(default_factory=dict)
+    onnx_opset: int | None = None
+    tensorrt_plugin: TensorRTPlugin | None = None
 
     @property
     def key(self) -> tuple[str, str]:

@@ -83,10 +83,19 @@ def mograph_add_custom_ops() -> list[CustomOp]:
 
     Called once, when the registry is built.
 
+    The pipeline uses a plugin's op exactly like a built-in one: the ``lower`` step
+    (:mod:`mograph.lowering`) calls its ``lowerings[target](node, ctx)`` for ``--target`` (a target
+    name no built-in knows becomes valid by being named here), inlines its ``function`` for
+    ``--target onnx`` where its lowering declines, and keeps it with its function body otherwise;
+    :func:`mograph.lowering.ensure_functions` gives the model its function bodies (a plugin pass that
+    writes the op calls it, as the built-in fusion passes do; set ``emits_custom_ops = True`` on the
+    pass so ``lower`` is appended to pipelines holding it).  ``tensorrt_plugin`` declares the
+    TensorRT plugin implementing it, if any.
+
     Returns:
         A list of :class:`mograph.custom_ops.CustomOp`: name, domain, version, numpy reference,
-        ONNX function body, shape function and per-backend lowerings.  ``(domain, name)`` must be
-        unique across plugins.
+        ONNX function body, shape function, per-target lowerings and TensorRT plugin.
+        ``(domain, name)`` must be unique across plugins.
     """
 
 

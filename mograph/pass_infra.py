@@ -46,9 +46,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Metadata keys put on every node a pass creates.
-PROVENANCE_PASS = "mograph.pass"
-PROVENANCE_RULE = "mograph.rule"
+from mograph.metadata import PROVENANCE_PASS, PROVENANCE_RULE  # noqa: E402 - keys put on every node a pass creates
 
 
 @dataclass(frozen=True)
@@ -180,6 +178,9 @@ class Pass:
     name: ClassVar[str] = ""
     family: ClassVar[str] = "cleanup"
     options: ClassVar[tuple[Option, ...]] = ()
+    #: The pass writes custom ops (fused ops) that the ``lower`` step must lower: a pipeline holding it
+    #: gets ``lower`` appended when it has none (:meth:`mograph.plugins.Registry.plan`).
+    emits_custom_ops: ClassVar[bool] = False
 
     def __init__(self, **values: Any) -> None:
         self.config: dict[str, Any] = {}

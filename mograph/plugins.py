@@ -48,6 +48,7 @@ BLOCK_ENV = "MOGRAPH_BLOCK_PLUGINS"
 
 #: Built-in plugin modules, registered under these names. Order does not define pass order.
 BUILTIN_PLUGINS: tuple[str, ...] = (
+    "mograph.lowering",
     "mograph.passes.cleanup",
     "mograph.passes.fusion",
     "mograph.passes.shape",
@@ -205,6 +206,24 @@ class Registry:
             visit(n, ())
         if not out:
             raise UnknownPassError("no passes given")
+        return out
+
+    def plan(self, names: Iterable[str] | str, options: dict[str, Any] | None = None) -> list[str]:
+        """The pipeline to run: :meth:`expand`, then the ``lower`` step appended where one is due.
+
+        ``lower`` (:mod:`mograph.lowering`) is added at the end when the list has none and either a
+        ``target`` option is given or a pass of the list writes custom ops (``Pass.emits_custom_ops``),
+        so ``--passes fuse,int8 --target ort`` fuses, quantizes, then lowers once.  A list that names
+        ``lower`` itself runs it where it stands.
+        """
+        from mograph.lowering import LOWER_PASS
+
+        out = self.expand(names)
+        options = options or {}
+        if LOWER_PASS in self.passes and LOWER_PASS not in out:
+            wants = options.get("target") is not None or any(self.passes[n].emits_custom_ops for n in out)
+            if wants:
+                out.append(LOWER_PASS)
         return out
 
     def instantiate(self, names: list[str], options: dict[str, Any] | None = None) -> list[Pass]:

@@ -18,7 +18,7 @@ It runs on either TensorRT module (:mod:`mograph.backends._trt_loader`): ``tenso
 **Profiles.** Every input with a dynamic dimension needs ``(min, opt, max)`` shapes: from the
 ``profiles`` argument (``{"input_ids": ((1, 16), (8, 128), (32, 512))}`` or ``mograph build --profile
 input_ids:1x16,8x128,32x512``), else from the model's metadata (written by the ``set-trt-profile`` pass,
-read with ``mograph.passes.shape.profiles.read_profiles``). A dynamic input left without one is an error
+read with :func:`mograph.metadata.read_profiles`). A dynamic input left without one is an error
 that names it.
 
 **The plugin-library trap** of the ``tensorrt_rtx`` 1.7.1 wheels (the parser aborts the process on a
@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from mograph.backends import Backend, Runner, _trt_loader
-from mograph.backends.tensorrt_plugins import SKIP_PLUGINS
+from mograph.backends.tensorrt_plugins import plugin_specs
 from mograph.errors import BackendUnavailableError, ModelError, MographError, UsageError
 
 __all__ = [
@@ -164,10 +164,8 @@ def _normalize_profiles(profiles: Mapping[str, Any] | Sequence[str] | None) -> d
 
 
 def _profiles_from_metadata(model: Any) -> dict[str, Profile]:
-    try:
-        from mograph.passes.shape.profiles import read_profiles
-    except ImportError:
-        return {}
+    from mograph.metadata import read_profiles
+
     return _normalize_profiles(read_profiles(model))
 
 
@@ -222,107 +220,70 @@ def _mograph_plugin_nodes(model: Any) -> list[Any]:
     out = []
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         ns = node.attributes.get("plugin_namespace")
-        if ns is not None and ns.value == PLUGIN_NAMESPACE and node.op_type in PLUGINS:
+        if ns is not None and str(ns.value) == PLUGIN_NAMESPACE and node.op_type in PLUGINS:
             out.append(node)
     return out
 
 
-def _vector_inputs(node: Any) -> list[int]:
-    from mograph.backends.tensorrt_plugins import PLUGINS
-
-    spec = PLUGINS[node.op_type]
-    return [k for k, n in enumerate(spec.inputs) if k > 0 and n.rstrip("?") != "Skip"]
-
-
-def _hidden_of(node: Any) -> int | None:
-    """The normalized (last) axis size of a plugin node, from X's shape or a constant Scale/Bias."""
-    from mograph.patterns import constant_array
-
-    x = node.inputs[0]
-    if x is not None and x.shape is not None and len(x.shape) and isinstance(x.shape[-1], int):
-        return int(x.shape[-1])
-    for k in _vector_inputs(node):
-        if k < len(node.inputs):
-            arr = constant_array(node.inputs[k])
-            if arr is not None and arr.size > 1:
-                return int(arr.size)
-    return None
-
-
-def _needs_legalizing(model: Any) -> bool:
-    from mograph.patterns import constant_array
-
-    for node in _mograph_plugin_nodes(model):
-        if node.op_type in SKIP_PLUGINS and len(node.outputs) > 1 and "sum_output" not in node.attributes:
-            return True
-        if any(v is None for v in node.inputs):
-            return True
-        for k in _vector_inputs(node):
-            if k < len(node.inputs):
-                arr = constant_array(node.inputs[k])
-                if arr is not None and arr.size == 1 and (_hidden_of(node) or 1) > 1:
-                    return True
-    return False
-
-
-def _legalize_plugin_nodes(model: Any) -> list[str]:
-    """Bring mograph plugin nodes to the form the plugins take (see :mod:`~mograph.backends.tensorrt_plugins`).
-
-    * a SkipLayerNorm with a second output and no ``sum_output``: the output is dropped when nothing reads
-      it, else ``sum_output=1`` is set (the parser needs the plugin's output count to match the node's);
-    * a one-element constant Scale/B/Bias becomes a ``[hidden]`` initializer (the kernels take vectors);
-    * missing optional inputs: dropped at the end, zeros ``[hidden]`` in the middle.
-
-    Returns one line per change, for the build report.
-    """
-    import numpy as np
+def _needs_lowering(model: Any) -> bool:
+    """Whether ``model`` holds registered custom-op nodes not yet lowered for TensorRT."""
     import onnx_ir as ir
 
+    from mograph.lowering import is_plugin_node
+    from mograph.plugins import get_registry
+
+    ops = get_registry().custom_ops
+    return any((n.domain, n.op_type) in ops and not is_plugin_node(n)
+               for n in ir.traversal.RecursiveGraphIterator(model.graph))
+
+
+def _plugin_node_problems(model: Any) -> list[str]:
+    """What is wrong with the mograph plugin nodes, each as ``node: problem``; empty when all are legal.
+
+    A plugin node must be exactly what the plugin takes (:class:`mograph.custom_ops.TensorRTPlugin`): its
+    fields valid, between the plugin's minimum and maximum input count with no empty input, as many
+    outputs as its fields say, and every vector input 1-D of X's last axis where that is known.  The
+    ``lower`` step writes nodes this way; anything else (a hand-edited or foreign model) is refused
+    here, naming the node, instead of failing inside TensorRT.
+    """
+    from mograph.errors import PluginError
     from mograph.patterns import constant_array
 
-    notes: list[str] = []
+    problems: list[str] = []
+    specs = plugin_specs()
     for node in _mograph_plugin_nodes(model):
-        label = node.name or node.op_type
-        graph = node.graph
-        if node.op_type in SKIP_PLUGINS and len(node.outputs) > 1 and "sum_output" not in node.attributes:
-            extra = node.outputs[1]
-            if not extra.uses() and not extra.is_graph_output():
-                node.resize_outputs(1)
-                notes.append(f"{label}: dropped its unused second output (Sum)")
-            else:
-                node.attributes["sum_output"] = ir.AttrInt64("sum_output", 1)
-                notes.append(f"{label}: set sum_output=1 (its Sum output is read)")
-        while node.inputs and node.inputs[-1] is None:
-            node.resize_inputs(len(node.inputs) - 1)
-        hidden = _hidden_of(node)
-        if hidden is None or graph is None:
+        label = f"{node.name or node.op_type} ({node.op_type} plugin)"
+        spec = specs[node.op_type]
+        try:
+            fields = spec.check_fields({k: a.value for k, a in node.attributes.items()})
+        except PluginError as exc:
+            problems.append(f"{label}: {exc}")
             continue
-        x_dtype = node.inputs[0].dtype if node.inputs[0] is not None else None
-        for k in _vector_inputs(node):
-            if k >= len(node.inputs):
-                break
-            value = node.inputs[k]
-            arr = constant_array(value) if value is not None else None
+        version = node.attributes.get("plugin_version")
+        if version is None or str(version.value) != spec.version:
+            problems.append(f"{label}: plugin_version must be {spec.version!r}")
+        n_in = len(node.inputs)
+        if not spec.min_inputs <= n_in <= spec.max_inputs:
+            problems.append(f"{label}: takes {spec.min_inputs}..{spec.max_inputs} inputs, has {n_in}")
+        if any(v is None for v in node.inputs):
+            problems.append(f"{label}: has an empty input (leave optional inputs off the end only)")
+        want = spec.num_outputs(fields)
+        if len(node.outputs) != want:
+            problems.append(f"{label}: has {len(node.outputs)} outputs, the plugin gives {want} with these fields")
+        x = node.inputs[0] if node.inputs else None
+        hidden = x.shape[-1] if x is not None and x.shape is not None and len(x.shape) else None
+        for k in spec.vector_inputs:
+            value = node.inputs[k] if k < n_in else None
             if value is None:
-                np_dtype = x_dtype.numpy() if x_dtype is not None else np.float32
-                full = np.zeros(hidden, dtype=np_dtype)
-                why = "missing"
-            elif arr is not None and arr.size == 1 and hidden > 1:
-                full = np.full(hidden, arr.reshape(-1)[0], dtype=arr.dtype)
-                why = f"a one-element constant ({float(arr.reshape(-1)[0]):g})"
-            else:
                 continue
-            base = f"{label}_input{k}_{hidden}"
-            name, i = base, 0
-            while name in graph.initializers:
-                i += 1
-                name = f"{base}_{i}"
-            tensor = ir.tensor(full, name=name)
-            new = ir.Value(name=name, shape=ir.Shape([hidden]), type=ir.TensorType(tensor.dtype), const_value=tensor)
-            graph.register_initializer(new)
-            node.replace_input_with(k, new)
-            notes.append(f"{label}: input {k} was {why}; now a [{hidden}] initializer")
-    return notes
+            arr = constant_array(value)
+            shape = tuple(arr.shape) if arr is not None else (tuple(value.shape) if value.shape is not None else None)
+            if shape is None:
+                continue
+            if len(shape) != 1 or (isinstance(hidden, int) and isinstance(shape[0], int) and shape[0] != hidden):
+                problems.append(f"{label}: input {k} ({spec.inputs[k].rstrip('?')}) has shape {list(shape)}, "
+                                f"must be 1-D of X's last axis ({hidden})")
+    return problems
 
 
 def _make_logger(trt: Any) -> Any:
@@ -395,15 +356,23 @@ def build_engine(
     if source_path is not None and dest.exists() and dest.resolve() == source_path.resolve():
         raise UsageError(f"refusing to write the engine over the input model {source_path}")
     resolved = _normalize_profiles(profiles) if profiles else _profiles_from_metadata(ir_model)
-    if _needs_legalizing(ir_model):
+    lowered: dict[str, Any] = {}
+    if _needs_lowering(ir_model):  # the backend's first act: the lower step for its target
+        from mograph.lowering import lower_model
+
         if ir_model is model:  # the caller's model: work on a copy
             import onnx_ir as ir
 
             ir_model = ir.serde.deserialize_model(ir.serde.serialize_model(ir_model))
-        legalized = _legalize_plugin_nodes(ir_model)
-        source_path = None  # parse the legalized copy
-    else:
-        legalized = []
+        lowered = dict(lower_model(ir_model, "tensorrt").stats)
+        source_path = None  # parse the lowered copy
+    problems = _plugin_node_problems(ir_model)
+    if problems:
+        raise EngineBuildError(
+            f"{len(problems)} problem(s) with mograph plugin nodes: " + "; ".join(problems[:5])
+            + ("; ..." if len(problems) > 5 else ""),
+            report={"plugin_node_problems": problems},
+        )
     nonstandard = _nonstandard_ops(ir_model)
     fix = None
     if nonstandard:
@@ -430,7 +399,7 @@ def build_engine(
         else:
             report = _build_here(trt, request)
     report["nonstandard_ops"] = nonstandard
-    report["legalized"] = legalized
+    report["lowered"] = lowered
     report["plugin_lib_fix"] = fix.how if fix is not None else "not needed (no plugin nodes)"
     report["subprocess"] = use_child
     return report

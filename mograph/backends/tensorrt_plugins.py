@@ -1,13 +1,15 @@
-"""TensorRT plugins for the mograph custom ops, and the single table that defines them.
+"""TensorRT plugins for the mograph custom ops, over the CUDA kernels.
 
-A fusion pass run with ``--target tensorrt`` writes each fused op that TensorRT has no native layer for as
+The ``lower`` step with ``--target tensorrt`` writes each fused op that TensorRT has no native layer for as
 one ONNX node that the ONNX parser turns into a plugin layer. The parser looks a node whose ``op_type`` it
 does not know (or that carries ``plugin_namespace``) up in the plugin registry by *name* = ``op_type``,
 *version* = the node's ``plugin_version`` attribute and *namespace* = its ``plugin_namespace`` attribute,
 and hands every other attribute to the creator as a plugin field (unknown ones are ignored here). The
-node's ``domain`` does not matter to the parser; the fusion pass uses ``"mograph"``. Seen with
+node's ``domain`` does not matter to the parser; the lowering uses ``"mograph"``. Seen with
 tensorrt_rtx 1.7: such a node becomes the plugin even when its op type is a standard op (``Gelu`` at
-opset 20). :data:`PLUGINS` is the contract between that pass and these plugins:
+opset 20). Each plugin's table (:class:`mograph.custom_ops.TensorRTPlugin`) is part of its custom op's
+declaration, read here through the registry as :data:`PLUGINS`; it is the contract between the
+lowering and these plugins:
 
 =================  ================================  ==========  ====================================
 plugin / op_type   inputs (``?`` = optional)         outputs     attributes (default)
@@ -21,7 +23,7 @@ plugin / op_type   inputs (``?`` = optional)         outputs     attributes (def
 =================  ================================  ==========  ====================================
 
 Every node also carries ``plugin_namespace="mograph"`` and ``plugin_version="1"``
-(:func:`plugin_attributes` writes the whole set). Rules the emitting pass must keep, because TensorRT
+(:meth:`~mograph.custom_ops.TensorRTPlugin.node_attributes` writes the whole set). Rules the lowering must keep, because TensorRT
 checks them when it parses or builds:
 
 * all tensors share one dtype (float32, float16 or bfloat16) and are contiguous; normalization is over
@@ -52,19 +54,19 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from mograph.custom_ops import PLUGIN_NAMESPACE, PLUGIN_VERSION, TensorRTPlugin
 from mograph.errors import PluginError
 
 __all__ = [
     "PLUGINS",
     "PLUGIN_NAMESPACE",
     "PLUGIN_VERSION",
-    "PluginSpec",
+    "plugin_specs",
     "kernel_library_path",
     "launch",
     "load_kernels",
@@ -76,121 +78,55 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-PLUGIN_NAMESPACE = "mograph"
-PLUGIN_VERSION = "1"
 KERNELS_ENV = "MOGRAPH_KERNELS_LIB"
-
-
-@dataclass(frozen=True)
-class PluginSpec:
-    """One mograph TensorRT plugin.
-
-    Attributes:
-        name: plugin name, also the ``op_type`` of the ONNX node the fusion pass emits.
-        op: the mograph custom op it implements (``mograph.<op>``).
-        inputs: input names in order; a trailing ``?`` marks an optional (trailing) input.
-        outputs: output names; a trailing ``?`` marks an output present only when an attribute says so.
-        attributes: attribute name -> default; the default's Python type (float, int, str) is the field type.
-        doc: the math, in one line.
-    """
-
-    name: str
-    op: str
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    attributes: dict[str, Any] = field(default_factory=dict)
-    doc: str = ""
-
-    @property
-    def min_inputs(self) -> int:
-        return sum(1 for i in self.inputs if not i.endswith("?"))
-
-    @property
-    def max_inputs(self) -> int:
-        return len(self.inputs)
-
-    def num_outputs(self, attrs: dict[str, Any]) -> int:
-        if self.op in SKIP_PLUGINS and int(attrs.get("sum_output", 0)):
-            return 2
-        return 1
-
-    def node_attributes(self, **attrs: Any) -> dict[str, Any]:
-        """The attributes a fusion pass writes on a node of this plugin (defaults filled in, plus namespace/version)."""
-        unknown = set(attrs) - set(self.attributes)
-        if unknown:
-            raise PluginError(f"plugin {self.name}: unknown attribute(s) {sorted(unknown)}")
-        out: dict[str, Any] = {**self.attributes, **attrs}
-        out["plugin_namespace"] = PLUGIN_NAMESPACE
-        out["plugin_version"] = PLUGIN_VERSION
-        return out
-
 
 #: Plugins with a residual input (Skip) and the optional Sum output.
 SKIP_PLUGINS = ("SkipLayerNorm", "SkipRMSNorm")
-
-#: The mograph TensorRT plugins, by plugin name. The fusion pass's ``--target tensorrt`` must emit these.
-PLUGINS: dict[str, PluginSpec] = {
-    s.name: s
-    for s in (
-        PluginSpec(
-            "LayerNorm",
-            "LayerNorm",
-            ("X", "Scale", "B?"),
-            ("Y",),
-            {"epsilon": 1e-5},
-            "Y = (X - mean) / sqrt(var + epsilon) * Scale (+ B), over the last axis, var the population variance",
-        ),
-        PluginSpec(
-            "RMSNorm",
-            "RMSNorm",
-            ("X", "Scale"),
-            ("Y",),
-            {"epsilon": 1e-6},
-            "Y = X / sqrt(mean(X^2) + epsilon) * Scale, over the last axis",
-        ),
-        PluginSpec(
-            "SkipLayerNorm",
-            "SkipLayerNorm",
-            ("X", "Skip", "Scale", "B?", "Bias?"),
-            ("Y", "Sum?"),
-            {"epsilon": 1e-5, "sum_output": 0},
-            "Sum = X + Skip (+ Bias); Y = LayerNorm(Sum) with Scale (+ B); Sum is output 1 when sum_output=1",
-        ),
-        PluginSpec(
-            "SkipRMSNorm",
-            "SkipRMSNorm",
-            ("X", "Skip", "Scale", "Bias?"),
-            ("Y", "Sum?"),
-            {"epsilon": 1e-6, "sum_output": 0},
-            "Sum = X + Skip (+ Bias); Y = RMSNorm(Sum) with Scale; Sum is output 1 when sum_output=1",
-        ),
-        PluginSpec(
-            "Gelu",
-            "Gelu",
-            ("X",),
-            ("Y",),
-            {"approximate": "none"},
-            "Y = 0.5 X (1 + erf(X / sqrt 2)); approximate='tanh': 0.5 X (1 + tanh(sqrt(2/pi) (X + 0.044715 X^3)))",
-        ),
-        PluginSpec(
-            "BiasGelu",
-            "BiasGelu",
-            ("X", "Bias"),
-            ("Y",),
-            {"approximate": "none"},
-            "Y = Gelu(X + Bias), the sum kept in fp32; approximate as for Gelu",
-        ),
-    )
-}
-
-_BY_OP = {s.op: s for s in PLUGINS.values()}
+#: The plugins this module implements (one kernel switch each, in :func:`launch`).
+IMPLEMENTED = ("LayerNorm", "RMSNorm", "SkipLayerNorm", "SkipRMSNorm", "Gelu", "BiasGelu")
 
 
-def plugin_for_op(op: str) -> PluginSpec:
-    """The plugin of a mograph custom op (``"LayerNorm"``); plugin names are the op names."""
-    spec = PLUGINS.get(op) or _BY_OP.get(op)
+def plugin_specs() -> dict[str, TensorRTPlugin]:
+    """The mograph-namespace plugins this module implements, as the registered custom ops declare them."""
+    from mograph.plugins import get_registry
+
+    out: dict[str, TensorRTPlugin] = {}
+    for op in get_registry().custom_ops.values():
+        spec = op.tensorrt_plugin
+        if spec is not None and spec.namespace == PLUGIN_NAMESPACE and spec.name in IMPLEMENTED:
+            out.setdefault(spec.name, spec)
+    return out
+
+
+class _Plugins(Mapping[str, TensorRTPlugin]):
+    """:func:`plugin_specs`, read when first used (the registry is built lazily)."""
+
+    def _table(self) -> dict[str, TensorRTPlugin]:
+        return plugin_specs()
+
+    def __getitem__(self, key: str) -> TensorRTPlugin:
+        return self._table()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+
+#: The mograph TensorRT plugins, by plugin name (declared with the custom ops, :mod:`mograph.custom_ops`).
+PLUGINS: Mapping[str, TensorRTPlugin] = _Plugins()
+
+
+def plugin_for_op(op: str) -> TensorRTPlugin:
+    """The plugin of a mograph custom op (``"LayerNorm"``, ``"FastGelu"``)."""
+    from mograph.custom_ops import DOMAIN
+    from mograph.plugins import get_registry
+
+    decl = get_registry().custom_ops.get((DOMAIN, op))
+    spec = decl.tensorrt_plugin if decl is not None else PLUGINS.get(op)
     if spec is None:
-        raise PluginError(f"no mograph TensorRT plugin for op {op!r}; known: {', '.join(sorted(_BY_OP))}")
+        raise PluginError(f"no mograph TensorRT plugin for op {op!r}; known: {', '.join(sorted(PLUGINS))}")
     return spec
 
 
@@ -199,15 +135,8 @@ def plugin_attributes(op: str, **attrs: Any) -> dict[str, Any]:
     return plugin_for_op(op).node_attributes(**attrs)
 
 
-def _check_attrs(spec: PluginSpec, attrs: dict[str, Any]) -> dict[str, Any]:
-    out = {**spec.attributes, **attrs}
-    if "approximate" in out and out["approximate"] not in ("none", "tanh"):
-        raise PluginError(f"{spec.name}: approximate must be 'none' or 'tanh', got {out['approximate']!r}")
-    if "epsilon" in out and not (float(out["epsilon"]) >= 0.0 and math.isfinite(float(out["epsilon"]))):
-        raise PluginError(f"{spec.name}: epsilon must be a finite number >= 0, got {out['epsilon']!r}")
-    if "sum_output" in out and int(out["sum_output"]) not in (0, 1):
-        raise PluginError(f"{spec.name}: sum_output must be 0 or 1, got {out['sum_output']!r}")
-    return out
+def _check_attrs(spec: TensorRTPlugin, attrs: dict[str, Any]) -> dict[str, Any]:
+    return spec.check_fields(attrs)
 
 
 # ------------------------------------------------------------------------------------------ kernel library
@@ -280,7 +209,7 @@ def _rows_hidden(shape: Sequence[int]) -> tuple[int, int]:
     return math.prod(dims[:-1]), dims[-1]
 
 
-def _skip_broadcast(spec: PluginSpec, x: tuple[int, ...], skip: tuple[int, ...]) -> tuple[tuple[int, ...], int, bool]:
+def _skip_broadcast(spec: TensorRTPlugin, x: tuple[int, ...], skip: tuple[int, ...]) -> tuple[tuple[int, ...], int, bool]:
     """SkipLayerNorm's X and Skip shapes -> (full shape, launches, swap X and Skip).
 
     Equal shapes take one launch. One of them may be broadcast over *leading* axes (``[1, seq, hidden]``
@@ -345,7 +274,7 @@ def launch(
         raise PluginError(f"{spec.name}: the shape of input 0 is needed")
     x_shape = tuple(int(d) for d in shapes[0])
     reps, stride = 1, 0
-    if spec.op in SKIP_PLUGINS and len(shapes) > 1:
+    if spec.name in SKIP_PLUGINS and len(shapes) > 1:
         x_shape, reps, swap = _skip_broadcast(spec, x_shape, tuple(int(d) for d in shapes[1]))
         if swap:  # X is the broadcast one: s = x + skip is symmetric, so hand the kernel the full one as x
             input_ptrs = [input_ptrs[1], input_ptrs[0], *input_ptrs[2:]]
@@ -372,14 +301,14 @@ def launch(
     def opt(k: int) -> ctypes.c_void_p:
         return ins[k] if k < n_in else null
 
-    if spec.op == "LayerNorm":
+    if spec.name == "LayerNorm":
         status = getattr(lib, f"mograph_layer_norm_{suffix}")(
             ins[0], ins[1], opt(2), outs[0], rows, hidden, eps, 0, strm
         )
-    elif spec.op == "RMSNorm":
+    elif spec.name == "RMSNorm":
         status = getattr(lib, f"mograph_rms_norm_{suffix}")(ins[0], ins[1], outs[0], rows, hidden, eps, 0, strm)
-    elif spec.op in SKIP_PLUGINS:
-        rms = spec.op == "SkipRMSNorm"
+    elif spec.name in SKIP_PLUGINS:
+        rms = spec.name == "SkipRMSNorm"
         fn = getattr(lib, f"mograph_skip_{'rms' if rms else 'layer'}_norm_{suffix}")
         step = stride * _ITEMSIZE[dname]
         status = 0
@@ -398,9 +327,9 @@ def launch(
                             eps, 0, strm)  # fmt: skip
             if status != 0:
                 break
-    elif spec.op == "Gelu":
+    elif spec.name == "Gelu":
         status = getattr(lib, f"mograph_gelu_{suffix}")(ins[0], outs[0], rows * hidden, flags, strm)
-    elif spec.op == "BiasGelu":
+    elif spec.name == "BiasGelu":
         status = getattr(lib, f"mograph_bias_gelu_{suffix}")(ins[0], ins[1], outs[0], rows, hidden, flags, strm)
     else:  # pragma: no cover - PLUGINS and this switch are kept in step
         raise PluginError(f"{spec.name}: no kernel")
@@ -452,7 +381,7 @@ def _from_field(f: Any, default: Any) -> Any:
     return float(arr[0]) if isinstance(default, float) else int(arr[0])
 
 
-def _fields_to_attrs(spec: PluginSpec, fc: Any) -> dict[str, Any]:
+def _fields_to_attrs(spec: TensorRTPlugin, fc: Any) -> dict[str, Any]:
     attrs: dict[str, Any] = {}
     for f in fc or []:
         if f.name in spec.attributes:
@@ -481,7 +410,7 @@ def _const_dims(dims: Any) -> list[int | None]:
     return out
 
 
-def _check_plugin_dims(spec: PluginSpec, shapes: list[list[int | None]]) -> None:
+def _check_plugin_dims(spec: TensorRTPlugin, shapes: list[list[int | None]]) -> None:
     """Refuse, at build time, input shapes the kernels cannot take (what :func:`launch` would refuse later)."""
     x = shapes[0]
     if not x:
@@ -522,7 +451,7 @@ def _plugin_classes(trt: ModuleType) -> dict[str, tuple[type, type]]:
     class MographPluginBase(trt.IPluginV3, trt.IPluginV3OneCore, trt.IPluginV3OneBuild, trt.IPluginV3OneRuntime):  # type: ignore[name-defined,misc]
         """Shape/type inference, formats and serialization shared by the mograph plugins; enqueue -> launch()."""
 
-        spec: PluginSpec
+        spec: TensorRTPlugin
 
         def __init__(self, attrs: dict[str, Any] | None = None, phase: Any = None) -> None:
             trt.IPluginV3.__init__(self)
@@ -565,7 +494,7 @@ def _plugin_classes(trt: ModuleType) -> dict[str, tuple[type, type]]:
                 _build_errors.append(str(exc))  # TensorRT reports only "output shape computation failed"
                 raise
             out = trt.DimsExprs(inputs[0])
-            if self.spec.op in SKIP_PLUGINS and len(inputs[1]) == len(out):  # leading-axis broadcast of Skip
+            if self.spec.name in SKIP_PLUGINS and len(inputs[1]) == len(out):  # leading-axis broadcast of Skip
                 for i in range(len(out)):
                     out[i] = expr_builder.operation(trt.DimensionOperation.MAX, inputs[0][i], inputs[1][i])
             return [trt.DimsExprs(out) for _ in range(self.num_outputs)]
@@ -599,7 +528,7 @@ def _plugin_classes(trt: ModuleType) -> dict[str, tuple[type, type]]:
             stream: int,
         ) -> None:
             launch(
-                self.spec.op,
+                self.spec.name,
                 self.attrs,
                 list(inputs),
                 list(outputs),
@@ -609,7 +538,7 @@ def _plugin_classes(trt: ModuleType) -> dict[str, tuple[type, type]]:
             )
 
     class MographCreatorBase(trt.IPluginCreatorV3One):  # type: ignore[name-defined,misc]
-        spec: PluginSpec
+        spec: TensorRTPlugin
         plugin_class: type
 
         def __init__(self) -> None:
@@ -627,9 +556,9 @@ def _plugin_classes(trt: ModuleType) -> dict[str, tuple[type, type]]:
     classes = {}
     for spec in PLUGINS.values():
         plugin_cls = type(
-            f"{spec.op}Plugin", (MographPluginBase,), {"spec": spec, "__doc__": f"{spec.name}: {spec.doc}"}
+            f"{spec.name}Plugin", (MographPluginBase,), {"spec": spec, "__doc__": f"{spec.name}: {spec.doc}"}
         )
-        creator_cls = type(f"{spec.op}PluginCreator", (MographCreatorBase,), {"spec": spec, "plugin_class": plugin_cls})
+        creator_cls = type(f"{spec.name}PluginCreator", (MographCreatorBase,), {"spec": spec, "plugin_class": plugin_cls})
         classes[spec.name] = (plugin_cls, creator_cls)
     _classes[key] = classes
     return classes

@@ -82,8 +82,8 @@ def _summary(report: dict[str, Any]) -> str:
             lines.append(
                 f"profile {name}: min {'x'.join(map(str, mn))}, opt {'x'.join(map(str, opt))}, max {'x'.join(map(str, mx))}"
             )
-    for change in report.get("legalized", []):
-        lines.append(f"legalized: {change}")
+    if report.get("lowered"):
+        lines.append("lowered for tensorrt first: " + ", ".join(f"{k}={v}" for k, v in report["lowered"].items()))
     for note in report.get("notes", []):
         lines.append(f"note: {note}")
     return "\n".join(lines)

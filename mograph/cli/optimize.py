@@ -31,7 +31,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="input .onnx file (or use --example)")
     p.add_argument("--example", metavar="NAME", help="use a model shipped with mograph: bert-tiny, cnn-small")
     p.add_argument("-o", "--output", help="output file (default: IN.opt.onnx beside the input)")
-    p.add_argument("--passes", default="cleanup", help="comma-separated passes and presets, in order (default: cleanup)")
+    p.add_argument("--passes", default="cleanup", help="comma-separated passes and presets, in order (default: cleanup); 'lower' (for --target) "
+                   "is appended when a pass writes fused ops or --target is given")
     p.add_argument(
         "--verify",
         nargs="?",
@@ -143,7 +144,6 @@ def run(args: argparse.Namespace) -> CommandResult:
     if src.exists() and out.exists() and out.resolve() == src.resolve():
         raise UsageError(f"refusing to write over the input model {src}; choose another -o")
     reg = get_registry(args.block_plugin)
-    names = reg.expand(args.passes)
     shapes = parse_shapes(args.shape)
     options: dict[str, Any] = {}
     for key in reg.all_options():
@@ -155,6 +155,7 @@ def run(args: argparse.Namespace) -> CommandResult:
     if args.explain:
         options["explain"] = True
     options = {k: v for k, v in options.items() if k in reg.all_options()}
+    names = reg.plan(args.passes, options)
     instances = reg.instantiate(names, options)
     model = ir_io.load_model(src)
     progress = None

@@ -2,8 +2,9 @@
 
 Passes (preset ``fuse``, in this order): ``fuse-layernorm``, ``fuse-rmsnorm``,
 ``fuse-skip-layernorm``, ``fuse-gelu``, ``fuse-bias-gelu``, ``fuse-attention``.  Each fuses into ops of the versioned
-``mograph`` domain (declared once, in :mod:`.ops`, through ``mograph_add_custom_ops``) and lowers
-them for ``--target`` (:mod:`.lowering`; default ``onnx``).
+``mograph`` domain (declared once, in :mod:`.ops` and :mod:`.attention_op`, through
+``mograph_add_custom_ops``, with their lowerings from :mod:`.lowerings`); the ``lower`` step
+(:mod:`mograph.lowering`) lowers them for ``--target``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ def mograph_add_presets() -> dict[str, list[str]]:
 
 @hookimpl
 def mograph_add_custom_ops() -> list:
-    from mograph.passes.fusion import attention
-    from mograph.passes.fusion.ops import custom_ops
+    from mograph.passes.fusion._common import fused_ops
 
-    return custom_ops() + attention.custom_ops()
+    return list(fused_ops().values())

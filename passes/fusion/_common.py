@@ -1,9 +1,10 @@
 """What the fusion passes share: the pass skeleton, options, sub-patterns and checks.
 
 A fusion pass = an ordered list of :class:`mograph.patterns.Rule` s, applied in one sweep over the
-graph, then the lowering of the ops it created for ``--target``, then the function bodies of the
-``mograph`` ops left in the model.  Stats count rewrites per rule (``{"LayerNormFusion": 5}``) and
-per variant (``"LayerNormFusion.div-sqrt"``) plus ``lowered.<op>``; details list per rule the
+graph; every rule emits canonical ``mograph`` ops (with their function bodies) and matches only
+unfused computation or other ``mograph`` ops.  Nothing here lowers: the ``lower`` step
+(:mod:`mograph.lowering`) does that once, for ``--target``.  Stats count rewrites per rule
+(``{"LayerNormFusion": 5}``) and per variant (``"LayerNormFusion.div-sqrt"``); details list per rule the
 candidates, fused count and, with ``--explain``, every near miss with its node names and reason.
 """
 
@@ -15,19 +16,19 @@ from typing import Any, ClassVar
 
 import numpy as np
 import onnx_ir as ir
-from mograph.passes.fusion._opset import OpsetUpgradeError, upgrade_opset
-from mograph.passes.fusion.lowering import DEFAULT_TARGET, ONNX_STANDARD_OPSET, TARGETS, ensure_functions, lower_nodes
 from mograph.passes.fusion.ops import FLOAT_TYPES, body_supports
 
-from mograph.custom_ops import DOMAIN, DOMAIN_VERSION
-from mograph.errors import OptionError
+from mograph.custom_ops import DOMAIN, DOMAIN_VERSION, CustomOp
+from mograph.irutil import infer_types, restore_types
+from mograph.lowering import drop_unused_functions, ensure_functions
+from mograph.opset import model_opset
 from mograph.pass_infra import Option, Pass, PassResult, stamp
 from mograph.patterns import MatchResult as MatchResult
 from mograph.patterns import OrValue, Rule, RuleReport, any_value, apply_rules, const, constant_array, scalar_value
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FusionPass", "flag", "opset_level", "mean_last", "square", "check_reduction", "norm_attrs"]
+__all__ = ["FusionPass", "flag", "mean_last", "square", "check_reduction", "norm_attrs", "fused_ops"]
 
 
 def flag(raw: str) -> bool:
@@ -40,86 +41,35 @@ def flag(raw: str) -> bool:
     raise ValueError(f"expected true or false, got {raw!r}")
 
 
-TARGET_OPTION = Option(
-    "target",
-    str,
-    DEFAULT_TARGET,
-    "what fused ops lower to: onnx (standard ops where the opset has them, else mograph ops with "
-    "function bodies), ort (ONNX Runtime contrib ops), tensorrt (native layers or mograph plugins), "
-    "mograph (mograph ops with function bodies)",
-    choices=TARGETS,
-)
 EXPLAIN_OPTION = Option("explain", flag, False, "list near misses and why each rule did not apply")
 
-
-def opset_level(raw: object) -> int | str:
-    """Parse ``--upgrade-opset``: a positive opset number or ``auto``."""
-    if isinstance(raw, str):
-        text = raw.strip().lower()
-        if text == "auto":
-            return "auto"
-        value = int(text)
-    elif isinstance(raw, int) and not isinstance(raw, bool):
-        value = raw
-    else:
-        raise ValueError("expected an opset number or 'auto'")
-    if value < 1:
-        raise ValueError("an opset is a positive number")
-    return value
+_FUSED_OPS: dict[tuple[str, str], CustomOp] = {}
 
 
-UPGRADE_OPTION = Option(
-    "upgrade-opset",
-    opset_level,
-    None,
-    "with --target onnx: raise the model's opset (to N, or 'auto': the lowest that has the standard op) "
-    "when a fused op's standard form needs it (LayerNormalization 17, Gelu 20, RMSNormalization 23); "
-    "by default the opset never changes",
-    metavar="N|auto",
-)
+def fused_ops() -> dict[tuple[str, str], CustomOp]:
+    """The declarations of the ops the built-in fusion passes emit (built once)."""
+    if not _FUSED_OPS:
+        from mograph.passes.fusion import attention_op, ops
+
+        _FUSED_OPS.update({op.key: op for op in ops.custom_ops() + attention_op.custom_ops()})
+    return _FUSED_OPS
 
 
 class FusionPass(Pass):
-    """Base of the fusion passes: rules, then lowering, then function bodies."""
+    """Base of the fusion passes: rules, then the function bodies of the ops they emitted."""
 
     family = "fusion"
-    options: ClassVar[tuple[Option, ...]] = (TARGET_OPTION, EXPLAIN_OPTION, UPGRADE_OPTION)
+    emits_custom_ops = True
+    options: ClassVar[tuple[Option, ...]] = (EXPLAIN_OPTION,)
     rules: ClassVar[tuple[type[Rule], ...]] = ()
-
-    def __init__(self, **values: Any) -> None:
-        super().__init__(**values)
-        raw = self.config.get("upgrade_opset")
-        if raw is not None:  # values given from Python arrive unconverted
-            try:
-                self.config["upgrade_opset"] = opset_level(raw)
-            except ValueError as exc:
-                raise OptionError(f"{self.name}: bad value for --upgrade-opset: {raw!r} ({exc})") from exc
 
     def make_rules(self) -> list[Rule]:
         return [cls() for cls in self.rules]
 
-    #: With ``--target onnx`` at this opset or above, the fused op would lower back to exactly the
-    #: standard ops it was fused from, so the pass does nothing (it stays idempotent).
-    onnx_noop_opset: ClassVar[int | None] = None
-    #: The same for ``--target tensorrt`` (whose lowering also prefers standard ops TensorRT has).
-    tensorrt_noop_opset: ClassVar[int | None] = None
-
     def call(self, model: ir.Model) -> PassResult:
-        target = self.config["target"]
-        upgrade = self.config.get("upgrade_opset") if target == "onnx" else None
-        noop = {"onnx": self.onnx_noop_opset, "tensorrt": self.tensorrt_noop_opset}.get(target)
-        if noop is not None:
-            reach = _opset(model)
-            if upgrade is not None:
-                reach = max(reach, noop if upgrade == "auto" else int(upgrade))
-            if reach >= noop:
-                reason = (f"target {target} at opset >= {noop}"
-                          f"{' (reachable by --upgrade-opset)' if reach > _opset(model) else ''}: "
-                          f"the standard-op form is already the {target} form")
-                return PassResult(modified=False, details={"skipped": reason, "target": target})
         rules = self.make_rules()
         for rule in rules:
-            rule.model_opset = _opset(model)  # type: ignore[attr-defined]
+            rule.model_opset = model_opset(model)  # type: ignore[attr-defined]
         names = {n.name for n in ir.traversal.RecursiveGraphIterator(model.graph) if n.name}
         counter = itertools.count()
 
@@ -132,104 +82,17 @@ class FusionPass(Pass):
             node.name = name
             stamp(node, self.name, rule.name)
 
-        snapshot = _infer_types(model)
+        snapshot = infer_types(model)
         report: RuleReport = apply_rules(model, rules, namer=namer)
         stats: dict[str, int | float] = {k: int(v) for k, v in sorted(report.stats.items())}
         modified = report.count > 0
         if not modified:
-            for value, type_, shape in snapshot:
-                value.type, value.shape = type_, shape
-        details: dict[str, Any] = {"rules": report.details(rules, bool(self.config.get("explain"))),
-                                   "target": self.config["target"]}
+            restore_types(snapshot)
+        details: dict[str, Any] = {"rules": report.details(rules, bool(self.config.get("explain")))}
         if modified:
-            if upgrade is not None:
-                _upgrade_for(model, report.new_nodes, upgrade, stats, details)
-            stats.update(lower_nodes(model, report.new_nodes, self.config["target"]))
-            ensure_functions(model)
-            _drop_unused_functions(model)
+            ensure_functions(model, fused_ops())
+            drop_unused_functions(model, fused_ops())
         return PassResult(modified=modified, stats=stats, details=details)
-
-
-def _upgrade_for(model: ir.Model, new_nodes: list[ir.Node], upgrade: int | str, stats: dict[str, int | float],
-                 details: dict[str, Any]) -> None:
-    """Raise the opset when a fused op of this run needs it for its standard form; record what happened.
-
-    Stats ``opset_upgrade.from`` / ``.to`` / ``.rewritten`` (nodes the converter rewrote) when it did;
-    ``details["opset_upgrade"]`` says what was done or why not.
-    """
-    current = _opset(model)
-    needs: dict[str, int] = {}
-    for node in new_nodes:
-        need = ONNX_STANDARD_OPSET.get(node.op_type)
-        if node.graph is not None and node.domain == DOMAIN and need is not None and need > current:
-            needs[node.op_type] = need
-    if not needs:
-        details["opset_upgrade"] = {"done": False, "reason": f"not needed at opset {current}"}
-        return
-    want = max(needs.values())
-    to = want if upgrade == "auto" else int(upgrade)
-    ops = ", ".join(f"{k} ({v})" for k, v in sorted(needs.items()))
-    if to < want:
-        reason = f"--upgrade-opset {to} is below the opset the standard form of {ops} needs"
-        details["opset_upgrade"] = {"done": False, "reason": reason}
-        return
-    try:
-        done = upgrade_opset(model, to)
-    except OpsetUpgradeError as exc:
-        logger.warning("opset not raised to %d: %s", to, exc)
-        details["opset_upgrade"] = {"done": False, "reason": f"cannot raise opset {current} to {to}: {exc}"}
-        return
-    stats["opset_upgrade.from"] = done.from_opset
-    stats["opset_upgrade.to"] = done.to_opset
-    stats["opset_upgrade.rewritten"] = sum(done.rewritten.values())
-    details["opset_upgrade"] = {"done": True, "from": done.from_opset, "to": done.to_opset, "for": ops,
-                                "rewritten": dict(done.rewritten)}
-
-
-def _infer_types(model: ir.Model) -> list[tuple[ir.Value, Any, Any]]:
-    """Annotate values with inferred types and shapes; return what they had, to restore if unused.
-
-    Exporters (TorchScript in particular) leave intermediate values without types; the rules need
-    dtypes and ranks.  A pass that changes nothing restores the annotations, so it stays a no-op.
-    """
-    from onnx_ir.passes.common import ShapeInferencePass
-
-    snapshot = []
-    for graph in model.graphs():
-        for v in list(graph.inputs) + list(graph.initializers.values()):
-            snapshot.append((v, v.type, v.shape))
-        for node in graph:
-            for v in node.outputs:
-                snapshot.append((v, v.type, v.shape))
-    quiet = logging.getLogger("onnx_ir.passes.common.shape_inference")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    orders = [(g, list(g.initializers.values())) for g in model.graphs()]
-    try:
-        ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
-    except Exception:  # noqa: BLE001 - inference is best effort; rules fail with a reason without it
-        logger.debug("shape inference failed", exc_info=True)
-    finally:
-        quiet.setLevel(level)
-        for g, inits in orders:  # the inference call re-registers initializers: keep their order
-            if list(g.initializers.values()) != inits:
-                g.initializers.clear()
-                for v in inits:
-                    g.register_initializer(v)
-    return snapshot
-
-
-def _drop_unused_functions(model: ir.Model) -> None:
-    used = {(n.domain, n.op_type) for n in ir.traversal.RecursiveGraphIterator(model.graph)}
-    for key in list(model.functions):
-        if key[0] == DOMAIN and (key[0], key[1]) not in used:
-            del model.functions[key]
-    if DOMAIN in model.opset_imports and not any(d == DOMAIN for d, _ in used):
-        del model.opset_imports[DOMAIN]
-
-
-def _opset(model: ir.Model) -> int:
-    return int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,8 +10,8 @@ Forms matched (``x`` any float tensor; constants within 0.1 % so float16 roundin
 
 and the outer ``0.5 x (1 + t)`` in every association: ``(x * 0.5) * (1 + t)``, ``x * (0.5 * (1 + t))``,
 ``(x * (1 + t)) * 0.5``, ``(x * (1 + t)) / 2``; both inputs of every Add/Mul in either order.
-Lowers to ``Gelu`` (``onnx`` at opset >= 20), ``com.microsoft`` ``Gelu``/``FastGelu``/``QuickGelu``
-(``ort``), or the ``Gelu`` plugin (``tensorrt``).
+The ``lower`` step turns the ops into ``Gelu`` (``onnx`` at opset >= 20), ``com.microsoft``
+``Gelu``/``FastGelu``/``QuickGelu`` (``ort``), or the ``Gelu`` plugin (``tensorrt``).
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ The math matched, over the last axis of ``x``::
 ``eps`` must be a non-negative constant (initializer, ``Constant``, ``Cast`` of one ...). fp16/bf16
 graphs that ``Cast`` to float32 around the reduction fuse into one op with ``stash_type`` float32
 and the model's dtype outside.  Inputs must be float types; below opset 15 only float32 (the function
-body has no ``CastLike`` there).  The fused op is :mod:`ops` ``LayerNorm``; ``--target`` lowers it
-(``LayerNormalization`` at opset >= 17 for ``onnx``/``tensorrt``, at any opset for ``ort``).
+body has no ``CastLike`` there).  The fused op is :mod:`ops` ``LayerNorm``; the ``lower`` step turns it
+into ``LayerNormalization`` (opset >= 17 for ``onnx``/``tensorrt``, any opset for ``ort``) or the
+``LayerNorm`` TensorRT plugin.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ The math matched, over the last axis of ``x`` (LLaMA, T5, Mistral ...)::
                                     float32 and back of fp16/bf16 models
 
 Run after ``fuse-layernorm``: a LayerNorm's tail ``d / sqrt(E[d^2] + eps)`` is an RMSNorm of the
-centred ``d`` (fusing it is correct, but LayerNorm fusion is the better rewrite).  Lowers to
+centred ``d`` (fusing it is correct, but LayerNorm fusion is the better rewrite).  ``lower`` turns it into
 ``SimplifiedLayerNormalization`` (``ort``), ``RMSNormalization`` (``onnx``, opset >= 23) or the
 ``RMSNorm`` plugin (``tensorrt``).
 """

@@ -5,22 +5,20 @@ The math matched::
 
     s = (a + bias) + skip       bias a constant broadcast over the last axis (the dense layer's bias),
       | a + skip                 in any order of the Adds' inputs
-    y = LayerNorm(s)            a ``mograph.LayerNorm`` (from ``fuse-layernorm``) or a standard
-                                ``LayerNormalization`` over the last axis (exporters at opset >= 17)
+    y = LayerNorm(s)            a ``mograph.LayerNorm`` (from ``fuse-layernorm``) or the standard
+                                ``LayerNormalization`` over the last axis that exporters write at opset >= 17
 
 When something else reads ``s`` (pre-LN transformers: the residual stream goes on to the next
 block), the fused op returns it as a second output, so nothing outside the pattern loses a value.
-Lowers to ``com.microsoft.SkipLayerNormalization`` (``ort``; sum as its 4th output; needs ``a`` and
-``skip`` of the same 2-D/3-D shape), nothing for ``onnx`` at opset >= 17 (``Add`` + ``LayerNormalization`` is already standard ONNX; the pass is a no-op there) or the
-``SkipLayerNorm`` plugin (``tensorrt``; below opset 17 the LayerNorm is the plugin node that
-``fuse-layernorm`` emitted for that target, taken with its Add).
 
-The same with an RMSNorm (``mograph.RMSNorm`` from ``fuse-rmsnorm``, or ORT's
-``SimplifiedLayerNormalization`` when that pass ran with ``--target ort``): LLaMA-style decoders, where
-every norm but the first reads a residual sum.  ``mograph.SkipRMSNorm`` lowers to ``com.microsoft``
-``SkipSimplifiedLayerNormalization`` (``ort``) or the ``SkipRMSNorm`` plugin (``tensorrt``; the
-RMSNorm plugin node that ``fuse-rmsnorm`` emitted for that target is taken with its Add), and keeps its
-function body elsewhere.
+The same with an RMSNorm (``mograph.RMSNorm`` from ``fuse-rmsnorm``, or the standard
+``RMSNormalization`` of opset 23): LLaMA-style decoders, where every norm but the first reads a
+residual sum; TorchScript's ``Cast`` of the sum to float32 before the norm is taken along.
+
+Only canonical forms are matched (never what a lowering writes for a target); the ``lower`` step
+turns the ops into ``com.microsoft.SkipLayerNormalization`` / ``SkipSimplifiedLayerNormalization``
+(``ort``), the ``SkipLayerNorm`` / ``SkipRMSNorm`` TensorRT plugins (``tensorrt``), or back into
+``Add`` + the standard norm (``onnx``).
 """
 
 from __future__ import annotations
@@ -147,7 +145,7 @@ class SkipRMSNormFusion(Rule):
     """RMSNorm((a + bias) + skip) -> mograph.SkipRMSNorm(a, skip, scale, bias) [+ sum]."""
 
     min_candidate_nodes = 2
-    _NORMS = ("RMSNorm", "SimplifiedLayerNormalization")
+    _NORMS = ("RMSNorm", "RMSNormalization")
 
     def pattern(self, op: Any, a: Any, skip: Any, scale: Any) -> Any:
         bias = Var("bias", check=_is_bias)
@@ -160,7 +158,7 @@ class SkipRMSNormFusion(Rule):
         rms = OrValue(
             [
                 op.RMSNorm(s, scale, _domain=DOMAIN, _outputs=["rms_out"]),
-                op.SimplifiedLayerNormalization(s, scale, _outputs=["rms_out"]),
+                op.RMSNormalization(s, scale, _outputs=["rms_out"]),
             ],
         )
         return rms, s
@@ -169,7 +167,7 @@ class SkipRMSNormFusion(Rule):
               a: ir.Value, skip: ir.Value, scale: ir.Value, rms_out: ir.Value, sum: ir.Value, **kw: Any) -> MatchResult:
         node = rms_out.producer()
         assert node is not None
-        failed = _check_standard_norm(self, node, "SimplifiedLayerNormalization", "inverse std", sum)
+        failed = _check_standard_norm(self, node, "RMSNormalization", "inverse std", sum)
         if failed is not None:
             return failed
         add_out = kw.get("add_out")
@@ -197,7 +195,6 @@ class FuseSkipLayerNormPass(FusionPass):
     """Fuse a residual Add (and bias) with the LayerNorm or RMSNorm after it into one Skip* op."""
 
     name = "fuse-skip-layernorm"
-    onnx_noop_opset = 17
 
     def make_rules(self) -> list[Rule]:
         return [SkipLayerNormFusion(), SkipRMSNormFusion()]

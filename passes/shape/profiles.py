@@ -15,22 +15,15 @@ profiles of other inputs are kept.
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 import onnx_ir as ir
 from mograph.passes.shape._spec import input_dims, parse_dims
 
-from mograph.errors import ModelError, OptionError
+from mograph.errors import OptionError
+from mograph.metadata import PROFILES_KEY as METADATA_KEY
+from mograph.metadata import Profile, profile_to_json, read_profiles, write_profiles
 from mograph.pass_infra import Option, Pass, PassResult
 
 __all__ = ["METADATA_KEY", "SetTrtProfilePass", "parse_profile", "read_profiles", "write_profiles"]
-
-#: The ``metadata_props`` key holding every input's profile as one JSON object.
-METADATA_KEY = "mograph.tensorrt_profiles"
-
-Profile = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
-
 
 def parse_profile(spec: str, pass_name: str = "set-trt-profile") -> tuple[str, Profile]:
     """Parse ``NAME:MIN,OPT,MAX`` (each ``1x16``) into ``(name, (min, opt, max))``.
@@ -45,46 +38,6 @@ def parse_profile(spec: str, pass_name: str = "set-trt-profile") -> tuple[str, P
         raise OptionError(f"{pass_name}: bad --profile {spec!r}: give exactly three shapes MIN,OPT,MAX")
     shapes = tuple(parse_dims(p, name, pass_name, what="--profile") for p in parts)
     return name, shapes
-
-
-def _profile_to_json(p: Profile) -> dict[str, list[int]]:
-    return {"min": list(p[0]), "opt": list(p[1]), "max": list(p[2])}
-
-
-def read_profiles(model: ir.Model) -> dict[str, Profile]:
-    """The TensorRT profiles stored in ``model`` (input name -> ``(min, opt, max)`` shapes); empty if none.
-
-    Accepts an ``onnx_ir.Model`` or an ``onnx.ModelProto``.  A malformed entry raises ``ModelError``.
-    """
-    raw = _metadata(model).get(METADATA_KEY)
-    if not raw:
-        return {}
-    try:
-        data = json.loads(raw)
-        return {
-            str(name): (tuple(map(int, p["min"])), tuple(map(int, p["opt"])), tuple(map(int, p["max"])))
-            for name, p in data.items()
-        }
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ModelError(f"malformed {METADATA_KEY} metadata: {exc}") from exc
-
-
-def write_profiles(model: ir.Model, profiles: dict[str, Profile]) -> None:
-    """Store ``profiles`` (replacing what was stored) in ``model.metadata_props``; none removes the key."""
-    if profiles:
-        body = {k: _profile_to_json(v) for k, v in sorted(profiles.items())}
-        model.metadata_props[METADATA_KEY] = json.dumps(body, sort_keys=True, separators=(",", ":"))
-    else:
-        model.metadata_props.pop(METADATA_KEY, None)
-
-
-def _metadata(model: Any) -> dict[str, str]:
-    if isinstance(model, ir.Model):
-        return dict(model.metadata_props)
-    props = getattr(model, "metadata_props", None)  # onnx.ModelProto
-    if props is None:
-        return {}
-    return {p.key: p.value for p in props}
 
 
 def validate_profile(graph: ir.Graph, name: str, profile: Profile, pass_name: str) -> None:
@@ -146,5 +99,5 @@ class SetTrtProfilePass(Pass):
         return PassResult(
             modified=changed > 0,
             stats={"profiles_set": changed, "profiles_total": len(merged)},
-            details={"profiles": {k: _profile_to_json(v) for k, v in sorted(merged.items())}} if merged else {},
+            details={"profiles": {k: profile_to_json(v) for k, v in sorted(merged.items())}} if merged else {},
         )

@@ -495,12 +495,16 @@ _CHILD = textwrap.dedent(
         build_engine(os.path.join(folder, "unknown.onnx"), os.path.join(folder, "unknown.engine"))
     except EngineBuildError as exc:
         out["unknown"] = {"message": str(exc), "unsupported": exc.report["unsupported"]}
-    out["scalar_beta"] = build_engine(os.path.join(folder, "scalar_beta.onnx"), os.path.join(folder, "scalar_beta.engine"))
+    try:
+        build_engine(os.path.join(folder, "scalar_beta.onnx"), os.path.join(folder, "scalar_beta.engine"))
+    except EngineBuildError as exc:
+        out["scalar_beta"] = {"message": str(exc), "problems": exc.report.get("plugin_node_problems")}
+    out["canonical"] = build_engine(os.path.join(folder, "canonical.onnx"), os.path.join(folder, "canonical.engine"))
     out["skip_rms"] = build_engine(os.path.join(folder, "skip_rms.onnx"), os.path.join(folder, "skip_rms.engine"))
     try:
         build_engine(os.path.join(folder, "beta_input.onnx"), os.path.join(folder, "beta_input.engine"))
     except EngineBuildError as exc:
-        out["beta_input"] = {"message": str(exc), "unsupported": exc.report.get("unsupported")}
+        out["beta_input"] = {"message": str(exc), "problems": exc.report.get("plugin_node_problems")}
     os.environ["MOGRAPH_TRT_LIB_FIX"] = "subprocess-always"
     out["chain_child"] = build_engine(os.path.join(folder, "chain.onnx"), os.path.join(folder, "chain2.engine"), profiles=chain)
     print("RESULT " + json.dumps(out))
@@ -517,21 +521,18 @@ def unknown_op_model() -> onnx.ModelProto:
     return model
 
 
-def scalar_beta_model(hidden: int = HIDDEN, beta_as_input: bool = False) -> onnx.ModelProto:
-    """A SkipLayerNorm plugin node whose B has one element and no Sum output read: as a constant the backend
-    legalizes it (``[hidden]`` initializer, unused Sum dropped); as a graph input the plugin refuses it."""
-    nodes = [
-        helper.make_node(
-            "SkipLayerNorm",
-            ["x", "s", "g", "b0"],
-            ["y", "unused_sum"],
-            name="/sln/SkipLayerNorm",
-            domain="mograph",
-            epsilon=1e-5,
-            plugin_namespace="mograph",
-            plugin_version="1",
-        )
-    ]
+def scalar_beta_model(hidden: int = HIDDEN, beta_as_input: bool = False, canonical: bool = False) -> onnx.ModelProto:
+    """A SkipLayerNorm plugin node whose B has one element and whose unread Sum output is still there: not the
+    form the plugin takes, so the backend refuses it, naming the node (it validates, it does not legalize).
+    ``canonical``: the same as a ``mograph.SkipLayerNorm`` op (no plugin attributes), which the backend lowers
+    for TensorRT first, into a legal plugin node."""
+    if canonical:
+        node = helper.make_node("SkipLayerNorm", ["x", "s", "g", "b0", "b0"], ["y", "unused_sum"],
+                                name="/sln/SkipLayerNorm", domain="mograph", epsilon=1e-5)
+    else:
+        node = helper.make_node("SkipLayerNorm", ["x", "s", "g", "b0"], ["y", "unused_sum"], name="/sln/SkipLayerNorm",
+                                domain="mograph", epsilon=1e-5, plugin_namespace="mograph", plugin_version="1")
+    nodes = [node]
     inits = [_init("g", np.ones(hidden, np.float32))]
     io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, hidden]) for n in ("x", "s", "y")]
     inputs = io[:2]
@@ -580,6 +581,7 @@ def plugin_builds(tmp_path_factory):
     onnx.save(unknown_op_model(), folder / "unknown.onnx")
     onnx.save(scalar_beta_model(), folder / "scalar_beta.onnx")
     onnx.save(scalar_beta_model(beta_as_input=True), folder / "beta_input.onnx")
+    onnx.save(scalar_beta_model(canonical=True), folder / "canonical.onnx")
     onnx.save(skip_rms_model(), folder / "skip_rms.onnx")
     env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "MOGRAPH_TRT_LIB_FIX")}
     proc = subprocess.run(
@@ -694,18 +696,20 @@ def test_engine_file_is_not_half_written(trt, tmp_path, monkeypatch):
     assert list(Path(tmp_path).iterdir()) == []
 
 
-def test_plugin_nodes_are_legalized_before_parsing(plugin_builds):
+def test_illegal_plugin_nodes_are_refused_naming_the_node(plugin_builds):
     _folder, out = plugin_builds
-    report = out["scalar_beta"]
-    assert report["legalized"] == [
-        "/sln/SkipLayerNorm: dropped its unused second output (Sum)",
-        "/sln/SkipLayerNorm: input 3 was a one-element constant (0); now a [64] initializer",
+    assert out["scalar_beta"]["problems"] == [
+        "/sln/SkipLayerNorm (SkipLayerNorm plugin): has 2 outputs, the plugin gives 1 with these fields",
+        "/sln/SkipLayerNorm (SkipLayerNorm plugin): input 3 (B) has shape [1], must be 1-D of X's last axis (64)",
     ]
-    assert [p.get("plugin") for p in report["plugin_layers"]] == ["SkipLayerNorm"]
+    assert "2 problem(s) with mograph plugin nodes" in out["scalar_beta"]["message"]
+    refused = out["beta_input"]  # B a graph input of shape [1]: refused the same way, before TensorRT sees it
+    assert "input 3 (B) has shape [1], must be 1-D of X's last axis (64)" in refused["message"]
 
 
-def test_plugin_refuses_a_scalar_vector_at_build_time(plugin_builds):
+def test_canonical_ops_are_lowered_by_the_backend_first(plugin_builds):
     _folder, out = plugin_builds
-    refused = out["beta_input"]
-    assert "B has shape [1], but must be 1-D of X's last axis (64)" in refused["message"]
-    assert refused["unsupported"][0]["op"] == "SkipLayerNorm"
+    report = out["canonical"]
+    assert report["lowered"] == {"lowered.SkipLayerNorm": 1}
+    assert [p.get("plugin") for p in report["plugin_layers"]] == ["SkipLayerNorm"]
+    assert report["unsupported"] == [] and report["engine_bytes"] > 0

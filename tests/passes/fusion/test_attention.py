@@ -19,6 +19,7 @@ from _fusion_util import (
     assert_close,
     assert_untouched,
     check_fusion,
+    lowered,
     op_counts,
     parse,
     run_ort,
@@ -26,7 +27,7 @@ from _fusion_util import (
     to_ir,
     to_proto,
 )
-from mograph.passes.fusion import attention as att
+from mograph.passes.fusion import attention_op
 from mograph.passes.fusion.attention import FuseAttentionPass
 
 from models.builders import bert_feeds, bert_tiny
@@ -106,7 +107,7 @@ def _stats(variant: str, lowered: bool = True) -> dict[str, int]:
 @pytest.mark.parametrize("k_form", ["0231", "0213.0132"])
 def test_attention_variants_mograph(scale: str, k_form: str) -> None:
     proto = parse(attention_text(scale=scale, k_form=k_form))
-    model = check_fusion(FuseAttentionPass(target="mograph"), proto, stats=_stats(f"{scale}.mask", lowered=False),
+    model = check_fusion(FuseAttentionPass(), proto, stats=_stats(f"{scale}.mask", lowered=False),
                          ops_left=["mograph.Attention"], feeds=_feeds(proto))
     node = next(iter(model.graph))
     assert node.attributes["num_heads"].value == H
@@ -117,10 +118,10 @@ def test_attention_variants_mograph(scale: str, k_form: str) -> None:
 
 def test_attention_without_mask() -> None:
     proto = parse(attention_text(mask="none"))
-    check_fusion(FuseAttentionPass(target="mograph"), proto, stats=_stats("div.nomask", lowered=False),
+    check_fusion(FuseAttentionPass(), proto, stats=_stats("div.nomask", lowered=False),
                  ops_left=["mograph.Attention"], feeds=_feeds(proto))
     # ort: no projections to pack -> MultiHeadAttention, no attention_bias input
-    model = check_fusion(FuseAttentionPass(target="ort"), proto, stats=_stats("div.nomask"),
+    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, stats=_stats("div.nomask"),
                          ops_left=["com.microsoft.MultiHeadAttention"], feeds=_feeds(proto))
     assert len(next(iter(model.graph)).inputs) == 3
 
@@ -128,7 +129,7 @@ def test_attention_without_mask() -> None:
 def test_attention_ort_multihead_with_expanded_bias() -> None:
     """Q/K/V not packable (graph inputs): MultiHeadAttention; the [B,1,1,T] bias is expanded to [B,1,S,T]."""
     proto = parse(attention_text())
-    model = check_fusion(FuseAttentionPass(target="ort"), proto, stats={**_stats("div.mask"), "bias_expansions": 1},
+    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, stats={**_stats("div.mask"), "bias_expansions": 1},
                          feeds=_feeds(proto))
     assert op_counts(model) == Counter({"com.microsoft.MultiHeadAttention": 1, "Constant": 2, "Shape": 1,
                                         "Gather": 1, "Concat": 1, "Expand": 1})
@@ -137,8 +138,8 @@ def test_attention_ort_multihead_with_expanded_bias() -> None:
 def test_attention_reference_matches_function_body() -> None:
     proto = parse(attention_text())
     feeds = _feeds(proto)
-    model, _ = run_pass(FuseAttentionPass(target="mograph"), proto)
-    decl = att.custom_ops()[0]
+    model, _ = run_pass(FuseAttentionPass(), proto)
+    decl = attention_op.custom_ops()[0]
     (expected,) = decl.reference(feeds["q"], feeds["k"], feeds["v"], feeds["bias"], num_heads=H,
                                  scale=1 / math.sqrt(D))
     (got,) = run_ort(model, feeds)
@@ -166,7 +167,7 @@ def test_attention_ort_bias_expanded_once_for_all_layers() -> None:
     """Two layers, one bias: one Shape/Gather/Concat/Expand chain, read by both MultiHeadAttention nodes."""
     proto = parse(two_layer_text())
     stats = {"AttentionFusion": 2, "AttentionFusion.div.mask": 2, "lowered.Attention": 2, "bias_expansions": 1}
-    model = check_fusion(FuseAttentionPass(target="ort"), proto, stats=stats, feeds=_feeds(proto))
+    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, stats=stats, feeds=_feeds(proto))
     assert op_counts(model) == Counter({"com.microsoft.MultiHeadAttention": 2, "Constant": 2, "Shape": 1,
                                         "Gather": 1, "Concat": 1, "Expand": 1})
     expand = next(n for n in model.graph if n.op_type == "Expand")
@@ -179,28 +180,33 @@ def test_attention_ort_bias_expanded_once_for_all_layers() -> None:
 
 def test_near_miss_scale_not_constant() -> None:
     proto = parse(attention_text(scale_input=True))
-    result = assert_untouched(FuseAttentionPass(target="ort", explain="true"), proto)
+    result = assert_untouched(lowered(FuseAttentionPass(explain="true"), "ort"), proto)
     misses = result.details["rules"]["AttentionFusion"]["near_miss_list"]
     assert [m["reason"] for m in misses] == ["scale is not a constant"]
 
 
 def test_near_miss_heads_not_constant() -> None:
     proto = parse(attention_text(heads="input"))
-    result = assert_untouched(FuseAttentionPass(target="ort", explain="true"), proto)
+    result = assert_untouched(lowered(FuseAttentionPass(explain="true"), "ort"), proto)
     (miss,) = result.details["rules"]["AttentionFusion"]["near_miss_list"]
     assert miss["reason"].startswith("num_heads cannot be determined: reshape target")
 
 
 def test_near_miss_softmax_not_over_keys() -> None:
     proto = parse(attention_text(axis=2))
-    result = assert_untouched(FuseAttentionPass(target="ort", explain="true"), proto)
+    result = assert_untouched(lowered(FuseAttentionPass(explain="true"), "ort"), proto)
     (miss,) = result.details["rules"]["AttentionFusion"]["near_miss_list"]
     assert miss["reason"] == "Softmax is over axis 2, not the key axis"
 
 
-def test_onnx_target_below_opset_23_is_a_no_op() -> None:
-    result = assert_untouched(FuseAttentionPass(target="onnx"), bert_tiny())
-    assert "no attention op" in result.details["skipped"]
+def test_onnx_target_below_opset_23_inlines_the_body() -> None:
+    """ONNX has no attention op below opset 23: the lower step inlines the fused op's function body."""
+    proto = bert_tiny()
+    model, result = run_pass(lowered(FuseAttentionPass(), "onnx"), proto)
+    assert result.stats["AttentionFusion"] == 2 and result.stats["inlined.Attention"] == 2
+    assert op_counts(model)["Softmax"] == 2 and not any(n.domain == "mograph" for n in model.graph)
+    feeds = bert_feeds(2, 16)
+    assert_close(run_ort(proto, feeds), run_ort(to_proto(model), feeds), 1e-4)
 
 
 # ------------------------------------------------------------------ bert_tiny --------------------
@@ -229,7 +235,7 @@ def test_bert_tiny_ort(dynamic: bool) -> None:
     """(1 - mask) * float32.min is traced to attention_mask: one Cast to int32 is the mask_index of both layers."""
     proto = bert_tiny(dynamic=dynamic, batch=4)
     feeds = padded_feeds()
-    model = check_fusion(FuseAttentionPass(target="ort"), proto, stats={**BERT_STATS, "mask_index_casts": 1},
+    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, stats={**BERT_STATS, "mask_index_casts": 1},
                          feeds=feeds, rel=1e-5)
     left = op_counts(model)
     assert left["com.microsoft.Attention"] == 2
@@ -250,7 +256,7 @@ def test_bert_tiny_fully_padded_row_matches_original() -> None:
     """The kernel fills masked scores with the original constant, so even an all-masked row agrees."""
     proto = bert_tiny(batch=4)
     feeds = padded_feeds()
-    model, _ = run_pass(FuseAttentionPass(target="ort"), proto)
+    model, _ = run_pass(lowered(FuseAttentionPass(), "ort"), proto)
     ref, got = run_ort(proto, feeds), run_ort(to_proto(model), feeds)
     for r, g in zip(ref, got):
         np.testing.assert_allclose(g[2], r[2], rtol=1e-5, atol=1e-5)  # the fully padded row
@@ -275,7 +281,7 @@ def test_bert_tiny_ort_bias_not_a_padding_mask_keeps_bias() -> None:
                 arr = onnx.numpy_helper.to_array(a.t)
                 if arr.size == 1 and float(arr.reshape(())) == lowest:
                     a.t.CopyFrom(onnx.numpy_helper.from_array(np.array(3.0, dtype=arr.dtype)))
-    model = check_fusion(FuseAttentionPass(target="ort"), proto, stats={**BERT_STATS, "bias_expansions": 2},
+    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, stats={**BERT_STATS, "bias_expansions": 2},
                          feeds=bert_feeds(3, 16))
     left = op_counts(model)
     assert left["Expand"] == 2 and left["com.microsoft.Attention"] == 2, left
@@ -288,18 +294,17 @@ def test_bert_tiny_other_targets(target: str, opset: int, op: str) -> None:
     stats = {k: v for k, v in BERT_STATS.items() if target == "onnx" or not k.startswith("lowered")}
     if target == "onnx":
         stats["bias_expansions"] = 2  # no shape inference here: the layers' query lengths are not known equal
-    model = check_fusion(FuseAttentionPass(target=target), proto, stats=stats, feeds=bert_feeds(3, 16))
+    model = check_fusion(lowered(FuseAttentionPass(), target), proto, stats=stats, feeds=bert_feeds(3, 16))
     assert op_counts(model)[op] == 2
     assert "Softmax" not in op_counts(model)
 
 
 def test_tensorrt_target_leaves_attention_unfused() -> None:
-    """TensorRT's parser would take a node named Attention for its own op: the pass skips, and says why."""
+    """TensorRT's parser would take a node named Attention for its own op: the lowering gives the decomposition."""
     model = to_ir(bert_tiny(opset=17))
-    result = FuseAttentionPass(target="tensorrt").call(model)
-    assert result.modified is False
-    assert "tensorrt" in result.details["skipped"]
-    assert op_counts(model)["Softmax"] == 2
+    result = lowered(FuseAttentionPass(), "tensorrt").call(model)
+    assert result.stats["lowered.Attention"] == 2
+    assert op_counts(model)["Softmax"] == 2 and not any(n.op_type == "Attention" for n in model.graph)
 
 
 # ------------------------------------------------------------------ real exports -----------------
@@ -335,7 +340,7 @@ def test_bert_export_ort(export_dir: Path, exporter: str, opset: int) -> None:
     traced = exporter == "torchscript"  # dynamo writes the padding lookup with GatherND: not traced, stays a bias
     stats = {"AttentionFusion": L, "AttentionFusion.mul.mask": L, "lowered.Attention": L,
              **({"mask_index_casts": 1} if traced else {})}
-    model = check_fusion(FuseAttentionPass(target="ort"), proto, stats=stats, feeds=feeds)
+    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, stats=stats, feeds=feeds)
     if traced:  # transformers' index-based padding mask is traced to attention_mask: its computation is gone
         (cast,) = [n for n in model.graph if n.op_type == "Cast" and n.inputs[0].name == "attention_mask"]
         assert _mask_index_inputs(model) == {cast.outputs[0].name}
@@ -347,14 +352,14 @@ def test_bert_export_ort(export_dir: Path, exporter: str, opset: int) -> None:
     model = to_ir(proto)
     reg = get_registry()
     fused = 0
-    for p in reg.instantiate(reg.expand("cleanup") + reg.expand("fuse"), {"target": "ort"}):
+    for p in reg.instantiate(reg.plan("cleanup,fuse", {"target": "ort"}), {"target": "ort"}):
         fused += int(p.call(model).stats.get("AttentionFusion", 0))
     assert fused == L
     left = op_counts(model)
     assert left["com.microsoft.Attention"] == L and "Softmax" not in left, left
     assert_close(run_ort(proto, feeds), run_ort(to_proto(model), feeds), 1e-4)
     before = graph_fingerprint(model)
-    assert not FuseAttentionPass(target="ort").call(model).modified
+    assert not lowered(FuseAttentionPass(), "ort").call(model).modified
     assert graph_fingerprint(model) == before
 
 
@@ -365,4 +370,4 @@ def test_pass_registered() -> None:
     assert "fuse-attention" in reg.passes
     assert "fuse-attention" in reg.expand("fuse")
     assert ("mograph", "Attention") in reg.custom_ops
-    assert set(reg.custom_ops[("mograph", "Attention")].lowerings) == {"ort", "onnx"}
+    assert set(reg.custom_ops[("mograph", "Attention")].lowerings) == {"ort", "onnx", "tensorrt"}

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from _fusion_util import assert_untouched, check_fusion, parse
+from _fusion_util import assert_untouched, check_fusion, lowered, op_types, parse
 from mograph.passes.fusion import ops
 from mograph.passes.fusion.bias_gelu import FuseBiasGeluPass
 from mograph.passes.fusion.gelu import FuseGeluPass
@@ -40,7 +40,7 @@ def test_gelu_exact_forms(assoc, scale):
     z = "z = Div(x, sqrt2)" if scale == "div-sqrt2" else "z = Mul(isqrt2, x)"
     text = model(f"{z}\n e = Erf(z)\n t = Add(one, e)\n" + OUTER[assoc])
     stats = {"GeluFusion": 1, f"GeluFusion.{assoc}.{scale}": 1}
-    check_fusion(FuseGeluPass(target="mograph"), parse(text), stats=stats, ops_left=["mograph.Gelu"])
+    check_fusion(FuseGeluPass(), parse(text), stats=stats, ops_left=["mograph.Gelu"])
 
 
 INNER = {
@@ -57,26 +57,37 @@ CUBE = {"pow3": "cube = Pow(x, three)", "x*x*x": "xx = Mul(x, x)\n cube = Mul(x,
 def test_gelu_tanh_forms(inner, cube, assoc):
     body = (CUBE[cube] + "\n" if "cube" in INNER[inner] else "") + INNER[inner] + "\n e = Tanh(u)\n t = Add(e, one)\n" + OUTER[assoc]
     stats = {"GeluTanhFusion": 1, f"GeluTanhFusion.{assoc}.{inner}" + (f".{cube}" if "cube" in INNER[inner] else ""): 1}
-    check_fusion(FuseGeluPass(target="mograph"), parse(model(body)), stats=stats, ops_left=["mograph.FastGelu"])
+    check_fusion(FuseGeluPass(), parse(model(body)), stats=stats, ops_left=["mograph.FastGelu"])
 
 
 def test_quick_gelu():
     text = model("u = Mul(x, k)\n s = Sigmoid(u)\n y = Mul(s, x)")
-    check_fusion(FuseGeluPass(target="ort"), parse(text), stats={"QuickGeluFusion": 1, "lowered.QuickGelu": 1},
+    check_fusion(lowered(FuseGeluPass(), "ort"), parse(text), stats={"QuickGeluFusion": 1, "lowered.QuickGelu": 1},
                  ops_left=["com.microsoft.QuickGelu"])
 
 
 @pytest.mark.parametrize("target,expected", [
-    ("mograph", ["mograph.Gelu"]), ("onnx", ["mograph.Gelu"]), ("ort", ["com.microsoft.Gelu"]),
+    ("mograph", ["mograph.Gelu"]), ("ort", ["com.microsoft.Gelu"]),
 ])
 def test_gelu_targets(target, expected):
     text = model("z = Div(x, sqrt2)\n e = Erf(z)\n t = Add(one, e)\n" + OUTER["(x*t)*0.5"])
-    check_fusion(FuseGeluPass(target=target), parse(text), ops_left=expected)
+    check_fusion(lowered(FuseGeluPass(), target), parse(text), ops_left=expected)
+
+
+def test_gelu_target_onnx_below_opset_20_inlines_the_body():
+    from _fusion_util import assert_close, feeds_for, run_ort, run_pass, to_proto
+
+    proto = parse(model("z = Div(x, sqrt2)\n e = Erf(z)\n t = Add(one, e)\n" + OUTER["(x*t)*0.5"]))
+    m, result = run_pass(lowered(FuseGeluPass(), "onnx"), proto)
+    assert result.stats["GeluFusion"] == 1 and result.stats["inlined.Gelu"] == 1
+    assert "Erf" in op_types(m) and not any(n.domain for n in m.graph) and not m.functions  # standard ONNX only
+    feeds = feeds_for(proto)
+    assert_close(run_ort(proto, feeds), run_ort(to_proto(m), feeds))
 
 
 def test_gelu_onnx_target_at_opset_20_uses_standard_gelu():
     text = model("z = Div(x, sqrt2)\n e = Erf(z)\n t = Add(one, e)\n" + OUTER["(x*t)*0.5"]).replace('"" : 17', '"" : 20')
-    check_fusion(FuseGeluPass(target="onnx"), parse(text), ops_left=["Gelu"])
+    check_fusion(lowered(FuseGeluPass(), "onnx"), parse(text), ops_left=["Gelu"])
 
 
 def test_gelu_near_miss_wrong_constant():
@@ -109,8 +120,8 @@ def test_bias_gelu(form, op_name, target):
     proto = parse(text)
     feeds = feeds_for(proto)
     m = to_ir(proto)
-    FuseGeluPass(target=target).call(m)
-    result = FuseBiasGeluPass(target=target).call(m)
+    FuseGeluPass().call(m)  # canonical ops first; the lower step comes last
+    result = lowered(FuseBiasGeluPass(), target).call(m)
     stats = {"BiasGeluFusion": 1, f"BiasGeluFusion.{form}": 1}
     if target == "ort":
         stats["lowered." + op_name] = 1
@@ -119,7 +130,7 @@ def test_bias_gelu(form, op_name, target):
     assert op_types(m) == [expected[target]]
     np.testing.assert_allclose(run_ort(to_proto(m), feeds)[0], run_ort(proto, feeds)[0], atol=1e-4)
     before = graph_fingerprint(m)
-    assert FuseBiasGeluPass(target=target).call(m).modified is False
+    assert lowered(FuseBiasGeluPass(), target).call(m).modified is False
     assert graph_fingerprint(m) == before
 
 
@@ -129,7 +140,7 @@ def test_bias_gelu_near_miss_bias_not_constant():
     from _fusion_util import to_ir
 
     m = to_ir(parse(text))
-    FuseGeluPass(target="mograph").call(m)
+    FuseGeluPass().call(m)
     result = FuseBiasGeluPass(explain=True).call(m)
     assert result.modified is False
     (miss,) = result.details["rules"]["BiasGeluFusion"]["near_miss_list"]

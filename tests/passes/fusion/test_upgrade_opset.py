@@ -16,13 +16,15 @@ from _fusion_util import (
     assert_untouched,
     check_fusion,
     feeds_for,
+    lowered,
+    op_counts,
     op_types,
     parse,
     run_ort,
+    run_pass,
     to_ir,
     to_proto,
 )
-from mograph.passes.fusion._opset import OpsetUpgradeError, upgrade_opset
 from mograph.passes.fusion.gelu import FuseGeluPass
 from mograph.passes.fusion.layernorm import FuseLayerNormPass
 from mograph.passes.fusion.rmsnorm import FuseRMSNormPass
@@ -30,6 +32,8 @@ from mograph.passes.fusion.skip_layernorm import FuseSkipLayerNormPass
 from test_norms import layernorm_model, rmsnorm_model
 
 from mograph.errors import OptionError
+from mograph.lowering import LowerPass
+from mograph.opset import OpsetUpgradeError, upgrade_opset
 from mograph.pass_infra import graph_fingerprint
 
 H = 8
@@ -50,16 +54,16 @@ GELU_STATS = {"GeluFusion": 1, "GeluFusion.(x*t)*0.5.div-sqrt2": 1, "lowered.Gel
 
 
 def test_without_the_option_the_opset_never_changes():
-    model = check_fusion(FuseGeluPass(target="onnx"), gelu_model(17),
-                         stats={"GeluFusion": 1, "GeluFusion.(x*t)*0.5.div-sqrt2": 1},
-                         ops_left=["mograph.Gelu", "Identity"])
-    assert model.opset_imports[""] == 17
+    # no standard Gelu at 17: the lower step inlines the function body, the opset stays
+    model, result = run_pass(lowered(FuseGeluPass(), "onnx"), gelu_model(17))
+    assert result.stats == {"GeluFusion": 1, "GeluFusion.(x*t)*0.5.div-sqrt2": 1, "inlined.Gelu": 1}
+    assert model.opset_imports[""] == 17 and "mograph" not in model.opset_imports and not model.functions
 
 
 @pytest.mark.parametrize("level", ["auto", 20, "20"])
 def test_gelu_lowers_to_standard_gelu_after_the_upgrade(level):
     stats = {**GELU_STATS, "opset_upgrade.from": 17, "opset_upgrade.to": 20, "opset_upgrade.rewritten": 0}
-    pass_ = FuseGeluPass(target="onnx", upgrade_opset=level)
+    pass_ = lowered(FuseGeluPass(), "onnx", upgrade_opset=level)
     model = check_fusion(pass_, gelu_model(17), stats=stats, ops_left=["Gelu", "Identity"])
     assert model.opset_imports[""] == 20 and "mograph" not in model.opset_imports and not model.functions
     onnx.checker.check_model(to_proto(model), full_check=True)
@@ -69,7 +73,7 @@ def test_rmsnorm_lowers_to_rmsnormalization_at_23():
     proto = parse(rmsnorm_model(opset=17))
     stats = {"RMSNormFusion": 1, "RMSNormFusion.mul-reciprocal.eps.reducemean": 1, "RMSNormScaleFusion": 1,
              "lowered.RMSNorm": 1, "opset_upgrade.from": 17, "opset_upgrade.to": 23, "opset_upgrade.rewritten": 0}
-    model = check_fusion(FuseRMSNormPass(target="onnx", upgrade_opset="auto"), proto, stats=stats,
+    model = check_fusion(lowered(FuseRMSNormPass(), "onnx", upgrade_opset="auto"), proto, stats=stats,
                          ops_left=["RMSNormalization"])
     assert model.opset_imports[""] == 23
     from onnx.reference import ReferenceEvaluator
@@ -84,7 +88,7 @@ def test_layernorm_from_opset_14():
     stats = {"LayerNormFusion": 1, "LayerNormFusion.div-sqrt.centered.reducemean": 1, "LayerNormScaleFusion": 1,
              "LayerNormBiasFusion": 1, "lowered.LayerNorm": 1, "opset_upgrade.from": 14, "opset_upgrade.to": 17,
              "opset_upgrade.rewritten": 0}
-    model = check_fusion(FuseLayerNormPass(target="onnx", upgrade_opset="auto"), proto, stats=stats,
+    model = check_fusion(lowered(FuseLayerNormPass(), "onnx", upgrade_opset="auto"), proto, stats=stats,
                          ops_left=["LayerNormalization", "Identity"])
     assert model.opset_imports[""] == 17
 
@@ -93,50 +97,57 @@ def test_nodes_outside_the_fusion_are_converted_and_keep_their_numbers():
     # a ReduceMean with axes as an attribute (opset < 18) must get its axes as an input at 20
     proto = gelu_model(14, extra="m = ReduceMean<axes=[-1]>(g)\n y = Sub(g, m)")
     stats = {**GELU_STATS, "opset_upgrade.from": 14, "opset_upgrade.to": 20, "opset_upgrade.rewritten": 1}
-    model = check_fusion(FuseGeluPass(target="onnx", upgrade_opset="auto"), proto, stats=stats,
+    model = check_fusion(lowered(FuseGeluPass(), "onnx", upgrade_opset="auto"), proto, stats=stats,
                          ops_left=["Gelu", "Constant", "ReduceMean", "Sub"])
     reduce = next(n for n in model.graph if n.op_type == "ReduceMean")
     assert "axes" not in reduce.attributes and len(reduce.inputs) == 2
 
 
 def test_a_level_below_what_the_op_needs_changes_no_opset():
-    pass_ = FuseGeluPass(target="onnx", upgrade_opset=19, explain=True)
-    model = check_fusion(pass_, gelu_model(17), stats={"GeluFusion": 1, "GeluFusion.(x*t)*0.5.div-sqrt2": 1},
-                         ops_left=["mograph.Gelu", "Identity"])
+    pass_ = lowered(FuseGeluPass(explain=True), "onnx", upgrade_opset=19)
+    model, result = run_pass(pass_, gelu_model(17))
+    assert result.stats == {"GeluFusion": 1, "GeluFusion.(x*t)*0.5.div-sqrt2": 1, "inlined.Gelu": 1}
     assert model.opset_imports[""] == 17
-    result = FuseGeluPass(target="onnx", upgrade_opset=19).call(to_ir(gelu_model(17)))
+    result = lowered(FuseGeluPass(), "onnx", upgrade_opset=19).call(to_ir(gelu_model(17)))
     assert result.details["opset_upgrade"] == {
         "done": False, "reason": "--upgrade-opset 19 is below the opset the standard form of Gelu (20) needs"}
 
 
 def test_near_miss_leaves_the_opset_alone():
     proto = parse(layernorm_model(opset=14, eps="input"))  # epsilon not constant: nothing fuses
-    assert_untouched(FuseLayerNormPass(target="onnx", upgrade_opset="auto"), proto)
+    assert_untouched(lowered(FuseLayerNormPass(), "onnx", upgrade_opset="auto"), proto)
 
 
 def test_other_targets_ignore_it():
-    model = check_fusion(FuseGeluPass(target="ort", upgrade_opset="auto"), gelu_model(17),
+    model = check_fusion(lowered(FuseGeluPass(), "ort", upgrade_opset="auto"), gelu_model(17),
                          stats={"GeluFusion": 1, "GeluFusion.(x*t)*0.5.div-sqrt2": 1, "lowered.Gelu": 1},
                          ops_left=["com.microsoft.Gelu", "Identity"])
     assert model.opset_imports[""] == 17
 
 
-def test_skip_layernorm_has_nothing_to_do_where_the_upgrade_reaches_17():
+def test_skip_layernorm_lowers_to_add_and_layernormalization_where_the_upgrade_reaches_17():
     from test_norms import skip_model
 
-    # a mograph LayerNorm at opset 14, as fuse-layernorm leaves it without the option
+    # a mograph LayerNorm at opset 14, as fuse-layernorm leaves it
     text = skip_model(opset=14).replace("LayerNormalization<axis=-1, epsilon=1e-5>(s, gamma, beta)",
                                         "mograph.LayerNorm<epsilon=1e-5>(s, gamma, beta)")
     text = text.replace('opset_import: ["" : 14]', 'opset_import: ["" : 14, "mograph" : 1]')
-    result = assert_untouched(FuseSkipLayerNormPass(target="onnx", upgrade_opset="auto"), parse(text))
-    assert "reachable by --upgrade-opset" in result.details["skipped"]
-    assert FuseSkipLayerNormPass(target="onnx").call(to_ir(parse(text))).modified  # without it: fused
+    proto = parse(text)
+    model, result = run_pass(lowered(FuseSkipLayerNormPass(), "onnx", upgrade_opset="auto"), proto)
+    assert result.stats["SkipLayerNormFusion"] == 1 and result.stats["lowered.SkipLayerNorm"] == 1
+    assert (result.stats["opset_upgrade.from"], result.stats["opset_upgrade.to"]) == (14, 17)
+    assert "LayerNormalization" in op_types(model) and not any(n.domain for n in model.graph)
+    original = onnx.parser.parse_model(skip_model(opset=14))  # ORT has LayerNormalization at every opset
+    feeds = feeds_for(proto)
+    assert_close(run_ort(original, feeds), run_ort(to_proto(model), feeds))
+    _, without = run_pass(lowered(FuseSkipLayerNormPass(), "onnx"), proto)  # without it: the body is inlined
+    assert without.stats["inlined.SkipLayerNorm"] == 1 and "opset_upgrade.from" not in without.stats
 
 
 @pytest.mark.parametrize("raw", ["x", 0, -3, True, 1.5])
 def test_bad_levels_are_option_errors(raw):
     with pytest.raises(OptionError, match="upgrade-opset"):
-        FuseGeluPass(upgrade_opset=raw)
+        LowerPass(upgrade_opset=raw)
 
 
 # ------------------------------------------------------------------ the converter itself ---------
@@ -197,11 +208,12 @@ def test_foreign_functions_are_refused_and_nothing_changes():
     with pytest.raises(OpsetUpgradeError, match="vendor::Twice"):
         upgrade_opset(model, 20)
     assert graph_fingerprint(model) == before and model.opset_imports[""] == 14
-    # through the pass: fused as without the option, and the details say why the opset stayed
-    result = FuseGeluPass(target="onnx", upgrade_opset="auto").call(model)
-    assert result.modified and "opset_upgrade.to" not in result.stats
+    # through the passes: fused and lowered as without the option (the body inlined), and the details say
+    # why the opset stayed
+    result = lowered(FuseGeluPass(), "onnx", upgrade_opset="auto").call(model)
+    assert result.modified and "opset_upgrade.to" not in result.stats and result.stats["inlined.Gelu"] == 1
     assert "vendor::Twice" in result.details["opset_upgrade"]["reason"]
-    assert op_types(model)[0] == "mograph.Gelu" and model.opset_imports[""] == 14
+    assert "Erf" in op_types(model) and model.opset_imports[""] == 14
 
 
 NORM_AND_GELU = ["fuse-layernorm", "fuse-rmsnorm", "fuse-skip-layernorm", "fuse-gelu", "fuse-bias-gelu"]
@@ -213,23 +225,26 @@ def test_norm_and_gelu_passes_on_bert_from_opset_14():
     proto = _bert(14)
     model = to_ir(proto)
     reg = get_registry()
+    options = {"target": "onnx", "upgrade_opset": "auto"}
+    names = reg.plan(NORM_AND_GELU, options)
+    assert names == [*NORM_AND_GELU, "lower"]
     stats: dict[str, float] = {}
-    for p in reg.instantiate(NORM_AND_GELU, {"target": "onnx", "upgrade_opset": "auto"}):
+    for p in reg.instantiate(names, options):
         for k, v in p.call(model).stats.items():
-            if k.startswith(("opset_upgrade", "lowered")):
+            if k.startswith(("opset_upgrade", "lowered", "inlined")):
                 stats[f"{p.name}:{k}"] = v
+    # the fusions leave SkipLayerNorm (needs 17) and BiasGelu (needs 20): one upgrade to 20, then standard ops
     assert stats == {
-        "fuse-layernorm:opset_upgrade.from": 14, "fuse-layernorm:opset_upgrade.to": 17,
-        "fuse-layernorm:opset_upgrade.rewritten": 0, "fuse-layernorm:lowered.LayerNorm": 5,
-        "fuse-gelu:opset_upgrade.from": 17, "fuse-gelu:opset_upgrade.to": 20,
-        "fuse-gelu:opset_upgrade.rewritten": 0, "fuse-gelu:lowered.Gelu": 2,
+        "lower:opset_upgrade.from": 14, "lower:opset_upgrade.to": 20, "lower:opset_upgrade.rewritten": 0,
+        "lower:lowered.SkipLayerNorm": 5, "lower:lowered.BiasGelu": 2,
     }
     counts = {t: op_types(model).count(t) for t in ("LayerNormalization", "Gelu")}
     assert counts == {"LayerNormalization": 5, "Gelu": 2} and model.opset_imports == {"": 20}
     feeds = _bert_feeds()
     assert_close(run_ort(proto, feeds), run_ort(to_proto(model), feeds), rel=1e-4)
-    before = graph_fingerprint(model)
-    assert not any(p.call(model).modified
-                   for p in reg.instantiate(NORM_AND_GELU, {"target": "onnx", "upgrade_opset": "auto"}))
-    assert graph_fingerprint(model) == before
-
+    # a second run re-fuses the standard forms and lowers them back: the same ops and numbers come out
+    before = op_counts(model)
+    for p in reg.instantiate(names, options):
+        p.call(model)
+    assert op_counts(model) == before and model.opset_imports == {"": 20}
+    assert_close(run_ort(proto, feeds), run_ort(to_proto(model), feeds), rel=1e-4)

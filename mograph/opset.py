@@ -1,8 +1,8 @@
-"""Raising a model's default-domain opset in place, for ``--upgrade-opset`` of the fusion passes.
+"""The model's opset, and raising its default-domain opset in place (``lower --upgrade-opset``, the precision passes).
 
 Why: the standard forms of the fused ops appear late in ONNX (``LayerNormalization`` 17, ``Gelu`` 20,
 ``RMSNormalization`` 23).  A model exported at an older opset can only use them if its opset is raised,
-which the fusion passes do only when asked (``--upgrade-opset N`` or ``auto``).
+which the ``lower`` step does only when asked (``--upgrade-opset N`` or ``auto``).
 
 How, and what it promises:
 
@@ -14,9 +14,9 @@ How, and what it promises:
 * the graph and every subgraph are converted; control-flow ops (``If``, ``Loop``, ``Scan``) changed
   only the types they accept between the opsets mograph meets, so they keep their form and their
   bodies are converted node by node;
-* the function bodies of the fused ``mograph`` ops are dropped and rebuilt by the caller for the new
-  opset (:func:`~mograph.passes.fusion.lowering.ensure_functions`); a model with other model-local
-  functions is refused (their bodies would need converting too), as is a node the converter cannot take.
+* the function bodies of registered custom ops (:mod:`mograph.custom_ops`) are rebuilt for the new
+  opset from their declarations; a model with other model-local functions is refused (their bodies
+  would need converting too), as is a node the converter cannot take.
 
 Refusals raise :class:`OpsetUpgradeError` before anything is changed: the model is either fully
 converted or untouched.
@@ -31,12 +31,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx_ir as ir
 
-from mograph.custom_ops import DOMAIN
-
 if TYPE_CHECKING:
     import onnx
 
-__all__ = ["OpsetUpgrade", "OpsetUpgradeError", "upgrade_opset", "max_opset"]
+__all__ = ["OpsetUpgrade", "OpsetUpgradeError", "upgrade_opset", "max_opset", "model_opset"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +58,7 @@ class OpsetUpgrade:
 
 
 def model_opset(model: ir.Model) -> int:
+    """The model's default-domain (``""`` or ``"ai.onnx"``) opset; 1 when it imports none."""
     return int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1)))
 
 
@@ -225,7 +224,7 @@ def upgrade_opset(model: ir.Model, target: int) -> OpsetUpgrade:
 
     Raises:
         OpsetUpgradeError: ``target`` is beyond the installed ``onnx``, the model has model-local
-            functions other than the ``mograph`` ones, or a node cannot be converted.  The model is
+            functions other than registered custom ops, or a node cannot be converted.  The model is
             unchanged then.
     """
     old = model_opset(model)
@@ -234,9 +233,11 @@ def upgrade_opset(model: ir.Model, target: int) -> OpsetUpgrade:
         return result
     if target > max_opset():
         raise OpsetUpgradeError(f"opset {target} is beyond the installed onnx (newest {max_opset()})")
-    from mograph.passes.fusion.ops import FUSED_OPS
+    from mograph.plugins import get_registry
 
-    foreign = [f"{d}::{n}" for d, n, _ in model.functions if d != DOMAIN or n not in FUSED_OPS]
+    ops = get_registry().custom_ops
+    rebuilt = {key: ops[key[:2]] for key in model.functions if key[:2] in ops and ops[key[:2]].function is not None}
+    foreign = [f"{d}::{n}" for d, n, _ in model.functions if (d, n, _) not in rebuilt]
     if foreign:
         raise OpsetUpgradeError(f"the model has model-local functions ({', '.join(sorted(foreign))}) "
                                 "whose bodies would need converting too")
@@ -255,8 +256,9 @@ def upgrade_opset(model: ir.Model, target: int) -> OpsetUpgrade:
     if "ai.onnx" in model.opset_imports:
         del model.opset_imports["ai.onnx"]
     model.opset_imports[""] = target
-    for key in list(model.functions):
-        del model.functions[key]  # bodies are per opset: the caller rebuilds them
+    for key, op in rebuilt.items():  # bodies are per opset
+        assert op.function is not None
+        model.functions[key] = op.function(target)
     _raise_ir_version(model)
     logger.info("opset %d -> %d; rewrote %s", old, target, result.rewritten or "no node")
     return result

@@ -1,0 +1,469 @@
+"""The one lowering step: canonical custom ops -> what a target runs natively.
+
+Fusion passes write only canonical custom ops (``mograph.LayerNorm``, ``mograph.Attention``, a
+plugin's own ops), each with an ONNX function body.  Lowering happens once, at the end of the
+pipeline (the ``lower`` pass, which ``--target`` adds to a pipeline) or as a backend's first act,
+and asks the custom-op registry how: for every node of a registered op it calls the op's declared
+lowering for the target (:attr:`mograph.custom_ops.CustomOp.lowerings`).
+
+Targets:
+
+``mograph``
+    keep the custom ops; each carries its function body (runs on any ONNX runtime).
+``onnx`` (default)
+    standard ONNX only: the op's ``onnx`` lowering where the model's opset has a standard form
+    (``LayerNormalization`` 17, ``Gelu`` 20, ``RMSNormalization`` 23, ``Attention`` 23), else its
+    function body **inlined**, so the result has no custom domain.  ``--upgrade-opset N|auto`` first
+    raises the opset when a standard form needs it (:mod:`mograph.opset`).
+``ort``, ``tensorrt``, and any target a plugin's lowerings name
+    the op's lowering for that target; where it has none or it declines (a dynamic hidden size, a
+    shape the kernel does not take), the op stays, with its function body.
+
+Passes never import backends and backends never import passes: both reach the lowerings through
+the registry.  The helpers below (:func:`replace_node`, :func:`as_vector`, :func:`plugin_node`,
+:func:`inline_node`) are for lowering authors, built-in or third-party.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import onnx_ir as ir
+
+from mograph.custom_ops import CustomOp, TensorRTPlugin
+from mograph.errors import OptionError, PassFailedError
+from mograph.hookspecs import hookimpl
+from mograph.irutil import add_initializer, infer_types, is_zero, restore_types, static_last_dim
+from mograph.metadata import LOWERED_FOR
+from mograph.opset import OpsetUpgradeError, model_opset, upgrade_opset
+from mograph.pass_infra import Option, Pass, PassResult
+from mograph.patterns import constant_array, remove_dead_producers
+
+if TYPE_CHECKING:
+    from mograph.plugins import Registry
+
+__all__ = [
+    "DEFAULT_TARGET",
+    "LOWER_PASS",
+    "LoweringContext",
+    "LowerPass",
+    "as_vector",
+    "ensure_functions",
+    "drop_unused_functions",
+    "inline_node",
+    "is_plugin_node",
+    "known_targets",
+    "lower_model",
+    "plugin_node",
+    "plugin_vectors",
+    "replace_node",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TARGET = "onnx"
+#: Name of the lowering pass.
+LOWER_PASS = "lower"
+#: Targets every installation has: ``onnx`` and ``mograph`` are generic; ``ort`` and ``tensorrt`` are
+#: the built-in backends' targets.  Plugins add theirs through their ops' lowerings or their backends.
+BUILTIN_TARGETS = ("onnx", "ort", "tensorrt", "mograph")
+
+
+def known_targets(registry: Registry) -> list[str]:
+    """Every target name: the built-in ones, those the registered ops' lowerings name, and backends' targets."""
+    names = list(BUILTIN_TARGETS)
+    for op in registry.custom_ops.values():
+        names += [t for t in op.lowerings if t not in names]
+    for backend in registry.backends.values():
+        target = getattr(backend, "target", None)
+        if isinstance(target, str) and target and target not in names:
+            names.append(target)
+    return names
+
+
+def is_plugin_node(node: ir.Node) -> bool:
+    """A node already in a TensorRT plugin's form (it carries ``plugin_namespace``)."""
+    return "plugin_namespace" in node.attributes
+
+
+@dataclass
+class LoweringContext:
+    """What one lowering run gives each lowering function.
+
+    Attributes:
+        model: the model being lowered (rewritten in place).
+        target: the target name.
+        op: the declaration of the op whose node is being lowered.
+        shared: values a lowering builds once per run for several nodes (key -> value); keys are
+            tuples whose first item names the kind (``("mask_index", ...)``): each kind is counted in
+            the stats.
+        stats: extra counts a lowering wants reported.
+    """
+
+    model: ir.Model
+    target: str
+    op: CustomOp | None = None
+    shared: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+    stats: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def opset(self) -> int:
+        """The model's default-domain opset."""
+        return model_opset(self.model)
+
+    def count(self, key: str, n: int = 1) -> None:
+        self.stats[key] = self.stats.get(key, 0) + n
+
+    def inline(self, node: ir.Node) -> bool:
+        """Replace ``node`` by its op's function body (a lowering for targets that take the decomposition)."""
+        if self.op is None or self.op.function is None:
+            return False
+        inline_node(node, self.op.function(self.opset), self.target)
+        return True
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers for lowering authors
+# ---------------------------------------------------------------------------------------------
+
+
+def replace_node(node: ir.Node, new_nodes: Sequence[ir.Node], new_outputs: Sequence[ir.Value | None],
+                 target: str | None = None) -> None:
+    """Put ``new_nodes`` where ``node`` is; its outputs become ``new_outputs`` (``None``: an output nothing reads).
+
+    The new nodes inherit the old node's metadata (provenance) and name (``name`` or ``name/i``); opset
+    imports are added for new domains; producers left dead are removed.
+    """
+    graph = node.graph
+    assert graph is not None
+    model_opsets = graph.opset_imports
+    olds, news = [], []
+    for old, new in zip(node.outputs, new_outputs):
+        if new is not None:
+            olds.append(old)
+            news.append(new)
+    base = node.name or node.op_type
+    for i, n in enumerate(new_nodes):
+        if n.domain not in ("", "ai.onnx") and n.domain not in model_opsets:
+            model_opsets[n.domain] = 1
+        n.metadata_props.update(node.metadata_props)
+        if target is not None:
+            n.metadata_props[LOWERED_FOR] = target
+        n.name = base if len(new_nodes) == 1 else f"{base}/{i}"
+    inputs = list(node.inputs)
+    ir.convenience.replace_nodes_and_values(graph, node, [node], list(new_nodes), olds, news)
+    remove_dead_producers(graph, inputs)
+
+
+def as_vector(graph: ir.Graph, value: ir.Value, x: ir.Value, base: str) -> ir.Value | None:
+    """``value`` as a 1-D ``[hidden]`` tensor of x's dtype (hidden = x's last axis), built if it is a constant.
+
+    A one-element constant is widened; a constant of ``hidden`` elements in another rank or dtype is
+    reshaped/cast into a new initializer.  None when it cannot be done (a dynamic hidden size where a
+    vector must be built, a non-constant of the wrong form).
+    """
+    hidden = static_last_dim(x)
+    arr = constant_array(value)
+    if arr is None:
+        if value.shape is not None and len(value.shape) == 1 and value.dtype == x.dtype:
+            return value
+        return None
+    if hidden is None:
+        if arr.ndim == 1 and arr.size > 1 and value.const_value is not None:
+            return value
+        return None
+    dtype = x.dtype.numpy() if x.dtype is not None else arr.dtype
+    if arr.size == 1:
+        arr = np.full((hidden,), arr.reshape(()), dtype=dtype)
+    elif arr.size == hidden:
+        if arr.ndim == 1 and arr.dtype == dtype and value.const_value is not None and value.is_initializer():
+            return value
+        arr = arr.reshape(hidden).astype(dtype)
+    else:
+        return None
+    return add_initializer(graph, f"{base}_{hidden}", arr)
+
+
+def plugin_node(spec: TensorRTPlugin, inputs: Sequence[ir.Value], *, domain: str, **fields: Any) -> ir.Node:
+    """A node of TensorRT plugin ``spec``: its fields checked against the plugin's table, outputs counted from them.
+
+    ``inputs`` must already be legal (vectors ``[hidden]``, optional ones only left off the end).
+    """
+    attrs = spec.node_attributes(**fields)
+    return ir.node(spec.name, list(inputs), attributes=attrs, domain=domain, num_outputs=spec.num_outputs(attrs))
+
+
+def plugin_vectors(node: ir.Node, x: ir.Value, values: Sequence[tuple[ir.Value | None, str, bool]]) -> list[ir.Value] | None:
+    """Legal vector inputs of a plugin node: each ``(value, base name, optional)`` in order.
+
+    A vector must be ``[hidden]`` (a one-element constant is widened); an optional one that is zero is
+    left off when nothing after it is kept, else it becomes zeros ``[hidden]`` (TensorRT's parser
+    refuses empty input names).  None if one cannot be built (unknown hidden size).
+    """
+    graph = node.graph
+    assert graph is not None
+    keep = [not (optional and is_zero(v)) for v, _, optional in values]
+    while keep and not keep[-1]:
+        keep.pop()
+    out: list[ir.Value] = []
+    hidden = static_last_dim(x)
+    for (value, base, _), _keep in zip(values, keep):
+        if value is None:
+            if hidden is None:
+                return None
+            dtype = x.dtype.numpy() if x.dtype is not None else np.float32
+            out.append(add_initializer(graph, f"{base}_{hidden}", np.zeros((hidden,), dtype=dtype)))
+            continue
+        vec = as_vector(graph, value, x, base)
+        if vec is None or (hidden is None and (vec.shape is None or len(vec.shape) != 1)):
+            return None
+        out.append(vec)
+    return out
+
+
+def inline_node(node: ir.Node, function: ir.Function, target: str | None = None) -> list[ir.Node]:
+    """Replace a call ``node`` by a copy of ``function``'s body; return the nodes put in its place.
+
+    Attribute references of the body take the call's attributes, else the function's defaults.
+    """
+    mapping: dict[ir.Value, ir.Value | None] = {}
+    for i, formal in enumerate(function.inputs):
+        mapping[formal] = node.inputs[i] if i < len(node.inputs) else None
+    defaults = function.attributes
+    new_nodes: list[ir.Node] = []
+    for inner in function:
+        attrs: list[ir.Attr] = []
+        for attr in inner.attributes.values():
+            if attr.is_ref():
+                ref = attr.ref_attr_name
+                assert ref is not None
+                src = node.attributes.get(ref) or defaults.get(ref)
+                if src is None:
+                    continue
+                attrs.append(ir.Attr(attr.name, src.type, src.value))
+            else:
+                attrs.append(ir.Attr(attr.name, attr.type, attr.value))
+        inputs = [mapping.get(v) if v is not None else None for v in inner.inputs]
+        new = ir.Node(inner.domain, inner.op_type, inputs, attributes=attrs, num_outputs=len(inner.outputs))
+        for old_out, new_out in zip(inner.outputs, new.outputs):
+            mapping[old_out] = new_out
+        new_nodes.append(new)
+    outputs: list[ir.Value | None] = []
+    for formal, actual in zip(function.outputs, node.outputs):
+        value = mapping.get(formal)
+        if value is None or value.producer() not in new_nodes:  # an input passed straight through
+            ident = ir.node("Identity", [value])
+            new_nodes.append(ident)
+            value = ident.outputs[0]
+        outputs.append(value if (actual.uses() or actual.is_graph_output()) else None)
+    replace_node(node, new_nodes, outputs, target)
+    return new_nodes
+
+
+def ensure_functions(model: ir.Model, ops: Mapping[tuple[str, str], CustomOp]) -> bool:
+    """Give every node of a declared op in the model its function body and domain import; True if one was added."""
+    used: dict[tuple[str, str], CustomOp] = {}
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        op = ops.get((node.domain, node.op_type))
+        if op is not None and not is_plugin_node(node):
+            used[op.key] = op
+    changed = False
+    opset = model_opset(model)
+    for (domain, name), op in sorted(used.items()):
+        if domain not in model.opset_imports:
+            model.opset_imports[domain] = op.version
+            changed = True
+        if op.function is not None and (domain, name, "") not in model.functions:
+            model.functions[(domain, name, "")] = op.function(opset)
+            changed = True
+    return changed
+
+
+def drop_unused_functions(model: ir.Model, ops: Mapping[tuple[str, str], CustomOp]) -> bool:
+    """Remove function bodies of declared ops no node calls, and domain imports nothing uses; True if any."""
+    nodes = list(ir.traversal.RecursiveGraphIterator(model.graph))
+    used = {(n.domain, n.op_type) for n in nodes if not is_plugin_node(n)}  # a plugin node calls no function
+    used_domains = {n.domain for n in nodes}
+    changed = False
+    for key in list(model.functions):
+        if key[:2] in ops and key[:2] not in used:
+            del model.functions[key]
+            changed = True
+    declared_domains = {d for d, _ in ops}
+    for domain in list(model.opset_imports):
+        if domain in declared_domains and domain not in used_domains and domain not in ("", "ai.onnx"):
+            del model.opset_imports[domain]
+            changed = True
+    return changed
+
+
+# ---------------------------------------------------------------------------------------------
+# the step
+# ---------------------------------------------------------------------------------------------
+
+
+def _upgrade_for(model: ir.Model, nodes: list[tuple[ir.Node, CustomOp]], upgrade: int | str,
+                 stats: dict[str, int | float], details: dict[str, Any]) -> None:
+    """Raise the opset when an op to lower needs it for its standard form; record what happened."""
+    current = model_opset(model)
+    needs = {op.name: op.onnx_opset for _, op in nodes if op.onnx_opset is not None and op.onnx_opset > current}
+    if not needs:
+        details["opset_upgrade"] = {"done": False, "reason": f"not needed at opset {current}"}
+        return
+    want = max(v for v in needs.values() if v is not None)
+    to = want if upgrade == "auto" else int(upgrade)
+    ops = ", ".join(f"{k} ({v})" for k, v in sorted(needs.items()))
+    if to < want:
+        details["opset_upgrade"] = {"done": False,
+                                    "reason": f"--upgrade-opset {to} is below the opset the standard form of {ops} needs"}
+        return
+    try:
+        done = upgrade_opset(model, to)
+    except OpsetUpgradeError as exc:
+        logger.warning("opset not raised to %d: %s", to, exc)
+        details["opset_upgrade"] = {"done": False, "reason": f"cannot raise opset {current} to {to}: {exc}"}
+        return
+    stats["opset_upgrade.from"] = done.from_opset
+    stats["opset_upgrade.to"] = done.to_opset
+    stats["opset_upgrade.rewritten"] = sum(done.rewritten.values())
+    details["opset_upgrade"] = {"done": True, "from": done.from_opset, "to": done.to_opset, "for": ops,
+                                "rewritten": dict(done.rewritten)}
+
+
+def lower_model(model: ir.Model, target: str = DEFAULT_TARGET, *, registry: Registry | None = None,
+                upgrade: int | str | None = None) -> PassResult:
+    """Lower every node of a registered custom op in ``model`` (in place) for ``target``.
+
+    Stats: ``lowered.<op>`` (the target's form), ``inlined.<op>`` (function body inlined), ``kept.<op>``
+    (left as the custom op with its body), plus what lowerings count; details say the target.
+
+    Raises:
+        OptionError: an unknown target.
+        PassFailedError: ``--target onnx`` and an op with neither a standard form nor a function body.
+    """
+    if registry is None:
+        from mograph.plugins import get_registry
+
+        registry = get_registry()
+    targets = known_targets(registry)
+    if target not in targets:
+        raise OptionError(f"{LOWER_PASS}: unknown target {target!r} (known: {', '.join(targets)})")
+    ops = registry.custom_ops
+    nodes = [(n, ops[(n.domain, n.op_type)]) for n in ir.traversal.RecursiveGraphIterator(model.graph)
+             if (n.domain, n.op_type) in ops and not is_plugin_node(n)]
+    stats: dict[str, int | float] = {}
+    details: dict[str, Any] = {"target": target}
+    if not nodes:
+        return PassResult(modified=False, stats=stats, details=details)
+    snapshot = infer_types(model)
+    if target == "onnx" and upgrade is not None:
+        _upgrade_for(model, nodes, upgrade, stats, details)
+    ctx = LoweringContext(model, target)
+    for node, op in nodes:  # graph order: what is shared is built before its first user
+        if node.graph is None:
+            continue
+        ctx.op = op
+        lower = op.lowerings.get(target) if target != "mograph" else None
+        if lower is not None and lower(node, ctx):
+            key = f"lowered.{op.name}"
+        elif target == "onnx":
+            if op.function is None:
+                raise PassFailedError(
+                    LOWER_PASS,
+                    f"node '{node.name}' ({op.domain}.{op.name}) has no standard ONNX form at opset {ctx.opset} "
+                    "and no function body to inline; lower it for another --target or keep it with --target mograph",
+                )
+            inline_node(node, op.function(ctx.opset), target)
+            key = f"inlined.{op.name}"
+        else:
+            key = f"kept.{op.name}"
+            logger.debug("%s: %s stays a custom op for target %s", node.name, op.name, target)
+        stats[key] = int(stats.get(key, 0)) + 1
+    for shared_key in ctx.shared:
+        if shared_key and isinstance(shared_key[0], str):
+            stats[shared_key[0]] = int(stats.get(shared_key[0], 0)) + 1
+    for key, n in ctx.stats.items():
+        stats[key] = int(stats.get(key, 0)) + n
+    changed = ensure_functions(model, ops)
+    changed = drop_unused_functions(model, ops) or changed
+    modified = changed or any(k.split(".")[0] in ("lowered", "inlined", "opset_upgrade") for k in stats)
+    if not modified:
+        restore_types(snapshot)
+    return PassResult(modified=modified, stats=dict(sorted(stats.items())), details=details)
+
+
+def _target_name(raw: str) -> str:
+    from mograph.plugins import get_registry
+
+    text = str(raw).strip()
+    targets = known_targets(get_registry())
+    if text not in targets:
+        raise ValueError(f"unknown target; known: {', '.join(targets)}")
+    return text
+
+
+def opset_level(raw: object) -> int | str:
+    """Parse ``--upgrade-opset``: a positive opset number or ``auto``."""
+    if isinstance(raw, str):
+        text = raw.strip().lower()
+        if text == "auto":
+            return "auto"
+        value = int(text)
+    elif isinstance(raw, int) and not isinstance(raw, bool):
+        value = raw
+    else:
+        raise ValueError("expected an opset number or 'auto'")
+    if value < 1:
+        raise ValueError("an opset is a positive number")
+    return value
+
+
+TARGET_OPTION = Option(
+    "target",
+    _target_name,
+    DEFAULT_TARGET,
+    "what the fused ops lower to (the lower pass, added at the end of a pipeline that fuses): onnx "
+    "(standard ops where the opset has them, else the fused op's function body inlined), ort (ONNX "
+    "Runtime contrib ops), tensorrt (native layers or mograph TensorRT plugins), mograph (keep the "
+    "mograph ops with function bodies), or a target a plugin adds",
+    metavar="TARGET",
+)
+
+UPGRADE_OPTION = Option(
+    "upgrade-opset",
+    opset_level,
+    None,
+    "with --target onnx: raise the model's opset (to N, or 'auto': the lowest that has the standard op) "
+    "when a fused op's standard form needs it (LayerNormalization 17, Gelu 20, RMSNormalization 23, "
+    "Attention 23); by default the opset never changes",
+    metavar="N|auto",
+)
+
+
+class LowerPass(Pass):
+    """Lower the fused custom ops for --target (standard ONNX, ONNX Runtime, TensorRT, ...), once, at the end."""
+
+    name = LOWER_PASS
+    family = "fusion"
+    options: ClassVar[tuple[Option, ...]] = (TARGET_OPTION, UPGRADE_OPTION)
+
+    def __init__(self, **values: Any) -> None:
+        super().__init__(**values)
+        raw = self.config.get("upgrade_opset")
+        if raw is not None:  # values given from Python arrive unconverted
+            try:
+                self.config["upgrade_opset"] = opset_level(raw)
+            except ValueError as exc:
+                raise OptionError(f"{self.name}: bad value for --upgrade-opset: {raw!r} ({exc})") from exc
+
+    def call(self, model: ir.Model) -> PassResult:
+        return lower_model(model, self.config["target"], upgrade=self.config.get("upgrade_opset"))
+
+
+@hookimpl
+def mograph_add_passes() -> list[type[Pass]]:
+    return [LowerPass]
