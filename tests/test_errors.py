@@ -8,6 +8,8 @@ traceback); a few run the real console script in a subprocess to prove the same 
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import os
 import subprocess
 import sys
@@ -23,6 +25,7 @@ from models.builders import make_model
 from mograph.cli import main
 from mograph.errors import (
     BackendUnavailableError,
+    InternalError,
     ModelError,
     OptionError,
     PassFailedError,
@@ -202,16 +205,146 @@ class _ExplodingPass(mograph.Pass):
         raise RuntimeError("boom")  # ... then a crash
 
 
-def test_failing_pass_names_the_pass_exit_4_and_writes_nothing(capsys, workdir, monkeypatch):
+class _RefusingPass(mograph.Pass):
+    """Refuse, saying why (a genuine pass failure, not a bug)."""
+
+    name = "refuse"
+
+    def call(self, model):
+        model.graph.remove(model.graph.node(0), safe=False)
+        raise PassFailedError(self.name, "cannot rewrite node 'x': unsupported attribute")
+
+
+class _ChattyPass(mograph.Pass):
+    """Log at every level on a mograph logger and on a third-party one, then change nothing."""
+
+    name = "chatty"
+
+    def call(self, model):
+        for logger in (logging.getLogger("mograph.tests.chatty"), logging.getLogger("some_library.core")):
+            logger.debug("%s debug line", logger.name)
+            logger.info("%s info line", logger.name)
+            logger.warning("%s warning line", logger.name)
+        return mograph.PassResult(modified=False)
+
+
+@pytest.fixture
+def test_passes(monkeypatch):
     reg = get_registry()
-    monkeypatch.setitem(reg.passes, "explode", _ExplodingPass)
-    monkeypatch.setitem(reg.pass_source, "explode", "tests")
+    for cls in (_ExplodingPass, _RefusingPass, _ChattyPass):
+        monkeypatch.setitem(reg.passes, cls.name, cls)
+        monkeypatch.setitem(reg.pass_source, cls.name, "tests")
+
+
+def test_a_bug_in_a_pass_is_exit_1_one_line_and_writes_nothing(capsys, workdir, test_passes):
     src = workdir / "good.onnx"
     before = _snapshot(workdir)
-    code, _, err = _cli(capsys, "optimize", str(src), "-o", str(workdir / "out.onnx"), "--passes", "cleanup,explode", "-q")
-    assert code == PassFailedError.exit_code == 4
-    _assert_one_line(err, "pass 'explode' failed", "RuntimeError: boom")
+    code, _, err = _cli(
+        capsys, "optimize", str(src), "-o", str(workdir / "out.onnx"), "--passes", "cleanup,explode", "-q"
+    )
+    assert code == InternalError.exit_code == 1
+    _assert_one_line(
+        err, "internal error in pass 'explode'", "RuntimeError: boom", "a bug", "run with -v for the traceback"
+    )
     assert _snapshot(workdir) == before
+
+
+@pytest.mark.parametrize("flag", ["-v", "-vv"])
+def test_a_bug_in_a_pass_shows_its_traceback_at_v(capsys, workdir, test_passes, flag):
+    src = workdir / "good.onnx"
+    before = _snapshot(workdir)
+    code, _, err = _cli(capsys, "optimize", str(src), "-o", str(workdir / "out.onnx"), "--passes", "explode", flag)
+    assert code == 1
+    assert err.splitlines()[0] == "[1] explode ..."  # progress, then the traceback, then the one error line
+    assert err.splitlines()[1] == "Traceback (most recent call last):"
+    assert 'raise RuntimeError("boom")' in err and "in call" in err  # the frame inside the pass
+    last = err.splitlines()[-1]
+    assert last.startswith("mograph: error: internal error in pass 'explode': RuntimeError: boom (a bug")
+    assert "run with -v" not in last
+    assert _snapshot(workdir) == before
+
+
+def test_a_pass_that_reports_a_failure_is_exit_4_one_line_naming_it(capsys, workdir, test_passes):
+    src = workdir / "good.onnx"
+    before = _snapshot(workdir)
+    code, _, err = _cli(capsys, "optimize", str(src), "-o", str(workdir / "out.onnx"), "--passes", "refuse", "-q")
+    assert code == PassFailedError.exit_code == 4
+    _assert_one_line(err, "pass 'refuse' failed: cannot rewrite node 'x'")
+    code, _, err = _cli(capsys, "optimize", str(src), "-o", str(workdir / "out.onnx"), "--passes", "refuse", "-v")
+    assert code == 4  # a pass failure is the pass's own message, never a traceback, even at -v
+    assert err.splitlines() == ["[1] refuse ...", "mograph: error: pass 'refuse' failed: cannot rewrite node 'x': "
+                                "unsupported attribute"]
+    assert _snapshot(workdir) == before
+
+
+def test_a_bug_in_a_pass_is_one_json_error_too(capsys, workdir, test_passes):
+    code, out, _ = _cli(capsys, "optimize", str(workdir / "good.onnx"), "--passes", "explode", "--json")
+    assert code == 1
+    data = json.loads(out)
+    assert data["exit_code"] == 1 and data["error"].startswith("internal error in pass 'explode'")
+
+
+@pytest.mark.parametrize(
+    ("flags", "seen"),
+    [
+        ([], {"warning"}),
+        (["-v"], {"info", "warning"}),
+        (["-vv"], {"debug", "info", "warning"}),
+        (["-q"], set()),
+    ],
+    ids=["default", "v", "vv", "q"],
+)
+def test_verbosity_raises_only_mographs_loggers(capsys, caplog, workdir, test_passes, flags, seen):
+    root, mine = logging.getLogger(), logging.getLogger("mograph")
+    levels = (root.level, mine.level)
+    code, _, _ = _cli(capsys, "optimize", str(workdir / "good.onnx"), "--passes", "chatty", *flags)
+    assert code == 0
+    lines = set(caplog.messages)
+    assert {m for m in ("debug", "info", "warning") if f"mograph.tests.chatty {m} line" in lines} == seen
+    third = {m for m in ("debug", "info", "warning") if f"some_library.core {m} line" in lines}
+    assert third == ({"warning"} if flags != ["-q"] else set())  # third-party loggers stay at WARNING
+    assert (root.level, mine.level) == levels  # main() leaves logging as it found it
+
+
+_SUBPROCESS_SCRIPT = """
+import logging, sys
+import mograph
+from mograph.cli import main
+from mograph.plugins import get_registry
+
+class Chatty(mograph.Pass):
+    name = "chatty-crash"
+
+    def call(self, model):
+        logging.getLogger("mograph.tests.chatty").debug("mograph debug line")
+        logging.getLogger("some_library.core").debug("third-party debug line")
+        raise ValueError("kaput")
+
+reg = get_registry()
+reg.passes["chatty-crash"] = Chatty
+reg.pass_source["chatty-crash"] = "tests"
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_console_logging_and_traceback_in_a_subprocess(workdir, tmp_path):
+    """The real process (no pytest log capture): -vv logs mograph's debug lines on stderr and not a
+    third-party library's, and prints the crashed pass's traceback above the one error line."""
+    src = workdir / "good.onnx"
+    script = tmp_path / "run_chatty.py"
+    script.write_text(_SUBPROCESS_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script), "optimize", str(src), "--passes", "chatty-crash", "-vv"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "DEBUG mograph.tests.chatty: mograph debug line" in proc.stderr
+    assert "third-party debug line" not in proc.stderr
+    assert "Traceback (most recent call last):" in proc.stderr and 'raise ValueError("kaput")' in proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith(
+        "mograph: error: internal error in pass 'chatty-crash': ValueError: kaput (a bug"
+    )
+    assert sorted(p.name for p in workdir.iterdir()) == ["good.onnx"]
 
 
 def test_unwritable_output_is_one_line(capsys, workdir):
@@ -237,6 +370,7 @@ def test_exit_codes_are_documented():
     assert [c.exit_code for c in (UsageError, UnknownPassError, OptionError)] == [2, 2, 2]
     assert ModelError.exit_code == 3 and PassFailedError.exit_code == 4 and VerificationError.exit_code == 5
     assert PluginError.exit_code == 6 and BackendUnavailableError.exit_code == 7
+    assert InternalError.exit_code == 1 and not issubclass(InternalError, mograph.MographError)
     assert "pip install 'mograph[ort]'" in str(BackendUnavailableError("onnxruntime", "ort"))
     from mograph.cli import EXIT_CODES_HELP
 
