@@ -25,7 +25,7 @@ from mograph.passes.shape._dyn_symbolic import (
     _SourceAction,
     has_sym,
 )
-from onnx_ir.passes import common as irp
+from mograph.passes.shape._shapes import reinfer_shapes
 
 from mograph.errors import PassFailedError
 
@@ -56,11 +56,7 @@ def apply_plan(
     builder.drop_unused()
     stats["nodes_added"] = builder.added
     # Re-derive every shape from the computation, then state the outputs' shapes in the new symbols.
-    for node in ir.traversal.RecursiveGraphIterator(graph):
-        for out in node.outputs:
-            if not out.is_graph_input():
-                out.shape = None
-    irp.ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
+    reinfer_shapes(model)
     for out in graph.outputs:
         out_dims = an.tags.get(out)
         static = out.shape

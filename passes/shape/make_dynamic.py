@@ -73,8 +73,8 @@ from mograph.passes.shape._dyn_symbolic import (  # the names marked F401 are im
     has_sym,  # noqa: F401
 )
 from mograph.passes.shape._dyn_traceback import trace_back
+from mograph.passes.shape._shapes import infer_shapes
 from mograph.passes.shape._spec import find_input, parse_dynamic
-from onnx_ir.passes import common as irp
 from onnxscript.optimizer import _constant_folding as cf
 
 from mograph.errors import OptionError, PassFailedError
@@ -161,7 +161,7 @@ class MakeDynamicPass(Pass):
             shape_inference=True, input_size_limit=FOLD_INPUT_LIMIT, output_size_limit=FOLD_OUTPUT_LIMIT,
             should_fold=_is_shape_arithmetic,
         )(model)
-        irp.ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
+        infer_shapes(model)
         seeds: dict[ir.Value, list[Dim]] = {}
         for v, axes in per_input.items():
             static = _static_shape(v)
