@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from onnx import helper
 
 import mograph
 from models.builders import make_model
+from mograph import ir_io
 from mograph.cli import main
 from mograph.errors import (
     BackendUnavailableError,
@@ -51,6 +53,51 @@ def _cycle() -> onnx.ModelProto:
         helper.make_node("Neg", ["t"], ["y"], name="neg"),
     ]
     return make_model(nodes, *IO)
+
+
+def _subgraph_cycle() -> onnx.ModelProto:
+    """An ``If`` whose then-branch has a cycle (the main graph has none)."""
+    then_branch = helper.make_graph(
+        [
+            helper.make_node("Add", ["x", "u"], ["t"], name="sub_add"),
+            helper.make_node("Relu", ["t"], ["u"], name="sub_relu"),
+            helper.make_node("Neg", ["t"], ["o"], name="sub_neg"),
+        ],
+        "then", [], [helper.make_tensor_value_info("o", onnx.TensorProto.FLOAT, [2, 3])],
+    )
+    else_branch = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["o2"])],
+        "else", [], [helper.make_tensor_value_info("o2", onnx.TensorProto.FLOAT, [2, 3])],
+    )
+    node = helper.make_node("If", ["c"], ["y"], then_branch=then_branch, else_branch=else_branch, name="if")
+    return make_model([node], [("x", np.float32, [2, 3]), ("c", np.bool_, [])], [("y", np.float32, [2, 3])])
+
+
+def _negative_dim(where: str) -> onnx.ModelProto:
+    """A dim declared as ``dim_value -1`` on the input, the output or an intermediate value."""
+    x, y = ([-1, 3] if where == "input" else [2, 3]), ([-1, 3] if where == "output" else [2, 3])
+    nodes = [helper.make_node("Relu", ["x"], ["t"]), helper.make_node("Neg", ["t"], ["y"])]
+    proto = make_model(nodes, [("x", np.float32, x)], [("y", np.float32, y)])
+    if where == "value":
+        proto.graph.value_info.append(helper.make_tensor_value_info("t", onnx.TensorProto.FLOAT, [2, -1]))
+    return proto
+
+
+def _undefined_dtype(where: str) -> onnx.ModelProto:
+    """Element type UNDEFINED (0) on an input, an initializer or a ``Constant``'s tensor."""
+    x_type = onnx.TensorProto.UNDEFINED if where == "input" else onnx.TensorProto.FLOAT
+    const = helper.make_tensor("c", onnx.TensorProto.FLOAT, [2, 3], np.ones(6).tolist())
+    nodes = [
+        helper.make_node("Constant", [], ["c"], value=const, name="const"),
+        helper.make_node("Add", ["x", "w"], ["t"], name="add"),
+        helper.make_node("Mul", ["t", "c"], ["y"], name="mul"),
+    ]
+    proto = make_model(nodes, [("x", x_type, [2, 3])], [("y", np.float32, [2, 3])], {"w": np.ones((2, 3), np.float32)})
+    if where == "initializer":
+        proto.graph.initializer[0].data_type = onnx.TensorProto.UNDEFINED
+    elif where == "constant":
+        proto.graph.node[0].attribute[0].t.data_type = onnx.TensorProto.UNDEFINED
+    return proto
 
 
 def _missing_initializer() -> onnx.ModelProto:
@@ -114,6 +161,12 @@ def _write_case(work: Path, case: str) -> Path:
         onnx.save(_cycle(), path)
     elif case == "missing-initializer":
         onnx.save(_missing_initializer(), path)
+    elif case == "subgraph-cycle":
+        onnx.save(_subgraph_cycle(), path)
+    elif case.startswith("negative-dim-"):
+        onnx.save(_negative_dim(case.removeprefix("negative-dim-")), path)
+    elif case.startswith("undefined-dtype-"):
+        onnx.save(_undefined_dtype(case.removeprefix("undefined-dtype-")), path)
     elif case == "external-parent":
         onnx.save(_external("../secret.bin"), path)
     elif case == "external-absolute":
@@ -129,7 +182,14 @@ MODEL_ERRORS = {
     "empty": "not an ONNX model",
     "truncated": "not a readable ONNX model",
     "cycle": "cycle",
+    "subgraph-cycle": "subgraph 'then' of node 'if' has a cycle through nodes",
     "missing-initializer": "w_missing",
+    "negative-dim-input": "graph input 'x' dimension 0 is -1",
+    "negative-dim-output": "graph output 'y' dimension 0 is -1",
+    "negative-dim-value": "value 't' dimension 1 is -1",
+    "undefined-dtype-input": "graph input 'x' has element type UNDEFINED",
+    "undefined-dtype-initializer": "initializer 'w' has element type UNDEFINED",
+    "undefined-dtype-constant": "attribute 'value' of node 'const' (Constant) is a tensor of element type UNDEFINED",
     "external-parent": "outside the model's folder",
     "external-absolute": "outside the model's folder",
     "external-symlink": "outside the model's folder",
@@ -145,6 +205,41 @@ def test_bad_models_give_one_line_and_exit_3(capsys, workdir, case):
     _assert_one_line(err, MODEL_ERRORS[case])
     assert out == ""
     assert _snapshot(workdir.parent) == before  # input unchanged, no output, no temporary files
+
+
+@pytest.mark.parametrize("case", ["negative-dim-input", "undefined-dtype-initializer", "subgraph-cycle"])
+def test_invalid_models_are_exit_3_under_verify_too(capsys, workdir, case):
+    """These used to fail later: ``--verify`` with a ValueError/TypeError (exit 1), a pass with a crash."""
+    pytest.importorskip("polygraphy")
+    path = _write_case(workdir, case)
+    before = _snapshot(workdir.parent)
+    code, out, err = _cli(capsys, "optimize", str(path), "-o", str(workdir / "out.onnx"), "--verify", "-q")
+    assert code == 3
+    _assert_one_line(err, MODEL_ERRORS[case])
+    assert _snapshot(workdir.parent) == before
+
+
+@pytest.mark.parametrize("case", ["negative-dim-input", "undefined-dtype-constant", "subgraph-cycle"])
+def test_invalid_models_are_refused_by_the_api_loader(case):
+    proto = _negative_dim("input") if case == "negative-dim-input" else (
+        _undefined_dtype("constant") if case == "undefined-dtype-constant" else _subgraph_cycle()
+    )
+    with pytest.raises(ModelError, match=re.escape(MODEL_ERRORS[case])):
+        mograph.load(proto)
+    assert ir_io.load_model(proto, check=False) is not None  # check=False still loads it
+
+
+def test_a_subgraph_out_of_order_without_a_cycle_loads():
+    """Only a cycle is refused: a branch listing its nodes out of order (and reading an outer value) is fine."""
+    proto = _subgraph_cycle()
+    then_branch = next(a.g for a in proto.graph.node[0].attribute if a.name == "then_branch")
+    del then_branch.node[:]
+    then_branch.node.extend([
+        helper.make_node("Neg", ["t"], ["o"], name="sub_neg"),
+        helper.make_node("Relu", ["x"], ["t"], name="sub_relu"),
+    ])
+    model = mograph.load(proto)
+    assert [n.op_type for n in model.graph.node(0).attributes["then_branch"].value] == ["Neg", "Relu"]
 
 
 def test_missing_file(capsys, workdir):
