@@ -17,6 +17,7 @@ from mograph.api import VerifyMode, list_passes, load, optimize, run_passes, sav
 from mograph.custom_ops import CustomOp
 from mograph.errors import (
     BackendUnavailableError,
+    InternalError,
     ModelError,
     MographError,
     OptionError,
@@ -56,4 +57,5 @@ __all__ = [
     "VerificationError",
     "PluginError",
     "BackendUnavailableError",
+    "InternalError",
 ]

@@ -5,6 +5,13 @@ plugin that broke, a backend that is not installed, numbers that drift — raise
 :class:`MographError`.  The CLI turns these into one clear line and a non-zero exit code; anything
 else that escapes is an internal bug and is shown with its traceback.
 
+A bug inside a pass — any exception that is not a :class:`MographError`, or a pass that breaks the
+pass contract (a wrong return type, ``modified=False`` for a changed graph) — is an
+:class:`InternalError` naming the pass, with the original exception as its ``__cause__``.  It is
+deliberately *not* a :class:`MographError`: the CLI shows it as one line with exit code 1 and prints
+the traceback at ``-v``.  A pass that cannot do its job on a valid model reports that itself by
+raising :class:`PassFailedError` (exit 4).
+
 Exit codes (also documented in ``mograph --help``):
 
 ====  =========================================================
@@ -31,6 +38,7 @@ __all__ = [
     "VerificationError",
     "PluginError",
     "BackendUnavailableError",
+    "InternalError",
 ]
 
 
@@ -61,7 +69,10 @@ class ModelError(MographError):
 
 
 class PassFailedError(MographError):
-    """A pass raised while rewriting the model. The message names the pass."""
+    """A pass could not do its job on this model and said so. The message names the pass.
+
+    Raised by a pass itself (a refusal it explains), never for a crash: see :class:`InternalError`.
+    """
 
     exit_code = 4
 
@@ -94,3 +105,17 @@ class BackendUnavailableError(MographError):
     def __init__(self, what: str, extra: str) -> None:
         super().__init__(f"{what} is not installed: pip install 'mograph[{extra}]'")
         self.extra = extra
+
+
+class InternalError(Exception):
+    """A bug: a pass crashed with a non-mograph exception or broke the pass contract.
+
+    Not a :class:`MographError` (nothing the user did causes it).  ``pass_name`` names the pass;
+    ``__cause__`` is the original exception, if there was one.
+    """
+
+    exit_code = 1
+
+    def __init__(self, pass_name: str, message: str) -> None:
+        super().__init__(f"internal error in pass '{pass_name}': {message}")
+        self.pass_name = pass_name

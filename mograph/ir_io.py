@@ -31,6 +31,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from mograph._model_checks import check_declarations
 from mograph.errors import ModelError, UsageError
 
 __all__ = ["ModelSource", "load_model", "save_model", "to_format", "model_size_bytes", "TWO_GB"]
@@ -170,6 +171,7 @@ def load_model(source: ModelSource, *, check: bool = True) -> ir.Model:
         # the working directory, so that is the folder it may not escape.
         _check_external_locations(model, base_dir if base_dir is not None else Path.cwd())
         _check_structure(model)
+        check_declarations(model)
     return model
 
 

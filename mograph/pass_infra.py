@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 import onnx_ir as ir
 
-from mograph.errors import MographError, OptionError, PassFailedError
+from mograph.errors import InternalError, MographError, OptionError
 
 __all__ = [
     "Option",
@@ -298,6 +298,14 @@ class PassManager:
         return self.hook.mograph_run_pass(pass_=p, model=model, context=self.context)
 
     def run(self, model: ir.Model, report: PipelineReport | None = None) -> PipelineReport:
+        """Run every pass in order on ``model`` (in place), appending one entry per pass to ``report``.
+
+        Raises:
+            MographError: as raised by a pass or a wrapper (e.g. :class:`PassFailedError`, a pass's
+                own explained refusal), unchanged.
+            InternalError: a bug in a pass: any other exception (kept as ``__cause__``), a result
+                that is not a :class:`PassResult`, or ``modified=False`` for a changed graph.
+        """
         report = report if report is not None else PipelineReport()
         for p in self.passes:
             # Keep the old nodes alive while comparing so their ids cannot be reused by new ones.
@@ -310,20 +318,20 @@ class PassManager:
             try:
                 result = self._run_one(p, model)
             except MographError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - turn any pass crash into an error naming it
-                raise PassFailedError(p.name, f"{type(exc).__name__}: {exc}") from exc
+                raise  # the pass (or a wrapper) explains a failure the user can act on
+            except Exception as exc:  # noqa: BLE001 - any other exception is a bug: name the pass
+                raise InternalError(p.name, f"{type(exc).__name__}: {exc}") from exc
             seconds = time.perf_counter() - start
             if not isinstance(result, PassResult):
-                raise PassFailedError(p.name, f"returned {type(result).__name__}, not a PassResult")
+                raise InternalError(p.name, f"returned {type(result).__name__}, not a PassResult")
             new_nodes = [n for n in _iter_nodes(model.graph) if id(n) not in before_ids]
             for node in new_nodes:
                 stamp(node, p.name)
             del before_nodes
             if fp_before is not None and not result.modified and graph_fingerprint(model) != fp_before:
-                raise PassFailedError(p.name, "reported modified=False but changed the graph")
+                raise InternalError(p.name, "reported modified=False but changed the graph")
             if new_nodes and not result.modified:
-                raise PassFailedError(p.name, "reported modified=False but created nodes")
+                raise InternalError(p.name, "reported modified=False but created nodes")
             entry = PassReport(
                 name=p.name,
                 modified=result.modified,

@@ -10,7 +10,7 @@ from onnx import helper
 
 import mograph
 from models.builders import make_model
-from mograph.errors import OptionError, PassFailedError, PluginError, UnknownPassError
+from mograph.errors import InternalError, OptionError, PassFailedError, PluginError, UnknownPassError
 from mograph.hookspecs import hookimpl
 from mograph.pass_infra import PROVENANCE_PASS, PROVENANCE_RULE, Option, PassManager, PassResult
 from mograph.plugins import Registry, get_plugin_manager
@@ -199,7 +199,7 @@ class _LyingNewNode(mograph.Pass):
 
 @pytest.mark.parametrize("liar", [_Lying, _LyingShape])
 def test_check_modified_fails_a_pass_that_lies(liar):
-    with pytest.raises(PassFailedError, match=f"pass '{liar.name}' failed: reported modified=False but changed"):
+    with pytest.raises(InternalError, match=f"in pass '{liar.name}': reported modified=False but changed"):
         PassManager([liar()], check_modified=True).run(_model())
     # Off by default: the lie goes unnoticed (the check costs two graph hashes per pass).
     report = PassManager([liar()]).run(_model())
@@ -207,7 +207,7 @@ def test_check_modified_fails_a_pass_that_lies(liar):
 
 
 def test_a_pass_that_creates_nodes_while_saying_unchanged_always_fails():
-    with pytest.raises(PassFailedError, match="reported modified=False but created nodes"):
+    with pytest.raises(InternalError, match="reported modified=False but created nodes"):
         PassManager([_LyingNewNode()]).run(_model())
 
 
@@ -221,7 +221,7 @@ def test_check_modified_passes_honest_passes():
 
 
 def test_check_modified_through_the_api():
-    with pytest.raises(PassFailedError, match="pass 'lying' failed"):
+    with pytest.raises(InternalError, match="internal error in pass 'lying'"):
         mograph.run_passes(_model(), [_Lying()], check_modified=True)
     mograph.run_passes(_model(), [_Lying()])  # off unless asked for
 
@@ -256,15 +256,31 @@ class _UserError(mograph.Pass):
         raise OptionError("user-error: --thing must be set")
 
 
-def test_a_crashing_pass_becomes_pass_failed_error_naming_it():
-    with pytest.raises(PassFailedError, match=r"pass 'crashing' failed: KeyError: 'missing'") as info:
+class _Refusing(mograph.Pass):
+    """Refuse, saying why."""
+
+    name = "refusing"
+
+    def call(self, model: ir.Model) -> PassResult:
+        raise PassFailedError(self.name, "node 'relu' is not supported")
+
+
+def test_a_crashing_pass_is_an_internal_error_naming_it():
+    with pytest.raises(InternalError, match=r"internal error in pass 'crashing': KeyError: 'missing'") as info:
         PassManager([_RemoveLeaky(), _Crashing()]).run(_model())
     assert info.value.pass_name == "crashing"
     assert isinstance(info.value.__cause__, KeyError)
-    with pytest.raises(PassFailedError, match="pass 'wrong-return' failed: returned bool, not a PassResult"):
+    assert not isinstance(info.value, mograph.MographError)  # a bug, not something the user did
+    with pytest.raises(InternalError, match="in pass 'wrong-return': returned bool, not a PassResult"):
         PassManager([_WrongReturn()]).run(_model())
-    with pytest.raises(OptionError, match="--thing must be set"):  # mograph's own errors pass through as they are
+
+
+def test_mograph_errors_from_a_pass_pass_through_as_they_are():
+    with pytest.raises(OptionError, match="--thing must be set"):
         PassManager([_UserError()]).run(_model())
+    with pytest.raises(PassFailedError, match="pass 'refusing' failed: node 'relu' is not supported") as info:
+        PassManager([_Refusing()]).run(_model())
+    assert info.value.pass_name == "refusing" and info.value.__cause__ is None
 
 
 # --- wrappers act from outside ---------------------------------------------------------------------

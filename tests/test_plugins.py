@@ -176,7 +176,7 @@ def test_entry_point_plugin_is_loaded_under_its_name(site, capsys):
     assert module in sys.modules
 
 
-@pytest.mark.parametrize("how", ["env", "argument", "cli-flag"])
+@pytest.mark.parametrize("how", ["env", "argument", "cli-flag", "cli-flag-before-command"])
 def test_blocked_plugin_is_not_loaded(site, monkeypatch, capsys, how):
     module = write_plugin(site, "fake", GOOD)
     if how == "env":
@@ -185,7 +185,10 @@ def test_blocked_plugin_is_not_loaded(site, monkeypatch, capsys, how):
     elif how == "argument":
         reg = plugins.get_registry(blocked=["fake"])
     else:
-        code, out, _ = _cli(capsys, "passes", "--json", "--block-plugin", "fake")
+        argv = ["passes", "--json", "--block-plugin", "fake"]
+        if how == "cli-flag-before-command":
+            argv = ["--block-plugin", "fake", "passes", "--json"]
+        code, out, _ = _cli(capsys, *argv)
         assert code == 0
         assert "fake-pass" not in {p["name"] for p in json.loads(out)["passes"]}
         reg = plugins.get_registry(blocked=["fake"])

@@ -4,6 +4,11 @@ Each sub-command lives in its own module (``optimize``, ``passes``, ``inspect``,
 ...) exposing ``add_parser(subparsers)`` and ``run(args) -> CommandResult``.  This module owns what is
 common: global flags, ``--json`` output, logging, and turning :class:`~mograph.errors.MographError`
 into one clear line on stderr and a documented exit code.
+
+A bug inside a pass (:class:`~mograph.errors.InternalError`) is one line too, exit code 1, with the
+original traceback printed above it at ``-v``.  ``-v`` / ``-vv`` raise mograph's own loggers (the
+``mograph`` tree, which includes the built-in passes) to INFO / DEBUG; third-party libraries' loggers
+stay at WARNING.  ``--block-plugin`` is accepted before and after the sub-command.
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ import importlib
 import json
 import logging
 import sys
-from collections.abc import Sequence
+import traceback
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from mograph.errors import MographError
+from mograph.errors import InternalError, MographError
 
 __all__ = ["main", "CommandResult", "COMMANDS", "EXIT_CODES_HELP"]
 
@@ -26,7 +33,7 @@ COMMANDS: tuple[str, ...] = ("optimize", "passes", "inspect", "diff", "bench", "
 
 EXIT_CODES_HELP = """exit codes:
   0  success
-  1  internal error (a bug: please report it with the traceback)
+  1  internal error (a bug: please report it with the traceback that -v prints)
   2  usage error: bad command line, unknown pass, bad option value
   3  the model could not be loaded or is invalid
   4  a pass failed
@@ -88,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     from mograph import __version__
 
     parser.add_argument("--version", action="version", version=f"mograph {__version__}")
+    parser.add_argument(  # a separate dest: a sub-command's defaults would overwrite a shared one
+        "--block-plugin", action="append", default=[], dest="block_plugin_global", metavar="NAME",
+        help="do not load this plugin (repeatable; also accepted after the sub-command)",
+    )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
     common.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
@@ -110,6 +121,44 @@ def _emit(result: CommandResult, as_json: bool) -> None:
         sys.stdout.write(result.text.rstrip("\n") + "\n")
 
 
+@contextmanager
+def _logging(verbose: int, quiet: bool) -> Iterator[None]:
+    """Log to stderr for one command: WARNING for everyone, INFO (``-v``) or DEBUG (``-vv``) for the
+    ``mograph`` loggers only, ERROR for everyone with ``-q``.
+
+    Levels are put back afterwards, and a handler is added only where the root logger has none (as
+    ``logging.basicConfig`` would), so calling :func:`main` in-process leaves logging as it was.
+    """
+    mine = logging.getLogger("mograph")
+    root = logging.getLogger()
+    saved = (root.level, mine.level)
+    handler: logging.Handler | None = None
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+    if quiet:
+        levels = (logging.ERROR, logging.ERROR)
+    else:
+        levels = (logging.WARNING, logging.DEBUG if verbose >= 2 else logging.INFO if verbose == 1 else logging.WARNING)
+    root.setLevel(levels[0])
+    mine.setLevel(levels[1])
+    try:
+        yield
+    finally:
+        root.setLevel(saved[0])
+        mine.setLevel(saved[1])
+        if handler is not None:
+            root.removeHandler(handler)
+
+
+def _fail(args: argparse.Namespace, message: str, exit_code: int) -> int:
+    if getattr(args, "json", False):
+        _emit(CommandResult(data={"error": message, "exit_code": exit_code}), True)
+    sys.stderr.write(f"mograph: error: {message}\n")
+    return exit_code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mograph`` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -119,24 +168,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
-    level = logging.WARNING
-    if getattr(args, "quiet", False):
-        level = logging.ERROR
-    elif getattr(args, "verbose", 0) >= 2:
-        level = logging.DEBUG
-    elif getattr(args, "verbose", 0) == 1:
-        level = logging.INFO
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    try:
-        result = args.run(args)
-    except MographError as exc:
-        if getattr(args, "json", False):
-            _emit(CommandResult(data={"error": str(exc), "exit_code": exc.exit_code}), True)
-        sys.stderr.write(f"mograph: error: {exc}\n")
-        return exc.exit_code
-    except KeyboardInterrupt:
-        sys.stderr.write("mograph: interrupted\n")
-        return 130
+    args.block_plugin = list(args.block_plugin_global) + list(getattr(args, "block_plugin", []))
+    verbose = 0 if getattr(args, "quiet", False) else getattr(args, "verbose", 0)
+    with _logging(verbose, getattr(args, "quiet", False)):
+        try:
+            result = args.run(args)
+        except MographError as exc:
+            return _fail(args, str(exc), exc.exit_code)
+        except InternalError as exc:
+            if verbose:
+                original = exc.__cause__ if exc.__cause__ is not None else exc
+                sys.stderr.write("".join(traceback.format_exception(original)))
+                hint = "a bug: please report it with the traceback above"
+            else:
+                hint = "a bug: please report it; run with -v for the traceback"
+            return _fail(args, f"{exc} ({hint})", exc.exit_code)
+        except KeyboardInterrupt:
+            sys.stderr.write("mograph: interrupted\n")
+            return 130
     _emit(result, getattr(args, "json", False))
     return result.exit_code
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 import onnx_ir as ir
+from mograph.passes.shape._shapes import value_dims
 
 from mograph.errors import OptionError
 
@@ -78,10 +79,4 @@ def find_input(graph: ir.Graph, name: str, pass_name: str) -> ir.Value:
 
 def input_dims(graph: ir.Graph, name: str, pass_name: str) -> list[int | str | None] | None:
     """Dims of input ``name``: ints for static, the symbol for named, ``None`` for unnamed; ``None`` if unranked."""
-    value = find_input(graph, name, pass_name)
-    if value.shape is None:
-        return None
-    out: list[int | str | None] = []
-    for d in value.shape.dims:
-        out.append(d if isinstance(d, int) else d.value if isinstance(d.value, str) else None)
-    return out
+    return value_dims(find_input(graph, name, pass_name))

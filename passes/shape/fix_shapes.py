@@ -30,6 +30,7 @@ import logging
 import math
 
 import onnx_ir as ir
+from mograph.passes.shape._shapes import infer_shapes, reinfer_shapes, value_dims
 from mograph.passes.shape._spec import find_input, parse_dim_assignment, parse_shape_spec
 from onnx_ir.passes import common as irp
 from onnxscript.optimizer import _constant_folding as cf
@@ -47,12 +48,6 @@ FOLD_OUTPUT_LIMIT = 8192
 FOLD_INPUT_LIMIT = 1 << 20
 #: Rounds of fold + re-inference at most.
 MAX_FOLD_ROUNDS = 4
-
-
-def _dims(value: ir.Value) -> list[int | str | None] | None:
-    if value.shape is None:
-        return None
-    return [d if isinstance(d, int) else d.value if isinstance(d.value, str) else None for d in value.shape.dims]
 
 
 def _node_count(model: ir.Model) -> int:
@@ -101,7 +96,7 @@ class FixShapesPass(Pass):
             symbols[sym] = (size, f"--dim {sym}={size}")
         inits = set(graph.initializers)
         inputs = [v for v in graph.inputs if v.name not in inits]
-        used_symbols = {d for v in inputs for d in (_dims(v) or []) if isinstance(d, str)}
+        used_symbols = {d for v in inputs for d in (value_dims(v) or []) if isinstance(d, str)}
         for sym in symbols:
             if sym not in used_symbols:
                 known = ", ".join(sorted(used_symbols)) or "none"
@@ -111,7 +106,7 @@ class FixShapesPass(Pass):
         for v in inputs:
             if v.name not in shapes:
                 continue
-            want, have = shapes[v.name], _dims(v)
+            want, have = shapes[v.name], value_dims(v)
             if have is None:
                 continue
             if len(want) != len(have):
@@ -135,7 +130,7 @@ class FixShapesPass(Pass):
 
         plan: dict[str, tuple[int | str | None, ...]] = {}
         for v in inputs:
-            have = _dims(v)
+            have = value_dims(v)
             if have is None:
                 if v.name in shapes:
                     plan[v.name] = shapes[v.name]
@@ -166,7 +161,7 @@ class FixShapesPass(Pass):
         for v in graph.inputs:
             if v.name not in plan:
                 continue
-            old = _dims(v)
+            old = value_dims(v)
             new = plan[v.name]
             for axis, d in enumerate(new):
                 if old is None or old[axis] != d:
@@ -178,12 +173,8 @@ class FixShapesPass(Pass):
             v.shape = ir.Shape(list(new))
 
         # Forget every derived shape: declared ones may be wrong, and stale symbols must not survive.
-        declared = {id(v): _dims(v) for v in graph.outputs}
-        for node in ir.traversal.RecursiveGraphIterator(graph):
-            for out in node.outputs:
-                if not out.is_graph_input():
-                    out.shape = None
-        irp.ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
+        declared = {id(v): value_dims(v) for v in graph.outputs}
+        reinfer_shapes(model)
         kept_declared = 0
         for v in graph.outputs:
             if v.shape is None and declared.get(id(v)) is not None and not v.is_graph_input():
@@ -201,7 +192,7 @@ class FixShapesPass(Pass):
             irp.RemoveUnusedNodesPass()(model)
             if not folded.modified:
                 break
-            irp.ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
+            infer_shapes(model)
         nodes_after = _node_count(model)
         stats: dict[str, int | float] = {
             "inputs_fixed": len(plan),
