@@ -79,18 +79,30 @@ class Option:
     def key(self) -> str:
         return self.name.replace("-", "_")
 
-    def convert(self, raw: Any, pass_name: str) -> Any:
+    def convert(self, raw: Any, pass_name: str, *, given: bool = True) -> Any:
+        """The value of this option from ``raw``, converted and checked.
+
+        A value given from Python goes through the same converter and checks as the command line's
+        string: ``{"ratio": 1.5}`` is refused exactly like ``--ratio 1.5``.  A converter that only
+        takes strings gets ``str(value)`` for a number or a bool.  ``given=False`` (the pass's own
+        default) skips custom converters: a default is already a value.
+        """
         if self.multiple:
             items = raw if isinstance(raw, (list, tuple)) else [raw]
-            return [self._one(v, pass_name) for v in items]
-        return self._one(raw, pass_name)
+            return [self._one(v, pass_name, given) for v in items]
+        return self._one(raw, pass_name, given)
 
-    def _one(self, raw: Any, pass_name: str) -> Any:
+    def _bad(self, pass_name: str, raw: Any, exc: Exception) -> OptionError:
+        return OptionError(f"{pass_name}: bad value for --{self.name}: {raw!r} ({exc})")
+
+    def _one(self, raw: Any, pass_name: str, given: bool = True) -> Any:
         if isinstance(raw, str) and self.type is not str:
             try:
                 value = self.type(raw)
             except (ValueError, TypeError) as exc:
-                raise OptionError(f"{pass_name}: bad value for --{self.name}: {raw!r} ({exc})") from exc
+                raise self._bad(pass_name, raw, exc) from exc
+        elif given and self.type not in (str, int, float):
+            value = self._custom(raw, pass_name)
         elif self.type in (int, float):
             if not _is_number(raw, integral=self.type is int):
                 raise OptionError(f"{pass_name}: bad value for --{self.name}: {raw!r} (expected {self.type.__name__})")
@@ -101,6 +113,21 @@ class Option:
             allowed = ", ".join(map(str, self.choices))
             raise OptionError(f"{pass_name}: --{self.name} must be one of {allowed}, not {value!r}")
         return value
+
+
+    def _custom(self, raw: Any, pass_name: str) -> Any:
+        """A non-string value through a custom converter, as the command line would give it."""
+        try:
+            return self.type(raw)
+        except ValueError as exc:
+            raise self._bad(pass_name, raw, exc) from exc
+        except (TypeError, AttributeError) as exc:  # the converter reads strings only
+            if not isinstance(raw, (bool, numbers.Number)):
+                raise self._bad(pass_name, raw, exc) from exc
+        try:
+            return self.type(str(raw))
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise self._bad(pass_name, raw, exc) from exc
 
 
 def _is_number(raw: Any, *, integral: bool) -> bool:
@@ -190,7 +217,7 @@ class Pass:
                 raise OptionError(f"{self.name}: unknown option {key!r} (known: {names})")
         for key, opt in known.items():
             raw = values.get(key, opt.default)
-            self.config[key] = opt.convert(raw, self.name) if raw is not None else (
+            self.config[key] = opt.convert(raw, self.name, given=key in values) if raw is not None else (
                 [] if opt.multiple else None
             )
 
