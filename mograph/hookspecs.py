@@ -131,7 +131,11 @@ def mograph_add_backends() -> list[Any]:
       the memory it measures [nothing is imported early];
     * ``build(model, path, **options) -> dict`` — write a deployable artifact of ``model`` to
       ``path`` (atomically) and return a JSON-serialisable report; ``mograph build --backend NAME``
-      calls it [``mograph build`` refuses the backend: it builds nothing].
+      calls it with only the options the user gave (``fp16=True``, ``int8=True``,
+      ``profiles=[...]``, ``workspace_mib=N``) [``mograph build`` refuses the backend: it builds
+      nothing];
+    * ``artifact_suffix: str`` — suffix of the file ``build`` writes, for the default output name
+      [``".engine"``].
 
     Returns:
         A list of backend objects.  A name already taken is an error naming both plugins; an

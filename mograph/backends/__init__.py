@@ -31,8 +31,12 @@ Optional (what the job does without it in brackets):
 * ``import_runtime()`` — import the runtime now (best effort), so that ``mograph bench`` does not
   count the import in the session's memory [nothing];
 * ``build(model, path, **options) -> dict`` — write a deployable artifact (an engine) of ``model``
-  to ``path`` atomically and return a JSON-serialisable report; what ``mograph build`` calls
-  [``mograph build --backend NAME`` is a usage error saying the backend builds nothing].
+  to ``path`` atomically and return a JSON-serialisable report; what ``mograph build`` calls, with
+  only the options the user gave (``fp16=True``, ``int8=True``, ``profiles=[...]``,
+  ``workspace_mib=N``) [``mograph build --backend NAME`` is a usage error saying the backend builds
+  nothing];
+* ``artifact_suffix`` — the file suffix of what ``build`` writes, for ``mograph build``'s default
+  output name [``".engine"``].
 
 :func:`backend_problems` checks an object against the protocol (the registry refuses, naming the
 plugin, a backend that lacks a required member); :func:`get_backend`, :func:`is_available`,
@@ -219,7 +223,7 @@ def get_backend(backends: Mapping[str, Any], name: str, *, job: str = "run", nee
     backend = backends[name]
     if needs_build and not callable(getattr(backend, "build", None)):
         able = ", ".join(sorted(n for n, b in backends.items() if callable(getattr(b, "build", None)))) or "none"
-        raise UsageError(f"backend '{name}' builds no artifact, so it cannot {job}; backends that build: {able}")
+        raise UsageError(f"unknown --backend '{name}' for {job}: it builds no artifact; backends that build: {able}")
     return backend
 
 
