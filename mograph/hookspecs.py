@@ -87,10 +87,18 @@ def mograph_add_custom_ops() -> list[CustomOp]:
 
     Called once, when the registry is built.
 
+    A plugin's op is used exactly like a built-in ``mograph.*`` one: the ``lower`` step (``--target
+    NAME``, or a backend's first act, :func:`mograph.lowering.lower_model`) calls
+    ``op.lowerings[target](node, model) -> bool`` for each of its nodes (``False`` leaves the node;
+    a target the op does not list leaves it too), ``mograph passes`` lists it with its targets, and
+    backends such as the example plugin's run its numpy ``reference``.  The pass that fuses into the
+    op puts its ``function`` body (built for the model's default opset) in ``model.functions``, so any
+    ONNX runtime can still run and check the fused model.
+
     Returns:
         A list of :class:`mograph.custom_ops.CustomOp`: name, domain, version, numpy reference,
-        ONNX function body, shape function and per-backend lowerings.  ``(domain, name)`` must be
-        unique across plugins.
+        ONNX function body, shape function and per-target lowerings.  ``(domain, name)`` must be
+        unique across plugins: a second declaration is an error naming both plugins.
     """
 
 

@@ -192,6 +192,7 @@ class Registry:
     presets: dict[str, list[str]] = field(default_factory=dict)
     preset_source: dict[str, str] = field(default_factory=dict)
     custom_ops: dict[tuple[str, str], CustomOp] = field(default_factory=dict)
+    custom_op_source: dict[tuple[str, str], str] = field(default_factory=dict)
     backends: dict[str, Any] = field(default_factory=dict)
     backend_source: dict[str, str] = field(default_factory=dict)
 
@@ -224,9 +225,16 @@ class Registry:
                 reg.preset_source[name] = plugin
         for plugin, ops in _call_collecting(pm, "mograph_add_custom_ops"):
             for op in ops:
+                if not isinstance(op, CustomOp):
+                    raise PluginError(
+                        f"plugin '{plugin}' returned {op!r} from mograph_add_custom_ops: not a mograph.CustomOp"
+                    )
                 if op.key in reg.custom_ops:
-                    raise PluginError(f"plugin '{plugin}': custom op {op.domain}::{op.name} is declared twice")
+                    first = reg.custom_op_source[op.key]
+                    where = "twice" if first == plugin else f"by both '{first}' and '{plugin}'"
+                    raise PluginError(f"plugin '{plugin}': custom op {op.domain}::{op.name} is declared {where}")
                 reg.custom_ops[op.key] = op
+                reg.custom_op_source[op.key] = plugin
         for plugin, backends in _call_collecting(pm, "mograph_add_backends"):
             for backend in backends:
                 problems = backend_problems(backend)

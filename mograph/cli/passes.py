@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> CommandResult:
     lines.append("presets:")
     for name, info in presets.items():
         lines.append(f"  {name:<{width}}  {','.join(info['expands_to'])}  [{info['plugin']}]")
-    custom_ops = {
+    custom_ops: dict[str, dict[str, Any]] = {
         f"{op.domain}.{op.name}": {"version": op.version, "lowers_to": sorted(op.lowerings), "doc": op.doc}
         for _key, op in sorted(reg.custom_ops.items())
     }
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> CommandResult:
     opw = max((len(n) for n in custom_ops), default=10)
     for name, info in custom_ops.items():
         lines.append(f"  {name:<{opw}}  lowers to: {', '.join(info['lowers_to']) or '-'}")
-    backends = {}
+    backends: dict[str, dict[str, Any]] = {}
     for name in sorted(reg.backends):
         backend = reg.backends[name]
         ready = is_available(backend)

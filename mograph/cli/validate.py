@@ -113,6 +113,8 @@ def run(args: argparse.Namespace) -> CommandResult:
     backend = get_backend(get_registry(args.block_plugin).backends, args.backend, job="validate")
     if args.profile and args.backend != "tensorrt":
         raise UsageError("--profile applies to --backend tensorrt only")
+    if args.engine and not callable(getattr(backend, "build", None)):
+        raise UsageError(f"--engine applies to backends that build artifacts; backend '{backend.name}' builds none")
     require_available(backend)  # exit 7, naming what is missing, before any work
     shapes = _feed_shapes(args)
     options: dict[str, Any] = {"profiles": args.profile} if args.profile else {}
