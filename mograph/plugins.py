@@ -116,6 +116,7 @@ def get_plugin_manager(blocked: Iterable[str] = (), autoload: bool | None = None
                 raise PluginError(f"plugin '{ep.name}' is not a valid mograph plugin: {exc}") from exc
             dist = getattr(ep, "dist", None)
             logger.info("loaded plugin %s from %s", ep.name, dist.name if dist else ep.value)
+    check_pending(pm)  # a misspelled hook is an error naming its plugin, not a hook never called
     return pm
 
 
