@@ -246,9 +246,10 @@ class Registry:
                         + " (the protocol is documented in mograph.backends and mograph_add_backends)"
                     )
                 if backend.name in reg.backends:
-                    raise PluginError(
-                        f"backend '{backend.name}' is provided by both '{reg.backend_source[backend.name]}' and '{plugin}'"
-                    )
+                    first = reg.backend_source[backend.name]
+                    if first == plugin:
+                        raise PluginError(f"plugin '{plugin}': backend '{backend.name}' is declared twice")
+                    raise PluginError(f"backend '{backend.name}' is provided by both '{first}' and '{plugin}'")
                 reg.backends[backend.name] = backend
                 reg.backend_source[backend.name] = plugin
         reg._check_options()
