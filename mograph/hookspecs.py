@@ -167,6 +167,11 @@ def mograph_run_pass(pass_: Pass, model: ir.Model, context: dict[str, Any]) -> P
             ...                     # inspect `model` (already rewritten) and `result`
             return result
 
+    The same wrapper, as a method of any object (or a bare generator function), is an *instrument*
+    when given to one run only — ``mograph.optimize(..., instruments=[obj])`` — instead of being
+    registered as a plugin: ``mograph optimize`` shows its progress that way, and ``verify="each"``
+    checks every pass that way.  Instruments wrap the plugins' wrappers, the first one outermost.
+
     Args:
         pass_: the :class:`mograph.Pass` instance about to run (its ``config`` holds its options).
         model: the ``onnx_ir.Model`` the pass rewrites in place.
