@@ -21,7 +21,7 @@ import onnx_ir as ir
 from mograph import ir_io
 from mograph.errors import OptionError, UsageError, VerificationError
 from mograph.hookspecs import hookimpl
-from mograph.pass_infra import Pass, PassManager, PassResult, PipelineReport
+from mograph.pass_infra import Instrument, Pass, PassManager, PassResult, PipelineReport
 from mograph.plugins import get_registry
 
 __all__ = ["optimize", "run_passes", "list_passes", "load", "save", "VerifyMode"]
@@ -63,7 +63,7 @@ def list_passes(*, blocked: Iterable[str] = ()) -> list[dict[str, Any]]:
 
 
 class _VerifyEach:
-    """Wrapper plugin: check the model numerically after every pass; name the first that drifts."""
+    """Instrument: check the model numerically after every pass; name the first that drifts."""
 
     def __init__(self, verifier: Any) -> None:
         self.verifier = verifier
@@ -97,22 +97,23 @@ def run_passes(
     verify_options: dict[str, Any] | None = None,
     check_modified: bool = False,
     blocked: Iterable[str] = (),
+    instruments: Sequence[Instrument] = (),
 ) -> PipelineReport:
-    """Run already-built pass instances on an ``onnx_ir.Model`` in place; return the report."""
+    """Run already-built pass instances on an ``onnx_ir.Model`` in place; return the report.
+
+    ``instruments`` wrap every pass of this run only (see :func:`optimize`); the per-pass check of
+    ``verify="each"`` is one of them, innermost.  Nothing is registered on the plugin manager.
+    """
     reg = get_registry(blocked)
     mode: str | None = "end" if verify is True else (verify or None)
     if mode not in (None, "end", "each"):
         raise UsageError(f"verify must be 'end', 'each', True or None, not {verify!r}")
     report = PipelineReport()
     verifier = _verifier(model, verify_options or {}) if mode else None
-    instrument = _VerifyEach(verifier) if mode == "each" else None
-    if instrument is not None:
-        reg.pm.register(instrument, name="mograph.verify-each")
-    try:
-        PassManager(list(passes), hook=reg.pm.hook, check_modified=check_modified).run(model, report)
-    finally:
-        if instrument is not None:
-            reg.pm.unregister(instrument)
+    wrappers = list(instruments)
+    if mode == "each":
+        wrappers.append(_VerifyEach(verifier))
+    PassManager(list(passes), hook=reg.pm.hook, check_modified=check_modified, instruments=wrappers).run(model, report)
     if verifier is not None:
         families = {p.family for p in passes}
         check = verifier.check(model, family=families)
@@ -134,6 +135,7 @@ def optimize(
     verify_options: dict[str, Any] | None = None,
     check_modified: bool = False,
     blocked: Iterable[str] = (),
+    instruments: Sequence[Instrument] = (),
 ) -> tuple[Any, PipelineReport]:
     """Run a pipeline of passes; return ``(optimized_model, report)``.
 
@@ -152,6 +154,19 @@ def optimize(
             ``seed``, ``atol``/``rtol``/``min_cosine`` overrides.
         check_modified: debug mode: fail a pass that reports "unchanged" but changed the graph.
         blocked: plugin names not to load.
+        instruments: wrappers around every pass of this run only — progress display, timing, dumps.
+            Each is an object with a ``mograph_run_pass(pass_, model, context)`` generator method
+            (the same wrapper a plugin writes for the :func:`~mograph.hookspecs.mograph_run_pass`
+            hook), or such a generator function; the first is outermost.  Unlike a plugin, an
+            instrument is never registered on the process-wide plugin manager, so two runs (or
+            threads) never see each other's instruments::
+
+                def progress(pass_, model, context):
+                    print("running", pass_.name)
+                    result = yield
+                    return result
+
+                mograph.optimize("m.onnx", "cleanup", instruments=[progress])
 
     Returns:
         The optimized model in the form given (a path gives an ``onnx_ir.Model``) and the report.
@@ -173,5 +188,6 @@ def optimize(
         verify_options=verify_options,
         check_modified=check_modified,
         blocked=blocked,
+        instruments=instruments,
     )
     return ir_io.to_format(ir_model, model), report

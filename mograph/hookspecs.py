@@ -26,7 +26,11 @@ Writing a plugin
 3. ``pip install`` it.  ``mograph passes`` now lists your pass.
 
 Only functions whose names start with ``mograph_`` are hooks; anything else in the module is
-ignored.  Set ``MOGRAPH_DISABLE_PLUGIN_AUTOLOAD=1`` to load no third-party plugin at all, or
+ignored.  A function marked ``@mograph.hookimpl`` whose name is not one of the hooks below (a
+misspelling such as ``mograph_add_pass``) is a plugin error naming the plugin, not a hook that is
+silently never called.  Passes of different plugins may share an option name (``--shape``) only if
+they declare it alike (type, default, repetition, choices); otherwise loading both is an error
+naming both.  Set ``MOGRAPH_DISABLE_PLUGIN_AUTOLOAD=1`` to load no third-party plugin at all, or
 ``MOGRAPH_BLOCK_PLUGINS=name1,name2`` (or ``mograph --block-plugin NAME``) to skip some by name.
 A plugin that fails to import, or whose hook raises, stops mograph with an error naming it.
 """
@@ -83,32 +87,71 @@ def mograph_add_custom_ops() -> list[CustomOp]:
 
     Called once, when the registry is built.
 
-    The pipeline uses a plugin's op exactly like a built-in one: the ``lower`` step
-    (:mod:`mograph.lowering`) calls its ``lowerings[target](node, ctx)`` for ``--target`` (a target
-    name no built-in knows becomes valid by being named here), inlines its ``function`` for
-    ``--target onnx`` where its lowering declines, and keeps it with its function body otherwise;
-    :func:`mograph.lowering.ensure_functions` gives the model its function bodies (a plugin pass that
-    writes the op calls it, as the built-in fusion passes do; set ``emits_custom_ops = True`` on the
-    pass so ``lower`` is appended to pipelines holding it).  ``tensorrt_plugin`` declares the
-    TensorRT plugin implementing it, if any.
+    The pipeline uses a plugin's op exactly like a built-in one: the ``lower`` step (``--target
+    NAME``, or a backend's first act, :func:`mograph.lowering.lower_model`) calls its
+    ``lowerings[target](node, ctx) -> bool`` for each of its nodes (``ctx`` a
+    :class:`mograph.lowering.LoweringContext`; ``False`` leaves the node; a target name no built-in
+    knows becomes valid by being named here), inlines its ``function`` for ``--target onnx`` where
+    its lowering declines, and keeps it with its function body otherwise.  The pass that fuses into
+    the op gives the model the op's function body with :func:`mograph.lowering.ensure_functions` (as
+    the built-in fusion passes do) and sets ``emits_custom_ops = True``, so ``lower`` is appended to
+    pipelines holding it; ``mograph passes`` lists the op with its targets.  ``tensorrt_plugin``
+    declares the TensorRT plugin implementing it, if any.
 
     Returns:
         A list of :class:`mograph.custom_ops.CustomOp`: name, domain, version, numpy reference,
         ONNX function body, shape function, per-target lowerings and TensorRT plugin.
-        ``(domain, name)`` must be unique across plugins.
+        ``(domain, name)`` must be unique across plugins: a second declaration is an error naming
+        both plugins.
     """
 
 
 @hookspec
 def mograph_add_backends() -> list[Any]:
-    """Contribute backends (runtimes a model can be lowered to, benchmarked or validated on).
+    """Contribute backends: runtimes a model can be run, benchmarked, built or validated on.
 
-    Called once, when the registry is built.  A backend object has a ``name`` (``"ort"``,
-    ``"tensorrt"``) and imports its runtime lazily: contributing a backend must not import
-    onnxruntime, tensorrt or torch.
+    Called once, when the registry is built.  Every job that runs a model takes its backend from
+    the registry by name (``--backend NAME``): ``mograph bench``, ``mograph build``, ``mograph validate``
+    and ``mograph diff``, so a plugin's backend works in all four exactly like ``ort`` or ``tensorrt``.
+    Contributing a backend must not import its runtime (onnxruntime, tensorrt, torch): do that in
+    ``make_runner``/``build``.
+
+    A backend is any object with these members (:class:`mograph.backends.BackendProtocol`;
+    subclass :class:`mograph.backends.Backend` to get the optional ones with their defaults).
+
+    Required:
+
+    * ``name: str`` — short and unique, used on the command line (``"ort"``);
+    * ``make_runner(model, *, optimizations=True, threads=None, providers=None, **options)`` —
+      load ``model`` (a path, bytes, ``onnx.ModelProto`` or ``onnx_ir.Model``) and return a
+      callable ``runner(feeds) -> outputs`` mapping input names to numpy arrays and back.
+      ``optimizations`` is the runtime's own graph optimizations (on in ``bench``; off on both
+      sides of ``diff`` and on the reference side of ``validate``); ``threads``/``providers`` may be
+      ignored.  Raise :class:`mograph.BackendUnavailableError` when the runtime is missing.
+
+    Optional (the default in brackets):
+
+    * ``description: str`` — one line [``""``];
+    * ``extra: str`` — the pip extra that installs the runtime [``""``];
+    * ``target: str`` — the ``--target`` the backend lowers to: its first act on a model is
+      ``mograph.lowering.lower_model(model, target, registry=registry)``, which asks each custom op's
+      ``lowerings[target]`` (built-in and plugin ops alike) [the backend's ``name``];
+    * ``available() -> bool`` — whether the runtime is there, without importing it [``True``];
+    * ``why_unavailable() -> str`` — the sentence shown (exit code 7) when ``available()`` is
+      false: what is missing and how to install it [``"backend NAME is not available"``];
+    * ``import_runtime()`` — import the runtime now, so ``mograph bench`` leaves the import out of
+      the memory it measures [nothing is imported early];
+    * ``build(model, path, **options) -> dict`` — write a deployable artifact of ``model`` to
+      ``path`` (atomically) and return a JSON-serialisable report; ``mograph build --backend NAME``
+      calls it with only the options the user gave (``fp16=True``, ``int8=True``,
+      ``profiles=[...]``, ``workspace_mib=N``) [``mograph build`` refuses the backend: it builds
+      nothing];
+    * ``artifact_suffix: str`` — suffix of the file ``build`` writes, for the default output name
+      [``".engine"``].
 
     Returns:
-        A list of backend objects; names must be unique.
+        A list of backend objects.  A name already taken is an error naming both plugins; an
+        object without a ``name`` or a ``make_runner`` is an error naming the plugin.
     """
 
 
@@ -127,6 +170,11 @@ def mograph_run_pass(pass_: Pass, model: ir.Model, context: dict[str, Any]) -> P
             result = yield          # the pass runs here; it may raise
             ...                     # inspect `model` (already rewritten) and `result`
             return result
+
+    The same wrapper, as a method of any object (or a bare generator function), is an *instrument*
+    when given to one run only — ``mograph.optimize(..., instruments=[obj])`` — instead of being
+    registered as a plugin: ``mograph optimize`` shows its progress that way, and ``verify="each"``
+    checks every pass that way.  Instruments wrap the plugins' wrappers, the first one outermost.
 
     Args:
         pass_: the :class:`mograph.Pass` instance about to run (its ``config`` holds its options).

@@ -451,15 +451,6 @@ class LowerPass(Pass):
     family = "fusion"
     options: ClassVar[tuple[Option, ...]] = (TARGET_OPTION, UPGRADE_OPTION)
 
-    def __init__(self, **values: Any) -> None:
-        super().__init__(**values)
-        raw = self.config.get("upgrade_opset")
-        if raw is not None:  # values given from Python arrive unconverted
-            try:
-                self.config["upgrade_opset"] = opset_level(raw)
-            except ValueError as exc:
-                raise OptionError(f"{self.name}: bad value for --upgrade-opset: {raw!r} ({exc})") from exc
-
     def call(self, model: ir.Model) -> PassResult:
         return lower_model(model, self.config["target"], upgrade=self.config.get("upgrade_opset"))
 

@@ -20,10 +20,11 @@ declares.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 import numbers
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -38,6 +39,8 @@ __all__ = [
     "PassReport",
     "PipelineReport",
     "PassManager",
+    "Instrument",
+    "run_instrumented",
     "PROVENANCE_PASS",
     "PROVENANCE_RULE",
     "stamp",
@@ -77,18 +80,30 @@ class Option:
     def key(self) -> str:
         return self.name.replace("-", "_")
 
-    def convert(self, raw: Any, pass_name: str) -> Any:
+    def convert(self, raw: Any, pass_name: str, *, given: bool = True) -> Any:
+        """The value of this option from ``raw``, converted and checked.
+
+        A value given from Python goes through the same converter and checks as the command line's
+        string: ``{"ratio": 1.5}`` is refused exactly like ``--ratio 1.5``.  A converter that only
+        takes strings gets ``str(value)`` for a number or a bool.  ``given=False`` (the pass's own
+        default) skips custom converters: a default is already a value.
+        """
         if self.multiple:
             items = raw if isinstance(raw, (list, tuple)) else [raw]
-            return [self._one(v, pass_name) for v in items]
-        return self._one(raw, pass_name)
+            return [self._one(v, pass_name, given) for v in items]
+        return self._one(raw, pass_name, given)
 
-    def _one(self, raw: Any, pass_name: str) -> Any:
+    def _bad(self, pass_name: str, raw: Any, exc: Exception) -> OptionError:
+        return OptionError(f"{pass_name}: bad value for --{self.name}: {raw!r} ({exc})")
+
+    def _one(self, raw: Any, pass_name: str, given: bool = True) -> Any:
         if isinstance(raw, str) and self.type is not str:
             try:
                 value = self.type(raw)
             except (ValueError, TypeError) as exc:
-                raise OptionError(f"{pass_name}: bad value for --{self.name}: {raw!r} ({exc})") from exc
+                raise self._bad(pass_name, raw, exc) from exc
+        elif given and self.type not in (str, int, float):
+            value = self._custom(raw, pass_name)
         elif self.type in (int, float):
             if not _is_number(raw, integral=self.type is int):
                 raise OptionError(f"{pass_name}: bad value for --{self.name}: {raw!r} (expected {self.type.__name__})")
@@ -99,6 +114,21 @@ class Option:
             allowed = ", ".join(map(str, self.choices))
             raise OptionError(f"{pass_name}: --{self.name} must be one of {allowed}, not {value!r}")
         return value
+
+
+    def _custom(self, raw: Any, pass_name: str) -> Any:
+        """A non-string value through a custom converter, as the command line would give it."""
+        try:
+            return self.type(raw)
+        except ValueError as exc:
+            raise self._bad(pass_name, raw, exc) from exc
+        except (TypeError, AttributeError) as exc:  # the converter reads strings only
+            if not isinstance(raw, (bool, numbers.Number)):
+                raise self._bad(pass_name, raw, exc) from exc
+        try:
+            return self.type(str(raw))
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise self._bad(pass_name, raw, exc) from exc
 
 
 def _is_number(raw: Any, *, integral: bool) -> bool:
@@ -191,7 +221,7 @@ class Pass:
                 raise OptionError(f"{self.name}: unknown option {key!r} (known: {names})")
         for key, opt in known.items():
             raw = values.get(key, opt.default)
-            self.config[key] = opt.convert(raw, self.name) if raw is not None else (
+            self.config[key] = opt.convert(raw, self.name, given=key in values) if raw is not None else (
                 [] if opt.multiple else None
             )
 
@@ -268,15 +298,69 @@ def graph_fingerprint(model: ir.Model) -> str:
     return h.hexdigest()
 
 
+#: An instrument: an object with a ``mograph_run_pass(pass_, model, context)`` generator method (the
+#: wrapper of :func:`mograph.hookspecs.mograph_run_pass`), or such a generator function itself.
+Instrument = Any
+
+
+def _wrapper_of(instrument: Instrument) -> Callable[..., Any]:
+    method = getattr(instrument, "mograph_run_pass", None)
+    if callable(method):
+        return method
+    if callable(instrument):
+        return instrument
+    raise MographError(
+        f"instrument {instrument!r} has no mograph_run_pass(pass_, model, context) wrapper and is not callable"
+    )
+
+
+def run_instrumented(
+    instruments: Sequence[Instrument], pass_: Pass, model: ir.Model, context: dict[str, Any], call: Callable[[], Any]
+) -> Any:
+    """Run ``call()`` (the pass) inside the wrappers of ``instruments``, the first one outermost.
+
+    Each wrapper follows pluggy's new-style wrapper protocol, exactly as a plugin's
+    ``@mograph.hookimpl(wrapper=True) def mograph_run_pass(...)`` does: it runs until its ``yield``,
+    receives the pass's result there (or the pass's exception, raised at the ``yield``), and returns
+    the result to pass on.
+    """
+    if not instruments:
+        return call()
+    wrapper = _wrapper_of(instruments[0])
+    gen = wrapper(pass_=pass_, model=model, context=context)
+    if not inspect.isgenerator(gen):
+        raise MographError(f"instrument {instruments[0]!r}: mograph_run_pass must be a generator (it must yield once)")
+    try:
+        next(gen)
+    except StopIteration as stop:  # did not yield: it decided the result without running the pass
+        return stop.value
+    try:
+        result = run_instrumented(instruments[1:], pass_, model, context, call)
+    except BaseException as exc:  # noqa: BLE001 - handed to the wrapper, which may handle or re-raise it
+        try:
+            gen.throw(exc)
+        except StopIteration as stop:
+            return stop.value
+        raise MographError(f"instrument {instruments[0]!r}: mograph_run_pass yielded twice") from exc
+    try:
+        gen.send(result)
+    except StopIteration as stop:
+        return stop.value
+    raise MographError(f"instrument {instruments[0]!r}: mograph_run_pass yielded twice")
+
+
 class PassManager:
     """Runs passes in the given order through the plugin manager's ``mograph_run_pass`` hook.
 
     Args:
         passes: pass instances, in the order to run them.
         hook: the plugin manager's hook relay (``pm.hook``); ``None`` runs passes directly with no
-            wrappers (used in unit tests of single passes).
+            plugin wrappers (used in unit tests of single passes).
         check_modified: fail a pass whose result says "unchanged" while the graph changed.
         context: shared data given to wrapper hooks (``verify``, feeds, reference outputs ...).
+        instruments: wrappers for this run only (progress, per-pass verification), around every
+            pass and outside the plugins' wrappers, the first one outermost; nothing is registered
+            on the plugin manager.  See :func:`run_instrumented`.
     """
 
     def __init__(
@@ -286,16 +370,23 @@ class PassManager:
         hook: Any | None = None,
         check_modified: bool = False,
         context: dict[str, Any] | None = None,
+        instruments: Sequence[Instrument] = (),
     ) -> None:
         self.passes = passes
         self.hook = hook
         self.check_modified = check_modified
         self.context = context if context is not None else {}
+        self.instruments = list(instruments)
+        for instrument in self.instruments:
+            _wrapper_of(instrument)  # refuse a non-instrument before any pass runs
 
     def _run_one(self, p: Pass, model: ir.Model) -> PassResult:
-        if self.hook is None:
-            return p.call(model)
-        return self.hook.mograph_run_pass(pass_=p, model=model, context=self.context)
+        def call() -> PassResult:
+            if self.hook is None:
+                return p.call(model)
+            return self.hook.mograph_run_pass(pass_=p, model=model, context=self.context)
+
+        return run_instrumented(self.instruments, p, model, self.context, call)
 
     def run(self, model: ir.Model, report: PipelineReport | None = None) -> PipelineReport:
         """Run every pass in order on ``model`` (in place), appending one entry per pass to ``report``.

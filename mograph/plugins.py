@@ -16,6 +16,7 @@ from), presets, custom ops and backends, and expands ``--passes`` lists into ord
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import logging
 import os
@@ -27,14 +28,16 @@ from typing import Any
 import pluggy
 
 from mograph import hookspecs
+from mograph.backends import backend_problems
 from mograph.custom_ops import CustomOp
 from mograph.errors import PluginError, UnknownPassError
-from mograph.pass_infra import Pass, PassResult
+from mograph.pass_infra import Option, Pass, PassResult
 
 __all__ = [
     "BUILTIN_PLUGINS",
     "ENTRY_POINT_GROUP",
     "Registry",
+    "check_pending",
     "get_plugin_manager",
     "get_registry",
     "reset",
@@ -114,7 +117,36 @@ def get_plugin_manager(blocked: Iterable[str] = (), autoload: bool | None = None
                 raise PluginError(f"plugin '{ep.name}' is not a valid mograph plugin: {exc}") from exc
             dist = getattr(ep, "dist", None)
             logger.info("loaded plugin %s from %s", ep.name, dist.name if dist else ep.value)
+    check_pending(pm)  # a misspelled hook is an error naming its plugin, not a hook never called
     return pm
+
+
+def check_pending(pm: pluggy.PluginManager) -> None:
+    """Refuse a hook implementation that matches no hook (a misspelled ``mograph_*`` name), naming its plugin.
+
+    pluggy keeps such an implementation aside, never calling it; without this check a plugin whose
+    ``mograph_add_pass`` (for ``mograph_add_passes``) does nothing would fail silently.
+    """
+    known = [n for n in dir(hookspecs) if n.startswith(f"{hookspecs.PROJECT}_")]
+    for hook_name in sorted(vars(pm.hook)):
+        hook = getattr(pm.hook, hook_name)
+        if hook_name.startswith("_") or not hasattr(hook, "has_spec") or hook.has_spec():
+            continue
+        for impl in hook.get_hookimpls():
+            if impl.optionalhook:
+                continue
+            plugin = pm.get_name(impl.plugin) or repr(impl.plugin)
+            close = difflib.get_close_matches(hook_name, known, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise PluginError(
+                f"plugin '{plugin}' implements {hook_name}, which is not a mograph hook{hint}; "
+                "the hooks are documented in mograph.hookspecs"
+            )
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        plugin = pm.get_name(exc.plugin) or repr(exc.plugin)
+        raise PluginError(f"plugin '{plugin}' is not a valid mograph plugin: {exc}") from exc
 
 
 def _call_collecting(pm: pluggy.PluginManager, hook_name: str) -> list[tuple[str, Any]]:
@@ -132,6 +164,26 @@ def _call_collecting(pm: pluggy.PluginManager, hook_name: str) -> list[tuple[str
     return out
 
 
+def _option_difference(a: Option, b: Option) -> str:
+    """What two declarations of one option name disagree on ("" when they agree)."""
+    diffs = []
+    if a.type is not b.type:
+        diffs.append(f"types ({_type_name(a.type)} and {_type_name(b.type)})")
+    if a.multiple != b.multiple:
+        diffs.append("repetition (one is repeatable, the other not)")
+    if (tuple(a.choices) if a.choices is not None else None) != (tuple(b.choices) if b.choices is not None else None):
+        diffs.append(f"choices ({a.choices} and {b.choices})")
+    if a.default != b.default or type(a.default) is not type(b.default):
+        diffs.append(f"defaults ({a.default!r} and {b.default!r})")
+    return ", ".join(diffs)
+
+
+def _type_name(t: Any) -> str:
+    module = getattr(t, "__module__", "")
+    name = getattr(t, "__qualname__", repr(t))
+    return name if module in ("builtins", None, "") else f"{module}.{name}"
+
+
 @dataclass
 class Registry:
     """What every plugin contributed."""
@@ -142,10 +194,13 @@ class Registry:
     presets: dict[str, list[str]] = field(default_factory=dict)
     preset_source: dict[str, str] = field(default_factory=dict)
     custom_ops: dict[tuple[str, str], CustomOp] = field(default_factory=dict)
+    custom_op_source: dict[tuple[str, str], str] = field(default_factory=dict)
     backends: dict[str, Any] = field(default_factory=dict)
+    backend_source: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def build(cls, pm: pluggy.PluginManager) -> Registry:
+        check_pending(pm)
         reg = cls(pm=pm)
         for plugin, classes in _call_collecting(pm, "mograph_add_passes"):
             for pcls in classes:
@@ -172,15 +227,51 @@ class Registry:
                 reg.preset_source[name] = plugin
         for plugin, ops in _call_collecting(pm, "mograph_add_custom_ops"):
             for op in ops:
+                if not isinstance(op, CustomOp):
+                    raise PluginError(
+                        f"plugin '{plugin}' returned {op!r} from mograph_add_custom_ops: not a mograph.CustomOp"
+                    )
                 if op.key in reg.custom_ops:
-                    raise PluginError(f"plugin '{plugin}': custom op {op.domain}::{op.name} is declared twice")
+                    first = reg.custom_op_source[op.key]
+                    where = "twice" if first == plugin else f"by both '{first}' and '{plugin}'"
+                    raise PluginError(f"plugin '{plugin}': custom op {op.domain}::{op.name} is declared {where}")
                 reg.custom_ops[op.key] = op
+                reg.custom_op_source[op.key] = plugin
         for plugin, backends in _call_collecting(pm, "mograph_add_backends"):
             for backend in backends:
+                problems = backend_problems(backend)
+                if problems:
+                    raise PluginError(
+                        f"plugin '{plugin}' returned {backend!r} from mograph_add_backends, which is not a backend: "
+                        + "; ".join(problems)
+                        + " (the protocol is documented in mograph.backends and mograph_add_backends)"
+                    )
                 if backend.name in reg.backends:
-                    raise PluginError(f"plugin '{plugin}': backend '{backend.name}' is declared twice")
+                    first = reg.backend_source[backend.name]
+                    if first == plugin:
+                        raise PluginError(f"plugin '{plugin}': backend '{backend.name}' is declared twice")
+                    raise PluginError(f"backend '{backend.name}' is provided by both '{first}' and '{plugin}'")
                 reg.backends[backend.name] = backend
+                reg.backend_source[backend.name] = plugin
+        reg._check_options()
         return reg
+
+    def _check_options(self) -> None:
+        """Passes sharing an option name must mean the same by it: same type, default, repetition, choices."""
+        first: dict[str, tuple[Option, str]] = {}
+        for name in sorted(self.passes):
+            for opt in self.passes[name].options:
+                if opt.key not in first:
+                    first[opt.key] = (opt, name)
+                    continue
+                other, other_pass = first[opt.key]
+                diff = _option_difference(other, opt)
+                if diff:
+                    raise PluginError(
+                        f"option '--{opt.name}' means two things: pass '{other_pass}' of plugin "
+                        f"'{self.pass_source[other_pass]}' and pass '{name}' of plugin '{self.pass_source[name]}' "
+                        f"declare it with different {diff}; one of them must rename it"
+                    )
 
     def expand(self, names: Iterable[str] | str) -> list[str]:
         """Expand a pass list (``"fuse,cleanup"`` or a list) into an ordered list of pass names."""

@@ -6,7 +6,9 @@ is left as it was: the folder goes on ``PYTHONPATH`` of the ``mograph`` console 
 subprocess, and on ``sys.path`` only for the duration of the in-process tests (the plugin's modules
 and mograph's registry cache are dropped afterwards).  mograph must find the plugin through its entry
 point, list its pass under the plugin's name, run it, offer its option as a flag, block it on request,
-and the plugin's own test-suite must pass against this mograph.
+and the plugin's own test-suite must pass against this mograph.  Its custom op (``example.BetaSwish``) and
+backend (``example-ref``) go through the same doors as the built-in ones: ``optimize`` fuses into the op,
+``bench``, ``validate``, ``diff`` and ``build`` run on the backend.
 """
 
 from __future__ import annotations
@@ -188,3 +190,120 @@ def test_the_plugin_own_tests_pass(plugin_path, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(plugin_path), cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout
+
+
+# --- the plugin's custom op and backend go through the same doors as the built-ins -----------------
+
+
+def _silu_model(path: Path, seed: int = 0) -> onnx.ModelProto:
+    """x -> SiLU (Sigmoid, Mul) -> MatMul(w) -> y, with a dynamic batch."""
+    w = np.random.default_rng(seed).standard_normal((8, 4)).astype(np.float32)
+    nodes = [
+        helper.make_node("Sigmoid", ["x"], ["s"]),
+        helper.make_node("Mul", ["x", "s"], ["a"]),
+        helper.make_node("MatMul", ["a", "w"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 8])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", 4])],
+        [onnx.numpy_helper.from_array(w, "w")],
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.save(proto, path)
+    return proto
+
+
+@pytest.fixture
+def fused_model(in_process, capsys, tmp_path) -> tuple[Path, Path]:
+    """(original, fused by the plugin's fuse-swish through `mograph optimize --verify`)."""
+    src, out = tmp_path / "silu.onnx", tmp_path / "silu.opt.onnx"
+    _silu_model(src)
+    code, stdout, err = _cli(capsys, "optimize", str(src), "-o", str(out), "--passes", "fuse-swish", "--verify", "--json")
+    assert code == 0, err
+    report = json.loads(stdout)
+    assert report["passes"][0]["stats"] == {"SwishFusion": 1} and report["verification"]["passed"] is True
+    return src, out
+
+
+def test_passes_lists_the_plugin_custom_op_and_backend(plugin_path):
+    proc = _mograph(plugin_path, "passes", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert {p["name"]: p["plugin"] for p in data["passes"]}["fuse-swish"] == "example"
+    assert data["custom_ops"]["example.BetaSwish"]["lowers_to"] == ["onnx", "ort"]
+    backend = data["backends"]["example-ref"]
+    assert backend["plugin"] == "example" and backend["available"] is True and backend["builds"] is True
+    assert backend["target"] == "onnx"
+
+
+def test_optimize_fuses_into_the_plugin_op(fused_model):
+    src, out = fused_model
+    saved = onnx.load(str(out))
+    assert [(n.domain, n.op_type) for n in saved.graph.node] == [("example", "BetaSwish"), ("", "MatMul")]
+    assert [(f.domain, f.name) for f in saved.functions] == [("example", "BetaSwish")]
+    x = np.random.default_rng(2).standard_normal((3, 8)).astype(np.float32)
+    np.testing.assert_allclose(_ort(out, x), _ort(src, x), rtol=1e-6, atol=1e-6)
+
+
+def test_bench_runs_on_the_plugin_backend(fused_model, capsys):
+    _, out = fused_model
+    code, stdout, err = _cli(capsys, "bench", str(out), "--backend", "example-ref", "--json", "--warmup", "0",
+                             "--iterations", "3", "--batch", "2")
+    assert code == 0, err
+    data = json.loads(stdout)
+    assert data["backend"] == "example-ref" and data["iterations"] == 3 and data["batch"] == 2
+    assert data["latency_ms"]["p50"] > 0 and data["feeds"]["x"]["shape"] == [2, 8]
+
+
+def test_validate_compares_the_plugin_backend_with_onnx_runtime(fused_model, capsys):
+    src, out = fused_model
+    code, stdout, err = _cli(capsys, "validate", str(out), "--backend", "example-ref", "--json")
+    assert code == 0, err
+    data = json.loads(stdout)
+    assert data["passed"] is True and data["backend"] == "example-ref" and data["target"] == "onnx"
+    assert data["feeds"] == {"x": [1, 8]}
+    entry = data["outputs"]["y"]
+    assert entry["passed"] and entry["max_abs"] < 1e-4 and entry["atol"] == 1e-4  # the float32 row of the table
+    # Against another model as the reference, the same verdict fails: exit 5, figures still shown.
+    other = src.parent / "other.onnx"
+    _silu_model(other, seed=1)
+    code, stdout, err = _cli(capsys, "validate", str(out), "--backend", "example-ref", "--reference", str(other))
+    assert code == 5
+    assert "y: FAILED" in stdout and "differs from" in err
+
+
+def test_diff_runs_both_models_on_the_plugin_backend(fused_model, capsys, tmp_path):
+    src, out = fused_model
+    code, stdout, err = _cli(capsys, "diff", str(src), str(out), "--backend", "example-ref", "--json", "--shape", "x:4x8")
+    assert code == 0, err
+    data = json.loads(stdout)
+    assert data["passed"] is True and data["backend"].startswith("backend 'example-ref'")
+    other = tmp_path / "other.onnx"
+    _silu_model(other, seed=1)
+    code, _, _ = _cli(capsys, "diff", str(src), str(other), "--backend", "example-ref")
+    assert code == 5
+
+
+def test_build_writes_the_plugin_backend_artifact(fused_model, capsys):
+    _, out = fused_model
+    code, stdout, err = _cli(capsys, "build", str(out), "--backend", "example-ref", "--json")
+    assert code == 0, err
+    data = json.loads(stdout)
+    artifact = out.parent / "silu.opt.ref.onnx"  # the backend's artifact_suffix
+    assert data["output"] == str(artifact) and artifact.stat().st_size == data["artifact_bytes"]
+    code, _, err = _cli(capsys, "build", str(out), "--backend", "ort")
+    assert code == 2 and "unknown --backend 'ort' for build: it builds no artifact; backends that build:" in err
+
+
+def test_target_lowers_the_plugin_op_through_its_lowering(in_process, capsys, tmp_path):
+    """Needs the core ``lower`` step (``--target`` appends it to the pipeline): ``example.BetaSwish`` becomes
+    standard ops through the plugin's own ``lowerings["ort"]``, exactly as a ``mograph.*`` op would."""
+    src, out = tmp_path / "silu.onnx", tmp_path / "silu.ort.onnx"
+    _silu_model(src)
+    code, _, err = _cli(capsys, "optimize", str(src), "-o", str(out), "--passes", "fuse-swish", "--target", "ort", "-q")
+    assert code == 0, err
+    assert [n.op_type for n in onnx.load(str(out)).graph.node] == ["Sigmoid", "Mul", "MatMul"]
+    x = np.random.default_rng(3).standard_normal((2, 8)).astype(np.float32)
+    np.testing.assert_allclose(_ort(out, x), _ort(src, x), rtol=1e-6, atol=1e-6)

@@ -376,3 +376,114 @@ def test_cleanup_is_honest_on_exporter_shaped_models(builder):
     model, report = mograph.optimize(proto, passes="cleanup", check_modified=True)
     assert [p.name for p in report.passes] == mograph.plugins.get_registry().expand("cleanup")
     assert report.passes[-1].nodes_after <= report.passes[0].nodes_before
+
+
+def test_python_option_values_go_through_the_command_line_converter():
+    # prune-structured's --ratio is converted by a function that checks the range: from Python too.
+    reg = mograph.plugins.get_registry()
+    with pytest.raises(OptionError) as from_cli:
+        reg.instantiate(["prune-structured"], {"ratio": "1.5"})
+    with pytest.raises(OptionError) as from_python:
+        mograph.optimize(_model(), passes="prune-structured", options={"ratio": 1.5})
+    assert str(from_cli.value) == "prune-structured: bad value for --ratio: '1.5' (must be in [0, 1))"
+    assert str(from_python.value) == "prune-structured: bad value for --ratio: 1.5 (must be in [0, 1))"
+    assert reg.instantiate(["prune-structured"], {"ratio": 0.25})[0].config["ratio"] == 0.25
+    # A converter that reads strings only gets str(value) for numbers and bools: True means --fp16-io true.
+    assert reg.instantiate(["fp16"], {"fp16_io": True})[0].config["fp16_io"] is True
+    with pytest.raises(OptionError, match=r"bad value for --fp16-io: 2 \(expected yes or no\)"):
+        reg.instantiate(["fp16"], {"fp16_io": 2})
+    with pytest.raises(OptionError, match=r"bad value for --fp16-io: \['yes'\]"):
+        reg.instantiate(["fp16"], {"fp16_io": ["yes"]})
+
+
+def test_defaults_are_not_reconverted():
+    class Listing(mograph.Pass):
+        """A pass whose converter turns 'a,b' into a list and whose default is already a list."""
+
+        name = "listing"
+        options = (Option("names", lambda text: text.split(","), ["x"], "names"),)
+
+        def call(self, model: ir.Model) -> PassResult:
+            return PassResult(modified=False)
+
+    assert Listing().config == {"names": ["x"]}
+    assert Listing(names="a,b").config == {"names": ["a", "b"]}
+
+
+# --- instruments ------------------------------------------------------------------------------------
+
+
+class _Log:
+    """An instrument object with the same wrapper a plugin writes."""
+
+    def __init__(self, tag: str, events: list[str]) -> None:
+        self.tag, self.events = tag, events
+
+    @hookimpl(wrapper=True)
+    def mograph_run_pass(self, pass_, model, context):
+        self.events.append(f"{self.tag}>{pass_.name}")
+        result = yield
+        self.events.append(f"{self.tag}<{pass_.name}:{result.modified}")
+        return result
+
+
+def test_instruments_wrap_every_pass_of_one_run_only():
+    events: list[str] = []
+
+    def bare(pass_, model, context):  # a generator function is an instrument too
+        events.append(f"bare>{pass_.name}")
+        return (yield)
+
+    pm_plugins_before = {name for name, _ in mograph.plugins.get_registry().pm.list_name_plugin()}
+    _, report = mograph.optimize(_model(), passes="eliminate-identity,topo-sort", instruments=[_Log("a", events), bare])
+    assert events == [
+        "a>eliminate-identity", "bare>eliminate-identity", "a<eliminate-identity:False",
+        "a>topo-sort", "bare>topo-sort", "a<topo-sort:False",
+    ]
+    assert [p.name for p in report.passes] == ["eliminate-identity", "topo-sort"]
+    # Nothing was registered on the process-wide plugin manager, and the next run has no instruments.
+    assert {name for name, _ in mograph.plugins.get_registry().pm.list_name_plugin()} == pm_plugins_before
+    events.clear()
+    mograph.optimize(_model(), passes="topo-sort")
+    assert events == []
+
+
+def test_an_instrument_sees_a_pass_failure_and_may_replace_the_result():
+    class Boom(mograph.Pass):
+        """Raise."""
+
+        name = "boom"
+
+        def call(self, model: ir.Model) -> PassResult:
+            raise RuntimeError("kaput")
+
+    seen: list[str] = []
+
+    def recover(pass_, model, context):
+        try:
+            yield
+        except RuntimeError as exc:
+            seen.append(str(exc))
+            return PassResult(modified=False, stats={"recovered": 1})
+
+    report = PassManager([Boom()], instruments=[recover]).run(_model())
+    assert seen == ["kaput"] and report.passes[0].stats == {"recovered": 1}
+    with pytest.raises(PassFailedError, match="pass 'boom' failed: RuntimeError: kaput"):
+        PassManager([Boom()], instruments=[_Log("x", [])]).run(_model())
+
+
+def test_a_non_instrument_is_refused_before_any_pass_runs():
+    with pytest.raises(mograph.MographError, match="has no mograph_run_pass"):
+        PassManager([], instruments=[42])
+
+
+def test_the_cli_progress_is_an_instrument_not_a_registered_plugin(tmp_path, capsys):
+    from mograph.cli import main
+
+    src = tmp_path / "m.onnx"
+    mograph.save(_model(), str(src))
+    assert main(["optimize", str(src), "--passes", "eliminate-identity,topo-sort"]) == 0
+    err = capsys.readouterr().err
+    assert "[1] eliminate-identity ...\n[2] topo-sort ...\n" in err
+    names = {name for name, _ in mograph.plugins.get_registry().pm.list_name_plugin()}
+    assert not any("progress" in name or "verify" in name for name in names)

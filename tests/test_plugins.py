@@ -253,3 +253,197 @@ def test_broken_plugin_through_the_console_script(site, tmp_path):
     blocked = run("optimize", str(model), "-q", "--block-plugin", "broken", "--fold-limit", "8")
     assert blocked.returncode == 0, blocked.stderr
     assert (tmp_path / "m.opt.onnx").exists()
+
+
+# --- hooks that match nothing, options that mean two things ---------------------------------------
+
+MISSPELLED = '''
+import mograph
+
+@mograph.hookimpl
+def mograph_add_pass():
+    return []
+'''
+
+RATIO_A = '''
+import mograph
+
+class A(mograph.Pass):
+    """Pass a."""
+
+    name = "ratio-a"
+    options = (mograph.Option("fake-ratio", float, 0.5, "a fraction"),)
+
+    def call(self, model):
+        return mograph.PassResult(modified=False)
+
+@mograph.hookimpl
+def mograph_add_passes():
+    return [A]
+'''
+
+RATIO_B_SAME = RATIO_A.replace('"ratio-a"', '"ratio-b"').replace('"""Pass a."""', '"""Pass b."""').replace(
+    '"a fraction"', '"another help text is fine"'
+)
+RATIO_B_INT = RATIO_B_SAME.replace("float, 0.5", "int, 3")
+
+
+def test_misspelled_hook_is_a_plugin_error_naming_the_plugin(site, capsys):
+    write_plugin(site, "typo", MISSPELLED)
+    with pytest.raises(PluginError) as info:
+        plugins.get_registry()
+    assert str(info.value) == (
+        "plugin 'typo' implements mograph_add_pass, which is not a mograph hook (did you mean mograph_add_passes?); "
+        "the hooks are documented in mograph.hookspecs"
+    )
+    code, _, err = _cli(capsys, "passes")
+    assert code == 6 and err.splitlines() == [f"mograph: error: {info.value}"]
+
+
+def test_options_declared_alike_by_two_plugins_are_shared(site):
+    write_plugin(site, "one", RATIO_A)
+    write_plugin(site, "two", RATIO_B_SAME)
+    opt, owners = plugins.get_registry().all_options()["fake_ratio"]
+    assert owners == ["ratio-a", "ratio-b"] and opt.type is float
+
+
+def test_option_with_two_meanings_is_a_plugin_error_naming_both(site):
+    write_plugin(site, "one", RATIO_A)
+    write_plugin(site, "two", RATIO_B_INT)
+    with pytest.raises(PluginError) as info:
+        plugins.get_registry()
+    assert str(info.value) == (
+        "option '--fake-ratio' means two things: pass 'ratio-a' of plugin 'one' and pass 'ratio-b' of plugin 'two' "
+        "declare it with different types (float and int), defaults (0.5 and 3); one of them must rename it"
+    )
+
+
+def test_a_plugin_option_clashing_with_a_builtin_one_names_both(site):
+    write_plugin(site, "one", RATIO_A.replace('"fake-ratio"', '"ratio"'))
+    with pytest.raises(PluginError, match=r"option '--ratio' means two things: pass 'prune-structured' of plugin "
+                                          r"'mograph.passes.prune' and pass 'ratio-a' of plugin 'one'"):
+        plugins.get_registry()
+
+
+def test_builtin_option_declarations_agree():
+    # Every option name shared by built-in passes (--shape, --target, --exclude ...) means one thing.
+    reg = plugins.Registry.build(plugins.get_plugin_manager(autoload=False))
+    assert sum(len(owners) > 1 for _opt, owners in reg.all_options().values()) >= 5
+
+
+# --- a plugin backend gets the same doors -----------------------------------------------------------
+
+#: The smallest backend the hookspec allows: a name and make_runner, nothing optional.
+MINIMAL_BACKEND = '''
+import mograph
+import numpy as np
+
+class Mini:
+    name = "mini"
+
+    def __init__(self):
+        self.calls = []
+
+    def make_runner(self, model, *, optimizations=True, threads=None, providers=None):
+        from mograph.backends import ort
+        self.calls.append(optimizations)
+        session = ort.make_session(model, optimizations=False)
+
+        def run(feeds):
+            return ort.run(session, feeds)
+
+        return run
+
+BACKEND = Mini()
+
+@mograph.hookimpl
+def mograph_add_backends():
+    return [BACKEND]
+'''
+
+MISSING_RUNTIME = '''
+import mograph
+
+class Missing:
+    name = "missing"
+    extra = "missing"
+
+    def available(self):
+        return False
+
+    def why_unavailable(self):
+        return "the missing runtime is not installed: pip install missing-runtime"
+
+    def make_runner(self, model, **kwargs):
+        raise AssertionError("never called when unavailable")
+
+@mograph.hookimpl
+def mograph_add_backends():
+    return [Missing()]
+'''
+
+NOT_A_BACKEND = '''
+import mograph
+
+class NoRunner:
+    name = "norunner"
+
+@mograph.hookimpl
+def mograph_add_backends():
+    return [NoRunner()]
+'''
+
+
+def _matmul_file(folder: Path, seed: int = 0) -> Path:
+    path = folder / f"mm{seed}.onnx"
+    w = np.random.default_rng(seed).standard_normal((8, 4)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 8])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", 4])],
+        [onnx.numpy_helper.from_array(w, "w")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_minimal_plugin_backend_works_in_bench_validate_and_diff(site, capsys, tmp_path):
+    module = write_plugin(site, "mini", MINIMAL_BACKEND)
+    model = _matmul_file(tmp_path)
+    code, out, err = _cli(capsys, "bench", str(model), "--backend", "mini", "--json", "--warmup", "0", "--iterations", "2")
+    assert code == 0, err  # no AttributeError for the optional members it lacks
+    assert json.loads(out)["backend"] == "mini"
+    code, out, err = _cli(capsys, "validate", str(model), "--backend", "mini", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["passed"] is True and data["backend"] == "mini" and data["target"] == "mini"
+    assert data["candidate"] == f"backend 'mini' on {model}"
+    code, out, err = _cli(capsys, "diff", str(model), str(_matmul_file(tmp_path, seed=1)), "--backend", "mini")
+    assert code == 5 and "run on: backend 'mini'" in out
+    calls = sys.modules[module].BACKEND.calls
+    assert calls == [True, True, False, False]  # bench and validate: optimizations on; diff: off on both sides
+    code, _, err = _cli(capsys, "build", str(model), "--backend", "mini")
+    assert code == 2 and "unknown --backend 'mini' for build: it builds no artifact" in err
+
+
+def test_unavailable_plugin_backend_says_why_with_exit_7(site, capsys, tmp_path):
+    write_plugin(site, "missing", MISSING_RUNTIME)
+    model = _matmul_file(tmp_path)
+    for command in ("bench", "validate"):
+        code, _, err = _cli(capsys, command, str(model), "--backend", "missing")
+        assert code == 7
+        assert err.splitlines() == ["mograph: error: the missing runtime is not installed: pip install missing-runtime"]
+
+
+def test_object_without_make_runner_is_a_plugin_error(site):
+    write_plugin(site, "bad-backend", NOT_A_BACKEND)
+    with pytest.raises(PluginError, match=r"plugin 'bad-backend' returned .* which is not a backend: it has no "
+                                          r"make_runner\(model, \.\.\.\) method"):
+        plugins.get_registry()
+
+
+def test_backend_name_clash_names_both_plugins(site):
+    write_plugin(site, "other-ort", MINIMAL_BACKEND.replace('name = "mini"', 'name = "ort"'))
+    with pytest.raises(PluginError, match="backend 'ort' is provided by both 'mograph.backends' and 'other-ort'"):
+        plugins.get_registry()

@@ -371,3 +371,64 @@ def test_output_made_float16_is_judged_at_float16_precision():
     assert check["passed"], check["summary"]
     out = check["outputs"]["y"]
     assert out["actual_dtype"] == "float16" and out["atol"] == 1e-2
+
+
+# --- the layers behind mograph.validate, and backend runners ----------------------------------------
+
+
+def test_every_public_name_keeps_its_import_path():
+    import mograph.validate as v
+    from mograph.validate import _compare, _feeds, _tolerances, _verify
+
+    assert v.__all__ == [
+        "Tolerance", "FAMILY_TOLERANCES", "TIGHT", "tolerance_for", "dtype_class", "load_feeds", "make_feeds",
+        "graph_inputs", "Verifier", "diff_models",
+    ]
+    assert v.Tolerance is _tolerances.Tolerance and v.tolerance_for is _tolerances.tolerance_for
+    assert v.make_feeds is _feeds.make_feeds and v.graph_inputs is _feeds.graph_inputs
+    assert v.compare_outputs is _compare.compare_outputs
+    assert v.Verifier is _verify.Verifier and v.diff_models is _verify.diff_models
+
+
+def test_verifier_checks_a_backend_runner_with_the_same_verdict():
+    w = _w()
+    verifier = Verifier(matmul_model(w), shapes={"x": (2, 8)})
+    x = verifier.feeds["x"]
+
+    def good(feeds):
+        return {"y": feeds["x"] @ w + 1}
+
+    check = verifier.check(matmul_model(w), runner=good, label="numpy")
+    assert check["passed"] is True and check["candidate"] == "numpy"
+    assert check["outputs"]["y"]["atol"] == 1e-4  # the float32 row of the table, as for --verify
+
+    def off(feeds):
+        return {"y": feeds["x"] @ w + 1.01}
+
+    bad = verifier.check(matmul_model(w), runner=off, label="numpy")
+    assert bad["passed"] is False and "elements beyond both atol" in bad["outputs"]["y"]["failures"][0]
+
+    renamed = verifier.check(None, runner=lambda feeds: {"z": x @ w + 1})
+    assert renamed["reason"] == "output names changed: original ['y'], optimized ['z']"
+
+    def crashes(feeds):
+        raise RuntimeError("kernel exploded")
+
+    failed = verifier.check(None, runner=crashes, label="numpy")
+    assert failed["reason"] == "numpy fails on the verification feeds: RuntimeError: kernel exploded"
+
+
+def test_diff_models_on_a_backend_runs_both_sides_there():
+    calls = []
+
+    class Numpy:
+        name = "numpy"
+
+        def make_runner(self, model, *, optimizations=True, threads=None, providers=None):
+            calls.append(optimizations)
+            return ort_backend.BACKEND.make_runner(model, optimizations=False)
+
+    w = _w()
+    check = diff_models(matmul_model(w), matmul_model(w), backend=Numpy(), shapes={"x": (3, 8)})
+    assert check["passed"] is True and calls == [False, False]
+    assert check["backend"] == "backend 'numpy' (its graph optimizations off)"

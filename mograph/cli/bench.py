@@ -29,7 +29,7 @@ import numpy as np
 
 from mograph.cli import CommandResult
 from mograph.cli._common import example_path, parse_shapes
-from mograph.errors import BackendUnavailableError, UsageError
+from mograph.errors import UsageError
 
 __all__ = ["add_parser", "run", "RssSampler"]
 
@@ -38,7 +38,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "bench",
         parents=[common],
-        help="measure latency, throughput and peak memory of a model (ONNX Runtime)",
+        help="measure latency, throughput and peak memory of a model on a backend (ONNX Runtime by default)",
         description="Run MODEL repeatedly on seeded random feeds (or --feeds) and report latency p50/p90/p99 "
         "after warm-up, throughput (inferences/s, and samples/s when there is a batch dim), session creation "
         "time and peak memory (RSS increase of this process during session creation and runs, sampled). "
@@ -46,7 +46,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("model", nargs="?", help="the .onnx file (or use --example)")
     p.add_argument("--example", metavar="NAME", help="benchmark a model shipped with mograph: bert-tiny, cnn-small")
-    p.add_argument("--backend", default="ort", help="backend to run on (default: ort)")
+    p.add_argument("--backend", default="ort", metavar="NAME", help="registered backend to run on (default: ort)")
     p.add_argument(
         "--provider",
         action="append",
@@ -173,6 +173,7 @@ def _mib(n: int | None) -> str:
 
 def run(args: argparse.Namespace) -> CommandResult:
     from mograph import ir_io
+    from mograph.backends import get_backend, require_available
     from mograph.plugins import get_registry
     from mograph.validate import make_feeds
 
@@ -183,15 +184,11 @@ def run(args: argparse.Namespace) -> CommandResult:
     if args.batch is not None and args.batch < 1:
         raise UsageError("--batch must be at least 1")
     src = Path(args.model) if args.model else example_path(args.example)
-    backends = get_registry(args.block_plugin).backends
-    if args.backend not in backends:
-        raise UsageError(f"unknown backend '{args.backend}'; available: {', '.join(sorted(backends)) or 'none'}")
-    backend = backends[args.backend]
-    if not backend.available():
-        raise BackendUnavailableError(getattr(backend, "module", args.backend), getattr(backend, "extra", args.backend))
-
-    if hasattr(backend, "import_runtime"):
-        backend.import_runtime()  # not inside the memory measurement
+    backend = get_backend(get_registry(args.block_plugin).backends, args.backend, job="bench")
+    require_available(backend)  # exit 7 with the backend's own reason
+    import_runtime = getattr(backend, "import_runtime", None)
+    if callable(import_runtime):
+        import_runtime()  # not inside the memory measurement
     model = ir_io.load_model(src)
     feeds, info = make_feeds(
         model, shapes=parse_shapes(args.shape), feeds=args.feeds, seed=args.seed, batch=args.batch or 1

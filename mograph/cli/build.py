@@ -1,4 +1,4 @@
-"""``mograph build``: lower a model to a backend's deployable artifact (a TensorRT engine).
+"""``mograph build``: lower a model to a backend's deployable artifact (a TensorRT engine, or a plugin backend's).
 
 ``mograph build MODEL.onnx --backend tensorrt -o MODEL.engine [--fp16] [--int8] [--profile NAME:MIN,OPT,MAX]``
 parses the model with TensorRT (``tensorrt``, else ``tensorrt_rtx``, which builds without a GPU), with the
@@ -15,12 +15,9 @@ from typing import Any
 
 from mograph.cli import CommandResult
 from mograph.cli._common import example_path
-from mograph.errors import UsageError
+from mograph.errors import MographError, UsageError
 
 __all__ = ["add_parser", "run"]
-
-BACKENDS = ("tensorrt",)
-
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
@@ -36,7 +33,12 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("model", nargs="?", help="input .onnx file (or use --example)")
     p.add_argument("--example", metavar="NAME", help="use a model shipped with mograph: bert-tiny, cnn-small")
-    p.add_argument("--backend", default="tensorrt", help="what to build for (default and only one so far: tensorrt)")
+    p.add_argument(
+        "--backend",
+        default="tensorrt",
+        metavar="NAME",
+        help="registered backend to build for, one with a build() (default: tensorrt)",
+    )
     p.add_argument("-o", "--output", help="engine file to write (default: MODEL.engine beside the input)")
     p.add_argument(
         "--fp16",
@@ -89,9 +91,19 @@ def _summary(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _generic_summary(backend: Any, out: Path, report: dict[str, Any]) -> str:
+    lines = [f"built {out} with backend '{backend.name}'"]
+    for key, value in report.items():
+        if isinstance(value, (str, int, float, bool)) or value is None:
+            lines.append(f"{key}: {value}")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> CommandResult:
-    if args.backend not in BACKENDS:
-        raise UsageError(f"unknown --backend {args.backend!r}: choose from {', '.join(BACKENDS)}")
+    from mograph.backends import get_backend, require_available
+    from mograph.plugins import get_registry
+
+    backend = get_backend(get_registry(args.block_plugin).backends, args.backend, job="build", needs_build=True)
     if bool(args.model) == bool(args.example):
         raise UsageError("give exactly one of MODEL or --example NAME")
     src = Path(args.model) if args.model else example_path(args.example)
@@ -99,18 +111,32 @@ def run(args: argparse.Namespace) -> CommandResult:
         out = Path(args.output)
     else:
         stem = src.name[:-5] if src.name.endswith(".onnx") else src.name
-        out = (Path.cwd() if args.example else src.parent) / f"{stem}.engine"
+        suffix = getattr(backend, "artifact_suffix", None) or ".engine"
+        out = (Path.cwd() if args.example else src.parent) / f"{stem}{suffix}"
     if src.exists() and out.exists() and out.resolve() == src.resolve():
         raise UsageError(f"refusing to write over the input model {src}; choose another -o")
     if args.workspace is not None and args.workspace <= 0:
         raise UsageError("--workspace must be a positive number of MiB")
-    from mograph.backends.tensorrt import EngineBuildError, build_engine, parse_profile_specs
+    options: dict[str, Any] = {}
+    if args.fp16:
+        options["fp16"] = True
+    if args.int8:
+        options["int8"] = True
+    if args.profile:
+        if backend.name == "tensorrt":
+            from mograph.backends.tensorrt import parse_profile_specs
 
-    profiles = parse_profile_specs(args.profile) if args.profile else None
+            parse_profile_specs(args.profile)  # a bad spec is a usage error before any work
+        options["profiles"] = list(args.profile)
+    if args.workspace is not None:
+        options["workspace_mib"] = args.workspace
+    require_available(backend)  # exit 7 naming what to install
     try:
-        report = build_engine(src, out, fp16=args.fp16, int8=args.int8, profiles=profiles, workspace_mib=args.workspace)
-    except EngineBuildError as exc:
-        unsupported = exc.report.get("unsupported") or []
+        report = backend.build(src, out, **options)
+    except MographError as exc:
+        details = getattr(exc, "report", None)
+        details = details if isinstance(details, dict) else {}
+        unsupported = details.get("unsupported") or []
         if not unsupported:
             raise
         # Parser refusals are a result worth showing in full (and in --json), not only one line.
@@ -119,6 +145,8 @@ def run(args: argparse.Namespace) -> CommandResult:
         lines += [
             f"{u.get('op') or '?':<28} {u.get('node') or u.get('node_index'):<40} {u.get('error')}" for u in unsupported
         ]
-        data = {"input": str(src), "output": None, "error": str(exc), "exit_code": exc.exit_code, **exc.report}
+        data = {"input": str(src), "output": None, "error": str(exc), "exit_code": exc.exit_code, **details}
         return CommandResult(data=data, text="\n".join(lines), exit_code=exc.exit_code)
-    return CommandResult(data={"input": str(src), "output": str(out), **report}, text=_summary(report))
+    report = dict(report or {})
+    text = _summary(report) if "engine_bytes" in report and "layer_types" in report else _generic_summary(backend, out, report)
+    return CommandResult(data={"input": str(src), "output": str(out), "backend": backend.name, **report}, text=text)

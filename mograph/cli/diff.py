@@ -19,7 +19,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "diff",
         parents=[common],
         help="compare two models' outputs numerically on the same feeds",
-        description="Run A (the reference) and B on the same inputs with ONNX Runtime, its graph optimizations "
+        description="Run A (the reference) and B on the same inputs with ONNX Runtime (or --backend NAME), its graph optimizations "
         "off, and compare every output: max abs and max rel error and cosine similarity, against tolerances "
         "chosen by dtype (float32 tighter than float16/bfloat16, integers exact) and by pass family "
         "(--family; tight by default). Feeds are seeded random values that respect dtypes and index ranges, "
@@ -46,6 +46,12 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "(cosine-based); repeatable, the loosest applies",
     )
     p.add_argument("--threads", type=int, metavar="N", help="ONNX Runtime intra-op threads")
+    p.add_argument(
+        "--backend",
+        default="ort",
+        metavar="NAME",
+        help="registered backend to run both models on, its own graph optimizations off (default: ort)",
+    )
     p.set_defaults(run=run)
 
 
@@ -89,7 +95,11 @@ def _feeds_text(check: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> CommandResult:
+    from mograph.backends import get_backend
+    from mograph.plugins import get_registry
     from mograph.validate import diff_models
+
+    backend = get_backend(get_registry(args.block_plugin).backends, args.backend, job="diff")
 
     a, b = Path(args.model_a), Path(args.model_b)
     check = diff_models(
@@ -103,9 +113,12 @@ def run(args: argparse.Namespace) -> CommandResult:
         min_cosine=args.min_cosine,
         family=args.family,
         threads=args.threads,
+        backend=backend,
     )
     data = {"model_a": str(a), "model_b": str(b), **check}
     lines = [f"A: {a}", f"B: {b}", _feeds_text(check)]
+    if backend.name != "ort":
+        lines.insert(2, f"run on: {check['backend']}")
     for note in check.get("notes", []):
         lines.append(f"note: {note}")
     if check.get("reason"):

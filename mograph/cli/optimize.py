@@ -85,21 +85,17 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(run=run)
 
 
-def _progress(args: argparse.Namespace) -> Any:
-    from mograph.hookspecs import hookimpl
+class _Progress:
+    """Instrument of one ``mograph optimize`` run: ``[i] pass-name ...`` on stderr before each pass."""
 
-    class Progress:
-        def __init__(self) -> None:
-            self.i = 0
+    def __init__(self) -> None:
+        self.i = 0
 
-        @hookimpl(wrapper=True)
-        def mograph_run_pass(self, pass_: Any, model: Any, context: dict[str, Any]):  # type: ignore[no-untyped-def]
-            self.i += 1
-            sys.stderr.write(f"[{self.i}] {pass_.name} ...\n")
-            sys.stderr.flush()
-            return (yield)
-
-    return Progress()
+    def mograph_run_pass(self, pass_: Any, model: Any, context: dict[str, Any]):  # type: ignore[no-untyped-def]
+        self.i += 1
+        sys.stderr.write(f"[{self.i}] {pass_.name} ...\n")
+        sys.stderr.flush()
+        return (yield)
 
 
 def _summary(report: Any, out: Path | None) -> str:
@@ -155,26 +151,19 @@ def run(args: argparse.Namespace) -> CommandResult:
     if args.explain:
         options["explain"] = True
     options = {k: v for k, v in options.items() if k in reg.all_options()}
-    names = reg.plan(args.passes, options)
-    instances = reg.instantiate(names, options)
-    model = ir_io.load_model(src)
-    progress = None
-    if not args.json and not args.quiet:
-        progress = _progress(args)
-        reg.pm.register(progress, name="mograph.cli-progress")
+    names = reg.plan(args.passes, options)  # the report names the pipeline as it runs, lower included
+    instruments = [] if (args.json or args.quiet) else [_Progress()]
     verify_options: dict[str, Any] = {"shapes": shapes, "feeds": args.feeds, "seed": args.seed}
-    try:
-        report = api.run_passes(
-            model,
-            instances,
-            verify=args.verify,
-            verify_options=verify_options,
-            check_modified=args.check_modified,
-            blocked=args.block_plugin,
-        )
-    finally:
-        if progress is not None:
-            reg.pm.unregister(progress)
+    model, report = api.optimize(
+        src,
+        names,
+        options=options,
+        verify=args.verify,
+        verify_options=verify_options,
+        check_modified=args.check_modified,
+        blocked=args.block_plugin,
+        instruments=instruments,
+    )
     ir_io.save_model(model, out, external_data=True if args.external_data else None, forbid=src)
     data = {"input": str(src), "output": str(out), "pipeline": names, **report.to_dict()}
     if args.report:

@@ -183,3 +183,16 @@ def test_validate_ort_reports_drift(bert_path, tmp_path, capsys):
     captured = capsys.readouterr()
     assert code == 5
     assert "last_hidden_state: FAILED" in captured.out and "differs from" in captured.err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--backend", "nope"], "unknown backend 'nope'; available: "),
+        (["--backend", "ort", "--profile", "input_ids:1x4,2x16,4x64"], "--profile applies to --backend tensorrt only"),
+        (["--backend", "ort", "--engine", "x.engine"], "--engine applies to backends that build artifacts"),
+    ],
+)
+def test_validate_usage_errors(bert_path, capsys, args, message):
+    code = main(["validate", str(bert_path), *args])
+    assert code == 2 and message in capsys.readouterr().err

@@ -1,0 +1,295 @@
+"""Feeds: the user's arrays, or seeded random ones that respect each input's dtype and meaning.
+
+Part of :mod:`mograph.validate` (which documents the rules and re-exports the public names).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from mograph.errors import UsageError
+from mograph.validate._tolerances import dtype_class
+
+__all__ = ["load_feeds", "graph_inputs", "make_feeds"]
+
+
+#: Ops whose output carries their first input's values unchanged (searched through for index uses).
+_VALUE_PRESERVING = {"Cast", "Identity", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Expand", "Transpose", "Tile"}
+
+
+def load_feeds(source: str | os.PathLike | Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Read user feeds: an ``.npz`` file whose keys are input names, or a dict of arrays."""
+    if isinstance(source, Mapping):
+        return {str(k): np.asarray(v) for k, v in source.items()}
+    path = os.fspath(source)
+    if not os.path.isfile(path):
+        raise UsageError(f"feeds file {path}: no such file")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            if not hasattr(data, "files"):
+                raise UsageError(f"feeds file {path}: expected an .npz archive whose keys are input names")
+            return {k: np.asarray(data[k]) for k in data.files}
+    except UsageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - numpy raises several unrelated types on bad files
+        raise UsageError(f"feeds file {path}: not a readable .npz archive ({exc})") from exc
+
+
+def graph_inputs(model: ir.Model) -> list[ir.Value]:
+    """The inputs a caller feeds (graph inputs that are not also initializers)."""
+    return [v for v in model.graph.inputs if not v.is_initializer()]
+
+
+def _np_dtype(value: ir.Value) -> np.dtype:
+    dtype = value.dtype
+    if dtype is None:
+        raise UsageError(f"input '{value.name}' has no element type: give its values with --feeds")
+    if dtype == ir.DataType.STRING:
+        raise UsageError(f"input '{value.name}' is a string tensor: random feeds cannot make one; give --feeds")
+    try:
+        return np.dtype(dtype.numpy())
+    except Exception as exc:  # noqa: BLE001 - dtypes numpy cannot hold
+        raise UsageError(f"input '{value.name}' has type {dtype.name}, which random feeds cannot make") from exc
+
+
+def _static_dim(value: ir.Value, axis: int) -> int | None:
+    shape: Any = value.shape
+    if shape is None and value.const_value is not None:
+        shape = value.const_value.shape
+    if shape is None:
+        return None
+    rank = len(shape)
+    if axis < 0:
+        axis += rank
+    if not 0 <= axis < rank:
+        return None
+    dim = shape[axis]
+    return dim if isinstance(dim, int) else None
+
+
+def _attr_int(node: ir.Node, name: str, default: int) -> int:
+    attr = node.attributes.get(name)
+    return attr.as_int() if attr is not None else default
+
+
+def _index_bound(value: ir.Value) -> tuple[int | None, str]:
+    """Exclusive upper bound for an integer input used as indices, and why (``None``: no such use)."""
+    bound: int | None = None
+    why = ""
+    seen: set[int] = set()
+    frontier = [(value, 0)]
+    while frontier:
+        val, depth = frontier.pop()
+        if id(val) in seen:
+            continue
+        seen.add(id(val))
+        for use in val.uses():
+            node, idx = use.node, use.idx
+            found: int | None = None
+            what = ""
+            if node.domain in ("", "ai.onnx"):
+                if node.op_type in ("Gather", "GatherElements") and idx == 1 and node.inputs[0] is not None:
+                    found = _static_dim(node.inputs[0], _attr_int(node, "axis", 0))
+                    if found is not None:
+                        what = f"indices of {_node_ref(node)} ({found} entries)"
+                elif node.op_type == "OneHot" and idx == 0 and node.inputs[1] is not None:
+                    depth_t = node.inputs[1].const_value
+                    if depth_t is not None:
+                        found = int(np.asarray(depth_t.numpy()).reshape(-1)[0])
+                        what = f"indices of {_node_ref(node)} (depth {found})"
+                elif node.op_type in _VALUE_PRESERVING and idx == 0 and depth < 4:
+                    frontier.extend((out, depth + 1) for out in node.outputs)
+            if found is not None and found > 0 and (bound is None or found < bound):
+                bound, why = found, what
+    return bound, why
+
+
+def _node_ref(node: ir.Node) -> str:
+    return f"{node.op_type} '{node.name}'" if node.name else f"a {node.op_type}"
+
+
+def _is_mask(name: str) -> bool:
+    return "mask" in name.lower()
+
+
+def _is_segment(name: str) -> bool:
+    low = name.lower()
+    return "token_type" in low or "segment" in low
+
+
+def _random_tensor(
+    rng: np.random.Generator, value: ir.Value, shape: tuple[int, ...], dtype: np.dtype
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """One seeded random feed that respects the input's dtype and apparent meaning."""
+    name = value.name or ""
+    info: dict[str, Any] = {}
+    cls = dtype_class(dtype)
+    if _is_mask(name) and cls in ("int", "bool", "float32", "float16", "float64", "bfloat16"):
+        # Mostly ones, never an all-masked row: a fully masked attention row is NaN in any model.
+        mask = rng.random(shape) < 0.85
+        if mask.ndim:
+            mask[..., 0] = True
+        info.update(range=[0, 1], why="mask-like name: values in {0, 1}, mostly 1")
+        return mask.astype(dtype), info
+    if cls == "bool":
+        info.update(range=[0, 1], why="boolean")
+        return rng.random(shape) < 0.5, info
+    if cls == "int":
+        bound, why = _index_bound(value)
+        if _is_segment(name):
+            hi = min(2, bound) if bound else 2
+            info.update(range=[0, hi - 1], why="token-type/segment-like name" + (f"; {why}" if why else ""))
+        elif bound is not None:
+            hi = bound
+            info.update(range=[0, hi - 1], why=why)
+        elif dtype.itemsize == 1:
+            iinfo = np.iinfo(dtype)
+            lo, hi = int(iinfo.min), int(iinfo.max) + 1
+            info.update(range=[lo, hi - 1], why="8-bit integer: full range")
+            return rng.integers(lo, hi, size=shape).astype(dtype), info
+        else:
+            hi = 8
+            info.update(range=[0, hi - 1], why="integer of unknown use: small non-negative values")
+        return rng.integers(0, hi, size=shape).astype(dtype), info
+    if cls in ("float64", "float32", "float16", "bfloat16", "float8"):
+        info.update(range=[-1.0, 1.0], why="uniform")
+        return rng.uniform(-1.0, 1.0, size=shape).astype(np.float32).astype(dtype), info
+    raise UsageError(f"input '{name}' has dtype {dtype}, which random feeds cannot make; give --feeds")
+
+
+def _default_dim(value: ir.Value, axis: int, symbol: str | None, dtype: np.dtype, batch: int) -> int:
+    rank = len(value.shape) if value.shape is not None else 0
+    if axis == 0 or (symbol and "batch" in symbol.lower()):
+        return batch
+    if rank == 4 and axis >= 2 and dtype_class(dtype) not in ("int", "bool"):
+        return 64  # spatial dims of an image-like NCHW input: room for a few stride-2 stages
+    return 16
+
+
+def _bind(value: ir.Value, shape: tuple[int, ...], bindings: dict[str, int], what: str) -> None:
+    """Check ``shape`` against the input's declared dims; bind its symbolic dims."""
+    declared = value.shape
+    if declared is None:
+        return
+    if len(declared) != len(shape):
+        raise UsageError(
+            f"{what} for input '{value.name}' has rank {len(shape)} {tuple(shape)}, "
+            f"but the model declares rank {len(declared)} {_shape_str(declared)}"
+        )
+    for axis, (dim, size) in enumerate(zip(declared, shape)):
+        if isinstance(dim, int):
+            if dim != size:
+                raise UsageError(
+                    f"{what} for input '{value.name}' is {tuple(shape)}, but dim {axis} is fixed at {dim} "
+                    f"in the model {_shape_str(declared)}"
+                )
+        elif dim.value is not None:
+            if dim.value in bindings and bindings[dim.value] != size:
+                raise UsageError(
+                    f"{what} for input '{value.name}' sets '{dim.value}' to {size}, but another input "
+                    f"already set it to {bindings[dim.value]}"
+                )
+            bindings[dim.value] = size
+
+
+def _shape_str(shape: Any) -> str:
+    dims = []
+    for d in shape:
+        dims.append(str(d) if isinstance(d, int) else (d.value or "?"))
+    return "[" + ", ".join(dims) + "]"
+
+
+def make_feeds(
+    model: ir.Model,
+    *,
+    shapes: Mapping[str, Iterable[int]] | None = None,
+    feeds: str | os.PathLike | Mapping[str, Any] | None = None,
+    seed: int = 0,
+    batch: int = 1,
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Build the feeds for ``model``'s inputs: the user's, then seeded random ones for the rest.
+
+    ``batch`` is the size given to dynamic leading (batch) dims that neither ``shapes`` nor
+    ``feeds`` sized.
+
+    Returns:
+        ``(feeds, info)``: arrays by input name, and for the report ``info["inputs"]`` (per input:
+        shape, dtype, source ``file``/``random``, value range and why) and ``info["defaulted_dims"]``
+        (dynamic dims nobody sized, and the size chosen).
+
+    Raises:
+        UsageError: a shape or feed names an unknown input, contradicts a fixed dim, or an input
+            cannot be made at random (string, unknown rank).
+    """
+    inputs = graph_inputs(model)
+    by_name = {str(v.name): v for v in inputs}
+    sizes = {k: tuple(int(d) for d in v) for k, v in (shapes or {}).items()}
+    given = load_feeds(feeds) if feeds is not None else {}
+    known = ", ".join(by_name) or "none"
+    for kind, names in (("shape", list(sizes)), ("feed", list(given))):
+        unknown = [n for n in names if n not in by_name]
+        if unknown:
+            raise UsageError(f"{kind} given for unknown input(s) {unknown}; the model's inputs are: {known}")
+    bindings: dict[str, int] = {}
+    out: dict[str, np.ndarray] = {}
+    report: dict[str, Any] = {}
+    notes: list[str] = []
+    for name, array in given.items():
+        value = by_name[name]
+        want = _np_dtype(value)
+        if array.dtype != want:
+            src, dst = dtype_class(array.dtype), dtype_class(want)
+            same_kind = (src == dst) or (src not in ("int", "bool", "other") and dst not in ("int", "bool", "other"))
+            if not same_kind:
+                raise UsageError(f"feed '{name}' has dtype {array.dtype}, but the model's input is {want}")
+            notes.append(f"feed '{name}' cast from {array.dtype} to {want}")
+            array = array.astype(want)
+        _bind(value, tuple(array.shape), bindings, "feed")
+        out[name] = array
+    for name, shape in sizes.items():
+        if name in given:
+            if tuple(given[name].shape) != shape:
+                raise UsageError(f"input '{name}': --shape {shape} contradicts the feed's shape {given[name].shape}")
+            continue
+        _bind(by_name[name], shape, bindings, "shape")
+    defaulted: dict[str, int] = {}
+    rng = np.random.default_rng(seed)
+    for value in inputs:
+        name = str(value.name)
+        dtype = _np_dtype(value)
+        if name in out:
+            report[name] = {"shape": list(out[name].shape), "dtype": str(out[name].dtype), "source": "file"}
+            continue
+        if name in sizes:
+            dims = list(sizes[name])
+        else:
+            if value.shape is None:
+                raise UsageError(
+                    f"input '{name}' has no declared shape: give one with --shape {name}:D1xD2... "
+                    "(or shapes={...} in Python)"
+                )
+            dims = []
+            for axis, dim in enumerate(value.shape):
+                if isinstance(dim, int):
+                    dims.append(dim)
+                    continue
+                symbol = dim.value
+                if symbol is not None and symbol in bindings:
+                    dims.append(bindings[symbol])
+                    continue
+                size = _default_dim(value, axis, symbol, dtype, batch)
+                if symbol is not None:
+                    bindings[symbol] = size
+                    defaulted[symbol] = size
+                else:
+                    defaulted[f"{name}[{axis}]"] = size
+                dims.append(size)
+        array, info = _random_tensor(rng, value, tuple(dims), dtype)
+        out[name] = array
+        report[name] = {"shape": list(array.shape), "dtype": str(array.dtype), "source": "random", **info}
+    return out, {"inputs": report, "defaulted_dims": defaulted, "notes": notes}

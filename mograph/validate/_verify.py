@@ -1,0 +1,367 @@
+"""The verifier: one model's outputs on fixed feeds, checked against rewritten or lowered versions of it.
+
+Part of :mod:`mograph.validate`, which re-exports the public names.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from mograph import ir_io
+from mograph.backends import Runner
+from mograph.errors import ModelError, MographError
+from mograph.validate._compare import _fmt, _polygraphy, compare_outputs
+from mograph.validate._feeds import graph_inputs, make_feeds
+from mograph.validate._tolerances import Tolerance, _families, dtype_class, tolerance_for
+
+__all__ = ["Verifier", "diff_models"]
+
+logger = logging.getLogger("mograph.validate")
+
+
+def _feeds_brief(info: Mapping[str, Any]) -> str:
+    return ", ".join(f"{n} {'x'.join(map(str, i['shape'])) or 'scalar'}" for n, i in info.items())
+
+
+_NP_OF_ORT = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(double)": np.float64,
+}
+
+
+def _run(runner: Runner, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Outputs of a backend runner as numpy arrays; a runner's own failure becomes a ModelError."""
+    try:
+        outputs = runner(dict(feeds))
+    except MographError:  # a missing runtime or a bad model says so itself
+        raise
+    except Exception as exc:  # noqa: BLE001 - a runtime's own exception types
+        raise ModelError(f"{type(exc).__name__}: {exc}") from exc
+    return {str(k): np.asarray(v) for k, v in dict(outputs).items()}
+
+
+def _input_names(model: Any) -> list[str] | None:
+    """The names of the inputs ``model`` takes, or ``None`` when it is not a model mograph reads."""
+    if model is None:
+        return None
+    if isinstance(model, (str, os.PathLike)) and not os.fspath(model).endswith(".onnx"):
+        return None
+    try:
+        loaded = model if isinstance(model, ir.Model) else ir_io.load_model(model, check=False)
+    except MographError:
+        return None
+    return [str(v.name) for v in graph_inputs(loaded)]
+
+
+class Verifier:
+    """Checks rewritten versions of one model against it, on fixed feeds.
+
+    The feeds and the original's outputs are computed at construction: the model given is usually
+    rewritten in place by the passes that follow, so it is run right away.
+
+    Args:
+        original: the model as it is now (``onnx_ir.Model``, path, bytes or ``onnx.ModelProto``).
+        shapes: sizes of dynamic dims by input name, ``{"input_ids": (1, 128)}``.
+        feeds: the user's feeds: ``.npz`` path (keys are input names) or a dict of arrays; inputs
+            it lacks get random feeds.
+        seed: seed of the random feeds.
+        atol, rtol, min_cosine: override the tolerance table for floating outputs.
+        threads: ONNX Runtime intra-op threads (default: ONNX Runtime's choice).
+        reference_runner: compute the original's outputs with this backend runner instead of ONNX
+            Runtime with its optimizations off (``mograph diff --backend NAME``).
+        reference_label: what ``reference_runner`` is, for the report (``check["backend"]``).
+
+    Raises:
+        UsageError: bad shapes or feeds.
+        ModelError: ONNX Runtime cannot load or run the original model.
+        BackendUnavailableError: onnxruntime or polygraphy is missing.
+    """
+
+    def __init__(
+        self,
+        original: Any,
+        *,
+        shapes: Mapping[str, Iterable[int]] | None = None,
+        feeds: str | os.PathLike | Mapping[str, Any] | None = None,
+        seed: int = 0,
+        atol: float | None = None,
+        rtol: float | None = None,
+        min_cosine: float | None = None,
+        threads: int | None = None,
+        reference_runner: Runner | None = None,
+        reference_label: str | None = None,
+    ) -> None:
+        from mograph.backends import ort
+
+        _polygraphy()  # fail early, before any pass runs, when polygraphy is missing
+        self.seed = int(seed)
+        self.atol, self.rtol, self.min_cosine = atol, rtol, min_cosine
+        self.threads = threads
+        model = original if isinstance(original, ir.Model) else ir_io.load_model(original, check=False)
+        self.feeds, self.feed_info = make_feeds(model, shapes=shapes, feeds=feeds, seed=self.seed)
+        if reference_runner is not None:
+            try:
+                self.reference = _run(reference_runner, self.feeds)
+            except ModelError as exc:
+                raise ModelError(
+                    f"the original model fails on the verification feeds ({_feeds_brief(self.feed_info['inputs'])}) "
+                    f"on {reference_label or 'the reference backend'}: {exc}"
+                ) from exc
+            self.output_names = list(self.reference)
+            self.backend = reference_label or "the reference backend"
+            logger.info("verification feeds: %s (seed %d)", _feeds_brief(self.feed_info["inputs"]), self.seed)
+            return
+        try:
+            session = ort.make_session(original, optimizations=False, threads=threads)
+        except ModelError as exc:
+            raise ModelError(f"cannot run the original model for verification: {exc}") from exc
+        self.output_names = [o.name for o in session.get_outputs()]
+        try:
+            self.reference = ort.run(session, self.feeds, self.output_names)
+        except ModelError as exc:
+            raise ModelError(
+                f"the original model fails on the verification feeds ({_feeds_brief(self.feed_info['inputs'])}): "
+                f"{exc}; give realistic inputs with --feeds or sizes with --shape"
+            ) from exc
+        self.backend = f"onnxruntime {ort.ort_version()} (CPU, graph optimizations off)"
+        del session
+        logger.info("verification feeds: %s (seed %d)", _feeds_brief(self.feed_info["inputs"]), self.seed)
+
+    def tolerances(self, family: str | Iterable[str] | None) -> dict[str, Tolerance]:
+        return {
+            name: tolerance_for(arr.dtype, family, atol=self.atol, rtol=self.rtol, min_cosine=self.min_cosine)
+            for name, arr in self.reference.items()
+        }
+
+    def _base(self, family: str | Iterable[str] | None) -> dict[str, Any]:
+        return {
+            "passed": False,
+            "summary": "",
+            "reason": None,
+            "family": _families(family),
+            "outputs": {},
+            "feeds": self.feed_info["inputs"],
+            "defaulted_dims": self.feed_info["defaulted_dims"],
+            "seed": self.seed,
+            "backend": self.backend,
+        }
+
+    def _fail(self, check: dict[str, Any], reason: str) -> dict[str, Any]:
+        check.update(passed=False, reason=reason, summary=f"FAILED: {reason}")
+        logger.info("verification: %s", check["summary"])
+        return check
+
+    def check(
+        self,
+        model: Any,
+        family: str | Iterable[str] | None = None,
+        *,
+        runner: Runner | None = None,
+        label: str | None = None,
+    ) -> dict[str, Any]:
+        """Run ``model`` on the feeds and compare with the original's outputs.
+
+        Args:
+            model: the rewritten model (same forms as the original).
+            family: the family of the pass(es) that produced it, or a set of families; selects the
+                tolerances (loosest applicable).  ``None``: tight tolerances.
+            runner: run the model through this backend runner (``backend.make_runner(model)``)
+                instead of ONNX Runtime with its optimizations off; ``model`` then only says which
+                inputs it takes (``None``, or a form mograph cannot read, such as an engine file: all
+                the feeds).
+            label: what ``runner`` is, for the report (``check["candidate"]``).
+
+        Returns:
+            A JSON-serialisable dict: ``passed``, ``summary`` (one line), ``reason`` (set when the
+            model could not be compared at all), ``outputs`` (per output: ``max_abs``,
+            ``max_rel``, ``cosine``, ``passed``, ``atol``, ``rtol``, ``min_cosine`` and
+            ``failures``), ``feeds`` (what was fed), ``defaulted_dims``, ``seed``, ``family``.
+        """
+        check = self._base(family)
+        if runner is not None:
+            check["candidate"] = label or "the backend under test"
+            outputs = self._run_candidate(check, model, runner)
+        else:
+            outputs = self._run_ort(check, model)
+        if outputs is None:
+            return check
+        return self.judge(check, outputs, family)
+
+    def _run_ort(self, check: dict[str, Any], model: Any) -> dict[str, np.ndarray] | None:
+        from mograph.backends import ort
+
+        try:
+            session = ort.make_session(model, optimizations=False, threads=self.threads)
+        except ModelError as exc:
+            self._fail(check, f"the optimized model cannot be loaded: {exc}")
+            return None
+        names = [o.name for o in session.get_outputs()]
+        if names != self.output_names:
+            self._fail(check, self._names_changed(names))
+            return None
+        feeds: dict[str, np.ndarray] = {}
+        notes: list[str] = []
+        for inp in session.get_inputs():
+            if inp.name not in self.feeds:
+                self._fail(check, f"the optimized model has an input '{inp.name}' the original does not have")
+                return None
+            arr = self.feeds[inp.name]
+            want = _NP_OF_ORT.get(inp.type)
+            if want is not None and arr.dtype != want and dtype_class(arr.dtype) not in ("int", "bool"):
+                notes.append(f"input '{inp.name}' fed as {np.dtype(want)} (the optimized model's type)")
+                arr = arr.astype(want)
+            feeds[inp.name] = arr
+        dropped = sorted(set(self.feeds) - set(feeds))
+        if dropped:
+            notes.append(f"the optimized model no longer takes input(s) {dropped}")
+        if notes:
+            check["notes"] = notes
+        try:
+            return ort.run(session, feeds, names)
+        except ModelError as exc:
+            self._fail(check, f"the optimized model fails on the verification feeds: {exc}")
+            return None
+
+    def _run_candidate(self, check: dict[str, Any], model: Any, runner: Runner) -> dict[str, np.ndarray] | None:
+        feeds = dict(self.feeds)
+        inputs = _input_names(model)
+        if inputs is not None:
+            extra = [n for n in inputs if n not in self.feeds]
+            if extra:
+                self._fail(check, f"the model under test has an input '{extra[0]}' the original does not have")
+                return None
+            feeds = {n: self.feeds[n] for n in inputs}
+            dropped = sorted(set(self.feeds) - set(feeds))
+            if dropped:
+                check["notes"] = [f"the model under test does not take input(s) {dropped}"]
+        try:
+            outputs = _run(runner, feeds)
+        except ModelError as exc:
+            self._fail(check, f"{check['candidate']} fails on the verification feeds: {exc}")
+            return None
+        if set(outputs) != set(self.output_names):
+            self._fail(check, self._names_changed(list(outputs)))
+            return None
+        return {n: outputs[n] for n in self.output_names}
+
+    def _names_changed(self, names: list[str]) -> str:
+        if len(names) != len(self.output_names):
+            what = f"output count changed from {len(self.output_names)} to {len(names)}"
+        elif set(names) == set(self.output_names):
+            what = "output order changed"
+        else:
+            what = "output names changed"
+        return f"{what}: original {self.output_names}, optimized {names}"
+
+    def judge(
+        self, check: dict[str, Any], outputs: Mapping[str, np.ndarray], family: str | Iterable[str] | None
+    ) -> dict[str, Any]:
+        """Fill ``check`` (from :meth:`check`) with the verdict on ``outputs`` (named as the original's)."""
+        tolerances = self.tolerances(family)
+        for name, arr in outputs.items():
+            ref_dtype = self.reference[name].dtype
+            if arr.dtype != ref_dtype and dtype_class(arr.dtype) not in ("int", "bool", "other"):
+                # e.g. a precision pass made a float32 output float16: judge it at the lower precision
+                tolerances[name] = tolerances[name].loosest(
+                    tolerance_for(arr.dtype, family, atol=self.atol, rtol=self.rtol, min_cosine=self.min_cosine)
+                )
+        entries = compare_outputs(self.reference, outputs, tolerances)
+        check["outputs"] = entries
+        check["passed"] = all(e["passed"] for e in entries.values())
+        check["summary"] = self._summary(check)
+        logger.info("verification: %s", check["summary"])
+        return check
+
+    @staticmethod
+    def _worst(outputs: Mapping[str, dict[str, Any]]) -> str | None:
+        if not outputs:
+            return None
+
+        def key(item: tuple[str, dict[str, Any]]) -> tuple[Any, ...]:
+            _, e = item
+            cos = e.get("cosine")
+            return (e["passed"], cos if cos is not None else (2.0 if e["passed"] else -2.0), -(e.get("max_abs") or 0.0))
+
+        return min(outputs.items(), key=key)[0]
+
+    def _summary(self, check: Mapping[str, Any]) -> str:
+        outputs = check["outputs"]
+        worst = self._worst(outputs)
+        n_fail = sum(not e["passed"] for e in outputs.values())
+        head = f"passed ({len(outputs)} outputs)" if check["passed"] else f"FAILED ({n_fail} of {len(outputs)} outputs)"
+        if worst is None:
+            return f"{head}: the model has no outputs"
+        e = outputs[worst]
+        return (
+            f"{head}: worst output '{worst}' max abs {_fmt(e['max_abs'])}, max rel {_fmt(e['max_rel'])}, "
+            f"cosine {_fmt(e['cosine'], 6)}"
+        )
+
+    def describe_failure(self, check: Mapping[str, Any]) -> str:
+        """One line saying what failed and on which feeds."""
+        where = f" [feeds: {_feeds_brief(check.get('feeds', {}))}; seed {check.get('seed')}]"
+        if check.get("reason"):
+            return str(check["reason"]) + where
+        parts = []
+        for name, e in check.get("outputs", {}).items():
+            if not e["passed"]:
+                parts.append(f"output '{name}' ({e['dtype']}): " + "; ".join(e.get("failures", [])))
+        fam = check.get("family") or []
+        fam_s = f" (tolerances of {', '.join(fam)})" if fam else ""
+        return ("; ".join(parts) or "no output failed") + fam_s + where
+
+
+def diff_models(
+    a: Any,
+    b: Any,
+    *,
+    shapes: Mapping[str, Iterable[int]] | None = None,
+    feeds: str | os.PathLike | Mapping[str, Any] | None = None,
+    seed: int = 0,
+    atol: float | None = None,
+    rtol: float | None = None,
+    min_cosine: float | None = None,
+    family: str | Iterable[str] | None = None,
+    threads: int | None = None,
+    backend: Any = None,
+) -> dict[str, Any]:
+    """Compare model ``b`` against model ``a`` (the reference) on the same feeds.
+
+    ``backend``: run both models on this backend (a registered name or a backend object), its own
+    graph optimizations off; ``None`` or ``"ort"``: ONNX Runtime, as :class:`Verifier` does.
+
+    Returns the check dict of :meth:`Verifier.check` (``passed``, ``summary``, ``outputs`` ...);
+    does not raise when the numbers differ: the caller decides (``mograph diff`` exits 5).
+    """
+    if isinstance(b, (str, os.PathLike)):
+        ir_io.load_model(b, check=False)  # a missing or unreadable B is a ModelError, not a difference
+    options = dict(shapes=shapes, feeds=feeds, seed=seed, atol=atol, rtol=rtol, min_cosine=min_cosine, threads=threads)
+    if isinstance(backend, str):
+        from mograph.backends import get_backend
+        from mograph.plugins import get_registry
+
+        backend = get_backend(get_registry().backends, backend, job="diff")
+    if backend is None or getattr(backend, "name", None) == "ort":
+        verifier = Verifier(a, **options)  # type: ignore[arg-type]
+        check = verifier.check(b, family=family)
+    else:
+        from mograph.backends import require_available
+
+        require_available(backend)
+        label = f"backend '{backend.name}' (its graph optimizations off)"
+        ref_runner = backend.make_runner(a, optimizations=False, threads=threads)
+        verifier = Verifier(a, reference_runner=ref_runner, reference_label=label, **options)  # type: ignore[arg-type]
+        check = verifier.check(b, family=family, runner=backend.make_runner(b, optimizations=False, threads=threads),
+                               label=label)
+    if not check["passed"]:
+        check["failure"] = verifier.describe_failure(check)
+    check["tolerances"] = {n: asdict(t) for n, t in verifier.tolerances(family).items()}
+    return check
