@@ -13,6 +13,7 @@ from mograph_example_plugin.swish import lower_swish, swish, swish_function
 from onnx import TensorProto, helper, numpy_helper
 
 import mograph
+from mograph.lowering import LoweringContext
 from mograph.pass_infra import PROVENANCE_PASS, PROVENANCE_RULE, PassManager
 
 SHAPE = [2, 3, 8]
@@ -140,7 +141,7 @@ def test_lowering_to_standard_ops(beta):
     proto = _model(nodes, inits=[_beta(beta)] if beta != 1.0 else [])
     model, _ = _run(proto)
     node = model.graph.node(0)
-    assert lower_swish(node, model) is True
+    assert lower_swish(node, LoweringContext(model, "ort")) is True
     expected = ["Sigmoid", "Mul"] if beta == 1.0 else ["Constant", "Mul", "Sigmoid", "Mul"]
     assert _ops(model) == expected
     assert [v.name for v in model.graph.outputs] == ["y"]
@@ -152,5 +153,5 @@ def test_lowering_declines_an_untyped_input():
     node = ir.node("BetaSwish", [ir.Value(name="x")], domain="example")
     graph = ir.Graph([node.inputs[0]], node.outputs, nodes=[node], opset_imports={"": 17, "example": 1})
     model = ir.Model(graph, ir_version=8)
-    assert lower_swish(node, model) is False
+    assert lower_swish(node, LoweringContext(model, "ort")) is False
     assert _ops(model) == ["example.BetaSwish"]
