@@ -6,8 +6,10 @@ the ONNX IR does not allow and what nothing downstream can work with:
 * an element type ``UNDEFINED`` (0) on a graph input or output, a node's output, an initializer or a
   tensor attribute (a ``Constant``'s value): no tensor can be made of it, so folding, random feeds
   and ONNX Runtime all fail on it, each in its own way;
-* a negative ``dim_value`` (a converter's ``-1`` for "unknown"; ONNX spells that as a named or an
-  unset dim): every consumer of the shape, random verification feeds first, would take it as a size;
+* a ``dim_value`` below -1: no meaning anywhere.  A ``-1`` is what some converters write for
+  "unknown" (ONNX spells that as a named or unset dim; ONNX Runtime reads -1 as unknown too), so it is
+  not refused: it becomes an unset dim, with one warning per model, before any consumer of the shape
+  (random verification feeds first) could take it as a size;
 * a cycle inside a subgraph (``If`` / ``Loop`` / ``Scan`` bodies); the main graph's cycles are found by
   the structure check in :mod:`mograph.ir_io`.
 
@@ -16,6 +18,7 @@ Checked once, at load, so a pass never meets them and they are exit code 3, neve
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 
 import onnx_ir as ir
@@ -24,12 +27,18 @@ from mograph.errors import ModelError
 
 __all__ = ["check_declarations"]
 
+logger = logging.getLogger(__name__)
+
 
 def check_declarations(model: ir.Model) -> None:
-    """Raise :class:`ModelError` for the first UNDEFINED element type, negative dim, or subgraph cycle."""
+    """Raise :class:`ModelError` for the first UNDEFINED element type, dim below -1, or subgraph cycle.
+
+    A ``-1`` dim is made an unset (unknown) dim in place, with a warning naming the first value that had one.
+    """
+    unknown: list[str] = []
     for graph, owner in _graphs(model.graph):
         for role, value in _declared_values(graph):
-            _check_value(value, role)
+            _check_value(value, role, unknown)
         for name, init in graph.initializers.items():
             tensor = init.const_value
             if tensor is not None and tensor.dtype == ir.DataType.UNDEFINED:
@@ -42,6 +51,9 @@ def check_declarations(model: ir.Model) -> None:
                 raise ModelError(
                     f"subgraph '{graph.name}' of node '{_node_name(owner)}' has a cycle through nodes {stuck}"
                 )
+    if unknown:
+        logger.warning("%d value(s) declare a dimension of -1 (first: %s); read as unknown dimensions",
+                       len(unknown), unknown[0])
 
 
 def _graphs(main: ir.Graph) -> Iterator[tuple[ir.Graph, ir.Node | None]]:
@@ -69,17 +81,21 @@ def _declared_values(graph: ir.Graph) -> Iterable[tuple[str, ir.Value]]:
                 yield "value", v
 
 
-def _check_value(value: ir.Value, role: str) -> None:
+def _check_value(value: ir.Value, role: str, unknown: list[str]) -> None:
     if value.dtype == ir.DataType.UNDEFINED:
         raise ModelError(f"{role} '{value.name}' has element type UNDEFINED: a tensor needs an element type")
     if value.shape is None:
         return
-    for axis, dim in enumerate(value.shape.dims):
-        if isinstance(dim, int) and dim < 0:
+    dims = list(value.shape.dims)
+    for axis, dim in enumerate(dims):
+        if isinstance(dim, int) and dim < -1:
             raise ModelError(
                 f"{role} '{value.name}' dimension {axis} is {dim}: a dimension is a size >= 0 or a name "
-                "(an unknown size is a named or unset dim, not -1)"
+                "(an unknown size is a named or unset dim)"
             )
+    if any(isinstance(d, int) and d == -1 for d in dims):
+        unknown.append(f"{role} '{value.name}'")
+        value.shape = ir.Shape([None if isinstance(d, int) and d == -1 else d for d in dims])
 
 
 def _check_tensor_attributes(node: ir.Node) -> None:

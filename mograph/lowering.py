@@ -56,8 +56,10 @@ __all__ = [
     "drop_unused_functions",
     "inline_node",
     "is_plugin_node",
+    "has_custom_ops",
     "known_targets",
     "lower_model",
+    "lowered_for",
     "plugin_node",
     "plugin_vectors",
     "replace_node",
@@ -78,8 +80,10 @@ def known_targets(registry: Registry) -> list[str]:
     names = list(BUILTIN_TARGETS)
     for op in registry.custom_ops.values():
         names += [t for t in op.lowerings if t not in names]
+    from mograph.backends import backend_target
+
     for backend in registry.backends.values():
-        target = getattr(backend, "target", None)
+        target = backend_target(backend)
         if isinstance(target, str) and target and target not in names:
             names.append(target)
     return names
@@ -394,6 +398,35 @@ def lower_model(model: ir.Model, target: str = DEFAULT_TARGET, *, registry: Regi
     if not modified:
         restore_types(snapshot)
     return PassResult(modified=modified, stats=dict(sorted(stats.items())), details=details)
+
+
+def has_custom_ops(model: ir.Model, registry: Registry | None = None) -> bool:
+    """Whether ``model`` holds nodes of registered custom ops not yet lowered (plugin nodes count as lowered)."""
+    if registry is None:
+        from mograph.plugins import get_registry
+
+        registry = get_registry()
+    ops = registry.custom_ops
+    return any((n.domain, n.op_type) in ops and not is_plugin_node(n)
+               for n in ir.traversal.RecursiveGraphIterator(model.graph))
+
+
+def lowered_for(model: Any, target: str, *, registry: Registry | None = None) -> tuple[Any, dict[str, int | float]]:
+    """A backend's first act: ``model`` lowered for ``target`` if it holds custom ops, else ``model`` itself.
+
+    ``model`` may be anything :func:`mograph.ir_io.load_model` takes; the caller's object is never
+    changed (a lowered copy is returned).  Returns the model to run and the lowering's stats (empty when
+    nothing was lowered).
+    """
+    from mograph import ir_io
+
+    ir_model = model if isinstance(model, ir.Model) else ir_io.load_model(model)
+    if not has_custom_ops(ir_model, registry):
+        return model, {}
+    if ir_model is model:
+        ir_model = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    result = lower_model(ir_model, target, registry=registry)
+    return ir_model, dict(result.stats)
 
 
 def _target_name(raw: str) -> str:

@@ -73,13 +73,13 @@ def _subgraph_cycle() -> onnx.ModelProto:
     return make_model([node], [("x", np.float32, [2, 3]), ("c", np.bool_, [])], [("y", np.float32, [2, 3])])
 
 
-def _negative_dim(where: str) -> onnx.ModelProto:
-    """A dim declared as ``dim_value -1`` on the input, the output or an intermediate value."""
-    x, y = ([-1, 3] if where == "input" else [2, 3]), ([-1, 3] if where == "output" else [2, 3])
+def _negative_dim(where: str, dim: int = -2) -> onnx.ModelProto:
+    """A dim declared as a negative ``dim_value`` on the input, the output or an intermediate value."""
+    x, y = ([dim, 3] if where == "input" else [2, 3]), ([dim, 3] if where == "output" else [2, 3])
     nodes = [helper.make_node("Relu", ["x"], ["t"]), helper.make_node("Neg", ["t"], ["y"])]
     proto = make_model(nodes, [("x", np.float32, x)], [("y", np.float32, y)])
     if where == "value":
-        proto.graph.value_info.append(helper.make_tensor_value_info("t", onnx.TensorProto.FLOAT, [2, -1]))
+        proto.graph.value_info.append(helper.make_tensor_value_info("t", onnx.TensorProto.FLOAT, [2, dim]))
     return proto
 
 
@@ -184,9 +184,9 @@ MODEL_ERRORS = {
     "cycle": "cycle",
     "subgraph-cycle": "subgraph 'then' of node 'if' has a cycle through nodes",
     "missing-initializer": "w_missing",
-    "negative-dim-input": "graph input 'x' dimension 0 is -1",
-    "negative-dim-output": "graph output 'y' dimension 0 is -1",
-    "negative-dim-value": "value 't' dimension 1 is -1",
+    "negative-dim-input": "graph input 'x' dimension 0 is -2",
+    "negative-dim-output": "graph output 'y' dimension 0 is -2",
+    "negative-dim-value": "value 't' dimension 1 is -2",
     "undefined-dtype-input": "graph input 'x' has element type UNDEFINED",
     "undefined-dtype-initializer": "initializer 'w' has element type UNDEFINED",
     "undefined-dtype-constant": "attribute 'value' of node 'const' (Constant) is a tensor of element type UNDEFINED",
@@ -227,6 +227,19 @@ def test_invalid_models_are_refused_by_the_api_loader(case):
     with pytest.raises(ModelError, match=re.escape(MODEL_ERRORS[case])):
         mograph.load(proto)
     assert ir_io.load_model(proto, check=False) is not None  # check=False still loads it
+
+
+def test_a_minus_one_dim_is_read_as_unknown(capsys, workdir, caplog):
+    """Converters write -1 for "unknown" and ONNX Runtime reads it so: loaded as an unset dim, with a
+    warning, and ``--verify`` picks a size for it instead of crashing (``ValueError: negative dimensions``)."""
+    pytest.importorskip("polygraphy")
+    path = workdir / "minus_one.onnx"
+    onnx.save(_negative_dim("input", -1), path)
+    model = ir_io.load_model(path)
+    assert model.graph.inputs[0].shape.dims[0] is None or not isinstance(model.graph.inputs[0].shape.dims[0], int)
+    code, _out, err = _cli(capsys, "optimize", str(path), "-o", str(workdir / "out.onnx"), "--verify", "-q")
+    assert code == 0, err
+    assert onnx.load(str(path)).graph.input[0].type.tensor_type.shape.dim[0].dim_value == -1  # input unchanged
 
 
 def test_a_subgraph_out_of_order_without_a_cycle_loads():

@@ -220,6 +220,7 @@ class OrtBackend(Backend):
     """ONNX Runtime on CPU (or any execution provider the installed build has)."""
 
     name = "ort"
+    target = "ort"
     description = "ONNX Runtime (CPU by default; other execution providers when installed)"
     extra = "ort"
     module = "onnxruntime"
@@ -232,6 +233,15 @@ class OrtBackend(Backend):
         threads: int | None = None,
         providers: list[str] | None = None,
     ) -> Runner:
+        """A runner of ``model`` in an ONNX Runtime session.
+
+        Its first act is the ``lower`` step for target ``ort`` where the model still holds fused custom ops
+        (on a copy: the caller's model is not changed), so ONNX Runtime runs its own kernels, not the
+        ops' function bodies; ``runner.lowered`` holds what that did.
+        """
+        from mograph.lowering import lowered_for
+
+        model, lowered = lowered_for(model, "ort")
         session = make_session(model, optimizations=optimizations, threads=threads, providers=providers)
         names = [o.name for o in session.get_outputs()]
 
@@ -239,6 +249,7 @@ class OrtBackend(Backend):
             return run(session, feeds, names)
 
         runner.session = session  # type: ignore[attr-defined]
+        runner.lowered = lowered  # type: ignore[attr-defined]
         return runner
 
 

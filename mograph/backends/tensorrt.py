@@ -227,14 +227,9 @@ def _mograph_plugin_nodes(model: Any) -> list[Any]:
 
 def _needs_lowering(model: Any) -> bool:
     """Whether ``model`` holds registered custom-op nodes not yet lowered for TensorRT."""
-    import onnx_ir as ir
+    from mograph.lowering import has_custom_ops
 
-    from mograph.lowering import is_plugin_node
-    from mograph.plugins import get_registry
-
-    ops = get_registry().custom_ops
-    return any((n.domain, n.op_type) in ops and not is_plugin_node(n)
-               for n in ir.traversal.RecursiveGraphIterator(model.graph))
+    return has_custom_ops(model)
 
 
 def _plugin_node_problems(model: Any) -> list[str]:
@@ -731,6 +726,7 @@ class TensorRTBackend(Backend):
     """TensorRT engines (``tensorrt``, or ``tensorrt_rtx`` which also builds without a GPU)."""
 
     name = "tensorrt"
+    target = "tensorrt"
     description = (
         "TensorRT engines with the mograph plugins (builds with tensorrt or tensorrt_rtx; runs on an NVIDIA GPU)"
     )

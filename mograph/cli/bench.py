@@ -263,6 +263,7 @@ def run(args: argparse.Namespace) -> CommandResult:
             "samples_per_s": ips * batch if (ips is not None and batch is not None) else None,
         },
         "memory": memory,
+        "lowered": dict(getattr(runner, "lowered", None) or {}),
     }
     lat = data["latency_ms"]
     feeds_s = ", ".join(f"{n} {i['dtype']} {'x'.join(map(str, i['shape'])) or 'scalar'}" for n, i in info["inputs"].items())
@@ -275,6 +276,9 @@ def run(args: argparse.Namespace) -> CommandResult:
     if info["defaulted_dims"]:
         dims = ", ".join(f"{k}={v}" for k, v in info["defaulted_dims"].items())
         lines.append(f"            dynamic dims defaulted: {dims} (set them with --shape / --batch)")
+    if data["lowered"]:
+        lowered = ", ".join(f"{k}={v}" for k, v in data["lowered"].items())
+        lines.append(f"lowered:    for the {args.backend} backend first (its fused ops were not): {lowered}")
     lines += [
         f"session:    created in {session_s * 1000:.1f} ms",
         f"latency:    p50 {lat['p50']:.3f} ms   p90 {lat['p90']:.3f} ms   p99 {lat['p99']:.3f} ms   "
