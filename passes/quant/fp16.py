@@ -8,7 +8,14 @@ on the calibration data (largest magnitude, largest reduced extent), and a node 
 - any of its float inputs or outputs reached ``--fp16-max`` (default 65504) in magnitude — **overflow**;
 - it reduces (``Reduce*``, ``*Normalization``, ``GlobalAveragePool``, ``Softmax``, ``CumSum``) over at least
   ``--fp16-reduction-limit`` elements (default 4096) — **deep reduction**;
-- it is in a custom domain, or the user said so (``--keep-fp32``, an edited ``--precision-plan``).
+- it is in a custom domain, or the user said so (``--keep-fp32``, an edited ``--precision-plan``);
+- its operator has no float16 form at the model's opset (``DynamicQuantizeLinear``, ``DequantizeLinear``
+  before opset 19: the ONNX schema's type constraints say so) — **no float16 form**;
+- it is control flow (``If``, ``Loop``, ``Scan``): its subgraphs are not converted, so its outputs keep the
+  types its branches produce — **control flow**.
+
+An input the schema allows only as float32 (``Resize`` scales, for example) stays float32 on a float16
+node: the initializer or ``Constant`` feeding it is left in float32 (or a ``Cast`` to float32 feeds it).
 
 Every other node computes in float16: its float initializers are stored in float16, ``Cast``s to float and
 float ``Constant``/``ConstantOfShape`` values follow, and one ``Cast`` is inserted on each edge that crosses
@@ -42,6 +49,45 @@ _REDUCTIONS_BY_SIZE = {"ReduceSum", "ReduceMean", "ReduceSumSquare", "ReduceL1",
 _REDUCTIONS_LAST_AXIS = {"LayerNormalization", "SimplifiedLayerNormalization", "GroupNormalization",
                          "InstanceNormalization", "RMSNormalization", "Softmax", "LogSoftmax"}
 _FP16_MARK = "mograph.fp16"
+
+
+_HALF = "tensor(float16)"
+_CONTROL_FLOW = {"If", "Loop", "Scan"}
+
+
+def _formal(formals: list[Any], i: int) -> Any | None:
+    """The schema's formal parameter for input or output ``i`` (the last one repeats when variadic)."""
+    if i < len(formals):
+        return formals[i]
+    if formals and formals[-1].option == formals[-1].option.Variadic:
+        return formals[-1]
+    return None
+
+
+def _allows_half(schema: Any, formal: Any | None) -> bool:
+    if formal is None:
+        return True
+    constraints = {c.type_param_str: c.allowed_type_strs for c in schema.type_constraints}
+    allowed = constraints.get(formal.type_str, [formal.type_str])
+    return any(_HALF in t for t in allowed)
+
+
+def _half_support(node: ir.Node, opset: int, floats: set[str]) -> tuple[bool, frozenset[int]]:
+    """Whether ``node`` can compute in float16, and which of its float inputs must stay float32.
+
+    Read from the operator's ONNX schema at ``opset`` (a node without a schema is not constrained here).
+    """
+    import onnx
+
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
+    except onnx.defs.SchemaError:
+        return True, frozenset()
+    outs_ok = all(_allows_half(schema, _formal(list(schema.outputs), i))
+                  for i, v in enumerate(node.outputs) if v.name in floats)
+    pinned = frozenset(i for i, v in enumerate(node.inputs) if v is not None and v.name in floats
+                       and not _allows_half(schema, _formal(list(schema.inputs), i)))
+    return outs_ok, pinned
 
 
 def _yes(text: str) -> bool:
@@ -103,6 +149,9 @@ class Fp16Pass(Pass):
                 return x.max_reduced
             return x.max_size // max(y.max_size, 1) if y is not None else x.max_size
 
+        opset = int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1)))
+        support = {id(n): _half_support(n, opset, floats) for n in compute if n.domain in ("", "ai.onnx")}
+        pinned = {key: value[1] for key, value in support.items() if value[1]}
         decisions: dict[int, tuple[str, str]] = {}
         keep = set(self.config.get("keep_fp32") or [])
         user = load_plan(self.config["precision_plan"]) if self.config.get("precision_plan") else None
@@ -115,6 +164,10 @@ class Fp16Pass(Pass):
                 decisions[id(n)] = ("fp32", "user override (--keep-fp32)")
             elif n.domain not in ("", "ai.onnx"):
                 decisions[id(n)] = ("fp32", f"default rule: custom domain {n.domain}")
+            elif not support[id(n)][0]:
+                decisions[id(n)] = ("fp32", f"default rule: {n.op_type} has no float16 form at opset {opset}")
+            elif n.op_type in _CONTROL_FLOW:
+                decisions[id(n)] = ("fp32", "default rule: control flow (its subgraphs stay float32, so do its outputs)")
             else:
                 peak = max(amax(v) for v in (*n.inputs, *n.outputs))
                 depth = reduced(n) if n.op_type in _REDUCTIONS_BY_SIZE | _REDUCTIONS_LAST_AXIS else 0
@@ -124,7 +177,19 @@ class Fp16Pass(Pass):
                     decisions[id(n)] = ("fp32", f"measured sensitivity: reduces {depth} elements >= {limit_red}")
                 else:
                     decisions[id(n)] = ("fp16", "default rule: float16")
-        converted = self._convert(model, compute, decisions, floats)
+        pinned_uses = 0
+        for n in compute:  # a constant that only feeds float32-only inputs stays float32 itself
+            if n.inputs or decisions[id(n)][0] != "fp16":
+                continue
+            uses = [u for v in n.outputs for u in v.uses()]
+            if uses and all(u.idx in pinned.get(id(u.node), ()) for u in uses) and not any(
+                v.is_graph_output() for v in n.outputs
+            ):
+                decisions[id(n)] = ("fp32", "default rule: feeds only inputs that must stay float32")
+        for n in compute:
+            if decisions[id(n)][0] == "fp16":
+                pinned_uses += len(pinned.get(id(n), ()))
+        converted = self._convert(model, compute, decisions, floats, pinned)
         plan = PrecisionPlan(self.name)
         plan.meta["calibration"] = calibration_meta(source, max((s.samples for s in stats_by.values()), default=0),
                                                     None)
@@ -135,6 +200,9 @@ class Fp16Pass(Pass):
             "kept_fp32": sum(1 for n in compute if decisions[id(n)][0] == "fp32"),
             "kept_fp32.overflow": sum(1 for n in compute if "|x| reached" in decisions[id(n)][1]),
             "kept_fp32.reduction": sum(1 for n in compute if "reduces" in decisions[id(n)][1]),
+            "kept_fp32.no_float16_form": sum(1 for n in compute if "no float16 form" in decisions[id(n)][1]),
+            "kept_fp32.control_flow": sum(1 for n in compute if "control flow" in decisions[id(n)][1]),
+            "kept_fp32.float32_only_input": pinned_uses,
             "initializers_fp16": converted["initializers"],
             "casts": converted["casts"],
         }
@@ -150,13 +218,17 @@ class Fp16Pass(Pass):
         return PassResult(stats["converted"] > 0, stats, details)
 
     def _convert(self, model: ir.Model, compute: list[ir.Node], decisions: dict[int, tuple[str, str]],
-                 floats: set[str]) -> dict[str, int]:
+                 floats: set[str], pinned: dict[int, frozenset[int]]) -> dict[str, int]:
         graph = model.graph
         half = {id(n) for n in compute if decisions[id(n)][0] == "fp16"}
         if not half:
             return {"initializers": 0, "casts": 0}
         io16 = bool(self.config.get("fp16_io"))
         counts = {"initializers": 0, "casts": 0}
+
+        def wants_half(use: ir.Usage) -> bool:
+            return id(use.node) in half and use.idx not in pinned.get(id(use.node), ())
+
         # where each float value lives: its producer's precision, initializers where all consumers are fp16
         home: dict[int, str] = {}
         values: list[ir.Value] = []
@@ -165,7 +237,7 @@ class Fp16Pass(Pass):
                 home[id(v)] = "fp16" if io16 else "fp32"
                 values.append(v)
         for name, v in list(graph.initializers.items()):
-            if name in floats and v.uses() and all(id(u.node) in half for u in v.uses()):
+            if name in floats and v.uses() and all(wants_half(u) for u in v.uses()):
                 t = v.const_value
                 assert t is not None
                 v.const_value = ir.tensor(t.numpy().astype(np.float16), name=name)
@@ -198,7 +270,7 @@ class Fp16Pass(Pass):
                 consumer = use.node
                 if consumer.op_type == "Cast" and consumer.metadata_props.get("mograph.fp16.cast"):
                     continue
-                want = "fp16" if id(consumer) in half else "fp32"
+                want = "fp16" if wants_half(use) else "fp32"
                 if want == home.get(id(v)) or consumer.op_type in ("Shape", "Size"):
                     continue
                 key = (id(v), want)
