@@ -226,7 +226,7 @@ class Fp16Pass(Pass):
         io16 = bool(self.config.get("fp16_io"))
         counts = {"initializers": 0, "casts": 0}
 
-        def wants_half(use: ir.Usage) -> bool:
+        def wants_half(use: Any) -> bool:  # an onnx_ir Usage (node, idx)
             return id(use.node) in half and use.idx not in pinned.get(id(use.node), ())
 
         # where each float value lives: its producer's precision, initializers where all consumers are fp16
