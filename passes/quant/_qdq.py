@@ -52,6 +52,7 @@ __all__ = [
     "fake_quant_activation",
     "fake_quant_weight",
     "quantize_weight_array",
+    "scale_numpy_type",
 ]
 
 QUANT_OPS = ("MatMul", "Gemm", "Conv")
@@ -245,18 +246,38 @@ def tensors_to_observe(cands: list[Candidate]) -> list[str]:
 
 
 
-def activation_params(lo: float, hi: float, s: Scheme) -> tuple[np.ndarray, np.ndarray]:
-    """Scale and zero point of a per-tensor activation range under scheme ``s``."""
+def scale_numpy_type(dtype: ir.DataType | None) -> Any:
+    """The numpy type of the scales for a tensor of ``dtype``: QuantizeLinear-19 takes the scale in x's type."""
+    if dtype == ir.DataType.FLOAT16:
+        return np.float16
+    if dtype == ir.DataType.BFLOAT16:
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.float32
+
+
+def _round_scale(scale: np.ndarray | float, scale_dtype: Any) -> np.ndarray:
+    """``scale`` stored in ``scale_dtype``, never rounded to zero (the smallest positive value of the type)."""
+    arr = np.asarray(scale, np.float32)
+    if scale_dtype is np.float32:
+        return arr
+    tiny = 2.0**-24 if scale_dtype is np.float16 else 1.2e-38
+    return np.maximum(arr, np.float32(tiny)).astype(scale_dtype)
+
+
+def activation_params(lo: float, hi: float, s: Scheme, scale_dtype: Any = np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """Scale (in ``scale_dtype``) and zero point of a per-tensor activation range under scheme ``s``."""
     if s.is_float:
         amax = max(abs(lo), abs(hi), 1e-12)
-        return np.array(amax / s.qmax, np.float32), np.zeros((), _fp8())
+        return _round_scale(amax / s.qmax, scale_dtype), np.zeros((), _fp8())
     if s.act_symmetric:
         amax = max(abs(lo), abs(hi), 1e-12)
-        return np.array(amax / 127.0, np.float32), np.zeros((), np.int8)
+        return _round_scale(amax / 127.0, scale_dtype), np.zeros((), np.int8)
     lo, hi = min(lo, 0.0), max(hi, 0.0)
-    scale = max((hi - lo) / 255.0, 1e-12)
-    zp = int(np.clip(round(-lo / scale), 0, 255))
-    return np.array(scale, np.float32), np.array(zp, np.uint8)
+    scale = _round_scale(max((hi - lo) / 255.0, 1e-12), scale_dtype)
+    zp = int(np.clip(round(-lo / float(scale)), 0, 255))
+    return scale, np.array(zp, np.uint8)
 
 
 def fake_quant_activation(x: np.ndarray, lo: float, hi: float, s: Scheme) -> np.ndarray:
@@ -269,18 +290,22 @@ def fake_quant_activation(x: np.ndarray, lo: float, hi: float, s: Scheme) -> np.
     return ((q - int(zp)) * scale).astype(np.float32)
 
 
-def quantize_weight_array(w: np.ndarray, axis: int | None, s: Scheme) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric quantization of a weight: per channel along ``axis`` when the scheme says so."""
+def quantize_weight_array(w: np.ndarray, axis: int | None, s: Scheme,
+                          scale_dtype: Any = np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric quantization of a weight: per channel along ``axis`` when the scheme says so.
+
+    The scale is returned in ``scale_dtype``; the weight is quantized with that rounded scale.
+    """
     if s.per_channel and axis is not None:
         reduce_axes = tuple(i for i in range(w.ndim) if i != axis)
         amax = np.abs(w).max(axis=reduce_axes) if reduce_axes else np.abs(w)
-        scale = np.maximum(amax / s.qmax, 1e-12).astype(np.float32)
+        scale = _round_scale(np.maximum(amax / s.qmax, 1e-12), scale_dtype)
         bshape = [1] * w.ndim
         bshape[axis] = -1
-        q = w / scale.reshape(bshape)
+        q = w / scale.astype(np.float32).reshape(bshape)
     else:
-        scale = np.array(max(float(np.abs(w).max()) / s.qmax, 1e-12), np.float32)
-        q = w / scale
+        scale = _round_scale(max(float(np.abs(w).max()) / s.qmax, 1e-12), scale_dtype)
+        q = w / scale.astype(np.float32)
     if s.is_float:
         return np.clip(q, -s.qmax, s.qmax).astype(_fp8()), scale
     return np.clip(np.rint(q), -127, 127).astype(np.int8), scale
@@ -298,10 +323,13 @@ def fake_quant_weight(w: np.ndarray, axis: int | None, s: Scheme) -> np.ndarray:
 class QdqWriter:
     """Inserts Q/DQ into one graph for a :class:`Scheme`, sharing pairs per tensor and per weight."""
 
-    def __init__(self, model: ir.Model, scheme: Scheme, ranges: dict[str, tuple[float, float]]) -> None:
+    def __init__(self, model: ir.Model, scheme: Scheme, ranges: dict[str, tuple[float, float]],
+                 float_types: dict[str, ir.DataType] | None = None) -> None:
         self.graph = model.graph
         self.scheme = scheme
         self.ranges = ranges
+        #: element types of values whose ``dtype`` the IR does not hold (from shape inference)
+        self.float_types = float_types or {}
         self._act: dict[int, tuple[ir.Value, np.ndarray]] = {}
         self._weight: dict[tuple[int, int | None], tuple[ir.Value, np.ndarray]] = {}
         self._names: set[str] = set(self.graph.initializers)
@@ -326,8 +354,11 @@ class QdqWriter:
         self.graph.register_initializer(value)
         return value
 
-    def _act_params(self, lo: float, hi: float) -> tuple[np.ndarray, np.ndarray]:
-        return activation_params(lo, hi, self.scheme)
+    def float_type(self, value: ir.Value) -> ir.DataType:
+        """The float element type of ``value`` (float32 when unknown)."""
+        if value.dtype is not None and value.dtype in _FLOATS:
+            return value.dtype
+        return self.float_types.get(value.name or "", ir.DataType.FLOAT)
 
     def _insert_at_start(self, nodes: list[ir.Node]) -> None:
         if self._first is None:
@@ -343,7 +374,8 @@ class QdqWriter:
         rng = self.ranges.get(value.name or "")
         if rng is None:
             return None
-        scale, zp = self._act_params(*rng)
+        ftype = self.float_type(value)
+        scale, zp = activation_params(*rng, self.scheme, scale_numpy_type(ftype))
         base = value.name or "act"
         s_val = self._init(f"{base}_scale", scale)
         z_val = self._init(f"{base}_zero_point", zp)
@@ -351,11 +383,10 @@ class QdqWriter:
         q.outputs[0].name = self._name(f"{base}_quantized")
         dq = ir.node("DequantizeLinear", [q.outputs[0], s_val, z_val], name=self._name(f"{base}_DequantizeLinear"))
         dq.outputs[0].name = self._name(f"{base}_dequantized")
-        if value.dtype is not None:
-            dq.outputs[0].dtype = value.dtype
-            dq.outputs[0].shape = value.shape
-            q.outputs[0].dtype = ir.DataType.from_numpy(zp.dtype)
-            q.outputs[0].shape = value.shape
+        dq.outputs[0].dtype = ftype
+        dq.outputs[0].shape = value.shape
+        q.outputs[0].dtype = ir.DataType.from_numpy(zp.dtype)
+        q.outputs[0].shape = value.shape
         producer = value.producer()
         if producer is not None:
             self.graph.insert_after(producer, [q, dq])
@@ -372,8 +403,9 @@ class QdqWriter:
         key = (id(value), axis)
         if key in self._weight:
             return self._weight[key]
+        ftype = self.float_type(value)
         w = value.const_value.numpy().astype(np.float32)  # type: ignore[union-attr]
-        qarr, scale = quantize_weight_array(w, axis, self.scheme)
+        qarr, scale = quantize_weight_array(w, axis, self.scheme, scale_numpy_type(ftype))
         base = value.name or "weight"
         zp = np.zeros(scale.shape, qarr.dtype)
         q_val = self._init(f"{base}_quantized", qarr)
@@ -382,7 +414,7 @@ class QdqWriter:
         attrs = {"axis": int(axis)} if scale.ndim == 1 and axis is not None else {}
         dq = ir.node("DequantizeLinear", [q_val, s_val, z_val], attrs, name=self._name(f"{base}_DequantizeLinear"))
         dq.outputs[0].name = self._name(f"{base}_dequantized")
-        dq.outputs[0].dtype = ir.DataType.FLOAT
+        dq.outputs[0].dtype = ftype
         dq.outputs[0].shape = ir.Shape(list(w.shape))
         self._insert_at_start([dq])
         self.dq_nodes += 1
@@ -429,7 +461,9 @@ class QdqWriter:
             dq_w, w_scale = self.weight(w_in, c.weight_axis)
             node.replace_input_with(c.weight_input, dq_w)
             self._drop_if_unused(w_in)
-            if c.bias_input is not None and not self.scheme.is_float and act_scale is not None:
+            # an INT32 bias has scale act_scale * w_scale: kept in float where scales are not float32
+            if (c.bias_input is not None and not self.scheme.is_float and act_scale is not None
+                    and act_scale.dtype == np.float32):
                 b_in = node.inputs[c.bias_input]
                 assert b_in is not None
                 node.replace_input_with(c.bias_input, self.bias(b_in, act_scale, w_scale))
