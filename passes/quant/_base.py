@@ -244,7 +244,8 @@ class QdqPassBase(Pass):
         budget = None
         if self.config.get("accuracy_budget") and not self.config.get("precision_plan"):
             budget = parse_budget(self.config["accuracy_budget"])
-        measured = [c for c in cands if c.key not in overridden] if budget else []
+        # the sensitivity analysis measures layers of the main graph; those in subgraphs keep their rules
+        measured = [c for c in cands if c.key not in overridden and c.node.graph is model.graph] if budget else []
         wanted = [c for c in cands if decisions[c.key][0] == self.precision]
         observe_for = wanted if not budget else [c for c in cands if c in measured or c in wanted]
         source = None

@@ -6,6 +6,8 @@ checker and an ONNX Runtime load, optimizations off) and agree with the original
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -125,3 +127,94 @@ def test_opset_upgrade_refused_in_one_line(cls):
     assert message.startswith(f"{cls.name}: needs opset >= ")
     assert "cannot be upgraded from 11" in message and "model-local functions (example.local::Twice)" in message
     assert model.opset_imports[""] == 11 and op_counts(model) == {"MatMul": 2, "Relu": 1}
+
+
+# --- weights in Constant nodes and inside If branches (item 7) ----------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [QdqInt8Pass, QdqFp8Pass])
+def test_weights_in_constant_nodes_are_quantized(cls):
+    proto = _mlp(opset=19, weights="constant")
+    model = to_ir(proto)
+    result = cls(calibration_data=_feeds()).call(model)
+    assert result.modified
+    assert result.stats["quantized"] == 1 and result.stats["q_nodes"] == 1 and result.stats["dq_nodes"] == 2
+    # the quantized weight's Constant is gone; the final projection keeps its float Constant
+    assert op_counts(model) == {"Constant": 1, "QuantizeLinear": 1, "DequantizeLinear": 2, "MatMul": 2, "Relu": 1}
+    assert [n.name for n in model.graph if n.op_type == "Constant"] == ["w2_const"]
+    by = {e["node"]: e for e in result.details["plan"]["nodes"]}
+    assert by["mm"]["precision"] == cls.precision and by["head"]["reason"] == "default rule: final projection"
+    _loads_and_matches(proto, model, _feeds(2), 0.99)
+    assert not cls(calibration_data=_feeds()).call(model).modified
+
+
+def _if_model() -> onnx.ModelProto:
+    """b = If(c, then: Relu(x) @ wt [branch initializer], else: Sigmoid(x) @ we [branch Constant]); y = b @ w_head."""
+    rng = np.random.default_rng(3)
+    wt, we, wh = (rng.standard_normal(s).astype(np.float32) for s in ((16, 8), (16, 8), (8, 4)))
+    then_g = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["h_t"], name="then_relu"),
+         helper.make_node("MatMul", ["h_t", "wt"], ["t"], name="then_mm")],
+        "then", [], [helper.make_tensor_value_info("t", F32, ["n", 8])], [numpy_helper.from_array(wt, "wt")])
+    else_g = helper.make_graph(
+        [helper.make_node("Constant", [], ["we"], name="we_const", value=numpy_helper.from_array(we)),
+         helper.make_node("Sigmoid", ["x"], ["h_e"], name="else_sigmoid"),
+         helper.make_node("MatMul", ["h_e", "we"], ["e"], name="else_mm")],
+        "else", [], [helper.make_tensor_value_info("e", F32, ["n", 8])])
+    graph = helper.make_graph(
+        [helper.make_node("If", ["c"], ["b"], name="if", then_branch=then_g, else_branch=else_g),
+         helper.make_node("MatMul", ["b", "wh"], ["y"], name="head")],
+        "g",
+        [helper.make_tensor_value_info("x", F32, ["n", 16]), helper.make_tensor_value_info("c", onnx.TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("y", F32, ["n", 4])],
+        [numpy_helper.from_array(wh, "wh")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+
+
+def _if_feeds(n: int, conds: list[bool]) -> list[dict]:
+    rng = np.random.default_rng(5)
+    return [{"x": rng.standard_normal((8, 16)).astype(np.float32), "c": np.array(conds[i % len(conds)])}
+            for i in range(n)]
+
+
+def _ops(graph: ir.Graph) -> Counter:
+    return Counter(n.op_type for n in graph)
+
+
+def _branch(model: ir.Model, which: str) -> ir.Graph:
+    node = next(n for n in model.graph if n.op_type == "If")
+    return node.attributes[which].as_graph()
+
+
+@pytest.mark.parametrize("cls", [QdqInt8Pass, QdqFp8Pass])
+def test_weights_inside_if_branches_are_quantized(cls):
+    proto = _if_model()
+    model = to_ir(proto)
+    result = cls(calibration_data=_if_feeds(6, [True, False])).call(model)
+    assert result.modified
+    assert result.stats["quantized"] == 2 and result.stats["quantized.MatMul"] == 2
+    assert result.stats["q_nodes"] == 2 and result.stats["dq_nodes"] == 4  # h_t, h_e; their weights
+    assert result.stats["kept_float"] == 1  # the head, the final projection
+    assert _ops(_branch(model, "then_branch")) == {"Relu": 1, "QuantizeLinear": 1, "DequantizeLinear": 2,
+                                                        "MatMul": 1}
+    assert _ops(_branch(model, "else_branch")) == {"Sigmoid": 1, "QuantizeLinear": 1, "DequantizeLinear": 2,
+                                                        "MatMul": 1}  # its weight Constant replaced
+    assert "wt" not in _branch(model, "then_branch").initializers  # the float weight is gone
+    by = {e["node"]: e for e in result.details["plan"]["nodes"]}
+    assert by["then_mm"]["precision"] == by["else_mm"]["precision"] == cls.precision
+    _loads_and_matches(proto, model, _if_feeds(2, [True, False]), 0.99)
+    assert not cls(calibration_data=_if_feeds(6, [True, False])).call(model).modified
+
+
+def test_branch_never_taken_in_calibration_stays_float_and_says_so():
+    proto = _if_model()
+    model = to_ir(proto)
+    result = QdqInt8Pass(calibration_data=_if_feeds(4, [True])).call(model)
+    assert result.stats["quantized"] == 1 and result.stats["kept_float"] == 2
+    by = {e["node"]: e for e in result.details["plan"]["nodes"]}
+    assert by["then_mm"]["precision"] == "int8"
+    assert by["else_mm"]["precision"] == "fp32"
+    assert by["else_mm"]["reason"] == "no calibrated range for an input (never observed as a float tensor)"
+    assert _ops(_branch(model, "else_branch")) == {"Constant": 1, "Sigmoid": 1, "MatMul": 1}
+    _loads_and_matches(proto, model, _if_feeds(2, [True, False]), 0.995)
