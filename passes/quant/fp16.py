@@ -14,6 +14,13 @@ on the calibration data (largest magnitude, largest reduced extent), and a node 
 - it is control flow (``If``, ``Loop``, ``Scan``): its subgraphs are not converted, so its outputs keep the
   types its branches produce — **control flow**.
 
+When an op has a float16 form only at a newer opset (``CumSum`` 14, ``DequantizeLinear`` 19), the model's
+opset is raised to the smallest one that gives every such node its form, at most ``FP16_UPGRADE_LIMIT``
+(``onnx.version_converter`` node by node, :func:`mograph.passes.fusion._opset.upgrade_opset`; reported in
+the stats and ``details["opset_upgrade"]``).  When the converter cannot convert the model, the opset is
+left as it is, those nodes stay float32 and ``details["opset_upgrade"]`` says why: a valid model with a
+few more float32 nodes beats refusing the conversion.
+
 An input the schema allows only as float32 (``Resize`` scales, for example) stays float32 on a float16
 node: the initializer or ``Constant`` feeding it is left in float32 (or a ``Cast`` to float32 feeds it).
 
@@ -52,6 +59,8 @@ _FP16_MARK = "mograph.fp16"
 
 
 _HALF = "tensor(float16)"
+#: Newest opset ``fp16`` raises a model to, to give an op its float16 form.
+FP16_UPGRADE_LIMIT = 21
 _CONTROL_FLOW = {"If", "Loop", "Scan"}
 
 
@@ -90,6 +99,16 @@ def _half_support(node: ir.Node, opset: int, floats: set[str]) -> tuple[bool, fr
     return outs_ok, pinned
 
 
+def _opset_with_half(node: ir.Node, opset: int, floats: set[str]) -> int | None:
+    """The smallest opset above ``opset`` (up to the limit) at which ``node``'s op has a float16 form."""
+    import onnx
+
+    for version in range(opset + 1, min(FP16_UPGRADE_LIMIT, onnx.defs.onnx_opset_version()) + 1):
+        if _half_support(node, version, floats)[0]:
+            return version
+    return None
+
+
 def _yes(text: str) -> bool:
     t = str(text).strip().lower()
     if t in ("1", "true", "yes", "on"):
@@ -126,6 +145,13 @@ class Fp16Pass(Pass):
         if not compute:
             return PassResult(False, {"converted": 0})
         source = open_calibration(self, model)
+        stats: dict[str, int | float] = {}
+        details: dict[str, Any] = {}
+        upgraded = self._upgrade_opset(model, compute, floats, stats, details)
+        if upgraded:
+            dtypes = cal.infer_dtypes(model)
+            floats = {name for name, t in dtypes.items() if t == _F32}
+            compute = [n for n in graph if any(v is not None and v.name in floats for v in (*n.inputs, *n.outputs))]
         observed = [v.name for n in compute for v in n.outputs if v.name in floats]
         observed += [v.name for v in graph.inputs if v.name in floats]
         stats_by = cal.observe(model, observed, source, progress=self.progress, dtypes=dtypes)
@@ -195,7 +221,7 @@ class Fp16Pass(Pass):
                                                     None)
         for n in compute:
             plan.add(n, *decisions[id(n)])
-        stats: dict[str, int | float] = {
+        stats = {
             "converted": sum(1 for n in compute if decisions[id(n)][0] == "fp16"),
             "kept_fp32": sum(1 for n in compute if decisions[id(n)][0] == "fp32"),
             "kept_fp32.overflow": sum(1 for n in compute if "|x| reached" in decisions[id(n)][1]),
@@ -205,17 +231,52 @@ class Fp16Pass(Pass):
             "kept_fp32.float32_only_input": pinned_uses,
             "initializers_fp16": converted["initializers"],
             "casts": converted["casts"],
+            **stats,
         }
         if source.random:
             stats["calibrated_on_random_data"] = 1
-        details: dict[str, Any] = {"plan": plan.to_dict()}
+        details = {"plan": plan.to_dict(), **details}
         if source.random:
             from mograph.passes.quant._base import RANDOM_WARNING
 
             details = {"WARNING": RANDOM_WARNING, **details}
         if self.config.get("precision_plan_out"):
             plan.write(self.config["precision_plan_out"])
-        return PassResult(stats["converted"] > 0, stats, details)
+        return PassResult(upgraded or stats["converted"] > 0, stats, details)
+
+    def _upgrade_opset(self, model: ir.Model, compute: list[ir.Node], floats: set[str],
+                       stats: dict[str, int | float], details: dict[str, Any]) -> bool:
+        """Raise the opset where an op gets its float16 form by it (module docstring); True if raised."""
+        from mograph.passes.fusion._opset import OpsetUpgradeError, upgrade_opset
+
+        opset = int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1)))
+        keep = set(self.config.get("keep_fp32") or [])
+        needs: dict[str, int] = {}
+        for n in compute:
+            if n.domain not in ("", "ai.onnx") or n.op_type in keep or node_key(n) in keep:
+                continue
+            if _half_support(n, opset, floats)[0]:
+                continue
+            version = _opset_with_half(n, opset, floats)
+            if version is not None:
+                needs[n.op_type] = version
+        if not needs:
+            return False
+        target = max(needs.values())
+        reason = "float16 forms of " + ", ".join(f"{k} ({v})" for k, v in sorted(needs.items()))
+        try:
+            done = upgrade_opset(model, target)
+        except OpsetUpgradeError as exc:
+            logger.warning("%s: opset %d not raised to %d (%s): %s", self.name, opset, target, reason, exc)
+            details["opset_upgrade"] = {"done": False, "reason": f"{reason}: cannot raise opset {opset} to "
+                                        f"{target}: {exc}; those nodes stay float32"}
+            return False
+        stats["opset_upgrade.from"] = done.from_opset
+        stats["opset_upgrade.to"] = done.to_opset
+        stats["opset_upgrade.rewritten"] = sum(done.rewritten.values())
+        details["opset_upgrade"] = {"done": True, "from": done.from_opset, "to": done.to_opset, "reason": reason,
+                                    "rewritten": dict(done.rewritten)}
+        return True
 
     def _convert(self, model: ir.Model, compute: list[ir.Node], decisions: dict[int, tuple[str, str]],
                  floats: set[str], pinned: dict[int, frozenset[int]]) -> dict[str, int]:

@@ -225,16 +225,42 @@ def _dynamic_quantize_model(opset: int = 17) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
 
 
-def test_dynamic_quantize_linear_keeps_float32():
-    proto = _dynamic_quantize_model()
+def test_dynamic_quantize_linear_keeps_float32_and_opset_raised_for_dequantize_linear():
+    proto = _dynamic_quantize_model(opset=17)
     model = to_ir(proto)
     rng = np.random.default_rng(0)
     feeds = [{"x": rng.standard_normal((2, 4)).astype(np.float32)} for _ in range(2)]
     result = Fp16Pass(calibration_data=feeds).call(model)
     by = {e["node"]: e for e in result.details["plan"]["nodes"]}
-    assert by["dql"]["precision"] == "fp32"
-    assert by["dql"]["reason"] == "default rule: DynamicQuantizeLinear has no float16 form at opset 17"
-    assert by["dq"]["precision"] == "fp32"  # its output is float32 only before opset 19
-    assert by["relu"]["precision"] == by["add"]["precision"] == "fp16"
+    assert by["dql"]["precision"] == "fp32"  # float32 only at every opset
+    assert by["dql"]["reason"] == "default rule: DynamicQuantizeLinear has no float16 form at opset 19"
+    # DequantizeLinear outputs float16 from opset 19: the opset is raised for it
+    assert model.opset_imports[""] == 19
+    assert result.stats["opset_upgrade.from"] == 17 and result.stats["opset_upgrade.to"] == 19
+    assert result.details["opset_upgrade"]["reason"] == "float16 forms of DequantizeLinear (19)"
+    assert by["dq"]["precision"] == by["relu"]["precision"] == by["add"]["precision"] == "fp16"
+    assert result.stats["kept_fp32.no_float16_form"] == 1
+    _check_loads_and_matches(proto, model, feeds[0])
+    assert not Fp16Pass(calibration_data=feeds).call(model).modified
+
+
+def test_opset_not_raisable_keeps_those_nodes_float32_and_says_why():
+    proto = _dynamic_quantize_model(opset=17)
+    proto.functions.append(helper.make_function("example.local", "Twice", ["a"], ["b"],
+                                                [helper.make_node("Add", ["a", "a"], ["b"])],
+                                                [helper.make_opsetid("", 17)]))
+    proto.opset_import.append(helper.make_opsetid("example.local", 1))
+    model = to_ir(proto)
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal((2, 4)).astype(np.float32)} for _ in range(2)]
+    result = Fp16Pass(calibration_data=feeds).call(model)
+    assert model.opset_imports[""] == 17 and "opset_upgrade.to" not in result.stats
+    note = result.details["opset_upgrade"]
+    assert note["done"] is False
+    assert note["reason"].startswith("float16 forms of DequantizeLinear (19): cannot raise opset 17 to 19: ")
+    assert note["reason"].endswith("; those nodes stay float32")
+    by = {e["node"]: e for e in result.details["plan"]["nodes"]}
+    assert by["dq"]["precision"] == "fp32"
+    assert by["dq"]["reason"] == "default rule: DequantizeLinear has no float16 form at opset 17"
     assert result.stats["kept_fp32.no_float16_form"] == 2
     _check_loads_and_matches(proto, model, feeds[0])
