@@ -141,3 +141,20 @@ def test_external_data_is_loaded_from_its_folder(tmp_path):
     with pytest.raises(InvalidModel) as err:
         check_model_output(model)
     assert err.value.tool == "onnxruntime"
+
+
+def test_cli_exit_4_one_line_and_no_output_file(tmp_path, capsys, monkeypatch):
+    from mograph.cli import main
+    from mograph.plugins import get_registry
+
+    reg = get_registry()
+    monkeypatch.setitem(reg.passes, "half-weight", HalfWeightPass)
+    monkeypatch.setitem(reg.pass_source, "half-weight", "tests")
+    src = tmp_path / "m.onnx"
+    onnx.save(ir.serde.serialize_model(_model()), src)
+    code = main(["optimize", str(src), "-o", str(tmp_path / "out.onnx"), "--passes", "half-weight", "-q"])
+    err = capsys.readouterr().err.strip()
+    assert code == PassFailedError.exit_code == 4
+    assert len(err.splitlines()) == 1
+    assert "pass 'half-weight' failed: wrote a model that does not load" in err and "node 'add'" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]

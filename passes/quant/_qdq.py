@@ -26,6 +26,12 @@ quantized and are listed in the plan as such.  Embedding tables are weights: ``q
 INT8 (:func:`quantize_embeddings`, ``--embeddings float`` to keep them) and the Gather's rows are
 dequantized after the lookup; passes that do not (``qdq-fp8``) list the lookups as float.  Nodes whose inputs already come from a
 ``DequantizeLinear`` are skipped, so running a pass twice changes nothing.
+
+Weights may be initializers or ``Constant`` nodes, and candidates may sit inside subgraphs (``If``
+branches): what the writer adds goes into the graph that defines the value it follows, so a branch's
+weights stay in the branch.  On float16 (bfloat16) models the scales have the model's float type, as
+``QuantizeLinear``/``DequantizeLinear`` 19 require (the Q/DQ passes raise the opset to 19 for that), and
+Conv/Gemm biases stay float (an INT32 bias scale ``act_scale * weight_scale`` underflows float16).
 """
 
 from __future__ import annotations
@@ -355,7 +361,7 @@ def fake_quant_weight(w: np.ndarray, axis: int | None, s: Scheme) -> np.ndarray:
 
 
 class QdqWriter:
-    """Inserts Q/DQ into one graph for a :class:`Scheme`, sharing pairs per tensor and per weight."""
+    """Inserts Q/DQ into a model (its graph and subgraphs) for a :class:`Scheme`, sharing pairs per tensor and weight."""
 
     def __init__(self, model: ir.Model, scheme: Scheme, ranges: dict[str, tuple[float, float]],
                  float_types: dict[str, ir.DataType] | None = None) -> None:

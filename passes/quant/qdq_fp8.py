@@ -20,7 +20,7 @@ __all__ = ["QdqFp8Pass"]
 
 
 class QdqFp8Pass(QdqPassBase):
-    """Insert FP8 E4M3 Q/DQ with per-tensor scales (TensorRT targets; opset 19+)."""
+    """Insert FP8 E4M3 Q/DQ with per-tensor scales (TensorRT targets; raises the opset to 19 if needed)."""
 
     name = "qdq-fp8"
     family = "quant"
