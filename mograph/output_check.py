@@ -13,8 +13,10 @@ What is checked:
 2. a load in ONNX Runtime (CPU, graph optimizations **off**, so the graph loaded is the graph
    written), when ``onnxruntime`` is importable, every node's domain is one ONNX Runtime knows
    (``""``/``ai.onnx``, ``com.microsoft``, ``ai.onnx.ml``) or a model-local function, and the weights
-   held in memory are at most :data:`ORT_MAX_BYTES` (external data is not copied: the session reads it
-   from the folder it was loaded from).  A step that cannot run is reported as skipped, with the reason.
+   are at most :data:`ORT_MAX_BYTES` in all (a session holds them: above that, the load would cost as
+   much memory as the model, and only the checker runs).  External data is not copied: the session
+   reads it from the folder it was loaded from.  A step that cannot run is reported as skipped, with
+   the reason.
 
 :func:`check_model_output` raises :class:`InvalidModel` (message and the node named by the checker or
 ONNX Runtime, when they name one); the API turns it into a pass error naming the pass.
@@ -34,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 #: Operator domains ONNX Runtime implements (its contrib ops included).
 ORT_DOMAINS = frozenset({"", "ai.onnx", "com.microsoft", "ai.onnx.ml"})
-#: Largest total of in-memory weight bytes for which the ONNX Runtime load runs (it copies them).
+#: Largest total of weight bytes (in memory and external) for which the ONNX Runtime load runs.
 ORT_MAX_BYTES = 1 << 30
 #: Tensors larger than this are replaced by a one-element stand-in for the ONNX checker.
 PLACEHOLDER_BYTES = 1024
@@ -111,6 +113,13 @@ def _skeleton(model: ir.Model) -> Any:
     return ir.serde.serialize_model(clone)
 
 
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
 def _ort_skip_reason(model: ir.Model) -> str | None:
     try:
         import onnxruntime  # noqa: F401
@@ -124,10 +133,9 @@ def _ort_skip_reason(model: ir.Model) -> str | None:
     })
     if unknown:
         return f"ops in domain(s) ONNX Runtime does not know: {', '.join(unknown)}"
-    in_memory = sum(v.const_value.nbytes for v in _all_values(model)
-                    if v.const_value is not None and not isinstance(v.const_value, ir.ExternalTensor))
-    if in_memory > ORT_MAX_BYTES:
-        return f"{in_memory / 2**30:.1f} GiB of weights in memory (load limit {ORT_MAX_BYTES / 2**30:.0f} GiB)"
+    total = sum(v.const_value.nbytes for v in _all_values(model) if v.const_value is not None)
+    if total > ORT_MAX_BYTES:
+        return f"{_size(total)} of weights (load limit {_size(ORT_MAX_BYTES)})"
     folders = {str(v.const_value.base_dir) for v in _all_values(model) if isinstance(v.const_value, ir.ExternalTensor)}
     if len(folders) > 1:
         return f"external data in {len(folders)} different folders"

@@ -158,3 +158,13 @@ def test_cli_exit_4_one_line_and_no_output_file(tmp_path, capsys, monkeypatch):
     assert len(err.splitlines()) == 1
     assert "pass 'half-weight' failed: wrote a model that does not load" in err and "node 'add'" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
+def test_ort_load_skipped_above_the_weight_limit(monkeypatch):
+    import mograph.output_check as oc
+
+    monkeypatch.setattr(oc, "ORT_MAX_BYTES", 4)  # the model holds 8 bytes of weights
+    model = _model()
+    HalfWeightPass().call(model)  # would fail the load: the checker alone runs, and passes
+    result = check_model_output(model)
+    assert result == {"onnx_checker": "passed", "onnxruntime": "skipped: 8 bytes of weights (load limit 4 bytes)"}
