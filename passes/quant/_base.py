@@ -290,6 +290,7 @@ class QdqPassBase(Pass):
             if not res.met:
                 notes.append(f"accuracy budget {budget} not met even with every measured layer in float")
         self.quantize_extra(model, plan, stats)  # before the rule-based float list: an INT8 table is not float
+        loop_bodies = _loop_bodies(model)
         sensitive = sensitive_nodes(model)
         writer = QdqWriter(model, scheme, ranges, float_types)
         for c in cands:
@@ -300,6 +301,8 @@ class QdqPassBase(Pass):
                     stats[f"quantized.{c.node.op_type}"] = stats.get(f"quantized.{c.node.op_type}", 0) + 1
                 else:
                     prec, reason = "fp32", "no calibrated range for an input (never observed as a float tensor)"
+                    if id(c.node.graph) in loop_bodies:
+                        reason = "inside a Loop/Scan body, whose tensors calibration cannot observe"
             if prec != self.precision:
                 stats["kept_float"] += 1
             plan.add(c.node, prec, reason)
@@ -322,6 +325,19 @@ class QdqPassBase(Pass):
             logger.info("%s: wrote precision plan to %s", self.name, out)
         modified = upgraded or stats["quantized"] > 0 or stats.get("quantized.embeddings", 0) > 0
         return PassResult(modified, stats, details)
+
+
+def _loop_bodies(model: ir.Model) -> set[int]:
+    """Ids of the graphs inside ``Loop`` and ``Scan`` bodies (at any depth)."""
+    out: set[int] = set()
+    for graph in model.graphs():
+        for node in graph:
+            if node.op_type in ("Loop", "Scan"):
+                for attr in node.attributes.values():
+                    if attr.type == ir.AttributeType.GRAPH:
+                        out.update(id(g) for g in attr.value.subgraphs())
+                        out.add(id(attr.value))
+    return out
 
 
 __all__ += ["node_key", "RANDOM_WARNING", "QDQ_OPTIONS", "calibration_meta"]

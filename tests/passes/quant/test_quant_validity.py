@@ -218,3 +218,33 @@ def test_branch_never_taken_in_calibration_stays_float_and_says_so():
     assert by["else_mm"]["reason"] == "no calibrated range for an input (never observed as a float tensor)"
     assert _ops(_branch(model, "else_branch")) == {"Constant": 1, "Sigmoid": 1, "MatMul": 1}
     _loads_and_matches(proto, model, _if_feeds(2, [True, False]), 0.995)
+
+
+def test_weight_inside_a_loop_body_stays_float_and_says_why():
+    """Loop bodies cannot be observed in calibration: their MatMul stays float with that reason, the model loads."""
+    rng = np.random.default_rng(7)
+    w, wh = rng.standard_normal((16, 16)).astype(np.float32), rng.standard_normal((16, 4)).astype(np.float32)
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+         helper.make_node("MatMul", ["x_in", "w"], ["m"], name="body_mm"),
+         helper.make_node("Tanh", ["m"], ["x_out"])],
+        "body",
+        [helper.make_tensor_value_info("i", onnx.TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", onnx.TensorProto.BOOL, []),
+         helper.make_tensor_value_info("x_in", F32, ["n", 16])],
+        [helper.make_tensor_value_info("cond_out", onnx.TensorProto.BOOL, []),
+         helper.make_tensor_value_info("x_out", F32, ["n", 16])],
+        [numpy_helper.from_array(w, "w")])
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["trips", "", "x"], ["xl"], name="loop", body=body),
+         helper.make_node("MatMul", ["xl", "wh"], ["y"], name="head")],
+        "g", [helper.make_tensor_value_info("x", F32, ["n", 16])], [helper.make_tensor_value_info("y", F32, ["n", 4])],
+        [numpy_helper.from_array(np.array(2, np.int64), "trips"), numpy_helper.from_array(wh, "wh")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    model = to_ir(proto)
+    result = QdqInt8Pass(calibration_data=_feeds()).call(model)
+    assert not result.modified and result.stats["quantized"] == 0 and result.stats["kept_float"] == 2
+    by = {e["node"]: e for e in result.details["plan"]["nodes"]}
+    assert by["body_mm"]["reason"] == "inside a Loop/Scan body, whose tensors calibration cannot observe"
+    assert by["head"]["reason"] == "default rule: final projection"
+    assert check_model_output(model)["onnxruntime"].startswith("passed")
