@@ -107,6 +107,7 @@ def run_passes(
     """
     reg = get_registry(blocked)
     pristine = _snapshot(model) if check_output and passes else None
+    check_output = check_output and bool(passes)
     mode: str | None = "end" if verify is True else (verify or None)
     if mode not in (None, "end", "each"):
         raise UsageError(f"verify must be 'end', 'each', True or None, not {verify!r}")
@@ -120,7 +121,7 @@ def run_passes(
     finally:
         if instrument is not None:
             reg.pm.unregister(instrument)
-    if pristine is not None:
+    if check_output:
         report.extra["output_check"] = _check_output(model, pristine, list(passes), report, reg.pm.hook)
     if verifier is not None:
         families = {p.family for p in passes}
@@ -134,15 +135,26 @@ def run_passes(
     return report
 
 
-def _snapshot(model: ir.Model) -> ir.Model:
+def _snapshot(model: ir.Model) -> ir.Model | None:
     """A copy of ``model`` that passes run on ``model`` cannot change; tensors are shared (nothing is copied).
 
     ``Model.clone`` shares each value's type object, and passes retype values in place
-    (``value.dtype = ...``), so types and shapes get copies of their own.
+    (``value.dtype = ...``), so types and shapes get copies of their own.  Where ``Model.clone`` cannot
+    copy the graph (a branch that outputs an outer value), the copy is a serialized round trip (tensors
+    in memory are copied then); ``None`` if that fails too, and a failed check then names the last pass
+    that changed the model.
     """
     import copy
 
-    clone = model.clone()
+    try:
+        clone = model.clone()
+    except Exception as exc:  # noqa: BLE001 - onnx_ir's cloner refuses some graphs
+        logger.debug("output check: Model.clone failed (%s); copying through a serialized model", exc)
+        try:
+            return ir.serde.deserialize_model(ir.serde.serialize_model(model))
+        except Exception as exc2:  # noqa: BLE001
+            logger.debug("output check: no copy of the input to bisect with (%s)", exc2)
+            return None
     for graph in clone.graphs():
         values = [*graph.inputs, *graph.initializers.values(), *(o for n in graph for o in n.outputs)]
         for v in values:
@@ -154,7 +166,7 @@ def _snapshot(model: ir.Model) -> ir.Model:
 
 
 def _check_output(
-    model: ir.Model, pristine: ir.Model, passes: list[Pass], report: PipelineReport, hook: Any
+    model: ir.Model, pristine: ir.Model | None, passes: list[Pass], report: PipelineReport, hook: Any
 ) -> dict[str, str]:
     """Check the pipeline's output; on failure find the first pass whose output fails and raise.
 
@@ -168,13 +180,15 @@ def _check_output(
         return check_model_output(model)
     except InvalidModel as final:
         failure = final
+    last = next((r.name for r in reversed(report.passes) if r.modified), report.passes[-1].name)
+    blamed, reason = last, failure
+    if pristine is None:
+        raise PassFailedError(blamed, f"wrote a model that does not load: {reason}") from failure
     try:
         check_model_output(pristine)
     except InvalidModel as exc:
         logger.warning("the input model already fails the output check (%s); not blamed on a pass", exc)
         return {"result": f"the input model already fails: {exc}"}
-    last = next((r.name for r in reversed(report.passes) if r.modified), report.passes[-1].name)
-    blamed, reason = last, failure
     try:
         for p in passes:
             step = PassManager([p], hook=hook).run(pristine)

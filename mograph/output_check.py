@@ -97,20 +97,35 @@ def _placeholder(t: ir.TensorProtocol) -> ir.TensorProtocol:
         return t
 
 
+def _big(t: ir.TensorProtocol | None) -> bool:
+    return t is not None and (isinstance(t, ir.ExternalTensor) or t.nbytes > PLACEHOLDER_BYTES)
+
+
 def _skeleton(model: ir.Model) -> Any:
-    """A ``ModelProto`` of ``model`` whose large tensors are one-element stand-ins (nothing big is read)."""
-    clone = model.clone()  # shares tensors; replacing them on the clone leaves ``model`` as it is
-    for value in _all_values(clone):
-        t = value.const_value
-        if t is not None and (isinstance(t, ir.ExternalTensor) or t.nbytes > PLACEHOLDER_BYTES):
-            value.const_value = _placeholder(t)
-    for node in ir.traversal.RecursiveGraphIterator(clone.graph):
-        for key, attr in list(node.attributes.items()):
-            if attr.type == ir.AttributeType.TENSOR and attr.value is not None and (
-                isinstance(attr.value, ir.ExternalTensor) or attr.value.nbytes > PLACEHOLDER_BYTES
-            ):
-                node.attributes[key] = ir.AttrTensor(key, _placeholder(attr.value))
-    return ir.serde.serialize_model(clone)
+    """A ``ModelProto`` of ``model`` whose large tensors are one-element stand-ins (nothing big is read).
+
+    The stand-ins are put in place for the serialization only and the model's own tensors put back
+    after it (``Model.clone`` cannot copy every valid graph: a branch that outputs an outer value).
+    """
+    swapped_values: list[tuple[ir.Value, ir.TensorProtocol]] = []
+    swapped_attrs: list[tuple[ir.Node, str, ir.Attr]] = []
+    try:
+        for value in _all_values(model):
+            t = value.const_value
+            if t is not None and _big(t):
+                swapped_values.append((value, t))
+                value.const_value = _placeholder(t)
+        for node in ir.traversal.RecursiveGraphIterator(model.graph):
+            for key, attr in list(node.attributes.items()):
+                if attr.type == ir.AttributeType.TENSOR and _big(attr.value):
+                    swapped_attrs.append((node, key, attr))
+                    node.attributes[key] = ir.AttrTensor(key, _placeholder(attr.value))
+        return ir.serde.serialize_model(model)
+    finally:
+        for value, t in swapped_values:
+            value.const_value = t
+        for node, key, attr in swapped_attrs:
+            node.attributes[key] = attr
 
 
 def _size(n: int) -> str:
