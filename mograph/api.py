@@ -19,7 +19,7 @@ from typing import Any, Literal
 import onnx_ir as ir
 
 from mograph import ir_io
-from mograph.errors import OptionError, UsageError, VerificationError
+from mograph.errors import OptionError, PassFailedError, UsageError, VerificationError
 from mograph.hookspecs import hookimpl
 from mograph.pass_infra import Instrument, Pass, PassManager, PassResult, PipelineReport
 from mograph.plugins import get_registry
@@ -98,13 +98,19 @@ def run_passes(
     check_modified: bool = False,
     blocked: Iterable[str] = (),
     instruments: Sequence[Instrument] = (),
+    check_output: bool = True,
 ) -> PipelineReport:
     """Run already-built pass instances on an ``onnx_ir.Model`` in place; return the report.
 
     ``instruments`` wrap every pass of this run only (see :func:`optimize`); the per-pass check of
     ``verify="each"`` is one of them, innermost.  Nothing is registered on the plugin manager.
+    With ``check_output`` (the default) the result must pass :mod:`mograph.output_check` (ONNX
+    checker, and a load in ONNX Runtime where it can run); a model that fails is a
+    :class:`~mograph.errors.PassFailedError` naming the first pass whose output fails and the node.
     """
     reg = get_registry(blocked)
+    pristine = _snapshot(model) if check_output and passes else None
+    check_output = check_output and bool(passes)
     mode: str | None = "end" if verify is True else (verify or None)
     if mode not in (None, "end", "each"):
         raise UsageError(f"verify must be 'end', 'each', True or None, not {verify!r}")
@@ -114,6 +120,8 @@ def run_passes(
     if mode == "each":
         wrappers.append(_VerifyEach(verifier))
     PassManager(list(passes), hook=reg.pm.hook, check_modified=check_modified, instruments=wrappers).run(model, report)
+    if check_output:
+        report.extra["output_check"] = _check_output(model, pristine, list(passes), report, reg.pm.hook)
     if verifier is not None:
         families = {p.family for p in passes}
         check = verifier.check(model, family=families)
@@ -126,6 +134,75 @@ def run_passes(
     return report
 
 
+def _snapshot(model: ir.Model) -> ir.Model | None:
+    """A copy of ``model`` that passes run on ``model`` cannot change; tensors are shared (nothing is copied).
+
+    ``Model.clone`` shares each value's type object, and passes retype values in place
+    (``value.dtype = ...``), so types and shapes get copies of their own.  Where ``Model.clone`` cannot
+    copy the graph (a branch that outputs an outer value), the copy is a serialized round trip (tensors
+    in memory are copied then); ``None`` if that fails too, and a failed check then names the last pass
+    that changed the model.
+    """
+    import copy
+
+    try:
+        clone = model.clone()
+    except Exception as exc:  # noqa: BLE001 - onnx_ir's cloner refuses some graphs
+        logger.debug("output check: Model.clone failed (%s); copying through a serialized model", exc)
+        try:
+            return ir.serde.deserialize_model(ir.serde.serialize_model(model))
+        except Exception as exc2:  # noqa: BLE001
+            logger.debug("output check: no copy of the input to bisect with (%s)", exc2)
+            return None
+    for graph in clone.graphs():
+        values = [*graph.inputs, *graph.initializers.values(), *(o for n in graph for o in n.outputs)]
+        for v in values:
+            if v.type is not None:
+                v.type = copy.copy(v.type)
+            if v.shape is not None:
+                v.shape = v.shape.copy()
+    return clone
+
+
+def _check_output(
+    model: ir.Model, pristine: ir.Model | None, passes: list[Pass], report: PipelineReport, hook: Any
+) -> dict[str, str]:
+    """Check the pipeline's output; on failure find the first pass whose output fails and raise.
+
+    Only a failure costs more than one check: the passes are run again on the untouched copy of the
+    input, checking after each pass that changed something.  An input that fails the check itself
+    is not blamed on a pass: the result is reported as such and logged.
+    """
+    from mograph.output_check import InvalidModel, check_model_output
+
+    try:
+        return check_model_output(model)
+    except InvalidModel as final:
+        failure = final
+    last = next((r.name for r in reversed(report.passes) if r.modified), report.passes[-1].name)
+    blamed, reason = last, failure
+    if pristine is None:
+        raise PassFailedError(blamed, f"wrote a model that does not load: {reason}") from failure
+    try:
+        check_model_output(pristine)
+    except InvalidModel as exc:
+        logger.warning("the input model already fails the output check (%s); not blamed on a pass", exc)
+        return {"result": f"the input model already fails: {exc}"}
+    try:
+        for p in passes:
+            step = PassManager([p], hook=hook).run(pristine)
+            if not step.passes[-1].modified:
+                continue
+            try:
+                check_model_output(pristine)
+            except InvalidModel as exc:
+                blamed, reason = p.name, exc
+                break
+    except Exception as exc:  # noqa: BLE001 - a replay that fails differently still blames the last pass
+        logger.debug("output check: replay of the pipeline failed (%s); blaming the last pass", exc)
+    raise PassFailedError(blamed, f"wrote a model that does not load: {reason}") from failure
+
+
 def optimize(
     model: ir_io.ModelSource,
     passes: Sequence[str] | str = ("cleanup",),
@@ -136,6 +213,7 @@ def optimize(
     check_modified: bool = False,
     blocked: Iterable[str] = (),
     instruments: Sequence[Instrument] = (),
+    check_output: bool = True,
 ) -> tuple[Any, PipelineReport]:
     """Run a pipeline of passes; return ``(optimized_model, report)``.
 
@@ -167,6 +245,8 @@ def optimize(
                     return result
 
                 mograph.optimize("m.onnx", "cleanup", instruments=[progress])
+        check_output: check the result with the ONNX checker and an ONNX Runtime load (see
+            :mod:`mograph.output_check`); ``False`` skips it (a failed check is a pass error).
 
     Returns:
         The optimized model in the form given (a path gives an ``onnx_ir.Model``) and the report.
@@ -189,5 +269,6 @@ def optimize(
         check_modified=check_modified,
         blocked=blocked,
         instruments=instruments,
+        check_output=check_output,
     )
     return ir_io.to_format(ir_model, model), report

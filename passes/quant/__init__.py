@@ -2,7 +2,7 @@
 
 - ``qdq-int8`` (preset ``int8``): INT8 Q/DQ with calibration, default sensitivity rules, an optional
   accuracy budget and a per-node precision plan;
-- ``qdq-fp8``: FP8 E4M3 Q/DQ with per-tensor scales (TensorRT targets; opset 19+);
+- ``qdq-fp8``: FP8 E4M3 Q/DQ with per-tensor scales (TensorRT targets; opset 19+, older models upgraded);
 - ``fp16``: FP16 conversion that keeps FP32 where calibration shows overflow or reductions are deep.
 """
 

@@ -9,6 +9,12 @@ The flow of a Q/DQ pass (``qdq-int8``, ``qdq-fp8``):
    ranges with the chosen calibrator;
 4. with ``--accuracy-budget``, replace the default rules by a measured per-layer sensitivity analysis;
 5. insert Q/DQ and write the precision plan (report ``details`` and ``--precision-plan-out``).
+
+Before any of it, the model's opset is raised when the Q/DQ needs a newer one (``min_opset`` of the pass;
+19 whenever float16 or bfloat16 tensors are quantized, as ``QuantizeLinear`` takes them from opset 19 with
+a scale of the same type).  The upgrade is ``onnx.version_converter`` applied node by node
+(:func:`mograph.opset.upgrade_opset`), recorded in the stats and ``details["opset_upgrade"]``;
+a model it cannot convert is refused in one line (:class:`~mograph.errors.ModelError`), unchanged.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from mograph.passes.quant._qdq import (
 )
 from mograph.passes.quant.plan import PrecisionPlan, load_plan, node_key, parse_budget
 
-from mograph.errors import OptionError
+from mograph.errors import ModelError, OptionError
 from mograph.pass_infra import Option, Pass, PassResult
 
 __all__ = ["CALIBRATION_OPTIONS", "PLAN_OPTIONS", "QdqPassBase", "open_calibration", "parse_shapes"]
@@ -146,6 +152,9 @@ class QdqPassBase(Pass):
 
     family = "quant"
     precision: ClassVar[str] = "int8"
+    #: Oldest default-domain opset the pass's Q/DQ form exists at, and what needs it (for the report).
+    min_opset: ClassVar[int] = 13
+    min_opset_reason: ClassVar[str] = "per-channel DequantizeLinear (13)"
     #: Optional ``callback(done, total)`` for calibration and sensitivity progress (set on the instance).
     progress: Callable[[int, int | None], None] | None = None
 
@@ -153,7 +162,31 @@ class QdqPassBase(Pass):
         raise NotImplementedError
 
     def check_model(self, model: ir.Model) -> None:
-        """Raise if the model cannot hold this pass's Q/DQ (opset too old)."""
+        """Raise if the model cannot hold this pass's Q/DQ (beyond the opset, which is upgraded)."""
+
+    def _ensure_opset(self, model: ir.Model, half: bool, stats: dict[str, int | float],
+                      details: dict[str, Any]) -> bool:
+        """Raise the opset to what the Q/DQ needs (see the module docstring); True if it was raised."""
+        from mograph.opset import OpsetUpgradeError, model_opset, upgrade_opset
+
+        need, reason = self.min_opset, self.min_opset_reason
+        if half and need < 19:
+            need, reason = 19, "float16 tensors are quantized (QuantizeLinear 19)"
+        old = model_opset(model)
+        if old >= need:
+            return False
+        try:
+            done = upgrade_opset(model, need)
+        except OpsetUpgradeError as exc:
+            raise ModelError(f"{self.name}: needs opset >= {need} for {reason}; the model's opset cannot be "
+                             f"upgraded from {old}: {exc}") from exc
+        stats["opset_upgrade.from"] = done.from_opset
+        stats["opset_upgrade.to"] = done.to_opset
+        stats["opset_upgrade.rewritten"] = sum(done.rewritten.values())
+        details["opset_upgrade"] = {"done": True, "from": done.from_opset, "to": done.to_opset, "reason": reason,
+                                    "rewritten": dict(done.rewritten)}
+        logger.info("%s: opset %d -> %d for %s", self.name, done.from_opset, done.to_opset, reason)
+        return True
 
     def _decide(self, model: ir.Model, cands: list[Candidate]) -> tuple[dict[str, tuple[str, str]], set[str], list[str]]:
         decisions = default_precision(model, cands, self.precision)
@@ -200,11 +233,19 @@ class QdqPassBase(Pass):
                 plan.add(node, "quantized", "already quantized (inputs come from DequantizeLinear)")
             return PassResult(False, stats, {"plan": plan.to_dict()} if done else {})
         self.check_model(model)
+        details: dict[str, Any] = {}
+        half_types = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+        half = any(v.dtype in half_types for v in (*model.graph.inputs, *model.graph.initializers.values()))
+        upgraded = self._ensure_opset(model, half, stats, details)
+        if upgraded:
+            cands, done = find_candidates(model)  # nodes the converter rewrote are new objects
+        float_types = {k: ir.DataType(t) for k, t in cal.infer_dtypes(model).items()} if half else {}
         decisions, overridden, notes = self._decide(model, cands)
         budget = None
         if self.config.get("accuracy_budget") and not self.config.get("precision_plan"):
             budget = parse_budget(self.config["accuracy_budget"])
-        measured = [c for c in cands if c.key not in overridden] if budget else []
+        # the sensitivity analysis measures layers of the main graph; those in subgraphs keep their rules
+        measured = [c for c in cands if c.key not in overridden and c.node.graph is model.graph] if budget else []
         wanted = [c for c in cands if decisions[c.key][0] == self.precision]
         observe_for = wanted if not budget else [c for c in cands if c in measured or c in wanted]
         source = None
@@ -249,8 +290,9 @@ class QdqPassBase(Pass):
             if not res.met:
                 notes.append(f"accuracy budget {budget} not met even with every measured layer in float")
         self.quantize_extra(model, plan, stats)  # before the rule-based float list: an INT8 table is not float
+        loop_bodies = _loop_bodies(model)
         sensitive = sensitive_nodes(model)
-        writer = QdqWriter(model, scheme, ranges)
+        writer = QdqWriter(model, scheme, ranges, float_types)
         for c in cands:
             prec, reason = decisions[c.key]
             if prec == self.precision:
@@ -259,6 +301,8 @@ class QdqPassBase(Pass):
                     stats[f"quantized.{c.node.op_type}"] = stats.get(f"quantized.{c.node.op_type}", 0) + 1
                 else:
                     prec, reason = "fp32", "no calibrated range for an input (never observed as a float tensor)"
+                    if id(c.node.graph) in loop_bodies:
+                        reason = "inside a Loop/Scan body, whose tensors calibration cannot observe"
             if prec != self.precision:
                 stats["kept_float"] += 1
             plan.add(c.node, prec, reason)
@@ -268,7 +312,7 @@ class QdqPassBase(Pass):
             plan.add(node, "quantized", "already quantized (inputs come from DequantizeLinear)")
         stats["q_nodes"] = writer.q_nodes
         stats["dq_nodes"] = writer.dq_nodes
-        details: dict[str, Any] = {"plan": plan.to_dict()}
+        details = {"plan": plan.to_dict(), **details}
         if source is not None and source.random:
             details = {"WARNING": RANDOM_WARNING, **details}
         if notes:
@@ -279,7 +323,21 @@ class QdqPassBase(Pass):
         if out:
             plan.write(out)
             logger.info("%s: wrote precision plan to %s", self.name, out)
-        return PassResult(stats["quantized"] > 0 or stats.get("quantized.embeddings", 0) > 0, stats, details)
+        modified = upgraded or stats["quantized"] > 0 or stats.get("quantized.embeddings", 0) > 0
+        return PassResult(modified, stats, details)
+
+
+def _loop_bodies(model: ir.Model) -> set[int]:
+    """Ids of the graphs inside ``Loop`` and ``Scan`` bodies (at any depth)."""
+    out: set[int] = set()
+    for graph in model.graphs():
+        for node in graph:
+            if node.op_type in ("Loop", "Scan"):
+                for attr in node.attributes.values():
+                    if attr.type == ir.AttributeType.GRAPH:
+                        out.update(id(g) for g in attr.value.subgraphs())
+                        out.add(id(attr.value))
+    return out
 
 
 __all__ += ["node_key", "RANDOM_WARNING", "QDQ_OPTIONS", "calibration_meta"]

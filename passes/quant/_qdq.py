@@ -26,6 +26,12 @@ quantized and are listed in the plan as such.  Embedding tables are weights: ``q
 INT8 (:func:`quantize_embeddings`, ``--embeddings float`` to keep them) and the Gather's rows are
 dequantized after the lookup; passes that do not (``qdq-fp8``) list the lookups as float.  Nodes whose inputs already come from a
 ``DequantizeLinear`` are skipped, so running a pass twice changes nothing.
+
+Weights may be initializers or ``Constant`` nodes, and candidates may sit inside subgraphs (``If``
+branches): what the writer adds goes into the graph that defines the value it follows, so a branch's
+weights stay in the branch.  On float16 (bfloat16) models the scales have the model's float type, as
+``QuantizeLinear``/``DequantizeLinear`` 19 require (the Q/DQ passes raise the opset to 19 for that), and
+Conv/Gemm biases stay float (an INT32 bias scale ``act_scale * weight_scale`` underflows float16).
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ __all__ = [
     "fake_quant_activation",
     "fake_quant_weight",
     "quantize_weight_array",
+    "scale_numpy_type",
+    "const_tensor",
 ]
 
 QUANT_OPS = ("MatMul", "Gemm", "Conv")
@@ -114,8 +122,22 @@ def _fp8() -> Any:
 FP8_E4M3 = Scheme("fp8 e4m3fn", "float8_e4m3fn", "float8_e4m3fn", True, False, 448.0, is_float=True)
 
 
+def const_tensor(v: ir.Value | None) -> ir.TensorProtocol | None:
+    """The tensor of an initializer or of a ``Constant`` node's ``value``, else ``None``."""
+    if v is None:
+        return None
+    if v.const_value is not None:
+        return v.const_value
+    producer = v.producer()
+    if producer is not None and producer.op_type == "Constant" and producer.domain in ("", "ai.onnx"):
+        attr = producer.attributes.get("value")
+        if attr is not None and attr.type == ir.AttributeType.TENSOR:
+            return attr.as_tensor()
+    return None
+
+
 def _is_const(v: ir.Value | None) -> bool:
-    return v is not None and v.const_value is not None
+    return const_tensor(v) is not None
 
 
 def _from_dq(v: ir.Value | None) -> bool:
@@ -129,11 +151,18 @@ def _is_float(v: ir.Value | None) -> bool:
     return v is not None and v.dtype in _FLOATS
 
 
+def _all_nodes(model: ir.Model) -> list[ir.Node]:
+    return [node for graph in model.graphs() for node in graph]
+
+
 def find_candidates(model: ir.Model, ops: tuple[str, ...] = QUANT_OPS) -> tuple[list[Candidate], list[ir.Node]]:
-    """Nodes of the main graph Q/DQ can go in front of, and those already quantized (skipped)."""
+    """Nodes Q/DQ can go in front of, in the graph and its subgraphs, and those already quantized (skipped).
+
+    A weight is an initializer or the output of a ``Constant`` node.
+    """
     cands: list[Candidate] = []
     done: list[ir.Node] = []
-    for node in model.graph:
+    for node in _all_nodes(model):
         if node.domain not in ("", "ai.onnx") or node.op_type not in ops:
             continue
         ins = list(node.inputs)
@@ -150,7 +179,7 @@ def find_candidates(model: ir.Model, ops: tuple[str, ...] = QUANT_OPS) -> tuple[
         bias = None
         if node.op_type == "MatMul":
             if weight is not None:
-                rank = len(b.const_value.shape)  # type: ignore[union-attr]
+                rank = len(const_tensor(b).shape)  # type: ignore[union-attr]
                 if rank < 2:
                     continue
                 axis = rank - 1
@@ -163,7 +192,7 @@ def find_candidates(model: ir.Model, ops: tuple[str, ...] = QUANT_OPS) -> tuple[
             acts = (0,)
             beta = node.attributes.get("beta")
             if len(ins) > 2 and _is_const(ins[2]) and (beta is None or beta.as_float() == 1.0):
-                if len(ins[2].const_value.shape) == 1:  # type: ignore[union-attr]
+                if len(const_tensor(ins[2]).shape) == 1:  # type: ignore[union-attr]
                     bias = 2
         else:  # Conv
             if weight is None:
@@ -187,20 +216,32 @@ def find_candidates(model: ir.Model, ops: tuple[str, ...] = QUANT_OPS) -> tuple[
 
 
 def _final_projections(model: ir.Model, cands: list[Candidate]) -> set[str]:
-    """Keys of candidates with no other candidate downstream of them."""
+    """Keys of candidates with no other candidate downstream of them (through subgraphs too).
+
+    A node that holds subgraphs counts as having a candidate downstream when one is inside it; the
+    outputs of its subgraphs lead to whatever its own outputs lead to.
+    """
     cand_nodes = {id(c.node) for c in cands}
     downstream: dict[int, bool] = {}
-    for node in reversed(list(model.graph)):
-        found = False
-        for out in node.outputs:
-            for use in out.uses():
-                consumer = use.node
-                if id(consumer) in cand_nodes or downstream.get(id(consumer), False):
-                    found = True
-                    break
-            if found:
-                break
-        downstream[id(node)] = found
+
+    def leads_on(value: ir.Value, sub_outputs: dict[int, bool]) -> bool:
+        for use in value.uses():
+            if id(use.node) in cand_nodes or downstream.get(id(use.node), False):
+                return True
+        return sub_outputs.get(id(value), False)
+
+    def walk(graph: ir.Graph, sub_outputs: dict[int, bool]) -> None:
+        for node in reversed(list(graph)):
+            found = any(leads_on(out, sub_outputs) for out in node.outputs)
+            for attr in node.attributes.values():
+                subs = [attr.value] if attr.type == ir.AttributeType.GRAPH else (
+                    list(attr.value) if attr.type == ir.AttributeType.GRAPHS else [])
+                for sub in subs:
+                    walk(sub, {id(o): found for o in sub.outputs})
+                    found = found or any(id(n) in cand_nodes or downstream.get(id(n), False) for n in sub)
+            downstream[id(node)] = found
+
+    walk(model.graph, {})
     return {c.key for c in cands if not downstream.get(id(c.node), False)}
 
 
@@ -245,18 +286,38 @@ def tensors_to_observe(cands: list[Candidate]) -> list[str]:
 
 
 
-def activation_params(lo: float, hi: float, s: Scheme) -> tuple[np.ndarray, np.ndarray]:
-    """Scale and zero point of a per-tensor activation range under scheme ``s``."""
+def scale_numpy_type(dtype: ir.DataType | None) -> Any:
+    """The numpy type of the scales for a tensor of ``dtype``: QuantizeLinear-19 takes the scale in x's type."""
+    if dtype == ir.DataType.FLOAT16:
+        return np.float16
+    if dtype == ir.DataType.BFLOAT16:
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.float32
+
+
+def _round_scale(scale: np.ndarray | float, scale_dtype: Any) -> np.ndarray:
+    """``scale`` stored in ``scale_dtype``, never rounded to zero (the smallest positive value of the type)."""
+    arr = np.asarray(scale, np.float32)
+    if scale_dtype is np.float32:
+        return arr
+    tiny = 2.0**-24 if scale_dtype is np.float16 else 1.2e-38
+    return np.maximum(arr, np.float32(tiny)).astype(scale_dtype)
+
+
+def activation_params(lo: float, hi: float, s: Scheme, scale_dtype: Any = np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """Scale (in ``scale_dtype``) and zero point of a per-tensor activation range under scheme ``s``."""
     if s.is_float:
         amax = max(abs(lo), abs(hi), 1e-12)
-        return np.array(amax / s.qmax, np.float32), np.zeros((), _fp8())
+        return _round_scale(amax / s.qmax, scale_dtype), np.zeros((), _fp8())
     if s.act_symmetric:
         amax = max(abs(lo), abs(hi), 1e-12)
-        return np.array(amax / 127.0, np.float32), np.zeros((), np.int8)
+        return _round_scale(amax / 127.0, scale_dtype), np.zeros((), np.int8)
     lo, hi = min(lo, 0.0), max(hi, 0.0)
-    scale = max((hi - lo) / 255.0, 1e-12)
-    zp = int(np.clip(round(-lo / scale), 0, 255))
-    return np.array(scale, np.float32), np.array(zp, np.uint8)
+    scale = _round_scale(max((hi - lo) / 255.0, 1e-12), scale_dtype)
+    zp = int(np.clip(round(-lo / float(scale)), 0, 255))
+    return scale, np.array(zp, np.uint8)
 
 
 def fake_quant_activation(x: np.ndarray, lo: float, hi: float, s: Scheme) -> np.ndarray:
@@ -269,18 +330,22 @@ def fake_quant_activation(x: np.ndarray, lo: float, hi: float, s: Scheme) -> np.
     return ((q - int(zp)) * scale).astype(np.float32)
 
 
-def quantize_weight_array(w: np.ndarray, axis: int | None, s: Scheme) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric quantization of a weight: per channel along ``axis`` when the scheme says so."""
+def quantize_weight_array(w: np.ndarray, axis: int | None, s: Scheme,
+                          scale_dtype: Any = np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric quantization of a weight: per channel along ``axis`` when the scheme says so.
+
+    The scale is returned in ``scale_dtype``; the weight is quantized with that rounded scale.
+    """
     if s.per_channel and axis is not None:
         reduce_axes = tuple(i for i in range(w.ndim) if i != axis)
         amax = np.abs(w).max(axis=reduce_axes) if reduce_axes else np.abs(w)
-        scale = np.maximum(amax / s.qmax, 1e-12).astype(np.float32)
+        scale = _round_scale(np.maximum(amax / s.qmax, 1e-12), scale_dtype)
         bshape = [1] * w.ndim
         bshape[axis] = -1
-        q = w / scale.reshape(bshape)
+        q = w / scale.astype(np.float32).reshape(bshape)
     else:
-        scale = np.array(max(float(np.abs(w).max()) / s.qmax, 1e-12), np.float32)
-        q = w / scale
+        scale = _round_scale(max(float(np.abs(w).max()) / s.qmax, 1e-12), scale_dtype)
+        q = w / scale.astype(np.float32)
     if s.is_float:
         return np.clip(q, -s.qmax, s.qmax).astype(_fp8()), scale
     return np.clip(np.rint(q), -127, 127).astype(np.int8), scale
@@ -296,21 +361,25 @@ def fake_quant_weight(w: np.ndarray, axis: int | None, s: Scheme) -> np.ndarray:
 
 
 class QdqWriter:
-    """Inserts Q/DQ into one graph for a :class:`Scheme`, sharing pairs per tensor and per weight."""
+    """Inserts Q/DQ into a model (its graph and subgraphs) for a :class:`Scheme`, sharing pairs per tensor and weight."""
 
-    def __init__(self, model: ir.Model, scheme: Scheme, ranges: dict[str, tuple[float, float]]) -> None:
+    def __init__(self, model: ir.Model, scheme: Scheme, ranges: dict[str, tuple[float, float]],
+                 float_types: dict[str, ir.DataType] | None = None) -> None:
         self.graph = model.graph
         self.scheme = scheme
         self.ranges = ranges
+        #: element types of values whose ``dtype`` the IR does not hold (from shape inference)
+        self.float_types = float_types or {}
         self._act: dict[int, tuple[ir.Value, np.ndarray]] = {}
         self._weight: dict[tuple[int, int | None], tuple[ir.Value, np.ndarray]] = {}
-        self._names: set[str] = set(self.graph.initializers)
-        for node in self.graph:
-            self._names.update(o.name for o in node.outputs if o.name)
-        self._names.update(v.name for v in self.graph.inputs if v.name)
+        self._names: set[str] = set()
+        for graph in model.graphs():
+            self._names.update(graph.initializers)
+            self._names.update(o.name for node in graph for o in node.outputs if o.name)
+            self._names.update(v.name for v in graph.inputs if v.name)
         self.q_nodes = 0
         self.dq_nodes = 0
-        self._first = next(iter(self.graph), None)
+        self._first: dict[int, ir.Node | None] = {}  # per graph: the node new ones go in front of
 
     # -- helpers
     def _name(self, base: str) -> str:
@@ -321,19 +390,29 @@ class QdqWriter:
         self._names.add(name)
         return name
 
-    def _init(self, base: str, array: np.ndarray) -> ir.Value:
+    def _init(self, base: str, array: np.ndarray, graph: ir.Graph) -> ir.Value:
         value = ir.Value(name=self._name(base), const_value=ir.tensor(array))
-        self.graph.register_initializer(value)
+        graph.register_initializer(value)
         return value
 
-    def _act_params(self, lo: float, hi: float) -> tuple[np.ndarray, np.ndarray]:
-        return activation_params(lo, hi, self.scheme)
+    def _home(self, value: ir.Value) -> ir.Graph:
+        """The graph that defines ``value`` (where what replaces or follows it goes)."""
+        return value.graph or self.graph
 
-    def _insert_at_start(self, nodes: list[ir.Node]) -> None:
-        if self._first is None:
-            self.graph.extend(nodes)
+    def float_type(self, value: ir.Value) -> ir.DataType:
+        """The float element type of ``value`` (float32 when unknown)."""
+        if value.dtype is not None and value.dtype in _FLOATS:
+            return value.dtype
+        return self.float_types.get(value.name or "", ir.DataType.FLOAT)
+
+    def _insert_at_start(self, nodes: list[ir.Node], graph: ir.Graph) -> None:
+        if id(graph) not in self._first:
+            self._first[id(graph)] = next(iter(graph), None)
+        first = self._first[id(graph)]
+        if first is None:
+            graph.extend(nodes)
         else:
-            self.graph.insert_before(self._first, nodes)
+            graph.insert_before(first, nodes)
 
     # -- activations
     def activation(self, value: ir.Value) -> tuple[ir.Value, np.ndarray] | None:
@@ -343,24 +422,25 @@ class QdqWriter:
         rng = self.ranges.get(value.name or "")
         if rng is None:
             return None
-        scale, zp = self._act_params(*rng)
+        ftype = self.float_type(value)
+        scale, zp = activation_params(*rng, self.scheme, scale_numpy_type(ftype))
         base = value.name or "act"
-        s_val = self._init(f"{base}_scale", scale)
-        z_val = self._init(f"{base}_zero_point", zp)
+        home = self._home(value)
+        s_val = self._init(f"{base}_scale", scale, home)
+        z_val = self._init(f"{base}_zero_point", zp, home)
         q = ir.node("QuantizeLinear", [value, s_val, z_val], name=self._name(f"{base}_QuantizeLinear"))
         q.outputs[0].name = self._name(f"{base}_quantized")
         dq = ir.node("DequantizeLinear", [q.outputs[0], s_val, z_val], name=self._name(f"{base}_DequantizeLinear"))
         dq.outputs[0].name = self._name(f"{base}_dequantized")
-        if value.dtype is not None:
-            dq.outputs[0].dtype = value.dtype
-            dq.outputs[0].shape = value.shape
-            q.outputs[0].dtype = ir.DataType.from_numpy(zp.dtype)
-            q.outputs[0].shape = value.shape
+        dq.outputs[0].dtype = ftype
+        dq.outputs[0].shape = value.shape
+        q.outputs[0].dtype = ir.DataType.from_numpy(zp.dtype)
+        q.outputs[0].shape = value.shape
         producer = value.producer()
         if producer is not None:
-            self.graph.insert_after(producer, [q, dq])
+            home.insert_after(producer, [q, dq])
         else:
-            self._insert_at_start([q, dq])
+            self._insert_at_start([q, dq], home)
         self.q_nodes += 1
         self.dq_nodes += 1
         self._act[id(value)] = (dq.outputs[0], scale)
@@ -372,39 +452,44 @@ class QdqWriter:
         key = (id(value), axis)
         if key in self._weight:
             return self._weight[key]
-        w = value.const_value.numpy().astype(np.float32)  # type: ignore[union-attr]
-        qarr, scale = quantize_weight_array(w, axis, self.scheme)
+        tensor = const_tensor(value)
+        assert tensor is not None
+        ftype = tensor.dtype if tensor.dtype in _FLOATS else ir.DataType.FLOAT
+        w = tensor.numpy().astype(np.float32)
+        qarr, scale = quantize_weight_array(w, axis, self.scheme, scale_numpy_type(ftype))
         base = value.name or "weight"
+        home = self._home(value)
         zp = np.zeros(scale.shape, qarr.dtype)
-        q_val = self._init(f"{base}_quantized", qarr)
-        s_val = self._init(f"{base}_scale", scale)
-        z_val = self._init(f"{base}_zero_point", zp)
+        q_val = self._init(f"{base}_quantized", qarr, home)
+        s_val = self._init(f"{base}_scale", scale, home)
+        z_val = self._init(f"{base}_zero_point", zp, home)
         attrs = {"axis": int(axis)} if scale.ndim == 1 and axis is not None else {}
         dq = ir.node("DequantizeLinear", [q_val, s_val, z_val], attrs, name=self._name(f"{base}_DequantizeLinear"))
         dq.outputs[0].name = self._name(f"{base}_dequantized")
-        dq.outputs[0].dtype = ir.DataType.FLOAT
+        dq.outputs[0].dtype = ftype
         dq.outputs[0].shape = ir.Shape(list(w.shape))
-        self._insert_at_start([dq])
+        self._insert_at_start([dq], home)
         self.dq_nodes += 1
         self._weight[key] = (dq.outputs[0], scale)
         return self._weight[key]
 
     def bias(self, value: ir.Value, act_scale: np.ndarray, w_scale: np.ndarray) -> ir.Value:
-        b = value.const_value.numpy().astype(np.float64)  # type: ignore[union-attr]
+        b = const_tensor(value).numpy().astype(np.float64)  # type: ignore[union-attr]
+        home = self._home(value)
         scale = (float(act_scale) * w_scale.astype(np.float64)).reshape(-1)
         if scale.size == 1:
             scale = np.full(b.shape, scale[0])
         scale = np.maximum(scale, 1e-30)
         q = np.clip(np.rint(b / scale), -(2**31), 2**31 - 1).astype(np.int32)
         base = value.name or "bias"
-        q_val = self._init(f"{base}_quantized", q)
-        s_val = self._init(f"{base}_scale", scale.astype(np.float32))
-        z_val = self._init(f"{base}_zero_point", np.zeros(b.shape, np.int32))
+        q_val = self._init(f"{base}_quantized", q, home)
+        s_val = self._init(f"{base}_scale", scale.astype(np.float32), home)
+        z_val = self._init(f"{base}_zero_point", np.zeros(b.shape, np.int32), home)
         dq = ir.node("DequantizeLinear", [q_val, s_val, z_val], {"axis": 0}, name=self._name(f"{base}_DequantizeLinear"))
         dq.outputs[0].name = self._name(f"{base}_dequantized")
         dq.outputs[0].dtype = ir.DataType.FLOAT
         dq.outputs[0].shape = ir.Shape(list(b.shape))
-        self._insert_at_start([dq])
+        self._insert_at_start([dq], home)
         self.dq_nodes += 1
         return dq.outputs[0]
 
@@ -429,7 +514,9 @@ class QdqWriter:
             dq_w, w_scale = self.weight(w_in, c.weight_axis)
             node.replace_input_with(c.weight_input, dq_w)
             self._drop_if_unused(w_in)
-            if c.bias_input is not None and not self.scheme.is_float and act_scale is not None:
+            # an INT32 bias has scale act_scale * w_scale: kept in float where scales are not float32
+            if (c.bias_input is not None and not self.scheme.is_float and act_scale is not None
+                    and act_scale.dtype == np.float32):
                 b_in = node.inputs[c.bias_input]
                 assert b_in is not None
                 node.replace_input_with(c.bias_input, self.bias(b_in, act_scale, w_scale))
@@ -444,8 +531,15 @@ class QdqWriter:
         return True
 
     def _drop_if_unused(self, value: ir.Value) -> None:
-        if not value.uses() and value.is_initializer() and not value.is_graph_output() and value.name:
-            self.graph.initializers.pop(value.name, None)
+        """Remove a replaced weight (initializer or ``Constant`` node) nothing reads any more."""
+        if value.uses() or value.is_graph_output():
+            return
+        if value.is_initializer() and value.name:
+            self._home(value).initializers.pop(value.name, None)
+            return
+        producer = value.producer()
+        if producer is not None and producer.op_type == "Constant" and producer.graph is not None:
+            producer.graph.remove(producer, safe=True)
 
 
 #: Smallest embedding table (elements) that ``quantize_embeddings`` converts; smaller ones are not worth it.

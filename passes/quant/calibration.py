@@ -345,42 +345,123 @@ def infer_dtypes(model: ir.Model) -> dict[str, int]:
     except Exception as exc:  # noqa: BLE001 - inference is best effort; known dtypes still count
         logger.debug("shape inference failed: %s", exc)
     out: dict[str, int] = {}
-    for vi in [*proto.graph.input, *proto.graph.value_info, *proto.graph.output]:
-        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
-            out[vi.name] = vi.type.tensor_type.elem_type
-    for init in proto.graph.initializer:
-        out[init.name] = init.data_type
+    for graph in _proto_graphs(proto.graph):
+        for vi in [*graph.input, *graph.value_info, *graph.output]:
+            if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+                out[vi.name] = vi.type.tensor_type.elem_type
+        for init in graph.initializer:
+            out[init.name] = init.data_type
     for name, v in _values_by_name(model).items():
         if v.dtype is not None:
             out[name] = v.dtype.value
     return out
 
 
-def _with_outputs(model: ir.Model, names: Iterable[str], dtypes: dict[str, int] | None = None) -> bytes:
-    """Serialize a copy of ``model`` whose graph also outputs the named tensors."""
+def _proto_graphs(graph: Any) -> list[Any]:
+    """``graph`` and every subgraph in it (``GraphProto`` s)."""
+    out = [graph]
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("g"):
+                out.extend(_proto_graphs(attr.g))
+            for g in attr.graphs:
+                out.extend(_proto_graphs(g))
+    return out
+
+
+def _defines(graph: Any, name: str) -> bool:
+    return any(name in node.output for node in graph.node) or any(i.name == name for i in graph.initializer)
+
+
+def _expose(graph: Any, name: str, elem: int, taken: set[str]) -> str | None:
+    """Make tensor ``name`` of an ``If`` branch inside ``graph`` an output of ``graph``'s level; return its name there.
+
+    The branch that defines it outputs it; the other branch outputs an empty tensor of the same type
+    (samples that take it add nothing to the statistics); the ``If`` node gets one more output.
+    Tensors inside ``Loop`` and ``Scan`` bodies are not exposed (``None``).
+    """
+    import onnx
+    from onnx import helper
+
+    for node in graph.node:
+        if node.op_type != "If" or node.domain not in ("", "ai.onnx"):
+            continue
+        branches = {a.name: a.g for a in node.attribute if a.name in ("then_branch", "else_branch")}
+        if len(branches) != 2:
+            continue
+        for key, branch in branches.items():
+            inner = name if _defines(branch, name) else _expose(branch, name, elem, taken)
+            if inner is None:
+                continue
+            other = branches["else_branch" if key == "then_branch" else "then_branch"]
+            empty = _fresh_name(taken, f"{name}__mograph_empty")
+            other.node.append(helper.make_node("Constant", [], [empty],
+                                               value=helper.make_tensor(empty, elem, [0], [])))
+            branch.output.append(helper.make_tensor_value_info(inner, elem, None))
+            other.output.append(helper.make_tensor_value_info(empty, elem, None))
+            outer = _fresh_name(taken, f"{name}__mograph_observed")
+            node.output.append(outer)
+            return outer
+    del onnx
+    return None
+
+
+def _fresh_name(taken: set[str], base: str) -> str:
+    name, i = base, 0
+    while name in taken:
+        i += 1
+        name = f"{base}_{i}"
+    taken.add(name)
+    return name
+
+
+def _with_outputs_mapped(model: ir.Model, names: Iterable[str],
+                         dtypes: dict[str, int] | None = None) -> tuple[bytes, dict[str, str]]:
+    """Serialize a copy of ``model`` whose graph also outputs the named tensors; return it and the output names.
+
+    A tensor inside an ``If`` branch is brought out through the ``If`` (:func:`_expose`), under another
+    name; one that cannot be brought out (inside a ``Loop`` or ``Scan``) is left out of the mapping.
+    """
     import onnx
 
     proto = ir.serde.serialize_model(model)
     have = {o.name for o in proto.graph.output}
     values = _values_by_name(model)
+    taken = {o for g in _proto_graphs(proto.graph) for n in g.node for o in n.output}
+    mapping: dict[str, str] = {}
     for name in names:
         if name in have:
+            mapping[name] = name
             continue
         v = values.get(name)
         if dtypes is not None and name in dtypes:
             elem = dtypes[name]
         else:
             elem = v.dtype.value if v is not None and v.dtype is not None else onnx.TensorProto.FLOAT
-        proto.graph.output.append(onnx.helper.make_tensor_value_info(name, elem, None))
-    return proto.SerializeToString()
+        top = v is None or v.graph is None or v.graph is model.graph
+        out = name if top else _expose(proto.graph, name, elem, taken)
+        if out is None:
+            logger.info("calibration: %s is inside a Loop or Scan body and cannot be observed", name)
+            continue
+        proto.graph.output.append(onnx.helper.make_tensor_value_info(out, elem, None))
+        have.add(out)
+        mapping[name] = out
+    return proto.SerializeToString(), mapping
+
+
+def _with_outputs(model: ir.Model, names: Iterable[str], dtypes: dict[str, int] | None = None) -> bytes:
+    """Serialize a copy of ``model`` whose graph also outputs the named tensors."""
+    return _with_outputs_mapped(model, names, dtypes)[0]
 
 
 def _values_by_name(model: ir.Model) -> dict[str, ir.Value]:
-    out: dict[str, ir.Value] = {v.name: v for v in model.graph.inputs if v.name}
-    for node in model.graph:
-        for v in node.outputs:
-            if v.name:
-                out[v.name] = v
+    out: dict[str, ir.Value] = {}
+    for graph in model.graphs():
+        out.update({v.name: v for v in graph.inputs if v.name})
+        for node in graph:
+            for v in node.outputs:
+                if v.name:
+                    out[v.name] = v
     return out
 
 
@@ -405,13 +486,15 @@ def observe(
     stats = {n: TensorStats() for n in names}
     if not names:
         return stats
-    sess = _session(_with_outputs(model, names, dtypes))
+    data, mapping = _with_outputs_mapped(model, names, dtypes)
+    sess = _session(data)
+    observed = [n for n in names if n in mapping]
     total = source.count
     every = max(1, (total or 100) // 10)
     seen = 0
     for feed in source:
-        outs = sess.run(names, feed)
-        for name, arr in zip(names, outs):
+        outs = sess.run([mapping[n] for n in observed], feed)
+        for name, arr in zip(observed, outs):
             if np.issubdtype(arr.dtype, np.floating):
                 stats[name].update(arr, histogram)
         seen += 1

@@ -46,7 +46,9 @@ def test_all_fp16_when_safe():
     result = Fp16Pass(calibration_data=_calib()).call(model)
     assert result.modified
     assert result.stats == {"converted": 4, "kept_fp32": 0, "kept_fp32.overflow": 0, "kept_fp32.reduction": 0,
-                            "initializers_fp16": 2, "casts": 3}  # x in, y and z out
+                            "kept_fp32.no_float16_form": 0, "kept_fp32.control_flow": 0,
+                            "kept_fp32.float32_only_input": 0, "initializers_fp16": 2,
+                            "casts": 3}  # x in, y and z out
     assert op_counts(model) == {"Cast": 3, "MatMul": 1, "Mul": 1, "ReduceSum": 1, "Relu": 1}
     assert model.graph.inputs[0].dtype == ir.DataType.FLOAT
     assert [v.dtype for v in model.graph.outputs] == [ir.DataType.FLOAT] * 2
@@ -117,3 +119,148 @@ def test_near_miss_and_refusal():
     assert not Fp16Pass().call(model).modified  # nothing float: no data needed, nothing changes
     with pytest.raises(OptionError, match="needs calibration data"):
         Fp16Pass().call(to_ir(_model()))
+
+
+# --- models ONNX Runtime refused after fp16 (issue 19 item 2) -------------------------------------------
+
+
+def _check_loads_and_matches(proto: onnx.ModelProto, model: ir.Model, feeds: dict, tol: float = 2e-2) -> None:
+    """The converted model passes the output check and agrees with the original (ORT CPU, optimizations off)."""
+    from mograph.output_check import check_model_output
+
+    assert check_model_output(model)["onnxruntime"].startswith("passed")
+    for ref, out in zip(run(proto, feeds), run(model, feeds)):
+        np.testing.assert_allclose(out.astype(np.float32), ref.astype(np.float32), rtol=tol, atol=tol)
+
+
+def _resize_model(scales_as_constant: bool) -> onnx.ModelProto:
+    """x -> Relu -> Resize(scales = [1, 1, 2, 2]) -> Mul w -> y (a detector's upsampling)."""
+    scales = np.array([1, 1, 2, 2], np.float32)
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu")]
+    inits = [numpy_helper.from_array(np.full((1, 2, 1, 1), 0.5, np.float32), "w")]
+    if scales_as_constant:
+        nodes.append(helper.make_node("Constant", [], ["scales"], name="scales_const",
+                                      value=numpy_helper.from_array(scales)))
+    else:
+        inits.append(numpy_helper.from_array(scales, "scales"))
+    nodes += [helper.make_node("Resize", ["r", "", "scales"], ["up"], name="resize", mode="nearest"),
+              helper.make_node("Mul", ["up", "w"], ["y"], name="mul")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 2, 3, 3])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 2, 6, 6])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("scales_as_constant", [False, True])
+def test_resize_scales_stay_float32(scales_as_constant):
+    proto = _resize_model(scales_as_constant)
+    model = to_ir(proto)
+    feeds = [{"x": np.random.default_rng(i).standard_normal((1, 2, 3, 3)).astype(np.float32)} for i in range(2)]
+    result = Fp16Pass(calibration_data=feeds).call(model)
+    resize = next(n for n in model.graph if n.op_type == "Resize")
+    assert resize.inputs[0].dtype == ir.DataType.FLOAT16  # the image is resized in float16
+    assert resize.inputs[2].dtype != ir.DataType.FLOAT16  # its scales stay float32, as the op requires
+    assert resize.inputs[2].producer() is None or resize.inputs[2].producer().op_type == "Constant"  # no Cast
+    by = {e["node"]: e for e in result.details["plan"]["nodes"]}
+    assert by["resize"]["precision"] == "fp16"
+    if scales_as_constant:
+        assert by["scales_const"]["precision"] == "fp32"
+        assert by["scales_const"]["reason"] == "default rule: feeds only inputs that must stay float32"
+        assert op_counts(model)["Cast"] == 2  # x in, y out: the scales need none
+    assert result.stats["kept_fp32.float32_only_input"] == 1
+    _check_loads_and_matches(proto, model, feeds[0])
+    assert not Fp16Pass(calibration_data=feeds).call(model).modified
+
+
+def _if_model() -> onnx.ModelProto:
+    """h = Relu(x); y = If(c, then: h + 1, else: h - 1) * w."""
+    one = numpy_helper.from_array(np.array(1.0, np.float32), "one")
+    then_g = helper.make_graph([helper.make_node("Add", ["h", "one"], ["t"], name="then_add")], "then", [],
+                               [helper.make_tensor_value_info("t", onnx.TensorProto.FLOAT, [3, 4])], [one])
+    else_g = helper.make_graph([helper.make_node("Sub", ["h", "one_e"], ["e"], name="else_sub")], "else", [],
+                               [helper.make_tensor_value_info("e", onnx.TensorProto.FLOAT, [3, 4])],
+                               [numpy_helper.from_array(np.array(1.0, np.float32), "one_e")])
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["h"], name="relu"),
+         helper.make_node("If", ["c"], ["b"], name="if", then_branch=then_g, else_branch=else_g),
+         helper.make_node("Mul", ["b", "w"], ["y"], name="mul")],
+        "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3, 4]),
+         helper.make_tensor_value_info("c", onnx.TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [3, 4])],
+        [numpy_helper.from_array(np.full((4,), 2.0, np.float32), "w")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_if_outputs_keep_their_branch_types():
+    proto = _if_model()
+    model = to_ir(proto)
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal((3, 4)).astype(np.float32), "c": np.array(i % 2 == 0)} for i in range(2)]
+    result = Fp16Pass(calibration_data=feeds).call(model)
+    by = {e["node"]: e for e in result.details["plan"]["nodes"]}
+    assert by["if"]["precision"] == "fp32"
+    assert by["if"]["reason"] == "default rule: control flow (its subgraphs stay float32, so do its outputs)"
+    assert by["relu"]["precision"] == by["mul"]["precision"] == "fp16"
+    if_node = next(n for n in model.graph if n.op_type == "If")
+    assert if_node.outputs[0].dtype != ir.DataType.FLOAT16
+    assert [u.node.op_type for u in if_node.outputs[0].uses()] == ["Cast"]  # to float16, for the Mul
+    assert result.stats["kept_fp32.control_flow"] == 1
+    for f in feeds:
+        _check_loads_and_matches(proto, model, f)
+
+
+def _dynamic_quantize_model(opset: int = 17) -> onnx.ModelProto:
+    """An already-quantized model: DynamicQuantizeLinear(Relu(x)) -> DequantizeLinear -> Add w."""
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+         helper.make_node("DynamicQuantizeLinear", ["r"], ["q", "q_scale", "q_zp"], name="dql"),
+         helper.make_node("DequantizeLinear", ["q", "q_scale", "q_zp"], ["dq"], name="dq"),
+         helper.make_node("Add", ["dq", "w"], ["y"], name="add")],
+        "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 4])],
+        [numpy_helper.from_array(np.linspace(-1, 1, 4).astype(np.float32), "w")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def test_dynamic_quantize_linear_keeps_float32_and_opset_raised_for_dequantize_linear():
+    proto = _dynamic_quantize_model(opset=17)
+    model = to_ir(proto)
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal((2, 4)).astype(np.float32)} for _ in range(2)]
+    result = Fp16Pass(calibration_data=feeds).call(model)
+    by = {e["node"]: e for e in result.details["plan"]["nodes"]}
+    assert by["dql"]["precision"] == "fp32"  # float32 only at every opset
+    assert by["dql"]["reason"] == "default rule: DynamicQuantizeLinear has no float16 form at opset 19"
+    # DequantizeLinear outputs float16 from opset 19: the opset is raised for it
+    assert model.opset_imports[""] == 19
+    assert result.stats["opset_upgrade.from"] == 17 and result.stats["opset_upgrade.to"] == 19
+    assert result.details["opset_upgrade"]["reason"] == "float16 forms of DequantizeLinear (19)"
+    assert by["dq"]["precision"] == by["relu"]["precision"] == by["add"]["precision"] == "fp16"
+    assert result.stats["kept_fp32.no_float16_form"] == 1
+    _check_loads_and_matches(proto, model, feeds[0])
+    assert not Fp16Pass(calibration_data=feeds).call(model).modified
+
+
+def test_opset_not_raisable_keeps_those_nodes_float32_and_says_why():
+    proto = _dynamic_quantize_model(opset=17)
+    proto.functions.append(helper.make_function("example.local", "Twice", ["a"], ["b"],
+                                                [helper.make_node("Add", ["a", "a"], ["b"])],
+                                                [helper.make_opsetid("", 17)]))
+    proto.opset_import.append(helper.make_opsetid("example.local", 1))
+    model = to_ir(proto)
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal((2, 4)).astype(np.float32)} for _ in range(2)]
+    result = Fp16Pass(calibration_data=feeds).call(model)
+    assert model.opset_imports[""] == 17 and "opset_upgrade.to" not in result.stats
+    note = result.details["opset_upgrade"]
+    assert note["done"] is False
+    assert note["reason"].startswith("float16 forms of DequantizeLinear (19): cannot raise opset 17 to 19: ")
+    assert note["reason"].endswith("; those nodes stay float32")
+    by = {e["node"]: e for e in result.details["plan"]["nodes"]}
+    assert by["dq"]["precision"] == "fp32"
+    assert by["dq"]["reason"] == "default rule: DequantizeLinear has no float16 form at opset 17"
+    assert result.stats["kept_fp32.no_float16_form"] == 2
+    _check_loads_and_matches(proto, model, feeds[0])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from _shape_testing import dims, f32, graph_input, i64, make, ops, run_ort, to_ir
 from mograph.passes.shape import FixShapesPass
@@ -105,3 +106,59 @@ def test_refuses_conflict_with_static_dim():
     proto = bert_tiny(dynamic=False, batch=1, seq=16)
     with pytest.raises(OptionError, match="input 'input_ids' dimension 1: the model fixes it to 16, not 8"):
         FixShapesPass(shape=["input_ids:1x8"]).call(to_ir(proto))
+
+
+def _lstm_in_if(same_names: bool) -> onnx.ModelProto:
+    """o = If(c, LSTM(Reshape(Transpose(x), shape from Shape(x)), initial_h = h[0]) per branch) — a VAD-style model."""
+    from onnx import numpy_helper
+
+    rng = np.random.default_rng(0)
+    hid, feat = 4, 8
+
+    def c64(name, arr):  # noqa: ANN001, ANN202
+        return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(arr, np.int64)))
+
+    def branch(tag: str) -> onnx.GraphProto:
+        p = "" if same_names else f"{tag}_"
+        w = numpy_helper.from_array(rng.standard_normal((1, 4 * hid, feat)).astype(np.float32), f"{p}W")
+        r = numpy_helper.from_array(rng.standard_normal((1, 4 * hid, hid)).astype(np.float32), f"{p}R")
+        nodes = [
+            helper.make_node("Shape", ["x"], [f"{p}s"]), c64(f"{p}zero", 0), c64(f"{p}one", 1), c64(f"{p}ax0", [0]),
+            helper.make_node("Gather", [f"{p}s", f"{p}zero"], [f"{p}b"], axis=0),
+            helper.make_node("Gather", [f"{p}s", f"{p}one"], [f"{p}t"], axis=0),
+            helper.make_node("Unsqueeze", [f"{p}b", f"{p}ax0"], [f"{p}bu"]),
+            helper.make_node("Unsqueeze", [f"{p}t", f"{p}ax0"], [f"{p}tu"]), c64(f"{p}feat", [feat]),
+            helper.make_node("Concat", [f"{p}tu", f"{p}bu", f"{p}feat"], [f"{p}shape"], axis=0),
+            helper.make_node("Transpose", ["x"], [f"{p}xt"], perm=[1, 0, 2]),
+            helper.make_node("Reshape", [f"{p}xt", f"{p}shape"], [f"{p}xr"]),
+            helper.make_node("Gather", ["h", f"{p}zero"], [f"{p}h0"], axis=0),
+            helper.make_node("Unsqueeze", [f"{p}h0", f"{p}ax0"], [f"{p}h0u"]),
+            helper.make_node("LSTM", [f"{p}xr", f"{p}W", f"{p}R", "", "", f"{p}h0u"], [f"{p}Y"], hidden_size=hid,
+                             name=f"{tag}_lstm"),
+            helper.make_node("Squeeze", [f"{p}Y", "ax1"], [f"{p}o"]),
+        ]
+        return helper.make_graph(nodes, tag, [], [f32(f"{p}o", ["seq", "batch", hid])], [w, r],
+                                 value_info=[f32(f"{p}xr", ["seq", "batch", feat])])
+
+    if_node = helper.make_node("If", ["c"], ["o"], then_branch=branch("then"), else_branch=branch("else"))
+    return make([if_node],
+                [f32("x", ["batch", "seq", feat]), helper.make_tensor_value_info("c", onnx.TensorProto.BOOL, []),
+                 f32("h", [2, "batch", hid])],
+                [f32("o", ["seq", "batch", hid])], [i64("ax1", [1])])
+
+
+@pytest.mark.parametrize("same_names", [False, True])
+def test_lstm_inside_if_keeps_its_input_rank(same_names):
+    """Issue 19 item 2 (an LSTM inside an If lost its input rank): this VAD-like graph did not reproduce it;
+    it guards the path, and the pipeline's output check would name fix-shapes if it broke again."""
+    from mograph.output_check import check_model_output
+
+    proto = _lstm_in_if(same_names)
+    model = to_ir(proto)
+    result = FixShapesPass(shape=["x:1x5x8"]).call(model)
+    assert result.stats["inputs_fixed"] == 2 and result.stats["nodes_removed"] == 18  # both branches' shape math
+    assert check_model_output(model)["onnxruntime"].startswith("passed")
+    for cond in (True, False):
+        feeds = {"x": np.random.default_rng(1).standard_normal((1, 5, 8)).astype(np.float32), "c": np.array(cond),
+                 "h": np.random.default_rng(2).standard_normal((2, 1, 4)).astype(np.float32)}
+        np.testing.assert_allclose(run_ort(model, feeds)[0], run_ort(proto, feeds)[0], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,199 @@
+"""The check every pipeline's output gets: a model mograph writes is one that loads.
+
+Why: a pass can produce a graph that looks right to it and that no runtime accepts (a float16 input
+an operator only takes as float32, ``If`` branches whose outputs disagree in type, a Q/DQ form the
+opset does not have).  Numeric verification would catch it, but only when asked; this check always
+runs after the last pass (:func:`mograph.api.run_passes`), so an invalid model is a pass error, never
+a file written with exit status 0.
+
+What is checked:
+
+1. the ONNX checker (``onnx.checker.check_model``, no shape inference) on a skeleton of the model in
+   which tensors above :data:`PLACEHOLDER_BYTES` are stand-ins, so no weight is copied or read;
+2. a load in ONNX Runtime (CPU, graph optimizations **off**, so the graph loaded is the graph
+   written), when ``onnxruntime`` is importable, every node's domain is one ONNX Runtime knows
+   (``""``/``ai.onnx``, ``com.microsoft``, ``ai.onnx.ml``) or a model-local function, and the weights
+   are at most :data:`ORT_MAX_BYTES` in all (a session holds them: above that, the load would cost as
+   much memory as the model, and only the checker runs).  External data is not copied: the session
+   reads it from the folder it was loaded from.  A step that cannot run is reported as skipped, with
+   the reason.
+
+:func:`check_model_output` raises :class:`InvalidModel` (message and the node named by the checker or
+ONNX Runtime, when they name one); the API turns it into a pass error naming the pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import onnx_ir as ir
+
+__all__ = ["InvalidModel", "check_model_output", "ORT_DOMAINS", "ORT_MAX_BYTES", "PLACEHOLDER_BYTES"]
+
+logger = logging.getLogger(__name__)
+
+#: Operator domains ONNX Runtime implements (its contrib ops included).
+ORT_DOMAINS = frozenset({"", "ai.onnx", "com.microsoft", "ai.onnx.ml"})
+#: Largest total of weight bytes (in memory and external) for which the ONNX Runtime load runs.
+ORT_MAX_BYTES = 1 << 30
+#: Tensors larger than this are replaced by a one-element stand-in for the ONNX checker.
+PLACEHOLDER_BYTES = 1024
+
+_NODE_PATTERNS = (
+    re.compile(r"in node \(([^)]*)\)"),
+    re.compile(r"[Nn]ode \(([^)]+)\)"),
+    re.compile(r"Name: ?'?([^'\s]+)'? OpType"),
+    re.compile(r"node '([^']+)'"),
+    re.compile(r"[Nn]ode:? ?([^\s:,]+) (?:Op|output|input)"),
+)
+
+
+class InvalidModel(Exception):
+    """The model fails the ONNX checker or ONNX Runtime refuses to load it.
+
+    Attributes:
+        tool: ``"onnx checker"`` or ``"onnxruntime"``.
+        node: the node the tool's message names, or ``None``.
+        detail: the tool's message, first lines.
+    """
+
+    def __init__(self, tool: str, detail: str, node: str | None) -> None:
+        where = f" at node '{node}'" if node else ""
+        super().__init__(f"{tool} refuses the model{where}: {detail}")
+        self.tool = tool
+        self.detail = detail
+        self.node = node
+
+
+def _node_in(message: str) -> str | None:
+    for pattern in _NODE_PATTERNS:
+        m = pattern.search(message)
+        if m and m.group(1):
+            return m.group(1)
+    return None
+
+
+def _short(message: str, lines: int = 3) -> str:
+    text = " ".join(line.strip() for line in str(message).strip().splitlines()[:lines] if line.strip())
+    return text[:600]
+
+
+def _all_values(model: ir.Model) -> list[ir.Value]:
+    out: list[ir.Value] = []
+    for graph in model.graphs():
+        out.extend(graph.initializers.values())
+    return out
+
+
+def _placeholder(t: ir.TensorProtocol) -> ir.TensorProtocol:
+    """A one-element tensor of ``t``'s type (``t`` itself for a type numpy cannot hold, such as strings)."""
+    import numpy as np
+
+    try:
+        return ir.tensor(np.zeros((1,), t.dtype.numpy()), dtype=t.dtype)
+    except Exception:  # noqa: BLE001 - string tensors and the like stay as they are
+        return t
+
+
+def _big(t: ir.TensorProtocol | None) -> bool:
+    return t is not None and (isinstance(t, ir.ExternalTensor) or t.nbytes > PLACEHOLDER_BYTES)
+
+
+def _skeleton(model: ir.Model) -> Any:
+    """A ``ModelProto`` of ``model`` whose large tensors are one-element stand-ins (nothing big is read).
+
+    The stand-ins are put in place for the serialization only and the model's own tensors put back
+    after it (``Model.clone`` cannot copy every valid graph: a branch that outputs an outer value).
+    """
+    swapped_values: list[tuple[ir.Value, ir.TensorProtocol]] = []
+    swapped_attrs: list[tuple[ir.Node, str, ir.Attr]] = []
+    try:
+        for value in _all_values(model):
+            t = value.const_value
+            if t is not None and _big(t):
+                swapped_values.append((value, t))
+                value.const_value = _placeholder(t)
+        for node in ir.traversal.RecursiveGraphIterator(model.graph):
+            for key, attr in list(node.attributes.items()):
+                if attr.type == ir.AttributeType.TENSOR and _big(attr.value):
+                    swapped_attrs.append((node, key, attr))
+                    node.attributes[key] = ir.AttrTensor(key, _placeholder(attr.value))
+        return ir.serde.serialize_model(model)
+    finally:
+        for value, t in swapped_values:
+            value.const_value = t
+        for node, key, attr in swapped_attrs:
+            node.attributes[key] = attr
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def _ort_skip_reason(model: ir.Model) -> str | None:
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        return "onnxruntime is not installed"
+    local = {(d, n) for d, n, _ in model.functions}
+    unknown = sorted({
+        node.domain or "ai.onnx"
+        for node in ir.traversal.RecursiveGraphIterator(model.graph)
+        if node.domain not in ORT_DOMAINS and (node.domain, node.op_type) not in local
+    })
+    if unknown:
+        return f"ops in domain(s) ONNX Runtime does not know: {', '.join(unknown)}"
+    total = sum(v.const_value.nbytes for v in _all_values(model) if v.const_value is not None)
+    if total > ORT_MAX_BYTES:
+        return f"{_size(total)} of weights (load limit {_size(ORT_MAX_BYTES)})"
+    folders = {str(v.const_value.base_dir) for v in _all_values(model) if isinstance(v.const_value, ir.ExternalTensor)}
+    if len(folders) > 1:
+        return f"external data in {len(folders)} different folders"
+    return None
+
+
+def _ort_load(model: ir.Model) -> None:
+    import onnxruntime as ort
+
+    folders = {str(v.const_value.base_dir) for v in _all_values(model) if isinstance(v.const_value, ir.ExternalTensor)}
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 4
+    if folders:
+        so.add_session_config_entry("session.model_external_initializers_file_folder_path", folders.pop())
+    data = ir.serde.serialize_model(model).SerializeToString()
+    try:
+        ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types for a refused model
+        message = str(exc)
+        raise InvalidModel("onnxruntime", _short(message), _node_in(message)) from exc
+
+
+def check_model_output(model: ir.Model) -> dict[str, str]:
+    """Check ``model`` (see the module docstring); return what ran (``{"onnx_checker": "passed", ...}``).
+
+    Raises:
+        InvalidModel: the checker or ONNX Runtime refuses the model.
+    """
+    import onnx
+
+    out: dict[str, str] = {}
+    try:
+        onnx.checker.check_model(_skeleton(model))
+    except onnx.checker.ValidationError as exc:
+        message = str(exc)
+        raise InvalidModel("onnx checker", _short(message), _node_in(message)) from exc
+    out["onnx_checker"] = "passed"
+    reason = _ort_skip_reason(model)
+    if reason is not None:
+        out["onnxruntime"] = f"skipped: {reason}"
+        logger.info("output check: ONNX Runtime load skipped (%s)", reason)
+        return out
+    _ort_load(model)
+    out["onnxruntime"] = "passed (loaded, graph optimizations off)"
+    return out

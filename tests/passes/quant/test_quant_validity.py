@@ -1,0 +1,250 @@
+"""Q/DQ passes write models that load: fp16 models, old opsets (upgraded or refused), weights in Constant nodes and If branches.
+
+Issue 19 items 2 and 7.  Each model is built here; every converted model must pass the output check (ONNX
+checker and an ONNX Runtime load, optimizations off) and agree with the original on seeded feeds.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from mograph.passes.quant import QdqFp8Pass, QdqInt8Pass
+from onnx import helper, numpy_helper
+
+from mograph.errors import ModelError
+from mograph.output_check import check_model_output
+from tests.passes.quant._helpers import cosine, op_counts, run, to_ir
+
+F32, F16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
+
+
+def _weights(dtype: type = np.float32) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((16, 8)).astype(dtype), rng.standard_normal((8, 4)).astype(dtype)
+
+
+def _mlp(opset: int = 17, dtype: type = np.float32, weights: str = "initializer") -> onnx.ModelProto:
+    """y = Relu(x @ w) @ w2; the weights are initializers or ``Constant`` nodes."""
+    w, w2 = _weights(dtype)
+    elem = F16 if dtype == np.float16 else F32
+    nodes, inits = [], []
+    if weights == "constant":
+        nodes += [helper.make_node("Constant", [], ["w"], name="w_const", value=numpy_helper.from_array(w)),
+                  helper.make_node("Constant", [], ["w2"], name="w2_const", value=numpy_helper.from_array(w2))]
+    else:
+        inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(w2, "w2")]
+    nodes += [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+              helper.make_node("Relu", ["h"], ["r"], name="relu"),
+              helper.make_node("MatMul", ["r", "w2"], ["y"], name="head")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", elem, ["n", 16])],
+                              [helper.make_tensor_value_info("y", elem, ["n", 4])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _feeds(n: int = 4, dtype: type = np.float32) -> list[dict]:
+    rng = np.random.default_rng(1)
+    return [{"x": rng.standard_normal((8, 16)).astype(dtype)} for _ in range(n)]
+
+
+def _loads_and_matches(proto: onnx.ModelProto, model: ir.Model, feeds: list[dict], min_cosine: float) -> None:
+    assert check_model_output(model)["onnxruntime"].startswith("passed")
+    for f in feeds:
+        ref, out = run(proto, f)[0], run(model, f)[0]
+        assert out.dtype == ref.dtype
+        assert cosine(ref, out) > min_cosine
+
+
+# --- int8 on a float16 model (item 2) ----------------------------------------------------------------------
+
+
+def test_int8_on_fp16_model_at_opset_15_upgrades_and_uses_fp16_scales():
+    proto = _mlp(opset=15, dtype=np.float16)
+    model = to_ir(proto)
+    result = QdqInt8Pass(calibration_data=_feeds(dtype=np.float16)).call(model)
+    assert result.modified
+    assert result.stats["quantized"] == 1 and result.stats["q_nodes"] == 1 and result.stats["dq_nodes"] == 2
+    assert result.stats["opset_upgrade.from"] == 15 and result.stats["opset_upgrade.to"] == 19
+    assert result.details["opset_upgrade"]["reason"] == "float16 tensors are quantized (QuantizeLinear 19)"
+    assert model.opset_imports[""] == 19
+    inits = {k: v.const_value for k, v in model.graph.initializers.items()}
+    assert inits["x_scale"].dtype == ir.DataType.FLOAT16  # QuantizeLinear-19: the scale has x's type
+    assert inits["w_scale"].dtype == ir.DataType.FLOAT16  # the weight's DequantizeLinear outputs float16
+    assert inits["w_quantized"].dtype == ir.DataType.INT8
+    _loads_and_matches(proto, model, _feeds(2, np.float16), 0.99)
+    assert not QdqInt8Pass(calibration_data=_feeds(dtype=np.float16)).call(model).modified
+
+
+def test_fp8_on_fp16_model():
+    proto = _mlp(opset=19, dtype=np.float16)
+    model = to_ir(proto)
+    result = QdqFp8Pass(calibration_data=_feeds(dtype=np.float16)).call(model)
+    assert result.stats["quantized"] == 1 and "opset_upgrade.to" not in result.stats
+    assert model.graph.initializers["x_scale"].const_value.dtype == ir.DataType.FLOAT16  # type: ignore[union-attr]
+    _loads_and_matches(proto, model, _feeds(2, np.float16), 0.98)
+
+
+# --- opsets: upgraded when the ops convert cleanly, refused in one line when not (item 7) -------------------
+
+
+def test_int8_upgrades_opset_11_to_13():
+    proto = _mlp(opset=11)
+    model = to_ir(proto)
+    result = QdqInt8Pass(calibration_data=_feeds()).call(model)
+    assert model.opset_imports[""] == 13
+    assert result.stats["opset_upgrade.from"] == 11 and result.stats["opset_upgrade.to"] == 13
+    assert result.details["opset_upgrade"]["reason"] == "per-channel DequantizeLinear (13)"
+    assert result.stats["quantized"] == 1
+    _loads_and_matches(proto, model, _feeds(2), 0.995)
+
+
+def test_fp8_upgrades_opset_17_to_19():
+    proto = _mlp(opset=17)
+    model = to_ir(proto)
+    result = QdqFp8Pass(calibration_data=_feeds()).call(model)
+    assert model.opset_imports[""] == 19
+    assert result.stats["opset_upgrade.from"] == 17 and result.stats["opset_upgrade.to"] == 19
+    assert result.stats["quantized"] == 1
+    _loads_and_matches(proto, model, _feeds(2), 0.99)
+
+
+@pytest.mark.parametrize("cls", [QdqInt8Pass, QdqFp8Pass])
+def test_opset_upgrade_refused_in_one_line(cls):
+    """A model-local function the converter cannot convert: refused before anything changes."""
+    proto = _mlp(opset=11)
+    fn = helper.make_function("example.local", "Twice", ["a"], ["b"], [helper.make_node("Add", ["a", "a"], ["b"])],
+                              [helper.make_opsetid("", 11)])
+    proto.functions.append(fn)
+    proto.opset_import.append(helper.make_opsetid("example.local", 1))
+    model = to_ir(proto)
+    with pytest.raises(ModelError) as err:
+        cls(calibration_data=_feeds()).call(model)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"{cls.name}: needs opset >= ")
+    assert "cannot be upgraded from 11" in message and "model-local functions (example.local::Twice)" in message
+    assert model.opset_imports[""] == 11 and op_counts(model) == {"MatMul": 2, "Relu": 1}
+
+
+# --- weights in Constant nodes and inside If branches (item 7) ----------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [QdqInt8Pass, QdqFp8Pass])
+def test_weights_in_constant_nodes_are_quantized(cls):
+    proto = _mlp(opset=19, weights="constant")
+    model = to_ir(proto)
+    result = cls(calibration_data=_feeds()).call(model)
+    assert result.modified
+    assert result.stats["quantized"] == 1 and result.stats["q_nodes"] == 1 and result.stats["dq_nodes"] == 2
+    # the quantized weight's Constant is gone; the final projection keeps its float Constant
+    assert op_counts(model) == {"Constant": 1, "QuantizeLinear": 1, "DequantizeLinear": 2, "MatMul": 2, "Relu": 1}
+    assert [n.name for n in model.graph if n.op_type == "Constant"] == ["w2_const"]
+    by = {e["node"]: e for e in result.details["plan"]["nodes"]}
+    assert by["mm"]["precision"] == cls.precision and by["head"]["reason"] == "default rule: final projection"
+    _loads_and_matches(proto, model, _feeds(2), 0.99)
+    assert not cls(calibration_data=_feeds()).call(model).modified
+
+
+def _if_model() -> onnx.ModelProto:
+    """b = If(c, then: Relu(x) @ wt [branch initializer], else: Sigmoid(x) @ we [branch Constant]); y = b @ w_head."""
+    rng = np.random.default_rng(3)
+    wt, we, wh = (rng.standard_normal(s).astype(np.float32) for s in ((16, 8), (16, 8), (8, 4)))
+    then_g = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["h_t"], name="then_relu"),
+         helper.make_node("MatMul", ["h_t", "wt"], ["t"], name="then_mm")],
+        "then", [], [helper.make_tensor_value_info("t", F32, ["n", 8])], [numpy_helper.from_array(wt, "wt")])
+    else_g = helper.make_graph(
+        [helper.make_node("Constant", [], ["we"], name="we_const", value=numpy_helper.from_array(we)),
+         helper.make_node("Sigmoid", ["x"], ["h_e"], name="else_sigmoid"),
+         helper.make_node("MatMul", ["h_e", "we"], ["e"], name="else_mm")],
+        "else", [], [helper.make_tensor_value_info("e", F32, ["n", 8])])
+    graph = helper.make_graph(
+        [helper.make_node("If", ["c"], ["b"], name="if", then_branch=then_g, else_branch=else_g),
+         helper.make_node("MatMul", ["b", "wh"], ["y"], name="head")],
+        "g",
+        [helper.make_tensor_value_info("x", F32, ["n", 16]), helper.make_tensor_value_info("c", onnx.TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("y", F32, ["n", 4])],
+        [numpy_helper.from_array(wh, "wh")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+
+
+def _if_feeds(n: int, conds: list[bool]) -> list[dict]:
+    rng = np.random.default_rng(5)
+    return [{"x": rng.standard_normal((8, 16)).astype(np.float32), "c": np.array(conds[i % len(conds)])}
+            for i in range(n)]
+
+
+def _ops(graph: ir.Graph) -> Counter:
+    return Counter(n.op_type for n in graph)
+
+
+def _branch(model: ir.Model, which: str) -> ir.Graph:
+    node = next(n for n in model.graph if n.op_type == "If")
+    return node.attributes[which].as_graph()
+
+
+@pytest.mark.parametrize("cls", [QdqInt8Pass, QdqFp8Pass])
+def test_weights_inside_if_branches_are_quantized(cls):
+    proto = _if_model()
+    model = to_ir(proto)
+    result = cls(calibration_data=_if_feeds(6, [True, False])).call(model)
+    assert result.modified
+    assert result.stats["quantized"] == 2 and result.stats["quantized.MatMul"] == 2
+    assert result.stats["q_nodes"] == 2 and result.stats["dq_nodes"] == 4  # h_t, h_e; their weights
+    assert result.stats["kept_float"] == 1  # the head, the final projection
+    assert _ops(_branch(model, "then_branch")) == {"Relu": 1, "QuantizeLinear": 1, "DequantizeLinear": 2,
+                                                        "MatMul": 1}
+    assert _ops(_branch(model, "else_branch")) == {"Sigmoid": 1, "QuantizeLinear": 1, "DequantizeLinear": 2,
+                                                        "MatMul": 1}  # its weight Constant replaced
+    assert "wt" not in _branch(model, "then_branch").initializers  # the float weight is gone
+    by = {e["node"]: e for e in result.details["plan"]["nodes"]}
+    assert by["then_mm"]["precision"] == by["else_mm"]["precision"] == cls.precision
+    _loads_and_matches(proto, model, _if_feeds(2, [True, False]), 0.99)
+    assert not cls(calibration_data=_if_feeds(6, [True, False])).call(model).modified
+
+
+def test_branch_never_taken_in_calibration_stays_float_and_says_so():
+    proto = _if_model()
+    model = to_ir(proto)
+    result = QdqInt8Pass(calibration_data=_if_feeds(4, [True])).call(model)
+    assert result.stats["quantized"] == 1 and result.stats["kept_float"] == 2
+    by = {e["node"]: e for e in result.details["plan"]["nodes"]}
+    assert by["then_mm"]["precision"] == "int8"
+    assert by["else_mm"]["precision"] == "fp32"
+    assert by["else_mm"]["reason"] == "no calibrated range for an input (never observed as a float tensor)"
+    assert _ops(_branch(model, "else_branch")) == {"Constant": 1, "Sigmoid": 1, "MatMul": 1}
+    _loads_and_matches(proto, model, _if_feeds(2, [True, False]), 0.995)
+
+
+def test_weight_inside_a_loop_body_stays_float_and_says_why():
+    """Loop bodies cannot be observed in calibration: their MatMul stays float with that reason, the model loads."""
+    rng = np.random.default_rng(7)
+    w, wh = rng.standard_normal((16, 16)).astype(np.float32), rng.standard_normal((16, 4)).astype(np.float32)
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+         helper.make_node("MatMul", ["x_in", "w"], ["m"], name="body_mm"),
+         helper.make_node("Tanh", ["m"], ["x_out"])],
+        "body",
+        [helper.make_tensor_value_info("i", onnx.TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", onnx.TensorProto.BOOL, []),
+         helper.make_tensor_value_info("x_in", F32, ["n", 16])],
+        [helper.make_tensor_value_info("cond_out", onnx.TensorProto.BOOL, []),
+         helper.make_tensor_value_info("x_out", F32, ["n", 16])],
+        [numpy_helper.from_array(w, "w")])
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["trips", "", "x"], ["xl"], name="loop", body=body),
+         helper.make_node("MatMul", ["xl", "wh"], ["y"], name="head")],
+        "g", [helper.make_tensor_value_info("x", F32, ["n", 16])], [helper.make_tensor_value_info("y", F32, ["n", 4])],
+        [numpy_helper.from_array(np.array(2, np.int64), "trips"), numpy_helper.from_array(wh, "wh")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    model = to_ir(proto)
+    result = QdqInt8Pass(calibration_data=_feeds()).call(model)
+    assert not result.modified and result.stats["quantized"] == 0 and result.stats["kept_float"] == 2
+    by = {e["node"]: e for e in result.details["plan"]["nodes"]}
+    assert by["body_mm"]["reason"] == "inside a Loop/Scan body, whose tensors calibration cannot observe"
+    assert by["head"]["reason"] == "default rule: final projection"
+    assert check_model_output(model)["onnxruntime"].startswith("passed")
