@@ -19,7 +19,7 @@ numeric check.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -81,8 +81,19 @@ def to_ir(proto: onnx.ModelProto) -> ir.Model:
     return ir.serde.deserialize_model(proto)
 
 
-def to_proto(model: ir.Model) -> onnx.ModelProto:
-    return ir.serde.serialize_model(model)
+def to_proto(model: ir.Model, *, with_data: bool = False) -> onnx.ModelProto:
+    """``model`` as a proto; ``with_data`` inlines external tensors (the model itself is left as it was)."""
+    if not with_data:
+        return ir.serde.serialize_model(model)
+    external = [v for g in model.graphs() for v in g.initializers.values() if isinstance(v.const_value, ir.ExternalTensor)]
+    saved = [v.const_value for v in external]
+    try:
+        for v in external:
+            v.const_value = ir.Tensor(np.array(v.const_value.numpy()), name=v.name)  # type: ignore[union-attr]
+        return ir.serde.serialize_model(model)
+    finally:
+        for v, tensor in zip(external, saved):
+            v.const_value = tensor
 
 
 def op_types(model: ir.Model) -> list[str]:
@@ -115,17 +126,21 @@ def feeds_for(proto: onnx.ModelProto, seed: int = 0, dims: dict[str, int] | None
     return out
 
 
-def run_ort(model: onnx.ModelProto | ir.Model, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    """Run on ONNX Runtime's CPU provider with its graph optimizations off (they could hide a broken rewrite)."""
+def run_ort(model: onnx.ModelProto | ir.Model, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """Run on ONNX Runtime's CPU provider with its graph optimizations off (they could hide a broken rewrite).
+
+    External data of an ``onnx_ir.Model`` is read in; feeds the model has no input for are left out.
+    """
     import onnxruntime as ort
 
-    proto = to_proto(model) if isinstance(model, ir.Model) else model
+    proto = to_proto(model, with_data=True) if isinstance(model, ir.Model) else model
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     opts.intra_op_num_threads = 1
     opts.inter_op_num_threads = 1
     sess = ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    return sess.run(None, feeds)
+    names = {i.name for i in sess.get_inputs()}
+    return sess.run(None, {k: v for k, v in feeds.items() if k in names})
 
 
 def tolerance_for(arrays: Iterable[np.ndarray]) -> float:

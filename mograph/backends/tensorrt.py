@@ -49,6 +49,7 @@ from typing import Any
 from mograph.backends import Backend, Runner, _trt_loader
 from mograph.backends.tensorrt_plugins import plugin_specs
 from mograph.errors import BackendUnavailableError, ModelError, MographError, UsageError
+from mograph.specs import Profile, check_profile, parse_profile, parse_profiles
 
 __all__ = [
     "BACKEND",
@@ -58,15 +59,11 @@ __all__ = [
     "build_engine",
     "gpu_status",
     "load_engine",
-    "parse_profile_spec",
-    "parse_profile_specs",
     "trt_available",
 ]
 
 logger = logging.getLogger(__name__)
 
-Shape = tuple[int, ...]
-Profile = tuple[Shape, Shape, Shape]
 
 _REPORT_MARK = "MOGRAPH_TRT_RESULT "
 _WORKER_ENV = "MOGRAPH_TRT_WORKER"
@@ -92,63 +89,15 @@ class CannotRunError(BackendUnavailableError):
 # ---------------------------------------------------------------------------------------------- profiles
 
 
-def _parse_dims(text: str, spec: str) -> Shape:
-    parts = text.strip().lower().split("x")
-    try:
-        dims = tuple(int(p) for p in parts)
-    except ValueError:
-        raise UsageError(f"bad profile {spec!r}: shapes are sizes joined by 'x', e.g. 1x16") from None
-    if any(d <= 0 for d in dims):
-        raise UsageError(f"bad profile {spec!r}: sizes must be positive")
-    return dims
-
-
-def parse_profile_spec(spec: str) -> tuple[str, Profile]:
-    """Parse ``NAME:MIN,OPT,MAX`` (``input_ids:1x16,8x128,32x512``); ``NAME:SHAPE`` means min = opt = max.
-
-    The name may contain ``:``; the shapes follow the last one.
-    """
-    name, sep, body = spec.rpartition(":")
-    if not sep or not name or not body:
-        raise UsageError(f"bad profile {spec!r}: expected NAME:MIN,OPT,MAX (e.g. input_ids:1x16,8x128,32x512)")
-    parts = body.split(",")
-    if len(parts) == 1:
-        parts = parts * 3
-    if len(parts) != 3:
-        raise UsageError(f"bad profile {spec!r}: give three shapes MIN,OPT,MAX (or one fixed shape)")
-    mn, opt, mx = (_parse_dims(p, spec) for p in parts)
-    _check_profile(name, (mn, opt, mx))
-    return name, (mn, opt, mx)
-
-
-def _check_profile(name: str, profile: Profile) -> None:
-    mn, opt, mx = profile
-    if not len(mn) == len(opt) == len(mx):
-        raise UsageError(f"profile of '{name}': min, opt and max have different ranks: {mn}, {opt}, {mx}")
-    if any(not a <= b <= c for a, b, c in zip(mn, opt, mx)):
-        raise UsageError(f"profile of '{name}': needs min <= opt <= max in every dim, got {mn}, {opt}, {mx}")
-
-
-def parse_profile_specs(specs: Sequence[str] | None) -> dict[str, Profile]:
-    """Parse several ``--profile`` values; an input given twice is an error."""
-    out: dict[str, Profile] = {}
-    for spec in specs or []:
-        name, prof = parse_profile_spec(spec)
-        if name in out:
-            raise UsageError(f"input '{name}' given two profiles")
-        out[name] = prof
-    return out
-
-
 def _normalize_profiles(profiles: Mapping[str, Any] | Sequence[str] | None) -> dict[str, Profile]:
     if profiles is None:
         return {}
     if not isinstance(profiles, Mapping):
-        return parse_profile_specs(list(profiles))
+        return parse_profiles(list(profiles))
     out: dict[str, Profile] = {}
     for name, value in profiles.items():
         if isinstance(value, str):
-            out[name] = parse_profile_spec(f"{name}:{value}")[1]
+            out[name] = parse_profile(f"{name}:{value}")[1]
             continue
         if isinstance(value, Mapping):
             value = (value["min"], value["opt"], value["max"])
@@ -158,7 +107,7 @@ def _normalize_profiles(profiles: Mapping[str, Any] | Sequence[str] | None) -> d
             raise UsageError(f"profile of '{name}': expected (min, opt, max) shapes, got {value!r}") from None
         if len(prof) != 3:
             raise UsageError(f"profile of '{name}': expected three shapes (min, opt, max), got {len(prof)}")
-        _check_profile(name, prof)  # type: ignore[arg-type]
+        check_profile(name, prof)  # type: ignore[arg-type]
         out[name] = prof  # type: ignore[assignment]
     return out
 

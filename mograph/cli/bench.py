@@ -28,8 +28,9 @@ from typing import Any
 import numpy as np
 
 from mograph.cli import CommandResult
-from mograph.cli._common import example_path, parse_shapes
+from mograph.cli._common import example_path
 from mograph.errors import UsageError
+from mograph.specs import parse_shapes
 
 __all__ = ["add_parser", "run", "RssSampler"]
 

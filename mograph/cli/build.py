@@ -124,9 +124,9 @@ def run(args: argparse.Namespace) -> CommandResult:
         options["int8"] = True
     if args.profile:
         if backend.name == "tensorrt":
-            from mograph.backends.tensorrt import parse_profile_specs
+            from mograph.specs import parse_profiles
 
-            parse_profile_specs(args.profile)  # a bad spec is a usage error before any work
+            parse_profiles(args.profile)  # a bad spec is a usage error before any work
         options["profiles"] = list(args.profile)
     if args.workspace is not None:
         options["workspace_mib"] = args.workspace

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from mograph.cli import CommandResult
-from mograph.cli._common import parse_shapes
 from mograph.errors import VerificationError
+from mograph.specs import parse_shapes
 
 __all__ = ["add_parser", "run", "format_table"]
 

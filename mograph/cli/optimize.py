@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from mograph.cli import CommandResult
-from mograph.cli._common import default_output, example_path, parse_shapes
+from mograph.cli._common import default_output, example_path
 from mograph.errors import MographError, UsageError
+from mograph.specs import parse_shapes
 
 __all__ = ["add_parser", "run"]
 

@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from mograph.cli import CommandResult
-from mograph.cli._common import example_path, parse_shapes
+from mograph.cli._common import example_path
 from mograph.errors import UsageError, VerificationError
+from mograph.specs import parse_shapes
 
 __all__ = ["add_parser", "run"]
 
@@ -82,9 +83,9 @@ def _feed_shapes(args: argparse.Namespace) -> dict[str, tuple[int, ...]]:
     """``--shape`` sizes, then the opt shapes of ``--profile`` for inputs ``--shape`` leaves out."""
     shapes = parse_shapes(args.shape)
     if args.profile:
-        from mograph.backends.tensorrt import parse_profile_specs
+        from mograph.specs import parse_profiles
 
-        for name, (_mn, opt, _mx) in parse_profile_specs(args.profile).items():
+        for name, (_mn, opt, _mx) in parse_profiles(args.profile).items():
             shapes.setdefault(name, tuple(opt))
     return shapes
 

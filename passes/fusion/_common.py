@@ -25,23 +25,14 @@ from mograph.opset import model_opset
 from mograph.pass_infra import Option, Pass, PassResult, stamp
 from mograph.patterns import MatchResult as MatchResult
 from mograph.patterns import OrValue, Rule, RuleReport, any_value, apply_rules, const, constant_array, scalar_value
+from mograph.specs import parse_bool
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FusionPass", "flag", "mean_last", "square", "check_reduction", "norm_attrs", "fused_ops"]
+__all__ = ["FusionPass", "mean_last", "square", "check_reduction", "norm_attrs", "fused_ops"]
 
 
-def flag(raw: str) -> bool:
-    """Parse a boolean option value (``true/false/1/0/yes/no/on/off``)."""
-    text = str(raw).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"expected true or false, got {raw!r}")
-
-
-EXPLAIN_OPTION = Option("explain", flag, False, "list near misses and why each rule did not apply")
+EXPLAIN_OPTION = Option("explain", parse_bool, False, "list near misses and why each rule did not apply")
 
 _FUSED_OPS: dict[tuple[str, str], CustomOp] = {}
 

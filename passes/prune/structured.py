@@ -48,6 +48,7 @@ from mograph.passes.prune._cost import count_params, param_count, total_macs
 from mograph.passes.prune._deps import Dim, Group, ShapeInfo, analyze, const_tensor, owns_tensor, reshape_plan
 
 from mograph.errors import OptionError
+from mograph.opset import model_opset
 from mograph.pass_infra import Option, Pass, PassResult
 
 __all__ = ["PruneStructuredPass", "SCOPES", "EXCLUDE_OPTION"]
@@ -96,7 +97,7 @@ class PruneStructuredPass(Pass):
         scopes = SCOPES if scope == "all" else (scope,)
         patterns: list[str] = self.config["exclude"] or []
         graph = model.graph
-        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+        opset = model_opset(model)
         shapes = ShapeInfo(model)
 
         groups = _find_groups(graph, shapes, opset, scopes)

@@ -37,6 +37,7 @@ from mograph.passes.quant._qdq import (
 )
 from mograph.passes.quant.plan import PrecisionPlan, load_plan, node_key, parse_budget
 
+from mograph import specs
 from mograph.errors import ModelError, OptionError
 from mograph.pass_infra import Option, Pass, PassResult
 
@@ -102,22 +103,10 @@ QDQ_OPTIONS = (
 )
 
 
-def parse_shapes(items: list[str] | None) -> dict[str, tuple[int, ...]]:
-    """``["input_ids:1x128"]`` -> ``{"input_ids": (1, 128)}`` (the name may itself contain ':')."""
-    out: dict[str, tuple[int, ...]] = {}
-    for item in items or []:
-        if isinstance(item, (tuple, list)):
-            name, dims = item
-            out[str(name)] = tuple(int(d) for d in dims)
-            continue
-        name, sep, dims = str(item).rpartition(":")
-        try:
-            if not sep or not name:
-                raise ValueError
-            out[name] = tuple(int(d) for d in dims.lower().split("x"))
-        except ValueError as exc:
-            raise OptionError(f"--shape {item!r}: expected NAME:DIMS such as input_ids:1x128") from exc
-    return out
+def parse_shapes(items: list[Any] | None) -> dict[str, tuple[int, ...]]:
+    """``["input_ids:1x128"]`` (or ``(name, dims)`` pairs from Python) -> ``{"input_ids": (1, 128)}``."""
+    pairs = {str(i[0]): tuple(int(d) for d in i[1]) for i in items or [] if isinstance(i, (tuple, list))}
+    return {**specs.parse_shapes([i for i in items or [] if not isinstance(i, (tuple, list))]), **pairs}
 
 
 def open_calibration(p: Pass, model: ir.Model) -> cal.CalibrationSource:

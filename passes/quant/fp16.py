@@ -44,6 +44,7 @@ from mograph.passes.quant.plan import PrecisionPlan, load_plan, node_key
 
 from mograph.errors import OptionError
 from mograph.pass_infra import Option, Pass, PassResult
+from mograph.specs import parse_bool
 
 __all__ = ["Fp16Pass"]
 
@@ -109,15 +110,6 @@ def _opset_with_half(node: ir.Node, opset: int, floats: set[str]) -> int | None:
     return None
 
 
-def _yes(text: str) -> bool:
-    t = str(text).strip().lower()
-    if t in ("1", "true", "yes", "on"):
-        return True
-    if t in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("expected yes or no")
-
-
 class Fp16Pass(Pass):
     """Convert to FP16, keeping FP32 where calibration measures overflow or reductions are deep."""
 
@@ -126,7 +118,7 @@ class Fp16Pass(Pass):
     options = (
         *CALIBRATION_OPTIONS,
         *PLAN_OPTIONS,
-        Option("fp16-io", _yes, False, "make graph inputs and outputs float16 too (yes/no)", metavar="yes|no"),
+        Option("fp16-io", parse_bool, False, "make graph inputs and outputs float16 too (yes/no)", metavar="yes|no"),
         Option("fp16-max", float, 65504.0, "magnitude at which a tensor counts as overflowing float16", metavar="X"),
         Option("fp16-reduction-limit", int, 4096, "reductions over this many elements or more stay float32",
                metavar="N"),

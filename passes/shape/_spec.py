@@ -14,33 +14,10 @@ from mograph.passes.shape._shapes import value_dims
 
 from mograph.errors import OptionError
 
-__all__ = ["parse_dims", "parse_dim_assignment", "parse_dynamic", "input_dims", "find_input"]
+__all__ = ["parse_dim_assignment", "parse_dynamic", "input_dims", "find_input"]
 
 _SYMBOL = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
 _INT = re.compile(r"^-?\d+$")
-
-
-def parse_dims(text: str, name: str, pass_name: str, what: str = "--shape") -> tuple[int, ...]:
-    """``"1x128"`` -> ``(1, 128)``; ``""`` -> ``()`` (a scalar).  Every size must be a positive integer."""
-    if text == "":
-        return ()
-    out = []
-    for axis, part in enumerate(text.split("x")):
-        if not _INT.match(part.strip()):
-            raise OptionError(f"{pass_name}: {what} of input '{name}' dimension {axis}: {part!r} is not an integer")
-        size = int(part)
-        if size <= 0:
-            raise OptionError(f"{pass_name}: {what} of input '{name}' dimension {axis}: size must be positive, not {size}")
-        out.append(size)
-    return tuple(out)
-
-
-def parse_shape_spec(spec: str, pass_name: str) -> tuple[str, tuple[int, ...]]:
-    """``NAME:1x128`` -> ``(NAME, (1, 128))``, same syntax as ``mograph.cli._common.parse_shape``."""
-    name, sep, dims = spec.rpartition(":")
-    if not sep or not name:
-        raise OptionError(f"{pass_name}: bad --shape {spec!r}: expected NAME:D1xD2... (e.g. input_ids:1x128)")
-    return name, parse_dims(dims, name, pass_name)
 
 
 def parse_dim_assignment(spec: str, pass_name: str) -> tuple[str, int]:

@@ -31,12 +31,13 @@ import math
 
 import onnx_ir as ir
 from mograph.passes.shape._shapes import infer_shapes, reinfer_shapes, value_dims
-from mograph.passes.shape._spec import find_input, parse_dim_assignment, parse_shape_spec
+from mograph.passes.shape._spec import find_input, parse_dim_assignment
 from onnx_ir.passes import common as irp
 from onnxscript.optimizer import _constant_folding as cf
 
 from mograph.errors import ModelError, OptionError
 from mograph.pass_infra import Option, Pass, PassResult
+from mograph.specs import parse_shape
 
 __all__ = ["FixShapesPass", "FOLD_OUTPUT_LIMIT"]
 
@@ -83,7 +84,7 @@ class FixShapesPass(Pass):
         """New dims per input name, for the inputs whose dims change."""
         shapes: dict[str, tuple[int, ...]] = {}
         for spec in self.config["shape"]:
-            name, dims = parse_shape_spec(spec, self.name)
+            name, dims = parse_shape(spec, self.name)
             if name in shapes and shapes[name] != dims:
                 raise OptionError(f"{self.name}: input '{name}' given two shapes: {shapes[name]} and {dims}")
             find_input(graph, name, self.name)

@@ -16,29 +16,15 @@ profiles of other inputs are kept.
 from __future__ import annotations
 
 import onnx_ir as ir
-from mograph.passes.shape._spec import input_dims, parse_dims
+from mograph.passes.shape._spec import input_dims
 
 from mograph.errors import OptionError
 from mograph.metadata import PROFILES_KEY as METADATA_KEY
 from mograph.metadata import Profile, profile_to_json, read_profiles, write_profiles
 from mograph.pass_infra import Option, Pass, PassResult
+from mograph.specs import parse_profile
 
-__all__ = ["METADATA_KEY", "SetTrtProfilePass", "parse_profile", "read_profiles", "write_profiles"]
-
-def parse_profile(spec: str, pass_name: str = "set-trt-profile") -> tuple[str, Profile]:
-    """Parse ``NAME:MIN,OPT,MAX`` (each ``1x16``) into ``(name, (min, opt, max))``.
-
-    The name may contain ``:``; the shapes follow the last one.
-    """
-    name, sep, body = spec.rpartition(":")
-    if not sep or not name:
-        raise OptionError(f"{pass_name}: bad --profile {spec!r}: expected NAME:MIN,OPT,MAX (e.g. input_ids:1x16,8x128,32x512)")
-    parts = body.split(",")
-    if len(parts) != 3:
-        raise OptionError(f"{pass_name}: bad --profile {spec!r}: give exactly three shapes MIN,OPT,MAX")
-    shapes = tuple(parse_dims(p, name, pass_name, what="--profile") for p in parts)
-    return name, shapes
-
+__all__ = ["METADATA_KEY", "SetTrtProfilePass", "read_profiles", "write_profiles"]
 
 def validate_profile(graph: ir.Graph, name: str, profile: Profile, pass_name: str) -> None:
     """Raise ``OptionError`` unless ``profile`` fits input ``name`` of ``graph``."""
@@ -86,7 +72,7 @@ class SetTrtProfilePass(Pass):
     def call(self, model: ir.Model) -> PassResult:
         requested: dict[str, Profile] = {}
         for spec in self.config["profile"]:
-            name, prof = parse_profile(spec, self.name)
+            name, prof = parse_profile(spec, self.name, fixed_allowed=False)
             if name in requested and requested[name] != prof:
                 raise OptionError(f"{self.name}: input '{name}' given two different profiles")
             validate_profile(model.graph, name, prof, self.name)

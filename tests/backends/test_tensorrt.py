@@ -259,23 +259,6 @@ def test_module_imports_nothing_heavy():
     assert out.strip() == "[]"
 
 
-@pytest.mark.parametrize(
-    ("spec", "expected"),
-    [
-        ("input_ids:1x16,8x128,32x512", ("input_ids", ((1, 16), (8, 128), (32, 512)))),
-        ("onnx::Gather_0:2x4", ("onnx::Gather_0", ((2, 4), (2, 4), (2, 4)))),
-    ],
-)
-def test_parse_profile_spec(spec, expected):
-    assert trt_backend.parse_profile_spec(spec) == expected
-
-
-@pytest.mark.parametrize("spec", ["input_ids", "x:1x2,3x4", "x:4x4,2x4,8x4", "x:1x2,1x2x3,1x2", "x:0x4", "x:ax4"])
-def test_parse_profile_spec_rejects(spec):
-    with pytest.raises(UsageError):
-        trt_backend.parse_profile_spec(spec)
-
-
 def test_plugin_table_is_the_contract():
     assert set(PLUGINS) == {"LayerNorm", "RMSNorm", "SkipLayerNorm", "SkipRMSNorm", "Gelu", "BiasGelu"}
     assert plugin_for_op("LayerNorm") is PLUGINS["LayerNorm"] is plugin_for_op("LayerNorm")

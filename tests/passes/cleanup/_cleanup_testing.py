@@ -14,13 +14,10 @@ import onnx_ir as ir
 import pytest
 
 from mograph.pass_infra import Pass, PassManager, PassReport
+from mograph.testing import run_ort, to_ir, to_proto  # noqa: F401 - to_ir re-exported for the tests
 
 #: (rtol, atol) per output dtype; cleanup passes only reorder or precompute, so these are tight.
 TOLERANCE = {np.dtype(np.float32): (1e-6, 1e-6), np.dtype(np.float16): (1e-3, 1e-3), np.dtype(np.float64): (1e-12, 1e-12)}
-
-
-def to_ir(proto: onnx.ModelProto) -> ir.Model:
-    return ir.serde.deserialize_model(proto)
 
 
 def run_pass(p: Pass, model: ir.Model) -> PassReport:
@@ -34,24 +31,12 @@ def op_types(model: ir.Model) -> list[str]:
 
 def to_proto_with_data(model: ir.Model) -> onnx.ModelProto:
     """Serialise ``model`` with external data inlined (the model itself is left as it was)."""
-    external = [v for v in model.graph.initializers.values() if isinstance(v.const_value, ir.ExternalTensor)]
-    saved = [v.const_value for v in external]
-    try:
-        for v in external:
-            v.const_value = ir.Tensor(np.array(v.const_value.numpy()), name=v.name)
-        return ir.serde.serialize_model(model)
-    finally:
-        for v, tensor in zip(external, saved):
-            v.const_value = tensor
+    return to_proto(model, with_data=True)
 
 
 def ort_outputs(model: onnx.ModelProto | ir.Model, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-    ort = pytest.importorskip("onnxruntime")
-    proto = to_proto_with_data(model) if isinstance(model, ir.Model) else model
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return session.run(None, dict(feeds))
+    pytest.importorskip("onnxruntime")
+    return run_ort(model, feeds)
 
 
 def assert_same_outputs(original: onnx.ModelProto, optimized: ir.Model, feeds: Mapping[str, np.ndarray]) -> None:

@@ -12,10 +12,7 @@ import pytest
 from onnx import numpy_helper
 
 from mograph.pass_infra import Pass, PassManager, PassReport
-
-
-def to_ir(proto: onnx.ModelProto) -> ir.Model:
-    return ir.serde.deserialize_model(proto)
+from mograph.testing import run_ort, to_ir  # noqa: F401 - to_ir re-exported for the tests
 
 
 def run_pass(p: Pass, model: ir.Model) -> PassReport:
@@ -28,13 +25,8 @@ def op_types(model: ir.Model) -> list[str]:
 
 
 def ort_run(model: onnx.ModelProto | ir.Model, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-    ort = pytest.importorskip("onnxruntime")
-    proto = ir.serde.serialize_model(model) if isinstance(model, ir.Model) else model
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    names = {i.name for i in session.get_inputs()}
-    return session.run(None, {k: v for k, v in feeds.items() if k in names})
+    pytest.importorskip("onnxruntime")
+    return run_ort(model, feeds)
 
 
 def checked(model: ir.Model) -> onnx.ModelProto:

@@ -9,9 +9,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-
-def to_ir(proto: onnx.ModelProto) -> ir.Model:
-    return ir.serde.deserialize_model(proto)
+from mograph.testing import to_ir  # noqa: F401 - re-exported for the tests
 
 
 def run(model: ir.Model | onnx.ModelProto, feeds: dict, optimize: bool = False) -> list[np.ndarray]:

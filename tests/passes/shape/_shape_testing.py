@@ -10,18 +10,13 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
 
+from mograph import testing
+from mograph.testing import to_ir  # noqa: F401 - re-exported for the tests
+
 
 def run_ort(model: onnx.ModelProto | ir.Model, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    ort = pytest.importorskip("onnxruntime")
-    proto = ir.serde.serialize_model(model) if isinstance(model, ir.Model) else model
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    return sess.run(None, feeds)
-
-
-def to_ir(proto: onnx.ModelProto) -> ir.Model:
-    return ir.serde.deserialize_model(proto)
+    pytest.importorskip("onnxruntime")
+    return testing.run_ort(model, feeds)
 
 
 def ops(model: ir.Model) -> Counter[str]:
