@@ -229,16 +229,60 @@ def plugin_vectors(node: ir.Node, x: ir.Value, values: Sequence[tuple[ir.Value |
     return out
 
 
+#: Ops whose output has the dtype of their first input (for the dtype bookkeeping of inlined bodies).
+_SAME_DTYPE = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Neg", "Sqrt", "Reciprocal", "Erf", "Tanh", "Sigmoid",
+                         "Relu", "Max", "Min", "ReduceMean", "ReduceSum", "Softmax", "MatMul", "Transpose",
+                         "Reshape", "Identity"})
+_FOLD = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide}
+
+
+def _constant_of(node: ir.Node) -> np.ndarray | None:
+    """The value of a ``Constant`` node built from concrete attributes, else None."""
+    for key, attr in node.attributes.items():
+        if attr.is_ref():
+            return None
+        if key == "value":
+            return np.asarray(attr.value.numpy())
+        if key == "value_float":
+            return np.asarray(attr.value, dtype=np.float32)
+        if key == "value_int":
+            return np.asarray(attr.value, dtype=np.int64)
+        if key == "value_floats":
+            return np.asarray(list(attr.value), dtype=np.float32)
+        if key == "value_ints":
+            return np.asarray(list(attr.value), dtype=np.int64)
+    return None
+
+
 def inline_node(node: ir.Node, function: ir.Function, target: str | None = None) -> list[ir.Node]:
     """Replace a call ``node`` by a copy of ``function``'s body; return the nodes put in its place.
 
-    Attribute references of the body take the call's attributes, else the function's defaults.
+    Attribute references of the body take the call's attributes, else the function's defaults.  What
+    the concrete call makes trivial is simplified while copying, so the inlined form costs no more
+    than a hand-written one: a ``Cast``/``CastLike`` to the dtype its input already has is dropped, a
+    ``CastLike`` of a constant becomes a constant of the target dtype, and ``Add``/``Sub``/``Mul``/``Div``,
+    ``Concat`` and ``Reshape`` of constants are folded.
     """
     mapping: dict[ir.Value, ir.Value | None] = {}
     for i, formal in enumerate(function.inputs):
         mapping[formal] = node.inputs[i] if i < len(node.inputs) else None
     defaults = function.attributes
     new_nodes: list[ir.Node] = []
+    consts: dict[ir.Value, np.ndarray] = {}  # constant values among the copied nodes' outputs
+    dtypes: dict[ir.Value, ir.DataType] = {}
+
+    def dtype_of(value: ir.Value | None) -> ir.DataType | None:
+        if value is None:
+            return None
+        return dtypes.get(value) or value.dtype
+
+    def constant(arr: np.ndarray) -> ir.Value:
+        c = ir.node("Constant", [], attributes={"value": ir.tensor(arr)})
+        new_nodes.append(c)
+        consts[c.outputs[0]] = arr
+        dtypes[c.outputs[0]] = ir.DataType.from_numpy(arr.dtype)
+        return c.outputs[0]
+
     for inner in function:
         attrs: list[ir.Attr] = []
         for attr in inner.attributes.values():
@@ -252,10 +296,45 @@ def inline_node(node: ir.Node, function: ir.Function, target: str | None = None)
             else:
                 attrs.append(ir.Attr(attr.name, attr.type, attr.value))
         inputs = [mapping.get(v) if v is not None else None for v in inner.inputs]
+        op = inner.op_type if inner.domain in ("", "ai.onnx") else None
+        if op in ("Cast", "CastLike") and inputs and inputs[0] is not None:
+            want = (ir.DataType(next(int(a.value) for a in attrs if a.name == "to")) if op == "Cast"
+                    else dtype_of(inputs[1]) if len(inputs) > 1 else None)
+            if want is not None and dtype_of(inputs[0]) == want:
+                mapping[inner.outputs[0]] = inputs[0]  # a cast to the dtype it has
+                continue
+            if want is not None and inputs[0] in consts:
+                mapping[inner.outputs[0]] = constant(consts[inputs[0]].astype(want.numpy()))
+                continue
+        if op in _FOLD and len(inputs) == 2 and all(v in consts for v in inputs):
+            a, b = consts[inputs[0]], consts[inputs[1]]  # type: ignore[index]
+            mapping[inner.outputs[0]] = constant(np.asarray(_FOLD[op](a, b)).astype(a.dtype))
+            continue
+        if op == "Concat" and inputs and all(v in consts for v in inputs):
+            axis = next((int(a.value) for a in attrs if a.name == "axis"), 0)
+            parts = [consts[v] for v in inputs]  # type: ignore[index]
+            mapping[inner.outputs[0]] = constant(np.concatenate(parts, axis=axis))
+            continue
+        if op == "Reshape" and len(inputs) == 2 and all(v in consts for v in inputs):
+            data, shape = consts[inputs[0]], consts[inputs[1]]  # type: ignore[index]
+            dims = [data.shape[i] if d == 0 and i < data.ndim else int(d) for i, d in enumerate(shape.tolist())]
+            mapping[inner.outputs[0]] = constant(data.reshape(dims))
+            continue
         new = ir.Node(inner.domain, inner.op_type, inputs, attributes=attrs, num_outputs=len(inner.outputs))
         for old_out, new_out in zip(inner.outputs, new.outputs):
             mapping[old_out] = new_out
         new_nodes.append(new)
+        if op == "Constant":
+            arr = _constant_of(new)
+            if arr is not None:
+                consts[new.outputs[0]] = arr
+                dtypes[new.outputs[0]] = ir.DataType.from_numpy(arr.dtype)
+        elif op == "Cast":
+            dtypes[new.outputs[0]] = ir.DataType(next(int(a.value) for a in attrs if a.name == "to"))
+        elif op == "CastLike" and dtype_of(inputs[1]) is not None:
+            dtypes[new.outputs[0]] = dtype_of(inputs[1])  # type: ignore[assignment]
+        elif op in _SAME_DTYPE and dtype_of(inputs[0]) is not None:
+            dtypes[new.outputs[0]] = dtype_of(inputs[0])  # type: ignore[assignment]
     outputs: list[ir.Value | None] = []
     for formal, actual in zip(function.outputs, node.outputs):
         value = mapping.get(formal)
@@ -264,6 +343,8 @@ def inline_node(node: ir.Node, function: ir.Function, target: str | None = None)
             new_nodes.append(ident)
             value = ident.outputs[0]
         outputs.append(value if (actual.uses() or actual.is_graph_output()) else None)
+    used = {v for n in new_nodes for v in n.inputs if v is not None} | {v for v in outputs if v is not None}
+    new_nodes = [n for n in new_nodes if n.op_type != "Constant" or n.outputs[0] in used]  # folded away
     replace_node(node, new_nodes, outputs, target)
     return new_nodes
 
