@@ -31,9 +31,13 @@ logger = logging.getLogger(__name__)
 VerifyMode = Literal["end", "each"]
 
 
-def load(source: ir_io.ModelSource) -> ir.Model:
-    """Load a model from a path, bytes, ``onnx.ModelProto``, ``onnx_ir.Model`` or graphsurgeon graph."""
-    return ir_io.load_model(source)
+def load(source: ir_io.ModelSource, *, base_dir: str | None = None) -> ir.Model:
+    """Load a model from a path, bytes, ``onnx.ModelProto``, ``onnx_ir.Model`` or graphsurgeon graph.
+
+    External data must lie inside the model's folder; bytes and protos have none, so their external data
+    is read from ``base_dir`` (and refused without it).
+    """
+    return ir_io.load_model(source, base_dir=base_dir)
 
 
 def save(model: ir.Model, path: str, *, external_data: bool | None = None) -> None:

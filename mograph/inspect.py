@@ -2,7 +2,9 @@
 
 :func:`summarize` answers from the model's structure and tensor metadata only: external data is
 never read (a tensor's size comes from its shape and dtype, a data file's size from the file system),
-so summarizing a 20 GB model costs what loading its graph costs.
+so summarizing a 20 GB model costs what loading its graph costs.  External data is resolved against
+the model's own folder, and a location outside it is refused as the loader refuses it (inspect never
+reports the size of a file the model may not read).
 """
 
 from __future__ import annotations

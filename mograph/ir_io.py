@@ -11,7 +11,10 @@ Why this matters:
 * **External data stays lazy.**  A model loaded from a path keeps its large initializers as
   memory-mapped external tensors; nothing reads them wholesale, so models above 2 GB work.
 * **Safety.**  An external-data ``location`` that escapes the model's folder (``../../etc/passwd``,
-  an absolute path) is refused: loading it would read arbitrary files.
+  an absolute path, a symbolic link leading out) is refused, for every tensor in the model:
+  initializers, Constant and other tensor attributes, in subgraphs and in model-local functions.
+  Loading it would read arbitrary files.  Bytes and protos have no folder, so their external data is
+  refused unless the caller names one (``base_dir``).
 * **Atomic writes.**  :func:`save_model` writes into a temporary folder beside the destination and
   moves the files into place only when everything was written, so an interrupted run never leaves a
   half-written model behind, and it refuses to write over the model it was loaded from.
@@ -41,23 +44,70 @@ TWO_GB = 2**31
 ModelSource = Union[str, os.PathLike, bytes, onnx.ModelProto, ir.Model, Any]
 
 
-def _check_external_locations(model: ir.Model, base_dir: Path) -> None:
-    base = base_dir.resolve()
-    for value in _all_initializers(model):
-        tensor = value.const_value
-        if isinstance(tensor, ir.ExternalTensor):
-            loc = tensor.location
+def _graphs_and_functions(model: ir.Model) -> list[ir.Graph | ir.Function]:
+    """The main graph, every subgraph (If/Loop/Scan bodies, nested) and every model-local function
+    with its own subgraphs: everywhere a tensor can sit."""
+    out: list[ir.Graph | ir.Function] = [model.graph, *model.graph.subgraphs()]
+    for function in model.functions.values():
+        out.append(function)
+        out.extend(function.subgraphs())
+    return out
+
+
+def _all_tensors(model: ir.Model) -> Iterator[tuple[str, ir.TensorProtocol]]:
+    """Every tensor in the model with a description of where it sits: initializers of every graph,
+    and tensor-valued attributes (``value`` of Constant, TENSOR and TENSORS attributes of any node)
+    in the main graph, its subgraphs and model-local functions."""
+    for owner in _graphs_and_functions(model):
+        if isinstance(owner, ir.Graph):
+            for value in owner.initializers.values():
+                if value.const_value is not None:
+                    yield f"initializer '{value.name}'", value.const_value
+        for node in owner:  # each subgraph is visited as an owner of its own
+            for attr in node.attributes.values():
+                if attr.is_ref() or attr.value is None:
+                    continue
+                label = f"attribute '{attr.name}' of node '{node.name or node.op_type}'"
+                if attr.type == ir.AttributeType.TENSOR:
+                    yield label, attr.value
+                elif attr.type == ir.AttributeType.TENSORS:
+                    for tensor in attr.value:
+                        yield label, tensor
+
+
+def _check_external_data(model: ir.Model, base_dir: Path | None, origin: str, *, exists: bool) -> None:
+    """Refuse external data outside the model's folder, and point every external tensor at it.
+
+    A location may not be absolute, may not climb out with ``..``, and may not be a symbolic link
+    that leads out: reading it would hand the bytes of an arbitrary file (``/etc/passwd``, a key) to
+    constant folding and from there into the saved model.  A model without a folder of its own
+    (bytes, a ``ModelProto``) has nothing to resolve locations against, so its external data is refused
+    unless ``base_dir`` names one.  Tensors of an ``onnx_ir.Model`` keep the folder they were loaded
+    with.  With ``exists``, the file must also be there.
+    """
+    for where, tensor in _all_tensors(model):
+        if not isinstance(tensor, ir.ExternalTensor):
+            continue
+        loc = str(tensor.location)
+        folder = base_dir if base_dir is not None else (Path(tensor.base_dir) if tensor.base_dir else None)
+        if folder is None:
+            raise ModelError(
+                f"{where} has external data at '{loc}', but a model given as {origin} has no folder to read "
+                "it from: refused; load the model from its path (or give base_dir)"
+            )
+        base = folder.resolve()
+        try:
             target = (base / loc).resolve()
-            if os.path.isabs(loc) or (base != target and base not in target.parents):
-                raise ModelError(
-                    f"initializer '{value.name}' has external data at '{loc}', outside the model's "
-                    f"folder {base}: refused (it could read arbitrary files)"
-                )
-            if not target.is_file():
-                raise ModelError(
-                    f"initializer '{value.name}' has external data at '{loc}', which does not exist "
-                    f"beside the model in {base}"
-                )
+        except (OSError, ValueError) as exc:  # NUL bytes, symlink loops ...
+            raise ModelError(f"{where} has an unusable external data location {loc!r}: {exc}") from exc
+        if not loc or os.path.isabs(loc) or base not in target.parents:
+            raise ModelError(
+                f"{where} has external data at '{loc}', outside the model's folder {base}: refused "
+                "(it could read arbitrary files)"
+            )
+        if exists and not target.is_file():
+            raise ModelError(f"{where} has external data at '{loc}', which does not exist beside the model in {base}")
+        tensor.base_dir = str(base)
 
 
 def _all_initializers(model: ir.Model) -> list[ir.Value]:
@@ -103,33 +153,32 @@ def _check_structure(model: ir.Model) -> None:
         raise ModelError(f"the graph has a cycle through nodes {stuck}")
 
 
-def _from_proto(proto: onnx.ModelProto, base_dir: Path | None) -> ir.Model:
+def _from_proto(proto: onnx.ModelProto) -> ir.Model:
     try:
         model = ir.serde.deserialize_model(proto)
     except Exception as exc:  # noqa: BLE001 - any decoding failure means a bad model
         raise ModelError(f"cannot read the model: {exc}") from exc
-    if base_dir is not None:
-        for value in _all_initializers(model):
-            tensor = value.const_value
-            if isinstance(tensor, ir.ExternalTensor):
-                tensor.base_dir = str(base_dir)
     return model
 
 
-def load_model(source: ModelSource, *, check: bool = True) -> ir.Model:
+def load_model(source: ModelSource, *, check: bool = True, base_dir: str | os.PathLike | None = None) -> ir.Model:
     """Turn any accepted model form into an ``onnx_ir.Model``.
 
     Args:
         source: a path to an ``.onnx`` file (external data is resolved next to it and mapped
             lazily), the bytes of a serialised model, an ``onnx.ModelProto``, an ``onnx_ir.Model``
             (returned as is: passes then rewrite it in place) or an ``onnx_graphsurgeon.Graph``.
-        check: refuse models with a missing initializer, a cycle, or external data outside the
-            model's folder.
+        check: refuse models with a missing initializer, a cycle, or a missing external-data file.
+            External data outside the model's folder is refused whatever ``check`` says (except in an
+            ``onnx_ir.Model``, which is the caller's own object and is checked only with ``check``).
+        base_dir: the folder external data is read from, for a model given as bytes or a
+            ``ModelProto`` (which have none of their own: without it their external data is refused).
 
     Raises:
         ModelError: the file is missing, not ONNX, truncated, or structurally invalid.
     """
-    base_dir: Path | None = None
+    folder = Path(base_dir) if base_dir is not None else None
+    origin = "an onnx_ir.Model"
     if isinstance(source, ir.Model):
         model = source
     elif isinstance(source, (str, os.PathLike)):
@@ -138,37 +187,40 @@ def load_model(source: ModelSource, *, check: bool = True) -> ir.Model:
             raise ModelError(f"{path}: no such file")
         if path.is_dir():
             raise ModelError(f"{path}: is a folder, not an ONNX file")
-        base_dir = path.resolve().parent
+        folder = path.resolve().parent
+        origin = "a path"
         try:
             proto = onnx.load(str(path), load_external_data=False)
         except Exception as exc:  # noqa: BLE001 - protobuf raises several unrelated types
             raise ModelError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc})") from exc
         if not proto.graph.node and not proto.graph.output:
             raise ModelError(f"{path}: not an ONNX model (no graph found: truncated or another format?)")
-        model = _from_proto(proto, base_dir)
+        model = _from_proto(proto)
     elif isinstance(source, (bytes, bytearray)):
+        origin = "bytes"
         try:
             proto = onnx.load_from_string(bytes(source))
         except Exception as exc:  # noqa: BLE001
             raise ModelError(f"bytes are not a readable ONNX model: {exc}") from exc
         if not proto.graph.node and not proto.graph.output:
             raise ModelError("bytes are not an ONNX model (no graph found)")
-        model = _from_proto(proto, None)
+        model = _from_proto(proto)
     elif isinstance(source, onnx.ModelProto):
-        model = _from_proto(source, None)
+        origin = "an onnx.ModelProto"
+        model = _from_proto(source)
     elif type(source).__module__.startswith("onnx_graphsurgeon"):
         import onnx_graphsurgeon as gs
 
-        model = _from_proto(gs.export_onnx(source), None)
+        origin = "a graphsurgeon graph"
+        model = _from_proto(gs.export_onnx(source))
     else:
         raise UsageError(
             f"cannot load a model from {type(source).__name__}: give a path, bytes, onnx.ModelProto, "
             "onnx_ir.Model or onnx_graphsurgeon.Graph"
         )
+    if check or not isinstance(source, ir.Model):
+        _check_external_data(model, folder, origin, exists=check)
     if check:
-        # Bytes and protos have no folder of their own: their external data is read relative to
-        # the working directory, so that is the folder it may not escape.
-        _check_external_locations(model, base_dir if base_dir is not None else Path.cwd())
         _check_structure(model)
     return model
 
@@ -236,10 +288,11 @@ def save_model(
     try:
         tmp_model = tmpdir / dest.name
         if external_data:
-            ir.save(model, tmp_model, external_data=data_name)
+            with _attributes_inlined(model):
+                ir.save(model, tmp_model, external_data=data_name)
             os.replace(tmpdir / data_name, dest.parent / data_name)
         else:
-            with _inlined(model):
+            with _inlined(model), _attributes_inlined(model):
                 ir.save(model, tmp_model)
         os.replace(tmp_model, dest)
     except OSError as exc:  # disk full, a folder in the way ...: nothing half-written is left behind
@@ -266,6 +319,41 @@ def _inlined(model: ir.Model) -> Iterator[None]:
     finally:
         for value, tensor in zip(external, saved):
             value.const_value = tensor
+
+
+def _in_memory(tensor: ir.TensorProtocol) -> ir.Tensor:
+    return ir.Tensor(np.array(tensor.numpy()), dtype=tensor.dtype, name=tensor.name)
+
+
+@contextlib.contextmanager
+def _attributes_inlined(model: ir.Model) -> Iterator[None]:
+    """Hold external tensors of attributes (a Constant's ``value``) in memory while the model is written.
+
+    Only initializers are moved into the new data file; an attribute's reference would otherwise be
+    written as it is, relative to the input's folder, and the saved model would read a file that is not
+    beside it (or none at all).
+    """
+    swapped: list[tuple[ir.Node, str, ir.Attr]] = []
+    for owner in _graphs_and_functions(model):
+        for node in owner:
+            for name, attr in list(node.attributes.items()):
+                if attr.is_ref() or attr.value is None:
+                    continue
+                if attr.type == ir.AttributeType.TENSOR and isinstance(attr.value, ir.ExternalTensor):
+                    value: Any = _in_memory(attr.value)
+                elif attr.type == ir.AttributeType.TENSORS and any(
+                    isinstance(t, ir.ExternalTensor) for t in attr.value
+                ):
+                    value = [_in_memory(t) if isinstance(t, ir.ExternalTensor) else t for t in attr.value]
+                else:
+                    continue
+                node.attributes[name] = ir.Attr(name, attr.type, value, doc_string=attr.doc_string)
+                swapped.append((node, name, attr))
+    try:
+        yield
+    finally:
+        for node, name, attr in swapped:
+            node.attributes[name] = attr
 
 
 def _same_file(a: Path, b: Path) -> bool:

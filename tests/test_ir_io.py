@@ -179,14 +179,18 @@ def with_external_location(proto: onnx.ModelProto, name: str, location: str) -> 
     return copy
 
 
-def test_bytes_with_external_data_outside_the_working_directory_are_refused(tmp_path, monkeypatch):
+def test_bytes_with_external_data_outside_the_given_folder_are_refused(tmp_path, monkeypatch):
+    # Bytes have no folder of their own: their external data is refused outright, and with a base_dir
+    # it may not escape that folder (the working directory is never used).
     (tmp_path / "w.bin").write_bytes(numpy_helper.to_array(_model().graph.initializer[0]).tobytes())
     data = with_external_location(_model(), "w", "../w.bin").SerializeToString()
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
-    with pytest.raises(ModelError, match="outside the model's folder"):
+    with pytest.raises(ModelError, match="no folder to read it from"):
         mograph.load(data)
+    with pytest.raises(ModelError, match="outside the model's folder"):
+        mograph.load(data, base_dir=str(work))
 
 
 def test_save_is_atomic_when_writing_fails(tmp_path, monkeypatch):
