@@ -40,9 +40,14 @@ def load(source: ir_io.ModelSource, *, base_dir: str | None = None) -> ir.Model:
     return ir_io.load_model(source, base_dir=base_dir)
 
 
-def save(model: ir.Model, path: str, *, external_data: bool | None = None) -> None:
-    """Save a model atomically (external data beside it when needed or asked)."""
-    ir_io.save_model(ir_io.load_model(model, check=False), path, external_data=external_data)
+def save(model: ir.Model, path: str, *, external_data: bool | None = None, overwrite: bool = False) -> None:
+    """Save a model atomically (external data beside it when needed or asked).
+
+    Writing over the file the model was loaded from is refused unless ``overwrite`` is true.
+    """
+    ir_io.save_model(
+        ir_io.load_model(model, check=False), path, external_data=external_data, overwrite_source=overwrite
+    )
 
 
 def list_passes(*, blocked: Iterable[str] = ()) -> list[dict[str, Any]]:

@@ -16,16 +16,17 @@ Why this matters:
   Loading it would read arbitrary files.  Bytes and protos have no folder, so their external data is
   refused unless the caller names one (``base_dir``).
 * **Atomic writes.**  :func:`save_model` writes into a temporary folder beside the destination and
-  moves the files into place only when everything was written, so an interrupted run never leaves a
-  half-written model behind, and it refuses to write over the model it was loaded from.
+  moves the files into place only when everything was written, the data under a fresh name and the
+  model by one rename, so an interrupted run never leaves a half-written model, nor a model paired
+  with another save's weights; it refuses to write over the model it was loaded from.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import tempfile
+import re
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Union
@@ -34,9 +35,10 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from mograph._tempfiles import owned_tempdir
 from mograph.errors import ModelError, UsageError
 
-__all__ = ["ModelSource", "load_model", "save_model", "to_format", "model_size_bytes", "TWO_GB"]
+__all__ = ["ModelSource", "load_model", "save_model", "to_format", "model_size_bytes", "TWO_GB", "SOURCE_KEY"]
 
 TWO_GB = 2**31
 
@@ -196,6 +198,7 @@ def load_model(source: ModelSource, *, check: bool = True, base_dir: str | os.Pa
         if not proto.graph.node and not proto.graph.output:
             raise ModelError(f"{path}: not an ONNX model (no graph found: truncated or another format?)")
         model = _from_proto(proto)
+        model.meta[SOURCE_KEY] = str(path.resolve())
     elif isinstance(source, (bytes, bytearray)):
         origin = "bytes"
         try:
@@ -241,20 +244,26 @@ def save_model(
     *,
     external_data: bool | None = None,
     forbid: str | os.PathLike | None = None,
+    overwrite_source: bool = False,
 ) -> Path:
-    """Write ``model`` to ``path`` atomically.
+    """Write ``model`` to ``path`` atomically, its external data with it.
 
     Args:
         model: the model to write.
         path: destination ``.onnx`` file.
-        external_data: write initializers to ``<name>.data`` beside the model. ``None`` chooses it
-            when the initializers need more than 2 GB or the model already had external data;
-            ``False`` writes one self-contained file (external tensors are read in for it).
+        external_data: write initializers to a data file beside the model (``<name>.data``, or
+            ``<name>.<id>.data`` when a file of that name is already there). ``None`` chooses it when
+            the initializers need more than 2 GB or the model already had external data; ``False``
+            writes one self-contained file (external tensors are read in for it).
         forbid: a path that must not be written over (the input model).
+        overwrite_source: allow writing over the file the model was loaded from (refused otherwise:
+            the model may still read its weights beside it, and the original would be lost).
 
-    The external data files the model reads its weights from are never written over (with or without
-    ``forbid``): replacing one would leave this model, and any other model file that reads it, pointing at
-    bytes that are no longer its weights.
+    A reader of ``path`` sees the old model with its old data or the new model with its new data,
+    never a mix, even if the process is killed half-way: the new data goes under a name no existing
+    file has (so nothing another model reads is replaced), one rename then switches the model file,
+    and only after that is the data file the old model read removed (if it was one of ours and nothing
+    loaded still reads it).  Temporary folders of saves that were killed are swept on the next save.
 
     Returns:
         The destination path.
@@ -262,6 +271,12 @@ def save_model(
     dest = Path(path)
     if forbid is not None and _same_file(dest, Path(forbid)):
         raise UsageError(f"refusing to write over the input model {forbid}; choose another output path")
+    source = model.meta.get(SOURCE_KEY)
+    if not overwrite_source and isinstance(source, str) and _same_file(dest, Path(source)):
+        raise UsageError(
+            f"refusing to write over {source}, the file this model was loaded from (its weights may still be "
+            "read from beside it); choose another path, or allow it explicitly (overwrite=True)"
+        )
     if external_data is None:
         external_data = model_size_bytes(model) >= TWO_GB - 64 * 2**20 or any(
             isinstance(v.const_value, ir.ExternalTensor) for v in _all_initializers(model)
@@ -271,35 +286,94 @@ def save_model(
             f"the model's initializers need {model_size_bytes(model) / 2**30:.1f} GiB, past protobuf's 2 GB "
             "limit: save it with external data"
         )
-    data_name = f"{dest.name}.data"
-    if external_data:  # the weights the model reads (the input's, or another model's) must survive
-        for value in _all_initializers(model):
-            tensor = value.const_value
-            if isinstance(tensor, ir.ExternalTensor) and _same_file(dest.parent / data_name, Path(tensor.path)):
-                raise UsageError(
-                    f"refusing to write {dest.parent / data_name}: the model still reads its weights from "
-                    "that file; choose another output path"
-                )
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmpdir = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+        tmp = owned_tempdir(f".{dest.name}.", dir=dest.parent)
     except OSError as exc:  # an output folder that cannot be created or written is the user's to fix
         raise UsageError(f"cannot write {dest}: {exc.strerror or exc}") from exc
+    old_data = _own_data_files(dest)
+    placed: Path | None = None
     try:
-        tmp_model = tmpdir / dest.name
+        tmp_model = tmp.path / dest.name
         if external_data:
+            data_name = _fresh_data_name(dest)
             with _attributes_inlined(model):
                 ir.save(model, tmp_model, external_data=data_name)
-            os.replace(tmpdir / data_name, dest.parent / data_name)
+            if data_name in _locations(tmp_model):  # tensors below the size threshold stay inline
+                placed = dest.parent / data_name
+                os.replace(tmp.path / data_name, placed)  # a new name: replaces nothing
         else:
             with _inlined(model), _attributes_inlined(model):
                 ir.save(model, tmp_model)
-        os.replace(tmp_model, dest)
-    except OSError as exc:  # disk full, a folder in the way ...: nothing half-written is left behind
-        raise UsageError(f"cannot write {dest}: {exc.strerror or exc}") from exc
+        os.replace(tmp_model, dest)  # the one switch from the old pair to the new
+    except BaseException as exc:
+        if placed is not None:  # the new data no model reads yet
+            with contextlib.suppress(OSError):
+                placed.unlink()
+        if isinstance(exc, OSError):  # disk full, a folder in the way ...: nothing half-written is left
+            raise UsageError(f"cannot write {dest}: {exc.strerror or exc}") from exc
+        raise
     finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
+        tmp.cleanup()
+    read_now = [Path(t.path) for t in _external_tensors(model)]
+    for stale in old_data:
+        if stale != placed and not any(_same_file(stale, r) for r in read_now):
+            with contextlib.suppress(OSError):
+                stale.unlink()
     return dest
+
+
+#: ``model.meta`` key holding the resolved path a model was loaded from.
+SOURCE_KEY = "mograph.source_path"
+
+
+def _external_tensors(model: ir.Model) -> list[ir.ExternalTensor]:
+    return [t for _, t in _all_tensors(model) if isinstance(t, ir.ExternalTensor)]
+
+
+def _fresh_data_name(dest: Path) -> str:
+    """``<name>.data``, or ``<name>.<id>.data`` when that exists: a name no file beside ``dest`` has."""
+    name = f"{dest.name}.data"
+    while (dest.parent / name).exists() or (dest.parent / name).is_symlink():
+        name = f"{dest.name}.{secrets.token_hex(4)}.data"
+    return name
+
+
+def _own_data_files(dest: Path) -> list[Path]:
+    """The data files the model at ``dest`` reads that a save of ``dest`` wrote (``<name>[.<id>].data``
+    beside it); files named otherwise may be shared with other models and are never removed."""
+    ours = re.compile(re.escape(dest.name) + r"(\.[0-9a-f]{8})?\.data")
+    return [dest.parent / loc for loc in _locations(dest) if ours.fullmatch(loc)]
+
+
+def _locations(path: Path) -> set[str]:
+    """The external-data locations the model file at ``path`` reads (none if it is not one)."""
+    if not path.is_file():
+        return set()
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - an unreadable old output reads nothing of ours
+        return set()
+    found: set[str] = set()
+    for tensor in _proto_tensors(proto):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            found.update(e.value for e in tensor.external_data if e.key == "location")
+    return found
+
+
+def _proto_tensors(proto: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    graphs = [proto.graph]
+    while graphs:
+        graph = graphs.pop()
+        yield from graph.initializer
+        for node in graph.node:
+            for attr in node.attribute:
+                if attr.HasField("t"):
+                    yield attr.t
+                yield from attr.tensors
+                if attr.HasField("g"):
+                    graphs.append(attr.g)
+                graphs.extend(attr.graphs)
 
 
 @contextlib.contextmanager

@@ -127,8 +127,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif getattr(args, "verbose", 0) == 1:
         level = logging.INFO
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from mograph._signals import Terminated, terminate_as_exception
+
     try:
-        result = args.run(args)
+        with terminate_as_exception():  # so temporary folders are removed on SIGTERM too
+            result = args.run(args)
     except MographError as exc:
         if getattr(args, "json", False):
             _emit(CommandResult(data={"error": str(exc), "exit_code": exc.exit_code}), True)
@@ -137,6 +140,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("mograph: interrupted\n")
         return 130
+    except Terminated:
+        sys.stderr.write("mograph: terminated\n")
+        return 143
     _emit(result, getattr(args, "json", False))
     return result.exit_code
 
