@@ -24,6 +24,7 @@ Why this matters:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import secrets
@@ -109,7 +110,69 @@ def _check_external_data(model: ir.Model, base_dir: Path | None, origin: str, *,
             )
         if exists and not target.is_file():
             raise ModelError(f"{where} has external data at '{loc}', which does not exist beside the model in {base}")
+        if target.is_file():
+            offset, length = tensor.offset or 0, tensor.length
+            available = target.stat().st_size
+            if offset < 0 or (length is not None and length < tensor.nbytes) or offset + tensor.nbytes > available:
+                raise ModelError(
+                    f"{where} declares {tensor.nbytes} bytes of external data (shape {list(tensor.shape.numpy())}) "
+                    f"at offset {offset} in '{loc}', which holds {available} bytes"
+                    + (f" (its length field says {length})" if length is not None else "")
+                )
         tensor.base_dir = str(base)
+
+
+#: Where a tensor without ``raw_data`` keeps its values, by dtype (everything else: ``int32_data``).
+_TYPED_FIELD = {
+    ir.DataType.FLOAT: "float_data",
+    ir.DataType.COMPLEX64: "float_data",
+    ir.DataType.DOUBLE: "double_data",
+    ir.DataType.COMPLEX128: "double_data",
+    ir.DataType.INT64: "int64_data",
+    ir.DataType.UINT32: "uint64_data",
+    ir.DataType.UINT64: "uint64_data",
+}
+
+
+def _check_tensor_data(model: ir.Model) -> None:
+    """Refuse tensors whose declared size is not the data they hold, before anything is allocated.
+
+    A tensor declaring 2^40 elements with 16 bytes of data would otherwise be expanded by the first
+    pass that looks at its values (tens of gigabytes), or written out as a terabyte of zeros.  Only
+    metadata and field lengths are read here; external data is checked against its file's size in
+    :func:`_check_external_data`.
+    """
+    for where, tensor in _all_tensors(model):
+        dims = tuple(tensor.shape.numpy())
+        if any(d < 0 for d in dims):
+            raise ModelError(f"{where} has a negative dimension in its shape {list(dims)}")
+        size = math.prod(dims)
+        if isinstance(tensor, ir.StringTensor):
+            held = len(tensor.raw)
+            if held != size:
+                raise ModelError(f"{where} declares {size} strings (shape {list(dims)}) but holds {held}")
+        elif isinstance(tensor, ir.TensorProtoTensor):
+            proto = tensor.raw
+            if proto.raw_data:
+                if len(proto.raw_data) != tensor.nbytes:
+                    raise ModelError(
+                        f"{where} declares {size} elements of {tensor.dtype.name} (shape {list(dims)}, "
+                        f"{tensor.nbytes} bytes) but holds {len(proto.raw_data)} bytes of data"
+                    )
+                continue
+            field = _TYPED_FIELD.get(tensor.dtype, "int32_data")
+            held = len(getattr(proto, field))
+            if tensor.dtype in (ir.DataType.COMPLEX64, ir.DataType.COMPLEX128):
+                need = 2 * size
+            elif tensor.dtype.bitwidth < 8:  # packed, one byte per int32 value
+                need = tensor.nbytes
+            else:
+                need = size
+            if held != need:
+                raise ModelError(
+                    f"{where} declares {size} elements of {tensor.dtype.name} (shape {list(dims)}) but holds "
+                    f"{held} values"
+                )
 
 
 def _all_initializers(model: ir.Model) -> list[ir.Value]:
@@ -222,6 +285,7 @@ def load_model(source: ModelSource, *, check: bool = True, base_dir: str | os.Pa
             "onnx_ir.Model or onnx_graphsurgeon.Graph"
         )
     if check or not isinstance(source, ir.Model):
+        _check_tensor_data(model)
         _check_external_data(model, folder, origin, exists=check)
     if check:
         _check_structure(model)

@@ -53,6 +53,7 @@ __all__ = [
     "dtype_class",
     "load_feeds",
     "make_feeds",
+    "FEED_LIMIT_BYTES",
     "graph_inputs",
     "Verifier",
     "diff_models",
@@ -379,6 +380,10 @@ def _shape_str(shape: Any) -> str:
     return "[" + ", ".join(dims) + "]"
 
 
+#: Default bound on the random verification feeds, in bytes (all inputs together).
+FEED_LIMIT_BYTES = 1 << 30
+
+
 def make_feeds(
     model: ir.Model,
     *,
@@ -386,11 +391,13 @@ def make_feeds(
     feeds: str | os.PathLike | Mapping[str, Any] | None = None,
     seed: int = 0,
     batch: int = 1,
+    limit_bytes: int | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Build the feeds for ``model``'s inputs: the user's, then seeded random ones for the rest.
 
     ``batch`` is the size given to dynamic leading (batch) dims that neither ``shapes`` nor
-    ``feeds`` sized.
+    ``feeds`` sized.  ``limit_bytes`` (default :data:`FEED_LIMIT_BYTES`) bounds the random feeds
+    together; it is checked before anything is allocated.
 
     Returns:
         ``(feeds, info)``: arrays by input name, and for the report ``info["inputs"]`` (per input:
@@ -398,9 +405,12 @@ def make_feeds(
         (dynamic dims nobody sized, and the size chosen).
 
     Raises:
-        UsageError: a shape or feed names an unknown input, contradicts a fixed dim, or an input
-            cannot be made at random (string, unknown rank).
+        UsageError: a shape or feed names an unknown input, contradicts a fixed dim, an input
+            cannot be made at random (string, unknown rank), or the feeds would pass the limit.
+        ModelError: an input declares a negative dimension.
     """
+    limit = FEED_LIMIT_BYTES if limit_bytes is None else int(limit_bytes)
+    random_bytes = 0
     inputs = graph_inputs(model)
     by_name = {str(v.name): v for v in inputs}
     sizes = {k: tuple(int(d) for d in v) for k, v in (shapes or {}).items()}
@@ -464,6 +474,16 @@ def make_feeds(
                 else:
                     defaulted[f"{name}[{axis}]"] = size
                 dims.append(size)
+        if any(d < 0 for d in dims):
+            raise ModelError(f"input '{name}' declares a negative dimension: {dims}")
+        random_bytes += math.prod(dims) * dtype.itemsize
+        if random_bytes > limit:
+            given_by = "--shape" if name in sizes else "the model's declared shape"
+            raise UsageError(
+                f"the random verification feed for input '{name}' ({'x'.join(map(str, dims)) or 'scalar'} "
+                f"{dtype}, from {given_by}) brings the feeds to {random_bytes:,} bytes, past the limit of "
+                f"{limit:,}: give smaller sizes with --shape, or raise --feed-limit"
+            )
         array, info = _random_tensor(rng, value, tuple(dims), dtype)
         out[name] = array
         report[name] = {"shape": list(array.shape), "dtype": str(array.dtype), "source": "random", **info}
@@ -702,9 +722,10 @@ class Verifier:
         seed: seed of the random feeds.
         atol, rtol, min_cosine: override the tolerance table for floating outputs.
         threads: ONNX Runtime intra-op threads (default: ONNX Runtime's choice).
+        feed_limit: bound on the random feeds in bytes (default :data:`FEED_LIMIT_BYTES`).
 
     Raises:
-        UsageError: bad shapes or feeds.
+        UsageError: bad shapes or feeds, or feeds past ``feed_limit``.
         ModelError: ONNX Runtime cannot load or run the original model.
         BackendUnavailableError: onnxruntime or polygraphy is missing.
     """
@@ -720,6 +741,7 @@ class Verifier:
         rtol: float | None = None,
         min_cosine: float | None = None,
         threads: int | None = None,
+        feed_limit: int | None = None,
     ) -> None:
         from mograph.backends import ort
 
@@ -728,7 +750,9 @@ class Verifier:
         self.atol, self.rtol, self.min_cosine = atol, rtol, min_cosine
         self.threads = threads
         model = original if isinstance(original, ir.Model) else ir_io.load_model(original, check=False)
-        self.feeds, self.feed_info = make_feeds(model, shapes=shapes, feeds=feeds, seed=self.seed)
+        self.feeds, self.feed_info = make_feeds(
+            model, shapes=shapes, feeds=feeds, seed=self.seed, limit_bytes=feed_limit
+        )
         try:
             session = ort.make_session(original, optimizations=False, threads=threads)
         except ModelError as exc:

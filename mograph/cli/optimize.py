@@ -49,6 +49,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--feeds", metavar="FILE.npz", help="use these input feeds for verification instead of random ones")
     p.add_argument("--seed", type=int, default=0, help="seed of the random verification feeds (default 0)")
+    p.add_argument(
+        "--feed-limit", type=int, metavar="BYTES", help="largest total size of the random verification feeds (default 1 GiB)"
+    )
     p.add_argument("--report", metavar="FILE.json", help="write the full report (per-pass stats, timing, checks) as JSON")
     p.add_argument("--explain", action="store_true", help="show why rules did or did not apply (near misses and reasons)")
     p.add_argument(
@@ -162,6 +165,8 @@ def run(args: argparse.Namespace) -> CommandResult:
         progress = _progress(args)
         reg.pm.register(progress, name="mograph.cli-progress")
     verify_options: dict[str, Any] = {"shapes": shapes, "feeds": args.feeds, "seed": args.seed}
+    if args.feed_limit is not None:
+        verify_options["feed_limit"] = args.feed_limit
     try:
         report = api.run_passes(
             model,
