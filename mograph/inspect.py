@@ -57,14 +57,16 @@ def _io(value: ir.Value) -> dict[str, Any]:
 def _attr_elements(attr: Any) -> tuple[int, str | None]:
     """Element count and dtype of a Constant node's value attribute."""
     name = attr.name
+    if attr.is_ref():
+        return 0, None
     if name in ("value", "sparse_value"):
         tensor = attr.value
-        if tensor is None:
+        if tensor is None or attr.type != ir.AttributeType.TENSOR:
             return 0, None
         return math.prod(tensor.shape.numpy()), _dtype_name(tensor.dtype)
     if name in ("value_floats", "value_ints", "value_strings"):
         kind = {"value_floats": "float32", "value_ints": "int64", "value_strings": "string"}[name]
-        return len(attr.value), kind
+        return (len(attr.value), kind) if isinstance(attr.value, (list, tuple)) else (1, kind)
     if name in ("value_float", "value_int", "value_string"):
         kind = {"value_float": "float32", "value_int": "int64", "value_string": "string"}[name]
         return 1, kind

@@ -143,6 +143,12 @@ def _check_tensor_data(model: ir.Model) -> None:
     :func:`_check_external_data`.
     """
     for where, tensor in _all_tensors(model):
+        try:
+            dtype = tensor.dtype
+        except ValueError as exc:  # a data_type number ONNX does not define
+            raise ModelError(f"{where} has an unknown data type: {exc}") from exc
+        if dtype == ir.DataType.UNDEFINED:
+            raise ModelError(f"{where} has no data type (UNDEFINED)")
         dims = tuple(tensor.shape.numpy())
         if any(d < 0 for d in dims):
             raise ModelError(f"{where} has a negative dimension in its shape {list(dims)}")
@@ -183,8 +189,10 @@ def _all_initializers(model: ir.Model) -> list[ir.Value]:
 
 
 def _check_structure(model: ir.Model) -> None:
-    """Refuse models whose structure no pass can work on: dangling references and cycles."""
+    """Refuse models whose structure no pass can work on: no outputs, dangling references and cycles."""
     graph = model.graph
+    if not graph.outputs:
+        raise ModelError("the graph has no outputs: there is nothing to compute")
     for node in ir.traversal.RecursiveGraphIterator(graph):
         for inp in node.inputs:
             if inp is None:
@@ -196,33 +204,93 @@ def _check_structure(model: ir.Model) -> None:
                         f"node '{node.name or node.op_type}' reads '{inp.name}', which is neither a "
                         "graph input, an initializer nor the output of any node (missing initializer?)"
                     )
-    # Cycle check (Kahn's algorithm on the main graph).
-    nodes = list(graph)
-    indeg = {id(n): 0 for n in nodes}
+    for owner in _graphs_and_functions(model):
+        _check_acyclic(owner)
+    _check_attributes(model)
+
+
+def _reads(node: ir.Node) -> set[int]:
+    """Ids of the values ``node`` reads, its subgraphs' reads (captured from outer scopes) included."""
+    values = {id(v) for v in node.inputs if v is not None}
+    for attr in node.attributes.values():
+        if attr.is_ref():
+            continue
+        graphs = [attr.value] if attr.type == ir.AttributeType.GRAPH else (
+            list(attr.value) if attr.type == ir.AttributeType.GRAPHS else []
+        )
+        for sub in graphs:
+            for inner in ir.traversal.RecursiveGraphIterator(sub):
+                values.update(id(v) for v in inner.inputs if v is not None)
+    return values
+
+
+def _check_acyclic(owner: ir.Graph | ir.Function) -> None:
+    """Kahn's algorithm; a subgraph reading a value of its own graph depends on its producer."""
+    nodes = list(owner)
+    members = {id(n) for n in nodes}
+    producer = {id(v): id(n) for n in nodes for v in n.outputs}
+    preds = {id(n): {producer[v] for v in _reads(n) if v in producer} & members for n in nodes}
+    succs: dict[int, list[ir.Node]] = {id(n): [] for n in nodes}
     for n in nodes:
-        for pred in {id(p) for p in n.predecessors()}:
-            if pred in indeg:
-                indeg[id(n)] += 1
+        for p in preds[id(n)]:
+            succs[p].append(n)
+    indeg = {k: len(v) for k, v in preds.items()}
     ready = [n for n in nodes if indeg[id(n)] == 0]
     seen = 0
     while ready:
         n = ready.pop()
         seen += 1
-        for succ in {id(s): s for s in n.successors()}.values():
-            if id(succ) in indeg:
-                indeg[id(succ)] -= 1
-                if indeg[id(succ)] == 0:
-                    ready.append(succ)
+        for succ in succs[id(n)]:
+            indeg[id(succ)] -= 1
+            if indeg[id(succ)] == 0:
+                ready.append(succ)
     if seen != len(nodes):
         stuck = [n.name or n.op_type for n in nodes if indeg[id(n)] > 0][:5]
-        raise ModelError(f"the graph has a cycle through nodes {stuck}")
+        where = "the graph" if isinstance(owner, ir.Graph) and owner.name is None else f"graph '{owner.name}'"
+        raise ModelError(f"{where} has a cycle through nodes {stuck}")
+
+
+def _check_attributes(model: ir.Model) -> None:
+    """Standard ops' attributes must be the ones their schema declares, of the declared type, with
+    the required ones present: passes read them without second-guessing (``axes`` as a list,
+    ``value`` as a tensor)."""
+    for owner in _graphs_and_functions(model):
+        opsets = owner.opset_imports if isinstance(owner, ir.Function) else model.opset_imports
+        for node in owner:
+            if node.domain not in ("", "ai.onnx"):
+                continue
+            version = opsets.get("", opsets.get("ai.onnx", model.opset_imports.get("")))
+            if version is None:
+                continue
+            try:
+                schema = onnx.defs.get_schema(node.op_type, version, "")
+            except onnx.defs.SchemaError:
+                continue  # not a standard op at this opset: ONNX Runtime will say so
+            label = f"node '{node.name or node.op_type}' ({node.op_type})"
+            for name, attr in node.attributes.items():
+                declared = schema.attributes.get(name)
+                if declared is None:
+                    raise ModelError(f"{label} has an attribute '{name}' that {node.op_type}-{version} does not define")
+                if attr.is_ref():
+                    continue
+                want = ir.AttributeType(int(declared.type))  # type: ignore[call-overload]
+                if attr.type != want:
+                    raise ModelError(f"{label}: attribute '{name}' must be {want.name}, not {attr.type.name}")
+            for name, declared in schema.attributes.items():
+                if declared.required and name not in node.attributes:
+                    raise ModelError(f"{label} lacks its required attribute '{name}'")
 
 
 def _from_proto(proto: onnx.ModelProto) -> ir.Model:
     try:
         model = ir.serde.deserialize_model(proto)
     except Exception as exc:  # noqa: BLE001 - any decoding failure means a bad model
-        raise ModelError(f"cannot read the model: {exc}") from exc
+        # onnx-ir wraps the cause once per enclosing graph or node: the innermost error says what is wrong.
+        inner: BaseException = exc
+        while inner.__cause__ is not None:
+            inner = inner.__cause__
+        detail = str(exc) if inner is exc else f"{exc} ({type(inner).__name__}: {inner})"
+        raise ModelError(f"cannot read the model: {detail}") from exc
     return model
 
 
