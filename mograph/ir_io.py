@@ -320,6 +320,8 @@ def load_model(source: ModelSource, *, check: bool = True, base_dir: str | os.Pa
             raise ModelError(f"{path}: no such file")
         if path.is_dir():
             raise ModelError(f"{path}: is a folder, not an ONNX file")
+        if not path.is_file():  # a device (/dev/zero) or a pipe would be read forever
+            raise ModelError(f"{path}: not a regular file")
         folder = path.resolve().parent
         origin = "a path"
         try:

@@ -108,3 +108,15 @@ def test_inspect_reports_structural_problems_as_warnings(tmp_path, capsys, case)
     data = json.loads(capsys.readouterr().out)
     assert code == 0
     assert any(message in w for w in data["warnings"]), data["warnings"]
+
+
+@pytest.mark.parametrize("command", ["inspect", "optimize"])
+def test_devices_and_pipes_are_not_read(tmp_path, capsys, command):
+    import os
+
+    fifo = tmp_path / "pipe.onnx"
+    os.mkfifo(fifo)  # reading it would block forever
+    for path in ("/dev/zero", str(fifo)):  # /dev/zero would be read until memory runs out
+        code = main([command, path, *(["-o", str(tmp_path / "o.onnx")] if command == "optimize" else [])])
+        assert code == 3
+        assert "not a regular file" in capsys.readouterr().err
