@@ -252,8 +252,8 @@ def _check_acyclic(owner: ir.Graph | ir.Function) -> None:
 
 def _check_attributes(model: ir.Model) -> None:
     """Standard ops' attributes must be the ones their schema declares, of the declared type, with
-    the required ones present: passes read them without second-guessing (``axes`` as a list,
-    ``value`` as a tensor)."""
+    the required ones present, and their required inputs must be given: passes read them without
+    second-guessing (``axes`` as a list, ``value`` as a tensor, ``Unsqueeze`` with data)."""
     for owner in _graphs_and_functions(model):
         opsets = owner.opset_imports if isinstance(owner, ir.Function) else model.opset_imports
         for node in owner:
@@ -261,7 +261,10 @@ def _check_attributes(model: ir.Model) -> None:
                 continue
             version = opsets.get("", opsets.get("ai.onnx", model.opset_imports.get("")))
             if version is None:
-                continue
+                raise ModelError(
+                    f"node '{node.name or node.op_type}' is a standard {node.op_type}, but the model imports no "
+                    "opset for the default domain"
+                )
             try:
                 schema = onnx.defs.get_schema(node.op_type, version, "")
             except onnx.defs.SchemaError:
@@ -279,6 +282,37 @@ def _check_attributes(model: ir.Model) -> None:
             for name, declared in schema.attributes.items():
                 if declared.required and name not in node.attributes:
                     raise ModelError(f"{label} lacks its required attribute '{name}'")
+            inputs = list(node.inputs)
+            if len(inputs) > schema.max_input:
+                raise ModelError(f"{label} has {len(inputs)} inputs; {node.op_type}-{version} takes at most {schema.max_input}")
+            single = onnx.defs.OpSchema.FormalParameterOption.Single
+            for i, formal in enumerate(schema.inputs):
+                if formal.option == single and (i >= len(inputs) or inputs[i] is None):
+                    raise ModelError(f"{label} lacks its required input {i} ('{formal.name}')")
+            for name in _DTYPE_ATTRIBUTES.get(node.op_type, ()):
+                named = node.attributes.get(name)
+                if named is not None and not named.is_ref() and not _is_dtype(named.value):
+                    raise ModelError(f"{label}: attribute '{name}' = {named.value} is not an ONNX data type")
+
+
+#: Attributes that name a data type (``TensorProto.DataType``), by op.
+_DTYPE_ATTRIBUTES = {
+    "Cast": ("to",),
+    "EyeLike": ("dtype",),
+    "RandomNormal": ("dtype",),
+    "RandomUniform": ("dtype",),
+    "RandomNormalLike": ("dtype",),
+    "RandomUniformLike": ("dtype",),
+    "Multinomial": ("dtype",),
+    "Bernoulli": ("dtype",),
+}
+
+
+def _is_dtype(value: object) -> bool:
+    try:
+        return isinstance(value, int) and ir.DataType(value) != ir.DataType.UNDEFINED
+    except ValueError:
+        return False
 
 
 def _from_proto(proto: onnx.ModelProto) -> ir.Model:

@@ -45,6 +45,13 @@ def _constant_with_value(attr_value) -> onnx.ModelProto:
     return _model([const, helper.make_node("Add", ["x", "k"], ["y"])])
 
 
+def _no_default_opset() -> onnx.ModelProto:
+    model = _model([helper.make_node("Relu", ["x"], ["y"])])
+    del model.opset_import[:]
+    model.opset_import.add(domain="com.other", version=1)
+    return model
+
+
 def _tensor_dtype(dtype: int) -> onnx.TensorProto:
     t = numpy_helper.from_array(np.ones((2, 3), np.float32), "v")
     t.data_type = dtype
@@ -80,6 +87,13 @@ CASES = {
     ),
     "unknown-attribute": (_model([helper.make_node("Relu", ["x"], ["y"], alpha=0.1)]), "does not define"),
     "missing-required-attribute": (_model([helper.make_node("Cast", ["x"], ["y"])]), "required attribute 'to'"),
+    "missing-required-input": (
+        _model([helper.make_node("Unsqueeze", ["", "ax"], ["y"])], inits=[numpy_helper.from_array(np.array([0]), "ax")]),
+        "lacks its required input 0 ('data')",
+    ),
+    "too-many-inputs": (_model([helper.make_node("Relu", ["x", "x"], ["y"])]), "takes at most 1"),
+    "cast-to-999": (_model([helper.make_node("Cast", ["x"], ["y"], to=999)]), "is not an ONNX data type"),
+    "no-default-opset": (_no_default_opset(), "imports no opset for the default domain"),
     # exit 1 (ValueError / TypeError from onnx-ir)
     "dtype-999": (_bad_dtype(999), "999 is not a valid DataType"),
     "constant-dtype-999": (_constant_with_value(_tensor_dtype(999)), "unknown data type"),
