@@ -188,3 +188,21 @@ def test_sigterm_during_verify_removes_the_runtime_copies(tmp_path):
     assert not copy.parent.exists()
     assert [p for p in os.listdir(temp) if p.startswith("mograph")] == []  # (the sandbox may leave its own)
     assert not out.exists()
+
+
+def test_runtime_copies_of_a_killed_verification_are_swept_by_the_next_one(tmp_path, monkeypatch):
+    pytest.importorskip("onnxruntime")
+    import tempfile
+
+    from mograph.backends import ort
+
+    left = _sigkilled_child_dir(tmp_path, "mograph-ort-")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    model = mograph.load(_model(2.0, "Relu"))
+    path, tmp = ort._save_to_temp(model)
+    try:
+        assert not left.exists()
+        assert Path(path).parent.parent == tmp_path and Path(path).is_file()
+    finally:
+        tmp.cleanup()
+    assert not Path(path).parent.exists()

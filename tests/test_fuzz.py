@@ -12,7 +12,7 @@ timeout (``_limited_cli``), and the test asserts:
 * an output written with exit 0 is a valid model: mograph loads it (structure and external data
   checked), ONNX loads it with its data, and it passes ``onnx.checker`` whenever the input did.
 
-``MOGRAPH_FUZZ_MUTANTS`` sets the number of mutants (default 240, about a minute on two cores);
+``MOGRAPH_FUZZ_MUTANTS`` sets the number of mutants (default 500, seconds to a minute on two cores);
 ``MOGRAPH_FUZZ_SEED`` shifts the seeds.
 """
 
@@ -30,7 +30,7 @@ from _mutations import base_models, mutant
 
 import mograph
 
-MUTANTS = int(os.environ.get("MOGRAPH_FUZZ_MUTANTS", "240"))
+MUTANTS = int(os.environ.get("MOGRAPH_FUZZ_MUTANTS", "500"))
 FIRST_SEED = int(os.environ.get("MOGRAPH_FUZZ_SEED", "0"))
 DOCUMENTED = {0, 2, 3, 4, 5, 6, 7}
 
@@ -125,5 +125,5 @@ def test_fuzz_mutants_through_inspect_and_optimize(tmp_path):
         for command, h in histogram.items()
     )
     print(f"\nfuzz: {MUTANTS} mutants of {len(bases)} models, exit codes {summary}")
-    assert MUTANTS < 200 or sum(histogram["optimize"].values()) >= 200
+    assert len(results) == len(jobs) == 2 * MUTANTS  # every run reported back
     assert not failures, f"{len(failures)} failure(s):\n\n" + "\n\n".join(failures[:15])

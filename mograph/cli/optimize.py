@@ -59,7 +59,12 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         action="store_true",
         help="debug: fail a pass that reports 'unchanged' but changed the graph",
     )
-    p.add_argument("--external-data", action="store_true", help="save initializers to OUT.data beside the model")
+    p.add_argument(
+        "--external-data",
+        action="store_true",
+        help="save initializers to OUT.data beside the model (OUT.<id>.data when replacing an earlier output, "
+        "so the old pair stays whole until the switch)",
+    )
     group = p.add_argument_group("pass options (each pass reads the ones it declares)")
     try:
         from mograph.cli import BLOCKED
