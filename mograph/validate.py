@@ -485,6 +485,7 @@ def make_feeds(
                 f"{limit:,}: give smaller sizes with --shape, or raise --feed-limit"
             )
         array, info = _random_tensor(rng, value, tuple(dims), dtype)
+        array = np.asarray(array)  # numpy makes a scalar, not an array, for shape (): ONNX Runtime wants arrays
         out[name] = array
         report[name] = {"shape": list(array.shape), "dtype": str(array.dtype), "source": "random", **info}
     return out, {"inputs": report, "defaulted_dims": defaulted, "notes": notes}

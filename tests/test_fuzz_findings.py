@@ -134,3 +134,23 @@ def test_devices_and_pipes_are_not_read(tmp_path, capsys, command):
         code = main([command, path, *(["-o", str(tmp_path / "o.onnx")] if command == "optimize" else [])])
         assert code == 3
         assert "not a regular file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", [TensorProto.BOOL, TensorProto.INT64, TensorProto.FLOAT])
+def test_verify_feeds_scalar_inputs(tmp_path, capsys, dtype):
+    # Found by fuzzing with --verify: numpy gives a scalar, not a 0-d array, for a random feed of shape
+    # (), and ONNX Runtime refused it ("Unable to handle object of type <class 'numpy.bool'>").
+    pytest.importorskip("onnxruntime")
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["s"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("s", dtype, [])],
+        [helper.make_tensor_value_info("y", dtype, [])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "m.onnx")
+    code = main(["optimize", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "o.onnx"), "--verify", "-q"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "verify: passed" in captured.out
