@@ -31,14 +31,23 @@ logger = logging.getLogger(__name__)
 VerifyMode = Literal["end", "each"]
 
 
-def load(source: ir_io.ModelSource) -> ir.Model:
-    """Load a model from a path, bytes, ``onnx.ModelProto``, ``onnx_ir.Model`` or graphsurgeon graph."""
-    return ir_io.load_model(source)
+def load(source: ir_io.ModelSource, *, base_dir: str | None = None) -> ir.Model:
+    """Load a model from a path, bytes, ``onnx.ModelProto``, ``onnx_ir.Model`` or graphsurgeon graph.
+
+    External data must lie inside the model's folder; bytes and protos have none, so their external data
+    is read from ``base_dir`` (and refused without it).
+    """
+    return ir_io.load_model(source, base_dir=base_dir)
 
 
-def save(model: ir.Model, path: str, *, external_data: bool | None = None) -> None:
-    """Save a model atomically (external data beside it when needed or asked)."""
-    ir_io.save_model(ir_io.load_model(model, check=False), path, external_data=external_data)
+def save(model: ir.Model, path: str, *, external_data: bool | None = None, overwrite: bool = False) -> None:
+    """Save a model atomically (external data beside it when needed or asked).
+
+    Writing over the file the model was loaded from is refused unless ``overwrite`` is true.
+    """
+    ir_io.save_model(
+        ir_io.load_model(model, check=False), path, external_data=external_data, overwrite_source=overwrite
+    )
 
 
 def list_passes(*, blocked: Iterable[str] = ()) -> list[dict[str, Any]]:

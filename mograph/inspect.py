@@ -2,7 +2,9 @@
 
 :func:`summarize` answers from the model's structure and tensor metadata only: external data is
 never read (a tensor's size comes from its shape and dtype, a data file's size from the file system),
-so summarizing a 20 GB model costs what loading its graph costs.
+so summarizing a 20 GB model costs what loading its graph costs.  External data is resolved against
+the model's own folder, and a location outside it is refused as the loader refuses it (inspect never
+reports the size of a file the model may not read).
 """
 
 from __future__ import annotations
@@ -55,14 +57,16 @@ def _io(value: ir.Value) -> dict[str, Any]:
 def _attr_elements(attr: Any) -> tuple[int, str | None]:
     """Element count and dtype of a Constant node's value attribute."""
     name = attr.name
+    if attr.is_ref():
+        return 0, None
     if name in ("value", "sparse_value"):
         tensor = attr.value
-        if tensor is None:
+        if tensor is None or attr.type != ir.AttributeType.TENSOR:
             return 0, None
         return math.prod(tensor.shape.numpy()), _dtype_name(tensor.dtype)
     if name in ("value_floats", "value_ints", "value_strings"):
         kind = {"value_floats": "float32", "value_ints": "int64", "value_strings": "string"}[name]
-        return len(attr.value), kind
+        return (len(attr.value), kind) if isinstance(attr.value, (list, tuple)) else (1, kind)
     if name in ("value_float", "value_int", "value_string"):
         kind = {"value_float": "float32", "value_int": "int64", "value_string": "string"}[name]
         return 1, kind

@@ -11,18 +11,23 @@ Why this matters:
 * **External data stays lazy.**  A model loaded from a path keeps its large initializers as
   memory-mapped external tensors; nothing reads them wholesale, so models above 2 GB work.
 * **Safety.**  An external-data ``location`` that escapes the model's folder (``../../etc/passwd``,
-  an absolute path) is refused: loading it would read arbitrary files.
+  an absolute path, a symbolic link leading out) is refused, for every tensor in the model:
+  initializers, Constant and other tensor attributes, in subgraphs and in model-local functions.
+  Loading it would read arbitrary files.  Bytes and protos have no folder, so their external data is
+  refused unless the caller names one (``base_dir``).
 * **Atomic writes.**  :func:`save_model` writes into a temporary folder beside the destination and
-  moves the files into place only when everything was written, so an interrupted run never leaves a
-  half-written model behind, and it refuses to write over the model it was loaded from.
+  moves the files into place only when everything was written, the data under a fresh name and the
+  model by one rename, so an interrupted run never leaves a half-written model, nor a model paired
+  with another save's weights; it refuses to write over the model it was loaded from.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
-import shutil
-import tempfile
+import re
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Union
@@ -32,9 +37,10 @@ import onnx
 import onnx_ir as ir
 
 from mograph._model_checks import check_declarations
+from mograph._tempfiles import owned_tempdir
 from mograph.errors import ModelError, UsageError
 
-__all__ = ["ModelSource", "load_model", "save_model", "to_format", "model_size_bytes", "TWO_GB"]
+__all__ = ["ModelSource", "load_model", "save_model", "to_format", "model_size_bytes", "TWO_GB", "SOURCE_KEY"]
 
 TWO_GB = 2**31
 
@@ -42,22 +48,137 @@ TWO_GB = 2**31
 ModelSource = Union[str, os.PathLike, bytes, onnx.ModelProto, ir.Model, Any]
 
 
-def _check_external_locations(model: ir.Model, base_dir: Path) -> None:
-    base = base_dir.resolve()
-    for value in _all_initializers(model):
-        tensor = value.const_value
-        if isinstance(tensor, ir.ExternalTensor):
-            loc = tensor.location
+def _graphs_and_functions(model: ir.Model) -> list[ir.Graph | ir.Function]:
+    """The main graph, every subgraph (If/Loop/Scan bodies, nested) and every model-local function
+    with its own subgraphs: everywhere a tensor can sit."""
+    out: list[ir.Graph | ir.Function] = [model.graph, *model.graph.subgraphs()]
+    for function in model.functions.values():
+        out.append(function)
+        out.extend(function.subgraphs())
+    return out
+
+
+def _all_tensors(model: ir.Model) -> Iterator[tuple[str, ir.TensorProtocol]]:
+    """Every tensor in the model with a description of where it sits: initializers of every graph,
+    and tensor-valued attributes (``value`` of Constant, TENSOR and TENSORS attributes of any node)
+    in the main graph, its subgraphs and model-local functions."""
+    for owner in _graphs_and_functions(model):
+        if isinstance(owner, ir.Graph):
+            for value in owner.initializers.values():
+                if value.const_value is not None:
+                    yield f"initializer '{value.name}'", value.const_value
+        for node in owner:  # each subgraph is visited as an owner of its own
+            for attr in node.attributes.values():
+                if attr.is_ref() or attr.value is None:
+                    continue
+                label = f"attribute '{attr.name}' of node '{node.name or node.op_type}'"
+                if attr.type == ir.AttributeType.TENSOR:
+                    yield label, attr.value
+                elif attr.type == ir.AttributeType.TENSORS:
+                    for tensor in attr.value:
+                        yield label, tensor
+
+
+def _check_external_data(model: ir.Model, base_dir: Path | None, origin: str, *, exists: bool) -> None:
+    """Refuse external data outside the model's folder, and point every external tensor at it.
+
+    A location may not be absolute, may not climb out with ``..``, and may not be a symbolic link
+    that leads out: reading it would hand the bytes of an arbitrary file (``/etc/passwd``, a key) to
+    constant folding and from there into the saved model.  A model without a folder of its own
+    (bytes, a ``ModelProto``) has nothing to resolve locations against, so its external data is refused
+    unless ``base_dir`` names one.  Tensors of an ``onnx_ir.Model`` keep the folder they were loaded
+    with.  With ``exists``, the file must also be there.
+    """
+    for where, tensor in _all_tensors(model):
+        if not isinstance(tensor, ir.ExternalTensor):
+            continue
+        loc = str(tensor.location)
+        folder = base_dir if base_dir is not None else (Path(tensor.base_dir) if tensor.base_dir else None)
+        if folder is None:
+            raise ModelError(
+                f"{where} has external data at '{loc}', but a model given as {origin} has no folder to read "
+                "it from: refused; load the model from its path (or give base_dir)"
+            )
+        base = folder.resolve()
+        try:
             target = (base / loc).resolve()
-            if os.path.isabs(loc) or (base != target and base not in target.parents):
+        except (OSError, ValueError) as exc:  # NUL bytes, symlink loops ...
+            raise ModelError(f"{where} has an unusable external data location {loc!r}: {exc}") from exc
+        if not loc or os.path.isabs(loc) or base not in target.parents:
+            raise ModelError(
+                f"{where} has external data at '{loc}', outside the model's folder {base}: refused "
+                "(it could read arbitrary files)"
+            )
+        if exists and not target.is_file():
+            raise ModelError(f"{where} has external data at '{loc}', which does not exist beside the model in {base}")
+        if target.is_file():
+            offset, length = tensor.offset or 0, tensor.length
+            available = target.stat().st_size
+            if offset < 0 or (length is not None and length < tensor.nbytes) or offset + tensor.nbytes > available:
                 raise ModelError(
-                    f"initializer '{value.name}' has external data at '{loc}', outside the model's "
-                    f"folder {base}: refused (it could read arbitrary files)"
+                    f"{where} declares {tensor.nbytes} bytes of external data (shape {list(tensor.shape.numpy())}) "
+                    f"at offset {offset} in '{loc}', which holds {available} bytes"
+                    + (f" (its length field says {length})" if length is not None else "")
                 )
-            if not target.is_file():
+        tensor.base_dir = str(base)
+
+
+#: Where a tensor without ``raw_data`` keeps its values, by dtype (everything else: ``int32_data``).
+_TYPED_FIELD = {
+    ir.DataType.FLOAT: "float_data",
+    ir.DataType.COMPLEX64: "float_data",
+    ir.DataType.DOUBLE: "double_data",
+    ir.DataType.COMPLEX128: "double_data",
+    ir.DataType.INT64: "int64_data",
+    ir.DataType.UINT32: "uint64_data",
+    ir.DataType.UINT64: "uint64_data",
+}
+
+
+def _check_tensor_data(model: ir.Model) -> None:
+    """Refuse tensors whose declared size is not the data they hold, before anything is allocated.
+
+    A tensor declaring 2^40 elements with 16 bytes of data would otherwise be expanded by the first
+    pass that looks at its values (tens of gigabytes), or written out as a terabyte of zeros.  Only
+    metadata and field lengths are read here; external data is checked against its file's size in
+    :func:`_check_external_data`.
+    """
+    for where, tensor in _all_tensors(model):
+        try:
+            dtype = tensor.dtype
+        except ValueError as exc:  # a data_type number ONNX does not define
+            raise ModelError(f"{where} has an unknown data type: {exc}") from exc
+        if dtype == ir.DataType.UNDEFINED:
+            raise ModelError(f"{where} has no data type (UNDEFINED)")
+        dims = tuple(tensor.shape.numpy())
+        if any(d < 0 for d in dims):
+            raise ModelError(f"{where} has a negative dimension in its shape {list(dims)}")
+        size = math.prod(dims)
+        if isinstance(tensor, ir.StringTensor):
+            held = len(tensor.raw)
+            if held != size:
+                raise ModelError(f"{where} declares {size} strings (shape {list(dims)}) but holds {held}")
+        elif isinstance(tensor, ir.TensorProtoTensor):
+            proto = tensor.raw
+            if proto.raw_data:
+                if len(proto.raw_data) != tensor.nbytes:
+                    raise ModelError(
+                        f"{where} declares {size} elements of {tensor.dtype.name} (shape {list(dims)}, "
+                        f"{tensor.nbytes} bytes) but holds {len(proto.raw_data)} bytes of data"
+                    )
+                continue
+            field = _TYPED_FIELD.get(tensor.dtype, "int32_data")
+            held = len(getattr(proto, field))
+            if tensor.dtype in (ir.DataType.COMPLEX64, ir.DataType.COMPLEX128):
+                need = 2 * size
+            elif tensor.dtype.bitwidth < 8:  # packed, one byte per int32 value
+                need = tensor.nbytes
+            else:
+                need = size
+            if held != need:
                 raise ModelError(
-                    f"initializer '{value.name}' has external data at '{loc}', which does not exist "
-                    f"beside the model in {base}"
+                    f"{where} declares {size} elements of {tensor.dtype.name} (shape {list(dims)}) but holds "
+                    f"{held} values"
                 )
 
 
@@ -69,8 +190,10 @@ def _all_initializers(model: ir.Model) -> list[ir.Value]:
 
 
 def _check_structure(model: ir.Model) -> None:
-    """Refuse models whose structure no pass can work on: dangling references and cycles."""
+    """Refuse models whose structure no pass can work on: no outputs, dangling references and cycles."""
     graph = model.graph
+    if not graph.outputs:
+        raise ModelError("the graph has no outputs: there is nothing to compute")
     for node in ir.traversal.RecursiveGraphIterator(graph):
         for inp in node.inputs:
             if inp is None:
@@ -82,55 +205,148 @@ def _check_structure(model: ir.Model) -> None:
                         f"node '{node.name or node.op_type}' reads '{inp.name}', which is neither a "
                         "graph input, an initializer nor the output of any node (missing initializer?)"
                     )
-    # Cycle check (Kahn's algorithm on the main graph).
-    nodes = list(graph)
-    indeg = {id(n): 0 for n in nodes}
+    for owner in _graphs_and_functions(model):
+        _check_acyclic(owner)
+    _check_attributes(model)
+
+
+def _reads(node: ir.Node) -> set[int]:
+    """Ids of the values ``node`` reads, its subgraphs' reads (captured from outer scopes) included."""
+    values = {id(v) for v in node.inputs if v is not None}
+    for attr in node.attributes.values():
+        if attr.is_ref():
+            continue
+        graphs = [attr.value] if attr.type == ir.AttributeType.GRAPH else (
+            list(attr.value) if attr.type == ir.AttributeType.GRAPHS else []
+        )
+        for sub in graphs:
+            for inner in ir.traversal.RecursiveGraphIterator(sub):
+                values.update(id(v) for v in inner.inputs if v is not None)
+    return values
+
+
+def _check_acyclic(owner: ir.Graph | ir.Function) -> None:
+    """Kahn's algorithm; a subgraph reading a value of its own graph depends on its producer."""
+    nodes = list(owner)
+    members = {id(n) for n in nodes}
+    producer = {id(v): id(n) for n in nodes for v in n.outputs}
+    preds = {id(n): {producer[v] for v in _reads(n) if v in producer} & members for n in nodes}
+    succs: dict[int, list[ir.Node]] = {id(n): [] for n in nodes}
     for n in nodes:
-        for pred in {id(p) for p in n.predecessors()}:
-            if pred in indeg:
-                indeg[id(n)] += 1
+        for p in preds[id(n)]:
+            succs[p].append(n)
+    indeg = {k: len(v) for k, v in preds.items()}
     ready = [n for n in nodes if indeg[id(n)] == 0]
     seen = 0
     while ready:
         n = ready.pop()
         seen += 1
-        for succ in {id(s): s for s in n.successors()}.values():
-            if id(succ) in indeg:
-                indeg[id(succ)] -= 1
-                if indeg[id(succ)] == 0:
-                    ready.append(succ)
+        for succ in succs[id(n)]:
+            indeg[id(succ)] -= 1
+            if indeg[id(succ)] == 0:
+                ready.append(succ)
     if seen != len(nodes):
         stuck = [n.name or n.op_type for n in nodes if indeg[id(n)] > 0][:5]
-        raise ModelError(f"the graph has a cycle through nodes {stuck}")
+        where = "the graph" if isinstance(owner, ir.Graph) and owner.name is None else f"graph '{owner.name}'"
+        raise ModelError(f"{where} has a cycle through nodes {stuck}")
 
 
-def _from_proto(proto: onnx.ModelProto, base_dir: Path | None) -> ir.Model:
+def _check_attributes(model: ir.Model) -> None:
+    """Standard ops' attributes must be the ones their schema declares, of the declared type, with
+    the required ones present, and their required inputs must be given: passes read them without
+    second-guessing (``axes`` as a list, ``value`` as a tensor, ``Unsqueeze`` with data)."""
+    for owner in _graphs_and_functions(model):
+        opsets = owner.opset_imports if isinstance(owner, ir.Function) else model.opset_imports
+        for node in owner:
+            if node.domain not in ("", "ai.onnx"):
+                continue
+            version = opsets.get("", opsets.get("ai.onnx", model.opset_imports.get("")))
+            if version is None:
+                raise ModelError(
+                    f"node '{node.name or node.op_type}' is a standard {node.op_type}, but the model imports no "
+                    "opset for the default domain"
+                )
+            try:
+                schema = onnx.defs.get_schema(node.op_type, version, "")
+            except onnx.defs.SchemaError:
+                continue  # not a standard op at this opset: ONNX Runtime will say so
+            label = f"node '{node.name or node.op_type}' ({node.op_type})"
+            for name, attr in node.attributes.items():
+                declared = schema.attributes.get(name)
+                if declared is None:
+                    raise ModelError(f"{label} has an attribute '{name}' that {node.op_type}-{version} does not define")
+                if attr.is_ref():
+                    continue
+                want = ir.AttributeType(int(declared.type))  # type: ignore[call-overload]
+                if attr.type != want:
+                    raise ModelError(f"{label}: attribute '{name}' must be {want.name}, not {attr.type.name}")
+            for name, declared in schema.attributes.items():
+                if declared.required and name not in node.attributes:
+                    raise ModelError(f"{label} lacks its required attribute '{name}'")
+            inputs = list(node.inputs)
+            if len(inputs) > schema.max_input:
+                raise ModelError(f"{label} has {len(inputs)} inputs; {node.op_type}-{version} takes at most {schema.max_input}")
+            single = onnx.defs.OpSchema.FormalParameterOption.Single
+            for i, formal in enumerate(schema.inputs):
+                if formal.option == single and (i >= len(inputs) or inputs[i] is None):
+                    raise ModelError(f"{label} lacks its required input {i} ('{formal.name}')")
+            for name in _DTYPE_ATTRIBUTES.get(node.op_type, ()):
+                named = node.attributes.get(name)
+                if named is not None and not named.is_ref() and not _is_dtype(named.value):
+                    raise ModelError(f"{label}: attribute '{name}' = {named.value} is not an ONNX data type")
+
+
+#: Attributes that name a data type (``TensorProto.DataType``), by op.
+_DTYPE_ATTRIBUTES = {
+    "Cast": ("to",),
+    "EyeLike": ("dtype",),
+    "RandomNormal": ("dtype",),
+    "RandomUniform": ("dtype",),
+    "RandomNormalLike": ("dtype",),
+    "RandomUniformLike": ("dtype",),
+    "Multinomial": ("dtype",),
+    "Bernoulli": ("dtype",),
+}
+
+
+def _is_dtype(value: object) -> bool:
+    try:
+        return isinstance(value, int) and ir.DataType(value) != ir.DataType.UNDEFINED
+    except ValueError:
+        return False
+
+
+def _from_proto(proto: onnx.ModelProto) -> ir.Model:
     try:
         model = ir.serde.deserialize_model(proto)
     except Exception as exc:  # noqa: BLE001 - any decoding failure means a bad model
-        raise ModelError(f"cannot read the model: {exc}") from exc
-    if base_dir is not None:
-        for value in _all_initializers(model):
-            tensor = value.const_value
-            if isinstance(tensor, ir.ExternalTensor):
-                tensor.base_dir = str(base_dir)
+        # onnx-ir wraps the cause once per enclosing graph or node: the innermost error says what is wrong.
+        inner: BaseException = exc
+        while inner.__cause__ is not None:
+            inner = inner.__cause__
+        detail = str(exc) if inner is exc else f"{exc} ({type(inner).__name__}: {inner})"
+        raise ModelError(f"cannot read the model: {detail}") from exc
     return model
 
 
-def load_model(source: ModelSource, *, check: bool = True) -> ir.Model:
+def load_model(source: ModelSource, *, check: bool = True, base_dir: str | os.PathLike | None = None) -> ir.Model:
     """Turn any accepted model form into an ``onnx_ir.Model``.
 
     Args:
         source: a path to an ``.onnx`` file (external data is resolved next to it and mapped
             lazily), the bytes of a serialised model, an ``onnx.ModelProto``, an ``onnx_ir.Model``
             (returned as is: passes then rewrite it in place) or an ``onnx_graphsurgeon.Graph``.
-        check: refuse models with a missing initializer, a cycle, or external data outside the
-            model's folder.
+        check: refuse models with a missing initializer, a cycle, or a missing external-data file.
+            External data outside the model's folder is refused whatever ``check`` says (except in an
+            ``onnx_ir.Model``, which is the caller's own object and is checked only with ``check``).
+        base_dir: the folder external data is read from, for a model given as bytes or a
+            ``ModelProto`` (which have none of their own: without it their external data is refused).
 
     Raises:
         ModelError: the file is missing, not ONNX, truncated, or structurally invalid.
     """
-    base_dir: Path | None = None
+    folder = Path(base_dir) if base_dir is not None else None
+    origin = "an onnx_ir.Model"
     if isinstance(source, ir.Model):
         model = source
     elif isinstance(source, (str, os.PathLike)):
@@ -139,37 +355,44 @@ def load_model(source: ModelSource, *, check: bool = True) -> ir.Model:
             raise ModelError(f"{path}: no such file")
         if path.is_dir():
             raise ModelError(f"{path}: is a folder, not an ONNX file")
-        base_dir = path.resolve().parent
+        if not path.is_file():  # a device (/dev/zero) or a pipe would be read forever
+            raise ModelError(f"{path}: not a regular file")
+        folder = path.resolve().parent
+        origin = "a path"
         try:
             proto = onnx.load(str(path), load_external_data=False)
         except Exception as exc:  # noqa: BLE001 - protobuf raises several unrelated types
             raise ModelError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc})") from exc
         if not proto.graph.node and not proto.graph.output:
             raise ModelError(f"{path}: not an ONNX model (no graph found: truncated or another format?)")
-        model = _from_proto(proto, base_dir)
+        model = _from_proto(proto)
+        model.meta[SOURCE_KEY] = str(path.resolve())
     elif isinstance(source, (bytes, bytearray)):
+        origin = "bytes"
         try:
             proto = onnx.load_from_string(bytes(source))
         except Exception as exc:  # noqa: BLE001
             raise ModelError(f"bytes are not a readable ONNX model: {exc}") from exc
         if not proto.graph.node and not proto.graph.output:
             raise ModelError("bytes are not an ONNX model (no graph found)")
-        model = _from_proto(proto, None)
+        model = _from_proto(proto)
     elif isinstance(source, onnx.ModelProto):
-        model = _from_proto(source, None)
+        origin = "an onnx.ModelProto"
+        model = _from_proto(source)
     elif type(source).__module__.startswith("onnx_graphsurgeon"):
         import onnx_graphsurgeon as gs
 
-        model = _from_proto(gs.export_onnx(source), None)
+        origin = "a graphsurgeon graph"
+        model = _from_proto(gs.export_onnx(source))
     else:
         raise UsageError(
             f"cannot load a model from {type(source).__name__}: give a path, bytes, onnx.ModelProto, "
             "onnx_ir.Model or onnx_graphsurgeon.Graph"
         )
+    if check or not isinstance(source, ir.Model):
+        _check_tensor_data(model)
+        _check_external_data(model, folder, origin, exists=check)
     if check:
-        # Bytes and protos have no folder of their own: their external data is read relative to
-        # the working directory, so that is the folder it may not escape.
-        _check_external_locations(model, base_dir if base_dir is not None else Path.cwd())
         _check_structure(model)
         check_declarations(model)
     return model
@@ -191,20 +414,26 @@ def save_model(
     *,
     external_data: bool | None = None,
     forbid: str | os.PathLike | None = None,
+    overwrite_source: bool = False,
 ) -> Path:
-    """Write ``model`` to ``path`` atomically.
+    """Write ``model`` to ``path`` atomically, its external data with it.
 
     Args:
         model: the model to write.
         path: destination ``.onnx`` file.
-        external_data: write initializers to ``<name>.data`` beside the model. ``None`` chooses it
-            when the initializers need more than 2 GB or the model already had external data;
-            ``False`` writes one self-contained file (external tensors are read in for it).
+        external_data: write initializers to a data file beside the model (``<name>.data``, or
+            ``<name>.<id>.data`` when a file of that name is already there). ``None`` chooses it when
+            the initializers need more than 2 GB or the model already had external data; ``False``
+            writes one self-contained file (external tensors are read in for it).
         forbid: a path that must not be written over (the input model).
+        overwrite_source: allow writing over the file the model was loaded from (refused otherwise:
+            the model may still read its weights beside it, and the original would be lost).
 
-    The external data files the model reads its weights from are never written over (with or without
-    ``forbid``): replacing one would leave this model, and any other model file that reads it, pointing at
-    bytes that are no longer its weights.
+    A reader of ``path`` sees the old model with its old data or the new model with its new data,
+    never a mix, even if the process is killed half-way: the new data goes under a name no existing
+    file has (so nothing another model reads is replaced), one rename then switches the model file,
+    and only after that is the data file the old model read removed (if it was one of ours and nothing
+    loaded still reads it).  Temporary folders of saves that were killed are swept on the next save.
 
     Returns:
         The destination path.
@@ -212,6 +441,12 @@ def save_model(
     dest = Path(path)
     if forbid is not None and _same_file(dest, Path(forbid)):
         raise UsageError(f"refusing to write over the input model {forbid}; choose another output path")
+    source = model.meta.get(SOURCE_KEY)
+    if not overwrite_source and isinstance(source, str) and _same_file(dest, Path(source)):
+        raise UsageError(
+            f"refusing to write over {source}, the file this model was loaded from (its weights may still be "
+            "read from beside it); choose another path, or allow it explicitly (overwrite=True)"
+        )
     if external_data is None:
         external_data = model_size_bytes(model) >= TWO_GB - 64 * 2**20 or any(
             isinstance(v.const_value, ir.ExternalTensor) for v in _all_initializers(model)
@@ -221,34 +456,94 @@ def save_model(
             f"the model's initializers need {model_size_bytes(model) / 2**30:.1f} GiB, past protobuf's 2 GB "
             "limit: save it with external data"
         )
-    data_name = f"{dest.name}.data"
-    if external_data:  # the weights the model reads (the input's, or another model's) must survive
-        for value in _all_initializers(model):
-            tensor = value.const_value
-            if isinstance(tensor, ir.ExternalTensor) and _same_file(dest.parent / data_name, Path(tensor.path)):
-                raise UsageError(
-                    f"refusing to write {dest.parent / data_name}: the model still reads its weights from "
-                    "that file; choose another output path"
-                )
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmpdir = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+        tmp = owned_tempdir(f".{dest.name}.", dir=dest.parent)
     except OSError as exc:  # an output folder that cannot be created or written is the user's to fix
         raise UsageError(f"cannot write {dest}: {exc.strerror or exc}") from exc
+    old_data = _own_data_files(dest)
+    placed: Path | None = None
     try:
-        tmp_model = tmpdir / dest.name
+        tmp_model = tmp.path / dest.name
         if external_data:
-            ir.save(model, tmp_model, external_data=data_name)
-            os.replace(tmpdir / data_name, dest.parent / data_name)
+            data_name = _fresh_data_name(dest)
+            with _attributes_inlined(model):
+                ir.save(model, tmp_model, external_data=data_name)
+            if data_name in _locations(tmp_model):  # tensors below the size threshold stay inline
+                placed = dest.parent / data_name
+                os.replace(tmp.path / data_name, placed)  # a new name: replaces nothing
         else:
-            with _inlined(model):
+            with _inlined(model), _attributes_inlined(model):
                 ir.save(model, tmp_model)
-        os.replace(tmp_model, dest)
-    except OSError as exc:  # disk full, a folder in the way ...: nothing half-written is left behind
-        raise UsageError(f"cannot write {dest}: {exc.strerror or exc}") from exc
+        os.replace(tmp_model, dest)  # the one switch from the old pair to the new
+    except BaseException as exc:
+        if placed is not None:  # the new data no model reads yet
+            with contextlib.suppress(OSError):
+                placed.unlink()
+        if isinstance(exc, OSError):  # disk full, a folder in the way ...: nothing half-written is left
+            raise UsageError(f"cannot write {dest}: {exc.strerror or exc}") from exc
+        raise
     finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
+        tmp.cleanup()
+    read_now = [Path(t.path) for t in _external_tensors(model)]
+    for stale in old_data:
+        if stale != placed and not any(_same_file(stale, r) for r in read_now):
+            with contextlib.suppress(OSError):
+                stale.unlink()
     return dest
+
+
+#: ``model.meta`` key holding the resolved path a model was loaded from.
+SOURCE_KEY = "mograph.source_path"
+
+
+def _external_tensors(model: ir.Model) -> list[ir.ExternalTensor]:
+    return [t for _, t in _all_tensors(model) if isinstance(t, ir.ExternalTensor)]
+
+
+def _fresh_data_name(dest: Path) -> str:
+    """``<name>.data``, or ``<name>.<id>.data`` when that exists: a name no file beside ``dest`` has."""
+    name = f"{dest.name}.data"
+    while (dest.parent / name).exists() or (dest.parent / name).is_symlink():
+        name = f"{dest.name}.{secrets.token_hex(4)}.data"
+    return name
+
+
+def _own_data_files(dest: Path) -> list[Path]:
+    """The data files the model at ``dest`` reads that a save of ``dest`` wrote (``<name>[.<id>].data``
+    beside it); files named otherwise may be shared with other models and are never removed."""
+    ours = re.compile(re.escape(dest.name) + r"(\.[0-9a-f]{8})?\.data")
+    return [dest.parent / loc for loc in _locations(dest) if ours.fullmatch(loc)]
+
+
+def _locations(path: Path) -> set[str]:
+    """The external-data locations the model file at ``path`` reads (none if it is not one)."""
+    if not path.is_file():
+        return set()
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - an unreadable old output reads nothing of ours
+        return set()
+    found: set[str] = set()
+    for tensor in _proto_tensors(proto):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            found.update(e.value for e in tensor.external_data if e.key == "location")
+    return found
+
+
+def _proto_tensors(proto: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    graphs = [proto.graph]
+    while graphs:
+        graph = graphs.pop()
+        yield from graph.initializer
+        for node in graph.node:
+            for attr in node.attribute:
+                if attr.HasField("t"):
+                    yield attr.t
+                yield from attr.tensors
+                if attr.HasField("g"):
+                    graphs.append(attr.g)
+                graphs.extend(attr.graphs)
 
 
 @contextlib.contextmanager
@@ -268,6 +563,41 @@ def _inlined(model: ir.Model) -> Iterator[None]:
     finally:
         for value, tensor in zip(external, saved):
             value.const_value = tensor
+
+
+def _in_memory(tensor: ir.TensorProtocol) -> ir.Tensor:
+    return ir.Tensor(np.array(tensor.numpy()), dtype=tensor.dtype, name=tensor.name)
+
+
+@contextlib.contextmanager
+def _attributes_inlined(model: ir.Model) -> Iterator[None]:
+    """Hold external tensors of attributes (a Constant's ``value``) in memory while the model is written.
+
+    Only initializers are moved into the new data file; an attribute's reference would otherwise be
+    written as it is, relative to the input's folder, and the saved model would read a file that is not
+    beside it (or none at all).
+    """
+    swapped: list[tuple[ir.Node, str, ir.Attr]] = []
+    for owner in _graphs_and_functions(model):
+        for node in owner:
+            for name, attr in list(node.attributes.items()):
+                if attr.is_ref() or attr.value is None:
+                    continue
+                if attr.type == ir.AttributeType.TENSOR and isinstance(attr.value, ir.ExternalTensor):
+                    value: Any = _in_memory(attr.value)
+                elif attr.type == ir.AttributeType.TENSORS and any(
+                    isinstance(t, ir.ExternalTensor) for t in attr.value
+                ):
+                    value = [_in_memory(t) if isinstance(t, ir.ExternalTensor) else t for t in attr.value]
+                else:
+                    continue
+                node.attributes[name] = ir.Attr(name, attr.type, value, doc_string=attr.doc_string)
+                swapped.append((node, name, attr))
+    try:
+        yield
+    finally:
+        for node, name, attr in swapped:
+            node.attributes[name] = attr
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -179,14 +179,18 @@ def with_external_location(proto: onnx.ModelProto, name: str, location: str) -> 
     return copy
 
 
-def test_bytes_with_external_data_outside_the_working_directory_are_refused(tmp_path, monkeypatch):
+def test_bytes_with_external_data_outside_the_given_folder_are_refused(tmp_path, monkeypatch):
+    # Bytes have no folder of their own: their external data is refused outright, and with a base_dir
+    # it may not escape that folder (the working directory is never used).
     (tmp_path / "w.bin").write_bytes(numpy_helper.to_array(_model().graph.initializer[0]).tobytes())
     data = with_external_location(_model(), "w", "../w.bin").SerializeToString()
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
-    with pytest.raises(ModelError, match="outside the model's folder"):
+    with pytest.raises(ModelError, match="no folder to read it from"):
         mograph.load(data)
+    with pytest.raises(ModelError, match="outside the model's folder"):
+        mograph.load(data, base_dir=str(work))
 
 
 def test_save_is_atomic_when_writing_fails(tmp_path, monkeypatch):
@@ -229,33 +233,49 @@ def test_save_refuses_to_write_over_the_input(tmp_path, alias):
     assert src.read_bytes() == before
 
 
-def test_save_refuses_to_replace_the_weights_the_input_reads(tmp_path):
-    # The input's external data is named like the output's data file would be.
+def test_save_never_replaces_the_weights_the_input_reads(tmp_path):
+    # The input's external data is named like the output's data file would be: the output's data goes
+    # under another name, and the input keeps its weights.
     src = tmp_path / "m.onnx"
     _save_external(_model(), src, location="out.onnx.data")
     data_before = (tmp_path / "out.onnx.data").read_bytes()
-    with pytest.raises(UsageError, match="still reads its weights"):
-        ir_io.save_model(mograph.load(src), tmp_path / "out.onnx", forbid=src)
+    ir_io.save_model(mograph.load(src), tmp_path / "out.onnx", forbid=src)
     assert (tmp_path / "out.onnx.data").read_bytes() == data_before
-    assert not (tmp_path / "out.onnx").exists()
+    saved = onnx.load(str(tmp_path / "out.onnx"), load_external_data=False).graph.initializer
+    locations = {e.value for t in saved for e in t.external_data if e.key == "location"}
+    assert len(locations) == 1 and locations != {"out.onnx.data"}
+    np.testing.assert_allclose(_run(onnx.load(str(tmp_path / "out.onnx"))), _reference(_model()), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_run(onnx.load(str(src))), _reference(_model()), rtol=1e-5, atol=1e-6)
 
 
-def test_python_save_refuses_to_replace_the_weights_the_model_reads(tmp_path):
-    # mograph.save() from Python has no input path to protect, but the data file is still refused: the
-    # loaded model (and the model file on disk) would otherwise read replaced bytes as their weights.
+def test_python_save_refuses_to_write_over_the_model_it_was_loaded_from(tmp_path):
     src = tmp_path / "m.onnx"
     _save_external(_model(), src, location="m.onnx.data")
     onnx_before, data_before = src.read_bytes(), (tmp_path / "m.onnx.data").read_bytes()
     model = mograph.load(src)
-    with pytest.raises(UsageError, match="still reads its weights"):
-        mograph.save(model, str(src), external_data=True)
+    for external_data in (None, True, False):
+        with pytest.raises(UsageError, match="the file this model was loaded from"):
+            mograph.save(model, str(src), external_data=external_data)
     assert src.read_bytes() == onnx_before
     assert (tmp_path / "m.onnx.data").read_bytes() == data_before
+    assert sorted(os.listdir(tmp_path)) == ["m.onnx", "m.onnx.data"]
     # a self-contained copy next to it is fine, and holds the same weights
     mograph.save(model, str(tmp_path / "copy.onnx"), external_data=False)
     assert _values(tmp_path / "copy.onnx").keys() == _values(src).keys()
     for name, want in _values(src).items():
         np.testing.assert_array_equal(_values(tmp_path / "copy.onnx")[name], want)
+
+
+def test_python_save_over_the_source_when_allowed_keeps_the_weights_it_reads(tmp_path):
+    src = tmp_path / "m.onnx"
+    _save_external(_model(), src, location="m.onnx.data")
+    data_before = (tmp_path / "m.onnx.data").read_bytes()
+    model, _ = mograph.optimize(str(src), passes="cleanup")
+    mograph.save(model, str(src), overwrite=True)
+    # The loaded model still maps m.onnx.data, so it stays; the new model reads its own new file.
+    assert (tmp_path / "m.onnx.data").read_bytes() == data_before
+    assert [n.op_type for n in onnx.load(str(src)).graph.node] == ["MatMul", "Add", "Relu"]
+    np.testing.assert_allclose(_run(onnx.load(str(src))), _reference(_model()), rtol=1e-5, atol=1e-6)
 
 
 def test_model_size_does_not_read_external_data(tmp_path):

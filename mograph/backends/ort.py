@@ -24,7 +24,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from mograph._tempfiles import OwnedTempDir, owned_tempdir
 from mograph.backends import Backend, Runner
 from mograph.errors import BackendUnavailableError, ModelError, UsageError
 
@@ -84,14 +84,20 @@ def needs_file(model: ir.Model) -> bool:
     return total >= _PROTO_LIMIT
 
 
-def _save_to_temp(model: ir.Model) -> tuple[str, tempfile.TemporaryDirectory]:
-    tmp = tempfile.TemporaryDirectory(prefix="mograph-ort-")
-    path = os.path.join(tmp.name, "model.onnx")
-    ir.save(model, path, external_data="model.onnx.data")
+def _save_to_temp(model: ir.Model) -> tuple[str, OwnedTempDir]:
+    # A locked folder: removed with the session, on an exception (SIGTERM included, in the CLI), or by
+    # the next run if this process is killed outright.
+    tmp = owned_tempdir("mograph-ort-")
+    try:
+        path = os.path.join(tmp.name, "model.onnx")
+        ir.save(model, path, external_data="model.onnx.data")
+    except BaseException:
+        tmp.cleanup()
+        raise
     return path, tmp
 
 
-def _model_payload(model: Any) -> tuple[str | bytes, tempfile.TemporaryDirectory | None]:
+def _model_payload(model: Any) -> tuple[str | bytes, OwnedTempDir | None]:
     """What ``InferenceSession`` gets: a path or bytes, and the temp folder to keep alive, if any."""
     if isinstance(model, (str, os.PathLike)):
         path = Path(model)

@@ -170,9 +170,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     args.block_plugin = list(args.block_plugin_global) + list(getattr(args, "block_plugin", []))
     verbose = 0 if getattr(args, "quiet", False) else getattr(args, "verbose", 0)
+    from mograph._signals import Terminated, terminate_as_exception
+
     with _logging(verbose, getattr(args, "quiet", False)):
         try:
-            result = args.run(args)
+            with terminate_as_exception():  # so temporary folders are removed on SIGTERM too
+                result = args.run(args)
         except MographError as exc:
             return _fail(args, str(exc), exc.exit_code)
         except InternalError as exc:
@@ -186,6 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             sys.stderr.write("mograph: interrupted\n")
             return 130
+        except Terminated:
+            sys.stderr.write("mograph: terminated\n")
+            return 143
     _emit(result, getattr(args, "json", False))
     return result.exit_code
 

@@ -51,6 +51,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--feeds", metavar="FILE.npz", help="use these input feeds for verification instead of random ones")
     p.add_argument("--seed", type=int, default=0, help="seed of the random verification feeds (default 0)")
+    p.add_argument(
+        "--feed-limit", type=int, metavar="BYTES", help="largest total size of the random verification feeds (default 1 GiB)"
+    )
     p.add_argument("--report", metavar="FILE.json", help="write the full report (per-pass stats, timing, checks) as JSON")
     p.add_argument("--explain", action="store_true", help="show why rules did or did not apply (near misses and reasons)")
     p.add_argument(
@@ -58,7 +61,12 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         action="store_true",
         help="debug: fail a pass that reports 'unchanged' but changed the graph",
     )
-    p.add_argument("--external-data", action="store_true", help="save initializers to OUT.data beside the model")
+    p.add_argument(
+        "--external-data",
+        action="store_true",
+        help="save initializers to OUT.data beside the model (OUT.<id>.data when replacing an earlier output, "
+        "so the old pair stays whole until the switch)",
+    )
     group = p.add_argument_group("pass options (each pass reads the ones it declares)")
     try:
         from mograph.cli import BLOCKED
@@ -155,6 +163,8 @@ def run(args: argparse.Namespace) -> CommandResult:
     names = reg.plan(args.passes, options)  # the report names the pipeline as it runs, lower included
     instruments = [] if (args.json or args.quiet) else [_Progress()]
     verify_options: dict[str, Any] = {"shapes": shapes, "feeds": args.feeds, "seed": args.seed}
+    if args.feed_limit is not None:
+        verify_options["feed_limit"] = args.feed_limit
     model, report = api.optimize(
         src,
         names,

@@ -41,7 +41,7 @@ Layers (private modules; every public name is importable from ``mograph.validate
 from __future__ import annotations
 
 from mograph.validate._compare import compare_outputs  # noqa: F401 - public, though not in __all__
-from mograph.validate._feeds import graph_inputs, load_feeds, make_feeds
+from mograph.validate._feeds import FEED_LIMIT_BYTES, graph_inputs, load_feeds, make_feeds
 from mograph.validate._tolerances import FAMILY_TOLERANCES, TIGHT, Tolerance, dtype_class, tolerance_for
 from mograph.validate._verify import Verifier, diff_models
 
@@ -53,6 +53,7 @@ __all__ = [
     "dtype_class",
     "load_feeds",
     "make_feeds",
+    "FEED_LIMIT_BYTES",
     "graph_inputs",
     "Verifier",
     "diff_models",

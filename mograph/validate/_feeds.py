@@ -5,6 +5,7 @@ Part of :mod:`mograph.validate` (which documents the rules and re-exports the pu
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from mograph.errors import UsageError
+from mograph.errors import ModelError, UsageError
 from mograph.validate._tolerances import dtype_class
 
 __all__ = ["load_feeds", "graph_inputs", "make_feeds"]
@@ -204,6 +205,10 @@ def _shape_str(shape: Any) -> str:
     return "[" + ", ".join(dims) + "]"
 
 
+#: Default bound on the random verification feeds, in bytes (all inputs together).
+FEED_LIMIT_BYTES = 1 << 30
+
+
 def make_feeds(
     model: ir.Model,
     *,
@@ -211,11 +216,13 @@ def make_feeds(
     feeds: str | os.PathLike | Mapping[str, Any] | None = None,
     seed: int = 0,
     batch: int = 1,
+    limit_bytes: int | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Build the feeds for ``model``'s inputs: the user's, then seeded random ones for the rest.
 
     ``batch`` is the size given to dynamic leading (batch) dims that neither ``shapes`` nor
-    ``feeds`` sized.
+    ``feeds`` sized.  ``limit_bytes`` (default :data:`FEED_LIMIT_BYTES`) bounds the random feeds
+    together; it is checked before anything is allocated.
 
     Returns:
         ``(feeds, info)``: arrays by input name, and for the report ``info["inputs"]`` (per input:
@@ -223,9 +230,12 @@ def make_feeds(
         (dynamic dims nobody sized, and the size chosen).
 
     Raises:
-        UsageError: a shape or feed names an unknown input, contradicts a fixed dim, or an input
-            cannot be made at random (string, unknown rank).
+        UsageError: a shape or feed names an unknown input, contradicts a fixed dim, an input
+            cannot be made at random (string, unknown rank), or the feeds would pass the limit.
+        ModelError: an input declares a negative dimension.
     """
+    limit = FEED_LIMIT_BYTES if limit_bytes is None else int(limit_bytes)
+    random_bytes = 0
     inputs = graph_inputs(model)
     by_name = {str(v.name): v for v in inputs}
     sizes = {k: tuple(int(d) for d in v) for k, v in (shapes or {}).items()}
@@ -289,7 +299,18 @@ def make_feeds(
                 else:
                     defaulted[f"{name}[{axis}]"] = size
                 dims.append(size)
+        if any(d < 0 for d in dims):
+            raise ModelError(f"input '{name}' declares a negative dimension: {dims}")
+        random_bytes += math.prod(dims) * dtype.itemsize
+        if random_bytes > limit:
+            given_by = "--shape" if name in sizes else "the model's declared shape"
+            raise UsageError(
+                f"the random verification feed for input '{name}' ({'x'.join(map(str, dims)) or 'scalar'} "
+                f"{dtype}, from {given_by}) brings the feeds to {random_bytes:,} bytes, past the limit of "
+                f"{limit:,}: give smaller sizes with --shape, or raise --feed-limit"
+            )
         array, info = _random_tensor(rng, value, tuple(dims), dtype)
+        array = np.asarray(array)  # numpy makes a scalar, not an array, for shape (): ONNX Runtime wants arrays
         out[name] = array
         report[name] = {"shape": list(array.shape), "dtype": str(array.dtype), "source": "random", **info}
     return out, {"inputs": report, "defaulted_dims": defaulted, "notes": notes}

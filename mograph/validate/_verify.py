@@ -75,12 +75,13 @@ class Verifier:
         seed: seed of the random feeds.
         atol, rtol, min_cosine: override the tolerance table for floating outputs.
         threads: ONNX Runtime intra-op threads (default: ONNX Runtime's choice).
+        feed_limit: bound on the random feeds in bytes (default :data:`~mograph.validate.FEED_LIMIT_BYTES`).
         reference_runner: compute the original's outputs with this backend runner instead of ONNX
             Runtime with its optimizations off (``mograph diff --backend NAME``).
         reference_label: what ``reference_runner`` is, for the report (``check["backend"]``).
 
     Raises:
-        UsageError: bad shapes or feeds.
+        UsageError: bad shapes or feeds, or feeds past ``feed_limit``.
         ModelError: ONNX Runtime cannot load or run the original model.
         BackendUnavailableError: onnxruntime or polygraphy is missing.
     """
@@ -96,6 +97,7 @@ class Verifier:
         rtol: float | None = None,
         min_cosine: float | None = None,
         threads: int | None = None,
+        feed_limit: int | None = None,
         reference_runner: Runner | None = None,
         reference_label: str | None = None,
     ) -> None:
@@ -106,7 +108,9 @@ class Verifier:
         self.atol, self.rtol, self.min_cosine = atol, rtol, min_cosine
         self.threads = threads
         model = original if isinstance(original, ir.Model) else ir_io.load_model(original, check=False)
-        self.feeds, self.feed_info = make_feeds(model, shapes=shapes, feeds=feeds, seed=self.seed)
+        self.feeds, self.feed_info = make_feeds(
+            model, shapes=shapes, feeds=feeds, seed=self.seed, limit_bytes=feed_limit
+        )
         if reference_runner is not None:
             try:
                 self.reference = _run(reference_runner, self.feeds)

@@ -11,12 +11,19 @@ downstream), so the shapes declared on outputs of standard operators are set asi
 Afterwards each declared shape comes back where inference knows less: a dimension inference left
 unknown or symbolic keeps its declared size or name, and a value inference could not type at all
 (outputs of custom-domain ops are never cleared) keeps its declared shape whole.
+
+Data propagation computes the values of a ``Range`` with constant bounds, whatever its length: a
+``Range(0, 5e8, 1)`` costs gigabytes inside ONNX's C++ inference.  When a ``Range`` would produce more
+than :data:`DATA_PROP_RANGE_LIMIT` elements (or its step is zero), inference runs without data
+propagation.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 from onnx_ir.passes import common as irp
@@ -36,6 +43,30 @@ def _typed_values(model: ir.Model) -> dict[int, tuple[object, object]]:
     for v in model.graph.outputs:
         out[id(v)] = (v.type, None if v.shape is None else tuple(v.shape))
     return out
+
+
+#: Longest ``Range`` with constant bounds that data propagation may compute.
+DATA_PROP_RANGE_LIMIT = 1 << 20
+
+
+def _long_range(model: ir.Model) -> bool:
+    """Whether a ``Range`` with constant scalar bounds would be longer than the limit (or endless)."""
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.op_type != "Range" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 3:
+            continue
+        bounds = []
+        for value in node.inputs:
+            tensor = None if value is None else value.const_value
+            if tensor is None or tensor.size != 1:
+                break
+            bounds.append(float(np.asarray(tensor.numpy()).reshape(-1)[0]))
+        else:
+            start, limit, delta = bounds
+            if delta == 0 or not all(map(math.isfinite, bounds)):
+                return True
+            if math.ceil((limit - start) / delta) > DATA_PROP_RANGE_LIMIT:
+                return True
+    return False
 
 
 def _has_schema(node: ir.Node) -> bool:
@@ -72,8 +103,11 @@ class InferShapesPass(Pass):
                     if v.shape is not None:
                         declared.append((v, v.shape))
                         v.shape = None
+        data_prop = not _long_range(model)
+        if not data_prop:
+            logger.info("a Range is longer than %d elements: shape inference runs without data propagation", DATA_PROP_RANGE_LIMIT)
         try:
-            irp.ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
+            irp.ShapeInferencePass(check_type=False, strict_mode=False, data_prop=data_prop)(model)
         finally:
             corrected = 0
             for v, shape in declared:

@@ -327,11 +327,41 @@ def _require_ort() -> Any:
     return ort
 
 
-def _session(model_bytes: bytes) -> Any:
+def _external_tensors(model: ir.Model) -> Iterator[ir.ExternalTensor]:
+    for graph in (model.graph, *model.graph.subgraphs()):
+        for value in graph.initializers.values():
+            if isinstance(value.const_value, ir.ExternalTensor):
+                yield value.const_value
+        for node in graph:
+            for attr in node.attributes.values():
+                if not attr.is_ref() and isinstance(attr.value, ir.ExternalTensor):
+                    yield attr.value
+
+
+def model_folder(model: ir.Model) -> str | None:
+    """The folder ``model``'s external data is read from (``None`` when it has none).
+
+    A serialised copy keeps only the data's file names; ONNX Runtime, given bytes, would look for them
+    in the working directory, so :func:`_session` is told this folder instead.
+    """
+    return next((str(t.base_dir) for t in _external_tensors(model) if t.base_dir), None)
+
+
+def set_model_folder(model: ir.Model, folder: str | None) -> None:
+    """Read the external data of ``model`` (a copy deserialised from bytes) from ``folder`` again."""
+    if folder:
+        for tensor in _external_tensors(model):
+            tensor.base_dir = folder
+
+
+def _session(model_bytes: bytes, folder: str | None = None) -> Any:
+    """An ONNX Runtime session (optimizations off) on ``model_bytes``, its external data in ``folder``."""
     ort = _require_ort()
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 3
+    if folder:
+        so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
     return ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
 
 
@@ -465,9 +495,12 @@ def _values_by_name(model: ir.Model) -> dict[str, ir.Value]:
     return out
 
 
-def run_model(model_bytes: bytes, feeds: Iterable[Feed], output_names: list[str] | None = None) -> Iterator[list[np.ndarray]]:
-    """Run serialized ``model_bytes`` (ORT, optimizations off) on each feed; yield the outputs."""
-    sess = _session(model_bytes)
+def run_model(
+    model_bytes: bytes, feeds: Iterable[Feed], output_names: list[str] | None = None, folder: str | None = None
+) -> Iterator[list[np.ndarray]]:
+    """Run serialized ``model_bytes`` (ORT, optimizations off, external data in ``folder``) on each feed;
+    yield the outputs."""
+    sess = _session(model_bytes, folder)
     for feed in feeds:
         yield sess.run(output_names, feed)
 
@@ -487,7 +520,7 @@ def observe(
     if not names:
         return stats
     data, mapping = _with_outputs_mapped(model, names, dtypes)
-    sess = _session(data)
+    sess = _session(data, model_folder(model))
     observed = [n for n in names if n in mapping]
     total = source.count
     every = max(1, (total or 100) // 10)

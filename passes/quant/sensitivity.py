@@ -34,7 +34,7 @@ from mograph.passes.quant._qdq import (
     find_candidates,
     tensors_to_observe,
 )
-from mograph.passes.quant.calibration import Feed, _session, _with_outputs, run_model
+from mograph.passes.quant.calibration import Feed, _session, _with_outputs, model_folder, run_model, set_model_folder
 from mograph.passes.quant.plan import Budget
 
 __all__ = ["SensitivityResult", "analyse"]
@@ -74,7 +74,7 @@ def _layer_errors(
     import onnx
 
     names = tensors_to_observe(cands)
-    sess = _session(_with_outputs(model, names))
+    sess = _session(_with_outputs(model, names), model_folder(model))
     opset = model.opset_imports.get("", 13)
     singles = {}
     for c in cands:
@@ -134,18 +134,20 @@ def analyse(
     """Choose which of ``cands`` to keep in float so the budget holds; ``fixed`` are quantized regardless."""
     fixed = set(fixed)
     base = ir.serde.serialize_model(model)
-    refs = list(run_model(base.SerializeToString(), samples))
+    folder = model_folder(model)
+    refs = list(run_model(base.SerializeToString(), samples, folder=folder))
     result = SensitivityResult()
     result.alone = _layer_errors(model, cands, ranges, scheme, samples)
 
     def evaluate(quantized: set[str]) -> float:
         m = ir.serde.deserialize_model(base)
+        set_model_folder(m, folder)
         all_cands, _ = find_candidates(m)
         writer = QdqWriter(m, scheme, ranges)
         for c in all_cands:
             if c.key in quantized:
                 writer.quantize(c)
-        outs = list(run_model(ir.serde.serialize_model(m).SerializeToString(), samples))
+        outs = list(run_model(ir.serde.serialize_model(m).SerializeToString(), samples, folder=folder))
         result.evaluations += 1
         if progress is not None:
             progress(result.evaluations, None)
