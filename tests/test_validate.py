@@ -382,8 +382,9 @@ def test_every_public_name_keeps_its_import_path():
 
     assert v.__all__ == [
         "Tolerance", "FAMILY_TOLERANCES", "TIGHT", "tolerance_for", "dtype_class", "load_feeds", "make_feeds",
-        "graph_inputs", "Verifier", "diff_models",
+        "FEED_LIMIT_BYTES", "graph_inputs", "Verifier", "diff_models",
     ]
+    assert v.FEED_LIMIT_BYTES is _feeds.FEED_LIMIT_BYTES
     assert v.Tolerance is _tolerances.Tolerance and v.tolerance_for is _tolerances.tolerance_for
     assert v.make_feeds is _feeds.make_feeds and v.graph_inputs is _feeds.graph_inputs
     assert v.compare_outputs is _compare.compare_outputs
