@@ -13,6 +13,7 @@ model in the same form it was given (a path gives an ``onnx_ir.Model``).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
@@ -72,7 +73,11 @@ class _VerifyEach:
     def mograph_run_pass(self, pass_: Pass, model: ir.Model, context: dict[str, Any]):  # type: ignore[no-untyped-def]
         result: PassResult = yield
         if result.modified:
-            check = self.verifier.check(model, family=pass_.family)
+            start = time.perf_counter()
+            try:
+                check = self.verifier.check(model, family=pass_.family)
+            finally:  # the pass manager takes the check's time out of the pass's
+                context["last_check_seconds"] = time.perf_counter() - start
             context["last_check"] = check
             if not check["passed"]:
                 raise VerificationError(
