@@ -289,7 +289,9 @@ class Registry:
                     visit(child, stack + (name,))
             else:
                 known = sorted(self.passes) + sorted(self.presets)
-                close = [k for k in known if name in k or k in name][:3]
+                close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+                close += [k for k in known if (name in k or k in name) and k not in close]
+                close = close[:3]
                 hint = f" (did you mean {', '.join(close)}?)" if close else ""
                 raise UnknownPassError(f"unknown pass or preset '{name}'{hint}; `mograph passes` lists them")
 
