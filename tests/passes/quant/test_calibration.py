@@ -57,3 +57,66 @@ def test_budget_parsing():
     for bad in ("cos>0.9", "cosine<=0.9", "max-abs>=1", ""):
         with pytest.raises(OptionError):
             parse_budget(bad)
+
+
+def _matmul_model(batch: int | str = "batch", reshape: bool = False):  # type: ignore[no-untyped-def]
+    """y = x @ w (x: [batch, 6]); with ``reshape`` the result is reshaped to [2, -1] (batch must be even)."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from mograph import ir_io
+
+    w = np.random.default_rng(0).standard_normal((6, 3)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y" if not reshape else "t"])]
+    inits = [numpy_helper.from_array(w, "w")]
+    if reshape:
+        nodes.append(helper.make_node("Reshape", ["t", "shape"], ["y"]))
+        inits.append(numpy_helper.from_array(np.array([2, -1], np.int64), "shape"))
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [batch, 6])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], inits,
+    )
+    return ir_io.load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+_CALIB_MODULE = """
+import numpy as np
+
+def feeds():
+    for i in range(3):
+        yield {"x": np.full((1, 6), float(i), np.float32)}
+"""
+
+
+def test_module_function_resolves_from_the_current_folder_without_pythonpath(tmp_path, monkeypatch):
+    import sys
+
+    from mograph.passes.quant.calibration import open_source
+
+    (tmp_path / "calibmod_cwd.py").write_text(_CALIB_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "calibmod_cwd", raising=False)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    before = list(sys.path)
+    source = open_source("calibmod_cwd:feeds", _matmul_model())
+    assert [float(f["x"][0, 0]) for f in source] == [0.0, 1.0, 2.0]
+    assert sys.path == before  # the current folder is not left on the import path
+
+
+def test_file_py_function_is_loaded_by_path(tmp_path, monkeypatch):
+    import sys
+
+    from mograph.passes.quant.calibration import open_source
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "make_feeds.py").write_text(_CALIB_MODULE)
+    monkeypatch.chdir(tmp_path)
+    before = list(sys.path)
+    source = open_source(f"{folder / 'make_feeds.py'}:feeds", _matmul_model())
+    assert len(list(source)) == 3
+    assert sys.path == before
+    with pytest.raises(OptionError, match="does not exist"):
+        open_source(f"{folder / 'nope.py'}:feeds", _matmul_model())
+    with pytest.raises(OptionError, match="no callable 'missing'"):
+        open_source(f"{folder / 'make_feeds.py'}:missing", _matmul_model())
