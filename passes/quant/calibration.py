@@ -39,6 +39,7 @@ import importlib
 import logging
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -154,6 +155,12 @@ class RandomSource(CalibrationSource):
         specs = _input_specs(model)
         shapes = dict(shapes or {})
         vocab = _vocab_sizes(model)
+        #: Inputs whose dynamic dims were set to 1 (no ``--shape`` for them): the likely culprits when
+        #: the model rejects a random feed.
+        self.defaulted = [
+            s.name for s in specs
+            if s.name not in shapes and any(not isinstance(d, int) for d in (s.shape or ()))
+        ]
 
         def make() -> Iterator[Feed]:
             rng = np.random.default_rng(seed)
@@ -503,6 +510,49 @@ def run_model(model_bytes: bytes, feeds: Iterable[Feed], output_names: list[str]
         yield sess.run(output_names, feed)
 
 
+def _run_feed(sess: Any, outputs: list[str], feed: Feed, source: CalibrationSource, index: int) -> list[np.ndarray]:
+    """``sess.run`` on one calibration feed; a feed the model rejects is one :class:`OptionError` line
+    that names the feed's inputs and how to give data the model accepts."""
+    quiet = _require_ort().RunOptions()
+    quiet.log_severity_level = 4  # the failure is reported below, once; not also by ORT's own logger
+    try:
+        return sess.run(outputs, feed, quiet)
+    except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types for bad feeds
+        reason = _ort_reason(exc)
+        if len(reason) > 300:
+            reason = reason[:300] + "..."
+        shapes = ", ".join(f"{k} {'x'.join(map(str, v.shape)) or 'scalar'} {v.dtype}" for k, v in feed.items())
+        if getattr(source, "random", False):
+            defaulted = list(getattr(source, "defaulted", []))
+            named = [k for k in feed if f"input: {k}" in reason or f"'{k}'" in reason]
+            culprits = named or defaulted
+            which = (
+                f"input(s) {culprits} (dynamic dims set to 1)" if culprits and not named
+                else f"input(s) {culprits}" if culprits else "the feed"
+            )
+            raise OptionError(
+                f"the model rejects its random calibration feed ({shapes}): {which} do not fit ({reason}); "
+                "give real samples with --calibration-data (a folder of .npz, a stacked .npz or "
+                "module:function), or the sizes of dynamic dims with --shape NAME:DIMS"
+            ) from exc
+        raise OptionError(
+            f"the model rejects calibration sample {index} from {source.description} ({shapes}): {reason}; "
+            "each --calibration-data sample must fit the model's inputs (names, shapes, dtypes)"
+        ) from exc
+
+
+def _ort_reason(exc: Exception) -> str:
+    """The useful part of an ONNX Runtime error: the node and its status message, without the source
+    location of the check that failed."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    node = re.search(r"running (\w+) node\. Name:'([^']*)'", text)
+    status = text.split("Status Message:", 1)[1].strip() if "Status Message:" in text else text
+    status = re.sub(r"^\S+\.(?:h|cc|cpp):\d+ .*? was false\. ", "", status)
+    if node:
+        return f"{node.group(1)} node {node.group(2)!r}: {status}"
+    return status
+
+
 def observe(
     model: ir.Model,
     tensors: Iterable[str],
@@ -524,7 +574,7 @@ def observe(
     every = max(1, (total or 100) // 10)
     seen = 0
     for feed in source:
-        outs = sess.run([mapping[n] for n in observed], feed)
+        outs = _run_feed(sess, [mapping[n] for n in observed], feed, source, seen)
         for name, arr in zip(observed, outs):
             if np.issubdtype(arr.dtype, np.floating):
                 stats[name].update(arr, histogram)

@@ -60,18 +60,22 @@ def test_budget_parsing():
 
 
 def _matmul_model(batch: int | str = "batch", reshape: bool = False):  # type: ignore[no-untyped-def]
-    """y = x @ w (x: [batch, 6]); with ``reshape`` the result is reshaped to [2, -1] (batch must be even)."""
+    """y = x @ w (x: [batch, 6]); with ``reshape``, x is reshaped to [4, -1] (batch must be even) and
+    multiplied twice by w."""
     import onnx
     from onnx import helper, numpy_helper
 
     from mograph import ir_io
 
-    w = np.random.default_rng(0).standard_normal((6, 3)).astype(np.float32)
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["y" if not reshape else "t"])]
-    inits = [numpy_helper.from_array(w, "w")]
+    rng = np.random.default_rng(0)
     if reshape:
-        nodes.append(helper.make_node("Reshape", ["t", "shape"], ["y"]))
-        inits.append(numpy_helper.from_array(np.array([2, -1], np.int64), "shape"))
+        nodes = [helper.make_node("Reshape", ["x", "shape"], ["t"]), helper.make_node("MatMul", ["t", "w"], ["u"]),
+                 helper.make_node("MatMul", ["u", "w"], ["y"])]  # the last MatMul stays float (final projection)
+        inits = [numpy_helper.from_array(rng.standard_normal((3, 3)).astype(np.float32), "w"),
+                 numpy_helper.from_array(np.array([4, -1], np.int64), "shape")]
+    else:
+        nodes = [helper.make_node("MatMul", ["x", "w"], ["y"])]
+        inits = [numpy_helper.from_array(rng.standard_normal((6, 3)).astype(np.float32), "w")]
     graph = helper.make_graph(
         nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [batch, 6])],
         [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], inits,
@@ -120,3 +124,29 @@ def test_file_py_function_is_loaded_by_path(tmp_path, monkeypatch):
         open_source(f"{folder / 'nope.py'}:feeds", _matmul_model())
     with pytest.raises(OptionError, match="no callable 'missing'"):
         open_source(f"{folder / 'make_feeds.py'}:missing", _matmul_model())
+
+
+def test_random_feeds_the_model_rejects_are_one_line_naming_the_input():
+    from mograph.passes.quant import QdqInt8Pass
+
+    # batch defaults to 1 in random feeds; the Reshape to [2, -1] needs an even batch
+    with pytest.raises(OptionError) as info:
+        QdqInt8Pass(calibration_random=2).call(_matmul_model(reshape=True))
+    message = str(info.value)
+    assert len(message.splitlines()) == 1
+    assert "random calibration feed (x 1x6 float32)" in message
+    assert "input(s) ['x'] (dynamic dims set to 1)" in message
+    assert "Reshape node" in message and "requested shape:{4,-1}" in message and "reshape_helper" not in message
+    assert "--calibration-data" in message and "--shape NAME:DIMS" in message
+    assert info.value.exit_code == 2  # a usage problem, not a failed pass
+    # the sizes it needs, given with --shape, are accepted
+    result = QdqInt8Pass(calibration_random=2, shape=["x:2x6"]).call(_matmul_model(reshape=True))
+    assert result.modified
+
+
+def test_real_samples_the_model_rejects_name_the_sample():
+    from mograph.passes.quant import QdqInt8Pass
+
+    feeds = [{"x": np.ones((2, 6), np.float32)}, {"x": np.ones((3, 6), np.float32)}]
+    with pytest.raises(OptionError, match=r"rejects calibration sample 1 from 2 in-memory feeds \(x 3x6 float32\)"):
+        QdqInt8Pass(calibration_data=feeds).call(_matmul_model(reshape=True))
