@@ -186,7 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             sys.stderr.write("mograph: interrupted\n")
             return 130
-    _emit(result, getattr(args, "json", False))
+    if not getattr(args, "quiet", False) or getattr(args, "json", False):  # -q: nothing but errors
+        _emit(result, getattr(args, "json", False))
     return result.exit_code
 
 
