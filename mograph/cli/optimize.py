@@ -210,7 +210,7 @@ def _keep_failed(
     data: dict[str, Any] = {"input": str(src), "pipeline": names}
     if exc.model is not None:
         failed = failed_path(out)
-        ir_io.save_model(exc.model, failed, external_data=external, forbid=src)
+        ir_io.save_model(ir_io.load_model(exc.model, check=False), failed, external_data=external, forbid=src)
         data["output"] = str(failed)
         kept.append(f"model {failed}")
     report = exc.pipeline_report
