@@ -35,7 +35,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mograph.custom_ops import CustomOp, TensorRTPlugin
-from mograph.errors import OptionError, PassFailedError
+from mograph.errors import OptionError, PassFailedError, PluginError
 from mograph.hookspecs import hookimpl
 from mograph.irutil import add_initializer, infer_types, is_zero, restore_types, static_last_dim
 from mograph.metadata import LOWERED_FOR
@@ -392,7 +392,11 @@ def plugin_nodes_as_ops(model: ir.Model, ops: Mapping[tuple[str, str], CustomOp]
         if spec is None:
             left.append(f"{node.name or node.op_type} ({node.domain}.{node.op_type}: no op declares this plugin)")
             continue
-        fields = spec.check_fields({k: a.value for k, a in node.attributes.items()})
+        try:
+            fields = spec.check_fields({k: a.value for k, a in node.attributes.items()})
+        except PluginError as exc:
+            left.append(f"{node.name or node.op_type} ({exc})")
+            continue
         match = [op for op in cands if all(fields.get(k) == v for k, v in op.tensorrt_fields.items())]
         if len(match) != 1:
             left.append(f"{node.name or node.op_type} ({len(match)} ops match its fields)")

@@ -155,3 +155,15 @@ def test_run_passes_keeps_failing_a_wrong_lowering(monkeypatch):
     monkeypatch.setitem(op.lowerings, "tensorrt", wrong)
     with pytest.raises(VerificationError):
         api.optimize(_fusable_proto(), ["fuse-layernorm"], options={"target": "tensorrt"}, verify=True)
+
+
+def test_a_plugin_node_with_a_bad_field_is_named_not_a_crash():
+    original = _canonical_model()
+    lowered = _copy(original)
+    lower_model(lowered, "tensorrt")
+    gelu = next(n for n in lowered.graph if n.op_type == "Gelu")
+    gelu.attributes["approximate"] = ir.AttrString("approximate", "cubic")
+    check = Verifier(original).check(lowered, family="fusion")
+    assert check["passed"] is False and check["plugin_nodes"] == 3
+    assert len(check["plugin_nodes_unchecked"]) == 1 and "approximate must be one of" in check["plugin_nodes_unchecked"][0]
+    assert "cannot be loaded" in check["reason"]
