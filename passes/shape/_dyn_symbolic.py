@@ -679,7 +679,7 @@ class _Analysis:
             self.actions.append(_Action("Expand", node, 1, pieces))
 
     def r_resize(self, node: ir.Node) -> None:
-        """``Resize`` (and opset-9 ``Upsample``): ``scales`` of 1 keep a dynamic axis (batch, channels),
+        """``Resize``: ``scales`` of 1 keep a dynamic axis (batch, channels),
         other scales give a derived size; constant ``sizes`` entries equal to a dynamic axis's export
         size are rewritten to that axis's run-time size (``Concat(Shape(x)[:2], sizes[2:])``)."""
         data, out = _input(node, 0), node.outputs[0]
@@ -688,7 +688,7 @@ class _Analysis:
         axes = [int(a) % rank for a in _attr(node, "axes", None) or range(rank)]
         if any(self.tagged(v) for v in node.inputs[1:3]):
             raise _Refuse(node, "its roi or scales are computed from a dynamic tensor")
-        sizes = node.inputs[3] if node.op_type == "Resize" and len(node.inputs) > 3 else None
+        sizes = node.inputs[3] if len(node.inputs) > 3 else None
         sizes_const = _const(sizes)
         if sizes is not None and (self.tagged(sizes) or sizes_const is not None and sizes_const.size):
             policy = _attr(node, "keep_aspect_ratio_policy", "stretch")
@@ -730,11 +730,10 @@ class _Analysis:
             if needs and arr is not None:
                 self.actions.append(_Action("Resize", node, 3, pieces))
             return
-        scales_at = 2 if node.op_type == "Resize" else 1
+        opset = self.graph.opset_imports.get("", self.graph.opset_imports.get("ai.onnx", 11))
+        scales_at = 1 if opset < 11 else 2  # Resize-10 is (X, scales); from 11 (X, roi, scales, sizes)
         scales_v = node.inputs[scales_at] if len(node.inputs) > scales_at else None
         scales = _const(scales_v) if scales_v is not None else None
-        if scales is None and node.op_type == "Upsample" and _attr(node, "scales") is not None:
-            scales = np.asarray(_attr(node, "scales"), dtype=np.float32)
         if scales is None or scales.size == 0:
             raise _Refuse(node, "it has neither constant scales nor sizes")
         if scales.size != len(axes):
@@ -750,9 +749,6 @@ class _Analysis:
             else:
                 new[ax] = self.fresh(node, out, ax)  # floor(size * scale): a derived size
         self.set(node, out, new)
-
-    def r_upsample(self, node: ir.Node) -> None:
-        self.r_resize(node)
 
     def r_constantofshape(self, node: ir.Node) -> None:
         shape, out = _input(node, 0), node.outputs[0]
