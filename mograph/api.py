@@ -13,6 +13,7 @@ model in the same form it was given (a path gives an ``onnx_ir.Model``).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
@@ -81,7 +82,11 @@ class _VerifyEach:
     def mograph_run_pass(self, pass_: Pass, model: ir.Model, context: dict[str, Any]):  # type: ignore[no-untyped-def]
         result: PassResult = yield
         if result.modified:
-            check = self.verifier.check(model, family=pass_.family)
+            start = time.perf_counter()
+            try:
+                check = self.verifier.check(model, family=pass_.family)
+            finally:  # the pass manager takes the check's time out of the pass's
+                context["last_check_seconds"] = time.perf_counter() - start
             context["last_check"] = check
             if not check["passed"]:
                 raise VerificationError(
@@ -128,7 +133,12 @@ def run_passes(
     wrappers = list(instruments)
     if mode == "each":
         wrappers.append(_VerifyEach(verifier))
-    PassManager(list(passes), hook=reg.pm.hook, check_modified=check_modified, instruments=wrappers).run(model, report)
+    try:
+        PassManager(list(passes), hook=reg.pm.hook, check_modified=check_modified, instruments=wrappers).run(model, report)
+    except VerificationError as exc:  # --verify each: the report so far goes with the error
+        report.verification = exc.report if isinstance(exc.report, dict) else None
+        exc.pipeline_report = report
+        raise
     if check_output:
         report.extra["output_check"] = _check_output(model, pristine, list(passes), report, reg.pm.hook)
     if verifier is not None:
@@ -136,10 +146,12 @@ def run_passes(
         check = verifier.check(model, family=families)
         report.verification = check
         if not check["passed"]:
-            raise VerificationError(
+            error = VerificationError(
                 "optimized model's outputs differ from the original's: " + verifier.describe_failure(check),
                 report=check,
             )
+            error.pipeline_report = report
+            raise error
     return report
 
 
@@ -236,7 +248,8 @@ def optimize(
             the ones it declares. Unknown names are an error.
         verify: ``True``/``"end"`` to compare the final model's outputs with the original's,
             ``"each"`` to check after every pass and name the first that drifts. A failed check
-            raises :class:`mograph.VerificationError`.
+            raises :class:`mograph.VerificationError`; its ``model`` is the model that failed (after
+            the drifting pass for ``"each"``) and ``pipeline_report`` the report so far.
         verify_options: ``shapes`` (``{"input_ids": (1, 128)}``), ``feeds`` (path to ``.npz``),
             ``seed``, ``atol``/``rtol``/``min_cosine`` overrides.
         check_modified: debug mode: fail a pass that reports "unchanged" but changed the graph.
@@ -270,14 +283,18 @@ def optimize(
     names = reg.plan(passes if isinstance(passes, str) else list(passes), options)
     instances = reg.instantiate(names, options)
     ir_model = ir_io.load_model(model)
-    report = run_passes(
-        ir_model,
-        instances,
-        verify=verify,
-        verify_options=verify_options,
-        check_modified=check_modified,
-        blocked=blocked,
-        instruments=instruments,
-        check_output=check_output,
-    )
+    try:
+        report = run_passes(
+            ir_model,
+            instances,
+            verify=verify,
+            verify_options=verify_options,
+            check_modified=check_modified,
+            blocked=blocked,
+            instruments=instruments,
+            check_output=check_output,
+        )
+    except VerificationError as exc:  # the failed model goes with the error, for inspection
+        exc.model = ir_io.to_format(ir_model, model)
+        raise
     return ir_io.to_format(ir_model, model), report

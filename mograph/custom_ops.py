@@ -147,6 +147,9 @@ class CustomOp:
         onnx_opset: the default-domain opset from which the ``onnx`` lowering has a standard op
             (``--upgrade-opset`` raises the opset to reach it); ``None`` if it never has one.
         tensorrt_plugin: the TensorRT plugin implementing the op, if any.
+        tensorrt_fields: the plugin fields that tell this op apart from other ops sharing its plugin
+            (``FastGelu``: ``{"approximate": "tanh"}`` on the ``Gelu`` plugin), so a plugin node can be
+            read back as its op (to check it through the op's function body).
     """
 
     name: str
@@ -162,6 +165,7 @@ class CustomOp:
     lowerings: dict[str, Lowering] = field(default_factory=dict)
     onnx_opset: int | None = None
     tensorrt_plugin: TensorRTPlugin | None = None
+    tensorrt_fields: dict[str, Any] = field(default_factory=dict)
 
     @property
     def key(self) -> tuple[str, str]:

@@ -89,6 +89,10 @@ class VerificationError(MographError):
     def __init__(self, message: str, report: object | None = None) -> None:
         super().__init__(message)
         self.report = report
+        #: Set by :func:`mograph.api.optimize`: the model that failed (in the form given) and the
+        #: pipeline report so far, so a caller can keep them for inspection.
+        self.model: object | None = None
+        self.pipeline_report: object | None = None
 
 
 class PluginError(MographError):

@@ -35,7 +35,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mograph.custom_ops import CustomOp, TensorRTPlugin
-from mograph.errors import OptionError, PassFailedError
+from mograph.errors import OptionError, PassFailedError, PluginError
 from mograph.hookspecs import hookimpl
 from mograph.irutil import add_initializer, infer_types, is_zero, restore_types, static_last_dim
 from mograph.metadata import LOWERED_FOR
@@ -61,6 +61,7 @@ __all__ = [
     "lower_model",
     "lowered_for",
     "plugin_node",
+    "plugin_nodes_as_ops",
     "plugin_vectors",
     "replace_node",
 ]
@@ -366,6 +367,65 @@ def ensure_functions(model: ir.Model, ops: Mapping[tuple[str, str], CustomOp]) -
             model.functions[(domain, name, "")] = op.function(opset)
             changed = True
     return changed
+
+
+def plugin_nodes_as_ops(model: ir.Model, ops: Mapping[tuple[str, str], CustomOp]) -> tuple[int, list[str]]:
+    """Turn each mograph TensorRT plugin node of ``model`` (in place; give it a copy) back into its
+    canonical op, with the op's function body, so ONNX Runtime can run it and check its numbers.
+
+    The op is the one declaring the node's plugin (``tensorrt_plugin``) whose ``tensorrt_fields``
+    match the node's fields (``Gelu``/``FastGelu`` share the ``Gelu`` plugin, told apart by
+    ``approximate``); fields that are op attributes (``epsilon``) carry over.  Optional inputs the
+    plugin node left off become zeros ``[hidden]`` (a zero scalar where the hidden size is unknown).
+    Returns the number of nodes turned back and a description of each plugin node that was not.
+    """
+    by_plugin: dict[tuple[str, str], list[CustomOp]] = {}
+    for op in ops.values():
+        if op.tensorrt_plugin is not None:
+            by_plugin.setdefault((op.domain, op.tensorrt_plugin.name), []).append(op)
+    done, left = 0, []
+    for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):
+        if not is_plugin_node(node):
+            continue
+        cands = by_plugin.get((node.domain, node.op_type), [])
+        spec = cands[0].tensorrt_plugin if cands else None
+        if spec is None:
+            left.append(f"{node.name or node.op_type} ({node.domain}.{node.op_type}: no op declares this plugin)")
+            continue
+        try:
+            fields = spec.check_fields({k: a.value for k, a in node.attributes.items()})
+        except PluginError as exc:
+            left.append(f"{node.name or node.op_type} ({exc})")
+            continue
+        match = [op for op in cands if all(fields.get(k) == v for k, v in op.tensorrt_fields.items())]
+        if len(match) != 1:
+            left.append(f"{node.name or node.op_type} ({len(match)} ops match its fields)")
+            continue
+        op = match[0]
+        given = dict(zip((n.rstrip("?") for n in spec.inputs), node.inputs))
+        x = node.inputs[0]
+        graph = node.graph
+        assert graph is not None and x is not None
+        inputs: list[ir.Value | None] = []
+        for formal in op.inputs:
+            value = given.get(formal.rstrip("?"))
+            if value is None and not formal.endswith("?"):
+                hidden = static_last_dim(x)
+                dtype = x.dtype.numpy() if x.dtype is not None else np.float32
+                zeros = np.zeros((hidden,) if hidden is not None else (), dtype=dtype)
+                value = add_initializer(graph, f"mograph_zeros_{hidden or 'scalar'}_{np.dtype(dtype).name}", zeros)
+            inputs.append(value)
+        while inputs and inputs[-1] is None:
+            inputs.pop()
+        attrs = {k: v for k, v in fields.items() if k in op.attributes}
+        # the op's every output (its function body has them all); those the plugin node had take its place
+        new = ir.node(op.name, inputs, attributes=attrs, domain=op.domain, num_outputs=max(len(op.outputs), len(node.outputs)))
+        replace_node(node, [new], list(new.outputs[: len(node.outputs)]))
+        new.metadata_props.pop(LOWERED_FOR, None)
+        done += 1
+    if done:
+        ensure_functions(model, ops)
+    return done, left
 
 
 def drop_unused_functions(model: ir.Model, ops: Mapping[tuple[str, str], CustomOp]) -> bool:

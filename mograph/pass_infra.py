@@ -165,6 +165,8 @@ class PassReport:
     nodes_after: int
     details: dict[str, Any] = field(default_factory=dict)
     check: dict[str, Any] | None = None
+    #: Time of the numeric check a wrapper ran after the pass (``--verify each``); not in ``seconds``.
+    check_seconds: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -179,6 +181,8 @@ class PassReport:
             out["details"] = self.details
         if self.check is not None:
             out["check"] = self.check
+        if self.check_seconds is not None:
+            out["check_seconds"] = round(self.check_seconds, 6)
         return out
 
 
@@ -412,7 +416,9 @@ class PassManager:
                 raise  # the pass (or a wrapper) explains a failure the user can act on
             except Exception as exc:  # noqa: BLE001 - any other exception is a bug: name the pass
                 raise InternalError(p.name, f"{type(exc).__name__}: {exc}") from exc
-            seconds = time.perf_counter() - start
+            # A wrapper's numeric check (``--verify each``) reports its own time; the pass's excludes it.
+            check_seconds = self.context.pop("last_check_seconds", None)
+            seconds = time.perf_counter() - start - (check_seconds or 0.0)
             if not isinstance(result, PassResult):
                 raise InternalError(p.name, f"returned {type(result).__name__}, not a PassResult")
             new_nodes = [n for n in _iter_nodes(model.graph) if id(n) not in before_ids]
@@ -431,6 +437,7 @@ class PassManager:
                 nodes_before=nodes_before,
                 nodes_after=count_nodes(model),
                 details=dict(result.details),
+                check_seconds=check_seconds,
             )
             check = self.context.pop("last_check", None)
             if check is not None:

@@ -289,7 +289,12 @@ class Registry:
                     visit(child, stack + (name,))
             else:
                 known = sorted(self.passes) + sorted(self.presets)
-                close = [k for k in known if name in k or k in name][:3]
+                # closest first (difflib's ratio), ties in name order
+                scored = sorted(((difflib.SequenceMatcher(None, name, k).ratio(), k) for k in known),
+                                key=lambda rk: (-rk[0], rk[1]))
+                close = [k for ratio, k in scored if ratio >= 0.6][:3]
+                close += [k for k in known if (name in k or k in name) and k not in close]
+                close = close[:3]
                 hint = f" (did you mean {', '.join(close)}?)" if close else ""
                 raise UnknownPassError(f"unknown pass or preset '{name}'{hint}; `mograph passes` lists them")
 

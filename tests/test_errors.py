@@ -471,7 +471,7 @@ def test_unwritable_output_is_one_line(capsys, workdir):
 def test_successful_run_leaves_input_unchanged_and_no_temporary_files(capsys, workdir):
     src = workdir / "good.onnx"
     digest = _digest(src)
-    code, out, _ = _cli(capsys, "optimize", str(src), "-q")
+    code, out, _ = _cli(capsys, "optimize", str(src))
     assert code == 0
     assert _digest(src) == digest
     assert sorted(p.name for p in workdir.iterdir()) == ["good.onnx", "good.opt.onnx"]

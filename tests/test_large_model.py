@@ -156,6 +156,7 @@ def test_model_above_2gb_round_trips_with_low_memory(tmp_path):
         weights = folder / "weights.bin"
         stat_before = weights.stat()
         out = folder / "out" / "big.opt.onnx"
+        out.parent.mkdir()  # -o never creates folders
         cmd = [sys.executable, "-c", PEAK_SCRIPT, "optimize", str(src), "-o", str(out), "--passes", "cleanup", "--json"]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

@@ -447,3 +447,25 @@ def test_backend_name_clash_names_both_plugins(site):
     write_plugin(site, "other-ort", MINIMAL_BACKEND.replace('name = "mini"', 'name = "ort"'))
     with pytest.raises(PluginError, match="backend 'ort' is provided by both 'mograph.backends' and 'other-ort'"):
         plugins.get_registry()
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"),
+    [("fuse-layrnorm", "fuse-layernorm"), ("eliminate-ded", "eliminate-dead"), ("cleanpu", "cleanup")],
+)
+def test_a_mistyped_pass_name_suggests_the_close_ones(typo, meant):
+    from mograph.errors import UnknownPassError
+
+    with pytest.raises(UnknownPassError) as info:
+        plugins.get_registry().expand(["cleanup", typo])
+    message = str(info.value)
+    assert f"unknown pass or preset '{typo}'" in message
+    assert "did you mean" in message and meant in message.split("did you mean", 1)[1]
+
+
+def test_a_name_like_no_pass_gets_no_suggestion():
+    from mograph.errors import UnknownPassError
+
+    with pytest.raises(UnknownPassError) as info:
+        plugins.get_registry().expand("zzzzqqq")
+    assert "did you mean" not in str(info.value)

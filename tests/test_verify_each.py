@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -128,3 +130,26 @@ def test_end_mode_fails_without_naming_a_pass():
     with pytest.raises(VerificationError, match="differ from the original") as info:
         api.run_passes(_model(), [DropIdentityPass(), ScaleWeightsPass()], verify="end", blocked=BLOCK)
     assert info.value.report["family"] == ["cleanup", "fusion"]
+
+
+def test_each_reports_the_check_time_apart_from_the_pass_time(monkeypatch):
+    """The per-pass check's time is ``check_seconds``; the pass's ``seconds`` do not include it."""
+    from mograph.validate import Verifier
+
+    real_check = Verifier.check
+
+    def slow_check(self, *args, **kwargs):
+        time.sleep(0.5)
+        return real_check(self, *args, **kwargs)
+
+    monkeypatch.setattr(Verifier, "check", slow_check)
+    report = api.run_passes(
+        _model(), [DropIdentityPass(), NoOpPass()], verify="each", blocked=BLOCK, check_output=False
+    )
+    changed, unchanged = report.passes
+    assert changed.check_seconds is not None and changed.check_seconds >= 0.5
+    assert changed.seconds < 0.5
+    assert unchanged.check_seconds is None  # nothing changed, nothing checked
+    data = report.to_dict()["passes"]
+    assert data[0]["check_seconds"] >= 0.5 and data[0]["seconds"] < 0.5
+    assert "check_seconds" not in data[1]

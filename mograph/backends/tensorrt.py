@@ -49,7 +49,7 @@ from typing import Any
 from mograph.backends import Backend, Runner, _trt_loader
 from mograph.backends.tensorrt_plugins import plugin_specs
 from mograph.errors import BackendUnavailableError, ModelError, MographError, UsageError
-from mograph.specs import Profile, check_profile, parse_profile, parse_profiles
+from mograph.specs import Profile, check_profile, parse_profile, parse_profiles, parse_shapes
 
 __all__ = [
     "BACKEND",
@@ -110,6 +110,66 @@ def _normalize_profiles(profiles: Mapping[str, Any] | Sequence[str] | None) -> d
         check_profile(name, prof)  # type: ignore[arg-type]
         out[name] = prof  # type: ignore[assignment]
     return out
+
+
+def default_profiles(
+    model: Any, profiles: Mapping[str, Profile], shapes: Mapping[str, Sequence[int]] | Sequence[str] | None = None
+) -> tuple[dict[str, Profile], list[str]]:
+    """Give every dynamic input without a profile one, as trtexec and Polygraphy do: its ``--shape`` when
+    given, else each dynamic dim 1 — or, for a named dim (``seq``) that another input's ``--shape`` or
+    profile sizes, those sizes, so inputs that share a dim agree.  Returns the profiles and one warning
+    per defaulted input (also logged).  A ``--shape`` that does not fit the input (rank, a fixed dim) is
+    a :class:`UsageError`.
+    """
+    given = parse_shapes(list(shapes)) if shapes is not None and not isinstance(shapes, Mapping) else dict(shapes or {})
+    inputs = {v.name: v for v in model.graph.inputs if v.name not in model.graph.initializers}
+    unknown = sorted(set(given) - set(inputs))
+    if unknown:
+        raise UsageError(f"--shape given for {', '.join(unknown)}, which the model has no input of; "
+                         f"inputs: {', '.join(inputs)}")
+    out = dict(profiles)
+    named: dict[str, tuple[int, int, int]] = {}  # dim name -> (min, opt, max) where an input sizes it
+    for name, v in inputs.items():
+        sized = out.get(name) or ((tuple(given[name]),) * 3 if name in given else None)
+        known = list(v.shape.dims) if v.shape is not None else []
+        if sized is None or any(len(p) != len(known) for p in sized):
+            continue
+        for axis, d in enumerate(known):
+            if not isinstance(d, int) and d.value:
+                named.setdefault(d.value, (sized[0][axis], sized[1][axis], sized[2][axis]))
+    warnings: list[str] = []
+    for name, v in inputs.items():
+        dims = list(v.shape.dims) if v.shape is not None else None
+        if dims is None or name in out:
+            continue
+        shown = [d if isinstance(d, int) else (d.value or "?") for d in dims]
+        if name in given:
+            shape = tuple(int(d) for d in given[name])
+            if len(shape) != len(dims) or any(isinstance(d, int) and d != s for d, s in zip(dims, shape)):
+                raise UsageError(f"--shape of '{name}': {'x'.join(map(str, shape))} does not fit the input's shape "
+                                 f"{shown} (rank, or a fixed dim)")
+            if all(isinstance(d, int) for d in dims):
+                continue
+            prof: Profile = (shape, shape, shape)
+            how = "its --shape"
+        elif all(isinstance(d, int) for d in dims):
+            continue
+        else:
+            per_dim = [
+                (d, d, d) if isinstance(d, int) else named.get(d.value or "", (1, 1, 1)) for d in dims
+            ]
+            prof = tuple(tuple(p[i] for p in per_dim) for i in range(3))  # type: ignore[assignment]
+            how = "dynamic dims set to 1" if not any(not isinstance(d, int) and d.value in named for d in dims) \
+                else "dims shared with other inputs sized as those, the others set to 1"
+        out[name] = prof
+        mn, opt, mx = ("x".join(map(str, s)) for s in prof)
+        text = f"the fixed shape {opt}" if mn == opt == mx else f"the profile {mn},{opt},{mx}"
+        warnings.append(
+            f"dynamic input '{name}' {shown} has no --profile: building for {text} ({how}); "
+            f"give --profile {name}:MIN,OPT,MAX for a range of shapes"
+        )
+        logger.warning("%s", warnings[-1])
+    return out, warnings
 
 
 def _profiles_from_metadata(model: Any) -> dict[str, Profile]:
@@ -264,6 +324,7 @@ def build_engine(
     profiles: Mapping[str, Any] | Sequence[str] | None = None,
     workspace_mib: int | None = None,
     in_subprocess: bool | None = None,
+    shapes: Mapping[str, Sequence[int]] | Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Build a TensorRT engine from ``model`` and write it to ``path`` (atomically).
 
@@ -273,8 +334,11 @@ def build_engine(
         fp16: allow float16 kernels (``tensorrt`` only; with ``tensorrt_rtx`` the model's dtypes decide).
         int8: allow int8 kernels (``tensorrt`` only; in practice the model needs Q/DQ nodes).
         profiles: ``{input: (min, opt, max)}`` or ``["input:1x16,8x128,32x512", ...]``; default: the
-            model's metadata. Every dynamic input needs one.
+            model's metadata. A dynamic input without one is built for one fixed shape (``shapes``, else
+            its dynamic dims 1), with a warning, as trtexec and Polygraphy do.
         workspace_mib: cap of the builder's workspace memory pool.
+        shapes: ``{input: shape}`` or ``["input:1x128", ...]``: the fixed shape of a dynamic input
+            without a profile.
         in_subprocess: ``None`` decides (a child process only when the plugin-library trap needs one);
             ``True``/``False`` force it.
 
@@ -287,7 +351,7 @@ def build_engine(
     Raises:
         BackendUnavailableError: no TensorRT module (names the ``tensorrt`` extra).
         ModelError: the model cannot be loaded.
-        UsageError: a dynamic input has no profile, or a profile names no input / has the wrong rank.
+        UsageError: a profile or shape names no input or does not fit it (rank, a fixed dim).
         EngineBuildError: the parser refused nodes (listed in the message and in ``.report``) or the
             build failed.
     """
@@ -300,6 +364,8 @@ def build_engine(
     if source_path is not None and dest.exists() and dest.resolve() == source_path.resolve():
         raise UsageError(f"refusing to write the engine over the input model {source_path}")
     resolved = _normalize_profiles(profiles) if profiles else _profiles_from_metadata(ir_model)
+    explicit = set(resolved)
+    resolved, defaulted = default_profiles(ir_model, resolved, shapes)
     lowered: dict[str, Any] = {}
     if _needs_lowering(ir_model):  # the backend's first act: the lower step for its target
         from mograph.lowering import lower_model
@@ -344,6 +410,8 @@ def build_engine(
             report = _build_here(trt, request)
     report["nonstandard_ops"] = nonstandard
     report["lowered"] = lowered
+    report["defaulted_profiles"] = sorted(set(resolved) - explicit)
+    report.setdefault("notes", []).extend(defaulted)
     report["plugin_lib_fix"] = fix.how if fix is not None else "not needed (no plugin nodes)"
     report["subprocess"] = use_child
     return report

@@ -192,7 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Terminated:
             sys.stderr.write("mograph: terminated\n")
             return 143
-    _emit(result, getattr(args, "json", False))
+    if not getattr(args, "quiet", False) or getattr(args, "json", False):  # -q: nothing but errors
+        _emit(result, getattr(args, "json", False))
     return result.exit_code
 
 

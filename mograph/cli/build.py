@@ -26,8 +26,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         help="build a backend artifact from a model (a TensorRT engine)",
         description="Build a TensorRT engine from MODEL with the mograph plugins registered, so fused nodes written "
         "by `mograph optimize ... --target tensorrt` become plugin layers. Uses the `tensorrt` package, else "
-        "`tensorrt_rtx` (which builds ahead of time without a GPU). Every dynamic input needs a profile, from "
-        "--profile or from the model's metadata (set-trt-profile pass).",
+        "`tensorrt_rtx` (which builds ahead of time without a GPU). A dynamic input's profile comes from "
+        "--profile or from the model's metadata (set-trt-profile pass); without one it is built for one fixed "
+        "shape, its --shape or its dynamic dims set to 1, with a warning (as trtexec and Polygraphy do).",
         epilog="example: mograph build bert.onnx -o bert.engine --profile input_ids:1x16,8x128,32x512 "
         "--profile attention_mask:1x16,8x128,32x512",
     )
@@ -56,6 +57,13 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         metavar="NAME:MIN,OPT,MAX",
         help="optimization profile of a dynamic input, e.g. input_ids:1x16,8x128,32x512 (repeatable); "
         "NAME:SHAPE fixes it. Default: the profiles stored in the model",
+    )
+    p.add_argument(
+        "--shape",
+        action="append",
+        metavar="NAME:DIMS",
+        help="fixed shape of a dynamic input that has no profile, e.g. input_ids:1x128 (repeatable; "
+        "default: its dynamic dims set to 1)",
     )
     p.add_argument("--workspace", type=int, metavar="MIB", help="cap the builder's workspace memory (MiB)")
     p.set_defaults(run=run)
@@ -128,6 +136,11 @@ def run(args: argparse.Namespace) -> CommandResult:
 
             parse_profiles(args.profile)  # a bad spec is a usage error before any work
         options["profiles"] = list(args.profile)
+    if args.shape:
+        from mograph.specs import parse_shapes
+
+        parse_shapes(args.shape)  # a bad spec is a usage error before any work
+        options["shapes"] = list(args.shape)
     if args.workspace is not None:
         options["workspace_mib"] = args.workspace
     require_available(backend)  # exit 7 naming what to install

@@ -10,7 +10,7 @@ from typing import Any
 
 from mograph.cli import CommandResult
 from mograph.cli._common import default_output, example_path
-from mograph.errors import MographError, UsageError
+from mograph.errors import MographError, UsageError, VerificationError
 from mograph.specs import parse_shapes
 
 __all__ = ["add_parser", "run"]
@@ -31,7 +31,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("model", nargs="?", help="input .onnx file (or use --example)")
     p.add_argument("--example", metavar="NAME", help="use a model shipped with mograph: bert-tiny, cnn-small")
-    p.add_argument("-o", "--output", help="output file (default: IN.opt.onnx beside the input)")
+    p.add_argument("-o", "--output", help="output file (default: IN.opt.onnx beside the input); its folder must exist. "
+                   "A model that fails --verify is kept as OUT.failed.onnx (exit 5)")
     p.add_argument("--passes", default="cleanup", help="comma-separated passes and presets, in order (default: cleanup); 'lower' (for --target) "
                    "is appended when a pass writes fused ops or --target is given")
     p.add_argument(
@@ -148,6 +149,10 @@ def run(args: argparse.Namespace) -> CommandResult:
     out = Path(args.output) if args.output else default_output(src, cwd_for=bool(args.example))
     if src.exists() and out.exists() and out.resolve() == src.resolve():
         raise UsageError(f"refusing to write over the input model {src}; choose another -o")
+    if args.output:  # the default output lies beside the input (or in the current folder)
+        _check_folder(out, "-o")
+    if args.report:
+        _check_folder(Path(args.report), "--report")
     reg = get_registry(args.block_plugin)
     shapes = parse_shapes(args.shape)
     options: dict[str, Any] = {}
@@ -165,17 +170,21 @@ def run(args: argparse.Namespace) -> CommandResult:
     verify_options: dict[str, Any] = {"shapes": shapes, "feeds": args.feeds, "seed": args.seed}
     if args.feed_limit is not None:
         verify_options["feed_limit"] = args.feed_limit
-    model, report = api.optimize(
-        src,
-        names,
-        options=options,
-        verify=args.verify,
-        verify_options=verify_options,
-        check_modified=args.check_modified,
-        blocked=args.block_plugin,
-        instruments=instruments,
-    )
-    ir_io.save_model(model, out, external_data=True if args.external_data else None, forbid=src)
+    external = True if args.external_data else None
+    try:
+        model, report = api.optimize(
+            src,
+            names,
+            options=options,
+            verify=args.verify,
+            verify_options=verify_options,
+            check_modified=args.check_modified,
+            blocked=args.block_plugin,
+            instruments=instruments,
+        )
+    except VerificationError as exc:
+        raise _keep_failed(exc, src, out, names, args, external) from exc
+    ir_io.save_model(model, out, external_data=external, forbid=src)
     data = {"input": str(src), "output": str(out), "pipeline": names, **report.to_dict()}
     if args.report:
         Path(args.report).write_text(json.dumps(data, indent=2, default=str))
@@ -183,3 +192,46 @@ def run(args: argparse.Namespace) -> CommandResult:
     if args.explain:
         text += "\n" + _explain_text(report)
     return CommandResult(data=data, text=text)
+
+
+def _check_folder(path: Path, flag: str) -> None:
+    """Refuse, before any work, a file whose folder does not exist (mograph creates no folders)."""
+    folder = path.parent
+    if not folder.exists():
+        raise UsageError(f"{flag} {path}: folder {folder} does not exist; create it first")
+    if not folder.is_dir():
+        raise UsageError(f"cannot write {path}: {folder} is not a folder")
+
+
+def failed_path(out: Path) -> Path:
+    """``m.opt.onnx`` -> ``m.opt.failed.onnx``: where a model that failed verification is kept."""
+    stem = out.name[:-5] if out.name.endswith(".onnx") else out.name
+    return out.with_name(f"{stem}.failed.onnx")
+
+
+def _keep_failed(
+    exc: VerificationError, src: Path, out: Path, names: list[str], args: argparse.Namespace, external: bool | None
+) -> VerificationError:
+    """Save the model that failed verification as ``OUT.failed.onnx`` (never as ``OUT``) and the report
+    with ``"verification": {"passed": false, ...}``; the error line says where both are."""
+    from mograph import ir_io
+
+    kept: list[str] = []
+    data: dict[str, Any] = {"input": str(src), "pipeline": names}
+    if exc.model is not None:
+        failed = failed_path(out)
+        ir_io.save_model(ir_io.load_model(exc.model, check=False), failed, external_data=external, forbid=src)
+        data["output"] = str(failed)
+        kept.append(f"model {failed}")
+    report = exc.pipeline_report
+    data.update(report.to_dict() if report is not None and hasattr(report, "to_dict") else {})
+    verification = dict(exc.report) if isinstance(exc.report, dict) else {}
+    verification["passed"] = False
+    data["verification"] = verification
+    if args.report:
+        Path(args.report).write_text(json.dumps(data, indent=2, default=str))
+        kept.append(f"report {args.report}")
+    message = str(exc) + (f" (kept for inspection: {', '.join(kept)})" if kept else "")
+    error = VerificationError(message, report=verification)
+    error.model, error.pipeline_report = exc.model, exc.pipeline_report
+    return error

@@ -347,6 +347,12 @@ _PLUGIN_OF = {"LayerNorm": "LayerNorm", "RMSNorm": "RMSNorm", "SkipLayerNorm": "
               "SkipRMSNorm": "SkipRMSNorm", "Gelu": "Gelu", "FastGelu": "Gelu", "BiasGelu": "BiasGelu",
               "BiasFastGelu": "BiasGelu"}
 
+#: The plugin fields that tell apart the ops sharing a plugin.
+_PLUGIN_FIELDS: dict[str, dict[str, Any]] = {
+    "Gelu": {"approximate": "none"}, "FastGelu": {"approximate": "tanh"},
+    "BiasGelu": {"approximate": "none"}, "BiasFastGelu": {"approximate": "tanh"},
+}
+
 
 def custom_ops() -> list[CustomOp]:
     """The declarations contributed through ``mograph_add_custom_ops``."""
@@ -370,6 +376,7 @@ def custom_ops() -> list[CustomOp]:
                 lowerings=lowerings_for(name),
                 onnx_opset=ONNX_STANDARD_OPSET.get(name),
                 tensorrt_plugin=TENSORRT_PLUGINS[plugin] if plugin is not None else None,
+                tensorrt_fields=_PLUGIN_FIELDS.get(name, {}),
             )
         )
     return out

@@ -8,7 +8,8 @@ model will see.  This module provides three things:
 - a folder of ``.npz`` files, each one feed (``{input name: array}``), read one at a time in name order;
 - one ``.npz`` file of stacked feeds: every array has one more leading axis than the model input (sample
   ``i`` is ``array[i]``), or the same rank (sample ``i`` is ``array[i:i+1]``, a batch of one);
-- ``module:function``: the function is called (again for every pass over the data) and returns an
+- ``module:function`` (the current folder is on the import path for it) or ``file.py:function``
+  (loaded by path): the function is called (again for every pass over the data) and returns an
   iterable of feeds, so data can be generated or read lazily.
 
 Random data is never used silently: :class:`RandomSource` exists only for an explicit
@@ -37,6 +38,9 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+import os
+import re
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,6 +155,12 @@ class RandomSource(CalibrationSource):
         specs = _input_specs(model)
         shapes = dict(shapes or {})
         vocab = _vocab_sizes(model)
+        #: Inputs whose dynamic dims were set to 1 (no ``--shape`` for them): the likely culprits when
+        #: the model rejects a random feed.
+        self.defaulted = [
+            s.name for s in specs
+            if s.name not in shapes and any(not isinstance(d, int) for d in (s.shape or ()))
+        ]
 
         def make() -> Iterator[Feed]:
             rng = np.random.default_rng(seed)
@@ -224,15 +234,43 @@ def _npz_stacked(path: Path, specs: list[_InputSpec]) -> Callable[[], Iterator[d
 
 
 def _module_function(spec: str) -> Callable[[], Iterable[Mapping[str, Any]]]:
-    mod_name, _, func_name = spec.partition(":")
-    try:
-        module = importlib.import_module(mod_name)
-    except ImportError as exc:
-        raise OptionError(f"--calibration-data {spec}: cannot import module {mod_name!r} ({exc})") from exc
+    """Resolve ``module:function`` (the current folder is importable, as for ``python -m``) or
+    ``file.py:function`` (loaded by path); the import path is left as it was."""
+    mod_name, _, func_name = spec.rpartition(":")
+    if mod_name.endswith(".py"):
+        module = _module_from_file(spec, Path(mod_name))
+    else:
+        added = "" not in sys.path and os.getcwd() not in sys.path
+        if added:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(mod_name)
+        except ImportError as exc:
+            raise OptionError(f"--calibration-data {spec}: cannot import module {mod_name!r} ({exc})") from exc
+        finally:
+            if added and os.getcwd() in sys.path:
+                sys.path.remove(os.getcwd())
     func = getattr(module, func_name, None)
     if not callable(func):
         raise OptionError(f"--calibration-data {spec}: {mod_name} has no callable {func_name!r}")
     return func
+
+
+def _module_from_file(spec: str, path: Path) -> Any:
+    import importlib.util
+
+    if not path.is_file():
+        raise OptionError(f"--calibration-data {spec}: file {path} does not exist")
+    name = f"_mograph_calibration_{path.stem}"
+    loader_spec = importlib.util.spec_from_file_location(name, path)
+    if loader_spec is None or loader_spec.loader is None:
+        raise OptionError(f"--calibration-data {spec}: cannot load {path} as a Python module")
+    module = importlib.util.module_from_spec(loader_spec)
+    try:
+        loader_spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - the user's file failed: say so in one line
+        raise OptionError(f"--calibration-data {spec}: importing {path} failed ({type(exc).__name__}: {exc})") from exc
+    return module
 
 
 def open_source(data: Any, model: ir.Model, *, limit: int | None = None) -> CalibrationSource:
@@ -505,6 +543,49 @@ def run_model(
         yield sess.run(output_names, feed)
 
 
+def _run_feed(sess: Any, outputs: list[str], feed: Feed, source: CalibrationSource, index: int) -> list[np.ndarray]:
+    """``sess.run`` on one calibration feed; a feed the model rejects is one :class:`OptionError` line
+    that names the feed's inputs and how to give data the model accepts."""
+    quiet = _require_ort().RunOptions()
+    quiet.log_severity_level = 4  # the failure is reported below, once; not also by ORT's own logger
+    try:
+        return sess.run(outputs, feed, quiet)
+    except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types for bad feeds
+        reason = _ort_reason(exc)
+        if len(reason) > 300:
+            reason = reason[:300] + "..."
+        shapes = ", ".join(f"{k} {'x'.join(map(str, v.shape)) or 'scalar'} {v.dtype}" for k, v in feed.items())
+        if getattr(source, "random", False):
+            defaulted = list(getattr(source, "defaulted", []))
+            named = [k for k in feed if f"input: {k}" in reason or f"'{k}'" in reason]
+            culprits = named or defaulted
+            which = (
+                f"input(s) {culprits} (dynamic dims set to 1)" if culprits and not named
+                else f"input(s) {culprits}" if culprits else "the feed"
+            )
+            raise OptionError(
+                f"the model rejects its random calibration feed ({shapes}): {which} do not fit ({reason}); "
+                "give real samples with --calibration-data (a folder of .npz, a stacked .npz or "
+                "module:function), or the sizes of dynamic dims with --shape NAME:DIMS"
+            ) from exc
+        raise OptionError(
+            f"the model rejects calibration sample {index} from {source.description} ({shapes}): {reason}; "
+            "each --calibration-data sample must fit the model's inputs (names, shapes, dtypes)"
+        ) from exc
+
+
+def _ort_reason(exc: Exception) -> str:
+    """The useful part of an ONNX Runtime error: the node and its status message, without the source
+    location of the check that failed."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    node = re.search(r"running (\w+) node\. Name:'([^']*)'", text)
+    status = text.split("Status Message:", 1)[1].strip() if "Status Message:" in text else text
+    status = re.sub(r"^\S+\.(?:h|cc|cpp):\d+ .*? was false\. ", "", status)
+    if node:
+        return f"{node.group(1)} node {node.group(2)!r}: {status}"
+    return status
+
+
 def observe(
     model: ir.Model,
     tensors: Iterable[str],
@@ -526,7 +607,7 @@ def observe(
     every = max(1, (total or 100) // 10)
     seen = 0
     for feed in source:
-        outs = sess.run([mapping[n] for n in observed], feed)
+        outs = _run_feed(sess, [mapping[n] for n in observed], feed, source, seen)
         for name, arr in zip(observed, outs):
             if np.issubdtype(arr.dtype, np.floating):
                 stats[name].update(arr, histogram)

@@ -678,6 +678,78 @@ class _Analysis:
         if needs:
             self.actions.append(_Action("Expand", node, 1, pieces))
 
+    def r_resize(self, node: ir.Node) -> None:
+        """``Resize``: ``scales`` of 1 keep a dynamic axis (batch, channels),
+        other scales give a derived size; constant ``sizes`` entries equal to a dynamic axis's export
+        size are rewritten to that axis's run-time size (``Concat(Shape(x)[:2], sizes[2:])``)."""
+        data, out = _input(node, 0), node.outputs[0]
+        dims = self.dims(node, data)
+        rank = len(dims)
+        axes = [int(a) % rank for a in _attr(node, "axes", None) or range(rank)]
+        if any(self.tagged(v) for v in node.inputs[1:3]):
+            raise _Refuse(node, "its roi or scales are computed from a dynamic tensor")
+        sizes = node.inputs[3] if len(node.inputs) > 3 else None
+        sizes_const = _const(sizes)
+        if sizes is not None and (self.tagged(sizes) or sizes_const is not None and sizes_const.size):
+            policy = _attr(node, "keep_aspect_ratio_policy", "stretch")
+            policy = policy.decode() if isinstance(policy, bytes) else policy
+            entries: list[Dim | None]
+            if sizes in self.elems:
+                entries = [self._as_dim(e) for e in self.elems[sizes]]
+                arr = None
+            else:
+                arr = sizes_const
+                if arr is None:
+                    raise _Refuse(node, "its sizes are computed in a way the pass does not track")
+                entries = [const_dim(int(x)) for x in arr.reshape(-1)]
+            if len(entries) != len(axes):
+                raise _Refuse(node, f"it has {len(entries)} sizes for {len(axes)} axes")
+            static_out = self.static(node, out)
+            new = list(dims)
+            pieces: list[Any] = []
+            needs = False
+            for ax, e in zip(axes, entries):
+                d = dims[ax]
+                if not has_sym(d):
+                    new[ax] = e if e is not None and has_sym(e) else const_dim(static_out[ax])
+                    pieces.append(self.num(e) if e is not None and not has_sym(e) else e)
+                    continue
+                if policy != "stretch":
+                    raise _Refuse(node, f"keep_aspect_ratio_policy={policy} with sizes on the dynamic dim {_fmt(d)}")
+                if e is not None and has_sym(e):
+                    if e != d:
+                        raise _Refuse(node, f"it resizes the dynamic dim {_fmt(d)} to {_fmt(e)}")
+                elif e is None or self.num(e) != self.num(d):
+                    raise _Refuse(node, f"it resizes the dynamic dim {_fmt(d)} (size {self.num(d)} in the export) "
+                                  "to a fixed size")
+                else:
+                    needs = True  # the export size, baked in: follow the input's run-time size
+                new[ax] = d
+                pieces.append(d)
+            self.set(node, out, new)
+            if needs and arr is not None:
+                self.actions.append(_Action("Resize", node, 3, pieces))
+            return
+        opset = self.graph.opset_imports.get("", self.graph.opset_imports.get("ai.onnx", 11))
+        scales_at = 1 if opset < 11 else 2  # Resize-10 is (X, scales); from 11 (X, roi, scales, sizes)
+        scales_v = node.inputs[scales_at] if len(node.inputs) > scales_at else None
+        scales = _const(scales_v) if scales_v is not None else None
+        if scales is None or scales.size == 0:
+            raise _Refuse(node, "it has neither constant scales nor sizes")
+        if scales.size != len(axes):
+            raise _Refuse(node, f"it has {scales.size} scales for {len(axes)} axes")
+        static_out = self.static(node, out)
+        new = list(dims)
+        for ax, scale in zip(axes, scales.reshape(-1).tolist()):
+            d = dims[ax]
+            if not has_sym(d):
+                new[ax] = const_dim(static_out[ax])
+            elif scale == 1.0:
+                new[ax] = d  # batch and channels keep their size
+            else:
+                new[ax] = self.fresh(node, out, ax)  # floor(size * scale): a derived size
+        self.set(node, out, new)
+
     def r_constantofshape(self, node: ir.Node) -> None:
         shape, out = _input(node, 0), node.outputs[0]
         entries = self.elems.get(shape, [])

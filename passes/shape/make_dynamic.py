@@ -25,6 +25,10 @@ outputs' symbolic sizes and checks its inputs:
   cover a dynamic axis become INT64_MAX; positive partial ends of a dynamic axis are refused (a fixed
   count and ``size - k`` read the same); ``Gather`` along a dynamic axis at index ``size - 1`` or on a size
   1 axis is refused.
+- ``Resize`` with constant ``scales``: a scale of 1 keeps a dynamic axis (batch,
+  channels), another scale gives a derived size.  With ``sizes``, an entry equal to a dynamic axis's
+  export size becomes that axis's run-time size (``Concat(Shape(x)[:2], sizes[2:])``); a fixed size on a
+  dynamic axis, sizes computed in untracked ways and non-stretch aspect-ratio policies are refused.
 - Ops without a rule (custom domains, control flow, RNNs, ``Einsum`` ...) consuming a dynamic tensor are
   refused.
 

@@ -418,11 +418,16 @@ def test_unfused_bert_builds_with_profiles_from_metadata(trt, tmp_path):
     assert report["engine_bytes"] > 100_000 and report["layers"] > 100
 
 
-def test_dynamic_input_without_profile_is_named(trt, tmp_path):
+def test_dynamic_input_without_profile_is_built_for_a_default_shape(trt, tmp_path, caplog):
     from models.builders import bert_tiny
 
-    with pytest.raises(UsageError, match=r"input_ids \[-1, -1\], attention_mask \[-1, -1\]"):
-        trt_backend.build_engine(bert_tiny(), tmp_path / "bert.engine")
+    with caplog.at_level("WARNING", logger="mograph.backends.tensorrt"):
+        report = trt_backend.build_engine(bert_tiny(), tmp_path / "bert.engine", shapes=["input_ids:2x16"])
+    assert report["profiles"]["input_ids"] == [[2, 16]] * 3
+    assert report["profiles"]["attention_mask"] == [[2, 16]] * 3  # shares batch and seq with input_ids
+    assert report["defaulted_profiles"] == ["attention_mask", "input_ids"]
+    assert any("'attention_mask'" in r.message and "fixed shape 2x16" in r.message for r in caplog.records)
+    (tmp_path / "bert.engine").unlink()
     with pytest.raises(UsageError, match="no input of"):
         trt_backend.build_engine(
             native_layernorm_model(), tmp_path / "x.engine", profiles={"y": "1x1x64,1x1x64,1x1x64"}

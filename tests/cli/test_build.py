@@ -68,12 +68,57 @@ def test_build_default_output_beside_input(bert_path, capsys):
 
 
 @needs_trt
-def test_dynamic_input_without_profile_is_a_usage_error(bert_path, tmp_path, capsys):
-    code = main(["build", str(bert_path), "-o", str(tmp_path / "x.engine")])
-    err = capsys.readouterr().err
-    assert code == 2
-    assert "dynamic input(s) without an optimization profile: input_ids [-1, -1], attention_mask [-1, -1]" in err
-    assert not (tmp_path / "x.engine").exists()
+def test_dynamic_input_without_profile_is_built_for_a_default_shape(bert_path, tmp_path, capsys):
+    code = main(["build", str(bert_path), "-o", str(tmp_path / "x.engine"), "--shape", "input_ids:1x8", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    data = json.loads(captured.out)
+    # attention_mask shares batch and seq with input_ids: it follows its --shape
+    assert data["profiles"] == {"input_ids": [[1, 8]] * 3, "attention_mask": [[1, 8]] * 3}
+    note = next(n for n in data["notes"] if n.startswith("dynamic input 'attention_mask'"))
+    assert "fixed shape 1x8" in note and data["defaulted_profiles"] == ["attention_mask", "input_ids"]
+    assert (tmp_path / "x.engine").exists()
+
+
+def _dynamic_model():  # type: ignore[no-untyped-def]
+    from mograph import ir_io
+
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Add", ["x", "m"], ["y"])], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 3]),
+         onnx.helper.make_tensor_value_info("m", onnx.TensorProto.FLOAT, ["batch", "seq"]),
+         onnx.helper.make_tensor_value_info("s", onnx.TensorProto.FLOAT, [2, 3])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", 3])],
+    )
+    return ir_io.load_model(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]))
+
+
+def test_dynamic_inputs_without_profiles_default_like_trtexec(caplog):
+    from mograph.errors import UsageError
+
+    model = _dynamic_model()
+    with caplog.at_level("WARNING", logger="mograph.backends.tensorrt"):
+        profiles, warnings = trt_backend.default_profiles(model, {}, None)
+    assert profiles == {"x": ((1, 3),) * 3, "m": ((1, 1),) * 3}  # the static input needs none
+    assert len(warnings) == 2 and [r.message for r in caplog.records] == warnings
+    assert warnings[1] == ("dynamic input 'm' ['batch', 'seq'] has no --profile: building for the fixed shape 1x1 "
+                           "(dynamic dims set to 1); give --profile m:MIN,OPT,MAX for a range of shapes")
+    given = {"x": ((1, 3), (4, 3), (8, 3))}
+    profiles, warnings = trt_backend.default_profiles(model, given, ["m:4x16"])
+    assert profiles == {"x": given["x"], "m": ((4, 16),) * 3}
+    assert len(warnings) == 1 and "fixed shape 4x16 (its --shape)" in warnings[0]
+    # a dim shared with an input that has a profile or a --shape takes its sizes (inputs must agree)
+    profiles, warnings = trt_backend.default_profiles(model, given, None)
+    assert profiles["m"] == ((1, 1), (4, 1), (8, 1))
+    assert "building for the profile 1x1,4x1,8x1 (dims shared with other inputs" in warnings[0]
+    profiles, _ = trt_backend.default_profiles(model, {}, ["x:2x3"])
+    assert profiles == {"x": ((2, 3),) * 3, "m": ((2, 1),) * 3}
+    with pytest.raises(UsageError, match=r"--shape of 'x': 4x5 does not fit the input's shape \['batch', 3\]"):
+        trt_backend.default_profiles(model, {}, ["x:4x5"])
+    with pytest.raises(UsageError, match="--shape of 'm': 4 does not fit"):
+        trt_backend.default_profiles(model, {}, ["m:4"])
+    with pytest.raises(UsageError, match="--shape given for nope, which the model has no input of"):
+        trt_backend.default_profiles(model, {}, ["nope:1"])
 
 
 @pytest.mark.parametrize(
@@ -82,6 +127,7 @@ def test_dynamic_input_without_profile_is_a_usage_error(bert_path, tmp_path, cap
         (["--backend", "ort"], "unknown --backend 'ort'"),
         (["--profile", "input_ids:1x4,2x16"], "give three shapes"),
         (["--workspace", "0"], "--workspace must be a positive"),
+        (["--shape", "input_ids:1xq"], "dimension 1: 'q' is not an integer"),
     ],
 )
 def test_usage_errors(bert_path, tmp_path, capsys, args, message):

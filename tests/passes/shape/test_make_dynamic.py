@@ -220,3 +220,80 @@ def test_registered_as_plugin():
     reg = get_registry()
     assert reg.passes["make-dynamic"] is MakeDynamicPass
     assert isinstance(ir.Model, type)
+
+
+# --- Resize (every YOLO-style detector upsamples its feature maps) ------------------------------------
+
+_CONV_W = RNG.standard_normal((4, 3, 3, 3)).astype(np.float32)
+
+
+def _conv_resize(resize_inputs: list[str], inits: list, batch: int = 1, out_batch: int | None = None,
+                 opset: int = 17):  # type: ignore[no-untyped-def]
+    """x [batch, 3, 8, 8] -> Conv (4 channels, pad 1) -> Resize(nearest) -> y [.., 4, 16, 16]."""
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+        helper.make_node("Resize", ["c", *resize_inputs], ["y"], mode="nearest", name="resize"),
+    ]
+    return make(nodes, [f32("x", [batch, 3, 8, 8])], [f32("y", [out_batch or batch, 4, 16, 16])],
+                [const("w", _CONV_W), *inits], opset=opset)
+
+
+def _per_sample(proto):  # type: ignore[no-untyped-def]
+    """The static (batch 1) model run on each sample of a batch: what the dynamic model must compute."""
+    return lambda x: np.concatenate([run_ort(proto, {"x": x[i : i + 1]})[0] for i in range(len(x))])
+
+
+def test_resize_with_scales_is_batch_safe():
+    scales = const("scales", np.array([1, 1, 2, 2], np.float32))
+    proto = _conv_resize(["", "scales"], [scales])
+    model = _check(proto, "x:0=batch", lambda n: (n, 3, 8, 8), _per_sample(proto), [1, 3],
+                   {"Conv": 1, "Resize": 1}, {"dims_made_dynamic": 1, "nodes_added": 0})
+    assert dims(model.graph.outputs[0]) == ["batch", 4, 16, 16]
+
+
+def test_resize_sizes_follow_the_inputs_batch_and_channels():
+    sizes = i64("sizes", [1, 4, 16, 16])
+    proto = _conv_resize(["", "", "sizes"], [sizes])
+    model = _check(proto, "x:0=batch", lambda n: (n, 3, 8, 8), _per_sample(proto), [1, 2, 5],
+                   {"Conv": 1, "Resize": 1, "Shape": 1, "Gather": 1, "Concat": 1},
+                   {"dims_made_dynamic": 1, "rewritten.Resize": 1, "nodes_added": 3})
+    assert dims(model.graph.outputs[0]) == ["batch", 4, 16, 16]
+    resize = next(n for n in model.graph if n.op_type == "Resize")
+    assert resize.inputs[3].producer().op_type == "Concat"
+
+
+def test_resize_sizes_computed_from_the_input_shape():
+    # sizes = Concat(Shape(c)[:2], [16, 16]): already follows the input at run time
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+        helper.make_node("Shape", ["c"], ["cs"], end=2),
+        helper.make_node("Concat", ["cs", "hw"], ["sizes"], axis=0),
+        helper.make_node("Resize", ["c", "", "", "sizes"], ["y"], mode="nearest", name="resize"),
+    ]
+    proto = make(nodes, [f32("x", [1, 3, 8, 8])], [f32("y", [1, 4, 16, 16])], [const("w", _CONV_W), i64("hw", [16, 16])])
+    # the fold before the walk turns Shape(c)[:2] into a constant (the dead Constant node it leaves is
+    # cleanup's job), so the sizes are rewritten as in the test above
+    model = _check(proto, "x:0=batch", lambda n: (n, 3, 8, 8), _per_sample(proto), [1, 4],
+                   {"Conv": 1, "Resize": 1, "Shape": 1, "Gather": 1, "Concat": 1, "Constant": 1},
+                   {"dims_made_dynamic": 1, "rewritten.Resize": 1, "nodes_added": 3})
+    assert dims(model.graph.outputs[0]) == ["batch", 4, 16, 16]
+
+
+def test_resize_to_a_fixed_batch_is_refused():
+    # the export's batch of 2 is resized to 1: a fixed size on the dynamic axis has no batch-safe meaning
+    proto = _conv_resize(["", "", "sizes"], [i64("sizes", [1, 4, 16, 16])], batch=2, out_batch=1)
+    model = to_ir(proto)
+    with pytest.raises(PassFailedError, match=r"node 'resize' \(Resize\): it resizes the dynamic dim batch .* fixed size"):
+        MakeDynamicPass(dynamic=["x:0=batch"]).call(model)
+
+
+def test_resize_with_computed_scales_is_refused():
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+        helper.make_node("ReduceMean", ["c"], ["m"], keepdims=0),
+        helper.make_node("Expand", ["m", "four"], ["s"]),
+        helper.make_node("Resize", ["c", "", "s"], ["y"], mode="nearest", name="resize"),
+    ]
+    proto = make(nodes, [f32("x", [1, 3, 8, 8])], [f32("y", ["n", "c", "h", "w"])], [const("w", _CONV_W), i64("four", [4])])
+    with pytest.raises(PassFailedError, match=r"node 'resize' \(Resize\): it has neither constant scales nor sizes"):
+        MakeDynamicPass(dynamic=["x:0=batch"]).call(to_ir(proto))

@@ -1,0 +1,132 @@
+"""``mograph optimize``: where it writes (folders, failed verification), what ``-q`` prints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import helper
+
+import mograph
+from models.builders import make_model
+from mograph.cli import main
+from mograph.plugins import get_registry
+
+IO = ([("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])])
+
+
+def _good() -> onnx.ModelProto:
+    nodes = [helper.make_node("Add", ["x", "w"], ["t"]), helper.make_node("Relu", ["t"], ["y"])]
+    return make_model(nodes, *IO, {"w": np.ones((2, 3), np.float32)})
+
+
+class _ScaleWeightsPass(mograph.Pass):
+    """Multiply every float initializer by 3 (deliberately wrong, to fail verification)."""
+
+    name = "test-scale-weights"
+
+    def call(self, model: ir.Model) -> mograph.PassResult:
+        for value in model.graph.initializers.values():
+            value.const_value = ir.tensor(value.const_value.numpy() * np.float32(3.0))
+        return mograph.PassResult(modified=True, stats={"scaled": len(model.graph.initializers)})
+
+
+@pytest.fixture
+def scale_pass(monkeypatch):
+    reg = get_registry()
+    monkeypatch.setitem(reg.passes, _ScaleWeightsPass.name, _ScaleWeightsPass)
+    monkeypatch.setitem(reg.pass_source, _ScaleWeightsPass.name, "tests")
+
+
+@pytest.fixture
+def work(tmp_path: Path) -> Path:
+    folder = tmp_path / "work"
+    folder.mkdir()
+    onnx.save(_good(), folder / "good.onnx")
+    return folder
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _listing(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_output_into_a_missing_folder_is_refused(capsys, work):
+    before = _listing(work)
+    code, out, err = _cli(capsys, "optimize", str(work / "good.onnx"), "-o", str(work / "nope" / "o.onnx"))
+    assert code == 2
+    assert err.splitlines() == [
+        f"mograph: error: -o {work / 'nope' / 'o.onnx'}: folder {work / 'nope'} does not exist; create it first"
+    ]
+    assert not (work / "nope").exists() and _listing(work) == before and out == ""
+
+
+def test_the_default_output_beside_the_input_needs_no_flag(capsys, work):
+    code, _, err = _cli(capsys, "optimize", str(work / "good.onnx"), "-q")
+    assert code == 0, err
+    assert (work / "good.opt.onnx").exists()
+
+
+def test_report_into_a_missing_folder_is_refused_before_any_work(capsys, work):
+    before = _listing(work)
+    report = work / "reports" / "r.json"
+    code, _, err = _cli(capsys, "optimize", str(work / "good.onnx"), "-o", str(work / "o.onnx"), "--report", str(report))
+    assert code == 2
+    assert err.splitlines() == [f"mograph: error: --report {report}: folder {work / 'reports'} does not exist; create it first"]
+    assert _listing(work) == before  # the model was not written either
+
+
+def test_quiet_prints_nothing_on_success(capsys, work):
+    code, out, err = _cli(capsys, "optimize", str(work / "good.onnx"), "-o", str(work / "o.onnx"), "-q")
+    assert (code, out, err) == (0, "", "")
+    assert (work / "o.onnx").exists()
+    code, out, _ = _cli(capsys, "optimize", str(work / "good.onnx"), "-o", str(work / "o2.onnx"))
+    assert code == 0 and "wrote" in out and "pass" in out.splitlines()[0]
+
+
+def test_quiet_still_prints_errors(capsys, work):
+    code, out, err = _cli(capsys, "optimize", str(work / "good.onnx"), "-o", str(work / "o.onnx"), "-q", "--passes", "nope")
+    assert code == 2 and out == "" and "unknown pass or preset 'nope'" in err
+
+
+@pytest.mark.parametrize("mode", ["end", "each"])
+def test_a_model_that_fails_verification_is_kept_as_failed(capsys, work, scale_pass, mode):
+    out, report = work / "o.onnx", work / "r.json"
+    code, stdout, err = _cli(
+        capsys, "optimize", str(work / "good.onnx"), "-o", str(out), "--passes", "test-scale-weights",
+        "--verify", mode, "--report", str(report), "-q",
+    )
+    assert code == 5
+    failed = work / "o.failed.onnx"
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mograph: error: ")
+    assert f"kept for inspection: model {failed}, report {report}" in lines[0]
+    assert not out.exists() and failed.exists() and stdout == ""
+    kept = onnx.load(failed)
+    w = next(t for t in kept.graph.initializer if t.name == "w")
+    assert np.allclose(onnx.numpy_helper.to_array(w), 3.0)  # the model as the pipeline left it
+    data = json.loads(report.read_text())
+    assert data["verification"]["passed"] is False
+    assert data["verification"]["outputs"]["y"]["max_abs"] > 0
+    assert data["output"] == str(failed)
+
+
+def test_a_failed_verification_without_report_keeps_the_model(capsys, work, scale_pass):
+    code, _, err = _cli(
+        capsys, "optimize", str(work / "good.onnx"), "--passes", "test-scale-weights", "--verify", "-q"
+    )
+    assert code == 5
+    assert (work / "good.opt.failed.onnx").exists() and not (work / "good.opt.onnx").exists()
+    assert f"kept for inspection: model {work / 'good.opt.failed.onnx'})" in err
