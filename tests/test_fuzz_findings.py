@@ -150,7 +150,7 @@ def test_verify_feeds_scalar_inputs(tmp_path, capsys, dtype):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.save(model, tmp_path / "m.onnx")
-    code = main(["optimize", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "o.onnx"), "--verify", "-q"])
+    code = main(["optimize", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "o.onnx"), "--verify"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "verify: passed" in captured.out

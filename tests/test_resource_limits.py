@@ -183,7 +183,7 @@ def test_verification_feeds_past_the_limit_are_a_usage_error(tmp_path):
         {"id": "own-limit", "argv": ["optimize", str(tmp_path / "dyn.onnx"), "-o", out, "--verify",
                                      "--shape", "x:2x3", "--feed-limit", "16"]},
         {"id": "within", "argv": ["optimize", str(tmp_path / "dyn.onnx"), "-o", out, "--verify",
-                                  "--shape", "x:2x3", "--feed-limit", "24", "-q"]},
+                                  "--shape", "x:2x3", "--feed-limit", "24"]},
     ]
     results = run_cli_jobs(jobs)
     for case, given_by in (("shape", "from --shape"), ("declared", "from the model's declared shape"), ("own-limit", "")):

@@ -43,6 +43,7 @@ def test_calibration_of_an_external_data_model_from_another_cwd(tmp_path, monkey
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     out = tmp_path / "out" / "m.q.onnx"
+    out.parent.mkdir()  # -o into a missing folder is refused (issue 19, item 8)
     extra = ["--accuracy-budget", "cosine>=0.999", "--sensitivity-samples", "2"] if passes == "int8-sensitivity" else []
     pipeline = passes.split("-")[0]
     argv = ["optimize", str(model_dir / "m.onnx"), "--passes", pipeline, "--calibration-random", "8", "-o", str(out)]
