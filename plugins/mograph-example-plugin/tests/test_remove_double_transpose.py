@@ -12,6 +12,7 @@ from onnx import TensorProto, helper
 
 import mograph
 from mograph.pass_infra import PROVENANCE_PASS, PROVENANCE_RULE, PassManager
+from mograph.testing import run_ort
 
 SHAPE = [2, 3, 4, 5]
 
@@ -41,12 +42,8 @@ def _ops(model: ir.Model) -> list[str]:
 
 
 def _outputs(model: onnx.ModelProto | ir.Model, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    ort = pytest.importorskip("onnxruntime")
-    proto = ir.serde.serialize_model(model) if isinstance(model, ir.Model) else model
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return session.run(None, feeds)
+    pytest.importorskip("onnxruntime")
+    return run_ort(model, feeds)  # mograph.testing: ONNX Runtime with its optimizations off
 
 
 def _assert_same_numbers(original: onnx.ModelProto, optimized: ir.Model) -> None:

@@ -15,6 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 import mograph
 from mograph.lowering import LoweringContext
 from mograph.pass_infra import PROVENANCE_PASS, PROVENANCE_RULE, PassManager
+from mograph.testing import assert_untouched, check_pass, op_types, run_ort
 
 SHAPE = [2, 3, 8]
 
@@ -50,17 +51,21 @@ def _run(proto: onnx.ModelProto) -> tuple[ir.Model, mograph.PassResult]:
     return model, mograph.PassResult(entry.modified, entry.stats, entry.details)
 
 
-def _ops(model: ir.Model) -> list[str]:
-    return [f"{n.domain}.{n.op_type}" if n.domain else n.op_type for n in model.graph]
+_ops = op_types  # mograph.testing: the main graph's op types, ``domain.op`` outside the default domain
 
 
 def _ort(model: onnx.ModelProto | ir.Model, x: np.ndarray) -> np.ndarray:
-    ort = pytest.importorskip("onnxruntime")
-    proto = ir.serde.serialize_model(model) if isinstance(model, ir.Model) else model
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return session.run(None, {"x": x})[0]
+    pytest.importorskip("onnxruntime")
+    return run_ort(model, {"x": x})[0]  # mograph.testing: ONNX Runtime with its optimizations off
+
+
+def test_the_five_checks_through_mograph_testing():
+    """The checks every pass test makes, as mograph.testing offers them to plugin authors too."""
+    pytest.importorskip("onnxruntime")
+    feeds = {"x": _x()}
+    check_pass(FuseSwishPass(), _model(silu()), stats={"SwishFusion": 1}, ops_left=["example.BetaSwish"], feeds=feeds)
+    assert_untouched(FuseSwishPass(), _model([helper.make_node("Sigmoid", ["x"], ["s"]),
+                                              helper.make_node("Add", ["x", "s"], ["y"])]))  # x + sigmoid(x)
 
 
 def _x(dtype=np.float32) -> np.ndarray:
