@@ -16,7 +16,7 @@ import onnx_ir as ir
 from mograph.patterns import constant_array
 
 __all__ = ["attr_value", "add_initializer", "unique_initializer_name", "is_zero", "static_last_dim", "value_used",
-           "infer_types", "restore_types", "TypeSnapshot", "same_dim"]
+           "infer_types", "restore_types", "TypeSnapshot", "same_dim", "fresh_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +28,16 @@ def attr_value(node: ir.Node, name: str, default: Any = None) -> Any:
     """The value of attribute ``name`` of ``node``, or ``default`` when it has none."""
     attr = node.attributes.get(name)
     return default if attr is None else attr.value
+
+
+def fresh_name(taken: set[str], base: str) -> str:
+    """``base``, or ``base_1``, ``base_2`` ...: the first name not in ``taken``, which then holds it."""
+    name, i = base, 0
+    while name in taken:
+        i += 1
+        name = f"{base}_{i}"
+    taken.add(name)
+    return name
 
 
 def unique_initializer_name(graph: ir.Graph, base: str) -> str:

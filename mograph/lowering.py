@@ -41,7 +41,7 @@ from mograph.irutil import add_initializer, infer_types, is_zero, restore_types,
 from mograph.metadata import LOWERED_FOR
 from mograph.opset import OpsetUpgradeError, model_opset, upgrade_opset
 from mograph.pass_infra import Option, Pass, PassResult
-from mograph.patterns import constant_array, remove_dead_producers
+from mograph.patterns import attr_constant, constant_array, remove_dead_producers
 
 if TYPE_CHECKING:
     from mograph.plugins import Registry
@@ -237,24 +237,6 @@ _SAME_DTYPE = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Neg", "Sqrt", "Reci
 _FOLD = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide}
 
 
-def _constant_of(node: ir.Node) -> np.ndarray | None:
-    """The value of a ``Constant`` node built from concrete attributes, else None."""
-    for key, attr in node.attributes.items():
-        if attr.is_ref():
-            return None
-        if key == "value":
-            return np.asarray(attr.value.numpy())
-        if key == "value_float":
-            return np.asarray(attr.value, dtype=np.float32)
-        if key == "value_int":
-            return np.asarray(attr.value, dtype=np.int64)
-        if key == "value_floats":
-            return np.asarray(list(attr.value), dtype=np.float32)
-        if key == "value_ints":
-            return np.asarray(list(attr.value), dtype=np.int64)
-    return None
-
-
 def inline_node(node: ir.Node, function: ir.Function, target: str | None = None) -> list[ir.Node]:
     """Replace a call ``node`` by a copy of ``function``'s body; return the nodes put in its place.
 
@@ -326,7 +308,7 @@ def inline_node(node: ir.Node, function: ir.Function, target: str | None = None)
             mapping[old_out] = new_out
         new_nodes.append(new)
         if op == "Constant":
-            arr = _constant_of(new)
+            arr = attr_constant(new)
             if arr is not None:
                 consts[new.outputs[0]] = arr
                 dtypes[new.outputs[0]] = ir.DataType.from_numpy(arr.dtype)

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx_ir as ir
 
+from mograph.irutil import fresh_name
+
 if TYPE_CHECKING:
     import onnx
 
@@ -174,15 +176,6 @@ def _plan_node(node: ir.Node, graph: ir.Graph, old: int, new: int, unchanged: se
     return _Plan(node, graph, ir.serde.deserialize_model(converted), in_names, out_names)
 
 
-def _fresh(taken: set[str], base: str) -> str:
-    name, i = base, 0
-    while name in taken:
-        i += 1
-        name = f"{base}_{i}"
-    taken.add(name)
-    return name
-
-
 def _apply(plan: _Plan, new: int, taken: set[str]) -> None:
     node, graph = plan.node, plan.graph
     small = plan.converted.graph
@@ -201,7 +194,7 @@ def _apply(plan: _Plan, new: int, taken: set[str]) -> None:
                 n.replace_input_with(i, by_name[v.name])
             elif v.is_initializer():  # a constant the converter added (e.g. an axes tensor)
                 small.initializers.pop(v.name)  # type: ignore[arg-type]
-                v.name = _fresh(taken, f"{node.name or node.op_type}_{v.name}")
+                v.name = fresh_name(taken, f"{node.name or node.op_type}_{v.name}")
                 graph.register_initializer(v)
         n.metadata_props.update(node.metadata_props)
         n.version = None
@@ -215,7 +208,7 @@ def _apply(plan: _Plan, new: int, taken: set[str]) -> None:
             olds.append(old_out)
             news.append(produced.pop(name))
     for value in produced.values():  # intermediate values: names unique in the whole model
-        value.name = _fresh(taken, f"{base}/opset{new}/{value.name}")
+        value.name = fresh_name(taken, f"{base}/opset{new}/{value.name}")
     ir.convenience.replace_nodes_and_values(graph, node, [node], new_nodes, olds, news)
 
 

@@ -83,8 +83,11 @@ _MAX_CONST_DEPTH = 8
 # ---------------------------------------------------------------------------------------------
 
 
-def _attr_constant(node: ir.Node) -> np.ndarray | None:
+def attr_constant(node: ir.Node) -> np.ndarray | None:
+    """The value of a ``Constant`` node from its attributes; None for a reference or an unknown form."""
     for key, attr in node.attributes.items():
+        if attr.is_ref():
+            return None
         if key == "value" and isinstance(attr.value, ir.TensorProtocol):
             return attr.value.numpy()
         if key == "value_float":
@@ -135,7 +138,7 @@ def constant_array(value: ir.Value | None, _depth: int = 0) -> np.ndarray | None
         return None
     op = node.op_type
     if op == "Constant":
-        return _attr_constant(node)
+        return attr_constant(node)
     args = [constant_array(v, _depth + 1) if v is not None else None for v in node.inputs]
     if not args or args[0] is None:
         return None

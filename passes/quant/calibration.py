@@ -50,6 +50,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mograph.errors import BackendUnavailableError, OptionError
+from mograph.irutil import fresh_name
 
 __all__ = [
     "Feed",
@@ -462,25 +463,16 @@ def _expose(graph: Any, name: str, elem: int, taken: set[str]) -> str | None:
             if inner is None:
                 continue
             other = branches["else_branch" if key == "then_branch" else "then_branch"]
-            empty = _fresh_name(taken, f"{name}__mograph_empty")
+            empty = fresh_name(taken, f"{name}__mograph_empty")
             other.node.append(helper.make_node("Constant", [], [empty],
                                                value=helper.make_tensor(empty, elem, [0], [])))
             branch.output.append(helper.make_tensor_value_info(inner, elem, None))
             other.output.append(helper.make_tensor_value_info(empty, elem, None))
-            outer = _fresh_name(taken, f"{name}__mograph_observed")
+            outer = fresh_name(taken, f"{name}__mograph_observed")
             node.output.append(outer)
             return outer
     del onnx
     return None
-
-
-def _fresh_name(taken: set[str], base: str) -> str:
-    name, i = base, 0
-    while name in taken:
-        i += 1
-        name = f"{base}_{i}"
-    taken.add(name)
-    return name
 
 
 def _with_outputs_mapped(model: ir.Model, names: Iterable[str],
