@@ -189,7 +189,7 @@ def test_near_miss_heads_not_constant() -> None:
     proto = parse(attention_text(heads="input"))
     result = assert_untouched(lowered(FuseAttentionPass(explain="true"), "ort"), proto)
     (miss,) = result.details["rules"]["AttentionFusion"]["near_miss_list"]
-    assert miss["reason"].startswith("num_heads cannot be determined: reshape target")
+    assert miss["reason"].startswith("query: num_heads cannot be determined: reshape target")
 
 
 def test_near_miss_softmax_not_over_keys() -> None:
