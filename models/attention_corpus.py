@@ -97,11 +97,13 @@ def build(case: Case, seed: int = 0) -> tuple[Any, list[str], list[str]]:
     import torch
     import transformers as tf
 
-    attn = {"attn_implementation": case.attn}
+    attn: dict[str, Any] = {"attn_implementation": case.attn}
     f = case.family
-    small = {"vocab_size": VOCAB, "max_position_embeddings": 128}
+    small: dict[str, Any] = {"vocab_size": VOCAB, "max_position_embeddings": 128}
+    cfg: Any
+    inner: Any
     if f in ("bert", "roberta"):
-        cls_cfg = tf.BertConfig if f == "bert" else tf.RobertaConfig
+        cls_cfg: Any = tf.BertConfig if f == "bert" else tf.RobertaConfig
         cfg = cls_cfg(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                       intermediate_size=2 * HIDDEN, **small, **attn)
         inner = (tf.BertModel if f == "bert" else tf.RobertaModel)(cfg, add_pooling_layer=False)
@@ -189,7 +191,7 @@ def export(case: Case, path: str | os.PathLike[str], seed: int = 0) -> Path:
     module, names, outputs = build(case, seed)
     sample = feeds(case, batch=2, seq=8, seed=seed)
     args = tuple(torch.from_numpy(sample[n]) for n in names)
-    seq_axis = {"input_ids": 1, "attention_mask": 1, "encoder_hidden_states": None,
+    seq_axis: dict[str, int | None] = {"input_ids": 1, "attention_mask": 1, "encoder_hidden_states": None,
                 "pixel_values": None, "input_features": None}
     with _no_packed_sequences():
         _export(case, module, args, names, outputs, path, seq_axis)
@@ -217,7 +219,9 @@ def _export(case: Case, module: Any, args: tuple, names: list[str], outputs: lis
     if case.exporter == "torchscript":
         axes: dict[str, dict[int, str]] = {}
         for n in names:
-            axes[n] = {0: "batch"} | ({seq_axis[n]: "seq"} if seq_axis[n] else {})
+            axes[n] = {0: "batch"}
+            if seq_axis[n]:
+                axes[n][seq_axis[n]] = "seq"  # type: ignore[index]
             if n == "encoder_hidden_states":
                 axes[n][1] = "enc_seq"
         axes["last_hidden_state"] = {0: "batch"} | ({} if case.family in NO_MASK else {1: "seq"})

@@ -24,6 +24,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -45,7 +46,7 @@ def _cosine(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return float(x @ y / (np.linalg.norm(x) * np.linalg.norm(y) + 1e-300))
 
 
-def run_case(case: object, cache: Path, target: str, explain: bool) -> dict[str, object]:
+def run_case(case: Any, cache: Path, target: str, explain: bool) -> dict[str, Any]:
     import onnx
     import onnx_ir as ir
 
@@ -53,7 +54,7 @@ def run_case(case: object, cache: Path, target: str, explain: bool) -> dict[str,
     from mograph.plugins import get_registry
 
     path = cache / f"{case.name}.onnx"  # type: ignore[attr-defined]
-    row: dict[str, object] = {"case": case.name, "instances": case.attention_count}  # type: ignore[attr-defined]
+    row: dict[str, Any] = {"case": case.name, "instances": case.attention_count}  # type: ignore[attr-defined]
     t0 = time.perf_counter()
     try:
         if not path.exists():
@@ -65,7 +66,7 @@ def run_case(case: object, cache: Path, target: str, explain: bool) -> dict[str,
     model = ir.serde.deserialize_model(proto)
     reg = get_registry()
     config = {"target": target, "explain": explain}
-    fused, reasons, lowered = 0, [], Counter()
+    fused, reasons, lowered = 0, [], Counter[str]()
     for p in reg.instantiate(reg.plan("cleanup,fuse", config), config):
         result = p.call(model)
         fused += int(result.stats.get("AttentionFusion", 0))
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for c in corpus.all_cases()
              if (not args.family or c.family in args.family) and (not args.exporter or c.exporter in args.exporter)
              and (not args.attn or c.attn in args.attn) and (not args.mask or c.mask in args.mask)]
-    rows = []
+    rows: list[dict[str, Any]] = []
     print(f"{'case':40s} {'inst':>4s} {'fused':>5s} {'cosine':>10s} {'max_abs':>9s}  lowered to")
     for case in cases:
         row = run_case(case, args.cache, args.target, args.explain)

@@ -423,7 +423,7 @@ class AttentionFusion(Rule):
             dim1 = mask.shape[1] if len(mask.shape) == 4 else 1
             if isinstance(dim1, int) and dim1 not in (1, q.heads):
                 return self.fail(f"attention bias '{mask.name}' has {dim1} heads, the attention {q.heads}", mask)
-        layouts = {id(kw[n]): "BSHV" for n in ("merged_a", "merged_b") if kw.get(n) is not None}
+        layouts: dict[int, str] = {id(kw[n]): "BSHV" for n in ("merged_a", "merged_b") if kw.get(n) is not None}
         layouts.update({id(kw[n]): "BHSV" for n in ("ctx", "ctx_same") if kw.get(n) is not None})
         cur = kw["ctx"].producer().inputs[0]
         for _ in range(6):  # guarded probabilities, probabilities, masked and scaled scores: [B, H, S, T]
@@ -438,7 +438,7 @@ class AttentionFusion(Rule):
                 cur = node.inputs[1] if node.inputs[0] is kw.get("mask") else node.inputs[0]
             else:
                 cur = node.inputs[0]
-        self._found = {"q": q, "k": k, "v": v, "scale": float(scale) * q.factor * k.factor, "mask": mask,
+        self._found: dict[str, Any] = {"q": q, "k": k, "v": v, "scale": float(scale) * q.factor * k.factor, "mask": mask,
                        "flat": flat, "width": width, "nan": int(kw.get("nan_guard") == "guard"), "layouts": layouts}
         return self.ok()
 

@@ -226,17 +226,49 @@ def padded_feeds(batch: int = 4, seq: int = 16) -> dict[str, np.ndarray]:
 
 
 def _mask_index_inputs(model: ir.Model) -> set[str]:
-    """The names of the values every com.microsoft.Attention takes as mask_index (input 3)."""
-    return {n.inputs[3].name for n in model.graph if n.op_type == "Attention" and len(n.inputs) > 3 and n.inputs[3]}
+    """The names of the values every attention node takes as its mask index (input 3 of Attention, 4 of MHA)."""
+    out = set()
+    for n in model.graph:
+        i = {"Attention": 3, "MultiHeadAttention": 4}.get(n.op_type) if n.domain == "com.microsoft" else None
+        if i is not None and len(n.inputs) > i and n.inputs[i] is not None:
+            out.add(n.inputs[i].name)
+    return out
+
+
+def right_padded_feeds(batch: int = 4, seq: int = 16) -> dict[str, np.ndarray]:
+    """bert feeds whose every mask row is ones then zeros (at least one token)."""
+    feeds = bert_feeds(batch, seq)
+    mask = np.ones((batch, seq), dtype=np.int64)
+    for row in range(1, batch):
+        mask[row, seq - 3 * row:] = 0
+    feeds["attention_mask"] = mask
+    return feeds
 
 
 @pytest.mark.parametrize("dynamic", [True, False])
-def test_bert_tiny_ort(dynamic: bool) -> None:
-    """(1 - mask) * float32.min is traced to attention_mask: one Cast to int32 is the mask_index of both layers."""
+def test_bert_tiny_ort_default_bias(dynamic: bool) -> None:
+    """Default --mask-format bias: MultiHeadAttention with the additive bias, exact for any padding (padded_feeds
+    has right, left and full padding); one expansion of the bias when the query lengths are known equal."""
+    proto = bert_tiny(dynamic=dynamic, batch=4)
+    stats = {**BERT_STATS, "bias_expansions": 2 if dynamic else 1}  # no shape inference: two symbolic lengths
+    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, stats=stats, feeds=padded_feeds(), rel=1e-5)
+    left = op_counts(model)
+    assert left["com.microsoft.MultiHeadAttention"] == 2 and left["Expand"] == stats["bias_expansions"]
+    assert not UNFUSED & set(left), left
+    assert _mask_index_inputs(model) == set()
+    for node in model.graph:
+        if node.op_type == "MultiHeadAttention":
+            assert len(node.inputs) == 6 and node.inputs[5] is not None  # attention_bias
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_bert_tiny_ort_raw(dynamic: bool) -> None:
+    """--mask-format raw: (1 - mask) * float32.min is traced to attention_mask: one Cast to int32 is the 2-D
+    mask_index of both (packed) Attention nodes."""
     proto = bert_tiny(dynamic=dynamic, batch=4)
     feeds = padded_feeds()
-    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, stats={**BERT_STATS, "mask_index_casts": 1},
-                         feeds=feeds, rel=1e-5)
+    model = check_fusion(lowered(FuseAttentionPass(mask_format="raw"), "ort"), proto,
+                         stats={**BERT_STATS, "mask_index_casts": 1}, feeds=feeds, rel=1e-5)
     left = op_counts(model)
     assert left["com.microsoft.Attention"] == 2
     assert not UNFUSED & set(left), left
@@ -252,11 +284,31 @@ def test_bert_tiny_ort(dynamic: bool) -> None:
             assert node.attributes["mask_filter_value"].value == pytest.approx(float(np.finfo(np.float32).min))
 
 
-def test_bert_tiny_fully_padded_row_matches_original() -> None:
-    """The kernel fills masked scores with the original constant, so even an all-masked row agrees."""
+def test_bert_tiny_ort_lengths_exact_for_right_padding_only() -> None:
+    """--mask-format lengths: ReduceSum of the mask (once) is MultiHeadAttention's 1-D key_padding_mask; equal to
+    the original on right-padded masks, and (as documented) not on left-padded ones."""
+    proto = bert_tiny(batch=4)
+    stats = {**BERT_STATS, "mask_index_casts": 1, "mask_lengths": 1}
+    model = check_fusion(lowered(FuseAttentionPass(mask_format="lengths"), "ort"), proto, stats=stats,
+                         feeds=right_padded_feeds(), rel=1e-5)
+    left = op_counts(model)
+    assert left["com.microsoft.MultiHeadAttention"] == 2 and left["ReduceSum"] == 1 and "Expand" not in left
+    (red,) = [n for n in model.graph if n.op_type == "ReduceSum"]
+    assert _mask_index_inputs(model) == {red.outputs[0].name}
+    left_padded = bert_feeds(4, 16)
+    left_padded["attention_mask"] = np.ones((4, 16), dtype=np.int64)
+    left_padded["attention_mask"][1, :5] = 0
+    ref, got = run_ort(proto, left_padded), run_ort(to_proto(model), left_padded)
+    assert np.abs(ref[0][1] - got[0][1]).max() > 1e-2  # the left-padded row attends to the wrong keys
+    np.testing.assert_allclose(got[0][0], ref[0][0], rtol=1e-5, atol=1e-5)  # the unpadded row is unchanged
+
+
+@pytest.mark.parametrize("fmt", ["bias", "raw"])
+def test_bert_tiny_fully_padded_row_matches_original(fmt: str) -> None:
+    """bias adds the original bias; raw fills masked scores with the original constant: an all-masked row agrees."""
     proto = bert_tiny(batch=4)
     feeds = padded_feeds()
-    model, _ = run_pass(lowered(FuseAttentionPass(), "ort"), proto)
+    model, _ = run_pass(lowered(FuseAttentionPass(mask_format=fmt), "ort"), proto)
     ref, got = run_ort(proto, feeds), run_ort(to_proto(model), feeds)
     for r, g in zip(ref, got):
         np.testing.assert_allclose(g[2], r[2], rtol=1e-5, atol=1e-5)  # the fully padded row
@@ -264,7 +316,8 @@ def test_bert_tiny_fully_padded_row_matches_original() -> None:
 
 
 def test_bert_tiny_ort_bias_not_a_padding_mask_keeps_bias() -> None:
-    """Near miss for mask_index: (1 - mask) * 3 is not a padding mask; the bias stays and is expanded.
+    """Near miss for the mask index: (1 - mask) * 3 is not a padding mask; even with --mask-format lengths the
+    bias stays and is expanded.
 
     Without shape inference the two layers' query lengths are not known to be equal, so each layer
     expands it (after ``infer-shapes``, as in the ``cleanup`` preset, one expansion is shared).
@@ -281,11 +334,18 @@ def test_bert_tiny_ort_bias_not_a_padding_mask_keeps_bias() -> None:
                 arr = onnx.numpy_helper.to_array(a.t)
                 if arr.size == 1 and float(arr.reshape(())) == lowest:
                     a.t.CopyFrom(onnx.numpy_helper.from_array(np.array(3.0, dtype=arr.dtype)))
-    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, stats={**BERT_STATS, "bias_expansions": 2},
-                         feeds=bert_feeds(3, 16))
+    model = check_fusion(lowered(FuseAttentionPass(mask_format="lengths"), "ort"), proto,
+                         stats={**BERT_STATS, "bias_expansions": 2}, feeds=bert_feeds(3, 16))
     left = op_counts(model)
-    assert left["Expand"] == 2 and left["com.microsoft.Attention"] == 2, left
+    assert left["Expand"] == 2 and left["com.microsoft.MultiHeadAttention"] == 2, left
     assert _mask_index_inputs(model) == set()
+
+
+def test_mask_format_option_refuses_unknown() -> None:
+    from mograph.errors import MographError
+
+    with pytest.raises((MographError, ValueError)):
+        FuseAttentionPass(mask_format="padding")
 
 
 @pytest.mark.parametrize("target,opset,op", [("mograph", 17, "mograph.Attention"), ("onnx", 23, "Attention")])
@@ -340,7 +400,7 @@ def test_bert_export_ort(export_dir: Path, exporter: str, opset: int) -> None:
     traced = exporter == "torchscript"  # dynamo writes the padding lookup with GatherND: not traced, stays a bias
     stats = {"AttentionFusion": L, "AttentionFusion.mul.mask": L, "lowered.Attention": L,
              **({"mask_index_casts": 1} if traced else {})}
-    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, stats=stats, feeds=feeds)
+    model = check_fusion(lowered(FuseAttentionPass(mask_format="raw"), "ort"), proto, stats=stats, feeds=feeds)
     if traced:  # transformers' index-based padding mask is traced to attention_mask: its computation is gone
         (cast,) = [n for n in model.graph if n.op_type == "Cast" and n.inputs[0].name == "attention_mask"]
         assert _mask_index_inputs(model) == {cast.outputs[0].name}
@@ -348,7 +408,8 @@ def test_bert_export_ort(export_dir: Path, exporter: str, opset: int) -> None:
     else:
         assert _mask_index_inputs(model) == set()
 
-    # the whole preset, as deployed: cleanup then fuse, every fusion lowered for ONNX Runtime
+    # the whole preset, as deployed: cleanup then fuse, every fusion lowered for ONNX Runtime (default: bias)
+    expands = op_counts(to_ir(proto))["Expand"]
     model = to_ir(proto)
     reg = get_registry()
     fused = 0
@@ -356,7 +417,8 @@ def test_bert_export_ort(export_dir: Path, exporter: str, opset: int) -> None:
         fused += int(p.call(model).stats.get("AttentionFusion", 0))
     assert fused == L
     left = op_counts(model)
-    assert left["com.microsoft.Attention"] == L and "Softmax" not in left, left
+    assert left["com.microsoft.MultiHeadAttention"] == L and "Softmax" not in left, left
+    assert left["Expand"] <= expands + 1  # at most one [B, 1, S, T] expansion of the bias for both layers
     assert_close(run_ort(proto, feeds), run_ort(to_proto(model), feeds), 1e-4)
     before = graph_fingerprint(model)
     assert not lowered(FuseAttentionPass(), "ort").call(model).modified
