@@ -433,3 +433,138 @@ def test_pass_registered() -> None:
     assert "fuse-attention" in reg.expand("fuse")
     assert ("mograph", "Attention") in reg.custom_ops
     assert set(reg.custom_ops[("mograph", "Attention")].lowerings) == {"ort", "onnx", "tensorrt"}
+
+
+# ------------------------------------------------------------------ new forms, graphs in code ----
+
+
+def test_near_miss_mask_added_after_softmax_explained() -> None:
+    """A bias added to the probabilities (not the scores) is not attention's math: untouched, and --explain
+    names the node after the softmax that is not the expected MatMul."""
+    text = attention_text().replace("sm = Add(bias, s)", "sm = Identity(s)").replace(
+        "o = MatMul(p, vh)", "pb = Add(p, bias)\n  o = MatMul(pb, vh)")
+    proto = parse(text)
+    result = assert_untouched(lowered(FuseAttentionPass(explain="true"), "ort"), proto)
+    (entry,) = result.details["fuse-attention"]["unfused_softmax"]
+    assert "expected MatMul(probabilities, V)" in entry["reason"] and "got Add" in entry["reason"]
+
+
+def test_explain_names_the_query_side_mismatch() -> None:
+    """Q not split by the expected Transpose (a Relu in between): the reason names the node and the expectation."""
+    text = attention_text().replace("qh = Transpose<perm=[0,2,1,3]>(q4)", "qt = Transpose<perm=[0,2,1,3]>(q4)\n  qh = Relu(qt)")
+    proto = parse(text)
+    result = assert_untouched(lowered(FuseAttentionPass(explain="true"), "ort"), proto)
+    (entry,) = result.details["fuse-attention"]["unfused_softmax"]
+    assert entry["reason"].startswith("query: expected Transpose perm [0, 2, 1, 3] splitting heads, got Relu")
+
+
+def gqa_text(kv: int = 2) -> str:
+    """Grouped-query attention as transformers' repeat_kv writes it: H = 4 query heads, ``kv`` K/V heads."""
+    rep = H // kv
+    return f'''<ir_version: 8, opset_import: ["" : 17]>
+g (float[{B},{S},{HID}] q, float[{B},{S},{kv * D}] k, float[{B},{S},{kv * D}] v, float[{B},1,1,{S}] bias)
+  => (float[{B},{S},{HID}] y)
+  <int64[4] qs = {{0, 0, {H}, {D}}}, int64[4] kvs = {{0, 0, {kv}, {D}}}, int64[1] ax = {{2}},
+   int64[5] big = {{{B}, {kv}, {rep}, {S}, {D}}}, int64[4] merged = {{{B}, {H}, {S}, {D}}},
+   float sc = {{{1 / math.sqrt(D)}}}, int64[3] shp3 = {{0, 0, -1}}> {{
+  q4 = Reshape(q, qs)
+  qh = Transpose<perm=[0,2,1,3]>(q4)
+  k3 = Reshape(k, kvs)
+  k4 = Transpose<perm=[0,2,1,3]>(k3)
+  v3 = Reshape(v, kvs)
+  v4 = Transpose<perm=[0,2,1,3]>(v3)
+  k5 = Unsqueeze(k4, ax)
+  k6 = Expand(k5, big)
+  kh = Reshape(k6, merged)
+  v5 = Unsqueeze(v4, ax)
+  v6 = Expand(v5, big)
+  vh = Reshape(v6, merged)
+  kt = Transpose<perm=[0,1,3,2]>(kh)
+  mm = MatMul(qh, kt)
+  sc2 = Mul(mm, sc)
+  sm = Add(sc2, bias)
+  p = Softmax<axis=-1>(sm)
+  o = MatMul(p, vh)
+  ot = Transpose<perm=[0,2,1,3]>(o)
+  y = Reshape(ot, shp3)
+}}'''
+
+
+def _gqa_feeds(kv: int = 2) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(3)
+    feeds = {"q": rng.standard_normal((B, S, HID)).astype(np.float32)}
+    feeds.update({n: rng.standard_normal((B, S, kv * D)).astype(np.float32) for n in ("k", "v")})
+    bias = np.zeros((B, 1, 1, S), dtype=np.float32)
+    bias[1, ..., 3:] = np.finfo(np.float32).min
+    feeds["bias"] = bias
+    return feeds
+
+
+def test_grouped_query_attention_fuses_with_kv_num_heads() -> None:
+    """repeat_kv is traced: one mograph.Attention(num_heads=4, kv_num_heads=2) whose function body (and the
+    numpy reference) equal the original; ort has no non-causal GQA form: the op stays with its body."""
+    proto = parse(gqa_text())
+    feeds = _gqa_feeds()
+    stats = {"AttentionFusion": 1, "AttentionFusion.mul.mask.gqa": 1}
+    model = check_fusion(FuseAttentionPass(), proto, stats=stats, ops_left=["mograph.Attention"], feeds=feeds)
+    node = next(iter(model.graph))
+    assert node.attributes["num_heads"].value == H and node.attributes["kv_num_heads"].value == 2
+    (ref,) = attention_op.custom_ops()[0].reference(feeds["q"], feeds["k"], feeds["v"], feeds["bias"], num_heads=H,
+                                                    scale=1 / math.sqrt(D), kv_num_heads=2)
+    assert_close(run_ort(proto, feeds), [ref], 1e-5)
+    check_fusion(lowered(FuseAttentionPass(), "ort"), proto, stats={**stats, "kept.Attention": 1},
+                 ops_left=["mograph.Attention"], feeds=feeds)
+    inlined = check_fusion(lowered(FuseAttentionPass(), "onnx"), proto, stats={**stats, "inlined.Attention": 1},
+                           feeds=feeds)
+    assert "Softmax" in op_counts(inlined) and "mograph" not in inlined.opset_imports
+
+
+def test_grouped_query_attention_onnx_23_standard_op() -> None:
+    proto = parse(gqa_text().replace('"" : 17', '"" : 23'))
+    model = check_fusion(lowered(FuseAttentionPass(), "onnx"), proto, feeds=_gqa_feeds(),
+                         stats={"AttentionFusion": 1, "AttentionFusion.mul.mask.gqa": 1, "lowered.Attention": 1,
+                                "bias_expansions": 1})
+    (att,) = [n for n in model.graph if n.op_type == "Attention"]
+    assert att.attributes["kv_num_heads"].value == 2 and att.attributes["q_num_heads"].value == H
+
+
+def test_near_miss_repeat_count_wrong() -> None:
+    """repeat_kv repeating 2 KV heads 3 times does not give the 4 query heads: untouched, reason given."""
+    text = gqa_text().replace(f"{{{B}, 2, 2, {S}, {D}}}", f"{{{B}, 2, 3, {S}, {D}}}").replace(
+        f"{{{B}, {H}, {S}, {D}}}", f"{{{B}, 6, {S}, {D}}}")
+    text = text.replace(f"float[{B},{S},{HID}] y)", f"float[{B},{S},24] y)")
+    proto = onnx.parser.parse_model(text)
+    result = assert_untouched(FuseAttentionPass(explain="true"), proto)
+    (miss,) = result.details["rules"]["AttentionFusion"]["near_miss_list"]
+    assert miss["reason"] == "query has 4 heads, key 2 (repeated 3 times)"
+
+
+def sdpa_guard_text() -> str:
+    """torch's sdpa as TorchScript exports it: Q and K^T each scaled by D^-1/4, a -inf mask, NaN -> 0."""
+    return attention_text(scale="mul-qk").replace(
+        'y = Reshape(ot, shp3)', 'y = Reshape(ot, shp3)').replace(
+        "o = MatMul(p, vh)", "nan = IsNaN(p)\n  pz = Where(nan, zero, p)\n  o = MatMul(pz, vh)").replace(
+        "int64[3] shp3", "float zero = {0.0}, int64[3] shp3")
+
+
+@pytest.mark.parametrize("target", ["mograph", "ort"])
+def test_sdpa_nan_guard_fully_masked_row(target: str) -> None:
+    """A fully -inf-masked row gives NaN probabilities that sdpa's export turns into 0: the fused op keeps that
+    (nan_to_zero), on the function body and after the ORT lowering (Where(IsNaN(Y), 0, Y))."""
+    proto = parse(sdpa_guard_text())
+    feeds = _feeds(proto)
+    bias = np.zeros((B, 1, 1, S), dtype=np.float32)
+    bias[0, ..., 2:] = -np.inf
+    bias[1] = -np.inf  # every key of batch row 1 masked
+    feeds["bias"] = bias
+    ref = run_ort(proto, feeds)
+    assert np.all(ref[0][1] == 0) and np.all(np.isfinite(ref[0]))
+    stats = {"AttentionFusion": 1, "AttentionFusion.mul-qk.mask": 1}
+    if target == "ort":
+        stats.update({"lowered.Attention": 1, "bias_expansions": 1})
+    model = check_fusion(lowered(FuseAttentionPass(), target), proto, stats=stats, feeds=feeds)
+    fused = [n for n in model.graph if n.op_type in ("Attention", "MultiHeadAttention")]
+    if target == "mograph":
+        assert fused[0].attributes["nan_to_zero"].value == 1
+    else:
+        assert op_counts(model)["IsNaN"] == 1 and op_counts(model)["com.microsoft.MultiHeadAttention"] == 1
