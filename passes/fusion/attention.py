@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 import numpy as np
 import onnx_ir as ir
 from mograph.passes.fusion._common import EXPLAIN_OPTION, FusionPass, is_float, mograph_op
-from mograph.passes.fusion.attention_op import ATTENTION_OP, MASK_FORMAT_KEY, MASK_FORMATS, attention
+from mograph.passes.fusion.attention_op import ATTENTION_OP, MASK_FORMAT_KEY, MASK_FORMATS, ROTARY_OP, attention
 
 from mograph.irutil import same_dim
 from mograph.pass_infra import Option, PassResult
@@ -91,6 +91,15 @@ def _entries(value: ir.Value | None) -> list[Entry] | None:
     if arr is not None:
         return [int(a) for a in arr.reshape(-1)]
     node = value.producer()
+    if node is not None and node.op_type == "Where" and node.domain == "":
+        eq = node.inputs[0].producer() if node.inputs[0] is not None else None
+        if eq is not None and eq.op_type == "Equal" and node.inputs[2] in eq.inputs:
+            inner = _entries(node.inputs[2])  # Where(r == -1, 1, r): the same entries where none is -1
+            return inner if inner is not None and -1 not in inner and None not in inner else None
+    if node is not None and node.op_type == "Reshape" and node.domain == "":
+        flat = constant_array(node.inputs[1])
+        if flat is not None and flat.reshape(-1).tolist() == [-1]:
+            return _entries(node.inputs[0])
     if node is None or node.op_type != "Concat":
         return None
     out: list[Entry] = []
@@ -178,6 +187,8 @@ class Heads:
     factor: float = 1.0
     #: K/V heads repeated this many times (grouped-query attention's ``repeat_kv``)
     repeat: int = 1
+    #: (cos, sin) of a rotary embedding applied to the heads, broadcastable to [B, N, S, D]
+    rotary: tuple[ir.Value, ir.Value] | None = None
 
 
 def _producer(value: ir.Value | None, *op_types: str) -> ir.Node | None:
@@ -217,9 +228,82 @@ def _what(value: ir.Value | None) -> str:
     return "a graph input" if node is None else f"{node.op_type} '{node.name}'"
 
 
+def _slice_of(value: ir.Value | None, x: ir.Value | None = None) -> tuple[ir.Value, int, int] | None:
+    """``(input, start, end)`` of a ``Slice`` of the last of 4 axes with step 1 (``x``: it must slice ``x``)."""
+    node = _producer(value, "Slice")
+    if node is None or len(node.inputs) < 4 or (x is not None and node.inputs[0] is not x):
+        return None
+    vals = [constant_array(node.inputs[i]) if i < len(node.inputs) else None for i in (1, 2, 3, 4)]
+    for i in (0, 1):
+        if vals[i] is None:
+            vals[i] = _half_last_dim(node.inputs[i + 1], node.inputs[0])
+    if any(v is None or v.size != 1 for v in vals[:3]):
+        return None
+    if vals[3] is not None and int(vals[3].reshape(())) != 1:  # type: ignore[union-attr]
+        return None
+    if int(vals[2].reshape(())) not in (-1, 3):  # type: ignore[union-attr]
+        return None
+    return node.inputs[0], int(vals[0].reshape(())), int(vals[1].reshape(()))  # type: ignore[union-attr,return-value]
+
+
+def _half_last_dim(value: ir.Value | None, x: ir.Value | None) -> np.ndarray | None:
+    """``D / 2`` if ``value`` is TorchScript's ``Unsqueeze(Div(Gather(Shape(x), 3), 2))`` and x's dim 3 is ``D``."""
+    un = _producer(value, "Unsqueeze")
+    div = _producer(un.inputs[0], "Div") if un is not None else None
+    gather = _producer(div.inputs[0], "Gather") if div is not None else None
+    shape = _producer(gather.inputs[0], "Shape") if gather is not None else None
+    if shape is None or shape.inputs[0] is not x or scalar_value(div.inputs[1]) != 2 or shape.attributes:  # type: ignore[union-attr]
+        return None
+    d = x.shape[3] if x is not None and x.shape is not None and len(x.shape) == 4 else None
+    if scalar_value(gather.inputs[1]) not in (3.0, -1.0) or not isinstance(d, int):  # type: ignore[union-attr]
+        return None
+    return np.array([d // 2])
+
+
+def _rotary(value: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value] | None:
+    """``(x, cos, sin)`` if ``value = x * cos + rotate_half(x) * sin`` with
+    ``rotate_half(x) = Concat(Neg(x[..., D/2:]), x[..., :D/2], axis=-1)`` (transformers' ``apply_rotary_pos_emb``)."""
+    add = _producer(value, "Add")
+    if add is None:
+        return None
+    for a, b in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])):
+        m_rot, m_x = _producer(b, "Mul"), _producer(a, "Mul")
+        if m_rot is None or m_x is None:
+            continue
+        for rot, sin in ((m_rot.inputs[0], m_rot.inputs[1]), (m_rot.inputs[1], m_rot.inputs[0])):
+            cat = _producer(rot, "Concat")
+            if cat is None or len(cat.inputs) != 2 or int(cat.attributes["axis"].value) not in (-1, 3):
+                continue
+            neg = _producer(cat.inputs[0], "Neg")
+            second = _slice_of(neg.inputs[0]) if neg is not None else None
+            if second is None:
+                continue
+            x = second[0]
+            first = _slice_of(cat.inputs[1], x)
+            d = x.shape[3] if x.shape is not None and len(x.shape) == 4 else None
+            if first is None or not isinstance(d, int) or d % 2:
+                continue
+            if (first[1], first[2]) != (0, d // 2) or second[1] != d // 2 or second[2] < d:
+                continue
+            for xx, cos in ((m_x.inputs[0], m_x.inputs[1]), (m_x.inputs[1], m_x.inputs[0])):
+                if xx is x and cos is not None and sin is not None and cos.shape is not None and len(cos.shape) == 4:
+                    return x, cos, sin
+    return None
+
+
 def _split_heads(v4: ir.Value, role: str) -> Heads | str:
-    """``v4 = Transpose(Reshape(x, [B, S, N, D]), [0, 2, 1, 3])`` (with scalar factors on either side)."""
+    """``v4 = Transpose(Reshape(x, [B, S, N, D]), [0, 2, 1, 3])`` (with scalar factors on either side),
+    possibly rotated (:func:`_rotary`) after the split."""
     v, f1 = _scaled(v4)
+    rot = _rotary(v)
+    if rot is not None:
+        inner = _split_heads(rot[0], role)
+        if isinstance(inner, Heads):
+            if inner.rotary is not None:
+                return f"{role}: two rotary embeddings"
+            inner.rotary = (rot[1], rot[2])
+            inner.factor *= f1
+        return inner
     tr = _producer(v, "Transpose")
     if tr is None or _perm(tr) != [0, 2, 1, 3]:
         return f"{role}: expected Transpose perm [0, 2, 1, 3] splitting heads, got {_what(v)}"
@@ -258,8 +342,12 @@ def _repeated(kh: ir.Value, role: str) -> Heads | str:
     rep = rep_entries[2] if rep_entries is not None and len(rep_entries) == 5 else None
     if not isinstance(rep, int) or rep < 1:
         return f"{role}: the repeat count of Expand '{ex.name}' is not a constant"
+    merged_ok = out_entries is not None and len(out_entries) == 4 and (
+        out_entries[1] in (inner.heads * rep, -1)
+        # [B, ?, T, D] of the [B, G, rep, T, D] expansion: by the element count, ? is G * rep
+        or (out_entries[1] is None and out_entries[2:] == [("dim", 2), ("dim", 3)]))
     if rep_entries[1] not in (inner.heads, ("dim", 1)) or (  # type: ignore[index]
-            out_entries is not None and len(out_entries) == 4 and out_entries[1] not in (inner.heads * rep, -1)):
+            out_entries is not None and len(out_entries) == 4 and not merged_ok):
         return f"{role}: Expand '{ex.name}' / Reshape '{rs.name}' do not repeat {inner.heads} heads {rep} times"
     if out_entries is None or len(out_entries) != 4:
         return f"{role}: Reshape '{rs.name}' of a repeat_kv is not to 4 dims"
@@ -383,6 +471,8 @@ class AttentionFusion(Rule):
             return self.fail(f"query has {q.heads} heads, key {k.heads} (repeated {k.repeat} times)", k.x)
         if v.factor != 1.0:
             return self.fail("value is scaled by a constant before the attention", v.x)
+        if v.rotary is not None:
+            return self.fail("value is rotated (a rotary embedding on V is not attention's math)", v.x)
         if kw.get("ctx_form") == "reshaped":
             same = kw["ctx_same"]
             ctx = same.producer().inputs[0]
@@ -479,7 +569,9 @@ class AttentionFusion(Rule):
             attrs["kv_num_heads"] = k.heads
         if f["nan"] and not _finite_bias(mask):
             attrs["nan_to_zero"] = 1
-        y = mograph_op(op, ATTENTION_OP, q.x, k.x, v.x, mask, **attrs)
+        qx = q.x if q.rotary is None else mograph_op(op, ROTARY_OP, q.x, *q.rotary, num_heads=q.heads)
+        kx = k.x if k.rotary is None else mograph_op(op, ROTARY_OP, k.x, *k.rotary, num_heads=k.heads)
+        y = mograph_op(op, ATTENTION_OP, qx, kx, v.x, mask, **attrs)
         fmt = getattr(self, "mask_format", None)
         if fmt and fmt != "bias" and f["mask"] is not None:
             y.producer().metadata_props[MASK_FORMAT_KEY] = fmt
@@ -496,6 +588,8 @@ class AttentionFusion(Rule):
         parts = [str(form), "mask" if f["mask"] is not None else "nomask"]
         if f["k"].heads != f["q"].heads:
             parts.append("gqa")
+        if f["q"].rotary is not None or f["k"].rotary is not None:
+            parts.append("rotary")
         return ".".join(parts)
 
 

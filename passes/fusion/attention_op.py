@@ -27,7 +27,7 @@ import onnx_ir as ir
 
 from mograph.custom_ops import DOMAIN, DOMAIN_VERSION, CustomOp
 
-__all__ = ["ATTENTION_OP", "MASK_FORMATS", "MASK_FORMAT_KEY", "ONNX_ATTENTION_OPSET", "attention", "attention_function",
+__all__ = ["ATTENTION_OP", "ROTARY_OP", "rotary_embedding", "rotary_function", "MASK_FORMATS", "MASK_FORMAT_KEY", "ONNX_ATTENTION_OPSET", "attention", "attention_function",
            "custom_ops"]
 
 #: The fused op's type in the ``mograph`` domain.
@@ -143,8 +143,68 @@ def _infer_shapes(node: ir.Node) -> None:
         out.shape = ir.Shape([q.shape[0], q.shape[1], width])
 
 
+# ---------------------------------------------------------------------------------------------
+# mograph.RotaryEmbedding
+# ---------------------------------------------------------------------------------------------
+
+#: The rotary embedding op's type in the ``mograph`` domain.
+ROTARY_OP = "RotaryEmbedding"
+
+
+def rotary_embedding(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, *, num_heads: int) -> np.ndarray:
+    """``X`` ``[B, S, N*D]`` rotated per head: ``X_h * cos + rotate_half(X_h) * sin`` (cos, sin broadcastable
+    to the head layout ``[B, N, S, D]``; ``rotate_half(x) = concat(-x[..., D/2:], x[..., :D/2])``)."""
+    dt: Any = np.float64 if x.dtype == np.float64 else np.float32
+    b, s, hidden = x.shape
+    d = hidden // num_heads
+    xh: np.ndarray = x.astype(dt).reshape(b, s, num_heads, d).transpose(0, 2, 1, 3)
+    half = np.concatenate([-xh[..., d // 2:], xh[..., : d // 2]], axis=-1)
+    y = xh * cos.astype(dt) + half * sin.astype(dt)
+    return y.transpose(0, 2, 1, 3).reshape(b, s, hidden).astype(x.dtype)
+
+
+def rotary_function(opset: int) -> ir.Function:
+    """Function body, in the ``[B, S, N, D]`` layout (only cos and sin are transposed, not X)."""
+    nodes: list[ir.Node] = []
+
+    def add(op_type: str, *inputs: ir.Value, **attrs: Any) -> ir.Value:
+        node = ir.node(op_type, list(inputs), attributes=attrs)
+        nodes.append(node)
+        return node.outputs[0]
+
+    x, cos, sin = (ir.Value(name=n) for n in ("X", "Cos", "Sin"))
+    heads = add("Constant", value_int=ir.RefAttr("value_int", "num_heads", ir.AttributeType.INT))
+    heads = add("Reshape", heads, add("Constant", value_ints=[1]))
+    x4 = add("Reshape", x, add("Concat", add("Constant", value_ints=[0, 0]), heads, add("Constant", value_ints=[-1]),
+                               axis=0))  # [B, S, N, D]
+
+    def to_bsnd(t: ir.Value) -> ir.Value:  # broadcastable [b, n, s, D] -> [b, s, n, D]
+        shape4 = add("Concat", add("Constant", value_ints=[1, 1, 1, 1]), add("Shape", t), axis=0)
+        t4 = add("Reshape", t, add("Slice", shape4, add("Constant", value_ints=[-4]),
+                                   add("Constant", value_ints=[2**62])))
+        return add("Transpose", t4, perm=[0, 2, 1, 3])
+
+    d = add("Shape", x4, start=3) if opset >= 15 else add("Slice", add("Shape", x4), add("Constant", value_ints=[3]),
+                                                            add("Constant", value_ints=[4]))
+    h = add("Div", d, add("Constant", value_ints=[2]))
+    axes = add("Constant", value_ints=[3])
+    first = add("Slice", x4, add("Constant", value_ints=[0]), h, axes)
+    second = add("Slice", x4, h, add("Constant", value_ints=[2**62]), axes)
+    half = add("Concat", add("Neg", second), first, axis=-1)
+    y = add("Add", add("Mul", x4, to_bsnd(cos)), add("Mul", half, to_bsnd(sin)))
+    y = add("Reshape", y, add("Constant", value_ints=[0, 0, -1]))
+    graph = ir.Graph([x, cos, sin], [y], nodes=nodes, opset_imports={"": opset})
+    return ir.Function(DOMAIN, ROTARY_OP, "", graph=graph, attributes=[ir.AttrInt64("num_heads", 1)])
+
+
+def _same_as_x(node: ir.Node) -> None:
+    x, out = node.inputs[0], node.outputs[0]
+    if x is not None:
+        out.type, out.shape = x.type, x.shape
+
+
 def custom_ops() -> list[CustomOp]:
-    """The ``mograph.Attention`` declaration (contributed through ``mograph_add_custom_ops``)."""
+    """The ``mograph.Attention`` and ``mograph.RotaryEmbedding`` declarations (``mograph_add_custom_ops``)."""
     from mograph.passes.fusion.lowerings import lowerings_for
 
     return [
@@ -166,6 +226,20 @@ def custom_ops() -> list[CustomOp]:
             infer_shapes=_infer_shapes,
             lowerings=lowerings_for(ATTENTION_OP),
             onnx_opset=ONNX_ATTENTION_OPSET,
-        )
+        ),
+        CustomOp(
+            name=ROTARY_OP,
+            domain=DOMAIN,
+            version=DOMAIN_VERSION,
+            doc="Rotary position embedding of X [B, S, N*D] per head: X_h * Cos + rotate_half(X_h) * Sin, Cos and "
+                "Sin broadcastable to [B, N, S, D], rotate_half(x) = concat(-x[..., D/2:], x[..., :D/2]).",
+            inputs=("X", "Cos", "Sin"),
+            outputs=("Y",),
+            attributes={"num_heads": 1},
+            reference=lambda x, cos, sin, num_heads=1: (rotary_embedding(x, cos, sin, num_heads=num_heads),),
+            function=rotary_function,
+            infer_shapes=_same_as_x,
+            lowerings=lowerings_for(ROTARY_OP),
+        ),
     ]
 

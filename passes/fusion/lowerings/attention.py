@@ -25,8 +25,14 @@
         with its slow unfused ``SoftmaxWithRawMask`` kernel.
 
     ``nan_to_zero`` adds ``Where(IsNaN(Y), 0, Y)`` after the kernel (a fully ``-inf``-masked row gives NaN
-    there, 0 in the original).  Grouped-query attention (``kv_num_heads`` != ``num_heads``) has no
-    non-causal ORT contrib form: the lowering declines and the op keeps its function body.
+    there, 0 in the original).  Grouped-query attention (``kv_num_heads`` != ``num_heads``): K and V are
+    repeated per head in their ``[B, T, Hkv*D]`` layout (Reshape/Expand/Reshape, as ``repeat_kv`` does),
+    then ``MultiHeadAttention`` as above (``GroupQueryAttention`` would avoid the copy but takes only
+    causal attention with position-indexed rotary caches and ``seqlens_k``; not lowered to yet).
+``RotaryEmbedding``
+    every target inlines the body (X rotated in its ``[B, S, N, D]`` view; only cos/sin are
+    transposed): ONNX Runtime's ``com.microsoft.RotaryEmbedding`` takes position-indexed cos/sin caches,
+    not the per-token cos/sin an export computes.
 ``onnx``
     the standard ``Attention`` (3-D form, ``q_num_heads``, ``kv_num_heads``; ``M`` as ``attn_mask``, expanded
     the same way, since ONNX Runtime does not broadcast its dim -2) at opset >= 23; below that ONNX has no
@@ -398,6 +404,34 @@ def _nan_to_zero(y: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
     return where.outputs[0]
 
 
+def _repeat_heads(x: ir.Value, groups: int, rep: int, new_nodes: list[ir.Node],
+                  shared: Shared | None) -> ir.Value | None:
+    """``[B, T, G*D]`` -> ``[B, T, G*rep*D]``, each head repeated ``rep`` times in place."""
+    key = ("kv_repeats", id(x), rep)
+    if shared is not None and key in shared:
+        return shared[key]
+
+    def const(vals: list[int]) -> ir.Value:
+        n = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(vals, dtype=np.int64))})
+        new_nodes.append(n)
+        return n.outputs[0]
+
+    def add(op_type: str, inputs: list[ir.Value], **attrs: Any) -> ir.Value:
+        n = ir.node(op_type, inputs, attributes=attrs)
+        new_nodes.append(n)
+        return n.outputs[0]
+
+    x5 = add("Reshape", [x, const([0, 0, groups, 1, -1])])  # [B, T, G, 1, D]
+    shape5 = add("Shape", [x5])
+    lead = add("Slice", [shape5, const([0]), const([2])])
+    dim = add("Slice", [shape5, const([4]), const([5])])
+    big = add("Expand", [x5, add("Concat", [lead, const([groups, rep]), dim], axis=0)])
+    out = add("Reshape", [big, const([0, 0, -1])])
+    if shared is not None:
+        shared[key] = out
+    return out
+
+
 def _lower_ort(node: ir.Node, ctx: LoweringContext) -> bool:
     """``com.microsoft.MultiHeadAttention`` (or ``Attention`` with packed projections for ``raw`` masks)."""
     q, k, v, bias = node.inputs
@@ -405,13 +439,17 @@ def _lower_ort(node: ir.Node, ctx: LoweringContext) -> bool:
     assert graph is not None and q is not None and k is not None and v is not None
     heads = int(attr_value(node, "num_heads", 1))
     kv_heads = int(attr_value(node, "kv_num_heads", 0)) or heads
-    if kv_heads != heads:
-        return False  # grouped-query attention without a causal mask: no ORT contrib form takes it; the body runs
+    new_nodes: list[ir.Node] = []
+    if kv_heads != heads:  # MultiHeadAttention has one K/V head per query head: repeat them (as repeat_kv does)
+        rk = _repeat_heads(k, kv_heads, heads // kv_heads, new_nodes, ctx.shared)
+        rv = _repeat_heads(v, kv_heads, heads // kv_heads, new_nodes, ctx.shared)
+        if rk is None or rv is None:
+            return False
+        k, v = rk, rv
     attrs: dict[str, Any] = {"num_heads": heads, "scale": float(attr_value(node, "scale", 1.0))}
     fmt = node.metadata_props.get(MASK_FORMAT_KEY, "bias")
-    new_nodes: list[ir.Node] = []
     padding = None if is_zero(bias) or fmt == "bias" else _padding_mask(bias)  # type: ignore[arg-type]
-    packed = _packed(node) if fmt == "raw" and padding is not None else None
+    packed = _packed(node) if fmt == "raw" and padding is not None and kv_heads == heads else None
     if packed is not None:  # the raw [B, T] mask; the kernel fills masked scores with mask_filter_value
         x, w, b = packed
         wv = add_initializer(graph, "mograph_qkv_weight", w)
@@ -466,4 +504,13 @@ def _lower_trt(node: ir.Node, ctx: LoweringContext) -> bool:
     return ctx.inline(node)
 
 
-LOWERINGS: dict[str, dict[str, Lowering]] = {"Attention": {"ort": _lower_ort, "onnx": _lower_onnx, "tensorrt": _lower_trt}}
+def _inline(node: ir.Node, ctx: LoweringContext) -> bool:
+    return ctx.inline(node)
+
+
+LOWERINGS: dict[str, dict[str, Lowering]] = {
+    "Attention": {"ort": _lower_ort, "onnx": _lower_onnx, "tensorrt": _lower_trt},
+    # ONNX Runtime's RotaryEmbedding takes position-indexed cos/sin caches, not the per-token cos/sin an
+    # export computes: every target gets the body (rotating X in its [B, S, N, D] view, no transpose of X)
+    "RotaryEmbedding": {"ort": _inline, "onnx": _inline, "tensorrt": _inline},
+}
