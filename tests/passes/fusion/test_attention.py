@@ -568,3 +568,63 @@ def test_sdpa_nan_guard_fully_masked_row(target: str) -> None:
         assert fused[0].attributes["nan_to_zero"].value == 1
     else:
         assert op_counts(model)["IsNaN"] == 1 and op_counts(model)["com.microsoft.MultiHeadAttention"] == 1
+
+
+def rotary_gqa_text(rot_k: bool = True, half: int = D // 2) -> str:
+    """LLaMA-style: rotary on Q and K heads (transformers' apply_rotary_pos_emb), then repeat_kv and attention."""
+    body = gqa_text()
+    rot = []
+    for name, src in (("q", "qh0"), ("k", "k40")) if rot_k else (("q", "qh0"),):
+        rot += [f"r{name}a = Slice({src}, zero1, halfd, ax3)", f"r{name}b = Slice({src}, halfd, big1, ax3)",
+                f"r{name}n = Neg(r{name}b)", f"r{name}r = Concat<axis=-1>(r{name}n, r{name}a)",
+                f"r{name}c = Mul({src}, cos)", f"r{name}s = Mul(r{name}r, sin)"]
+    body = body.replace("qh = Transpose<perm=[0,2,1,3]>(q4)", "qh0 = Transpose<perm=[0,2,1,3]>(q4)")
+    if rot_k:
+        body = body.replace("k4 = Transpose<perm=[0,2,1,3]>(k3)", "k40 = Transpose<perm=[0,2,1,3]>(k3)")
+    lines = "\n  ".join(rot) + "\n  qh = Add(rqc, rqs)\n  " + ("k4 = Add(rkc, rks)\n  " if rot_k else "")
+    body = body.replace("  k5 = Unsqueeze(k4, ax)", "  " + lines + "k5 = Unsqueeze(k4, ax)")
+    body = body.replace("float[{B},1,1,{S}] bias)".format(B=B, S=S),
+                        f"float[{B},1,1,{S}] bias, float[1,1,{S},{D}] cos, float[1,1,{S},{D}] sin)")
+    return body.replace("float sc =", f"int64[1] zero1 = {{0}}, int64[1] halfd = {{{half}}}, int64[1] big1 = "
+                        f"{{1000}}, int64[1] ax3 = {{3}}, float sc =")
+
+
+def _rotary_feeds() -> dict[str, np.ndarray]:
+    feeds = _gqa_feeds()
+    pos = np.arange(S, dtype=np.float32)[:, None] * (1.0 / 10000 ** (np.arange(0, D, 2) / D))[None, :]
+    emb = np.concatenate([pos, pos], axis=-1)
+    feeds["cos"], feeds["sin"] = np.cos(emb)[None, None].astype(np.float32), np.sin(emb)[None, None].astype(np.float32)
+    return feeds
+
+
+@pytest.mark.parametrize("target", ["mograph", "ort", "onnx"])
+def test_rotary_grouped_query_attention(target: str) -> None:
+    """Rotary Q and K + repeat_kv: mograph.RotaryEmbedding x2 feeding mograph.Attention(kv_num_heads=2); ort:
+    the rotary bodies inlined and MultiHeadAttention over repeated K/V; numbers equal on ORT CPU."""
+    proto = parse(rotary_gqa_text())
+    feeds = _rotary_feeds()
+    stats = {"AttentionFusion": 1, "AttentionFusion.mul.mask.gqa.rotary": 1}
+    if target == "ort":
+        stats.update({"lowered.Attention": 1, "lowered.RotaryEmbedding": 2, "bias_expansions": 1, "kv_repeats": 2})
+    if target == "onnx":
+        stats.update({"inlined.Attention": 1, "lowered.RotaryEmbedding": 2})
+    model = check_fusion(lowered(FuseAttentionPass(), target), proto, stats=stats, feeds=feeds)
+    left = op_counts(model)
+    if target == "mograph":
+        assert left == Counter({"mograph.RotaryEmbedding": 2, "mograph.Attention": 1}), left
+        rope = attention_op.rotary_embedding(feeds["q"], feeds["cos"], feeds["sin"], num_heads=H)
+        (got,) = run_ort(parse(rotary_gqa_text().replace("y = Reshape(ot, shp3)", "y = Identity(qh)").replace(
+            f"float[{B},{S},{HID}] y)", "float y)")), feeds)
+        np.testing.assert_allclose(got.transpose(0, 2, 1, 3).reshape(B, S, HID), rope, rtol=1e-5, atol=1e-6)
+    elif target == "ort":
+        assert left["com.microsoft.MultiHeadAttention"] == 1 and "Softmax" not in left and "Neg" in left, left
+    else:
+        assert not any(k.startswith("mograph.") for k in left) and "Softmax" in left
+
+
+def test_near_miss_rotary_wrong_half() -> None:
+    """rotate_half splitting at D/4 is not a rotary embedding: the query side stops at the Add, untouched."""
+    proto = parse(rotary_gqa_text(half=D // 4))
+    result = assert_untouched(lowered(FuseAttentionPass(explain="true"), "ort"), proto)
+    (entry,) = result.details["fuse-attention"]["unfused_softmax"]
+    assert entry["reason"].startswith("query: expected Transpose perm [0, 2, 1, 3] splitting heads, got Add")

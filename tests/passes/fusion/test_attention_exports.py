@@ -5,7 +5,8 @@ Each case is exported once per session (``MOGRAPH_TEST_EXPORT_DIR`` keeps them),
 ``Softmax``, agree with the export on ONNX Runtime CPU (optimizations off, right-padded feeds), and
 change nothing on a second run.  The cases cover both exporters, transformers' ``eager`` and ``sdpa``
 attention, with and without a padding mask, encoder self-attention (BERT, ViT, Whisper's encoder), causal
-decoder self-attention (GPT-2) and cross-attention (Whisper's decoder).
+decoder self-attention (GPT-2), rotary grouped-query attention (LLaMA: 8 query / 2 KV heads) and
+cross-attention (Whisper's decoder).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ CASES = [
     C("whisper-enc", "torchscript", "eager", "none"), C("whisper-enc", "dynamo", "sdpa", "none"),
     C("gpt2", "torchscript", "eager", "pad"), C("gpt2", "torchscript", "sdpa", "none"), C("gpt2", "dynamo", "sdpa", "pad"),
     C("whisper-dec", "torchscript", "sdpa", "pad"), C("whisper-dec", "dynamo", "eager", "none"),
+    C("llama", "torchscript", "eager", "pad"), C("llama", "dynamo", "sdpa", "pad"),
 ]
 
 
