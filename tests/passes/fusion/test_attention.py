@@ -583,7 +583,7 @@ def rotary_gqa_text(rot_k: bool = True, half: int = D // 2) -> str:
         body = body.replace("k4 = Transpose<perm=[0,2,1,3]>(k3)", "k40 = Transpose<perm=[0,2,1,3]>(k3)")
     lines = "\n  ".join(rot) + "\n  qh = Add(rqc, rqs)\n  " + ("k4 = Add(rkc, rks)\n  " if rot_k else "")
     body = body.replace("  k5 = Unsqueeze(k4, ax)", "  " + lines + "k5 = Unsqueeze(k4, ax)")
-    body = body.replace("float[{B},1,1,{S}] bias)".format(B=B, S=S),
+    body = body.replace(f"float[{B},1,1,{S}] bias)",
                         f"float[{B},1,1,{S}] bias, float[1,1,{S},{D}] cos, float[1,1,{S},{D}] sin)")
     return body.replace("float sc =", f"int64[1] zero1 = {{0}}, int64[1] halfd = {{{half}}}, int64[1] big1 = "
                         f"{{1000}}, int64[1] ax3 = {{3}}, float sc =")
