@@ -18,7 +18,9 @@ family             attention
 =================  ==================================================================================
 
 ``mask``: ``"pad"`` feeds an ``attention_mask`` input (right padding in :func:`feeds`), ``"none"`` exports
-without one (where the family takes one).  ``attn``: ``"eager"`` (explicit MatMul/Softmax) or ``"sdpa"``
+without one (where the family takes one), ``"cache"`` (``gpt2``, ``llama``) exports one decode step with a KV
+cache: inputs ``input_ids`` ``[B, 1]``, ``attention_mask`` ``[B, P+1]``, ``past_key_i``/``past_value_i``
+``[B, Hkv, P, D]``; outputs ``last_hidden_state`` and ``present_key_i``/``present_value_i``.  ``attn``: ``"eager"`` (explicit MatMul/Softmax) or ``"sdpa"``
 (``scaled_dot_product_attention``, transformers' default, which both exporters decompose).
 
 Sizes: 2 layers, hidden 64 (4 heads of 16), vocab 100; ``llama`` hidden 256 with 8 query / 2 KV heads of 32.
@@ -41,7 +43,9 @@ __all__ = ["FAMILIES", "ATTNS", "EXPORTERS", "MASKS", "Case", "all_cases", "buil
 FAMILIES = ("bert", "roberta", "vit", "whisper-enc", "gpt2", "llama", "whisper-dec")
 ATTNS = ("eager", "sdpa")
 EXPORTERS = ("torchscript", "dynamo")
-MASKS = ("pad", "none")
+MASKS = ("pad", "none", "cache")
+#: families exported with a KV cache too (mask "cache")
+CACHED = ("gpt2", "llama")
 VOCAB = 100
 HIDDEN = 64
 HEADS = 4
@@ -77,7 +81,7 @@ def all_cases() -> list[Case]:
     """Every (family, exporter, attn, mask) combination; mask ``none`` only for families without a mask input."""
     out = []
     for family in FAMILIES:
-        masks = ("none",) if family in NO_MASK else MASKS
+        masks = ("none",) if family in NO_MASK else tuple(m for m in MASKS if m != "cache" or family in CACHED)
         for exporter in EXPORTERS:
             for attn in ATTNS:
                 for mask in masks:
@@ -131,7 +135,9 @@ def build(case: Case, seed: int = 0) -> tuple[Any, list[str], list[str]]:
         torch.manual_seed(seed)
         _perturb(torch, inner, seed)
     inner.eval()
-    with_mask = case.mask == "pad" and f not in NO_MASK
+    with_mask = case.mask in ("pad", "cache") and f not in NO_MASK
+    if case.mask == "cache":
+        return _cached_wrapper(torch, tf, cfg, inner)
 
     class Wrapper(torch.nn.Module):
         def __init__(self) -> None:
@@ -164,10 +170,46 @@ def build(case: Case, seed: int = 0) -> tuple[Any, list[str], list[str]]:
     return Wrapper().eval(), names, ["last_hidden_state"]
 
 
+def _kv_shape(case: Case) -> tuple[int, int]:
+    """(KV heads, head dim) of a cached family."""
+    return (2, 32) if case.family == "llama" else (HEADS, HIDDEN // HEADS)
+
+
+def _cached_wrapper(torch: Any, tf: Any, cfg: Any, inner: Any) -> tuple[Any, list[str], list[str]]:
+    class Cached(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids: Any, mask: Any, pk0: Any, pv0: Any, pk1: Any, pv1: Any) -> Any:
+            cache = tf.DynamicCache(config=cfg)
+            cache.update(pk0, pv0, 0)
+            cache.update(pk1, pv1, 1)
+            out = self.inner(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+                             return_dict=True)
+            c = out.past_key_values
+            return (out.last_hidden_state, c.layers[0].keys, c.layers[0].values, c.layers[1].keys,
+                    c.layers[1].values)
+
+    names = ["input_ids", "attention_mask", "past_key_0", "past_value_0", "past_key_1", "past_value_1"]
+    outputs = ["last_hidden_state", "present_key_0", "present_value_0", "present_key_1", "present_value_1"]
+    return Cached().eval(), names, outputs
+
+
 def feeds(case: Case, batch: int = 3, seq: int = 12, seed: int = 0) -> dict[str, np.ndarray]:
-    """Seeded feeds: right-padded masks (row 0 full, later rows shorter, none empty)."""
+    """Seeded feeds: right-padded masks (row 0 full, later rows shorter, none empty); with a cache, one new
+    token over ``seq`` past positions (row 1's last past position masked)."""
     rng = np.random.default_rng(seed)
     f = case.family
+    if case.mask == "cache":
+        kvh, d = _kv_shape(case)
+        out = {"input_ids": rng.integers(3, VOCAB, size=(batch, 1), dtype=np.int64),
+               "attention_mask": np.ones((batch, seq + 1), dtype=np.int64)}
+        out["attention_mask"][1 % batch, seq - 1] = 0
+        for i in range(LAYERS):
+            for n in ("key", "value"):
+                out[f"past_{n}_{i}"] = rng.standard_normal((batch, kvh, seq, d)).astype(np.float32)
+        return out
     if f == "vit":
         return {"pixel_values": rng.standard_normal((batch, 3, 32, 32)).astype(np.float32)}
     if f == "whisper-enc":
@@ -191,6 +233,10 @@ def export(case: Case, path: str | os.PathLike[str], seed: int = 0) -> Path:
     module, names, outputs = build(case, seed)
     sample = feeds(case, batch=2, seq=8, seed=seed)
     args = tuple(torch.from_numpy(sample[n]) for n in names)
+    if case.mask == "cache":
+        with _no_packed_sequences():
+            _export_cached(case, module, args, names, outputs, path)
+        return path
     seq_axis: dict[str, int | None] = {"input_ids": 1, "attention_mask": 1, "encoder_hidden_states": None,
                 "pixel_values": None, "input_features": None}
     with _no_packed_sequences():
@@ -210,6 +256,25 @@ def _no_packed_sequences() -> Iterator[None]:
         yield
     finally:
         masking_utils.find_packed_sequence_indices = saved
+
+
+def _export_cached(case: Case, module: Any, args: tuple, names: list[str], outputs: list[str], path: Path) -> None:
+    import torch
+
+    if case.exporter == "torchscript":
+        axes: dict[str, dict[int, str]] = {"input_ids": {0: "batch"}, "attention_mask": {0: "batch", 1: "total"}}
+        axes.update({n: {0: "batch", 2: "past"} for n in names[2:]})
+        axes["last_hidden_state"] = {0: "batch"}
+        axes.update({n: {0: "batch", 2: "total"} for n in outputs[1:]})
+        with torch.no_grad():
+            torch.onnx.export(module, args, str(path), input_names=names, output_names=outputs, opset_version=17,
+                              dynamo=False, dynamic_axes=axes, do_constant_folding=True)
+        return
+    batch, past, total = (torch.export.Dim(n, max=m) for n, m in (("batch", 1024), ("past", 100), ("total", 101)))
+    shapes = ({0: batch}, {0: batch, 1: total}) + tuple({0: batch, 2: past} for _ in names[2:])
+    with torch.no_grad():
+        torch.onnx.export(module, args, str(path), input_names=names, output_names=outputs, opset_version=18,
+                          dynamo=True, dynamic_shapes=shapes, external_data=False, verbose=False)
 
 
 def _export(case: Case, module: Any, args: tuple, names: list[str], outputs: list[str], path: Path,

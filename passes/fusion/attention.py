@@ -189,6 +189,8 @@ class Heads:
     repeat: int = 1
     #: (cos, sin) of a rotary embedding applied to the heads, broadcastable to [B, N, S, D]
     rotary: tuple[ir.Value, ir.Value] | None = None
+    #: K/V with a cache: ``Concat(past, new heads, axis=2)`` ``[B, N, P+T, D]`` (the present, a graph output)
+    cached: ir.Value | None = None
 
 
 def _producer(value: ir.Value | None, *op_types: str) -> ir.Node | None:
@@ -321,6 +323,28 @@ def _split_heads(v4: ir.Value, role: str) -> Heads | str:
     return Heads(x, hd[0], hd[1], f1 * f2)
 
 
+def _cached_or_split(kh: ir.Value, role: str) -> Heads | str:
+    """K/V heads, possibly after a KV cache: ``Concat(past [B, N, P, D], new heads, axis=2)``."""
+    cat = _producer(kh, "Concat")
+    if cat is None:
+        return _split_heads(kh, role)
+    axis = int(cat.attributes["axis"].value) if "axis" in cat.attributes else None
+    if axis not in (2, -2) or len(cat.inputs) != 2 or cat.inputs[0] is None or cat.inputs[1] is None:
+        return f"{role}: Concat '{cat.name}' is not a KV cache (past, new) on the sequence axis"
+    new = _split_heads(cat.inputs[1], role)
+    if isinstance(new, str):
+        return new
+    past = cat.inputs[0]
+    if past.dtype != new.x.dtype or past.shape is None or len(past.shape) != 4:
+        return f"{role}: the past '{past.name}' of Concat '{cat.name}' is not a 4-D tensor of the new heads' dtype"
+    if isinstance(past.shape[1], int) and past.shape[1] != new.heads or (
+            isinstance(past.shape[3], int) and past.shape[3] != new.dim):
+        return f"{role}: the past '{past.name}' is not [batch, {new.heads}, past, {new.dim}]"
+    if new.factor != 1.0:
+        return f"{role}: the new heads are scaled before the cache (the past is not)"
+    return Heads(new.x, new.heads, new.dim, 1.0, cached=kh)
+
+
 def _repeated(kh: ir.Value, role: str) -> Heads | str:
     """K or V heads, possibly repeated for grouped-query attention:
     ``Reshape(Expand(Unsqueeze(h, 2), [B, G, n, T, D]), [B, G*n, T, D])``."""
@@ -328,13 +352,13 @@ def _repeated(kh: ir.Value, role: str) -> Heads | str:
     ex = _producer(rs.inputs[0], "Expand") if rs is not None else None
     un = _producer(ex.inputs[0], "Unsqueeze") if ex is not None else None
     if rs is None or ex is None or un is None:
-        return _split_heads(kh, role)
+        return _cached_or_split(kh, role)
     axes = constant_array(un.inputs[1]) if len(un.inputs) > 1 else None
     if axes is None and "axes" in un.attributes:
         axes = np.array(un.attributes["axes"].value)
     if axes is None or axes.reshape(-1).tolist() != [2]:
         return f"{role}: Unsqueeze '{un.name}' of a repeat_kv is not on axis 2"
-    inner = _split_heads(un.inputs[0], role)  # type: ignore[arg-type]
+    inner = _cached_or_split(un.inputs[0], role)  # type: ignore[arg-type]
     if isinstance(inner, str):
         return inner
     rep_entries = _entries(ex.inputs[1])
@@ -465,6 +489,8 @@ class AttentionFusion(Rule):
             return self.fail(f"a {q.x.dtype} attention needs opset >= 15 for its function body", q.x)
         if k.dim != q.dim:
             return self.fail(f"key head_dim {k.dim} differs from the query's {q.dim}", k.x)
+        if (k.cached is None) != (v.cached is None):
+            return self.fail("only one of key and value comes from a cache", k.x)
         if k.heads != v.heads or k.repeat != v.repeat:
             return self.fail(f"key has {k.heads} heads x{k.repeat}, value {v.heads} x{v.repeat}", v.x)
         if k.heads * k.repeat != q.heads:
@@ -554,7 +580,12 @@ class AttentionFusion(Rule):
             return add("Slice", [add("Shape", [x]), const([i]), const([i + 1])])
 
         q, k, v = f["q"].x, f["k"].x, f["v"]
-        parts = {"B": lambda: dim(q, 0), "S": lambda: dim(q, 1), "T": lambda: dim(k, 1),
+        cached = f["k"].cached
+
+        def keys() -> ir.Value:
+            return dim(k, 1) if cached is None else dim(cached, 2)
+
+        parts = {"B": lambda: dim(q, 0), "S": lambda: dim(q, 1), "T": keys,
                  "H": lambda: const([f["q"].heads]), "V": lambda: const([v.dim])}
         return nodes, add("Concat", [parts[c]() for c in layout], axis=0)
 
@@ -571,7 +602,15 @@ class AttentionFusion(Rule):
             attrs["nan_to_zero"] = 1
         qx = q.x if q.rotary is None else mograph_op(op, ROTARY_OP, q.x, *q.rotary, num_heads=q.heads)
         kx = k.x if k.rotary is None else mograph_op(op, ROTARY_OP, k.x, *k.rotary, num_heads=k.heads)
-        y = mograph_op(op, ATTENTION_OP, qx, kx, v.x, mask, **attrs)
+        flat = None
+        for heads in (k, v):
+            if heads.cached is not None:  # the cache's [B, N, P+T, D] present as [B, P+T, N*D]
+                if flat is None:
+                    flat = op.initializer(ir.tensor(np.array([0, 0, -1], dtype=np.int64)), name="mograph_merge_heads")
+                merged = op.Reshape(op.Transpose(heads.cached, perm=[0, 2, 1, 3]), flat)
+                kx, vx = (merged, None) if heads is k else (kx, merged)
+        vx = v.x if v.cached is None else vx  # type: ignore[possibly-undefined]
+        y = mograph_op(op, ATTENTION_OP, qx, kx, vx, mask, **attrs)
         fmt = getattr(self, "mask_format", None)
         if fmt and fmt != "bias" and f["mask"] is not None:
             y.producer().metadata_props[MASK_FORMAT_KEY] = fmt
@@ -590,6 +629,8 @@ class AttentionFusion(Rule):
             parts.append("gqa")
         if f["q"].rotary is not None or f["k"].rotary is not None:
             parts.append("rotary")
+        if f["k"].cached is not None:
+            parts.append("cache")
         return ".".join(parts)
 
 

@@ -6,7 +6,7 @@ Each case is exported once per session (``MOGRAPH_TEST_EXPORT_DIR`` keeps them),
 change nothing on a second run.  The cases cover both exporters, transformers' ``eager`` and ``sdpa``
 attention, with and without a padding mask, encoder self-attention (BERT, ViT, Whisper's encoder), causal
 decoder self-attention (GPT-2), rotary grouped-query attention (LLaMA: 8 query / 2 KV heads) and
-cross-attention (Whisper's decoder).
+cross-attention (Whisper's decoder), and decode steps with a KV cache (GPT-2, LLaMA).
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ CASES = [
     C("gpt2", "torchscript", "eager", "pad"), C("gpt2", "torchscript", "sdpa", "none"), C("gpt2", "dynamo", "sdpa", "pad"),
     C("whisper-dec", "torchscript", "sdpa", "pad"), C("whisper-dec", "dynamo", "eager", "none"),
     C("llama", "torchscript", "eager", "pad"), C("llama", "dynamo", "sdpa", "pad"),
+    # one decode step with a KV cache (past_key_i/past_value_i in, present_key_i/present_value_i out)
+    C("gpt2", "torchscript", "sdpa", "cache"), C("llama", "torchscript", "eager", "cache"),
+    C("llama", "dynamo", "sdpa", "cache"),
 ]
 
 
