@@ -656,10 +656,11 @@ def _mask_format(raw: object) -> str:
 MASK_FORMAT_OPTION = Option(
     "mask-format", _mask_format, "bias",
     "how --target ort passes a key-padding mask to attention: bias (default: MultiHeadAttention's additive "
-    "attention_bias, built once and shared by the layers; exact for any mask, and ONNX Runtime's CUDA "
-    "provider runs it with flash attention), lengths (a 1-D key-length mask_index, ReduceSum of the 0/1 "
-    "attention_mask: the fastest, but exact only for RIGHT-padded masks; a left-padded row attends to the "
-    "wrong keys), raw (the 2-D mask as mask_index: exact, but ONNX Runtime CUDA's slow unfused kernel)",
+    "attention_bias, built once and shared by the layers; exact for any mask, left or right padding; on the "
+    "H200 an additive (1,1,S,S) bias ran cuDNN flash attention, (B,1,S,S) is not yet measured), lengths (1-D "
+    "key lengths, ReduceSum of the 0/1 attention_mask: measured fastest, but exact only for RIGHT-padded "
+    "masks: a left-padded row attends to its first keys instead; masks not traced to an attention_mask input "
+    "stay bias), raw (the 2-D mask as mask_index: exact, but ONNX Runtime CUDA's slow unfused kernel)",
     metavar="bias|lengths|raw",
 )
 
