@@ -18,6 +18,8 @@ The export of a case needs torch and transformers; ``--json FILE`` writes the ro
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import sys
@@ -58,7 +60,8 @@ def run_case(case: Any, cache: Path, target: str, explain: bool) -> dict[str, An
     t0 = time.perf_counter()
     try:
         if not path.exists():
-            corpus.export(case, path)  # type: ignore[arg-type]
+            with contextlib.redirect_stdout(io.StringIO()):  # torch prints its IR when an export fails
+                corpus.export(case, path)
     except Exception as exc:  # noqa: BLE001 - a failed export is a row of the table, not a crash
         row["error"] = f"export failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
         return row
