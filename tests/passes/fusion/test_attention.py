@@ -502,7 +502,7 @@ def _gqa_feeds(kv: int = 2) -> dict[str, np.ndarray]:
 
 def test_grouped_query_attention_fuses_with_kv_num_heads() -> None:
     """repeat_kv is traced: one mograph.Attention(num_heads=4, kv_num_heads=2) whose function body (and the
-    numpy reference) equal the original; ort has no non-causal GQA form: the op stays with its body."""
+    numpy reference) equal the original; ort: MultiHeadAttention over K/V repeated per head (one Expand each)."""
     proto = parse(gqa_text())
     feeds = _gqa_feeds()
     stats = {"AttentionFusion": 1, "AttentionFusion.mul.mask.gqa": 1}
@@ -512,8 +512,9 @@ def test_grouped_query_attention_fuses_with_kv_num_heads() -> None:
     (ref,) = attention_op.custom_ops()[0].reference(feeds["q"], feeds["k"], feeds["v"], feeds["bias"], num_heads=H,
                                                     scale=1 / math.sqrt(D), kv_num_heads=2)
     assert_close(run_ort(proto, feeds), [ref], 1e-5)
-    check_fusion(lowered(FuseAttentionPass(), "ort"), proto, stats={**stats, "kept.Attention": 1},
-                 ops_left=["mograph.Attention"], feeds=feeds)
+    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, feeds=feeds,
+                         stats={**stats, "lowered.Attention": 1, "bias_expansions": 1, "kv_repeats": 2})
+    assert op_counts(model)["com.microsoft.MultiHeadAttention"] == 1 and op_counts(model)["Expand"] == 3
     inlined = check_fusion(lowered(FuseAttentionPass(), "onnx"), proto, stats={**stats, "inlined.Attention": 1},
                            feeds=feeds)
     assert "Softmax" in op_counts(inlined) and "mograph" not in inlined.opset_imports
