@@ -75,6 +75,7 @@ __all__ = [
     "require_device",
     "load_cuda_libraries",
     "profile_placement",
+    "probe_outputs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -463,6 +464,30 @@ def profile_placement(session: Any, path: str, device_provider: str) -> dict[str
             os.rmdir(path)
 
 
+def _zero_feeds(session: Any, shapes: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for inp in session.get_inputs():
+        if inp.name not in shapes:
+            raise UsageError(f"a CUDA graph needs the shape of every input; '{inp.name}' has none")
+        if inp.type not in _NP_TYPES:
+            raise UsageError(f"a CUDA graph needs numpy-typed inputs; '{inp.name}' is {inp.type}")
+        out[inp.name] = np.zeros(tuple(int(d) for d in shapes[inp.name]), dtype=_NP_TYPES[inp.type])
+    return out
+
+
+def probe_outputs(session: Any, feeds: Mapping[str, np.ndarray], device: str = "cpu") -> dict[str, tuple[tuple[int, ...], Any]]:
+    """Run ``session`` once on ``feeds`` (outputs bound on ``device``); return each output's shape and
+    numpy dtype, which the output buffers of a CUDA graph need before its first (capturing) run."""
+    runner = OrtRunner(session, device=device)
+    runner.bind(feeds)()
+    specs = {}
+    for name, value in zip(runner.names, runner._binding.get_outputs()):
+        if value.data_type() not in _NP_TYPES:
+            raise UsageError(f"a CUDA graph needs numpy-typed outputs; '{name}' is {value.data_type()}")
+        specs[name] = (tuple(value.shape()), _NP_TYPES[value.data_type()])
+    return specs
+
+
 class OrtRunner:
     """An ONNX Runtime session as a backend runner: ``runner(feeds) -> outputs`` (numpy, on the host).
 
@@ -485,6 +510,8 @@ class OrtRunner:
         lowered: Mapping[str, Any] | None = None,
         profile_dir: str | None = None,
         free_dims: Mapping[str, int] | None = None,
+        output_specs: Mapping[str, tuple[tuple[int, ...], Any]] | None = None,
+        placement: dict[str, Any] | None = None,
     ) -> None:
         self.session = session
         self.device = device
@@ -492,12 +519,14 @@ class OrtRunner:
         self.cuda_graph = cuda_graph
         self.lowered = dict(lowered or {})
         self.free_dims = dict(free_dims or {})
-        self.placement: dict[str, Any] | None = None
+        self.placement: dict[str, Any] | None = placement
         self._profile_dir = profile_dir
+        self._output_specs = dict(output_specs) if output_specs is not None else None
         self.names = [o.name for o in session.get_outputs()]
         self._in_types = {i.name: i.type for i in session.get_inputs()}
         self._out_types = {o.name: o.type for o in session.get_outputs()}
         self._graph: tuple[Any, dict[str, Any], dict[str, tuple[int, ...]]] | None = None
+        self._graph_outputs: list[Any] = []
 
     # -- placement ------------------------------------------------------------------------------
     def _after_run(self) -> None:
@@ -534,10 +563,10 @@ class OrtRunner:
         """IO binding: copy ``feeds`` to the device once and return ``step()``, one run on them that waits
         for the device to finish; the outputs stay on the device (:meth:`outputs` copies them to the host).
 
-        With a CUDA graph the first call runs the model once to learn the output shapes, binds output
-        buffers of those shapes (a graph writes to fixed addresses) and leaves capturing to ONNX Runtime
-        (its next run); later calls copy new feeds into the same input buffers, so they must have the
-        shapes the graph was captured for.
+        With a CUDA graph, output buffers of the shapes the runner was made with (``output_specs``,
+        found by a probe run: a graph writes to fixed addresses) are bound before the first run, in which
+        ONNX Runtime captures the graph; later calls copy new feeds into the same input buffers, so they
+        must have the shapes the graph was captured for.
 
         Raises:
             UsageError: a CUDA graph fed other shapes than it was captured for.
@@ -589,22 +618,19 @@ class OrtRunner:
             return self._stepper(binding)
         if any(t in _EXOTIC for t in [*self._in_types.values(), *self._out_types.values()]):
             raise UsageError("a CUDA graph needs numpy-typed inputs and outputs (no bfloat16/float8)")
+        if self._output_specs is None:
+            raise UsageError("a CUDA graph runner needs its output shapes (make it with make_runner(..., shapes=...))")
         binding = self.session.io_binding()
         inputs = {name: self._input_value(ort, name, array) for name, array in feeds.items()}
         for name, value in inputs.items():
             binding.bind_ortvalue_input(name, value)
+        self._graph_outputs = []  # the buffers the graph writes to: kept alive as long as the runner
         for name in self.names:
-            binding.bind_output(name, *self._where)
-        binding.synchronize_inputs()
-        self.session.run_with_iobinding(binding)  # a regular run (ONNX Runtime captures on a later one)
-        binding.synchronize_outputs()
-        first = binding.get_outputs()
-        binding.clear_binding_outputs()
-        for name, value in zip(self.names, first):
-            buffer = ort.OrtValue.ortvalue_from_shape_and_type(
-                value.shape(), _NP_TYPES[value.data_type()], *self._where
-            )
+            shape, dtype = self._output_specs[name]
+            buffer = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, *self._where)
+            self._graph_outputs.append(buffer)
             binding.bind_ortvalue_output(name, buffer)
+        binding.synchronize_inputs()
         self._graph = (binding, inputs, shapes)
         self._binding = binding
         return self._stepper(binding)
@@ -662,10 +688,10 @@ class OrtBackend(Backend):
         if kind == "cuda":
             require_device(device)  # exit 7 before any work
         model, lowered = lowered_for(model, "ort")
-        free = _free_dims(model, shapes) if (cuda_graph and shapes) else {}
+        if cuda_graph:
+            return self._graph_runner(model, lowered, optimizations, threads, device or "cuda", shapes)
         if placement is None:
             placement = kind == "cuda"
-        placement = bool(placement) and not cuda_graph
         profile_dir = tempfile.mkdtemp(prefix="mograph-ort-profile-") if placement else None
         try:
             session = make_session(
@@ -674,8 +700,6 @@ class OrtBackend(Backend):
                 threads=threads,
                 providers=None if kind == "cuda" else providers,
                 device=device if kind == "cuda" else None,
-                cuda_graph=cuda_graph,
-                free_dims=free,
                 profile_prefix=os.path.join(profile_dir, "ort") if profile_dir else None,
             )
         except BaseException:
@@ -683,14 +707,38 @@ class OrtBackend(Backend):
                 with contextlib.suppress(OSError):
                     os.rmdir(profile_dir)
             raise
-        return OrtRunner(
-            session,
-            device=device or "cpu",
-            cuda_graph=cuda_graph,
-            lowered=lowered,
-            profile_dir=profile_dir,
-            free_dims=free,
-        )
+        return OrtRunner(session, device=device or "cpu", lowered=lowered, profile_dir=profile_dir)
+
+    @staticmethod
+    def _graph_runner(
+        model: Any, lowered: Mapping[str, Any], optimizations: bool, threads: int | None, device: str,
+        shapes: Mapping[str, Any] | None,
+    ) -> OrtRunner:
+        """A CUDA-graph runner: a probe session without the graph first (zero feeds of ``shapes``), for
+        the output shapes the graph's buffers need and for where the nodes run, then the graph session;
+        a refusal names the nodes that run on the CPU."""
+        if not shapes:
+            raise UsageError("a CUDA graph needs the feeds' shapes (make_runner(..., shapes={input: dims}))")
+        free = _free_dims(model, shapes)
+        folder = tempfile.mkdtemp(prefix="mograph-ort-profile-")
+        probe = make_session(model, optimizations=optimizations, threads=threads, device=device, free_dims=free,
+                             profile_prefix=os.path.join(folder, "ort"))
+        specs = probe_outputs(probe, _zero_feeds(probe, shapes), device)
+        where = profile_placement(probe, folder, CUDA_PROVIDER)
+        del probe
+        try:
+            session = make_session(model, optimizations=optimizations, threads=threads, device=device,
+                                   cuda_graph=True, free_dims=free)
+        except CudaGraphRefused as exc:
+            off = where["fallback"]
+            names = ", ".join(f"{e['name']} ({e['op_type']}, {e['provider']})" for e in off[:8])
+            more = f", ... {len(off) - 8} more" if len(off) > 8 else ""
+            detail = (f"; with dims pinned to {free or 'the model'}, {len(off)} node(s) still run outside CUDA: "
+                      f"{names}{more}" if off else "")
+            raise CudaGraphRefused(f"{exc}{detail}. Drop --cuda-graph, or pin the shapes first "
+                                   "(mograph optimize --passes fix-shapes --shape ...)") from exc
+        return OrtRunner(session, device=device, cuda_graph=True, lowered=lowered, free_dims=free,
+                         output_specs=specs, placement=where)
 
 
 BACKEND = OrtBackend()

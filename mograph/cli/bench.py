@@ -410,23 +410,10 @@ def placement_lines(placement: dict[str, Any] | None, limit: int = 8) -> list[st
 
 def _make_runner(backend: Any, src: Path, feeds: dict[str, np.ndarray], args: argparse.Namespace,
                  options: dict[str, Any]) -> Any:
-    """The backend's runner; a refused CUDA graph names the nodes that keep it off CUDA."""
-    from mograph.backends.ort import CudaGraphRefused
-
-    try:
-        return backend.make_runner(
-            src, optimizations=args.ort_optimizations, threads=args.threads, providers=args.provider, **options
-        )
-    except CudaGraphRefused as exc:
-        probe_options = {k: v for k, v in options.items() if k not in ("cuda_graph", "shapes")}
-        probe = backend.make_runner(
-            src, optimizations=args.ort_optimizations, threads=args.threads, placement=True, **probe_options
-        )
-        probe(feeds)
-        where = probe.placement or {}
-        detail = "; ".join(line.strip() for line in placement_lines(where))
-        raise CudaGraphRefused(f"{exc}. Without a graph: {detail or 'placement unknown'}. Drop --cuda-graph, "
-                               "or pin the shapes first (mograph optimize --passes fix-shapes --shape ...)") from exc
+    """The backend's runner (a refused CUDA graph is a usage error naming the nodes that run on the CPU)."""
+    return backend.make_runner(
+        src, optimizations=args.ort_optimizations, threads=args.threads, providers=args.provider, **options
+    )
 
 
 def _step(runner: Any, feeds: dict[str, np.ndarray], io_binding: bool, backend_name: str) -> Any:

@@ -159,16 +159,24 @@ def test_bench_io_binding_on_the_cpu(capsys):
 
 
 def test_graph_binding_logic_on_the_cpu():
-    """The CUDA-graph path (one regular run, fixed output buffers, same shapes only), run on the CPU:
-    ONNX Runtime only captures on CUDA, but the binding is the same."""
+    """The CUDA-graph path (output buffers from a probe run bound before the first run, same shapes only),
+    run on the CPU: ONNX Runtime only captures on CUDA, but the binding is the same."""
     session = ort_backend.make_session(str(BERT), free_dims={"batch": 1, "seq": 16})
-    runner = ort_backend.OrtRunner(session, device="cpu", cuda_graph=True)
+    specs = ort_backend.probe_outputs(session, ort_backend._zero_feeds(session, {k: v.shape for k, v in FEEDS.items()}))
+    assert specs == {"last_hidden_state": ((1, 16, 64), np.float32), "pooler_output": ((1, 64), np.float32)}
+    with pytest.raises(UsageError, match="needs its output shapes"):
+        ort_backend.OrtRunner(session, device="cpu", cuda_graph=True)(FEEDS)
+    runner = ort_backend.OrtRunner(session, device="cpu", cuda_graph=True, output_specs=specs)
     out = runner(FEEDS)
     plain = ort_backend.run(session, FEEDS)
     for name in plain:
         np.testing.assert_allclose(out[name], plain[name], rtol=1e-6, atol=1e-6)
     with pytest.raises(UsageError, match="captured for feeds"):
         runner.bind({k: np.concatenate([v, v], axis=1) for k, v in FEEDS.items()})
+    with pytest.raises(UsageError, match="shape of every input"):
+        ort_backend._zero_feeds(session, {"input_ids": (1, 16)})
+    with pytest.raises(UsageError, match="needs the feeds' shapes"):
+        ort_backend.OrtBackend._graph_runner(str(BERT), {}, False, None, "cuda", None)
 
 
 def test_free_dims_from_the_model_and_the_feeds():
