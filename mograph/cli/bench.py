@@ -277,6 +277,7 @@ def run(args: argparse.Namespace) -> CommandResult:
         total_s = time.perf_counter() - total_start
 
     session = getattr(runner, "session", None)
+    device = str(getattr(runner, "device", device))  # --provider CUDAExecutionProvider runs on cuda too
     runtime = args.backend
     providers = list(args.provider or [])
     if args.backend == "ort":
@@ -301,6 +302,8 @@ def run(args: argparse.Namespace) -> CommandResult:
         )
     else:
         memory["measures"] = "not measured: psutil is not installed (pip install 'mograph[bench]')"
+    if device.startswith("cuda"):
+        memory["measures"] += "; host memory only: GPU memory is not counted"
     data: dict[str, Any] = {
         "model": str(src),
         "backend": args.backend,
