@@ -128,15 +128,19 @@ def _child(queue: Any, *args: Any) -> None:  # pragma: no cover - runs in a spaw
     try:
         queue.put(("ok", _profiled_events(*args)))
     except BaseException as exc:  # noqa: BLE001 - sent back to the parent, which raises it
-        queue.put(("error", exc))
+        queue.put(("error", (type(exc), str(exc))))
 
 
 def _events_launch_blocking(*args: Any) -> tuple[list[dict[str, Any]], list[str]]:
     """:func:`_profiled_events` in a spawned child with ``CUDA_LAUNCH_BLOCKING=1``."""
+    import queue as queue_mod
+
+    from mograph.errors import ModelError, MographError
+
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     old = os.environ.get("CUDA_LAUNCH_BLOCKING")
-    os.environ["CUDA_LAUNCH_BLOCKING"] = "1"  # inherited by the child only: CUDA here is already set up or never used
+    os.environ["CUDA_LAUNCH_BLOCKING"] = "1"  # for the child: it reads it when it sets CUDA up
     try:
         proc = ctx.Process(target=_child, args=(queue, *args), daemon=True)
         proc.start()
@@ -146,11 +150,22 @@ def _events_launch_blocking(*args: Any) -> tuple[list[dict[str, Any]], list[str]
         else:
             os.environ["CUDA_LAUNCH_BLOCKING"] = old
     try:
-        status, payload = queue.get()
+        while True:
+            try:
+                status, payload = queue.get(timeout=1.0)
+                break
+            except queue_mod.Empty:
+                if not proc.is_alive():
+                    raise ModelError(f"the profiling process died (exit code {proc.exitcode})") from None
     finally:
-        proc.join()
+        proc.join(timeout=30)
     if status == "error":
-        raise payload
+        cls, message = payload
+        if isinstance(cls, type) and issubclass(cls, MographError):
+            err = cls.__new__(cls)  # the message as is, whatever the class's own __init__ takes
+            Exception.__init__(err, message)
+            raise err
+        raise ModelError(f"profiling failed: {cls.__name__}: {message}")
     return payload  # type: ignore[no-any-return]
 
 

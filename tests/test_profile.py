@@ -180,3 +180,12 @@ def test_bench_profile_json_and_table(capsys):
     assert "op type" in text and "top 3 nodes" in text and "fusion candidates" in text
     assert "fused LayerNorm" in text  # ORT's optimizations are on by default
     assert format_profile(data["profile"]).count("\n") > 10
+
+
+def test_profile_child_errors_come_back_as_mograph_errors():
+    from mograph.errors import ModelError
+
+    bad = {"input_ids": np.zeros((1, 16), np.int64), "attention_mask": np.zeros((1, 16, 2), np.int64)}
+    with pytest.raises(ModelError, match="ONNX Runtime") as info:
+        profile_model(str(BERT), feeds=bad, runs=1, warmup=0, launch_blocking=True)
+    assert info.value.exit_code == 3

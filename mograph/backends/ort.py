@@ -527,6 +527,7 @@ class OrtRunner:
         self._out_types = {o.name: o.type for o in session.get_outputs()}
         self._graph: tuple[Any, dict[str, Any], dict[str, tuple[int, ...]]] | None = None
         self._graph_outputs: list[Any] = []
+        self._bound_inputs: list[Any] = []
 
     # -- placement ------------------------------------------------------------------------------
     def _after_run(self) -> None:
@@ -577,8 +578,10 @@ class OrtRunner:
             if self.cuda_graph:
                 return self._bind_graph(ort, feeds)
             binding = self.session.io_binding()
-            for name, array in feeds.items():
-                binding.bind_ortvalue_input(name, self._input_value(ort, name, array))
+            # CPU OrtValues share the numpy buffers: both stay referenced as long as the binding is used
+            self._bound_inputs = [(array, self._input_value(ort, name, array)) for name, array in feeds.items()]
+            for name, (_, value) in zip(feeds, self._bound_inputs):
+                binding.bind_ortvalue_input(name, value)
             for name in self.names:
                 if self._out_types[name] in _EXOTIC:
                     binding.bind_output(name, "cpu")
