@@ -16,7 +16,7 @@ from mograph.specs import parse_shapes
 __all__ = ["add_parser", "run"]
 
 # Options the command itself owns; a pass declaring one of these names receives the command's value.
-_OWN = {"shape", "explain"}
+_OWN = {"shape", "explain", "device"}
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> CommandResult:
         _check_folder(out, "-o")
     if args.report:
         _check_folder(Path(args.report), "--report")
-    if args.device and not args.verify:
+    if args.device and not args.verify and "device" not in get_registry(args.block_plugin).all_options():
         raise UsageError("--device says where --verify runs; give --verify too")
     if args.device:
         from mograph.backends.ort import parse_device, require_device
@@ -177,6 +177,8 @@ def run(args: argparse.Namespace) -> CommandResult:
         options["shape"] = args.shape
     if args.explain:
         options["explain"] = True
+    if args.device:
+        options["device"] = args.device  # kept only if a pass declares it (below)
     options = {k: v for k, v in options.items() if k in reg.all_options()}
     names = reg.plan(args.passes, options)  # the report names the pipeline as it runs, lower included
     instruments = [] if (args.json or args.quiet) else [_Progress()]
