@@ -530,6 +530,11 @@ class OrtRunner:
         self._bound_inputs: list[Any] = []
 
     # -- placement ------------------------------------------------------------------------------
+    @property
+    def profiling(self) -> bool:
+        """Whether the next run is the profiled one that records :attr:`placement` (slower: keep it untimed)."""
+        return self._profile_dir is not None
+
     def _after_run(self) -> None:
         if self._profile_dir is not None:
             where = CUDA_PROVIDER if self.kind == "cuda" else "CPUExecutionProvider"

@@ -188,8 +188,9 @@ def test_free_dims_from_the_model_and_the_feeds():
 
 def test_placement_from_a_real_cpu_profile():
     runner = ort_backend.BACKEND.make_runner(str(BERT), optimizations=False, placement=True)
-    assert runner.placement is None
+    assert runner.placement is None and runner.profiling
     runner(FEEDS)
+    assert not runner.profiling
     where = runner.placement
     assert where is not None and where["profiled"] is True
     assert where["provider"] == "CPUExecutionProvider"
