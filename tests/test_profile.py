@@ -189,3 +189,22 @@ def test_profile_child_errors_come_back_as_mograph_errors():
     with pytest.raises(ModelError, match="ONNX Runtime") as info:
         profile_model(str(BERT), feeds=bad, runs=1, warmup=0, launch_blocking=True)
     assert info.value.exit_code == 3
+
+
+def _cuda_session_works() -> bool:
+    from mograph.backends import ort as ort_backend
+
+    try:
+        ort_backend.make_session(str(BERT), device="cuda")
+    except Exception:  # noqa: BLE001 - no onnxruntime-gpu, no GPU, no CUDA libraries
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _cuda_session_works(), reason="needs onnxruntime-gpu with a working CUDA provider and a GPU")
+def test_profile_on_cuda_has_kernels_and_synchronous_node_times():
+    prof = profile_model(str(BERT), device="cuda", runs=3, warmup=1)
+    _check_shape(prof)
+    assert prof["providers"][0] == "CUDAExecutionProvider"
+    assert "CUDA_LAUNCH_BLOCKING=1" in prof["node_timing"]
+    assert prof["kernels"] or any("kernel" in n for n in prof["notes"])
