@@ -189,7 +189,8 @@ def _torch_kernels(model: Any, feeds: Mapping[str, np.ndarray], runs: int, devic
     step = runner.bind(feeds)
     for _ in range(3):
         step()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+    # CPU activity too: kineto then always correlates the launches; CPU-side events have no device time
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(runs):
             step()
         torch.cuda.synchronize()
