@@ -15,6 +15,14 @@ check.  A twin that gives a non-finite value where the float32 node gives a fini
 node cannot compute in float16 on this data).  The float32 outputs' statistics (largest magnitude,
 reduced extent) come from the same run.
 
+**Running float16 on the CPU.**  ONNX Runtime's CPU provider has no float16 kernel for most ops; it
+computes them in float32 between inserted ``Cast`` s and then drops each ``Cast`` pair that goes to float16
+and straight back, so a float16 graph runs there as float32 and shows no float16 error at all (measured:
+``Cast(1000.7 -> f16) - 1000`` gives 0.7, not 0.5).  Every measurement here therefore runs a copy in which
+each float16 tensor passes an ``Identity`` (:func:`keep_fp16_rounding`): ORT keeps the rounding, and the
+CPU emulates what a GPU computes — every tensor between nodes stored in float16, each node's arithmetic in
+float32 (as the CUDA kernels accumulate).
+
 **End-to-end error.**  A converted copy runs on the first samples and its outputs are compared with the
 float32 model's (:class:`~mograph.passes.quant.plan.Budget`: the smallest per-sample cosine, or the
 largest absolute difference); :func:`fewest_fp32` keeps the fewest nodes in float32, in order of local
@@ -34,7 +42,8 @@ from mograph.passes.quant.plan import Budget
 
 from mograph.irutil import fresh_name
 
-__all__ = ["FP16_LIMIT", "LocalMeasure", "Search", "measure_local", "output_metric", "fewest_fp32", "to_half"]
+__all__ = ["FP16_LIMIT", "LocalMeasure", "Search", "keep_fp16_rounding", "measure_local", "output_metric",
+           "fewest_fp32", "to_half"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +54,38 @@ FP16_LIMIT = 65504.0
 def to_half(array: np.ndarray) -> np.ndarray:
     """``array`` as float16, saturated to the float16 range (never infinite from a finite value)."""
     return np.clip(array, -FP16_LIMIT, FP16_LIMIT).astype(np.float16)
+
+
+def keep_fp16_rounding(model: ir.Model) -> ir.Model:
+    """Route every float16 node output of ``model`` through an ``Identity`` (in place; module docstring).
+
+    Only for running on ONNX Runtime's CPU provider: the ``Identity`` has a float16 kernel, so the
+    ``Cast`` pairs ORT inserts around float32-only kernels are no longer adjacent and are not dropped.
+    """
+    graph = model.graph
+    taken = {v.name for n in graph for v in n.outputs if v.name} | {v.name for v in graph.inputs if v.name}
+    outputs = {id(v): i for i, v in enumerate(graph.outputs)}
+    for node in list(graph):
+        if node.op_type == "Identity" and node.domain in ("", "ai.onnx"):
+            continue
+        for v in node.outputs:
+            if v.dtype != ir.DataType.FLOAT16 or (not v.uses() and id(v) not in outputs):
+                continue
+            ident = ir.node("Identity", [v], name=fresh_name(taken, f"{v.name}_keep16"))
+            out = ident.outputs[0]
+            out.dtype, out.shape = v.dtype, v.shape
+            for use in list(v.uses()):
+                if use.node is not ident:
+                    use.node.replace_input_with(use.idx, out)
+            if id(v) in outputs:  # the graph output keeps its name
+                name = v.name
+                v.name = fresh_name(taken, f"{name}_raw16")
+                out.name = name
+                graph.outputs[outputs[id(v)]] = out
+            else:
+                out.name = fresh_name(taken, f"{v.name}_kept16")
+            graph.insert_after(node, ident)
+    return model
 
 
 @dataclass
@@ -119,6 +160,7 @@ def _twin_model(model: ir.Model, positions: Sequence[int], floats: set[str], pin
         pairs[pos] = compare
     for node in added:
         graph.append(node)
+    keep_fp16_rounding(copy)
     watched = [v.name for n in nodes for v in n.outputs if v.name in floats]
     watched += [v.name for v in graph.inputs if v.name in floats]
     have = {v.name for v in graph.outputs}

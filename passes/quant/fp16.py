@@ -46,6 +46,7 @@ from mograph.passes.quant._fp16_measure import (
     LocalMeasure,
     Search,
     fewest_fp32,
+    keep_fp16_rounding,
     measure_local,
     output_metric,
     to_half,
@@ -364,6 +365,7 @@ class Fp16Pass(Pass):
             cal.set_model_folder(copy, folder)
             chosen = {**fixed, **{p: ("fp32" if p in extra else "fp16") for p in candidates}}
             self._convert(copy, chosen, floats, pinned_in, pinned_out, amax_by_name)
+            keep_fp16_rounding(copy)  # ORT's CPU provider would otherwise compute it all in float32
             halves = {v.name for v in copy.graph.inputs if v.dtype == ir.DataType.FLOAT16}
             feeds = [{k: (a.astype(np.float16) if k in halves else a) for k, a in f.items()} for f in samples]
             outs = list(cal.run_model(ir.serde.serialize_model(copy).SerializeToString(), feeds, folder=folder))
