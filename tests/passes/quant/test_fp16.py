@@ -307,3 +307,80 @@ def test_opset_not_raisable_keeps_those_nodes_float32_and_says_why():
     assert by["dq"]["reason"] == "default rule: DequantizeLinear has no float16 form at opset 17"
     assert result.stats["kept_fp32.no_float16_form"] == 2
     _check_loads_and_matches(proto, model, feeds[0])
+
+
+# --- fused graphs: contrib ops and mograph.* ops (issue 15 item 4) ----------------------------------------
+
+
+def _fused_bert(target: str | None) -> ir.Model:
+    """bert_tiny after cleanup + the fusion passes, lowered for ``target`` (None: the mograph.* ops)."""
+    from mograph.passes.fusion import FUSE
+
+    from mograph.api import run_passes
+    from mograph.plugins import get_registry
+
+    reg = get_registry()
+    names = [*reg.plan(["cleanup"], {}), *FUSE] if target is None else reg.plan(["cleanup", "fuse"], {"target": target})
+    model = to_ir(bert_tiny())
+    run_passes(model, reg.instantiate(names, {} if target is None else {"target": target}))
+    return model
+
+
+def _no_cancelling_casts(model: ir.Model) -> bool:
+    for n in model.graph:
+        src = n.inputs[0].producer() if n.op_type == "Cast" and n.inputs and n.inputs[0] is not None else None
+        if src is not None and src.op_type == "Cast" and src.inputs[0] is not None \
+                and src.inputs[0].dtype == n.outputs[0].dtype:
+            return False
+    return True
+
+
+def test_contrib_ops_convert_with_their_schema_types():
+    from mograph.output_check import check_model_output
+
+    model = _fused_bert("ort")
+    ref_model = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    contrib = {n.op_type for n in model.graph if n.domain == "com.microsoft"}
+    assert {"Attention", "SkipLayerNormalization", "BiasGelu"} <= contrib
+    casts_before = op_counts(model)["Cast"]
+    calib = [bert_feeds(2, 8 + i, seed=100 + i) for i in range(4)]
+    result = Fp16Pass(calibration_data=calib).call(model)
+    assert result.stats["kept_fp32"] == 0, result.details["kept_fp32"]
+    from mograph.passes.quant.calibration import infer_dtypes
+
+    dtypes = infer_dtypes(model)
+    for n in model.graph:
+        if n.domain == "com.microsoft":
+            assert n.metadata_props.get("mograph.fp16") == "1", n.op_type
+        if n.op_type == "Attention":
+            assert n.inputs[1].dtype == ir.DataType.FLOAT16  # weights
+            mask = n.inputs[3] if len(n.inputs) > 3 else None
+            assert mask is None or dtypes[mask.name] == onnx.TensorProto.INT32  # mask_index stays int32
+        if n.op_type == "SkipLayerNormalization":
+            assert all(v.dtype == ir.DataType.FLOAT16 for v in n.inputs if v is not None)  # gamma, beta, bias too
+    # Casts only at the boundary: the float32 output(s) back from float16
+    assert op_counts(model)["Cast"] - casts_before == result.stats["casts"] == 1
+    assert _no_cancelling_casts(model)
+    assert check_model_output(model)["onnxruntime"].startswith("passed")
+    onnx.checker.check_model(ir.serde.serialize_model(model), full_check=True)
+    feeds = bert_feeds(2, 16, seed=1)
+    emulated = keep_fp16_rounding(ir.serde.deserialize_model(ir.serde.serialize_model(model)))
+    assert cosine(run(ref_model, feeds)[0], run(emulated, feeds)[0]) > 0.999
+
+
+def test_mograph_ops_before_lowering_then_lowered():
+    from mograph.lowering import LowerPass
+
+    model = _fused_bert(None)
+    ref = ir.serde.serialize_model(model)
+    ops = {n.op_type for n in model.graph if n.domain == "mograph"}
+    assert {"SkipLayerNorm", "Gelu"} & ops or {"BiasGelu", "LayerNorm"} & ops
+    calib = [bert_feeds(2, 8 + i, seed=100 + i) for i in range(4)]
+    result = Fp16Pass(calibration_data=calib).call(model)
+    assert result.stats["kept_fp32"] == 0 and result.stats["casts"] == 1
+    assert all(n.metadata_props.get("mograph.fp16") == "1" for n in model.graph if n.domain == "mograph")
+    LowerPass(target="ort").call(model)
+    assert not any(n.domain == "mograph" for n in model.graph)
+    feeds = bert_feeds(2, 16, seed=1)
+    emulated = keep_fp16_rounding(ir.serde.deserialize_model(ir.serde.serialize_model(model)))
+    assert cosine(run(ref, feeds)[0], run(emulated, feeds)[0]) > 0.999
