@@ -161,11 +161,11 @@ def _twin_model(model: ir.Model, positions: Sequence[int], floats: set[str], pin
     for node in added:
         graph.append(node)
     keep_fp16_rounding(copy)
-    watched = [v.name for n in nodes for v in n.outputs if v.name in floats]
-    watched += [v.name for v in graph.inputs if v.name in floats]
+    watched = [v.name for n in nodes for v in n.outputs if v.name and v.name in floats]
+    watched += [v.name for v in graph.inputs if v.name and v.name in floats]
     have = {v.name for v in graph.outputs}
     by_name = {v.name: v for n in [*nodes, *added] for v in n.outputs if v.name}
-    by_name.update({v.name: v for v in graph.inputs})
+    by_name.update({v.name: v for v in graph.inputs if v.name})
     for name in dict.fromkeys([*watched, *(t for p in pairs.values() for pair in p for t in pair)]):
         if name not in have and name in by_name:
             v = by_name[name]

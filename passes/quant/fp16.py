@@ -1,34 +1,44 @@
-"""``fp16``: convert a float32 model to float16, keeping float32 where calibration shows it is needed.
+"""``fp16``: convert a float32 model to float16, keeping float32 only where calibration measures it is needed.
 
 Half precision halves memory traffic and runs on tensor cores, but it has two failure modes: values above
-65504 overflow to infinity, and long reductions (sums and means over thousands of elements, normalization
-statistics) lose the small addends.  Both are measured rather than guessed: every float tensor is observed
-on the calibration data (largest magnitude, largest reduced extent), and a node stays in float32 when
+65504 overflow to infinity, and some computations lose too much when their inputs are rounded to 11
+significant bits (cancellation, long reductions).  Neither is guessed from op types; both are measured on
+the calibration data (:mod:`mograph.passes.quant._fp16_measure`):
 
-- any of its float inputs or outputs reached ``--fp16-max`` (default 65504) in magnitude — **overflow**;
-- it reduces (``Reduce*``, ``*Normalization``, ``GlobalAveragePool``, ``Softmax``, ``CumSum``) over at least
-  ``--fp16-reduction-limit`` elements (default 4096) — **deep reduction**;
-- it is in a custom domain, or the user said so (``--keep-fp32``, an edited ``--precision-plan``);
-- its operator has no float16 form at the model's opset (``DynamicQuantizeLinear``, ``DequantizeLinear``
-  before opset 19: the ONNX schema's type constraints say so) — **no float16 form**;
-- it is control flow (``If``, ``Loop``, ``Scan``): its subgraphs are not converted, so its outputs keep the
-  types its branches produce — **control flow**.
+1. **which nodes can compute in float16** is read from the op's schema at the model's opsets: ``onnx.defs``
+   for the default domain, ONNX Runtime's registry for contrib ops (``com.microsoft`` ``Attention``,
+   ``SkipLayerNormalization``, ``BiasGelu``, ``FastGelu``, ``MultiHeadAttention``, ``GroupQueryAttention``,
+   ``RotaryEmbedding`` ...), and every ``mograph.*`` op is float-generic (its body computes in
+   ``stash_type``).  Inputs the schema allows only in another type keep it (``mask_index`` int32,
+   ``Resize`` scales float32: the constant or a ``Cast`` feeds them); outputs it allows only float32 stay
+   float32 (``mean``/``inv_std_var`` of the norms).  A node whose op has no float16 form at its opset, an
+   op of an unknown custom domain, and control flow (``If``/``Loop``/``Scan``: its subgraphs are not
+   converted) stay float32 — **no float16 form** / **control flow**;
+2. **each node's own float16 error**: every other node gets a float16 twin fed with the float32 model's
+   inputs rounded to float16, all run in one pass over the calibration data.  A twin that gives a
+   non-finite value where float32 is finite keeps the node float32 — **overflow**; a reduction over at
+   least ``--fp16-reduction-limit`` elements (default 4096) also stays — **deep reduction**;
+3. **the end-to-end check**: the model converted with everything else in float16 runs on the first
+   ``--fp16-samples`` calibration samples; if its outputs miss ``--fp16-budget`` (default
+   ``cosine>=0.9999``, the smallest per-sample cosine against float32), the nodes with the largest
+   local error are kept float32, the fewest that meet the budget (a binary search) — **measured
+   sensitivity**.  ``--fp16-budget none`` skips this step.
+
+The user decides over all of it with ``--keep-fp32`` and an edited ``--precision-plan``.
 
 When an op has a float16 form only at a newer opset (``CumSum`` 14, ``DequantizeLinear`` 19), the model's
 opset is raised to the smallest one that gives every such node its form, at most ``FP16_UPGRADE_LIMIT``
 (``onnx.version_converter`` node by node, :func:`mograph.opset.upgrade_opset`; reported in
 the stats and ``details["opset_upgrade"]``).  When the converter cannot convert the model, the opset is
-left as it is, those nodes stay float32 and ``details["opset_upgrade"]`` says why: a valid model with a
-few more float32 nodes beats refusing the conversion.
+left as it is, those nodes stay float32 and ``details["opset_upgrade"]`` says why.
 
-An input the schema allows only as float32 (``Resize`` scales, for example) stays float32 on a float16
-node: the initializer or ``Constant`` feeding it is left in float32 (or a ``Cast`` to float32 feeds it).
-
-Every other node computes in float16: its float initializers are stored in float16, ``Cast``s to float and
-float ``Constant``/``ConstantOfShape`` values follow, and one ``Cast`` is inserted on each edge that crosses
-between the two precisions (shared per tensor).  Graph inputs and outputs stay float32 (a ``Cast`` at each)
-unless ``--fp16-io yes``.  Every node that computes in float is listed in the precision plan with its
-reason.
+Conversion: float initializers are stored in float16 (saturated to +-65504: an attention mask's float32
+minimum becomes -65504, never -inf), or as a float16 copy beside the float32 one when both precisions read
+them (no ``Cast`` at run time); ``Cast``s to float and float ``Constant``/``ConstantOfShape`` values follow.
+One ``Cast`` is inserted per value and direction on each edge that crosses precisions — with everything
+in float16 that is only the graph boundary: graph inputs and outputs stay float32 unless ``--fp16-io yes``.
+A float32 value measured beyond +-65504 is clipped before its ``Cast`` to float16.  Every node is listed in
+the precision plan with its reason and measured error; ``details["kept_fp32"]`` lists the float32 ones.
 """
 
 from __future__ import annotations
