@@ -190,7 +190,8 @@ class Fp16Pass(Pass):
         *CALIBRATION_OPTIONS,
         *PLAN_OPTIONS,
         Option("fp16-io", parse_bool, False, "make graph inputs and outputs float16 too (yes/no)", metavar="yes|no"),
-        Option("fp16-max", float, 65504.0, "magnitude at which a tensor counts as overflowing float16", metavar="X"),
+        Option("fp16-max", float, 65504.0, "below 65504: also keep float32 where values reach this magnitude "
+               "(overflow itself is measured)", metavar="X"),
         Option("fp16-reduction-limit", int, 4096, "reductions over this many elements or more stay float32",
                metavar="N"),
         Option("fp16-budget", str, "cosine>=0.9999",
