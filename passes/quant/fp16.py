@@ -556,6 +556,9 @@ class Fp16Pass(Pass):
 
     @staticmethod
     def _retype_attributes(n: ir.Node) -> None:
+        dtype = n.attributes.get("dtype")  # EyeLike, RandomNormal(Like), RandomUniform(Like), Bernoulli
+        if dtype is not None and dtype.type == ir.AttributeType.INT and dtype.as_int() == _F32:
+            n.attributes["dtype"] = ir.AttrInt64("dtype", _F16)
         if n.op_type == "Cast":
             to = n.attributes.get("to")
             if to is not None and to.as_int() == _F32:

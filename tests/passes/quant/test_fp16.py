@@ -384,3 +384,20 @@ def test_mograph_ops_before_lowering_then_lowered():
     feeds = bert_feeds(2, 16, seed=1)
     emulated = keep_fp16_rounding(ir.serde.deserialize_model(ir.serde.serialize_model(model)))
     assert cosine(run(ref, feeds)[0], run(emulated, feeds)[0]) > 0.999
+
+
+def test_dtype_attribute_follows():
+    """EyeLike(x, dtype=float) + x: the generated tensor's dtype attribute becomes float16 with its node."""
+    graph = helper.make_graph(
+        [helper.make_node("EyeLike", ["x"], ["e"], dtype=onnx.TensorProto.FLOAT, name="eye"),
+         helper.make_node("Add", ["e", "x"], ["y"], name="add")],
+        "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3, 3])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [3, 3])])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = to_ir(proto)
+    feeds = [{"x": np.random.default_rng(0).standard_normal((3, 3)).astype(np.float32)}]
+    result = Fp16Pass(calibration_data=feeds).call(model)
+    assert result.stats["kept_fp32"] == 0 and result.stats["casts"] == 2
+    eye = next(n for n in model.graph if n.op_type == "EyeLike")
+    assert eye.attributes["dtype"].as_int() == onnx.TensorProto.FLOAT16
+    _check_loads_and_matches(proto, model, feeds[0])
