@@ -52,6 +52,7 @@ __all__ = [
     "Point",
     "accuracy_metric",
     "find_chromium",
+    "frontier",
     "group_rows",
     "pareto_front",
     "pareto_svg",
@@ -141,7 +142,7 @@ class Point:
     y: float
     baseline: bool = False
     implied: bool = False
-    row_id: Any = None
+    index: int = -1  #: position of the row in the rows given
     frontier: bool = False
 
 
@@ -149,7 +150,7 @@ def plot_points(rows: Sequence[Mapping[str, Any]], x_key: str, y_key: str) -> li
     """The successful rows that have both metrics (the baseline's missing accuracy is its perfect value)."""
     perfect = ACCURACY_METRICS.get(y_key, (True, None))[1]
     points = []
-    for row in rows:
+    for index, row in enumerate(rows):
         if not _ok(row):
             continue
         m = _metrics(row)
@@ -161,7 +162,7 @@ def plot_points(rows: Sequence[Mapping[str, Any]], x_key: str, y_key: str) -> li
             continue
         if x_key == "size_bytes":
             x = x / 1e6
-        points.append(Point(str(row.get("name", "?")), x, y, bool(row.get("baseline")), implied, row.get("id")))
+        points.append(Point(str(row.get("name", "?")), x, y, bool(row.get("baseline")), implied, index))
     return points
 
 
@@ -182,6 +183,19 @@ def pareto_front(points: Sequence[tuple[float, float]], higher_is_better: bool =
     return out
 
 
+def frontier(rows: Sequence[Mapping[str, Any]], *, x: str = "latency", accuracy: str | None = None) -> list[Point]:
+    """The plotted points of ``rows`` with ``frontier`` set, frontier first (by x), then the others."""
+    if x not in X_AXES:
+        raise UsageError(f"plot x axis {x!r}: choose from {', '.join(X_AXES)}")
+    y_key = accuracy_metric(rows, accuracy)
+    if y_key is None:
+        return []
+    points = plot_points(rows, X_AXES[x][0], y_key)
+    for p, front in zip(points, pareto_front([(p.x, p.y) for p in points], ACCURACY_METRICS[y_key][0])):
+        p.frontier = front
+    return sorted(points, key=lambda p: (not p.frontier, p.x))
+
+
 # -- the plot --------------------------------------------------------------------------------------------
 
 
@@ -194,7 +208,7 @@ def _nice_ticks(lo: float, hi: float, count: int = 6) -> list[float]:
     mag = 10 ** math.floor(math.log10(raw))
     step = next(s * mag for s in (1, 2, 2.5, 5, 10) if s * mag >= raw)
     first = math.floor(lo / step) * step
-    ticks = []
+    ticks: list[float] = []
     t = first
     while t <= hi + step * 0.5 and len(ticks) < 50:
         ticks.append(round(t, 12))
@@ -245,9 +259,7 @@ def pareto_svg(
     x_key, x_label = X_AXES[x]
     y_key = accuracy_metric(rows, accuracy)
     higher = ACCURACY_METRICS.get(y_key or "", (True, None))[0]
-    points = plot_points(rows, x_key, y_key) if y_key else []
-    for p, front in zip(points, pareto_front([(p.x, p.y) for p in points], higher)):
-        p.frontier = front
+    points = sorted(frontier(rows, x=x, accuracy=accuracy), key=lambda p: p.index)
     ident = f' id="{html.escape(element_id)}"' if element_id else ""
     head = (
         f'<svg xmlns="http://www.w3.org/2000/svg"{ident} class="pareto" width="{width}" height="{height}" '
@@ -581,18 +593,7 @@ def _details_html(row: Mapping[str, Any]) -> str:
 
 def _model_section(index: int, model_hash: str, rows: Sequence[Mapping[str, Any]], accuracy: str | None) -> str:
     y_key = accuracy_metric(rows, accuracy)
-    front_ids: set[int] = set()
-    if y_key:
-        higher = ACCURACY_METRICS[y_key][0]
-        ok_rows = [(i, r) for i, r in enumerate(rows) if _ok(r)]
-        pts = []
-        for i, r in ok_rows:
-            p = plot_points([r], "latency_p50_ms", y_key)
-            if p:
-                pts.append((i, p[0]))
-        for (i, _), front in zip(pts, pareto_front([(p.x, p.y) for _, p in pts], higher)):
-            if front:
-                front_ids.add(i)
+    front_ids = {p.index for p in frontier(rows, x="latency", accuracy=accuracy) if p.frontier}
     paths = sorted({str(r.get("model_path")) for r in rows if r.get("model_path")})
     out = [f'<section class="model" id="model-{index}"><h2>model {_e(_short(model_hash, 16))}</h2>']
     out.append(f'<p class="meta">{len(rows)} configuration(s); model file(s): {_e(", ".join(paths) or "-")}; '
