@@ -13,6 +13,10 @@ Storage is a SQLite database file (the standard library's :mod:`sqlite3`), chose
 :class:`~mograph.errors.UsageError`).  Structured fields are stored as JSON text in one table, so the
 schema never needs a migration when a metric is added.
 
+Besides the fields above, ``settings`` holds how the row was measured (evaluation and calibration data
+as given, sample counts, seed, warm-up and timed runs, threads, the built model's own hash): what
+``mograph gate`` needs to measure a candidate the same way.
+
 Writes are transactional: the database runs in WAL mode, each :meth:`Ledger.add` is one
 ``BEGIN IMMEDIATE`` ... ``COMMIT`` transaction, so a sweep killed half-way keeps every row it finished
 and none half-written, and several processes can write the same ledger at once (SQLite serialises the
@@ -60,10 +64,10 @@ LEDGER_HELP = (
 ROW_FIELDS: tuple[str, ...] = (
     "id", "name", "time", "host", "model_path", "model_hash", "pipeline", "options", "provider", "backend",
     "shapes", "calib_hash", "eval_hash", "versions", "metrics", "report", "plan", "profile", "baseline",
-    "status", "error",
+    "status", "error", "settings",
 )
 
-_JSON_FIELDS = {"pipeline", "options", "shapes", "versions", "metrics", "report", "plan", "profile"}
+_JSON_FIELDS = {"pipeline", "options", "shapes", "versions", "metrics", "report", "plan", "profile", "settings"}
 _TEXT_FIELDS = {"name", "time", "host", "model_path", "model_hash", "provider", "backend", "calib_hash",
                 "eval_hash", "status", "error"}
 
@@ -97,7 +101,8 @@ CREATE TABLE IF NOT EXISTS runs (
     profile TEXT,
     baseline INTEGER NOT NULL DEFAULT 0,
     status TEXT NOT NULL DEFAULT 'ok' CHECK (status IN ('ok', 'failed')),
-    error TEXT
+    error TEXT,
+    settings TEXT
 );
 CREATE INDEX IF NOT EXISTS runs_model_hash ON runs (model_hash);
 CREATE INDEX IF NOT EXISTS runs_name ON runs (name);
@@ -333,7 +338,7 @@ def flatten_row(row: Mapping[str, Any]) -> dict[str, Any]:
     structured fields as JSON text (``report``/``plan``/``profile`` are left out: too big for a cell)."""
     out: dict[str, Any] = {}
     for key in ROW_FIELDS:
-        if key in ("metrics", "report", "plan", "profile"):
+        if key in ("metrics", "report", "plan", "profile", "settings"):
             continue
         value = row.get(key)
         if key == "pipeline" and isinstance(value, list):
@@ -354,7 +359,7 @@ def rows_to_csv(rows: Sequence[Mapping[str, Any]]) -> str:
         for k in f:
             if k.startswith("metric.") and k not in metric_cols:
                 metric_cols.append(k)
-    fields = [k for k in ROW_FIELDS if k not in ("metrics", "report", "plan", "profile")] + metric_cols
+    fields = [k for k in ROW_FIELDS if k not in ("metrics", "report", "plan", "profile", "settings")] + metric_cols
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
