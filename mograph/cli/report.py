@@ -67,9 +67,6 @@ def run(args: argparse.Namespace) -> CommandResult:
         if path is not None and not (path.parent if str(path.parent) else Path(".")).is_dir():
             raise UsageError(f"{flag} {path}: folder {path.parent} does not exist; create it first")
     ledger_path = str(args.ledger)
-    plain = ledger_path[len("sqlite:///"):] if ledger_path.startswith("sqlite:///") else ledger_path
-    if not Path(plain).exists():
-        raise UsageError(f"--ledger {args.ledger}: no such ledger (run mograph sweep --ledger {args.ledger} first)")
     with open_ledger(args.ledger, readonly=True) as ledger:
         rows = ledger.rows(names=args.name)
     rows = _select(rows, args.model_hash)

@@ -463,19 +463,19 @@ def _config_table(rows: Sequence[Mapping[str, Any]], front_ids: set[int], table_
 def _provenance_table(rows: Sequence[Mapping[str, Any]]) -> str:
     out = ['<table class="sortable provenance"><thead><tr>']
     out += [f"<th>{h}</th>" for h in ("name", "id", "time", "host", "options", "shapes", "calibration set",
-                                       "evaluation set", "versions")]
+                                       "evaluation set", "versions", "measured with")]
     out.append("</tr></thead><tbody>")
     for row in rows:
         versions = row.get("versions") if isinstance(row.get("versions"), dict) else {}
         vtext = ", ".join(f"{k} {v}" for k, v in versions.items() if v) if versions else ""
-        opts = row.get("options")
+        opts, settings = row.get("options"), row.get("settings")
         out.append(
             f"<tr><td>{_e(row.get('name'))}</td><td>{_e(row.get('id'))}</td><td>{_e(row.get('time'))}</td>"
             f"<td>{_e(row.get('host'))}</td><td><code>{_e(_json_inline(opts) if opts else '')}</code></td>"
             f"<td><code>{_e(_json_inline(row.get('shapes')) if row.get('shapes') else '')}</code></td>"
             f"<td title=\"{_e(row.get('calib_hash'))}\">{_e(_short(row.get('calib_hash')))}</td>"
             f"<td title=\"{_e(row.get('eval_hash'))}\">{_e(_short(row.get('eval_hash')))}</td>"
-            f"<td>{_e(vtext)}</td></tr>"
+            f"<td>{_e(vtext)}</td><td><code>{_e(_json_inline(settings) if settings else '')}</code></td></tr>"
         )
     out.append("</tbody></table>")
     return "".join(out)
