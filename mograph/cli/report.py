@@ -17,7 +17,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "report",
         parents=[common],
         help="draw a ledger as one self-contained HTML page (tables, Pareto plots) or write the plot alone",
-        description="Read the rows of a ledger (written by sweep, gate, bench) and write one HTML file that opens "
+        description="Read the rows of a ledger (written by mograph sweep and gate) and write one HTML file that opens "
         "offline (inline CSS, script and SVG; nothing fetched): per model, the configurations table (latency "
         "p50/p90/p99, throughput, peak memory, size, accuracy against the baseline, status), Pareto plots of "
         "accuracy against latency and against size with the frontier marked, and for each configuration its "
@@ -28,7 +28,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="the ledger to read: a SQLite file or sqlite:///PATH (default mograph-ledger.db); never created")
     p.add_argument("-o", "--output", metavar="FILE.html",
                    help="where to write the HTML report (default report.html, unless only --plot is given)")
-    p.add_argument("--plot", metavar="FILE.svg|FILE.png", help="also write the accuracy-vs-latency Pareto plot alone")
+    p.add_argument("--plot", metavar="FILE.svg|FILE.png", help="write one Pareto plot alone: accuracy vs --plot-x (latency by default)")
     p.add_argument("--plot-x", choices=("latency", "size"), default="latency",
                    help="x axis of the --plot file: latency p50 (default) or size on disk")
     p.add_argument("--model-hash", metavar="HASH",
