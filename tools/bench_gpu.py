@@ -54,7 +54,7 @@ import sys
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -76,6 +76,9 @@ TORCH_VARIANTS = ("torch-eager", "torch-compile")
 VARIANTS = ORT_VARIANTS + TORCH_VARIANTS
 SHAPES = ("1x128", "8x128", "32x128", "1x512", "8x512", "32x512", "decode:1x512", "decode:8x512", "decode:32x512")
 SMOKE_SHAPES = ("1x16", "2x32", "decode:2x16")
+#: What ``--smoke`` runs unless --models/--exports/--attn say otherwise: each export path, each kind of
+#: graph (encoder, decoder prefill and decode step) and every variant once, in under two minutes on CPU.
+SMOKE_GRID = {("bert", "dynamo", "sdpa"), ("bert", "torchscript", "eager"), ("gpt2", "torchscript", "sdpa")}
 OPSETS = {"torchscript": 17, "dynamo": 18}
 #: ORT transformers optimizer model_type per model (LLaMA: as ORT's own LLaMA recipe; Whisper: bart).
 ORT_MODEL_TYPE = {"bert": "bert", "gpt2": "gpt2", "llama": "gpt2", "vit": "vit", "whisper": "bart"}
@@ -219,22 +222,29 @@ def wrapper(model: str, kind: str, hf: Any, layers: int) -> Any:
 
         return Decode().eval()
 
-    class Main(torch.nn.Module):
+    if model in ("bert", "gpt2", "llama"):
+        extra = {} if model == "bert" else {"use_cache": False}
+
+        class Text(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.m = hf
+
+            def forward(self, input_ids: Any, attention_mask: Any) -> Any:
+                return self.m(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
+
+        return Text().eval()
+    key = "pixel_values" if model == "vit" else "input_features"
+
+    class Single(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.m = hf
 
-        def forward(self, *inputs: Any) -> Any:
-            if model in ("bert", "gpt2", "llama"):
-                kw: dict[str, Any] = {"input_ids": inputs[0], "attention_mask": inputs[1]}
-                if model != "bert":
-                    kw["use_cache"] = False
-                return self.m(**kw).last_hidden_state
-            if model == "vit":
-                return self.m(pixel_values=inputs[0]).last_hidden_state
-            return self.m(input_features=inputs[0]).last_hidden_state
+        def forward(self, x: Any) -> Any:
+            return self.m(**{key: x}).last_hidden_state
 
-    return Main().eval()
+    return Single().eval()
 
 
 def input_names(model: str, kind: str, layers: int) -> list[str]:
@@ -451,7 +461,7 @@ def prepare(g: Graph, variants: list[str], dims: Dims, cache: Path, smoke: bool,
         if "fp32" in errors:
             errors[step] = f"export failed: {errors['fp32']}"
             continue
-        if time.monotonic() > deadline:
+        if time.time() > deadline:
             errors[step] = "budget"
             continue
         t = time.perf_counter()
@@ -463,12 +473,25 @@ def prepare(g: Graph, variants: list[str], dims: Dims, cache: Path, smoke: bool,
                 prepare_variant(g, step, dims, smoke)
             g.record(step, {"seconds": round(time.perf_counter() - t, 1), "ops": op_counts(g.path(step))})
         except Exception as exc:  # noqa: BLE001 - a failing step is a result, recorded, and the grid goes on
-            msg = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:400] if str(exc).strip() else ''}"
+            msg = describe(exc)
             log(f"{g.name}: {step} failed: {msg}")
             g.record(step, {"error": msg, "seconds": round(time.perf_counter() - t, 1),
                             "traceback": traceback.format_exc()[-3000:]})
             errors[step] = msg
     return errors
+
+
+def describe(exc: BaseException) -> str:
+    """One line for an error: its type and first line, and the first line of the exception that caused it
+    (torch.onnx's export errors say only "step 1/3 failed"; the cause says why)."""
+    parts = []
+    seen = 0
+    while exc is not None and seen < 4:
+        text = str(exc).strip().splitlines()
+        parts.append(f"{type(exc).__name__}: {text[0][:300] if text else ''}")
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+        seen += 1
+    return " <- ".join(parts)[:700]
 
 
 # -- runners ------------------------------------------------------------------------------------------
@@ -506,7 +529,7 @@ class OrtRunner(Runner):
         self.session.run_with_iobinding(self.io)
 
     def output(self) -> np.ndarray:
-        return np.asarray(self.io.get_outputs()[0].numpy(), dtype=np.float32)
+        return np.asarray(self.io.copy_outputs_to_cpu()[0], dtype=np.float32)
 
 
 class TorchRunner(Runner):
@@ -704,17 +727,65 @@ def torch_runner(ctx: Context, model: str, kind: str, variant: str) -> Any:
     return ctx.torch_modules[key]
 
 
+def graph_for(cache: Path, smoke: bool, model: str, export: str, attn: str, kind: str) -> Graph:
+    return Graph(model, export, attn, kind, cache / f"{'smoke-' if smoke else ''}{model}-{export}-{attn}-{kind}")
+
+
+def pending_ort(ctx: Context, model: str, export: str, attn: str, shapes: list[Shape], variants: list[str]) -> list[str]:
+    """The ORT variants of a graph that some of these shapes still need."""
+    return [v for v in variants if v in ORT_VARIANTS and applies(model, export, attn, v)
+            and any(cell_key(model, export, attn, v, s.text) not in ctx.results.done for s in shapes)]
+
+
+def _prepare_worker(model: str, export: str, attn: str, kind: str, variants: list[str], smoke: bool, cache: str,
+                    retry: bool, deadline: float, threads: int) -> dict[str, str]:
+    """One graph's export and variants, in a worker process (``--jobs``)."""
+    import torch
+
+    torch.set_num_threads(max(threads, 1))
+    dims = SMOKE if smoke else FULL
+    g = graph_for(Path(cache), smoke, model, export, attn, kind)
+    return prepare(g, variants, dims, Path(cache), smoke, retry, deadline)
+
+
+def prepare_all(ctx: Context, jobs_list: list[tuple[str, str, str, str, list[Shape], list[str]]]) -> None:
+    """Build every graph the grid still needs in ``--jobs`` processes at once (exports are CPU-bound)."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    work = []
+    for model, export, attn, kind, shapes, variants in jobs_list:
+        wanted = pending_ort(ctx, model, export, attn, shapes, variants)
+        g = graph_for(ctx.cache, ctx.args.smoke, model, export, attn, kind)
+        if wanted and not all(g.path(v).exists() for v in ["fp32", *wanted]):
+            work.append((model, export, attn, kind, wanted))
+    if not work:
+        return
+    jobs = max(1, min(ctx.args.jobs, len(work)))
+    threads = max(1, (os.cpu_count() or 2) // jobs)
+    log(f"building {len(work)} graph(s) in {jobs} processes ({threads} threads each)")
+    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
+        futures = {pool.submit(_prepare_worker, *w, ctx.args.smoke, str(ctx.cache), ctx.args.retry_errors,
+                               ctx.deadline, threads): w for w in work}
+        for fut in cf.as_completed(futures):
+            w = futures[fut]
+            try:
+                errors = fut.result()
+                log(f"{'/'.join(w[:4])}: built" + (f" ({len(errors)} failed: {', '.join(errors)})" if errors else ""))
+            except Exception as exc:  # noqa: BLE001 - a worker that died: the timing loop retries it in-process
+                log(f"{'/'.join(w[:4])}: build worker failed: {describe(exc)}")
+
+
 def run_cells(ctx: Context, model: str, export: str, attn: str, kind: str, shapes: list[Shape],
               variants: list[str]) -> None:
     """Time every pending cell of one graph: ORT variants from the cache (and torch, once per model)."""
     args = ctx.args
-    g = Graph(model, export, attn, kind, ctx.cache / f"{'smoke-' if args.smoke else ''}{model}-{export}-{attn}-{kind}")
+    g = graph_for(ctx.cache, args.smoke, model, export, attn, kind)
 
     def pending(variant: str, shape: Shape) -> bool:
         return cell_key(*_torch_ids(model, export, attn, variant), variant, shape.text) not in ctx.results.done
 
-    ort_wanted = [v for v in variants if v in ORT_VARIANTS and applies(model, export, attn, v)
-                  and any(pending(v, s) for s in shapes)]
+    ort_wanted = pending_ort(ctx, model, export, attn, shapes, variants)
     torch_wanted = [v for v in variants if v in TORCH_VARIANTS and any(pending(v, s) for s in shapes)
                     and not (v == "torch-compile" and ctx.device != "cuda" and not args.compile_on_cpu)]
     if not ort_wanted and not torch_wanted:
@@ -732,7 +803,7 @@ def run_cells(ctx: Context, model: str, export: str, attn: str, kind: str, shape
         except Exception as exc:  # noqa: BLE001
             errors[v] = f"session: {type(exc).__name__}: {str(exc).strip()[:400]}"
     for shape in shapes:
-        if time.monotonic() > ctx.deadline:
+        if time.time() > ctx.deadline:
             log("time budget reached: stopping (the next call resumes here)")
             return
         feeds = make_feeds(model, kind, shape.batch, shape.seq, ctx.dims, seed=0)
@@ -802,7 +873,7 @@ def _torch_ids(model: str, export: str, attn: str, variant: str) -> tuple[str, s
 def run_grid(args: argparse.Namespace) -> int:
     dims = SMOKE if args.smoke else FULL
     device = "cpu" if args.smoke else args.device
-    start = time.monotonic()
+    start = time.time()
     deadline = start + args.time_budget if args.time_budget else float("inf")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch  # before onnxruntime: the CUDA provider finds cuDNN/cuBLAS through it
@@ -836,39 +907,51 @@ def run_grid(args: argparse.Namespace) -> int:
         log(f"{key}: recorded as crashed in an earlier call")
     shapes = [Shape.parse(s) for s in args.shapes]
     variants = list(args.variants)
+    # the grid, graph by graph; torch references go with the first export/attention of a model's graph
+    plan: list[tuple[str, str, str, str, list[Shape], list[str]]] = []
     for model in args.models:
         kinds: dict[str, list[Shape]] = {}
         for s in shapes:
             kind = graph_kind(model, s, dims)
             if kind is not None:
                 kinds.setdefault(kind, []).append(s)
-        torch_done = False
         for kind, kind_shapes in kinds.items():
+            first = True
             for export in args.exports:
                 for attn in args.attn:
-                    if time.monotonic() > deadline:
-                        log("time budget reached: stopping (the next call resumes here)")
-                        return _finish(ctx, start)
-                    # torch references once per model and graph: with the first export/attention only
-                    vs = [v for v in variants if v not in TORCH_VARIANTS or not torch_done]
-                    try:
-                        run_cells(ctx, model, export, attn, kind, kind_shapes, vs)
-                    except Exception as exc:  # noqa: BLE001 - never lose the rest of the grid
-                        log(f"{model}/{export}/{attn}/{kind}: {type(exc).__name__}: {exc}")
-                        traceback.print_exc()
-                    torch_done = True
-            torch_done = False
+                    if args.smoke_grid and (model, export, attn) not in SMOKE_GRID:
+                        continue
+                    vs = [v for v in variants if v not in TORCH_VARIANTS or first]
+                    plan.append((model, export, attn, kind, kind_shapes, vs))
+                    first = False
+    if args.jobs > 1:
+        prepare_all(ctx, plan)
+    if args.prepare_only:
+        log("--prepare-only: built what the grid needs; nothing timed")
+        return 0
+    current: tuple[str, str] | None = None
+    for model, export, attn, kind, kind_shapes, vs in plan:
+        if current != (model, kind):  # a new graph kind: free the previous torch modules and references
             ctx.torch_modules.clear()
             ctx.refs.clear()
             if device == "cuda":
                 torch.cuda.empty_cache()
+            current = (model, kind)
+        if time.time() > deadline:
+            log("time budget reached: stopping (the next call resumes here)")
+            return _finish(ctx, start)
+        try:
+            run_cells(ctx, model, export, attn, kind, kind_shapes, vs)
+        except Exception as exc:  # noqa: BLE001 - never lose the rest of the grid
+            log(f"{model}/{export}/{attn}/{kind}: {describe(exc)}")
+            traceback.print_exc()
     return _finish(ctx, start)
 
 
 def _finish(ctx: Context, start: float) -> int:
     rows = [r for r in read_results(ctx.results.path) if r.get("status") != "started"]
     ok = sum(r.get("status") == "ok" for r in rows)
-    log(f"done in {time.monotonic() - start:.0f} s: {ok} ok / {len(rows)} cells in {ctx.results.path}")
+    log(f"done in {time.time() - start:.0f} s: {ok} ok / {len(rows)} cells in {ctx.results.path}")
     sys.stdout.write(summary_table(rows) + "\n")
     return 0
 
@@ -1032,9 +1115,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "(with --markdown: the files to read, repeatable)")
     ap.add_argument("--cache", default="/tmp/mograph-gpu-cache", metavar="DIR",
                     help="exports and optimized variants, reused by later calls (default /tmp/mograph-gpu-cache)")
-    ap.add_argument("--models", type=_csv(MODELS), default=list(MODELS), help=f"subset of {','.join(MODELS)}")
-    ap.add_argument("--exports", type=_csv(EXPORTS), default=list(EXPORTS), help=f"subset of {','.join(EXPORTS)}")
-    ap.add_argument("--attn", type=_csv(ATTNS), default=list(ATTNS), help="transformers attention: eager,sdpa")
+    ap.add_argument("--models", type=_csv(MODELS), help=f"subset of {','.join(MODELS)} (default: all)")
+    ap.add_argument("--exports", type=_csv(EXPORTS), help=f"subset of {','.join(EXPORTS)} (default: both)")
+    ap.add_argument("--attn", type=_csv(ATTNS), help="transformers attention: eager,sdpa (default: both)")
     ap.add_argument("--variants", type=_csv(VARIANTS), default=list(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
     ap.add_argument("--shapes", type=_csv(None), default=None,
                     help=f"cells: BxS prefill, decode:BxP one token with a cache of P (default {','.join(SHAPES)})")
@@ -1047,10 +1130,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     ap.add_argument("--max-iters", type=int, default=2000, help="most timed runs per variant and cell")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads for ONNX Runtime and torch (0: default)")
+    ap.add_argument("--jobs", type=int, default=1, metavar="N",
+                    help="build the exports and variants the grid needs in N processes first (CPU-bound; e.g. 4 on a "
+                    "16-core host), then time them one by one")
+    ap.add_argument("--prepare-only", action="store_true", help="only export and build (fills --cache), time nothing")
     ap.add_argument("--retry-errors", action="store_true", help="run again the cells and builds that failed before")
     ap.add_argument("--compile-on-cpu", action="store_true", help="time torch.compile on CPU too (slow to compile)")
     ap.add_argument("--smoke", action="store_true",
-                    help="tiny random models on CPU ONNX Runtime: checks the script end to end in about a minute")
+                    help="tiny random models (2 layers, hidden 64) on CPU ONNX Runtime, shapes 1x16,2x32,decode:2x16, "
+                    "few iterations, no torch.compile: checks the script end to end in under two minutes; unless "
+                    "--models/--exports/--attn are given it runs bert dynamo/sdpa, bert torchscript/eager and gpt2 "
+                    "torchscript/sdpa")
     ap.add_argument("--markdown", metavar="FILE.md", help="write the tables of the --out files as Markdown and exit")
     return ap
 
@@ -1071,6 +1161,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out = args.out[0]
     if args.shapes is None:
         args.shapes = list(SMOKE_SHAPES if args.smoke else SHAPES)
+    args.smoke_grid = args.smoke and args.models is None and args.exports is None and args.attn is None
+    args.models = args.models or list(MODELS)
+    args.exports = args.exports or list(EXPORTS)
+    args.attn = args.attn or list(ATTNS)
     if args.smoke:
         args.warmup = min(args.warmup, 2)
         args.min_time = min(args.min_time, 0.05)
