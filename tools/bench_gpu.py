@@ -1070,17 +1070,17 @@ def markdown(rows: list[dict[str, Any]], sources: list[str]) -> str:
     for model, group in by_model.items():
         md += [f"## {model}", "",
                "| export | attn | shape | exported | ort-t | onnxscript | mograph | best peer | ratio | goal | "
-               "cos mograph | cos best peer | torch eager | torch.compile | vs compile | attention ops (ort-t / mograph) |",
+               "cos mograph | cos best peer | torch eager | torch.compile | vs compile | attention ops (best peer / mograph) |",
                "|---|---|---|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---|"]
         for ln in group:
             best = ln.get("best_peer")
             md.append(
                 f"| {ln['export']} | {ln['attn']} | {ln['shape']} | {_f(ln.get('exported'))} | {_f(ln.get('ort-t'))} | "
                 f"{_f(ln.get('onnxscript'))} | {_f(ln.get('mograph'))} | {best or '-'} | {_f(ln.get('ratio'), '.2f')} | "
-                f"{_goal(ln)} | {_f(ln.get('mograph_cosine'), '.5f')} | "
-                f"{_f(ln.get(f'{best}_cosine') if best else None, '.5f')} | {_f(ln.get('torch-eager'))} | "
+                f"{_goal(ln)} | {_f(ln.get('mograph_cosine'), '.6f')} | "
+                f"{_f(ln.get(f'{best}_cosine') if best else None, '.6f')} | {_f(ln.get('torch-eager'))} | "
                 f"{_f(ln.get('torch-compile'))} | {_f(ln.get('vs_compile'), '.2f')} | "
-                f"{_f(ln.get('ort-t_attention'), 'd')} / {_f(ln.get('mograph_attention'), 'd')} |"
+                f"{_f(ln.get(f'{best}_attention') if best else None, 'd')} / {_f(ln.get('mograph_attention'), 'd')} |"
             )
         md.append("")
     errors = [r for r in cells if r.get("status") == "error"]
