@@ -79,7 +79,11 @@ class ProgressBar:
         head = phase.split(" ")[0]
         new_phase = head != self.phase
         finished = total > 0 and done >= total
-        if not (new_phase or finished or now - self.last >= (0.2 if self.tty else 10.0)):
+        if self.tty:
+            due = new_phase or finished or now - self.last >= 0.2
+        else:  # logs and CI: the first line, then one every 10 s, and the end of each stage
+            due = self.phase == "" or finished or now - self.last >= 10.0
+        if not due:
             return
         self.phase = head
         self.last = now
