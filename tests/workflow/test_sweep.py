@@ -16,12 +16,20 @@ from mograph.workflow.sweep import SweepError, check_against_registry, load_conf
 
 
 def small_model(path, heavy: int = 0) -> None:
-    """x[batch,8] -> Relu(x @ w); ``heavy`` adds that many 256x256 MatMuls whose result is multiplied by zero
-    (same outputs, much slower)."""
+    """x[batch,8] -> Relu(x @ w1 + b1) @ w2 (a small FFN); ``heavy`` adds that many 256x256 MatMuls whose
+    result is multiplied by zero (same outputs, much slower)."""
     rng = np.random.default_rng(0)
-    w = rng.standard_normal((8, 4)).astype(np.float32)
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Relu", ["y"], ["r"])]
-    inits = [numpy_helper.from_array(w, "w")]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["y"]),
+        helper.make_node("Add", ["y", "b1"], ["yb"]),
+        helper.make_node("Relu", ["yb"], ["h"]),
+        helper.make_node("MatMul", ["h", "w2"], ["r"]),
+    ]
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((8, 16)).astype(np.float32), "w1"),
+        numpy_helper.from_array(rng.standard_normal(16).astype(np.float32) * 0.1, "b1"),
+        numpy_helper.from_array(rng.standard_normal((16, 4)).astype(np.float32), "w2"),
+    ]
     if heavy:
         inits.append(numpy_helper.from_array(rng.standard_normal((8, 256)).astype(np.float32) * 0.01, "up"))
         inits.append(numpy_helper.from_array(rng.standard_normal((256, 256)).astype(np.float32) * 0.01, "sq"))
