@@ -114,6 +114,7 @@ def run_gate(
     cand = Path(candidate)
     if not cand.is_file():
         raise UsageError(f"candidate {cand}: no such file")
+    ir_io.load_model(cand)  # a bad candidate is a ModelError (exit 3), before anything else
     if max_accuracy_drop < 0:
         raise UsageError("--max-accuracy-drop must not be negative")
     if baseline is not None:
@@ -133,8 +134,6 @@ def run_gate(
     if M.hash_file(ref_path) != reference.get("model_hash"):
         raise UsageError(f"the baseline model {ref_path} changed since the ledger recorded it (hash differs)")
     ref_model = ir_io.load_model(ref_path)
-    cand_model = ir_io.load_model(cand)  # a bad candidate is a ModelError (exit 3) here, before measuring
-    del cand_model
     samples = _eval_samples(compared, ref_model)
     settings = compared.get("settings") or {}
     shapes = {k: tuple(v) for k, v in (compared.get("shapes") or {}).items()}
