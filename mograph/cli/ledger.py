@@ -85,9 +85,9 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     lines = [head]
     for r in rows:
         m = r.get("metrics") or {}
-        status = "base" if r.get("baseline") else r.get("status", "ok")
+        status = "base" if r.get("baseline") and r.get("status", "ok") == "ok" else r.get("status", "ok")
         cells = " ".join(f"{_fmt(m.get(k), spec):>9}" for k, _, spec in cols)
-        tail = _pipeline(r) if r.get("status") == "ok" else f"{_pipeline(r)}  ({r.get('error') or 'failed'})"
+        tail = _pipeline(r) if r.get("status", "ok") == "ok" else f"{_pipeline(r)}  ({r.get('error') or 'failed'})"
         lines.append(f"{r['id']:>4}  {r['name']:<{name_w}}  {status:<6} {cells}  {tail}")
     return "\n".join(lines)
 
