@@ -77,3 +77,23 @@ def test_not_a_ledger(tmp_path):
     bad = tmp_path / "bad.db"
     sqlite3.connect(bad).execute("CREATE TABLE t (x)").connection.commit()
     assert main(["report", "--ledger", str(bad), "-o", str(tmp_path / "r.html")]) == 2
+
+
+@pytest.mark.slow
+def test_report_of_a_real_sweep(tmp_path, capsys):
+    """The shipped bert-tiny sweep (five configurations and the baseline, measured) drawn as a report."""
+    pytest.importorskip("onnxruntime")
+    db = tmp_path / "sweep.db"
+    assert main(["sweep", "--example", "bert-tiny", "--ledger", str(db), "-q"]) == 0
+    out, svg = tmp_path / "report.html", tmp_path / "pareto.svg"
+    assert main(["report", "--ledger", str(db), "-o", str(out), "--plot", str(svg), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["rows"] == 6 and len(data["models"]) == 1
+    page = out.read_text()
+    # every configuration measured is a point; the per-pass tables and the fp16 / int8 plans are there
+    assert re.search(r'id="pareto-latency-0"[^>]*data-points="6"', page)
+    for name in ("baseline", "fused", "fp16", "int8", "int8-budget", "pruned"):
+        assert f'data-name="{name}"' in page
+    assert "fuse-attention" in page and "precision plan of fp16" in page and "precision plan of qdq-int8" in page
+    front = data["frontier"][data["models"][0]]
+    assert front and 'data-points="6"' in svg.read_text()
