@@ -15,7 +15,7 @@ One grid, measured on one GPU, written as JSON lines as it goes (so it can be sp
   optimize_for_ort``, dynamo exports only, then the same converter), ``mograph`` (``cleanup,fuse`` lowered
   ``--target ort``, then mograph's own ``fp16`` pass calibrated on 4 seeded feeds); and the references
   ``torch-eager`` (the model in float16 with sdpa attention) and ``torch-compile`` (the same through
-  ``torch.compile``), on the same GPU;
+  ``torch.compile``), on the same GPU (on CPU, ``--smoke``, torch runs float32 and torch.compile is skipped);
 * **shapes**: ``BxS`` prefill cells (default 1, 8, 32 x 128, 512) and ``decode:BxP`` (one token with a
   KV cache of P, default P = 512) for the decoders.  ViT has no sequence input: S=128 runs 224x224
   images (197 tokens), S=512 384x384 (577 tokens), other S the nearest square patch grid.  The Whisper
@@ -738,8 +738,10 @@ def pending_ort(ctx: Context, model: str, export: str, attn: str, shapes: list[S
 
 
 def _prepare_worker(model: str, export: str, attn: str, kind: str, variants: list[str], smoke: bool, cache: str,
-                    retry: bool, deadline: float, threads: int) -> dict[str, str]:
+                    retry: bool, deadline: float, threads: int, verbose: bool) -> dict[str, str]:
     """One graph's export and variants, in a worker process (``--jobs``)."""
+    if not verbose:
+        _quiet()
     import torch
 
     torch.set_num_threads(max(threads, 1))
@@ -766,7 +768,7 @@ def prepare_all(ctx: Context, jobs_list: list[tuple[str, str, str, str, list[Sha
     log(f"building {len(work)} graph(s) in {jobs} processes ({threads} threads each)")
     with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
         futures = {pool.submit(_prepare_worker, *w, ctx.args.smoke, str(ctx.cache), ctx.args.retry_errors,
-                               ctx.deadline, threads): w for w in work}
+                               ctx.deadline, threads, ctx.args.verbose): w for w in work}
         for fut in cf.as_completed(futures):
             w = futures[fut]
             try:
@@ -870,8 +872,21 @@ def _torch_ids(model: str, export: str, attn: str, variant: str) -> tuple[str, s
     return (model, "torch", "sdpa") if variant in TORCH_VARIANTS else (model, export, attn)
 
 
+def _quiet() -> None:
+    """Exporter and tracer warnings (thousands of lines on a grid) off; errors are recorded per cell."""
+    import logging
+    import warnings
+
+    warnings.simplefilter("ignore")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    for name in ("transformers", "torch.onnx", "onnxscript", "onnx_ir", "mograph", "onnxruntime"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def run_grid(args: argparse.Namespace) -> int:
     dims = SMOKE if args.smoke else FULL
+    if not args.verbose:
+        _quiet()
     device = "cpu" if args.smoke else args.device
     start = time.time()
     deadline = start + args.time_budget if args.time_budget else float("inf")
@@ -894,6 +909,7 @@ def run_grid(args: argparse.Namespace) -> int:
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     results = Results(out, args.retry_errors)
     ctx = Context(args, dims, device, cache, results, deadline, _versions(), gpu,
                   " ".join(shlex.quote(a) for a in ["python", "tools/bench_gpu.py", *sys.argv[1:]]))
@@ -1061,7 +1077,10 @@ def markdown(rows: list[dict[str, Any]], sources: list[str]) -> str:
            "outputs float32), random seeded weights; variants of a cell timed in interleaved rounds in one process. "
            "`ratio` = mograph / best ORT peer (exported, ort-t, onnxscript) of the cell; `goal`: ratio <= 1.03, or "
            "<= 1/1.3 where the best peer fuses no attention; `vs compile` = mograph / torch.compile. "
-           "Cosine: the main output against float32 torch (eager attention) on the same feeds.", ""]
+           "Cosine: the main output against float32 torch (eager attention) on the same feeds. "
+           "ViT has no sequence input: its S=128 cells run 224x224 images (197 tokens), S=512 384x384 (577 tokens); "
+           "the Whisper-style encoder is built for S positions (2S mel frames). `decode:BxP`: one new token per "
+           "sequence with a KV cache of P.", ""]
     md += ["Made with:", "", "```bash"] + commands + [f"python tools/bench_gpu.py --markdown BENCHMARKS-GPU.md "
                                                         f"--out {' --out '.join(sources)}", "```", ""]
     by_model: dict[str, list[dict[str, Any]]] = {}
@@ -1141,6 +1160,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "few iterations, no torch.compile: checks the script end to end in under two minutes; unless "
                     "--models/--exports/--attn are given it runs bert dynamo/sdpa, bert torchscript/eager and gpt2 "
                     "torchscript/sdpa")
+    ap.add_argument("--verbose", action="store_true", help="keep the exporters' and libraries' warnings")
     ap.add_argument("--markdown", metavar="FILE.md", help="write the tables of the --out files as Markdown and exit")
     return ap
 
