@@ -703,11 +703,13 @@ def reference(ctx: Context, model: str, kind: str, shape: Shape, feeds: dict[str
     if key not in ctx.refs:
         import torch
 
-        module = torch_module(model, kind, "eager", ctx.dims, ctx.cache, ctx.args.smoke).to(ctx.device)
-        runner = TorchRunner(module, feeds, ctx.device, half=False)
+        mkey = (model, kind, "reference")
+        if mkey not in ctx.torch_modules:
+            ctx.torch_modules[mkey] = torch_module(model, kind, "eager", ctx.dims, ctx.cache, ctx.args.smoke).to(ctx.device)
+        runner = TorchRunner(ctx.torch_modules[mkey], feeds, ctx.device, half=False)
         runner.run()
         ctx.refs[key] = runner.output()
-        del module, runner
+        del runner
         if ctx.device == "cuda":
             torch.cuda.empty_cache()
     return ctx.refs[key]
