@@ -1,6 +1,14 @@
-"""Ledger rows of a small sweep, shared by the report tests."""
+"""Ledger rows of a small sweep, and Chromium helpers, shared by the report tests."""
 
 from __future__ import annotations
+
+import io
+import os
+
+import numpy as np
+import pytest
+
+from mograph.workflow import report as rep
 
 
 def sweep_rows() -> list[dict]:
@@ -38,3 +46,23 @@ def sweep_rows() -> list[dict]:
         {**common, "id": 6, "name": "broken", "pipeline": ["prune"], "status": "failed",
          "error": "pass 'prune-structured' failed: no prunable layer", "metrics": {}},
     ]
+
+
+def chromium() -> str:
+    found = rep.find_chromium()
+    if found is None:
+        if os.environ.get("MOGRAPH_REQUIRE_CHROMIUM"):
+            pytest.fail("MOGRAPH_REQUIRE_CHROMIUM is set and no chromium is installed")
+        pytest.skip("no chromium on PATH (apt-get install chromium)")
+    return found
+
+
+def pixels(png: bytes) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(np.int32)
+
+
+def near(px: np.ndarray, color: str, tol: int = 40) -> np.ndarray:
+    rgb = np.array([int(color[i:i + 2], 16) for i in (1, 3, 5)])
+    return np.abs(px - rgb).sum(axis=-1) < tol

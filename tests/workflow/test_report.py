@@ -3,8 +3,6 @@ page as headless Chromium renders it (its DOM and its pixels)."""
 
 from __future__ import annotations
 
-import io
-import os
 import re
 import subprocess
 import xml.etree.ElementTree as ET
@@ -12,6 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _report_rows import chromium as _chromium
+from _report_rows import near as _near
+from _report_rows import pixels as _pixels
 from _report_rows import sweep_rows
 
 from mograph.errors import UsageError
@@ -130,26 +131,6 @@ def test_png_without_chromium_is_exit_7(tmp_path, monkeypatch):
 
 
 # -- rendered by headless Chromium ---------------------------------------------------------------------
-
-
-def _chromium() -> str:
-    found = rep.find_chromium()
-    if found is None:
-        if os.environ.get("MOGRAPH_REQUIRE_CHROMIUM"):
-            pytest.fail("MOGRAPH_REQUIRE_CHROMIUM is set and no chromium is installed")
-        pytest.skip("no chromium on PATH (apt-get install chromium)")
-    return found
-
-
-def _pixels(png: bytes) -> np.ndarray:
-    from PIL import Image
-
-    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(np.int32)
-
-
-def _near(px: np.ndarray, color: str, tol: int = 40) -> np.ndarray:
-    rgb = np.array([int(color[i:i + 2], 16) for i in (1, 3, 5)])
-    return np.abs(px - rgb).sum(axis=-1) < tol
 
 
 @pytest.mark.slow

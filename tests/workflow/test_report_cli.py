@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sqlite3
+import subprocess
 
 import pytest
-from _report_rows import sweep_rows
+from _report_rows import chromium, near, pixels, sweep_rows
 
 from mograph.cli import main
+from mograph.workflow import report as rep
 from mograph.workflow.ledger import open_ledger
 
 
@@ -97,3 +100,12 @@ def test_report_of_a_real_sweep(tmp_path, capsys):
     assert "fuse-attention" in page and "precision plan of fp16" in page and "precision plan of qdq-int8" in page
     front = data["frontier"][data["models"][0]]
     assert front and 'data-points="6"' in svg.read_text()
+    if rep.find_chromium() is None and not os.environ.get("MOGRAPH_REQUIRE_CHROMIUM"):
+        return
+    shot = tmp_path / "shot.png"
+    cmd = rep.chromium_command(chromium(), f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,1000",
+                               f"--screenshot={shot}", out.as_uri())
+    subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
+    px = pixels(shot.read_bytes())
+    assert (px > 245).all(axis=-1).mean() < 0.97
+    assert near(px, rep._FRONT).sum() > 100 and near(px, rep._BASE).sum() > 50  # the plots' frontier and baseline
