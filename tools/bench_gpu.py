@@ -1162,6 +1162,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "few iterations, no torch.compile: checks the script end to end in under two minutes; unless "
                     "--models/--exports/--attn are given it runs bert dynamo/sdpa, bert torchscript/eager and gpt2 "
                     "torchscript/sdpa")
+    ap.add_argument("--list", action="store_true", help="print what the selection still has to build and time, and exit")
     ap.add_argument("--verbose", action="store_true", help="keep the exporters' and libraries' warnings")
     ap.add_argument("--markdown", metavar="FILE.md", help="write the tables of the --out files as Markdown and exit")
     return ap
@@ -1195,7 +1196,40 @@ def main(argv: list[str] | None = None) -> int:
             args.cache = "/tmp/mograph-gpu-cache-smoke"
     for s in args.shapes:
         Shape.parse(s)
+    if args.list:
+        return list_pending(args)
     return run_grid(args)
+
+
+def list_pending(args: argparse.Namespace) -> int:
+    """Print the cells of the selection still missing from --out, per graph, and which graphs are cached."""
+    dims = SMOKE if args.smoke else FULL
+    done = Results(Path(args.out), args.retry_errors).done
+    cache = Path(args.cache)
+    shapes = [Shape.parse(s) for s in args.shapes]
+    total = graphs = built = 0
+    seen: set[str] = set()  # torch cells belong to the model, not to one export: counted once
+    on_cpu = args.smoke or args.device == "cpu"
+    variants = [v for v in args.variants if not (v == "torch-compile" and on_cpu and not args.compile_on_cpu)]
+    for model in args.models:
+        for kind in dict.fromkeys(k for k in (graph_kind(model, s, dims) for s in shapes) if k):
+            kind_shapes = [s for s in shapes if graph_kind(model, s, dims) == kind]
+            for export in args.exports:
+                for attn in args.attn:
+                    if args.smoke_grid and (model, export, attn) not in SMOKE_GRID:
+                        continue
+                    todo = [cell_key(*_torch_ids(model, export, attn, v), v, s.text) for v in variants
+                            if v in TORCH_VARIANTS or applies(model, export, attn, v) for s in kind_shapes]
+                    todo = [k for k in dict.fromkeys(todo) if k not in done and k not in seen]
+                    seen.update(todo)
+                    g = graph_for(cache, args.smoke, model, export, attn, kind)
+                    ready = [v for v in ["fp32", *ORT_VARIANTS] if g.path(v).exists()]
+                    graphs += 1
+                    built += bool(ready)
+                    total += len(todo)
+                    sys.stdout.write(f"{g.name}: {len(todo)} cell(s) to time; cached: {', '.join(ready) or 'nothing'}\n")
+    sys.stdout.write(f"{total} cell(s) to time over {graphs} graph(s), {built} with something cached\n")
+    return 0
 
 
 if __name__ == "__main__":
