@@ -488,7 +488,9 @@ def describe(exc: BaseException) -> str:
     seen = 0
     while exc is not None and seen < 4:
         text = str(exc).strip().splitlines()
-        parts.append(f"{type(exc).__name__}: {text[0][:300] if text else ''}")
+        first = text[0][:300] if text else ""
+        if not parts or first not in " ".join(parts):  # a cause that only repeats its wrapper adds nothing
+            parts.append(f"{type(exc).__name__}: {first}")
         exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
         seen += 1
     return " <- ".join(parts)[:700]
