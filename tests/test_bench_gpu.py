@@ -70,6 +70,9 @@ def test_ratios_goal_and_markdown(bench):
     rows.append(_row(bench, "mograph", 1.9, attn="sdpa", attention=12))  # a later measurement replaces it
     sdpa = {(ln["attn"], ln["shape"]): ln for ln in bench.grid_rows(rows)}[("sdpa", "8x512")]
     assert bench._goal(sdpa) == "ok"
+    rows.append(_row(bench, "torch-compile", 1.0))  # 1.9 / 1.0 > 1.25 at 8x512: the torch.compile goal fails
+    sdpa = {(ln["attn"], ln["shape"]): ln for ln in bench.grid_rows(rows)}[("sdpa", "8x512")]
+    assert bench._goal(sdpa) == "miss (compile)"
     md = bench.markdown(rows, ["r.jsonl"])
     assert "| torchscript | eager | 8x512 | 4.600 | 2.000 | - | 2.200 | ort-t | 1.10 | miss |" in md
     assert "`bert/torchscript/eager/mograph/1x128` | boom" in md

@@ -1035,11 +1035,17 @@ def _f(v: Any, spec: str = ".3f") -> str:
 
 
 def _goal(line: dict[str, Any]) -> str:
+    """Issue 15's goal for a cell: mograph within 3% of the best peer, 1.3x faster than it where it fuses
+    no attention, and at 8x512 within 1.25x of torch.compile."""
     ratio = line.get("ratio")
     if ratio is None:
         return "-"
     need = 1 / 1.3 if not line.get("best_peer_fuses_attention") else 1.03
-    return "ok" if ratio <= need else "miss"
+    if ratio > need:
+        return "miss"
+    if line.get("shape") == "8x512" and line.get("vs_compile") is not None and line["vs_compile"] > 1.25:
+        return "miss (compile)"
+    return "ok"
 
 
 def summary_table(rows: list[dict[str, Any]]) -> str:
@@ -1080,7 +1086,8 @@ def markdown(rows: list[dict[str, Any]], sources: list[str]) -> str:
     md += ["Median ms of one `run_with_iobinding` call (inputs and outputs on the device), float16 (inputs and "
            "outputs float32), random seeded weights; variants of a cell timed in interleaved rounds in one process. "
            "`ratio` = mograph / best ORT peer (exported, ort-t, onnxscript) of the cell; `goal`: ratio <= 1.03, or "
-           "<= 1/1.3 where the best peer fuses no attention; `vs compile` = mograph / torch.compile. "
+           "<= 1/1.3 where the best peer fuses no attention, and at 8x512 `vs compile` <= 1.25; "
+           "`vs compile` = mograph / torch.compile. "
            "Cosine: the main output against float32 torch (eager attention) on the same feeds. "
            "ViT has no sequence input: its S=128 cells run 224x224 images (197 tokens), S=512 384x384 (577 tokens); "
            "the Whisper-style encoder is built for S positions (2S mel frames). `decode:BxP`: one new token per "
