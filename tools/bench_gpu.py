@@ -906,6 +906,9 @@ def run_grid(args: argparse.Namespace) -> int:
             ort.preload_dlls()
         if not torch.cuda.is_available():
             raise SystemExit("bench_gpu: no CUDA device (use --smoke, or --device cpu)")
+        # the float32 reference is float32: no TF32 in its matmuls or convolutions (ViT patches, Whisper conv)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             raise SystemExit(f"bench_gpu: onnxruntime {ort.__version__} has no CUDAExecutionProvider "
                              "(install onnxruntime-gpu: ../shared/gpu/README.md)")
