@@ -29,7 +29,7 @@ from mograph.errors import InternalError, MographError
 __all__ = ["main", "CommandResult", "COMMANDS", "EXIT_CODES_HELP"]
 
 #: Sub-command modules under ``mograph.cli``, in the order ``--help`` lists them.
-COMMANDS: tuple[str, ...] = ("optimize", "passes", "inspect", "diff", "bench", "build", "validate")
+COMMANDS: tuple[str, ...] = ("optimize", "passes", "inspect", "diff", "bench", "build", "validate", "sweep", "ledger", "gate", "report")
 
 EXIT_CODES_HELP = """exit codes:
   0  success
