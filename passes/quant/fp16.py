@@ -208,7 +208,10 @@ class Fp16Pass(Pass):
         ):
             return PassResult(False, {"converted": 0, "skipped_already_fp16": 1})
         budget_text = str(self.config.get("fp16_budget") or "none").strip()
-        budget = None if budget_text.lower() in ("none", "off", "") else parse_budget(budget_text)
+        try:
+            budget = None if budget_text.lower() in ("none", "off", "") else parse_budget(budget_text)
+        except OptionError:
+            raise OptionError(f"--fp16-budget {budget_text!r}: expected cosine>=X, max-abs<=X or none") from None
         dtypes = cal.infer_dtypes(model)
         floats = {name for name, t in dtypes.items() if t == _F32}
         compute = [n for n in graph if any(v is not None and v.name in floats for v in (*n.inputs, *n.outputs))]

@@ -162,6 +162,8 @@ def test_near_miss_and_refusal():
     assert not Fp16Pass().call(model).modified  # nothing float: no data needed, nothing changes
     with pytest.raises(OptionError, match="needs calibration data"):
         Fp16Pass().call(to_ir(_model()))
+    with pytest.raises(OptionError, match=r"--fp16-budget 'cos>1': expected cosine>=X, max-abs<=X or none"):
+        Fp16Pass(calibration_data=_calib(), fp16_budget="cos>1").call(to_ir(_model()))
 
 
 # --- models ONNX Runtime refused after fp16 (issue 19 item 2) -------------------------------------------
