@@ -343,7 +343,8 @@ def test_contrib_ops_convert_with_their_schema_types():
     model = _fused_bert("ort")
     ref_model = ir.serde.deserialize_model(ir.serde.serialize_model(model))
     contrib = {n.op_type for n in model.graph if n.domain == "com.microsoft"}
-    assert {"Attention", "SkipLayerNormalization", "BiasGelu"} <= contrib
+    assert {"SkipLayerNormalization", "BiasGelu"} <= contrib
+    assert contrib & {"Attention", "MultiHeadAttention"}  # the lowering's choice of attention form
     casts_before = op_counts(model)["Cast"]
     calib = [bert_feeds(2, 8 + i, seed=100 + i) for i in range(4)]
     result = Fp16Pass(calibration_data=calib).call(model)
@@ -358,6 +359,10 @@ def test_contrib_ops_convert_with_their_schema_types():
             assert n.inputs[1].dtype == ir.DataType.FLOAT16  # weights
             mask = n.inputs[3] if len(n.inputs) > 3 else None
             assert mask is None or dtypes[mask.name] == onnx.TensorProto.INT32  # mask_index stays int32
+        if n.op_type == "MultiHeadAttention":
+            assert all(v.dtype == ir.DataType.FLOAT16 for v in n.inputs[:3] if v is not None)  # q, k, v
+            bias = n.inputs[5] if len(n.inputs) > 5 else None
+            assert bias is None or dtypes[bias.name] == onnx.TensorProto.FLOAT16  # additive mask bias
         if n.op_type == "SkipLayerNormalization":
             assert all(v.dtype == ir.DataType.FLOAT16 for v in n.inputs if v is not None)  # gamma, beta, bias too
     # Casts only at the boundary: the float32 output(s) back from float16
