@@ -257,7 +257,8 @@ def _half_last_dim(value: ir.Value | None, x: ir.Value | None) -> np.ndarray | N
     if shape is None or shape.inputs[0] is not x or scalar_value(div.inputs[1]) != 2 or shape.attributes:  # type: ignore[union-attr]
         return None
     d = x.shape[3] if x is not None and x.shape is not None and len(x.shape) == 4 else None
-    if scalar_value(gather.inputs[1]) not in (3.0, -1.0) or not isinstance(d, int):  # type: ignore[union-attr]
+    axis = scalar_value(gather.inputs[1]) if gather is not None else None
+    if axis not in (3.0, -1.0) or not isinstance(d, int):
         return None
     return np.array([d // 2])
 
