@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import json
 import os
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,22 @@ def _cosine(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return float(x @ y / (np.linalg.norm(x) * np.linalg.norm(y) + 1e-300))
 
 
+@contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """File descriptor 1 to /dev/null for the duration (C++ writes go around sys.stdout)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+
+
 def run_case(case: Any, cache: Path, target: str, explain: bool) -> dict[str, Any]:
     import onnx
     import onnx_ir as ir
@@ -60,7 +76,7 @@ def run_case(case: Any, cache: Path, target: str, explain: bool) -> dict[str, An
     t0 = time.perf_counter()
     try:
         if not path.exists():
-            with contextlib.redirect_stdout(io.StringIO()):  # torch prints its IR when an export fails
+            with _quiet_stdout():  # torch prints its IR (from C++) when an export fails
                 corpus.export(case, path)
     except Exception as exc:  # noqa: BLE001 - a failed export is a row of the table, not a crash
         row["error"] = f"export failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
