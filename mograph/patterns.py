@@ -120,7 +120,7 @@ def constant_array(value: ir.Value | None, _depth: int = 0) -> np.ndarray | None
     """The value as a numpy array if it is a constant in any form, else ``None``.
 
     Looks through initializers (not those that are also graph inputs: a user may override them),
-    ``Constant`` nodes, and ``Cast``/``Identity``/``Reshape``/``Unsqueeze``/``Squeeze``/``Sqrt``/
+    ``Constant`` nodes, and ``Cast``/``CastLike``/``Identity``/``Reshape``/``Unsqueeze``/``Squeeze``/``Sqrt``/
     ``Reciprocal``/``Neg`` and binary arithmetic over constants, to a small depth.  Nothing in the
     graph is changed.
     """
@@ -147,6 +147,9 @@ def constant_array(value: ir.Value | None, _depth: int = 0) -> np.ndarray | None
         if op == "Cast":
             to = node.attributes.get("to")
             return a.astype(ir.DataType(to.value).numpy()) if to is not None else None
+        if op == "CastLike":  # to the dtype of its second input (a value of any kind, read for its dtype only)
+            like = node.inputs[1] if len(node.inputs) > 1 else None
+            return a.astype(like.dtype.numpy()) if like is not None and like.dtype is not None else None
         if op in _UNARY:
             return np.asarray(_UNARY[op](a))
         if op in _BINARY and len(args) == 2 and args[1] is not None:

@@ -53,6 +53,8 @@ class FusionPass(Pass):
     emits_custom_ops = True
     options: ClassVar[tuple[Option, ...]] = (EXPLAIN_OPTION,)
     rules: ClassVar[tuple[type[Rule], ...]] = ()
+    #: Canonicalize the main graph before the rules (:mod:`.canonicalize`), keeping only what a fusion used.
+    canonicalize: ClassVar[bool] = False
 
     def make_rules(self) -> list[Rule]:
         return [cls() for cls in self.rules]
@@ -74,12 +76,21 @@ class FusionPass(Pass):
             stamp(node, self.name, rule.name)
 
         snapshot = infer_types(model)
+        canon = None
+        if self.canonicalize:  # see :mod:`.canonicalize`: edits no fusion consumes are undone below
+            from mograph.passes.fusion.canonicalize import Canonicalizer
+
+            canon = Canonicalizer(model.graph, model_opset(model))
+            canon.apply()
         report: RuleReport = apply_rules(model, rules, namer=namer)
+        kept = canon.resolve()[0] if canon is not None else None
         stats: dict[str, int | float] = {k: int(v) for k, v in sorted(report.stats.items())}
         modified = report.count > 0
         if not modified:
             restore_types(snapshot)
         details: dict[str, Any] = {"rules": report.details(rules, bool(self.config.get("explain")))}
+        if kept:
+            details["canonicalized"] = dict(sorted(kept.items()))
         if modified:
             ensure_functions(model, fused_ops())
             drop_unused_functions(model, fused_ops())

@@ -111,6 +111,7 @@ class FuseGeluPass(FusionPass):
     """Fuse GELU subgraphs (exact erf, tanh approximation, sigmoid form) into one op each."""
 
     name = "fuse-gelu"
+    canonicalize = True
 
     def make_rules(self) -> list[Rule]:
         return [GeluFusion(), GeluTanhFusion(), QuickGeluFusion()]

@@ -78,6 +78,7 @@ class FuseLayerNormPass(FusionPass):
     """Fuse LayerNorm subgraphs (any exporter's form) into one LayerNorm op."""
 
     name = "fuse-layernorm"
+    canonicalize = True
 
     def make_rules(self) -> list[Rule]:
         return [

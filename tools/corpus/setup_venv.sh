@@ -18,7 +18,7 @@ for fam in $FAMILIES; do
     torch)  pkgs=("torch==2.13.0" "onnx>=1.17" "onnxscript>=0.7.2" "onnxconverter-common" "numpy") ;;
     tf)     pkgs=("tensorflow-cpu" "tf2onnx" "keras>=3" "jax[cpu]" "flax" "onnxconverter-common") ;;
     jax)    pkgs=("jax[cpu]" "flax" "jax2onnx" "onnxconverter-common") ;;
-    paddle) pkgs=("paddlepaddle" "paddle2onnx" "onnxconverter-common") ;;
+    paddle) pkgs=("paddlepaddle" "paddle2onnx" "onnxconverter-common" "onnx-graphsurgeon" "sympy") ;;
     *) echo "unknown family '$fam' (torch tf jax paddle)" >&2; exit 2 ;;
   esac
   if [ ! -x "$DIR/$fam/bin/python" ]; then
