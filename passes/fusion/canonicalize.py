@@ -24,6 +24,9 @@ rule                        rewrite                                             
                             where ``s = r * g`` (``tf.nn.batch_normalization``'s
                             form of a LayerNorm, Keras/TF): the centring is
                             factored out
+``scale-out``               ``a * (r * g)`` -> ``(a * r) * g`` for a constant    rounding
+                            vector ``g`` (a scale multiplied into the rsqrt:
+                            Keras' RMSNormalization, Flax), ``r * g`` read once
 ``fold-broadcast``          ``Reshape``/``Unsqueeze``/``Expand``/``Squeeze`` of  exact
                             a constant -> the constant (scale and bias written
                             in the normalized shape)
@@ -493,6 +496,23 @@ def _factored(c: Canonicalizer, n: ir.Node, x: ir.Value, m: ir.Value, s: ir.Valu
     return _Build(y.outputs[0], nodes)
 
 
+def _scale_out(c: Canonicalizer, n: ir.Node) -> _Build | None:
+    if not _std(n, "Mul") or len(n.inputs) != 2 or None in n.inputs:
+        return None
+    for a, inner in (n.inputs, n.inputs[::-1]):
+        p = inner.producer()  # type: ignore[union-attr]
+        if a is None or constant_array(a) is not None or not _std(p, "Mul") or p is None or not _single_use(inner):  # type: ignore[arg-type]
+            continue
+        for r, g in (p.inputs, p.inputs[::-1]):
+            garr = constant_array(g)
+            if r is None or g is None or garr is None or garr.size <= 1 or constant_array(r) is not None:
+                continue
+            ar = c.node("Mul", [a, r], a)
+            out = c.node("Mul", [ar.outputs[0], g], n.outputs[0])
+            return _Build(out.outputs[0], [ar, out])
+    return None
+
+
 #: The rewrites, tried in this order at each node.
 RULES: list[tuple[str, Rewrite]] = [
     ("identity", _identity),
@@ -503,4 +523,5 @@ RULES: list[tuple[str, Rewrite]] = [
     ("sub", _sub),
     ("const-chain", _const_chain),
     ("factor-norm", _factor_norm),
+    ("scale-out", _scale_out),
 ]
