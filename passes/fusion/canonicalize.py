@@ -12,6 +12,11 @@ rule                        rewrite                                             
 ``identity``                ``Identity(v)`` -> ``v``                             exact
 ``cast-noop``               ``Cast(v, to=dtype(v))`` -> ``v``; ``Cast(Cast(v))``  exact
                             that widens and narrows back -> ``v``
+``cast-cse``                a second ``Cast(v, to=t)`` -> the first (the fp16   exact
+                            converter casts a graph input once per reader)
+``cast-island``             ``Cast(op(Cast(a, f32), c), to=f16)`` -> ``op(a, c)``  exact
+                            for ``Max``/``Min``/``Neg``/``Abs``/``Relu`` (ops the
+                            fp16 converter keeps in float32)
 ``neutral``                 ``v * 1``, ``v / 1``, ``v + 0``, ``v - 0`` -> ``v``  exact (-0 -> +0)
                             (single-element constant, ``v`` keeps its shape)
 ``sub``                     ``a + Neg(b)``, ``a + b * -1``, ``a - Neg(-b)`` ->   exact
@@ -130,6 +135,7 @@ class Canonicalizer:
         self.graph = graph
         self.opset = opset
         self.edits: list[_Edit] = []
+        self.position: dict[int, int] = {}
         self._n = 0
 
     # -- building blocks ------------------------------------------------------------------
@@ -158,6 +164,7 @@ class Canonicalizer:
     def apply(self) -> Counter:
         """Rewrite every node of the graph (in order) until no rule applies to it; counts per rule."""
         counts: Counter = Counter()
+        self.position = {id(n): i for i, n in enumerate(self.graph)}
         for node in list(self.graph):
             current: ir.Node | None = node
             for _ in range(8):  # a node's rewrites chain (a + Neg(b) -> a - b -> ...); bounded
@@ -310,6 +317,59 @@ def _cast_noop(c: Canonicalizer, n: ir.Node) -> _Build | None:
         if x0.dtype == target and (target, x.dtype) in _WIDEN:
             return _Build(x0)
     return None
+
+
+def _cast_cse(c: Canonicalizer, n: ir.Node) -> _Build | None:
+    if not _std(n, "Cast") or not n.inputs or n.inputs[0] is None:
+        return None
+    to = n.attributes.get("to")
+    here = c.position.get(id(n))
+    if to is None or here is None:
+        return None
+    best: tuple[int, ir.Node] | None = None
+    for user, _ in n.inputs[0].uses():
+        at = c.position.get(id(user))
+        if user is n or at is None or at >= here or not _std(user, "Cast"):
+            continue
+        t = user.attributes.get("to")
+        if t is not None and t.value == to.value and (best is None or at < best[0]):
+            best = (at, user)
+    return _Build(best[1].outputs[0]) if best is not None else None
+
+
+_EXACT_OPS = ("Max", "Min", "Neg", "Abs", "Relu")
+
+
+def _cast_island(c: Canonicalizer, n: ir.Node) -> _Build | None:
+    if not _std(n, "Cast") or not n.inputs or n.inputs[0] is None:
+        return None
+    to = n.attributes.get("to")
+    mid = n.inputs[0]
+    p = mid.producer()
+    if to is None or not _std(p, *_EXACT_OPS) or p is None or not _single_use(mid):
+        return None
+    target = ir.DataType(to.value)
+    args: list[ir.Value] = []
+    inits: list[ir.Value] = []
+    for v in p.inputs:
+        if v is None:
+            return None
+        q = v.producer()
+        if _std(q, "Cast") and q is not None and q.inputs and q.inputs[0] is not None and q.inputs[0].dtype == target \
+                and (target, v.dtype) in _WIDEN:
+            args.append(q.inputs[0])
+            continue
+        arr = constant_array(v)
+        if arr is None or arr.size > 1 or arr.astype(target.numpy()).astype(arr.dtype).tolist() != arr.tolist():
+            return None  # not a constant, or not exactly representable in the narrow type
+        k = c.constant(arr.astype(target.numpy()), v.name)
+        inits.append(k)
+        args.append(k)
+    if not any(a.producer() is not None or a.is_graph_input() for a in args):
+        return None
+    b = _one(c, p.op_type, args, n.outputs[0], **{k: a.value for k, a in p.attributes.items()})
+    b.inits.extend(inits)
+    return b
 
 
 def _neutral(c: Canonicalizer, n: ir.Node) -> _Build | None:
@@ -517,6 +577,8 @@ def _scale_out(c: Canonicalizer, n: ir.Node) -> _Build | None:
 RULES: list[tuple[str, Rewrite]] = [
     ("identity", _identity),
     ("cast-noop", _cast_noop),
+    ("cast-cse", _cast_cse),
+    ("cast-island", _cast_island),
     ("neutral", _neutral),
     ("fold-broadcast", _fold_broadcast),
     ("global-average-pool", _global_average_pool),

@@ -13,7 +13,9 @@ or ``bash tools/corpus/make_all.sh``.  Output: ``tests/data/corpus/<name>.onnx``
 and how many instances of each fused computation it holds **by construction** (counted from the code
 below, not from any fusion): ``layernorm``, ``rmsnorm`` (each norm, whatever its input), ``skipnorm``
 (the norms among those that read a residual ``Add``), ``gelu`` (exact, tanh, sigmoid and QuickGELU
-alike).  Models named ``nearmiss_*`` hold computations that look like those but are not (a norm over
+alike).  A model with a ``limitation`` cannot be fused, for the reason given (float16 below opset 15:
+the fused ops' function bodies need ``CastLike``); the test checks that ``--explain`` gives that reason.
+Models named ``nearmiss_*`` hold computations that look like those but are not (a norm over
 the wrong axis, epsilon outside the square root, a GELU with a wrong constant): zero instances.
 
 The blocks (hidden 16, sequence 4, batch 2, random weights from a fixed seed)::
@@ -456,8 +458,11 @@ def fp16_family() -> None:
                 name = f"{stem}_fp16" + ("_keepio" if keep_io else "")
                 onnx.save(half, str(OUT / f"{name}.onnx"))
                 versions = {**e["versions"], "onnxconverter-common": onnxconverter_common.__version__}
+                extra: dict[str, object] = {}
+                if e["opset"] < 15:
+                    extra["limitation"] = "needs opset >= 15"  # the fused ops' fp16 function bodies use CastLike
                 entries.append(_entry(name, e["exporter"] + "+fp16", versions, e["opset"], e["instances"],
-                                      fp16=True, keep_io_types=keep_io, source=e["file"]))
+                                      fp16=True, keep_io_types=keep_io, source=e["file"], **extra))
                 print("wrote", name)
     _write_part("fp16", entries)
 
