@@ -88,7 +88,7 @@ def attr_constant(node: ir.Node) -> np.ndarray | None:
     for key, attr in node.attributes.items():
         if attr.is_ref():
             return None
-        if key == "value" and isinstance(attr.value, ir.TensorProtocol):
+        if key == "value" and attr.type == ir.AttributeType.TENSOR:  # (a Protocol isinstance check is slow)
             return attr.value.numpy()
         if key == "value_float":
             return np.array(attr.value, dtype=np.float32)
@@ -139,10 +139,15 @@ def constant_array(value: ir.Value | None, _depth: int = 0) -> np.ndarray | None
     op = node.op_type
     if op == "Constant":
         return attr_constant(node)
-    args = [constant_array(v, _depth + 1) if v is not None else None for v in node.inputs]
-    if not args or args[0] is None:
+    # The first input decides (most ops read activations, not constants): evaluate it alone first.
+    if not node.inputs or node.inputs[0] is None:
         return None
-    a = args[0]
+    a = constant_array(node.inputs[0], _depth + 1)
+    if a is None:
+        return None
+    args = [a]
+    if op in _BINARY and len(node.inputs) == 2:
+        args.append(constant_array(node.inputs[1], _depth + 1) if node.inputs[1] is not None else None)
     try:
         if op == "Cast":
             to = node.attributes.get("to")
@@ -217,12 +222,14 @@ class _Matcher(_matcher.SimplePatternMatcher):
         self.best_depth = -1
         self.best_reason = ""
         self.best_nodes: list[ir.Node] = []
+        self.best_node: ir.Node | None = None
 
     def fail(self, reason: str, node: ir.Node | None = None) -> bool:
         depth = self._match.num_matched_nodes()
         if depth >= self.best_depth:
             self.best_depth = depth
             self.best_reason = reason
+            self.best_node = node or self._current_node
             nodes: list[ir.Node] = []
             for partial in self._match._partial_matches:
                 nodes.extend(partial._matched_nodes)

@@ -55,6 +55,8 @@ class FusionPass(Pass):
     rules: ClassVar[tuple[type[Rule], ...]] = ()
     #: Canonicalize the main graph before the rules (:mod:`.canonicalize`), keeping only what a fusion used.
     canonicalize: ClassVar[bool] = False
+    #: With ``--explain``: list the unfused regions of this kind ('norm' or 'gelu', :mod:`._explain`).
+    explain_regions: ClassVar[str | None] = None
 
     def make_rules(self) -> list[Rule]:
         return [cls() for cls in self.rules]
@@ -83,6 +85,11 @@ class FusionPass(Pass):
             canon = Canonicalizer(model.graph, model_opset(model))
             canon.apply()
         report: RuleReport = apply_rules(model, rules, namer=namer)
+        regions = None
+        if self.explain_regions and self.config.get("explain"):
+            from mograph.passes.fusion._explain import unfused_regions
+
+            regions = unfused_regions(model, rules, self.explain_regions)
         kept = canon.resolve()[0] if canon is not None else None
         stats: dict[str, int | float] = {k: int(v) for k, v in sorted(report.stats.items())}
         modified = report.count > 0
@@ -91,6 +98,8 @@ class FusionPass(Pass):
         details: dict[str, Any] = {"rules": report.details(rules, bool(self.config.get("explain")))}
         if kept:
             details["canonicalized"] = dict(sorted(kept.items()))
+        if regions is not None:
+            details["unfused_regions"] = regions
         if modified:
             ensure_functions(model, fused_ops())
             drop_unused_functions(model, fused_ops())

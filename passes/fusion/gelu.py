@@ -112,6 +112,7 @@ class FuseGeluPass(FusionPass):
 
     name = "fuse-gelu"
     canonicalize = True
+    explain_regions = "gelu"
 
     def make_rules(self) -> list[Rule]:
         return [GeluFusion(), GeluTanhFusion(), QuickGeluFusion()]

@@ -79,6 +79,7 @@ class FuseLayerNormPass(FusionPass):
 
     name = "fuse-layernorm"
     canonicalize = True
+    explain_regions = "norm"
 
     def make_rules(self) -> list[Rule]:
         return [

@@ -67,6 +67,7 @@ class FuseRMSNormPass(FusionPass):
 
     name = "fuse-rmsnorm"
     canonicalize = True
+    explain_regions = "norm"
 
     def make_rules(self) -> list[Rule]:
         return [RMSNormFusion(), NormCastFusion(("RMSNorm",)), NormScaleFusion(("RMSNorm",))]
