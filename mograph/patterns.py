@@ -145,7 +145,7 @@ def constant_array(value: ir.Value | None, _depth: int = 0) -> np.ndarray | None
     a = constant_array(node.inputs[0], _depth + 1)
     if a is None:
         return None
-    args = [a]
+    args: list[np.ndarray | None] = [a]
     if op in _BINARY and len(node.inputs) == 2:
         args.append(constant_array(node.inputs[1], _depth + 1) if node.inputs[1] is not None else None)
     try:

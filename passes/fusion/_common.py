@@ -54,7 +54,8 @@ class FusionPass(Pass):
     options: ClassVar[tuple[Option, ...]] = (EXPLAIN_OPTION,)
     rules: ClassVar[tuple[type[Rule], ...]] = ()
     #: Canonicalize the main graph before the rules (:mod:`.canonicalize`), keeping only what a fusion used.
-    canonicalize: ClassVar[bool] = False
+    #: ``True`` for every rewrite, or the names of the rewrites to run.
+    canonicalize: ClassVar[bool | tuple[str, ...]] = False
     #: With ``--explain``: list the unfused regions of this kind ('norm' or 'gelu', :mod:`._explain`).
     explain_regions: ClassVar[str | None] = None
 
@@ -82,7 +83,8 @@ class FusionPass(Pass):
         if self.canonicalize:  # see :mod:`.canonicalize`: edits no fusion consumes are undone below
             from mograph.passes.fusion.canonicalize import Canonicalizer
 
-            canon = Canonicalizer(model.graph, model_opset(model))
+            kinds = None if self.canonicalize is True else tuple(self.canonicalize)  # type: ignore[arg-type]
+            canon = Canonicalizer(model.graph, model_opset(model), kinds)
             canon.apply()
         report: RuleReport = apply_rules(model, rules, namer=namer)
         regions = None

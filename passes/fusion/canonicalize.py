@@ -131,9 +131,10 @@ def _single_use(value: ir.Value) -> bool:
 class Canonicalizer:
     """Apply the rewrites to a graph (:meth:`apply`), then keep those a fusion used (:meth:`resolve`)."""
 
-    def __init__(self, graph: ir.Graph, opset: int) -> None:
+    def __init__(self, graph: ir.Graph, opset: int, rules: tuple[str, ...] | None = None) -> None:
         self.graph = graph
         self.opset = opset
+        self.rules = [(name, fn) for name, fn in RULES if rules is None or name in rules]
         self.edits: list[_Edit] = []
         self.position: dict[int, int] = {}
         self._n = 0
@@ -141,12 +142,12 @@ class Canonicalizer:
     # -- building blocks ------------------------------------------------------------------
     def node(self, op: str, inputs: list[ir.Value], like: ir.Value, **attrs: object) -> ir.Node:
         """A new default-domain node whose output has ``like``'s dtype and shape."""
-        node = ir.node(op, inputs, attributes=attrs)
+        node = ir.node(op, inputs, attributes=attrs)  # type: ignore[arg-type]
         self._n += 1
         node.name = f"mograph_canon_{self._n}"
         out = node.outputs[0]
         out.name = f"{like.name or 'v'}_canon{self._n}"
-        out.dtype, out.shape = like.dtype, like.shape
+        out.type, out.shape = like.type, like.shape
         return node
 
     def constant(self, arr: np.ndarray, like_name: str | None) -> ir.Value:
@@ -173,7 +174,7 @@ class Canonicalizer:
                 if len(current.outputs) != 1:
                     break
                 done = None
-                for rule, fn in RULES:
+                for rule, fn in self.rules:
                     build = fn(self, current)
                     if build is not None and self._commit_edit(rule, current, build):
                         counts[rule] += 1
@@ -193,8 +194,8 @@ class Canonicalizer:
             graph.insert_before(root, build.nodes)
         for init in build.inits:
             graph.register_initializer(init)
-        if new.dtype is None:
-            new.dtype = old.dtype
+        if new.type is None:
+            new.type = old.type
         if new.shape is None:
             new.shape = old.shape
         edit = _Edit(rule, old, new, [], list(build.nodes), list(build.inits), [], [])
@@ -280,14 +281,15 @@ class Canonicalizer:
                     n.replace_input_with(i, None)
             graph.remove(live)
         for init in edit.new_inits:
-            if not init.uses() and init.name in graph.initializers and graph.initializers[init.name] is init:
-                del graph.initializers[init.name]
+            name = init.name
+            if name is not None and not init.uses() and graph.initializers.get(name) is init:
+                del graph.initializers[name]
 
     def _check(self) -> None:
         """Every input is produced in the graph, an initializer, a graph input or an outer value."""
         for node in self.graph:
             if node.domain == _DETACHED:
-                raise InternalError(f"canonicalization left node '{node.name}' detached")
+                raise InternalError("canonicalize", f"node '{node.name}' was left detached")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,7 +399,7 @@ def _sub(c: Canonicalizer, n: ir.Node) -> _Build | None:
             b = p.inputs[0]
         elif _std(p, "Mul") and p is not None and len(p.inputs) == 2:
             for v, k in (p.inputs, p.inputs[::-1]):
-                if _scalar(k) == -1.0 and v is not None and _keeps_shape(v, k):
+                if k is not None and v is not None and _scalar(k) == -1.0 and _keeps_shape(v, k):
                     b = v
                     break
         if b is not None and a is not None and constant_array(b) is None:
@@ -552,7 +554,7 @@ def _factored(c: Canonicalizer, n: ir.Node, x: ir.Value, m: ir.Value, s: ir.Valu
     if b is not None:
         y = c.node("Add", [y.outputs[0], b], out)
         nodes.append(y)
-    y.outputs[0].dtype, y.outputs[0].shape = out.dtype, out.shape
+    y.outputs[0].type, y.outputs[0].shape = out.type, out.shape
     return _Build(y.outputs[0], nodes)
 
 

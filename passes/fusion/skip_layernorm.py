@@ -195,7 +195,7 @@ class FuseSkipLayerNormPass(FusionPass):
     """Fuse a residual Add (and bias) with the LayerNorm or RMSNorm after it into one Skip* op."""
 
     name = "fuse-skip-layernorm"
-    canonicalize = True  # Identity/Cast no-ops between the residual Add and the norm (paddle2onnx)
+    canonicalize = ("identity",)  # Identity between the residual Add and the norm (paddle2onnx)
 
     def make_rules(self) -> list[Rule]:
         return [SkipLayerNormFusion(), SkipRMSNormFusion()]
