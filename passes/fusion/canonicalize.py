@@ -137,6 +137,7 @@ class Canonicalizer:
         self.rules = [(name, fn) for name, fn in RULES if rules is None or name in rules]
         self.edits: list[_Edit] = []
         self.position: dict[int, int] = {}
+        self.original: set[ir.Node] = set()
         self._n = 0
 
     # -- building blocks ------------------------------------------------------------------
@@ -166,6 +167,7 @@ class Canonicalizer:
         """Rewrite every node of the graph (in order) until no rule applies to it; counts per rule."""
         counts: Counter = Counter()
         self.position = {id(n): i for i, n in enumerate(self.graph)}
+        self.original = set(self.graph)  # (held, so ids of removed nodes are not reused meanwhile)
         for node in list(self.graph):
             current: ir.Node | None = node
             for _ in range(8):  # a node's rewrites chain (a + Neg(b) -> a - b -> ...); bounded
@@ -237,8 +239,16 @@ class Canonicalizer:
         undone: Counter = Counter()
         graph = self.graph
         for edit in reversed(self.edits):
-            gone = any(n.graph is not graph for n in edit.new_nodes) or any(u.graph is not graph for u, _ in edit.moved)
-            if gone:
+            if edit.new_nodes or edit.new_value in edit.new_inits:
+                # what the edit made, or a reader it rewired, went into a fusion
+                used = any(n.graph is not graph for n in edit.new_nodes) or any(
+                    u.graph is not graph for u, _ in edit.moved)
+            else:
+                # an existing value stands in for the node (Identity, no-op Cast ...): the edit was used
+                # only if that value itself went into a fusion; a fusion that merely reads it (its
+                # input) is rewired to the original node on undo
+                used = self._stand_in_used(edit)
+            if used:
                 self._keep(edit)
                 kept[edit.rule] += 1
             else:
@@ -247,6 +257,25 @@ class Canonicalizer:
         self.edits.clear()
         self._check()
         return kept, undone
+
+    def _stand_in_used(self, edit: _Edit) -> bool:
+        """Whether an edit that let an existing value stand in for a node went into a fusion.
+
+        Yes if that value's producer was fused away.  Yes too if fused ops read the value and, were
+        they wired back to the node, nothing would read the value any more (two Casts of one input
+        made one, as the fusion needed).  Otherwise the fusion merely reads it as its input, and
+        the node (an Identity, a no-op Cast) goes back in front of it.
+        """
+        graph, value = self.graph, edit.new_value
+        p = value.producer()
+        if p is not None and p.graph is not graph:
+            return True
+        fused = [u for u, _ in value.uses() if u.graph is graph and u not in self.original and u.domain != _DETACHED]
+        if not fused:
+            return False
+        others = [u for u, _ in value.uses() if u not in fused]
+        reads_back = any(value is v for _, ins, _ in edit.detached for v in ins)
+        return not others and not reads_back and not value.is_graph_output()
 
     def _keep(self, edit: _Edit) -> None:
         graph = self.graph
@@ -270,6 +299,10 @@ class Canonicalizer:
         for user, i in edit.moved:
             if user.graph is graph and user.inputs[i] is edit.new_value:
                 user.replace_input_with(i, edit.old_value)
+        if not edit.new_nodes and edit.new_value not in edit.new_inits:
+            for user, i in list(edit.new_value.uses()):  # fused ops made since, reading the stand-in
+                if user.graph is graph and user not in self.original and user.domain != _DETACHED:
+                    user.replace_input_with(i, edit.old_value)
         for i in edit.outputs:
             graph.outputs[i] = edit.old_value
         if edit.names is not None:
