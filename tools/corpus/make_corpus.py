@@ -3,8 +3,8 @@
 Each framework lives in its own venv (``tools/corpus/setup_venv.sh``); run this script once per family
 with that venv's python, then once more with ``manifest`` to merge what they wrote::
 
-    bash tools/corpus/setup_venv.sh                       # .venv-corpus/{torch,tf,jax,paddle}
-    for f in torch tf jax paddle; do .venv-corpus/$f/bin/python tools/corpus/make_corpus.py $f; done
+    bash tools/corpus/setup_venv.sh                       # .venv-corpus/{torch,tf,jax,paddle,jax2tf}
+    for f in torch tf jax jax2tf paddle; do .venv-corpus/$f/bin/python tools/corpus/make_corpus.py $f; done
     .venv-corpus/torch/bin/python tools/corpus/make_corpus.py fp16      # fp16 variants (onnxconverter-common)
     python tools/corpus/make_corpus.py manifest
 
@@ -269,26 +269,37 @@ def tf_family() -> None:
                                                               gamma_initializer="random_uniform"))
     save(tf.function(lambda x, m=model: m(x)), "nearmiss_keras_rms_scaling", 17, NEAR, "keras3-tf2onnx", versions)
 
-    # JAX -> jax2tf -> tf2onnx, with Flax linen modules
-    import flax
-    import jax
-    from jax.experimental import jax2tf
-
-    jv = {**versions, "jax": jax.__version__, "flax": flax.__version__}
-    for kind, (module, counts) in _flax_blocks().items():
-        fn = module()
-        for opset in (13, 17):
-            try:
-                save(tf.function(jax2tf.convert(fn, with_gradient=False), autograph=False),
-                     f"jax2tf_tf2onnx{opset}_{kind}", opset, counts, "jax2tf-tf2onnx", jv)
-            except Exception as exc:  # noqa: BLE001 - recorded in the manifest as not exportable
-                # jax2tf now serializes natively only (one XlaCallModule op holding StableHLO), which
-                # tf2onnx cannot convert.
-                print(f"jax2tf+tf2onnx {kind} opset {opset}: {type(exc).__name__}: {exc}")
-                entries.append({"file": None, "exporter": "jax2tf-tf2onnx", "versions": jv, "opset": opset,
-                                "kind": kind, "failed": f"{type(exc).__name__}: {str(exc)[:200]}"})
     del np
     _write_part("tf", entries)
+
+
+def jax2tf_family() -> None:
+    """Flax -> jax2tf (graph serialization, no XLA ops) -> tf2onnx: the path of JAX models on TF serving.
+
+    Current JAX serializes natively only (one ``XlaCallModule`` op holding StableHLO, which tf2onnx cannot
+    convert), so this family runs in a venv of the last JAX with graph serialization (setup_venv.sh jax2tf).
+    """
+    import flax
+    import jax
+    import tensorflow as tf
+    import tf2onnx
+    from jax.experimental import jax2tf
+
+    versions = {"jax": jax.__version__, "flax": flax.__version__, "tensorflow": tf.__version__,
+                "tf2onnx": tf2onnx.__version__}
+    spec = (tf.TensorSpec((B, S, H), tf.float32, name="x"),)
+    entries = []
+    for kind, (module, counts) in _flax_blocks().items():
+        fn = module()
+        tf_fn = tf.function(jax2tf.convert(fn, with_gradient=False, native_serialization=False, enable_xla=False),
+                            autograph=False)
+        for opset in (13, 17):
+            name = f"jax2tf_tf2onnx{opset}_{kind}"
+            path = OUT / f"{name}.onnx"
+            tf2onnx.convert.from_function(tf_fn, input_signature=spec, opset=opset, output_path=str(path))
+            entries.append(_entry(name, "jax2tf-tf2onnx", versions, _opset_of(path), counts))
+            print("wrote", path)
+    _write_part("jax2tf", entries)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -434,7 +445,7 @@ def paddle_family() -> None:
 # ---------------------------------------------------------------------------------------------
 
 FP16_FROM = ("torch_ts14_ln-erf", "torch_ts17_ln-tanh", "torch_ts17_rms", "torch_dynamo18_ln-erf",
-             "keras_tf2onnx17_ln-tanh", "keras_tf2onnx17_rms", "flax_jax2onnx23_ln-tanh", "paddle_p2o17_ln-erf")
+             "keras_tf2onnx17_ln-tanh", "keras_tf2onnx17_rms", "jax2tf_tf2onnx17_ln-erf", "flax_jax2onnx23_ln-tanh", "paddle_p2o17_ln-erf")
 
 
 def fp16_family() -> None:
@@ -482,7 +493,8 @@ def manifest() -> None:
     print(f"manifest: {len(entries)} models, {total / 1e6:.2f} MB")
 
 
-FAMILIES = {"torch": torch_family, "tf": tf_family, "jax": jax_family, "paddle": paddle_family,
+FAMILIES = {"torch": torch_family, "tf": tf_family, "jax": jax_family, "jax2tf": jax2tf_family,
+            "paddle": paddle_family,
             "fp16": fp16_family, "manifest": manifest}
 
 if __name__ == "__main__":

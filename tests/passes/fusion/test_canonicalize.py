@@ -117,3 +117,37 @@ def test_explain_names_the_failing_node() -> None:
     regions = result.details["unfused_regions"]
     assert len(regions) == 1 and regions[0]["op"] == "Erf", regions
     assert "1.3" in regions[0]["reason"] and "1.414" in regions[0]["reason"], regions
+
+
+NEAR_MISSES = {
+    # the Keras/TF factored form, but the "mean" is over the sequence axis
+    "factor-norm-wrong-axis": (FuseLayerNormPass, "m = ReduceMean<axes=[1]>(x)\n d = Sub(x, m)\n dd = Mul(d, d)\n"
+                               " v = ReduceMean<axes=[1]>(dd)\n a = Add(v, eps)\n s = Sqrt(a)\n r = Reciprocal(s)\n"
+                               " sg = Mul(r, g)\n xs = Mul(x, sg)\n nm = Neg(m)\n ms = Mul(nm, sg)\n off = Add(ms, b)\n"
+                               " y = Add(xs, off)"),
+    # x - Neg(...) of something that is not the mean of x
+    "sub-not-the-mean": (FuseLayerNormPass, "x2 = Add(x, x)\n m = ReduceMean<axes=[-1]>(x2)\n nm = Neg(m)\n"
+                         " d = Add(x, nm)\n" + LN_TAIL + " y = Identity(n)"),
+    # epsilon added after the square root (by 0.1, where it changes the result)
+    "eps-outside-root": (FuseRMSNormPass, "xx = Mul(x, x)\n ms = GlobalAveragePool(xx)\n s = Sqrt(ms)\n"
+                         " a = Add(s, big)\n r = Reciprocal(a)\n n = Mul(x, r)\n y = Mul(n, g)"),
+    # tanh-GELU with 0.9 where sqrt(2/pi) belongs, the constants chained
+    "const-chain-wrong-constant": (FuseGeluPass, "x2 = Mul(x, x)\n x3 = Mul(x2, x)\n t1 = Mul(x3, ca)\n t2 = Mul(t1, c)\n"
+                                   " u = Mul(x, c)\n i = Add(u, t2)\n t = Tanh(i)\n o = Add(t, one)\n h = Mul(x, o)\n"
+                                   " y = Mul(h, half)"),
+}
+NEAR_INITS = ("float big = {0.1}, float[3,1] g31 = {0.5, 1.0, 1.5}, float ca = {0.044715}, float c = {0.9}, "
+              "float half = {0.5}")
+
+
+@pytest.mark.parametrize("case", sorted(NEAR_MISSES))
+def test_near_miss_left_untouched(case: str) -> None:
+    cls, body = NEAR_MISSES[case]
+    assert_untouched(cls(), parse(_model(body, NEAR_INITS)))
+
+
+def test_scale_out_with_a_scale_that_is_not_a_vector() -> None:
+    """x * (rsqrt * g) with g [3, 1]: the RMSNorm itself fuses, g stays a Mul after it (not absorbed)."""
+    body = ("xx = Mul(x, x)\n ms = ReduceMean<axes=[-1]>(xx)\n a = Add(ms, eps)\n s = Sqrt(a)\n r = Reciprocal(s)\n"
+            " rg = Mul(r, g31)\n y = Mul(x, rg)")
+    check_fusion(FuseRMSNormPass(), parse(_model(body, NEAR_INITS)), ops_left=["mograph.RMSNorm", "Mul"])
