@@ -223,6 +223,7 @@ class _Matcher(_matcher.SimplePatternMatcher):
         self.best_reason = ""
         self.best_nodes: list[ir.Node] = []
         self.best_node: ir.Node | None = None
+        self.constant_misses: list[str] = []  # every constant that was off, for --explain
 
     def fail(self, reason: str, node: ir.Node | None = None) -> bool:
         depth = self._match.num_matched_nodes()
@@ -249,7 +250,9 @@ class _Matcher(_matcher.SimplePatternMatcher):
         got = float(arr.reshape(()))
         tol = max(pattern_constant._abs_tol, pattern_constant._rel_tol * abs(float(expected)))  # type: ignore[arg-type]
         if not abs(got - float(expected)) <= tol:  # type: ignore[arg-type]
-            return self.fail(f"constant '{value.name}' is {got:g}, expected {expected}")
+            reason = f"constant '{value.name}' is {got:g}, expected {expected}"
+            self.constant_misses.append(reason)
+            return self.fail(reason)
         return True
 
     def _match_value(self, pattern_value: _pattern_ir.ValuePattern, value: ir.Value | None) -> bool:
@@ -302,16 +305,22 @@ class _Matcher(_matcher.SimplePatternMatcher):
             values = values[: len(patterns)]
         values += [None] * (len(patterns) - len(values))
         if node.op_type in COMMUTATIVE and node.domain in ("", "ai.onnx") and len(values) == 2:
+            reasons: list[str] = []
             for order in (values, values[::-1]):
                 match.enter_new_match()
                 if self._match_inputs(patterns, order):
                     _merge_partial(match)
                     break
+                if match.reason and match.reason not in reasons:
+                    reasons.append(match.reason)
                 match.abandon_current_match()
                 if values[0] is values[1]:
                     return self.fail(self.best_reason or "inputs do not match", node)
             else:
-                return self.fail(self.best_reason or "inputs do not match in either order", node)
+                # say why each order failed at this node (a wrong constant, an unexpected op ...)
+                why = "; ".join(reasons)
+                return self.fail(f"inputs of {node.op_type} '{node.name}' match in neither order ({why})" if why
+                                 else self.best_reason or "inputs do not match in either order", node)
         elif not self._match_inputs(patterns, values):
             return False
         for i, output_pattern in enumerate(pattern_node.outputs):

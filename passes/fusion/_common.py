@@ -91,7 +91,7 @@ class FusionPass(Pass):
         if self.explain_regions and self.config.get("explain"):
             from mograph.passes.fusion._explain import unfused_regions
 
-            regions = unfused_regions(model, rules, self.explain_regions)
+            regions = unfused_regions(model, rules, self.explain_regions, canon.origin if canon is not None else None)
         kept = canon.resolve()[0] if canon is not None else None
         stats: dict[str, int | float] = {k: int(v) for k, v in sorted(report.stats.items())}
         modified = report.count > 0

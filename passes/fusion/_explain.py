@@ -8,14 +8,17 @@ A region is anchored at a node that only norms and GELUs are made of, left unfus
 
 For each anchor, every rule of the pass is matched (read-only) at each node up to
 :data:`_REACH` steps downstream of it, and the deepest failed match that reached the anchor is
-reported: the rule, the root it was tried from, the **first node where the match failed** and the
+reported (preferring, among the deepest, one that reached the anchor): the rule, the root it was
+tried from, the **first node where the match failed** and the
 matcher's reason, which says what was expected there ("constant 'c' is 0.9, expected 0.797885",
-"reduction 'r' is not over the last axis (axis 1)").  Anchors no match reached are listed too, so a
+"reduction 'r' is not over the last axis (axis 1)"), plus, as ``constants_off``, every constant any
+alternative found off its value.  Anchors no match reached are listed too, so a
 region is never silently absent from the explanation.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import onnx_ir as ir
@@ -56,9 +59,21 @@ def _downstream(node: ir.Node, reach: int) -> list[ir.Node]:
     return list(seen.values())
 
 
-def unfused_regions(model: ir.Model, rules: list[Rule], kind: str) -> list[dict[str, Any]]:
-    """One entry per unfused anchor of ``kind`` ('norm' or 'gelu') in the main graph, with the deepest failure."""
+def unfused_regions(model: ir.Model, rules: list[Rule], kind: str,
+                    origin: Callable[[ir.Node], str | None] | None = None) -> list[dict[str, Any]]:
+    """One entry per unfused anchor of ``kind`` ('norm' or 'gelu') in the main graph, with the deepest failure.
+
+    ``origin(node)`` names the exporter's node a canonical node stands for (None for the exporter's own).
+    """
     graph = model.graph
+    index = {id(n): i for i, n in enumerate(graph)}
+
+    def name(node: ir.Node) -> str:
+        own = origin(node) if origin is not None else None
+        if own is not None:
+            return f"{own} (canonical {node.op_type})"
+        return node.name or f"{node.op_type}#{index.get(id(node), '?')}"
+
     out: list[dict[str, Any]] = []
     for anchor in list(graph):
         if anchor.domain not in ("", "ai.onnx") or anchor.op_type not in _ANCHORS[kind]:
@@ -66,6 +81,7 @@ def unfused_regions(model: ir.Model, rules: list[Rule], kind: str) -> list[dict[
         if kind == "norm" and not _last_axis(anchor):
             continue
         best: tuple[int, dict[str, Any]] | None = None
+        constants: list[str] = []
         for root in [anchor, *_downstream(anchor, _REACH)]:
             for rule in rules:
                 if rule.min_candidate_nodes >= 10**6:  # the absorption rules: they start from a fused op
@@ -74,25 +90,26 @@ def unfused_regions(model: ir.Model, rules: list[Rule], kind: str) -> list[dict[
                     match = matcher.match(model, graph, root, remove_nodes=False)
                     if match:
                         continue
-                    nodes = matcher.best_nodes
-                    if anchor not in nodes:
-                        continue
-                    depth = matcher.best_depth
-                    if best is None or depth > best[0]:
+                    constants += [c for c in matcher.constant_misses if c not in constants]
+                    # deepest first; among equals, a match that reached the anchor
+                    depth = matcher.best_depth * 2 + (anchor in matcher.best_nodes)
+                    if matcher.best_depth > 0 and (best is None or depth > best[0]):
                         at = matcher.best_node
                         best = (depth, {
                             "rule": rule.name,
-                            "root": root.name or root.op_type,
-                            "failed_at": (at.name or at.op_type) if at is not None else None,
+                            "root": name(root),
+                            "failed_at": name(at) if at is not None else None,
                             "failed_at_op": at.op_type if at is not None else None,
                             "reason": matcher.best_reason or match.reason,
-                            "nodes_matched": depth,
+                            "nodes_matched": matcher.best_depth,
                         })
-        entry: dict[str, Any] = {"anchor": anchor.name or anchor.op_type, "op": anchor.op_type}
+        entry: dict[str, Any] = {"anchor": name(anchor), "op": anchor.op_type}
         if best is None:
             entry["reason"] = (f"no {kind} rule matched as far as this {anchor.op_type} from any node up to "
                                f"{_REACH} steps below it")
         else:
             entry.update(best[1])
+        if constants:  # constants some alternative expected otherwise (a GELU with a wrong constant ...)
+            entry["constants_off"] = constants
         out.append(entry)
     return out

@@ -232,6 +232,14 @@ class Canonicalizer:
                         and not any(o.uses() or o.is_graph_output() for o in p.outputs)):
                     stack.append(p)
 
+    def origin(self, node: ir.Node) -> str | None:
+        """The name of the exporter's node a node made here stands for (None for any other node)."""
+        for edit in self.edits:
+            if any(n is node for n in edit.new_nodes):
+                root = edit.detached[0][0]
+                return root.name or edit.old_value.name or root.op_type
+        return None
+
     # -- resolving -----------------------------------------------------------------------
     def resolve(self) -> tuple[Counter, Counter]:
         """Commit the edits a fusion consumed, undo the others (newest first); (committed, undone) per rule."""

@@ -151,3 +151,17 @@ def test_scale_out_with_a_scale_that_is_not_a_vector() -> None:
     body = ("xx = Mul(x, x)\n ms = ReduceMean<axes=[-1]>(xx)\n a = Add(ms, eps)\n s = Sqrt(a)\n r = Reciprocal(s)\n"
             " rg = Mul(r, g31)\n y = Mul(x, rg)")
     check_fusion(FuseRMSNormPass(), parse(_model(body, NEAR_INITS)), ops_left=["mograph.RMSNorm", "Mul"])
+
+
+def test_explain_regions_of_near_misses() -> None:
+    """Each unfused region is listed with the node where the match failed; a wrong constant is named."""
+    cls, body = NEAR_MISSES["eps-outside-root"]
+    p = cls()
+    p.config = {"explain": True}
+    (region,) = assert_untouched(p, parse(_model(body, NEAR_INITS))).details["unfused_regions"]
+    assert region["failed_at_op"] == "Add" and "expected Sqrt" in region["reason"], region
+    cls, body = NEAR_MISSES["const-chain-wrong-constant"]
+    p = cls()
+    p.config = {"explain": True}
+    (region,) = assert_untouched(p, parse(_model(body, NEAR_INITS))).details["unfused_regions"]
+    assert region["op"] == "Tanh" and any("is 0.9, expected 0.797" in c for c in region["constants_off"]), region
