@@ -165,3 +165,11 @@ def test_explain_regions_of_near_misses() -> None:
     p.config = {"explain": True}
     (region,) = assert_untouched(p, parse(_model(body, NEAR_INITS))).details["unfused_regions"]
     assert region["op"] == "Tanh" and any("is 0.9, expected 0.797" in c for c in region["constants_off"]), region
+
+
+def test_fused_op_bodies_below_opset_12() -> None:
+    """Opset 11 has no Constant value_float: the bodies take epsilon/alpha another exact way (they must run)."""
+    quick = _model("s = Mul(x, k)\n g0 = Sigmoid(s)\n y = Mul(x, g0)", "float k = {1.702}", opset=11)
+    check_fusion(FuseGeluPass(), parse(quick), ops_left=["mograph.QuickGelu"])
+    rms = _model("xx = Mul(x, x)\n ms = ReduceMean<axes=[-1]>(xx)\n" + RMS_TAIL, opset=11)
+    check_fusion(FuseRMSNormPass(), parse(rms), ops_left=["mograph.RMSNorm"])
