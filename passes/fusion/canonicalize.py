@@ -18,7 +18,8 @@ rule                        rewrite                                             
                             for ``Max``/``Min``/``Neg``/``Abs``/``Relu`` (ops the
                             fp16 converter keeps in float32)
 ``neutral``                 ``v * 1``, ``v / 1``, ``v + 0``, ``v - 0`` -> ``v``  exact (-0 -> +0)
-                            (single-element constant, ``v`` keeps its shape)
+                            (a constant of ones or zeros that does not
+                            broadcast ``v`` to a larger shape)
 ``sub``                     ``a + Neg(b)``, ``a + b * -1``, ``a - Neg(-b)`` ->   exact
                             ``a - b``
 ``global-average-pool``     ``GlobalAveragePool(x)`` of a rank-3 ``x`` ->        exact
@@ -32,6 +33,14 @@ rule                        rewrite                                             
 ``scale-out``               ``a * (r * g)`` -> ``(a * r) * g`` for a constant    rounding
                             vector ``g`` (a scale multiplied into the rsqrt:
                             Keras' RMSNormalization, Flax), ``r * g`` read once
+``expand-noop``             ``Expand(v, s)`` that leaves v's shape -> ``v``      exact
+``keepdims``                ``Reshape(f(ReduceX(x, keepdims=0)), kept shape)``  exact
+                            -> ``f(ReduceX(x, keepdims=1))`` for ``f``
+                            elementwise with single constants (jax2tf: the
+                            mean and variance reduced without kept dims, then
+                            reshaped back)
+``cube``                    ``x * (x * (a * x))`` and every other product of    rounding
+                            three x and constants -> ``Pow(x, 3) * a``
 ``fold-broadcast``          ``Reshape``/``Unsqueeze``/``Expand``/``Squeeze`` of  exact
                             a constant -> the constant (scale and bias written
                             in the normalized shape)
@@ -87,6 +96,7 @@ class _Edit:
     new_inits: list[ir.Value]
     moved: list[tuple[ir.Node, int]]  # readers rewired from old_value to new_value
     outputs: list[int]  # graph output slots rewired
+    direct: list[ir.Node] = field(default_factory=list)  # readers new_value had before the edit
     names: tuple[str | None, str | None] | None = None  # (old, new) names before a swap
 
 
@@ -138,6 +148,7 @@ class Canonicalizer:
         self.edits: list[_Edit] = []
         self.position: dict[int, int] = {}
         self.original: set[ir.Node] = set()
+        self.memo: dict[tuple[int, tuple[int, ...]], tuple[ir.Value, ir.Value]] = {}
         self._n = 0
 
     # -- building blocks ------------------------------------------------------------------
@@ -202,6 +213,7 @@ class Canonicalizer:
             new.shape = old.shape
         edit = _Edit(rule, old, new, [], list(build.nodes), list(build.inits), [], [])
         edit.moved = [(user, i) for user, i in old.uses()]
+        edit.direct = [user for user, _ in new.uses() if user is not root]
         edit.outputs = [i for i, v in enumerate(graph.outputs) if v is old]
         if edit.outputs:
             edit.names = (old.name, new.name)
@@ -269,21 +281,17 @@ class Canonicalizer:
     def _stand_in_used(self, edit: _Edit) -> bool:
         """Whether an edit that let an existing value stand in for a node went into a fusion.
 
-        Yes if that value's producer was fused away.  Yes too if fused ops read the value and, were
-        they wired back to the node, nothing would read the value any more (two Casts of one input
-        made one, as the fusion needed).  Otherwise the fusion merely reads it as its input, and
-        the node (an Identity, a no-op Cast) goes back in front of it.
+        Yes if that value's producer was fused away, or if the fusion consumed both a reader the edit
+        rewired and a reader the value had anyway (the fusion needed the two paths to be one value:
+        ``x - 0`` and ``x * x``, two Casts of one input).  Otherwise the fusion merely reads the value
+        as its input, and the node (an Identity, a no-op Cast) goes back in front of it.
         """
         graph, value = self.graph, edit.new_value
         p = value.producer()
         if p is not None and p.graph is not graph:
             return True
-        fused = [u for u, _ in value.uses() if u.graph is graph and u not in self.original and u.domain != _DETACHED]
-        if not fused:
-            return False
-        others = [u for u, _ in value.uses() if u not in fused]
-        reads_back = any(value is v for _, ins, _ in edit.detached for v in ins)
-        return not others and not reads_back and not value.is_graph_output()
+        moved_gone = any(u.graph is not graph for u, _ in edit.moved)
+        return moved_gone and any(u.graph is not graph for u in edit.direct)
 
     def _keep(self, edit: _Edit) -> None:
         graph = self.graph
@@ -424,9 +432,165 @@ def _neutral(c: Canonicalizer, n: ir.Node) -> _Build | None:
     unit = 1.0 if n.op_type in ("Mul", "Div") else 0.0
     pairs = [(a, b), (b, a)] if n.op_type in ("Mul", "Add") else [(a, b)]
     for v, k in pairs:
-        if _scalar(k) == unit and v.dtype == n.outputs[0].dtype and _keeps_shape(v, k) and constant_array(v) is None:
+        arr = constant_array(k)
+        if arr is None or arr.size == 0 or not bool(np.all(arr == unit)) or v.dtype != n.outputs[0].dtype:
+            continue
+        if constant_array(v) is None and _broadcasts_into(arr.shape, v):
             return _Build(v)
     return None
+
+
+def _broadcasts_into(shape: tuple[int, ...], v: ir.Value) -> bool:
+    """Whether a constant of ``shape`` broadcast against ``v`` leaves v's (static) shape as it is."""
+    if v.shape is None or len(shape) > len(v.shape):
+        return False
+    dims = list(v.shape)[len(v.shape) - len(shape):]
+    return all(c == 1 or (isinstance(d, int) and c == d) for c, d in zip(shape, dims))
+
+
+def _expand_noop(c: Canonicalizer, n: ir.Node) -> _Build | None:
+    if not _std(n, "Expand") or len(n.inputs) != 2 or None in n.inputs:
+        return None
+    v, shp = n.inputs
+    arr = constant_array(shp)
+    if v is None or arr is None or constant_array(v) is not None:
+        return None
+    return _Build(v) if _broadcasts_into(tuple(int(d) for d in arr.reshape(-1)), v) else None
+
+
+_ELEMENTWISE = ("Add", "Sub", "Mul", "Div", "Max", "Min", "Neg", "Sqrt", "Reciprocal", "Pow", "Abs", "Relu")
+
+
+def _static(v: ir.Value | None) -> list[int] | None:
+    if v is None or v.shape is None or not all(isinstance(d, int) for d in v.shape):
+        return None
+    return [int(d) for d in v.shape]  # type: ignore[arg-type]
+
+
+def _keepdims(c: Canonicalizer, n: ir.Node) -> _Build | None:
+    """Reshape/Unsqueeze adding a trailing 1 to f(reduction without kept dims) -> f(reduction with kept dims)."""
+    if not _std(n, "Reshape", "Unsqueeze") or not n.inputs or n.inputs[0] is None:
+        return None
+    v = n.inputs[0]
+    shape = _static(v)
+    if shape is None:
+        return None
+    target = shape + [1]
+    if n.op_type == "Reshape":
+        s = constant_array(n.inputs[1]) if len(n.inputs) > 1 else None
+        if s is None or [int(d) for d in s.reshape(-1)] != target:
+            return None
+    else:
+        attr = n.attributes.get("axes")
+        arr = constant_array(n.inputs[1]) if len(n.inputs) > 1 else None
+        axes = [int(a) for a in attr.value] if attr is not None else (
+            [int(a) for a in arr.reshape(-1)] if arr is not None else None)
+        if axes not in ([-1], [len(shape)]):
+            return None
+    made: list[ir.Node] = []
+    value = _hoist(c, v, target, made, 0)
+    if value is None:
+        return None
+    return _Build(value, made)
+
+
+def _hoist(c: Canonicalizer, v: ir.Value, target: list[int], made: list[ir.Node], depth: int) -> ir.Value | None:
+    """``v`` computed with a trailing kept dim (shape ``target``), or None; built nodes appended to ``made``."""
+    key = (id(v), tuple(target))
+    hit = c.memo.get(key)
+    if hit is not None and hit[0] is v:
+        p = hit[1].producer()
+        if p is not None and p.graph is c.graph and p.domain in _STD:
+            return hit[1]
+    p = v.producer()
+    if p is None or p.domain not in _STD or depth > 12 or len(p.outputs) != 1:
+        return None
+    like = ir.Value(name=v.name, shape=ir.Shape(target), type=v.type)
+    if p.op_type in ("ReduceSum", "ReduceMean"):
+        x = p.inputs[0]
+        keep = p.attributes.get("keepdims")
+        xs = _static(x)
+        if x is None or keep is None or int(keep.value) != 0 or xs is None or xs[:-1] + [1] != target:
+            return None
+        attr = p.attributes.get("axes")
+        arr = constant_array(p.inputs[1]) if len(p.inputs) > 1 and p.inputs[1] is not None else None
+        axes = [int(a) for a in attr.value] if attr is not None else (
+            [int(a) for a in arr.reshape(-1)] if arr is not None else None)
+        if axes not in ([-1], [len(xs) - 1]):
+            return None
+        attrs = {k: a.value for k, a in p.attributes.items()}
+        attrs["keepdims"] = 1
+        node = c.node(p.op_type, list(p.inputs), like, **attrs)  # type: ignore[arg-type]
+    elif p.op_type in _ELEMENTWISE:
+        shape = _static(v)
+        args: list[ir.Value] = []
+        for u in p.inputs:
+            if u is None:
+                return None
+            arr = constant_array(u)
+            if arr is not None and arr.size == 1 and arr.ndim <= len(target) - 1:
+                args.append(u)
+                continue
+            if _static(u) != shape:
+                return None
+            h = _hoist(c, u, target, made, depth + 1)
+            if h is None:
+                return None
+            args.append(h)
+        node = c.node(p.op_type, args, like, **{k: a.value for k, a in p.attributes.items()})  # type: ignore[arg-type]
+    else:
+        return None
+    made.append(node)
+    c.memo[key] = (v, node.outputs[0])
+    return node.outputs[0]
+
+
+def _cube(c: Canonicalizer, n: ir.Node) -> _Build | None:
+    """A product of exactly three ``x`` and single constants, any grouping -> Pow(x, 3) [* constant]."""
+    if not _std(n, "Mul") or len(n.inputs) != 2:
+        return None
+    leaves: list[ir.Value] = []
+    consts: list[np.ndarray] = []
+    stack = list(n.inputs)
+    inner = 0
+    while stack:
+        u = stack.pop()
+        if u is None:
+            return None
+        arr = constant_array(u)
+        if arr is not None:
+            if arr.size != 1:
+                return None
+            consts.append(arr)
+            continue
+        p = u.producer()
+        if _std(p, "Mul") and p is not None and len(p.inputs) == 2 and _single_use(u):
+            stack.extend(p.inputs)
+            inner += 1
+            continue
+        leaves.append(u)
+    if len(leaves) != 3 or any(v is not leaves[0] for v in leaves) or inner == 0:
+        return None
+    x = leaves[0]
+    if x.dtype is None or x.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE,
+                                          ir.DataType.BFLOAT16):
+        return None
+    if not consts and _std(n, "Mul") and any(_std(u.producer(), "Pow") for u in n.inputs if u is not None):
+        return None
+    three = c.constant(np.array(3.0, dtype=x.dtype.numpy()), "three")
+    out = n.outputs[0]
+    cube = c.node("Pow", [x, three], x)
+    nodes = [cube]
+    value = cube.outputs[0]
+    if consts:
+        k = np.prod(np.stack([a.reshape(()) for a in consts])).astype(consts[0].dtype)
+        if float(k) != 1.0:
+            kv = c.constant(np.asarray(k).reshape(consts[0].shape), "cube_coef")
+            mul = c.node("Mul", [value, kv], out)
+            nodes.append(mul)
+            b = _Build(mul.outputs[0], nodes, [three, kv])
+            return b
+    return _Build(value, nodes, [three])
 
 
 def _sub(c: Canonicalizer, n: ir.Node) -> _Build | None:
@@ -623,10 +787,13 @@ RULES: list[tuple[str, Rewrite]] = [
     ("cast-cse", _cast_cse),
     ("cast-island", _cast_island),
     ("neutral", _neutral),
+    ("expand-noop", _expand_noop),
+    ("keepdims", _keepdims),
     ("fold-broadcast", _fold_broadcast),
     ("global-average-pool", _global_average_pool),
     ("sub", _sub),
     ("const-chain", _const_chain),
     ("factor-norm", _factor_norm),
     ("scale-out", _scale_out),
+    ("cube", _cube),
 ]

@@ -20,7 +20,7 @@ for fam in $FAMILIES; do
     jax)    pkgs=("jax[cpu]" "flax" "jax2onnx" "onnxconverter-common") ;;
     # jax2tf's graph serialization (native_serialization=False, which tf2onnx can convert) is gone from
     # current JAX; this family keeps the last JAX that has it, with a TensorFlow of its time.
-    jax2tf) pkgs=("jax[cpu]==0.4.30" "flax==0.8.5" "tensorflow-cpu==2.17.1" "tf2onnx" "onnxconverter-common") ;;
+    jax2tf) pkgs=("jax[cpu]==0.4.30" "flax==0.8.5" "tensorflow-cpu==2.17.1" "tf2onnx" "onnx==1.17.0" "onnxconverter-common") ;;
     paddle) pkgs=("paddlepaddle" "paddle2onnx" "onnxconverter-common" "onnx-graphsurgeon" "sympy") ;;
     *) echo "unknown family '$fam' (torch tf jax paddle jax2tf)" >&2; exit 2 ;;
   esac

@@ -56,6 +56,16 @@ CASES = {
     "factor-norm": (FuseLayerNormPass, LN_HEAD + "d = Sub(x, m)\n dd = Mul(d, d)\n v = ReduceMean<axes=[-1]>(dd)\n"
                     " a = Add(v, eps)\n s = Sqrt(a)\n r = Reciprocal(s)\n sg = Mul(r, g)\n xs = Mul(x, sg)\n"
                     " nm = Neg(m)\n ms = Mul(nm, sg)\n off = Add(ms, b)\n y = Add(xs, off)", "", "mograph.LayerNorm"),
+    # jax2tf: the mean reduced without kept dims, scaled, reshaped back and broadcast (a no-op Expand)
+    "keepdims": (FuseRMSNormPass, "xx = Mul(x, x)\n s0 = ReduceSum<keepdims=0>(xx, ax)\n m0 = Mul(s0, inv)\n"
+                 " ms1 = Reshape(m0, kshp)\n ms = Expand(ms1, kshp)\n" + RMS_TAIL,
+                 f"int64[1] ax = {{2}}, float inv = {{{1 / H}}}, int64[3] kshp = {{2, 3, 1}}", "mograph.RMSNorm"),
+    "expand-noop": (FuseRMSNormPass, "xx = Mul(x, x)\n ms0 = ReduceMean<axes=[-1]>(xx)\n ms = Expand(ms0, kshp)\n"
+                    + RMS_TAIL, "int64[3] kshp = {2, 3, 1}", "mograph.RMSNorm"),
+    # jax2tf: x**3 * 0.044715 written as x * (x * (0.044715 * x))
+    "cube": (FuseGeluPass, "a1 = Mul(ca, x)\n a2 = Mul(x, a1)\n t2 = Mul(x, a2)\n i0 = Add(x, t2)\n i = Mul(c, i0)\n"
+             " t = Tanh(i)\n o = Add(one, t)\n h0 = Mul(half, o)\n y = Mul(x, h0)",
+             f"float ca = {{0.044715}}, float c = {{{C:.7f}}}, float half = {{0.5}}", "mograph.FastGelu"),
     "const-chain": (FuseGeluPass, "x2 = Mul(x, x)\n x3 = Mul(x2, x)\n t1 = Mul(x3, ca)\n t2 = Mul(t1, c)\n"
                     " u = Mul(x, c)\n i = Add(u, t2)\n t = Tanh(i)\n o = Add(t, one)\n h = Mul(x, o)\n y = Mul(h, half)",
                     f"float ca = {{0.044715}}, float c = {{{C:.7f}}}, float half = {{0.5}}", "mograph.FastGelu"),
