@@ -575,7 +575,10 @@ def _cube(c: Canonicalizer, n: ir.Node) -> _Build | None:
     if x.dtype is None or x.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE,
                                           ir.DataType.BFLOAT16):
         return None
-    if not consts and _std(n, "Mul") and any(_std(u.producer(), "Pow") for u in n.inputs if u is not None):
+    # x*x*x and (x*x*x)*a are forms the GELU rule takes as they are: only a constant inside the product
+    # (x * (x * (a * x)), as jax2tf writes it) needs the rewrite
+    outer = [u for u in n.inputs if u is not None and constant_array(u) is not None]
+    if len(consts) == len(outer):
         return None
     three = c.constant(np.array(3.0, dtype=x.dtype.numpy()), "three")
     out = n.outputs[0]
