@@ -86,13 +86,16 @@ class FusionPass(Pass):
             kinds = None if self.canonicalize is True else tuple(self.canonicalize)  # type: ignore[arg-type]
             canon = Canonicalizer(model.graph, model_opset(model), kinds)
             canon.apply()
-        report: RuleReport = apply_rules(model, rules, namer=namer)
-        regions = None
-        if self.explain_regions and self.config.get("explain"):
-            from mograph.passes.fusion._explain import unfused_regions
+        try:
+            report: RuleReport = apply_rules(model, rules, namer=namer)
+            regions = None
+            if self.explain_regions and self.config.get("explain"):
+                from mograph.passes.fusion._explain import unfused_regions
 
-            regions = unfused_regions(model, rules, self.explain_regions, canon.origin if canon is not None else None)
-        kept = canon.resolve()[0] if canon is not None else None
+                regions = unfused_regions(model, rules, self.explain_regions,
+                                          canon.origin if canon is not None else None)
+        finally:  # also when a rule failed: no detached node may outlive the pass
+            kept = canon.resolve()[0] if canon is not None else None
         stats: dict[str, int | float] = {k: int(v) for k, v in sorted(report.stats.items())}
         modified = report.count > 0
         if not modified:
