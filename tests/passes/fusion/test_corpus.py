@@ -116,3 +116,18 @@ def test_corpus_covers_the_exporters() -> None:
     for opset in (18, 23):
         assert ("torch-dynamo", opset) in opsets
     assert sum((CORPUS / e["file"]).stat().st_size for e in MANIFEST) < 5_000_000
+
+
+def test_explain_on_a_near_miss_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``mograph optimize --explain`` on a real export of near misses names each region and where it failed."""
+    from mograph.cli import main
+
+    out = tmp_path / "out.onnx"
+    assert main(["optimize", str(CORPUS / "nearmiss_torch_ts14.onnx"), "-o", str(out), "--passes", "fuse",
+                 "--explain"]) == 0
+    text = capsys.readouterr().out
+    assert text.count('"unfused_regions"') == 3  # fuse-layernorm, fuse-rmsnorm, fuse-gelu
+    # the GELU whose sqrt(2/pi) is 0.9: the Tanh region, and the constant that is off
+    assert '"anchor": "/Tanh"' in text and "is 0.9, expected 0.797" in text, text
+    # the LayerNorm with epsilon outside the root: a region at its mean, with the node where matching stopped
+    assert '"anchor": "/b/ReduceMean"' in text and '"failed_at"' in text, text
