@@ -89,7 +89,7 @@ def attr_constant(node: ir.Node) -> np.ndarray | None:
     for key, attr in node.attributes.items():
         if attr.is_ref():
             return None
-        if key == "value" and isinstance(attr.value, ir.TensorProtocol):
+        if key == "value" and attr.type == ir.AttributeType.TENSOR:  # (a Protocol isinstance check is slow)
             return attr.value.numpy()
         if key == "value_float":
             return np.array(attr.value, dtype=np.float32)
@@ -121,7 +121,7 @@ def constant_array(value: ir.Value | None, _depth: int = 0) -> np.ndarray | None
     """The value as a numpy array if it is a constant in any form, else ``None``.
 
     Looks through initializers (not those that are also graph inputs: a user may override them),
-    ``Constant`` nodes, and ``Cast``/``Identity``/``Reshape``/``Unsqueeze``/``Squeeze``/``Sqrt``/
+    ``Constant`` nodes, and ``Cast``/``CastLike``/``Identity``/``Reshape``/``Unsqueeze``/``Squeeze``/``Sqrt``/
     ``Reciprocal``/``Neg`` and binary arithmetic over constants, to a small depth.  Nothing in the
     graph is changed.
     """
@@ -140,14 +140,22 @@ def constant_array(value: ir.Value | None, _depth: int = 0) -> np.ndarray | None
     op = node.op_type
     if op == "Constant":
         return attr_constant(node)
-    args = [constant_array(v, _depth + 1) if v is not None else None for v in node.inputs]
-    if not args or args[0] is None:
+    # The first input decides (most ops read activations, not constants): evaluate it alone first.
+    if not node.inputs or node.inputs[0] is None:
         return None
-    a = args[0]
+    a = constant_array(node.inputs[0], _depth + 1)
+    if a is None:
+        return None
+    args: list[np.ndarray | None] = [a]
+    if op in _BINARY and len(node.inputs) == 2:
+        args.append(constant_array(node.inputs[1], _depth + 1) if node.inputs[1] is not None else None)
     try:
         if op == "Cast":
             to = node.attributes.get("to")
             return a.astype(ir.DataType(to.value).numpy()) if to is not None else None
+        if op == "CastLike":  # to the dtype of its second input (a value of any kind, read for its dtype only)
+            like = node.inputs[1] if len(node.inputs) > 1 else None
+            return a.astype(like.dtype.numpy()) if like is not None and like.dtype is not None else None
         if op in _UNARY:
             return np.asarray(_UNARY[op](a))
         if op in _BINARY and len(args) == 2 and args[1] is not None:
@@ -215,12 +223,15 @@ class _Matcher(_matcher.SimplePatternMatcher):
         self.best_depth = -1
         self.best_reason = ""
         self.best_nodes: list[ir.Node] = []
+        self.best_node: ir.Node | None = None
+        self.constant_misses: list[str] = []  # every constant that was off, for --explain
 
     def fail(self, reason: str, node: ir.Node | None = None) -> bool:
         depth = self._match.num_matched_nodes()
         if depth >= self.best_depth:
             self.best_depth = depth
             self.best_reason = reason
+            self.best_node = node or self._current_node
             nodes: list[ir.Node] = []
             for partial in self._match._partial_matches:
                 nodes.extend(partial._matched_nodes)
@@ -240,7 +251,9 @@ class _Matcher(_matcher.SimplePatternMatcher):
         got = float(arr.reshape(()))
         tol = max(pattern_constant._abs_tol, pattern_constant._rel_tol * abs(float(expected)))  # type: ignore[arg-type]
         if not abs(got - float(expected)) <= tol:  # type: ignore[arg-type]
-            return self.fail(f"constant '{value.name}' is {got:g}, expected {expected}")
+            reason = f"constant '{value.name}' is {got:g}, expected {expected}"
+            self.constant_misses.append(reason)
+            return self.fail(reason)
         return True
 
     def _match_value(self, pattern_value: _pattern_ir.ValuePattern, value: ir.Value | None) -> bool:
@@ -293,16 +306,22 @@ class _Matcher(_matcher.SimplePatternMatcher):
             values = values[: len(patterns)]
         values += [None] * (len(patterns) - len(values))
         if node.op_type in COMMUTATIVE and node.domain in ("", "ai.onnx") and len(values) == 2:
+            reasons: list[str] = []
             for order in (values, values[::-1]):
                 match.enter_new_match()
                 if self._match_inputs(patterns, order):
                     _merge_partial(match)
                     break
+                if match.reason and match.reason not in reasons:
+                    reasons.append(match.reason)
                 match.abandon_current_match()
                 if values[0] is values[1]:
                     return self.fail(self.best_reason or "inputs do not match", node)
             else:
-                return self.fail(self.best_reason or "inputs do not match in either order", node)
+                # say why each order failed at this node (a wrong constant, an unexpected op ...)
+                why = "; ".join(reasons)
+                return self.fail(f"inputs of {node.op_type} '{node.name}' match in neither order ({why})" if why
+                                 else self.best_reason or "inputs do not match in either order", node)
         elif not self._match_inputs(patterns, values):
             return False
         for i, output_pattern in enumerate(pattern_node.outputs):

@@ -53,6 +53,11 @@ class FusionPass(Pass):
     emits_custom_ops = True
     options: ClassVar[tuple[Option, ...]] = (EXPLAIN_OPTION,)
     rules: ClassVar[tuple[type[Rule], ...]] = ()
+    #: Canonicalize the main graph before the rules (:mod:`.canonicalize`), keeping only what a fusion used.
+    #: ``True`` for every rewrite, or the names of the rewrites to run.
+    canonicalize: ClassVar[bool | tuple[str, ...]] = False
+    #: With ``--explain``: list the unfused regions of this kind ('norm' or 'gelu', :mod:`._explain`).
+    explain_regions: ClassVar[str | None] = None
 
     def make_rules(self) -> list[Rule]:
         return [cls() for cls in self.rules]
@@ -74,12 +79,32 @@ class FusionPass(Pass):
             stamp(node, self.name, rule.name)
 
         snapshot = infer_types(model)
-        report: RuleReport = apply_rules(model, rules, namer=namer)
+        canon = None
+        if self.canonicalize:  # see :mod:`.canonicalize`: edits no fusion consumes are undone below
+            from mograph.passes.fusion.canonicalize import Canonicalizer
+
+            kinds = None if self.canonicalize is True else tuple(self.canonicalize)  # type: ignore[arg-type]
+            canon = Canonicalizer(model.graph, model_opset(model), kinds)
+            canon.apply()
+        try:
+            report: RuleReport = apply_rules(model, rules, namer=namer)
+            regions = None
+            if self.explain_regions and self.config.get("explain"):
+                from mograph.passes.fusion._explain import unfused_regions
+
+                regions = unfused_regions(model, rules, self.explain_regions,
+                                          canon.origin if canon is not None else None)
+        finally:  # also when a rule failed: no detached node may outlive the pass
+            kept = canon.resolve()[0] if canon is not None else None
         stats: dict[str, int | float] = {k: int(v) for k, v in sorted(report.stats.items())}
         modified = report.count > 0
         if not modified:
             restore_types(snapshot)
         details: dict[str, Any] = {"rules": report.details(rules, bool(self.config.get("explain")))}
+        if kept:
+            details["canonicalized"] = dict(sorted(kept.items()))
+        if regions is not None:
+            details["unfused_regions"] = regions
         if modified:
             ensure_functions(model, fused_ops())
             drop_unused_functions(model, fused_ops())

@@ -111,6 +111,8 @@ class FuseGeluPass(FusionPass):
     """Fuse GELU subgraphs (exact erf, tanh approximation, sigmoid form) into one op each."""
 
     name = "fuse-gelu"
+    canonicalize = True
+    explain_regions = "gelu"
 
     def make_rules(self) -> list[Rule]:
         return [GeluFusion(), GeluTanhFusion(), QuickGeluFusion()]

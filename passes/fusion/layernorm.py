@@ -78,6 +78,8 @@ class FuseLayerNormPass(FusionPass):
     """Fuse LayerNorm subgraphs (any exporter's form) into one LayerNorm op."""
 
     name = "fuse-layernorm"
+    canonicalize = True
+    explain_regions = "norm"
 
     def make_rules(self) -> list[Rule]:
         return [

@@ -126,11 +126,20 @@ class _Body:
         return ir.RefAttr(attr, ref, kind)
 
     def const(self, value: float, like: ir.Value) -> ir.Value:
-        c = self("Constant", value_float=float(value))
+        if self.opset >= 12:
+            c = self("Constant", value_float=float(value))
+        else:  # Constant has only ``value`` (a tensor) before opset 12
+            c = self("Constant", value=ir.tensor(np.array(value, dtype=np.float32)))
         return self("CastLike", c, like) if self.opset >= 15 else c
 
     def const_ref(self, ref: str, like: ir.Value) -> ir.Value:
-        c = self("Constant", value_float=self.ref("value_float", ref, ir.AttributeType.FLOAT))
+        if self.opset >= 12:
+            c = self("Constant", value_float=self.ref("value_float", ref, ir.AttributeType.FLOAT))
+        else:
+            # Before opset 12 a Constant cannot take a float attribute; Elu<alpha>(-inf) is exactly
+            # alpha * (exp(-inf) - 1) = -alpha, so Neg of it is the attribute's value, bit for bit.
+            minus_inf = self("Constant", value=ir.tensor(np.array(-np.inf, dtype=np.float32)))
+            c = self("Neg", self("Elu", minus_inf, alpha=self.ref("alpha", ref, ir.AttributeType.FLOAT)))
         return self("CastLike", c, like) if self.opset >= 15 else c
 
     def to_stash(self, x: ir.Value) -> ir.Value:

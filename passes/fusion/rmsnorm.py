@@ -66,6 +66,8 @@ class FuseRMSNormPass(FusionPass):
     """Fuse RMSNorm subgraphs (with or without epsilon, any exporter's form) into one RMSNorm op."""
 
     name = "fuse-rmsnorm"
+    canonicalize = True
+    explain_regions = "norm"
 
     def make_rules(self) -> list[Rule]:
         return [RMSNormFusion(), NormCastFusion(("RMSNorm",)), NormScaleFusion(("RMSNorm",))]

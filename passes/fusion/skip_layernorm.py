@@ -291,6 +291,7 @@ class FuseSkipLayerNormPass(FusionPass):
     """Fuse a residual Add (and bias) with the LayerNorm or RMSNorm after it into one Skip* op."""
 
     name = "fuse-skip-layernorm"
+    canonicalize = ("identity",)  # Identity between the residual Add and the norm (paddle2onnx)
 
     def make_rules(self) -> list[Rule]:
         return [SkipLayerNormGemmBiasFusion(), SkipLayerNormFusion(), SkipRMSNormFusion()]

@@ -1,0 +1,185 @@
+"""Canonicalization before matching (:mod:`mograph.passes.fusion.canonicalize`): one test per rewrite.
+
+Each case is a norm or GELU in a spelling only a canonical rewrite brings to the rules' forms: the pass
+must fuse it (ops left, numbers with ORT optimizations off, a no-op second run) and report the rewrite
+it kept; the same spelling where no fusion can follow must come back exactly as it was (undone).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from _fusion_util import assert_untouched, check_fusion, parse, run_pass
+from mograph.passes.fusion.gelu import FuseGeluPass
+from mograph.passes.fusion.layernorm import FuseLayerNormPass
+from mograph.passes.fusion.rmsnorm import FuseRMSNormPass
+
+from mograph.testing import op_types, to_ir
+
+H = 8
+G = ",".join(f"{0.5 + 0.1 * i:.2f}" for i in range(H))
+B = ",".join(f"{0.05 * i - 0.2:.2f}" for i in range(H))
+C = math.sqrt(2 / math.pi)
+
+
+def _model(body: str, inits: str = "", dtype: str = "float", opset: int = 17) -> str:
+    base = (f"float eps = {{1e-5}}, float one = {{1.0}}, float zero = {{0.0}}, float m1 = {{-1.0}}, "
+            f"float[{H}] g = {{{G}}}, float[{H}] b = {{{B}}}, int64[3] shp = {{1, 1, {H}}}")
+    return (f'<ir_version: 8, opset_import: ["" : {opset}]>\n'
+            f"m ({dtype}[2,3,{H}] x) => ({dtype}[2,3,{H}] y) <{base}{', ' + inits if inits else ''}> {{\n  "
+            + "\n  ".join(body.strip().splitlines()) + "\n}")
+
+
+RMS_TAIL = "a = Add(ms, eps)\n s = Sqrt(a)\n r = Reciprocal(s)\n n = Mul(x, r)\n y = Mul(n, g)"
+LN_HEAD = "m = ReduceMean<axes=[-1]>(x)\n"
+LN_TAIL = "dd = Mul(d, d)\n v = ReduceMean<axes=[-1]>(dd)\n a = Add(v, eps)\n s = Sqrt(a)\n n = Div(d, s)\n"
+
+CASES = {
+    "identity": (FuseRMSNormPass, "xx = Mul(x, x)\n ms0 = ReduceMean<axes=[-1]>(xx)\n ms = Identity(ms0)\n" + RMS_TAIL,
+                 "", "mograph.RMSNorm"),
+    "cast-noop": (FuseRMSNormPass, "xx = Mul(x, x)\n ms0 = ReduceMean<axes=[-1]>(xx)\n ms = Cast<to=1>(ms0)\n" + RMS_TAIL,
+                  "", "mograph.RMSNorm"),
+    "neutral": (FuseRMSNormPass, "xx = Mul(x, x)\n ms0 = ReduceMean<axes=[-1]>(xx)\n ms = Mul(ms0, one)\n" + RMS_TAIL,
+                "", "mograph.RMSNorm"),
+    "global-average-pool": (FuseRMSNormPass, "xx = Mul(x, x)\n ms = GlobalAveragePool(xx)\n" + RMS_TAIL, "",
+                            "mograph.RMSNorm"),
+    "scale-out": (FuseRMSNormPass, "xx = Mul(x, x)\n ms = ReduceMean<axes=[-1]>(xx)\n a = Add(ms, eps)\n s = Sqrt(a)\n"
+                  " r = Reciprocal(s)\n rg = Mul(r, g)\n y = Mul(x, rg)", "", "mograph.RMSNorm"),
+    "sub": (FuseLayerNormPass, LN_HEAD + "nm = Neg(m)\n d = Add(x, nm)\n" + LN_TAIL + " y = Mul(n, g)", "",
+            "mograph.LayerNorm"),
+    "sub-mul": (FuseLayerNormPass, LN_HEAD + "nm = Mul(m, m1)\n d = Add(nm, x)\n" + LN_TAIL + " y = Add(n, b)", "",
+                "mograph.LayerNorm"),
+    "fold-broadcast": (FuseLayerNormPass, LN_HEAD + "d = Sub(x, m)\n" + LN_TAIL + " g3 = Reshape(g, shp)\n y = Mul(n, g3)",
+                       "", "mograph.LayerNorm"),
+    # tf.nn.batch_normalization's LayerNorm: x * s + (b - m * s) with s = rsqrt(var + eps) * g
+    "factor-norm": (FuseLayerNormPass, LN_HEAD + "d = Sub(x, m)\n dd = Mul(d, d)\n v = ReduceMean<axes=[-1]>(dd)\n"
+                    " a = Add(v, eps)\n s = Sqrt(a)\n r = Reciprocal(s)\n sg = Mul(r, g)\n xs = Mul(x, sg)\n"
+                    " nm = Neg(m)\n ms = Mul(nm, sg)\n off = Add(ms, b)\n y = Add(xs, off)", "", "mograph.LayerNorm"),
+    # jax2tf: the mean reduced without kept dims, scaled, reshaped back and broadcast (a no-op Expand)
+    "keepdims": (FuseRMSNormPass, "xx = Mul(x, x)\n s0 = ReduceSum<keepdims=0>(xx, ax)\n m0 = Mul(s0, inv)\n"
+                 " ms1 = Reshape(m0, kshp)\n ms = Expand(ms1, kshp)\n" + RMS_TAIL,
+                 f"int64[1] ax = {{2}}, float inv = {{{1 / H}}}, int64[3] kshp = {{2, 3, 1}}", "mograph.RMSNorm"),
+    "expand-noop": (FuseRMSNormPass, "xx = Mul(x, x)\n ms0 = ReduceMean<axes=[-1]>(xx)\n ms = Expand(ms0, kshp)\n"
+                    + RMS_TAIL, "int64[3] kshp = {2, 3, 1}", "mograph.RMSNorm"),
+    # jax2tf: x**3 * 0.044715 written as x * (x * (0.044715 * x))
+    "cube": (FuseGeluPass, "a1 = Mul(ca, x)\n a2 = Mul(x, a1)\n t2 = Mul(x, a2)\n i0 = Add(x, t2)\n i = Mul(c, i0)\n"
+             " t = Tanh(i)\n o = Add(one, t)\n h0 = Mul(half, o)\n y = Mul(x, h0)",
+             f"float ca = {{0.044715}}, float c = {{{C:.7f}}}, float half = {{0.5}}", "mograph.FastGelu"),
+    "const-chain": (FuseGeluPass, "x2 = Mul(x, x)\n x3 = Mul(x2, x)\n t1 = Mul(x3, ca)\n t2 = Mul(t1, c)\n"
+                    " u = Mul(x, c)\n i = Add(u, t2)\n t = Tanh(i)\n o = Add(t, one)\n h = Mul(x, o)\n y = Mul(h, half)",
+                    f"float ca = {{0.044715}}, float c = {{{C:.7f}}}, float half = {{0.5}}", "mograph.FastGelu"),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(CASES))
+def test_rewrite_makes_a_fusion(rule: str) -> None:
+    cls, body, inits, fused = CASES[rule]
+    proto = parse(_model(body, inits))
+    check_fusion(cls(), proto, ops_left=[fused])
+    _, result = run_pass(cls(), proto)
+    assert result.details["canonicalized"].get(rule.split("-mul")[0], 0) >= 1, result.details
+
+
+def test_fp16_cast_islands() -> None:
+    """onnxconverter-common's forms: the input cast once per reader; Max kept in float32 between Casts."""
+    body = ("z16 = Cast<to=10>(zero)\n e16 = Cast<to=10>(eps)\n xa = Cast<to=10>(x)\n xb = Cast<to=10>(x)\n m = ReduceMean<axes=[-1]>(xa)\n d = Sub(xb, m)\n"
+            " xx = Mul(xa, xa)\n e2 = ReduceMean<axes=[-1]>(xx)\n mm = Mul(m, m)\n v0 = Sub(e2, mm)\n"
+            " v32 = Cast<to=1>(v0)\n z32 = Cast<to=1>(z16)\n vm = Max(v32, z32)\n v = Cast<to=10>(vm)\n"
+            " a = Add(v, e16)\n s = Sqrt(a)\n n = Div(d, s)\n y = Cast<to=1>(n)")
+    proto = parse(_model(body))
+    model = check_fusion(FuseLayerNormPass(), proto, ops_left=["Cast", "mograph.LayerNorm", "Cast"], rel=2e-3)
+    assert "mograph.LayerNorm" in op_types(model)
+    _, result = run_pass(FuseLayerNormPass(), proto)
+    assert {"cast-cse", "cast-island"} <= set(result.details["canonicalized"]), result.details
+
+
+@pytest.mark.parametrize("rule", sorted(CASES))
+def test_rewrite_undone_without_a_fusion(rule: str) -> None:
+    """The same spelling with the epsilon a graph input (not a constant): nothing fuses, all is undone."""
+    cls, body, inits, _ = CASES[rule]
+    text = _model(body, inits).replace("float[2,3,8] x)", "float[2,3,8] x, float eps)").replace(
+        "float eps = {1e-5}, ", "")
+    if "eps" not in body:  # the GELU: break its constant instead
+        text = text.replace("float half = {0.5}", "float half = {0.6}")
+    assert_untouched(cls(), parse(text))
+
+
+def test_undo_keeps_unrelated_rewrites_out() -> None:
+    """A fused norm next to canonicalizable computation no fusion uses: only the norm changes."""
+    body = ("xx = Mul(x, x)\n ms0 = ReduceMean<axes=[-1]>(xx)\n ms = Identity(ms0)\n" + RMS_TAIL.replace("y =", "y0 =")
+            + "\n w = Identity(x)\n w1 = Mul(w, one)\n g3 = Reshape(g, shp)\n w2 = Mul(w1, g3)\n y = Add(y0, w2)")
+    proto = parse(_model(body))
+    model = check_fusion(FuseRMSNormPass(), proto,
+                         ops_left=["mograph.RMSNorm", "Identity", "Mul", "Reshape", "Mul", "Add"])
+    del model
+    before = op_types(to_ir(proto))
+    assert before.count("Identity") == 2
+
+
+def test_explain_names_the_failing_node() -> None:
+    """A GELU with a wrong constant: --explain points at it and says what was expected."""
+    body = ("z = Div(x, sq)\n e = Erf(z)\n o = Add(e, one)\n h = Mul(x, o)\n y = Mul(h, half)")
+    proto = parse(_model(body, "float sq = {1.3}, float half = {0.5}"))
+    p = FuseGeluPass()
+    p.config = {"explain": True}
+    result = assert_untouched(p, proto)
+    regions = result.details["unfused_regions"]
+    assert len(regions) == 1 and regions[0]["op"] == "Erf", regions
+    assert "1.3" in regions[0]["reason"] and "1.414" in regions[0]["reason"], regions
+
+
+NEAR_MISSES = {
+    # the Keras/TF factored form, but the "mean" is over the sequence axis
+    "factor-norm-wrong-axis": (FuseLayerNormPass, "m = ReduceMean<axes=[1]>(x)\n d = Sub(x, m)\n dd = Mul(d, d)\n"
+                               " v = ReduceMean<axes=[1]>(dd)\n a = Add(v, eps)\n s = Sqrt(a)\n r = Reciprocal(s)\n"
+                               " sg = Mul(r, g)\n xs = Mul(x, sg)\n nm = Neg(m)\n ms = Mul(nm, sg)\n off = Add(ms, b)\n"
+                               " y = Add(xs, off)"),
+    # x - Neg(...) of something that is not the mean of x
+    "sub-not-the-mean": (FuseLayerNormPass, "x2 = Add(x, x)\n m = ReduceMean<axes=[-1]>(x2)\n nm = Neg(m)\n"
+                         " d = Add(x, nm)\n" + LN_TAIL + " y = Identity(n)"),
+    # epsilon added after the square root (by 0.1, where it changes the result)
+    "eps-outside-root": (FuseRMSNormPass, "xx = Mul(x, x)\n ms = GlobalAveragePool(xx)\n s = Sqrt(ms)\n"
+                         " a = Add(s, big)\n r = Reciprocal(a)\n n = Mul(x, r)\n y = Mul(n, g)"),
+    # tanh-GELU with 0.9 where sqrt(2/pi) belongs, the constants chained
+    "const-chain-wrong-constant": (FuseGeluPass, "x2 = Mul(x, x)\n x3 = Mul(x2, x)\n t1 = Mul(x3, ca)\n t2 = Mul(t1, c)\n"
+                                   " u = Mul(x, c)\n i = Add(u, t2)\n t = Tanh(i)\n o = Add(t, one)\n h = Mul(x, o)\n"
+                                   " y = Mul(h, half)"),
+}
+NEAR_INITS = ("float big = {0.1}, float[3,1] g31 = {0.5, 1.0, 1.5}, float ca = {0.044715}, float c = {0.9}, "
+              "float half = {0.5}")
+
+
+@pytest.mark.parametrize("case", sorted(NEAR_MISSES))
+def test_near_miss_left_untouched(case: str) -> None:
+    cls, body = NEAR_MISSES[case]
+    assert_untouched(cls(), parse(_model(body, NEAR_INITS)))
+
+
+def test_scale_out_with_a_scale_that_is_not_a_vector() -> None:
+    """x * (rsqrt * g) with g [3, 1]: the RMSNorm itself fuses, g stays a Mul after it (not absorbed)."""
+    body = ("xx = Mul(x, x)\n ms = ReduceMean<axes=[-1]>(xx)\n a = Add(ms, eps)\n s = Sqrt(a)\n r = Reciprocal(s)\n"
+            " rg = Mul(r, g31)\n y = Mul(x, rg)")
+    check_fusion(FuseRMSNormPass(), parse(_model(body, NEAR_INITS)), ops_left=["mograph.RMSNorm", "Mul"])
+
+
+def test_explain_regions_of_near_misses() -> None:
+    """Each unfused region is listed with the node where the match failed; a wrong constant is named."""
+    cls, body = NEAR_MISSES["eps-outside-root"]
+    p = cls()
+    p.config = {"explain": True}
+    (region,) = assert_untouched(p, parse(_model(body, NEAR_INITS))).details["unfused_regions"]
+    assert region["failed_at_op"] == "Add" and "expected Sqrt" in region["reason"], region
+    cls, body = NEAR_MISSES["const-chain-wrong-constant"]
+    p = cls()
+    p.config = {"explain": True}
+    (region,) = assert_untouched(p, parse(_model(body, NEAR_INITS))).details["unfused_regions"]
+    assert region["op"] == "Tanh" and any("is 0.9, expected 0.797" in c for c in region["constants_off"]), region
+
+
+def test_fused_op_bodies_below_opset_12() -> None:
+    """Opset 11 has no Constant value_float: the bodies take epsilon/alpha another exact way (they must run)."""
+    quick = _model("s = Mul(x, k)\n g0 = Sigmoid(s)\n y = Mul(x, g0)", "float k = {1.702}", opset=11)
+    check_fusion(FuseGeluPass(), parse(quick), ops_left=["mograph.QuickGelu"])
+    rms = _model("xx = Mul(x, x)\n ms = ReduceMean<axes=[-1]>(xx)\n" + RMS_TAIL, opset=11)
+    check_fusion(FuseRMSNormPass(), parse(rms), ops_left=["mograph.RMSNorm"])
