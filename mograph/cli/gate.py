@@ -24,7 +24,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "beside the candidate (interleaved) when its file is still there. Fails (exit 5, one line saying why) when "
         "the accuracy metric (the task metric if the ledger has one, else mean cosine vs the reference) dropped by "
         f"more than --max-accuracy-drop (default {DEFAULT_MAX_ACCURACY_DROP:g}, absolute) or the p50 latency rose by "
-        f"more than --max-latency-increase (default {DEFAULT_MAX_LATENCY_INCREASE * 100:g}%%). Exit 0: no regression; "
+        f"more than --max-latency-increase (default {DEFAULT_MAX_LATENCY_INCREASE * 100:g}%). Exit 0: no regression; "
         "2: the ledger, baseline model or evaluation set is missing or changed; 3: the candidate is not a valid model.",
     )
     p.add_argument("candidate", metavar="CANDIDATE.onnx", help="the model to gate")

@@ -78,6 +78,9 @@ class Executor:
     def close(self) -> None:
         """Release what the executor holds (a Ray instance it started)."""
 
+    def release(self) -> None:
+        """Stop what would compete with timing runs on this machine (a Ray instance it started here)."""
+
     def describe(self) -> str:
         return self.name
 
@@ -111,12 +114,29 @@ def _call(fn: Callable[[Any], Any], item: Any, env: dict[str, str]) -> Any:
     return fn(item)
 
 
+def _check_reachable(address: str, timeout: float = 5.0) -> None:
+    """Refuse at once a ``HOST:PORT`` nothing listens on (Ray itself would retry for minutes)."""
+    import socket
+
+    if address == "auto" or "://" in address or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        raise UsageError(f"--address {address}: expected HOST:PORT, auto, or ray://HOST:PORT")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise UsageError(f"--address {address}: cannot join the Ray cluster (nothing answers there: {exc})") from exc
+
+
 class RayExecutor(Executor):
     """Calls fanned out as Ray tasks.
 
     Args:
-        address: an existing cluster (``"auto"``, ``"HOST:6379"``, ``"ray://HOST:10001"``); ``None``
-            starts a local instance on this machine (loopback only) and stops it on :meth:`close`.
+        address: an existing cluster (``"auto"``, ``"HOST:6379"``, ``"ray://HOST:10001"``), disconnected
+            from on :meth:`close`; ``None`` starts a local instance on this machine and stops it on
+            :meth:`close`.
         workers: CPUs of the local instance (``None``: all); each task asks for one CPU, so this is
             how many run at once.  Ignored with ``address`` (the cluster's size decides).
         join: use the Ray instance this process is already connected to (inside a Ray task).
@@ -127,14 +147,21 @@ class RayExecutor(Executor):
     def __init__(self, address: str | None = None, *, workers: int | None = None, join: bool = False) -> None:
         self._ray = ray = _import_ray()
         self._started = False
+        self._width: int | None = None
         self.address = address
-        if join or ray.is_initialized():
-            pass
+        if join:
+            if not ray.is_initialized():
+                raise UsageError("RayExecutor(join=True) outside a Ray task or driver")
+        elif ray.is_initialized():
+            raise UsageError("this process is already connected to Ray; use RayExecutor(join=True)")
         elif address:
+            _check_reachable(address)
             try:
                 ray.init(address=address, logging_level="ERROR", log_to_driver=False, configure_logging=False)
             except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ...
-                raise UsageError(f"--address {address}: cannot join the Ray cluster ({exc})") from exc
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise UsageError(f"--address {address}: cannot join the Ray cluster ({first})") from exc
+            self._started = True  # connected by us: disconnected by close()
         else:
             if workers is not None and workers < 1:
                 raise UsageError("--workers must be at least 1")
@@ -152,8 +179,9 @@ class RayExecutor(Executor):
 
     @property
     def width(self) -> int:
-        cpus = self._ray.cluster_resources().get("CPU", 1)
-        return max(1, int(cpus))
+        if self._width is None and self._ray.is_initialized():
+            self._width = max(1, int(self._ray.cluster_resources().get("CPU", 1)))
+        return self._width or 1
 
     def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
         if not items:
@@ -172,6 +200,9 @@ class RayExecutor(Executor):
     def describe(self) -> str:
         where = self.address or "local instance"
         return f"ray ({where}, {self.width} CPU(s))"
+
+    def release(self) -> None:
+        self.close()
 
     def close(self) -> None:
         if self._started and self._ray.is_initialized():

@@ -464,6 +464,7 @@ def run_sweep(
                 built.append(build_configuration(job))
                 if progress is not None:
                     progress(f"built {job.name}", i + 1, len(jobs))
+        executor.release()  # a Ray instance started for the builds must not share the CPUs with the timing
         for b in built:
             if b.ok and b.files:
                 for fname, data in b.files.items():

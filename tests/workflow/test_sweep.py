@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 
 import numpy as np
@@ -235,3 +236,13 @@ def test_bad_eval_data(tmp_path, capsys):
     assert code == 2 and "cannot import module 'nomodule'" in capsys.readouterr().err
     code = main(["sweep", str(model), "--config", str(cfg), "--executor", "local", "--address", "auto"])
     assert code == 2 and "--address and --workers need --executor ray" in capsys.readouterr().err
+
+
+def test_executor_ray_without_ray(tmp_path, capsys, monkeypatch):
+    model = tmp_path / "m.onnx"
+    small_model(model)
+    cfg = write(tmp_path / "s.yaml", "configurations: [{name: a, passes: [cse]}]\n")
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray now fails, as without the extra
+    code = main(["sweep", str(model), "--config", str(cfg), "--ledger", str(tmp_path / "l.db"), "--executor", "ray"])
+    err = capsys.readouterr().err
+    assert code == 7 and "pip install 'mograph[ray]'" in err and "Ray" in err
