@@ -96,6 +96,8 @@ class FusionPass(Pass):
                                           canon.origin if canon is not None else None)
         finally:  # also when a rule failed: no detached node may outlive the pass
             kept = canon.resolve()[0] if canon is not None else None
+            if canon is not None and not _sorted(model.graph):
+                model.graph.sort()  # an undo can rewire a fused op to a value made after it
         stats: dict[str, int | float] = {k: int(v) for k, v in sorted(report.stats.items())}
         modified = report.count > 0
         if not modified:
@@ -253,3 +255,15 @@ def placeholder(op: Any, value: float, like: ir.Value) -> Any:
 
 def mograph_op(op: Any, name: str, *inputs: Any, **attrs: Any) -> Any:
     return getattr(op, name)(*inputs, _domain=DOMAIN, _version=DOMAIN_VERSION, **attrs)
+
+
+def _sorted(graph: ir.Graph) -> bool:
+    """Whether every node of ``graph`` comes after the producers (in ``graph``) of its inputs."""
+    seen: set[int] = set()
+    for node in graph:
+        for v in node.inputs:
+            p = v.producer() if v is not None else None
+            if p is not None and p.graph is graph and id(p) not in seen:
+                return False
+        seen.add(id(node))
+    return True

@@ -308,9 +308,12 @@ class Canonicalizer:
         for node, inputs, domain in reversed(edit.detached):
             node.domain = domain
             for i, v in enumerate(inputs):
-                if (v is not None and v.producer() is None and v.const_value is not None and v.name
+                p = v.producer() if v is not None else None
+                if (v is not None and p is None and v.const_value is not None and v.name
                         and v.name not in graph.initializers and not v.is_graph_input()):
                     graph.register_initializer(v)  # a fusion dropped it once nothing else read it
+                elif p is not None and p.graph is None and p.op_type == "Constant" and not p.inputs:
+                    graph.insert_before(node, p)  # likewise a Constant node (e.g. a shared 1.0 a norm took)
                 node.replace_input_with(i, v)
         for user, i in edit.moved:
             if user.graph is graph and user.inputs[i] is edit.new_value:

@@ -40,7 +40,7 @@ GELU_OPS = {"mograph.Gelu", "mograph.FastGelu", "mograph.QuickGelu", "mograph.Bi
             "Gelu"}
 PRIMITIVES = {"ReduceMean", "GlobalAveragePool", "Sqrt", "Reciprocal", "Pow", "Erf", "Tanh", "Sigmoid"}
 CORE_RULES = ("LayerNormFusion", "RMSNormFusion")
-SKIP_RULES = ("SkipLayerNormFusion", "SkipRMSNormFusion")
+SKIP_RULES = ("SkipLayerNormFusion", "SkipRMSNormFusion", "SkipLayerNormGemmBiasFusion")  # the last: a Gemm bias taken in
 GELU_RULES = ("GeluFusion", "GeluTanhFusion", "QuickGeluFusion")
 
 
