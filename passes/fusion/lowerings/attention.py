@@ -395,7 +395,10 @@ def _key_lengths(mask: ir.Value, new_nodes: list[ir.Node], shared: Shared | None
 
 
 def _nan_to_zero(y: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
-    """``Where(IsNaN(y), 0, y)``: a query row whose every key is masked with -inf gives 0, as in the original."""
+    """``Where(IsNaN(y), 0, y)``: a query row whose every key is masked with -inf gives 0, as in the original.
+
+    The zero has ``y``'s element type (float16 after the ``fp16`` pass), so ``y.dtype`` must be set.
+    """
     dtype = y.dtype.numpy() if y.dtype is not None else np.float32
     zero = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(0, dtype=dtype))})
     isnan = ir.node("IsNaN", [y])
@@ -472,6 +475,8 @@ def _lower_ort(node: ir.Node, ctx: LoweringContext) -> bool:
     while inputs[-1] is None:
         inputs.pop()
     mha = ir.node(op_type, inputs, attributes=attrs, domain=MS_DOMAIN)
+    if q.dtype is not None:  # ONNX's inference does not know contrib ops; the Where after it needs it
+        mha.outputs[0].dtype = q.dtype
     new_nodes.append(mha)
     if int(attr_value(node, "nan_to_zero", 0)):
         _nan_to_zero(mha.outputs[0], new_nodes)
@@ -493,6 +498,8 @@ def _lower_onnx(node: ir.Node, ctx: LoweringContext) -> bool:
     kv_heads = int(attr_value(node, "kv_num_heads", 0)) or heads
     att = ir.node("Attention", inputs, attributes={"q_num_heads": heads, "kv_num_heads": kv_heads,
                                                    "scale": float(attr_value(node, "scale", 1.0))})
+    if q.dtype is not None:
+        att.outputs[0].dtype = q.dtype
     new_nodes.append(att)
     if int(attr_value(node, "nan_to_zero", 0)):
         _nan_to_zero(att.outputs[0], new_nodes)
