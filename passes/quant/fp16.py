@@ -149,6 +149,11 @@ def _schema(node: ir.Node, opset: int, opsets: dict[str, int]) -> tuple[Any | No
     return schema, schema is not None
 
 
+def _type_str(formal: Any) -> str:
+    """A formal parameter's type string (``onnx.defs`` says ``type_str``, ONNX Runtime's registry ``typeStr``)."""
+    return str(getattr(formal, "type_str", None) or getattr(formal, "typeStr", ""))
+
+
 def _type_code(type_str: str) -> int | None:
     """``onnx.TensorProto`` element type of a schema type string such as ``tensor(float16)``."""
     if not (type_str.startswith("tensor(") and type_str.endswith(")")):
@@ -181,14 +186,14 @@ def _complete_dtypes(model: ir.Model, dtypes: dict[str, int], opset: int, opsets
         bound: dict[str, int] = {}
         for i, v in enumerate(node.inputs):
             formal = _formal(list(schema.inputs), i)
-            if v is None or formal is None or not v.name or v.name not in dtypes:
+            if v is None or formal is None or not v.name or v.name not in dtypes or not _type_str(formal):
                 continue
-            bound.setdefault(getattr(formal, "type_str", ""), dtypes[v.name])
+            bound.setdefault(_type_str(formal), dtypes[v.name])
         for j in missing:
             formal = _formal(list(schema.outputs), j)
             if formal is None:
                 continue
-            type_str = getattr(formal, "type_str", "")
+            type_str = _type_str(formal)
             code = bound.get(type_str)
             if code is None:
                 allowed = constraints.get(type_str, [type_str])
