@@ -247,18 +247,22 @@ def right_padded_feeds(batch: int = 4, seq: int = 16) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("dynamic", [True, False])
 def test_bert_tiny_ort_default_bias(dynamic: bool) -> None:
-    """Default --mask-format bias: MultiHeadAttention with the additive bias, exact for any padding (padded_feeds
-    has right, left and full padding); one expansion of the bias when the query lengths are known equal."""
+    """Default --mask-format bias: Attention with Q/K/V packed into one GEMM and the additive bias, exact for any
+    padding (padded_feeds has right, left and full padding); one expansion of the bias when the query lengths are
+    known equal."""
     proto = bert_tiny(dynamic=dynamic, batch=4)
     stats = {**BERT_STATS, "bias_expansions": 2 if dynamic else 1}  # no shape inference: two symbolic lengths
     model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, stats=stats, feeds=padded_feeds(), rel=1e-5)
     left = op_counts(model)
-    assert left["com.microsoft.MultiHeadAttention"] == 2 and left["Expand"] == stats["bias_expansions"]
+    assert left["com.microsoft.Attention"] == 2 and left["Expand"] == stats["bias_expansions"]
+    assert "com.microsoft.MultiHeadAttention" not in left
+    assert left["MatMul"] == 6  # per layer: output projection + 2 FFN; Q/K/V packed into the Attention
     assert not UNFUSED & set(left), left
     assert _mask_index_inputs(model) == set()
     for node in model.graph:
-        if node.op_type == "MultiHeadAttention":
+        if node.op_type == "Attention":
             assert len(node.inputs) == 6 and node.inputs[5] is not None  # attention_bias
+            assert node.inputs[3] is None and node.inputs[4] is None  # no mask_index, no past
 
 
 @pytest.mark.parametrize("dynamic", [True, False])
@@ -285,14 +289,14 @@ def test_bert_tiny_ort_raw(dynamic: bool) -> None:
 
 
 def test_bert_tiny_ort_lengths_exact_for_right_padding_only() -> None:
-    """--mask-format lengths: ReduceSum of the mask (once) is MultiHeadAttention's 1-D key_padding_mask; equal to
+    """--mask-format lengths: ReduceSum of the mask (once) is the packed Attention's 1-D mask_index; equal to
     the original on right-padded masks, and (as documented) not on left-padded ones."""
     proto = bert_tiny(batch=4)
     stats = {**BERT_STATS, "mask_index_casts": 1, "mask_lengths": 1}
     model = check_fusion(lowered(FuseAttentionPass(mask_format="lengths"), "ort"), proto, stats=stats,
                          feeds=right_padded_feeds(), rel=1e-5)
     left = op_counts(model)
-    assert left["com.microsoft.MultiHeadAttention"] == 2 and left["ReduceSum"] == 1 and "Expand" not in left
+    assert left["com.microsoft.Attention"] == 2 and left["ReduceSum"] == 1 and "Expand" not in left
     (red,) = [n for n in model.graph if n.op_type == "ReduceSum"]
     assert _mask_index_inputs(model) == {red.outputs[0].name}
     left_padded = bert_feeds(4, 16)
@@ -337,7 +341,7 @@ def test_bert_tiny_ort_bias_not_a_padding_mask_keeps_bias() -> None:
     model = check_fusion(lowered(FuseAttentionPass(mask_format="lengths"), "ort"), proto,
                          stats={**BERT_STATS, "bias_expansions": 2}, feeds=bert_feeds(3, 16))
     left = op_counts(model)
-    assert left["Expand"] == 2 and left["com.microsoft.MultiHeadAttention"] == 2, left
+    assert left["Expand"] == 2 and left["com.microsoft.Attention"] == 2, left
     assert _mask_index_inputs(model) == set()
 
 
@@ -417,7 +421,7 @@ def test_bert_export_ort(export_dir: Path, exporter: str, opset: int) -> None:
         fused += int(p.call(model).stats.get("AttentionFusion", 0))
     assert fused == L
     left = op_counts(model)
-    assert left["com.microsoft.MultiHeadAttention"] == L and "Softmax" not in left, left
+    assert left["com.microsoft.Attention"] == L and "Softmax" not in left, left  # Q/K/V packed
     assert left["Expand"] <= expands + 1  # at most one [B, 1, S, T] expansion of the bias for both layers
     assert_close(run_ort(proto, feeds), run_ort(to_proto(model), feeds), 1e-4)
     before = graph_fingerprint(model)
