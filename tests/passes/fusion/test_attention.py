@@ -633,3 +633,49 @@ def test_near_miss_rotary_wrong_half() -> None:
     result = assert_untouched(lowered(FuseAttentionPass(explain="true"), "ort"), proto)
     (entry,) = result.details["fuse-attention"]["unfused_softmax"]
     assert entry["reason"].startswith("query: expected Transpose perm [0, 2, 1, 3] splitting heads, got Add")
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("mask_format", ["bias", "lengths"])
+def test_bert_export_packs_qkv_into_one_gemm_per_layer(export_dir: Path, mask_format: str) -> None:
+    """cleanup,fuse --target ort on a 2-layer BERT export: per layer one com.microsoft.Attention whose weights are
+    [W_q | W_k | W_v] ([hidden, 3*hidden]), no Q/K/V MatMul or bias Add left (3 MatMuls per layer: the output
+    projection and the two FFN ones, as ONNX Runtime's transformers optimizer leaves them); equal to the
+    original on ORT CPU with left, right and no padding for ``bias``, right padding for ``lengths``."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from models import export_hf
+    from mograph.plugins import get_registry
+
+    path = export_dir / "bert_torchscript_17.onnx"  # the same cache as test_bert_export_ort
+    if not path.exists():
+        export_hf.export("bert", path, exporter="torchscript", opset=17, layers=L)
+    proto = onnx.load(str(path))
+    before = op_counts(to_ir(proto))
+    model = to_ir(proto)
+    reg = get_registry()
+    options = {"target": "ort", "mask_format": mask_format}
+    for p in reg.instantiate(reg.plan("cleanup,fuse", options), options):
+        p.call(model)
+    left = op_counts(model)
+    assert left["com.microsoft.Attention"] == L and "com.microsoft.MultiHeadAttention" not in left, left
+    assert before["MatMul"] == 6 * L + 2 * L  # Q, K, V, QK^T, PV, output, 2 FFN per layer
+    assert left["MatMul"] == 3 * L, left
+    hidden = 64
+    for node in model.graph:
+        if node.op_type != "Attention":
+            continue
+        x, w, b = node.inputs[:3]
+        assert w is not None and w.const_value is not None and w.const_value.shape == (hidden, 3 * hidden)
+        assert b is not None and b.const_value is not None and b.const_value.shape == (3 * hidden,)
+        assert not any(u.op_type in ("MatMul", "Add") and u.domain == "" for u, _ in x.uses()), \
+            "a Q/K/V projection of the attention input is left"
+    assert not any(n.op_type == "Add" and n.domain == "" and n.inputs[0] is not None
+                   and (p := n.inputs[0].producer()) is not None and p.op_type == "MatMul" for n in model.graph)
+    feeds = export_hf.sample_feeds("bert", 3, 16, seed=1)
+    mask = np.ones((3, 16), dtype=np.int64)
+    mask[1, 11:] = 0  # right padding
+    if mask_format == "bias":
+        mask[2, :6] = 0  # left padding: exact only with the additive bias
+    feeds["attention_mask"] = mask
+    assert_close(run_ort(proto, feeds), run_ort(to_proto(model), feeds), 1e-4)

@@ -474,7 +474,8 @@ def test_sdpa_exports_convert(kind, fp16_first, tmp_path, monkeypatch):
     fp16 = next(p for p in report.passes if p.name == "fp16")
     assert fp16.modified and fp16.stats["kept_fp32"] == 0
     assert not any(n.domain == "mograph" for n in model.graph)
-    assert sum(n.op_type == "MultiHeadAttention" for n in model.graph) == 2
+    assert sum(n.op_type in ("Attention", "MultiHeadAttention") and n.domain == "com.microsoft"
+               for n in model.graph) == 2
     assert check_model_output(model)["onnxruntime"].startswith("passed")
     feeds = sample_feeds(kind, 2, 16, seed=1)
     ref = run(onnx.load(str(src)), feeds)[0]
