@@ -26,8 +26,9 @@ may be constants or computed from the runtime shape (``Shape``/``Gather``/``Unsq
 trace walks over (the split Reshape/Transposes) is left to die: a value still read elsewhere stays.
 
 The fused op (:mod:`.attention_op`) is lowered by the ``lower`` step
-(:mod:`mograph.passes.fusion.lowerings.attention`): ``com.microsoft.MultiHeadAttention`` /
-``Attention`` for ``ort`` (option ``--mask-format`` says how a padding mask gets there), the standard
+(:mod:`mograph.passes.fusion.lowerings.attention`): for ``ort``, ``com.microsoft.Attention`` with Q/K/V
+packed into one GEMM for self-attention over ``x @ W (+ b)`` projections, else ``MultiHeadAttention``
+(option ``--mask-format`` says how a padding mask gets there), the standard
 ``Attention`` at opset >= 23 for ``onnx`` (below it the function body is inlined), the decomposed
 computation for ``tensorrt``.
 """
@@ -656,8 +657,8 @@ def _mask_format(raw: object) -> str:
 
 MASK_FORMAT_OPTION = Option(
     "mask-format", _mask_format, "bias",
-    "how --target ort passes a key-padding mask to attention: bias (default: MultiHeadAttention's additive "
-    "attention_bias, built once and shared by the layers; exact for any mask, left or right padding; on the "
+    "how --target ort passes a key-padding mask to attention (Attention with packed QKV for self-attention, "
+    "else MultiHeadAttention): bias (default: the additive attention_bias, built once and shared by the layers; exact for any mask, left or right padding; on the "
     "H200 an additive (1,1,S,S) bias ran cuDNN flash attention, (B,1,S,S) is not yet measured), lengths (1-D "
     "key lengths, ReduceSum of the 0/1 attention_mask: measured fastest, but exact only for RIGHT-padded "
     "masks: a left-padded row attends to its first keys instead; masks not traced to an attention_mask input "

@@ -36,7 +36,7 @@ ATTENTION_OP = "Attention"
 ONNX_ATTENTION_OPSET = 23
 #: Node metadata key: how the ``ort`` lowering passes a key-padding mask (one of :data:`MASK_FORMATS`).
 MASK_FORMAT_KEY = "mograph.attention.mask_format"
-#: ``bias``: the additive bias itself (``attention_bias`` of MultiHeadAttention), exact for every mask;
+#: ``bias``: the additive bias itself (``attention_bias`` of Attention / MultiHeadAttention), exact for every mask;
 #: ``lengths``: a 1-D ``[B]`` key-length ``mask_index`` (ReduceSum of a 0/1 ``attention_mask``), exact for
 #: right-padded masks only; ``raw``: the 2-D ``[B, T]`` mask as ``mask_index``, exact for every 0/1 mask.
 MASK_FORMATS = ("bias", "lengths", "raw")

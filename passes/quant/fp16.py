@@ -149,6 +149,59 @@ def _schema(node: ir.Node, opset: int, opsets: dict[str, int]) -> tuple[Any | No
     return schema, schema is not None
 
 
+def _type_str(formal: Any) -> str:
+    """A formal parameter's type string (``onnx.defs`` says ``type_str``, ONNX Runtime's registry ``typeStr``)."""
+    return str(getattr(formal, "type_str", None) or getattr(formal, "typeStr", ""))
+
+
+def _type_code(type_str: str) -> int | None:
+    """``onnx.TensorProto`` element type of a schema type string such as ``tensor(float16)``."""
+    if not (type_str.startswith("tensor(") and type_str.endswith(")")):
+        return None
+    name = type_str[len("tensor("):-1].upper()
+    try:
+        return ir.DataType[name].value
+    except KeyError:
+        return None
+
+
+def _complete_dtypes(model: ir.Model, dtypes: dict[str, int], opset: int, opsets: dict[str, int]) -> None:
+    """Fill in the element types ONNX shape inference left unknown, from the ops' type constraints.
+
+    ONNX's inference does not know contrib ops, so the outputs of ``com.microsoft`` ``MultiHeadAttention``,
+    ``Attention`` ... (and whatever reads only them) get no type; the fp16 pass would then not see them as
+    float and leave them float32 while their consumers turn float16 (an ill-typed model).  Walking the graph
+    in order, an output whose schema formal is a type parameter bound by an input of known type (``T`` of
+    ``query`` for ``output``), or a constraint with a single allowed type, gets that type.  ``dtypes`` is
+    updated in place.
+    """
+    for node in model.graph:
+        missing = [j for j, v in enumerate(node.outputs) if v.name and v.name not in dtypes]
+        if not missing:
+            continue
+        schema, _ = _schema(node, opset, opsets)
+        if schema is None:
+            continue
+        constraints = {c.type_param_str: list(c.allowed_type_strs) for c in schema.type_constraints}
+        bound: dict[str, int] = {}
+        for i, v in enumerate(node.inputs):
+            formal = _formal(list(schema.inputs), i)
+            if v is None or formal is None or not v.name or v.name not in dtypes or not _type_str(formal):
+                continue
+            bound.setdefault(_type_str(formal), dtypes[v.name])
+        for j in missing:
+            formal = _formal(list(schema.outputs), j)
+            if formal is None:
+                continue
+            type_str = _type_str(formal)
+            code = bound.get(type_str)
+            if code is None:
+                allowed = constraints.get(type_str, [type_str])
+                code = _type_code(allowed[0]) if len(allowed) == 1 else None
+            if code is not None:
+                dtypes[node.outputs[j].name] = code  # type: ignore[index]
+
+
 def _half_support(node: ir.Node, opset: int, floats: set[str],
                   opsets: dict[str, int] | None = None) -> tuple[bool, frozenset[int], frozenset[int]]:
     """Whether ``node`` can compute in float16, and which of its float inputs and outputs must stay float32.
@@ -212,7 +265,10 @@ class Fp16Pass(Pass):
             budget = None if budget_text.lower() in ("none", "off", "") else parse_budget(budget_text)
         except OptionError:
             raise OptionError(f"--fp16-budget {budget_text!r}: expected cosine>=X, max-abs<=X or none") from None
+        opset = int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1)))
+        opsets = {k: int(v) for k, v in model.opset_imports.items()}
         dtypes = cal.infer_dtypes(model)
+        _complete_dtypes(model, dtypes, opset, opsets)
         floats = {name for name, t in dtypes.items() if t == _F32}
         compute = [n for n in graph if any(v is not None and v.name in floats for v in (*n.inputs, *n.outputs))]
         if not compute:
@@ -222,14 +278,15 @@ class Fp16Pass(Pass):
         details: dict[str, Any] = {}
         upgraded = self._upgrade_opset(model, compute, floats, stats, details)
         if upgraded:
+            opset = int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1)))
+            opsets = {k: int(v) for k, v in model.opset_imports.items()}
             dtypes = cal.infer_dtypes(model)
+            _complete_dtypes(model, dtypes, opset, opsets)
             floats = {name for name, t in dtypes.items() if t == _F32}
             compute = [n for n in graph if any(v is not None and v.name in floats for v in (*n.inputs, *n.outputs))]
         nodes = list(graph)
         where = {id(n): i for i, n in enumerate(nodes)}
         positions = [where[id(n)] for n in compute]
-        opset = int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1)))
-        opsets = {k: int(v) for k, v in model.opset_imports.items()}
         support = {p: _half_support(nodes[p], opset, floats, opsets) for p in positions}
         pinned_in = {p: value[1] for p, value in support.items() if value[1]}
         pinned_out = {p: value[2] for p, value in support.items() if value[2]}

@@ -1,20 +1,25 @@
 """Lowerings of ``mograph.Attention``.
 
 ``ort``
-    ``com.microsoft.MultiHeadAttention`` with separate Q, K, V (what ONNX Runtime's CUDA provider runs
-    fastest: cuDNN flash attention, see ``/work/gpu-results/FACTS.md`` of 2026-12-01).  How a mask gets
+    self-attention whose Q, K, V are ``x @ W (+ b)`` of one ``x`` with constant weights (and as many K/V heads as
+    query heads) becomes ``com.microsoft.Attention`` with the three projections packed into one
+    ``[hidden, 3*H*D]`` GEMM inside the op (what ONNX Runtime's transformers optimizer emits: one kernel per
+    layer instead of three MatMuls and three bias Adds); anything else (cross-attention, a KV cache, grouped
+    query heads, projections read elsewhere) gets ``com.microsoft.MultiHeadAttention`` with separate Q, K, V
+    (cuDNN flash attention on CUDA, see ``/work/gpu-results/FACTS.md`` of 2026-12-01).  How a mask gets
     there is the node's :data:`~mograph.passes.fusion.attention_op.MASK_FORMAT_KEY` hint (the
     ``fuse-attention`` option ``--mask-format``):
 
     ``bias`` (default)
-        ``M`` as ``attention_bias``, expanded to ``[B|1, H|1, S, T]`` where the kernel needs it (one
+        ``M`` as ``attention_bias`` (of either op), expanded to ``[B|1, H|1, S, T]`` where the kernel needs it (one
         expansion per bias and query length, shared by every layer).  Exact for every mask (left or right
         padding, causal, anything additive), and an additive bias still reaches flash attention on CUDA.
     ``lengths``
         where ``M`` is provably a key-padding bias of a 2-D ``[B, T]`` ``attention_mask`` input (0 where the
         mask is 1, a negative constant ``c`` where it is 0: ``(1 - mask) * c``, ``Where(mask, 0, c)``, or
         ``transformers``' index-based padding lookup as TorchScript exports it), the key lengths
-        ``ReduceSum(mask, 1)`` (int32 ``[B]``, built once) go to ``key_padding_mask`` and the float bias is
+        ``ReduceSum(mask, 1)`` (int32 ``[B]``, built once) go to ``key_padding_mask`` (the 1-D ``mask_index`` of
+        the packed ``Attention``) and the float bias is
         dropped: the fastest form, but it equals the original **only for right-padded masks** (ones, then
         zeros); a left-padded row attends to its first ``length`` keys instead.  Other biases stay ``bias``.
     ``raw``
@@ -67,11 +72,19 @@ MS_DOMAIN = "com.microsoft"
 ONNX_ATTENTION_OPSET = 23
 
 def _projection(value: ir.Value, user: ir.Node) -> tuple[ir.Value, np.ndarray, np.ndarray] | None:
-    """``(x, W, b)`` if ``value`` is ``x @ W + b`` with constant 2-D W and 1-D b, read only by ``user``."""
+    """``(x, W, b)`` if ``value`` is ``x @ W + b`` (or ``x @ W``: b = 0) with constant 2-D W and 1-D b, read
+    only by ``user``."""
     add = value.producer()
-    if add is None or add.op_type != "Add" or add.domain != "" or value.is_graph_output():
+    if add is None or add.domain != "" or value.is_graph_output():
         return None
     if any(c is not user for c, _ in value.uses()):
+        return None
+    if add.op_type == "MatMul":  # a projection without bias (Whisper's k_proj)
+        w, x = constant_array(add.inputs[1]), add.inputs[0]
+        if w is None or x is None or w.ndim != 2:
+            return None
+        return x, w, np.zeros(w.shape[1], dtype=w.dtype)
+    if add.op_type != "Add":
         return None
     for mm_in, b_in in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])):
         mm = mm_in.producer() if mm_in is not None else None
@@ -395,7 +408,10 @@ def _key_lengths(mask: ir.Value, new_nodes: list[ir.Node], shared: Shared | None
 
 
 def _nan_to_zero(y: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
-    """``Where(IsNaN(y), 0, y)``: a query row whose every key is masked with -inf gives 0, as in the original."""
+    """``Where(IsNaN(y), 0, y)``: a query row whose every key is masked with -inf gives 0, as in the original.
+
+    The zero has ``y``'s element type (float16 after the ``fp16`` pass), so ``y.dtype`` must be set.
+    """
     dtype = y.dtype.numpy() if y.dtype is not None else np.float32
     zero = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(0, dtype=dtype))})
     isnan = ir.node("IsNaN", [y])
@@ -449,14 +465,20 @@ def _lower_ort(node: ir.Node, ctx: LoweringContext) -> bool:
     attrs: dict[str, Any] = {"num_heads": heads, "scale": float(attr_value(node, "scale", 1.0))}
     fmt = node.metadata_props.get(MASK_FORMAT_KEY, "bias")
     padding = None if is_zero(bias) or fmt == "bias" else _padding_mask(bias)  # type: ignore[arg-type]
-    packed = _packed(node) if fmt == "raw" and padding is not None and kv_heads == heads else None
-    if packed is not None:  # the raw [B, T] mask; the kernel fills masked scores with mask_filter_value
+    packed = _packed(node) if kv_heads == heads else None
+    if packed is not None:  # self-attention: one [hidden, 3*H*D] GEMM for Q, K and V inside the kernel
         x, w, b = packed
         wv = add_initializer(graph, "mograph_qkv_weight", w)
         bv = add_initializer(graph, "mograph_qkv_bias", b)
-        mask_index = _mask_index(padding[0], new_nodes, ctx.shared)  # type: ignore[index]
-        attrs["mask_filter_value"] = padding[1]  # type: ignore[index]
-        inputs: list[ir.Value | None] = [x, wv, bv, mask_index]
+        mask_index: ir.Value | None = None
+        ab_packed: ir.Value | None = None
+        if padding is not None:  # raw: the [B, T] mask, masked scores filled with mask_filter_value;
+            mask, attrs["mask_filter_value"] = padding  # lengths: the 1-D [B] right-padding key lengths
+            mask_index = (_key_lengths(mask, new_nodes, ctx.shared) if fmt == "lengths"
+                          else _mask_index(mask, new_nodes, ctx.shared))
+        elif not is_zero(bias):
+            ab_packed = _bias_for_kernel(bias, x, new_nodes, ctx.shared)  # type: ignore[arg-type]
+        inputs: list[ir.Value | None] = [x, wv, bv, mask_index, None, ab_packed]
         op_type = "Attention"
     else:
         key_padding = None
@@ -472,6 +494,8 @@ def _lower_ort(node: ir.Node, ctx: LoweringContext) -> bool:
     while inputs[-1] is None:
         inputs.pop()
     mha = ir.node(op_type, inputs, attributes=attrs, domain=MS_DOMAIN)
+    if q.dtype is not None:  # ONNX's inference does not know contrib ops; the Where after it needs it
+        mha.outputs[0].dtype = q.dtype
     new_nodes.append(mha)
     if int(attr_value(node, "nan_to_zero", 0)):
         _nan_to_zero(mha.outputs[0], new_nodes)
@@ -493,6 +517,8 @@ def _lower_onnx(node: ir.Node, ctx: LoweringContext) -> bool:
     kv_heads = int(attr_value(node, "kv_num_heads", 0)) or heads
     att = ir.node("Attention", inputs, attributes={"q_num_heads": heads, "kv_num_heads": kv_heads,
                                                    "scale": float(attr_value(node, "scale", 1.0))})
+    if q.dtype is not None:
+        att.outputs[0].dtype = q.dtype
     new_nodes.append(att)
     if int(attr_value(node, "nan_to_zero", 0)):
         _nan_to_zero(att.outputs[0], new_nodes)

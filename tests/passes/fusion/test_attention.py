@@ -247,18 +247,22 @@ def right_padded_feeds(batch: int = 4, seq: int = 16) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("dynamic", [True, False])
 def test_bert_tiny_ort_default_bias(dynamic: bool) -> None:
-    """Default --mask-format bias: MultiHeadAttention with the additive bias, exact for any padding (padded_feeds
-    has right, left and full padding); one expansion of the bias when the query lengths are known equal."""
+    """Default --mask-format bias: Attention with Q/K/V packed into one GEMM and the additive bias, exact for any
+    padding (padded_feeds has right, left and full padding); one expansion of the bias when the query lengths are
+    known equal."""
     proto = bert_tiny(dynamic=dynamic, batch=4)
     stats = {**BERT_STATS, "bias_expansions": 2 if dynamic else 1}  # no shape inference: two symbolic lengths
     model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, stats=stats, feeds=padded_feeds(), rel=1e-5)
     left = op_counts(model)
-    assert left["com.microsoft.MultiHeadAttention"] == 2 and left["Expand"] == stats["bias_expansions"]
+    assert left["com.microsoft.Attention"] == 2 and left["Expand"] == stats["bias_expansions"]
+    assert "com.microsoft.MultiHeadAttention" not in left
+    assert left["MatMul"] == 6  # per layer: output projection + 2 FFN; Q/K/V packed into the Attention
     assert not UNFUSED & set(left), left
     assert _mask_index_inputs(model) == set()
     for node in model.graph:
-        if node.op_type == "MultiHeadAttention":
+        if node.op_type == "Attention":
             assert len(node.inputs) == 6 and node.inputs[5] is not None  # attention_bias
+            assert node.inputs[3] is None and node.inputs[4] is None  # no mask_index, no past
 
 
 @pytest.mark.parametrize("dynamic", [True, False])
@@ -285,14 +289,14 @@ def test_bert_tiny_ort_raw(dynamic: bool) -> None:
 
 
 def test_bert_tiny_ort_lengths_exact_for_right_padding_only() -> None:
-    """--mask-format lengths: ReduceSum of the mask (once) is MultiHeadAttention's 1-D key_padding_mask; equal to
+    """--mask-format lengths: ReduceSum of the mask (once) is the packed Attention's 1-D mask_index; equal to
     the original on right-padded masks, and (as documented) not on left-padded ones."""
     proto = bert_tiny(batch=4)
     stats = {**BERT_STATS, "mask_index_casts": 1, "mask_lengths": 1}
     model = check_fusion(lowered(FuseAttentionPass(mask_format="lengths"), "ort"), proto, stats=stats,
                          feeds=right_padded_feeds(), rel=1e-5)
     left = op_counts(model)
-    assert left["com.microsoft.MultiHeadAttention"] == 2 and left["ReduceSum"] == 1 and "Expand" not in left
+    assert left["com.microsoft.Attention"] == 2 and left["ReduceSum"] == 1 and "Expand" not in left
     (red,) = [n for n in model.graph if n.op_type == "ReduceSum"]
     assert _mask_index_inputs(model) == {red.outputs[0].name}
     left_padded = bert_feeds(4, 16)
@@ -337,7 +341,7 @@ def test_bert_tiny_ort_bias_not_a_padding_mask_keeps_bias() -> None:
     model = check_fusion(lowered(FuseAttentionPass(mask_format="lengths"), "ort"), proto,
                          stats={**BERT_STATS, "bias_expansions": 2}, feeds=bert_feeds(3, 16))
     left = op_counts(model)
-    assert left["Expand"] == 2 and left["com.microsoft.MultiHeadAttention"] == 2, left
+    assert left["Expand"] == 2 and left["com.microsoft.Attention"] == 2, left
     assert _mask_index_inputs(model) == set()
 
 
@@ -417,7 +421,7 @@ def test_bert_export_ort(export_dir: Path, exporter: str, opset: int) -> None:
         fused += int(p.call(model).stats.get("AttentionFusion", 0))
     assert fused == L
     left = op_counts(model)
-    assert left["com.microsoft.MultiHeadAttention"] == L and "Softmax" not in left, left
+    assert left["com.microsoft.Attention"] == L and "Softmax" not in left, left  # Q/K/V packed
     assert left["Expand"] <= expands + 1  # at most one [B, 1, S, T] expansion of the bias for both layers
     assert_close(run_ort(proto, feeds), run_ort(to_proto(model), feeds), 1e-4)
     before = graph_fingerprint(model)
@@ -629,3 +633,49 @@ def test_near_miss_rotary_wrong_half() -> None:
     result = assert_untouched(lowered(FuseAttentionPass(explain="true"), "ort"), proto)
     (entry,) = result.details["fuse-attention"]["unfused_softmax"]
     assert entry["reason"].startswith("query: expected Transpose perm [0, 2, 1, 3] splitting heads, got Add")
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("mask_format", ["bias", "lengths"])
+def test_bert_export_packs_qkv_into_one_gemm_per_layer(export_dir: Path, mask_format: str) -> None:
+    """cleanup,fuse --target ort on a 2-layer BERT export: per layer one com.microsoft.Attention whose weights are
+    [W_q | W_k | W_v] ([hidden, 3*hidden]), no Q/K/V MatMul or bias Add left (3 MatMuls per layer: the output
+    projection and the two FFN ones, as ONNX Runtime's transformers optimizer leaves them); equal to the
+    original on ORT CPU with left, right and no padding for ``bias``, right padding for ``lengths``."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from models import export_hf
+    from mograph.plugins import get_registry
+
+    path = export_dir / "bert_torchscript_17.onnx"  # the same cache as test_bert_export_ort
+    if not path.exists():
+        export_hf.export("bert", path, exporter="torchscript", opset=17, layers=L)
+    proto = onnx.load(str(path))
+    before = op_counts(to_ir(proto))
+    model = to_ir(proto)
+    reg = get_registry()
+    options = {"target": "ort", "mask_format": mask_format}
+    for p in reg.instantiate(reg.plan("cleanup,fuse", options), options):
+        p.call(model)
+    left = op_counts(model)
+    assert left["com.microsoft.Attention"] == L and "com.microsoft.MultiHeadAttention" not in left, left
+    assert before["MatMul"] == 6 * L + 2 * L  # Q, K, V, QK^T, PV, output, 2 FFN per layer
+    assert left["MatMul"] == 3 * L, left
+    hidden = 64
+    for node in model.graph:
+        if node.op_type != "Attention":
+            continue
+        x, w, b = node.inputs[:3]
+        assert w is not None and w.const_value is not None and w.const_value.shape == (hidden, 3 * hidden)
+        assert b is not None and b.const_value is not None and b.const_value.shape == (3 * hidden,)
+        assert not any(u.op_type in ("MatMul", "Add") and u.domain == "" for u, _ in x.uses()), \
+            "a Q/K/V projection of the attention input is left"
+    assert not any(n.op_type == "Add" and n.domain == "" and n.inputs[0] is not None
+                   and (p := n.inputs[0].producer()) is not None and p.op_type == "MatMul" for n in model.graph)
+    feeds = export_hf.sample_feeds("bert", 3, 16, seed=1)
+    mask = np.ones((3, 16), dtype=np.int64)
+    mask[1, 11:] = 0  # right padding
+    if mask_format == "bias":
+        mask[2, :6] = 0  # left padding: exact only with the additive bias
+    feeds["attention_mask"] = mask
+    assert_close(run_ort(proto, feeds), run_ort(to_proto(model), feeds), 1e-4)

@@ -408,3 +408,75 @@ def test_dtype_attribute_follows():
     eye = next(n for n in model.graph if n.op_type == "EyeLike")
     assert eye.attributes["dtype"].as_int() == onnx.TensorProto.FLOAT16
     _check_loads_and_matches(proto, model, feeds[0])
+
+
+def _contrib_then_where() -> onnx.ModelProto:
+    """MultiHeadAttention (contrib: ONNX's inference leaves its output untyped) -> Where(IsNaN(a), 0, a).
+
+    The form of the ort lowering of an attention with ``nan_to_zero`` (every transformers ``sdpa`` export).
+    """
+    zero = helper.make_tensor("zero", onnx.TensorProto.FLOAT, [], [0.0])
+    graph = helper.make_graph(
+        [helper.make_node("MultiHeadAttention", ["q", "k", "v"], ["a"], domain="com.microsoft", num_heads=2,
+                          name="mha"),
+         helper.make_node("Constant", [], ["z"], value=zero, name="zero"),
+         helper.make_node("IsNaN", ["a"], ["nan"], name="isnan"),
+         helper.make_node("Where", ["nan", "z", "a"], ["y"], name="where")],
+        "g",
+        [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [1, 4, 8]) for n in ("q", "k", "v")],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4, 8])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                   helper.make_opsetid("com.microsoft", 1)])
+
+
+def test_untyped_contrib_output_gets_its_schema_type():
+    """Regression: the float16 twin of the Where (and the converted model) bound T to float16 and float."""
+    from mograph.output_check import check_model_output
+
+    proto = _contrib_then_where()
+    model = to_ir(proto)
+    rng = np.random.default_rng(3)
+    calib = [{n: rng.standard_normal((1, 4, 8)).astype(np.float32) for n in ("q", "k", "v")} for _ in range(3)]
+    result = Fp16Pass(calibration_data=calib).call(model)
+    assert result.modified
+    assert result.stats["converted"] == 4 and result.stats["kept_fp32"] == 0
+    assert result.stats["casts"] == 4  # q, k, v in; y out
+    mha = next(n for n in model.graph if n.op_type == "MultiHeadAttention")
+    assert mha.outputs[0].dtype == ir.DataType.FLOAT16
+    assert check_model_output(model)["onnxruntime"].startswith("passed")
+    feeds = calib[0]
+    np.testing.assert_allclose(run(model, feeds)[0], run(proto, feeds)[0], rtol=1e-2, atol=1e-2)
+    assert not Fp16Pass(calibration_data=calib).call(model).modified
+
+
+@pytest.mark.parametrize("kind", ["bert", "gpt2"])
+@pytest.mark.parametrize("fp16_first", [False, True], ids=["lowered-then-fp16", "fp16-then-lowered"])
+def test_sdpa_exports_convert(kind, fp16_first, tmp_path, monkeypatch):
+    """transformers' ``sdpa`` exports fuse to attention with ``nan_to_zero``; fp16 before or after lowering."""
+    pytest.importorskip("torch")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    import mograph
+    from models.export_hf import export, sample_feeds
+    from mograph.output_check import check_model_output
+
+    src = tmp_path / f"{kind}.onnx"
+    export(kind, src, attn="sdpa")
+    cal_file = tmp_path / "cal.npz"
+    calib = [sample_feeds(kind, 2, 16, seed=10 + i) for i in range(3)]
+    np.savez(cal_file, **{k: np.concatenate([c[k] for c in calib]) for k in calib[0]})
+    if fp16_first:
+        model, report = mograph.optimize(str(src), "cleanup,fuse,fp16",
+                                         options={"target": "ort", "calibration_data": str(cal_file)})
+    else:
+        model, _ = mograph.optimize(str(src), "cleanup,fuse", options={"target": "ort"})
+        model, report = mograph.optimize(model, "fp16", options={"calibration_data": str(cal_file)})
+    fp16 = next(p for p in report.passes if p.name == "fp16")
+    assert fp16.modified and fp16.stats["kept_fp32"] == 0
+    assert not any(n.domain == "mograph" for n in model.graph)
+    assert sum(n.op_type in ("Attention", "MultiHeadAttention") and n.domain == "com.microsoft"
+               for n in model.graph) == 2
+    assert check_model_output(model)["onnxruntime"].startswith("passed")
+    feeds = sample_feeds(kind, 2, 16, seed=1)
+    ref = run(onnx.load(str(src)), feeds)[0]
+    assert cosine(ref, run(model, feeds)[0]) > 0.999
