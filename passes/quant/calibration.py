@@ -64,6 +64,9 @@ __all__ = [
     "needs_histogram",
     "run_model",
     "infer_dtypes",
+    "padding_mask_input",
+    "collect",
+    "scaled_stats",
 ]
 
 logger = logging.getLogger(__name__)
@@ -320,21 +323,26 @@ class TensorStats:
     hist: np.ndarray | None = None
     hist_range: float = 0.0  # histogram covers [-hist_range, hist_range]
     nonfinite: int = 0
+    #: per-channel (last axis) minimum and maximum, when observed with ``channels=True`` (for smoothing)
+    ch_min: np.ndarray | None = None
+    ch_max: np.ndarray | None = None
 
     @property
     def amax(self) -> float:
         return max(abs(self.min), abs(self.max)) if self.samples else 0.0
 
-    def update(self, x: np.ndarray, histogram: bool) -> None:
+    def update(self, x: np.ndarray, histogram: bool, channels: bool = False) -> None:
         x = np.asarray(x)
         if x.size == 0:
             return
         finite = np.isfinite(x)
         if not finite.all():
             self.nonfinite += int((~finite).sum())
-            x = x[finite]
+            x = np.where(finite, x, 0.0) if channels and x.ndim else x[finite]
             if x.size == 0:
                 return
+        if channels and x.ndim:
+            self._channel_update(x)
         lo, hi = float(x.min()), float(x.max())
         self.min, self.max = min(self.min, lo), max(self.max, hi)
         self.samples += 1
@@ -342,6 +350,21 @@ class TensorStats:
         self.max_size = max(self.max_size, int(x.size))
         if histogram:
             self._hist_update(x.ravel().astype(np.float32, copy=False), max(abs(lo), abs(hi)))
+
+    def _channel_update(self, x: np.ndarray) -> None:
+        rows = x.reshape(-1, x.shape[-1])
+        lo, hi = rows.min(axis=0).astype(np.float64), rows.max(axis=0).astype(np.float64)
+        if self.ch_min is None or self.ch_max is None or self.ch_min.shape != lo.shape:
+            self.ch_min, self.ch_max = lo, hi
+        else:
+            self.ch_min, self.ch_max = np.minimum(self.ch_min, lo), np.maximum(self.ch_max, hi)
+
+    @property
+    def channel_amax(self) -> np.ndarray | None:
+        """Largest magnitude per channel (last axis), when observed with ``channels=True``."""
+        if self.ch_min is None or self.ch_max is None:
+            return None
+        return np.maximum(np.abs(self.ch_min), np.abs(self.ch_max))
 
     def _hist_update(self, x: np.ndarray, m: float) -> None:
         if self.hist is None:
@@ -586,9 +609,18 @@ def observe(
     histogram: bool = False,
     progress: ProgressCallback | None = None,
     dtypes: dict[str, int] | None = None,
+    channels: Iterable[str] = (),
+    padding_mask: str | None = None,
 ) -> dict[str, TensorStats]:
-    """Run every calibration feed once and return streaming statistics of each named tensor."""
+    """Run every calibration feed once and return streaming statistics of each named tensor.
+
+    ``channels`` names the tensors whose per-channel (last axis) extremes are kept as well
+    (:attr:`TensorStats.ch_min` / ``ch_max``).  ``padding_mask`` names an integer ``[batch, seq]`` model
+    input (see :func:`padding_mask_input`): positions where it is 0 are left out of the statistics of
+    every ``[batch, seq, hidden]`` tensor, since no output depends on them.
+    """
     names = list(dict.fromkeys(tensors))
+    per_channel = set(channels)
     stats = {n: TensorStats() for n in names}
     if not names:
         return stats
@@ -600,9 +632,12 @@ def observe(
     seen = 0
     for feed in source:
         outs = _run_feed(sess, [mapping[n] for n in observed], feed, source, seen)
+        keep = _kept_positions(feed, padding_mask)
         for name, arr in zip(observed, outs):
             if np.issubdtype(arr.dtype, np.floating):
-                stats[name].update(arr, histogram)
+                if keep is not None and arr.ndim == 3 and arr.shape[:2] == keep.shape:
+                    arr = arr[keep][None]
+                stats[name].update(arr, histogram, name in per_channel)
         seen += 1
         if progress is not None:
             progress(seen, total)
@@ -614,11 +649,65 @@ def observe(
     return stats
 
 
+def collect(model: ir.Model, names: Iterable[str], samples: Iterable[Feed],
+            padding_mask: str | None = None) -> dict[str, list[np.ndarray]]:
+    """The named tensors on each of ``samples`` (float model, ORT optimizations off), padded positions
+    dropped as :func:`observe` does; for the few-sample searches (smoothing strength)."""
+    wanted = list(dict.fromkeys(names))
+    data, mapping = _with_outputs_mapped(model, wanted)
+    sess = _session(data, model_folder(model))
+    got = [n for n in wanted if n in mapping]
+    out: dict[str, list[np.ndarray]] = {n: [] for n in wanted}
+    for feed in samples:
+        keep = _kept_positions(feed, padding_mask)
+        for name, arr in zip(got, sess.run([mapping[n] for n in got], feed)):
+            if keep is not None and arr.ndim == 3 and arr.shape[:2] == keep.shape:
+                arr = arr[keep][None]
+            out[name].append(np.asarray(arr, np.float32))
+    return out
+
+
+def padding_mask_input(model: ir.Model) -> str | None:
+    """The model input that marks padding (``attention_mask``, integer or bool, rank 2), or ``None``.
+
+    Padded positions of a batch are computed but ignored by every output; their activations are not
+    what real tokens produce (a whole padded row is one repeated [PAD] embedding), and a calibrator that
+    counts them takes its percentiles from them.  :func:`observe` leaves them out when told this name.
+    """
+    for v in model.graph.inputs:
+        name = (v.name or "").lower()
+        if name.endswith("attention_mask") and v.dtype is not None and v.dtype in (
+                ir.DataType.INT64, ir.DataType.INT32, ir.DataType.BOOL) and (v.shape is None or len(v.shape) == 2):
+            return v.name
+    return None
+
+
+def _kept_positions(feed: Feed, mask_name: str | None) -> np.ndarray | None:
+    """Boolean ``[batch, seq]`` of the real (not padded) positions of ``feed``, or ``None``."""
+    if mask_name is None or mask_name not in feed:
+        return None
+    mask = np.asarray(feed[mask_name])
+    if mask.ndim != 2 or not mask.any():
+        return None
+    keep = mask != 0
+    return None if keep.all() else keep
+
+
 # ------------------------------------------------------------------------------------------- calibrators
 
 
 def _minmax(s: TensorStats, **_: Any) -> tuple[float, float]:
     return s.min, s.max
+
+
+def scaled_stats(s: TensorStats, scale: np.ndarray) -> TensorStats:
+    """The min/max statistics of ``X / scale`` (``scale`` per channel, positive) from those of ``X``
+    observed with ``channels=True``; no histogram (re-observe for the histogram calibrators)."""
+    if s.ch_min is None or s.ch_max is None:
+        raise ValueError("scaled_stats needs per-channel statistics (observe with channels=...)")
+    lo, hi = s.ch_min / scale, s.ch_max / scale
+    return TensorStats(min=float(lo.min()), max=float(hi.max()), samples=s.samples, max_size=s.max_size,
+                       max_reduced=s.max_reduced, nonfinite=s.nonfinite, ch_min=lo, ch_max=hi)
 
 
 def _hist_edges(s: TensorStats) -> np.ndarray:

@@ -49,6 +49,14 @@ class QdqInt8Pass(QdqPassBase):
             choices=("uint8", "int8"),
         ),
         Option(
+            "smoothing",
+            str,
+            "auto",
+            "SmoothQuant-style smoothing of weight-MatMul inputs: auto (alpha per activation, measured), "
+            "off, or a fixed alpha in (0, 1]",
+            metavar="auto|off|ALPHA",
+        ),
+        Option(
             "embeddings",
             str,
             "int8",
