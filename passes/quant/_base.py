@@ -57,7 +57,8 @@ CALIBRATION_OPTIONS = (
         "calibration-data",
         str,
         None,
-        "calibration feeds: a folder of .npz files, one .npz of stacked feeds, or module:function",
+        "calibration feeds: a folder of .npz files, one .npz of stacked feeds, module:function or "
+        "file.py:function (from the current folder); from Python also a list, callable or generator of feeds",
         metavar="PATH|MODULE:FUNC",
     ),
     Option(
@@ -124,7 +125,7 @@ def open_calibration(p: Pass, model: ir.Model) -> cal.CalibrationSource:
         logger.warning("%s: %s", p.name, RANDOM_WARNING)
         return cal.RandomSource(model, random_n, parse_shapes(p.config.get("shape")))
     raise OptionError(
-        f"{p.name} needs calibration data: --calibration-data DIR|FILE.npz|module:function. It will not calibrate "
+        f"{p.name} needs calibration data: --calibration-data DIR|FILE.npz|module:function|file.py:function. It will not calibrate "
         "on random numbers silently; pass --calibration-random N to do so explicitly (the report will say so)."
     )
 

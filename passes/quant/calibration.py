@@ -9,8 +9,12 @@ model will see.  This module provides three things:
 - one ``.npz`` file of stacked feeds: every array has one more leading axis than the model input (sample
   ``i`` is ``array[i]``), or the same rank (sample ``i`` is ``array[i:i+1]``, a batch of one);
 - ``module:function`` (the current folder is on the import path for it) or ``file.py:function``
-  (loaded by path): the function is called (again for every pass over the data) and returns an
-  iterable of feeds, so data can be generated or read lazily.
+  (loaded by path, relative to the current folder): the function is called (again for every pass over
+  the data) and returns an iterable of feeds, so data can be generated or read lazily.
+
+Through the Python API it may also be a list of feeds, a callable returning an iterable of feeds, a
+re-iterable object (iterated again for every pass), or a generator / one-shot iterator, which is kept in
+memory as it streams and replayed for later passes.
 
 Random data is never used silently: :class:`RandomSource` exists only for an explicit
 ``--calibration-random N``, and the passes report it prominently.
@@ -36,6 +40,7 @@ and neighbouring bins merge, so no sample needs to be kept to rebin later.
 from __future__ import annotations
 
 import importlib
+import itertools
 import logging
 import math
 import os
@@ -122,9 +127,10 @@ class CalibrationSource:
         return min(self._count, self.limit) if self.limit else self._count
 
     def __iter__(self) -> Iterator[Feed]:
-        for i, raw in enumerate(self._factory()):
-            if self.limit is not None and i >= self.limit:
-                return
+        feeds = self._factory()
+        if self.limit is not None:  # islice: a stream is not read one feed beyond the limit
+            feeds = itertools.islice(feeds, self.limit)
+        for i, raw in enumerate(feeds):
             yield self._check(raw, i)
 
     def _check(self, raw: Mapping[str, Any], index: int) -> Feed:
@@ -199,6 +205,34 @@ def _vocab_sizes(model: ir.Model) -> dict[str, int]:
                 if table is not None and len(table.shape) > 0:
                     out[v.name or ""] = int(table.shape.numpy()[0])
     return out
+
+
+class _Replay:
+    """A one-shot iterator of feeds made re-iterable: the first pass streams it and keeps what it yields,
+    later passes replay that and go on where the first one stopped (a pass may be cut short by a limit).
+    The feeds are held in memory; a callable that returns a fresh iterator avoids that."""
+
+    def __init__(self, it: Iterator[Mapping[str, Any]]) -> None:
+        self._it = it
+        self._seen: list[Mapping[str, Any]] = []
+        self._done = False
+
+    def __call__(self) -> Iterator[Mapping[str, Any]]:
+        i = 0
+        while True:
+            if i < len(self._seen):
+                yield self._seen[i]
+            elif self._done:
+                return
+            else:
+                try:
+                    item = next(self._it)
+                except StopIteration:
+                    self._done = True
+                    return
+                self._seen.append(item)
+                yield item
+            i += 1
 
 
 def _npz_folder(folder: Path) -> Callable[[], Iterator[dict[str, np.ndarray]]]:
@@ -278,7 +312,8 @@ def _module_from_file(spec: str, path: Path) -> Any:
 
 
 def open_source(data: Any, model: ir.Model, *, limit: int | None = None) -> CalibrationSource:
-    """Open ``--calibration-data``: a path (folder or ``.npz``), ``module:function``, a callable or a list.
+    """Open ``--calibration-data``: a path (folder or ``.npz``), ``module:function``, ``file.py:function``,
+    a callable, a list, or any iterable of feeds (a generator too).
 
     Raises :class:`OptionError` for anything that is none of these.
     """
@@ -289,8 +324,15 @@ def open_source(data: Any, model: ir.Model, *, limit: int | None = None) -> Cali
     if isinstance(data, (list, tuple)):
         items = list(data)
         return CalibrationSource(lambda: iter(items), f"{len(items)} in-memory feeds", model, limit, len(items))
+    if isinstance(data, Iterable) and not isinstance(data, (str, bytes, Path, Mapping)):
+        if iter(data) is data:  # a generator or other one-shot iterator: kept as it streams, replayed after
+            return CalibrationSource(_Replay(data), f"{type(data).__name__} of feeds", model, limit)
+        return CalibrationSource(lambda: iter(data), f"{type(data).__name__} of feeds", model, limit)
     if not isinstance(data, (str, Path)):
-        raise OptionError(f"--calibration-data: expected a path or module:function, not {type(data).__name__}")
+        raise OptionError(
+            f"--calibration-data: expected a path, module:function, a callable or an iterable of feeds, "
+            f"not {type(data).__name__}"
+        )
     path = Path(data)
     if path.is_dir():
         gen = _npz_folder(path)
