@@ -231,15 +231,17 @@ class QdqPassBase(Pass):
                 source: cal.CalibrationSource, scheme: Scheme, alpha: float | str, mask: str | None,
                 plan: PrecisionPlan, stats: dict[str, int | float]) -> list[SmoothGroup]:
         """Smooth every group whose activation statistics allow it (see :mod:`.smoothing`); return those done."""
+        # only the main graph: the tensors of If branches are seen on the samples that take the branch only
+        groups = [g for g in groups if all(c.node.graph is model.graph for c in g.cands)]
         xs: dict[str, list[np.ndarray]] = {}
-        if alpha == "auto":
+        if alpha == "auto" and groups:
             n = int(self.config.get("sensitivity_samples") or 8)
             xs = cal.collect(model, [g.name for g in groups], list(itertools.islice(iter(source), n)), mask)
         done: list[SmoothGroup] = []
         records = []
         for g in groups:
             amax = raw[g.name].channel_amax if g.name in raw else None
-            if amax is None:
+            if amax is None or (alpha == "auto" and not any(x.size for x in xs.get(g.name, []))):
                 continue
             a = choose_alpha(g, xs[g.name], amax, scheme) if alpha == "auto" else float(alpha)
             if apply_smoothing(model, g, amax, a):
