@@ -5,13 +5,15 @@ Rows, all from the same exported FP32 model and the same calibration feeds:
 - ``mograph int8``: ``qdq-int8`` with calibration data and no other option (what ``--passes int8`` does);
 - ``mograph int8 no-smooth`` (``--ablations``): the same with ``smoothing=off``, to show what smoothing buys;
 - ``ort dynamic``: ``quantize_dynamic`` (per-channel, QInt8 weights);
-- ``ort static``: ``quantize_static`` (QDQ, per-channel) at each of several settings — calibrators MinMax,
-  Entropy and Percentile with UINT8 activations, and MinMax with symmetric INT8 activations; the best of
-  them (highest minimum cosine) is timed as ``ort static best``;
+- ``ort static``: ``quantize_static`` (QDQ, per-channel weights) at several settings — its defaults (every
+  op type it quantizes), and MatMul only with the MinMax, Entropy and Percentile calibrators (UINT8
+  activations; the histogram ones calibrate on feeds padded to 128, as they need one shape) and MinMax with
+  symmetric INT8 activations; the best of them (highest minimum cosine) is timed (marked ``*``);
 - ``modelopt int8``: NVIDIA ModelOpt's ONNX INT8 (``modelopt.onnx.quantization.quantize``, CPU calibration,
-  max calibrator, float32 kept where it does not quantize), run in its own venv (``.venv-modelopt``, made
-  by ``tools/make_modelopt_venv.sh``, since it brings onnxruntime-gpu and a CUDA torch) by
-  ``tools/modelopt_int8.py``; evaluated here with the same ONNX Runtime as every other row.
+  max calibrator, float32 kept where it does not quantize), at its defaults and with MatMul only; run in its
+  own venv (``.venv-modelopt``, made by ``tools/make_modelopt_venv.sh``, since it brings onnxruntime-gpu
+  and a CUDA torch) by ``tools/modelopt_int8.py``; evaluated here with the same ONNX Runtime as every
+  other row; the better of the two is timed (marked ``*``).
 
 Data: calibration on ``models.sentences.CALIBRATION_ALL`` (124 short sentences and passages, batch 1, no
 padding); accuracy on every text of ``models.sentences.EVALUATION_ALL`` that is 5..128 tokens long (disjoint
@@ -51,21 +53,25 @@ SEQ = 128
 MODELOPT_PY = ROOT / ".venv-modelopt" / "bin" / "python"
 
 
-def _static_configs() -> list[tuple[str, dict[str, Any]]]:
+def _static_configs() -> list[tuple[str, dict[str, Any], bool]]:
+    """(label, quantize_static options, calibrate on feeds padded to 128) for each ORT static setting."""
     from onnxruntime.quantization import CalibrationMethod, QuantType
 
     u8 = {"activation_type": QuantType.QUInt8, "weight_type": QuantType.QInt8}
+    mm = {"op_types_to_quantize": ["MatMul"]}
     return [
-        ("ort static minmax u8", {**u8, "calibrate_method": CalibrationMethod.MinMax}),
-        ("ort static entropy u8", {**u8, "calibrate_method": CalibrationMethod.Entropy}),
-        ("ort static percentile u8", {**u8, "calibrate_method": CalibrationMethod.Percentile}),
-        ("ort static minmax s8 sym", {"activation_type": QuantType.QInt8, "weight_type": QuantType.QInt8,
+        ("ort static minmax u8 all-ops", {**u8, "calibrate_method": CalibrationMethod.MinMax}, False),
+        ("ort static minmax u8", {**u8, **mm, "calibrate_method": CalibrationMethod.MinMax}, False),
+        # ORT's histogram calibrators stack the samples: they need feeds of one shape (padded to 128)
+        ("ort static entropy u8", {**u8, **mm, "calibrate_method": CalibrationMethod.Entropy}, True),
+        ("ort static percentile u8", {**u8, **mm, "calibrate_method": CalibrationMethod.Percentile}, True),
+        ("ort static minmax s8 sym", {"activation_type": QuantType.QInt8, "weight_type": QuantType.QInt8, **mm,
                                       "calibrate_method": CalibrationMethod.MinMax,
-                                      "extra_options": {"ActivationSymmetric": True}}),
+                                      "extra_options": {"ActivationSymmetric": True}}, False),
     ]
 
 
-def _run_modelopt(fp32: Path, calib: list[dict], out: Path) -> tuple[Path | None, str]:
+def _run_modelopt(fp32: Path, calib: list[dict], out: Path, matmul_only: bool) -> tuple[Path | None, str]:
     """Quantize with ModelOpt in its own venv; (path, "") or (None, why not)."""
     if not MODELOPT_PY.exists():
         return None, f"not run: {MODELOPT_PY} missing (bash tools/make_modelopt_venv.sh)"
@@ -73,9 +79,9 @@ def _run_modelopt(fp32: Path, calib: list[dict], out: Path) -> tuple[Path | None
     folder.mkdir(exist_ok=True)
     for i, feed in enumerate(calib):
         np.savez(folder / f"{i:04d}.npz", **feed)
-    target = out / "minilm.modelopt_int8.onnx"
-    proc = subprocess.run([str(MODELOPT_PY), str(ROOT / "tools" / "modelopt_int8.py"), str(fp32), str(folder),
-                           str(target)], capture_output=True, text=True)
+    target = out / f"minilm.modelopt_int8{'_matmul' if matmul_only else ''}.onnx"
+    cmd = [str(MODELOPT_PY), str(ROOT / "tools" / "modelopt_int8.py"), str(fp32), str(folder), str(target)]
+    proc = subprocess.run(cmd + (["--matmul-only"] if matmul_only else []), capture_output=True, text=True)
     if proc.returncode != 0 or not target.exists():
         tail = " ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
         return None, f"failed (exit {proc.returncode}): {tail[:400]}"
@@ -93,7 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import onnx_ir as ir
     from mograph.passes.quant.qdq_int8 import QdqInt8Pass
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic, quantize_static
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        QuantFormat,
+        QuantType,
+        quantize_dynamic,
+        quantize_static,
+    )
 
     from models.sentences import CALIBRATION_ALL, EVALUATION_ALL
 
@@ -125,9 +137,11 @@ def main(argv: list[str] | None = None) -> int:
             plan = result.details["plan"]
             (out / "mograph_int8_plan.json").write_text(json.dumps(plan, indent=1))
 
+    padded = [minilm.tokenize(tok, [s], pad_to=SEQ) for s in CALIBRATION_ALL]
+
     class Reader(CalibrationDataReader):
-        def __init__(self) -> None:
-            self.it = iter(calib)
+        def __init__(self, feeds: list[dict]) -> None:
+            self.it = iter(feeds)
 
         def get_next(self):  # type: ignore[no-untyped-def]
             return next(self.it, None)
@@ -137,30 +151,38 @@ def main(argv: list[str] | None = None) -> int:
     seconds["ort dynamic"] = time.perf_counter() - t
     paths["ort dynamic"] = out / "minilm.ort_dynamic.onnx"
     static_labels = []
-    for label, cfg in _static_configs():
+    for label, cfg, pad in _static_configs():
         target = out / f"minilm.{label.replace(' ', '_')}.onnx"
         t = time.perf_counter()
         try:
-            quantize_static(str(fp32), str(target), Reader(), quant_format=QuantFormat.QDQ, per_channel=True, **cfg)
+            quantize_static(str(fp32), str(target), Reader(padded if pad else calib), quant_format=QuantFormat.QDQ,
+                            per_channel=True, **cfg)
         except Exception as exc:  # noqa: BLE001 - a peer setting that fails is reported, not fatal
             notes[label] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
             continue
         seconds[label] = time.perf_counter() - t
         paths[label] = target
         static_labels.append(label)
-    if not args.no_modelopt:
+    modelopt_labels = []
+    for label, matmul_only in (("modelopt int8", False), ("modelopt int8 matmul", True)):
+        if args.no_modelopt:
+            break
         t = time.perf_counter()
-        mo, why = _run_modelopt(fp32, calib, out)
+        mo, why = _run_modelopt(fp32, calib, out, matmul_only)
         if mo is not None:
-            seconds["modelopt int8"] = time.perf_counter() - t
-            paths["modelopt int8"] = mo
+            seconds[label] = time.perf_counter() - t
+            paths[label] = mo
+            modelopt_labels.append(label)
         else:
-            notes["modelopt int8"] = why
+            notes[label] = why
 
     ref = _embeddings(_session(fp32, optimize=False), evaluation)
     cos = {label: minilm.cosine_rows(ref, _embeddings(_session(p), evaluation)) for label, p in paths.items()}
-    best_static = max(static_labels, key=lambda k: (round(float(cos[k].min()), 5), float(cos[k].mean())))
-    timed = [k for k in paths if k not in static_labels or k == best_static]
+    def best(labels: list[str]) -> str | None:
+        return max(labels, key=lambda k: (round(float(cos[k].min()), 5), float(cos[k].mean())), default=None)
+
+    best_static, best_mo = best(static_labels), best(modelopt_labels)
+    timed = [k for k in paths if (k not in static_labels and k not in modelopt_labels) or k in (best_static, best_mo)]
     sessions = {k: _session(paths[k]) for k in timed}
     t = time.perf_counter()
     lat = _interleaved_latency(sessions, lat_feeds, {8: args.runs, 1: args.runs})
@@ -177,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         c = cos[label]
         row: dict[str, Any] = {"model": label, "cos_mean": float(c.mean()), "cos_min": float(c.min()),
                                "mib": path.stat().st_size / 2**20, "quant_s": seconds.get(label)}
-        name = f"{label} *" if label == best_static else label
+        name = f"{label} *" if label in (best_static, best_mo) else label
         line = f"{name:<28}{c.mean():>9.5f}{c.min():>9.5f}"
         if label in lat:
             row.update({"b8_ms": lat[label][8], "b8_x": lat[label][8] / lat["fp32"][8], "b1_ms": lat[label][1],
@@ -188,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         q = f"{seconds[label]:.1f}" if label in seconds else "-"
         print(f"{line}{row['mib']:>7.1f}{q:>9}")
         rows.append(row)
-    print(f"* best ort static setting (highest min cosine), the one timed; timing took {timing_s:.0f} s")
+    print(f"* best ort static / modelopt setting (highest min cosine), the ones timed; timing took {timing_s:.0f} s")
     for label, why in notes.items():
         print(f"{label}: {why}")
     if plan is not None:

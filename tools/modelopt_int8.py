@@ -7,7 +7,8 @@ It reads the calibration feeds from a folder of ``.npz`` files (one feed each, i
 on the CPU execution provider, keeps float32 where it does not quantize (``high_precision_dtype=fp32``)
 and writes the quantized model.
 
-Run: ``.venv-modelopt/bin/python tools/modelopt_int8.py FP32.onnx CALIB_DIR OUT.onnx [--method max|entropy]``
+Run: ``.venv-modelopt/bin/python tools/modelopt_int8.py FP32.onnx CALIB_DIR OUT.onnx [--method max|entropy]
+[--matmul-only]``
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("calib_dir")
     ap.add_argument("out")
     ap.add_argument("--method", default="max", choices=("max", "entropy"))
+    ap.add_argument("--matmul-only", action="store_true", help="op_types_to_quantize=['MatMul']")
     args = ap.parse_args(argv)
     from modelopt.onnx.quantization import quantize
     from onnxruntime.quantization import CalibrationDataReader
@@ -62,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         calibration_data_reader=Reader(),
         calibration_eps=["cpu"],
         high_precision_dtype="fp32",
+        op_types_to_quantize=["MatMul"] if args.matmul_only else None,
         output_path=args.out,
         log_level="WARNING",
     )

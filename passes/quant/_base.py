@@ -5,8 +5,12 @@ The flow of a Q/DQ pass (``qdq-int8``, ``qdq-fp8``):
 1. find the candidates (MatMul, Gemm, Conv not yet quantized) and decide each one's precision: an edited
    plan (``--precision-plan``) if given, else user overrides (``--keep-fp32``), else the default rules;
 2. refuse without calibration data, unless random data was asked for explicitly (``--calibration-random``);
-3. observe the activations to quantize on the calibration data (streaming) and turn the statistics into
-   ranges with the chosen calibrator;
+3. observe the activations to quantize on the calibration data (streaming; positions that the model's
+   ``attention_mask`` marks as padding are left out) and turn the statistics into ranges with the chosen
+   calibrator; with ``smoothing`` (``qdq-int8``: ``auto`` by default) the activations of weight MatMuls
+   are smoothed first (:mod:`mograph.passes.quant.smoothing`: a per-channel ``Mul`` in front of the Q/DQ,
+   the weights' rows scaled to match, alpha measured per activation) and the ranges are those of the
+   smoothed tensors;
 4. with ``--accuracy-budget``, replace the default rules by a measured per-layer sensitivity analysis;
 5. insert Q/DQ and write the precision plan (report ``details`` and ``--precision-plan-out``).
 
@@ -37,7 +41,13 @@ from mograph.passes.quant._qdq import (
     tensors_to_observe,
 )
 from mograph.passes.quant.plan import PrecisionPlan, load_plan, node_key, parse_budget
-from mograph.passes.quant.smoothing import SmoothGroup, apply_smoothing, choose_alpha, smoothing_groups
+from mograph.passes.quant.smoothing import (
+    SmoothGroup,
+    apply_bias_correction,
+    apply_smoothing,
+    choose_alpha,
+    smoothing_groups,
+)
 
 from mograph import specs
 from mograph.errors import ModelError, OptionError
@@ -102,7 +112,8 @@ QDQ_OPTIONS = (
         "measure per-layer sensitivity and keep the fewest layers in float that meet this budget",
         metavar="cosine>=X|max-abs<=X",
     ),
-    Option("sensitivity-samples", int, 8, "calibration samples used by the sensitivity analysis", metavar="N"),
+    Option("sensitivity-samples", int, 8, "calibration samples used by the sensitivity analysis and the smoothing "
+           "strength search", metavar="N"),
 )
 
 
@@ -244,6 +255,9 @@ class QdqPassBase(Pass):
             if amax is None or (alpha == "auto" and not any(x.size for x in xs.get(g.name, []))):
                 continue
             a = choose_alpha(g, xs[g.name], amax, scheme) if alpha == "auto" else float(alpha)
+            if self.config.get("bias_correction") == "on" and g.bias_shift:
+                for key in apply_bias_correction(model, g):
+                    self._bias_corrected.add(key)
             if apply_smoothing(model, g, amax, a):
                 done.append(g)
                 assert g.scale is not None
@@ -256,6 +270,8 @@ class QdqPassBase(Pass):
                 for c in g.cands:
                     self._smoothed_keys[c.key] = a
         stats["smoothed"] = len(done)
+        if self._bias_corrected:
+            stats["bias_corrected"] = len(self._bias_corrected)
         plan.meta["smoothing"] = {"mode": alpha if alpha == "auto" else f"alpha {alpha}", "activations": records}
         return done
 
@@ -264,6 +280,7 @@ class QdqPassBase(Pass):
 
     def call(self, model: ir.Model) -> PassResult:
         self._smoothed_keys: dict[str, float] = {}
+        self._bias_corrected: set[str] = set()
         scheme = self.scheme()
         cands, done = find_candidates(model)
         stats: dict[str, int | float] = {"quantized": 0, "kept_float": 0, "skipped_already_quantized": len(done)}
@@ -307,7 +324,7 @@ class QdqPassBase(Pass):
             )
             if mask is not None:
                 plan.meta["calibration_padding"] = f"positions where {mask} is 0 are left out of the statistics"
-            if groups:
+            if groups and alpha is not None:
                 smoothed = self._smooth(model, groups, raw, source, scheme, alpha, mask, plan, stats)
                 names = [g.smoothed.name or "" for g in smoothed if g.smoothed is not None]
                 if names and cal.needs_histogram(calibrator):
@@ -360,8 +377,11 @@ class QdqPassBase(Pass):
                         reason = "inside a Loop/Scan body, whose tensors calibration cannot observe"
             if prec != self.precision:
                 stats["kept_float"] += 1
-            elif c.key in self._smoothed_keys:
-                reason += f"; input smoothed (SmoothQuant, alpha {self._smoothed_keys[c.key]:g})"
+            else:
+                if c.key in self._smoothed_keys:
+                    reason += f"; input smoothed (SmoothQuant, alpha {self._smoothed_keys[c.key]:g})"
+                if c.key in self._bias_corrected:
+                    reason += "; bias corrected by the measured mean output shift"
             plan.add(c.node, prec, reason)
         for node, reason in sensitive:
             plan.add(node, "fp32", reason)
@@ -381,7 +401,7 @@ class QdqPassBase(Pass):
             plan.write(out)
             logger.info("%s: wrote precision plan to %s", self.name, out)
         modified = (upgraded or stats["quantized"] > 0 or stats.get("quantized.embeddings", 0) > 0
-                    or stats.get("smoothed", 0) > 0)
+                    or stats.get("smoothed", 0) > 0 or stats.get("bias_corrected", 0) > 0)
         return PassResult(modified, stats, details)
 
 

@@ -237,10 +237,10 @@ def test_random_calibration_needs_opt_in_and_warns(caplog):
 def test_padded_positions_are_left_out_of_the_statistics():
     """A [batch, seq, hidden] tensor is observed at the positions attention_mask marks real only."""
     import onnx
+    from mograph.passes.quant.calibration import RandomSource, observe, padding_mask_input
     from onnx import helper
 
     from mograph import ir_io
-    from mograph.passes.quant.calibration import RandomSource, observe, padding_mask_input
 
     graph = helper.make_graph(
         [helper.make_node("Identity", ["h"], ["y"])], "g",
