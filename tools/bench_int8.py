@@ -6,9 +6,11 @@ Rows, all from the same exported FP32 model and the same calibration feeds:
 - ``mograph int8 no-smooth`` (``--ablations``): the same with ``smoothing=off``, to show what smoothing buys;
 - ``ort dynamic``: ``quantize_dynamic`` (per-channel, QInt8 weights);
 - ``ort static``: ``quantize_static`` (QDQ, per-channel weights) at several settings — its defaults (every
-  op type it quantizes), and MatMul only with the MinMax, Entropy and Percentile calibrators (UINT8
-  activations; the histogram ones calibrate on feeds padded to 128, as they need one shape) and MinMax with
-  symmetric INT8 activations; the best of them (highest minimum cosine) is timed (marked ``*``);
+  op type it quantizes); MatMul only (``op_types_to_quantize``) with the MinMax, Entropy and Percentile
+  calibrators (UINT8 activations; the histogram ones calibrate on feeds padded to 128, as they need one
+  shape) and MinMax with symmetric INT8 activations; and weight MatMuls only (``w-mm``: the attention
+  MatMuls of two activations excluded, as mograph's rules do) with MinMax, Percentile and Entropy; the best
+  of them (highest minimum cosine) is timed (marked ``*``);
 - ``modelopt int8``: NVIDIA ModelOpt's ONNX INT8 (``modelopt.onnx.quantization.quantize``, CPU calibration,
   max calibrator, float32 kept where it does not quantize), at its defaults and with MatMul only; run in its
   own venv (``.venv-modelopt``, made by ``tools/make_modelopt_venv.sh``, since it brings onnxruntime-gpu
@@ -53,13 +55,28 @@ SEQ = 128
 MODELOPT_PY = ROOT / ".venv-modelopt" / "bin" / "python"
 
 
-def _static_configs() -> list[tuple[str, dict[str, Any], bool]]:
+def _activation_matmuls(path: Path) -> list[str]:
+    """Names of the MatMuls of two activations (attention scores and context) in the model at ``path``."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    consts = {i.name for i in model.graph.initializer}
+    consts |= {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
+    return [n.name for n in model.graph.node if n.op_type == "MatMul" and not any(i in consts for i in n.input)]
+
+
+def _static_configs(fp32: Path) -> list[tuple[str, dict[str, Any], bool]]:
     """(label, quantize_static options, calibrate on feeds padded to 128) for each ORT static setting."""
     from onnxruntime.quantization import CalibrationMethod, QuantType
 
     u8 = {"activation_type": QuantType.QUInt8, "weight_type": QuantType.QInt8}
     mm = {"op_types_to_quantize": ["MatMul"]}
+    weights_only = {**mm, "nodes_to_exclude": _activation_matmuls(fp32)}  # as mograph: attention MatMuls float
     return [
+        ("ort static minmax u8 w-mm", {**u8, **weights_only, "calibrate_method": CalibrationMethod.MinMax}, False),
+        ("ort static percentile u8 w-mm", {**u8, **weights_only, "calibrate_method": CalibrationMethod.Percentile},
+         True),
+        ("ort static entropy u8 w-mm", {**u8, **weights_only, "calibrate_method": CalibrationMethod.Entropy}, True),
         ("ort static minmax u8 all-ops", {**u8, "calibrate_method": CalibrationMethod.MinMax}, False),
         ("ort static minmax u8", {**u8, **mm, "calibrate_method": CalibrationMethod.MinMax}, False),
         # ORT's histogram calibrators stack the samples: they need feeds of one shape (padded to 128)
@@ -91,7 +108,7 @@ def _run_modelopt(fp32: Path, calib: list[dict], out: Path, matmul_only: bool) -
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="folder for the models and results.json (default: a temporary folder)")
-    ap.add_argument("--runs", type=int, default=16, help="timed runs per model at batch 8 (and at batch 1)")
+    ap.add_argument("--runs", type=int, default=30, help="timed runs per model at batch 8 (and at batch 1)")
     ap.add_argument("--ablations", action="store_true", help="add mograph int8 with smoothing off")
     ap.add_argument("--fp32", help="use this exported FP32 MiniLM instead of exporting it again")
     ap.add_argument("--no-modelopt", action="store_true", help="leave ModelOpt out")
@@ -151,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds["ort dynamic"] = time.perf_counter() - t
     paths["ort dynamic"] = out / "minilm.ort_dynamic.onnx"
     static_labels = []
-    for label, cfg, pad in _static_configs():
+    for label, cfg, pad in _static_configs(fp32):
         target = out / f"minilm.{label.replace(' ', '_')}.onnx"
         t = time.perf_counter()
         try:
