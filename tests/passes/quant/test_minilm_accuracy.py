@@ -48,9 +48,15 @@ def _embed(model: ir.Model, tok, texts=EVALUATION) -> np.ndarray:  # type: ignor
     return np.array(out)
 
 
-def test_minilm_int8_sentence_embeddings(tmp_path):
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """The FP32 export, once for both tests."""
+    return minilm.export_minilm(tmp_path_factory.mktemp("minilm") / "minilm.onnx")
+
+
+def test_minilm_int8_sentence_embeddings(exported):
     assert len(EVALUATION) >= 200 and len(CALIBRATION) <= 100 and not set(EVALUATION) & set(CALIBRATION)
-    path = minilm.export_minilm(tmp_path / "minilm.onnx")
+    path = exported
     tok = minilm.load_tokenizer()
     fp32 = ir.load(str(path))
     ref = _embed(fp32, tok)
@@ -70,9 +76,9 @@ def test_minilm_int8_sentence_embeddings(tmp_path):
     assert cos.min() >= 0.97
 
 
-def test_minilm_int8_defaults_reach_issue_17_accuracy(tmp_path):
+def test_minilm_int8_defaults_reach_issue_17_accuracy(exported):
     assert not set(EVALUATION_ALL) & set(CALIBRATION_ALL)
-    path = minilm.export_minilm(tmp_path / "minilm.onnx")
+    path = exported
     tok = minilm.load_tokenizer()
     texts = [s for s in EVALUATION_ALL if 5 <= len(tok(s)["input_ids"]) <= 128]
     assert len(texts) >= 300
