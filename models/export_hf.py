@@ -74,6 +74,9 @@ __all__ = [
 
 KINDS = ("bert", "gpt2", "vit", "llama")
 EXPORTERS = ("torchscript", "dynamo")
+#: transformers' attention implementations an export may use (``attn=``): explicit MatMul/Softmax, or
+#: ``torch.nn.functional.scaled_dot_product_attention`` (transformers' default), which the exporters decompose.
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 VOCAB = 100
 HEADS = 4
 MAX_POSITIONS = 128
@@ -145,9 +148,11 @@ def _perturb(module: torch.nn.Module, seed: int) -> None:
             param.add_(0.02 * torch.randn(param.shape, generator=gen, dtype=param.dtype))
 
 
-def _config(kind: str, layers: int, hidden: int) -> Any:
+def _config(kind: str, layers: int, hidden: int, attn: str = "eager") -> Any:
     _, transformers = _require_torch()
-    common = {"attn_implementation": "eager"}
+    if attn not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"unknown attention implementation {attn!r}; expected one of {', '.join(ATTN_IMPLEMENTATIONS)}")
+    common = {"attn_implementation": attn}
     if kind == "bert":
         return transformers.BertConfig(
             vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=HEADS,
@@ -203,7 +208,8 @@ def _wrap(kind: str, model: torch.nn.Module) -> torch.nn.Module:
     return TextWrapper().eval()
 
 
-def build_module(kind: str, *, layers: int = 2, hidden: int = 64, seed: int = 0) -> torch.nn.Module:
+def build_module(kind: str, *, layers: int = 2, hidden: int = 64, seed: int = 0,
+                 attn: str = "eager") -> torch.nn.Module:
     """The eval-mode torch module that :func:`export` exports, with the same seeded weights.
 
     Its ``forward`` takes the inputs named by ``ExportResult.inputs`` positionally and returns a tuple in
@@ -213,7 +219,7 @@ def build_module(kind: str, *, layers: int = 2, hidden: int = 64, seed: int = 0)
     torch, transformers = _require_torch()
     if hidden % HEADS or (kind == "llama" and (hidden // HEADS) % 2):
         raise ValueError(f"hidden ({hidden}) must split into {HEADS} heads (of even size for llama)")
-    config = _config(kind, layers, hidden)
+    config = _config(kind, layers, hidden, attn)
     cls = {
         "bert": transformers.BertModel,
         "gpt2": transformers.GPT2Model,
@@ -333,13 +339,15 @@ def export(
     seq: int = 16,
     hidden: int = 64,
     seed: int = 0,
+    attn: str = "eager",
 ) -> ExportResult:
     """Export a small random-weight ``kind`` model (``bert``, ``gpt2``, ``vit``, ``llama``) to ``path``.
 
     ``exporter`` is ``"torchscript"`` or ``"dynamo"``. With ``dynamic`` the batch dim (and the sequence dim
     of text models) is symbolic; dims are traced at ``max(batch, 2)`` x ``max(seq, 2)`` because the dynamo
     exporter specialises a dim it sees at size 1. Without ``dynamic`` the graph is fixed to
-    ``batch`` x ``seq``. The weights are those of ``build_module(kind, layers=..., hidden=..., seed=...)``.
+    ``batch`` x ``seq``. The weights are those of ``build_module(kind, layers=..., hidden=..., seed=...)``;
+    ``attn`` picks transformers' attention implementation (``eager`` or ``sdpa``).
 
     Returns an :class:`ExportResult` with the path and the input names and dtypes. Raises
     :class:`ExportError` when the exporter cannot give the requested opset (see ``SUPPORTED``).
@@ -348,7 +356,7 @@ def export(
     if exporter not in EXPORTERS:
         raise ValueError(f"unknown exporter {exporter!r}; expected one of {', '.join(EXPORTERS)}")
     path = Path(path)
-    module = build_module(kind, layers=layers, hidden=hidden, seed=seed)
+    module = build_module(kind, layers=layers, hidden=hidden, seed=seed, attn=attn)
     trace_batch, trace_seq = (max(batch, 2), max(seq, 2)) if dynamic else (batch, seq)
     feeds = sample_feeds(kind, trace_batch, trace_seq, seed)
     outputs = _output_names(kind)

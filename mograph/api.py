@@ -251,7 +251,8 @@ def optimize(
             raises :class:`mograph.VerificationError`; its ``model`` is the model that failed (after
             the drifting pass for ``"each"``) and ``pipeline_report`` the report so far.
         verify_options: ``shapes`` (``{"input_ids": (1, 128)}``), ``feeds`` (path to ``.npz``),
-            ``seed``, ``atol``/``rtol``/``min_cosine`` overrides.
+            ``seed``, ``atol``/``rtol``/``min_cosine`` overrides, ``device`` (``"cuda"``: check both
+            models on ONNX Runtime's CUDA provider; see :class:`mograph.validate.Verifier`).
         check_modified: debug mode: fail a pass that reports "unchanged" but changed the graph.
         blocked: plugin names not to load.
         instruments: wrappers around every pass of this run only — progress display, timing, dumps.

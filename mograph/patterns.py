@@ -63,6 +63,7 @@ __all__ = [
     "constant_array",
     "remove_dead_producers",
     "scalar_value",
+    "shape_dependents",
 ]
 
 logger = logging.getLogger(__name__)
@@ -333,10 +334,15 @@ class Rule(RewriteRuleClassBase):
       ``"<Rule>.<variant>"``.
 
     Class attribute ``min_candidate_nodes``: a failed match that got at least this many nodes deep
-    counts as a *near miss* (reported with its reason).
+    counts as a *near miss* (reported with its reason).  ``remove_shape_readers``: ``Shape`` nodes
+    outside the pattern that read its values and whose computation feeds only the pattern
+    (:func:`shape_dependents`) are deleted with it instead of blocking the rewrite; other ``Shape``
+    readers of its values are rewired to ``rule.shape_of(value) -> (new nodes, shape tensor) | None``
+    (called after a successful ``check``), which computes the same shape from values that survive.
     """
 
     min_candidate_nodes: int = 3
+    remove_shape_readers: bool = False
 
     def __init__(self) -> None:
         super().__init__(type(self).__name__)
@@ -442,9 +448,106 @@ class RuleReport:
         return out
 
 
-def _removal_blocker(nodes: Sequence[ir.Node], outputs: Sequence[ir.Value]) -> str | None:
-    """Why deleting ``nodes`` would lose a value read outside them (``None`` when it would not)."""
+#: Ops a shape computation is made of (what reads a tensor's shape, not its values, and computes on it).
+_SHAPE_OPS = frozenset({"Shape", "Gather", "Slice", "Concat", "Unsqueeze", "Squeeze", "Cast", "Reshape", "Mul",
+                        "Add", "Sub", "Div", "Constant", "Identity"})
+_MAX_SHAPE_DEPENDENTS = 32
+
+
+def shape_dependents(nodes: Sequence[ir.Node], bound: Iterable[ir.Value] = ()) -> list[ir.Node]:
+    """Nodes outside ``nodes`` that die with them: ``Shape`` readers of their values whose results feed only them.
+
+    An exporter often computes a reshape target from ``Shape`` of a value inside the pattern
+    (``x.size()[:-2] + (n,)``); that ``Shape`` reads only the value's shape, and when its whole
+    computation flows only into the pattern's nodes, deleting the pattern deletes it too.  Values in
+    ``bound`` (read by the rewrite) are never given up.  Returns those nodes (empty when there are none).
+    """
     node_set = set(nodes)
+    keep = set(bound)
+    out: list[ir.Node] = []
+    for n in nodes:
+        for v in n.outputs:
+            for consumer, _ in v.uses():
+                if consumer in node_set or consumer.op_type != "Shape" or consumer.domain not in ("", "ai.onnx"):
+                    continue
+                chain = _dies_with(consumer, node_set, keep)
+                if chain is None or len(out) + len(chain) > _MAX_SHAPE_DEPENDENTS:
+                    continue
+                for c in chain:
+                    if c not in node_set:
+                        node_set.add(c)
+                        out.append(c)
+    return out
+
+
+def _dies_with(start: ir.Node, node_set: set[ir.Node], keep: set[ir.Value]) -> list[ir.Node] | None:
+    """``start`` and what it feeds, if all of that flows only into ``node_set`` (within a few shape ops)."""
+    chain: list[ir.Node] = []
+    stack = [start]
+    seen: set[ir.Node] = set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op_type not in _SHAPE_OPS or n.domain not in ("", "ai.onnx") or len(seen) > _MAX_SHAPE_DEPENDENTS:
+            return None
+        chain.append(n)
+        for v in n.outputs:
+            if v.is_graph_output() or v in keep:
+                return None
+            for consumer, _ in v.uses():
+                if consumer not in node_set:
+                    stack.append(consumer)
+    return chain
+
+
+def shape_readers(nodes: Sequence[ir.Node], outputs: Sequence[ir.Value]) -> list[ir.Node]:
+    """``Shape`` nodes outside ``nodes`` that read one of their intermediate values."""
+    node_set = set(nodes)
+    keep = set(outputs)
+    out = []
+    for n in nodes:
+        for v in n.outputs:
+            if v in keep:
+                continue
+            for consumer, _ in v.uses():
+                if consumer not in node_set and consumer.op_type == "Shape" and consumer.domain in ("", "ai.onnx"):
+                    out.append(consumer)
+    return list(dict.fromkeys(out))
+
+
+def _rewire_shape_reader(rule: Rule, graph: ir.Graph, reader: ir.Node) -> bool:
+    """Replace ``Shape(v)`` (v inside the pattern) by the rule's computation of v's shape from surviving values."""
+    shape_of = getattr(rule, "shape_of", None)
+    value = reader.inputs[0]
+    made = shape_of(value) if shape_of is not None and value is not None else None
+    if made is None:
+        return False
+    new_nodes, full = made
+    start = reader.attributes.get("start")
+    end = reader.attributes.get("end")
+    if start is not None or end is not None:
+        lo = int(start.value) if start is not None else 0
+        hi = int(end.value) if end is not None else 2**62
+        consts = [ir.node("Constant", [], attributes={"value": ir.tensor(np.array([x], dtype=np.int64))}) for x in (lo, hi)]
+        sl = ir.node("Slice", [full, consts[0].outputs[0], consts[1].outputs[0]])
+        new_nodes = [*new_nodes, *consts, sl]
+        full = sl.outputs[0]
+    for n in new_nodes:
+        n.name = f"{reader.name or 'Shape'}/{n.op_type}_{len(graph)}"
+    graph.insert_before(reader, new_nodes)
+    ir.convenience.replace_all_uses_with(reader.outputs[0], full)
+    full.shape, full.type = reader.outputs[0].shape, reader.outputs[0].type
+    graph.remove(reader, safe=True)
+    return True
+
+
+def _removal_blocker(nodes: Sequence[ir.Node], outputs: Sequence[ir.Value],
+                     allowed: Iterable[ir.Node] = ()) -> str | None:
+    """Why deleting ``nodes`` would lose a value read outside them (``None`` when it would not);
+    readers in ``allowed`` do not count."""
+    node_set = set(nodes) | set(allowed)
     keep = set(outputs)
     for n in nodes:
         for v in n.outputs:
@@ -529,10 +632,14 @@ def _try(
             match.bind(tag[0], tag[1])
         _bind_defaults(rule, gp, match)
         nodes = list(dict.fromkeys(match.nodes))
+        readers: list[ir.Node] = []
+        if getattr(rule, "remove_shape_readers", False):  # Shape readers that die with the pattern go with it
+            nodes += shape_dependents(nodes, [v for v in match.bindings.values() if isinstance(v, ir.Value)])
+            readers = shape_readers(nodes, match.outputs)  # the others are rewired once the check passed
         context = _basics.MatchContext(model, graph, node, match)
         reason = _node_checks(match, context)
         if reason is None:
-            reason = _removal_blocker(nodes, match.outputs)
+            reason = _removal_blocker(nodes, match.outputs, readers)
         if reason is None:
             try:
                 result = rule.check(context, **match.bindings)
@@ -540,6 +647,10 @@ def _try(
                 result = MatchResult().fail(exc.reason)
             if not result:
                 reason = getattr(result, "reason", "") or "check failed"
+        if reason is None and readers:
+            stuck = [r for r in readers if not _rewire_shape_reader(rule, graph, r)]
+            if stuck:
+                reason = _removal_blocker(nodes, match.outputs)
         if reason is not None:
             if len(nodes) >= rule.min_candidate_nodes and (best_miss is None or len(nodes) + 1000 > best_miss[0]):
                 best_miss = (len(nodes) + 1000, reason, nodes)

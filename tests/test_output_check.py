@@ -189,3 +189,26 @@ def test_input_the_cloner_cannot_copy_is_still_checked_and_not_blamed():
         model.clone()
     report = api.run_passes(model, [RenamePass()], blocked=BLOCK)
     assert report.extra["output_check"]["result"].startswith("the input model already fails: onnx checker")
+
+
+def _simplified_ln_model(op_type: str):
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    node = helper.make_node(op_type, ["x", "g"], ["y"], axis=-1, epsilon=1e-6)
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor("g", TensorProto.FLOAT, [8], np.ones(8, np.float32))],
+    )
+    return ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+def test_ort_default_domain_op_is_left_to_onnxruntime():
+    """SimplifiedLayerNormalization (ONNX Runtime's, default domain) passes; a misspelt op does not."""
+    pytest.importorskip("onnxruntime")
+    from mograph.output_check import InvalidModel, check_model_output
+
+    assert check_model_output(_simplified_ln_model("SimplifiedLayerNormalization"))["onnxruntime"].startswith("passed")
+    with pytest.raises(InvalidModel, match="SimplifiedLayerNormalizationX"):
+        check_model_output(_simplified_ln_model("SimplifiedLayerNormalizationX"))

@@ -36,7 +36,16 @@ Optional (what the job does without it in brackets):
   ``workspace_mib=N``) [``mograph build --backend NAME`` is a usage error saying the backend builds
   nothing];
 * ``artifact_suffix`` — the file suffix of what ``build`` writes, for ``mograph build``'s default
-  output name [``".engine"``].
+  output name [``".engine"``];
+* ``devices`` — the device kinds ``make_runner(model, device=...)`` takes (``("cpu", "cuda")`` for
+  ``ort``; ``"cuda:1"`` picks a GPU), which the jobs' ``--device`` passes on; a backend without it
+  gets no ``device`` keyword and ``--device`` is a usage error for it [none].
+
+A runner may also have ``bind(feeds) -> step``: copy the feeds to the device once and return a
+function that runs the model on them and waits for it, the outputs staying on the device
+(``runner.outputs()`` copies them back).  ``mograph bench`` times ``step()`` when ``--io-binding`` is
+on (the default on CUDA), so host copies do not hide the kernels' time; without ``bind`` it times
+``runner(feeds)``.
 
 :func:`backend_problems` checks an object against the protocol (the registry refuses, naming the
 plugin, a backend that lacks a required member); :func:`get_backend`, :func:`is_available`,
@@ -68,6 +77,7 @@ __all__ = [
     "backend_problems",
     "backend_target",
     "builtin_backends",
+    "check_device",
     "get_backend",
     "is_available",
     "require_available",
@@ -184,7 +194,27 @@ def backend_problems(backend: Any) -> list[str]:
         value = getattr(backend, member, None)
         if value is not None and not isinstance(value, str):
             problems.append(f"its '{member}' is not a string")
+    devices = getattr(backend, "devices", None)
+    if devices is not None and (isinstance(devices, str) or not all(isinstance(d, str) for d in devices)):
+        problems.append("its 'devices' is not a tuple of strings")
     return problems
+
+
+def check_device(backend: Any, device: str | None) -> dict[str, Any]:
+    """The ``make_runner`` keywords for ``--device``: ``{}`` when none was given, else ``{"device": device}``.
+
+    Raises:
+        UsageError: the backend takes no device, or not this one (its ``devices`` lists what it takes).
+    """
+    if device is None:
+        return {}
+    devices = tuple(getattr(backend, "devices", None) or ())
+    if not devices:
+        raise UsageError(f"--device applies to backends that run on several devices (ort); '{backend.name}' does not")
+    kind = str(device).strip().lower().partition(":")[0]
+    if kind not in devices:
+        raise UsageError(f"backend '{backend.name}' runs on {', '.join(devices)}, not {device!r}")
+    return {"device": str(device).strip().lower()}
 
 
 def backend_target(backend: Any) -> str:

@@ -29,7 +29,7 @@ from mograph.errors import InternalError, MographError
 __all__ = ["main", "CommandResult", "COMMANDS", "EXIT_CODES_HELP"]
 
 #: Sub-command modules under ``mograph.cli``, in the order ``--help`` lists them.
-COMMANDS: tuple[str, ...] = ("optimize", "passes", "inspect", "diff", "bench", "build", "validate")
+COMMANDS: tuple[str, ...] = ("optimize", "passes", "inspect", "diff", "bench", "build", "validate", "sweep", "ledger", "gate", "report")
 
 EXIT_CODES_HELP = """exit codes:
   0  success
@@ -40,6 +40,8 @@ EXIT_CODES_HELP = """exit codes:
   5  numeric verification failed (outputs drifted past tolerance)
   6  a plugin failed to load or misbehaved
   7  an optional dependency is missing (the message names the pip extra)
+  130  interrupted (Ctrl-C); temporary files are removed, OUT is left as it was
+  143  terminated (SIGTERM); the same clean-up
 """
 
 

@@ -4,10 +4,22 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from mograph.errors import UsageError
 
-__all__ = ["example_path", "EXAMPLES", "default_output"]
+__all__ = ["example_path", "EXAMPLES", "default_output", "add_device_argument", "DEVICE_HELP"]
+
+#: What ``--device`` means, in every command that has it.
+DEVICE_HELP = (
+    "where the backend runs: cpu (default) or cuda / cuda:N (ONNX Runtime's CUDA provider, then the CPU for "
+    "nodes CUDA has no kernel for; needs onnxruntime-gpu, exit 7 without it)"
+)
+
+
+def add_device_argument(parser: Any, help_text: str = DEVICE_HELP) -> None:
+    """``--device cpu|cuda|cuda:N`` (the backend must list the kind in its ``devices``)."""
+    parser.add_argument("--device", metavar="DEVICE", help=help_text)
 
 #: Models shipped inside the package (``--example NAME``).
 EXAMPLES = {"bert-tiny": "bert-tiny.onnx", "cnn-small": "cnn-small.onnx"}

@@ -13,6 +13,18 @@ What is measured, exactly:
 
 ONNX Runtime's own graph optimizations are **on** (``ORT_ENABLE_ALL``), as in a deployment;
 ``--no-ort-optimizations`` measures the graph exactly as written.
+
+**On the GPU** (``--device cuda``, ONNX Runtime's CUDA provider; exit 7 without ``onnxruntime-gpu``):
+each timed run is ``run_with_iobinding`` on feeds copied to the GPU once, with the outputs left on the
+GPU and the run waited for (``--io-binding``, the default there), so host copies do not hide the
+kernels' time; ``--cuda-graph`` replays the whole run as one CUDA graph (ONNX Runtime refuses models
+with nodes outside CUDA: the error lists them).  The report says where the nodes ran: the first run
+is profiled, and nodes that fell back to the CPU and the ``Memcpy`` nodes ONNX Runtime inserted are
+listed.
+
+``--profile`` adds where the time goes (:func:`mograph.profile.profile_model`): per op type, the
+slowest ``--top`` nodes, the GPU kernels on CUDA, and the time of decomposed LayerNorm / GELU /
+attention subgraphs that a fusion pass would replace.
 """
 
 from __future__ import annotations
@@ -28,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from mograph.cli import CommandResult
-from mograph.cli._common import example_path
+from mograph.cli._common import add_device_argument, example_path
 from mograph.errors import UsageError
 from mograph.specs import parse_shapes
 
@@ -43,7 +55,11 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         description="Run MODEL repeatedly on seeded random feeds (or --feeds) and report latency p50/p90/p99 "
         "after warm-up, throughput (inferences/s, and samples/s when there is a batch dim), session creation "
         "time and peak memory (RSS increase of this process during session creation and runs, sampled). "
-        "ONNX Runtime's graph optimizations are ON, as deployed; --no-ort-optimizations turns them off.",
+        "ONNX Runtime's graph optimizations are ON, as deployed; --no-ort-optimizations turns them off. "
+        "--device cuda runs ONNX Runtime's CUDA provider with IO binding (feeds and outputs stay on the GPU) and "
+        "reports the nodes that fell back to the CPU and the Memcpy nodes ORT inserted; --cuda-graph replays "
+        "the run as a CUDA graph; --profile shows where the time goes (per op type, top nodes, CUDA kernels, "
+        "decomposed LayerNorm/GELU/attention).",
     )
     p.add_argument("model", nargs="?", help="the .onnx file (or use --example)")
     p.add_argument("--example", metavar="NAME", help="benchmark a model shipped with mograph: bert-tiny, cnn-small")
@@ -53,6 +69,20 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         action="append",
         metavar="NAME",
         help="ONNX Runtime execution provider, in priority order (repeatable; default CPUExecutionProvider)",
+    )
+    add_device_argument(p)
+    p.add_argument(
+        "--io-binding",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="time runs on feeds and outputs bound on the device (ONNX Runtime IO binding); default: on for "
+        "--device cuda, off on the CPU",
+    )
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="--device cuda: capture the run as a CUDA graph and replay it (ONNX Runtime's enable_cuda_graph; "
+        "symbolic dims are pinned to the feeds' shapes; refused, with the CPU nodes named, unless every node runs on CUDA)",
     )
     p.add_argument("--threads", type=int, metavar="N", help="intra-op threads (default: the runtime's choice)")
     p.add_argument(
@@ -72,6 +102,14 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         action="store_false",
         help="turn ONNX Runtime's own graph optimizations off (ORT_DISABLE_ALL)",
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile (ONNX Runtime's profiler, a separate session): time per op type, the --top slowest "
+        "nodes, CUDA kernels on the GPU, and decomposed LayerNorm/GELU/attention subgraphs with their share",
+    )
+    p.add_argument("--top", type=int, default=10, metavar="N", help="--profile: how many nodes and kernels to list (default 10)")
+    p.add_argument("--profile-runs", type=int, default=10, metavar="N", help="--profile: profiled runs after warm-up (default 10)")
     p.set_defaults(run=run)
 
 
@@ -174,7 +212,7 @@ def _mib(n: int | None) -> str:
 
 def run(args: argparse.Namespace) -> CommandResult:
     from mograph import ir_io
-    from mograph.backends import get_backend, require_available
+    from mograph.backends import check_device, get_backend, require_available
     from mograph.plugins import get_registry
     from mograph.validate import make_feeds
 
@@ -184,9 +222,25 @@ def run(args: argparse.Namespace) -> CommandResult:
         raise UsageError("--iterations must be at least 1 and --warmup at least 0")
     if args.batch is not None and args.batch < 1:
         raise UsageError("--batch must be at least 1")
+    if args.top < 1 or args.profile_runs < 1:
+        raise UsageError("--top and --profile-runs must be at least 1")
+    if args.device and args.provider:
+        raise UsageError("give --device or --provider, not both (--device cuda picks the CUDA provider)")
     src = Path(args.model) if args.model else example_path(args.example)
     backend = get_backend(get_registry(args.block_plugin).backends, args.backend, job="bench")
+    runner_options = check_device(backend, args.device)
+    device = runner_options.get("device", "cpu")
+    on_gpu = device.startswith("cuda") or "CUDAExecutionProvider" in (args.provider or [])
+    if args.cuda_graph and not device.startswith("cuda"):
+        raise UsageError("--cuda-graph needs --device cuda")
+    if args.cuda_graph and args.io_binding is False:
+        raise UsageError("--cuda-graph runs on bound feeds and outputs; it cannot go with --no-io-binding")
+    io_binding = bool(args.cuda_graph or (args.io_binding if args.io_binding is not None else on_gpu))
     require_available(backend)  # exit 7 with the backend's own reason
+    if device.startswith("cuda") and args.backend == "ort":
+        from mograph.backends.ort import require_device
+
+        require_device(device)  # exit 7 naming onnxruntime-gpu, before any work
     import_runtime = getattr(backend, "import_runtime", None)
     if callable(import_runtime):
         import_runtime()  # not inside the memory measurement
@@ -197,6 +251,9 @@ def run(args: argparse.Namespace) -> CommandResult:
     batch = _batch_size(model, feeds, args.batch)
     del model
     progress = _Progress(enabled=not (args.json or args.quiet))
+    if args.cuda_graph:
+        runner_options.update(cuda_graph=True, shapes={n: tuple(a.shape) for n, a in feeds.items()})
+    warmup = max(args.warmup, 2) if args.cuda_graph else args.warmup  # the graph is captured in a warm-up run
 
     try:
         sampler: RssSampler | None = RssSampler()
@@ -205,22 +262,24 @@ def run(args: argparse.Namespace) -> CommandResult:
     latencies: list[float] = []
     with sampler if sampler is not None else contextlib.nullcontext():
         t0 = time.perf_counter()
-        runner = backend.make_runner(
-            src, optimizations=args.ort_optimizations, threads=args.threads, providers=args.provider
-        )
+        runner = _make_runner(backend, src, feeds, args, runner_options)
         session_s = time.perf_counter() - t0
-        for i in range(args.warmup):
-            runner(feeds)
-            progress.update("warm-up", i + 1, args.warmup)
+        step = _step(runner, feeds, io_binding, args.backend)
+        if getattr(runner, "profiling", False):
+            step()  # the profiled run that records where nodes ran: never timed, whatever --warmup says
+        for i in range(warmup):
+            step()
+            progress.update("warm-up", i + 1, warmup)
         total_start = time.perf_counter()
         for i in range(args.iterations):
             start = time.perf_counter()
-            runner(feeds)
+            step()
             latencies.append(time.perf_counter() - start)
             progress.update("runs", i + 1, args.iterations)
         total_s = time.perf_counter() - total_start
 
     session = getattr(runner, "session", None)
+    device = str(getattr(runner, "device", device))  # --provider CUDAExecutionProvider runs on cuda too
     runtime = args.backend
     providers = list(args.provider or [])
     if args.backend == "ort":
@@ -245,6 +304,8 @@ def run(args: argparse.Namespace) -> CommandResult:
         )
     else:
         memory["measures"] = "not measured: psutil is not installed (pip install 'mograph[bench]')"
+    if device.startswith("cuda"):
+        memory["measures"] += "; host memory only: GPU memory is not counted"
     data: dict[str, Any] = {
         "model": str(src),
         "backend": args.backend,
@@ -252,10 +313,14 @@ def run(args: argparse.Namespace) -> CommandResult:
         "providers": providers,
         "ort_optimizations": bool(args.ort_optimizations),
         "threads": args.threads,
+        "device": device,
+        "io_binding": io_binding,
+        "cuda_graph": bool(args.cuda_graph),
+        "placement": getattr(runner, "placement", None),
         "feeds": info["inputs"],
         "defaulted_dims": info["defaulted_dims"],
         "batch": batch,
-        "warmup": args.warmup,
+        "warmup": warmup,
         "iterations": args.iterations,
         "session_seconds": session_s,
         "latency_ms": _stats(latencies),
@@ -266,17 +331,37 @@ def run(args: argparse.Namespace) -> CommandResult:
         "memory": memory,
         "lowered": dict(getattr(runner, "lowered", None) or {}),
     }
+    if device.startswith("cuda") and args.backend == "ort":
+        from mograph.backends import ort as ort_backend
+
+        data["cuda_libraries"] = ort_backend.load_cuda_libraries(ort_backend.import_ort())
+        data["pinned_dims"] = dict(getattr(runner, "free_dims", {}) or {})
+    del step, runner, session  # free the session (GPU memory included) before profiling
+    if args.profile:
+        from mograph.profile import format_profile, profile_model
+
+        profile = profile_model(
+            src, backend=backend, feeds=feeds, runs=args.profile_runs, device=device,
+            optimizations=args.ort_optimizations, threads=args.threads, top=args.top,
+        )
+        data["profile"] = profile
     lat = data["latency_ms"]
     feeds_s = ", ".join(f"{n} {i['dtype']} {'x'.join(map(str, i['shape'])) or 'scalar'}" for n, i in info["inputs"].items())
     lines = [
         f"model:      {src}",
         f"backend:    {runtime} [{', '.join(providers) or '-'}], graph optimizations "
         f"{'on' if args.ort_optimizations else 'off'}, threads {args.threads or 'default'}",
+        f"device:     {device}; timed runs: "
+        + (f"IO binding (feeds and outputs on {device}, run waited for)" if io_binding else "run(feeds) (host copies included)")
+        + ("; CUDA graph replay" if args.cuda_graph else ""),
         f"feeds:      {feeds_s or '(none)'}",
     ]
     if info["defaulted_dims"]:
         dims = ", ".join(f"{k}={v}" for k, v in info["defaulted_dims"].items())
         lines.append(f"            dynamic dims defaulted: {dims} (set them with --shape / --batch)")
+    if data.get("pinned_dims"):
+        lines.append("            dims pinned for the CUDA graph: " + ", ".join(f"{k}={v}" for k, v in data["pinned_dims"].items()))
+    lines.extend(placement_lines(data["placement"]))
     if data["lowered"]:
         lowered = ", ".join(f"{k}={v}" for k, v in data["lowered"].items())
         lines.append(f"lowered:    for the {args.backend} backend first (its fused ops were not): {lowered}")
@@ -284,7 +369,7 @@ def run(args: argparse.Namespace) -> CommandResult:
         f"session:    created in {session_s * 1000:.1f} ms",
         f"latency:    p50 {lat['p50']:.3f} ms   p90 {lat['p90']:.3f} ms   p99 {lat['p99']:.3f} ms   "
         f"(mean {lat['mean']:.3f}, min {lat['min']:.3f}, max {lat['max']:.3f}; {args.iterations} runs after "
-        f"{args.warmup} warm-up)",
+        f"{warmup} warm-up)",
     ]
     tp = f"throughput: {ips:.1f} inferences/s" if ips is not None else "throughput: -"
     if data["throughput"]["samples_per_s"] is not None:
@@ -297,4 +382,50 @@ def run(args: argparse.Namespace) -> CommandResult:
         )
     else:
         lines.append("memory:     not measured (psutil is not installed)")
+    if args.profile:
+        from mograph.profile import format_profile
+
+        lines.append("")
+        lines.append(format_profile(data["profile"]))
     return CommandResult(data=data, text="\n".join(lines))
+
+
+def placement_lines(placement: dict[str, Any] | None, limit: int = 8) -> list[str]:
+    """Where the nodes ran (:attr:`mograph.backends.ort.OrtRunner.placement`), for people."""
+    if not placement:
+        return []
+    if not placement.get("profiled"):
+        return ["placement:  unknown (the profiled run recorded no nodes)"]
+    counts = ", ".join(f"{n} on {p}" for p, n in sorted(placement["by_provider"].items(), key=lambda kv: -kv[1]))
+    lines = [f"placement:  {placement['nodes']} nodes run: {counts}"]
+    fallback, memcpy = placement["fallback"], placement["memcpy"]
+
+    def names(items: list[dict[str, Any]]) -> str:
+        shown = ", ".join(f"{e['name']} ({e['op_type']})" for e in items[:limit])
+        return shown + (f", ... {len(items) - limit} more" if len(items) > limit else "")
+
+    if fallback:
+        lines.append(f"            {len(fallback)} node(s) fell back from {placement['provider']}: {names(fallback)}")
+    elif placement["provider"] != "CPUExecutionProvider":
+        lines.append(f"            every compute node ran on {placement['provider']}")
+    if memcpy:
+        lines.append(f"            {len(memcpy)} Memcpy node(s) inserted by ONNX Runtime: {names(memcpy)}")
+    return lines
+
+
+def _make_runner(backend: Any, src: Path, feeds: dict[str, np.ndarray], args: argparse.Namespace,
+                 options: dict[str, Any]) -> Any:
+    """The backend's runner (a refused CUDA graph is a usage error naming the nodes that run on the CPU)."""
+    return backend.make_runner(
+        src, optimizations=args.ort_optimizations, threads=args.threads, providers=args.provider, **options
+    )
+
+
+def _step(runner: Any, feeds: dict[str, np.ndarray], io_binding: bool, backend_name: str) -> Any:
+    """What one timed run calls: the runner's IO-bound step, or ``runner(feeds)``."""
+    if not io_binding:
+        return lambda: runner(feeds)
+    bind = getattr(runner, "bind", None)
+    if not callable(bind):
+        raise UsageError(f"--io-binding: backend '{backend_name}' has no IO binding (its runner has no bind())")
+    return bind(feeds)

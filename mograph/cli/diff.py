@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from mograph.cli import CommandResult
+from mograph.cli._common import add_device_argument
 from mograph.errors import VerificationError
 from mograph.specs import parse_shapes
 
@@ -46,6 +47,11 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "(cosine-based); repeatable, the loosest applies",
     )
     p.add_argument("--threads", type=int, metavar="N", help="ONNX Runtime intra-op threads")
+    add_device_argument(
+        p,
+        "where both models run: cpu (default) or cuda / cuda:N (ONNX Runtime's CUDA provider, TF32 off, the CPU for "
+        "nodes CUDA has no kernel for; needs onnxruntime-gpu, exit 7 without it)",
+    )
     p.add_argument(
         "--backend",
         default="ort",
@@ -95,11 +101,12 @@ def _feeds_text(check: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> CommandResult:
-    from mograph.backends import get_backend
+    from mograph.backends import check_device, get_backend
     from mograph.plugins import get_registry
     from mograph.validate import diff_models
 
     backend = get_backend(get_registry(args.block_plugin).backends, args.backend, job="diff")
+    check_device(backend, args.device)  # a backend without devices takes no --device
 
     a, b = Path(args.model_a), Path(args.model_b)
     check = diff_models(
@@ -114,10 +121,11 @@ def run(args: argparse.Namespace) -> CommandResult:
         family=args.family,
         threads=args.threads,
         backend=backend,
+        device=args.device,
     )
     data = {"model_a": str(a), "model_b": str(b), **check}
     lines = [f"A: {a}", f"B: {b}", _feeds_text(check)]
-    if backend.name != "ort":
+    if backend.name != "ort" or args.device:
         lines.insert(2, f"run on: {check['backend']}")
     for note in check.get("notes", []):
         lines.append(f"note: {note}")

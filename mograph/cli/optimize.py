@@ -9,14 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from mograph.cli import CommandResult
-from mograph.cli._common import default_output, example_path
+from mograph.cli._common import add_device_argument, default_output, example_path
 from mograph.errors import MographError, UsageError, VerificationError
 from mograph.specs import parse_shapes
 
 __all__ = ["add_parser", "run"]
 
 # Options the command itself owns; a pass declaring one of these names receives the command's value.
-_OWN = {"shape", "explain"}
+_OWN = {"shape", "explain", "device"}
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -49,6 +49,12 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         metavar="NAME:DIMS",
         help="input shape, e.g. input_ids:1x128 (repeatable): sizes for dynamic dims of verification feeds, "
         "and the shapes fix-shapes pins",
+    )
+    add_device_argument(
+        p,
+        "where --verify runs both models: cpu (default) or cuda / cuda:N (ONNX Runtime's CUDA provider, its "
+        "optimizations and TF32 off, so fused ops are checked on the CUDA kernels; needs onnxruntime-gpu, exit 7 "
+        "without it)",
     )
     p.add_argument("--feeds", metavar="FILE.npz", help="use these input feeds for verification instead of random ones")
     p.add_argument("--seed", type=int, default=0, help="seed of the random verification feeds (default 0)")
@@ -153,6 +159,13 @@ def run(args: argparse.Namespace) -> CommandResult:
         _check_folder(out, "-o")
     if args.report:
         _check_folder(Path(args.report), "--report")
+    if args.device and not args.verify and "device" not in get_registry(args.block_plugin).all_options():
+        raise UsageError("--device says where --verify runs; give --verify too")
+    if args.device:
+        from mograph.backends.ort import parse_device, require_device
+
+        parse_device(args.device)
+        require_device(args.device)  # exit 7 naming onnxruntime-gpu, before any pass runs
     reg = get_registry(args.block_plugin)
     shapes = parse_shapes(args.shape)
     options: dict[str, Any] = {}
@@ -164,10 +177,14 @@ def run(args: argparse.Namespace) -> CommandResult:
         options["shape"] = args.shape
     if args.explain:
         options["explain"] = True
+    if args.device:
+        options["device"] = args.device  # kept only if a pass declares it (below)
     options = {k: v for k, v in options.items() if k in reg.all_options()}
     names = reg.plan(args.passes, options)  # the report names the pipeline as it runs, lower included
     instruments = [] if (args.json or args.quiet) else [_Progress()]
     verify_options: dict[str, Any] = {"shapes": shapes, "feeds": args.feeds, "seed": args.seed}
+    if args.device:
+        verify_options["device"] = args.device
     if args.feed_limit is not None:
         verify_options["feed_limit"] = args.feed_limit
     external = True if args.external_data else None

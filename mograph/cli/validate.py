@@ -16,6 +16,11 @@ comparison is exactly the one ``mograph optimize --verify`` makes (:class:`mogra
 
 A backend that cannot run here (TensorRT without a GPU, a runtime not installed) says which and exits 7
 before any work.
+
+``--device cuda`` (``--backend ort``) makes the candidate ONNX Runtime's CUDA provider (its
+optimizations on, TF32 as ONNX Runtime defaults), checked against the CPU reference; the nodes that
+fell back to the CPU and the ``Memcpy`` nodes are reported.  ``--cuda-graph`` checks the outputs of a
+replayed CUDA graph.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from mograph.cli import CommandResult
-from mograph.cli._common import example_path
+from mograph.cli._common import add_device_argument, example_path
 from mograph.errors import UsageError, VerificationError
 from mograph.specs import parse_shapes
 
@@ -49,6 +54,16 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="input .onnx file (or use --example)")
     p.add_argument("--example", metavar="NAME", help="use a model shipped with mograph: bert-tiny, cnn-small")
     p.add_argument("--backend", default="tensorrt", metavar="NAME", help="backend to check (default: tensorrt)")
+    add_device_argument(
+        p,
+        "where the candidate runs: cpu (default) or cuda / cuda:N (--backend ort: ONNX Runtime's CUDA provider; "
+        "needs onnxruntime-gpu, exit 7 without it); the reference stays ONNX Runtime on the CPU",
+    )
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="--device cuda: run the candidate as a replayed CUDA graph (dims pinned to the feeds' shapes)",
+    )
     p.add_argument("--engine", metavar="FILE", help="run this prebuilt artifact (a TensorRT engine) instead of MODEL")
     p.add_argument(
         "--reference",
@@ -104,7 +119,7 @@ def _line(name: str, entry: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> CommandResult:
-    from mograph.backends import backend_target, get_backend, require_available
+    from mograph.backends import backend_target, check_device, get_backend, require_available
     from mograph.plugins import get_registry
     from mograph.validate import Verifier
 
@@ -116,20 +131,38 @@ def run(args: argparse.Namespace) -> CommandResult:
         raise UsageError("--profile applies to --backend tensorrt only")
     if args.engine and not callable(getattr(backend, "build", None)):
         raise UsageError(f"--engine applies to backends that build artifacts; backend '{backend.name}' builds none")
-    require_available(backend)  # exit 7, naming what is missing, before any work
-    shapes = _feed_shapes(args)
     options: dict[str, Any] = {"profiles": args.profile} if args.profile else {}
+    options.update(check_device(backend, args.device))
+    device = options.get("device", "cpu")
+    if args.cuda_graph and (args.backend != "ort" or not device.startswith("cuda")):
+        raise UsageError("--cuda-graph needs --backend ort --device cuda")
+    require_available(backend)  # exit 7, naming what is missing, before any work
+    if args.backend == "ort" and device.startswith("cuda"):
+        from mograph.backends.ort import require_device
+
+        require_device(device)
+    shapes = _feed_shapes(args)
     candidate_model = Path(args.engine) if args.engine else src
-    # The candidate first: a backend that cannot run here (TensorRT without a GPU) says so before any work.
-    runner = backend.make_runner(str(candidate_model), optimizations=True, **options)
     reference = Path(args.reference) if args.reference else src
-    verifier = Verifier(
-        str(reference), shapes=shapes, feeds=args.feeds, seed=args.seed,
-        atol=args.atol, rtol=args.rtol, min_cosine=args.min_cosine,
-    )
+
+    def make_verifier() -> Any:
+        return Verifier(
+            str(reference), shapes=shapes, feeds=args.feeds, seed=args.seed,
+            atol=args.atol, rtol=args.rtol, min_cosine=args.min_cosine,
+        )
+
+    if args.cuda_graph:  # the graph's dims are pinned to the feeds' shapes: feeds first
+        verifier = make_verifier()
+        options.update(cuda_graph=True, shapes={n: tuple(a.shape) for n, a in verifier.feeds.items()})
+        runner = backend.make_runner(str(candidate_model), optimizations=True, **options)
+    else:
+        # The candidate first: a backend that cannot run here (TensorRT without a GPU) says so before any work.
+        runner = backend.make_runner(str(candidate_model), optimizations=True, **options)
+        verifier = make_verifier()
     candidate = f"backend '{backend.name}' on {candidate_model}"
     if args.backend == "ort":
-        candidate = f"onnxruntime (optimizations on) on {candidate_model}"
+        where = "" if device == "cpu" else f", {device}" + (", CUDA graph" if args.cuda_graph else "")
+        candidate = f"onnxruntime (optimizations on{where}) on {candidate_model}"
     check = verifier.check(None if args.engine else str(src), family=args.family, runner=runner, label=candidate)
     info = {"reference": f"{verifier.backend} on {reference}", "candidate": candidate}
     data: dict[str, Any] = {
@@ -142,11 +175,16 @@ def run(args: argparse.Namespace) -> CommandResult:
         "rtol": args.rtol,
         "atol": args.atol,
         "min_cosine": args.min_cosine,
+        "device": device,
+        "cuda_graph": bool(args.cuda_graph),
+        "placement": getattr(runner, "placement", None),
         "feeds": {k: v["shape"] for k, v in check["feeds"].items()},
         "feed_info": check["feeds"],
         "tolerances": {n: t.describe() for n, t in verifier.tolerances(args.family).items()},
     }
-    lines = [f"{info['candidate']} vs {info['reference']}"]
+    from mograph.cli.bench import placement_lines
+
+    lines = [f"{info['candidate']} vs {info['reference']}", *placement_lines(data["placement"])]
     if check.get("reason"):
         lines.append(f"  cannot compare: {check['reason']}")
     for name, entry in check["outputs"].items():

@@ -78,6 +78,9 @@ class Verifier:
         feed_limit: bound on the random feeds in bytes (default :data:`~mograph.validate.FEED_LIMIT_BYTES`).
         reference_runner: compute the original's outputs with this backend runner instead of ONNX
             Runtime with its optimizations off (``mograph diff --backend NAME``).
+        device: where ONNX Runtime runs both sides: ``None``/``"cpu"`` (default) or ``"cuda"``/``"cuda:N"``
+            (the CUDA provider, TF32 off, the CPU for the nodes CUDA has no kernel for; exit code 7
+            without onnxruntime-gpu), so a pass is checked on the kernels it will run on.
         reference_label: what ``reference_runner`` is, for the report (``check["backend"]``).
 
     Raises:
@@ -100,8 +103,14 @@ class Verifier:
         feed_limit: int | None = None,
         reference_runner: Runner | None = None,
         reference_label: str | None = None,
+        device: str | None = None,
     ) -> None:
         from mograph.backends import ort
+
+        kind, _ = ort.parse_device(device)
+        self.device = None if kind == "cpu" else device
+        if self.device is not None:
+            ort.require_device(self.device)  # exit 7 before any work
 
         _polygraphy()  # fail early, before any pass runs, when polygraphy is missing
         self.seed = int(seed)
@@ -124,7 +133,7 @@ class Verifier:
             logger.info("verification feeds: %s (seed %d)", _feeds_brief(self.feed_info["inputs"]), self.seed)
             return
         try:
-            session = ort.make_session(original, optimizations=False, threads=threads)
+            session = ort.make_session(original, optimizations=False, threads=threads, device=self.device)
         except ModelError as exc:
             raise ModelError(f"cannot run the original model for verification: {exc}") from exc
         self.output_names = [o.name for o in session.get_outputs()]
@@ -135,7 +144,8 @@ class Verifier:
                 f"the original model fails on the verification feeds ({_feeds_brief(self.feed_info['inputs'])}): "
                 f"{exc}; give realistic inputs with --feeds or sizes with --shape"
             ) from exc
-        self.backend = f"onnxruntime {ort.ort_version()} (CPU, graph optimizations off)"
+        where = "CPU" if self.device is None else f"{self.device.upper()}, TF32 off"
+        self.backend = f"onnxruntime {ort.ort_version()} ({where}, graph optimizations off)"
         del session
         logger.info("verification feeds: %s (seed %d)", _feeds_brief(self.feed_info["inputs"]), self.seed)
 
@@ -228,7 +238,7 @@ class Verifier:
         from mograph.backends import ort
 
         try:
-            session = ort.make_session(model, optimizations=False, threads=self.threads)
+            session = ort.make_session(model, optimizations=False, threads=self.threads, device=self.device)
         except ModelError as exc:
             self._fail(check, f"the optimized model cannot be loaded: {exc}")
             return None
@@ -361,11 +371,14 @@ def diff_models(
     family: str | Iterable[str] | None = None,
     threads: int | None = None,
     backend: Any = None,
+    device: str | None = None,
 ) -> dict[str, Any]:
     """Compare model ``b`` against model ``a`` (the reference) on the same feeds.
 
     ``backend``: run both models on this backend (a registered name or a backend object), its own
     graph optimizations off; ``None`` or ``"ort"``: ONNX Runtime, as :class:`Verifier` does.
+    ``device``: where the backend runs both (``"cuda"``: see :class:`Verifier`); a backend without
+    ``devices`` takes none.
 
     Returns the check dict of :meth:`Verifier.check` (``passed``, ``summary``, ``outputs`` ...);
     does not raise when the numbers differ: the caller decides (``mograph diff`` exits 5).
@@ -379,17 +392,18 @@ def diff_models(
 
         backend = get_backend(get_registry().backends, backend, job="diff")
     if backend is None or getattr(backend, "name", None) == "ort":
-        verifier = Verifier(a, **options)  # type: ignore[arg-type]
+        verifier = Verifier(a, device=device, **options)  # type: ignore[arg-type]
         check = verifier.check(b, family=family)
     else:
-        from mograph.backends import require_available
+        from mograph.backends import check_device, require_available
 
+        extra = check_device(backend, device)
         require_available(backend)
         label = f"backend '{backend.name}' (its graph optimizations off)"
-        ref_runner = backend.make_runner(a, optimizations=False, threads=threads)
+        ref_runner = backend.make_runner(a, optimizations=False, threads=threads, **extra)
         verifier = Verifier(a, reference_runner=ref_runner, reference_label=label, **options)  # type: ignore[arg-type]
-        check = verifier.check(b, family=family, runner=backend.make_runner(b, optimizations=False, threads=threads),
-                               label=label)
+        runner = backend.make_runner(b, optimizations=False, threads=threads, **extra)
+        check = verifier.check(b, family=family, runner=runner, label=label)
     if not check["passed"]:
         check["failure"] = verifier.describe_failure(check)
     check["tolerances"] = {n: asdict(t) for n, t in verifier.tolerances(family).items()}

@@ -1,42 +1,53 @@
 """``fuse-attention``: multi-head scaled dot-product attention -> ``mograph.Attention``.
 
-The math matched (``Q``, ``K``, ``V`` are ``[B, S, H*D]`` / ``[B, T, H*D]``, the projections with
-their biases already added; ``M`` an additive bias broadcastable to ``[B, H, S, T]``)::
+The math matched, anchored on the softmax (``Qh``, ``Kt``, ``Vh`` are head tensors, ``M`` an additive
+bias broadcastable to ``[B, H, S, T]``)::
 
-    Qh = Transpose(Reshape(Q, [B, S, H, D]), [0, 2, 1, 3])          [B, H, S, D]
-    Kt = Transpose(Reshape(K, [B, T, H, D]), [0, 2, 3, 1])          [B, H, D, T]
-         (or [0, 2, 1, 3] then [0, 1, 3, 2])
-    Vh = Transpose(Reshape(V, [B, T, H, D]), [0, 2, 1, 3])          [B, H, T, D]
-    P  = Softmax(Qh Kt * scale + M, axis=-1)
-    Y  = Reshape(Transpose(P Vh, [0, 2, 1, 3]), [B, S, H*D])
+    P = Softmax(Qh Kt * scale + M, axis=-1)      [optionally Where(IsNaN(P), 0, P): sdpa exports]
+    Y = Reshape(Transpose(P Vh, [0, 2, 1, 3]), [B, S, H*Dv])   (or [B*S, H*Dv]; a no-op Reshape may
+                                                                 sit before the Transpose)
 
-``scale`` is any constant, written as ``Div(Qh Kt, c)`` or ``Mul(Qh Kt, c)`` (TorchScript and dynamo
-exports of ``transformers`` eager attention), as ``(Qh * a)(Kt * b)`` (``scale = a b``; exporters that
-split ``1/sqrt(D)`` into ``D^-1/4`` on each side), or absent (``scale = 1``).  ``M`` is optional; it
-is taken as it is, whatever computed it (``(1 - mask) * min`` in older ``transformers``, a
-``Where`` over a boolean ``[B, 1, S, T]`` mask in newer ones), so masked positions stay exactly as
-masked as in the original.  The reshape targets may be constants or computed from the runtime shape
-(``Shape``/``Gather``/``Unsqueeze``/``Concat``); ``H`` and ``D`` must be constants (one may be -1).
+and each head tensor is traced back to its ``[B, S, N*D]`` projection (exporter variants are
+alternatives of the trace, not copies of the rule)::
+
+    Qh = Transpose(Reshape(q, [B, S, H, D]), [0, 2, 1, 3])
+    Kt = Transpose(Reshape(k, [B, T, G, D]), [0, 2, 3, 1])  |  Transpose(Kh, [0, 1, 3, 2])
+       | Reshape(Transpose(Reshape(Kh, [-1, T, D]), [0, 2, 1]), [B, G, D, T])     (dynamo, sdpa)
+    Kh, Vh = Transpose(Reshape(x, [B, T, G, D]), [0, 2, 1, 3]), possibly repeated for grouped-query
+       attention: Reshape(Expand(Unsqueeze(., 2), [B, G, H/G, T, D]), [B, H, T, D])  (repeat_kv)
+
+``scale`` is any constant: ``Div``/``Mul`` of the scores, and single-element constant factors on
+``q``, ``Qh``, ``Kt`` or ``k`` (exporters that split ``1/sqrt(D)`` into ``D^-1/4`` on each side, Whisper's
+pre-scaled query) are folded into it.  ``M`` is optional; it is taken as it is, whatever computed it
+(``(1 - mask) * min``, ``Where`` over a boolean mask, a causal mask), so masked positions stay exactly as
+masked as in the original; a constant all-zero ``M`` (an all-ones mask) is dropped.  The reshape targets
+may be constants or computed from the runtime shape (``Shape``/``Gather``/``Unsqueeze``/``Concat``;
+``Shape`` readers that feed only the pattern go with it); ``H`` and ``D`` must be constants.  What the
+trace walks over (the split Reshape/Transposes) is left to die: a value still read elsewhere stays.
 
 The fused op (:mod:`.attention_op`) is lowered by the ``lower`` step
-(:mod:`mograph.passes.fusion.lowerings.attention`): ``com.microsoft.Attention`` /
-``MultiHeadAttention`` for ``ort``, the standard ``Attention`` at opset >= 23 for ``onnx`` (below it
-the function body is inlined), the decomposed computation for ``tensorrt``.
+(:mod:`mograph.passes.fusion.lowerings.attention`): ``com.microsoft.MultiHeadAttention`` /
+``Attention`` for ``ort`` (option ``--mask-format`` says how a padding mask gets there), the standard
+``Attention`` at opset >= 23 for ``onnx`` (below it the function body is inlined), the decomposed
+computation for ``tensorrt``.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 import onnx_ir as ir
-from mograph.passes.fusion._common import FusionPass, is_float, mograph_op
-from mograph.passes.fusion.attention_op import ATTENTION_OP, attention
+from mograph.passes.fusion._common import EXPLAIN_OPTION, FusionPass, is_float, mograph_op
+from mograph.passes.fusion.attention_op import ATTENTION_OP, MASK_FORMAT_KEY, MASK_FORMATS, ROTARY_OP, attention
 
 from mograph.irutil import same_dim
+from mograph.pass_infra import Option, PassResult
 from mograph.patterns import MatchResult, OrValue, Rule, Var, constant_array, scalar_value
 
-__all__ = ["AttentionFusion", "FuseAttentionPass", "attention", "ATTENTION_OP"]
+__all__ = ["AttentionFusion", "FuseAttentionPass", "attention", "ATTENTION_OP", "explain_unfused"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,6 +91,15 @@ def _entries(value: ir.Value | None) -> list[Entry] | None:
     if arr is not None:
         return [int(a) for a in arr.reshape(-1)]
     node = value.producer()
+    if node is not None and node.op_type == "Where" and node.domain == "":
+        eq = node.inputs[0].producer() if node.inputs[0] is not None else None
+        if eq is not None and eq.op_type == "Equal" and node.inputs[2] in eq.inputs:
+            inner = _entries(node.inputs[2])  # Where(r == -1, 1, r): the same entries where none is -1
+            return inner if inner is not None and -1 not in inner and None not in inner else None
+    if node is not None and node.op_type == "Reshape" and node.domain == "":
+        flat = constant_array(node.inputs[1])
+        if flat is not None and flat.reshape(-1).tolist() == [-1]:
+            return _entries(node.inputs[0])
     if node is None or node.op_type != "Concat":
         return None
     out: list[Entry] = []
@@ -98,8 +118,12 @@ def _entries(value: ir.Value | None) -> list[Entry] | None:
     return out
 
 
-def _keeps_leading(reshape: ir.Node) -> bool:
-    """Whether a Reshape keeps dims 0 and 1 of its input (its target starts with ``B, S``)."""
+def _keeps_leading(reshape: ir.Node, rest_is_last: bool = False) -> bool:
+    """Whether a Reshape keeps dims 0 and 1 of its input (its target starts with ``B, S``).
+
+    ``rest_is_last``: the caller proved that the target's entries after the first two multiply to the
+    input's last dim (a ``[B, S, N]`` -> ``[B, ?, H, D]`` split with ``H * D = N``), so a -1 in place of
+    ``S`` can only be ``S``."""
     x, target = reshape.inputs[0], reshape.inputs[1]
     out = reshape.outputs[0]
     if x is None or x.shape is None or len(x.shape) < 2:
@@ -114,6 +138,8 @@ def _keeps_leading(reshape: ir.Node) -> bool:
     for i in (0, 1):
         e = entries[i]
         if e == ("dim", i) or (e == 0 and zero_copies):
+            continue
+        if i == 1 and e == -1 and rest_is_last and len(x.shape) == 3 and -1 not in entries[2:]:
             continue
         if isinstance(e, int) and isinstance(x.shape[i], int) and x.shape[i] == e:
             continue
@@ -141,9 +167,261 @@ def _heads_and_dim(reshape: ir.Node, hidden: int) -> tuple[int, int] | str:
         d = hidden // h
     if h <= 0 or d <= 0 or h * d != hidden:
         return f"reshape '{reshape.name}' splits {hidden} into {h} x {d}"
-    if not _keeps_leading(reshape):
+    if not _keeps_leading(reshape, rest_is_last=entries is not None and len(entries) == 4 and -1 not in entries[2:]):
         return f"reshape '{reshape.name}' does not keep the batch and sequence dims"
     return h, d
+
+
+# ---------------------------------------------------------------------------------------------
+# tracing Q, K, V from the 4-D head tensors back to [batch, seq, hidden]
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Heads:
+    """A ``[B, N, S, D]`` head tensor traced back: ``x`` is ``[B, S, N*D]``, times ``factor``."""
+
+    x: ir.Value
+    heads: int
+    dim: int
+    factor: float = 1.0
+    #: K/V heads repeated this many times (grouped-query attention's ``repeat_kv``)
+    repeat: int = 1
+    #: (cos, sin) of a rotary embedding applied to the heads, broadcastable to [B, N, S, D]
+    rotary: tuple[ir.Value, ir.Value] | None = None
+    #: K/V with a cache: ``Concat(past, new heads, axis=2)`` ``[B, N, P+T, D]`` (the present, a graph output)
+    cached: ir.Value | None = None
+
+
+def _producer(value: ir.Value | None, *op_types: str) -> ir.Node | None:
+    node = value.producer() if value is not None else None
+    if node is None or node.domain not in ("", "ai.onnx") or node.op_type not in op_types:
+        return None
+    return node
+
+
+def _perm(node: ir.Node) -> list[int] | None:
+    attr = node.attributes.get("perm")
+    return None if attr is None else [int(p) for p in attr.value]
+
+
+def _scaled(value: ir.Value) -> tuple[ir.Value, float]:
+    """``value`` as ``base * factor`` through ``Mul``/``Div`` by single-element constants."""
+    factor = 1.0
+    for _ in range(4):
+        node = _producer(value, "Mul", "Div")
+        if node is None or node.inputs[0] is None or node.inputs[1] is None:
+            break
+        a, b = node.inputs[0], node.inputs[1]
+        cb, ca = scalar_value(b), scalar_value(a) if node.op_type == "Mul" else None
+        if cb is not None and (node.op_type == "Mul" or cb != 0):
+            factor *= cb if node.op_type == "Mul" else 1.0 / cb
+            value = a
+        elif ca is not None:
+            factor *= ca
+            value = b
+        else:
+            break
+    return value, factor
+
+
+def _what(value: ir.Value | None) -> str:
+    node = value.producer() if value is not None else None
+    return "a graph input" if node is None else f"{node.op_type} '{node.name}'"
+
+
+def _slice_of(value: ir.Value | None, x: ir.Value | None = None) -> tuple[ir.Value, int, int] | None:
+    """``(input, start, end)`` of a ``Slice`` of the last of 4 axes with step 1 (``x``: it must slice ``x``)."""
+    node = _producer(value, "Slice")
+    if node is None or len(node.inputs) < 4 or (x is not None and node.inputs[0] is not x):
+        return None
+    vals = [constant_array(node.inputs[i]) if i < len(node.inputs) else None for i in (1, 2, 3, 4)]
+    for i in (0, 1):
+        if vals[i] is None:
+            vals[i] = _half_last_dim(node.inputs[i + 1], node.inputs[0])
+    if any(v is None or v.size != 1 for v in vals[:3]):
+        return None
+    if vals[3] is not None and int(vals[3].reshape(())) != 1:  # type: ignore[union-attr]
+        return None
+    if int(vals[2].reshape(())) not in (-1, 3):  # type: ignore[union-attr]
+        return None
+    return node.inputs[0], int(vals[0].reshape(())), int(vals[1].reshape(()))  # type: ignore[union-attr,return-value]
+
+
+def _half_last_dim(value: ir.Value | None, x: ir.Value | None) -> np.ndarray | None:
+    """``D / 2`` if ``value`` is TorchScript's ``Unsqueeze(Div(Gather(Shape(x), 3), 2))`` and x's dim 3 is ``D``."""
+    un = _producer(value, "Unsqueeze")
+    div = _producer(un.inputs[0], "Div") if un is not None else None
+    gather = _producer(div.inputs[0], "Gather") if div is not None else None
+    shape = _producer(gather.inputs[0], "Shape") if gather is not None else None
+    if shape is None or shape.inputs[0] is not x or scalar_value(div.inputs[1]) != 2 or shape.attributes:  # type: ignore[union-attr]
+        return None
+    d = x.shape[3] if x is not None and x.shape is not None and len(x.shape) == 4 else None
+    if scalar_value(gather.inputs[1]) not in (3.0, -1.0) or not isinstance(d, int):  # type: ignore[union-attr]
+        return None
+    return np.array([d // 2])
+
+
+def _rotary(value: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value] | None:
+    """``(x, cos, sin)`` if ``value = x * cos + rotate_half(x) * sin`` with
+    ``rotate_half(x) = Concat(Neg(x[..., D/2:]), x[..., :D/2], axis=-1)`` (transformers' ``apply_rotary_pos_emb``)."""
+    add = _producer(value, "Add")
+    if add is None:
+        return None
+    for a, b in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])):
+        m_rot, m_x = _producer(b, "Mul"), _producer(a, "Mul")
+        if m_rot is None or m_x is None:
+            continue
+        for rot, sin in ((m_rot.inputs[0], m_rot.inputs[1]), (m_rot.inputs[1], m_rot.inputs[0])):
+            cat = _producer(rot, "Concat")
+            if cat is None or len(cat.inputs) != 2 or int(cat.attributes["axis"].value) not in (-1, 3):
+                continue
+            neg = _producer(cat.inputs[0], "Neg")
+            second = _slice_of(neg.inputs[0]) if neg is not None else None
+            if second is None:
+                continue
+            x = second[0]
+            first = _slice_of(cat.inputs[1], x)
+            d = x.shape[3] if x.shape is not None and len(x.shape) == 4 else None
+            if first is None or not isinstance(d, int) or d % 2:
+                continue
+            if (first[1], first[2]) != (0, d // 2) or second[1] != d // 2 or second[2] < d:
+                continue
+            for xx, cos in ((m_x.inputs[0], m_x.inputs[1]), (m_x.inputs[1], m_x.inputs[0])):
+                if xx is x and cos is not None and sin is not None and cos.shape is not None and len(cos.shape) == 4:
+                    return x, cos, sin
+    return None
+
+
+def _split_heads(v4: ir.Value, role: str) -> Heads | str:
+    """``v4 = Transpose(Reshape(x, [B, S, N, D]), [0, 2, 1, 3])`` (with scalar factors on either side),
+    possibly rotated (:func:`_rotary`) after the split."""
+    v, f1 = _scaled(v4)
+    rot = _rotary(v)
+    if rot is not None:
+        inner = _split_heads(rot[0], role)
+        if isinstance(inner, Heads):
+            if inner.rotary is not None:
+                return f"{role}: two rotary embeddings"
+            inner.rotary = (rot[1], rot[2])
+            inner.factor *= f1
+        return inner
+    tr = _producer(v, "Transpose")
+    if tr is None or _perm(tr) != [0, 2, 1, 3]:
+        return f"{role}: expected Transpose perm [0, 2, 1, 3] splitting heads, got {_what(v)}"
+    rs = _producer(tr.inputs[0], "Reshape")
+    if rs is None:
+        return f"{role}: expected Reshape to [batch, seq, heads, head_dim], got {_what(tr.inputs[0])}"
+    x, f2 = _scaled(rs.inputs[0])  # type: ignore[arg-type]
+    if not is_float(x):
+        return f"{role} '{x.name}' is not a floating-point tensor"
+    if x.shape is None or len(x.shape) != 3 or not isinstance(x.shape[2], int):
+        return f"{role} '{x.name}' is not [batch, seq, hidden] with a static hidden size"
+    hd = _heads_and_dim(rs, x.shape[2])
+    if isinstance(hd, str):
+        return f"{role}: {hd}"
+    return Heads(x, hd[0], hd[1], f1 * f2)
+
+
+def _cached_or_split(kh: ir.Value, role: str) -> Heads | str:
+    """K/V heads, possibly after a KV cache: ``Concat(past [B, N, P, D], new heads, axis=2)``."""
+    cat = _producer(kh, "Concat")
+    if cat is None:
+        return _split_heads(kh, role)
+    axis = int(cat.attributes["axis"].value) if "axis" in cat.attributes else None
+    if axis not in (2, -2) or len(cat.inputs) != 2 or cat.inputs[0] is None or cat.inputs[1] is None:
+        return f"{role}: Concat '{cat.name}' is not a KV cache (past, new) on the sequence axis"
+    new = _split_heads(cat.inputs[1], role)
+    if isinstance(new, str):
+        return new
+    past = cat.inputs[0]
+    if past.dtype != new.x.dtype or past.shape is None or len(past.shape) != 4:
+        return f"{role}: the past '{past.name}' of Concat '{cat.name}' is not a 4-D tensor of the new heads' dtype"
+    if isinstance(past.shape[1], int) and past.shape[1] != new.heads or (
+            isinstance(past.shape[3], int) and past.shape[3] != new.dim):
+        return f"{role}: the past '{past.name}' is not [batch, {new.heads}, past, {new.dim}]"
+    if new.factor != 1.0:
+        return f"{role}: the new heads are scaled before the cache (the past is not)"
+    return Heads(new.x, new.heads, new.dim, 1.0, cached=kh)
+
+
+def _repeated(kh: ir.Value, role: str) -> Heads | str:
+    """K or V heads, possibly repeated for grouped-query attention:
+    ``Reshape(Expand(Unsqueeze(h, 2), [B, G, n, T, D]), [B, G*n, T, D])``."""
+    rs = _producer(kh, "Reshape")
+    ex = _producer(rs.inputs[0], "Expand") if rs is not None else None
+    un = _producer(ex.inputs[0], "Unsqueeze") if ex is not None else None
+    if rs is None or ex is None or un is None:
+        return _cached_or_split(kh, role)
+    axes = constant_array(un.inputs[1]) if len(un.inputs) > 1 else None
+    if axes is None and "axes" in un.attributes:
+        axes = np.array(un.attributes["axes"].value)
+    if axes is None or axes.reshape(-1).tolist() != [2]:
+        return f"{role}: Unsqueeze '{un.name}' of a repeat_kv is not on axis 2"
+    inner = _cached_or_split(un.inputs[0], role)  # type: ignore[arg-type]
+    if isinstance(inner, str):
+        return inner
+    rep_entries = _entries(ex.inputs[1])
+    out_entries = _entries(rs.inputs[1])
+    rep = rep_entries[2] if rep_entries is not None and len(rep_entries) == 5 else None
+    if not isinstance(rep, int) or rep < 1:
+        return f"{role}: the repeat count of Expand '{ex.name}' is not a constant"
+    merged_ok = out_entries is not None and len(out_entries) == 4 and (
+        out_entries[1] in (inner.heads * rep, -1)
+        # [B, ?, T, D] of the [B, G, rep, T, D] expansion: by the element count, ? is G * rep
+        or (out_entries[1] is None and out_entries[2:] == [("dim", 2), ("dim", 3)]))
+    if rep_entries[1] not in (inner.heads, ("dim", 1)) or (  # type: ignore[index]
+            out_entries is not None and len(out_entries) == 4 and not merged_ok):
+        return f"{role}: Expand '{ex.name}' / Reshape '{rs.name}' do not repeat {inner.heads} heads {rep} times"
+    if out_entries is None or len(out_entries) != 4:
+        return f"{role}: Reshape '{rs.name}' of a repeat_kv is not to 4 dims"
+    inner.repeat = rep
+    return inner
+
+
+def _keys_transposed(kt: ir.Value) -> Heads | str:
+    """``K^T`` ``[B, N, D, T]``: ``Transpose(Reshape(k), [0, 2, 3, 1])``, ``Transpose(K_h, [0, 1, 3, 2])``, or
+    the dynamo export of sdpa's transpose (``Reshape(Transpose(Reshape(K_h, [-1, T, D]), [0, 2, 1]), [B, N, D, T])``)."""
+    v, f = _scaled(kt)
+    tr = _producer(v, "Transpose")
+    if tr is not None and _perm(tr) == [0, 2, 3, 1]:
+        # the same split as the others, with the transpose folded in: check it on a [0, 2, 1, 3] view
+        rs = _producer(tr.inputs[0], "Reshape")
+        if rs is None:
+            return f"key: expected Reshape to [batch, seq, heads, head_dim], got {_what(tr.inputs[0])}"
+        x, f2 = _scaled(rs.inputs[0])  # type: ignore[arg-type]
+        if not is_float(x) or x.shape is None or len(x.shape) != 3 or not isinstance(x.shape[2], int):
+            return f"key '{x.name}' is not a floating-point [batch, seq, hidden] with a static hidden size"
+        hd = _heads_and_dim(rs, x.shape[2])
+        if isinstance(hd, str):
+            return f"key: {hd}"
+        return Heads(x, hd[0], hd[1], f * f2)
+    if tr is not None and _perm(tr) == [0, 1, 3, 2]:
+        heads = _repeated(tr.inputs[0], "key")  # type: ignore[arg-type]
+    elif (outer := _producer(v, "Reshape")) is not None:
+        heads = _flat_transposed(outer)
+    else:
+        return f"key: expected K transposed (Transpose perm [0, 2, 3, 1] or [0, 1, 3, 2]), got {_what(v)}"
+    if isinstance(heads, Heads):
+        heads.factor *= f
+    return heads
+
+
+def _flat_transposed(outer: ir.Node) -> Heads | str:
+    """dynamo's sdpa: ``Reshape(Transpose(Reshape(K_h, [-1, T, D]), [0, 2, 1]), [B, N, D, T])``."""
+    tr = _producer(outer.inputs[0], "Transpose")
+    inner = _producer(tr.inputs[0], "Reshape") if tr is not None else None
+    if tr is None or inner is None or _perm(tr) != [0, 2, 1]:
+        return f"key: expected Transpose perm [0, 2, 1] of flattened key heads, got {_what(outer.inputs[0])}"
+    kh = inner.inputs[0]
+    a, b, c = kh.shape if kh is not None else None, inner.outputs[0].shape, outer.outputs[0].shape
+    ok = (a is not None and b is not None and c is not None and len(a) == 4 and len(b) == 3 and len(c) == 4
+          and same_dim(b[1], a[2]) and same_dim(b[2], a[3]) and same_dim(c[0], a[0]) and same_dim(c[1], a[1])
+          and same_dim(c[2], a[3]) and same_dim(c[3], a[2]))
+    if not ok:
+        return (f"key: cannot prove Reshape '{inner.name}' / Transpose / Reshape '{outer.name}' swap the last two dims "
+                "(shapes unknown: run infer-shapes first)")
+    return _repeated(kh, "key")  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,46 +429,34 @@ def _heads_and_dim(reshape: ir.Node, hidden: int) -> tuple[int, int] | str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _split(op: Any, x: Any, name: str, perm: list[int]) -> Any:
-    return op.Transpose(op.Reshape(x, Var(f"{name}_shape"), _outputs=[f"{name}_4d"]), perm=perm)
-
-
 class AttentionFusion(Rule):
     """The attention block of a transformer layer -> mograph.Attention(Q, K, V, bias)."""
 
     min_candidate_nodes = 5
+    remove_shape_readers = True
 
-    def pattern(self, op: Any, q: Any, k: Any, v: Any, out_shape: Any) -> Any:
-        qh = _split(op, q, "q", [0, 2, 1, 3])
-        kt = OrValue(
-            [_split(op, k, "k", [0, 2, 3, 1]),
-             op.Transpose(_split(op, k, "k", [0, 2, 1, 3]), perm=[0, 1, 3, 2])],
-        )
-        vh = _split(op, v, "v", [0, 2, 1, 3])
+    def pattern(self, op: Any, qh: Any, kt: Any, vh: Any, out_shape: Any) -> Any:
+        mm = op.MatMul(qh, kt)
         scores = OrValue(
-            [
-                op.Div(op.MatMul(qh, kt), Var("scale_div")),
-                op.Mul(op.MatMul(qh, kt), Var("scale_mul")),
-                op.MatMul(op.Mul(qh, Var("scale_q")), op.Mul(kt, Var("scale_k"))),
-                op.MatMul(qh, kt),
-            ],
+            [op.Div(mm, Var("scale_div")), op.Mul(mm, Var("scale_mul")), mm],
             tag_var="scale_form",
-            tag_values=["div", "mul", "mul-qk", "none"],
+            tag_values=["div", "mul", "none"],
         )
         masked = OrValue([op.Add(scores, Var("mask")), scores], tag_var="mask_form", tag_values=["bias", "none"])
         probs = op.Softmax(masked, _outputs=["probs"])
-        ctx = op.Transpose(op.MatMul(probs, vh), perm=[0, 2, 1, 3])
-        return op.Reshape(ctx, out_shape, _outputs=["y"])
+        guarded = OrValue([op.Where(op.IsNaN(probs), Var("nan_fill"), probs), probs],
+                          tag_var="nan_guard", tag_values=["guard", "none"])
+        ctx = op.MatMul(guarded, vh, _outputs=["ctx"])
+        merged = OrValue([op.Transpose(ctx, perm=[0, 2, 1, 3], _outputs=["merged_a"]),
+                          op.Transpose(op.Reshape(ctx, Var("noop_shape"), _outputs=["ctx_same"]), perm=[0, 2, 1, 3],
+                                       _outputs=["merged_b"])],
+                         tag_var="ctx_form", tag_values=["plain", "reshaped"])
+        return op.Reshape(merged, out_shape, _outputs=["y"])
 
     def _scale(self, kw: dict[str, Any]) -> float | str:
         form = kw["scale_form"]
         if form == "none":
             return 1.0
-        if form == "mul-qk":
-            a, b = scalar_value(kw.get("scale_q")), scalar_value(kw.get("scale_k"))
-            if a is None or b is None:
-                return "scale is not a constant (Q or K is multiplied by a non-constant)"
-            return a * b
         c = scalar_value(kw.get(f"scale_{form}"))
         if c is None:
             return "scale is not a constant"
@@ -199,79 +465,299 @@ class AttentionFusion(Rule):
         return c
 
     def check(self, context: Any,  # type: ignore[override]  # bindings come by keyword
-              q: ir.Value, k: ir.Value, v: ir.Value, y: ir.Value, probs: ir.Value, **kw: Any) -> MatchResult:
-        for name, t in (("query", q), ("key", k), ("value", v)):
-            if not is_float(t):
-                return self.fail(f"{name} '{t.name}' is not a floating-point tensor", t)
-            if t.shape is None or len(t.shape) != 3 or not isinstance(t.shape[2], int):
-                return self.fail(f"{name} '{t.name}' is not [batch, seq, hidden] with a static hidden size", t)
-        if not (q.dtype == k.dtype == v.dtype):
-            return self.fail("query, key and value have different dtypes", q)
+              qh: ir.Value, kt: ir.Value, vh: ir.Value, y: ir.Value, probs: ir.Value, **kw: Any) -> MatchResult:
         opset = getattr(self, "model_opset", 17)
         if opset < 13:
-            return self.fail(f"the function body of mograph.Attention needs opset >= 13 (model has {opset})", q)
-        if opset < 15 and q.dtype != ir.DataType.FLOAT:
-            return self.fail(f"a {q.dtype} attention needs opset >= 15 for its function body", q)
-        split = {}
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            reshape = kw[f"{name}_4d"].producer()
-            assert t.shape is not None
-            hd = _heads_and_dim(reshape, t.shape[2])  # type: ignore[arg-type]  # static: checked above
-            if isinstance(hd, str):
-                return self.fail(hd, reshape)
-            split[name] = hd
-        heads, head_dim = split["q"]
-        if split["k"] != split["q"]:
-            return self.fail(f"key is split as {split['k']}, query as {split['q']} (heads, head_dim)", k)
-        if split["v"][0] != heads:
-            return self.fail(f"value has {split['v'][0]} heads, query {heads}", v)
+            return self.fail(f"the function body of mograph.Attention needs opset >= 13 (model has {opset})", qh)
         softmax = probs.producer()
         assert softmax is not None
         axis = softmax.attributes.get("axis")
-        if axis is None and opset < 13:
-            return self.fail("Softmax uses the opset < 13 default axis", softmax)
         if axis is not None and int(axis.value) not in (-1, 3):
             return self.fail(f"Softmax is over axis {int(axis.value)}, not the key axis", softmax)
+        q = _split_heads(qh, "query")
+        if isinstance(q, str):
+            return self.fail(q, qh)
+        k = _keys_transposed(kt)
+        if isinstance(k, str):
+            return self.fail(k, kt)
+        v = _repeated(vh, "value")
+        if isinstance(v, str):
+            return self.fail(v, vh)
+        if not (q.x.dtype == k.x.dtype == v.x.dtype):
+            return self.fail("query, key and value have different dtypes", q.x)
+        if opset < 15 and q.x.dtype != ir.DataType.FLOAT:
+            return self.fail(f"a {q.x.dtype} attention needs opset >= 15 for its function body", q.x)
+        if k.dim != q.dim:
+            return self.fail(f"key head_dim {k.dim} differs from the query's {q.dim}", k.x)
+        if (k.cached is None) != (v.cached is None):
+            return self.fail("only one of key and value comes from a cache", k.x)
+        if k.heads != v.heads or k.repeat != v.repeat:
+            return self.fail(f"key has {k.heads} heads x{k.repeat}, value {v.heads} x{v.repeat}", v.x)
+        if k.heads * k.repeat != q.heads:
+            return self.fail(f"query has {q.heads} heads, key {k.heads} (repeated {k.repeat} times)", k.x)
+        if v.factor != 1.0:
+            return self.fail("value is scaled by a constant before the attention", v.x)
+        if v.rotary is not None:
+            return self.fail("value is rotated (a rotary embedding on V is not attention's math)", v.x)
+        if kw.get("ctx_form") == "reshaped":
+            same = kw["ctx_same"]
+            ctx = same.producer().inputs[0]
+            if ctx.shape is None or same.shape is None or list(same.shape) != list(ctx.shape):
+                entries = _entries(kw.get("noop_shape"))
+                if entries is None or len(entries) != 4 or entries[1] not in (-1, q.heads) or entries[0] not in (0, ("dim", 0)):
+                    return self.fail("the reshape of the attention output is not shown to keep its shape", same)
+        if kw.get("nan_guard") == "guard" and scalar_value(kw.get("nan_fill")) != 0.0:
+            return self.fail("NaN probabilities are replaced by something other than 0", softmax)
+        width = q.heads * v.dim
         out_reshape = y.producer()
         assert out_reshape is not None
         entries = _entries(out_reshape.inputs[1])
-        width = heads * split["v"][1]
-        last = entries[-1] if entries else None
-        if y.shape is not None and len(y.shape) == 3 and isinstance(y.shape[2], int):
-            last = y.shape[2] if last not in (-1, width) else last
-        if entries is not None and len(entries) != 3:
-            return self.fail("the output reshape is not to [batch, seq, hidden]", out_reshape)
-        if last not in (-1, width) or not _keeps_leading(out_reshape):
-            return self.fail("the output reshape is not to [batch, seq, heads * head_dim]", out_reshape)
+        flat = False
+        if entries is not None and len(entries) == 2 and entries[-1] in (width,) and entries[0] == -1:
+            flat = True  # [B * S, H * Dv] (dynamo's input to a Gemm)
+        else:
+            last = entries[-1] if entries else None
+            if y.shape is not None and len(y.shape) == 3 and isinstance(y.shape[2], int):
+                last = y.shape[2] if last not in (-1, width) else last
+            if entries is not None and len(entries) != 3:
+                return self.fail("the output reshape is not to [batch, seq, hidden] or [batch * seq, hidden]", out_reshape)
+            if last not in (-1, width) or not _keeps_leading(out_reshape):
+                return self.fail("the output reshape is not to [batch, seq, heads * head_dim]", out_reshape)
         scale = self._scale(kw)
         if isinstance(scale, str):
             return self.fail(scale, softmax)
         mask = kw.get("mask")
         if mask is not None:
-            if mask.dtype != q.dtype:
-                return self.fail(f"attention bias '{mask.name}' has dtype {mask.dtype}, the scores {q.dtype}", mask)
+            arr = constant_array(mask)
+            if arr is not None and arr.dtype.kind == "f" and not np.any(arr):
+                mask = None  # a constant zero bias (an all-ones mask folded) is no mask
+        if mask is not None:
+            if mask.dtype != q.x.dtype:
+                return self.fail(f"attention bias '{mask.name}' has dtype {mask.dtype}, the scores {q.x.dtype}", mask)
             if mask.shape is None or len(mask.shape) > 4:
                 return self.fail(f"attention bias '{mask.name}' is not of rank <= 4 (shape {mask.shape})", mask)
             dim1 = mask.shape[1] if len(mask.shape) == 4 else 1
-            if isinstance(dim1, int) and dim1 not in (1, heads):
-                return self.fail(f"attention bias '{mask.name}' has {dim1} heads, the attention {heads}", mask)
-        self._found = {"num_heads": heads, "scale": float(scale), "head_dim": head_dim}
+            if isinstance(dim1, int) and dim1 not in (1, q.heads):
+                return self.fail(f"attention bias '{mask.name}' has {dim1} heads, the attention {q.heads}", mask)
+        layouts: dict[int, str] = {id(kw[n]): "BSHV" for n in ("merged_a", "merged_b") if kw.get(n) is not None}
+        layouts.update({id(kw[n]): "BHSV" for n in ("ctx", "ctx_same") if kw.get(n) is not None})
+        cur = kw["ctx"].producer().inputs[0]
+        for _ in range(6):  # guarded probabilities, probabilities, masked and scaled scores: [B, H, S, T]
+            layouts[id(cur)] = "BHST"
+            node = cur.producer()
+            if node is None or node.op_type == "MatMul":
+                break
+            if node.op_type == "Where":
+                layouts[id(node.inputs[0])] = "BHST"
+                cur = node.inputs[2]
+            elif node.op_type == "Add":
+                cur = node.inputs[1] if node.inputs[0] is kw.get("mask") else node.inputs[0]
+            else:
+                cur = node.inputs[0]
+        self._found: dict[str, Any] = {"q": q, "k": k, "v": v, "scale": float(scale) * q.factor * k.factor, "mask": mask,
+                       "flat": flat, "width": width, "nan": int(kw.get("nan_guard") == "guard"), "layouts": layouts}
         return self.ok()
 
-    def rewrite(self, op: Any, q: ir.Value, k: ir.Value, v: ir.Value, mask: ir.Value | None = None,
-                **_: Any) -> Any:
+    def shape_of(self, value: ir.Value) -> tuple[list[ir.Node], ir.Value] | None:
+        """The shape of a value inside the matched attention, computed from Q and K (for Shape readers)."""
+        f = self._found
+        layout = f["layouts"].get(id(value))
+        if layout is None:
+            return None
+        nodes: list[ir.Node] = []
+        opset = getattr(self, "model_opset", 17)
+
+        def add(op_type: str, inputs: list[ir.Value], **attrs: Any) -> ir.Value:
+            nodes.append(ir.node(op_type, inputs, attributes=attrs))
+            return nodes[-1].outputs[0]
+
+        def const(vals: list[int]) -> ir.Value:
+            return add("Constant", [], value=ir.tensor(np.array(vals, dtype=np.int64)))
+
+        def dim(x: ir.Value, i: int) -> ir.Value:
+            if opset >= 15:
+                return add("Shape", [x], start=i, end=i + 1)
+            return add("Slice", [add("Shape", [x]), const([i]), const([i + 1])])
+
+        q, k, v = f["q"].x, f["k"].x, f["v"]
+        cached = f["k"].cached
+
+        def keys() -> ir.Value:
+            return dim(k, 1) if cached is None else dim(cached, 2)
+
+        parts = {"B": lambda: dim(q, 0), "S": lambda: dim(q, 1), "T": keys,
+                 "H": lambda: const([f["q"].heads]), "V": lambda: const([v.dim])}
+        return nodes, add("Concat", [parts[c]() for c in layout], axis=0)
+
+    def rewrite(self, op: Any, **_: Any) -> Any:
+        f = self._found
+        q, k, v, mask = f["q"], f["k"], f["v"], f["mask"]
         if mask is None:
-            dtype = q.dtype.numpy() if q.dtype is not None else np.float32
+            dtype = q.x.dtype.numpy() if q.x.dtype is not None else np.float32
             mask = op.initializer(ir.tensor(np.zeros((), dtype=dtype)), name="mograph_zero_bias")
-        return mograph_op(op, ATTENTION_OP, q, k, v, mask, num_heads=self._found["num_heads"],
-                          scale=self._found["scale"])
+        attrs: dict[str, Any] = {"num_heads": q.heads, "scale": f["scale"]}
+        if k.heads != q.heads:
+            attrs["kv_num_heads"] = k.heads
+        if f["nan"] and not _finite_bias(mask):
+            attrs["nan_to_zero"] = 1
+        qx = q.x if q.rotary is None else mograph_op(op, ROTARY_OP, q.x, *q.rotary, num_heads=q.heads)
+        kx = k.x if k.rotary is None else mograph_op(op, ROTARY_OP, k.x, *k.rotary, num_heads=k.heads)
+        flat = None
+        for heads in (k, v):
+            if heads.cached is not None:  # the cache's [B, N, P+T, D] present as [B, P+T, N*D]
+                if flat is None:
+                    flat = op.initializer(ir.tensor(np.array([0, 0, -1], dtype=np.int64)), name="mograph_merge_heads")
+                merged = op.Reshape(op.Transpose(heads.cached, perm=[0, 2, 1, 3]), flat)
+                kx, vx = (merged, None) if heads is k else (kx, merged)
+        vx = v.x if v.cached is None else vx  # type: ignore[possibly-undefined]
+        y = mograph_op(op, ATTENTION_OP, qx, kx, vx, mask, **attrs)
+        fmt = getattr(self, "mask_format", None)
+        if fmt and fmt != "bias" and f["mask"] is not None:
+            y.producer().metadata_props[MASK_FORMAT_KEY] = fmt
+        if f["flat"]:
+            y = op.Reshape(y, op.initializer(ir.tensor(np.array([-1, f["width"]], dtype=np.int64)),
+                                             name="mograph_flat_shape"))
+        return y
 
     def variant(self, bindings: dict[str, Any]) -> str | None:
-        return f"{bindings.get('scale_form')}.{'mask' if bindings.get('mask') is not None else 'nomask'}"
+        f = self._found
+        form = bindings.get("scale_form")
+        if form == "none" and (f["q"].factor != 1.0 or f["k"].factor != 1.0):
+            form = "mul-qk"
+        parts = [str(form), "mask" if f["mask"] is not None else "nomask"]
+        if f["k"].heads != f["q"].heads:
+            parts.append("gqa")
+        if f["q"].rotary is not None or f["k"].rotary is not None:
+            parts.append("rotary")
+        if f["k"].cached is not None:
+            parts.append("cache")
+        return ".".join(parts)
+
+
+def _finite_bias(mask: ir.Value) -> bool:
+    """Whether the bias provably holds no -inf: a constant, or ``Where(c, a, b)`` of finite constants."""
+    arr = constant_array(mask)
+    if arr is not None:
+        return bool(np.all(np.isfinite(arr)))
+    node = _producer(mask, "Where")
+    if node is not None:
+        vals = [scalar_value(node.inputs[i]) for i in (1, 2)]
+        return all(x is not None and math.isfinite(x) for x in vals)
+    return False
+
+
+def _mask_format(raw: object) -> str:
+    text = str(raw).strip().lower()
+    if text not in MASK_FORMATS:
+        raise ValueError(f"expected one of {', '.join(MASK_FORMATS)}")
+    return text
+
+
+MASK_FORMAT_OPTION = Option(
+    "mask-format", _mask_format, "bias",
+    "how --target ort passes a key-padding mask to attention: bias (default: MultiHeadAttention's additive "
+    "attention_bias, built once and shared by the layers; exact for any mask, left or right padding; on the "
+    "H200 an additive (1,1,S,S) bias ran cuDNN flash attention, (B,1,S,S) is not yet measured), lengths (1-D "
+    "key lengths, ReduceSum of the 0/1 attention_mask: measured fastest, but exact only for RIGHT-padded "
+    "masks: a left-padded row attends to its first keys instead; masks not traced to an attention_mask input "
+    "stay bias), raw (the 2-D mask as mask_index: exact, but ONNX Runtime CUDA's slow unfused kernel)",
+    metavar="bias|lengths|raw",
+)
 
 
 class FuseAttentionPass(FusionPass):
-    """Fuse multi-head self-attention (Q/K/V split, scaled scores, mask bias, softmax, merge) into one op."""
+    """Fuse multi-head self-/cross-attention (Q/K/V split, scaled scores, mask bias, softmax, merge) into one op."""
 
     name = "fuse-attention"
+    options: ClassVar[tuple[Option, ...]] = (EXPLAIN_OPTION, MASK_FORMAT_OPTION)
     rules: ClassVar[tuple[type[Rule], ...]] = (AttentionFusion,)
+
+    def make_rules(self) -> list[Rule]:
+        rules = super().make_rules()
+        fmt = self.config.get("mask_format")
+        for rule in rules:
+            rule.mask_format = fmt  # type: ignore[attr-defined]
+        return rules
+
+    def call(self, model: ir.Model) -> PassResult:
+        result = super().call(model)
+        if self.config.get("explain"):  # every softmax that looks like attention and did not fuse, and why
+            result.details["unfused_softmax"] = explain_unfused(model, result.details)
+        return result
+
+
+# ---------------------------------------------------------------------------------------------
+# --explain: every softmax that looks like attention and stayed
+# ---------------------------------------------------------------------------------------------
+
+
+def _looks_like_attention(softmax: ir.Node) -> bool:
+    """A Softmax whose input comes (through Add/Div/Mul/Where) from a MatMul and whose output feeds a MatMul."""
+    value = softmax.inputs[0]
+    for _ in range(4):
+        node = value.producer() if value is not None else None
+        if node is None:
+            return False
+        if node.op_type == "MatMul":
+            break
+        if node.op_type not in ("Add", "Div", "Mul", "Where", "Cast", "Identity"):
+            return False
+        value = node.inputs[0] if node.op_type != "Where" else node.inputs[2]
+        if node.op_type == "Add" and value is not None and value.producer() is None:
+            value = node.inputs[1]
+    else:
+        return False
+    return _feeds_matmul(softmax.outputs[0], 3)
+
+
+def _feeds_matmul(value: ir.Value, depth: int) -> bool:
+    for c, _ in value.uses():
+        if c.op_type == "MatMul":
+            return True
+        if depth > 0 and c.op_type in ("Where", "IsNaN", "Cast", "Add", "Mul", "Div") and any(_feeds_matmul(o, depth - 1) for o in c.outputs):
+            return True
+    return False
+
+
+def _first_mismatch_below(softmax: ir.Node) -> str:
+    """Walk the attention output from the softmax; name the first node that is not what the rule expects."""
+    value = softmax.outputs[0]
+    uses = [c for c, _ in value.uses()]
+    where = next((c for c in uses if c.op_type == "Where"), None)
+    if where is not None and len(uses) <= 2:
+        value = where.outputs[0]
+        uses = [c for c, _ in value.uses()]
+    mm = next((c for c in uses if c.op_type == "MatMul" and c.inputs[0] is value), None)
+    if mm is None:
+        got = ", ".join(f"{c.op_type} '{c.name}'" for c in uses) or "nothing"
+        return f"expected MatMul(probabilities, V) after Softmax '{softmax.name}', got {got}"
+    value = mm.outputs[0]
+    for step, (op_type, what) in enumerate((("Transpose", "perm [0, 2, 1, 3] merging the heads"),
+                                             ("Reshape", "to [batch, seq, heads * head_dim]"))):
+        users = [c for c, _ in value.uses()]
+        if len(users) != 1:
+            got = ", ".join(f"{c.op_type} '{c.name}'" for c in users) or "nothing (a graph output)"
+            return f"expected one {op_type} {what} after '{value.name}', got {got}"
+        nxt = users[0]
+        if step == 0 and nxt.op_type == "Reshape":  # sdpa's no-op reshape before the merge
+            value = nxt.outputs[0]
+            users = [c for c, _ in value.uses()]
+            nxt = users[0] if len(users) == 1 else nxt
+        if nxt.op_type != op_type or (op_type == "Transpose" and _perm(nxt) != [0, 2, 1, 3]):
+            return f"expected {op_type} {what} after '{value.name}', got {nxt.op_type} '{nxt.name}'"
+        value = nxt.outputs[0]
+    return "the attention output matched; the scores, mask or Q/K/V side did not (see near_miss_list)"
+
+
+def explain_unfused(model: ir.Model, details: dict[str, Any]) -> list[dict[str, str]]:
+    """For every Softmax left that looks like attention: the near miss that reached it, or the first mismatch."""
+    misses = details.get("rules", {}).get("AttentionFusion", {}).get("near_miss_list", [])
+    out = []
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.op_type != "Softmax" or node.domain not in ("", "ai.onnx") or not _looks_like_attention(node):
+            continue
+        key = node.name or node.op_type  # near misses list unnamed nodes by op type
+        hit = next((m for m in misses if key in m["nodes"]), None)
+        reason = hit["reason"] if hit is not None else _first_mismatch_below(node)
+        out.append({"softmax": node.name or "", "reason": reason})
+    return out

@@ -8,6 +8,12 @@ The math matched::
     y = LayerNorm(s)            a ``mograph.LayerNorm`` (from ``fuse-layernorm``) or the standard
                                 ``LayerNormalization`` over the last axis that exporters write at opset >= 17
 
+A dense layer written as ``Gemm`` with its bias in ``C`` (GPT-2's ``Conv1D``, exported by TorchScript as
+``Reshape(Gemm(Reshape(x, [-1, K]), W, bias), [batch, seq, N])``) gives its bias to the fused op the same
+way: the ``Gemm`` loses ``C`` and the bias becomes the Skip op's ``Bias`` input
+(:class:`SkipLayerNormGemmBiasFusion`), so ONNX Runtime's CUDA ``Gemm`` does not first broadcast the bias
+into its output with a kernel of its own; the Skip kernel adds it on the way.
+
 When something else reads ``s`` (pre-LN transformers: the residual stream goes on to the next
 block), the fused op returns it as a second output, so nothing outside the pattern loses a value.
 
@@ -33,7 +39,8 @@ from mograph.passes.fusion.ops import body_supports
 from mograph.custom_ops import DOMAIN
 from mograph.patterns import MatchResult, OrValue, Rule, Var, constant_array
 
-__all__ = ["SkipLayerNormFusion", "SkipRMSNormFusion", "FuseSkipLayerNormPass"]
+__all__ = ["SkipLayerNormFusion", "SkipLayerNormGemmBiasFusion", "SkipRMSNormFusion", "FuseSkipLayerNormPass",
+           "gemm_bias_pattern", "check_gemm_bias", "gemm_without_bias"]
 
 
 def _is_bias(context: Any, value: ir.Value) -> MatchResult:
@@ -44,6 +51,52 @@ def _is_bias(context: Any, value: ir.Value) -> MatchResult:
     if arr.ndim > 1 and any(d != 1 for d in arr.shape[:-1]):
         return result.fail("bias does not broadcast over the last axis only")
     return result
+
+
+def gemm_bias_pattern(op: Any, ga: Any, gw: Any, gshape: Any) -> Any:
+    """``Reshape(Gemm(ga, gw, gemm_bias), gshape)``: a dense layer with its bias in ``C`` (binds ``gemm_out``,
+    ``proj`` and ``gemm_bias``)."""
+    gemm = op.Gemm(ga, gw, Var("gemm_bias"), _outputs=["gemm_out"])
+    return op.Reshape(gemm, gshape, _allow_other_inputs=True, _outputs=["proj"])
+
+
+def check_gemm_bias(rule: Rule, gemm_out: ir.Value, proj: ir.Value, gemm_bias: ir.Value) -> MatchResult:
+    """The Gemm's ``C`` is a constant ``[N]`` (or ``[1, N]``) bias that the Reshape keeps on the last axis."""
+    gemm = gemm_out.producer()
+    assert gemm is not None
+    if any(int(gemm.attributes[k].value) for k in ("transA",) if k in gemm.attributes):
+        return rule.fail(f"Gemm '{gemm.name}' transposes A", gemm)
+    arr = constant_array(gemm_bias)
+    if arr is None:
+        return rule.fail(f"the bias of Gemm '{gemm.name}' is not a constant", gemm)
+    if arr.ndim == 0 or arr.ndim > 2 or (arr.ndim == 2 and arr.shape[0] != 1):
+        return rule.fail(f"the bias of Gemm '{gemm.name}' is not a vector over the output columns", gemm)
+    n = gemm_out.shape[-1] if gemm_out.shape is not None and len(gemm_out.shape) == 2 else None
+    last = proj.shape[-1] if proj.shape is not None and len(proj.shape) else None
+    if not isinstance(n, int) or n != last or arr.size != n:
+        return rule.fail(f"cannot prove the Reshape after Gemm '{gemm.name}' keeps its {n} columns last", proj)
+    if gemm_bias.dtype != gemm_out.dtype:
+        return rule.fail(f"the bias of Gemm '{gemm.name}' has another dtype", gemm)
+    return rule.ok()
+
+
+def gemm_without_bias(op: Any, gemm_out: ir.Value, proj: ir.Value, gemm_bias: ir.Value) -> tuple[Any, Any]:
+    """The dense layer again without ``C``, and its bias as a 1-D initializer (scaled by ``beta``)."""
+    gemm = gemm_out.producer()
+    reshape = proj.producer()
+    assert gemm is not None and reshape is not None
+    attrs = {k: v.value for k, v in gemm.attributes.items() if k in ("alpha", "transA", "transB")}
+    beta = float(gemm.attributes["beta"].value) if "beta" in gemm.attributes else 1.0
+    arr = constant_array(gemm_bias)
+    assert arr is not None  # checked by check_gemm_bias
+    arr = arr.reshape(-1)
+    if beta != 1.0:
+        arr = (arr * beta).astype(arr.dtype)
+    bias = gemm_bias if beta == 1.0 and gemm_bias.const_value is not None and len(gemm_bias.shape or ()) == 1 \
+        else op.initializer(ir.tensor(arr), name="mograph_gemm_bias")
+    y = op.Gemm(gemm.inputs[0], gemm.inputs[1], **attrs)
+    rattrs = {k: v.value for k, v in reshape.attributes.items()}
+    return op.Reshape(y, *reshape.inputs[1:], **rattrs), bias
 
 
 def _check_standard_norm(rule: Rule, node: ir.Node, std_op: str, extras: str, sum: ir.Value) -> MatchResult | None:
@@ -141,6 +194,49 @@ class SkipLayerNormFusion(Rule):
         return f"{bindings.get('form')}{'.sum-output' if keep else ''}"
 
 
+class SkipLayerNormGemmBiasFusion(Rule):
+    """LayerNorm(Reshape(Gemm(x, W, bias)) + skip) -> SkipLayerNorm(Reshape(Gemm(x, W)), skip, ..., bias)."""
+
+    min_candidate_nodes = 10**6  # a near miss here is reported by SkipLayerNormFusion on the same nodes
+
+    def pattern(self, op: Any, ga: Any, gw: Any, gshape: Any, skip: Any, scale: Any, beta: Any) -> Any:
+        s = op.Add(gemm_bias_pattern(op, ga, gw, gshape), skip, _outputs=["sum"])
+        ln = OrValue(
+            [
+                op.LayerNorm(s, scale, beta, _domain=DOMAIN, _outputs=["ln_out"]),
+                op.LayerNormalization(s, scale, _allow_other_inputs=True, _outputs=["ln_out"]),
+            ],
+        )
+        return ln, s
+
+    def check(self, context: Any,  # type: ignore[override]  # bindings come by keyword
+              skip: ir.Value, scale: ir.Value, ln_out: ir.Value, sum: ir.Value, gemm_out: ir.Value,
+              proj: ir.Value, gemm_bias: ir.Value, **kw: Any) -> MatchResult:
+        node = ln_out.producer()
+        assert node is not None
+        failed = _check_standard_norm(self, node, "LayerNormalization", "mean or inverse std", sum)
+        if failed is not None:
+            return failed
+        result = _check_residual(self, proj, skip, sum, "LayerNorm")
+        return result if not result else check_gemm_bias(self, gemm_out, proj, gemm_bias)
+
+    def rewrite(self, op: Any, skip: ir.Value, scale: ir.Value, ln_out: ir.Value, sum: ir.Value,
+                gemm_out: ir.Value, proj: ir.Value, gemm_bias: ir.Value, **_: Any) -> Any:
+        node = ln_out.producer()
+        assert node is not None
+        attrs = {k: v.value for k, v in node.attributes.items() if k in ("epsilon", "stash_type")}
+        attrs.setdefault("epsilon", 1e-5)
+        beta = node.inputs[2] if len(node.inputs) > 2 else None
+        if beta is None:
+            beta = _zero(op, sum)
+        a, bias = gemm_without_bias(op, gemm_out, proj, gemm_bias)
+        y, total = mograph_op(op, "SkipLayerNorm", a, skip, scale, beta, bias, _outputs=2, **attrs)
+        return y, _sum_if_read(sum, node, total)
+
+    def variant(self, bindings: dict[str, Any]) -> str | None:
+        return "sum-output" if _keeps_sum(bindings.get("sum"), ("LayerNorm", "LayerNormalization")) else None
+
+
 class SkipRMSNormFusion(Rule):
     """RMSNorm((a + bias) + skip) -> mograph.SkipRMSNorm(a, skip, scale, bias) [+ sum]."""
 
@@ -197,4 +293,4 @@ class FuseSkipLayerNormPass(FusionPass):
     name = "fuse-skip-layernorm"
 
     def make_rules(self) -> list[Rule]:
-        return [SkipLayerNormFusion(), SkipRMSNormFusion()]
+        return [SkipLayerNormGemmBiasFusion(), SkipLayerNormFusion(), SkipRMSNormFusion()]

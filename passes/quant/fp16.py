@@ -1,38 +1,49 @@
-"""``fp16``: convert a float32 model to float16, keeping float32 where calibration shows it is needed.
+"""``fp16``: convert a float32 model to float16, keeping float32 only where calibration measures it is needed.
 
 Half precision halves memory traffic and runs on tensor cores, but it has two failure modes: values above
-65504 overflow to infinity, and long reductions (sums and means over thousands of elements, normalization
-statistics) lose the small addends.  Both are measured rather than guessed: every float tensor is observed
-on the calibration data (largest magnitude, largest reduced extent), and a node stays in float32 when
+65504 overflow to infinity, and some computations lose too much when their inputs are rounded to 11
+significant bits (cancellation, long reductions).  Neither is guessed from op types; both are measured on
+the calibration data (:mod:`mograph.passes.quant._fp16_measure`):
 
-- any of its float inputs or outputs reached ``--fp16-max`` (default 65504) in magnitude — **overflow**;
-- it reduces (``Reduce*``, ``*Normalization``, ``GlobalAveragePool``, ``Softmax``, ``CumSum``) over at least
-  ``--fp16-reduction-limit`` elements (default 4096) — **deep reduction**;
-- it is in a custom domain, or the user said so (``--keep-fp32``, an edited ``--precision-plan``);
-- its operator has no float16 form at the model's opset (``DynamicQuantizeLinear``, ``DequantizeLinear``
-  before opset 19: the ONNX schema's type constraints say so) — **no float16 form**;
-- it is control flow (``If``, ``Loop``, ``Scan``): its subgraphs are not converted, so its outputs keep the
-  types its branches produce — **control flow**.
+1. **which nodes can compute in float16** is read from the op's schema at the model's opsets: ``onnx.defs``
+   for the default domain, ONNX Runtime's registry for contrib ops (``com.microsoft`` ``Attention``,
+   ``SkipLayerNormalization``, ``BiasGelu``, ``FastGelu``, ``MultiHeadAttention``, ``GroupQueryAttention``,
+   ``RotaryEmbedding`` ...), and every ``mograph.*`` op is float-generic (its body computes in
+   ``stash_type``).  Inputs the schema allows only in another type keep it (``mask_index`` int32,
+   ``Resize`` scales float32: the constant or a ``Cast`` feeds them); outputs it allows only float32 stay
+   float32 (``mean``/``inv_std_var`` of the norms).  A node whose op has no float16 form at its opset, an
+   op of an unknown custom domain, and control flow (``If``/``Loop``/``Scan``: its subgraphs are not
+   converted) stay float32 — **no float16 form** / **control flow**;
+2. **each node's own float16 error**: every other node gets a float16 twin fed with the float32 model's
+   inputs rounded to float16, all run in one pass over the calibration data.  A twin that gives a
+   non-finite value where float32 is finite keeps the node float32 — **overflow**; a reduction over at
+   least ``--fp16-reduction-limit`` elements (default 4096) also stays — **deep reduction**;
+3. **the end-to-end check**: the model converted with everything else in float16 runs on the first
+   ``--fp16-samples`` calibration samples; if its outputs miss ``--fp16-budget`` (default
+   ``cosine>=0.9999``, the smallest per-sample cosine against float32), the nodes with the largest
+   local error are kept float32, the fewest that meet the budget (a binary search) — **measured
+   sensitivity**.  ``--fp16-budget none`` skips this step.
+
+The user decides over all of it with ``--keep-fp32`` and an edited ``--precision-plan``.
 
 When an op has a float16 form only at a newer opset (``CumSum`` 14, ``DequantizeLinear`` 19), the model's
 opset is raised to the smallest one that gives every such node its form, at most ``FP16_UPGRADE_LIMIT``
 (``onnx.version_converter`` node by node, :func:`mograph.opset.upgrade_opset`; reported in
 the stats and ``details["opset_upgrade"]``).  When the converter cannot convert the model, the opset is
-left as it is, those nodes stay float32 and ``details["opset_upgrade"]`` says why: a valid model with a
-few more float32 nodes beats refusing the conversion.
+left as it is, those nodes stay float32 and ``details["opset_upgrade"]`` says why.
 
-An input the schema allows only as float32 (``Resize`` scales, for example) stays float32 on a float16
-node: the initializer or ``Constant`` feeding it is left in float32 (or a ``Cast`` to float32 feeds it).
-
-Every other node computes in float16: its float initializers are stored in float16, ``Cast``s to float and
-float ``Constant``/``ConstantOfShape`` values follow, and one ``Cast`` is inserted on each edge that crosses
-between the two precisions (shared per tensor).  Graph inputs and outputs stay float32 (a ``Cast`` at each)
-unless ``--fp16-io yes``.  Every node that computes in float is listed in the precision plan with its
-reason.
+Conversion: float initializers are stored in float16 (saturated to +-65504: an attention mask's float32
+minimum becomes -65504, never -inf), or as a float16 copy beside the float32 one when both precisions read
+them (no ``Cast`` at run time); ``Cast``s to float and float ``Constant``/``ConstantOfShape`` values follow.
+One ``Cast`` is inserted per value and direction on each edge that crosses precisions — with everything
+in float16 that is only the graph boundary: graph inputs and outputs stay float32 unless ``--fp16-io yes``.
+A float32 value measured beyond +-65504 is clipped before its ``Cast`` to float16.  Every node is listed in
+the precision plan with its reason and measured error; ``details["kept_fp32"]`` lists the float32 ones.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any
 
@@ -40,9 +51,21 @@ import numpy as np
 import onnx_ir as ir
 from mograph.passes.quant import calibration as cal
 from mograph.passes.quant._base import CALIBRATION_OPTIONS, PLAN_OPTIONS, calibration_meta, open_calibration
-from mograph.passes.quant.plan import PrecisionPlan, load_plan, node_key
+from mograph.passes.quant._fp16_measure import (
+    FP16_LIMIT,
+    LocalMeasure,
+    Search,
+    fewest_fp32,
+    keep_fp16_rounding,
+    measure_local,
+    output_metric,
+    to_half,
+)
+from mograph.passes.quant.plan import Budget, PrecisionPlan, load_plan, node_key, parse_budget
 
+from mograph.custom_ops import DOMAIN as CUSTOM_DOMAIN
 from mograph.errors import OptionError
+from mograph.irutil import fresh_name
 from mograph.pass_infra import Option, Pass, PassResult
 from mograph.specs import parse_bool
 
@@ -57,6 +80,7 @@ _REDUCTIONS_BY_SIZE = {"ReduceSum", "ReduceMean", "ReduceSumSquare", "ReduceL1",
 _REDUCTIONS_LAST_AXIS = {"LayerNormalization", "SimplifiedLayerNormalization", "GroupNormalization",
                          "InstanceNormalization", "RMSNormalization", "Softmax", "LogSoftmax"}
 _FP16_MARK = "mograph.fp16"
+_CAST_MARK = "mograph.fp16.cast"
 
 
 _HALF = "tensor(float16)"
@@ -69,7 +93,7 @@ def _formal(formals: list[Any], i: int) -> Any | None:
     """The schema's formal parameter for input or output ``i`` (the last one repeats when variadic)."""
     if i < len(formals):
         return formals[i]
-    if formals and formals[-1].option == formals[-1].option.Variadic:
+    if formals and getattr(formals[-1].option, "name", str(formals[-1].option)).endswith("Variadic"):
         return formals[-1]
     return None
 
@@ -77,27 +101,74 @@ def _formal(formals: list[Any], i: int) -> Any | None:
 def _allows_half(schema: Any, formal: Any | None) -> bool:
     if formal is None:
         return True
+    type_str = getattr(formal, "type_str", None) or getattr(formal, "typeStr", "")
     constraints = {c.type_param_str: c.allowed_type_strs for c in schema.type_constraints}
-    allowed = constraints.get(formal.type_str, [formal.type_str])
+    allowed = constraints.get(type_str, [type_str])
     return any(_HALF in t for t in allowed)
 
 
-def _half_support(node: ir.Node, opset: int, floats: set[str]) -> tuple[bool, frozenset[int]]:
-    """Whether ``node`` can compute in float16, and which of its float inputs must stay float32.
+_ORT_SCHEMAS: dict[tuple[str, str], list[Any]] | None = None
 
-    Read from the operator's ONNX schema at ``opset`` (a node without a schema is not constrained here).
+
+def _ort_schema(domain: str, op_type: str, version: int) -> Any | None:
+    """ONNX Runtime's schema of a contrib op (``com.microsoft`` ...), newest at or below ``version``.
+
+    Read from the installed ``onnxruntime`` (its operator registry); ``None`` without it or for an unknown op.
+    """
+    global _ORT_SCHEMAS
+    if _ORT_SCHEMAS is None:
+        _ORT_SCHEMAS = {}
+        try:
+            from onnxruntime.capi import onnxruntime_pybind11_state as ort_c
+
+            for s in ort_c.get_all_operator_schema():
+                _ORT_SCHEMAS.setdefault((s.domain, s.name), []).append(s)
+        except (ImportError, AttributeError) as exc:  # pragma: no cover - onnxruntime is needed to calibrate
+            logger.debug("onnxruntime operator schemas unavailable: %s", exc)
+    found = [s for s in _ORT_SCHEMAS.get((domain, op_type), []) if s.since_version <= version]
+    return max(found, key=lambda s: s.since_version) if found else None
+
+
+def _schema(node: ir.Node, opset: int, opsets: dict[str, int]) -> tuple[Any | None, bool]:
+    """The node's schema at the model's opsets, and whether the node's op is known at all.
+
+    Default-domain ops read ``onnx.defs``; contrib ops (``com.microsoft``) ONNX Runtime's registry; ops of
+    the ``mograph`` domain are declared float-generic (their bodies compute in ``stash_type``), so they are
+    known without a schema.
     """
     import onnx
 
-    try:
-        schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
-    except onnx.defs.SchemaError:
-        return True, frozenset()
-    outs_ok = all(_allows_half(schema, _formal(list(schema.outputs), i))
-                  for i, v in enumerate(node.outputs) if v.name in floats)
+    if node.domain in ("", "ai.onnx"):
+        try:
+            return onnx.defs.get_schema(node.op_type, opset, node.domain), True
+        except onnx.defs.SchemaError:
+            return None, True
+    if node.domain == CUSTOM_DOMAIN:
+        return None, True
+    schema = _ort_schema(node.domain, node.op_type, int(opsets.get(node.domain, 1)))
+    return schema, schema is not None
+
+
+def _half_support(node: ir.Node, opset: int, floats: set[str],
+                  opsets: dict[str, int] | None = None) -> tuple[bool, frozenset[int], frozenset[int]]:
+    """Whether ``node`` can compute in float16, and which of its float inputs and outputs must stay float32.
+
+    Read from the operator's schema at ``opset`` (:func:`_schema`): a node whose op has no known schema
+    cannot (it stays float32); one that has a float output only float32 is allowed for (``Mean`` of
+    ``LayerNormalization``, ``mean``/``inv_std_var`` of ``SkipLayerNormalization``) computes in float16 with
+    that output left float32; one whose every float output is float32-only has no float16 form.
+    """
+    schema, known = _schema(node, opset, opsets or {})
+    if not known:
+        return False, frozenset(), frozenset()
+    if schema is None:
+        return True, frozenset(), frozenset()
+    float_outs = [i for i, v in enumerate(node.outputs) if v.name in floats]
+    pinned_out = frozenset(i for i in float_outs if not _allows_half(schema, _formal(list(schema.outputs), i)))
+    ok = not float_outs or len(pinned_out) < len(float_outs)
     pinned = frozenset(i for i, v in enumerate(node.inputs) if v is not None and v.name in floats
                        and not _allows_half(schema, _formal(list(schema.inputs), i)))
-    return outs_ok, pinned
+    return ok, pinned, pinned_out
 
 
 def _opset_with_half(node: ir.Node, opset: int, floats: set[str]) -> int | None:
@@ -111,7 +182,7 @@ def _opset_with_half(node: ir.Node, opset: int, floats: set[str]) -> int | None:
 
 
 class Fp16Pass(Pass):
-    """Convert to FP16, keeping FP32 where calibration measures overflow or reductions are deep."""
+    """Convert to FP16, keeping FP32 only where measured on calibration data (overflow, error budget)."""
 
     name = "fp16"
     family = "quant"
@@ -119,9 +190,14 @@ class Fp16Pass(Pass):
         *CALIBRATION_OPTIONS,
         *PLAN_OPTIONS,
         Option("fp16-io", parse_bool, False, "make graph inputs and outputs float16 too (yes/no)", metavar="yes|no"),
-        Option("fp16-max", float, 65504.0, "magnitude at which a tensor counts as overflowing float16", metavar="X"),
+        Option("fp16-max", float, 65504.0, "below 65504: also keep float32 where values reach this magnitude "
+               "(overflow itself is measured)", metavar="X"),
         Option("fp16-reduction-limit", int, 4096, "reductions over this many elements or more stay float32",
                metavar="N"),
+        Option("fp16-budget", str, "cosine>=0.9999",
+               "accuracy the float16 model must keep on the calibration samples (none: skip the check)",
+               metavar="cosine>=X|max-abs<=X|none"),
+        Option("fp16-samples", int, 16, "calibration samples the end-to-end accuracy check runs", metavar="N"),
     )
     progress = None
 
@@ -131,6 +207,11 @@ class Fp16Pass(Pass):
             v.dtype == ir.DataType.FLOAT16 for v in graph.inputs
         ):
             return PassResult(False, {"converted": 0, "skipped_already_fp16": 1})
+        budget_text = str(self.config.get("fp16_budget") or "none").strip()
+        try:
+            budget = None if budget_text.lower() in ("none", "off", "") else parse_budget(budget_text)
+        except OptionError:
+            raise OptionError(f"--fp16-budget {budget_text!r}: expected cosine>=X, max-abs<=X or none") from None
         dtypes = cal.infer_dtypes(model)
         floats = {name for name, t in dtypes.items() if t == _F32}
         compute = [n for n in graph if any(v is not None and v.name in floats for v in (*n.inputs, *n.outputs))]
@@ -144,9 +225,38 @@ class Fp16Pass(Pass):
             dtypes = cal.infer_dtypes(model)
             floats = {name for name, t in dtypes.items() if t == _F32}
             compute = [n for n in graph if any(v is not None and v.name in floats for v in (*n.inputs, *n.outputs))]
-        observed = [v.name for n in compute for v in n.outputs if v.name in floats]
-        observed += [v.name for v in graph.inputs if v.name in floats]
-        stats_by = cal.observe(model, observed, source, progress=self.progress, dtypes=dtypes)
+        nodes = list(graph)
+        where = {id(n): i for i, n in enumerate(nodes)}
+        positions = [where[id(n)] for n in compute]
+        opset = int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1)))
+        opsets = {k: int(v) for k, v in model.opset_imports.items()}
+        support = {p: _half_support(nodes[p], opset, floats, opsets) for p in positions}
+        pinned_in = {p: value[1] for p, value in support.items() if value[1]}
+        pinned_out = {p: value[2] for p, value in support.items() if value[2]}
+        decisions: dict[int, tuple[str, str]] = {}
+        keep = set(self.config.get("keep_fp32") or [])
+        user = load_plan(self.config["precision_plan"]) if self.config.get("precision_plan") else None
+        for p in positions:
+            n = nodes[p]
+            key = node_key(n)
+            if user is not None and user.precision_of(key) is not None:
+                prec = "fp16" if user.precision_of(key) == "fp16" else "fp32"
+                if prec == "fp16" and not support[p][0]:
+                    prec = "fp32"
+                decisions[p] = (prec, f"user override (plan {self.config['precision_plan']})")
+            elif key in keep or n.op_type in keep:
+                decisions[p] = ("fp32", "user override (--keep-fp32)")
+            elif not support[p][0] and n.domain not in ("", "ai.onnx"):
+                decisions[p] = ("fp32", f"default rule: custom domain {n.domain}: no known float16 schema for "
+                                        f"{n.op_type}")
+            elif not support[p][0]:
+                decisions[p] = ("fp32", f"default rule: {n.op_type} has no float16 form at opset {opset}")
+            elif n.op_type in _CONTROL_FLOW:
+                decisions[p] = ("fp32", "default rule: control flow (its subgraphs stay float32, so do its outputs)")
+        undecided = [p for p in positions if p not in decisions]
+        measured = measure_local(model, [p for p in undecided if nodes[p].inputs], floats, pinned_in, pinned_out,
+                                 self._retype_attributes, source, progress=self.progress, total=source.count)
+        stats_by = measured.stats
         limit_abs = float(self.config["fp16_max"])
         limit_red = int(self.config["fp16_reduction_limit"])
 
@@ -167,67 +277,83 @@ class Fp16Pass(Pass):
                 return x.max_reduced
             return x.max_size // max(y.max_size, 1) if y is not None else x.max_size
 
-        opset = int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1)))
-        support = {id(n): _half_support(n, opset, floats) for n in compute if n.domain in ("", "ai.onnx")}
-        pinned = {key: value[1] for key, value in support.items() if value[1]}
-        decisions: dict[int, tuple[str, str]] = {}
-        keep = set(self.config.get("keep_fp32") or [])
-        user = load_plan(self.config["precision_plan"]) if self.config.get("precision_plan") else None
-        for n in compute:
-            key = node_key(n)
-            if user is not None and user.precision_of(key) is not None:
-                prec = "fp16" if user.precision_of(key) == "fp16" else "fp32"
-                decisions[id(n)] = (prec, f"user override (plan {self.config['precision_plan']})")
-            elif key in keep or n.op_type in keep:
-                decisions[id(n)] = ("fp32", "user override (--keep-fp32)")
-            elif n.domain not in ("", "ai.onnx"):
-                decisions[id(n)] = ("fp32", f"default rule: custom domain {n.domain}")
-            elif not support[id(n)][0]:
-                decisions[id(n)] = ("fp32", f"default rule: {n.op_type} has no float16 form at opset {opset}")
-            elif n.op_type in _CONTROL_FLOW:
-                decisions[id(n)] = ("fp32", "default rule: control flow (its subgraphs stay float32, so do its outputs)")
+        candidates: list[int] = []
+        for p in undecided:
+            n = nodes[p]
+            depth = reduced(n) if n.op_type in _REDUCTIONS_BY_SIZE | _REDUCTIONS_LAST_AXIS else 0
+            peak = max((amax(v) for v in (*n.inputs, *n.outputs)), default=0.0)
+            if p in measured.overflow:
+                decisions[p] = ("fp32", f"measured overflow: the float16 result is not finite where float32 "
+                                        f"reaches |y| = {measured.overflow[p]:.4g}")
+            elif peak >= limit_abs and limit_abs < FP16_LIMIT:
+                decisions[p] = ("fp32", f"measured sensitivity: |x| reached {peak:.4g} >= {limit_abs:g}")
+            elif depth >= limit_red:
+                decisions[p] = ("fp32", f"measured sensitivity: reduces {depth} elements >= {limit_red}")
             else:
-                peak = max(amax(v) for v in (*n.inputs, *n.outputs))
-                depth = reduced(n) if n.op_type in _REDUCTIONS_BY_SIZE | _REDUCTIONS_LAST_AXIS else 0
-                if peak >= limit_abs:
-                    decisions[id(n)] = ("fp32", f"measured sensitivity: |x| reached {peak:.4g} >= {limit_abs:g}")
-                elif depth >= limit_red:
-                    decisions[id(n)] = ("fp32", f"measured sensitivity: reduces {depth} elements >= {limit_red}")
-                else:
-                    decisions[id(n)] = ("fp16", "default rule: float16")
-        pinned_uses = 0
-        for n in compute:  # a constant that only feeds float32-only inputs stays float32 itself
-            if n.inputs or decisions[id(n)][0] != "fp16":
+                candidates.append(p)
+        for p in candidates:  # a constant that only feeds float32 inputs stays float32 itself
+            n = nodes[p]
+            if n.inputs:
                 continue
             uses = [u for v in n.outputs for u in v.uses()]
-            if uses and all(u.idx in pinned.get(id(u.node), ()) for u in uses) and not any(
-                v.is_graph_output() for v in n.outputs
-            ):
-                decisions[id(n)] = ("fp32", "default rule: feeds only inputs that must stay float32")
-        for n in compute:
-            if decisions[id(n)][0] == "fp16":
-                pinned_uses += len(pinned.get(id(n), ()))
-        converted = self._convert(model, compute, decisions, floats, pinned)
+            if uses and all(u.idx in pinned_in.get(where[id(u.node)], ()) or decisions.get(
+                    where[id(u.node)], ("fp16",))[0] == "fp32" for u in uses) and not any(
+                    v.is_graph_output() for v in n.outputs):
+                decisions[p] = ("fp32", "default rule: feeds only inputs that must stay float32")
+        candidates = [p for p in candidates if p not in decisions]
+        search = None
+        if budget is not None and candidates:
+            search = self._budget_search(model, candidates, decisions, floats, pinned_in, pinned_out, stats_by,
+                                         measured, source, budget)
+            for rank, p in enumerate(search.keep, 1):
+                decisions[p] = ("fp32", f"measured sensitivity: local float16 error {measured.error.get(p, 0):.3g} "
+                                        f"(rank {rank}); {budget} needs it float32 (all float16: "
+                                        f"{budget.metric} {search.tried[0]:.6g})")
+        for p in candidates:
+            if p not in decisions:
+                err = measured.error.get(p)
+                decisions[p] = ("fp16", "float16" + (f" (local float16 error {err:.3g})" if err is not None else ""))
+        amax_by_name = {name: s.amax for name, s in stats_by.items()}
+        converted = self._convert(model, {p: d[0] for p, d in decisions.items()}, floats, pinned_in, pinned_out,
+                                  amax_by_name)
         plan = PrecisionPlan(self.name)
-        plan.meta["calibration"] = calibration_meta(source, max((s.samples for s in stats_by.values()), default=0),
-                                                    None)
-        for n in compute:
-            plan.add(n, *decisions[id(n)])
+        plan.meta["calibration"] = calibration_meta(source, measured.samples, None)
+        if search is not None and budget is not None:
+            plan.meta["accuracy_budget"] = {"budget": str(budget), "measured": search.metric, "met": search.met,
+                                            "evaluations": search.evaluations,
+                                            "samples": min(int(self.config.get("fp16_samples") or 16),
+                                                           measured.samples)}
+        for p in positions:
+            plan.add(nodes[p], *decisions[p])
+        kept = [p for p in positions if decisions[p][0] == "fp32"]
         stats = {
-            "converted": sum(1 for n in compute if decisions[id(n)][0] == "fp16"),
-            "kept_fp32": sum(1 for n in compute if decisions[id(n)][0] == "fp32"),
-            "kept_fp32.overflow": sum(1 for n in compute if "|x| reached" in decisions[id(n)][1]),
-            "kept_fp32.reduction": sum(1 for n in compute if "reduces" in decisions[id(n)][1]),
-            "kept_fp32.no_float16_form": sum(1 for n in compute if "no float16 form" in decisions[id(n)][1]),
-            "kept_fp32.control_flow": sum(1 for n in compute if "control flow" in decisions[id(n)][1]),
-            "kept_fp32.float32_only_input": pinned_uses,
+            "converted": sum(1 for p in positions if decisions[p][0] == "fp16"),
+            "kept_fp32": len(kept),
+            "kept_fp32.overflow": sum(1 for p in kept if "overflow" in decisions[p][1] or "|x| reached"
+                                      in decisions[p][1]),
+            "kept_fp32.reduction": sum(1 for p in kept if "reduces" in decisions[p][1]),
+            "kept_fp32.budget": sum(1 for p in kept if "local float16 error" in decisions[p][1]),
+            "kept_fp32.no_float16_form": sum(1 for p in kept if "no float16 form" in decisions[p][1]
+                                             or "no known float16 schema" in decisions[p][1]),
+            "kept_fp32.control_flow": sum(1 for p in kept if "control flow" in decisions[p][1]),
+            "kept_fp32.user": sum(1 for p in kept if decisions[p][1].startswith("user override")),
+            "kept_fp32.float32_only_input": sum(len(pinned_in.get(p, ())) for p in positions
+                                                if decisions[p][0] == "fp16"),
             "initializers_fp16": converted["initializers"],
             "casts": converted["casts"],
             **stats,
         }
+        if search is not None:
+            stats["accuracy.metric"] = round(search.metric, 8)
+            stats["accuracy.evaluations"] = search.evaluations
         if source.random:
             stats["calibrated_on_random_data"] = 1
         details = {"plan": plan.to_dict(), **details}
+        details["kept_fp32"] = [{"node": node_key(nodes[p]), "op": nodes[p].op_type, "reason": decisions[p][1]}
+                                for p in kept]
+        if search is not None and not search.met:
+            details["note"] = (f"accuracy budget {budget} not met even with every measured node in float32 "
+                               f"({search.metric:.6g})")
         if source.random:
             from mograph.passes.quant._base import RANDOM_WARNING
 
@@ -235,6 +361,32 @@ class Fp16Pass(Pass):
         if self.config.get("precision_plan_out"):
             plan.write(self.config["precision_plan_out"])
         return PassResult(upgraded or stats["converted"] > 0, stats, details)
+
+    def _budget_search(self, model: ir.Model, candidates: list[int], decisions: dict[int, tuple[str, str]],
+                       floats: set[str], pinned_in: dict[int, frozenset[int]], pinned_out: dict[int, frozenset[int]],
+                       stats_by: dict[str, cal.TensorStats], measured: LocalMeasure, source: cal.CalibrationSource,
+                       budget: Budget) -> Search:
+        """Keep the fewest candidates float32 (most sensitive first) so the converted model meets ``budget``."""
+        samples = list(itertools.islice(iter(source), max(1, int(self.config.get("fp16_samples") or 16))))
+        base = ir.serde.serialize_model(model)
+        folder = cal.model_folder(model)
+        refs = list(cal.run_model(base.SerializeToString(), samples, folder=folder))
+        fixed = {p: d[0] for p, d in decisions.items()}
+        amax_by_name = {name: s.amax for name, s in stats_by.items()}
+
+        def evaluate(extra: set[int]) -> float:
+            copy = ir.serde.deserialize_model(base)
+            cal.set_model_folder(copy, folder)
+            chosen = {**fixed, **{p: ("fp32" if p in extra else "fp16") for p in candidates}}
+            self._convert(copy, chosen, floats, pinned_in, pinned_out, amax_by_name)
+            keep_fp16_rounding(copy)  # ORT's CPU provider would otherwise compute it all in float32
+            halves = {v.name for v in copy.graph.inputs if v.dtype == ir.DataType.FLOAT16}
+            feeds = [{k: (a.astype(np.float16) if k in halves else a) for k, a in f.items()} for f in samples]
+            outs = list(cal.run_model(ir.serde.serialize_model(copy).SerializeToString(), feeds, folder=folder))
+            return output_metric(budget, refs, outs)
+
+        ranked = sorted(candidates, key=lambda p: measured.error.get(p, 0.0), reverse=True)
+        return fewest_fp32(ranked, evaluate, budget)
 
     def _upgrade_opset(self, model: ir.Model, compute: list[ir.Node], floats: set[str],
                        stats: dict[str, int | float], details: dict[str, Any]) -> bool:
@@ -270,19 +422,27 @@ class Fp16Pass(Pass):
                                     "rewritten": dict(done.rewritten)}
         return True
 
-    def _convert(self, model: ir.Model, compute: list[ir.Node], decisions: dict[int, tuple[str, str]],
-                 floats: set[str], pinned: dict[int, frozenset[int]]) -> dict[str, int]:
+    def _convert(self, model: ir.Model, decisions: dict[int, str], floats: set[str],
+                 pinned_in: dict[int, frozenset[int]], pinned_out: dict[int, frozenset[int]],
+                 amax: dict[str, float]) -> dict[str, int]:
+        """Rewrite ``model`` by ``decisions`` (node position in graph order -> ``fp16``/``fp32``)."""
         graph = model.graph
-        half = {id(n) for n in compute if decisions[id(n)][0] == "fp16"}
+        nodes = list(graph)
+        where = {id(n): i for i, n in enumerate(nodes)}
+        half = {p for p, prec in decisions.items() if prec == "fp16"}
         if not half:
             return {"initializers": 0, "casts": 0}
         io16 = bool(self.config.get("fp16_io"))
         counts = {"initializers": 0, "casts": 0}
+        taken = {v.name for n in nodes for v in n.outputs if v.name} | set(graph.initializers)
+        taken |= {v.name for v in graph.inputs if v.name}
 
         def wants_half(use: Any) -> bool:  # an onnx_ir Usage (node, idx)
-            return id(use.node) in half and use.idx not in pinned.get(id(use.node), ())
+            p = where.get(id(use.node))
+            return p in half and use.idx not in pinned_in.get(p, ())
 
-        # where each float value lives: its producer's precision, initializers where all consumers are fp16
+        # where each float value lives: its producer's precision; initializers are stored in the precision
+        # their consumers read (a float16 copy beside the float32 one when both read it: no Cast at run time)
         home: dict[int, str] = {}
         values: list[ir.Value] = []
         for v in graph.inputs:
@@ -290,23 +450,41 @@ class Fp16Pass(Pass):
                 home[id(v)] = "fp16" if io16 else "fp32"
                 values.append(v)
         for name, v in list(graph.initializers.items()):
-            if name in floats and v.uses() and all(wants_half(u) for u in v.uses()):
-                t = v.const_value
-                assert t is not None
-                v.const_value = ir.tensor(t.numpy().astype(np.float16), name=name)
+            if name not in floats or v.const_value is None:
+                if name in floats:
+                    home[id(v)] = "fp32"
+                    values.append(v)
+                continue
+            uses = list(v.uses())
+            readers16 = [u for u in uses if wants_half(u)]
+            if uses and len(readers16) == len(uses) and not v.is_graph_output():
+                v.const_value = ir.tensor(to_half(v.const_value.numpy()), name=name)
                 v.dtype = ir.DataType.FLOAT16
                 home[id(v)] = "fp16"
                 counts["initializers"] += 1
-            elif name in floats:
+            elif readers16:
+                copy_name = fresh_name(taken, f"{name}_fp16")
+                copy = ir.Value(name=copy_name, shape=v.shape, type=ir.TensorType(ir.DataType.FLOAT16),
+                                const_value=ir.tensor(to_half(v.const_value.numpy()), name=copy_name))
+                graph.register_initializer(copy)
+                for u in readers16:
+                    u.node.replace_input_with(u.idx, copy)
                 home[id(v)] = "fp32"
                 values.append(v)
-        for n in compute:
-            prec = decisions[id(n)][0]
-            for v in n.outputs:
+                counts["initializers"] += 1
+            else:
+                home[id(v)] = "fp32"
+                values.append(v)
+        for p, n in enumerate(nodes):
+            if p not in decisions:
+                continue
+            prec = decisions[p]
+            for j, v in enumerate(n.outputs):
                 if v.name in floats:
-                    home[id(v)] = prec
+                    out_prec = "fp32" if prec == "fp16" and j in pinned_out.get(p, ()) else prec
+                    home[id(v)] = out_prec
                     values.append(v)
-                    if prec == "fp16":
+                    if out_prec == "fp16":
                         v.dtype = ir.DataType.FLOAT16
             if prec == "fp16":
                 n.metadata_props[_FP16_MARK] = "1"
@@ -321,32 +499,23 @@ class Fp16Pass(Pass):
         for v in values:
             for use in list(v.uses()):
                 consumer = use.node
-                if consumer.op_type == "Cast" and consumer.metadata_props.get("mograph.fp16.cast"):
+                if consumer.metadata_props.get(_CAST_MARK):
                     continue
                 want = "fp16" if wants_half(use) else "fp32"
                 if want == home.get(id(v)) or consumer.op_type in ("Shape", "Size"):
                     continue
                 key = (id(v), want)
                 if key not in casts:
-                    to = ir.DataType.FLOAT16 if want == "fp16" else ir.DataType.FLOAT
-                    cast = ir.node("Cast", [v], {"to": to.value}, name=f"{v.name}_to_{want}")
-                    cast.metadata_props["mograph.fp16.cast"] = "1"
-                    cast.outputs[0].name = f"{v.name}_{want}"
-                    cast.outputs[0].dtype = to
-                    producer = v.producer()
-                    if producer is not None:
-                        graph.insert_after(producer, cast)
-                    else:
-                        graph.insert_before(first, cast)
-                    casts[key] = cast.outputs[0]
+                    casts[key] = self._cast(graph, v, want, amax.get(v.name or "", 0.0) >= FP16_LIMIT, first, taken)
                     counts["casts"] += 1
                 consumer.replace_input_with(use.idx, casts[key])
         # graph outputs back to float32 unless asked
         for i, v in enumerate(list(graph.outputs)):
             if home.get(id(v)) == "fp16" and not io16:
                 out_name = v.name
-                v.name = f"{out_name}_fp16"
+                v.name = fresh_name(taken, f"{out_name}_fp16")
                 cast = ir.node("Cast", [v], {"to": _F32}, name=f"{out_name}_to_fp32")
+                cast.metadata_props[_CAST_MARK] = "1"
                 cast.outputs[0].name = out_name
                 cast.outputs[0].dtype = ir.DataType.FLOAT
                 cast.outputs[0].shape = v.shape
@@ -358,7 +527,41 @@ class Fp16Pass(Pass):
         return counts
 
     @staticmethod
+    def _cast(graph: ir.Graph, v: ir.Value, want: str, saturate: bool, first: ir.Node, taken: set[str]) -> ir.Value:
+        """Insert ``Cast(v)`` to ``want`` after ``v``'s producer; saturate to the float16 range when asked."""
+        to = ir.DataType.FLOAT16 if want == "fp16" else ir.DataType.FLOAT
+        src = v
+        made: list[ir.Node] = []
+        if want == "fp16" and saturate:  # float32 values beyond +-65504 would become infinite
+            lo = ir.node("Constant", [], {"value": ir.tensor(np.array(-FP16_LIMIT, np.float32))},
+                         name=fresh_name(taken, f"{v.name}_fp16_lo"))
+            hi = ir.node("Constant", [], {"value": ir.tensor(np.array(FP16_LIMIT, np.float32))},
+                         name=fresh_name(taken, f"{v.name}_fp16_hi"))
+            clip = ir.node("Clip", [v, lo.outputs[0], hi.outputs[0]], name=fresh_name(taken, f"{v.name}_saturate"))
+            for node in (lo, hi, clip):
+                node.outputs[0].name = fresh_name(taken, node.name or "c")
+                node.outputs[0].dtype = ir.DataType.FLOAT
+                node.metadata_props[_CAST_MARK] = "1"
+            made += [lo, hi, clip]
+            src = clip.outputs[0]
+        cast = ir.node("Cast", [src], {"to": to.value}, name=fresh_name(taken, f"{v.name}_to_{want}"))
+        cast.metadata_props[_CAST_MARK] = "1"
+        cast.outputs[0].name = fresh_name(taken, f"{v.name}_{want}")
+        cast.outputs[0].dtype = to
+        cast.outputs[0].shape = v.shape
+        made.append(cast)
+        producer = v.producer()
+        if producer is not None:
+            graph.insert_after(producer, made)
+        else:
+            graph.insert_before(first, made)
+        return cast.outputs[0]
+
+    @staticmethod
     def _retype_attributes(n: ir.Node) -> None:
+        dtype = n.attributes.get("dtype")  # EyeLike, RandomNormal(Like), RandomUniform(Like), Bernoulli
+        if dtype is not None and dtype.type == ir.AttributeType.INT and dtype.as_int() == _F32:
+            n.attributes["dtype"] = ir.AttrInt64("dtype", _F16)
         if n.op_type == "Cast":
             to = n.attributes.get("to")
             if to is not None and to.as_int() == _F32:
@@ -367,10 +570,10 @@ class Fp16Pass(Pass):
             for key in ("value",):
                 a = n.attributes.get(key)
                 if a is not None and isinstance(a.value, ir.TensorProtocol) and a.value.dtype == ir.DataType.FLOAT:
-                    n.attributes[key] = ir.AttrTensor(key, ir.tensor(a.value.numpy().astype(np.float16)))
+                    n.attributes[key] = ir.AttrTensor(key, ir.tensor(to_half(a.value.numpy())))
             for key in ("value_float", "value_floats"):
                 a = n.attributes.get(key)
                 if a is not None:
-                    arr = np.array(a.value, dtype=np.float16)
+                    arr = to_half(np.array(a.value, dtype=np.float32))
                     del n.attributes[key]
                     n.attributes["value"] = ir.AttrTensor("value", ir.tensor(arr))

@@ -19,9 +19,11 @@ Runtime, optimizations off, so it measures exactly the graph the pass will write
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -120,6 +122,28 @@ def _layer_errors(
     return {k: (err_num[k] / err_den[k]) ** 0.5 if err_den[k] > 0 else 0.0 for k in err_num}
 
 
+def _evaluate_mix(
+    base: Any, folder: str | None, scheme: Scheme, ranges: dict[str, tuple[float, float]], samples: list[Feed],
+    budget: Budget, refs: list[list[np.ndarray]], quantized: set[str],
+) -> float:
+    """Build the Q/DQ model with ``quantized`` layers from the float proto ``base``, run it, measure the budget
+    metric.  A plain function of plain data, so an executor can run it in another process or machine."""
+    m = ir.serde.deserialize_model(base)
+    set_model_folder(m, folder)
+    all_cands, _ = find_candidates(m)
+    writer = QdqWriter(m, scheme, ranges)
+    for c in all_cands:
+        if c.key in quantized:
+            writer.quantize(c)
+    outs = list(run_model(ir.serde.serialize_model(m).SerializeToString(), samples, folder=folder))
+    return _metric(budget, refs, outs)
+
+
+def _spread(lo: int, hi: int, m: int) -> list[int]:
+    """Up to ``m`` distinct points strictly between ``lo`` and ``hi``, evenly spaced (the midpoint for m=1)."""
+    return sorted({lo + (hi - lo) * (i + 1) // (m + 1) for i in range(m)} - {lo, hi})
+
+
 def analyse(
     model: ir.Model,
     cands: list[Candidate],
@@ -130,49 +154,53 @@ def analyse(
     *,
     fixed: Iterable[str] = (),
     progress: Callable[[int, int | None], None] | None = None,
+    map_fn: Callable[..., list[float]] | None = None,
 ) -> SensitivityResult:
-    """Choose which of ``cands`` to keep in float so the budget holds; ``fixed`` are quantized regardless."""
+    """Choose which of ``cands`` to keep in float so the budget holds; ``fixed`` are quantized regardless.
+
+    ``map_fn(fn, items) -> list`` runs the end-to-end evaluations (default: the active executor's,
+    :func:`mograph.workflow.executors.current_map`, which is serial unless ``--executor ray`` is on).  Its
+    ``width`` (calls at once) turns the binary search into a (width+1)-ary one: each round evaluates
+    ``width`` values of ``k`` together.  With width 1 the evaluations are exactly the binary search's.
+    """
+    from mograph.workflow.executors import current_map
+
     fixed = set(fixed)
+    map_fn = map_fn or current_map()
+    width = max(1, int(getattr(map_fn, "width", 1)))
     base = ir.serde.serialize_model(model)
     folder = model_folder(model)
     refs = list(run_model(base.SerializeToString(), samples, folder=folder))
     result = SensitivityResult()
     result.alone = _layer_errors(model, cands, ranges, scheme, samples)
-
-    def evaluate(quantized: set[str]) -> float:
-        m = ir.serde.deserialize_model(base)
-        set_model_folder(m, folder)
-        all_cands, _ = find_candidates(m)
-        writer = QdqWriter(m, scheme, ranges)
-        for c in all_cands:
-            if c.key in quantized:
-                writer.quantize(c)
-        outs = list(run_model(ir.serde.serialize_model(m).SerializeToString(), samples, folder=folder))
-        result.evaluations += 1
-        if progress is not None:
-            progress(result.evaluations, None)
-        return _metric(budget, refs, outs)
+    evaluate = functools.partial(_evaluate_mix, base, folder, scheme, ranges, samples, budget, refs)
 
     worst_first = sorted((c.key for c in cands), key=lambda k: result.alone[k], reverse=True)
     cache: dict[int, float] = {}
 
-    def with_k(k: int) -> float:
-        if k not in cache:
-            cache[k] = evaluate(set(worst_first[k:]) | fixed)
-            logger.info("sensitivity: keeping %d layer(s) in float gives %s=%.6f", k, budget.metric, cache[k])
-        return cache[k]
+    def measure(ks: list[int]) -> None:
+        todo = [k for k in ks if k not in cache]
+        values = map_fn(evaluate, [set(worst_first[k:]) | fixed for k in todo]) if todo else []
+        for k, v in zip(todo, values):
+            cache[k] = v
+            result.evaluations += 1
+            logger.info("sensitivity: keeping %d layer(s) in float gives %s=%.6f", k, budget.metric, v)
+            if progress is not None:
+                progress(result.evaluations, None)
 
-    lo, hi = 0, len(worst_first)
-    if budget.met(with_k(0)):
-        hi = 0
-    else:
-        while lo + 1 < hi:  # invariant: with_k(lo) fails; with_k(hi) meets or hi = n (nothing measured quantized)
-            mid = (lo + hi) // 2
-            if budget.met(with_k(mid)):
-                hi = mid
-            else:
-                lo = mid
+    # Invariant: with_k(lo) fails (lo = -1: nothing measured yet); with_k(hi) meets, or hi = n (nothing
+    # measured quantized).  The first round always measures k = 0 (everything quantized).
+    lo, hi = -1, len(worst_first)
+    while lo + 1 < hi:
+        ks = [0, *_spread(0, hi, width - 1)] if lo < 0 else _spread(lo, hi, width)
+        measure(ks)
+        for k in ks:
+            if budget.met(cache[k]):
+                hi = k
+                break
+            lo = k
+    measure([hi])
     result.keep = worst_first[:hi]
-    result.final = with_k(hi)
+    result.final = cache[hi]
     result.met = budget.met(result.final)
     return result

@@ -1,21 +1,41 @@
 """Lowerings of ``mograph.Attention``.
 
 ``ort``
-    ``com.microsoft.Attention`` when ``Q``, ``K`` and ``V`` are ``x @ W + b`` of one ``x`` with
-    constant weights (the three projections are packed into one ``[hidden, 3*H*D]`` GEMM, which is
-    what ONNX Runtime's CPU kernel is fastest with), else ``com.microsoft.MultiHeadAttention``;
-    ``M`` goes to ``attention_bias``, expanded to ``[B|1, H|1, S, T]`` where the kernel needs it (one
-    expansion per bias and query length, shared by every layer).  Where ``Attention`` is used and
-    ``M`` is provably a key-padding bias of a 2-D ``[B, T]`` ``attention_mask`` input (0 where the
-    mask is 1, a negative constant ``c`` where it is 0: ``(1 - mask) * c``, ``Where(mask, 0, c)``, or
-    ``transformers``' index-based padding lookup as TorchScript exports it), the mask itself, cast
-    once to int32, goes to ``mask_index`` with ``mask_filter_value = c`` and the float bias is
-    dropped.  The kernel fills masked scores with ``c`` exactly as the original adds it, so even a
-    fully padded row (uniform softmax) agrees.  Exact for 0/1 masks, the contract of
-    ``attention_mask`` (other values are not checked to give the same result).
+    ``com.microsoft.MultiHeadAttention`` with separate Q, K, V (what ONNX Runtime's CUDA provider runs
+    fastest: cuDNN flash attention, see ``/work/gpu-results/FACTS.md`` of 2026-12-01).  How a mask gets
+    there is the node's :data:`~mograph.passes.fusion.attention_op.MASK_FORMAT_KEY` hint (the
+    ``fuse-attention`` option ``--mask-format``):
+
+    ``bias`` (default)
+        ``M`` as ``attention_bias``, expanded to ``[B|1, H|1, S, T]`` where the kernel needs it (one
+        expansion per bias and query length, shared by every layer).  Exact for every mask (left or right
+        padding, causal, anything additive), and an additive bias still reaches flash attention on CUDA.
+    ``lengths``
+        where ``M`` is provably a key-padding bias of a 2-D ``[B, T]`` ``attention_mask`` input (0 where the
+        mask is 1, a negative constant ``c`` where it is 0: ``(1 - mask) * c``, ``Where(mask, 0, c)``, or
+        ``transformers``' index-based padding lookup as TorchScript exports it), the key lengths
+        ``ReduceSum(mask, 1)`` (int32 ``[B]``, built once) go to ``key_padding_mask`` and the float bias is
+        dropped: the fastest form, but it equals the original **only for right-padded masks** (ones, then
+        zeros); a left-padded row attends to its first ``length`` keys instead.  Other biases stay ``bias``.
+    ``raw``
+        the traced mask itself, cast once to int32, as a 2-D ``mask_index`` (``com.microsoft.Attention`` with
+        the three projections packed into one ``[hidden, 3*H*D]`` GEMM when Q, K, V are ``x @ W + b`` of one
+        ``x`` with constant weights, else ``MultiHeadAttention``'s ``key_padding_mask``), with
+        ``mask_filter_value = c``: exact for 0/1 masks, even a fully padded row, but ONNX Runtime CUDA runs it
+        with its slow unfused ``SoftmaxWithRawMask`` kernel.
+
+    ``nan_to_zero`` adds ``Where(IsNaN(Y), 0, Y)`` after the kernel (a fully ``-inf``-masked row gives NaN
+    there, 0 in the original).  Grouped-query attention (``kv_num_heads`` != ``num_heads``): K and V are
+    repeated per head in their ``[B, T, Hkv*D]`` layout (Reshape/Expand/Reshape, as ``repeat_kv`` does),
+    then ``MultiHeadAttention`` as above (``GroupQueryAttention`` would avoid the copy but takes only
+    causal attention with position-indexed rotary caches and ``seqlens_k``; not lowered to yet).
+``RotaryEmbedding``
+    every target inlines the body (X rotated in its ``[B, S, N, D]`` view; only cos/sin are
+    transposed): ONNX Runtime's ``com.microsoft.RotaryEmbedding`` takes position-indexed cos/sin caches,
+    not the per-token cos/sin an export computes.
 ``onnx``
-    the standard ``Attention`` (3-D form, ``q_num_heads``; ``M`` as ``attn_mask``, expanded the same
-    way, since ONNX Runtime does not broadcast its dim -2) at opset >= 23; below that ONNX has no
+    the standard ``Attention`` (3-D form, ``q_num_heads``, ``kv_num_heads``; ``M`` as ``attn_mask``, expanded
+    the same way, since ONNX Runtime does not broadcast its dim -2) at opset >= 23; below that ONNX has no
     attention op: the lowering declines and the ``lower`` step inlines the function body.
 ``tensorrt``
     the function body, inlined: mograph has no TensorRT plugin for attention yet, and TensorRT's ONNX
@@ -23,7 +43,7 @@
     decomposed attention itself.
 
 Lowerings of one ``lower`` run share what they build for the same input (the expanded bias, the int32
-mask) through :attr:`~mograph.lowering.LoweringContext.shared`.
+mask, the key lengths) through :attr:`~mograph.lowering.LoweringContext.shared`.
 """
 
 from __future__ import annotations
@@ -33,6 +53,7 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
+from mograph.passes.fusion.attention_op import MASK_FORMAT_KEY
 from mograph.passes.fusion.ops import FLOAT_TYPES
 
 from mograph.custom_ops import Lowering
@@ -359,35 +380,101 @@ def _replace(node: ir.Node, new_nodes: list[ir.Node], ctx: LoweringContext) -> N
     last.name = node.name or node.op_type
 
 
+def _key_lengths(mask: ir.Value, new_nodes: list[ir.Node], shared: Shared | None) -> ir.Value:
+    """``ReduceSum(mask, axis 1)`` as int32 ``[B]``: the key lengths of a right-padded 0/1 mask (built once)."""
+    key = ("mask_lengths", id(mask))
+    if shared is not None and key in shared:
+        return shared[key]
+    as_int = _mask_index(mask, new_nodes, shared)
+    axes = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([1], dtype=np.int64))})
+    red = ir.node("ReduceSum", [as_int, axes.outputs[0]], attributes={"keepdims": 0})
+    new_nodes.extend([axes, red])
+    if shared is not None:
+        shared[key] = red.outputs[0]
+    return red.outputs[0]
+
+
+def _nan_to_zero(y: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
+    """``Where(IsNaN(y), 0, y)``: a query row whose every key is masked with -inf gives 0, as in the original."""
+    dtype = y.dtype.numpy() if y.dtype is not None else np.float32
+    zero = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(0, dtype=dtype))})
+    isnan = ir.node("IsNaN", [y])
+    where = ir.node("Where", [isnan.outputs[0], zero.outputs[0], y])
+    new_nodes.extend([zero, isnan, where])
+    return where.outputs[0]
+
+
+def _repeat_heads(x: ir.Value, groups: int, rep: int, new_nodes: list[ir.Node],
+                  shared: Shared | None) -> ir.Value | None:
+    """``[B, T, G*D]`` -> ``[B, T, G*rep*D]``, each head repeated ``rep`` times in place."""
+    key = ("kv_repeats", id(x), rep)
+    if shared is not None and key in shared:
+        return shared[key]
+
+    def const(vals: list[int]) -> ir.Value:
+        n = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(vals, dtype=np.int64))})
+        new_nodes.append(n)
+        return n.outputs[0]
+
+    def add(op_type: str, inputs: list[ir.Value], **attrs: Any) -> ir.Value:
+        n = ir.node(op_type, inputs, attributes=attrs)
+        new_nodes.append(n)
+        return n.outputs[0]
+
+    x5 = add("Reshape", [x, const([0, 0, groups, 1, -1])])  # [B, T, G, 1, D]
+    shape5 = add("Shape", [x5])
+    lead = add("Slice", [shape5, const([0]), const([2])])
+    dim = add("Slice", [shape5, const([4]), const([5])])
+    big = add("Expand", [x5, add("Concat", [lead, const([groups, rep]), dim], axis=0)])
+    out = add("Reshape", [big, const([0, 0, -1])])
+    if shared is not None:
+        shared[key] = out
+    return out
+
+
 def _lower_ort(node: ir.Node, ctx: LoweringContext) -> bool:
-    """``com.microsoft.Attention`` (packed projections) or ``MultiHeadAttention``."""
+    """``com.microsoft.MultiHeadAttention`` (or ``Attention`` with packed projections for ``raw`` masks)."""
     q, k, v, bias = node.inputs
     graph = node.graph
     assert graph is not None and q is not None and k is not None and v is not None
-    attrs: dict[str, Any] = {"num_heads": int(attr_value(node, "num_heads", 1)), "scale": float(attr_value(node, "scale", 1.0))}
+    heads = int(attr_value(node, "num_heads", 1))
+    kv_heads = int(attr_value(node, "kv_num_heads", 0)) or heads
     new_nodes: list[ir.Node] = []
-    packed = _packed(node)
-    padding = None if packed is None or is_zero(bias) else _padding_mask(bias)  # type: ignore[arg-type]
-    ab = None
-    if not is_zero(bias) and padding is None:
-        seq_of = packed[0] if packed is not None else q
-        ab = _bias_for_kernel(bias, seq_of, new_nodes, ctx.shared)  # type: ignore[arg-type]
-    if packed is not None:
+    if kv_heads != heads:  # MultiHeadAttention has one K/V head per query head: repeat them (as repeat_kv does)
+        rk = _repeat_heads(k, kv_heads, heads // kv_heads, new_nodes, ctx.shared)
+        rv = _repeat_heads(v, kv_heads, heads // kv_heads, new_nodes, ctx.shared)
+        if rk is None or rv is None:
+            return False
+        k, v = rk, rv
+    attrs: dict[str, Any] = {"num_heads": heads, "scale": float(attr_value(node, "scale", 1.0))}
+    fmt = node.metadata_props.get(MASK_FORMAT_KEY, "bias")
+    padding = None if is_zero(bias) or fmt == "bias" else _padding_mask(bias)  # type: ignore[arg-type]
+    packed = _packed(node) if fmt == "raw" and padding is not None and kv_heads == heads else None
+    if packed is not None:  # the raw [B, T] mask; the kernel fills masked scores with mask_filter_value
         x, w, b = packed
         wv = add_initializer(graph, "mograph_qkv_weight", w)
         bv = add_initializer(graph, "mograph_qkv_bias", b)
-        mask_index = None
-        if padding is not None:  # the raw [B, T] mask; the kernel fills masked scores with mask_filter_value
-            mask_index = _mask_index(padding[0], new_nodes, ctx.shared)
-            attrs["mask_filter_value"] = padding[1]
-        inputs: list[ir.Value | None] = [x, wv, bv, mask_index, None, ab]
+        mask_index = _mask_index(padding[0], new_nodes, ctx.shared)  # type: ignore[index]
+        attrs["mask_filter_value"] = padding[1]  # type: ignore[index]
+        inputs: list[ir.Value | None] = [x, wv, bv, mask_index]
         op_type = "Attention"
     else:
-        inputs = [q, k, v, None, None, ab]
+        key_padding = None
+        if padding is not None:
+            mask, attrs["mask_filter_value"] = padding
+            key_padding = (_key_lengths(mask, new_nodes, ctx.shared) if fmt == "lengths"
+                           else _mask_index(mask, new_nodes, ctx.shared))
+        ab = None
+        if not is_zero(bias) and padding is None:
+            ab = _bias_for_kernel(bias, q, new_nodes, ctx.shared)  # type: ignore[arg-type]
+        inputs = [q, k, v, None, key_padding, ab]
         op_type = "MultiHeadAttention"
     while inputs[-1] is None:
         inputs.pop()
-    new_nodes.append(ir.node(op_type, inputs, attributes=attrs, domain=MS_DOMAIN))
+    mha = ir.node(op_type, inputs, attributes=attrs, domain=MS_DOMAIN)
+    new_nodes.append(mha)
+    if int(attr_value(node, "nan_to_zero", 0)):
+        _nan_to_zero(mha.outputs[0], new_nodes)
     _replace(node, new_nodes, ctx)
     return True
 
@@ -403,8 +490,12 @@ def _lower_onnx(node: ir.Node, ctx: LoweringContext) -> bool:
     inputs: list[ir.Value | None] = [q, k, v]
     if not is_zero(bias):
         inputs.append(_bias_for_kernel(bias, q, new_nodes, ctx.shared))  # type: ignore[arg-type]
-    new_nodes.append(ir.node("Attention", inputs, attributes={"q_num_heads": heads, "kv_num_heads": heads,
-                                                              "scale": float(attr_value(node, "scale", 1.0))}))
+    kv_heads = int(attr_value(node, "kv_num_heads", 0)) or heads
+    att = ir.node("Attention", inputs, attributes={"q_num_heads": heads, "kv_num_heads": kv_heads,
+                                                   "scale": float(attr_value(node, "scale", 1.0))})
+    new_nodes.append(att)
+    if int(attr_value(node, "nan_to_zero", 0)):
+        _nan_to_zero(att.outputs[0], new_nodes)
     _replace(node, new_nodes, ctx)
     return True
 
@@ -413,4 +504,13 @@ def _lower_trt(node: ir.Node, ctx: LoweringContext) -> bool:
     return ctx.inline(node)
 
 
-LOWERINGS: dict[str, dict[str, Lowering]] = {"Attention": {"ort": _lower_ort, "onnx": _lower_onnx, "tensorrt": _lower_trt}}
+def _inline(node: ir.Node, ctx: LoweringContext) -> bool:
+    return ctx.inline(node)
+
+
+LOWERINGS: dict[str, dict[str, Lowering]] = {
+    "Attention": {"ort": _lower_ort, "onnx": _lower_onnx, "tensorrt": _lower_trt},
+    # ONNX Runtime's RotaryEmbedding takes position-indexed cos/sin caches, not the per-token cos/sin an
+    # export computes: every target gets the body (rotating X in its [B, S, N, D] view, no transpose of X)
+    "RotaryEmbedding": {"ort": _inline, "onnx": _inline, "tensorrt": _inline},
+}

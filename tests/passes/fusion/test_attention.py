@@ -189,7 +189,7 @@ def test_near_miss_heads_not_constant() -> None:
     proto = parse(attention_text(heads="input"))
     result = assert_untouched(lowered(FuseAttentionPass(explain="true"), "ort"), proto)
     (miss,) = result.details["rules"]["AttentionFusion"]["near_miss_list"]
-    assert miss["reason"].startswith("num_heads cannot be determined: reshape target")
+    assert miss["reason"].startswith("query: num_heads cannot be determined: reshape target")
 
 
 def test_near_miss_softmax_not_over_keys() -> None:
@@ -226,17 +226,49 @@ def padded_feeds(batch: int = 4, seq: int = 16) -> dict[str, np.ndarray]:
 
 
 def _mask_index_inputs(model: ir.Model) -> set[str]:
-    """The names of the values every com.microsoft.Attention takes as mask_index (input 3)."""
-    return {n.inputs[3].name for n in model.graph if n.op_type == "Attention" and len(n.inputs) > 3 and n.inputs[3]}
+    """The names of the values every attention node takes as its mask index (input 3 of Attention, 4 of MHA)."""
+    out = set()
+    for n in model.graph:
+        i = {"Attention": 3, "MultiHeadAttention": 4}.get(n.op_type) if n.domain == "com.microsoft" else None
+        if i is not None and len(n.inputs) > i and n.inputs[i] is not None:
+            out.add(n.inputs[i].name)
+    return out
+
+
+def right_padded_feeds(batch: int = 4, seq: int = 16) -> dict[str, np.ndarray]:
+    """bert feeds whose every mask row is ones then zeros (at least one token)."""
+    feeds = bert_feeds(batch, seq)
+    mask = np.ones((batch, seq), dtype=np.int64)
+    for row in range(1, batch):
+        mask[row, seq - 3 * row:] = 0
+    feeds["attention_mask"] = mask
+    return feeds
 
 
 @pytest.mark.parametrize("dynamic", [True, False])
-def test_bert_tiny_ort(dynamic: bool) -> None:
-    """(1 - mask) * float32.min is traced to attention_mask: one Cast to int32 is the mask_index of both layers."""
+def test_bert_tiny_ort_default_bias(dynamic: bool) -> None:
+    """Default --mask-format bias: MultiHeadAttention with the additive bias, exact for any padding (padded_feeds
+    has right, left and full padding); one expansion of the bias when the query lengths are known equal."""
+    proto = bert_tiny(dynamic=dynamic, batch=4)
+    stats = {**BERT_STATS, "bias_expansions": 2 if dynamic else 1}  # no shape inference: two symbolic lengths
+    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, stats=stats, feeds=padded_feeds(), rel=1e-5)
+    left = op_counts(model)
+    assert left["com.microsoft.MultiHeadAttention"] == 2 and left["Expand"] == stats["bias_expansions"]
+    assert not UNFUSED & set(left), left
+    assert _mask_index_inputs(model) == set()
+    for node in model.graph:
+        if node.op_type == "MultiHeadAttention":
+            assert len(node.inputs) == 6 and node.inputs[5] is not None  # attention_bias
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_bert_tiny_ort_raw(dynamic: bool) -> None:
+    """--mask-format raw: (1 - mask) * float32.min is traced to attention_mask: one Cast to int32 is the 2-D
+    mask_index of both (packed) Attention nodes."""
     proto = bert_tiny(dynamic=dynamic, batch=4)
     feeds = padded_feeds()
-    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, stats={**BERT_STATS, "mask_index_casts": 1},
-                         feeds=feeds, rel=1e-5)
+    model = check_fusion(lowered(FuseAttentionPass(mask_format="raw"), "ort"), proto,
+                         stats={**BERT_STATS, "mask_index_casts": 1}, feeds=feeds, rel=1e-5)
     left = op_counts(model)
     assert left["com.microsoft.Attention"] == 2
     assert not UNFUSED & set(left), left
@@ -252,11 +284,31 @@ def test_bert_tiny_ort(dynamic: bool) -> None:
             assert node.attributes["mask_filter_value"].value == pytest.approx(float(np.finfo(np.float32).min))
 
 
-def test_bert_tiny_fully_padded_row_matches_original() -> None:
-    """The kernel fills masked scores with the original constant, so even an all-masked row agrees."""
+def test_bert_tiny_ort_lengths_exact_for_right_padding_only() -> None:
+    """--mask-format lengths: ReduceSum of the mask (once) is MultiHeadAttention's 1-D key_padding_mask; equal to
+    the original on right-padded masks, and (as documented) not on left-padded ones."""
+    proto = bert_tiny(batch=4)
+    stats = {**BERT_STATS, "mask_index_casts": 1, "mask_lengths": 1}
+    model = check_fusion(lowered(FuseAttentionPass(mask_format="lengths"), "ort"), proto, stats=stats,
+                         feeds=right_padded_feeds(), rel=1e-5)
+    left = op_counts(model)
+    assert left["com.microsoft.MultiHeadAttention"] == 2 and left["ReduceSum"] == 1 and "Expand" not in left
+    (red,) = [n for n in model.graph if n.op_type == "ReduceSum"]
+    assert _mask_index_inputs(model) == {red.outputs[0].name}
+    left_padded = bert_feeds(4, 16)
+    left_padded["attention_mask"] = np.ones((4, 16), dtype=np.int64)
+    left_padded["attention_mask"][1, :5] = 0
+    ref, got = run_ort(proto, left_padded), run_ort(to_proto(model), left_padded)
+    assert np.abs(ref[0][1] - got[0][1]).max() > 1e-2  # the left-padded row attends to the wrong keys
+    np.testing.assert_allclose(got[0][0], ref[0][0], rtol=1e-5, atol=1e-5)  # the unpadded row is unchanged
+
+
+@pytest.mark.parametrize("fmt", ["bias", "raw"])
+def test_bert_tiny_fully_padded_row_matches_original(fmt: str) -> None:
+    """bias adds the original bias; raw fills masked scores with the original constant: an all-masked row agrees."""
     proto = bert_tiny(batch=4)
     feeds = padded_feeds()
-    model, _ = run_pass(lowered(FuseAttentionPass(), "ort"), proto)
+    model, _ = run_pass(lowered(FuseAttentionPass(mask_format=fmt), "ort"), proto)
     ref, got = run_ort(proto, feeds), run_ort(to_proto(model), feeds)
     for r, g in zip(ref, got):
         np.testing.assert_allclose(g[2], r[2], rtol=1e-5, atol=1e-5)  # the fully padded row
@@ -264,7 +316,8 @@ def test_bert_tiny_fully_padded_row_matches_original() -> None:
 
 
 def test_bert_tiny_ort_bias_not_a_padding_mask_keeps_bias() -> None:
-    """Near miss for mask_index: (1 - mask) * 3 is not a padding mask; the bias stays and is expanded.
+    """Near miss for the mask index: (1 - mask) * 3 is not a padding mask; even with --mask-format lengths the
+    bias stays and is expanded.
 
     Without shape inference the two layers' query lengths are not known to be equal, so each layer
     expands it (after ``infer-shapes``, as in the ``cleanup`` preset, one expansion is shared).
@@ -281,11 +334,18 @@ def test_bert_tiny_ort_bias_not_a_padding_mask_keeps_bias() -> None:
                 arr = onnx.numpy_helper.to_array(a.t)
                 if arr.size == 1 and float(arr.reshape(())) == lowest:
                     a.t.CopyFrom(onnx.numpy_helper.from_array(np.array(3.0, dtype=arr.dtype)))
-    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, stats={**BERT_STATS, "bias_expansions": 2},
-                         feeds=bert_feeds(3, 16))
+    model = check_fusion(lowered(FuseAttentionPass(mask_format="lengths"), "ort"), proto,
+                         stats={**BERT_STATS, "bias_expansions": 2}, feeds=bert_feeds(3, 16))
     left = op_counts(model)
-    assert left["Expand"] == 2 and left["com.microsoft.Attention"] == 2, left
+    assert left["Expand"] == 2 and left["com.microsoft.MultiHeadAttention"] == 2, left
     assert _mask_index_inputs(model) == set()
+
+
+def test_mask_format_option_refuses_unknown() -> None:
+    from mograph.errors import MographError
+
+    with pytest.raises((MographError, ValueError)):
+        FuseAttentionPass(mask_format="padding")
 
 
 @pytest.mark.parametrize("target,opset,op", [("mograph", 17, "mograph.Attention"), ("onnx", 23, "Attention")])
@@ -340,7 +400,7 @@ def test_bert_export_ort(export_dir: Path, exporter: str, opset: int) -> None:
     traced = exporter == "torchscript"  # dynamo writes the padding lookup with GatherND: not traced, stays a bias
     stats = {"AttentionFusion": L, "AttentionFusion.mul.mask": L, "lowered.Attention": L,
              **({"mask_index_casts": 1} if traced else {})}
-    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, stats=stats, feeds=feeds)
+    model = check_fusion(lowered(FuseAttentionPass(mask_format="raw"), "ort"), proto, stats=stats, feeds=feeds)
     if traced:  # transformers' index-based padding mask is traced to attention_mask: its computation is gone
         (cast,) = [n for n in model.graph if n.op_type == "Cast" and n.inputs[0].name == "attention_mask"]
         assert _mask_index_inputs(model) == {cast.outputs[0].name}
@@ -348,7 +408,8 @@ def test_bert_export_ort(export_dir: Path, exporter: str, opset: int) -> None:
     else:
         assert _mask_index_inputs(model) == set()
 
-    # the whole preset, as deployed: cleanup then fuse, every fusion lowered for ONNX Runtime
+    # the whole preset, as deployed: cleanup then fuse, every fusion lowered for ONNX Runtime (default: bias)
+    expands = op_counts(to_ir(proto))["Expand"]
     model = to_ir(proto)
     reg = get_registry()
     fused = 0
@@ -356,7 +417,8 @@ def test_bert_export_ort(export_dir: Path, exporter: str, opset: int) -> None:
         fused += int(p.call(model).stats.get("AttentionFusion", 0))
     assert fused == L
     left = op_counts(model)
-    assert left["com.microsoft.Attention"] == L and "Softmax" not in left, left
+    assert left["com.microsoft.MultiHeadAttention"] == L and "Softmax" not in left, left
+    assert left["Expand"] <= expands + 1  # at most one [B, 1, S, T] expansion of the bias for both layers
     assert_close(run_ort(proto, feeds), run_ort(to_proto(model), feeds), 1e-4)
     before = graph_fingerprint(model)
     assert not lowered(FuseAttentionPass(), "ort").call(model).modified
@@ -371,3 +433,199 @@ def test_pass_registered() -> None:
     assert "fuse-attention" in reg.expand("fuse")
     assert ("mograph", "Attention") in reg.custom_ops
     assert set(reg.custom_ops[("mograph", "Attention")].lowerings) == {"ort", "onnx", "tensorrt"}
+
+
+# ------------------------------------------------------------------ new forms, graphs in code ----
+
+
+def test_near_miss_mask_added_after_softmax_explained() -> None:
+    """A bias added to the probabilities (not the scores) is not attention's math: untouched, and --explain
+    names the node after the softmax that is not the expected MatMul."""
+    text = attention_text().replace("sm = Add(bias, s)", "sm = Identity(s)").replace(
+        "o = MatMul(p, vh)", "pb = Add(p, bias)\n  o = MatMul(pb, vh)")
+    proto = parse(text)
+    result = assert_untouched(lowered(FuseAttentionPass(explain="true"), "ort"), proto)
+    (entry,) = result.details["fuse-attention"]["unfused_softmax"]
+    assert "expected MatMul(probabilities, V)" in entry["reason"] and "got Add" in entry["reason"]
+
+
+def test_explain_names_the_query_side_mismatch() -> None:
+    """Q not split by the expected Transpose (a Relu in between): the reason names the node and the expectation."""
+    text = attention_text().replace("qh = Transpose<perm=[0,2,1,3]>(q4)", "qt = Transpose<perm=[0,2,1,3]>(q4)\n  qh = Relu(qt)")
+    proto = parse(text)
+    result = assert_untouched(lowered(FuseAttentionPass(explain="true"), "ort"), proto)
+    (entry,) = result.details["fuse-attention"]["unfused_softmax"]
+    assert entry["reason"].startswith("query: expected Transpose perm [0, 2, 1, 3] splitting heads, got Relu")
+
+
+def gqa_text(kv: int = 2) -> str:
+    """Grouped-query attention as transformers' repeat_kv writes it: H = 4 query heads, ``kv`` K/V heads."""
+    rep = H // kv
+    return f'''<ir_version: 8, opset_import: ["" : 17]>
+g (float[{B},{S},{HID}] q, float[{B},{S},{kv * D}] k, float[{B},{S},{kv * D}] v, float[{B},1,1,{S}] bias)
+  => (float[{B},{S},{HID}] y)
+  <int64[4] qs = {{0, 0, {H}, {D}}}, int64[4] kvs = {{0, 0, {kv}, {D}}}, int64[1] ax = {{2}},
+   int64[5] big = {{{B}, {kv}, {rep}, {S}, {D}}}, int64[4] merged = {{{B}, {H}, {S}, {D}}},
+   float sc = {{{1 / math.sqrt(D)}}}, int64[3] shp3 = {{0, 0, -1}}> {{
+  q4 = Reshape(q, qs)
+  qh = Transpose<perm=[0,2,1,3]>(q4)
+  k3 = Reshape(k, kvs)
+  k4 = Transpose<perm=[0,2,1,3]>(k3)
+  v3 = Reshape(v, kvs)
+  v4 = Transpose<perm=[0,2,1,3]>(v3)
+  k5 = Unsqueeze(k4, ax)
+  k6 = Expand(k5, big)
+  kh = Reshape(k6, merged)
+  v5 = Unsqueeze(v4, ax)
+  v6 = Expand(v5, big)
+  vh = Reshape(v6, merged)
+  kt = Transpose<perm=[0,1,3,2]>(kh)
+  mm = MatMul(qh, kt)
+  sc2 = Mul(mm, sc)
+  sm = Add(sc2, bias)
+  p = Softmax<axis=-1>(sm)
+  o = MatMul(p, vh)
+  ot = Transpose<perm=[0,2,1,3]>(o)
+  y = Reshape(ot, shp3)
+}}'''
+
+
+def _gqa_feeds(kv: int = 2) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(3)
+    feeds = {"q": rng.standard_normal((B, S, HID)).astype(np.float32)}
+    feeds.update({n: rng.standard_normal((B, S, kv * D)).astype(np.float32) for n in ("k", "v")})
+    bias = np.zeros((B, 1, 1, S), dtype=np.float32)
+    bias[1, ..., 3:] = np.finfo(np.float32).min
+    feeds["bias"] = bias
+    return feeds
+
+
+def test_grouped_query_attention_fuses_with_kv_num_heads() -> None:
+    """repeat_kv is traced: one mograph.Attention(num_heads=4, kv_num_heads=2) whose function body (and the
+    numpy reference) equal the original; ort: MultiHeadAttention over K/V repeated per head (one Expand each)."""
+    proto = parse(gqa_text())
+    feeds = _gqa_feeds()
+    stats = {"AttentionFusion": 1, "AttentionFusion.mul.mask.gqa": 1}
+    model = check_fusion(FuseAttentionPass(), proto, stats=stats, ops_left=["mograph.Attention"], feeds=feeds)
+    node = next(iter(model.graph))
+    assert node.attributes["num_heads"].value == H and node.attributes["kv_num_heads"].value == 2
+    (ref,) = attention_op.custom_ops()[0].reference(feeds["q"], feeds["k"], feeds["v"], feeds["bias"], num_heads=H,
+                                                    scale=1 / math.sqrt(D), kv_num_heads=2)
+    assert_close(run_ort(proto, feeds), [ref], 1e-5)
+    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, feeds=feeds,
+                         stats={**stats, "lowered.Attention": 1, "bias_expansions": 1, "kv_repeats": 2})
+    assert op_counts(model)["com.microsoft.MultiHeadAttention"] == 1 and op_counts(model)["Expand"] == 3
+    inlined = check_fusion(lowered(FuseAttentionPass(), "onnx"), proto, stats={**stats, "inlined.Attention": 1},
+                           feeds=feeds)
+    assert "Softmax" in op_counts(inlined) and "mograph" not in inlined.opset_imports
+
+
+def test_grouped_query_attention_onnx_23_standard_op() -> None:
+    proto = parse(gqa_text().replace('"" : 17', '"" : 23'))
+    model = check_fusion(lowered(FuseAttentionPass(), "onnx"), proto, feeds=_gqa_feeds(),
+                         stats={"AttentionFusion": 1, "AttentionFusion.mul.mask.gqa": 1, "lowered.Attention": 1,
+                                "bias_expansions": 1})
+    (att,) = [n for n in model.graph if n.op_type == "Attention"]
+    assert att.attributes["kv_num_heads"].value == 2 and att.attributes["q_num_heads"].value == H
+
+
+def test_near_miss_repeat_count_wrong() -> None:
+    """repeat_kv repeating 2 KV heads 3 times does not give the 4 query heads: untouched, reason given."""
+    text = gqa_text().replace(f"{{{B}, 2, 2, {S}, {D}}}", f"{{{B}, 2, 3, {S}, {D}}}").replace(
+        f"{{{B}, {H}, {S}, {D}}}", f"{{{B}, 6, {S}, {D}}}")
+    text = text.replace(f"float[{B},{S},{HID}] y)", f"float[{B},{S},24] y)")
+    proto = onnx.parser.parse_model(text)
+    result = assert_untouched(FuseAttentionPass(explain="true"), proto)
+    (miss,) = result.details["rules"]["AttentionFusion"]["near_miss_list"]
+    assert miss["reason"] == "query has 4 heads, key 2 (repeated 3 times)"
+
+
+def sdpa_guard_text() -> str:
+    """torch's sdpa as TorchScript exports it: Q and K^T each scaled by D^-1/4, a -inf mask, NaN -> 0."""
+    return attention_text(scale="mul-qk").replace(
+        'y = Reshape(ot, shp3)', 'y = Reshape(ot, shp3)').replace(
+        "o = MatMul(p, vh)", "nan = IsNaN(p)\n  pz = Where(nan, zero, p)\n  o = MatMul(pz, vh)").replace(
+        "int64[3] shp3", "float zero = {0.0}, int64[3] shp3")
+
+
+@pytest.mark.parametrize("target", ["mograph", "ort"])
+def test_sdpa_nan_guard_fully_masked_row(target: str) -> None:
+    """A fully -inf-masked row gives NaN probabilities that sdpa's export turns into 0: the fused op keeps that
+    (nan_to_zero), on the function body and after the ORT lowering (Where(IsNaN(Y), 0, Y))."""
+    proto = parse(sdpa_guard_text())
+    feeds = _feeds(proto)
+    bias = np.zeros((B, 1, 1, S), dtype=np.float32)
+    bias[0, ..., 2:] = -np.inf
+    bias[1] = -np.inf  # every key of batch row 1 masked
+    feeds["bias"] = bias
+    ref = run_ort(proto, feeds)
+    assert np.all(ref[0][1] == 0) and np.all(np.isfinite(ref[0]))
+    stats = {"AttentionFusion": 1, "AttentionFusion.mul-qk.mask": 1}
+    if target == "ort":
+        stats.update({"lowered.Attention": 1, "bias_expansions": 1})
+    model = check_fusion(lowered(FuseAttentionPass(), target), proto, stats=stats, feeds=feeds)
+    fused = [n for n in model.graph if n.op_type in ("Attention", "MultiHeadAttention")]
+    if target == "mograph":
+        assert fused[0].attributes["nan_to_zero"].value == 1
+    else:
+        assert op_counts(model)["IsNaN"] == 1 and op_counts(model)["com.microsoft.MultiHeadAttention"] == 1
+
+
+def rotary_gqa_text(rot_k: bool = True, half: int = D // 2) -> str:
+    """LLaMA-style: rotary on Q and K heads (transformers' apply_rotary_pos_emb), then repeat_kv and attention."""
+    body = gqa_text()
+    rot = []
+    for name, src in (("q", "qh0"), ("k", "k40")) if rot_k else (("q", "qh0"),):
+        rot += [f"r{name}a = Slice({src}, zero1, halfd, ax3)", f"r{name}b = Slice({src}, halfd, big1, ax3)",
+                f"r{name}n = Neg(r{name}b)", f"r{name}r = Concat<axis=-1>(r{name}n, r{name}a)",
+                f"r{name}c = Mul({src}, cos)", f"r{name}s = Mul(r{name}r, sin)"]
+    body = body.replace("qh = Transpose<perm=[0,2,1,3]>(q4)", "qh0 = Transpose<perm=[0,2,1,3]>(q4)")
+    if rot_k:
+        body = body.replace("k4 = Transpose<perm=[0,2,1,3]>(k3)", "k40 = Transpose<perm=[0,2,1,3]>(k3)")
+    lines = "\n  ".join(rot) + "\n  qh = Add(rqc, rqs)\n  " + ("k4 = Add(rkc, rks)\n  " if rot_k else "")
+    body = body.replace("  k5 = Unsqueeze(k4, ax)", "  " + lines + "k5 = Unsqueeze(k4, ax)")
+    body = body.replace(f"float[{B},1,1,{S}] bias)",
+                        f"float[{B},1,1,{S}] bias, float[1,1,{S},{D}] cos, float[1,1,{S},{D}] sin)")
+    return body.replace("float sc =", f"int64[1] zero1 = {{0}}, int64[1] halfd = {{{half}}}, int64[1] big1 = "
+                        f"{{1000}}, int64[1] ax3 = {{3}}, float sc =")
+
+
+def _rotary_feeds() -> dict[str, np.ndarray]:
+    feeds = _gqa_feeds()
+    pos = np.arange(S, dtype=np.float32)[:, None] * (1.0 / 10000 ** (np.arange(0, D, 2) / D))[None, :]
+    emb = np.concatenate([pos, pos], axis=-1)
+    feeds["cos"], feeds["sin"] = np.cos(emb)[None, None].astype(np.float32), np.sin(emb)[None, None].astype(np.float32)
+    return feeds
+
+
+@pytest.mark.parametrize("target", ["mograph", "ort", "onnx"])
+def test_rotary_grouped_query_attention(target: str) -> None:
+    """Rotary Q and K + repeat_kv: mograph.RotaryEmbedding x2 feeding mograph.Attention(kv_num_heads=2); ort:
+    the rotary bodies inlined and MultiHeadAttention over repeated K/V; numbers equal on ORT CPU."""
+    proto = parse(rotary_gqa_text())
+    feeds = _rotary_feeds()
+    stats = {"AttentionFusion": 1, "AttentionFusion.mul.mask.gqa.rotary": 1}
+    if target == "ort":
+        stats.update({"lowered.Attention": 1, "lowered.RotaryEmbedding": 2, "bias_expansions": 1, "kv_repeats": 2})
+    if target == "onnx":
+        stats.update({"inlined.Attention": 1, "lowered.RotaryEmbedding": 2})
+    model = check_fusion(lowered(FuseAttentionPass(), target), proto, stats=stats, feeds=feeds)
+    left = op_counts(model)
+    if target == "mograph":
+        assert left == Counter({"mograph.RotaryEmbedding": 2, "mograph.Attention": 1}), left
+        rope = attention_op.rotary_embedding(feeds["q"], feeds["cos"], feeds["sin"], num_heads=H)
+        (got,) = run_ort(parse(rotary_gqa_text().replace("y = Reshape(ot, shp3)", "y = Identity(qh)").replace(
+            f"float[{B},{S},{HID}] y)", "float y)")), feeds)
+        np.testing.assert_allclose(got.transpose(0, 2, 1, 3).reshape(B, S, HID), rope, rtol=1e-5, atol=1e-6)
+    elif target == "ort":
+        assert left["com.microsoft.MultiHeadAttention"] == 1 and "Softmax" not in left and "Neg" in left, left
+    else:
+        assert not any(k.startswith("mograph.") for k in left) and "Softmax" in left
+
+
+def test_near_miss_rotary_wrong_half() -> None:
+    """rotate_half splitting at D/4 is not a rotary embedding: the query side stops at the Add, untouched."""
+    proto = parse(rotary_gqa_text(half=D // 4))
+    result = assert_untouched(lowered(FuseAttentionPass(explain="true"), "ort"), proto)
+    (entry,) = result.details["fuse-attention"]["unfused_softmax"]
+    assert entry["reason"].startswith("query: expected Transpose perm [0, 2, 1, 3] splitting heads, got Add")

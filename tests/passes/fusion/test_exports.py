@@ -39,7 +39,10 @@ for _ex, _ops in (("torchscript", (14, 17, 18)), ("dynamo", (17, 18))):
         ln = NORMS["bert"] if (_ex == "torchscript" and _op < 17) else 0
         EXPECTED[("bert", _ex, _op)] = {"LayerNormFusion": ln, "SkipLayerNormFusion": 5, "GeluFusion": L,
                                         "BiasGeluFusion": L}
-        EXPECTED[("gpt2", _ex, _op)] = {"LayerNormFusion": ln, "SkipLayerNormFusion": 5, "GeluTanhFusion": L}
+        # GPT-2's Conv1D is Gemm + bias: the bias goes into four of the five Skip norms and into the GELU
+        EXPECTED[("gpt2", _ex, _op)] = {"LayerNormFusion": ln, "SkipLayerNormFusion": 1,
+                                        "SkipLayerNormGemmBiasFusion": 2 * L, "GeluTanhFusion": L,
+                                        "GemmBiasGeluFusion": L}
         EXPECTED[("vit", _ex, _op)] = {"LayerNormFusion": ln, "SkipLayerNormFusion": 5, "GeluFusion": L,
                                        "BiasGeluFusion": L}
 for _ex, _ops in (("torchscript", (14, 17, 18)), ("dynamo", (14, 17, 18))):
@@ -48,8 +51,8 @@ for _ex, _ops in (("torchscript", (14, 17, 18)), ("dynamo", (14, 17, 18))):
         EXPECTED[("llama", _ex, _op)] = {"RMSNormFusion": NORMS["llama"], "SkipRMSNormFusion": 2 * L}
 CASES = sorted(k for k in EXPECTED if k[2] in export_hf.SUPPORTED.get((k[0], k[1]), ()))
 
-RULES = ("LayerNormFusion", "RMSNormFusion", "SkipLayerNormFusion", "SkipRMSNormFusion", "GeluFusion",
-         "GeluTanhFusion", "QuickGeluFusion", "BiasGeluFusion")
+RULES = ("LayerNormFusion", "RMSNormFusion", "SkipLayerNormFusion", "SkipLayerNormGemmBiasFusion", "SkipRMSNormFusion",
+         "GeluFusion", "GeluTanhFusion", "QuickGeluFusion", "BiasGeluFusion", "GemmBiasGeluFusion")
 
 
 @pytest.fixture(scope="session")

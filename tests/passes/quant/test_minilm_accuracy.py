@@ -91,3 +91,27 @@ def test_minilm_int8_defaults_reach_issue_17_accuracy(exported):
     print(f"MiniLM INT8 defaults vs FP32 over {len(cos)} texts: mean {cos.mean():.5f} min {cos.min():.5f}")
     assert cos.mean() >= 0.995
     assert cos.min() >= 0.98
+
+
+def test_minilm_fp16_fused_sentence_embeddings(exported):
+    """fp16 on the fused graph (cleanup,fuse --target ort): mean cosine >= 0.9995 over the 220 sentences,
+    nothing kept float32 that was not measured necessary, Casts only at the boundary."""
+    from mograph.passes.quant import Fp16Pass
+    from mograph.passes.quant._fp16_measure import keep_fp16_rounding
+
+    import mograph
+
+    path = exported
+    tok = minilm.load_tokenizer()
+    ref = _embed(ir.load(str(path)), tok)
+    fused, _ = mograph.optimize(str(path), "cleanup,fuse", options={"target": "ort"})
+    casts = op_counts(fused)["Cast"]
+    result = Fp16Pass(calibration_data=[minilm.tokenize(tok, [s]) for s in CALIBRATION[:32]]).call(fused)
+    assert result.details["plan"]["accuracy_budget"]["met"] is True
+    assert all("measured" in e["reason"] for e in result.details["kept_fp32"])
+    assert op_counts(fused)["Cast"] - casts == result.stats["casts"] <= 2 + result.stats["kept_fp32"] * 2
+    # ORT's CPU provider runs float16 nodes it has no kernel for in float32: keep the float16 rounding
+    cos = minilm.cosine_rows(ref, _embed(keep_fp16_rounding(fused), tok))
+    print(f"MiniLM fp16 (fused) vs FP32 over {len(cos)} sentences: mean {cos.mean():.6f} min {cos.min():.6f}")
+    assert cos.mean() >= 0.9995
+    assert cos.min() >= 0.999

@@ -1,0 +1,216 @@
+"""The regression gate: measure a candidate model the way the ledger measured its rows, and fail loudly.
+
+``mograph gate CANDIDATE.onnx --ledger PATH`` is the command a CI job runs after the model is
+retrained or the optimization pipeline changed:
+
+1. **what it is compared with** — ``--baseline NAME`` (a ledger row: id or name), by default the newest
+   unoptimized baseline row of the ledger;
+2. **the reference outputs** — from the unoptimized model of that row's sweep (the baseline row with
+   the same model hash): its file must still be where the ledger says and hash the same, else the
+   gate refuses (exit 2) rather than compare with something else;
+3. **the evaluation set** — the one the ledger recorded (``settings.eval_data``), re-read and checked
+   against the recorded hash (a changed set is refused: exit 2); seeded random samples are made again
+   from their recorded count and seed;
+4. **measuring** — :func:`mograph.workflow.metrics.measure` with the recorded warm-up, timed runs,
+   threads, provider and ORT setting; the compared row's model is measured again beside the candidate
+   (interleaved) when its file is still there, so the latency ratio is taken on this machine now; if it
+   is gone, the recorded figures are used and the output says so;
+5. **the verdict** — a regression when the accuracy metric (the task metric if the ledger recorded one,
+   else ``cosine_mean`` against the reference) dropped by more than ``max_accuracy_drop`` (absolute,
+   default 0.01), or when the p50 latency rose by more than ``max_latency_increase`` (default 10%).
+   A regression raises :class:`GateFailed` (exit code 5, "verification failed") with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mograph.errors import ModelError, UsageError, VerificationError
+
+__all__ = ["GateFailed", "GateResult", "run_gate", "parse_percent", "DEFAULT_MAX_ACCURACY_DROP",
+           "DEFAULT_MAX_LATENCY_INCREASE"]
+
+DEFAULT_MAX_ACCURACY_DROP = 0.01
+DEFAULT_MAX_LATENCY_INCREASE = 0.10
+
+
+class GateFailed(VerificationError):
+    """The candidate regressed past a tolerance (exit code 5)."""
+
+
+@dataclass
+class GateResult:
+    passed: bool
+    reasons: list[str]
+    candidate: dict[str, Any]
+    compared: dict[str, Any]
+    compared_name: str
+    accuracy_metric: str
+    accuracy_drop: float | None
+    latency_ratio: float | None
+    remeasured: bool
+    row_id: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def parse_percent(text: str | float, flag: str = "--max-latency-increase") -> float:
+    """``"10%"``, ``"10"`` -> 0.10 (a fraction)."""
+    raw = str(text).strip()
+    number = raw[:-1] if raw.endswith("%") else raw
+    try:
+        value = float(number) / 100.0
+    except ValueError:
+        raise UsageError(f"{flag} {raw!r}: expected a percentage such as 10%") from None
+    if value < 0:
+        raise UsageError(f"{flag} {raw!r}: must not be negative")
+    return value
+
+
+def _eval_samples(row: dict[str, Any], model: Any) -> list[Any]:
+    from mograph.workflow import metrics as M
+
+    settings = row.get("settings") or {}
+    spec = settings.get("eval_data")
+    if not spec:
+        raise UsageError(f"ledger row {row['name']!r} records no evaluation set; re-run the sweep with this mograph")
+    if str(spec).startswith("random:"):
+        _, n, seed = str(spec).split(":")
+        shapes = {k: tuple(v) for k, v in (row.get("shapes") or {}).items()}
+        samples = M.random_samples(model, int(n), seed=int(seed.split("=")[1]), shapes=shapes)
+    else:
+        samples = M.load_samples(spec, model, what="the ledger's evaluation set", limit=int(settings.get("eval_samples") or 0))
+    if row.get("eval_hash") and M.hash_samples(samples) != row["eval_hash"]:
+        raise UsageError(f"the evaluation set {spec} changed since the ledger recorded row {row['name']!r} (hash differs)")
+    return samples
+
+
+def run_gate(
+    candidate: str | os.PathLike[str],
+    ledger: Any,
+    *,
+    baseline: str | None = None,
+    max_accuracy_drop: float = DEFAULT_MAX_ACCURACY_DROP,
+    max_latency_increase: float = DEFAULT_MAX_LATENCY_INCREASE,
+    record: str | None = None,
+    blocked: list[str] | None = None,
+    progress: Any = None,
+) -> GateResult:
+    """Gate ``candidate`` against the ledger (see the module docstring); record it as row ``record`` if given.
+
+    Returns the result when it passes; raises :class:`GateFailed` (with ``result`` attached as
+    ``report``) when it does not.
+    """
+    from mograph import ir_io
+    from mograph.validate import make_feeds
+    from mograph.workflow import metrics as M
+
+    cand = Path(candidate)
+    if not cand.is_file():
+        raise UsageError(f"candidate {cand}: no such file")
+    ir_io.load_model(cand)  # a bad candidate is a ModelError (exit 3), before anything else
+    if max_accuracy_drop < 0:
+        raise UsageError("--max-accuracy-drop must not be negative")
+    if baseline is not None:
+        compared = ledger.get(baseline)
+    else:
+        compared = ledger.baseline()
+        if compared is None:
+            raise UsageError(f"ledger {ledger.path} has no baseline row: run `mograph sweep` first, or give --baseline NAME")
+    if compared.get("status") != "ok":
+        raise UsageError(f"ledger row {compared['name']!r} is a failed run: choose another --baseline")
+    reference = compared if compared.get("baseline") else ledger.baseline(compared.get("model_hash"))
+    if reference is None:
+        raise UsageError(f"ledger has no baseline row for the model of {compared['name']!r} (hash {compared.get('model_hash')})")
+    ref_path = Path(str(reference.get("model_path") or ""))
+    if not ref_path.is_file():
+        raise UsageError(f"the baseline model {ref_path} recorded in the ledger is gone; the gate needs it for reference outputs")
+    if M.hash_file(ref_path) != reference.get("model_hash"):
+        raise UsageError(f"the baseline model {ref_path} changed since the ledger recorded it (hash differs)")
+    ref_model = ir_io.load_model(ref_path)
+    samples = _eval_samples(compared, ref_model)
+    settings = compared.get("settings") or {}
+    shapes = {k: tuple(v) for k, v in (compared.get("shapes") or {}).items()}
+    feed = make_feeds(ref_model, shapes=shapes, seed=int(settings.get("seed") or 0))[0]
+    del ref_model
+    providers = settings.get("providers") or ([compared["provider"]] if compared.get("provider") else None)
+    common = dict(providers=providers, ort_optimizations=bool(settings.get("ort_optimizations", True)),
+                  threads=settings.get("threads"), backend=compared.get("backend") or "ort")
+    targets = [M.Target("reference", ref_path, **common), M.Target("candidate", cand, **common)]  # type: ignore[arg-type]
+    notes: list[str] = []
+    remeasure = compared is reference
+    if not compared.get("baseline"):
+        path = compared.get("model_path")
+        out_hash = settings.get("output_hash")
+        if path and Path(path).is_file() and out_hash and M.hash_file(path) == out_hash:
+            targets.append(M.Target("compared", Path(path), **common))  # type: ignore[arg-type]
+            remeasure = True
+        else:
+            notes.append(f"{compared['name']}'s model was not kept: its recorded latency is used, not a fresh one")
+    measured = M.measure(
+        targets, feed, samples, warmup=int(settings.get("warmup", 5)), iterations=int(settings.get("iterations", 50)),
+        blocked=blocked or [], progress=progress,
+    )
+    for name in ("reference", "candidate"):
+        if measured[name].error:
+            raise ModelError(f"{name} model cannot be measured: {measured[name].error}")
+    ref_out = measured["reference"].outputs
+    task = M.load_function(settings["task_metric"], "task_metric") if settings.get("task_metric") else None
+
+    def full(name: str) -> dict[str, Any]:
+        m = dict(measured[name].metrics)
+        m.update(M.accuracy(ref_out, measured[name].outputs))
+        if task is not None:
+            m.update(M.call_task_metric(task, measured[name].outputs, samples, ref_out))
+        return m
+
+    cand_metrics = full("candidate")
+    if compared is reference:
+        comp_metrics = full("reference")
+    elif "compared" in measured and not measured["compared"].error:
+        comp_metrics = full("compared")
+    else:
+        comp_metrics = dict(compared.get("metrics") or {})
+        remeasure = False
+    metric = "task_metric" if comp_metrics.get("task_metric") is not None else "cosine_mean"
+    reasons = []
+    drop = None
+    if comp_metrics.get(metric) is not None and cand_metrics.get(metric) is not None:
+        drop = float(comp_metrics[metric]) - float(cand_metrics[metric])
+        if drop > max_accuracy_drop:
+            reasons.append(
+                f"accuracy: {metric} {cand_metrics[metric]:.6g} vs {comp_metrics[metric]:.6g} of "
+                f"'{compared['name']}' (drop {drop:.4g} > {max_accuracy_drop:g})"
+            )
+    ratio = None
+    if comp_metrics.get("latency_p50_ms") and cand_metrics.get("latency_p50_ms") is not None:
+        ratio = float(cand_metrics["latency_p50_ms"]) / float(comp_metrics["latency_p50_ms"])
+        if ratio - 1.0 > max_latency_increase:
+            reasons.append(
+                f"latency: p50 {cand_metrics['latency_p50_ms']:.3f} ms vs {comp_metrics['latency_p50_ms']:.3f} ms of "
+                f"'{compared['name']}' (+{(ratio - 1) * 100:.1f}% > {max_latency_increase * 100:g}%"
+                f"{'' if remeasure else ', recorded figure'})"
+            )
+    result = GateResult(
+        passed=not reasons, reasons=reasons, candidate=cand_metrics, compared=comp_metrics,
+        compared_name=compared["name"], accuracy_metric=metric, accuracy_drop=drop, latency_ratio=ratio,
+        remeasured=remeasure, notes=notes,
+    )
+    if record:
+        result.row_id = ledger.add({
+            "name": record, "host": socket.gethostname(), "model_path": str(cand.resolve()),
+            "model_hash": M.hash_file(cand), "pipeline": [], "options": {}, "provider": next(iter(measured["candidate"].providers), None),
+            "backend": common["backend"], "shapes": compared.get("shapes"), "calib_hash": None,
+            "eval_hash": compared.get("eval_hash"), "versions": M.versions(), "metrics": cand_metrics, "baseline": False,
+            "settings": {**settings, "gate": {"against": compared["name"], "passed": result.passed, "reasons": reasons},
+                         "output_hash": M.hash_file(cand)},
+        })
+    if reasons:
+        raise GateFailed("gate failed: " + "; ".join(reasons), report=result)
+    return result

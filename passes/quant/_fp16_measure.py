@@ -1,0 +1,270 @@
+"""Measurements behind ``fp16``'s decisions: each node's own float16 error, and the model's end-to-end error.
+
+**Local error (one run per calibration sample).**  A copy of the model gets, beside every candidate node,
+a float16 *twin*: the same op and attributes, fed with the float32 model's own inputs of that node
+rounded to float16 (values beyond the float16 range saturate to +-65504, and constants are stored the way
+the conversion stores them).  One ONNX Runtime session (optimizations off) computes the float32 graph
+and every twin together, so each node's error is measured on the inputs it really sees and is not mixed
+with the error of the nodes before it::
+
+    local_error(n) = sqrt(sum ||y16 - sat(y32)||^2 / sum ||sat(y32)||^2)     over samples and outputs
+
+``sat`` clips to the float16 range: a value that only saturates (an attention-mask constant of -3.4e38
+that becomes -65504) is not counted as an error here; whether saturation matters is left to the end-to-end
+check.  A twin that gives a non-finite value where the float32 node gives a finite one **overflows** (the
+node cannot compute in float16 on this data).  The float32 outputs' statistics (largest magnitude,
+reduced extent) come from the same run.
+
+**Running float16 on the CPU.**  ONNX Runtime's CPU provider has no float16 kernel for most ops; it
+computes them in float32 between inserted ``Cast`` s and then drops each ``Cast`` pair that goes to float16
+and straight back, so a float16 graph runs there as float32 and shows no float16 error at all (measured:
+``Cast(1000.7 -> f16) - 1000`` gives 0.7, not 0.5).  Every measurement here therefore runs a copy in which
+each float16 tensor passes an ``Identity`` (:func:`keep_fp16_rounding`): ORT keeps the rounding, and the
+CPU emulates what a GPU computes — every tensor between nodes stored in float16, each node's arithmetic in
+float32 (as the CUDA kernels accumulate).
+
+**End-to-end error.**  A converted copy runs on the first samples and its outputs are compared with the
+float32 model's (:class:`~mograph.passes.quant.plan.Budget`: the smallest per-sample cosine, or the
+largest absolute difference); :func:`fewest_fp32` keeps the fewest nodes in float32, in order of local
+error, that meet the budget (a binary search over how many).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_ir as ir
+from mograph.passes.quant import calibration as cal
+from mograph.passes.quant.plan import Budget
+
+from mograph.irutil import fresh_name
+
+__all__ = ["FP16_LIMIT", "LocalMeasure", "Search", "keep_fp16_rounding", "measure_local", "output_metric",
+           "fewest_fp32", "to_half"]
+
+logger = logging.getLogger(__name__)
+
+#: Largest finite float16 value.
+FP16_LIMIT = 65504.0
+
+
+def to_half(array: np.ndarray) -> np.ndarray:
+    """``array`` as float16, saturated to the float16 range (never infinite from a finite value)."""
+    return np.clip(array, -FP16_LIMIT, FP16_LIMIT).astype(np.float16)
+
+
+def keep_fp16_rounding(model: ir.Model) -> ir.Model:
+    """Route every float16 node output of ``model`` through an ``Identity`` (in place; module docstring).
+
+    Only for running on ONNX Runtime's CPU provider: the ``Identity`` has a float16 kernel, so the
+    ``Cast`` pairs ORT inserts around float32-only kernels are no longer adjacent and are not dropped.
+    """
+    graph = model.graph
+    taken = {v.name for n in graph for v in n.outputs if v.name} | {v.name for v in graph.inputs if v.name}
+    outputs = {id(v): i for i, v in enumerate(graph.outputs)}
+    for node in list(graph):
+        if node.op_type == "Identity" and node.domain in ("", "ai.onnx"):
+            continue
+        for v in node.outputs:
+            if v.dtype != ir.DataType.FLOAT16 or (not v.uses() and id(v) not in outputs):
+                continue
+            ident = ir.node("Identity", [v], name=fresh_name(taken, f"{v.name}_keep16"))
+            out = ident.outputs[0]
+            out.dtype, out.shape = v.dtype, v.shape
+            for use in list(v.uses()):
+                if use.node is not ident:
+                    use.node.replace_input_with(use.idx, out)
+            if id(v) in outputs:  # the graph output keeps its name
+                name = v.name
+                v.name = fresh_name(taken, f"{name}_raw16")
+                out.name = name
+                graph.outputs[outputs[id(v)]] = out
+            else:
+                out.name = fresh_name(taken, f"{v.name}_kept16")
+            graph.insert_after(node, ident)
+    return model
+
+
+@dataclass
+class LocalMeasure:
+    """What one calibration run measured, per node position (index in the graph's node order)."""
+
+    error: dict[int, float] = field(default_factory=dict)  # local float16 error (module docstring)
+    overflow: dict[int, float] = field(default_factory=dict)  # position -> largest |y32| where y16 was not finite
+    stats: dict[str, cal.TensorStats] = field(default_factory=dict)  # float32 statistics by tensor name
+    samples: int = 0
+
+
+def _twin_model(model: ir.Model, positions: Sequence[int], floats: set[str], pinned_in: dict[int, frozenset[int]],
+                pinned_out: dict[int, frozenset[int]],
+                retype: Callable[[ir.Node], None]) -> tuple[ir.Model, dict[int, list[tuple[str, str]]], list[str]]:
+    """A copy of ``model`` with a float16 twin beside each node at ``positions``.
+
+    Returns the copy, for each position the ``(float32 output, twin output)`` name pairs to compare, and
+    the names of the float32 tensors whose statistics are wanted.
+    """
+    copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    cal.set_model_folder(copy, cal.model_folder(model))
+    graph = copy.graph
+    nodes = list(graph)
+    taken = {v.name for n in nodes for v in n.outputs if v.name} | {v.name for v in graph.inputs if v.name}
+    taken |= set(graph.initializers)
+    halves: dict[int, ir.Value] = {}
+    lo = ir.Value(name=fresh_name(taken, "fp16_twin_lo"), const_value=ir.tensor(np.array(-FP16_LIMIT, np.float32)))
+    hi = ir.Value(name=fresh_name(taken, "fp16_twin_hi"), const_value=ir.tensor(np.array(FP16_LIMIT, np.float32)))
+    for v in (lo, hi):
+        v.const_value.name = v.name  # type: ignore[union-attr]
+        v.dtype, v.shape = ir.DataType.FLOAT, ir.Shape([])
+        graph.register_initializer(v)
+    added: list[ir.Node] = []
+
+    def half_of(v: ir.Value) -> ir.Value:
+        if id(v) in halves:
+            return halves[id(v)]
+        if v.const_value is not None and v.is_initializer():
+            t = ir.tensor(to_half(v.const_value.numpy()), name=fresh_name(taken, f"{v.name}_twin16"))
+            out = ir.Value(name=t.name, const_value=t)
+            out.dtype, out.shape = ir.DataType.FLOAT16, v.shape
+            graph.register_initializer(out)
+        else:
+            clip = ir.node("Clip", [v, lo, hi], name=fresh_name(taken, f"{v.name}_twin_clip"))
+            cast = ir.node("Cast", [clip.outputs[0]], {"to": ir.DataType.FLOAT16.value},
+                           name=fresh_name(taken, f"{v.name}_twin_cast"))
+            clip.outputs[0].name = fresh_name(taken, f"{v.name}_twin_clipped")
+            out = cast.outputs[0]
+            out.name = fresh_name(taken, f"{v.name}_twin16")
+            out.dtype = ir.DataType.FLOAT16
+            added.extend([clip, cast])
+        halves[id(v)] = out
+        return out
+
+    pairs: dict[int, list[tuple[str, str]]] = {}
+    for pos in positions:
+        n = nodes[pos]
+        ins = [None if v is None else half_of(v) if v.name in floats and i not in pinned_in.get(pos, ()) else v
+               for i, v in enumerate(n.inputs)]
+        twin = ir.Node(n.domain, n.op_type, ins, [a for a in n.attributes.values()], num_outputs=len(n.outputs),
+                       overload=n.overload, name=fresh_name(taken, f"{n.name or n.op_type}_twin16"))
+        retype(twin)
+        compare = []
+        for j, (ref, out) in enumerate(zip(n.outputs, twin.outputs)):
+            out.name = fresh_name(taken, f"{ref.name}_twin16")
+            if ref.name in floats:
+                out.dtype = ir.DataType.FLOAT if j in pinned_out.get(pos, ()) else ir.DataType.FLOAT16
+                if j not in pinned_out.get(pos, ()):
+                    compare.append((ref.name, out.name))
+        added.append(twin)
+        pairs[pos] = compare
+    for node in added:
+        graph.append(node)
+    keep_fp16_rounding(copy)
+    watched = [v.name for n in nodes for v in n.outputs if v.name and v.name in floats]
+    watched += [v.name for v in graph.inputs if v.name and v.name in floats]
+    have = {v.name for v in graph.outputs}
+    by_name = {v.name: v for n in [*nodes, *added] for v in n.outputs if v.name}
+    by_name.update({v.name: v for v in graph.inputs if v.name})
+    for name in dict.fromkeys([*watched, *(t for p in pairs.values() for pair in p for t in pair)]):
+        if name not in have and name in by_name:
+            v = by_name[name]
+            if v.dtype is None:
+                v.dtype = ir.DataType.FLOAT
+            graph.outputs.append(v)
+            have.add(name)
+    return copy, pairs, watched
+
+
+def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], pinned_in: dict[int, frozenset[int]],
+                  pinned_out: dict[int, frozenset[int]], retype: Callable[[ir.Node], None],
+                  source: Iterable[cal.Feed], *, progress: Callable[[int, int | None], None] | None = None,
+                  total: int | None = None) -> LocalMeasure:
+    """Run the float32 model and every twin on each sample of ``source`` (module docstring)."""
+    twin, pairs, watched = _twin_model(model, positions, floats, pinned_in, pinned_out, retype)
+    names = [v.name for v in twin.graph.outputs]
+    sess = cal._session(ir.serde.serialize_model(twin).SerializeToString(), cal.model_folder(model))
+    result = LocalMeasure(stats={name: cal.TensorStats() for name in watched})
+    num = dict.fromkeys(pairs, 0.0)
+    den = dict.fromkeys(pairs, 0.0)
+    for feed in source:
+        outs = dict(zip(names, sess.run(names, feed)))
+        for name in watched:
+            result.stats[name].update(outs[name], False)
+        for pos, compare in pairs.items():
+            for ref_name, twin_name in compare:
+                ref = np.asarray(outs[ref_name], np.float64)
+                y16 = np.asarray(outs[twin_name], np.float64)
+                finite = np.isfinite(ref)
+                bad = finite & ~np.isfinite(y16)
+                if bad.any():
+                    peak = float(np.abs(ref[bad]).max())
+                    result.overflow[pos] = max(result.overflow.get(pos, 0.0), peak)
+                    continue
+                sat = np.clip(ref[finite], -FP16_LIMIT, FP16_LIMIT)
+                num[pos] += float(((y16[finite] - sat) ** 2).sum())
+                den[pos] += float((sat**2).sum())
+        result.samples += 1
+        if progress is not None:
+            progress(result.samples, total)
+    result.error = {pos: (num[pos] / den[pos]) ** 0.5 if den[pos] > 0 else (0.0 if num[pos] == 0 else float("inf"))
+                    for pos in pairs}
+    return result
+
+
+def output_metric(budget: Budget, refs: list[list[np.ndarray]], outs: list[list[np.ndarray]]) -> float:
+    """The budget's metric over samples: smallest per-sample cosine of all float outputs, or largest |diff|."""
+    values = []
+    for ref, out in zip(refs, outs):
+        r = np.concatenate([np.asarray(a, np.float64).ravel() for a in ref if np.issubdtype(a.dtype, np.floating)])
+        o = np.concatenate([np.asarray(a, np.float64).ravel() for a in out if np.issubdtype(a.dtype, np.floating)])
+        if not np.isfinite(o).all():
+            values.append(-1.0 if budget.metric == "cosine" else float("inf"))
+        elif budget.metric == "cosine":
+            nr, no = np.linalg.norm(r), np.linalg.norm(o)
+            values.append(1.0 if nr == no == 0 else float(r @ o / (nr * no + 1e-30)))
+        else:
+            values.append(float(np.abs(r - o).max()) if r.size else 0.0)
+    if not values:
+        return 1.0 if budget.metric == "cosine" else 0.0
+    return min(values) if budget.metric == "cosine" else max(values)
+
+
+@dataclass
+class Search:
+    """The outcome of :func:`fewest_fp32`."""
+
+    keep: list[int]  # positions kept in float32 to meet the budget, most sensitive first
+    metric: float  # the budget's metric with them kept
+    met: bool
+    evaluations: int
+    tried: dict[int, float]  # how many kept -> metric measured
+
+
+def fewest_fp32(ranked: Sequence[int], evaluate: Callable[[set[int]], float], budget: Budget) -> Search:
+    """The smallest prefix of ``ranked`` (most sensitive first) to keep in float32 so the budget is met.
+
+    ``evaluate(kept)`` converts a copy with ``kept`` also in float32 and returns the budget's metric.
+    With none kept first; then a binary search (the metric is taken to improve as more are kept).
+    """
+    tried: dict[int, float] = {}
+
+    def with_k(k: int) -> float:
+        if k not in tried:
+            tried[k] = evaluate(set(ranked[:k]))
+            logger.info("fp16: keeping %d measured node(s) in float32 gives %s=%.6g", k, budget.metric, tried[k])
+        return tried[k]
+
+    lo, hi = 0, len(ranked)
+    if budget.met(with_k(0)):
+        hi = 0
+    elif not budget.met(with_k(hi)):
+        pass  # not met even with every ranked node kept: keep them all and say so
+    else:
+        while lo + 1 < hi:  # with_k(lo) fails, with_k(hi) meets
+            mid = (lo + hi) // 2
+            if budget.met(with_k(mid)):
+                hi = mid
+            else:
+                lo = mid
+    return Search(list(ranked[:hi]), with_k(hi), budget.met(with_k(hi)), len(tried), tried)

@@ -1,0 +1,126 @@
+"""``tools/bench_gpu.py``: the grid's bookkeeping (shapes, resume, crashed cells, ratios, Markdown) and one
+tiny cell end to end on CPU ONNX Runtime (``--smoke``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tools" / "bench_gpu.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_gpu"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_shapes_and_graph_kinds(bench):
+    s = bench.Shape.parse("decode:8x512")
+    assert (s.batch, s.seq, s.decode) == (8, 512, True)
+    assert bench.graph_kind("bert", s, bench.FULL) is None  # no decode step for an encoder
+    assert bench.graph_kind("gpt2", s, bench.FULL) == "decode"
+    p = bench.Shape.parse("32x512")
+    assert bench.graph_kind("vit", p, bench.FULL) == "img384"
+    assert bench.graph_kind("vit", bench.Shape.parse("1x128"), bench.FULL) == "img224"
+    assert bench.graph_kind("whisper", p, bench.FULL) == "pos512"
+    assert bench.applies("bert", "torchscript", "eager", "onnxscript") is False
+    with pytest.raises(SystemExit, match="bad shape"):
+        bench.Shape.parse("8by512")
+    feeds = bench.make_feeds("llama", "decode", 2, 16, bench.SMOKE, seed=0)
+    assert feeds["attention_mask"].shape == (2, 17) and feeds["past_1_value"].shape == (2, 2, 16, 16)
+
+
+def _row(bench, variant, ms, export="torchscript", attn="eager", shape="8x512", attention=0, status="ok"):
+    e, a = ("torch", "sdpa") if variant in bench.TORCH_VARIANTS else (export, attn)
+    row = {"key": bench.cell_key("bert", e, a, variant, shape), "model": "bert", "export": e, "attn": a,
+           "variant": variant, "shape": shape, "status": status, "ops": {"attention": attention}}
+    if status == "ok":
+        row.update(median_ms=ms, cosine=0.9999)
+    else:
+        row["error"] = "boom"
+    return row
+
+
+def test_ratios_goal_and_markdown(bench):
+    rows = [_row(bench, "exported", 4.6), _row(bench, "ort-t", 2.0, attention=12),
+            _row(bench, "mograph", 2.2, attention=12), _row(bench, "torch-compile", 1.6),
+            _row(bench, "torch-eager", 3.0),
+            # a second attention flavour: the best peer fuses no attention, so mograph must be 1.3x faster
+            _row(bench, "exported", 3.0, attn="sdpa"), _row(bench, "ort-t", 2.6, attn="sdpa"),
+            _row(bench, "mograph", 2.1, attn="sdpa", attention=12),
+            _row(bench, "mograph", None, shape="1x128", status="error")]
+    lines = {(ln["attn"], ln["shape"]): ln for ln in bench.grid_rows(rows)}
+    eager = lines[("eager", "8x512")]
+    assert eager["best_peer"] == "ort-t" and eager["ratio"] == pytest.approx(1.1)
+    assert eager["vs_compile"] == pytest.approx(2.2 / 1.6) and bench._goal(eager) == "miss"
+    sdpa = lines[("sdpa", "8x512")]
+    assert sdpa["best_peer"] == "ort-t" and not sdpa["best_peer_fuses_attention"]
+    assert bench._goal(sdpa) == "miss"  # 2.1 / 2.6 = 0.81 > 1 / 1.3
+    rows.append(_row(bench, "mograph", 1.9, attn="sdpa", attention=12))  # a later measurement replaces it
+    sdpa = {(ln["attn"], ln["shape"]): ln for ln in bench.grid_rows(rows)}[("sdpa", "8x512")]
+    assert bench._goal(sdpa) == "ok"
+    rows.append(_row(bench, "torch-compile", 1.0))  # 1.9 / 1.0 > 1.25 at 8x512: the torch.compile goal fails
+    sdpa = {(ln["attn"], ln["shape"]): ln for ln in bench.grid_rows(rows)}[("sdpa", "8x512")]
+    assert bench._goal(sdpa) == "miss (compile)"
+    md = bench.markdown(rows, ["r.jsonl"])
+    assert "| torchscript | eager | 8x512 | 4.600 | 2.000 | - | 2.200 | ort-t | 1.10 | miss |" in md
+    assert "`bert/torchscript/eager/mograph/1x128` | boom" in md
+
+
+def test_resume_and_crashed_cells(bench, tmp_path):
+    path = tmp_path / "r.jsonl"
+    res = bench.Results(path, retry_errors=False)
+    res.write({"key": "a", "status": "started"})
+    res.write({"key": "a", "status": "ok", "median_ms": 1.0})
+    res.write({"key": "b", "status": "started"})  # the process died here
+    res.write({"key": "c", "status": "error", "error": "x"})
+    again = bench.Results(path, retry_errors=False)
+    assert set(again.done) == {"a", "c"} and again.crashed == {"b"}
+    retry = bench.Results(path, retry_errors=True)
+    assert set(retry.done) == {"a"}
+    path.write_text(path.read_text() + "{not json\n")  # a torn last line is ignored
+    assert set(bench.Results(path, retry_errors=False).done) == {"a", "c"}
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+def test_smoke_cell_end_to_end(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("onnxruntime")
+    out, cache = tmp_path / "r.jsonl", tmp_path / "cache"
+    cmd = [sys.executable, str(SCRIPT), "--smoke", "--out", str(out), "--cache", str(cache), "--models", "bert",
+           "--exports", "torchscript", "--attn", "eager", "--shapes", "1x16",
+           "--variants", "exported,ort-t,mograph,torch-eager"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    final = {r["key"]: r for r in rows if r["status"] != "started"}
+    assert set(final) == {"bert/torchscript/eager/exported/1x16", "bert/torchscript/eager/ort-t/1x16",
+                          "bert/torchscript/eager/mograph/1x16", "bert/torch/sdpa/torch-eager/1x16"}
+    for r in final.values():
+        assert r["status"] == "ok", r
+        assert r["median_ms"] > 0 and r["cosine"] > 0.999
+    # float16 really ran: not bit-equal to the float32 reference
+    assert final["bert/torchscript/eager/exported/1x16"]["max_abs"] > 0
+    assert final["bert/torchscript/eager/mograph/1x16"]["ops"]["attention"] >= 1
+    # a second call finds every cell done and the graphs cached: it writes nothing
+    before = out.read_text()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0 and out.read_text() == before
+    md = tmp_path / "B.md"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--markdown", str(md), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0 and "| torchscript | eager | 1x16 |" in md.read_text()

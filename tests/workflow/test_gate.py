@@ -1,0 +1,105 @@
+"""``mograph gate``: passes a good candidate, exits 5 on accuracy or latency regressions, refuses changed inputs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from mograph.cli import main
+from mograph.workflow.gate import parse_percent
+from mograph.workflow.ledger import open_ledger
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_sweep import small_model, write  # noqa: E402
+
+
+@pytest.fixture()
+def swept(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    model = tmp_path / "m.onnx"
+    small_model(model)
+    np.savez(tmp_path / "eval.npz", x=np.random.default_rng(3).standard_normal((8, 1, 8)).astype(np.float32))
+    cfg = write(tmp_path / "s.yaml", """
+        eval_data: eval.npz
+        warmup: 3
+        iterations: 30
+        configurations:
+          - {name: clean, passes: [cleanup]}
+          - {name: pruned, passes: [prune-structured], options: {ratio: 0.5, round-to: 1}}
+    """)
+    (tmp_path / "kept").mkdir()
+    code = main(["sweep", str(model), "--config", str(cfg), "--ledger", str(tmp_path / "l.db"), "-q",
+                 "--keep-models", str(tmp_path / "kept")])
+    assert code == 0
+    return tmp_path
+
+
+def _gate(capsys, *args) -> tuple[int, str, str]:
+    code = main(["gate", *map(str, args)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_gate_passes_and_records(swept, capsys):
+    code, out, err = _gate(capsys, swept / "kept" / "clean.onnx", "--ledger", swept / "l.db",
+                           "--max-latency-increase", "1000%", "--record", "clean-again")
+    assert code == 0, err
+    assert "gate passed: clean.onnx vs 'baseline'" in out and "measured side by side" in out
+    with open_ledger(swept / "l.db", readonly=True) as ledger:
+        row = ledger.get("clean-again")
+    assert row["metrics"]["cosine_min"] == pytest.approx(1.0) and row["settings"]["gate"]["passed"] is True
+    code, out, err = _gate(capsys, swept / "kept" / "clean.onnx", "--ledger", swept / "l.db", "--json",
+                           "--baseline", "pruned", "--max-latency-increase", "1000%")
+    data = json.loads(out)
+    assert code == 0 and data["compared_name"] == "pruned" and data["remeasured"] is True
+    assert data["accuracy_drop"] < 0  # the clean model agrees with the reference better than the pruned one
+
+
+def test_gate_fails_on_accuracy(swept, capsys):
+    code, out, err = _gate(capsys, swept / "kept" / "pruned.onnx", "--ledger", swept / "l.db",
+                           "--max-accuracy-drop", "0.0001", "--max-latency-increase", "1000%")
+    assert code == 5 and out == ""
+    lines = err.strip().splitlines()  # the progress bar, then the one error line
+    assert lines[0].startswith("gate: [") and sum(line.startswith("mograph:") for line in lines) == 1
+    assert lines[-1].startswith("mograph: error: gate failed: accuracy: cosine_mean")
+    assert "of 'baseline' (drop" in lines[-1] and "> 0.0001" in lines[-1] and "latency" not in lines[-1]
+
+
+def test_gate_fails_on_latency(swept, capsys):
+    slow = swept / "slow.onnx"
+    small_model(slow, heavy=40)  # same outputs, 40 extra 256x256 MatMuls
+    code, out, err = _gate(capsys, slow, "--ledger", swept / "l.db", "-q", "--max-latency-increase", "50%")
+    assert code == 5
+    assert err.startswith("mograph: error: gate failed: latency: p50") and "> 50%" in err and "accuracy" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_gate_refuses_changed_inputs(swept, capsys):
+    np.savez(swept / "eval.npz", x=np.zeros((8, 1, 8), np.float32))
+    code, out, err = _gate(capsys, swept / "kept" / "clean.onnx", "--ledger", swept / "l.db")
+    assert code == 2 and "evaluation set" in err and "changed" in err
+    m = onnx.load(str(swept / "m.onnx"))
+    m.doc_string = "retrained"
+    onnx.save(m, str(swept / "m.onnx"))
+    code, out, err = _gate(capsys, swept / "kept" / "clean.onnx", "--ledger", swept / "l.db")
+    assert code == 2 and "baseline model" in err and "changed" in err
+    code, out, err = _gate(capsys, swept / "nope.onnx", "--ledger", swept / "l.db")
+    assert code == 2 and "no such file" in err
+    (swept / "junk.onnx").write_bytes(b"junk")
+    code, out, err = _gate(capsys, swept / "junk.onnx", "--ledger", swept / "l.db")
+    assert code == 3, err
+    code, out, err = _gate(capsys, swept / "kept" / "clean.onnx", "--ledger", swept / "none.db")
+    assert code == 2 and "does not exist" in err
+    code, out, err = _gate(capsys, swept / "kept" / "clean.onnx", "--ledger", swept / "l.db", "--baseline", "zzz")
+    assert code == 2 and "no row 'zzz'" in err
+
+
+def test_parse_percent():
+    assert parse_percent("10%") == pytest.approx(0.10) and parse_percent("2.5") == pytest.approx(0.025)
+    with pytest.raises(Exception, match="percentage"):
+        parse_percent("ten")
