@@ -5,8 +5,12 @@ The flow of a Q/DQ pass (``qdq-int8``, ``qdq-fp8``):
 1. find the candidates (MatMul, Gemm, Conv not yet quantized) and decide each one's precision: an edited
    plan (``--precision-plan``) if given, else user overrides (``--keep-fp32``), else the default rules;
 2. refuse without calibration data, unless random data was asked for explicitly (``--calibration-random``);
-3. observe the activations to quantize on the calibration data (streaming) and turn the statistics into
-   ranges with the chosen calibrator;
+3. observe the activations to quantize on the calibration data (streaming; positions that the model's
+   ``attention_mask`` marks as padding are left out) and turn the statistics into ranges with the chosen
+   calibrator; with ``smoothing`` (``qdq-int8``: ``auto`` by default) the activations of weight MatMuls
+   are smoothed first (:mod:`mograph.passes.quant.smoothing`: a per-channel ``Mul`` in front of the Q/DQ,
+   the weights' rows scaled to match, alpha measured per activation) and the ranges are those of the
+   smoothed tensors;
 4. with ``--accuracy-budget``, replace the default rules by a measured per-layer sensitivity analysis;
 5. insert Q/DQ and write the precision plan (report ``details`` and ``--precision-plan-out``).
 
@@ -24,6 +28,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import numpy as np
 import onnx_ir as ir
 from mograph.passes.quant import calibration as cal
 from mograph.passes.quant._qdq import (
@@ -36,6 +41,13 @@ from mograph.passes.quant._qdq import (
     tensors_to_observe,
 )
 from mograph.passes.quant.plan import PrecisionPlan, load_plan, node_key, parse_budget
+from mograph.passes.quant.smoothing import (
+    SmoothGroup,
+    apply_bias_correction,
+    apply_smoothing,
+    choose_alpha,
+    smoothing_groups,
+)
 
 from mograph import specs
 from mograph.errors import ModelError, OptionError
@@ -55,7 +67,8 @@ CALIBRATION_OPTIONS = (
         "calibration-data",
         str,
         None,
-        "calibration feeds: a folder of .npz files, one .npz of stacked feeds, or module:function",
+        "calibration feeds: a folder of .npz files, one .npz of stacked feeds, module:function or "
+        "file.py:function (from the current folder); from Python also a list, callable or generator of feeds",
         metavar="PATH|MODULE:FUNC",
     ),
     Option(
@@ -99,7 +112,8 @@ QDQ_OPTIONS = (
         "measure per-layer sensitivity and keep the fewest layers in float that meet this budget",
         metavar="cosine>=X|max-abs<=X",
     ),
-    Option("sensitivity-samples", int, 8, "calibration samples used by the sensitivity analysis", metavar="N"),
+    Option("sensitivity-samples", int, 8, "calibration samples used by the sensitivity analysis and the smoothing "
+           "strength search", metavar="N"),
 )
 
 
@@ -122,7 +136,7 @@ def open_calibration(p: Pass, model: ir.Model) -> cal.CalibrationSource:
         logger.warning("%s: %s", p.name, RANDOM_WARNING)
         return cal.RandomSource(model, random_n, parse_shapes(p.config.get("shape")))
     raise OptionError(
-        f"{p.name} needs calibration data: --calibration-data DIR|FILE.npz|module:function. It will not calibrate "
+        f"{p.name} needs calibration data: --calibration-data DIR|FILE.npz|module:function|file.py:function. It will not calibrate "
         "on random numbers silently; pass --calibration-random N to do so explicitly (the report will say so)."
     )
 
@@ -209,10 +223,64 @@ class QdqPassBase(Pass):
                 overridden.add(c.key)
         return decisions, overridden, notes
 
+    def _smoothing_alpha(self) -> float | str | None:
+        """``"auto"``, a fixed alpha in (0, 1], or None (no smoothing) from the ``smoothing`` option."""
+        value = self.config.get("smoothing")
+        if value is None or str(value).lower() in ("off", "none", "0", "0.0", "false"):
+            return None
+        if str(value).lower() == "auto":
+            return "auto"
+        try:
+            alpha = float(value)
+        except ValueError:
+            raise OptionError(f"{self.name}: --smoothing {value!r}: expected auto, off or a number in (0, 1]") from None
+        if not 0.0 < alpha <= 1.0:
+            raise OptionError(f"{self.name}: --smoothing {value!r}: alpha must be in (0, 1]")
+        return alpha
+
+    def _smooth(self, model: ir.Model, groups: list[SmoothGroup], raw: dict[str, cal.TensorStats],
+                source: cal.CalibrationSource, scheme: Scheme, alpha: float | str, mask: str | None,
+                plan: PrecisionPlan, stats: dict[str, int | float]) -> list[SmoothGroup]:
+        """Smooth every group whose activation statistics allow it (see :mod:`.smoothing`); return those done."""
+        # only the main graph: the tensors of If branches are seen on the samples that take the branch only
+        groups = [g for g in groups if all(c.node.graph is model.graph for c in g.cands)]
+        xs: dict[str, list[np.ndarray]] = {}
+        if alpha == "auto" and groups:
+            n = int(self.config.get("sensitivity_samples") or 8)
+            xs = cal.collect(model, [g.name for g in groups], list(itertools.islice(iter(source), n)), mask)
+        done: list[SmoothGroup] = []
+        records = []
+        for g in groups:
+            amax = raw[g.name].channel_amax if g.name in raw else None
+            if amax is None or (alpha == "auto" and not any(x.size for x in xs.get(g.name, []))):
+                continue
+            a = choose_alpha(g, xs[g.name], amax, scheme) if alpha == "auto" else float(alpha)
+            if self.config.get("bias_correction") == "on" and g.bias_shift:
+                for key in apply_bias_correction(model, g):
+                    self._bias_corrected.add(key)
+            if apply_smoothing(model, g, amax, a):
+                done.append(g)
+                assert g.scale is not None
+                rec: dict[str, Any] = {"tensor": g.name, "alpha": a, "consumers": [c.key for c in g.cands],
+                                       "max_scale": round(float(g.scale.max()), 4),
+                                       "min_scale": round(float(g.scale.min()), 4)}
+                if g.errors:
+                    rec["error_by_alpha"] = {str(k): round(v, 5) for k, v in g.errors.items()}
+                records.append(rec)
+                for c in g.cands:
+                    self._smoothed_keys[c.key] = a
+        stats["smoothed"] = len(done)
+        if self._bias_corrected:
+            stats["bias_corrected"] = len(self._bias_corrected)
+        plan.meta["smoothing"] = {"mode": alpha if alpha == "auto" else f"alpha {alpha}", "activations": records}
+        return done
+
     def quantize_extra(self, model: ir.Model, plan: PrecisionPlan, stats: dict[str, int | float]) -> None:
         """Weights quantized without calibration besides the Q/DQ candidates (none by default)."""
 
     def call(self, model: ir.Model) -> PassResult:
+        self._smoothed_keys: dict[str, float] = {}
+        self._bias_corrected: set[str] = set()
         scheme = self.scheme()
         cands, done = find_candidates(model)
         stats: dict[str, int | float] = {"quantized": 0, "kept_float": 0, "skipped_already_quantized": len(done)}
@@ -242,13 +310,28 @@ class QdqPassBase(Pass):
         if observe_for:
             source = open_calibration(self, model)
             calibrator = self.config.get("calibrator") or "minmax"
+            mask = cal.padding_mask_input(model)
+            alpha = self._smoothing_alpha()
+            groups = smoothing_groups(observe_for) if alpha is not None else []
             raw = cal.observe(
                 model,
                 tensors_to_observe(observe_for),
                 source,
                 histogram=cal.needs_histogram(calibrator),
                 progress=self.progress,
+                channels=[g.name for g in groups],
+                padding_mask=mask,
             )
+            if mask is not None:
+                plan.meta["calibration_padding"] = f"positions where {mask} is 0 are left out of the statistics"
+            if groups and alpha is not None:
+                smoothed = self._smooth(model, groups, raw, source, scheme, alpha, mask, plan, stats)
+                names = [g.smoothed.name or "" for g in smoothed if g.smoothed is not None]
+                if names and cal.needs_histogram(calibrator):
+                    raw.update(cal.observe(model, names, source, histogram=True, padding_mask=mask))
+                elif names:  # min/max of X / s follow from the per-channel extremes of X
+                    for g in smoothed:
+                        raw[g.smoothed.name or ""] = cal.scaled_stats(raw[g.name], g.scale)  # type: ignore[arg-type,union-attr]
             ranges = cal.compute_ranges(raw, calibrator, percentile=float(self.config.get("percentile") or 99.99))
             stats["calibration_samples"] = max((s.samples for s in raw.values()), default=0)
             plan.meta["calibration"] = calibration_meta(source, int(stats["calibration_samples"]), calibrator)
@@ -294,6 +377,11 @@ class QdqPassBase(Pass):
                         reason = "inside a Loop/Scan body, whose tensors calibration cannot observe"
             if prec != self.precision:
                 stats["kept_float"] += 1
+            else:
+                if c.key in self._smoothed_keys:
+                    reason += f"; input smoothed (SmoothQuant, alpha {self._smoothed_keys[c.key]:g})"
+                if c.key in self._bias_corrected:
+                    reason += "; bias corrected by the measured mean output shift"
             plan.add(c.node, prec, reason)
         for node, reason in sensitive:
             plan.add(node, "fp32", reason)
@@ -312,7 +400,8 @@ class QdqPassBase(Pass):
         if out:
             plan.write(out)
             logger.info("%s: wrote precision plan to %s", self.name, out)
-        modified = upgraded or stats["quantized"] > 0 or stats.get("quantized.embeddings", 0) > 0
+        modified = (upgraded or stats["quantized"] > 0 or stats.get("quantized.embeddings", 0) > 0
+                    or stats.get("smoothed", 0) > 0 or stats.get("bias_corrected", 0) > 0)
         return PassResult(modified, stats, details)
 
 

@@ -9,8 +9,12 @@ model will see.  This module provides three things:
 - one ``.npz`` file of stacked feeds: every array has one more leading axis than the model input (sample
   ``i`` is ``array[i]``), or the same rank (sample ``i`` is ``array[i:i+1]``, a batch of one);
 - ``module:function`` (the current folder is on the import path for it) or ``file.py:function``
-  (loaded by path): the function is called (again for every pass over the data) and returns an
-  iterable of feeds, so data can be generated or read lazily.
+  (loaded by path, relative to the current folder): the function is called (again for every pass over
+  the data) and returns an iterable of feeds, so data can be generated or read lazily.
+
+Through the Python API it may also be a list of feeds, a callable returning an iterable of feeds, a
+re-iterable object (iterated again for every pass), or a generator / one-shot iterator, which is kept in
+memory as it streams and replayed for later passes.
 
 Random data is never used silently: :class:`RandomSource` exists only for an explicit
 ``--calibration-random N``, and the passes report it prominently.
@@ -36,6 +40,7 @@ and neighbouring bins merge, so no sample needs to be kept to rebin later.
 from __future__ import annotations
 
 import importlib
+import itertools
 import logging
 import math
 import os
@@ -64,6 +69,9 @@ __all__ = [
     "needs_histogram",
     "run_model",
     "infer_dtypes",
+    "padding_mask_input",
+    "collect",
+    "scaled_stats",
 ]
 
 logger = logging.getLogger(__name__)
@@ -119,9 +127,10 @@ class CalibrationSource:
         return min(self._count, self.limit) if self.limit else self._count
 
     def __iter__(self) -> Iterator[Feed]:
-        for i, raw in enumerate(self._factory()):
-            if self.limit is not None and i >= self.limit:
-                return
+        feeds = self._factory()
+        if self.limit is not None:  # islice: a stream is not read one feed beyond the limit
+            feeds = itertools.islice(feeds, self.limit)
+        for i, raw in enumerate(feeds):
             yield self._check(raw, i)
 
     def _check(self, raw: Mapping[str, Any], index: int) -> Feed:
@@ -196,6 +205,34 @@ def _vocab_sizes(model: ir.Model) -> dict[str, int]:
                 if table is not None and len(table.shape) > 0:
                     out[v.name or ""] = int(table.shape.numpy()[0])
     return out
+
+
+class _Replay:
+    """A one-shot iterator of feeds made re-iterable: the first pass streams it and keeps what it yields,
+    later passes replay that and go on where the first one stopped (a pass may be cut short by a limit).
+    The feeds are held in memory; a callable that returns a fresh iterator avoids that."""
+
+    def __init__(self, it: Iterator[Mapping[str, Any]]) -> None:
+        self._it = it
+        self._seen: list[Mapping[str, Any]] = []
+        self._done = False
+
+    def __call__(self) -> Iterator[Mapping[str, Any]]:
+        i = 0
+        while True:
+            if i < len(self._seen):
+                yield self._seen[i]
+            elif self._done:
+                return
+            else:
+                try:
+                    item = next(self._it)
+                except StopIteration:
+                    self._done = True
+                    return
+                self._seen.append(item)
+                yield item
+            i += 1
 
 
 def _npz_folder(folder: Path) -> Callable[[], Iterator[dict[str, np.ndarray]]]:
@@ -275,7 +312,8 @@ def _module_from_file(spec: str, path: Path) -> Any:
 
 
 def open_source(data: Any, model: ir.Model, *, limit: int | None = None) -> CalibrationSource:
-    """Open ``--calibration-data``: a path (folder or ``.npz``), ``module:function``, a callable or a list.
+    """Open ``--calibration-data``: a path (folder or ``.npz``), ``module:function``, ``file.py:function``,
+    a callable, a list, or any iterable of feeds (a generator too).
 
     Raises :class:`OptionError` for anything that is none of these.
     """
@@ -286,8 +324,15 @@ def open_source(data: Any, model: ir.Model, *, limit: int | None = None) -> Cali
     if isinstance(data, (list, tuple)):
         items = list(data)
         return CalibrationSource(lambda: iter(items), f"{len(items)} in-memory feeds", model, limit, len(items))
+    if isinstance(data, Iterable) and not isinstance(data, (str, bytes, Path, Mapping)):
+        if iter(data) is data:  # a generator or other one-shot iterator: kept as it streams, replayed after
+            return CalibrationSource(_Replay(data), f"{type(data).__name__} of feeds", model, limit)
+        return CalibrationSource(lambda: iter(data), f"{type(data).__name__} of feeds", model, limit)
     if not isinstance(data, (str, Path)):
-        raise OptionError(f"--calibration-data: expected a path or module:function, not {type(data).__name__}")
+        raise OptionError(
+            f"--calibration-data: expected a path, module:function, a callable or an iterable of feeds, "
+            f"not {type(data).__name__}"
+        )
     path = Path(data)
     if path.is_dir():
         gen = _npz_folder(path)
@@ -320,21 +365,26 @@ class TensorStats:
     hist: np.ndarray | None = None
     hist_range: float = 0.0  # histogram covers [-hist_range, hist_range]
     nonfinite: int = 0
+    #: per-channel (last axis) minimum and maximum, when observed with ``channels=True`` (for smoothing)
+    ch_min: np.ndarray | None = None
+    ch_max: np.ndarray | None = None
 
     @property
     def amax(self) -> float:
         return max(abs(self.min), abs(self.max)) if self.samples else 0.0
 
-    def update(self, x: np.ndarray, histogram: bool) -> None:
+    def update(self, x: np.ndarray, histogram: bool, channels: bool = False) -> None:
         x = np.asarray(x)
         if x.size == 0:
             return
         finite = np.isfinite(x)
         if not finite.all():
             self.nonfinite += int((~finite).sum())
-            x = x[finite]
+            x = np.where(finite, x, 0.0) if channels and x.ndim else x[finite]
             if x.size == 0:
                 return
+        if channels and x.ndim:
+            self._channel_update(x)
         lo, hi = float(x.min()), float(x.max())
         self.min, self.max = min(self.min, lo), max(self.max, hi)
         self.samples += 1
@@ -342,6 +392,21 @@ class TensorStats:
         self.max_size = max(self.max_size, int(x.size))
         if histogram:
             self._hist_update(x.ravel().astype(np.float32, copy=False), max(abs(lo), abs(hi)))
+
+    def _channel_update(self, x: np.ndarray) -> None:
+        rows = x.reshape(-1, x.shape[-1])
+        lo, hi = rows.min(axis=0).astype(np.float64), rows.max(axis=0).astype(np.float64)
+        if self.ch_min is None or self.ch_max is None or self.ch_min.shape != lo.shape:
+            self.ch_min, self.ch_max = lo, hi
+        else:
+            self.ch_min, self.ch_max = np.minimum(self.ch_min, lo), np.maximum(self.ch_max, hi)
+
+    @property
+    def channel_amax(self) -> np.ndarray | None:
+        """Largest magnitude per channel (last axis), when observed with ``channels=True``."""
+        if self.ch_min is None or self.ch_max is None:
+            return None
+        return np.maximum(np.abs(self.ch_min), np.abs(self.ch_max))
 
     def _hist_update(self, x: np.ndarray, m: float) -> None:
         if self.hist is None:
@@ -586,9 +651,18 @@ def observe(
     histogram: bool = False,
     progress: ProgressCallback | None = None,
     dtypes: dict[str, int] | None = None,
+    channels: Iterable[str] = (),
+    padding_mask: str | None = None,
 ) -> dict[str, TensorStats]:
-    """Run every calibration feed once and return streaming statistics of each named tensor."""
+    """Run every calibration feed once and return streaming statistics of each named tensor.
+
+    ``channels`` names the tensors whose per-channel (last axis) extremes are kept as well
+    (:attr:`TensorStats.ch_min` / ``ch_max``).  ``padding_mask`` names an integer ``[batch, seq]`` model
+    input (see :func:`padding_mask_input`): positions where it is 0 are left out of the statistics of
+    every ``[batch, seq, hidden]`` tensor, since no output depends on them.
+    """
     names = list(dict.fromkeys(tensors))
+    per_channel = set(channels)
     stats = {n: TensorStats() for n in names}
     if not names:
         return stats
@@ -600,9 +674,12 @@ def observe(
     seen = 0
     for feed in source:
         outs = _run_feed(sess, [mapping[n] for n in observed], feed, source, seen)
+        keep = _kept_positions(feed, padding_mask)
         for name, arr in zip(observed, outs):
             if np.issubdtype(arr.dtype, np.floating):
-                stats[name].update(arr, histogram)
+                if keep is not None and arr.ndim == 3 and arr.shape[:2] == keep.shape:
+                    arr = arr[keep][None]
+                stats[name].update(arr, histogram, name in per_channel)
         seen += 1
         if progress is not None:
             progress(seen, total)
@@ -614,11 +691,65 @@ def observe(
     return stats
 
 
+def collect(model: ir.Model, names: Iterable[str], samples: Iterable[Feed],
+            padding_mask: str | None = None) -> dict[str, list[np.ndarray]]:
+    """The named tensors on each of ``samples`` (float model, ORT optimizations off), padded positions
+    dropped as :func:`observe` does; for the few-sample searches (smoothing strength)."""
+    wanted = list(dict.fromkeys(names))
+    data, mapping = _with_outputs_mapped(model, wanted)
+    sess = _session(data, model_folder(model))
+    got = [n for n in wanted if n in mapping]
+    out: dict[str, list[np.ndarray]] = {n: [] for n in wanted}
+    for feed in samples:
+        keep = _kept_positions(feed, padding_mask)
+        for name, arr in zip(got, sess.run([mapping[n] for n in got], feed)):
+            if keep is not None and arr.ndim == 3 and arr.shape[:2] == keep.shape:
+                arr = arr[keep][None]
+            out[name].append(np.asarray(arr, np.float32))
+    return out
+
+
+def padding_mask_input(model: ir.Model) -> str | None:
+    """The model input that marks padding (``attention_mask``, integer or bool, rank 2), or ``None``.
+
+    Padded positions of a batch are computed but ignored by every output; their activations are not
+    what real tokens produce (a whole padded row is one repeated [PAD] embedding), and a calibrator that
+    counts them takes its percentiles from them.  :func:`observe` leaves them out when told this name.
+    """
+    for v in model.graph.inputs:
+        name = (v.name or "").lower()
+        if name.endswith("attention_mask") and v.dtype is not None and v.dtype in (
+                ir.DataType.INT64, ir.DataType.INT32, ir.DataType.BOOL) and (v.shape is None or len(v.shape) == 2):
+            return v.name
+    return None
+
+
+def _kept_positions(feed: Feed, mask_name: str | None) -> np.ndarray | None:
+    """Boolean ``[batch, seq]`` of the real (not padded) positions of ``feed``, or ``None``."""
+    if mask_name is None or mask_name not in feed:
+        return None
+    mask = np.asarray(feed[mask_name])
+    if mask.ndim != 2 or not mask.any():
+        return None
+    keep = mask != 0
+    return None if keep.all() else keep
+
+
 # ------------------------------------------------------------------------------------------- calibrators
 
 
 def _minmax(s: TensorStats, **_: Any) -> tuple[float, float]:
     return s.min, s.max
+
+
+def scaled_stats(s: TensorStats, scale: np.ndarray) -> TensorStats:
+    """The min/max statistics of ``X / scale`` (``scale`` per channel, positive) from those of ``X``
+    observed with ``channels=True``; no histogram (re-observe for the histogram calibrators)."""
+    if s.ch_min is None or s.ch_max is None:
+        raise ValueError("scaled_stats needs per-channel statistics (observe with channels=...)")
+    lo, hi = s.ch_min / scale, s.ch_max / scale
+    return TensorStats(min=float(lo.min()), max=float(hi.max()), samples=s.samples, max_size=s.max_size,
+                       max_reduced=s.max_reduced, nonfinite=s.nonfinite, ch_min=lo, ch_max=hi)
 
 
 def _hist_edges(s: TensorStats) -> np.ndarray:

@@ -150,3 +150,113 @@ def test_real_samples_the_model_rejects_name_the_sample():
     feeds = [{"x": np.ones((2, 6), np.float32)}, {"x": np.ones((3, 6), np.float32)}]
     with pytest.raises(OptionError, match=r"rejects calibration sample 1 from 2 in-memory feeds \(x 3x6 float32\)"):
         QdqInt8Pass(calibration_data=feeds).call(_matmul_model(reshape=True))
+
+
+def test_every_source_form_gives_the_same_feeds(tmp_path, monkeypatch):
+    """Folder of .npz, stacked .npz, module:function, relative file.py:function, list, callable,
+    re-iterable object and generator: the same three feeds, and each can be read more than once."""
+    import sys
+
+    from mograph.passes.quant.calibration import open_source
+
+    model = _matmul_model()
+    feeds = [{"x": np.full((1, 6), float(i), np.float32)} for i in range(3)]
+    folder = tmp_path / "feeds"
+    folder.mkdir()
+    for i, f in enumerate(feeds):
+        np.savez(folder / f"{i:03d}.npz", **f)
+    np.savez(tmp_path / "stacked.npz", x=np.concatenate([f["x"] for f in feeds]))
+    (tmp_path / "calibmod_forms.py").write_text(_CALIB_MODULE)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "gen_feeds.py").write_text(_CALIB_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "calibmod_forms", raising=False)
+
+    class Loader:  # re-iterable, like a data loader
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(feeds)
+
+    sources = {
+        "folder": str(folder),
+        "stacked": str(tmp_path / "stacked.npz"),
+        "module": "calibmod_forms:feeds",
+        "relative file": "sub/gen_feeds.py:feeds",
+        "list": feeds,
+        "callable": lambda: iter(feeds),
+        "iterable": Loader(),
+        "generator": (f for f in feeds),
+    }
+    for label, data in sources.items():
+        source = open_source(data, model)
+        for _ in range(2):  # a generator is replayed from memory on the second pass
+            got = [float(f["x"][0, 0]) for f in source]
+            assert got == [0.0, 1.0, 2.0], (label, got)
+
+
+def test_generator_cut_short_by_a_limit_goes_on_later():
+    from mograph.passes.quant.calibration import open_source
+
+    made = []
+
+    def gen():  # type: ignore[no-untyped-def]
+        for i in range(5):
+            made.append(i)
+            yield {"x": np.full((1, 6), float(i), np.float32)}
+
+    source = open_source(gen(), _matmul_model(), limit=3)
+    assert [float(f["x"][0, 0]) for f in source] == [0.0, 1.0, 2.0]
+    assert made == [0, 1, 2]  # streamed: nothing read beyond the limit
+    assert [float(f["x"][0, 0]) for f in source] == [0.0, 1.0, 2.0]
+    assert made == [0, 1, 2]  # replayed, not read again
+
+
+def test_generator_calibrates_the_pass_and_a_bad_type_is_one_line():
+    from mograph.passes.quant import QdqInt8Pass
+
+    model = _matmul_model(reshape=True)
+    feeds = ({"x": np.random.default_rng(i).standard_normal((2, 6)).astype(np.float32)} for i in range(4))
+    result = QdqInt8Pass(calibration_data=feeds).call(model)
+    assert result.stats["calibration_samples"] == 4
+    assert result.details["plan"]["calibration"]["source"] == "generator of feeds"
+    with pytest.raises(OptionError, match="expected a path, module:function, a callable or an iterable"):
+        QdqInt8Pass(calibration_data=3.5).call(_matmul_model(reshape=True))
+
+
+def test_random_calibration_needs_opt_in_and_warns(caplog):
+    from mograph.passes.quant import QdqInt8Pass
+
+    with pytest.raises(OptionError, match="needs calibration data"):
+        QdqInt8Pass().call(_matmul_model(batch=2, reshape=True))
+    with caplog.at_level("WARNING"):
+        result = QdqInt8Pass(calibration_random=4).call(_matmul_model(batch=2, reshape=True))
+    assert result.stats["calibrated_on_random_data"] == 1
+    assert "RANDOM" in result.details["WARNING"]
+    assert any("CALIBRATED ON RANDOM DATA" in r.getMessage() for r in caplog.records)
+
+
+def test_padded_positions_are_left_out_of_the_statistics():
+    """A [batch, seq, hidden] tensor is observed at the positions attention_mask marks real only."""
+    import onnx
+    from mograph.passes.quant.calibration import RandomSource, observe, padding_mask_input
+    from onnx import helper
+
+    from mograph import ir_io
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["h"], ["y"])], "g",
+        [helper.make_tensor_value_info("h", onnx.TensorProto.FLOAT, [1, 4, 2]),
+         helper.make_tensor_value_info("attention_mask", onnx.TensorProto.INT64, [1, 4])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4, 2])],
+    )
+    model = ir_io.load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    assert padding_mask_input(model) == "attention_mask"
+    h = np.array([[[1, -2], [3, 0.5], [100, -100], [50, 7]]], np.float32)  # the last two rows are padding
+    feed = {"h": h, "attention_mask": np.array([[1, 1, 0, 0]], np.int64)}
+    from mograph.passes.quant.calibration import open_source
+
+    masked = observe(model, ["y"], open_source([feed], model), padding_mask="attention_mask", channels=["y"])["y"]
+    assert (masked.min, masked.max) == (-2.0, 3.0)
+    assert masked.ch_min.tolist() == [1.0, -2.0] and masked.ch_max.tolist() == [3.0, 0.5]
+    plain = observe(model, ["y"], open_source([feed], model))["y"]
+    assert (plain.min, plain.max) == (-100.0, 100.0)
+    del RandomSource

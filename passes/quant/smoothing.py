@@ -1,0 +1,307 @@
+"""SmoothQuant-style smoothing: move the per-channel range of an activation into the weights that read it.
+
+A MatMul ``Y = X W`` (``X [.., K]``, ``W [K, N]``) is unchanged when ``X`` is divided by a positive
+per-channel vector ``s`` and the rows of ``W`` are multiplied by it: ``Y = (X / s) (diag(s) W)``.
+Transformer activations have a few channels whose values are tens of times larger than the rest (the
+LayerNorm outputs of BERT-style encoders reach 30 in one or two of 384 channels while most stay within
+±3); one per-tensor INT8 scale for all of them spends almost all of its 256 levels on those channels.
+Dividing channel ``k`` by
+
+    s_k = max|X_k| ** alpha / max|W_k,:| ** (1 - alpha)
+
+(Xiao et al., *SmoothQuant*, 2022) evens the activation's channels out and gives the weights, which are
+quantized per output channel and are easy to quantize, a share of the range: ``alpha = 0`` leaves the
+activation as it is, ``alpha = 1`` moves all of its range into the weights.  Since ``X`` is often read by
+other nodes too (the residual ``Add`` of a post-LN encoder reads the LayerNorm output), ``X / s`` is a new
+tensor made by one ``Mul`` in front of the quantized consumers only; every consumer of one quantized
+activation (the Q, K and V projections of one hidden state) shares the same ``s``, so they keep sharing
+one Q/DQ pair.  In float the model computes exactly what it did (up to rounding).
+
+``alpha`` is chosen per activation (``alpha="auto"``) from a few values by the error of the group's
+quantized outputs on calibration samples (the layer inputs of the float model, fake-quantized as the
+inserted Q/DQ will do), or fixed by the user.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_ir as ir
+from mograph.passes.quant._qdq import Candidate, Scheme, const_tensor, fake_quant_activation, fake_quant_weight
+
+__all__ = [
+    "SmoothGroup",
+    "smoothing_groups",
+    "smoothing_scale",
+    "choose_alpha",
+    "apply_smoothing",
+    "apply_bias_correction",
+    "bias_add",
+    "ALPHAS",
+    "MIN_GAIN",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The values ``alpha="auto"`` tries.
+ALPHAS = (0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+#: ``alpha="auto"`` smooths an activation only if that divides its group's error by at least this much.
+MIN_GAIN = 1.1
+
+
+@dataclass
+class SmoothGroup:
+    """One activation and the weight MatMul/Gemm candidates that read it (smoothed together)."""
+
+    value: ir.Value
+    cands: list[Candidate]
+    alpha: float = 0.0
+    scale: np.ndarray | None = None
+    smoothed: ir.Value | None = None
+    errors: dict[float, float] = field(default_factory=dict)
+    #: per candidate key: mean output shift (quantized - float) per output channel at the chosen alpha
+    bias_shift: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.value.name or ""
+
+
+def _row_axis(c: Candidate) -> int | None:
+    """Axis of the weight of ``c`` that runs along the activation's channels (K), or None when unsupported."""
+    w = const_tensor(c.node.inputs[c.weight_input]) if c.weight_input is not None else None
+    if w is None or len(w.shape) != 2 or w.dtype != ir.DataType.FLOAT:
+        return None
+    if c.node.op_type == "MatMul":
+        return 0
+    if c.node.op_type == "Gemm":
+        ta = c.node.attributes.get("transA")
+        if ta is not None and ta.as_int() == 1:
+            return None
+        tb = c.node.attributes.get("transB")
+        return 1 if tb is not None and tb.as_int() == 1 else 0
+    return None
+
+
+def smoothing_groups(cands: Sequence[Candidate]) -> list[SmoothGroup]:
+    """Group the weight MatMul/Gemm candidates (float32 weights, 2-D) by the activation they read.
+
+    An activation some candidate reads in a form smoothing does not handle (a Conv, a 3-D weight, an
+    activation x activation MatMul) is left out: its Q/DQ pair is shared, so its scale must stay.
+    """
+    by_value: dict[int, SmoothGroup] = {}
+    blocked: set[int] = set()
+    for c in cands:
+        for i in c.act_inputs:
+            v = c.node.inputs[i]
+            if v is None:
+                continue
+            ok = c.has_weight and i == 0 and _row_axis(c) is not None and v.dtype in (ir.DataType.FLOAT, None)
+            if not ok:
+                blocked.add(id(v))
+                continue
+            by_value.setdefault(id(v), SmoothGroup(v, [])).cands.append(c)
+    return [g for k, g in by_value.items() if k not in blocked]
+
+
+def _weight_rows_amax(g: SmoothGroup) -> np.ndarray:
+    """Largest |w| per input channel over every weight of the group."""
+    out = None
+    for c in g.cands:
+        w = const_tensor(c.node.inputs[c.weight_input]).numpy().astype(np.float32)  # type: ignore[union-attr,index]
+        amax = np.abs(w).max(axis=1 - int(_row_axis(c)))  # type: ignore[arg-type]
+        out = amax if out is None else np.maximum(out, amax)
+    assert out is not None
+    return out
+
+
+def smoothing_scale(act_amax: np.ndarray, weight_amax: np.ndarray, alpha: float) -> np.ndarray:
+    """``s = act_amax**alpha / weight_amax**(1-alpha)``, normalised to geometric mean 1, kept in [1e-4, 1e4].
+
+    Channels never seen non-zero (or with all-zero weights) get 1.  The normalisation does not change
+    what smoothing achieves (a common factor moves between the two per-tensor/per-channel scales) but
+    keeps the numbers near 1.
+    """
+    a = np.asarray(act_amax, np.float64)
+    w = np.asarray(weight_amax, np.float64)
+    good = (a > 0) & (w > 0) & np.isfinite(a) & np.isfinite(w)
+    s = np.ones_like(a)
+    s[good] = a[good] ** alpha / w[good] ** (1.0 - alpha)
+    if good.any():
+        s[good] /= np.exp(np.log(s[good]).mean())
+    return np.clip(s, 1e-4, 1e4).astype(np.float32)
+
+
+def _group_error(g: SmoothGroup, x: np.ndarray, refs: list[np.ndarray], weights: list[np.ndarray],
+                 s: np.ndarray, scheme: Scheme) -> float:
+    """Relative error of the group's outputs with smoothed, fake-quantized input ``x`` (rows) and weights."""
+    x_s = x / s
+    xq = fake_quant_activation(x_s, float(x_s.min()), float(x_s.max()), scheme)
+    num = den = 0.0
+    for w, y in zip(weights, refs):
+        yq = xq @ fake_quant_weight(w * s[:, None], 1, scheme)  # weights per output channel (N)
+        num += float(((yq - y) ** 2).sum())
+        den += float((y**2).sum())
+    return (num / den) ** 0.5 if den > 0 else 0.0
+
+
+def choose_alpha(g: SmoothGroup, xs: list[np.ndarray], act_amax: np.ndarray, scheme: Scheme,
+                 alphas: Sequence[float] = ALPHAS, max_rows: int = 2048, min_gain: float = MIN_GAIN) -> float:
+    """The ``alpha`` of ``alphas`` whose smoothed, fake-quantized group output is closest to float on ``xs``.
+
+    ``xs`` are the group's activation on a few calibration samples (float model); at most ``max_rows``
+    of their rows (tokens), evenly spaced, are used.  ``alpha = 0`` (no smoothing) is among the
+    candidates, and smoothing is chosen only where it divides the error by at least ``min_gain``: its
+    ``Mul`` costs about as much time as a LayerNorm on ONNX Runtime CPU.
+    """
+    rows = np.concatenate([x.reshape(-1, x.shape[-1]) for x in xs]).astype(np.float32)
+    if len(rows) > max_rows:
+        rows = rows[np.linspace(0, len(rows) - 1, max_rows).astype(np.int64)]
+    weights = []
+    for c in g.cands:
+        w = const_tensor(c.node.inputs[c.weight_input]).numpy().astype(np.float32)  # type: ignore[union-attr,index]
+        weights.append(w if _row_axis(c) == 0 else np.ascontiguousarray(w.T))  # [K, N]
+    refs = [rows @ w for w in weights]
+    w_amax = _weight_rows_amax(g)
+    best, best_err = 0.0, float("inf")
+    for a in alphas:
+        err = _group_error(g, rows, refs, weights, smoothing_scale(act_amax, w_amax, a), scheme)
+        g.errors[float(a)] = err
+        if err < best_err - 1e-12:
+            best, best_err = float(a), err
+    if best > 0 and 0.0 in g.errors and best_err * min_gain > g.errors[0.0]:
+        best = 0.0  # the Mul costs time (about a LayerNorm's): not worth it for a small gain
+    g.bias_shift = _mean_shift(rows, refs, weights, smoothing_scale(act_amax, w_amax, best) if best > 0 else None,
+                               scheme, [c.key for c in g.cands])
+    return best
+
+
+def _mean_shift(x: np.ndarray, refs: list[np.ndarray], weights: list[np.ndarray], s: np.ndarray | None,
+                scheme: Scheme, keys: list[str]) -> dict[str, np.ndarray]:
+    """Per output channel, the mean of (quantized - float) output over the rows: the bias the quantization adds."""
+    s = np.ones(x.shape[-1], np.float32) if s is None else s
+    x_s = x / s
+    xq = fake_quant_activation(x_s, float(x_s.min()), float(x_s.max()), scheme)
+    return {k: (xq @ fake_quant_weight(w * s[:, None], 1, scheme) - y).mean(axis=0)
+            for k, w, y in zip(keys, weights, refs)}
+
+
+def bias_add(c: Candidate) -> tuple[ir.Node, int] | None:
+    """The ``Add`` that adds a constant 1-D bias to the output of MatMul candidate ``c`` (node, bias input)."""
+    if c.node.op_type != "MatMul":
+        return None
+    uses = list(c.node.outputs[0].uses())
+    if len(uses) != 1 or c.node.outputs[0].is_graph_output():
+        return None
+    add, idx = uses[0]
+    if add.op_type != "Add" or add.domain not in ("", "ai.onnx"):
+        return None
+    other = add.inputs[1 - idx]
+    t = const_tensor(other)
+    if t is None or len(t.shape) != 1 or t.dtype != ir.DataType.FLOAT:
+        return None
+    return add, 1 - idx
+
+
+def apply_bias_correction(model: ir.Model, g: SmoothGroup) -> list[str]:
+    """Subtract the measured mean output shift (:func:`choose_alpha`) from each candidate's bias ``Add``.
+
+    Only a bias read by that ``Add`` alone is changed (a new initializer); returns the keys corrected.
+    """
+    done = []
+    for c in g.cands:
+        shift = g.bias_shift.get(c.key)
+        found = bias_add(c)
+        if shift is None or found is None:
+            continue
+        add, i = found
+        old = add.inputs[i]
+        assert old is not None
+        b = const_tensor(old).numpy().astype(np.float32)  # type: ignore[union-attr]
+        if b.shape != shift.shape:
+            continue
+        home = add.graph or model.graph
+        name, k = f"{old.name or 'bias'}_corrected", 1
+        taken = set(home.initializers) | {o.name for n in home for o in n.outputs if o.name}
+        while name in taken:
+            k += 1
+            name = f"{old.name or 'bias'}_corrected_{k}"
+        new = ir.Value(name=name, const_value=ir.tensor((b - shift).astype(np.float32)))
+        new.shape, new.dtype = ir.Shape([int(b.shape[0])]), ir.DataType.FLOAT
+        home.register_initializer(new)
+        add.replace_input_with(i, new)
+        _drop_if_unused(old, home)
+        done.append(c.key)
+    return done
+
+
+def _drop_if_unused(value: ir.Value, home: ir.Graph) -> None:
+    if value.uses() or value.is_graph_output():
+        return
+    if value.is_initializer() and value.name:
+        (value.graph or home).initializers.pop(value.name, None)
+        return
+    producer = value.producer()
+    if producer is not None and producer.op_type == "Constant" and producer.graph is not None:
+        producer.graph.remove(producer, safe=True)
+
+
+def apply_smoothing(model: ir.Model, g: SmoothGroup, act_amax: np.ndarray, alpha: float) -> bool:
+    """Insert ``Mul(X, 1/s)`` in front of the group's candidates and scale their weights' rows by ``s``.
+
+    A weight that other nodes read as well is copied, not changed in place.  Returns False (nothing
+    changed) when ``alpha`` is 0 or no channel would be scaled.
+    """
+    if alpha <= 0:
+        return False
+    s = smoothing_scale(act_amax, _weight_rows_amax(g), alpha)
+    if np.allclose(s, 1.0):
+        return False
+    x = g.value
+    home = x.graph or model.graph
+    names = {n for n in home.initializers} | {o.name for node in home for o in node.outputs if o.name}
+    names |= {v.name for v in home.inputs if v.name}
+
+    def fresh(base: str) -> str:
+        name, i = base, 1
+        while name in names:
+            i += 1
+            name = f"{base}_{i}"
+        names.add(name)
+        return name
+
+    base = x.name or "act"
+    inv = ir.Value(name=fresh(f"{base}_smooth_inv_scale"), const_value=ir.tensor((1.0 / s).astype(np.float32)))
+    home.register_initializer(inv)
+    mul = ir.node("Mul", [x, inv], name=fresh(f"{base}_Smooth"))
+    out = mul.outputs[0]
+    out.name = fresh(f"{base}_smoothed")
+    if x.dtype is not None:
+        out.dtype, out.shape = x.dtype, x.shape
+    producer = x.producer()
+    if producer is not None and producer.graph is home:
+        home.insert_after(producer, mul)
+    else:
+        first = next(iter(home), None)
+        if first is None:
+            home.append(mul)
+        else:
+            home.insert_before(first, mul)
+    for c in g.cands:
+        axis = int(_row_axis(c))  # type: ignore[arg-type]
+        w_val = c.node.inputs[c.weight_input]  # type: ignore[index]
+        assert w_val is not None
+        w = const_tensor(w_val).numpy().astype(np.float32)  # type: ignore[union-attr]
+        ws = w * (s[:, None] if axis == 0 else s[None, :])
+        new = ir.Value(name=fresh(f"{w_val.name or 'weight'}_smoothed"), const_value=ir.tensor(ws.astype(np.float32)))
+        new.shape = ir.Shape(list(ws.shape))
+        new.dtype = ir.DataType.FLOAT
+        home.register_initializer(new)
+        c.node.replace_input_with(c.weight_input, new)  # type: ignore[arg-type]
+        _drop_if_unused(w_val, home)
+        c.node.replace_input_with(0, out)
+    g.alpha, g.scale, g.smoothed = alpha, s, out
+    return True
