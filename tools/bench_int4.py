@@ -128,9 +128,9 @@ def modelopt_peer(fp32: Path, out: Path, method: str, calib: list[dict[str, np.n
 
 def mograph_quant(fp32: Path, out: Path, calib: list[dict[str, np.ndarray]], **options: Any) -> tuple[Path, dict]:
     import onnx_ir as ir
+    from mograph.passes.quant.weight_only import WeightOnlyPass
 
     from mograph.lowering import lower_model
-    from mograph.passes.quant.weight_only import WeightOnlyPass
 
     model = ir.load(str(fp32))
     result = WeightOnlyPass(calibration_data=calib, **options).call(model)

@@ -177,11 +177,13 @@ class WeightOnlyPass(Pass):
         rules = default_precision(model, [c for c in cands if c.has_weight], low)
         out_proj = self.config.get("output_projection") or "float"
         decisions: dict[str, tuple[str, str]] = {}
+        ruled: set[str] = set()  # kept float by a rule the budget does not overrule
         for layer in layers:
             prec, reason = rules.get(layer.key, (low, "default rule: weight matmul"))
             if prec != low:  # the INT8 rules' float cases: the final (output) projection
                 if out_proj == "float":
                     decisions[layer.key] = ("float", f"{reason}: output projection / LM head kept float")
+                    ruled.add(layer.key)
                 else:
                     p = "int8" if out_proj == "int8" else low
                     decisions[layer.key] = (p, f"{reason} at {p} (--output-projection {out_proj})")
@@ -200,12 +202,13 @@ class WeightOnlyPass(Pass):
                                       "use int4, int8 or float")
                 decisions[e.node] = (prec, f"from plan {plan_src}: {e.reason}" if e.reason else f"user override (plan {plan_src})")
                 overridden.add(e.node)
+                ruled.discard(e.node)
         keep = set(self.config.get("keep_fp32") or [])
         for layer in layers:
             if layer.key in keep or layer.node.op_type in keep:
                 decisions[layer.key] = ("float", "user override (--keep-fp32)")
                 overridden.add(layer.key)
-        return decisions, overridden
+        return decisions, overridden | ruled
 
     # ------------------------------------------------------------------ calibration
 
@@ -286,8 +289,10 @@ class WeightOnlyPass(Pass):
     def _budget(self, model: ir.Model, layers: list[_Layer], decisions: dict[str, tuple[str, str]],
                 measured: list[_Layer], samples: list[dict[str, np.ndarray]], low_bits: int,
                 budget: Any) -> dict[str, Any]:
-        from mograph.passes.quant.calibration import model_folder
-        from mograph.passes.quant.calibration import _session  # noqa: PLC2701 - the module's session factory
+        from mograph.passes.quant.calibration import (
+            _session,  # noqa: PLC2701 - the module's session factory
+            model_folder,
+        )
 
         proto = ir.serde.serialize_model(model)
         names = {layer.node.inputs[1].name for layer in layers}  # type: ignore[union-attr]
@@ -314,7 +319,7 @@ class WeightOnlyPass(Pass):
                 w = w.T
             return w.astype(raw(layer).dtype)
 
-        fixed = {name: raw(layer) for name, layer in by_weight.items()}
+        fixed: dict[str, np.ndarray] = {str(name): raw(layer) for name, layer in by_weight.items()}
         eff: dict[tuple[str, int], np.ndarray] = {}
 
         def weight_for(layer: _Layer, prec: str) -> np.ndarray:
@@ -332,9 +337,9 @@ class WeightOnlyPass(Pass):
 
         def evaluate(assign: dict[str, str]) -> float:
             nonlocal evaluations
-            feeds = dict(fixed)
+            feeds: dict[str, np.ndarray] = dict(fixed)
             for layer in layers:
-                feeds[layer.node.inputs[1].name] = weight_for(layer, assign.get(layer.key, "float"))  # type: ignore[index]
+                feeds[str(layer.node.inputs[1].name)] = weight_for(layer, assign.get(layer.key, "float"))  # type: ignore[union-attr]
             values = []
             for s, ref in zip(samples, refs):
                 out = sess.run(None, {**s, **feeds})
@@ -463,6 +468,7 @@ class WeightOnlyPass(Pass):
             if not scales:
                 continue
             a = scales[0]
+            assert a is not None
             act = group[0].act
             dtype = group[0].dtype.numpy()
             readers = {id(u.node) for u in act.uses()}
