@@ -323,7 +323,7 @@ class WeightOnlyPass(Pass):
         eff: dict[tuple[str, int], np.ndarray] = {}
 
         def weight_for(layer: _Layer, prec: str) -> np.ndarray:
-            name = layer.node.inputs[1].name  # type: ignore[union-attr]
+            name = str(layer.node.inputs[1].name)  # type: ignore[union-attr]
             if prec == "float":
                 return fixed[name]
             bits = 8 if prec == "int8" else 4
