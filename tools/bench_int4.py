@@ -12,8 +12,12 @@ MatMul with a constant weight unless the label says otherwise:
 - ``ort rtn`` / ``ort hqq`` / ``ort gptq``: ``onnxruntime.quantization.matmul_nbits_quantizer``
   (``DefaultWeightOnlyQuantConfig``, ``HQQWeightOnlyQuantConfig``, ``GPTQWeightOnlyQuantConfig`` with the
   same calibration feeds), written as ``MatMulNBits``;
-- ``modelopt awq_clip`` / ``awq_lite``: ``modelopt.onnx.quantization.quantize(quantize_mode="int4")`` when
-  ``nvidia-modelopt[onnx]`` is importable (its failure, if any, is printed as the row's reason);
+- ``modelopt awq_clip`` / ``awq_lite``: ``modelopt.onnx.quantization.quantize(quantize_mode="int4")``, run in
+  its own environment (``tools/make_modelopt_venv.sh``, then ``MOGRAPH_MODELOPT_PYTHON=<its python>``: it pins
+  onnx and onnxruntime-gpu of its own); its failure, if any, is printed as the row's reason;
+
+``ort gptq`` and ModelOpt get the calibration sentences padded to the longest (they stack samples); the
+others get them one by one, unpadded.
 - ``mograph <algorithm>``: ``weight-only --algorithm <algorithm>`` then ``lower --target ort``
   (``MatMulNBits``); ``all`` = ``--output-projection bits`` (every MatMul at 4 bits, as the peers do),
   otherwise the default plan keeps the output projection float.
@@ -117,12 +121,30 @@ def ort_peer(fp32: Path, out: Path, algorithm: str, calib: list[dict[str, np.nda
     return out
 
 
-def modelopt_peer(fp32: Path, out: Path, method: str, calib: list[dict[str, np.ndarray]]) -> Path:
-    from modelopt.onnx.quantization import quantize  # type: ignore[import-not-found]
+MODELOPT_SCRIPT = """
+import sys, numpy as np
+from modelopt.onnx.quantization import quantize
+data = dict(np.load(sys.argv[3]))
+quantize(onnx_path=sys.argv[1], quantize_mode="int4", calibration_method=sys.argv[4], calibration_data=data,
+         output_path=sys.argv[2], block_size=128, calibration_eps=["cpu"], high_precision_dtype="fp32")
+"""
 
-    stacked = {k: np.concatenate([f[k] for f in calib], axis=0) for k in calib[0]}
-    quantize(onnx_path=str(fp32), quantize_mode="int4", calibration_method=method, calibration_data=stacked,
-             output_path=str(out), block_size=128)
+
+def modelopt_peer(fp32: Path, out: Path, method: str, stacked: dict[str, np.ndarray]) -> Path:
+    """ModelOpt's ONNX INT4 in its own environment (``tools/make_modelopt_venv.sh``; ``MOGRAPH_MODELOPT_PYTHON``
+    names its python): it pins onnx and onnxruntime-gpu versions of its own, so it never shares mograph's venv."""
+    import subprocess
+
+    python = os.environ.get("MOGRAPH_MODELOPT_PYTHON", "")
+    if not python or not Path(python).exists():
+        raise RuntimeError("no ModelOpt environment: run tools/make_modelopt_venv.sh and set MOGRAPH_MODELOPT_PYTHON")
+    npz = out.with_suffix(".calib.npz")
+    np.savez(npz, **stacked)
+    proc = subprocess.run([python, "-c", MODELOPT_SCRIPT, str(fp32), str(out), str(npz), method],
+                          capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0 or not out.exists():
+        lines = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
+        raise RuntimeError(lines[-1] if lines else f"exit {proc.returncode}")
     return out
 
 
@@ -147,6 +169,9 @@ def minilm_table(out: Path, runs: int, skip_peers: bool, configs: list[tuple[str
     calib = [minilm.tokenize(tok, [s]) for s in CALIBRATION]
     evaluation = [minilm.tokenize(tok, [s]) for s in EVALUATION]
     lat_feed = minilm.tokenize(tok, list(EVALUATION[:BATCH]), pad_to=SEQ)
+    # the same calibration sentences padded to one length, for the peers that stack their samples
+    padded = minilm.tokenize(tok, list(CALIBRATION))
+    calib_padded = [{k: v[i: i + 1] for k, v in padded.items()} for i in range(len(CALIBRATION))]
     rows: list[dict] = []
     paths: dict[str, Path] = {"fp32": fp32}
     notes: dict[str, str] = {}
@@ -155,9 +180,9 @@ def minilm_table(out: Path, runs: int, skip_peers: bool, configs: list[tuple[str
     if not skip_peers:
         peers = [("ort rtn", lambda p: ort_peer(fp32, p, "rtn", calib)),
                  ("ort hqq", lambda p: ort_peer(fp32, p, "hqq", calib)),
-                 ("ort gptq", lambda p: ort_peer(fp32, p, "gptq", calib)),
-                 ("modelopt awq_clip", lambda p: modelopt_peer(fp32, p, "awq_clip", calib)),
-                 ("modelopt awq_lite", lambda p: modelopt_peer(fp32, p, "awq_lite", calib))]
+                 ("ort gptq", lambda p: ort_peer(fp32, p, "gptq", calib_padded)),
+                 ("modelopt awq_clip", lambda p: modelopt_peer(fp32, p, "awq_clip", padded)),
+                 ("modelopt awq_lite", lambda p: modelopt_peer(fp32, p, "awq_lite", padded))]
     for label, fn in peers:
         path = out / f"minilm.{label.replace(' ', '_')}.onnx"
         t = time.perf_counter()
