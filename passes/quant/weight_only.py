@@ -52,6 +52,7 @@ from mograph.custom_ops import DOMAIN, DOMAIN_VERSION
 from mograph.errors import OptionError
 from mograph.pass_infra import Option, Pass, PassResult, stamp
 from mograph.patterns import constant_array
+from mograph.specs import parse_bool
 
 __all__ = ["WeightOnlyPass"]
 
@@ -108,9 +109,11 @@ class WeightOnlyPass(Pass):
         Option("algorithm", str, "auto", "rtn (no data), awq (activation-aware scaling + clip search), gptq "
                "(Hessian error compensation), auto (gptq with --calibration-data, else rtn)",
                choices=("auto", "rtn", "awq", "gptq")),
-        Option("symmetric", bool, False, "symmetric blocks (zero point 2^(bits-1)); default asymmetric"),
+        Option("symmetric", parse_bool, False, "symmetric blocks (zero point 2^(bits-1)) instead of asymmetric (yes/no)",
+               metavar="yes|no"),
         Option("damping", float, 0.01, "gptq: fraction of the mean Hessian diagonal added to it", metavar="F"),
-        Option("act-order", bool, False, "gptq: quantize rows by decreasing Hessian diagonal"),
+        Option("act-order", parse_bool, False, "gptq: quantize rows by decreasing Hessian diagonal (yes/no)",
+               metavar="yes|no"),
         Option("output-projection", str, "float", "the output projection / LM head: float (default rule), int8, "
                "or bits (like the other layers)", choices=("float", "int8", "bits")),
         Option("accuracy-budget", str, None, "measure per-layer sensitivity and raise the fewest layers to int8, "
