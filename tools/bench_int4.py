@@ -161,6 +161,56 @@ def mograph_quant(fp32: Path, out: Path, calib: list[dict[str, np.ndarray]], **o
     return out, dict(result.stats)
 
 
+def run_table(name: str, fp32: Path, out: Path, runs: int, skip_peers: bool, configs: list[tuple[str, dict]],
+              calib: list[dict[str, np.ndarray]], calib_stacked: list[dict[str, np.ndarray]],
+              score: Any, lat_feed: dict[str, np.ndarray]) -> list[dict]:
+    """Quantize ``fp32`` with every peer and config, then score and time each model in one run.
+
+    ``score(session, reference_session) -> (error, columns)``; ``calib`` goes to mograph and the ORT RTN/HQQ
+    rows, ``calib_stacked`` (one length) to ORT GPTQ and, concatenated, to ModelOpt.
+    """
+    paths: dict[str, Path] = {"fp32": fp32}
+    notes: dict[str, str] = {}
+    seconds: dict[str, float] = {}
+    stacked = {k: np.concatenate([f[k] for f in calib_stacked], axis=0) for k in calib_stacked[0]}
+    peers: list[tuple[str, Any]] = []
+    if not skip_peers:
+        peers = [("ort rtn", lambda p: ort_peer(fp32, p, "rtn", calib)),
+                 ("ort hqq", lambda p: ort_peer(fp32, p, "hqq", calib)),
+                 ("ort gptq", lambda p: ort_peer(fp32, p, "gptq", calib_stacked)),
+                 ("modelopt awq_clip", lambda p: modelopt_peer(fp32, p, "awq_clip", stacked)),
+                 ("modelopt awq_lite", lambda p: modelopt_peer(fp32, p, "awq_lite", stacked))]
+    for label, fn in peers:
+        path = out / f"{name}.{label.replace(' ', '_')}.onnx"
+        t = time.perf_counter()
+        try:
+            fn(path)
+            paths[label] = path
+        except Exception as exc:  # noqa: BLE001 - a peer that fails is a row with its reason
+            notes[label] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            logging.debug("%s failed:\n%s", label, traceback.format_exc())
+        seconds[label] = time.perf_counter() - t
+        print(f"  {name}: {label} {'done' if label in paths else 'FAILED'} in {seconds[label]:.0f} s", flush=True)
+    for label, options in configs:
+        path = out / f"{name}.{label.replace(' ', '_')}.onnx"
+        t = time.perf_counter()
+        mograph_quant(fp32, path, calib, **options)
+        seconds[label] = time.perf_counter() - t
+        paths[label] = path
+        print(f"  {name}: {label} done in {seconds[label]:.0f} s", flush=True)
+    sess_ref = _session(fp32, optimize=False)
+    sessions = {label: _session(p) for label, p in paths.items()}
+    lat = _latency(sessions, lat_feed, runs)
+    rows: list[dict] = []
+    for label, p in paths.items():
+        err, cols = score(sessions[label], sess_ref)
+        rows.append({"model": label, "err": err, **cols, "mib": _size(p) / 2**20, "ms": lat[label],
+                     "s": seconds.get(label)})
+    for label, why in notes.items():
+        rows.append({"model": label, "failed": why})
+    return rows
+
+
 def minilm_table(out: Path, runs: int, skip_peers: bool, configs: list[tuple[str, dict]]) -> list[dict]:
     from models.sentences import CALIBRATION, EVALUATION
 
@@ -172,63 +222,64 @@ def minilm_table(out: Path, runs: int, skip_peers: bool, configs: list[tuple[str
     # the same calibration sentences padded to one length, for the peers that stack their samples
     padded = minilm.tokenize(tok, list(CALIBRATION))
     calib_padded = [{k: v[i: i + 1] for k, v in padded.items()} for i in range(len(CALIBRATION))]
-    rows: list[dict] = []
-    paths: dict[str, Path] = {"fp32": fp32}
-    notes: dict[str, str] = {}
-    seconds: dict[str, float] = {}
-    peers: list[tuple[str, Any]] = []
-    if not skip_peers:
-        peers = [("ort rtn", lambda p: ort_peer(fp32, p, "rtn", calib)),
-                 ("ort hqq", lambda p: ort_peer(fp32, p, "hqq", calib)),
-                 ("ort gptq", lambda p: ort_peer(fp32, p, "gptq", calib_padded)),
-                 ("modelopt awq_clip", lambda p: modelopt_peer(fp32, p, "awq_clip", padded)),
-                 ("modelopt awq_lite", lambda p: modelopt_peer(fp32, p, "awq_lite", padded))]
-    for label, fn in peers:
-        path = out / f"minilm.{label.replace(' ', '_')}.onnx"
-        t = time.perf_counter()
-        try:
-            fn(path)
-            paths[label] = path
-        except Exception as exc:  # noqa: BLE001 - a peer that fails is a row with its reason
-            notes[label] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-            logging.debug("%s failed:\n%s", label, traceback.format_exc())
-        seconds[label] = time.perf_counter() - t
-    for label, options in configs:
-        path = out / f"minilm.{label.replace(' ', '_')}.onnx"
-        t = time.perf_counter()
-        mograph_quant(fp32, path, calib, **options)
-        seconds[label] = time.perf_counter() - t
-        paths[label] = path
-    sess_ref = _session(fp32, optimize=False)
-    ref = np.array([minilm.mean_pool(sess_ref.run(None, f)[0], f["attention_mask"])[0] for f in evaluation])
-    sessions = {label: _session(p) for label, p in paths.items()}
-    lat = _latency(sessions, lat_feed, runs)
-    for label, p in paths.items():
-        emb = np.array([minilm.mean_pool(sessions[label].run(None, f)[0], f["attention_mask"])[0] for f in evaluation])
-        cos = minilm.cosine_rows(ref, emb)
-        rows.append({"model": label, "err": 1 - float(cos.mean()), "mean": float(cos.mean()), "min": float(cos.min()),
-                     "mib": _size(p) / 2**20, "ms": lat[label], "s": seconds.get(label)})
-    for label, why in notes.items():
-        rows.append({"model": label, "failed": why})
-    return rows
+    cache: dict[int, np.ndarray] = {}
+
+    def embed(sess: Any) -> np.ndarray:
+        return np.array([minilm.mean_pool(sess.run(None, f)[0], f["attention_mask"])[0] for f in evaluation])
+
+    def score(sess: Any, ref_sess: Any) -> tuple[float, dict]:
+        if 0 not in cache:
+            cache[0] = embed(ref_sess)
+        cos = minilm.cosine_rows(cache[0], embed(sess))
+        return 1 - float(cos.mean()), {"a": float(cos.mean()), "b": float(cos.min())}
+
+    return run_table("minilm", fp32, out, runs, skip_peers, configs, calib, calib_padded, score, lat_feed)
 
 
-def _print(title: str, rows: list[dict], metric: str) -> None:
+def lm_table(out: Path, runs: int, skip_peers: bool, configs: list[tuple[str, dict]]) -> list[dict]:
+    from models import pokepy_lm
+
+    names = pokepy_lm.load_names()
+    stoi = pokepy_lm.vocabulary(names)
+    fp32 = pokepy_lm.build_model(out / "pokepy.fp32.onnx")
+    xc, _ = pokepy_lm.examples(names[1::2], stoi)  # calibration: every other name
+    xe, ye = pokepy_lm.examples(names[0::2], stoi)  # judged on the others
+    calib = [{"context": xc[i: i + 64]} for i in range(0, len(xc) - 63, 64)]
+    cache: dict[int, np.ndarray] = {}
+
+    def score(sess: Any, ref_sess: Any) -> tuple[float, dict]:
+        def logp(s: Any) -> np.ndarray:
+            lg = s.run(None, {"context": xe})[0].astype(np.float64)
+            lg -= lg.max(axis=1, keepdims=True)
+            return lg - np.log(np.exp(lg).sum(axis=1, keepdims=True))
+
+        if 0 not in cache:
+            cache[0] = logp(ref_sess)
+        ref, got = cache[0], logp(sess)
+        ppl_ref = float(np.exp(-ref[np.arange(len(ye)), ye].mean()))
+        ppl = float(np.exp(-got[np.arange(len(ye)), ye].mean()))
+        agree = float((ref.argmax(1) == got.argmax(1)).mean())
+        return ppl - ppl_ref, {"a": ppl, "b": agree}
+
+    return run_table("pokepy", fp32, out, runs, skip_peers, configs, calib, calib, score, {"context": xe[:BATCH * 64]})
+
+
+def _print(title: str, rows: list[dict], metric: str, cols: tuple[str, str] = ("mean cos", "min cos")) -> None:
     print(title)
     ok = [r for r in rows if "failed" not in r]
     base = next(r for r in ok if r["model"] == "fp32")
     peers = [r for r in ok if not r["model"].startswith(("mograph", "fp32"))]
     best = min(peers, key=lambda r: r["err"]) if peers else None
-    print(f"{'model':<28}{metric:>12}{'mean cos':>10}{'min cos':>10}{'MiB':>8}{'ms b8':>9}{'x fp32':>8}"
+    print(f"{'model':<28}{metric:>12}{cols[0]:>10}{cols[1]:>10}{'MiB':>8}{'ms':>9}{'x fp32':>8}"
           f"{'x best err':>11}{'x best MiB':>11}{'x best ms':>10}{'quant s':>9}")
     for r in rows:
         if "failed" in r:
             print(f"{r['model']:<28}  FAILED: {r['failed']}")
             continue
-        rel = (f"{r['err'] / best['err']:>11.3f}{r['mib'] / best['mib']:>11.3f}{r['ms'] / best['ms']:>10.3f}"
+        rel = (f"{r['err'] / best['err'] if best['err'] else float('nan'):>11.3f}{r['mib'] / best['mib']:>11.3f}{r['ms'] / best['ms']:>10.3f}"
                if best else "")
         s = f"{r['s']:.1f}" if r.get("s") is not None else "-"
-        print(f"{r['model']:<28}{r['err']:>12.6f}{r['mean']:>10.5f}{r['min']:>10.5f}{r['mib']:>8.2f}"
+        print(f"{r['model']:<28}{r['err']:>12.6f}{r['a']:>10.5f}{r['b']:>10.5f}{r['mib']:>8.3f}"
               f"{r['ms']:>9.2f}{r['ms'] / base['ms']:>8.2f}{rel}{s:>9}")
     if best:
         print(f"best peer by error: {best['model']}")
@@ -240,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=20, help="timed runs per model")
     ap.add_argument("--skip-peers", action="store_true", help="only mograph's rows (quick iteration)")
     ap.add_argument("--algorithms", default="rtn,awq,gptq", help="mograph algorithms to run")
+    ap.add_argument("--models", default="minilm,lm", help="minilm, lm (the pokepy character LM), or both")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     logging.basicConfig(level=logging.WARNING)
@@ -249,9 +301,16 @@ def main(argv: list[str] | None = None) -> int:
     for alg in args.algorithms.split(","):
         configs.append((f"mograph {alg}", {"algorithm": alg}))
         configs.append((f"mograph {alg} all", {"algorithm": alg, "output_projection": "bits"}))
-    rows = minilm_table(out, args.runs, args.skip_peers, configs)
-    _print(f"all-MiniLM-L6-v2, 4 bits, block 128; ORT CPU 2 threads, batch {BATCH} x seq {SEQ}; "
-           "calibration: models.sentences.CALIBRATION, judged on EVALUATION", rows, "1-cos")
+    if "minilm" in args.models:
+        rows = minilm_table(out, args.runs, args.skip_peers, configs)
+        _print(f"all-MiniLM-L6-v2, 4 bits, block 128; ORT CPU 2 threads, latency batch {BATCH} x seq {SEQ}; "
+               "calibration: models.sentences.CALIBRATION, judged on EVALUATION", rows, "1-cos")
+    if "lm" in args.models:
+        rows = lm_table(out, args.runs, args.skip_peers, configs)
+        _print("pokepy-generator character LM (trained weights from its wheel), 4 bits, block 128; ORT CPU 2 threads, "
+               f"latency {BATCH * 64} contexts; calibrated on every other name, judged on the others "
+               "(error = perplexity increase, agree = next-char argmax agreement with fp32)", rows, "ppl incr",
+               ("ppl", "agree"))
     print(f"models in {out}")
     return 0
 
