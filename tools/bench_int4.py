@@ -16,7 +16,9 @@ MatMul with a constant weight unless the label says otherwise:
   its own environment (``tools/make_modelopt_venv.sh``, then ``MOGRAPH_MODELOPT_PYTHON=<its python>``: it pins
   onnx and onnxruntime-gpu of its own); its failure, if any, is printed as the row's reason;
 
-``ort gptq`` and ModelOpt get the calibration sentences padded to the longest (they stack samples); the
+ONNX Runtime 1.32's GPTQ fails on asymmetric weights whose count of blocks along K is odd (its zero-point
+packing reshapes to ``[N, -1]``; MiniLM's K = 384 has 3 blocks): the row shows that error, and ``ort gptq sym``
+(symmetric, no zero points) is its working form.  ``ort gptq`` and ModelOpt get the calibration sentences padded to the longest (they stack samples); the
 others get them one by one, unpadded.
 - ``mograph <algorithm>``: ``weight-only --algorithm <algorithm>`` then ``lower --target ort``
   (``MatMulNBits``); ``all`` = ``--output-projection bits`` (every MatMul at 4 bits, as the peers do),
@@ -101,7 +103,7 @@ class _Reader:
         self.i = 0
 
 
-def ort_peer(fp32: Path, out: Path, algorithm: str, calib: list[dict[str, np.ndarray]]) -> Path:
+def ort_peer(fp32: Path, out: Path, algorithm: str, calib: list[dict[str, np.ndarray]], symmetric: bool = False) -> Path:
     import onnx
     from onnxruntime.quantization import matmul_nbits_quantizer as mnq
     from onnxruntime.quantization.calibrate import CalibrationDataReader
@@ -115,7 +117,7 @@ def ort_peer(fp32: Path, out: Path, algorithm: str, calib: list[dict[str, np.nda
         config = mnq.HQQWeightOnlyQuantConfig(block_size=128, bits=4)
     else:
         config = mnq.GPTQWeightOnlyQuantConfig(calibration_data_reader=Reader(calib), block_size=128)
-    q = mnq.MatMulNBitsQuantizer(onnx.load(str(fp32)), block_size=128, is_symmetric=False, algo_config=config)
+    q = mnq.MatMulNBitsQuantizer(onnx.load(str(fp32)), block_size=128, is_symmetric=symmetric, algo_config=config)
     q.process()
     q.model.save_model_to_file(str(out), use_external_data_format=False)
     return out
@@ -178,6 +180,7 @@ def run_table(name: str, fp32: Path, out: Path, runs: int, skip_peers: bool, con
         peers = [("ort rtn", lambda p: ort_peer(fp32, p, "rtn", calib)),
                  ("ort hqq", lambda p: ort_peer(fp32, p, "hqq", calib)),
                  ("ort gptq", lambda p: ort_peer(fp32, p, "gptq", calib_stacked)),
+                 ("ort gptq sym", lambda p: ort_peer(fp32, p, "gptq", calib_stacked, symmetric=True)),
                  ("modelopt awq_clip", lambda p: modelopt_peer(fp32, p, "awq_clip", stacked)),
                  ("modelopt awq_lite", lambda p: modelopt_peer(fp32, p, "awq_lite", stacked))]
     for label, fn in peers:
