@@ -111,7 +111,9 @@ class WeightOnlyPass(Pass):
                choices=("auto", "rtn", "awq", "gptq")),
         Option("symmetric", parse_bool, False, "symmetric blocks (zero point 2^(bits-1)) instead of asymmetric (yes/no)",
                metavar="yes|no"),
-        Option("damping", float, 0.01, "gptq: fraction of the mean Hessian diagonal added to it", metavar="F"),
+        Option("damping", float, 0.1, "gptq: fraction of the mean Hessian diagonal added to it", metavar="F"),
+        Option("sequential", parse_bool, True, "gptq: each layer group from the inputs it sees with the groups before "
+               "it already quantized (one model run per group and sample) (yes/no)", metavar="yes|no"),
         Option("act-order", parse_bool, False, "gptq: quantize rows by decreasing Hessian diagonal (yes/no)",
                metavar="yes|no"),
         Option("output-projection", str, "float", "the output projection / LM head: float (default rule), int8, "
@@ -283,15 +285,17 @@ class WeightOnlyPass(Pass):
             else:
                 h = st.hessian / max(st.rows, 1)
                 for layer in group:
-                    q = bw.gptq(layer.weight, h, spec, damp=float(self.config.get("damping") or 0.01),
+                    q = bw.gptq(layer.weight, h, spec, damp=float(self.config.get("damping") or 0.1),
                                 act_order=bool(self.config.get("act_order")), importance=importance)
                     layer.quant[bits] = (q, None)
 
-    # ------------------------------------------------------------------ budget
+    # ------------------------------------------------------------------ the float model with weights as feeds
 
-    def _budget(self, model: ir.Model, layers: list[_Layer], decisions: dict[str, tuple[str, str]],
-                measured: list[_Layer], samples: list[dict[str, np.ndarray]], low_bits: int,
-                budget: Any) -> dict[str, Any]:
+    def _weight_session(self, model: ir.Model, layers: list[_Layer], outputs: list[str] = ()  # type: ignore[assignment]
+                        ) -> tuple[Any, dict[str, np.ndarray], Callable[[_Layer, np.ndarray], np.ndarray]]:
+        """A session of the float model whose layer weights are inputs (fed their float values by default),
+        optionally with extra outputs; and ``as_input(layer, w)``: an effective ``[K, N]`` weight as that feed."""
+        import onnx
         from mograph.passes.quant.calibration import (
             _session,  # noqa: PLC2701 - the module's session factory
             model_folder,
@@ -299,30 +303,75 @@ class WeightOnlyPass(Pass):
 
         proto = ir.serde.serialize_model(model)
         names = {layer.node.inputs[1].name for layer in layers}  # type: ignore[union-attr]
-        weights_as_inputs = [i for i in proto.graph.initializer if i.name in names]
-        import onnx
-
-        for init in weights_as_inputs:
+        fed = [i for i in proto.graph.initializer if i.name in names]
+        for init in fed:
             proto.graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
         kept = [i for i in proto.graph.initializer if i.name not in names]
         del proto.graph.initializer[:]
         proto.graph.initializer.extend(kept)
+        have = {o.name for o in proto.graph.output}
+        elem = {layer.act.name: layer.dtype.value for layer in layers}
+        for name in outputs:
+            if name not in have:
+                proto.graph.output.append(onnx.helper.make_tensor_value_info(name, elem.get(name, 1), None))
         sess = _session(proto.SerializeToString(), model_folder(model))
-        by_weight = {layer.node.inputs[1].name: layer for layer in layers}  # type: ignore[union-attr]
-
-        def raw(layer: _Layer) -> np.ndarray:
+        fed_names = {i.name for i in fed}
+        fixed: dict[str, np.ndarray] = {}
+        for layer in layers:
+            name = str(layer.node.inputs[1].name)  # type: ignore[union-attr]
             w = constant_array(layer.node.inputs[1])
-            assert w is not None
-            return w
+            if name in fed_names and w is not None:
+                fixed[name] = w
 
         def as_input(layer: _Layer, w: np.ndarray) -> np.ndarray:
             w = w / self._alpha(layer)
             if layer.node.op_type == "Gemm" and layer.node.attributes.get("transB") is not None \
                     and layer.node.attributes["transB"].as_int():
                 w = w.T
-            return w.astype(raw(layer).dtype)
+            return w.astype(fixed[str(layer.node.inputs[1].name)].dtype)  # type: ignore[union-attr]
 
-        fixed: dict[str, np.ndarray] = {str(name): raw(layer) for name, layer in by_weight.items()}
+        return sess, fixed, as_input
+
+    def _sequential_gptq(self, model: ir.Model, layers: list[_Layer], bits: int, samples: list[dict[str, np.ndarray]],
+                         keep_float: set[str]) -> int:
+        """GPTQ layer group by layer group in graph order, each from the inputs it sees with the groups before it
+        already quantized (weights kept float by the plan stay float); returns the model runs made."""
+        spec = bw.QuantSpec(bits, int(self.config.get("block_size") or 128), bool(self.config.get("symmetric")))
+        order = {id(n): i for i, n in enumerate(model.graph)}
+        groups: dict[str, list[_Layer]] = {}
+        for layer in sorted(layers, key=lambda la: order[id(la.node)]):
+            groups.setdefault(layer.act.name or "", []).append(layer)
+        sess, fixed, as_input = self._weight_session(model, layers, list(groups))
+        feeds = dict(fixed)
+        runs = 0
+        for name, group in groups.items():
+            h: np.ndarray | None = None
+            rows = 0
+            for s in samples:
+                x = np.asarray(sess.run([name], {**s, **feeds})[0], np.float64)
+                x = x.reshape(-1, x.shape[-1])
+                h = x.T @ x if h is None else h + x.T @ x
+                rows += x.shape[0]
+                runs += 1
+            assert h is not None
+            h /= max(rows, 1)
+            for layer in group:
+                q = bw.gptq(layer.weight, h, spec, damp=float(self.config.get("damping") or 0.1),
+                            act_order=bool(self.config.get("act_order")), importance=np.diag(h))
+                layer.quant[bits] = (q, None)
+                wname = str(layer.node.inputs[1].name)  # type: ignore[union-attr]
+                if layer.key not in keep_float and wname in feeds:
+                    feeds[wname] = as_input(layer, q.dequantize())
+            if self.progress is not None:
+                self.progress(runs, None)
+        return runs
+
+    # ------------------------------------------------------------------ budget
+
+    def _budget(self, model: ir.Model, layers: list[_Layer], decisions: dict[str, tuple[str, str]],
+                measured: list[_Layer], samples: list[dict[str, np.ndarray]], low_bits: int,
+                budget: Any) -> dict[str, Any]:
+        sess, fixed, as_input = self._weight_session(model, layers)
         eff: dict[tuple[str, int], np.ndarray] = {}
 
         def weight_for(layer: _Layer, prec: str) -> np.ndarray:
@@ -540,8 +589,14 @@ class WeightOnlyPass(Pass):
             plan.meta["calibration"] = calibration_meta(source, seen, None)
             if source.random:
                 stats["calibrated_on_random_data"] = 1
+        sequential = algorithm == "gptq" and bool(self.config.get("sequential")) and source is not None
         for b in sorted(wanted_bits):
-            self._quantize(layers, b, algorithm if b == 4 or algorithm != "awq" else algorithm, input_stats)
+            if sequential and b == bits:
+                samples_all = list(iter(source))  # type: ignore[arg-type]
+                keep = {k for k, (p, _) in decisions.items() if p == "float"}
+                stats["sequential_runs"] = self._sequential_gptq(model, layers, b, samples_all, keep)
+            else:
+                self._quantize(layers, b, algorithm, input_stats)
         notes: list[str] = []
         if budget is not None and source is not None:
             import itertools
