@@ -20,9 +20,10 @@ ONNX Runtime 1.32's GPTQ fails on asymmetric weights whose count of blocks along
 packing reshapes to ``[N, -1]``; MiniLM's K = 384 has 3 blocks): the row shows that error, and ``ort gptq sym``
 (symmetric, no zero points) is its working form.  ``ort gptq`` and ModelOpt get the calibration sentences padded to the longest (they stack samples); the
 others get them one by one, unpadded.
-- ``mograph <algorithm>``: ``weight-only --algorithm <algorithm>`` then ``lower --target ort``
-  (``MatMulNBits``); ``all`` = ``--output-projection bits`` (every MatMul at 4 bits, as the peers do),
-  otherwise the default plan keeps the output projection float.
+- ``mograph <algorithm> all``: ``weight-only --algorithm <algorithm> --output-projection bits`` (every MatMul
+  at 4 bits, as the peers do) then ``lower --target ort`` (``MatMulNBits``);
+- ``mograph gptq (default plan)``: the default plan, which keeps the output projection float;
+- ``mograph gptq 4/8 <budget>``: ``--accuracy-budget`` (mixed 4/8 bits from measured sensitivity).
 
 Latency: ONNX Runtime CPU, all optimizations on, 2 intra-op threads, batch 8 x sequence 128 (real
 sentences padded), interleaved rounds, median.  Size: the saved ``.onnx`` file(s).
@@ -295,15 +296,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-peers", action="store_true", help="only mograph's rows (quick iteration)")
     ap.add_argument("--algorithms", default="rtn,awq,gptq", help="mograph algorithms to run")
     ap.add_argument("--models", default="minilm,lm", help="minilm, lm (the pokepy character LM), or both")
+    ap.add_argument("--budget", default="cosine>=0.995", help="accuracy budget of the mixed 4/8-bit row ('' for none)")
+    ap.add_argument("--options", default="{}", help="JSON of extra weight-only options for every mograph row")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import json
+
+    extra = json.loads(args.options)
     logging.basicConfig(level=logging.WARNING)
     out = args.out or Path(tempfile.mkdtemp(prefix="bench_int4_"))
     out.mkdir(parents=True, exist_ok=True)
     configs: list[tuple[str, dict]] = []
     for alg in args.algorithms.split(","):
-        configs.append((f"mograph {alg}", {"algorithm": alg}))
-        configs.append((f"mograph {alg} all", {"algorithm": alg, "output_projection": "bits"}))
+        configs.append((f"mograph {alg} all", {"algorithm": alg, "output_projection": "bits", **extra}))
+    configs.append(("mograph gptq (default plan)", {"algorithm": "gptq", **extra}))
+    if args.budget:
+        configs.append((f"mograph gptq 4/8 {args.budget}", {"algorithm": "gptq", "output_projection": "bits",
+                                                             "accuracy_budget": args.budget, **extra}))
     if "minilm" in args.models:
         rows = minilm_table(out, args.runs, args.skip_peers, configs)
         _print(f"all-MiniLM-L6-v2, 4 bits, block 128; ORT CPU 2 threads, latency batch {BATCH} x seq {SEQ}; "
