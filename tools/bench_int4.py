@@ -52,6 +52,9 @@ from models import minilm  # noqa: E402
 
 SEQ = 128
 BATCH = 8
+REUSE = False  # --reuse: take the models (and their quantization times) already in --out
+QUANTIZE_ONLY = False  # --quantize-only: write the models, measure nothing
+ROWS: list[str] = []  # --rows: only rows whose label starts with one of these (plus fp32)
 
 
 def _session(path: Path, optimize: bool = True, threads: int = 2) -> Any:
@@ -184,8 +187,24 @@ def run_table(name: str, fp32: Path, out: Path, runs: int, skip_peers: bool, con
                  ("ort gptq sym", lambda p: ort_peer(fp32, p, "gptq", calib_stacked, symmetric=True)),
                  ("modelopt awq_clip", lambda p: modelopt_peer(fp32, p, "awq_clip", stacked)),
                  ("modelopt awq_lite", lambda p: modelopt_peer(fp32, p, "awq_lite", stacked))]
+    import json
+
+    timing_file = out / f"{name}.quant_seconds.json"
+    done = json.loads(timing_file.read_text()) if REUSE and timing_file.exists() else {}
+
+    def reuse(label: str, path: Path) -> bool:
+        if REUSE and path.exists() and label in done:
+            paths[label], seconds[label] = path, float(done[label])
+            return True
+        return False
+
+    def wanted(label: str) -> bool:
+        return not ROWS or any(label.startswith(r) for r in ROWS)
+
     for label, fn in peers:
         path = out / f"{name}.{label.replace(' ', '_')}.onnx"
+        if not wanted(label) or reuse(label, path):
+            continue
         t = time.perf_counter()
         try:
             fn(path)
@@ -196,12 +215,20 @@ def run_table(name: str, fp32: Path, out: Path, runs: int, skip_peers: bool, con
         seconds[label] = time.perf_counter() - t
         print(f"  {name}: {label} {'done' if label in paths else 'FAILED'} in {seconds[label]:.0f} s", flush=True)
     for label, options in configs:
-        path = out / f"{name}.{label.replace(' ', '_')}.onnx"
+        path = out / f"{name}.{label.replace(' ', '_').replace('>=', 'ge')}.onnx"
+        if not wanted(label) or reuse(label, path):
+            continue
         t = time.perf_counter()
         mograph_quant(fp32, path, calib, **options)
         seconds[label] = time.perf_counter() - t
         paths[label] = path
         print(f"  {name}: {label} done in {seconds[label]:.0f} s", flush=True)
+    if REUSE or QUANTIZE_ONLY:  # several processes may quantize into one folder: merge the timings
+        merged = json.loads(timing_file.read_text()) if timing_file.exists() else {}
+        merged.update({k: v for k, v in seconds.items() if k in paths})
+        timing_file.write_text(json.dumps(merged))
+    if QUANTIZE_ONLY:
+        return [{"model": label, "failed": why} for label, why in notes.items()]
     sess_ref = _session(fp32, optimize=False)
     sessions = {label: _session(p) for label, p in paths.items()}
     lat = _latency(sessions, lat_feed, runs)
@@ -219,7 +246,9 @@ def minilm_table(out: Path, runs: int, skip_peers: bool, configs: list[tuple[str
     from models.sentences import CALIBRATION, EVALUATION
 
     tok = minilm.load_tokenizer()
-    fp32 = minilm.export_minilm(out / "minilm.fp32.onnx")
+    fp32 = out / "minilm.fp32.onnx"
+    if not ((REUSE or QUANTIZE_ONLY) and fp32.exists()):
+        fp32 = minilm.export_minilm(fp32)
     calib = [minilm.tokenize(tok, [s]) for s in CALIBRATION]
     evaluation = [minilm.tokenize(tok, [s]) for s in EVALUATION]
     lat_feed = minilm.tokenize(tok, list(EVALUATION[:BATCH]), pad_to=SEQ)
@@ -245,7 +274,9 @@ def lm_table(out: Path, runs: int, skip_peers: bool, configs: list[tuple[str, di
 
     names = pokepy_lm.load_names()
     stoi = pokepy_lm.vocabulary(names)
-    fp32 = pokepy_lm.build_model(out / "pokepy.fp32.onnx")
+    fp32 = out / "pokepy.fp32.onnx"
+    if not ((REUSE or QUANTIZE_ONLY) and fp32.exists()):
+        fp32 = pokepy_lm.build_model(fp32)
     xc, _ = pokepy_lm.examples(names[1::2], stoi)  # calibration: every other name
     xe, ye = pokepy_lm.examples(names[0::2], stoi)  # judged on the others
     calib = [{"context": xc[i: i + 64]} for i in range(0, len(xc) - 63, 64)]
@@ -298,11 +329,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="minilm,lm", help="minilm, lm (the pokepy character LM), or both")
     ap.add_argument("--budget", default="cosine>=0.995", help="accuracy budget of the mixed 4/8-bit row ('' for none)")
     ap.add_argument("--options", default="{}", help="JSON of extra weight-only options for every mograph row")
+    ap.add_argument("--rows", default="", help="comma-separated label prefixes: quantize only those rows")
+    ap.add_argument("--quantize-only", action="store_true", help="write the quantized models into --out, measure nothing")
+    ap.add_argument("--reuse", action="store_true",
+                    help="reuse the models already in --out (written by --quantize-only runs, possibly in parallel); "
+                         "the measurements (error, size, latency) are still made together in this run")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import json
 
     extra = json.loads(args.options)
+    global REUSE, QUANTIZE_ONLY, ROWS
+    REUSE, QUANTIZE_ONLY = args.reuse, args.quantize_only
+    ROWS = [r for r in args.rows.split(",") if r]
     logging.basicConfig(level=logging.WARNING)
     out = args.out or Path(tempfile.mkdtemp(prefix="bench_int4_"))
     out.mkdir(parents=True, exist_ok=True)
@@ -315,11 +354,13 @@ def main(argv: list[str] | None = None) -> int:
                                                              "accuracy_budget": args.budget, **extra}))
     if "minilm" in args.models:
         rows = minilm_table(out, args.runs, args.skip_peers, configs)
-        _print(f"all-MiniLM-L6-v2, 4 bits, block 128; ORT CPU 2 threads, latency batch {BATCH} x seq {SEQ}; "
+        if not QUANTIZE_ONLY:
+            _print(f"all-MiniLM-L6-v2, 4 bits, block 128; ORT CPU 2 threads, latency batch {BATCH} x seq {SEQ}; "
                "calibration: models.sentences.CALIBRATION, judged on EVALUATION", rows, "1-cos")
     if "lm" in args.models:
         rows = lm_table(out, args.runs, args.skip_peers, configs)
-        _print("pokepy-generator character LM (trained weights from its wheel), 4 bits, block 128; ORT CPU 2 threads, "
+        if not QUANTIZE_ONLY:
+            _print("pokepy-generator character LM (trained weights from its wheel), 4 bits, block 128; ORT CPU 2 threads, "
                f"latency {BATCH * 64} contexts; calibrated on every other name, judged on the others "
                "(error = perplexity increase, agree = next-char argmax agreement with fp32)", rows, "ppl incr",
                ("ppl", "agree"))

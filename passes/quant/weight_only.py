@@ -14,7 +14,8 @@ point per block and output column, codes of ``--bits`` (4 or 8) packed two to a 
   scale and bias where that is the only reader, else one ``Mul`` in front of the layers sharing the input)
   and an activation-weighted clip search, on the calibration data;
 - ``gptq``: Hessian-based error compensation from the layers' calibration inputs, ``--damping``
-  (fraction of the mean Hessian diagonal, default 0.01) and optional ``--act-order``; its block ranges
+  (fraction of the mean Hessian diagonal, default 0.1), ``--act-order`` (default yes) and
+  ``--sequential`` (default yes: each layer group from the inputs it sees with the groups before it quantized); its block ranges
   come from the same activation-weighted clip search;
 - ``auto`` (default): ``gptq`` when calibration data is given, else ``rtn``.
 
@@ -114,7 +115,7 @@ class WeightOnlyPass(Pass):
         Option("damping", float, 0.1, "gptq: fraction of the mean Hessian diagonal added to it", metavar="F"),
         Option("sequential", parse_bool, True, "gptq: each layer group from the inputs it sees with the groups before "
                "it already quantized (one model run per group and sample) (yes/no)", metavar="yes|no"),
-        Option("act-order", parse_bool, False, "gptq: quantize rows by decreasing Hessian diagonal (yes/no)",
+        Option("act-order", parse_bool, True, "gptq: quantize rows by decreasing Hessian diagonal (yes/no)",
                metavar="yes|no"),
         Option("output-projection", str, "float", "the output projection / LM head: float (default rule), int8, "
                "or bits (like the other layers)", choices=("float", "int8", "bits")),
