@@ -167,6 +167,10 @@ def mograph_quant(fp32: Path, out: Path, calib: list[dict[str, np.ndarray]], **o
     return out, dict(result.stats)
 
 
+def _file_label(label: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in label.replace(">=", "ge"))
+
+
 def run_table(name: str, fp32: Path, out: Path, runs: int, skip_peers: bool, configs: list[tuple[str, dict]],
               calib: list[dict[str, np.ndarray]], calib_stacked: list[dict[str, np.ndarray]],
               score: Any, lat_feed: dict[str, np.ndarray]) -> list[dict]:
@@ -193,8 +197,10 @@ def run_table(name: str, fp32: Path, out: Path, runs: int, skip_peers: bool, con
     done = json.loads(timing_file.read_text()) if REUSE and timing_file.exists() else {}
 
     def reuse(label: str, path: Path) -> bool:
-        if REUSE and path.exists() and label in done:
-            paths[label], seconds[label] = path, float(done[label])
+        if REUSE and path.exists():
+            paths[label] = path
+            if label in done:
+                seconds[label] = float(done[label])
             return True
         return False
 
@@ -202,7 +208,7 @@ def run_table(name: str, fp32: Path, out: Path, runs: int, skip_peers: bool, con
         return not ROWS or any(label.startswith(r) for r in ROWS)
 
     for label, fn in peers:
-        path = out / f"{name}.{label.replace(' ', '_')}.onnx"
+        path = out / f"{name}.{_file_label(label)}.onnx"
         if not wanted(label) or reuse(label, path):
             continue
         t = time.perf_counter()
@@ -215,7 +221,7 @@ def run_table(name: str, fp32: Path, out: Path, runs: int, skip_peers: bool, con
         seconds[label] = time.perf_counter() - t
         print(f"  {name}: {label} {'done' if label in paths else 'FAILED'} in {seconds[label]:.0f} s", flush=True)
     for label, options in configs:
-        path = out / f"{name}.{label.replace(' ', '_').replace('>=', 'ge')}.onnx"
+        path = out / f"{name}.{_file_label(label)}.onnx"
         if not wanted(label) or reuse(label, path):
             continue
         t = time.perf_counter()
