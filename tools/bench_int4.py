@@ -145,7 +145,7 @@ def modelopt_peer(fp32: Path, out: Path, method: str, stacked: dict[str, np.ndar
     if not python or not Path(python).exists():
         raise RuntimeError("no ModelOpt environment: run tools/make_modelopt_venv.sh and set MOGRAPH_MODELOPT_PYTHON")
     npz = out.with_suffix(".calib.npz")
-    np.savez(npz, **stacked)
+    np.savez(npz, **stacked)  # type: ignore[arg-type]
     proc = subprocess.run([python, "-c", MODELOPT_SCRIPT, str(fp32), str(out), str(npz), method],
                           capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0 or not out.exists():
