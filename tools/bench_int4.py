@@ -358,12 +358,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.budget:
         configs.append((f"mograph gptq 4/8 {args.budget}", {"algorithm": "gptq", "output_projection": "bits",
                                                              "accuracy_budget": args.budget, **extra}))
-    if "minilm" in args.models:
+    models = set(args.models.split(","))
+    if "minilm" in models:
         rows = minilm_table(out, args.runs, args.skip_peers, configs)
         if not QUANTIZE_ONLY:
             _print(f"all-MiniLM-L6-v2, 4 bits, block 128; ORT CPU 2 threads, latency batch {BATCH} x seq {SEQ}; "
                "calibration: models.sentences.CALIBRATION, judged on EVALUATION", rows, "1-cos")
-    if "lm" in args.models:
+    if "lm" in models:
         rows = lm_table(out, args.runs, args.skip_peers, configs)
         if not QUANTIZE_ONLY:
             _print("pokepy-generator character LM (trained weights from its wheel), 4 bits, block 128; ORT CPU 2 threads, "
