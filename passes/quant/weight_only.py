@@ -32,6 +32,10 @@ embedding tables (``Gather``), normalization and softmax are listed as float —
 most sensitive are raised to INT8, and if INT8 everywhere is not enough, the fewest to float, so that
 the model outputs meet the budget (binary searches, every figure measured end to end on the float model
 with the dequantized weights, which is what the kernels compute).
+
+all-MiniLM-L6-v2 (real weights; 80 calibration sentences, judged on 220 others; ``tools/bench_int4.py``, one
+run): 1 - mean embedding cosine 0.0147 with every MatMul at 4 bits (``--output-projection bits``), against
+0.0365 for ModelOpt ``awq_clip`` and 0.0410 for ONNX Runtime's RTN, at the same file size (51.2 MiB).
 """
 
 from __future__ import annotations
