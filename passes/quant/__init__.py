@@ -3,7 +3,9 @@
 - ``qdq-int8`` (preset ``int8``): INT8 Q/DQ with calibration, default sensitivity rules, an optional
   accuracy budget and a per-node precision plan;
 - ``qdq-fp8``: FP8 E4M3 Q/DQ with per-tensor scales (TensorRT targets; opset 19+, older models upgraded);
-- ``fp16``: FP16 conversion that keeps FP32 where calibration shows overflow or reductions are deep.
+- ``fp16``: FP16 conversion that keeps FP32 where calibration shows overflow or reductions are deep;
+- ``weight-only`` (preset ``int4``): block-wise INT4/INT8 weights of MatMul/Gemm (RTN, AWQ- or GPTQ-style)
+  as ``mograph.WeightOnlyMatMul``, with a per-layer 4/8/float plan; the op is declared here too.
 """
 
 from __future__ import annotations
@@ -11,18 +13,26 @@ from __future__ import annotations
 from mograph.passes.quant.fp16 import Fp16Pass
 from mograph.passes.quant.qdq_fp8 import QdqFp8Pass
 from mograph.passes.quant.qdq_int8 import QdqInt8Pass
+from mograph.passes.quant.weight_only import WeightOnlyPass
 
 from mograph.hookspecs import hookimpl
 from mograph.pass_infra import Pass
 
-__all__ = ["QdqInt8Pass", "QdqFp8Pass", "Fp16Pass"]
+__all__ = ["QdqInt8Pass", "QdqFp8Pass", "Fp16Pass", "WeightOnlyPass"]
 
 
 @hookimpl
 def mograph_add_passes() -> list[type[Pass]]:
-    return [QdqInt8Pass, QdqFp8Pass, Fp16Pass]
+    return [QdqInt8Pass, QdqFp8Pass, Fp16Pass, WeightOnlyPass]
 
 
 @hookimpl
 def mograph_add_presets() -> dict[str, list[str]]:
-    return {"int8": ["qdq-int8"]}
+    return {"int8": ["qdq-int8"], "int4": ["weight-only"]}
+
+
+@hookimpl
+def mograph_add_custom_ops() -> list:
+    from mograph.passes.quant.weight_only_op import weight_only_matmul_op
+
+    return [weight_only_matmul_op()]
