@@ -522,7 +522,8 @@ def run_sweep(
                 "calib_hash": calib_hash if "calibration_data" in job.options else None,
                 "eval_hash": eval_hash, "versions": vers, "report": b.report or None, "plan": b.plan,
                 "baseline": False,
-                "settings": {**settings_common, "threads": conf.threads, "ort_optimizations": conf.ort_optimizations,
+                "settings": {**settings_common, "passes": conf.passes, "threads": conf.threads,
+                             "ort_optimizations": conf.ort_optimizations,
                              "providers": conf.provider, "build_seconds": round(b.seconds, 3), "build_host": b.host},
             }
             if not b.ok:
