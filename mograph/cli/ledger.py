@@ -75,19 +75,25 @@ def _pipeline(row: dict[str, Any]) -> str:
     return ",".join(row.get("pipeline") or []) or "(none)"
 
 
+def _passes(row: dict[str, Any]) -> str:
+    """The passes as the sweep config named them (presets unexpanded), else the expanded pipeline."""
+    given = (row.get("settings") or {}).get("passes")
+    return ",".join(given) if given else _pipeline(row)
+
+
 def format_rows(rows: list[dict[str, Any]]) -> str:
     """The ``ledger list`` table."""
     if not rows:
         return "(no rows)"
     cols = [c for c in _COLUMNS if any((r.get("metrics") or {}).get(c[0]) is not None for r in rows)]
     name_w = max(len("name"), *(len(r["name"]) for r in rows))
-    head = f"{'id':>4}  {'name':<{name_w}}  {'status':<6} " + " ".join(f"{h:>9}" for _, h, _ in cols) + "  pipeline"
+    head = f"{'id':>4}  {'name':<{name_w}}  {'status':<6} " + " ".join(f"{h:>9}" for _, h, _ in cols) + "  passes"
     lines = [head]
     for r in rows:
         m = r.get("metrics") or {}
         status = "base" if r.get("baseline") and r.get("status", "ok") == "ok" else r.get("status", "ok")
         cells = " ".join(f"{_fmt(m.get(k), spec):>9}" for k, _, spec in cols)
-        tail = _pipeline(r) if r.get("status", "ok") == "ok" else f"{_pipeline(r)}  ({r.get('error') or 'failed'})"
+        tail = _passes(r) if r.get("status", "ok") == "ok" else f"{_passes(r)}  ({r.get('error') or 'failed'})"
         lines.append(f"{r['id']:>4}  {r['name']:<{name_w}}  {status:<6} {cells}  {tail}")
     return "\n".join(lines)
 

@@ -69,7 +69,8 @@ class Executor:
     def width(self) -> int:
         return 1
 
-    def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    def map(self, fn: Callable[[T], R], items: Sequence[T], progress: Callable[[int, int], None] | None = None) -> list[R]:
+        """``[fn(x) for x in items]``, in order; ``progress(done, total)`` after each call finishes."""
         raise NotImplementedError
 
     def as_map(self) -> MapFunction:
@@ -96,8 +97,13 @@ class LocalExecutor(Executor):
 
     name = "local"
 
-    def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
-        return [fn(x) for x in items]
+    def map(self, fn: Callable[[T], R], items: Sequence[T], progress: Callable[[int, int], None] | None = None) -> list[R]:
+        out = []
+        for x in items:
+            out.append(fn(x))
+            if progress is not None:
+                progress(len(out), len(items))
+        return out
 
 
 def _import_ray() -> Any:
@@ -183,13 +189,17 @@ class RayExecutor(Executor):
             self._width = max(1, int(self._ray.cluster_resources().get("CPU", 1)))
         return self._width or 1
 
-    def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    def map(self, fn: Callable[[T], R], items: Sequence[T], progress: Callable[[int, int], None] | None = None) -> list[R]:
         if not items:
             return []
         ray = self._ray
         fn_ref = ray.put(fn)
         futures = [self._remote.remote(fn_ref, item, self._env) for item in items]
         try:
+            pending = list(futures)
+            while progress is not None and pending:
+                _, pending = ray.wait(pending, num_returns=1)
+                progress(len(futures) - len(pending), len(futures))
             return list(ray.get(futures))
         except ray.exceptions.RayTaskError as exc:
             cause = exc.as_instanceof_cause() if hasattr(exc, "as_instanceof_cause") else exc

@@ -41,7 +41,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -457,7 +457,11 @@ def run_sweep(
             progress(f"building {len(jobs)} configuration(s) on {executor.describe()}", 0, len(jobs))
         built: list[BuildResult]
         if remote:
-            built = executor.map(functools.partial(build_configuration, nested=True), jobs)
+            def done(n: int, total: int) -> None:
+                if progress is not None:
+                    progress("built", n, total)
+
+            built = executor.map(functools.partial(build_configuration, nested=True), jobs, progress=done)
         else:
             built = []
             for i, job in enumerate(jobs):
@@ -473,7 +477,6 @@ def run_sweep(
                 b.files = {}
 
         rows: list[dict[str, Any]] = []
-        by_name = {c.name: c for c in sweep.configurations}
         targets = [M.Target(BASELINE, src, sweep.provider, sweep.ort_optimizations, sweep.threads, sweep.backend)]
         feeds = {BASELINE: base_feed}
         for conf, b in zip(sweep.configurations, built):
@@ -489,7 +492,7 @@ def run_sweep(
         if measured[BASELINE].error:
             raise UsageError(f"the unoptimized model cannot be measured: {measured[BASELINE].error}")
 
-        def finish(name: str, row: dict[str, Any], m: Any) -> None:
+        def finish(row: dict[str, Any], m: Any) -> None:
             if m.error:
                 row.update(status="failed", error=m.error)
             else:
@@ -511,7 +514,7 @@ def run_sweep(
             "settings": {**settings_common, "output_hash": model_hash, "threads": sweep.threads,
                          "ort_optimizations": sweep.ort_optimizations, "providers": sweep.provider},
         }
-        finish(BASELINE, base_row, measured[BASELINE])
+        finish(base_row, measured[BASELINE])
         for conf, b in zip(sweep.configurations, built):
             job = next(j for j in jobs if j.name == _safe_name(conf.name))
             row = {
@@ -522,7 +525,8 @@ def run_sweep(
                 "calib_hash": calib_hash if "calibration_data" in job.options else None,
                 "eval_hash": eval_hash, "versions": vers, "report": b.report or None, "plan": b.plan,
                 "baseline": False,
-                "settings": {**settings_common, "threads": conf.threads, "ort_optimizations": conf.ort_optimizations,
+                "settings": {**settings_common, "passes": conf.passes, "threads": conf.threads,
+                             "ort_optimizations": conf.ort_optimizations,
                              "providers": conf.provider, "build_seconds": round(b.seconds, 3), "build_host": b.host},
             }
             if not b.ok:
@@ -531,8 +535,7 @@ def run_sweep(
                 rows.append(row)
                 continue
             row["settings"]["output_hash"] = M.hash_file(b.path)  # type: ignore[arg-type]
-            finish(conf.name, row, measured[conf.name])
-        del by_name
+            finish(row, measured[conf.name])
         return rows
     finally:
         if tmp is not None:
@@ -552,7 +555,3 @@ def _abs(spec: str) -> str:
 
 def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
-
-
-def describe(sweep: SweepConfig) -> Mapping[str, Any]:
-    return {"configurations": [c.name for c in sweep.configurations], "source": sweep.source}
