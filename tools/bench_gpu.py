@@ -349,9 +349,9 @@ def weights_for(model: str, kind: str, dims: Dims, cache: Path, smoke: bool) -> 
     if path.exists():
         return torch.load(path, map_location="cpu", weights_only=True)
     state = hf_model(model, kind, "eager", dims).state_dict()
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # --jobs: the eager and sdpa builds of a model race here
     torch.save(state, tmp)
-    os.replace(tmp, path)
+    os.replace(tmp, path)  # the same seeded weights either way
     return state
 
 
