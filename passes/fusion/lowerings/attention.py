@@ -503,10 +503,52 @@ def _lower_ort(node: ir.Node, ctx: LoweringContext) -> bool:
     return True
 
 
-def _lower_onnx(node: ir.Node, ctx: LoweringContext) -> bool:
-    """The standard ``Attention`` (opset >= 23), 3-D inputs, additive ``attn_mask``."""
-    if ctx.opset < ONNX_ATTENTION_OPSET:
+def _decomposed(node: ir.Node, ctx: LoweringContext) -> bool:
+    """Below opset 23: the computation written out for this call's attributes (heads split by ``Reshape``
+    with 0-copied dims, no grouped-head repeat, no NaN guard unless asked), as small as an exporter's own
+    graph; grouped-query calls take the general function body instead."""
+    q, k, v, bias = (list(node.inputs) + [None] * 4)[:4]
+    heads = int(attr_value(node, "num_heads", 1))
+    if q is None or k is None or v is None or q.dtype not in FLOAT_TYPES:
         return False
+    if (int(attr_value(node, "kv_num_heads", 0)) or heads) != heads:
+        return False
+    dtype = q.dtype.numpy()
+    new_nodes: list[ir.Node] = []
+
+    def add(op_type: str, *inputs: ir.Value, **attrs: Any) -> ir.Value:
+        n = ir.node(op_type, list(inputs), attributes=attrs)
+        new_nodes.append(n)
+        return n.outputs[0]
+
+    def const(arr: np.ndarray) -> ir.Value:
+        return add("Constant", value=ir.tensor(arr))
+
+    split = const(np.array([0, 0, heads, -1], dtype=np.int64))
+    qh = add("Transpose", add("Reshape", q, split), perm=[0, 2, 1, 3])
+    kt = add("Transpose", add("Reshape", k, split), perm=[0, 2, 3, 1])
+    vh = add("Transpose", add("Reshape", v, split), perm=[0, 2, 1, 3])
+    scores = add("MatMul", qh, kt)
+    scale = float(attr_value(node, "scale", 1.0))
+    if scale != 1.0:
+        scores = add("Mul", scores, const(np.array(scale, dtype=dtype)))
+    if bias is not None and not is_zero(bias):
+        scores = add("Add", scores, bias)
+    probs = add("Softmax", scores, axis=-1)
+    if int(attr_value(node, "nan_to_zero", 0)):
+        probs = add("Where", add("IsNaN", probs), const(np.array(0, dtype=dtype)), probs)
+    out = add("Transpose", add("MatMul", probs, vh), perm=[0, 2, 1, 3])
+    y = add("Reshape", out, const(np.array([0, 0, -1], dtype=np.int64)))
+    y.dtype = q.dtype
+    _replace(node, new_nodes, ctx)
+    return True
+
+
+def _lower_onnx(node: ir.Node, ctx: LoweringContext) -> bool:
+    """The standard ``Attention`` (opset >= 23), 3-D inputs, additive ``attn_mask``; below 23 the
+    computation written out (:func:`_decomposed`)."""
+    if ctx.opset < ONNX_ATTENTION_OPSET:
+        return _decomposed(node, ctx)
     q, k, v, bias = node.inputs
     assert q is not None
     heads = int(attr_value(node, "num_heads", 1))
