@@ -266,11 +266,14 @@ def load_cuda_libraries(ort: Any) -> list[str]:
     return done
 
 
-def _cuda_provider(device_id: int, *, cuda_graph: bool, numeric: bool) -> tuple[str, dict[str, str]]:
+def _cuda_provider(device_id: int, *, cuda_graph: bool, numeric: bool,
+                   tf32: bool | None = None) -> tuple[str, dict[str, str]]:
     options = {"device_id": str(device_id)}
     if cuda_graph:
         options["enable_cuda_graph"] = "1"
-    if numeric:
+    if tf32 is None:
+        tf32 = not numeric
+    if not tf32:
         options["use_tf32"] = "0"
     return CUDA_PROVIDER, options
 
@@ -285,6 +288,7 @@ def make_session(
     cuda_graph: bool = False,
     free_dims: Mapping[str, int] | None = None,
     profile_prefix: str | None = None,
+    tf32: bool | None = None,
 ) -> Any:
     """Create an ``onnxruntime.InferenceSession``.
 
@@ -302,6 +306,8 @@ def make_session(
         free_dims: pin symbolic dims by name (``{"batch": 1, "seq": 128}``), so shape computations
             fold away (what a CUDA graph needs).
         profile_prefix: turn ONNX Runtime's profiler on, writing ``<prefix>_<time>.json``.
+        tf32: TensorFloat-32 float32 MatMuls on CUDA (``None``: off for numeric checks, ONNX Runtime's
+            default, on, otherwise).
 
     Raises:
         BackendUnavailableError: onnxruntime is not installed; exit code 7 too when ``device="cuda"``
@@ -337,7 +343,8 @@ def make_session(
         if device is not None and providers and providers[0] != CUDA_PROVIDER:
             raise UsageError(f"device {device!r} and providers {providers} disagree; give one of them")
         load_cuda_libraries(ort)
-        chosen = [_cuda_provider(device_id, cuda_graph=cuda_graph, numeric=not optimizations), "CPUExecutionProvider"]
+        chosen = [_cuda_provider(device_id, cuda_graph=cuda_graph, numeric=not optimizations, tf32=tf32),
+                  "CPUExecutionProvider"]
     else:
         chosen = list(providers or ["CPUExecutionProvider"])
         missing = [p for p in chosen if p not in ort.get_available_providers()]
@@ -673,6 +680,7 @@ class OrtBackend(Backend):
         cuda_graph: bool = False,
         shapes: Mapping[str, Any] | None = None,
         placement: bool | None = None,
+        tf32: bool | None = None,
     ) -> OrtRunner:
         """A runner of ``model`` in an ONNX Runtime session (:class:`OrtRunner`).
 
@@ -687,6 +695,8 @@ class OrtBackend(Backend):
             placement: profile the first run to record where each node ran (``runner.placement``);
                 default: on for CUDA (nodes can fall back to the CPU there), off on the CPU.  Not with
                 a CUDA graph (ONNX Runtime refuses graphs with nodes outside CUDA anyway).
+            tf32: TensorFloat-32 float32 MatMuls on CUDA (``None``: ONNX Runtime's default, on, with
+                optimizations; off without).
         """
         from mograph.lowering import lowered_for
 
@@ -697,7 +707,7 @@ class OrtBackend(Backend):
             require_device(device)  # exit 7 before any work
         model, lowered = lowered_for(model, "ort")
         if cuda_graph:
-            return self._graph_runner(model, lowered, optimizations, threads, device or "cuda", shapes)
+            return self._graph_runner(model, lowered, optimizations, threads, device or "cuda", shapes, tf32)
         if placement is None:
             placement = kind == "cuda"
         profile_dir = tempfile.mkdtemp(prefix="mograph-ort-profile-") if placement else None
@@ -709,6 +719,7 @@ class OrtBackend(Backend):
                 providers=None if kind == "cuda" else providers,
                 device=device if kind == "cuda" else None,
                 profile_prefix=os.path.join(profile_dir, "ort") if profile_dir else None,
+                tf32=tf32 if kind == "cuda" else None,
             )
         except BaseException:
             if profile_dir is not None:
@@ -720,7 +731,7 @@ class OrtBackend(Backend):
     @staticmethod
     def _graph_runner(
         model: Any, lowered: Mapping[str, Any], optimizations: bool, threads: int | None, device: str,
-        shapes: Mapping[str, Any] | None,
+        shapes: Mapping[str, Any] | None, tf32: bool | None = None,
     ) -> OrtRunner:
         """A CUDA-graph runner: a probe session without the graph first (zero feeds of ``shapes``), for
         the output shapes the graph's buffers need and for where the nodes run, then the graph session;
@@ -730,13 +741,13 @@ class OrtBackend(Backend):
         free = _free_dims(model, shapes)
         folder = tempfile.mkdtemp(prefix="mograph-ort-profile-")
         probe = make_session(model, optimizations=optimizations, threads=threads, device=device, free_dims=free,
-                             profile_prefix=os.path.join(folder, "ort"))
+                             profile_prefix=os.path.join(folder, "ort"), tf32=tf32)
         specs = probe_outputs(probe, _zero_feeds(probe, shapes), device)
         where = profile_placement(probe, folder, CUDA_PROVIDER)
         del probe
         try:
             session = make_session(model, optimizations=optimizations, threads=threads, device=device,
-                                   cuda_graph=True, free_dims=free)
+                                   cuda_graph=True, free_dims=free, tf32=tf32)
         except CudaGraphRefused as exc:
             off = where["fallback"]
             names = ", ".join(f"{e['name']} ({e['op_type']}, {e['provider']})" for e in off[:8])

@@ -18,7 +18,8 @@ A backend that cannot run here (TensorRT without a GPU, a runtime not installed)
 before any work.
 
 ``--device cuda`` (``--backend ort``) makes the candidate ONNX Runtime's CUDA provider (its
-optimizations on, TF32 as ONNX Runtime defaults), checked against the CPU reference; the nodes that
+optimizations on, TF32 off unless ``--tf32``: with TensorFloat-32 float32 MatMuls, a float32 BERT is
+off by ~1e-3 and fails float32 tolerances), checked against the CPU reference; the nodes that
 fell back to the CPU and the ``Memcpy`` nodes are reported.  ``--cuda-graph`` checks the outputs of a
 replayed CUDA graph.
 """
@@ -63,6 +64,13 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "--cuda-graph",
         action="store_true",
         help="--device cuda: run the candidate as a replayed CUDA graph (dims pinned to the feeds' shapes)",
+    )
+    p.add_argument(
+        "--tf32",
+        action="store_true",
+        help="--device cuda: let float32 MatMuls use TensorFloat-32, as ONNX Runtime does by default when "
+        "deployed (off by default here: TF32 alone moves a float32 BERT's outputs by ~1e-3, past float32 "
+        "tolerances)",
     )
     p.add_argument("--engine", metavar="FILE", help="run this prebuilt artifact (a TensorRT engine) instead of MODEL")
     p.add_argument(
@@ -136,6 +144,10 @@ def run(args: argparse.Namespace) -> CommandResult:
     device = options.get("device", "cpu")
     if args.cuda_graph and (args.backend != "ort" or not device.startswith("cuda")):
         raise UsageError("--cuda-graph needs --backend ort --device cuda")
+    if args.tf32 and (args.backend != "ort" or not device.startswith("cuda")):
+        raise UsageError("--tf32 needs --backend ort --device cuda")
+    if args.backend == "ort" and device.startswith("cuda"):
+        options["tf32"] = bool(args.tf32)
     require_available(backend)  # exit 7, naming what is missing, before any work
     if args.backend == "ort" and device.startswith("cuda"):
         from mograph.backends.ort import require_device
@@ -161,7 +173,8 @@ def run(args: argparse.Namespace) -> CommandResult:
         verifier = make_verifier()
     candidate = f"backend '{backend.name}' on {candidate_model}"
     if args.backend == "ort":
-        where = "" if device == "cpu" else f", {device}" + (", CUDA graph" if args.cuda_graph else "")
+        where = "" if device == "cpu" else (f", {device}" + (", CUDA graph" if args.cuda_graph else "")
+                                             + (", TF32" if args.tf32 else ", TF32 off"))
         candidate = f"onnxruntime (optimizations on{where}) on {candidate_model}"
     check = verifier.check(None if args.engine else str(src), family=args.family, runner=runner, label=candidate)
     info = {"reference": f"{verifier.backend} on {reference}", "candidate": candidate}

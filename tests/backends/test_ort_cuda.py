@@ -271,3 +271,18 @@ def test_gpu_bench_io_binding_and_cuda_graph(capsys):
 def test_gpu_validate_against_the_cpu(capsys):
     assert main(["validate", str(BERT), "--backend", "ort", "--device", "cuda", "--json", "--atol", "1e-3",
                  "--rtol", "1e-2"]) == 0
+
+
+@pytest.mark.parametrize(
+    "numeric, tf32, off",
+    [(True, None, True), (False, None, False), (False, False, True), (True, True, False)],
+)
+def test_tf32_choice_reaches_the_cuda_provider(numeric, tf32, off):
+    """numeric checks turn TF32 off unless told; deployed runs keep ONNX Runtime's default unless told."""
+    _, options = ort_backend._cuda_provider(0, cuda_graph=False, numeric=numeric, tf32=tf32)
+    assert (options.get("use_tf32") == "0") is off
+
+
+def test_validate_tf32_needs_cuda(capsys):
+    assert main(["validate", str(BERT), "--backend", "ort", "--tf32", "--json"]) == 2
+    assert "--tf32 needs --backend ort --device cuda" in json.loads(capsys.readouterr().out)["error"]
