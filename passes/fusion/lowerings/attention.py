@@ -509,11 +509,12 @@ def _decomposed(node: ir.Node, ctx: LoweringContext) -> bool:
     graph; grouped-query calls take the general function body instead."""
     q, k, v, bias = (list(node.inputs) + [None] * 4)[:4]
     heads = int(attr_value(node, "num_heads", 1))
-    if q is None or k is None or v is None or q.dtype not in FLOAT_TYPES:
+    qdtype = q.dtype if q is not None else None
+    if q is None or k is None or v is None or qdtype is None or qdtype not in FLOAT_TYPES:
         return False
     if (int(attr_value(node, "kv_num_heads", 0)) or heads) != heads:
         return False
-    dtype = q.dtype.numpy()
+    dtype = qdtype.numpy()
     new_nodes: list[ir.Node] = []
 
     def add(op_type: str, *inputs: ir.Value, **attrs: Any) -> ir.Value:
@@ -539,7 +540,7 @@ def _decomposed(node: ir.Node, ctx: LoweringContext) -> bool:
         probs = add("Where", add("IsNaN", probs), const(np.array(0, dtype=dtype)), probs)
     out = add("Transpose", add("MatMul", probs, vh), perm=[0, 2, 1, 3])
     y = add("Reshape", out, const(np.array([0, 0, -1], dtype=np.int64)))
-    y.dtype = q.dtype
+    y.dtype = qdtype
     _replace(node, new_nodes, ctx)
     return True
 
