@@ -25,7 +25,7 @@ inserted Q/DQ will do), or fixed by the user.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +40,7 @@ __all__ = [
     "apply_smoothing",
     "apply_bias_correction",
     "bias_add",
+    "fold_target",
     "ALPHAS",
     "MIN_GAIN",
 ]
@@ -64,6 +65,8 @@ class SmoothGroup:
     errors: dict[float, float] = field(default_factory=dict)
     #: per candidate key: mean output shift (quantized - float) per output channel at the chosen alpha
     bias_shift: dict[str, np.ndarray] = field(default_factory=dict)
+    #: where ``X / s`` is computed when it was folded into the producer (see :func:`fold_target`), else None
+    folded: str | None = None
 
     @property
     def name(self) -> str:
@@ -250,7 +253,11 @@ def _drop_if_unused(value: ir.Value, home: ir.Graph) -> None:
 
 
 def apply_smoothing(model: ir.Model, g: SmoothGroup, act_amax: np.ndarray, alpha: float) -> bool:
-    """Insert ``Mul(X, 1/s)`` in front of the group's candidates and scale their weights' rows by ``s``.
+    """Make ``X / s`` for the group's candidates and scale their weights' rows by ``s``.
+
+    ``X / s`` is folded into the producer of ``X`` where that is exact (:func:`fold_target`: a LayerNorm's
+    gamma and beta, a MatMul/Gemm's weight columns and bias; ``g.folded`` says where), else computed by
+    a new ``Mul(X, 1/s)`` read by the candidates only.
 
     A weight that other nodes read as well is copied, not changed in place.  Returns False (nothing
     changed) when ``alpha`` is 0 or no channel would be scaled.
@@ -273,6 +280,46 @@ def apply_smoothing(model: ir.Model, g: SmoothGroup, act_amax: np.ndarray, alpha
         names.add(name)
         return name
 
+    fold = fold_target(g)
+    if fold is not None:
+        where, targets = fold
+        inv_s = (1.0 / s).astype(np.float32)
+        for node, idx, axis in targets:
+            old = node.inputs[idx]
+            assert old is not None
+            t = const_tensor(old).numpy().astype(np.float32)  # type: ignore[union-attr]
+            if axis is None:
+                t = t * inv_s
+            else:
+                t = t * (inv_s[None, :] if axis == 1 else inv_s[:, None])
+            new = ir.Value(name=fresh(f"{old.name or 'const'}_smooth_folded"), const_value=ir.tensor(t.astype(np.float32)))
+            new.shape, new.dtype = ir.Shape(list(t.shape)), ir.DataType.FLOAT
+            home.register_initializer(new)
+            node.replace_input_with(idx, new)
+            _drop_if_unused(old, home)
+        out = x
+        g.folded = where
+    else:
+        out = _insert_mul(x, s, home, fresh)
+    for c in g.cands:
+        axis = int(_row_axis(c))  # type: ignore[arg-type]
+        w_val = c.node.inputs[c.weight_input]  # type: ignore[index]
+        assert w_val is not None
+        w = const_tensor(w_val).numpy().astype(np.float32)  # type: ignore[union-attr]
+        ws = w * (s[:, None] if axis == 0 else s[None, :])
+        new = ir.Value(name=fresh(f"{w_val.name or 'weight'}_smoothed"), const_value=ir.tensor(ws.astype(np.float32)))
+        new.shape = ir.Shape(list(ws.shape))
+        new.dtype = ir.DataType.FLOAT
+        home.register_initializer(new)
+        c.node.replace_input_with(c.weight_input, new)  # type: ignore[arg-type]
+        _drop_if_unused(w_val, home)
+        c.node.replace_input_with(0, out)
+    g.alpha, g.scale, g.smoothed = alpha, s, out
+    return True
+
+
+def _insert_mul(x: ir.Value, s: np.ndarray, home: ir.Graph, fresh: Callable[[str], str]) -> ir.Value:
+    """A new ``Mul(X, 1/s)`` right after the producer of ``X`` (first in ``home`` for an input); its output."""
     base = x.name or "act"
     inv = ir.Value(name=fresh(f"{base}_smooth_inv_scale"), const_value=ir.tensor((1.0 / s).astype(np.float32)))
     home.register_initializer(inv)
@@ -290,18 +337,93 @@ def apply_smoothing(model: ir.Model, g: SmoothGroup, act_amax: np.ndarray, alpha
             home.append(mul)
         else:
             home.insert_before(first, mul)
-    for c in g.cands:
-        axis = int(_row_axis(c))  # type: ignore[arg-type]
-        w_val = c.node.inputs[c.weight_input]  # type: ignore[index]
-        assert w_val is not None
-        w = const_tensor(w_val).numpy().astype(np.float32)  # type: ignore[union-attr]
-        ws = w * (s[:, None] if axis == 0 else s[None, :])
-        new = ir.Value(name=fresh(f"{w_val.name or 'weight'}_smoothed"), const_value=ir.tensor(ws.astype(np.float32)))
-        new.shape = ir.Shape(list(ws.shape))
-        new.dtype = ir.DataType.FLOAT
-        home.register_initializer(new)
-        c.node.replace_input_with(c.weight_input, new)  # type: ignore[arg-type]
-        _drop_if_unused(w_val, home)
-        c.node.replace_input_with(0, out)
-    g.alpha, g.scale, g.smoothed = alpha, s, out
-    return True
+    return out
+
+
+#: The norms whose output is ``normalised * gamma + beta`` over the last axis: op type -> (gamma, beta) inputs.
+_NORMS = {
+    ("", "LayerNormalization"): (1, 2),
+    ("ai.onnx", "LayerNormalization"): (1, 2),
+    ("mograph", "LayerNorm"): (1, 2),
+    ("mograph", "SkipLayerNorm"): (2, 3),
+    ("com.microsoft", "SkipLayerNormalization"): (2, 3),
+}
+
+
+def _const_1d(v: ir.Value | None, n: int) -> np.ndarray | None:
+    """The float32 values of constant ``v`` as a vector of length ``n`` (a 1-D ``[n]`` tensor only), else None."""
+    t = const_tensor(v) if v is not None else None
+    if t is None or t.dtype != ir.DataType.FLOAT or list(t.shape) != [n]:
+        return None
+    return t.numpy().astype(np.float32)
+
+
+def fold_target(g: SmoothGroup) -> tuple[str, list[tuple[ir.Node, int, int | None]]] | None:
+    """Where ``X / s`` can be computed exactly by the producer of the group's activation ``X``, or None.
+
+    Returns a description and the ``(node, input, axis)`` constants to divide by ``s`` (``axis`` None for a
+    1-D vector, else the axis of a 2-D weight that runs along ``X``'s channels).  A fold needs every reader
+    of ``X`` to be one of the group's candidates (input 0), ``X`` not a graph output, and the producer one of
+
+    * a LayerNorm over the last axis (``LayerNormalization``, ``mograph.LayerNorm``, ``mograph.SkipLayerNorm``,
+      ``com.microsoft.SkipLayerNormalization``; ``X`` its output 0): ``LN(x) * g + b`` divided by ``s`` is
+      ``LN(x) * (g / s) + b / s``; the other outputs (the sum, mean, inverse deviation) do not depend on them;
+    * a ``MatMul`` with a constant 2-D weight (``X`` its output, or the output of the ``Add`` of a constant
+      1-D bias that alone reads it): ``(x W + b) / s = x (W / s) + b / s``, column by column;
+    * a ``Gemm`` (``transA`` 0) with a constant 2-D ``B`` and no ``C`` or a 1-D one, likewise.
+    """
+    x = g.value
+    n = x.shape[-1] if x.shape is not None and len(x.shape) else None
+    if x.is_graph_output() or not isinstance(n, int):
+        return None
+    mine = {id(c.node) for c in g.cands}
+    if any(id(node) not in mine or idx != 0 for node, idx in x.uses()):
+        return None
+    p = x.producer()
+    if p is None or p.graph is not g.cands[0].node.graph:
+        return None
+    key = (p.domain, p.op_type)
+    if key in _NORMS and p.outputs[0] is x:
+        gi, bi = _NORMS[key]
+        axis = p.attributes.get("axis")
+        if axis is not None and axis.as_int() != -1:
+            return None
+        if _const_1d(p.inputs[gi] if len(p.inputs) > gi else None, n) is None:
+            return None
+        targets: list[tuple[ir.Node, int, int | None]] = [(p, gi, None)]
+        if len(p.inputs) > bi and p.inputs[bi] is not None:
+            if _const_1d(p.inputs[bi], n) is None:
+                return None
+            targets.append((p, bi, None))
+        return f"{p.op_type} {p.name} gamma/beta", targets
+    if p.domain in ("", "ai.onnx") and p.op_type == "Add" and p.outputs[0] is x:
+        for i in (0, 1):
+            m, b = p.inputs[i], p.inputs[1 - i]
+            mm = m.producer() if m is not None else None
+            if (mm is None or mm.op_type != "MatMul" or mm.domain not in ("", "ai.onnx") or m is None
+                    or len(m.uses()) != 1 or m.is_graph_output() or _const_1d(b, n) is None):
+                continue
+            w = const_tensor(mm.inputs[1])
+            if w is not None and w.dtype == ir.DataType.FLOAT and len(w.shape) == 2 and w.shape[1] == n:
+                return f"MatMul {mm.name} weight columns and bias", [(mm, 1, 1), (p, 1 - i, None)]
+        return None
+    if p.domain in ("", "ai.onnx") and p.op_type == "MatMul":
+        w = const_tensor(p.inputs[1])
+        if w is not None and w.dtype == ir.DataType.FLOAT and len(w.shape) == 2 and w.shape[1] == n:
+            return f"MatMul {p.name} weight columns", [(p, 1, 1)]
+        return None
+    if p.domain in ("", "ai.onnx") and p.op_type == "Gemm":
+        ta, tb = p.attributes.get("transA"), p.attributes.get("transB")
+        if ta is not None and ta.as_int() == 1:
+            return None
+        w = const_tensor(p.inputs[1])
+        col = 0 if tb is not None and tb.as_int() == 1 else 1
+        if w is None or w.dtype != ir.DataType.FLOAT or len(w.shape) != 2 or w.shape[col] != n:
+            return None
+        targets = [(p, 1, col)]
+        if len(p.inputs) > 2 and p.inputs[2] is not None:
+            if _const_1d(p.inputs[2], n) is None:
+                return None
+            targets.append((p, 2, None))
+        return f"Gemm {p.name} weight columns and bias", targets
+    return None
