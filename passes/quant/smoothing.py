@@ -280,7 +280,7 @@ def apply_smoothing(model: ir.Model, g: SmoothGroup, act_amax: np.ndarray, alpha
         names.add(name)
         return name
 
-    fold = fold_target(g)
+    fold = fold_target(g, int(s.shape[0]))
     if fold is not None:
         where, targets = fold
         inv_s = (1.0 / s).astype(np.float32)
@@ -358,10 +358,10 @@ def _const_1d(v: ir.Value | None, n: int) -> np.ndarray | None:
     return t.numpy().astype(np.float32)
 
 
-def fold_target(g: SmoothGroup) -> tuple[str, list[tuple[ir.Node, int, int | None]]] | None:
+def fold_target(g: SmoothGroup, n: int) -> tuple[str, list[tuple[ir.Node, int, int | None]]] | None:
     """Where ``X / s`` can be computed exactly by the producer of the group's activation ``X``, or None.
 
-    Returns a description and the ``(node, input, axis)`` constants to divide by ``s`` (``axis`` None for a
+    ``n`` is the number of channels (the length of ``s``).  Returns a description and the ``(node, input, axis)`` constants to divide by ``s`` (``axis`` None for a
     1-D vector, else the axis of a 2-D weight that runs along ``X``'s channels).  A fold needs every reader
     of ``X`` to be one of the group's candidates (input 0), ``X`` not a graph output, and the producer one of
 
@@ -373,8 +373,7 @@ def fold_target(g: SmoothGroup) -> tuple[str, list[tuple[ir.Node, int, int | Non
     * a ``Gemm`` (``transA`` 0) with a constant 2-D ``B`` and no ``C`` or a 1-D one, likewise.
     """
     x = g.value
-    n = x.shape[-1] if x.shape is not None and len(x.shape) else None
-    if x.is_graph_output() or not isinstance(n, int):
+    if x.is_graph_output():
         return None
     mine = {id(c.node) for c in g.cands}
     if any(id(node) not in mine or idx != 0 for node, idx in x.uses()):
