@@ -251,6 +251,7 @@ class QdqPassBase(Pass):
             xs = cal.collect(model, [g.name for g in groups], list(itertools.islice(iter(source), n)), mask)
         done: list[SmoothGroup] = []
         records = []
+        observed = set(raw)
         for g in groups:
             amax = raw[g.name].channel_amax if g.name in raw else None
             if amax is None or (alpha == "auto" and not any(x.size for x in xs.get(g.name, []))):
@@ -259,7 +260,7 @@ class QdqPassBase(Pass):
             if self.config.get("bias_correction") == "on" and g.bias_shift:
                 for key in apply_bias_correction(model, g):
                     self._bias_corrected.add(key)
-            if apply_smoothing(model, g, amax, a):
+            if apply_smoothing(model, g, amax, a, observed):
                 done.append(g)
                 assert g.scale is not None
                 rec: dict[str, Any] = {"tensor": g.name, "alpha": a, "consumers": [c.key for c in g.cands],

@@ -25,7 +25,7 @@ inserted Q/DQ will do), or fixed by the user.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -252,12 +252,14 @@ def _drop_if_unused(value: ir.Value, home: ir.Graph) -> None:
         producer.graph.remove(producer, safe=True)
 
 
-def apply_smoothing(model: ir.Model, g: SmoothGroup, act_amax: np.ndarray, alpha: float) -> bool:
+def apply_smoothing(model: ir.Model, g: SmoothGroup, act_amax: np.ndarray, alpha: float,
+                    observed: Collection[str] = ()) -> bool:
     """Make ``X / s`` for the group's candidates and scale their weights' rows by ``s``.
 
     ``X / s`` is folded into the producer of ``X`` where that is exact (:func:`fold_target`: a LayerNorm's
     gamma and beta, a MatMul/Gemm's weight columns and bias; ``g.folded`` says where), else computed by
-    a new ``Mul(X, 1/s)`` read by the candidates only.
+    a new ``Mul(X, 1/s)`` read by the candidates only.  ``observed``: the tensors whose calibrated ranges
+    are taken already (a fold must not change them).
 
     A weight that other nodes read as well is copied, not changed in place.  Returns False (nothing
     changed) when ``alpha`` is 0 or no channel would be scaled.
@@ -280,7 +282,7 @@ def apply_smoothing(model: ir.Model, g: SmoothGroup, act_amax: np.ndarray, alpha
         names.add(name)
         return name
 
-    fold = fold_target(g, int(s.shape[0]))
+    fold = fold_target(g, int(s.shape[0]), observed)
     if fold is not None:
         where, targets = fold
         inv_s = (1.0 / s).astype(np.float32)
@@ -358,10 +360,12 @@ def _const_1d(v: ir.Value | None, n: int) -> np.ndarray | None:
     return t.numpy().astype(np.float32)
 
 
-def fold_target(g: SmoothGroup, n: int) -> tuple[str, list[tuple[ir.Node, int, int | None]]] | None:
+def fold_target(g: SmoothGroup, n: int, observed: Collection[str] = ()
+                ) -> tuple[str, list[tuple[ir.Node, int, int | None]]] | None:
     """Where ``X / s`` can be computed exactly by the producer of the group's activation ``X``, or None.
 
-    ``n`` is the number of channels (the length of ``s``).  Returns a description and the ``(node, input, axis)`` constants to divide by ``s`` (``axis`` None for a
+    ``n`` is the number of channels (the length of ``s``); a fold that would change a tensor named in
+    ``observed`` besides ``X`` (one whose calibrated range is already taken) is refused.  Returns a description and the ``(node, input, axis)`` constants to divide by ``s`` (``axis`` None for a
     1-D vector, else the axis of a 2-D weight that runs along ``X``'s channels).  A fold needs every reader
     of ``X`` to be one of the group's candidates (input 0), ``X`` not a graph output, and the producer one of
 
@@ -370,7 +374,10 @@ def fold_target(g: SmoothGroup, n: int) -> tuple[str, list[tuple[ir.Node, int, i
       ``LN(x) * (g / s) + b / s``; the other outputs (the sum, mean, inverse deviation) do not depend on them;
     * a ``MatMul`` with a constant 2-D weight (``X`` its output, or the output of the ``Add`` of a constant
       1-D bias that alone reads it): ``(x W + b) / s = x (W / s) + b / s``, column by column;
-    * a ``Gemm`` (``transA`` 0) with a constant 2-D ``B`` and no ``C`` or a 1-D one, likewise.
+    * a ``Gemm`` (``transA`` 0) with a constant 2-D ``B`` and no ``C`` or a 1-D one, likewise;
+    * the context of an attention, ``Reshape(Transpose(P @ Transpose(Reshape(V, [.., H, D]))), [.., H*D])``
+      with ``V`` the output of such a MatMul/Gemm and every tensor on the way read once: the value
+      projection's columns are divided (:func:`_attention_value_fold`).
     """
     x = g.value
     if x.is_graph_output():
@@ -395,6 +402,23 @@ def fold_target(g: SmoothGroup, n: int) -> tuple[str, list[tuple[ir.Node, int, i
                 return None
             targets.append((p, bi, None))
         return f"{p.op_type} {p.name} gamma/beta", targets
+    if p.op_type == "Reshape" and p.domain in ("", "ai.onnx"):
+        found = _attention_value_fold(p, n)
+        if found is None or any(name in observed for name in found[2]):
+            return None
+        return found[0], found[1]
+    found = _producer_columns(p, x, n)
+    if found is None or any(name in observed for name in found[2]):
+        return None
+    return found[0], found[1]
+
+
+_Fold = tuple[str, list[tuple[ir.Node, int, int | None]], list[str]]
+
+
+def _producer_columns(p: ir.Node, x: ir.Value, n: int) -> _Fold | None:
+    """``x`` as the output of a MatMul (+ bias Add) or Gemm with constant weights: the columns to divide
+    and the names of the other tensors the fold changes."""
     if p.domain in ("", "ai.onnx") and p.op_type == "Add" and p.outputs[0] is x:
         for i in (0, 1):
             m, b = p.inputs[i], p.inputs[1 - i]
@@ -404,12 +428,12 @@ def fold_target(g: SmoothGroup, n: int) -> tuple[str, list[tuple[ir.Node, int, i
                 continue
             w = const_tensor(mm.inputs[1])
             if w is not None and w.dtype == ir.DataType.FLOAT and len(w.shape) == 2 and w.shape[1] == n:
-                return f"MatMul {mm.name} weight columns and bias", [(mm, 1, 1), (p, 1 - i, None)]
+                return f"MatMul {mm.name} weight columns and bias", [(mm, 1, 1), (p, 1 - i, None)], [m.name or ""]
         return None
     if p.domain in ("", "ai.onnx") and p.op_type == "MatMul":
         w = const_tensor(p.inputs[1])
         if w is not None and w.dtype == ir.DataType.FLOAT and len(w.shape) == 2 and w.shape[1] == n:
-            return f"MatMul {p.name} weight columns", [(p, 1, 1)]
+            return f"MatMul {p.name} weight columns", [(p, 1, 1)], []
         return None
     if p.domain in ("", "ai.onnx") and p.op_type == "Gemm":
         ta, tb = p.attributes.get("transA"), p.attributes.get("transB")
@@ -419,10 +443,81 @@ def fold_target(g: SmoothGroup, n: int) -> tuple[str, list[tuple[ir.Node, int, i
         col = 0 if tb is not None and tb.as_int() == 1 else 1
         if w is None or w.dtype != ir.DataType.FLOAT or len(w.shape) != 2 or w.shape[col] != n:
             return None
-        targets = [(p, 1, col)]
+        targets: list[tuple[ir.Node, int, int | None]] = [(p, 1, col)]
         if len(p.inputs) > 2 and p.inputs[2] is not None:
             if _const_1d(p.inputs[2], n) is None:
                 return None
             targets.append((p, 2, None))
-        return f"Gemm {p.name} weight columns and bias", targets
+        return f"Gemm {p.name} weight columns and bias", targets, []
     return None
+
+
+def _is(node: ir.Node | None, op: str) -> bool:
+    return node is not None and node.op_type == op and node.domain in ("", "ai.onnx")
+
+
+def _only_reader(v: ir.Value | None) -> bool:
+    return v is not None and len(v.uses()) == 1 and not v.is_graph_output()
+
+
+def _shape_tail(v: ir.Value | None, k: int) -> list[int] | None:
+    """The last ``k`` entries of a Reshape's shape input when they are constants (a constant shape, or a
+    ``Concat`` whose last inputs are constant), else None."""
+    t = const_tensor(v) if v is not None else None
+    if t is not None:
+        got = [int(a) for a in t.numpy().reshape(-1)]
+        return got[-k:] if len(got) >= k else None
+    cat = v.producer() if v is not None else None
+    if not _is(cat, "Concat"):
+        return None
+    vals: list[int] = []
+    for i in reversed(cat.inputs):  # type: ignore[union-attr]
+        t = const_tensor(i) if i is not None else None
+        if t is None:
+            break
+        vals = [int(a) for a in t.numpy().reshape(-1)] + vals
+        if len(vals) >= k:
+            return vals[-k:]
+    return None
+
+
+def _attention_value_fold(p: ir.Node, n: int) -> _Fold | None:
+    """The attention context ``Reshape(Transpose(P @ Transpose(Reshape(x W_v + b_v, [.., H, D]))), [.., H*D])``:
+    channel ``h*D + d`` of the context is ``P_h`` times channel ``h*D + d`` of the value projection (the two
+    Reshapes split and merge the last axis the same way, the Transposes swap the sequence and head axes only),
+    so dividing ``W_v``'s columns and ``b_v`` by ``s`` divides the context by ``s``, exactly."""
+    perm = (0, 2, 1, 3)
+
+    def tr(node: ir.Node | None) -> bool:
+        a = node.attributes.get("perm") if node is not None else None
+        return _is(node, "Transpose") and a is not None and tuple(a.as_ints()) == perm
+
+    if _shape_tail(p.inputs[1], 1) != [n]:
+        return None
+    t1 = p.inputs[0].producer() if p.inputs[0] is not None else None
+    if not tr(t1) or not _only_reader(p.inputs[0]):
+        return None
+    mm = t1.inputs[0].producer() if t1.inputs[0] is not None else None  # type: ignore[union-attr]
+    if not _is(mm, "MatMul") or not _only_reader(t1.inputs[0]) or not _only_reader(mm.inputs[1]):  # type: ignore[union-attr]
+        return None
+    t2 = mm.inputs[1].producer()  # type: ignore[union-attr]
+    if not tr(t2) or not _only_reader(t2.inputs[0]):  # type: ignore[union-attr]
+        return None
+    r2 = t2.inputs[0].producer()  # type: ignore[union-attr]
+    if not _is(r2, "Reshape"):
+        return None
+    hd = _shape_tail(r2.inputs[1], 2)  # type: ignore[union-attr]
+    if hd is None or hd[0] <= 0 or hd[1] <= 0 or hd[0] * hd[1] != n or not _only_reader(r2.inputs[0]):  # type: ignore[union-attr]
+        return None
+    v = r2.inputs[0]  # type: ignore[union-attr]
+    prod = v.producer() if v is not None else None
+    if prod is None:
+        return None
+    # the value projection itself: MatMul, MatMul + bias, or Gemm (as in fold_target)
+    found = _producer_columns(prod, v, n)  # type: ignore[arg-type]
+    if found is None:
+        return None
+    where, targets, changed = found
+    path = [v, r2.outputs[0], t2.outputs[0], mm.outputs[0], t1.outputs[0]]  # type: ignore[union-attr]
+    return (f"{where}, through attention {mm.name}", targets,  # type: ignore[union-attr]
+            changed + [t.name or "" for t in path if t is not None])

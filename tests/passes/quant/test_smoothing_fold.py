@@ -125,7 +125,7 @@ def test_fold_gives_the_numbers_of_the_mul(kind, monkeypatch):
     feeds = _feeds(proto, 3, 1)  # within the calibrated ranges (the first calibration feeds)
     folded = to_ir(proto)
     assert _pass(proto).call(folded).stats["smoothed.folded"] == FOLDS[kind][0]
-    monkeypatch.setattr(smoothing, "fold_target", lambda g, n: None)
+    monkeypatch.setattr(smoothing, "fold_target", lambda *args: None)
     unfolded = to_ir(proto)
     res = _pass(proto).call(unfolded)
     assert res.stats["smoothed.folded"] == 0 and res.stats["smoothed.mul"] == sum(FOLDS[kind])
