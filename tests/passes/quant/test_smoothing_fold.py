@@ -181,3 +181,43 @@ def test_quantized_model_is_a_no_op_again():
     model = to_ir(proto)
     _pass(proto).call(model)
     assert_untouched(_pass(proto), to_proto(model))
+
+
+def _context_groups(model):  # type: ignore[no-untyped-def]
+    cands, _ = find_candidates(model)
+    return [g for g in smoothing.smoothing_groups(cands) if g.value.producer().op_type == "Reshape"]
+
+
+def test_attention_context_fold_is_exact_in_float():
+    """bert-tiny's attention contexts: X / s is made by the value projection's columns and bias, no Mul."""
+    from models.builders import bert_feeds, bert_tiny
+
+    proto = bert_tiny()
+    model = to_ir(proto)
+    groups = _context_groups(model)
+    assert len(groups) == 2
+    rng = np.random.default_rng(5)
+    for g in groups:
+        n = int(g.cands[0].node.inputs[1].const_value.shape[0])
+        assert smoothing.apply_smoothing(model, g, rng.uniform(0.2, 9.0, n).astype(np.float32), 0.8)
+        assert g.folded is not None and "value" in g.folded and "through attention" in g.folded
+    assert op_counts(model) == op_counts(to_ir(proto))
+    for seed in range(2):
+        f = bert_feeds(batch=2, seq=12, seed=seed)
+        assert_close(run_ort(proto, f), run_ort(to_proto(model), f), 1e-5)
+
+
+def test_attention_context_not_folded_when_the_values_have_another_reader():
+    """Near miss: the value projection's output is a graph output too: dividing it would change that output."""
+    from models.builders import bert_tiny
+
+    proto = bert_tiny()
+    model = to_ir(proto)
+    g = _context_groups(model)[0]
+    n = int(g.cands[0].node.inputs[1].const_value.shape[0])
+    assert smoothing.fold_target(g, n) is not None
+    v = g.value.producer().inputs[0].producer().inputs[0].producer().inputs[1].producer().inputs[0]
+    v = v.producer().inputs[0]  # Reshape -> the value projection's output
+    model.graph.outputs.append(v)
+    assert smoothing.fold_target(g, n) is None
+    assert smoothing.fold_target(_context_groups(to_ir(proto))[0], n, observed={v.name}) is None
