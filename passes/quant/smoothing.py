@@ -13,7 +13,10 @@ Dividing channel ``k`` by
 quantized per output channel and are easy to quantize, a share of the range: ``alpha = 0`` leaves the
 activation as it is, ``alpha = 1`` moves all of its range into the weights.  Since ``X`` is often read by
 other nodes too (the residual ``Add`` of a post-LN encoder reads the LayerNorm output), ``X / s`` is a new
-tensor made by one ``Mul`` in front of the quantized consumers only; every consumer of one quantized
+tensor made by one ``Mul`` in front of the quantized consumers only, unless the producer of ``X`` can make
+``X / s`` itself, exactly, and nothing else reads ``X`` (:func:`fold_target`): a LayerNorm's gamma and
+beta, a MatMul/Gemm's weight columns and bias, or, for an attention context, the value projection's
+columns (the Mul costs about a LayerNorm's time on ONNX Runtime CPU); every consumer of one quantized
 activation (the Q, K and V projections of one hidden state) shares the same ``s``, so they keep sharing
 one Q/DQ pair.  In float the model computes exactly what it did (up to rounding).
 
