@@ -484,6 +484,23 @@ def _shape_tail(v: ir.Value | None, k: int) -> list[int] | None:
     return None
 
 
+def _leading_dims_of(shape: ir.Value | None, sources: set[int]) -> bool:
+    """``shape`` is ``Concat(dim 0 of t, dim 1 of t, .., c, c)`` with every leading entry
+    ``Unsqueeze(Gather(Shape(t), i))`` at its own position ``i`` and ``t`` one of ``sources`` (ids)."""
+    cat = shape.producer() if shape is not None else None
+    if not _is(cat, "Concat") or len(cat.inputs) < 3:  # type: ignore[union-attr]
+        return False
+    for pos, entry in enumerate(cat.inputs[:-2]):  # type: ignore[union-attr]
+        un = entry.producer() if entry is not None else None
+        ga = un.inputs[0].producer() if _is(un, "Unsqueeze") and un.inputs[0] is not None else None  # type: ignore[union-attr]
+        sh = ga.inputs[0].producer() if _is(ga, "Gather") and ga.inputs[0] is not None else None  # type: ignore[union-attr]
+        idx = const_tensor(ga.inputs[1]) if ga is not None and len(ga.inputs) > 1 else None
+        if (not _is(sh, "Shape") or idx is None or int(idx.numpy().reshape(-1)[0]) != pos
+                or sh.attributes.get("start") is not None or id(sh.inputs[0]) not in sources):  # type: ignore[union-attr]
+            return False
+    return True
+
+
 def _attention_value_fold(p: ir.Node, n: int) -> _Fold | None:
     """The attention context ``Reshape(Transpose(P @ Transpose(Reshape(x W_v + b_v, [.., H, D]))), [.., H*D])``:
     channel ``h*D + d`` of the context is ``P_h`` times channel ``h*D + d`` of the value projection (the two
@@ -495,7 +512,8 @@ def _attention_value_fold(p: ir.Node, n: int) -> _Fold | None:
         a = node.attributes.get("perm") if node is not None else None
         return _is(node, "Transpose") and a is not None and tuple(a.as_ints()) == perm
 
-    if _shape_tail(p.inputs[1], 1) != [n]:
+    # the merge: its last axis is the n channels of X (measured), so [.., n] or [.., -1] merge (H, D) row-major
+    if _shape_tail(p.inputs[1], 1) not in ([n], [-1]):
         return None
     t1 = p.inputs[0].producer() if p.inputs[0] is not None else None
     if not tr(t1) or not _only_reader(p.inputs[0]):
@@ -510,11 +528,19 @@ def _attention_value_fold(p: ir.Node, n: int) -> _Fold | None:
     if not _is(r2, "Reshape"):
         return None
     hd = _shape_tail(r2.inputs[1], 2)  # type: ignore[union-attr]
-    if hd is None or hd[0] <= 0 or hd[1] <= 0 or hd[0] * hd[1] != n or not _only_reader(r2.inputs[0]):  # type: ignore[union-attr]
-        return None
     v = r2.inputs[0]  # type: ignore[union-attr]
     prod = v.producer() if v is not None else None
-    if prod is None:
+    if hd is None or hd[1] <= 0 or n % hd[1] or not _only_reader(v) or prod is None:
+        return None
+    if hd[0] == -1:  # [.., -1, D]: the split is (n / D, D) when the leading entries are v's own leading dims
+        same = {id(v), *(id(i) for i in prod.inputs[:1] if i is not None)}
+        mm_v = prod.inputs[1].producer() if prod.op_type == "Add" and prod.inputs[1] is not None else None
+        mm_v = mm_v or (prod.inputs[0].producer() if prod.op_type == "Add" and prod.inputs[0] is not None else None)
+        if mm_v is not None and mm_v.inputs[0] is not None:
+            same.add(id(mm_v.inputs[0]))
+        if not _leading_dims_of(r2.inputs[1], same):  # type: ignore[union-attr]
+            return None
+    elif hd[0] * hd[1] != n:
         return None
     # the value projection itself: MatMul, MatMul + bias, or Gemm (as in fold_target)
     found = _producer_columns(prod, v, n)  # type: ignore[arg-type]
