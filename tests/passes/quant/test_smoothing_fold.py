@@ -221,3 +221,62 @@ def test_attention_context_not_folded_when_the_values_have_another_reader():
     model.graph.outputs.append(v)
     assert smoothing.fold_target(g, n) is None
     assert smoothing.fold_target(_context_groups(to_ir(proto))[0], n, observed={v.name}) is None
+
+
+def _exported_attention(swap_dims: bool = False) -> onnx.ModelProto:
+    """The context of one attention as torch exports it: ``Reshape(v, Concat(B, S, -1, D))`` with B and S
+    from ``Shape(x)``, merged back by ``Reshape(.., Concat(B, S, -1))``; ``y = context @ w_o``, then a float head.
+    ``swap_dims``: the split's leading entries are (S, B), which splits rows, not channels."""
+    rng = np.random.default_rng(3)
+    h, d = 2, 8
+    n = h * d
+    i64 = [numpy_helper.from_array(np.array(v, np.int64), name) for name, v in
+           (("i0", 0), ("i1", 1), ("ax0", [0]), ("m1_d", [-1, d]), ("m1", [-1]))]
+    inits = [numpy_helper.from_array(_w(rng, n, n), "wv"), numpy_helper.from_array(_w(rng, n), "bv"),
+             numpy_helper.from_array(_w(rng, n, n), "wo"), numpy_helper.from_array(_w(rng, n, n), "w_head"), *i64]
+    first, second = ("i1", "i0") if swap_dims else ("i0", "i1")
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shp"]),
+        helper.make_node("Gather", ["shp", first], ["g0"], axis=0),
+        helper.make_node("Gather", ["shp", second], ["g1"], axis=0),
+        helper.make_node("Unsqueeze", ["g0", "ax0"], ["u0"]),
+        helper.make_node("Unsqueeze", ["g1", "ax0"], ["u1"]),
+        helper.make_node("Concat", ["u0", "u1", "m1_d"], ["split"], axis=0),
+        helper.make_node("Concat", ["u0", "u1", "m1"], ["merge"], axis=0),
+        helper.make_node("MatMul", ["x", "wv"], ["v0"], name="value"),
+        helper.make_node("Add", ["bv", "v0"], ["v"]),
+        helper.make_node("Reshape", ["v", "split"], ["v4"]),
+        helper.make_node("Transpose", ["v4"], ["vt"], perm=[0, 2, 1, 3]),
+        helper.make_node("Reshape", ["x", "split"], ["v4_scores"]),
+        helper.make_node("Transpose", ["v4_scores"], ["vs"], perm=[0, 2, 3, 1]),
+        helper.make_node("Transpose", ["v4_scores"], ["qt"], perm=[0, 2, 1, 3]),
+        helper.make_node("MatMul", ["qt", "vs"], ["sc"]),
+        helper.make_node("Softmax", ["sc"], ["p"], axis=-1),
+        helper.make_node("MatMul", ["p", "vt"], ["ctx4"], name="context"),
+        helper.make_node("Transpose", ["ctx4"], ["ctx4t"], perm=[0, 2, 1, 3]),
+        helper.make_node("Reshape", ["ctx4t", "merge"], ["ctx"]),
+        helper.make_node("MatMul", ["ctx", "wo"], ["o"], name="out_proj"),
+        helper.make_node("Relu", ["o"], ["r"]),
+        helper.make_node("MatMul", ["r", "w_head"], ["y"], name="head"),
+    ]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F32, [2, 5, n])],
+                              [helper.make_tensor_value_info("y", F32, [2, 5, n])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_exported_attention_split_by_minus_one(swap):
+    proto = _exported_attention(swap_dims=swap)
+    onnx.checker.check_model(proto)
+    model = to_ir(proto)
+    cands, _ = find_candidates(model)
+    g = next(g for g in smoothing.smoothing_groups(cands) if g.name == "ctx")
+    if swap:  # (S, B, -1, D) does not split the channels into heads: no fold, the Mul stays
+        assert smoothing.fold_target(g, 16) is None
+        return
+    assert smoothing.fold_target(g, 16) is not None
+    assert smoothing.apply_smoothing(model, g, np.linspace(0.3, 7.0, 16).astype(np.float32), 0.8)
+    assert g.folded is not None and g.folded.startswith("MatMul value weight columns and bias, through attention")
+    assert op_counts(model) == op_counts(to_ir(proto))
+    f = {"x": np.random.default_rng(4).standard_normal((2, 5, 16)).astype(np.float32)}
+    assert_close(run_ort(proto, f), run_ort(to_proto(model), f), 1e-5)
