@@ -536,8 +536,12 @@ def _attention_value_fold(p: ir.Node, n: int) -> _Fold | None:
         same = {id(v), *(id(i) for i in prod.inputs[:1] if i is not None)}
         mm_v = prod.inputs[1].producer() if prod.op_type == "Add" and prod.inputs[1] is not None else None
         mm_v = mm_v or (prod.inputs[0].producer() if prod.op_type == "Add" and prod.inputs[0] is not None else None)
-        if mm_v is not None and mm_v.inputs[0] is not None:
-            same.add(id(mm_v.inputs[0]))
+        t = mm_v.inputs[0] if mm_v is not None else None
+        while t is not None:  # the values' input, and what it is made of by a per-channel Mul (a smoothing)
+            same.add(id(t))
+            mul = t.producer()
+            c = _const_1d(mul.inputs[1], n) if _is(mul, "Mul") and mul.inputs[1] is not None else None  # type: ignore[union-attr]
+            t = mul.inputs[0] if c is not None else None  # type: ignore[union-attr]
         if not _leading_dims_of(r2.inputs[1], same):  # type: ignore[union-attr]
             return None
     elif hd[0] * hd[1] != n:
