@@ -8,7 +8,8 @@ The flow of a Q/DQ pass (``qdq-int8``, ``qdq-fp8``):
 3. observe the activations to quantize on the calibration data (streaming; positions that the model's
    ``attention_mask`` marks as padding are left out) and turn the statistics into ranges with the chosen
    calibrator; with ``smoothing`` (``qdq-int8``: ``auto`` by default) the activations of weight MatMuls
-   are smoothed first (:mod:`mograph.passes.quant.smoothing`: a per-channel ``Mul`` in front of the Q/DQ,
+   are smoothed first (:mod:`mograph.passes.quant.smoothing`: folded into the producing LayerNorm or
+   MatMul where that is exact, else a per-channel ``Mul`` in front of the Q/DQ;
    the weights' rows scaled to match, alpha measured per activation) and the ranges are those of the
    smoothed tensors;
 4. with ``--accuracy-budget``, replace the default rules by a measured per-layer sensitivity analysis;
@@ -250,6 +251,7 @@ class QdqPassBase(Pass):
             xs = cal.collect(model, [g.name for g in groups], list(itertools.islice(iter(source), n)), mask)
         done: list[SmoothGroup] = []
         records = []
+        observed = set(raw)
         for g in groups:
             amax = raw[g.name].channel_amax if g.name in raw else None
             if amax is None or (alpha == "auto" and not any(x.size for x in xs.get(g.name, []))):
@@ -258,21 +260,26 @@ class QdqPassBase(Pass):
             if self.config.get("bias_correction") == "on" and g.bias_shift:
                 for key in apply_bias_correction(model, g):
                     self._bias_corrected.add(key)
-            if apply_smoothing(model, g, amax, a):
+            if apply_smoothing(model, g, amax, a, observed):
                 done.append(g)
                 assert g.scale is not None
                 rec: dict[str, Any] = {"tensor": g.name, "alpha": a, "consumers": [c.key for c in g.cands],
                                        "max_scale": round(float(g.scale.max()), 4),
-                                       "min_scale": round(float(g.scale.min()), 4)}
+                                       "min_scale": round(float(g.scale.min()), 4),
+                                       "folded_into" if g.folded else "mul": g.folded or (g.smoothed.name if g.smoothed else "")}
                 if g.errors:
                     rec["error_by_alpha"] = {str(k): round(v, 5) for k, v in g.errors.items()}
                 records.append(rec)
                 for c in g.cands:
                     self._smoothed_keys[c.key] = a
         stats["smoothed"] = len(done)
+        if done:
+            stats["smoothed.folded"] = sum(1 for g in done if g.folded)
+            stats["smoothed.mul"] = len(done) - stats["smoothed.folded"]
         if self._bias_corrected:
             stats["bias_corrected"] = len(self._bias_corrected)
-        plan.meta["smoothing"] = {"mode": alpha if alpha == "auto" else f"alpha {alpha}", "activations": records}
+        plan.meta["smoothing"] = {"mode": alpha if alpha == "auto" else f"alpha {alpha}", "activations": records,
+                                  "folded": int(stats.get("smoothed.folded", 0)), "mul": int(stats.get("smoothed.mul", 0))}
         return done
 
     def quantize_extra(self, model: ir.Model, plan: PrecisionPlan, stats: dict[str, int | float]) -> None:

@@ -371,6 +371,7 @@ class QdqWriter:
         #: element types of values whose ``dtype`` the IR does not hold (from shape inference)
         self.float_types = float_types or {}
         self._act: dict[int, tuple[ir.Value, np.ndarray]] = {}
+        self._dq_outs: dict[int, tuple[ir.Value, np.ndarray]] = {}  # id(DQ output) -> the same pair
         self._weight: dict[tuple[int, int | None], tuple[ir.Value, np.ndarray]] = {}
         self._names: set[str] = set()
         for graph in model.graphs():
@@ -419,6 +420,8 @@ class QdqWriter:
         """Q/DQ after ``value`` (once); return the DQ output and the scale, or None without a range."""
         if id(value) in self._act:
             return self._act[id(value)]
+        if id(value) in self._dq_outs:  # already the DQ of a pair (a Conv/Gemm output pair): share it
+            return self._dq_outs[id(value)]
         rng = self.ranges.get(value.name or "")
         if rng is None:
             return None
@@ -444,6 +447,7 @@ class QdqWriter:
         self.q_nodes += 1
         self.dq_nodes += 1
         self._act[id(value)] = (dq.outputs[0], scale)
+        self._dq_outs[id(dq.outputs[0])] = self._act[id(value)]
         return self._act[id(value)]
 
     # -- weights
@@ -497,7 +501,8 @@ class QdqWriter:
     def quantize(self, c: Candidate) -> bool:
         """Put Q/DQ in front of candidate ``c``; False (and nothing changed) if a range is missing."""
         node = c.node
-        names = [node.inputs[i].name or "" for i in c.act_inputs]  # type: ignore[union-attr]
+        names = [node.inputs[i].name or "" for i in c.act_inputs  # type: ignore[union-attr]
+                 if id(node.inputs[i]) not in self._dq_outs]
         if c.quantize_output:
             names.append(node.outputs[0].name or "")
         if any(n not in self.ranges for n in names):

@@ -13,7 +13,10 @@ Dividing channel ``k`` by
 quantized per output channel and are easy to quantize, a share of the range: ``alpha = 0`` leaves the
 activation as it is, ``alpha = 1`` moves all of its range into the weights.  Since ``X`` is often read by
 other nodes too (the residual ``Add`` of a post-LN encoder reads the LayerNorm output), ``X / s`` is a new
-tensor made by one ``Mul`` in front of the quantized consumers only; every consumer of one quantized
+tensor made by one ``Mul`` in front of the quantized consumers only, unless the producer of ``X`` can make
+``X / s`` itself, exactly, and nothing else reads ``X`` (:func:`fold_target`): a LayerNorm's gamma and
+beta, a MatMul/Gemm's weight columns and bias, or, for an attention context, the value projection's
+columns (the Mul costs about a LayerNorm's time on ONNX Runtime CPU); every consumer of one quantized
 activation (the Q, K and V projections of one hidden state) shares the same ``s``, so they keep sharing
 one Q/DQ pair.  In float the model computes exactly what it did (up to rounding).
 
@@ -25,7 +28,7 @@ inserted Q/DQ will do), or fixed by the user.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +43,7 @@ __all__ = [
     "apply_smoothing",
     "apply_bias_correction",
     "bias_add",
+    "fold_target",
     "ALPHAS",
     "MIN_GAIN",
 ]
@@ -64,6 +68,8 @@ class SmoothGroup:
     errors: dict[float, float] = field(default_factory=dict)
     #: per candidate key: mean output shift (quantized - float) per output channel at the chosen alpha
     bias_shift: dict[str, np.ndarray] = field(default_factory=dict)
+    #: where ``X / s`` is computed when it was folded into the producer (see :func:`fold_target`), else None
+    folded: str | None = None
 
     @property
     def name(self) -> str:
@@ -249,8 +255,14 @@ def _drop_if_unused(value: ir.Value, home: ir.Graph) -> None:
         producer.graph.remove(producer, safe=True)
 
 
-def apply_smoothing(model: ir.Model, g: SmoothGroup, act_amax: np.ndarray, alpha: float) -> bool:
-    """Insert ``Mul(X, 1/s)`` in front of the group's candidates and scale their weights' rows by ``s``.
+def apply_smoothing(model: ir.Model, g: SmoothGroup, act_amax: np.ndarray, alpha: float,
+                    observed: Collection[str] = ()) -> bool:
+    """Make ``X / s`` for the group's candidates and scale their weights' rows by ``s``.
+
+    ``X / s`` is folded into the producer of ``X`` where that is exact (:func:`fold_target`: a LayerNorm's
+    gamma and beta, a MatMul/Gemm's weight columns and bias; ``g.folded`` says where), else computed by
+    a new ``Mul(X, 1/s)`` read by the candidates only.  ``observed``: the tensors whose calibrated ranges
+    are taken already (a fold must not change them).
 
     A weight that other nodes read as well is copied, not changed in place.  Returns False (nothing
     changed) when ``alpha`` is 0 or no channel would be scaled.
@@ -273,6 +285,46 @@ def apply_smoothing(model: ir.Model, g: SmoothGroup, act_amax: np.ndarray, alpha
         names.add(name)
         return name
 
+    fold = fold_target(g, int(s.shape[0]), observed)
+    if fold is not None:
+        where, targets = fold
+        inv_s = (1.0 / s).astype(np.float32)
+        for node, idx, axis in targets:
+            old = node.inputs[idx]
+            assert old is not None
+            t = const_tensor(old).numpy().astype(np.float32)  # type: ignore[union-attr]
+            if axis is None:
+                t = t * inv_s
+            else:
+                t = t * (inv_s[None, :] if axis == 1 else inv_s[:, None])
+            new = ir.Value(name=fresh(f"{old.name or 'const'}_smooth_folded"), const_value=ir.tensor(t.astype(np.float32)))
+            new.shape, new.dtype = ir.Shape(list(t.shape)), ir.DataType.FLOAT
+            home.register_initializer(new)
+            node.replace_input_with(idx, new)
+            _drop_if_unused(old, home)
+        out = x
+        g.folded = where
+    else:
+        out = _insert_mul(x, s, home, fresh)
+    for c in g.cands:
+        axis = int(_row_axis(c))  # type: ignore[arg-type]
+        w_val = c.node.inputs[c.weight_input]  # type: ignore[index]
+        assert w_val is not None
+        w = const_tensor(w_val).numpy().astype(np.float32)  # type: ignore[union-attr]
+        ws = w * (s[:, None] if axis == 0 else s[None, :])
+        new = ir.Value(name=fresh(f"{w_val.name or 'weight'}_smoothed"), const_value=ir.tensor(ws.astype(np.float32)))
+        new.shape = ir.Shape(list(ws.shape))
+        new.dtype = ir.DataType.FLOAT
+        home.register_initializer(new)
+        c.node.replace_input_with(c.weight_input, new)  # type: ignore[arg-type]
+        _drop_if_unused(w_val, home)
+        c.node.replace_input_with(0, out)
+    g.alpha, g.scale, g.smoothed = alpha, s, out
+    return True
+
+
+def _insert_mul(x: ir.Value, s: np.ndarray, home: ir.Graph, fresh: Callable[[str], str]) -> ir.Value:
+    """A new ``Mul(X, 1/s)`` right after the producer of ``X`` (first in ``home`` for an input); its output."""
     base = x.name or "act"
     inv = ir.Value(name=fresh(f"{base}_smooth_inv_scale"), const_value=ir.tensor((1.0 / s).astype(np.float32)))
     home.register_initializer(inv)
@@ -290,18 +342,215 @@ def apply_smoothing(model: ir.Model, g: SmoothGroup, act_amax: np.ndarray, alpha
             home.append(mul)
         else:
             home.insert_before(first, mul)
-    for c in g.cands:
-        axis = int(_row_axis(c))  # type: ignore[arg-type]
-        w_val = c.node.inputs[c.weight_input]  # type: ignore[index]
-        assert w_val is not None
-        w = const_tensor(w_val).numpy().astype(np.float32)  # type: ignore[union-attr]
-        ws = w * (s[:, None] if axis == 0 else s[None, :])
-        new = ir.Value(name=fresh(f"{w_val.name or 'weight'}_smoothed"), const_value=ir.tensor(ws.astype(np.float32)))
-        new.shape = ir.Shape(list(ws.shape))
-        new.dtype = ir.DataType.FLOAT
-        home.register_initializer(new)
-        c.node.replace_input_with(c.weight_input, new)  # type: ignore[arg-type]
-        _drop_if_unused(w_val, home)
-        c.node.replace_input_with(0, out)
-    g.alpha, g.scale, g.smoothed = alpha, s, out
+    return out
+
+
+#: The norms whose output is ``normalised * gamma + beta`` over the last axis: op type -> (gamma, beta) inputs.
+_NORMS = {
+    ("", "LayerNormalization"): (1, 2),
+    ("ai.onnx", "LayerNormalization"): (1, 2),
+    ("mograph", "LayerNorm"): (1, 2),
+    ("mograph", "SkipLayerNorm"): (2, 3),
+    ("com.microsoft", "SkipLayerNormalization"): (2, 3),
+}
+
+
+def _const_1d(v: ir.Value | None, n: int) -> np.ndarray | None:
+    """The float32 values of constant ``v`` as a vector of length ``n`` (a 1-D ``[n]`` tensor only), else None."""
+    t = const_tensor(v) if v is not None else None
+    if t is None or t.dtype != ir.DataType.FLOAT or list(t.shape) != [n]:
+        return None
+    return t.numpy().astype(np.float32)
+
+
+def fold_target(g: SmoothGroup, n: int, observed: Collection[str] = ()
+                ) -> tuple[str, list[tuple[ir.Node, int, int | None]]] | None:
+    """Where ``X / s`` can be computed exactly by the producer of the group's activation ``X``, or None.
+
+    ``n`` is the number of channels (the length of ``s``); a fold that would change a tensor named in
+    ``observed`` besides ``X`` (one whose calibrated range is already taken) is refused.  Returns a description and the ``(node, input, axis)`` constants to divide by ``s`` (``axis`` None for a
+    1-D vector, else the axis of a 2-D weight that runs along ``X``'s channels).  A fold needs every reader
+    of ``X`` to be one of the group's candidates (input 0), ``X`` not a graph output, and the producer one of
+
+    * a LayerNorm over the last axis (``LayerNormalization``, ``mograph.LayerNorm``, ``mograph.SkipLayerNorm``,
+      ``com.microsoft.SkipLayerNormalization``; ``X`` its output 0): ``LN(x) * g + b`` divided by ``s`` is
+      ``LN(x) * (g / s) + b / s``; the other outputs (the sum, mean, inverse deviation) do not depend on them;
+    * a ``MatMul`` with a constant 2-D weight (``X`` its output, or the output of the ``Add`` of a constant
+      1-D bias that alone reads it): ``(x W + b) / s = x (W / s) + b / s``, column by column;
+    * a ``Gemm`` (``transA`` 0) with a constant 2-D ``B`` and no ``C`` or a 1-D one, likewise;
+    * the context of an attention, ``Reshape(Transpose(P @ Transpose(Reshape(V, [.., H, D]))), [.., H*D])``
+      with ``V`` the output of such a MatMul/Gemm and every tensor on the way read once: the value
+      projection's columns are divided (:func:`_attention_value_fold`).
+    """
+    x = g.value
+    if x.is_graph_output():
+        return None
+    mine = {id(c.node) for c in g.cands}
+    if any(id(node) not in mine or idx != 0 for node, idx in x.uses()):
+        return None
+    p = x.producer()
+    if p is None or p.graph is not g.cands[0].node.graph:
+        return None
+    key = (p.domain, p.op_type)
+    if key in _NORMS and p.outputs[0] is x:
+        gi, bi = _NORMS[key]
+        axis = p.attributes.get("axis")
+        if axis is not None and axis.as_int() != -1:
+            return None
+        if _const_1d(p.inputs[gi] if len(p.inputs) > gi else None, n) is None:
+            return None
+        targets: list[tuple[ir.Node, int, int | None]] = [(p, gi, None)]
+        if len(p.inputs) > bi and p.inputs[bi] is not None:
+            if _const_1d(p.inputs[bi], n) is None:
+                return None
+            targets.append((p, bi, None))
+        return f"{p.op_type} {p.name} gamma/beta", targets
+    if p.op_type == "Reshape" and p.domain in ("", "ai.onnx"):
+        found = _attention_value_fold(p, n)
+        if found is None or any(name in observed for name in found[2]):
+            return None
+        return found[0], found[1]
+    found = _producer_columns(p, x, n)
+    if found is None or any(name in observed for name in found[2]):
+        return None
+    return found[0], found[1]
+
+
+_Fold = tuple[str, list[tuple[ir.Node, int, int | None]], list[str]]
+
+
+def _producer_columns(p: ir.Node, x: ir.Value, n: int) -> _Fold | None:
+    """``x`` as the output of a MatMul (+ bias Add) or Gemm with constant weights: the columns to divide
+    and the names of the other tensors the fold changes."""
+    if p.domain in ("", "ai.onnx") and p.op_type == "Add" and p.outputs[0] is x:
+        for i in (0, 1):
+            m, b = p.inputs[i], p.inputs[1 - i]
+            mm = m.producer() if m is not None else None
+            if (mm is None or mm.op_type != "MatMul" or mm.domain not in ("", "ai.onnx") or m is None
+                    or len(m.uses()) != 1 or m.is_graph_output() or _const_1d(b, n) is None):
+                continue
+            w = const_tensor(mm.inputs[1])
+            if w is not None and w.dtype == ir.DataType.FLOAT and len(w.shape) == 2 and w.shape[1] == n:
+                return f"MatMul {mm.name} weight columns and bias", [(mm, 1, 1), (p, 1 - i, None)], [m.name or ""]
+        return None
+    if p.domain in ("", "ai.onnx") and p.op_type == "MatMul":
+        w = const_tensor(p.inputs[1])
+        if w is not None and w.dtype == ir.DataType.FLOAT and len(w.shape) == 2 and w.shape[1] == n:
+            return f"MatMul {p.name} weight columns", [(p, 1, 1)], []
+        return None
+    if p.domain in ("", "ai.onnx") and p.op_type == "Gemm":
+        ta, tb = p.attributes.get("transA"), p.attributes.get("transB")
+        if ta is not None and ta.as_int() == 1:
+            return None
+        w = const_tensor(p.inputs[1])
+        col = 0 if tb is not None and tb.as_int() == 1 else 1
+        if w is None or w.dtype != ir.DataType.FLOAT or len(w.shape) != 2 or w.shape[col] != n:
+            return None
+        targets: list[tuple[ir.Node, int, int | None]] = [(p, 1, col)]
+        if len(p.inputs) > 2 and p.inputs[2] is not None:
+            if _const_1d(p.inputs[2], n) is None:
+                return None
+            targets.append((p, 2, None))
+        return f"Gemm {p.name} weight columns and bias", targets, []
+    return None
+
+
+def _is(node: ir.Node | None, op: str) -> bool:
+    return node is not None and node.op_type == op and node.domain in ("", "ai.onnx")
+
+
+def _only_reader(v: ir.Value | None) -> bool:
+    return v is not None and len(v.uses()) == 1 and not v.is_graph_output()
+
+
+def _shape_tail(v: ir.Value | None, k: int) -> list[int] | None:
+    """The last ``k`` entries of a Reshape's shape input when they are constants (a constant shape, or a
+    ``Concat`` whose last inputs are constant), else None."""
+    t = const_tensor(v) if v is not None else None
+    if t is not None:
+        got = [int(a) for a in t.numpy().reshape(-1)]
+        return got[-k:] if len(got) >= k else None
+    cat = v.producer() if v is not None else None
+    if not _is(cat, "Concat"):
+        return None
+    vals: list[int] = []
+    for i in reversed(cat.inputs):  # type: ignore[union-attr]
+        t = const_tensor(i) if i is not None else None
+        if t is None:
+            break
+        vals = [int(a) for a in t.numpy().reshape(-1)] + vals
+        if len(vals) >= k:
+            return vals[-k:]
+    return None
+
+
+def _leading_dims_of(shape: ir.Value | None, sources: set[int]) -> bool:
+    """``shape`` is ``Concat(dim 0 of t, dim 1 of t, .., c, c)`` with every leading entry
+    ``Unsqueeze(Gather(Shape(t), i))`` at its own position ``i`` and ``t`` one of ``sources`` (ids)."""
+    cat = shape.producer() if shape is not None else None
+    if not _is(cat, "Concat") or len(cat.inputs) < 3:  # type: ignore[union-attr]
+        return False
+    for pos, entry in enumerate(cat.inputs[:-2]):  # type: ignore[union-attr]
+        un = entry.producer() if entry is not None else None
+        ga = un.inputs[0].producer() if _is(un, "Unsqueeze") and un.inputs[0] is not None else None  # type: ignore[union-attr]
+        sh = ga.inputs[0].producer() if _is(ga, "Gather") and ga.inputs[0] is not None else None  # type: ignore[union-attr]
+        idx = const_tensor(ga.inputs[1]) if ga is not None and len(ga.inputs) > 1 else None
+        if (not _is(sh, "Shape") or idx is None or int(idx.numpy().reshape(-1)[0]) != pos
+                or sh.attributes.get("start") is not None or id(sh.inputs[0]) not in sources):  # type: ignore[union-attr]
+            return False
     return True
+
+
+def _attention_value_fold(p: ir.Node, n: int) -> _Fold | None:
+    """The attention context ``Reshape(Transpose(P @ Transpose(Reshape(x W_v + b_v, [.., H, D]))), [.., H*D])``:
+    channel ``h*D + d`` of the context is ``P_h`` times channel ``h*D + d`` of the value projection (the two
+    Reshapes split and merge the last axis the same way, the Transposes swap the sequence and head axes only),
+    so dividing ``W_v``'s columns and ``b_v`` by ``s`` divides the context by ``s``, exactly."""
+    perm = (0, 2, 1, 3)
+
+    def tr(node: ir.Node | None) -> bool:
+        a = node.attributes.get("perm") if node is not None else None
+        return _is(node, "Transpose") and a is not None and tuple(a.as_ints()) == perm
+
+    # the merge: its last axis is the n channels of X (measured), so [.., n] or [.., -1] merge (H, D) row-major
+    if _shape_tail(p.inputs[1], 1) not in ([n], [-1]):
+        return None
+    t1 = p.inputs[0].producer() if p.inputs[0] is not None else None
+    if not tr(t1) or not _only_reader(p.inputs[0]):
+        return None
+    mm = t1.inputs[0].producer() if t1.inputs[0] is not None else None  # type: ignore[union-attr]
+    if not _is(mm, "MatMul") or not _only_reader(t1.inputs[0]) or not _only_reader(mm.inputs[1]):  # type: ignore[union-attr]
+        return None
+    t2 = mm.inputs[1].producer()  # type: ignore[union-attr]
+    if not tr(t2) or not _only_reader(t2.inputs[0]):  # type: ignore[union-attr]
+        return None
+    r2 = t2.inputs[0].producer()  # type: ignore[union-attr]
+    if not _is(r2, "Reshape"):
+        return None
+    hd = _shape_tail(r2.inputs[1], 2)  # type: ignore[union-attr]
+    v = r2.inputs[0]  # type: ignore[union-attr]
+    prod = v.producer() if v is not None else None
+    if hd is None or hd[1] <= 0 or n % hd[1] or not _only_reader(v) or prod is None:
+        return None
+    if hd[0] == -1:  # [.., -1, D]: the split is (n / D, D) when the leading entries are v's own leading dims
+        same = {id(v), *(id(i) for i in prod.inputs[:1] if i is not None)}
+        mm_v = prod.inputs[1].producer() if prod.op_type == "Add" and prod.inputs[1] is not None else None
+        mm_v = mm_v or (prod.inputs[0].producer() if prod.op_type == "Add" and prod.inputs[0] is not None else None)
+        t = mm_v.inputs[0] if mm_v is not None else None
+        while t is not None:  # the values' input, and what it is made of by a per-channel Mul (a smoothing)
+            same.add(id(t))
+            mul = t.producer()
+            c = _const_1d(mul.inputs[1], n) if _is(mul, "Mul") and mul.inputs[1] is not None else None  # type: ignore[union-attr]
+            t = mul.inputs[0] if c is not None else None  # type: ignore[union-attr]
+        if not _leading_dims_of(r2.inputs[1], same):  # type: ignore[union-attr]
+            return None
+    elif hd[0] * hd[1] != n:
+        return None
+    # the value projection itself: MatMul, MatMul + bias, or Gemm (as in fold_target)
+    found = _producer_columns(prod, v, n)  # type: ignore[arg-type]
+    if found is None:
+        return None
+    where, targets, changed = found
+    path = [v, r2.outputs[0], t2.outputs[0], mm.outputs[0], t1.outputs[0]]  # type: ignore[union-attr]
+    return (f"{where}, through attention {mm.name}", targets,  # type: ignore[union-attr]
+            changed + [t.name or "" for t in path if t is not None])
