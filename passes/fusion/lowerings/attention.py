@@ -147,16 +147,10 @@ def _bias_for_kernel(bias: ir.Value, seq_of: ir.Value, new_nodes: list[ir.Node],
     if shared is not None and key in shared:
         return shared[key]
 
-    def add(op_type: str, inputs: list[ir.Value], **attrs: Any) -> ir.Value:
-        n = ir.node(op_type, inputs, attributes=attrs)
-        new_nodes.append(n)
-        return n.outputs[0]
-
-    ones = add("Constant", [], value=ir.tensor(np.array([1, 1], dtype=np.int64)))
-    one = add("Constant", [], value=ir.tensor(np.array([1], dtype=np.int64)))
-    seq = add("Gather", [add("Shape", [seq_of]), one], axis=0)
-    target = add("Concat", [ones, seq, one], axis=0)
-    out = add("Expand", [bias, target])
+    ones = _const(new_nodes, np.array([1, 1], dtype=np.int64))
+    one = _const(new_nodes, np.array([1], dtype=np.int64))
+    seq = _add(new_nodes, "Gather", [_add(new_nodes, "Shape", [seq_of]), one], axis=0)
+    out = _add(new_nodes, "Expand", [bias, _add(new_nodes, "Concat", [ones, seq, one], axis=0)])
     if shared is not None:
         shared[key] = out
     return out
@@ -420,87 +414,272 @@ def _nan_to_zero(y: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
     return where.outputs[0]
 
 
-def _repeat_heads(x: ir.Value, groups: int, rep: int, new_nodes: list[ir.Node],
-                  shared: Shared | None) -> ir.Value | None:
+def _repeat_heads(x: ir.Value, groups: int, rep: int, new_nodes: list[ir.Node], shared: Shared | None) -> ir.Value:
     """``[B, T, G*D]`` -> ``[B, T, G*rep*D]``, each head repeated ``rep`` times in place."""
     key = ("kv_repeats", id(x), rep)
     if shared is not None and key in shared:
         return shared[key]
 
     def const(vals: list[int]) -> ir.Value:
-        n = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(vals, dtype=np.int64))})
-        new_nodes.append(n)
-        return n.outputs[0]
+        return _const(new_nodes, np.array(vals, dtype=np.int64))
 
-    def add(op_type: str, inputs: list[ir.Value], **attrs: Any) -> ir.Value:
-        n = ir.node(op_type, inputs, attributes=attrs)
-        new_nodes.append(n)
-        return n.outputs[0]
-
-    x5 = add("Reshape", [x, const([0, 0, groups, 1, -1])])  # [B, T, G, 1, D]
-    shape5 = add("Shape", [x5])
-    lead = add("Slice", [shape5, const([0]), const([2])])
-    dim = add("Slice", [shape5, const([4]), const([5])])
-    big = add("Expand", [x5, add("Concat", [lead, const([groups, rep]), dim], axis=0)])
-    out = add("Reshape", [big, const([0, 0, -1])])
+    x5 = _add(new_nodes, "Reshape", [x, const([0, 0, groups, 1, -1])])  # [B, T, G, 1, D]
+    shape5 = _add(new_nodes, "Shape", [x5])
+    lead = _add(new_nodes, "Slice", [shape5, const([0]), const([2])])
+    dim = _add(new_nodes, "Slice", [shape5, const([4]), const([5])])
+    big = _add(new_nodes, "Expand", [x5, _add(new_nodes, "Concat", [lead, const([groups, rep]), dim], axis=0)])
+    out = _add(new_nodes, "Reshape", [big, const([0, 0, -1])])
     if shared is not None:
         shared[key] = out
     return out
 
 
+def _add(new_nodes: list[ir.Node], op_type: str, inputs: list[ir.Value], **attrs: Any) -> ir.Value:
+    """A new default-domain node appended to ``new_nodes``; its first output."""
+    n = ir.node(op_type, inputs, attributes=attrs)
+    new_nodes.append(n)
+    return n.outputs[0]
+
+
+def _const(new_nodes: list[ir.Node], arr: np.ndarray) -> ir.Value:
+    return _add(new_nodes, "Constant", [], value=ir.tensor(arr))
+
+
+# ---------------------------------------------------------------------------------------------
+# causal masks, KV caches: what the kernels do themselves
+# ---------------------------------------------------------------------------------------------
+
+
+def _and_leaves(value: ir.Value | None) -> list[ir.Value | None]:
+    """The terms of a tree of ``And`` (an ``Expand`` only broadcasts: looked through)."""
+    node = value.producer() if value is not None else None
+    if node is not None and node.domain == "" and node.op_type == "Expand":
+        return _and_leaves(node.inputs[0])
+    if node is not None and node.domain == "" and node.op_type == "And":
+        return _and_leaves(node.inputs[0]) + _and_leaves(node.inputs[1])
+    return [value]
+
+
+def _seq_dim(value: ir.Value | None) -> Any:
+    """Dim 1 of a ``[B, S, .]`` value (looking through ``mograph.RotaryEmbedding``, which keeps the shape)."""
+    while value is not None and value.shape is None:
+        node = value.producer()
+        if node is None or node.op_type != "RotaryEmbedding":
+            return None
+        value = node.inputs[0]
+    return value.shape[1] if value is not None and value.shape is not None and len(value.shape) == 3 else None
+
+
+def _is_causal_term(term: ir.Value | None, q: ir.Value, k: ir.Value) -> bool:
+    """Whether ``term`` is ``kv_idx <= q_idx`` over ``[1, 1, S, S]``, both ``Range(0, S, 1)`` of one S.
+
+    ``kv_idx`` lies on axis 3, ``q_idx`` on axis 2 (Unsqueezes of a 1-D Range); the two Ranges are one node
+    or share their end, and their length is provably the query length and the key length (same static or
+    symbolic dim), so the term is exactly the lower-triangular mask a causal kernel applies.
+    """
+    node = term.producer() if term is not None else None
+    if node is None or node.domain != "" or node.op_type not in ("LessOrEqual", "GreaterOrEqual"):
+        return False
+    kv_idx, q_idx = node.inputs[0], node.inputs[1]
+    if node.op_type == "GreaterOrEqual":
+        kv_idx, q_idx = q_idx, kv_idx
+    kv_rng, q_rng = _is_range_from_zero(kv_idx), _is_range_from_zero(q_idx)
+    if kv_rng is None or q_rng is None or _range_axis(kv_idx) != 3 or _range_axis(q_idx) != 2:
+        return False
+    if kv_rng is not q_rng and kv_rng.inputs[1] is not q_rng.inputs[1]:
+        return False
+    length = q_rng.outputs[0].shape
+    s_q, s_k = _seq_dim(q), _seq_dim(k)
+    return length is not None and len(length) == 1 and same_dim(length[0], s_q) and same_dim(s_q, s_k)
+
+
+def _causal(bias: ir.Value, q: ir.Value, k: ir.Value) -> tuple[ir.Value | None] | None:
+    """``(mask,)`` if ``bias`` is ``Where(causal & keep, 0, c)`` with ``c < 0``: ``mask`` the 2-D key-padding input
+    that ``keep`` reads (``None``: causal only, every other term provably all true); else None."""
+    node = bias.producer()
+    if node is None or node.domain != "" or node.op_type != "Where" or scalar_value(node.inputs[1]) != 0.0:
+        return None
+    c = scalar_value(node.inputs[2])
+    if c is None or not c < 0:
+        return None
+    leaves = [t for t in _and_leaves(node.inputs[0]) if not _all_true(t)]
+    causal = [t for t in leaves if _is_causal_term(t, q, k)]
+    rest = [t for t in leaves if t not in causal]
+    if not causal or len(rest) > 1:
+        return None
+    if not rest:
+        return (None,)
+    mask = _keep(rest[0])
+    return None if mask is None else (mask,)
+
+
+def _kv_cache(kv: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value] | None:
+    """``(past, new, concat)`` if ``kv`` is ``Reshape(Transpose(Concat(past, new, axis=2), [0, 2, 1, 3]), [0, 0, -1])``:
+    a KV cache, ``past`` a ``[B, G, P, D]`` graph input, ``new`` the step's ``[B, G, S, D]`` heads."""
+    reshape = _producer(kv, "Reshape")
+    transpose = _producer(reshape.inputs[0], "Transpose") if reshape is not None else None
+    if reshape is None or transpose is None or list(attr_value(transpose, "perm", [])) != [0, 2, 1, 3]:
+        return None
+    target = constant_array(reshape.inputs[1])
+    if target is None or target.reshape(-1).tolist() != [0, 0, -1]:
+        return None
+    concat = _producer(transpose.inputs[0], "Concat")
+    if concat is None or len(concat.inputs) != 2 or int(attr_value(concat, "axis", 0)) not in (2, -2):
+        return None
+    past, new = concat.inputs
+    if past is None or new is None or not past.is_graph_input() or past.shape is None or len(past.shape) != 4:
+        return None
+    return past, new, concat.outputs[0]
+
+
+def _heads_to_bsh(new: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
+    """``[B, G, S, D]`` heads as ``[B, S, G*D]``: the exporter's own ``[B, S, G*D]`` value where the heads are
+    ``Transpose(Reshape(x, [0, 0, G, D]), [0, 2, 1, 3])`` of it, else Transpose + Reshape."""
+    transpose = _producer(new, "Transpose")
+    reshape = _producer(transpose.inputs[0], "Reshape") if transpose is not None else None
+    if transpose is not None and reshape is not None and list(attr_value(transpose, "perm", [])) == [0, 2, 1, 3]:
+        x = reshape.inputs[0]
+        target = constant_array(reshape.inputs[1])
+        if (x is not None and x.shape is not None and len(x.shape) == 3 and target is not None
+                and target.size == 4 and target.reshape(-1)[:2].tolist() == [0, 0]):
+            return x
+    t = ir.node("Transpose", [new], attributes={"perm": [0, 2, 1, 3]})
+    shape = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([0, 0, -1], dtype=np.int64))})
+    r = ir.node("Reshape", [t.outputs[0], shape.outputs[0]])
+    new_nodes.extend([t, shape, r])
+    return r.outputs[0]
+
+
+def _gqa_lengths(q: ir.Value, total_of: ir.Value, total_axis: int, extra: ir.Value | None,
+                 lengths: ir.Value | None, new_nodes: list[ir.Node], shared: Shared | None) -> tuple[ir.Value, ir.Value]:
+    """GroupQueryAttention's ``seqlens_k`` (int32 ``[B]``: keys per row minus one) and ``total_sequence_length``
+    (int32 scalar): the total is dim ``total_axis`` of ``total_of`` (plus dim 1 of ``extra``: the step's
+    length after a cache), ``seqlens_k`` is ``lengths - 1`` (right-padding key lengths) or ``total - 1`` for
+    every row.  Built once per total / lengths."""
+    key = ("gqa_lengths", id(total_of), total_axis, id(extra), id(lengths))
+    if shared is not None and key in shared:
+        return shared[key], shared[(*key, "total")]
+    total = _add(new_nodes, "Gather", [_add(new_nodes, "Shape", [total_of]),
+                                        _const(new_nodes, np.array(total_axis, dtype=np.int64))], axis=0)
+    if extra is not None:
+        step = _add(new_nodes, "Gather", [_add(new_nodes, "Shape", [extra]), _const(new_nodes, np.array(1, dtype=np.int64))],
+                    axis=0)
+        total = _add(new_nodes, "Add", [total, step])
+    total = _add(new_nodes, "Cast", [total], to=ir.DataType.INT32.value)
+    one = _const(new_nodes, np.array(1, dtype=np.int32))
+    if lengths is not None:
+        seqlens = _add(new_nodes, "Sub", [lengths, one])
+    else:
+        batch = _add(new_nodes, "Slice", [_add(new_nodes, "Shape", [q]), _const(new_nodes, np.array([0], dtype=np.int64)),
+                                          _const(new_nodes, np.array([1], dtype=np.int64))])
+        seqlens = _add(new_nodes, "Expand", [_add(new_nodes, "Sub", [total, one]), batch])
+    if shared is not None:
+        shared[key], shared[(*key, "total")] = seqlens, total
+    return seqlens, total
+
+
+def _present_outputs(kernel: ir.Node, concats: tuple[ir.Value, ir.Value]) -> None:
+    """The kernel's ``present_key`` / ``present_value`` take the place (and names) of the exporter's Concats."""
+    for old, new in zip(concats, kernel.outputs[1:3]):
+        new.shape, new.dtype = old.shape, old.dtype
+        if old.is_graph_output():
+            name = old.name
+            old.name = f"{name}_replaced"
+            new.name = name
+        ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+
+
+def _finish(node: ir.Node, kernel: ir.Node, q: ir.Value, new_nodes: list[ir.Node], ctx: LoweringContext) -> bool:
+    """Append the kernel (its output typed as ``q``; the NaN guard where asked) and replace ``node``."""
+    if q.dtype is not None:  # ONNX's inference does not know contrib ops; the Where after it needs it
+        kernel.outputs[0].dtype = q.dtype
+    new_nodes.append(kernel)
+    if int(attr_value(node, "nan_to_zero", 0)):
+        _nan_to_zero(kernel.outputs[0], new_nodes)
+    _replace(node, new_nodes, ctx)
+    return True
+
+
+def _kernel(op_type: str, inputs: list[ir.Value | None], attrs: dict[str, Any], outputs: int = 1) -> ir.Node:
+    while inputs and inputs[-1] is None:
+        inputs.pop()
+    return ir.node(op_type, inputs, attributes=attrs, domain=MS_DOMAIN, num_outputs=outputs)
+
+
+def _lower_cached(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, attrs: dict[str, Any]) -> bool:
+    """A decode step over a KV cache: the past goes into the kernel, whose present outputs replace the Concats.
+
+    ``MultiHeadAttention(q, k_new, v_new, attention_bias=M, past_key, past_value)`` when every query head has
+    its K/V head; ``GroupQueryAttention`` for grouped heads when the step is provably one token (its implicit
+    causal mask then hides nothing: the one query sees all ``P + 1`` keys), with ``M`` as ``attention_bias``.
+    Exact: ``M`` is the bias itself.  Declines (False) where neither holds."""
+    q, k, v, bias = node.inputs
+    assert q is not None and k is not None and v is not None and bias is not None
+    ck, cv = _kv_cache(k), _kv_cache(v)
+    if ck is None or cv is None:
+        return False
+    if kv_heads != heads and not same_dim(_seq_dim(q), 1):
+        return False  # (nothing built yet: what is built lands in ``shared``)
+    new_nodes: list[ir.Node] = []
+    ab = None if is_zero(bias) else _bias_for_kernel(bias, q, new_nodes, ctx.shared)
+    k_new, v_new = _heads_to_bsh(ck[1], new_nodes), _heads_to_bsh(cv[1], new_nodes)
+    if kv_heads == heads:
+        kernel = _kernel("MultiHeadAttention", [q, k_new, v_new, None, None, ab, ck[0], cv[0]], attrs, outputs=3)
+    else:
+        seqlens, total = _gqa_lengths(q, ck[0], 2, q, None, new_nodes, ctx.shared)
+        kernel = _kernel("GroupQueryAttention", [q, k_new, v_new, ck[0], cv[0], seqlens, total, None, None, None, ab],
+                         {**attrs, "kv_num_heads": kv_heads}, outputs=3)
+    _present_outputs(kernel, (ck[2], cv[2]))
+    return _finish(node, kernel, q, new_nodes, ctx)
+
+
 def _lower_ort(node: ir.Node, ctx: LoweringContext) -> bool:
-    """``com.microsoft.MultiHeadAttention`` (or ``Attention`` with packed projections for ``raw`` masks)."""
+    """``com.microsoft`` Attention / MultiHeadAttention / GroupQueryAttention (see the module docstring)."""
     q, k, v, bias = node.inputs
     graph = node.graph
-    assert graph is not None and q is not None and k is not None and v is not None
+    assert graph is not None and q is not None and k is not None and v is not None and bias is not None
     heads = int(attr_value(node, "num_heads", 1))
     kv_heads = int(attr_value(node, "kv_num_heads", 0)) or heads
-    new_nodes: list[ir.Node] = []
-    if kv_heads != heads:  # MultiHeadAttention has one K/V head per query head: repeat them (as repeat_kv does)
-        rk = _repeat_heads(k, kv_heads, heads // kv_heads, new_nodes, ctx.shared)
-        rv = _repeat_heads(v, kv_heads, heads // kv_heads, new_nodes, ctx.shared)
-        if rk is None or rv is None:
-            return False
-        k, v = rk, rv
     attrs: dict[str, Any] = {"num_heads": heads, "scale": float(attr_value(node, "scale", 1.0))}
+    if _lower_cached(node, ctx, heads, kv_heads, attrs):
+        return True
     fmt = node.metadata_props.get(MASK_FORMAT_KEY, "bias")
-    padding = None if is_zero(bias) or fmt == "bias" else _padding_mask(bias)  # type: ignore[arg-type]
+    new_nodes: list[ir.Node] = []
+    causal = None if is_zero(bias) else _causal(bias, q, k)
+    lengths: ir.Value | None = None
+    if causal is not None and causal[0] is not None:  # causal + key padding: a kernel mask only as lengths
+        if fmt == "lengths":
+            lengths = _key_lengths(causal[0], new_nodes, ctx.shared)
+        else:
+            causal = None
+    if causal is not None:  # the kernel's own causal mask replaces the bias
+        if kv_heads != heads:
+            seqlens, total = _gqa_lengths(q, k, 1, None, lengths, new_nodes, ctx.shared)
+            kernel = _kernel("GroupQueryAttention", [q, k, v, None, None, seqlens, total],
+                             {**attrs, "kv_num_heads": kv_heads}, outputs=3)
+            return _finish(node, kernel, q, new_nodes, ctx)
+        attrs["unidirectional"] = 1
+        bias = None
+    elif kv_heads != heads:  # MultiHeadAttention has one K/V head per query head: repeat them (as repeat_kv does)
+        k = _repeat_heads(k, kv_heads, heads // kv_heads, new_nodes, ctx.shared)
+        v = _repeat_heads(v, kv_heads, heads // kv_heads, new_nodes, ctx.shared)
+    padding = None if bias is None or is_zero(bias) or fmt == "bias" else _padding_mask(bias)
+    if padding is not None:  # raw: the [B, T] mask, masked scores filled with mask_filter_value;
+        mask, attrs["mask_filter_value"] = padding  # lengths: the 1-D [B] right-padding key lengths
+        lengths = (_key_lengths(mask, new_nodes, ctx.shared) if fmt == "lengths"
+                   else _mask_index(mask, new_nodes, ctx.shared))
     packed = _packed(node) if kv_heads == heads else None
+    seq_of = packed[0] if packed is not None else q
+    ab = None if bias is None or is_zero(bias) or padding is not None else _bias_for_kernel(bias, seq_of, new_nodes,
+                                                                                             ctx.shared)
     if packed is not None:  # self-attention: one [hidden, 3*H*D] GEMM for Q, K and V inside the kernel
         x, w, b = packed
         wv = add_initializer(graph, "mograph_qkv_weight", w)
         bv = add_initializer(graph, "mograph_qkv_bias", b)
-        mask_index: ir.Value | None = None
-        ab_packed: ir.Value | None = None
-        if padding is not None:  # raw: the [B, T] mask, masked scores filled with mask_filter_value;
-            mask, attrs["mask_filter_value"] = padding  # lengths: the 1-D [B] right-padding key lengths
-            mask_index = (_key_lengths(mask, new_nodes, ctx.shared) if fmt == "lengths"
-                          else _mask_index(mask, new_nodes, ctx.shared))
-        elif not is_zero(bias):
-            ab_packed = _bias_for_kernel(bias, x, new_nodes, ctx.shared)  # type: ignore[arg-type]
-        inputs: list[ir.Value | None] = [x, wv, bv, mask_index, None, ab_packed]
-        op_type = "Attention"
+        kernel = _kernel("Attention", [x, wv, bv, lengths, None, ab], attrs)
     else:
-        key_padding = None
-        if padding is not None:
-            mask, attrs["mask_filter_value"] = padding
-            key_padding = (_key_lengths(mask, new_nodes, ctx.shared) if fmt == "lengths"
-                           else _mask_index(mask, new_nodes, ctx.shared))
-        ab = None
-        if not is_zero(bias) and padding is None:
-            ab = _bias_for_kernel(bias, q, new_nodes, ctx.shared)  # type: ignore[arg-type]
-        inputs = [q, k, v, None, key_padding, ab]
-        op_type = "MultiHeadAttention"
-    while inputs[-1] is None:
-        inputs.pop()
-    mha = ir.node(op_type, inputs, attributes=attrs, domain=MS_DOMAIN)
-    if q.dtype is not None:  # ONNX's inference does not know contrib ops; the Where after it needs it
-        mha.outputs[0].dtype = q.dtype
-    new_nodes.append(mha)
-    if int(attr_value(node, "nan_to_zero", 0)):
-        _nan_to_zero(mha.outputs[0], new_nodes)
-    _replace(node, new_nodes, ctx)
-    return True
+        kernel = _kernel("MultiHeadAttention", [q, k, v, None, lengths, ab], attrs)
+    return _finish(node, kernel, q, new_nodes, ctx)
 
 
 def _decomposed(node: ir.Node, ctx: LoweringContext) -> bool:
@@ -560,17 +739,7 @@ def _lower_onnx(node: ir.Node, ctx: LoweringContext) -> bool:
     kv_heads = int(attr_value(node, "kv_num_heads", 0)) or heads
     att = ir.node("Attention", inputs, attributes={"q_num_heads": heads, "kv_num_heads": kv_heads,
                                                    "scale": float(attr_value(node, "scale", 1.0))})
-    if q.dtype is not None:
-        att.outputs[0].dtype = q.dtype
-    new_nodes.append(att)
-    if int(attr_value(node, "nan_to_zero", 0)):
-        _nan_to_zero(att.outputs[0], new_nodes)
-    _replace(node, new_nodes, ctx)
-    return True
-
-
-def _lower_trt(node: ir.Node, ctx: LoweringContext) -> bool:
-    return ctx.inline(node)
+    return _finish(node, att, q, new_nodes, ctx)
 
 
 def _inline(node: ir.Node, ctx: LoweringContext) -> bool:
@@ -578,7 +747,7 @@ def _inline(node: ir.Node, ctx: LoweringContext) -> bool:
 
 
 LOWERINGS: dict[str, dict[str, Lowering]] = {
-    "Attention": {"ort": _lower_ort, "onnx": _lower_onnx, "tensorrt": _lower_trt},
+    "Attention": {"ort": _lower_ort, "onnx": _lower_onnx, "tensorrt": _inline},
     # ONNX Runtime's RotaryEmbedding takes position-indexed cos/sin caches, not the per-token cos/sin an
     # export computes: every target gets the body (rotating X in its [B, S, N, D] view, no transpose of X)
     "RotaryEmbedding": {"ort": _inline, "onnx": _inline, "tensorrt": _inline},
