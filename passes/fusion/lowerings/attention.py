@@ -460,17 +460,23 @@ def _and_leaves(value: ir.Value | None) -> list[ir.Value | None]:
     return [value]
 
 
-def _seq_dim(value: ir.Value | None) -> Any:
-    """Dim 1 of a ``[B, S, .]`` value (looking through ``mograph.RotaryEmbedding``, which keeps the shape)."""
-    while value is not None and value.shape is None:
-        node = value.producer()
-        if node is None or node.op_type != "RotaryEmbedding":
+def _seq_dim(value: ir.Value | None, shared: Shared | None = None) -> Any:
+    """Dim 1 of a ``[B, S, .]`` value, looking through rotary embeddings (which keep the shape): a
+    ``mograph.RotaryEmbedding`` node, or one inlined in this run (noted in ``shared``)."""
+    for _ in range(8):
+        if value is None:
             return None
-        value = node.inputs[0]
+        x = shared.get(("rotary_outputs", id(value))) if shared is not None else None
+        node = value.producer()
+        if x is None and node is not None and node.op_type == "RotaryEmbedding":
+            x = node.inputs[0]
+        if x is None:
+            break
+        value = x
     return value.shape[1] if value is not None and value.shape is not None and len(value.shape) == 3 else None
 
 
-def _is_causal_term(term: ir.Value | None, q: ir.Value, k: ir.Value) -> bool:
+def _is_causal_term(term: ir.Value | None, q: ir.Value, k: ir.Value, shared: Shared | None) -> bool:
     """Whether ``term`` is ``kv_idx <= q_idx`` over ``[1, 1, S, S]``, both ``Range(0, S, 1)`` of one S.
 
     ``kv_idx`` lies on axis 3, ``q_idx`` on axis 2 (Unsqueezes of a 1-D Range); the two Ranges are one node
@@ -489,11 +495,11 @@ def _is_causal_term(term: ir.Value | None, q: ir.Value, k: ir.Value) -> bool:
     if kv_rng is not q_rng and kv_rng.inputs[1] is not q_rng.inputs[1]:
         return False
     length = q_rng.outputs[0].shape
-    s_q, s_k = _seq_dim(q), _seq_dim(k)
+    s_q, s_k = _seq_dim(q, shared), _seq_dim(k, shared)
     return length is not None and len(length) == 1 and same_dim(length[0], s_q) and same_dim(s_q, s_k)
 
 
-def _causal(bias: ir.Value, q: ir.Value, k: ir.Value) -> tuple[ir.Value | None] | None:
+def _causal(bias: ir.Value, q: ir.Value, k: ir.Value, shared: Shared | None) -> tuple[ir.Value | None] | None:
     """``(mask,)`` if ``bias`` is ``Where(causal & keep, 0, c)`` with ``c < 0``: ``mask`` the 2-D key-padding input
     that ``keep`` reads (``None``: causal only, every other term provably all true); else None."""
     node = bias.producer()
@@ -503,7 +509,7 @@ def _causal(bias: ir.Value, q: ir.Value, k: ir.Value) -> tuple[ir.Value | None] 
     if c is None or not c < 0:
         return None
     leaves = [t for t in _and_leaves(node.inputs[0]) if not _all_true(t)]
-    causal = [t for t in leaves if _is_causal_term(t, q, k)]
+    causal = [t for t in leaves if _is_causal_term(t, q, k, shared)]
     rest = [t for t in leaves if t not in causal]
     if not causal or len(rest) > 1:
         return None
@@ -618,7 +624,7 @@ def _lower_cached(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int
     ck, cv = _kv_cache(k), _kv_cache(v)
     if ck is None or cv is None:
         return False
-    if kv_heads != heads and not same_dim(_seq_dim(q), 1):
+    if kv_heads != heads and not same_dim(_seq_dim(q, ctx.shared), 1):
         return False  # (nothing built yet: what is built lands in ``shared``)
     new_nodes: list[ir.Node] = []
     ab = None if is_zero(bias) else _bias_for_kernel(bias, q, new_nodes, ctx.shared)
@@ -645,7 +651,7 @@ def _lower_ort(node: ir.Node, ctx: LoweringContext) -> bool:
         return True
     fmt = node.metadata_props.get(MASK_FORMAT_KEY, "bias")
     new_nodes: list[ir.Node] = []
-    causal = None if is_zero(bias) else _causal(bias, q, k)
+    causal = None if is_zero(bias) else _causal(bias, q, k, ctx.shared)
     lengths: ir.Value | None = None
     if causal is not None and causal[0] is not None:  # causal + key padding: a kernel mask only as lengths
         if fmt == "lengths":
@@ -746,9 +752,25 @@ def _inline(node: ir.Node, ctx: LoweringContext) -> bool:
     return ctx.inline(node)
 
 
+def _inline_rotary(node: ir.Node, ctx: LoweringContext) -> bool:
+    """The body, inlined; which value it gave for X is noted in ``ctx.shared`` (``rotary_outputs``): the
+    attention lowering after it reads X's shape (the result's, by the op's contract) to prove a causal mask's
+    length equal to the query length."""
+    x, out = node.inputs[0], node.outputs[0]
+    uses = list(out.uses())
+    if not ctx.inline(node):
+        return False
+    if x is not None and uses:
+        user, index = uses[0]
+        new = user.inputs[index]
+        if new is not None:
+            ctx.shared[("rotary_outputs", id(new))] = x
+    return True
+
+
 LOWERINGS: dict[str, dict[str, Lowering]] = {
     "Attention": {"ort": _lower_ort, "onnx": _lower_onnx, "tensorrt": _inline},
     # ONNX Runtime's RotaryEmbedding takes position-indexed cos/sin caches, not the per-token cos/sin an
     # export computes: every target gets the body (rotating X in its [B, S, N, D] view, no transpose of X)
-    "RotaryEmbedding": {"ort": _inline, "onnx": _inline, "tensorrt": _inline},
+    "RotaryEmbedding": {"ort": _inline_rotary, "onnx": _inline, "tensorrt": _inline},
 }
