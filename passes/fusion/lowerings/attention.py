@@ -64,7 +64,7 @@ from mograph.passes.fusion.ops import FLOAT_TYPES
 from mograph.custom_ops import Lowering
 from mograph.irutil import add_initializer, attr_value, is_zero, same_dim
 from mograph.lowering import LoweringContext, replace_node
-from mograph.patterns import constant_array, scalar_value
+from mograph.patterns import constant_array, remove_dead_producers, scalar_value
 
 __all__ = ["LOWERINGS"]
 
@@ -119,7 +119,7 @@ def _packed(node: ir.Node) -> tuple[ir.Value, np.ndarray, np.ndarray] | None:
 
 
 #: Lowerings of one pass run share what they build for the same input: key -> value.
-Shared = dict[tuple[Any, ...], ir.Value]
+Shared = dict[tuple[Any, ...], Any]
 
 
 def _dim_key(dim: Any, owner: ir.Value) -> tuple[Any, ...]:
@@ -460,8 +460,8 @@ def _and_leaves(value: ir.Value | None) -> list[ir.Value | None]:
     return [value]
 
 
-def _seq_dim(value: ir.Value | None, shared: Shared | None = None) -> Any:
-    """Dim 1 of a ``[B, S, .]`` value, looking through rotary embeddings (which keep the shape): a
+def _seq_dim(value: ir.Value | None, shared: Shared | None = None, axis: int = 1) -> Any:
+    """Dim ``axis`` of a ``[B, S, .]`` value, looking through rotary embeddings (which keep the shape): a
     ``mograph.RotaryEmbedding`` node, or one inlined in this run (noted in ``shared``)."""
     for _ in range(8):
         if value is None:
@@ -473,7 +473,7 @@ def _seq_dim(value: ir.Value | None, shared: Shared | None = None) -> Any:
         if x is None:
             break
         value = x
-    return value.shape[1] if value is not None and value.shape is not None and len(value.shape) == 3 else None
+    return value.shape[axis] if value is not None and value.shape is not None and len(value.shape) == 3 else None
 
 
 def _is_causal_term(term: ir.Value | None, q: ir.Value, k: ir.Value, shared: Shared | None) -> bool:
@@ -564,7 +564,7 @@ def _gqa_lengths(q: ir.Value, total_of: ir.Value, total_axis: int, extra: ir.Val
     every row.  Built once per total / lengths."""
     key = ("gqa_lengths", id(total_of), total_axis, id(extra), id(lengths))
     if shared is not None and key in shared:
-        return shared[key], shared[(*key, "total")]
+        return shared[key]  # type: ignore[no-any-return]
     total = _add(new_nodes, "Gather", [_add(new_nodes, "Shape", [total_of]),
                                         _const(new_nodes, np.array(total_axis, dtype=np.int64))], axis=0)
     if extra is not None:
@@ -580,19 +580,23 @@ def _gqa_lengths(q: ir.Value, total_of: ir.Value, total_axis: int, extra: ir.Val
                                           _const(new_nodes, np.array([1], dtype=np.int64))])
         seqlens = _add(new_nodes, "Expand", [_add(new_nodes, "Sub", [total, one]), batch])
     if shared is not None:
-        shared[key], shared[(*key, "total")] = seqlens, total
+        shared[key] = (seqlens, total)
     return seqlens, total
 
 
-def _present_outputs(kernel: ir.Node, concats: tuple[ir.Value, ir.Value]) -> None:
-    """The kernel's ``present_key`` / ``present_value`` take the place (and names) of the exporter's Concats."""
+def _present_outputs(graph: ir.Graph, kernel: ir.Node, concats: tuple[ir.Value, ir.Value]) -> None:
+    """The kernel's ``present_key`` / ``present_value`` take the place (and names) of the exporter's Concats,
+    which are removed (with what only they read)."""
     for old, new in zip(concats, kernel.outputs[1:3]):
-        new.shape, new.dtype = old.shape, old.dtype
+        new.shape = old.shape
+        if old.dtype is not None:
+            new.dtype = old.dtype
         if old.is_graph_output():
             name = old.name
             old.name = f"{name}_replaced"
             new.name = name
         ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+    remove_dead_producers(graph, list(concats))
 
 
 def _finish(node: ir.Node, kernel: ir.Node, q: ir.Value, new_nodes: list[ir.Node], ctx: LoweringContext) -> bool:
@@ -612,6 +616,15 @@ def _kernel(op_type: str, inputs: list[ir.Value | None], attrs: dict[str, Any], 
     return ir.node(op_type, inputs, attributes=attrs, domain=MS_DOMAIN, num_outputs=outputs)
 
 
+#: GroupQueryAttention's CPU kernel takes head sizes that are multiples of 8 only
+GQA_HEAD_MULTIPLE = 8
+
+
+def _gqa_head_ok(q: ir.Value, heads: int, shared: Shared | None) -> bool:
+    width = _seq_dim(q, shared, axis=2)
+    return isinstance(width, int) and width % heads == 0 and (width // heads) % GQA_HEAD_MULTIPLE == 0
+
+
 def _lower_cached(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, attrs: dict[str, Any]) -> bool:
     """A decode step over a KV cache: the past goes into the kernel, whose present outputs replace the Concats.
 
@@ -624,7 +637,7 @@ def _lower_cached(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int
     ck, cv = _kv_cache(k), _kv_cache(v)
     if ck is None or cv is None:
         return False
-    if kv_heads != heads and not same_dim(_seq_dim(q, ctx.shared), 1):
+    if kv_heads != heads and not (same_dim(_seq_dim(q, ctx.shared), 1) and _gqa_head_ok(q, heads, ctx.shared)):
         return False  # (nothing built yet: what is built lands in ``shared``)
     new_nodes: list[ir.Node] = []
     ab = None if is_zero(bias) else _bias_for_kernel(bias, q, new_nodes, ctx.shared)
@@ -635,8 +648,11 @@ def _lower_cached(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int
         seqlens, total = _gqa_lengths(q, ck[0], 2, q, None, new_nodes, ctx.shared)
         kernel = _kernel("GroupQueryAttention", [q, k_new, v_new, ck[0], cv[0], seqlens, total, None, None, None, ab],
                          {**attrs, "kv_num_heads": kv_heads}, outputs=3)
-    _present_outputs(kernel, (ck[2], cv[2]))
-    return _finish(node, kernel, q, new_nodes, ctx)
+    graph = node.graph
+    assert graph is not None
+    _finish(node, kernel, q, new_nodes, ctx)  # first: the old K/V reshapes read the Concats, and die with the node
+    _present_outputs(graph, kernel, (ck[2], cv[2]))
+    return True
 
 
 def _lower_ort(node: ir.Node, ctx: LoweringContext) -> bool:
@@ -652,12 +668,11 @@ def _lower_ort(node: ir.Node, ctx: LoweringContext) -> bool:
     fmt = node.metadata_props.get(MASK_FORMAT_KEY, "bias")
     new_nodes: list[ir.Node] = []
     causal = None if is_zero(bias) else _causal(bias, q, k, ctx.shared)
-    lengths: ir.Value | None = None
-    if causal is not None and causal[0] is not None:  # causal + key padding: a kernel mask only as lengths
-        if fmt == "lengths":
-            lengths = _key_lengths(causal[0], new_nodes, ctx.shared)
-        else:
-            causal = None
+    if causal is not None and kv_heads != heads and not _gqa_head_ok(q, heads, ctx.shared):
+        causal = None
+    if causal is not None and causal[0] is not None and fmt != "lengths":
+        causal = None  # causal + key padding: a kernel mask only as (right-padding) lengths
+    lengths = _key_lengths(causal[0], new_nodes, ctx.shared) if causal is not None and causal[0] is not None else None
     if causal is not None:  # the kernel's own causal mask replaces the bias
         if kv_heads != heads:
             seqlens, total = _gqa_lengths(q, k, 1, None, lengths, new_nodes, ctx.shared)

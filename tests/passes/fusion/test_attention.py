@@ -614,7 +614,8 @@ def test_rotary_grouped_query_attention(target: str) -> None:
     feeds = _rotary_feeds()
     stats = {"AttentionFusion": 1, "AttentionFusion.mul.mask.gqa.rotary": 1}
     if target == "ort":
-        stats.update({"lowered.Attention": 1, "lowered.RotaryEmbedding": 2, "bias_expansions": 1, "kv_repeats": 2})
+        stats.update({"lowered.Attention": 1, "lowered.RotaryEmbedding": 2, "bias_expansions": 1, "kv_repeats": 2,
+                      "rotary_outputs": 2})
     if target == "onnx":
         stats.update({"inlined.Attention": 1, "lowered.RotaryEmbedding": 2})
     model = check_fusion(lowered(FuseAttentionPass(), target), proto, stats=stats, feeds=feeds)
@@ -683,3 +684,175 @@ def test_bert_export_packs_qkv_into_one_gemm_per_layer(export_dir: Path, mask_fo
         mask[2, :6] = 0  # left padding: exact only with the additive bias
     feeds["attention_mask"] = mask
     assert_close(run_ort(proto, feeds), run_ort(to_proto(model), feeds), 1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# ort: causal masks and KV caches reach the kernels' own forms
+# ---------------------------------------------------------------------------------------------
+
+
+def causal_text(kv: int = H, *, anti: bool = False, kv_len: str = "seq", d: int = D) -> str:
+    """Causal self-attention as the dynamo export writes transformers' mask: one ``Range(0, S)`` read as key
+    index (axis 3) and query index (axis 2), ``Where(kv_idx <= q_idx, 0, min)``; ``kv`` K/V heads
+    (repeat_kv when fewer than H).  ``anti``: ``q_idx <= kv_idx`` instead (not causal); ``kv_len``: the keys'
+    symbolic length (another name: not provably the query length)."""
+    rep = H // kv
+    cmp = "LessOrEqual(qi, kvi)" if anti else "LessOrEqual(kvi, qi)"
+    kh, vh = ("kh", "vh") if rep > 1 else ("k4", "v4")
+    repeat = """  k5 = Unsqueeze(k4, ax)
+  k6 = Expand(k5, big)
+  kh = Reshape(k6, merged)
+  v5 = Unsqueeze(v4, ax)
+  v6 = Expand(v5, big)
+  vh = Reshape(v6, merged)""" if rep > 1 else ""
+    return f'''<ir_version: 8, opset_import: ["" : 17]>
+g (float[{B},seq,{H * d}] q, float[{B},{kv_len},{kv * d}] k, float[{B},{kv_len},{kv * d}] v) => (float[{B},seq,{H * d}] y)
+  <int64[4] qs = {{0, 0, {H}, {d}}}, int64[4] kvs = {{0, 0, {kv}, {d}}}, int64[1] ax = {{2}},
+   int64[5] big = {{{B}, {kv}, {rep}, {S}, {d}}}, int64[4] merged = {{{B}, {H}, {S}, {d}}},
+   float sc = {{{1 / math.sqrt(d)}}}, int64[3] shp3 = {{0, 0, -1}}, int64 c0 = {{0}}, int64 c1 = {{1}},
+   int64[1] a0 = {{0}}, int64[1] a3 = {{3}}, float fz = {{0.0}}, float fmin = {{-3.4028234663852886e+38}},
+   int64[seq] r> {{
+  sh = Shape<start=1,end=2>(q)
+  n = Squeeze(sh, a0)
+  r = Range(c0, n, c1)
+  r1 = Unsqueeze(r, a0)
+  r2 = Unsqueeze(r1, a0)
+  kvi = Unsqueeze(r2, ax)
+  qi = Unsqueeze(r2, a3)
+  keep = {cmp}
+  bias = Where(keep, fz, fmin)
+  q4 = Reshape(q, qs)
+  qh = Transpose<perm=[0,2,1,3]>(q4)
+  k3 = Reshape(k, kvs)
+  k4 = Transpose<perm=[0,2,1,3]>(k3)
+  v3 = Reshape(v, kvs)
+  v4 = Transpose<perm=[0,2,1,3]>(v3)
+{repeat}
+  kt = Transpose<perm=[0,1,3,2]>({kh})
+  mm = MatMul(qh, kt)
+  sc2 = Mul(mm, sc)
+  sm = Add(sc2, bias)
+  p = Softmax<axis=-1>(sm)
+  o = MatMul(p, {vh})
+  ot = Transpose<perm=[0,2,1,3]>(o)
+  y = Reshape(ot, shp3)
+}}'''
+
+
+def _causal_feeds(kv: int, d: int = D) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(5)
+    feeds = {"q": rng.standard_normal((B, S, H * d)).astype(np.float32)}
+    feeds.update({n: rng.standard_normal((B, S, kv * d)).astype(np.float32) for n in ("k", "v")})
+    return feeds
+
+
+def _kernel(model: ir.Model, op_type: str) -> ir.Node:
+    (node,) = [n for n in model.graph if n.domain == "com.microsoft" and n.op_type == op_type]
+    return node
+
+
+def test_causal_mask_becomes_unidirectional_multihead_attention() -> None:
+    """A provably causal mask (one Range of the query length as key and query index) is the kernel's own
+    ``unidirectional=1``: no bias input, no Where/LessOrEqual left, numbers equal on ORT CPU."""
+    proto = parse(causal_text())
+    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, feeds=_causal_feeds(H),
+                         stats={"AttentionFusion": 1, "AttentionFusion.mul.mask": 1, "lowered.Attention": 1})
+    node = _kernel(model, "MultiHeadAttention")
+    assert node.attributes["unidirectional"].value == 1 and len(node.inputs) == 3
+    assert not {"Where", "LessOrEqual", "Range"} & set(op_counts(model))
+
+
+def test_causal_grouped_heads_become_group_query_attention() -> None:
+    """Causal self-attention with 2 K/V heads for 4 query heads: ``GroupQueryAttention`` (causal by itself)
+    with ``seqlens_k = S - 1`` per row and ``total_sequence_length = S``: no K/V repeat, no bias."""
+    proto = parse(causal_text(kv=2, d=8))  # (the CPU kernel takes head sizes that are multiples of 8)
+    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, feeds=_causal_feeds(2, d=8),
+                         stats={"AttentionFusion": 1, "AttentionFusion.mul.mask.gqa": 1, "lowered.Attention": 1,
+                                "gqa_lengths": 1})
+    node = _kernel(model, "GroupQueryAttention")
+    assert node.attributes["kv_num_heads"].value == 2 and node.attributes["num_heads"].value == H
+    assert "Expand" in op_counts(model) and "Where" not in op_counts(model)  # Expand: seqlens_k over the batch
+
+
+@pytest.mark.parametrize("variant", ["anti", "other-length"])
+def test_near_miss_not_provably_causal_keeps_the_bias(variant: str) -> None:
+    """``q_idx <= kv_idx`` is no causal mask; keys of another symbolic length are not provably the query's:
+    both keep the dense bias (MultiHeadAttention ``attention_bias``, no ``unidirectional``)."""
+    text = causal_text(anti=True) if variant == "anti" else causal_text(kv_len="keys")
+    proto = parse(text)
+    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, feeds=_causal_feeds(H),
+                         stats={"AttentionFusion": 1, "AttentionFusion.mul.mask": 1, "lowered.Attention": 1})
+    node = _kernel(model, "MultiHeadAttention")
+    assert "unidirectional" not in node.attributes and len(node.inputs) == 6
+
+
+def cached_text(kv: int = H, q_len: str = "1", d: int = D) -> str:
+    """One decode step over a KV cache: the step's K/V heads concatenated after ``past_key``/``past_value``
+    ``[B, kv, P, D]`` (the Concats are the ``present_*`` outputs), a dense additive bias input over the
+    ``P + 1`` keys, repeat_kv when ``kv < H``."""
+    rep = H // kv
+    kh, vh = ("kh", "vh") if rep > 1 else ("kc", "vc")
+    repeat = """  k5 = Unsqueeze(kc, ax)
+  k6 = Expand(k5, big)
+  kh = Reshape(k6, merged)
+  v5 = Unsqueeze(vc, ax)
+  v6 = Expand(v5, big)
+  vh = Reshape(v6, merged)""" if rep > 1 else ""
+    return f'''<ir_version: 8, opset_import: ["" : 17]>
+g (float[{B},{q_len},{H * d}] q, float[{B},{q_len},{kv * d}] k, float[{B},{q_len},{kv * d}] v,
+   float[{B},{kv},past,{d}] past_key, float[{B},{kv},past,{d}] past_value, float[{B},1,{q_len},total] bias)
+  => (float[{B},{q_len},{H * d}] y, float[{B},{kv},total,{d}] present_key, float[{B},{kv},total,{d}] present_value)
+  <int64[4] qs = {{0, 0, {H}, {d}}}, int64[4] kvs = {{0, 0, {kv}, {d}}}, int64[1] ax = {{2}},
+   int64[5] big = {{0, 0, {rep}, 0, 0}}, int64[4] merged = {{0, {H}, -1, {d}}},
+   float sc = {{{1 / math.sqrt(d)}}}, int64[3] shp3 = {{0, 0, -1}}> {{
+  q4 = Reshape(q, qs)
+  qh = Transpose<perm=[0,2,1,3]>(q4)
+  k3 = Reshape(k, kvs)
+  k4 = Transpose<perm=[0,2,1,3]>(k3)
+  v3 = Reshape(v, kvs)
+  v4 = Transpose<perm=[0,2,1,3]>(v3)
+  kc = Concat<axis=2>(past_key, k4)
+  vc = Concat<axis=2>(past_value, v4)
+  present_key = Identity(kc)
+  present_value = Identity(vc)
+{repeat}
+  kt = Transpose<perm=[0,1,3,2]>({kh})
+  mm = MatMul(qh, kt)
+  sc2 = Mul(mm, sc)
+  sm = Add(sc2, bias)
+  p = Softmax<axis=-1>(sm)
+  o = MatMul(p, {vh})
+  ot = Transpose<perm=[0,2,1,3]>(o)
+  y = Reshape(ot, shp3)
+}}'''
+
+
+def _cached_feeds(kv: int, q_len: int = 1, past: int = 6, d: int = D) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(7)
+    feeds = {"q": rng.standard_normal((B, q_len, H * d)).astype(np.float32)}
+    feeds.update({n: rng.standard_normal((B, q_len, kv * d)).astype(np.float32) for n in ("k", "v")})
+    feeds.update({n: rng.standard_normal((B, kv, past, d)).astype(np.float32) for n in ("past_key", "past_value")})
+    bias = np.zeros((B, 1, q_len, past + q_len), dtype=np.float32)
+    bias[1, ..., :2] = np.finfo(np.float32).min  # row 1 left-padded by 2
+    feeds["bias"] = bias
+    return feeds
+
+
+@pytest.mark.parametrize("kv,d,op", [(H, D, "MultiHeadAttention")])  # grouped: the corpus llama cache cases
+def test_kv_cache_goes_into_the_kernel(kv: int, d: int, op: str) -> None:
+    """A decode step: past_key/past_value are the kernel's inputs, its present outputs replace the exporter's
+    Concats (same output names), the dense bias stays as ``attention_bias`` (exact, left padding included);
+    grouped heads: GroupQueryAttention (one query token: its causal mask hides nothing)."""
+    proto = parse(cached_text(kv=kv, d=d))
+    stats = {"AttentionFusion": 1, "AttentionFusion.mul.mask" + (".cache.gqa" if kv < H else ".cache"): 1,
+             "lowered.Attention": 1}
+    if kv < H:
+        stats["gqa_lengths"] = 1
+    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, feeds=_cached_feeds(kv, d=d), stats=stats)
+    node = _kernel(model, op)
+    assert node.inputs[3 if kv < H else 6].name == "past_key"
+    assert [o.name for o in model.graph.outputs] == ["y", "present_key", "present_value"]
+    for out, kernel_out in zip(model.graph.outputs[1:], node.outputs[1:]):  # (through the test graph's Identity)
+        assert out is kernel_out or out.producer().inputs[0] is kernel_out
+    assert "Concat" not in op_counts(model) or kv < H  # GQA's total length is computed from shapes only
+
