@@ -28,7 +28,8 @@ trace walks over (the split Reshape/Transposes) is left to die: a value still re
 The fused op (:mod:`.attention_op`) is lowered by the ``lower`` step
 (:mod:`mograph.passes.fusion.lowerings.attention`): for ``ort``, ``com.microsoft.Attention`` with Q/K/V
 packed into one GEMM for self-attention over ``x @ W (+ b)`` projections, else ``MultiHeadAttention``
-(option ``--mask-format`` says how a padding mask gets there), the standard
+(option ``--mask-format`` says how a padding mask gets there; a provably causal mask becomes
+``unidirectional=1`` or ``GroupQueryAttention``, a KV cache the kernel's past/present), the standard
 ``Attention`` at opset >= 23 for ``onnx`` (below it the function body is inlined), the decomposed
 computation for ``tensorrt``.
 """

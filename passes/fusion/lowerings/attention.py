@@ -30,14 +30,28 @@
         with its slow unfused ``SoftmaxWithRawMask`` kernel.
 
     ``nan_to_zero`` adds ``Where(IsNaN(Y), 0, Y)`` after the kernel (a fully ``-inf``-masked row gives NaN
-    there, 0 in the original).  Grouped-query attention (``kv_num_heads`` != ``num_heads``): K and V are
-    repeated per head in their ``[B, T, Hkv*D]`` layout (Reshape/Expand/Reshape, as ``repeat_kv`` does),
-    then ``MultiHeadAttention`` as above (``GroupQueryAttention`` would avoid the copy but takes only
-    causal attention with position-indexed rotary caches and ``seqlens_k``; not lowered to yet).
+    there, 0 in the original).
+
+    Causal masks: where ``M`` is provably ``Where(kv_idx <= q_idx, 0, c)`` (one ``Range(0, S)`` as key and
+    query index, its length provably the query and key length; more ``And``-ed terms only if provably all
+    true), the kernel's own causal mask replaces it: ``unidirectional=1`` (Attention / MultiHeadAttention, no
+    bias), or for grouped K/V heads ``GroupQueryAttention`` (``seqlens_k = S - 1``, ``total_sequence_length =
+    S``; head size a multiple of 8, as its CPU kernel requires).  Causal + a key-padding term does so only
+    with ``lengths`` (right padding: key lengths, ``seqlens_k = lengths - 1``); ``bias`` and ``raw`` keep the
+    dense bias there (exact for left padding and fully padded rows).  Exporters' other causal forms (the
+    TorchScript ``Trilu`` of ``sdpa``, two Ranges of lengths not provably equal) keep the bias too.
+
+    KV cache: where K and V are ``Concat(past, new, axis=2)`` of ``[B, G, P, D]`` graph inputs (the decode
+    step of an export with ``past_key_values``), the past goes into the kernel and its ``present_key`` /
+    ``present_value`` outputs replace the Concats (names kept): ``MultiHeadAttention`` with ``M`` as
+    ``attention_bias`` (exact), or for grouped heads ``GroupQueryAttention`` with ``M`` as ``attention_bias``
+    when the step is provably one token (its causal mask then hides nothing).  Other grouped-query attention
+    repeats K and V per head in their ``[B, T, Hkv*D]`` layout (Reshape/Expand/Reshape, as ``repeat_kv``
+    does), then ``MultiHeadAttention`` as above.
 ``RotaryEmbedding``
     every target inlines the body (X rotated in its ``[B, S, N, D]`` view; only cos/sin are
-    transposed): ONNX Runtime's ``com.microsoft.RotaryEmbedding`` takes position-indexed cos/sin caches,
-    not the per-token cos/sin an export computes.
+    transposed): ONNX Runtime's ``com.microsoft.RotaryEmbedding`` and GroupQueryAttention's ``do_rotary``
+    take position-indexed cos/sin caches, not the per-token cos/sin an export computes (not lowered to yet).
 ``onnx``
     the standard ``Attention`` (3-D form, ``q_num_heads``, ``kv_num_heads``; ``M`` as ``attn_mask``, expanded
     the same way, since ONNX Runtime does not broadcast its dim -2) at opset >= 23; below that ONNX has no
