@@ -786,9 +786,12 @@ def test_near_miss_not_provably_causal_keeps_the_bias(variant: str) -> None:
     assert "unidirectional" not in node.attributes and len(node.inputs) == 6
 
 
+PAST = 6
+
+
 def cached_text(kv: int = H, q_len: str = "1", d: int = D) -> str:
     """One decode step over a KV cache: the step's K/V heads concatenated after ``past_key``/``past_value``
-    ``[B, kv, P, D]`` (the Concats are the ``present_*`` outputs), a dense additive bias input over the
+    ``[B, kv, PAST, D]`` (the Concats are the ``present_*`` outputs), a dense additive bias input over the
     ``P + 1`` keys, repeat_kv when ``kv < H``."""
     rep = H // kv
     kh, vh = ("kh", "vh") if rep > 1 else ("kc", "vc")
@@ -800,10 +803,11 @@ def cached_text(kv: int = H, q_len: str = "1", d: int = D) -> str:
   vh = Reshape(v6, merged)""" if rep > 1 else ""
     return f'''<ir_version: 8, opset_import: ["" : 17]>
 g (float[{B},{q_len},{H * d}] q, float[{B},{q_len},{kv * d}] k, float[{B},{q_len},{kv * d}] v,
-   float[{B},{kv},past,{d}] past_key, float[{B},{kv},past,{d}] past_value, float[{B},1,{q_len},total] bias)
-  => (float[{B},{q_len},{H * d}] y, float[{B},{kv},total,{d}] present_key, float[{B},{kv},total,{d}] present_value)
+   float[{B},{kv},{PAST},{d}] past_key, float[{B},{kv},{PAST},{d}] past_value, float[{B},1,{q_len},{PAST + 1}] bias)
+  => (float[{B},{q_len},{H * d}] y, float[{B},{kv},{PAST + 1},{d}] present_key,
+      float[{B},{kv},{PAST + 1},{d}] present_value)
   <int64[4] qs = {{0, 0, {H}, {d}}}, int64[4] kvs = {{0, 0, {kv}, {d}}}, int64[1] ax = {{2}},
-   int64[5] big = {{0, 0, {rep}, 0, 0}}, int64[4] merged = {{0, {H}, -1, {d}}},
+   int64[5] big = {{{B}, {kv}, {rep}, {PAST + 1}, {d}}}, int64[4] merged = {{{B}, {H}, {PAST + 1}, {d}}},
    float sc = {{{1 / math.sqrt(d)}}}, int64[3] shp3 = {{0, 0, -1}}> {{
   q4 = Reshape(q, qs)
   qh = Transpose<perm=[0,2,1,3]>(q4)
@@ -827,7 +831,7 @@ g (float[{B},{q_len},{H * d}] q, float[{B},{q_len},{kv * d}] k, float[{B},{q_len
 }}'''
 
 
-def _cached_feeds(kv: int, q_len: int = 1, past: int = 6, d: int = D) -> dict[str, np.ndarray]:
+def _cached_feeds(kv: int, q_len: int = 1, past: int = PAST, d: int = D) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(7)
     feeds = {"q": rng.standard_normal((B, q_len, H * d)).astype(np.float32)}
     feeds.update({n: rng.standard_normal((B, q_len, kv * d)).astype(np.float32) for n in ("k", "v")})
@@ -838,13 +842,13 @@ def _cached_feeds(kv: int, q_len: int = 1, past: int = 6, d: int = D) -> dict[st
     return feeds
 
 
-@pytest.mark.parametrize("kv,d,op", [(H, D, "MultiHeadAttention")])  # grouped: the corpus llama cache cases
+@pytest.mark.parametrize("kv,d,op", [(H, D, "MultiHeadAttention"), (2, 8, "GroupQueryAttention")])
 def test_kv_cache_goes_into_the_kernel(kv: int, d: int, op: str) -> None:
     """A decode step: past_key/past_value are the kernel's inputs, its present outputs replace the exporter's
     Concats (same output names), the dense bias stays as ``attention_bias`` (exact, left padding included);
     grouped heads: GroupQueryAttention (one query token: its causal mask hides nothing)."""
     proto = parse(cached_text(kv=kv, d=d))
-    stats = {"AttentionFusion": 1, "AttentionFusion.mul.mask" + (".cache.gqa" if kv < H else ".cache"): 1,
+    stats = {"AttentionFusion": 1, "AttentionFusion.mul.mask" + (".gqa.cache" if kv < H else ".cache"): 1,
              "lowered.Attention": 1}
     if kv < H:
         stats["gqa_lengths"] = 1
@@ -854,5 +858,16 @@ def test_kv_cache_goes_into_the_kernel(kv: int, d: int, op: str) -> None:
     assert [o.name for o in model.graph.outputs] == ["y", "present_key", "present_value"]
     for out, kernel_out in zip(model.graph.outputs[1:], node.outputs[1:]):  # (through the test graph's Identity)
         assert out is kernel_out or out.producer().inputs[0] is kernel_out
-    assert "Concat" not in op_counts(model) or kv < H  # GQA's total length is computed from shapes only
+    assert "Concat" not in op_counts(model)
+
+
+def test_kv_cache_grouped_heads_longer_step_keeps_repeat() -> None:
+    """Grouped heads over a cache with a step of 2 tokens: GroupQueryAttention's own causal mask could hide keys
+    the bias does not, so it stays MultiHeadAttention over repeated K/V with the past concatenated (exact)."""
+    proto = parse(cached_text(kv=2, q_len="2", d=8).replace(f"{PAST + 1}", f"{PAST + 2}"))
+    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, feeds=_cached_feeds(2, q_len=2, d=8),
+                         stats={"AttentionFusion": 1, "AttentionFusion.mul.mask.gqa.cache": 1, "lowered.Attention": 1,
+                                "kv_repeats": 2})
+    counts = op_counts(model)
+    assert "com.microsoft.GroupQueryAttention" not in counts and counts["com.microsoft.MultiHeadAttention"] == 1
 
