@@ -508,9 +508,29 @@ def _is_causal_term(term: ir.Value | None, q: ir.Value, k: ir.Value, shared: Sha
         return False
     if kv_rng is not q_rng and kv_rng.inputs[1] is not q_rng.inputs[1]:
         return False
-    length = q_rng.outputs[0].shape
     s_q, s_k = _seq_dim(q, shared), _seq_dim(k, shared)
-    return length is not None and len(length) == 1 and same_dim(length[0], s_q) and same_dim(s_q, s_k)
+    return same_dim(s_q, s_k) and any(same_dim(n, s_q) for n in _range_lengths(q_rng))
+
+
+def _range_lengths(rng: ir.Node) -> list[Any]:
+    """Dims known equal to the length of ``Range(0, n, 1)``: its output's dim, and the dim ``n`` is read from
+    (``Gather(Shape(x), i)`` or ``Shape(x, start=i, end=i+1)``, through Cast/Squeeze/Unsqueeze/Reshape)."""
+    out = [rng.outputs[0].shape[0]] if rng.outputs[0].shape is not None and len(rng.outputs[0].shape) == 1 else []
+    end = rng.inputs[1]
+    while (node := end.producer() if end is not None else None) is not None and node.domain == "" and \
+            node.op_type in ("Cast", "Squeeze", "Unsqueeze", "Reshape"):
+        end = node.inputs[0]
+    node = end.producer() if end is not None else None
+    if node is not None and node.domain == "" and node.op_type == "Shape":
+        start, stop = node.attributes.get("start"), node.attributes.get("end")
+        x = node.inputs[0]
+        if start is not None and stop is not None and int(stop.value) == int(start.value) + 1 and x is not None \
+                and x.shape is not None and 0 <= int(start.value) < len(x.shape):
+            out.append(x.shape[int(start.value)])
+    x = _dim_of(end, 1)
+    if x is not None and x.shape is not None and len(x.shape) >= 2:
+        out.append(x.shape[1])
+    return out
 
 
 def _causal(bias: ir.Value, q: ir.Value, k: ir.Value, shared: Shared | None) -> tuple[ir.Value | None] | None:
