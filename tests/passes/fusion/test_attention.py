@@ -691,14 +691,21 @@ def test_bert_export_packs_qkv_into_one_gemm_per_layer(export_dir: Path, mask_fo
 # ---------------------------------------------------------------------------------------------
 
 
-def causal_text(kv: int = H, *, anti: bool = False, kv_len: str = "seq", d: int = D) -> str:
+def causal_text(kv: int = H, *, anti: bool = False, kv_len: str = "seq", d: int = D, end: str = "slice",
+                padding: bool = False) -> str:
     """Causal self-attention as the dynamo export writes transformers' mask: one ``Range(0, S)`` read as key
     index (axis 3) and query index (axis 2), ``Where(kv_idx <= q_idx, 0, min)``; ``kv`` K/V heads
     (repeat_kv when fewer than H).  ``anti``: ``q_idx <= kv_idx`` instead (not causal); ``kv_len``: the keys'
-    symbolic length (another name: not provably the query length)."""
+    symbolic length (another name: not provably the query length); ``end="gather"``: the Range's end is
+    ``Gather(Shape(q), 1)`` and its output's length is left unknown (as TorchScript exports it); ``padding``: And-ed
+    with a key-padding term ``Unsqueeze(mask, [1, 2])`` of a bool ``[B, seq]`` mask input."""
     rep = H // kv
     cmp = "LessOrEqual(qi, kvi)" if anti else "LessOrEqual(kvi, qi)"
     kh, vh = ("kh", "vh") if rep > 1 else ("k4", "v4")
+    n = "  sh = Shape<start=1,end=2>(q)\n  n = Squeeze(sh, a0)" if end == "slice" else \
+        "  sh = Shape(q)\n  n = Gather<axis=0>(sh, c1)"
+    keep = "  pk = Unsqueeze(mask, pax)\n  keep = And(causal, pk)\n" if padding else ""
+    mask_in = f", bool[{B},seq] mask" if padding else ""
     repeat = """  k5 = Unsqueeze(k4, ax)
   k6 = Expand(k5, big)
   kh = Reshape(k6, merged)
@@ -706,21 +713,21 @@ def causal_text(kv: int = H, *, anti: bool = False, kv_len: str = "seq", d: int 
   v6 = Expand(v5, big)
   vh = Reshape(v6, merged)""" if rep > 1 else ""
     return f'''<ir_version: 8, opset_import: ["" : 17]>
-g (float[{B},seq,{H * d}] q, float[{B},{kv_len},{kv * d}] k, float[{B},{kv_len},{kv * d}] v) => (float[{B},seq,{H * d}] y)
+g (float[{B},seq,{H * d}] q, float[{B},{kv_len},{kv * d}] k, float[{B},{kv_len},{kv * d}] v{mask_in})
+  => (float[{B},seq,{H * d}] y)
   <int64[4] qs = {{0, 0, {H}, {d}}}, int64[4] kvs = {{0, 0, {kv}, {d}}}, int64[1] ax = {{2}},
    int64[5] big = {{{B}, {kv}, {rep}, {S}, {d}}}, int64[4] merged = {{{B}, {H}, {S}, {d}}},
    float sc = {{{1 / math.sqrt(d)}}}, int64[3] shp3 = {{0, 0, -1}}, int64 c0 = {{0}}, int64 c1 = {{1}},
    int64[1] a0 = {{0}}, int64[1] a3 = {{3}}, float fz = {{0.0}}, float fmin = {{-3.4028234663852886e+38}},
-   int64[seq] r> {{
-  sh = Shape<start=1,end=2>(q)
-  n = Squeeze(sh, a0)
+   int64[2] pax = {{1, 2}}{", int64[seq] r" if end == "slice" else ""}> {{
+{n}
   r = Range(c0, n, c1)
   r1 = Unsqueeze(r, a0)
   r2 = Unsqueeze(r1, a0)
   kvi = Unsqueeze(r2, ax)
   qi = Unsqueeze(r2, a3)
-  keep = {cmp}
-  bias = Where(keep, fz, fmin)
+  causal = {cmp}
+{keep}  bias = Where({"keep" if padding else "causal"}, fz, fmin)
   q4 = Reshape(q, qs)
   qh = Transpose<perm=[0,2,1,3]>(q4)
   k3 = Reshape(k, kvs)
@@ -871,3 +878,48 @@ def test_kv_cache_grouped_heads_longer_step_keeps_repeat() -> None:
     counts = op_counts(model)
     assert "com.microsoft.GroupQueryAttention" not in counts and counts["com.microsoft.MultiHeadAttention"] == 1
 
+
+
+def test_causal_mask_torchscript_range_end() -> None:
+    """The Range's end read as ``Gather(Shape(q), 1)``, its own length unknown: still provably the query length."""
+    proto = parse(causal_text(end="gather"))
+    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, feeds=_causal_feeds(H),
+                         stats={"AttentionFusion": 1, "AttentionFusion.mul.mask": 1, "lowered.Attention": 1})
+    assert _kernel(model, "MultiHeadAttention").attributes["unidirectional"].value == 1
+
+
+def _padded_causal_feeds(kv: int, d: int = D) -> dict[str, np.ndarray]:
+    feeds = _causal_feeds(kv, d)
+    mask = np.ones((B, S), dtype=np.bool_)
+    mask[1, 3:] = False  # row 1 right-padded to 3 keys
+    feeds["mask"] = mask
+    return feeds
+
+
+@pytest.mark.parametrize("kv,d,op", [(H, D, "MultiHeadAttention"), (2, 8, "GroupQueryAttention")])
+def test_causal_with_padding_lengths_format(kv: int, d: int, op: str) -> None:
+    """Causal + key padding with ``--mask-format lengths``: the kernel's causal mask and the right-padding key
+    lengths (``key_padding_mask`` 1-D, or ``seqlens_k = lengths - 1``); exact on right-padded masks."""
+    proto = parse(causal_text(kv=kv, d=d, padding=True))
+    stats = {"AttentionFusion": 1, "AttentionFusion.mul.mask" + (".gqa" if kv < H else ""): 1,
+             "lowered.Attention": 1, "mask_index_casts": 1, "mask_lengths": 1}
+    if kv < H:
+        stats["gqa_lengths"] = 1
+    model = check_fusion(lowered(FuseAttentionPass(mask_format="lengths"), "ort"), proto,
+                         feeds=_padded_causal_feeds(kv, d), stats=stats)
+    node = _kernel(model, op)
+    assert "ReduceSum" in op_counts(model) and "Where" not in op_counts(model)
+    if kv == H:
+        assert node.attributes["unidirectional"].value == 1 and node.inputs[4] is not None
+
+
+@pytest.mark.parametrize("fmt", ["bias", "raw"])
+def test_causal_with_padding_other_formats_keep_the_bias(fmt: str) -> None:
+    """``bias`` and ``raw`` keep the dense causal + padding bias (exact for left padding too)."""
+    proto = parse(causal_text(padding=True))
+    feeds = _padded_causal_feeds(H)
+    feeds["mask"][0, :2] = False  # row 0 left-padded
+    model = check_fusion(lowered(FuseAttentionPass(mask_format=fmt), "ort"), proto, feeds=feeds,
+                         stats={"AttentionFusion": 1, "AttentionFusion.mul.mask": 1, "lowered.Attention": 1})
+    node = _kernel(model, "MultiHeadAttention")
+    assert "unidirectional" not in node.attributes and node.inputs[5] is not None
