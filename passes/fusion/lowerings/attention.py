@@ -44,8 +44,9 @@
     KV cache: where K and V are ``Concat(past, new, axis=2)`` of ``[B, G, P, D]`` graph inputs (the decode
     step of an export with ``past_key_values``), the past goes into the kernel and its ``present_key`` /
     ``present_value`` outputs replace the Concats (names kept): ``MultiHeadAttention`` with ``M`` as
-    ``attention_bias`` (exact), or for grouped heads ``GroupQueryAttention`` with ``M`` as ``attention_bias``
-    when the step is provably one token (its causal mask then hides nothing).  Other grouped-query attention
+    ``attention_bias`` (exact), or for grouped heads ``GroupQueryAttention`` when there is no ``M`` and the step
+    is provably one token (its causal mask then hides nothing; its CUDA kernel refuses ``attention_bias``, so a
+    masked grouped decode step keeps the Concat and the repeat below).  Other grouped-query attention
     repeats K and V per head in their ``[B, T, Hkv*D]`` layout (Reshape/Expand/Reshape, as ``repeat_kv``
     does), then ``MultiHeadAttention`` as above.
 ``RotaryEmbedding``
@@ -663,15 +664,19 @@ def _lower_cached(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int
     """A decode step over a KV cache: the past goes into the kernel, whose present outputs replace the Concats.
 
     ``MultiHeadAttention(q, k_new, v_new, attention_bias=M, past_key, past_value)`` when every query head has
-    its K/V head; ``GroupQueryAttention`` for grouped heads when the step is provably one token (its implicit
-    causal mask then hides nothing: the one query sees all ``P + 1`` keys), with ``M`` as ``attention_bias``.
-    Exact: ``M`` is the bias itself.  Declines (False) where neither holds."""
+    its K/V head (exact: ``M`` is the bias itself); ``GroupQueryAttention`` for grouped heads only when there is
+    no bias and the step is provably one token (its implicit causal mask then hides nothing: the one query sees
+    all ``P + 1`` keys).  GroupQueryAttention's ``attention_bias`` would be exact on CPU, but ONNX Runtime's CUDA
+    kernel refuses that input, and ``seqlens_k`` is exact for no padding pattern a decode step has (a left-padded
+    row's new key sits after its padding), so a masked grouped step declines (False): the exporter's Concat
+    and the K/V repeat stay."""
     q, k, v, bias = node.inputs
     assert q is not None and k is not None and v is not None and bias is not None
     ck, cv = _kv_cache(k), _kv_cache(v)
     if ck is None or cv is None:
         return False
-    if kv_heads != heads and not (same_dim(_seq_dim(q, ctx.shared), 1) and _gqa_head_ok(q, heads, ctx.shared)):
+    if kv_heads != heads and not (is_zero(bias) and same_dim(_seq_dim(q, ctx.shared), 1)
+                                  and _gqa_head_ok(q, heads, ctx.shared)):
         return False  # (nothing built yet: what is built lands in ``shared``)
     new_nodes: list[ir.Node] = []
     ab = None if is_zero(bias) else _bias_for_kernel(bias, q, new_nodes, ctx.shared)
@@ -680,7 +685,7 @@ def _lower_cached(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int
         kernel = _kernel("MultiHeadAttention", [q, k_new, v_new, None, None, ab, ck[0], cv[0]], attrs, outputs=3)
     else:
         seqlens, total = _gqa_lengths(q, ck[0], 2, q, None, new_nodes, ctx.shared)
-        kernel = _kernel("GroupQueryAttention", [q, k_new, v_new, ck[0], cv[0], seqlens, total, None, None, None, ab],
+        kernel = _kernel("GroupQueryAttention", [q, k_new, v_new, ck[0], cv[0], seqlens, total],
                          {**attrs, "kv_num_heads": kv_heads}, outputs=3)
     graph = node.graph
     assert graph is not None

@@ -849,17 +849,23 @@ def _cached_feeds(kv: int, q_len: int = 1, past: int = PAST, d: int = D) -> dict
     return feeds
 
 
-@pytest.mark.parametrize("kv,d,op", [(H, D, "MultiHeadAttention"), (2, 8, "GroupQueryAttention")])
-def test_kv_cache_goes_into_the_kernel(kv: int, d: int, op: str) -> None:
+@pytest.mark.parametrize("kv,d,op,bias", [(H, D, "MultiHeadAttention", True), (2, 8, "GroupQueryAttention", False)])
+def test_kv_cache_goes_into_the_kernel(kv: int, d: int, op: str, bias: bool) -> None:
     """A decode step: past_key/past_value are the kernel's inputs, its present outputs replace the exporter's
     Concats (same output names), the dense bias stays as ``attention_bias`` (exact, left padding included);
-    grouped heads: GroupQueryAttention (one query token: its causal mask hides nothing)."""
-    proto = parse(cached_text(kv=kv, d=d))
-    stats = {"AttentionFusion": 1, "AttentionFusion.mul.mask" + (".gqa.cache" if kv < H else ".cache"): 1,
-             "lowered.Attention": 1}
+    grouped heads without a bias: GroupQueryAttention (one query token: its causal mask hides nothing)."""
+    text = cached_text(kv=kv, d=d)
+    if not bias:
+        text = text.replace(f", float[{B},1,1,{PAST + 1}] bias)", ")").replace("sm = Add(sc2, bias)\n  p = Softmax<axis=-1>(sm)", "p = Softmax<axis=-1>(sc2)")
+    proto = parse(text)
+    rule = "AttentionFusion.mul." + ("mask.cache" if bias else "nomask.gqa.cache")
+    stats = {"AttentionFusion": 1, rule: 1, "lowered.Attention": 1}
     if kv < H:
         stats["gqa_lengths"] = 1
-    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, feeds=_cached_feeds(kv, d=d), stats=stats)
+    feeds = _cached_feeds(kv, d=d)
+    if not bias:
+        del feeds["bias"]
+    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, feeds=feeds, stats=stats)
     node = _kernel(model, op)
     assert node.inputs[3 if kv < H else 6].name == "past_key"
     assert [o.name for o in model.graph.outputs] == ["y", "present_key", "present_value"]
@@ -868,11 +874,13 @@ def test_kv_cache_goes_into_the_kernel(kv: int, d: int, op: str) -> None:
     assert "Concat" not in op_counts(model)
 
 
-def test_kv_cache_grouped_heads_longer_step_keeps_repeat() -> None:
-    """Grouped heads over a cache with a step of 2 tokens: GroupQueryAttention's own causal mask could hide keys
-    the bias does not, so it stays MultiHeadAttention over repeated K/V with the past concatenated (exact)."""
-    proto = parse(cached_text(kv=2, q_len="2", d=8).replace(f"{PAST + 1}", f"{PAST + 2}"))
-    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, feeds=_cached_feeds(2, q_len=2, d=8),
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_kv_cache_grouped_heads_with_bias_keeps_repeat(q_len: int) -> None:
+    """Grouped heads over a cache with a bias (GroupQueryAttention's CUDA kernel refuses ``attention_bias``), or a
+    step of 2 tokens (its own causal mask could hide keys the bias does not): MultiHeadAttention over repeated K/V
+    with the past concatenated, exact."""
+    proto = parse(cached_text(kv=2, q_len=str(q_len), d=8).replace(f"{PAST + 1}", f"{PAST + q_len}"))
+    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, feeds=_cached_feeds(2, q_len=q_len, d=8),
                          stats={"AttentionFusion": 1, "AttentionFusion.mul.mask.gqa.cache": 1, "lowered.Attention": 1,
                                 "kv_repeats": 2})
     counts = op_counts(model)
