@@ -42,7 +42,12 @@ CASES = [
     # one decode step with a KV cache (past_key_i/past_value_i in, present_key_i/present_value_i out)
     C("gpt2", "torchscript", "sdpa", "cache"), C("llama", "torchscript", "eager", "cache"),
     C("llama", "dynamo", "sdpa", "cache"),
+    # no padding mask: the causal mask is the kernel's own (unidirectional MultiHeadAttention, GroupQueryAttention)
+    C("gpt2", "dynamo", "eager", "none"), C("llama", "dynamo", "eager", "none"), C("llama", "torchscript", "eager", "none"),
 ]
+#: cases whose causal mask is provably causal and unpadded: (kernel, how many of the instances)
+CAUSAL = {"gpt2-dynamo-eager-none": "MultiHeadAttention", "llama-dynamo-eager-none": "GroupQueryAttention",
+          "llama-torchscript-eager-none": "GroupQueryAttention"}
 
 
 @pytest.fixture(scope="session")
@@ -77,8 +82,16 @@ def test_corpus_export_fuses_every_attention(corpus_dir: Path, case: corpus.Case
     assert stats["AttentionFusion"] == n and stats["lowered.Attention"] == n, stats
     left = op_counts(model)
     packed, separate = left["com.microsoft.Attention"], left["com.microsoft.MultiHeadAttention"]
-    assert packed + separate == n and "Softmax" not in left, left
-    if case.family in PACKED_FAMILIES:  # self-attention, x @ W + b projections: one QKV GEMM in the op
+    grouped = left["com.microsoft.GroupQueryAttention"]
+    assert packed + separate + grouped == n and "Softmax" not in left, left
+    kernels = [node for node in model.graph if node.domain == "com.microsoft" and "Attention" in node.op_type]
+    if case.name in CAUSAL:  # no bias: the kernel's causal mask (GQA is causal by itself)
+        assert all(k.op_type == CAUSAL[case.name] and len(k.inputs) in (3, 7) for k in kernels), left
+        assert all(k.op_type == "GroupQueryAttention" or k.attributes["unidirectional"].value == 1 for k in kernels)
+    elif case.mask == "cache" and case.family == "gpt2":  # the past into the kernel, its present outputs out
+        assert {o.producer().op_type for o in model.graph.outputs[1:]} == {"MultiHeadAttention"}, left
+        assert all(k.inputs[6] is not None and k.inputs[6].is_graph_input() for k in kernels)
+    elif case.family in PACKED_FAMILIES:  # self-attention, x @ W + b projections: one QKV GEMM in the op
         assert packed == n, left
     elif case.family == "whisper-dec":  # self-attention packed, cross-attention (K/V of the encoder) separate
         assert packed == separate == n // 2, left
@@ -106,3 +119,72 @@ def test_corpus_bert_lengths(corpus_dir: Path, case: corpus.Case) -> None:
     assert left["com.microsoft.Attention"] == case.attention_count  # packed Q/K/V, 1-D mask_index or bias
     assert left.get("ReduceSum", 0) == (1 if case.exporter == "torchscript" else 0), left
     assert_close(run_ort(proto, corpus.feeds(case)), run_ort(to_proto(model), corpus.feeds(case)), 1e-4)
+
+
+def _export_whisper_decode_step(path: Path, attn: str) -> dict:
+    """A 2-layer Whisper decoder (hidden 64, 4 heads), one decode step: self-attention over a KV cache of 5
+    (``past_key_i``/``past_value_i`` in, ``present_key_i``/``present_value_i`` out), cross-attention over
+    ``encoder_hidden_states`` [B, 16, 64]; TorchScript export.  Returns seeded feeds (row 1 left-padded)."""
+    import numpy as np
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.WhisperConfig(vocab_size=100, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                           decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=8,
+                           max_source_positions=16, max_target_positions=64, pad_token_id=0, bos_token_id=1,
+                           eos_token_id=2, decoder_start_token_id=1, attn_implementation=attn)
+    decoder = tf.WhisperModel(cfg).decoder.eval()
+
+    class Step(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = decoder
+
+        def forward(self, ids, enc, mask, pk0, pv0, pk1, pv1):  # type: ignore[no-untyped-def]
+            own = tf.DynamicCache(config=cfg)
+            own.update(pk0, pv0, 0)
+            own.update(pk1, pv1, 1)
+            out = self.m(input_ids=ids, encoder_hidden_states=enc, attention_mask=mask, use_cache=True,
+                         past_key_values=tf.EncoderDecoderCache(own, tf.DynamicCache(config=cfg)), return_dict=True)
+            c = out.past_key_values.self_attention_cache
+            return out.last_hidden_state, c.layers[0].keys, c.layers[0].values, c.layers[1].keys, c.layers[1].values
+
+    b, past = 2, 5
+    rng = np.random.default_rng(0)
+    feeds = {"input_ids": rng.integers(3, 100, (b, 1)), "encoder_hidden_states": rng.standard_normal((b, 16, 64)),
+             "attention_mask": np.ones((b, past + 1), dtype=np.int64)}
+    feeds["attention_mask"][1, :2] = 0
+    for i in range(2):
+        for kv in ("key", "value"):
+            feeds[f"past_{kv}_{i}"] = rng.standard_normal((b, 4, past, 16))
+    feeds = {k: v.astype(np.float32) if v.dtype == np.float64 else v for k, v in feeds.items()}
+    names = list(feeds)
+    outs = ["last_hidden_state", "present_key_0", "present_value_0", "present_key_1", "present_value_1"]
+    axes = {"input_ids": {0: "batch"}, "encoder_hidden_states": {0: "batch"}, "attention_mask": {0: "batch", 1: "total"}}
+    axes.update({n: {0: "batch", 2: "past"} for n in names[3:]})
+    axes.update({n: {0: "batch", 2: "total"} for n in outs[1:]})
+    if not path.exists():
+        with torch.no_grad():
+            torch.onnx.export(Step().eval(), tuple(torch.from_numpy(v) for v in feeds.values()), str(path),
+                              input_names=names, output_names=outs, dynamic_axes=axes, opset_version=17, dynamo=False)
+    return feeds
+
+
+def test_whisper_decoder_kv_cache_into_multihead_attention(corpus_dir: Path) -> None:
+    """Whisper's decoder, one decode step: each self-attention gets past_key/past_value and gives the present
+    outputs (the exporter's Concats gone), the cross-attention stays MultiHeadAttention over the encoder states;
+    equal to the export on ORT CPU with a left-padded row."""
+    path = corpus_dir / "whisper-dec-torchscript-eager-step.onnx"
+    feeds = _export_whisper_decode_step(path, "eager")
+    proto = onnx.load(str(path))
+    model = to_ir(proto)
+    stats = _preset(model, {"target": "ort"})
+    assert stats["AttentionFusion"] == 4 and stats["lowered.Attention"] == 4, stats
+    kernels = [n for n in model.graph if n.domain == "com.microsoft" and "Attention" in n.op_type]
+    assert [k.op_type for k in kernels] == ["MultiHeadAttention"] * 4
+    cached = [k for k in kernels if len(k.inputs) > 6 and k.inputs[6] is not None]
+    assert [k.inputs[6].name for k in cached] == ["past_key_0", "past_key_1"]
+    assert {o.producer().op_type for o in model.graph.outputs[1:]} == {"MultiHeadAttention"}
+    assert "Concat" not in {n.op_type for n in model.graph if any(o.is_graph_output() for o in n.outputs)}
+    assert_close(run_ort(proto, feeds), run_ort(to_proto(model), feeds), 1e-4)
