@@ -63,7 +63,10 @@
     decomposed attention itself.
 
 Lowerings of one ``lower`` run share what they build for the same input (the expanded bias, the int32
-mask, the key lengths) through :attr:`~mograph.lowering.LoweringContext.shared`.
+mask, the key lengths, GroupQueryAttention's ``seqlens_k``/``total_sequence_length``: stats ``bias_expansions``,
+``mask_index_casts``, ``mask_lengths``, ``gqa_lengths``) through :attr:`~mograph.lowering.LoweringContext.shared`;
+stats ``attention.causal`` and ``attention.kv_cache`` count the nodes whose causal mask / KV cache went into the
+kernel.
 """
 
 from __future__ import annotations
@@ -691,6 +694,7 @@ def _lower_cached(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int
     assert graph is not None
     _finish(node, kernel, q, new_nodes, ctx)  # first: the old K/V reshapes read the Concats, and die with the node
     _present_outputs(graph, kernel, (ck[2], cv[2]))
+    ctx.count("attention.kv_cache")
     return True
 
 
@@ -713,6 +717,7 @@ def _lower_ort(node: ir.Node, ctx: LoweringContext) -> bool:
         causal = None  # causal + key padding: a kernel mask only as (right-padding) lengths
     lengths = _key_lengths(causal[0], new_nodes, ctx.shared) if causal is not None and causal[0] is not None else None
     if causal is not None:  # the kernel's own causal mask replaces the bias
+        ctx.count("attention.causal")
         if kv_heads != heads:
             seqlens, total = _gqa_lengths(q, k, 1, None, lengths, new_nodes, ctx.shared)
             kernel = _kernel("GroupQueryAttention", [q, k, v, None, None, seqlens, total],

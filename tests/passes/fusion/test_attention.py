@@ -763,7 +763,8 @@ def test_causal_mask_becomes_unidirectional_multihead_attention() -> None:
     ``unidirectional=1``: no bias input, no Where/LessOrEqual left, numbers equal on ORT CPU."""
     proto = parse(causal_text())
     model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, feeds=_causal_feeds(H),
-                         stats={"AttentionFusion": 1, "AttentionFusion.mul.mask": 1, "lowered.Attention": 1})
+                         stats={"AttentionFusion": 1, "AttentionFusion.mul.mask": 1, "lowered.Attention": 1,
+                                "attention.causal": 1})
     node = _kernel(model, "MultiHeadAttention")
     assert node.attributes["unidirectional"].value == 1 and len(node.inputs) == 3
     assert not {"Where", "LessOrEqual", "Range"} & set(op_counts(model))
@@ -775,7 +776,7 @@ def test_causal_grouped_heads_become_group_query_attention() -> None:
     proto = parse(causal_text(kv=2, d=8))  # (the CPU kernel takes head sizes that are multiples of 8)
     model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, feeds=_causal_feeds(2, d=8),
                          stats={"AttentionFusion": 1, "AttentionFusion.mul.mask.gqa": 1, "lowered.Attention": 1,
-                                "gqa_lengths": 1})
+                                "gqa_lengths": 1, "attention.causal": 1})
     node = _kernel(model, "GroupQueryAttention")
     assert node.attributes["kv_num_heads"].value == 2 and node.attributes["num_heads"].value == H
     assert "Expand" in op_counts(model) and "Where" not in op_counts(model)  # Expand: seqlens_k over the batch
@@ -859,7 +860,7 @@ def test_kv_cache_goes_into_the_kernel(kv: int, d: int, op: str, bias: bool) -> 
         text = text.replace(f", float[{B},1,1,{PAST + 1}] bias)", ")").replace("sm = Add(sc2, bias)\n  p = Softmax<axis=-1>(sm)", "p = Softmax<axis=-1>(sc2)")
     proto = parse(text)
     rule = "AttentionFusion.mul." + ("mask.cache" if bias else "nomask.gqa.cache")
-    stats = {"AttentionFusion": 1, rule: 1, "lowered.Attention": 1}
+    stats = {"AttentionFusion": 1, rule: 1, "lowered.Attention": 1, "attention.kv_cache": 1}
     if kv < H:
         stats["gqa_lengths"] = 1
     feeds = _cached_feeds(kv, d=d)
@@ -892,7 +893,8 @@ def test_causal_mask_torchscript_range_end() -> None:
     """The Range's end read as ``Gather(Shape(q), 1)``, its own length unknown: still provably the query length."""
     proto = parse(causal_text(end="gather"))
     model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, feeds=_causal_feeds(H),
-                         stats={"AttentionFusion": 1, "AttentionFusion.mul.mask": 1, "lowered.Attention": 1})
+                         stats={"AttentionFusion": 1, "AttentionFusion.mul.mask": 1, "lowered.Attention": 1,
+                                "attention.causal": 1})
     assert _kernel(model, "MultiHeadAttention").attributes["unidirectional"].value == 1
 
 
@@ -910,7 +912,7 @@ def test_causal_with_padding_lengths_format(kv: int, d: int, op: str) -> None:
     lengths (``key_padding_mask`` 1-D, or ``seqlens_k = lengths - 1``); exact on right-padded masks."""
     proto = parse(causal_text(kv=kv, d=d, padding=True))
     stats = {"AttentionFusion": 1, "AttentionFusion.mul.mask" + (".gqa" if kv < H else ""): 1,
-             "lowered.Attention": 1, "mask_index_casts": 1, "mask_lengths": 1}
+             "lowered.Attention": 1, "mask_index_casts": 1, "mask_lengths": 1, "attention.causal": 1}
     if kv < H:
         stats["gqa_lengths"] = 1
     model = check_fusion(lowered(FuseAttentionPass(mask_format="lengths"), "ort"), proto,
