@@ -50,9 +50,13 @@
     repeats K and V per head in their ``[B, T, Hkv*D]`` layout (Reshape/Expand/Reshape, as ``repeat_kv``
     does), then ``MultiHeadAttention`` as above.
 ``RotaryEmbedding``
-    every target inlines the body (X rotated in its ``[B, S, N, D]`` view; only cos/sin are
-    transposed): ONNX Runtime's ``com.microsoft.RotaryEmbedding`` and GroupQueryAttention's ``do_rotary``
-    take position-indexed cos/sin caches, not the per-token cos/sin an export computes (not lowered to yet).
+    ``ort``: ``com.microsoft.RotaryEmbedding`` where the export's cos/sin are provably ``Cos/Sin(Concat(f, f))``
+    of one per-token angle table ``f`` ``[Bc, S, D/2]`` (transformers' ``rotary_emb``, times its scaling
+    constant): ONNX Runtime's kernel takes position-indexed caches, so the caches are that table itself
+    (``Cos(f)``, ``Sin(f)`` reshaped to ``[Bc*S, D/2]``, built once per table) and each token's position id is its
+    own row ``b*S + s``: exact whatever positions the export used.  Otherwise, and for the other targets, the
+    body is inlined (X rotated in its ``[B, S, N, D]`` view; only cos/sin are transposed).
+    GroupQueryAttention's ``do_rotary`` (caches indexed by the position from ``seqlens_k``) is not used.
 ``onnx``
     the standard ``Attention`` (3-D form, ``q_num_heads``, ``kv_num_heads``; ``M`` as ``attn_mask``, expanded
     the same way, since ONNX Runtime does not broadcast its dim -2) at opset >= 23; below that ONNX has no
@@ -66,7 +70,8 @@ Lowerings of one ``lower`` run share what they build for the same input (the exp
 mask, the key lengths, GroupQueryAttention's ``seqlens_k``/``total_sequence_length``: stats ``bias_expansions``,
 ``mask_index_casts``, ``mask_lengths``, ``gqa_lengths``) through :attr:`~mograph.lowering.LoweringContext.shared`;
 stats ``attention.causal`` and ``attention.kv_cache`` count the nodes whose causal mask / KV cache went into the
-kernel.
+kernel, ``rotary.kernel`` the rotary embeddings lowered to ``com.microsoft.RotaryEmbedding`` (``rotary_caches``:
+their tables).
 """
 
 from __future__ import annotations
@@ -811,25 +816,103 @@ def _inline(node: ir.Node, ctx: LoweringContext) -> bool:
     return ctx.inline(node)
 
 
-def _inline_rotary(node: ir.Node, ctx: LoweringContext) -> bool:
-    """The body, inlined; which value it gave for X is noted in ``ctx.shared`` (``rotary_outputs``): the
-    attention lowering after it reads X's shape (the result's, by the op's contract) to prove a causal mask's
-    length equal to the query length."""
-    x, out = node.inputs[0], node.outputs[0]
-    uses = list(out.uses())
-    if not ctx.inline(node):
-        return False
+def _note_rotary(node: ir.Node, uses: list[Any], x: ir.Value | None, ctx: LoweringContext) -> None:
+    """Note which value now stands for the rotated X (``rotary_outputs`` in ``ctx.shared``): the attention
+    lowering after it reads X's shape (the result's, by the op's contract) to prove a causal mask's length."""
     if x is not None and uses:
         user, index = uses[0]
         new = user.inputs[index]
         if new is not None:
             ctx.shared[("rotary_outputs", id(new))] = x
+
+
+def _half_angles(t: ir.Value | None) -> tuple[ir.Value, str, float | None] | None:
+    """``(f, "Cos"|"Sin", c)`` if ``t`` is ``Unsqueeze(Cos(Concat(f, f, axis=-1)) [* c], axis 1)``: the rank-3
+    ``[Bc, S, D/2]`` angles ``f`` of an export's rotary table laid out ``[Bc, 1, S, D]`` (``c`` a scalar constant,
+    transformers' ``attention_scaling``), so ``cos[..., :D/2] == cos[..., D/2:] == Cos(f) * c``."""
+    unsq = _producer(t, "Unsqueeze")
+    if unsq is None or _unsqueeze_axes(unsq) != [1]:
+        return None
+    value, c = unsq.inputs[0], None
+    if (mul := _producer(value, "Mul")) is not None:
+        for a, b in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
+            k = scalar_value(b)
+            prod = a.producer() if a is not None else None
+            if k is not None and prod is not None and prod.op_type in ("Cos", "Sin"):
+                value, c = a, k
+                break
+        else:
+            return None
+    trig = value.producer() if value is not None else None
+    if trig is None or trig.domain != "" or trig.op_type not in ("Cos", "Sin"):
+        return None
+    concat = _producer(trig.inputs[0], "Concat")
+    if concat is None or len(concat.inputs) != 2 or concat.inputs[0] is not concat.inputs[1]:
+        return None
+    f = concat.inputs[0]
+    if f is None or f.shape is None or len(f.shape) != 3 or int(attr_value(concat, "axis", 0)) not in (-1, 2):
+        return None
+    return f, trig.op_type, c
+
+
+def _lower_rotary_ort(node: ir.Node, ctx: LoweringContext) -> bool:
+    """``com.microsoft.RotaryEmbedding`` where the export's cos/sin are provably ``Cos/Sin(Concat(f, f))`` of
+    one rank-3 angle table ``f`` ``[Bc, S, D/2]`` (laid out ``[Bc, 1, S, D]``): the caches are ``Cos(f)``,
+    ``Sin(f)`` (times the scaling constant) reshaped to ``[Bc*S, D/2]``, and each token's position id is its
+    row in them (``b*S + s``, expanded over the batch when ``Bc`` is 1), so every token gets exactly the cos/sin
+    the export computed, whatever its positions were.  Else the body, inlined."""
+    x, cos, sin = node.inputs
+    uses = list(node.outputs[0].uses())
+    heads = int(attr_value(node, "num_heads", 1))
+    hc, hs = _half_angles(cos), _half_angles(sin)
+    width = x.shape[2] if x is not None and x.shape is not None and len(x.shape) == 3 else None
+    half_dim = hc[0].shape[2] if hc is not None and hc[0].shape is not None else None
+    if (x is None or hc is None or hs is None or hc[0] is not hs[0] or hc[1] != "Cos" or hs[1] != "Sin"
+            or hc[2] != hs[2] or not isinstance(width, int) or width % heads
+            or not isinstance(half_dim, int) or 2 * half_dim != width // heads):
+        if not ctx.inline(node):
+            return False
+        _note_rotary(node, uses, x, ctx)
+        return True
+    f, _, scale = hc
+    new_nodes: list[ir.Node] = []
+    key = ("rotary_caches", id(f), scale)
+    if key in ctx.shared:
+        cos_cache, sin_cache, positions = ctx.shared[key]
+    else:
+        half = int(half_dim)
+        flat = _const(new_nodes, np.array([-1, half], dtype=np.int64))
+        caches = []
+        for trig in ("Cos", "Sin"):
+            t = _add(new_nodes, trig, [f])
+            if scale is not None and f.dtype is not None:
+                t = _add(new_nodes, "Mul", [t, _const(new_nodes, np.array(scale, dtype=f.dtype.numpy()))])
+            caches.append(_add(new_nodes, "Reshape", [t, flat]))
+        cos_cache, sin_cache = caches
+        lead = _add(new_nodes, "Slice", [_add(new_nodes, "Shape", [f]), _const(new_nodes, np.array([0], dtype=np.int64)),
+                                         _const(new_nodes, np.array([2], dtype=np.int64))])  # [Bc, S]
+        rows = _add(new_nodes, "ReduceProd", [lead], keepdims=0)
+        ids = _add(new_nodes, "Range", [_const(new_nodes, np.array(0, dtype=np.int64)), rows,
+                                        _const(new_nodes, np.array(1, dtype=np.int64))])
+        positions = _add(new_nodes, "Reshape", [ids, lead])  # [Bc, S]: row b*S + s
+        ctx.shared[key] = (cos_cache, sin_cache, positions)
+    batch_seq = _add(new_nodes, "Slice", [_add(new_nodes, "Shape", [x]), _const(new_nodes, np.array([0], dtype=np.int64)),
+                                          _const(new_nodes, np.array([2], dtype=np.int64))])
+    pos = _add(new_nodes, "Expand", [positions, batch_seq])
+    kernel = _kernel("RotaryEmbedding", [x, pos, cos_cache, sin_cache], {"num_heads": heads, "interleaved": 0})
+    kernel.outputs[0].shape = x.shape
+    if x.dtype is not None:
+        kernel.outputs[0].dtype = x.dtype
+    new_nodes.append(kernel)
+    _replace(node, new_nodes, ctx)
+    ctx.count("rotary.kernel")
+    _note_rotary(node, uses, x, ctx)
     return True
 
 
 LOWERINGS: dict[str, dict[str, Lowering]] = {
     "Attention": {"ort": _lower_ort, "onnx": _lower_onnx, "tensorrt": _inline},
-    # ONNX Runtime's RotaryEmbedding takes position-indexed cos/sin caches, not the per-token cos/sin an
-    # export computes: every target gets the body (rotating X in its [B, S, N, D] view, no transpose of X)
-    "RotaryEmbedding": {"ort": _inline_rotary, "onnx": _inline, "tensorrt": _inline},
+    # ort: com.microsoft.RotaryEmbedding over the export's own angle table where it is provably one; else (and
+    # for the other targets) the body, rotating X in its [B, S, N, D] view (no transpose of X)
+    "RotaryEmbedding": {"ort": _lower_rotary_ort, "onnx": _inline, "tensorrt": _inline},
 }

@@ -933,3 +933,50 @@ def test_causal_with_padding_other_formats_keep_the_bias(fmt: str) -> None:
                          stats={"AttentionFusion": 1, "AttentionFusion.mul.mask": 1, "lowered.Attention": 1})
     node = _kernel(model, "MultiHeadAttention")
     assert "unidirectional" not in node.attributes and node.inputs[5] is not None
+
+
+def rotary_table_text(same_halves: bool = True) -> str:
+    """:func:`rotary_gqa_text` with its cos/sin computed in the graph as transformers' rotary_emb writes them:
+    ``Unsqueeze(Cos(Concat(f, f, axis=-1)), 1)`` of per-token angles ``f`` ``[1, S, D/2]`` (an input here);
+    ``same_halves=False`` concatenates ``f`` with another table ``g`` (halves not provably equal)."""
+    second = "f" if same_halves else "g"
+    body = rotary_gqa_text().replace(
+        f"float[1,1,{S},{D}] cos, float[1,1,{S},{D}] sin)",
+        f"float[1,{S},{D // 2}] f" + ("" if same_halves else f", float[1,{S},{D // 2}] g") + ")")
+    table = (f"ff = Concat<axis=-1>(f, {second})\n  c3 = Cos(ff)\n  s3 = Sin(ff)\n  cos = Unsqueeze(c3, one1)\n"
+             "  sin = Unsqueeze(s3, one1)\n  ")
+    body = body.replace("  q4 = Reshape(q, qs)", "  " + table + "q4 = Reshape(q, qs)", 1)
+    return body.replace("float sc =", "int64[1] one1 = {1}, float sc =")
+
+
+def _table_feeds(same_halves: bool = True) -> dict[str, np.ndarray]:
+    feeds = _gqa_feeds()
+    feeds["f"] = (np.arange(S, dtype=np.float32)[:, None] * (1.0 / 10000 ** (np.arange(0, D, 2) / D))[None, :])[None]
+    if not same_halves:
+        feeds["g"] = (feeds["f"] * 0.5 + 0.1).astype(np.float32)
+    return {k: v.astype(np.float32) for k, v in feeds.items()}
+
+
+def test_rotary_table_becomes_ort_rotary_embedding() -> None:
+    """cos/sin provably ``Cos/Sin(Concat(f, f))``: ``com.microsoft.RotaryEmbedding`` with caches ``Cos(f)``,
+    ``Sin(f)`` reshaped to ``[Bc*S, D/2]`` (built once for Q and K) and each token's row as its position id;
+    no Neg/Slice rotation left; numbers equal on ORT CPU."""
+    proto = parse(rotary_table_text())
+    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, feeds=_table_feeds(),
+                         stats={"AttentionFusion": 1, "AttentionFusion.mul.mask.gqa.rotary": 1, "lowered.Attention": 1,
+                                "lowered.RotaryEmbedding": 2, "bias_expansions": 1, "kv_repeats": 2,
+                                "rotary_outputs": 2, "rotary_caches": 1, "rotary.kernel": 2})
+    left = op_counts(model)
+    assert left["com.microsoft.RotaryEmbedding"] == 2 and "Neg" not in left, left
+    assert left["Cos"] == 1 and left["Sin"] == 1, left  # the caches, shared by Q and K (the Concat'ed table is gone)
+
+
+def test_near_miss_rotary_table_halves_differ_inlined() -> None:
+    """``Concat(f, g)``: the two halves of cos may differ, which ORT's kernel cannot express: the body is inlined."""
+    proto = parse(rotary_table_text(same_halves=False))
+    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, feeds=_table_feeds(False),
+                         stats={"AttentionFusion": 1, "AttentionFusion.mul.mask.gqa.rotary": 1, "lowered.Attention": 1,
+                                "lowered.RotaryEmbedding": 2, "bias_expansions": 1, "kv_repeats": 2,
+                                "rotary_outputs": 2})
+    left = op_counts(model)
+    assert "com.microsoft.RotaryEmbedding" not in left and "Neg" in left, left
