@@ -394,11 +394,10 @@ def _mask_index(mask: ir.Value, new_nodes: list[ir.Node], shared: Shared | None)
     key = ("mask_index_casts", id(mask))
     if shared is not None and key in shared:
         return shared[key]
-    cast = ir.node("Cast", [mask], attributes={"to": ir.DataType.INT32.value})
-    new_nodes.append(cast)
+    out = _add(new_nodes, "Cast", [mask], to=ir.DataType.INT32.value)
     if shared is not None:
-        shared[key] = cast.outputs[0]
-    return cast.outputs[0]
+        shared[key] = out
+    return out
 
 
 def _replace(node: ir.Node, new_nodes: list[ir.Node], ctx: LoweringContext) -> None:
@@ -416,12 +415,10 @@ def _key_lengths(mask: ir.Value, new_nodes: list[ir.Node], shared: Shared | None
     if shared is not None and key in shared:
         return shared[key]
     as_int = _mask_index(mask, new_nodes, shared)
-    axes = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([1], dtype=np.int64))})
-    red = ir.node("ReduceSum", [as_int, axes.outputs[0]], attributes={"keepdims": 0})
-    new_nodes.extend([axes, red])
+    out = _add(new_nodes, "ReduceSum", [as_int, _const(new_nodes, np.array([1], dtype=np.int64))], keepdims=0)
     if shared is not None:
-        shared[key] = red.outputs[0]
-    return red.outputs[0]
+        shared[key] = out
+    return out
 
 
 def _nan_to_zero(y: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
@@ -430,11 +427,8 @@ def _nan_to_zero(y: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
     The zero has ``y``'s element type (float16 after the ``fp16`` pass), so ``y.dtype`` must be set.
     """
     dtype = y.dtype.numpy() if y.dtype is not None else np.float32
-    zero = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(0, dtype=dtype))})
-    isnan = ir.node("IsNaN", [y])
-    where = ir.node("Where", [isnan.outputs[0], zero.outputs[0], y])
-    new_nodes.extend([zero, isnan, where])
-    return where.outputs[0]
+    zero = _const(new_nodes, np.array(0, dtype=dtype))
+    return _add(new_nodes, "Where", [_add(new_nodes, "IsNaN", [y]), zero, y])
 
 
 def _repeat_heads(x: ir.Value, groups: int, rep: int, new_nodes: list[ir.Node], shared: Shared | None) -> ir.Value:
@@ -592,11 +586,8 @@ def _heads_to_bsh(new: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
         if (x is not None and x.shape is not None and len(x.shape) == 3 and target is not None
                 and target.size == 4 and target.reshape(-1)[:2].tolist() == [0, 0]):
             return x
-    t = ir.node("Transpose", [new], attributes={"perm": [0, 2, 1, 3]})
-    shape = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([0, 0, -1], dtype=np.int64))})
-    r = ir.node("Reshape", [t.outputs[0], shape.outputs[0]])
-    new_nodes.extend([t, shape, r])
-    return r.outputs[0]
+    t = _add(new_nodes, "Transpose", [new], perm=[0, 2, 1, 3])
+    return _add(new_nodes, "Reshape", [t, _const(new_nodes, np.array([0, 0, -1], dtype=np.int64))])
 
 
 def _gqa_lengths(q: ir.Value, total_of: ir.Value, total_axis: int, extra: ir.Value | None,
@@ -767,12 +758,10 @@ def _decomposed(node: ir.Node, ctx: LoweringContext) -> bool:
     new_nodes: list[ir.Node] = []
 
     def add(op_type: str, *inputs: ir.Value, **attrs: Any) -> ir.Value:
-        n = ir.node(op_type, list(inputs), attributes=attrs)
-        new_nodes.append(n)
-        return n.outputs[0]
+        return _add(new_nodes, op_type, list(inputs), **attrs)
 
     def const(arr: np.ndarray) -> ir.Value:
-        return add("Constant", value=ir.tensor(arr))
+        return _const(new_nodes, arr)
 
     split = const(np.array([0, 0, heads, -1], dtype=np.int64))
     qh = add("Transpose", add("Reshape", q, split), perm=[0, 2, 1, 3])
