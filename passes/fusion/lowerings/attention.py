@@ -496,9 +496,9 @@ def _seq_dim(value: ir.Value | None, shared: Shared | None = None, axis: int = 1
 def _is_causal_term(term: ir.Value | None, q: ir.Value, k: ir.Value, shared: Shared | None) -> bool:
     """Whether ``term`` is ``kv_idx <= q_idx`` over ``[1, 1, S, S]``, both ``Range(0, S, 1)`` of one S.
 
-    ``kv_idx`` lies on axis 3, ``q_idx`` on axis 2 (Unsqueezes of a 1-D Range); the two Ranges are one node
-    or share their end, and their length is provably the query length and the key length (same static or
-    symbolic dim), so the term is exactly the lower-triangular mask a causal kernel applies.
+    ``kv_idx`` lies on axis 3, ``q_idx`` on axis 2 (Unsqueezes of a 1-D Range); the two Ranges are one node,
+    share their end, or each has a length provably the query length, which is provably the key length (same
+    static or symbolic dim), so the term is exactly the lower-triangular mask a causal kernel applies.
     """
     node = term.producer() if term is not None else None
     if node is None or node.domain != "" or node.op_type not in ("LessOrEqual", "GreaterOrEqual"):
@@ -509,10 +509,11 @@ def _is_causal_term(term: ir.Value | None, q: ir.Value, k: ir.Value, shared: Sha
     kv_rng, q_rng = _is_range_from_zero(kv_idx), _is_range_from_zero(q_idx)
     if kv_rng is None or q_rng is None or _range_axis(kv_idx) != 3 or _range_axis(q_idx) != 2:
         return False
-    if kv_rng is not q_rng and kv_rng.inputs[1] is not q_rng.inputs[1]:
-        return False
     s_q, s_k = _seq_dim(q, shared), _seq_dim(k, shared)
-    return same_dim(s_q, s_k) and any(same_dim(n, s_q) for n in _range_lengths(q_rng))
+    if not same_dim(s_q, s_k) or not any(same_dim(n, s_q) for n in _range_lengths(q_rng)):
+        return False
+    return kv_rng is q_rng or kv_rng.inputs[1] is q_rng.inputs[1] or any(
+        same_dim(n, s_q) for n in _range_lengths(kv_rng))
 
 
 def _range_lengths(rng: ir.Node) -> list[Any]:

@@ -188,3 +188,20 @@ def test_whisper_decoder_kv_cache_into_multihead_attention(corpus_dir: Path) -> 
     assert {o.producer().op_type for o in model.graph.outputs[1:]} == {"MultiHeadAttention"}
     assert "Concat" not in {n.op_type for n in model.graph if any(o.is_graph_output() for o in n.outputs)}
     assert_close(run_ort(proto, feeds), run_ort(to_proto(model), feeds), 1e-4)
+
+
+def test_corpus_llama_lengths_group_query_attention(corpus_dir: Path) -> None:
+    """--mask-format lengths on LLaMA's TorchScript export: the causal + key-padding mask becomes
+    GroupQueryAttention's own causal mask with ``seqlens_k = ReduceSum(mask) - 1`` (K/V not repeated), equal to
+    the export on right-padded feeds; the default ``bias`` keeps MultiHeadAttention over the dense bias."""
+    case = C("llama", "torchscript", "eager", "pad")
+    path = corpus_dir / f"{case.name}.onnx"
+    if not path.exists():
+        corpus.export(case, path)
+    proto = onnx.load(str(path))
+    model = to_ir(proto)
+    _preset(model, {"target": "ort", "mask_format": "lengths"})
+    left = op_counts(model)
+    assert left["com.microsoft.GroupQueryAttention"] == case.attention_count and left["ReduceSum"] == 1, left
+    assert "com.microsoft.MultiHeadAttention" not in left, left
+    assert_close(run_ort(proto, corpus.feeds(case)), run_ort(to_proto(model), corpus.feeds(case)), 1e-4)
