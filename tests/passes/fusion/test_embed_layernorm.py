@@ -218,3 +218,28 @@ def test_embed_layernorm_ort_buffered_token_types_need_no_expand():
     stats = {**STATS, "lowered.EmbedLayerNorm": 1, "embed_ids_int32": 2, "embed_implicit_positions": 1}
     model = check_fusion(lowered(FuseEmbedLayerNormPass(), "ort"), proto, stats=stats, feeds=_feeds(proto))
     assert op_types(model).count("Expand") == 1  # the model's own
+
+
+@pytest.mark.parametrize("lower_first", [True, False])
+def test_embed_layernorm_fp16(lower_first):
+    """fp16 converts the op (lowered: ORT's schema; before lowering: float-generic), ids stay integer."""
+    from mograph.passes.quant._fp16_measure import keep_fp16_rounding
+    from mograph.passes.quant.fp16 import Fp16Pass
+
+    from mograph.lowering import LowerPass
+
+    proto = embed_model(positions="input")
+    model = run_pass(lowered(FuseEmbedLayerNormPass(), "ort" if lower_first else "mograph"), proto)[0]
+    calib = [_feeds(proto) for _ in range(4)]
+    for i, feeds in enumerate(calib):
+        feeds["input_ids"] = np.random.default_rng(20 + i).integers(0, VOCAB, (2, 5)).astype(np.int64)
+    result = Fp16Pass(calibration_data=calib).call(model)
+    assert result.stats["kept_fp32"] == 0 and result.stats["casts"] == 1  # the float32 output only
+    if not lower_first:
+        LowerPass(target="ort").call(model)
+    (node,) = [n for n in model.graph if n.op_type == "EmbedLayerNormalization"]
+    assert [v.dtype for v in node.inputs[2:7]] == [onnx.TensorProto.FLOAT16] * 5  # tables, gamma, beta
+    assert node.inputs[0].dtype == node.inputs[1].dtype == node.inputs[8].dtype == onnx.TensorProto.INT32
+    feeds = _feeds(proto)
+    got = run_ort(to_proto(keep_fp16_rounding(model)), feeds)
+    assert_close(run_ort(proto, feeds), got, rel=5e-3)
