@@ -5,7 +5,8 @@
     the three tables, ``gamma``/``beta`` as ``[hidden]`` vectors, no ``mask``; ``position_ids`` left off when
     they provably are ``0 .. S-1`` (what the kernel uses without them: a constant ``arange`` of the ids'
     static length, or a ``Slice`` from 0 with step 1 of a constant ``[1, L]`` ``arange`` buffer whose end is
-    the ids' dim 1, read by ``Shape``/``Gather``), else passed as int32 ``[1, S]`` or ``[B, S]``.  Segment (and
+    the ids' dim 1, read by ``Shape``/``Gather`` of the ids or of an input declared with the same dim, such as
+    the ``attention_mask`` dynamo reads it from), else passed as int32 ``[1, S]`` or ``[B, S]``.  Segment (and
     passed position) ids whose shape is not provably the input ids' (static or symbolic dims, or an ``Expand`` to
     ``Shape(input_ids)`` as TorchScript writes BERT's buffered ``token_type_ids``) get
     ``Expand(ids, Shape(input_ids))`` (exact where the original's sum broadcast them).  Ids are cast to int32 (constant ids are stored as int32).  The ``mask_index`` output is declared (the CUDA kernel
@@ -31,9 +32,86 @@ __all__ = ["LOWERINGS", "MS_DOMAIN", "is_arange_positions"]
 MS_DOMAIN = "com.microsoft"
 
 
+def _same_dims_at(a: ir.Value, b: ir.Value, i: int) -> bool:
+    x, y = a.shape[i], b.shape[i]  # type: ignore[index]
+    return x == y if isinstance(x, int) or isinstance(y, int) else x.value is not None and x.value == y.value
+
+
+def _dim_of(value: ir.Value | None, ids: ir.Value, i: int) -> bool:
+    """Whether ``value`` is ``[ids.shape[i]]``: ``Unsqueeze(Gather(Shape(ids), i))`` or ``Slice(Shape(ids), i, i+1)``."""
+    node = value.producer() if value is not None else None
+    if node is None or node.domain != "":
+        return False
+    if node.op_type == "Unsqueeze":
+        inner = node.inputs[0].producer() if node.inputs[0] is not None else None
+        if inner is None or inner.op_type != "Gather" or scalar_value(inner.inputs[1]) != i:
+            return False
+        node = inner
+    elif node.op_type != "Slice" or scalar_value(node.inputs[1]) != i or scalar_value(node.inputs[2]) != i + 1:
+        return False
+    shape = node.inputs[0].producer() if node.inputs[0] is not None else None
+    return (shape is not None and shape.op_type == "Shape" and shape.inputs[0] is ids
+            and int(attr_value(shape, "start", 0)) == 0 and "end" not in shape.attributes)
+
+
+def _const(value: ir.Value | None) -> np.ndarray | None:
+    """:func:`constant_array`, also through ``ConstantOfShape`` of a constant shape and ``Mul`` of such values."""
+    arr = constant_array(value)
+    node = value.producer() if value is not None and arr is None else None
+    if node is None or node.domain != "":
+        return arr
+    if node.op_type == "ConstantOfShape":
+        shape = constant_array(node.inputs[0])
+        fill = node.attributes.get("value")
+        if shape is None or shape.size > 8 or int(np.prod(shape)) > 64:
+            return None
+        element = fill.value.numpy().reshape(-1)[0] if fill is not None else np.float32(0)
+        return np.full(shape.astype(np.int64), element)
+    if node.op_type == "Mul" and len(node.inputs) == 2:
+        a, b = _const(node.inputs[0]), _const(node.inputs[1])
+        return None if a is None or b is None else np.asarray(a * b)
+    return None
+
+
+def _is_shape_of(value: ir.Value | None, ids: ir.Value) -> bool:
+    """Whether ``value`` provably holds ``Shape(ids)`` (rank 2): the Shape itself, ``Concat`` of its dims
+    (through ``Reshape``), or ``Where(Equal(s, negative constant), _, s)`` of such an ``s`` (the -1 to 1
+    rewrite of ``torch.expand`` sizes, a no-op on a shape, whose values are never negative)."""
+    node = value.producer() if value is not None else None
+    if node is None or node.domain != "":
+        return False
+    if node.op_type == "Shape":
+        return node.inputs[0] is ids and int(attr_value(node, "start", 0)) == 0 and "end" not in node.attributes
+    if node.op_type == "Reshape":
+        target = constant_array(node.inputs[1])
+        return target is not None and target.reshape(-1).tolist() == [-1] and _is_shape_of(node.inputs[0], ids)
+    if node.op_type == "Concat":
+        return len(node.inputs) == 2 and all(_dim_of(v, ids, i) for i, v in enumerate(node.inputs))
+    if node.op_type == "Where":
+        cond = node.inputs[0].producer() if node.inputs[0] is not None else None
+        if cond is None or cond.op_type != "Equal" or cond.inputs[0] is not node.inputs[2]:
+            return False
+        c = _const(cond.inputs[1])
+        return c is not None and bool((c < 0).all()) and _is_shape_of(node.inputs[2], ids)
+    return False
+
+
+def _same_seq(x: ir.Value | None, ids: ir.Value) -> bool:
+    """Whether dim 1 of ``x`` is provably dim 1 of ``ids``: ``x`` is ``ids``, or their dims 1 are one static
+    size or one symbolic dim (``attention_mask`` and ``input_ids`` declared ``[batch, seq]``)."""
+    if x is None:
+        return False
+    if x is ids:
+        return True
+    if x.shape is None or ids.shape is None or len(x.shape) < 2 or len(ids.shape) < 2:
+        return False
+    return _same_dims_at(x, ids, 1)
+
+
 def _shape_dim_of(value: ir.Value | None, ids: ir.Value) -> bool:
-    """Whether ``value`` (through Unsqueeze/Reshape/Cast/Squeeze) is ``Gather(Shape(ids), 1)`` or
-    ``Slice(Shape(ids), 1, 2)``: dim 1 of ``ids`` at run time."""
+    """Whether ``value`` (through Unsqueeze/Reshape/Cast/Squeeze) is dim 1 of ``ids`` at run time:
+    ``Gather(Shape(x), 1)``, ``Slice(Shape(x), 1, 2)`` or ``Shape<start=1, end=2>(x)`` of an ``x`` whose
+    dim 1 is provably the ids' (:func:`_same_seq`)."""
     while value is not None:
         node = value.producer()
         if node is None or node.domain != "":
@@ -41,15 +119,17 @@ def _shape_dim_of(value: ir.Value | None, ids: ir.Value) -> bool:
         if node.op_type in ("Unsqueeze", "Reshape", "Cast", "Squeeze"):
             value = node.inputs[0]
             continue
+        if node.op_type == "Shape":
+            return (int(attr_value(node, "start", 0)) == 1 and int(attr_value(node, "end", 0)) == 2
+                    and _same_seq(node.inputs[0], ids))
+        shape = node.inputs[0].producer() if node.inputs[0] is not None else None
+        if shape is None or shape.op_type != "Shape" or int(attr_value(shape, "start", 0)) != 0 \
+                or "end" in shape.attributes or not _same_seq(shape.inputs[0], ids):
+            return False
         if node.op_type == "Gather":
-            shape = node.inputs[0].producer() if node.inputs[0] is not None else None
-            return (shape is not None and shape.op_type == "Shape" and shape.inputs[0] is ids
-                    and int(attr_value(shape, "start", 0)) == 0 and scalar_value(node.inputs[1]) == 1)
+            return scalar_value(node.inputs[1]) == 1
         if node.op_type == "Slice":
-            shape = node.inputs[0].producer() if node.inputs[0] is not None else None
-            return (shape is not None and shape.op_type == "Shape" and shape.inputs[0] is ids
-                    and int(attr_value(shape, "start", 0)) == 0 and scalar_value(node.inputs[1]) == 1
-                    and scalar_value(node.inputs[2]) == 2
+            return (scalar_value(node.inputs[1]) == 1 and scalar_value(node.inputs[2]) == 2
                     and (len(node.inputs) < 4 or node.inputs[3] is None or scalar_value(node.inputs[3]) in (0, -1)))
         return False
     return False
@@ -120,70 +200,6 @@ def _same_dims(a: ir.Value, b: ir.Value) -> bool:
     if a.shape is None or b.shape is None or len(a.shape) != len(b.shape):
         return False
     return all(_same_dims_at(a, b, i) for i in range(len(a.shape)))
-
-
-def _same_dims_at(a: ir.Value, b: ir.Value, i: int) -> bool:
-    x, y = a.shape[i], b.shape[i]  # type: ignore[index]
-    return x == y if isinstance(x, int) or isinstance(y, int) else x.value is not None and x.value == y.value
-
-
-def _dim_of(value: ir.Value | None, ids: ir.Value, i: int) -> bool:
-    """Whether ``value`` is ``[ids.shape[i]]``: ``Unsqueeze(Gather(Shape(ids), i))`` or ``Slice(Shape(ids), i, i+1)``."""
-    node = value.producer() if value is not None else None
-    if node is None or node.domain != "":
-        return False
-    if node.op_type == "Unsqueeze":
-        inner = node.inputs[0].producer() if node.inputs[0] is not None else None
-        if inner is None or inner.op_type != "Gather" or scalar_value(inner.inputs[1]) != i:
-            return False
-        node = inner
-    elif node.op_type != "Slice" or scalar_value(node.inputs[1]) != i or scalar_value(node.inputs[2]) != i + 1:
-        return False
-    shape = node.inputs[0].producer() if node.inputs[0] is not None else None
-    return (shape is not None and shape.op_type == "Shape" and shape.inputs[0] is ids
-            and int(attr_value(shape, "start", 0)) == 0 and "end" not in shape.attributes)
-
-
-def _const(value: ir.Value | None) -> np.ndarray | None:
-    """:func:`constant_array`, also through ``ConstantOfShape`` of a constant shape and ``Mul`` of such values."""
-    arr = constant_array(value)
-    node = value.producer() if value is not None and arr is None else None
-    if node is None or node.domain != "":
-        return arr
-    if node.op_type == "ConstantOfShape":
-        shape = constant_array(node.inputs[0])
-        fill = node.attributes.get("value")
-        if shape is None or shape.size > 8 or int(np.prod(shape)) > 64:
-            return None
-        element = fill.value.numpy().reshape(-1)[0] if fill is not None else np.float32(0)
-        return np.full(shape.astype(np.int64), element)
-    if node.op_type == "Mul" and len(node.inputs) == 2:
-        a, b = _const(node.inputs[0]), _const(node.inputs[1])
-        return None if a is None or b is None else np.asarray(a * b)
-    return None
-
-
-def _is_shape_of(value: ir.Value | None, ids: ir.Value) -> bool:
-    """Whether ``value`` provably holds ``Shape(ids)`` (rank 2): the Shape itself, ``Concat`` of its dims
-    (through ``Reshape``), or ``Where(Equal(s, negative constant), _, s)`` of such an ``s`` (the -1 to 1
-    rewrite of ``torch.expand`` sizes, a no-op on a shape, whose values are never negative)."""
-    node = value.producer() if value is not None else None
-    if node is None or node.domain != "":
-        return False
-    if node.op_type == "Shape":
-        return node.inputs[0] is ids and int(attr_value(node, "start", 0)) == 0 and "end" not in node.attributes
-    if node.op_type == "Reshape":
-        target = constant_array(node.inputs[1])
-        return target is not None and target.reshape(-1).tolist() == [-1] and _is_shape_of(node.inputs[0], ids)
-    if node.op_type == "Concat":
-        return len(node.inputs) == 2 and all(_dim_of(v, ids, i) for i, v in enumerate(node.inputs))
-    if node.op_type == "Where":
-        cond = node.inputs[0].producer() if node.inputs[0] is not None else None
-        if cond is None or cond.op_type != "Equal" or cond.inputs[0] is not node.inputs[2]:
-            return False
-        c = _const(cond.inputs[1])
-        return c is not None and bool((c < 0).all()) and _is_shape_of(node.inputs[2], ids)
-    return False
 
 
 def _like_ids(graph: ir.Graph, v: ir.Value, ids: ir.Value, nodes: list[ir.Node], ctx: LoweringContext) -> ir.Value:

@@ -60,6 +60,12 @@ def embed_model(*, positions: str = "slice", order: str = "wt+p", axis: int = -1
         inits.append(f"int64[1,{MAXPOS}] pos_buffer = {{{buf}}}")
         lines += ["shape = Shape(input_ids)", "seq = Gather<axis=0>(shape, one_s)", "ends = Unsqueeze(seq, zero)",
                   "position_ids = Slice(pos_buffer, zero, ends, one, one)"]
+    elif positions.startswith("slice-mask"):  # dynamo: the end is dim 1 of attention_mask, Shape<start=1, end=2>
+        buf = ",".join(str(i) for i in range(MAXPOS))
+        inits.append(f"int64[1,{MAXPOS}] pos_buffer = {{{buf}}}")
+        inputs.append("int64[batch,seq] attention_mask" if positions == "slice-mask" else "int64[batch,len] attention_mask")
+        lines += ["ends = Shape<start=1, end=2>(attention_mask)", "position_ids = Slice(pos_buffer, zero, ends, one, one)",
+                  "mask_sum = ReduceSum<keepdims=0>(attention_mask)"]
     elif positions == "input":
         inputs.append("int64[batch,seq] position_ids")
     else:
@@ -71,6 +77,8 @@ def embed_model(*, positions: str = "slice", order: str = "wt+p", axis: int = -1
         lines += ["wt = Add(t, w)", "s = Add(p, wt)"]
     lines.append(f"y = LayerNormalization<axis={axis}, epsilon=1e-12>(s, gamma, beta)")
     outs = f"{f}[batch,seq,{H}] y"
+    if positions.startswith("slice-mask"):
+        outs += ", int64 mask_sum"
     if sum_read:
         lines.append("wt2 = Mul(wt, wt)")
         outs += f", {f}[batch,seq,{H}] wt2"
@@ -139,6 +147,21 @@ def test_embed_layernorm_reference_matches_function_body():
     ref = embed_layer_norm(feeds["input_ids"], feeds["token_type_ids"], feeds["position_ids"], t["word"], t["types"],
                            t["pos"], t["gamma"], t["beta"], epsilon=1e-12)
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mask_dims,implicit", [("slice-mask", True), ("slice-mask-len", False)])
+def test_embed_layernorm_ort_positions_sliced_to_the_mask_length(mask_dims, implicit):
+    """dynamo slices the position buffer to ``Shape<start=1, end=2>(attention_mask)``: implicit positions when the
+    mask is declared with the ids' sequence dim, else the sliced ids go to the kernel."""
+    proto = embed_model(positions=mask_dims)
+    feeds = _feeds(proto)
+    feeds["attention_mask"] = np.ones((2, 5), dtype=np.int64)
+    stats = {**STATS, "lowered.EmbedLayerNorm": 1, "embed_ids_int32": 2 if implicit else 3}
+    # not provably [1, S]: expanded to the ids' shape for the kernel
+    stats.update({"embed_implicit_positions": 1} if implicit else {"embed_ids_expanded": 1, "embed_ids_shape": 1})
+    model = check_fusion(lowered(FuseEmbedLayerNormPass(), "ort"), proto, stats=stats, feeds=feeds)
+    node = next(n for n in model.graph if n.op_type == "EmbedLayerNormalization")
+    assert (len(node.inputs) == 7) == implicit
 
 
 def test_embed_layernorm_ort_position_ids_input_passed():
