@@ -128,12 +128,13 @@ def test_embed_layernorm_canonical_op_and_onnx_target():
                          ops_left=["Shape", "Gather", "Unsqueeze", "Slice", "mograph.EmbedLayerNorm"])
     node = next(n for n in model.graph if n.op_type == "EmbedLayerNorm")
     assert [v.name for v in node.inputs[:6]] == ["input_ids", "token_type_ids", "position_ids", "word", "types", "pos"]
-    # onnx: the standard ops again (which a second run would fuse again, as for every op lowered to them)
-    model, result = run_pass(lowered(FuseEmbedLayerNormPass(), "onnx"), proto)
-    assert result.stats == {**STATS, "lowered.EmbedLayerNorm": 1}
-    assert op_types(model) == ["Shape", "Gather", "Unsqueeze", "Slice", "Gather", "Gather", "Add", "Gather", "Add",
-                               "LayerNormalization"]
-    assert_close(run_ort(proto, feeds), run_ort(to_proto(model), feeds), rel=1e-5)
+    # onnx, tensorrt: the standard ops again (which a second run would fuse again, as for every op lowered to them)
+    for target in ("onnx", "tensorrt"):
+        model, result = run_pass(lowered(FuseEmbedLayerNormPass(), target), proto)
+        assert result.stats == {**STATS, "lowered.EmbedLayerNorm": 1}
+        assert op_types(model) == ["Shape", "Gather", "Unsqueeze", "Slice", "Gather", "Gather", "Add", "Gather", "Add",
+                                   "LayerNormalization"]
+        assert_close(run_ort(proto, feeds), run_ort(to_proto(model), feeds), rel=1e-5)
 
 
 def test_embed_layernorm_reference_matches_function_body():
