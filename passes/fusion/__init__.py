@@ -1,6 +1,6 @@
 """Built-in plugin ``mograph.passes.fusion``: fusion passes, the ``fuse`` preset and the fused ops.
 
-Passes (preset ``fuse``, in this order): ``fuse-layernorm``, ``fuse-rmsnorm``,
+Passes (preset ``fuse``, in this order): ``fuse-layernorm``, ``fuse-rmsnorm``, ``fuse-embed-layernorm``,
 ``fuse-skip-layernorm``, ``fuse-gelu``, ``fuse-bias-gelu``, ``fuse-attention``.  Each fuses into ops of the versioned
 ``mograph`` domain (declared once, in :mod:`.ops` and :mod:`.attention_op`, through
 ``mograph_add_custom_ops``, with their lowerings from :mod:`.lowerings`); the ``lower`` step
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from mograph.passes.fusion.attention import FuseAttentionPass
 from mograph.passes.fusion.bias_gelu import FuseBiasGeluPass
+from mograph.passes.fusion.embed_layernorm import FuseEmbedLayerNormPass
 from mograph.passes.fusion.gelu import FuseGeluPass
 from mograph.passes.fusion.layernorm import FuseLayerNormPass
 from mograph.passes.fusion.rmsnorm import FuseRMSNormPass
@@ -19,13 +20,13 @@ from mograph.passes.fusion.skip_layernorm import FuseSkipLayerNormPass
 from mograph.hookspecs import hookimpl
 from mograph.pass_infra import Pass
 
-__all__ = ["FuseAttentionPass", "FuseBiasGeluPass", "FuseGeluPass", "FuseLayerNormPass", "FuseRMSNormPass", "FuseSkipLayerNormPass", "FUSE"]
+__all__ = ["FuseAttentionPass", "FuseBiasGeluPass", "FuseEmbedLayerNormPass", "FuseGeluPass", "FuseLayerNormPass", "FuseRMSNormPass", "FuseSkipLayerNormPass", "FUSE"]
 
-FUSE = ["fuse-layernorm", "fuse-rmsnorm", "fuse-skip-layernorm", "fuse-gelu", "fuse-bias-gelu", "fuse-attention"]
+FUSE = ["fuse-layernorm", "fuse-rmsnorm", "fuse-embed-layernorm", "fuse-skip-layernorm", "fuse-gelu", "fuse-bias-gelu", "fuse-attention"]
 
 
 def _passes() -> list[type[Pass]]:
-    out: list[type[Pass]] = [FuseLayerNormPass, FuseRMSNormPass, FuseSkipLayerNormPass, FuseGeluPass, FuseBiasGeluPass,
+    out: list[type[Pass]] = [FuseLayerNormPass, FuseRMSNormPass, FuseEmbedLayerNormPass, FuseSkipLayerNormPass, FuseGeluPass, FuseBiasGeluPass,
                               FuseAttentionPass]
     return out
 

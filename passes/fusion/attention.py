@@ -20,7 +20,8 @@ alternatives of the trace, not copies of the rule)::
 ``q``, ``Qh``, ``Kt`` or ``k`` (exporters that split ``1/sqrt(D)`` into ``D^-1/4`` on each side, Whisper's
 pre-scaled query) are folded into it.  ``M`` is optional; it is taken as it is, whatever computed it
 (``(1 - mask) * min``, ``Where`` over a boolean mask, a causal mask), so masked positions stay exactly as
-masked as in the original; a constant all-zero ``M`` (an all-ones mask) is dropped.  The reshape targets
+masked as in the original; a provably all-zero ``M`` (an all-ones mask: a constant, or ``Where`` of an
+all-true condition such as ``Range(0, n) >= 0``, expanded) is dropped.  The reshape targets
 may be constants or computed from the runtime shape (``Shape``/``Gather``/``Unsqueeze``/``Concat``;
 ``Shape`` readers that feed only the pattern go with it); ``H`` and ``D`` must be constants.  What the
 trace walks over (the split Reshape/Transposes) is left to die: a value still read elsewhere stays.
@@ -44,6 +45,7 @@ import numpy as np
 import onnx_ir as ir
 from mograph.passes.fusion._common import EXPLAIN_OPTION, FusionPass, is_float, mograph_op
 from mograph.passes.fusion.attention_op import ATTENTION_OP, MASK_FORMAT_KEY, MASK_FORMATS, ROTARY_OP, attention
+from mograph.passes.fusion.lowerings.attention import is_zero_bias
 
 from mograph.irutil import same_dim
 from mograph.pass_infra import Option, PassResult
@@ -530,10 +532,8 @@ class AttentionFusion(Rule):
         if isinstance(scale, str):
             return self.fail(scale, softmax)
         mask = kw.get("mask")
-        if mask is not None:
-            arr = constant_array(mask)
-            if arr is not None and arr.dtype.kind == "f" and not np.any(arr):
-                mask = None  # a constant zero bias (an all-ones mask folded) is no mask
+        if mask is not None and is_zero_bias(mask):
+            mask = None  # a provably zero bias (an all-ones mask) is no mask
         if mask is not None:
             if mask.dtype != q.x.dtype:
                 return self.fail(f"attention bias '{mask.name}' has dtype {mask.dtype}, the scores {q.x.dtype}", mask)

@@ -10,6 +10,8 @@ op                  inputs -> outputs                          math
 ``RMSNorm``         X, Scale -> Y                              X / sqrt(E[X^2] + eps) * Scale
 ``SkipLayerNorm``   X, Skip, Scale, B, Bias -> Y, Sum?         Sum = X + Bias + Skip; Y = LayerNorm(Sum)
 ``SkipRMSNorm``     X, Skip, Scale, Bias -> Y, Sum?            Sum = X + Bias + Skip; Y = RMSNorm(Sum)
+``EmbedLayerNorm``  InputIds, SegmentIds, PositionIds,         Sum = (Word[InputIds] + Segment[SegmentIds])
+                    Word, Segment, Position, Scale, B -> Y       + Position[PositionIds]; Y = LayerNorm(Sum)
 ``Gelu``            X -> Y                                     X/2 (1 + erf(X / sqrt 2))
 ``FastGelu``        X -> Y                                     X/2 (1 + tanh(sqrt(2/pi) (X + 0.044715 X^3)))
 ``QuickGelu``       X -> Y                                     X sigmoid(alpha X), alpha = 1.702
@@ -17,7 +19,9 @@ op                  inputs -> outputs                          math
 ``BiasFastGelu``    X, Bias -> Y                               FastGelu(X + Bias)
 ==================  =========================================  ======================================
 
-Scale, B and Bias are 1-D (``[hidden]``) or single-element tensors broadcast over the last axis
+``EmbedLayerNorm`` is BERT's embedding layer: three row lookups (``Gather`` on axis 0 of 2-D tables, int32 or
+int64 ids that broadcast against each other: position ids are often ``[1, S]``), summed in the tables' dtype
+and normalised.  Scale, B and Bias are 1-D (``[hidden]``) or single-element tensors broadcast over the last axis
 (a fusion without scale or bias passes a constant 1 or 0).  ``Sum`` is returned only when the
 graph reads the residual sum elsewhere.
 
@@ -52,6 +56,7 @@ __all__ = [
     "rms_norm",
     "skip_layer_norm",
     "skip_rms_norm",
+    "embed_layer_norm",
     "gelu",
     "bias_gelu",
     "quick_gelu",
@@ -93,6 +98,16 @@ def skip_rms_norm(x: np.ndarray, skip: np.ndarray, scale: np.ndarray | None = No
                   bias: np.ndarray | None = None, epsilon: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
     """RMSNorm of the residual sum and the sum (``x + skip + bias``, rounded to the dtype)."""
     return _reference.skip_rms_norm(x, skip, scale, bias, epsilon, return_sum=True)  # type: ignore[return-value]
+
+
+def embed_layer_norm(input_ids: np.ndarray, segment_ids: np.ndarray, position_ids: np.ndarray, word: np.ndarray,
+                     segment: np.ndarray, position: np.ndarray, scale: np.ndarray | None = None,
+                     beta: np.ndarray | None = None, epsilon: float = 1e-5) -> np.ndarray:
+    """LayerNorm of ``(word[input_ids] + segment[segment_ids]) + position[position_ids]`` (sums in the tables'
+    dtype, ids broadcast against each other)."""
+    s = (np.take(word, input_ids, axis=0) + np.take(segment, segment_ids, axis=0)).astype(word.dtype)
+    s = (s + np.take(position, position_ids, axis=0)).astype(word.dtype)
+    return layer_norm(s, scale, beta, epsilon)
 
 
 gelu = _reference.gelu  # "none" (erf), "tanh" or "sigmoid" (quick_gelu)
@@ -214,6 +229,15 @@ def _skip_layer_norm_fn(opset: int) -> ir.Function:
     return b.function("SkipLayerNorm", [x, skip, scale, beta, bias], [y, s], _eps_attrs(1e-5))
 
 
+def _embed_layer_norm_fn(opset: int) -> ir.Function:
+    b = _Body(opset)
+    ids, seg, pos, word, segment, position, scale, beta = _inputs(*_SCHEMAS["EmbedLayerNorm"][0])
+    s = b("Add", b("Add", b("Gather", word, ids), b("Gather", segment, seg)), b("Gather", position, pos))
+    y = _layer_norm_core(b, s, scale, beta)
+    return b.function("EmbedLayerNorm", [ids, seg, pos, word, segment, position, scale, beta], [y],
+                      _eps_attrs(1e-5))
+
+
 def _gelu_expr(b: _Body, x: ir.Value, approximate: str) -> ir.Value:
     xs = b.to_stash(x)
     half_x = b("Mul", xs, b.const(0.5, xs))
@@ -271,6 +295,27 @@ def _same_as_first(node: ir.Node) -> None:
             out.shape = x.shape
 
 
+def _embed_shape(node: ir.Node) -> None:
+    """Y: the broadcast shape of the three id tensors (when known and equal in rank), then the hidden size."""
+    ids = [v for v in node.inputs[:3] if v is not None]
+    word = node.inputs[3]
+    if word is None or len(ids) != 3:
+        return
+    if word.type is not None:
+        node.outputs[0].type = word.type
+    shapes = [v.shape for v in ids]
+    if word.shape is None or len(word.shape) != 2 or any(s is None for s in shapes):
+        return
+    ranks = {len(s) for s in shapes if s is not None}
+    if len(ranks) != 1:
+        return
+    dims: list[Any] = []
+    for column in zip(*shapes):  # type: ignore[misc]
+        wide = [d for d in column if d != 1]
+        dims.append(wide[0] if wide else 1)
+    node.outputs[0].shape = ir.Shape([*dims, word.shape[1]])
+
+
 # ---------------------------------------------------------------------------------------------
 # declarations
 # ---------------------------------------------------------------------------------------------
@@ -283,6 +328,9 @@ _REFERENCES: dict[str, Callable[..., Any]] = {
     ),
     "SkipRMSNorm": lambda x, skip, scale, bias, epsilon=1e-6, stash_type=1: skip_rms_norm(
         x, skip, scale, bias, epsilon
+    ),
+    "EmbedLayerNorm": lambda ids, seg, pos, word, segment, position, scale, b, epsilon=1e-5, stash_type=1: (
+        embed_layer_norm(ids, seg, pos, word, segment, position, scale, b, epsilon),
     ),
     "Gelu": lambda x, stash_type=1: (gelu(x, "none"),),
     "FastGelu": lambda x, stash_type=1: (gelu(x, "tanh"),),
@@ -301,6 +349,10 @@ _SCHEMAS: dict[str, tuple[tuple[str, ...], tuple[str, ...], dict[str, Any], Call
                       "Residual add and LayerNorm: Sum = X + Bias + Skip, Y = LayerNorm(Sum)."),
     "SkipRMSNorm": (("X", "Skip", "Scale", "Bias"), ("Y", "Sum?"), {"epsilon": 1e-6, "stash_type": 1},
                     _skip_rms_norm_fn, "Residual add and RMSNorm: Sum = X + Bias + Skip, Y = RMSNorm(Sum)."),
+    "EmbedLayerNorm": (("InputIds", "SegmentIds", "PositionIds", "WordEmbedding", "SegmentEmbedding",
+                        "PositionEmbedding", "Scale", "B"), ("Y",), {"epsilon": 1e-5, "stash_type": 1},
+                       _embed_layer_norm_fn,
+                       "Embedding layer: LayerNorm(Word[InputIds] + Segment[SegmentIds] + Position[PositionIds])."),
     "Gelu": (("X",), ("Y",), {"stash_type": 1}, _gelu_fn("Gelu", "none", False),
              "Exact GELU: X/2 (1 + erf(X / sqrt(2)))."),
     "FastGelu": (("X",), ("Y",), {"stash_type": 1}, _gelu_fn("FastGelu", "tanh", False),
@@ -317,7 +369,7 @@ _SCHEMAS: dict[str, tuple[tuple[str, ...], tuple[str, ...], dict[str, Any], Call
 FUSED_OPS = tuple(_SCHEMAS)
 
 #: The default-domain opset from which the ``onnx`` lowering has a standard op.
-ONNX_STANDARD_OPSET = {"LayerNorm": 17, "SkipLayerNorm": 17, "Gelu": 20, "FastGelu": 20, "BiasGelu": 20,
+ONNX_STANDARD_OPSET = {"LayerNorm": 17, "SkipLayerNorm": 17, "EmbedLayerNorm": 17, "Gelu": 20, "FastGelu": 20, "BiasGelu": 20,
                        "BiasFastGelu": 20, "RMSNorm": 23, "SkipRMSNorm": 23}
 
 _EPSILON = {"minimum": {"epsilon": 0.0}}
@@ -381,7 +433,7 @@ def custom_ops() -> list[CustomOp]:
                 attributes=dict(attrs),
                 reference=_REFERENCES[name],
                 function=fn,
-                infer_shapes=_same_as_first,
+                infer_shapes=_embed_shape if name == "EmbedLayerNorm" else _same_as_first,
                 lowerings=lowerings_for(name),
                 onnx_opset=ONNX_STANDARD_OPSET.get(name),
                 tensorrt_plugin=TENSORRT_PLUGINS[plugin] if plugin is not None else None,

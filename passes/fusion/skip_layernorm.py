@@ -40,7 +40,7 @@ from mograph.custom_ops import DOMAIN
 from mograph.patterns import MatchResult, OrValue, Rule, Var, constant_array
 
 __all__ = ["SkipLayerNormFusion", "SkipLayerNormGemmBiasFusion", "SkipRMSNormFusion", "FuseSkipLayerNormPass",
-           "gemm_bias_pattern", "check_gemm_bias", "gemm_without_bias"]
+           "gemm_bias_pattern", "check_gemm_bias", "gemm_without_bias", "check_standard_norm", "ln_attrs", "norm_beta"]
 
 
 def _is_bias(context: Any, value: ir.Value) -> MatchResult:
@@ -99,7 +99,20 @@ def gemm_without_bias(op: Any, gemm_out: ir.Value, proj: ir.Value, gemm_bias: ir
     return op.Reshape(y, *reshape.inputs[1:], **rattrs), bias
 
 
-def _check_standard_norm(rule: Rule, node: ir.Node, std_op: str, extras: str, sum: ir.Value) -> MatchResult | None:
+def ln_attrs(node: ir.Node) -> dict[str, Any]:
+    """The fused op's ``epsilon`` / ``stash_type`` from a LayerNorm node (``epsilon`` 1e-5 when unset)."""
+    attrs = {k: v.value for k, v in node.attributes.items() if k in ("epsilon", "stash_type")}
+    attrs.setdefault("epsilon", 1e-5)
+    return attrs
+
+
+def norm_beta(op: Any, node: ir.Node, sum: ir.Value) -> Any:
+    """The LayerNorm ``node``'s bias input, or a zero of ``sum``'s dtype when it has none."""
+    beta = node.inputs[2] if len(node.inputs) > 2 else None
+    return beta if beta is not None else _zero(op, sum)
+
+
+def check_standard_norm(rule: Rule, node: ir.Node, std_op: str, extras: str, sum: ir.Value) -> MatchResult | None:
     """A failure if the norm is the standard/ORT op ``std_op`` not over the last axis or with its extra
     outputs (``extras``: what they are, for the message) read; None otherwise."""
     if node.op_type != std_op:
@@ -174,18 +187,15 @@ class SkipLayerNormFusion(Rule):
               a: ir.Value, skip: ir.Value, scale: ir.Value, ln_out: ir.Value, sum: ir.Value, **kw: Any) -> MatchResult:
         node = ln_out.producer()
         assert node is not None
-        failed = _check_standard_norm(self, node, "LayerNormalization", "mean or inverse std", sum)
+        failed = check_standard_norm(self, node, "LayerNormalization", "mean or inverse std", sum)
         return failed if failed is not None else _check_residual(self, a, skip, sum, "LayerNorm")
 
     def rewrite(self, op: Any, a: ir.Value, skip: ir.Value, scale: ir.Value, ln_out: ir.Value,
                 sum: ir.Value, bias: ir.Value | None = None, **_: Any) -> Any:
         node = ln_out.producer()
         assert node is not None
-        attrs = {k: v.value for k, v in node.attributes.items() if k in ("epsilon", "stash_type")}
-        attrs.setdefault("epsilon", 1e-5)
-        beta = node.inputs[2] if len(node.inputs) > 2 else None
-        if beta is None:
-            beta = _zero(op, sum)
+        attrs = ln_attrs(node)
+        beta = norm_beta(op, node, sum)
         y, total = mograph_op(op, "SkipLayerNorm", a, skip, scale, beta, _bias_1d(op, bias, sum), _outputs=2, **attrs)
         return y, _sum_if_read(sum, node, total)
 
@@ -214,7 +224,7 @@ class SkipLayerNormGemmBiasFusion(Rule):
               proj: ir.Value, gemm_bias: ir.Value, **kw: Any) -> MatchResult:
         node = ln_out.producer()
         assert node is not None
-        failed = _check_standard_norm(self, node, "LayerNormalization", "mean or inverse std", sum)
+        failed = check_standard_norm(self, node, "LayerNormalization", "mean or inverse std", sum)
         if failed is not None:
             return failed
         result = _check_residual(self, proj, skip, sum, "LayerNorm")
@@ -224,11 +234,8 @@ class SkipLayerNormGemmBiasFusion(Rule):
                 gemm_out: ir.Value, proj: ir.Value, gemm_bias: ir.Value, **_: Any) -> Any:
         node = ln_out.producer()
         assert node is not None
-        attrs = {k: v.value for k, v in node.attributes.items() if k in ("epsilon", "stash_type")}
-        attrs.setdefault("epsilon", 1e-5)
-        beta = node.inputs[2] if len(node.inputs) > 2 else None
-        if beta is None:
-            beta = _zero(op, sum)
+        attrs = ln_attrs(node)
+        beta = norm_beta(op, node, sum)
         a, bias = gemm_without_bias(op, gemm_out, proj, gemm_bias)
         y, total = mograph_op(op, "SkipLayerNorm", a, skip, scale, beta, bias, _outputs=2, **attrs)
         return y, _sum_if_read(sum, node, total)
@@ -263,7 +270,7 @@ class SkipRMSNormFusion(Rule):
               a: ir.Value, skip: ir.Value, scale: ir.Value, rms_out: ir.Value, sum: ir.Value, **kw: Any) -> MatchResult:
         node = rms_out.producer()
         assert node is not None
-        failed = _check_standard_norm(self, node, "RMSNormalization", "inverse std", sum)
+        failed = check_standard_norm(self, node, "RMSNormalization", "inverse std", sum)
         if failed is not None:
             return failed
         add_out = kw.get("add_out")

@@ -1,6 +1,6 @@
 """How the fused ``mograph`` ops lower to each target: the lowerings their declarations carry.
 
-One module per op family (:mod:`.norms`, :mod:`.gelu`, :mod:`.attention`); :func:`lowerings_for`
+One module per op family (:mod:`.norms`, :mod:`.embed`, :mod:`.gelu`, :mod:`.attention`); :func:`lowerings_for`
 gives the table of one op, which :func:`mograph.passes.fusion.ops.custom_ops` puts into the op's
 :class:`~mograph.custom_ops.CustomOp` declaration.  Nothing calls these functions directly: the one
 ``lower`` step (:mod:`mograph.lowering`) finds them through the custom-op registry.
@@ -14,7 +14,8 @@ Per target, in short (each module's docstring has the details):
 ``ort``
     ONNX Runtime's kernels: ``LayerNormalization``, ``SimplifiedLayerNormalization`` (default domain,
     every opset), ``com.microsoft`` ``SkipLayerNormalization``, ``SkipSimplifiedLayerNormalization``,
-    ``Gelu``, ``FastGelu``, ``QuickGelu``, ``BiasGelu``, ``Attention``/``MultiHeadAttention``.
+    ``Gelu``, ``FastGelu``, ``QuickGelu``, ``BiasGelu``, ``Attention``/``MultiHeadAttention``,
+    ``EmbedLayerNormalization``.
 ``tensorrt``
     native TensorRT layers where the ONNX parser has them (``LayerNormalization`` at opset >= 17,
     ``Gelu`` at >= 20, pointwise ops for ``QuickGelu``, the decomposed attention), otherwise a node of
@@ -31,9 +32,9 @@ __all__ = ["lowerings_for"]
 
 def lowerings_for(name: str) -> dict[str, Lowering]:
     """The lowerings (target -> function) of the fused op ``name``."""
-    from mograph.passes.fusion.lowerings import attention, gelu, norms
+    from mograph.passes.fusion.lowerings import attention, embed, gelu, norms
 
-    for module in (norms, gelu, attention):
+    for module in (norms, embed, gelu, attention):
         table = module.LOWERINGS.get(name)
         if table is not None:
             return dict(table)

@@ -89,7 +89,7 @@ from mograph.irutil import add_initializer, attr_value, is_zero, same_dim
 from mograph.lowering import LoweringContext, replace_node
 from mograph.patterns import constant_array, remove_dead_producers, scalar_value
 
-__all__ = ["LOWERINGS"]
+__all__ = ["is_zero_bias", "LOWERINGS"]
 
 MS_DOMAIN = "com.microsoft"
 ONNX_ATTENTION_OPSET = 23
@@ -239,7 +239,8 @@ def _is_range_from_zero(value: ir.Value | None) -> ir.Node | None:
 
 
 def _all_true(value: ir.Value | None) -> bool:
-    """Whether ``value`` is provably all true: a constant, ``And`` of such, ``Range(0, n, 1) >= 0``."""
+    """Whether ``value`` is provably all true: a constant, ``And`` of such, ``Range(0, n, 1) >= 0``, an
+    ``Expand``/``Unsqueeze``/``Reshape`` of such."""
     arr = constant_array(value)
     if arr is not None:
         return arr.dtype == np.bool_ and bool(arr.all())
@@ -251,12 +252,27 @@ def _all_true(value: ir.Value | None) -> bool:
         return fill is not None and fill.value.dtype == ir.DataType.BOOL and bool(fill.value.numpy().all())
     if node.op_type == "And":
         return _all_true(node.inputs[0]) and _all_true(node.inputs[1])
+    if node.op_type in ("Expand", "Unsqueeze", "Reshape"):  # copies of the values (transformers 5.17 ViT's mask)
+        return _all_true(node.inputs[0])
     if node.op_type == "Cast" and int(attr_value(node, "to", 0)) == ir.DataType.BOOL.value:
         return _all_true(node.inputs[0])  # true stays true
     if node.op_type == "GreaterOrEqual":
         bound = scalar_value(node.inputs[1])
         return bound is not None and bound <= 0 and _is_range_from_zero(node.inputs[0]) is not None
     return False
+
+
+def is_zero_bias(value: ir.Value | None) -> bool:
+    """Whether the additive bias ``value`` is provably all zero: a float constant of zeros, or
+    ``Where(all true, zeros, _)`` (a key mask of only ones turned into a bias, as transformers 5.17 exports ViT)."""
+    arr = constant_array(value)
+    if arr is not None:
+        return arr.dtype.kind == "f" and not np.any(arr)
+    node = _producer(value, "Where")
+    if node is None or not _all_true(node.inputs[0]):
+        return False
+    zero = constant_array(node.inputs[1])
+    return zero is not None and zero.dtype.kind == "f" and not np.any(zero)
 
 
 def _dim_of(value: ir.Value | None, axis: int) -> ir.Value | None:

@@ -37,8 +37,9 @@ EXPECTED: dict[tuple[str, str, int], dict[str, int]] = {}
 for _ex, _ops in (("torchscript", (14, 17, 18)), ("dynamo", (17, 18))):
     for _op in _ops:
         ln = NORMS["bert"] if (_ex == "torchscript" and _op < 17) else 0
-        EXPECTED[("bert", _ex, _op)] = {"LayerNormFusion": ln, "SkipLayerNormFusion": 5, "GeluFusion": L,
-                                        "BiasGeluFusion": L}
+        # BERT's embeddings and their LayerNorm go to EmbedLayerNorm; the other 2L norms read residual sums
+        EXPECTED[("bert", _ex, _op)] = {"LayerNormFusion": ln, "EmbedLayerNormFusion": 1, "SkipLayerNormFusion": 2 * L,
+                                        "GeluFusion": L, "BiasGeluFusion": L}
         # GPT-2's Conv1D is Gemm + bias: the bias goes into four of the five Skip norms and into the GELU
         EXPECTED[("gpt2", _ex, _op)] = {"LayerNormFusion": ln, "SkipLayerNormFusion": 1,
                                         "SkipLayerNormGemmBiasFusion": 2 * L, "GeluTanhFusion": L,
@@ -51,7 +52,7 @@ for _ex, _ops in (("torchscript", (14, 17, 18)), ("dynamo", (14, 17, 18))):
         EXPECTED[("llama", _ex, _op)] = {"RMSNormFusion": NORMS["llama"], "SkipRMSNormFusion": 2 * L}
 CASES = sorted(k for k in EXPECTED if k[2] in export_hf.SUPPORTED.get((k[0], k[1]), ()))
 
-RULES = ("LayerNormFusion", "RMSNormFusion", "SkipLayerNormFusion", "SkipLayerNormGemmBiasFusion", "SkipRMSNormFusion",
+RULES = ("LayerNormFusion", "RMSNormFusion", "EmbedLayerNormFusion", "SkipLayerNormFusion", "SkipLayerNormGemmBiasFusion", "SkipRMSNormFusion",
          "GeluFusion", "GeluTanhFusion", "QuickGeluFusion", "BiasGeluFusion", "GemmBiasGeluFusion")
 
 

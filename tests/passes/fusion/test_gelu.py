@@ -193,8 +193,8 @@ def test_custom_ops_registered_once():
     mine = sorted(name for (domain, name) in reg.custom_ops if domain == "mograph" and name in ops.FUSED_OPS)
     assert mine == sorted(ops.FUSED_OPS)
     # the norm and GELU passes come first, in this order (later passes, e.g. attention, may follow)
-    assert reg.expand("fuse")[:5] == ["fuse-layernorm", "fuse-rmsnorm", "fuse-skip-layernorm", "fuse-gelu",
-                                      "fuse-bias-gelu"]
+    assert reg.expand("fuse")[:6] == ["fuse-layernorm", "fuse-rmsnorm", "fuse-embed-layernorm", "fuse-skip-layernorm",
+                                      "fuse-gelu", "fuse-bias-gelu"]
 
 
 def test_package_references_agree_with_kernel_references():

@@ -1,0 +1,294 @@
+"""Lowerings of ``EmbedLayerNorm`` (BERT's word + segment + position lookups and LayerNorm).
+
+``ort``
+    ``com.microsoft.EmbedLayerNormalization``: ``input_ids``, ``segment_ids`` (int32, one shape ``[B, S]``),
+    the three tables, ``gamma``/``beta`` as ``[hidden]`` vectors, no ``mask``; ``position_ids`` left off when
+    they provably are ``0 .. S-1`` (what the kernel uses without them: a constant ``arange`` of the ids'
+    static length, or a ``Slice`` from 0 with step 1 of a constant ``[1, L]`` ``arange`` buffer whose end is
+    the ids' dim 1, read by ``Shape``/``Gather`` of the ids or of an input declared with the same dim, such as
+    the ``attention_mask`` dynamo reads it from), else passed as int32 ``[1, S]`` or ``[B, S]``.  Segment (and
+    passed position) ids whose shape is not provably the input ids' (static or symbolic dims, or an ``Expand`` to
+    ``Shape(input_ids)`` as TorchScript writes BERT's buffered ``token_type_ids``) get
+    ``Expand(ids, Shape(input_ids))`` (exact where the original's sum broadcast them).  Ids are cast to int32 (constant ids are stored as int32).  The ``mask_index`` output is declared (the CUDA kernel
+    writes it) and read by nothing.  Declines (the op is inlined) when the ids are not rank 2 of those
+    shapes or a vector cannot be built.
+``onnx`` / ``tensorrt``
+    the standard ops again: three ``Gather``, two ``Add`` and ``LayerNormalization`` (opset >= 17; below,
+    the step inlines the function body).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from mograph.custom_ops import Lowering
+from mograph.irutil import attr_value, is_zero
+from mograph.lowering import LoweringContext, as_vector, replace_node
+from mograph.patterns import constant_array, scalar_value
+
+__all__ = ["LOWERINGS", "MS_DOMAIN", "is_arange_positions"]
+
+MS_DOMAIN = "com.microsoft"
+
+
+def _same_dims_at(a: ir.Value, b: ir.Value, i: int) -> bool:
+    x, y = a.shape[i], b.shape[i]  # type: ignore[index]
+    return x == y if isinstance(x, int) or isinstance(y, int) else x.value is not None and x.value == y.value
+
+
+def _dim_of(value: ir.Value | None, ids: ir.Value, i: int) -> bool:
+    """Whether ``value`` is ``[ids.shape[i]]``: ``Unsqueeze(Gather(Shape(ids), i))`` or ``Slice(Shape(ids), i, i+1)``."""
+    node = value.producer() if value is not None else None
+    if node is None or node.domain != "":
+        return False
+    if node.op_type == "Unsqueeze":
+        inner = node.inputs[0].producer() if node.inputs[0] is not None else None
+        if inner is None or inner.op_type != "Gather" or scalar_value(inner.inputs[1]) != i:
+            return False
+        node = inner
+    elif node.op_type != "Slice" or scalar_value(node.inputs[1]) != i or scalar_value(node.inputs[2]) != i + 1:
+        return False
+    shape = node.inputs[0].producer() if node.inputs[0] is not None else None
+    return (shape is not None and shape.op_type == "Shape" and shape.inputs[0] is ids
+            and int(attr_value(shape, "start", 0)) == 0 and "end" not in shape.attributes)
+
+
+def _const(value: ir.Value | None) -> np.ndarray | None:
+    """:func:`constant_array`, also through ``ConstantOfShape`` of a constant shape and ``Mul`` of such values."""
+    arr = constant_array(value)
+    node = value.producer() if value is not None and arr is None else None
+    if node is None or node.domain != "":
+        return arr
+    if node.op_type == "ConstantOfShape":
+        shape = constant_array(node.inputs[0])
+        fill = node.attributes.get("value")
+        if shape is None or shape.size > 8 or int(np.prod(shape)) > 64:
+            return None
+        element = fill.value.numpy().reshape(-1)[0] if fill is not None else np.float32(0)
+        return np.full(shape.astype(np.int64), element)
+    if node.op_type == "Mul" and len(node.inputs) == 2:
+        a, b = _const(node.inputs[0]), _const(node.inputs[1])
+        return None if a is None or b is None else np.asarray(a * b)
+    return None
+
+
+def _is_shape_of(value: ir.Value | None, ids: ir.Value) -> bool:
+    """Whether ``value`` provably holds ``Shape(ids)`` (rank 2): the Shape itself, ``Concat`` of its dims
+    (through ``Reshape``), or ``Where(Equal(s, negative constant), _, s)`` of such an ``s`` (the -1 to 1
+    rewrite of ``torch.expand`` sizes, a no-op on a shape, whose values are never negative)."""
+    node = value.producer() if value is not None else None
+    if node is None or node.domain != "":
+        return False
+    if node.op_type == "Shape":
+        return node.inputs[0] is ids and int(attr_value(node, "start", 0)) == 0 and "end" not in node.attributes
+    if node.op_type == "Reshape":
+        target = constant_array(node.inputs[1])
+        return target is not None and target.reshape(-1).tolist() == [-1] and _is_shape_of(node.inputs[0], ids)
+    if node.op_type == "Concat":
+        return len(node.inputs) == 2 and all(_dim_of(v, ids, i) for i, v in enumerate(node.inputs))
+    if node.op_type == "Where":
+        cond = node.inputs[0].producer() if node.inputs[0] is not None else None
+        if cond is None or cond.op_type != "Equal" or cond.inputs[0] is not node.inputs[2]:
+            return False
+        c = _const(cond.inputs[1])
+        return c is not None and bool((c < 0).all()) and _is_shape_of(node.inputs[2], ids)
+    return False
+
+
+def _same_seq(x: ir.Value | None, ids: ir.Value) -> bool:
+    """Whether dim 1 of ``x`` is provably dim 1 of ``ids``: ``x`` is ``ids``, or their dims 1 are one static
+    size or one symbolic dim (``attention_mask`` and ``input_ids`` declared ``[batch, seq]``)."""
+    if x is None:
+        return False
+    if x is ids:
+        return True
+    if x.shape is None or ids.shape is None or len(x.shape) < 2 or len(ids.shape) < 2:
+        return False
+    return _same_dims_at(x, ids, 1)
+
+
+def _shape_dim_of(value: ir.Value | None, ids: ir.Value) -> bool:
+    """Whether ``value`` (through Unsqueeze/Reshape/Cast/Squeeze) is dim 1 of ``ids`` at run time:
+    ``Gather(Shape(x), 1)``, ``Slice(Shape(x), 1, 2)`` or ``Shape<start=1, end=2>(x)`` of an ``x`` whose
+    dim 1 is provably the ids' (:func:`_same_seq`)."""
+    while value is not None:
+        node = value.producer()
+        if node is None or node.domain != "":
+            return False
+        if node.op_type in ("Unsqueeze", "Reshape", "Cast", "Squeeze"):
+            value = node.inputs[0]
+            continue
+        if node.op_type == "Shape":
+            return (int(attr_value(node, "start", 0)) == 1 and int(attr_value(node, "end", 0)) == 2
+                    and _same_seq(node.inputs[0], ids))
+        shape = node.inputs[0].producer() if node.inputs[0] is not None else None
+        if shape is None or shape.op_type != "Shape" or int(attr_value(shape, "start", 0)) != 0 \
+                or "end" in shape.attributes or not _same_seq(shape.inputs[0], ids):
+            return False
+        if node.op_type == "Gather":
+            return scalar_value(node.inputs[1]) == 1
+        if node.op_type == "Slice":
+            return (scalar_value(node.inputs[1]) == 1 and scalar_value(node.inputs[2]) == 2
+                    and (len(node.inputs) < 4 or node.inputs[3] is None or scalar_value(node.inputs[3]) in (0, -1)))
+        return False
+    return False
+
+
+def _is_arange_row(arr: np.ndarray) -> bool:
+    return arr.ndim == 2 and arr.shape[0] == 1 and np.array_equal(arr[0], np.arange(arr.shape[1]))
+
+
+def is_arange_positions(pos: ir.Value, ids: ir.Value) -> bool:
+    """Whether position ids ``pos`` are provably ``[[0, 1, .., S-1]]`` with ``S`` dim 1 of ``ids`` ``[B, S]``."""
+    seq = ids.shape[1] if ids.shape is not None and len(ids.shape) == 2 else None
+    arr = constant_array(pos)
+    if arr is not None:
+        if arr.ndim == 1:
+            arr = arr[None]
+        return _is_arange_row(arr) and isinstance(seq, int) and arr.shape[1] == seq
+    node = pos.producer()
+    if node is None or node.op_type != "Slice" or node.domain != "" or len(node.inputs) < 3:
+        return False
+    buffer = constant_array(node.inputs[0])
+    if buffer is None or not _is_arange_row(buffer):
+        return False
+    starts = constant_array(node.inputs[1])
+    axes = constant_array(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
+    steps = constant_array(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else None
+    if starts is None or starts.size != 1 or int(starts.reshape(-1)[0]) != 0:
+        return False
+    if axes is None or axes.size != 1 or int(axes.reshape(-1)[0]) not in (1, -1):
+        return False
+    if steps is not None and (steps.size != 1 or int(steps.reshape(-1)[0]) != 1):
+        return False
+    ends = node.inputs[2]
+    end = constant_array(ends)
+    if end is not None:
+        return end.size == 1 and isinstance(seq, int) and int(end.reshape(-1)[0]) == seq
+    return _shape_dim_of(ends, ids)
+
+
+def _int32(graph: ir.Graph, value: ir.Value, nodes: list[ir.Node], ctx: LoweringContext) -> ir.Value:
+    """``value`` as int32: itself, a new int32 initializer for a constant, or a Cast (one per value and run)."""
+    if value.dtype == ir.DataType.INT32:
+        return value
+    key = ("embed_ids_int32", id(value))
+    if key in ctx.shared:
+        return ctx.shared[key]
+    arr = constant_array(value)
+    if arr is not None:
+        name = f"{value.name or 'ids'}_int32"
+        out = ir.Value(name=name, const_value=ir.tensor(arr.astype(np.int32), name=name))
+        graph.register_initializer(out)
+    else:
+        cast = ir.node("Cast", [value], attributes={"to": ir.DataType.INT32.value})
+        nodes.append(cast)
+        out = cast.outputs[0]
+        out.name = f"{value.name or 'ids'}_int32"
+        out.type, out.shape = ir.TensorType(ir.DataType.INT32), value.shape
+    ctx.shared[key] = out
+    return out
+
+
+def _rank2(v: ir.Value) -> bool:
+    return v.shape is not None and len(v.shape) == 2
+
+
+def _same_dims(a: ir.Value, b: ir.Value) -> bool:
+    """Whether ``a`` and ``b`` provably have one shape (static dims equal, symbolic dims of one name)."""
+    if a.shape is None or b.shape is None or len(a.shape) != len(b.shape):
+        return False
+    return all(_same_dims_at(a, b, i) for i in range(len(a.shape)))
+
+
+def _like_ids(graph: ir.Graph, v: ir.Value, ids: ir.Value, nodes: list[ir.Node], ctx: LoweringContext) -> ir.Value:
+    """``v`` in the shape of ``ids``: itself when provably so, else ``Expand(v, Shape(ids))`` (exact: ``v``
+    broadcasts against ``ids`` in the original sum; the kernel rejects anything larger)."""
+    if _same_dims(v, ids):
+        return v
+    expand = v.producer()
+    if expand is not None and expand.op_type == "Expand" and _is_shape_of(expand.inputs[1], ids):
+        return v  # broadcast to Shape(ids): ids' shape, or larger (which the kernel rejects: an error, never wrong)
+    key = ("embed_ids_shape", id(ids))
+    shape = ctx.shared.get(key)
+    if shape is None:
+        node = ir.node("Shape", [ids])
+        nodes.append(node)
+        shape = node.outputs[0]
+        shape.type, shape.shape = ir.TensorType(ir.DataType.INT64), ir.Shape([2])
+        ctx.shared[key] = shape
+    expand = ir.node("Expand", [v, shape])
+    nodes.append(expand)
+    out = expand.outputs[0]
+    out.type, out.shape = v.type, ids.shape
+    ctx.count("embed_ids_expanded")
+    return out
+
+
+def _ort(node: ir.Node, ctx: LoweringContext) -> bool:
+    ids, seg, pos, word, segment, position, scale, beta = node.inputs
+    graph = node.graph
+    assert graph is not None and ids is not None and seg is not None and pos is not None
+    assert word is not None and segment is not None and position is not None and scale is not None
+    if not (_rank2(ids) and _rank2(seg) and _rank2(pos)):
+        return False
+    y = node.outputs[0]
+    like = ir.Value(name="", type=word.type, shape=ir.Shape([word.shape[1] if word.shape is not None else None]))
+    gamma = as_vector(graph, scale, like, "mograph_embed_ln_scale")
+    b = as_vector(graph, beta, like, "mograph_embed_ln_bias") if beta is not None else None  # beta is required
+    if gamma is None or b is None:
+        return False
+    nodes: list[ir.Node] = []
+    seg = _like_ids(graph, seg, ids, nodes, ctx)
+    inputs: list[ir.Value | None] = [_int32(graph, ids, nodes, ctx), _int32(graph, seg, nodes, ctx), word,
+                                     position, segment, gamma, b]
+    if is_arange_positions(pos, ids):
+        ctx.count("embed_implicit_positions")
+    else:
+        if not (pos.shape is not None and pos.shape[0] == 1 and _same_dims_at(pos, ids, 1)):
+            pos = _like_ids(graph, pos, ids, nodes, ctx)
+        inputs += [None, _int32(graph, pos, nodes, ctx)]
+    new = ir.node("EmbedLayerNormalization", inputs, domain=MS_DOMAIN, num_outputs=2,
+                  attributes={"epsilon": float(attr_value(node, "epsilon", 1e-5))})
+    new.outputs[0].type, new.outputs[0].shape = y.type, y.shape
+    mask_index = new.outputs[1]
+    mask_index.name = f"{node.name or 'EmbedLayerNorm'}_mask_index"
+    mask_index.type = ir.TensorType(ir.DataType.INT32)
+    nodes.append(new)
+    for i, n in enumerate(nodes[:-1]):
+        n.name = f"{node.name or node.op_type}/{i}"
+    replace_node(node, nodes, [new.outputs[0]], ctx.target)
+    return True
+
+
+def _standard(node: ir.Node, ctx: LoweringContext) -> bool:
+    if ctx.opset < 17:
+        return False
+    ids, seg, pos, word, segment, position, scale, beta = node.inputs
+    graph = node.graph
+    assert graph is not None and scale is not None
+    y = node.outputs[0]
+    like = ir.Value(name="", type=y.type, shape=y.shape)
+    gamma = as_vector(graph, scale, like, "mograph_embed_ln_scale")
+    b = None if is_zero(beta) or beta is None else as_vector(graph, beta, like, "mograph_embed_ln_bias")
+    if gamma is None or (b is None and not is_zero(beta)):
+        return False
+    nodes = [ir.node("Gather", [word, ids]), ir.node("Gather", [segment, seg])]
+    nodes.append(ir.node("Add", [nodes[0].outputs[0], nodes[1].outputs[0]]))
+    nodes.append(ir.node("Gather", [position, pos]))
+    nodes.append(ir.node("Add", [nodes[2].outputs[0], nodes[3].outputs[0]]))
+    for n in nodes:
+        n.outputs[0].type = y.type
+    nodes[-1].outputs[0].shape = y.shape
+    ln_inputs = [nodes[-1].outputs[0], gamma] + ([b] if b is not None else [])
+    attrs = {"axis": -1, "epsilon": float(attr_value(node, "epsilon", 1e-5)),
+             "stash_type": int(attr_value(node, "stash_type", 1))}
+    nodes.append(ir.node("LayerNormalization", ln_inputs, attributes=attrs))
+    replace_node(node, nodes, [nodes[-1].outputs[0]], ctx.target)
+    return True
+
+
+LOWERINGS: dict[str, dict[str, Lowering]] = {
+    "EmbedLayerNorm": {"onnx": _standard, "ort": _ort, "tensorrt": _standard},
+}

@@ -1,0 +1,269 @@
+"""fuse-embed-layernorm on BERT-style embedding layers built in code, and its lowerings."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from _fusion_util import (
+    assert_close,
+    assert_untouched,
+    check_fusion,
+    feeds_for,
+    lowered,
+    op_types,
+    parse,
+    run_ort,
+    run_pass,
+    to_proto,
+)
+from mograph.passes.fusion.embed_layernorm import FuseEmbedLayerNormPass
+from mograph.passes.fusion.layernorm import FuseLayerNormPass
+
+from mograph.testing import Pipeline
+
+H, VOCAB, TYPES, MAXPOS = 16, 50, 2, 12
+DIMS = {"batch": 2, "seq": 5, "vocab": TYPES}  # ids below 2 are valid in every table
+
+
+def _tables(f: str) -> list[str]:
+    """The tables and the norm's scale and bias as initializers of dtype ``f`` (seeded)."""
+    rng = np.random.default_rng(3)
+    arrays = {"word": rng.standard_normal((VOCAB, H)), "types": rng.standard_normal((TYPES, H)),
+              "pos": rng.standard_normal((MAXPOS, H)), "gamma": 1 + 0.1 * rng.standard_normal(H),
+              "beta": 0.1 * rng.standard_normal(H)}
+    return [f"{f}[{','.join(map(str, a.shape))}] {name} = {{{','.join(f'{x:.4f}' for x in a.reshape(-1))}}}"
+            for name, a in arrays.items()]
+
+
+def embed_model(*, positions: str = "slice", order: str = "wt+p", axis: int = -1, sum_read: bool = False,
+                fp16: bool = False, token_types: str = "input") -> onnx.ModelProto:
+    """BERT's embeddings as TorchScript writes them: position ids sliced from an arange buffer (``slice``),
+    a ``[batch, seq]`` input (``input``), a constant that is not an arange (``reversed``); token type ids an
+    input, or (``buffer``) a zero buffer sliced and expanded to the ids' shape as ``BertEmbeddings`` does."""
+    f = "float16" if fp16 else "float"
+    lines = []
+    inputs = ["int64[batch,seq] input_ids"]
+    inits = ["int64[1] zero = {0}", "int64[1] one = {1}", "int64 one_s = {1}"]
+    if token_types == "input":
+        inputs.append("int64[batch,seq] token_type_ids")
+    else:
+        zeros = ",".join("0" for _ in range(MAXPOS))
+        inits += [f"int64[1,{MAXPOS}] tt_buffer = {{{zeros}}}", "int64[2] minus_one = {-1,-1}", "int64[2] ones = {1,1}",
+                  "int64 zero_s = {0}", "int64[1] flat = {-1}"]
+        lines += ["tshape = Shape(input_ids)", "b = Gather<axis=0>(tshape, zero_s)", "sq = Gather<axis=0>(tshape, one_s)",
+                  "bu = Unsqueeze(b, zero)", "su = Unsqueeze(sq, zero)", "bs = Concat<axis=0>(bu, su)",
+                  "bsf = Reshape(bs, flat)", "neg = Equal(bsf, minus_one)", "size = Where(neg, ones, bsf)",
+                  "tt = Slice(tt_buffer, zero, su, one, one)", "token_type_ids = Expand(tt, size)"]
+    if positions == "slice":
+        buf = ",".join(str(i) for i in range(MAXPOS))
+        inits.append(f"int64[1,{MAXPOS}] pos_buffer = {{{buf}}}")
+        lines += ["shape = Shape(input_ids)", "seq = Gather<axis=0>(shape, one_s)", "ends = Unsqueeze(seq, zero)",
+                  "position_ids = Slice(pos_buffer, zero, ends, one, one)"]
+    elif positions.startswith("slice-mask"):  # dynamo: the end is dim 1 of attention_mask, Shape<start=1, end=2>
+        buf = ",".join(str(i) for i in range(MAXPOS))
+        inits.append(f"int64[1,{MAXPOS}] pos_buffer = {{{buf}}}")
+        inputs.append("int64[batch,seq] attention_mask" if positions == "slice-mask" else "int64[batch,len] attention_mask")
+        lines += ["ends = Shape<start=1, end=2>(attention_mask)", "position_ids = Slice(pos_buffer, zero, ends, one, one)",
+                  "mask_sum = ReduceSum<keepdims=0>(attention_mask)"]
+    elif positions == "input":
+        inputs.append("int64[batch,seq] position_ids")
+    else:
+        inits.append("int64[1,5] position_ids = {4,2,3,0,1}")
+    lines += ["w = Gather(word, input_ids)", "t = Gather(types, token_type_ids)", "p = Gather(pos, position_ids)"]
+    if order == "wt+p":
+        lines += ["wt = Add(w, t)", "s = Add(wt, p)"]
+    else:  # p + (t + w)
+        lines += ["wt = Add(t, w)", "s = Add(p, wt)"]
+    lines.append(f"y = LayerNormalization<axis={axis}, epsilon=1e-12>(s, gamma, beta)")
+    outs = f"{f}[batch,seq,{H}] y"
+    if positions.startswith("slice-mask"):
+        outs += ", int64 mask_sum"
+    if sum_read:
+        lines.append("wt2 = Mul(wt, wt)")
+        outs += f", {f}[batch,seq,{H}] wt2"
+    shape = "[batch,5]" if positions == "reversed" else "[batch,seq]"
+    inputs = [i.replace("[batch,seq]", shape) for i in inputs]
+    inits += _tables("float")
+    text = (f'<ir_version: 8, opset_import: ["" : 17]>\n'
+            f"g ({', '.join(inputs)}) => ({outs}) <{', '.join(inits)}> {{\n  " + "\n  ".join(lines) + "\n}")
+    proto = parse(text)
+    if fp16:  # the parser takes no float16 literals: convert the tables after parsing
+        for i, init in enumerate(proto.graph.initializer):
+            if init.data_type == onnx.TensorProto.FLOAT:
+                arr = onnx.numpy_helper.to_array(init).astype(np.float16)
+                proto.graph.initializer[i].CopyFrom(onnx.numpy_helper.from_array(arr, init.name))
+        onnx.checker.check_model(proto)
+    return proto
+
+
+def _feeds(proto: onnx.ModelProto) -> dict[str, np.ndarray]:
+    feeds = feeds_for(proto, dims=DIMS)
+    rng = np.random.default_rng(1)
+    feeds["input_ids"] = rng.integers(0, VOCAB, feeds["input_ids"].shape).astype(np.int64)
+    if "position_ids" in feeds:
+        feeds["position_ids"] = rng.integers(0, MAXPOS, feeds["position_ids"].shape).astype(np.int64)
+    return feeds
+
+
+STATS = {"EmbedLayerNormFusion": 1, "EmbedLayerNormFusion.standard": 1}
+
+
+@pytest.mark.parametrize("order", ["wt+p", "p+tw"])
+def test_embed_layernorm_ort_implicit_positions(order):
+    proto = embed_model(order=order)
+    stats = {**STATS, "lowered.EmbedLayerNorm": 1, "embed_ids_int32": 2, "embed_implicit_positions": 1}
+    model = check_fusion(lowered(FuseEmbedLayerNormPass(), "ort"), proto, stats=stats, feeds=_feeds(proto),
+                         ops_left=["Cast", "Cast", "com.microsoft.EmbedLayerNormalization"])
+    node = next(n for n in model.graph if n.op_type == "EmbedLayerNormalization")
+    assert len(node.inputs) == 7  # no mask, no position_ids: the kernel's own 0 .. S-1
+    assert node.inputs[2].name == "word" and node.inputs[3].name == "pos" and node.inputs[4].name == "types"
+    assert node.attributes["epsilon"].value == pytest.approx(1e-12)
+
+
+def test_embed_layernorm_canonical_op_and_onnx_target():
+    proto = embed_model()
+    feeds = _feeds(proto)
+    model = check_fusion(FuseEmbedLayerNormPass(), proto, stats=STATS, feeds=feeds,
+                         ops_left=["Shape", "Gather", "Unsqueeze", "Slice", "mograph.EmbedLayerNorm"])
+    node = next(n for n in model.graph if n.op_type == "EmbedLayerNorm")
+    assert [v.name for v in node.inputs[:6]] == ["input_ids", "token_type_ids", "position_ids", "word", "types", "pos"]
+    # onnx, tensorrt: the standard ops again (which a second run would fuse again, as for every op lowered to them)
+    for target in ("onnx", "tensorrt"):
+        model, result = run_pass(lowered(FuseEmbedLayerNormPass(), target), proto)
+        assert result.stats == {**STATS, "lowered.EmbedLayerNorm": 1}
+        assert op_types(model) == ["Shape", "Gather", "Unsqueeze", "Slice", "Gather", "Gather", "Add", "Gather", "Add",
+                                   "LayerNormalization"]
+        assert_close(run_ort(proto, feeds), run_ort(to_proto(model), feeds), rel=1e-5)
+
+
+def test_embed_layernorm_reference_matches_function_body():
+    from mograph.passes.fusion.ops import embed_layer_norm
+
+    proto = embed_model(positions="input")
+    model = run_pass(FuseEmbedLayerNormPass(), proto)[0]
+    feeds = _feeds(proto)
+    (y,) = run_ort(to_proto(model), feeds)
+    t = {i.name: onnx.numpy_helper.to_array(i) for i in proto.graph.initializer}
+    ref = embed_layer_norm(feeds["input_ids"], feeds["token_type_ids"], feeds["position_ids"], t["word"], t["types"],
+                           t["pos"], t["gamma"], t["beta"], epsilon=1e-12)
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mask_dims,implicit", [("slice-mask", True), ("slice-mask-len", False)])
+def test_embed_layernorm_ort_positions_sliced_to_the_mask_length(mask_dims, implicit):
+    """dynamo slices the position buffer to ``Shape<start=1, end=2>(attention_mask)``: implicit positions when the
+    mask is declared with the ids' sequence dim, else the sliced ids go to the kernel."""
+    proto = embed_model(positions=mask_dims)
+    feeds = _feeds(proto)
+    feeds["attention_mask"] = np.ones((2, 5), dtype=np.int64)
+    stats = {**STATS, "lowered.EmbedLayerNorm": 1, "embed_ids_int32": 2 if implicit else 3}
+    # not provably [1, S]: expanded to the ids' shape for the kernel
+    stats.update({"embed_implicit_positions": 1} if implicit else {"embed_ids_expanded": 1, "embed_ids_shape": 1})
+    model = check_fusion(lowered(FuseEmbedLayerNormPass(), "ort"), proto, stats=stats, feeds=feeds)
+    node = next(n for n in model.graph if n.op_type == "EmbedLayerNormalization")
+    assert (len(node.inputs) == 7) == implicit
+
+
+def test_embed_layernorm_ort_position_ids_input_passed():
+    proto = embed_model(positions="input")
+    stats = {**STATS, "lowered.EmbedLayerNorm": 1, "embed_ids_int32": 3}
+    model = check_fusion(lowered(FuseEmbedLayerNormPass(), "ort"), proto, stats=stats, feeds=_feeds(proto),
+                         ops_left=["Cast", "Cast", "Cast", "com.microsoft.EmbedLayerNormalization"])
+    node = next(n for n in model.graph if n.op_type == "EmbedLayerNormalization")
+    assert node.inputs[7] is None and node.inputs[8].name == "position_ids_int32"
+
+
+def test_embed_layernorm_ort_positions_not_arange_kept():
+    """Constant [1, S] position ids that are not 0 .. S-1 go to the kernel (as an int32 initializer)."""
+    proto = embed_model(positions="reversed")
+    stats = {**STATS, "lowered.EmbedLayerNorm": 1, "embed_ids_int32": 3}
+    model = check_fusion(lowered(FuseEmbedLayerNormPass(), "ort"), proto, stats=stats, feeds=_feeds(proto),
+                         ops_left=["Cast", "Cast", "com.microsoft.EmbedLayerNormalization"])
+    node = next(n for n in model.graph if n.op_type == "EmbedLayerNormalization")
+    assert node.inputs[8].const_value is not None
+    assert node.inputs[8].const_value.numpy().tolist() == [[4, 2, 3, 0, 1]]
+
+
+def test_embed_layernorm_after_fuse_layernorm_fp16():
+    """A decomposed fp16 LayerNorm (``mograph.LayerNorm`` from fuse-layernorm) fuses too, and runs on ORT."""
+    proto = embed_model(fp16=True)
+    node = next(n for n in proto.graph.node if n.op_type == "LayerNormalization")
+    idx = list(proto.graph.node).index(node)
+    del proto.graph.node[idx]
+    decomposed = parse(
+        '<ir_version: 8, opset_import: ["" : 17]>\n'
+        f"ln (float16[batch,seq,{H}] s, float16[{H}] gamma, float16[{H}] beta) => (float16[batch,seq,{H}] y) "
+        "<float eps = {1e-12}, int64[1] ax = {-1}> {\n"
+        "  sf = Cast<to=1>(s)\n  m = ReduceMean<axes=[-1]>(sf)\n  d = Sub(sf, m)\n  dd = Mul(d, d)\n"
+        "  v = ReduceMean<axes=[-1]>(dd)\n  ve = Add(v, eps)\n  r = Sqrt(ve)\n  n = Div(d, r)\n"
+        "  nh = Cast<to=10>(n)\n  g = Mul(nh, gamma)\n  y = Add(g, beta)\n}")
+    proto.graph.node.extend(decomposed.graph.node)
+    proto.graph.initializer.extend(decomposed.graph.initializer)
+    onnx.checker.check_model(proto)
+    feeds = _feeds(proto)
+    fused, result = run_pass(Pipeline(FuseLayerNormPass(), lowered(FuseEmbedLayerNormPass(), "ort")), proto)
+    assert op_types(fused) == ["Cast", "Cast", "com.microsoft.EmbedLayerNormalization"]
+    assert result.stats["EmbedLayerNormFusion.mograph"] == 1
+    assert_close(run_ort(proto, feeds), run_ort(to_proto(fused), feeds), rel=5e-3)
+
+
+def test_embed_layernorm_near_miss_norm_not_over_last_axis():
+    result = assert_untouched(FuseEmbedLayerNormPass(explain=True), embed_model(axis=1))
+    (miss,) = result.details["rules"]["EmbedLayerNormFusion"]["near_miss_list"]
+    assert "is not over the last axis" in miss["reason"]
+
+
+def test_embed_layernorm_near_miss_partial_sum_read():
+    assert_untouched(FuseEmbedLayerNormPass(explain=True), embed_model(sum_read=True))
+
+
+def test_embed_layernorm_ort_segment_ids_expanded_when_shape_unproven():
+    """Token type ids of an unknown shape get ``Expand(ids, Shape(input_ids))`` before the kernel."""
+    proto = embed_model()
+    tt = next(i for i in proto.graph.input if i.name == "token_type_ids")
+    for d, name in zip(tt.type.tensor_type.shape.dim, ("b2", "s2")):
+        d.dim_param = name
+    feeds = _feeds(proto)
+    feeds["token_type_ids"] = np.random.default_rng(2).integers(0, TYPES, (2, 5)).astype(np.int64)
+    stats = {**STATS, "lowered.EmbedLayerNorm": 1, "embed_ids_int32": 2, "embed_implicit_positions": 1,
+             "embed_ids_expanded": 1, "embed_ids_shape": 1}
+    check_fusion(lowered(FuseEmbedLayerNormPass(), "ort"), proto, stats=stats, feeds=feeds,
+                 ops_left=["Shape", "Expand", "Cast", "Cast", "com.microsoft.EmbedLayerNormalization"])
+    broadcast = {**feeds, "token_type_ids": feeds["token_type_ids"][:1]}  # [1, S] against [B, S]
+    fused = run_pass(lowered(FuseEmbedLayerNormPass(), "ort"), proto)[0]
+    assert_close(run_ort(proto, broadcast), run_ort(to_proto(fused), broadcast), rel=1e-5)
+
+
+def test_embed_layernorm_ort_buffered_token_types_need_no_expand():
+    """``BertEmbeddings``' zero buffer, expanded to ``Shape(input_ids)`` (through torch's -1 -> 1 ``Where``), already
+    has the ids' shape: it goes to the kernel as it is."""
+    proto = embed_model(token_types="buffer")
+    stats = {**STATS, "lowered.EmbedLayerNorm": 1, "embed_ids_int32": 2, "embed_implicit_positions": 1}
+    model = check_fusion(lowered(FuseEmbedLayerNormPass(), "ort"), proto, stats=stats, feeds=_feeds(proto))
+    assert op_types(model).count("Expand") == 1  # the model's own
+
+
+@pytest.mark.parametrize("lower_first", [True, False])
+def test_embed_layernorm_fp16(lower_first):
+    """fp16 converts the op (lowered: ORT's schema; before lowering: float-generic), ids stay integer."""
+    from mograph.passes.quant._fp16_measure import keep_fp16_rounding
+    from mograph.passes.quant.fp16 import Fp16Pass
+
+    from mograph.lowering import LowerPass
+
+    proto = embed_model(positions="input")
+    model = run_pass(lowered(FuseEmbedLayerNormPass(), "ort" if lower_first else "mograph"), proto)[0]
+    calib = [_feeds(proto) for _ in range(4)]
+    for i, feeds in enumerate(calib):
+        feeds["input_ids"] = np.random.default_rng(20 + i).integers(0, VOCAB, (2, 5)).astype(np.int64)
+    result = Fp16Pass(calibration_data=calib).call(model)
+    assert result.stats["kept_fp32"] == 0 and result.stats["casts"] == 1  # the float32 output only
+    if not lower_first:
+        LowerPass(target="ort").call(model)
+    (node,) = [n for n in model.graph if n.op_type == "EmbedLayerNormalization"]
+    assert [v.dtype for v in node.inputs[2:7]] == [onnx.TensorProto.FLOAT16] * 5  # tables, gamma, beta
+    assert node.inputs[0].dtype == node.inputs[1].dtype == node.inputs[8].dtype == onnx.TensorProto.INT32
+    feeds = _feeds(proto)
+    got = run_ort(to_proto(keep_fp16_rounding(model)), feeds)
+    assert_close(run_ort(proto, feeds), got, rel=5e-3)
