@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from mograph.cli import CommandResult
-from mograph.cli._common import add_device_argument, example_path
+from mograph.cli._common import add_device_argument, add_feed_limit_argument, example_path
 from mograph.errors import UsageError
 from mograph.specs import parse_shapes
 
@@ -94,6 +94,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, metavar="N", help="size of dynamic leading (batch) dims (default 1)")
     p.add_argument("--feeds", metavar="FILE.npz", help="input feeds (keys are input names) instead of random ones")
     p.add_argument("--seed", type=int, default=0, help="seed of the random feeds (default 0)")
+    add_feed_limit_argument(p)
     p.add_argument("--warmup", type=int, default=10, metavar="N", help="untimed runs first (default 10)")
     p.add_argument("--iterations", type=int, default=100, metavar="N", help="timed runs (default 100)")
     p.add_argument(
@@ -246,7 +247,8 @@ def run(args: argparse.Namespace) -> CommandResult:
         import_runtime()  # not inside the memory measurement
     model = ir_io.load_model(src)
     feeds, info = make_feeds(
-        model, shapes=parse_shapes(args.shape), feeds=args.feeds, seed=args.seed, batch=args.batch or 1
+        model, shapes=parse_shapes(args.shape), feeds=args.feeds, seed=args.seed, batch=args.batch or 1,
+        limit_bytes=args.feed_limit,
     )
     batch = _batch_size(model, feeds, args.batch)
     del model

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from mograph.cli import CommandResult
-from mograph.cli._common import add_device_argument
+from mograph.cli._common import add_device_argument, add_feed_limit_argument
 from mograph.errors import VerificationError
 from mograph.specs import parse_shapes
 
@@ -36,6 +36,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--feeds", metavar="FILE.npz", help="input feeds (keys are input names) instead of random ones")
     p.add_argument("--seed", type=int, default=0, help="seed of the random feeds (default 0)")
+    add_feed_limit_argument(p)
     p.add_argument("--atol", type=float, help="absolute tolerance for floating outputs (overrides the table)")
     p.add_argument("--rtol", type=float, help="relative tolerance for floating outputs (overrides the table)")
     p.add_argument("--min-cosine", type=float, help="minimum cosine similarity for floating outputs")
@@ -115,6 +116,7 @@ def run(args: argparse.Namespace) -> CommandResult:
         shapes=parse_shapes(args.shape),
         feeds=args.feeds,
         seed=args.seed,
+        feed_limit=args.feed_limit,
         atol=args.atol,
         rtol=args.rtol,
         min_cosine=args.min_cosine,

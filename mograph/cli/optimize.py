@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from mograph.cli import CommandResult
-from mograph.cli._common import add_device_argument, default_output, example_path
+from mograph.cli._common import add_device_argument, add_feed_limit_argument, default_output, example_path
 from mograph.errors import MographError, UsageError, VerificationError
 from mograph.specs import parse_shapes
 
@@ -58,9 +58,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--feeds", metavar="FILE.npz", help="use these input feeds for verification instead of random ones")
     p.add_argument("--seed", type=int, default=0, help="seed of the random verification feeds (default 0)")
-    p.add_argument(
-        "--feed-limit", type=int, metavar="BYTES", help="largest total size of the random verification feeds (default 1 GiB)"
-    )
+    add_feed_limit_argument(p, "random verification feeds")
     p.add_argument("--report", metavar="FILE.json", help="write the full report (per-pass stats, timing, checks) as JSON")
     p.add_argument("--explain", action="store_true", help="show why rules did or did not apply (near misses and reasons)")
     p.add_argument(

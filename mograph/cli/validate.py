@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from mograph.cli import CommandResult
-from mograph.cli._common import add_device_argument, example_path
+from mograph.cli._common import add_device_argument, add_feed_limit_argument, example_path
 from mograph.errors import UsageError, VerificationError
 from mograph.specs import parse_shapes
 
@@ -89,6 +89,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--feeds", metavar="FILE.npz", help="use these input arrays instead of random ones")
     p.add_argument("--seed", type=int, default=0, help="seed of the random feeds (default 0)")
+    add_feed_limit_argument(p)
     p.add_argument("--atol", type=float, help="absolute tolerance for floating outputs (overrides the table)")
     p.add_argument("--rtol", type=float, help="relative tolerance for floating outputs (overrides the table)")
     p.add_argument("--min-cosine", type=float, help="minimum cosine similarity for floating outputs")
@@ -159,7 +160,7 @@ def run(args: argparse.Namespace) -> CommandResult:
 
     def make_verifier() -> Any:
         return Verifier(
-            str(reference), shapes=shapes, feeds=args.feeds, seed=args.seed,
+            str(reference), shapes=shapes, feeds=args.feeds, seed=args.seed, feed_limit=args.feed_limit,
             atol=args.atol, rtol=args.rtol, min_cosine=args.min_cosine,
         )
 
