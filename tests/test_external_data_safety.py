@@ -198,3 +198,106 @@ def test_inspect_resolves_external_data_against_the_model_folder(tmp_path, capsy
     assert code == 0
     assert data["warnings"] == []
     assert data["sizes"]["external_files"] == [{"location": "w.bin", "tensors": 1, "bytes": 48, "file_size": 48}]
+
+
+# --- sessions: what reaches ONNX Runtime is checked as load_model checks it ------------------------
+
+#: Sites whose model ONNX Runtime can run with no inputs (``y`` is the external tensor's bytes).
+RUNNABLE = ["initializer", "constant", "if-branch-constant", "subgraph-initializer", "function-constant"]
+
+
+@pytest.fixture
+def decoy(tmp_path: Path, monkeypatch) -> tuple[Path, bytes]:
+    """``tmp_path/model/w.bin`` holds the real bytes; the current directory holds a ``w.bin`` decoy."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    real = bytes(range(1, 9))
+    (folder / "w.bin").write_bytes(real)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    (cwd / "w.bin").write_bytes(b"\xee" * 8)
+    monkeypatch.chdir(cwd)
+    return folder, real
+
+
+def _session_output(source, **kwargs) -> bytes:
+    from mograph.backends import ort
+
+    session = ort.make_session(source, **kwargs)
+    return ort.run(session, {})["y"].tobytes()
+
+
+@pytest.mark.parametrize("form", ["bytes", "proto"])
+def test_session_from_bytes_refuses_external_data_unless_a_folder_is_named(decoy, form):
+    pytest.importorskip("onnxruntime")
+    folder, real = decoy
+    proto = hostile_model("constant", "w.bin", 8)
+    source = proto.SerializeToString() if form == "bytes" else proto
+    # Given to ONNX Runtime as bytes, 'w.bin' would be read from the current directory (the decoy).
+    with pytest.raises(ModelError, match="no folder to read it from"):
+        _session_output(source)
+    assert _session_output(source, base_dir=folder) == real
+    with pytest.raises(ModelError, match="outside the model's folder"):
+        _session_output(hostile_model("constant", "../cwd/w.bin", 8).SerializeToString(), base_dir=folder)
+
+
+def test_session_base_dir_applies_to_bytes_and_protos_only(decoy):
+    pytest.importorskip("onnxruntime")
+    from mograph.errors import UsageError
+
+    folder, _ = decoy
+    onnx.save(hostile_model("constant", "w.bin", 8), folder / "m.onnx")
+    with pytest.raises(UsageError, match="base_dir applies to"):
+        _session_output(str(folder / "m.onnx"), base_dir=folder)
+
+
+@pytest.mark.parametrize("site", RUNNABLE)
+def test_session_of_a_loaded_model_reads_its_folder_not_the_cwd(decoy, site):
+    """An ``onnx_ir.Model`` loaded from a path, and copies of it, read the model's folder, wherever the
+    tensor sits (ONNX Runtime given it as bytes would read a Constant's data from the cwd)."""
+    pytest.importorskip("onnxruntime")
+    from mograph import ir_io
+
+    folder, real = decoy
+    onnx.save(hostile_model(site, "w.bin", 8), folder / "m.onnx")
+    model = ir_io.load_model(folder / "m.onnx")
+    assert _session_output(model) == real
+    copy = ir_io.copy_model(model)
+    assert copy is not model and [t.base_dir for t in ir_io.external_tensors(copy)] == [str(folder.resolve())]
+    assert _session_output(copy) == real
+    assert _session_output(str(folder / "m.onnx")) == real
+
+
+def test_session_refuses_an_onnx_ir_model_whose_external_tensor_has_no_folder(decoy):
+    pytest.importorskip("onnxruntime")
+    import onnx_ir as ir
+
+    from mograph import ir_io
+
+    # A bare serialized round trip drops the folder: such a tensor would be read from the cwd.
+    model = ir.serde.deserialize_model(hostile_model("constant", "w.bin", 8))
+    assert [t.base_dir for t in ir_io.external_tensors(model)] == [""]
+    with pytest.raises(ModelError, match="no folder to read it from"):
+        _session_output(model)
+
+
+@pytest.mark.parametrize("kind", ["absolute", "parent", "symlink"])
+def test_session_from_a_path_refuses_external_data_outside_the_folder(layout, kind):
+    """Checked by mograph before ONNX Runtime sees the file (ONNX Runtime before 1.24 followed any location)."""
+    pytest.importorskip("onnxruntime")
+    path = layout / "m.onnx"
+    onnx.save(hostile_model("constant", _location(kind, layout), len(SECRET)), path)
+    with pytest.raises(ModelError, match="outside the model's folder"):
+        _session_output(str(path))
+
+
+def test_verifier_reference_reads_the_model_folder(decoy):
+    """``optimize --verify`` and ``diff`` compare against the model's real data, not a file in the cwd."""
+    pytest.importorskip("onnxruntime")
+    from mograph.validate import Verifier
+
+    folder, real = decoy
+    onnx.save(hostile_model("function-constant", "w.bin", 8), folder / "m.onnx")
+    verifier = Verifier(str(folder / "m.onnx"))
+    assert verifier.reference["y"].tobytes() == real
+    assert verifier.check(mograph.load(str(folder / "m.onnx")))["passed"]

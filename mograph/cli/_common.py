@@ -16,6 +16,9 @@ __all__ = [
     "add_device_argument",
     "DEVICE_HELP",
     "add_feed_limit_argument",
+    "add_tolerance_arguments",
+    "add_model_arguments",
+    "model_source",
 ]
 
 #: What ``--device`` means, in every command that has it.
@@ -65,8 +68,42 @@ def example_path(name: str) -> Path:
     return path
 
 
+def add_model_arguments(
+    parser: Any, model_help: str = "input .onnx file (or use --example)", verb: str = "use", example_help: str | None = None
+) -> None:
+    """``MODEL`` (optional) and ``--example NAME``: a command's input model; :func:`model_source` reads them."""
+    parser.add_argument("model", nargs="?", help=model_help)
+    parser.add_argument(
+        "--example",
+        metavar="NAME",
+        help=example_help or f"{verb} a model shipped with mograph: {', '.join(sorted(EXAMPLES))}",
+    )
+
+
+def model_source(args: Any) -> Path:
+    """The input model of :func:`add_model_arguments`: ``MODEL`` or ``--example NAME``, exactly one."""
+    if bool(args.model) == bool(args.example):
+        raise UsageError("give exactly one of MODEL or --example NAME")
+    return Path(args.model) if args.model else example_path(args.example)
+
+
 def default_output(src: Path, suffix: str = ".opt.onnx", cwd_for: bool = False) -> Path:
     """``model.onnx`` -> ``model.opt.onnx`` beside it (or in the current folder when ``cwd_for``)."""
     stem = src.name[:-5] if src.name.endswith(".onnx") else src.name
     folder = Path.cwd() if cwd_for else src.parent
     return folder / f"{stem}{suffix}"
+
+
+def add_tolerance_arguments(parser: Any, judged: str) -> None:
+    """``--atol``, ``--rtol``, ``--min-cosine`` and ``--family``: how the outputs of ``judged`` are judged
+    (:func:`mograph.validate.tolerance_for`)."""
+    parser.add_argument("--atol", type=float, help="absolute tolerance for floating outputs (overrides the table)")
+    parser.add_argument("--rtol", type=float, help="relative tolerance for floating outputs (overrides the table)")
+    parser.add_argument("--min-cosine", type=float, help="minimum cosine similarity for floating outputs")
+    parser.add_argument(
+        "--family",
+        action="append",
+        metavar="FAMILY",
+        help=f"judge {judged} as the output of passes of this family (cleanup, shape, fusion: tight; quant, prune: "
+        "cosine-based); repeatable, the loosest applies. Default: tight",
+    )

@@ -9,7 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from mograph.cli import CommandResult
-from mograph.cli._common import add_device_argument, add_feed_limit_argument, default_output, example_path
+from mograph.cli._common import (
+    add_device_argument,
+    add_feed_limit_argument,
+    add_model_arguments,
+    default_output,
+    model_source,
+)
 from mograph.errors import MographError, UsageError, VerificationError
 from mograph.specs import parse_shapes
 
@@ -29,8 +35,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "`mograph passes` lists passes and presets.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model", nargs="?", help="input .onnx file (or use --example)")
-    p.add_argument("--example", metavar="NAME", help="use a model shipped with mograph: bert-tiny, cnn-small")
+    add_model_arguments(p)
     p.add_argument("-o", "--output", help="output file (default: IN.opt.onnx beside the input); its folder must exist. "
                    "A model that fails --verify is kept as OUT.failed.onnx (exit 5)")
     p.add_argument("--passes", default="cleanup", help="comma-separated passes and presets, in order (default: cleanup); 'lower' (for --target) "
@@ -147,9 +152,7 @@ def run(args: argparse.Namespace) -> CommandResult:
 
     if getattr(args, "_registry_error", None) is not None:
         raise args._registry_error
-    if bool(args.model) == bool(args.example):
-        raise UsageError("give exactly one of MODEL or --example NAME")
-    src = Path(args.model) if args.model else example_path(args.example)
+    src = model_source(args)
     out = Path(args.output) if args.output else default_output(src, cwd_for=bool(args.example))
     if src.exists() and out.exists() and out.resolve() == src.resolve():
         raise UsageError(f"refusing to write over the input model {src}; choose another -o")

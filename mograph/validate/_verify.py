@@ -226,7 +226,7 @@ class Verifier:
             return model
         if not any(is_plugin_node(n) for n in ir.traversal.RecursiveGraphIterator(model.graph)):
             return model
-        copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+        copy = ir_io.copy_model(model)
         done, left = plugin_nodes_as_ops(copy, get_registry().custom_ops)
         check["plugin_nodes"] = done
         if left:
