@@ -93,7 +93,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
             "dest": f"opt_{key}",
             "default": None,
             "metavar": opt.metavar or key.upper(),
-            "help": f"{opt.help} [{', '.join(owners)}; default: {opt.default}]",
+            "help": f"{opt.help} [{', '.join(owners)}; default: {_shown(opt.default, opt.metavar)}]",
         }
         if opt.multiple:
             kwargs["action"] = "append"
@@ -102,6 +102,13 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
             kwargs.pop("metavar")
         group.add_argument(f"--{opt.name}", **kwargs)
     p.set_defaults(run=run)
+
+
+def _shown(default: Any, metavar: str | None) -> str:
+    """A pass option's default as a user writes it: ``yes``/``no`` for a yes|no option, not True/False."""
+    if isinstance(default, bool) and metavar and "yes" in metavar:
+        return "yes" if default else "no"
+    return str(default)
 
 
 class _Progress:
