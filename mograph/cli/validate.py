@@ -90,7 +90,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         help="tensorrt: optimization profile of a dynamic input (repeatable); default: the model's stored profiles",
     )
     p.add_argument(
-        "--shape", action="append", metavar="NAME:DIMS", help="shape of an input's feeds, e.g. input_ids:2x64"
+        "--shape", action="append", metavar="NAME:DIMS",
+        help="shape of an input's feeds, e.g. input_ids:2x64 (repeatable); other inputs: their --profile opt shape, else defaults",
     )
     p.add_argument("--feeds", metavar="FILE.npz", help="use these input arrays instead of random ones")
     p.add_argument("--seed", type=int, default=0, help="seed of the random feeds (default 0)")
