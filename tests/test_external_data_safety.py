@@ -301,3 +301,29 @@ def test_verifier_reference_reads_the_model_folder(decoy):
     verifier = Verifier(str(folder / "m.onnx"))
     assert verifier.reference["y"].tobytes() == real
     assert verifier.check(mograph.load(str(folder / "m.onnx")))["passed"]
+
+
+@pytest.mark.parametrize("kind", ["absolute", "parent", "symlink"])
+def test_ledger_hash_and_size_never_read_files_outside_the_folder(layout, kind):
+    """``mograph sweep``/``gate`` hash a model with its data files and record its size: only files inside
+    its folder count (the secret's size and bytes must not change either figure)."""
+    from mograph.workflow import metrics
+
+    path = layout / "m.onnx"
+    onnx.save(hostile_model("initializer", _location(kind, layout), len(SECRET)), path)
+    size, digest = metrics.file_size(path), metrics.hash_file(path)
+    assert size == path.stat().st_size
+    (layout.parent / "secret.bin").write_bytes(SECRET * 2)
+    assert metrics.file_size(path) == size and metrics.hash_file(path) == digest
+
+
+def test_ledger_hash_and_size_count_data_files_inside_the_folder(tmp_path):
+    from mograph.workflow import metrics
+
+    (tmp_path / "w.bin").write_bytes(b"\0" * 48)
+    path = tmp_path / "m.onnx"
+    onnx.save(hostile_model("initializer", "w.bin", 48), path)
+    assert metrics.file_size(path) == path.stat().st_size + 48
+    before = metrics.hash_file(path)
+    (tmp_path / "w.bin").write_bytes(b"\1" * 48)
+    assert metrics.hash_file(path) != before
