@@ -327,3 +327,20 @@ def test_ledger_hash_and_size_count_data_files_inside_the_folder(tmp_path):
     before = metrics.hash_file(path)
     (tmp_path / "w.bin").write_bytes(b"\1" * 48)
     assert metrics.hash_file(path) != before
+
+
+def test_output_check_loads_constant_external_data_from_the_folder(tmp_path, monkeypatch, capsys):
+    """The ONNX Runtime load check of ``optimize`` reads a Constant's external data from the model's
+    folder: a short file of the same name in the current directory must not make it fail."""
+    pytest.importorskip("onnxruntime")
+    from mograph import ir_io
+    from mograph.output_check import check_model_output
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    path, _values = _legit_constant_model(folder)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "weights.bin").write_bytes(b"\0" * 4)  # too short for the Constant
+    monkeypatch.chdir(elsewhere)
+    assert check_model_output(ir_io.load_model(path))["onnxruntime"].startswith("passed (loaded")
