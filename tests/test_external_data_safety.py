@@ -344,3 +344,23 @@ def test_output_check_loads_constant_external_data_from_the_folder(tmp_path, mon
     (elsewhere / "weights.bin").write_bytes(b"\0" * 4)  # too short for the Constant
     monkeypatch.chdir(elsewhere)
     assert check_model_output(ir_io.load_model(path))["onnxruntime"].startswith("passed (loaded")
+
+
+def test_check_model_file_reads_a_file_again_only_when_it_changed(tmp_path, monkeypatch):
+    """``make_session(path)`` checks the file first; one ``load_model`` already checked (``mograph bench``
+    loads the model before it measures session memory) is not parsed again, unless it changed since."""
+    from mograph import ir_io
+
+    (tmp_path / "w.bin").write_bytes(b"\0" * 8)
+    path = tmp_path / "m.onnx"
+    onnx.save(hostile_model("initializer", "w.bin", 8), path)
+    ir_io.load_model(path)
+    calls = []
+    real = ir_io.load_model
+    monkeypatch.setattr(ir_io, "load_model", lambda *a, **k: calls.append(a) or real(*a, **k))
+    ir_io.check_model_file(path)
+    assert calls == []
+    onnx.save(hostile_model("initializer", "../secret.bin", 8), path)  # replaced by an escaping one
+    with pytest.raises(ModelError, match="outside the model's folder"):
+        ir_io.check_model_file(path)
+    assert len(calls) == 1

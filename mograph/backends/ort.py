@@ -11,9 +11,11 @@ Two uses, two settings of ONNX Runtime's own graph optimizations:
 * **benchmarking** (``mograph bench``) runs with them **on** (``ORT_ENABLE_ALL``), which is what a
   deployment runs, unless asked otherwise.
 
-Models reach ONNX Runtime as bytes when they fit in one protobuf; a model above 2 GB, or one whose
-initializers live in external files, is written with external data into a temporary folder that lives
-as long as the session, and loaded from the path.
+Models reach ONNX Runtime as bytes when they fit in one protobuf; a model above 2 GB, or one with
+tensors in external files (initializers or attributes), is written with external data into a temporary
+folder that lives as long as the session, and loaded from the path.  External data goes through
+:mod:`mograph.ir_io`'s checks first, whatever form the model has: never read from outside the model's
+folder, nor from the current directory (bytes and protos have no folder: ``base_dir=`` names one).
 
 Types numpy does not have (bfloat16, float8) travel as ``ml_dtypes`` arrays: they are passed to and
 read back from ONNX Runtime through ``OrtValue`` s, which ``InferenceSession.run`` cannot do itself.
