@@ -13,20 +13,10 @@ when a function needs them)::
 
 from __future__ import annotations
 
+from mograph import errors as _errors
 from mograph.api import VerifyMode, list_passes, load, optimize, run_passes, save
 from mograph.custom_ops import CustomOp
-from mograph.errors import (
-    BackendUnavailableError,
-    InternalError,
-    ModelError,
-    MographError,
-    OptionError,
-    PassFailedError,
-    PluginError,
-    UnknownPassError,
-    UsageError,
-    VerificationError,
-)
+from mograph.errors import *  # noqa: F403 - every error type, listed once in mograph.errors.__all__
 from mograph.hookspecs import hookimpl
 from mograph.pass_infra import Option, Pass, PassManager, PassResult, PipelineReport, stamp
 
@@ -48,14 +38,5 @@ __all__ = [
     "stamp",
     "CustomOp",
     "hookimpl",
-    "MographError",
-    "UsageError",
-    "UnknownPassError",
-    "OptionError",
-    "ModelError",
-    "PassFailedError",
-    "VerificationError",
-    "PluginError",
-    "BackendUnavailableError",
-    "InternalError",
+    *_errors.__all__,  # every error type, as mograph.errors lists them
 ]

@@ -171,7 +171,7 @@ def _snapshot(model: ir.Model) -> ir.Model | None:
     except Exception as exc:  # noqa: BLE001 - onnx_ir's cloner refuses some graphs
         logger.debug("output check: Model.clone failed (%s); copying through a serialized model", exc)
         try:
-            return ir.serde.deserialize_model(ir.serde.serialize_model(model))
+            return ir_io.copy_model(model)
         except Exception as exc2:  # noqa: BLE001
             logger.debug("output check: no copy of the input to bisect with (%s)", exc2)
             return None

@@ -40,7 +40,19 @@ from mograph._model_checks import check_declarations
 from mograph._tempfiles import owned_tempdir
 from mograph.errors import ModelError, UsageError
 
-__all__ = ["ModelSource", "load_model", "save_model", "to_format", "model_size_bytes", "TWO_GB", "SOURCE_KEY"]
+__all__ = [
+    "ModelSource",
+    "load_model",
+    "save_model",
+    "to_format",
+    "model_size_bytes",
+    "copy_model",
+    "external_tensors",
+    "check_external_data",
+    "check_model_file",
+    "TWO_GB",
+    "SOURCE_KEY",
+]
 
 TWO_GB = 2**31
 
@@ -77,6 +89,73 @@ def _all_tensors(model: ir.Model) -> Iterator[tuple[str, ir.TensorProtocol]]:
                 elif attr.type == ir.AttributeType.TENSORS:
                     for tensor in attr.value:
                         yield label, tensor
+
+
+def external_tensors(model: ir.Model) -> list[ir.ExternalTensor]:
+    """Every tensor of ``model`` whose values live in an external file, wherever it sits."""
+    return [t for _, t in _all_tensors(model) if isinstance(t, ir.ExternalTensor)]
+
+
+def check_external_data(model: ir.Model, origin: str = "an onnx_ir.Model") -> None:
+    """Refuse an ``onnx_ir.Model`` whose external data lies outside its tensors' folders, or has no folder.
+
+    What :func:`load_model` checks for paths, bytes and protos, for a model that reaches a runtime
+    without going through it (``ir.ExternalTensor`` s built by hand, a copy that lost its folder):
+    a tensor without a folder would be read from the current directory.
+
+    Raises:
+        ModelError: a location that escapes its folder, or an external tensor with no folder.
+    """
+    _check_external_data(model, None, origin, exists=False)
+
+
+#: Model files whose external data :func:`load_model` found inside their folder, by resolved path:
+#: the file's (device, inode, size, mtime) then.  :func:`check_model_file` reads a file again only
+#: when it is not here or has changed since.
+_CHECKED_FILES: dict[str, tuple[int, int, int, int]] = {}
+
+
+def _stamp(path: Path) -> tuple[int, int, int, int]:
+    st = path.stat()
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def check_model_file(path: str | os.PathLike) -> None:
+    """Refuse a model file whose external data lies outside its folder, before a runtime reads it
+    itself (ONNX Runtime given the path; before 1.24 it followed any location).
+
+    The checks are :func:`load_model`'s; a file it already loaded, unchanged since, is not read again
+    (``mograph bench`` measures the memory of session creation).
+
+    Raises:
+        ModelError: the file is missing or unreadable, or its external data escapes its folder.
+    """
+    resolved = Path(path).resolve()
+    try:
+        if _CHECKED_FILES.get(str(resolved)) == _stamp(resolved):
+            return
+    except OSError:
+        pass  # load_model says what is wrong with the file
+    load_model(path, check=False)
+
+
+def copy_model(model: ir.Model) -> ir.Model:
+    """An independent copy of ``model`` through a serialized round trip, its external tensors still
+    reading from the folder the original's read from.
+
+    ``onnx_ir``'s serializer keeps an external tensor's location but not its folder (``base_dir``): a
+    bare round trip gives a copy that would resolve every location against the current directory,
+    reading whatever file of that name sits there.
+    """
+    copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    originals = [t for _, t in _all_tensors(model)]
+    copies = [t for _, t in _all_tensors(copy)]
+    if len(originals) != len(copies):  # the walk is the same on both: this would be an onnx_ir change
+        raise ModelError(f"copying the model changed its tensors ({len(originals)} -> {len(copies)})")
+    for original, copied in zip(originals, copies):
+        if isinstance(copied, ir.ExternalTensor):
+            copied.base_dir = original.base_dir if isinstance(original, ir.ExternalTensor) else ""
+    return copy
 
 
 def _check_external_data(model: ir.Model, base_dir: Path | None, origin: str, *, exists: bool) -> None:
@@ -367,6 +446,7 @@ def load_model(source: ModelSource, *, check: bool = True, base_dir: str | os.Pa
             raise ModelError(f"{path}: not an ONNX model (no graph found: truncated or another format?)")
         model = _from_proto(proto)
         model.meta[SOURCE_KEY] = str(path.resolve())
+        stamp = _stamp(path.resolve())
     elif isinstance(source, (bytes, bytearray)):
         origin = "bytes"
         try:
@@ -392,6 +472,8 @@ def load_model(source: ModelSource, *, check: bool = True, base_dir: str | os.Pa
     if check or not isinstance(source, ir.Model):
         _check_tensor_data(model)
         _check_external_data(model, folder, origin, exists=check)
+    if origin == "a path":
+        _CHECKED_FILES[str(model.meta[SOURCE_KEY])] = stamp  # taken before reading: a later change shows
     if check:
         _check_structure(model)
         check_declarations(model)
@@ -485,7 +567,7 @@ def save_model(
         raise
     finally:
         tmp.cleanup()
-    read_now = [Path(t.path) for t in _external_tensors(model)]
+    read_now = [Path(t.path) for t in external_tensors(model)]
     for stale in old_data:
         if stale != placed and not any(_same_file(stale, r) for r in read_now):
             with contextlib.suppress(OSError):
@@ -495,10 +577,6 @@ def save_model(
 
 #: ``model.meta`` key holding the resolved path a model was loaded from.
 SOURCE_KEY = "mograph.source_path"
-
-
-def _external_tensors(model: ir.Model) -> list[ir.ExternalTensor]:
-    return [t for _, t in _all_tensors(model) if isinstance(t, ir.ExternalTensor)]
 
 
 def _fresh_data_name(dest: Path) -> str:

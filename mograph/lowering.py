@@ -547,7 +547,7 @@ def lowered_for(model: Any, target: str, *, registry: Registry | None = None) ->
     if not has_custom_ops(ir_model, registry):
         return model, {}
     if ir_model is model:
-        ir_model = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+        ir_model = ir_io.copy_model(model)
     result = lower_model(ir_model, target, registry=registry)
     return ir_model, dict(result.stats)
 

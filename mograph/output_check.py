@@ -174,7 +174,11 @@ def _ort_skip_reason(model: ir.Model) -> str | None:
     total = sum(v.const_value.nbytes for v in _all_values(model) if v.const_value is not None)
     if total > ORT_MAX_BYTES:
         return f"{_size(total)} of weights (load limit {_size(ORT_MAX_BYTES)})"
-    folders = {str(v.const_value.base_dir) for v in _all_values(model) if isinstance(v.const_value, ir.ExternalTensor)}
+    from mograph import ir_io
+
+    # Every external tensor, tensor attributes too: as bytes, the model's locations would otherwise be
+    # resolved against the current directory.
+    folders = {str(t.base_dir) for t in ir_io.external_tensors(model)}
     if len(folders) > 1:
         return f"external data in {len(folders)} different folders"
     return None
@@ -183,7 +187,11 @@ def _ort_skip_reason(model: ir.Model) -> str | None:
 def _ort_load(model: ir.Model) -> None:
     import onnxruntime as ort
 
-    folders = {str(v.const_value.base_dir) for v in _all_values(model) if isinstance(v.const_value, ir.ExternalTensor)}
+    from mograph import ir_io
+
+    # Every external tensor, tensor attributes too: as bytes, the model's locations would otherwise be
+    # resolved against the current directory.
+    folders = {str(t.base_dir) for t in ir_io.external_tensors(model)}
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 4

@@ -261,7 +261,7 @@ def profile_model(
     if lowered:
         notes.append("fused custom ops were lowered for ONNX Runtime first: " + ", ".join(f"{k}={v}" for k, v in lowered.items()))
     if run_model is loaded:
-        run_model = ir.serde.deserialize_model(ir.serde.serialize_model(loaded)) if isinstance(model_path, ir.Model) else loaded
+        run_model = ir_io.copy_model(loaded) if isinstance(model_path, ir.Model) else loaded
     renamed = _named_copy(run_model)
     if renamed:
         notes.append("unnamed nodes were named <op_type>_<n> for the profile")
@@ -277,7 +277,7 @@ def profile_model(
             payload: Any = os.fspath(model_path)
         else:
             payload = os.path.join(tmp, "model.onnx")
-            ir.save(run_model, payload, external_data="model.onnx.data" if ort.needs_file(run_model) else None)
+            ir_io.save_model(run_model, payload, external_data=ort.needs_file(run_model))  # attributes' data too
         blocking = (kind == "cuda") if launch_blocking is None else bool(launch_blocking)
         args = (payload, feed_arrays, runs, warmup, device, optimizations, threads)
         if blocking:

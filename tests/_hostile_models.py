@@ -7,6 +7,8 @@ location hands the file's bytes to whatever folds or saves it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
@@ -57,11 +59,9 @@ def _tensors_attribute(location: str, size: int) -> onnx.ModelProto:
     return _model([const, node], extra_opsets=[helper.make_opsetid("x.custom", 1)])
 
 
-def _if_branch(location: str, size: int) -> onnx.ModelProto:
-    def branch(name: str, tensor: onnx.TensorProto) -> onnx.GraphProto:
-        node = helper.make_node("Constant", [], [f"{name}_out"], value=tensor)
-        return helper.make_graph([node], name, [], [helper.make_tensor_value_info(f"{name}_out", TensorProto.UINT8, None)])
-
+def _if_model(branch: Callable[[str, onnx.TensorProto], onnx.GraphProto], location: str, size: int) -> onnx.ModelProto:
+    """``y = If(True, then, else)``, each branch made by ``branch(name, tensor)``: ``then`` holds the
+    external tensor and is the one taken, ``else`` holds zeros."""
     zeros = helper.make_tensor("zeros", TensorProto.UINT8, [size], np.zeros(size, np.uint8))
     node = helper.make_node(
         "If",
@@ -72,24 +72,25 @@ def _if_branch(location: str, size: int) -> onnx.ModelProto:
     )
     cond = helper.make_tensor("cond", TensorProto.BOOL, [], [True])
     return _model([node], inits=[cond])
+
+
+def _constant_branch(name: str, tensor: onnx.TensorProto) -> onnx.GraphProto:
+    node = helper.make_node("Constant", [], [f"{name}_out"], value=tensor)
+    return helper.make_graph([node], name, [], [helper.make_tensor_value_info(f"{name}_out", TensorProto.UINT8, None)])
+
+
+def _initializer_branch(name: str, tensor: onnx.TensorProto) -> onnx.GraphProto:
+    node = helper.make_node("Identity", [tensor.name], [f"{name}_out"])
+    out = helper.make_tensor_value_info(f"{name}_out", TensorProto.UINT8, None)
+    return helper.make_graph([node], name, [], [out], initializer=[tensor])
+
+
+def _if_branch(location: str, size: int) -> onnx.ModelProto:
+    return _if_model(_constant_branch, location, size)
 
 
 def _subgraph_initializer(location: str, size: int) -> onnx.ModelProto:
-    def branch(name: str, tensor: onnx.TensorProto) -> onnx.GraphProto:
-        node = helper.make_node("Identity", [tensor.name], [f"{name}_out"])
-        out = helper.make_tensor_value_info(f"{name}_out", TensorProto.UINT8, None)
-        return helper.make_graph([node], name, [], [out], initializer=[tensor])
-
-    zeros = helper.make_tensor("zeros", TensorProto.UINT8, [size], np.zeros(size, np.uint8))
-    node = helper.make_node(
-        "If",
-        ["cond"],
-        ["y"],
-        then_branch=branch("then", external_tensor(location, size)),
-        else_branch=branch("else", zeros),
-    )
-    cond = helper.make_tensor("cond", TensorProto.BOOL, [], [True])
-    return _model([node], inits=[cond])
+    return _if_model(_initializer_branch, location, size)
 
 
 def _function(location: str, size: int) -> onnx.ModelProto:

@@ -499,3 +499,10 @@ def test_console_script_in_a_subprocess(workdir, case):
     assert proc.returncode == 3
     _assert_one_line(proc.stderr)
     assert proc.stdout == ""
+
+
+def test_the_package_exports_every_error_type():
+    import mograph.errors
+
+    for name in mograph.errors.__all__:
+        assert name in mograph.__all__ and getattr(mograph, name) is getattr(mograph.errors, name), name

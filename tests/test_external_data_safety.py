@@ -198,3 +198,169 @@ def test_inspect_resolves_external_data_against_the_model_folder(tmp_path, capsy
     assert code == 0
     assert data["warnings"] == []
     assert data["sizes"]["external_files"] == [{"location": "w.bin", "tensors": 1, "bytes": 48, "file_size": 48}]
+
+
+# --- sessions: what reaches ONNX Runtime is checked as load_model checks it ------------------------
+
+#: Sites whose model ONNX Runtime can run with no inputs (``y`` is the external tensor's bytes).
+RUNNABLE = ["initializer", "constant", "if-branch-constant", "subgraph-initializer", "function-constant"]
+
+
+@pytest.fixture
+def decoy(tmp_path: Path, monkeypatch) -> tuple[Path, bytes]:
+    """``tmp_path/model/w.bin`` holds the real bytes; the current directory holds a ``w.bin`` decoy."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    real = bytes(range(1, 9))
+    (folder / "w.bin").write_bytes(real)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    (cwd / "w.bin").write_bytes(b"\xee" * 8)
+    monkeypatch.chdir(cwd)
+    return folder, real
+
+
+def _session_output(source, **kwargs) -> bytes:
+    from mograph.backends import ort
+
+    session = ort.make_session(source, **kwargs)
+    return ort.run(session, {})["y"].tobytes()
+
+
+@pytest.mark.parametrize("form", ["bytes", "proto"])
+def test_session_from_bytes_refuses_external_data_unless_a_folder_is_named(decoy, form):
+    pytest.importorskip("onnxruntime")
+    folder, real = decoy
+    proto = hostile_model("constant", "w.bin", 8)
+    source = proto.SerializeToString() if form == "bytes" else proto
+    # Given to ONNX Runtime as bytes, 'w.bin' would be read from the current directory (the decoy).
+    with pytest.raises(ModelError, match="no folder to read it from"):
+        _session_output(source)
+    assert _session_output(source, base_dir=folder) == real
+    with pytest.raises(ModelError, match="outside the model's folder"):
+        _session_output(hostile_model("constant", "../cwd/w.bin", 8).SerializeToString(), base_dir=folder)
+
+
+def test_session_base_dir_applies_to_bytes_and_protos_only(decoy):
+    pytest.importorskip("onnxruntime")
+    from mograph.errors import UsageError
+
+    folder, _ = decoy
+    onnx.save(hostile_model("constant", "w.bin", 8), folder / "m.onnx")
+    with pytest.raises(UsageError, match="base_dir applies to"):
+        _session_output(str(folder / "m.onnx"), base_dir=folder)
+
+
+@pytest.mark.parametrize("site", RUNNABLE)
+def test_session_of_a_loaded_model_reads_its_folder_not_the_cwd(decoy, site):
+    """An ``onnx_ir.Model`` loaded from a path, and copies of it, read the model's folder, wherever the
+    tensor sits (ONNX Runtime given it as bytes would read a Constant's data from the cwd)."""
+    pytest.importorskip("onnxruntime")
+    from mograph import ir_io
+
+    folder, real = decoy
+    onnx.save(hostile_model(site, "w.bin", 8), folder / "m.onnx")
+    model = ir_io.load_model(folder / "m.onnx")
+    assert _session_output(model) == real
+    copy = ir_io.copy_model(model)
+    assert copy is not model and [t.base_dir for t in ir_io.external_tensors(copy)] == [str(folder.resolve())]
+    assert _session_output(copy) == real
+    assert _session_output(str(folder / "m.onnx")) == real
+
+
+def test_session_refuses_an_onnx_ir_model_whose_external_tensor_has_no_folder(decoy):
+    pytest.importorskip("onnxruntime")
+    import onnx_ir as ir
+
+    from mograph import ir_io
+
+    # A bare serialized round trip drops the folder: such a tensor would be read from the cwd.
+    model = ir.serde.deserialize_model(hostile_model("constant", "w.bin", 8))
+    assert [t.base_dir for t in ir_io.external_tensors(model)] == [""]
+    with pytest.raises(ModelError, match="no folder to read it from"):
+        _session_output(model)
+
+
+@pytest.mark.parametrize("kind", ["absolute", "parent", "symlink"])
+def test_session_from_a_path_refuses_external_data_outside_the_folder(layout, kind):
+    """Checked by mograph before ONNX Runtime sees the file (ONNX Runtime before 1.24 followed any location)."""
+    pytest.importorskip("onnxruntime")
+    path = layout / "m.onnx"
+    onnx.save(hostile_model("constant", _location(kind, layout), len(SECRET)), path)
+    with pytest.raises(ModelError, match="outside the model's folder"):
+        _session_output(str(path))
+
+
+def test_verifier_reference_reads_the_model_folder(decoy):
+    """``optimize --verify`` and ``diff`` compare against the model's real data, not a file in the cwd."""
+    pytest.importorskip("onnxruntime")
+    from mograph.validate import Verifier
+
+    folder, real = decoy
+    onnx.save(hostile_model("function-constant", "w.bin", 8), folder / "m.onnx")
+    verifier = Verifier(str(folder / "m.onnx"))
+    assert verifier.reference["y"].tobytes() == real
+    assert verifier.check(mograph.load(str(folder / "m.onnx")))["passed"]
+
+
+@pytest.mark.parametrize("kind", ["absolute", "parent", "symlink"])
+def test_ledger_hash_and_size_never_read_files_outside_the_folder(layout, kind):
+    """``mograph sweep``/``gate`` hash a model with its data files and record its size: only files inside
+    its folder count (the secret's size and bytes must not change either figure)."""
+    from mograph.workflow import metrics
+
+    path = layout / "m.onnx"
+    onnx.save(hostile_model("initializer", _location(kind, layout), len(SECRET)), path)
+    size, digest = metrics.file_size(path), metrics.hash_file(path)
+    assert size == path.stat().st_size
+    (layout.parent / "secret.bin").write_bytes(SECRET * 2)
+    assert metrics.file_size(path) == size and metrics.hash_file(path) == digest
+
+
+def test_ledger_hash_and_size_count_data_files_inside_the_folder(tmp_path):
+    from mograph.workflow import metrics
+
+    (tmp_path / "w.bin").write_bytes(b"\0" * 48)
+    path = tmp_path / "m.onnx"
+    onnx.save(hostile_model("initializer", "w.bin", 48), path)
+    assert metrics.file_size(path) == path.stat().st_size + 48
+    before = metrics.hash_file(path)
+    (tmp_path / "w.bin").write_bytes(b"\1" * 48)
+    assert metrics.hash_file(path) != before
+
+
+def test_output_check_loads_constant_external_data_from_the_folder(tmp_path, monkeypatch, capsys):
+    """The ONNX Runtime load check of ``optimize`` reads a Constant's external data from the model's
+    folder: a short file of the same name in the current directory must not make it fail."""
+    pytest.importorskip("onnxruntime")
+    from mograph import ir_io
+    from mograph.output_check import check_model_output
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    path, _values = _legit_constant_model(folder)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "weights.bin").write_bytes(b"\0" * 4)  # too short for the Constant
+    monkeypatch.chdir(elsewhere)
+    assert check_model_output(ir_io.load_model(path))["onnxruntime"].startswith("passed (loaded")
+
+
+def test_check_model_file_reads_a_file_again_only_when_it_changed(tmp_path, monkeypatch):
+    """``make_session(path)`` checks the file first; one ``load_model`` already checked (``mograph bench``
+    loads the model before it measures session memory) is not parsed again, unless it changed since."""
+    from mograph import ir_io
+
+    (tmp_path / "w.bin").write_bytes(b"\0" * 8)
+    path = tmp_path / "m.onnx"
+    onnx.save(hostile_model("initializer", "w.bin", 8), path)
+    ir_io.load_model(path)
+    calls = []
+    real = ir_io.load_model
+    monkeypatch.setattr(ir_io, "load_model", lambda *a, **k: calls.append(a) or real(*a, **k))
+    ir_io.check_model_file(path)
+    assert calls == []
+    onnx.save(hostile_model("initializer", "../secret.bin", 8), path)  # replaced by an escaping one
+    with pytest.raises(ModelError, match="outside the model's folder"):
+        ir_io.check_model_file(path)
+    assert len(calls) == 1

@@ -29,21 +29,27 @@ from mograph import hookspecs, plugins
 from mograph.cli import main
 from mograph.errors import PluginError
 
-GOOD = '''
+
+def _pass_plugin(cls: str, name: str, doc: str) -> str:
+    """Source of a plugin module whose one pass, ``cls`` called ``name``, changes nothing."""
+    return f'''
 import mograph
 
-class FakePass(mograph.Pass):
-    """Do nothing, from a third-party plugin."""
+class {cls}(mograph.Pass):
+    """{doc}"""
 
-    name = "fake-pass"
+    name = "{name}"
 
     def call(self, model):
         return mograph.PassResult(modified=False)
 
 @mograph.hookimpl
 def mograph_add_passes():
-    return [FakePass]
+    return [{cls}]
+'''
 
+
+GOOD = _pass_plugin("FakePass", "fake-pass", "Do nothing, from a third-party plugin.") + '''
 @mograph.hookimpl
 def mograph_add_presets():
     return {"fake-preset": ["cleanup", "fake-pass"]}
@@ -62,21 +68,7 @@ def mograph_add_passes():
     raise RuntimeError("registry exploded")
 '''
 
-DUPLICATE = '''
-import mograph
-
-class MyCse(mograph.Pass):
-    """Another pass called cse."""
-
-    name = "cse"
-
-    def call(self, model):
-        return mograph.PassResult(modified=False)
-
-@mograph.hookimpl
-def mograph_add_passes():
-    return [MyCse]
-'''
+DUPLICATE = _pass_plugin("MyCse", "cse", "Another pass called cse.")
 
 
 def write_plugin(site: Path, plugin: str, source: str | None, *, target: str | None = None) -> str:

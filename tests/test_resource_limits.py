@@ -7,6 +7,7 @@ limit (``_limited_cli``), so a regression fails the test instead of the machine.
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
@@ -193,3 +194,45 @@ def test_verification_feeds_past_the_limit_are_a_usage_error(tmp_path):
         assert len(lines) == 1 and "past the limit" in lines[0] and given_by in lines[0], (case, lines)
     assert results["within"]["code"] == 0, results["within"]
     assert "verify: " in results["within"]["stdout"]
+
+
+def test_every_command_that_makes_random_feeds_bounds_them(tmp_path):
+    """``validate``, ``diff`` and ``bench`` take ``--feed-limit`` as ``optimize`` does, and default to 1 GiB."""
+    pytest.importorskip("onnxruntime")
+    onnx.save(_feed_model(["n", "m"]), tmp_path / "dyn.onnx")
+    dyn = str(tmp_path / "dyn.onnx")
+    commands = {
+        "validate": ["validate", dyn, "--backend", "ort"],
+        "diff": ["diff", dyn, dyn],
+        "bench": ["bench", dyn, "--iterations", "1", "--warmup", "0"],
+    }
+    jobs = []
+    for name, argv in commands.items():
+        jobs += [
+            {"id": f"{name}-default", "argv": [*argv, "--shape", "x:100000x100000"]},
+            {"id": f"{name}-own", "argv": [*argv, "--shape", "x:2x3", "--feed-limit", "16"]},
+            {"id": f"{name}-within", "argv": [*argv, "--shape", "x:2x3", "--feed-limit", "24"]},
+            {"id": f"{name}-negative", "argv": [*argv, "--shape", "x:2x3", "--feed-limit", "-1"]},
+        ]
+    results = run_cli_jobs(jobs)
+    for name in commands:
+        for case, limit in (("default", f"{1 << 30:,}"), ("own", "16")):
+            result = results[f"{name}-{case}"]
+            assert result["code"] == 2, (name, case, result)
+            lines = result["stderr"].strip().splitlines()
+            assert len(lines) == 1 and f"past the limit of {limit}" in lines[0], (name, case, lines)
+        assert results[f"{name}-within"]["code"] == 0, (name, results[f"{name}-within"])
+        negative = results[f"{name}-negative"]
+        assert negative["code"] == 2 and "--feed-limit" in negative["stderr"], (name, negative)
+
+
+def test_feed_limit_help_states_the_real_default():
+    from mograph.cli import build_parser
+    from mograph.validate import FEED_LIMIT_BYTES
+
+    assert FEED_LIMIT_BYTES == 1 << 30  # the help below says "1 GiB"
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name in ("optimize", "validate", "diff", "bench"):
+        text = sub.choices[name].format_help()
+        assert "--feed-limit BYTES" in text and "default 1 GiB" in " ".join(text.split()), name

@@ -52,65 +52,22 @@ _i64 = ctypes.c_int64
 _f = ctypes.c_float
 _u32 = ctypes.c_uint32
 
+#: Type of each scalar parameter, by name (the header uses one name for one meaning); the rest are
+#: device pointers (``void*``; the stream is a ``cudaStream_t``, passed as a pointer-sized int).
+_SCALARS: dict[str, type] = {"rows": _i64, "hidden": _i64, "n": _i64, "eps": _f, "flags": _u32}
+
+
+def _params(names: str) -> list[tuple[str, type]]:
+    return [(name, _SCALARS.get(name, _p)) for name in names.split()]
+
+
 OPS: dict[str, list[tuple[str, type]]] = {
-    "layer_norm": [
-        ("x", _p),
-        ("gamma", _p),
-        ("beta", _p),
-        ("y", _p),
-        ("rows", _i64),
-        ("hidden", _i64),
-        ("eps", _f),
-        ("flags", _u32),
-        ("stream", _p),
-    ],
-    "rms_norm": [
-        ("x", _p),
-        ("gamma", _p),
-        ("y", _p),
-        ("rows", _i64),
-        ("hidden", _i64),
-        ("eps", _f),
-        ("flags", _u32),
-        ("stream", _p),
-    ],
-    "skip_layer_norm": [
-        ("x", _p),
-        ("skip", _p),
-        ("bias", _p),
-        ("gamma", _p),
-        ("beta", _p),
-        ("y", _p),
-        ("sum_out", _p),
-        ("rows", _i64),
-        ("hidden", _i64),
-        ("eps", _f),
-        ("flags", _u32),
-        ("stream", _p),
-    ],
-    "skip_rms_norm": [
-        ("x", _p),
-        ("skip", _p),
-        ("bias", _p),
-        ("gamma", _p),
-        ("y", _p),
-        ("sum_out", _p),
-        ("rows", _i64),
-        ("hidden", _i64),
-        ("eps", _f),
-        ("flags", _u32),
-        ("stream", _p),
-    ],
-    "gelu": [("x", _p), ("y", _p), ("n", _i64), ("flags", _u32), ("stream", _p)],
-    "bias_gelu": [
-        ("x", _p),
-        ("bias", _p),
-        ("y", _p),
-        ("rows", _i64),
-        ("hidden", _i64),
-        ("flags", _u32),
-        ("stream", _p),
-    ],
+    "layer_norm": _params("x gamma beta y rows hidden eps flags stream"),
+    "rms_norm": _params("x gamma y rows hidden eps flags stream"),
+    "skip_layer_norm": _params("x skip bias gamma beta y sum_out rows hidden eps flags stream"),
+    "skip_rms_norm": _params("x skip bias gamma y sum_out rows hidden eps flags stream"),
+    "gelu": _params("x y n flags stream"),
+    "bias_gelu": _params("x bias y rows hidden flags stream"),
 }
 """Per op: the parameters of ``mograph_<op>_<dtype>`` in order, as (name, ctypes type)."""
 

@@ -11,9 +11,11 @@ Two uses, two settings of ONNX Runtime's own graph optimizations:
 * **benchmarking** (``mograph bench``) runs with them **on** (``ORT_ENABLE_ALL``), which is what a
   deployment runs, unless asked otherwise.
 
-Models reach ONNX Runtime as bytes when they fit in one protobuf; a model above 2 GB, or one whose
-initializers live in external files, is written with external data into a temporary folder that lives
-as long as the session, and loaded from the path.
+Models reach ONNX Runtime as bytes when they fit in one protobuf; a model above 2 GB, or one with
+tensors in external files (initializers or attributes), is written with external data into a temporary
+folder that lives as long as the session, and loaded from the path.  External data goes through
+:mod:`mograph.ir_io`'s checks first, whatever form the model has: never read from outside the model's
+folder, nor from the current directory (bytes and protos have no folder: ``base_dir=`` names one).
 
 Types numpy does not have (bfloat16, float8) travel as ``ml_dtypes`` arrays: they are passed to and
 read back from ONNX Runtime through ``OrtValue`` s, which ``InferenceSession.run`` cannot do itself.
@@ -139,45 +141,66 @@ def _initializer_values(model: ir.Model) -> list[ir.Value]:
 
 
 def needs_file(model: ir.Model) -> bool:
-    """Whether ``model`` must reach ONNX Runtime as a file: above 2 GB, or with external tensors."""
+    """Whether ``model`` must reach ONNX Runtime as a file: above 2 GB, or with external tensors
+    (initializers or tensor attributes: as bytes, ONNX Runtime would read them from the current directory)."""
+    from mograph import ir_io
+
+    if ir_io.external_tensors(model):
+        return True
     total = 0
     for value in _initializer_values(model):
         tensor = value.const_value
-        if tensor is None:
-            continue
-        if isinstance(tensor, ir.ExternalTensor):
-            return True
-        total += tensor.nbytes
+        if tensor is not None:
+            total += tensor.nbytes
     return total >= _PROTO_LIMIT
 
 
 def _save_to_temp(model: ir.Model) -> tuple[str, OwnedTempDir]:
     # A locked folder: removed with the session, on an exception (SIGTERM included, in the CLI), or by
     # the next run if this process is killed outright.
+    from mograph import ir_io
+
     tmp = owned_tempdir("mograph-ort-")
     try:
         path = os.path.join(tmp.name, "model.onnx")
-        ir.save(model, path, external_data="model.onnx.data")
+        ir_io.save_model(model, path, external_data=True)  # tensor attributes' external data too
     except BaseException:
         tmp.cleanup()
         raise
     return path, tmp
 
 
-def _model_payload(model: Any) -> tuple[str | bytes, OwnedTempDir | None]:
-    """What ``InferenceSession`` gets: a path or bytes, and the temp folder to keep alive, if any."""
+def _model_payload(model: Any, base_dir: str | os.PathLike | None = None) -> tuple[str | bytes, OwnedTempDir | None]:
+    """What ``InferenceSession`` gets: a path or bytes, and the temp folder to keep alive, if any.
+
+    External data goes through the checks of :mod:`mograph.ir_io` whatever form the model has: a
+    path's is read from its own folder only; bytes and a ``ModelProto`` have no folder, so theirs is
+    refused unless ``base_dir`` names one (given to ONNX Runtime as bytes, it would be read from the
+    current directory); an ``onnx_ir.Model``'s tensors must each have a folder, and stay inside it.
+    """
+    from mograph import ir_io
+
+    if base_dir is not None and not isinstance(model, (bytes, bytearray, onnx.ModelProto)):
+        raise UsageError(
+            "base_dir applies to a model given as bytes or an onnx.ModelProto (a path reads its external "
+            "data from its own folder, an onnx_ir.Model's tensors from theirs)"
+        )
     if isinstance(model, (str, os.PathLike)):
         path = Path(model)
         if not path.is_file():
             raise ModelError(f"{path}: no such file")
+        ir_io.check_model_file(path)  # external data outside the model's folder: ModelError
         return str(path), None
-    if isinstance(model, (bytes, bytearray)):
-        return bytes(model), None
-    if isinstance(model, onnx.ModelProto):
-        if model.ByteSize() < _PROTO_LIMIT:
-            return model.SerializeToString(), None
-        model = ir.serde.deserialize_model(model)
+    if isinstance(model, (bytes, bytearray, onnx.ModelProto)):
+        loaded = ir_io.load_model(model, check=False, base_dir=base_dir)  # no folder: external data refused
+        if not ir_io.external_tensors(loaded):
+            if isinstance(model, (bytes, bytearray)):
+                return bytes(model), None
+            if model.ByteSize() < _PROTO_LIMIT:
+                return model.SerializeToString(), None
+        model = loaded  # external data read from base_dir, written into a temporary folder with the model
     if isinstance(model, ir.Model):
+        ir_io.check_external_data(model)
         if needs_file(model):
             return _save_to_temp(model)
         try:
@@ -289,12 +312,15 @@ def make_session(
     free_dims: Mapping[str, int] | None = None,
     profile_prefix: str | None = None,
     tf32: bool | None = None,
+    base_dir: str | os.PathLike | None = None,
 ) -> Any:
     """Create an ``onnxruntime.InferenceSession``.
 
     Args:
         model_or_path: a path to an ``.onnx`` file (its external data is read beside it), bytes,
-            an ``onnx.ModelProto`` or an ``onnx_ir.Model``.
+            an ``onnx.ModelProto`` or an ``onnx_ir.Model``.  External data is checked as
+            :func:`mograph.ir_io.load_model` checks it: never read from outside the model's folder,
+            nor from the current directory.
         optimizations: ONNX Runtime's own graph optimizations: ``False`` (``ORT_DISABLE_ALL``,
             for numeric checks) or ``True`` (``ORT_ENABLE_ALL``, what deployments run).
         threads: intra-op threads (``None``: ONNX Runtime's default, one per core).
@@ -308,13 +334,16 @@ def make_session(
         profile_prefix: turn ONNX Runtime's profiler on, writing ``<prefix>_<time>.json``.
         tf32: TensorFloat-32 float32 MatMuls on CUDA (``None``: off for numeric checks, ONNX Runtime's
             default, on, otherwise).
+        base_dir: the folder the external data of a model given as bytes or a ``ModelProto`` is read
+            from (they have none of their own: without it, their external data is refused).
 
     Raises:
         BackendUnavailableError: onnxruntime is not installed; exit code 7 too when ``device="cuda"``
             and this onnxruntime has no CUDA provider, or the provider did not start (libraries).
         UsageError: a requested execution provider is not available, or options that do not go together.
         CudaGraphRefused: ONNX Runtime refused the CUDA graph for this model.
-        ModelError: ONNX Runtime refuses the model (the message is ONNX Runtime's).
+        ModelError: ONNX Runtime refuses the model (the message is ONNX Runtime's), or its external
+            data lies outside its folder or has no folder.
     """
     ort = import_ort()
     kind, device_id = parse_device(device)
@@ -353,7 +382,7 @@ def make_session(
                 f"execution provider(s) {missing} not available in this onnxruntime; "
                 f"available: {', '.join(ort.get_available_providers())}"
             )
-    payload, tmp = _model_payload(model_or_path)
+    payload, tmp = _model_payload(model_or_path, base_dir)
     try:
         session = ort.InferenceSession(payload, sess_options=opts, providers=chosen)
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own unrelated exception types

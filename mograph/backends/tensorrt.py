@@ -371,9 +371,9 @@ def build_engine(
         from mograph.lowering import lower_model
 
         if ir_model is model:  # the caller's model: work on a copy
-            import onnx_ir as ir
+            from mograph import ir_io
 
-            ir_model = ir.serde.deserialize_model(ir.serde.serialize_model(ir_model))
+            ir_model = ir_io.copy_model(ir_model)
         lowered = dict(lower_model(ir_model, "tensorrt").stats)
         source_path = None  # parse the lowered copy
     problems = _plugin_node_problems(ir_model)

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from mograph.cli import CommandResult
-from mograph.cli._common import add_device_argument, example_path
+from mograph.cli._common import add_device_argument, add_feed_limit_argument, add_model_arguments, model_source
 from mograph.errors import UsageError
 from mograph.specs import parse_shapes
 
@@ -61,8 +61,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "the run as a CUDA graph; --profile shows where the time goes (per op type, top nodes, CUDA kernels, "
         "decomposed LayerNorm/GELU/attention).",
     )
-    p.add_argument("model", nargs="?", help="the .onnx file (or use --example)")
-    p.add_argument("--example", metavar="NAME", help="benchmark a model shipped with mograph: bert-tiny, cnn-small")
+    add_model_arguments(p, "the .onnx file (or use --example)", verb="benchmark")
     p.add_argument("--backend", default="ort", metavar="NAME", help="registered backend to run on (default: ort)")
     p.add_argument(
         "--provider",
@@ -94,6 +93,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, metavar="N", help="size of dynamic leading (batch) dims (default 1)")
     p.add_argument("--feeds", metavar="FILE.npz", help="input feeds (keys are input names) instead of random ones")
     p.add_argument("--seed", type=int, default=0, help="seed of the random feeds (default 0)")
+    add_feed_limit_argument(p)
     p.add_argument("--warmup", type=int, default=10, metavar="N", help="untimed runs first (default 10)")
     p.add_argument("--iterations", type=int, default=100, metavar="N", help="timed runs (default 100)")
     p.add_argument(
@@ -216,8 +216,7 @@ def run(args: argparse.Namespace) -> CommandResult:
     from mograph.plugins import get_registry
     from mograph.validate import make_feeds
 
-    if bool(args.model) == bool(args.example):
-        raise UsageError("give exactly one of MODEL or --example NAME")
+    src = model_source(args)
     if args.iterations < 1 or args.warmup < 0:
         raise UsageError("--iterations must be at least 1 and --warmup at least 0")
     if args.batch is not None and args.batch < 1:
@@ -226,7 +225,6 @@ def run(args: argparse.Namespace) -> CommandResult:
         raise UsageError("--top and --profile-runs must be at least 1")
     if args.device and args.provider:
         raise UsageError("give --device or --provider, not both (--device cuda picks the CUDA provider)")
-    src = Path(args.model) if args.model else example_path(args.example)
     backend = get_backend(get_registry(args.block_plugin).backends, args.backend, job="bench")
     runner_options = check_device(backend, args.device)
     device = runner_options.get("device", "cpu")
@@ -246,7 +244,8 @@ def run(args: argparse.Namespace) -> CommandResult:
         import_runtime()  # not inside the memory measurement
     model = ir_io.load_model(src)
     feeds, info = make_feeds(
-        model, shapes=parse_shapes(args.shape), feeds=args.feeds, seed=args.seed, batch=args.batch or 1
+        model, shapes=parse_shapes(args.shape), feeds=args.feeds, seed=args.seed, batch=args.batch or 1,
+        limit_bytes=args.feed_limit,
     )
     batch = _batch_size(model, feeds, args.batch)
     del model

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mograph.cli import CommandResult
-from mograph.cli._common import example_path
+from mograph.cli._common import add_model_arguments, model_source
 from mograph.errors import MographError, UsageError
 
 __all__ = ["add_parser", "run"]
@@ -32,8 +32,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         epilog="example: mograph build bert.onnx -o bert.engine --profile input_ids:1x16,8x128,32x512 "
         "--profile attention_mask:1x16,8x128,32x512",
     )
-    p.add_argument("model", nargs="?", help="input .onnx file (or use --example)")
-    p.add_argument("--example", metavar="NAME", help="use a model shipped with mograph: bert-tiny, cnn-small")
+    add_model_arguments(p)
     p.add_argument(
         "--backend",
         default="tensorrt",
@@ -112,9 +111,7 @@ def run(args: argparse.Namespace) -> CommandResult:
     from mograph.plugins import get_registry
 
     backend = get_backend(get_registry(args.block_plugin).backends, args.backend, job="build", needs_build=True)
-    if bool(args.model) == bool(args.example):
-        raise UsageError("give exactly one of MODEL or --example NAME")
-    src = Path(args.model) if args.model else example_path(args.example)
+    src = model_source(args)
     if args.output:
         out = Path(args.output)
     else:

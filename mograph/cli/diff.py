@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from mograph.cli import CommandResult
-from mograph.cli._common import add_device_argument
+from mograph.cli._common import add_device_argument, add_feed_limit_argument, add_tolerance_arguments
 from mograph.errors import VerificationError
 from mograph.specs import parse_shapes
 
@@ -36,16 +36,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--feeds", metavar="FILE.npz", help="input feeds (keys are input names) instead of random ones")
     p.add_argument("--seed", type=int, default=0, help="seed of the random feeds (default 0)")
-    p.add_argument("--atol", type=float, help="absolute tolerance for floating outputs (overrides the table)")
-    p.add_argument("--rtol", type=float, help="relative tolerance for floating outputs (overrides the table)")
-    p.add_argument("--min-cosine", type=float, help="minimum cosine similarity for floating outputs")
-    p.add_argument(
-        "--family",
-        action="append",
-        metavar="FAMILY",
-        help="judge B as the output of passes of this family: cleanup, shape, fusion (tight), quant, prune "
-        "(cosine-based); repeatable, the loosest applies",
-    )
+    add_feed_limit_argument(p)
+    add_tolerance_arguments(p, "B")
     p.add_argument("--threads", type=int, metavar="N", help="ONNX Runtime intra-op threads")
     add_device_argument(
         p,
@@ -115,6 +107,7 @@ def run(args: argparse.Namespace) -> CommandResult:
         shapes=parse_shapes(args.shape),
         feeds=args.feeds,
         seed=args.seed,
+        feed_limit=args.feed_limit,
         atol=args.atol,
         rtol=args.rtol,
         min_cosine=args.min_cosine,

@@ -8,7 +8,7 @@ from typing import Any
 
 from mograph.cli import CommandResult
 from mograph.workflow.gate import DEFAULT_MAX_ACCURACY_DROP, DEFAULT_MAX_LATENCY_INCREASE
-from mograph.workflow.ledger import DEFAULT_LEDGER, LEDGER_HELP
+from mograph.workflow.ledger import DEFAULT_LEDGER
 
 __all__ = ["add_parser", "run"]
 
@@ -28,7 +28,13 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "2: the ledger, baseline model or evaluation set is missing or changed; 3: the candidate is not a valid model.",
     )
     p.add_argument("candidate", metavar="CANDIDATE.onnx", help="the model to gate")
-    p.add_argument("--ledger", default=DEFAULT_LEDGER, metavar="PATH", help=LEDGER_HELP)
+    p.add_argument(
+        "--ledger",
+        default=DEFAULT_LEDGER,
+        metavar="PATH",
+        help=f"the ledger to gate against: a file path or sqlite:///PATH (default {DEFAULT_LEDGER}); it must exist "
+        "(never created, --record included)",
+    )
     p.add_argument("--baseline", metavar="ID|NAME",
                    help="the ledger row to compare with (default: the newest unoptimized baseline row)")
     p.add_argument("--max-accuracy-drop", type=float, default=DEFAULT_MAX_ACCURACY_DROP, metavar="X",
@@ -51,6 +57,9 @@ def run(args: argparse.Namespace) -> CommandResult:
 
     latency = parse_percent(args.max_latency_increase)
     bar = ProgressBar(enabled=not (args.quiet or args.json), prefix="gate")
+    if args.record:  # a row is added to the ledger gated against: a missing one is an error, not a new file
+        with open_ledger(args.ledger, readonly=True):
+            pass
     with open_ledger(args.ledger, readonly=not args.record) as ledger:
         try:
             result = run_gate(

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from mograph.cli import CommandResult
-from mograph.cli._common import example_path
+from mograph.cli._common import add_model_arguments, model_source
 from mograph.errors import UsageError
 
 __all__ = ["add_parser", "run"]
@@ -23,8 +22,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "parameter count (initializer elements plus Constant-node tensors) and sizes (file, initializers, "
         "external data). External data is never read: sizes come from tensor metadata and the file system.",
     )
-    p.add_argument("model", nargs="?", help="the .onnx file (or use --example)")
-    p.add_argument("--example", metavar="NAME", help="inspect a model shipped with mograph: bert-tiny, cnn-small")
+    add_model_arguments(p, "the .onnx file (or use --example)", verb="inspect")
     p.add_argument("--top", type=int, metavar="N", help="show only the N most frequent op types")
     p.set_defaults(run=run)
 
@@ -32,10 +30,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> CommandResult:
     from mograph.inspect import format_summary, summarize
 
-    if bool(args.model) == bool(args.example):
-        raise UsageError("give exactly one of MODEL or --example NAME")
+    src = model_source(args)
     if args.top is not None and args.top < 1:
         raise UsageError("--top must be at least 1")
-    src = Path(args.model) if args.model else example_path(args.example)
     summary = summarize(src)
     return CommandResult(data=summary, text=format_summary(summary, top=args.top))

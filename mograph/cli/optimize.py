@@ -9,7 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from mograph.cli import CommandResult
-from mograph.cli._common import add_device_argument, default_output, example_path
+from mograph.cli._common import (
+    add_device_argument,
+    add_feed_limit_argument,
+    add_model_arguments,
+    default_output,
+    model_source,
+)
 from mograph.errors import MographError, UsageError, VerificationError
 from mograph.specs import parse_shapes
 
@@ -29,8 +35,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "`mograph passes` lists passes and presets.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model", nargs="?", help="input .onnx file (or use --example)")
-    p.add_argument("--example", metavar="NAME", help="use a model shipped with mograph: bert-tiny, cnn-small")
+    add_model_arguments(p)
     p.add_argument("-o", "--output", help="output file (default: IN.opt.onnx beside the input); its folder must exist. "
                    "A model that fails --verify is kept as OUT.failed.onnx (exit 5)")
     p.add_argument("--passes", default="cleanup", help="comma-separated passes and presets, in order (default: cleanup); 'lower' (for --target) "
@@ -58,9 +63,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--feeds", metavar="FILE.npz", help="use these input feeds for verification instead of random ones")
     p.add_argument("--seed", type=int, default=0, help="seed of the random verification feeds (default 0)")
-    p.add_argument(
-        "--feed-limit", type=int, metavar="BYTES", help="largest total size of the random verification feeds (default 1 GiB)"
-    )
+    add_feed_limit_argument(p, "random verification feeds")
     p.add_argument("--report", metavar="FILE.json", help="write the full report (per-pass stats, timing, checks) as JSON")
     p.add_argument("--explain", action="store_true", help="show why rules did or did not apply (near misses and reasons)")
     p.add_argument(
@@ -90,7 +93,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
             "dest": f"opt_{key}",
             "default": None,
             "metavar": opt.metavar or key.upper(),
-            "help": f"{opt.help} [{', '.join(owners)}; default: {opt.default}]",
+            "help": f"{opt.help} [{', '.join(owners)}; default: {_shown(opt.default, opt.metavar)}]",
         }
         if opt.multiple:
             kwargs["action"] = "append"
@@ -99,6 +102,13 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
             kwargs.pop("metavar")
         group.add_argument(f"--{opt.name}", **kwargs)
     p.set_defaults(run=run)
+
+
+def _shown(default: Any, metavar: str | None) -> str:
+    """A pass option's default as a user writes it: ``yes``/``no`` for a yes|no option, not True/False."""
+    if isinstance(default, bool) and metavar and "yes" in metavar:
+        return "yes" if default else "no"
+    return str(default)
 
 
 class _Progress:
@@ -149,9 +159,7 @@ def run(args: argparse.Namespace) -> CommandResult:
 
     if getattr(args, "_registry_error", None) is not None:
         raise args._registry_error
-    if bool(args.model) == bool(args.example):
-        raise UsageError("give exactly one of MODEL or --example NAME")
-    src = Path(args.model) if args.model else example_path(args.example)
+    src = model_source(args)
     out = Path(args.output) if args.output else default_output(src, cwd_for=bool(args.example))
     if src.exists() and out.exists() and out.resolve() == src.resolve():
         raise UsageError(f"refusing to write over the input model {src}; choose another -o")

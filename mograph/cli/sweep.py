@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mograph.cli import CommandResult
-from mograph.cli._common import example_path
+from mograph.cli._common import add_model_arguments, model_source
 from mograph.errors import UsageError
 from mograph.workflow.ledger import DEFAULT_LEDGER, LEDGER_HELP
 
@@ -46,9 +46,10 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "the docstring of mograph.workflow.sweep; mograph/examples/bert-tiny.sweep.yaml is an example. "
         "Exits 0 when every configuration was measured, 4 when some failed to build or run (their rows say why).",
     )
-    p.add_argument("model", nargs="?", help="the unoptimized .onnx model (or use --example)")
-    p.add_argument("--example", metavar="NAME",
-                   help="sweep a model shipped with mograph (bert-tiny has a shipped config, used when --config is not given)")
+    add_model_arguments(
+        p, "the unoptimized .onnx model (or use --example)",
+        example_help="sweep a model shipped with mograph (bert-tiny has a shipped config, used when --config is not given)",
+    )
     p.add_argument("--config", metavar="SWEEP.yaml", help="the sweep config (YAML or JSON)")
     p.add_argument("--ledger", default=DEFAULT_LEDGER, metavar="PATH", help=LEDGER_HELP)
     p.add_argument("--eval-data", metavar="DATA",
@@ -109,9 +110,7 @@ def run(args: argparse.Namespace) -> CommandResult:
     from mograph.workflow.ledger import open_ledger
     from mograph.workflow.sweep import check_against_registry, load_config, run_sweep
 
-    if bool(args.model) == bool(args.example):
-        raise UsageError("give exactly one of MODEL or --example NAME")
-    src = Path(args.model) if args.model else example_path(args.example)
+    src = model_source(args)
     config = args.config
     if config is None and args.example:
         shipped = _shipped_config(args.example)

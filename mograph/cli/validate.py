@@ -33,7 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from mograph.cli import CommandResult
-from mograph.cli._common import add_device_argument, example_path
+from mograph.cli._common import (
+    add_device_argument,
+    add_feed_limit_argument,
+    add_model_arguments,
+    add_tolerance_arguments,
+    model_source,
+)
 from mograph.errors import UsageError, VerificationError
 from mograph.specs import parse_shapes
 
@@ -52,8 +58,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "needs an NVIDIA GPU and TensorRT (exit 7 saying which is missing otherwise); --backend ort compares ORT "
         "with its optimizations on against off; any registered backend (`mograph passes --json` lists them) works.",
     )
-    p.add_argument("model", nargs="?", help="input .onnx file (or use --example)")
-    p.add_argument("--example", metavar="NAME", help="use a model shipped with mograph: bert-tiny, cnn-small")
+    add_model_arguments(p)
     p.add_argument("--backend", default="tensorrt", metavar="NAME", help="backend to check (default: tensorrt)")
     add_device_argument(
         p,
@@ -85,20 +90,13 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         help="tensorrt: optimization profile of a dynamic input (repeatable); default: the model's stored profiles",
     )
     p.add_argument(
-        "--shape", action="append", metavar="NAME:DIMS", help="shape of an input's feeds, e.g. input_ids:2x64"
+        "--shape", action="append", metavar="NAME:DIMS",
+        help="shape of an input's feeds, e.g. input_ids:2x64 (repeatable); other inputs: their --profile opt shape, else defaults",
     )
     p.add_argument("--feeds", metavar="FILE.npz", help="use these input arrays instead of random ones")
     p.add_argument("--seed", type=int, default=0, help="seed of the random feeds (default 0)")
-    p.add_argument("--atol", type=float, help="absolute tolerance for floating outputs (overrides the table)")
-    p.add_argument("--rtol", type=float, help="relative tolerance for floating outputs (overrides the table)")
-    p.add_argument("--min-cosine", type=float, help="minimum cosine similarity for floating outputs")
-    p.add_argument(
-        "--family",
-        action="append",
-        metavar="FAMILY",
-        help="judge MODEL as the output of passes of this family (cleanup, shape, fusion: tight; quant, prune: "
-        "cosine-based); repeatable, the loosest applies. Default: tight",
-    )
+    add_feed_limit_argument(p)
+    add_tolerance_arguments(p, "MODEL")
     p.set_defaults(run=run)
 
 
@@ -131,9 +129,7 @@ def run(args: argparse.Namespace) -> CommandResult:
     from mograph.plugins import get_registry
     from mograph.validate import Verifier
 
-    if bool(args.model) == bool(args.example):
-        raise UsageError("give exactly one of MODEL or --example NAME")
-    src = Path(args.model) if args.model else example_path(args.example)
+    src = model_source(args)
     backend = get_backend(get_registry(args.block_plugin).backends, args.backend, job="validate")
     if args.profile and args.backend != "tensorrt":
         raise UsageError("--profile applies to --backend tensorrt only")
@@ -159,7 +155,7 @@ def run(args: argparse.Namespace) -> CommandResult:
 
     def make_verifier() -> Any:
         return Verifier(
-            str(reference), shapes=shapes, feeds=args.feeds, seed=args.seed,
+            str(reference), shapes=shapes, feeds=args.feeds, seed=args.seed, feed_limit=args.feed_limit,
             atol=args.atol, rtol=args.rtol, min_cosine=args.min_cosine,
         )
 

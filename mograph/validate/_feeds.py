@@ -305,7 +305,7 @@ def make_feeds(
         if random_bytes > limit:
             given_by = "--shape" if name in sizes else "the model's declared shape"
             raise UsageError(
-                f"the random verification feed for input '{name}' ({'x'.join(map(str, dims)) or 'scalar'} "
+                f"the random feed for input '{name}' ({'x'.join(map(str, dims)) or 'scalar'} "
                 f"{dtype}, from {given_by}) brings the feeds to {random_bytes:,} bytes, past the limit of "
                 f"{limit:,}: give smaller sizes with --shape, or raise --feed-limit"
             )

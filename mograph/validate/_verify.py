@@ -226,7 +226,7 @@ class Verifier:
             return model
         if not any(is_plugin_node(n) for n in ir.traversal.RecursiveGraphIterator(model.graph)):
             return model
-        copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+        copy = ir_io.copy_model(model)
         done, left = plugin_nodes_as_ops(copy, get_registry().custom_ops)
         check["plugin_nodes"] = done
         if left:
@@ -372,20 +372,24 @@ def diff_models(
     threads: int | None = None,
     backend: Any = None,
     device: str | None = None,
+    feed_limit: int | None = None,
 ) -> dict[str, Any]:
     """Compare model ``b`` against model ``a`` (the reference) on the same feeds.
 
     ``backend``: run both models on this backend (a registered name or a backend object), its own
     graph optimizations off; ``None`` or ``"ort"``: ONNX Runtime, as :class:`Verifier` does.
     ``device``: where the backend runs both (``"cuda"``: see :class:`Verifier`); a backend without
-    ``devices`` takes none.
+    ``devices`` takes none.  ``feed_limit``: bound on the random feeds in bytes (see :class:`Verifier`).
 
     Returns the check dict of :meth:`Verifier.check` (``passed``, ``summary``, ``outputs`` ...);
     does not raise when the numbers differ: the caller decides (``mograph diff`` exits 5).
     """
     if isinstance(b, (str, os.PathLike)):
         ir_io.load_model(b, check=False)  # a missing or unreadable B is a ModelError, not a difference
-    options = dict(shapes=shapes, feeds=feeds, seed=seed, atol=atol, rtol=rtol, min_cosine=min_cosine, threads=threads)
+    options = dict(
+        shapes=shapes, feeds=feeds, seed=seed, atol=atol, rtol=rtol, min_cosine=min_cosine, threads=threads,
+        feed_limit=feed_limit,
+    )
     if isinstance(backend, str):
         from mograph.backends import get_backend
         from mograph.plugins import get_registry

@@ -94,8 +94,12 @@ def _external_files(path: Path) -> list[Path]:
             for entry in tensor.external_data:
                 if entry.key == "location":
                     names.add(entry.value)
-    folder = path.parent
-    return [folder / n for n in sorted(names) if (folder / n).is_file()]
+    folder, base = path.parent, path.parent.resolve()
+    # Only files inside the model's folder, as mograph.ir_io reads them: a location that is absolute,
+    # climbs out with '..' or is a link leading out names a file that is not the model's (and is refused
+    # when the model is loaded), so it is neither hashed nor counted.
+    return [folder / n for n in sorted(names) if n and not os.path.isabs(n)
+            and base in (base / n).resolve().parents and (folder / n).is_file()]
 
 
 def file_size(path: str | os.PathLike[str]) -> int:

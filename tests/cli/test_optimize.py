@@ -130,3 +130,14 @@ def test_a_failed_verification_without_report_keeps_the_model(capsys, work, scal
     assert code == 5
     assert (work / "good.opt.failed.onnx").exists() and not (work / "good.opt.onnx").exists()
     assert f"kept for inspection: model {work / 'good.opt.failed.onnx'})" in err
+
+
+def test_help_shows_yes_no_defaults_as_a_user_writes_them():
+    import argparse
+
+    from mograph.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    text = " ".join(sub.choices["optimize"].format_help().split())
+    assert "--fp16-io yes|no" in text and "[fp16; default: no]" in text
+    assert "default: True" not in text and "default: False" not in text

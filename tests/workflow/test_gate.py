@@ -103,3 +103,12 @@ def test_parse_percent():
     assert parse_percent("10%") == pytest.approx(0.10) and parse_percent("2.5") == pytest.approx(0.025)
     with pytest.raises(Exception, match="percentage"):
         parse_percent("ten")
+
+
+@pytest.mark.parametrize("record", [False, True])
+def test_gate_never_creates_a_missing_ledger(tmp_path, capsys, record):
+    missing = tmp_path / "none.db"
+    code = main(["gate", str(tmp_path / "c.onnx"), "--ledger", str(missing), *(["--record", "x"] if record else [])])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert not missing.exists()

@@ -85,3 +85,34 @@ def test_build_writes_the_model_it_would_run(tmp_path):
     with pytest.raises(mograph.UsageError, match="takes no build options"):
         BACKEND.build(_swish_model(False), tmp_path / "x.onnx", fp16=True)
     assert not (tmp_path / "x.onnx").exists()
+
+
+def test_external_data_is_read_from_the_model_folder_not_the_cwd(tmp_path, monkeypatch):
+    """A Constant and an initializer whose values sit in ``w.bin`` beside the model; another ``w.bin`` in
+    the current directory must not be what runs (onnx.reference alone would resolve it there)."""
+    folder, cwd = tmp_path / "model", tmp_path / "cwd"
+    folder.mkdir()
+    cwd.mkdir()
+    real = np.arange(1, 9, dtype=np.float32)
+    (folder / "w.bin").write_bytes(real.tobytes())
+    (cwd / "w.bin").write_bytes(np.full(8, 99, np.float32).tobytes())
+
+    def external(name: str) -> onnx.TensorProto:
+        tensor = onnx.TensorProto(name=name, data_type=TensorProto.FLOAT, dims=[8])
+        tensor.data_location = TensorProto.EXTERNAL
+        tensor.external_data.add(key="location", value="w.bin")
+        return tensor
+
+    graph = helper.make_graph(
+        [helper.make_node("Constant", [], ["c"], value=external("c")), helper.make_node("Add", ["c", "w"], ["y"])],
+        "g",
+        [],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8])],
+        initializer=[external("w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, folder / "m.onnx")
+    monkeypatch.chdir(cwd)
+    run = ReferenceBackend(_registry()).make_runner(str(folder / "m.onnx"))
+    np.testing.assert_array_equal(run({})["y"], real + real)

@@ -12,21 +12,12 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
+from _pass_testing import assert_second_run_changes_nothing, op_types, run_pass  # noqa: F401 - re-exported
 
-from mograph.pass_infra import Pass, PassManager, PassReport
 from mograph.testing import run_ort, to_ir, to_proto  # noqa: F401 - to_ir re-exported for the tests
 
 #: (rtol, atol) per output dtype; cleanup passes only reorder or precompute, so these are tight.
 TOLERANCE = {np.dtype(np.float32): (1e-6, 1e-6), np.dtype(np.float16): (1e-3, 1e-3), np.dtype(np.float64): (1e-12, 1e-12)}
-
-
-def run_pass(p: Pass, model: ir.Model) -> PassReport:
-    """Run ``p`` through the pass manager with the honesty check on (a lying ``modified`` fails)."""
-    return PassManager([p], check_modified=True).run(model).passes[0]
-
-
-def op_types(model: ir.Model) -> list[str]:
-    return [n.op_type for n in model.graph]
 
 
 def to_proto_with_data(model: ir.Model) -> onnx.ModelProto:
@@ -50,11 +41,3 @@ def assert_same_outputs(original: onnx.ModelProto, optimized: ir.Model, feeds: M
             np.testing.assert_allclose(g, w, rtol=rtol, atol=atol)
         else:
             np.testing.assert_array_equal(g, w)
-
-
-def assert_second_run_changes_nothing(p: Pass, model: ir.Model) -> PassReport:
-    ops = op_types(model)
-    again = run_pass(type(p)(**p.config), model)
-    assert again.modified is False
-    assert op_types(model) == ops
-    return again

@@ -9,19 +9,10 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
+from _pass_testing import assert_second_run_changes_nothing, op_types, run_pass  # noqa: F401 - re-exported
 from onnx import numpy_helper
 
-from mograph.pass_infra import Pass, PassManager, PassReport
 from mograph.testing import run_ort, to_ir  # noqa: F401 - to_ir re-exported for the tests
-
-
-def run_pass(p: Pass, model: ir.Model) -> PassReport:
-    """Run ``p`` through the pass manager with the honesty check on (a lying ``modified`` fails)."""
-    return PassManager([p], check_modified=True).run(model).passes[0]
-
-
-def op_types(model: ir.Model) -> list[str]:
-    return [n.op_type for n in model.graph]
 
 
 def ort_run(model: onnx.ModelProto | ir.Model, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
@@ -50,11 +41,3 @@ def zero_slices(proto: onnx.ModelProto, spec: Iterable[tuple[str, int, list[int]
 
 def init_shape(model: ir.Model, name: str) -> tuple[int, ...]:
     return tuple(model.graph.initializers[name].const_value.shape)
-
-
-def assert_second_run_changes_nothing(p: Pass, model: ir.Model) -> PassReport:
-    ops = op_types(model)
-    again = run_pass(type(p)(**p.config), model)
-    assert again.modified is False
-    assert op_types(model) == ops
-    return again

@@ -81,9 +81,17 @@ class ReferenceBackend(Backend):
         return "the onnx package is not installed: pip install onnx"
 
     def prepare(self, model: Any) -> tuple[onnx.ModelProto, dict[str, Any]]:
-        """A lowered copy of ``model`` (the caller's model is never changed) and what lowering did."""
+        """A lowered copy of ``model`` (the caller's model is never changed) and what lowering did.
+
+        The copy holds every tensor in memory: ``onnx.reference`` would resolve external data against
+        the current directory, so it is read here, from the model's own folder, by ``mograph.save``
+        (which checks it as ``mograph.load`` does) into a self-contained file loaded back.
+        """
         loaded = mograph.load(model)
-        copy = ir.serde.deserialize_model(ir.serde.serialize_model(loaded))
+        with tempfile.TemporaryDirectory(prefix="mograph-example-ref-") as tmp:
+            path = os.path.join(tmp, "model.onnx")
+            mograph.save(loaded, path, external_data=False)
+            copy = mograph.load(path)
         info = _lower(copy, self.target or self.name, self.registry)
         return ir.serde.serialize_model(copy), info
 
