@@ -197,9 +197,12 @@ def _pair_for(past: ir.Value, outputs: set[int]) -> CachePair | str:
             if idx not in fused:
                 reasons.append(f"read by {node.op_type} '{node.name}' input {idx}, not its past input")
                 continue
-            grown = node.outputs[fused[idx]] if fused[idx] < len(node.outputs) else None
-            present = _through(grown) if grown is not None else None
-            if present is None or id(present) not in outputs:
+            if fused[idx] >= len(node.outputs):
+                reasons.append(f"{node.op_type} '{node.name}' has no present output")
+                continue
+            grown = node.outputs[fused[idx]]
+            present = _through(grown)
+            if id(present) not in outputs:
                 reasons.append(f"{node.op_type} '{node.name}' present output is not a graph output")
                 continue
             via = f"{node.domain}.{node.op_type}"
