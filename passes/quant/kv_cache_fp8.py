@@ -65,14 +65,13 @@ from mograph.passes.quant._base import CALIBRATION_OPTIONS, PLAN_OPTIONS, RANDOM
 from mograph.passes.quant.plan import PrecisionPlan
 
 from mograph.errors import ModelError, PassFailedError
+from mograph.metadata import KV_CACHE_KEY, read_kv_cache
 from mograph.pass_infra import Option, Pass, PassResult, stamp
 
 __all__ = ["KvCacheFp8Pass", "KV_CACHE_KEY", "CachePair", "find_cache_pairs", "read_kv_cache_metadata"]
 
 logger = logging.getLogger(__name__)
 
-#: The ``metadata_props`` key holding the cache's FP8 scales (JSON) after ``kv-cache-fp8``.
-KV_CACHE_KEY = "mograph.kv_cache"
 FP8_MAX = 448.0
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 _PASS_THROUGH = ("Identity",)
@@ -248,18 +247,8 @@ def find_cache_pairs(model: ir.Model) -> tuple[list[CachePair], list[ir.Value], 
     return pairs, done, missed
 
 
-def read_kv_cache_metadata(model: Any) -> dict[str, Any]:
-    """The ``mograph.kv_cache`` record of an ``onnx_ir.Model`` or ``onnx.ModelProto`` ({} when absent)."""
-    if isinstance(model, ir.Model):
-        raw = model.metadata_props.get(KV_CACHE_KEY)
-    else:
-        raw = next((p.value for p in model.metadata_props if p.key == KV_CACHE_KEY), None)
-    if not raw:
-        return {}
-    try:
-        return dict(json.loads(raw))
-    except ValueError as exc:
-        raise ModelError(f"malformed {KV_CACHE_KEY} metadata: {exc}") from exc
+#: the record this pass writes (:func:`mograph.metadata.read_kv_cache`)
+read_kv_cache_metadata = read_kv_cache
 
 
 def _amax(model: ir.Model, pairs: list[CachePair], source: cal.CalibrationSource, per_head: bool,
@@ -320,15 +309,16 @@ class KvCacheFp8Pass(Pass):
         for pair, amax in zip(pairs, amaxes):
             scale = np.where(amax > 0, amax / FP8_MAX, 1.0).astype(np.float32)
             pair.scale = scale
+            present_name = pair.present.name
             self._rewrite(model, pair, scale, stored)
             stats["cache_tensors"] += 1
             stats[f"cache_tensors.{pair.kind}"] = stats.get(f"cache_tensors.{pair.kind}", 0) + 1
-            entry = {"present": pair.present.name, "layer": pair.layer, "kind": pair.kind, "via": pair.via,
+            entry = {"present": present_name, "layer": pair.layer, "kind": pair.kind, "via": pair.via,
                      "axis": 1 if per_head else None, "scale": [float(s) for s in np.ravel(scale)],
                      "amax": [float(a) for a in np.ravel(amax)]}
             record["tensors"][pair.past.name] = entry
             plan.add(pair.node, "fp8", f"KV cache {pair.kind} of layer {pair.layer} ({pair.past.name} -> "
-                     f"{pair.present.name}): scale{' per head' if per_head else ''} amax/448 over {samples} "
+                     f"{present_name}): scale{' per head' if per_head else ''} amax/448 over {samples} "
                      "calibration step(s)")
         stats["q_nodes"] = stats["dq_nodes"] = 2 * stats["cache_tensors"] if not stored else stats["cache_tensors"]
         stats["calibration_samples"] = samples

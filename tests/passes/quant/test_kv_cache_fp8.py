@@ -15,6 +15,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from mograph.passes.quant.kv_cache_fp8 import KV_CACHE_KEY, KvCacheFp8Pass, read_kv_cache_metadata
 from onnx import TensorProto, helper
@@ -95,7 +96,7 @@ def test_five_checks_on_gpt2_cache_export(gpt2: onnx.ModelProto) -> None:
                        rel=0.05, feeds=feeds)
     assert [v.name for v in model.graph.inputs] == [i.name for i in gpt2.graph.input]
     assert [v.name for v in model.graph.outputs] == [o.name for o in gpt2.graph.output]
-    assert all(v.dtype.name == "FLOAT" for v in model.graph.inputs if v.name in CACHE)
+    assert all(v.dtype == ir.DataType.FLOAT for v in model.graph.inputs if v.name in CACHE)
 
 
 @pytest.mark.parametrize("granularity", ["head", "tensor"])
@@ -276,3 +277,76 @@ def test_after_cleanup_fuse_at_target_onnx(gpt2: onnx.ModelProto) -> None:
     scales = _scales(model)
     rounded = {k: _fake(v, scales[k]) if k in scales else v for k, v in feeds.items()}
     np.testing.assert_allclose(run_ort(model, feeds)[0], run_ort(fused, rounded)[0], rtol=1e-4, atol=1e-4)
+
+
+def _mha_with_past() -> onnx.ModelProto:
+    """ONNX Runtime's MultiHeadAttention fed the cache directly (past_key/past_value inputs 6/7, presents 1/2)."""
+    f = TensorProto.FLOAT
+    vi = helper.make_tensor_value_info
+    mha = helper.make_node("MultiHeadAttention", ["q", "k", "v", "", "", "", "past_key_0", "past_value_0"],
+                           ["out", "present_key_0", "present_value_0"], domain="com.microsoft", num_heads=2,
+                           name="mha")
+    graph = helper.make_graph(
+        [mha], "mha",
+        [vi("q", f, ["B", 1, 8]), vi("k", f, ["B", 1, 8]), vi("v", f, ["B", 1, 8]),
+         vi("past_key_0", f, ["B", 2, "P", 4]), vi("past_value_0", f, ["B", 2, "P", 4])],
+        [vi("out", f, ["B", 1, 8]), vi("present_key_0", f, ["B", 2, "T", 4]), vi("present_value_0", f, ["B", 2, "T", 4])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19), helper.make_opsetid("com.microsoft", 1)])
+
+
+def _mha_feeds(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    shapes = {"q": (2, 1, 8), "k": (2, 1, 8), "v": (2, 1, 8), "past_key_0": (2, 2, 5, 4), "past_value_0": (2, 2, 5, 4)}
+    return {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+
+
+def test_cache_read_by_a_fused_attention_op() -> None:
+    proto = _mha_with_past()
+    calib = [_mha_feeds(s) for s in range(3)]
+    stats = {"cache_tensors": 2, "cache_tensors.key": 1, "cache_tensors.value": 1, "skipped_already_quantized": 0,
+             "q_nodes": 4, "dq_nodes": 4, "calibration_samples": 3}
+    ops = ["QuantizeLinear", "DequantizeLinear", "QuantizeLinear", "DequantizeLinear", "com.microsoft.MultiHeadAttention",
+           "QuantizeLinear", "DequantizeLinear", "QuantizeLinear", "DequantizeLinear"]
+    model = check_pass(KvCacheFp8Pass(calibration_data=calib), proto, stats=stats, ops_left=ops, rel=0.05,
+                       feeds=calib[1])
+    rec = read_kv_cache_metadata(model)
+    assert {t["via"] for t in rec["tensors"].values()} == {"com.microsoft.MultiHeadAttention"}
+    mha = next(n for n in model.graph if n.op_type == "MultiHeadAttention")
+    assert all(mha.inputs[i].producer().op_type == "DequantizeLinear" for i in (6, 7))
+    feeds = _mha_feeds(9)
+    scales = _scales(model)
+    ref = run_ort(proto, {k: _fake(v, scales[k]) if k in scales else v for k, v in feeds.items()})
+    got = run_ort(model, feeds)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[1], _fake(ref[1], scales["past_key_0"]), rtol=0, atol=1e-6)
+    stored = to_ir(proto)
+    KvCacheFp8Pass(calibration_data=calib, kv_cache_io="fp8").call(stored)
+    assert [v.dtype for v in stored.graph.inputs][3:] == [ir.DataType.FLOAT8E4M3FN] * 2
+    assert [v.dtype for v in stored.graph.outputs] == [ir.DataType.FLOAT] + [ir.DataType.FLOAT8E4M3FN] * 2
+
+
+def test_cli_stored_mode_verifies_through_the_recorded_scales(gpt2: onnx.ModelProto, tmp_path: Path) -> None:
+    """``--verify`` on stored mode feeds the FP8 inputs quantized with the recorded scales and compares the FP8
+    presents by the values they stand for: the same figures as the simulated model's."""
+    import json
+
+    from mograph.cli import main
+
+    src = tmp_path / "gpt2.onnx"
+    onnx.save(gpt2, str(src))
+    shapes = ["--shape", "input_ids:2x1", "--shape", "attention_mask:2x9"]
+    for n in CACHE:
+        shapes += ["--shape", f"{n}:2x4x8x16"]
+    figures = {}
+    for io in ("float", "fp8"):
+        out, report = tmp_path / f"{io}.onnx", tmp_path / f"{io}.json"
+        code = main(["optimize", str(src), "-o", str(out), "--passes", "kv-cache-fp8", "--kv-cache-io", io,
+                     "--calibration-random", "4", *shapes, "--verify", "--report", str(report), "-q"])
+        assert code == 0
+        ver = json.loads(report.read_text())["verification"]
+        assert ver["passed"]
+        figures[io] = {k: (o["max_abs"], o["cosine"]) for k, o in ver["outputs"].items()}
+        if io == "fp8":
+            assert sum("fed as float8e4m3fn" in n for n in ver["notes"]) == 4
+            assert read_kv_cache_metadata(onnx.load(str(out)))["io"] == "fp8"
+    assert figures["fp8"] == figures["float"]
