@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 FP8_TYPE = 17  # onnx.TensorProto.FLOAT8E4M3FN
+EAGER: dict[str, Any] = {"attn_implementation": "eager"}
 
 
 def log(msg: str) -> None:
@@ -67,7 +68,7 @@ def train_gpt2(work: Path, steps: int, seed: int = 0) -> tuple[Any, dict[str, in
     train, held = _text()
     stoi = _vocab(train, held)
     cfg = tf.GPT2Config(vocab_size=len(stoi), n_embd=128, n_layer=2, n_head=4, n_inner=512, n_positions=128,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **EAGER)
     torch.manual_seed(seed)
     model = tf.GPT2LMHeadModel(cfg)
     ckpt = work / f"gpt2-char-{steps}-{seed}.pt"
@@ -103,7 +104,7 @@ def random_llama(seed: int = 0) -> Any:
 
     cfg = tf.LlamaConfig(vocab_size=100, hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
                          num_key_value_heads=2, intermediate_size=512, max_position_embeddings=256,
-                         initializer_range=0.1, attn_implementation="eager")
+                         initializer_range=0.1, **EAGER)
     torch.manual_seed(seed)
     model = tf.LlamaForCausalLM(cfg)
     model.eval()
@@ -291,6 +292,7 @@ def evaluate(label: str, model: Any, past_names: list[str], proto_bytes: bytes, 
             "cache_bytes": nbytes,
         }
         log(f"[{label}] {name}: {rows[name]} ({time.time() - t0:.1f}s)")
+    assert ref_tf is not None
     return {"model": label, "positions_teacher_forced": int(ref_tf.size), "prompts": int(prompts.shape[0]),
             "new_tokens": new_tokens, "context_at_end": int(prompts.shape[1] + new_tokens),
             "calibration_steps": len(calib), "variants": rows}

@@ -312,7 +312,8 @@ def test_cache_read_by_a_fused_attention_op() -> None:
     rec = read_kv_cache_metadata(model)
     assert {t["via"] for t in rec["tensors"].values()} == {"com.microsoft.MultiHeadAttention"}
     mha = next(n for n in model.graph if n.op_type == "MultiHeadAttention")
-    assert all(mha.inputs[i].producer().op_type == "DequantizeLinear" for i in (6, 7))
+    readers = [mha.inputs[i] for i in (6, 7)]
+    assert all(v is not None and getattr(v.producer(), "op_type", None) == "DequantizeLinear" for v in readers)
     feeds = _mha_feeds(9)
     scales = _scales(model)
     ref = run_ort(proto, {k: _fake(v, scales[k]) if k in scales else v for k, v in feeds.items()})
