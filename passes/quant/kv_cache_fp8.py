@@ -86,7 +86,7 @@ KV_OPTIONS = (
         "kv-cache-io",
         str,
         "float",
-        "kv-cache-fp8: 'float' keeps the cache inputs/outputs float with Q/DQ inside (simulated, any runtime); "
+        "'float' keeps the cache inputs/outputs float with Q/DQ inside (simulated, any runtime); "
         "'fp8' makes past inputs and present outputs float8e4m3fn (stored: cache memory halved vs fp16)",
         choices=("float", "fp8"),
     ),
@@ -94,7 +94,7 @@ KV_OPTIONS = (
         "kv-cache-scale",
         str,
         "head",
-        "kv-cache-fp8: one FP8 scale per KV head ('head') or per cache tensor ('tensor'), from calibration amax",
+        "one FP8 scale per KV head ('head') or per cache tensor ('tensor'), from calibration amax",
         choices=("head", "tensor"),
     ),
 )
