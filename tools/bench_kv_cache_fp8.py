@@ -15,7 +15,7 @@ fed back between steps as FP8 bytes), per KV head and per tensor.  Compared side
 
 - FP32 cache (the reference) and an FP16 cache (the FP32 model, its presents rounded to FP16 between steps);
 - teacher-forced top-1 agreement with the FP32 cache over held text (every position of every chunk), and each
-  variant's own top-1 accuracy on the true next character;
+  variant's own top-1 accuracy and mean negative log-likelihood (nats per token) of the true next token;
 - greedy generation of N tokens from many held-text prompts, each variant feeding back its own cache:
   tokens equal to the FP32 run's at the same position, continuations identical end to end, mean first
   divergence;
@@ -197,14 +197,20 @@ class Decoder:
         return outs["logits"][:, -1, :], new
 
 
-def teacher_forced(dec: Decoder, tokens: np.ndarray) -> np.ndarray:
-    """Top-1 prediction at every position of ``tokens`` [B, T] (fed the true tokens)."""
+def teacher_forced(dec: Decoder, tokens: np.ndarray) -> tuple[np.ndarray, float]:
+    """Top-1 prediction at every position of ``tokens`` [B, T] (fed the true tokens), and the mean negative
+    log-likelihood (nats) of the true next token at positions 0..T-2."""
     past = dec.start(tokens.shape[0])
     preds = []
+    nll = []
     for t in range(tokens.shape[1]):
         logits, past = dec.step(tokens[:, t], past)
         preds.append(logits.argmax(-1))
-    return np.stack(preds, 1)
+        if t + 1 < tokens.shape[1]:
+            z = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+            logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+            nll.append(-logp[np.arange(len(z)), tokens[:, t + 1]])
+    return np.stack(preds, 1), float(np.mean(nll))
 
 
 def greedy(dec: Decoder, prompts: np.ndarray, n: int) -> tuple[np.ndarray, int]:
@@ -276,7 +282,8 @@ def evaluate(label: str, model: Any, past_names: list[str], proto_bytes: bytes, 
     for name, (data, cache) in variants.items():
         t0 = time.time()
         dec = Decoder(data, past_names, cache, kv, dim)
-        tf_pred = teacher_forced(dec, held[:, :-1])
+        tf_pred, nll = teacher_forced(dec, held)
+        tf_pred = tf_pred[:, :-1]
         gen, nbytes = greedy(dec, prompts, new_tokens)
         if ref_tf is None:
             ref_tf, ref_gen = tf_pred, gen
@@ -286,6 +293,7 @@ def evaluate(label: str, model: Any, past_names: list[str], proto_bytes: bytes, 
         rows[name] = {
             "teacher_forced_top1_agreement": float((tf_pred == ref_tf).mean()),
             "teacher_forced_top1_accuracy": float((tf_pred == held[:, 1:]).mean()),
+            "teacher_forced_nll": nll,
             "greedy_token_agreement": float(same.mean()),
             "greedy_identical_continuations": float(same.all(1).mean()),
             "greedy_mean_first_divergence": float(first.mean()),
@@ -302,11 +310,12 @@ def table(result: dict[str, Any]) -> str:
     ref = result["variants"]["fp32 cache"]["cache_bytes"]
     lines = [f"### {result['model']}: {result['positions_teacher_forced']} teacher-forced positions, "
              f"{result['prompts']} prompts x {result['new_tokens']} greedy tokens (context {result['context_at_end']})",
-             "", "| cache | teacher-forced top-1 agreement | top-1 accuracy | greedy token agreement | "
-             "identical continuations | mean first divergence | cache bytes | vs fp32 |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "", "| cache | teacher-forced top-1 agreement | top-1 accuracy | NLL (nats) | greedy token agreement | "
+             "identical continuations | mean first divergence | cache bytes | vs fp32 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in result["variants"].items():
         lines.append(f"| {name} | {r['teacher_forced_top1_agreement']:.4f} | {r['teacher_forced_top1_accuracy']:.4f} | "
-                     f"{r['greedy_token_agreement']:.4f} | {r['greedy_identical_continuations']:.3f} | "
+                     f"{r['teacher_forced_nll']:.4f} | {r['greedy_token_agreement']:.4f} | {r['greedy_identical_continuations']:.3f} | "
                      f"{r['greedy_mean_first_divergence']:.1f} | {r['cache_bytes']} | {r['cache_bytes'] / ref:.3f} |")
     return "\n".join(lines)
 
