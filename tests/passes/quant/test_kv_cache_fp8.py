@@ -351,3 +351,38 @@ def test_cli_stored_mode_verifies_through_the_recorded_scales(gpt2: onnx.ModelPr
             assert sum("fed as float8e4m3fn" in n for n in ver["notes"]) == 4
             assert read_kv_cache_metadata(onnx.load(str(out)))["io"] == "fp8"
     assert figures["fp8"] == figures["float"]
+
+
+def test_cache_read_by_group_query_attention() -> None:
+    """ONNX Runtime's GroupQueryAttention (past inputs 3/4, presents 1/2; 4 query heads over 2 KV heads of 8)."""
+    f, i32 = TensorProto.FLOAT, TensorProto.INT32
+    vi = helper.make_tensor_value_info
+    gqa = helper.make_node("GroupQueryAttention", ["q", "k", "v", "past_key_0", "past_value_0", "seqlens_k", "total"],
+                           ["out", "present_key_0", "present_value_0"], domain="com.microsoft", num_heads=4,
+                           kv_num_heads=2, name="gqa")
+    graph = helper.make_graph(
+        [gqa], "gqa",
+        [vi("q", f, ["B", 1, 32]), vi("k", f, ["B", 1, 16]), vi("v", f, ["B", 1, 16]),
+         vi("past_key_0", f, ["B", 2, "P", 8]), vi("past_value_0", f, ["B", 2, "P", 8]), vi("seqlens_k", i32, ["B"]),
+         vi("total", i32, [])],
+        [vi("out", f, ["B", 1, 32]), vi("present_key_0", f, ["B", 2, "T", 8]), vi("present_value_0", f, ["B", 2, "T", 8])])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19), helper.make_opsetid("com.microsoft", 1)])
+
+    def feeds(seed: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(seed)
+        shapes = {"q": (2, 1, 32), "k": (2, 1, 16), "v": (2, 1, 16), "past_key_0": (2, 2, 5, 8),
+                  "past_value_0": (2, 2, 5, 8)}
+        out = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+        return out | {"seqlens_k": np.array([5, 5], np.int32), "total": np.array(6, np.int32)}
+
+    model = to_ir(proto)
+    res = KvCacheFp8Pass(calibration_data=[feeds(s) for s in range(3)]).call(model)
+    assert res.stats["cache_tensors"] == 2 and res.stats["q_nodes"] == 4
+    assert {t["via"] for t in read_kv_cache_metadata(model)["tensors"].values()} == {"com.microsoft.GroupQueryAttention"}
+    scales = _scales(model)
+    x = feeds(7)
+    ref = run_ort(proto, {k: _fake(v, scales[k]) if k in scales else v for k, v in x.items()})
+    got = run_ort(model, x)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-5, atol=1e-5)
+    for i, name in ((1, "past_key_0"), (2, "past_value_0")):
+        np.testing.assert_allclose(got[i], _fake(ref[i], scales[name]), rtol=0, atol=1e-6)
