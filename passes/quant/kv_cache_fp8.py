@@ -264,6 +264,8 @@ def _amax(model: ir.Model, pairs: list[CachePair], source: cal.CalibrationSource
         outs = cal._run_feed(sess, [mapping[n] for n in names], feed, source, seen)  # noqa: SLF001
         for i, arr in enumerate(outs):
             a = np.abs(np.nan_to_num(np.asarray(arr, np.float32), nan=0.0, posinf=0.0, neginf=0.0))
+            if a.size == 0:
+                continue
             m = a.max(axis=(0, 2, 3)) if per_head and a.ndim == 4 else np.array(a.max() if a.size else 0.0)
             prev = amax[i]
             amax[i] = m if prev is None else np.maximum(prev, m)
@@ -272,7 +274,7 @@ def _amax(model: ir.Model, pairs: list[CachePair], source: cal.CalibrationSource
             progress(seen, total)
     if seen == 0:
         raise PassFailedError("kv-cache-fp8", f"calibration data {source.description} yielded no samples")
-    return [np.asarray(a, np.float32) for a in amax], seen
+    return [np.asarray(0.0 if a is None else a, np.float32) for a in amax], seen
 
 
 class KvCacheFp8Pass(Pass):
@@ -293,12 +295,12 @@ class KvCacheFp8Pass(Pass):
                                   "K/V on the sequence axis into present* graph outputs, or read as an attention "
                                   "op's past)" + (f"; {why}" if why else ""))
         details: dict[str, Any] = {}
+        source = open_calibration(self, model)  # refuses before anything changes
         upgraded = self._ensure_opset(model, stats, details)
         if upgraded:
             pairs, done, _ = find_cache_pairs(model)
         per_head = self.config.get("kv_cache_scale", "head") == "head"
         stored = self.config.get("kv_cache_io", "float") == "fp8"
-        source = open_calibration(self, model)
         amaxes, samples = _amax(model, pairs, source, per_head, getattr(self, "progress", None))
         plan = PrecisionPlan(self.name, meta={"scheme": "fp8 e4m3fn (saturating)", "kv_cache_io": "fp8" if stored
                                               else "float (simulated)", "kv_cache_scale": "per head" if per_head
@@ -314,7 +316,7 @@ class KvCacheFp8Pass(Pass):
             stats["cache_tensors"] += 1
             stats[f"cache_tensors.{pair.kind}"] = stats.get(f"cache_tensors.{pair.kind}", 0) + 1
             entry = {"present": present_name, "layer": pair.layer, "kind": pair.kind, "via": pair.via,
-                     "axis": 1 if per_head else None, "scale": [float(s) for s in np.ravel(scale)],
+                     "axis": 1 if scale.ndim == 1 else None, "scale": [float(s) for s in np.ravel(scale)],
                      "amax": [float(a) for a in np.ravel(amax)]}
             record["tensors"][pair.past.name] = entry
             plan.add(pair.node, "fp8", f"KV cache {pair.kind} of layer {pair.layer} ({pair.past.name} -> "

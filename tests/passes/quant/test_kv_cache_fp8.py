@@ -386,3 +386,14 @@ def test_cache_read_by_group_query_attention() -> None:
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-5, atol=1e-5)
     for i, name in ((1, "past_key_0"), (2, "past_value_0")):
         np.testing.assert_allclose(got[i], _fake(ref[i], scales[name]), rtol=0, atol=1e-6)
+
+
+def test_no_calibration_data_is_refused_before_anything_changes(gpt2: onnx.ModelProto) -> None:
+    from mograph.errors import OptionError
+    from mograph.pass_infra import graph_fingerprint
+
+    model = to_ir(gpt2)
+    before = graph_fingerprint(model)
+    with pytest.raises(OptionError, match="needs calibration data") as err:
+        KvCacheFp8Pass().call(model)
+    assert err.value.exit_code == 2 and graph_fingerprint(model) == before
