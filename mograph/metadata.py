@@ -7,6 +7,10 @@ key                               what
 ================================  ===============================================================
 ``mograph.tensorrt_profiles``     TensorRT optimization profiles: one JSON object, input name ->
                                   ``{"min": [...], "opt": [...], "max": [...]}`` (``set-trt-profile``)
+``mograph.kv_cache``              FP8 KV cache (``kv-cache-fp8``): ``{"io": "float"|"fp8", "dtype",
+                                  "granularity", "tensors": {past name: {"present", "scale": [...],
+                                  "axis": 1 or null, ...}}}``; a value is ``q * scale`` (per head on
+                                  axis 1 when ``axis`` is 1)
 ================================  ===============================================================
 
 Node metadata (provenance of rewritten nodes) uses :data:`PROVENANCE_PASS`, :data:`PROVENANCE_RULE`
@@ -22,11 +26,13 @@ import onnx_ir as ir
 
 from mograph.errors import ModelError
 
-__all__ = ["PROFILES_KEY", "PROVENANCE_PASS", "PROVENANCE_RULE", "LOWERED_FOR", "Profile", "profile_to_json", "read_profiles",
+__all__ = ["KV_CACHE_KEY", "read_kv_cache", "kv_cache_scales", "PROFILES_KEY", "PROVENANCE_PASS", "PROVENANCE_RULE", "LOWERED_FOR", "Profile", "profile_to_json", "read_profiles",
            "write_profiles"]
 
 #: The ``metadata_props`` key holding every input's TensorRT profile as one JSON object.
 PROFILES_KEY = "mograph.tensorrt_profiles"
+#: The ``metadata_props`` key holding the FP8 KV cache's scales (JSON), written by ``kv-cache-fp8``.
+KV_CACHE_KEY = "mograph.kv_cache"
 #: Node metadata: the pass that created the node, and its rule.
 PROVENANCE_PASS = "mograph.pass"
 PROVENANCE_RULE = "mograph.rule"
@@ -74,3 +80,34 @@ def _metadata(model: Any) -> dict[str, str]:
     if props is None:
         return {}
     return {p.key: p.value for p in props}
+
+
+def read_kv_cache(model: Any) -> dict[str, Any]:
+    """The ``mograph.kv_cache`` record of an ``onnx_ir.Model`` or ``onnx.ModelProto`` (``{}`` when absent)."""
+    raw = _metadata(model).get(KV_CACHE_KEY)
+    if not raw:
+        return {}
+    try:
+        data = json.loads(raw)
+        if not isinstance(data, dict) or not isinstance(data.get("tensors", {}), dict):
+            raise ValueError("expected an object with a 'tensors' object")
+        return data
+    except ValueError as exc:
+        raise ModelError(f"malformed {KV_CACHE_KEY} metadata: {exc}") from exc
+
+
+def kv_cache_scales(model: Any) -> dict[str, Any]:
+    """Past and present tensor name -> its FP8 scale as a numpy array broadcastable to ``[B, H, S, D]``."""
+    import numpy as np
+
+    out: dict[str, Any] = {}
+    for past, t in read_kv_cache(model).get("tensors", {}).items():
+        try:
+            scale = np.asarray(t["scale"], np.float32)
+            scale = scale.reshape(1, -1, 1, 1) if t.get("axis") == 1 else scale.reshape(())
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelError(f"malformed {KV_CACHE_KEY} metadata for {past!r}: {exc}") from exc
+        out[str(past)] = scale
+        if t.get("present"):
+            out[str(t["present"])] = scale
+    return out

@@ -37,6 +37,24 @@ _NP_OF_ORT = {
 }
 
 
+def _fp8_cache_scales(model: Any) -> dict[str, np.ndarray]:
+    """FP8 KV-cache tensor name -> scale, from the model's ``mograph.kv_cache`` metadata (stored mode only)."""
+    from mograph.metadata import kv_cache_scales, read_kv_cache
+
+    if not isinstance(model, ir.Model) and not hasattr(model, "metadata_props"):
+        return {}
+    if read_kv_cache(model).get("io") != "fp8":
+        return {}
+    return kv_cache_scales(model)
+
+
+def _to_fp8(arr: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """``arr / scale`` saturated to FP8 E4M3 (what ``QuantizeLinear`` with ``saturate=1`` gives)."""
+    import ml_dtypes
+
+    return np.clip(np.asarray(arr, np.float32) / scale, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn)
+
+
 def _run(runner: Runner, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Outputs of a backend runner as numpy arrays; a runner's own failure becomes a ModelError."""
     try:
@@ -248,13 +266,17 @@ class Verifier:
             return None
         feeds: dict[str, np.ndarray] = {}
         notes: list[str] = []
+        cache = _fp8_cache_scales(model)
         for inp in session.get_inputs():
             if inp.name not in self.feeds:
                 self._fail(check, f"the optimized model has an input '{inp.name}' the original does not have")
                 return None
             arr = self.feeds[inp.name]
             want = _NP_OF_ORT.get(inp.type)
-            if want is not None and arr.dtype != want and dtype_class(arr.dtype) not in ("int", "bool"):
+            if inp.type == "tensor(float8e4m3fn)" and inp.name in cache and dtype_class(arr.dtype) != "float8":
+                notes.append(f"input '{inp.name}' fed as float8e4m3fn with its recorded KV-cache scale")
+                arr = _to_fp8(arr, cache[inp.name])
+            elif want is not None and arr.dtype != want and dtype_class(arr.dtype) not in ("int", "bool"):
                 notes.append(f"input '{inp.name}' fed as {np.dtype(want)} (the optimized model's type)")
                 arr = arr.astype(want)
             feeds[inp.name] = arr
@@ -264,10 +286,14 @@ class Verifier:
         if notes:
             check["notes"] = notes
         try:
-            return ort.run(session, feeds, names)
+            outputs = ort.run(session, feeds, names)
         except ModelError as exc:
             self._fail(check, f"the optimized model fails on the verification feeds: {exc}")
             return None
+        for name, arr in outputs.items():  # an FP8 KV cache is compared by the values it stands for
+            if name in cache and dtype_class(arr.dtype) == "float8":
+                outputs[name] = arr.astype(np.float32) * cache[name]
+        return outputs
 
     def _run_candidate(self, check: dict[str, Any], model: Any, runner: Runner) -> dict[str, np.ndarray] | None:
         feeds = dict(self.feeds)

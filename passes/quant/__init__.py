@@ -3,6 +3,8 @@
 - ``qdq-int8`` (preset ``int8``): INT8 Q/DQ with calibration, default sensitivity rules, an optional
   accuracy budget and a per-node precision plan;
 - ``qdq-fp8``: FP8 E4M3 Q/DQ with per-tensor scales (TensorRT targets; opset 19+, older models upgraded);
+- ``kv-cache-fp8``: FP8 E4M3 Q/DQ on a decoder's KV-cache inputs/outputs (``past_*``/``present_*``), per-head
+  scales from calibration, simulated (float I/O) or stored (``float8e4m3fn`` I/O, ``--kv-cache-io fp8``);
 - ``fp16``: FP16 conversion that keeps FP32 where calibration shows overflow or reductions are deep;
 - ``weight-only`` (preset ``int4``): block-wise INT4/INT8 weights of MatMul/Gemm (RTN, AWQ- or GPTQ-style)
   as ``mograph.WeightOnlyMatMul``, with a per-layer 4/8/float plan; the op is declared here too.
@@ -11,6 +13,7 @@
 from __future__ import annotations
 
 from mograph.passes.quant.fp16 import Fp16Pass
+from mograph.passes.quant.kv_cache_fp8 import KvCacheFp8Pass
 from mograph.passes.quant.qdq_fp8 import QdqFp8Pass
 from mograph.passes.quant.qdq_int8 import QdqInt8Pass
 from mograph.passes.quant.weight_only import WeightOnlyPass
@@ -18,12 +21,12 @@ from mograph.passes.quant.weight_only import WeightOnlyPass
 from mograph.hookspecs import hookimpl
 from mograph.pass_infra import Pass
 
-__all__ = ["QdqInt8Pass", "QdqFp8Pass", "Fp16Pass", "WeightOnlyPass"]
+__all__ = ["QdqInt8Pass", "QdqFp8Pass", "Fp16Pass", "WeightOnlyPass", "KvCacheFp8Pass"]
 
 
 @hookimpl
 def mograph_add_passes() -> list[type[Pass]]:
-    return [QdqInt8Pass, QdqFp8Pass, Fp16Pass, WeightOnlyPass]
+    return [QdqInt8Pass, QdqFp8Pass, Fp16Pass, WeightOnlyPass, KvCacheFp8Pass]
 
 
 @hookimpl
