@@ -78,11 +78,34 @@ def test_ratios_goal_and_markdown(bench):
     assert "`bert/torchscript/eager/mograph/1x128` | boom" in md
 
 
-def test_fp16_comparison_placement_and_build_steps(bench):
+def test_build_steps_and_dropped_intermediates(bench, tmp_path):
+    g = bench.graph_for(tmp_path, False, "bert", "torchscript", "eager", "prefill")
+    g.folder.mkdir(parents=True)
     # mograph and mograph-ortfp16 start from the same fused graph, built once, after the export
-    assert bench.build_steps(["mograph-ortfp16", "exported", "mograph", "torch-eager"]) == [
+    assert bench.needed_steps(g, ["mograph-ortfp16", "exported", "mograph", "torch-eager"]) == [
         "fp32", "fused", "mograph-ortfp16", "exported", "mograph"]
-    assert bench.build_steps(["ort-t"]) == ["fp32", "ort-t"]
+    for step in ("fp32", "fused", "exported"):
+        g.path(step).write_bytes(b"x")
+    assert bench.needed_steps(g, ["exported", "mograph"]) == ["mograph"]
+    g.path("fp32").unlink()  # dropped: made again only for a variant built from it
+    assert bench.needed_steps(g, ["mograph"]) == ["mograph"]
+    assert bench.needed_steps(g, ["ort-t", "mograph"]) == ["fp32", "ort-t", "mograph"]
+    g.path("fp32").write_bytes(b"x")
+    assert bench.drop_intermediates(g) == []  # ort-t, mograph, mograph-ortfp16 still to build: keep them
+    for step in ("ort-t", "mograph", "mograph-ortfp16"):
+        g.path(step).write_bytes(b"x")
+    assert bench.drop_intermediates(g) == ["fp32", "fused"]  # onnxscript does not apply to TorchScript exports
+    assert not g.path("fp32").exists() and not g.path("fused").exists() and g.path("mograph").exists()
+    d = bench.graph_for(tmp_path, False, "bert", "dynamo", "eager", "prefill")
+    d.folder.mkdir(parents=True)
+    for step in ("fp32", "fused", "exported", "ort-t", "mograph", "mograph-ortfp16"):
+        d.path(step).write_bytes(b"x")
+    assert bench.drop_intermediates(d) == []  # onnxscript neither built nor failed
+    d.record("onnxscript", {"error": "boom"})
+    assert bench.drop_intermediates(d) == ["fp32", "fused"]
+
+
+def test_fp16_comparison_and_placement(bench):
 
     def placed(row, off, memcpy):
         row["placement"] = {"nodes": 10, "off_device": off, "memcpy": memcpy, "off_device_ops": {}}
@@ -113,14 +136,14 @@ def test_list_estimates_and_spread(bench, tmp_path, capsys):
     assert "gpt2/dynamo/sdpa/decode: 4 cell(s)" in out
     assert "12 cell(s) to time over 3 graph(s), 0 with something cached" in out
     serial = sum(bench.estimate_build(bench.graph_for(tmp_path / "c", False, m, "dynamo", "sdpa", k),
-                                      bench.build_steps(["exported", "onnxscript", "mograph", "mograph-ortfp16"]), False)
+                                      ["fp32", "fused", "exported", "onnxscript", "mograph", "mograph-ortfp16"], False)
                  for m, k in (("bert", "prefill"), ("gpt2", "prefill"), ("gpt2", "decode")))
     assert f"build ~{serial:.0f} CPU-s serial" in out
     # a recorded build time replaces the table's guess
     g = bench.graph_for(tmp_path / "c", False, "bert", "dynamo", "sdpa", "prefill")
     g.folder.mkdir(parents=True)
     g.record("fp32", {"seconds": 1.0})
-    steps = bench.build_steps(["exported"])
+    steps = bench.needed_steps(g, ["exported"])
     assert bench.estimate_build(g, steps, False) == pytest.approx(1.0 + bench.BUILD_SECONDS[("dynamo", "exported")])
 
 

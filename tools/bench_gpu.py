@@ -76,6 +76,7 @@ PEERS = ("exported", "ort-t", "onnxscript")
 #: Cached graphs a variant is built from besides the export ``fp32`` (mograph's fused float32 graph, shared by
 #: ``mograph`` and ``mograph-ortfp16`` so that both fp16 conversions start from the same graph).
 BUILT_FROM = {"mograph": ("fused",), "mograph-ortfp16": ("fused",)}
+INTERMEDIATES = ("fp32", "fused")
 TORCH_VARIANTS = ("torch-eager", "torch-compile")
 VARIANTS = ORT_VARIANTS + TORCH_VARIANTS
 SHAPES = ("1x128", "8x128", "32x128", "1x512", "8x512", "32x512", "decode:1x512", "decode:8x512", "decode:32x512")
@@ -486,20 +487,36 @@ def check_loads(path: Path) -> None:
                            f"{str(exc).strip()[:300]}") from None
 
 
-def build_steps(variants: list[str]) -> list[str]:
-    """The cached graphs to make, in order, for these variants: the export first, then what they are built from."""
-    wanted = [v for v in variants if v in ORT_VARIANTS]
-    return list(dict.fromkeys(["fp32", *(d for v in wanted for d in BUILT_FROM.get(v, ())), *wanted]))
+def needed_steps(g: Graph, variants: list[str]) -> list[str]:
+    """The steps still to run for these variants: the missing ones and the graphs they are built from when
+    those are not in the cache (an export dropped after its graph was complete is made again only if needed)."""
+    missing = [v for v in dict.fromkeys(variants) if v in ORT_VARIANTS and not g.path(v).exists()]
+    sources = list(dict.fromkeys(d for v in missing for d in BUILT_FROM.get(v, ()) if not g.path(d).exists()))
+    raw = bool(sources) or any(not BUILT_FROM.get(v) for v in missing)
+    return (["fp32"] if raw and not g.path("fp32").exists() else []) + sources + missing
+
+
+def drop_intermediates(g: Graph) -> list[str]:
+    """Delete the float32 export and mograph's fused float32 graph once every variant of the graph is built
+    (or failed): nothing times them, and the full grid's cache would not fit a 64 GiB disk with them."""
+    status = g.status()
+    variants = [v for v in ORT_VARIANTS if applies(g.model, g.export, g.attn, v)]
+    if not all(g.path(v).exists() or (status.get(v) or {}).get("error") for v in variants):
+        return []
+    dropped = [s for s in INTERMEDIATES if g.path(s).exists()]
+    for s in dropped:
+        g.path(s).unlink()
+    return dropped
 
 
 def prepare(g: Graph, variants: list[str], dims: Dims, cache: Path, smoke: bool, retry: bool,
-            deadline: float, gpu: bool = True) -> dict[str, str]:
-    """Export (once) and build every variant asked for; return ``{variant: error}`` for those that failed."""
+            deadline: float, gpu: bool = True, keep: bool = False) -> dict[str, str]:
+    """Export (once) and build every variant asked for; return ``{variant: error}`` for those that failed.
+    Unless ``keep``, the float32 intermediates go once the graph has all its variants (:func:`drop_intermediates`)."""
     g.folder.mkdir(parents=True, exist_ok=True)
     errors: dict[str, str] = {}
     status = g.status()
-    steps = build_steps(variants)
-    for step in steps:
+    for step in needed_steps(g, variants):
         if g.path(step).exists():
             continue
         if step in status and status[step].get("error") and not retry:
@@ -529,6 +546,8 @@ def prepare(g: Graph, variants: list[str], dims: Dims, cache: Path, smoke: bool,
             g.record(step, {"error": msg, "seconds": round(time.perf_counter() - t, 1),
                             "traceback": traceback.format_exc()[-3000:]})
             errors[step] = msg
+    if not keep:
+        drop_intermediates(g)
     return errors
 
 
@@ -811,7 +830,7 @@ def pending_ort(ctx: Context, model: str, export: str, attn: str, shapes: list[S
 
 
 def _prepare_worker(model: str, export: str, attn: str, kind: str, variants: list[str], smoke: bool, cache: str,
-                    retry: bool, deadline: float, threads: int, verbose: bool, gpu: bool) -> dict[str, str]:
+                    retry: bool, deadline: float, threads: int, verbose: bool, gpu: bool, keep: bool) -> dict[str, str]:
     """One graph's export and variants, in a worker process (``--jobs``)."""
     if not verbose:
         _quiet()
@@ -820,7 +839,7 @@ def _prepare_worker(model: str, export: str, attn: str, kind: str, variants: lis
     torch.set_num_threads(max(threads, 1))
     dims = SMOKE if smoke else FULL
     g = graph_for(Path(cache), smoke, model, export, attn, kind)
-    return prepare(g, variants, dims, Path(cache), smoke, retry, deadline, gpu)
+    return prepare(g, variants, dims, Path(cache), smoke, retry, deadline, gpu, keep)
 
 
 def prepare_all(ctx: Context, jobs_list: list[tuple[str, str, str, str, list[Shape], list[str]]]) -> None:
@@ -832,7 +851,7 @@ def prepare_all(ctx: Context, jobs_list: list[tuple[str, str, str, str, list[Sha
     for model, export, attn, kind, shapes, variants in jobs_list:
         wanted = pending_ort(ctx, model, export, attn, shapes, variants)
         g = graph_for(ctx.cache, ctx.args.smoke, model, export, attn, kind)
-        if wanted and not all(g.path(v).exists() for v in ["fp32", *wanted]):
+        if wanted and needed_steps(g, wanted):
             work.append((model, export, attn, kind, wanted))
     if not work:
         return
@@ -840,14 +859,15 @@ def prepare_all(ctx: Context, jobs_list: list[tuple[str, str, str, str, list[Sha
         for model, export, attn, kind, wanted in work:
             g = graph_for(ctx.cache, ctx.args.smoke, model, export, attn, kind)
             prepare(g, wanted, ctx.dims, ctx.cache, ctx.args.smoke, ctx.args.retry_errors, ctx.deadline,
-                    ctx.device == "cuda")
+                    ctx.device == "cuda", ctx.args.keep_intermediates)
         return
     jobs = max(1, min(ctx.args.jobs, len(work)))
     threads = max(1, (os.cpu_count() or 2) // jobs)
     log(f"building {len(work)} graph(s) in {jobs} processes ({threads} threads each)")
     with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
         futures = {pool.submit(_prepare_worker, *w, ctx.args.smoke, str(ctx.cache), ctx.args.retry_errors,
-                               ctx.deadline, threads, ctx.args.verbose, ctx.device == "cuda"): w for w in work}
+                               ctx.deadline, threads, ctx.args.verbose, ctx.device == "cuda",
+                               ctx.args.keep_intermediates): w for w in work}
         for fut in cf.as_completed(futures):
             w = futures[fut]
             try:
@@ -874,7 +894,7 @@ def run_cells(ctx: Context, model: str, export: str, attn: str, kind: str, shape
     errors: dict[str, str] = {}
     if ort_wanted:
         errors = prepare(g, ort_wanted, ctx.dims, ctx.cache, args.smoke, args.retry_errors, ctx.deadline,
-                         ctx.device == "cuda")
+                         ctx.device == "cuda", args.keep_intermediates)
     status = g.status()
     sessions: dict[str, Any] = {}
     placements: dict[str, dict[str, Any]] = {}
@@ -1285,6 +1305,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="build the exports and variants the grid needs in N processes first (CPU-bound; e.g. 4 on a "
                     "16-core host), then time them one by one")
     ap.add_argument("--prepare-only", action="store_true", help="only export and build (fills --cache), time nothing")
+    ap.add_argument("--keep-intermediates", action="store_true",
+                    help="keep each graph's float32 export and mograph's fused float32 graph in --cache after all its "
+                    "variants are built (default: deleted then; the full grid's cache is ~40 GB without them)")
     ap.add_argument("--retry-errors", action="store_true", help="run again the cells and builds that failed before")
     ap.add_argument("--compile-on-cpu", action="store_true", help="time torch.compile on CPU too (slow to compile)")
     ap.add_argument("--smoke", action="store_true",
@@ -1352,8 +1375,6 @@ def estimate_build(g: Graph, steps: list[str], smoke: bool) -> float:
     status = g.status()
     total = 0.0
     for step in steps:
-        if g.path(step).exists():
-            continue
         recorded = (status.get(step) or {}).get("seconds")
         if recorded is not None and not (status.get(step) or {}).get("error"):
             total += float(recorded)
@@ -1401,7 +1422,7 @@ def list_pending(args: argparse.Namespace) -> int:
                     g = graph_for(cache, args.smoke, model, export, attn, kind)
                     ready = [v for v in ["fp32", "fused", *ORT_VARIANTS] if g.path(v).exists()]
                     ort_todo = sorted({v for v in todo.values() if v in ORT_VARIANTS})
-                    b = estimate_build(g, build_steps(ort_todo), args.smoke) if ort_todo else 0.0
+                    b = estimate_build(g, needed_steps(g, ort_todo), args.smoke)
                     t = sum(estimate_cell(v, args, expected_ms) for v in todo.values())
                     t += len(ort_todo) * SESSION_SECONDS * (SMOKE_SCALE if args.smoke else 1.0)
                     t += len({k.rsplit("/", 1)[1] for k in todo}) * REFERENCE_SECONDS
