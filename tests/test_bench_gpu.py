@@ -145,6 +145,11 @@ def test_list_estimates_and_spread(bench, tmp_path, capsys):
     g.record("fp32", {"seconds": 1.0})
     steps = bench.needed_steps(g, ["exported"])
     assert bench.estimate_build(g, steps, False) == pytest.approx(1.0 + bench.BUILD_SECONDS[("dynamo", "exported")])
+    # ... and other graphs' measured times replace the table, scaled per model
+    measured = bench.measured_build_seconds(tmp_path / "c")
+    assert measured == {("dynamo", "fp32"): 1.0}
+    gpt2 = bench.graph_for(tmp_path / "c", False, "gpt2", "dynamo", "eager", "prefill")
+    assert bench.estimate_build(gpt2, ["fp32"], False, measured) == pytest.approx(bench.MODEL_SCALE["gpt2"])
 
 
 def test_resume_and_crashed_cells(bench, tmp_path):

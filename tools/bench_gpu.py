@@ -1354,30 +1354,50 @@ def main(argv: list[str] | None = None) -> int:
     return run_grid(args)
 
 
-#: Rough seconds to build one cached graph of a full-size model on one CPU core-group of the H200 host (a
-#: ``--jobs 4`` worker with 4 threads), used by ``--list`` where the cache has no measured time yet. Measured
-#: here on BERT-base (see BENCHMARKS-GPU.md, "How to run"); the decoders' ``decode`` graphs and the other
-#: models are scaled by MODEL_SCALE. A step already built in --cache costs nothing; a recorded time is used
-#: where there is one.
-BUILD_SECONDS = {("torchscript", "fp32"): 20.0, ("dynamo", "fp32"): 45.0, ("torchscript", "exported"): 8.0,
-                 ("dynamo", "exported"): 8.0, ("torchscript", "ort-t"): 20.0, ("dynamo", "ort-t"): 20.0,
-                 ("dynamo", "onnxscript"): 25.0, ("torchscript", "fused"): 35.0, ("dynamo", "fused"): 35.0,
-                 ("torchscript", "mograph"): 40.0, ("dynamo", "mograph"): 40.0,
-                 ("torchscript", "mograph-ortfp16"): 8.0, ("dynamo", "mograph-ortfp16"): 8.0}
-MODEL_SCALE = {"bert": 1.0, "gpt2": 1.2, "llama": 1.3, "vit": 0.9, "whisper": 0.9}
-#: Timing: creating and profiling one CUDA session of a graph, and the float32 torch reference of a cell.
-SESSION_SECONDS, REFERENCE_SECONDS, COMPILE_SECONDS = 2.5, 1.0, 60.0
+#: Rough seconds to build one cached graph of a full-size BERT-base-sized model in one ``--jobs`` worker, used by
+#: ``--list`` until the cache holds measured times: measured on a shared 2-core host (BERT-base, one process per
+#: step; see BENCHMARKS-GPU.md "How to run") and divided by 2.5 for the contention there. Once some graphs are
+#: built, the median measured time of each (export, step) in --cache replaces these (scaled by MODEL_SCALE).
+BUILD_SECONDS = {("torchscript", "fp32"): 15.0, ("dynamo", "fp32"): 18.0, ("torchscript", "exported"): 5.0,
+                 ("dynamo", "exported"): 5.0, ("torchscript", "ort-t"): 16.0, ("dynamo", "ort-t"): 16.0,
+                 ("dynamo", "onnxscript"): 25.0, ("torchscript", "fused"): 8.0, ("dynamo", "fused"): 10.0,
+                 ("torchscript", "mograph"): 25.0, ("dynamo", "mograph"): 25.0,
+                 ("torchscript", "mograph-ortfp16"): 6.0, ("dynamo", "mograph-ortfp16"): 6.0}
+MODEL_SCALE = {"bert": 1.0, "gpt2": 1.2, "llama": 1.1, "vit": 0.8, "whisper": 0.8}
+#: Parameters (millions) of the full-size models: the cache holds ~2 bytes a parameter per float16 variant.
+PARAMS_M = {"bert": 110, "gpt2": 124, "llama": 100, "vit": 86, "whisper": 88}
+#: Timing: creating and profiling one CUDA session of a graph, the float32 torch reference of a cell, and
+#: torch.compile of a model at one shape (session 1 on the H200: 20-40 s).
+SESSION_SECONDS, REFERENCE_SECONDS, COMPILE_SECONDS = 1.0, 0.3, 35.0
 SMOKE_SCALE = 0.05
 
 
-def estimate_build(g: Graph, steps: list[str], smoke: bool) -> float:
-    """Seconds to build the ``steps`` of ``g`` that are not cached: recorded times where known, else the table."""
+def measured_build_seconds(cache: Path) -> dict[tuple[str, str], float]:
+    """Median seconds per (export, step) over the graphs already built in ``cache``, per unit of MODEL_SCALE."""
+    seen: dict[tuple[str, str], list[float]] = {}
+    for status_file in cache.glob("*/status.json"):
+        with contextlib.suppress(OSError, ValueError):
+            status = json.loads(status_file.read_text())
+            model, export = status_file.parent.name.removeprefix("smoke-").split("-")[:2]
+            for step, entry in status.items():
+                if isinstance(entry, dict) and "seconds" in entry and not entry.get("error"):
+                    seen.setdefault((export, step), []).append(entry["seconds"] / MODEL_SCALE.get(model, 1.0))
+    return {k: statistics.median(v) for k, v in seen.items()}
+
+
+def estimate_build(g: Graph, steps: list[str], smoke: bool,
+                   measured: dict[tuple[str, str], float] | None = None) -> float:
+    """Seconds to build these (missing) ``steps`` of ``g``: this graph's recorded time of a step (an
+    intermediate dropped and needed again), else the cache's median for the step, else the table."""
     status = g.status()
     total = 0.0
     for step in steps:
         recorded = (status.get(step) or {}).get("seconds")
         if recorded is not None and not (status.get(step) or {}).get("error"):
             total += float(recorded)
+            continue
+        if measured and (g.export, step) in measured:
+            total += measured[(g.export, step)] * MODEL_SCALE.get(g.model, 1.0)
             continue
         base = BUILD_SECONDS.get((g.export, step), 20.0) * MODEL_SCALE.get(g.model, 1.0)
         if g.kind == "decode":
@@ -1407,6 +1427,8 @@ def list_pending(args: argparse.Namespace) -> int:
     on_cpu = args.smoke or args.device == "cpu"
     variants = [v for v in args.variants if not (v == "torch-compile" and on_cpu and not args.compile_on_cpu)]
     expected_ms = 0.3 if args.smoke else 5.0
+    measured = measured_build_seconds(cache)
+    disk = 0.0
     for model in args.models:
         for kind in dict.fromkeys(k for k in (graph_kind(model, s, dims) for s in shapes) if k):
             kind_shapes = [s for s in shapes if graph_kind(model, s, dims) == kind]
@@ -1422,7 +1444,8 @@ def list_pending(args: argparse.Namespace) -> int:
                     g = graph_for(cache, args.smoke, model, export, attn, kind)
                     ready = [v for v in ["fp32", "fused", *ORT_VARIANTS] if g.path(v).exists()]
                     ort_todo = sorted({v for v in todo.values() if v in ORT_VARIANTS})
-                    b = estimate_build(g, needed_steps(g, ort_todo), args.smoke)
+                    b = estimate_build(g, needed_steps(g, ort_todo), args.smoke, measured)
+                    disk += sum(not g.path(v).exists() for v in ort_todo) * 2e6 * PARAMS_M.get(model, 100)
                     t = sum(estimate_cell(v, args, expected_ms) for v in todo.values())
                     t += len(ort_todo) * SESSION_SECONDS * (SMOKE_SCALE if args.smoke else 1.0)
                     t += len({k.rsplit("/", 1)[1] for k in todo}) * REFERENCE_SECONDS
@@ -1440,6 +1463,10 @@ def list_pending(args: argparse.Namespace) -> int:
     sys.stdout.write(f"estimate: build ~{sum(build_s):.0f} CPU-s serial, ~{wall:.0f} s wall with --jobs {jobs}; "
                      f"timing ~{time_s:.0f} s; total ~{(wall + time_s) / 60:.1f} min (rough: BUILD_SECONDS in "
                      "tools/bench_gpu.py, --warmup/--min-time, 5 ms a run)\n")
+    if not args.smoke:
+        have = sum(f.stat().st_size for f in cache.glob("*/*.onnx")) if cache.exists() else 0
+        sys.stdout.write(f"disk: --cache holds {have / 1e9:.1f} GB; the selection adds ~{disk / 1e9:.1f} GB of float16 "
+                         "graphs (plus ~1 GB per graph being built, and 0.5 GB of weights per model and graph kind)\n")
     return 0
 
 
