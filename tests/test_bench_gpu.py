@@ -152,6 +152,17 @@ def test_list_estimates_and_spread(bench, tmp_path, capsys):
     assert bench.estimate_build(gpt2, ["fp32"], False, measured) == pytest.approx(bench.MODEL_SCALE["gpt2"])
 
 
+def test_markdown_keeps_the_text_above_the_marker(bench, tmp_path):
+    md = tmp_path / "B.md"
+    md.write_text("# Title\n\nHow to run: ...\n\n" + bench.KEEP_MARKER + "\n\nold tables\n")
+    bench.write_markdown(md, "new tables\n")
+    assert md.read_text() == "# Title\n\nHow to run: ...\n\n" + bench.KEEP_MARKER + "\n\nnew tables\n"
+    plain = tmp_path / "P.md"
+    plain.write_text("no marker\n")
+    bench.write_markdown(plain, "new tables\n")
+    assert plain.read_text() == "new tables\n"
+
+
 def test_resume_and_crashed_cells(bench, tmp_path):
     path = tmp_path / "r.jsonl"
     res = bench.Results(path, retry_errors=False)

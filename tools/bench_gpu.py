@@ -13,7 +13,9 @@ One grid, measured on one GPU, written as JSON lines as it goes (so it can be sp
   (keep_io_types=True)``), ``ort-t`` (``onnxruntime.transformers.optimizer.optimize_model`` with the
   model's ``model_type``, then the same converter), ``onnxscript`` (``onnxscript.rewriter.ort_fusions.
   optimize_for_ort``, dynamo exports only, then the same converter), ``mograph`` (``cleanup,fuse`` lowered
-  ``--target ort``, then mograph's own ``fp16`` pass calibrated on 4 seeded feeds); and the references
+  ``--target ort``, then mograph's own ``fp16`` pass calibrated on 4 seeded feeds), ``mograph-ortfp16``
+  (the same fused float32 graph through ORT's converter instead: mograph's fp16 against ORT's on one graph,
+  issue 15 item 4); and the references
   ``torch-eager`` (the model in float16 with sdpa attention) and ``torch-compile`` (the same through
   ``torch.compile``), on the same GPU (on CPU, ``--smoke``, torch runs float32 and torch.compile is skipped);
 * **shapes**: ``BxS`` prefill cells (default 1, 8, 32 x 128, 512) and ``decode:BxP`` (one token with a
@@ -27,8 +29,15 @@ cell are timed in interleaved rounds so that drift hits them alike.  Accuracy is
 abs) of the model's main output against the float32 torch model (eager attention) on the same feeds.
 ``ratio`` is mograph over the best ORT peer of the cell; ``vs_compile`` mograph over torch.compile.
 
+Every ORT variant's first run is profiled (ONNX Runtime's profiler, read by ``mograph.backends.ort``): each row
+records how many nodes ran off the device's provider (on the CPU, under CUDA) and how many Memcpy nodes ONNX
+Runtime inserted, so "no Memcpy nodes added by mograph that the export did not have" is visible per cell.
+
 Exports and optimized variants are kept in ``--cache`` (keyed by model, export, attention, graph), so a
-later call only times.  A cell that fails is recorded with its error and the grid goes on; a cell whose
+later call only times; each built graph is loaded once by CPU ONNX Runtime before it is kept (a peer's
+invalid rewrite fails its build, not a GPU call), and a graph's float32 intermediates are deleted once all
+its variants are built (``--keep-intermediates``).  ``--list`` prints what is left and estimates the build
+(spread over ``--jobs``) and timing seconds and the disk the cache needs.  A cell that fails is recorded with its error and the grid goes on; a cell whose
 process died (a crash inside a runtime) is recorded as such on the next call, not retried.
 ``--time-budget`` stops starting new work after that many seconds, so one call can stay under a limit.
 
@@ -37,7 +46,10 @@ Usage (the H200; see ``../shared/gpu/README.md`` for carrying onnxruntime-gpu th
     python tools/bench_gpu.py --out results.jsonl --cache /tmp/mograph-gpu --time-budget 480
     python tools/bench_gpu.py --out results.jsonl --models bert --exports torchscript --shapes 8x512
     python tools/bench_gpu.py --markdown BENCHMARKS-GPU.md --out results.jsonl
-    python tools/bench_gpu.py --smoke --out /tmp/smoke.jsonl    # tiny models on CPU ONNX Runtime, < 2 min
+    python tools/bench_gpu.py --smoke --out /tmp/smoke.jsonl    # tiny models on CPU ONNX Runtime, ~2 min
+    python tools/bench_gpu.py --smoke --models bert,gpt2,llama,vit,whisper --out /tmp/all.jsonl  # every cell, ~8 min
+
+The sequence that fills the whole grid on the H200 is in BENCHMARKS-GPU.md ("How to run").
 """
 
 from __future__ import annotations
@@ -855,6 +867,8 @@ def prepare_all(ctx: Context, jobs_list: list[tuple[str, str, str, str, list[Sha
             work.append((model, export, attn, kind, wanted))
     if not work:
         return
+    # the order of --exports (then --models) is the priority when --time-budget stops the builds
+    work.sort(key=lambda w: ctx.args.exports.index(w[1]) if w[1] in ctx.args.exports else 99)
     if ctx.args.jobs <= 1:  # --prepare-only without --jobs: build in this process, one graph after another
         for model, export, attn, kind, wanted in work:
             g = graph_for(ctx.cache, ctx.args.smoke, model, export, attn, kind)
@@ -864,17 +878,27 @@ def prepare_all(ctx: Context, jobs_list: list[tuple[str, str, str, str, list[Sha
     jobs = max(1, min(ctx.args.jobs, len(work)))
     threads = max(1, (os.cpu_count() or 2) // jobs)
     log(f"building {len(work)} graph(s) in {jobs} processes ({threads} threads each)")
-    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
-        futures = {pool.submit(_prepare_worker, *w, ctx.args.smoke, str(ctx.cache), ctx.args.retry_errors,
-                               ctx.deadline, threads, ctx.args.verbose, ctx.device == "cuda",
-                               ctx.args.keep_intermediates): w for w in work}
-        for fut in cf.as_completed(futures):
-            w = futures[fut]
-            try:
-                errors = fut.result()
-                log(f"{'/'.join(w[:4])}: built" + (f" ({len(errors)} failed: {', '.join(errors)})" if errors else ""))
-            except Exception as exc:  # noqa: BLE001 - a worker that died: the timing loop retries it in-process
-                log(f"{'/'.join(w[:4])}: build worker failed: {describe(exc)}")
+    for attempt in (1, 2):  # a worker killed (out of memory, a crash in a library) breaks the whole pool
+        broken = []
+        with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
+            futures = {pool.submit(_prepare_worker, *w, ctx.args.smoke, str(ctx.cache), ctx.args.retry_errors,
+                                   ctx.deadline, threads, ctx.args.verbose, ctx.device == "cuda",
+                                   ctx.args.keep_intermediates): w for w in work}
+            for fut in cf.as_completed(futures):
+                w = futures[fut]
+                try:
+                    errors = fut.result()
+                    log(f"{'/'.join(w[:4])}: built" + (f" ({len(errors)} failed: {', '.join(errors)})" if errors else ""))
+                except cf.process.BrokenProcessPool:
+                    broken.append(w)
+                except Exception as exc:  # noqa: BLE001 - the timing loop builds it again in-process
+                    log(f"{'/'.join(w[:4])}: build worker failed: {describe(exc)}")
+        if not broken or attempt == 2 or time.time() > ctx.deadline:
+            break
+        work, jobs = broken, max(1, min(jobs, len(broken)) // 2)  # fewer at once: less memory
+        log(f"a build worker died: {len(work)} graph(s) again in {jobs} processes")
+    if broken:
+        log(f"a build worker died again: {', '.join('/'.join(w[:4]) for w in broken)} left to the timing loop")
 
 
 def run_cells(ctx: Context, model: str, export: str, attn: str, kind: str, shapes: list[Shape],
@@ -1195,6 +1219,20 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+#: In a --markdown target, the text above this line is kept (a hand-written "How to run", older runs).
+KEEP_MARKER = "<!-- tools/bench_gpu.py --markdown replaces everything below this line; the text above is kept -->"
+
+
+def write_markdown(path: Path, tables: str) -> None:
+    """Write ``tables`` to ``path``; when ``path`` has :data:`KEEP_MARKER`, keep what is above it."""
+    head = ""
+    if path.exists():
+        text = path.read_text()
+        if KEEP_MARKER in text:
+            head = text[: text.index(KEEP_MARKER)] + KEEP_MARKER + "\n\n"
+    path.write_text(head + tables)
+
+
 def markdown(rows: list[dict[str, Any]], sources: list[str]) -> str:
     lines = grid_rows(rows)
     cells = list(latest(rows).values())
@@ -1302,9 +1340,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-iters", type=int, default=2000, help="most timed runs per variant and cell")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads for ONNX Runtime and torch (0: default)")
     ap.add_argument("--jobs", type=int, default=1, metavar="N",
-                    help="build the exports and variants the grid needs in N processes first (CPU-bound; e.g. 4 on a "
-                    "16-core host), then time them one by one")
-    ap.add_argument("--prepare-only", action="store_true", help="only export and build (fills --cache), time nothing")
+                    help="build the exports and variants the grid needs in N processes first (CPU-bound, mostly one "
+                    "thread each: e.g. 14 on the 16-core H200 host, ~4 GB of memory each), then time them one by one")
+    ap.add_argument("--prepare-only", action="store_true",
+                    help="only export and build (fills --cache; in N processes with --jobs N), time nothing")
     ap.add_argument("--keep-intermediates", action="store_true",
                     help="keep each graph's float32 export and mograph's fused float32 graph in --cache after all its "
                     "variants are built (default: deleted then; the full grid's cache is ~40 GB without them)")
@@ -1315,7 +1354,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "few iterations, no torch.compile: checks the script end to end in under two minutes; unless "
                     "--models/--exports/--attn are given it runs bert dynamo/sdpa, bert torchscript/eager and gpt2 "
                     "torchscript/sdpa")
-    ap.add_argument("--list", action="store_true", help="print what the selection still has to build and time, and exit")
+    ap.add_argument("--list", action="store_true", help="print what the selection still has to build and time, with estimated build (at --jobs), timing "
+                    "and disk, and exit")
     ap.add_argument("--verbose", action="store_true", help="keep the exporters' and libraries' warnings")
     ap.add_argument("--markdown", metavar="FILE.md", help="write the tables of the --out files as Markdown and exit")
     return ap
@@ -1329,7 +1369,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [r for path in args.out for r in read_results(Path(path))]
         if not rows:
             raise SystemExit(f"bench_gpu: no results in {', '.join(args.out)}")
-        Path(args.markdown).write_text(markdown(rows, args.out))
+        write_markdown(Path(args.markdown), markdown(rows, args.out))
         sys.stdout.write(f"wrote {args.markdown} ({len(latest(rows))} cells)\n")
         return 0
     if len(args.out) != 1:
