@@ -1230,6 +1230,8 @@ def write_markdown(path: Path, tables: str) -> None:
         text = path.read_text()
         if KEEP_MARKER in text:
             head = text[: text.index(KEEP_MARKER)] + KEEP_MARKER + "\n\n"
+            if tables.startswith("# "):  # the kept text has the title
+                tables = tables.split("\n", 1)[1].lstrip("\n")
     path.write_text(head + tables)
 
 
