@@ -849,9 +849,28 @@ def _prepare_worker(model: str, export: str, attn: str, kind: str, variants: lis
     import torch
 
     torch.set_num_threads(max(threads, 1))
+    _limit_ort_threads(max(threads, 1))
     dims = SMOKE if smoke else FULL
     g = graph_for(Path(cache), smoke, model, export, attn, kind)
     return prepare(g, variants, dims, Path(cache), smoke, retry, deadline, gpu, keep)
+
+
+def _limit_ort_threads(threads: int) -> None:
+    """In a build worker: every ONNX Runtime session that does not choose its thread count (the calibration
+    sessions of mograph's fp16 pass, ORT's own optimizer) gets ``threads`` and no spinning, so that N workers
+    do not each start a spinning pool as wide as the host."""
+    import onnxruntime as ort
+
+    base = ort.InferenceSession.__init__
+
+    def init(self: Any, path_or_bytes: Any, sess_options: Any = None, *rest: Any, **kwargs: Any) -> None:
+        opts = sess_options if sess_options is not None else ort.SessionOptions()
+        if not opts.intra_op_num_threads:
+            opts.intra_op_num_threads = threads
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        base(self, path_or_bytes, opts, *rest, **kwargs)
+
+    ort.InferenceSession.__init__ = init  # type: ignore[method-assign]
 
 
 def prepare_all(ctx: Context, jobs_list: list[tuple[str, str, str, str, list[Shape], list[str]]]) -> None:
