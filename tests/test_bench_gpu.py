@@ -163,6 +163,18 @@ def test_markdown_keeps_the_text_above_the_marker(bench, tmp_path):
     assert plain.read_text() == "new tables\n"
 
 
+def test_gpu_grid_script_lists_the_whole_grid(tmp_path):
+    """``tools/gpu_grid.sh`` (the H200 calls of BENCHMARKS-GPU.md) selects the whole grid of issue 15."""
+    script = ROOT / "tools" / "gpu_grid.sh"
+    env = {**os.environ, "CACHE": str(tmp_path / "c"), "RESULTS": str(tmp_path / "r.jsonl"), "PATH": os.environ["PATH"]}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # `python` is this interpreter
+    proc = subprocess.run(["bash", str(script), "list"], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "684 cell(s) to time over 36 graph(s), 0 with something cached" in proc.stdout
+    bad = subprocess.run(["bash", str(script), "bogus"], capture_output=True, text=True, timeout=60, env=env)
+    assert bad.returncode == 2 and "usage" in bad.stderr
+
+
 def test_resume_and_crashed_cells(bench, tmp_path):
     path = tmp_path / "r.jsonl"
     res = bench.Results(path, retry_errors=False)

@@ -5,17 +5,20 @@
 #   bash tools/gpu_grid.sh rest    # ~4 min: what is still left, then torch.compile at 8x512
 #   bash tools/gpu_grid.sh list    # what is left, with estimates
 # Results: /tmp/grid.jsonl (copied to $OUT when set); cache /tmp/bc. Start each call with `. .gpu/assemble.sh &&`.
-# BUDGET=seconds overrides a step's --time-budget; JOBS=N the build processes (default 14).
+# BUDGET=seconds overrides a step's --time-budget; JOBS=N the build processes (default 14); CACHE and RESULTS
+# the cache folder and results file.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 JOBS=${JOBS:-14}
-G=(--cache /tmp/bc --out /tmp/grid.jsonl --models bert,gpt2,llama,vit,whisper --exports dynamo,torchscript
+CACHE=${CACHE:-/tmp/bc}
+RESULTS=${RESULTS:-/tmp/grid.jsonl}
+G=(--cache "$CACHE" --out "$RESULTS" --models bert,gpt2,llama,vit,whisper --exports dynamo,torchscript
    --attn eager,sdpa)
 V=(--variants exported,ort-t,onnxscript,mograph,mograph-ortfp16,torch-eager)
 T=(--min-time 0.25 --rounds 3 --warmup 5)
 bench() { python tools/bench_gpu.py "$@"; }
-summary() { bench --list --jobs "$JOBS" "${G[@]}" "${V[@]}" "${T[@]}" | tail -3; df -h /tmp | tail -1; }
-save() { if [ -n "${OUT:-}" ] && [ -f /tmp/grid.jsonl ]; then cp /tmp/grid.jsonl "$OUT/"; fi; }
+summary() { bench --list --jobs "$JOBS" "${G[@]}" "${V[@]}" "${T[@]}" | tail -3; df -h "$(dirname "$RESULTS")" | tail -1; }
+save() { if [ -n "${OUT:-}" ] && [ -f "$RESULTS" ]; then cp "$RESULTS" "$OUT/"; fi; }
 case "${1:-}" in
   build) summary; bench --prepare-only --jobs "$JOBS" "${G[@]}" "${V[@]}" --time-budget "${BUDGET:-450}"; summary;
          free -g | head -2 ;;
