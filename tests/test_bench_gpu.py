@@ -117,8 +117,12 @@ def test_fp16_comparison_and_placement(bench):
     line = bench.grid_rows(rows)[0]
     assert line["fp16_ratio"] == pytest.approx(1.1) and line["memcpy_added"] == 3
     assert bench._placements(line) == "1/2 · 0/2 · - · 3/5 · 0/2 **(+3 Memcpy)**"
+    rows[2]["mograph_passes"] = {"fp16": {"fp16": {"converted": 90, "kept_fp32": 3, "kept_fp32.overflow": 2,
+                                                     "kept_fp32.budget": 1, "kept_fp32.user": 0}}}
+    rows[2]["ops"]["Cast"], rows[3]["ops"]["Cast"] = 7, 2
     md = bench.markdown(rows, ["r.jsonl"])
     assert "| 2.200 | 2.000 | ort-t | 1.10 | miss | 1.10 |" in md
+    assert "| 3 (overflow 2, budget 1) / 7 · 2 |" in md
     # one Memcpy fewer than the export is not flagged
     rows[2]["placement"]["memcpy"] = 1
     line = bench.grid_rows(rows)[0]

@@ -1164,6 +1164,11 @@ def grid_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             line[v + "_cosine"] = vs.get(v, {}).get("cosine")
             line[v + "_attention"] = (vs.get(v, {}).get("ops") or {}).get("attention")
             line[v + "_placement"] = vs.get(v, {}).get("placement")
+            line[v + "_casts"] = (vs.get(v, {}).get("ops") or {}).get("Cast")
+        fp16 = ((vs.get("mograph", {}).get("mograph_passes") or {}).get("fp16") or {}).get("fp16")
+        if fp16:
+            line["mograph_kept_fp32"] = {k.split(".", 1)[1]: n for k, n in fp16.items()
+                                         if k.startswith("kept_fp32.") and n}
         for v, r in torch_rows.get((model, shape), {}).items():
             line[v] = _ms(r)
             line[v + "_cosine"] = r.get("cosine")
@@ -1215,6 +1220,15 @@ def _placements(line: dict[str, Any]) -> str:
     if line.get("memcpy_added"):
         text += f" **(+{line['memcpy_added']} Memcpy)**"
     return text
+
+
+def _fp16_cell(line: dict[str, Any]) -> str:
+    """``kept (why) / Casts mograph · Casts ORT conv``: the nodes mograph's fp16 pass kept in float32 and why,
+    and the Cast nodes of both fp16 conversions of the fused graph."""
+    kept = line.get("mograph_kept_fp32")
+    why = "-" if kept is None else (f"{sum(kept.values())} ({', '.join(f'{k} {n}' for k, n in kept.items())})"
+                                    if kept else "0")
+    return f"{why} / {_f(line.get('mograph_casts'), 'd')} · {_f(line.get('mograph-ortfp16_casts'), 'd')}"
 
 
 def summary_table(rows: list[dict[str, Any]]) -> str:
@@ -1279,7 +1293,9 @@ def markdown(rows: list[dict[str, Any]], sources: list[str]) -> str:
            "= mograph / that (issue 15 item 4 asks <= 1). Off-device / Memcpy nodes: from ONNX Runtime's profile of "
            "the first run, compute nodes that ran on another provider than the device's (under CUDA: on the CPU) and "
            "the Memcpy nodes ONNX Runtime inserted (it keeps small shape computations on the CPU on purpose: the Memcpy "
-           "count is the one to watch); bold where mograph has more Memcpy nodes than the export. "
+           "count is the one to watch); bold where mograph has more Memcpy nodes than the export. The last column: "
+           "the nodes mograph's fp16 pass kept in float32 and the reasons it measured, and the Cast nodes of "
+           "mograph's and ORT's fp16 conversions of the fused graph. "
            "Cosine: the main output against float32 torch (eager attention) on the same feeds. "
            "ViT has no sequence input: its S=128 cells run 224x224 images (197 tokens), S=512 384x384 (577 tokens); "
            "the Whisper-style encoder is built for S positions (2S mel frames). `decode:BxP`: one new token per "
@@ -1294,8 +1310,9 @@ def markdown(rows: list[dict[str, Any]], sources: list[str]) -> str:
                "| export | attn | shape | exported | ort-t | onnxscript | mograph | mograph + ORT fp16 | best peer | "
                "ratio | goal | fp16: mograph / ORT conv | cos mograph | cos best peer | cos mograph + ORT fp16 | "
                "torch eager | torch.compile | vs compile | attention ops (best peer / mograph) | "
-               "off-device / Memcpy nodes (exported, ort-t, onnxscript, mograph, mograph + ORT fp16) |",
-               "|---|---|---|---:|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+               "off-device / Memcpy nodes (exported, ort-t, onnxscript, mograph, mograph + ORT fp16) | "
+               "mograph fp16: kept fp32 (why) / Casts (mograph · ORT conv) |",
+               "|---|---|---|---:|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
         for ln in group:
             best = ln.get("best_peer")
             md.append(
@@ -1306,7 +1323,7 @@ def markdown(rows: list[dict[str, Any]], sources: list[str]) -> str:
                 f"{_f(ln.get('mograph-ortfp16_cosine'), '.6f')} | {_f(ln.get('torch-eager'))} | "
                 f"{_f(ln.get('torch-compile'))} | {_f(ln.get('vs_compile'), '.2f')} | "
                 f"{_f(ln.get(f'{best}_attention') if best else None, 'd')} / {_f(ln.get('mograph_attention'), 'd')} | "
-                f"{_placements(ln)} |"
+                f"{_placements(ln)} | {_fp16_cell(ln)} |"
             )
         md.append("")
     notes = sorted({(r["key"].rsplit("/", 1)[0], r["note"]) for r in cells if r.get("note")})
