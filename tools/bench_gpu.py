@@ -1380,7 +1380,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=0, help="CPU threads for ONNX Runtime and torch (0: default)")
     ap.add_argument("--jobs", type=int, default=1, metavar="N",
                     help="build the exports and variants the grid needs in N processes first (CPU-bound, mostly one "
-                    "thread each: e.g. 14 on the 16-core H200 host, ~4 GB of memory each), then time them one by one")
+                    "thread each: e.g. 12 on the 16-core H200 host, up to ~8 GB of memory each), then time them one by one")
     ap.add_argument("--prepare-only", action="store_true",
                     help="only export and build (fills --cache; in N processes with --jobs N), time nothing")
     ap.add_argument("--keep-intermediates", action="store_true",

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The three H200 calls that fill issue 15's whole grid (BENCHMARKS-GPU.md, "How to run"), one per argument:
-#   bash tools/gpu_grid.sh build   # ~5 min: every export and variant, 14 processes, nothing timed
+#   bash tools/gpu_grid.sh build   # ~5 min: every export and variant, 12 processes, nothing timed
 #   bash tools/gpu_grid.sh time    # ~8 min: builds what is left, then times (dynamo first in each model)
 #   bash tools/gpu_grid.sh rest    # ~4 min: what is still left, then torch.compile at 8x512
 #   bash tools/gpu_grid.sh list    # what is left, with estimates
 # Results: /tmp/grid.jsonl (copied to $OUT when set); cache /tmp/bc. Start each call with `. .gpu/assemble.sh &&`.
-# BUDGET=seconds overrides a step's --time-budget; JOBS=N the build processes (default 14); CACHE and RESULTS
+# BUDGET=seconds overrides a step's --time-budget; JOBS=N the build processes (default 12: up to ~8 GB each); CACHE and RESULTS
 # the cache folder and results file.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-JOBS=${JOBS:-14}
+JOBS=${JOBS:-12}
 CACHE=${CACHE:-/tmp/bc}
 RESULTS=${RESULTS:-/tmp/grid.jsonl}
 G=(--cache "$CACHE" --out "$RESULTS" --models bert,gpt2,llama,vit,whisper --exports dynamo,torchscript
