@@ -84,17 +84,9 @@ def feeds_for(batch: int, seq: int, seed: int, pad: bool) -> dict[str, np.ndarra
 
 
 def session(proto: onnx.ModelProto, threads: int, level: str):  # noqa: ANN201 - onnxruntime is imported lazily
-    import onnxruntime as ort
+    from tools.ort_cpu import cpu_session
 
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    opts.inter_op_num_threads = 1
-    opts.graph_optimization_level = {
-        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-    }[level]
-    return ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return cpu_session(proto, threads, level)
 
 
 def counts(proto: onnx.ModelProto) -> dict[str, int]:

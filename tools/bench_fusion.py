@@ -78,17 +78,9 @@ def _count(proto: onnx.ModelProto) -> tuple[int, int]:
 
 
 def _latency(proto: onnx.ModelProto, feeds: dict[str, np.ndarray], threads: int, level: str, repeat: int) -> float:
-    import onnxruntime as ort
+    from tools.ort_cpu import cpu_session
 
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    opts.inter_op_num_threads = 1
-    opts.graph_optimization_level = {
-        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-    }[level]
-    sess = ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    sess = cpu_session(proto, threads, level)
     names = {i.name for i in sess.get_inputs()}
     feeds = {k: v for k, v in feeds.items() if k in names}
     for _ in range(3):

@@ -13,7 +13,9 @@ One grid, measured on one GPU, written as JSON lines as it goes (so it can be sp
   (keep_io_types=True)``), ``ort-t`` (``onnxruntime.transformers.optimizer.optimize_model`` with the
   model's ``model_type``, then the same converter), ``onnxscript`` (``onnxscript.rewriter.ort_fusions.
   optimize_for_ort``, dynamo exports only, then the same converter), ``mograph`` (``cleanup,fuse`` lowered
-  ``--target ort``, then mograph's own ``fp16`` pass calibrated on 4 seeded feeds); and the references
+  ``--target ort``, then mograph's own ``fp16`` pass calibrated on 4 seeded feeds), ``mograph-ortfp16``
+  (the same fused float32 graph through ORT's converter instead: mograph's fp16 against ORT's on one graph,
+  issue 15 item 4); and the references
   ``torch-eager`` (the model in float16 with sdpa attention) and ``torch-compile`` (the same through
   ``torch.compile``), on the same GPU (on CPU, ``--smoke``, torch runs float32 and torch.compile is skipped);
 * **shapes**: ``BxS`` prefill cells (default 1, 8, 32 x 128, 512) and ``decode:BxP`` (one token with a
@@ -27,8 +29,15 @@ cell are timed in interleaved rounds so that drift hits them alike.  Accuracy is
 abs) of the model's main output against the float32 torch model (eager attention) on the same feeds.
 ``ratio`` is mograph over the best ORT peer of the cell; ``vs_compile`` mograph over torch.compile.
 
+Every ORT variant's first run is profiled (ONNX Runtime's profiler, read by ``mograph.backends.ort``): each row
+records how many nodes ran off the device's provider (on the CPU, under CUDA) and how many Memcpy nodes ONNX
+Runtime inserted, so "no Memcpy nodes added by mograph that the export did not have" is visible per cell.
+
 Exports and optimized variants are kept in ``--cache`` (keyed by model, export, attention, graph), so a
-later call only times.  A cell that fails is recorded with its error and the grid goes on; a cell whose
+later call only times; each built graph is loaded once by CPU ONNX Runtime before it is kept (a peer's
+invalid rewrite fails its build, not a GPU call), and a graph's float32 intermediates are deleted once all
+its variants are built (``--keep-intermediates``).  ``--list`` prints what is left and estimates the build
+(spread over ``--jobs``) and timing seconds and the disk the cache needs.  A cell that fails is recorded with its error and the grid goes on; a cell whose
 process died (a crash inside a runtime) is recorded as such on the next call, not retried.
 ``--time-budget`` stops starting new work after that many seconds, so one call can stay under a limit.
 
@@ -37,7 +46,10 @@ Usage (the H200; see ``../shared/gpu/README.md`` for carrying onnxruntime-gpu th
     python tools/bench_gpu.py --out results.jsonl --cache /tmp/mograph-gpu --time-budget 480
     python tools/bench_gpu.py --out results.jsonl --models bert --exports torchscript --shapes 8x512
     python tools/bench_gpu.py --markdown BENCHMARKS-GPU.md --out results.jsonl
-    python tools/bench_gpu.py --smoke --out /tmp/smoke.jsonl    # tiny models on CPU ONNX Runtime, < 2 min
+    python tools/bench_gpu.py --smoke --out /tmp/smoke.jsonl    # tiny models on CPU ONNX Runtime, ~2 min
+    python tools/bench_gpu.py --smoke --models bert,gpt2,llama,vit,whisper --out /tmp/all.jsonl  # every cell, ~8 min
+
+The sequence that fills the whole grid on the H200 is in BENCHMARKS-GPU.md ("How to run").
 """
 
 from __future__ import annotations
@@ -51,6 +63,7 @@ import platform
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from collections import Counter
@@ -70,8 +83,12 @@ MODELS = ("bert", "gpt2", "llama", "vit", "whisper")
 DECODERS = ("gpt2", "llama")
 EXPORTS = ("torchscript", "dynamo")
 ATTNS = ("eager", "sdpa")
-ORT_VARIANTS = ("exported", "ort-t", "onnxscript", "mograph")
+ORT_VARIANTS = ("exported", "ort-t", "onnxscript", "mograph", "mograph-ortfp16")
 PEERS = ("exported", "ort-t", "onnxscript")
+#: Cached graphs a variant is built from besides the export ``fp32`` (mograph's fused float32 graph, shared by
+#: ``mograph`` and ``mograph-ortfp16`` so that both fp16 conversions start from the same graph).
+BUILT_FROM = {"mograph": ("fused",), "mograph-ortfp16": ("fused",)}
+INTERMEDIATES = ("fp32", "fused")
 TORCH_VARIANTS = ("torch-eager", "torch-compile")
 VARIANTS = ORT_VARIANTS + TORCH_VARIANTS
 SHAPES = ("1x128", "8x128", "32x128", "1x512", "8x512", "32x512", "decode:1x512", "decode:8x512", "decode:32x512")
@@ -409,8 +426,8 @@ def calibration_file(g: Graph, dims: Dims, smoke: bool) -> Path:
     return path
 
 
-def prepare_variant(g: Graph, variant: str, dims: Dims, smoke: bool) -> None:
-    """Write ``variant.onnx`` (float16) from the export ``fp32.onnx``."""
+def prepare_variant(g: Graph, variant: str, dims: Dims, smoke: bool, gpu: bool = True) -> None:
+    """Write ``variant.onnx`` (float16) from the export ``fp32.onnx`` (``gpu``: the ORT optimizer's ``use_gpu``)."""
     import onnx
 
     src, dst = g.path("fp32"), g.path(variant)
@@ -420,8 +437,18 @@ def prepare_variant(g: Graph, variant: str, dims: Dims, smoke: bool) -> None:
     elif variant == "ort-t":
         from onnxruntime.transformers.optimizer import optimize_model
 
-        opt = optimize_model(str(src), model_type=ORT_MODEL_TYPE[g.model], num_heads=dims.heads,
-                             hidden_size=dims.hidden, use_gpu=not smoke)
+        model_type = ORT_MODEL_TYPE[g.model]
+        try:
+            opt = optimize_model(str(src), model_type=model_type, num_heads=dims.heads, hidden_size=dims.hidden,
+                                 use_gpu=gpu)
+        except Exception as exc:  # noqa: BLE001 - the peer's own recipe crashed on this export: try its generic one
+            if model_type == "bert":
+                raise
+            # e.g. ORT 1.2x-1.31's gpt2 post-processing indexes a Gemm's bias that a dynamo export's Gemm lacks
+            opt = optimize_model(str(src), model_type="bert", num_heads=dims.heads, hidden_size=dims.hidden,
+                                 use_gpu=gpu)
+            g.record("ort-t-note", {"note": f"model_type={model_type} failed ({describe(exc)}); built with "
+                                            "model_type=bert"})
         onnx.save(_fp16_peer(opt.model), str(tmp))
     elif variant == "onnxscript":
         import onnx_ir as ir
@@ -431,28 +458,77 @@ def prepare_variant(g: Graph, variant: str, dims: Dims, smoke: bool) -> None:
         model, fusions = optimize_for_ort(model)
         g.record("onnxscript-fusions", {k: v for k, v in dict(fusions).items() if v})
         onnx.save(_fp16_peer(ir.serde.serialize_model(model)), str(tmp))
-    elif variant == "mograph":
+    elif variant == "fused":
         import mograph
 
         model, report = mograph.optimize(str(src), "cleanup,fuse", options={"target": "ort"})
-        fused = {p.name: p.stats for p in report.passes if p.modified}
-        model, report16 = mograph.optimize(model, "fp16", options={"calibration_data": str(calibration_file(g, dims, smoke))})
-        stats16 = {p.name: p.stats for p in report16.passes}
-        g.record("mograph-passes", {"fuse": fused, "fp16": stats16})
+        g.record("mograph-fuse", {p.name: p.stats for p in report.passes if p.modified})
         mograph.save(model, str(tmp), overwrite=True)
+    elif variant == "mograph":
+        import mograph
+
+        model, report16 = mograph.optimize(str(g.path("fused")), "fp16",
+                                           options={"calibration_data": str(calibration_file(g, dims, smoke))})
+        g.record("mograph-passes", {"fuse": g.status().get("mograph-fuse"),
+                                    "fp16": {p.name: p.stats for p in report16.passes}})
+        mograph.save(model, str(tmp), overwrite=True)
+    elif variant == "mograph-ortfp16":
+        onnx.save(_fp16_peer(onnx.load(str(g.path("fused")))), str(tmp))
     else:
         raise ValueError(variant)
+    check_loads(tmp)
     os.replace(tmp, dst)
 
 
+def check_loads(path: Path) -> None:
+    """Fail the build (on the CPU, before the GPU sees it) when ONNX Runtime cannot load the graph: type or
+    shape errors a peer's rewrite left (seen: onnxscript's ORT fusions on GPT-2 dynamo exports feed a rank-3
+    tensor to a Gemm).  An op without a CPU kernel (a CUDA-only contrib op) is not an error here."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    opts.log_severity_level = 4
+    opts.intra_op_num_threads = 1
+    try:
+        ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # noqa: BLE001 - re-raised as one line, below
+        if "Could not find an implementation" in str(exc):
+            return
+        raise RuntimeError(f"ONNX Runtime cannot load the {path.stem.removesuffix('.tmp')} graph: "
+                           f"{str(exc).strip()[:300]}") from None
+
+
+def needed_steps(g: Graph, variants: list[str]) -> list[str]:
+    """The steps still to run for these variants: the missing ones and the graphs they are built from when
+    those are not in the cache (an export dropped after its graph was complete is made again only if needed)."""
+    missing = [v for v in dict.fromkeys(variants) if v in ORT_VARIANTS and not g.path(v).exists()]
+    sources = list(dict.fromkeys(d for v in missing for d in BUILT_FROM.get(v, ()) if not g.path(d).exists()))
+    raw = bool(sources) or any(not BUILT_FROM.get(v) for v in missing)
+    return (["fp32"] if raw and not g.path("fp32").exists() else []) + sources + missing
+
+
+def drop_intermediates(g: Graph) -> list[str]:
+    """Delete the float32 export and mograph's fused float32 graph once every variant of the graph is built
+    (or failed): nothing times them, and the full grid's cache would not fit a 64 GiB disk with them."""
+    status = g.status()
+    variants = [v for v in ORT_VARIANTS if applies(g.model, g.export, g.attn, v)]
+    if not all(g.path(v).exists() or (status.get(v) or {}).get("error") for v in variants):
+        return []
+    dropped = [s for s in INTERMEDIATES if g.path(s).exists()]
+    for s in dropped:
+        g.path(s).unlink()
+    return dropped
+
+
 def prepare(g: Graph, variants: list[str], dims: Dims, cache: Path, smoke: bool, retry: bool,
-            deadline: float) -> dict[str, str]:
-    """Export (once) and build every variant asked for; return ``{variant: error}`` for those that failed."""
+            deadline: float, gpu: bool = True, keep: bool = False) -> dict[str, str]:
+    """Export (once) and build every variant asked for; return ``{variant: error}`` for those that failed.
+    Unless ``keep``, the float32 intermediates go once the graph has all its variants (:func:`drop_intermediates`)."""
     g.folder.mkdir(parents=True, exist_ok=True)
     errors: dict[str, str] = {}
     status = g.status()
-    steps = ["fp32"] + [v for v in variants if v in ORT_VARIANTS]
-    for step in steps:
+    for step in needed_steps(g, variants):
         if g.path(step).exists():
             continue
         if step in status and status[step].get("error") and not retry:
@@ -460,6 +536,10 @@ def prepare(g: Graph, variants: list[str], dims: Dims, cache: Path, smoke: bool,
             continue
         if "fp32" in errors:
             errors[step] = f"export failed: {errors['fp32']}"
+            continue
+        failed_from = [d for d in BUILT_FROM.get(step, ()) if d in errors]
+        if failed_from:
+            errors[step] = f"{failed_from[0]} failed: {errors[failed_from[0]]}"
             continue
         if time.time() > deadline:
             errors[step] = "budget"
@@ -470,7 +550,7 @@ def prepare(g: Graph, variants: list[str], dims: Dims, cache: Path, smoke: bool,
             if step == "fp32":
                 export_graph(g, dims, cache, smoke)
             else:
-                prepare_variant(g, step, dims, smoke)
+                prepare_variant(g, step, dims, smoke, gpu)
             g.record(step, {"seconds": round(time.perf_counter() - t, 1), "ops": op_counts(g.path(step))})
         except Exception as exc:  # noqa: BLE001 - a failing step is a result, recorded, and the grid goes on
             msg = describe(exc)
@@ -478,6 +558,8 @@ def prepare(g: Graph, variants: list[str], dims: Dims, cache: Path, smoke: bool,
             g.record(step, {"error": msg, "seconds": round(time.perf_counter() - t, 1),
                             "traceback": traceback.format_exc()[-3000:]})
             errors[step] = msg
+    if not keep:
+        drop_intermediates(g)
     return errors
 
 
@@ -557,7 +639,9 @@ class TorchRunner(Runner):
         return out.float().cpu().numpy()
 
 
-def ort_session(path: Path, device: str, threads: int | None) -> Any:
+def ort_session(path: Path, device: str, threads: int | None, profile_dir: str | None = None) -> Any:
+    """A session on ``device``; with ``profile_dir``, ONNX Runtime's profiler is on until :func:`placement`
+    reads where the nodes of the first run ran (and stops it, so the timed runs are not profiled)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -565,11 +649,27 @@ def ort_session(path: Path, device: str, threads: int | None) -> Any:
     opts.log_severity_level = 3
     if threads:
         opts.intra_op_num_threads = threads
+    if profile_dir:
+        opts.enable_profiling = True
+        opts.profile_file_prefix = str(Path(profile_dir) / "ort")
     providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
     session = ort.InferenceSession(str(path), opts, providers=providers)
     if device == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
         raise RuntimeError(f"CUDAExecutionProvider not active (got {session.get_providers()})")
     return session
+
+
+def placement(runner: OrtRunner, profile_dir: str, device: str) -> dict[str, Any]:
+    """Run once (profiled) and say where the nodes ran: ``{"nodes", "off_device", "memcpy", "off_device_ops"}``
+    (``off_device``: compute nodes not on the device's provider, i.e. on the CPU under CUDA; ``memcpy``: the
+    MemcpyToHost/FromHost nodes ONNX Runtime inserted), from mograph's reading of ONNX Runtime's profile."""
+    from mograph.backends.ort import profile_placement
+
+    runner.run()
+    where = profile_placement(runner.session, profile_dir,
+                              "CUDAExecutionProvider" if device == "cuda" else "CPUExecutionProvider")
+    return {"nodes": where["nodes"], "off_device": len(where["fallback"]), "memcpy": len(where["memcpy"]),
+            "off_device_ops": dict(Counter(n["op_type"] for n in where["fallback"])), "profiled": where["profiled"]}
 
 
 def time_runners(runners: dict[str, Runner], warmup: int, min_time: float, rounds: int,
@@ -742,16 +842,35 @@ def pending_ort(ctx: Context, model: str, export: str, attn: str, shapes: list[S
 
 
 def _prepare_worker(model: str, export: str, attn: str, kind: str, variants: list[str], smoke: bool, cache: str,
-                    retry: bool, deadline: float, threads: int, verbose: bool) -> dict[str, str]:
+                    retry: bool, deadline: float, threads: int, verbose: bool, gpu: bool, keep: bool) -> dict[str, str]:
     """One graph's export and variants, in a worker process (``--jobs``)."""
     if not verbose:
         _quiet()
     import torch
 
     torch.set_num_threads(max(threads, 1))
+    _limit_ort_threads(max(threads, 1))
     dims = SMOKE if smoke else FULL
     g = graph_for(Path(cache), smoke, model, export, attn, kind)
-    return prepare(g, variants, dims, Path(cache), smoke, retry, deadline)
+    return prepare(g, variants, dims, Path(cache), smoke, retry, deadline, gpu, keep)
+
+
+def _limit_ort_threads(threads: int) -> None:
+    """In a build worker: every ONNX Runtime session that does not choose its thread count (the calibration
+    sessions of mograph's fp16 pass, ORT's own optimizer) gets ``threads`` and no spinning, so that N workers
+    do not each start a spinning pool as wide as the host."""
+    import onnxruntime as ort
+
+    base = ort.InferenceSession.__init__
+
+    def init(self: Any, path_or_bytes: Any, sess_options: Any = None, *rest: Any, **kwargs: Any) -> None:
+        opts = sess_options if sess_options is not None else ort.SessionOptions()
+        if not opts.intra_op_num_threads:
+            opts.intra_op_num_threads = threads
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        base(self, path_or_bytes, opts, *rest, **kwargs)
+
+    ort.InferenceSession.__init__ = init  # type: ignore[method-assign]
 
 
 def prepare_all(ctx: Context, jobs_list: list[tuple[str, str, str, str, list[Shape], list[str]]]) -> None:
@@ -763,23 +882,42 @@ def prepare_all(ctx: Context, jobs_list: list[tuple[str, str, str, str, list[Sha
     for model, export, attn, kind, shapes, variants in jobs_list:
         wanted = pending_ort(ctx, model, export, attn, shapes, variants)
         g = graph_for(ctx.cache, ctx.args.smoke, model, export, attn, kind)
-        if wanted and not all(g.path(v).exists() for v in ["fp32", *wanted]):
+        if wanted and needed_steps(g, wanted):
             work.append((model, export, attn, kind, wanted))
     if not work:
+        return
+    # the order of --exports (then --models) is the priority when --time-budget stops the builds
+    work.sort(key=lambda w: ctx.args.exports.index(w[1]) if w[1] in ctx.args.exports else 99)
+    if ctx.args.jobs <= 1:  # --prepare-only without --jobs: build in this process, one graph after another
+        for model, export, attn, kind, wanted in work:
+            g = graph_for(ctx.cache, ctx.args.smoke, model, export, attn, kind)
+            prepare(g, wanted, ctx.dims, ctx.cache, ctx.args.smoke, ctx.args.retry_errors, ctx.deadline,
+                    ctx.device == "cuda", ctx.args.keep_intermediates)
         return
     jobs = max(1, min(ctx.args.jobs, len(work)))
     threads = max(1, (os.cpu_count() or 2) // jobs)
     log(f"building {len(work)} graph(s) in {jobs} processes ({threads} threads each)")
-    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
-        futures = {pool.submit(_prepare_worker, *w, ctx.args.smoke, str(ctx.cache), ctx.args.retry_errors,
-                               ctx.deadline, threads, ctx.args.verbose): w for w in work}
-        for fut in cf.as_completed(futures):
-            w = futures[fut]
-            try:
-                errors = fut.result()
-                log(f"{'/'.join(w[:4])}: built" + (f" ({len(errors)} failed: {', '.join(errors)})" if errors else ""))
-            except Exception as exc:  # noqa: BLE001 - a worker that died: the timing loop retries it in-process
-                log(f"{'/'.join(w[:4])}: build worker failed: {describe(exc)}")
+    for attempt in (1, 2):  # a worker killed (out of memory, a crash in a library) breaks the whole pool
+        broken = []
+        with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
+            futures = {pool.submit(_prepare_worker, *w, ctx.args.smoke, str(ctx.cache), ctx.args.retry_errors,
+                                   ctx.deadline, threads, ctx.args.verbose, ctx.device == "cuda",
+                                   ctx.args.keep_intermediates): w for w in work}
+            for fut in cf.as_completed(futures):
+                w = futures[fut]
+                try:
+                    errors = fut.result()
+                    log(f"{'/'.join(w[:4])}: built" + (f" ({len(errors)} failed: {', '.join(errors)})" if errors else ""))
+                except cf.process.BrokenProcessPool:
+                    broken.append(w)
+                except Exception as exc:  # noqa: BLE001 - the timing loop builds it again in-process
+                    log(f"{'/'.join(w[:4])}: build worker failed: {describe(exc)}")
+        if not broken or attempt == 2 or time.time() > ctx.deadline:
+            break
+        work, jobs = broken, max(1, min(jobs, len(broken)) // 2)  # fewer at once: less memory
+        log(f"a build worker died: {len(work)} graph(s) again in {jobs} processes")
+    if broken:
+        log(f"a build worker died again: {', '.join('/'.join(w[:4]) for w in broken)} left to the timing loop")
 
 
 def run_cells(ctx: Context, model: str, export: str, attn: str, kind: str, shapes: list[Shape],
@@ -798,14 +936,19 @@ def run_cells(ctx: Context, model: str, export: str, attn: str, kind: str, shape
         return
     errors: dict[str, str] = {}
     if ort_wanted:
-        errors = prepare(g, ort_wanted, ctx.dims, ctx.cache, args.smoke, args.retry_errors, ctx.deadline)
+        errors = prepare(g, ort_wanted, ctx.dims, ctx.cache, args.smoke, args.retry_errors, ctx.deadline,
+                         ctx.device == "cuda", args.keep_intermediates)
     status = g.status()
     sessions: dict[str, Any] = {}
+    placements: dict[str, dict[str, Any]] = {}
+    first = make_feeds(model, kind, shapes[0].batch, shapes[0].seq, ctx.dims, seed=0)
     for v in ort_wanted:
         if v in errors:
             continue
         try:
-            sessions[v] = ort_session(g.path(v), ctx.device, args.threads)
+            with tempfile.TemporaryDirectory(prefix="bench-gpu-profile-", ignore_cleanup_errors=True) as profile_dir:
+                sessions[v] = ort_session(g.path(v), ctx.device, args.threads, profile_dir)
+                placements[v] = placement(OrtRunner(sessions[v], first, ctx.device), profile_dir, ctx.device)
         except Exception as exc:  # noqa: BLE001
             errors[v] = f"session: {type(exc).__name__}: {str(exc).strip()[:400]}"
     for shape in shapes:
@@ -830,10 +973,13 @@ def run_cells(ctx: Context, model: str, export: str, attn: str, kind: str, shape
                 continue
             if v in ORT_VARIANTS:
                 row["ops"] = status.get(v, {}).get("ops")
+                row["placement"] = placements.get(v)
                 if v == "mograph":
                     row["mograph_passes"] = status.get("mograph-passes")
                 if v == "onnxscript":
                     row["onnxscript_fusions"] = status.get("onnxscript-fusions")
+                if status.get(f"{v}-note"):
+                    row["note"] = status[f"{v}-note"]["note"]
             ctx.results.write({"key": row["key"], "status": "started"})
             try:
                 if v in ORT_VARIANTS:
@@ -947,7 +1093,7 @@ def run_grid(args: argparse.Namespace) -> int:
                     vs = [v for v in variants if v not in TORCH_VARIANTS or first]
                     plan.append((model, export, attn, kind, kind_shapes, vs))
                     first = False
-    if args.jobs > 1:
+    if args.jobs > 1 or args.prepare_only:
         prepare_all(ctx, plan)
     if args.prepare_only:
         log("--prepare-only: built what the grid needs; nothing timed")
@@ -1017,6 +1163,12 @@ def grid_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 line[v + "_error"] = vs[v]["error"]
             line[v + "_cosine"] = vs.get(v, {}).get("cosine")
             line[v + "_attention"] = (vs.get(v, {}).get("ops") or {}).get("attention")
+            line[v + "_placement"] = vs.get(v, {}).get("placement")
+            line[v + "_casts"] = (vs.get(v, {}).get("ops") or {}).get("Cast")
+        fp16 = ((vs.get("mograph", {}).get("mograph_passes") or {}).get("fp16") or {}).get("fp16")
+        if fp16:
+            line["mograph_kept_fp32"] = {k.split(".", 1)[1]: n for k, n in fp16.items()
+                                         if k.startswith("kept_fp32.") and n}
         for v, r in torch_rows.get((model, shape), {}).items():
             line[v] = _ms(r)
             line[v + "_cosine"] = r.get("cosine")
@@ -1027,6 +1179,12 @@ def grid_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             line["best_peer_fuses_attention"] = bool(line.get(best + "_attention"))
         if line.get("mograph") is not None and line.get("best_peer_ms"):
             line["ratio"] = line["mograph"] / line["best_peer_ms"]
+        if line.get("mograph") is not None and line.get("mograph-ortfp16"):
+            line["fp16_ratio"] = line["mograph"] / line["mograph-ortfp16"]  # issue 15 item 4: <= 1 is the goal
+        exported_memcpy = (line.get("exported_placement") or {}).get("memcpy")
+        mograph_memcpy = (line.get("mograph_placement") or {}).get("memcpy")
+        if exported_memcpy is not None and mograph_memcpy is not None:
+            line["memcpy_added"] = max(0, mograph_memcpy - exported_memcpy)
         if line.get("mograph") is not None and line.get("torch-compile"):
             line["vs_compile"] = line["mograph"] / line["torch-compile"]
         out.append(line)
@@ -1051,16 +1209,40 @@ def _goal(line: dict[str, Any]) -> str:
     return "ok"
 
 
+def _placements(line: dict[str, Any]) -> str:
+    """``off/memcpy`` per ORT variant (``-`` where not measured), and a flag where mograph has more Memcpy
+    nodes than the export (issue 15 item 3: mograph must add none)."""
+    parts = []
+    for v in ORT_VARIANTS:
+        p = line.get(v + "_placement")
+        parts.append("-" if not p else f"{p['off_device']}/{p['memcpy']}")
+    text = " · ".join(parts)
+    if line.get("memcpy_added"):
+        text += f" **(+{line['memcpy_added']} Memcpy)**"
+    return text
+
+
+def _fp16_cell(line: dict[str, Any]) -> str:
+    """``kept (why) / Casts mograph · Casts ORT conv``: the nodes mograph's fp16 pass kept in float32 and why,
+    and the Cast nodes of both fp16 conversions of the fused graph."""
+    kept = line.get("mograph_kept_fp32")
+    why = "-" if kept is None else (f"{sum(kept.values())} ({', '.join(f'{k} {n}' for k, n in kept.items())})"
+                                    if kept else "0")
+    return f"{why} / {_f(line.get('mograph_casts'), 'd')} · {_f(line.get('mograph-ortfp16_casts'), 'd')}"
+
+
 def summary_table(rows: list[dict[str, Any]]) -> str:
     lines = grid_rows(rows)
     head = (f"{'model':<8} {'export':<11} {'attn':<5} {'shape':<13} {'exported':>9} {'ort-t':>9} {'onnxscr':>9} "
-            f"{'mograph':>9} {'best peer':>10} {'ratio':>6} {'cos mograph':>11} {'torch':>9} {'compile':>9} goal")
+            f"{'mograph':>9} {'mg+ortf16':>9} {'best peer':>10} {'ratio':>6} {'fp16 r':>6} {'cos mograph':>11} "
+            f"{'torch':>9} {'compile':>9} goal")
     out = [head]
     for ln in lines:
         out.append(
             f"{ln['model']:<8} {ln['export']:<11} {ln['attn']:<5} {ln['shape']:<13} {_f(ln.get('exported')):>9} "
             f"{_f(ln.get('ort-t')):>9} {_f(ln.get('onnxscript')):>9} {_f(ln.get('mograph')):>9} "
-            f"{ln.get('best_peer', '-'):>10} {_f(ln.get('ratio'), '.2f'):>6} {_f(ln.get('mograph_cosine'), '.5f'):>11} "
+            f"{_f(ln.get('mograph-ortfp16')):>9} {ln.get('best_peer', '-'):>10} {_f(ln.get('ratio'), '.2f'):>6} "
+            f"{_f(ln.get('fp16_ratio'), '.2f'):>6} {_f(ln.get('mograph_cosine'), '.5f'):>11} "
             f"{_f(ln.get('torch-eager')):>9} {_f(ln.get('torch-compile')):>9} {_goal(ln)}"
         )
     errors = [r for r in latest(rows).values() if r.get("status") == "error"]
@@ -1068,6 +1250,22 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
         out.append(f"\n{len(errors)} cell(s) failed:")
         out += [f"  {r['key']}: {str(r.get('error'))[:160]}" for r in errors]
     return "\n".join(out)
+
+
+#: In a --markdown target, the text above this line is kept (a hand-written "How to run", older runs).
+KEEP_MARKER = "<!-- tools/bench_gpu.py --markdown replaces everything below this line; the text above is kept -->"
+
+
+def write_markdown(path: Path, tables: str) -> None:
+    """Write ``tables`` to ``path``; when ``path`` has :data:`KEEP_MARKER`, keep what is above it."""
+    head = ""
+    if path.exists():
+        text = path.read_text()
+        if KEEP_MARKER in text:
+            head = text[: text.index(KEEP_MARKER)] + KEEP_MARKER + "\n\n"
+            if tables.startswith("# "):  # the kept text has the title
+                tables = tables.split("\n", 1)[1].lstrip("\n")
+    path.write_text(head + tables)
 
 
 def markdown(rows: list[dict[str, Any]], sources: list[str]) -> str:
@@ -1090,7 +1288,14 @@ def markdown(rows: list[dict[str, Any]], sources: list[str]) -> str:
            "outputs float32), random seeded weights; variants of a cell timed in interleaved rounds in one process. "
            "`ratio` = mograph / best ORT peer (exported, ort-t, onnxscript) of the cell; `goal`: ratio <= 1.03, or "
            "<= 1/1.3 where the best peer fuses no attention, and at 8x512 `vs compile` <= 1.25; "
-           "`vs compile` = mograph / torch.compile. "
+           "`vs compile` = mograph / torch.compile. `mograph + ORT fp16`: mograph's fused float32 graph through "
+           "ORT's float16 converter (the same graph as `mograph`, the other fp16 conversion); `fp16: mograph / ORT conv` "
+           "= mograph / that (issue 15 item 4 asks <= 1). Off-device / Memcpy nodes: from ONNX Runtime's profile of "
+           "the first run, compute nodes that ran on another provider than the device's (under CUDA: on the CPU) and "
+           "the Memcpy nodes ONNX Runtime inserted (it keeps small shape computations on the CPU on purpose: the Memcpy "
+           "count is the one to watch); bold where mograph has more Memcpy nodes than the export. The last column: "
+           "the nodes mograph's fp16 pass kept in float32 and the reasons it measured, and the Cast nodes of "
+           "mograph's and ORT's fp16 conversions of the fused graph. "
            "Cosine: the main output against float32 torch (eager attention) on the same feeds. "
            "ViT has no sequence input: its S=128 cells run 224x224 images (197 tokens), S=512 384x384 (577 tokens); "
            "the Whisper-style encoder is built for S positions (2S mel frames). `decode:BxP`: one new token per "
@@ -1102,19 +1307,29 @@ def markdown(rows: list[dict[str, Any]], sources: list[str]) -> str:
         by_model.setdefault(ln["model"], []).append(ln)
     for model, group in by_model.items():
         md += [f"## {model}", "",
-               "| export | attn | shape | exported | ort-t | onnxscript | mograph | best peer | ratio | goal | "
-               "cos mograph | cos best peer | torch eager | torch.compile | vs compile | attention ops (best peer / mograph) |",
-               "|---|---|---|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---|"]
+               "| export | attn | shape | exported | ort-t | onnxscript | mograph | mograph + ORT fp16 | best peer | "
+               "ratio | goal | fp16: mograph / ORT conv | cos mograph | cos best peer | cos mograph + ORT fp16 | "
+               "torch eager | torch.compile | vs compile | attention ops (best peer / mograph) | "
+               "off-device / Memcpy nodes (exported, ort-t, onnxscript, mograph, mograph + ORT fp16) | "
+               "mograph fp16: kept fp32 (why) / Casts (mograph · ORT conv) |",
+               "|---|---|---|---:|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
         for ln in group:
             best = ln.get("best_peer")
             md.append(
                 f"| {ln['export']} | {ln['attn']} | {ln['shape']} | {_f(ln.get('exported'))} | {_f(ln.get('ort-t'))} | "
-                f"{_f(ln.get('onnxscript'))} | {_f(ln.get('mograph'))} | {best or '-'} | {_f(ln.get('ratio'), '.2f')} | "
-                f"{_goal(ln)} | {_f(ln.get('mograph_cosine'), '.6f')} | "
-                f"{_f(ln.get(f'{best}_cosine') if best else None, '.6f')} | {_f(ln.get('torch-eager'))} | "
+                f"{_f(ln.get('onnxscript'))} | {_f(ln.get('mograph'))} | {_f(ln.get('mograph-ortfp16'))} | "
+                f"{best or '-'} | {_f(ln.get('ratio'), '.2f')} | {_goal(ln)} | {_f(ln.get('fp16_ratio'), '.2f')} | "
+                f"{_f(ln.get('mograph_cosine'), '.6f')} | {_f(ln.get(f'{best}_cosine') if best else None, '.6f')} | "
+                f"{_f(ln.get('mograph-ortfp16_cosine'), '.6f')} | {_f(ln.get('torch-eager'))} | "
                 f"{_f(ln.get('torch-compile'))} | {_f(ln.get('vs_compile'), '.2f')} | "
-                f"{_f(ln.get(f'{best}_attention') if best else None, 'd')} / {_f(ln.get('mograph_attention'), 'd')} |"
+                f"{_f(ln.get(f'{best}_attention') if best else None, 'd')} / {_f(ln.get('mograph_attention'), 'd')} | "
+                f"{_placements(ln)} | {_fp16_cell(ln)} |"
             )
+        md.append("")
+    notes = sorted({(r["key"].rsplit("/", 1)[0], r["note"]) for r in cells if r.get("note")})
+    if notes:
+        md += ["## Notes", "", "| graph / variant | note |", "|---|---|"]
+        md += [f"| `{k}` | {n.replace('|', '/')[:300]} |" for k, n in notes]
         md.append("")
     errors = [r for r in cells if r.get("status") == "error"]
     if errors:
@@ -1164,9 +1379,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-iters", type=int, default=2000, help="most timed runs per variant and cell")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads for ONNX Runtime and torch (0: default)")
     ap.add_argument("--jobs", type=int, default=1, metavar="N",
-                    help="build the exports and variants the grid needs in N processes first (CPU-bound; e.g. 4 on a "
-                    "16-core host), then time them one by one")
-    ap.add_argument("--prepare-only", action="store_true", help="only export and build (fills --cache), time nothing")
+                    help="build the exports and variants the grid needs in N processes first (CPU-bound, mostly one "
+                    "thread each: e.g. 12 on the 16-core H200 host, up to ~8 GB of memory each), then time them one by one")
+    ap.add_argument("--prepare-only", action="store_true",
+                    help="only export and build (fills --cache; in N processes with --jobs N), time nothing")
+    ap.add_argument("--keep-intermediates", action="store_true",
+                    help="keep each graph's float32 export and mograph's fused float32 graph in --cache after all its "
+                    "variants are built (default: deleted then; the full grid's cache is ~40 GB without them)")
     ap.add_argument("--retry-errors", action="store_true", help="run again the cells and builds that failed before")
     ap.add_argument("--compile-on-cpu", action="store_true", help="time torch.compile on CPU too (slow to compile)")
     ap.add_argument("--smoke", action="store_true",
@@ -1174,7 +1393,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "few iterations, no torch.compile: checks the script end to end in under two minutes; unless "
                     "--models/--exports/--attn are given it runs bert dynamo/sdpa, bert torchscript/eager and gpt2 "
                     "torchscript/sdpa")
-    ap.add_argument("--list", action="store_true", help="print what the selection still has to build and time, and exit")
+    ap.add_argument("--list", action="store_true", help="print what the selection still has to build and time, with estimated build (at --jobs), timing "
+                    "and disk, and exit")
     ap.add_argument("--verbose", action="store_true", help="keep the exporters' and libraries' warnings")
     ap.add_argument("--markdown", metavar="FILE.md", help="write the tables of the --out files as Markdown and exit")
     return ap
@@ -1188,7 +1408,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [r for path in args.out for r in read_results(Path(path))]
         if not rows:
             raise SystemExit(f"bench_gpu: no results in {', '.join(args.out)}")
-        Path(args.markdown).write_text(markdown(rows, args.out))
+        write_markdown(Path(args.markdown), markdown(rows, args.out))
         sys.stdout.write(f"wrote {args.markdown} ({len(latest(rows))} cells)\n")
         return 0
     if len(args.out) != 1:
@@ -1213,16 +1433,81 @@ def main(argv: list[str] | None = None) -> int:
     return run_grid(args)
 
 
+#: Rough seconds to build one cached graph of a full-size BERT-base-sized model in one ``--jobs`` worker, used by
+#: ``--list`` until the cache holds measured times: measured on a shared 2-core host (BERT-base, one process per
+#: step; see BENCHMARKS-GPU.md "How to run") and divided by 2.5 for the contention there. Once some graphs are
+#: built, the median measured time of each (export, step) in --cache replaces these (scaled by MODEL_SCALE).
+BUILD_SECONDS = {("torchscript", "fp32"): 15.0, ("dynamo", "fp32"): 18.0, ("torchscript", "exported"): 5.0,
+                 ("dynamo", "exported"): 5.0, ("torchscript", "ort-t"): 16.0, ("dynamo", "ort-t"): 16.0,
+                 ("dynamo", "onnxscript"): 25.0, ("torchscript", "fused"): 8.0, ("dynamo", "fused"): 10.0,
+                 ("torchscript", "mograph"): 25.0, ("dynamo", "mograph"): 25.0,
+                 ("torchscript", "mograph-ortfp16"): 6.0, ("dynamo", "mograph-ortfp16"): 6.0}
+MODEL_SCALE = {"bert": 1.0, "gpt2": 1.2, "llama": 1.1, "vit": 0.8, "whisper": 0.8}
+#: Parameters (millions) of the full-size models: the cache holds ~2 bytes a parameter per float16 variant.
+PARAMS_M = {"bert": 110, "gpt2": 124, "llama": 100, "vit": 86, "whisper": 88}
+#: Timing: creating and profiling one CUDA session of a graph, the float32 torch reference of a cell, and
+#: torch.compile of a model at one shape (session 1 on the H200: 20-40 s).
+SESSION_SECONDS, REFERENCE_SECONDS, COMPILE_SECONDS = 1.0, 0.3, 35.0
+SMOKE_SCALE = 0.05
+
+
+def measured_build_seconds(cache: Path) -> dict[tuple[str, str], float]:
+    """Median seconds per (export, step) over the graphs already built in ``cache``, per unit of MODEL_SCALE."""
+    seen: dict[tuple[str, str], list[float]] = {}
+    for status_file in cache.glob("*/status.json"):
+        with contextlib.suppress(OSError, ValueError):
+            status = json.loads(status_file.read_text())
+            model, export = status_file.parent.name.removeprefix("smoke-").split("-")[:2]
+            for step, entry in status.items():
+                if isinstance(entry, dict) and "seconds" in entry and not entry.get("error"):
+                    seen.setdefault((export, step), []).append(entry["seconds"] / MODEL_SCALE.get(model, 1.0))
+    return {k: statistics.median(v) for k, v in seen.items()}
+
+
+def estimate_build(g: Graph, steps: list[str], smoke: bool,
+                   measured: dict[tuple[str, str], float] | None = None) -> float:
+    """Seconds to build these (missing) ``steps`` of ``g``: this graph's recorded time of a step (an
+    intermediate dropped and needed again), else the cache's median for the step, else the table."""
+    status = g.status()
+    total = 0.0
+    for step in steps:
+        recorded = (status.get(step) or {}).get("seconds")
+        if recorded is not None and not (status.get(step) or {}).get("error"):
+            total += float(recorded)
+            continue
+        if measured and (g.export, step) in measured:
+            total += measured[(g.export, step)] * MODEL_SCALE.get(g.model, 1.0)
+            continue
+        base = BUILD_SECONDS.get((g.export, step), 20.0) * MODEL_SCALE.get(g.model, 1.0)
+        if g.kind == "decode":
+            base *= 1.3
+        total += base * (SMOKE_SCALE if smoke else 1.0)
+    return total
+
+
+def estimate_cell(variant: str, args: argparse.Namespace, expected_ms: float) -> float:
+    """Seconds to time one variant on one cell: warm-up, the three sizing runs, then --min-time."""
+    if variant == "torch-compile":
+        return COMPILE_SECONDS + args.min_time
+    return (args.warmup + 3) * expected_ms / 1e3 + args.min_time + 0.05
+
+
 def list_pending(args: argparse.Namespace) -> int:
-    """Print the cells of the selection still missing from --out, per graph, and which graphs are cached."""
+    """Print the cells of the selection still missing from --out, per graph, which graphs are cached, and an
+    estimate of the build (CPU, spread over --jobs) and timing (GPU, one at a time) seconds still to spend."""
     dims = SMOKE if args.smoke else FULL
     done = Results(Path(args.out), args.retry_errors).done
     cache = Path(args.cache)
     shapes = [Shape.parse(s) for s in args.shapes]
     total = graphs = built = 0
+    build_s: list[float] = []
+    time_s = 0.0
     seen: set[str] = set()  # torch cells belong to the model, not to one export: counted once
     on_cpu = args.smoke or args.device == "cpu"
     variants = [v for v in args.variants if not (v == "torch-compile" and on_cpu and not args.compile_on_cpu)]
+    expected_ms = 0.3 if args.smoke else 5.0
+    measured = measured_build_seconds(cache)
+    disk = 0.0
     for model in args.models:
         for kind in dict.fromkeys(k for k in (graph_kind(model, s, dims) for s in shapes) if k):
             kind_shapes = [s for s in shapes if graph_kind(model, s, dims) == kind]
@@ -1230,18 +1515,46 @@ def list_pending(args: argparse.Namespace) -> int:
                 for attn in args.attn:
                     if args.smoke_grid and (model, export, attn) not in SMOKE_GRID:
                         continue
-                    todo = [cell_key(*_torch_ids(model, export, attn, v), v, s.text) for v in variants
-                            if v in TORCH_VARIANTS or applies(model, export, attn, v) for s in kind_shapes]
-                    todo = [k for k in dict.fromkeys(todo) if k not in done and k not in seen]
+                    todo_pairs = [(v, s) for v in variants if v in TORCH_VARIANTS or applies(model, export, attn, v)
+                                  for s in kind_shapes]
+                    todo = {cell_key(*_torch_ids(model, export, attn, v), v, s.text): v for v, s in todo_pairs}
+                    todo = {k: v for k, v in todo.items() if k not in done and k not in seen}
                     seen.update(todo)
                     g = graph_for(cache, args.smoke, model, export, attn, kind)
-                    ready = [v for v in ["fp32", *ORT_VARIANTS] if g.path(v).exists()]
+                    ready = [v for v in ["fp32", "fused", *ORT_VARIANTS] if g.path(v).exists()]
+                    ort_todo = sorted({v for v in todo.values() if v in ORT_VARIANTS})
+                    b = estimate_build(g, needed_steps(g, ort_todo), args.smoke, measured)
+                    disk += sum(not g.path(v).exists() for v in ort_todo) * 2e6 * PARAMS_M.get(model, 100)
+                    t = sum(estimate_cell(v, args, expected_ms) for v in todo.values())
+                    t += len(ort_todo) * SESSION_SECONDS * (SMOKE_SCALE if args.smoke else 1.0)
+                    t += len({k.rsplit("/", 1)[1] for k in todo}) * REFERENCE_SECONDS
                     graphs += 1
                     built += bool(ready)
                     total += len(todo)
-                    sys.stdout.write(f"{g.name}: {len(todo)} cell(s) to time; cached: {', '.join(ready) or 'nothing'}\n")
+                    if b:
+                        build_s.append(b)
+                    time_s += t
+                    sys.stdout.write(f"{g.name}: {len(todo)} cell(s) to time (~{t:.0f} s); build ~{b:.0f} s; "
+                                     f"cached: {', '.join(ready) or 'nothing'}\n")
+    jobs = max(1, args.jobs)
+    wall = _spread(build_s, jobs)
     sys.stdout.write(f"{total} cell(s) to time over {graphs} graph(s), {built} with something cached\n")
+    sys.stdout.write(f"estimate: build ~{sum(build_s):.0f} CPU-s serial, ~{wall:.0f} s wall with --jobs {jobs}; "
+                     f"timing ~{time_s:.0f} s; total ~{(wall + time_s) / 60:.1f} min (rough: BUILD_SECONDS in "
+                     "tools/bench_gpu.py, --warmup/--min-time, 5 ms a run)\n")
+    if not args.smoke:
+        have = sum(f.stat().st_size for f in cache.glob("*/*.onnx")) if cache.exists() else 0
+        sys.stdout.write(f"disk: --cache holds {have / 1e9:.1f} GB; the selection adds ~{disk / 1e9:.1f} GB of float16 "
+                         "graphs (plus ~1 GB per graph being built, and 0.5 GB of weights per model and graph kind)\n")
     return 0
+
+
+def _spread(seconds: list[float], jobs: int) -> float:
+    """Wall time of these jobs on ``jobs`` workers, longest first (the pool's order does not matter much)."""
+    lanes = [0.0] * jobs
+    for s in sorted(seconds, reverse=True):
+        lanes[lanes.index(min(lanes))] += s
+    return max(lanes) if lanes else 0.0
 
 
 if __name__ == "__main__":
