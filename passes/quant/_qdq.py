@@ -36,12 +36,15 @@ Conv/Gemm biases stay float (an INT32 bias scale ``act_scale * weight_scale`` un
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 from mograph.passes.quant.plan import node_key
+
+from mograph.irutil import fresh_name
 
 __all__ = [
     "Candidate",
@@ -377,6 +380,7 @@ class QdqWriter:
         for graph in model.graphs():
             self._names.update(graph.initializers)
             self._names.update(o.name for node in graph for o in node.outputs if o.name)
+            self._names.update(node.name for node in graph if node.name)  # node names must stay unique too
             self._names.update(v.name for v in graph.inputs if v.name)
         self.q_nodes = 0
         self.dq_nodes = 0
@@ -566,14 +570,7 @@ def quantize_embeddings(model: ir.Model, min_elements: int = EMBEDDING_MIN_ELEME
     for node in graph:
         names.update(o.name for o in node.outputs if o.name)
 
-    def fresh(base: str) -> str:
-        name, i = base, 1
-        while name in names:
-            i += 1
-            name = f"{base}_{i}"
-        names.add(name)
-        return name
-
+    fresh = functools.partial(fresh_name, names)
     done: list[tuple[ir.Node, str]] = []
     for table in list(graph.initializers.values()):
         arr = table.const_value.numpy() if table.const_value is not None else None

@@ -46,13 +46,16 @@ raised when its ops convert cleanly (reported), else the pass refuses in one lin
 from __future__ import annotations
 
 import onnx_ir as ir
-from mograph.passes.quant._base import CALIBRATION_OPTIONS, PLAN_OPTIONS, QDQ_OPTIONS, QdqPassBase
+from mograph.passes.quant._base import CALIBRATION_OPTIONS, PLAN_OPTIONS, QdqPassBase, qdq_options
 from mograph.passes.quant._qdq import INT8_S8, INT8_U8, Scheme, quantize_embeddings
 from mograph.passes.quant.plan import PrecisionPlan
 
 from mograph.pass_infra import Option
 
-__all__ = ["QdqInt8Pass"]
+__all__ = ["QdqInt8Pass", "DEFAULT_BUDGET"]
+
+#: The accuracy budget the default float layers are chosen for (``--accuracy-budget off``: the rules).
+DEFAULT_BUDGET = "cosine>=0.995"
 
 
 class QdqInt8Pass(QdqPassBase):
@@ -63,7 +66,7 @@ class QdqInt8Pass(QdqPassBase):
     precision = "int8"
     options = (
         *CALIBRATION_OPTIONS,
-        *QDQ_OPTIONS,
+        *qdq_options(DEFAULT_BUDGET),
         *PLAN_OPTIONS,
         Option(
             "activation-type",

@@ -48,7 +48,13 @@ from typing import Any, ClassVar
 import numpy as np
 import onnx_ir as ir
 from mograph.passes.quant import _blockwise as bw
-from mograph.passes.quant._base import CALIBRATION_OPTIONS, PLAN_OPTIONS, calibration_meta, open_calibration
+from mograph.passes.quant._base import (
+    CALIBRATION_OPTIONS,
+    PLAN_OPTIONS,
+    calibration_meta,
+    open_calibration,
+    publish_notes_and_plan,
+)
 from mograph.passes.quant._qdq import default_precision, find_candidates, sensitive_nodes
 from mograph.passes.quant.plan import PrecisionPlan, load_plan, node_key, parse_budget
 from mograph.passes.quant.weight_only_op import OP_NAME
@@ -648,13 +654,7 @@ class WeightOnlyPass(Pass):
 
             ensure_functions(model, get_registry().custom_ops)
         details: dict[str, Any] = {"plan": plan.to_dict()}
-        if notes:
-            details["notes"] = notes
-            for note in notes:
-                logger.warning("%s: %s", self.name, note)
-        out = self.config.get("precision_plan_out")
-        if out:
-            plan.write(out)
+        publish_notes_and_plan(self, plan, details, notes)
         if not stats["quantized"]:
             return PassResult(False, {}, details)
         return PassResult(True, stats, details)
