@@ -108,32 +108,24 @@ PLAN_OPTIONS = (
 NO_BUDGET = ("off", "rules", "none")
 
 
-def budget_option(default: str | None) -> Option:
-    """``--accuracy-budget`` with the pass's default (``None``: the default rules unless one is given)."""
-    what = f"default {default}" if default else "default: off"
-    return Option(
-        "accuracy-budget",
-        str,
-        default,
-        "measure per-layer sensitivity on the calibration data and keep the fewest layers in float that meet "
-        f"this budget on the model outputs ({what}; off: the default rules decide instead)",
-        metavar="cosine>=X|max-abs<=X|off",
-    )
+BUDGET_OPTION = Option(
+    "accuracy-budget",
+    str,
+    "auto",
+    "measure per-layer sensitivity on the calibration data and keep the fewest layers in float that meet this "
+    "budget on the model outputs; auto (default): cosine>=0.995 for qdq-int8, off for qdq-fp8; off: the "
+    "default rules decide",
+    metavar="cosine>=X|max-abs<=X|auto|off",
+)
 
 
-def qdq_options(budget: str | None = None) -> tuple[Option, ...]:
-    """The Q/DQ options with ``--accuracy-budget`` defaulting to ``budget``."""
-    return tuple(budget_option(budget) if o is None else o for o in _QDQ_OPTIONS)
-
-
-_QDQ_OPTIONS = (
+QDQ_OPTIONS = (
     Option("calibrator", str, "minmax", "how ranges are chosen", choices=("minmax", "percentile", "entropy")),
     Option("percentile", float, 99.99, "percentile kept by --calibrator percentile", metavar="P"),
-    None,  # the accuracy-budget option: budget_option(default), each pass its own default
+    BUDGET_OPTION,
     Option("sensitivity-samples", int, 8, "calibration samples used by the sensitivity analysis and the smoothing "
            "strength search", metavar="N"),
 )
-QDQ_OPTIONS = qdq_options(None)
 
 
 def parse_shapes(items: list[Any] | None) -> dict[str, tuple[int, ...]]:
@@ -189,6 +181,8 @@ class QdqPassBase(Pass):
     #: Oldest default-domain opset the pass's Q/DQ form exists at, and what needs it (for the report).
     min_opset: ClassVar[int] = 13
     min_opset_reason: ClassVar[str] = "per-channel DequantizeLinear (13)"
+    #: The budget ``--accuracy-budget auto`` (the default) means; None: the default rules decide.
+    default_budget: ClassVar[str | None] = None
     #: Optional ``callback(done, total)`` for calibration and sensitivity progress (set on the instance).
     progress: Callable[[int, int | None], None] | None = None
 
@@ -361,11 +355,18 @@ class QdqPassBase(Pass):
         float_types = {k: ir.DataType(t) for k, t in cal.infer_dtypes(model).items()} if half else {}
         decisions, overridden, notes = self._decide(model, cands)
         budget = None
-        budget_text = str(self.config.get("accuracy_budget") or "off")
-        if budget_text.strip().lower() not in NO_BUDGET and not self.config.get("precision_plan"):
+        budget_text = str(self.config.get("accuracy_budget") or "auto").strip()
+        is_default = budget_text.lower() == "auto"
+        if is_default:
+            budget_text = self.default_budget or "off"
+        if budget_text.lower() not in NO_BUDGET and not self.config.get("precision_plan"):
             budget = parse_budget(budget_text)
-        default_budget = next((o.default for o in self.options if o.name == "accuracy-budget"), None)
-        if budget is not None and done and budget_text == default_budget:
+        if budget is not None and is_default and half:
+            # the per-layer measurement builds float32 one-node models: float16 models keep the default rules
+            notes.append(f"float16/bfloat16 model: the default rules chose the float layers, not a measurement "
+                         f"(give --accuracy-budget {budget} to measure)")
+            budget = None
+        if budget is not None and done and is_default:
             # a second run on its own output: what the first run measured and kept float stays float
             for c in cands:
                 if c.key not in overridden:
@@ -415,7 +416,7 @@ class QdqPassBase(Pass):
             if source.random:
                 stats["calibrated_on_random_data"] = 1
         if budget is not None and source is not None:
-            from mograph.passes.quant.sensitivity import COST_WEIGHT, analyse
+            from mograph.passes.quant.sensitivity import CHEAP_FRACTION, TIE_FACTOR, analyse
 
             n = int(self.config.get("sensitivity_samples") or 8)
             samples = list(itertools.islice(iter(source), n))
@@ -431,14 +432,15 @@ class QdqPassBase(Pass):
                     decisions[c.key] = (self.precision, f"measured sensitivity: {value}; quantized within {budget}")
             plan.meta["accuracy_budget"] = {
                 "budget": str(budget),
-                "default": budget_text == default_budget,
+                "default": is_default,
                 "measured": round(res.final, 6),
                 "met": res.met,
                 "kept_float": len(res.keep),
                 "samples": len(samples),
                 "evaluations": res.evaluations,
-                "order": f"quantized-alone error x (median MACs / MACs) ** {COST_WEIGHT:g}, highest first "
-                         "(of two equally sensitive layers the cheaper one to keep float goes first)",
+                "order": f"layers under {CHEAP_FRACTION:g} x the median layer's multiply-adds first (cheap to "
+                         "keep float), then the rest; in each, by quantized-alone error, most sensitive first "
+                         f"(errors within a factor {TIE_FACTOR:g}: cheapest first)",
                 "metric_by_kept_float": {int(k): round(v, 6) for k, v in res.curve.items()},
             }
             stats["sensitivity_evaluations"] = res.evaluations

@@ -46,7 +46,7 @@ raised when its ops convert cleanly (reported), else the pass refuses in one lin
 from __future__ import annotations
 
 import onnx_ir as ir
-from mograph.passes.quant._base import CALIBRATION_OPTIONS, PLAN_OPTIONS, QdqPassBase, qdq_options
+from mograph.passes.quant._base import CALIBRATION_OPTIONS, PLAN_OPTIONS, QDQ_OPTIONS, QdqPassBase
 from mograph.passes.quant._qdq import INT8_S8, INT8_U8, Scheme, quantize_embeddings
 from mograph.passes.quant.plan import PrecisionPlan
 
@@ -64,9 +64,10 @@ class QdqInt8Pass(QdqPassBase):
     name = "qdq-int8"
     family = "quant"
     precision = "int8"
+    default_budget = DEFAULT_BUDGET
     options = (
         *CALIBRATION_OPTIONS,
-        *qdq_options(DEFAULT_BUDGET),
+        *QDQ_OPTIONS,
         *PLAN_OPTIONS,
         Option(
             "activation-type",

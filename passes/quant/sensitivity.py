@@ -9,12 +9,12 @@ first calibration samples:
    exactly as the inserted Q/DQ will do; its sensitivity is the relative error of its output
    ``||y_q - y|| / ||y||`` (one float pass over the samples, not one model build per layer), and its cost
    the multiply-adds it did on those samples (output elements x reduction length, from the real shapes);
-2. **order** (latency-aware, :func:`keep_order`): by the error weighted by cheapness,
-   ``error * (median cost / cost) ** 0.5``, highest first, so that of two about equally sensitive layers the
-   one that costs less to keep in float goes first, and a layer 4x cheaper than the median needs half the
-   error of a median one to rank the same.  On transformers this puts the activation x activation
-   MatMuls of attention (about 1/24 of a projection's multiply-adds at sequence 128, and the ones whose
-   quantization ONNX Runtime CPU fuses worst) ahead of weight MatMuls of similar error;
+2. **order** (latency-aware, :func:`keep_order`): first the layers that cost less than
+   :data:`CHEAP_FRACTION` (1/8) of the median layer's multiply-adds, whose float costs little latency (on
+   transformers the activation x activation MatMuls of attention, about 1/24 of a projection at sequence
+   128, and on ONNX Runtime CPU quantized ones also lose the fused transpose and scale), then the others;
+   within each, most sensitive first, and of layers whose errors are within a factor :data:`TIE_FACTOR` of
+   each other (one bucket of a log scale), the cheapest first;
 3. **choose**: a binary search over ``k`` builds the real Q/DQ model with all but the first ``k`` layers
    of that order quantized, runs it end to end and keeps the smallest ``k`` that meets the budget.  The
    budget check is always measured on the model outputs, never inferred from the per-layer figures;
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,8 +51,10 @@ __all__ = ["SensitivityResult", "analyse"]
 
 logger = logging.getLogger(__name__)
 
-#: How much a layer's cost weighs in the order layers are kept float (0: error alone; see :func:`keep_order`).
-COST_WEIGHT = 0.5
+#: Layers costing less than this fraction of the median layer's multiply-adds are kept float first.
+CHEAP_FRACTION = 0.125
+#: Layers whose quantized-alone errors are within this factor of each other go cheapest first.
+TIE_FACTOR = 1.25
 
 
 @dataclass
@@ -150,18 +153,21 @@ def _reduction(c: Candidate, xs: dict[str, np.ndarray]) -> float:
     return float(a.shape[-1]) if a.ndim else 1.0
 
 
-def keep_order(alone: dict[str, float], cost: dict[str, float], weight: float = COST_WEIGHT) -> list[str]:
-    """Layers in the order they are kept float, highest score first: the quantized-alone error times
-    ``(median cost / cost) ** weight``, so a layer 4x cheaper than the median (less latency lost by keeping it
-    float) counts as 2x as sensitive at the default weight 0.5; equal scores go by name (reproducible)."""
+def keep_order(alone: dict[str, float], cost: dict[str, float], *, cheap: float = CHEAP_FRACTION,
+               tie: float = TIE_FACTOR) -> list[str]:
+    """Layers in the order they are kept float (see the module docstring, step 2): first the cheap ones
+    (cost under ``cheap`` x the median layer's), then the others; within each, most sensitive first, and
+    layers whose errors are within a factor ``tie`` of each other (one bucket of a log scale) cheapest first;
+    then by name, so the order is reproducible."""
     positive = sorted(v for v in cost.values() if v > 0)
-    median = positive[len(positive) // 2] if positive else 1.0
+    median = positive[len(positive) // 2] if positive else 0.0
 
-    def score(k: str) -> float:
-        c = cost.get(k, 0.0)
-        return alone[k] * (median / c) ** weight if c > 0 else alone[k]
+    def key(k: str) -> tuple[int, int, float, float, str]:
+        e, c = alone[k], cost.get(k, 0.0)
+        bucket = -math.floor(math.log(e) / math.log(tie)) if e > 0 else 1 << 30
+        return (0 if c < cheap * median else 1, bucket, c, -e, k)
 
-    return sorted(alone, key=lambda k: (-score(k), k))
+    return sorted(alone, key=key)
 
 
 def _evaluate_mix(

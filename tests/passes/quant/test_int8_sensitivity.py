@@ -124,10 +124,10 @@ def test_near_miss_untouched():
 
 
 def test_keep_order_is_latency_aware():
-    """Most sensitive first, a layer's error weighted by (median cost / cost) ** 0.5: a layer 16x cheaper with
-    a little more than a quarter of the error goes before an expensive one; a much worse layer still leads."""
-    alone = {"ffn": 0.020, "scores": 0.006, "worst": 0.080, "proj": 0.010}
-    cost = {"ffn": 16e6, "scores": 1e6, "worst": 16e6, "proj": 4e6}
-    # scores: 0.006 * (16/1) ** 0.5 = 0.024 > ffn 0.020 > proj 0.010 * 2 = 0.020 (tie: by name) ; worst 0.080
-    assert keep_order(alone, cost) == ["worst", "scores", "ffn", "proj"]
-    assert keep_order(alone, cost, weight=0.0) == ["worst", "ffn", "proj", "scores"]
+    """Cheap layers (under 1/8 of the median cost) first, most sensitive first; then the rest by error, with
+    errors within 1.25x of each other cheapest first; a clearly worse layer leads its group."""
+    alone = {"ffn": 0.020, "proj": 0.0195, "worst": 0.060, "scores": 0.004, "context": 0.03, "quiet": 0.001}
+    cost = {"ffn": 16e6, "proj": 4e6, "worst": 16e6, "scores": 1e5, "context": 1e5, "quiet": 4e6}
+    # median cost 4e6: scores and context are cheap; ffn and proj tie on error (within 1.25x): proj is cheaper
+    assert keep_order(alone, cost) == ["context", "scores", "worst", "proj", "ffn", "quiet"]
+    assert keep_order(alone, cost, cheap=0.0, tie=1.0 + 1e-9)[:3] == ["worst", "context", "ffn"]
