@@ -113,7 +113,7 @@ BUDGET_OPTION = Option(
     str,
     "auto",
     "measure per-layer sensitivity on the calibration data and keep the fewest layers in float that meet this "
-    "budget on the model outputs; auto (default): cosine>=0.995 for qdq-int8, off for qdq-fp8; off: the "
+    "budget on the model outputs; auto (default): cosine>=0.992 for qdq-int8, off for qdq-fp8; off: the "
     "default rules decide",
     metavar="cosine>=X|max-abs<=X|auto|off",
 )

@@ -55,7 +55,7 @@ from mograph.pass_infra import Option
 __all__ = ["QdqInt8Pass", "DEFAULT_BUDGET"]
 
 #: The accuracy budget the default float layers are chosen for (``--accuracy-budget off``: the rules).
-DEFAULT_BUDGET = "cosine>=0.995"
+DEFAULT_BUDGET = "cosine>=0.992"
 
 
 class QdqInt8Pass(QdqPassBase):
