@@ -43,6 +43,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -51,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from models import minilm  # noqa: E402
 
 #: all-MiniLM-L6-v2's architecture (its config.json), for --random-weights.
-MINILM_CONFIG = {
+MINILM_CONFIG: dict[str, Any] = {
     "vocab_size": 30522,
     "hidden_size": 384,
     "num_hidden_layers": 6,
@@ -155,7 +156,7 @@ def export_random_minilm(path: Path, layers: int = 6, seed: int = 0, opset: int 
     import torch
     import transformers
 
-    config = transformers.BertConfig(**{**MINILM_CONFIG, "num_hidden_layers": layers}, attn_implementation="eager")
+    config = transformers.BertConfig(**{**MINILM_CONFIG, "num_hidden_layers": layers, "attn_implementation": "eager"})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         bert = transformers.BertModel(config, add_pooling_layer=False)

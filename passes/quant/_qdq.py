@@ -18,7 +18,8 @@ Placement follows what the backends fuse:
 Nothing is put inside the nodes a backend fuses with a MatMul (bias Add, GELU, LayerNorm): only the
 MatMul/Gemm/Conv inputs are touched.
 
-Default rules (each recorded as a plan reason): weight MatMul/Gemm/Conv are quantized; a MatMul of two
+Default rules (each recorded as a plan reason; ``qdq-int8`` measures instead by default and uses them with
+``--accuracy-budget off``, ``qdq-fp8`` uses them unless given a budget): weight MatMul/Gemm/Conv are quantized; a MatMul of two
 activations (attention scores and context) stays in float — its inputs are the softmax output and the
 query/key/value tensors, whose quantization costs accuracy for little speed; the final projection (a
 candidate with no other candidate downstream) stays in float; normalization and softmax are never
