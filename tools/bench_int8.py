@@ -124,6 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-modelopt", action="store_true", help="leave ModelOpt out")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import logging
+    import warnings
+
+    # quiet: ONNX Runtime's quantizers log advice through the root logger; export warnings are not results
+    logging.getLogger().setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
     import onnx_ir as ir
     from mograph.passes.quant.qdq_int8 import QdqInt8Pass
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
