@@ -47,6 +47,9 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_quant import _session  # noqa: E402
 
 from models import minilm  # noqa: E402
 
@@ -55,19 +58,6 @@ BATCH = 8
 REUSE = False  # --reuse: take the models (and their quantization times) already in --out
 QUANTIZE_ONLY = False  # --quantize-only: write the models, measure nothing
 ROWS: list[str] = []  # --rows: only rows whose label starts with one of these (plus fp32)
-
-
-def _session(path: Path, optimize: bool = True, threads: int = 2) -> Any:
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.graph_optimization_level = (
-        ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    )
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    so.log_severity_level = 3
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
 def _size(path: Path) -> int:

@@ -2,8 +2,10 @@
 
 Rows, all from the same exported FP32 model and the same calibration feeds:
 
-- ``mograph int8``: ``qdq-int8`` with calibration data and no other option (what ``--passes int8`` does);
-- ``mograph int8 no-smooth`` (``--ablations``): the same with ``smoothing=off``, to show what smoothing buys;
+- ``mograph int8``: ``qdq-int8`` with calibration data and no other option (what ``--passes int8`` does:
+  float layers chosen by measured sensitivity for the default budget, see :mod:`mograph.passes.quant.sensitivity`);
+- ``mograph int8 rules`` and ``mograph int8 no-smooth`` (``--ablations``): the same with
+  ``accuracy_budget=off`` (float layers by the default rules) and with ``smoothing=off``;
 - ``ort dynamic``: ``quantize_dynamic`` (per-channel, QInt8 weights);
 - ``ort static``: ``quantize_static`` (QDQ, per-channel weights) at several settings — its defaults (every
   op type it quantizes); MatMul only (``op_types_to_quantize``) with the MinMax, Entropy and Percentile
@@ -22,11 +24,16 @@ padding); accuracy on every text of ``models.sentences.EVALUATION_ALL`` that is 
 from the calibration set): mean-pooled sentence embeddings against FP32 (FP32 with ORT optimizations off,
 quantized models as they run, optimizations on), mean and minimum cosine.
 
-Latency: ONNX Runtime CPU, all graph optimizations on, 2 intra-op threads, batch 8 and 1 at sequence 128
-(real evaluation texts padded to 128), timed interleaved (each round runs every model once, the order
-rotating), median after warm-up; ``x fp32`` is the ratio to FP32 in the same run.
+Latency: ONNX Runtime CPU, all graph optimizations on, 2 intra-op threads, batch 8 and batch 1 at sequence
+128 (real evaluation texts padded to 128), all models in this one process, timed in interleaved rounds
+(:func:`bench_quant.interleaved_rounds`: each round runs every model ``--reps`` times per batch, the model
+order rotating, and keeps the median); ``x fp32`` is the median over ``--rounds`` rounds of the ratio to
+FP32 measured in the same round, with the spread (min-max of those per-round ratios) beside it.  The load
+average of the machine before and after timing is printed: on a loaded machine the ratios are not the
+figures to quote.
 
-Run: ``python tools/bench_int8.py [--out DIR] [--runs N] [--ablations] [--fp32 MODEL.onnx]``.
+Run: ``python tools/bench_int8.py [--out DIR] [--rounds N] [--reps N] [--ablations] [--fp32 MODEL.onnx]
+[--no-modelopt]``.
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from bench_quant import _embeddings, _interleaved_latency, _session  # noqa: E402
+from bench_quant import _embeddings, _session, calibration_reader, interleaved_rounds, round_ratios  # noqa: E402
 
 from models import minilm  # noqa: E402
 
@@ -108,21 +115,24 @@ def _run_modelopt(fp32: Path, calib: list[dict], out: Path, matmul_only: bool) -
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="folder for the models and results.json (default: a temporary folder)")
-    ap.add_argument("--runs", type=int, default=30, help="timed runs per model at batch 8 (and at batch 1)")
-    ap.add_argument("--ablations", action="store_true", help="add mograph int8 with smoothing off")
+    ap.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds (each runs every model)")
+    ap.add_argument("--reps", type=int, default=3, help="runs per model, batch and round (their median is kept)")
+    ap.add_argument("--ablations", action="store_true",
+                    help="add mograph int8 with the default rules instead of the measured float layers, and with "
+                         "smoothing off")
     ap.add_argument("--fp32", help="use this exported FP32 MiniLM instead of exporting it again")
     ap.add_argument("--no-modelopt", action="store_true", help="leave ModelOpt out")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import logging
+    import warnings
+
+    # quiet: ONNX Runtime's quantizers log advice through the root logger; export warnings are not results
+    logging.getLogger().setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
     import onnx_ir as ir
     from mograph.passes.quant.qdq_int8 import QdqInt8Pass
-    from onnxruntime.quantization import (
-        CalibrationDataReader,
-        QuantFormat,
-        QuantType,
-        quantize_dynamic,
-        quantize_static,
-    )
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
     from models.sentences import CALIBRATION_ALL, EVALUATION_ALL
 
@@ -140,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
 
     mograph_rows: list[tuple[str, dict[str, Any]]] = [("mograph int8", {})]
     if args.ablations:
+        mograph_rows.append(("mograph int8 rules", {"accuracy_budget": "off"}))
         mograph_rows.append(("mograph int8 no-smooth", {"smoothing": "off"}))
     plan = None
     for label, extra in mograph_rows:
@@ -156,13 +167,6 @@ def main(argv: list[str] | None = None) -> int:
 
     padded = [minilm.tokenize(tok, [s], pad_to=SEQ) for s in CALIBRATION_ALL]
 
-    class Reader(CalibrationDataReader):
-        def __init__(self, feeds: list[dict]) -> None:
-            self.it = iter(feeds)
-
-        def get_next(self):  # type: ignore[no-untyped-def]
-            return next(self.it, None)
-
     t = time.perf_counter()
     quantize_dynamic(str(fp32), str(out / "minilm.ort_dynamic.onnx"), weight_type=QuantType.QInt8, per_channel=True)
     seconds["ort dynamic"] = time.perf_counter() - t
@@ -172,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         target = out / f"minilm.{label.replace(' ', '_')}.onnx"
         t = time.perf_counter()
         try:
-            quantize_static(str(fp32), str(target), Reader(padded if pad else calib), quant_format=QuantFormat.QDQ,
+            quantize_static(str(fp32), str(target), calibration_reader(padded if pad else calib), quant_format=QuantFormat.QDQ,
                             per_channel=True, **cfg)
         except Exception as exc:  # noqa: BLE001 - a peer setting that fails is reported, not fatal
             notes[label] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
@@ -201,16 +205,22 @@ def main(argv: list[str] | None = None) -> int:
     best_static, best_mo = best(static_labels), best(modelopt_labels)
     timed = [k for k in paths if (k not in static_labels and k not in modelopt_labels) or k in (best_static, best_mo)]
     sessions = {k: _session(paths[k]) for k in timed}
+    load_before = os.getloadavg()
     t = time.perf_counter()
-    lat = _interleaved_latency(sessions, lat_feeds, {8: args.runs, 1: args.runs})
+    times = interleaved_rounds(sessions, lat_feeds, args.rounds, args.reps)
     timing_s = time.perf_counter() - t
+    load_after = os.getloadavg()
+    ratios = round_ratios(times)
+    lat = {k: {b: float(np.median(v)) for b, v in per.items()} for k, per in times.items()}
 
     print(f"all-MiniLM-L6-v2 (real weights), ONNX Runtime CPU, 2 threads; accuracy over {len(evaluation)} evaluation "
           f"texts ({min(lengths)}..{max(lengths)} tokens, mean {np.mean(lengths):.1f}), calibration on "
           f"{len(calib)} other texts")  # fmt: skip
-    print(f"latency: seq {SEQ}, interleaved, median of {args.runs} timed runs after 3 warm-up runs")
-    print(f"{'model':<28}{'cos mean':>9}{'cos min':>9}{'b8 ms':>9}{'x fp32':>8}{'b1 ms':>8}{'x fp32':>8}{'MiB':>7}"
-          f"{'quant s':>9}")  # fmt: skip
+    print(f"latency: seq {SEQ}, {args.rounds} interleaved rounds x {args.reps} runs (median per round), after 3 "
+          f"warm-up runs; x fp32: median of the per-round ratios [min-max]; load average {load_before[0]:.1f} "
+          f"before, {load_after[0]:.1f} after timing on {os.cpu_count()} CPUs")  # fmt: skip
+    print(f"{'model':<28}{'cos mean':>9}{'cos min':>9}{'b8 ms':>8}{'b8 x fp32':>20}{'b1 ms':>7}{'b1 x fp32':>20}"
+          f"{'MiB':>7}{'quant s':>9}")  # fmt: skip
     rows = []
     for label, path in paths.items():
         c = cos[label]
@@ -219,11 +229,13 @@ def main(argv: list[str] | None = None) -> int:
         name = f"{label} *" if label in (best_static, best_mo) else label
         line = f"{name:<28}{c.mean():>9.5f}{c.min():>9.5f}"
         if label in lat:
-            row.update({"b8_ms": lat[label][8], "b8_x": lat[label][8] / lat["fp32"][8], "b1_ms": lat[label][1],
-                        "b1_x": lat[label][1] / lat["fp32"][1]})
-            line += f"{row['b8_ms']:>9.1f}{row['b8_x']:>8.3f}{row['b1_ms']:>8.1f}{row['b1_x']:>8.3f}"
+            for b in (8, 1):
+                med, lo, hi = ratios[label][b]
+                row.update({f"b{b}_ms": lat[label][b], f"b{b}_x": med, f"b{b}_x_min": lo, f"b{b}_x_max": hi,
+                            f"b{b}_ms_rounds": times[label][b]})
+                line += f"{lat[label][b]:>{8 if b == 8 else 7}.1f}{f'{med:.3f} [{lo:.3f}-{hi:.3f}]':>20}"
         else:
-            line += f"{'-':>9}{'-':>8}{'-':>8}{'-':>8}"
+            line += f"{'-':>8}{'-':>20}{'-':>7}{'-':>20}"
         q = f"{seconds[label]:.1f}" if label in seconds else "-"
         print(f"{line}{row['mib']:>7.1f}{q:>9}")
         rows.append(row)
@@ -241,8 +253,17 @@ def main(argv: list[str] | None = None) -> int:
                 prec[e["precision"]] = prec.get(e["precision"], 0) + 1
         print(f"mograph int8 default plan: MatMul precisions {prec}; smoothed activations {len(sm)}, alpha counts "
               f"{dict(sorted(alphas.items()))}; plan in {out / 'mograph_int8_plan.json'}")  # fmt: skip
+        budget = plan.get("accuracy_budget")
+        if budget:
+            print(f"  float layers chosen for {budget['budget']} on {budget['samples']} calibration samples: "
+                  f"{budget['kept_float']} kept float, measured {budget['measured']} ({budget['evaluations']} "
+                  f"end-to-end evaluations; metric by layers kept float {budget['metric_by_kept_float']})")
+            for e in plan["nodes"]:
+                if e["op"] in ("MatMul", "Gemm", "Conv") and e["precision"] == "fp32":
+                    print(f"  fp32 {e['node']}: {e['reason']}")
     (out / "results.json").write_text(json.dumps({"rows": rows, "notes": notes, "eval_texts": len(evaluation),
-                                                  "calib_texts": len(calib), "runs": args.runs}, indent=1))
+                                                  "calib_texts": len(calib), "rounds": args.rounds, "reps": args.reps,
+                                                  "load_before": load_before, "load_after": load_after}, indent=1))
     print(f"models and results.json in {out}")
     return 0
 

@@ -43,6 +43,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -51,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from models import minilm  # noqa: E402
 
 #: all-MiniLM-L6-v2's architecture (its config.json), for --random-weights.
-MINILM_CONFIG = {
+MINILM_CONFIG: dict[str, Any] = {
     "vocab_size": 30522,
     "hidden_size": 384,
     "num_hidden_layers": 6,
@@ -85,25 +86,63 @@ def _embeddings(sess, feeds: list[dict]) -> np.ndarray:  # type: ignore[no-untyp
     return np.array([minilm.mean_pool(sess.run(None, f)[0], f["attention_mask"])[0] for f in feeds])
 
 
-def _interleaved_latency(sessions: dict, feeds: dict[int, dict], runs: dict[int, int]) -> dict:  # type: ignore[type-arg]
-    """Median milliseconds per model and batch, timed round-robin: each round runs every model once per
-    batch, the starting model rotating from round to round."""
+def interleaved_rounds(sessions: dict, feeds: dict[int, dict], rounds: int, reps: int = 1,  # type: ignore[type-arg]
+                       warmup: int = 3) -> dict[str, dict[int, list[float]]]:
+    """Milliseconds per model, batch and round, timed in one process: after ``warmup`` runs of every model
+    and batch, each round runs, for each batch, every model ``reps`` times back to back (the model order
+    rotating from round to round, so load drifts hit every model alike) and keeps the median of those."""
     labels = list(sessions)
     for label in labels:
         for b in feeds:
-            for _ in range(3):
+            for _ in range(warmup):
                 sessions[label].run(None, feeds[b])
     times: dict[str, dict[int, list[float]]] = {label: {b: [] for b in feeds} for label in labels}
-    for r in range(max(runs.values())):
+    for r in range(rounds):
         order = labels[r % len(labels) :] + labels[: r % len(labels)]
         for b in feeds:
-            if r >= runs[b]:
-                continue
             for label in order:
-                t = time.perf_counter()
-                sessions[label].run(None, feeds[b])
-                times[label][b].append(time.perf_counter() - t)
-    return {label: {b: statistics.median(v) * 1000.0 for b, v in per.items()} for label, per in times.items()}
+                runs = []
+                for _ in range(reps):
+                    t = time.perf_counter()
+                    sessions[label].run(None, feeds[b])
+                    runs.append(time.perf_counter() - t)
+                times[label][b].append(statistics.median(runs) * 1000.0)
+    return times
+
+
+def round_ratios(times: dict[str, dict[int, list[float]]], base: str = "fp32") -> dict[str, dict[int, tuple[float, float, float]]]:
+    """Per model and batch: (median, min, max) over rounds of the ratio to ``base`` measured in the same round."""
+    out: dict[str, dict[int, tuple[float, float, float]]] = {}
+    for label, per in times.items():
+        out[label] = {}
+        for b, ms in per.items():
+            ratios = [m / f for m, f in zip(ms, times[base][b])]
+            out[label][b] = (statistics.median(ratios), min(ratios), max(ratios))
+    return out
+
+
+def _interleaved_latency(sessions: dict, feeds: dict[int, dict], runs: dict[int, int]) -> dict:  # type: ignore[type-arg]
+    """Median milliseconds per model and batch over ``runs[batch]`` interleaved rounds of one run each."""
+    out: dict[str, dict[int, float]] = {label: {} for label in sessions}
+    for b, n in runs.items():
+        times = interleaved_rounds(sessions, {b: feeds[b]}, n)
+        for label in sessions:
+            out[label][b] = statistics.median(times[label][b])
+    return out
+
+
+def calibration_reader(feeds: list[dict]):  # type: ignore[no-untyped-def]
+    """An ONNX Runtime ``CalibrationDataReader`` over ``feeds`` (for ``quantize_static``)."""
+    from onnxruntime.quantization import CalibrationDataReader
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.it = iter(feeds)
+
+        def get_next(self):  # type: ignore[no-untyped-def]
+            return next(self.it, None)
+
+    return Reader()
 
 
 # ------------------------------------------------------------------------------------------ random weights
@@ -117,7 +156,7 @@ def export_random_minilm(path: Path, layers: int = 6, seed: int = 0, opset: int 
     import torch
     import transformers
 
-    config = transformers.BertConfig(**{**MINILM_CONFIG, "num_hidden_layers": layers}, attn_implementation="eager")
+    config = transformers.BertConfig(**{**MINILM_CONFIG, "num_hidden_layers": layers, "attn_implementation": "eager"})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         bert = transformers.BertModel(config, add_pooling_layer=False)
@@ -185,13 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import onnx_ir as ir
     from mograph.passes.quant.qdq_int8 import QdqInt8Pass
-    from onnxruntime.quantization import (
-        CalibrationDataReader,
-        QuantFormat,
-        QuantType,
-        quantize_dynamic,
-        quantize_static,
-    )
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_quant_"))
     out.mkdir(parents=True, exist_ok=True)
@@ -238,18 +271,11 @@ def main(argv: list[str] | None = None) -> int:
         ir.save(model, str(path))
         paths[label] = path
 
-    class Reader(CalibrationDataReader):
-        def __init__(self) -> None:
-            self.it = iter(calib)
-
-        def get_next(self):  # type: ignore[no-untyped-def]
-            return next(self.it, None)
-
     t = time.perf_counter()
     quantize_static(
         str(fp32),
         str(out / f"{stem}.ort_static.onnx"),
-        Reader(),
+        calibration_reader(calib),
         quant_format=QuantFormat.QDQ,
         per_channel=True,
         activation_type=QuantType.QUInt8,

@@ -136,23 +136,25 @@ def versions() -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------------------- user functions
-def load_function(spec: str, what: str) -> Callable[..., Any]:
-    """Resolve ``module:function`` (imported with the current folder importable) or ``file.py:function``."""
+def load_function(spec: str, what: str, error: type[UsageError] = UsageError) -> Callable[..., Any]:
+    """Resolve ``module:function`` (imported with the current folder importable, the import path left as it
+    was) or ``file.py:function`` (loaded by path); a failure raises ``error`` (exit 2) in one line naming
+    ``what`` (the option)."""
     mod_name, sep, func_name = spec.rpartition(":")
     if not sep or not mod_name or not func_name:
-        raise UsageError(f"{what} {spec!r}: expected module:function or file.py:function")
+        raise error(f"{what} {spec!r}: expected module:function or file.py:function")
     if mod_name.endswith(".py"):
         path = Path(mod_name)
         if not path.is_file():
-            raise UsageError(f"{what} {spec}: file {path} does not exist")
+            raise error(f"{what} {spec}: file {path} does not exist")
         loader_spec = importlib.util.spec_from_file_location(f"_mograph_user_{path.stem}", path)
         if loader_spec is None or loader_spec.loader is None:
-            raise UsageError(f"{what} {spec}: cannot load {path} as a Python module")
+            raise error(f"{what} {spec}: cannot load {path} as a Python module")
         module = importlib.util.module_from_spec(loader_spec)
         try:
             loader_spec.loader.exec_module(module)
         except Exception as exc:  # noqa: BLE001 - the user's file failed: one line
-            raise UsageError(f"{what} {spec}: importing {path} failed ({type(exc).__name__}: {exc})") from exc
+            raise error(f"{what} {spec}: importing {path} failed ({type(exc).__name__}: {exc})") from exc
     else:
         added = os.getcwd() not in sys.path and "" not in sys.path
         if added:
@@ -160,13 +162,13 @@ def load_function(spec: str, what: str) -> Callable[..., Any]:
         try:
             module = importlib.import_module(mod_name)
         except ImportError as exc:
-            raise UsageError(f"{what} {spec}: cannot import module {mod_name!r} ({exc})") from exc
+            raise error(f"{what} {spec}: cannot import module {mod_name!r} ({exc})") from exc
         finally:
             if added and os.getcwd() in sys.path:
                 sys.path.remove(os.getcwd())
     func = getattr(module, func_name, None)
     if not callable(func):
-        raise UsageError(f"{what} {spec}: {mod_name} has no callable {func_name!r}")
+        raise error(f"{what} {spec}: {mod_name} has no callable {func_name!r}")
     return func
 
 

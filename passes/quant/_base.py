@@ -48,6 +48,7 @@ from mograph.passes.quant.smoothing import (
     apply_smoothing,
     choose_alpha,
     smoothing_groups,
+    unsmooth,
 )
 
 from mograph import specs
@@ -103,16 +104,25 @@ PLAN_OPTIONS = (
     ),
 )
 
+#: Values of ``--accuracy-budget`` that mean "no measurement: the default rules decide".
+NO_BUDGET = ("off", "rules", "none")
+
+
+BUDGET_OPTION = Option(
+    "accuracy-budget",
+    str,
+    "auto",
+    "measure per-layer sensitivity on the calibration data and keep the fewest layers in float that meet this "
+    "budget on the model outputs; auto (default): cosine>=0.992 for qdq-int8, off for qdq-fp8; off: the "
+    "default rules decide",
+    metavar="cosine>=X|max-abs<=X|auto|off",
+)
+
+
 QDQ_OPTIONS = (
     Option("calibrator", str, "minmax", "how ranges are chosen", choices=("minmax", "percentile", "entropy")),
     Option("percentile", float, 99.99, "percentile kept by --calibrator percentile", metavar="P"),
-    Option(
-        "accuracy-budget",
-        str,
-        None,
-        "measure per-layer sensitivity and keep the fewest layers in float that meet this budget",
-        metavar="cosine>=X|max-abs<=X",
-    ),
+    BUDGET_OPTION,
     Option("sensitivity-samples", int, 8, "calibration samples used by the sensitivity analysis and the smoothing "
            "strength search", metavar="N"),
 )
@@ -151,6 +161,18 @@ def calibration_meta(source: cal.CalibrationSource, samples: int, calibrator: st
     return meta
 
 
+def publish_notes_and_plan(p: Pass, plan: PrecisionPlan, details: dict[str, Any], notes: list[str]) -> None:
+    """Put ``notes`` in the report's ``details`` (and the log), and write the plan to ``--precision-plan-out``."""
+    if notes:
+        details["notes"] = notes
+        for note in notes:
+            logger.warning("%s: %s", p.name, note)
+    out = p.config.get("precision_plan_out")
+    if out:
+        plan.write(out)
+        logger.info("%s: wrote precision plan to %s", p.name, out)
+
+
 class QdqPassBase(Pass):
     """Shared flow of the Q/DQ passes; subclasses give the scheme."""
 
@@ -159,6 +181,8 @@ class QdqPassBase(Pass):
     #: Oldest default-domain opset the pass's Q/DQ form exists at, and what needs it (for the report).
     min_opset: ClassVar[int] = 13
     min_opset_reason: ClassVar[str] = "per-channel DequantizeLinear (13)"
+    #: The budget ``--accuracy-budget auto`` (the default) means; None: the default rules decide.
+    default_budget: ClassVar[str | None] = None
     #: Optional ``callback(done, total)`` for calibration and sensitivity progress (set on the instance).
     progress: Callable[[int, int | None], None] | None = None
 
@@ -260,7 +284,7 @@ class QdqPassBase(Pass):
             if self.config.get("bias_correction") == "on" and g.bias_shift:
                 for key in apply_bias_correction(model, g):
                     self._bias_corrected.add(key)
-            if apply_smoothing(model, g, amax, a, observed):
+            if apply_smoothing(model, g, amax, a, observed, self._reobserve):
                 done.append(g)
                 assert g.scale is not None
                 rec: dict[str, Any] = {"tensor": g.name, "alpha": a, "consumers": [c.key for c in g.cands],
@@ -282,12 +306,37 @@ class QdqPassBase(Pass):
                                   "folded": int(stats.get("smoothed.folded", 0)), "mul": int(stats.get("smoothed.mul", 0))}
         return done
 
+    def _unsmooth_float(self, model: ir.Model, decisions: dict[str, tuple[str, str]], plan: PrecisionPlan,
+                        stats: dict[str, int | float]) -> None:
+        """Consumers of a ``Mul``-smoothed activation that stay float read ``X`` and their own weights again
+        (:func:`~mograph.passes.quant.smoothing.unsmooth`); a ``Mul`` nothing quantized reads is removed."""
+        floats = {k for k, (prec, _) in decisions.items() if prec != self.precision}
+        records = {r["tensor"]: r for r in plan.meta.get("smoothing", {}).get("activations", [])}
+        for g in self._smoothed_groups:
+            back = unsmooth(model, g, floats)
+            if not back:
+                continue
+            for key in back:
+                self._smoothed_keys.pop(key, None)
+            stats["smoothed.unsmoothed_float"] = stats.get("smoothed.unsmoothed_float", 0) + len(back)
+            rec = records.get(g.name)
+            if rec is not None:
+                rec["float_consumers_unsmoothed"] = back
+            if g.smoothed is None:  # the Mul is gone: nothing quantized read it
+                stats["smoothed"] -= 1
+                stats["smoothed.mul"] -= 1
+                if rec is not None:
+                    rec["mul"] = "removed: every consumer stays float"
+                    plan.meta["smoothing"]["mul"] -= 1
+
     def quantize_extra(self, model: ir.Model, plan: PrecisionPlan, stats: dict[str, int | float]) -> None:
         """Weights quantized without calibration besides the Q/DQ candidates (none by default)."""
 
     def call(self, model: ir.Model) -> PassResult:
         self._smoothed_keys: dict[str, float] = {}
         self._bias_corrected: set[str] = set()
+        self._reobserve: set[str] = set()
+        self._smoothed_groups: list[SmoothGroup] = []
         scheme = self.scheme()
         cands, done = find_candidates(model)
         stats: dict[str, int | float] = {"quantized": 0, "kept_float": 0, "skipped_already_quantized": len(done)}
@@ -306,8 +355,25 @@ class QdqPassBase(Pass):
         float_types = {k: ir.DataType(t) for k, t in cal.infer_dtypes(model).items()} if half else {}
         decisions, overridden, notes = self._decide(model, cands)
         budget = None
-        if self.config.get("accuracy_budget") and not self.config.get("precision_plan"):
-            budget = parse_budget(self.config["accuracy_budget"])
+        budget_text = str(self.config.get("accuracy_budget") or "auto").strip()
+        is_default = budget_text.lower() == "auto"
+        if is_default:
+            budget_text = self.default_budget or "off"
+        if budget_text.lower() not in NO_BUDGET and not self.config.get("precision_plan"):
+            budget = parse_budget(budget_text)
+        if budget is not None and is_default and half:
+            # the per-layer measurement builds float32 one-node models: float16 models keep the default rules
+            notes.append(f"float16/bfloat16 model: the default rules chose the float layers, not a measurement "
+                         f"(give --accuracy-budget {budget} to measure)")
+            budget = None
+        if budget is not None and done and is_default:
+            # a second run on its own output: what the first run measured and kept float stays float
+            for c in cands:
+                if c.key not in overridden:
+                    decisions[c.key] = ("fp32", f"kept float: {len(done)} layer(s) of this model are quantized already "
+                                        "(an earlier run chose these to stay float; give --accuracy-budget to "
+                                        "measure again)")
+            budget = None
         # the sensitivity analysis measures layers of the main graph; those in subgraphs keep their rules
         measured = [c for c in cands if c.key not in overridden and c.node.graph is model.graph] if budget else []
         wanted = [c for c in cands if decisions[c.key][0] == self.precision]
@@ -333,41 +399,54 @@ class QdqPassBase(Pass):
                 plan.meta["calibration_padding"] = f"positions where {mask} is 0 are left out of the statistics"
             if groups and alpha is not None:
                 smoothed = self._smooth(model, groups, raw, source, scheme, alpha, mask, plan, stats)
+                self._smoothed_groups = smoothed
                 names = [g.smoothed.name or "" for g in smoothed if g.smoothed is not None]
                 if names and cal.needs_histogram(calibrator):
                     raw.update(cal.observe(model, names, source, histogram=True, padding_mask=mask))
                 elif names:  # min/max of X / s follow from the per-channel extremes of X
                     for g in smoothed:
                         raw[g.smoothed.name or ""] = cal.scaled_stats(raw[g.name], g.scale)  # type: ignore[arg-type,union-attr]
+                if self._reobserve:  # tensors a fold changed after their ranges were taken (attention values)
+                    raw.update(cal.observe(model, sorted(self._reobserve), source,
+                                           histogram=cal.needs_histogram(calibrator), padding_mask=mask))
+                    stats["smoothed.reobserved"] = len(self._reobserve)
             ranges = cal.compute_ranges(raw, calibrator, percentile=float(self.config.get("percentile") or 99.99))
             stats["calibration_samples"] = max((s.samples for s in raw.values()), default=0)
             plan.meta["calibration"] = calibration_meta(source, int(stats["calibration_samples"]), calibrator)
             if source.random:
                 stats["calibrated_on_random_data"] = 1
         if budget is not None and source is not None:
-            from mograph.passes.quant.sensitivity import analyse
+            from mograph.passes.quant.sensitivity import CHEAP_FRACTION, TIE_FACTOR, analyse
 
             n = int(self.config.get("sensitivity_samples") or 8)
             samples = list(itertools.islice(iter(source), n))
             fixed = {c.key for c in cands if c.key in overridden and decisions[c.key][0] == self.precision}
             res = analyse(model, measured, ranges, scheme, samples, budget, fixed=fixed, progress=self.progress)
+            rank = {k: i + 1 for i, k in enumerate(res.order)}
             for c in measured:
-                value = f"layer output relative error {res.alone[c.key]:.5f} when quantized alone"
+                value = (f"layer output relative error {res.alone[c.key]:.5f} when quantized alone, "
+                         f"{res.cost[c.key] / 1e6:.3g} MMAC/sample, rank {rank[c.key]} of {len(res.order)}")
                 if c.key in res.keep:
-                    decisions[c.key] = ("fp32", f"measured sensitivity: {value}; kept to meet {budget}")
+                    decisions[c.key] = ("fp32", f"measured sensitivity: {value}; kept float to meet {budget}")
                 else:
-                    decisions[c.key] = (self.precision, f"measured sensitivity: {value}; within {budget}")
+                    decisions[c.key] = (self.precision, f"measured sensitivity: {value}; quantized within {budget}")
             plan.meta["accuracy_budget"] = {
                 "budget": str(budget),
+                "default": is_default,
                 "measured": round(res.final, 6),
                 "met": res.met,
                 "kept_float": len(res.keep),
                 "samples": len(samples),
                 "evaluations": res.evaluations,
+                "order": f"layers under {CHEAP_FRACTION:g} x the median layer's multiply-adds first (cheap to "
+                         "keep float), then the rest; in each, by quantized-alone error, most sensitive first "
+                         f"(errors within a factor {TIE_FACTOR:g}: cheapest first)",
+                "metric_by_kept_float": {int(k): round(v, 6) for k, v in res.curve.items()},
             }
             stats["sensitivity_evaluations"] = res.evaluations
             if not res.met:
                 notes.append(f"accuracy budget {budget} not met even with every measured layer in float")
+        self._unsmooth_float(model, decisions, plan, stats)
         self.quantize_extra(model, plan, stats)  # before the rule-based float list: an INT8 table is not float
         loop_bodies = _loop_bodies(model)
         sensitive = sensitive_nodes(model)
@@ -399,14 +478,7 @@ class QdqPassBase(Pass):
         details = {"plan": plan.to_dict(), **details}
         if source is not None and source.random:
             details = {"WARNING": RANDOM_WARNING, **details}
-        if notes:
-            details["notes"] = notes
-            for note in notes:
-                logger.warning("%s: %s", self.name, note)
-        out = self.config.get("precision_plan_out")
-        if out:
-            plan.write(out)
-            logger.info("%s: wrote precision plan to %s", self.name, out)
+        publish_notes_and_plan(self, plan, details, notes)
         modified = (upgraded or stats["quantized"] > 0 or stats.get("quantized.embeddings", 0) > 0
                     or stats.get("smoothed", 0) > 0 or stats.get("bias_corrected", 0) > 0)
         return PassResult(modified, stats, details)

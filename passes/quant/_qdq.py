@@ -18,7 +18,8 @@ Placement follows what the backends fuse:
 Nothing is put inside the nodes a backend fuses with a MatMul (bias Add, GELU, LayerNorm): only the
 MatMul/Gemm/Conv inputs are touched.
 
-Default rules (each recorded as a plan reason): weight MatMul/Gemm/Conv are quantized; a MatMul of two
+Default rules (each recorded as a plan reason; ``qdq-int8`` measures instead by default and uses them with
+``--accuracy-budget off``, ``qdq-fp8`` uses them unless given a budget): weight MatMul/Gemm/Conv are quantized; a MatMul of two
 activations (attention scores and context) stays in float — its inputs are the softmax output and the
 query/key/value tensors, whose quantization costs accuracy for little speed; the final projection (a
 candidate with no other candidate downstream) stays in float; normalization and softmax are never
@@ -36,12 +37,15 @@ Conv/Gemm biases stay float (an INT32 bias scale ``act_scale * weight_scale`` un
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 from mograph.passes.quant.plan import node_key
+
+from mograph.irutil import fresh_name
 
 __all__ = [
     "Candidate",
@@ -377,6 +381,7 @@ class QdqWriter:
         for graph in model.graphs():
             self._names.update(graph.initializers)
             self._names.update(o.name for node in graph for o in node.outputs if o.name)
+            self._names.update(node.name for node in graph if node.name)  # node names must stay unique too
             self._names.update(v.name for v in graph.inputs if v.name)
         self.q_nodes = 0
         self.dq_nodes = 0
@@ -566,14 +571,7 @@ def quantize_embeddings(model: ir.Model, min_elements: int = EMBEDDING_MIN_ELEME
     for node in graph:
         names.update(o.name for o in node.outputs if o.name)
 
-    def fresh(base: str) -> str:
-        name, i = base, 1
-        while name in names:
-            i += 1
-            name = f"{base}_{i}"
-        names.add(name)
-        return name
-
+    fresh = functools.partial(fresh_name, names)
     done: list[tuple[ir.Node, str]] = []
     for table in list(graph.initializers.values()):
         arr = table.const_value.numpy() if table.const_value is not None else None

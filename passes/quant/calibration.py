@@ -39,13 +39,10 @@ and neighbouring bins merge, so no sample needs to be kept to rebin later.
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import logging
 import math
-import os
 import re
-import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -274,41 +271,9 @@ def _npz_stacked(path: Path, specs: list[_InputSpec]) -> Callable[[], Iterator[d
 def _module_function(spec: str) -> Callable[[], Iterable[Mapping[str, Any]]]:
     """Resolve ``module:function`` (the current folder is importable, as for ``python -m``) or
     ``file.py:function`` (loaded by path); the import path is left as it was."""
-    mod_name, _, func_name = spec.rpartition(":")
-    if mod_name.endswith(".py"):
-        module = _module_from_file(spec, Path(mod_name))
-    else:
-        added = "" not in sys.path and os.getcwd() not in sys.path
-        if added:
-            sys.path.insert(0, os.getcwd())
-        try:
-            module = importlib.import_module(mod_name)
-        except ImportError as exc:
-            raise OptionError(f"--calibration-data {spec}: cannot import module {mod_name!r} ({exc})") from exc
-        finally:
-            if added and os.getcwd() in sys.path:
-                sys.path.remove(os.getcwd())
-    func = getattr(module, func_name, None)
-    if not callable(func):
-        raise OptionError(f"--calibration-data {spec}: {mod_name} has no callable {func_name!r}")
-    return func
+    from mograph.workflow.metrics import load_function
 
-
-def _module_from_file(spec: str, path: Path) -> Any:
-    import importlib.util
-
-    if not path.is_file():
-        raise OptionError(f"--calibration-data {spec}: file {path} does not exist")
-    name = f"_mograph_calibration_{path.stem}"
-    loader_spec = importlib.util.spec_from_file_location(name, path)
-    if loader_spec is None or loader_spec.loader is None:
-        raise OptionError(f"--calibration-data {spec}: cannot load {path} as a Python module")
-    module = importlib.util.module_from_spec(loader_spec)
-    try:
-        loader_spec.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001 - the user's file failed: say so in one line
-        raise OptionError(f"--calibration-data {spec}: importing {path} failed ({type(exc).__name__}: {exc})") from exc
-    return module
+    return load_function(spec, "--calibration-data", OptionError)
 
 
 def open_source(data: Any, model: ir.Model, *, limit: int | None = None) -> CalibrationSource:

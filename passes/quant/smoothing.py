@@ -27,6 +27,7 @@ inserted Q/DQ will do), or fixed by the user.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 from mograph.passes.quant._qdq import Candidate, Scheme, const_tensor, fake_quant_activation, fake_quant_weight
+
+from mograph.irutil import fresh_name
 
 __all__ = [
     "SmoothGroup",
@@ -256,13 +259,14 @@ def _drop_if_unused(value: ir.Value, home: ir.Graph) -> None:
 
 
 def apply_smoothing(model: ir.Model, g: SmoothGroup, act_amax: np.ndarray, alpha: float,
-                    observed: Collection[str] = ()) -> bool:
+                    observed: Collection[str] = (), reobserve: set[str] | None = None) -> bool:
     """Make ``X / s`` for the group's candidates and scale their weights' rows by ``s``.
 
     ``X / s`` is folded into the producer of ``X`` where that is exact (:func:`fold_target`: a LayerNorm's
     gamma and beta, a MatMul/Gemm's weight columns and bias; ``g.folded`` says where), else computed by
     a new ``Mul(X, 1/s)`` read by the candidates only.  ``observed``: the tensors whose calibrated ranges
-    are taken already (a fold must not change them).
+    are taken already (a fold must not change them, unless ``reobserve`` collects them to be observed
+    again: see :func:`fold_target`).
 
     A weight that other nodes read as well is copied, not changed in place.  Returns False (nothing
     changed) when ``alpha`` is 0 or no channel would be scaled.
@@ -276,17 +280,13 @@ def apply_smoothing(model: ir.Model, g: SmoothGroup, act_amax: np.ndarray, alpha
     home = x.graph or model.graph
     names = {n for n in home.initializers} | {o.name for node in home for o in node.outputs if o.name}
     names |= {v.name for v in home.inputs if v.name}
+    fresh = functools.partial(fresh_name, names)
 
-    def fresh(base: str) -> str:
-        name, i = base, 1
-        while name in names:
-            i += 1
-            name = f"{base}_{i}"
-        names.add(name)
-        return name
-
-    fold = fold_target(g, int(s.shape[0]), observed)
+    pending: set[str] | None = set() if reobserve is not None else None
+    fold = fold_target(g, int(s.shape[0]), observed, pending)
     if fold is not None:
+        if reobserve is not None and pending:
+            reobserve.update(pending)
         where, targets = fold
         inv_s = (1.0 / s).astype(np.float32)
         for node, idx, axis in targets:
@@ -321,6 +321,42 @@ def apply_smoothing(model: ir.Model, g: SmoothGroup, act_amax: np.ndarray, alpha
         c.node.replace_input_with(0, out)
     g.alpha, g.scale, g.smoothed = alpha, s, out
     return True
+
+
+def unsmooth(model: ir.Model, g: SmoothGroup, keys: Collection[str]) -> list[str]:
+    """Give the candidates of a ``Mul``-smoothed group named in ``keys`` (those that stay float) ``X`` and their
+    own weights back: ``(X / s) (s W) = X W``, so the ``Mul`` is not computed for them; the ``Mul`` goes when
+    no candidate reads it any more.  Folded groups are left alone (a fold costs nothing).  Returns the keys
+    changed back."""
+    if g.folded or g.smoothed is None or g.scale is None or g.smoothed is g.value:
+        return []
+    x, home = g.value, g.value.graph or model.graph
+    names = {n for n in home.initializers} | {o.name for node in home for o in node.outputs if o.name}
+    fresh = functools.partial(fresh_name, names)
+    done = []
+    for c in g.cands:
+        if c.key not in keys or c.node.inputs[0] is not g.smoothed:
+            continue
+        axis = int(_row_axis(c))  # type: ignore[arg-type]
+        w_val = c.node.inputs[c.weight_input]  # type: ignore[index]
+        assert w_val is not None
+        w = const_tensor(w_val).numpy().astype(np.float32)  # type: ignore[union-attr]
+        orig = w / (g.scale[:, None] if axis == 0 else g.scale[None, :])
+        new = ir.Value(name=fresh(f"{w_val.name or 'weight'}_unsmoothed"), const_value=ir.tensor(orig.astype(np.float32)))
+        new.shape, new.dtype = ir.Shape(list(orig.shape)), ir.DataType.FLOAT
+        home.register_initializer(new)
+        c.node.replace_input_with(c.weight_input, new)  # type: ignore[arg-type]
+        _drop_if_unused(w_val, home)
+        c.node.replace_input_with(0, x)
+        done.append(c.key)
+    mul = g.smoothed.producer()
+    if done and mul is not None and not g.smoothed.uses() and not g.smoothed.is_graph_output():
+        inv = mul.inputs[1]
+        home.remove(mul, safe=True)
+        if inv is not None:
+            _drop_if_unused(inv, home)
+        g.smoothed = None
+    return done
 
 
 def _insert_mul(x: ir.Value, s: np.ndarray, home: ir.Graph, fresh: Callable[[str], str]) -> ir.Value:
@@ -363,12 +399,14 @@ def _const_1d(v: ir.Value | None, n: int) -> np.ndarray | None:
     return t.numpy().astype(np.float32)
 
 
-def fold_target(g: SmoothGroup, n: int, observed: Collection[str] = ()
+def fold_target(g: SmoothGroup, n: int, observed: Collection[str] = (), reobserve: set[str] | None = None
                 ) -> tuple[str, list[tuple[ir.Node, int, int | None]]] | None:
     """Where ``X / s`` can be computed exactly by the producer of the group's activation ``X``, or None.
 
     ``n`` is the number of channels (the length of ``s``); a fold that would change a tensor named in
-    ``observed`` besides ``X`` (one whose calibrated range is already taken) is refused.  Returns a description and the ``(node, input, axis)`` constants to divide by ``s`` (``axis`` None for a
+    ``observed`` besides ``X`` (one whose calibrated range is already taken) is refused, unless
+    ``reobserve`` is given: then the fold is made and those names are added to it (the caller observes
+    them again).  Returns a description and the ``(node, input, axis)`` constants to divide by ``s`` (``axis`` None for a
     1-D vector, else the axis of a 2-D weight that runs along ``X``'s channels).  A fold needs every reader
     of ``X`` to be one of the group's candidates (input 0), ``X`` not a graph output, and the producer one of
 
@@ -405,14 +443,15 @@ def fold_target(g: SmoothGroup, n: int, observed: Collection[str] = ()
                 return None
             targets.append((p, bi, None))
         return f"{p.op_type} {p.name} gamma/beta", targets
-    if p.op_type == "Reshape" and p.domain in ("", "ai.onnx"):
-        found = _attention_value_fold(p, n)
-        if found is None or any(name in observed for name in found[2]):
-            return None
-        return found[0], found[1]
-    found = _producer_columns(p, x, n)
-    if found is None or any(name in observed for name in found[2]):
+    is_context = p.op_type == "Reshape" and p.domain in ("", "ai.onnx")
+    found = _attention_value_fold(p, n) if is_context else _producer_columns(p, x, n)
+    if found is None:
         return None
+    stale = {name for name in found[2] if name in observed}
+    if stale and reobserve is None:
+        return None
+    if reobserve is not None:
+        reobserve.update(stale)
     return found[0], found[1]
 
 

@@ -48,7 +48,14 @@ from typing import Any, ClassVar
 import numpy as np
 import onnx_ir as ir
 from mograph.passes.quant import _blockwise as bw
-from mograph.passes.quant._base import CALIBRATION_OPTIONS, PLAN_OPTIONS, calibration_meta, open_calibration
+from mograph.passes.quant._base import (
+    CALIBRATION_OPTIONS,
+    NO_BUDGET,
+    PLAN_OPTIONS,
+    calibration_meta,
+    open_calibration,
+    publish_notes_and_plan,
+)
 from mograph.passes.quant._qdq import default_precision, find_candidates, sensitive_nodes
 from mograph.passes.quant.plan import PrecisionPlan, load_plan, node_key, parse_budget
 from mograph.passes.quant.weight_only_op import OP_NAME
@@ -123,8 +130,9 @@ class WeightOnlyPass(Pass):
                metavar="yes|no"),
         Option("output-projection", str, "float", "the output projection / LM head: float (default rule), int8, "
                "or bits (like the other layers)", choices=("float", "int8", "bits")),
-        Option("accuracy-budget", str, None, "measure per-layer sensitivity and raise the fewest layers to int8, "
-               "then float, to meet this budget on the model outputs", metavar="cosine>=X|max-abs<=X"),
+        Option("accuracy-budget", str, "auto", "measure per-layer sensitivity and raise the fewest layers to int8, "
+               "then float, to meet this budget on the model outputs (auto, the default, and off: the plan's "
+               "default rules decide)", metavar="cosine>=X|max-abs<=X|auto|off"),
         Option("sensitivity-samples", int, 8, "calibration samples used by the sensitivity analysis", metavar="N"),
         Option("calibration-rows", int, 2048, "rows of each layer input kept for the awq searches", metavar="N"),
         *CALIBRATION_OPTIONS,
@@ -572,8 +580,9 @@ class WeightOnlyPass(Pass):
             algorithm = "gptq" if has_data else "rtn"
         decisions, overridden = self._decide(model, layers, low)
         budget = None
-        if self.config.get("accuracy_budget") and not self.config.get("precision_plan"):
-            budget = parse_budget(self.config["accuracy_budget"])
+        budget_text = str(self.config.get("accuracy_budget") or "auto").strip()
+        if budget_text.lower() not in ("auto", *NO_BUDGET) and not self.config.get("precision_plan"):
+            budget = parse_budget(budget_text)
         if budget is None and all(p == "float" for p, _ in decisions.values()):
             return PassResult(False, {}, {})  # every candidate stays float: nothing to observe or write
         plan = PrecisionPlan(self.name, meta={"scheme": {"bits": bits, "block_size": int(self.config.get("block_size") or 128),
@@ -648,13 +657,7 @@ class WeightOnlyPass(Pass):
 
             ensure_functions(model, get_registry().custom_ops)
         details: dict[str, Any] = {"plan": plan.to_dict()}
-        if notes:
-            details["notes"] = notes
-            for note in notes:
-                logger.warning("%s: %s", self.name, note)
-        out = self.config.get("precision_plan_out")
-        if out:
-            plan.write(out)
+        publish_notes_and_plan(self, plan, details, notes)
         if not stats["quantized"]:
             return PassResult(False, {}, details)
         return PassResult(True, stats, details)

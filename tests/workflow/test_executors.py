@@ -46,6 +46,7 @@ def test_sensitivity_wide_rounds_choose_the_same_layers(monkeypatch, width):
         p = next(p for p in report.passes if p.name == "qdq-int8")
         plan = p.details["plan"]
         evaluations = plan["accuracy_budget"].pop("evaluations")
+        plan["accuracy_budget"].pop("metric_by_kept_float")  # the points a wider search measured differ
         stats = dict(p.stats)
         stats.pop("sensitivity_evaluations")
         return stats, plan, calls, evaluations

@@ -152,6 +152,8 @@ def test_sensitivity_on_ray_equals_local(cluster, monkeypatch):
     stats_r, plan_r = plan_keep(remote)
     evals_l = plan_l["accuracy_budget"].pop("evaluations")
     plan_r["accuracy_budget"].pop("evaluations")
+    for plan in (plan_l, plan_r):
+        plan["accuracy_budget"].pop("metric_by_kept_float")  # the points a wider search measured differ
     stats_l.pop("sensitivity_evaluations")
     stats_r.pop("sensitivity_evaluations")
     assert 0 < stats_l["kept_float"] < stats_l["kept_float"] + stats_l["quantized"]  # the search had work to do

@@ -1,4 +1,9 @@
-"""qdq-int8: placement, exact stats, numbers (ORT optimizations off), ORT integer kernels, plan, refusal."""
+"""qdq-int8: placement, exact stats, numbers (ORT optimizations off), ORT integer kernels, plan, refusal.
+
+These tests check the placement and the default rules, so they run with ``accuracy_budget="off"`` (the
+rules decide); the default, float layers chosen by measured sensitivity, is tested in
+``test_int8_sensitivity.py``.
+"""
 
 from __future__ import annotations
 
@@ -28,9 +33,12 @@ def eval_feeds() -> list[dict]:
     return [bert_feeds(batch=2, seq=16, seed=s) for s in range(3)]
 
 
+RULES = {"accuracy_budget": "off"}
+
+
 def quantize(proto: onnx.ModelProto, **options):  # type: ignore[no-untyped-def]
     model = to_ir(proto)
-    result = QdqInt8Pass(**options).call(model)
+    result = QdqInt8Pass(**{**RULES, **options}).call(model)
     return model, result
 
 
@@ -70,7 +78,7 @@ def test_bert_tiny_ops_stats_numbers_second_run(tmp_path):
     optimized = optimized_ops(model, tmp_path)
     assert optimized["MatMulIntegerToFloat"] == 11
     # second run: everything quantized is skipped, nothing changes
-    again = QdqInt8Pass(calibration_data=calib_feeds()).call(model)
+    again = QdqInt8Pass(calibration_data=calib_feeds(), **RULES).call(model)
     assert not again.modified
     assert again.stats["quantized"] == 0 and again.stats["skipped_already_quantized"] == 11
 
@@ -192,7 +200,7 @@ def test_calibration_sources(tmp_path, monkeypatch):
 
 def test_progress_is_reported(caplog):
     seen = []
-    p = QdqInt8Pass(calibration_data=calib_feeds(10))
+    p = QdqInt8Pass(calibration_data=calib_feeds(10), **RULES)
     p.progress = lambda done, total: seen.append((done, total))
     with caplog.at_level(logging.INFO, logger="mograph.passes.quant.calibration"):
         p.call(to_ir(bert_tiny()))
@@ -229,7 +237,7 @@ def test_cnn_conv_and_gemm(tmp_path):
     feeds = {"image": rng.standard_normal((2, 3, 32, 32)).astype(np.float32)}
     assert cosine(run(proto, feeds)[0], run(model, feeds)[0]) > 0.99
     assert optimized_ops(model, tmp_path)["QLinearConv"] == 4
-    assert not QdqInt8Pass(calibration_data=calib).call(model).modified
+    assert not QdqInt8Pass(calibration_data=calib, **RULES).call(model).modified
 
 
 def test_gemm_with_bias_quantized_when_not_final(tmp_path):
@@ -281,7 +289,7 @@ def test_accuracy_budget_keeps_fewest_sensitive_layers():
 
 def test_pass_manager_stamps_provenance():
     model = to_ir(bert_tiny())
-    report = PassManager([QdqInt8Pass(calibration_data=calib_feeds(4))], check_modified=True).run(model)
+    report = PassManager([QdqInt8Pass(calibration_data=calib_feeds(4), **RULES)], check_modified=True).run(model)
     assert report.passes[0].modified
     q = [n for n in model.graph if n.op_type == "QuantizeLinear"]
     assert q and all(n.metadata_props.get("mograph.pass") == "qdq-int8" for n in q)
@@ -330,7 +338,7 @@ def test_embedding_table_stored_as_int8():
     # 4x smaller table; a second run changes nothing
     assert table.nbytes * 4 == 600 * 128 * 4
     before = model.graph.initializers["table_int8"].const_value.numpy().copy()
-    again = QdqInt8Pass(calibration_data=_ids(6)).call(model)
+    again = QdqInt8Pass(calibration_data=_ids(6), **RULES).call(model)
     assert not again.modified and "quantized.embeddings" not in again.stats
     np.testing.assert_array_equal(model.graph.initializers["table_int8"].const_value.numpy(), before)
 

@@ -1,4 +1,8 @@
-"""SmoothQuant-style smoothing in qdq-int8: exact in float, better in INT8, shared by the readers of one tensor."""
+"""SmoothQuant-style smoothing in qdq-int8: exact in float, better in INT8, shared by the readers of one tensor.
+
+The float layers are the default rules' (``accuracy_budget="off"``), so the counts do not depend on a
+measurement; the measured default is tested in ``test_int8_sensitivity.py``.
+"""
 
 from __future__ import annotations
 
@@ -85,7 +89,7 @@ def test_auto_smoothing_beats_no_smoothing_and_is_recorded():
     errs = {}
     for mode in ("off", "auto"):
         model = to_ir(proto)
-        result = QdqInt8Pass(calibration_data=calib, smoothing=mode).call(model)
+        result = QdqInt8Pass(accuracy_budget="off", calibration_data=calib, smoothing=mode).call(model)
         errs[mode] = max(1 - cosine(run(proto, f)[0], run(model, f)[0]) for f in evals)
         if mode == "auto":
             assert result.stats["smoothed"] == 1 and op_counts(model)["Mul"] == 1
@@ -96,7 +100,7 @@ def test_auto_smoothing_beats_no_smoothing_and_is_recorded():
             assert "input smoothed (SmoothQuant, alpha" in by["q_proj"]["reason"]
             # one Q/DQ pair still serves both projections
             assert op_counts(model)["QuantizeLinear"] == 1
-            assert not QdqInt8Pass(calibration_data=calib).call(model).modified  # second run: no-op
+            assert not QdqInt8Pass(accuracy_budget="off", calibration_data=calib).call(model).modified  # second run: no-op
         else:
             assert "smoothed" not in result.stats and op_counts(model).get("Mul", 0) == 0
     assert errs["auto"] < errs["off"] / 2, errs
@@ -112,12 +116,12 @@ def test_activation_also_read_by_an_activation_matmul_is_not_smoothed():
 def test_fixed_alpha_and_bad_values():
     proto = _outlier_model()
     model = to_ir(proto)
-    result = QdqInt8Pass(calibration_data=_feeds(8), smoothing="0.5").call(model)
+    result = QdqInt8Pass(accuracy_budget="off", calibration_data=_feeds(8), smoothing="0.5").call(model)
     assert result.stats["smoothed"] == 1
     assert result.details["plan"]["smoothing"]["activations"][0]["alpha"] == 0.5
     for bad in ("2", "-0.1", "strong"):
         with pytest.raises(OptionError, match="--smoothing"):
-            QdqInt8Pass(calibration_data=_feeds(4), smoothing=bad).call(to_ir(proto))
+            QdqInt8Pass(accuracy_budget="off", calibration_data=_feeds(4), smoothing=bad).call(to_ir(proto))
 
 
 def test_choose_alpha_takes_the_smallest_error_unless_the_gain_is_too_small():
@@ -148,9 +152,9 @@ def test_bias_correction_is_opt_in_and_changes_only_the_bias():
     rng = np.random.default_rng(4)
     calib = [{"x": (rng.standard_normal((1, 10, 16)) + 2.0).astype(np.float32)} for _ in range(8)]
     plain = to_ir(proto)
-    assert "bias_corrected" not in QdqInt8Pass(calibration_data=calib).call(plain).stats
+    assert "bias_corrected" not in QdqInt8Pass(accuracy_budget="off", calibration_data=calib).call(plain).stats
     model = to_ir(proto)
-    result = QdqInt8Pass(calibration_data=calib, bias_correction="on").call(model)
+    result = QdqInt8Pass(accuracy_budget="off", calibration_data=calib, bias_correction="on").call(model)
     assert result.stats["bias_corrected"] == 1
     by = {e["node"]: e for e in result.details["plan"]["nodes"]}
     assert "bias corrected" in by["fc"]["reason"]
