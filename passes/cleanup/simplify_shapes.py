@@ -44,7 +44,7 @@ import onnx_ir as ir
 from mograph.passes.cleanup._util import op_histogram
 from onnx_ir.passes import common as irp
 
-from mograph.irutil import unique_initializer_name
+from mograph.irutil import fresh_name, unique_initializer_name
 from mograph.pass_infra import Option, Pass, PassResult
 
 __all__ = ["SimplifyShapesPass"]
@@ -168,6 +168,8 @@ class _Analysis:
         self.vec: dict[ir.Value, tuple[bool, tuple[Mono | None, ...]]] = {}
         #: atom -> (value, axis): the first value carrying it (graph inputs first)
         self.witness: dict[str, tuple[ir.Value, int]] = {}
+        #: tracked vectors that hold booleans (Equal), not int64
+        self.bools: set[ir.Value] = set()
         self._fresh = itertools.count()
         for value in graph.inputs:
             self._set_dims(value, self._declared(value))
@@ -235,13 +237,15 @@ class _Analysis:
             self._set_dims(value, dims)
         if node.domain in _STD and node.op_type == "Constant" and outs:
             self._constant(outs[0])
-        elif node.domain in _STD and outs and outs[0].dtype in (ir.DataType.INT64, ir.DataType.BOOL):
+        elif node.domain in _STD and outs:
             try:
                 vec = self._vector(node)
             except (IndexError, ValueError, TypeError, ZeroDivisionError):
                 vec = None
             if vec is not None and len(vec[1]) <= _MAX_VECTOR:
                 self.vec[outs[0]] = vec
+                if node.op_type == "Equal" or (node.op_type in ("Where", "Identity") and node.inputs[-1] in self.bools):
+                    self.bools.add(outs[0])
 
     def _reshape_dims(self, data: Dims | None, target: tuple[Mono | None, ...], allowzero: bool) -> Dims | None:
         out: list[Mono | None] = []
@@ -336,6 +340,17 @@ class _Analysis:
             if sizes is None or len(sizes) != len(node.outputs):
                 return None
             return [d0[:axis] + (_lit(s),) + d0[axis + 1:] for s in sizes]
+        if op == "Concat":
+            parts = [self.d(v) for v in ins]
+            if any(p is None for p in parts) or len({len(p) for p in parts}) != 1:  # type: ignore[arg-type]
+                return None
+            axis = int(_attr(node, "axis", 0)) % len(parts[0])  # type: ignore[arg-type, call-overload]
+            along = [p[axis] for p in parts]  # type: ignore[index]
+            if not all(_is_lit(m) for m in along):
+                return None
+            first = parts[0]
+            assert first is not None
+            return [first[:axis] + (_lit(sum(m[0] for m in along)),) + first[axis + 1:]]  # type: ignore[index]
         if op == "Shape" and d0 is not None:
             return [(_lit(len(d0[slice(*self._shape_range(node, len(d0)))])),)]
         return None
@@ -360,10 +375,9 @@ class _Analysis:
         if op == "Identity":
             return self.v(ins[0])
         if op == "Cast":
-            src = ins[0]
-            if src is None or src.dtype != ir.DataType.INT64:
+            if _attr(node, "to") != ir.DataType.INT64:
                 return None
-            return self.v(src)
+            return self.v(ins[0])
         if op == "ConstantOfShape":
             shape = self.v(ins[0])
             value = node.attributes.get("value")
@@ -479,6 +493,7 @@ class _Builder:
         self.opset = model.opset_imports.get("", 1)
         self.cache: dict[tuple, ir.Value] = {}
         self.built = 0
+        self.names = {n.name for n in ir.traversal.RecursiveGraphIterator(self.graph) if n.name}
 
     def plan(self, scalar: bool, elems: Sequence[Mono | None]) -> list[tuple] | None:
         """Pieces (``("const", ints)`` / ``("shape", value, start, end)``) that make ``elems``; None if some cannot."""
@@ -562,7 +577,7 @@ class _Builder:
         return self.cache[key]
 
     def _node(self, before: ir.Node, op: str, inputs: list[ir.Value], **attrs: object) -> ir.Value:
-        node = ir.node(op, inputs, attributes=attrs, name=f"mograph_shape_{op}_{self.built}")
+        node = ir.node(op, inputs, attributes=attrs, name=fresh_name(self.names, f"mograph_shape_{op}"))
         self.graph.insert_before(before, node)
         self.built += 1
         out = node.outputs[0]
@@ -649,10 +664,12 @@ class SimplifyShapesPass(Pass):
         an = _Analysis(model.graph)
         builder = _Builder(model, an)
         changed = False
+        # One sweep in graph order, so a shared piece is built before its first reader.
         for node in list(model.graph):
-            if node.graph is None or node.domain not in _STD:
+            if node.graph is None:
                 continue
-            if node.op_type in ("Reshape", "Expand") and len(node.inputs) == 2 and node.inputs[0] is not None:
+            std = node.domain in _STD
+            if std and node.op_type in ("Reshape", "Expand") and len(node.inputs) == 2 and node.inputs[0] is not None:
                 x, y = node.inputs[0], node.outputs[0]
                 dx, dy = an.d(x), an.d(y)
                 if dx is not None and dy is not None and dx == dy and all(m is not None for m in dx):
@@ -660,20 +677,16 @@ class SimplifyShapesPass(Pass):
                         stats["removed_reshapes" if node.op_type == "Reshape" else "removed_expands"] += 1
                         changed = True
                         continue
-            if node.op_type == "Reshape" and len(node.inputs) == 2:
+            if std and node.op_type == "Reshape" and len(node.inputs) == 2:
                 changed |= self._reshape(node, an, builder, stats)
-        # Other frontier shape vectors (read by a non-shape op): constants, or rebuilt from input dims.
-        for node in list(model.graph):
-            if node.graph is None:
-                continue
+            # Other frontier shape vectors (read by a non-shape op): constants, or rebuilt from input dims.
             for index, value in enumerate(node.inputs):
-                if value is None or ir.convenience.get_const_tensor(value) is not None or value not in an.vec:
+                if value is None or value not in an.vec or value in an.bools:
                     continue
-                if value.dtype != ir.DataType.INT64:
+                if std and node.op_type in _SHAPE_OPS and not (node.op_type == "Reshape" and index == 0):
                     continue
-                if node.domain in _STD and (node.op_type in _SHAPE_OPS and node.op_type != "Expand"):
-                    if not (node.op_type == "Reshape" and index == 0):
-                        continue
+                if ir.convenience.get_const_tensor(value) is not None:
+                    continue
                 producer = value.producer()
                 if producer is None or producer.domain not in _STD or producer.op_type not in _SHAPE_OPS:
                     continue
@@ -700,6 +713,9 @@ class SimplifyShapesPass(Pass):
         dy = an.d(node.outputs[0])
         if (inner is not None and inner.op_type == "Reshape" and inner.domain in _STD and inner.inputs[0] is not None
                 and dy is not None and all(m is not None for m in dy) and an.d(inner.inputs[0]) is not None):
+            if an.d(inner.inputs[0]) == dy and _replace_uses(node.outputs[0], inner.inputs[0]):
+                stats["removed_reshapes"] += 1
+                return True
             plan = self._target(dy, an.d(inner.inputs[0]), allowzero, builder)
             if plan is not None:
                 node.replace_input_with(0, inner.inputs[0])
