@@ -279,7 +279,7 @@ class _Analysis:
                         out[i] = d0
                 return out
             if op in _MS_ATTENTION and d0 is not None and len(d0) == 3:
-                return [(d0[0], d0[1], None)]
+                return [(d0[0], d0[1], self._attention_hidden(node, d0))]
             return None
         if node.domain not in _STD:
             return None
@@ -353,6 +353,26 @@ class _Analysis:
             return [first[:axis] + (_lit(sum(m[0] for m in along)),) + first[axis + 1:]]  # type: ignore[index]
         if op == "Shape" and d0 is not None:
             return [(_lit(len(d0[slice(*self._shape_range(node, len(d0)))])),)]
+        return None
+
+    def _attention_hidden(self, node: ir.Node, d0: Dims) -> Mono | None:
+        """The last output dim of a com.microsoft attention op (query [B, S, *] in), where its inputs say it."""
+        ins = node.inputs
+        if node.op_type == "MultiHeadAttention":
+            dv = self.d(ins[2]) if len(ins) > 2 else None
+            return dv[2] if dv is not None and len(dv) == 3 else None
+        if node.op_type == "Attention":
+            sizes = _attr(node, "qkv_hidden_sizes")
+            if sizes is not None:
+                return _lit(list(sizes)[2])  # type: ignore[call-overload]
+            dw = self.d(ins[1]) if len(ins) > 1 else None
+            return _div(dw[1], _lit(3)) if dw is not None and len(dw) == 2 else None
+        if node.op_type == "GroupQueryAttention":
+            heads, kv = int(_attr(node, "num_heads", 0)), int(_attr(node, "kv_num_heads", 0))  # type: ignore[call-overload]
+            if len(ins) > 1 and ins[1] is not None:
+                return d0[2]  # separate query: its hidden is num_heads * head_size
+            head = _div(d0[2], _lit(heads + 2 * kv)) if heads > 0 else None
+            return _mul(head, _lit(heads))
         return None
 
     @staticmethod
@@ -683,8 +703,10 @@ class SimplifyShapesPass(Pass):
             for index, value in enumerate(node.inputs):
                 if value is None or value not in an.vec or value in an.bools:
                     continue
-                if std and node.op_type in _SHAPE_OPS and not (node.op_type == "Reshape" and index == 0):
-                    continue
+                if std and node.op_type == "Reshape" and index == 1:
+                    continue  # handled above, with the input's dims
+                if node.outputs and node.outputs[0] in an.vec:
+                    continue  # an intermediate step of a tracked shape computation
                 if ir.convenience.get_const_tensor(value) is not None:
                     continue
                 producer = value.producer()
