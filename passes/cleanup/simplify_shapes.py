@@ -184,7 +184,7 @@ class _Analysis:
         shape = value.shape
         if shape is None:
             if value.const_value is not None:
-                return tuple(_lit(d) for d in value.const_value.shape)
+                return tuple(_lit(int(d)) for d in value.const_value.shape.numpy())
             return None
         out: list[Mono | None] = []
         for axis, d in enumerate(shape):
@@ -214,7 +214,7 @@ class _Analysis:
     def _constant(self, value: ir.Value) -> None:
         tensor = ir.convenience.get_const_tensor(value)
         if tensor is not None and self.dims.get(value) is None:
-            self.dims[value] = tuple(_lit(d) for d in tensor.shape)
+            self.dims[value] = tuple(_lit(int(d)) for d in tensor.shape.numpy())
         ints = _ints(value)
         if ints is not None and tensor is not None and tensor.dtype == ir.DataType.INT64:
             self.vec[value] = (tensor.shape.rank() == 0, tuple(_lit(i) for i in ints))
@@ -301,9 +301,9 @@ class _Analysis:
                 return None
             return [_broadcast(d0, t[1])]
         if op == "Transpose" and d0 is not None:
-            perm = _attr(node, "perm")
-            perm = list(perm) if perm is not None else list(reversed(range(len(d0))))
-            return [tuple(d0[p] for p in perm)]
+            perm_attr = _attr(node, "perm")
+            order: list[int] = list(perm_attr) if perm_attr is not None else list(reversed(range(len(d0))))  # type: ignore[call-overload]
+            return [tuple(d0[p] for p in order)]
         if op in ("Unsqueeze", "Squeeze") and d0 is not None:
             axes = _ints(ins[1]) if len(ins) > 1 else None
             if axes is None:
@@ -313,8 +313,8 @@ class _Analysis:
                 norm = sorted(a % rank for a in axes)
                 it = iter(d0)
                 return [tuple(_lit(1) if i in norm else next(it) for i in range(rank))]
-            norm = {a % len(d0) for a in axes}
-            return [tuple(m for i, m in enumerate(d0) if i not in norm)]
+            drop = {a % len(d0) for a in axes}
+            return [tuple(m for i, m in enumerate(d0) if i not in drop)]
         if op == "Gather" and d0 is not None:
             di = self.d(ins[1])
             if di is None:
@@ -415,8 +415,8 @@ class _Analysis:
                 return None
             itensor = ir.convenience.get_const_tensor(ins[1]) if ins[1] is not None else None
             scalar = itensor is not None and itensor.shape.rank() == 0
-            n = len(x[1])
-            if any(not -n <= i < n for i in idx):
+            size = len(x[1])
+            if any(not -size <= i < size for i in idx):
                 return None
             return scalar, tuple(x[1][i] for i in idx)
         if op == "Slice":
@@ -457,10 +457,10 @@ class _Analysis:
             lens = {len(p[1]) for p in parts if not p[0]}  # type: ignore[index]
             if len(lens) > 1 and not (len(lens) == 2 and 1 in lens):
                 return None
-            n = max([len(p[1]) for p in parts] or [0])  # type: ignore[index]
-            cols = [[p[1][0]] * n if len(p[1]) == 1 else list(p[1]) for p in parts]  # type: ignore[index]
+            width = max([len(p[1]) for p in parts] or [0])  # type: ignore[index]
+            cols = [[p[1][0]] * width if len(p[1]) == 1 else list(p[1]) for p in parts]  # type: ignore[index]
             scalar = all(p[0] for p in parts)  # type: ignore[index]
-            return scalar, tuple(self._elementwise(op, [c[i] for c in cols]) for i in range(n))
+            return scalar, tuple(self._elementwise(op, [c[i] for c in cols]) for i in range(width))
         return None
 
     @staticmethod
@@ -597,7 +597,7 @@ class _Builder:
         return self.cache[key]
 
     def _node(self, before: ir.Node, op: str, inputs: list[ir.Value], **attrs: object) -> ir.Value:
-        node = ir.node(op, inputs, attributes=attrs, name=fresh_name(self.names, f"mograph_shape_{op}"))
+        node = ir.node(op, inputs, attributes=attrs, name=fresh_name(self.names, f"mograph_shape_{op}"))  # type: ignore[arg-type]
         self.graph.insert_before(before, node)
         self.built += 1
         out = node.outputs[0]
@@ -637,12 +637,12 @@ class _Builder:
         values = [self.const(p[1]) if p[0] == "const" else self._shape(before, p[1], p[2], p[3]) for p in pieces]
         if len(values) == 1:
             return values[0]
-        key = ("concat", tuple(id(v) for v in values))
-        if key not in self.cache:
+        ckey = ("concat", tuple(id(v) for v in values))
+        if ckey not in self.cache:
             out = self._node(before, "Concat", values, axis=0)
             out.shape = ir.Shape([sum(len(p[1]) if p[0] == "const" else p[3] - p[2] for p in pieces)])
-            self.cache[key] = out
-        return self.cache[key]
+            self.cache[ckey] = out
+        return self.cache[ckey]
 
 
 def _replace_uses(old: ir.Value, new: ir.Value) -> bool:
@@ -781,6 +781,7 @@ class SimplifyShapesPass(Pass):
             else:
                 entries.append(m)
         symbolic = [i for i, m in enumerate(entries) if not _is_lit(m)]
-        if len(symbolic) == 1 and all(_is_lit(m) and m[0] > 0 for j, m in enumerate(entries) if j != symbolic[0]):
+        if len(symbolic) == 1 and all(m is not None and _is_lit(m) and m[0] > 0
+                                        for j, m in enumerate(entries) if j != symbolic[0]):
             entries[symbolic[0]] = _lit(-1)
         return builder.plan(False, entries)
