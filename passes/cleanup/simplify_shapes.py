@@ -278,6 +278,10 @@ class _Analysis:
                     if i < len(out):
                         out[i] = d0
                 return out
+            if op == "EmbedLayerNormalization" and d0 is not None and len(d0) == 2:
+                dw = self.d(ins[2]) if len(ins) > 2 else None
+                hidden = dw[1] if dw is not None and len(dw) == 2 else None
+                return [d0 + (hidden,), (d0[0],), d0 + (hidden,)]
             if op in _MS_ATTENTION and d0 is not None and len(d0) == 3:
                 return [(d0[0], d0[1], self._attention_hidden(node, d0))]
             return None
@@ -340,6 +344,18 @@ class _Analysis:
             if sizes is None or len(sizes) != len(node.outputs):
                 return None
             return [d0[:axis] + (_lit(s),) + d0[axis + 1:] for s in sizes]
+        if op == "Range":
+            start, limit, delta = (self.v(v) for v in ins[:3])
+            if start is None or limit is None or delta is None or not (start[0] and limit[0] and delta[0]):
+                return None
+            s0, l0, d0_ = start[1][0], limit[1][0], delta[1][0]
+            if s0 == _lit(0) and d0_ == _lit(1) and l0 is not None and l0[0] >= 0:
+                return [(l0,)]  # a dim (or a literal >= 0): the length is the limit itself
+            if _is_lit(s0) and _is_lit(l0) and _is_lit(d0_) and d0_[0] != 0:  # type: ignore[index]
+                return [(_lit(max(-(-(l0[0] - s0[0]) // d0_[0]), 0)),)]  # type: ignore[index]
+            return None
+        if op == "Slice" and d0 is not None:
+            return [self._slice_dims(node, d0)]
         if op == "Concat":
             parts = [self.d(v) for v in ins]
             if any(p is None for p in parts) or len({len(p) for p in parts}) != 1:  # type: ignore[arg-type]
@@ -354,6 +370,28 @@ class _Analysis:
         if op == "Shape" and d0 is not None:
             return [(_lit(len(d0[slice(*self._shape_range(node, len(d0)))])),)]
         return None
+
+    def _slice_dims(self, node: ir.Node, d0: Dims) -> Dims | None:
+        """Slice with constant starts/ends/axes/steps: literal dims exactly, a dim kept whole where the slice is [0:big]."""
+        ins = node.inputs
+        starts, ends = _ints(ins[1]), _ints(ins[2])
+        axes = _ints(ins[3]) if len(ins) > 3 and ins[3] is not None else None
+        steps = _ints(ins[4]) if len(ins) > 4 and ins[4] is not None else None
+        if starts is None or ends is None:
+            return None
+        axes = axes if axes is not None else list(range(len(starts)))
+        steps = steps if steps is not None else [1] * len(starts)
+        out = list(d0)
+        for s0, e0, a0, st in zip(starts, ends, axes, steps):
+            axis = a0 % len(d0)
+            dim = d0[axis]
+            if dim is not None and _is_lit(dim):
+                out[axis] = _lit(len(range(dim[0])[slice(s0, e0, st)]))
+            elif s0 == 0 and st == 1 and e0 >= 1 << 62:
+                out[axis] = dim
+            else:
+                out[axis] = None
+        return tuple(out)
 
     def _attention_hidden(self, node: ir.Node, d0: Dims) -> Mono | None:
         """The last output dim of a com.microsoft attention op (query [B, S, *] in), where its inputs say it."""
