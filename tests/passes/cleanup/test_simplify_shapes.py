@@ -310,3 +310,56 @@ def test_zero_size_batch_stays_exact():
     feeds = feeds_for(proto, dims={"batch": 0, "seq": 3})
     got = run_ort(to_proto(model), feeds)
     assert got[0].shape == run_ort(proto, feeds)[0].shape == (0, 3, 12)
+
+
+# Rotary-style: positions Range(0, seq), a half-split by Slice; the product's dims are still [batch, seq, 16].
+ROTARY = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[batch, seq, 16] x) => (float[batch, seq, 16] y) {
+    s = Shape(x)
+    i1 = Constant<value = int64 {1}>()
+    zero = Constant<value = int64 {0}>()
+    one = Constant<value = int64 {1}>()
+    q = Gather<axis = 0>(s, i1)
+    r = Range(zero, q, one)
+    rf = Cast<to = 1>(r)
+    axes = Constant<value = int64[2] {0, 2}>()
+    u = Unsqueeze(rf, axes)
+    j0 = Constant<value = int64[1] {0}>()
+    j8 = Constant<value = int64[1] {8}>()
+    big = Constant<value = int64[1] {9223372036854775807}>()
+    j2 = Constant<value = int64[1] {2}>()
+    lo = Slice(x, j0, j8, j2)
+    hi = Slice(x, j8, big, j2)
+    c = Concat<axis = 2>(hi, lo)
+    m = Mul(c, u)
+    t = Shape(m)
+    k0 = Constant<value = int64[1] {0}>()
+    k1 = Constant<value = int64[1] {1}>()
+    b0 = Gather<axis = 0>(t, k0)
+    b1 = Gather<axis = 0>(t, k1)
+    n16 = Constant<value = int64[1] {16}>()
+    target = Concat<axis = 0>(b0, b1, n16)
+    yy = Reshape(m, target)
+    y = Relu(yy)
+}
+"""
+
+
+def test_range_and_slice_dims_are_followed():
+    proto = parse(ROTARY)
+    model = check_pass(SimplifyShapesPass(), proto, stats=_stats(removed_reshapes=1, removed_nodes=8),
+                       feeds=feeds_for(proto, dims={"batch": 2, "seq": 3}))
+    _same_on_all_sizes(proto, model)
+    assert "Reshape" not in [n.op_type for n in model.graph]  # [batch, seq, 16] to [batch, seq, 16]
+
+
+def test_pipeline_runs_it_after_the_appended_lower():
+    import mograph
+
+    proto = parse(CONV1D)
+    _, report = mograph.optimize(proto, "cleanup", options={"target": "ort"})
+    names = [p.name for p in report.passes]
+    assert names[-4:] == ["lower", "simplify-shapes", "cse", "eliminate-dead"]
+    _, explicit = mograph.optimize(proto, "cleanup,lower", options={"target": "ort"})
+    assert "simplify-shapes" not in [p.name for p in explicit.passes]
