@@ -439,9 +439,12 @@ class _Analysis:
         if op == "ConstantOfShape":
             shape = self.v(ins[0])
             value = node.attributes.get("value")
-            if shape is None or shape[0] or not all(_is_lit(m) for m in shape[1]):
+            if shape is None or shape[0] or not all(_is_lit(m) for m in shape[1]) or value is None:
+                return None  # (no value: float32 zeros, not an int64 vector)
+            fill_tensor = value.as_tensor()
+            if fill_tensor.dtype != ir.DataType.INT64:
                 return None
-            fill = 0 if value is None else int(np.asarray(value.as_tensor().numpy()).reshape(-1)[0])
+            fill = int(np.asarray(fill_tensor.numpy()).reshape(-1)[0])
             n = _prod(shape[1])
             if n is None or len(shape[1]) != 1 or n[0] > _MAX_VECTOR:
                 return None

@@ -363,3 +363,16 @@ def test_pipeline_runs_it_after_the_appended_lower():
     assert names[-4:] == ["lower", "simplify-shapes", "cse", "eliminate-dead"]
     _, explicit = mograph.optimize(proto, "cleanup,lower", options={"target": "ort"})
     assert "simplify-shapes" not in [p.name for p in explicit.passes]
+
+
+def test_float_constant_of_shape_is_not_taken_for_a_shape_vector():
+    # ConstantOfShape's default value is float 0 (here 1.0): its output is data, never an int64 constant.
+    proto = parse("""
+    <ir_version: 8, opset_import: ["" : 17]>
+    g (float[3] x) => (float[3] y) {
+        n = Constant<value = int64[1] {3}>()
+        ones = ConstantOfShape<value = float[1] {1.0}>(n)
+        y = Mul(x, ones)
+    }
+    """)
+    assert_untouched(SimplifyShapesPass(), proto)
