@@ -314,10 +314,11 @@ class Registry:
         so ``--passes fuse,int8 --target ort`` fuses, quantizes, then lowers once.  The lowered forms
         leave shape computations of their own (a mask expanded per layer), so an added ``lower`` is
         followed by the preset :data:`AFTER_LOWER` where a plugin registers one (the built-in cleanup
-        plugin does: shape simplification, CSE, dead-node elimination).  A list that names ``lower``
+        plugin does: shape simplification, CSE, dead-node elimination), unless the target is
+        ``mograph`` (the fused ops are kept, so the lowering wrote nothing to tidy).  A list that names ``lower``
         itself runs it where it stands, and nothing is added after it.
         """
-        from mograph.lowering import LOWER_PASS
+        from mograph.lowering import DEFAULT_TARGET, LOWER_PASS
 
         out = self.expand(names)
         options = options or {}
@@ -325,7 +326,7 @@ class Registry:
             wants = options.get("target") is not None or any(self.passes[n].emits_custom_ops for n in out)
             if wants:
                 out.append(LOWER_PASS)
-                if AFTER_LOWER in self.presets:
+                if AFTER_LOWER in self.presets and options.get("target", DEFAULT_TARGET) != "mograph":
                     out.extend(self.expand(AFTER_LOWER))
         return out
 

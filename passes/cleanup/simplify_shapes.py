@@ -171,12 +171,16 @@ class _Analysis:
         #: tracked vectors that hold booleans (Equal), not int64
         self.bools: set[ir.Value] = set()
         self._fresh = itertools.count()
+        #: graph position of each node output (graph inputs and initializers: -1), for witness order
+        self.position: dict[ir.Value, int] = {}
         for value in graph.inputs:
             self._set_dims(value, self._declared(value))
         for value in graph.initializers.values():
             self._set_dims(value, None)
             self._constant(value)
-        for node in graph:
+        for index, node in enumerate(graph):
+            for value in node.outputs:
+                self.position[value] = index
             self._visit(node)
 
     # --- dims -------------------------------------------------------------------------------
@@ -556,8 +560,13 @@ class _Builder:
         self.built = 0
         self.names = {n.name for n in ir.traversal.RecursiveGraphIterator(self.graph) if n.name}
 
-    def plan(self, scalar: bool, elems: Sequence[Mono | None]) -> list[tuple] | None:
-        """Pieces (``("const", ints)`` / ``("shape", value, start, end)``) that make ``elems``; None if some cannot."""
+    def plan(self, scalar: bool, elems: Sequence[Mono | None], reader: ir.Node) -> list[tuple] | None:
+        """Pieces (``("const", ints)`` / ``("shape", value, start, end)``) that make ``elems`` for ``reader``.
+
+        None if some element cannot be made from literals and dims of values computed before ``reader``
+        (a dim of the reader's own output, or of anything after it, would make a cycle).
+        """
+        limit = self.an.position.get(reader.outputs[0], 1 << 62) if reader.outputs else 1 << 62
         pieces: list[tuple] = []
         for m in elems:
             if m is None:
@@ -571,6 +580,8 @@ class _Builder:
             if m[0] != 1 or len(m[1]) != 1 or m[1][0] not in self.an.witness:
                 return None
             value, axis = self.an.witness[m[1][0]]
+            if self.an.position.get(value, -1) >= limit:
+                return None
             last = pieces[-1] if pieces else None
             if last is not None and last[0] == "shape" and last[1] is value and last[3] == axis:
                 pieces[-1] = ("shape", value, last[2], axis + 1)
@@ -756,7 +767,7 @@ class SimplifyShapesPass(Pass):
                 scalar, elems = an.vec[value]
                 if value.shape is not None and value.shape.rank() != (0 if scalar else 1):
                     continue
-                pieces = builder.plan(scalar, elems)
+                pieces = builder.plan(scalar, elems, node)
                 if pieces is None or builder.matches(value, pieces, scalar):
                     continue
                 new = builder.build(node, pieces, scalar)
@@ -779,7 +790,7 @@ class SimplifyShapesPass(Pass):
             if an.d(inner.inputs[0]) == dy and _replace_uses(node.outputs[0], inner.inputs[0]):
                 stats["removed_reshapes"] += 1
                 return True
-            plan = self._target(dy, an.d(inner.inputs[0]), allowzero, builder)
+            plan = self._target(dy, an.d(inner.inputs[0]), allowzero, builder, node)
             if plan is not None:
                 node.replace_input_with(0, inner.inputs[0])
                 node.replace_input_with(1, builder.build(node, plan, False))
@@ -797,9 +808,9 @@ class SimplifyShapesPass(Pass):
             dims = an._reshape_dims(an.d(x), elems, False)
             if dims is None or any(m is None for m in dims):
                 # Keep the entries as they are (literal 0 / -1 included), only rebuilt from input dims.
-                plan = builder.plan(False, elems)
+                plan = builder.plan(False, elems, node)
             else:
-                plan = self._target(dims, an.d(x), False, builder)
+                plan = self._target(dims, an.d(x), False, builder, node)
         if plan is None or builder.matches(target, plan, False):
             return changed
         node.replace_input_with(1, builder.build(node, plan, False))
@@ -807,10 +818,10 @@ class SimplifyShapesPass(Pass):
         return True
 
     @staticmethod
-    def _target(out: Dims, data: Dims | None, allowzero: bool, builder: _Builder) -> list[tuple] | None:
+    def _target(out: Dims, data: Dims | None, allowzero: bool, builder: _Builder, reader: ir.Node) -> list[tuple] | None:
         """Pieces of a Reshape target that gives dims ``out`` from input dims ``data`` (exactly)."""
         if allowzero:
-            return builder.plan(False, out) if all(_is_lit(m) for m in out) else None
+            return builder.plan(False, out, reader) if all(_is_lit(m) for m in out) else None
         entries: list[Mono | None] = []
         for i, m in enumerate(out):
             if m is None:
@@ -825,4 +836,4 @@ class SimplifyShapesPass(Pass):
         if len(symbolic) == 1 and all(m is not None and _is_lit(m) and m[0] > 0
                                         for j, m in enumerate(entries) if j != symbolic[0]):
             entries[symbolic[0]] = _lit(-1)
-        return builder.plan(False, entries)
+        return builder.plan(False, entries, reader)
