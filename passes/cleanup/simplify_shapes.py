@@ -611,13 +611,26 @@ class _Builder:
     def _matches_piece(self, value: ir.Value, piece: tuple) -> bool:
         if piece[0] == "const":
             return self._const_vector(value) == piece[1]
+        if self._matches_gathered(value, piece):
+            return True
         node = value.producer()
         if node is None or node.domain not in _STD or node.inputs[0] is not piece[1]:
             return False
+        rank = len(self.an.d(piece[1]) or ())
         if node.op_type == "Shape":
-            rank = len(self.an.d(piece[1]) or ())
             return _Analysis._shape_range(node, rank) == (piece[2], piece[3])
         return False
+
+    def _matches_gathered(self, value: ir.Value, piece: tuple) -> bool:
+        """``Gather(Shape(w), [start .. end-1])``: the form built below opset 15."""
+        node = value.producer()
+        if node is None or node.op_type != "Gather" or node.domain not in _STD or int(_attr(node, "axis", 0)) != 0:  # type: ignore[call-overload]
+            return False
+        shape = node.inputs[0].producer() if node.inputs[0] is not None else None
+        if shape is None or shape.op_type != "Shape" or shape.domain not in _STD or shape.inputs[0] is not piece[1]:
+            return False
+        start, _ = _Analysis._shape_range(shape, len(self.an.d(piece[1]) or ()))
+        return _ints(node.inputs[1]) == [start + i for i in range(piece[2], piece[3])] and len(node.inputs[1].shape or [0]) == 1
 
     def _matches_scalar(self, value: ir.Value, piece: tuple) -> bool:
         if piece[0] == "const":
@@ -660,7 +673,7 @@ class _Builder:
         rank = len(self.an.d(value) or ())
         key = ("shape", id(value), start, end)
         if key not in self.cache:
-            if self.opset >= 15:
+            if self.opset >= 15 or (start == 0 and end == rank):
                 attrs: dict[str, object] = {}
                 if start:
                     attrs["start"] = start

@@ -376,3 +376,13 @@ def test_float_constant_of_shape_is_not_taken_for_a_shape_vector():
     }
     """)
     assert_untouched(SimplifyShapesPass(), proto)
+
+
+def test_below_opset_15_the_pieces_are_gathered_from_one_shape():
+    # Shape has no start/end before opset 15: [batch, seq] is Gather(Shape(x), [0, 1]), and a second run
+    # recognizes it.
+    proto = parse(CONV1D.replace('"" : 17', '"" : 14'))
+    model = check_pass(SimplifyShapesPass(), proto, stats=_stats(reshape_targets=2, removed_nodes=11),
+                       ops_left=["Reshape", "Gemm", "Shape", "Gather", "Concat", "Reshape"],
+                       feeds=feeds_for(proto, dims={"batch": 2, "seq": 3}))
+    _same_on_all_sizes(proto, model)
