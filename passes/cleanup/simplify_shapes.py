@@ -630,7 +630,7 @@ class _Builder:
         if shape is None or shape.op_type != "Shape" or shape.domain not in _STD or shape.inputs[0] is not piece[1]:
             return False
         start, _ = _Analysis._shape_range(shape, len(self.an.d(piece[1]) or ()))
-        return _ints(node.inputs[1]) == [start + i for i in range(piece[2], piece[3])] and len(node.inputs[1].shape or [0]) == 1
+        return _ints(node.inputs[1]) == [start + i for i in range(piece[2], piece[3])] and node.inputs[1] is not None and len(node.inputs[1].shape or [0]) == 1
 
     def _matches_scalar(self, value: ir.Value, piece: tuple) -> bool:
         if piece[0] == "const":
