@@ -823,7 +823,7 @@ class SimplifyShapesPass(Pass):
                 # Keep the entries as they are (literal 0 / -1 included), only rebuilt from input dims.
                 plan = builder.plan(False, elems, node)
             else:
-                plan = self._target(dims, an.d(x), False, builder, node)
+                plan = self._target(dims, an.d(x), False, builder, node) or builder.plan(False, elems, node)
         if plan is None or builder.matches(target, plan, False):
             return changed
         node.replace_input_with(1, builder.build(node, plan, False))
