@@ -68,8 +68,7 @@ def feeds_for(model: str, kind: str, batch: int, seq: int, dims: bg.Dims) -> dic
     return feeds
 
 
-def max_diff(a: Any, b: Any, feeds: dict[str, np.ndarray]) -> float:
-    ra, rb = a.run(None, feeds), b.run(None, feeds)
+def max_diff(ra: list[np.ndarray], rb: list[np.ndarray]) -> float:
     return max(float(np.max(np.abs(x.astype(np.float64) - y))) if x.size else 0.0 for x, y in zip(ra, rb))
 
 
@@ -132,32 +131,44 @@ def main() -> int:
                     print(f"{name:34} failed: {type(exc).__name__}: {str(exc)[:200]}")
                     rows.append({"case": name, "error": f"{type(exc).__name__}: {exc}"})
                     continue
-                protos = {"export": src, "ort-t": ort_t, "before": ir.serde.serialize_model(before),
-                          "after": ir.serde.serialize_model(after)}
+                protos = {"export": src, "ort-t": ort_t, "before": ir.serde.serialize_model(before)}
+                del before
+                protos["after"] = ir.serde.serialize_model(after)
+                del after
                 protos = {k: p for k, p in protos.items() if p is not None}
                 row: dict[str, Any] = {"case": name, "full": args.full,
                                        "nodes": {k: counts(p)[0] for k, p in protos.items()},
                                        "shape_ops": {k: counts(p)[1] for k, p in protos.items()},
                                        "simplify_shapes": next((p.stats for p in report.passes if p.name == "simplify-shapes"), {})}
-                s_exp, s_before, s_after = (session(protos[k], False) for k in ("export", "before", "after"))
                 if model in ("vit", "whisper"):
                     shapes = [(1, seq0), (3, seq0)]
                 else:
                     shapes = [(1, seq0), (1, 5), (3, seq0 + 7), (2, 1)]
-                diffs = {}
-                for b, s in shapes:
-                    feeds = feeds_for(model, kind, b, s, dims)
-                    diffs[f"{b}x{s}"] = (max_diff(s_before, s_after, feeds), max_diff(s_exp, s_after, feeds))
+                feeds = {f"{b}x{s}": feeds_for(model, kind, b, s, dims) for b, s in shapes}
+                # One session at a time (a 12-layer model's weights are held once per session).
+                outs = {}
+                for k in ("export", "before", "after"):
+                    sess = session(protos[k], False)
+                    outs[k] = {cell: sess.run(None, f) for cell, f in feeds.items()}
+                    del sess
+                diffs = {cell: (max_diff(outs["before"][cell], outs["after"][cell]),
+                                max_diff(outs["export"][cell], outs["after"][cell])) for cell in feeds}
+                del outs
                 row["max_abs"] = diffs
                 cell = "  ".join(f"{k}:{a:.1e}/{e:.1e}" for k, (a, e) in diffs.items())
                 fmt = "  ".join(f"{row['nodes'][k]:>5}({row['shape_ops'][k]:>4})" if k in protos else f"{'-':>11}"
                                 for k in ("export", "ort-t", "before", "after"))
                 print(f"{name:34} {fmt}  {cell}", flush=True)
                 if args.latency:
-                    feeds = feeds_for(model, kind, 1, 128, dims)
-                    lat = {k: latency(session(p, True), feeds, args.runs) for k, p in protos.items()}
+                    lat_feeds = feeds_for(model, kind, 1, 128, dims)
+                    lat = {}
+                    for k, p in protos.items():
+                        sess = session(p, True)
+                        lat[k] = latency(sess, lat_feeds, args.runs)
+                        del sess
                     row["ort_cpu_ms_1x128"] = lat
                     print(f"{'':34} ORT CPU 1x128 ms: " + "  ".join(f"{k} {v:.3f}" for k, v in lat.items()), flush=True)
+                del protos
                 rows.append(row)
     print("nodes(shape ops): export, ORT transformers optimizer, mograph without / with simplify-shapes")
     if args.json:
