@@ -92,6 +92,8 @@ def main() -> int:
     ap.add_argument("--cache", type=Path, default=Path("/tmp/mograph-shape-nodes"), help="export cache")
     ap.add_argument("--latency", action="store_true", help="also ORT CPU latency at 1x128 (1 thread)")
     ap.add_argument("--runs", type=int, default=30, help="timed runs per variant for --latency")
+    ap.add_argument("--counts-only", action="store_true",
+                    help="node counts only, one model in memory at a time (no numerics, no latency)")
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args()
 
@@ -115,6 +117,34 @@ def main() -> int:
                 g = bg.graph_for(args.cache, smoke, model, export, attn, kind)
                 g.folder.mkdir(parents=True, exist_ok=True)
                 name = f"{model}-{export}-{attn}"
+                if args.counts_only:
+                    if not g.path("fp32").exists():
+                        bg.export_graph(g, dims, args.cache, smoke)
+                    row: dict[str, Any] = {"case": name, "full": args.full, "nodes": {}, "shape_ops": {}}
+                    for k in ("export", "ort-t", "before", "after"):
+                        if k == "export":
+                            proto = onnx.load(str(g.path("fp32")), load_external_data=False)
+                        elif k == "ort-t":
+                            try:
+                                proto = optimize_model(str(g.path("fp32")), model_type=bg.ORT_MODEL_TYPE[model],
+                                                       num_heads=dims.heads, hidden_size=dims.hidden, use_gpu=False).model
+                            except Exception as exc:  # noqa: BLE001 - the peer failing is a result too
+                                print(f"{name}: ORT transformers optimizer failed: {type(exc).__name__}: {exc}")
+                                continue
+                        else:
+                            plan = "cleanup,fuse,lower" if k == "before" else "cleanup,fuse"
+                            opt, _ = mograph.optimize(str(g.path("fp32")), plan, options={"target": "ort"})
+                            ops = Counter(n.op_type for n in opt.graph)
+                            row["nodes"][k], row["shape_ops"][k] = sum(ops.values()), sum(ops[o] for o in SHAPE_OPS)
+                            del opt
+                            continue
+                        row["nodes"][k], row["shape_ops"][k] = counts(proto)
+                        del proto
+                    fmt = "  ".join(f"{row['nodes'][k]:>5}({row['shape_ops'][k]:>4})" if k in row["nodes"] else f"{'-':>11}"
+                                    for k in ("export", "ort-t", "before", "after"))
+                    print(f"{name:34} {fmt}", flush=True)
+                    rows.append(row)
+                    continue
                 try:
                     if not g.path("fp32").exists():
                         bg.export_graph(g, dims, args.cache, smoke)
@@ -136,7 +166,7 @@ def main() -> int:
                 protos["after"] = ir.serde.serialize_model(after)
                 del after
                 protos = {k: p for k, p in protos.items() if p is not None}
-                row: dict[str, Any] = {"case": name, "full": args.full,
+                row = {"case": name, "full": args.full,
                                        "nodes": {k: counts(p)[0] for k, p in protos.items()},
                                        "shape_ops": {k: counts(p)[1] for k, p in protos.items()},
                                        "simplify_shapes": next((p.stats for p in report.passes if p.name == "simplify-shapes"), {})}
