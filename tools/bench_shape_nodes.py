@@ -7,7 +7,7 @@ seeded weights, same exports; ``--full`` for the 12-layer sizes, else its 2-laye
 * nodes of the export, of ORT's transformers optimizer (``optimize_model``, ``use_gpu=False``, float32),
   of mograph ``cleanup,fuse,lower --target ort`` (``before``: no shape simplification) and of the default
   ``cleanup,fuse --target ort`` (``after``: the ``lower`` step is followed by the ``after-lower`` preset,
-  ``simplify-shapes``, ``cse``, ``eliminate-dead``), plus the shape ops left in each (Shape, Gather,
+  ``simplify-shapes``, ``lower``, ``simplify-shapes``, ``cse``, ``eliminate-dead``), plus the shape ops left in each (Shape, Gather,
   Unsqueeze, Squeeze, Concat, Reshape, Slice, Expand, Range, ConstantOfShape, Where, Equal, Constant);
 * the max abs difference of ``after`` against ``before`` and against the export, on ONNX Runtime CPU with
   its optimizations off, on several shapes, batch 1 and sequence lengths the export was not traced with;
