@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "mograph"
 AUTOLOAD_ENV = "MOGRAPH_DISABLE_PLUGIN_AUTOLOAD"
 BLOCK_ENV = "MOGRAPH_BLOCK_PLUGINS"
+#: Preset run after a ``lower`` step that :meth:`Registry.plan` appends (not after one the list names).
+AFTER_LOWER = "after-lower"
 
 #: Built-in plugin modules, registered under these names. Order does not define pass order.
 BUILTIN_PLUGINS: tuple[str, ...] = (
@@ -309,10 +311,15 @@ class Registry:
 
         ``lower`` (:mod:`mograph.lowering`) is added at the end when the list has none and either a
         ``target`` option is given or a pass of the list writes custom ops (``Pass.emits_custom_ops``),
-        so ``--passes fuse,int8 --target ort`` fuses, quantizes, then lowers once.  A list that names
-        ``lower`` itself runs it where it stands.
+        so ``--passes fuse,int8 --target ort`` fuses, quantizes, then lowers once.  The lowered forms
+        leave shape computations of their own (a mask expanded per layer), so an added ``lower`` is
+        followed by the preset :data:`AFTER_LOWER` where a plugin registers one (the built-in cleanup
+        plugin does: shape simplification, lower again, shape simplification, CSE, dead-node
+        elimination), unless the target is ``mograph`` (the fused ops are kept, so the lowering wrote
+        nothing to tidy).  A list that names ``lower`` itself runs it where it stands, and nothing is
+        added after it.
         """
-        from mograph.lowering import LOWER_PASS
+        from mograph.lowering import DEFAULT_TARGET, LOWER_PASS
 
         out = self.expand(names)
         options = options or {}
@@ -320,6 +327,8 @@ class Registry:
             wants = options.get("target") is not None or any(self.passes[n].emits_custom_ops for n in out)
             if wants:
                 out.append(LOWER_PASS)
+                if AFTER_LOWER in self.presets and options.get("target", DEFAULT_TARGET) != "mograph":
+                    out.extend(self.expand(AFTER_LOWER))
         return out
 
     def instantiate(self, names: list[str], options: dict[str, Any] | None = None) -> list[Pass]:

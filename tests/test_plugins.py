@@ -140,7 +140,8 @@ def test_builtins_register_through_the_same_hooks():
     assert reg.pm.get_plugin("mograph.passes.cleanup") is cleanup
     impls = {reg.pm.get_name(i.plugin) for i in reg.pm.hook.mograph_add_passes.get_hookimpls()}
     assert "mograph.passes.cleanup" in impls
-    for name in ("infer-shapes", "fold-constants", "eliminate-identity", "cse", "eliminate-dead", "topo-sort"):
+    for name in ("infer-shapes", "fold-constants", "simplify-shapes", "eliminate-identity", "cse", "eliminate-dead",
+                 "topo-sort"):
         assert reg.pass_source[name] == "mograph.passes.cleanup"
     assert reg.preset_source["cleanup"] == "mograph.passes.cleanup"
     listed = {p["name"]: p["plugin"] for p in mograph.list_passes()}

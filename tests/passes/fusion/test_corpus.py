@@ -53,7 +53,7 @@ def _fuse(model, explain: bool = False) -> tuple[Counter, dict, bool]:
     for p in reg.instantiate(reg.plan("fuse", options), options):
         result = p.call(model)
         modified = modified or result.modified
-        stats.update({k: v for k, v in result.stats.items() if "." not in k})
+        stats.update({k: v for k, v in result.stats.items() if "." not in k and v})  # zero counts say nothing
         details[p.name] = result.details
     return stats, details, modified
 
