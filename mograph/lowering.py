@@ -1,8 +1,10 @@
 """The one lowering step: canonical custom ops -> what a target runs natively.
 
 Fusion passes write only canonical custom ops (``mograph.LayerNorm``, ``mograph.Attention``, a
-plugin's own ops), each with an ONNX function body.  Lowering happens once, at the end of the
-pipeline (the ``lower`` pass, which ``--target`` adds to a pipeline) or as a backend's first act,
+plugin's own ops), each with an ONNX function body.  Lowering happens at the end of the
+pipeline (the ``lower`` pass, which ``--target`` adds to a pipeline, followed by the ``after-lower``
+preset, whose second ``lower`` only picks up what shape simplification made lowerable) or as a
+backend's first act,
 and asks the custom-op registry how: for every node of a registered op it calls the op's declared
 lowering for the target (:attr:`mograph.custom_ops.CustomOp.lowerings`).
 
@@ -601,7 +603,7 @@ UPGRADE_OPTION = Option(
 
 
 class LowerPass(Pass):
-    """Lower the fused custom ops for --target (standard ONNX, ONNX Runtime, TensorRT, ...), once, at the end."""
+    """Lower the fused custom ops for --target (standard ONNX, ONNX Runtime, TensorRT, ...), at the end of the pipeline."""
 
     name = LOWER_PASS
     family = "fusion"
