@@ -30,7 +30,11 @@ extra float projection costs latency (same-process rounds: 0.605 and 0.521 x FP3
 layers quantized, the attention ones too: min 0.97883, and slower on ONNX Runtime CPU, which loses its
 fused transposed-scaled MatMul for a quantized attention score), 0.992 and 0.995 (21 layers float: mean
 0.99890 / min 0.98429, slower).  The measurement costs about 7 end-to-end evaluations plus one pass over
-the samples (MiniLM: 18 s for the rules, about 100 s with the measurement, on the loaded 2-core machine).
+the samples (MiniLM: 18 s for the rules, about 100 s with the measurement, on the loaded 2-core machine).  A
+quiet run (load average 1.7-1.9 on 2 cores, 15 interleaved rounds, ``benchmarks/int8-minilm-quiet.json``):
+the default at 0.448x FP32 at batch 8 (per-round 0.424-0.565) and 0.679x at batch 1, the rules 0.477x, no
+smoothing 0.647x, ``quantize_dynamic`` 0.444x (cosine 0.99358 / 0.98040), ORT static at its best setting
+0.636x (0.93317 / 0.80159), ModelOpt INT8 (MatMul only) 1.016x (0.97660 / 0.89750); quantization 10.9 s.
 
 **Smoothing** (``--smoothing auto``, the default): the input of every group of weight MatMuls that read one
 activation (Q/K/V of a hidden state, the FFN's two MatMuls) is divided per channel by a SmoothQuant scale
