@@ -83,12 +83,15 @@ MODELS = ("bert", "gpt2", "llama", "vit", "whisper")
 DECODERS = ("gpt2", "llama")
 EXPORTS = ("torchscript", "dynamo")
 ATTNS = ("eager", "sdpa")
-ORT_VARIANTS = ("exported", "ort-t", "onnxscript", "mograph", "mograph-ortfp16")
+ORT_VARIANTS = ("exported", "ort-t", "onnxscript", "mograph", "mograph-ortfp16", "mograph-lengths")
 PEERS = ("exported", "ort-t", "onnxscript")
+#: Variants timed only when asked for (``--variants``): mograph with ``--mask-format lengths`` (exact only for
+#: right-padded masks, like ORT's transformers optimizer's mask_index; the feeds here are all ones).
+OPTIONAL_VARIANTS = ("mograph-lengths",)
 #: Cached graphs a variant is built from besides the export ``fp32`` (mograph's fused float32 graph, shared by
 #: ``mograph`` and ``mograph-ortfp16`` so that both fp16 conversions start from the same graph).
-BUILT_FROM = {"mograph": ("fused",), "mograph-ortfp16": ("fused",)}
-INTERMEDIATES = ("fp32", "fused")
+BUILT_FROM = {"mograph": ("fused",), "mograph-ortfp16": ("fused",), "mograph-lengths": ("fused-lengths",)}
+INTERMEDIATES = ("fp32", "fused", "fused-lengths")
 TORCH_VARIANTS = ("torch-eager", "torch-compile")
 VARIANTS = ORT_VARIANTS + TORCH_VARIANTS
 SHAPES = ("1x128", "8x128", "32x128", "1x512", "8x512", "32x512", "decode:1x512", "decode:8x512", "decode:32x512")
@@ -464,6 +467,18 @@ def prepare_variant(g: Graph, variant: str, dims: Dims, smoke: bool, gpu: bool =
         model, report = mograph.optimize(str(src), "cleanup,fuse", options={"target": "ort"})
         g.record("mograph-fuse", {p.name: p.stats for p in report.passes if p.modified})
         mograph.save(model, str(tmp), overwrite=True)
+    elif variant == "fused-lengths":  # the same with --mask-format lengths (exact only for right padding)
+        import mograph
+
+        model, report = mograph.optimize(str(src), "cleanup,fuse", options={"target": "ort", "mask_format": "lengths"})
+        g.record("mograph-lengths-fuse", {p.name: p.stats for p in report.passes if p.modified})
+        mograph.save(model, str(tmp), overwrite=True)
+    elif variant == "mograph-lengths":
+        import mograph
+
+        model, _ = mograph.optimize(str(g.path("fused-lengths")), "fp16",
+                                    options={"calibration_data": str(calibration_file(g, dims, smoke))})
+        mograph.save(model, str(tmp), overwrite=True)
     elif variant == "mograph":
         import mograph
 
@@ -508,11 +523,13 @@ def needed_steps(g: Graph, variants: list[str]) -> list[str]:
     return (["fp32"] if raw and not g.path("fp32").exists() else []) + sources + missing
 
 
-def drop_intermediates(g: Graph) -> list[str]:
-    """Delete the float32 export and mograph's fused float32 graph once every variant of the graph is built
-    (or failed): nothing times them, and the full grid's cache would not fit a 64 GiB disk with them."""
+def drop_intermediates(g: Graph, asked: list[str] | None = None) -> list[str]:
+    """Delete the float32 export and mograph's fused float32 graphs once every variant of the graph is built
+    (or failed): nothing times them, and the full grid's cache would not fit a 64 GiB disk with them.  "Every"
+    is the grid's variants plus those ``asked`` (``mograph-lengths`` only counts when asked for)."""
     status = g.status()
-    variants = [v for v in ORT_VARIANTS if applies(g.model, g.export, g.attn, v)]
+    wanted = set(ORT_VARIANTS) - set(OPTIONAL_VARIANTS) | set(asked or ())
+    variants = [v for v in ORT_VARIANTS if v in wanted and applies(g.model, g.export, g.attn, v)]
     if not all(g.path(v).exists() or (status.get(v) or {}).get("error") for v in variants):
         return []
     dropped = [s for s in INTERMEDIATES if g.path(s).exists()]
@@ -559,7 +576,7 @@ def prepare(g: Graph, variants: list[str], dims: Dims, cache: Path, smoke: bool,
                             "traceback": traceback.format_exc()[-3000:]})
             errors[step] = msg
     if not keep:
-        drop_intermediates(g)
+        drop_intermediates(g, variants)
     return errors
 
 
@@ -670,6 +687,31 @@ def placement(runner: OrtRunner, profile_dir: str, device: str) -> dict[str, Any
                               "CUDAExecutionProvider" if device == "cuda" else "CPUExecutionProvider")
     return {"nodes": where["nodes"], "off_device": len(where["fallback"]), "memcpy": len(where["memcpy"]),
             "off_device_ops": dict(Counter(n["op_type"] for n in where["fallback"])), "profiled": where["profiled"]}
+
+
+def cuda_kernels(runner: Runner, runs: int, top: int = 25) -> dict[str, Any]:
+    """The CUDA kernels (and memcpys) ``runs`` runs launch, from ``torch.profiler`` (CUPTI sees every kernel of
+    the process, ONNX Runtime's too): ``{"ms": total device ms a run, "launches": kernels a run, "top": [...]}``,
+    ``top`` the heaviest by device time, each ``{"name", "ms" (a run), "count" (a run)}``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        runner.run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            runner.run()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        us = float(getattr(ev, "self_device_time_total", 0.0) or 0.0)
+        if us > 0:
+            rows.append({"name": str(ev.key)[:160], "ms": round(us / 1000.0 / runs, 5),
+                         "count": round(int(ev.count) / runs, 2)})
+    rows.sort(key=lambda r: -r["ms"])
+    return {"ms": round(sum(r["ms"] for r in rows), 5), "launches": round(sum(r["count"] for r in rows), 1),
+            "top": rows[:top]}
 
 
 def time_runners(runners: dict[str, Runner], warmup: int, min_time: float, rounds: int,
@@ -1010,6 +1052,11 @@ def run_cells(ctx: Context, model: str, export: str, attn: str, kind: str, shape
                         row.update(cosine=round(cos, 7), max_abs=mx)
                     except Exception as exc:  # noqa: BLE001
                         row["accuracy_error"] = str(exc)[:200]
+                if args.kernels and v in ORT_VARIANTS and ctx.device == "cuda":
+                    try:
+                        row["kernels"] = cuda_kernels(runners[v], args.kernels)
+                    except Exception as exc:  # noqa: BLE001
+                        row["kernels_error"] = describe(exc)
             ctx.results.write(row)
             shown = f"{row['median_ms']:.3f} ms cos {row.get('cosine', float('nan')):.5f}" if row["status"] == "ok" \
                 else f"ERROR {row['error'][:120]}"
@@ -1179,6 +1226,8 @@ def grid_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             line["best_peer_fuses_attention"] = bool(line.get(best + "_attention"))
         if line.get("mograph") is not None and line.get("best_peer_ms"):
             line["ratio"] = line["mograph"] / line["best_peer_ms"]
+        if line.get("mograph-lengths") is not None and line.get("best_peer_ms"):
+            line["lengths_ratio"] = line["mograph-lengths"] / line["best_peer_ms"]
         if line.get("mograph") is not None and line.get("mograph-ortfp16"):
             line["fp16_ratio"] = line["mograph"] / line["mograph-ortfp16"]  # issue 15 item 4: <= 1 is the goal
         exported_memcpy = (line.get("exported_placement") or {}).get("memcpy")
@@ -1366,7 +1415,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--models", type=_csv(MODELS), help=f"subset of {','.join(MODELS)} (default: all)")
     ap.add_argument("--exports", type=_csv(EXPORTS), help=f"subset of {','.join(EXPORTS)} (default: both)")
     ap.add_argument("--attn", type=_csv(ATTNS), help="transformers attention: eager,sdpa (default: both)")
-    ap.add_argument("--variants", type=_csv(VARIANTS), default=list(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
+    ap.add_argument("--variants", type=_csv(VARIANTS), default=[v for v in VARIANTS if v not in OPTIONAL_VARIANTS],
+                    help=f"subset of {','.join(VARIANTS)} (default: all but {','.join(OPTIONAL_VARIANTS)})")
     ap.add_argument("--shapes", type=_csv(None), default=None,
                     help=f"cells: BxS prefill, decode:BxP one token with a cache of P (default {','.join(SHAPES)})")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where to run (default cuda)")
@@ -1386,6 +1436,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--keep-intermediates", action="store_true",
                     help="keep each graph's float32 export and mograph's fused float32 graph in --cache after all its "
                     "variants are built (default: deleted then; the full grid's cache is ~40 GB without them)")
+    ap.add_argument("--kernels", type=int, default=0, metavar="RUNS",
+                    help="after timing, profile RUNS runs of each ORT variant with torch.profiler (CUDA only) and record "
+                    "the kernels it launched in the cell's row (\"kernels\": total device ms a run, launches, the top 25)")
     ap.add_argument("--retry-errors", action="store_true", help="run again the cells and builds that failed before")
     ap.add_argument("--compile-on-cpu", action="store_true", help="time torch.compile on CPU too (slow to compile)")
     ap.add_argument("--smoke", action="store_true",
@@ -1441,7 +1494,9 @@ BUILD_SECONDS = {("torchscript", "fp32"): 15.0, ("dynamo", "fp32"): 18.0, ("torc
                  ("dynamo", "exported"): 5.0, ("torchscript", "ort-t"): 16.0, ("dynamo", "ort-t"): 16.0,
                  ("dynamo", "onnxscript"): 25.0, ("torchscript", "fused"): 8.0, ("dynamo", "fused"): 10.0,
                  ("torchscript", "mograph"): 25.0, ("dynamo", "mograph"): 25.0,
-                 ("torchscript", "mograph-ortfp16"): 6.0, ("dynamo", "mograph-ortfp16"): 6.0}
+                 ("torchscript", "mograph-ortfp16"): 6.0, ("dynamo", "mograph-ortfp16"): 6.0,
+                 ("torchscript", "fused-lengths"): 8.0, ("dynamo", "fused-lengths"): 10.0,
+                 ("torchscript", "mograph-lengths"): 25.0, ("dynamo", "mograph-lengths"): 25.0}
 MODEL_SCALE = {"bert": 1.0, "gpt2": 1.2, "llama": 1.1, "vit": 0.8, "whisper": 0.8}
 #: Parameters (millions) of the full-size models: the cache holds ~2 bytes a parameter per float16 variant.
 PARAMS_M = {"bert": 110, "gpt2": 124, "llama": 100, "vit": 86, "whisper": 88}
@@ -1521,7 +1576,7 @@ def list_pending(args: argparse.Namespace) -> int:
                     todo = {k: v for k, v in todo.items() if k not in done and k not in seen}
                     seen.update(todo)
                     g = graph_for(cache, args.smoke, model, export, attn, kind)
-                    ready = [v for v in ["fp32", "fused", *ORT_VARIANTS] if g.path(v).exists()]
+                    ready = [v for v in ["fp32", *INTERMEDIATES[1:], *ORT_VARIANTS] if g.path(v).exists()]
                     ort_todo = sorted({v for v in todo.values() if v in ORT_VARIANTS})
                     b = estimate_build(g, needed_steps(g, ort_todo), args.smoke, measured)
                     disk += sum(not g.path(v).exists() for v in ort_todo) * 2e6 * PARAMS_M.get(model, 100)

@@ -286,9 +286,44 @@ def _dim_of(value: ir.Value | None, axis: int) -> ir.Value | None:
     if shape is None or "start" in shape.attributes or "end" in shape.attributes:
         return None
     x = shape.inputs[0]
-    while (cast := _producer(x, "Cast")) is not None:
-        x = cast.inputs[0]
+    for _ in range(4):
+        while (cast := _producer(x, "Cast")) is not None:
+            x = cast.inputs[0]
+        y = _unflattened(x)
+        if y is None:
+            break
+        x = y
     return x
+
+
+def _unflattened(value: ir.Value | None) -> ir.Value | None:
+    """``x`` where ``value`` is ``Reshape(x, [dim 0 of x, -1])`` of a rank-2 ``x`` (a no-op: the same tensor;
+    TorchScript GPT-2 exports reshape ``attention_mask`` so), through Cast; else None."""
+    reshape = _producer(value, "Reshape")
+    if reshape is None or len(reshape.inputs) < 2:
+        return None
+    x = reshape.inputs[0]
+    if x is None or x.shape is None or len(x.shape) != 2:
+        return None
+    concat = _producer(reshape.inputs[1], "Concat")
+    if concat is None or len(concat.inputs) != 2:
+        return None
+    tail = constant_array(concat.inputs[1])
+    if tail is None or tail.reshape(-1).tolist() != [-1]:
+        return None
+    head = concat.inputs[0]
+    while (node := _producer(head, "Unsqueeze")) is not None:
+        head = node.inputs[0]
+    if constant_array(head) is not None:
+        return None
+    gather = _producer(head, "Gather")
+    shape = _producer(gather.inputs[0], "Shape") if gather is not None else None
+    if shape is None or scalar_value(gather.inputs[1]) != 0 or "start" in shape.attributes:
+        return None
+    src = shape.inputs[0]
+    while (cast := _producer(src, "Cast")) is not None:
+        src = cast.inputs[0]
+    return x if src is x else None
 
 
 def _gathered_padding(value: ir.Value | None) -> ir.Value | None:
@@ -599,12 +634,76 @@ def _heads_to_bsh(new: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
     reshape = _producer(transpose.inputs[0], "Reshape") if transpose is not None else None
     if transpose is not None and reshape is not None and list(attr_value(transpose, "perm", [])) == [0, 2, 1, 3]:
         x = reshape.inputs[0]
-        target = constant_array(reshape.inputs[1])
-        if (x is not None and x.shape is not None and len(x.shape) == 3 and target is not None
-                and target.size == 4 and target.reshape(-1)[:2].tolist() == [0, 0]):
+        target = _shape_entries(reshape.inputs[1])
+        if x is not None and target is not None and _splits_last_dim(x, target):
             return x
     t = _add(new_nodes, "Transpose", [new], perm=[0, 2, 1, 3])
     return _add(new_nodes, "Reshape", [t, _const(new_nodes, np.array([0, 0, -1], dtype=np.int64))])
+
+
+def _shape_entries(target: ir.Value | None) -> list[Any] | None:
+    """The entries of a Reshape target: ints where constant, ``(z, i)`` where an entry is ``Gather(Shape(z), i)``
+    (through Unsqueeze, inside a Concat of 1-D pieces); None when neither."""
+    arr = constant_array(target)
+    if arr is not None:
+        return [int(a) for a in arr.reshape(-1)]
+    concat = _producer(target, "Concat")
+    if concat is None:
+        return None
+    out: list[Any] = []
+    for piece in concat.inputs:
+        arr = constant_array(piece)
+        if arr is not None:
+            out.extend(int(a) for a in arr.reshape(-1))
+            continue
+        v = piece
+        while (node := _producer(v, "Unsqueeze")) is not None:
+            v = node.inputs[0]
+        gather = _producer(v, "Gather")
+        shape = _producer(gather.inputs[0], "Shape") if gather is not None else None
+        axis = scalar_value(gather.inputs[1]) if gather is not None else None
+        if shape is None or axis is None or "start" in shape.attributes or "end" in shape.attributes:
+            return None
+        out.append((shape.inputs[0], int(axis)))
+    return out
+
+
+def _same_leading_dim(z: ir.Value | None, x: ir.Value, i: int) -> bool:
+    """Whether dim ``i`` of ``z`` is dim ``i`` of ``x``: the same value, outputs of one Split on another
+    axis, or one static / named dim."""
+    if z is None:
+        return False
+    if z is x:
+        return True
+    split = z.producer()
+    if split is not None and split is x.producer() and split.op_type == "Split" and split.domain == "":
+        axis = int(attr_value(split, "axis", 0))
+        rank = len(x.shape) if x.shape is not None else None
+        return rank is not None and (axis + rank if axis < 0 else axis) != i
+    return (z.shape is not None and x.shape is not None and i < len(z.shape) and i < len(x.shape)
+            and same_dim(z.shape[i], x.shape[i]) and not str(x.shape[i]).startswith("unk__"))
+
+
+def _splits_last_dim(x: ir.Value, target: list[Any]) -> bool:
+    """Whether ``Reshape(x, target)`` of a ``[B, S, G*D]`` ``x`` only splits its last dim: ``target`` is
+    ``[b, s, g, d]`` where ``b``/``s`` are each ``0``, the static dim, or ``x``'s own dim read by ``Shape``
+    (:func:`_same_leading_dim`), or one of them ``-1`` then determined, and ``g * d`` is the (static) last dim
+    (one of ``g``/``d`` may be ``-1`` when ``b`` and ``s`` are both kept)."""
+    if x.shape is None or len(x.shape) != 3 or len(target) != 4:
+        return False
+    last = x.shape[2]
+    if not isinstance(last, int) or last <= 0:
+        return False
+    kept = [t == 0 or (isinstance(t, int) and isinstance(x.shape[i], int) and t == x.shape[i])
+            or (isinstance(t, tuple) and _same_leading_dim(t[0], x, i)) for i, t in enumerate(target[:2])]
+    g, d = target[2], target[3]
+    if not isinstance(g, int) or not isinstance(d, int):
+        return False
+    if g > 0 and d > 0:
+        return g * d == last and (all(kept) or (sum(t == -1 for t in target[:2]) == 1 and any(kept)))
+    if all(kept) and sorted([g, d])[0] == -1 and max(g, d) > 0:
+        return last % max(g, d) == 0
+    return False
 
 
 def _gqa_lengths(q: ir.Value, total_of: ir.Value, total_axis: int, extra: ir.Value | None,

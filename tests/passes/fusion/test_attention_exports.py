@@ -91,6 +91,8 @@ def test_corpus_export_fuses_every_attention(corpus_dir: Path, case: corpus.Case
     elif case.mask == "cache" and case.family == "gpt2":  # the past into the kernel, its present outputs out
         assert {o.producer().op_type for o in model.graph.outputs[1:]} == {"MultiHeadAttention"}, left
         assert all(k.inputs[6] is not None and k.inputs[6].is_graph_input() for k in kernels)
+        # the step's new K/V go in as the exporter's own [B, 1, H] projections: no Transpose/Reshape back and forth
+        assert "Transpose" not in left, left
     elif case.family in PACKED_FAMILIES:  # self-attention, x @ W + b projections: one QKV GEMM in the op
         assert packed == n, left
     elif case.family == "whisper-dec":  # self-attention packed, cross-attention (K/V of the encoder) separate
