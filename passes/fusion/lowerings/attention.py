@@ -492,11 +492,30 @@ def _repeat_heads(x: ir.Value, groups: int, rep: int, new_nodes: list[ir.Node], 
         return _const(new_nodes, np.array(vals, dtype=np.int64))
 
     x5 = _add(new_nodes, "Reshape", [x, const([0, 0, groups, 1, -1])])  # [B, T, G, 1, D]
-    shape5 = _add(new_nodes, "Shape", [x5])
-    lead = _add(new_nodes, "Slice", [shape5, const([0]), const([2])])
-    dim = _add(new_nodes, "Slice", [shape5, const([4]), const([5])])
-    big = _add(new_nodes, "Expand", [x5, _add(new_nodes, "Concat", [lead, const([groups, rep]), dim], axis=0)])
+    big = _add(new_nodes, "Expand", [x5, const([1, 1, 1, rep, 1])])  # broadcast: [B, T, G, rep, D]
     out = _add(new_nodes, "Reshape", [big, const([0, 0, -1])])
+    if shared is not None:
+        shared[key] = out
+    return out
+
+
+def _repeat_heads_bnsh(x: ir.Value, heads: int, rep: int, new_nodes: list[ir.Node], shared: Shared | None) -> ir.Value:
+    """``[B, G, T, D]`` (a KV cache's Concat, the exporter's own layout) -> ``[B, G*rep, T, D]``, each head
+    repeated ``rep`` times in place: MultiHeadAttention reads 4-D K/V as ``[B, N, T, D]``, so the cache is not
+    transposed to ``[B, T, N*D]`` first."""
+    key = ("kv_repeats", id(x), rep)
+    if shared is not None and key in shared:
+        return shared[key]
+    x5 = _add(new_nodes, "Unsqueeze", [x, _const(new_nodes, np.array([2], dtype=np.int64))])  # [B, G, 1, T, D]
+    big = _add(new_nodes, "Expand", [x5, _const(new_nodes, np.array([1, 1, rep, 1, 1], dtype=np.int64))])
+    dim = x.shape[3] if x.shape is not None and len(x.shape) == 4 and isinstance(x.shape[3], int) else -1
+    target = [0, heads, -1, dim] if dim != -1 else [0, heads, -1, 0]  # 0: dim 3 of [B, G, rep, T, D] is T, not D
+    if dim == -1:  # head size unknown statically: merge (G, rep) by the element count, keeping T from the input
+        t = _add(new_nodes, "Shape", [x], start=2)
+        target_v = _add(new_nodes, "Concat", [_const(new_nodes, np.array([0, heads], dtype=np.int64)), t], axis=0)
+    else:
+        target_v = _const(new_nodes, np.array(target, dtype=np.int64))
+    out = _add(new_nodes, "Reshape", [big, target_v])
     if shared is not None:
         shared[key] = out
     return out
@@ -838,8 +857,13 @@ def _lower_ort(node: ir.Node, ctx: LoweringContext) -> bool:
         attrs["unidirectional"] = 1
         bias = None
     elif kv_heads != heads:  # MultiHeadAttention has one K/V head per query head: repeat them (as repeat_kv does)
-        k = _repeat_heads(k, kv_heads, heads // kv_heads, new_nodes, ctx.shared)
-        v = _repeat_heads(v, kv_heads, heads // kv_heads, new_nodes, ctx.shared)
+        ck, cv = _kv_cache(k), _kv_cache(v)
+        if ck is not None and cv is not None:  # a (masked) decode step: the cache itself, [B, G, P+S, D]
+            k = _repeat_heads_bnsh(ck[2], heads, heads // kv_heads, new_nodes, ctx.shared)
+            v = _repeat_heads_bnsh(cv[2], heads, heads // kv_heads, new_nodes, ctx.shared)
+        else:
+            k = _repeat_heads(k, kv_heads, heads // kv_heads, new_nodes, ctx.shared)
+            v = _repeat_heads(v, kv_heads, heads // kv_heads, new_nodes, ctx.shared)
     padding = None if bias is None or is_zero(bias) or fmt == "bias" else _padding_mask(bias)
     if padding is not None:  # raw: the [B, T] mask, masked scores filled with mask_filter_value;
         mask, attrs["mask_filter_value"] = padding  # lengths: the 1-D [B] right-padding key lengths

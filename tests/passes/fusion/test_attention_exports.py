@@ -93,6 +93,14 @@ def test_corpus_export_fuses_every_attention(corpus_dir: Path, case: corpus.Case
         assert all(k.inputs[6] is not None and k.inputs[6].is_graph_input() for k in kernels)
         # the step's new K/V go in as the exporter's own [B, 1, H] projections: no Transpose/Reshape back and forth
         assert "Transpose" not in left, left
+    elif case.mask == "cache" and case.family == "llama":  # masked grouped decode: the cache repeated as it is
+        for kern in kernels:  # [B, G, P+1, D] -> Unsqueeze -> Expand -> Reshape [B, N, P+1, D], never transposed
+            chain, x = [], kern.inputs[1]
+            while x is not None and x.producer() is not None and len(chain) < 4:
+                chain.append(x.producer().op_type)
+                x = x.producer().inputs[0]
+            assert chain == ["Reshape", "Expand", "Unsqueeze", "Concat"], chain
+        assert separate == n, left
     elif case.family in PACKED_FAMILIES:  # self-attention, x @ W + b projections: one QKV GEMM in the op
         assert packed == n, left
     elif case.family == "whisper-dec":  # self-attention packed, cross-attention (K/V of the encoder) separate
