@@ -526,9 +526,9 @@ def needed_steps(g: Graph, variants: list[str]) -> list[str]:
 def drop_intermediates(g: Graph, asked: list[str] | None = None) -> list[str]:
     """Delete the float32 export and mograph's fused float32 graphs once every variant of the graph is built
     (or failed): nothing times them, and the full grid's cache would not fit a 64 GiB disk with them.  "Every"
-    is the grid's variants plus those ``asked`` (``mograph-lengths`` only counts when asked for)."""
+    is those ``asked`` for (a later call asking for another rebuilds what it needs), else the grid's variants."""
     status = g.status()
-    wanted = set(ORT_VARIANTS) - set(OPTIONAL_VARIANTS) | set(asked or ())
+    wanted = set(asked) if asked else set(ORT_VARIANTS) - set(OPTIONAL_VARIANTS)
     variants = [v for v in ORT_VARIANTS if v in wanted and applies(g.model, g.export, g.attn, v)]
     if not all(g.path(v).exists() or (status.get(v) or {}).get("error") for v in variants):
         return []
