@@ -347,7 +347,10 @@ def _cached_or_split(kh: ir.Value, role: str) -> Heads | str:
         return f"{role}: the past '{past.name}' is not [batch, {new.heads}, past, {new.dim}]"
     if new.factor != 1.0:
         return f"{role}: the new heads are scaled before the cache (the past is not)"
-    return Heads(new.x, new.heads, new.dim, 1.0, cached=kh)
+    # a rotary embedding on the new heads (LLaMA's decode step): fused, the rewrite then builds the cache's
+    # Concat again for the present output; other readers of the exporter's Concat keep it (they are shape
+    # reads of the repeat_kv the fusion replaces, so it dies with them)
+    return Heads(new.x, new.heads, new.dim, 1.0, rotary=new.rotary, cached=kh)
 
 
 def _repeated(kh: ir.Value, role: str) -> Heads | str:
@@ -605,6 +608,24 @@ class AttentionFusion(Rule):
             attrs["nan_to_zero"] = 1
         qx = q.x if q.rotary is None else mograph_op(op, ROTARY_OP, q.x, *q.rotary, num_heads=q.heads)
         kx = k.x if k.rotary is None else mograph_op(op, ROTARY_OP, k.x, *k.rotary, num_heads=k.heads)
+        if k.cached is not None and k.rotary is not None:
+            # the new keys rotated by a fused rotary embedding, then the cache's Concat again (the present
+            # output, name kept); the exporter's Concat and its decomposed rotary are left unused
+            cat = k.cached.producer()
+            assert cat is not None and cat.inputs[0] is not None
+            split = op.initializer(ir.tensor(np.array([0, 0, k.heads, k.dim], dtype=np.int64)),
+                                   name="mograph_split_kv_heads")
+            new_heads = op.Transpose(op.Reshape(kx, split), perm=[0, 2, 1, 3])
+            present = op.Concat(cat.inputs[0], new_heads, axis=int(cat.attributes["axis"].value))
+            graph = cat.graph
+            assert graph is not None
+            name, old = k.cached.name, k.cached
+            for i, out in enumerate(graph.outputs):
+                if out is old:
+                    old.name = f"{name}_unfused"
+                    graph.outputs[i] = present
+                    present.name = name
+            k.cached = present
         flat = None
         for heads in (k, v):
             if heads.cached is not None:  # the cache's [B, N, P+T, D] present as [B, P+T, N*D]

@@ -100,6 +100,9 @@ def test_corpus_export_fuses_every_attention(corpus_dir: Path, case: corpus.Case
                 chain.append(x.producer().op_type)
                 x = x.producer().inputs[0]
             assert chain == ["Reshape", "Expand", "Unsqueeze", "Concat"], chain
+        # the new keys' rotary fused too (the present Concat rebuilt after it): a kernel for Q and for K
+        assert left["com.microsoft.RotaryEmbedding"] == 2 * n and "Neg" not in left, left
+        assert [o.name for o in model.graph.outputs] == [o.name for o in proto.graph.output]
         assert separate == n, left
     elif case.family in PACKED_FAMILIES:  # self-attention, x @ W + b projections: one QKV GEMM in the op
         assert packed == n, left
