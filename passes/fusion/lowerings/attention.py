@@ -286,44 +286,9 @@ def _dim_of(value: ir.Value | None, axis: int) -> ir.Value | None:
     if shape is None or "start" in shape.attributes or "end" in shape.attributes:
         return None
     x = shape.inputs[0]
-    for _ in range(4):
-        while (cast := _producer(x, "Cast")) is not None:
-            x = cast.inputs[0]
-        y = _unflattened(x)
-        if y is None:
-            break
-        x = y
+    while (cast := _producer(x, "Cast")) is not None:
+        x = cast.inputs[0]
     return x
-
-
-def _unflattened(value: ir.Value | None) -> ir.Value | None:
-    """``x`` where ``value`` is ``Reshape(x, [dim 0 of x, -1])`` of a rank-2 ``x`` (a no-op: the same tensor;
-    TorchScript GPT-2 exports reshape ``attention_mask`` so), through Cast; else None."""
-    reshape = _producer(value, "Reshape")
-    if reshape is None or len(reshape.inputs) < 2:
-        return None
-    x = reshape.inputs[0]
-    if x is None or x.shape is None or len(x.shape) != 2:
-        return None
-    concat = _producer(reshape.inputs[1], "Concat")
-    if concat is None or len(concat.inputs) != 2:
-        return None
-    tail = constant_array(concat.inputs[1])
-    if tail is None or tail.reshape(-1).tolist() != [-1]:
-        return None
-    head = concat.inputs[0]
-    while (node := _producer(head, "Unsqueeze")) is not None:
-        head = node.inputs[0]
-    if constant_array(head) is not None:
-        return None
-    gather = _producer(head, "Gather")
-    shape = _producer(gather.inputs[0], "Shape") if gather is not None else None
-    if shape is None or scalar_value(gather.inputs[1]) != 0 or "start" in shape.attributes:
-        return None
-    src = shape.inputs[0]
-    while (cast := _producer(src, "Cast")) is not None:
-        src = cast.inputs[0]
-    return x if src is x else None
 
 
 def _gathered_padding(value: ir.Value | None) -> ir.Value | None:
@@ -509,12 +474,11 @@ def _repeat_heads_bnsh(x: ir.Value, heads: int, rep: int, new_nodes: list[ir.Nod
     x5 = _add(new_nodes, "Unsqueeze", [x, _const(new_nodes, np.array([2], dtype=np.int64))])  # [B, G, 1, T, D]
     big = _add(new_nodes, "Expand", [x5, _const(new_nodes, np.array([1, 1, rep, 1, 1], dtype=np.int64))])
     dim = x.shape[3] if x.shape is not None and len(x.shape) == 4 and isinstance(x.shape[3], int) else -1
-    target = [0, heads, -1, dim] if dim != -1 else [0, heads, -1, 0]  # 0: dim 3 of [B, G, rep, T, D] is T, not D
     if dim == -1:  # head size unknown statically: merge (G, rep) by the element count, keeping T from the input
         t = _add(new_nodes, "Shape", [x], start=2)
         target_v = _add(new_nodes, "Concat", [_const(new_nodes, np.array([0, heads], dtype=np.int64)), t], axis=0)
     else:
-        target_v = _const(new_nodes, np.array(target, dtype=np.int64))
+        target_v = _const(new_nodes, np.array([0, heads, -1, dim], dtype=np.int64))
     out = _add(new_nodes, "Reshape", [big, target_v])
     if shared is not None:
         shared[key] = out
