@@ -103,6 +103,13 @@ def test_build_steps_and_dropped_intermediates(bench, tmp_path):
     assert bench.drop_intermediates(d) == []  # onnxscript neither built nor failed
     d.record("onnxscript", {"error": "boom"})
     assert bench.drop_intermediates(d) == ["fp32", "fused"]
+    # mograph-lengths (optional) is built from its own fused graph, and only counts when asked for
+    e = bench.graph_for(tmp_path, False, "gpt2", "torchscript", "eager", "decode")
+    e.folder.mkdir(parents=True)
+    assert bench.needed_steps(e, ["mograph-lengths"]) == ["fp32", "fused-lengths", "mograph-lengths"]
+    for step in ("fp32", "fused-lengths", "mograph-lengths"):
+        e.path(step).write_bytes(b"x")
+    assert bench.drop_intermediates(e, ["mograph-lengths"]) == ["fp32", "fused-lengths"]
 
 
 def test_fp16_comparison_and_placement(bench):
@@ -117,6 +124,8 @@ def test_fp16_comparison_and_placement(bench):
     line = bench.grid_rows(rows)[0]
     assert line["fp16_ratio"] == pytest.approx(1.1) and line["memcpy_added"] == 3
     assert bench._placements(line) == "1/2 · 0/2 · - · 3/5 · 0/2 **(+3 Memcpy)**"
+    lengths = bench.grid_rows(rows + [_row(bench, "mograph-lengths", 1.9, attention=12)])[0]
+    assert lengths["lengths_ratio"] == pytest.approx(0.95) and lengths["ratio"] == pytest.approx(1.1)
     rows[2]["mograph_passes"] = {"fp16": {"fp16": {"converted": 90, "kept_fp32": 3, "kept_fp32.overflow": 2,
                                                      "kept_fp32.budget": 1, "kept_fp32.user": 0}}}
     rows[2]["ops"]["Cast"], rows[3]["ops"]["Cast"] = 7, 2
@@ -231,3 +240,18 @@ def test_smoke_cell_end_to_end(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--markdown", str(md), "--out", str(out)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0 and "| torchscript | eager | 1x16 |" in md.read_text()
+
+
+def test_rows_of_another_lease_are_not_compared(bench):
+    """Several --out files: a peer (or torch) row measured in another lease than mograph's is left out of the
+    cell, so no ratio mixes two machines' noise."""
+    old = [dict(_row(bench, "ort-t", 1.0, attention=12), time="2026-12-01T20:00:00+00:00"),
+           dict(_row(bench, "torch-eager", 1.0), time="2026-12-01T20:00:00+00:00")]
+    new = [dict(_row(bench, "exported", 4.0), time="2026-12-02T04:00:00+00:00"),
+           dict(_row(bench, "mograph", 2.0, attention=12), time="2026-12-02T04:10:00+00:00")]
+    line = bench.grid_rows(old + new)[0]
+    assert line["ort-t"] is None and line.get("torch-eager") is None
+    assert line["best_peer"] == "exported" and line["ratio"] == pytest.approx(0.5)
+    same = [dict(r, time="2026-12-02T04:20:00+00:00") for r in old]
+    line = bench.grid_rows(same + new)[0]
+    assert line["best_peer"] == "ort-t" and line["ratio"] == pytest.approx(2.0) and line["torch-eager"] == 1.0

@@ -1187,6 +1187,18 @@ def _ms(r: dict[str, Any] | None) -> float | None:
     return r.get("median_ms") if r and r.get("status") == "ok" else None
 
 
+#: Rows further apart than this are taken to come from different device leases (other machine, other noise).
+LEASE_SECONDS = 45 * 60
+
+
+def _same_lease(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two result rows were measured close enough in time to be compared (rows without a time: yes)."""
+    if not a.get("time") or not b.get("time"):
+        return True
+    ta, tb = datetime.fromisoformat(a["time"]), datetime.fromisoformat(b["time"])
+    return abs((ta - tb).total_seconds()) <= LEASE_SECONDS
+
+
 def grid_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One line per (model, export, attention, shape): each variant's ms, best peer, ratios, accuracy."""
     cells = latest(rows)
@@ -1204,6 +1216,10 @@ def grid_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         groups.items(), key=lambda kv: (order.get(kv[0][0], 99), kv[0][1], kv[0][2], shape_order.get(kv[0][3], 99), kv[0][3])
     ):
         line: dict[str, Any] = {"model": model, "export": export, "attn": attn, "shape": shape}
+        ref = vs.get("mograph")
+        if ref is not None:  # several --out files: only rows of mograph's own lease are compared with it
+            vs = {v: r for v, r in vs.items() if _same_lease(r, ref)}
+            line["time"] = ref.get("time")
         for v in ORT_VARIANTS:
             line[v] = _ms(vs.get(v))
             if vs.get(v) and vs[v].get("status") == "error":
@@ -1217,6 +1233,8 @@ def grid_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             line["mograph_kept_fp32"] = {k.split(".", 1)[1]: n for k, n in fp16.items()
                                          if k.startswith("kept_fp32.") and n}
         for v, r in torch_rows.get((model, shape), {}).items():
+            if ref is not None and not _same_lease(r, ref):
+                continue
             line[v] = _ms(r)
             line[v + "_cosine"] = r.get("cosine")
         peers = {v: line[v] for v in PEERS if line.get(v) is not None}
@@ -1263,6 +1281,8 @@ def _placements(line: dict[str, Any]) -> str:
     nodes than the export (issue 15 item 3: mograph must add none)."""
     parts = []
     for v in ORT_VARIANTS:
+        if v in OPTIONAL_VARIANTS:  # not a column of the tables
+            continue
         p = line.get(v + "_placement")
         parts.append("-" if not p else f"{p['off_device']}/{p['memcpy']}")
     text = " · ".join(parts)
