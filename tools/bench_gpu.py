@@ -33,6 +33,11 @@ Every ORT variant's first run is profiled (ONNX Runtime's profiler, read by ``mo
 records how many nodes ran off the device's provider (on the CPU, under CUDA) and how many Memcpy nodes ONNX
 Runtime inserted, so "no Memcpy nodes added by mograph that the export did not have" is visible per cell.
 
+``--kernels N`` also records, per cell and ORT variant, the CUDA kernels ``torch.profiler`` saw over N IO-bound
+runs (total device ms a run, launches, the 25 heaviest by name), so a slow cell says which kernel it is.
+``mograph-lengths`` (asked for by name only) is mograph with ``--mask-format lengths``: the 1-D key lengths
+ORT's transformers optimizer also uses, exact only for right-padded masks.
+
 Exports and optimized variants are kept in ``--cache`` (keyed by model, export, attention, graph), so a
 later call only times; each built graph is loaded once by CPU ONNX Runtime before it is kept (a peer's
 invalid rewrite fails its build, not a GPU call), and a graph's float32 intermediates are deleted once all

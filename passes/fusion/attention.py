@@ -26,6 +26,12 @@ may be constants or computed from the runtime shape (``Shape``/``Gather``/``Unsq
 ``Shape`` readers that feed only the pattern go with it); ``H`` and ``D`` must be constants.  What the
 trace walks over (the split Reshape/Transposes) is left to die: a value still read elsewhere stays.
 
+With a KV cache, ``Kh``/``Vh`` are ``Concat(past, new heads, axis=2)``.  When the new keys are rotated (a
+decode step of LLaMA-style models), the rotary becomes a ``mograph.RotaryEmbedding`` on the new keys'
+``[B, S, G*D]`` projection and the Concat is built again after it; a graph output (the present) that was
+the exporter's Concat is the new Concat, under the same name, and the exporter's Concat and decomposed
+rotary die with the pattern.
+
 The fused op (:mod:`.attention_op`) is lowered by the ``lower`` step
 (:mod:`mograph.passes.fusion.lowerings.attention`): for ``ort``, ``com.microsoft.Attention`` with Q/K/V
 packed into one GEMM for self-attention over ``x @ W (+ b)`` projections, else ``MultiHeadAttention``

@@ -46,9 +46,12 @@
     ``present_value`` outputs replace the Concats (names kept): ``MultiHeadAttention`` with ``M`` as
     ``attention_bias`` (exact), or for grouped heads ``GroupQueryAttention`` when there is no ``M`` and the step
     is provably one token (its causal mask then hides nothing; its CUDA kernel refuses ``attention_bias``, so a
-    masked grouped decode step keeps the Concat and the repeat below).  Other grouped-query attention
-    repeats K and V per head in their ``[B, T, Hkv*D]`` layout (Reshape/Expand/Reshape, as ``repeat_kv``
-    does), then ``MultiHeadAttention`` as above.
+    masked grouped decode step keeps the Concat and repeats the cache in its own ``[B, G, P+1, D]`` layout,
+    Unsqueeze/Expand/Reshape to ``[B, N, P+1, D]``, which ``MultiHeadAttention`` reads as 4-D K/V: the cache is
+    never transposed).  Other grouped-query attention repeats K and V per head in their ``[B, T, Hkv*D]`` layout
+    (Reshape/Expand/Reshape, as ``repeat_kv`` does), then ``MultiHeadAttention`` as above.  A step's new K/V go
+    in as the exporter's own ``[B, S, H]`` projections where the head split is provably a split of the last dim
+    (``[b, s, G, D]`` with ``0``, ``-1``, the static dims or ``Shape`` reads of the same tensor).
 ``RotaryEmbedding``
     ``ort``: ``com.microsoft.RotaryEmbedding`` where the export's cos/sin are provably ``Cos/Sin(Concat(f, f))``
     of one per-token angle table ``f`` ``[Bc, S, D/2]`` (transformers' ``rotary_emb``, times its scaling
