@@ -878,6 +878,10 @@ def _split_bias(node: ir.Node, q: ir.Value, k: ir.Value, v: ir.Value) -> ir.Valu
     if axis not in (-1, len(x.shape) - 1):
         return None
     parts = constant_array(split.inputs[1]) if len(split.inputs) > 1 and split.inputs[1] is not None else None
+    if parts is None and "split" in split.attributes:  # opset < 13: the sizes are an attribute
+        parts = np.array(list(split.attributes["split"].value))
+    if len(split.inputs) > 1 and split.inputs[1] is not None and parts is None:
+        return None  # sizes computed at run time
     if parts is not None and parts.reshape(-1).tolist() != [width // 3] * 3:
         return None
     for out in split.outputs:
