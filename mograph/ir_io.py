@@ -39,6 +39,7 @@ import onnx_ir as ir
 from mograph._model_checks import check_declarations
 from mograph._tempfiles import owned_tempdir
 from mograph.errors import ModelError, UsageError
+from mograph.ir_version import fit_ir_version
 
 __all__ = [
     "ModelSource",
@@ -469,6 +470,8 @@ def load_model(source: ModelSource, *, check: bool = True, base_dir: str | os.Pa
             f"cannot load a model from {type(source).__name__}: give a path, bytes, onnx.ModelProto, "
             "onnx_ir.Model or onnx_graphsurgeon.Graph"
         )
+    if not isinstance(source, ir.Model):
+        fit_ir_version(model)  # what mograph runs and writes from it is readable by the installed runtime
     if check or not isinstance(source, ir.Model):
         _check_tensor_data(model)
         _check_external_data(model, folder, origin, exists=check)
@@ -543,6 +546,7 @@ def save_model(
         tmp = owned_tempdir(f".{dest.name}.", dir=dest.parent)
     except OSError as exc:  # an output folder that cannot be created or written is the user's to fix
         raise UsageError(f"cannot write {dest}: {exc.strerror or exc}") from exc
+    fit_ir_version(model)  # never newer than the installed runtime reads (mograph.ir_version)
     old_data = _own_data_files(dest)
     placed: Path | None = None
     try:

@@ -213,6 +213,9 @@ def check_model_output(model: ir.Model) -> dict[str, str]:
     """
     import onnx
 
+    from mograph.ir_version import fit_ir_version
+
+    fit_ir_version(model)  # the IR version it will be written with (mograph.ir_version)
     out: dict[str, str] = {}
     try:
         onnx.checker.check_model(_hide_ort_default_domain_ops(_skeleton(model)))

@@ -39,13 +39,24 @@ from mograph.passes.quant._qdq import (
     Candidate,
     QdqWriter,
     Scheme,
+    const_tensor,
     fake_quant_activation,
     fake_quant_weight,
     find_candidates,
     tensors_to_observe,
 )
-from mograph.passes.quant.calibration import Feed, _session, _with_outputs, model_folder, run_model, set_model_folder
+from mograph.passes.quant.calibration import (
+    Feed,
+    _run_feed,
+    _session,
+    _with_outputs_mapped,
+    model_folder,
+    run_model,
+    set_model_folder,
+)
 from mograph.passes.quant.plan import Budget
+
+from mograph.ir_version import make_model as make_model_proto
 
 __all__ = ["SensitivityResult", "analyse"]
 
@@ -92,8 +103,9 @@ def _layer_errors(
     (multiply-adds per sample: output elements times the reduction length, as run on the samples)."""
     import onnx
 
-    names = tensors_to_observe(cands)
-    sess = _session(_with_outputs(model, names), model_folder(model))
+    proto_bytes, mapping = _with_outputs_mapped(model, tensors_to_observe(cands))
+    names = list(mapping)
+    sess = _session(proto_bytes, model_folder(model))
     opset = model.opset_imports.get("", 13)
     singles = {}
     for c in cands:
@@ -108,24 +120,32 @@ def _layer_errors(
             [node], "layer", [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in ins],
             [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
         )
-        proto = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
+        proto = make_model_proto(graph, {"": opset})
         singles[c.key] = _session(proto.SerializeToString())
     weights_q: dict[tuple[str, int], np.ndarray] = {}
     err_num = {c.key: 0.0 for c in cands}
     err_den = {c.key: 0.0 for c in cands}
     macs = {c.key: 0.0 for c in cands}
-    for feed in samples:
-        acts = dict(zip(names, sess.run(names, feed)))
+    outputs = [mapping[n] for n in names]
+    for index, feed in enumerate(samples):
+        acts = dict(zip(names, _run_feed(sess, outputs, feed, source, index)))
         for c in cands:
             xs_f, xs_q = {}, {}
+            seen = True
             for i, v in enumerate(c.node.inputs):
                 assert v is not None
                 if i in c.act_inputs:
-                    x = acts[v.name or ""].astype(np.float32)
+                    x = acts.get(v.name or "")
+                    if x is None or x.size == 0 or (v.name or "") not in ranges:
+                        seen = False  # inside a Loop/Scan body, or an If branch this sample did not take
+                        break
+                    x = x.astype(np.float32)
                     lo, hi = ranges[v.name or ""]
                     xs_f[f"x{i}"], xs_q[f"x{i}"] = x, fake_quant_activation(x, lo, hi, scheme)
                 else:
-                    w = v.const_value.numpy().astype(np.float32)
+                    tensor = const_tensor(v)  # an initializer or a Constant node's value, in any graph
+                    assert tensor is not None
+                    w = tensor.numpy().astype(np.float32)
                     xs_f[f"x{i}"] = w
                     if i == c.weight_input:
                         if (c.key, i) not in weights_q:
@@ -133,6 +153,8 @@ def _layer_errors(
                         xs_q[f"x{i}"] = weights_q[(c.key, i)]
                     else:
                         xs_q[f"x{i}"] = w
+            if not seen:
+                continue
             y = singles[c.key].run(None, xs_f)[0].astype(np.float64)
             yq = singles[c.key].run(None, xs_q)[0].astype(np.float64)
             err_num[c.key] += float(((yq - y) ** 2).sum())
