@@ -421,7 +421,8 @@ class QdqPassBase(Pass):
             n = int(self.config.get("sensitivity_samples") or 8)
             samples = list(itertools.islice(iter(source), n))
             fixed = {c.key for c in cands if c.key in overridden and decisions[c.key][0] == self.precision}
-            res = analyse(model, measured, ranges, scheme, samples, budget, fixed=fixed, progress=self.progress)
+            res = analyse(model, measured, ranges, scheme, samples, budget, fixed=fixed, progress=self.progress,
+                          source=source)
             rank = {k: i + 1 for i, k in enumerate(res.order)}
             for c in measured:
                 value = (f"layer output relative error {res.alone[c.key]:.5f} when quantized alone, "

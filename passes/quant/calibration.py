@@ -565,7 +565,7 @@ def run_model(
         yield sess.run(output_names, feed)
 
 
-def _run_feed(sess: Any, outputs: list[str], feed: Feed, source: CalibrationSource, index: int) -> list[np.ndarray]:
+def _run_feed(sess: Any, outputs: list[str] | None, feed: Feed, source: CalibrationSource, index: int) -> list[np.ndarray]:
     """``sess.run`` on one calibration feed; a feed the model rejects is one :class:`OptionError` line
     that names the feed's inputs and how to give data the model accepts."""
     quiet = _require_ort().RunOptions()

@@ -98,6 +98,7 @@ def _layer_errors(
     ranges: dict[str, tuple[float, float]],
     scheme: Scheme,
     samples: list[Feed],
+    source: Any = None,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Relative output error of each candidate run alone with quantized inputs and weights, and its cost
     (multiply-adds per sample: output elements times the reduction length, as run on the samples)."""
@@ -127,6 +128,7 @@ def _layer_errors(
     err_den = {c.key: 0.0 for c in cands}
     macs = {c.key: 0.0 for c in cands}
     outputs = [mapping[n] for n in names]
+    source = source if source is not None else _Samples()
     for index, feed in enumerate(samples):
         acts = dict(zip(names, _run_feed(sess, outputs, feed, source, index)))
         for c in cands:
@@ -162,6 +164,13 @@ def _layer_errors(
             macs[c.key] += float(y.size) * _reduction(c, xs_f)
     errors = {k: (err_num[k] / err_den[k]) ** 0.5 if err_den[k] > 0 else 0.0 for k in err_num}
     return errors, {k: v / max(len(samples), 1) for k, v in macs.items()}
+
+
+class _Samples:
+    """What a rejected-feed message says about samples given as a plain list (not a calibration source)."""
+
+    random = False
+    description = "the sensitivity samples"
 
 
 def _reduction(c: Candidate, xs: dict[str, np.ndarray]) -> float:
@@ -225,6 +234,7 @@ def analyse(
     fixed: Iterable[str] = (),
     progress: Callable[[int, int | None], None] | None = None,
     map_fn: Callable[..., list[float]] | None = None,
+    source: Any = None,
 ) -> SensitivityResult:
     """Choose which of ``cands`` to keep in float so the budget holds; ``fixed`` are quantized regardless.
 
@@ -232,6 +242,7 @@ def analyse(
     :func:`mograph.workflow.executors.current_map`, which is serial unless ``--executor ray`` is on).  Its
     ``width`` (calls at once) turns the binary search into a (width+1)-ary one: each round evaluates
     ``width`` values of ``k`` together.  With width 1 the evaluations are exactly the binary search's.
+    ``source`` (the calibration source the samples come from) words the error when the model rejects one.
     """
     from mograph.workflow.executors import current_map
 
@@ -242,7 +253,7 @@ def analyse(
     folder = model_folder(model)
     refs = list(run_model(base.SerializeToString(), samples, folder=folder))
     result = SensitivityResult()
-    result.alone, result.cost = _layer_errors(model, cands, ranges, scheme, samples)
+    result.alone, result.cost = _layer_errors(model, cands, ranges, scheme, samples, source)
     evaluate = functools.partial(_evaluate_mix, base, folder, scheme, ranges, samples, budget, refs)
 
     worst_first = result.order = keep_order(result.alone, result.cost)
