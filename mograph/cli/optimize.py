@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -113,16 +114,39 @@ def _shown(default: Any, metavar: str | None) -> str:
 
 
 class _Progress:
-    """Instrument of one ``mograph optimize`` run: ``[i] pass-name ...`` on stderr before each pass."""
+    """Instrument of one ``mograph optimize`` run: ``[i] pass-name ...`` on stderr before each pass, and for a
+    pass that reports its own progress (a ``progress`` callback slot: calibration samples, sensitivity
+    evaluations) a ``    pass-name: done/total`` line at most every :attr:`every` seconds and at the end."""
+
+    every = 5.0
 
     def __init__(self) -> None:
         self.i = 0
+
+    def _reporter(self, name: str) -> Any:
+        last = [0.0]
+
+        def report(done: int, total: int | None) -> None:
+            now = time.monotonic()
+            if now - last[0] < self.every and done != total:
+                return
+            last[0] = now
+            sys.stderr.write(f"    {name}: {done}/{total}\n" if total else f"    {name}: {done} done\n")
+            sys.stderr.flush()
+
+        return report
 
     def mograph_run_pass(self, pass_: Any, model: Any, context: dict[str, Any]):  # type: ignore[no-untyped-def]
         self.i += 1
         sys.stderr.write(f"[{self.i}] {pass_.name} ...\n")
         sys.stderr.flush()
-        return (yield)
+        if not hasattr(type(pass_), "progress") or getattr(pass_, "progress", None) is not None:
+            return (yield)
+        pass_.progress = self._reporter(pass_.name)
+        try:
+            return (yield)
+        finally:
+            pass_.progress = None
 
 
 def _summary(report: Any, out: Path | None) -> str:

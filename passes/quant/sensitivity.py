@@ -124,6 +124,7 @@ def _layer_errors(
         proto = make_model_proto(graph, {"": opset})
         singles[c.key] = _session(proto.SerializeToString())
     weights_q: dict[tuple[str, int], np.ndarray] = {}
+    weights_f: dict[tuple[str, int], np.ndarray] = {}
     err_num = {c.key: 0.0 for c in cands}
     err_den = {c.key: 0.0 for c in cands}
     macs = {c.key: 0.0 for c in cands}
@@ -145,9 +146,11 @@ def _layer_errors(
                     lo, hi = ranges[v.name or ""]
                     xs_f[f"x{i}"], xs_q[f"x{i}"] = x, fake_quant_activation(x, lo, hi, scheme)
                 else:
-                    tensor = const_tensor(v)  # an initializer or a Constant node's value, in any graph
-                    assert tensor is not None
-                    w = tensor.numpy().astype(np.float32)
+                    if (c.key, i) not in weights_f:  # read (and converted) once, not once per sample
+                        tensor = const_tensor(v)  # an initializer or a Constant node's value, in any graph
+                        assert tensor is not None
+                        weights_f[(c.key, i)] = np.ascontiguousarray(tensor.numpy(), dtype=np.float32)
+                    w = weights_f[(c.key, i)]
                     xs_f[f"x{i}"] = w
                     if i == c.weight_input:
                         if (c.key, i) not in weights_q:
