@@ -302,7 +302,7 @@ def test_cli_rejected_random_feed_is_exit_2(tmp_path, capsys, passes):
 
 def test_cli_writes_an_ir_version_the_runtime_reads(tmp_path, capsys):
     """A model stamped with onnx's newest IR version (``onnx.helper.make_model``'s default) comes out at what
-    the installed ONNX Runtime reads, and ONNX Runtime loads it."""
+    the installed ONNX Runtime reads, and ONNX Runtime loads it; the calibration progress is on stderr."""
     import onnxruntime as ort
 
     from mograph.cli import main
@@ -312,8 +312,10 @@ def test_cli_writes_an_ir_version_the_runtime_reads(tmp_path, capsys):
     src = tmp_path / "m.onnx"
     onnx.save(proto, str(src))
     out = tmp_path / "o.onnx"
-    assert main(["optimize", str(src), "-o", str(out), "--passes", "int8", "--calibration-random", "4"]) == 0, (
-        capsys.readouterr().err)
+    code = main(["optimize", str(src), "-o", str(out), "--passes", "int8", "--calibration-random", "4"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "[1] qdq-int8 ...\n    qdq-int8: 1/4\n" in err and "    qdq-int8: 4/4\n" in err  # progress shown
     written = onnx.load(str(out))
     assert needed_ir_version({"": 19}) <= written.ir_version <= runtime_max_ir_version()
     ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
