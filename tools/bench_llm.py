@@ -362,6 +362,9 @@ def cell_step(g: Graph, spec: Spec, cell: str, shared: bool, seed: int) -> Step:
     decode = cell.startswith("decode:")
     b, s = (int(v) for v in cell.split(":")[-1].split("x"))
     if not decode:
+        # GroupQueryAttention takes a prompt over a shared buffer at batch 1 only ("batch_size must be 1 when
+        # sequence_length > 1 and past context is given"): larger prompts go in with an empty past
+        shared = shared and b == 1
         ids = rng.integers(0, spec.vocab, (b, s))
         cap = s + STEPS if shared else 0
         mask = np.zeros((b, max(cap, s)), np.int64)
@@ -415,10 +418,14 @@ def torch_reference(spec: Spec, hf: Path, device: str, ids: np.ndarray) -> tuple
         out = model(input_ids=x, use_cache=True)
         logits = out.logits.float().cpu().numpy()
         cache, tok, tokens = out.past_key_values, int(out.logits[0, -1].argmax()), []
+        margins = []
         for _ in range(STEPS):
             tokens.append(tok)
             o = model(input_ids=torch.tensor([[tok]], device=device), past_key_values=cache, use_cache=True)
+            top = torch.topk(o.logits[0, -1].float(), 2).values
+            margins.append(float(top[0] - top[1]))
             cache, tok = o.past_key_values, int(o.logits[0, -1].argmax())
+    torch_reference.margins = margins  # type: ignore[attr-defined]
     del model
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -474,6 +481,8 @@ def time_model(args: argparse.Namespace, name: str, out: Any) -> None:
             same = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(tokens))
             row.update(shared=shared, cosine=round(cos, 6), max_abs=round(mx, 4), argmax_agree=agree,
                        greedy_same_steps=same, greedy_steps=STEPS)
+            if same < STEPS:  # how close torch's own top two logits were at the first different token
+                row["torch_top2_margin_there"] = round(torch_reference.margins[same - 1], 5) if same else None
         except Exception as exc:  # noqa: BLE001
             row["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
         log(json.dumps(row))
