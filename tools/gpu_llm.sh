@@ -12,10 +12,13 @@ start)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pre .gpu/whl/onnx_ir-*.whl \
       .gpu/whl/onnxruntime_genai-*.whl .gpu/whl/polygraphy-*.whl >/dev/null 2>&1
   (cd /tmp/repo && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/pm . >/dev/null 2>&1)
-  cd /tmp/repo && PYTHONPATH=/tmp/pm:/tmp/pre setsid nohup python3 tools/bench_llm.py prepare --models "$models" \
-      --cache /tmp/llm "$@" > /tmp/llm-prepare.log 2>&1 < /dev/null &
-  sleep 2; echo started; tail -3 /tmp/llm-prepare.log ;;
+  cd /tmp/repo
+  for m in ${models//,/ }; do  # one process per model, so the models build side by side on the 16 cores
+    PYTHONPATH=/tmp/pm:/tmp/pre setsid nohup python3 tools/bench_llm.py prepare --models "$m" \
+        --cache /tmp/llm "$@" > "/tmp/llm-prepare-$m.log" 2>&1 < /dev/null &
+  done
+  sleep 2; echo started; tail -n 2 /tmp/llm-prepare-*.log ;;
 wait)
   while pgrep -f "bench_llm.py prepare" >/dev/null; do sleep 5; done
-  grep -E "bench_llm" /tmp/llm-prepare.log | tail -40 ;;
+  grep -h -E "bench_llm" /tmp/llm-prepare-*.log | tail -40 ;;
 esac
