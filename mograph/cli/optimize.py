@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mograph._paths import check_io, check_writable_folder, model_files, option_io, spec_files, write_text
 from mograph.cli import CommandResult
 from mograph.cli._common import (
     add_device_argument,
@@ -162,12 +163,10 @@ def run(args: argparse.Namespace) -> CommandResult:
         raise args._registry_error
     src = model_source(args)
     out = Path(args.output) if args.output else default_output(src, cwd_for=bool(args.example))
-    if src.exists() and out.exists() and out.resolve() == src.resolve():
-        raise UsageError(f"refusing to write over the input model {src}; choose another -o")
     if args.output:  # the default output lies beside the input (or in the current folder)
-        _check_folder(out, "-o")
+        check_writable_folder(out, "-o")
     if args.report:
-        _check_folder(Path(args.report), "--report")
+        check_writable_folder(Path(args.report), "--report")
     if args.device and not args.verify and "device" not in get_registry(args.block_plugin).all_options():
         raise UsageError("--device says where --verify runs; give --verify too")
     if args.device:
@@ -190,6 +189,7 @@ def run(args: argparse.Namespace) -> CommandResult:
         options["device"] = args.device  # kept only if a pass declares it (below)
     options = {k: v for k, v in options.items() if k in reg.all_options()}
     names = reg.plan(args.passes, options)  # the report names the pipeline as it runs, lower included
+    _check_paths(src, out, args, reg.all_options(), options)
     instruments = [] if (args.json or args.quiet) else [_Progress()]
     verify_options: dict[str, Any] = {"shapes": shapes, "feeds": args.feeds, "seed": args.seed}
     if args.device:
@@ -213,20 +213,28 @@ def run(args: argparse.Namespace) -> CommandResult:
     ir_io.save_model(model, out, external_data=external, forbid=src)
     data = {"input": str(src), "output": str(out), "pipeline": names, **report.to_dict()}
     if args.report:
-        Path(args.report).write_text(json.dumps(data, indent=2, default=str))
+        write_text(args.report, json.dumps(data, indent=2, default=str), "--report")
     text = _summary(report, out)
     if args.explain:
         text += "\n" + _explain_text(report)
     return CommandResult(data=data, text=text)
 
 
-def _check_folder(path: Path, flag: str) -> None:
-    """Refuse, before any work, a file whose folder does not exist (mograph creates no folders)."""
-    folder = path.parent
-    if not folder.exists():
-        raise UsageError(f"{flag} {path}: folder {folder} does not exist; create it first")
-    if not folder.is_dir():
-        raise UsageError(f"cannot write {path}: {folder} is not a folder")
+def _check_paths(src: Path, out: Path, args: argparse.Namespace, declared: dict[str, Any], options: dict[str, Any]) -> None:
+    """Every path this run writes against every path it reads (:func:`mograph._paths.check_io`), once,
+    before any work: -o, the model kept when --verify fails, --report and the passes' output files
+    (--precision-plan-out) against the input model, its external data, --feeds and the passes' input
+    files (--precision-plan, --calibration-data)."""
+    opt_writes, opt_reads = option_io(declared, options)
+    for flag, path in opt_writes:
+        check_writable_folder(path, flag)  # type: ignore[arg-type]
+    writes = [("-o", out), ("--report", args.report), *opt_writes]
+    if args.verify:
+        writes.append(("-o (the model kept when --verify fails)", failed_path(out)))
+    files = model_files(src)
+    reads = [("the input model", src), *(("the input model's external data", f) for f in files[1:])]
+    reads += [("--feeds", f) for f in spec_files(args.feeds)] + opt_reads
+    check_io(writes, reads)
 
 
 def failed_path(out: Path) -> Path:
@@ -255,7 +263,7 @@ def _keep_failed(
     verification["passed"] = False
     data["verification"] = verification
     if args.report:
-        Path(args.report).write_text(json.dumps(data, indent=2, default=str))
+        write_text(args.report, json.dumps(data, indent=2, default=str), "--report")
         kept.append(f"report {args.report}")
     message = str(exc) + (f" (kept for inspection: {', '.join(kept)})" if kept else "")
     error = VerificationError(message, report=verification)
