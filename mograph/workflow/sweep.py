@@ -6,7 +6,7 @@ A sweep config is a YAML (or JSON) file.  Its schema, every key optional except 
     eval_data: eval.npz            # fixed evaluation set: folder of .npz, one stacked .npz, or module:function
     eval_samples: 16               # seeded random samples when there is no eval_data (default 16); else a cap (default: all)
     calibration_data: calib.npz    # given to every pass that takes --calibration-data
-    task_metric: mymetrics:score   # optional user metric: module:function or file.py:function
+    task_metric: mymetrics:score   # optional user metric: module:function or file.py:function (imports and runs it)
     seed: 0                        # seed of random evaluation samples and of the timing feed
     shapes: {input_ids: [1, 128]}  # sizes of dynamic input dims (also given to the passes as --shape)
     provider: CPUExecutionProvider # ONNX Runtime execution provider (or a list, in priority order)
