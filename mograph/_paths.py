@@ -122,7 +122,7 @@ def check_writable_folder(path: str | os.PathLike[str], flag: str) -> None:
     if not folder.exists():
         raise UsageError(f"{flag} {path}: folder {folder} does not exist; create it first")
     if not folder.is_dir():
-        raise UsageError(f"{flag} {path}: {folder} is not a folder")
+        raise UsageError(f"cannot write {flag} {path}: {folder} is not a folder")
 
 
 def write_text(path: str | os.PathLike[str], text: str, flag: str = "output") -> None:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mograph._paths import check_io, check_writable_folder, model_files, option_io, spec_files, write_text
+from mograph._paths import Named, check_io, check_writable_folder, model_files, option_io, spec_files, write_text
 from mograph.cli import CommandResult
 from mograph.cli._common import (
     add_device_argument,
@@ -232,8 +232,9 @@ def _check_paths(src: Path, out: Path, args: argparse.Namespace, declared: dict[
     if args.verify:
         writes.append(("-o (the model kept when --verify fails)", failed_path(out)))
     files = model_files(src)
-    reads = [("the input model", src), *(("the input model's external data", f) for f in files[1:])]
-    reads += [("--feeds", f) for f in spec_files(args.feeds)] + opt_reads
+    reads: list[Named] = [("the input model", src), *(("the input model's external data", f) for f in files[1:])]
+    reads += [("--feeds", f) for f in spec_files(args.feeds)]
+    reads += opt_reads
     check_io(writes, reads)
 
 

@@ -99,7 +99,7 @@ def _eval_samples(row: dict[str, Any], model: Any, eval_data: str | None = None)
         shapes = {k: tuple(v) for k, v in (row.get("shapes") or {}).items()}
         samples = M.random_samples(model, int(n), seed=int(seed.split("=")[1]), shapes=shapes)
     else:
-        samples = M.load_samples(spec, model, what="the ledger's evaluation set", limit=int(settings.get("eval_samples") or 0))
+        samples = M.load_samples(str(spec), model, what="the ledger's evaluation set", limit=int(settings.get("eval_samples") or 0))
     if row.get("eval_hash") and M.hash_samples(samples) != row["eval_hash"]:
         raise UsageError(f"the evaluation set {spec} changed since the ledger recorded row {row['name']!r} (hash differs)")
     return samples
