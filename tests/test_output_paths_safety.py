@@ -260,3 +260,24 @@ def test_write_text_replaces_a_link_made_after_the_check(tmp_path):
     dest.unlink()
     _paths.write_text(dest, "{}", "--report")
     assert dest.read_text() == "{}" and not dest.is_symlink()
+
+
+def test_api_plan_out_never_overwrites_the_input(work):
+    import mograph
+
+    before = _snapshot(work)
+    for target in ("m.onnx", "ext.onnx.data"):
+        src = "ext.onnx" if target.startswith("ext") else "m.onnx"
+        with pytest.raises(UsageError, match="refusing to write over the input model"):
+            mograph.optimize(str(work / src), ["fp16"], options={"calibration_random": 2, "precision_plan_out": target})
+    assert _snapshot(work) == before
+
+
+def test_sweep_kept_models_never_overwrite_the_input(work, capsys):
+    (work / "s.yaml").write_text("eval_samples: 2\nwarmup: 1\niterations: 2\nconfigurations:\n"
+                                 "  - {name: m, passes: [cleanup]}\n")
+    before = _snapshot(work)
+    code, err = _cli(capsys, "sweep", "m.onnx", "--config", "s.yaml", "--ledger", "l.db", "--keep-models", ".", "-q")
+    assert code == 2, err  # was 4 after building and measuring, with a failed row in the ledger
+    _one_line(err, "refusing to write over the input model m.onnx (--keep-models (configuration 'm')")
+    assert _snapshot(work) == before  # no ledger created either
