@@ -30,7 +30,7 @@ from typing import Any
 
 from mograph.errors import UsageError
 
-__all__ = ["check_io", "model_files", "spec_files", "option_io", "write_text", "check_writable_folder", "Named"]
+__all__ = ["check_io", "model_files", "spec_files", "option_io", "write_text", "write_bytes", "check_writable_folder", "Named"]
 
 #: A path with the flag or role that names it in an error (``("--report", "r.json")``); ``None`` paths are skipped.
 Named = tuple[str, "str | os.PathLike[str] | None"]
@@ -130,6 +130,11 @@ def write_text(path: str | os.PathLike[str], text: str, flag: str = "output") ->
 
     A missing folder or a write that fails is a :class:`UsageError` (exit 2) naming ``flag``.
     """
+    write_bytes(path, text.encode("utf-8"), flag)
+
+
+def write_bytes(path: str | os.PathLike[str], data: bytes, flag: str = "output") -> None:
+    """:func:`write_text` for bytes."""
     dest = Path(path)
     check_writable_folder(dest, flag)
     if dest.is_symlink():
@@ -139,8 +144,8 @@ def write_text(path: str | os.PathLike[str], text: str, flag: str = "output") ->
     except OSError as exc:
         raise UsageError(f"{flag} {dest}: cannot write there ({exc.strerror or exc})") from exc
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
         with contextlib.suppress(OSError):  # keep the usual permissions, not mkstemp's 0600
             mask = os.umask(0)
             os.umask(mask)

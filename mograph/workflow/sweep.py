@@ -22,7 +22,13 @@ A sweep config is a YAML (or JSON) file.  Its schema, every key optional except 
         provider: ...              # and shapes / backend / ort_optimizations / threads, per configuration
 
 Unknown keys, unknown passes or presets and unknown pass options are refused before anything runs,
-each with a one-line error naming the file, the configuration and the closest known name.
+each with a one-line error naming the file, the configuration and the closest known name.  The file is
+read bounded (at most 1 MiB; YAML aliases may not blow it up: :mod:`mograph._yaml`), and errors never
+print a whole value.  Each configuration is built into ``<name>.onnx`` (characters other than letters,
+digits, ``-``, ``_`` and ``.`` written as ``_``): two names giving one file, case ignored, are refused.
+``task_metric`` and a ``module:function`` ``eval_data`` / ``calibration_data`` are imported and run:
+a config is code, a ledger is not (rows record such code by name and sha256; ``mograph gate`` never
+runs it from a ledger).
 
 Each configuration's pipeline is built with :func:`mograph.api.optimize` (through the executor: in
 this process, or as Ray tasks), saved, then every built model and the baseline are measured together
@@ -429,6 +435,7 @@ def run_sweep(
     temporary folder removed afterwards (``model_path`` is then ``None``).
     """
     from mograph import ir_io
+    from mograph._paths import write_bytes
     from mograph.plugins import get_registry
     from mograph.validate import make_feeds
     from mograph.workflow import metrics as M
@@ -513,7 +520,7 @@ def run_sweep(
         for b in built:
             if b.ok and b.files:
                 for fname, data in b.files.items():
-                    (out_dir / fname).write_bytes(data)
+                    write_bytes(out_dir / fname, data, "--keep-models")  # atomic, never through a link
                 b.path = str(out_dir / f"{b.name}.onnx")
                 b.files = {}
 
