@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mograph._paths import Named, check_io, check_writable_folder, model_files, option_io, spec_files, write_text
+from mograph._paths import Named, check_io, model_files, option_io, spec_files, write_text
+from mograph._paths import check_writable_folder as _check_folder
 from mograph.cli import CommandResult
 from mograph.cli._common import (
     add_device_argument,
@@ -163,10 +164,12 @@ def run(args: argparse.Namespace) -> CommandResult:
         raise args._registry_error
     src = model_source(args)
     out = Path(args.output) if args.output else default_output(src, cwd_for=bool(args.example))
+    if src.exists() and out.exists() and out.resolve() == src.resolve():
+        raise UsageError(f"refusing to write over the input model {src}; choose another -o")
     if args.output:  # the default output lies beside the input (or in the current folder)
-        check_writable_folder(out, "-o")
+        _check_folder(out, "-o")
     if args.report:
-        check_writable_folder(Path(args.report), "--report")
+        _check_folder(Path(args.report), "--report")
     if args.device and not args.verify and "device" not in get_registry(args.block_plugin).all_options():
         raise UsageError("--device says where --verify runs; give --verify too")
     if args.device:
@@ -227,7 +230,7 @@ def _check_paths(src: Path, out: Path, args: argparse.Namespace, declared: dict[
     files (--precision-plan, --calibration-data)."""
     opt_writes, opt_reads = option_io(declared, options)
     for flag, path in opt_writes:
-        check_writable_folder(path, flag)  # type: ignore[arg-type]
+        _check_folder(path, flag)  # type: ignore[arg-type]
     writes = [("-o", out), ("--report", args.report), *opt_writes]
     if args.verify:
         writes.append(("-o (the model kept when --verify fails)", failed_path(out)))
