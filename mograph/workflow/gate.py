@@ -10,17 +10,21 @@ retrained or the optimization pipeline changed:
    gate refuses (exit 2) rather than compare with something else;
 3. **the evaluation set** — the one the ledger recorded (``settings.eval_data``), re-read and checked
    against the recorded hash (a changed set is refused: exit 2); seeded random samples are made again
-   from their recorded count and seed.  A ledger is data, never code: a set the ledger records as
-   ``module:function`` is not imported from it; the user names it (``--eval-data``);
+   from their recorded count and seed;
 4. **measuring** — :func:`mograph.workflow.metrics.measure` with the recorded warm-up, timed runs,
    threads, provider and ORT setting; the compared row's model is measured again beside the candidate
    (interleaved) when its file is still there, so the latency ratio is taken on this machine now; if it
    is gone, the recorded figures are used and the output says so;
-5. **the verdict** — a regression when the accuracy metric (the task metric if the ledger recorded one:
-   the user must name it with ``--task-metric``, whose source must hash as recorded, else exit 2; the
-   ``file.py:function`` in the ledger row is never imported; else ``cosine_mean`` against the reference) dropped by more than ``max_accuracy_drop`` (absolute,
+5. **the verdict** — a regression when the accuracy metric (the task metric if the ledger recorded one,
+   else ``cosine_mean`` against the reference) dropped by more than ``max_accuracy_drop`` (absolute,
    default 0.01), or when the p50 latency rose by more than ``max_latency_increase`` (default 10%).
    A regression raises :class:`GateFailed` (exit code 5, "verification failed") with a one-line reason.
+
+A ledger is data, never code.  A row records its task metric, and an evaluation set given as code
+(``module:function`` or ``file.py:function``), by name and sha256; the gate never imports them from the ledger: the user
+names them (``--task-metric``, ``--eval-data``: these import and run that code).  A row measured with a
+task metric is refused (exit 2) without ``--task-metric``, or when its source's hash differs from the
+recorded one; it is never gated silently on another metric.
 """
 
 from __future__ import annotations
