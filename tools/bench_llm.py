@@ -433,20 +433,32 @@ def torch_reference(spec: Spec, hf: Path, device: str, ids: np.ndarray) -> tuple
 
 
 def greedy(prefill: Graph, decode: Graph, spec: Spec, ids: np.ndarray, shared: bool) -> tuple[np.ndarray, list[int]]:
+    """Prefill ``ids`` then STEPS greedy tokens; with ``shared``, the decode steps run over one static buffer per
+    layer (bound as both past and present, the mask as long as the buffer), filled by the prefill: in place
+    where the prefill graph takes the buffer too, else copied from its presents once."""
     n = ids.shape[1]
     cap = n + STEPS
-    if shared:
+    if shared and prefill.past:
         past = {k: prefill.value(np.zeros((1, spec.kv, cap, spec.head), prefill.kv_dtype)) for k in decode.past}
         mask = np.zeros((1, cap), np.int64)
         mask[:, :n] = 1
-        first = Step(prefill, ids, mask, past if prefill.past else None, shared and bool(prefill.past))
+        first = Step(prefill, ids, mask, past, True)
     else:
         empty = {k: prefill.value(np.zeros((1, spec.kv, 0, spec.head), prefill.kv_dtype)) for k in prefill.past}
         first = Step(prefill, ids, np.ones((1, n), np.int64), empty or None, False)
     first.run()
     logits = first.logits()
     tok, tokens = int(logits[0, -1].argmax()), []
-    cache = past if shared else first.presents()
+    cache = first.presents()
+    if shared and not prefill.past:
+        buffers = {}
+        for k, v in cache.items():
+            buf = np.zeros((1, spec.kv, cap, spec.head), decode.kv_dtype)
+            buf[:, :, :n] = v.numpy()
+            buffers[k] = decode.value(buf)
+        cache = buffers
+    elif shared:
+        cache = past
     for i in range(STEPS):
         tokens.append(tok)
         total = n + i + 1
