@@ -5,6 +5,7 @@ with that venv's python, then once more with ``manifest`` to merge what they wro
 
     bash tools/corpus/setup_venv.sh                       # .venv-corpus/{torch,tf,jax,paddle,jax2tf}
     for f in torch tf jax jax2tf paddle; do .venv-corpus/$f/bin/python tools/corpus/make_corpus.py $f; done
+    .venv-corpus/torch/bin/python tools/corpus/make_corpus.py torch-plain  # norms without a residual, opsets 11-16
     .venv-corpus/torch/bin/python tools/corpus/make_corpus.py fp16      # fp16 variants (onnxconverter-common)
     python tools/corpus/make_corpus.py manifest
 
@@ -78,7 +79,9 @@ def _opset_of(path: Path) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def torch_family() -> None:
+def torch_family(plain_only: bool = False) -> None:
+    """The torch blocks (TorchScript and dynamo exports); ``plain_only``: only the ``torch_ts*_plain-*``
+    models (family ``torch-plain``), so adding them does not remake the rest."""
     import onnx
     import torch
     from torch import nn
@@ -199,17 +202,45 @@ def torch_family() -> None:
 
     blocks = {"ln-erf": (lambda: PostLN("erf"), POST_LN), "ln-tanh": (lambda: PostLN("tanh"), POST_LN),
               "rms": (PreRMS, PRE_RMS)}
-    for opset in (11, 14, 17):
+    for opset in () if plain_only else (11, 14, 17):
         for kind, (make, counts) in blocks.items():
             export(make(), f"torch_ts{opset}_{kind}", "torchscript", opset, counts)
-    for opset in (18, 23):
-        for kind, (make, counts) in blocks.items():
-            export(make(), f"torch_dynamo{opset}_{kind}", "dynamo", opset, counts)
-    export(PostLN("quick", hand=True), "torch_ts14_handln-quick", "torchscript", 14, POST_LN)
-    export(PostLN("tanh-hand", hand=True), "torch_dynamo18_handln-tanh", "dynamo", 18, POST_LN)
-    export(NearMiss(), "nearmiss_torch_ts14", "torchscript", 14, NEAR)
-    export(NearMiss(), "nearmiss_torch_dynamo18", "dynamo", 18, NEAR)
-    _write_part("torch", entries)
+    if not plain_only:
+        for opset in (18, 23):
+            for kind, (make, counts) in blocks.items():
+                export(make(), f"torch_dynamo{opset}_{kind}", "dynamo", opset, counts)
+        export(PostLN("quick", hand=True), "torch_ts14_handln-quick", "torchscript", 14, POST_LN)
+        export(PostLN("tanh-hand", hand=True), "torch_dynamo18_handln-tanh", "dynamo", 18, POST_LN)
+        export(NearMiss(), "nearmiss_torch_ts14", "torchscript", 14, NEAR)
+        export(NearMiss(), "nearmiss_torch_dynamo18", "dynamo", 18, NEAR)
+        _write_part("torch", entries)
+
+    # Norms without a residual below opset 17 (no standard LayerNormalization there): what each target's
+    # lowering writes must pass the output check and run (issue 27), for every fused op kind.
+    entries = []
+
+    class Plain(nn.Module):  # y = N2(W2 act(W1 N1(x) + b1) + b2): no residual Add anywhere
+        def __init__(self, norm: str, act: str) -> None:
+            super().__init__()
+            self.n1, self.n2 = (RMS(), RMS()) if norm == "rms" else (nn.LayerNorm(H, eps=EPS), nn.LayerNorm(H, eps=EPS))
+            self.fc1, self.fc2 = nn.Linear(H, F), nn.Linear(F, H)
+            self.act = act
+            with torch.no_grad():
+                for n in (self.n1, self.n2):
+                    if isinstance(n, nn.LayerNorm):
+                        n.weight.uniform_(0.5, 1.5)
+                        n.bias.uniform_(-0.5, 0.5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.n2(self.fc2(gelu(self.act, self.fc1(self.n1(x)))))
+
+    plain = {"plain-ln-erf": ("ln", "erf", _counts(layernorm=2, gelu=1)),
+             "plain-ln-tanh": ("ln", "tanh", _counts(layernorm=2, gelu=1)),
+             "plain-rms-quick": ("rms", "quick", _counts(rmsnorm=2, gelu=1))}
+    for opset in range(11, 17):
+        for kind, (norm, act, counts) in plain.items():
+            export(Plain(norm, act), f"torch_ts{opset}_{kind}", "torchscript", opset, counts)
+    _write_part("torch-plain", entries)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -493,6 +524,11 @@ def manifest() -> None:
     entries = []
     for part in sorted(OUT.glob(".part-*.json")):
         entries.extend(json.loads(part.read_text()))
+    # Entries of the manifest already there whose family was not remade this time are kept.
+    remade = {e["file"] for e in entries if e.get("file")}
+    if (OUT / "manifest.json").exists():
+        old = json.loads((OUT / "manifest.json").read_text())["models"]
+        entries.extend(e for e in old if e["file"] not in remade and (OUT / e["file"]).exists())
     failed = NOT_EXPORTED + [e for e in entries if e.get("file") is None]
     entries = sorted((e for e in entries if e.get("file")), key=lambda e: e["file"])
     files = {e["file"] for e in entries}
@@ -504,7 +540,7 @@ def manifest() -> None:
     print(f"manifest: {len(entries)} models, {total / 1e6:.2f} MB")
 
 
-FAMILIES = {"torch": torch_family, "tf": tf_family, "jax": jax_family, "jax2tf": jax2tf_family,
+FAMILIES = {"torch": torch_family, "torch-plain": lambda: torch_family(plain_only=True), "tf": tf_family, "jax": jax_family, "jax2tf": jax2tf_family,
             "paddle": paddle_family,
             "fp16": fp16_family, "manifest": manifest}
 
