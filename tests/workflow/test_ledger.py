@@ -221,7 +221,7 @@ def test_csv_export_escapes_formulas_and_keeps_numbers(tmp_path, capsys):
     assert "metric.=evil" in table[0]  # a header cell starting with 'metric.' is safe as it is
     for row in table:
         for cell in row.values():
-            assert not (cell or " ")[0] in "=+@" and not (cell.startswith("-") and not _number(cell)), row
+            assert (cell or " ")[0] not in "=+@" and not (cell.startswith("-") and not _number(cell)), row
 
 
 def _number(text: str) -> bool:
