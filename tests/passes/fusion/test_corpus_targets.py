@@ -5,7 +5,7 @@ Runtime registers its own kernel in the default domain at every opset); the outp
 checker refused it, so ``fuse --target ort`` failed on real models that had optimized before.  These
 models (``torch_ts{11..16}_plain-*``, TorchScript exports: LayerNorm with exact and tanh GELU, RMSNorm
 with QuickGELU, no residual ``Add`` anywhere) go through every target, each with the five checks and
-the output check every pipeline ends with:
+the output check every pipeline ends with (and, built in code, the residual forms at each of 11-16):
 
 1. ops left: the target's form of every fused op (ORT's kernels, plugin nodes, or the inlined
    function bodies where ONNX has no standard op at that opset) and no mograph op left for ``ort``;
@@ -168,3 +168,79 @@ def test_cli_fuse_target_ort_writes_a_plain_layernorm_below_17(tmp_path: Path, o
     written = onnx.load(str(out))
     assert sum(n.op_type == "LayerNormalization" and n.domain == "" for n in written.graph.node) == 2
     assert max(o.version for o in written.opset_import if o.domain in ("", "ai.onnx")) == opset
+
+
+# ------------------------------------------------------------------ residual norms, built in code ----
+# The Skip* ops at opsets 11-16 (the corpus's residual models are at 11, 14, 17 and up): each target's
+# form passes the output check and runs.
+
+
+class SkipRMSNorm(OpRun):
+    op_domain = "mograph"
+
+    def _run(self, x, skip, scale, bias=None, epsilon=None, sum_output=None,  # type: ignore[no-untyped-def]
+             plugin_namespace=None, plugin_version=None):
+        y, s = ops.skip_rms_norm(x, skip, scale, bias, epsilon)
+        return (y, s) if sum_output else (y,)
+
+
+def _residual(norm: str, opset: int) -> onnx.ModelProto:
+    from _fusion_util import parse
+    from test_norms import layernorm_model, rmsnorm_model
+
+    if norm == "ln":
+        text = layernorm_model(opset=opset)
+        text = text.replace("g (float[2,5,16] x)", "g (float[2,5,16] a, float[2,5,16] b)").replace(
+            "  m = ReduceMean", "  x = Add(a, b)\n  m = ReduceMean", 1)
+    else:
+        text = rmsnorm_model(opset=opset)
+        text = text.replace("g (float[2,5,16] x)", "g (float[2,5,16] a, float[2,5,16] b)").replace(
+            "  xx = Pow", "  x = Add(a, b)\n  xx = Pow", 1)
+    return parse(text)
+
+
+SKIP_FORMS = {
+    ("ln", "ort"): "com.microsoft.SkipLayerNormalization", ("ln", "tensorrt"): "mograph.SkipLayerNorm",
+    ("rms", "ort"): "com.microsoft.SkipSimplifiedLayerNormalization", ("rms", "tensorrt"): "mograph.SkipRMSNorm",
+}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("norm", ["ln", "rms"])
+@pytest.mark.parametrize("opset", range(11, 17))
+def test_residual_norms_below_opset_17_for_each_target(opset: int, norm: str, target: str) -> None:
+    from test_tensorrt_target import SkipLayerNorm
+
+    proto = _residual(norm, opset)
+    feeds = feeds_for(proto)
+    reference = run_ort(proto, feeds)
+    model = to_ir(proto)
+    stats, modified = _fuse(model, target)
+    ops_left = op_counts(model)
+    # 1. ops left: the residual Add went into the target's Skip* form (onnx: its body inlined)
+    if target == "onnx":
+        assert not any(k.startswith(("mograph.", "com.microsoft.")) for k in ops_left), ops_left
+    else:
+        assert ops_left[SKIP_FORMS[norm, target]] == 1, ops_left
+        assert "Add" not in ops_left and "ReduceMean" not in ops_left, ops_left
+    # 2. exact stats
+    skip = "SkipLayerNorm" if norm == "ln" else "SkipRMSNorm"
+    assert stats[f"{skip}Fusion"] == 1 and stats["LayerNormFusion" if norm == "ln" else "RMSNormFusion"] == 1, stats
+    assert stats[f"{'inlined' if target == 'onnx' else 'lowered'}.{skip}"] == 1, stats
+    assert modified
+    result = check_model_output(model)
+    assert result["onnx_checker"].startswith("passed"), result
+    if target != "tensorrt":
+        assert result["onnxruntime"].startswith("passed"), result
+    # 3. numbers
+    got = to_proto(model)
+    if target == "tensorrt":
+        got_out = ReferenceEvaluator(got, new_ops=[SkipLayerNorm, SkipRMSNorm]).run(None, feeds)
+    else:
+        got_out = run_ort(got, feeds)
+    assert_close(reference, got_out, rel=1e-4)
+    # 5. a second run changes nothing
+    before = graph_fingerprint(model)
+    again, modified = _fuse(model, target)
+    assert not modified and not again, again
+    assert graph_fingerprint(model) == before
