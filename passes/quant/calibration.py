@@ -505,12 +505,17 @@ def _expose(graph: Any, name: str, elem: int, taken: set[str]) -> str | None:
     return None
 
 
-def _with_outputs_mapped(model: ir.Model, names: Iterable[str],
-                         dtypes: dict[str, int] | None = None) -> tuple[bytes, dict[str, str]]:
+def _with_outputs_mapped(model: ir.Model, names: Iterable[str], dtypes: dict[str, int] | None = None, *,
+                         only: bool = False) -> tuple[bytes, dict[str, str]]:
     """Serialize a copy of ``model`` whose graph also outputs the named tensors; return it and the output names.
 
     A tensor inside an ``If`` branch is brought out through the ``If`` (:func:`_expose`), under another
     name; one that cannot be brought out (inside a ``Loop`` or ``Scan``) is left out of the mapping.
+
+    With ``only``, the copy outputs the named tensors alone and keeps only the nodes and initializers they
+    depend on (:func:`_prune_to_outputs`): ONNX Runtime runs every node of a session whatever is fetched,
+    so without it calibration would also run the layers after the last observed tensor (a decoder's LM
+    head, when it stays float) on every sample.
     """
     import onnx
 
@@ -536,7 +541,45 @@ def _with_outputs_mapped(model: ir.Model, names: Iterable[str],
         proto.graph.output.append(onnx.helper.make_tensor_value_info(out, elem, None))
         have.add(out)
         mapping[name] = out
+    if only and mapping:
+        _prune_to_outputs(proto.graph, set(mapping.values()))
     return proto.SerializeToString(), mapping
+
+
+def _subgraph_reads(node: Any) -> set[str]:
+    """Names read by the nodes of ``node``'s subgraphs, at any depth (outer-scope values among them)."""
+    out: set[str] = set()
+    for attr in node.attribute:
+        graphs = ([attr.g] if attr.HasField("g") else []) + list(attr.graphs)
+        for g in graphs:
+            for inner in g.node:
+                out.update(i for i in inner.input if i)
+                out |= _subgraph_reads(inner)
+    return out
+
+
+def _prune_to_outputs(graph: Any, outputs: set[str]) -> None:
+    """Make ``graph`` (a topologically sorted ``GraphProto``) output only ``outputs``; drop the nodes and
+    initializers none of them depends on.  Graph inputs all stay (the feeds name them)."""
+    for i in range(len(graph.output) - 1, -1, -1):
+        if graph.output[i].name not in outputs:
+            del graph.output[i]
+    needed = set(outputs)
+    drop_nodes = []
+    for i in range(len(graph.node) - 1, -1, -1):
+        node = graph.node[i]
+        if any(o in needed for o in node.output):
+            needed.update(x for x in node.input if x)
+            needed |= _subgraph_reads(node)
+        else:
+            drop_nodes.append(i)
+    for i in drop_nodes:  # descending: the indices still to delete do not move
+        del graph.node[i]
+    inputs = {v.name for v in graph.input}
+    for i in range(len(graph.initializer) - 1, -1, -1):
+        name = graph.initializer[i].name
+        if name not in needed and name not in inputs:
+            del graph.initializer[i]
 
 
 def _with_outputs(model: ir.Model, names: Iterable[str], dtypes: dict[str, int] | None = None) -> bytes:
@@ -631,7 +674,7 @@ def observe(
     stats = {n: TensorStats() for n in names}
     if not names:
         return stats
-    data, mapping = _with_outputs_mapped(model, names, dtypes)
+    data, mapping = _with_outputs_mapped(model, names, dtypes, only=True)
     sess = _session(data, model_folder(model))
     observed = [n for n in names if n in mapping]
     total = source.count
@@ -661,7 +704,7 @@ def collect(model: ir.Model, names: Iterable[str], samples: Iterable[Feed],
     """The named tensors on each of ``samples`` (float model, ORT optimizations off), padded positions
     dropped as :func:`observe` does; for the few-sample searches (smoothing strength)."""
     wanted = list(dict.fromkeys(names))
-    data, mapping = _with_outputs_mapped(model, wanted)
+    data, mapping = _with_outputs_mapped(model, wanted, only=True)
     sess = _session(data, model_folder(model))
     got = [n for n in wanted if n in mapping]
     out: dict[str, list[np.ndarray]] = {n: [] for n in wanted}

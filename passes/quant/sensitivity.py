@@ -104,7 +104,7 @@ def _layer_errors(
     (multiply-adds per sample: output elements times the reduction length, as run on the samples)."""
     import onnx
 
-    proto_bytes, mapping = _with_outputs_mapped(model, tensors_to_observe(cands))
+    proto_bytes, mapping = _with_outputs_mapped(model, tensors_to_observe(cands), only=True)
     names = list(mapping)
     sess = _session(proto_bytes, model_folder(model))
     opset = model.opset_imports.get("", 13)

@@ -1,0 +1,120 @@
+"""Layers the precision plan keeps in float are never calibrated (issue 31, item 3).
+
+The observation copy of the model outputs only the observed tensors and keeps only the nodes they need,
+so a float-kept final projection (a decoder's LM head) is neither observed nor run during calibration;
+the ranges of the quantized layers, and so the written model, are exactly those of the unpruned copy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from mograph.passes.quant import QdqInt8Pass
+from mograph.passes.quant import calibration as cal
+from onnx import helper, numpy_helper
+
+from mograph import ir_io
+from tests.passes.quant._helpers import run
+
+
+def _decoder_like():  # type: ignore[no-untyped-def]
+    """x [b, 8] -> fc1 (MatMul w1) -> Relu -> lm_head (MatMul w_head, the final projection) -> logits."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="fc1"),
+             helper.make_node("Relu", ["h"], ["r"], name="act"),
+             helper.make_node("MatMul", ["r", "w_head"], ["logits"], name="lm_head")]
+    inits = [numpy_helper.from_array(rng.standard_normal((8, 16)).astype(np.float32), "w1"),
+             numpy_helper.from_array(rng.standard_normal((16, 32)).astype(np.float32), "w_head")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["b", 8])],
+                              [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, None)], inits)
+    return ir_io.load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+def _feeds() -> list[dict[str, np.ndarray]]:
+    return [{"x": np.random.default_rng(i).standard_normal((2, 8)).astype(np.float32)} for i in range(6)]
+
+
+class _Spy:
+    """Records the tensors each ``observe`` call returned statistics for, and every calibration session's model."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.observed: set[str] = set()
+        self.models: list[onnx.ModelProto] = []
+        real_observe, real_session = cal.observe, cal._session
+
+        def observe(*args, **kwargs):  # type: ignore[no-untyped-def]
+            stats = real_observe(*args, **kwargs)
+            self.observed |= {k for k, s in stats.items() if s.samples}
+            return stats
+
+        def session(data, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if isinstance(data, bytes):
+                self.models.append(onnx.load_from_string(data))
+            return real_session(data, *args, **kwargs)
+
+        monkeypatch.setattr(cal, "observe", observe)
+        monkeypatch.setattr(cal, "_session", session)
+
+
+@pytest.mark.parametrize("config", [
+    {"accuracy_budget": "off"},  # the default rules keep the final projection float
+    {"keep_fp32": ["lm_head"]},  # the default measured search, the user keeps the head float
+])
+def test_float_kept_head_is_neither_observed_nor_run_by_calibration(monkeypatch, config):
+    spy = _Spy(monkeypatch)
+    model = _decoder_like()
+    result = QdqInt8Pass(calibration_data=_feeds(), smoothing="off", **config).call(model)
+    plan = {e["node"]: e["precision"] for e in result.details["plan"]["nodes"]}
+    assert plan["fc1"] == "int8" and plan["lm_head"] == "fp32"
+    assert result.stats["quantized"] == 1 and result.stats["kept_float"] == 1
+    assert "x" in spy.observed  # fc1's input
+    assert "r" not in spy.observed  # the head's input: never observed
+    observing = [m for m in spy.models if "x" in {o.name for o in m.graph.output}]
+    assert observing
+    for m in observing:  # the observation copies neither run the head nor load its weight
+        assert [o.name for o in m.graph.output] == ["x"]
+        assert "lm_head" not in {n.name for n in m.graph.node}
+        assert "w_head" not in {t.name for t in m.graph.initializer}
+
+
+def test_pruned_observation_gives_the_same_model(monkeypatch):
+    """Before/after: the pass with the old, unpruned observation copy writes the same numbers."""
+    feeds = _feeds()
+    ref = _decoder_like()
+    after = _decoder_like()
+    QdqInt8Pass(calibration_data=feeds, smoothing="off", accuracy_budget="off").call(after)
+    monkeypatch.setattr(cal, "_prune_to_outputs", lambda graph, outputs: None)
+    before = _decoder_like()
+    QdqInt8Pass(calibration_data=feeds, smoothing="off", accuracy_budget="off").call(before)
+    scales_a = {k: v.const_value.numpy().tolist() for k, v in after.graph.initializers.items() if "scale" in k}
+    scales_b = {k: v.const_value.numpy().tolist() for k, v in before.graph.initializers.items() if "scale" in k}
+    assert scales_a and scales_a == scales_b
+    for feed in feeds:
+        np.testing.assert_array_equal(run(after, feed)[0], run(before, feed)[0])
+        assert not np.array_equal(run(after, feed)[0], run(ref, feed)[0])  # it was quantized
+
+
+def test_pruning_keeps_what_a_subgraph_reads_from_outside():
+    """An observed tensor made by an ``If`` whose branch reads an outer value keeps that value's producer."""
+    then_g = helper.make_graph([helper.make_node("Neg", ["outer"], ["t"])], "then", [],
+                               [helper.make_tensor_value_info("t", onnx.TensorProto.FLOAT, None)])
+    else_g = helper.make_graph([helper.make_node("Identity", ["outer"], ["e"])], "else", [],
+                               [helper.make_tensor_value_info("e", onnx.TensorProto.FLOAT, None)])
+    nodes = [helper.make_node("Relu", ["x"], ["outer"], name="producer"),
+             helper.make_node("ReduceSum", ["x"], ["s"], name="sum", keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["c"], name="cond"),
+             helper.make_node("If", ["c"], ["y"], name="if", then_branch=then_g, else_branch=else_g),
+             helper.make_node("Exp", ["y"], ["z"], name="after")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3])],
+                              [helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
+                               numpy_helper.from_array(np.ones(3, np.float32), "unused")])
+    model = ir_io.load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    data, mapping = cal._with_outputs_mapped(model, ["y"], only=True)
+    pruned = onnx.load_from_string(data)
+    assert [o.name for o in pruned.graph.output] == ["y"]
+    assert [n.name for n in pruned.graph.node] == ["producer", "sum", "cond", "if"]
+    assert [t.name for t in pruned.graph.initializer] == ["zero"]
+    x = np.array([1.0, -2.0, 3.0], np.float32)
+    np.testing.assert_array_equal(run(pruned, {"x": x})[0], -np.maximum(x, 0))
