@@ -118,3 +118,27 @@ def test_pruning_keeps_what_a_subgraph_reads_from_outside():
     assert [t.name for t in pruned.graph.initializer] == ["zero"]
     x = np.array([1.0, -2.0, 3.0], np.float32)
     np.testing.assert_array_equal(run(pruned, {"x": x})[0], -np.maximum(x, 0))
+
+
+def test_layer_errors_share_one_session_per_distinct_node(monkeypatch):
+    """The per-layer analysis builds one single-node session per distinct node, not one per layer."""
+    from mograph.passes.quant import sensitivity
+    from mograph.passes.quant._qdq import INT8_U8, find_candidates
+
+    model = _decoder_like()
+    cands, _ = find_candidates(model)
+    ranges = cal.compute_ranges(cal.observe(model, ["x", "r"], cal.open_source(_feeds(), model)), "minmax")
+    built: list[bytes] = []
+    real_session = sensitivity._session
+
+    def session(data, *args, **kwargs):  # type: ignore[no-untyped-def]
+        built.append(data)
+        return real_session(data, *args, **kwargs)
+
+    monkeypatch.setattr(sensitivity, "_session", session)
+    errors, cost = sensitivity._layer_errors(model, cands, ranges, INT8_U8, _feeds()[:3])
+    assert len(built) == 2  # the observation copy and one MatMul session for both layers
+    assert set(errors) == {"fc1", "lm_head"} and all(e > 0 for e in errors.values())
+    monkeypatch.setattr(sensitivity, "_session", real_session)
+    ref, _ = sensitivity._layer_errors(model, cands, ranges, INT8_U8, _feeds()[:3])
+    assert errors == ref
