@@ -514,8 +514,10 @@ def _with_outputs_mapped(model: ir.Model, names: Iterable[str], dtypes: dict[str
 
     With ``only``, the copy outputs the named tensors alone and keeps only the nodes and initializers they
     depend on (:func:`_prune_to_outputs`): ONNX Runtime runs every node of a session whatever is fetched,
-    so without it calibration would also run the layers after the last observed tensor (a decoder's LM
-    head, when it stays float) on every sample.
+    so without it the later searches (smoothing strength, per-layer sensitivity) would also run the layers
+    after the last tensor they read (a decoder's LM head, when it stays float) on every sample.  Only for
+    feeds :func:`observe` already ran through the whole model: a pruned copy does not check that the model
+    accepts a feed.
     """
     import onnx
 
@@ -674,7 +676,7 @@ def observe(
     stats = {n: TensorStats() for n in names}
     if not names:
         return stats
-    data, mapping = _with_outputs_mapped(model, names, dtypes, only=True)
+    data, mapping = _with_outputs_mapped(model, names, dtypes)  # the whole model: every feed is checked by it
     sess = _session(data, model_folder(model))
     observed = [n for n in names if n in mapping]
     total = source.count
