@@ -127,8 +127,7 @@ class _Segments:
 
     A value is live across a cut when a node before it (or the graph's inputs) makes it and a node from
     the cut up to the last cut reads it; the input of the group cut at ``cuts[j]`` counts as read there.
-    ``problem`` names why the graph cannot be cut this way (a live value that is not a tensor, or of
-    unknown type), else ``""``.
+    ``problem`` names why the graph cannot be cut this way (a live value that is not a tensor), else ``""``.
     """
 
     def __init__(self, model: ir.Model, nodes: list[ir.Node], cuts: list[int]) -> None:
@@ -161,12 +160,12 @@ class _Segments:
             self.live.append([self.by_id[k] for k, r in last_read.items() if made[k] < c <= r])
         for vals in self.live:
             for v in vals:
-                if not isinstance(v.type, ir.TensorType) or v.dtype is None or not v.name:
+                if (v.type is not None and not isinstance(v.type, ir.TensorType)) or not v.name:
                     self.problem = f"value {v.name!r} crosses a layer boundary with type {v.type}"
                     return
-        self._sessions: dict[int, tuple[Any, list[str], list[str]]] = {}
 
-    def _session(self, i: int, replaced: dict[str, np.ndarray]) -> tuple[Any, list[str], list[str]]:
+    def _session(self, i: int, replaced: dict[str, np.ndarray], sample: dict[str, np.ndarray]
+                 ) -> tuple[Any, list[str], list[str]]:
         import onnx
         from mograph.passes.quant.calibration import (
             _session,  # noqa: PLC2701 - the module's session factory
@@ -191,10 +190,11 @@ class _Segments:
         live_out = [v for v in self.live[i] if id(v) in made]
         graph = onnx.GraphProto(name=f"segment{i}")
         graph.node.extend(ir.serde.serialize_node(n) for n in seg)
-        for v in inputs.values():
-            graph.input.append(onnx.helper.make_tensor_value_info(v.name, v.dtype.value, None))  # type: ignore[union-attr]
-        for v in live_out:
-            graph.output.append(onnx.helper.make_tensor_value_info(v.name, v.dtype.value, None))  # type: ignore[union-attr]
+        for v in inputs.values():  # the element type of the values this sample holds (a graph may not record it)
+            elem = onnx.helper.np_dtype_to_tensor_dtype(np.asarray(sample[v.name or ""]).dtype)
+            graph.input.append(onnx.helper.make_tensor_value_info(v.name, elem, None))
+        for v in live_out:  # ONNX Runtime infers the output types
+            graph.output.append(onnx.helper.make_empty_tensor_value_info(v.name))
         for name, v in inits.items():
             if name in replaced:
                 graph.initializer.append(onnx.numpy_helper.from_array(replaced[name], name))
@@ -218,7 +218,7 @@ class _Segments:
         keep = [v.name or "" for v in self.live[i]]
         if lo == self.cuts[i]:
             return [{k: st[k] for k in keep} for st in states], 0
-        sess, ins, outs = self._session(i, replaced)
+        sess, ins, outs = self._session(i, replaced, states[0])
         new_states = []
         for st in states:
             got = dict(zip(outs, sess.run(outs, {k: st[k] for k in ins}))) if outs else {}
