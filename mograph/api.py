@@ -306,7 +306,7 @@ def optimize(
         )
     except VerificationError as exc:  # the failed model goes with the error, for inspection
         exc.model = ir_io.to_format(ir_model, model)
-        if recipe is not None and exc.pipeline_report is not None:
+        if recipe is not None and isinstance(exc.pipeline_report, PipelineReport):
             exc.pipeline_report.extra["recipe"] = recipe
         raise
     if recipe is not None:

@@ -192,9 +192,9 @@ class _Segments:
         graph.node.extend(ir.serde.serialize_node(n) for n in seg)
         for v in inputs.values():  # the element type of the values this sample holds (a graph may not record it)
             elem = onnx.helper.np_dtype_to_tensor_dtype(np.asarray(sample[v.name or ""]).dtype)
-            graph.input.append(onnx.helper.make_tensor_value_info(v.name, elem, None))
+            graph.input.append(onnx.helper.make_tensor_value_info(v.name or "", elem, None))
         for v in live_out:  # ONNX Runtime infers the output types
-            graph.output.append(onnx.helper.make_empty_tensor_value_info(v.name))
+            graph.output.append(onnx.helper.make_empty_tensor_value_info(v.name or ""))
         for name, v in inits.items():
             if name in replaced:
                 graph.initializer.append(onnx.numpy_helper.from_array(replaced[name], name))
