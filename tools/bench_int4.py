@@ -34,7 +34,8 @@ Run: ``python tools/bench_int4.py [--out DIR] [--runs N] [--skip-peers]``.
 calibration data, sequential, default plan) of a random-weight LLaMA of that shape
 (:mod:`models.llama_shapes`, exported by torch, or ``--llm-model FILE``), calibrated on ``--llm-samples``
 seeded random token sequences of ``--llm-seq`` tokens; each row runs in its own process, which prints wall
-seconds, CPU seconds and peak resident memory (``ru_maxrss``).  Rows: ``segments`` (today: the model cut at
+seconds, CPU seconds and peak resident memory (``ru_maxrss``); ``BENCH_ORT_THREADS=N`` gives ONNX Runtime's
+sessions N intra-op threads (its pool ignores ``OMP_NUM_THREADS`` and ``taskset``).  Rows: ``segments`` (today: the model cut at
 each layer group and run once per sample) and, with ``--llm-before``, ``whole-model`` (the earlier form: one
 run of the whole model per layer group and sample), stopped after ``--llm-limit`` seconds with its progress.
 """
@@ -325,7 +326,7 @@ def _print(title: str, rows: list[dict], metric: str, cols: tuple[str, str] = ("
 
 
 LLM_SCRIPT = r"""
-import json, resource, sys, time
+import json, os, resource, sys, time
 import numpy as np
 import onnx_ir as ir
 from mograph.passes.quant.weight_only import WeightOnlyPass
@@ -333,6 +334,20 @@ path, samples, seq, vocab, mode, limit = sys.argv[1], int(sys.argv[2]), int(sys.
 rng = np.random.default_rng(0)
 calib = [{"input_ids": rng.integers(0, vocab, (1, seq)).astype(np.int64), "attention_mask": np.ones((1, seq), np.int64)}
          for _ in range(samples)]
+threads = int(os.environ.get("BENCH_ORT_THREADS", "0"))
+if threads:  # ONNX Runtime's own thread pool ignores OMP_NUM_THREADS and the CPU affinity mask
+    import onnxruntime as ort
+    from mograph.passes.quant import calibration as cal
+    def _session(data, folder=None):
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        so.log_severity_level = 3
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+        if folder:
+            so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
+        return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+    cal._session = _session
 if mode == "whole-model":  # the earlier form: no segments, every layer group from a run of the whole model
     WeightOnlyPass._sequential_gptq = lambda self, m, la, b, s, k, quantize_kept=True: self._sequential_gptq_whole(m, la, b, s, k)
 t0 = time.perf_counter()

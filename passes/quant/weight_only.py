@@ -15,7 +15,9 @@ point per block and output column, codes of ``--bits`` (4 or 8) packed two to a 
   and an activation-weighted clip search, on the calibration data;
 - ``gptq``: Hessian-based error compensation from the layers' calibration inputs, ``--damping``
   (fraction of the mean Hessian diagonal, default 0.1), ``--act-order`` (default yes) and
-  ``--sequential`` (default yes: each layer group from the inputs it sees with the groups before it quantized); its block ranges
+  ``--sequential`` (default yes: each layer group from the inputs it sees with the groups before it quantized; the
+  model is cut at each layer group and run once per calibration sample, the values crossing each cut kept, so a
+  135M LLaMA takes 71 s on 2 cores instead of one whole-model run per group and sample); its block ranges
   come from the same activation-weighted clip search;
 - ``auto`` (default): ``gptq`` when calibration data is given, else ``rtn``.
 
@@ -242,7 +244,7 @@ class WeightOnlyPass(Pass):
                metavar="yes|no"),
         Option("damping", float, 0.1, "gptq: fraction of the mean Hessian diagonal added to it", metavar="F"),
         Option("sequential", parse_bool, True, "gptq: each layer group from the inputs it sees with the groups before "
-               "it already quantized (one model run per group and sample) (yes/no)", metavar="yes|no"),
+               "it already quantized (the model cut at each group, run once per sample) (yes/no)", metavar="yes|no"),
         Option("act-order", parse_bool, True, "gptq: quantize rows by decreasing Hessian diagonal (yes/no)",
                metavar="yes|no"),
         Option("output-projection", str, "float", "the output projection / LM head: float (default rule), int8, "
