@@ -61,9 +61,11 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     add_device_argument(
         p,
-        "where --verify runs both models: cpu (default) or cuda / cuda:N (ONNX Runtime's CUDA provider, its "
-        "optimizations and TF32 off, so fused ops are checked on the CUDA kernels; needs onnxruntime-gpu, exit 7 "
-        "without it)",
+        "where the model will run: cpu or cuda / cuda:N. It picks the precision recipe (int4/int8 on cuda: "
+        "weight-only MatMulNBits with fp16 activations, --target ort; on cpu: weight-only int4, Q/DQ int8; "
+        "--target tensorrt keeps explicit Q/DQ; a precision measured slower on the device is a warning), and "
+        "with --verify it is where both models run (ONNX Runtime's CUDA provider, its optimizations and TF32 off; "
+        "needs onnxruntime-gpu, exit 7 without it)",
     )
     p.add_argument("--feeds", metavar="FILE.npz", help="use these input feeds for verification instead of random ones")
     p.add_argument("--seed", type=int, default=0, help="seed of the random verification feeds (default 0)")
@@ -163,6 +165,10 @@ def _summary(report: Any, out: Path | None) -> str:
         warning = p.details.get("WARNING") if isinstance(p.details, dict) else None
         if warning:
             lines.append(f"WARNING ({p.name}): {warning}")
+    recipe = report.extra.get("recipe")
+    if recipe:
+        for d in recipe.get("decisions", []):
+            lines.append(f"recipe ({recipe['device']}): {d['precision']} -> {','.join(d['passes'])}")
     if report.verification is not None:
         v = report.verification
         lines.append(f"verify: {v.get('summary', 'passed' if v['passed'] else 'FAILED')}")
@@ -196,13 +202,12 @@ def run(args: argparse.Namespace) -> CommandResult:
         ir_io.sweep_save_leftovers(out.parent)
     if args.report:
         _check_folder(Path(args.report), "--report")
-    if args.device and not args.verify and "device" not in get_registry(args.block_plugin).all_options():
-        raise UsageError("--device says where --verify runs; give --verify too")
     if args.device:
         from mograph.backends.ort import parse_device, require_device
 
         parse_device(args.device)
-        require_device(args.device)  # exit 7 naming onnxruntime-gpu, before any pass runs
+        if args.verify:
+            require_device(args.device)  # exit 7 naming onnxruntime-gpu, before any pass runs
     reg = get_registry(args.block_plugin)
     shapes = parse_shapes(args.shape)
     options: dict[str, Any] = {}
@@ -217,11 +222,12 @@ def run(args: argparse.Namespace) -> CommandResult:
     if args.device:
         options["device"] = args.device  # kept only if a pass declares it (below)
     options = {k: v for k, v in options.items() if k in reg.all_options()}
-    names = reg.plan(args.passes, options)  # the report names the pipeline as it runs, lower included
-    _check_paths(src, out, args, reg.all_options(), options)
+    given, planned, _ = reg.recipe(args.passes, options, args.device)
+    names = reg.plan(given, planned)  # the report names the pipeline as it runs, lower included
+    _check_paths(src, out, args, reg.all_options(), planned)
     instruments = [] if (args.json or args.quiet) else [_Progress()]
     verify_options: dict[str, Any] = {"shapes": shapes, "feeds": args.feeds, "seed": args.seed}
-    if args.device:
+    if args.device and args.verify:
         verify_options["device"] = args.device
     if args.feed_limit is not None:
         verify_options["feed_limit"] = args.feed_limit
@@ -229,13 +235,14 @@ def run(args: argparse.Namespace) -> CommandResult:
     try:
         model, report = api.optimize(
             src,
-            names,
+            args.passes,  # api.optimize applies the device's recipe itself (names above is the same plan)
             options=options,
             verify=args.verify,
             verify_options=verify_options,
             check_modified=args.check_modified,
             blocked=args.block_plugin,
             instruments=instruments,
+            device=args.device,
         )
     except VerificationError as exc:
         raise _keep_failed(exc, src, out, names, args, external) from exc
