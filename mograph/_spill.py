@@ -8,8 +8,10 @@ copies them a third time: the peak memory of a pass would be several times the w
 
 So every place that gives a model to a runtime or a checker asks this module first:
 
-* :func:`too_big`: whether the tensors the model holds *in memory* reach :func:`proto_limit` (external
-  tensors are references and cost nothing in a protobuf).  Below it, nothing changes: bytes, as before.
+* :func:`too_big`: whether the tensors the model holds *in memory* reach :func:`spill_bytes` (external
+  tensors are references and cost nothing in a protobuf): protobuf's limit, or 256 MiB, where the copies
+  that serialization makes start to cost more memory than writing a file costs time.  Below it, nothing
+  changes: bytes, as before.
 * :func:`spill`: the model written into an owned temporary folder (:mod:`mograph._tempfiles`: removed
   with the handle, on an exception, and by the next run after SIGKILL) as a small ``model.onnx`` whose
   tensors are all external.  In-memory tensors are written one at a time to ``inline.data``; tensors
@@ -51,6 +53,7 @@ __all__ = [
     "DEFAULT_PROTO_LIMIT",
     "proto_limit",
     "inline_bytes",
+    "spill_bytes",
     "too_big",
     "Spilled",
     "spill",
@@ -66,6 +69,11 @@ logger = logging.getLogger(__name__)
 PROTO_LIMIT_ENV = "MOGRAPH_PROTO_LIMIT"
 #: protobuf's 2 GB, less room for the graph itself.
 DEFAULT_PROTO_LIMIT = 2**31 - 64 * 2**20
+#: From this many bytes of in-memory tensors a model is spilled even below the protobuf limit: handed
+#: over as bytes, its weights would be copied into the ``ModelProto``, again into the bytes, and again by
+#: ONNX Runtime (four times the weights at the peak); written to a file, they are copied once, by the
+#: runtime, and the disk write of a few hundred megabytes takes about a second.
+SPILL_BYTES = 256 * 2**20
 #: In-memory tensors up to this size stay inside the spilled protobuf (shape constants and the like:
 #: shape inference and ONNX Runtime's constant handling read them there).
 INLINE_BYTES = 1024
@@ -121,11 +129,18 @@ def inline_bytes(model: ir.Model) -> int:
     return total
 
 
+def spill_bytes() -> int:
+    """Bytes of in-memory tensors from which a model is spilled: :func:`proto_limit`, and at most
+    :data:`SPILL_BYTES` (memory, not protobuf, decides there)."""
+    return min(proto_limit(), SPILL_BYTES)
+
+
 def too_big(model: ir.Model | onnx.ModelProto) -> bool:
-    """Whether ``model`` must reach a runtime or checker as a file (:func:`proto_limit`)."""
+    """Whether ``model`` reaches a runtime or checker as a file: its in-memory tensors reach
+    :func:`spill_bytes`."""
     if isinstance(model, onnx.ModelProto):
-        return model.ByteSize() >= proto_limit()
-    return inline_bytes(model) >= proto_limit()
+        return model.ByteSize() >= spill_bytes()
+    return inline_bytes(model) >= spill_bytes()
 
 
 @contextlib.contextmanager
@@ -255,20 +270,20 @@ def model_proto(model: ir.Model) -> tuple[onnx.ModelProto, Spilled | None]:
     return ir.serde.serialize_model(model), None
 
 
-def shared_copy(model: ir.Model) -> ir.Model:
-    """A copy of ``model`` (graph, nodes, values: all new) whose initializers are the original's tensor
-    objects, not copies of their bytes.
+def shared_copy(model: ir.Model, *, in_memory: bool = True) -> ir.Model:
+    """A copy of ``model`` (graph, nodes, values: all new) whose external initializers, and with
+    ``in_memory`` its in-memory ones above a kilobyte, are the original's tensor objects, not copies.
 
-    Tensors are never changed in place (a pass gives a value a new tensor), so sharing them is safe, and a
-    copy of a model too big for one protobuf costs no memory; external tensors are shared too, so the
-    copy reads their files through the original's memory map instead of mapping them a second time.  The
-    serialized round trip that makes the copy sees references in their place.
-    :func:`mograph.ir_io.copy_model` uses this above :func:`proto_limit`.
+    An external tensor is a read-only memory map: sharing it means the copy reads its file through the
+    original's map instead of mapping (and counting) its pages a second time.  In-memory tensors are not
+    changed in place by passes (a pass gives a value a new tensor), so sharing them is safe too, and
+    a copy of a model too big for one protobuf then costs no memory.  The serialized round trip that
+    makes the copy sees references in their place.  :func:`mograph.ir_io.copy_model` uses this.
     """
     shared: dict[str, ir.TensorProtocol] = {}
 
     def replace(t: ir.TensorProtocol) -> ir.TensorProtocol | None:
-        if not isinstance(t, ir.ExternalTensor) and t.nbytes <= INLINE_BYTES:
+        if not isinstance(t, ir.ExternalTensor) and (not in_memory or t.nbytes <= INLINE_BYTES):
             return None
         key = f"mograph-shared-{len(shared)}"
         shared[key] = t

@@ -147,13 +147,13 @@ def copy_model(model: ir.Model) -> ir.Model:
     bare round trip gives a copy that would resolve every location against the current directory,
     reading whatever file of that name sits there.
 
-    A model whose in-memory tensors are too big for one protobuf (:func:`mograph._spill.too_big`) is
-    copied without them: the copy shares the original's tensor objects (:func:`mograph._spill.shared_copy`).
+    The copy shares the original's external tensors (read-only memory maps: mapped once, not twice), and
+    a model whose in-memory tensors are too big for one protobuf (:func:`mograph._spill.too_big`) shares
+    those too instead of copying them (:func:`mograph._spill.shared_copy`).
     """
     from mograph import _spill
 
-    copy = (_spill.shared_copy(model) if _spill.too_big(model)
-            else ir.serde.deserialize_model(ir.serde.serialize_model(model)))
+    copy = _spill.shared_copy(model, in_memory=_spill.too_big(model))
     originals = [t for _, t in _all_tensors(model)]
     copies = [t for _, t in _all_tensors(copy)]
     if len(originals) != len(copies):  # the walk is the same on both: this would be an onnx_ir change
