@@ -62,6 +62,7 @@ __all__ = [
     "shape_proto",
     "Payload",
     "payload",
+    "drop_pages",
 ]
 
 logger = logging.getLogger(__name__)
@@ -127,6 +128,31 @@ def inline_bytes(model: ir.Model) -> int:
         if not isinstance(t, ir.ExternalTensor):
             total += t.nbytes
     return total
+
+
+def drop_pages(model: ir.Model) -> int:
+    """Drop the pages of ``model``'s memory-mapped external tensors from this process's resident memory;
+    return how many maps were advised.
+
+    A weight read once (to convert or quantize it) stays mapped, and its pages count in the process's
+    memory until the map is closed, on top of what ONNX Runtime then loads.  ``MADV_DONTNEED`` on a
+    read-only file map only forgets the pages (the page cache keeps them; a later read maps them again),
+    so it is safe while numpy views of the map are alive, unlike closing it.  Called before a session is
+    made (:func:`payload`).  Does nothing where ``madvise`` is not available.
+    """
+    import mmap
+
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    count = 0
+    if advice is None:  # pragma: no cover - not Linux/macOS
+        return count
+    for t in _external(model):
+        raw = getattr(t, "raw", None)
+        if isinstance(raw, mmap.mmap) and not raw.closed:
+            with contextlib.suppress(OSError, ValueError):
+                raw.madvise(advice)
+                count += 1
+    return count
 
 
 def spill_bytes() -> int:
@@ -355,6 +381,7 @@ def payload(model: ir.Model | onnx.ModelProto | bytes | Payload, folder: str | o
             return Payload(data=model.SerializeToString(), folder=str(folder) if folder else None)
         sp = spill_proto(model, folder)
         return Payload(path=sp.path, spilled=sp)
+    drop_pages(model)  # weights read by the pass: not resident twice once ONNX Runtime loads its copy
     if too_big(model):
         sp = spill(model)
         return Payload(path=sp.path, spilled=sp)

@@ -511,8 +511,8 @@ def save_model(
         path: destination ``.onnx`` file.
         external_data: write initializers to a data file beside the model (``<name>.data``, or
             ``<name>.<id>.data`` when a file of that name is already there). ``None`` chooses it when
-            the initializers need more than 2 GB (less when ``MOGRAPH_PROTO_LIMIT`` says so:
-            :func:`mograph._spill.proto_limit`) or the model already had external data; ``False``
+            the initializers need 256 MiB or more (:func:`mograph._spill.spill_bytes`: written inline,
+            they would be copied twice in memory on the way) or the model already had external data; ``False``
             writes one self-contained file (external tensors are read in for it).
         forbid: a path that must not be written over (the input model).
         overwrite_source: allow writing over the file the model was loaded from (refused otherwise:
@@ -539,7 +539,7 @@ def save_model(
     if external_data is None:
         from mograph import _spill
 
-        external_data = model_size_bytes(model) >= _spill.proto_limit() or any(
+        external_data = model_size_bytes(model) >= _spill.spill_bytes() or any(
             isinstance(v.const_value, ir.ExternalTensor) for v in _all_initializers(model)
         )
     elif not external_data and model_size_bytes(model) >= TWO_GB:

@@ -184,6 +184,7 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
     twin, pairs, watched = _twin_model(model, positions, floats, pinned_in, pinned_out, retype)
     names = [v.name for v in twin.graph.outputs]
     sess = cal._session(twin, cal.model_folder(model))  # too big for one protobuf: spilled to a file
+    del twin  # the session holds its own copy of the float16 twins
     result = LocalMeasure(stats={name: cal.TensorStats() for name in watched})
     num = dict.fromkeys(pairs, 0.0)
     den = dict.fromkeys(pairs, 0.0)
