@@ -189,6 +189,14 @@ def _swapped(model: ir.Model, replace: Any) -> Iterator[None]:
             value.const_value = t
 
 
+def _reference(t: ir.TensorProtocol, location: str, offset: int | None, length: int | None,
+               folder: Path | None = None) -> ir.ExternalTensor:
+    """An external tensor of ``t``'s name, type and shape at ``location`` (in ``folder``)."""
+    return ir.ExternalTensor(location, offset, length, t.dtype, shape=ir.Shape(t.shape.numpy()),
+                             name=t.name,  # type: ignore[arg-type]  # onnx_ir accepts None
+                             base_dir=str(folder) if folder is not None else "")
+
+
 @dataclass
 class Spilled:
     """A model written with external data into an owned temporary folder (see the module docstring).
@@ -248,8 +256,7 @@ def spill(model: ir.Model) -> Spilled:
             def replace(t: ir.TensorProtocol) -> ir.TensorProtocol | None:
                 if isinstance(t, ir.ExternalTensor):
                     name = _copied(t.path, folder, copies)
-                    return ir.ExternalTensor(name, t.offset, t.length, t.dtype, shape=t.shape, name=t.name,
-                                             base_dir=str(folder))
+                    return _reference(t, name, t.offset, t.length, folder)
                 if t.nbytes <= INLINE_BYTES:
                     return None
                 offset = -data.tell() % _ALIGN
@@ -260,8 +267,7 @@ def spill(model: ir.Model) -> Spilled:
                 data.write(raw)
                 length = len(raw)
                 del raw
-                return ir.ExternalTensor(_DATA, start, length, t.dtype, shape=t.shape, name=t.name,
-                                         base_dir=str(folder))
+                return _reference(t, _DATA, start, length, folder)
 
             from mograph.ir_io import _attributes_inlined
 
@@ -313,7 +319,7 @@ def shared_copy(model: ir.Model, *, in_memory: bool = True) -> ir.Model:
             return None
         key = f"mograph-shared-{len(shared)}"
         shared[key] = t
-        return ir.ExternalTensor(key, 0, t.nbytes, t.dtype, shape=t.shape, name=t.name)
+        return _reference(t, key, 0, t.nbytes)
 
     with _swapped(model, replace):
         copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
@@ -331,7 +337,7 @@ def shape_proto(model: ir.Model) -> onnx.ModelProto:
 
     def replace(t: ir.TensorProtocol) -> ir.TensorProtocol | None:
         if isinstance(t, ir.ExternalTensor) or t.nbytes > INLINE_BYTES:
-            return ir.ExternalTensor("mograph-no-data", 0, t.nbytes, t.dtype, shape=t.shape, name=t.name)
+            return _reference(t, "mograph-no-data", 0, t.nbytes)
         return None
 
     with _swapped(model, replace):

@@ -58,7 +58,6 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from mograph._tempfiles import OwnedTempDir, owned_tempdir
 from mograph.backends import Backend, NotAvailableError
 from mograph.errors import BackendUnavailableError, ModelError, UsageError
 

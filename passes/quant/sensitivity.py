@@ -44,9 +44,10 @@ from mograph.passes.quant._qdq import (
     find_candidates,
     tensors_to_observe,
 )
-from mograph import _spill
 from mograph.passes.quant.calibration import Feed, _session, _with_outputs, model_folder, run_model, set_model_folder
 from mograph.passes.quant.plan import Budget
+
+from mograph import _spill
 
 __all__ = ["SensitivityResult", "analyse"]
 
