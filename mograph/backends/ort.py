@@ -188,6 +188,7 @@ def _model_payload(model: Any, base_dir: str | os.PathLike | None = None) -> Any
         model = loaded  # external data read from base_dir; too big: spilled with the model
     if isinstance(model, ir.Model):
         ir_io.check_external_data(model)
+        _spill.drop_pages(model)  # weights a pass read: not resident twice once ONNX Runtime loads its copy
         if needs_file(model):
             spilled = _spill.spill(model)
             return _spill.Payload(path=spilled.path, spilled=spilled)
