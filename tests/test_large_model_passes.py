@@ -163,7 +163,13 @@ def test_commands_on_a_model_above_the_limit(decoder, guarded, tmp_path, capsys)
 @pytest.mark.skipif(not os.environ.get("MOGRAPH_BIG_MODEL_TEST"), reason="set MOGRAPH_BIG_MODEL_TEST=1: writes "
                     "a 2.3 GB model and needs ~5 GB of memory and several minutes per pass")
 def test_real_model_above_2gb(tmp_path):
-    """The real thing: a 2.28 GB float32 decoder (above 2**31 bytes) through every pass, peak memory measured."""
+    """The real thing: a 2.28 GB float32 decoder (above 2**31 bytes) through every pass, peak memory measured.
+
+    Not run in CI, and as of this commit it FAILS its own bar (measured one pass per process, 2-core
+    machine): fp16 peaks at 3.6x the weights, int8 at 3.8x (1063 s), int4 passed 4.7x inside its GPTQ
+    loop and did not finish in 7.5 minutes; qdq-fp8 (cosine 0.9897 < 0.99) and prune at ratio 0.5
+    (cosine 0.49) run but fail --verify on random weights (exit 5).  kv-cache-fp8 (1.1x) passes.
+    """
     sizes = dict(hidden=2048, ffn=8192, vocab=65536, layers=6)
     weights = decoder_bytes(**sizes)
     assert weights > 2**31
