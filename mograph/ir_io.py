@@ -148,8 +148,14 @@ def copy_model(model: ir.Model) -> ir.Model:
     ``onnx_ir``'s serializer keeps an external tensor's location but not its folder (``base_dir``): a
     bare round trip gives a copy that would resolve every location against the current directory,
     reading whatever file of that name sits there.
+
+    The copy shares the original's external tensors (read-only memory maps: mapped once, not twice), and
+    a model whose in-memory tensors are too big for one protobuf (:func:`mograph._spill.too_big`) shares
+    those too instead of copying them (:func:`mograph._spill.shared_copy`).
     """
-    copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    from mograph import _spill
+
+    copy = _spill.shared_copy(model, in_memory=_spill.too_big(model))
     originals = [t for _, t in _all_tensors(model)]
     copies = [t for _, t in _all_tensors(copy)]
     if len(originals) != len(copies):  # the walk is the same on both: this would be an onnx_ir change
@@ -509,7 +515,8 @@ def save_model(
         path: destination ``.onnx`` file.
         external_data: write initializers to a data file beside the model (``<name>.data``, or
             ``<name>.<id>.data`` when a file of that name is already there). ``None`` chooses it when
-            the initializers need more than 2 GB or the model already had external data; ``False``
+            the initializers need 256 MiB or more (:func:`mograph._spill.spill_bytes`: written inline,
+            they would be copied twice in memory on the way) or the model already had external data; ``False``
             writes one self-contained file (external tensors are read in for it).
         forbid: a path that must not be written over (the input model).
         overwrite_source: allow writing over the file the model was loaded from (refused otherwise:
@@ -534,7 +541,9 @@ def save_model(
             "read from beside it); choose another path, or allow it explicitly (overwrite=True)"
         )
     if external_data is None:
-        external_data = model_size_bytes(model) >= TWO_GB - 64 * 2**20 or any(
+        from mograph import _spill
+
+        external_data = model_size_bytes(model) >= _spill.spill_bytes() or any(
             isinstance(v.const_value, ir.ExternalTensor) for v in _all_initializers(model)
         )
     elif not external_data and model_size_bytes(model) >= TWO_GB:

@@ -262,14 +262,14 @@ def _ort_load(model: ir.Model) -> None:
     # Every external tensor, tensor attributes too: as bytes, the model's locations would otherwise be
     # resolved against the current directory.
     folders = {str(t.base_dir) for t in ir_io.external_tensors(model)}
+    from mograph import _spill
+
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 4
-    if folders:
-        so.add_session_config_entry("session.model_external_initializers_file_folder_path", folders.pop())
-    data = ir.serde.serialize_model(model).SerializeToString()
     try:
-        ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+        # In-memory tensors past the protobuf limit: the model is spilled to a file (mograph._spill).
+        _spill.payload(model, folders.pop() if folders else None).session(so, ["CPUExecutionProvider"])
     except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types for a refused model
         message = str(exc)
         raise InvalidModel("onnxruntime", _short(message), _node_in(message)) from exc

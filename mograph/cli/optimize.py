@@ -81,7 +81,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "--external-data",
         action="store_true",
         help="save initializers to OUT.data beside the model (OUT.<id>.data when replacing an earlier output, "
-        "so the old pair stays whole until the switch)",
+        "so the old pair stays whole until the switch); without it, chosen when they need 256 MiB or more "
+        "or the input had external data",
     )
     group = p.add_argument_group("pass options (each pass reads the ones it declares)")
     try:

@@ -352,7 +352,9 @@ class WeightOnlyPass(Pass):
     def _observe(self, model: ir.Model, names: list[str], source: Any, max_rows: int) -> tuple[dict[str, _InputStats], int]:
         from mograph.passes.quant.calibration import model_folder, run_model
 
-        proto = ir.serde.serialize_model(model)
+        from mograph import _spill
+
+        proto, spilled = _spill.model_proto(model)  # a model too big for one protobuf: spilled to a file
         have = {o.name for o in proto.graph.output}
         import onnx
 
@@ -367,7 +369,7 @@ class WeightOnlyPass(Pass):
         rng = np.random.default_rng(0)
         seen = 0
         total = source.count
-        for outs in run_model(proto.SerializeToString(), iter(source), names, model_folder(model)):
+        for outs in run_model(_spill.payload(proto, model_folder(model), spilled), iter(source), names):
             for name, arr in zip(names, outs):
                 x = np.asarray(arr, np.float32).reshape(-1, arr.shape[-1])
                 s = stats.get(name)
@@ -433,7 +435,9 @@ class WeightOnlyPass(Pass):
             model_folder,
         )
 
-        proto = ir.serde.serialize_model(model)
+        from mograph import _spill
+
+        proto, spilled = _spill.model_proto(model)  # a model too big for one protobuf: spilled to a file
         names = {layer.node.inputs[1].name for layer in layers}  # type: ignore[union-attr]
         fed = [i for i in proto.graph.initializer if i.name in names]
         for init in fed:
@@ -446,7 +450,7 @@ class WeightOnlyPass(Pass):
         for name in outputs:
             if name not in have:
                 proto.graph.output.append(onnx.helper.make_tensor_value_info(name, elem.get(name, 1), None))
-        sess = _session(proto.SerializeToString(), model_folder(model))
+        sess = _session(_spill.payload(proto, model_folder(model), spilled))
         fed_names = {i.name for i in fed}
         fixed: dict[str, np.ndarray] = {}
         for layer in layers:
