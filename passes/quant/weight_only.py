@@ -209,7 +209,7 @@ class _Segments:
             proto.opset_import.append(onnx.helper.make_opsetid(domain, version))
         for f in self.model.functions.values():
             proto.functions.append(ir.serde.serialize_function(f))
-        sess = _session(proto.SerializeToString(), model_folder(self.model))
+        sess = _session(proto, model_folder(self.model))  # a segment too big for one protobuf is spilled
         return sess, [v.name or "" for v in inputs.values()], [v.name or "" for v in live_out]
 
     def advance(self, i: int, states: list[dict[str, np.ndarray]], replaced: dict[str, np.ndarray]
