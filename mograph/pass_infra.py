@@ -24,7 +24,7 @@ import inspect
 import logging
 import numbers
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -249,8 +249,24 @@ def stamp(node: ir.Node, pass_name: str, rule: str | None = None) -> None:
         node.metadata_props.setdefault(PROVENANCE_RULE, rule)
 
 
-def _iter_nodes(graph: ir.Graph) -> Iterable[ir.Node]:
-    return ir.traversal.RecursiveGraphIterator(graph)
+def iter_nodes(graph: ir.Graph) -> Iterator[ir.Node]:
+    """Every node of ``graph`` and of its subgraphs, each node before its subgraphs' nodes.
+
+    The same nodes as ``ir.traversal.RecursiveGraphIterator``, at a fraction of its cost per node
+    (it is called a few times per pass on graphs of 100k nodes).
+    """
+    for node in graph:
+        yield node
+        if node.attributes:
+            for attr in node.attributes.values():
+                if attr.type == ir.AttributeType.GRAPH and not attr.is_ref():
+                    yield from iter_nodes(attr.value)
+                elif attr.type == ir.AttributeType.GRAPHS and not attr.is_ref():
+                    for sub in attr.value:
+                        yield from iter_nodes(sub)
+
+
+_iter_nodes = iter_nodes
 
 
 def count_nodes(model: ir.Model) -> int:
