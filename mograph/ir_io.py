@@ -36,6 +36,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from mograph._traverse import iter_nodes, subgraphs
 from mograph._model_checks import check_declarations
 from mograph._tempfiles import owned_tempdir
 from mograph.errors import ModelError, UsageError
@@ -63,10 +64,10 @@ ModelSource = Union[str, os.PathLike, bytes, onnx.ModelProto, ir.Model, Any]
 def _graphs_and_functions(model: ir.Model) -> list[ir.Graph | ir.Function]:
     """The main graph, every subgraph (If/Loop/Scan bodies, nested) and every model-local function
     with its own subgraphs: everywhere a tensor can sit."""
-    out: list[ir.Graph | ir.Function] = [model.graph, *model.graph.subgraphs()]
+    out: list[ir.Graph | ir.Function] = [model.graph, *subgraphs(model.graph)]
     for function in model.functions.values():
         out.append(function)
-        out.extend(function.subgraphs())
+        out.extend(subgraphs(function))
     return out
 
 
@@ -263,7 +264,7 @@ def _check_tensor_data(model: ir.Model) -> None:
 
 def _all_initializers(model: ir.Model) -> list[ir.Value]:
     out = list(model.graph.initializers.values())
-    for sub in model.graph.subgraphs():
+    for sub in subgraphs(model.graph):
         out.extend(sub.initializers.values())
     return out
 
@@ -273,7 +274,7 @@ def _check_structure(model: ir.Model) -> None:
     graph = model.graph
     if not graph.outputs:
         raise ModelError("the graph has no outputs: there is nothing to compute")
-    for node in ir.traversal.RecursiveGraphIterator(graph):
+    for node in iter_nodes(graph):
         for inp in node.inputs:
             if inp is None:
                 continue
@@ -299,7 +300,7 @@ def _reads(node: ir.Node) -> set[int]:
             list(attr.value) if attr.type == ir.AttributeType.GRAPHS else []
         )
         for sub in graphs:
-            for inner in ir.traversal.RecursiveGraphIterator(sub):
+            for inner in iter_nodes(sub):
                 values.update(id(v) for v in inner.inputs if v is not None)
     return values
 
