@@ -24,6 +24,7 @@ Why this matters:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import re
@@ -331,6 +332,15 @@ def _check_acyclic(owner: ir.Graph | ir.Function) -> None:
         raise ModelError(f"{where} has a cycle through nodes {stuck}")
 
 
+@functools.lru_cache(maxsize=4096)
+def _schema(op_type: str, version: int) -> onnx.defs.OpSchema | None:
+    """The default-domain schema of ``op_type`` at ``version`` (looked up once per op and opset)."""
+    try:
+        return onnx.defs.get_schema(op_type, version, "")
+    except onnx.defs.SchemaError:
+        return None
+
+
 def _check_attributes(model: ir.Model) -> None:
     """Standard ops' attributes must be the ones their schema declares, of the declared type, with
     the required ones present, and their required inputs must be given: passes read them without
@@ -346,9 +356,8 @@ def _check_attributes(model: ir.Model) -> None:
                     f"node '{node.name or node.op_type}' is a standard {node.op_type}, but the model imports no "
                     "opset for the default domain"
                 )
-            try:
-                schema = onnx.defs.get_schema(node.op_type, version, "")
-            except onnx.defs.SchemaError:
+            schema = _schema(node.op_type, version)
+            if schema is None:
                 continue  # not a standard op at this opset: ONNX Runtime will say so
             label = f"node '{node.name or node.op_type}' ({node.op_type})"
             for name, attr in node.attributes.items():
