@@ -13,10 +13,11 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from mograph._traverse import subgraphs
 from mograph.patterns import constant_array
 
 __all__ = ["attr_value", "add_initializer", "unique_initializer_name", "is_zero", "static_last_dim", "value_used",
-           "infer_types", "restore_types", "TypeSnapshot", "same_dim", "fresh_name"]
+           "infer_types", "restore_types", "run_shape_inference", "TypeSnapshot", "same_dim", "fresh_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,14 +101,15 @@ def infer_types(model: ir.Model) -> TypeSnapshot:
     it.  This is what keeps a pipeline of fusion passes that each change nothing (or change little)
     from paying a whole-model inference per pass.
     """
+    graphs = _graphs(model)
     snapshot: TypeSnapshot = []
-    for graph in model.graphs():
+    for graph in graphs:
         for v in list(graph.inputs) + list(graph.initializers.values()):
             snapshot.append((v, v.type, v.shape))
         for node in graph:
             for v in node.outputs:
                 snapshot.append((v, v.type, v.shape))
-    structure = _structure(model)
+    structure = _structure(graphs)
     cached = model.meta.get(_INFERRED_KEY)
     if cached is not None and _same_objects(cached[0], structure) and _same_types(cached[1], snapshot):
         for (value, _, _), (type_, shape) in zip(snapshot, cached[2]):
@@ -116,14 +118,9 @@ def infer_types(model: ir.Model) -> TypeSnapshot:
     quiet = logging.getLogger("onnx_ir.passes.common.shape_inference")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
-    orders = [(g, list(g.initializers.values())) for g in model.graphs()]
+    orders = [(g, list(g.initializers.values())) for g in graphs]
     try:
-        if len(orders) == 1:
-            _infer_flat(model)
-        else:  # subgraphs: onnx_ir's pass matches their values to the inferred ones
-            from onnx_ir.passes.common import ShapeInferencePass
-
-            ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
+        run_shape_inference(model)
     except Exception:  # noqa: BLE001 - inference is best effort; rules fail with a reason without it
         logger.debug("shape inference failed", exc_info=True)
     finally:
@@ -146,10 +143,25 @@ _INFERRED_KEY = "mograph.inferred_types"
 _BIG_TENSOR_BYTES = 1000
 
 
-def _structure(model: ir.Model) -> list[object]:
+def _graphs(model: ir.Model) -> list[ir.Graph]:
+    return [model.graph, *subgraphs(model.graph)]
+
+
+def run_shape_inference(model: ir.Model, *, data_prop: bool = True) -> None:
+    """ONNX shape inference (``check_type`` and ``strict_mode`` off), its dtypes and shapes merged into
+    the model's values in place.  Raises what ONNX raises; the model is then unchanged."""
+    if subgraphs(model.graph):  # onnx_ir's pass matches the subgraphs' values to the inferred ones
+        from onnx_ir.passes.common import ShapeInferencePass
+
+        ShapeInferencePass(check_type=False, strict_mode=False, data_prop=data_prop)(model)
+    else:
+        _infer_flat(model, data_prop)
+
+
+def _structure(graphs: list[ir.Graph]) -> list[object]:
     """The objects that make up the graphs, in order (compared by identity: an edit replaces one)."""
     out: list[object] = []
-    for graph in model.graphs():
+    for graph in graphs:
         out.append(graph)
         out.extend(graph.inputs)
         out.append(None)
@@ -179,7 +191,7 @@ def _same_types(before: list[tuple[Any, Any]], snapshot: TypeSnapshot) -> bool:
     )
 
 
-def _infer_flat(model: ir.Model) -> None:
+def _infer_flat(model: ir.Model, data_prop: bool = True) -> None:
     """ONNX shape inference on a model without subgraphs, merged into its values in place.
 
     Large initializers go to ONNX as typed graph inputs without their data (as onnx_ir's own pass
@@ -216,7 +228,7 @@ def _infer_flat(model: ir.Model) -> None:
             graph.inputs.pop()
     sent = {vi.name: vi.type.SerializeToString() for vi in
             [*proto.graph.input, *proto.graph.output, *proto.graph.value_info]}
-    inferred = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True)
+    inferred = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=data_prop)
     values: dict[str, ir.Value] = {v.name: v for v in graph.inputs if v.name}
     values.update((v.name, v) for v in inits if v.name)
     for node in graph:

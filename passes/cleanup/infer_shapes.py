@@ -26,9 +26,9 @@ import math
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx_ir.passes import common as irp
 
 from mograph._traverse import iter_nodes
+from mograph.irutil import run_shape_inference
 from mograph.pass_infra import Pass, PassResult
 
 __all__ = ["InferShapesPass"]
@@ -108,7 +108,9 @@ class InferShapesPass(Pass):
         if not data_prop:
             logger.info("a Range is longer than %d elements: shape inference runs without data propagation", DATA_PROP_RANGE_LIMIT)
         try:
-            irp.ShapeInferencePass(check_type=False, strict_mode=False, data_prop=data_prop)(model)
+            run_shape_inference(model, data_prop=data_prop)
+        except Exception as exc:  # noqa: BLE001 - as onnx_ir's pass: the model is left as it was
+            logger.warning("Shape inference failed: %s. Model is left unchanged", exc)
         finally:
             corrected = 0
             for v, shape in declared:
