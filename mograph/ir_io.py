@@ -482,12 +482,52 @@ def load_model(source: ModelSource, *, check: bool = True, base_dir: str | os.Pa
     if check or not isinstance(source, ir.Model):
         _check_tensor_data(model)
         _check_external_data(model, folder, origin, exists=check)
+    if not isinstance(source, ir.Model):
+        _decode_initializers(model)
     if origin == "a path":
         _CHECKED_FILES[str(model.meta[SOURCE_KEY])] = stamp  # taken before reading: a later change shows
     if check:
         _check_structure(model)
         check_declarations(model)
     return model
+
+
+#: Dtypes whose protobuf data numpy holds as is (others keep onnx-ir's own decoding on each read).
+_NUMPY_NATIVE = frozenset({
+    ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.INT8, ir.DataType.INT16,
+    ir.DataType.INT32, ir.DataType.INT64, ir.DataType.UINT8, ir.DataType.UINT16, ir.DataType.UINT32,
+    ir.DataType.UINT64, ir.DataType.BOOL,
+})
+
+
+def _decode_initializers(model: ir.Model) -> None:
+    """Decode each in-protobuf initializer into a numpy-backed tensor, once.
+
+    An initializer straight from ``deserialize_model`` decodes its protobuf field on every
+    ``numpy()`` call (a full copy of the weight each time): rules that ask "is this input a
+    constant?" of every weight they pass made a 30-layer LLaMA spend minutes copying weights.  Once
+    every tensor is decoded nothing refers to the protobuf any more, so it is freed when loading ends:
+    the weights sit in memory once, not twice.  External tensors stay lazy.
+    """
+    for graph in [model.graph, *subgraphs(model.graph)]:
+        for value in graph.initializers.values():
+            decoded = _decoded(value.const_value)
+            if decoded is not None:
+                value.const_value = decoded
+    for owner in _graphs_and_functions(model):
+        for node in owner:
+            for key, attr in list(node.attributes.items()):
+                if attr.type == ir.AttributeType.TENSOR and not attr.is_ref():
+                    decoded = _decoded(attr.value)
+                    if decoded is not None:
+                        node.attributes[key] = ir.AttrTensor(key, decoded, doc_string=attr.doc_string)
+
+
+def _decoded(tensor: object) -> ir.Tensor | None:
+    if not isinstance(tensor, ir.serde.TensorProtoTensor) or tensor.dtype not in _NUMPY_NATIVE:
+        return None
+    return ir.Tensor(tensor.numpy(), dtype=tensor.dtype, name=tensor.name, doc_string=tensor.doc_string,
+                     metadata_props=dict(tensor.metadata_props) or None)
 
 
 def model_size_bytes(model: ir.Model) -> int:
