@@ -40,7 +40,7 @@ import onnx_ir as ir
 from mograph._traverse import iter_nodes, subgraphs
 from mograph._model_checks import check_declarations
 from mograph._tempfiles import owned_tempdir
-from mograph.errors import ModelError, UsageError
+from mograph.errors import InternalError, ModelError, UsageError
 
 __all__ = [
     "ModelSource",
@@ -606,7 +606,7 @@ def save_model(
                 os.replace(tmp.path / data_name, placed)  # a new name: replaces nothing
         else:
             with _inlined(model), _attributes_inlined(model):
-                ir.save(model, tmp_model)
+                _write_inline(model, tmp_model)
         os.replace(tmp_model, dest)  # the one switch from the old pair to the new
     except BaseException as exc:
         if placed is not None:  # the new data no model reads yet
@@ -623,6 +623,61 @@ def save_model(
             with contextlib.suppress(OSError):
                 stale.unlink()
     return dest
+
+
+#: Initializers at least this big are written one at a time by :func:`_write_inline`.
+_STREAMED_BYTES = 1 << 20
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _write_inline(model: ir.Model, path: Path) -> None:
+    """Write ``model`` as one self-contained protobuf file, its large initializers one at a time.
+
+    ``ir.save`` builds the whole ``ModelProto`` (a copy of every weight) and then its serialized bytes
+    (another copy): a model with 1 GB of weights needs 3 GB to be written.  Here the model is
+    serialized without its large initializers of the main graph, and each of those is then serialized
+    on its own and appended to the graph's bytes (protobuf lets a message's repeated fields come in
+    any order and in separate pieces), so at most one weight is copied at a time.  The file parses to
+    the same model, large initializers listed after the others.
+    """
+    graph = model.graph
+    order = list(graph.initializers.values())
+    big = [v for v in order if v.const_value is not None and v.const_value.nbytes >= _STREAMED_BYTES]
+    try:
+        for v in big:
+            graph.initializers.pop(v.name)  # type: ignore[arg-type]
+        proto = ir.serde.serialize_model(model)
+    finally:
+        for v in order:  # back in their order
+            if v.name is not None and graph.initializers.get(v.name) is v:
+                graph.initializers.pop(v.name)
+        for v in order:
+            graph.initializers.add(v)
+    graph_bytes = proto.graph.SerializeToString()
+    proto.ClearField("graph")
+    head = proto.SerializeToString()
+    del proto
+    sizes = [ir.serde.serialize_tensor(v.const_value).ByteSize() for v in big]  # type: ignore[arg-type]
+    graph_len = len(graph_bytes) + sum(1 + len(_varint(n)) + n for n in sizes)
+    with open(path, "wb") as f:
+        f.write(head)
+        f.write(b"\x3a" + _varint(graph_len))  # ModelProto.graph: field 7, length-delimited
+        f.write(graph_bytes)
+        for v, n in zip(big, sizes):
+            data = ir.serde.serialize_tensor(v.const_value).SerializeToString()  # type: ignore[arg-type]
+            if len(data) != n:
+                raise InternalError("save", f"initializer '{v.name}' serialized to {len(data)} bytes, not {n}")
+            f.write(b"\x2a" + _varint(n))  # GraphProto.initializer: field 5, length-delimited
+            f.write(data)
+            del data
 
 
 #: ``model.meta`` key holding the resolved path a model was loaded from.
