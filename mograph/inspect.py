@@ -17,8 +17,8 @@ from typing import Any
 
 import onnx_ir as ir
 
-from mograph._traverse import subgraphs
 from mograph import ir_io
+from mograph._traverse import subgraphs
 from mograph.errors import ModelError
 
 __all__ = ["summarize", "format_summary", "op_key"]

@@ -37,9 +37,9 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from mograph._traverse import iter_nodes, subgraphs
 from mograph._model_checks import check_declarations
 from mograph._tempfiles import owned_tempdir
+from mograph._traverse import iter_nodes, subgraphs
 from mograph.errors import InternalError, ModelError, UsageError
 
 __all__ = [

@@ -41,10 +41,10 @@ from typing import Union
 
 import numpy as np
 import onnx_ir as ir
-from mograph._traverse import iter_nodes
 from mograph.passes.cleanup._util import op_histogram
 from onnx_ir.passes import common as irp
 
+from mograph._traverse import iter_nodes
 from mograph.irutil import fresh_name, unique_initializer_name
 from mograph.pass_infra import Option, Pass, PassResult
 
