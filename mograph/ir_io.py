@@ -696,6 +696,12 @@ def _own_data_files(dest: Path) -> list[Path]:
     """The data files the model at ``dest`` reads that a save of ``dest`` wrote (``<name>[.<id>].data``
     beside it); files named otherwise may be shared with other models and are never removed."""
     ours = re.compile(re.escape(dest.name) + r"(\.[0-9a-f]{8})?\.data")
+    try:
+        present = any(ours.fullmatch(name) for name in os.listdir(dest.parent))
+    except OSError:
+        present = True  # cannot tell: read the model to find out
+    if not present:  # nothing of ours to remove: do not read (a possibly large) old model at all
+        return []
     return [dest.parent / loc for loc in _locations(dest) if ours.fullmatch(loc)]
 
 
