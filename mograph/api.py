@@ -135,7 +135,8 @@ def run_passes(
     if mode == "each":
         wrappers.append(_VerifyEach(verifier))
     try:
-        PassManager(list(passes), hook=reg.pm.hook, check_modified=check_modified, instruments=wrappers).run(model, report)
+        PassManager(list(passes), hook=reg.pm.hook, check_modified=check_modified, instruments=wrappers,
+                    sources=reg.pass_source).run(model, report)
     except VerificationError as exc:  # --verify each: the report so far goes with the error
         report.verification = exc.report if isinstance(exc.report, dict) else None
         exc.pipeline_report = report

@@ -38,7 +38,7 @@ import onnx
 import onnx_ir as ir
 
 from mograph._model_checks import check_declarations
-from mograph._tempfiles import owned_tempdir
+from mograph._tempfiles import owned_tempdir, sweep_stale
 from mograph._traverse import iter_nodes, subgraphs
 from mograph.errors import InternalError, ModelError, UsageError
 
@@ -46,6 +46,7 @@ __all__ = [
     "ModelSource",
     "load_model",
     "save_model",
+    "sweep_save_leftovers",
     "to_format",
     "model_size_bytes",
     "copy_model",
@@ -590,6 +591,7 @@ def save_model(
         )
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
+        sweep_save_leftovers(dest.parent)  # a killed save of any model in this folder, not just this one
         tmp = owned_tempdir(f".{dest.name}.", dir=dest.parent)
     except OSError as exc:  # an output folder that cannot be created or written is the user's to fix
         raise UsageError(f"cannot write {dest}: {exc.strerror or exc}") from exc
@@ -678,6 +680,18 @@ def _write_inline(model: ir.Model, path: Path) -> None:
             f.write(b"\x2a" + _varint(n))  # GraphProto.initializer: field 5, length-delimited
             f.write(data)
             del data
+
+
+def sweep_save_leftovers(folder: str | os.PathLike) -> list[Path]:
+    """Remove what saves into ``folder`` left when their process was killed; return what was removed.
+
+    A save writes into a hidden folder ``.<name>.<random>`` beside its destination that holds a lock
+    file locked by the saving process (:mod:`mograph._tempfiles`); such a folder whose lock nobody
+    holds is a dead save's (a SIGKILL mid-write leaves the partial model and data there).  Every run
+    that writes into ``folder`` calls this first, whatever model it writes; folders without the lock
+    file, and live saves (locked), are never touched.
+    """
+    return sweep_stale(folder, ".")
 
 
 #: ``model.meta`` key holding the resolved path a model was loaded from.

@@ -168,6 +168,8 @@ def run(args: argparse.Namespace) -> CommandResult:
         raise UsageError(f"refusing to write over the input model {src}; choose another -o")
     if args.output:  # the default output lies beside the input (or in the current folder)
         _check_folder(out, "-o")
+    if out.parent.is_dir():  # what a killed run left where this one writes goes first (the save sweeps too)
+        ir_io.sweep_save_leftovers(out.parent)
     if args.report:
         _check_folder(Path(args.report), "--report")
     if args.device and not args.verify and "device" not in get_registry(args.block_plugin).all_options():
