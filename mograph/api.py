@@ -12,6 +12,8 @@ model in the same form it was given (a path gives an ``onnx_ir.Model``).
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -97,9 +99,20 @@ class _VerifyEach:
         return result
 
 
+def _did_you_mean(key: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _verifier(original: ir.Model, verify_options: dict[str, Any]) -> Any:
     from mograph.validate import Verifier
 
+    known = [k for k in inspect.signature(Verifier.__init__).parameters if k not in ("self", "original")]
+    for key in verify_options:
+        if key not in known:
+            raise OptionError(
+                f"unknown verify option {key!r}{_did_you_mean(key, known)}; known: {', '.join(sorted(known))}"
+            )
     return Verifier(original, **verify_options)
 
 
@@ -235,6 +248,7 @@ def optimize(
     blocked: Iterable[str] = (),
     instruments: Sequence[Instrument] = (),
     check_output: bool = True,
+    strict: bool = False,
 ) -> tuple[Any, PipelineReport]:
     """Run a pipeline of passes; return ``(optimized_model, report)``.
 
@@ -245,7 +259,8 @@ def optimize(
             ``lower`` step is appended when a pass writes fused ops or ``target`` is given
             (:meth:`mograph.plugins.Registry.plan`), and the report lists it like any pass.
         options: pass options by name (``{"target": "ort", "fold_limit": 1024}``); each pass takes
-            the ones it declares. Unknown names are an error.
+            the ones it declares. Unknown names are an error (with a did-you-mean); a known option
+            that no pass of the pipeline reads is a warning (an error with ``strict``).
         verify: ``True``/``"end"`` to compare the final model's outputs with the original's,
             ``"each"`` to check after every pass and name the first that drifts. A failed check
             raises :class:`mograph.VerificationError`; its ``model`` is the model that failed (after
@@ -270,6 +285,8 @@ def optimize(
                 mograph.optimize("m.onnx", "cleanup", instruments=[progress])
         check_output: check the result with the ONNX checker and an ONNX Runtime load (see
             :mod:`mograph.output_check`); ``False`` skips it (a failed check is a pass error).
+        strict: an option that no pass of the pipeline reads is an :class:`~mograph.errors.OptionError`
+            (exit 2) instead of a logged warning.
 
     Returns:
         The optimized model in the form given (a path gives an ``onnx_ir.Model``) and the report.
@@ -277,11 +294,23 @@ def optimize(
     reg = get_registry(blocked)
     options = dict(options or {})
     declared = reg.all_options()
-    unknown = [k for k in options if k.replace("-", "_") not in declared]
-    if unknown:
-        raise OptionError(f"unknown option(s) {unknown}; `mograph passes --json` lists each pass's options")
+    for key in options:
+        if key.replace("-", "_") not in declared:
+            raise OptionError(
+                f"unknown option {key!r}{_did_you_mean(key.replace('-', '_'), declared)}; "
+                "`mograph passes --json` lists each pass's options"
+            )
     options = {k.replace("-", "_"): v for k, v in options.items()}
     names = reg.plan(passes if isinstance(passes, str) else list(passes), options)
+    unread = reg.unread_options(names, options)
+    if unread:
+        what = "; ".join(
+            f"{k!r} (read by {', '.join(v)})" if v else repr(k) for k, v in unread.items()
+        )
+        message = f"option(s) that no pass of the pipeline {names} reads: {what}"
+        if strict:
+            raise OptionError(message)
+        logger.warning("%s; ignored", message)
     instances = reg.instantiate(names, options)
     ir_model = ir_io.load_model(model)
     try:

@@ -341,6 +341,16 @@ class Registry:
             passes.append(pcls(**mine))
         return passes
 
+    def unread_options(self, names: Iterable[str], options: dict[str, Any]) -> dict[str, list[str]]:
+        """Options given (not ``None``) that no pass of ``names`` declares: key -> the passes that would read it."""
+        declared = self.all_options()
+        taken = {o.key for n in names if n in self.passes for o in self.passes[n].options}
+        return {
+            k: list(declared[k][1]) if k in declared else []
+            for k, v in options.items()
+            if v is not None and k not in taken
+        }
+
     def all_options(self) -> dict[str, tuple[Any, list[str]]]:
         """Every declared option: key -> (Option, [pass names declaring it])."""
         out: dict[str, tuple[Any, list[str]]] = {}

@@ -178,9 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             with terminate_as_exception():  # so temporary folders are removed on SIGTERM too
                 result = args.run(args)
-        except MographError as exc:
-            return _fail(args, str(exc), exc.exit_code)
-        except InternalError as exc:
+        except InternalError as exc:  # a MographError too: caught first, it is a bug to report
             if verbose:
                 original = exc.__cause__ if exc.__cause__ is not None else exc
                 sys.stderr.write("".join(traceback.format_exception(original)))
@@ -188,6 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 hint = "a bug: please report it; run with -v for the traceback"
             return _fail(args, f"{exc} ({hint})", exc.exit_code)
+        except MographError as exc:
+            return _fail(args, str(exc), exc.exit_code)
         except KeyboardInterrupt:
             sys.stderr.write("mograph: interrupted\n")
             return 130

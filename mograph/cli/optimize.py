@@ -68,6 +68,11 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--report", metavar="FILE.json", help="write the full report (per-pass stats, timing, checks) as JSON")
     p.add_argument("--explain", action="store_true", help="show why rules did or did not apply (near misses and reasons)")
     p.add_argument(
+        "--strict",
+        action="store_true",
+        help="a pass option that no pass of the pipeline reads is an error (exit 2), not a warning",
+    )
+    p.add_argument(
         "--check-modified",
         action="store_true",
         help="debug: fail a pass that reports 'unchanged' but changed the graph",
@@ -190,6 +195,10 @@ def run(args: argparse.Namespace) -> CommandResult:
         options["device"] = args.device  # kept only if a pass declares it (below)
     options = {k: v for k, v in options.items() if k in reg.all_options()}
     names = reg.plan(args.passes, options)  # the report names the pipeline as it runs, lower included
+    # --shape, --explain, --device serve the command too (verification feeds, the report): handed to passes
+    # only where one of the pipeline reads them, never warned about.
+    taken = {o.key for n in names for o in reg.passes[n].options}
+    options = {k: v for k, v in options.items() if k not in _OWN or k in taken}
     instruments = [] if (args.json or args.quiet) else [_Progress()]
     verify_options: dict[str, Any] = {"shapes": shapes, "feeds": args.feeds, "seed": args.seed}
     if args.device:
@@ -207,6 +216,7 @@ def run(args: argparse.Namespace) -> CommandResult:
             check_modified=args.check_modified,
             blocked=args.block_plugin,
             instruments=instruments,
+            strict=args.strict,
         )
     except VerificationError as exc:
         raise _keep_failed(exc, src, out, names, args, external) from exc
