@@ -66,7 +66,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random verification feeds (default 0)")
     add_feed_limit_argument(p, "random verification feeds")
     p.add_argument("--report", metavar="FILE.json", help="write the full report (per-pass stats, timing, checks) as JSON")
-    p.add_argument("--explain", action="store_true", help="show why rules did or did not apply (near misses and reasons)")
+    p.add_argument("--explain", action="store_true",
+                   help="show the rules that fused or nearly fused, each near miss and unfused region with its reason "
+                   "(--json: every rule's figures in the passes' details)")
     p.add_argument(
         "--strict",
         action="store_true",
@@ -150,13 +152,47 @@ def _summary(report: Any, out: Path | None) -> str:
     return "\n".join(lines)
 
 
+def _region_text(r: dict[str, Any]) -> str:
+    """One unfused region (``unfused_regions``) or unfused Softmax (``unfused_softmax``) as a line."""
+    where = f"{r.get('op', 'Softmax')} '{r.get('anchor') or r.get('softmax') or '?'}'"
+    text = f"    unfused {where}: "
+    if r.get("rule"):
+        stop = f" at '{r['failed_at']}' ({r.get('failed_at_op')})" if r.get("failed_at") else ""
+        text += f"{r['rule']} got furthest ({r.get('nodes_matched', '?')} node(s) from '{r.get('root')}'), stopped{stop}: "
+    text += str(r.get("reason") or "no reason given")
+    if r.get("constants_off"):
+        text += "; constants off: " + "; ".join(map(str, r["constants_off"]))
+    return text
+
+
 def _explain_text(report: Any) -> str:
+    """``--explain`` for people: per pass, the rules that fused or nearly fused (each near miss with its
+    reason), and the regions left unfused; rules with no candidate are left out (``--json`` has them all)."""
     lines = []
     for p in report.passes:
-        if p.details:
-            lines.append(f"== {p.name}")
-            lines.append(json.dumps(p.details, indent=2, default=str))
-    return "\n".join(lines) if lines else "(no pass reported details)"
+        details = p.details if isinstance(p.details, dict) else {}
+        body: list[str] = []
+        quiet = 0
+        for rule, e in (details.get("rules") or {}).items():
+            if not isinstance(e, dict) or not (e.get("fused") or e.get("near_misses")):
+                quiet += 1
+                continue
+            variants = e.get("variants") or {}
+            vtext = f" [{', '.join(f'{k}: {v}' for k, v in variants.items())}]" if variants else ""
+            body.append(f"  {rule}: {e.get('fused', 0)} fused, {e.get('near_misses', 0)} near miss(es){vtext}")
+            for m in e.get("near_miss_list") or []:
+                body.append(f"    near miss at '{m.get('root')}': {m.get('reason')}")
+        for key in ("unfused_regions", "unfused_softmax"):
+            body.extend(_region_text(r) for r in details.get(key) or [] if isinstance(r, dict))
+        for key, value in details.items():
+            if key in ("rules", "unfused_regions", "unfused_softmax") or value in (None, [], {}):
+                continue
+            shown = value if isinstance(value, (str, int, float, bool)) else json.dumps(value, default=str)
+            body.append(f"  {key}: {shown}")
+        if body:
+            lines.append(f"== {p.name}" + (f" ({quiet} rule(s) without candidates not shown)" if quiet else ""))
+            lines.extend(body)
+    return "\n".join(lines) if lines else "(no rule matched or nearly matched)"
 
 
 def run(args: argparse.Namespace) -> CommandResult:
