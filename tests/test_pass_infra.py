@@ -484,6 +484,6 @@ def test_the_cli_progress_is_an_instrument_not_a_registered_plugin(tmp_path, cap
     mograph.save(_model(), str(src))
     assert main(["optimize", str(src), "--passes", "eliminate-identity,topo-sort"]) == 0
     err = capsys.readouterr().err
-    assert "[1] eliminate-identity ...\n[2] topo-sort ...\n" in err
+    assert "[1/2] eliminate-identity ...\n[2/2] topo-sort ...\n" in err
     names = {name for name, _ in mograph.plugins.get_registry().pm.list_name_plugin()}
     assert not any("progress" in name or "verify" in name for name in names)

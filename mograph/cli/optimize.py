@@ -17,6 +17,7 @@ from mograph.cli._common import (
     model_source,
 )
 from mograph.errors import MographError, UsageError, VerificationError
+from mograph.progress import ProgressInstrument
 from mograph.specs import parse_shapes
 
 __all__ = ["add_parser", "run"]
@@ -117,19 +118,6 @@ def _shown(default: Any, metavar: str | None) -> str:
     if isinstance(default, bool) and metavar and "yes" in metavar:
         return "yes" if default else "no"
     return str(default)
-
-
-class _Progress:
-    """Instrument of one ``mograph optimize`` run: ``[i] pass-name ...`` on stderr before each pass."""
-
-    def __init__(self) -> None:
-        self.i = 0
-
-    def mograph_run_pass(self, pass_: Any, model: Any, context: dict[str, Any]):  # type: ignore[no-untyped-def]
-        self.i += 1
-        sys.stderr.write(f"[{self.i}] {pass_.name} ...\n")
-        sys.stderr.flush()
-        return (yield)
 
 
 def _summary(report: Any, out: Path | None) -> str:
@@ -235,7 +223,8 @@ def run(args: argparse.Namespace) -> CommandResult:
     # only where one of the pipeline reads them, never warned about.
     taken = {o.key for n in names for o in reg.passes[n].options}
     options = {k: v for k, v in options.items() if k not in _OWN or k in taken}
-    instruments = [] if (args.json or args.quiet) else [_Progress()]
+    # [i/N] per pass and a bar inside long passes (mograph.progress); nothing under -q or --json
+    instruments = [] if (args.json or args.quiet) else [ProgressInstrument(len(names))]
     verify_options: dict[str, Any] = {"shapes": shapes, "feeds": args.feeds, "seed": args.seed}
     if args.device:
         verify_options["device"] = args.device

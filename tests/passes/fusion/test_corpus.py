@@ -137,6 +137,6 @@ def test_explain_on_a_near_miss_export(tmp_path: Path, capsys: pytest.CaptureFix
     assert main(["optimize", str(CORPUS / "nearmiss_torch_ts14.onnx"), "-o", str(out), "--passes", "fuse",
                  "--explain", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)  # --json: every rule's figures, as data
-    details = {p["name"]: p["details"] for p in data["passes"]}
+    details = {p["name"]: p.get("details") or {} for p in data["passes"]}
     assert details["fuse-gelu"]["unfused_regions"][0]["anchor"] == "/Tanh"
     assert details["fuse-rmsnorm"]["rules"]["RMSNormScaleFusion"]["candidates"] == 0
