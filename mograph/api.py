@@ -22,10 +22,10 @@ from typing import Any, Literal
 import onnx_ir as ir
 
 from mograph import ir_io
-from mograph.errors import OptionError, PassFailedError, UsageError, VerificationError
+from mograph.errors import InternalError, OptionError, PassFailedError, UsageError, VerificationError
 from mograph.hookspecs import hookimpl
 from mograph.pass_infra import Instrument, Pass, PassManager, PassResult, PipelineReport
-from mograph.plugins import get_registry
+from mograph.plugins import describe_plugin, get_registry
 
 __all__ = ["optimize", "run_passes", "list_passes", "load", "save", "VerifyMode"]
 
@@ -147,7 +147,16 @@ def run_passes(
     if mode == "each":
         wrappers.append(_VerifyEach(verifier))
     try:
-        PassManager(list(passes), hook=reg.pm.hook, check_modified=check_modified, instruments=wrappers).run(model, report)
+        try:
+            PassManager(list(passes), hook=reg.pm.hook, check_modified=check_modified, instruments=wrappers).run(
+                model, report
+            )
+        except InternalError as exc:  # a third-party pass crashed: say whose it is, so the bug goes to them
+            source = reg.pass_source.get(exc.pass_name)
+            owner = describe_plugin(source) if source and exc.plugin is None else None
+            if owner is None:
+                raise
+            raise InternalError(exc.pass_name, exc.detail, plugin=owner) from (exc.__cause__ or exc)
     except VerificationError as exc:  # --verify each: the report so far goes with the error
         report.verification = exc.report if isinstance(exc.report, dict) else None
         exc.pipeline_report = report

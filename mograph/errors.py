@@ -121,6 +121,10 @@ class InternalError(MographError):
 
     exit_code = 1
 
-    def __init__(self, pass_name: str, message: str) -> None:
-        super().__init__(f"internal error in pass '{pass_name}': {message}")
+    def __init__(self, pass_name: str, message: str, plugin: str | None = None) -> None:
+        where = f" of {plugin}" if plugin else ""
+        super().__init__(f"internal error in pass '{pass_name}'{where}: {message}")
         self.pass_name = pass_name
+        self.detail = message
+        #: Which third-party plugin provides the pass (``plugin 'x' (distribution d 1.0)``), when one does.
+        self.plugin = plugin
