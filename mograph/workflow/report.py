@@ -361,7 +361,6 @@ def _label_spot(
     """Where a label of width ``w`` for the point at ``(px, py)`` can go without touching any label in
     ``placed`` (boxes ``(x0, y0, x1, y1)``) or leaving ``bounds``: beside the point, then further above and
     below, on the preferred side first.  Records the box in ``placed``; ``None`` when nothing is free."""
-    h = 13.0
     sides = [("end", -9.0), ("start", 9.0)] if prefer_left else [("start", 9.0), ("end", -9.0)]
     for k in range(12):
         dy = (-4.0 if k == 0 else (k + 1) // 2 * 14.0 * (1 if k % 2 else -1) - 4.0)
