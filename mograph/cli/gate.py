@@ -43,7 +43,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--max-accuracy-drop", type=float, default=DEFAULT_MAX_ACCURACY_DROP, metavar="X",
                    help=f"largest allowed drop of the accuracy metric, absolute (default {DEFAULT_MAX_ACCURACY_DROP:g})")
     p.add_argument("--max-latency-increase", default=f"{DEFAULT_MAX_LATENCY_INCREASE * 100:g}%", metavar="Y%",
-                   help=f"largest allowed p50 latency increase, percent (default {DEFAULT_MAX_LATENCY_INCREASE * 100:g}%%)")
+                   help="largest allowed latency increase, percent, judged on the lower end of the confidence "
+                   f"interval of the candidate/compared ratio (default {DEFAULT_MAX_LATENCY_INCREASE * 100:g}%%)")
     p.add_argument("--runs", type=int, metavar="N",
                    help="timed runs of each model in one series (default: the ledger's recorded timed runs shared "
                    "over the series, at least 5)")
