@@ -280,8 +280,9 @@ class Verifier:
             old = self.input_dims.get(str(v.name))
             dims = v.shape.dims if v.shape is not None else ()
             for ax, d in enumerate(dims):
-                if not isinstance(d, int) and old and ax < len(old) and isinstance(old[ax], int):
-                    axes.setdefault(str(d), []).append((str(v.name), ax, int(old[ax])))
+                was = old[ax] if old and ax < len(old) else None
+                if not isinstance(d, int) and isinstance(was, int):
+                    axes.setdefault(str(d), []).append((str(v.name), ax, was))
         for sym, places in axes.items():
             old_size = places[0][2]
             batch = all(ax == 0 for _, ax, _ in places) and self._original_copy is not None

@@ -285,6 +285,7 @@ def test_launch_checks_arguments_before_touching_the_gpu():
     launch("Gelu", {}, [1], [2], [(0, 8)], "float32", lib=object())  # empty tensor: nothing to launch
 
 
+@pytest.mark.slow  # where no library is built yet, it compiles the kernels (minutes): not in the quick run
 def test_launch_reports_kernel_status(request, monkeypatch):
     """A NULL pointer is refused by the library itself (no CUDA call), on any machine: the status comes back as an error.
 
