@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
+import os
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
@@ -148,9 +149,8 @@ def run_passes(
         wrappers.append(_VerifyEach(verifier))
     try:
         try:
-            PassManager(list(passes), hook=reg.pm.hook, check_modified=check_modified, instruments=wrappers).run(
-                model, report
-            )
+            PassManager(list(passes), hook=reg.pm.hook, check_modified=check_modified, instruments=wrappers,
+                        sources=reg.pass_source).run(model, report)
         except InternalError as exc:  # a third-party pass crashed: say whose it is, so the bug goes to them
             source = reg.pass_source.get(exc.pass_name)
             owner = describe_plugin(source) if source and exc.plugin is None else None
@@ -257,6 +257,7 @@ def optimize(
     blocked: Iterable[str] = (),
     instruments: Sequence[Instrument] = (),
     check_output: bool = True,
+    device: str | None = None,
     strict: bool = False,
 ) -> tuple[Any, PipelineReport]:
     """Run a pipeline of passes; return ``(optimized_model, report)``.
@@ -294,6 +295,13 @@ def optimize(
                 mograph.optimize("m.onnx", "cleanup", instruments=[progress])
         check_output: check the result with the ONNX checker and an ONNX Runtime load (see
             :mod:`mograph.output_check`); ``False`` skips it (a failed check is a pass error).
+        device: where the model will run (``"cpu"``, ``"cuda"``, ``"cuda:N"``; the CLI's ``--device``): the
+            plugins' precision recipes rewrite the pipeline for it before it is expanded (``int4`` on
+            ``cuda``: weight-only ``MatMulNBits`` then ``fp16``, target ``ort``; see
+            :mod:`mograph.passes.quant.recipe`); the report records the decisions under ``recipe``,
+            and a precision measured slower on that device is a warning there.  ``None``: the
+            pipeline is exactly ``passes``.  It does not say where ``verify`` runs
+            (``verify_options["device"]`` does).
         strict: an option that no pass of the pipeline reads is an :class:`~mograph.errors.OptionError`
             (exit 2) instead of a logged warning.
 
@@ -310,7 +318,16 @@ def optimize(
                 "`mograph passes --json` lists each pass's options"
             )
     options = {k.replace("-", "_"): v for k, v in options.items()}
-    names = reg.plan(passes if isinstance(passes, str) else list(passes), options)
+    given, options, recipe = reg.recipe(passes if isinstance(passes, str) else list(passes), options, device)
+    names = reg.plan(given, options)
+    # The passes' output files (--precision-plan-out) against the model and what the passes read, before any work.
+    from mograph._paths import check_io, model_files, option_io
+
+    writes, reads = option_io(declared, options)
+    if isinstance(model, (str, os.PathLike)):
+        files = model_files(model)
+        reads = [*(("the input model", f) for f in files[:1]), *(("the input model's external data", f) for f in files[1:]), *reads]
+    check_io(writes, reads)
     unread = reg.unread_options(names, options)
     if unread:
         what = "; ".join(
@@ -335,5 +352,11 @@ def optimize(
         )
     except VerificationError as exc:  # the failed model goes with the error, for inspection
         exc.model = ir_io.to_format(ir_model, model)
+        if recipe is not None and isinstance(exc.pipeline_report, PipelineReport):
+            exc.pipeline_report.extra["recipe"] = recipe
         raise
+    if recipe is not None:
+        report.extra["recipe"] = recipe
+        for line in recipe.get("warnings", []):
+            logger.warning("%s", line)
     return ir_io.to_format(ir_model, model), report

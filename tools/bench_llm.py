@@ -27,7 +27,8 @@ A variant spec is ``NAME=EXPORT:PASSES[:EXTRA CLI ARGS]``, e.g. ``mograph-ts=ts:
 or ``mograph-ts-shared=ts:cleanup,fuse,fp16:--target ort --kv-cache shared``; mograph runs as
 ``python -m mograph optimize`` on the export of the cell's kind (prefill or decode graph).
 
-Usage (the H200; ``../shared/gpu/README.md`` says how to carry onnxruntime-gpu and onnxruntime-genai)::
+Usage (the H200, with onnxruntime-gpu and onnxruntime-genai installed there; the device has no network, so their
+wheels are carried over by a script kept outside this repository)::
 
     python tools/bench_llm.py prepare --models smollm --cache /tmp/llm          # HF folder, builder, exports, mograph
     python tools/bench_llm.py time --models smollm --cache /tmp/llm --out r.jsonl
@@ -433,20 +434,32 @@ def torch_reference(spec: Spec, hf: Path, device: str, ids: np.ndarray) -> tuple
 
 
 def greedy(prefill: Graph, decode: Graph, spec: Spec, ids: np.ndarray, shared: bool) -> tuple[np.ndarray, list[int]]:
+    """Prefill ``ids`` then STEPS greedy tokens; with ``shared``, the decode steps run over one static buffer per
+    layer (bound as both past and present, the mask as long as the buffer), filled by the prefill: in place
+    where the prefill graph takes the buffer too, else copied from its presents once."""
     n = ids.shape[1]
     cap = n + STEPS
-    if shared:
+    if shared and prefill.past:
         past = {k: prefill.value(np.zeros((1, spec.kv, cap, spec.head), prefill.kv_dtype)) for k in decode.past}
         mask = np.zeros((1, cap), np.int64)
         mask[:, :n] = 1
-        first = Step(prefill, ids, mask, past if prefill.past else None, shared and bool(prefill.past))
+        first = Step(prefill, ids, mask, past, True)
     else:
         empty = {k: prefill.value(np.zeros((1, spec.kv, 0, spec.head), prefill.kv_dtype)) for k in prefill.past}
         first = Step(prefill, ids, np.ones((1, n), np.int64), empty or None, False)
     first.run()
     logits = first.logits()
     tok, tokens = int(logits[0, -1].argmax()), []
-    cache = past if shared else first.presents()
+    cache = first.presents()
+    if shared and not prefill.past:
+        buffers = {}
+        for k, v in cache.items():
+            buf = np.zeros((1, spec.kv, cap, spec.head), decode.kv_dtype)
+            buf[:, :, :n] = v.numpy()
+            buffers[k] = decode.value(buf)
+        cache = buffers
+    elif shared:
+        cache = past
     for i in range(STEPS):
         tokens.append(tok)
         total = n + i + 1

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mograph._paths import Named, check_io, model_files, option_io, spec_files, write_text
+from mograph._paths import check_writable_folder as _check_folder
 from mograph.cli import CommandResult
 from mograph.cli._common import (
     add_device_argument,
@@ -58,9 +60,11 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     add_device_argument(
         p,
-        "where --verify runs both models: cpu (default) or cuda / cuda:N (ONNX Runtime's CUDA provider, its "
-        "optimizations and TF32 off, so fused ops are checked on the CUDA kernels; needs onnxruntime-gpu, exit 7 "
-        "without it)",
+        "where the model will run: cpu or cuda / cuda:N. It picks the precision recipe (int4/int8 on cuda: "
+        "weight-only MatMulNBits with fp16 activations, --target ort; on cpu: weight-only int4, Q/DQ int8; "
+        "--target tensorrt keeps explicit Q/DQ; a precision measured slower on the device is a warning), and "
+        "with --verify it is where both models run (ONNX Runtime's CUDA provider, its optimizations and TF32 off; "
+        "needs onnxruntime-gpu, exit 7 without it)",
     )
     p.add_argument("--feeds", metavar="FILE.npz", help="use these input feeds for verification instead of random ones")
     p.add_argument("--seed", type=int, default=0, help="seed of the random verification feeds (default 0)")
@@ -83,7 +87,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "--external-data",
         action="store_true",
         help="save initializers to OUT.data beside the model (OUT.<id>.data when replacing an earlier output, "
-        "so the old pair stays whole until the switch)",
+        "so the old pair stays whole until the switch); without it, chosen when they need 256 MiB or more "
+        "or the input had external data",
     )
     group = p.add_argument_group("pass options (each pass reads the ones it declares)")
     try:
@@ -131,6 +136,10 @@ def _summary(report: Any, out: Path | None) -> str:
         warning = p.details.get("WARNING") if isinstance(p.details, dict) else None
         if warning:
             lines.append(f"WARNING ({p.name}): {warning}")
+    recipe = report.extra.get("recipe")
+    if recipe:
+        for d in recipe.get("decisions", []):
+            lines.append(f"recipe ({recipe['device']}): {d['precision']} -> {','.join(d['passes'])}")
     if report.verification is not None:
         v = report.verification
         lines.append(f"verify: {v.get('summary', 'passed' if v['passed'] else 'FAILED')}")
@@ -194,15 +203,16 @@ def run(args: argparse.Namespace) -> CommandResult:
         raise UsageError(f"refusing to write over the input model {src}; choose another -o")
     if args.output:  # the default output lies beside the input (or in the current folder)
         _check_folder(out, "-o")
+    if out.parent.is_dir():  # what a killed run left where this one writes goes first (the save sweeps too)
+        ir_io.sweep_save_leftovers(out.parent)
     if args.report:
         _check_folder(Path(args.report), "--report")
-    if args.device and not args.verify and "device" not in get_registry(args.block_plugin).all_options():
-        raise UsageError("--device says where --verify runs; give --verify too")
     if args.device:
         from mograph.backends.ort import parse_device, require_device
 
         parse_device(args.device)
-        require_device(args.device)  # exit 7 naming onnxruntime-gpu, before any pass runs
+        if args.verify:
+            require_device(args.device)  # exit 7 naming onnxruntime-gpu, before any pass runs
     reg = get_registry(args.block_plugin)
     shapes = parse_shapes(args.shape)
     options: dict[str, Any] = {}
@@ -217,7 +227,9 @@ def run(args: argparse.Namespace) -> CommandResult:
     if args.device:
         options["device"] = args.device  # kept only if a pass declares it (below)
     options = {k: v for k, v in options.items() if k in reg.all_options()}
-    names = reg.plan(args.passes, options)  # the report names the pipeline as it runs, lower included
+    given, planned, _ = reg.recipe(args.passes, options, args.device)
+    names = reg.plan(given, planned)  # the report names the pipeline as it runs, lower included
+    _check_paths(src, out, args, reg.all_options(), planned)
     # --shape, --explain, --device serve the command too (verification feeds, the report): handed to passes
     # only where one of the pipeline reads them, never warned about.
     taken = {o.key for n in names for o in reg.passes[n].options}
@@ -225,7 +237,7 @@ def run(args: argparse.Namespace) -> CommandResult:
     # [i/N] per pass and a bar inside long passes (mograph.progress); nothing under -q or --json
     instruments = [] if (args.json or args.quiet) else [ProgressInstrument(len(names))]
     verify_options: dict[str, Any] = {"shapes": shapes, "feeds": args.feeds, "seed": args.seed}
-    if args.device:
+    if args.device and args.verify:
         verify_options["device"] = args.device
     if args.feed_limit is not None:
         verify_options["feed_limit"] = args.feed_limit
@@ -233,7 +245,7 @@ def run(args: argparse.Namespace) -> CommandResult:
     try:
         model, report = api.optimize(
             src,
-            names,
+            args.passes,  # api.optimize applies the device's recipe itself (names above is the same plan)
             options=options,
             verify=args.verify,
             verify_options=verify_options,
@@ -241,26 +253,36 @@ def run(args: argparse.Namespace) -> CommandResult:
             blocked=args.block_plugin,
             instruments=instruments,
             strict=args.strict,
+            device=args.device,
         )
     except VerificationError as exc:
         raise _keep_failed(exc, src, out, names, args, external) from exc
     ir_io.save_model(model, out, external_data=external, forbid=src)
     data = {"input": str(src), "output": str(out), "pipeline": names, **report.to_dict()}
     if args.report:
-        Path(args.report).write_text(json.dumps(data, indent=2, default=str))
+        write_text(args.report, json.dumps(data, indent=2, default=str), "--report")
     text = _summary(report, out)
     if args.explain:
         text += "\n" + _explain_text(report)
     return CommandResult(data=data, text=text)
 
 
-def _check_folder(path: Path, flag: str) -> None:
-    """Refuse, before any work, a file whose folder does not exist (mograph creates no folders)."""
-    folder = path.parent
-    if not folder.exists():
-        raise UsageError(f"{flag} {path}: folder {folder} does not exist; create it first")
-    if not folder.is_dir():
-        raise UsageError(f"cannot write {path}: {folder} is not a folder")
+def _check_paths(src: Path, out: Path, args: argparse.Namespace, declared: dict[str, Any], options: dict[str, Any]) -> None:
+    """Every path this run writes against every path it reads (:func:`mograph._paths.check_io`), once,
+    before any work: -o, the model kept when --verify fails, --report and the passes' output files
+    (--precision-plan-out) against the input model, its external data, --feeds and the passes' input
+    files (--precision-plan, --calibration-data)."""
+    opt_writes, opt_reads = option_io(declared, options)
+    for flag, path in opt_writes:
+        _check_folder(path, flag)  # type: ignore[arg-type]
+    writes = [("-o", out), ("--report", args.report), *opt_writes]
+    if args.verify:
+        writes.append(("-o (the model kept when --verify fails)", failed_path(out)))
+    files = model_files(src)
+    reads: list[Named] = [("the input model", src), *(("the input model's external data", f) for f in files[1:])]
+    reads += [("--feeds", f) for f in spec_files(args.feeds)]
+    reads += opt_reads
+    check_io(writes, reads)
 
 
 def failed_path(out: Path) -> Path:
@@ -289,7 +311,7 @@ def _keep_failed(
     verification["passed"] = False
     data["verification"] = verification
     if args.report:
-        Path(args.report).write_text(json.dumps(data, indent=2, default=str))
+        write_text(args.report, json.dumps(data, indent=2, default=str), "--report")
         kept.append(f"report {args.report}")
     message = str(exc) + (f" (kept for inspection: {', '.join(kept)})" if kept else "")
     error = VerificationError(message, report=verification)

@@ -36,6 +36,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from mograph._paths import check_io
 from mograph.errors import UsageError
 
 __all__ = [
@@ -48,7 +49,9 @@ __all__ = [
     "LEDGER_HELP",
     "flatten_row",
     "rows_to_csv",
+    "csv_cell",
     "now_iso",
+    "ledger_paths",
 ]
 
 #: Where a ledger lives when no ``--ledger`` is given.
@@ -132,6 +135,13 @@ def _resolve(path_or_url: str | os.PathLike[str]) -> Path:
     return Path(text)
 
 
+def ledger_paths(path_or_url: str | os.PathLike[str]) -> list[tuple[str, Path]]:
+    """The files writing the ledger writes (the database and SQLite's ``-wal``, ``-shm`` and ``-journal``
+    beside it), named for :func:`mograph._paths.check_io`."""
+    path = _resolve(path_or_url)
+    return [("--ledger", path)] + [(f"--ledger's {s[1:]} file", path.with_name(path.name + s)) for s in ("-wal", "-shm", "-journal")]
+
+
 def _dumps(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=_json_default, allow_nan=True)
 
@@ -172,6 +182,8 @@ class Ledger:
             else:
                 if path.parent and not path.parent.exists():
                     raise LedgerError(f"ledger {path}: folder {path.parent} does not exist")
+                # Never written (nor created) through a symbolic link: it would change the file it points to.
+                check_io(ledger_paths(path), [])
                 self._db = sqlite3.connect(str(path), timeout=60, isolation_level=None)
             self._db.execute("PRAGMA busy_timeout = 60000")
             if not readonly:
@@ -351,8 +363,32 @@ def flatten_row(row: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: What a spreadsheet reads as the start of a formula in a cell (OWASP's list for CSV injection).
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def csv_cell(value: Any) -> Any:
+    """``value`` safe to open in a spreadsheet: a text cell beginning with ``=``, ``+``, ``-``, ``@``, a
+    tab or a carriage return gets a leading ``'`` (so it is not run as a formula); numbers, negative ones
+    included, and text that is a number stay as they are."""
+    if isinstance(value, str) and value.startswith(_FORMULA_START) and not _is_number(value):
+        return "'" + value
+    return value
+
+
 def rows_to_csv(rows: Sequence[Mapping[str, Any]]) -> str:
-    """The rows as CSV text: the fixed fields, then every metric any row has (known ones first)."""
+    """The rows as CSV text: the fixed fields, then every metric any row has (known ones first).
+
+    Every cell goes through :func:`csv_cell` (formula injection: a configuration's name, an error
+    message or a task metric's key are the user's text), the header included."""
     flat = [flatten_row(r) for r in rows]
     metric_cols: list[str] = [f"metric.{k}" for k in METRIC_KEYS if any(f"metric.{k}" in f for f in flat)]
     for f in flat:
@@ -361,8 +397,8 @@ def rows_to_csv(rows: Sequence[Mapping[str, Any]]) -> str:
                 metric_cols.append(k)
     fields = [k for k in ROW_FIELDS if k not in ("metrics", "report", "plan", "profile", "settings")] + metric_cols
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore", lineterminator="\n")
-    writer.writeheader()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow([csv_cell(k) for k in fields])
     for f in flat:
-        writer.writerow(f)
+        writer.writerow([csv_cell(f.get(k)) if f.get(k) is not None else "" for k in fields])
     return buf.getvalue()
