@@ -493,6 +493,7 @@ def lower_model(model: ir.Model, target: str = DEFAULT_TARGET, *, registry: Regi
     if target == "onnx" and upgrade is not None:
         _upgrade_for(model, nodes, upgrade, stats, details)
     ctx = LoweringContext(model, target)
+    unlowered: dict[str, int] = {}
     for node, op in nodes:  # graph order: what is shared is built before its first user
         if node.graph is None:
             continue
@@ -512,7 +513,18 @@ def lower_model(model: ir.Model, target: str = DEFAULT_TARGET, *, registry: Regi
         else:
             key = f"kept.{op.name}"
             logger.debug("%s: %s stays a custom op for target %s", node.name, op.name, target)
+            if target != "mograph" and target not in op.lowerings:
+                unlowered[f"{op.domain}.{op.name}"] = unlowered.get(f"{op.domain}.{op.name}", 0) + 1
         stats[key] = int(stats.get(key, 0)) + 1
+    if unlowered:  # never silent: the target may not run these nodes (TensorRT has no kernel for a plugin's op)
+        what = ", ".join(f"{k} x{n}" for k, n in sorted(unlowered.items()))
+        sources = registry.custom_op_source
+        owners = sorted({sources.get(tuple(k.rsplit(".", 1)), "?") for k in unlowered})  # type: ignore[arg-type]
+        message = (f"no lowering for target '{target}' of {what} (declared by {', '.join(owners)}): kept as the "
+                   "custom op with its function body; the target may not run it")
+        logger.warning("%s: %s", LOWER_PASS, message)
+        details["no_lowering"] = dict(sorted(unlowered.items()))
+        details["WARNING"] = message
     for shared_key in ctx.shared:
         if shared_key and isinstance(shared_key[0], str):
             stats[shared_key[0]] = int(stats.get(shared_key[0], 0)) + 1

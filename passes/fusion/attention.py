@@ -432,10 +432,60 @@ def _flat_transposed(outer: ir.Node) -> Heads | str:
     ok = (a is not None and b is not None and c is not None and len(a) == 4 and len(b) == 3 and len(c) == 4
           and same_dim(b[1], a[2]) and same_dim(b[2], a[3]) and same_dim(c[0], a[0]) and same_dim(c[1], a[1])
           and same_dim(c[2], a[3]) and same_dim(c[3], a[2]))
+    if not ok and kh is not None:  # dims left unknown by shape inference: read the targets (dynamo at opset 17)
+        want_inner = [None, ("dim", kh, 2), ("dim", kh, 3)]  # [-1 (= B*N), T, D]
+        want_outer = [("dim", kh, 0), ("dim", kh, 1), ("dim", kh, 3), ("dim", kh, 2)]  # [B, N, D, T]
+        got_inner, got_outer = _shape_vector(inner.inputs[1]), _shape_vector(outer.inputs[1])
+        ok = (got_inner is not None and got_outer is not None and len(got_inner) == 3
+              and got_inner[0] == -1 and got_inner[1:] == want_inner[1:] and got_outer == want_outer)
     if not ok:
-        return (f"key: cannot prove Reshape '{inner.name}' / Transpose / Reshape '{outer.name}' swap the last two dims "
-                "(shapes unknown: run infer-shapes first)")
+        return (f"key: cannot prove Reshape '{inner.name}' / Transpose / Reshape '{outer.name}' swap the last two dims: "
+                "their shapes are not known statically and their targets are not read from the key heads' own shape")
     return _repeated(kh, "key")  # type: ignore[arg-type]
+
+
+def _shape_vector(value: ir.Value | None) -> list[Any] | None:
+    """A Reshape target as entries: an int (a constant) or ``("dim", X, i)`` (dim ``i`` of ``X``, ``i >= 0``),
+    for a constant or a ``Concat`` of constants, ``Shape(X)`` (with start/end) and ``Slice``s of one with
+    constant bounds; ``None`` for any other computation."""
+    if value is None:
+        return None
+    const = ir.convenience.get_const_tensor(value)
+    if const is not None:
+        return [int(v) for v in np.asarray(const.numpy()).reshape(-1)]
+    node = value.producer()
+    if node is None or node.domain not in ("", "ai.onnx"):
+        return None
+    if node.op_type == "Concat":
+        out: list[Any] = []
+        for part in node.inputs:
+            entries = _shape_vector(part)
+            if entries is None:
+                return None
+            out += entries
+        return out
+    if node.op_type == "Shape":
+        x = node.inputs[0]
+        if x is None or x.shape is None:
+            return None
+        rank = len(x.shape)
+        start_attr, end_attr = node.attributes.get("start"), node.attributes.get("end")
+        start = start_attr.as_int() if start_attr is not None else 0
+        end = end_attr.as_int() if end_attr is not None else rank
+        return [("dim", x, i) for i in range(*slice(start, end).indices(rank))]
+    if node.op_type == "Slice" and len(node.inputs) >= 3:
+        whole = _shape_vector(node.inputs[0])
+        bounds = [_shape_vector(v) if v is not None else None for v in node.inputs[1:5]]
+        if whole is None or any(b is None or len(b) != 1 or not isinstance(b[0], int)
+                                for b in bounds[:2]):
+            return None
+        if len(bounds) > 2 and node.inputs[3] is not None and bounds[2] != [0]:
+            return None  # only axis 0 of a vector
+        if len(bounds) > 3 and node.inputs[4] is not None and bounds[3] != [1]:
+            return None
+        start, end = bounds[0][0], bounds[1][0]  # type: ignore[index]
+        return whole[slice(start, end)]
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
