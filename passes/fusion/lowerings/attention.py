@@ -1190,11 +1190,11 @@ def _rotary_positions(f: ir.Value, q: ir.Value, past: ir.Value | None) -> tuple[
         return None
     for a, b in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
         inv = constant_array(b)
-        if inv is None or inv.ndim != 1 or inv.dtype != np.float32:
+        if inv is None or inv.ndim != 1 or inv.dtype not in (np.float32, np.float16):
             continue
         value = a
-        cast = _producer(value, "Cast")
-        if cast is None or int(attr_value(cast, "to", 0)) != ir.DataType.FLOAT.value:
+        cast = _producer(value, "Cast")  # (float16 after the fp16 pass)
+        if cast is None or int(attr_value(cast, "to", 0)) not in (ir.DataType.FLOAT.value, ir.DataType.FLOAT16.value):
             continue
         value = cast.inputs[0]
         pos = value
@@ -1510,6 +1510,7 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
         seqlens, total = _gqa_lengths(xq, xq, 1, None, None, new_nodes, ctx.shared)
     present_k = _present_key_output(graph, xk, f, rscale) if ck is None else None
     present_v = _present_value_output(graph, v_new) if ck is None else None
+    logger.debug("%s: present outputs found: key %s, value %s", node.name, present_k, present_v)
     packed = _packed_qkv([xq, xk, v_new], graph, new_nodes)
     qkv: list[ir.Value | None] = [packed, None, None] if packed is not None else [xq, xk, v_new]
     attrs = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": scale, "do_rotary": 1, "rotary_interleaved": 0}
