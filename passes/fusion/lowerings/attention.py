@@ -91,10 +91,11 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
-from mograph.passes.fusion.attention_op import MASK_FORMAT_KEY
+from mograph.passes.fusion.attention_op import KV_CACHE_KEY, MASK_FORMAT_KEY
 from mograph.passes.fusion.ops import FLOAT_TYPES
 
 from mograph.custom_ops import Lowering
+from mograph.errors import PassFailedError
 from mograph.irutil import add_initializer, attr_value, is_zero, same_dim
 from mograph.lowering import LoweringContext, replace_node
 from mograph.patterns import constant_array, remove_dead_producers, scalar_value
@@ -822,6 +823,9 @@ def _lower_ort(node: ir.Node, ctx: LoweringContext) -> bool:
     attrs: dict[str, Any] = {"num_heads": heads, "scale": float(attr_value(node, "scale", 1.0))}
     if _lower_gqa(node, ctx, heads, kv_heads, attrs["scale"]):
         return True
+    if node.metadata_props.get(KV_CACHE_KEY) == "shared" and _kv_cache(k) is not None:
+        raise PassFailedError("lower", f"--kv-cache shared: attention '{node.name}' over a KV cache cannot become "
+                              "GroupQueryAttention with rotary inside (run with -v for why); drop --kv-cache shared")
     if _lower_cached(node, ctx, heads, kv_heads, attrs):
         return True
     fmt = node.metadata_props.get(MASK_FORMAT_KEY, "bias")
@@ -1456,7 +1460,8 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
     q, k, v, bias = node.inputs
     graph = node.graph
     assert graph is not None and q is not None and k is not None and v is not None and bias is not None
-    fmt = node.metadata_props.get(MASK_FORMAT_KEY, "bias")
+    shared = node.metadata_props.get(KV_CACHE_KEY) == "shared"
+    fmt = "lengths" if shared else node.metadata_props.get(MASK_FORMAT_KEY, "bias")
     if fmt == "raw" or heads % kv_heads:
         return _no_gqa(node, "--mask-format raw, or query heads not a multiple of the K/V heads")
     ck, cv = _kv_cache(k), _kv_cache(v)
@@ -1524,6 +1529,14 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
     if ck is not None and cv is not None:
         _present_outputs(graph, kernel, (ck[2], cv[2]))
         ctx.count("attention.kv_cache")
+        if shared:  # one [B, G, max_sequence_length, D] buffer bound as both past and present
+            for past_v, present in ((ck[0], kernel.outputs[1]), (cv[0], kernel.outputs[2])):
+                for val in (past_v, present):
+                    if val.shape is not None and len(val.shape) == 4:
+                        dims = list(val.shape)
+                        dims[2] = ir.SymbolicDim("max_sequence_length")
+                        val.shape = ir.Shape(dims)
+            ctx.count("attention.kv_cache_shared")
     else:
         for old, new in ((present_k, kernel.outputs[1]), (present_v, kernel.outputs[2])):
             if old is not None:

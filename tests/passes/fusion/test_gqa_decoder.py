@@ -136,3 +136,71 @@ def test_fp16_decode_keeps_gqa(exports: Any, tmp_path: Path) -> None:
     assert ops["GroupQueryAttention"] == 2 and ops["MatMul"] == 11, ops
     half = {k: (v.astype(np.float16) if v.dtype == np.float32 else v) for k, v in feeds.items()}
     assert _max_diff(_run(path, feeds), _run(model, half)) < 5e-3
+
+
+MAX_LEN = 32
+
+
+def test_kv_cache_shared_greedy_loop_matches_the_export(exports: Any) -> None:
+    """``--kv-cache shared``: each layer's past and present bound to ONE ``[B, G, MAX, D]`` buffer (ONNX Runtime IO
+    binding, the same OrtValue as input and output), the ``[B, MAX]`` mask ones then zeros: every step has the same
+    shapes, and a greedy loop gives the export's logits and tokens (the export run with its growing Concat cache)."""
+    path = exports("llama", "decode", "dynamo")
+    model = _optimize(path, kv_cache="shared")
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert ops["GroupQueryAttention"] == 2 and ops["Concat"] == 0, ops
+    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+            for v in list(model.graph.input) + list(model.graph.output)}
+    assert dims["past_key_values.0.key"][2] == "max_sequence_length" == dims["present.0.key"][2]
+    cfg = de.config("llama", **CFG)
+    start = de.feeds(cfg, "decode", batch=1, seq=1, past=3)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    ref = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    opt = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    layers = cfg.num_hidden_layers
+    names = [f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+    # reference: the export, cache grown by its Concat
+    feeds = dict(start)
+    ref_logits, ref_tokens = [], []
+    for _ in range(6):
+        out = ref.run(None, feeds)
+        ref_logits.append(out[0])
+        token = int(out[0][0, -1].argmax())
+        ref_tokens.append(token)
+        past_len = out[1].shape[2]
+        feeds = {"input_ids": np.array([[token]], dtype=np.int64),
+                 "attention_mask": np.ones((1, past_len + 1), dtype=np.int64)}
+        feeds.update({n: o for n, o in zip(names, out[1:])})
+    # shared: one static buffer per past/present pair
+    buffers = {}
+    for n in names:
+        buf = np.zeros((1, 2, MAX_LEN, 32), dtype=np.float32)
+        buf[:, :, :3] = start[n]
+        buffers[n] = ort.OrtValue.ortvalue_from_numpy(buf)
+    mask = np.zeros((1, MAX_LEN), dtype=np.int64)
+    token_ids = start["input_ids"]
+    length = 4  # 3 past + the new token
+    tokens, max_diff = [], 0.0
+    for step in range(6):
+        mask[0, :length] = 1
+        binding = opt.io_binding()
+        binding.bind_cpu_input("input_ids", token_ids)
+        binding.bind_cpu_input("attention_mask", mask)
+        binding.bind_output("logits")
+        for n in names:
+            binding.bind_ortvalue_input(n, buffers[n])
+            binding.bind_ortvalue_output(n.replace("past_key_values", "present"), buffers[n])
+        opt.run_with_iobinding(binding)
+        logits = binding.copy_outputs_to_cpu()[0]
+        max_diff = max(max_diff, float(np.abs(logits - ref_logits[step]).max()))
+        token = int(logits[0, -1].argmax())
+        tokens.append(token)
+        token_ids = np.array([[token]], dtype=np.int64)
+        length += 1
+    assert tokens == ref_tokens
+    assert max_diff < 1e-5
+    for n, present in zip(names, out[1:]):  # the kernel wrote each step's K/V into the shared buffer in place
+        total = present.shape[2]
+        assert np.abs(buffers[n].numpy()[:, :, :total] - present).max() < 1e-5
+        assert not buffers[n].numpy()[:, :, total:].any()
