@@ -16,6 +16,8 @@ pytest.importorskip("transformers")
 ort = pytest.importorskip("onnxruntime")
 
 import mograph  # noqa: E402
+import onnx_ir as ir  # noqa: E402
+from mograph.cuda_graph import cuda_graph_check  # noqa: E402
 from models import decoder_export as de  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -136,6 +138,15 @@ def test_fp16_decode_keeps_gqa(exports: Any, tmp_path: Path) -> None:
     assert ops["GroupQueryAttention"] == 2 and ops["MatMul"] == 11, ops
     half = {k: (v.astype(np.float16) if v.dtype == np.float32 else v) for k, v in feeds.items()}
     assert _max_diff(_run(path, feeds), _run(model, half)) < 5e-3
+    report = cuda_graph_check(ir.serde.deserialize_model(model))
+    assert report.capturable, report.blockers  # only Shape -> Cast -> Squeeze (total_sequence_length) on the host
+
+
+def test_unlowered_decode_step_is_not_capturable(exports: Any) -> None:
+    """Today's form (MultiHeadAttention, positions and mask computed from shapes) is named as blocking."""
+    model = _optimize(exports("llama", "decode", "dynamo"))
+    report = cuda_graph_check(ir.serde.deserialize_model(model))
+    assert not report.capturable and report.blockers and all(b["reason"] for b in report.blockers)
 
 
 MAX_LEN = 32
