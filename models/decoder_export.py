@@ -23,9 +23,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FAMILIES", "build", "config", "export", "feeds", "input_names", "output_names"]
+__all__ = ["FAMILIES", "SMOLLM2_135M", "build", "config", "export", "feeds", "input_names", "output_names"]
 
 FAMILIES = ("llama", "qwen2")
+
+
+#: SmolLM2-135M's shape (30 layers, hidden 576, 9 query / 3 KV heads of 64, FFN 1536, vocab 49152)
+SMOLLM2_135M = {"layers": 30, "hidden": 576, "heads": 9, "kv_heads": 3, "ffn": 1536, "vocab": 49152, "positions": 8192}
 
 
 def config(family: str, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
@@ -53,18 +57,23 @@ def output_names(cfg: Any) -> list[str]:
     return out
 
 
-def build(cfg: Any, step: str, seed: int = 0) -> Any:
-    """The eval-mode wrapper module (plain tensors in and out)."""
+def build(cfg: Any, step: str, seed: int = 0, hf_dir: str | os.PathLike[str] | None = None) -> Any:
+    """The eval-mode wrapper module (plain tensors in and out): seeded random weights, or the weights of a local
+    Hugging Face folder ``hf_dir`` (read from disk, nothing downloaded)."""
     import torch
     import transformers as tf
 
-    torch.manual_seed(seed)
-    cls = {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM}[cfg.model_type]
-    inner = cls(cfg)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for _, p in sorted(inner.named_parameters()):
-            p.add_(0.02 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    if hf_dir is not None:
+        inner = tf.AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True, torch_dtype=torch.float32,
+                                                        attn_implementation=getattr(cfg, "_attn_implementation", None))
+    else:
+        torch.manual_seed(seed)
+        cls = {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM}[cfg.model_type]
+        inner = cls(cfg)
+        gen = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for _, p in sorted(inner.named_parameters()):
+                p.add_(0.02 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
     inner.eval()
     layers = cfg.num_hidden_layers
 
@@ -109,12 +118,21 @@ def feeds(cfg: Any, step: str, batch: int = 2, seq: int = 5, past: int = 7, seed
     return out
 
 
-def export(cfg: Any, step: str, exporter: str, path: str | os.PathLike[str], seed: int = 0) -> Path:
-    """Export the ``step`` (``prefill`` | ``decode``) graph with dynamic batch / sequence / past dims."""
+def _large(cfg: Any) -> bool:
+    """Whether the float32 weights pass 1.5 GB (then external data: a protobuf holds at most 2 GB)."""
+    params = cfg.vocab_size * cfg.hidden_size * 2 + cfg.num_hidden_layers * (
+        4 * cfg.hidden_size * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size)
+    return params * 4 > 1.5e9
+
+
+def export(cfg: Any, step: str, exporter: str, path: str | os.PathLike[str], seed: int = 0,
+           hf_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Export the ``step`` (``prefill`` | ``decode``) graph with dynamic batch / sequence / past dims (weights of
+    ``hf_dir`` if given, else seeded random ones)."""
     import torch
 
     path = Path(path)
-    module = build(cfg, step, seed)
+    module = build(cfg, step, seed, hf_dir)
     names, outputs = input_names(cfg, step), output_names(cfg)
     sample = feeds(cfg, step, batch=2, seq=3, past=4, seed=seed)
     args = tuple(torch.from_numpy(sample[n]) for n in names)
@@ -137,5 +155,5 @@ def export(cfg: Any, step: str, exporter: str, path: str | os.PathLike[str], see
         shapes.append({0: batch, 1: seq})
     with torch.no_grad():
         torch.onnx.export(module, args, str(path), input_names=names, output_names=outputs, opset_version=18,
-                          dynamo=True, dynamic_shapes=tuple(shapes), external_data=False, verbose=False)
+                          dynamo=True, dynamic_shapes=tuple(shapes), external_data=_large(cfg), verbose=False)
     return path

@@ -692,7 +692,9 @@ MASK_FORMAT_OPTION = Option(
     "H200 an additive (1,1,S,S) bias ran cuDNN flash attention, (B,1,S,S) is not yet measured), lengths (1-D "
     "key lengths, ReduceSum of the 0/1 attention_mask: measured fastest, but exact only for RIGHT-padded "
     "masks: a left-padded row attends to its first keys instead; masks not traced to an attention_mask input "
-    "stay bias), raw (the 2-D mask as mask_index: exact, but ONNX Runtime CUDA's slow unfused kernel)",
+    "stay bias; for LLaMA/Qwen-style decoders: GroupQueryAttention with the rotary inside and packed QKV, "
+    "exact when the mask is all ones or right padded), "
+    "raw (the 2-D mask as mask_index: exact, but ONNX Runtime CUDA's slow unfused kernel)",
     metavar="bias|lengths|raw",
 )
 

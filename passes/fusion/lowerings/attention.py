@@ -58,6 +58,24 @@
     (Reshape/Expand/Reshape, as ``repeat_kv`` does), then ``MultiHeadAttention`` as above.  A step's new K/V go
     in as the exporter's own ``[B, S, H]`` projections where the head split is provably a split of the last dim
     (``[b, s, G, D]`` with ``0``, ``-1``, the static dims or ``Shape`` reads of the same tensor).
+    Decoders (checked first): causal self-attention whose Q and K are ``com.microsoft.RotaryEmbedding`` kernels
+    (lowered just before, from one angle table ``f``) becomes ``GroupQueryAttention`` with the rotary inside
+    (``do_rotary=1``, ``cos_cache``/``sin_cache`` ``[GQA_MAX_LENGTH, D/2]`` initializers computed as the export
+    does, float32 ``p * inv_freq``) where it is provably the standard one: ``f = Cast(pos) * inv_freq`` laid out
+    ``[1, S, D/2]`` with ``inv_freq`` a constant and ``pos`` the query positions ``Range(0, S, 1)`` (+ the past
+    length ``Shape(past_key)[2]`` of a decode step); the bias ``Where(kv_idx <= pos[s] [& mask[b, kv_idx]], 0, c)``
+    with ``kv_idx`` a ``Range`` of the key count (the padding lookup as TorchScript's flat ``Gather`` or
+    dynamo's ``GatherND`` of that very index); head size a multiple of 8.  Q/K/V that are projections of one
+    tensor are packed (``x @ [Wq|Wk|Wv] (+ [bq|bk|bv])``, ``key``/``value`` empty); the cache is the kernel's past
+    and present (the exporter's Concat removed), and a prefill's present outputs (the exporter's own rotated keys
+    and split values) become the kernel's.  Lengths: ``seqlens_k = ReduceSum(int32(mask), 1) - 1``,
+    ``total_sequence_length = int32(Shape(mask)[1])`` (as ONNX Runtime GenAI builds them) -- which assume RIGHT
+    padding, so with a padding term the form is taken only with ``lengths`` (or ``--kv-cache shared``,
+    :data:`~mograph.passes.fusion.attention_op.KV_CACHE_KEY`: past and present then carry the dim
+    ``max_sequence_length``, bound to one buffer); without a mask input it is exact and taken by default.  No
+    NaN guard: the causal mask leaves every query its own key.  Stats ``attention.gqa_rotary``,
+    ``attention.packed_qkv``, ``attention.kv_cache_shared``; the two rotary kernels taken in are subtracted from
+    ``rotary.kernel``.  Why a node did not take this form is logged at DEBUG (``-vv``).
 ``RotaryEmbedding``
     ``ort``: ``com.microsoft.RotaryEmbedding`` where the export's cos/sin are provably ``Cos/Sin(Concat(f, f))``
     of one per-token angle table ``f`` ``[Bc, S, D/2]`` (transformers' ``rotary_emb``, times its scaling
@@ -65,7 +83,8 @@
     (``Cos(f)``, ``Sin(f)`` reshaped to ``[Bc*S, D/2]``, built once per table) and each token's position id is its
     own row ``b*S + s``: exact whatever positions the export used.  Otherwise, and for the other targets, the
     body is inlined (X rotated in its ``[B, S, N, D]`` view; only cos/sin are transposed).
-    GroupQueryAttention's ``do_rotary`` (caches indexed by the position from ``seqlens_k``) is not used.
+    Where the attention after it becomes ``GroupQueryAttention`` with ``do_rotary`` (above), the kernel is
+    absorbed into it.
 ``onnx``
     the standard ``Attention`` (3-D form, ``q_num_heads``, ``kv_num_heads``; ``M`` as ``attn_mask``, expanded
     the same way, since ONNX Runtime does not broadcast its dim -2) at opset >= 23; below that ONNX has no
