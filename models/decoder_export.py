@@ -146,7 +146,7 @@ def export(cfg: Any, step: str, exporter: str, path: str | os.PathLike[str], see
                               dynamo=False, dynamic_axes=axes, do_constant_folding=True)
         return path
     batch, seq = torch.export.Dim("batch", max=1024), torch.export.Dim("seq", max=4096)
-    shapes: list[dict[int, Any]] = [{0: batch, 1: seq}]
+    shapes: list[Any] = [{0: batch, 1: seq}]
     if step == "decode":
         past, total = torch.export.Dim("past", max=4096), torch.export.Dim("total", max=8192)
         shapes.append({0: batch, 1: total})

@@ -50,7 +50,14 @@ from typing import Any, ClassVar
 import numpy as np
 import onnx_ir as ir
 from mograph.passes.fusion._common import EXPLAIN_OPTION, FusionPass, is_float, mograph_op
-from mograph.passes.fusion.attention_op import ATTENTION_OP, KV_CACHE_KEY, MASK_FORMAT_KEY, MASK_FORMATS, ROTARY_OP, attention
+from mograph.passes.fusion.attention_op import (
+    ATTENTION_OP,
+    KV_CACHE_KEY,
+    MASK_FORMAT_KEY,
+    MASK_FORMATS,
+    ROTARY_OP,
+    attention,
+)
 from mograph.passes.fusion.lowerings.attention import is_zero_bias
 
 from mograph.irutil import same_dim

@@ -15,10 +15,11 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 ort = pytest.importorskip("onnxruntime")
 
-import mograph  # noqa: E402
 import onnx_ir as ir  # noqa: E402
-from mograph.cuda_graph import cuda_graph_check  # noqa: E402
+
+import mograph  # noqa: E402
 from models import decoder_export as de  # noqa: E402
+from mograph.cuda_graph import cuda_graph_check  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
