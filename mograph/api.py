@@ -13,6 +13,7 @@ model in the same form it was given (a path gives an ``onnx_ir.Model``).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
@@ -282,6 +283,14 @@ def optimize(
         raise OptionError(f"unknown option(s) {unknown}; `mograph passes --json` lists each pass's options")
     options = {k.replace("-", "_"): v for k, v in options.items()}
     names = reg.plan(passes if isinstance(passes, str) else list(passes), options)
+    # The passes' output files (--precision-plan-out) against the model and what the passes read, before any work.
+    from mograph._paths import check_io, model_files, option_io
+
+    writes, reads = option_io(declared, options)
+    if isinstance(model, (str, os.PathLike)):
+        files = model_files(model)
+        reads = [*(("the input model", f) for f in files[:1]), *(("the input model's external data", f) for f in files[1:]), *reads]
+    check_io(writes, reads)
     instances = reg.instantiate(names, options)
     ir_model = ir_io.load_model(model)
     try:

@@ -8,6 +8,8 @@ a file written with exit status 0.
 
 What is checked:
 
+0. the graph has at least one output (the ONNX checker accepts a graph with none; the loader refuses
+   such an input, so a pass must not make one);
 1. the ONNX checker (``onnx.checker.check_model``, no shape inference) on a skeleton of the model in
    which tensors above :data:`PLACEHOLDER_BYTES` are stand-ins, so no weight is copied or read;
 2. a load in ONNX Runtime (CPU, graph optimizations **off**, so the graph loaded is the graph
@@ -214,6 +216,8 @@ def check_model_output(model: ir.Model) -> dict[str, str]:
     import onnx
 
     out: dict[str, str] = {}
+    if not model.graph.outputs:  # the checker accepts it; an input with no outputs is refused on load (exit 3)
+        raise InvalidModel("output check", "the graph has no outputs: the model computes nothing", None)
     try:
         onnx.checker.check_model(_hide_ort_default_domain_ops(_skeleton(model)))
     except onnx.checker.ValidationError as exc:

@@ -66,6 +66,9 @@ class Option:
         multiple: the option may be repeated; the value is a list.
         choices: allowed values, if limited.
         metavar: placeholder shown in ``--help``.
+        io: ``"read"`` when the value names a file (or folder, or ``file.py:function``) the pass reads,
+            ``"write"`` when it names a file the pass writes; the command checks every such path against
+            the others before any work (:func:`mograph._paths.check_io`).  ``None``: not a path.
     """
 
     name: str
@@ -75,6 +78,7 @@ class Option:
     multiple: bool = False
     choices: tuple[Any, ...] | None = None
     metavar: str | None = None
+    io: str | None = None
 
     @property
     def key(self) -> str:

@@ -118,8 +118,10 @@ def run(args: argparse.Namespace) -> CommandResult:
         stem = src.name[:-5] if src.name.endswith(".onnx") else src.name
         suffix = getattr(backend, "artifact_suffix", None) or ".engine"
         out = (Path.cwd() if args.example else src.parent) / f"{stem}{suffix}"
-    if src.exists() and out.exists() and out.resolve() == src.resolve():
-        raise UsageError(f"refusing to write over the input model {src}; choose another -o")
+    from mograph._paths import check_io, model_files
+
+    files = model_files(src)
+    check_io([("-o", out)], [("the input model", src), *(("the input model's external data", f) for f in files[1:])])
     if args.workspace is not None and args.workspace <= 0:
         raise UsageError("--workspace must be a positive number of MiB")
     options: dict[str, Any] = {}

@@ -41,6 +41,13 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                    help=f"largest allowed drop of the accuracy metric, absolute (default {DEFAULT_MAX_ACCURACY_DROP:g})")
     p.add_argument("--max-latency-increase", default=f"{DEFAULT_MAX_LATENCY_INCREASE * 100:g}%", metavar="Y%",
                    help=f"largest allowed p50 latency increase, percent (default {DEFAULT_MAX_LATENCY_INCREASE * 100:g}%%)")
+    p.add_argument("--task-metric", metavar="MODULE:FUNC|FILE.py:FUNC",
+                   help="the task metric to gate on: imports and runs this code. Needed when the compared row was "
+                   "measured with one (its source must hash as the ledger recorded); code named in a ledger is never run")
+    p.add_argument("--eval-data", metavar="DATA",
+                   help="the evaluation set, instead of the one the ledger names (folder of .npz, a stacked .npz, or "
+                   "module:function / file.py:function, which imports and runs this code); its samples must hash as "
+                   "recorded. Needed when the ledger records the set as code, which the gate never runs from a ledger")
     p.add_argument("--record", metavar="NAME",
                    help="also write the candidate's measurement into the ledger as row NAME (passed or not)")
     p.set_defaults(run=run)
@@ -58,6 +65,13 @@ def run(args: argparse.Namespace) -> CommandResult:
     latency = parse_percent(args.max_latency_increase)
     bar = ProgressBar(enabled=not (args.quiet or args.json), prefix="gate")
     if args.record:  # a row is added to the ledger gated against: a missing one is an error, not a new file
+        from mograph._paths import check_io, model_files, spec_files
+        from mograph.workflow.ledger import ledger_paths
+
+        reads = [("the candidate", f) for f in model_files(args.candidate)]
+        reads += [(flag, f) for flag, spec in (("--eval-data", args.eval_data), ("--task-metric", args.task_metric))
+                  for f in spec_files(spec)]
+        check_io(ledger_paths(args.ledger), reads)
         with open_ledger(args.ledger, readonly=True):
             pass
     with open_ledger(args.ledger, readonly=not args.record) as ledger:
@@ -65,6 +79,7 @@ def run(args: argparse.Namespace) -> CommandResult:
             result = run_gate(
                 args.candidate, ledger, baseline=args.baseline, max_accuracy_drop=args.max_accuracy_drop,
                 max_latency_increase=latency, record=args.record, blocked=args.block_plugin, progress=bar,
+                task_metric=args.task_metric, eval_data=args.eval_data,
             )
         except GateFailed:
             raise

@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mograph._paths import check_io, write_text
 from mograph.cli import CommandResult
 from mograph.errors import UsageError
-from mograph.workflow.ledger import DEFAULT_LEDGER, LEDGER_HELP, open_ledger, rows_to_csv
+from mograph.workflow.ledger import DEFAULT_LEDGER, LEDGER_HELP, ledger_paths, open_ledger, rows_to_csv
 
 __all__ = ["add_parser", "run", "format_rows", "format_compare"]
 
@@ -160,8 +161,7 @@ def run(args: argparse.Namespace) -> CommandResult:
             dest = Path(args.csv)
             if not dest.parent.exists():
                 raise UsageError(f"--csv {dest}: folder {dest.parent} does not exist")
-            tmp = dest.with_name(f".{dest.name}.tmp")
-            tmp.write_text(text, encoding="utf-8")
-            tmp.replace(dest)  # atomic: a reader never sees half a file
+            check_io([("--csv", dest)], [("the ledger", f) for _, f in ledger_paths(args.ledger)])
+            write_text(dest, text, "--csv")  # atomic, never through a link: a reader never sees half a file
             return CommandResult(data={"rows": len(rows), "csv": str(dest)}, text=f"wrote {len(rows)} rows to {dest}")
     raise UsageError(f"unknown ledger action {args.action!r}")  # pragma: no cover - argparse refuses first

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mograph._paths import Named, check_io, model_files, option_io, spec_files, write_text
+from mograph._paths import check_writable_folder as _check_folder
 from mograph.cli import CommandResult
 from mograph.cli._common import (
     add_device_argument,
@@ -190,6 +192,7 @@ def run(args: argparse.Namespace) -> CommandResult:
         options["device"] = args.device  # kept only if a pass declares it (below)
     options = {k: v for k, v in options.items() if k in reg.all_options()}
     names = reg.plan(args.passes, options)  # the report names the pipeline as it runs, lower included
+    _check_paths(src, out, args, reg.all_options(), options)
     instruments = [] if (args.json or args.quiet) else [_Progress()]
     verify_options: dict[str, Any] = {"shapes": shapes, "feeds": args.feeds, "seed": args.seed}
     if args.device:
@@ -213,20 +216,29 @@ def run(args: argparse.Namespace) -> CommandResult:
     ir_io.save_model(model, out, external_data=external, forbid=src)
     data = {"input": str(src), "output": str(out), "pipeline": names, **report.to_dict()}
     if args.report:
-        Path(args.report).write_text(json.dumps(data, indent=2, default=str))
+        write_text(args.report, json.dumps(data, indent=2, default=str), "--report")
     text = _summary(report, out)
     if args.explain:
         text += "\n" + _explain_text(report)
     return CommandResult(data=data, text=text)
 
 
-def _check_folder(path: Path, flag: str) -> None:
-    """Refuse, before any work, a file whose folder does not exist (mograph creates no folders)."""
-    folder = path.parent
-    if not folder.exists():
-        raise UsageError(f"{flag} {path}: folder {folder} does not exist; create it first")
-    if not folder.is_dir():
-        raise UsageError(f"cannot write {path}: {folder} is not a folder")
+def _check_paths(src: Path, out: Path, args: argparse.Namespace, declared: dict[str, Any], options: dict[str, Any]) -> None:
+    """Every path this run writes against every path it reads (:func:`mograph._paths.check_io`), once,
+    before any work: -o, the model kept when --verify fails, --report and the passes' output files
+    (--precision-plan-out) against the input model, its external data, --feeds and the passes' input
+    files (--precision-plan, --calibration-data)."""
+    opt_writes, opt_reads = option_io(declared, options)
+    for flag, path in opt_writes:
+        _check_folder(path, flag)  # type: ignore[arg-type]
+    writes = [("-o", out), ("--report", args.report), *opt_writes]
+    if args.verify:
+        writes.append(("-o (the model kept when --verify fails)", failed_path(out)))
+    files = model_files(src)
+    reads: list[Named] = [("the input model", src), *(("the input model's external data", f) for f in files[1:])]
+    reads += [("--feeds", f) for f in spec_files(args.feeds)]
+    reads += opt_reads
+    check_io(writes, reads)
 
 
 def failed_path(out: Path) -> Path:
@@ -255,7 +267,7 @@ def _keep_failed(
     verification["passed"] = False
     data["verification"] = verification
     if args.report:
-        Path(args.report).write_text(json.dumps(data, indent=2, default=str))
+        write_text(args.report, json.dumps(data, indent=2, default=str), "--report")
         kept.append(f"report {args.report}")
     message = str(exc) + (f" (kept for inspection: {', '.join(kept)})" if kept else "")
     error = VerificationError(message, report=verification)

@@ -67,6 +67,11 @@ def run(args: argparse.Namespace) -> CommandResult:
         if path is not None and not (path.parent if str(path.parent) else Path(".")).is_dir():
             raise UsageError(f"{flag} {path}: folder {path.parent} does not exist; create it first")
     ledger_path = str(args.ledger)
+    from mograph._paths import check_io
+    from mograph.workflow.ledger import ledger_paths
+
+    check_io([("-o", out), ("--plot", plot)], [(f"the ledger{'' if flag == '--ledger' else flag[8:]}", f)
+                                                for flag, f in ledger_paths(args.ledger)])
     with open_ledger(args.ledger, readonly=True) as ledger:
         rows = ledger.rows(names=args.name)
     rows = _select(rows, args.model_hash)

@@ -43,7 +43,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "throughput from interleaved timed runs, peak memory (RSS increase), size on disk, and accuracy on a fixed "
         "evaluation set against the baseline (cosine mean/min, max-abs, top-1 agreement, and an optional task "
         "metric). Every measured model becomes one ledger row (see `mograph ledger`). The config schema is in "
-        "the docstring of mograph.workflow.sweep; mograph/examples/bert-tiny.sweep.yaml is an example. "
+        "the docstring of mograph.workflow.sweep; mograph/examples/bert-tiny.sweep.yaml is an example. A config's "
+        "task_metric and a module:function eval_data or calibration_data import and run that code: run only configs "
+        "you trust. "
         "Exits 0 when every configuration was measured, 4 when some failed to build or run (their rows say why).",
     )
     add_model_arguments(
@@ -53,7 +55,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="SWEEP.yaml", help="the sweep config (YAML or JSON)")
     p.add_argument("--ledger", default=DEFAULT_LEDGER, metavar="PATH", help=LEDGER_HELP)
     p.add_argument("--eval-data", metavar="DATA",
-                   help="evaluation set (folder of .npz, a stacked .npz, or module:function); overrides the config's")
+                   help="evaluation set (folder of .npz, a stacked .npz, or module:function / file.py:function, which "
+                   "imports and runs this code); overrides the config's")
     p.add_argument("--calibration-data", metavar="DATA",
                    help="calibration set for the passes that take one (same forms); overrides the config's")
     p.add_argument("--keep-models", metavar="DIR",
@@ -125,6 +128,13 @@ def run(args: argparse.Namespace) -> CommandResult:
         raise UsageError(f"model {src}: no such file")
     if args.executor != "ray" and (args.address or args.workers):
         raise UsageError("--address and --workers need --executor ray")
+    from mograph._paths import check_io
+    from mograph.workflow.ledger import ledger_paths
+    from mograph.workflow.sweep import io_paths
+
+    writes, reads = io_paths(src, sweep, config=config, eval_data=args.eval_data, calibration_data=args.calibration_data,
+                             keep_models=args.keep_models, blocked=args.block_plugin)
+    check_io([*ledger_paths(args.ledger), *writes], reads)  # once, before any work
     bar = ProgressBar(enabled=not (args.quiet or args.json))
     with open_ledger(args.ledger) as ledger, make_executor(args.executor, address=args.address, workers=args.workers) as ex:
         rows = run_sweep(

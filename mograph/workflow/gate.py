@@ -19,6 +19,12 @@ retrained or the optimization pipeline changed:
    else ``cosine_mean`` against the reference) dropped by more than ``max_accuracy_drop`` (absolute,
    default 0.01), or when the p50 latency rose by more than ``max_latency_increase`` (default 10%).
    A regression raises :class:`GateFailed` (exit code 5, "verification failed") with a one-line reason.
+
+A ledger is data, never code.  A row records its task metric, and an evaluation set given as code
+(``module:function`` or ``file.py:function``), by name and sha256; the gate never imports them from the ledger: the user
+names them (``--task-metric``, ``--eval-data``: these import and run that code).  A row measured with a
+task metric is refused (exit 2) without ``--task-metric``, or when its source's hash differs from the
+recorded one; it is never gated silently on another metric.
 """
 
 from __future__ import annotations
@@ -73,22 +79,63 @@ def parse_percent(text: str | float, flag: str = "--max-latency-increase") -> fl
     return value
 
 
-def _eval_samples(row: dict[str, Any], model: Any) -> list[Any]:
+def _eval_samples(row: dict[str, Any], model: Any, eval_data: str | None = None) -> list[Any]:
+    """The compared row's evaluation set, made again; ``eval_data`` is the user's ``--eval-data``.
+
+    A ledger is data: a set the row records as code (``module:function``) is never imported from the
+    ledger; the user must name it (``--eval-data``), and the samples must hash as recorded."""
     from mograph.workflow import metrics as M
 
     settings = row.get("settings") or {}
     spec = settings.get("eval_data")
-    if not spec:
+    if not spec and not eval_data:
         raise UsageError(f"ledger row {row['name']!r} records no evaluation set; re-run the sweep with this mograph")
-    if str(spec).startswith("random:"):
+    if eval_data is None and M.names_code(spec):
+        raise UsageError(
+            f"ledger row {row['name']!r} records its evaluation set as code ({str(spec)[:200]}); the gate never runs "
+            "code named in a ledger: give --eval-data DATA (a module:function there is imported and run)"
+        )
+    if eval_data is not None:
+        samples = M.load_samples(eval_data, model, what="--eval-data", limit=int(settings.get("eval_samples") or 0))
+        spec = eval_data
+    elif str(spec).startswith("random:"):
         _, n, seed = str(spec).split(":")
         shapes = {k: tuple(v) for k, v in (row.get("shapes") or {}).items()}
         samples = M.random_samples(model, int(n), seed=int(seed.split("=")[1]), shapes=shapes)
     else:
-        samples = M.load_samples(spec, model, what="the ledger's evaluation set", limit=int(settings.get("eval_samples") or 0))
+        samples = M.load_samples(str(spec), model, what="the ledger's evaluation set", limit=int(settings.get("eval_samples") or 0))
     if row.get("eval_hash") and M.hash_samples(samples) != row["eval_hash"]:
         raise UsageError(f"the evaluation set {spec} changed since the ledger recorded row {row['name']!r} (hash differs)")
     return samples
+
+
+def _task_metric(row: dict[str, Any], task_metric: str | None, notes: list[str]) -> Any:
+    """The user's ``--task-metric`` function, checked against what the row recorded (by name and hash).
+
+    A row that records a task metric is gated on it only with the user's ``--task-metric`` (refused
+    otherwise: exit 2, never a silent pass on another metric); the code named in the ledger is never
+    imported.  Its source must hash as the ledger recorded (when it recorded a hash)."""
+    from mograph.workflow import metrics as M
+
+    settings = row.get("settings") or {}
+    recorded = settings.get("task_metric")
+    if task_metric is None:
+        if recorded:
+            raise UsageError(
+                f"ledger row {row['name']!r} was measured with the task metric {str(recorded)[:200]}; the gate never "
+                "runs code named in a ledger: give --task-metric MODULE:FUNC (it is imported and run)"
+            )
+        return None
+    want = settings.get("task_metric_hash")
+    got = M.code_hash(task_metric)
+    if want and got != want:
+        raise UsageError(
+            f"--task-metric {task_metric}: its source differs from the task metric ledger row {row['name']!r} "
+            f"was measured with ({str(recorded)[:200]}, sha256 {str(want)[:12]}...)"
+        )
+    if recorded and not want:
+        notes.append(f"the ledger recorded no hash of the task metric {recorded}; --task-metric {task_metric} is used as given")
+    return M.load_function(task_metric, "--task-metric")
 
 
 def run_gate(
@@ -101,11 +148,14 @@ def run_gate(
     record: str | None = None,
     blocked: list[str] | None = None,
     progress: Any = None,
+    task_metric: str | None = None,
+    eval_data: str | None = None,
 ) -> GateResult:
     """Gate ``candidate`` against the ledger (see the module docstring); record it as row ``record`` if given.
 
     Returns the result when it passes; raises :class:`GateFailed` (with ``result`` attached as
-    ``report``) when it does not.
+    ``report``) when it does not.  ``task_metric`` / ``eval_data``: code (or data) the *user* names; code
+    named in the ledger is never imported (see :func:`_task_metric`).
     """
     from mograph import ir_io
     from mograph.validate import make_feeds
@@ -133,8 +183,10 @@ def run_gate(
         raise UsageError(f"the baseline model {ref_path} recorded in the ledger is gone; the gate needs it for reference outputs")
     if M.hash_file(ref_path) != reference.get("model_hash"):
         raise UsageError(f"the baseline model {ref_path} changed since the ledger recorded it (hash differs)")
+    notes: list[str] = []
+    task = _task_metric(compared, task_metric, notes)  # refused before anything is measured
     ref_model = ir_io.load_model(ref_path)
-    samples = _eval_samples(compared, ref_model)
+    samples = _eval_samples(compared, ref_model, eval_data)
     settings = compared.get("settings") or {}
     shapes = {k: tuple(v) for k, v in (compared.get("shapes") or {}).items()}
     feed = make_feeds(ref_model, shapes=shapes, seed=int(settings.get("seed") or 0))[0]
@@ -143,7 +195,6 @@ def run_gate(
     common = dict(providers=providers, ort_optimizations=bool(settings.get("ort_optimizations", True)),
                   threads=settings.get("threads"), backend=compared.get("backend") or "ort")
     targets = [M.Target("reference", ref_path, **common), M.Target("candidate", cand, **common)]  # type: ignore[arg-type]
-    notes: list[str] = []
     remeasure = compared is reference
     if not compared.get("baseline"):
         path = compared.get("model_path")
@@ -161,7 +212,6 @@ def run_gate(
         if measured[name].error:
             raise ModelError(f"{name} model cannot be measured: {measured[name].error}")
     ref_out = measured["reference"].outputs
-    task = M.load_function(settings["task_metric"], "task_metric") if settings.get("task_metric") else None
 
     def full(name: str) -> dict[str, Any]:
         m = dict(measured[name].metrics)
@@ -179,6 +229,11 @@ def run_gate(
         comp_metrics = dict(compared.get("metrics") or {})
         remeasure = False
     metric = "task_metric" if comp_metrics.get("task_metric") is not None else "cosine_mean"
+    if metric == "task_metric" and cand_metrics.get(metric) is None:  # never a silent pass on another metric
+        raise UsageError(
+            f"ledger row {compared['name']!r} has a task metric figure; give --task-metric MODULE:FUNC to measure the "
+            "candidate with it (it is imported and run)"
+        )
     reasons = []
     drop = None
     if comp_metrics.get(metric) is not None and cand_metrics.get(metric) is not None:

@@ -36,6 +36,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from mograph._paths import check_io
 from mograph.errors import UsageError
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "flatten_row",
     "rows_to_csv",
     "now_iso",
+    "ledger_paths",
 ]
 
 #: Where a ledger lives when no ``--ledger`` is given.
@@ -132,6 +134,13 @@ def _resolve(path_or_url: str | os.PathLike[str]) -> Path:
     return Path(text)
 
 
+def ledger_paths(path_or_url: str | os.PathLike[str]) -> list[tuple[str, Path]]:
+    """The files writing the ledger writes (the database and SQLite's ``-wal``, ``-shm`` and ``-journal``
+    beside it), named for :func:`mograph._paths.check_io`."""
+    path = _resolve(path_or_url)
+    return [("--ledger", path)] + [(f"--ledger's {s[1:]} file", path.with_name(path.name + s)) for s in ("-wal", "-shm", "-journal")]
+
+
 def _dumps(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=_json_default, allow_nan=True)
 
@@ -172,6 +181,8 @@ class Ledger:
             else:
                 if path.parent and not path.parent.exists():
                     raise LedgerError(f"ledger {path}: folder {path.parent} does not exist")
+                # Never written (nor created) through a symbolic link: it would change the file it points to.
+                check_io(ledger_paths(path), [])
                 self._db = sqlite3.connect(str(path), timeout=60, isolation_level=None)
             self._db.execute("PRAGMA busy_timeout = 60000")
             if not readonly:

@@ -60,6 +60,8 @@ __all__ = [
     "file_size",
     "versions",
     "load_function",
+    "names_code",
+    "code_hash",
 ]
 
 Feed = dict[str, np.ndarray]
@@ -170,6 +172,39 @@ def load_function(spec: str, what: str, error: type[UsageError] = UsageError) ->
     if not callable(func):
         raise error(f"{what} {spec}: {mod_name} has no callable {func_name!r}")
     return func
+
+
+def names_code(spec: Any) -> bool:
+    """True when a data or metric spec names code (``module:function`` or ``file.py:function``), not a
+    file or folder of data: running it imports and runs that code."""
+    if not isinstance(spec, str) or ":" not in spec or spec.startswith("random:"):
+        return False
+    return not Path(spec).exists()
+
+
+def code_hash(spec: str) -> str | None:
+    """sha256 (hex) of the source file of the code ``spec`` names, found without running it: the ``.py`` of
+    ``file.py:function``, or the file the import system would load for ``module:function`` (from the
+    current folder first, as :func:`load_function` does).  ``None`` when no source file is found."""
+    head = spec.rpartition(":")[0]
+    path: Path | None = None
+    if head.endswith(".py"):
+        path = Path(head)
+    elif head:
+        added = os.getcwd() not in sys.path and "" not in sys.path
+        if added:
+            sys.path.insert(0, os.getcwd())
+        try:
+            found = importlib.util.find_spec(head)
+            path = Path(found.origin) if found is not None and found.origin else None
+        except (ImportError, ValueError):
+            path = None
+        finally:
+            if added and os.getcwd() in sys.path:
+                sys.path.remove(os.getcwd())
+    if path is None or not path.is_file():
+        return None
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 # ------------------------------------------------------------------------------------------------ data

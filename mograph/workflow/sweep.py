@@ -6,7 +6,7 @@ A sweep config is a YAML (or JSON) file.  Its schema, every key optional except 
     eval_data: eval.npz            # fixed evaluation set: folder of .npz, one stacked .npz, or module:function
     eval_samples: 16               # seeded random samples when there is no eval_data (default 16); else a cap (default: all)
     calibration_data: calib.npz    # given to every pass that takes --calibration-data
-    task_metric: mymetrics:score   # optional user metric: module:function or file.py:function
+    task_metric: mymetrics:score   # optional user metric: module:function or file.py:function (imports and runs it)
     seed: 0                        # seed of random evaluation samples and of the timing feed
     shapes: {input_ids: [1, 128]}  # sizes of dynamic input dims (also given to the passes as --shape)
     provider: CPUExecutionProvider # ONNX Runtime execution provider (or a list, in priority order)
@@ -22,7 +22,13 @@ A sweep config is a YAML (or JSON) file.  Its schema, every key optional except 
         provider: ...              # and shapes / backend / ort_optimizations / threads, per configuration
 
 Unknown keys, unknown passes or presets and unknown pass options are refused before anything runs,
-each with a one-line error naming the file, the configuration and the closest known name.
+each with a one-line error naming the file, the configuration and the closest known name.  The file is
+read bounded (at most 1 MiB; YAML aliases may not blow it up: :mod:`mograph._yaml`), and errors never
+print a whole value.  Each configuration is built into ``<name>.onnx`` (characters other than letters,
+digits, ``-``, ``_`` and ``.`` written as ``_``): two names giving one file, case ignored, are refused.
+``task_metric`` and a ``module:function`` ``eval_data`` / ``calibration_data`` are imported and run:
+a config is code, a ledger is not (rows record such code by name and sha256; ``mograph gate`` never
+runs it from a ledger).
 
 Each configuration's pipeline is built with :func:`mograph.api.optimize` (through the executor: in
 this process, or as Ray tasks), saved, then every built model and the baseline are measured together
@@ -39,13 +45,14 @@ import functools
 import json
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mograph._tempfiles import LOCK_NAME, owned_tempdir
+from mograph._yaml import shown
 from mograph.errors import MographError, UsageError
 
 __all__ = ["SweepConfig", "Configuration", "load_config", "parse_config", "run_sweep", "BuildResult", "SweepError"]
@@ -58,6 +65,8 @@ TOP_KEYS = (
 )
 CONFIG_KEYS = ("name", "passes", "options", "provider", "backend", "shapes", "ort_optimizations", "threads")
 BASELINE = "baseline"
+#: Largest sweep config read (a config is a page of text).
+MAX_CONFIG_BYTES = 1 << 20
 
 
 class SweepError(UsageError):
@@ -99,24 +108,24 @@ def _unknown(keys: Iterable[str], known: Sequence[str], where: str) -> None:
         if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
-            raise SweepError(f"{where}: unknown key {key!r}{hint}; known: {', '.join(known)}")
+            raise SweepError(f"{where}: unknown key {shown(key)}{hint}; known: {', '.join(known)}")
 
 
 def _int(value: Any, where: str, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise SweepError(f"{where}: expected an integer >= {minimum}, got {value!r}")
+        raise SweepError(f"{where}: expected an integer >= {minimum}, got {shown(value)}")
     return value
 
 
 def _bool(value: Any, where: str) -> bool:
     if not isinstance(value, bool):
-        raise SweepError(f"{where}: expected true or false, got {value!r}")
+        raise SweepError(f"{where}: expected true or false, got {shown(value)}")
     return value
 
 
 def _str(value: Any, where: str) -> str:
     if not isinstance(value, str) or not value:
-        raise SweepError(f"{where}: expected a non-empty string, got {value!r}")
+        raise SweepError(f"{where}: expected a non-empty string, got {shown(value)}")
     return value
 
 
@@ -127,7 +136,7 @@ def _providers(value: Any, where: str) -> list[str] | None:
         return [value]
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
         return list(value)
-    raise SweepError(f"{where}: expected a provider name or a list of them, got {value!r}")
+    raise SweepError(f"{where}: expected a provider name or a list of them, got {shown(value)}")
 
 
 def _shapes(value: Any, where: str) -> dict[str, tuple[int, ...]]:
@@ -143,7 +152,7 @@ def _shapes(value: Any, where: str) -> dict[str, tuple[int, ...]]:
         except MographError as exc:
             raise SweepError(f"{where}: {exc}") from exc
     if not isinstance(value, dict):
-        raise SweepError(f"{where}: expected {{input: [dims]}} or a list of NAME:DIMS, got {value!r}")
+        raise SweepError(f"{where}: expected {{input: [dims]}} or a list of NAME:DIMS, got {shown(value)}")
     out = {}
     for name, dims in value.items():
         if isinstance(dims, str):
@@ -154,7 +163,7 @@ def _shapes(value: Any, where: str) -> dict[str, tuple[int, ...]]:
         elif isinstance(dims, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
             out[str(name)] = tuple(dims)
         else:
-            raise SweepError(f"{where}.{name}: expected a list of sizes like [1, 128] or '1x128', got {dims!r}")
+            raise SweepError(f"{where}.{name}: expected a list of sizes like [1, 128] or '1x128', got {shown(dims)}")
     return out
 
 
@@ -164,7 +173,7 @@ def parse_config(data: Any, source: str = "<config>") -> SweepConfig:
         raise SweepError(f"{source}: expected a mapping with a 'configurations' list at the top")
     _unknown(data, TOP_KEYS, source)
     if data.get("version", 1) != 1:
-        raise SweepError(f"{source}: version {data.get('version')!r} is not supported (only 1)")
+        raise SweepError(f"{source}: version {shown(data.get('version'))} is not supported (only 1)")
     if "configurations" not in data:
         raise SweepError(f"{source}: no 'configurations' list")
     raw_configs = data["configurations"]
@@ -186,18 +195,27 @@ def parse_config(data: Any, source: str = "<config>") -> SweepConfig:
     sweep.provider = _providers(data.get("provider"), f"{source}: provider")
     sweep.shapes = _shapes(data.get("shapes"), f"{source}: shapes")
     names: set[str] = set()
+    files: dict[str, str] = {}  # file name (case folded) -> the configuration that builds into it
     for i, raw in enumerate(raw_configs):
         where = f"{source}: configurations[{i}]"
         if not isinstance(raw, dict):
             raise SweepError(f"{where}: expected a mapping with name and passes")
         _unknown(raw, CONFIG_KEYS, where)
         name = _str(raw.get("name"), f"{where}: name")
-        where = f"{source}: configuration {name!r}"
+        where = f"{source}: configuration {shown(name)}"
         if name == BASELINE:
             raise SweepError(f"{where}: the name 'baseline' is the unoptimized model (always measured); choose another")
         if name in names:
             raise SweepError(f"{where}: the name is used twice")
         names.add(name)
+        file_key = _safe_name(name).casefold()
+        if file_key in files:
+            raise SweepError(
+                f"{where}: builds into the same file ({_safe_name(name)}.onnx) as configuration "
+                f"{shown(files[file_key])} (in a file name, characters other than letters, digits, '-', '_' and '.' "
+                "become '_', and case is ignored); rename one"
+            )
+        files[file_key] = name
         passes = raw.get("passes")
         if isinstance(passes, str):
             passes = [p.strip() for p in passes.split(",") if p.strip()]
@@ -224,16 +242,12 @@ def parse_config(data: Any, source: str = "<config>") -> SweepConfig:
 
 def load_config(path: str | os.PathLike[str]) -> SweepConfig:
     """Read and check a sweep config file (YAML, or JSON which is YAML too)."""
-    import yaml
+    from mograph._yaml import load_yaml_file
 
     path = Path(path)
     if not path.is_file():
         raise SweepError(f"--config {path}: no such file")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise SweepError(f"--config {path}: not valid YAML ({first})") from exc
+    data = load_yaml_file(path, "--config", SweepError, max_bytes=MAX_CONFIG_BYTES)  # bounded before use
     sweep = parse_config(data, str(path))
     # Data paths in a config are relative to the config's folder (so a config and its data travel together).
     for key in ("eval_data", "calibration_data", "task_metric"):
@@ -349,10 +363,10 @@ def build_configuration(job: BuildJob, nested: bool = False) -> BuildResult:
             ir_io.save_model(model, dest, forbid=job.source)
             result.path = str(dest)
         else:
-            with tempfile.TemporaryDirectory(prefix="mograph-build-") as tmp:
-                dest = Path(tmp) / f"{job.name}.onnx"
+            with owned_tempdir("mograph-build-") as tmp:
+                dest = tmp.path / f"{job.name}.onnx"
                 ir_io.save_model(model, dest)
-                result.files = {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
+                result.files = {p.name: p.read_bytes() for p in tmp.path.iterdir() if p.is_file() and p.name != LOCK_NAME}
         result.ok = True
     except MographError as exc:
         result.error = str(exc)
@@ -368,6 +382,34 @@ def build_configuration(job: BuildJob, nested: bool = False) -> BuildResult:
 # ------------------------------------------------------------------------------------------ the sweep
 def _safe_name(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+def io_paths(
+    src: Path, sweep: SweepConfig, *, config: str | None = None, eval_data: str | None = None,
+    calibration_data: str | None = None, keep_models: str | os.PathLike[str] | None = None,
+    blocked: Iterable[str] = (),
+) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+    """``(writes, reads)`` of a sweep, for :func:`mograph._paths.check_io`: the built models kept in
+    ``keep_models`` and the configurations' output files (``precision-plan-out``), against the model, its
+    external data, the config and every data or code file it names."""
+    from mograph._paths import model_files, option_io, spec_files
+    from mograph.plugins import get_registry
+
+    declared = get_registry(blocked).all_options()
+    writes: list[tuple[str, Any]] = []
+    reads: list[tuple[str, Any]] = [("the input model", src)]
+    reads += [("the input model's external data", f) for f in model_files(src)[1:]]
+    reads += [("--config", config)] if config else []
+    for flag, spec in (("eval_data", eval_data or sweep.eval_data), ("calibration_data", calibration_data or sweep.calibration_data),
+                       ("task_metric", sweep.task_metric)):
+        reads += [(flag, f) for f in spec_files(spec)]
+    for conf in sweep.configurations:
+        if keep_models is not None:
+            writes.append((f"--keep-models (configuration {shown(conf.name)})", Path(keep_models) / f"{_safe_name(conf.name)}.onnx"))
+        w, r = option_io(declared, conf.options)
+        writes += [(f"{flag} (configuration {shown(conf.name)})", path) for flag, path in w]
+        reads += r
+    return writes, reads
 
 
 def _takes(reg: Any, names: list[str], key: str) -> bool:
@@ -393,6 +435,7 @@ def run_sweep(
     temporary folder removed afterwards (``model_path`` is then ``None``).
     """
     from mograph import ir_io
+    from mograph._paths import write_bytes
     from mograph.plugins import get_registry
     from mograph.validate import make_feeds
     from mograph.workflow import metrics as M
@@ -433,11 +476,16 @@ def run_sweep(
     vers = M.versions()
     settings_common = {
         "eval_data": eval_desc, "eval_samples": len(samples), "calibration_data": _abs(calib_spec) if calib_spec else None,
-        "task_metric": sweep.task_metric, "seed": sweep.seed, "warmup": sweep.warmup, "iterations": sweep.iterations,
+        "task_metric": sweep.task_metric, "seed": sweep.seed,
+        # Code is recorded by name and hash only: `mograph gate` never runs code a ledger names (the user
+        # names it on the gate's command line, and its hash must match).
+        "task_metric_hash": M.code_hash(sweep.task_metric) if sweep.task_metric else None,
+        "eval_data_hash": M.code_hash(eval_desc) if M.names_code(eval_desc) else None, "warmup": sweep.warmup, "iterations": sweep.iterations,
         "config": sweep.source, "executor": executor.describe(),
     }
 
-    tmp = tempfile.TemporaryDirectory(prefix="mograph-sweep-") if keep_models is None else None
+    # A locked folder: the folders of sweeps that were killed (SIGKILL leaves them) are swept first.
+    tmp = owned_tempdir("mograph-sweep-") if keep_models is None else None
     out_dir = Path(tmp.name) if tmp is not None else Path(keep_models)  # type: ignore[arg-type]
     try:
         remote = isinstance(executor, RayExecutor)
@@ -472,7 +520,7 @@ def run_sweep(
         for b in built:
             if b.ok and b.files:
                 for fname, data in b.files.items():
-                    (out_dir / fname).write_bytes(data)
+                    write_bytes(out_dir / fname, data, "--keep-models")  # atomic, never through a link
                 b.path = str(out_dir / f"{b.name}.onnx")
                 b.files = {}
 
@@ -515,8 +563,7 @@ def run_sweep(
                          "ort_optimizations": sweep.ort_optimizations, "providers": sweep.provider},
         }
         finish(base_row, measured[BASELINE])
-        for conf, b in zip(sweep.configurations, built):
-            job = next(j for j in jobs if j.name == _safe_name(conf.name))
+        for job, conf, b in zip(jobs, sweep.configurations, built):
             row = {
                 "name": conf.name, "model_path": b.path if keep_models is not None else None, "model_hash": model_hash,
                 "pipeline": b.pipeline or pipelines[conf.name], "options": _jsonable(job.options),

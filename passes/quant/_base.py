@@ -70,8 +70,10 @@ CALIBRATION_OPTIONS = (
         str,
         None,
         "calibration feeds: a folder of .npz files, one .npz of stacked feeds, module:function or "
-        "file.py:function (from the current folder); from Python also a list, callable or generator of feeds",
+        "file.py:function (from the current folder; imports and runs this code); from Python also a list, callable or "
+        "generator of feeds",
         metavar="PATH|MODULE:FUNC",
+        io="read",
     ),
     Option(
         "calibration-random",
@@ -92,8 +94,10 @@ CALIBRATION_OPTIONS = (
 )
 
 PLAN_OPTIONS = (
-    Option("precision-plan", str, None, "apply this edited precision plan (YAML) instead of deciding", metavar="FILE"),
-    Option("precision-plan-out", str, None, "write the per-node precision plan (YAML) here", metavar="FILE"),
+    Option("precision-plan", str, None, "apply this edited precision plan (YAML) instead of deciding", metavar="FILE",
+           io="read"),
+    Option("precision-plan-out", str, None, "write the per-node precision plan (YAML) here (its folder must exist)",
+           metavar="FILE", io="write"),
     Option(
         "keep-fp32",
         str,

@@ -29,6 +29,8 @@ from typing import Any
 import onnx_ir as ir
 import yaml
 
+from mograph._paths import write_text
+from mograph._yaml import load_yaml_file
 from mograph.errors import OptionError
 
 __all__ = ["PlanEntry", "PrecisionPlan", "node_key", "load_plan", "Budget", "parse_budget"]
@@ -88,16 +90,19 @@ class PrecisionPlan:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, width=120)
 
     def write(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_yaml())
+        """Write the plan atomically, never through a symbolic link; a missing folder is an error (exit 2)."""
+        write_text(path, self.to_yaml(), "--precision-plan-out")
 
     @classmethod
     def from_dict(cls, data: Any, origin: str = "plan") -> PrecisionPlan:
         if not isinstance(data, dict) or not isinstance(data.get("nodes"), list):
             raise OptionError(f"--precision-plan {origin}: expected a mapping with a 'nodes' list")
-        plan = cls(str(data.get("pass", "")))
+        plan = cls(_text(data.get("pass", ""), origin, "pass"))
         for i, item in enumerate(data["nodes"]):
             if not isinstance(item, dict) or "node" not in item or "precision" not in item:
                 raise OptionError(f"--precision-plan {origin}: entry {i} needs 'node' and 'precision'")
+            for key in ("node", "op", "precision", "reason"):
+                _text(item.get(key, ""), origin, f"entry {i}: {key}")
             plan.entries.append(
                 PlanEntry(str(item["node"]), str(item.get("op", "")), str(item["precision"]).lower(),
                           str(item.get("reason", "")))
@@ -115,11 +120,15 @@ def load_plan(source: str | Path | dict[str, Any] | PrecisionPlan) -> PrecisionP
     path = Path(source)
     if not path.exists():
         raise OptionError(f"--precision-plan: file {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise OptionError(f"--precision-plan {path}: not valid YAML ({exc})") from exc
+    data = load_yaml_file(path, "--precision-plan", OptionError)  # bounded: size, aliases, binary
     return PrecisionPlan.from_dict(data, str(path))
+
+
+def _text(value: Any, origin: str, where: str) -> str:
+    """A plan field: a string (or a number written bare); anything else is refused without showing it."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise OptionError(f"--precision-plan {origin}: {where} must be a string, not a {type(value).__name__}")
+    return str(value)
 
 
 @dataclass(frozen=True)

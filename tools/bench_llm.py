@@ -1,0 +1,623 @@
+"""LLM decoders on the GPU: mograph's graphs against ONNX Runtime GenAI's model builder, in one run.
+
+Issue 25 item 4 and issue 26 item 3. Everything is built from seeded random weights in code (nothing is
+downloaded), one harness feeds every graph the same tokens, and every cell of one run is timed in interleaved
+rounds so drift hits all variants alike.
+
+* **models** (``--models``): ``smollm`` (SmolLM2-135M shape: 30 layers, hidden 576, 9/3 heads, FFN 1536,
+  vocab 49152), ``1b`` (1B class: 16 layers, hidden 2048, 32/8 heads, FFN 8192, vocab 128256), ``qwen``
+  (Qwen2.5-0.5B shape, ``Qwen2ForCausalLM``: 24 layers, hidden 896, 14/2 heads, FFN 4864, QKV biases), and
+  ``tiny`` (2 layers, hidden 64: the CPU smoke test). Each is saved as a Hugging Face folder (safetensors and a
+  word-level tokenizer) so the builder runs on it offline.
+* **graphs**: ``builder-fp16`` / ``builder-int4`` (``python -m onnxruntime_genai.models.builder -p fp16|int4
+  -e cuda``); the exports ``ts`` (``torch.onnx.export(dynamo=False)``, opset 17) and ``dynamo`` (opset 18) of
+  ``*ForCausalLM`` (prefill: ``input_ids, attention_mask -> logits, present_*``; decode: ``input_ids,
+  attention_mask, past_* -> logits, present_*``), each through mograph: ``mograph-<exp>`` (``--variant`` specs
+  below; default ``cleanup,fuse,fp16 --target ort``), so a variant is a pipeline, not code.
+* **cells**: prefill ``BxS`` (no past) and decode ``decode:BxP`` (one token over a past of P), each ``plain``
+  (IO binding, outputs on the device, present grown by the graph) and ``graph`` (``enable_cuda_graph``; the
+  past/present share one static buffer of ``P + 64`` positions per layer and the mask is that long, zeros after
+  the valid tokens, as ONNX Runtime GenAI binds it, where the graph takes past in that form; else the cell
+  says why it cannot be captured).
+* **accuracy**: logits of a 16-token prefill against the torch float32 model on the same device (cosine, max
+  abs, argmax agreement), and a 64-step greedy loop (through the shared buffer where the graph allows) against
+  torch's greedy tokens (the number of steps before the first different token).
+
+A variant spec is ``NAME=EXPORT:PASSES[:EXTRA CLI ARGS]``, e.g. ``mograph-ts=ts:cleanup,fuse,fp16:--target ort``
+or ``mograph-ts-shared=ts:cleanup,fuse,fp16:--target ort --kv-cache shared``; mograph runs as
+``python -m mograph optimize`` on the export of the cell's kind (prefill or decode graph).
+
+Usage (the H200; ``../shared/gpu/README.md`` says how to carry onnxruntime-gpu and onnxruntime-genai)::
+
+    python tools/bench_llm.py prepare --models smollm --cache /tmp/llm          # HF folder, builder, exports, mograph
+    python tools/bench_llm.py time --models smollm --cache /tmp/llm --out r.jsonl
+    python tools/bench_llm.py markdown --out r.jsonl
+    python tools/bench_llm.py prepare --models tiny --cache /tmp/llm --device cpu && \\
+        python tools/bench_llm.py time --models tiny --cache /tmp/llm --device cpu --out /tmp/r.jsonl  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu import cosine, cuda_kernels, time_runners  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Spec:
+    arch: str
+    layers: int
+    hidden: int
+    heads: int
+    kv: int
+    ffn: int
+    vocab: int
+    theta: float = 10000.0
+
+    @property
+    def head(self) -> int:
+        return self.hidden // self.heads
+
+
+MODELS = {
+    "smollm": Spec("llama", 30, 576, 9, 3, 1536, 49152, 100000.0),
+    "1b": Spec("llama", 16, 2048, 32, 8, 8192, 128256, 500000.0),
+    "qwen": Spec("qwen2", 24, 896, 14, 2, 4864, 151936, 1000000.0),
+    "tiny": Spec("llama", 2, 64, 4, 2, 128, 1000, 10000.0),
+}
+DEFAULT_VARIANTS = [
+    "mograph-ts=ts:cleanup,fuse,fp16:--target ort",
+    "mograph-dynamo=dynamo:cleanup,fuse,fp16:--target ort",
+]
+CELLS = ["1x512", "8x512", "decode:1x512", "decode:8x512"]
+PROMPT, STEPS = 16, 64
+
+
+def log(msg: str) -> None:
+    sys.stderr.write(f"[bench_llm {time.strftime('%H:%M:%S')}] {msg}\n")
+    sys.stderr.flush()
+
+
+# -- building ---------------------------------------------------------------------------------------------
+
+
+def hf_module(spec: Spec, seed: int = 0) -> Any:
+    import torch
+    import transformers as T
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.ffn,
+                  num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv,
+                  max_position_embeddings=4096, rope_theta=spec.theta, tie_word_embeddings=True,
+                  attn_implementation="eager")
+    cfg = T.Qwen2Config(**common) if spec.arch == "qwen2" else T.LlamaConfig(**common)
+    model = (T.Qwen2ForCausalLM if spec.arch == "qwen2" else T.LlamaForCausalLM)(cfg).eval()
+    with torch.no_grad():  # non-trivial norms and biases, as trained weights have
+        g = torch.Generator().manual_seed(seed + 1)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):
+                p.add_(0.02 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def save_hf(spec: Spec, out: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model = hf_module(spec)
+    model.save_pretrained(out)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(spec.vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2",
+                            pad_token="t0").save_pretrained(out)
+
+
+def run_builder(hf: Path, out: Path, precision: str, cache: Path, ep: str = "cuda") -> None:
+    import importlib.util
+
+    found = importlib.util.find_spec("onnxruntime_genai")
+    if found is None or not found.submodule_search_locations:
+        raise RuntimeError("onnxruntime-genai is not installed")
+    script = Path(list(found.submodule_search_locations)[0]) / "models" / "builder.py"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    cmd = [sys.executable, str(script), "-i", str(hf), "-o", str(out), "-p", precision, "-e", ep, "-c", str(cache)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode or not (out / "model.onnx").exists():
+        raise RuntimeError(f"builder -p {precision} failed: {done.stderr[-1500:]}")
+
+
+def wrappers(model: Any, layers: int) -> tuple[Any, Any]:
+    import torch
+    import transformers as T
+
+    def flat(cache: Any) -> list[Any]:
+        if hasattr(cache, "layers"):
+            return [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        return [t for i in range(len(cache.key_cache)) for t in (cache.key_cache[i], cache.value_cache[i])]
+
+    class Prefill(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = model
+
+        def forward(self, input_ids: Any, attention_mask: Any) -> Any:
+            out = self.m(input_ids=input_ids, attention_mask=attention_mask, use_cache=True)
+            return (out.logits, *flat(out.past_key_values))
+
+    class Decode(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = model
+
+        def forward(self, input_ids: Any, attention_mask: Any, *past: Any) -> Any:
+            cache = T.DynamicCache()
+            for i in range(layers):
+                cache.update(past[2 * i], past[2 * i + 1], i)
+            out = self.m(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+            return (out.logits, *flat(out.past_key_values))
+
+    return Prefill().eval(), Decode().eval()
+
+
+def export(spec: Spec, hf: Path, exporter: str, kind: str, out: Path) -> None:
+    import torch
+    import transformers as T
+
+    model = (T.Qwen2ForCausalLM if spec.arch == "qwen2" else T.LlamaForCausalLM).from_pretrained(
+        hf, attn_implementation="eager", dtype=torch.float32).eval()
+    prefill, decode = wrappers(model, spec.layers)
+    b, s, p = 2, 8, 8
+    present = [f"present_{i}_{kv}" for i in range(spec.layers) for kv in ("key", "value")]
+    past = [f"past_{i}_{kv}" for i in range(spec.layers) for kv in ("key", "value")]
+    ids = torch.randint(0, spec.vocab, (b, s if kind == "prefill" else 1))
+    if kind == "prefill":
+        mod, args, names = prefill, (ids, torch.ones(b, s, dtype=torch.int64)), ["input_ids", "attention_mask"]
+        axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"},
+                "logits": {0: "batch", 1: "seq"}, **{n: {0: "batch", 2: "seq"} for n in present}}
+    else:
+        pv = [torch.randn(b, spec.kv, p, spec.head) for _ in past]
+        mod, args = decode, (ids, torch.ones(b, p + 1, dtype=torch.int64), *pv)
+        names = ["input_ids", "attention_mask", *past]
+        axes = {"input_ids": {0: "batch"}, "attention_mask": {0: "batch", 1: "total"}, "logits": {0: "batch"},
+                **{n: {0: "batch", 2: "past"} for n in past}, **{n: {0: "batch", 2: "total"} for n in present}}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        if exporter == "ts":
+            torch.onnx.export(mod, args, str(out), input_names=names, output_names=["logits", *present],
+                              dynamic_axes=axes, opset_version=17, dynamo=False)
+        else:
+            dyn = torch.export.Dim.DYNAMIC
+            shapes: Any = ({0: dyn, 1: dyn}, {0: dyn, 1: dyn}) if kind == "prefill" else (
+                {0: dyn}, {0: dyn, 1: dyn}, tuple({0: dyn, 2: dyn} for _ in past))
+            prog = torch.onnx.export(mod, args, input_names=names, output_names=["logits", *present],
+                                     dynamic_shapes=shapes, opset_version=18, dynamo=True)
+            prog.save(str(out), external_data=True)
+    # calibration feeds for mograph's fp16/int4 passes: seeded tokens, one feed of batch 2
+    rng = np.random.default_rng(3)
+    feeds = {"input_ids": rng.integers(0, spec.vocab, (2, 16 if kind == "prefill" else 1))}
+    if kind == "prefill":
+        feeds["attention_mask"] = np.ones((2, 16), np.int64)
+    else:
+        feeds["attention_mask"] = np.ones((2, 17), np.int64)
+        for n in past:
+            feeds[n] = (0.5 * rng.standard_normal((2, spec.kv, 16, spec.head))).astype(np.float32)
+    np.savez(out.parent / "calibration.npz", **feeds)
+
+
+def run_mograph(src: Path, out: Path, passes: str, extra: str) -> None:
+    cmd = [sys.executable, "-m", "mograph", "optimize", str(src), "-o", str(out), "--passes", passes, *extra.split()]
+    if "--calibration" not in extra:
+        cmd += ["--calibration-data", str(src.parent / "calibration.npz")]
+    t = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=str(out.parent))
+    if done.returncode:
+        raise RuntimeError(f"mograph exit {done.returncode}: {(done.stderr or done.stdout)[-1500:]}")
+    log(f"  {out.name}: {time.perf_counter() - t:.1f} s")
+
+
+def parse_variant(text: str) -> tuple[str, str, str, str]:
+    name, _, body = text.partition("=")
+    exp, _, rest = body.partition(":")
+    passes, _, extra = rest.partition(":")
+    if not (name and exp in ("ts", "dynamo") and passes):
+        raise SystemExit(f"bench_llm: bad --variant {text!r}: expected NAME=ts|dynamo:PASSES[:ARGS]")
+    return name, exp, passes, extra
+
+
+def prepare(args: argparse.Namespace) -> int:
+    root = Path(args.cache)
+    failed = 0
+    for name in args.models.split(","):
+        spec, d = MODELS[name], root / name
+        steps: list[tuple[Path, Any]] = [(d / "hf" / "config.json", lambda d=d, spec=spec: save_hf(spec, d / "hf"))]
+        if not args.no_builder:
+            for prec in args.builder_precisions.split(","):
+                steps.append((d / f"builder-{prec}" / "model.onnx",
+                              lambda d=d, prec=prec: run_builder(d / "hf", d / f"builder-{prec}", prec, d / "hfcache",
+                                                                 args.builder_ep)))
+        exps = {parse_variant(v)[1] for v in args.variant}
+        for exp in sorted(exps):
+            for kind in ("prefill", "decode"):
+                steps.append((d / f"export-{exp}-{kind}" / "model.onnx",
+                              lambda d=d, exp=exp, kind=kind, spec=spec: export(
+                                  spec, d / "hf", exp, kind, d / f"export-{exp}-{kind}" / "model.onnx")))
+        for v in args.variant:
+            vname, exp, passes, extra = parse_variant(v)
+            for kind in ("prefill", "decode"):
+                steps.append((d / f"{vname}-{kind}" / "model.onnx",
+                              lambda d=d, exp=exp, kind=kind, vname=vname, passes=passes, extra=extra: run_mograph(
+                                  d / f"export-{exp}-{kind}" / "model.onnx", d / f"{vname}-{kind}" / "model.onnx",
+                                  passes, extra)))
+        for target, make in steps:
+            if target.exists():
+                continue
+            err = target.parent / "FAILED"
+            if err.exists() and not args.retry:
+                continue
+            log(f"{name}: building {target.parent.name}")
+            t = time.perf_counter()
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                make()
+                err.unlink(missing_ok=True)
+                log(f"{name}: {target.parent.name} done in {time.perf_counter() - t:.1f} s")
+            except Exception as exc:  # noqa: BLE001
+                failed += 1
+                err.write_text(f"{type(exc).__name__}: {exc}"[-3000:])
+                log(f"{name}: {target.parent.name} FAILED: {str(exc)[-600:]}")
+                if target.name == "model.onnx" and target.exists():
+                    target.unlink()
+    return 1 if failed else 0
+
+
+# -- running ----------------------------------------------------------------------------------------------
+
+_PAST = re.compile(r"past\D*?(\d+)\D*?(key|value)")
+_PRESENT = re.compile(r"present\D*?(\d+)\D*?(key|value)")
+_NP = {"tensor(float16)": np.float16, "tensor(float)": np.float32, "tensor(int64)": np.int64,
+       "tensor(int32)": np.int32, "tensor(uint8)": np.uint8, "tensor(int8)": np.int8}
+
+
+class Graph:
+    """One ONNX file and how to feed it: which inputs are past K/V (and their dtype), which outputs present."""
+
+    def __init__(self, name: str, path: Path, device: str, cuda_graph: bool) -> None:
+        import onnxruntime as ort
+
+        self.name, self.path, self.device = name, path, device
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        if device == "cuda":
+            po = {"enable_cuda_graph": "1" if cuda_graph else "0"}
+            providers: list[Any] = [("CUDAExecutionProvider", po), "CPUExecutionProvider"]
+        else:
+            providers = ["CPUExecutionProvider"]
+        self.session = ort.InferenceSession(str(path), opts, providers=providers)
+        self.inputs = {i.name: i for i in self.session.get_inputs()}
+        self.outputs = [o.name for o in self.session.get_outputs()]
+        self.past = {self._key(_PAST, n): n for n in self.inputs if _PAST.search(n)}
+        self.present = {self._key(_PRESENT, n): n for n in self.outputs if _PRESENT.search(n)}
+        self.kv_dtype = _NP[self.inputs[next(iter(self.past.values()))].type] if self.past else np.float32
+        self.ort = ort
+
+    @staticmethod
+    def _key(rx: re.Pattern[str], name: str) -> tuple[int, str]:
+        m = rx.search(name)
+        assert m
+        return int(m.group(1)), m.group(2)
+
+    def value(self, arr: np.ndarray) -> Any:
+        return self.ort.OrtValue.ortvalue_from_numpy(arr, self.device, 0)
+
+
+class Step:
+    """One IO binding of a graph: ``run()`` returns when the device is done; ``logits()`` copies them back."""
+
+    def __init__(self, g: Graph, ids: np.ndarray, mask: np.ndarray, past: dict[tuple[int, str], Any] | None,
+                 shared: bool) -> None:
+        self.g, self.io, self.shared = g, g.session.io_binding(), shared
+        self.keep = [g.value(ids.astype(_NP[g.inputs["input_ids"].type])),
+                     g.value(mask.astype(_NP[g.inputs["attention_mask"].type]))]
+        self.io.bind_ortvalue_input("input_ids", self.keep[0])
+        self.io.bind_ortvalue_input("attention_mask", self.keep[1])
+        for key, name in g.past.items():
+            self.io.bind_ortvalue_input(name, past[key])
+        for name in g.outputs:
+            m = _PRESENT.search(name)
+            if shared and m:
+                self.io.bind_ortvalue_output(name, past[(int(m.group(1)), m.group(2))])
+            else:
+                self.io.bind_output(name, g.device)
+
+    def run(self) -> None:
+        self.g.session.run_with_iobinding(self.io)
+
+    def logits(self) -> np.ndarray:
+        return np.asarray(self.io.get_outputs()[self.g.outputs.index("logits")].numpy(), dtype=np.float32)
+
+    def output(self) -> np.ndarray:
+        return self.logits()
+
+    def presents(self) -> dict[tuple[int, str], Any]:
+        outs = self.io.get_outputs()
+        return {Graph._key(_PRESENT, n): outs[i] for i, n in enumerate(self.g.outputs) if _PRESENT.search(n)}
+
+
+def cell_step(g: Graph, spec: Spec, cell: str, shared: bool, seed: int) -> Step:
+    rng = np.random.default_rng(seed)
+    decode = cell.startswith("decode:")
+    b, s = (int(v) for v in cell.split(":")[-1].split("x"))
+    if not decode:
+        # GroupQueryAttention takes a prompt over a shared buffer at batch 1 only ("batch_size must be 1 when
+        # sequence_length > 1 and past context is given"): larger prompts go in with an empty past
+        shared = shared and b == 1
+        ids = rng.integers(0, spec.vocab, (b, s))
+        cap = s + STEPS if shared else 0
+        mask = np.zeros((b, max(cap, s)), np.int64)
+        mask[:, :s] = 1
+        past = {k: g.value(np.zeros((b, spec.kv, cap, spec.head), g.kv_dtype)) for k in g.past} if g.past else None
+        return Step(g, ids, mask, past, shared)
+    if not g.past:
+        raise ValueError("graph has no past inputs")
+    ids = rng.integers(0, spec.vocab, (b, 1))
+    cap = s + STEPS if shared else s
+    mask = np.zeros((b, s + STEPS if shared else s + 1), np.int64)
+    mask[:, : s + 1] = 1
+    past = {k: g.value((0.5 * rng.standard_normal((b, spec.kv, cap, spec.head))).astype(g.kv_dtype)) for k in g.past}
+    return Step(g, ids, mask, past, shared)
+
+
+def graph_files(d: Path, variants: list[str], kind: str) -> dict[str, Path]:
+    files = {f"builder-{p}": d / f"builder-{p}" / "model.onnx" for p in ("fp16", "int4", "fp32")}
+    for v in variants:
+        files[parse_variant(v)[0]] = d / f"{parse_variant(v)[0]}-{kind}" / "model.onnx"
+    return {k: v for k, v in files.items() if v.exists()}
+
+
+def shared_ok(g: Graph) -> bool:
+    """Past and present can share one static buffer when every past input feeds a GroupQueryAttention node
+    (as its past_key/past_value) whose present output is the graph's present: the op then writes the new
+    tokens in place at ``seqlens_k`` (how ONNX Runtime GenAI binds the builder's graphs)."""
+    if not g.past:
+        return False
+    import onnx
+
+    model = onnx.load(str(g.path), load_external_data=False)
+    graph_outputs = {o.name for o in model.graph.output}
+    fed = {}
+    for node in model.graph.node:
+        if node.op_type == "GroupQueryAttention" and len(node.input) > 4 and len(node.output) > 2:
+            fed[node.input[3]] = node.output[1] in graph_outputs
+            fed[node.input[4]] = node.output[2] in graph_outputs
+    return all(fed.get(name, False) for name in g.past.values())
+
+
+def torch_reference(spec: Spec, hf: Path, device: str, ids: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """Prefill logits of ``ids`` and STEPS greedy tokens after it, from the float32 torch model."""
+    import torch
+    import transformers as T
+
+    model = (T.Qwen2ForCausalLM if spec.arch == "qwen2" else T.LlamaForCausalLM).from_pretrained(
+        hf, attn_implementation="eager", dtype=torch.float32).eval().to(device)
+    with torch.inference_mode():
+        x = torch.from_numpy(ids).to(device)
+        out = model(input_ids=x, use_cache=True)
+        logits = out.logits.float().cpu().numpy()
+        cache, tok, tokens = out.past_key_values, int(out.logits[0, -1].argmax()), []
+        margins = []
+        for _ in range(STEPS):
+            tokens.append(tok)
+            o = model(input_ids=torch.tensor([[tok]], device=device), past_key_values=cache, use_cache=True)
+            top = torch.topk(o.logits[0, -1].float(), 2).values
+            margins.append(float(top[0] - top[1]))
+            cache, tok = o.past_key_values, int(o.logits[0, -1].argmax())
+    torch_reference.margins = margins  # type: ignore[attr-defined]
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return logits, tokens
+
+
+def greedy(prefill: Graph, decode: Graph, spec: Spec, ids: np.ndarray, shared: bool) -> tuple[np.ndarray, list[int]]:
+    """Prefill ``ids`` then STEPS greedy tokens; with ``shared``, the decode steps run over one static buffer per
+    layer (bound as both past and present, the mask as long as the buffer), filled by the prefill: in place
+    where the prefill graph takes the buffer too, else copied from its presents once."""
+    n = ids.shape[1]
+    cap = n + STEPS
+    if shared and prefill.past:
+        past = {k: prefill.value(np.zeros((1, spec.kv, cap, spec.head), prefill.kv_dtype)) for k in decode.past}
+        mask = np.zeros((1, cap), np.int64)
+        mask[:, :n] = 1
+        first = Step(prefill, ids, mask, past, True)
+    else:
+        empty = {k: prefill.value(np.zeros((1, spec.kv, 0, spec.head), prefill.kv_dtype)) for k in prefill.past}
+        first = Step(prefill, ids, np.ones((1, n), np.int64), empty or None, False)
+    first.run()
+    logits = first.logits()
+    tok, tokens = int(logits[0, -1].argmax()), []
+    cache = first.presents()
+    if shared and not prefill.past:
+        buffers = {}
+        for k, v in cache.items():
+            buf = np.zeros((1, spec.kv, cap, spec.head), decode.kv_dtype)
+            buf[:, :, :n] = v.numpy()
+            buffers[k] = decode.value(buf)
+        cache = buffers
+    elif shared:
+        cache = past
+    for i in range(STEPS):
+        tokens.append(tok)
+        total = n + i + 1
+        if shared:
+            mask = np.zeros((1, cap), np.int64)
+            mask[:, :total] = 1
+        else:
+            mask = np.ones((1, total), np.int64)
+        st = Step(decode, np.array([[tok]]), mask, cache, shared)
+        st.run()
+        tok = int(st.logits()[0, -1].argmax())
+        if not shared:
+            cache = st.presents()
+    return logits, tokens
+
+
+def time_model(args: argparse.Namespace, name: str, out: Any) -> None:
+    spec, d = MODELS[name], Path(args.cache) / name
+    cells = args.cells.split(",")
+    # accuracy first: torch fp32 on the device, then each graph pair's prefill logits and greedy loop
+    ids = np.random.default_rng(7).integers(0, spec.vocab, (1, PROMPT))
+    ref_logits, ref_tokens = torch_reference(spec, d / "hf", args.device, ids)
+    pre, dec = graph_files(d, args.variant, "prefill"), graph_files(d, args.variant, "decode")
+    for vname in sorted(set(pre) & set(dec)):
+        row: dict[str, Any] = {"model": name, "variant": vname, "cell": "accuracy", "when": time.time()}
+        try:
+            gp, gd = Graph(vname, pre[vname], args.device, False), Graph(vname, dec[vname], args.device, False)
+            shared = shared_ok(gd)
+            logits, tokens = greedy(gp, gd, spec, ids, shared)
+            cos, mx = cosine(logits[0, -1], ref_logits[0, -1])
+            agree = float(np.mean(logits[0].argmax(-1) == ref_logits[0].argmax(-1)))
+            same = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(tokens))
+            row.update(shared=shared, cosine=round(cos, 6), max_abs=round(mx, 4), argmax_agree=agree,
+                       greedy_same_steps=same, greedy_steps=STEPS)
+            if same < STEPS:  # how close torch's own top two logits were at the first different token
+                row["torch_top2_margin_there"] = round(torch_reference.margins[same - 1], 5) if same else None
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+        log(json.dumps(row))
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+    for cell in cells:
+        kind = "decode" if cell.startswith("decode:") else "prefill"
+        files = graph_files(d, args.variant, kind)
+        for mode in ("plain", "graph"):
+            runners: dict[str, Any] = {}
+            notes: dict[str, str] = {}
+            for vname, path in files.items():
+                try:
+                    g = Graph(vname, path, args.device, mode == "graph" and args.device == "cuda")
+                    shared = mode == "graph" and shared_ok(g)
+                    if mode == "graph" and kind == "decode" and not shared:
+                        notes[vname] = "not capturable in a generation loop: no shared past/present buffer"
+                        continue
+                    runners[vname] = cell_step(g, spec, cell, shared, seed=11)
+                except Exception as exc:  # noqa: BLE001
+                    notes[vname] = f"{type(exc).__name__}: {str(exc).strip()[:400]}"
+            timed = time_runners(runners, args.warmup, args.min_time, args.rounds, args.max_iters)
+            kern = {}
+            if args.kernels and args.device == "cuda":
+                for vname, r in runners.items():
+                    if "error" not in timed.get(vname, {}):
+                        try:
+                            kern[vname] = cuda_kernels(r, args.kernels, top=12)
+                        except Exception as exc:  # noqa: BLE001
+                            kern[vname] = {"error": str(exc)[:200]}
+            for vname in files:
+                row = {"model": name, "variant": vname, "cell": cell, "mode": mode, "when": time.time(),
+                       **timed.get(vname, {})}
+                if runners.get(vname) is not None:
+                    row["shared"] = runners[vname].shared
+                if vname in notes:
+                    row.setdefault("error", notes[vname])
+                if vname in kern:
+                    row["kernels"] = kern[vname]
+                log(json.dumps({k: v for k, v in row.items() if k != "kernels"}))
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+            del runners
+
+
+def time_all(args: argparse.Namespace) -> int:
+    if args.device == "cuda":
+        import torch  # noqa: F401  (loads the CUDA libraries ONNX Runtime's provider needs)
+    with open(args.out, "a") as out:
+        for name in args.models.split(","):
+            time_model(args, name, out)
+    return 0
+
+
+def markdown(args: argparse.Namespace) -> int:
+    rows = [json.loads(line) for line in Path(args.out).read_text().splitlines() if line.strip()]
+    latest: dict[tuple[str, str, str, str], dict[str, Any]] = {}
+    for r in rows:
+        latest[(r["model"], r["cell"], r.get("mode", ""), r["variant"])] = r
+    variants = sorted({k[3] for k in latest})
+    ours = [v for v in variants if not v.startswith("builder")]
+
+    def peer(v: str) -> str:
+        return "builder-int4" if "int4" in v else "builder-fp16"
+
+    lines = ["| model | cell | mode | " + " | ".join(variants) + " | " + " | ".join(f"{v} / {peer(v)}" for v in ours)
+             + " |", "|---|---|---|" + "---:|" * (len(variants) + len(ours))]
+
+    def ms(model: str, cell: str, mode: str, v: str) -> float | None:
+        r = latest.get((model, cell, mode, v))
+        return None if not r or r.get("error") else r.get("median_ms")
+
+    for model in dict.fromkeys(k[0] for k in latest):
+        for cell in dict.fromkeys(k[1] for k in latest if k[0] == model and k[1] != "accuracy"):
+            for mode in ("plain", "graph"):
+                cells = []
+                for v in variants:
+                    t = ms(model, cell, mode, v)
+                    cells.append(f"{t:.3f}" if t else ("–" if (model, cell, mode, v) in latest else ""))
+                ratios = []
+                for v in ours:
+                    a_, b_ = ms(model, cell, mode, v), ms(model, cell, mode, peer(v))
+                    ratios.append(f"**{a_ / b_:.2f}**" if a_ and b_ else "–")
+                lines.append(f"| {model} | {cell} | {mode} | " + " | ".join(cells + ratios) + " |")
+    lines += ["", "| model | variant | shared buffer | logits cosine | max abs | argmax agree | greedy steps = torch |",
+              "|---|---|---|---:|---:|---:|---:|"]
+    for (model, cell, _, v), r in latest.items():
+        if cell == "accuracy":
+            if "error" in r:
+                lines.append(f"| {model} | {v} | | error: {r['error'][:80]} | | | |")
+            else:
+                lines.append(f"| {model} | {v} | {r['shared']} | {r['cosine']:.6f} | {r['max_abs']:.4f} | "
+                             f"{r['argmax_agree']:.2f} | {r['greedy_same_steps']}/{r['greedy_steps']} |")
+    print("\n".join(lines))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=("prepare", "time", "markdown"))
+    ap.add_argument("--models", default="smollm")
+    ap.add_argument("--cache", default="/tmp/mograph-llm")
+    ap.add_argument("--out", default="bench_llm.jsonl")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--variant", action="append", help="NAME=ts|dynamo:PASSES[:ARGS] (repeatable)")
+    ap.add_argument("--cells", default=",".join(CELLS))
+    ap.add_argument("--no-builder", action="store_true")
+    ap.add_argument("--builder-precisions", default="fp16,int4", help="builder -p values (fp32 for a CPU smoke)")
+    ap.add_argument("--builder-ep", default="cuda", help="builder -e (cpu for a CPU smoke)")
+    ap.add_argument("--retry", action="store_true", help="retry steps that failed before")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--min-time", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--max-iters", type=int, default=200)
+    ap.add_argument("--kernels", type=int, default=0, help="record the CUDA kernels of N runs per cell")
+    args = ap.parse_args(argv)
+    args.variant = args.variant or list(DEFAULT_VARIANTS)
+    if args.what == "prepare":
+        return prepare(args)
+    if args.what == "time":
+        return time_all(args)
+    return markdown(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# On the lent H200: start tools/bench_llm.py's builds in the background during the onnxruntime-gpu carry
+# (see ../shared/gpu/README.md), so they overlap the five carry calls.
+#   bash tools/gpu_llm.sh start MODELS [extra prepare args]   # in carry call 1 (after .gpu/whl is there)
+#   bash tools/gpu_llm.sh wait                                 # later: block until the builds are done, print the log
+# The builds use the image's CPU onnxruntime and torch; a copy of this checkout in /tmp/repo; cache /tmp/llm.
+set -u
+case "$1" in
+start)
+  models=$2; shift 2
+  rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r . /tmp/repo/ && rm -rf /tmp/repo/.gpu
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pre .gpu/whl/onnx_ir-*.whl \
+      .gpu/whl/onnxruntime_genai-*.whl .gpu/whl/polygraphy-*.whl >/dev/null 2>&1
+  (cd /tmp/repo && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/pm . >/dev/null 2>&1)
+  cd /tmp/repo
+  for m in ${models//,/ }; do  # one process per model, so the models build side by side on the 16 cores
+    PYTHONPATH=/tmp/pm:/tmp/pre setsid nohup python3 tools/bench_llm.py prepare --models "$m" \
+        --cache /tmp/llm "$@" > "/tmp/llm-prepare-$m.log" 2>&1 < /dev/null &
+  done
+  sleep 2; echo started; tail -n 2 /tmp/llm-prepare-*.log ;;
+wait)
+  while pgrep -f "bench_llm.py prepare" >/dev/null; do sleep 5; done
+  grep -h -E "bench_llm" /tmp/llm-prepare-*.log | tail -40 ;;
+esac
