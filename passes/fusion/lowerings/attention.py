@@ -1166,6 +1166,10 @@ def _through_unsqueeze(value: ir.Value | None, base: ir.Value, rank: int) -> int
     return dims.index("r") if len(dims) == rank else None
 
 
+#: in-memory note on a past input renamed to ``max_sequence_length`` (``--kv-cache shared``): its dim before
+_PAST_DIM_META = "mograph.past_dim"
+
+
 def _past_length_of(value: ir.Value | None, past: ir.Value | None) -> bool:
     """Whether the scalar ``value`` is dim 2 (the past length) of a ``[B, G, P, D]`` graph input whose P is the
     same dim as ``past``'s."""
@@ -1185,7 +1189,9 @@ def _past_length_of(value: ir.Value | None, past: ir.Value | None) -> bool:
             src = shape.inputs[0]
     if src is None or past is None or not src.is_graph_input() or src.shape is None or len(src.shape) != 4:
         return False
-    return past.shape is not None and same_dim(src.shape[2], past.shape[2])
+    if past.shape is None or len(past.shape) != 4:
+        return False
+    return same_dim(src.meta.get(_PAST_DIM_META, src.shape[2]), past.meta.get(_PAST_DIM_META, past.shape[2]))
 
 
 def _positions(pos: ir.Value | None, q: ir.Value, past: ir.Value | None) -> bool:
@@ -1553,6 +1559,7 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
                 for val in (past_v, present):
                     if val.shape is not None and len(val.shape) == 4:
                         dims = list(val.shape)
+                        val.meta[_PAST_DIM_META] = dims[2]  # the other layers' proofs compare past lengths
                         dims[2] = ir.SymbolicDim("max_sequence_length")
                         val.shape = ir.Shape(dims)
             ctx.count("attention.kv_cache_shared")

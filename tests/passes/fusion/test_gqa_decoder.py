@@ -153,11 +153,12 @@ def test_unlowered_decode_step_is_not_capturable(exports: Any) -> None:
 MAX_LEN = 32
 
 
-def test_kv_cache_shared_greedy_loop_matches_the_export(exports: Any) -> None:
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_kv_cache_shared_greedy_loop_matches_the_export(exports: Any, exporter: str) -> None:
     """``--kv-cache shared``: each layer's past and present bound to ONE ``[B, G, MAX, D]`` buffer (ONNX Runtime IO
     binding, the same OrtValue as input and output), the ``[B, MAX]`` mask ones then zeros: every step has the same
     shapes, and a greedy loop gives the export's logits and tokens (the export run with its growing Concat cache)."""
-    path = exports("llama", "decode", "dynamo")
+    path = exports("llama", "decode", exporter)
     model = _optimize(path, kv_cache="shared")
     ops = Counter(n.op_type for n in model.graph.node)
     assert ops["GroupQueryAttention"] == 2 and ops["Concat"] == 0, ops
