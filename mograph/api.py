@@ -135,7 +135,8 @@ def run_passes(
     if mode == "each":
         wrappers.append(_VerifyEach(verifier))
     try:
-        PassManager(list(passes), hook=reg.pm.hook, check_modified=check_modified, instruments=wrappers).run(model, report)
+        PassManager(list(passes), hook=reg.pm.hook, check_modified=check_modified, instruments=wrappers,
+                    sources=reg.pass_source).run(model, report)
     except VerificationError as exc:  # --verify each: the report so far goes with the error
         report.verification = exc.report if isinstance(exc.report, dict) else None
         exc.pipeline_report = report
@@ -236,6 +237,7 @@ def optimize(
     blocked: Iterable[str] = (),
     instruments: Sequence[Instrument] = (),
     check_output: bool = True,
+    device: str | None = None,
 ) -> tuple[Any, PipelineReport]:
     """Run a pipeline of passes; return ``(optimized_model, report)``.
 
@@ -271,6 +273,13 @@ def optimize(
                 mograph.optimize("m.onnx", "cleanup", instruments=[progress])
         check_output: check the result with the ONNX checker and an ONNX Runtime load (see
             :mod:`mograph.output_check`); ``False`` skips it (a failed check is a pass error).
+        device: where the model will run (``"cpu"``, ``"cuda"``, ``"cuda:N"``; the CLI's ``--device``): the
+            plugins' precision recipes rewrite the pipeline for it before it is expanded (``int4`` on
+            ``cuda``: weight-only ``MatMulNBits`` then ``fp16``, target ``ort``; see
+            :mod:`mograph.passes.quant.recipe`); the report records the decisions under ``recipe``,
+            and a precision measured slower on that device is a warning there.  ``None``: the
+            pipeline is exactly ``passes``.  It does not say where ``verify`` runs
+            (``verify_options["device"]`` does).
 
     Returns:
         The optimized model in the form given (a path gives an ``onnx_ir.Model``) and the report.
@@ -282,7 +291,8 @@ def optimize(
     if unknown:
         raise OptionError(f"unknown option(s) {unknown}; `mograph passes --json` lists each pass's options")
     options = {k.replace("-", "_"): v for k, v in options.items()}
-    names = reg.plan(passes if isinstance(passes, str) else list(passes), options)
+    given, options, recipe = reg.recipe(passes if isinstance(passes, str) else list(passes), options, device)
+    names = reg.plan(given, options)
     # The passes' output files (--precision-plan-out) against the model and what the passes read, before any work.
     from mograph._paths import check_io, model_files, option_io
 
@@ -306,5 +316,11 @@ def optimize(
         )
     except VerificationError as exc:  # the failed model goes with the error, for inspection
         exc.model = ir_io.to_format(ir_model, model)
+        if recipe is not None and isinstance(exc.pipeline_report, PipelineReport):
+            exc.pipeline_report.extra["recipe"] = recipe
         raise
+    if recipe is not None:
+        report.extra["recipe"] = recipe
+        for line in recipe.get("warnings", []):
+            logger.warning("%s", line)
     return ir_io.to_format(ir_model, model), report

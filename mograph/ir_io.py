@@ -37,13 +37,15 @@ import onnx
 import onnx_ir as ir
 
 from mograph._model_checks import check_declarations
-from mograph._tempfiles import owned_tempdir
+from mograph._tempfiles import owned_tempdir, sweep_stale
 from mograph.errors import ModelError, UsageError
+from mograph.ir_version import fit_ir_version
 
 __all__ = [
     "ModelSource",
     "load_model",
     "save_model",
+    "sweep_save_leftovers",
     "to_format",
     "model_size_bytes",
     "copy_model",
@@ -146,8 +148,14 @@ def copy_model(model: ir.Model) -> ir.Model:
     ``onnx_ir``'s serializer keeps an external tensor's location but not its folder (``base_dir``): a
     bare round trip gives a copy that would resolve every location against the current directory,
     reading whatever file of that name sits there.
+
+    The copy shares the original's external tensors (read-only memory maps: mapped once, not twice), and
+    a model whose in-memory tensors are too big for one protobuf (:func:`mograph._spill.too_big`) shares
+    those too instead of copying them (:func:`mograph._spill.shared_copy`).
     """
-    copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    from mograph import _spill
+
+    copy = _spill.shared_copy(model, in_memory=_spill.too_big(model))
     originals = [t for _, t in _all_tensors(model)]
     copies = [t for _, t in _all_tensors(copy)]
     if len(originals) != len(copies):  # the walk is the same on both: this would be an onnx_ir change
@@ -469,6 +477,8 @@ def load_model(source: ModelSource, *, check: bool = True, base_dir: str | os.Pa
             f"cannot load a model from {type(source).__name__}: give a path, bytes, onnx.ModelProto, "
             "onnx_ir.Model or onnx_graphsurgeon.Graph"
         )
+    if not isinstance(source, ir.Model):
+        fit_ir_version(model)  # what mograph runs and writes from it is readable by the installed runtime
     if check or not isinstance(source, ir.Model):
         _check_tensor_data(model)
         _check_external_data(model, folder, origin, exists=check)
@@ -505,7 +515,8 @@ def save_model(
         path: destination ``.onnx`` file.
         external_data: write initializers to a data file beside the model (``<name>.data``, or
             ``<name>.<id>.data`` when a file of that name is already there). ``None`` chooses it when
-            the initializers need more than 2 GB or the model already had external data; ``False``
+            the initializers need 256 MiB or more (:func:`mograph._spill.spill_bytes`: written inline,
+            they would be copied twice in memory on the way) or the model already had external data; ``False``
             writes one self-contained file (external tensors are read in for it).
         forbid: a path that must not be written over (the input model).
         overwrite_source: allow writing over the file the model was loaded from (refused otherwise:
@@ -530,7 +541,9 @@ def save_model(
             "read from beside it); choose another path, or allow it explicitly (overwrite=True)"
         )
     if external_data is None:
-        external_data = model_size_bytes(model) >= TWO_GB - 64 * 2**20 or any(
+        from mograph import _spill
+
+        external_data = model_size_bytes(model) >= _spill.spill_bytes() or any(
             isinstance(v.const_value, ir.ExternalTensor) for v in _all_initializers(model)
         )
     elif not external_data and model_size_bytes(model) >= TWO_GB:
@@ -540,9 +553,11 @@ def save_model(
         )
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
+        sweep_save_leftovers(dest.parent)  # a killed save of any model in this folder, not just this one
         tmp = owned_tempdir(f".{dest.name}.", dir=dest.parent)
     except OSError as exc:  # an output folder that cannot be created or written is the user's to fix
         raise UsageError(f"cannot write {dest}: {exc.strerror or exc}") from exc
+    fit_ir_version(model)  # never newer than the installed runtime reads (mograph.ir_version)
     old_data = _own_data_files(dest)
     placed: Path | None = None
     try:
@@ -573,6 +588,18 @@ def save_model(
             with contextlib.suppress(OSError):
                 stale.unlink()
     return dest
+
+
+def sweep_save_leftovers(folder: str | os.PathLike) -> list[Path]:
+    """Remove what saves into ``folder`` left when their process was killed; return what was removed.
+
+    A save writes into a hidden folder ``.<name>.<random>`` beside its destination that holds a lock
+    file locked by the saving process (:mod:`mograph._tempfiles`); such a folder whose lock nobody
+    holds is a dead save's (a SIGKILL mid-write leaves the partial model and data there).  Every run
+    that writes into ``folder`` calls this first, whatever model it writes; folders without the lock
+    file, and live saves (locked), are never touched.
+    """
+    return sweep_stale(folder, ".")
 
 
 #: ``model.meta`` key holding the resolved path a model was loaded from.

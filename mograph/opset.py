@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx_ir as ir
 
+from mograph.ir_version import fit_ir_version, make_model
 from mograph.irutil import fresh_name
 
 if TYPE_CHECKING:
@@ -121,8 +122,7 @@ def _one_node_model(node: ir.Node, opset: int) -> tuple[onnx.ModelProto, list[st
     proto.output.extend(out_names)
     outputs = [helper.make_value_info(n, onnx.TypeProto()) for n in out_names if n]
     graph = helper.make_graph([proto], "one_node", inputs, outputs, inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    model.ir_version = helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
+    model = make_model(graph, {"": opset})
     return model, in_names, out_names
 
 
@@ -265,9 +265,4 @@ def _values(graph: ir.Graph) -> list[ir.Value]:
 
 
 def _raise_ir_version(model: ir.Model) -> None:
-    from onnx import helper
-
-    opsets = [helper.make_opsetid(d, v) for d, v in model.opset_imports.items()]
-    need = helper.find_min_ir_version_for(opsets, ignore_unknown=True)
-    if model.ir_version is None or model.ir_version < need:
-        model.ir_version = need
+    fit_ir_version(model)  # at least what the new opset needs, at most what the runtime reads

@@ -24,13 +24,13 @@ import inspect
 import logging
 import numbers
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import onnx_ir as ir
 
-from mograph.errors import InternalError, MographError, OptionError
+from mograph.errors import InternalError, MographError, OptionError, PluginError
 
 __all__ = [
     "Option",
@@ -369,6 +369,7 @@ class PassManager:
         instruments: wrappers for this run only (progress, per-pass verification), around every
             pass and outside the plugins' wrappers, the first one outermost; nothing is registered
             on the plugin manager.  See :func:`run_instrumented`.
+        sources: which plugin provides each pass (``Registry.pass_source``), to name it in errors.
     """
 
     def __init__(
@@ -379,8 +380,10 @@ class PassManager:
         check_modified: bool = False,
         context: dict[str, Any] | None = None,
         instruments: Sequence[Instrument] = (),
+        sources: Mapping[str, str] | None = None,
     ) -> None:
         self.passes = passes
+        self.sources = dict(sources or {})
         self.hook = hook
         self.check_modified = check_modified
         self.context = context if context is not None else {}
@@ -402,6 +405,9 @@ class PassManager:
         Raises:
             MographError: as raised by a pass or a wrapper (e.g. :class:`PassFailedError`, a pass's
                 own explained refusal), unchanged.
+            PluginError: a pass or a wrapper called ``sys.exit`` (``SystemExit``), naming the plugin
+                that provides the pass (``sources``: pass name -> plugin name, from the registry; else
+                the pass's top-level module).  ``KeyboardInterrupt`` goes through unchanged.
             InternalError: a bug in a pass: any other exception (kept as ``__cause__``), a result
                 that is not a :class:`PassResult`, or ``modified=False`` for a changed graph.
         """
@@ -418,6 +424,12 @@ class PassManager:
                 result = self._run_one(p, model)
             except MographError:
                 raise  # the pass (or a wrapper) explains a failure the user can act on
+            except SystemExit as exc:  # a plugin ending the process would pass for a success (exit 0)
+                plugin = self.sources.get(p.name) or type(p).__module__.split(".")[0]
+                raise PluginError(
+                    f"plugin '{plugin}' misbehaved: pass '{p.name}' (or a wrapper around it) called "
+                    f"sys.exit({exc.code!r}); a pass returns a PassResult or raises an error"
+                ) from exc
             except Exception as exc:  # noqa: BLE001 - any other exception is a bug: name the pass
                 raise InternalError(p.name, f"{type(exc).__name__}: {exc}") from exc
             # A wrapper's numeric check (``--verify each``) reports its own time; the pass's excludes it.

@@ -51,6 +51,8 @@ import onnx_ir as ir
 from onnxscript.rewriter import _basics, _matcher, _pattern_ir
 from onnxscript.rewriter._rewrite_rule import ReplacementPatternFunction, RewriteRuleClassBase
 
+from mograph.metadata import LOWERED_FOR
+
 __all__ = [
     "MatchResult",
     "OrValue",
@@ -651,6 +653,10 @@ def _try(
             match.bind(tag[0], tag[1])
         _bind_defaults(rule, gp, match)
         nodes = list(dict.fromkeys(match.nodes))
+        if any(LOWERED_FOR in n.metadata_props for n in nodes):
+            # a target's form written by the lower step (an inlined body, x * sigmoid(a x) for TensorRT's
+            # QuickGelu, ...): rules fuse to canonical ops and never take a lowered form back
+            continue
         readers: list[ir.Node] = []
         if getattr(rule, "remove_shape_readers", False):  # Shape readers that die with the pattern go with it
             nodes += shape_dependents(nodes, [v for v in match.bindings.values() if isinstance(v, ir.Value)])

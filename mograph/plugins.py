@@ -331,6 +331,21 @@ class Registry:
                     out.extend(self.expand(AFTER_LOWER))
         return out
 
+    def recipe(self, names: Iterable[str] | str, options: dict[str, Any], device: str | None
+               ) -> tuple[list[str], dict[str, Any], dict[str, Any] | None]:
+        """The user's pass list and options rewritten for ``device`` by the plugins' precision recipes
+        (:func:`mograph.hookspecs.mograph_precision_recipe`), with the record of what was decided; unchanged
+        (and no record) without a device or when no plugin rewrites it."""
+        if isinstance(names, str):
+            names = [n for n in (s.strip() for s in names.split(",")) if n]
+        names = list(names)
+        if not device:
+            return names, options, None
+        got = self.pm.hook.mograph_precision_recipe(passes=list(names), options=dict(options), device=device)
+        if got is None:
+            return names, options, None
+        return list(got["passes"]), dict(got["options"]), got.get("record")
+
     def instantiate(self, names: list[str], options: dict[str, Any] | None = None) -> list[Pass]:
         """Create pass instances, giving each only the options it declares."""
         options = options or {}

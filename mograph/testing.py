@@ -1,6 +1,6 @@
 """The five checks every pass test makes, for built-in and third-party passes alike.
 
-STYLE.md asks each pass test to show: (1) the op types left after the pass, (2) the exact counts in
+The project's style asks each pass test to show: (1) the op types left after the pass, (2) the exact counts in
 ``stats``, (3) numerical agreement with the original on seeded feeds, ONNX Runtime optimizations
 **off**, tolerance by dtype, (4) a near-miss graph left untouched (``modified`` is False, graph
 unchanged), (5) a second run that changes nothing.  :func:`check_pass` does 1, 2, 3 and 5 in one call;

@@ -125,6 +125,43 @@ def test_temporary_folders_of_killed_saves_are_swept_by_the_next_save(tmp_path):
     assert not live.path.exists()
 
 
+def test_a_killed_save_of_another_model_is_swept_by_any_run_writing_into_the_folder(tmp_path, capsys):
+    """Issue 27: the leftovers of a killed save of ``a.onnx`` used to stay until a later save of ``a.onnx``;
+    now a save of any model into the folder, and ``mograph optimize -o`` into it from its start, sweep them."""
+    from mograph.cli import main
+
+    left = _sigkilled_child_dir(tmp_path, ".a.onnx.")
+    live = _tempfiles.owned_tempdir(".c.onnx.", dir=tmp_path)  # a save of c.onnx running right now
+    plain = tmp_path / ".not-ours"  # a hidden folder without mograph's lock file
+    plain.mkdir()
+    try:
+        ir_io.save_model(mograph.load(_model(2.0, "Relu")), tmp_path / "b.onnx")
+        assert not left.exists() and live.path.is_dir() and plain.is_dir()
+        left2 = _sigkilled_child_dir(tmp_path, ".a.onnx.")
+        out = tmp_path / "sub" / "d.onnx"
+        out.parent.mkdir()
+        left3 = _sigkilled_child_dir(out.parent, ".e.onnx.")
+        seen: list[bool] = []
+        real_run = ir_io.save_model
+
+        def spy(model, dest, **kw):  # the sweep ran at the start, before any pass or the save
+            seen.append(left3.exists())
+            return real_run(model, dest, **kw)
+
+        ir_io.save_model = spy  # type: ignore[assignment]
+        try:
+            assert main(["optimize", str(tmp_path / "b.onnx"), "-o", str(out), "--passes", "cleanup"]) == 0
+        finally:
+            ir_io.save_model = real_run  # type: ignore[assignment]
+        assert seen == [False] and not left3.exists() and out.is_file()
+        assert left2.exists()  # another folder: untouched by a run writing into sub/
+        assert main(["optimize", str(tmp_path / "b.onnx"), "-o", str(tmp_path / "f.onnx"), "--passes", "cleanup"]) == 0
+        assert not left2.exists() and live.path.is_dir() and plain.is_dir()
+    finally:
+        live.cleanup()
+    capsys.readouterr()
+
+
 def _sigterm_run(tmp_path: Path, patch: str, argv: list[str], env: dict[str, str] | None = None):
     code = textwrap.dedent(
         """
@@ -169,22 +206,24 @@ def test_sigterm_during_verify_removes_the_runtime_copies(tmp_path):
     temp = tmp_path / "temp"
     temp.mkdir()
     patch = """
-        from mograph.backends import ort
-        real = ort._save_to_temp
-        def save_to_temp(model):
+        from mograph import _spill
+        real = _spill.spill
+        def spill(model):
             result = real(model)  # a full copy of the model sits in the temporary directory ...
-            print(result[0], flush=True)
+            print(result.path, flush=True)
             os.kill(os.getpid(), signal.SIGTERM)  # ... when the run is told to stop
             time.sleep(30)
             return result
-        ort._save_to_temp = save_to_temp
+        _spill.spill = spill
     """
     out = tmp_path / "out.onnx"
-    proc = _sigterm_run(tmp_path, patch, ["optimize", str(src), "-o", str(out), "--verify"], env={"TMPDIR": str(temp)})
+    # A protobuf limit of 0: every model reaches ONNX Runtime spilled to a temporary folder, as one above 2 GB does.
+    proc = _sigterm_run(tmp_path, patch, ["optimize", str(src), "-o", str(out), "--verify"],
+                        env={"TMPDIR": str(temp), "MOGRAPH_PROTO_LIMIT": "0"})
     assert proc.returncode == 143, proc.stderr
     assert "Traceback" not in proc.stderr
     copy = Path(proc.stdout.strip().splitlines()[-1])
-    assert copy.parent.parent == temp and copy.parent.name.startswith("mograph-ort-")
+    assert copy.parent.parent == temp and copy.parent.name.startswith("mograph-spill-")
     assert not copy.parent.exists()
     assert [p for p in os.listdir(temp) if p.startswith("mograph")] == []  # (the sandbox may leave its own)
     assert not out.exists()
@@ -194,15 +233,16 @@ def test_runtime_copies_of_a_killed_verification_are_swept_by_the_next_one(tmp_p
     pytest.importorskip("onnxruntime")
     import tempfile
 
-    from mograph.backends import ort
+    from mograph import _spill
 
-    left = _sigkilled_child_dir(tmp_path, "mograph-ort-")
+    left = _sigkilled_child_dir(tmp_path, "mograph-spill-")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     model = mograph.load(_model(2.0, "Relu"))
-    path, tmp = ort._save_to_temp(model)
+    spilled = _spill.spill(model)
+    path = spilled.path
     try:
         assert not left.exists()
         assert Path(path).parent.parent == tmp_path and Path(path).is_file()
     finally:
-        tmp.cleanup()
+        spilled.cleanup()
     assert not Path(path).parent.exists()

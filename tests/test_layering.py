@@ -1,4 +1,4 @@
-"""The layers import in one direction only (DESIGN.md): passes never import backends, backends never
+"""The layers import in one direction only (the layer table of the project's design): passes never import backends, backends never
 import passes, and the core imports neither passes nor backends except where it loads plugins by name.
 
 Checked statically on every module's import statements (top level and inside functions), so a lazy

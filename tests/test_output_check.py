@@ -212,3 +212,52 @@ def test_ort_default_domain_op_is_left_to_onnxruntime():
     assert check_model_output(_simplified_ln_model("SimplifiedLayerNormalization"))["onnxruntime"].startswith("passed")
     with pytest.raises(InvalidModel, match="SimplifiedLayerNormalizationX"):
         check_model_output(_simplified_ln_model("SimplifiedLayerNormalizationX"))
+
+
+def test_ort_default_domain_ops_come_from_onnxruntime_itself():
+    """Issue 27: which default-domain ops ONNX Runtime runs beyond the ONNX schemas is asked of its kernels."""
+    pytest.importorskip("onnxruntime")
+    from mograph.output_check import ort_default_domain_ops
+
+    below, source = ort_default_domain_ops(12)
+    assert source == "onnxruntime"
+    assert {"LayerNormalization", "SimplifiedLayerNormalization"} <= below
+    at17, _ = ort_default_domain_ops(17)
+    assert "LayerNormalization" not in at17 and "SimplifiedLayerNormalization" in at17  # ONNX has it from 17
+    assert "Relu" not in below  # an op with an ONNX schema is the checker's
+
+
+def _ort_layernorm_model(opset: int):
+    from onnx import TensorProto, helper
+
+    node = helper.make_node("LayerNormalization", ["x", "g"], ["y"], axis=-1, epsilon=1e-5)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor("g", TensorProto.FLOAT, [4], [1.0] * 4)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+
+
+def test_layernorm_below_17_passes_the_check_and_loads_in_ort():
+    """What ``--target ort`` writes for a LayerNorm at opset 12: the checker used to refuse it."""
+    pytest.importorskip("onnxruntime")
+    import onnx_ir as ir
+
+    result = check_model_output(ir.serde.deserialize_model(_ort_layernorm_model(12)))
+    assert result["onnx_checker"].startswith("passed") and "LayerNormalization" in result["onnx_checker"]
+    assert result["onnxruntime"].startswith("passed")
+
+
+def test_without_onnxruntime_the_fallback_names_what_went_unchecked(monkeypatch):
+    import onnx_ir as ir
+
+    import mograph.output_check as oc
+
+    monkeypatch.setattr(oc, "_ort_cpu_default_domain_kernels", lambda: None)
+    monkeypatch.setattr(oc, "_ort_skip_reason", lambda model: "onnxruntime is not installed")
+    result = check_model_output(ir.serde.deserialize_model(_ort_layernorm_model(12)))
+    assert "onnxruntime absent: not checked" in result["onnx_checker"], result
+    assert result["onnxruntime"] == "skipped: onnxruntime is not installed"
+    bad = _ort_layernorm_model(12)
+    bad.graph.node[0].op_type = "NoSuchOp"  # an op neither ONNX nor the fallback knows: still refused
+    with pytest.raises(InvalidModel, match="NoSuchOp"):
+        check_model_output(ir.serde.deserialize_model(bad))

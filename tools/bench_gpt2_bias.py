@@ -6,8 +6,8 @@ Counted in each graph: ``Add`` nodes with a constant input (a bias or a constant
 ``Gemm`` nodes that still carry a bias ``C`` (ONNX Runtime's CUDA ``Gemm`` first broadcasts ``C`` into its
 output with a kernel of its own), the fused ops that took a bias in (``SkipLayerNormalization`` with its
 bias input, ``FastGelu``/``BiasGelu`` with a bias), and every op outside the default domain (all must be
-ops ONNX Runtime's CUDA provider implements, or the CUDA graph gets Memcpy nodes; the GPU script in
-``/work/gpu-requests/wt-fp16/`` counts those on the device).  Numbers: the largest difference of each
+ops ONNX Runtime's CUDA provider implements, or the CUDA graph gets Memcpy nodes;
+``tools/ort_memcpy.py --device cuda`` lists those on the device).  Numbers: the largest difference of each
 optimized graph from the exported one on seeded feeds (ONNX Runtime CPU, optimizations off).
 
 Run: ``python tools/bench_gpt2_bias.py [--layers 2] [--hidden 64] [--out DIR]``.

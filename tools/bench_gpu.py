@@ -46,7 +46,8 @@ its variants are built (``--keep-intermediates``).  ``--list`` prints what is le
 process died (a crash inside a runtime) is recorded as such on the next call, not retried.
 ``--time-budget`` stops starting new work after that many seconds, so one call can stay under a limit.
 
-Usage (the H200; see ``../shared/gpu/README.md`` for carrying onnxruntime-gpu there)::
+Usage (the H200, with onnxruntime-gpu installed there: ``import torch`` before ``onnxruntime`` so the CUDA
+provider finds cuDNN/cuBLAS)::
 
     python tools/bench_gpu.py --out results.jsonl --cache /tmp/mograph-gpu --time-budget 480
     python tools/bench_gpu.py --out results.jsonl --models bert --exports torchscript --shapes 8x512
@@ -1109,7 +1110,7 @@ def run_grid(args: argparse.Namespace) -> int:
         torch.backends.cudnn.allow_tf32 = False
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             raise SystemExit(f"bench_gpu: onnxruntime {ort.__version__} has no CUDAExecutionProvider "
-                             "(install onnxruntime-gpu: ../shared/gpu/README.md)")
+                             "(install onnxruntime-gpu, a CUDA build that matches the device's)")
     gpu = torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or "cpu"
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,8 @@ A variant spec is ``NAME=EXPORT:PASSES[:EXTRA CLI ARGS]``, e.g. ``mograph-ts=ts:
 or ``mograph-ts-shared=ts:cleanup,fuse,fp16:--target ort --kv-cache shared``; mograph runs as
 ``python -m mograph optimize`` on the export of the cell's kind (prefill or decode graph).
 
-Usage (the H200; ``../shared/gpu/README.md`` says how to carry onnxruntime-gpu and onnxruntime-genai)::
+Usage (the H200, with onnxruntime-gpu and onnxruntime-genai installed there; the device has no network, so their
+wheels are carried over by a script kept outside this repository)::
 
     python tools/bench_llm.py prepare --models smollm --cache /tmp/llm          # HF folder, builder, exports, mograph
     python tools/bench_llm.py time --models smollm --cache /tmp/llm --out r.jsonl

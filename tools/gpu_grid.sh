@@ -4,7 +4,8 @@
 #   bash tools/gpu_grid.sh time    # ~8 min: builds what is left, then times (dynamo first in each model)
 #   bash tools/gpu_grid.sh rest    # ~4 min: what is still left, then torch.compile at 8x512
 #   bash tools/gpu_grid.sh list    # what is left, with estimates
-# Results: /tmp/grid.jsonl (copied to $OUT when set); cache /tmp/bc. Start each call with `. .gpu/assemble.sh &&`.
+# Results: /tmp/grid.jsonl (copied to $OUT when set); cache /tmp/bc. onnxruntime-gpu must be installed on the device
+# first (the records in BENCHMARKS-GPU.md start each call with the script that installed it, kept outside this repository).
 # BUDGET=seconds overrides a step's --time-budget; JOBS=N the build processes (default 12: up to ~8 GB each); CACHE and RESULTS
 # the cache folder and results file.
 set -uo pipefail

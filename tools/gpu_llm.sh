@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the lent H200: start tools/bench_llm.py's builds in the background during the onnxruntime-gpu carry
-# (see ../shared/gpu/README.md), so they overlap the five carry calls.
+# (a carry done by a script kept outside this repository), so they overlap the five carry calls.
 #   bash tools/gpu_llm.sh start MODELS [extra prepare args]   # in carry call 1 (after .gpu/whl is there)
 #   bash tools/gpu_llm.sh wait                                 # later: block until the builds are done, print the log
 # The builds use the image's CPU onnxruntime and torch; a copy of this checkout in /tmp/repo; cache /tmp/llm.

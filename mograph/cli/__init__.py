@@ -38,7 +38,7 @@ EXIT_CODES_HELP = """exit codes:
   3  the model could not be loaded or is invalid
   4  a pass failed
   5  numeric verification failed (outputs drifted past tolerance)
-  6  a plugin failed to load or misbehaved
+  6  a plugin failed to load or misbehaved (a pass calling sys.exit included; nothing written)
   7  an optional dependency is missing (the message names the pip extra)
   130  interrupted (Ctrl-C); temporary files are removed, OUT is left as it was
   143  terminated (SIGTERM); the same clean-up

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +61,11 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     add_device_argument(
         p,
-        "where --verify runs both models: cpu (default) or cuda / cuda:N (ONNX Runtime's CUDA provider, its "
-        "optimizations and TF32 off, so fused ops are checked on the CUDA kernels; needs onnxruntime-gpu, exit 7 "
-        "without it)",
+        "where the model will run: cpu or cuda / cuda:N. It picks the precision recipe (int4/int8 on cuda: "
+        "weight-only MatMulNBits with fp16 activations, --target ort; on cpu: weight-only int4, Q/DQ int8; "
+        "--target tensorrt keeps explicit Q/DQ; a precision measured slower on the device is a warning), and "
+        "with --verify it is where both models run (ONNX Runtime's CUDA provider, its optimizations and TF32 off; "
+        "needs onnxruntime-gpu, exit 7 without it)",
     )
     p.add_argument("--feeds", metavar="FILE.npz", help="use these input feeds for verification instead of random ones")
     p.add_argument("--seed", type=int, default=0, help="seed of the random verification feeds (default 0)")
@@ -78,7 +81,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "--external-data",
         action="store_true",
         help="save initializers to OUT.data beside the model (OUT.<id>.data when replacing an earlier output, "
-        "so the old pair stays whole until the switch)",
+        "so the old pair stays whole until the switch); without it, chosen when they need 256 MiB or more "
+        "or the input had external data",
     )
     group = p.add_argument_group("pass options (each pass reads the ones it declares)")
     try:
@@ -115,16 +119,39 @@ def _shown(default: Any, metavar: str | None) -> str:
 
 
 class _Progress:
-    """Instrument of one ``mograph optimize`` run: ``[i] pass-name ...`` on stderr before each pass."""
+    """Instrument of one ``mograph optimize`` run: ``[i] pass-name ...`` on stderr before each pass, and for a
+    pass that reports its own progress (a ``progress`` callback slot: calibration samples, sensitivity
+    evaluations) a ``    pass-name: done/total`` line at most every :attr:`every` seconds and at the end."""
+
+    every = 5.0
 
     def __init__(self) -> None:
         self.i = 0
+
+    def _reporter(self, name: str) -> Any:
+        last = [0.0]
+
+        def report(done: int, total: int | None) -> None:
+            now = time.monotonic()
+            if now - last[0] < self.every and done != total:
+                return
+            last[0] = now
+            sys.stderr.write(f"    {name}: {done}/{total}\n" if total else f"    {name}: {done} done\n")
+            sys.stderr.flush()
+
+        return report
 
     def mograph_run_pass(self, pass_: Any, model: Any, context: dict[str, Any]):  # type: ignore[no-untyped-def]
         self.i += 1
         sys.stderr.write(f"[{self.i}] {pass_.name} ...\n")
         sys.stderr.flush()
-        return (yield)
+        if not hasattr(type(pass_), "progress") or getattr(pass_, "progress", None) is not None:
+            return (yield)
+        pass_.progress = self._reporter(pass_.name)
+        try:
+            return (yield)
+        finally:
+            pass_.progress = None
 
 
 def _summary(report: Any, out: Path | None) -> str:
@@ -139,6 +166,10 @@ def _summary(report: Any, out: Path | None) -> str:
         warning = p.details.get("WARNING") if isinstance(p.details, dict) else None
         if warning:
             lines.append(f"WARNING ({p.name}): {warning}")
+    recipe = report.extra.get("recipe")
+    if recipe:
+        for d in recipe.get("decisions", []):
+            lines.append(f"recipe ({recipe['device']}): {d['precision']} -> {','.join(d['passes'])}")
     if report.verification is not None:
         v = report.verification
         lines.append(f"verify: {v.get('summary', 'passed' if v['passed'] else 'FAILED')}")
@@ -168,15 +199,16 @@ def run(args: argparse.Namespace) -> CommandResult:
         raise UsageError(f"refusing to write over the input model {src}; choose another -o")
     if args.output:  # the default output lies beside the input (or in the current folder)
         _check_folder(out, "-o")
+    if out.parent.is_dir():  # what a killed run left where this one writes goes first (the save sweeps too)
+        ir_io.sweep_save_leftovers(out.parent)
     if args.report:
         _check_folder(Path(args.report), "--report")
-    if args.device and not args.verify and "device" not in get_registry(args.block_plugin).all_options():
-        raise UsageError("--device says where --verify runs; give --verify too")
     if args.device:
         from mograph.backends.ort import parse_device, require_device
 
         parse_device(args.device)
-        require_device(args.device)  # exit 7 naming onnxruntime-gpu, before any pass runs
+        if args.verify:
+            require_device(args.device)  # exit 7 naming onnxruntime-gpu, before any pass runs
     reg = get_registry(args.block_plugin)
     shapes = parse_shapes(args.shape)
     options: dict[str, Any] = {}
@@ -191,11 +223,12 @@ def run(args: argparse.Namespace) -> CommandResult:
     if args.device:
         options["device"] = args.device  # kept only if a pass declares it (below)
     options = {k: v for k, v in options.items() if k in reg.all_options()}
-    names = reg.plan(args.passes, options)  # the report names the pipeline as it runs, lower included
-    _check_paths(src, out, args, reg.all_options(), options)
+    given, planned, _ = reg.recipe(args.passes, options, args.device)
+    names = reg.plan(given, planned)  # the report names the pipeline as it runs, lower included
+    _check_paths(src, out, args, reg.all_options(), planned)
     instruments = [] if (args.json or args.quiet) else [_Progress()]
     verify_options: dict[str, Any] = {"shapes": shapes, "feeds": args.feeds, "seed": args.seed}
-    if args.device:
+    if args.device and args.verify:
         verify_options["device"] = args.device
     if args.feed_limit is not None:
         verify_options["feed_limit"] = args.feed_limit
@@ -203,13 +236,14 @@ def run(args: argparse.Namespace) -> CommandResult:
     try:
         model, report = api.optimize(
             src,
-            names,
+            args.passes,  # api.optimize applies the device's recipe itself (names above is the same plan)
             options=options,
             verify=args.verify,
             verify_options=verify_options,
             check_modified=args.check_modified,
             blocked=args.block_plugin,
             instruments=instruments,
+            device=args.device,
         )
     except VerificationError as exc:
         raise _keep_failed(exc, src, out, names, args, external) from exc

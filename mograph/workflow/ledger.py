@@ -49,6 +49,7 @@ __all__ = [
     "LEDGER_HELP",
     "flatten_row",
     "rows_to_csv",
+    "csv_cell",
     "now_iso",
     "ledger_paths",
 ]
@@ -362,8 +363,32 @@ def flatten_row(row: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: What a spreadsheet reads as the start of a formula in a cell (OWASP's list for CSV injection).
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def csv_cell(value: Any) -> Any:
+    """``value`` safe to open in a spreadsheet: a text cell beginning with ``=``, ``+``, ``-``, ``@``, a
+    tab or a carriage return gets a leading ``'`` (so it is not run as a formula); numbers, negative ones
+    included, and text that is a number stay as they are."""
+    if isinstance(value, str) and value.startswith(_FORMULA_START) and not _is_number(value):
+        return "'" + value
+    return value
+
+
 def rows_to_csv(rows: Sequence[Mapping[str, Any]]) -> str:
-    """The rows as CSV text: the fixed fields, then every metric any row has (known ones first)."""
+    """The rows as CSV text: the fixed fields, then every metric any row has (known ones first).
+
+    Every cell goes through :func:`csv_cell` (formula injection: a configuration's name, an error
+    message or a task metric's key are the user's text), the header included."""
     flat = [flatten_row(r) for r in rows]
     metric_cols: list[str] = [f"metric.{k}" for k in METRIC_KEYS if any(f"metric.{k}" in f for f in flat)]
     for f in flat:
@@ -372,8 +397,8 @@ def rows_to_csv(rows: Sequence[Mapping[str, Any]]) -> str:
                 metric_cols.append(k)
     fields = [k for k in ROW_FIELDS if k not in ("metrics", "report", "plan", "profile", "settings")] + metric_cols
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore", lineterminator="\n")
-    writer.writeheader()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow([csv_cell(k) for k in fields])
     for f in flat:
-        writer.writerow(f)
+        writer.writerow([csv_cell(f.get(k)) if f.get(k) is not None else "" for k in fields])
     return buf.getvalue()

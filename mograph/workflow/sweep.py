@@ -370,6 +370,8 @@ def build_configuration(job: BuildJob, nested: bool = False) -> BuildResult:
         result.ok = True
     except MographError as exc:
         result.error = str(exc)
+    except SystemExit as exc:  # a plugin ending the process outside a pass (a pass's is a PluginError already)
+        result.error = f"a plugin called sys.exit({exc.code!r}) while this configuration was built"
     except Exception as exc:  # noqa: BLE001 - a bug in one configuration must not lose the others' rows
         logger.debug("configuration %s crashed", job.name, exc_info=True)
         result.error = f"internal error: {type(exc).__name__}: {exc}"

@@ -3,7 +3,9 @@
 A region is anchored at a node that only norms and GELUs are made of, left unfused after the rules ran:
 
 * ``norm`` passes: a reduction (``ReduceMean``, ``ReduceSum``, ``GlobalAveragePool``) over the last
-  axis, the mean or mean square a LayerNorm / RMSNorm starts from;
+  axis, with kept dims or not, the mean or mean square a LayerNorm / RMSNorm starts from (a
+  ``ReduceSum`` when a ``Sqrt``, ``Reciprocal``, ``Pow`` or ``Div`` is within reach below it: a
+  softmax's sum is no norm);
 * ``gelu`` pass: ``Erf``, ``Tanh`` or ``Sigmoid`` (the core of each GELU form).
 
 For each anchor, every rule of the pass is matched (read-only) at each node up to
@@ -35,13 +37,32 @@ _ANCHORS = {
 _REACH = 10
 
 
-def _last_axis(node: ir.Node) -> bool:
-    if node.op_type == "GlobalAveragePool":
-        x = node.inputs[0] if node.inputs else None
-        return x is not None and x.shape is not None and len(x.shape) == 3
-    from mograph.passes.fusion._common import check_reduction
+#: Ops below a reduction that make it look like a norm's (a root of the variance, or its inverse).
+_ROOTS = ("Sqrt", "Reciprocal", "Pow", "Div")
 
-    return bool(check_reduction(None, node))
+
+def _last_axis(node: ir.Node) -> bool:
+    """Whether ``node`` reduces the last axis only, with kept dims or not (jax2tf and Flax reduce without
+    them and reshape back)."""
+    x = node.inputs[0] if node.inputs else None
+    rank = len(x.shape) if x is not None and x.shape is not None else None
+    if node.op_type == "GlobalAveragePool":
+        return rank == 3
+    from mograph.passes.fusion._common import _axes_of
+
+    axes = _axes_of(node)
+    if not isinstance(axes, list) or len(axes) != 1:
+        return False
+    return axes[0] == -1 or (rank is not None and axes[0] == rank - 1)
+
+
+def _looks_like_norm(anchor: ir.Node) -> bool:
+    """A mean (``ReduceMean``, ``GlobalAveragePool``) is a region as such; a ``ReduceSum`` only with a
+    root or a division by one within reach below it (a sum-based mean or mean square), so the sum of
+    a softmax is not one."""
+    if anchor.op_type != "ReduceSum":
+        return True
+    return any(n.op_type in _ROOTS and n.domain in ("", "ai.onnx") for n in _downstream(anchor, _REACH))
 
 
 def _downstream(node: ir.Node, reach: int) -> list[ir.Node]:
@@ -78,7 +99,7 @@ def unfused_regions(model: ir.Model, rules: list[Rule], kind: str,
     for anchor in list(graph):
         if anchor.domain not in ("", "ai.onnx") or anchor.op_type not in _ANCHORS[kind]:
             continue
-        if kind == "norm" and not _last_axis(anchor):
+        if kind == "norm" and not (_last_axis(anchor) and _looks_like_norm(anchor)):
             continue
         best: tuple[int, dict[str, Any]] | None = None
         constants: list[str] = []

@@ -34,11 +34,16 @@ rule                        rewrite                                             
                             vector ``g`` (a scale multiplied into the rsqrt:
                             Keras' RMSNormalization, Flax), ``r * g`` read once
 ``expand-noop``             ``Expand(v, s)`` that leaves v's shape -> ``v``      exact
+                            (``s`` constant, or computed from ``Shape`` as
+                            below)
 ``keepdims``                ``Reshape(f(ReduceX(x, keepdims=0)), kept shape)``  exact
                             -> ``f(ReduceX(x, keepdims=1))`` for ``f``
                             elementwise with single constants (jax2tf: the
                             mean and variance reduced without kept dims, then
-                            reshaped back)
+                            reshaped back); the kept shape may be computed
+                            at run time (``Concat(Slice(Shape(x)), .., 1)``
+                            with casts: a dynamic batch dim), when it is
+                            provably x's dims with the last one 1
 ``cube``                    ``x * (x * (a * x))`` and every other product of    rounding
                             three x and constants -> ``Pow(x, 3) * a``
 ``fold-broadcast``          ``Reshape``/``Unsqueeze``/``Expand``/``Squeeze`` of  exact
@@ -148,7 +153,8 @@ class Canonicalizer:
         self.edits: list[_Edit] = []
         self.position: dict[int, int] = {}
         self.original: set[ir.Node] = set()
-        self.memo: dict[tuple[int, tuple[int, ...]], tuple[ir.Value, ir.Value]] = {}
+        self.memo: dict[tuple[int, tuple[object, ...]], tuple[ir.Value, ir.Value]] = {}
+        self.dims_cache: dict[int, list[object] | None] = {}  # _dims_of's derived dims (values stay alive)
         self._n = 0
 
     # -- building blocks ------------------------------------------------------------------
@@ -436,11 +442,37 @@ def _neutral(c: Canonicalizer, n: ir.Node) -> _Build | None:
     pairs = [(a, b), (b, a)] if n.op_type in ("Mul", "Add") else [(a, b)]
     for v, k in pairs:
         arr = constant_array(k)
-        if arr is None or arr.size == 0 or not bool(np.all(arr == unit)) or v.dtype != n.outputs[0].dtype:
+        if arr is None:
+            if _broadcast_fill(k) == unit and v.dtype == n.outputs[0].dtype and constant_array(v) is None:
+                # a constant broadcast to a shape computed at run time (Flax's RMSNorm subtracts
+                # zeros of x's shape but the last dim): neutral if its dims go into v's
+                kd, vd = _dims_of(k, c.dims_cache), _dims_of(v, c.dims_cache)
+                if kd is not None and vd is not None and len(kd) <= len(vd) and all(
+                        d == 1 or d == e for d, e in zip(kd, vd[len(vd) - len(kd):])):
+                    return _Build(v)
+            continue
+        if arr.size == 0 or not bool(np.all(arr == unit)) or v.dtype != n.outputs[0].dtype:
             continue
         if constant_array(v) is None and _broadcasts_into(arr.shape, v):
             return _Build(v)
     return None
+
+
+def _broadcast_fill(value: ir.Value | None, depth: int = 0) -> float | None:
+    """The one value every element of ``value`` holds, when ``value`` is ``Expand``/``Reshape`` (any
+    shape) of a constant whose elements are all equal; else None."""
+    if value is None or depth > 8:
+        return None
+    arr = constant_array(value)
+    if arr is not None:
+        if arr.size == 0 or arr.dtype.kind not in "fiu":
+            return None
+        first = arr.reshape(-1)[0]
+        return float(first) if bool(np.all(arr == first)) else None
+    p = value.producer()
+    if p is None or not _std(p, "Expand", "Reshape") or not p.inputs:
+        return None
+    return _broadcast_fill(p.inputs[0], depth + 1)
 
 
 def _broadcasts_into(shape: tuple[int, ...], v: ir.Value) -> bool:
@@ -451,14 +483,182 @@ def _broadcasts_into(shape: tuple[int, ...], v: ir.Value) -> bool:
     return all(c == 1 or (isinstance(d, int) and c == d) for c, d in zip(shape, dims))
 
 
+#: A dim known at rewrite time: its size, ``("sym", name)`` for a named symbolic dim (one name, one
+#: size, as ONNX's ``dim_param`` promises), or ``("at", id(value), axis)`` for an unnamed one.
+DimKey = object
+_INT_TYPES = (ir.DataType.INT64, ir.DataType.INT32)
+
+
+def _dim_key(value: ir.Value, axis: int) -> DimKey:
+    shape = value.shape
+    if shape is not None and 0 <= axis < len(shape):
+        d = shape[axis]
+        if isinstance(d, int):
+            return d
+        if isinstance(d, ir.SymbolicDim) and d.value:
+            return ("sym", d.value)
+    return ("at", id(value), axis)
+
+
+#: Ops whose output is their inputs broadcast together (for :func:`_derived_dims`).
+_BROADCASTING = ("Add", "Sub", "Mul", "Div", "Max", "Min", "Pow", "Where", "Erf", "Tanh", "Sigmoid", "Sqrt",
+                 "Reciprocal", "Neg", "Abs", "Relu", "Exp", "Log", "Cast", "Identity", "CastLike")
+
+
+def _broadcast(a: list[DimKey], b: list[DimKey]) -> list[DimKey] | None:
+    if len(a) < len(b):
+        a, b = b, a
+    out = list(a[: len(a) - len(b)])
+    for x, y in zip(a[len(a) - len(b):], b):
+        if x == y or y == 1:
+            out.append(x)
+        elif x == 1:
+            out.append(y)
+        else:
+            return None  # two dims not provably equal (either could be 1 at run time)
+    return out
+
+
+def _dims_of(value: ir.Value | None, cache: dict[int, list[DimKey] | None] | None = None,
+             depth: int = 0) -> list[DimKey] | None:
+    """``value``'s dims: from its shape where inference gave one, else derived from its producer.
+
+    Shape inference stops at a ``Reshape`` to a shape computed at run time, so every value after the
+    first jax2tf LayerNorm of a dynamic-batch model has no shape; the dims are then derived through
+    broadcasting elementwise ops, ``MatMul`` by a constant matrix, ``Reshape``/``Expand`` to a shape
+    :func:`_shape_keys` can read, and reductions over the last axis.
+    """
+    if value is None:
+        return None
+    rank = _rank(value)
+    if rank is not None:
+        return [_dim_key(value, i) for i in range(rank)]
+    arr = constant_array(value)
+    if arr is not None:
+        return [int(d) for d in arr.shape]
+    if cache is None:
+        cache = {}
+    if id(value) in cache:
+        return cache[id(value)]
+    if depth > 64:  # too deep from this start (not cached: from another start it may be reachable)
+        return None
+    cache[id(value)] = None  # while deriving: a cycle reads unknown
+    cache[id(value)] = _derived_dims(value, cache, depth)
+    return cache[id(value)]
+
+
+def _derived_dims(value: ir.Value, cache: dict[int, list[DimKey] | None], depth: int) -> list[DimKey] | None:
+    p = value.producer()
+    if p is None or p.domain not in _STD or len(p.outputs) != 1:
+        return None
+    ins = [u for u in p.inputs if u is not None]
+    if not ins:
+        return None
+    if p.op_type in _BROADCASTING:
+        out = _dims_of(ins[0], cache, depth + 1)
+        for u in ins[1:]:
+            other = _dims_of(u, cache, depth + 1)
+            if out is None or other is None:
+                return None
+            out = _broadcast(out, other)
+        return out
+    if p.op_type == "MatMul" and len(ins) == 2:
+        a, w = _dims_of(ins[0], cache, depth + 1), constant_array(ins[1])
+        if a is None or w is None or w.ndim != 2 or len(a) < 2 or a[-1] != int(w.shape[0]):
+            return None
+        return a[:-1] + [int(w.shape[1])]
+    if p.op_type in ("Reshape", "Expand") and len(ins) == 2:
+        keys = _shape_keys(ins[1])
+        if keys is None:
+            return None
+        if p.op_type == "Expand":
+            v = _dims_of(ins[0], cache, depth + 1)
+            return _broadcast(v, keys) if v is not None else None
+        allowzero = p.attributes.get("allowzero")
+        ok = all(not isinstance(k, int) or k >= 1 for k in keys) and not (allowzero is not None and int(allowzero.value))
+        return keys if ok else None
+    if p.op_type in ("ReduceSum", "ReduceMean"):
+        x = _dims_of(ins[0], cache, depth + 1)
+        attr = p.attributes.get("axes")
+        arr = constant_array(p.inputs[1]) if len(p.inputs) > 1 and p.inputs[1] is not None else None
+        axes = [int(a) for a in attr.value] if attr is not None else (
+            [int(a) for a in arr.reshape(-1)] if arr is not None else None)
+        if x is None or axes not in ([-1], [len(x) - 1]):
+            return None
+        keep = p.attributes.get("keepdims")
+        return x[:-1] + ([1] if keep is None or int(keep.value) else [])
+    return None
+
+
+def _shape_keys(value: ir.Value | None, depth: int = 0) -> list[DimKey] | None:
+    """The dims a 1-D shape tensor provably holds at run time, or None.
+
+    Constants, ``Shape(t)`` (with ``start``/``end``), integer ``Cast``, ``Concat`` on axis 0 and
+    ``Slice`` with constant bounds and step 1 of those: how exporters write ``x.shape[:-1] + [1]``
+    when the batch dim is dynamic (jax2tf through tf2onnx: ``Cast(Concat(Slice(Cast(Shape(x))), 4, 1))``).
+    """
+    if value is None or depth > 8:
+        return None
+    arr = constant_array(value)
+    if arr is not None:
+        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+            return None
+        return [int(d) for d in arr]
+    p = value.producer()
+    if p is None or p.domain not in _STD:
+        return None
+    if p.op_type == "Shape" and p.inputs and p.inputs[0] is not None:
+        t = p.inputs[0]
+        rank = _rank(t)
+        if rank is None:
+            return None
+        start_attr, end_attr = p.attributes.get("start"), p.attributes.get("end")
+        start = int(start_attr.value) if start_attr is not None else 0
+        end = int(end_attr.value) if end_attr is not None else rank
+        return [_dim_key(t, i) for i in range(rank)][start:end]
+    if p.op_type == "Cast":
+        to = p.attributes.get("to")
+        return _shape_keys(p.inputs[0], depth + 1) if to is not None and int(to.value) in (7, 6) else None
+    if p.op_type == "Concat":
+        axis = p.attributes.get("axis")
+        if axis is None or int(axis.value) not in (0, -1):
+            return None
+        out: list[DimKey] = []
+        for u in p.inputs:
+            part = _shape_keys(u, depth + 1)
+            if part is None:
+                return None
+            out += part
+        return out
+    if p.op_type == "Slice" and len(p.inputs) >= 3:
+        data = _shape_keys(p.inputs[0], depth + 1)
+        bounds = [constant_array(u) if u is not None else None for u in p.inputs[1:5]]
+        if data is None or bounds[0] is None or bounds[1] is None or bounds[0].size != 1 or bounds[1].size != 1:
+            return None
+        axes, steps = (bounds + [None, None])[2:4]
+        if (axes is not None and [int(a) for a in axes.reshape(-1)] not in ([0], [-1])) or (
+                steps is not None and [int(a) for a in steps.reshape(-1)] != [1]):
+            return None
+        start, end = int(bounds[0].reshape(())), int(bounds[1].reshape(()))
+        return data[start:end]  # Python's slice clamps as ONNX's Slice does for step 1
+    return None
+
+
 def _expand_noop(c: Canonicalizer, n: ir.Node) -> _Build | None:
     if not _std(n, "Expand") or len(n.inputs) != 2 or None in n.inputs:
         return None
     v, shp = n.inputs
     arr = constant_array(shp)
-    if v is None or arr is None or constant_array(v) is not None:
+    if v is None or constant_array(v) is not None:
         return None
-    return _Build(v) if _broadcasts_into(tuple(int(d) for d in arr.reshape(-1)), v) else None
+    if arr is not None:
+        return _Build(v) if _broadcasts_into(tuple(int(d) for d in arr.reshape(-1)), v) else None
+    # a shape computed at run time: a no-op if every dim is 1 or provably v's own
+    keys, dims = _shape_keys(shp), _dims_of(v, c.dims_cache)
+    if keys is None or dims is None or len(keys) > len(dims):
+        return None
+    tail = dims[len(dims) - len(keys):]
+    return _Build(v) if all(k == 1 or k == d for k, d in zip(keys, tail)) else None
 
 
 _ELEMENTWISE = ("Add", "Sub", "Mul", "Div", "Max", "Min", "Neg", "Sqrt", "Reciprocal", "Pow", "Abs", "Relu")
@@ -471,25 +671,29 @@ def _static(v: ir.Value | None) -> list[int] | None:
 
 
 def _keepdims(c: Canonicalizer, n: ir.Node) -> _Build | None:
-    """Reshape/Unsqueeze adding a trailing 1 to f(reduction without kept dims) -> f(reduction with kept dims)."""
+    """Reshape/Unsqueeze adding a trailing 1 to f(reduction without kept dims) -> f(reduction with kept dims).
+
+    The Reshape's shape may be computed at run time (a dynamic batch dim): it must provably be the
+    reduced input's dims with the last one 1 (:func:`_shape_keys`)."""
     if not _std(n, "Reshape", "Unsqueeze") or not n.inputs or n.inputs[0] is None:
         return None
     v = n.inputs[0]
-    shape = _static(v)
-    if shape is None:
-        return None
-    target = shape + [1]
+    target: list[DimKey] | None
     if n.op_type == "Reshape":
-        s = constant_array(n.inputs[1]) if len(n.inputs) > 1 else None
-        if s is None or [int(d) for d in s.reshape(-1)] != target:
+        allowzero = n.attributes.get("allowzero")
+        target = _shape_keys(n.inputs[1]) if len(n.inputs) > 1 else None
+        if (target is None or not target or target[-1] != 1 or (allowzero is not None and int(allowzero.value))
+                or any(isinstance(k, int) and k < 1 for k in target)):
             return None
     else:
         attr = n.attributes.get("axes")
         arr = constant_array(n.inputs[1]) if len(n.inputs) > 1 else None
         axes = [int(a) for a in attr.value] if attr is not None else (
             [int(a) for a in arr.reshape(-1)] if arr is not None else None)
-        if axes not in ([-1], [len(shape)]):
+        dims = _dims_of(v, c.dims_cache)
+        if dims is None or axes not in ([-1], [len(dims)]):
             return None
+        target = dims + [1]
     made: list[ir.Node] = []
     value = _hoist(c, v, target, made, 0)
     if value is None:
@@ -497,22 +701,39 @@ def _keepdims(c: Canonicalizer, n: ir.Node) -> _Build | None:
     return _Build(value, made)
 
 
-def _hoist(c: Canonicalizer, v: ir.Value, target: list[int], made: list[ir.Node], depth: int) -> ir.Value | None:
-    """``v`` computed with a trailing kept dim (shape ``target``), or None; built nodes appended to ``made``."""
+def _shape_of_keys(keys: list[DimKey]) -> ir.Shape:
+    dims: list[int | str | None] = []
+    for k in keys:
+        if isinstance(k, int):
+            dims.append(k)
+        elif isinstance(k, tuple) and k[0] == "sym":
+            dims.append(str(k[1]))
+        else:
+            dims.append(None)
+    return ir.Shape(dims)
+
+
+def _hoist(c: Canonicalizer, v: ir.Value, target: list[DimKey], made: list[ir.Node], depth: int) -> ir.Value | None:
+    """``v`` computed with a trailing kept dim (dims ``target``), or None; built nodes appended to ``made``.
+
+    ``v`` is elementwise ops (single-element constants as the other operands) of reductions over the
+    last axis without kept dims, each of an input whose dims are ``target`` but the last: that is what
+    proves ``v``'s dims are ``target[:-1]``, whatever shapes inference gave (or did not give) it."""
     key = (id(v), tuple(target))
     hit = c.memo.get(key)
     if hit is not None and hit[0] is v:
         p = hit[1].producer()
-        if p is not None and p.graph is c.graph and p.domain in _STD:
+        # in the graph, or made earlier in this same build (``x*x`` of one hoisted mean: one value, twice)
+        if p is not None and (p.graph is c.graph or any(p is m for m in made)) and p.domain in _STD:
             return hit[1]
     p = v.producer()
     if p is None or p.domain not in _STD or depth > 12 or len(p.outputs) != 1:
         return None
-    like = ir.Value(name=v.name, shape=ir.Shape(target), type=v.type)
+    like = ir.Value(name=v.name, shape=_shape_of_keys(target), type=v.type)
     if p.op_type in ("ReduceSum", "ReduceMean"):
         x = p.inputs[0]
         keep = p.attributes.get("keepdims")
-        xs = _static(x)
+        xs = _dims_of(x, c.dims_cache)
         if x is None or keep is None or int(keep.value) != 0 or xs is None or xs[:-1] + [1] != target:
             return None
         attr = p.attributes.get("axes")
@@ -521,11 +742,12 @@ def _hoist(c: Canonicalizer, v: ir.Value, target: list[int], made: list[ir.Node]
             [int(a) for a in arr.reshape(-1)] if arr is not None else None)
         if axes not in ([-1], [len(xs) - 1]):
             return None
+        if x.shape is None:  # derived (inference stopped upstream): the rules' checks read x's rank and last dim
+            x.shape = _shape_of_keys(xs)
         attrs = {k: a.value for k, a in p.attributes.items()}
         attrs["keepdims"] = 1
         node = c.node(p.op_type, list(p.inputs), like, **attrs)  # type: ignore[arg-type]
     elif p.op_type in _ELEMENTWISE:
-        shape = _static(v)
         args: list[ir.Value] = []
         for u in p.inputs:
             if u is None:
@@ -534,8 +756,6 @@ def _hoist(c: Canonicalizer, v: ir.Value, target: list[int], made: list[ir.Node]
             if arr is not None and arr.size == 1 and arr.ndim <= len(target) - 1:
                 args.append(u)
                 continue
-            if _static(u) != shape:
-                return None
             h = _hoist(c, u, target, made, depth + 1)
             if h is None:
                 return None

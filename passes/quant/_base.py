@@ -53,6 +53,7 @@ from mograph.passes.quant.smoothing import (
 
 from mograph import specs
 from mograph.errors import ModelError, OptionError
+from mograph.ir_version import fit_ir_version
 from mograph.pass_infra import Option, Pass, PassResult
 
 __all__ = ["CALIBRATION_OPTIONS", "PLAN_OPTIONS", "QdqPassBase", "open_calibration", "parse_shapes"]
@@ -139,7 +140,13 @@ def parse_shapes(items: list[Any] | None) -> dict[str, tuple[int, ...]]:
 
 
 def open_calibration(p: Pass, model: ir.Model) -> cal.CalibrationSource:
-    """The pass's calibration source; refuses (OptionError) when there is neither data nor explicit random."""
+    """The pass's calibration source; refuses (OptionError) when there is neither data nor explicit random.
+
+    Also gives ``model`` an IR version the installed ONNX Runtime reads (:func:`mograph.ir_version.fit_ir_version`),
+    as every session the calibration opens runs a copy of it (an ``onnx_ir.Model`` handed to the pass directly
+    has not been through :func:`mograph.ir_io.load_model`).
+    """
+    fit_ir_version(model)
     data = p.config.get("calibration_data")
     random_n = int(p.config.get("calibration_random") or 0)
     limit = int(p.config.get("calibration_samples") or 0) or None
@@ -425,7 +432,8 @@ class QdqPassBase(Pass):
             n = int(self.config.get("sensitivity_samples") or 8)
             samples = list(itertools.islice(iter(source), n))
             fixed = {c.key for c in cands if c.key in overridden and decisions[c.key][0] == self.precision}
-            res = analyse(model, measured, ranges, scheme, samples, budget, fixed=fixed, progress=self.progress)
+            res = analyse(model, measured, ranges, scheme, samples, budget, fixed=fixed, progress=self.progress,
+                          source=source)
             rank = {k: i + 1 for i, k in enumerate(res.order)}
             for c in measured:
                 value = (f"layer output relative error {res.alone[c.key]:.5f} when quantized alone, "

@@ -24,8 +24,10 @@ CPU emulates what a GPU computes — every tensor between nodes stored in float1
 float32 (as the CUDA kernels accumulate).
 
 **End-to-end error.**  A converted copy runs on the first samples and its outputs are compared with the
-float32 model's (:class:`~mograph.passes.quant.plan.Budget`: the smallest per-sample cosine, or the
-largest absolute difference); :func:`fewest_fp32` keeps the fewest nodes in float32, in order of local
+float32 model's (:class:`~mograph.passes.quant.plan.Budget`: the smallest cosine, or the largest absolute
+difference, of each output of each sample judged on its own the way ``--verify`` judges it, so a small
+output is not hidden by a large one; positions the ``attention_mask`` marks as padding are left out, as
+no output value there is read: :func:`output_metric`); :func:`fewest_fp32` keeps the fewest nodes in float32, in order of local
 error, that meet the budget (a binary search over how many).
 """
 
@@ -40,10 +42,11 @@ import onnx_ir as ir
 from mograph.passes.quant import calibration as cal
 from mograph.passes.quant.plan import Budget
 
+from mograph import ir_io
 from mograph.irutil import fresh_name
 
 __all__ = ["FP16_LIMIT", "LocalMeasure", "Search", "keep_fp16_rounding", "measure_local", "output_metric",
-           "fewest_fp32", "to_half"]
+           "fewest_fp32", "to_half", "SIGNAL_FLOOR"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +109,7 @@ def _twin_model(model: ir.Model, positions: Sequence[int], floats: set[str], pin
     Returns the copy, for each position the ``(float32 output, twin output)`` name pairs to compare, and
     the names of the float32 tensors whose statistics are wanted.
     """
-    copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
-    cal.set_model_folder(copy, cal.model_folder(model))
+    copy = ir_io.copy_model(model)
     graph = copy.graph
     nodes = list(graph)
     taken = {v.name for n in nodes for v in n.outputs if v.name} | {v.name for v in graph.inputs if v.name}
@@ -183,12 +185,14 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
     """Run the float32 model and every twin on each sample of ``source`` (module docstring)."""
     twin, pairs, watched = _twin_model(model, positions, floats, pinned_in, pinned_out, retype)
     names = [v.name for v in twin.graph.outputs]
-    sess = cal._session(ir.serde.serialize_model(twin).SerializeToString(), cal.model_folder(model))
+    sess = cal._session(twin, cal.model_folder(model))  # too big for one protobuf: spilled to a file
+    del twin  # the session holds its own copy of the float16 twins
     result = LocalMeasure(stats={name: cal.TensorStats() for name in watched})
     num = dict.fromkeys(pairs, 0.0)
     den = dict.fromkeys(pairs, 0.0)
-    for feed in source:
-        outs = dict(zip(names, sess.run(names, feed)))
+    for index, feed in enumerate(source):
+        # a feed the model rejects is the same one-line OptionError (exit 2) as in every precision pass
+        outs = dict(zip(names, cal._run_feed(sess, names, feed, source, index)))
         for name in watched:
             result.stats[name].update(outs[name], False)
         for pos, compare in pairs.items():
@@ -212,19 +216,58 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
     return result
 
 
-def output_metric(budget: Budget, refs: list[list[np.ndarray]], outs: list[list[np.ndarray]]) -> float:
-    """The budget's metric over samples: smallest per-sample cosine of all float outputs, or largest |diff|."""
+#: Outputs whose largest magnitude (in both models) is at most this are not judged by cosine: the floor
+#: the verifier uses for a cosine-only tolerance (:func:`mograph.validate.compare_outputs`).
+SIGNAL_FLOOR = 1e-6
+
+
+def _rows(a: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
+    """``a`` at the real (not padded) positions ``keep`` [batch, seq] when its leading dims are those."""
+    if keep is None or a.ndim < 2 or a.shape[:2] != keep.shape:
+        return a
+    return a[keep]
+
+
+def _output_value(budget: Budget, ref: np.ndarray, out: np.ndarray) -> float:
+    """One output of one sample judged as the verifier judges it: float64, NaN (or the same infinity) where
+    both have it is agreement, a non-finite value alone is a failure, all-zero against all-zero agrees,
+    an output whose values all stay within :data:`SIGNAL_FLOOR` is not judged by cosine."""
+    r = np.asarray(ref, np.float64).ravel()
+    o = np.asarray(out, np.float64).ravel()
+    if r.shape != o.shape:
+        return -1.0 if budget.metric == "cosine" else float("inf")
+    both = (np.isnan(r) & np.isnan(o)) | (np.isinf(r) & (r == o))
+    if both.any():
+        r, o = np.where(both, 0.0, r), np.where(both, 0.0, o)
+    if not (np.isfinite(r).all() and np.isfinite(o).all()):
+        return -1.0 if budget.metric == "cosine" else float("inf")
+    if budget.metric != "cosine":
+        return float(np.abs(r - o).max()) if r.size else 0.0
+    if not r.size or (np.abs(r).max() <= SIGNAL_FLOOR and np.abs(o).max() <= SIGNAL_FLOOR):
+        return 1.0
+    nr, no = float(np.linalg.norm(r)), float(np.linalg.norm(o))
+    if nr == 0.0 or no == 0.0:
+        return 0.0
+    return max(-1.0, min(1.0, float(r @ o / (nr * no))))
+
+
+def output_metric(budget: Budget, refs: list[list[np.ndarray]], outs: list[list[np.ndarray]],
+                  keeps: Sequence[np.ndarray | None] | None = None) -> float:
+    """The budget's metric: the smallest cosine, or the largest |diff|, over every float output of every sample.
+
+    Each output is judged on its own, as ``--verify`` judges it (:func:`_output_value`), never concatenated
+    with the others: a small output (a probability map in float16's subnormal range) next to a large one
+    keeps its own figure.  ``keeps`` (per sample, ``[batch, seq]`` of real positions, or ``None``) leaves
+    out the positions the ``attention_mask`` marks as padding: no output value there is read (a padded
+    row's attention is over nothing, and its float32 and float16 garbage differ), as in calibration.
+    """
     values = []
-    for ref, out in zip(refs, outs):
-        r = np.concatenate([np.asarray(a, np.float64).ravel() for a in ref if np.issubdtype(a.dtype, np.floating)])
-        o = np.concatenate([np.asarray(a, np.float64).ravel() for a in out if np.issubdtype(a.dtype, np.floating)])
-        if not np.isfinite(o).all():
-            values.append(-1.0 if budget.metric == "cosine" else float("inf"))
-        elif budget.metric == "cosine":
-            nr, no = np.linalg.norm(r), np.linalg.norm(o)
-            values.append(1.0 if nr == no == 0 else float(r @ o / (nr * no + 1e-30)))
-        else:
-            values.append(float(np.abs(r - o).max()) if r.size else 0.0)
+    for s, (ref, out) in enumerate(zip(refs, outs)):
+        keep = keeps[s] if keeps is not None and s < len(keeps) else None
+        for r, o in zip(ref, out):
+            if not (np.issubdtype(np.asarray(r).dtype, np.floating) or np.issubdtype(np.asarray(o).dtype, np.floating)):
+                continue
+            values.append(_output_value(budget, _rows(np.asarray(r), keep), _rows(np.asarray(o), keep)))
     if not values:
         return 1.0 if budget.metric == "cosine" else 0.0
     return min(values) if budget.metric == "cosine" else max(values)

@@ -412,9 +412,9 @@ class QdqWriter:
         return self.float_types.get(value.name or "", ir.DataType.FLOAT)
 
     def _insert_at_start(self, nodes: list[ir.Node], graph: ir.Graph) -> None:
-        if id(graph) not in self._first:
-            self._first[id(graph)] = next(iter(graph), None)
-        first = self._first[id(graph)]
+        first = self._first.get(id(graph))
+        if first is None or first.graph is not graph:  # not cached yet, or removed since (a dropped Constant)
+            first = self._first[id(graph)] = next(iter(graph), None)
         if first is None:
             graph.extend(nodes)
         else:
@@ -596,13 +596,14 @@ def quantize_embeddings(model: ir.Model, min_elements: int = EMBEDDING_MIN_ELEME
         for gather, _ in uses:
             out = gather.outputs[0]
             gather.replace_input_with(0, q_value)
-            gathered = ir.Value(name=fresh(f"{out.name}_int8"))
-            dq = ir.node("DequantizeLinear", [gathered, s_value, z_value], attributes={"axis": -1},
-                         outputs=[ir.Value(name=fresh(f"{out.name}_dq"))], name=fresh(f"{gather.name}_DequantizeLinear"))
-            out.replace_all_uses_with(dq.outputs[0], replace_graph_outputs=True)
-            # the Gather now writes the INT8 rows; the DequantizeLinear after it carries the float value on
+            dq_out = ir.Value(name=fresh(f"{out.name}_dq"))
+            out.replace_all_uses_with(dq_out, replace_graph_outputs=True)
+            # the Gather now writes the INT8 rows (its own output value, so the DequantizeLinear is linked to
+            # its producer, not to a look-alike name); the DequantizeLinear after it carries the float value on
+            dq = ir.node("DequantizeLinear", [out, s_value, z_value], attributes={"axis": -1},
+                         outputs=[dq_out], name=fresh(f"{gather.name}_DequantizeLinear"))
             gather_out_name = out.name
-            out.name = gathered.name
+            out.name = fresh(f"{out.name}_int8")
             dq.outputs[0].name = gather_out_name
             dq.outputs[0].type, dq.outputs[0].shape = out.type, out.shape
             out.type = ir.TensorType(ir.DataType.INT8)

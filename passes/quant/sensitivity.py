@@ -39,13 +39,25 @@ from mograph.passes.quant._qdq import (
     Candidate,
     QdqWriter,
     Scheme,
+    const_tensor,
     fake_quant_activation,
     fake_quant_weight,
     find_candidates,
     tensors_to_observe,
 )
-from mograph.passes.quant.calibration import Feed, _session, _with_outputs, model_folder, run_model, set_model_folder
+from mograph.passes.quant.calibration import (
+    Feed,
+    _run_feed,
+    _session,
+    _with_outputs_mapped,
+    model_folder,
+    run_model,
+    set_model_folder,
+)
 from mograph.passes.quant.plan import Budget
+
+from mograph import _spill
+from mograph.ir_version import make_model as make_model_proto
 
 __all__ = ["SensitivityResult", "analyse"]
 
@@ -87,13 +99,15 @@ def _layer_errors(
     ranges: dict[str, tuple[float, float]],
     scheme: Scheme,
     samples: list[Feed],
+    source: Any = None,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Relative output error of each candidate run alone with quantized inputs and weights, and its cost
     (multiply-adds per sample: output elements times the reduction length, as run on the samples)."""
     import onnx
 
-    names = tensors_to_observe(cands)
-    sess = _session(_with_outputs(model, names), model_folder(model))
+    proto_bytes, mapping = _with_outputs_mapped(model, tensors_to_observe(cands))
+    names = list(mapping)
+    sess = _session(proto_bytes, model_folder(model))
     opset = model.opset_imports.get("", 13)
     singles = {}
     for c in cands:
@@ -108,24 +122,36 @@ def _layer_errors(
             [node], "layer", [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in ins],
             [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
         )
-        proto = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
+        proto = make_model_proto(graph, {"": opset})
         singles[c.key] = _session(proto.SerializeToString())
     weights_q: dict[tuple[str, int], np.ndarray] = {}
+    weights_f: dict[tuple[str, int], np.ndarray] = {}
     err_num = {c.key: 0.0 for c in cands}
     err_den = {c.key: 0.0 for c in cands}
     macs = {c.key: 0.0 for c in cands}
-    for feed in samples:
-        acts = dict(zip(names, sess.run(names, feed)))
+    outputs = [mapping[n] for n in names]
+    source = source if source is not None else _Samples()
+    for index, feed in enumerate(samples):
+        acts = dict(zip(names, _run_feed(sess, outputs, feed, source, index)))
         for c in cands:
             xs_f, xs_q = {}, {}
+            seen = True
             for i, v in enumerate(c.node.inputs):
                 assert v is not None
                 if i in c.act_inputs:
-                    x = acts[v.name or ""].astype(np.float32)
+                    x = acts.get(v.name or "")
+                    if x is None or x.size == 0 or (v.name or "") not in ranges:
+                        seen = False  # inside a Loop/Scan body, or an If branch this sample did not take
+                        break
+                    x = x.astype(np.float32)
                     lo, hi = ranges[v.name or ""]
                     xs_f[f"x{i}"], xs_q[f"x{i}"] = x, fake_quant_activation(x, lo, hi, scheme)
                 else:
-                    w = v.const_value.numpy().astype(np.float32)
+                    if (c.key, i) not in weights_f:  # read (and converted) once, not once per sample
+                        tensor = const_tensor(v)  # an initializer or a Constant node's value, in any graph
+                        assert tensor is not None
+                        weights_f[(c.key, i)] = np.ascontiguousarray(tensor.numpy(), dtype=np.float32)
+                    w = weights_f[(c.key, i)]
                     xs_f[f"x{i}"] = w
                     if i == c.weight_input:
                         if (c.key, i) not in weights_q:
@@ -133,6 +159,8 @@ def _layer_errors(
                         xs_q[f"x{i}"] = weights_q[(c.key, i)]
                     else:
                         xs_q[f"x{i}"] = w
+            if not seen:
+                continue
             y = singles[c.key].run(None, xs_f)[0].astype(np.float64)
             yq = singles[c.key].run(None, xs_q)[0].astype(np.float64)
             err_num[c.key] += float(((yq - y) ** 2).sum())
@@ -140,6 +168,13 @@ def _layer_errors(
             macs[c.key] += float(y.size) * _reduction(c, xs_f)
     errors = {k: (err_num[k] / err_den[k]) ** 0.5 if err_den[k] > 0 else 0.0 for k in err_num}
     return errors, {k: v / max(len(samples), 1) for k, v in macs.items()}
+
+
+class _Samples:
+    """What a rejected-feed message says about samples given as a plain list (not a calibration source)."""
+
+    random = False
+    description = "the sensitivity samples"
 
 
 def _reduction(c: Candidate, xs: dict[str, np.ndarray]) -> float:
@@ -183,7 +218,7 @@ def _evaluate_mix(
     for c in all_cands:
         if c.key in quantized:
             writer.quantize(c)
-    outs = list(run_model(ir.serde.serialize_model(m).SerializeToString(), samples, folder=folder))
+    outs = list(run_model(m, samples, folder=folder))  # too big for one protobuf: spilled to a file
     return _metric(budget, refs, outs)
 
 
@@ -203,6 +238,7 @@ def analyse(
     fixed: Iterable[str] = (),
     progress: Callable[[int, int | None], None] | None = None,
     map_fn: Callable[..., list[float]] | None = None,
+    source: Any = None,
 ) -> SensitivityResult:
     """Choose which of ``cands`` to keep in float so the budget holds; ``fixed`` are quantized regardless.
 
@@ -210,17 +246,20 @@ def analyse(
     :func:`mograph.workflow.executors.current_map`, which is serial unless ``--executor ray`` is on).  Its
     ``width`` (calls at once) turns the binary search into a (width+1)-ary one: each round evaluates
     ``width`` values of ``k`` together.  With width 1 the evaluations are exactly the binary search's.
+    ``source`` (the calibration source the samples come from) words the error when the model rejects one.
     """
     from mograph.workflow.executors import current_map
 
     fixed = set(fixed)
     map_fn = map_fn or current_map()
     width = max(1, int(getattr(map_fn, "width", 1)))
-    base = ir.serde.serialize_model(model)
-    folder = model_folder(model)
-    refs = list(run_model(base.SerializeToString(), samples, folder=folder))
+    # A model too big for one protobuf is spilled to a temporary folder: ``base`` is then its small proto,
+    # its weights read from that folder (kept alive by ``spilled`` until the search ends).
+    base, spilled = _spill.model_proto(model)
+    folder = str(spilled.folder) if spilled is not None else model_folder(model)
+    refs = list(run_model(base, samples, folder=folder))
     result = SensitivityResult()
-    result.alone, result.cost = _layer_errors(model, cands, ranges, scheme, samples)
+    result.alone, result.cost = _layer_errors(model, cands, ranges, scheme, samples, source)
     evaluate = functools.partial(_evaluate_mix, base, folder, scheme, ranges, samples, budget, refs)
 
     worst_first = result.order = keep_order(result.alone, result.cost)
@@ -252,4 +291,6 @@ def analyse(
     result.final = cache[hi]
     result.curve = dict(sorted(cache.items()))
     result.met = budget.met(result.final)
+    if spilled is not None:
+        spilled.cleanup()
     return result

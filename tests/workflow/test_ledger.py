@@ -197,3 +197,36 @@ def test_ledger_command(tmp_path, capsys):
     assert code == 2 and "does not exist" in capsys.readouterr().err
     code = main(["ledger", "list", "--ledger", "mysql://x/y"])
     assert code == 2 and "only SQLite ledgers" in capsys.readouterr().err
+
+
+def test_csv_export_escapes_formulas_and_keeps_numbers(tmp_path, capsys):
+    """Issue 27: text cells beginning with =, +, -, @ (or a tab / CR) are written with a leading ' so a
+    spreadsheet shows them as text; numbers, negative ones included, stay numbers."""
+    path = tmp_path / "l.db"
+    with open_ledger(path) as ledger:
+        ledger.add(_row("=HYPERLINK(\"http://x\",\"y\")", metrics={"delta": -0.5, "count": -3, "=evil": 1.0}))
+        ledger.add(_row("@SUM(A1)", status="failed", error="-cmd|' /C calc'!A0"))
+        ledger.add(_row("+1+2", metrics={"note": "-2.5", "tab": "\tx"}))
+        ledger.add(_row("plain-name", metrics={"delta": 0.25}))
+    dest = tmp_path / "out.csv"
+    code, _ = _ledger_cli(capsys, "export", "--ledger", path, "--csv", dest)
+    assert code == 0
+    text = dest.read_text()
+    table = list(csv.DictReader(io.StringIO(text)))
+    assert [r["name"] for r in table] == ["'=HYPERLINK(\"http://x\",\"y\")", "'@SUM(A1)", "'+1+2", "plain-name"]
+    assert table[1]["error"] == "'-cmd|' /C calc'!A0"
+    assert table[0]["metric.delta"] == "-0.5" and table[0]["metric.count"] == "-3"  # numbers stay numbers
+    assert table[2]["metric.note"] == "-2.5"  # text that is a number is no formula
+    assert table[2]["metric.tab"] == "'\tx"
+    assert "metric.=evil" in table[0]  # a header cell starting with 'metric.' is safe as it is
+    for row in table:
+        for cell in row.values():
+            assert (cell or " ")[0] not in "=+@" and not (cell.startswith("-") and not _number(cell)), row
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True

@@ -5,6 +5,8 @@ with that venv's python, then once more with ``manifest`` to merge what they wro
 
     bash tools/corpus/setup_venv.sh                       # .venv-corpus/{torch,tf,jax,paddle,jax2tf}
     for f in torch tf jax jax2tf paddle; do .venv-corpus/$f/bin/python tools/corpus/make_corpus.py $f; done
+    .venv-corpus/torch/bin/python tools/corpus/make_corpus.py torch-plain  # norms without a residual, opsets 11-16
+    .venv-corpus/jax2tf/bin/python tools/corpus/make_corpus.py jax2tf-plain  # flax, dynamic batch, no residual
     .venv-corpus/torch/bin/python tools/corpus/make_corpus.py fp16      # fp16 variants (onnxconverter-common)
     python tools/corpus/make_corpus.py manifest
 
@@ -78,7 +80,9 @@ def _opset_of(path: Path) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def torch_family() -> None:
+def torch_family(plain_only: bool = False) -> None:
+    """The torch blocks (TorchScript and dynamo exports); ``plain_only``: only the ``torch_ts*_plain-*``
+    models (family ``torch-plain``), so adding them does not remake the rest."""
     import onnx
     import torch
     from torch import nn
@@ -199,17 +203,45 @@ def torch_family() -> None:
 
     blocks = {"ln-erf": (lambda: PostLN("erf"), POST_LN), "ln-tanh": (lambda: PostLN("tanh"), POST_LN),
               "rms": (PreRMS, PRE_RMS)}
-    for opset in (11, 14, 17):
+    for opset in () if plain_only else (11, 14, 17):
         for kind, (make, counts) in blocks.items():
             export(make(), f"torch_ts{opset}_{kind}", "torchscript", opset, counts)
-    for opset in (18, 23):
-        for kind, (make, counts) in blocks.items():
-            export(make(), f"torch_dynamo{opset}_{kind}", "dynamo", opset, counts)
-    export(PostLN("quick", hand=True), "torch_ts14_handln-quick", "torchscript", 14, POST_LN)
-    export(PostLN("tanh-hand", hand=True), "torch_dynamo18_handln-tanh", "dynamo", 18, POST_LN)
-    export(NearMiss(), "nearmiss_torch_ts14", "torchscript", 14, NEAR)
-    export(NearMiss(), "nearmiss_torch_dynamo18", "dynamo", 18, NEAR)
-    _write_part("torch", entries)
+    if not plain_only:
+        for opset in (18, 23):
+            for kind, (make, counts) in blocks.items():
+                export(make(), f"torch_dynamo{opset}_{kind}", "dynamo", opset, counts)
+        export(PostLN("quick", hand=True), "torch_ts14_handln-quick", "torchscript", 14, POST_LN)
+        export(PostLN("tanh-hand", hand=True), "torch_dynamo18_handln-tanh", "dynamo", 18, POST_LN)
+        export(NearMiss(), "nearmiss_torch_ts14", "torchscript", 14, NEAR)
+        export(NearMiss(), "nearmiss_torch_dynamo18", "dynamo", 18, NEAR)
+        _write_part("torch", entries)
+
+    # Norms without a residual below opset 17 (no standard LayerNormalization there): what each target's
+    # lowering writes must pass the output check and run (issue 27), for every fused op kind.
+    entries = []
+
+    class Plain(nn.Module):  # y = N2(W2 act(W1 N1(x) + b1) + b2): no residual Add anywhere
+        def __init__(self, norm: str, act: str) -> None:
+            super().__init__()
+            self.n1, self.n2 = (RMS(), RMS()) if norm == "rms" else (nn.LayerNorm(H, eps=EPS), nn.LayerNorm(H, eps=EPS))
+            self.fc1, self.fc2 = nn.Linear(H, F), nn.Linear(F, H)
+            self.act = act
+            with torch.no_grad():
+                for n in (self.n1, self.n2):
+                    if isinstance(n, nn.LayerNorm):
+                        n.weight.uniform_(0.5, 1.5)
+                        n.bias.uniform_(-0.5, 0.5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.n2(self.fc2(gelu(self.act, self.fc1(self.n1(x)))))
+
+    plain = {"plain-ln-erf": ("ln", "erf", _counts(layernorm=2, gelu=1)),
+             "plain-ln-tanh": ("ln", "tanh", _counts(layernorm=2, gelu=1)),
+             "plain-rms-quick": ("rms", "quick", _counts(rmsnorm=2, gelu=1))}
+    for opset in range(11, 17):
+        for kind, (norm, act, counts) in plain.items():
+            export(Plain(norm, act), f"torch_ts{opset}_{kind}", "torchscript", opset, counts)
+    _write_part("torch-plain", entries)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,7 +305,7 @@ def tf_family() -> None:
     _write_part("tf", entries)
 
 
-def jax2tf_family() -> None:
+def jax2tf_family(plain_only: bool = False) -> None:
     """Flax -> jax2tf (graph serialization, no XLA ops; with_gradient=False would add PreventGradient,
     which tf2onnx cannot convert) -> tf2onnx: the path of JAX models on TF serving.
 
@@ -290,7 +322,7 @@ def jax2tf_family() -> None:
                 "tf2onnx": tf2onnx.__version__}
     spec = (tf.TensorSpec((B, S, H), tf.float32, name="x"),)
     entries = []
-    for kind, (module, counts) in _flax_blocks().items():
+    for kind, (module, counts) in ({} if plain_only else _flax_blocks()).items():
         fn = module()
         tf_fn = tf.function(jax2tf.convert(fn, with_gradient=True, native_serialization=False, enable_xla=False),
                             autograph=False)
@@ -300,7 +332,76 @@ def jax2tf_family() -> None:
             tf2onnx.convert.from_function(tf_fn, input_signature=spec, opset=opset, output_path=str(path))
             entries.append(_entry(name, "jax2tf-tf2onnx", versions, _opset_of(path), counts))
             print("wrote", path)
-    _write_part("jax2tf", entries)
+    if not plain_only:
+        _write_part("jax2tf", entries)
+        return
+
+    # A dynamic batch dim (jax2tf polymorphic_shapes): the kept dims of the sum-based mean and the
+    # E[x^2] - E[x]^2 variance come back through Reshape/Expand to Concat(Slice(Shape(x)), ..), shapes
+    # inference cannot follow (issue 27).  No residual: the norms read the input and a Dense.
+    entries = []
+    dyn = (tf.TensorSpec((None, S, H), tf.float32, name="x"),)
+    for kind, (module, counts) in _flax_plain_blocks().items():
+        fn = module()
+        tf_fn = tf.function(jax2tf.convert(fn, with_gradient=True, native_serialization=False, enable_xla=False,
+                                           polymorphic_shapes=[f"(b, {S}, {H})"]), autograph=False)
+        for opset in (13, 17):
+            name = f"jax2tf_tf2onnx{opset}_dyn-{kind}"
+            path = OUT / f"{name}.onnx"
+            tf2onnx.convert.from_function(tf_fn, input_signature=dyn, opset=opset, output_path=str(path))
+            entries.append(_entry(name, "jax2tf-tf2onnx", versions, _opset_of(path), counts, dynamic_batch=True))
+            print("wrote", path)
+    _write_part("jax2tf-plain", entries)
+
+
+def _flax_plain_blocks() -> dict:
+    """Flax blocks without a residual, each norm spelled one way: ``nn.LayerNorm`` (E[x^2] - E[x]^2
+    clamped by max(., 0)), ``use_fast_variance=False`` (centred variance), a hand-written LayerNorm
+    (a sum / N mean, E[x^2] - E[x]^2 without the clamp, ``lax.rsqrt``) and ``nn.RMSNorm``."""
+    import jax
+    import jax.numpy as jnp
+    from flax import linen as nn
+
+    def init_ln() -> dict:
+        return {"scale_init": jax.nn.initializers.uniform(1.0), "bias_init": jax.nn.initializers.normal(0.3)}
+
+    class HandLN(nn.Module):
+        @nn.compact
+        def __call__(self, x):  # type: ignore[no-untyped-def]
+            g = self.param("scale", jax.nn.initializers.uniform(1.0), (H,))
+            b = self.param("bias", jax.nn.initializers.normal(0.3), (H,))
+            m = jnp.sum(x, axis=-1) / H
+            v = jnp.mean(x * x, axis=-1) - m * m
+            return (x - m[..., None]) * jax.lax.rsqrt(v[..., None] + EPS) * g + b
+
+    class Plain(nn.Module):
+        norm: str
+
+        def make(self):  # type: ignore[no-untyped-def]
+            if self.norm == "ln":
+                return nn.LayerNorm(epsilon=EPS, **init_ln())
+            if self.norm == "ln-centred":
+                return nn.LayerNorm(epsilon=EPS, use_fast_variance=False, **init_ln())
+            if self.norm == "rms":
+                return nn.RMSNorm(epsilon=1e-6, scale_init=jax.nn.initializers.uniform(1.0))
+            return HandLN()
+
+        @nn.compact
+        def __call__(self, x):  # type: ignore[no-untyped-def]
+            h = nn.Dense(H)(nn.gelu(nn.Dense(F)(self.make()(x)), approximate=False))
+            return self.make()(h)
+
+    def bind(mod):  # type: ignore[no-untyped-def]
+        def make():  # type: ignore[no-untyped-def]
+            x = jnp.ones((B, S, H), jnp.float32)
+            params = mod.init(jax.random.PRNGKey(0), x)
+            return lambda v: mod.apply(params, v)
+
+        return make
+
+    ln = _counts(layernorm=2, gelu=1)
+    return {"ln": (bind(Plain("ln")), ln), "ln-centred": (bind(Plain("ln-centred")), ln),
+            "handln": (bind(Plain("hand")), ln), "rms": (bind(Plain("rms")), _counts(rmsnorm=2, gelu=1))}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -493,6 +594,11 @@ def manifest() -> None:
     entries = []
     for part in sorted(OUT.glob(".part-*.json")):
         entries.extend(json.loads(part.read_text()))
+    # Entries of the manifest already there whose family was not remade this time are kept.
+    remade = {e["file"] for e in entries if e.get("file")}
+    if (OUT / "manifest.json").exists():
+        old = json.loads((OUT / "manifest.json").read_text())["models"]
+        entries.extend(e for e in old if e["file"] not in remade and (OUT / e["file"]).exists())
     failed = NOT_EXPORTED + [e for e in entries if e.get("file") is None]
     entries = sorted((e for e in entries if e.get("file")), key=lambda e: e["file"])
     files = {e["file"] for e in entries}
@@ -504,7 +610,8 @@ def manifest() -> None:
     print(f"manifest: {len(entries)} models, {total / 1e6:.2f} MB")
 
 
-FAMILIES = {"torch": torch_family, "tf": tf_family, "jax": jax_family, "jax2tf": jax2tf_family,
+FAMILIES = {"torch": torch_family, "torch-plain": lambda: torch_family(plain_only=True),
+            "jax2tf-plain": lambda: jax2tf_family(plain_only=True), "tf": tf_family, "jax": jax_family, "jax2tf": jax2tf_family,
             "paddle": paddle_family,
             "fp16": fp16_family, "manifest": manifest}
 

@@ -6,7 +6,7 @@
     ``[hidden, 3*H*D]`` GEMM inside the op (what ONNX Runtime's transformers optimizer emits: one kernel per
     layer instead of three MatMuls and three bias Adds); anything else (cross-attention, a KV cache, grouped
     query heads, projections read elsewhere) gets ``com.microsoft.MultiHeadAttention`` with separate Q, K, V
-    (cuDNN flash attention on CUDA, see ``/work/gpu-results/FACTS.md`` of 2026-12-01).  How a mask gets
+    (cuDNN flash attention on CUDA: the kernels BENCHMARKS-GPU.md names, session 4).  How a mask gets
     there is the node's :data:`~mograph.passes.fusion.attention_op.MASK_FORMAT_KEY` hint (the
     ``fuse-attention`` option ``--mask-format``):
 

@@ -186,3 +186,58 @@ def test_fused_op_bodies_below_opset_12() -> None:
     check_fusion(FuseGeluPass(), parse(quick), ops_left=["mograph.QuickGelu"])
     rms = _model("xx = Mul(x, x)\n ms = ReduceMean<axes=[-1]>(xx)\n" + RMS_TAIL, opset=11)
     check_fusion(FuseRMSNormPass(), parse(rms), ops_left=["mograph.RMSNorm"])
+
+
+# ------------------------------------------------------------------ dynamic batch (issue 27) ------
+# Flax's LayerNorm through jax2tf + tf2onnx with a dynamic batch dim: the mean as ReduceSum * 1/N without
+# kept dims, the variance as E[x^2] - E[x]^2 (clamped by Max(., 0) or not), each reshaped back and
+# broadcast to Concat(Slice(Shape(x), 0, 1), [S], [1]) (through Casts), a shape inference cannot follow.
+
+
+def _dyn_ln(*, clamp: bool, keepdims: int, shape_of: str = "x") -> str:
+    if keepdims:
+        back = ("m = Mul(s1, inv)\n e2 = Mul(s2, inv)\n")
+        red = "s1 = ReduceSum<keepdims=1>(x, ax)\n s2 = ReduceSum<keepdims=1>(xx, ax)\n"
+    else:
+        back = ("m0 = Mul(s1, inv)\n e20 = Mul(s2, inv)\n m1 = Reshape(m0, k64)\n m = Expand(m1, k64)\n")
+        red = "s1 = ReduceSum<keepdims=0>(x, ax)\n s2 = ReduceSum<keepdims=0>(xx, ax)\n"
+    var = "mm = Mul(m0, m0)\n v0 = Sub(e20, mm)\n" if not keepdims else "mm = Mul(m, m)\n v0 = Sub(e2, mm)\n"
+    var += ("v1 = Max(zero, v0)\n" if clamp else "v1 = Identity(v0)\n")
+    if not keepdims:
+        var += "v2 = Reshape(v1, k64)\n v = Expand(v2, k64)\n"
+    else:
+        var += "v = Identity(v1)\n"
+    body = ("sh = Shape(" + shape_of + ")\n sh32 = Cast<to=6>(sh)\n b = Slice(sh32, z1, o1, z1)\n"
+            " k32 = Concat<axis=0>(b, s3, o1)\n k64 = Cast<to=7>(k32)\n"
+            " xx = Mul(x, x)\n" + red + back + "d = Sub(x, m)\n" + var
+            + "a = Add(v, eps)\n r0 = Sqrt(a)\n r = Reciprocal(r0)\n rg = Mul(r, g)\n n = Mul(d, rg)\n y = Add(n, bb)")
+    inits = (f"float eps = {{1e-5}}, float zero = {{0.0}}, float inv = {{{1 / H}}}, int64[1] ax = {{2}}, "
+             f"int32[1] z1 = {{0}}, int32[1] o1 = {{1}}, int32[1] s3 = {{3}}, float[{H}] g = {{{G}}}, float[{H}] bb = {{{B}}}")
+    extra = f", float[M,3,{H}] z" if shape_of == "z" else ""
+    return (f'<ir_version: 8, opset_import: ["" : 13]>\n'
+            f"m (float[N,3,{H}] x{extra}) => (float[N,3,{H}] y) <{inits}> {{\n  " + "\n  ".join(body.splitlines()) + "\n}")
+
+
+@pytest.mark.parametrize("keepdims", [0, 1])
+@pytest.mark.parametrize("clamp", [True, False])
+def test_dynamic_batch_sum_mean_and_moments_variance_fuse(clamp: bool, keepdims: int) -> None:
+    proto = parse(_dyn_ln(clamp=clamp, keepdims=keepdims))
+    variant = "mul-reciprocal.moments.reducesum-mul" + (".max0" if clamp else "")
+    model = check_fusion(FuseLayerNormPass(), proto, stats={
+        "LayerNormFusion": 1, f"LayerNormFusion.{variant}": 1, "LayerNormScaleFusion": 1, "LayerNormBiasFusion": 1})
+    assert [t for t in op_types(model) if t not in ("Shape", "Cast", "Slice", "Concat")] == ["mograph.LayerNorm"]
+    _, result = run_pass(FuseLayerNormPass(), proto)
+    if not keepdims:
+        assert result.details["canonicalized"]["keepdims"] == 2 and result.details["canonicalized"]["expand-noop"] == 2
+
+
+def test_dynamic_batch_shape_of_another_tensor_is_a_near_miss() -> None:
+    """The kept shape read from another input ``z`` (equal at run time here, not provably): untouched."""
+    proto = parse(_dyn_ln(clamp=True, keepdims=0, shape_of="z"))
+    p = FuseLayerNormPass()
+    p.config = {"explain": True}
+    result = assert_untouched(p, proto)
+    regions = result.details["unfused_regions"]
+    # both sum-based reductions without kept dims are reported, each with where its match stopped
+    assert sorted(r["op"] for r in regions) == ["ReduceSum", "ReduceSum"], regions
+    assert all(r.get("failed_at") for r in regions), regions

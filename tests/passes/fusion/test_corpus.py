@@ -131,3 +131,27 @@ def test_explain_on_a_near_miss_export(tmp_path: Path, capsys: pytest.CaptureFix
     assert '"anchor": "/Tanh"' in text and "is 0.9, expected 0.797" in text, text
     # the LayerNorm with epsilon outside the root: a region at its mean, with the node where matching stopped
     assert '"anchor": "/b/ReduceMean"' in text and '"failed_at"' in text, text
+
+
+def test_explain_lists_the_sum_based_norms_of_a_flax_export() -> None:
+    """Issue 27: the jax2tf LayerNorms (ReduceSum * 1/N without kept dims) with 1/N made wrong (1/20 for
+    a last axis of 16) fuse nowhere, and --explain lists every one of their last-axis sums, each with
+    the node where the match stopped (before, sum-based reductions without kept dims were never listed)."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    proto = onnx.load(str(CORPUS / "jax2tf_tf2onnx13_dyn-ln.onnx"))
+    changed = 0
+    for init in proto.graph.initializer:
+        arr = numpy_helper.to_array(init)
+        if arr.size == 1 and abs(float(arr.reshape(-1)[0]) - 1 / 16) < 1e-7:
+            init.CopyFrom(numpy_helper.from_array(np.full(arr.shape, 0.05, arr.dtype), init.name))
+            changed += 1
+    assert changed == 1
+    model = to_ir(proto)
+    stats, details, modified = _fuse(model, explain=True)
+    assert "LayerNormFusion" not in stats and "RMSNormFusion" not in stats, stats
+    for pass_name in ("fuse-layernorm", "fuse-rmsnorm"):
+        regions = details[pass_name]["unfused_regions"]
+        assert [r["op"] for r in regions] == ["ReduceSum"] * 4, regions
+        assert all(r.get("failed_at") for r in regions), regions

@@ -9,12 +9,19 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
+from mograph.ir_version import fit_ir_version
 from mograph.testing import to_ir  # noqa: F401 - re-exported for the tests
 
 
 def run(model: ir.Model | onnx.ModelProto, feeds: dict, optimize: bool = False) -> list[np.ndarray]:
-    """Run with ONNX Runtime CPU; graph optimizations off unless asked."""
-    proto = model if isinstance(model, onnx.ModelProto) else ir.serde.serialize_model(model)
+    """Run with ONNX Runtime CPU; graph optimizations off unless asked.
+
+    The model runs at an IR version the installed runtime reads (the tests build theirs with
+    ``onnx.helper.make_model``, which stamps onnx's newest: onnxruntime 1.31.1 refuses it).
+    """
+    proto = onnx.ModelProto()
+    proto.CopyFrom(model if isinstance(model, onnx.ModelProto) else ir.serde.serialize_model(model))
+    fit_ir_version(proto)
     so = ort.SessionOptions()
     so.graph_optimization_level = (
         ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize else ort.GraphOptimizationLevel.ORT_DISABLE_ALL

@@ -1,6 +1,6 @@
 """Smoothing folded into the producer of the smoothed activation (LayerNorm gamma/beta, MatMul/Gemm columns).
 
-Each fold kind gets STYLE.md's five checks through ``check_pass`` (numbers against FP32 at an INT8
+Each fold kind gets the five checks of :mod:`mograph.testing` through ``check_pass`` (numbers against FP32 at an INT8
 tolerance), the same pass with folding switched off gives the same numbers (the fold is exact up to float
 rounding), and in float alone (no Q/DQ) the folded graph computes what the original did.  The float
 layers are the default rules' (``accuracy_budget="off"``), so the counts do not depend on a measurement; the measured default is tested in ``test_int8_sensitivity.py``.
@@ -177,7 +177,7 @@ def test_second_reader_keeps_the_mul():
 
 
 def test_quantized_model_is_a_no_op_again():
-    """The untouched near miss of STYLE.md: the pass on its own output changes nothing."""
+    """The untouched near miss of the five checks: the pass on its own output changes nothing."""
     proto = _model("ln")
     model = to_ir(proto)
     _pass(proto).call(model)

@@ -1,0 +1,74 @@
+"""A plugin cannot fake success by ending the process (issue 27).
+
+A pass that calls ``sys.exit(0)`` used to make ``mograph optimize`` exit 0 with neither the output nor
+the report written, and ended a whole sweep with exit 0 and no row for any configuration.  Now
+``SystemExit`` from a pass is a :class:`~mograph.errors.PluginError` naming the plugin (exit 6, nothing
+written); ``KeyboardInterrupt`` keeps exit 130; in a sweep the configuration is a failed row with the
+reason and the others are measured.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_plugins import _model_file, site, write_plugin  # noqa: F401 - site is a fixture
+
+from mograph.cli import main
+from mograph.workflow.ledger import open_ledger
+
+
+def _exiting_plugin(raise_what: str) -> str:
+    return f'''
+import sys
+import mograph
+
+class ExitPass(mograph.Pass):
+    """Ends the process instead of returning a result."""
+
+    name = "exit-pass"
+
+    def call(self, model):
+        {raise_what}
+
+@mograph.hookimpl
+def mograph_add_passes():
+    return [ExitPass]
+'''
+
+
+@pytest.mark.parametrize("code", ["0", "None", "'done'"])
+def test_pass_calling_sys_exit_is_exit_6_naming_the_plugin(site, tmp_path, capsys, code):  # noqa: F811
+    write_plugin(site, "quitter", _exiting_plugin(f"sys.exit({code})"))
+    model = _model_file(tmp_path)
+    out, report = tmp_path / "out.onnx", tmp_path / "report.json"
+    rc = main(["optimize", str(model), "-o", str(out), "--passes", "cleanup,exit-pass", "--report", str(report)])
+    err = capsys.readouterr().err
+    assert rc == 6, err
+    assert "plugin 'quitter'" in err and "exit-pass" in err and "sys.exit" in err, err
+    assert [line for line in err.splitlines() if line.startswith("mograph: error")] == [err.strip().splitlines()[-1]], err
+    assert not out.exists() and not report.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "site"]  # no temporary left either
+
+
+def test_pass_raising_keyboard_interrupt_is_still_130(site, tmp_path, capsys):  # noqa: F811
+    write_plugin(site, "ctrlc", _exiting_plugin("raise KeyboardInterrupt"))
+    model = _model_file(tmp_path)
+    out = tmp_path / "out.onnx"
+    assert main(["optimize", str(model), "-o", str(out), "--passes", "exit-pass"]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_sweep_records_the_exiting_configuration_as_failed_and_finishes_the_others(site, tmp_path, capsys):  # noqa: F811
+    write_plugin(site, "quitter", _exiting_plugin("sys.exit(0)"))
+    model = _model_file(tmp_path)
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text("eval_samples: 2\nwarmup: 1\niterations: 3\nconfigurations:\n"
+                   "  - {name: quits, passes: [exit-pass]}\n  - {name: clean, passes: [cleanup]}\n")
+    code = main(["sweep", str(model), "--config", str(cfg), "--ledger", str(tmp_path / "l.db"), "-q"])
+    assert code == 4, capsys.readouterr().err  # a sweep with a failed configuration exits 4, as before
+    with open_ledger(tmp_path / "l.db", readonly=True) as ledger:
+        rows = {r["name"]: r for r in ledger.rows()}
+    assert set(rows) == {"baseline", "quits", "clean"}
+    assert rows["quits"]["status"] == "failed" and "plugin 'quitter'" in rows["quits"]["error"], rows["quits"]
+    assert "sys.exit(0)" in rows["quits"]["error"]
+    assert rows["clean"]["status"] == "ok" and rows["baseline"]["status"] == "ok"
