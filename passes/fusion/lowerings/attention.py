@@ -844,7 +844,8 @@ def _lower_ort(node: ir.Node, ctx: LoweringContext) -> bool:
         return True
     if node.metadata_props.get(KV_CACHE_KEY) == "shared" and _kv_cache(k) is not None:
         raise PassFailedError("lower", f"--kv-cache shared: attention '{node.name}' over a KV cache cannot become "
-                              "GroupQueryAttention with rotary inside (run with -v for why); drop --kv-cache shared")
+                              "GroupQueryAttention with rotary inside (run with -vv for why; after fp16 the past inputs must feed it "
+                              "directly: --fp16-io yes); drop --kv-cache shared")
     if _lower_cached(node, ctx, heads, kv_heads, attrs):
         return True
     fmt = node.metadata_props.get(MASK_FORMAT_KEY, "bias")
