@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -39,7 +40,8 @@ def main() -> None:
         cfg = transformers.AutoConfig.from_pretrained(args.hf_dir, local_files_only=True)
         cfg._attn_implementation = "sdpa"
     else:
-        sizes = dict(de.SMOLLM2_135M) if args.shape == "smollm2-135m" else {"hidden": 128, "heads": 4, "kv_heads": 2}
+        sizes: dict[str, Any] = (dict(de.SMOLLM2_135M) if args.shape == "smollm2-135m"
+                                 else {"hidden": 128, "heads": 4, "kv_heads": 2})
         if args.layers:
             sizes["layers"] = args.layers
         cfg = de.config(args.family, **sizes)
@@ -47,7 +49,8 @@ def main() -> None:
     if args.feeds:
         import numpy as np
 
-        np.savez(args.feeds, **de.feeds(cfg, args.step, batch=1, seq=1 if args.step == "decode" else 8, past=8))
+        feeds: dict[str, Any] = de.feeds(cfg, args.step, batch=1, seq=1 if args.step == "decode" else 8, past=8)
+        np.savez(args.feeds, **feeds)
     print(f"wrote {args.output}")
 
 
