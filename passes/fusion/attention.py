@@ -50,7 +50,14 @@ from typing import Any, ClassVar
 import numpy as np
 import onnx_ir as ir
 from mograph.passes.fusion._common import EXPLAIN_OPTION, FusionPass, is_float, mograph_op
-from mograph.passes.fusion.attention_op import ATTENTION_OP, MASK_FORMAT_KEY, MASK_FORMATS, ROTARY_OP, attention
+from mograph.passes.fusion.attention_op import (
+    ATTENTION_OP,
+    KV_CACHE_KEY,
+    MASK_FORMAT_KEY,
+    MASK_FORMATS,
+    ROTARY_OP,
+    attention,
+)
 from mograph.passes.fusion.lowerings.attention import is_zero_bias
 
 from mograph.irutil import same_dim
@@ -694,6 +701,8 @@ class AttentionFusion(Rule):
         fmt = getattr(self, "mask_format", None)
         if fmt and fmt != "bias" and f["mask"] is not None:
             y.producer().metadata_props[MASK_FORMAT_KEY] = fmt
+        if getattr(self, "kv_cache", None) == "shared":
+            y.producer().metadata_props[KV_CACHE_KEY] = "shared"
         if f["flat"]:
             y = op.Reshape(y, op.initializer(ir.tensor(np.array([-1, f["width"]], dtype=np.int64)),
                                              name="mograph_flat_shape"))
@@ -740,8 +749,29 @@ MASK_FORMAT_OPTION = Option(
     "H200 an additive (1,1,S,S) bias ran cuDNN flash attention, (B,1,S,S) is not yet measured), lengths (1-D "
     "key lengths, ReduceSum of the 0/1 attention_mask: measured fastest, but exact only for RIGHT-padded "
     "masks: a left-padded row attends to its first keys instead; masks not traced to an attention_mask input "
-    "stay bias), raw (the 2-D mask as mask_index: exact, but ONNX Runtime CUDA's slow unfused kernel)",
+    "stay bias; for LLaMA/Qwen-style decoders: GroupQueryAttention with the rotary inside and packed QKV, "
+    "exact when the mask is all ones or right padded), "
+    "raw (the 2-D mask as mask_index: exact, but ONNX Runtime CUDA's slow unfused kernel)",
     metavar="bias|lengths|raw",
+)
+
+
+def _kv_cache_layout(raw: object) -> str:
+    text = str(raw).strip().lower()
+    if text not in ("concat", "shared"):
+        raise ValueError("expected concat or shared")
+    return text
+
+
+KV_CACHE_OPTION = Option(
+    "kv-cache", _kv_cache_layout, "concat",
+    "KV cache of a decoder's decode step for --target ort: concat (default: present = Concat(past, new), shapes "
+    "grow every step) or shared (GroupQueryAttention over one static buffer per layer that past_key and "
+    "present_key are both bound to, [batch, kv_heads, max_sequence_length, head_dim], with a [batch, "
+    "max_sequence_length] attention_mask of ones then zeros: shapes fixed between steps, so the step can be "
+    "captured as a CUDA graph; implies --mask-format lengths for these attentions, i.e. RIGHT padding; a cached "
+    "attention that cannot become GroupQueryAttention fails the lower step)",
+    metavar="concat|shared",
 )
 
 
@@ -749,14 +779,16 @@ class FuseAttentionPass(FusionPass):
     """Fuse multi-head self-/cross-attention (Q/K/V split, scaled scores, mask bias, softmax, merge) into one op."""
 
     name = "fuse-attention"
-    options: ClassVar[tuple[Option, ...]] = (EXPLAIN_OPTION, MASK_FORMAT_OPTION)
+    options: ClassVar[tuple[Option, ...]] = (EXPLAIN_OPTION, MASK_FORMAT_OPTION, KV_CACHE_OPTION)
     rules: ClassVar[tuple[type[Rule], ...]] = (AttentionFusion,)
 
     def make_rules(self) -> list[Rule]:
         rules = super().make_rules()
         fmt = self.config.get("mask_format")
+        kv = self.config.get("kv_cache")
         for rule in rules:
             rule.mask_format = fmt  # type: ignore[attr-defined]
+            rule.kv_cache = kv  # type: ignore[attr-defined]
         return rules
 
     def call(self, model: ir.Model) -> PassResult:
