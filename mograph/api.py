@@ -12,6 +12,8 @@ model in the same form it was given (a path gives an ``onnx_ir.Model``).
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
 import os
 import time
@@ -21,10 +23,10 @@ from typing import Any, Literal
 import onnx_ir as ir
 
 from mograph import ir_io
-from mograph.errors import OptionError, PassFailedError, UsageError, VerificationError
+from mograph.errors import InternalError, OptionError, PassFailedError, UsageError, VerificationError
 from mograph.hookspecs import hookimpl
 from mograph.pass_infra import Instrument, Pass, PassManager, PassResult, PipelineReport
-from mograph.plugins import get_registry
+from mograph.plugins import describe_plugin, get_registry
 
 __all__ = ["optimize", "run_passes", "list_passes", "load", "save", "VerifyMode"]
 
@@ -98,9 +100,20 @@ class _VerifyEach:
         return result
 
 
+def _did_you_mean(key: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _verifier(original: ir.Model, verify_options: dict[str, Any]) -> Any:
     from mograph.validate import Verifier
 
+    known = [k for k in inspect.signature(Verifier.__init__).parameters if k not in ("self", "original")]
+    for key in verify_options:
+        if key not in known:
+            raise OptionError(
+                f"unknown verify option {key!r}{_did_you_mean(key, known)}; known: {', '.join(sorted(known))}"
+            )
     return Verifier(original, **verify_options)
 
 
@@ -135,8 +148,15 @@ def run_passes(
     if mode == "each":
         wrappers.append(_VerifyEach(verifier))
     try:
-        PassManager(list(passes), hook=reg.pm.hook, check_modified=check_modified, instruments=wrappers,
-                    sources=reg.pass_source).run(model, report)
+        try:
+            PassManager(list(passes), hook=reg.pm.hook, check_modified=check_modified, instruments=wrappers,
+                        sources=reg.pass_source).run(model, report)
+        except InternalError as exc:  # a third-party pass crashed: say whose it is, so the bug goes to them
+            source = reg.pass_source.get(exc.pass_name)
+            owner = describe_plugin(source) if source and exc.plugin is None else None
+            if owner is None:
+                raise
+            raise InternalError(exc.pass_name, exc.detail, plugin=owner) from (exc.__cause__ or exc)
     except VerificationError as exc:  # --verify each: the report so far goes with the error
         report.verification = exc.report if isinstance(exc.report, dict) else None
         exc.pipeline_report = report
@@ -237,6 +257,8 @@ def optimize(
     blocked: Iterable[str] = (),
     instruments: Sequence[Instrument] = (),
     check_output: bool = True,
+    device: str | None = None,
+    strict: bool = False,
 ) -> tuple[Any, PipelineReport]:
     """Run a pipeline of passes; return ``(optimized_model, report)``.
 
@@ -247,7 +269,8 @@ def optimize(
             ``lower`` step is appended when a pass writes fused ops or ``target`` is given
             (:meth:`mograph.plugins.Registry.plan`), and the report lists it like any pass.
         options: pass options by name (``{"target": "ort", "fold_limit": 1024}``); each pass takes
-            the ones it declares. Unknown names are an error.
+            the ones it declares. Unknown names are an error (with a did-you-mean); a known option
+            that no pass of the pipeline reads is a warning (an error with ``strict``).
         verify: ``True``/``"end"`` to compare the final model's outputs with the original's,
             ``"each"`` to check after every pass and name the first that drifts. A failed check
             raises :class:`mograph.VerificationError`; its ``model`` is the model that failed (after
@@ -272,6 +295,15 @@ def optimize(
                 mograph.optimize("m.onnx", "cleanup", instruments=[progress])
         check_output: check the result with the ONNX checker and an ONNX Runtime load (see
             :mod:`mograph.output_check`); ``False`` skips it (a failed check is a pass error).
+        device: where the model will run (``"cpu"``, ``"cuda"``, ``"cuda:N"``; the CLI's ``--device``): the
+            plugins' precision recipes rewrite the pipeline for it before it is expanded (``int4`` on
+            ``cuda``: weight-only ``MatMulNBits`` then ``fp16``, target ``ort``; see
+            :mod:`mograph.passes.quant.recipe`); the report records the decisions under ``recipe``,
+            and a precision measured slower on that device is a warning there.  ``None``: the
+            pipeline is exactly ``passes``.  It does not say where ``verify`` runs
+            (``verify_options["device"]`` does).
+        strict: an option that no pass of the pipeline reads is an :class:`~mograph.errors.OptionError`
+            (exit 2) instead of a logged warning.
 
     Returns:
         The optimized model in the form given (a path gives an ``onnx_ir.Model``) and the report.
@@ -279,11 +311,15 @@ def optimize(
     reg = get_registry(blocked)
     options = dict(options or {})
     declared = reg.all_options()
-    unknown = [k for k in options if k.replace("-", "_") not in declared]
-    if unknown:
-        raise OptionError(f"unknown option(s) {unknown}; `mograph passes --json` lists each pass's options")
+    for key in options:
+        if key.replace("-", "_") not in declared:
+            raise OptionError(
+                f"unknown option {key!r}{_did_you_mean(key.replace('-', '_'), declared)}; "
+                "`mograph passes --json` lists each pass's options"
+            )
     options = {k.replace("-", "_"): v for k, v in options.items()}
-    names = reg.plan(passes if isinstance(passes, str) else list(passes), options)
+    given, options, recipe = reg.recipe(passes if isinstance(passes, str) else list(passes), options, device)
+    names = reg.plan(given, options)
     # The passes' output files (--precision-plan-out) against the model and what the passes read, before any work.
     from mograph._paths import check_io, model_files, option_io
 
@@ -292,6 +328,15 @@ def optimize(
         files = model_files(model)
         reads = [*(("the input model", f) for f in files[:1]), *(("the input model's external data", f) for f in files[1:]), *reads]
     check_io(writes, reads)
+    unread = reg.unread_options(names, options)
+    if unread:
+        what = "; ".join(
+            f"{k!r} (read by {', '.join(v)})" if v else repr(k) for k, v in unread.items()
+        )
+        message = f"option(s) that no pass of the pipeline {names} reads: {what}"
+        if strict:
+            raise OptionError(message)
+        logger.warning("%s; ignored", message)
     instances = reg.instantiate(names, options)
     ir_model = ir_io.load_model(model)
     try:
@@ -307,5 +352,11 @@ def optimize(
         )
     except VerificationError as exc:  # the failed model goes with the error, for inspection
         exc.model = ir_io.to_format(ir_model, model)
+        if recipe is not None and isinstance(exc.pipeline_report, PipelineReport):
+            exc.pipeline_report.extra["recipe"] = recipe
         raise
+    if recipe is not None:
+        report.extra["recipe"] = recipe
+        for line in recipe.get("warnings", []):
+            logger.warning("%s", line)
     return ir_io.to_format(ir_model, model), report

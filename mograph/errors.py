@@ -7,9 +7,9 @@ else that escapes is an internal bug and is shown with its traceback.
 
 A bug inside a pass — any exception that is not a :class:`MographError`, or a pass that breaks the
 pass contract (a wrong return type, ``modified=False`` for a changed graph) — is an
-:class:`InternalError` naming the pass, with the original exception as its ``__cause__``.  It is
-deliberately *not* a :class:`MographError`: the CLI shows it as one line with exit code 1 and prints
-the traceback at ``-v``.  A pass that cannot do its job on a valid model reports that itself by
+:class:`InternalError` naming the pass, with the original exception as its ``__cause__``.  It is a
+:class:`MographError` too, so a caller needs one ``except`` clause for everything mograph raises; the CLI
+still tells it apart (exit code 1, the traceback at ``-v``, "please report it").  A pass that cannot do its job on a valid model reports that itself by
 raising :class:`PassFailedError` (exit 4).
 
 Exit codes (also documented in ``mograph --help``):
@@ -111,15 +111,20 @@ class BackendUnavailableError(MographError):
         self.extra = extra
 
 
-class InternalError(Exception):
+class InternalError(MographError):
     """A bug: a pass crashed with a non-mograph exception or broke the pass contract.
 
-    Not a :class:`MographError` (nothing the user did causes it).  ``pass_name`` names the pass;
+    A :class:`MographError` (one ``except`` catches everything mograph raises) with exit code 1; code that
+    must tell a bug from a user's mistake catches it first.  ``pass_name`` names the pass;
     ``__cause__`` is the original exception, if there was one.
     """
 
     exit_code = 1
 
-    def __init__(self, pass_name: str, message: str) -> None:
-        super().__init__(f"internal error in pass '{pass_name}': {message}")
+    def __init__(self, pass_name: str, message: str, plugin: str | None = None) -> None:
+        where = f" of {plugin}" if plugin else ""
+        super().__init__(f"internal error in pass '{pass_name}'{where}: {message}")
         self.pass_name = pass_name
+        self.detail = message
+        #: Which third-party plugin provides the pass (``plugin 'x' (distribution d 1.0)``), when one does.
+        self.plugin = plugin

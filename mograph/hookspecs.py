@@ -189,3 +189,26 @@ def mograph_run_pass(pass_: Pass, model: ir.Model, context: dict[str, Any]) -> P
         The :class:`mograph.PassResult` of the pass (first non-``None`` result wins).  A wrapper
         may raise a :class:`mograph.MographError` to stop the pipeline.
     """
+
+
+@hookspec(firstresult=True)
+def mograph_precision_recipe(passes: list[str], options: dict[str, Any], device: str) -> Any:
+    """Rewrite a pipeline for the device the model will run on (``--device``, ``optimize(device=...)``).
+
+    Called by :meth:`mograph.plugins.Registry.recipe` once per ``optimize`` run that names a device,
+    before presets are expanded, so ``int4`` can become what that device runs fastest (the built-in
+    quant plugin: weight-only ``MatMulNBits`` then ``fp16`` on ONNX Runtime CUDA, from a table of
+    measured kernel times).  Not called without a device: the pipeline is then exactly ``--passes``.
+
+    Args:
+        passes: the pass and preset names as the user gave them, in order.
+        options: the pass options (a copy; ``target`` among them when given).
+        device: ``cpu``, ``cuda`` or ``cuda:N``.
+
+    Returns:
+        ``None`` to leave the pipeline alone, or a dict with ``passes`` (the new list, still
+        unexpanded), ``options`` (the complete options) and ``record`` (JSON-serialisable: what was
+        decided and why; it goes into the report under ``recipe``, and each line of its
+        ``warnings`` is shown to the user).  Raise :class:`mograph.OptionError` for a pipeline that
+        cannot be made for the device.  The first plugin returning a dict wins.
+    """

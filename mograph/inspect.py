@@ -18,6 +18,7 @@ from typing import Any
 import onnx_ir as ir
 
 from mograph import ir_io
+from mograph._traverse import subgraphs
 from mograph.errors import ModelError
 
 __all__ = ["summarize", "format_summary", "op_key"]
@@ -74,7 +75,7 @@ def _attr_elements(attr: Any) -> tuple[int, str | None]:
 
 
 def _graphs(model: ir.Model) -> list[ir.Graph]:
-    return [model.graph, *model.graph.subgraphs()]
+    return [model.graph, *subgraphs(model.graph)]
 
 
 def summarize(source: Any) -> dict[str, Any]:

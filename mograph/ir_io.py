@@ -24,6 +24,7 @@ Why this matters:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import re
@@ -38,7 +39,8 @@ import onnx_ir as ir
 
 from mograph._model_checks import check_declarations
 from mograph._tempfiles import owned_tempdir, sweep_stale
-from mograph.errors import ModelError, UsageError
+from mograph._traverse import iter_nodes, subgraphs
+from mograph.errors import InternalError, ModelError, UsageError
 from mograph.ir_version import fit_ir_version
 
 __all__ = [
@@ -65,10 +67,10 @@ ModelSource = Union[str, os.PathLike, bytes, onnx.ModelProto, ir.Model, Any]
 def _graphs_and_functions(model: ir.Model) -> list[ir.Graph | ir.Function]:
     """The main graph, every subgraph (If/Loop/Scan bodies, nested) and every model-local function
     with its own subgraphs: everywhere a tensor can sit."""
-    out: list[ir.Graph | ir.Function] = [model.graph, *model.graph.subgraphs()]
+    out: list[ir.Graph | ir.Function] = [model.graph, *subgraphs(model.graph)]
     for function in model.functions.values():
         out.append(function)
-        out.extend(function.subgraphs())
+        out.extend(subgraphs(function))
     return out
 
 
@@ -148,8 +150,14 @@ def copy_model(model: ir.Model) -> ir.Model:
     ``onnx_ir``'s serializer keeps an external tensor's location but not its folder (``base_dir``): a
     bare round trip gives a copy that would resolve every location against the current directory,
     reading whatever file of that name sits there.
+
+    The copy shares the original's external tensors (read-only memory maps: mapped once, not twice), and
+    a model whose in-memory tensors are too big for one protobuf (:func:`mograph._spill.too_big`) shares
+    those too instead of copying them (:func:`mograph._spill.shared_copy`).
     """
-    copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    from mograph import _spill
+
+    copy = _spill.shared_copy(model, in_memory=_spill.too_big(model))
     originals = [t for _, t in _all_tensors(model)]
     copies = [t for _, t in _all_tensors(copy)]
     if len(originals) != len(copies):  # the walk is the same on both: this would be an onnx_ir change
@@ -265,7 +273,7 @@ def _check_tensor_data(model: ir.Model) -> None:
 
 def _all_initializers(model: ir.Model) -> list[ir.Value]:
     out = list(model.graph.initializers.values())
-    for sub in model.graph.subgraphs():
+    for sub in subgraphs(model.graph):
         out.extend(sub.initializers.values())
     return out
 
@@ -275,7 +283,7 @@ def _check_structure(model: ir.Model) -> None:
     graph = model.graph
     if not graph.outputs:
         raise ModelError("the graph has no outputs: there is nothing to compute")
-    for node in ir.traversal.RecursiveGraphIterator(graph):
+    for node in iter_nodes(graph):
         for inp in node.inputs:
             if inp is None:
                 continue
@@ -301,7 +309,7 @@ def _reads(node: ir.Node) -> set[int]:
             list(attr.value) if attr.type == ir.AttributeType.GRAPHS else []
         )
         for sub in graphs:
-            for inner in ir.traversal.RecursiveGraphIterator(sub):
+            for inner in iter_nodes(sub):
                 values.update(id(v) for v in inner.inputs if v is not None)
     return values
 
@@ -332,6 +340,15 @@ def _check_acyclic(owner: ir.Graph | ir.Function) -> None:
         raise ModelError(f"{where} has a cycle through nodes {stuck}")
 
 
+@functools.lru_cache(maxsize=4096)
+def _schema(op_type: str, version: int) -> onnx.defs.OpSchema | None:
+    """The default-domain schema of ``op_type`` at ``version`` (looked up once per op and opset)."""
+    try:
+        return onnx.defs.get_schema(op_type, version, "")
+    except onnx.defs.SchemaError:
+        return None
+
+
 def _check_attributes(model: ir.Model) -> None:
     """Standard ops' attributes must be the ones their schema declares, of the declared type, with
     the required ones present, and their required inputs must be given: passes read them without
@@ -347,9 +364,8 @@ def _check_attributes(model: ir.Model) -> None:
                     f"node '{node.name or node.op_type}' is a standard {node.op_type}, but the model imports no "
                     "opset for the default domain"
                 )
-            try:
-                schema = onnx.defs.get_schema(node.op_type, version, "")
-            except onnx.defs.SchemaError:
+            schema = _schema(node.op_type, version)
+            if schema is None:
                 continue  # not a standard op at this opset: ONNX Runtime will say so
             label = f"node '{node.name or node.op_type}' ({node.op_type})"
             for name, attr in node.attributes.items():
@@ -476,12 +492,52 @@ def load_model(source: ModelSource, *, check: bool = True, base_dir: str | os.Pa
     if check or not isinstance(source, ir.Model):
         _check_tensor_data(model)
         _check_external_data(model, folder, origin, exists=check)
+    if not isinstance(source, ir.Model):
+        _decode_initializers(model)
     if origin == "a path":
         _CHECKED_FILES[str(model.meta[SOURCE_KEY])] = stamp  # taken before reading: a later change shows
     if check:
         _check_structure(model)
         check_declarations(model)
     return model
+
+
+#: Dtypes whose protobuf data numpy holds as is (others keep onnx-ir's own decoding on each read).
+_NUMPY_NATIVE = frozenset({
+    ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.INT8, ir.DataType.INT16,
+    ir.DataType.INT32, ir.DataType.INT64, ir.DataType.UINT8, ir.DataType.UINT16, ir.DataType.UINT32,
+    ir.DataType.UINT64, ir.DataType.BOOL,
+})
+
+
+def _decode_initializers(model: ir.Model) -> None:
+    """Decode each in-protobuf initializer into a numpy-backed tensor, once.
+
+    An initializer straight from ``deserialize_model`` decodes its protobuf field on every
+    ``numpy()`` call (a full copy of the weight each time): rules that ask "is this input a
+    constant?" of every weight they pass made a 30-layer LLaMA spend minutes copying weights.  Once
+    every tensor is decoded nothing refers to the protobuf any more, so it is freed when loading ends:
+    the weights sit in memory once, not twice.  External tensors stay lazy.
+    """
+    for graph in [model.graph, *subgraphs(model.graph)]:
+        for value in graph.initializers.values():
+            decoded = _decoded(value.const_value)
+            if decoded is not None:
+                value.const_value = decoded
+    for owner in _graphs_and_functions(model):
+        for node in owner:
+            for key, attr in list(node.attributes.items()):
+                if attr.type == ir.AttributeType.TENSOR and not attr.is_ref():
+                    decoded = _decoded(attr.value)
+                    if decoded is not None:
+                        node.attributes[key] = ir.AttrTensor(key, decoded, doc_string=attr.doc_string)
+
+
+def _decoded(tensor: object) -> ir.Tensor | None:
+    if not isinstance(tensor, ir.serde.TensorProtoTensor) or tensor.dtype not in _NUMPY_NATIVE:
+        return None
+    return ir.Tensor(tensor.numpy(), dtype=tensor.dtype, name=tensor.name, doc_string=tensor.doc_string,
+                     metadata_props=dict(tensor.metadata_props) or None)
 
 
 def model_size_bytes(model: ir.Model) -> int:
@@ -509,7 +565,8 @@ def save_model(
         path: destination ``.onnx`` file.
         external_data: write initializers to a data file beside the model (``<name>.data``, or
             ``<name>.<id>.data`` when a file of that name is already there). ``None`` chooses it when
-            the initializers need more than 2 GB or the model already had external data; ``False``
+            the initializers need 256 MiB or more (:func:`mograph._spill.spill_bytes`: written inline,
+            they would be copied twice in memory on the way) or the model already had external data; ``False``
             writes one self-contained file (external tensors are read in for it).
         forbid: a path that must not be written over (the input model).
         overwrite_source: allow writing over the file the model was loaded from (refused otherwise:
@@ -534,7 +591,9 @@ def save_model(
             "read from beside it); choose another path, or allow it explicitly (overwrite=True)"
         )
     if external_data is None:
-        external_data = model_size_bytes(model) >= TWO_GB - 64 * 2**20 or any(
+        from mograph import _spill
+
+        external_data = model_size_bytes(model) >= _spill.spill_bytes() or any(
             isinstance(v.const_value, ir.ExternalTensor) for v in _all_initializers(model)
         )
     elif not external_data and model_size_bytes(model) >= TWO_GB:
@@ -562,7 +621,7 @@ def save_model(
                 os.replace(tmp.path / data_name, placed)  # a new name: replaces nothing
         else:
             with _inlined(model), _attributes_inlined(model):
-                ir.save(model, tmp_model)
+                _write_inline(model, tmp_model)
         os.replace(tmp_model, dest)  # the one switch from the old pair to the new
     except BaseException as exc:
         if placed is not None:  # the new data no model reads yet
@@ -579,6 +638,61 @@ def save_model(
             with contextlib.suppress(OSError):
                 stale.unlink()
     return dest
+
+
+#: Initializers at least this big are written one at a time by :func:`_write_inline`.
+_STREAMED_BYTES = 1 << 20
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _write_inline(model: ir.Model, path: Path) -> None:
+    """Write ``model`` as one self-contained protobuf file, its large initializers one at a time.
+
+    ``ir.save`` builds the whole ``ModelProto`` (a copy of every weight) and then its serialized bytes
+    (another copy): a model with 1 GB of weights needs 3 GB to be written.  Here the model is
+    serialized without its large initializers of the main graph, and each of those is then serialized
+    on its own and appended to the graph's bytes (protobuf lets a message's repeated fields come in
+    any order and in separate pieces), so at most one weight is copied at a time.  The file parses to
+    the same model, large initializers listed after the others.
+    """
+    graph = model.graph
+    order = list(graph.initializers.values())
+    big = [v for v in order if v.const_value is not None and v.const_value.nbytes >= _STREAMED_BYTES]
+    try:
+        for v in big:
+            graph.initializers.pop(v.name)  # type: ignore[arg-type]
+        proto = ir.serde.serialize_model(model)
+    finally:
+        for v in order:  # back in their order
+            if v.name is not None and graph.initializers.get(v.name) is v:
+                graph.initializers.pop(v.name)
+        for v in order:
+            graph.initializers.add(v)
+    graph_bytes = proto.graph.SerializeToString()
+    proto.ClearField("graph")
+    head = proto.SerializeToString()
+    del proto
+    sizes = [ir.serde.serialize_tensor(v.const_value).ByteSize() for v in big]  # type: ignore[arg-type]
+    graph_len = len(graph_bytes) + sum(1 + len(_varint(n)) + n for n in sizes)
+    with open(path, "wb") as f:
+        f.write(head)
+        f.write(b"\x3a" + _varint(graph_len))  # ModelProto.graph: field 7, length-delimited
+        f.write(graph_bytes)
+        for v, n in zip(big, sizes):
+            data = ir.serde.serialize_tensor(v.const_value).SerializeToString()  # type: ignore[arg-type]
+            if len(data) != n:
+                raise InternalError("save", f"initializer '{v.name}' serialized to {len(data)} bytes, not {n}")
+            f.write(b"\x2a" + _varint(n))  # GraphProto.initializer: field 5, length-delimited
+            f.write(data)
+            del data
 
 
 def sweep_save_leftovers(folder: str | os.PathLike) -> list[Path]:
@@ -609,6 +723,12 @@ def _own_data_files(dest: Path) -> list[Path]:
     """The data files the model at ``dest`` reads that a save of ``dest`` wrote (``<name>[.<id>].data``
     beside it); files named otherwise may be shared with other models and are never removed."""
     ours = re.compile(re.escape(dest.name) + r"(\.[0-9a-f]{8})?\.data")
+    try:
+        present = any(ours.fullmatch(name) for name in os.listdir(dest.parent))
+    except OSError:
+        present = True  # cannot tell: read the model to find out
+    if not present:  # nothing of ours to remove: do not read (a possibly large) old model at all
+        return []
     return [dest.parent / loc for loc in _locations(dest) if ours.fullmatch(loc)]
 
 

@@ -13,10 +13,11 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from mograph._traverse import subgraphs
 from mograph.patterns import constant_array
 
 __all__ = ["attr_value", "add_initializer", "unique_initializer_name", "is_zero", "static_last_dim", "value_used",
-           "infer_types", "restore_types", "TypeSnapshot", "same_dim", "fresh_name"]
+           "infer_types", "restore_types", "run_shape_inference", "TypeSnapshot", "same_dim", "fresh_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,32 +94,156 @@ def infer_types(model: ir.Model) -> TypeSnapshot:
     Exporters (TorchScript in particular) leave intermediate values without types; rules and
     lowerings need dtypes and ranks.  A pass that then changes nothing calls :func:`restore_types`,
     so it stays a no-op.
-    """
-    from onnx_ir.passes.common import ShapeInferencePass
 
+    The result of the last inference is kept on the model (``model.meta``) with the graph's structure
+    (the node, input, attribute and initializer objects) and the types it started from: when neither
+    changed since, inference would find the same again, and its types are put back without running
+    it.  This is what keeps a pipeline of fusion passes that each change nothing (or change little)
+    from paying a whole-model inference per pass.
+    """
+    graphs = _graphs(model)
     snapshot: TypeSnapshot = []
-    for graph in model.graphs():
+    for graph in graphs:
         for v in list(graph.inputs) + list(graph.initializers.values()):
             snapshot.append((v, v.type, v.shape))
         for node in graph:
             for v in node.outputs:
                 snapshot.append((v, v.type, v.shape))
+    structure = _structure(graphs)
+    cached = model.meta.get(_INFERRED_KEY)
+    if cached is not None and _same_objects(cached[0], structure) and _same_types(cached[1], snapshot):
+        for (value, _, _), (type_, shape) in zip(snapshot, cached[2]):
+            value.type, value.shape = type_, shape
+        return snapshot
     quiet = logging.getLogger("onnx_ir.passes.common.shape_inference")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
-    orders = [(g, list(g.initializers.values())) for g in model.graphs()]
+    orders = [(g, list(g.initializers.values())) for g in graphs]
     try:
-        ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
+        run_shape_inference(model)
     except Exception:  # noqa: BLE001 - inference is best effort; rules fail with a reason without it
         logger.debug("shape inference failed", exc_info=True)
     finally:
         quiet.setLevel(level)
         for g, inits in orders:  # the inference call re-registers initializers: keep their order
             if list(g.initializers.values()) != inits:
-                g.initializers.clear()
                 for v in inits:
-                    g.register_initializer(v)
+                    if v.name is not None and g.initializers.get(v.name) is v:
+                        g.initializers.pop(v.name)
+                for v in inits:
+                    g.initializers.add(v)
+    model.meta[_INFERRED_KEY] = (structure, [(t, sh) for _, t, sh in snapshot],
+                                 [(v.type, v.shape) for v, _, _ in snapshot])
     return snapshot
+
+
+_INFERRED_KEY = "mograph.inferred_types"
+
+#: Initializers above this many bytes are passed to ONNX inference as typed inputs, without their data.
+_BIG_TENSOR_BYTES = 1000
+
+
+def _graphs(model: ir.Model) -> list[ir.Graph]:
+    return [model.graph, *subgraphs(model.graph)]
+
+
+def run_shape_inference(model: ir.Model, *, data_prop: bool = True) -> None:
+    """ONNX shape inference (``check_type`` and ``strict_mode`` off), its dtypes and shapes merged into
+    the model's values in place.  Raises what ONNX raises; the model is then unchanged."""
+    if subgraphs(model.graph):  # onnx_ir's pass matches the subgraphs' values to the inferred ones
+        from onnx_ir.passes.common import ShapeInferencePass
+
+        ShapeInferencePass(check_type=False, strict_mode=False, data_prop=data_prop)(model)
+    else:
+        _infer_flat(model, data_prop)
+
+
+def _structure(graphs: list[ir.Graph]) -> list[object]:
+    """The objects that make up the graphs, in order (compared by identity: an edit replaces one)."""
+    out: list[object] = []
+    for graph in graphs:
+        out.append(graph)
+        out.extend(graph.inputs)
+        out.append(None)
+        out.extend(graph.outputs)
+        out.append(None)
+        for v in graph.initializers.values():
+            out.append(v)
+            out.append(v.const_value)
+        for node in graph:
+            out.append(node)
+            out.extend(node.inputs)
+            out.append(None)
+            out.extend(node.outputs)
+            out.append(None)
+            out.extend(node.attributes.values())
+            out.append(None)
+    return out
+
+
+def _same_objects(a: list[object], b: list[object]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def _same_types(before: list[tuple[Any, Any]], snapshot: TypeSnapshot) -> bool:
+    return len(before) == len(snapshot) and all(
+        t == t2 and sh == sh2 for (t, sh), (_, t2, sh2) in zip(before, snapshot)
+    )
+
+
+def _infer_flat(model: ir.Model, data_prop: bool = True) -> None:
+    """ONNX shape inference on a model without subgraphs, merged into its values in place.
+
+    Large initializers go to ONNX as typed graph inputs without their data (as onnx_ir's own pass
+    does), so no weight is copied; only the types that inference changed are read back.
+    """
+    import onnx
+
+    graph = model.graph
+    inits = list(graph.initializers.values())
+    n_inputs = len(graph.inputs)
+    is_input = set(graph.inputs)
+    hidden: list[tuple[ir.Value, Any]] = []
+    for v in inits:
+        tensor = v.const_value
+        if tensor is not None:
+            if v.shape is None:
+                v.shape = tensor.shape  # type: ignore[assignment]
+            if v.dtype is None:
+                v.dtype = tensor.dtype
+        if tensor is None or tensor.nbytes > _BIG_TENSOR_BYTES:
+            hidden.append((v, tensor))
+    try:
+        for v, _ in hidden:
+            if v not in is_input:
+                graph.inputs.append(v)
+            v.const_value = None
+            graph.initializers.pop(v.name)  # type: ignore[arg-type]
+        proto = ir.serde.serialize_model(model)
+    finally:
+        for v, tensor in hidden:
+            v.const_value = tensor
+            graph.initializers.add(v)
+        while len(graph.inputs) > n_inputs:
+            graph.inputs.pop()
+    sent = {vi.name: vi.type.SerializeToString() for vi in
+            [*proto.graph.input, *proto.graph.output, *proto.graph.value_info]}
+    inferred = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=data_prop)
+    values: dict[str, ir.Value] = {v.name: v for v in graph.inputs if v.name}
+    values.update((v.name, v) for v in inits if v.name)
+    for node in graph:
+        for v in node.outputs:
+            if v.name:
+                values[v.name] = v
+    for vi in [*inferred.graph.input, *inferred.graph.output, *inferred.graph.value_info]:
+        value = values.get(vi.name)
+        if value is None or sent.get(vi.name) == vi.type.SerializeToString():
+            continue
+        found = ir.serde.deserialize_value_info_proto(vi, None)
+        if found.shape is not None and value.shape != found.shape:
+            value.shape = found.shape
+        if found.dtype is not None and value.dtype != found.dtype:
+            value.dtype = found.dtype
 
 
 def restore_types(snapshot: TypeSnapshot) -> None:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import onnx_ir as ir
 
+from mograph._traverse import iter_nodes
 from mograph.custom_ops import CustomOp, TensorRTPlugin
 from mograph.errors import OptionError, PassFailedError, PluginError
 from mograph.hookspecs import hookimpl
@@ -337,7 +338,7 @@ def inline_node(node: ir.Node, function: ir.Function, target: str | None = None)
 def ensure_functions(model: ir.Model, ops: Mapping[tuple[str, str], CustomOp]) -> bool:
     """Give every node of a declared op in the model its function body and domain import; True if one was added."""
     used: dict[tuple[str, str], CustomOp] = {}
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+    for node in iter_nodes(model.graph):
         op = ops.get((node.domain, node.op_type))
         if op is not None and not is_plugin_node(node):
             used[op.key] = op
@@ -368,7 +369,7 @@ def plugin_nodes_as_ops(model: ir.Model, ops: Mapping[tuple[str, str], CustomOp]
         if op.tensorrt_plugin is not None:
             by_plugin.setdefault((op.domain, op.tensorrt_plugin.name), []).append(op)
     done, left = 0, []
-    for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):
+    for node in list(iter_nodes(model.graph)):
         if not is_plugin_node(node):
             continue
         cands = by_plugin.get((node.domain, node.op_type), [])
@@ -414,7 +415,7 @@ def plugin_nodes_as_ops(model: ir.Model, ops: Mapping[tuple[str, str], CustomOp]
 
 def drop_unused_functions(model: ir.Model, ops: Mapping[tuple[str, str], CustomOp]) -> bool:
     """Remove function bodies of declared ops no node calls, and domain imports nothing uses; True if any."""
-    nodes = list(ir.traversal.RecursiveGraphIterator(model.graph))
+    nodes = list(iter_nodes(model.graph))
     used = {(n.domain, n.op_type) for n in nodes if not is_plugin_node(n)}  # a plugin node calls no function
     used_domains = {n.domain for n in nodes}
     changed = False
@@ -482,7 +483,7 @@ def lower_model(model: ir.Model, target: str = DEFAULT_TARGET, *, registry: Regi
     if target not in targets:
         raise OptionError(f"{LOWER_PASS}: unknown target {target!r} (known: {', '.join(targets)})")
     ops = registry.custom_ops
-    nodes = [(n, ops[(n.domain, n.op_type)]) for n in ir.traversal.RecursiveGraphIterator(model.graph)
+    nodes = [(n, ops[(n.domain, n.op_type)]) for n in iter_nodes(model.graph)
              if (n.domain, n.op_type) in ops and not is_plugin_node(n)]
     stats: dict[str, int | float] = {}
     details: dict[str, Any] = {"target": target}
@@ -492,6 +493,7 @@ def lower_model(model: ir.Model, target: str = DEFAULT_TARGET, *, registry: Regi
     if target == "onnx" and upgrade is not None:
         _upgrade_for(model, nodes, upgrade, stats, details)
     ctx = LoweringContext(model, target)
+    unlowered: dict[str, int] = {}
     for node, op in nodes:  # graph order: what is shared is built before its first user
         if node.graph is None:
             continue
@@ -511,7 +513,18 @@ def lower_model(model: ir.Model, target: str = DEFAULT_TARGET, *, registry: Regi
         else:
             key = f"kept.{op.name}"
             logger.debug("%s: %s stays a custom op for target %s", node.name, op.name, target)
+            if target != "mograph" and target not in op.lowerings:
+                unlowered[f"{op.domain}.{op.name}"] = unlowered.get(f"{op.domain}.{op.name}", 0) + 1
         stats[key] = int(stats.get(key, 0)) + 1
+    if unlowered:  # never silent: the target may not run these nodes (TensorRT has no kernel for a plugin's op)
+        what = ", ".join(f"{k} x{n}" for k, n in sorted(unlowered.items()))
+        sources = registry.custom_op_source
+        owners = sorted({sources.get(tuple(k.rsplit(".", 1)), "?") for k in unlowered})  # type: ignore[arg-type]
+        message = (f"no lowering for target '{target}' of {what} (declared by {', '.join(owners)}): kept as the "
+                   "custom op with its function body; the target may not run it")
+        logger.warning("%s: %s", LOWER_PASS, message)
+        details["no_lowering"] = dict(sorted(unlowered.items()))
+        details["WARNING"] = message
     for shared_key in ctx.shared:
         if shared_key and isinstance(shared_key[0], str):
             stats[shared_key[0]] = int(stats.get(shared_key[0], 0)) + 1
@@ -533,7 +546,7 @@ def has_custom_ops(model: ir.Model, registry: Registry | None = None) -> bool:
         registry = get_registry()
     ops = registry.custom_ops
     return any((n.domain, n.op_type) in ops and not is_plugin_node(n)
-               for n in ir.traversal.RecursiveGraphIterator(model.graph))
+               for n in iter_nodes(model.graph))
 
 
 def lowered_for(model: Any, target: str, *, registry: Registry | None = None) -> tuple[Any, dict[str, int | float]]:

@@ -40,6 +40,8 @@ from typing import Any
 
 import onnx_ir as ir
 
+from mograph._traverse import iter_nodes
+
 __all__ = ["InvalidModel", "check_model_output", "ORT_DOMAINS", "ORT_DEFAULT_DOMAIN_OPS_FALLBACK", "ORT_MAX_BYTES",
            "ort_default_domain_ops", "PLACEHOLDER_BYTES"]
 
@@ -130,7 +132,7 @@ def _skeleton(model: ir.Model) -> Any:
             if t is not None and _big(t):
                 swapped_values.append((value, t))
                 value.const_value = _placeholder(t)
-        for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        for node in iter_nodes(model.graph):
             for key, attr in list(node.attributes.items()):
                 if attr.type == ir.AttributeType.TENSOR and _big(attr.value):
                     swapped_attrs.append((node, key, attr))
@@ -236,7 +238,7 @@ def _ort_skip_reason(model: ir.Model) -> str | None:
     local = {(d, n) for d, n, _ in model.functions}
     unknown = sorted({
         node.domain or "ai.onnx"
-        for node in ir.traversal.RecursiveGraphIterator(model.graph)
+        for node in iter_nodes(model.graph)
         if node.domain not in ORT_DOMAINS and (node.domain, node.op_type) not in local
     })
     if unknown:
@@ -262,14 +264,14 @@ def _ort_load(model: ir.Model) -> None:
     # Every external tensor, tensor attributes too: as bytes, the model's locations would otherwise be
     # resolved against the current directory.
     folders = {str(t.base_dir) for t in ir_io.external_tensors(model)}
+    from mograph import _spill
+
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 4
-    if folders:
-        so.add_session_config_entry("session.model_external_initializers_file_folder_path", folders.pop())
-    data = ir.serde.serialize_model(model).SerializeToString()
     try:
-        ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+        # In-memory tensors past the protobuf limit: the model is spilled to a file (mograph._spill).
+        _spill.payload(model, folders.pop() if folders else None).session(so, ["CPUExecutionProvider"])
     except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types for a refused model
         message = str(exc)
         raise InvalidModel("onnxruntime", _short(message), _node_in(message)) from exc

@@ -24,12 +24,13 @@ import inspect
 import logging
 import numbers
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import onnx_ir as ir
 
+from mograph._traverse import iter_nodes
 from mograph.errors import InternalError, MographError, OptionError, PluginError
 
 __all__ = [
@@ -253,8 +254,7 @@ def stamp(node: ir.Node, pass_name: str, rule: str | None = None) -> None:
         node.metadata_props.setdefault(PROVENANCE_RULE, rule)
 
 
-def _iter_nodes(graph: ir.Graph) -> Iterable[ir.Node]:
-    return ir.traversal.RecursiveGraphIterator(graph)
+_iter_nodes = iter_nodes
 
 
 def count_nodes(model: ir.Model) -> int:

@@ -643,6 +643,9 @@ def _try(
     """Try ``rule`` at root ``node``; on success rewrite and return the new nodes."""
     best_miss: tuple[int, str, list[ir.Node]] | None = None
     for gp, matcher, tag in rule.compiled():
+        root_op = gp.output_nodes[0].op_identifier()
+        if root_op is not None and root_op[1] != node.op_type:
+            continue  # the root's op type differs: the matcher would fail at depth 0 (no near miss)
         match = matcher.match(model, graph, node, remove_nodes=False)
         if not match:
             depth = matcher.best_depth
@@ -737,6 +740,32 @@ def _needs_sort(graph: ir.Graph, new_nodes: Sequence[ir.Node]) -> bool:
     return False
 
 
+def _rules_by_root_op(rules: Sequence[Rule]) -> dict[str | None, list[Rule]]:
+    """For each root op type, the rules (in order) that may match at a node of that type.
+
+    A rule whose every root alternative names its op type is tried only at nodes of those types;
+    one with a root of any op type (``None``) is tried everywhere.  The ``None`` key holds the rules
+    tried at a node whose op type no root names.  This keeps a sweep at one dict lookup per node
+    and rule family instead of one matcher call per node, rule and alternative.
+    """
+    roots: list[set[str] | None] = []
+    for rule in rules:
+        ops: set[str] | None = set()
+        for gp, _, _ in rule.compiled():
+            ident = gp.output_nodes[0].op_identifier()
+            if ident is None or ops is None:
+                ops = None
+            else:
+                ops.add(ident[1])
+        roots.append(ops)
+    named = {op for ops in roots if ops is not None for op in ops}
+    table: dict[str | None, list[Rule]] = {
+        op: [r for r, ops in zip(rules, roots) if ops is None or op in ops] for op in named
+    }
+    table[None] = [r for r, ops in zip(rules, roots) if ops is None]
+    return table
+
+
 def _apply_graph(
     model: ir.Model,
     graph: ir.Graph,
@@ -746,10 +775,11 @@ def _apply_graph(
 ) -> None:
     fused: set[ir.Node] = set()
     created: list[ir.Node] = []
+    by_op = _rules_by_root_op(rules)
     for node in graph:
         if node in fused:
             continue
-        for rule in rules:
+        for rule in by_op.get(node.op_type, by_op[None]):
             new_nodes = _try(rule, model, graph, node, report, fused)
             if new_nodes is not None:
                 if namer is not None:

@@ -35,6 +35,7 @@ from mograph.pass_infra import Option, Pass, PassResult
 
 __all__ = [
     "BUILTIN_PLUGINS",
+    "describe_plugin",
     "ENTRY_POINT_GROUP",
     "Registry",
     "check_pending",
@@ -121,6 +122,18 @@ def get_plugin_manager(blocked: Iterable[str] = (), autoload: bool | None = None
             logger.info("loaded plugin %s from %s", ep.name, dist.name if dist else ep.value)
     check_pending(pm)  # a misspelled hook is an error naming its plugin, not a hook never called
     return pm
+
+
+def describe_plugin(name: str) -> str | None:
+    """``plugin 'NAME' (distribution DIST VERSION)`` for a plugin loaded through an entry point; ``None``
+    for a built-in (nothing to report beyond mograph itself)."""
+    if name in BUILTIN_PLUGINS:
+        return None
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == name:
+            dist = getattr(ep, "dist", None)
+            return f"plugin '{name}' (distribution {dist.name} {dist.version})" if dist else f"plugin '{name}' ({ep.value})"
+    return f"plugin '{name}'"
 
 
 def check_pending(pm: pluggy.PluginManager) -> None:
@@ -331,6 +344,21 @@ class Registry:
                     out.extend(self.expand(AFTER_LOWER))
         return out
 
+    def recipe(self, names: Iterable[str] | str, options: dict[str, Any], device: str | None
+               ) -> tuple[list[str], dict[str, Any], dict[str, Any] | None]:
+        """The user's pass list and options rewritten for ``device`` by the plugins' precision recipes
+        (:func:`mograph.hookspecs.mograph_precision_recipe`), with the record of what was decided; unchanged
+        (and no record) without a device or when no plugin rewrites it."""
+        if isinstance(names, str):
+            names = [n for n in (s.strip() for s in names.split(",")) if n]
+        names = list(names)
+        if not device:
+            return names, options, None
+        got = self.pm.hook.mograph_precision_recipe(passes=list(names), options=dict(options), device=device)
+        if got is None:
+            return names, options, None
+        return list(got["passes"]), dict(got["options"]), got.get("record")
+
     def instantiate(self, names: list[str], options: dict[str, Any] | None = None) -> list[Pass]:
         """Create pass instances, giving each only the options it declares."""
         options = options or {}
@@ -340,6 +368,16 @@ class Registry:
             mine = {o.key: options[o.key] for o in pcls.options if options.get(o.key) is not None}
             passes.append(pcls(**mine))
         return passes
+
+    def unread_options(self, names: Iterable[str], options: dict[str, Any]) -> dict[str, list[str]]:
+        """Options given (not ``None``) that no pass of ``names`` declares: key -> the passes that would read it."""
+        declared = self.all_options()
+        taken = {o.key for n in names if n in self.passes for o in self.passes[n].options}
+        return {
+            k: list(declared[k][1]) if k in declared else []
+            for k, v in options.items()
+            if v is not None and k not in taken
+        }
 
     def all_options(self) -> dict[str, tuple[Any, list[str]]]:
         """Every declared option: key -> (Option, [pass names declaring it])."""

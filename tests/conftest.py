@@ -19,3 +19,20 @@ for _helper in sorted(_TESTS.rglob("_*.py")):
         _folder = str(_helper.parent)
         if _folder not in sys.path:
             sys.path.append(_folder)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def kernel_library(tmp_path_factory):
+    """The CUDA kernel library, compiled from scratch once per test run (it takes minutes on a small CPU).
+
+    Every test that needs a freshly built library (the build/ABI tests, the TensorRT plugin status test) shares
+    this one build. Skips where no nvcc is found.
+    """
+    from mograph._kernels import build
+
+    if build.find_nvcc() is None:
+        pytest.skip("nvcc not found on PATH (nor NVCC / CUDA_HOME): cannot build")
+    return build.build(build_dir=tmp_path_factory.mktemp("kernels_build"), force=True)

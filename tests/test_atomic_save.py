@@ -206,22 +206,24 @@ def test_sigterm_during_verify_removes_the_runtime_copies(tmp_path):
     temp = tmp_path / "temp"
     temp.mkdir()
     patch = """
-        from mograph.backends import ort
-        real = ort._save_to_temp
-        def save_to_temp(model):
+        from mograph import _spill
+        real = _spill.spill
+        def spill(model):
             result = real(model)  # a full copy of the model sits in the temporary directory ...
-            print(result[0], flush=True)
+            print(result.path, flush=True)
             os.kill(os.getpid(), signal.SIGTERM)  # ... when the run is told to stop
             time.sleep(30)
             return result
-        ort._save_to_temp = save_to_temp
+        _spill.spill = spill
     """
     out = tmp_path / "out.onnx"
-    proc = _sigterm_run(tmp_path, patch, ["optimize", str(src), "-o", str(out), "--verify"], env={"TMPDIR": str(temp)})
+    # A protobuf limit of 0: every model reaches ONNX Runtime spilled to a temporary folder, as one above 2 GB does.
+    proc = _sigterm_run(tmp_path, patch, ["optimize", str(src), "-o", str(out), "--verify"],
+                        env={"TMPDIR": str(temp), "MOGRAPH_PROTO_LIMIT": "0"})
     assert proc.returncode == 143, proc.stderr
     assert "Traceback" not in proc.stderr
     copy = Path(proc.stdout.strip().splitlines()[-1])
-    assert copy.parent.parent == temp and copy.parent.name.startswith("mograph-ort-")
+    assert copy.parent.parent == temp and copy.parent.name.startswith("mograph-spill-")
     assert not copy.parent.exists()
     assert [p for p in os.listdir(temp) if p.startswith("mograph")] == []  # (the sandbox may leave its own)
     assert not out.exists()
@@ -231,15 +233,16 @@ def test_runtime_copies_of_a_killed_verification_are_swept_by_the_next_one(tmp_p
     pytest.importorskip("onnxruntime")
     import tempfile
 
-    from mograph.backends import ort
+    from mograph import _spill
 
-    left = _sigkilled_child_dir(tmp_path, "mograph-ort-")
+    left = _sigkilled_child_dir(tmp_path, "mograph-spill-")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     model = mograph.load(_model(2.0, "Relu"))
-    path, tmp = ort._save_to_temp(model)
+    spilled = _spill.spill(model)
+    path = spilled.path
     try:
         assert not left.exists()
         assert Path(path).parent.parent == tmp_path and Path(path).is_file()
     finally:
-        tmp.cleanup()
+        spilled.cleanup()
     assert not Path(path).parent.exists()

@@ -217,13 +217,16 @@ def _silu_model(path: Path, seed: int = 0) -> onnx.ModelProto:
 
 @pytest.fixture
 def fused_model(in_process, capsys, tmp_path) -> tuple[Path, Path]:
-    """(original, fused by the plugin's fuse-swish through `mograph optimize --verify`)."""
+    """(original, fused by the plugin's fuse-swish through `mograph optimize --verify`, the fused op kept with
+    ``--target mograph``: the model the plugin's backend runs as it is)."""
     src, out = tmp_path / "silu.onnx", tmp_path / "silu.opt.onnx"
     _silu_model(src)
-    code, stdout, err = _cli(capsys, "optimize", str(src), "-o", str(out), "--passes", "fuse-swish", "--verify", "--json")
+    code, stdout, err = _cli(capsys, "optimize", str(src), "-o", str(out), "--passes", "fuse-swish", "--target",
+                             "mograph", "--verify", "--json")
     assert code == 0, err
     report = json.loads(stdout)
     assert report["passes"][0]["stats"] == {"SwishFusion": 1} and report["verification"]["passed"] is True
+    assert [p["name"] for p in report["passes"]] == ["fuse-swish", "lower"]
     return src, out
 
 
@@ -307,3 +310,43 @@ def test_target_lowers_the_plugin_op_through_its_lowering(in_process, capsys, tm
     assert [n.op_type for n in onnx.load(str(out)).graph.node] == ["Sigmoid", "Mul", "MatMul"]
     x = np.random.default_rng(3).standard_normal((2, 8)).astype(np.float32)
     np.testing.assert_allclose(_ort(out, x), _ort(src, x), rtol=1e-6, atol=1e-6)
+
+
+def test_fuse_swish_follows_the_manual_lower_is_appended(in_process, capsys, tmp_path):
+    """``emits_custom_ops``: ``--passes fuse-swish`` gets the ``lower`` step (default target onnx), so no
+    ``example.BetaSwish`` is left in the saved file; the op's function body came through ``ensure_functions``."""
+    src, out = tmp_path / "silu.onnx", tmp_path / "silu.opt.onnx"
+    _silu_model(src)
+    code, stdout, err = _cli(capsys, "optimize", str(src), "-o", str(out), "--passes", "fuse-swish", "--json")
+    assert code == 0, err
+    names = [p["name"] for p in json.loads(stdout)["passes"]]
+    assert names[:2] == ["fuse-swish", "lower"]
+    saved = onnx.load(str(out))
+    assert [n.op_type for n in saved.graph.node] == ["Sigmoid", "Mul", "MatMul"] and not saved.functions
+
+
+def test_a_target_without_a_lowering_for_the_plugin_op_says_so(in_process, capsys, tmp_path):
+    src, out = tmp_path / "silu.onnx", tmp_path / "silu.trt.onnx"
+    _silu_model(src)
+    code, stdout, err = _cli(capsys, "optimize", str(src), "-o", str(out), "--passes", "fuse-swish", "--target",
+                             "tensorrt")
+    assert code == 0, err
+    assert "WARNING (lower): no lowering for target 'tensorrt' of example.BetaSwish x1 (declared by example)" in stdout
+    assert [(n.domain, n.op_type) for n in onnx.load(str(out)).graph.node][0] == ("example", "BetaSwish")
+
+
+def test_a_crash_in_the_plugin_pass_names_the_plugin_and_its_distribution(in_process, capsys, tmp_path, monkeypatch):
+    import mograph_example_plugin
+
+    def boom(self, model):
+        raise ZeroDivisionError("plugin bug")
+
+    monkeypatch.setattr(mograph_example_plugin.FuseSwishPass, "call", boom)
+    src = tmp_path / "silu.onnx"
+    _silu_model(src)
+    code, _, err = _cli(capsys, "optimize", str(src), "-o", str(tmp_path / "o.onnx"), "--passes", "fuse-swish", "-q")
+    assert code == 1
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("mograph: error: internal error in pass 'fuse-swish' of plugin 'example' "
+                           "(distribution mograph-example-plugin "), line
+    assert "ZeroDivisionError: plugin bug" in line

@@ -270,7 +270,7 @@ def test_a_crashing_pass_is_an_internal_error_naming_it():
         PassManager([_RemoveLeaky(), _Crashing()]).run(_model())
     assert info.value.pass_name == "crashing"
     assert isinstance(info.value.__cause__, KeyError)
-    assert not isinstance(info.value, mograph.MographError)  # a bug, not something the user did
+    assert isinstance(info.value, mograph.MographError) and info.value.exit_code == 1  # one except; still a bug
     with pytest.raises(InternalError, match="in pass 'wrong-return': returned bool, not a PassResult"):
         PassManager([_WrongReturn()]).run(_model())
 
@@ -339,8 +339,24 @@ def test_option_values_are_converted():
 def test_unknown_option_is_an_option_error():
     with pytest.raises(OptionError, match="configurable: unknown option 'sise_limit' .*known: keep, mode, scale, size_limit"):
         _Configurable(sise_limit=3)
-    with pytest.raises(OptionError, match=r"unknown option\(s\) \['no_such_option'\]"):
+    with pytest.raises(OptionError, match=r"unknown option 'no_such_option'; "):
         mograph.optimize(_model(), passes="cse", options={"no_such_option": 1})
+    with pytest.raises(OptionError, match=r"unknown option 'fold_limt' \(did you mean 'fold_limit'\?\)"):
+        mograph.optimize(_model(), passes="cse", options={"fold_limt": 1})
+    with pytest.raises(OptionError, match=r"unknown verify option 'min_cosin' \(did you mean 'min_cosine'\?\)"):
+        mograph.optimize(_model(), passes="cse", verify=True, verify_options={"min_cosin": 0.99})
+
+
+def test_an_option_no_pass_of_the_pipeline_reads_warns_or_fails_with_strict(caplog):
+    with caplog.at_level("WARNING", logger="mograph"):
+        mograph.optimize(_model(), passes="cse", options={"fold_limit": 1024})
+    assert "no pass of the pipeline ['cse'] reads: 'fold_limit' (read by fold-constants)" in caplog.text
+    with pytest.raises(OptionError, match="no pass of the pipeline .* reads: 'fold_limit'"):
+        mograph.optimize(_model(), passes="cse", options={"fold_limit": 1024}, strict=True)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mograph"):
+        mograph.optimize(_model(), passes="fold-constants", options={"fold_limit": 1024}, strict=True)
+    assert "reads" not in caplog.text
 
 
 @pytest.mark.parametrize(
@@ -484,6 +500,6 @@ def test_the_cli_progress_is_an_instrument_not_a_registered_plugin(tmp_path, cap
     mograph.save(_model(), str(src))
     assert main(["optimize", str(src), "--passes", "eliminate-identity,topo-sort"]) == 0
     err = capsys.readouterr().err
-    assert "[1] eliminate-identity ...\n[2] topo-sort ...\n" in err
+    assert "[1/2] eliminate-identity ...\n[2/2] topo-sort ...\n" in err
     names = {name for name, _ in mograph.plugins.get_registry().pm.list_name_plugin()}
     assert not any("progress" in name or "verify" in name for name in names)

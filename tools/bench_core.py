@@ -26,6 +26,23 @@ and prints the functions that dominate.  ``--json FILE`` writes every number.
 
 Run:  python tools/bench_core.py [--layers 12,48] [--repeats 3] [--profile mograph] [--json out.json]
 Needs: torch, transformers, onnxslim, onnxruntime.
+
+**Scaling mode** (``--scaling 1000,10000,100000``): how ``cleanup,fuse`` grows with graph size.  For each
+node count a LLaMA-style decoder (RMSNorm, GQA attention with rotary embeddings, SiLU-gated MLP, each
+layer spelled as the TorchScript exporter spells it: ``Pow``/``ReduceMean``/``Sqrt``/``Reciprocal``,
+``Shape``/``Gather``/``Concat`` reshape targets) is built in code with ``onnx.helper`` -- no torch --
+with as many stacked layers as give that many nodes (about 84 a layer), weights inside the protobuf
+(``--hidden`` sets their width).  Each model then goes, each in a fresh subprocess with its own time
+limit (``--timeout``), through:
+
+* ``mograph``: ``mograph.optimize(path, passes="cleanup,fuse")`` then ``mograph.save`` (per-pass seconds kept);
+* ``ort``: ONNX Runtime's transformers optimizer, ``optimize_model(path, model_type="gpt2",
+  num_heads=..., hidden_size=..., opt_level=0)`` then ``save_model_to_file`` (the reference);
+* ``inspect``: ``mograph.inspect.summarize(path)``.
+
+The table gives seconds, peak RSS and peak RSS over the model's bytes per tool and size, and the time
+ratio of the largest size to the 10k one.  ``--model FILE`` adds an existing model (e.g. a 30-layer
+LLaMA export) to the same table; with ``--scaling`` and no sizes only the given models run.
 """
 
 from __future__ import annotations
@@ -271,6 +288,251 @@ def _short(file: str) -> str:
     return file
 
 
+# ------------------------------------------------------------------------------------------ scaling
+
+SCALE_TOOLS = ("mograph", "ort", "inspect")
+_NODES_PER_LAYER = 84  # nodes of one layer of :func:`build_llama_stack` (checked after building)
+
+
+def build_llama_stack(layers: int, hidden: int = 32, heads: int = 4, kv_heads: int = 2, inter: int | None = None,
+                      vocab: int = 256, max_pos: int = 128, seed: int = 0, opset: int = 17) -> Any:
+    """A LLaMA-style decoder of ``layers`` stacked layers as an ``onnx.ModelProto`` (TorchScript's spelling).
+
+    Inputs ``input_ids`` and ``attention_mask`` (int64, [batch, seq]); output ``logits``.  Weights are
+    seeded normal noise inside the protobuf.
+    """
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    inter = inter or 2 * hidden
+    d = hidden // heads
+    nodes: list[Any] = []
+    inits: list[Any] = []
+    count = [0]
+
+    def fresh(prefix: str) -> str:
+        count[0] += 1
+        return f"{prefix}_{count[0]}"
+
+    def init(arr: Any, prefix: str = "w") -> str:
+        name = fresh(prefix)
+        inits.append(numpy_helper.from_array(np.asarray(arr), name))
+        return name
+
+    def node(op: str, inputs: list[str], **attrs: Any) -> str:
+        out = fresh(op.lower())
+        nodes.append(helper.make_node(op, inputs, [out], name=fresh("/" + op), **attrs))
+        return out
+
+    def f32(a: Any) -> Any:
+        return np.asarray(a, dtype=np.float32)
+
+    def i64(a: Any) -> Any:
+        return np.asarray(a, dtype=np.int64)
+
+    two, eps, scale = init(f32(2.0), "two"), init(f32(1e-5), "eps"), init(f32(np.sqrt(d)), "scale")
+    c0, c2, cm1, big = init(i64([0]), "c0"), init(i64([2]), "c2"), init(i64([-1]), "cm1"), init(i64([2**62]), "big")
+    emb = init(f32(rng.standard_normal((vocab, hidden)) * 0.02), "embed")
+    x = node("Gather", [emb, "input_ids"])
+    seq = node("Unsqueeze", [node("Gather", [node("Shape", ["input_ids"]), init(i64(1), "one")]), c0])
+    pos = np.arange(max_pos)[:, None] / (10000 ** (np.arange(0, d, 2) / d))[None]
+    pos = np.concatenate([pos, pos], -1)
+    cos = node("Slice", [init(f32(np.cos(pos)), "cos"), c0, seq, c0])
+    sin = node("Slice", [init(f32(np.sin(pos)), "sin"), c0, seq, c0])
+    mask = node("Mul", [node("Sub", [init(f32(1.0), "one_f"), node("Cast", ["attention_mask"], to=TensorProto.FLOAT)]),
+                        init(f32(-1e4), "neg")])
+    mask = node("Unsqueeze", [mask, init(i64([1, 2]), "ax12")])
+
+    def rms(v: str) -> str:
+        mean = node("ReduceMean", [node("Pow", [v, two])], axes=[-1], keepdims=1)
+        r = node("Reciprocal", [node("Sqrt", [node("Add", [mean, eps])])])
+        return node("Mul", [init(f32(1 + 0.1 * rng.standard_normal(hidden)), "norm_w"), node("Mul", [v, r])])
+
+    def split_heads(v: str, n: int) -> str:
+        s = node("Shape", [v])
+        b, t = node("Gather", [s, init(i64(0), "i0")]), node("Gather", [s, init(i64(1), "i1")])
+        target = node("Concat", [node("Unsqueeze", [b, c0]), node("Unsqueeze", [t, c0]), init(i64([n]), "nh"),
+                                 init(i64([d]), "hd")], axis=0)
+        return node("Transpose", [node("Reshape", [v, target])], perm=[0, 2, 1, 3])
+
+    def rope(v: str) -> str:
+        first = node("Slice", [v, c0, init(i64([d // 2]), "half"), cm1])
+        second = node("Slice", [v, init(i64([d // 2]), "half"), big, cm1])
+        rotated = node("Concat", [node("Neg", [second]), first], axis=-1)
+        return node("Add", [node("Mul", [v, cos]), node("Mul", [rotated, sin])])
+
+    def weight(i: int, o: int) -> str:
+        return init(f32(rng.standard_normal((i, o)) * 0.05), "W")
+
+    def repeat_kv(v: str) -> str:
+        rep = heads // kv_heads
+        if rep == 1:
+            return v
+        expanded = node("Expand", [node("Unsqueeze", [v, c2]), init(i64([1, 1, rep, 1, 1]), "rep")])
+        return node("Reshape", [expanded, init(i64([0, heads, -1, d]), "kv_shape")])
+
+    for _ in range(layers):
+        h = rms(x)
+        q = rope(split_heads(node("MatMul", [h, weight(hidden, hidden)]), heads))
+        k = repeat_kv(rope(split_heads(node("MatMul", [h, weight(hidden, kv_heads * d)]), kv_heads)))
+        v = repeat_kv(split_heads(node("MatMul", [h, weight(hidden, kv_heads * d)]), kv_heads))
+        scores = node("Div", [node("MatMul", [q, node("Transpose", [k], perm=[0, 1, 3, 2])]), scale])
+        probs = node("Softmax", [node("Add", [scores, mask])], axis=-1)
+        o = node("Transpose", [node("MatMul", [probs, v])], perm=[0, 2, 1, 3])
+        s = node("Shape", [o])
+        b, t = node("Gather", [s, init(i64(0), "i0")]), node("Gather", [s, init(i64(1), "i1")])
+        target = node("Concat", [node("Unsqueeze", [b, c0]), node("Unsqueeze", [t, c0]), init(i64([hidden]), "hid")],
+                      axis=0)
+        x = node("Add", [x, node("MatMul", [node("Reshape", [o, target]), weight(hidden, hidden)])])
+        h = rms(x)
+        gate = node("MatMul", [h, weight(hidden, inter)])
+        gate = node("Mul", [gate, node("Sigmoid", [gate])])
+        up = node("MatMul", [h, weight(hidden, inter)])
+        x = node("Add", [x, node("MatMul", [node("Mul", [gate, up]), weight(inter, hidden)])])
+    x = rms(x)
+    node("MatMul", [x, node("Transpose", [emb], perm=[1, 0])])
+    nodes[-1].output[0] = "logits"
+    graph = helper.make_graph(
+        nodes, "llama_stack",
+        [helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "seq"]) for n in ("input_ids", "attention_mask")],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", vocab])], inits,
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+
+
+def ensure_stack(model_dir: Path, nodes: int, hidden: int) -> tuple[Path, int]:
+    """The synthetic model of about ``nodes`` nodes (cached); and its layer count."""
+    import onnx
+
+    layers = max(1, round(nodes / _NODES_PER_LAYER))
+    path = model_dir / f"llama-stack-L{layers}-H{hidden}.onnx"
+    if not path.exists():
+        model_dir.mkdir(parents=True, exist_ok=True)
+        heads = max(4, hidden // 64)
+        model = build_llama_stack(layers, hidden=hidden, heads=heads, kv_heads=heads // 2)
+        tmp = path.with_suffix(".part")
+        onnx.save(model, str(tmp))
+        os.replace(tmp, path)
+    return path, layers
+
+
+def _scale_worker(tool: str, src: str, dst: str, result_path: str, heads: str, hidden: str) -> None:
+    """Run one tool once on ``src`` in this (fresh) process; write timings and peak RSS as JSON."""
+    t_imp = time.perf_counter()
+    if tool == "mograph":
+        import mograph
+    elif tool == "inspect":
+        import mograph.inspect
+    else:
+        from onnxruntime.transformers.optimizer import optimize_model
+    out: dict[str, Any] = {"import_s": time.perf_counter() - t_imp, "rss_after_import": _rss_now()}
+    start = time.perf_counter()
+    if tool == "mograph":
+        model, report = mograph.optimize(src, passes="cleanup,fuse")
+        mid = time.perf_counter()
+        mograph.save(model, dst, overwrite=True)
+        out["passes"] = [[p.name, p.seconds] for p in report.passes]
+        out["save_s"] = time.perf_counter() - mid
+        out["nodes_out"] = sum(1 for _ in model.graph)
+    elif tool == "inspect":
+        summary = mograph.inspect.summarize(src)
+        out["nodes_out"] = summary["nodes"]["total"]
+    else:
+        opt = optimize_model(src, model_type="gpt2", num_heads=int(heads), hidden_size=int(hidden), opt_level=0)
+        opt.save_model_to_file(dst)
+        out["nodes_out"] = len(opt.model.graph.node)
+    out["seconds"] = time.perf_counter() - start
+    out["peak_rss"] = _peak_rss()
+    Path(result_path).write_text(json.dumps(out))
+
+
+def run_scale_tool(tool: str, src: Path, dst: Path, heads: int, hidden: int, timeout: float) -> dict[str, Any]:
+    """One fresh subprocess; its measurements, or ``{"error": ...}`` (time limit, crash)."""
+    result = dst.with_suffix(".result.json")
+    for stale in (dst, result):
+        stale.unlink(missing_ok=True)
+    cmd = [sys.executable, __file__, "--_scale_worker", tool, str(src), str(dst), str(result), str(heads), str(hidden)]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"over the {timeout:.0f}s limit", "process_s": time.perf_counter() - start}
+    if proc.returncode != 0 or not result.exists():
+        return {"error": f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:] }",
+                "process_s": time.perf_counter() - start}
+    data: dict[str, Any] = json.loads(result.read_text())
+    data["process_s"] = time.perf_counter() - start
+    return data
+
+
+def scaling(args: argparse.Namespace) -> dict[str, Any]:
+    """The scaling table (see the module docstring)."""
+    sizes = [int(x) for x in args.scaling.split(",") if x]
+    out_dir = args.model_dir / "out"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    models: list[dict[str, Any]] = []
+    for n in sizes:
+        path, layers = ensure_stack(args.model_dir, n, args.hidden)
+        models.append({"label": f"stack L={layers}", "path": path, "heads": max(4, args.hidden // 64),
+                       "hidden": args.hidden})
+    for extra in args.model or []:
+        models.append({"label": extra.name, "path": extra, "heads": args.model_heads, "hidden": args.model_hidden})
+    tools = [t for t in args.tools.split(",") if t]
+    rows = []
+    for m in models:
+        m["nodes"], m["bytes"] = node_count(m["path"]), file_bytes(m["path"])
+        row: dict[str, Any] = {"model": m["label"], "path": str(m["path"]), "nodes": m["nodes"],
+                               "bytes": m["bytes"], "tools": {}}
+        for tool in tools:
+            dst = out_dir / f"{m['path'].stem}.{tool}.onnx"
+            r = run_scale_tool(tool, m["path"], dst, m["heads"], m["hidden"], args.timeout)
+            row["tools"][tool] = r
+            what = r.get("error") or f"{r['seconds']:.2f}s, peak RSS {_fmt_mb(r['peak_rss'])} MB"
+            print(f"  {m['label']:>14} ({m['nodes']} nodes) {tool:8s} {what}", flush=True)
+        rows.append(row)
+
+    print()
+    print(f"cleanup,fuse + save (mograph) vs ONNX Runtime's transformers optimizer (ort), and inspect; "
+          f"LLaMA-style stacks, hidden {args.hidden}; each run a fresh process")
+    head = f"{'model':>18} {'nodes':>7} {'MB':>6}" + "".join(
+        f" {t + ' s':>10} {t + ' peakMB':>14} {'xbytes':>6}" for t in tools)
+    print(head)
+    print("-" * len(head))
+    for row in rows:
+        line = f"{row['model']:>18} {row['nodes']:>7} {_fmt_mb(row['bytes']):>6}"
+        for t in tools:
+            r = row["tools"][t]
+            if "error" in r:
+                line += f" {'-':>10} {'-':>14} {'-':>6}"
+                continue
+            line += (f" {r['seconds']:>10.2f} {_fmt_mb(r['peak_rss']):>14} "
+                     f"{r['peak_rss'] / max(row['bytes'], 1):>6.1f}")
+        print(line)
+    for row in rows:
+        for t in tools:
+            if "error" in row["tools"][t]:
+                print(f"  {row['model']} {t}: {row['tools'][t]['error']}")
+    stacks = [r for r in rows if r["model"].startswith("stack")]
+    ten = min(stacks, key=lambda r: abs(r["nodes"] - 10_000), default=None)
+    top = max(stacks, key=lambda r: r["nodes"], default=None)
+    if ten is not None and top is not None and top is not ten:
+        for t in tools:
+            a, b = ten["tools"][t], top["tools"][t]
+            if "error" not in a and "error" not in b:
+                print(f"{t}: {top['nodes']} nodes take x{b['seconds'] / a['seconds']:.1f} the time of {ten['nodes']} "
+                      f"(nodes x{top['nodes'] / ten['nodes']:.1f})")
+    print("\nmograph per pass (s):")
+    for row in rows:
+        r = row["tools"].get("mograph", {})
+        if "passes" in r:
+            total = sum(s for _, s in r["passes"])
+            worst = max(r["passes"], key=lambda p: p[1])
+            print(f"  {row['model']}: " + ", ".join(f"{n} {s:.2f}" for n, s in r["passes"]))
+            print(f"    largest pass: {worst[0]} {worst[1]:.2f}s = {100 * worst[1] / total:.0f}% of {total:.2f}s")
+    return {"hidden": args.hidden, "rows": rows}
+
+
 # ------------------------------------------------------------------------------------------ main
 
 
@@ -281,6 +543,9 @@ def _fmt_mb(n: float) -> str:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--_worker":
         _tool_worker(*sys.argv[2:6], sys.argv[6] if len(sys.argv) > 6 else None)
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--_scale_worker":
+        _scale_worker(*sys.argv[2:8])
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--_export":
         _export_worker(sys.argv[2], int(sys.argv[3]), sys.argv[4])
@@ -295,7 +560,20 @@ def main() -> None:
     ap.add_argument("--profile-top", type=int, default=20)
     ap.add_argument("--no-check", action="store_true", help="skip onnx.checker and the ONNX Runtime run")
     ap.add_argument("--json", type=Path, help="write all measurements to this file")
+    ap.add_argument("--scaling", default=None, metavar="NODES",
+                    help="scaling mode: comma-separated node counts of LLaMA-style stacks (see above)")
+    ap.add_argument("--hidden", type=int, default=32, help="scaling mode: hidden width of the stacks")
+    ap.add_argument("--tools", default=",".join(SCALE_TOOLS), help="scaling mode: tools to run")
+    ap.add_argument("--timeout", type=float, default=600, help="scaling mode: seconds per run")
+    ap.add_argument("--model", type=Path, action="append", help="scaling mode: also run this model")
+    ap.add_argument("--model-heads", type=int, default=9, help="num_heads given to ort for --model")
+    ap.add_argument("--model-hidden", type=int, default=576, help="hidden_size given to ort for --model")
     args = ap.parse_args()
+    if args.scaling is not None:
+        results = scaling(args)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2, default=str))
+        return
     layers = [int(x) for x in args.layers.split(",") if x]
     profile_tools = [t for t in args.profile.split(",") if t]
     for t in profile_tools:

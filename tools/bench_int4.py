@@ -29,6 +29,15 @@ Latency: ONNX Runtime CPU, all optimizations on, 2 intra-op threads, batch 8 x s
 sentences padded), interleaved rounds, median.  Size: the saved ``.onnx`` file(s).
 
 Run: ``python tools/bench_int4.py [--out DIR] [--runs N] [--skip-peers]``.
+
+**Quantization time of an LLM** (``--llm 135m|1b``): the default ``int4`` (``weight-only``, GPTQ from
+calibration data, sequential, default plan) of a random-weight LLaMA of that shape
+(:mod:`models.llama_shapes`, exported by torch, or ``--llm-model FILE``), calibrated on ``--llm-samples``
+seeded random token sequences of ``--llm-seq`` tokens; each row runs in its own process, which prints wall
+seconds, CPU seconds and peak resident memory (``ru_maxrss``); ``BENCH_ORT_THREADS=N`` gives ONNX Runtime's
+sessions N intra-op threads (its pool ignores ``OMP_NUM_THREADS`` and ``taskset``).  Rows: ``segments`` (today: the model cut at
+each layer group and run once per sample) and, with ``--llm-before``, ``whole-model`` (the earlier form: one
+run of the whole model per layer group and sample), stopped after ``--llm-limit`` seconds with its progress.
 """
 
 from __future__ import annotations
@@ -316,8 +325,89 @@ def _print(title: str, rows: list[dict], metric: str, cols: tuple[str, str] = ("
         print(f"best peer by error: {best['model']}")
 
 
+LLM_SCRIPT = r"""
+import json, os, resource, sys, time
+import numpy as np
+import onnx_ir as ir
+from mograph.passes.quant.weight_only import WeightOnlyPass
+path, samples, seq, vocab, mode, limit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], float(sys.argv[6])
+rng = np.random.default_rng(0)
+calib = [{"input_ids": rng.integers(0, vocab, (1, seq)).astype(np.int64), "attention_mask": np.ones((1, seq), np.int64)}
+         for _ in range(samples)]
+threads = int(os.environ.get("BENCH_ORT_THREADS", "0"))
+if threads:  # ONNX Runtime's own thread pool ignores OMP_NUM_THREADS and the CPU affinity mask
+    import onnxruntime as ort
+    from mograph.passes.quant import calibration as cal
+    def _session(data, folder=None):
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        so.log_severity_level = 3
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+        if folder:
+            so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
+        return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+    cal._session = _session
+if mode == "whole-model":  # the earlier form: no segments, every layer group from a run of the whole model
+    WeightOnlyPass._sequential_gptq = lambda self, m, la, b, s, k, quantize_kept=True: self._sequential_gptq_whole(m, la, b, s, k)
+t0 = time.perf_counter()
+model = ir.load(path)
+t_load = time.perf_counter() - t0
+p = WeightOnlyPass(calibration_data=calib)
+state = {"done": 0}
+def progress(i, total):
+    state["done"] = i
+    if time.perf_counter() - t0 > limit:
+        raise TimeoutError
+p.progress = progress
+t = time.perf_counter()
+stopped = False
+try:
+    stats = dict(p.call(model).stats)
+except TimeoutError:
+    stopped, stats = True, {}
+ru = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"mode": mode, "load_s": round(t_load, 1), "quant_s": round(time.perf_counter() - t, 1),
+                  "cpu_s": round(ru.ru_utime + ru.ru_stime, 1), "peak_rss_mib": round(ru.ru_maxrss / 1024),
+                  "stopped": stopped, "progress": state["done"], "stats": stats}))
+"""
+
+
+def llm_timing(shape: str, model_path: Path | None, out: Path, samples: int, seq: int, before: bool,
+               limit: float) -> list[dict]:
+    """Quantization time and peak memory of the default int4 on an LLM shape, one process per row."""
+    import json
+    import subprocess
+
+    from models import llama_shapes
+
+    if model_path is None:
+        model_path = out / f"llama_{shape}.onnx"
+        if not model_path.exists():
+            llama_shapes.export(shape, model_path)
+    vocab = llama_shapes.SHAPES[shape]["vocab"]
+    rows = []
+    for mode in (["whole-model"] if before else []) + ["segments"]:
+        proc = subprocess.run([sys.executable, "-c", LLM_SCRIPT, str(model_path), str(samples), str(seq), str(vocab),
+                               mode, str(limit if mode == "whole-model" else 1e9)], capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode or not lines:
+            rows.append({"mode": mode, "failed": (proc.stderr.strip().splitlines() or ["?"])[-1]})
+        else:
+            rows.append(json.loads(lines[-1]))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--llm", choices=("135m", "1b"), help="time the default int4 of a random-weight LLaMA of this "
+                    "shape (no accuracy tables)")
+    ap.add_argument("--llm-model", type=Path, help="--llm: the exported model to use instead of exporting one")
+    ap.add_argument("--llm-samples", type=int, default=16, help="--llm: calibration sequences")
+    ap.add_argument("--llm-seq", type=int, default=128, help="--llm: tokens per calibration sequence")
+    ap.add_argument("--llm-before", action="store_true", help="--llm: also time the earlier whole-model form")
+    ap.add_argument("--llm-limit", type=float, default=300.0, help="--llm-before: stop that row after this many s")
     ap.add_argument("--out", type=Path, default=None, help="folder for the models (default: a temporary one)")
     ap.add_argument("--runs", type=int, default=20, help="timed runs per model")
     ap.add_argument("--skip-peers", action="store_true", help="only mograph's rows (quick iteration)")
@@ -341,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     out = args.out or Path(tempfile.mkdtemp(prefix="bench_int4_"))
     out.mkdir(parents=True, exist_ok=True)
+    if args.llm:
+        llm_timing(args.llm, args.llm_model, out, args.llm_samples, args.llm_seq, args.llm_before, args.llm_limit)
+        return 0
     configs: list[tuple[str, dict]] = []
     for alg in args.algorithms.split(","):
         configs.append((f"mograph {alg} all", {"algorithm": alg, "output_projection": "bits", **extra}))

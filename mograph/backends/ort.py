@@ -11,9 +11,10 @@ Two uses, two settings of ONNX Runtime's own graph optimizations:
 * **benchmarking** (``mograph bench``) runs with them **on** (``ORT_ENABLE_ALL``), which is what a
   deployment runs, unless asked otherwise.
 
-Models reach ONNX Runtime as bytes when they fit in one protobuf; a model above 2 GB, or one with
-tensors in external files (initializers or attributes), is written with external data into a temporary
-folder that lives as long as the session, and loaded from the path.  External data goes through
+Models reach ONNX Runtime as bytes when they fit in one protobuf (external data of initializers read
+from their folder); a model whose in-memory tensors reach protobuf's limit, or one with external tensors
+ONNX Runtime could not find from bytes (attributes, several folders), is spilled with external data into
+a temporary folder that lives as long as the session (:mod:`mograph._spill`), and loaded from the path.  External data goes through
 :mod:`mograph.ir_io`'s checks first, whatever form the model has: never read from outside the model's
 folder, nor from the current directory (bytes and protos have no folder: ``base_dir=`` names one).
 
@@ -57,7 +58,6 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from mograph._tempfiles import OwnedTempDir, owned_tempdir
 from mograph.backends import Backend, NotAvailableError
 from mograph.errors import BackendUnavailableError, ModelError, UsageError
 
@@ -81,9 +81,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Leave room for the graph itself when deciding whether the initializers fit in one protobuf.
-_PROTO_LIMIT = 2**31 - 64 * 2**20
 
 #: ONNX Runtime type strings numpy lacks -> (ml_dtypes name, ONNX TensorProto type, storage dtype).
 _EXOTIC = {
@@ -141,44 +138,34 @@ def _initializer_values(model: ir.Model) -> list[ir.Value]:
 
 
 def needs_file(model: ir.Model) -> bool:
-    """Whether ``model`` must reach ONNX Runtime as a file: above 2 GB, or with external tensors
-    (initializers or tensor attributes: as bytes, ONNX Runtime would read them from the current directory)."""
-    from mograph import ir_io
+    """Whether ``model`` must reach ONNX Runtime as a file: its in-memory tensors reach the protobuf limit
+    (:func:`mograph._spill.proto_limit`), or it has external tensors ONNX Runtime could not find from bytes
+    (in several folders, or in tensor attributes: as bytes, they would be read from the current directory)."""
+    from mograph import _spill, ir_io
 
-    if ir_io.external_tensors(model):
+    if _spill.too_big(model):
         return True
-    total = 0
-    for value in _initializer_values(model):
-        tensor = value.const_value
-        if tensor is not None:
-            total += tensor.nbytes
-    return total >= _PROTO_LIMIT
+    external = ir_io.external_tensors(model)
+    in_initializers = [v.const_value for v in _initializer_values(model) if isinstance(v.const_value, ir.ExternalTensor)]
+    return len(external) != len(in_initializers) or len({str(t.base_dir) for t in external}) > 1
 
 
-def _save_to_temp(model: ir.Model) -> tuple[str, OwnedTempDir]:
-    # A locked folder: removed with the session, on an exception (SIGTERM included, in the CLI), or by
-    # the next run if this process is killed outright.
-    from mograph import ir_io
-
-    tmp = owned_tempdir("mograph-ort-")
-    try:
-        path = os.path.join(tmp.name, "model.onnx")
-        ir_io.save_model(model, path, external_data=True)  # tensor attributes' external data too
-    except BaseException:
-        tmp.cleanup()
-        raise
-    return path, tmp
+def _external_folder(model: ir.Model) -> str | None:
+    return next((str(t.base_dir) for v in _initializer_values(model)
+                 if isinstance((t := v.const_value), ir.ExternalTensor) and t.base_dir), None)
 
 
-def _model_payload(model: Any, base_dir: str | os.PathLike | None = None) -> tuple[str | bytes, OwnedTempDir | None]:
-    """What ``InferenceSession`` gets: a path or bytes, and the temp folder to keep alive, if any.
+def _model_payload(model: Any, base_dir: str | os.PathLike | None = None) -> Any:
+    """What ``InferenceSession`` gets (a :class:`mograph._spill.Payload`): a path, or bytes with the folder
+    their external data is read from; a model too big for one protobuf is spilled to a temporary folder
+    (:func:`mograph._spill.spill`) that lives as long as the session.
 
     External data goes through the checks of :mod:`mograph.ir_io` whatever form the model has: a
     path's is read from its own folder only; bytes and a ``ModelProto`` have no folder, so theirs is
     refused unless ``base_dir`` names one (given to ONNX Runtime as bytes, it would be read from the
     current directory); an ``onnx_ir.Model``'s tensors must each have a folder, and stay inside it.
     """
-    from mograph import ir_io
+    from mograph import _spill, ir_io
 
     if base_dir is not None and not isinstance(model, (bytes, bytearray, onnx.ModelProto)):
         raise UsageError(
@@ -190,23 +177,23 @@ def _model_payload(model: Any, base_dir: str | os.PathLike | None = None) -> tup
         if not path.is_file():
             raise ModelError(f"{path}: no such file")
         ir_io.check_model_file(path)  # external data outside the model's folder: ModelError
-        return str(path), None
+        return _spill.Payload(path=str(path))
     if isinstance(model, (bytes, bytearray, onnx.ModelProto)):
         loaded = ir_io.load_model(model, check=False, base_dir=base_dir)  # no folder: external data refused
         if not ir_io.external_tensors(loaded):
             if isinstance(model, (bytes, bytearray)):
-                return bytes(model), None
-            if model.ByteSize() < _PROTO_LIMIT:
-                return model.SerializeToString(), None
-        model = loaded  # external data read from base_dir, written into a temporary folder with the model
+                return _spill.Payload(data=bytes(model))
+            if not _spill.too_big(model):
+                return _spill.Payload(data=model.SerializeToString())
+        model = loaded  # external data read from base_dir; too big: spilled with the model
     if isinstance(model, ir.Model):
         ir_io.check_external_data(model)
+        _spill.drop_pages(model)  # weights a pass read: not resident twice once ONNX Runtime loads its copy
         if needs_file(model):
-            return _save_to_temp(model)
-        try:
-            return ir.serde.serialize_model(model).SerializeToString(), None
-        except ValueError:  # protobuf refuses messages above 2 GB (large Constant nodes)
-            return _save_to_temp(model)
+            spilled = _spill.spill(model)
+            return _spill.Payload(path=spilled.path, spilled=spilled)
+        return _spill.Payload(data=ir.serde.serialize_model(model).SerializeToString(),
+                              folder=_external_folder(model))
     raise UsageError(f"cannot run a model given as {type(model).__name__}: give a path, bytes, ModelProto or ir.Model")
 
 
@@ -382,12 +369,12 @@ def make_session(
                 f"execution provider(s) {missing} not available in this onnxruntime; "
                 f"available: {', '.join(ort.get_available_providers())}"
             )
-    payload, tmp = _model_payload(model_or_path, base_dir)
+    payload = _model_payload(model_or_path, base_dir)
     try:
-        session = ort.InferenceSession(payload, sess_options=opts, providers=chosen)
+        session = payload.session(opts, chosen)
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own unrelated exception types
-        if tmp is not None:
-            tmp.cleanup()
+        if payload.spilled is not None:
+            payload.spilled.cleanup()
         text = _short(exc)
         if cuda_graph and ("graph capture" in text.lower() or "cuda graph" in text.lower()):
             raise CudaGraphRefused(
@@ -395,8 +382,6 @@ def make_session(
                 "compute node on CUDA, no control flow and static shapes"
             ) from exc
         raise ModelError(f"ONNX Runtime cannot load the model: {text}") from exc
-    if tmp is not None:
-        session._mograph_tmpdir = tmp  # keep the external data alive as long as the session
     if kind == "cuda" and CUDA_PROVIDER not in session.get_providers():
         raise NotAvailableError(
             f"ONNX Runtime's {CUDA_PROVIDER} did not start (the session fell back to "

@@ -154,9 +154,13 @@ def _logging(verbose: int, quiet: bool) -> Iterator[None]:
             root.removeHandler(handler)
 
 
-def _fail(args: argparse.Namespace, message: str, exit_code: int) -> int:
+def _fail(args: argparse.Namespace, message: str, exit_code: int, report: Any = None) -> int:
+    """One line on stderr; with ``--json`` also ``{"error", "exit_code"}`` on stdout, plus what the command
+    measured when the error carries a result object (``report.to_dict()``: ``gate``'s figures on failure)."""
     if getattr(args, "json", False):
-        _emit(CommandResult(data={"error": message, "exit_code": exit_code}), True)
+        data = dict(report.to_dict()) if callable(getattr(report, "to_dict", None)) else {}
+        data.update({"error": message, "exit_code": exit_code})
+        _emit(CommandResult(data=data), True)
     sys.stderr.write(f"mograph: error: {message}\n")
     return exit_code
 
@@ -178,9 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             with terminate_as_exception():  # so temporary folders are removed on SIGTERM too
                 result = args.run(args)
-        except MographError as exc:
-            return _fail(args, str(exc), exc.exit_code)
-        except InternalError as exc:
+        except InternalError as exc:  # a MographError too: caught first, it is a bug to report
             if verbose:
                 original = exc.__cause__ if exc.__cause__ is not None else exc
                 sys.stderr.write("".join(traceback.format_exception(original)))
@@ -188,6 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 hint = "a bug: please report it; run with -v for the traceback"
             return _fail(args, f"{exc} ({hint})", exc.exit_code)
+        except MographError as exc:
+            return _fail(args, str(exc), exc.exit_code, getattr(exc, "report", None))
         except KeyboardInterrupt:
             sys.stderr.write("mograph: interrupted\n")
             return 130

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from mograph.cli import CommandResult
-from mograph.workflow.gate import DEFAULT_MAX_ACCURACY_DROP, DEFAULT_MAX_LATENCY_INCREASE
+from mograph.workflow.gate import CONFIDENCE, DEFAULT_MAX_ACCURACY_DROP, DEFAULT_MAX_LATENCY_INCREASE, DEFAULT_REPEATS
 from mograph.workflow.ledger import DEFAULT_LEDGER
 
 __all__ = ["add_parser", "run"]
@@ -21,10 +21,13 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         description="Measure CANDIDATE the way the ledger measured its rows: on the evaluation set the ledger "
         "recorded (checked by hash), against the reference outputs of the unoptimized model it recorded (checked "
         "by hash), with the recorded warm-up, runs, threads and provider; the compared row's model is timed again "
-        "beside the candidate (interleaved) when its file is still there. Fails (exit 5, one line saying why) when "
-        "the accuracy metric (the task metric if the ledger has one, else mean cosine vs the reference) dropped by "
-        f"more than --max-accuracy-drop (default {DEFAULT_MAX_ACCURACY_DROP:g}, absolute) or the p50 latency rose by "
-        f"more than --max-latency-increase (default {DEFAULT_MAX_LATENCY_INCREASE * 100:g}%). Exit 0: no regression; "
+        "beside the candidate (interleaved, in --repeats series of --runs rounds) when its file is still there. "
+        "Fails (exit 5, one line saying why) when the accuracy metric (the task metric if the ledger has one, else "
+        f"mean cosine vs the reference) dropped by more than --max-accuracy-drop (default {DEFAULT_MAX_ACCURACY_DROP:g}, "
+        f"absolute) or the latency rose by more than --max-latency-increase (default "
+        f"{DEFAULT_MAX_LATENCY_INCREASE * 100:g}%) beyond noise: the lower end of the {CONFIDENCE:.0%} interval of the "
+        "candidate/compared ratio of medians (a bootstrap over the series and their paired runs) must pass the "
+        "limit. With --json the figures are printed on failure too. Exit 0: no regression; "
         "2: the ledger, baseline model or evaluation set is missing or changed; 3: the candidate is not a valid model.",
     )
     p.add_argument("candidate", metavar="CANDIDATE.onnx", help="the model to gate")
@@ -40,7 +43,13 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--max-accuracy-drop", type=float, default=DEFAULT_MAX_ACCURACY_DROP, metavar="X",
                    help=f"largest allowed drop of the accuracy metric, absolute (default {DEFAULT_MAX_ACCURACY_DROP:g})")
     p.add_argument("--max-latency-increase", default=f"{DEFAULT_MAX_LATENCY_INCREASE * 100:g}%", metavar="Y%",
-                   help=f"largest allowed p50 latency increase, percent (default {DEFAULT_MAX_LATENCY_INCREASE * 100:g}%%)")
+                   help="largest allowed latency increase, percent, judged on the lower end of the confidence "
+                   f"interval of the candidate/compared ratio (default {DEFAULT_MAX_LATENCY_INCREASE * 100:g}%%)")
+    p.add_argument("--runs", type=int, metavar="N",
+                   help="timed runs of each model in one series (default: the ledger's recorded timed runs shared "
+                   "over the series, at least 5)")
+    p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, metavar="R",
+                   help=f"series of interleaved timed runs; the ratio is their median (default {DEFAULT_REPEATS})")
     p.add_argument("--task-metric", metavar="MODULE:FUNC|FILE.py:FUNC",
                    help="the task metric to gate on: imports and runs this code. Needed when the compared row was "
                    "measured with one (its source must hash as the ledger recorded); code named in a ledger is never run")
@@ -79,6 +88,7 @@ def run(args: argparse.Namespace) -> CommandResult:
             result = run_gate(
                 args.candidate, ledger, baseline=args.baseline, max_accuracy_drop=args.max_accuracy_drop,
                 max_latency_increase=latency, record=args.record, blocked=args.block_plugin, progress=bar,
+                runs=args.runs, repeats=args.repeats,
                 task_metric=args.task_metric, eval_data=args.eval_data,
             )
         except GateFailed:
@@ -90,8 +100,13 @@ def run(args: argparse.Namespace) -> CommandResult:
         f"{_fmt(b.get(result.accuracy_metric), '.6g')} (drop {_fmt(result.accuracy_drop, '.3g')}, "
         f"allowed {args.max_accuracy_drop:g})",
         f"  p50 latency: {_fmt(c.get('latency_p50_ms'), '.3f')} ms vs {_fmt(b.get('latency_p50_ms'), '.3f')} ms "
-        f"(x{_fmt(result.latency_ratio, '.3f')}, allowed +{latency * 100:g}%"
-        f"{', measured side by side' if result.remeasured else ', recorded figure'})",
+        f"(x{_fmt(result.latency_ratio, '.3f')}"
+        + (f", {CONFIDENCE:.0%} interval x{result.latency_interval[0]:.3f}..x{result.latency_interval[1]:.3f}"
+           if result.latency_interval else "")
+        + f", allowed +{latency * 100:g}%"
+        + (f", measured side by side: {result.latency_runs.get('repeats')}x{result.latency_runs.get('runs')} "
+           "interleaved runs" if result.remeasured else ", recorded figure")
+        + ")",
     ]
     lines += [f"  note: {n}" for n in result.notes]
     if result.row_id is not None:

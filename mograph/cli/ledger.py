@@ -12,7 +12,7 @@ from mograph.cli import CommandResult
 from mograph.errors import UsageError
 from mograph.workflow.ledger import DEFAULT_LEDGER, LEDGER_HELP, ledger_paths, open_ledger, rows_to_csv
 
-__all__ = ["add_parser", "run", "format_rows", "format_compare"]
+__all__ = ["add_parser", "run", "format_rows", "format_compare", "format_show"]
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -26,12 +26,13 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     shared = argparse.ArgumentParser(add_help=False)
-    shared.add_argument("--ledger", default=DEFAULT_LEDGER, metavar="PATH", help=LEDGER_HELP)
+    shared.add_argument("--ledger", default=DEFAULT_LEDGER, metavar="PATH",
+                        help=LEDGER_HELP + "; it must exist (this command never creates one)")
 
     lp = actions.add_parser("list", parents=[common, shared], help="one line per row, oldest first")
     lp.add_argument("--model-hash", metavar="HASH", help="only rows of this model (a prefix is enough)")
     lp.add_argument("--failed", action="store_true", help="include failed rows (left out by default)")
-    sp = actions.add_parser("show", parents=[common, shared], help="every field of one row")
+    sp = actions.add_parser("show", parents=[common, shared], help="every field of one row, as a table (--json: JSON)")
     sp.add_argument("row", metavar="ID|NAME", help="row id, or name (the newest row of that name)")
     cp = actions.add_parser(
         "compare", parents=[common, shared], help="rows side by side, metrics relative to the first (or --against)"
@@ -59,6 +60,36 @@ _COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("top1_agreement", "top-1", ".4f"),
     ("task_metric", "task", ".4g"),
 )
+
+
+#: Row labels of ``ledger compare`` that differ from the metric key (the value shown is not the raw one).
+_COMPARE_LABELS = {"size_bytes": "size_mb"}
+
+
+def format_show(row: dict[str, Any]) -> str:
+    """``ledger show``: one row as a two-column table (fields, then metrics, then settings)."""
+    lines: list[str] = []
+    fields = [(k, _pipeline(row) if k == "pipeline" else v) for k, v in row.items()
+              if k not in ("metrics", "settings", "options", "versions", "shapes")]
+    spec_of = {k: s for k, _, s in _COLUMNS}
+    head_of = {k: h for k, h, _ in _COLUMNS}
+
+    def section(title: str, items: list[tuple[str, str]]) -> None:
+        if not items:
+            return
+        width = max(len(k) for k, _ in items)
+        lines.append(title)
+        lines.extend(f"  {k:<{width}}  {v}" for k, v in items)
+
+    section("row", [(k, "-" if v is None else str(v)) for k, v in fields])
+    metrics = row.get("metrics") or {}
+    section("metrics", [(head_of.get(k, k), _fmt(v, spec_of.get(k, ".6g"))) for k, v in metrics.items()])
+    for name in ("options", "shapes", "versions", "settings"):
+        value = row.get(name) or {}
+        if isinstance(value, dict):
+            section(name, [(str(k), json.dumps(v, default=str) if isinstance(v, (dict, list)) else str(v))
+                           for k, v in value.items()])
+    return "\n".join(lines)
 
 
 def _fmt(value: Any, spec: str) -> str:
@@ -106,7 +137,8 @@ def format_compare(rows: list[dict[str, Any]], ref: dict[str, Any]) -> str:
     keys += extra
     spec_of = {k: s for k, _, s in _COLUMNS}
     width = max(12, *(len(r["name"]) + len(str(r["id"])) + 3 for r in rows))
-    key_w = max(len(k) for k in keys + ["metric"])
+    label = {k: _COMPARE_LABELS.get(k, k) for k in keys}
+    key_w = max(len(x) for x in [*label.values(), "metric"])
     lines = [f"{'metric':<{key_w}}  " + "  ".join(f"{r['name'] + ' #' + str(r['id']):>{width}}" for r in rows)]
     ref_m = ref.get("metrics") or {}
     for key in keys:
@@ -121,7 +153,7 @@ def format_compare(rows: list[dict[str, Any]], ref: dict[str, Any]) -> str:
                 else:
                     text += f" (x{v / base:.2f})"
             cells.append(f"{text:>{width}}")
-        lines.append(f"{key:<{key_w}}  " + "  ".join(cells))
+        lines.append(f"{label[key]:<{key_w}}  " + "  ".join(cells))
     for field in ("pipeline", "provider", "calib_hash", "eval_hash", "model_hash"):
         vals = [_pipeline(r) if field == "pipeline" else str(r.get(field) or "-") for r in rows]
         lines.append(f"{field:<{key_w}}  " + "  ".join(f"{v[:width]:>{width}}" for v in vals))
@@ -144,7 +176,7 @@ def run(args: argparse.Namespace) -> CommandResult:
             return CommandResult(data={"ledger": str(ledger.path), "rows": rows}, text=format_rows(rows))
         if args.action == "show":
             row = ledger.get(args.row)
-            return CommandResult(data=row, text=json.dumps(row, indent=2, default=str))
+            return CommandResult(data=row, text=format_show(row))
         if args.action == "compare":
             rows = [ledger.get(r) for r in args.rows]
             if len(rows) < 2 and not args.against:

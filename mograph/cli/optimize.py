@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +18,7 @@ from mograph.cli._common import (
     model_source,
 )
 from mograph.errors import MographError, UsageError, VerificationError
+from mograph.progress import ProgressInstrument
 from mograph.specs import parse_shapes
 
 __all__ = ["add_parser", "run"]
@@ -61,15 +60,24 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     add_device_argument(
         p,
-        "where --verify runs both models: cpu (default) or cuda / cuda:N (ONNX Runtime's CUDA provider, its "
-        "optimizations and TF32 off, so fused ops are checked on the CUDA kernels; needs onnxruntime-gpu, exit 7 "
-        "without it)",
+        "where the model will run: cpu or cuda / cuda:N. It picks the precision recipe (int4/int8 on cuda: "
+        "weight-only MatMulNBits with fp16 activations, --target ort; on cpu: weight-only int4, Q/DQ int8; "
+        "--target tensorrt keeps explicit Q/DQ; a precision measured slower on the device is a warning), and "
+        "with --verify it is where both models run (ONNX Runtime's CUDA provider, its optimizations and TF32 off; "
+        "needs onnxruntime-gpu, exit 7 without it)",
     )
     p.add_argument("--feeds", metavar="FILE.npz", help="use these input feeds for verification instead of random ones")
     p.add_argument("--seed", type=int, default=0, help="seed of the random verification feeds (default 0)")
     add_feed_limit_argument(p, "random verification feeds")
     p.add_argument("--report", metavar="FILE.json", help="write the full report (per-pass stats, timing, checks) as JSON")
-    p.add_argument("--explain", action="store_true", help="show why rules did or did not apply (near misses and reasons)")
+    p.add_argument("--explain", action="store_true",
+                   help="show the rules that fused or nearly fused, each near miss and unfused region with its reason "
+                   "(--json: every rule's figures in the passes' details)")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="a pass option that no pass of the pipeline reads is an error (exit 2), not a warning",
+    )
     p.add_argument(
         "--check-modified",
         action="store_true",
@@ -79,7 +87,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "--external-data",
         action="store_true",
         help="save initializers to OUT.data beside the model (OUT.<id>.data when replacing an earlier output, "
-        "so the old pair stays whole until the switch)",
+        "so the old pair stays whole until the switch); without it, chosen when they need 256 MiB or more "
+        "or the input had external data",
     )
     group = p.add_argument_group("pass options (each pass reads the ones it declares)")
     try:
@@ -115,42 +124,6 @@ def _shown(default: Any, metavar: str | None) -> str:
     return str(default)
 
 
-class _Progress:
-    """Instrument of one ``mograph optimize`` run: ``[i] pass-name ...`` on stderr before each pass, and for a
-    pass that reports its own progress (a ``progress`` callback slot: calibration samples, sensitivity
-    evaluations) a ``    pass-name: done/total`` line at most every :attr:`every` seconds and at the end."""
-
-    every = 5.0
-
-    def __init__(self) -> None:
-        self.i = 0
-
-    def _reporter(self, name: str) -> Any:
-        last = [0.0]
-
-        def report(done: int, total: int | None) -> None:
-            now = time.monotonic()
-            if now - last[0] < self.every and done != total:
-                return
-            last[0] = now
-            sys.stderr.write(f"    {name}: {done}/{total}\n" if total else f"    {name}: {done} done\n")
-            sys.stderr.flush()
-
-        return report
-
-    def mograph_run_pass(self, pass_: Any, model: Any, context: dict[str, Any]):  # type: ignore[no-untyped-def]
-        self.i += 1
-        sys.stderr.write(f"[{self.i}] {pass_.name} ...\n")
-        sys.stderr.flush()
-        if not hasattr(type(pass_), "progress") or getattr(pass_, "progress", None) is not None:
-            return (yield)
-        pass_.progress = self._reporter(pass_.name)
-        try:
-            return (yield)
-        finally:
-            pass_.progress = None
-
-
 def _summary(report: Any, out: Path | None) -> str:
     lines = [f"{'pass':<24} {'changed':<8} {'nodes':>13} {'time':>9}  stats"]
     for p in report.passes:
@@ -163,6 +136,10 @@ def _summary(report: Any, out: Path | None) -> str:
         warning = p.details.get("WARNING") if isinstance(p.details, dict) else None
         if warning:
             lines.append(f"WARNING ({p.name}): {warning}")
+    recipe = report.extra.get("recipe")
+    if recipe:
+        for d in recipe.get("decisions", []):
+            lines.append(f"recipe ({recipe['device']}): {d['precision']} -> {','.join(d['passes'])}")
     if report.verification is not None:
         v = report.verification
         lines.append(f"verify: {v.get('summary', 'passed' if v['passed'] else 'FAILED')}")
@@ -171,13 +148,47 @@ def _summary(report: Any, out: Path | None) -> str:
     return "\n".join(lines)
 
 
+def _region_text(r: dict[str, Any]) -> str:
+    """One unfused region (``unfused_regions``) or unfused Softmax (``unfused_softmax``) as a line."""
+    where = f"{r.get('op', 'Softmax')} '{r.get('anchor') or r.get('softmax') or '?'}'"
+    text = f"    unfused {where}: "
+    if r.get("rule"):
+        stop = f" at '{r['failed_at']}' ({r.get('failed_at_op')})" if r.get("failed_at") else ""
+        text += f"{r['rule']} got furthest ({r.get('nodes_matched', '?')} node(s) from '{r.get('root')}'), stopped{stop}: "
+    text += str(r.get("reason") or "no reason given")
+    if r.get("constants_off"):
+        text += "; constants off: " + "; ".join(map(str, r["constants_off"]))
+    return text
+
+
 def _explain_text(report: Any) -> str:
+    """``--explain`` for people: per pass, the rules that fused or nearly fused (each near miss with its
+    reason), and the regions left unfused; rules with no candidate are left out (``--json`` has them all)."""
     lines = []
     for p in report.passes:
-        if p.details:
-            lines.append(f"== {p.name}")
-            lines.append(json.dumps(p.details, indent=2, default=str))
-    return "\n".join(lines) if lines else "(no pass reported details)"
+        details = p.details if isinstance(p.details, dict) else {}
+        body: list[str] = []
+        quiet = 0
+        for rule, e in (details.get("rules") or {}).items():
+            if not isinstance(e, dict) or not (e.get("fused") or e.get("near_misses")):
+                quiet += 1
+                continue
+            variants = e.get("variants") or {}
+            vtext = f" [{', '.join(f'{k}: {v}' for k, v in variants.items())}]" if variants else ""
+            body.append(f"  {rule}: {e.get('fused', 0)} fused, {e.get('near_misses', 0)} near miss(es){vtext}")
+            for m in e.get("near_miss_list") or []:
+                body.append(f"    near miss at '{m.get('root')}': {m.get('reason')}")
+        for key in ("unfused_regions", "unfused_softmax"):
+            body.extend(_region_text(r) for r in details.get(key) or [] if isinstance(r, dict))
+        for key, value in details.items():
+            if key in ("rules", "unfused_regions", "unfused_softmax") or value in (None, [], {}):
+                continue
+            shown = value if isinstance(value, (str, int, float, bool)) else json.dumps(value, default=str)
+            body.append(f"  {key}: {shown}")
+        if body:
+            lines.append(f"== {p.name}" + (f" ({quiet} rule(s) without candidates not shown)" if quiet else ""))
+            lines.extend(body)
+    return "\n".join(lines) if lines else "(no rule matched or nearly matched)"
 
 
 def run(args: argparse.Namespace) -> CommandResult:
@@ -196,13 +207,12 @@ def run(args: argparse.Namespace) -> CommandResult:
         ir_io.sweep_save_leftovers(out.parent)
     if args.report:
         _check_folder(Path(args.report), "--report")
-    if args.device and not args.verify and "device" not in get_registry(args.block_plugin).all_options():
-        raise UsageError("--device says where --verify runs; give --verify too")
     if args.device:
         from mograph.backends.ort import parse_device, require_device
 
         parse_device(args.device)
-        require_device(args.device)  # exit 7 naming onnxruntime-gpu, before any pass runs
+        if args.verify:
+            require_device(args.device)  # exit 7 naming onnxruntime-gpu, before any pass runs
     reg = get_registry(args.block_plugin)
     shapes = parse_shapes(args.shape)
     options: dict[str, Any] = {}
@@ -217,11 +227,17 @@ def run(args: argparse.Namespace) -> CommandResult:
     if args.device:
         options["device"] = args.device  # kept only if a pass declares it (below)
     options = {k: v for k, v in options.items() if k in reg.all_options()}
-    names = reg.plan(args.passes, options)  # the report names the pipeline as it runs, lower included
-    _check_paths(src, out, args, reg.all_options(), options)
-    instruments = [] if (args.json or args.quiet) else [_Progress()]
+    given, planned, _ = reg.recipe(args.passes, options, args.device)
+    names = reg.plan(given, planned)  # the report names the pipeline as it runs, lower included
+    _check_paths(src, out, args, reg.all_options(), planned)
+    # --shape, --explain, --device serve the command too (verification feeds, the report): handed to passes
+    # only where one of the pipeline reads them, never warned about.
+    taken = {o.key for n in names for o in reg.passes[n].options}
+    options = {k: v for k, v in options.items() if k not in _OWN or k in taken}
+    # [i/N] per pass and a bar inside long passes (mograph.progress); nothing under -q or --json
+    instruments = [] if (args.json or args.quiet) else [ProgressInstrument(len(names))]
     verify_options: dict[str, Any] = {"shapes": shapes, "feeds": args.feeds, "seed": args.seed}
-    if args.device:
+    if args.device and args.verify:
         verify_options["device"] = args.device
     if args.feed_limit is not None:
         verify_options["feed_limit"] = args.feed_limit
@@ -229,13 +245,15 @@ def run(args: argparse.Namespace) -> CommandResult:
     try:
         model, report = api.optimize(
             src,
-            names,
+            args.passes,  # api.optimize applies the device's recipe itself (names above is the same plan)
             options=options,
             verify=args.verify,
             verify_options=verify_options,
             check_modified=args.check_modified,
             blocked=args.block_plugin,
             instruments=instruments,
+            strict=args.strict,
+            device=args.device,
         )
     except VerificationError as exc:
         raise _keep_failed(exc, src, out, names, args, external) from exc

@@ -53,7 +53,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         example_help="sweep a model shipped with mograph (bert-tiny has a shipped config, used when --config is not given)",
     )
     p.add_argument("--config", metavar="SWEEP.yaml", help="the sweep config (YAML or JSON)")
-    p.add_argument("--ledger", default=DEFAULT_LEDGER, metavar="PATH", help=LEDGER_HELP)
+    p.add_argument("--ledger", default=DEFAULT_LEDGER, metavar="PATH", help=LEDGER_HELP + "; created if missing")
     p.add_argument("--eval-data", metavar="DATA",
                    help="evaluation set (folder of .npz, a stacked .npz, or module:function / file.py:function, which "
                    "imports and runs this code); overrides the config's")

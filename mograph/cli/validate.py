@@ -1,7 +1,7 @@
 """``mograph validate``: run a model on a backend and compare its outputs with ONNX Runtime's.
 
-The backend is any registered one (``--backend NAME``: ``tensorrt``, ``ort``, or a plugin's), and the
-comparison is exactly the one ``mograph optimize --verify`` makes (:class:`mograph.validate.Verifier`):
+The backend is any registered one (``--backend NAME``: ``ort``, the default, which runs anywhere;
+``tensorrt``; or a plugin's), and the comparison is exactly the one ``mograph optimize --verify`` makes (:class:`mograph.validate.Verifier`):
 
 * **reference** — ONNX Runtime on CPU with its own graph optimizations **off**, running MODEL (or
   ``--reference``, e.g. the unfused original when MODEL holds nodes ONNX Runtime cannot run);
@@ -59,7 +59,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "with its optimizations on against off; any registered backend (`mograph passes --json` lists them) works.",
     )
     add_model_arguments(p)
-    p.add_argument("--backend", default="tensorrt", metavar="NAME", help="backend to check (default: tensorrt)")
+    p.add_argument("--backend", default="ort", metavar="NAME",
+                   help="backend to check (default: ort, ONNX Runtime on the CPU, which runs anywhere; tensorrt needs a GPU)")
     add_device_argument(
         p,
         "where the candidate runs: cpu (default) or cuda / cuda:N (--backend ort: ONNX Runtime's CUDA provider; "

@@ -188,7 +188,7 @@ def compare_outputs(
                 entry["failures"].append(f"{differ} of {ref_cmp[name].size} elements differ (exact match required)")
             elif tol.atol is not None and not bool(s):
                 entry["failures"].append(
-                    f"elements beyond both atol {tol.atol:g} and rtol {tol.rtol or 0:g} "
+                    f"elements beyond both atol {bound_text(tol.atol)} and rtol {bound_text(tol.rtol or 0)} "
                     f"(max abs {_fmt(entry['max_abs'])}, max rel {_fmt(entry['max_rel'])})"
                 )
             if tol.min_cosine is not None and not exact:
@@ -197,7 +197,9 @@ def compare_outputs(
                 act_peak = float(np.max(np.abs(act_cmp[name]))) if act_cmp[name].size else 0.0
                 signal = ref_peak > floor or act_peak > floor or not (math.isfinite(ref_peak) and math.isfinite(act_peak))
                 if signal and (cos is None or not (cos >= tol.min_cosine)):
-                    entry["failures"].append(f"cosine {_fmt(entry['cosine'], 6)} < {tol.min_cosine:g}")
+                    places = max(6, _decimals(tol.min_cosine) + 1)  # the value shown as precisely as the bound
+                    shown = "nan" if entry["cosine"] is None else f"{entry['cosine']:.{places}f}"
+                    entry["failures"].append(f"cosine {shown} < {bound_text(tol.min_cosine)}")
     for entry in entries.values():
         entry["passed"] = not entry["failures"]
         if entry["passed"]:
@@ -210,6 +212,19 @@ def _first_iteration(acc: Any) -> dict[str, Any]:
         for it in iterations:
             return dict(it.items())
     return {}
+
+
+def bound_text(x: float) -> str:
+    """A threshold as given, at its own precision (``0.9999999``, not ``1``; ``1e-05``)."""
+    if float(x).is_integer() and abs(x) < 1e6:
+        return str(int(x))
+    return repr(float(x)) if 1e-4 <= abs(x) < 1e6 else f"{x:.12g}"
+
+
+def _decimals(bound: float) -> int:
+    """Decimal places of ``bound`` as written (``0.9999999`` -> 7)."""
+    text = repr(float(bound))
+    return len(text.split(".")[1]) if "." in text and "e" not in text else 6
 
 
 def _fmt(x: float | None, digits: int = 3) -> str:

@@ -47,9 +47,9 @@ class Tolerance:
     def describe(self) -> str:
         parts = []
         if self.atol is not None:
-            parts.append(f"atol {self.atol:g}, rtol {self.rtol or 0:g}")
+            parts.append(f"atol {_bound(self.atol)}, rtol {_bound(self.rtol or 0)}")
         if self.min_cosine is not None:
-            parts.append(f"cosine >= {self.min_cosine:g}")
+            parts.append(f"cosine >= {_bound(self.min_cosine)}")
         if self.max_mismatch is not None:
             parts.append(f"<= {self.max_mismatch:.0%} of elements differ")
         return "; ".join(parts) or "not checked"
@@ -140,3 +140,10 @@ def tolerance_for(
         if min_cosine is not None:
             tol = replace(tol, min_cosine=min_cosine)
     return tol
+
+
+def _bound(x: float) -> str:
+    """A threshold at its own precision (``0.9999999``, not ``1``)."""
+    if float(x).is_integer() and abs(x) < 1e6:
+        return str(int(x))
+    return repr(float(x)) if 1e-4 <= abs(x) < 1e6 else f"{x:.12g}"

@@ -26,6 +26,22 @@ __all__ = ["Verifier", "diff_models"]
 logger = logging.getLogger("mograph.validate")
 
 
+#: The original is kept for the second-shape check only when its weights are at most this big.
+SECOND_SHAPE_COPY_LIMIT = 256 * 2**20
+
+
+def _static_dims(dims: Mapping[str, list[int | None]]) -> bool:
+    return any(isinstance(d, int) for v in dims.values() for d in v)
+
+
+def _weight_bytes(model: ir.Model) -> int:
+    total = 0
+    for v in model.graph.initializers.values():
+        t = v.const_value
+        total += int(getattr(t, "nbytes", 0) or 0) if t is not None else 0
+    return total
+
+
 def _feeds_brief(info: Mapping[str, Any]) -> str:
     return ", ".join(f"{n} {'x'.join(map(str, i['shape'])) or 'scalar'}" for n, i in info.items())
 
@@ -138,6 +154,17 @@ class Verifier:
         self.feeds, self.feed_info = make_feeds(
             model, shapes=shapes, feeds=feeds, seed=self.seed, limit_bytes=feed_limit
         )
+        self.feed_limit = feed_limit
+        #: Each input's dims in the original (an int where static), to find axes a shape pass made dynamic.
+        self.input_dims = {
+            str(v.name): [d if isinstance(d, int) else None for d in (v.shape.dims if v.shape is not None else ())]
+            for v in graph_inputs(model)
+        }
+        # The original is usually rewritten in place afterwards: a small one with static input dims is kept,
+        # so a model whose axes became dynamic can be checked at a second size too (see _second_shape).
+        self._original_copy: ir.Model | None = None
+        if reference_runner is None and _static_dims(self.input_dims) and _weight_bytes(model) <= SECOND_SHAPE_COPY_LIMIT:
+            self._original_copy = ir_io.copy_model(model)
         if reference_runner is not None:
             try:
                 self.reference = _run(reference_runner, self.feeds)
@@ -227,10 +254,96 @@ class Verifier:
         if outputs is None:
             return check
         self.judge(check, outputs, family)
+        if runner is None and check["passed"]:
+            self._second_shape(check, model, family)
         if check.get("plugin_nodes"):
             check["summary"] += (f"; {check['plugin_nodes']} TensorRT plugin node(s) checked through their "
                                  "ops' function bodies (ONNX Runtime has no kernel for them)")
         return check
+
+    def _second_shape(self, check: dict[str, Any], model: Any, family: str | Iterable[str] | None) -> None:
+        """Check ``model`` again at a second size of each axis it made dynamic (static in the original).
+
+        An axis at position 0 of every input that carries it (a batch axis) gets twice the old size, and is
+        compared with the original run on each half, the halves' outputs concatenated (items along axis 0
+        taken as independent, as a batch is).  Another axis (a sequence) gets a smaller size: the original,
+        static, cannot run there, so the model is checked to run and to give finite outputs of the ranks the
+        original gives, and the report says it was not compared.  ``check["shapes_checked"]`` lists what ran.
+        """
+        from mograph.backends import ort
+
+        if not isinstance(model, ir.Model):
+            return
+        check.setdefault("shapes_checked", [{"feeds": _feeds_brief(check["feeds"]), "compared": True}])
+        axes: dict[str, list[tuple[str, int, int]]] = {}
+        for v in graph_inputs(model):
+            old = self.input_dims.get(str(v.name))
+            dims = v.shape.dims if v.shape is not None else ()
+            for ax, d in enumerate(dims):
+                was = old[ax] if old and ax < len(old) else None
+                if not isinstance(d, int) and isinstance(was, int):
+                    axes.setdefault(str(d), []).append((str(v.name), ax, was))
+        for sym, places in axes.items():
+            old_size = places[0][2]
+            batch = all(ax == 0 for _, ax, _ in places) and self._original_copy is not None
+            size = 2 * old_size if batch else (old_size // 2 if old_size > 1 else 2)
+            shapes = {n: list(a.shape) for n, a in self.feeds.items()}
+            for name, ax, _ in places:
+                shapes[name][ax] = size
+            try:
+                feeds, info = make_feeds(model, shapes=shapes, seed=self.seed + 1, limit_bytes=self.feed_limit)
+                session = ort.make_session(model, optimizations=False, threads=self.threads, device=self.device)
+                names = [o.name for o in session.get_outputs()]
+                outputs = ort.run(session, {i.name: feeds[i.name] for i in session.get_inputs()}, names)
+            except MographError as exc:
+                self._fail(check, f"at the second shape of dynamic axis '{sym}' ({size}): {exc}")
+                return
+            entry: dict[str, Any] = {"axis": sym, "size": size, "feeds": _feeds_brief(info["inputs"])}
+            check["shapes_checked"].append(entry)
+            if batch:
+                first = {n: (a[:old_size] if any(n == p[0] for p in places) else a) for n, a in feeds.items()}
+                second = {n: (a[old_size:] if any(n == p[0] for p in places) else a) for n, a in feeds.items()}
+                ref_session = ort.make_session(self._original_copy, optimizations=False, threads=self.threads,
+                                               device=self.device)
+                try:
+                    parts = [ort.run(ref_session, f, self.output_names) for f in (first, second)]
+                except ModelError as exc:
+                    entry.update(compared=False, why=f"the original does not run on the halves: {exc}")
+                    continue
+                if not all(parts[0][n].ndim and parts[0][n].shape[0] == old_size for n in self.output_names):
+                    entry.update(compared=False, why="not every output has the batch axis first")
+                    continue
+                reference = {n: np.concatenate([parts[0][n], parts[1][n]]) for n in self.output_names}
+                sub = self._base(family)
+                saved = self.reference
+                try:
+                    self.reference = reference
+                    self.judge(sub, outputs, family)
+                finally:
+                    self.reference = saved
+                entry.update(compared=True, passed=sub["passed"], summary=sub["summary"])
+                if not sub["passed"]:
+                    detail = "; ".join(
+                        f"output '{n}': " + "; ".join(e.get("failures", []))
+                        for n, e in sub["outputs"].items() if not e["passed"]
+                    )
+                    self._fail(check, f"at the second shape of dynamic axis '{sym}' ({entry['feeds']}), "
+                                      f"against the original on each half: {detail}")
+                    return
+            else:
+                bad = [n for n in names if n in self.reference and (
+                    outputs[n].ndim != self.reference[n].ndim
+                    or (outputs[n].dtype.kind == "f" and not np.all(np.isfinite(outputs[n]))))]
+                entry.update(compared=False, passed=not bad,
+                             why="the original is static on this axis: checked that it runs, output ranks, finite")
+                if bad:
+                    self._fail(check, f"at the second shape of dynamic axis '{sym}' ({entry['feeds']}): output(s) "
+                                      f"{bad} have another rank than the original's or non-finite values")
+                    return
+        check["summary"] += "; also at " + "; ".join(
+            f"{e['axis']}={e['size']} ({'compared with the original on each half' if e['compared'] else 'ran, not compared: original static'})"
+            for e in check["shapes_checked"][1:]
+        ) if len(check["shapes_checked"]) > 1 else ""
 
     @staticmethod
     def _through_function_bodies(check: dict[str, Any], model: Any) -> Any:
@@ -362,6 +475,7 @@ class Verifier:
         worst = self._worst(outputs)
         n_fail = sum(not e["passed"] for e in outputs.values())
         head = f"passed ({len(outputs)} outputs)" if check["passed"] else f"FAILED ({n_fail} of {len(outputs)} outputs)"
+        head += f" on {_feeds_brief(check.get('feeds') or {})}"
         if worst is None:
             return f"{head}: the model has no outputs"
         e = outputs[worst]

@@ -11,14 +11,22 @@ retrained or the optimization pipeline changed:
 3. **the evaluation set** — the one the ledger recorded (``settings.eval_data``), re-read and checked
    against the recorded hash (a changed set is refused: exit 2); seeded random samples are made again
    from their recorded count and seed;
-4. **measuring** — :func:`mograph.workflow.metrics.measure` with the recorded warm-up, timed runs,
-   threads, provider and ORT setting; the compared row's model is measured again beside the candidate
-   (interleaved) when its file is still there, so the latency ratio is taken on this machine now; if it
-   is gone, the recorded figures are used and the output says so;
+4. **measuring** — :func:`mograph.workflow.metrics.measure` with the recorded warm-up, threads,
+   provider and ORT setting; the compared row's model is measured again beside the candidate
+   (interleaved: run ``i`` of each model in the same round, the order rotating) when its file is still
+   there, so the latency ratio is taken on this machine now; if it is gone, the recorded figures are
+   used and the output says so.  The timed rounds are ``repeats`` series of ``runs`` rounds each
+   (default: 5 series sharing the ledger's recorded number of timed runs, at least 5 rounds each);
 5. **the verdict** — a regression when the accuracy metric (the task metric if the ledger recorded one,
    else ``cosine_mean`` against the reference) dropped by more than ``max_accuracy_drop`` (absolute,
-   default 0.01), or when the p50 latency rose by more than ``max_latency_increase`` (default 10%).
-   A regression raises :class:`GateFailed` (exit code 5, "verification failed") with a one-line reason.
+   default 0.01), or when the latency rose by more than ``max_latency_increase`` (default 10%) **beyond
+   the measurement's noise**: the latency ratio is the median over the series of each series'
+   ratio of medians (candidate / compared), and its 95% interval comes from a seeded two-level bootstrap
+   (series drawn with replacement, then paired rounds within each); only a lower bound above
+   ``1 + max_latency_increase`` fails, so a busy machine slowing one series or a few runs does not.
+   Against a recorded figure (no fresh measurement to pair with) the candidate's p50 is compared as is.
+   A regression raises :class:`GateFailed` (exit code 5, "verification failed") with a one-line reason;
+   the measurements go with it (``report``), as with a pass.
 
 A ledger is data, never code.  A row records its task metric, and an evaluation set given as code
 (``module:function`` or ``file.py:function``), by name and sha256; the gate never imports them from the ledger: the user
@@ -29,19 +37,30 @@ recorded one; it is never gated silently on another metric.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from mograph.errors import ModelError, UsageError, VerificationError
 
-__all__ = ["GateFailed", "GateResult", "run_gate", "parse_percent", "DEFAULT_MAX_ACCURACY_DROP",
-           "DEFAULT_MAX_LATENCY_INCREASE"]
+__all__ = ["GateFailed", "GateResult", "run_gate", "parse_percent", "latency_interval", "DEFAULT_MAX_ACCURACY_DROP",
+           "DEFAULT_MAX_LATENCY_INCREASE", "DEFAULT_REPEATS", "CONFIDENCE"]
 
 DEFAULT_MAX_ACCURACY_DROP = 0.01
 DEFAULT_MAX_LATENCY_INCREASE = 0.10
+#: Series of interleaved timed rounds (``--repeats``).
+DEFAULT_REPEATS = 5
+#: Fewest timed rounds in one series when ``--runs`` is not given.
+MIN_RUNS = 5
+#: Two-sided confidence of the latency ratio's interval.
+CONFIDENCE = 0.95
+_BOOTSTRAP = 2000
 
 
 class GateFailed(VerificationError):
@@ -61,6 +80,10 @@ class GateResult:
     remeasured: bool
     row_id: int | None = None
     notes: list[str] = field(default_factory=list)
+    #: ``[low, high]`` of the latency ratio at :data:`CONFIDENCE` (None against a recorded figure).
+    latency_interval: list[float] | None = None
+    #: How latency was timed: ``runs`` rounds per series, ``repeats`` series, the per-series ratios.
+    latency_runs: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -77,6 +100,39 @@ def parse_percent(text: str | float, flag: str = "--max-latency-increase") -> fl
     if value < 0:
         raise UsageError(f"{flag} {raw!r}: must not be negative")
     return value
+
+
+def latency_interval(
+    candidate: Sequence[Sequence[float]], baseline: Sequence[Sequence[float]], *, confidence: float = CONFIDENCE,
+    seed: int = 0, boots: int = _BOOTSTRAP,
+) -> tuple[float, float, float, list[float]]:
+    """The candidate/baseline latency ratio and its interval, from interleaved series of paired runs.
+
+    ``candidate[k][i]`` and ``baseline[k][i]`` are run ``i`` of series ``k`` (timed in the same round).
+    The ratio is the median over the series of ``median(candidate[k]) / median(baseline[k])``; the
+    interval is the ``confidence`` percentile range of that statistic under a two-level bootstrap
+    (series with replacement, then paired rounds with replacement inside each), seeded so a verdict is
+    reproducible from the same timings.  Returns ``(ratio, low, high, per_series_ratios)``.
+    """
+    pairs = []
+    for cand, base in zip(candidate, baseline):
+        n = min(len(cand), len(base))
+        if n:
+            pairs.append((np.asarray(cand[:n], float), np.asarray(base[:n], float)))
+    if not pairs:
+        raise ValueError("no paired timings")
+    per_series = [float(np.median(c) / np.median(b)) for c, b in pairs]
+    ratio = float(np.median(per_series))
+    rng = np.random.default_rng(seed)
+    boot = np.empty((len(pairs), boots))
+    for k, (c, b) in enumerate(pairs):
+        idx = rng.integers(0, len(c), size=(boots, len(c)))
+        boot[k] = np.median(c[idx], axis=1) / np.median(b[idx], axis=1)
+    pick = rng.integers(0, len(pairs), size=(boots, len(pairs)))
+    stat = np.median(boot[pick, np.arange(boots)[:, None]], axis=1)
+    tail = (1.0 - confidence) / 2.0 * 100.0
+    low, high = (float(x) for x in np.percentile(stat, [tail, 100.0 - tail]))
+    return ratio, low, high, per_series
 
 
 def _eval_samples(row: dict[str, Any], model: Any, eval_data: str | None = None) -> list[Any]:
@@ -148,6 +204,8 @@ def run_gate(
     record: str | None = None,
     blocked: list[str] | None = None,
     progress: Any = None,
+    runs: int | None = None,
+    repeats: int = DEFAULT_REPEATS,
     task_metric: str | None = None,
     eval_data: str | None = None,
 ) -> GateResult:
@@ -167,6 +225,10 @@ def run_gate(
     ir_io.load_model(cand)  # a bad candidate is a ModelError (exit 3), before anything else
     if max_accuracy_drop < 0:
         raise UsageError("--max-accuracy-drop must not be negative")
+    if runs is not None and runs < 1:
+        raise UsageError(f"--runs {runs}: must be at least 1")
+    if repeats < 1:
+        raise UsageError(f"--repeats {repeats}: must be at least 1")
     if baseline is not None:
         compared = ledger.get(baseline)
     else:
@@ -204,8 +266,10 @@ def run_gate(
             remeasure = True
         else:
             notes.append(f"{compared['name']}'s model was not kept: its recorded latency is used, not a fresh one")
+    if runs is None:
+        runs = max(MIN_RUNS, math.ceil(int(settings.get("iterations", 50)) / repeats))
     measured = M.measure(
-        targets, feed, samples, warmup=int(settings.get("warmup", 5)), iterations=int(settings.get("iterations", 50)),
+        targets, feed, samples, warmup=int(settings.get("warmup", 5)), iterations=runs, repeats=repeats,
         blocked=blocked or [], progress=progress,
     )
     for name in ("reference", "candidate"):
@@ -244,7 +308,22 @@ def run_gate(
                 f"'{compared['name']}' (drop {drop:.4g} > {max_accuracy_drop:g})"
             )
     ratio = None
-    if comp_metrics.get("latency_p50_ms") and cand_metrics.get("latency_p50_ms") is not None:
+    interval = None
+    timing: dict[str, Any] = {"runs": runs, "repeats": repeats, "confidence": CONFIDENCE}
+    base_name = "reference" if compared is reference else "compared"
+    if remeasure and measured[base_name].latencies and measured["candidate"].latencies:
+        ratio, low, high, per_series = latency_interval(measured["candidate"].latencies, measured[base_name].latencies)
+        interval = [low, high]
+        timing["series_ratios"] = per_series
+        timing["candidate_ms"] = [[x * 1000.0 for x in rep] for rep in measured["candidate"].latencies]
+        timing["compared_ms"] = [[x * 1000.0 for x in rep] for rep in measured[base_name].latencies]
+        if low - 1.0 > max_latency_increase:
+            reasons.append(
+                f"latency: p50 {cand_metrics['latency_p50_ms']:.3f} ms vs {comp_metrics['latency_p50_ms']:.3f} ms of "
+                f"'{compared['name']}' (x{ratio:.3f}, {CONFIDENCE:.0%} interval x{low:.3f}..x{high:.3f} over "
+                f"{repeats}x{runs} interleaved runs: at least +{(low - 1) * 100:.1f}% > {max_latency_increase * 100:g}%)"
+            )
+    elif comp_metrics.get("latency_p50_ms") and cand_metrics.get("latency_p50_ms") is not None:
         ratio = float(cand_metrics["latency_p50_ms"]) / float(comp_metrics["latency_p50_ms"])
         if ratio - 1.0 > max_latency_increase:
             reasons.append(
@@ -255,7 +334,7 @@ def run_gate(
     result = GateResult(
         passed=not reasons, reasons=reasons, candidate=cand_metrics, compared=comp_metrics,
         compared_name=compared["name"], accuracy_metric=metric, accuracy_drop=drop, latency_ratio=ratio,
-        remeasured=remeasure, notes=notes,
+        remeasured=remeasure, notes=notes, latency_interval=interval, latency_runs=timing,
     )
     if record:
         result.row_id = ledger.add({

@@ -59,7 +59,7 @@ DEFAULT_LEDGER = "mograph-ledger.db"
 
 #: One line for ``--help``: what ``--ledger`` accepts.
 LEDGER_HELP = (
-    f"ledger database: a file path or sqlite:///PATH (SQLite, created if missing; default {DEFAULT_LEDGER}); "
+    f"ledger database: a file path or sqlite:///PATH (SQLite; default {DEFAULT_LEDGER}); "
     "no other URL scheme is accepted"
 )
 

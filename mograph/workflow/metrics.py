@@ -354,6 +354,9 @@ class Measured:
     outputs: list[Feed] = field(default_factory=list)
     providers: list[str] = field(default_factory=list)
     error: str | None = None
+    #: Timed runs in seconds, one list per repeat; run ``i`` of every target in a repeat was timed in the
+    #: same round as run ``i`` of the others (interleaved), so they pair up.
+    latencies: list[list[float]] = field(default_factory=list)
 
 
 class _Sampler:
@@ -403,10 +406,13 @@ def measure(
     blocked: Iterable[str] = (),
     progress: Callable[[str, int, int], None] | None = None,
     timing_feeds: Mapping[str, Feed] | None = None,
+    repeats: int = 1,
 ) -> dict[str, Measured]:
     """Measure ``targets`` side by side (see the module docstring); a target that fails to load or run
     gets ``error`` set and no metrics, the others are still measured.  ``timing_feeds`` gives a target
-    its own timing feed (other shapes); the others use ``timing_feed``."""
+    its own timing feed (other shapes); the others use ``timing_feed``.  After ``warmup`` rounds, the
+    ``iterations`` timed rounds are run ``repeats`` times (each target's runs kept per repeat in
+    ``Measured.latencies``); the percentiles are over all of them."""
     from mograph.backends import get_backend, require_available
     from mograph.errors import MographError
     from mograph.plugins import get_registry
@@ -414,7 +420,8 @@ def measure(
     backends = get_registry(blocked).backends
     results: dict[str, Measured] = {t.name: Measured() for t in targets}
     runners: dict[str, Callable[[Feed], dict[str, np.ndarray]]] = {}
-    steps = len(targets) * (1 + len(eval_samples)) + (warmup + iterations) * len(targets)
+    repeats = max(1, int(repeats))
+    steps = len(targets) * (1 + len(eval_samples)) + (warmup + iterations * repeats) * len(targets)
     done = 0
     feed_of = {t.name: (timing_feeds or {}).get(t.name, timing_feed) for t in targets}
 
@@ -448,10 +455,10 @@ def measure(
             runners[t.name] = runner
         except MographError as exc:
             m.error = str(exc)
-            done += len(eval_samples) + warmup + iterations
+            done += len(eval_samples) + warmup + iterations * repeats
     live = [t.name for t in targets if t.name in runners]
-    latencies: dict[str, list[float]] = {n: [] for n in live}
-    for r in range(warmup + iterations):
+    latencies: dict[str, list[list[float]]] = {n: [[] for _ in range(repeats)] for n in live}
+    for r in range(warmup + iterations * repeats):
         order = live[r % len(live):] + live[: r % len(live)] if live else []
         for name in order:
             start = time.perf_counter()
@@ -461,11 +468,13 @@ def measure(
                 results[name].error = str(exc)
                 continue
             if r >= warmup:
-                latencies[name].append(time.perf_counter() - start)
+                latencies[name][(r - warmup) // iterations].append(time.perf_counter() - start)
             tick("warm-up" if r < warmup else "timing")
     for name in live:
-        if latencies[name] and results[name].error is None:
-            results[name].metrics.update(_percentiles(latencies[name]))
+        runs = [x for rep in latencies[name] for x in rep]
+        if runs and results[name].error is None:
+            results[name].metrics.update(_percentiles(runs))
+            results[name].latencies = latencies[name]
     with contextlib.suppress(Exception):
         runners.clear()
     return results

@@ -311,7 +311,8 @@ def pareto_svg(
             path.append(f"L{sx(cur.x):.1f},{sy(prev.y):.1f}L{sx(cur.x):.1f},{sy(cur.y):.1f}")
         parts.append(f'<path class="frontier" d="{"".join(path)}" fill="none" stroke="{_FRONT}" '
                      'stroke-width="1.5" stroke-dasharray="5 3"/>')
-    placed: list[tuple[float, float, float, float]] = []  # label boxes, so labels do not overprint
+    placed: list[tuple[float, float, float, float]] = []  # label boxes (x0, y0, x1, y1), so labels never overprint
+    unlabelled: list[str] = []
     for p in sorted(points, key=lambda p: p.baseline):  # the baseline last: on top
         px, py = sx(p.x), sy(p.y)
         color = _FRONT if p.frontier else _POINT
@@ -329,17 +330,17 @@ def pareto_svg(
             fill = color if p.frontier else "#ffffff"
             parts.append(f'<circle class="{cls}" cx="{px:.1f}" cy="{py:.1f}" r="6" fill="{fill}" '
                          f'stroke="{color}" stroke-width="2">{title_el}</circle>')
-        anchor, dx = ("end", -9) if px > left + pw * 0.75 else ("start", 9)
-        w = 6.6 * len(p.name)
-        lx = px + dx - (w if anchor == "end" else 0)
-        ly = py - 8
-        for _ in range(8):
-            if not any(lx < bx + bw and bx < lx + w and abs(ly - by) < 13 for bx, by, bw, _h in placed):
-                break
-            ly += 14
-        placed.append((lx, ly, w, 13))
-        parts.append(f'<text x="{px + dx:.1f}" y="{ly:.1f}" text-anchor="{anchor}" fill="#333">'
+        spot = _label_spot(px, py, 6.6 * len(p.name), placed, prefer_left=px > left + pw * 0.75,
+                           bounds=(0.0, 22.0, float(width), float(top + ph)))
+        if spot is None:  # no free place near the point: named in the note under the plot, never overprinted
+            unlabelled.append(p.name)
+            continue
+        x_text, y_text, anchor = spot
+        parts.append(f'<text x="{x_text:.1f}" y="{y_text:.1f}" text-anchor="{anchor}" fill="#333">'
                      f"{html.escape(p.name)}</text>")
+    if unlabelled:
+        parts.append(f'<text class="unlabelled" x="{left}" y="{top + ph + 48}" font-size="11" fill="#555">'
+                     f"{html.escape('not labelled (crowded; hover the points): ' + ', '.join(unlabelled))}</text>")
     # legend, in one line under the x axis label
     ly = height - 10
     parts.append('<g class="legend" font-size="11">'
@@ -351,6 +352,29 @@ def pareto_svg(
                  f'<text x="{left + 371}" y="{ly}">baseline (unoptimized)</text></g>')
     parts.append("</svg>")
     return "".join(parts)
+
+
+def _label_spot(
+    px: float, py: float, w: float, placed: list[tuple[float, float, float, float]], *, prefer_left: bool,
+    bounds: tuple[float, float, float, float],
+) -> tuple[float, float, str] | None:
+    """Where a label of width ``w`` for the point at ``(px, py)`` can go without touching any label in
+    ``placed`` (boxes ``(x0, y0, x1, y1)``) or leaving ``bounds``: beside the point, then further above and
+    below, on the preferred side first.  Records the box in ``placed``; ``None`` when nothing is free."""
+    sides = [("end", -9.0), ("start", 9.0)] if prefer_left else [("start", 9.0), ("end", -9.0)]
+    for k in range(12):
+        dy = (-4.0 if k == 0 else (k + 1) // 2 * 14.0 * (1 if k % 2 else -1) - 4.0)
+        for anchor, dx in sides:
+            x0 = px + dx - (w if anchor == "end" else 0.0)
+            base = py + dy  # text baseline; the box spans [base - 10, base + 3]
+            box = (x0, base - 10.0, x0 + w, base + 3.0)
+            if box[0] < bounds[0] or box[2] > bounds[2] or box[1] < bounds[1] or box[3] > bounds[3] + 12:
+                continue
+            if any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in placed):
+                continue
+            placed.append(box)
+            return px + dx, base, anchor
+    return None
 
 
 # -- the page --------------------------------------------------------------------------------------------
@@ -507,6 +531,43 @@ def _passes_table(report: Any) -> str:
     return "".join(out)
 
 
+def _flat(prefix: str, value: Any) -> list[tuple[str, Any]]:
+    """Nested dicts as dotted keys (``budget.metric``); other values as they are."""
+    if isinstance(value, dict) and value:
+        return [item for k, v in value.items() for item in _flat(f"{prefix}.{k}" if prefix else str(k), v)]
+    return [(prefix, value)]
+
+
+def _settings_table(meta: dict[str, Any]) -> str:
+    """A plan's settings and figures as a two-column table (a list of records as its own small table)."""
+    out = ['<table class="plan-settings"><tbody>']
+    for key, value in _flat("", meta):
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            cols = list(dict.fromkeys(k for v in value for k in v))
+            inner = ("<table class=\"plan-list\"><thead><tr>" + "".join(f"<th>{_e(c)}</th>" for c in cols)
+                     + "</tr></thead><tbody>"
+                     + "".join("<tr>" + "".join(f"<td>{_e(_scalar(v.get(c)))}</td>" for c in cols) + "</tr>"
+                               for v in value)
+                     + "</tbody></table>")
+            out.append(f"<tr><th>{_e(key)}</th><td>{inner}</td></tr>")
+        else:
+            out.append(f"<tr><th>{_e(key)}</th><td>{_e(_scalar(value))}</td></tr>")
+    out.append("</tbody></table>")
+    return "".join(out)
+
+
+def _scalar(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, list):
+        return ", ".join(_scalar(v) for v in value)
+    if isinstance(value, dict):
+        return _json_inline(value)
+    return str(value)
+
+
 def _plan_html(plan: Any) -> str:
     plans = plan if isinstance(plan, list) else [plan]
     out = []
@@ -520,9 +581,9 @@ def _plan_html(plan: Any) -> str:
         meta = {k: v for k, v in one.items() if k not in ("nodes", "pass")}
         out.append(f"<h4>precision plan{(' of ' + _e(one.get('pass'))) if one.get('pass') else ''}</h4>")
         out.append('<p class="meta">' + _e(", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) or "no nodes"))
-        if meta:
-            out.append(" · " + _e(_json_inline(meta)))
         out.append("</p>")
+        if meta:
+            out.append(_settings_table(meta))
         if nodes:
             out.append(f"<details class=\"plan-nodes\"><summary>every node ({len(nodes)})</summary>")
             out.append('<table class="sortable plan"><thead><tr><th>node</th><th>op</th><th>precision</th>'

@@ -6,11 +6,13 @@ from collections import Counter
 
 import onnx_ir as ir
 
+from mograph._traverse import iter_nodes
+
 
 def op_histogram(model: ir.Model) -> Counter[str]:
     """Count nodes by ``domain::op_type`` (plain ``op_type`` for the default domain), subgraphs included."""
     hist: Counter[str] = Counter()
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+    for node in iter_nodes(model.graph):
         hist[f"{node.domain}::{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type] += 1
     return hist
 

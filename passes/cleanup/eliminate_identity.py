@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from mograph._traverse import iter_nodes
 from mograph.pass_infra import Pass, PassResult
 
 __all__ = ["EliminateIdentityPass"]
@@ -68,6 +69,6 @@ class EliminateIdentityPass(Pass):
         removed = 0
         graphs: list[ir.Graph | ir.Function] = [model.graph, *model.functions.values()]
         for graph in graphs:
-            for node in list(ir.traversal.RecursiveGraphIterator(graph)):
+            for node in list(iter_nodes(graph)):
                 removed += _eliminate(node)
         return PassResult(modified=removed > 0, stats={"removed_identities": removed})

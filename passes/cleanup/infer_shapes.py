@@ -26,8 +26,9 @@ import math
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx_ir.passes import common as irp
 
+from mograph._traverse import iter_nodes
+from mograph.irutil import run_shape_inference
 from mograph.pass_infra import Pass, PassResult
 
 __all__ = ["InferShapesPass"]
@@ -37,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 def _typed_values(model: ir.Model) -> dict[int, tuple[object, object]]:
     out: dict[int, tuple[object, object]] = {}
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+    for node in iter_nodes(model.graph):
         for v in node.outputs:
             out[id(v)] = (v.type, None if v.shape is None else tuple(v.shape))
     for v in model.graph.outputs:
@@ -51,7 +52,7 @@ DATA_PROP_RANGE_LIMIT = 1 << 20
 
 def _long_range(model: ir.Model) -> bool:
     """Whether a ``Range`` with constant scalar bounds would be longer than the limit (or endless)."""
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+    for node in iter_nodes(model.graph):
         if node.op_type != "Range" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 3:
             continue
         bounds = []
@@ -97,7 +98,7 @@ class InferShapesPass(Pass):
     def call(self, model: ir.Model) -> PassResult:
         before = _typed_values(model)
         declared: list[tuple[ir.Value, ir.Shape]] = []
-        for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        for node in iter_nodes(model.graph):
             if _has_schema(node):
                 for v in node.outputs:
                     if v.shape is not None:
@@ -107,7 +108,9 @@ class InferShapesPass(Pass):
         if not data_prop:
             logger.info("a Range is longer than %d elements: shape inference runs without data propagation", DATA_PROP_RANGE_LIMIT)
         try:
-            irp.ShapeInferencePass(check_type=False, strict_mode=False, data_prop=data_prop)(model)
+            run_shape_inference(model, data_prop=data_prop)
+        except Exception as exc:  # noqa: BLE001 - as onnx_ir's pass: the model is left as it was
+            logger.warning("Shape inference failed: %s. Model is left unchanged", exc)
         finally:
             corrected = 0
             for v, shape in declared:

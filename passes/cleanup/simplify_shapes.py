@@ -44,6 +44,7 @@ import onnx_ir as ir
 from mograph.passes.cleanup._util import op_histogram
 from onnx_ir.passes import common as irp
 
+from mograph._traverse import iter_nodes
 from mograph.irutil import fresh_name, unique_initializer_name
 from mograph.pass_infra import Option, Pass, PassResult
 
@@ -558,7 +559,7 @@ class _Builder:
         self.opset = model.opset_imports.get("", 1)
         self.cache: dict[tuple, ir.Value] = {}
         self.built = 0
-        self.names = {n.name for n in ir.traversal.RecursiveGraphIterator(self.graph) if n.name}
+        self.names = {n.name for n in iter_nodes(self.graph) if n.name}
 
     def plan(self, scalar: bool, elems: Sequence[Mono | None], reader: ir.Node) -> list[tuple] | None:
         """Pieces (``("const", ints)`` / ``("shape", value, start, end)``) that make ``elems`` for ``reader``.

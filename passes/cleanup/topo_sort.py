@@ -9,13 +9,14 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes import common as irp
 
+from mograph._traverse import iter_nodes
 from mograph.pass_infra import Pass, PassResult
 
 __all__ = ["TopoSortPass"]
 
 
 def _order(model: ir.Model) -> list[int]:
-    return [id(n) for n in ir.traversal.RecursiveGraphIterator(model.graph)]
+    return [id(n) for n in iter_nodes(model.graph)]
 
 
 class TopoSortPass(Pass):

@@ -22,7 +22,7 @@ from mograph.custom_ops import DOMAIN, DOMAIN_VERSION, CustomOp
 from mograph.irutil import infer_types, restore_types
 from mograph.lowering import drop_unused_functions, ensure_functions
 from mograph.opset import model_opset
-from mograph.pass_infra import Option, Pass, PassResult, stamp
+from mograph.pass_infra import Option, Pass, PassResult, iter_nodes, stamp
 from mograph.patterns import MatchResult as MatchResult
 from mograph.patterns import OrValue, Rule, RuleReport, any_value, apply_rules, const, constant_array, scalar_value
 from mograph.specs import parse_bool
@@ -66,7 +66,7 @@ class FusionPass(Pass):
         rules = self.make_rules()
         for rule in rules:
             rule.model_opset = model_opset(model)  # type: ignore[attr-defined]
-        names = {n.name for n in ir.traversal.RecursiveGraphIterator(model.graph) if n.name}
+        names = {n.name for n in iter_nodes(model.graph) if n.name}
         counter = itertools.count()
 
         def namer(node: ir.Node, rule: Rule) -> None:

@@ -50,7 +50,14 @@ from typing import Any, ClassVar
 import numpy as np
 import onnx_ir as ir
 from mograph.passes.fusion._common import EXPLAIN_OPTION, FusionPass, is_float, mograph_op
-from mograph.passes.fusion.attention_op import ATTENTION_OP, MASK_FORMAT_KEY, MASK_FORMATS, ROTARY_OP, attention
+from mograph.passes.fusion.attention_op import (
+    ATTENTION_OP,
+    KV_CACHE_KEY,
+    MASK_FORMAT_KEY,
+    MASK_FORMATS,
+    ROTARY_OP,
+    attention,
+)
 from mograph.passes.fusion.lowerings.attention import is_zero_bias
 
 from mograph.irutil import same_dim
@@ -432,10 +439,60 @@ def _flat_transposed(outer: ir.Node) -> Heads | str:
     ok = (a is not None and b is not None and c is not None and len(a) == 4 and len(b) == 3 and len(c) == 4
           and same_dim(b[1], a[2]) and same_dim(b[2], a[3]) and same_dim(c[0], a[0]) and same_dim(c[1], a[1])
           and same_dim(c[2], a[3]) and same_dim(c[3], a[2]))
+    if not ok and kh is not None:  # dims left unknown by shape inference: read the targets (dynamo at opset 17)
+        want_inner = [None, ("dim", kh, 2), ("dim", kh, 3)]  # [-1 (= B*N), T, D]
+        want_outer = [("dim", kh, 0), ("dim", kh, 1), ("dim", kh, 3), ("dim", kh, 2)]  # [B, N, D, T]
+        got_inner, got_outer = _shape_vector(inner.inputs[1]), _shape_vector(outer.inputs[1])
+        ok = (got_inner is not None and got_outer is not None and len(got_inner) == 3
+              and got_inner[0] == -1 and got_inner[1:] == want_inner[1:] and got_outer == want_outer)
     if not ok:
-        return (f"key: cannot prove Reshape '{inner.name}' / Transpose / Reshape '{outer.name}' swap the last two dims "
-                "(shapes unknown: run infer-shapes first)")
+        return (f"key: cannot prove Reshape '{inner.name}' / Transpose / Reshape '{outer.name}' swap the last two dims: "
+                "their shapes are not known statically and their targets are not read from the key heads' own shape")
     return _repeated(kh, "key")  # type: ignore[arg-type]
+
+
+def _shape_vector(value: ir.Value | None) -> list[Any] | None:
+    """A Reshape target as entries: an int (a constant) or ``("dim", X, i)`` (dim ``i`` of ``X``, ``i >= 0``),
+    for a constant or a ``Concat`` of constants, ``Shape(X)`` (with start/end) and ``Slice``s of one with
+    constant bounds; ``None`` for any other computation."""
+    if value is None:
+        return None
+    const = ir.convenience.get_const_tensor(value)
+    if const is not None:
+        return [int(v) for v in np.asarray(const.numpy()).reshape(-1)]
+    node = value.producer()
+    if node is None or node.domain not in ("", "ai.onnx"):
+        return None
+    if node.op_type == "Concat":
+        out: list[Any] = []
+        for part in node.inputs:
+            entries = _shape_vector(part)
+            if entries is None:
+                return None
+            out += entries
+        return out
+    if node.op_type == "Shape":
+        x = node.inputs[0]
+        if x is None or x.shape is None:
+            return None
+        rank = len(x.shape)
+        start_attr, end_attr = node.attributes.get("start"), node.attributes.get("end")
+        start = start_attr.as_int() if start_attr is not None else 0
+        end = end_attr.as_int() if end_attr is not None else rank
+        return [("dim", x, i) for i in range(*slice(start, end).indices(rank))]
+    if node.op_type == "Slice" and len(node.inputs) >= 3:
+        whole = _shape_vector(node.inputs[0])
+        bounds = [_shape_vector(v) if v is not None else None for v in node.inputs[1:5]]
+        if whole is None or any(b is None or len(b) != 1 or not isinstance(b[0], int)
+                                for b in bounds[:2]):
+            return None
+        if len(bounds) > 2 and node.inputs[3] is not None and bounds[2] != [0]:
+            return None  # only axis 0 of a vector
+        if len(bounds) > 3 and node.inputs[4] is not None and bounds[3] != [1]:
+            return None
+        start, end = bounds[0][0], bounds[1][0]  # type: ignore[index]
+        return whole[slice(start, end)]
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -644,6 +701,8 @@ class AttentionFusion(Rule):
         fmt = getattr(self, "mask_format", None)
         if fmt and fmt != "bias" and f["mask"] is not None:
             y.producer().metadata_props[MASK_FORMAT_KEY] = fmt
+        if getattr(self, "kv_cache", None) == "shared":
+            y.producer().metadata_props[KV_CACHE_KEY] = "shared"
         if f["flat"]:
             y = op.Reshape(y, op.initializer(ir.tensor(np.array([-1, f["width"]], dtype=np.int64)),
                                              name="mograph_flat_shape"))
@@ -690,8 +749,29 @@ MASK_FORMAT_OPTION = Option(
     "H200 an additive (1,1,S,S) bias ran cuDNN flash attention, (B,1,S,S) is not yet measured), lengths (1-D "
     "key lengths, ReduceSum of the 0/1 attention_mask: measured fastest, but exact only for RIGHT-padded "
     "masks: a left-padded row attends to its first keys instead; masks not traced to an attention_mask input "
-    "stay bias), raw (the 2-D mask as mask_index: exact, but ONNX Runtime CUDA's slow unfused kernel)",
+    "stay bias; for LLaMA/Qwen-style decoders: GroupQueryAttention with the rotary inside and packed QKV, "
+    "exact when the mask is all ones or right padded), "
+    "raw (the 2-D mask as mask_index: exact, but ONNX Runtime CUDA's slow unfused kernel)",
     metavar="bias|lengths|raw",
+)
+
+
+def _kv_cache_layout(raw: object) -> str:
+    text = str(raw).strip().lower()
+    if text not in ("concat", "shared"):
+        raise ValueError("expected concat or shared")
+    return text
+
+
+KV_CACHE_OPTION = Option(
+    "kv-cache", _kv_cache_layout, "concat",
+    "KV cache of a decoder's decode step for --target ort: concat (default: present = Concat(past, new), shapes "
+    "grow every step) or shared (GroupQueryAttention over one static buffer per layer that past_key and "
+    "present_key are both bound to, [batch, kv_heads, max_sequence_length, head_dim], with a [batch, "
+    "max_sequence_length] attention_mask of ones then zeros: shapes fixed between steps, so the step can be "
+    "captured as a CUDA graph; implies --mask-format lengths for these attentions, i.e. RIGHT padding; a cached "
+    "attention that cannot become GroupQueryAttention fails the lower step)",
+    metavar="concat|shared",
 )
 
 
@@ -699,14 +779,16 @@ class FuseAttentionPass(FusionPass):
     """Fuse multi-head self-/cross-attention (Q/K/V split, scaled scores, mask bias, softmax, merge) into one op."""
 
     name = "fuse-attention"
-    options: ClassVar[tuple[Option, ...]] = (EXPLAIN_OPTION, MASK_FORMAT_OPTION)
+    options: ClassVar[tuple[Option, ...]] = (EXPLAIN_OPTION, MASK_FORMAT_OPTION, KV_CACHE_OPTION)
     rules: ClassVar[tuple[type[Rule], ...]] = (AttentionFusion,)
 
     def make_rules(self) -> list[Rule]:
         rules = super().make_rules()
         fmt = self.config.get("mask_format")
+        kv = self.config.get("kv_cache")
         for rule in rules:
             rule.mask_format = fmt  # type: ignore[attr-defined]
+            rule.kv_cache = kv  # type: ignore[attr-defined]
         return rules
 
     def call(self, model: ir.Model) -> PassResult:

@@ -27,7 +27,7 @@ import onnx_ir as ir
 
 from mograph.custom_ops import DOMAIN, DOMAIN_VERSION, CustomOp
 
-__all__ = ["ATTENTION_OP", "ROTARY_OP", "rotary_embedding", "rotary_function", "MASK_FORMATS", "MASK_FORMAT_KEY", "ONNX_ATTENTION_OPSET", "attention", "attention_function",
+__all__ = ["ATTENTION_OP", "ROTARY_OP", "rotary_embedding", "rotary_function", "MASK_FORMATS", "MASK_FORMAT_KEY", "KV_CACHE_KEY", "ONNX_ATTENTION_OPSET", "attention", "attention_function",
            "custom_ops"]
 
 #: The fused op's type in the ``mograph`` domain.
@@ -36,6 +36,8 @@ ATTENTION_OP = "Attention"
 ONNX_ATTENTION_OPSET = 23
 #: Node metadata key: how the ``ort`` lowering passes a key-padding mask (one of :data:`MASK_FORMATS`).
 MASK_FORMAT_KEY = "mograph.attention.mask_format"
+#: Node metadata: ``shared`` where ``--kv-cache shared`` asks a decode step's cache to be one static buffer.
+KV_CACHE_KEY = "mograph.attention.kv_cache"
 #: ``bias``: the additive bias itself (``attention_bias`` of Attention / MultiHeadAttention), exact for every mask;
 #: ``lengths``: a 1-D ``[B]`` key-length ``mask_index`` (ReduceSum of a 0/1 ``attention_mask``), exact for
 #: right-padded masks only; ``raw``: the 2-D ``[B, T]`` mask as ``mask_index``, exact for every 0/1 mask.

@@ -192,7 +192,10 @@ class ShapeInfo:
         try:
             import onnx
 
-            proto = ir.serde.serialize_model(model)
+            from mograph import _spill
+
+            # Shapes need no weights: above the protobuf limit they are left out (types and shapes kept).
+            proto = _spill.shape_proto(model) if _spill.too_big(model) else ir.serde.serialize_model(model)
             inferred = _symbolic_inference(proto) or onnx.shape_inference.infer_shapes(proto, data_prop=True)
             for vi in [*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input]:
                 tt = vi.type.tensor_type

@@ -8,6 +8,10 @@
 - ``fp16``: FP16 conversion that keeps FP32 where calibration shows overflow or reductions are deep;
 - ``weight-only`` (preset ``int4``): block-wise INT4/INT8 weights of MatMul/Gemm (RTN, AWQ- or GPTQ-style)
   as ``mograph.WeightOnlyMatMul``, with a per-layer 4/8/float plan; the op is declared here too.
+
+With a device (``--device cuda|cpu``, ``optimize(device=...)``) the presets follow the precision recipe of
+:mod:`mograph.passes.quant.recipe` (``int4``/``int8`` on ONNX Runtime CUDA: weight-only ``MatMulNBits`` then
+``fp16``), chosen from a table of measured kernel times.
 """
 
 from __future__ import annotations
@@ -39,3 +43,18 @@ def mograph_add_custom_ops() -> list:
     from mograph.passes.quant.weight_only_op import weight_only_matmul_op
 
     return [weight_only_matmul_op()]
+
+
+@hookimpl
+def mograph_precision_recipe(passes: list[str], options: dict, device: str) -> dict | None:
+    """``int4`` / ``int8`` for the device named (:mod:`mograph.passes.quant.recipe`)."""
+    from mograph.passes.quant.recipe import device_kind, resolve
+
+    from mograph.errors import OptionError
+
+    try:
+        device_kind(device)
+        recipe = resolve(passes, options, device)
+    except ValueError as exc:
+        raise OptionError(f"--device {device}: {exc}") from None
+    return {"passes": recipe.passes, "options": recipe.options, "record": recipe.to_dict()}

@@ -42,6 +42,7 @@ import onnx_ir as ir
 from mograph.passes.quant import calibration as cal
 from mograph.passes.quant.plan import Budget
 
+from mograph import ir_io
 from mograph.irutil import fresh_name
 
 __all__ = ["FP16_LIMIT", "LocalMeasure", "Search", "keep_fp16_rounding", "measure_local", "output_metric",
@@ -108,8 +109,7 @@ def _twin_model(model: ir.Model, positions: Sequence[int], floats: set[str], pin
     Returns the copy, for each position the ``(float32 output, twin output)`` name pairs to compare, and
     the names of the float32 tensors whose statistics are wanted.
     """
-    copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
-    cal.set_model_folder(copy, cal.model_folder(model))
+    copy = ir_io.copy_model(model)
     graph = copy.graph
     nodes = list(graph)
     taken = {v.name for n in nodes for v in n.outputs if v.name} | {v.name for v in graph.inputs if v.name}
@@ -185,7 +185,8 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
     """Run the float32 model and every twin on each sample of ``source`` (module docstring)."""
     twin, pairs, watched = _twin_model(model, positions, floats, pinned_in, pinned_out, retype)
     names = [v.name for v in twin.graph.outputs]
-    sess = cal._session(ir.serde.serialize_model(twin).SerializeToString(), cal.model_folder(model))
+    sess = cal._session(twin, cal.model_folder(model))  # too big for one protobuf: spilled to a file
+    del twin  # the session holds its own copy of the float16 twins
     result = LocalMeasure(stats={name: cal.TensorStats() for name in watched})
     num = dict.fromkeys(pairs, 0.0)
     den = dict.fromkeys(pairs, 0.0)

@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from mograph import _spill
 from mograph.errors import BackendUnavailableError, OptionError
 from mograph.irutil import fresh_name
 
@@ -423,22 +424,25 @@ def set_model_folder(model: ir.Model, folder: str | None) -> None:
             tensor.base_dir = folder
 
 
-def _session(model_bytes: bytes, folder: str | None = None) -> Any:
-    """An ONNX Runtime session (optimizations off) on ``model_bytes``, its external data in ``folder``."""
+def _session(model_bytes: Any, folder: str | None = None) -> Any:
+    """An ONNX Runtime session (optimizations off) on ``model_bytes``, its external data in ``folder``.
+
+    ``model_bytes`` may also be an ``onnx_ir.Model``, a ``ModelProto`` or a :class:`mograph._spill.Payload`
+    (what :func:`_with_outputs_mapped` returns): one too big for a protobuf reaches ONNX Runtime as a
+    file in a temporary folder (:mod:`mograph._spill`), never serialized whole.
+    """
     ort = _require_ort()
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 3
-    if folder:
-        so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
-    return ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
+    return _spill.payload(model_bytes, folder).session(so, ["CPUExecutionProvider"])
 
 
 def infer_dtypes(model: ir.Model) -> dict[str, int]:
     """Element type (``onnx.TensorProto`` code) of every named tensor, from ONNX shape inference on a copy."""
     import onnx
 
-    proto = ir.serde.serialize_model(model)
+    proto = _spill.shape_proto(model) if _spill.too_big(model) else ir.serde.serialize_model(model)
     try:
         proto = onnx.shape_inference.infer_shapes(proto)
     except Exception as exc:  # noqa: BLE001 - inference is best effort; known dtypes still count
@@ -506,11 +510,13 @@ def _expose(graph: Any, name: str, elem: int, taken: set[str]) -> str | None:
 
 
 def _with_outputs_mapped(model: ir.Model, names: Iterable[str], dtypes: dict[str, int] | None = None, *,
-                         only: bool = False) -> tuple[bytes, dict[str, str]]:
+                         only: bool = False) -> tuple[Any, dict[str, str]]:
     """Serialize a copy of ``model`` whose graph also outputs the named tensors; return it and the output names.
 
     A tensor inside an ``If`` branch is brought out through the ``If`` (:func:`_expose`), under another
     name; one that cannot be brought out (inside a ``Loop`` or ``Scan``) is left out of the mapping.
+    The copy is bytes, or, for a model too big for one protobuf, a :class:`mograph._spill.Payload` (the
+    model spilled to a temporary folder, the outputs added to its small proto): :func:`_session` takes both.
 
     With ``only``, the copy outputs the named tensors alone and keeps only the nodes and initializers they
     depend on (:func:`_prune_to_outputs`): ONNX Runtime runs every node of a session whatever is fetched,
@@ -521,7 +527,7 @@ def _with_outputs_mapped(model: ir.Model, names: Iterable[str], dtypes: dict[str
     """
     import onnx
 
-    proto = ir.serde.serialize_model(model)
+    proto, spilled = _spill.model_proto(model)
     have = {o.name for o in proto.graph.output}
     values = _values_by_name(model)
     taken = {o for g in _proto_graphs(proto.graph) for n in g.node for o in n.output}
@@ -545,6 +551,8 @@ def _with_outputs_mapped(model: ir.Model, names: Iterable[str], dtypes: dict[str
         mapping[name] = out
     if only and mapping:
         _prune_to_outputs(proto.graph, set(mapping.values()))
+    if spilled is not None:
+        return _spill.payload(proto, spilled=spilled), mapping
     return proto.SerializeToString(), mapping
 
 
@@ -584,7 +592,7 @@ def _prune_to_outputs(graph: Any, outputs: set[str]) -> None:
             del graph.initializer[i]
 
 
-def _with_outputs(model: ir.Model, names: Iterable[str], dtypes: dict[str, int] | None = None) -> bytes:
+def _with_outputs(model: ir.Model, names: Iterable[str], dtypes: dict[str, int] | None = None) -> Any:
     """Serialize a copy of ``model`` whose graph also outputs the named tensors."""
     return _with_outputs_mapped(model, names, dtypes)[0]
 
@@ -601,10 +609,10 @@ def _values_by_name(model: ir.Model) -> dict[str, ir.Value]:
 
 
 def run_model(
-    model_bytes: bytes, feeds: Iterable[Feed], output_names: list[str] | None = None, folder: str | None = None
+    model_bytes: Any, feeds: Iterable[Feed], output_names: list[str] | None = None, folder: str | None = None
 ) -> Iterator[list[np.ndarray]]:
-    """Run serialized ``model_bytes`` (ORT, optimizations off, external data in ``folder``) on each feed;
-    yield the outputs."""
+    """Run ``model_bytes`` (anything :func:`_session` takes; ORT, optimizations off, external data in
+    ``folder``) on each feed; yield the outputs."""
     sess = _session(model_bytes, folder)
     for feed in feeds:
         yield sess.run(output_names, feed)

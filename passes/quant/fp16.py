@@ -65,6 +65,7 @@ from mograph.passes.quant._fp16_measure import (
 )
 from mograph.passes.quant.plan import Budget, PrecisionPlan, load_plan, node_key, parse_budget
 
+from mograph import ir_io
 from mograph.custom_ops import DOMAIN as CUSTOM_DOMAIN
 from mograph.errors import OptionError
 from mograph.irutil import fresh_name
@@ -427,24 +428,23 @@ class Fp16Pass(Pass):
                        budget: Budget) -> Search:
         """Keep the fewest candidates float32 (most sensitive first) so the converted model meets ``budget``."""
         samples = list(itertools.islice(iter(source), max(1, int(self.config.get("fp16_samples") or 16))))
-        base = ir.serde.serialize_model(model)
         folder = cal.model_folder(model)
         mask = cal.padding_mask_input(model)
         keeps = [cal._kept_positions(f, mask) for f in samples]  # padded positions are not judged
-        ref_sess = cal._session(base.SerializeToString(), folder)
+        ref_sess = cal._session(model, folder)  # too big for one protobuf: spilled to a file
         refs = [cal._run_feed(ref_sess, None, f, source, i) for i, f in enumerate(samples)]
+        del ref_sess
         fixed = {p: d[0] for p, d in decisions.items()}
         amax_by_name = {name: s.amax for name, s in stats_by.items()}
 
         def evaluate(extra: set[int]) -> float:
-            copy = ir.serde.deserialize_model(base)
-            cal.set_model_folder(copy, folder)
+            copy = ir_io.copy_model(model)  # made per evaluation, not held through the search
             chosen = {**fixed, **{p: ("fp32" if p in extra else "fp16") for p in candidates}}
             self._convert(copy, chosen, floats, pinned_in, pinned_out, amax_by_name)
             keep_fp16_rounding(copy)  # ORT's CPU provider would otherwise compute it all in float32
             halves = {v.name for v in copy.graph.inputs if v.dtype == ir.DataType.FLOAT16}
             feeds = [{k: (a.astype(np.float16) if k in halves else a) for k, a in f.items()} for f in samples]
-            outs = list(cal.run_model(ir.serde.serialize_model(copy).SerializeToString(), feeds, folder=folder))
+            outs = list(cal.run_model(copy, feeds, folder=folder))
             return output_metric(budget, refs, outs, keeps)
 
         ranked = sorted(candidates, key=lambda p: measured.error.get(p, 0.0), reverse=True)

@@ -56,6 +56,7 @@ from mograph.passes.quant.calibration import (
 )
 from mograph.passes.quant.plan import Budget
 
+from mograph import _spill
 from mograph.ir_version import make_model as make_model_proto
 
 __all__ = ["SensitivityResult", "analyse"]
@@ -224,7 +225,7 @@ def _evaluate_mix(
     for c in all_cands:
         if c.key in quantized:
             writer.quantize(c)
-    outs = list(run_model(ir.serde.serialize_model(m).SerializeToString(), samples, folder=folder))
+    outs = list(run_model(m, samples, folder=folder))  # too big for one protobuf: spilled to a file
     return _metric(budget, refs, outs)
 
 
@@ -259,9 +260,11 @@ def analyse(
     fixed = set(fixed)
     map_fn = map_fn or current_map()
     width = max(1, int(getattr(map_fn, "width", 1)))
-    base = ir.serde.serialize_model(model)
-    folder = model_folder(model)
-    refs = list(run_model(base.SerializeToString(), samples, folder=folder))
+    # A model too big for one protobuf is spilled to a temporary folder: ``base`` is then its small proto,
+    # its weights read from that folder (kept alive by ``spilled`` until the search ends).
+    base, spilled = _spill.model_proto(model)
+    folder = str(spilled.folder) if spilled is not None else model_folder(model)
+    refs = list(run_model(base, samples, folder=folder))
     result = SensitivityResult()
     result.alone, result.cost = _layer_errors(model, cands, ranges, scheme, samples, source)
     evaluate = functools.partial(_evaluate_mix, base, folder, scheme, ranges, samples, budget, refs)
@@ -295,4 +298,6 @@ def analyse(
     result.final = cache[hi]
     result.curve = dict(sorted(cache.items()))
     result.met = budget.met(result.final)
+    if spilled is not None:
+        spilled.cleanup()
     return result

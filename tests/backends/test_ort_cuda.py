@@ -129,8 +129,8 @@ def test_bench_argument_errors(extra, message, capsys):
 def test_other_commands_argument_errors(capsys):
     assert main(["validate", str(BERT), "--backend", "ort", "--cuda-graph", "--json"]) == 2
     assert "--cuda-graph" in json.loads(capsys.readouterr().out)["error"]
-    assert main(["optimize", str(BERT), "--device", "cuda", "--json"]) == 2
-    assert "give --verify" in json.loads(capsys.readouterr().out)["error"]
+    assert main(["optimize", str(BERT), "--device", "tpu", "--json"]) == 2  # --device alone picks the recipe now
+    assert "tpu" in json.loads(capsys.readouterr().out)["error"]
     assert main(["diff", str(BERT), str(BERT), "--device", "tpu", "--json"]) == 2
 
 

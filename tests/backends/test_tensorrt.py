@@ -285,18 +285,17 @@ def test_launch_checks_arguments_before_touching_the_gpu():
     launch("Gelu", {}, [1], [2], [(0, 8)], "float32", lib=object())  # empty tensor: nothing to launch
 
 
-def test_launch_reports_kernel_status(tmp_path, monkeypatch):
+@pytest.mark.slow  # where no library is built yet, it compiles the kernels (minutes): not in the quick run
+def test_launch_reports_kernel_status(request, monkeypatch):
     """A NULL pointer is refused by the library itself (no CUDA call), on any machine: the status comes back as an error.
 
-    Where the library is not built yet but nvcc is there (CI), it is built into a temporary folder first.
+    Where the library is not built yet but nvcc is there (CI), the run's one fresh build (the session fixture
+    ``kernel_library`` in ``tests/conftest.py``) is used.
     """
-    from mograph._kernels import build as builder
     from mograph.backends.tensorrt_plugins import KERNELS_ENV, kernel_library_path, load_kernels
 
     if not kernel_library_path().exists():
-        if builder.find_nvcc() is None:
-            pytest.skip(f"kernel library not built ({kernel_library_path()}) and no nvcc to build it")
-        monkeypatch.setenv(KERNELS_ENV, str(builder.build(build_dir=tmp_path, force=True)))
+        monkeypatch.setenv(KERNELS_ENV, str(request.getfixturevalue("kernel_library")))
     lib = load_kernels()
     with pytest.raises(PluginError, match="status 1"):
         launch("LayerNorm", {"epsilon": 1e-5}, [0, 0], [0], [(4, 64), (64,)], "float32", 0, lib=lib)

@@ -141,3 +141,32 @@ def test_help_shows_yes_no_defaults_as_a_user_writes_them():
     text = " ".join(sub.choices["optimize"].format_help().split())
     assert "--fp16-io yes|no" in text and "[fp16; default: no]" in text
     assert "default: True" not in text and "default: False" not in text
+
+
+def test_an_option_no_pass_reads_warns_and_strict_refuses(tmp_path, capsys, caplog):
+    src = tmp_path / "m.onnx"
+    onnx.save(_good(), str(src))
+    with caplog.at_level("WARNING", logger="mograph"):
+        code = main(["optimize", str(src), "-o", str(tmp_path / "a.onnx"), "--passes", "cleanup", "--ratio", "0.5"])
+    assert code == 0 and "'ratio' (read by prune-structured); ignored" in caplog.text
+    code = main(["optimize", str(src), "-o", str(tmp_path / "b.onnx"), "--passes", "cleanup", "--ratio", "0.5",
+                 "--strict"])
+    err = capsys.readouterr().err
+    assert code == 2 and "no pass of the pipeline" in err and "'ratio' (read by prune-structured)" in err
+    assert not (tmp_path / "b.onnx").exists()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mograph"):  # --shape also sizes verification feeds: never warned about
+        code = main(["optimize", str(src), "-o", str(tmp_path / "c.onnx"), "--passes", "cleanup", "--shape", "x:2x3",
+                     "--strict"])
+    assert code == 0 and "reads" not in caplog.text
+
+
+def test_validate_defaults_to_a_backend_that_runs_here(tmp_path, capsys):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("polygraphy")
+    src = tmp_path / "m.onnx"
+    onnx.save(_good(), str(src))
+    code = main(["validate", str(src), "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert json.loads(out.out)["backend"] == "ort"

@@ -56,12 +56,10 @@ def test_readme_documents_every_symbol():
     assert "mograph_kernels_status_string" in readme
 
 
-@pytest.fixture(scope="module")
-def library(tmp_path_factory) -> Path:
-    if NVCC is None:
-        pytest.skip("nvcc not found on PATH (nor NVCC / CUDA_HOME): cannot build")
-    out = tmp_path_factory.mktemp("kernels_build")
-    return build.build(build_dir=out, force=True)
+@pytest.fixture
+def library(kernel_library) -> Path:
+    """The library built from scratch once per test run (the session fixture in ``tests/conftest.py``)."""
+    return kernel_library
 
 
 @pytest.mark.slow

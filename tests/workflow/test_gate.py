@@ -112,3 +112,56 @@ def test_gate_never_creates_a_missing_ledger(tmp_path, capsys, record):
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert not missing.exists()
+
+
+def test_gate_never_fails_an_unchanged_model_in_20_runs(swept, capsys):
+    """The baseline model gated against itself, 20 times in a row on a busy machine: never a latency failure
+    (the noise-aware rule: lower end of the ratio's interval over interleaved series, not one p50 ratio)."""
+    ratios = []
+    for _ in range(20):
+        code, out, err = _gate(capsys, swept / "m.onnx", "--ledger", swept / "l.db", "--json", "-q",
+                               "--runs", "5", "--repeats", "3")
+        assert code == 0, err
+        data = json.loads(out)
+        low, high = data["latency_interval"]
+        assert low <= data["latency_ratio"] <= high
+        assert data["latency_runs"]["runs"] == 5 and data["latency_runs"]["repeats"] == 3
+        assert [len(s) for s in data["latency_runs"]["candidate_ms"]] == [5, 5, 5]
+        ratios.append(data["latency_ratio"])
+    assert len(ratios) == 20
+
+
+def test_gate_json_carries_the_measurements_on_failure(swept, capsys):
+    slow = swept / "slow.onnx"
+    small_model(slow, heavy=40)
+    code, out, err = _gate(capsys, slow, "--ledger", swept / "l.db", "--json", "--max-latency-increase", "50%",
+                           "--runs", "6", "--repeats", "2")
+    assert code == 5
+    data = json.loads(out)
+    assert data["exit_code"] == 5 and data["error"].startswith("gate failed: latency: p50")
+    assert data["passed"] is False and data["reasons"] and data["latency_interval"][0] > 1.5
+    assert data["candidate"]["latency_p50_ms"] > data["compared"]["latency_p50_ms"]
+    assert [len(s) for s in data["latency_runs"]["compared_ms"]] == [6, 6]
+    assert "interval" in err and "2x6 interleaved runs" in err
+
+
+def test_gate_rejects_bad_runs_and_repeats(swept, capsys):
+    for flag in ("--runs", "--repeats"):
+        code, out, err = _gate(capsys, swept / "m.onnx", "--ledger", swept / "l.db", flag, "0")
+        assert code == 2 and f"{flag} 0: must be at least 1" in err
+
+
+def test_latency_interval_is_noise_aware():
+    from mograph.workflow.gate import latency_interval
+
+    rng = np.random.default_rng(0)
+    same = [list(1.0 + rng.exponential(0.2, 10)) for _ in range(4)]
+    other = [list(1.0 + rng.exponential(0.2, 10)) for _ in range(4)]
+    other[1] = [x * 5 for x in other[1]]  # one series disturbed (the machine was busy): the median ignores it
+    ratio, low, high, per = latency_interval(other, same)
+    assert low <= ratio <= high and len(per) == 4 and per[1] > 3
+    assert low < 1.1 and 0.7 < ratio < 1.3
+    slow = [[x * 2 for x in s] for s in same]
+    ratio, low, high, _ = latency_interval(slow, same)
+    assert ratio == pytest.approx(2.0) and low > 1.5
+    assert latency_interval(slow, same) == latency_interval(slow, same)  # seeded: reproducible

@@ -178,8 +178,15 @@ def test_ledger_command(tmp_path, capsys):
     assert json.loads(out)["rows"] == []
     code, out = _ledger_cli(capsys, "show", "int8", "--ledger", path, "--json")
     assert json.loads(out)["metrics"]["latency_p50_ms"] == 0.75
+    code, out = _ledger_cli(capsys, "show", "int8", "--ledger", path)  # a table, not JSON, without --json
+    assert code == 0 and not out.lstrip().startswith("{")
+    assert out.splitlines()[0] == "row" and "metrics" in out.splitlines()
+    assert next(line for line in out.splitlines() if line.strip().startswith("p50 ms")).split()[-1] == "0.750"
+    assert next(line for line in out.splitlines() if line.strip().startswith("pipeline")).split()[-1] == (
+        "fuse-layernorm,qdq-int8")
     code, out = _ledger_cli(capsys, "compare", "baseline", "int8", "--ledger", path)
     assert code == 0
+    assert "size_bytes" not in out  # the figures are megabytes: labelled so
     p50 = next(line for line in out.splitlines() if line.startswith("latency_p50_ms"))
     assert "(x0.50)" in p50  # 0.75 / 1.5
     cos = next(line for line in out.splitlines() if line.startswith("cosine_mean"))

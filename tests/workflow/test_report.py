@@ -181,3 +181,36 @@ def test_png_plot_is_the_svg_rendered(tmp_path):
     # the frontier points sit left of (faster than) the dominated one: red pixels span most of the width
     cols = np.nonzero(red.any(axis=0))[0]
     assert cols.max() - cols.min() > 300
+
+
+def test_pareto_labels_never_overlap_when_points_crowd():
+    """Close points get labels at free places around them; where none is free the name goes to a note."""
+    rows = [{"name": f"config-{i:02d}", "status": "ok",
+             "metrics": {"latency_p50_ms": 1.0 + 0.001 * (i % 20), "cosine_mean": 0.999 - 0.00001 * (i % 20)}}
+            for i in range(60)]  # 60 points on 20 spots: more names than free places near them
+    svg = rep.pareto_svg(rows)
+    root = ET.fromstring(svg)
+    ns = "{http://www.w3.org/2000/svg}"
+    labels = [t for t in root.iter(f"{ns}text") if (t.text or "").startswith("config-")]
+    boxes = []
+    for t in labels:
+        x, y, w = float(t.get("x")), float(t.get("y")), 6.6 * len(t.text)
+        x0 = x - w if t.get("text-anchor") == "end" else x
+        boxes.append((x0, y - 10, x0 + w, y + 3))
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            assert not (a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]), (a, b)
+    note = [t.text for t in root.iter(f"{ns}text") if t.get("class") == "unlabelled"]
+    named = {t.text for t in labels} | {n for text in note for n in text.split(": ", 1)[1].split(", ")}
+    assert named == {r["name"] for r in rows}  # every point is named once: beside it or in the note
+    assert labels and note
+
+
+def test_precision_plan_settings_are_a_table_not_json():
+    plan = [{"pass": "qdq-int8", "budget": {"metric": "cosine", "min": 0.992}, "kept_float": 2,
+             "layers": [{"node": "a", "error": 0.01}, {"node": "b", "error": 0.02}],
+             "nodes": [{"node": "a", "op": "MatMul", "precision": "int8", "reason": "r"}]}]
+    html_text = rep._plan_html(plan)
+    assert '<table class="plan-settings">' in html_text and "<th>budget.metric</th><td>cosine</td>" in html_text
+    assert "<th>kept_float</th><td>2</td>" in html_text and '<table class="plan-list">' in html_text
+    assert "{&quot;" not in html_text and '{"' not in html_text

@@ -58,6 +58,24 @@
     (Reshape/Expand/Reshape, as ``repeat_kv`` does), then ``MultiHeadAttention`` as above.  A step's new K/V go
     in as the exporter's own ``[B, S, H]`` projections where the head split is provably a split of the last dim
     (``[b, s, G, D]`` with ``0``, ``-1``, the static dims or ``Shape`` reads of the same tensor).
+    Decoders (checked first): causal self-attention whose Q and K are ``com.microsoft.RotaryEmbedding`` kernels
+    (lowered just before, from one angle table ``f``) becomes ``GroupQueryAttention`` with the rotary inside
+    (``do_rotary=1``, ``cos_cache``/``sin_cache`` ``[GQA_MAX_LENGTH, D/2]`` initializers computed as the export
+    does, float32 ``p * inv_freq``) where it is provably the standard one: ``f = Cast(pos) * inv_freq`` laid out
+    ``[1, S, D/2]`` with ``inv_freq`` a constant and ``pos`` the query positions ``Range(0, S, 1)`` (+ the past
+    length ``Shape(past_key)[2]`` of a decode step); the bias ``Where(kv_idx <= pos[s] [& mask[b, kv_idx]], 0, c)``
+    with ``kv_idx`` a ``Range`` of the key count (the padding lookup as TorchScript's flat ``Gather`` or
+    dynamo's ``GatherND`` of that very index); head size a multiple of 8.  Q/K/V that are projections of one
+    tensor are packed (``x @ [Wq|Wk|Wv] (+ [bq|bk|bv])``, ``key``/``value`` empty); the cache is the kernel's past
+    and present (the exporter's Concat removed), and a prefill's present outputs (the exporter's own rotated keys
+    and split values) become the kernel's.  Lengths: ``seqlens_k = ReduceSum(int32(mask), 1) - 1``,
+    ``total_sequence_length = int32(Shape(mask)[1])`` (as ONNX Runtime GenAI builds them) -- which assume RIGHT
+    padding, so with a padding term the form is taken only with ``lengths`` (or ``--kv-cache shared``,
+    :data:`~mograph.passes.fusion.attention_op.KV_CACHE_KEY`: past and present then carry the dim
+    ``max_sequence_length``, bound to one buffer); without a mask input it is exact and taken by default.  No
+    NaN guard: the causal mask leaves every query its own key.  Stats ``attention.gqa_rotary``,
+    ``attention.packed_qkv``, ``attention.kv_cache_shared``; the two rotary kernels taken in are subtracted from
+    ``rotary.kernel``.  Why a node did not take this form is logged at DEBUG (``-vv``).
 ``RotaryEmbedding``
     ``ort``: ``com.microsoft.RotaryEmbedding`` where the export's cos/sin are provably ``Cos/Sin(Concat(f, f))``
     of one per-token angle table ``f`` ``[Bc, S, D/2]`` (transformers' ``rotary_emb``, times its scaling
@@ -65,7 +83,8 @@
     (``Cos(f)``, ``Sin(f)`` reshaped to ``[Bc*S, D/2]``, built once per table) and each token's position id is its
     own row ``b*S + s``: exact whatever positions the export used.  Otherwise, and for the other targets, the
     body is inlined (X rotated in its ``[B, S, N, D]`` view; only cos/sin are transposed).
-    GroupQueryAttention's ``do_rotary`` (caches indexed by the position from ``seqlens_k``) is not used.
+    Where the attention after it becomes ``GroupQueryAttention`` with ``do_rotary`` (above), the kernel is
+    absorbed into it.
 ``onnx``
     the standard ``Attention`` (3-D form, ``q_num_heads``, ``kv_num_heads``; ``M`` as ``attn_mask``, expanded
     the same way, since ONNX Runtime does not broadcast its dim -2) at opset >= 23; below that ONNX has no
@@ -85,20 +104,24 @@ their tables).
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
-from mograph.passes.fusion.attention_op import MASK_FORMAT_KEY
+from mograph.passes.fusion.attention_op import KV_CACHE_KEY, MASK_FORMAT_KEY
 from mograph.passes.fusion.ops import FLOAT_TYPES
 
 from mograph.custom_ops import Lowering
+from mograph.errors import PassFailedError
 from mograph.irutil import add_initializer, attr_value, is_zero, same_dim
 from mograph.lowering import LoweringContext, replace_node
 from mograph.patterns import constant_array, remove_dead_producers, scalar_value
 
 __all__ = ["is_zero_bias", "LOWERINGS"]
+
+logger = logging.getLogger(__name__)
 
 MS_DOMAIN = "com.microsoft"
 ONNX_ATTENTION_OPSET = 23
@@ -651,6 +674,12 @@ def _shape_entries(target: ir.Value | None) -> list[Any] | None:
         v = piece
         while (node := _producer(v, "Unsqueeze")) is not None:
             v = node.inputs[0]
+        sliced = _producer(v, "Shape")  # Shape(z, start=i, end=i+1): dynamo's read of one dim
+        if sliced is not None and "start" in sliced.attributes and "end" in sliced.attributes:
+            start, end = int(attr_value(sliced, "start", 0)), int(attr_value(sliced, "end", 0))
+            if start >= 0 and end == start + 1:
+                out.append((sliced.inputs[0], start))
+                continue
         gather = _producer(v, "Gather")
         shape = _producer(gather.inputs[0], "Shape") if gather is not None else None
         axis = scalar_value(gather.inputs[1]) if gather is not None else None
@@ -726,10 +755,11 @@ def _gqa_lengths(q: ir.Value, total_of: ir.Value, total_axis: int, extra: ir.Val
     return seqlens, total
 
 
-def _present_outputs(graph: ir.Graph, kernel: ir.Node, concats: tuple[ir.Value, ir.Value]) -> None:
-    """The kernel's ``present_key`` / ``present_value`` take the place (and names) of the exporter's Concats,
-    which are removed (with what only they read)."""
-    for old, new in zip(concats, kernel.outputs[1:3]):
+def _present_outputs(graph: ir.Graph, kernel: ir.Node, concats: tuple[ir.Value, ...],
+                     news: tuple[ir.Value, ...] | None = None) -> None:
+    """The kernel's ``present_key`` / ``present_value`` (or ``news``) take the place (and names) of the exporter's
+    Concats (or other present computations), which are removed (with what only they read)."""
+    for old, new in zip(concats, news if news is not None else kernel.outputs[1:3]):
         new.shape = old.shape
         if old.dtype is not None:
             new.dtype = old.dtype
@@ -810,6 +840,12 @@ def _lower_ort(node: ir.Node, ctx: LoweringContext) -> bool:
     heads = int(attr_value(node, "num_heads", 1))
     kv_heads = int(attr_value(node, "kv_num_heads", 0)) or heads
     attrs: dict[str, Any] = {"num_heads": heads, "scale": float(attr_value(node, "scale", 1.0))}
+    if _lower_gqa(node, ctx, heads, kv_heads, attrs["scale"]):
+        return True
+    if node.metadata_props.get(KV_CACHE_KEY) == "shared" and _kv_cache(k) is not None:
+        raise PassFailedError("lower", f"--kv-cache shared: attention '{node.name}' over a KV cache cannot become "
+                              "GroupQueryAttention with rotary inside (run with -vv for why; after fp16 the past inputs must feed it "
+                              "directly: --fp16-io yes); drop --kv-cache shared")
     if _lower_cached(node, ctx, heads, kv_heads, attrs):
         return True
     fmt = node.metadata_props.get(MASK_FORMAT_KEY, "bias")
@@ -1026,6 +1062,12 @@ def _half_angles(t: ir.Value | None) -> tuple[ir.Value, str, float | None] | Non
     return f, trig.op_type, c
 
 
+def _removed(value: ir.Value) -> bool:
+    """Whether the node that computed ``value`` was taken out of the graph."""
+    node = value.producer()
+    return node is not None and node.graph is None
+
+
 def _lower_rotary_ort(node: ir.Node, ctx: LoweringContext) -> bool:
     """``com.microsoft.RotaryEmbedding`` where the export's cos/sin are provably ``Cos/Sin(Concat(f, f))`` of
     one rank-3 angle table ``f`` ``[Bc, S, D/2]`` (laid out ``[Bc, 1, S, D]``): the caches are ``Cos(f)``,
@@ -1048,6 +1090,8 @@ def _lower_rotary_ort(node: ir.Node, ctx: LoweringContext) -> bool:
     f, _, scale = hc
     new_nodes: list[ir.Node] = []
     key = ("rotary_caches", id(f), scale)
+    if key in ctx.shared and any(_removed(v) for v in ctx.shared[key]):
+        del ctx.shared[key]  # a GroupQueryAttention took the kernels that read them (do_rotary): build them again
     if key in ctx.shared:
         cos_cache, sin_cache, positions = ctx.shared[key]
     else:
@@ -1077,8 +1121,472 @@ def _lower_rotary_ort(node: ir.Node, ctx: LoweringContext) -> bool:
     new_nodes.append(kernel)
     _replace(node, new_nodes, ctx)
     ctx.count("rotary.kernel")
+    if kernel.outputs[0].shape is None:  # the replaced output's unknown shape came over: the op keeps X's
+        kernel.outputs[0].shape = x.shape
+    _notes(ctx)[id(kernel.outputs[0])] = (x, f, scale, heads)
     _note_rotary(node, uses, x, ctx)
     return True
+
+
+# ---------------------------------------------------------------------------------------------
+# decoders: GroupQueryAttention with the rotary embedding inside (do_rotary)
+# ---------------------------------------------------------------------------------------------
+
+#: rows of the cos/sin caches GroupQueryAttention's ``do_rotary`` reads (positions 0 .. MAX-1): option ``--max-length``
+GQA_MAX_LENGTH = 4096
+
+
+def _notes(ctx: LoweringContext) -> dict[int, Any]:
+    """ONNX Runtime RotaryEmbedding kernels built in this run: id(output) -> (x, f, scale, num_heads)."""
+    notes = getattr(ctx, "_rotary_kernels", None)
+    if notes is None:
+        notes = {}
+        setattr(ctx, "_rotary_kernels", notes)  # noqa: B010  # a per-run note, not a field of the context
+    return notes
+
+
+def _through_unsqueeze(value: ir.Value | None, base: ir.Value, rank: int) -> int | None:
+    """The axis that the 1-D ``base`` lands on in ``value`` (``Unsqueeze``s of ``base``, rank ``rank``), else None."""
+    chain = []
+    while value is not None and value is not base:
+        node = _producer(value, "Unsqueeze")
+        if node is None:
+            return None
+        chain.append(node)
+        value = node.inputs[0]
+    if value is None:
+        return None
+    dims = ["r"]
+    for node in reversed(chain):
+        axes = _unsqueeze_axes(node)
+        if axes is None:
+            return None
+        new_rank = len(dims) + len(axes)
+        for ax in sorted(a + new_rank if a < 0 else a for a in axes):
+            dims.insert(ax, "1")
+    return dims.index("r") if len(dims) == rank else None
+
+
+#: in-memory note on a past input renamed to ``max_sequence_length`` (``--kv-cache shared``): its dim before
+_PAST_DIM_META = "mograph.past_dim"
+
+
+def _past_length_of(value: ir.Value | None, past: ir.Value | None) -> bool:
+    """Whether the scalar ``value`` is dim 2 (the past length) of a ``[B, G, P, D]`` graph input whose P is the
+    same dim as ``past``'s."""
+    while (cast := _producer(value, "Cast")) is not None:
+        value = cast.inputs[0]
+    node = value.producer() if value is not None else None
+    src: ir.Value | None = None
+    if node is not None and node.domain == "" and node.op_type == "Squeeze":
+        value = node.inputs[0]
+        node = value.producer() if value is not None else None
+        if node is not None and node.op_type == "Shape" and int(attr_value(node, "start", 0)) == 2 \
+                and int(attr_value(node, "end", 0)) == 3:
+            src = node.inputs[0]
+    elif node is not None and node.domain == "" and node.op_type == "Gather" and scalar_value(node.inputs[1]) == 2:
+        shape = _producer(node.inputs[0], "Shape")
+        if shape is not None and not shape.attributes and int(attr_value(node, "axis", 0)) == 0:
+            src = shape.inputs[0]
+    if src is None or past is None or not src.is_graph_input() or src.shape is None or len(src.shape) != 4:
+        return False
+    if past.shape is None or len(past.shape) != 4:
+        return False
+    return same_dim(src.meta.get(_PAST_DIM_META, src.shape[2]), past.meta.get(_PAST_DIM_META, past.shape[2]))
+
+
+def _positions(pos: ir.Value | None, q: ir.Value, past: ir.Value | None) -> bool:
+    """Whether the 1-D ``pos`` is ``P + s`` for every query position ``s``: ``Range(0, S, 1)`` (no cache) or
+    ``Range(0, S, 1) + P`` with ``P`` the cache's past length, ``S`` provably the query length."""
+    rng = _producer(pos, "Range")
+    offset = None
+    if rng is None and (add := _producer(pos, "Add")) is not None and past is not None:
+        for a, b in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])):
+            if _producer(a, "Range") is not None and _past_length_of(b, past):
+                rng, offset = _producer(a, "Range"), b
+                break
+    if rng is None or scalar_value(rng.inputs[0]) != 0 or scalar_value(rng.inputs[2]) != 1:
+        return False
+    if (offset is None) != (past is None):
+        return False
+    return any(same_dim(n, _seq_dim(q)) for n in _range_lengths(rng))
+
+
+def _rotary_positions(f: ir.Value, q: ir.Value, past: ir.Value | None) -> tuple[ir.Value, np.ndarray] | None:
+    """``(pos, inv_freq)`` if the angle table ``f`` ``[1, S, D/2]`` is ``pos[s] * inv_freq[i]`` (``Cast(pos)`` laid
+    out ``[1, S, 1]`` times a constant 1-D ``inv_freq``) with ``pos`` the query positions ``P + s``."""
+    mul = _producer(f, "Mul")
+    if mul is None:
+        return None
+    for a, b in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
+        inv = constant_array(b)
+        if inv is None or inv.ndim != 1 or inv.dtype not in (np.float32, np.float16):
+            continue
+        value = a
+        cast = _producer(value, "Cast")  # (float16 after the fp16 pass)
+        if cast is None or int(attr_value(cast, "to", 0)) not in (ir.DataType.FLOAT.value, ir.DataType.FLOAT16.value):
+            continue
+        value = cast.inputs[0]
+        pos = value
+        while (un := _producer(pos, "Unsqueeze")) is not None:
+            pos = un.inputs[0]
+        if pos is None or _through_unsqueeze(value, pos, 3) != 1 or not _positions(pos, q, past):
+            continue
+        return pos, inv
+    return None
+
+
+def _gathernd_padding(value: ir.Value | None, kv_idx: ir.Value) -> ir.Value | None:
+    """The mask input of dynamo's padding lookup ``GatherND(Cast(mask, bool), [b, t])`` where the index pairs are
+    ``Concat(Unsqueeze(Expand(b_idx), -1), Unsqueeze(Expand(kv_idx), -1), axis=-1)``: ``b_idx`` a ``Range(0, B, 1)``
+    on axis 0 and ``kv_idx`` the causal term's own key index (axis 3)."""
+    node = _producer(value, "GatherND")
+    if node is None or int(attr_value(node, "batch_dims", 0)) != 0:
+        return None
+    cast = _producer(node.inputs[0], "Cast")
+    if cast is None or int(attr_value(cast, "to", 0)) != ir.DataType.BOOL.value:
+        return None
+    mask = _mask_input(cast.inputs[0], ("b", "t"))
+    concat = _producer(node.inputs[1], "Concat")
+    if mask is None or concat is None or len(concat.inputs) != 2 or int(attr_value(concat, "axis", 0)) != -1:
+        return None
+    picked = []
+    for piece in concat.inputs:
+        un = _producer(piece, "Unsqueeze")
+        ex = _producer(un.inputs[0], "Expand") if un is not None else None
+        if un is None or ex is None or _unsqueeze_axes(un) != [-1]:
+            return None
+        picked.append(ex.inputs[0])
+    b_idx, t_idx = picked
+    if t_idx is not kv_idx or _is_range_from_zero(b_idx) is None or _range_axis(b_idx) != 0:
+        return None
+    return mask
+
+
+def _query_length_of(value: ir.Value | None, q: ir.Value) -> bool:
+    """Whether the scalar ``value`` reads dim 1 of a tensor whose dim 1 is the query length (``Gather(Shape(z), 1)``
+    or ``Shape(z, start=1, end=2)``, through Cast/Squeeze/Unsqueeze)."""
+    while (node := value.producer() if value is not None else None) is not None and node.domain == "" and \
+            node.op_type in ("Cast", "Squeeze", "Unsqueeze"):
+        value = node.inputs[0]
+    node = value.producer() if value is not None else None
+    z = None
+    if node is not None and node.op_type == "Shape" and int(attr_value(node, "start", 0)) == 1 \
+            and int(attr_value(node, "end", 0)) == 2:
+        z = node.inputs[0]
+    elif node is not None and node.op_type == "Gather":
+        z = _dim_of(value, 1)
+    return z is not None and z.shape is not None and len(z.shape) >= 2 and same_dim(z.shape[1], _seq_dim(q))
+
+
+def _past_plus_query(rng: ir.Node, past: ir.Value | None, q: ir.Value) -> bool:
+    """Whether ``Range(0, n, 1)``'s ``n`` is ``P + S``: the cache's past length plus the query length."""
+    add = _producer(rng.inputs[1], "Add")
+    if add is None or past is None:
+        return False
+    a, b = add.inputs[0], add.inputs[1]
+    return (_past_length_of(a, past) and _query_length_of(b, q)) or (_past_length_of(b, past) and _query_length_of(a, q))
+
+
+def _causal_from(bias: ir.Value, pos: ir.Value, keys: Any, past: ir.Value | None = None,
+                 q: ir.Value | None = None) -> tuple[ir.Value | None] | None:
+    """``(mask,)`` if ``bias`` is ``Where(kv_idx <= pos[s] [& mask[b, kv_idx]] [& all true], 0, c)``, ``c < 0``, with
+    ``pos`` the query positions (on axis 2) and ``kv_idx`` a ``Range(0, n, 1)`` on axis 3 whose length is provably
+    ``keys`` (the key count) or is the same dim; ``mask`` is None when there is no padding term."""
+    node = _producer(bias, "Where")
+    if node is None or scalar_value(node.inputs[1]) != 0.0:
+        return None
+    c = scalar_value(node.inputs[2])
+    if c is None or not c < 0:
+        return None
+    leaves = [t for t in _and_leaves(node.inputs[0]) if not _all_true(t)]
+    kv_idx = None
+    rest = []
+    for leaf in leaves:
+        le = leaf.producer() if leaf is not None else None
+        if le is not None and le.domain == "" and le.op_type in ("LessOrEqual", "GreaterOrEqual") and kv_idx is None:
+            a, b = le.inputs[0], le.inputs[1]
+            if le.op_type == "GreaterOrEqual":
+                a, b = b, a
+            rng = _is_range_from_zero(a)
+            if (rng is not None and _range_axis(a) == 3 and b is not None and _through_unsqueeze(b, pos, 4) == 2
+                    and (any(same_dim(n, keys) for n in _range_lengths(rng)) or q is not None and _past_plus_query(rng, past, q))):
+                kv_idx = a
+                continue
+        rest.append(leaf)
+    if kv_idx is None or len(rest) > 1:
+        return None
+    if not rest:
+        return (None,)
+    mask = _keep(rest[0])
+    if mask is None:  # dynamo's GatherND lookup of the key index the causal term uses
+        mask = _gathernd_padding(rest[0], kv_idx)
+    if mask is None:  # TorchScript's flat lookup, its Reshapes merged by cleanup
+        mask = _flat_padding(rest[0], kv_idx)
+    return None if mask is None else (mask,)
+
+
+def _flat_padding(value: ir.Value | None, kv_idx: ir.Value) -> ir.Value | None:
+    """The mask input of ``Reshape(Gather(Flatten(Cast(mask, bool), axis=2), kv_idx + b_idx * T), [0, 1, 1, 0])``
+    (``allowzero`` 0; or TorchScript's ``Reshape(Reshape(., [-1]), Shape(index))``): ``mask[b, t]`` laid out
+    ``[B, 1, 1, T]`` with ``kv_idx`` the causal term's key index (axis 3),
+    ``b_idx`` a ``Range(0, B, 1)`` on axis 0 and ``T`` the mask's dim 1."""
+    reshape = _producer(value, "Reshape")
+    if reshape is None or int(attr_value(reshape, "allowzero", 0)):
+        return None
+    target = constant_array(reshape.inputs[1])
+    inner = _producer(reshape.inputs[0], "Reshape")
+    flat = constant_array(inner.inputs[1]) if inner is not None else None
+    if inner is not None and flat is not None and flat.reshape(-1).tolist() == [-1]:
+        gather = _producer(inner.inputs[0], "Gather")  # Reshape(Reshape(g, [-1]), Shape(index)): the index's shape
+        outer_target = reshape.inputs[1]
+        if (concat := _producer(outer_target, "Concat")) is not None and len(concat.inputs) == 1:
+            outer_target = concat.inputs[0]
+        shape_of = _producer(outer_target, "Shape")
+        if gather is None or shape_of is None or shape_of.attributes or shape_of.inputs[0] is not gather.inputs[1]:
+            return None
+    elif target is not None and target.reshape(-1).tolist() == [0, 1, 1, 0]:
+        gather = _producer(reshape.inputs[0], "Gather")  # [B, 1, 1, T, 1] -> [B, 1, 1, T]
+    else:
+        return None
+    flatten = _producer(gather.inputs[0], "Flatten") if gather is not None else None
+    cast = _producer(flatten.inputs[0], "Cast") if flatten is not None else None
+    if gather is None or flatten is None or cast is None or int(attr_value(gather, "axis", 0)) != 0 \
+            or int(attr_value(flatten, "axis", 1)) != 2 or int(attr_value(cast, "to", 0)) != ir.DataType.BOOL.value:
+        return None
+    mask = _mask_input(cast.inputs[0], ("b", "t"))
+    add = _producer(gather.inputs[1], "Add")
+    if mask is None or add is None:
+        return None
+    for t_idx, bt in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])):
+        mul = _producer(bt, "Mul")
+        if t_idx is not kv_idx or mul is None:
+            continue
+        for b_idx, t_len in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
+            if _is_range_from_zero(b_idx) is None or _range_axis(b_idx) != 0:
+                continue
+            shape = _producer(t_len, "Shape")
+            if shape is not None and shape.inputs[0] is mask and int(attr_value(shape, "start", 0)) == 1 \
+                    and int(attr_value(shape, "end", 2)) == 2:
+                return mask
+            if _dim_of(t_len, 1) is mask:
+                return mask
+    return None
+
+
+def _projection_of(x: ir.Value) -> tuple[ir.Value, np.ndarray, np.ndarray | None] | None:
+    """``(h, W, b)`` if ``x`` is ``h @ W`` or ``h @ W + b`` with constant 2-D ``W`` (and 1-D ``b``)."""
+    node = x.producer()
+    if node is None or node.domain != "":
+        return None
+    bias = None
+    if node.op_type == "Add":
+        for mm_in, b_in in ((node.inputs[0], node.inputs[1]), (node.inputs[1], node.inputs[0])):
+            if _producer(mm_in, "MatMul") is not None and constant_array(b_in) is not None:
+                bias = constant_array(b_in)
+                node = mm_in.producer()  # type: ignore[union-attr]
+                break
+        else:
+            return None
+    if node is None or node.op_type != "MatMul" or node.domain != "":
+        return None
+    w = constant_array(node.inputs[1])
+    h = node.inputs[0]
+    if w is None or h is None or w.ndim != 2 or (bias is not None and (bias.ndim != 1 or bias.shape[0] != w.shape[1])):
+        return None
+    return h, w, bias
+
+
+def _packed_qkv(xs: list[ir.Value], graph: ir.Graph, new_nodes: list[ir.Node]) -> ir.Value | None:
+    """One ``h @ [W_q | W_k | W_v] (+ [b_q | b_k | b_v])`` where Q, K, V are projections of one ``h``, read by
+    nothing else than what this lowering replaces (checked by the caller)."""
+    parts = [_projection_of(x) for x in xs]
+    if any(p is None for p in parts) or len({id(p[0]) for p in parts if p is not None}) != 1:
+        return None
+    h = parts[0][0]  # type: ignore[index]
+    if h.dtype is None:
+        return None
+    dtype = h.dtype.numpy()
+    w = np.concatenate([p[1] for p in parts], axis=1).astype(dtype)  # type: ignore[index]
+    out = _add(new_nodes, "MatMul", [h, add_initializer(graph, "mograph_qkv_weight", w)])
+    if any(p[2] is not None for p in parts):  # type: ignore[index]
+        b = np.concatenate([p[2] if p[2] is not None else np.zeros(p[1].shape[1], dtype)  # type: ignore[index]
+                            for p in parts]).astype(dtype)
+        out = _add(new_nodes, "Add", [out, add_initializer(graph, "mograph_qkv_bias", b)])
+    return out
+
+
+def _present_value_output(graph: ir.Graph, v: ir.Value) -> ir.Value | None:
+    """The graph output that is ``Transpose(Reshape(v, [b, s, G, D]), [0, 2, 1, 3])``: the prefill's present value."""
+    for out in graph.outputs:
+        tr = _producer(out, "Transpose")
+        rs = _producer(tr.inputs[0], "Reshape") if tr is not None else None
+        if tr is None or rs is None or list(attr_value(tr, "perm", [])) != [0, 2, 1, 3] or rs.inputs[0] is not v:
+            continue
+        target = _shape_entries(rs.inputs[1])
+        if target is not None and _splits_last_dim(v, target):
+            return out
+    return None
+
+
+def _present_key_output(graph: ir.Graph, k: ir.Value, f: ir.Value, scale: float | None) -> ir.Value | None:
+    """The graph output that is the exporter's rotated ``[B, G, S, D]`` keys: ``rotate(Transpose(Reshape(k)))`` with
+    cos/sin ``Unsqueeze(Cos/Sin(Concat(f, f)) [* c], 1)`` of the same angle table: the prefill's present key."""
+    from mograph.passes.fusion.attention import _rotary  # the fusion's own proof of transformers' rotate_half form
+
+    for out in graph.outputs:
+        rot = _rotary(out) if out.producer() is not None else None
+        if rot is None:
+            continue
+        x, cos, sin = rot
+        hc, hs = _half_angles(cos), _half_angles(sin)
+        if hc is None or hs is None or hc[0] is not f or hs[0] is not f or (hc[1], hs[1]) != ("Cos", "Sin"):
+            continue
+        if hc[2] != scale or hs[2] != scale:
+            continue
+        tr = _producer(x, "Transpose")
+        rs = _producer(tr.inputs[0], "Reshape") if tr is not None else None
+        if tr is None or rs is None or list(attr_value(tr, "perm", [])) != [0, 2, 1, 3] or rs.inputs[0] is not k:
+            continue
+        target = _shape_entries(rs.inputs[1])
+        if target is not None and _splits_last_dim(k, target):
+            return out
+    return None
+
+
+def _rotated_split(heads: ir.Value, notes: dict[int, Any]) -> ir.Value | None:
+    """The rotated ``[B, S, G*D]`` keys ``r`` if ``heads`` is ``Transpose(Reshape(r, [0, 0, G, D]), [0, 2, 1, 3])``
+    (as the fusion rebuilds a decode step's new keys) with ``r`` a noted RotaryEmbedding kernel's output."""
+    tr = _producer(heads, "Transpose")
+    rs = _producer(tr.inputs[0], "Reshape") if tr is not None else None
+    if tr is None or rs is None or list(attr_value(tr, "perm", [])) != [0, 2, 1, 3]:
+        return None
+    r, target = rs.inputs[0], constant_array(rs.inputs[1])
+    note = notes.get(id(r)) if r is not None else None
+    if note is None or target is None or int(attr_value(rs, "allowzero", 0)):
+        return None
+    x = note[0]
+    width = x.shape[2] if x.shape is not None and len(x.shape) == 3 else None
+    t = target.reshape(-1).tolist()
+    if len(t) != 4 or t[:2] != [0, 0] or not isinstance(width, int) or t[2] * t[3] != width or min(t[2:]) <= 0:
+        return None
+    return r
+
+
+def _no_gqa(node: ir.Node, why: str) -> bool:
+    logger.debug("%s: no GroupQueryAttention with rotary: %s", node.name, why)
+    return False
+
+
+def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, scale: float) -> bool:
+    """A decoder's causal self-attention with rotary embeddings on Q and K -> ``GroupQueryAttention`` with the
+    rotary inside (``do_rotary``, cos/sin caches as initializers), Q/K/V packed into one MatMul where they are
+    projections of one tensor, the KV cache (if any) as its past/present, ``seqlens_k`` / ``total_sequence_length``
+    from the ``attention_mask``.  See the module docstring for when it applies and what it assumes."""
+    q, k, v, bias = node.inputs
+    graph = node.graph
+    assert graph is not None and q is not None and k is not None and v is not None and bias is not None
+    shared = node.metadata_props.get(KV_CACHE_KEY) == "shared"
+    fmt = "lengths" if shared else node.metadata_props.get(MASK_FORMAT_KEY, "bias")
+    if fmt == "raw" or heads % kv_heads:
+        return _no_gqa(node, "--mask-format raw, or query heads not a multiple of the K/V heads")
+    ck, cv = _kv_cache(k), _kv_cache(v)
+    if (ck is None) != (cv is None):
+        return _no_gqa(node, "only one of K and V comes from a cache")
+    notes = _notes(ctx)
+    k_rot = _rotated_split(ck[1], notes) if ck is not None else k
+    if k_rot is None:
+        return _no_gqa(node, "the step's new keys are not a plain head split of the rotated projection")
+    new_nodes: list[ir.Node] = []
+    v_new = _heads_to_bsh(cv[1], new_nodes) if cv is not None else v  # (a Transpose + Reshape where not provable)
+    rq, rk = notes.get(id(q)), notes.get(id(k_rot))
+    if rq is None or rk is None or rq[1] is not rk[1] or rq[2] != rk[2] or (rq[3], rk[3]) != (heads, kv_heads):
+        return _no_gqa(node, "Q and K are not rotated by ONNX Runtime RotaryEmbedding kernels of one angle table")
+    xq, f, rscale, _ = rq
+    xk = rk[0]
+    if xq.shape is None or len(xq.shape) != 3 or not isinstance(xq.shape[2], int) or xq.dtype is None:
+        return _no_gqa(node, "the query's hidden size is not static")
+    head_size = xq.shape[2] // heads
+    if head_size % GQA_HEAD_MULTIPLE or f.shape is None or len(f.shape) != 3 or f.shape[2] != head_size // 2:
+        return _no_gqa(node, f"head size {head_size} not a multiple of {GQA_HEAD_MULTIPLE}, or a partial rotary")
+    past = ck[0] if ck is not None else None
+    rp = _rotary_positions(f, xq, past)
+    if rp is None or not isinstance(f.shape[0], int) or f.shape[0] != 1:
+        return _no_gqa(node, "the rotary angles are not provably (past + s) * inv_freq")
+    pos, inv = rp
+    keys = ck[2].shape[2] if ck is not None and ck[2].shape is not None else _seq_dim(xq)
+    causal = _causal_from(bias, pos, keys, past, xq)
+    if causal is None:
+        return _no_gqa(node, "the bias is not provably causal (and a key-padding mask)")
+    mask = causal[0]
+    if mask is not None and fmt != "lengths":
+        return _no_gqa(node, "a padding mask: GroupQueryAttention's lengths assume it all ones (--mask-format lengths)")
+    if mask is None and ck is not None:
+        return _no_gqa(node, "a cache step without a mask to take the lengths from")
+    # the caches: cos/sin of position p (rows 0 .. max-1), computed as the export does (float32 p * inv_freq)
+    max_len = int(node.metadata_props.get("mograph.gqa_max_length", GQA_MAX_LENGTH))
+    key = ("gqa_rotary_caches", id(f), rscale)
+    if key not in ctx.shared:
+        angles = np.arange(max_len, dtype=np.float32)[:, None] * inv.astype(np.float32)[None, :]
+        cos, sin = np.cos(angles), np.sin(angles)
+        if rscale is not None:
+            cos, sin = cos * np.float32(rscale), sin * np.float32(rscale)
+        dtype = xq.dtype.numpy()
+        ctx.shared[key] = (add_initializer(graph, "mograph_gqa_cos_cache", cos.astype(dtype)),
+                           add_initializer(graph, "mograph_gqa_sin_cache", sin.astype(dtype)))
+    cos_cache, sin_cache = ctx.shared[key]
+    if mask is not None:
+        seqlens, total = _mask_lengths_for_gqa(mask, new_nodes, ctx.shared)
+    else:  # no padding: every row holds all S keys
+        seqlens, total = _gqa_lengths(xq, xq, 1, None, None, new_nodes, ctx.shared)
+    present_k = _present_key_output(graph, xk, f, rscale) if ck is None else None
+    present_v = _present_value_output(graph, v_new) if ck is None else None
+    logger.debug("%s: present outputs found: key %s, value %s", node.name, present_k, present_v)
+    packed = _packed_qkv([xq, xk, v_new], graph, new_nodes)
+    qkv: list[ir.Value | None] = [packed, None, None] if packed is not None else [xq, xk, v_new]
+    attrs = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": scale, "do_rotary": 1, "rotary_interleaved": 0}
+    kernel = _kernel("GroupQueryAttention", [*qkv, past, cv[0] if cv is not None else None, seqlens, total,
+                                             cos_cache, sin_cache], attrs, outputs=3)
+    # no NaN guard: the causal mask leaves every query row its own key (a row of length 0 is outside the contract)
+    for out in kernel.outputs:
+        out.dtype = xq.dtype
+    new_nodes.append(kernel)
+    _replace(node, new_nodes, ctx)
+    if ck is not None and cv is not None:
+        _present_outputs(graph, kernel, (ck[2], cv[2]))
+        ctx.count("attention.kv_cache")
+        if shared:  # one [B, G, max_sequence_length, D] buffer bound as both past and present
+            for past_v, present in ((ck[0], kernel.outputs[1]), (cv[0], kernel.outputs[2])):
+                for val in (past_v, present):
+                    if val.shape is not None and len(val.shape) == 4:
+                        dims = list(val.shape)
+                        val.meta[_PAST_DIM_META] = dims[2]  # the other layers' proofs compare past lengths
+                        dims[2] = ir.SymbolicDim("max_sequence_length")
+                        val.shape = ir.Shape(dims)
+            ctx.count("attention.kv_cache_shared")
+    else:
+        for old, new in ((present_k, kernel.outputs[1]), (present_v, kernel.outputs[2])):
+            if old is not None:
+                _present_outputs(graph, kernel, (old,), (new,))
+    ctx.count("attention.gqa_rotary")
+    if packed is not None:
+        ctx.count("attention.packed_qkv")
+    ctx.stats["rotary.kernel"] = ctx.stats.get("rotary.kernel", 0) - 2  # both went into the kernel
+    return True
+
+
+def _mask_lengths_for_gqa(mask: ir.Value, new_nodes: list[ir.Node], shared: Shared) -> tuple[ir.Value, ir.Value]:
+    """``seqlens_k = ReduceSum(int32(mask), 1) - 1`` and ``total_sequence_length = int32(Shape(mask)[1])``, built once
+    per mask (as ONNX Runtime GenAI feeds them)."""
+    key = ("gqa_mask_lengths", id(mask))
+    if key in shared:
+        return shared[key]  # type: ignore[no-any-return]
+    lengths = _key_lengths(mask, new_nodes, shared)
+    seqlens = _add(new_nodes, "Sub", [lengths, _const(new_nodes, np.array(1, dtype=np.int32))])
+    total = _add(new_nodes, "Cast", [_add(new_nodes, "Shape", [mask], start=1, end=2)], to=ir.DataType.INT32.value)
+    total = _add(new_nodes, "Squeeze", [total, _const(new_nodes, np.array([0], dtype=np.int64))])
+    shared[key] = (seqlens, total)
+    return seqlens, total
 
 
 LOWERINGS: dict[str, dict[str, Lowering]] = {

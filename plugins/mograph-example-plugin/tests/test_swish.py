@@ -68,6 +68,19 @@ def test_the_five_checks_through_mograph_testing():
                                               helper.make_node("Add", ["x", "s"], ["y"])]))  # x + sigmoid(x)
 
 
+def test_fuse_then_lower_through_mograph_testing():
+    """Fusion plus the ``lower`` step that gives back the standard ops: run again, fuse-swish would rightly
+    fuse them anew, so only the last pass (``lower``) must change nothing the second time."""
+    pytest.importorskip("onnxruntime")
+    from mograph.lowering import LowerPass
+    from mograph.testing import Pipeline
+
+    model = check_pass(Pipeline(FuseSwishPass(), LowerPass(target="onnx")), _model(scaled(), inits=[_beta(1.5)]),
+                       stats={"SwishFusion": 1, "lowered.BetaSwish": 1}, ops_left=["Constant", "Mul", "Sigmoid", "Mul"],
+                       feeds={"x": _x()}, second_run="last")
+    assert not model.functions and "example" not in model.opset_imports
+
+
 def _x(dtype=np.float32) -> np.ndarray:
     return (np.random.default_rng(0).standard_normal(SHAPE) * 3).astype(dtype)
 

@@ -126,11 +126,20 @@ def test_explain_on_a_near_miss_export(tmp_path: Path, capsys: pytest.CaptureFix
     assert main(["optimize", str(CORPUS / "nearmiss_torch_ts14.onnx"), "-o", str(out), "--passes", "fuse",
                  "--explain"]) == 0
     text = capsys.readouterr().out
-    assert text.count('"unfused_regions"') == 3  # fuse-layernorm, fuse-rmsnorm, fuse-gelu
+    sections = {b.splitlines()[0].split()[0]: b for b in text.split("== ")[1:]}
+    for name in ("fuse-layernorm", "fuse-rmsnorm", "fuse-gelu"):  # human-readable: one line per unfused region
+        assert "    unfused " in sections[name], text
+    assert "Fusion: 0 fused, 0 near miss" not in text  # only rules that matched or nearly matched are listed
     # the GELU whose sqrt(2/pi) is 0.9: the Tanh region, and the constant that is off
-    assert '"anchor": "/Tanh"' in text and "is 0.9, expected 0.797" in text, text
+    assert "unfused Tanh '/Tanh'" in text and "is 0.9, expected 0.797" in text, text
     # the LayerNorm with epsilon outside the root: a region at its mean, with the node where matching stopped
-    assert '"anchor": "/b/ReduceMean"' in text and '"failed_at"' in text, text
+    assert "unfused ReduceMean '/b/ReduceMean'" in text and "stopped at '" in text, text
+    assert main(["optimize", str(CORPUS / "nearmiss_torch_ts14.onnx"), "-o", str(out), "--passes", "fuse",
+                 "--explain", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)  # --json: every rule's figures, as data
+    details = {p["name"]: p.get("details") or {} for p in data["passes"]}
+    assert details["fuse-gelu"]["unfused_regions"][0]["anchor"] == "/Tanh"
+    assert details["fuse-rmsnorm"]["rules"]["RMSNormScaleFusion"]["candidates"] == 0
 
 
 def test_explain_lists_the_sum_based_norms_of_a_flax_export() -> None:

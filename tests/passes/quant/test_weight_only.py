@@ -271,3 +271,60 @@ def test_awq_scales_fold_into_layernorm_and_cut_the_error():
             assert ops[:2] == ["LayerNormalization", "mograph.WeightOnlyMatMul"], ops
             assert ops.count("Mul") == result.stats.get("awq.mul", 0)
     assert errs["awq"] < 0.9 * errs["rtn"], errs
+
+
+def _residual(rng: np.random.Generator, exact: bool = False) -> onnx.ModelProto:
+    """LayerNorm -> fc1 -> Relu -> fc2 -> + x (a residual across the layer groups) -> head; ``exact``: weights
+    4-bit blocks store exactly (else random ones, which GPTQ's error compensation changes)."""
+    shapes = ((K, N1), (N1, K), (K, N2))
+    if exact:
+        w1, w2, w3 = (representable(rng, *s) for s in shapes)
+    else:
+        w1, w2, w3 = (rng.standard_normal(s).astype(np.float32) * 0.05 for s in shapes)
+    graph = helper.make_graph(
+        [helper.make_node("LayerNormalization", ["x", "g", "b"], ["xn"], axis=-1, name="ln"),
+         helper.make_node("MatMul", ["xn", "W1"], ["h"], name="fc1"), helper.make_node("Relu", ["h"], ["hr"], name="relu"),
+         helper.make_node("MatMul", ["hr", "W2"], ["o"], name="fc2"), helper.make_node("Add", ["o", "x"], ["r"], name="res"),
+         helper.make_node("MatMul", ["r", "W3"], ["y"], name="head")],
+        "res", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["B", "S", K])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["B", "S", N2])],
+        [numpy_helper.from_array(np.ones(K, np.float32), "g"), numpy_helper.from_array(np.zeros(K, np.float32), "b"),
+         numpy_helper.from_array(w1, "W1"), numpy_helper.from_array(w2, "W2"), numpy_helper.from_array(w3, "W3")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_sequential_gptq_segments_equal_whole_model_runs(monkeypatch):
+    """Cut at each layer group and run once per sample: the same codes as one whole-model run per group and sample."""
+    rng = np.random.default_rng(7)
+    model = to_ir(_residual(rng))
+    samples = calib(rng, n=4)
+    p = WeightOnlyPass(calibration_data=samples)
+    layers, _ = p._layers(model)
+    whole = WeightOnlyPass._sequential_gptq_whole
+    with monkeypatch.context() as m:  # the graph (no recorded intermediate types) must be cut, not run whole
+        m.setattr(WeightOnlyPass, "_sequential_gptq_whole", lambda *a, **k: pytest.fail("fell back to whole runs"))
+        assert p._sequential_gptq(model, layers, 4, samples, set()) == 3 * 4  # 3 segments x 4 samples
+    assert WeightOnlyPass._sequential_gptq_whole is whole
+    seg = {la.key: (la.quant[4][0].q.copy(), la.quant[4][0].scale.copy()) for la in layers}
+    for la in layers:
+        la.quant = {}
+    assert p._sequential_gptq_whole(model, layers, 4, samples, set()) == 3 * 4  # 3 groups x 4 whole-model runs
+    for la in layers:
+        assert np.array_equal(seg[la.key][0], la.quant[4][0].q), la.key
+        np.testing.assert_allclose(seg[la.key][1], la.quant[4][0].scale, rtol=1e-6)
+    # layers kept float by the plan (the head) are neither quantized nor reached when no budget needs them
+    for la in layers:
+        la.quant = {}
+    assert p._sequential_gptq(model, layers, 4, samples, {layers[-1].key}, quantize_kept=False) == 2 * 4
+    assert [bool(la.quant) for la in layers] == [True, True, False]
+
+
+def test_default_gptq_five_checks_on_a_residual_graph():
+    rng = np.random.default_rng(8)
+    proto = _residual(rng, exact=True)
+    check_pass(WeightOnlyPass(calibration_data=calib(rng)), proto,
+               stats={"quantized": 2, "kept_float": 1, "quantized.int4": 2, "calibration_samples": 8,
+                      "sequential_runs": 16},
+               ops_left=["LayerNormalization", "mograph.WeightOnlyMatMul", "Relu", "mograph.WeightOnlyMatMul", "Add",
+                         "MatMul"],
+               feeds={"x": rng.standard_normal((2, 3, K)).astype(np.float32)})

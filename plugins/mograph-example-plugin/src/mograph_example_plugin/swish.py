@@ -31,7 +31,7 @@ import numpy as np
 import onnx_ir as ir
 
 import mograph
-from mograph.lowering import LoweringContext, replace_node
+from mograph.lowering import LoweringContext, ensure_functions, replace_node
 
 __all__ = ["DOMAIN", "DOMAIN_VERSION", "SWISH", "FuseSwishPass", "swish", "swish_function", "lower_swish"]
 
@@ -147,6 +147,8 @@ class FuseSwishPass(mograph.Pass):
 
     name = "fuse-swish"
     family = "fusion"
+    #: It writes ``example.BetaSwish`` nodes: mograph appends the ``lower`` step (the plugin manual's rule).
+    emits_custom_ops = True
 
     def call(self, model: ir.Model) -> mograph.PassResult:
         opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
@@ -179,11 +181,8 @@ class FuseSwishPass(mograph.Pass):
             old = [n for n in (scale, gate, mul) if n is not None]
             ir.convenience.replace_nodes_and_values(model.graph, mul, old, [node], [mul.outputs[0]], node.outputs)
             fused += 1
-        if fused:
-            model.opset_imports.setdefault(DOMAIN, DOMAIN_VERSION)
-            key = (DOMAIN, "BetaSwish", "")
-            if key not in model.functions:
-                model.functions[key] = swish_function(opset)
+        if fused:  # the op's function body and domain import, as the built-in fusions give theirs
+            ensure_functions(model, {SWISH.key: SWISH})
         details = {"near_misses": near_misses} if near_misses else {}
         return mograph.PassResult(modified=fused > 0, stats={"SwishFusion": fused}, details=details)
 

@@ -1,0 +1,405 @@
+"""Handing a model too big for one protobuf to ONNX Runtime, the ONNX checker or shape inference.
+
+Why: protobuf cannot serialize a message above 2 GB, and every runtime or checker that is given a model
+as bytes needs it serialized.  An LLM from about 500M parameters in float32 is past that once a pass
+holds its weights in memory (float16 copies, quantized weights, folded constants).  Serializing also
+copies every in-memory weight twice (into the ``ModelProto``, then into the bytes), and ONNX Runtime
+copies them a third time: the peak memory of a pass would be several times the weights.
+
+So every place that gives a model to a runtime or a checker asks this module first:
+
+* :func:`too_big`: whether the tensors the model holds *in memory* reach :func:`spill_bytes` (external
+  tensors are references and cost nothing in a protobuf): protobuf's limit, or 256 MiB, where the copies
+  that serialization makes start to cost more memory than writing a file costs time.  Below it, nothing
+  changes: bytes, as before.
+* :func:`spill`: the model written into an owned temporary folder (:mod:`mograph._tempfiles`: removed
+  with the handle, on an exception, and by the next run after SIGKILL) as a small ``model.onnx`` whose
+  tensors are all external.  In-memory tensors are written one at a time to ``inline.data``; tensors
+  already in external files are **not read** into memory: their file is copied into the folder by the
+  kernel (``shutil.copyfile``: ``sendfile``/``copy_file_range``), so spilling a model loaded from disk
+  costs disk time but no memory.  (A hard link would cost nothing, but while it exists ``onnx_ir``
+  refuses to read the original file, which has two links then, as a possible hard-link attack; a
+  symbolic link leading out of the folder is refused by ONNX Runtime.)  Each runtime then makes its
+  session from the path.  The spilled
+  ``ModelProto`` (:attr:`Spilled.proto`) is small; a caller may edit it (add graph outputs, as
+  calibration does) and write it back beside the data (:meth:`Spilled.variant`).
+* :func:`shape_proto`: a ``ModelProto`` for shape inference, whose large tensors keep their type and
+  shape but no data (external references to nothing), so no weight is copied or read.
+* :func:`payload`: what ONNX Runtime is given for a model in any form: bytes with the folder their
+  external data is read from, or the path of a spilled model.
+
+The limit is ``2**31 - 64 MiB`` (room for the graph itself).  ``MOGRAPH_PROTO_LIMIT`` (bytes) lowers it,
+so a test can drive a model of a few megabytes through the same paths a 4 GB one takes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import onnx
+import onnx_ir as ir
+
+from mograph._tempfiles import OwnedTempDir, owned_tempdir
+
+__all__ = [
+    "PROTO_LIMIT_ENV",
+    "DEFAULT_PROTO_LIMIT",
+    "proto_limit",
+    "inline_bytes",
+    "spill_bytes",
+    "too_big",
+    "Spilled",
+    "spill",
+    "model_proto",
+    "shared_copy",
+    "shape_proto",
+    "Payload",
+    "payload",
+    "drop_pages",
+]
+
+logger = logging.getLogger(__name__)
+
+PROTO_LIMIT_ENV = "MOGRAPH_PROTO_LIMIT"
+#: protobuf's 2 GB, less room for the graph itself.
+DEFAULT_PROTO_LIMIT = 2**31 - 64 * 2**20
+#: From this many bytes of in-memory tensors a model is spilled even below the protobuf limit: handed
+#: over as bytes, its weights would be copied into the ``ModelProto``, again into the bytes, and again by
+#: ONNX Runtime (four times the weights at the peak); written to a file, they are copied once, by the
+#: runtime, and the disk write of a few hundred megabytes takes about a second.
+SPILL_BYTES = 256 * 2**20
+#: In-memory tensors up to this size stay inside the spilled protobuf (shape constants and the like:
+#: shape inference and ONNX Runtime's constant handling read them there).
+INLINE_BYTES = 1024
+_ALIGN = 4096
+_DATA = "inline.data"
+
+
+def proto_limit() -> int:
+    """Bytes of in-memory tensors from which a model is spilled to a file (``MOGRAPH_PROTO_LIMIT`` lowers it)."""
+    text = os.environ.get(PROTO_LIMIT_ENV, "").strip()
+    if not text:
+        return DEFAULT_PROTO_LIMIT
+    try:
+        value = int(text)
+    except ValueError:
+        logger.warning("%s=%r is not a number of bytes; using %d", PROTO_LIMIT_ENV, text, DEFAULT_PROTO_LIMIT)
+        return DEFAULT_PROTO_LIMIT
+    return max(0, min(value, DEFAULT_PROTO_LIMIT))
+
+
+def _initializer_values(model: ir.Model) -> Iterator[ir.Value]:
+    for graph in (model.graph, *model.graph.subgraphs()):
+        yield from graph.initializers.values()
+
+
+def _attribute_tensors(model: ir.Model) -> Iterator[ir.TensorProtocol]:
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        for attr in node.attributes.values():
+            if attr.is_ref() or attr.value is None:
+                continue
+            if attr.type == ir.AttributeType.TENSOR:
+                yield attr.value
+            elif attr.type == ir.AttributeType.TENSORS:
+                yield from attr.value
+    for function in model.functions.values():
+        for node in ir.traversal.RecursiveGraphIterator(function):
+            for attr in node.attributes.values():
+                if not attr.is_ref() and attr.type == ir.AttributeType.TENSOR and attr.value is not None:
+                    yield attr.value
+
+
+def inline_bytes(model: ir.Model) -> int:
+    """Bytes of the tensors ``model`` holds in memory (initializers and tensor attributes), that is, what a
+    serialized copy of it would hold; external tensors are references and count nothing."""
+    total = 0
+    for value in _initializer_values(model):
+        t = value.const_value
+        if t is not None and not isinstance(t, ir.ExternalTensor):
+            total += t.nbytes
+    for t in _attribute_tensors(model):
+        if not isinstance(t, ir.ExternalTensor):
+            total += t.nbytes
+    return total
+
+
+def drop_pages(model: ir.Model) -> int:
+    """Drop the pages of ``model``'s memory-mapped external tensors from this process's resident memory;
+    return how many maps were advised.
+
+    A weight read once (to convert or quantize it) stays mapped, and its pages count in the process's
+    memory until the map is closed, on top of what ONNX Runtime then loads.  ``MADV_DONTNEED`` on a
+    read-only file map only forgets the pages (the page cache keeps them; a later read maps them again),
+    so it is safe while numpy views of the map are alive, unlike closing it.  Called before a session is
+    made (:func:`payload`).  Does nothing where ``madvise`` is not available.
+    """
+    import mmap
+
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    count = 0
+    if advice is None:  # pragma: no cover - not Linux/macOS
+        return count
+    for t in _external(model):
+        raw = getattr(t, "raw", None)
+        if isinstance(raw, mmap.mmap) and not raw.closed:
+            with contextlib.suppress(OSError, ValueError):
+                raw.madvise(advice)
+                count += 1
+    return count
+
+
+def spill_bytes() -> int:
+    """Bytes of in-memory tensors from which a model is spilled: :func:`proto_limit`, and at most
+    :data:`SPILL_BYTES` (memory, not protobuf, decides there)."""
+    return min(proto_limit(), SPILL_BYTES)
+
+
+def too_big(model: ir.Model | onnx.ModelProto) -> bool:
+    """Whether ``model`` reaches a runtime or checker as a file: its in-memory tensors reach
+    :func:`spill_bytes`."""
+    if isinstance(model, onnx.ModelProto):
+        return model.ByteSize() >= spill_bytes()
+    return inline_bytes(model) >= spill_bytes()
+
+
+@contextlib.contextmanager
+def _swapped(model: ir.Model, replace: Any) -> Iterator[None]:
+    """Put ``replace(tensor)`` (or the tensor itself when it returns ``None``) in place of every initializer's
+    tensor while the block runs, and the model's own tensors back after it."""
+    swapped: list[tuple[ir.Value, ir.TensorProtocol]] = []
+    try:
+        for value in _initializer_values(model):
+            t = value.const_value
+            if t is None:
+                continue
+            new = replace(t)
+            if new is not None:
+                swapped.append((value, t))
+                value.const_value = new
+        yield
+    finally:
+        for value, t in swapped:
+            value.const_value = t
+
+
+def _reference(t: ir.TensorProtocol, location: str, offset: int | None, length: int | None,
+               folder: Path | None = None) -> ir.ExternalTensor:
+    """An external tensor of ``t``'s name, type and shape at ``location`` (in ``folder``)."""
+    return ir.ExternalTensor(location, offset, length, t.dtype, shape=ir.Shape(t.shape.numpy()),
+                             name=t.name,  # type: ignore[arg-type]  # onnx_ir accepts None
+                             base_dir=str(folder) if folder is not None else "")
+
+
+@dataclass
+class Spilled:
+    """A model written with external data into an owned temporary folder (see the module docstring).
+
+    Attributes:
+        path: the model file (``model.onnx``), for ``InferenceSession(path)``.
+        proto: its ``ModelProto`` without data (small: every large tensor is an external reference).
+        folder: the temporary folder.
+    """
+
+    path: str
+    proto: onnx.ModelProto
+    folder: Path
+    tmp: OwnedTempDir
+    _variants: int = 0
+
+    def variant(self, proto: onnx.ModelProto) -> str:
+        """Write ``proto`` (this model's :attr:`proto`, edited: more outputs, other nodes; its tensors still
+        referring to this folder's data) beside the data; return its path."""
+        self._variants += 1
+        path = self.folder / f"variant{self._variants}.onnx"
+        onnx.save(proto, str(path))
+        return str(path)
+
+    def cleanup(self) -> None:
+        self.tmp.cleanup()
+
+    def __enter__(self) -> Spilled:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+
+def _copied(source: str, folder: Path, copies: dict[str, str]) -> str:
+    """The name under ``folder`` of a copy of the external-data file ``source`` (made once per file)."""
+    key = os.path.realpath(source)
+    if key not in copies:
+        name = f"copied{len(copies)}.data"
+        shutil.copyfile(key, folder / name)  # in the kernel: no buffer in this process
+        copies[key] = name
+    return copies[key]
+
+
+def spill(model: ir.Model) -> Spilled:
+    """Write ``model`` into a new owned temporary folder with external data (module docstring).
+
+    The model is not changed: its tensors are swapped for external references while the protobuf is
+    written, and put back.  In-memory tensors are written one at a time; external files are copied.
+    """
+    tmp = owned_tempdir("mograph-spill-")
+    folder = tmp.path
+    copies: dict[str, str] = {}
+    try:
+        with open(folder / _DATA, "wb") as data:
+
+            def replace(t: ir.TensorProtocol) -> ir.TensorProtocol | None:
+                if isinstance(t, ir.ExternalTensor):
+                    name = _copied(t.path, folder, copies)
+                    return _reference(t, name, t.offset, t.length, folder)
+                if t.nbytes <= INLINE_BYTES:
+                    return None
+                offset = -data.tell() % _ALIGN
+                if offset:
+                    data.write(b"\0" * offset)
+                start = data.tell()
+                raw = t.tobytes()
+                data.write(raw)
+                length = len(raw)
+                del raw
+                return _reference(t, _DATA, start, length, folder)
+
+            from mograph.ir_io import _attributes_inlined
+
+            with _swapped(model, replace), _attributes_inlined(model):  # attributes' external data: inline
+                proto = ir.serde.serialize_model(model)
+        path = folder / "model.onnx"
+        onnx.save(proto, str(path))
+    except BaseException:
+        tmp.cleanup()
+        raise
+    logger.debug("spilled the model to %s (%d external file(s) copied)", folder, len(copies))
+    return Spilled(str(path), proto, folder, tmp)
+
+
+def spill_proto(proto: onnx.ModelProto, base_dir: str | os.PathLike | None = None) -> Spilled:
+    """:func:`spill` for a ``ModelProto`` (its external data read from ``base_dir``); the proto's tensors are
+    wrapped, not copied."""
+    model = ir.serde.deserialize_model(proto)
+    if base_dir is not None:
+        for value in _initializer_values(model):
+            if isinstance(value.const_value, ir.ExternalTensor):
+                value.const_value.base_dir = str(base_dir)
+    return spill(model)
+
+
+def model_proto(model: ir.Model) -> tuple[onnx.ModelProto, Spilled | None]:
+    """``model`` as a ``ModelProto`` to edit and hand to ONNX Runtime through :func:`payload`: the plain
+    serialization below :func:`proto_limit`, else the small proto of :func:`spill` with its folder."""
+    if too_big(model):
+        spilled = spill(model)
+        return spilled.proto, spilled
+    return ir.serde.serialize_model(model), None
+
+
+def shared_copy(model: ir.Model, *, in_memory: bool = True) -> ir.Model:
+    """A copy of ``model`` (graph, nodes, values: all new) whose external initializers, and with
+    ``in_memory`` its in-memory ones above a kilobyte, are the original's tensor objects, not copies.
+
+    An external tensor is a read-only memory map: sharing it means the copy reads its file through the
+    original's map instead of mapping (and counting) its pages a second time.  In-memory tensors are not
+    changed in place by passes (a pass gives a value a new tensor), so sharing them is safe too, and
+    a copy of a model too big for one protobuf then costs no memory.  The serialized round trip that
+    makes the copy sees references in their place.  :func:`mograph.ir_io.copy_model` uses this.
+    """
+    shared: dict[str, ir.TensorProtocol] = {}
+
+    def replace(t: ir.TensorProtocol) -> ir.TensorProtocol | None:
+        if not isinstance(t, ir.ExternalTensor) and (not in_memory or t.nbytes <= INLINE_BYTES):
+            return None
+        key = f"mograph-shared-{len(shared)}"
+        shared[key] = t
+        return _reference(t, key, 0, t.nbytes)
+
+    with _swapped(model, replace):
+        copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    for value in _initializer_values(copy):
+        t = value.const_value
+        if isinstance(t, ir.ExternalTensor) and str(t.location) in shared:
+            value.const_value = shared[str(t.location)]
+    return copy
+
+
+def shape_proto(model: ir.Model) -> onnx.ModelProto:
+    """A ``ModelProto`` of ``model`` for shape inference or the checker: tensors above a few hundred bytes
+    keep their type and shape but become references to data that does not exist, so nothing is copied
+    or read (small ones, such as shape constants, stay for data propagation)."""
+
+    def replace(t: ir.TensorProtocol) -> ir.TensorProtocol | None:
+        if isinstance(t, ir.ExternalTensor) or t.nbytes > INLINE_BYTES:
+            return _reference(t, "mograph-no-data", 0, t.nbytes)
+        return None
+
+    with _swapped(model, replace):
+        return ir.serde.serialize_model(model)
+
+
+@dataclass
+class Payload:
+    """What ONNX Runtime is given: ``data`` (bytes, their external data in ``folder``) or ``path`` (a model
+    file in ``spilled``'s folder, which must live as long as the session)."""
+
+    data: bytes | None = None
+    path: str | None = None
+    folder: str | None = None
+    spilled: Spilled | None = None
+
+    def session(self, sess_options: Any, providers: list[Any]) -> Any:
+        """An ``InferenceSession``; it keeps the spilled folder alive (removed when the session is freed)."""
+        import onnxruntime as ort
+
+        if self.path is not None:
+            sess = ort.InferenceSession(self.path, sess_options, providers=providers)
+            if self.spilled is not None:
+                sess._mograph_spilled = self.spilled
+            return sess
+        if self.folder:
+            sess_options.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                                  str(self.folder))
+        return ort.InferenceSession(self.data, sess_options, providers=providers)
+
+
+def payload(model: ir.Model | onnx.ModelProto | bytes | Payload, folder: str | os.PathLike | None = None,
+            spilled: Spilled | None = None) -> Payload:
+    """:class:`Payload` of ``model``: bytes below :func:`proto_limit`, else a spilled file.
+
+    ``folder`` is where the external data of bytes or a ``ModelProto`` is read from; ``spilled`` says
+    that a ``ModelProto`` is an edited :attr:`Spilled.proto` (written beside that data, never re-spilled).
+    """
+    if isinstance(model, Payload):
+        return model
+    if isinstance(model, (bytes, bytearray)):
+        return Payload(data=bytes(model), folder=str(folder) if folder else None)
+    if isinstance(model, onnx.ModelProto):
+        if spilled is not None:
+            return Payload(path=spilled.variant(model), spilled=spilled)
+        if not too_big(model):
+            return Payload(data=model.SerializeToString(), folder=str(folder) if folder else None)
+        sp = spill_proto(model, folder)
+        return Payload(path=sp.path, spilled=sp)
+    drop_pages(model)  # weights read by the pass: not resident twice once ONNX Runtime loads its copy
+    if too_big(model):
+        sp = spill(model)
+        return Payload(path=sp.path, spilled=sp)
+    folders = {str(t.base_dir) for t in _external(model) if t.base_dir}
+    return Payload(data=ir.serde.serialize_model(model).SerializeToString(),
+                   folder=next(iter(folders)) if len(folders) == 1 else (str(folder) if folder else None))
+
+
+def _external(model: ir.Model) -> Iterator[ir.ExternalTensor]:
+    for value in _initializer_values(model):
+        if isinstance(value.const_value, ir.ExternalTensor):
+            yield value.const_value
+    for t in _attribute_tensors(model):
+        if isinstance(t, ir.ExternalTensor):
+            yield t

@@ -1,0 +1,142 @@
+"""The precision recipe per device: the table decides, the CLI and the API take the same --device, slow precisions warn."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import onnx
+import pytest
+from mograph.passes.quant import recipe as rc
+from onnx import helper, numpy_helper
+
+import mograph
+from mograph.cli import main
+from mograph.errors import OptionError
+from mograph.testing import op_counts, run_ort, to_proto
+
+K, N = 256, 128
+
+
+def residual_mlp(seed: int = 0) -> onnx.ModelProto:
+    """x -> LayerNorm -> MatMul -> Relu -> MatMul -> + x -> MatMul (the output projection)."""
+    rng = np.random.default_rng(seed)
+    w1 = (rng.standard_normal((K, N)) * 0.05).astype(np.float32)
+    w2 = (rng.standard_normal((N, K)) * 0.05).astype(np.float32)
+    w3 = (rng.standard_normal((K, 64)) * 0.05).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("LayerNormalization", ["x", "g", "b"], ["xn"], axis=-1, name="ln"),
+         helper.make_node("MatMul", ["xn", "W1"], ["h"], name="fc1"),
+         helper.make_node("Relu", ["h"], ["hr"], name="relu"),
+         helper.make_node("MatMul", ["hr", "W2"], ["o"], name="fc2"),
+         helper.make_node("Add", ["o", "x"], ["r"], name="residual"),
+         helper.make_node("MatMul", ["r", "W3"], ["y"], name="head")],
+        "mlp", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["B", "S", K])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["B", "S", 64])],
+        [numpy_helper.from_array(np.ones(K, np.float32), "g"), numpy_helper.from_array(np.zeros(K, np.float32), "b"),
+         numpy_helper.from_array(w1, "W1"), numpy_helper.from_array(w2, "W2"), numpy_helper.from_array(w3, "W3")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    return model
+
+
+def test_table_picks_per_device():
+    r = rc.resolve(["cleanup", "int4"], {}, "cuda")
+    assert r.passes == ["cleanup", "weight-only", "fp16"]
+    assert r.options == {"bits": 4, "target": "ort", "output_projection": "float"}
+    assert r.decisions[0]["lowering"] == "nbits4"
+    assert r.decisions[0]["ratios_to_float"] == rc.lowering_ratios("cuda", "nbits4") == (0.781, 1.26, 1.078)
+    r8 = rc.resolve(["int8"], {}, "cuda:1")
+    assert r8.passes == ["weight-only", "fp16"] and r8.options["bits"] == 8
+    assert "INT8 activations not used" in r8.decisions[0]["reason"] and "MatMulInteger" in r8.decisions[0]["reason"]
+    assert not r8.warnings
+    # CPU: today's recipe, since the table measures it faster there
+    assert rc.resolve(["int4"], {}, "cpu").passes == ["int4"]
+    assert rc.resolve(["int8"], {}, "cpu").passes == ["qdq-int8"]
+    # TensorRT keeps explicit Q/DQ; nothing is redirected to MatMulNBits
+    trt = rc.resolve(["int8"], {"target": "tensorrt"}, "cuda")
+    assert trt.passes == ["int8"] and trt.options == {"target": "tensorrt"}
+    # no quantization preset: nothing changes, no option is added
+    assert rc.resolve(["cleanup", "fuse"], {}, "cuda").options == {}
+
+
+def test_the_data_decides(monkeypatch):
+    """Change the measured figures and the choice follows: 8-bit MatMulNBits measured fastest on the CPU wins int8."""
+    table = json.loads(json.dumps(rc.KERNELS))
+    table["cpu"]["ms"]["nbits8"] = [0.01, 1.0]
+    monkeypatch.setattr(rc, "KERNELS", table)
+    r = rc.resolve(["int8"], {}, "cpu")
+    assert r.passes == ["weight-only"] and r.options == {"bits": 8}
+    # and the CUDA int8 choice falls to INT8 activations if those were measured faster
+    table["cuda"]["ms"]["matmulinteger"] = [0.001, 0.001, 0.001]
+    assert rc.best_lowering("cuda", "int8")[0] == "matmulinteger"
+
+
+def test_slow_precisions_warn_with_figures_and_alternatives():
+    r = rc.resolve(["qdq-fp8"], {}, "cuda")
+    assert r.passes == ["qdq-fp8"] and len(r.warnings) == 1
+    line = r.warnings[0]
+    assert "\n" not in line and "GemmFloat8" in line and "0.204 vs 0.032 ms" in line and "--target tensorrt" in line
+    r = rc.resolve(["qdq-int8"], {}, "cuda")
+    assert len(r.warnings) == 1 and "MatMulInteger" in r.warnings[0] and "Q/DQ A8W8" in r.warnings[0]
+    assert not rc.resolve(["qdq-int8"], {}, "cpu").warnings  # faster than float32 on the CPU
+    assert not rc.resolve(["qdq-fp8"], {"target": "tensorrt"}, "cuda").warnings
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="one --bits"):
+        rc.resolve(["int4", "int8"], {}, "cuda")
+    with pytest.raises(ValueError, match="contradicts"):
+        rc.resolve(["int4"], {"bits": 8}, "cuda")
+    with pytest.raises(OptionError, match="--device tpu"):
+        mograph.optimize(residual_mlp(), "int4", device="tpu")
+
+
+def test_api_int4_for_cuda_writes_matmulnbits_with_fp16_activations():
+    proto = residual_mlp()
+    model, report = mograph.optimize(proto, "int4", device="cuda", options={"calibration_random": 4})
+    out = model if isinstance(model, onnx.ModelProto) else to_proto(model)
+    counts = op_counts(mograph.load(out))
+    assert counts["com.microsoft.MatMulNBits"] == 2 if "com.microsoft.MatMulNBits" in counts else counts["MatMulNBits"] == 2
+    assert [p.name for p in report.passes][:3] == ["weight-only", "fp16", "lower"]
+    nbits = [n for n in out.graph.node if n.op_type == "MatMulNBits"]
+    inits = {i.name: i for i in out.graph.initializer}
+    assert all(inits[n.input[2]].data_type == onnx.TensorProto.FLOAT16 for n in nbits)  # fp16 scales: fp16 A
+    assert all(inits[n.input[1]].data_type == onnx.TensorProto.UINT8 for n in nbits)
+    head = [n for n in out.graph.node if n.op_type == "MatMul"]
+    assert len(head) == 1 and inits[head[0].input[1]].data_type == onnx.TensorProto.FLOAT16  # LM head float16
+    rec = report.to_dict()["recipe"]
+    assert rec["device"] == "cuda" and rec["passes"] == ["weight-only", "fp16"] and rec["decisions"][0]["lowering"] == "nbits4"
+    # the numbers: ORT CPU runs the fp16 MatMulNBits graph; 4-bit weights and fp16 stay close to float32
+    x = {"x": np.random.default_rng(3).standard_normal((2, 5, K)).astype(np.float32)}
+    ref, got = run_ort(proto, x)[0], run_ort(out, x)[0]
+    cos = float((ref * got).sum() / np.linalg.norm(ref) / np.linalg.norm(got))
+    assert cos > 0.99, cos
+
+
+def test_api_without_device_is_unchanged():
+    _, report = mograph.optimize(residual_mlp(), "int4")
+    assert [p.name for p in report.passes][0] == "weight-only" and "fp16" not in [p.name for p in report.passes]
+    assert "recipe" not in report.to_dict()
+
+
+def test_cli_device_without_gpu_and_warning(tmp_path, capsys, caplog):
+    src = tmp_path / "m.onnx"
+    onnx.save(residual_mlp(), src)
+    out, rep = tmp_path / "o.onnx", tmp_path / "r.json"
+    code = main(["optimize", str(src), "--passes", "int4", "--device", "cuda", "--calibration-random", "2",
+                 "-o", str(out), "--report", str(rep)])
+    text = capsys.readouterr().out
+    assert code == 0 and "recipe (cuda): int4 -> weight-only,fp16" in text
+    data = json.loads(rep.read_text())
+    assert data["pipeline"][:3] == ["weight-only", "fp16", "lower"] and data["recipe"]["device"] == "cuda"
+    assert sum(n.op_type == "MatMulNBits" for n in onnx.load(out).graph.node) == 2
+    out2, rep2 = tmp_path / "o2.onnx", tmp_path / "r2.json"
+    with caplog.at_level(logging.WARNING):
+        code = main(["optimize", str(src), "--passes", "qdq-fp8", "--device", "cuda", "--calibration-random", "2",
+                     "-o", str(out2), "--report", str(rep2)])
+    assert code == 0
+    warned = [r.getMessage() for r in caplog.records if "qdq-fp8 on ONNX Runtime CUDA is measured slower" in r.getMessage()]
+    assert len(warned) == 1
+    assert json.loads(rep2.read_text())["recipe"]["warnings"] == warned

@@ -1,0 +1,124 @@
+"""What keeps the pipeline linear in graph size (issue 27 item 3): each piece against its slow original.
+
+* :func:`mograph._traverse.iter_nodes` / ``subgraphs`` walk the same nodes as onnx-ir's recursive iterator;
+* :func:`mograph.irutil.infer_types` reuses its last inference only while the graph is unchanged;
+* loading decodes in-protobuf weights once (numpy-backed tensors) with the same values;
+* saving without external data streams large initializers and writes the same model;
+* the synthetic LLaMA stack of ``tools/bench_core.py`` fuses as a LLaMA should (one RMSNorm per norm).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper
+
+import mograph
+from mograph import irutil
+from mograph._traverse import iter_nodes, subgraphs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _stack(layers: int, **kw: int) -> onnx.ModelProto:
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        from bench_core import build_llama_stack
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    return build_llama_stack(layers, **kw)
+
+
+def _with_if() -> ir.Model:
+    then_g = helper.make_graph([helper.make_node("Neg", ["x"], ["t"], name="neg")], "then", [],
+                               [helper.make_tensor_value_info("t", TensorProto.FLOAT, [2])])
+    else_g = helper.make_graph([helper.make_node("Abs", ["x"], ["e"], name="abs")], "else", [],
+                               [helper.make_tensor_value_info("e", TensorProto.FLOAT, [2])])
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("If", ["c"], ["y"], name="if", then_branch=then_g, else_branch=else_g),
+             helper.make_node("Add", ["r", "y"], ["z"], name="add")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
+                                       helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+                          [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2])])
+    return ir.serde.deserialize_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+def test_iter_nodes_and_subgraphs_match_onnx_ir() -> None:
+    model = _with_if()
+    ours = [n.name for n in iter_nodes(model.graph)]
+    theirs = [n.name for n in ir.traversal.RecursiveGraphIterator(model.graph)]
+    assert sorted(ours) == sorted(theirs) == ["abs", "add", "if", "neg", "relu"]
+    assert ours.index("if") < ours.index("neg")  # a node before its subgraphs' nodes
+    assert sorted(g.name for g in subgraphs(model.graph)) == sorted(g.name for g in model.graph.subgraphs()) == [
+        "else", "then"]
+
+
+def test_infer_types_reuses_inference_only_while_the_graph_is_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = ir.serde.deserialize_model(_stack(1))
+    calls = []
+    real = irutil.run_shape_inference
+    monkeypatch.setattr(irutil, "run_shape_inference", lambda m, **kw: (calls.append(1), real(m, **kw))[1])
+    snap = irutil.infer_types(model)
+    typed = {v.name: (v.dtype, v.shape) for n in model.graph for v in n.outputs}
+    assert len(calls) == 1 and typed["logits"][0] == ir.DataType.FLOAT and len(typed["logits"][1]) == 3
+    irutil.restore_types(snap)  # a pass that changed nothing puts the old types back
+    irutil.infer_types(model)
+    assert len(calls) == 1  # same graph, same starting types: the last inference's types come back
+    assert {v.name: (v.dtype, v.shape) for n in model.graph for v in n.outputs} == typed
+    node = next(n for n in model.graph if n.op_type == "Sigmoid")
+    model.graph.insert_after(node, ir.node("Identity", [node.outputs[0]]))  # an edit
+    irutil.infer_types(model)
+    assert len(calls) == 2
+
+
+def test_load_decodes_weights_once_with_the_same_values(tmp_path: Path) -> None:
+    proto = _stack(1, hidden=64)
+    path = tmp_path / "m.onnx"
+    onnx.save(proto, str(path))
+    model = mograph.load(str(path))
+    expected = {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
+    for v in model.graph.initializers.values():
+        assert not isinstance(v.const_value, ir.serde.TensorProtoTensor), v.name
+        np.testing.assert_array_equal(v.const_value.numpy(), expected[v.name])
+        assert v.const_value.numpy() is v.const_value.numpy()  # no copy per read
+
+
+def test_save_streams_large_initializers_into_the_same_model(tmp_path: Path) -> None:
+    src = tmp_path / "in.onnx"
+    onnx.save(_stack(2, hidden=512, heads=8, kv_heads=4), str(src))
+    model = mograph.load(str(src))
+    big = [v.name for v in model.graph.initializers.values() if v.const_value.nbytes >= 1 << 20]
+    assert len(big) >= 8  # the MLP weights are streamed
+    ir.save(model, str(tmp_path / "ref.onnx"))
+    mograph.save(model, str(tmp_path / "out.onnx"))
+    ref, out = onnx.load(str(tmp_path / "ref.onnx")), onnx.load(str(tmp_path / "out.onnx"))
+    onnx.checker.check_model(out)
+    a = {t.name: t.SerializeToString() for t in ref.graph.initializer}
+    b = {t.name: t.SerializeToString() for t in out.graph.initializer}
+    assert a == b
+    assert [n.SerializeToString() for n in ref.graph.node] == [n.SerializeToString() for n in out.graph.node]
+    assert list(model.graph.initializers) == [t.name for t in ref.graph.initializer]  # the model's order is kept
+
+
+def test_llama_stack_fuses_every_norm() -> None:
+    layers = 3
+    proto = _stack(layers)
+    assert abs(len(proto.graph.node) - 84 * layers) < 30
+    model, report = mograph.optimize(proto, passes="cleanup,fuse")
+    stats = {p.name: p.stats for p in report.passes}
+    assert stats["fuse-rmsnorm"]["RMSNormFusion"] == 2 * layers + 1
+    assert stats["fuse-skip-layernorm"]["SkipRMSNormFusion"] == 2 * layers
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    rng = np.random.default_rng(0)
+    feeds = {"input_ids": rng.integers(0, 256, (2, 8)), "attention_mask": np.ones((2, 8), np.int64)}
+    ref, got = (ort.InferenceSession(m.SerializeToString(), opts, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+                for m in (proto, model))
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
