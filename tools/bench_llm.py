@@ -79,8 +79,10 @@ MODELS = {
     "tiny": Spec("llama", 2, 64, 4, 2, 128, 1000, 10000.0),
 }
 DEFAULT_VARIANTS = [
-    "mograph-ts=ts:cleanup,fuse,fp16:--target ort",
-    "mograph-dynamo=dynamo:cleanup,fuse,fp16:--target ort",
+    "mograph-ts=ts:cleanup,fuse,fp16:--target ort --fp16-io yes --mask-format lengths",
+    "mograph-ts-shared=ts:cleanup,fuse,fp16:--target ort --fp16-io yes --kv-cache shared",
+    "mograph-dynamo-shared=dynamo:cleanup,fuse,fp16:--target ort --fp16-io yes --kv-cache shared",
+    "mograph-ts-int4-shared=ts:cleanup,fuse,int4:--target ort --device cuda --fp16-io yes --kv-cache shared",
 ]
 CELLS = ["1x512", "8x512", "decode:1x512", "decode:8x512"]
 PROMPT, STEPS = 16, 64
