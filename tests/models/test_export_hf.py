@@ -42,7 +42,7 @@ def _session(path: Path):
 
 @pytest.mark.torch
 @needs_torch
-@pytest.mark.parametrize("exporter", EXPORTERS)
+@pytest.mark.parametrize("exporter", [pytest.param(e, marks=[pytest.mark.slow] if e == "dynamo" else []) for e in EXPORTERS])
 @pytest.mark.parametrize("kind", KINDS)
 def test_export_runs_and_matches_torch(kind: str, exporter: str, tmp_path: Path) -> None:
     opset = OPSET[exporter]

@@ -69,7 +69,8 @@ def _preset(model, config: dict) -> dict:
     return stats
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.exporter == "dynamo" else [])
+                                  for c in CASES])  # dynamo exports: slow (5-7 s each); CI runs them all
 def test_corpus_export_fuses_every_attention(corpus_dir: Path, case: corpus.Case) -> None:
     path = corpus_dir / f"{case.name}.onnx"
     if not path.exists():

@@ -81,7 +81,12 @@ def _fuse(model, target: str) -> Counter:
     return stats
 
 
-@pytest.mark.parametrize("kind,exporter,opset", CASES, ids=[f"{k}-{e}-{o}" for k, e, o in CASES])
+#: dynamo exports take 5-10 s each: slow (the quick run keeps the TorchScript ones; CI runs all)
+_CASE_PARAMS = [pytest.param(k, e, o, id=f"{k}-{e}-{o}", marks=[pytest.mark.slow] if e == "dynamo" else [])
+                for k, e, o in CASES]
+
+
+@pytest.mark.parametrize("kind,exporter,opset", _CASE_PARAMS)
 def test_fuse_export(export_dir: Path, kind: str, exporter: str, opset: int) -> None:
     import onnx
 
