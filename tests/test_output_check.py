@@ -261,3 +261,64 @@ def test_without_onnxruntime_the_fallback_names_what_went_unchecked(monkeypatch)
     bad.graph.node[0].op_type = "NoSuchOp"  # an op neither ONNX nor the fallback knows: still refused
     with pytest.raises(InvalidModel, match="NoSuchOp"):
         check_model_output(ir.serde.deserialize_model(bad))
+
+
+# -- a model with no graph outputs (issue 30, R10): the ONNX checker and ORT accept it; it computes nothing
+
+
+class DropOutputsPass(Pass):
+    """Deletes every graph output (issue 30, R10): the ONNX checker accepts the result; it computes nothing."""
+
+    name = "drop-outputs"
+
+    def call(self, model: ir.Model) -> PassResult:
+        if not model.graph.outputs:
+            return PassResult(False, {})
+        model.graph.outputs.clear()
+        return PassResult(True, {"dropped": 1})
+
+
+def test_output_with_no_graph_outputs_is_refused():
+    model = _model()
+    with pytest.raises(InvalidModel, match="no outputs"):
+        check_model_output(_no_outputs(_model()))
+    with pytest.raises(PassFailedError) as err:
+        api.run_passes(model, [RenamePass(), DropOutputsPass()], blocked=BLOCK)
+    assert err.value.pass_name == "drop-outputs" and "no outputs" in str(err.value)
+
+
+def _no_outputs(model: ir.Model) -> ir.Model:
+    model.graph.outputs.clear()
+    return model
+
+
+def test_a_pass_that_drops_every_output_writes_nothing(tmp_path, monkeypatch, capsys):
+    """Through the command line: exit 4 naming the pass, and no output file (it was written with exit 0)."""
+    import sys
+    import types
+
+    from mograph.cli import main
+    from mograph.hookspecs import hookimpl
+
+    plugin = types.ModuleType("mograph_test_drop_outputs")
+
+    @hookimpl
+    def mograph_add_passes():  # type: ignore[no-untyped-def]
+        return [DropOutputsPass]
+
+    plugin.mograph_add_passes = mograph_add_passes  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, plugin.__name__, plugin)
+    src = tmp_path / "m.onnx"
+    onnx.save(ir.serde.serialize_model(_model()), src)
+    from mograph import plugins
+
+    monkeypatch.setattr(plugins, "BUILTIN_PLUGINS", (*plugins.BUILTIN_PLUGINS, plugin.__name__))
+    plugins.reset()
+    try:
+        code = main(["optimize", str(src), "--passes", "drop-outputs", "-o", str(tmp_path / "out.onnx"), "-q"])
+    finally:
+        plugins.reset()
+    err = capsys.readouterr().err
+    assert code == 4, err
+    assert "drop-outputs" in err and "no outputs" in err
+    assert not (tmp_path / "out.onnx").exists()
