@@ -1418,15 +1418,17 @@ def _packed_qkv(xs: list[ir.Value], graph: ir.Graph, new_nodes: list[ir.Node]) -
 
 def _present_value_output(graph: ir.Graph, v: ir.Value) -> ir.Value | None:
     """The graph output that is ``Transpose(Reshape(v, [b, s, G, D]), [0, 2, 1, 3])``: the prefill's present value."""
-    for out in graph.outputs:
-        tr = _producer(out, "Transpose")
-        rs = _producer(tr.inputs[0], "Reshape") if tr is not None else None
-        if tr is None or rs is None or list(attr_value(tr, "perm", [])) != [0, 2, 1, 3] or rs.inputs[0] is not v:
-            continue
-        target = _shape_entries(rs.inputs[1])
-        if target is not None and _splits_last_dim(v, target):
-            return out
-    return None
+    return next((out for out in graph.outputs if _is_head_split(out, v)), None)
+
+
+def _is_head_split(x: ir.Value, v: ir.Value) -> bool:
+    """``x`` is ``Transpose(Reshape(v, [b, s, G, D]), [0, 2, 1, 3])`` with the Reshape only splitting ``v``'s last dim."""
+    tr = _producer(x, "Transpose")
+    rs = _producer(tr.inputs[0], "Reshape") if tr is not None else None
+    if tr is None or rs is None or list(attr_value(tr, "perm", [])) != [0, 2, 1, 3] or rs.inputs[0] is not v:
+        return False
+    target = _shape_entries(rs.inputs[1])
+    return target is not None and _splits_last_dim(v, target)
 
 
 def _present_key_output(graph: ir.Graph, k: ir.Value, f: ir.Value, scale: float | None) -> ir.Value | None:
@@ -1444,12 +1446,7 @@ def _present_key_output(graph: ir.Graph, k: ir.Value, f: ir.Value, scale: float 
             continue
         if hc[2] != scale or hs[2] != scale:
             continue
-        tr = _producer(x, "Transpose")
-        rs = _producer(tr.inputs[0], "Reshape") if tr is not None else None
-        if tr is None or rs is None or list(attr_value(tr, "perm", [])) != [0, 2, 1, 3] or rs.inputs[0] is not k:
-            continue
-        target = _shape_entries(rs.inputs[1])
-        if target is not None and _splits_last_dim(k, target):
+        if _is_head_split(x, k):
             return out
     return None
 
