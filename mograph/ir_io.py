@@ -496,6 +496,9 @@ def load_model(source: ModelSource, *, check: bool = True, base_dir: str | os.Pa
         _decode_initializers(model)
     if origin == "a path":
         _CHECKED_FILES[str(model.meta[SOURCE_KEY])] = stamp  # taken before reading: a later change shows
+    from mograph import _spill
+
+    _spill.remember_data_files(model)  # their pages are dropped before each session (_spill.drop_pages)
     if check:
         _check_structure(model)
         check_declarations(model)
@@ -565,7 +568,7 @@ def save_model(
         path: destination ``.onnx`` file.
         external_data: write initializers to a data file beside the model (``<name>.data``, or
             ``<name>.<id>.data`` when a file of that name is already there). ``None`` chooses it when
-            the initializers need 256 MiB or more (:func:`mograph._spill.spill_bytes`: written inline,
+            the initializers need 256 MiB or more (:func:`mograph._spill.save_external_bytes`: written inline,
             they would be copied twice in memory on the way) or the model already had external data; ``False``
             writes one self-contained file (external tensors are read in for it).
         forbid: a path that must not be written over (the input model).
@@ -593,7 +596,7 @@ def save_model(
     if external_data is None:
         from mograph import _spill
 
-        external_data = model_size_bytes(model) >= _spill.spill_bytes() or any(
+        external_data = model_size_bytes(model) >= _spill.save_external_bytes() or any(
             isinstance(v.const_value, ir.ExternalTensor) for v in _all_initializers(model)
         )
     elif not external_data and model_size_bytes(model) >= TWO_GB:

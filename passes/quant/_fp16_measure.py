@@ -42,7 +42,7 @@ import onnx_ir as ir
 from mograph.passes.quant import calibration as cal
 from mograph.passes.quant.plan import Budget
 
-from mograph import ir_io
+from mograph import _spill, ir_io
 from mograph.irutil import fresh_name
 
 __all__ = ["FP16_LIMIT", "LocalMeasure", "Search", "keep_fp16_rounding", "measure_local", "output_metric",
@@ -128,6 +128,7 @@ def _twin_model(model: ir.Model, positions: Sequence[int], floats: set[str], pin
             return halves[id(v)]
         if v.const_value is not None and v.is_initializer():
             t = ir.tensor(to_half(v.const_value.numpy()), name=fresh_name(taken, f"{v.name}_twin16"))
+            _spill.release_pages(v.const_value)
             out = ir.Value(name=t.name, const_value=t)
             out.dtype, out.shape = ir.DataType.FLOAT16, v.shape
             graph.register_initializer(out)
@@ -187,6 +188,7 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
     names = [v.name for v in twin.graph.outputs]
     sess = cal._session(twin, cal.model_folder(model))  # too big for one protobuf: spilled to a file
     del twin  # the session holds its own copy of the float16 twins
+    _spill.free_dropped()
     result = LocalMeasure(stats={name: cal.TensorStats() for name in watched})
     num = dict.fromkeys(pairs, 0.0)
     den = dict.fromkeys(pairs, 0.0)

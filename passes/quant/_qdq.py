@@ -45,6 +45,7 @@ import numpy as np
 import onnx_ir as ir
 from mograph.passes.quant.plan import node_key
 
+from mograph import _spill
 from mograph.irutil import fresh_name
 
 __all__ = [
@@ -465,6 +466,7 @@ class QdqWriter:
         assert tensor is not None
         ftype = tensor.dtype if tensor.dtype in _FLOATS else ir.DataType.FLOAT
         w = tensor.numpy().astype(np.float32)
+        _spill.release_pages(tensor)  # a copy was made: the mapped float weights need not stay resident
         qarr, scale = quantize_weight_array(w, axis, self.scheme, scale_numpy_type(ftype))
         base = value.name or "weight"
         home = self._home(value)
