@@ -91,8 +91,9 @@ def run_job(args: list[str], result: Path, timeout: float) -> dict[str, Any]:
     result.unlink(missing_ok=True)
     start = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, "-c", _WORKER, str(result), *args], cwd=ROOT, capture_output=True,
-                              text=True, timeout=timeout)
+        # run from the work folder: mograph is the installed one (or PYTHONPATH's), not this checkout's by accident
+        proc = subprocess.run([sys.executable, "-c", _WORKER, str(result), *args], cwd=result.parent,
+                              capture_output=True, text=True, timeout=timeout)
         code, err = proc.returncode, proc.stderr
     except subprocess.TimeoutExpired:
         code, err = "timeout", ""

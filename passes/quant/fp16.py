@@ -449,6 +449,8 @@ class Fp16Pass(Pass):
             halves = {v.name for v in copy.graph.inputs if v.dtype == ir.DataType.FLOAT16}
             feeds = [{k: (a.astype(np.float16) if k in halves else a) for k, a in f.items()} for f in samples]
             outs = list(cal.run_model(copy, feeds, folder=folder))
+            del copy
+            _spill.free_dropped()  # not beside the next evaluation's copy
             return output_metric(budget, refs, outs, keeps)
 
         ranked = sorted(candidates, key=lambda p: measured.error.get(p, 0.0), reverse=True)

@@ -230,6 +230,8 @@ def _evaluate_mix(
         if c.key in quantized:
             writer.quantize(c)
     outs = list(run_model(m, samples, folder=folder))  # too big for one protobuf: spilled to a file
+    del m, writer
+    _spill.free_dropped()  # its quantized weights are not beside the next evaluation's
     return _metric(budget, refs, outs)
 
 
