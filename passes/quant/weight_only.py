@@ -594,10 +594,10 @@ class WeightOnlyPass(Pass):
             feeds: dict[str, np.ndarray] = dict(fixed)
             for layer in layers:
                 key = key_of(layer, assign.get(layer.key, "float"))
+                name = str(layer.node.inputs[1].name)  # type: ignore[union-attr]
                 if key is not None and key not in eff:
                     eff[key] = as_input(layer, layer.effective(key[1]))
-                feeds[str(layer.node.inputs[1].name)] = fixed[str(layer.node.inputs[1].name)] if key is None \
-                    else eff[key]  # type: ignore[union-attr]
+                feeds[name] = fixed[name] if key is None else eff[key]
             values = []
             for s, ref in zip(samples, refs):
                 out = sess.run(None, {**s, **feeds})
