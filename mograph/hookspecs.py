@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
     from mograph.custom_ops import CustomOp
     from mograph.pass_infra import Pass, PassResult
+    from mograph.targets import Target
 
 __all__ = ["hookspec", "hookimpl", "PROJECT"]
 
@@ -103,6 +104,22 @@ def mograph_add_custom_ops() -> list[CustomOp]:
         ONNX function body, shape function, per-target lowerings and TensorRT plugin.
         ``(domain, name)`` must be unique across plugins: a second declaration is an error naming
         both plugins.
+    """
+
+
+@hookspec
+def mograph_add_targets() -> list[Target]:
+    """Contribute lowering targets (``--target NAME``) as declared data.
+
+    Called once, when the registry is built.  A :class:`mograph.targets.Target` says whether the
+    ``lower`` step asks each op's ``lowerings[NAME]`` (``lowers``), what becomes of a node no lowering
+    takes (``leftovers``: ``"inline"`` its function body, or ``"keep"`` the custom op with its body), and
+    whether ``--upgrade-opset`` applies (``standard_opset``).  The built-in plugin ``mograph.lowering``
+    declares ``onnx``, ``ort``, ``tensorrt`` and ``mograph`` this way.  A name that only an op's
+    ``lowerings`` or a backend's ``target`` gives is a target too, with the defaults (lower, keep).
+
+    Returns:
+        A list of :class:`mograph.targets.Target`; a name declared twice is an error naming both plugins.
     """
 
 

@@ -52,12 +52,15 @@ import multiprocessing
 import os
 import tempfile
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx_ir as ir
 
 from mograph.errors import UsageError
+
+if TYPE_CHECKING:
+    from mograph.plugins import Registry
 
 __all__ = ["profile_model", "format_profile", "SCHEMA"]
 
@@ -218,6 +221,7 @@ def profile_model(
     seed: int = 0,
     kernels: bool | None = None,
     launch_blocking: bool | None = None,
+    registry: Registry | None = None,
 ) -> dict[str, Any]:
     """Profile ``model_path`` and say where its time goes (the dict described in the module docstring).
 
@@ -234,6 +238,8 @@ def profile_model(
         kernels: collect GPU kernels (default: on CUDA).
         launch_blocking: take node times in a child process with ``CUDA_LAUNCH_BLOCKING=1`` (default:
             on CUDA); also usable on the CPU, where it changes nothing but the process.
+        registry: the plugins' registry (its custom ops are lowered for ``ort`` first); default: the
+            current environment's (this is a composition root).
 
     Raises:
         UsageError: another backend than ``ort``, or ``runs``/``top`` below 1.
@@ -257,7 +263,11 @@ def profile_model(
         ort.require_device(device)
     notes: list[str] = []
     loaded = ir_io.load_model(model_path) if not isinstance(model_path, ir.Model) else model_path
-    run_model, lowered = lowered_for(loaded, "ort")
+    if registry is None:
+        from mograph.plugins import get_registry
+
+        registry = get_registry()
+    run_model, lowered = lowered_for(loaded, "ort", registry=registry)
     if lowered:
         notes.append("fused custom ops were lowered for ONNX Runtime first: " + ", ".join(f"{k}={v}" for k, v in lowered.items()))
     if run_model is loaded:

@@ -843,9 +843,8 @@ class WeightOnlyPass(Pass):
         if stats["quantized"]:
             model.opset_imports.setdefault(DOMAIN, DOMAIN_VERSION)
             from mograph.lowering import ensure_functions
-            from mograph.plugins import get_registry
 
-            ensure_functions(model, get_registry().custom_ops)
+            ensure_functions(model, self.declared_ops)
         details: dict[str, Any] = {"plan": plan.to_dict()}
         publish_notes_and_plan(self, plan, details, notes)
         if not stats["quantized"]:
