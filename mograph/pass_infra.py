@@ -34,7 +34,7 @@ from mograph._traverse import iter_nodes
 from mograph.errors import InternalError, MographError, OptionError, PluginError
 
 if TYPE_CHECKING:
-    from mograph.custom_ops import CustomOp, Declarations
+    from mograph.custom_ops import Declarations
 
 __all__ = [
     "Option",
@@ -226,7 +226,9 @@ class Pass:
 
     def __init__(self, *, registry: Declarations | None = None, **values: Any) -> None:
         #: What the plugins declared (custom ops, targets, backends), handed down by the composition root
-        #: (:meth:`mograph.plugins.Registry.instantiate`); ``None`` for a pass made by hand.
+        #: (:meth:`mograph.plugins.Registry.instantiate`, :func:`mograph.run_passes`, :mod:`mograph.testing`);
+        #: ``None`` for a pass made by hand, which then knows no plugin's declarations (a pass that cannot
+        #: work without them says so through :attr:`declarations`).
         self.registry = registry
         self.config: dict[str, Any] = {}
         known = {o.key: o for o in self.options}
@@ -252,11 +254,6 @@ class Pass:
             raise InternalError(self.name, "the pass needs the registry's declarations: make it with "
                                            "Registry.instantiate or give it registry=")
         return self.registry
-
-    @property
-    def declared_ops(self) -> Mapping[tuple[str, str], CustomOp]:
-        """The custom ops of :attr:`declarations`."""
-        return self.declarations.custom_ops
 
     @classmethod
     def summary(cls) -> str:

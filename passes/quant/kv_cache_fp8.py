@@ -167,7 +167,7 @@ def _fused_index(node: ir.Node, ops: Mapping[tuple[str, str], CustomOp]) -> dict
         return known
     if node.domain != "mograph":
         return None
-    op = ops.get((node.domain, node.op_type))  # a mograph op naming its cache I/O
+    op = ops.get((node.domain, node.op_type))  # a mograph op naming its cache I/O (none known without a registry)
     if op is None:
         return None
     ins, outs = [str(n) for n in op.inputs], [str(n) for n in op.outputs]
@@ -232,7 +232,8 @@ def find_cache_pairs(model: ir.Model, ops: Mapping[tuple[str, str], CustomOp]
     """The KV-cache pairs of ``model``'s main graph, the pasts already quantized, and why others were not taken.
 
     ``ops``: the declared custom ops (the registry's), whose ``past_*``/``present_*`` inputs and outputs
-    say where a fused attention op reads and writes its cache."""
+    say where a fused attention op reads and writes its cache; a ``mograph`` op not among them is not
+    recognized as a cache reader."""
     outputs = {id(v) for v in model.graph.outputs}
     pairs: list[CachePair] = []
     done: list[ir.Value] = []
@@ -289,7 +290,8 @@ class KvCacheFp8Pass(Pass):
     options = (*CALIBRATION_OPTIONS, *KV_OPTIONS, PLAN_OPTIONS[1])
 
     def call(self, model: ir.Model) -> PassResult:
-        pairs, done, missed = find_cache_pairs(model, self.declared_ops)
+        ops = self.registry.custom_ops if self.registry is not None else {}
+        pairs, done, missed = find_cache_pairs(model, ops)
         stats: dict[str, int | float] = {"cache_tensors": 0, "skipped_already_quantized": len(done)}
         if not pairs:
             if done:
@@ -302,7 +304,7 @@ class KvCacheFp8Pass(Pass):
         source = open_calibration(self, model)  # refuses before anything changes
         upgraded = self._ensure_opset(model, stats, details)
         if upgraded:
-            pairs, done, _ = find_cache_pairs(model, self.declared_ops)
+            pairs, done, _ = find_cache_pairs(model, ops)
         per_head = self.config.get("kv_cache_scale", "head") == "head"
         stored = self.config.get("kv_cache_io", "float") == "fp8"
         amaxes, samples = _amax(model, pairs, source, per_head, getattr(self, "progress", None))
@@ -349,7 +351,7 @@ class KvCacheFp8Pass(Pass):
         if old >= 19:
             return False
         try:
-            done = upgrade_opset(model, 19, ops=self.declared_ops if model.functions else {})
+            done = upgrade_opset(model, 19, ops=self.registry.custom_ops if self.registry is not None else {})
         except OpsetUpgradeError as exc:
             raise ModelError(f"{self.name}: needs opset >= 19 for FP8 QuantizeLinear; the model's opset cannot "
                              f"be upgraded from {old}: {exc}") from exc
