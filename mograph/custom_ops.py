@@ -152,6 +152,9 @@ class CustomOp:
         tensorrt_fields: the plugin fields that tell this op apart from other ops sharing its plugin
             (``FastGelu``: ``{"approximate": "tanh"}`` on the ``Gelu`` plugin), so a plugin node can be
             read back as its op (to check it through the op's function body).
+        computes: the computation the op is a fused form of (``"LayerNorm"``, ``"RMSNorm"``, ``"GELU"``,
+            ``"attention"``), so "which op types are an already-fused X" is read off the declarations
+            (:func:`fused_kinds`); ``None`` for an op that is no such computation.
     """
 
     name: str
@@ -168,6 +171,7 @@ class CustomOp:
     onnx_opset: int | None = None
     tensorrt_plugin: TensorRTPlugin | None = None
     tensorrt_fields: dict[str, Any] = field(default_factory=dict)
+    computes: str | None = None
 
     @property
     def key(self) -> tuple[str, str]:

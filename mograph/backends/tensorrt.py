@@ -238,10 +238,23 @@ def _mograph_plugin_nodes(model: Any) -> list[Any]:
 
 
 def _needs_lowering(model: Any, registry: Declarations | None) -> bool:
-    """Whether ``model`` holds registered custom-op nodes not yet lowered for TensorRT (none known without a registry)."""
-    from mograph.lowering import has_custom_ops
+    """Whether ``model`` holds registered custom-op nodes not yet lowered for TensorRT.
 
-    return registry is not None and has_custom_ops(model, registry)
+    Raises:
+        UsageError: no ``registry`` was given and the model calls custom ops (nodes with a model-local
+            function body, not plugin nodes): they cannot be lowered without the ops' declarations.
+    """
+    from mograph._traverse import iter_nodes
+    from mograph.lowering import has_custom_ops, is_plugin_node
+
+    if registry is not None:
+        return has_custom_ops(model, registry)
+    calls = sorted({f"{n.domain}.{n.op_type}" for n in iter_nodes(model.graph)
+                    if (n.domain, n.op_type, n.overload) in model.functions and not is_plugin_node(n)})
+    if calls:
+        raise UsageError(f"the model calls custom ops ({', '.join(calls)}) that must be lowered for tensorrt first: "
+                         "give the backend the registry (registry=), as mograph's commands do")
+    return False
 
 
 def _plugin_node_problems(model: Any) -> list[str]:
