@@ -30,6 +30,7 @@ from mograph.errors import PluginError
 if TYPE_CHECKING:
     import onnx_ir as ir
 
+    from mograph.foreign_ops import ForeignOp
     from mograph.targets import Target
 
 __all__ = ["CustomOp", "Declarations", "TensorRTPlugin", "Lowering", "DOMAIN", "DOMAIN_VERSION", "PLUGIN_NAMESPACE",
@@ -196,3 +197,6 @@ class Declarations(Protocol):
 
     @property
     def targets(self) -> Mapping[str, Target]: ...
+
+    @property
+    def foreign_ops(self) -> Mapping[tuple[str, str], ForeignOp]: ...

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     import onnx_ir as ir
 
     from mograph.custom_ops import CustomOp
+    from mograph.foreign_ops import ForeignOp
     from mograph.pass_infra import Pass, PassResult
     from mograph.targets import Target
 
@@ -120,6 +121,22 @@ def mograph_add_targets() -> list[Target]:
 
     Returns:
         A list of :class:`mograph.targets.Target`; a name declared twice is an error naming both plugins.
+    """
+
+
+@hookspec
+def mograph_add_foreign_ops() -> list[ForeignOp]:
+    """Contribute facts about ops mograph does not own (a runtime's contrib ops), one record per op.
+
+    Called once, when the registry is built.  A :class:`mograph.foreign_ops.ForeignOp` says which
+    computation the op is an already-fused form of (``computes``: the profile counts its time as
+    fused), where it reads and writes a KV cache (``cache``: ``kv-cache-fp8`` quantizes it there),
+    its gamma/beta inputs (``affine``) and the outputs shaped like input 0.  The built-in plugin
+    ``mograph.lowering`` declares the ``com.microsoft`` and standard ops mograph meets this way.
+
+    Returns:
+        A list of :class:`mograph.foreign_ops.ForeignOp`; ``(domain, name)`` declared twice is an error
+        naming both plugins.
     """
 
 

@@ -42,6 +42,7 @@ from mograph._traverse import iter_nodes
 from mograph.backend_protocol import backend_target
 from mograph.custom_ops import CustomOp, TensorRTPlugin
 from mograph.errors import OptionError, PassFailedError, PluginError
+from mograph.foreign_ops import BUILTIN_FOREIGN_OPS, ForeignOp
 from mograph.hookspecs import hookimpl
 from mograph.irutil import add_initializer, infer_types, is_zero, restore_types, static_last_dim
 from mograph.metadata import LOWERED_FOR
@@ -648,3 +649,8 @@ def mograph_add_passes() -> list[type[Pass]]:
 @hookimpl
 def mograph_add_targets() -> list[Target]:
     return list(BUILTIN_TARGETS)
+
+
+@hookimpl
+def mograph_add_foreign_ops() -> list[ForeignOp]:
+    return list(BUILTIN_FOREIGN_OPS)

@@ -36,6 +36,7 @@ from mograph import hookspecs
 from mograph.backend_protocol import backend_problems
 from mograph.custom_ops import CustomOp
 from mograph.errors import PluginError, UnknownPassError
+from mograph.foreign_ops import ForeignOp
 from mograph.pass_infra import Option, Pass, PassResult
 from mograph.targets import DEFAULT_TARGET, LOWER_PASS, Target
 
@@ -222,6 +223,9 @@ class Registry:
     #: names that only ops' lowerings or backends' ``target`` give).
     targets: dict[str, Target] = field(default_factory=dict)
     target_source: dict[str, str] = field(default_factory=dict)
+    #: Facts about ops mograph does not own, declared through ``mograph_add_foreign_ops``.
+    foreign_ops: dict[tuple[str, str], ForeignOp] = field(default_factory=dict)
+    foreign_op_source: dict[tuple[str, str], str] = field(default_factory=dict)
 
     @classmethod
     def build(cls, pm: pluggy.PluginManager) -> Registry:
@@ -274,6 +278,18 @@ class Registry:
                     raise PluginError(f"plugin '{plugin}': target '{target.name}' is declared {where}")
                 reg.targets[target.name] = target
                 reg.target_source[target.name] = plugin
+        for plugin, records in _call_collecting(pm, "mograph_add_foreign_ops"):
+            for record in records:
+                if not isinstance(record, ForeignOp):
+                    raise PluginError(
+                        f"plugin '{plugin}' returned {record!r} from mograph_add_foreign_ops: not a mograph.foreign_ops.ForeignOp"
+                    )
+                if record.key in reg.foreign_ops:
+                    first = reg.foreign_op_source[record.key]
+                    where = "twice" if first == plugin else f"by both '{first}' and '{plugin}'"
+                    raise PluginError(f"plugin '{plugin}': foreign op {record.domain}::{record.name} is declared {where}")
+                reg.foreign_ops[record.key] = record
+                reg.foreign_op_source[record.key] = plugin
         for plugin, backends in _call_collecting(pm, "mograph_add_backends"):
             for backend in backends:
                 problems = backend_problems(backend)

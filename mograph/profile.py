@@ -247,8 +247,9 @@ def profile_model(
         ModelError: the model cannot be loaded or run.
     """
     from mograph import ir_io
-    from mograph._subgraphs import FUSED_OPS, KINDS, find_decomposed
+    from mograph._subgraphs import KINDS, find_decomposed
     from mograph.backends import _ort_profile, ort
+    from mograph.foreign_ops import fused_kinds
     from mograph.lowering import lowered_for
     from mograph.validate import make_feeds
 
@@ -338,6 +339,7 @@ def profile_model(
         for n in sorted(nodes, key=lambda n: -n["ms"])[:top]
     ]
     ms_by_name = {n["name"]: n["ms"] for n in nodes}
+    fused_of = fused_kinds(registry.custom_ops.values(), registry.foreign_ops)  # op type -> the computation
     candidates = []
     for k in KINDS:
         found = [c for c in candidates_found if c["kind"] == k]
@@ -347,7 +349,7 @@ def profile_model(
             ms = sum(ms_by_name[nm] for nm in timed)
             candidates.append({"kind": f"decomposed {k}", "instances": len(found), "ms": ms, "pct": pct(ms),
                                "fused": False, "nodes": len(names), "timed_nodes": len(timed)})
-        fused = [n for n in nodes if FUSED_OPS.get(n["op_type"]) == k]
+        fused = [n for n in nodes if fused_of.get(n["op_type"]) == k]
         if fused:
             ms = sum(n["ms"] for n in fused)
             candidates.append({"kind": f"fused {k}", "instances": len(fused), "ms": ms, "pct": pct(ms),

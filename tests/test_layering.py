@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: ``passes/`` must be listed (a new module is a decision about its layer).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("declarations", (
-        "mograph.errors", "mograph.metadata", "mograph.specs", "mograph.custom_ops", "mograph.targets",
+        "mograph.errors", "mograph.metadata", "mograph.specs", "mograph.custom_ops", "mograph.targets", "mograph.foreign_ops",
         "mograph.kernel_plugins", "mograph.backend_protocol",
         # leaf utilities that know nothing of models or plugins
         "mograph._signals", "mograph._tempfiles", "mograph._yaml", "mograph._paths", "mograph.progress",

@@ -45,6 +45,7 @@ from mograph.passes.cleanup._util import op_histogram
 from onnx_ir.passes import common as irp
 
 from mograph._traverse import iter_nodes
+from mograph.foreign_ops import BUILTIN_FOREIGN_OPS, MS_DOMAIN
 from mograph.irutil import fresh_name, unique_initializer_name
 from mograph.pass_infra import Option, Pass, PassResult
 
@@ -69,19 +70,9 @@ _UNARY = frozenset(
 _BROADCAST = frozenset(
     "Add Sub Mul Div Pow And Or Xor Equal Less LessOrEqual Greater GreaterOrEqual Where Max Min Mod".split()
 )
-#: com.microsoft ops whose listed outputs have input 0's shape.
-_MS_SAME = {
-    "SkipLayerNormalization": (0, 3),
-    "SkipSimplifiedLayerNormalization": (0, 3),
-    "SimplifiedLayerNormalization": (0,),
-    "LayerNormalization": (0,),
-    "FastGelu": (0,),
-    "BiasGelu": (0,),
-    "Gelu": (0,),
-    "QuickGelu": (0,),
-    "BiasAdd": (0,),
-    "RotaryEmbedding": (0,),
-}
+#: com.microsoft ops whose listed outputs have input 0's shape (their records, :mod:`mograph.foreign_ops`).
+_MS_SAME = {op.name: op.same_shape_outputs for op in BUILTIN_FOREIGN_OPS
+            if op.domain == MS_DOMAIN and op.same_shape_outputs}
 _MS_ATTENTION = frozenset(["Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention"])
 #: Longest int64 vector whose elements are tracked.
 _MAX_VECTOR = 64
