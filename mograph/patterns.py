@@ -270,6 +270,10 @@ class Rule(RewriteRuleClassBase):
     """
 
     min_candidate_nodes: int = 3
+    #: Report a pattern that matched ``min_candidate_nodes`` deep but not whole as a near miss; ``False``
+    #: reports only whole matches refused (by a node check, a value read outside, or :meth:`check`),
+    #: for a pattern so small that a partial match says nothing.
+    structural_near_misses: bool = True
     remove_shape_readers: bool = False
 
     def __init__(self) -> None:
@@ -556,7 +560,8 @@ def _try(
         match = matcher.match(model, graph, node, remove_nodes=False)
         if not match:
             depth = matcher.best_depth
-            if depth >= rule.min_candidate_nodes and (best_miss is None or depth > best_miss[0]):
+            if (rule.structural_near_misses and depth >= rule.min_candidate_nodes
+                    and (best_miss is None or depth > best_miss[0])):
                 best_miss = (depth, matcher.best_reason or match.reason, list(matcher.best_nodes))
             continue
         if tag is not None:
