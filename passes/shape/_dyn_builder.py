@@ -19,11 +19,9 @@ from mograph.passes.shape._dyn_symbolic import (
     Dim,
     _Action,
     _Analysis,
-    _fmt,
     _input,
     _ramp_parts,
     _SourceAction,
-    has_sym,
 )
 from mograph.passes.shape._shapes import reinfer_shapes
 
@@ -64,12 +62,12 @@ def apply_plan(
             continue
         new: list[Any] = []
         for i, d in enumerate(out_dims):
-            if not has_sym(d):
+            if not d.has_sym:
                 new.append(an.num(d))
             elif any(isinstance(f, str) and f.startswith("_d") for f in d):
                 new.append(static.dims[i] if static is not None and len(static) == len(out_dims) and not isinstance(static.dims[i], int) else None)
             else:
-                new.append(ir.SymbolicDim(_fmt(d)))
+                new.append(ir.SymbolicDim(str(d)))
         out.shape = ir.Shape(new)
     return stats
 

@@ -1,8 +1,8 @@
-"""Symbolic analysis of ``make-dynamic``: the size algebra and the forward walk over the graph.
+"""Symbolic analysis of ``make-dynamic``: the forward walk over the graph, in the core's size algebra.
 
-A *symbolic size* (:data:`Dim`) is an ordered tuple of factors, ints > 1 and symbol names; ``()`` is
-size 1.  :class:`_Analysis` walks the graph once in order, gives every dynamic tensor's dims a symbolic
-size through one rule per op, and plans the rewrites (:class:`_Action`) of constants that bake an old
+A *symbolic size* is a :class:`mograph.shapes.Dim`: an ordered product of factors, ints > 1 and symbol
+names; ``Dim()`` is size 1 (the order is the row-major layout a reshape keeps).  :class:`_Analysis`
+walks the graph once in order, gives every dynamic tensor's dims a symbolic size through one rule per op, and plans the rewrites (:class:`_Action`) of constants that bake an old
 size in.  A static operand that meets a dynamic dim of the same old size stops the walk with
 :class:`_NeedTag` (the pass then traces that size back, see ``_dyn_traceback``); anything the walk
 cannot vouch for stops it with :class:`_Refuse`, which the pass reports as a ``PassFailedError``.
@@ -21,32 +21,10 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from mograph.shapes import BROADCAST_OPS, REDUCE_OPS, SAME_SHAPE_OPS, Dim
+
 INT64_MAX = int(np.iinfo(np.int64).max)
-
-Factor = "int | str"
-Dim = tuple  # ordered factors: ints > 1 and symbol names; () is the size 1
-
-
-def canon(factors: tuple | list) -> Dim:
-    """Merge adjacent integer factors and drop 1s."""
-    out: list[Any] = []
-    for f in factors:
-        if isinstance(f, str):
-            out.append(f)
-        elif f != 1:
-            if out and not isinstance(out[-1], str):
-                out[-1] *= f
-            else:
-                out.append(int(f))
-    return tuple(out)
-
-
-def const_dim(n: int) -> Dim:
-    return canon((int(n),))
-
-
-def has_sym(d: Dim) -> bool:
-    return any(isinstance(f, str) for f in d)
+ONE = Dim()  # the size 1
 
 
 class _Refuse(Exception):
@@ -87,24 +65,10 @@ class _SourceAction:
     kind: str = "arange"  # or "uniform": every slice along ``axis`` is the same
 
 
-_UNARY = {
-    "Abs", "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "Ceil", "Cos", "Cosh", "Elu", "Erf", "Exp",
-    "Floor", "Gelu", "HardSigmoid", "HardSwish", "Identity", "IsInf", "IsNaN", "LeakyRelu", "Log", "Mish",
-    "Neg", "Not", "Reciprocal", "Relu", "Round", "Selu", "Sigmoid", "Sign", "Sin", "Sinh", "Softplus",
-    "Softsign", "Sqrt", "Tan", "Tanh", "ThresholdedRelu", "Cast", "CastLike", "Softmax", "LogSoftmax",
-    "Hardmax", "Clip", "Dropout", "BatchNormalization", "InstanceNormalization", "GroupNormalization",
-    "LpNormalization", "Trilu", "CumSum", "Shrink", "Celu", "QuantizeLinear", "DequantizeLinear",
-    "LayerNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization", "FastGelu", "BiasGelu",
-}
-_BROADCAST = {
-    "Add", "Sub", "Mul", "Div", "Pow", "Mod", "Where", "Equal", "Less", "LessOrEqual", "Greater",
-    "GreaterOrEqual", "And", "Or", "Xor", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "Max", "Min", "Sum",
-    "Mean", "PRelu", "BitShift",
-}
-_REDUCE = {
-    "ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
-    "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare",
-}
+#: Shape-preserving ops this pass treats alike: the standard ones and the com.microsoft ones the fusions emit.
+_UNARY = SAME_SHAPE_OPS | {"SimplifiedLayerNormalization", "SkipLayerNormalization", "FastGelu", "BiasGelu"}
+_BROADCAST = BROADCAST_OPS
+_REDUCE = REDUCE_OPS
 _POOL = {"Conv", "ConvTranspose", "MaxPool", "AveragePool", "LpPool"}
 _GLOBAL_POOL = {"GlobalAveragePool", "GlobalMaxPool", "GlobalLpPool"}
 
@@ -148,7 +112,7 @@ class _Analysis:
         self.witness = dict(witness)
         self.overrides = overrides
         self.tags: dict[ir.Value, list[Dim]] = {}
-        self.elems: dict[ir.Value, list[Dim | None]] = {}  # symbolic contents of small int shape tensors
+        self.elems: dict[ir.Value, list[Any]] = {}  # symbolic contents of small int shape tensors
         self.actions: list[Any] = list(source_actions)
         self._fresh = 0
         for v, dims in seeds.items():
@@ -159,7 +123,8 @@ class _Analysis:
 
     # ------------------------------------------------------------------ helpers
     def num(self, d: Dim) -> int:
-        return math.prod(self.sizes[f] if isinstance(f, str) else f for f in d)
+        """The export size of ``d``."""
+        return d.evaluate(self.sizes)
 
     def fresh(self, node: ir.Node, value: ir.Value, axis: int) -> Dim:
         self._fresh += 1
@@ -167,7 +132,7 @@ class _Analysis:
         shape = self.static(node, value)
         self.sizes[name] = shape[axis]
         self.witness[name] = (value, axis)
-        return (name,)
+        return Dim.sym(name)
 
     def static(self, node: ir.Node | None, v: ir.Value) -> list[int]:
         shape = _static_shape(v)
@@ -178,7 +143,7 @@ class _Analysis:
     def dims(self, node: ir.Node, v: ir.Value) -> list[Dim]:
         if v in self.tags:
             return self.tags[v]
-        return [const_dim(d) for d in self.static(node, v)]
+        return [Dim.lit(d) for d in self.static(node, v)]
 
     def tagged(self, v: ir.Value | None) -> bool:
         return v is not None and (v in self.tags or v in self.elems)
@@ -192,19 +157,22 @@ class _Analysis:
                 if self.num(d) != s:
                     raise _Refuse(node, f"derived size {self.num(d)} of '{v.name}' axis {axis} disagrees with "
                                   f"the inferred {s}")
-        if any(has_sym(d) for d in dims):
+        if any(d.has_sym for d in dims):
             self.tags[v] = list(dims)
         self._overlay(v)
 
     def _overlay(self, v: ir.Value) -> None:
         if v in self.overrides:
-            dims = list(self.tags.get(v) or [const_dim(d) for d in self.static(None, v)])
+            dims = list(self.tags.get(v) or [Dim.lit(d) for d in self.static(None, v)])
             for axis, d in self.overrides[v].items():
                 dims[axis] = d
             self.tags[v] = dims
 
-    def elem_values(self, v: ir.Value | None) -> list[Dim | None] | None:
-        """Symbolic contents of an int tensor (constant or tracked), flattened; ``None`` if unknown."""
+    def elem_values(self, v: ir.Value | None) -> list[Any] | None:
+        """Symbolic contents of an int tensor (constant or tracked), flattened; ``None`` if unknown.
+
+        An element is a :class:`Dim`, ``None`` (unknown) or ``("#", n)``: a raw constant (0, -1 and negative
+        numbers included), which :meth:`_as_dim` reads as a size where it is one."""
         if v is None:
             return None
         if v in self.elems:
@@ -276,24 +244,24 @@ class _Analysis:
         ``strict``: the dims must be equal (``Concat``, a ``MatMul`` contraction), so even a static 1 that
         meets a dynamic dim of export size 1 has the size baked in.
         """
-        symbolic = [c for c in cands if has_sym(c[2])]
+        symbolic = [c for c in cands if c[2].has_sym]
         if not symbolic:
-            return max((c[2] for c in cands), key=self.num, default=())
+            return max((c[2] for c in cands), key=self.num, default=ONE)
         first = symbolic[0][2]
         for v, axis, d in symbolic[1:]:
             if d != first:
-                raise _Refuse(node, f"dims {_fmt(first)} and {_fmt(d)} meet here (input '{v.name}' axis {axis}); "
+                raise _Refuse(node, f"dims {first} and {d} meet here (input '{v.name}' axis {axis}); "
                               "the pass cannot tell whether they agree at other sizes")
         n = self.num(first)
         for v, axis, d in cands:
-            if has_sym(d):
+            if d.has_sym:
                 continue
             size = self.num(d)
             if size == 1 and not strict:
                 continue
             if size == n:
                 raise _NeedTag(node, v, axis, first)
-            raise _Refuse(node, f"dynamic dim {_fmt(first)} (size {n} in the export) broadcasts against the static "
+            raise _Refuse(node, f"dynamic dim {first} (size {n} in the export) broadcasts against the static "
                           f"size {size} of '{v.name}' axis {axis}")
         return first
 
@@ -310,7 +278,7 @@ class _Analysis:
         self.set(node, node.outputs[0], dims)
         if node.op_type in ("LayerNormalization", "SimplifiedLayerNormalization"):
             axis = _attr(node, "axis", -1) % max(len(dims), 1)
-            reduced = [d if i < axis else () for i, d in enumerate(dims)]
+            reduced = [d if i < axis else ONE for i, d in enumerate(dims)]
             for out in node.outputs[1:]:
                 if out is not None and out.shape is not None:
                     self.set(node, out, reduced)
@@ -333,7 +301,7 @@ class _Analysis:
             for k in range(n):
                 a, b = (v[k] if len(v) > 1 else v[0] for v in known)
                 a, b = self._as_dim(a), self._as_dim(b)
-                res.append(None if a is None or b is None else canon(a + b))
+                res.append(None if a is None or b is None else Dim(a + b))
             self.elems[out] = res
         else:
             self.elems[out] = [None] * n
@@ -343,7 +311,7 @@ class _Analysis:
         if e is None:
             return None
         if len(e) == 2 and e[0] == "#":
-            return const_dim(e[1]) if e[1] > 0 else None
+            return Dim.lit(e[1]) if e[1] > 0 else None
         return e
 
     def r_matmul(self, node: ir.Node) -> None:
@@ -402,7 +370,7 @@ class _Analysis:
         rank = len(self.static(node, out))
         axes = sorted(self._axes(node, rank) or [])
         it = iter(dims)
-        new = [() if i in axes else next(it) for i in range(rank)]
+        new = [ONE if i in axes else next(it) for i in range(rank)]
         self.set(node, out, new)
         if src in self.elems:
             self.elems[out] = self.elems[src]
@@ -414,8 +382,8 @@ class _Analysis:
         if axes is None:
             axes = [i for i, d in enumerate(dims) if self.num(d) == 1]
         for a in axes:
-            if has_sym(dims[a]):
-                raise _Refuse(node, f"it squeezes the dynamic axis {a} ({_fmt(dims[a])}), which is 1 only in the export")
+            if dims[a].has_sym:
+                raise _Refuse(node, f"it squeezes the dynamic axis {a} ({dims[a]}), which is 1 only in the export")
         self.set(node, out, [d for i, d in enumerate(dims) if i not in axes])
         if src in self.elems:
             self.elems[out] = self.elems[src]
@@ -423,8 +391,8 @@ class _Analysis:
     def r_flatten(self, node: ir.Node) -> None:
         dims = self.dims(node, _input(node, 0))
         axis = _attr(node, "axis", 1) % (len(dims) + 1) if dims else 0
-        left = canon(tuple(f for d in dims[:axis] for f in d))
-        right = canon(tuple(f for d in dims[axis:] for f in d))
+        left = Dim(tuple(f for d in dims[:axis] for f in d))
+        right = Dim(tuple(f for d in dims[axis:] for f in d))
         self.set(node, node.outputs[0], [left, right])
 
     def r_concat(self, node: ir.Node) -> None:
@@ -445,12 +413,12 @@ class _Analysis:
         for pos in range(rank):
             if pos == axis:
                 parts = [d[pos] for d in all_dims if self.num(d[pos]) != 0]
-                if not any(has_sym(p) for p in parts):
-                    new.append(const_dim(sum(self.num(p) for p in parts)))
+                if not any(p.has_sym for p in parts):
+                    new.append(Dim.lit(sum(self.num(p) for p in parts)))
                 elif len(parts) == 1:
                     new.append(parts[0])
                 elif len(set(parts)) == 1:
-                    new.append(canon((len(parts),) + parts[0]))
+                    new.append(Dim((len(parts),) + parts[0]))
                 else:
                     new.append(self.fresh(node, out, pos))
             else:
@@ -462,12 +430,12 @@ class _Analysis:
         src = _input(node, 0)
         dims = self.dims(node, src)
         axis = _attr(node, "axis", 0) % len(dims)
-        if has_sym(dims[axis]):
-            raise _Refuse(node, f"it splits the dynamic axis {axis} ({_fmt(dims[axis])}) into sizes fixed at export")
+        if dims[axis].has_sym:
+            raise _Refuse(node, f"it splits the dynamic axis {axis} ({dims[axis]}) into sizes fixed at export")
         for out in node.outputs:
             if out is not None:
                 shape = self.static(node, out)
-                self.set(node, out, [const_dim(shape[i]) if i == axis else d for i, d in enumerate(dims)])
+                self.set(node, out, [Dim.lit(shape[i]) if i == axis else d for i, d in enumerate(dims)])
 
     def r_shape(self, node: ir.Node) -> None:
         dims = self.dims(node, _input(node, 0))
@@ -483,7 +451,7 @@ class _Analysis:
         ddims = self.dims(node, data)
         axis = _attr(node, "axis", 0) % len(ddims)
         idims = self.dims(node, idx)
-        if has_sym(ddims[axis]):
+        if ddims[axis].has_sym:
             arr = _const(idx)
             if arr is None:
                 raise _Refuse(node, f"it gathers along the dynamic axis {axis} with indices computed at run time")
@@ -492,12 +460,12 @@ class _Analysis:
                 # Every index once, in order: a reshape of the axis into the indices' shape.
                 new_idx = self.assign_reshape(node, [ddims[axis]], [int(s) for s in arr.shape])
                 self.set(node, out, ddims[:axis] + new_idx + ddims[axis + 1:])
-                pieces = [d if has_sym(d) else self.num(d) for d in new_idx]
+                pieces = [d if d.has_sym else self.num(d) for d in new_idx]
                 self.actions.append(_Action("Gather", node, 1, pieces, extra=ddims[axis]))
                 return
             bad = [int(i) for i in arr.reshape(-1) if n == 1 or int(i) == n - 1]
             if bad:
-                raise _Refuse(node, f"it gathers index {bad[0]} of the dynamic axis {axis} ({_fmt(ddims[axis])}, size "
+                raise _Refuse(node, f"it gathers index {bad[0]} of the dynamic axis {axis} ({ddims[axis]}, size "
                               f"{n} in the export): a fixed position and 'the last one' cannot be told apart")
         self.set(node, out, ddims[:axis] + idims + ddims[axis + 1:])
         if data in self.elems:
@@ -519,7 +487,7 @@ class _Analysis:
             for j, e in enumerate(self.elems[target]):
                 d = self._as_dim(e)
                 if e is not None and len(e) == 2 and e[0] == "#" and e[1] == 0:
-                    d = () if zero_literal else ddims[j]
+                    d = ONE if zero_literal else ddims[j]
                     if zero_literal:
                         raise _Refuse(node, "Reshape with allowzero=1 and a 0 entry on a dynamic tensor")
                 if d is None:
@@ -530,8 +498,8 @@ class _Analysis:
         arr = _const(target)
         if arr is None:
             raise _Refuse(node, "its target shape is computed in a way the pass does not track")
-        if not any(has_sym(d) for d in ddims):
-            self.set(node, out, [const_dim(s) for s in self.static(node, out)])
+        if not any(d.has_sym for d in ddims):
+            self.set(node, out, [Dim.lit(s) for s in self.static(node, out)])
             return
         entries = [int(x) for x in arr.reshape(-1)]
         if zero_literal and 0 in entries:
@@ -543,7 +511,7 @@ class _Analysis:
         for entry, d in zip(entries, new):
             if entry in (0, -1):
                 pieces.append(entry)
-            elif has_sym(d):
+            elif d.has_sym:
                 pieces.append(d)
                 needs = True
             else:
@@ -581,20 +549,20 @@ class _Analysis:
             results[tuple(res)] = score
         if not results:
             raise _Refuse(node, f"its constant target {entries} cannot be matched with the input's dims "
-                          f"{[_fmt(d) for d in ddims]}")
+                          f"{[str(d) for d in ddims]}")
         best = max(results.values())
         top = [r for r, s in results.items() if s == best]
         if len(top) > 1 and len({self._without_unit_syms(r) for r in top}) == 1:
             # Only where a size-1 symbol (batch 1) sits among literal 1s differs: take the outermost placement.
             top = top[:1]
         if len(top) > 1:
-            shown = " or ".join(str([_fmt(d) for d in r]) for r in top[:3])
+            shown = " or ".join(str([str(d) for d in r]) for r in top[:3])
             raise _Refuse(node, f"its constant target {entries} is ambiguous for input dims "
-                          f"{[_fmt(d) for d in ddims]}: it reads as {shown}")
+                          f"{[str(d) for d in ddims]}: it reads as {shown}")
         return list(top[0])
 
     def _without_unit_syms(self, dims: tuple) -> tuple:
-        return tuple(canon(tuple(f for f in d if not (isinstance(f, str) and self.sizes[f] == 1))) for d in dims)
+        return tuple(Dim(tuple(f for f in d if not (isinstance(f, str) and self.sizes[f] == 1))) for d in dims)
 
     def _try_assign(self, syms: list[str], runs: list[int], values: list[int], assign: tuple[int, ...]) -> list[Dim] | None:
         rem = runs[0]
@@ -606,7 +574,7 @@ class _Analysis:
                 if v <= 0 or rem % v:
                     return None
                 rem //= v
-                out.append(const_dim(v))
+                out.append(Dim.lit(v))
                 continue
             p, q = mine[0], mine[-1]
             symprod = math.prod(self.sizes[x] for x in syms[p:q + 1])
@@ -625,7 +593,7 @@ class _Analysis:
                 if i < q:
                     factors.append(runs[i + 1])
             factors.append(right)
-            out.append(canon(factors))
+            out.append(Dim(factors))
             rem = runs[q + 1] // right
             s = q + 1
         return out if rem == 1 and s == len(syms) else None
@@ -658,20 +626,20 @@ class _Analysis:
         for pos in range(rank):
             ax = len(ddims) - rank + pos
             ej = len(entries_i) - rank + pos
-            d = ddims[ax] if ax >= 0 else ()
+            d = ddims[ax] if ax >= 0 else ONE
             ent = entries_i[ej] if ej >= 0 else 1
-            if has_sym(d):
+            if d.has_sym:
                 n = self.num(d)
                 if ent == 1:
                     piece = 1
                 elif ent == n:
                     piece, needs = 1, True
                 else:
-                    raise _Refuse(node, f"it expands the dynamic dim {_fmt(d)} (size {n} in the export) to {ent}")
+                    raise _Refuse(node, f"it expands the dynamic dim {d} (size {n} in the export) to {ent}")
                 new.append(d)
             else:
                 piece = ent
-                new.append(const_dim(max(ent, self.num(d))))
+                new.append(Dim.lit(max(ent, self.num(d))))
             if ej >= 0:
                 pieces.append(piece)
         self.set(node, out, new)
@@ -701,7 +669,7 @@ class _Analysis:
                 arr = sizes_const
                 if arr is None:
                     raise _Refuse(node, "its sizes are computed in a way the pass does not track")
-                entries = [const_dim(int(x)) for x in arr.reshape(-1)]
+                entries = [Dim.lit(int(x)) for x in arr.reshape(-1)]
             if len(entries) != len(axes):
                 raise _Refuse(node, f"it has {len(entries)} sizes for {len(axes)} axes")
             static_out = self.static(node, out)
@@ -710,17 +678,17 @@ class _Analysis:
             needs = False
             for ax, e in zip(axes, entries):
                 d = dims[ax]
-                if not has_sym(d):
-                    new[ax] = e if e is not None and has_sym(e) else const_dim(static_out[ax])
-                    pieces.append(self.num(e) if e is not None and not has_sym(e) else e)
+                if not d.has_sym:
+                    new[ax] = e if e is not None and e.has_sym else Dim.lit(static_out[ax])
+                    pieces.append(self.num(e) if e is not None and not e.has_sym else e)
                     continue
                 if policy != "stretch":
-                    raise _Refuse(node, f"keep_aspect_ratio_policy={policy} with sizes on the dynamic dim {_fmt(d)}")
-                if e is not None and has_sym(e):
+                    raise _Refuse(node, f"keep_aspect_ratio_policy={policy} with sizes on the dynamic dim {d}")
+                if e is not None and e.has_sym:
                     if e != d:
-                        raise _Refuse(node, f"it resizes the dynamic dim {_fmt(d)} to {_fmt(e)}")
+                        raise _Refuse(node, f"it resizes the dynamic dim {d} to {e}")
                 elif e is None or self.num(e) != self.num(d):
-                    raise _Refuse(node, f"it resizes the dynamic dim {_fmt(d)} (size {self.num(d)} in the export) "
+                    raise _Refuse(node, f"it resizes the dynamic dim {d} (size {self.num(d)} in the export) "
                                   "to a fixed size")
                 else:
                     needs = True  # the export size, baked in: follow the input's run-time size
@@ -742,8 +710,8 @@ class _Analysis:
         new = list(dims)
         for ax, scale in zip(axes, scales.reshape(-1).tolist()):
             d = dims[ax]
-            if not has_sym(d):
-                new[ax] = const_dim(static_out[ax])
+            if not d.has_sym:
+                new[ax] = Dim.lit(static_out[ax])
             elif scale == 1.0:
                 new[ax] = d  # batch and channels keep their size
             else:
@@ -768,7 +736,7 @@ class _Analysis:
         new = []
         for j, (d, e) in enumerate(zip(ddims, ev)):
             r = self._as_dim(e)
-            new.append(canon(d + r) if r is not None else self.fresh(node, out, j))
+            new.append(Dim(d + r) if r is not None else self.fresh(node, out, j))
         self.set(node, out, new)
 
     def r_range(self, node: ir.Node) -> None:
@@ -792,20 +760,20 @@ class _Analysis:
         starts_l, ends_l = starts.reshape(-1).tolist(), ends.reshape(-1).tolist()
         axes = [int(a) % len(ddims) for a in params[2].reshape(-1)] if params[2] is not None else list(range(len(starts_l)))
         steps = params[3].reshape(-1).tolist() if params[3] is not None else [1] * len(axes)
-        new = [const_dim(s) for s in self.static(node, out)]
+        new = [Dim.lit(s) for s in self.static(node, out)]
         new_ends, needs = list(ends_l), False
         for i, d in enumerate(ddims):
             if i not in axes:
                 new[i] = d
                 continue
-            if not has_sym(d):
+            if not d.has_sym:
                 continue
             k = axes.index(i)
             s, e, st, n = int(starts_l[k]), int(ends_l[k]), int(steps[k]), self.num(d)
             if st != 1:
-                raise _Refuse(node, f"it slices the dynamic axis {i} ({_fmt(d)}) with step {st}")
+                raise _Refuse(node, f"it slices the dynamic axis {i} ({d}) with step {st}")
             if s >= n:
-                raise _Refuse(node, f"it slices the dynamic axis {i} ({_fmt(d)}) from {s}, past its export size {n}")
+                raise _Refuse(node, f"it slices the dynamic axis {i} ({d}) from {s}, past its export size {n}")
             if e >= n:
                 if e < INT64_MAX // 2:
                     new_ends[k], needs = INT64_MAX, True
@@ -813,7 +781,7 @@ class _Analysis:
             elif e < 0 or s < 0:
                 new[i] = self.fresh(node, out, i)
             else:
-                raise _Refuse(node, f"it slices the dynamic axis {i} ({_fmt(d)}) up to {e} (size {n} in the export): "
+                raise _Refuse(node, f"it slices the dynamic axis {i} ({d}) up to {e} (size {n} in the export): "
                               f"a fixed count and 'size - {n - e}' cannot be told apart")
         self.set(node, out, new)
         if data in self.elems and len(ddims) == 1:
@@ -832,21 +800,21 @@ class _Analysis:
             axes = self._axes(node, len(dims))
             if axes is None:
                 axes = [] if _attr(node, "noop_with_empty_axes", 0) else list(range(len(dims)))
-        new = [(() if i in axes else d) for i, d in enumerate(dims) if keep or i not in axes]
+        new = [(ONE if i in axes else d) for i, d in enumerate(dims) if keep or i not in axes]
         self.set(node, node.outputs[0], new)
 
     def r_pool(self, node: ir.Node) -> None:
         dims = self.dims(node, _input(node, 0))
-        if has_sym(dims[1]):
+        if dims[1].has_sym:
             raise _Refuse(node, "the channel axis is dynamic")
         for w in node.inputs[1:]:
             if w is not None and w in self.tags:
                 raise _Refuse(node, "its weights are dynamic")
         out = node.outputs[0]
         static = self.static(node, out)
-        new = [dims[0], const_dim(static[1])]
+        new = [dims[0], Dim.lit(static[1])]
         for i in range(2, len(static)):
-            new.append(self.fresh(node, out, i) if has_sym(dims[i]) else const_dim(static[i]))
+            new.append(self.fresh(node, out, i) if dims[i].has_sym else Dim.lit(static[i]))
         self.set(node, out, new)
         for extra in node.outputs[1:]:
             if extra is not None:
@@ -854,9 +822,9 @@ class _Analysis:
 
     def r_global_pool(self, node: ir.Node) -> None:
         dims = self.dims(node, _input(node, 0))
-        if has_sym(dims[1]):
+        if dims[1].has_sym:
             raise _Refuse(node, "the channel axis is dynamic")
-        self.set(node, node.outputs[0], [dims[0], dims[1]] + [()] * (len(dims) - 2))
+        self.set(node, node.outputs[0], [dims[0], dims[1]] + [ONE] * (len(dims) - 2))
 
     def r_pad(self, node: ir.Node) -> None:
         dims = self.dims(node, _input(node, 0))
@@ -869,11 +837,11 @@ class _Analysis:
         p = pads.reshape(-1).tolist()
         new = []
         for i, d in enumerate(dims):
-            if i in axes and has_sym(d):
+            if i in axes and d.has_sym:
                 k = axes.index(i)
                 new.append(d if p[k] == 0 and p[k + len(axes)] == 0 else self.fresh(node, out, i))
             else:
-                new.append(d if has_sym(d) else const_dim(static[i]))
+                new.append(d if d.has_sym else Dim.lit(static[i]))
         self.set(node, out, new)
 
     def r_topk(self, node: ir.Node) -> None:
@@ -881,7 +849,7 @@ class _Analysis:
         axis = _attr(node, "axis", -1) % len(dims)
         for out in node.outputs:
             static = self.static(node, out)
-            self.set(node, out, [const_dim(static[i]) if i == axis else d for i, d in enumerate(dims)])
+            self.set(node, out, [Dim.lit(static[i]) if i == axis else d for i, d in enumerate(dims)])
 
     def r_gathernd(self, node: ir.Node) -> None:
         data, idx, out = _input(node, 0), _input(node, 1), node.outputs[0]
@@ -893,15 +861,15 @@ class _Analysis:
         lead = [self.num(d) for d in ddims[:k]]
         grid = np.stack(np.unravel_index(np.arange(math.prod(lead)), lead), axis=-1) if lead else None
         if grid is None or arr.reshape(-1, k).shape != grid.shape or not np.array_equal(arr.reshape(-1, k), grid):
-            if any(has_sym(d) for d in ddims[:k]):
+            if any(d.has_sym for d in ddims[:k]):
                 raise _Refuse(node, "GatherND picks fixed positions along a dynamic axis")
             self.set(node, out, list(self.dims(node, idx)[:-1]) + ddims[k:])
             return
         # Every position once, in order: a reshape of the leading dims into the indices' shape.
-        merged = canon(tuple(f for d in ddims[:k] for f in d))
+        merged = Dim(tuple(f for d in ddims[:k] for f in d))
         new = self.assign_reshape(node, [merged], [int(s) for s in arr.shape[:-1]]) + ddims[k:]
         self.set(node, out, new)
-        pieces = [d if has_sym(d) else self.num(d) for d in new]
+        pieces = [d if d.has_sym else self.num(d) for d in new]
         self.actions.append(_Action("GatherND", node, 0, pieces))
 
     def r_gatherelements(self, node: ir.Node) -> None:
@@ -930,9 +898,3 @@ def _is_ramp(arr: np.ndarray, axis: int) -> bool:
         return bool(np.array_equal(ramp, arr))
     scale = float(np.abs(arr).max()) or 1.0
     return bool(np.allclose(ramp, arr, rtol=1e-6, atol=1e-6 * scale))
-
-
-def _fmt(d: Dim) -> str:
-    if not d:
-        return "1"
-    return "*".join(str(f) for f in d)
