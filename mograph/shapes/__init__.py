@@ -8,7 +8,10 @@
   :data:`REDUCE_OPS`) say once which standard ops keep, broadcast or reduce their input's shape
   (``_rules``, ``_builtin``);
 - :class:`ShapeQuery`: one sweep over a graph, then ``dims``, ``dim``, ``same_dim``, ``values`` (the
-  elements of shape vectors), ``reshape_dims`` and the witness of each symbolic dim (``_query``).
+  elements of shape vectors), ``reshape_dims`` and the witness of each symbolic dim (``_query``);
+- :class:`InferredShapes`, :func:`shape_literals`, :func:`const_tensor`, :func:`int_vector`: the numeric
+  side, sizes from a full shape inference on a serialized copy and the stored entries of a reshape
+  target, for passes that edit weights and shape constants (``_inferred``).
 
 This package is part of the IR toolbox: it imports neither passes, backends nor the plugin registry.  A
 caller that holds the registry merges the custom ops' rules into a table and hands it to the query.
@@ -28,11 +31,21 @@ from mograph.shapes._builtin import (
     shape_range,
 )
 from mograph.shapes._dim import Dim, Factor, add, div, mul, prod, same_dim, sub
+from mograph.shapes._inferred import (
+    DimSize,
+    InferredShapes,
+    ShapeLiteral,
+    const_tensor,
+    int_vector,
+    owns_tensor,
+    shape_literals,
+)
 from mograph.shapes._query import Dims, ShapeQuery, Vector
 from mograph.shapes._rules import ShapeRule, ShapeRuleError, ShapeRules, node_version, shape_rule
 
 __all__ = [
-    "BROADCAST_OPS", "MS_DOMAIN", "REDUCE_OPS", "SAME_SHAPE_OPS", "Dim", "Dims", "Factor", "ShapeQuery", "ShapeRule",
-    "ShapeRuleError", "ShapeRules", "Vector", "add", "broadcast", "builtin_rules", "div", "mul", "node_version", "prod",
-    "reshape_dims", "reshape_entries", "same_dim", "shape_range", "shape_rule", "sub",
+    "BROADCAST_OPS", "MS_DOMAIN", "REDUCE_OPS", "SAME_SHAPE_OPS", "Dim", "DimSize", "Dims", "Factor", "InferredShapes",
+    "ShapeLiteral", "ShapeQuery", "ShapeRule", "ShapeRuleError", "ShapeRules", "Vector", "add", "broadcast",
+    "builtin_rules", "const_tensor", "div", "int_vector", "mul", "node_version", "owns_tensor", "prod", "reshape_dims",
+    "reshape_entries", "same_dim", "shape_literals", "shape_range", "shape_rule", "sub",
 ]

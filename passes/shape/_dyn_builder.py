@@ -20,9 +20,9 @@ from mograph.passes.shape._dyn_symbolic import (
     _Action,
     _Analysis,
     _input,
-    _ramp_parts,
     _SourceAction,
 )
+from mograph.passes.shape._dyn_traceback import _ramp_parts
 from mograph.passes.shape._shapes import reinfer_shapes
 
 from mograph.errors import PassFailedError

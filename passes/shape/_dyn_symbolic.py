@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from mograph.irutil import attr_value as _attr
 from mograph.shapes import BROADCAST_OPS, REDUCE_OPS, SAME_SHAPE_OPS, Dim
 
 INT64_MAX = int(np.iinfo(np.int64).max)
@@ -94,11 +95,6 @@ def _static_shape(v: ir.Value) -> list[int] | None:
         return None
     dims = [int(d) for d in v.shape.dims if isinstance(d, int)]
     return dims if len(dims) == len(v.shape.dims) else None
-
-
-def _attr(node: ir.Node, name: str, default: Any = None) -> Any:
-    a = node.attributes.get(name)
-    return default if a is None else a.value
 
 
 class _Analysis:
@@ -879,22 +875,3 @@ class _Analysis:
         self.set(node, node.outputs[0], self.dims(node, _input(node, 0)))
 
     r_scatternd = r_scatterelements
-
-
-def _ramp_parts(arr: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``first``, ``step`` (size 1 along ``axis``) and ``first + k * step`` for k along ``axis``."""
-    first = np.take(arr, [0], axis=axis)
-    step = np.take(arr, [1], axis=axis) - first
-    shape = [1] * arr.ndim
-    shape[axis] = arr.shape[axis]
-    k = np.arange(arr.shape[axis]).reshape(shape).astype(arr.dtype)
-    return first, step, first + k * step
-
-
-def _is_ramp(arr: np.ndarray, axis: int) -> bool:
-    """Every slice along ``axis`` is ``first + k * step`` (``arange`` times a vector, as rotary tables are)."""
-    _, step, ramp = _ramp_parts(arr, axis)
-    if arr.dtype.kind in "iu":
-        return bool(np.array_equal(ramp, arr))
-    scale = float(np.abs(arr).max()) or 1.0
-    return bool(np.allclose(ramp, arr, rtol=1e-6, atol=1e-6 * scale))

@@ -25,7 +25,6 @@ from mograph.passes.shape._dyn_symbolic import (
     _attr,
     _const,
     _input,
-    _is_ramp,
     _NeedTag,
     _Refuse,
     _SourceAction,
@@ -209,3 +208,22 @@ def find_source(an: _Analysis, v: ir.Value, axis: int, dim: Dim, depth: int) -> 
             found.extend(sub)
         return found or None
     return None
+
+
+def _ramp_parts(arr: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``first``, ``step`` (size 1 along ``axis``) and ``first + k * step`` for k along ``axis``."""
+    first = np.take(arr, [0], axis=axis)
+    step = np.take(arr, [1], axis=axis) - first
+    shape = [1] * arr.ndim
+    shape[axis] = arr.shape[axis]
+    k = np.arange(arr.shape[axis]).reshape(shape).astype(arr.dtype)
+    return first, step, first + k * step
+
+
+def _is_ramp(arr: np.ndarray, axis: int) -> bool:
+    """Every slice along ``axis`` is ``first + k * step`` (``arange`` times a vector, as rotary tables are)."""
+    _, step, ramp = _ramp_parts(arr, axis)
+    if arr.dtype.kind in "iu":
+        return bool(np.array_equal(ramp, arr))
+    scale = float(np.abs(arr).max()) or 1.0
+    return bool(np.allclose(ramp, arr, rtol=1e-6, atol=1e-6 * scale))
