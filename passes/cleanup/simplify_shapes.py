@@ -7,13 +7,14 @@ them on the CPU, one kernel call each, so at small batch sizes latency follows t
 own shape inference cannot tell that these dims are the same once a dim flows through a fused
 ``com.microsoft`` op or an ``Expand`` to a computed shape, so constant folding and CSE leave them.
 
-This pass runs a small symbolic evaluation over the main graph:
+This pass asks the core's shape facility (:class:`mograph.shapes.ShapeQuery`, one sweep over the main
+graph with the rule of each op's ``(domain, op, since_version)``) for:
 
-- every tensor's dims, each a *monomial* ``c * a1 * a2 ...`` of atoms, where an atom is a named input
-  dim (``batch``) or an unknown dim of one value; the rules are exact (``Reshape`` with ``0``/``-1``,
-  broadcasting, ``Gather``, ``Gemm``/``MatMul``, ``Split``, ``Transpose``, shape-preserving ops
-  including the fused ``com.microsoft`` ones); where no rule applies the dims ONNX inference left on
-  the value are used (an ``unk__`` name is never taken to equal another value's);
+- every tensor's dims, each a *monomial* ``c * a1 * a2 ...`` of atoms (a :class:`mograph.shapes.Dim`),
+  where an atom is a named input dim (``batch``) or an unknown dim of one value; the rules are exact
+  (``Reshape`` with ``0``/``-1``, broadcasting, ``Gather``, ``Gemm``/``MatMul``, ``Split``, ``Transpose``,
+  shape-preserving ops including the fused ``com.microsoft`` ones); where no rule applies the dims ONNX
+  inference left on the value are used (an ``unk__`` name is never taken to equal another value's);
 - every small int64 vector's elements (``Shape``, ``Gather``, ``Slice``, ``Concat``, ``Unsqueeze``,
   ``Squeeze``, ``Reshape``, ``Cast`` to int64, ``Add``/``Sub``/``Mul``/``Div``, ``Equal``, ``Where``,
   ``ConstantOfShape``), again as monomials.
