@@ -14,18 +14,18 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
-from mograph.passes.shape._dyn_symbolic import (
+from mograph.passes.shape._dyn_base import (
     INT64_MAX,
-    Dim,
     _Action,
-    _Analysis,
     _input,
     _SourceAction,
 )
+from mograph.passes.shape._dyn_symbolic import _Analysis
 from mograph.passes.shape._dyn_traceback import _ramp_parts
 from mograph.passes.shape._shapes import reinfer_shapes
 
 from mograph.errors import PassFailedError
+from mograph.shapes import Dim
 
 
 def apply_plan(

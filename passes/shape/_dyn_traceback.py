@@ -16,12 +16,10 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
-from mograph.passes.shape._dyn_symbolic import (
+from mograph.passes.shape._dyn_base import (
     _BROADCAST,
     _UNARY,
-    Dim,
     _Action,
-    _Analysis,
     _attr,
     _const,
     _input,
@@ -29,6 +27,9 @@ from mograph.passes.shape._dyn_symbolic import (
     _Refuse,
     _SourceAction,
 )
+from mograph.passes.shape._dyn_symbolic import _Analysis
+
+from mograph.shapes import Dim
 
 logger = logging.getLogger("mograph.passes.shape.make_dynamic")  # the pass's logger, as before the split
 

@@ -52,8 +52,9 @@ that must agree (``input_ids:0=batch --dynamic attention_mask:0=batch``).  An ax
 as it is.
 
 Code layout: this module holds the pass (options, the fold before the walk, the analyse / trace-back
-rounds); the layers below it are private modules — ``_dyn_symbolic`` (the forward walk with one rule
-per op, in the size algebra of :mod:`mograph.shapes`), ``_dyn_traceback`` (from a baked size to the constant that made it) and
+rounds); the layers below it are private modules — ``_dyn_symbolic`` (the forward walk, in the size
+algebra of :mod:`mograph.shapes`), ``_dyn_rules`` (one rule per op), ``_dyn_base`` (refusals, planned
+rewrites, op classes), ``_dyn_traceback`` (from a baked size to the constant that made it) and
 ``_dyn_builder`` (the run-time size expressions that replace those constants).
 """
 

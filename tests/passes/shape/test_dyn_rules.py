@@ -1,7 +1,7 @@
 """make-dynamic's per-op rules one at a time: a small graph, one input axis made symbolic, the forward walk
 (``_Analysis``) run once, and what the rule concluded — the symbolic dims of an output, a planned rewrite, a
 baked size to trace back (``_NeedTag``) or a refusal (``_Refuse``).  ``test_every_rule_has_a_case`` fails
-when a rule is added without a case here.
+when a rule (``_dyn_rules.RULES``) is added without a case here.
 
 Dims are written as :class:`mograph.shapes.Dim` prints them (``"b"``, ``"b*16"``, ``"1"``); ``"?"`` is a
 fresh symbol (a size derived in a way the walk does not model).
@@ -15,7 +15,9 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 from _shape_testing import f32, i64, to_ir
-from mograph.passes.shape._dyn_symbolic import _Analysis, _NeedTag, _Refuse
+from mograph.passes.shape._dyn_base import _NeedTag, _Refuse
+from mograph.passes.shape._dyn_rules import RULES
+from mograph.passes.shape._dyn_symbolic import _Analysis
 from mograph.passes.shape._shapes import infer_shapes
 from onnx import TensorProto, helper
 
@@ -151,7 +153,7 @@ CASES: dict[str, list[tuple]] = {
 
 
 def _rules() -> list[str]:
-    return sorted(name[2:] for name in dir(_Analysis) if name.startswith("r_"))
+    return sorted(RULES)
 
 
 def test_every_rule_has_a_case() -> None:
