@@ -41,6 +41,13 @@ _STD = ("", "ai.onnx")
 _RULE_ERRORS = (IndexError, ValueError, TypeError, ZeroDivisionError)
 
 
+def _as_dim(d: Dim | int | tuple) -> Dim:
+    """A rule's dim as the query keeps it: a registered rule may give an int or a plain factor tuple."""
+    if isinstance(d, Dim):
+        return d
+    return Dim.lit(d) if isinstance(d, int) else Dim(d).normal()
+
+
 class ShapeQuery:
     """Symbolic dims of every value of ``graph`` and elements of its small int64 vectors, in one sweep.
 
@@ -137,7 +144,7 @@ class ShapeQuery:
             dims = tuple(d if (dec is None or (d is not None and not dec.is_literal)) else dec
                          for d, dec in zip(dims, declared))
         if dims is not None:
-            dims = tuple(d if d is not None else Dim.sym(f"?{next(self._fresh)}:{value.name}") for d in dims)
+            dims = tuple(Dim.sym(f"?{next(self._fresh)}:{value.name}") if d is None else _as_dim(d) for d in dims)
             for axis, d in enumerate(dims):
                 name = d.symbol if d is not None else None
                 if name is not None and name not in self.witness:

@@ -53,6 +53,8 @@ def test_registered_rules_are_a_parameter() -> None:
 
     graph, v = _graph()
     assert ShapeQuery(graph, rules).dims(v["custom"]) == (("=b",), (4, "=s"), (4,))
+    plain = ShapeRules([ShapeRule("my.ops", "Twice", 1, dims=lambda node, q: [(("=s", 2), 1, (0, "x"))])])
+    assert ShapeQuery(graph, plain).dims(v["custom"]) == ((2, "=s"), (), (0,))  # plain tuples: read in normal form
     assert ShapeQuery(graph).dims(v["custom"]) is None  # the default table is fresh, not shared
 
 
