@@ -40,6 +40,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ir", (
         "mograph.ir_version", "mograph._traverse", "mograph._model_checks", "mograph._spill", "mograph.ir_io",
         "mograph.irutil", "mograph.opset", "mograph.inspect", "mograph.output_check",
+        "mograph.shapes",  # the shape facility: dim algebra, per-op rules, the query passes ask
     )),
     ("pass-infra", ("mograph.pass_infra", "mograph.patterns", "mograph._subgraphs")),
     ("registry", ("mograph.hookspecs", "mograph.plugins")),
@@ -118,7 +119,8 @@ def _layer(module: str) -> int:
     best, found = -1, -1
     for i, (_, prefixes) in enumerate(LAYERS):
         for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+            covers = module == prefix or (prefix != "mograph" and module.startswith(prefix + "."))  # the package
+            if covers and len(prefix) > best:  # ``mograph`` itself is its __init__ only, not every module
                 best, found = len(prefix), i
     return found
 
@@ -175,6 +177,7 @@ def test_the_check_sees_imports_inside_functions(tmp_path: Path) -> None:
     assert {"mograph.passes.fusion.ops", "mograph.backends.ort", "mograph.plugins"} <= _imports(probe)
     assert _target("mograph.plugins.Registry") == "mograph.plugins"
     assert _layer("mograph.plugins") > _layer("mograph.irutil")
+    assert _layer("mograph.not_listed") == -1  # a new module must be given a layer (the package is not a catch-all)
 
 
 def test_the_check_resolves_relative_imports(tmp_path: Path) -> None:
