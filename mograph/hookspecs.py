@@ -150,8 +150,9 @@ def mograph_add_backends() -> list[Any]:
     Contributing a backend must not import its runtime (onnxruntime, tensorrt, torch): do that in
     ``make_runner``/``build``.
 
-    A backend is any object with these members (:class:`mograph.backends.BackendProtocol`;
-    subclass :class:`mograph.backends.Backend` to get the optional ones with their defaults).
+    A backend is any object with these members (:class:`mograph.backend_protocol.BackendProtocol`;
+    subclass :class:`mograph.backend_protocol.Backend`, re-exported by :mod:`mograph.backends`, to get
+    the optional ones with their defaults).
 
     Required:
 
@@ -170,6 +171,9 @@ def mograph_add_backends() -> list[Any]:
     * ``target: str`` — the ``--target`` the backend lowers to: its first act on a model is
       ``mograph.lowering.lower_model(model, target, registry=registry)``, which asks each custom op's
       ``lowerings[target]`` (built-in and plugin ops alike) [the backend's ``name``];
+    * a ``registry`` keyword of ``make_runner`` and ``build`` — the job's registry (custom ops to lower,
+      targets), given only to a method that names it or takes ``**options``; a backend never looks the
+      registry up itself [not given];
     * ``available() -> bool`` — whether the runtime is there, without importing it [``True``];
     * ``why_unavailable() -> str`` — the sentence shown (exit code 7) when ``available()`` is
       false: what is missing and how to install it [``"backend NAME is not available"``];

@@ -297,7 +297,7 @@ class Registry:
                     raise PluginError(
                         f"plugin '{plugin}' returned {backend!r} from mograph_add_backends, which is not a backend: "
                         + "; ".join(problems)
-                        + " (the protocol is documented in mograph.backends and mograph_add_backends)"
+                        + " (the protocol is documented in mograph.backend_protocol and mograph_add_backends)"
                     )
                 if backend.name in reg.backends:
                     first = reg.backend_source[backend.name]
