@@ -49,7 +49,14 @@ from typing import Any, ClassVar
 
 import numpy as np
 import onnx_ir as ir
-from mograph.passes.fusion._common import EXPLAIN_OPTION, FusionPass, is_float, mograph_op
+from mograph.passes.fusion._common import (
+    EXPLAIN_OPTION,
+    TARGET_OPTION,
+    FusionPass,
+    adopts_standard_ops,
+    is_float,
+    mograph_op,
+)
 from mograph.passes.fusion.attention_op import (
     ATTENTION_OP,
     KV_CACHE_KEY,
@@ -779,11 +786,15 @@ class FuseAttentionPass(FusionPass):
     """Fuse multi-head self-/cross-attention (Q/K/V split, scaled scores, mask bias, softmax, merge) into one op."""
 
     name = "fuse-attention"
-    options: ClassVar[tuple[Option, ...]] = (EXPLAIN_OPTION, MASK_FORMAT_OPTION, KV_CACHE_OPTION)
+    options: ClassVar[tuple[Option, ...]] = (EXPLAIN_OPTION, MASK_FORMAT_OPTION, KV_CACHE_OPTION, TARGET_OPTION)
     rules: ClassVar[tuple[type[Rule], ...]] = (AttentionFusion,)
 
     def make_rules(self) -> list[Rule]:
         rules = super().make_rules()
+        if adopts_standard_ops(self.config):  # opset 23's own Attention -> the target's kernel (--target ort)
+            from mograph.passes.fusion.standard_attention import StandardAttentionFusion
+
+            rules.append(StandardAttentionFusion())
         fmt = self.config.get("mask_format")
         kv = self.config.get("kv_cache")
         for rule in rules:
