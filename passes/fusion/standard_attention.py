@@ -89,7 +89,7 @@ class StandardAttentionFusion(AttentionFusion):
             return self.fail(f"key has {k.heads} heads x{k.repeat}, value {v.heads} x{v.repeat}", v.x)
         if q.heads % (k.heads * k.repeat):
             return self.fail(f"query has {q.heads} heads, key {k.heads} (repeated {k.repeat} times)", k.x)
-        if v.factor != 1.0 or v.rotary is not None:
+        if v.factor != 1.0 or v.rotary is not None or v.half_rotary is not None:
             return self.fail("value is scaled or rotated before the attention", v.x)
         if k.repeat != 1 and k.heads * k.repeat != q.heads:
             return self.fail(f"key heads repeated to {k.heads * k.repeat}, the query has {q.heads}", k.x)
@@ -145,7 +145,7 @@ class StandardAttentionFusion(AttentionFusion):
         parts = ["standard", "mask" if f["mask"] is not None else "nomask"]
         if f["k"].heads != f["q"].heads:
             parts.append("gqa")
-        if f["q"].rotary is not None or f["k"].rotary is not None:
+        if any(h.rotary is not None or h.half_rotary is not None for h in (f["q"], f["k"])):
             parts.append("rotary")
         return ".".join(parts)
 
