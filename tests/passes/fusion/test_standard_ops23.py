@@ -25,9 +25,10 @@ HIDDEN, HEADS, DIM = 64, 4, 16
 
 
 def _model(*, kv_heads: int = HEADS, mask: str = "bool", softcap: float = 0.0, rms_axis: int = -1,
-           eps: float | None = 1e-6) -> onnx.ModelProto:
-    """x [B, S, 64] -> q/k/v projections -> heads -> Attention-23 -> merge -> + x -> RMSNormalization; and a
-    second output RMSNormalization(x) with no residual."""
+           eps: float | None = 1e-6, rotary: bool = False) -> onnx.ModelProto:
+    """x [B, S, 64] -> q/k/v projections -> heads (``rotary``: Q and K heads through the standard
+    RotaryEmbedding, angles ``pos [B, S] x inv_freq``) -> Attention-23 -> merge -> + x -> RMSNormalization;
+    and a second output RMSNormalization(x) with no residual."""
     rng = np.random.default_rng(0)
     inits, nodes = [], []
 
@@ -47,6 +48,12 @@ def _model(*, kv_heads: int = HEADS, mask: str = "bool", softcap: float = 0.0, r
         proj = node("Add", [node("MatMul", ["x", w], f"mm_{r}"), b], f"proj_{r}")
         shape = const(f"shape_{r}", np.array([0, 0, n, DIM], np.int64))
         split[r] = node("Transpose", [node("Reshape", [proj, shape], f"split_{r}")], f"heads_{r}", perm=[0, 2, 1, 3])
+    if rotary:  # the dynamo exporter's form at 23: cos/sin [B, S, D/2] of one angle table
+        inv = const("inv_freq", (1.0 / 10000 ** (np.arange(0, DIM, 2) / DIM)).astype(np.float32))
+        f = node("Mul", [node("Unsqueeze", ["pos", const("last", np.array([-1], np.int64))], "pos3"), inv], "angles")
+        cos, sin = node("Cos", [f], "cos"), node("Sin", [f], "sin")
+        for r in ("q", "k"):
+            split[r] = node("RotaryEmbedding", [split[r], cos, sin], f"rot_{r}")
     att_inputs = [split["q"], split["k"], split["v"]]
     if mask == "bool":
         att_inputs.append("m")
@@ -71,7 +78,8 @@ def _model(*, kv_heads: int = HEADS, mask: str = "bool", softcap: float = 0.0, r
     graph = helper.make_graph(
         nodes, "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 5, HIDDEN]),
-         helper.make_tensor_value_info("m", TensorProto.BOOL, ["b", 1, 5, 5])],
+         helper.make_tensor_value_info("m", TensorProto.BOOL, ["b", 1, 5, 5])]
+        + ([helper.make_tensor_value_info("pos", TensorProto.FLOAT, ["b", 5])] if rotary else []),
         [helper.make_tensor_value_info(o, TensorProto.FLOAT, ["b", 5, HIDDEN]) for o in ("y", "z")],
         inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
@@ -80,11 +88,13 @@ def _model(*, kv_heads: int = HEADS, mask: str = "bool", softcap: float = 0.0, r
     return model
 
 
-def _feeds() -> dict[str, np.ndarray]:
+def _feeds(rotary: bool = False) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(1)
     m = np.ones((2, 1, 5, 5), bool)  # ORT's Attention-23 kernel wants the query axis spelled out
     m[1, ..., 3:] = False  # right padding in the second row
-    return {"x": rng.standard_normal((2, 5, HIDDEN)).astype(np.float32), "m": m}
+    pos = np.stack([np.arange(5), np.arange(3, 8)]).astype(np.float32)  # the second row starts at 3
+    feeds = {"x": rng.standard_normal((2, 5, HIDDEN)).astype(np.float32), "m": m}
+    return {**feeds, "pos": pos} if rotary else feeds
 
 
 def _fuse(model, target: str, explain: bool = False):  # type: ignore[no-untyped-def]
@@ -114,7 +124,7 @@ def test_ort_takes_the_standard_ops(kv_heads: int, mask: str) -> None:
     proto = _model(kv_heads=kv_heads, mask=mask)
     feeds = _feeds() if mask != "none" else {"x": _feeds()["x"]}
     if mask == "none":
-        proto.graph.input.pop()  # no mask input
+        del proto.graph.input[1]  # no mask input
     reference = run_ort(proto, feeds)
     model = to_ir(proto)
     stats, modified, _ = _fuse(model, "ort")
@@ -141,6 +151,31 @@ def test_ort_takes_the_standard_ops(kv_heads: int, mask: str) -> None:
     # 5. a second run changes nothing
     before = graph_fingerprint(model)
     again, modified, _ = _fuse(model, "ort")
+    assert not again and not modified, again
+    assert graph_fingerprint(model) == before
+
+
+@pytest.mark.parametrize("target", ["ort", "onnx"])
+def test_standard_rotary_on_the_heads(target: str) -> None:
+    """LLaMA at 23: RotaryEmbedding-23 on the Q and K heads.  ``ort``: into the attention's trace, then ORT's
+    ``RotaryEmbedding`` kernel over the export's own angle table (GQA-shaped heads); ``onnx``: kept as written."""
+    proto = _model(kv_heads=2, rotary=True)
+    feeds = _feeds(rotary=True)
+    reference = run_ort(proto, feeds)
+    model = to_ir(proto)
+    stats, modified, details = _fuse(model, target, explain=True)
+    ops = op_counts(model)
+    if target == "ort":
+        assert ops["com.microsoft.RotaryEmbedding"] == 2 and ops["com.microsoft.MultiHeadAttention"] == 1, ops
+        assert not {"Attention", "RotaryEmbedding", "RMSNormalization", "Softmax"} & set(ops), ops
+        assert stats["StandardAttentionFusion"] == 1 and stats["lowered.RotaryEmbedding"] == 2, stats
+    else:
+        assert ops["RotaryEmbedding"] == 2 and ops["Attention"] == 1, ops
+        assert "StandardAttentionFusion" not in stats and not any("Rotary" in k for k in stats), stats
+    assert modified
+    assert_close(reference, run_ort(to_proto(model), feeds), rel=1e-5)
+    before = graph_fingerprint(model)
+    again, modified, _ = _fuse(model, target)
     assert not again and not modified, again
     assert graph_fingerprint(model) == before
 
