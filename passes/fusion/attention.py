@@ -39,6 +39,12 @@ packed into one GEMM for self-attention over ``x @ W (+ b)`` projections, else `
 ``unidirectional=1`` or ``GroupQueryAttention``, a KV cache the kernel's past/present), the standard
 ``Attention`` at opset >= 23 for ``onnx`` (below it the function body is inlined), the decomposed
 computation for ``tensorrt``.
+
+At opset 23 exporters write the standard ``Attention`` (and ``RotaryEmbedding`` on the heads) themselves.
+With ``--target ort`` (the pass reads ``target``) :class:`~.standard_attention.StandardAttentionFusion`
+takes such an ``Attention`` into ``mograph.Attention`` too, and the trace follows a standard
+``RotaryEmbedding`` on Q/K heads (``Heads.half_rotary``), so ORT gets the same kernels as below 23; for
+the other targets both stay as written (a rotated attention is then a near miss that says so).
 """
 
 from __future__ import annotations
