@@ -117,6 +117,7 @@ from mograph.custom_ops import Lowering
 from mograph.errors import PassFailedError
 from mograph.irutil import add_initializer, attr_value, is_zero, same_dim
 from mograph.lowering import LoweringContext, replace_node
+from mograph.metadata import LOWERED_FOR
 from mograph.patterns import constant_array, remove_dead_producers, scalar_value
 
 __all__ = ["is_zero_bias", "LOWERINGS"]
@@ -1516,8 +1517,9 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
     if causal is None:
         return _no_gqa(node, "the bias is not provably causal (and a key-padding mask)")
     mask = causal[0]
-    if mask is not None and fmt != "lengths":
-        return _no_gqa(node, "a padding mask: GroupQueryAttention's lengths assume it all ones (--mask-format lengths)")
+    guarded = mask is not None and fmt != "lengths"  # the lengths assume right padding: checked at run time
+    if guarded and node.metadata_props.get(_FALLBACK_KEY):
+        return _no_gqa(node, "the exact fallback branch of a right-padding check")
     if mask is None and ck is not None:
         return _no_gqa(node, "a cache step without a mask to take the lengths from")
     # the caches: cos/sin of position p (rows 0 .. max-1), computed as the export does (float32 p * inv_freq)
@@ -1532,8 +1534,9 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
         ctx.shared[key] = (add_initializer(graph, "mograph_gqa_cos_cache", cos.astype(dtype)),
                            add_initializer(graph, "mograph_gqa_sin_cache", sin.astype(dtype)))
     cos_cache, sin_cache = ctx.shared[key]
+    outer: list[ir.Node] = []  # (guarded: what the layers share stays in the main graph)
     if mask is not None:
-        seqlens, total = _mask_lengths_for_gqa(mask, new_nodes, ctx.shared)
+        seqlens, total = _mask_lengths_for_gqa(mask, outer if guarded else new_nodes, ctx.shared)
     else:  # no padding: every row holds all S keys
         seqlens, total = _gqa_lengths(xq, xq, 1, None, None, new_nodes, ctx.shared)
     present_k = _present_key_output(graph, xk, f, rscale) if ck is None else None
@@ -1548,6 +1551,18 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
     for out in kernel.outputs:
         out.dtype = xq.dtype
     new_nodes.append(kernel)
+    if guarded:
+        assert mask is not None
+        ok = _right_padded(mask, ck is not None, outer, ctx.shared)
+        presents = (ck[2], cv[2]) if ck is not None and cv is not None else (present_k, present_v)
+        _guard(node, ctx, ok, outer, new_nodes, presents)
+        ctx.count("attention.gqa_rotary")
+        ctx.count("attention.padding_check")
+        if packed is not None:
+            ctx.count("attention.packed_qkv")
+        if ck is not None:
+            ctx.count("attention.kv_cache")
+        return True
     _replace(node, new_nodes, ctx)
     if ck is not None and cv is not None:
         _present_outputs(graph, kernel, (ck[2], cv[2]))
@@ -1570,6 +1585,123 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
         ctx.count("attention.packed_qkv")
     ctx.stats["rotary.kernel"] = ctx.stats.get("rotary.kernel", 0) - 2  # both went into the kernel
     return True
+
+
+#: node metadata of the copy of an attention lowered in the exact branch of a right-padding check: no GQA there
+_FALLBACK_KEY = "mograph.attention.padding_fallback"
+
+
+def _right_padded(mask: ir.Value, cached: bool, new_nodes: list[ir.Node], shared: Shared) -> ir.Value:
+    """A bool scalar, true where GroupQueryAttention's lengths give the export's numbers for ``mask`` ``[B, T]``: every
+    row is ones then zeros (``mask == (arange(T) < ReduceSum(mask, 1))``, compared in the mask's own dtype, so a value
+    other than 0 and 1 fails it) and every row holds at least one key (a prefill) or every key (a decode step over a
+    cache: the export places the new tokens at ``P + s``, GroupQueryAttention after each row's length).  Built once
+    per mask and step kind, on the device (ReduceSum, Range, Less, Equal, ReduceMin)."""
+    key = ("padding_checks", id(mask), cached)
+    if key in shared:
+        return shared[key]  # type: ignore[no-any-return]
+    lengths = _key_lengths(mask, new_nodes, shared)
+    total = _add(new_nodes, "Squeeze", [_add(new_nodes, "Cast", [_add(new_nodes, "Shape", [mask], start=1, end=2)],
+                                             to=ir.DataType.INT32.value), _const(new_nodes, np.array([0], dtype=np.int64))])
+    zero, one = _const(new_nodes, np.array(0, dtype=np.int32)), _const(new_nodes, np.array(1, dtype=np.int32))
+    keys = _add(new_nodes, "Unsqueeze", [_add(new_nodes, "Range", [zero, total, one]),
+                                         _const(new_nodes, np.array([0], dtype=np.int64))])
+    rows = _add(new_nodes, "Unsqueeze", [lengths, _const(new_nodes, np.array([1], dtype=np.int64))])
+    expected = _add(new_nodes, "Less", [keys, rows])
+    if mask.dtype != ir.DataType.BOOL:
+        expected = _add(new_nodes, "Cast", [expected], to=(mask.dtype or ir.DataType.INT64).value)
+    same = _add(new_nodes, "Cast", [_add(new_nodes, "Equal", [mask, expected])], to=ir.DataType.INT32.value)
+    least = total if cached else one
+    parts = [_add(new_nodes, "ReduceMin", [same], keepdims=0), _add(new_nodes, "ReduceMin", [lengths], keepdims=0)]
+    ok = _add(new_nodes, "And", [_add(new_nodes, "Equal", [parts[0], one]),
+                                 _add(new_nodes, "GreaterOrEqual", [parts[1], least])])
+    shared[key] = ok
+    return ok
+
+
+def _guard(node: ir.Node, ctx: LoweringContext, ok: ir.Value, outer: list[ir.Node], fast: list[ir.Node],
+           presents: tuple[ir.Value | None, ...]) -> None:
+    """``If(ok, then: fast, else: the exact lowering of a copy of node)`` in place of ``node``: the ``fast`` nodes end
+    in the GroupQueryAttention kernel (outputs ``Y, present_key, present_value``); ``presents`` are the export's
+    present outputs the kernel replaces (None: none).  The else branch is what the lowering writes without
+    GroupQueryAttention (MultiHeadAttention over repeated K/V heads with the mask as a bias, exact for every mask);
+    the nodes only it reads (the rotary kernels, the separate projections, the cache Concats) move into it, so the
+    fast branch computes none of them.  ``outer`` (the shared lengths and the check) goes before ``node``."""
+    graph = node.graph
+    assert graph is not None
+    base = node.name or node.op_type
+    kernel = fast[-1]
+    keep = [i for i, p in enumerate(presents) if p is not None]
+    then_outs = [kernel.outputs[0]] + [kernel.outputs[1 + i] for i in keep]
+    for i, n in enumerate(fast):
+        n.name = f"{base}/gqa/{i}"
+        n.metadata_props.update(node.metadata_props)
+        n.metadata_props[LOWERED_FOR] = ctx.target
+    copy = ir.node(node.op_type, list(node.inputs), attributes={k: a.value for k, a in node.attributes.items()},
+                   domain=node.domain, version=node.version, name=f"{base}/exact",
+                   metadata_props={**node.metadata_props, _FALLBACK_KEY: "1"})
+    copy.outputs[0].name = f"{base}/exact_y"
+    copy.outputs[0].dtype, copy.outputs[0].shape = node.outputs[0].dtype, node.outputs[0].shape
+    idents = [ir.node("Identity", [presents[i]], name=f"{base}/exact/present{i}") for i in keep]
+    for i, n in zip(keep, idents):
+        n.outputs[0].name = f"{base}/exact_present{i}"
+        n.outputs[0].dtype = presents[i].dtype  # type: ignore[union-attr]
+    then_g = ir.Graph([], then_outs, nodes=fast, name=f"{base}_gqa")
+    else_g = ir.Graph([], [copy.outputs[0]] + [n.outputs[0] for n in idents], nodes=[copy, *idents], name=f"{base}_exact")
+    branch = LoweringContext(ctx.model, ctx.target, ctx.op)  # its own shared values: they live in the branch
+    if not _lower_ort(copy, branch):
+        raise PassFailedError("lower", f"attention '{base}': the exact branch of the right-padding check did not lower")
+    guard = ir.node("If", [ok], attributes={"then_branch": then_g, "else_branch": else_g}, name=f"{base}/if",
+                    num_outputs=len(then_outs), metadata_props={**node.metadata_props, LOWERED_FOR: ctx.target})
+    y = guard.outputs[0]
+    y.dtype, y.shape = node.outputs[0].dtype, node.outputs[0].shape
+    graph.insert_before(node, [*outer, guard])
+    graph.opset_imports.setdefault(MS_DOMAIN, 1)  # (the kernels sit in the branches)
+    for n in outer:
+        n.name = f"{base}/check/{n.name}" if n.name else f"{base}/check"
+    for i, n in zip(keep, guard.outputs[1:]):
+        old = presents[i]
+        assert old is not None
+        n.dtype, n.shape = old.dtype, old.shape
+        if old.is_graph_output():
+            name = old.name
+            old.name = f"{name}_exact"
+            n.name = name
+        for j, out in enumerate(graph.outputs):
+            if out is old:
+                graph.outputs[j] = n
+    ir.convenience.replace_all_uses_with(node.outputs[0], y, replace_graph_outputs=True)
+    y.name = node.outputs[0].name
+    node.outputs[0].name = f"{base}/replaced_y"
+    graph.remove(node, safe=True)
+    for sub in (else_g, then_g):  # ONNX names are one scope with the branches' (onnx-ir names per graph)
+        for i, n in enumerate(sub):
+            for j, out in enumerate(n.outputs):
+                out.name = f"{sub.name}/{i}:{j}"
+        _sink(graph, sub, ctx.shared)
+
+
+def _sink(graph: ir.Graph, branch: ir.Graph, shared: Shared) -> None:
+    """Move into ``branch`` every node of ``graph`` whose outputs only ``branch`` reads (from the last, each put
+    before what is already there, so the order stays topological); what a lowering shares (``shared``: later
+    nodes may read it) stays."""
+    keep = {id(v) for key, got in shared.items() if key[0] != "rotary_outputs"  # (a note on an input, not built)
+            for v in (got if isinstance(got, tuple) else (got,))}
+    moved = True
+    while moved:  # until nothing moves: a node's readers may sit after it in no particular order
+        moved = False
+        for n in reversed(list(graph)):
+            if any(id(out) in keep or out.is_graph_output() for out in n.outputs) or any(
+                    a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in n.attributes.values()):
+                continue
+            uses = [u for out in n.outputs for u, _ in out.uses()]
+            if not uses:  # dead (what the rewrites above left): it would hold its inputs outside the branch
+                graph.remove(n, safe=True)
+                moved = True
+            elif all(u.graph is branch for u in uses):
+                graph.remove(n)
+                branch.insert_before(next(iter(branch)), n)
+                moved = True
 
 
 def _mask_lengths_for_gqa(mask: ir.Value, new_nodes: list[ir.Node], shared: Shared) -> tuple[ir.Value, ir.Value]:
