@@ -11,10 +11,13 @@
     ``fuse-attention`` option ``--mask-format``):
 
     ``bias`` (default)
-        ``M`` as ``attention_bias`` (of either op), expanded to ``[B|1, H|1, S, T]`` where the kernel needs it (one
+        (for a LLaMA/Qwen-style decoder's attention: ``GroupQueryAttention`` behind a run-time right-padding
+        check, this form in its else branch, below.)  ``M`` as ``attention_bias`` (of either op), expanded to ``[B|1, H|1, S, T]`` where the kernel needs it (one
         expansion per bias and query length, shared by every layer).  Exact for every mask (left or right
         padding, causal, anything additive), and an additive bias still reaches flash attention on CUDA.
     ``lengths``
+        (for a LLaMA/Qwen-style decoder's attention that becomes ``GroupQueryAttention`` with rotary, below: that
+        form without a run-time check, assuming right padding.)  Otherwise,
         where ``M`` is provably a key-padding bias of a 2-D ``[B, T]`` ``attention_mask`` input (0 where the
         mask is 1, a negative constant ``c`` where it is 0: ``(1 - mask) * c``, ``Where(mask, 0, c)``, or
         ``transformers``' index-based padding lookup as TorchScript exports it), the key lengths
@@ -62,7 +65,8 @@
     (lowered just before, from one angle table ``f``) becomes ``GroupQueryAttention`` with the rotary inside
     (``do_rotary=1``, ``cos_cache``/``sin_cache`` ``[GQA_MAX_LENGTH, D/2]`` initializers computed as the export
     does, float32 ``p * inv_freq``) where it is provably the standard one: ``f = Cast(pos) * inv_freq`` laid out
-    ``[1, S, D/2]`` with ``inv_freq`` a constant and ``pos`` the query positions ``Range(0, S, 1)`` (+ the past
+    ``[1, S, D/2]`` with ``inv_freq`` a constant and ``pos`` the query positions ``Range(0, S, 1)`` (or the constant
+    ``[0 .. S-1]`` where ``S`` is static: a dynamo export traced with one new token) (+ the past
     length ``Shape(past_key)[2]`` of a decode step); the bias ``Where(kv_idx <= pos[s] [& mask[b, kv_idx]], 0, c)``
     with ``kv_idx`` a ``Range`` of the key count (the padding lookup as TorchScript's flat ``Gather`` or
     dynamo's ``GatherND`` of that very index); head size a multiple of 8.  Q/K/V that are projections of one
@@ -70,12 +74,30 @@
     and present (the exporter's Concat removed), and a prefill's present outputs (the exporter's own rotated keys
     and split values) become the kernel's.  Lengths: ``seqlens_k = ReduceSum(int32(mask), 1) - 1``,
     ``total_sequence_length = int32(Shape(mask)[1])`` (as ONNX Runtime GenAI builds them) -- which assume RIGHT
-    padding, so with a padding term the form is taken only with ``lengths`` (or ``--kv-cache shared``,
-    :data:`~mograph.passes.fusion.attention_op.KV_CACHE_KEY`: past and present then carry the dim
-    ``max_sequence_length``, bound to one buffer); without a mask input it is exact and taken by default.  No
+    padding.  With a padding term:
+
+    - ``lengths`` (or ``--kv-cache shared``, :data:`~mograph.passes.fusion.attention_op.KV_CACHE_KEY`: past and
+      present then carry the dim ``max_sequence_length``, bound to one buffer) takes the form as it is: the user
+      promises right padding (a left-padded row gives other numbers), and the graph stays one a CUDA graph can
+      capture.
+    - ``bias`` (the default) checks it on the device: ``If(ok, GroupQueryAttention, exact form)`` per layer, ``ok``
+      built once per mask (stat ``padding_checks``; ``attention.padding_check`` counts the layers): every row of
+      the mask is ones then zeros (``mask == (arange(T) < ReduceSum(mask, 1))`` in the mask's dtype, so a value
+      other than 0/1 fails it) with at least one key; for a decode step every key present (the export puts the
+      new tokens at ``P + s``, the kernel after each row's length) and one new token or one row (ONNX Runtime's
+      kernel refuses more).  The else branch is what this lowering writes without GroupQueryAttention
+      (``MultiHeadAttention`` over repeated K/V heads, the mask as ``attention_bias``: exact for any mask); the
+      nodes only it reads (rotary kernels, separate projections, the exporter's presents and Concats) are moved
+      into it, so the taken branch computes nothing of the other.  The packed QKV weight is a second copy of
+      the three projections' weights (the else branch reads the originals).  ONNX Runtime's CUDA provider runs
+      an ``If``'s condition on the host: such a graph cannot be captured as a CUDA graph (``--kv-cache
+      shared`` is the capturable form).
+
+    Without a mask input it is exact and taken by default.  No
     NaN guard: the causal mask leaves every query its own key.  Stats ``attention.gqa_rotary``,
     ``attention.packed_qkv``, ``attention.kv_cache_shared``; the two rotary kernels taken in are subtracted from
-    ``rotary.kernel``.  Why a node did not take this form is logged at DEBUG (``-vv``).
+    ``rotary.kernel`` (not where a check keeps them for the else branch).  Why a node did not take this form is
+    logged at DEBUG (``-vv``).
 ``RotaryEmbedding``
     ``ort``: ``com.microsoft.RotaryEmbedding`` where the export's cos/sin are provably ``Cos/Sin(Concat(f, f))``
     of one per-token angle table ``f`` ``[Bc, S, D/2]`` (transformers' ``rotary_emb``, times its scaling
@@ -1198,19 +1220,24 @@ def _past_length_of(value: ir.Value | None, past: ir.Value | None) -> bool:
 
 def _positions(pos: ir.Value | None, q: ir.Value, past: ir.Value | None) -> bool:
     """Whether the 1-D ``pos`` is ``P + s`` for every query position ``s``: ``Range(0, S, 1)`` (no cache) or
-    ``Range(0, S, 1) + P`` with ``P`` the cache's past length, ``S`` provably the query length."""
-    rng = _producer(pos, "Range")
-    offset = None
-    if rng is None and (add := _producer(pos, "Add")) is not None and past is not None:
-        for a, b in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])):
-            if _producer(a, "Range") is not None and _past_length_of(b, past):
-                rng, offset = _producer(a, "Range"), b
-                break
-    if rng is None or scalar_value(rng.inputs[0]) != 0 or scalar_value(rng.inputs[2]) != 1:
-        return False
-    if (offset is None) != (past is None):
-        return False
-    return any(same_dim(n, _seq_dim(q)) for n in _range_lengths(rng))
+    ``Range(0, S, 1) + P`` with ``P`` the cache's past length, ``S`` provably the query length; the Range may be
+    the constant ``[0, 1, .., S-1]`` where ``S`` is static (an export traced with one new token folds ``arange(1)``
+    to ``[0]``)."""
+    def steps(value: ir.Value | None) -> bool:
+        rng = _producer(value, "Range")
+        if rng is not None:
+            return scalar_value(rng.inputs[0]) == 0 and scalar_value(rng.inputs[2]) == 1 and any(
+                same_dim(n, _seq_dim(q)) for n in _range_lengths(rng))
+        arr = constant_array(value) if value is not None else None
+        seq = _seq_dim(q)
+        return (arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu" and isinstance(seq, int)
+                and arr.tolist() == list(range(seq)))
+
+    if past is None:
+        return steps(pos)
+    add = _producer(pos, "Add")
+    return add is not None and any(steps(a) and _past_length_of(b, past) for a, b in (
+        (add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])))
 
 
 def _rotary_positions(f: ir.Value, q: ir.Value, past: ir.Value | None) -> tuple[ir.Value, np.ndarray] | None:
@@ -1266,7 +1293,11 @@ def _gathernd_padding(value: ir.Value | None, kv_idx: ir.Value) -> ir.Value | No
 
 def _query_length_of(value: ir.Value | None, q: ir.Value) -> bool:
     """Whether the scalar ``value`` reads dim 1 of a tensor whose dim 1 is the query length (``Gather(Shape(z), 1)``
-    or ``Shape(z, start=1, end=2)``, through Cast/Squeeze/Unsqueeze)."""
+    or ``Shape(z, start=1, end=2)``, through Cast/Squeeze/Unsqueeze), or is that length as a constant where it is
+    static (an export traced with one new token)."""
+    if value is not None and (arr := constant_array(value)) is not None:
+        seq = _seq_dim(q)
+        return arr.size == 1 and arr.dtype.kind in "iu" and isinstance(seq, int) and int(arr.reshape(-1)[0]) == seq
     while (node := value.producer() if value is not None else None) is not None and node.domain == "" and \
             node.op_type in ("Cast", "Squeeze", "Unsqueeze"):
         value = node.inputs[0]
@@ -1553,7 +1584,7 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
     new_nodes.append(kernel)
     if guarded:
         assert mask is not None
-        ok = _right_padded(mask, ck is not None, outer, ctx.shared)
+        ok = _right_padded(mask, ck[0] if ck is not None else None, outer, ctx.shared)
         presents = (ck[2], cv[2]) if ck is not None and cv is not None else (present_k, present_v)
         _guard(node, ctx, ok, outer, new_nodes, presents)
         ctx.count("attention.gqa_rotary")
@@ -1591,18 +1622,25 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
 _FALLBACK_KEY = "mograph.attention.padding_fallback"
 
 
-def _right_padded(mask: ir.Value, cached: bool, new_nodes: list[ir.Node], shared: Shared) -> ir.Value:
+def _right_padded(mask: ir.Value, past: ir.Value | None, new_nodes: list[ir.Node], shared: Shared) -> ir.Value:
     """A bool scalar, true where GroupQueryAttention's lengths give the export's numbers for ``mask`` ``[B, T]``: every
     row is ones then zeros (``mask == (arange(T) < ReduceSum(mask, 1))``, compared in the mask's own dtype, so a value
-    other than 0 and 1 fails it) and every row holds at least one key (a prefill) or every key (a decode step over a
-    cache: the export places the new tokens at ``P + s``, GroupQueryAttention after each row's length).  Built once
-    per mask and step kind, on the device (ReduceSum, Range, Less, Equal, ReduceMin)."""
-    key = ("padding_checks", id(mask), cached)
+    other than 0 and 1 fails it) and every row holds at least one key (a prefill), or, for a decode step over the
+    cache ``past`` ``[B, G, P, D]``, every row holds every key (the export places the new tokens at ``P + s``,
+    GroupQueryAttention after each row's length) and the step is one token or the batch one row (ONNX Runtime's
+    kernel refuses more new tokens over a past for a batch).  Built once per mask and step kind, on the device
+    (ReduceSum, Range, Less, Equal, ReduceMin; Shape reads)."""
+    key = ("padding_checks", id(mask), past is not None)
     if key in shared:
         return shared[key]  # type: ignore[no-any-return]
+
+    def dim(value: ir.Value, axis: int) -> ir.Value:
+        got = _add(new_nodes, "Cast", [_add(new_nodes, "Shape", [value], start=axis, end=axis + 1)],
+                   to=ir.DataType.INT32.value)
+        return _add(new_nodes, "Squeeze", [got, _const(new_nodes, np.array([0], dtype=np.int64))])
+
     lengths = _key_lengths(mask, new_nodes, shared)
-    total = _add(new_nodes, "Squeeze", [_add(new_nodes, "Cast", [_add(new_nodes, "Shape", [mask], start=1, end=2)],
-                                             to=ir.DataType.INT32.value), _const(new_nodes, np.array([0], dtype=np.int64))])
+    total = dim(mask, 1)
     zero, one = _const(new_nodes, np.array(0, dtype=np.int32)), _const(new_nodes, np.array(1, dtype=np.int32))
     keys = _add(new_nodes, "Unsqueeze", [_add(new_nodes, "Range", [zero, total, one]),
                                          _const(new_nodes, np.array([0], dtype=np.int64))])
@@ -1611,10 +1649,15 @@ def _right_padded(mask: ir.Value, cached: bool, new_nodes: list[ir.Node], shared
     if mask.dtype != ir.DataType.BOOL:
         expected = _add(new_nodes, "Cast", [expected], to=(mask.dtype or ir.DataType.INT64).value)
     same = _add(new_nodes, "Cast", [_add(new_nodes, "Equal", [mask, expected])], to=ir.DataType.INT32.value)
-    least = total if cached else one
-    parts = [_add(new_nodes, "ReduceMin", [same], keepdims=0), _add(new_nodes, "ReduceMin", [lengths], keepdims=0)]
-    ok = _add(new_nodes, "And", [_add(new_nodes, "Equal", [parts[0], one]),
-                                 _add(new_nodes, "GreaterOrEqual", [parts[1], least])])
+    least = total if past is not None else one
+    ok = _add(new_nodes, "And", [_add(new_nodes, "Equal", [_add(new_nodes, "ReduceMin", [same], keepdims=0), one]),
+                                 _add(new_nodes, "GreaterOrEqual",
+                                      [_add(new_nodes, "ReduceMin", [lengths], keepdims=0), least])])
+    if past is not None:
+        step = _add(new_nodes, "Sub", [total, dim(past, 2)])
+        small = _add(new_nodes, "Or", [_add(new_nodes, "Equal", [step, one]),
+                                       _add(new_nodes, "Equal", [dim(mask, 0), one])])
+        ok = _add(new_nodes, "And", [ok, small])
     shared[key] = ok
     return ok
 
