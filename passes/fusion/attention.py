@@ -58,7 +58,7 @@ from mograph.passes.fusion.attention_op import (
     ROTARY_OP,
     attention,
 )
-from mograph.passes.fusion.lowerings.attention import is_zero_bias
+from mograph.passes.fusion.lowerings.attention_proofs import is_zero_bias
 
 from mograph.irutil import same_dim
 from mograph.pass_infra import Option, PassResult
