@@ -213,11 +213,23 @@ def test_fp16_decode_keeps_gqa(exports: Any, tmp_path: Path) -> None:
     assert report.capturable, report.blockers  # only Shape -> Cast -> Squeeze (total_sequence_length) on the host
 
 
-def test_unlowered_decode_step_is_not_capturable(exports: Any) -> None:
-    """Today's form (MultiHeadAttention, positions and mask computed from shapes) is named as blocking."""
+def test_default_decode_step_is_not_capturable(exports: Any) -> None:
+    """The default form (an If per layer on the padding check, computed from shapes) is named as blocking: the
+    capturable form is the opt-in ``--kv-cache shared``."""
     model = _optimize(exports("llama", "decode", "dynamo"))
-    report = cuda_graph_check(ir.serde.deserialize_model(model))
+    report = cuda_graph_check(ir.serde.deserialize_model(model), limit=1000)
     assert not report.capturable and report.blockers and all(b["reason"] for b in report.blockers)
+    assert [b["op"] for b in report.blockers].count("If") == 2, report.blockers
+
+
+@pytest.mark.parametrize(("options", "gqa"), [({"mask_format": "lengths"}, 2), ({"mask_format": "raw"}, 0),
+                                               ({"kv_cache": "shared"}, 2)])
+def test_opt_ins_write_no_check(exports: Any, options: dict[str, str], gqa: int) -> None:
+    """Near misses of the check: ``lengths`` and ``--kv-cache shared`` assume right padding (plain
+    GroupQueryAttention, no If: capturable), ``raw`` takes no GroupQueryAttention at all."""
+    model = _optimize(exports("llama", "decode", "dynamo"), **options)
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert ops["If"] == 0 and ops["GroupQueryAttention"] == gqa, ops
 
 
 MAX_LEN = 32
