@@ -108,7 +108,7 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
         return _no_gqa(node, f"head size {head_size} not a multiple of {GQA_HEAD_MULTIPLE}, or a partial rotary")
     past = ck[0] if ck is not None else None
     rp = _rotary_positions(f, xq, past)
-    if rp is None or not isinstance(f.shape[0], int) or f.shape[0] != 1:
+    if rp is None:  # (found: f is [1, S, D/2] by construction, a 1-D pos unsqueezed to rank 3 times a 1-D inv_freq)
         return _no_gqa(node, "the rotary angles are not provably (past + s) * inv_freq")
     pos, inv = rp
     keys = ck[2].shape[2] if ck is not None and ck[2].shape is not None else _seq_dim(xq)
