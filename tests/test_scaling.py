@@ -212,3 +212,31 @@ def test_fingerprint_still_sees_attribute_changes() -> None:
     node = next(n for n in model.graph if n.op_type == "Transpose")
     node.attributes["perm"] = ir.AttrInt64s("perm", [0, 1, 2, 3])
     assert graph_fingerprint(model) != before
+
+
+def test_the_pipeline_keeps_the_loaded_model_out_of_full_collections() -> None:
+    """The objects alive when the pipeline starts are frozen (not walked by each full collection) while
+    it runs, and unfrozen after it; a process that froze objects of its own keeps them as they were."""
+    import gc
+
+    seen: list[int] = []
+
+    def instrument(pass_: object, model: object, context: object) -> object:
+        seen.append(gc.get_freeze_count())
+        result = yield
+        return result
+
+    model = ir.serde.deserialize_model(_stack(1))
+    live = sum(1 for _ in model.graph)
+    assert gc.get_freeze_count() == 0
+    mograph.optimize(model, passes="eliminate-identity,topo-sort", instruments=[instrument], check_output=False)
+    assert len(seen) == 2 and min(seen) >= live  # the model's nodes (and more) were frozen during the passes
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        mine = gc.get_freeze_count()
+        seen.clear()
+        mograph.optimize(model, passes="eliminate-identity", instruments=[instrument], check_output=False)
+        assert seen == [mine] and gc.get_freeze_count() == mine  # neither added to nor released
+    finally:
+        gc.unfreeze()
