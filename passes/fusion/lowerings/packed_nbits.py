@@ -138,7 +138,8 @@ def pack_nbits_projections(xs: list[ir.Value], graph: ir.Graph, new_nodes: list[
     node = ir.node("MatMulNBits", inputs, attributes=attrs, domain=MS_DOMAIN)
     node.metadata_props[PACKED_FROM_KEY] = ",".join(n.name or "?" for n in ns)
     out = node.outputs[0]
-    out.dtype = xs[0].dtype
+    if xs[0].dtype is not None:
+        out.dtype = xs[0].dtype
     shape = xs[0].shape
     if shape is not None and len(shape) >= 1:
         out.shape = ir.Shape([*list(shape)[:-1], total])
