@@ -15,7 +15,8 @@ from mograph.passes.quant import WeightOnlyPass
 from onnx import helper, numpy_helper
 
 from mograph.lowering import LoweringContext, lower_model
-from mograph.testing import run_ort, to_ir, to_proto
+from mograph.plugins import get_registry
+from mograph.testing import run_ort, to_ir, to_proto, with_registry
 
 pytest.importorskip("onnxruntime")
 
@@ -42,8 +43,8 @@ def lowered(plan: dict[str, str] | None = None, **options: Any) -> ir.Model:
     opts = {"algorithm": "rtn", "block_size": 32, "output_projection": "bits", **options}
     if plan is not None:
         opts["precision_plan"] = {"nodes": [{"node": f"{k}_proj", "precision": p} for k, p in plan.items()]}
-    assert WeightOnlyPass(**opts).call(model).modified
-    assert lower_model(model, "ort").modified
+    assert with_registry(WeightOnlyPass(**opts)).call(model).modified
+    assert lower_model(model, "ort", registry=get_registry()).modified
     return model
 
 

@@ -21,6 +21,7 @@ import mograph.passes.fusion.lowerings.attention as attention_lowering  # noqa: 
 import mograph  # noqa: E402
 from models import decoder_export as de  # noqa: E402
 from mograph.lowering import lower_model  # noqa: E402
+from mograph.plugins import get_registry  # noqa: E402
 from mograph.testing import to_ir  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -120,7 +121,7 @@ def test_int4_decoder_packs_qkv_with_the_numbers_of_three(export: tuple[Path, Pa
     assert diff <= rel * max(scale, 1.0), (diff, scale)
     # lowering the lowered model again finds nothing to do
     again = to_ir(packed)
-    assert lower_model(again, "ort").modified is False
+    assert lower_model(again, "ort", registry=get_registry()).modified is False
 
 
 def test_plan_with_different_precisions_keeps_that_layer_apart(export: tuple[Path, Path],
