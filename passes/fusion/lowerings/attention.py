@@ -70,7 +70,8 @@
     length ``Shape(past_key)[2]`` of a decode step); the bias ``Where(kv_idx <= pos[s] [& mask[b, kv_idx]], 0, c)``
     with ``kv_idx`` a ``Range`` of the key count (the padding lookup as TorchScript's flat ``Gather`` or
     dynamo's ``GatherND`` of that very index); head size a multiple of 8.  Q/K/V that are projections of one
-    tensor are packed (``x @ [Wq|Wk|Wv] (+ [bq|bk|bv])``, ``key``/``value`` empty); the cache is the kernel's past
+    tensor are packed (``x @ [Wq|Wk|Wv] (+ [bq|bk|bv])``, ``key``/``value`` empty; weight-only quantized ones, already
+    ``MatMulNBits``, by :mod:`.packed_nbits`); the cache is the kernel's past
     and present (the exporter's Concat removed), and a prefill's present outputs (the exporter's own rotated keys
     and split values) become the kernel's.  Lengths: ``seqlens_k = ReduceSum(int32(mask), 1) - 1``,
     ``total_sequence_length = int32(Shape(mask)[1])`` (as ONNX Runtime GenAI builds them) -- which assume RIGHT
