@@ -16,7 +16,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 ort = pytest.importorskip("onnxruntime")
 
-import mograph.passes.fusion.lowerings.attention as attention_lowering  # noqa: E402
+import mograph.passes.fusion.lowerings._attention_gqa as attention_lowering  # noqa: E402  (where _lower_gqa calls it)
 
 import mograph  # noqa: E402
 from models import decoder_export as de  # noqa: E402
