@@ -19,7 +19,7 @@ numeric check: without it, the tests that call :func:`run_ort` or :func:`check_p
 
 from __future__ import annotations
 
-import sys
+import os
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -146,11 +146,11 @@ def run_ort(model: onnx.ModelProto | ir.Model, feeds: Mapping[str, np.ndarray]) 
 
 
 def _onnxruntime() -> Any:
-    """onnxruntime; without it, the running test is skipped (or, outside pytest, the error naming the extra)."""
+    """onnxruntime; without it, the running test is skipped (outside a test, the error naming the extra)."""
     try:
         import onnxruntime
     except ImportError:
-        if "pytest" in sys.modules:
+        if "PYTEST_CURRENT_TEST" in os.environ:  # set by pytest while a test runs
             import pytest
 
             pytest.skip("onnxruntime is not installed: pip install 'mograph[ort]'")
