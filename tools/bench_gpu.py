@@ -19,7 +19,7 @@ _TOOLS = str(Path(__file__).resolve().parent)
 if _TOOLS not in sys.path:  # also when loaded by path (the tests) rather than run from tools/
     sys.path.insert(0, _TOOLS)
 
-from gpubench.cache import Graph, drop_intermediates, export_graph, needed_steps, prepare  # noqa: E402
+from gpubench.cache import Graph, drop_intermediates, export_graph, graph_for, needed_steps, prepare  # noqa: E402
 from gpubench.cli import build_parser, main  # noqa: E402
 from gpubench.estimate import (  # noqa: E402
     BUILD_SECONDS,
@@ -47,7 +47,7 @@ from gpubench.grid import (  # noqa: E402
 )
 from gpubench.models import make_feeds  # noqa: E402
 from gpubench.results import Results, cell_key, read_results  # noqa: E402
-from gpubench.run import graph_for, run_grid  # noqa: E402
+from gpubench.run import run_grid  # noqa: E402
 from gpubench.runners import cosine, cuda_kernels, time_runners  # noqa: E402
 from gpubench.tables import KEEP_MARKER, _goal, _placements, grid_rows, markdown, write_markdown  # noqa: E402
 

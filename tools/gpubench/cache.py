@@ -63,6 +63,11 @@ class Graph:
         os.replace(tmp, self.status_path())
 
 
+def graph_for(cache: Path, smoke: bool, model: str, export: str, attn: str, kind: str) -> Graph:
+    """The cached graph of one (model, export, attention, graph kind), in its own folder of ``cache``."""
+    return Graph(model, export, attn, kind, cache / f"{'smoke-' if smoke else ''}{model}-{export}-{attn}-{kind}")
+
+
 def weights_for(model: str, kind: str, dims: Dims, cache: Path, smoke: bool) -> dict[str, Any]:
     """The state dict of a (model, graph): made once and kept, so every export and torch run agree."""
     import torch

@@ -9,10 +9,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from .cache import Graph, needed_steps
+from .cache import Graph, graph_for, needed_steps
 from .grid import FULL, INTERMEDIATES, ORT_VARIANTS, SMOKE, SMOKE_GRID, TORCH_VARIANTS, Shape, applies, graph_kind
-from .results import Results, cell_key
-from .run import _torch_ids, graph_for
+from .results import Results, cell_key, torch_ids
 
 BUILD_SECONDS = {("torchscript", "fp32"): 15.0, ("dynamo", "fp32"): 18.0, ("torchscript", "exported"): 5.0,
                  ("dynamo", "exported"): 5.0, ("torchscript", "ort-t"): 16.0, ("dynamo", "ort-t"): 16.0,
@@ -96,7 +95,7 @@ def list_pending(args: argparse.Namespace) -> int:
                         continue
                     todo_pairs = [(v, s) for v in variants if v in TORCH_VARIANTS or applies(model, export, attn, v)
                                   for s in kind_shapes]
-                    todo = {cell_key(*_torch_ids(model, export, attn, v), v, s.text): v for v, s in todo_pairs}
+                    todo = {cell_key(*torch_ids(model, export, attn, v), v, s.text): v for v, s in todo_pairs}
                     todo = {k: v for k, v in todo.items() if k not in done and k not in seen}
                     seen.update(todo)
                     g = graph_for(cache, args.smoke, model, export, attn, kind)

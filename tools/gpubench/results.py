@@ -8,11 +8,18 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .grid import TORCH_VARIANTS
+
 # -- results file -------------------------------------------------------------------------------------
 
 
 def cell_key(model: str, export: str, attn: str, variant: str, shape: str) -> str:
     return f"{model}/{export}/{attn}/{variant}/{shape}"
+
+
+def torch_ids(model: str, export: str, attn: str, variant: str) -> tuple[str, str, str]:
+    """Torch references belong to the model, not to an export: one cell per model and shape."""
+    return (model, "torch", "sdpa") if variant in TORCH_VARIANTS else (model, export, attn)
 
 
 def read_results(path: Path) -> list[dict[str, Any]]:

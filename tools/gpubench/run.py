@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from .cache import Graph, describe, needed_steps, prepare, torch_module
+from .cache import describe, graph_for, needed_steps, prepare, torch_module
 from .grid import FULL, ORT_VARIANTS, SMOKE, SMOKE_GRID, TORCH_VARIANTS, Dims, Shape, applies, graph_kind, log
 from .models import make_feeds
-from .results import Results, cell_key, read_results
+from .results import Results, cell_key, read_results, torch_ids
 from .runners import OrtRunner, Runner, TorchRunner, cosine, cuda_kernels, ort_session, placement, time_runners
 from .tables import summary_table
 
@@ -89,10 +89,6 @@ def torch_runner(ctx: Context, model: str, kind: str, variant: str) -> Any:
             module = torch.compile(module, dynamic=False)
         ctx.torch_modules[key] = module
     return ctx.torch_modules[key]
-
-
-def graph_for(cache: Path, smoke: bool, model: str, export: str, attn: str, kind: str) -> Graph:
-    return Graph(model, export, attn, kind, cache / f"{'smoke-' if smoke else ''}{model}-{export}-{attn}-{kind}")
 
 
 def pending_ort(ctx: Context, model: str, export: str, attn: str, shapes: list[Shape], variants: list[str]) -> list[str]:
@@ -187,7 +183,7 @@ def run_cells(ctx: Context, model: str, export: str, attn: str, kind: str, shape
     g = graph_for(ctx.cache, args.smoke, model, export, attn, kind)
 
     def pending(variant: str, shape: Shape) -> bool:
-        return cell_key(*_torch_ids(model, export, attn, variant), variant, shape.text) not in ctx.results.done
+        return cell_key(*torch_ids(model, export, attn, variant), variant, shape.text) not in ctx.results.done
 
     ort_wanted = pending_ort(ctx, model, export, attn, shapes, variants)
     torch_wanted = [v for v in variants if v in TORCH_VARIANTS and any(pending(v, s) for s in shapes)
@@ -222,7 +218,7 @@ def run_cells(ctx: Context, model: str, export: str, attn: str, kind: str, shape
         rows: dict[str, dict[str, Any]] = {}
         runners: dict[str, Runner] = {}
         for v in todo:
-            m, e, a = _torch_ids(model, export, attn, v)
+            m, e, a = torch_ids(model, export, attn, v)
             row = _base_row(ctx, m, e, a, v, shape, kind)
             rows[v] = row
             if v in errors:
@@ -280,11 +276,6 @@ def run_cells(ctx: Context, model: str, export: str, attn: str, kind: str, shape
                 else f"ERROR {row['error'][:120]}"
             log(f"{row['key']}: {shown}")
         runners.clear()
-
-
-def _torch_ids(model: str, export: str, attn: str, variant: str) -> tuple[str, str, str]:
-    """Torch references belong to the model, not to an export: one cell per model and shape."""
-    return (model, "torch", "sdpa") if variant in TORCH_VARIANTS else (model, export, attn)
 
 
 def _quiet() -> None:
