@@ -15,6 +15,10 @@ merged and ``modified`` is true if any changed the model.  Installed as a pytest
 ``pytest11``), it also gives the fixture ``mograph_testing`` (this module).  Needs onnxruntime for the
 numeric check: without it, the tests that call :func:`run_ort` or :func:`check_pass` are skipped (no
 ``importorskip`` needed in the tests).
+
+Like :func:`mograph.run_passes`, these helpers are a composition root: a pass made by hand (no
+``registry``) is given the current environment's registry before it runs, as
+:meth:`mograph.plugins.Registry.instantiate` would have done.
 """
 
 from __future__ import annotations
@@ -45,7 +49,18 @@ __all__ = [
     "to_ir",
     "to_proto",
     "tolerance_for",
+    "with_registry",
 ]
+
+
+def with_registry(pass_obj: Pass | Pipeline) -> Pass | Pipeline:
+    """``pass_obj`` (each pass of a :class:`Pipeline`), given the current registry where it has none."""
+    from mograph.plugins import get_registry
+
+    for p in pass_obj.passes if isinstance(pass_obj, Pipeline) else [pass_obj]:
+        if p.registry is None:
+            p.registry = get_registry()
+    return pass_obj
 
 
 class Pipeline:
@@ -59,6 +74,7 @@ class Pipeline:
         stats: dict[str, int | float] = {}
         details: dict[str, Any] = {}
         modified = False
+        with_registry(self)
         for p in self.passes:
             result = p.call(model)
             modified = modified or result.modified
@@ -182,7 +198,7 @@ def assert_close(ref: list[np.ndarray], got: list[np.ndarray], rel: float = 1e-4
 
 def run_pass(pass_obj: Pass | Pipeline, proto: onnx.ModelProto) -> tuple[ir.Model, PassResult]:
     model = to_ir(proto)
-    return model, pass_obj.call(model)
+    return model, with_registry(pass_obj).call(model)
 
 
 def check_pass(
@@ -233,7 +249,7 @@ def assert_untouched(pass_obj: Pass | Pipeline, proto: onnx.ModelProto) -> PassR
     """A near miss: the pass reports ``modified=False`` and the graph is unchanged."""
     model = to_ir(proto)
     before = graph_fingerprint(model)
-    result = pass_obj.call(model)
+    result = with_registry(pass_obj).call(model)
     assert result.modified is False, result.stats
     assert graph_fingerprint(model) == before
     return result

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnx_ir as ir
 
+from mograph.foreign_ops import BUILTIN_FOREIGN_OPS
 from mograph.shapes._dim import Dim, add, div, mul, prod, sub
 
 if TYPE_CHECKING:
@@ -50,19 +51,10 @@ REDUCE_OPS = frozenset({
     "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare",
 })
 
-#: ``com.microsoft`` ops whose listed outputs have input 0's shape.
-MS_SAME_SHAPE = {
-    "SkipLayerNormalization": (0, 3),
-    "SkipSimplifiedLayerNormalization": (0, 3),
-    "SimplifiedLayerNormalization": (0,),
-    "LayerNormalization": (0,),
-    "FastGelu": (0,),
-    "BiasGelu": (0,),
-    "Gelu": (0,),
-    "QuickGelu": (0,),
-    "BiasAdd": (0,),
-    "RotaryEmbedding": (0,),
-}
+#: ``com.microsoft`` ops whose listed outputs have input 0's shape: their records' ``same_shape_outputs``
+#: (:mod:`mograph.foreign_ops`, one record per foreign op).
+MS_SAME_SHAPE = {op.name: op.same_shape_outputs for op in BUILTIN_FOREIGN_OPS
+                 if op.domain == MS_DOMAIN and op.same_shape_outputs}
 MS_ATTENTION = ("Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention")
 
 ONE = Dim()

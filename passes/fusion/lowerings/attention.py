@@ -1242,10 +1242,10 @@ def _rotary_positions(f: ir.Value, q: ir.Value, past: ir.Value | None) -> tuple[
     """``(pos, inv_freq)`` if the angle table ``f`` ``[1, S, D/2]`` is ``pos[s] * inv_freq[i]`` (``Cast(pos)`` laid
     out ``[1, S, 1]`` times a constant 1-D ``inv_freq``, or the outer-product spelling of :func:`_angle_factors`)
     with ``pos`` the query positions ``P + s``."""
-    for value, inv, axis in _angle_factors(f):
+    for factor, inv, axis in _angle_factors(f):
         if inv.dtype not in (np.float32, np.float16):
             continue
-        cast = _producer(value, "Cast")  # (float16 after the fp16 pass)
+        cast = _producer(factor, "Cast")  # (float16 after the fp16 pass)
         if cast is None or int(attr_value(cast, "to", 0)) not in (ir.DataType.FLOAT.value, ir.DataType.FLOAT16.value):
             continue
         value = cast.inputs[0]
