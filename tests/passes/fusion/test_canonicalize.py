@@ -11,12 +11,12 @@ import math
 from collections import Counter
 
 import pytest
-from _fusion_util import assert_untouched, check_fusion, parse, run_pass
 from mograph.passes.fusion.gelu import FuseGeluPass
 from mograph.passes.fusion.layernorm import FuseLayerNormPass
 from mograph.passes.fusion.rmsnorm import FuseRMSNormPass
 
-from mograph.testing import op_types, to_ir
+from mograph.testing import assert_untouched, op_types, parse, run_pass, to_ir
+from mograph.testing import check_pass as check_fusion
 
 H = 8
 G = ",".join(f"{0.5 + 0.1 * i:.2f}" for i in range(H))
