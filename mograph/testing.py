@@ -57,9 +57,11 @@ def with_registry(pass_obj: Pass | Pipeline) -> Pass | Pipeline:
     """``pass_obj`` (each pass of a :class:`Pipeline`), given the current registry where it has none."""
     from mograph.plugins import get_registry
 
-    for p in pass_obj.passes if isinstance(pass_obj, Pipeline) else [pass_obj]:
-        if p.registry is None:
-            p.registry = get_registry()
+    if isinstance(pass_obj, Pipeline):  # (pipelines nest: a lowered fusion is a Pipeline inside one)
+        for p in pass_obj.passes:
+            with_registry(p)
+    elif pass_obj.registry is None:
+        pass_obj.registry = get_registry()
     return pass_obj
 
 
