@@ -23,12 +23,13 @@ pytestmark = pytest.mark.torch
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from _fusion_util import assert_close, lowered, op_counts, run_ort, to_ir, to_proto  # noqa: E402
+from _fusion_util import lowered  # noqa: E402
 from mograph.passes.fusion.attention import FuseAttentionPass  # noqa: E402
 
 from models import attention_corpus as corpus  # noqa: E402
 from mograph.pass_infra import graph_fingerprint  # noqa: E402
 from mograph.plugins import get_registry  # noqa: E402
+from mograph.testing import assert_close, op_counts, run_ort, to_ir, to_proto  # noqa: E402
 
 C = corpus.Case
 #: families whose every attention is self-attention over `x @ W (+ b)` projections: lowered with packed QKV

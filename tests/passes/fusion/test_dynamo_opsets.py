@@ -40,11 +40,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("onnxruntime")
 
-from _fusion_util import assert_close, op_counts, run_ort, to_ir, to_proto  # noqa: E402
-
 from models import export_hf  # noqa: E402
 from mograph.pass_infra import graph_fingerprint  # noqa: E402
 from mograph.plugins import get_registry  # noqa: E402
+from mograph.testing import assert_close, op_counts, run_ort, to_ir, to_proto  # noqa: E402
 
 OPSETS = range(17, 24)
 KINDS = ("bert", "gpt2", "llama")

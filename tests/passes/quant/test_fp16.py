@@ -13,7 +13,8 @@ from onnx import helper, numpy_helper
 from models.builders import bert_feeds, bert_tiny
 from mograph.errors import OptionError
 from mograph.plugins import get_registry
-from tests.passes.quant._helpers import cosine, op_counts, run, to_ir
+from mograph.testing import op_counts, to_ir
+from tests.passes.quant._helpers import cosine, run
 
 
 def _model(scale: float = 1.0, reduce_len: int = 8) -> onnx.ModelProto:

@@ -21,7 +21,8 @@ from onnx import helper, numpy_helper
 from models.builders import bert_feeds, bert_tiny, cnn_small
 from mograph.errors import OptionError
 from mograph.pass_infra import PassManager
-from tests.passes.quant._helpers import cosine, op_counts, optimized_ops, run, to_ir
+from mograph.testing import op_counts, to_ir
+from tests.passes.quant._helpers import cosine, optimized_ops, run
 
 
 def calib_feeds(n: int = 12) -> list[dict]:

@@ -22,7 +22,7 @@ import mograph
 from mograph import irutil
 from mograph._traverse import iter_nodes, subgraphs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _stack(layers: int, **kw: int) -> onnx.ModelProto:
