@@ -226,14 +226,22 @@ def mograph(fp32: Path, out: Path, passes: str, extra: list[str], work: Path) ->
     cmd = [sys.executable, "-m", "mograph", "optimize", str(fp32), "-o", str(out), "--passes", passes,
            "--calibration-data", str(work / "calibration.npz"), "--report", str(report), *extra]
     log("running: " + " ".join(cmd[1:]))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _child_cpu()
     proc = subprocess.run(cmd, cwd=str(ROOT), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, _child_cpu() - c0
     (out.with_suffix(".log")).write_text(proc.stdout)
     tail = proc.stdout.strip().splitlines()[-3:]
     log(f"exit {proc.returncode} in {seconds:.0f}s: {' | '.join(tail)}")
     return {"command": "mograph " + " ".join(cmd[4:]).replace(str(work) + "/", ""), "exit": proc.returncode,
-            "seconds": seconds}
+            "seconds": seconds, "cpu_seconds": cpu}
+
+
+def _child_cpu() -> float:
+    """User + system CPU seconds of finished child processes (wall time means little on a loaded machine)."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def ort_rtn(fp32: Path, out: Path, keep_head: bool = False) -> dict[str, Any]:
