@@ -120,7 +120,7 @@ def texts() -> tuple[str, str, str]:
     return ev, cal, topics.__file__
 
 
-def token_sets(work: Path, hf: Path, seq: int, windows: int, samples: int) -> dict[str, Any]:
+def token_sets(work: Path, hf: Path, seq: int, windows: int, samples: int, cal_seq: int = 0) -> dict[str, Any]:
     import transformers as tf
 
     tok = tf.AutoTokenizer.from_pretrained(str(hf), local_files_only=True)
@@ -136,8 +136,10 @@ def token_sets(work: Path, hf: Path, seq: int, windows: int, samples: int) -> di
         return np.asarray(rows, dtype=np.int64)
 
     eval_ids, cal_ids = cut(ev, windows), cut(cal, samples)
+    if cal_seq:
+        cal_ids = cal_ids[:, :cal_seq]
     stacked = {"input_ids": cal_ids[:, None, :], "attention_mask": np.ones_like(cal_ids)[:, None, :]}
-    np.savez(work / "calibration.npz", **stacked)  # type: ignore[arg-type]
+    np.savez(work / f"calibration{cal_seq or ''}.npz", **stacked)  # type: ignore[arg-type]
     info = {"source": source, "python": sys.version.split()[0], "eval_chars": len(ev), "cal_chars": len(cal),
             "eval_tokens": int(eval_ids.size), "cal_tokens": int(cal_ids.size), "seq": seq,
             "eval_sha256": hashlib.sha256(eval_ids.tobytes()).hexdigest(),
@@ -148,7 +150,7 @@ def token_sets(work: Path, hf: Path, seq: int, windows: int, samples: int) -> di
 # ----------------------------------------------------------------------------- measuring
 
 
-def perplexity(path: Path, eval_ids: np.ndarray, head_dim: int = 256) -> dict[str, Any]:
+def perplexity(path: Path, eval_ids: np.ndarray, head_dim: int = 256, sliding: int = 512) -> dict[str, Any]:
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -165,8 +167,10 @@ def perplexity(path: Path, eval_ids: np.ndarray, head_dim: int = 256) -> dict[st
             feed["attention_mask"] = np.ones_like(ids)
         for name, meta in names.items():  # a GenAI model's empty past
             if name.startswith("past_key_values"):
-                shape = [d if isinstance(d, int) else 1 if "batch" in d else 0 if "past" in d else head_dim
-                         for d in meta.shape]  # kv_cache_dim: the head size
+                # kv_cache_dim: the head size; a sliding layer's cache is a buffer of at least the window
+                # (GroupQueryAttention refuses less), its past length comes from the attention mask
+                shape = [d if isinstance(d, int) else 1 if "batch" in d else sliding if "sliding" in d
+                         else 0 if "past" in d else head_dim for d in meta.shape]
                 dtype = np.float16 if "float16" in meta.type else np.float32
                 feed[name] = np.zeros(shape, dtype=dtype)
             elif name == "position_ids":
@@ -221,16 +225,16 @@ def node_counts(path: Path) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- variants
 
 
-def mograph(fp32: Path, out: Path, passes: str, extra: list[str], work: Path) -> dict[str, Any]:
+def mograph(fp32: Path, out: Path, passes: str, extra: list[str], work: Path, cal_seq: int = 0) -> dict[str, Any]:
     report = out.with_suffix(".report.json")
     cmd = [sys.executable, "-m", "mograph", "optimize", str(fp32), "-o", str(out), "--passes", passes,
-           "--calibration-data", str(work / "calibration.npz"), "--report", str(report), *extra]
+           "--calibration-data", str(work / f"calibration{cal_seq or ''}.npz"), "--report", str(report), *extra]
     log("running: " + " ".join(cmd[1:]))
     t0, c0 = time.perf_counter(), _child_cpu()
-    proc = subprocess.run(cmd, cwd=str(ROOT), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    with open(out.with_suffix(".log"), "w") as f:  # streamed: its progress lines can be followed while it runs
+        proc = subprocess.run(cmd, cwd=str(ROOT), text=True, stdout=f, stderr=subprocess.STDOUT)
     seconds, cpu = time.perf_counter() - t0, _child_cpu() - c0
-    (out.with_suffix(".log")).write_text(proc.stdout)
-    tail = proc.stdout.strip().splitlines()[-3:]
+    tail = out.with_suffix(".log").read_text().strip().splitlines()[-3:]
     log(f"exit {proc.returncode} in {seconds:.0f}s: {' | '.join(tail)}")
     return {"command": "mograph " + " ".join(cmd[4:]).replace(str(work) + "/", ""), "exit": proc.returncode,
             "seconds": seconds, "cpu_seconds": cpu}
@@ -318,13 +322,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--windows", type=int, default=8, help="evaluation windows of --seq tokens")
     p.add_argument("--samples", type=int, default=8, help="calibration samples of --seq tokens")
     p.add_argument("--genai-python", default="/work/venv-genai/bin/python")
+    p.add_argument("--calibration-seq", type=int, default=0,
+                   help="cut the calibration samples to this many tokens (fp16's local measurement keeps every "
+                        "intermediate tensor of a sample: 256 tokens of this model need more than 10 GB)")
     p.add_argument("--json", type=Path, help="append one JSON line per variant here")
     args = p.parse_args(argv)
     work: Path = args.work
     work.mkdir(parents=True, exist_ok=True)
     hf = hf_folder(work)
     fp32 = export(work, hf)
-    data = token_sets(work, hf, args.seq, args.windows, args.samples)
+    data = token_sets(work, hf, args.seq, args.windows, args.samples, args.calibration_seq)
     log("text: " + json.dumps(data["info"]))
     rows: list[dict[str, Any]] = []
     base = baseline(work, args.windows)
@@ -332,11 +339,12 @@ def main(argv: list[str] | None = None) -> int:
         out = work / f"{variant}.onnx"
         run: dict[str, Any] = {"command": "torch.onnx.export(dynamo=False, opset 17)", "exit": 0, "seconds": 0.0}
         if variant == "fp16":
-            run = mograph(fp32, out, "cleanup,fuse,fp16", ["--target", "ort"], work)
+            run = mograph(fp32, out, "cleanup,fuse,fp16", ["--target", "ort"], work, args.calibration_seq)
         elif variant == "int8":
-            run = mograph(fp32, out, "int8", [], work)
+            run = mograph(fp32, out, "int8", [], work, args.calibration_seq)
         elif variant == "int4":
-            run = mograph(fp32, out, "cleanup,fuse,int4", ["--target", "ort", "--device", "cuda"], work)
+            run = mograph(fp32, out, "cleanup,fuse,int4", ["--target", "ort", "--device", "cuda"], work,
+                          args.calibration_seq)
         elif variant == "ort-rtn":
             run = ort_rtn(fp32, out)
         elif variant == "ort-rtn-keep-head":
