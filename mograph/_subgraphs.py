@@ -20,8 +20,9 @@ Forms looked for (top-level graph only; ``Cast`` nodes in a chain are stepped ov
   ``MatMul`` and feeding (through ``Cast``/``Dropout``) the first input of a ``MatMul``; with the
   head split / merge ``Transpose``/``Reshape`` nodes beside the two MatMuls.
 
-Already fused ops are counted by op type in the profile itself (:data:`FUSED_OPS`), so ONNX
-Runtime's own fusions show up as "fused", not as decomposed.
+Already fused ops are counted by op type in the profile itself, from the declarations (the custom ops'
+``computes`` and the foreign ops' records, :func:`mograph.foreign_ops.fused_kinds`), so ONNX Runtime's
+own fusions show up as "fused", not as decomposed.
 """
 
 from __future__ import annotations
@@ -34,35 +35,10 @@ import onnx_ir as ir
 
 from mograph.patterns import attr_constant
 
-__all__ = ["find_decomposed", "FUSED_OPS", "KINDS"]
+__all__ = ["find_decomposed", "KINDS"]
 
 #: Candidate kinds, in the order they are reported.
 KINDS = ("LayerNorm", "RMSNorm", "GELU", "attention")
-
-#: Op types (any domain) that are one of the kinds already fused.
-FUSED_OPS: dict[str, str] = {
-    "LayerNormalization": "LayerNorm",
-    "SkipLayerNormalization": "LayerNorm",
-    "EmbedLayerNormalization": "LayerNorm",
-    "LayerNorm": "LayerNorm",
-    "SkipLayerNorm": "LayerNorm",
-    "SimplifiedLayerNormalization": "RMSNorm",
-    "SkipSimplifiedLayerNormalization": "RMSNorm",
-    "RMSNormalization": "RMSNorm",
-    "RMSNorm": "RMSNorm",
-    "Gelu": "GELU",
-    "FastGelu": "GELU",
-    "BiasGelu": "GELU",
-    "QuickGelu": "GELU",
-    "Attention": "attention",
-    "MultiHeadAttention": "attention",
-    "GroupQueryAttention": "attention",
-    "PackedAttention": "attention",
-    "PackedMultiHeadAttention": "attention",
-    "DecoderMaskedMultiHeadAttention": "attention",
-    "SparseAttention": "attention",
-}
-
 
 def _const(value: ir.Value | None) -> np.ndarray | None:
     if value is None:

@@ -26,7 +26,7 @@ from mograph import ir_io
 from mograph.errors import InternalError, OptionError, PassFailedError, UsageError, VerificationError
 from mograph.hookspecs import hookimpl
 from mograph.pass_infra import Instrument, Pass, PassManager, PassResult, PipelineReport
-from mograph.plugins import describe_plugin, get_registry
+from mograph.plugins import Registry, describe_plugin, get_registry
 
 __all__ = ["optimize", "run_passes", "list_passes", "load", "save", "VerifyMode"]
 
@@ -105,16 +105,16 @@ def _did_you_mean(key: str, known: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _verifier(original: ir.Model, verify_options: dict[str, Any]) -> Any:
+def _verifier(original: ir.Model, verify_options: dict[str, Any], registry: Registry) -> Any:
     from mograph.validate import Verifier
 
-    known = [k for k in inspect.signature(Verifier.__init__).parameters if k not in ("self", "original")]
+    known = [k for k in inspect.signature(Verifier.__init__).parameters if k not in ("self", "original", "registry")]
     for key in verify_options:
         if key not in known:
             raise OptionError(
                 f"unknown verify option {key!r}{_did_you_mean(key, known)}; known: {', '.join(sorted(known))}"
             )
-    return Verifier(original, **verify_options)
+    return Verifier(original, registry=registry, **verify_options)
 
 
 def run_passes(
@@ -143,7 +143,10 @@ def run_passes(
     if mode not in (None, "end", "each"):
         raise UsageError(f"verify must be 'end', 'each', True or None, not {verify!r}")
     report = PipelineReport()
-    verifier = _verifier(model, verify_options or {}) if mode else None
+    for pass_ in passes:  # a pass made by hand gets what the plugins declared from here, the composition root
+        if pass_.registry is None:
+            pass_.registry = reg
+    verifier = _verifier(model, verify_options or {}, reg) if mode else None
     wrappers = list(instruments)
     if mode == "each":
         wrappers.append(_VerifyEach(verifier))

@@ -21,18 +21,20 @@ target.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mograph.errors import PluginError
 
 if TYPE_CHECKING:
     import onnx_ir as ir
 
-    from mograph.lowering import LoweringContext
+    from mograph.foreign_ops import ForeignOp
+    from mograph.targets import Target
 
-__all__ = ["CustomOp", "TensorRTPlugin", "Lowering", "DOMAIN", "DOMAIN_VERSION", "PLUGIN_NAMESPACE", "PLUGIN_VERSION"]
+__all__ = ["CustomOp", "Declarations", "TensorRTPlugin", "Lowering", "DOMAIN", "DOMAIN_VERSION", "PLUGIN_NAMESPACE",
+           "PLUGIN_VERSION"]
 
 #: The domain all built-in fused ops live in, and its version.
 DOMAIN = "mograph"
@@ -43,8 +45,9 @@ PLUGIN_VERSION = "1"
 
 #: ``lower(node, ctx) -> bool``: replace ``node`` (still in its graph) by the target's form and
 #: return True, or return False to leave it (it then keeps its function body, or is inlined for
-#: ``--target onnx``).  ``ctx`` is a :class:`mograph.lowering.LoweringContext`.
-Lowering = Callable[["ir.Node", "LoweringContext"], bool]
+#: ``--target onnx``).  ``ctx`` is a :class:`mograph.lowering.LoweringContext` (the lowering layer
+#: sits above these declarations, so the type is not named here).
+Lowering = Callable[["ir.Node", Any], bool]
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,9 @@ class CustomOp:
         tensorrt_fields: the plugin fields that tell this op apart from other ops sharing its plugin
             (``FastGelu``: ``{"approximate": "tanh"}`` on the ``Gelu`` plugin), so a plugin node can be
             read back as its op (to check it through the op's function body).
+        computes: the computation the op is a fused form of (``"LayerNorm"``, ``"RMSNorm"``, ``"GELU"``,
+            ``"attention"``), so "which op types are an already-fused X" is read off the declarations
+            (:func:`fused_kinds`); ``None`` for an op that is no such computation.
     """
 
     name: str
@@ -166,7 +172,31 @@ class CustomOp:
     onnx_opset: int | None = None
     tensorrt_plugin: TensorRTPlugin | None = None
     tensorrt_fields: dict[str, Any] = field(default_factory=dict)
+    computes: str | None = None
 
     @property
     def key(self) -> tuple[str, str]:
         return (self.domain, self.name)
+
+
+class Declarations(Protocol):
+    """What the plugins declared, as library code reads it: the facts a composition root hands down.
+
+    :class:`mograph.plugins.Registry` is one; library code (lowering, backends, passes) takes such an
+    object as a parameter instead of looking the registry up itself.
+    """
+
+    @property
+    def custom_ops(self) -> Mapping[tuple[str, str], CustomOp]: ...
+
+    @property
+    def custom_op_source(self) -> Mapping[tuple[str, str], str]: ...
+
+    @property
+    def backends(self) -> Mapping[str, Any]: ...
+
+    @property
+    def targets(self) -> Mapping[str, Target]: ...
+
+    @property
+    def foreign_ops(self) -> Mapping[tuple[str, str], ForeignOp]: ...

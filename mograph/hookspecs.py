@@ -45,7 +45,9 @@ if TYPE_CHECKING:
     import onnx_ir as ir
 
     from mograph.custom_ops import CustomOp
+    from mograph.foreign_ops import ForeignOp
     from mograph.pass_infra import Pass, PassResult
+    from mograph.targets import Target
 
 __all__ = ["hookspec", "hookimpl", "PROJECT"]
 
@@ -107,6 +109,38 @@ def mograph_add_custom_ops() -> list[CustomOp]:
 
 
 @hookspec
+def mograph_add_targets() -> list[Target]:
+    """Contribute lowering targets (``--target NAME``) as declared data.
+
+    Called once, when the registry is built.  A :class:`mograph.targets.Target` says whether the
+    ``lower`` step asks each op's ``lowerings[NAME]`` (``lowers``), what becomes of a node no lowering
+    takes (``leftovers``: ``"inline"`` its function body, or ``"keep"`` the custom op with its body), and
+    whether ``--upgrade-opset`` applies (``standard_opset``).  The built-in plugin ``mograph.lowering``
+    declares ``onnx``, ``ort``, ``tensorrt`` and ``mograph`` this way.  A name that only an op's
+    ``lowerings`` or a backend's ``target`` gives is a target too, with the defaults (lower, keep).
+
+    Returns:
+        A list of :class:`mograph.targets.Target`; a name declared twice is an error naming both plugins.
+    """
+
+
+@hookspec
+def mograph_add_foreign_ops() -> list[ForeignOp]:
+    """Contribute facts about ops mograph does not own (a runtime's contrib ops), one record per op.
+
+    Called once, when the registry is built.  A :class:`mograph.foreign_ops.ForeignOp` says which
+    computation the op is an already-fused form of (``computes``: the profile counts its time as
+    fused), where it reads and writes a KV cache (``cache``: ``kv-cache-fp8`` quantizes it there),
+    its gamma/beta inputs (``affine``) and the outputs shaped like input 0.  The built-in plugin
+    ``mograph.lowering`` declares the ``com.microsoft`` and standard ops mograph meets this way.
+
+    Returns:
+        A list of :class:`mograph.foreign_ops.ForeignOp`; ``(domain, name)`` declared twice is an error
+        naming both plugins.
+    """
+
+
+@hookspec
 def mograph_add_backends() -> list[Any]:
     """Contribute backends: runtimes a model can be run, benchmarked, built or validated on.
 
@@ -116,8 +150,9 @@ def mograph_add_backends() -> list[Any]:
     Contributing a backend must not import its runtime (onnxruntime, tensorrt, torch): do that in
     ``make_runner``/``build``.
 
-    A backend is any object with these members (:class:`mograph.backends.BackendProtocol`;
-    subclass :class:`mograph.backends.Backend` to get the optional ones with their defaults).
+    A backend is any object with these members (:class:`mograph.backend_protocol.BackendProtocol`;
+    subclass :class:`mograph.backend_protocol.Backend`, re-exported by :mod:`mograph.backends`, to get
+    the optional ones with their defaults).
 
     Required:
 
@@ -136,6 +171,9 @@ def mograph_add_backends() -> list[Any]:
     * ``target: str`` — the ``--target`` the backend lowers to: its first act on a model is
       ``mograph.lowering.lower_model(model, target, registry=registry)``, which asks each custom op's
       ``lowerings[target]`` (built-in and plugin ops alike) [the backend's ``name``];
+    * a ``registry`` keyword of ``make_runner`` and ``build`` — the job's registry (custom ops to lower,
+      targets), given only to a method that names it or takes ``**options``; a backend never looks the
+      registry up itself [not given];
     * ``available() -> bool`` — whether the runtime is there, without importing it [``True``];
     * ``why_unavailable() -> str`` — the sentence shown (exit code 7) when ``available()`` is
       false: what is missing and how to install it [``"backend NAME is not available"``];

@@ -8,21 +8,126 @@ handled the same way everywhere.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
 from mograph._traverse import subgraphs
-from mograph.patterns import constant_array
 
-__all__ = ["attr_value", "add_initializer", "unique_initializer_name", "is_zero", "static_last_dim", "value_used",
+__all__ = ["attr_constant", "constant_array", "scalar_value", "attr_value", "add_initializer", "unique_initializer_name", "is_zero", "static_last_dim", "value_used",
            "infer_types", "restore_types", "run_shape_inference", "TypeSnapshot", "same_dim", "fresh_name"]
 
 logger = logging.getLogger(__name__)
 
 #: What :func:`infer_types` found on each value before it ran, for :func:`restore_types`.
 TypeSnapshot = list[tuple[ir.Value, Any, Any]]
+
+
+# ---------------------------------------------------------------------------------------------
+# constants (read by the pattern rules, the lowerings and the passes alike)
+# ---------------------------------------------------------------------------------------------
+
+#: Ops the constant evaluator looks through (all inputs constant -> result constant).
+_MAX_CONST_DEPTH = 8
+
+
+# ---------------------------------------------------------------------------------------------
+# constants
+# ---------------------------------------------------------------------------------------------
+
+
+def attr_constant(node: ir.Node) -> np.ndarray | None:
+    """The value of a ``Constant`` node from its attributes; None for a reference or an unknown form."""
+    for key, attr in node.attributes.items():
+        if attr.is_ref():
+            return None
+        if key == "value" and attr.type == ir.AttributeType.TENSOR:  # (a Protocol isinstance check is slow)
+            return attr.value.numpy()
+        if key == "value_float":
+            return np.array(attr.value, dtype=np.float32)
+        if key == "value_int":
+            return np.array(attr.value, dtype=np.int64)
+        if key == "value_floats":
+            return np.array(list(attr.value), dtype=np.float32)
+        if key == "value_ints":
+            return np.array(list(attr.value), dtype=np.int64)
+    return None
+
+
+_UNARY: dict[str, Callable[[np.ndarray], Any]] = {
+    "Identity": lambda a: a,
+    "Sqrt": np.sqrt,
+    "Reciprocal": lambda a: np.reciprocal(a),
+    "Neg": np.negative,
+}
+_BINARY: dict[str, Callable[[np.ndarray, np.ndarray], Any]] = {
+    "Add": np.add,
+    "Sub": np.subtract,
+    "Mul": np.multiply,
+    "Div": lambda a, b: a / b if a.dtype.kind == "f" else a // b,
+    "Pow": np.power,
+}
+
+
+def constant_array(value: ir.Value | None, _depth: int = 0) -> np.ndarray | None:
+    """The value as a numpy array if it is a constant in any form, else ``None``.
+
+    Looks through initializers (not those that are also graph inputs: a user may override them),
+    ``Constant`` nodes, and ``Cast``/``CastLike``/``Identity``/``Reshape``/``Unsqueeze``/``Squeeze``/``Sqrt``/
+    ``Reciprocal``/``Neg`` and binary arithmetic over constants, to a small depth.  Nothing in the
+    graph is changed.
+    """
+    if value is None or _depth > _MAX_CONST_DEPTH:
+        return None
+    if value.is_graph_input():
+        return None
+    if value.const_value is not None:
+        try:
+            return value.const_value.numpy()
+        except Exception:  # noqa: BLE001 - external data missing: not usable as a constant
+            return None
+    node = value.producer()
+    if node is None or node.domain not in ("", "ai.onnx"):
+        return None
+    op = node.op_type
+    if op == "Constant":
+        return attr_constant(node)
+    # The first input decides (most ops read activations, not constants): evaluate it alone first.
+    if not node.inputs or node.inputs[0] is None:
+        return None
+    a = constant_array(node.inputs[0], _depth + 1)
+    if a is None:
+        return None
+    args: list[np.ndarray | None] = [a]
+    if op in _BINARY and len(node.inputs) == 2:
+        args.append(constant_array(node.inputs[1], _depth + 1) if node.inputs[1] is not None else None)
+    try:
+        if op == "Cast":
+            to = node.attributes.get("to")
+            return a.astype(ir.DataType(to.value).numpy()) if to is not None else None
+        if op == "CastLike":  # to the dtype of its second input (a value of any kind, read for its dtype only)
+            like = node.inputs[1] if len(node.inputs) > 1 else None
+            return a.astype(like.dtype.numpy()) if like is not None and like.dtype is not None else None
+        if op in _UNARY:
+            return np.asarray(_UNARY[op](a))
+        if op in _BINARY and len(args) == 2 and args[1] is not None:
+            return np.asarray(_BINARY[op](a, args[1])).astype(np.result_type(a, args[1]))
+        if op in ("Reshape", "Unsqueeze", "Squeeze"):
+            # Only single-element tensors matter to the rules: keep the element, drop the rank.
+            return a.reshape(()) if a.size == 1 else None
+    except (ValueError, TypeError, OverflowError):
+        return None
+    return None
+
+
+def scalar_value(value: ir.Value | None) -> float | None:
+    """The single element of a constant value (see :func:`constant_array`) as a float, else ``None``."""
+    arr = constant_array(value)
+    if arr is None or arr.size != 1:
+        return None
+    return float(arr.reshape(()))
 
 
 def attr_value(node: ir.Node, name: str, default: Any = None) -> Any:

@@ -8,7 +8,8 @@ backend's first act,
 and asks the custom-op registry how: for every node of a registered op it calls the op's declared
 lowering for the target (:attr:`mograph.custom_ops.CustomOp.lowerings`).
 
-Targets:
+Targets are declared data (:class:`mograph.targets.Target`, registered through ``mograph_add_targets``);
+the built-in ones, registered by this plugin:
 
 ``mograph``
     keep the custom ops; each carries its function body (runs on any ONNX runtime).
@@ -17,12 +18,13 @@ Targets:
     (``LayerNormalization`` 17, ``Gelu`` 20, ``RMSNormalization`` 23, ``Attention`` 23), else its
     function body **inlined**, so the result has no custom domain.  ``--upgrade-opset N|auto`` first
     raises the opset when a standard form needs it (:mod:`mograph.opset`).
-``ort``, ``tensorrt``, and any target a plugin's lowerings name
+``ort``, ``tensorrt``, and any target a plugin declares or its lowerings name
     the op's lowering for that target; where it has none or it declines (a dynamic hidden size, a
     shape the kernel does not take), the op stays, with its function body.
 
 Passes never import backends and backends never import passes: both reach the lowerings through
-the registry.  The helpers below (:func:`replace_node`, :func:`as_vector`, :func:`plugin_node`,
+the registry, which the composition root hands down (``registry=``; the ``lower`` pass gets it from
+:meth:`mograph.plugins.Registry.instantiate`); nothing here looks the registry up.  The helpers below (:func:`replace_node`, :func:`as_vector`, :func:`plugin_node`,
 :func:`inline_node`) are for lowering authors, built-in or third-party.
 """
 
@@ -37,19 +39,23 @@ import numpy as np
 import onnx_ir as ir
 
 from mograph._traverse import iter_nodes
+from mograph.backend_protocol import backend_target
 from mograph.custom_ops import CustomOp, TensorRTPlugin
 from mograph.errors import OptionError, PassFailedError, PluginError
+from mograph.foreign_ops import BUILTIN_FOREIGN_OPS, ForeignOp
 from mograph.hookspecs import hookimpl
 from mograph.irutil import add_initializer, infer_types, is_zero, restore_types, static_last_dim
 from mograph.metadata import LOWERED_FOR
 from mograph.opset import OpsetUpgradeError, model_opset, upgrade_opset
 from mograph.pass_infra import Option, Pass, PassResult
 from mograph.patterns import attr_constant, constant_array, remove_dead_producers
+from mograph.targets import BUILTIN_TARGETS, DEFAULT_TARGET, LOWER_PASS, Target
 
 if TYPE_CHECKING:
-    from mograph.plugins import Registry
+    from mograph.custom_ops import Declarations
 
 __all__ = [
+    "BUILTIN_TARGETS",
     "DEFAULT_TARGET",
     "LOWER_PASS",
     "LoweringContext",
@@ -71,26 +77,34 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TARGET = "onnx"
-#: Name of the lowering pass.
-LOWER_PASS = "lower"
-#: Targets every installation has: ``onnx`` and ``mograph`` are generic; ``ort`` and ``tensorrt`` are
-#: the built-in backends' targets.  Plugins add theirs through their ops' lowerings or their backends.
-BUILTIN_TARGETS = ("onnx", "ort", "tensorrt", "mograph")
 
 
-def known_targets(registry: Registry) -> list[str]:
-    """Every target name: the built-in ones, those the registered ops' lowerings name, and backends' targets."""
-    names = list(BUILTIN_TARGETS)
+def _declared(registry: Declarations) -> dict[str, Target]:
+    """The registry's targets, the built-in ones always among them (a registry made by hand may lack them)."""
+    return {**{t.name: t for t in BUILTIN_TARGETS}, **registry.targets}
+
+
+def known_targets(registry: Declarations) -> list[str]:
+    """Every target name: the declared ones, those the registered ops' lowerings name, and backends' targets."""
+    names = list(_declared(registry))
     for op in registry.custom_ops.values():
         names += [t for t in op.lowerings if t not in names]
-    from mograph.backends import backend_target
-
     for backend in registry.backends.values():
         target = backend_target(backend)
         if isinstance(target, str) and target and target not in names:
             names.append(target)
     return names
+
+
+def _target(registry: Declarations, name: str) -> Target:
+    """The record of target ``name``; :class:`OptionError` listing the known ones for an unknown name."""
+    declared = _declared(registry)
+    if name in declared:
+        return declared[name]
+    targets = known_targets(registry)
+    if name not in targets:
+        raise OptionError(f"{LOWER_PASS}: unknown target {name!r} (known: {', '.join(targets)})")
+    return Target(name)
 
 
 def is_plugin_node(node: ir.Node) -> bool:
@@ -437,7 +451,8 @@ def drop_unused_functions(model: ir.Model, ops: Mapping[tuple[str, str], CustomO
 
 
 def _upgrade_for(model: ir.Model, nodes: list[tuple[ir.Node, CustomOp]], upgrade: int | str,
-                 stats: dict[str, int | float], details: dict[str, Any]) -> None:
+                 stats: dict[str, int | float], details: dict[str, Any],
+                 declared: Mapping[tuple[str, str], CustomOp]) -> None:
     """Raise the opset when an op to lower needs it for its standard form; record what happened."""
     current = model_opset(model)
     needs = {op.name: op.onnx_opset for _, op in nodes if op.onnx_opset is not None and op.onnx_opset > current}
@@ -452,7 +467,7 @@ def _upgrade_for(model: ir.Model, nodes: list[tuple[ir.Node, CustomOp]], upgrade
                                     "reason": f"--upgrade-opset {to} is below the opset the standard form of {ops} needs"}
         return
     try:
-        done = upgrade_opset(model, to)
+        done = upgrade_opset(model, to, ops=declared)
     except OpsetUpgradeError as exc:
         logger.warning("opset not raised to %d: %s", to, exc)
         details["opset_upgrade"] = {"done": False, "reason": f"cannot raise opset {current} to {to}: {exc}"}
@@ -464,24 +479,22 @@ def _upgrade_for(model: ir.Model, nodes: list[tuple[ir.Node, CustomOp]], upgrade
                                 "rewritten": dict(done.rewritten)}
 
 
-def lower_model(model: ir.Model, target: str = DEFAULT_TARGET, *, registry: Registry | None = None,
+def lower_model(model: ir.Model, target: str = DEFAULT_TARGET, *, registry: Declarations,
                 upgrade: int | str | None = None) -> PassResult:
     """Lower every node of a registered custom op in ``model`` (in place) for ``target``.
+
+    ``registry`` holds the custom ops and targets (the composition root's :class:`mograph.plugins.Registry`).
+    What happens to each node follows the target's record (:class:`mograph.targets.Target`).
 
     Stats: ``lowered.<op>`` (the target's form), ``inlined.<op>`` (function body inlined), ``kept.<op>``
     (left as the custom op with its body), plus what lowerings count; details say the target.
 
     Raises:
         OptionError: an unknown target.
-        PassFailedError: ``--target onnx`` and an op with neither a standard form nor a function body.
+        PassFailedError: a target that inlines leftovers (``--target onnx``) and an op with neither a
+            standard form nor a function body.
     """
-    if registry is None:
-        from mograph.plugins import get_registry
-
-        registry = get_registry()
-    targets = known_targets(registry)
-    if target not in targets:
-        raise OptionError(f"{LOWER_PASS}: unknown target {target!r} (known: {', '.join(targets)})")
+    spec = _target(registry, target)
     ops = registry.custom_ops
     nodes = [(n, ops[(n.domain, n.op_type)]) for n in iter_nodes(model.graph)
              if (n.domain, n.op_type) in ops and not is_plugin_node(n)]
@@ -490,18 +503,18 @@ def lower_model(model: ir.Model, target: str = DEFAULT_TARGET, *, registry: Regi
     if not nodes:
         return PassResult(modified=False, stats=stats, details=details)
     snapshot = infer_types(model)
-    if target == "onnx" and upgrade is not None:
-        _upgrade_for(model, nodes, upgrade, stats, details)
+    if spec.standard_opset and upgrade is not None:
+        _upgrade_for(model, nodes, upgrade, stats, details, ops)
     ctx = LoweringContext(model, target)
     unlowered: dict[str, int] = {}
     for node, op in nodes:  # graph order: what is shared is built before its first user
         if node.graph is None:
             continue
         ctx.op = op
-        lower = op.lowerings.get(target) if target != "mograph" else None
+        lower = op.lowerings.get(target) if spec.lowers else None
         if lower is not None and lower(node, ctx):
             key = f"lowered.{op.name}"
-        elif target == "onnx":
+        elif spec.leftovers == "inline":
             if op.function is None:
                 raise PassFailedError(
                     LOWER_PASS,
@@ -513,7 +526,7 @@ def lower_model(model: ir.Model, target: str = DEFAULT_TARGET, *, registry: Regi
         else:
             key = f"kept.{op.name}"
             logger.debug("%s: %s stays a custom op for target %s", node.name, op.name, target)
-            if target != "mograph" and target not in op.lowerings:
+            if spec.lowers and target not in op.lowerings:
                 unlowered[f"{op.domain}.{op.name}"] = unlowered.get(f"{op.domain}.{op.name}", 0) + 1
         stats[key] = int(stats.get(key, 0)) + 1
     if unlowered:  # never silent: the target may not run these nodes (TensorRT has no kernel for a plugin's op)
@@ -538,18 +551,14 @@ def lower_model(model: ir.Model, target: str = DEFAULT_TARGET, *, registry: Regi
     return PassResult(modified=modified, stats=dict(sorted(stats.items())), details=details)
 
 
-def has_custom_ops(model: ir.Model, registry: Registry | None = None) -> bool:
+def has_custom_ops(model: ir.Model, registry: Declarations) -> bool:
     """Whether ``model`` holds nodes of registered custom ops not yet lowered (plugin nodes count as lowered)."""
-    if registry is None:
-        from mograph.plugins import get_registry
-
-        registry = get_registry()
     ops = registry.custom_ops
     return any((n.domain, n.op_type) in ops and not is_plugin_node(n)
                for n in iter_nodes(model.graph))
 
 
-def lowered_for(model: Any, target: str, *, registry: Registry | None = None) -> tuple[Any, dict[str, int | float]]:
+def lowered_for(model: Any, target: str, *, registry: Declarations) -> tuple[Any, dict[str, int | float]]:
     """A backend's first act: ``model`` lowered for ``target`` if it holds custom ops, else ``model`` itself.
 
     ``model`` may be anything :func:`mograph.ir_io.load_model` takes; the caller's object is never
@@ -568,12 +577,10 @@ def lowered_for(model: Any, target: str, *, registry: Registry | None = None) ->
 
 
 def _target_name(raw: str) -> str:
-    from mograph.plugins import get_registry
-
+    """A target name (checked against the registry's targets when the ``lower`` pass is made)."""
     text = str(raw).strip()
-    targets = known_targets(get_registry())
-    if text not in targets:
-        raise ValueError(f"unknown target; known: {', '.join(targets)}")
+    if not text:
+        raise ValueError("a target is a non-empty name")
     return text
 
 
@@ -622,10 +629,28 @@ class LowerPass(Pass):
     family = "fusion"
     options: ClassVar[tuple[Option, ...]] = (TARGET_OPTION, UPGRADE_OPTION)
 
+    def __init__(self, *, registry: Declarations | None = None, **values: Any) -> None:
+        super().__init__(registry=registry, **values)
+        target = self.config["target"]
+        names = known_targets(registry) if registry is not None else [t.name for t in BUILTIN_TARGETS]
+        if target not in names:  # without a registry only the built-in targets are known
+            raise OptionError(f"{self.name}: bad value for --target: {target!r} (unknown target; known: {', '.join(names)})")
+
     def call(self, model: ir.Model) -> PassResult:
-        return lower_model(model, self.config["target"], upgrade=self.config.get("upgrade_opset"))
+        return lower_model(model, self.config["target"], registry=self.declarations,
+                           upgrade=self.config.get("upgrade_opset"))
 
 
 @hookimpl
 def mograph_add_passes() -> list[type[Pass]]:
     return [LowerPass]
+
+
+@hookimpl
+def mograph_add_targets() -> list[Target]:
+    return list(BUILTIN_TARGETS)
+
+
+@hookimpl
+def mograph_add_foreign_ops() -> list[ForeignOp]:
+    return list(BUILTIN_FOREIGN_OPS)

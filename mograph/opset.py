@@ -25,6 +25,7 @@ converted or untouched.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,10 +33,12 @@ import numpy as np
 import onnx_ir as ir
 
 from mograph.ir_version import fit_ir_version, make_model
-from mograph.irutil import fresh_name
+from mograph.irutil import constant_array, fresh_name
 
 if TYPE_CHECKING:
     import onnx
+
+    from mograph.custom_ops import CustomOp
 
 __all__ = ["OpsetUpgrade", "OpsetUpgradeError", "upgrade_opset", "max_opset", "model_opset"]
 
@@ -99,7 +102,6 @@ def _one_node_model(node: ir.Node, opset: int) -> tuple[onnx.ModelProto, list[st
     import onnx
     from onnx import helper, numpy_helper
 
-    from mograph.patterns import constant_array
 
     in_names, inputs, inits = [], [], []
     for i, v in enumerate(node.inputs):
@@ -212,8 +214,11 @@ def _apply(plan: _Plan, new: int, taken: set[str]) -> None:
     ir.convenience.replace_nodes_and_values(graph, node, [node], new_nodes, olds, news)
 
 
-def upgrade_opset(model: ir.Model, target: int) -> OpsetUpgrade:
+def upgrade_opset(model: ir.Model, target: int, *, ops: Mapping[tuple[str, str], CustomOp]) -> OpsetUpgrade:
     """Raise ``model``'s default-domain opset to ``target`` in place (see the module docstring).
+
+    ``ops`` are the declared custom ops (the registry's, handed down by the caller): their function
+    bodies are rebuilt for the new opset; any other model-local function is refused.
 
     Raises:
         OpsetUpgradeError: ``target`` is beyond the installed ``onnx``, the model has model-local
@@ -226,9 +231,6 @@ def upgrade_opset(model: ir.Model, target: int) -> OpsetUpgrade:
         return result
     if target > max_opset():
         raise OpsetUpgradeError(f"opset {target} is beyond the installed onnx (newest {max_opset()})")
-    from mograph.plugins import get_registry
-
-    ops = get_registry().custom_ops
     rebuilt = {key: ops[key[:2]] for key in model.functions if key[:2] in ops and ops[key[:2]].function is not None}
     foreign = [f"{d}::{n}" for d, n, _ in model.functions if (d, n, _) not in rebuilt]
     if foreign:

@@ -26,12 +26,15 @@ import numbers
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import onnx_ir as ir
 
 from mograph._traverse import iter_nodes
 from mograph.errors import InternalError, MographError, OptionError, PluginError
+
+if TYPE_CHECKING:
+    from mograph.custom_ops import Declarations
 
 __all__ = [
     "Option",
@@ -221,7 +224,12 @@ class Pass:
     #: gets ``lower`` appended when it has none (:meth:`mograph.plugins.Registry.plan`).
     emits_custom_ops: ClassVar[bool] = False
 
-    def __init__(self, **values: Any) -> None:
+    def __init__(self, *, registry: Declarations | None = None, **values: Any) -> None:
+        #: What the plugins declared (custom ops, targets, backends), handed down by the composition root
+        #: (:meth:`mograph.plugins.Registry.instantiate`, :func:`mograph.run_passes`, :mod:`mograph.testing`);
+        #: ``None`` for a pass made by hand, which then knows no plugin's declarations (a pass that cannot
+        #: work without them says so through :attr:`declarations`).
+        self.registry = registry
         self.config: dict[str, Any] = {}
         known = {o.key: o for o in self.options}
         for key in values:
@@ -233,6 +241,19 @@ class Pass:
             self.config[key] = opt.convert(raw, self.name, given=key in values) if raw is not None else (
                 [] if opt.multiple else None
             )
+
+    @property
+    def declarations(self) -> Declarations:
+        """:attr:`registry`, for a pass that needs what the plugins declared (custom ops, targets).
+
+        Raises:
+            InternalError: the pass was made without a registry (make it with
+                :meth:`mograph.plugins.Registry.instantiate`, or give ``registry=``).
+        """
+        if self.registry is None:
+            raise InternalError(self.name, "the pass needs the registry's declarations: make it with "
+                                           "Registry.instantiate or give it registry=")
+        return self.registry
 
     @classmethod
     def summary(cls) -> str:

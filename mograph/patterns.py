@@ -51,12 +51,14 @@ import onnx_ir as ir
 from onnxscript.rewriter import _basics, _matcher, _pattern_ir
 from onnxscript.rewriter._rewrite_rule import ReplacementPatternFunction, RewriteRuleClassBase
 
+from mograph.irutil import attr_constant, constant_array, scalar_value
 from mograph.metadata import LOWERED_FOR
 
 __all__ = [
     "MatchResult",
     "OrValue",
     "any_value",
+    "attr_constant",
     "Rule",
     "RuleReport",
     "Var",
@@ -77,105 +79,10 @@ Var = _pattern_ir.Var
 #: Binary ops of the default domain whose two inputs may be swapped.
 COMMUTATIVE = frozenset({"Add", "Mul", "Max", "Min", "Sum", "And", "Or", "Equal"})
 
-#: Ops the constant evaluator looks through (all inputs constant -> result constant).
-_MAX_CONST_DEPTH = 8
-
 
 # ---------------------------------------------------------------------------------------------
-# constants
+# constants (the readers, :func:`constant_array` and friends, live in :mod:`mograph.irutil`)
 # ---------------------------------------------------------------------------------------------
-
-
-def attr_constant(node: ir.Node) -> np.ndarray | None:
-    """The value of a ``Constant`` node from its attributes; None for a reference or an unknown form."""
-    for key, attr in node.attributes.items():
-        if attr.is_ref():
-            return None
-        if key == "value" and attr.type == ir.AttributeType.TENSOR:  # (a Protocol isinstance check is slow)
-            return attr.value.numpy()
-        if key == "value_float":
-            return np.array(attr.value, dtype=np.float32)
-        if key == "value_int":
-            return np.array(attr.value, dtype=np.int64)
-        if key == "value_floats":
-            return np.array(list(attr.value), dtype=np.float32)
-        if key == "value_ints":
-            return np.array(list(attr.value), dtype=np.int64)
-    return None
-
-
-_UNARY: dict[str, Callable[[np.ndarray], Any]] = {
-    "Identity": lambda a: a,
-    "Sqrt": np.sqrt,
-    "Reciprocal": lambda a: np.reciprocal(a),
-    "Neg": np.negative,
-}
-_BINARY: dict[str, Callable[[np.ndarray, np.ndarray], Any]] = {
-    "Add": np.add,
-    "Sub": np.subtract,
-    "Mul": np.multiply,
-    "Div": lambda a, b: a / b if a.dtype.kind == "f" else a // b,
-    "Pow": np.power,
-}
-
-
-def constant_array(value: ir.Value | None, _depth: int = 0) -> np.ndarray | None:
-    """The value as a numpy array if it is a constant in any form, else ``None``.
-
-    Looks through initializers (not those that are also graph inputs: a user may override them),
-    ``Constant`` nodes, and ``Cast``/``CastLike``/``Identity``/``Reshape``/``Unsqueeze``/``Squeeze``/``Sqrt``/
-    ``Reciprocal``/``Neg`` and binary arithmetic over constants, to a small depth.  Nothing in the
-    graph is changed.
-    """
-    if value is None or _depth > _MAX_CONST_DEPTH:
-        return None
-    if value.is_graph_input():
-        return None
-    if value.const_value is not None:
-        try:
-            return value.const_value.numpy()
-        except Exception:  # noqa: BLE001 - external data missing: not usable as a constant
-            return None
-    node = value.producer()
-    if node is None or node.domain not in ("", "ai.onnx"):
-        return None
-    op = node.op_type
-    if op == "Constant":
-        return attr_constant(node)
-    # The first input decides (most ops read activations, not constants): evaluate it alone first.
-    if not node.inputs or node.inputs[0] is None:
-        return None
-    a = constant_array(node.inputs[0], _depth + 1)
-    if a is None:
-        return None
-    args: list[np.ndarray | None] = [a]
-    if op in _BINARY and len(node.inputs) == 2:
-        args.append(constant_array(node.inputs[1], _depth + 1) if node.inputs[1] is not None else None)
-    try:
-        if op == "Cast":
-            to = node.attributes.get("to")
-            return a.astype(ir.DataType(to.value).numpy()) if to is not None else None
-        if op == "CastLike":  # to the dtype of its second input (a value of any kind, read for its dtype only)
-            like = node.inputs[1] if len(node.inputs) > 1 else None
-            return a.astype(like.dtype.numpy()) if like is not None and like.dtype is not None else None
-        if op in _UNARY:
-            return np.asarray(_UNARY[op](a))
-        if op in _BINARY and len(args) == 2 and args[1] is not None:
-            return np.asarray(_BINARY[op](a, args[1])).astype(np.result_type(a, args[1]))
-        if op in ("Reshape", "Unsqueeze", "Squeeze"):
-            # Only single-element tensors matter to the rules: keep the element, drop the rank.
-            return a.reshape(()) if a.size == 1 else None
-    except (ValueError, TypeError, OverflowError):
-        return None
-    return None
-
-
-def scalar_value(value: ir.Value | None) -> float | None:
-    """The single element of a constant value (see :func:`constant_array`) as a float, else ``None``."""
-    arr = constant_array(value)
-    if arr is None or arr.size != 1:
-        return None
-    return float(arr.reshape(()))
 
 
 class _ApproxConstant(_pattern_ir.Constant):
@@ -363,6 +270,10 @@ class Rule(RewriteRuleClassBase):
     """
 
     min_candidate_nodes: int = 3
+    #: Report a pattern that matched ``min_candidate_nodes`` deep but not whole as a near miss; ``False``
+    #: reports only whole matches refused (by a node check, a value read outside, or :meth:`check`),
+    #: for a pattern so small that a partial match says nothing.
+    structural_near_misses: bool = True
     remove_shape_readers: bool = False
 
     def __init__(self) -> None:
@@ -649,7 +560,8 @@ def _try(
         match = matcher.match(model, graph, node, remove_nodes=False)
         if not match:
             depth = matcher.best_depth
-            if depth >= rule.min_candidate_nodes and (best_miss is None or depth > best_miss[0]):
+            if (rule.structural_near_misses and depth >= rule.min_candidate_nodes
+                    and (best_miss is None or depth > best_miss[0])):
                 best_miss = (depth, matcher.best_reason or match.reason, list(matcher.best_nodes))
             continue
         if tag is not None:

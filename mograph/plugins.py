@@ -11,7 +11,12 @@ Plugins come from two places:
 
 A plugin that fails to import or whose hook raises becomes a :class:`~mograph.errors.PluginError`
 that names it.  The :class:`Registry` holds what the hooks returned: passes (with the plugin each came
-from), presets, custom ops and backends, and expands ``--passes`` lists into ordered pass names.
+from), presets, custom ops, targets and backends, and expands ``--passes`` lists into ordered pass names.
+
+Only the composition roots (:mod:`mograph.api`, :mod:`mograph.cli`, :mod:`mograph.profile`,
+:mod:`mograph.workflow`, :mod:`mograph.testing`) call :func:`get_registry`; they hand the registry (a
+:class:`mograph.custom_ops.Declarations`) down to what needs it: passes get it from
+:meth:`Registry.instantiate`, the lowering and the backends as a ``registry`` argument.
 """
 
 from __future__ import annotations
@@ -28,10 +33,12 @@ from typing import Any
 import pluggy
 
 from mograph import hookspecs
-from mograph.backends import backend_problems
+from mograph.backend_protocol import backend_problems
 from mograph.custom_ops import CustomOp
 from mograph.errors import PluginError, UnknownPassError
+from mograph.foreign_ops import ForeignOp
 from mograph.pass_infra import Option, Pass, PassResult
+from mograph.targets import DEFAULT_TARGET, LOWER_PASS, Target
 
 __all__ = [
     "BUILTIN_PLUGINS",
@@ -212,6 +219,13 @@ class Registry:
     custom_op_source: dict[tuple[str, str], str] = field(default_factory=dict)
     backends: dict[str, Any] = field(default_factory=dict)
     backend_source: dict[str, str] = field(default_factory=dict)
+    #: Targets declared through ``mograph_add_targets`` (:func:`mograph.lowering.known_targets` adds the
+    #: names that only ops' lowerings or backends' ``target`` give).
+    targets: dict[str, Target] = field(default_factory=dict)
+    target_source: dict[str, str] = field(default_factory=dict)
+    #: Facts about ops mograph does not own, declared through ``mograph_add_foreign_ops``.
+    foreign_ops: dict[tuple[str, str], ForeignOp] = field(default_factory=dict)
+    foreign_op_source: dict[tuple[str, str], str] = field(default_factory=dict)
 
     @classmethod
     def build(cls, pm: pluggy.PluginManager) -> Registry:
@@ -252,6 +266,30 @@ class Registry:
                     raise PluginError(f"plugin '{plugin}': custom op {op.domain}::{op.name} is declared {where}")
                 reg.custom_ops[op.key] = op
                 reg.custom_op_source[op.key] = plugin
+        for plugin, targets in _call_collecting(pm, "mograph_add_targets"):
+            for target in targets:
+                if not isinstance(target, Target) or not target.name:
+                    raise PluginError(
+                        f"plugin '{plugin}' returned {target!r} from mograph_add_targets: not a named mograph.targets.Target"
+                    )
+                if target.name in reg.targets:
+                    first = reg.target_source[target.name]
+                    where = "twice" if first == plugin else f"by both '{first}' and '{plugin}'"
+                    raise PluginError(f"plugin '{plugin}': target '{target.name}' is declared {where}")
+                reg.targets[target.name] = target
+                reg.target_source[target.name] = plugin
+        for plugin, records in _call_collecting(pm, "mograph_add_foreign_ops"):
+            for record in records:
+                if not isinstance(record, ForeignOp):
+                    raise PluginError(
+                        f"plugin '{plugin}' returned {record!r} from mograph_add_foreign_ops: not a mograph.foreign_ops.ForeignOp"
+                    )
+                if record.key in reg.foreign_ops:
+                    first = reg.foreign_op_source[record.key]
+                    where = "twice" if first == plugin else f"by both '{first}' and '{plugin}'"
+                    raise PluginError(f"plugin '{plugin}': foreign op {record.domain}::{record.name} is declared {where}")
+                reg.foreign_ops[record.key] = record
+                reg.foreign_op_source[record.key] = plugin
         for plugin, backends in _call_collecting(pm, "mograph_add_backends"):
             for backend in backends:
                 problems = backend_problems(backend)
@@ -259,7 +297,7 @@ class Registry:
                     raise PluginError(
                         f"plugin '{plugin}' returned {backend!r} from mograph_add_backends, which is not a backend: "
                         + "; ".join(problems)
-                        + " (the protocol is documented in mograph.backends and mograph_add_backends)"
+                        + " (the protocol is documented in mograph.backend_protocol and mograph_add_backends)"
                     )
                 if backend.name in reg.backends:
                     first = reg.backend_source[backend.name]
@@ -328,19 +366,18 @@ class Registry:
         leave shape computations of their own (a mask expanded per layer), so an added ``lower`` is
         followed by the preset :data:`AFTER_LOWER` where a plugin registers one (the built-in cleanup
         plugin does: shape simplification, lower again, shape simplification, CSE, dead-node
-        elimination), unless the target is ``mograph`` (the fused ops are kept, so the lowering wrote
+        elimination), unless the target does not lower (``mograph``: the fused ops are kept, so the lowering wrote
         nothing to tidy).  A list that names ``lower`` itself runs it where it stands, and nothing is
         added after it.
         """
-        from mograph.lowering import DEFAULT_TARGET, LOWER_PASS
-
         out = self.expand(names)
         options = options or {}
         if LOWER_PASS in self.passes and LOWER_PASS not in out:
             wants = options.get("target") is not None or any(self.passes[n].emits_custom_ops for n in out)
             if wants:
                 out.append(LOWER_PASS)
-                if AFTER_LOWER in self.presets and options.get("target", DEFAULT_TARGET) != "mograph":
+                target = self.targets.get(options.get("target") or DEFAULT_TARGET)  # undeclared: lowers
+                if AFTER_LOWER in self.presets and (target is None or target.lowers):
                     out.extend(self.expand(AFTER_LOWER))
         return out
 
@@ -366,7 +403,7 @@ class Registry:
         for name in names:
             pcls = self.passes[name]
             mine = {o.key: options[o.key] for o in pcls.options if options.get(o.key) is not None}
-            passes.append(pcls(**mine))
+            passes.append(pcls(registry=self, **mine))
         return passes
 
     def unread_options(self, names: Iterable[str], options: dict[str, Any]) -> dict[str, list[str]]:

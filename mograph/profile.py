@@ -52,12 +52,15 @@ import multiprocessing
 import os
 import tempfile
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx_ir as ir
 
 from mograph.errors import UsageError
+
+if TYPE_CHECKING:
+    from mograph.plugins import Registry
 
 __all__ = ["profile_model", "format_profile", "SCHEMA"]
 
@@ -218,6 +221,7 @@ def profile_model(
     seed: int = 0,
     kernels: bool | None = None,
     launch_blocking: bool | None = None,
+    registry: Registry | None = None,
 ) -> dict[str, Any]:
     """Profile ``model_path`` and say where its time goes (the dict described in the module docstring).
 
@@ -234,6 +238,8 @@ def profile_model(
         kernels: collect GPU kernels (default: on CUDA).
         launch_blocking: take node times in a child process with ``CUDA_LAUNCH_BLOCKING=1`` (default:
             on CUDA); also usable on the CPU, where it changes nothing but the process.
+        registry: the plugins' registry (its custom ops are lowered for ``ort`` first); default: the
+            current environment's (this is a composition root).
 
     Raises:
         UsageError: another backend than ``ort``, or ``runs``/``top`` below 1.
@@ -241,8 +247,9 @@ def profile_model(
         ModelError: the model cannot be loaded or run.
     """
     from mograph import ir_io
-    from mograph._subgraphs import FUSED_OPS, KINDS, find_decomposed
+    from mograph._subgraphs import KINDS, find_decomposed
     from mograph.backends import _ort_profile, ort
+    from mograph.foreign_ops import fused_kinds
     from mograph.lowering import lowered_for
     from mograph.validate import make_feeds
 
@@ -257,7 +264,11 @@ def profile_model(
         ort.require_device(device)
     notes: list[str] = []
     loaded = ir_io.load_model(model_path) if not isinstance(model_path, ir.Model) else model_path
-    run_model, lowered = lowered_for(loaded, "ort")
+    if registry is None:
+        from mograph.plugins import get_registry
+
+        registry = get_registry()
+    run_model, lowered = lowered_for(loaded, "ort", registry=registry)
     if lowered:
         notes.append("fused custom ops were lowered for ONNX Runtime first: " + ", ".join(f"{k}={v}" for k, v in lowered.items()))
     if run_model is loaded:
@@ -328,6 +339,7 @@ def profile_model(
         for n in sorted(nodes, key=lambda n: -n["ms"])[:top]
     ]
     ms_by_name = {n["name"]: n["ms"] for n in nodes}
+    fused_of = fused_kinds(registry.custom_ops.values(), registry.foreign_ops)  # op type -> the computation
     candidates = []
     for k in KINDS:
         found = [c for c in candidates_found if c["kind"] == k]
@@ -337,7 +349,7 @@ def profile_model(
             ms = sum(ms_by_name[nm] for nm in timed)
             candidates.append({"kind": f"decomposed {k}", "instances": len(found), "ms": ms, "pct": pct(ms),
                                "fused": False, "nodes": len(names), "timed_nodes": len(timed)})
-        fused = [n for n in nodes if FUSED_OPS.get(n["op_type"]) == k]
+        fused = [n for n in nodes if fused_of.get(n["op_type"]) == k]
         if fused:
             ms = sum(n["ms"] for n in fused)
             candidates.append({"kind": f"fused {k}", "instances": len(fused), "ms": ms, "pct": pct(ms),

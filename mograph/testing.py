@@ -14,6 +14,10 @@ A pass may be a :class:`Pipeline` of several (a fusion and the ``lower`` step, s
 merged and ``modified`` is true if any changed the model.  Installed as a pytest plugin (entry point
 ``pytest11``), it also gives the fixture ``mograph_testing`` (this module).  Needs onnxruntime for the
 numeric check.
+
+Like :func:`mograph.run_passes`, these helpers are a composition root: a pass made by hand (no
+``registry``) is given the current environment's registry before it runs, as
+:meth:`mograph.plugins.Registry.instantiate` would have done.
 """
 
 from __future__ import annotations
@@ -43,7 +47,20 @@ __all__ = [
     "to_ir",
     "to_proto",
     "tolerance_for",
+    "with_registry",
 ]
+
+
+def with_registry(pass_obj: Pass | Pipeline) -> Pass | Pipeline:
+    """``pass_obj`` (each pass of a :class:`Pipeline`), given the current registry where it has none."""
+    from mograph.plugins import get_registry
+
+    if isinstance(pass_obj, Pipeline):  # (pipelines nest: a lowered fusion is a Pipeline inside one)
+        for p in pass_obj.passes:
+            with_registry(p)
+    elif pass_obj.registry is None:
+        pass_obj.registry = get_registry()
+    return pass_obj
 
 
 class Pipeline:
@@ -57,6 +74,7 @@ class Pipeline:
         stats: dict[str, int | float] = {}
         details: dict[str, Any] = {}
         modified = False
+        with_registry(self)
         for p in self.passes:
             result = p.call(model)
             modified = modified or result.modified
@@ -165,7 +183,7 @@ def assert_close(ref: list[np.ndarray], got: list[np.ndarray], rel: float = 1e-4
 
 def run_pass(pass_obj: Pass | Pipeline, proto: onnx.ModelProto) -> tuple[ir.Model, PassResult]:
     model = to_ir(proto)
-    return model, pass_obj.call(model)
+    return model, with_registry(pass_obj).call(model)
 
 
 def check_pass(
@@ -216,7 +234,7 @@ def assert_untouched(pass_obj: Pass | Pipeline, proto: onnx.ModelProto) -> PassR
     """A near miss: the pass reports ``modified=False`` and the graph is unchanged."""
     model = to_ir(proto)
     before = graph_fingerprint(model)
-    result = pass_obj.call(model)
+    result = with_registry(pass_obj).call(model)
     assert result.modified is False, result.stats
     assert graph_fingerprint(model) == before
     return result

@@ -51,7 +51,7 @@ def test_lower_pass_the_five_checks(target, ops, stats):
 
 
 def test_lower_keeps_custom_ops_for_mograph_and_touches_a_model_without_any():
-    assert not LowerPass(target="mograph").call(to_ir(_fused())).modified
+    assert not LowerPass(target="mograph", registry=get_registry()).call(to_ir(_fused())).modified
     plain = parse('<ir_version: 8, opset_import: ["" : 17]> g (float[2] x) => (float[2] y) { y = Relu(x) }')
     result = assert_untouched(LowerPass(target="ort"), plain)
     assert result.stats == {}
@@ -62,7 +62,7 @@ def test_a_target_lowerings_decline_keeps_the_op_with_its_body():
     # QuickGelu has no onnx lowering and tensorrt lowers it to pointwise ops; a Gelu at opset 17 has no
     # tensorrt standard form either, so it becomes a plugin node; nothing is left half-done
     model = to_ir(_fused())
-    result = LowerPass(target="tensorrt").call(model)
+    result = LowerPass(target="tensorrt", registry=get_registry()).call(model)
     assert result.stats == {"lowered.SkipLayerNorm": 1, "lowered.Gelu": 1}
     assert all("plugin_namespace" in n.attributes for n in model.graph if n.domain == "mograph")
     assert not model.functions  # plugin nodes carry no body
@@ -113,15 +113,15 @@ def test_backends_lower_first_without_changing_the_callers_model():
     del ort
     model = to_ir(_fused())
     before = graph_fingerprint(model)
-    assert has_custom_ops(model)
-    lowered, stats = lowered_for(model, "ort")
+    assert has_custom_ops(model, get_registry())
+    lowered, stats = lowered_for(model, "ort", registry=get_registry())
     assert lowered is not model and stats == {"lowered.SkipLayerNorm": 1, "lowered.Gelu": 1}
-    assert graph_fingerprint(model) == before and not has_custom_ops(lowered)
-    runner = get_registry().backends["ort"].make_runner(model, optimizations=False)
+    assert graph_fingerprint(model) == before and not has_custom_ops(lowered, get_registry())
+    runner = get_registry().backends["ort"].make_runner(model, optimizations=False, registry=get_registry())
     assert runner.lowered == stats
     feeds = feeds_for(_fused())
     got = runner(feeds)["y"]
     np.testing.assert_allclose(got, run_ort(to_proto(model), feeds)[0], rtol=1e-4, atol=1e-5)
     _same, none = lowered_for(to_ir(parse('<ir_version: 8, opset_import: ["" : 17]> g (float[2] x) => (float[2] y) '
-                                         '{ y = Relu(x) }')), "ort")
+                                         '{ y = Relu(x) }')), "ort", registry=get_registry())
     assert none == {}

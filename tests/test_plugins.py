@@ -120,7 +120,8 @@ def _cli(capsys, *argv):
 def test_every_hookspec_is_documented():
     specs = [name for name, _ in inspect.getmembers(hookspecs, inspect.isfunction) if name.startswith("mograph_")]
     assert sorted(specs) == [
-        "mograph_add_backends", "mograph_add_custom_ops", "mograph_add_passes", "mograph_add_presets",
+        "mograph_add_backends", "mograph_add_custom_ops", "mograph_add_foreign_ops", "mograph_add_passes", "mograph_add_presets",
+        "mograph_add_targets",
         "mograph_precision_recipe", "mograph_run_pass",
     ]
     for name in specs:

@@ -59,13 +59,13 @@ def _plugins(model: ir.Model) -> list[tuple[str, int]]:
 
 def test_lowered_model_has_plugin_nodes_ort_cannot_run():
     lowered = _copy(_canonical_model())
-    lower_model(lowered, "tensorrt")
+    lower_model(lowered, "tensorrt", registry=get_registry())
     assert _plugins(lowered) == [("LayerNorm", 2), ("Gelu", 1), ("BiasGelu", 2), ("SkipLayerNorm", 3)]
 
 
 def test_plugin_nodes_map_back_to_their_ops():
     lowered = _copy(_canonical_model())
-    lower_model(lowered, "tensorrt")
+    lower_model(lowered, "tensorrt", registry=get_registry())
     done, left = plugin_nodes_as_ops(lowered, get_registry().custom_ops)
     assert (done, left) == (4, [])
     assert [(n.domain, n.op_type, len(n.inputs)) for n in lowered.graph] == [
@@ -81,8 +81,8 @@ def test_plugin_nodes_map_back_to_their_ops():
 def test_verifier_checks_plugin_nodes_through_function_bodies():
     original = _canonical_model()
     lowered = _copy(original)
-    lower_model(lowered, "tensorrt")
-    check = Verifier(original).check(lowered, family="fusion")
+    lower_model(lowered, "tensorrt", registry=get_registry())
+    check = Verifier(original, registry=get_registry()).check(lowered, family="fusion")
     assert check["passed"] is True, check
     assert check["plugin_nodes"] == 4
     assert "4 TensorRT plugin node(s) checked through their ops' function bodies" in check["summary"]
@@ -92,12 +92,12 @@ def test_verifier_checks_plugin_nodes_through_function_bodies():
 def test_a_wrong_plugin_field_is_caught():
     original = _canonical_model()
     lowered = _copy(original)
-    lower_model(lowered, "tensorrt")
+    lower_model(lowered, "tensorrt", registry=get_registry())
     gelu = next(n for n in lowered.graph if n.op_type == "Gelu")
     gelu.attributes["approximate"] = ir.AttrString("approximate", "none")  # exact Gelu where FastGelu was fused
     ln = next(n for n in lowered.graph if n.op_type == "LayerNorm")
     ln.attributes["epsilon"] = ir.AttrFloat32("epsilon", 10.0)
-    check = Verifier(original, atol=1e-6, rtol=1e-6).check(lowered, family="fusion")
+    check = Verifier(original, atol=1e-6, rtol=1e-6, registry=get_registry()).check(lowered, family="fusion")
     assert check["passed"] is False and check["outputs"]["y"]["max_abs"] > 1e-3
 
 
@@ -160,10 +160,10 @@ def test_run_passes_keeps_failing_a_wrong_lowering(monkeypatch):
 def test_a_plugin_node_with_a_bad_field_is_named_not_a_crash():
     original = _canonical_model()
     lowered = _copy(original)
-    lower_model(lowered, "tensorrt")
+    lower_model(lowered, "tensorrt", registry=get_registry())
     gelu = next(n for n in lowered.graph if n.op_type == "Gelu")
     gelu.attributes["approximate"] = ir.AttrString("approximate", "cubic")
-    check = Verifier(original).check(lowered, family="fusion")
+    check = Verifier(original, registry=get_registry()).check(lowered, family="fusion")
     assert check["passed"] is False and check["plugin_nodes"] == 3
     assert len(check["plugin_nodes_unchecked"]) == 1 and "approximate must be one of" in check["plugin_nodes_unchecked"][0]
     assert "cannot be loaded" in check["reason"]

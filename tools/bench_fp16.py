@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     import mograph
     from models import minilm
     from models.sentences import CALIBRATION, EVALUATION
+    from mograph.plugins import get_registry
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         onnx.save(conv, str(variants["ort-converter"][0]))
         model = ir.load(str(fused_path))
         t = time.perf_counter()
-        result = Fp16Pass(calibration_data=calib).call(model)
+        result = Fp16Pass(calibration_data=calib, registry=get_registry()).call(model)
         variants["mograph fp16"] = (out / f"minilm.{target}.mograph.onnx", time.perf_counter() - t)
         ir.save(model, str(variants["mograph fp16"][0]))
         for e in result.details.get("kept_fp32", []):

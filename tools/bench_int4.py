@@ -158,10 +158,11 @@ def mograph_quant(fp32: Path, out: Path, calib: list[dict[str, np.ndarray]], **o
     from mograph.passes.quant.weight_only import WeightOnlyPass
 
     from mograph.lowering import lower_model
+    from mograph.plugins import get_registry
 
     model = ir.load(str(fp32))
-    result = WeightOnlyPass(calibration_data=calib, **options).call(model)
-    lower_model(model, "ort")
+    result = WeightOnlyPass(calibration_data=calib, registry=get_registry(), **options).call(model)
+    lower_model(model, "ort", registry=get_registry())
     ir.save(model, str(out))
     return out, dict(result.stats)
 
@@ -330,6 +331,7 @@ import json, os, resource, sys, time
 import numpy as np
 import onnx_ir as ir
 from mograph.passes.quant.weight_only import WeightOnlyPass
+from mograph.plugins import get_registry
 path, samples, seq, vocab, mode, limit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], float(sys.argv[6])
 rng = np.random.default_rng(0)
 calib = [{"input_ids": rng.integers(0, vocab, (1, seq)).astype(np.int64), "attention_mask": np.ones((1, seq), np.int64)}
@@ -353,7 +355,7 @@ if mode == "whole-model":  # the earlier form: no segments, every layer group fr
 t0 = time.perf_counter()
 model = ir.load(path)
 t_load = time.perf_counter() - t0
-p = WeightOnlyPass(calibration_data=calib)
+p = WeightOnlyPass(calibration_data=calib, registry=get_registry())
 state = {"done": 0}
 def progress(i, total):
     state["done"] = i

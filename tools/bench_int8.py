@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
     from models.sentences import CALIBRATION_ALL, EVALUATION_ALL
+    from mograph.plugins import get_registry
 
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_int8_"))
     out.mkdir(parents=True, exist_ok=True)
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, extra in mograph_rows:
         model = ir.load(str(fp32))
         t = time.perf_counter()
-        result = QdqInt8Pass(calibration_data=calib, **extra).call(model)
+        result = QdqInt8Pass(calibration_data=calib, **extra, registry=get_registry()).call(model)
         seconds[label] = time.perf_counter() - t
         path = out / f"minilm.{label.replace(' ', '_')}.onnx"
         ir.save(model, str(path))

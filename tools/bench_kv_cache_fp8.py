@@ -256,10 +256,11 @@ def quantize(proto_bytes: bytes, calib: list[dict[str, np.ndarray]], io: str, sc
     import onnx_ir as ir
     from mograph.passes.quant.kv_cache_fp8 import KvCacheFp8Pass
 
+    from mograph.plugins import get_registry
     from mograph.testing import to_proto
 
     model = ir.serde.deserialize_model(__import__("onnx").load_from_string(proto_bytes))
-    res = KvCacheFp8Pass(calibration_data=calib, kv_cache_io=io, kv_cache_scale=scale).call(model)
+    res = KvCacheFp8Pass(calibration_data=calib, kv_cache_io=io, kv_cache_scale=scale, registry=get_registry()).call(model)
     return to_proto(model).SerializeToString(), dict(res.stats)
 
 

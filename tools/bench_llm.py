@@ -83,6 +83,8 @@ DEFAULT_VARIANTS = [
     "mograph-ts-shared=ts:cleanup,fuse,fp16:--target ort --fp16-io yes --kv-cache shared",
     "mograph-dynamo-shared=dynamo:cleanup,fuse,fp16:--target ort --fp16-io yes --kv-cache shared",
     "mograph-ts-int4-shared=ts:cleanup,fuse,int4:--target ort --device cuda --fp16-io yes --kv-cache shared",
+    "mograph-ts-int4h-shared=ts:cleanup,fuse,int4:--target ort --device cuda --fp16-io yes --kv-cache shared "
+    "--output-projection bits",
 ]
 CELLS = ["1x512", "8x512", "decode:1x512", "decode:8x512"]
 PROMPT, STEPS = 16, 64

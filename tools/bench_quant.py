@@ -226,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     from mograph.passes.quant.qdq_int8 import QdqInt8Pass
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
+    from mograph.plugins import get_registry
+
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_quant_"))
     out.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
@@ -265,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, extra in configs:
         model = ir.load(str(fp32))
         t = time.perf_counter()
-        QdqInt8Pass(calibration_data=calib, **extra).call(model)
+        QdqInt8Pass(calibration_data=calib, **extra, registry=get_registry()).call(model)
         seconds[label] = time.perf_counter() - t
         path = out / f"{stem}.{label.replace(' ', '_')}.onnx"
         ir.save(model, str(path))

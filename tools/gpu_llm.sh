@@ -2,23 +2,29 @@
 # On the lent H200: start tools/bench_llm.py's builds in the background during the onnxruntime-gpu carry
 # (a carry done by a script kept outside this repository), so they overlap the five carry calls.
 #   bash tools/gpu_llm.sh start MODELS [extra prepare args]   # in carry call 1 (after .gpu/whl is there)
-#   bash tools/gpu_llm.sh wait                                 # later: block until the builds are done, print the log
+#   bash tools/gpu_llm.sh wait [MODEL]                         # later: block until the builds are done, print the log
+# `start` may be called again for other models with other args (e.g. --variant lists); the checkout is copied once.
+# CPUS=4-15 pins the builds to those cores (taskset), leaving the others quiet for timing in a later call.
 # The builds use the image's CPU onnxruntime and torch; a copy of this checkout in /tmp/repo; cache /tmp/llm.
 set -u
 case "$1" in
 start)
   models=$2; shift 2
-  rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r . /tmp/repo/ && rm -rf /tmp/repo/.gpu
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pre .gpu/whl/onnx_ir-*.whl \
-      .gpu/whl/onnxruntime_genai-*.whl .gpu/whl/polygraphy-*.whl >/dev/null 2>&1
-  (cd /tmp/repo && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/pm . >/dev/null 2>&1)
+  if [ ! -e /tmp/repo/.copied ]; then
+    rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r . /tmp/repo/ && rm -rf /tmp/repo/.gpu
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pre .gpu/whl/onnx_ir-*.whl \
+        .gpu/whl/onnxruntime_genai-*.whl .gpu/whl/polygraphy-*.whl >/dev/null 2>&1
+    (cd /tmp/repo && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/pm . >/dev/null 2>&1)
+    touch /tmp/repo/.copied
+  fi
   cd /tmp/repo
+  pin=""; [ -n "${CPUS:-}" ] && pin="taskset -c $CPUS"
   for m in ${models//,/ }; do  # one process per model, so the models build side by side on the 16 cores
-    PYTHONPATH=/tmp/pm:/tmp/pre setsid nohup python3 tools/bench_llm.py prepare --models "$m" \
+    PYTHONPATH=/tmp/pm:/tmp/pre setsid nohup $pin python3 tools/bench_llm.py prepare --models "$m" \
         --cache /tmp/llm "$@" > "/tmp/llm-prepare-$m.log" 2>&1 < /dev/null &
   done
   sleep 2; echo started; tail -n 2 /tmp/llm-prepare-*.log ;;
-wait)
-  while pgrep -f "bench_llm.py prepare" >/dev/null; do sleep 5; done
-  grep -h -E "bench_llm" /tmp/llm-prepare-*.log | tail -40 ;;
+wait)  # wait [MODEL]: until that model's build (default: every build) is done
+  while pgrep -f "bench_llm.py prepare --models ${2:-}" >/dev/null; do sleep 5; done
+  grep -h -E "bench_llm" /tmp/llm-prepare-${2:-*}.log | tail -40 ;;
 esac

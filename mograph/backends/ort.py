@@ -52,7 +52,7 @@ import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
@@ -60,6 +60,9 @@ import onnx_ir as ir
 
 from mograph.backends import Backend, NotAvailableError
 from mograph.errors import BackendUnavailableError, ModelError, UsageError
+
+if TYPE_CHECKING:
+    from mograph.custom_ops import Declarations
 
 __all__ = [
     "OrtBackend",
@@ -695,6 +698,7 @@ class OrtBackend(Backend):
         shapes: Mapping[str, Any] | None = None,
         placement: bool | None = None,
         tf32: bool | None = None,
+        registry: Declarations | None = None,
     ) -> OrtRunner:
         """A runner of ``model`` in an ONNX Runtime session (:class:`OrtRunner`).
 
@@ -711,6 +715,8 @@ class OrtBackend(Backend):
                 a CUDA graph (ONNX Runtime refuses graphs with nodes outside CUDA anyway).
             tf32: TensorFloat-32 float32 MatMuls on CUDA (``None``: ONNX Runtime's default, on, with
                 optimizations; off without).
+            registry: the job's registry, whose custom ops are lowered for ``ort`` first; without it
+                nothing is lowered (custom ops run as their function bodies).
         """
         from mograph.lowering import lowered_for
 
@@ -719,7 +725,9 @@ class OrtBackend(Backend):
             kind, device = "cuda", "cuda"
         if kind == "cuda":
             require_device(device)  # exit 7 before any work
-        model, lowered = lowered_for(model, "ort")
+        lowered: dict[str, int | float] = {}
+        if registry is not None:
+            model, lowered = lowered_for(model, "ort", registry=registry)
         if cuda_graph:
             return self._graph_runner(model, lowered, optimizations, threads, device or "cuda", shapes, tf32)
         if placement is None:

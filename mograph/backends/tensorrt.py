@@ -44,12 +44,15 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mograph.backends import Backend, Runner, _trt_loader
 from mograph.backends.tensorrt_plugins import plugin_specs
 from mograph.errors import BackendUnavailableError, ModelError, MographError, UsageError
 from mograph.specs import Profile, check_profile, parse_profile, parse_profiles, parse_shapes
+
+if TYPE_CHECKING:
+    from mograph.custom_ops import Declarations
 
 __all__ = [
     "BACKEND",
@@ -234,11 +237,24 @@ def _mograph_plugin_nodes(model: Any) -> list[Any]:
     return out
 
 
-def _needs_lowering(model: Any) -> bool:
-    """Whether ``model`` holds registered custom-op nodes not yet lowered for TensorRT."""
-    from mograph.lowering import has_custom_ops
+def _needs_lowering(model: Any, registry: Declarations | None) -> bool:
+    """Whether ``model`` holds registered custom-op nodes not yet lowered for TensorRT.
 
-    return has_custom_ops(model)
+    Raises:
+        UsageError: no ``registry`` was given and the model calls custom ops (nodes with a model-local
+            function body, not plugin nodes): they cannot be lowered without the ops' declarations.
+    """
+    from mograph._traverse import iter_nodes
+    from mograph.lowering import has_custom_ops, is_plugin_node
+
+    if registry is not None:
+        return has_custom_ops(model, registry)
+    calls = sorted({f"{n.domain}.{n.op_type}" for n in iter_nodes(model.graph)
+                    if (n.domain, n.op_type, n.overload) in model.functions and not is_plugin_node(n)})
+    if calls:
+        raise UsageError(f"the model calls custom ops ({', '.join(calls)}) that must be lowered for tensorrt first: "
+                         "give the backend the registry (registry=), as mograph's commands do")
+    return False
 
 
 def _plugin_node_problems(model: Any) -> list[str]:
@@ -325,6 +341,7 @@ def build_engine(
     workspace_mib: int | None = None,
     in_subprocess: bool | None = None,
     shapes: Mapping[str, Sequence[int]] | Sequence[str] | None = None,
+    registry: Declarations | None = None,
 ) -> dict[str, Any]:
     """Build a TensorRT engine from ``model`` and write it to ``path`` (atomically).
 
@@ -341,6 +358,8 @@ def build_engine(
             without a profile.
         in_subprocess: ``None`` decides (a child process only when the plugin-library trap needs one);
             ``True``/``False`` force it.
+        registry: the job's registry (its custom ops): custom-op nodes are lowered for ``tensorrt``
+            first; without it nothing is lowered.
 
     Returns:
         A JSON-able report: ``module``, ``version``, ``engine``, ``engine_bytes``, ``parse_seconds``,
@@ -367,14 +386,15 @@ def build_engine(
     explicit = set(resolved)
     resolved, defaulted = default_profiles(ir_model, resolved, shapes)
     lowered: dict[str, Any] = {}
-    if _needs_lowering(ir_model):  # the backend's first act: the lower step for its target
+    if _needs_lowering(ir_model, registry):  # the backend's first act: the lower step for its target
         from mograph.lowering import lower_model
 
         if ir_model is model:  # the caller's model: work on a copy
             from mograph import ir_io
 
             ir_model = ir_io.copy_model(ir_model)
-        lowered = dict(lower_model(ir_model, "tensorrt").stats)
+        assert registry is not None
+        lowered = dict(lower_model(ir_model, "tensorrt", registry=registry).stats)
         source_path = None  # parse the lowered copy
     problems = _plugin_node_problems(ir_model)
     if problems:
@@ -765,6 +785,7 @@ class TensorRTBackend(Backend):
         threads: int | None = None,
         providers: list[str] | None = None,
         profiles: Mapping[str, Any] | Sequence[str] | None = None,
+        registry: Declarations | None = None,
     ) -> Runner:
         """A runner over an engine built from ``model`` (or an ``.engine``/``.plan`` file), through Polygraphy's TrtRunner.
 
@@ -786,7 +807,7 @@ class TensorRTBackend(Backend):
         else:
             with tempfile.TemporaryDirectory(prefix="mograph-trt-") as tmp:
                 out = Path(tmp) / "model.engine"
-                build_engine(model, out, profiles=profiles)
+                build_engine(model, out, profiles=profiles, registry=registry)
                 engine = load_engine(out)
         runner = TrtRunner(engine)
         runner.activate()

@@ -8,7 +8,7 @@ and hands every other attribute to the creator as a plugin field (unknown ones a
 node's ``domain`` does not matter to the parser; the lowering uses ``"mograph"``. Seen with
 tensorrt_rtx 1.7: such a node becomes the plugin even when its op type is a standard op (``Gelu`` at
 opset 20). Each plugin's table (:class:`mograph.custom_ops.TensorRTPlugin`) is part of its custom op's
-declaration, read here through the registry as :data:`PLUGINS`; it is the contract between the
+declaration, declared in :mod:`mograph.kernel_plugins` and read here as :data:`PLUGINS`; it is the contract between the
 lowering and these plugins:
 
 =================  ================================  ==========  ====================================
@@ -54,13 +54,14 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from mograph.custom_ops import PLUGIN_NAMESPACE, PLUGIN_VERSION, TensorRTPlugin
+from mograph.custom_ops import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION, CustomOp, TensorRTPlugin
 from mograph.errors import PluginError
+from mograph.kernel_plugins import TENSORRT_PLUGINS
 
 __all__ = [
     "PLUGINS",
@@ -87,43 +88,19 @@ IMPLEMENTED = ("LayerNorm", "RMSNorm", "SkipLayerNorm", "SkipRMSNorm", "Gelu", "
 
 
 def plugin_specs() -> dict[str, TensorRTPlugin]:
-    """The mograph-namespace plugins this module implements, as the registered custom ops declare them."""
-    from mograph.plugins import get_registry
-
-    out: dict[str, TensorRTPlugin] = {}
-    for op in get_registry().custom_ops.values():
-        spec = op.tensorrt_plugin
-        if spec is not None and spec.namespace == PLUGIN_NAMESPACE and spec.name in IMPLEMENTED:
-            out.setdefault(spec.name, spec)
-    return out
+    """The mograph-namespace plugins this module implements, as declared in :mod:`mograph.kernel_plugins`."""
+    return {name: spec for name, spec in TENSORRT_PLUGINS.items()
+            if spec.namespace == PLUGIN_NAMESPACE and name in IMPLEMENTED}
 
 
-class _Plugins(Mapping[str, TensorRTPlugin]):
-    """:func:`plugin_specs`, read when first used (the registry is built lazily)."""
-
-    def _table(self) -> dict[str, TensorRTPlugin]:
-        return plugin_specs()
-
-    def __getitem__(self, key: str) -> TensorRTPlugin:
-        return self._table()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._table())
-
-    def __len__(self) -> int:
-        return len(self._table())
+#: The mograph TensorRT plugins, by plugin name (declared in :mod:`mograph.kernel_plugins`).
+PLUGINS: Mapping[str, TensorRTPlugin] = plugin_specs()
 
 
-#: The mograph TensorRT plugins, by plugin name (declared with the custom ops, :mod:`mograph.custom_ops`).
-PLUGINS: Mapping[str, TensorRTPlugin] = _Plugins()
-
-
-def plugin_for_op(op: str) -> TensorRTPlugin:
-    """The plugin of a mograph custom op (``"LayerNorm"``, ``"FastGelu"``)."""
-    from mograph.custom_ops import DOMAIN
-    from mograph.plugins import get_registry
-
-    decl = get_registry().custom_ops.get((DOMAIN, op))
+def plugin_for_op(op: str, ops: Mapping[tuple[str, str], CustomOp] | None = None) -> TensorRTPlugin:
+    """The plugin named ``op`` (``"LayerNorm"``), or, given the declared ``ops``, the plugin of the mograph
+    custom op ``op`` (``"FastGelu"`` -> ``Gelu``)."""
+    decl = ops.get((DOMAIN, op)) if ops is not None else None
     spec = decl.tensorrt_plugin if decl is not None else PLUGINS.get(op)
     if spec is None:
         raise PluginError(f"no mograph TensorRT plugin for op {op!r}; known: {', '.join(sorted(PLUGINS))}")

@@ -212,7 +212,7 @@ def _mib(n: int | None) -> str:
 
 def run(args: argparse.Namespace) -> CommandResult:
     from mograph import ir_io
-    from mograph.backends import check_device, get_backend, require_available
+    from mograph.backend_protocol import check_device, get_backend, registry_keywords, require_available
     from mograph.plugins import get_registry
     from mograph.validate import make_feeds
 
@@ -225,8 +225,10 @@ def run(args: argparse.Namespace) -> CommandResult:
         raise UsageError("--top and --profile-runs must be at least 1")
     if args.device and args.provider:
         raise UsageError("give --device or --provider, not both (--device cuda picks the CUDA provider)")
-    backend = get_backend(get_registry(args.block_plugin).backends, args.backend, job="bench")
+    registry = get_registry(args.block_plugin)
+    backend = get_backend(registry.backends, args.backend, job="bench")
     runner_options = check_device(backend, args.device)
+    runner_options.update(registry_keywords(backend.make_runner, registry))
     device = runner_options.get("device", "cpu")
     on_gpu = device.startswith("cuda") or "CUDAExecutionProvider" in (args.provider or [])
     if args.cuda_graph and not device.startswith("cuda"):
@@ -341,7 +343,7 @@ def run(args: argparse.Namespace) -> CommandResult:
 
         profile = profile_model(
             src, backend=backend, feeds=feeds, runs=args.profile_runs, device=device,
-            optimizations=args.ort_optimizations, threads=args.threads, top=args.top,
+            optimizations=args.ort_optimizations, threads=args.threads, top=args.top, registry=registry,
         )
         data["profile"] = profile
     lat = data["latency_ms"]

@@ -107,10 +107,11 @@ def _generic_summary(backend: Any, out: Path, report: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> CommandResult:
-    from mograph.backends import get_backend, require_available
+    from mograph.backend_protocol import get_backend, registry_keywords, require_available
     from mograph.plugins import get_registry
 
-    backend = get_backend(get_registry(args.block_plugin).backends, args.backend, job="build", needs_build=True)
+    registry = get_registry(args.block_plugin)
+    backend = get_backend(registry.backends, args.backend, job="build", needs_build=True)
     src = model_source(args)
     if args.output:
         out = Path(args.output)
@@ -144,7 +145,7 @@ def run(args: argparse.Namespace) -> CommandResult:
         options["workspace_mib"] = args.workspace
     require_available(backend)  # exit 7 naming what to install
     try:
-        report = backend.build(src, out, **options)
+        report = backend.build(src, out, **options, **registry_keywords(backend.build, registry))
     except MographError as exc:
         details = getattr(exc, "report", None)
         details = details if isinstance(details, dict) else {}

@@ -97,7 +97,8 @@ def run(args: argparse.Namespace) -> CommandResult:
     from mograph.plugins import get_registry
     from mograph.validate import diff_models
 
-    backend = get_backend(get_registry(args.block_plugin).backends, args.backend, job="diff")
+    registry = get_registry(args.block_plugin)
+    backend = get_backend(registry.backends, args.backend, job="diff")
     check_device(backend, args.device)  # a backend without devices takes no --device
 
     a, b = Path(args.model_a), Path(args.model_b)
@@ -115,6 +116,7 @@ def run(args: argparse.Namespace) -> CommandResult:
         threads=args.threads,
         backend=backend,
         device=args.device,
+        registry=registry,
     )
     data = {"model_a": str(a), "model_b": str(b), **check}
     lines = [f"A: {a}", f"B: {b}", _feeds_text(check)]

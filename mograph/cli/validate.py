@@ -126,12 +126,13 @@ def _line(name: str, entry: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> CommandResult:
-    from mograph.backends import backend_target, check_device, get_backend, require_available
+    from mograph.backend_protocol import backend_target, check_device, get_backend, registry_keywords, require_available
     from mograph.plugins import get_registry
     from mograph.validate import Verifier
 
     src = model_source(args)
-    backend = get_backend(get_registry(args.block_plugin).backends, args.backend, job="validate")
+    registry = get_registry(args.block_plugin)
+    backend = get_backend(registry.backends, args.backend, job="validate")
     if args.profile and args.backend != "tensorrt":
         raise UsageError("--profile applies to --backend tensorrt only")
     if args.engine and not callable(getattr(backend, "build", None)):
@@ -139,6 +140,7 @@ def run(args: argparse.Namespace) -> CommandResult:
     options: dict[str, Any] = {"profiles": args.profile} if args.profile else {}
     options.update(check_device(backend, args.device))
     device = options.get("device", "cpu")
+    runner_keywords = registry_keywords(backend.make_runner, registry)
     if args.cuda_graph and (args.backend != "ort" or not device.startswith("cuda")):
         raise UsageError("--cuda-graph needs --backend ort --device cuda")
     if args.tf32 and (args.backend != "ort" or not device.startswith("cuda")):
@@ -157,16 +159,16 @@ def run(args: argparse.Namespace) -> CommandResult:
     def make_verifier() -> Any:
         return Verifier(
             str(reference), shapes=shapes, feeds=args.feeds, seed=args.seed, feed_limit=args.feed_limit,
-            atol=args.atol, rtol=args.rtol, min_cosine=args.min_cosine,
+            atol=args.atol, rtol=args.rtol, min_cosine=args.min_cosine, registry=registry,
         )
 
     if args.cuda_graph:  # the graph's dims are pinned to the feeds' shapes: feeds first
         verifier = make_verifier()
         options.update(cuda_graph=True, shapes={n: tuple(a.shape) for n, a in verifier.feeds.items()})
-        runner = backend.make_runner(str(candidate_model), optimizations=True, **options)
+        runner = backend.make_runner(str(candidate_model), optimizations=True, **options, **runner_keywords)
     else:
         # The candidate first: a backend that cannot run here (TensorRT without a GPU) says so before any work.
-        runner = backend.make_runner(str(candidate_model), optimizations=True, **options)
+        runner = backend.make_runner(str(candidate_model), optimizations=True, **options, **runner_keywords)
         verifier = make_verifier()
     candidate = f"backend '{backend.name}' on {candidate_model}"
     if args.backend == "ort":

@@ -9,17 +9,20 @@ import logging
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx_ir as ir
 
 from mograph import ir_io
-from mograph.backends import Runner
-from mograph.errors import ModelError, MographError
+from mograph.backend_protocol import Runner
+from mograph.errors import ModelError, MographError, UsageError
 from mograph.validate._compare import _fmt, _polygraphy, compare_outputs
 from mograph.validate._feeds import graph_inputs, make_feeds
 from mograph.validate._tolerances import Tolerance, _families, dtype_class, tolerance_for
+
+if TYPE_CHECKING:
+    from mograph.custom_ops import Declarations
 
 __all__ = ["Verifier", "diff_models"]
 
@@ -116,6 +119,9 @@ class Verifier:
             (the CUDA provider, TF32 off, the CPU for the nodes CUDA has no kernel for; exit code 7
             without onnxruntime-gpu), so a pass is checked on the kernels it will run on.
         reference_label: what ``reference_runner`` is, for the report (``check["backend"]``).
+        registry: what the plugins declared (the composition root's registry): a candidate's TensorRT
+            plugin nodes are checked through the function bodies of the ops declaring them; without it
+            they are reported unchecked.
 
     Raises:
         UsageError: bad shapes or feeds, or feeds past ``feed_limit``.
@@ -138,9 +144,11 @@ class Verifier:
         reference_runner: Runner | None = None,
         reference_label: str | None = None,
         device: str | None = None,
+        registry: Declarations | None = None,
     ) -> None:
         from mograph.backends import ort
 
+        self.registry = registry
         kind, _ = ort.parse_device(device)
         self.device = None if kind == "cpu" else device
         if self.device is not None:
@@ -345,20 +353,18 @@ class Verifier:
             for e in check["shapes_checked"][1:]
         ) if len(check["shapes_checked"]) > 1 else ""
 
-    @staticmethod
-    def _through_function_bodies(check: dict[str, Any], model: Any) -> Any:
+    def _through_function_bodies(self, check: dict[str, Any], model: Any) -> Any:
         """A copy of ``model`` whose mograph TensorRT plugin nodes are their canonical ops again, with
         function bodies, so ONNX Runtime can run them (``check["plugin_nodes"]`` counts them); ``model``
         itself when it has none."""
         from mograph.lowering import is_plugin_node, plugin_nodes_as_ops
-        from mograph.plugins import get_registry
 
         if not isinstance(model, ir.Model):
             return model
         if not any(is_plugin_node(n) for n in ir.traversal.RecursiveGraphIterator(model.graph)):
             return model
         copy = ir_io.copy_model(model)
-        done, left = plugin_nodes_as_ops(copy, get_registry().custom_ops)
+        done, left = plugin_nodes_as_ops(copy, self.registry.custom_ops if self.registry is not None else {})
         check["plugin_nodes"] = done
         if left:
             check["plugin_nodes_unchecked"] = left
@@ -513,6 +519,7 @@ def diff_models(
     backend: Any = None,
     device: str | None = None,
     feed_limit: int | None = None,
+    registry: Declarations | None = None,
 ) -> dict[str, Any]:
     """Compare model ``b`` against model ``a`` (the reference) on the same feeds.
 
@@ -520,6 +527,8 @@ def diff_models(
     graph optimizations off; ``None`` or ``"ort"``: ONNX Runtime, as :class:`Verifier` does.
     ``device``: where the backend runs both (``"cuda"``: see :class:`Verifier`); a backend without
     ``devices`` takes none.  ``feed_limit``: bound on the random feeds in bytes (see :class:`Verifier`).
+    ``registry``: the registry of the job (the composition root's), which gives the backends by name and
+    the custom ops a backend lowers; a backend named by a string needs it.
 
     Returns the check dict of :meth:`Verifier.check` (``passed``, ``summary``, ``outputs`` ...);
     does not raise when the numbers differ: the caller decides (``mograph diff`` exits 5).
@@ -531,21 +540,24 @@ def diff_models(
         feed_limit=feed_limit,
     )
     if isinstance(backend, str):
-        from mograph.backends import get_backend
-        from mograph.plugins import get_registry
+        from mograph.backend_protocol import get_backend
 
-        backend = get_backend(get_registry().backends, backend, job="diff")
+        if registry is None:
+            raise UsageError(f"diff_models(backend={backend!r}): a backend named by a string needs registry=")
+        backend = get_backend(registry.backends, backend, job="diff")
     if backend is None or getattr(backend, "name", None) == "ort":
-        verifier = Verifier(a, device=device, **options)  # type: ignore[arg-type]
+        verifier = Verifier(a, device=device, registry=registry, **options)  # type: ignore[arg-type]
         check = verifier.check(b, family=family)
     else:
-        from mograph.backends import check_device, require_available
+        from mograph.backend_protocol import check_device, registry_keywords, require_available
 
         extra = check_device(backend, device)
+        extra.update(registry_keywords(backend.make_runner, registry))
         require_available(backend)
         label = f"backend '{backend.name}' (its graph optimizations off)"
         ref_runner = backend.make_runner(a, optimizations=False, threads=threads, **extra)
-        verifier = Verifier(a, reference_runner=ref_runner, reference_label=label, **options)  # type: ignore[arg-type]
+        verifier = Verifier(a, reference_runner=ref_runner, reference_label=label, registry=registry,
+                            **options)  # type: ignore[arg-type]
         runner = backend.make_runner(b, optimizations=False, threads=threads, **extra)
         check = verifier.check(b, family=family, runner=runner, label=label)
     if not check["passed"]:

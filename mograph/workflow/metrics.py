@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from mograph._user_code import load_function
 from mograph.errors import UsageError
 
 __all__ = [
@@ -138,42 +139,6 @@ def versions() -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------------------- user functions
-def load_function(spec: str, what: str, error: type[UsageError] = UsageError) -> Callable[..., Any]:
-    """Resolve ``module:function`` (imported with the current folder importable, the import path left as it
-    was) or ``file.py:function`` (loaded by path); a failure raises ``error`` (exit 2) in one line naming
-    ``what`` (the option)."""
-    mod_name, sep, func_name = spec.rpartition(":")
-    if not sep or not mod_name or not func_name:
-        raise error(f"{what} {spec!r}: expected module:function or file.py:function")
-    if mod_name.endswith(".py"):
-        path = Path(mod_name)
-        if not path.is_file():
-            raise error(f"{what} {spec}: file {path} does not exist")
-        loader_spec = importlib.util.spec_from_file_location(f"_mograph_user_{path.stem}", path)
-        if loader_spec is None or loader_spec.loader is None:
-            raise error(f"{what} {spec}: cannot load {path} as a Python module")
-        module = importlib.util.module_from_spec(loader_spec)
-        try:
-            loader_spec.loader.exec_module(module)
-        except Exception as exc:  # noqa: BLE001 - the user's file failed: one line
-            raise error(f"{what} {spec}: importing {path} failed ({type(exc).__name__}: {exc})") from exc
-    else:
-        added = os.getcwd() not in sys.path and "" not in sys.path
-        if added:
-            sys.path.insert(0, os.getcwd())
-        try:
-            module = importlib.import_module(mod_name)
-        except ImportError as exc:
-            raise error(f"{what} {spec}: cannot import module {mod_name!r} ({exc})") from exc
-        finally:
-            if added and os.getcwd() in sys.path:
-                sys.path.remove(os.getcwd())
-    func = getattr(module, func_name, None)
-    if not callable(func):
-        raise error(f"{what} {spec}: {mod_name} has no callable {func_name!r}")
-    return func
-
-
 def names_code(spec: Any) -> bool:
     """True when a data or metric spec names code (``module:function`` or ``file.py:function``), not a
     file or folder of data: running it imports and runs that code."""
@@ -413,11 +378,12 @@ def measure(
     its own timing feed (other shapes); the others use ``timing_feed``.  After ``warmup`` rounds, the
     ``iterations`` timed rounds are run ``repeats`` times (each target's runs kept per repeat in
     ``Measured.latencies``); the percentiles are over all of them."""
-    from mograph.backends import get_backend, require_available
+    from mograph.backend_protocol import get_backend, registry_keywords, require_available
     from mograph.errors import MographError
     from mograph.plugins import get_registry
 
-    backends = get_registry(blocked).backends
+    registry = get_registry(blocked)
+    backends = registry.backends
     results: dict[str, Measured] = {t.name: Measured() for t in targets}
     runners: dict[str, Callable[[Feed], dict[str, np.ndarray]]] = {}
     repeats = max(1, int(repeats))
@@ -442,7 +408,8 @@ def measure(
             m.metrics["size_bytes"] = file_size(t.path)
             with _Sampler() as sampler:
                 runner = backend.make_runner(
-                    t.path, optimizations=t.ort_optimizations, threads=t.threads, providers=t.providers
+                    t.path, optimizations=t.ort_optimizations, threads=t.threads, providers=t.providers,
+                    **registry_keywords(backend.make_runner, registry),
                 )
                 runner(feed_of[t.name])
             m.metrics["peak_mem_mb"] = sampler.increase_mb

@@ -20,7 +20,7 @@ from mograph.passes.fusion.ops import FLOAT_TYPES, body_supports
 
 from mograph.custom_ops import DOMAIN, DOMAIN_VERSION, CustomOp
 from mograph.irutil import infer_types, restore_types
-from mograph.lowering import drop_unused_functions, ensure_functions
+from mograph.lowering import TARGET_OPTION, drop_unused_functions, ensure_functions
 from mograph.opset import model_opset
 from mograph.pass_infra import Option, Pass, PassResult, iter_nodes, stamp
 from mograph.patterns import MatchResult as MatchResult
@@ -29,10 +29,22 @@ from mograph.specs import parse_bool
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FusionPass", "mean_last", "square", "check_reduction", "norm_attrs", "fused_ops"]
+__all__ = ["FusionPass", "TARGET_OPTION", "ADOPT_STANDARD_TARGETS", "adopts_standard_ops", "mean_last", "square", "check_reduction", "norm_attrs", "fused_ops"]
 
 
 EXPLAIN_OPTION = Option("explain", parse_bool, False, "list near misses and why each rule did not apply")
+
+#: Targets for which a fusion pass also takes the standard fused ops an exporter wrote (``Attention``,
+#: ``RMSNormalization`` of opset 23) into the canonical ``mograph`` op, so the ``lower`` step gives them the
+#: target's faster kernel: ONNX Runtime's ``com.microsoft`` ops.  ``onnx`` keeps standard ops as they are;
+#: TensorRT's forms of them are not measured here, so they stay too.
+ADOPT_STANDARD_TARGETS = ("ort",)
+
+
+def adopts_standard_ops(config: dict[str, Any]) -> bool:
+    """Whether the pass (configured with ``--target``) takes exporter-written standard fused ops."""
+    return config.get("target") in ADOPT_STANDARD_TARGETS
+
 
 _FUSED_OPS: dict[tuple[str, str], CustomOp] = {}
 

@@ -39,6 +39,12 @@ packed into one GEMM for self-attention over ``x @ W (+ b)`` projections, else `
 ``unidirectional=1`` or ``GroupQueryAttention``, a KV cache the kernel's past/present), the standard
 ``Attention`` at opset >= 23 for ``onnx`` (below it the function body is inlined), the decomposed
 computation for ``tensorrt``.
+
+At opset 23 exporters write the standard ``Attention`` (and ``RotaryEmbedding`` on the heads) themselves.
+With ``--target ort`` (the pass reads ``target``) :class:`~.standard_attention.StandardAttentionFusion`
+takes such an ``Attention`` into ``mograph.Attention`` too, and the trace follows a standard
+``RotaryEmbedding`` on Q/K heads (``Heads.half_rotary``), so ORT gets the same kernels as below 23; for
+the other targets both stay as written (a rotated attention is then a near miss that says so).
 """
 
 from __future__ import annotations
@@ -49,7 +55,14 @@ from typing import Any, ClassVar
 
 import numpy as np
 import onnx_ir as ir
-from mograph.passes.fusion._common import EXPLAIN_OPTION, FusionPass, is_float, mograph_op
+from mograph.passes.fusion._common import (
+    EXPLAIN_OPTION,
+    TARGET_OPTION,
+    FusionPass,
+    adopts_standard_ops,
+    is_float,
+    mograph_op,
+)
 from mograph.passes.fusion.attention_op import (
     ATTENTION_OP,
     KV_CACHE_KEY,
@@ -208,6 +221,8 @@ class Heads:
     rotary: tuple[ir.Value, ir.Value] | None = None
     #: K/V with a cache: ``Concat(past, new heads, axis=2)`` ``[B, N, P+T, D]`` (the present, a graph output)
     cached: ir.Value | None = None
+    #: (cos, sin) ``[B, S, D/2]`` of opset 23's standard ``RotaryEmbedding`` on the heads (not interleaved)
+    half_rotary: tuple[ir.Value, ir.Value] | None = None
 
 
 def _producer(value: ir.Value | None, *op_types: str) -> ir.Node | None:
@@ -311,10 +326,52 @@ def _rotary(value: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value] | None:
     return None
 
 
+def _standard_rotary(value: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value] | None:
+    """``(x, cos, sin)`` if ``value`` is opset 23's ``RotaryEmbedding(x [B, N, S, D], cos, sin)`` over the whole
+    head, halves rotated (``interleaved=0``), without ``position_ids``: ``cos``/``sin`` are ``[B, S, D/2]``."""
+    node = _producer(value, "RotaryEmbedding")
+    if node is None or len(node.inputs) < 3 or any(v is not None for v in node.inputs[3:]):
+        return None
+    if any(int(node.attributes[k].value) for k in ("interleaved", "rotary_embedding_dim") if k in node.attributes):
+        return None
+    x, cos, sin = node.inputs[0], node.inputs[1], node.inputs[2]
+    if x is None or cos is None or sin is None or x.shape is None or len(x.shape) != 4:
+        return None
+    return x, cos, sin
+
+
+def full_rotary_tables(op: Any, heads: Heads) -> tuple[ir.Value, ir.Value] | None:
+    """The (cos, sin) ``[B, 1, S, D]`` that ``mograph.RotaryEmbedding`` takes: the decomposed rotary's own, or
+    a standard RotaryEmbedding's half tables doubled (``Cos(Concat(f, f))`` where they are ``Cos(f)``, the form
+    the ``ort`` lowering reads back into ONNX Runtime's kernel)."""
+    if heads.half_rotary is None:
+        return heads.rotary
+    axes = op.initializer(ir.tensor(np.array([1], dtype=np.int64)), name="mograph_axis_1")
+    cos, sin = heads.half_rotary
+    cos_src, sin_src = _producer(cos, "Cos"), _producer(sin, "Sin")
+    if cos_src is not None and sin_src is not None and cos_src.inputs[0] is sin_src.inputs[0]:
+        f = cos_src.inputs[0]
+        both = op.Concat(f, f, axis=-1)
+        return op.Unsqueeze(op.Cos(both), axes), op.Unsqueeze(op.Sin(both), axes)
+    return (op.Unsqueeze(op.Concat(cos, cos, axis=-1), axes), op.Unsqueeze(op.Concat(sin, sin, axis=-1), axes))
+
+
 def _split_heads(v4: ir.Value, role: str) -> Heads | str:
     """``v4 = Transpose(Reshape(x, [B, S, N, D]), [0, 2, 1, 3])`` (with scalar factors on either side),
     possibly rotated (:func:`_rotary`) after the split."""
     v, f1 = _scaled(v4)
+    std = _standard_rotary(v)
+    if std is not None:  # opset 23's RotaryEmbedding (the dynamo exporter's) on the split heads
+        inner = _split_heads(std[0], role)
+        if isinstance(inner, Heads):
+            if inner.rotary is not None or inner.half_rotary is not None:
+                return f"{role}: two rotary embeddings"
+            half = std[1].shape[-1] if std[1].shape is not None and len(std[1].shape) == 3 else None
+            if half != inner.dim // 2 or inner.dim % 2:
+                return f"{role}: the cos/sin of RotaryEmbedding '{v.producer().name}' are not [batch, seq, {inner.dim // 2}]"  # type: ignore[union-attr]
+            inner.half_rotary = (std[1], std[2])
+            inner.factor *= f1
+        return inner
     rot = _rotary(v)
     if rot is not None:
         inner = _split_heads(rot[0], role)
@@ -360,6 +417,8 @@ def _cached_or_split(kh: ir.Value, role: str) -> Heads | str:
         return f"{role}: the past '{past.name}' is not [batch, {new.heads}, past, {new.dim}]"
     if new.factor != 1.0:
         return f"{role}: the new heads are scaled before the cache (the past is not)"
+    if new.half_rotary is not None:
+        return f"{role}: a standard RotaryEmbedding before a KV cache Concat is not taken (yet)"
     # a rotary embedding on the new heads (LLaMA's decode step): fused, the rewrite then builds the cache's
     # Concat again for the present output; other readers of the exporter's Concat keep it (they are shape
     # reads of the repeat_kv the fusion replaces, so it dies with them)
@@ -556,6 +615,9 @@ class AttentionFusion(Rule):
             return self.fail(v, vh)
         if not (q.x.dtype == k.x.dtype == v.x.dtype):
             return self.fail("query, key and value have different dtypes", q.x)
+        if (q.half_rotary is not None or k.half_rotary is not None) and not getattr(self, "adopt_standard", False):
+            return self.fail("the heads are rotated by the standard RotaryEmbedding, kept as written for this "
+                             "target (--target ort takes it into ONNX Runtime's kernel)", q.x)
         if opset < 15 and q.x.dtype != ir.DataType.FLOAT:
             return self.fail(f"a {q.x.dtype} attention needs opset >= 15 for its function body", q.x)
         if k.dim != q.dim:
@@ -568,7 +630,7 @@ class AttentionFusion(Rule):
             return self.fail(f"query has {q.heads} heads, key {k.heads} (repeated {k.repeat} times)", k.x)
         if v.factor != 1.0:
             return self.fail("value is scaled by a constant before the attention", v.x)
-        if v.rotary is not None:
+        if v.rotary is not None or v.half_rotary is not None:
             return self.fail("value is rotated (a rotary embedding on V is not attention's math)", v.x)
         if kw.get("ctx_form") == "reshaped":
             same = kw["ctx_same"]
@@ -669,8 +731,9 @@ class AttentionFusion(Rule):
             attrs["kv_num_heads"] = k.heads
         if f["nan"] and not _finite_bias(mask):
             attrs["nan_to_zero"] = 1
-        qx = q.x if q.rotary is None else mograph_op(op, ROTARY_OP, q.x, *q.rotary, num_heads=q.heads)
-        kx = k.x if k.rotary is None else mograph_op(op, ROTARY_OP, k.x, *k.rotary, num_heads=k.heads)
+        q_tables, k_tables = full_rotary_tables(op, q), full_rotary_tables(op, k)
+        qx = q.x if q_tables is None else mograph_op(op, ROTARY_OP, q.x, *q_tables, num_heads=q.heads)
+        kx = k.x if k_tables is None else mograph_op(op, ROTARY_OP, k.x, *k_tables, num_heads=k.heads)
         if k.cached is not None and k.rotary is not None:
             # the new keys rotated by a fused rotary embedding, then the cache's Concat again (the present
             # output, name kept); the exporter's Concat and its decomposed rotary are left unused
@@ -716,7 +779,7 @@ class AttentionFusion(Rule):
         parts = [str(form), "mask" if f["mask"] is not None else "nomask"]
         if f["k"].heads != f["q"].heads:
             parts.append("gqa")
-        if f["q"].rotary is not None or f["k"].rotary is not None:
+        if any(h.rotary is not None or h.half_rotary is not None for h in (f["q"], f["k"])):
             parts.append("rotary")
         if f["k"].cached is not None:
             parts.append("cache")
@@ -779,16 +842,21 @@ class FuseAttentionPass(FusionPass):
     """Fuse multi-head self-/cross-attention (Q/K/V split, scaled scores, mask bias, softmax, merge) into one op."""
 
     name = "fuse-attention"
-    options: ClassVar[tuple[Option, ...]] = (EXPLAIN_OPTION, MASK_FORMAT_OPTION, KV_CACHE_OPTION)
+    options: ClassVar[tuple[Option, ...]] = (EXPLAIN_OPTION, MASK_FORMAT_OPTION, KV_CACHE_OPTION, TARGET_OPTION)
     rules: ClassVar[tuple[type[Rule], ...]] = (AttentionFusion,)
 
     def make_rules(self) -> list[Rule]:
         rules = super().make_rules()
+        if adopts_standard_ops(self.config):  # opset 23's own Attention -> the target's kernel (--target ort)
+            from mograph.passes.fusion.standard_attention import StandardAttentionFusion
+
+            rules.append(StandardAttentionFusion())
         fmt = self.config.get("mask_format")
         kv = self.config.get("kv_cache")
         for rule in rules:
             rule.mask_format = fmt  # type: ignore[attr-defined]
             rule.kv_cache = kv  # type: ignore[attr-defined]
+            rule.adopt_standard = adopts_standard_ops(self.config)  # type: ignore[attr-defined]
         return rules
 
     def call(self, model: ir.Model) -> PassResult:

@@ -228,6 +228,7 @@ def custom_ops() -> list[CustomOp]:
             infer_shapes=_infer_shapes,
             lowerings=lowerings_for(ATTENTION_OP),
             onnx_opset=ONNX_ATTENTION_OPSET,
+            computes="attention",
         ),
         CustomOp(
             name=ROTARY_OP,

@@ -34,6 +34,7 @@ input dtype, so the fusions require float32 inputs there (:func:`body_supports`)
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -42,13 +43,14 @@ import numpy as np
 import onnx_ir as ir
 
 from mograph._kernels import reference as _reference
-from mograph.custom_ops import DOMAIN, DOMAIN_VERSION, CustomOp, TensorRTPlugin
+from mograph.custom_ops import DOMAIN, DOMAIN_VERSION, CustomOp
+from mograph.kernel_plugins import TENSORRT_PLUGINS
 
 __all__ = [
     "DOMAIN",
     "DOMAIN_VERSION",
-    "FUSED_OPS",
-    "ONNX_STANDARD_OPSET",
+    "FUSED_OPS",  # noqa: F822 - module __getattr__, read off the declarations
+    "ONNX_STANDARD_OPSET",  # noqa: F822 - module __getattr__
     "TENSORRT_PLUGINS",
     "body_supports",
     "custom_ops",
@@ -231,7 +233,8 @@ def _skip_layer_norm_fn(opset: int) -> ir.Function:
 
 def _embed_layer_norm_fn(opset: int) -> ir.Function:
     b = _Body(opset)
-    ids, seg, pos, word, segment, position, scale, beta = _inputs(*_SCHEMAS["EmbedLayerNorm"][0])
+    ids, seg, pos, word, segment, position, scale, beta = _inputs("InputIds", "SegmentIds", "PositionIds", "WordEmbedding",
+                                                                  "SegmentEmbedding", "PositionEmbedding", "Scale", "B")
     s = b("Add", b("Add", b("Gather", word, ids), b("Gather", segment, seg)), b("Gather", position, pos))
     y = _layer_norm_core(b, s, scale, beta)
     return b.function("EmbedLayerNorm", [ids, seg, pos, word, segment, position, scale, beta], [y],
@@ -320,129 +323,118 @@ def _embed_shape(node: ir.Node) -> None:
 # declarations
 # ---------------------------------------------------------------------------------------------
 
-_REFERENCES: dict[str, Callable[..., Any]] = {
-    "LayerNorm": lambda x, scale, b, epsilon=1e-5, stash_type=1: (layer_norm(x, scale, b, epsilon),),
-    "RMSNorm": lambda x, scale, epsilon=1e-6, stash_type=1: (rms_norm(x, scale, epsilon),),
-    "SkipLayerNorm": lambda x, skip, scale, b, bias, epsilon=1e-5, stash_type=1: skip_layer_norm(
-        x, skip, scale, b, bias, epsilon
-    ),
-    "SkipRMSNorm": lambda x, skip, scale, bias, epsilon=1e-6, stash_type=1: skip_rms_norm(
-        x, skip, scale, bias, epsilon
-    ),
-    "EmbedLayerNorm": lambda ids, seg, pos, word, segment, position, scale, b, epsilon=1e-5, stash_type=1: (
-        embed_layer_norm(ids, seg, pos, word, segment, position, scale, b, epsilon),
-    ),
-    "Gelu": lambda x, stash_type=1: (gelu(x, "none"),),
-    "FastGelu": lambda x, stash_type=1: (gelu(x, "tanh"),),
-    "QuickGelu": lambda x, alpha=QUICK_GELU_ALPHA, stash_type=1: (quick_gelu(x, alpha),),
-    "BiasGelu": lambda x, bias, stash_type=1: (bias_gelu(x, bias, "none"),),
-    "BiasFastGelu": lambda x, bias, stash_type=1: (bias_gelu(x, bias, "tanh"),),
-}
-
-_SCHEMAS: dict[str, tuple[tuple[str, ...], tuple[str, ...], dict[str, Any], Callable[[int], ir.Function], str]] = {
-    "LayerNorm": (("X", "Scale", "B"), ("Y",), {"epsilon": 1e-5, "stash_type": 1}, _layer_norm_fn,
-                  "LayerNorm over the last axis: (X - mean) / sqrt(var + epsilon) * Scale + B."),
-    "RMSNorm": (("X", "Scale"), ("Y",), {"epsilon": 1e-6, "stash_type": 1}, _rms_norm_fn,
-                "RMSNorm over the last axis: X / sqrt(mean(X^2) + epsilon) * Scale."),
-    "SkipLayerNorm": (("X", "Skip", "Scale", "B", "Bias"), ("Y", "Sum?"), {"epsilon": 1e-5, "stash_type": 1},
-                      _skip_layer_norm_fn,
-                      "Residual add and LayerNorm: Sum = X + Bias + Skip, Y = LayerNorm(Sum)."),
-    "SkipRMSNorm": (("X", "Skip", "Scale", "Bias"), ("Y", "Sum?"), {"epsilon": 1e-6, "stash_type": 1},
-                    _skip_rms_norm_fn, "Residual add and RMSNorm: Sum = X + Bias + Skip, Y = RMSNorm(Sum)."),
-    "EmbedLayerNorm": (("InputIds", "SegmentIds", "PositionIds", "WordEmbedding", "SegmentEmbedding",
-                        "PositionEmbedding", "Scale", "B"), ("Y",), {"epsilon": 1e-5, "stash_type": 1},
-                       _embed_layer_norm_fn,
-                       "Embedding layer: LayerNorm(Word[InputIds] + Segment[SegmentIds] + Position[PositionIds])."),
-    "Gelu": (("X",), ("Y",), {"stash_type": 1}, _gelu_fn("Gelu", "none", False),
-             "Exact GELU: X/2 (1 + erf(X / sqrt(2)))."),
-    "FastGelu": (("X",), ("Y",), {"stash_type": 1}, _gelu_fn("FastGelu", "tanh", False),
-                 "GELU, tanh approximation: X/2 (1 + tanh(sqrt(2/pi) (X + 0.044715 X^3)))."),
-    "QuickGelu": (("X",), ("Y",), {"alpha": QUICK_GELU_ALPHA, "stash_type": 1}, _quick_gelu_fn,
-                  "Sigmoid GELU approximation: X sigmoid(alpha X)."),
-    "BiasGelu": (("X", "Bias"), ("Y",), {"stash_type": 1}, _gelu_fn("BiasGelu", "none", True),
-                 "Exact GELU of X + Bias."),
-    "BiasFastGelu": (("X", "Bias"), ("Y",), {"stash_type": 1}, _gelu_fn("BiasFastGelu", "tanh", True),
-                     "tanh-approximated GELU of X + Bias."),
-}
-
-#: Names of the fused ops, all in the ``mograph`` domain.
-FUSED_OPS = tuple(_SCHEMAS)
-
-#: The default-domain opset from which the ``onnx`` lowering has a standard op.
-ONNX_STANDARD_OPSET = {"LayerNorm": 17, "SkipLayerNorm": 17, "EmbedLayerNorm": 17, "Gelu": 20, "FastGelu": 20, "BiasGelu": 20,
-                       "BiasFastGelu": 20, "RMSNorm": 23, "SkipRMSNorm": 23}
-
-_EPSILON = {"minimum": {"epsilon": 0.0}}
-_APPROXIMATE = {"choices": {"approximate": ("none", "tanh")}}
-
-#: The mograph TensorRT plugins (implemented over the CUDA kernels by :mod:`mograph.backends.tensorrt_plugins`).
-#: Gelu and FastGelu share the ``Gelu`` plugin (its ``approximate`` field), the bias forms ``BiasGelu``.
-TENSORRT_PLUGINS: dict[str, TensorRTPlugin] = {
-    p.name: p
-    for p in (
-        TensorRTPlugin("LayerNorm", ("X", "Scale", "B?"), ("Y",), {"epsilon": 1e-5}, vector_inputs=(1, 2),
-                       doc="Y = (X - mean) / sqrt(var + epsilon) * Scale (+ B), over the last axis, var the "
-                           "population variance", **_EPSILON),  # type: ignore[arg-type]
-        TensorRTPlugin("RMSNorm", ("X", "Scale"), ("Y",), {"epsilon": 1e-6}, vector_inputs=(1,),
-                       doc="Y = X / sqrt(mean(X^2) + epsilon) * Scale, over the last axis",
-                       **_EPSILON),  # type: ignore[arg-type]
-        TensorRTPlugin("SkipLayerNorm", ("X", "Skip", "Scale", "B?", "Bias?"), ("Y", "Sum?"),
-                       {"epsilon": 1e-5, "sum_output": 0}, vector_inputs=(2, 3, 4), output_flag="sum_output",
-                       choices={"sum_output": (0, 1)}, minimum={"epsilon": 0.0},
-                       doc="Sum = X + Skip (+ Bias); Y = LayerNorm(Sum) with Scale (+ B); Sum is output 1 when "
-                           "sum_output=1"),
-        TensorRTPlugin("SkipRMSNorm", ("X", "Skip", "Scale", "Bias?"), ("Y", "Sum?"),
-                       {"epsilon": 1e-6, "sum_output": 0}, vector_inputs=(2, 3), output_flag="sum_output",
-                       choices={"sum_output": (0, 1)}, minimum={"epsilon": 0.0},
-                       doc="Sum = X + Skip (+ Bias); Y = RMSNorm(Sum) with Scale; Sum is output 1 when sum_output=1"),
-        TensorRTPlugin("Gelu", ("X",), ("Y",), {"approximate": "none"},
-                       doc="Y = 0.5 X (1 + erf(X / sqrt 2)); approximate='tanh': 0.5 X (1 + tanh(sqrt(2/pi) "
-                           "(X + 0.044715 X^3)))", **_APPROXIMATE),  # type: ignore[arg-type]
-        TensorRTPlugin("BiasGelu", ("X", "Bias"), ("Y",), {"approximate": "none"}, vector_inputs=(1,),
-                       doc="Y = Gelu(X + Bias), the sum kept in fp32; approximate as for Gelu",
-                       **_APPROXIMATE),  # type: ignore[arg-type]
-    )
-}
-
-_PLUGIN_OF = {"LayerNorm": "LayerNorm", "RMSNorm": "RMSNorm", "SkipLayerNorm": "SkipLayerNorm",
-              "SkipRMSNorm": "SkipRMSNorm", "Gelu": "Gelu", "FastGelu": "Gelu", "BiasGelu": "BiasGelu",
-              "BiasFastGelu": "BiasGelu"}
-
-#: The plugin fields that tell apart the ops sharing a plugin.
-_PLUGIN_FIELDS: dict[str, dict[str, Any]] = {
-    "Gelu": {"approximate": "none"}, "FastGelu": {"approximate": "tanh"},
-    "BiasGelu": {"approximate": "none"}, "BiasFastGelu": {"approximate": "tanh"},
-}
-
-
 def custom_ops() -> list[CustomOp]:
-    """The declarations contributed through ``mograph_add_custom_ops``."""
+    """The declarations contributed through ``mograph_add_custom_ops``: one :class:`CustomOp` per op, with
+    everything about it (schema, numpy reference, function body, shapes, lowerings, standard opset,
+    TensorRT plugin and the fields that pick it on a shared plugin, the computation it fuses)."""
     from mograph.passes.fusion.lowerings import lowerings_for
 
-    out = []
-    for name, (inputs, outputs, attrs, fn, doc) in _SCHEMAS.items():
-        plugin = _PLUGIN_OF.get(name)
-        out.append(
-            CustomOp(
-                name=name,
-                domain=DOMAIN,
-                version=DOMAIN_VERSION,
-                doc=doc,
-                inputs=inputs,
-                outputs=outputs,
-                attributes=dict(attrs),
-                reference=_REFERENCES[name],
-                function=fn,
-                infer_shapes=_embed_shape if name == "EmbedLayerNorm" else _same_as_first,
-                lowerings=lowerings_for(name),
-                onnx_opset=ONNX_STANDARD_OPSET.get(name),
-                tensorrt_plugin=TENSORRT_PLUGINS[plugin] if plugin is not None else None,
-                tensorrt_fields=_PLUGIN_FIELDS.get(name, {}),
-            )
-        )
-    return out
+    plugins = TENSORRT_PLUGINS
+    return [
+        CustomOp(
+            name="LayerNorm", domain=DOMAIN, version=DOMAIN_VERSION,
+            doc="LayerNorm over the last axis: (X - mean) / sqrt(var + epsilon) * Scale + B.",
+            inputs=("X", "Scale", "B"), outputs=("Y",), attributes={"epsilon": 1e-5, "stash_type": 1},
+            reference=lambda x, scale, b, epsilon=1e-5, stash_type=1: (layer_norm(x, scale, b, epsilon),),
+            function=_layer_norm_fn, infer_shapes=_same_as_first, lowerings=lowerings_for("LayerNorm"),
+            onnx_opset=17, tensorrt_plugin=plugins["LayerNorm"], computes="LayerNorm",
+        ),
+        CustomOp(
+            name="RMSNorm", domain=DOMAIN, version=DOMAIN_VERSION,
+            doc="RMSNorm over the last axis: X / sqrt(mean(X^2) + epsilon) * Scale.",
+            inputs=("X", "Scale"), outputs=("Y",), attributes={"epsilon": 1e-6, "stash_type": 1},
+            reference=lambda x, scale, epsilon=1e-6, stash_type=1: (rms_norm(x, scale, epsilon),),
+            function=_rms_norm_fn, infer_shapes=_same_as_first, lowerings=lowerings_for("RMSNorm"),
+            onnx_opset=23, tensorrt_plugin=plugins["RMSNorm"], computes="RMSNorm",
+        ),
+        CustomOp(
+            name="SkipLayerNorm", domain=DOMAIN, version=DOMAIN_VERSION,
+            doc="Residual add and LayerNorm: Sum = X + Bias + Skip, Y = LayerNorm(Sum).",
+            inputs=("X", "Skip", "Scale", "B", "Bias"), outputs=("Y", "Sum?"),
+            attributes={"epsilon": 1e-5, "stash_type": 1},
+            reference=lambda x, skip, scale, b, bias, epsilon=1e-5, stash_type=1: skip_layer_norm(
+                x, skip, scale, b, bias, epsilon),
+            function=_skip_layer_norm_fn, infer_shapes=_same_as_first, lowerings=lowerings_for("SkipLayerNorm"),
+            onnx_opset=17, tensorrt_plugin=plugins["SkipLayerNorm"], computes="LayerNorm",
+        ),
+        CustomOp(
+            name="SkipRMSNorm", domain=DOMAIN, version=DOMAIN_VERSION,
+            doc="Residual add and RMSNorm: Sum = X + Bias + Skip, Y = RMSNorm(Sum).",
+            inputs=("X", "Skip", "Scale", "Bias"), outputs=("Y", "Sum?"), attributes={"epsilon": 1e-6, "stash_type": 1},
+            reference=lambda x, skip, scale, bias, epsilon=1e-6, stash_type=1: skip_rms_norm(
+                x, skip, scale, bias, epsilon),
+            function=_skip_rms_norm_fn, infer_shapes=_same_as_first, lowerings=lowerings_for("SkipRMSNorm"),
+            onnx_opset=23, tensorrt_plugin=plugins["SkipRMSNorm"], computes="RMSNorm",
+        ),
+        CustomOp(
+            name="EmbedLayerNorm", domain=DOMAIN, version=DOMAIN_VERSION,
+            doc="Embedding layer: LayerNorm(Word[InputIds] + Segment[SegmentIds] + Position[PositionIds]).",
+            inputs=("InputIds", "SegmentIds", "PositionIds", "WordEmbedding", "SegmentEmbedding", "PositionEmbedding",
+                    "Scale", "B"),
+            outputs=("Y",), attributes={"epsilon": 1e-5, "stash_type": 1},
+            reference=lambda ids, seg, pos, word, segment, position, scale, b, epsilon=1e-5, stash_type=1: (
+                embed_layer_norm(ids, seg, pos, word, segment, position, scale, b, epsilon),),
+            function=_embed_layer_norm_fn, infer_shapes=_embed_shape, lowerings=lowerings_for("EmbedLayerNorm"),
+            onnx_opset=17, computes="LayerNorm",
+        ),
+        CustomOp(
+            name="Gelu", domain=DOMAIN, version=DOMAIN_VERSION, doc="Exact GELU: X/2 (1 + erf(X / sqrt(2))).",
+            inputs=("X",), outputs=("Y",), attributes={"stash_type": 1},
+            reference=lambda x, stash_type=1: (gelu(x, "none"),),
+            function=_gelu_fn("Gelu", "none", False), infer_shapes=_same_as_first, lowerings=lowerings_for("Gelu"),
+            onnx_opset=20, tensorrt_plugin=plugins["Gelu"], tensorrt_fields={"approximate": "none"}, computes="GELU",
+        ),
+        CustomOp(
+            name="FastGelu", domain=DOMAIN, version=DOMAIN_VERSION,
+            doc="GELU, tanh approximation: X/2 (1 + tanh(sqrt(2/pi) (X + 0.044715 X^3))).",
+            inputs=("X",), outputs=("Y",), attributes={"stash_type": 1},
+            reference=lambda x, stash_type=1: (gelu(x, "tanh"),),
+            function=_gelu_fn("FastGelu", "tanh", False), infer_shapes=_same_as_first,
+            lowerings=lowerings_for("FastGelu"), onnx_opset=20, tensorrt_plugin=plugins["Gelu"],
+            tensorrt_fields={"approximate": "tanh"}, computes="GELU",
+        ),
+        CustomOp(
+            name="QuickGelu", domain=DOMAIN, version=DOMAIN_VERSION, doc="Sigmoid GELU approximation: X sigmoid(alpha X).",
+            inputs=("X",), outputs=("Y",), attributes={"alpha": QUICK_GELU_ALPHA, "stash_type": 1},
+            reference=lambda x, alpha=QUICK_GELU_ALPHA, stash_type=1: (quick_gelu(x, alpha),),
+            function=_quick_gelu_fn, infer_shapes=_same_as_first, lowerings=lowerings_for("QuickGelu"), computes="GELU",
+        ),
+        CustomOp(
+            name="BiasGelu", domain=DOMAIN, version=DOMAIN_VERSION, doc="Exact GELU of X + Bias.",
+            inputs=("X", "Bias"), outputs=("Y",), attributes={"stash_type": 1},
+            reference=lambda x, bias, stash_type=1: (bias_gelu(x, bias, "none"),),
+            function=_gelu_fn("BiasGelu", "none", True), infer_shapes=_same_as_first,
+            lowerings=lowerings_for("BiasGelu"), onnx_opset=20, tensorrt_plugin=plugins["BiasGelu"],
+            tensorrt_fields={"approximate": "none"}, computes="GELU",
+        ),
+        CustomOp(
+            name="BiasFastGelu", domain=DOMAIN, version=DOMAIN_VERSION, doc="tanh-approximated GELU of X + Bias.",
+            inputs=("X", "Bias"), outputs=("Y",), attributes={"stash_type": 1},
+            reference=lambda x, bias, stash_type=1: (bias_gelu(x, bias, "tanh"),),
+            function=_gelu_fn("BiasFastGelu", "tanh", True), infer_shapes=_same_as_first,
+            lowerings=lowerings_for("BiasFastGelu"), onnx_opset=20, tensorrt_plugin=plugins["BiasGelu"],
+            tensorrt_fields={"approximate": "tanh"}, computes="GELU",
+        ),
+    ]
+
+
+@functools.cache
+def _declared() -> dict[str, CustomOp]:
+    return {op.name: op for op in custom_ops()}
 
 
 def function_for(name: str, opset: int) -> ir.Function:
     """The function body of op ``name`` for a model whose default-domain opset is ``opset``."""
-    return _SCHEMAS[name][3](opset)
+    function = _declared()[name].function
+    assert function is not None
+    return function(opset)
+
+
+def __getattr__(name: str) -> Any:
+    """``FUSED_OPS`` (the op names, in declaration order) and ``ONNX_STANDARD_OPSET`` (op -> the opset of its
+    standard form), read off the declarations when first asked for (their lowerings import this module)."""
+    if name == "FUSED_OPS":
+        return tuple(_declared())
+    if name == "ONNX_STANDARD_OPSET":
+        return {n: op.onnx_opset for n, op in _declared().items() if op.onnx_opset is not None}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

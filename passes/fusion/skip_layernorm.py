@@ -283,7 +283,7 @@ class SkipRMSNormFusion(Rule):
         node = rms_out.producer()
         assert node is not None
         attrs = {k: v.value for k, v in node.attributes.items() if k in ("epsilon", "stash_type")}
-        attrs.setdefault("epsilon", 1e-6)
+        attrs.setdefault("epsilon", 1e-5 if node.op_type == "RMSNormalization" else 1e-6)  # each op's own default
         attrs.setdefault("stash_type", 1)
         y, total = mograph_op(op, "SkipRMSNorm", a, skip, scale, _bias_1d(op, bias, sum), _outputs=2, **attrs)
         return y, _sum_if_read(sum, node, total)

@@ -24,24 +24,25 @@ a group with any reason is *blocked* — left alone — because the dimension is
 A weight also read outside the group (exporters share equal tensors, often through ``Identity``) does
 not block: the group gets a private, sliced copy and the other readers keep the original.
 
-Shapes come from shape inference run on a serialized copy (the analysed model is never mutated here):
-ONNX Runtime's symbolic inference when onnxruntime is installed, else ONNX's own, completed with the
-shapes already on the values.  An unknown size is taken as possibly coupled (never as a broadcast 1).
+Shapes come from the core's concrete shape inference (:class:`mograph.shapes.InferredShapes`, run on a
+serialized copy, so the analysed model is never mutated here): ONNX Runtime's symbolic inference when
+onnxruntime is installed, else ONNX's own, completed with the shapes already on the values.  An unknown size is taken as possibly coupled (never as a broadcast 1).
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx_ir as ir
 
-if TYPE_CHECKING:
-    import onnx
+from mograph.shapes import DimSize, InferredShapes, const_tensor, int_vector, owns_tensor, shape_literals
+from mograph.shapes import ShapeLiteral as _Literal
+
+#: The shapes the analysis reads (the core's concrete shape inference; the name is kept for importers).
+ShapeInfo = InferredShapes
 
 __all__ = [
     "ConstSlice",
@@ -57,9 +58,6 @@ __all__ = [
     "reshape_plan",
 ]
 
-logger = logging.getLogger(__name__)
-
-DimSize = int | str | None
 
 
 # ------------------------------------------------------------------------------------------- data model
@@ -142,159 +140,6 @@ class Group:
         for c in self.consts.values():
             if c.value.name:
                 yield c.value.name
-
-
-# ------------------------------------------------------------------------------------------- shapes
-
-
-def const_tensor(value: ir.Value) -> ir.TensorProtocol | None:
-    """The tensor of an initializer, of a ``Constant`` node's ``value`` attribute, or of an ``Identity``
-    of either (exporters deduplicate equal weights and hand the copies out through Identity nodes)."""
-    if value.const_value is not None and (value.is_initializer() or value.producer() is None):
-        return value.const_value
-    node = value.producer()
-    if node is not None and node.domain in ("", "ai.onnx"):
-        if node.op_type == "Constant":
-            attr = node.attributes.get("value")
-            if attr is not None and isinstance(attr.value, ir.TensorProtocol):
-                return attr.value
-        if node.op_type == "Identity" and node.inputs and node.inputs[0] is not None:
-            return const_tensor(node.inputs[0])
-    return None
-
-
-def owns_tensor(value: ir.Value) -> bool:
-    """Whether the constant's tensor is stored on ``value`` itself (not behind an Identity)."""
-    node = value.producer()
-    return node is None or node.op_type == "Constant"
-
-
-def _symbolic_inference(proto: onnx.ModelProto) -> onnx.ModelProto | None:
-    """ONNX Runtime's symbolic shape inference, when installed: it follows run-time shape arithmetic
-    (an attention mask built by ``Expand`` keeps its broadcast 1 on the head axis) where ONNX's own
-    inference gives up."""
-    try:
-        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-    except ImportError:
-        return None
-    try:
-        return SymbolicShapeInference.infer_shapes(proto, auto_merge=True, guess_output_rank=False)
-    except Exception as exc:  # noqa: BLE001 - fall back to ONNX's inference
-        logger.info("prune: symbolic shape inference failed (%s)", exc)
-        return None
-
-
-class ShapeInfo:
-    """Shapes of the values of one graph: inferred on a serialized copy, then the values' own shapes."""
-
-    def __init__(self, model: ir.Model) -> None:
-        self._by_name: dict[str, list[DimSize]] = {}
-        try:
-            import onnx
-
-            from mograph import _spill
-
-            # Shapes need no weights: above the protobuf limit they are left out (types and shapes kept).
-            proto = _spill.shape_proto(model) if _spill.too_big(model) else ir.serde.serialize_model(model)
-            inferred = _symbolic_inference(proto) or onnx.shape_inference.infer_shapes(proto, data_prop=True)
-            for vi in [*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input]:
-                tt = vi.type.tensor_type
-                if not tt.HasField("shape"):
-                    continue
-                dims: list[DimSize] = []
-                for d in tt.shape.dim:
-                    if d.HasField("dim_value"):
-                        dims.append(d.dim_value)
-                    elif d.HasField("dim_param"):
-                        dims.append(d.dim_param)
-                    else:
-                        dims.append(None)
-                self._by_name[vi.name] = dims
-        except Exception as exc:  # noqa: BLE001 - inference is a help, not a requirement
-            logger.info("prune: shape inference failed (%s); using the shapes on the values", exc)
-
-    def dims(self, value: ir.Value | None) -> list[DimSize] | None:
-        if value is None:
-            return None
-        tensor = const_tensor(value)
-        if tensor is not None:
-            return [int(d) for d in tensor.shape.numpy()]
-        own = None
-        if value.shape is not None:
-            own = [d if isinstance(d, int) else (d.value if d.value is not None else None) for d in value.shape]
-        inferred = self._by_name.get(value.name or "")
-        if own is None:
-            return list(inferred) if inferred is not None else None
-        if inferred is not None and len(inferred) == len(own):
-            return [o if isinstance(o, int) else (i if i is not None else o) for o, i in zip(own, inferred)]
-        return own
-
-    def rank(self, value: ir.Value | None) -> int | None:
-        dims = self.dims(value)
-        return None if dims is None else len(dims)
-
-    def size(self, value: ir.Value, axis: int) -> DimSize:
-        dims = self.dims(value)
-        return None if dims is None or not 0 <= axis < len(dims) else dims[axis]
-
-    def refine(self, value: ir.Value, dims: list[DimSize]) -> None:
-        """Fill unknown sizes of ``value`` with sizes derived by a rule (a Reshape's ``-1``)."""
-        known = self.dims(value)
-        if known is None or len(known) != len(dims):
-            self._by_name[value.name or ""] = list(dims)
-            return
-        self._by_name[value.name or ""] = [k if isinstance(k, int) else d for k, d in zip(known, dims)]
-
-    def set_size(self, value: ir.Value, axis: int, size: int) -> None:
-        """Record a pruned size (used after pruning to recount multiply-accumulates)."""
-        dims = self.dims(value)
-        if dims is not None and 0 <= axis < len(dims):
-            dims[axis] = size
-            self._by_name[value.name or ""] = dims
-
-
-def int_vector(value: ir.Value | None) -> list[int] | None:
-    """The values of a constant 1-D (or scalar) integer tensor."""
-    if value is None:
-        return None
-    tensor = const_tensor(value)
-    if tensor is None:
-        return None
-    arr = tensor.numpy()
-    if arr.dtype.kind not in "iu" or arr.ndim > 1:
-        return None
-    return [int(x) for x in arr.reshape(-1)]
-
-
-# A literal of a shape vector: its value (None when computed at run time) and where it is stored.
-_Literal = tuple[int | None, ir.Value | None, int, ir.Node | None, int]
-
-
-def shape_literals(value: ir.Value, shapes: ShapeInfo) -> list[_Literal] | None:
-    """A 1-D int64 shape vector element by element: ``(value, holder, index, reader, reader_input)``.
-
-    Handles a constant and a ``Concat`` (axis 0) of constants and run-time parts (``Unsqueeze`` of a
-    ``Gather`` of ``Shape`` ...), as exporters write dynamic Reshape targets.
-    """
-    ints = int_vector(value)
-    if ints is not None:
-        return [(x, value, i, None, -1) for i, x in enumerate(ints)]
-    node = value.producer()
-    if node is None or node.op_type != "Concat" or node.domain not in ("", "ai.onnx"):
-        return None
-    out: list[_Literal] = []
-    for idx, part in enumerate(node.inputs):
-        if part is None:
-            return None
-        part_ints = int_vector(part)
-        if part_ints is not None:
-            out.extend((x, part, i, node, idx) for i, x in enumerate(part_ints))
-            continue
-        dims = shapes.dims(part)
-        if dims is None or len(dims) != 1 or not isinstance(dims[0], int):
-            return None
-        out.extend((None, None, 0, None, -1) for _ in range(dims[0]))
-    return out
 
 
 # ------------------------------------------------------------------------------------------- rules

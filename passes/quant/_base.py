@@ -215,7 +215,7 @@ class QdqPassBase(Pass):
         if old >= need:
             return False
         try:
-            done = upgrade_opset(model, need)
+            done = upgrade_opset(model, need, ops=self.registry.custom_ops if self.registry is not None else {})
         except OpsetUpgradeError as exc:
             raise ModelError(f"{self.name}: needs opset >= {need} for {reason}; the model's opset cannot be "
                              f"upgraded from {old}: {exc}") from exc

@@ -272,7 +272,7 @@ def _npz_stacked(path: Path, specs: list[_InputSpec]) -> Callable[[], Iterator[d
 def _module_function(spec: str) -> Callable[[], Iterable[Mapping[str, Any]]]:
     """Resolve ``module:function`` (the current folder is importable, as for ``python -m``) or
     ``file.py:function`` (loaded by path); the import path is left as it was."""
-    from mograph.workflow.metrics import load_function
+    from mograph._user_code import load_function
 
     return load_function(spec, "--calibration-data", OptionError)
 

@@ -471,7 +471,7 @@ class Fp16Pass(Pass):
         target = max(needs.values())
         reason = "float16 forms of " + ", ".join(f"{k} ({v})" for k, v in sorted(needs.items()))
         try:
-            done = upgrade_opset(model, target)
+            done = upgrade_opset(model, target, ops=self.registry.custom_ops if self.registry is not None else {})
         except OpsetUpgradeError as exc:
             logger.warning("%s: opset %d not raised to %d (%s): %s", self.name, opset, target, reason, exc)
             details["opset_upgrade"] = {"done": False, "reason": f"{reason}: cannot raise opset {opset} to "

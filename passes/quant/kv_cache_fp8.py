@@ -55,6 +55,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +65,9 @@ from mograph.passes.quant import calibration as cal
 from mograph.passes.quant._base import CALIBRATION_OPTIONS, PLAN_OPTIONS, RANDOM_WARNING, open_calibration
 from mograph.passes.quant.plan import PrecisionPlan
 
+from mograph.custom_ops import CustomOp
 from mograph.errors import ModelError, PassFailedError
+from mograph.foreign_ops import ForeignOp, foreign_ops
 from mograph.metadata import KV_CACHE_KEY, read_kv_cache
 from mograph.pass_infra import Option, Pass, PassResult, stamp
 
@@ -75,11 +78,6 @@ logger = logging.getLogger(__name__)
 FP8_MAX = 448.0
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 _PASS_THROUGH = ("Identity",)
-#: (domain, op) -> {past input index: present output index}
-_FUSED_CACHE = {
-    ("com.microsoft", "MultiHeadAttention"): {6: 1, 7: 2},
-    ("com.microsoft", "GroupQueryAttention"): {3: 1, 4: 2},
-}
 
 KV_OPTIONS = (
     Option(
@@ -159,15 +157,15 @@ def _back(value: ir.Value) -> ir.Value:
     return value
 
 
-def _fused_index(node: ir.Node) -> dict[int, int] | None:
-    known = _FUSED_CACHE.get((node.domain, node.op_type))
-    if known is not None:
-        return known
+def _fused_index(node: ir.Node, ops: Mapping[tuple[str, str], CustomOp],
+                 foreign: Mapping[tuple[str, str], ForeignOp]) -> dict[int, int] | None:
+    """{past input index: present output index} of an op that carries a KV cache (its declaration says)."""
+    record = foreign.get((node.domain, node.op_type))
+    if record is not None and record.cache:
+        return dict(record.cache)
     if node.domain != "mograph":
         return None
-    from mograph.plugins import get_registry
-
-    op = get_registry().custom_ops.get((node.domain, node.op_type))  # a mograph op naming its cache I/O
+    op = ops.get((node.domain, node.op_type))  # a mograph op naming its cache I/O (none known without a registry)
     if op is None:
         return None
     ins, outs = [str(n) for n in op.inputs], [str(n) for n in op.outputs]
@@ -185,13 +183,14 @@ def _already_done(past: ir.Value) -> bool:
     return len(uses) == 1 and uses[0].node.op_type == "QuantizeLinear"
 
 
-def _pair_for(past: ir.Value, outputs: set[int]) -> CachePair | str:
+def _pair_for(past: ir.Value, outputs: set[int], ops: Mapping[tuple[str, str], CustomOp],
+              foreign: Mapping[tuple[str, str], ForeignOp]) -> CachePair | str:
     """The cache pair that starts at graph input ``past``, or why there is none."""
     start = _through(past)
     reasons = []
     for use in start.uses():
         node, idx = use.node, use.idx
-        fused = _fused_index(node)
+        fused = _fused_index(node, ops, foreign)
         if fused is not None:
             if idx not in fused:
                 reasons.append(f"read by {node.op_type} '{node.name}' input {idx}, not its past input")
@@ -227,8 +226,16 @@ def _pair_for(past: ir.Value, outputs: set[int]) -> CachePair | str:
     return "; ".join(reasons) or "not Concat-ed with new K/V into a graph output nor read as an attention op's past"
 
 
-def find_cache_pairs(model: ir.Model) -> tuple[list[CachePair], list[ir.Value], dict[str, str]]:
-    """The KV-cache pairs of ``model``'s main graph, the pasts already quantized, and why others were not taken."""
+def find_cache_pairs(model: ir.Model, ops: Mapping[tuple[str, str], CustomOp],
+                     foreign: Mapping[tuple[str, str], ForeignOp] | None = None,
+                     ) -> tuple[list[CachePair], list[ir.Value], dict[str, str]]:
+    """The KV-cache pairs of ``model``'s main graph, the pasts already quantized, and why others were not taken.
+
+    ``ops``: the declared custom ops (the registry's), whose ``past_*``/``present_*`` inputs and outputs
+    say where a fused attention op reads and writes its cache; a ``mograph`` op not among them is not
+    recognized as a cache reader.  ``foreign``: the records of ops mograph does not own (the registry's;
+    default: the built-in ones), whose ``cache`` says the same for ONNX Runtime's attention ops."""
+    foreign = foreign_ops(foreign)
     outputs = {id(v) for v in model.graph.outputs}
     pairs: list[CachePair] = []
     done: list[ir.Value] = []
@@ -239,7 +246,7 @@ def find_cache_pairs(model: ir.Model) -> tuple[list[CachePair], list[ir.Value], 
             continue
         if v.dtype not in _FLOATS:
             continue
-        found = _pair_for(v, outputs)
+        found = _pair_for(v, outputs, ops, foreign)
         if isinstance(found, CachePair):
             pairs.append(found)
         elif "past" in (v.name or "").lower():
@@ -285,7 +292,9 @@ class KvCacheFp8Pass(Pass):
     options = (*CALIBRATION_OPTIONS, *KV_OPTIONS, PLAN_OPTIONS[1])
 
     def call(self, model: ir.Model) -> PassResult:
-        pairs, done, missed = find_cache_pairs(model)
+        ops = self.registry.custom_ops if self.registry is not None else {}
+        foreign = self.registry.foreign_ops if self.registry is not None else None
+        pairs, done, missed = find_cache_pairs(model, ops, foreign)
         stats: dict[str, int | float] = {"cache_tensors": 0, "skipped_already_quantized": len(done)}
         if not pairs:
             if done:
@@ -298,7 +307,7 @@ class KvCacheFp8Pass(Pass):
         source = open_calibration(self, model)  # refuses before anything changes
         upgraded = self._ensure_opset(model, stats, details)
         if upgraded:
-            pairs, done, _ = find_cache_pairs(model)
+            pairs, done, _ = find_cache_pairs(model, ops, foreign)
         per_head = self.config.get("kv_cache_scale", "head") == "head"
         stored = self.config.get("kv_cache_io", "float") == "fp8"
         amaxes, samples = _amax(model, pairs, source, per_head, getattr(self, "progress", None))
@@ -345,7 +354,7 @@ class KvCacheFp8Pass(Pass):
         if old >= 19:
             return False
         try:
-            done = upgrade_opset(model, 19)
+            done = upgrade_opset(model, 19, ops=self.registry.custom_ops if self.registry is not None else {})
         except OpsetUpgradeError as exc:
             raise ModelError(f"{self.name}: needs opset >= 19 for FP8 QuantizeLinear; the model's opset cannot "
                              f"be upgraded from {old}: {exc}") from exc

@@ -842,10 +842,14 @@ class WeightOnlyPass(Pass):
             plan.add(node, "float", reason)
         if stats["quantized"]:
             model.opset_imports.setdefault(DOMAIN, DOMAIN_VERSION)
-            from mograph.lowering import ensure_functions
-            from mograph.plugins import get_registry
+            from mograph.passes.quant.weight_only_op import weight_only_matmul_op
 
-            ensure_functions(model, get_registry().custom_ops)
+            from mograph.lowering import ensure_functions
+
+            op = weight_only_matmul_op()  # the op this pass writes, declared by its own plugin
+            ops = dict(self.registry.custom_ops) if self.registry is not None else {}
+            ops.setdefault(op.key, op)
+            ensure_functions(model, ops)
         details: dict[str, Any] = {"plan": plan.to_dict()}
         publish_notes_and_plan(self, plan, details, notes)
         if not stats["quantized"]:

@@ -14,20 +14,18 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
-from mograph.passes.shape._dyn_symbolic import (
+from mograph.passes.shape._dyn_base import (
     INT64_MAX,
-    Dim,
     _Action,
-    _Analysis,
-    _fmt,
     _input,
-    _ramp_parts,
     _SourceAction,
-    has_sym,
 )
+from mograph.passes.shape._dyn_symbolic import _Analysis
+from mograph.passes.shape._dyn_traceback import _ramp_parts
 from mograph.passes.shape._shapes import reinfer_shapes
 
 from mograph.errors import PassFailedError
+from mograph.shapes import Dim
 
 
 def apply_plan(
@@ -64,12 +62,12 @@ def apply_plan(
             continue
         new: list[Any] = []
         for i, d in enumerate(out_dims):
-            if not has_sym(d):
+            if not d.has_sym:
                 new.append(an.num(d))
             elif any(isinstance(f, str) and f.startswith("_d") for f in d):
                 new.append(static.dims[i] if static is not None and len(static) == len(out_dims) and not isinstance(static.dims[i], int) else None)
             else:
-                new.append(ir.SymbolicDim(_fmt(d)))
+                new.append(ir.SymbolicDim(str(d)))
         out.shape = ir.Shape(new)
     return stats
 

@@ -16,22 +16,20 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
-from mograph.passes.shape._dyn_symbolic import (
+from mograph.passes.shape._dyn_base import (
     _BROADCAST,
     _UNARY,
-    Dim,
     _Action,
-    _Analysis,
     _attr,
     _const,
-    _fmt,
     _input,
-    _is_ramp,
     _NeedTag,
     _Refuse,
     _SourceAction,
-    has_sym,
 )
+from mograph.passes.shape._dyn_symbolic import _Analysis
+
+from mograph.shapes import Dim
 
 logger = logging.getLogger("mograph.passes.shape.make_dynamic")  # the pass's logger, as before the split
 
@@ -41,13 +39,13 @@ def trace_back(an: _Analysis, need: _NeedTag, overrides: dict, sources: list) ->
     ``sources`` (merged with a planned rewrite of the same input).  Raises :class:`_Refuse` when it cannot."""
     if any(isinstance(f, str) and f.startswith("_d") for f in need.dim):
         raise _Refuse(need.node, f"'{need.value.name}' axis {need.axis} has the size of the derived dim "
-                          f"{_fmt(need.dim)} baked in")
+                          f"{need.dim} baked in")
     found = find_source(an, need.value, need.axis, need.dim, depth=0)
     if found is None:
         raise _Refuse(
             need.node,
             f"'{need.value.name}' axis {need.axis} has the export size {an.num(need.dim)} of the dynamic dim "
-            f"{_fmt(need.dim)} baked in, and the pass cannot trace where that size comes from",
+            f"{need.dim} baked in, and the pass cannot trace where that size comes from",
         )
     for value, axis, action in found:
         if axis in overrides.get(value, {}):
@@ -183,7 +181,7 @@ def find_source(an: _Analysis, v: ir.Value, axis: int, dim: Dim, depth: int) -> 
             return None
         found_c: list = []
         for i in ins:
-            if i is None or (i in an.tags and has_sym(an.tags[i][axis])):
+            if i is None or (i in an.tags and an.tags[i][axis].has_sym):
                 continue
             sub = find_source(an, i, axis, dim, depth + 1)
             if sub is None:
@@ -203,7 +201,7 @@ def find_source(an: _Analysis, v: ir.Value, axis: int, dim: Dim, depth: int) -> 
                 return None
             if ax < 0 or shape_i[ax] == 1:
                 continue
-            if i in an.tags and has_sym(an.tags[i][ax]):
+            if i in an.tags and an.tags[i][ax].has_sym:
                 continue
             sub = find_source(an, i, ax, dim, depth + 1)
             if sub is None:
@@ -211,3 +209,22 @@ def find_source(an: _Analysis, v: ir.Value, axis: int, dim: Dim, depth: int) -> 
             found.extend(sub)
         return found or None
     return None
+
+
+def _ramp_parts(arr: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``first``, ``step`` (size 1 along ``axis``) and ``first + k * step`` for k along ``axis``."""
+    first = np.take(arr, [0], axis=axis)
+    step = np.take(arr, [1], axis=axis) - first
+    shape = [1] * arr.ndim
+    shape[axis] = arr.shape[axis]
+    k = np.arange(arr.shape[axis]).reshape(shape).astype(arr.dtype)
+    return first, step, first + k * step
+
+
+def _is_ramp(arr: np.ndarray, axis: int) -> bool:
+    """Every slice along ``axis`` is ``first + k * step`` (``arange`` times a vector, as rotary tables are)."""
+    _, step, ramp = _ramp_parts(arr, axis)
+    if arr.dtype.kind in "iu":
+        return bool(np.array_equal(ramp, arr))
+    scale = float(np.abs(arr).max()) or 1.0
+    return bool(np.allclose(ramp, arr, rtol=1e-6, atol=1e-6 * scale))

@@ -52,8 +52,9 @@ that must agree (``input_ids:0=batch --dynamic attention_mask:0=batch``).  An ax
 as it is.
 
 Code layout: this module holds the pass (options, the fold before the walk, the analyse / trace-back
-rounds); the layers below it are private modules — ``_dyn_symbolic`` (the size algebra and the forward
-walk with one rule per op), ``_dyn_traceback`` (from a baked size to the constant that made it) and
+rounds); the layers below it are private modules — ``_dyn_symbolic`` (the forward walk, in the size
+algebra of :mod:`mograph.shapes`), ``_dyn_rules`` (one rule per op), ``_dyn_base`` (refusals, planned
+rewrites, op classes), ``_dyn_traceback`` (from a baked size to the constant that made it) and
 ``_dyn_builder`` (the run-time size expressions that replace those constants).
 """
 
@@ -64,18 +65,7 @@ from typing import Any
 
 import onnx_ir as ir
 from mograph.passes.shape._dyn_builder import apply_plan
-from mograph.passes.shape._dyn_symbolic import (  # the names marked F401 are importable from here as before
-    INT64_MAX,  # noqa: F401
-    Dim,
-    Factor,  # noqa: F401
-    _Analysis,
-    _NeedTag,
-    _Refuse,
-    _static_shape,
-    canon,  # noqa: F401
-    const_dim,
-    has_sym,  # noqa: F401
-)
+from mograph.passes.shape._dyn_symbolic import _Analysis, _NeedTag, _Refuse, _static_shape
 from mograph.passes.shape._dyn_traceback import trace_back
 from mograph.passes.shape._shapes import infer_shapes
 from mograph.passes.shape._spec import find_input, parse_dynamic
@@ -83,6 +73,7 @@ from onnxscript.optimizer import _constant_folding as cf
 
 from mograph.errors import OptionError, PassFailedError
 from mograph.pass_infra import Option, Pass, PassResult
+from mograph.shapes import Dim
 
 __all__ = ["MakeDynamicPass"]
 
@@ -172,9 +163,9 @@ class MakeDynamicPass(Pass):
             if static is None:
                 raise OptionError(f"{self.name}: input '{v.name}' mixes static and dynamic dims; only fully static inputs "
                                   "are supported")
-            dims = [const_dim(d) for d in static]
+            dims = [Dim.lit(d) for d in static]
             for axis, sym in axes.items():
-                dims[axis] = (sym,)
+                dims[axis] = Dim.sym(sym)
             seeds[v] = dims
         overrides: dict[ir.Value, dict[int, Dim]] = {}
         sources: list[Any] = []

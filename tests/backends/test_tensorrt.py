@@ -486,7 +486,9 @@ _CHILD = textwrap.dedent(
         build_engine(os.path.join(folder, "scalar_beta.onnx"), os.path.join(folder, "scalar_beta.engine"))
     except EngineBuildError as exc:
         out["scalar_beta"] = {"message": str(exc), "problems": exc.report.get("plugin_node_problems")}
-    out["canonical"] = build_engine(os.path.join(folder, "canonical.onnx"), os.path.join(folder, "canonical.engine"))
+    from mograph.plugins import get_registry
+    out["canonical"] = build_engine(os.path.join(folder, "canonical.onnx"), os.path.join(folder, "canonical.engine"),
+                                    registry=get_registry())
     out["skip_rms"] = build_engine(os.path.join(folder, "skip_rms.onnx"), os.path.join(folder, "skip_rms.engine"))
     try:
         build_engine(os.path.join(folder, "beta_input.onnx"), os.path.join(folder, "beta_input.engine"))

@@ -1212,25 +1212,47 @@ def _positions(pos: ir.Value | None, q: ir.Value, past: ir.Value | None) -> bool
     return any(same_dim(n, _seq_dim(q)) for n in _range_lengths(rng))
 
 
+def _angle_factors(f: ir.Value) -> list[tuple[ir.Value, np.ndarray, int]]:
+    """The ways the angle table ``f`` ``[B, S, D/2]`` may be ``positions x inv_freq``: ``(value, inv_freq, axis)``
+    with ``value`` the float positions laid out with S on ``axis``.  Two spellings: ``Mul(pos[B, S, 1], inv[D/2])``
+    and the outer product ``Transpose(MatMul(inv[1, D/2, 1], pos[B, 1, S]), perm=[0, 2, 1])`` (transformers 5.17's
+    rotary, ``inv`` ``Expand``-ed over the batch: a matrix product over an inner dimension of one, the same values in
+    every batch row)."""
+    out = []
+    mul = _producer(f, "Mul")
+    if mul is not None:
+        for a, b in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
+            inv = constant_array(b)
+            if a is not None and inv is not None and inv.ndim == 1:
+                out.append((a, inv, 1))
+    tr = _producer(f, "Transpose")
+    if tr is not None and list(attr_value(tr, "perm", [])) == [0, 2, 1]:
+        mm = _producer(tr.inputs[0], "MatMul")
+        left = mm.inputs[0] if mm is not None else None
+        if (ex := _producer(left, "Expand")) is not None:  # inv broadcast over the batch: the same values per row
+            left = ex.inputs[0]
+        inv = constant_array(left) if left is not None else None
+        if mm is not None and mm.inputs[1] is not None and inv is not None and inv.ndim == 3 \
+                and inv.shape[0] == 1 and inv.shape[2] == 1:
+            out.append((mm.inputs[1], inv.reshape(-1), 2))
+    return out
+
+
 def _rotary_positions(f: ir.Value, q: ir.Value, past: ir.Value | None) -> tuple[ir.Value, np.ndarray] | None:
     """``(pos, inv_freq)`` if the angle table ``f`` ``[1, S, D/2]`` is ``pos[s] * inv_freq[i]`` (``Cast(pos)`` laid
-    out ``[1, S, 1]`` times a constant 1-D ``inv_freq``) with ``pos`` the query positions ``P + s``."""
-    mul = _producer(f, "Mul")
-    if mul is None:
-        return None
-    for a, b in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
-        inv = constant_array(b)
-        if inv is None or inv.ndim != 1 or inv.dtype not in (np.float32, np.float16):
+    out ``[1, S, 1]`` times a constant 1-D ``inv_freq``, or the outer-product spelling of :func:`_angle_factors`)
+    with ``pos`` the query positions ``P + s``."""
+    for factor, inv, axis in _angle_factors(f):
+        if inv.dtype not in (np.float32, np.float16):
             continue
-        value = a
-        cast = _producer(value, "Cast")  # (float16 after the fp16 pass)
+        cast = _producer(factor, "Cast")  # (float16 after the fp16 pass)
         if cast is None or int(attr_value(cast, "to", 0)) not in (ir.DataType.FLOAT.value, ir.DataType.FLOAT16.value):
             continue
         value = cast.inputs[0]
         pos = value
         while (un := _producer(pos, "Unsqueeze")) is not None:
             pos = un.inputs[0]
-        if pos is None or _through_unsqueeze(value, pos, 3) != 1 or not _positions(pos, q, past):
+        if pos is None or _through_unsqueeze(value, pos, 3) != axis or not _positions(pos, q, past):
             continue
         return pos, inv
     return None
@@ -1508,7 +1530,7 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
         return _no_gqa(node, f"head size {head_size} not a multiple of {GQA_HEAD_MULTIPLE}, or a partial rotary")
     past = ck[0] if ck is not None else None
     rp = _rotary_positions(f, xq, past)
-    if rp is None or not isinstance(f.shape[0], int) or f.shape[0] != 1:
+    if rp is None:  # (found: f is [1, S, D/2] by construction, a 1-D pos unsqueezed to rank 3 times a 1-D inv_freq)
         return _no_gqa(node, "the rotary angles are not provably (past + s) * inv_freq")
     pos, inv = rp
     keys = ck[2].shape[2] if ck is not None and ck[2].shape is not None else _seq_dim(xq)

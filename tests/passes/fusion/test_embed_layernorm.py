@@ -20,6 +20,7 @@ from _fusion_util import (
 from mograph.passes.fusion.embed_layernorm import FuseEmbedLayerNormPass
 from mograph.passes.fusion.layernorm import FuseLayerNormPass
 
+from mograph.plugins import get_registry
 from mograph.testing import Pipeline
 
 H, VOCAB, TYPES, MAXPOS = 16, 50, 2, 12
@@ -260,7 +261,7 @@ def test_embed_layernorm_fp16(lower_first):
     result = Fp16Pass(calibration_data=calib).call(model)
     assert result.stats["kept_fp32"] == 0 and result.stats["casts"] == 1  # the float32 output only
     if not lower_first:
-        LowerPass(target="ort").call(model)
+        LowerPass(target="ort", registry=get_registry()).call(model)
     (node,) = [n for n in model.graph if n.op_type == "EmbedLayerNormalization"]
     assert [v.dtype for v in node.inputs[2:7]] == [onnx.TensorProto.FLOAT16] * 5  # tables, gamma, beta
     assert node.inputs[0].dtype == node.inputs[1].dtype == node.inputs[8].dtype == onnx.TensorProto.INT32

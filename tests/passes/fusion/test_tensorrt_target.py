@@ -31,6 +31,7 @@ from mograph.backends import _trt_loader
 from mograph.backends import tensorrt as trt_backend
 from mograph.backends.tensorrt_plugins import PLUGINS
 from mograph.pass_infra import graph_fingerprint
+from mograph.plugins import get_registry
 
 TRT_NAME = _trt_loader.find_trt_module()
 
@@ -79,7 +80,7 @@ def check_plugin_form(model) -> None:  # type: ignore[no-untyped-def]
         for k, v in enumerate(node.inputs[1:], 1):
             if spec.inputs[k] != "Skip":
                 assert list(v.shape) == [hidden], (node.name, k, v.shape)
-    assert not trt_backend._needs_lowering(model)
+    assert not trt_backend._needs_lowering(model, get_registry())
     assert trt_backend._plugin_node_problems(model) == []  # what the backend validates before a build
 
 

@@ -35,6 +35,7 @@ from mograph.errors import OptionError
 from mograph.lowering import LowerPass
 from mograph.opset import OpsetUpgradeError, upgrade_opset
 from mograph.pass_infra import graph_fingerprint
+from mograph.plugins import get_registry
 
 H = 8
 
@@ -168,7 +169,7 @@ def test_upgrade_is_bit_exact_and_keeps_unchanged_nodes():
     proto = _bert(14)
     model = to_ir(proto)
     before = {id(n): n.op_type for n in model.graph}
-    done = upgrade_opset(model, 23)
+    done = upgrade_opset(model, 23, ops=get_registry().custom_ops)
     assert (done.from_opset, done.to_opset, done.rewritten) == (14, 23, {"ReduceMean": 10})
     kept = [n for n in model.graph if id(n) in before]
     assert len(kept) == len(before) - 10  # every node but the ten ReduceMeans is the same object
@@ -188,7 +189,7 @@ def test_subgraphs_are_converted():
     }}"""
     proto = parse(text)
     model = to_ir(proto)
-    done = upgrade_opset(model, 18)
+    done = upgrade_opset(model, 18, ops=get_registry().custom_ops)
     assert done.rewritten == {"ReduceMean": 1, "ReduceMax": 1}
     out = to_proto(model)
     onnx.checker.check_model(out, full_check=True)
@@ -206,7 +207,7 @@ def test_foreign_functions_are_refused_and_nothing_changes():
     model = to_ir(proto)
     before = graph_fingerprint(model)
     with pytest.raises(OpsetUpgradeError, match="vendor::Twice"):
-        upgrade_opset(model, 20)
+        upgrade_opset(model, 20, ops=get_registry().custom_ops)
     assert graph_fingerprint(model) == before and model.opset_imports[""] == 14
     # through the passes: fused and lowered as without the option (the body inlined), and the details say
     # why the opset stayed

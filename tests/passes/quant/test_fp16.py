@@ -12,6 +12,7 @@ from onnx import helper, numpy_helper
 
 from models.builders import bert_feeds, bert_tiny
 from mograph.errors import OptionError
+from mograph.plugins import get_registry
 from tests.passes.quant._helpers import cosine, op_counts, run, to_ir
 
 
@@ -386,7 +387,7 @@ def test_mograph_ops_before_lowering_then_lowered():
     result = Fp16Pass(calibration_data=calib).call(model)
     assert result.stats["kept_fp32"] == 0 and result.stats["casts"] == 1
     assert all(n.metadata_props.get("mograph.fp16") == "1" for n in model.graph if n.domain == "mograph")
-    LowerPass(target="ort").call(model)
+    LowerPass(target="ort", registry=get_registry()).call(model)
     assert not any(n.domain == "mograph" for n in model.graph)
     feeds = bert_feeds(2, 16, seed=1)
     emulated = keep_fp16_rounding(ir.serde.deserialize_model(ir.serde.serialize_model(model)))

@@ -15,6 +15,7 @@ from onnx import helper, numpy_helper
 from models.builders import bert_feeds, bert_tiny
 from mograph.errors import OptionError
 from mograph.lowering import lower_model
+from mograph.plugins import get_registry
 from mograph.testing import assert_untouched, check_pass, op_types, run_ort, to_ir, to_proto
 
 K, N1, N2 = 256, 128, 64
@@ -175,7 +176,7 @@ def test_lowerings_match_the_function_body(bits, symmetric):
     np.testing.assert_allclose(reference(x, *consts, **attrs)[0], x @ w_ref, rtol=1e-5)
     for target, ops in (("ort", ["com.microsoft.MatMulNBits"]), ("onnx", ["DequantizeLinear", "MatMul"])):
         m = ir.serde.deserialize_model(ir.serde.serialize_model(model))
-        result = lower_model(m, target, upgrade="auto" if target == "onnx" else None)
+        result = lower_model(m, target, registry=get_registry(), upgrade="auto" if target == "onnx" else None)
         assert result.stats["lowered.WeightOnlyMatMul"] == 2
         p = to_proto(m)
         onnx.checker.check_model(p)
@@ -201,8 +202,8 @@ def test_tensorrt_keeps_asymmetric_as_canonical():
     WeightOnlyPass(algorithm="rtn", output_projection="bits").call(model)
     from mograph.opset import upgrade_opset
 
-    upgrade_opset(model, 21)
-    result = lower_model(model, "tensorrt")
+    upgrade_opset(model, 21, ops=get_registry().custom_ops)
+    result = lower_model(model, "tensorrt", registry=get_registry())
     assert result.stats == {"kept.WeightOnlyMatMul": 2}
 
 

@@ -12,6 +12,10 @@ Before running a model it lowers it for its ``target`` (``onnx``) through mograp
 that stay (no lowering, or one that declined) run as their numpy ``reference`` from the registry, the
 way a runtime runs a native kernel, instead of their function body.
 
+The registry whose custom ops it lowers and runs is the one the job hands it (the ``registry`` keyword
+of ``make_runner`` and ``build``, which mograph's jobs give a backend that takes it), or the one it was
+made with; like mograph's own library code it never looks the registry up itself.
+
 It needs nothing beyond ``onnx``; ``optimizations``, ``threads`` and ``providers`` mean nothing to it.
 """
 
@@ -66,21 +70,19 @@ class ReferenceBackend(Backend):
     artifact_suffix = ".ref.onnx"
 
     def __init__(self, registry: Any = None) -> None:
-        #: The registry whose custom ops it lowers and runs; ``None``: mograph's, when first needed.
+        #: The registry whose custom ops it lowers and runs when a job gives none.
         self._registry = registry
 
-    @property
-    def registry(self) -> Any:
-        if self._registry is None:
-            from mograph.plugins import get_registry
-
-            return get_registry()
-        return self._registry
+    def _registry_for(self, given: Any) -> Any:
+        registry = given if given is not None else self._registry
+        if registry is None:
+            raise mograph.UsageError(f"backend '{self.name}' needs the registry (registry=) to lower and run custom ops")
+        return registry
 
     def why_unavailable(self) -> str:
         return "the onnx package is not installed: pip install onnx"
 
-    def prepare(self, model: Any) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    def prepare(self, model: Any, registry: Any) -> tuple[onnx.ModelProto, dict[str, Any]]:
         """A lowered copy of ``model`` (the caller's model is never changed) and what lowering did.
 
         The copy holds every tensor in memory: ``onnx.reference`` would resolve external data against
@@ -92,7 +94,7 @@ class ReferenceBackend(Backend):
             path = os.path.join(tmp, "model.onnx")
             mograph.save(loaded, path, external_data=False)
             copy = mograph.load(path)
-        info = _lower(copy, self.target or self.name, self.registry)
+        info = _lower(copy, self.target or self.name, registry)
         return ir.serde.serialize_model(copy), info
 
     def make_runner(
@@ -102,12 +104,13 @@ class ReferenceBackend(Backend):
         optimizations: bool = True,
         threads: int | None = None,
         providers: list[str] | None = None,
+        registry: Any = None,
         **options: Any,
     ) -> Runner:
         from onnx.reference import ReferenceEvaluator
 
-        proto, info = self.prepare(model)
-        registry = self.registry
+        registry = self._registry_for(registry)
+        proto, info = self.prepare(model, registry)
         kernels = []
         for domain, op_type in sorted({(n.domain, n.op_type) for n in proto.graph.node if n.domain not in _STANDARD}):
             op = registry.custom_ops.get((domain, op_type))
@@ -134,11 +137,11 @@ class ReferenceBackend(Backend):
         run.kernels = [k.__name__ for k in kernels]  # type: ignore[attr-defined]
         return run
 
-    def build(self, model: Any, path: str | os.PathLike[str], **options: Any) -> dict[str, Any]:
+    def build(self, model: Any, path: str | os.PathLike[str], *, registry: Any = None, **options: Any) -> dict[str, Any]:
         """Write the lowered model this backend would run to ``path`` (atomically); a short report."""
         if options:
             raise mograph.UsageError(f"backend '{self.name}' takes no build options, got: {', '.join(sorted(options))}")
-        proto, info = self.prepare(model)
+        proto, info = self.prepare(model, self._registry_for(registry))
         dest = Path(path)
         fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent or ".")
         try:

@@ -18,7 +18,10 @@ The op is declared once, in :data:`SWISH` (a :class:`mograph.CustomOp` in the pl
   kernel, so the standard form is the one its own fusions and kernels see).  The ``lower`` step
   (``--target``, or a backend's first act) calls it for every ``example.BetaSwish`` node.
 
-``fuse-swish`` leaves alone, as a near miss with its reason: a ``Sigmoid`` (or ``beta`` ``Mul``) whose
+``fuse-swish`` is one declarative rule, :class:`SwishFusion` (a :class:`mograph.patterns.Rule`: pattern with
+the exporter spellings as alternatives, check, rewrite), applied by :func:`mograph.patterns.apply_rules`, and
+gives the model the op's function body with :func:`mograph.lowering.ensure_functions`: the same doors as
+mograph's built-in fusions.  It leaves alone, as a near miss with its reason: a ``Sigmoid`` (or ``beta`` ``Mul``) whose
 output is read elsewhere (fusing would remove nothing), a ``beta`` that is not a one-element constant,
 and a model whose default opset is below 15 (the function body needs ``CastLike``).
 """
@@ -32,8 +35,9 @@ import onnx_ir as ir
 
 import mograph
 from mograph.lowering import LoweringContext, ensure_functions, replace_node
+from mograph.patterns import MatchResult, OrValue, Rule, apply_rules
 
-__all__ = ["DOMAIN", "DOMAIN_VERSION", "SWISH", "FuseSwishPass", "swish", "swish_function", "lower_swish"]
+__all__ = ["DOMAIN", "DOMAIN_VERSION", "SWISH", "FuseSwishPass", "SwishFusion", "swish", "swish_function", "lower_swish"]
 
 #: The plugin's own op domain and its version.
 DOMAIN = "example"
@@ -124,12 +128,49 @@ SWISH = mograph.CustomOp(
 )
 
 
-def _is(node: ir.Node | None, op_type: str) -> bool:
-    return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
-
-
 def _only_reader(value: ir.Value, reader: ir.Node) -> bool:
     return not value.is_graph_output() and all(use.node is reader for use in value.uses())
+
+
+def _read_once(context: Any, node: ir.Node) -> MatchResult:
+    """A node check of the pattern: the ``Sigmoid`` (or ``beta`` ``Mul``) must feed nothing but the swish."""
+    value = node.outputs[0]
+    uses = list(value.uses())
+    if value.is_graph_output() or len(uses) != 1:
+        return Rule.fail("the Sigmoid or its beta Mul has other readers; fusing would remove nothing", node)
+    return Rule.ok()
+
+
+class SwishFusion(Rule):
+    """``X * Sigmoid(X)`` or ``X * Sigmoid(X * beta)`` (either operand order of each ``Mul``) -> ``example.BetaSwish``.
+
+    The same door as mograph's built-in fusions (:class:`mograph.patterns.Rule`): a pattern with the two
+    exporter spellings as alternatives, a check that says why it refuses, a rewrite to the canonical op.
+    """
+
+    min_candidate_nodes = 2
+    structural_near_misses = False  # a Mul next to a Sigmoid is no near miss; a refused whole match is
+
+    def pattern(self, op: Any, x: Any, beta: Any) -> Any:
+        return OrValue(
+            [op.Mul(x, op.Sigmoid(op.Mul(x, beta, _check=_read_once), _check=_read_once)),
+             op.Mul(x, op.Sigmoid(x, _check=_read_once))],
+            tag_var="form", tag_values=["scaled", "silu"],
+        )
+
+    def check(self, context: Any, x: ir.Value, beta: ir.Value | None = None,  # type: ignore[override]
+              **_: Any) -> MatchResult:
+        opset = getattr(self, "model_opset", 0)
+        if opset < _MIN_OPSET:
+            return self.fail(f"default opset {opset} < {_MIN_OPSET}: the function body needs CastLike", x)
+        if beta is not None and _scalar(beta) is None:
+            return self.fail("beta is not a one-element constant", beta)
+        return self.ok()
+
+    def rewrite(self, op: Any, x: ir.Value, beta: ir.Value | None = None, **_: Any) -> Any:
+        value = 1.0 if beta is None else _scalar(beta)
+        # beta is always written: some runtimes (onnx.reference) do not apply a function's defaults
+        return op.BetaSwish(x, beta=float(value or 1.0), _domain=DOMAIN, _version=DOMAIN_VERSION)
 
 
 def _scalar(value: ir.Value | None) -> float | None:
@@ -151,59 +192,17 @@ class FuseSwishPass(mograph.Pass):
     emits_custom_ops = True
 
     def call(self, model: ir.Model) -> mograph.PassResult:
-        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
-        fused = 0
-        near_misses: list[dict[str, Any]] = []
+        rule = SwishFusion()
+        rule.model_opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))  # type: ignore[attr-defined]
 
-        def miss(node: ir.Node, reason: str) -> None:
-            near_misses.append({"node": node.name or node.op_type, "reason": reason})
-
-        for mul in list(model.graph):
-            if mul.graph is None or not _is(mul, "Mul"):
-                continue
-            match = self._match(mul)
-            if match is None:
-                continue
-            x, gate, scale, beta = match
-            if isinstance(beta, str):
-                miss(mul, beta)
-                continue
-            if opset < _MIN_OPSET:
-                miss(mul, f"default opset {opset} < {_MIN_OPSET}: the function body needs CastLike")
-                continue
-            if not _only_reader(gate.outputs[0], mul) or (scale is not None and not _only_reader(scale.outputs[0], gate)):
-                miss(mul, "the Sigmoid or its beta Mul has other readers; fusing would remove nothing")
-                continue
-            # beta is always written: some runtimes (onnx.reference) do not apply a function's defaults
-            node = ir.node("BetaSwish", [x], attributes={"beta": ir.AttrFloat32("beta", beta)}, domain=DOMAIN)
+        def namer(node: ir.Node, _rule: Rule) -> None:
             SWISH.infer_shapes(node)  # type: ignore[misc]
             mograph.stamp(node, self.name, "SwishFusion")
-            old = [n for n in (scale, gate, mul) if n is not None]
-            ir.convenience.replace_nodes_and_values(model.graph, mul, old, [node], [mul.outputs[0]], node.outputs)
-            fused += 1
+
+        report = apply_rules(model, [rule], namer=namer)
+        fused = int(report.stats.get("SwishFusion", 0))
         if fused:  # the op's function body and domain import, as the built-in fusions give theirs
             ensure_functions(model, {SWISH.key: SWISH})
-        details = {"near_misses": near_misses} if near_misses else {}
+        misses = [{"node": m.root, "reason": m.reason} for m in report.near_misses]
+        details = {"near_misses": misses} if misses else {}
         return mograph.PassResult(modified=fused > 0, stats={"SwishFusion": fused}, details=details)
-
-    @staticmethod
-    def _match(mul: ir.Node) -> tuple[ir.Value, ir.Node, ir.Node | None, float | str] | None:
-        """``(x, sigmoid, beta_mul, beta)`` when ``mul`` is ``x * Sigmoid(x)`` or ``x * Sigmoid(x * beta)``;
-        ``beta`` is the reason instead when only the constant is wrong; ``None`` when it is no Swish."""
-        for gate_idx in (0, 1):
-            x = mul.inputs[1 - gate_idx]
-            gate_out = mul.inputs[gate_idx]
-            gate = None if gate_out is None else gate_out.producer()
-            if x is None or gate is None or not _is(gate, "Sigmoid"):
-                continue
-            inner = gate.inputs[0]
-            if inner is x:
-                return x, gate, None, 1.0
-            scale = None if inner is None else inner.producer()
-            if scale is None or not _is(scale, "Mul"):
-                continue
-            for x_idx in (0, 1):
-                if scale.inputs[x_idx] is x:
-                    beta = _scalar(scale.inputs[1 - x_idx])
-                    return x, gate, scale, beta if beta is not None else "beta is not a one-element constant"
-        return None

@@ -1,0 +1,102 @@
+"""Facts about ops mograph does not own, declared once: one :class:`ForeignOp` record per op.
+
+Passes, lowerings and the profiler meet ops of other domains (ONNX Runtime's ``com.microsoft`` contrib
+ops, standard ONNX ops that are a fused computation) and need a few facts about them: which computation
+an op is an already-fused form of, where an attention op reads its past KV cache and writes the
+present one, which inputs are a normalization's gamma and beta, which outputs have input 0's shape.
+Each fact is a field of the op's record here, not a private table in the pass that needs it.
+
+The built-in records are :data:`BUILTIN_FOREIGN_OPS`; a plugin adds records (for its runtime's ops)
+with ``mograph_add_foreign_ops`` (:mod:`mograph.hookspecs`).  The mograph-owned ops carry the same
+facts in their own declarations (:class:`mograph.custom_ops.CustomOp`); :func:`fused_kinds` reads both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+__all__ = ["BUILTIN_FOREIGN_OPS", "ForeignOp", "MS_DOMAIN", "foreign_ops", "fused_kinds"]
+
+#: ONNX Runtime's contrib-op domain.
+MS_DOMAIN = "com.microsoft"
+
+
+@dataclass(frozen=True)
+class ForeignOp:
+    """What mograph knows about one op it does not own.
+
+    Attributes:
+        name: the op type.
+        domain: its domain (``""`` for a standard ONNX op).
+        computes: the computation it is an already-fused form of (``"LayerNorm"``, ``"RMSNorm"``,
+            ``"GELU"``, ``"attention"``), or ``None``.
+        cache: ``(past input index, present output index)`` pairs of an op that carries a KV cache.
+        affine: ``(gamma input index, beta input index)`` of a normalization whose output is
+            ``normalized * gamma + beta`` over the last axis; ``None`` otherwise.
+        same_shape_outputs: the outputs that have input 0's shape.
+    """
+
+    name: str
+    domain: str = MS_DOMAIN
+    computes: str | None = None
+    cache: tuple[tuple[int, int], ...] = ()
+    affine: tuple[int, int] | None = None
+    same_shape_outputs: tuple[int, ...] = ()
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.domain, self.name)
+
+
+def _ms(name: str, computes: str | None = None, **facts: object) -> ForeignOp:
+    return ForeignOp(name, MS_DOMAIN, computes, **facts)  # type: ignore[arg-type]
+
+
+#: The records every installation has (registered by the built-in plugin ``mograph.lowering``).
+BUILTIN_FOREIGN_OPS: tuple[ForeignOp, ...] = (
+    # standard ONNX forms of the fused computations
+    ForeignOp("LayerNormalization", "", "LayerNorm", affine=(1, 2)),
+    ForeignOp("RMSNormalization", "", "RMSNorm"),
+    ForeignOp("Gelu", "", "GELU"),
+    ForeignOp("Attention", "", "attention"),
+    # ONNX Runtime contrib ops
+    _ms("LayerNormalization", "LayerNorm", same_shape_outputs=(0,)),
+    _ms("SkipLayerNormalization", "LayerNorm", affine=(2, 3), same_shape_outputs=(0, 3)),
+    _ms("EmbedLayerNormalization", "LayerNorm"),
+    _ms("SimplifiedLayerNormalization", "RMSNorm", same_shape_outputs=(0,)),
+    _ms("SkipSimplifiedLayerNormalization", "RMSNorm", same_shape_outputs=(0, 3)),
+    _ms("Gelu", "GELU", same_shape_outputs=(0,)),
+    _ms("FastGelu", "GELU", same_shape_outputs=(0,)),
+    _ms("BiasGelu", "GELU", same_shape_outputs=(0,)),
+    _ms("QuickGelu", "GELU", same_shape_outputs=(0,)),
+    _ms("BiasAdd", same_shape_outputs=(0,)),
+    _ms("RotaryEmbedding", same_shape_outputs=(0,)),
+    _ms("Attention", "attention"),
+    _ms("MultiHeadAttention", "attention", cache=((6, 1), (7, 2))),
+    _ms("GroupQueryAttention", "attention", cache=((3, 1), (4, 2))),
+    _ms("PackedAttention", "attention"),
+    _ms("PackedMultiHeadAttention", "attention"),
+    _ms("DecoderMaskedMultiHeadAttention", "attention"),
+    _ms("SparseAttention", "attention"),
+)
+
+
+def foreign_ops(registered: Mapping[tuple[str, str], ForeignOp] | None = None) -> dict[tuple[str, str], ForeignOp]:
+    """The records by ``(domain, name)``: the built-in ones and ``registered`` (a registry's; they win)."""
+    out = {op.key: op for op in BUILTIN_FOREIGN_OPS}
+    out.update(registered or {})
+    return out
+
+
+def fused_kinds(custom_ops: Iterable[object], registered: Mapping[tuple[str, str], ForeignOp] | None = None
+                ) -> dict[str, str]:
+    """Op type (any domain) -> the computation it is an already-fused form of, read off the declarations:
+    the custom ops' ``computes`` and the foreign ops' records."""
+    out = {op.name: op.computes for op in foreign_ops(registered).values() if op.computes}
+    for op in custom_ops:
+        computes = getattr(op, "computes", None)
+        name = getattr(op, "name", None)
+        if isinstance(computes, str) and isinstance(name, str):
+            out.setdefault(name, computes)
+    return out

@@ -1,0 +1,51 @@
+"""One shape facility for every pass: a symbolic-dim algebra, a table of per-op shape rules, a query.
+
+- :class:`Dim` and its arithmetic (:func:`mul`, :func:`div`, :func:`add`, :func:`sub`, :func:`same_dim`):
+  a size as an ordered product of integers and symbols (``_dim``);
+- :class:`ShapeRule` / :class:`ShapeRules`: one rule per ``(domain, op_type, since_version)``, registered
+  with :func:`shape_rule` or :meth:`ShapeRules.register`; :func:`builtin_rules` holds the standard and
+  ``com.microsoft`` ones, and the op-class tables (:data:`SAME_SHAPE_OPS`, :data:`BROADCAST_OPS`,
+  :data:`REDUCE_OPS`) say once which standard ops keep, broadcast or reduce their input's shape
+  (``_rules``, ``_builtin``);
+- :class:`ShapeQuery`: one sweep over a graph, then ``dims``, ``dim``, ``same_dim``, ``values`` (the
+  elements of shape vectors), ``reshape_dims`` and the witness of each symbolic dim (``_query``);
+- :class:`InferredShapes`, :func:`shape_literals`, :func:`const_tensor`, :func:`int_vector`: the numeric
+  side, sizes from a full shape inference on a serialized copy and the stored entries of a reshape
+  target, for passes that edit weights and shape constants (``_inferred``).
+
+This package is part of the IR toolbox: it imports neither passes, backends nor the plugin registry.  A
+caller that holds the registry merges the custom ops' rules into a table and hands it to the query.
+"""
+
+from __future__ import annotations
+
+from mograph.shapes._builtin import (
+    BROADCAST_OPS,
+    MS_DOMAIN,
+    REDUCE_OPS,
+    SAME_SHAPE_OPS,
+    broadcast,
+    builtin_rules,
+    reshape_dims,
+    reshape_entries,
+    shape_range,
+)
+from mograph.shapes._dim import Dim, Factor, add, div, mul, prod, same_dim, sub
+from mograph.shapes._inferred import (
+    DimSize,
+    InferredShapes,
+    ShapeLiteral,
+    const_tensor,
+    int_vector,
+    owns_tensor,
+    shape_literals,
+)
+from mograph.shapes._query import Dims, ShapeQuery, Vector
+from mograph.shapes._rules import ShapeRule, ShapeRuleError, ShapeRules, node_version, shape_rule
+
+__all__ = [
+    "BROADCAST_OPS", "MS_DOMAIN", "REDUCE_OPS", "SAME_SHAPE_OPS", "Dim", "DimSize", "Dims", "Factor", "InferredShapes",
+    "ShapeLiteral", "ShapeQuery", "ShapeRule", "ShapeRuleError", "ShapeRules", "Vector", "add", "broadcast",
+    "builtin_rules", "const_tensor", "div", "int_vector", "mul", "node_version", "owns_tensor", "prod", "reshape_dims",
+    "reshape_entries", "same_dim", "shape_literals", "shape_range", "shape_rule", "sub",
+]

@@ -1,0 +1,185 @@
+"""The shape query: what a pass asks about a graph's dims and shape vectors.
+
+:class:`ShapeQuery` sweeps one graph once, in order, and records for every value
+
+- its *dims*: a tuple with one :class:`~mograph.shapes.Dim` (normal form) per axis, where a named input
+  dim is the atom ``=name`` (named dims of the same name are equal, as ONNX declares) and a dim no rule
+  can tell is a fresh atom of that value alone (an ``unk__`` name is never taken to equal another
+  value's);
+- for a small int64 vector (a ``Shape`` result, a reshape target), its *values*: ``(is_scalar,
+  elements)``, each element a ``Dim`` or ``None``;
+- the *witness* of each atom: the first value (graph inputs first) carrying it as a dim, so a pass can
+  rebuild a dim as ``Shape(witness)[axis]``.
+
+The dims come from the rule table (:mod:`mograph.shapes._rules`): the rule in force for each node's
+``(domain, op_type, version)``; where there is none, or it cannot tell, the dims ONNX inference left on
+the value are used.  Inference wins where it has a literal and the rule has a symbol.  Subgraphs and
+functions are not entered.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Union
+
+import numpy as np
+import onnx_ir as ir
+
+from mograph.shapes._builtin import builtin_rules, reshape_dims
+from mograph.shapes._dim import Dim
+from mograph.shapes._rules import ShapeRules, node_version
+
+__all__ = ["Dims", "ShapeQuery", "Vector"]
+
+#: The dims of one value: one per axis, ``None`` where unknown.
+Dims = tuple[Union[Dim, None], ...]
+#: The elements of a small int64 vector: ``(is_scalar, elements)``.
+Vector = tuple[bool, tuple[Union[Dim, None], ...]]
+
+_STD = ("", "ai.onnx")
+#: Errors a rule may raise on a malformed node; the query then treats the rule as not telling.
+_RULE_ERRORS = (IndexError, ValueError, TypeError, ZeroDivisionError)
+
+
+def _as_dim(d: Dim | int | tuple) -> Dim:
+    """A rule's dim as the query keeps it: a registered rule may give an int or a plain factor tuple."""
+    if isinstance(d, Dim):
+        return d
+    return Dim.lit(d) if isinstance(d, int) else Dim(d).normal()
+
+
+class ShapeQuery:
+    """Symbolic dims of every value of ``graph`` and elements of its small int64 vectors, in one sweep.
+
+    ``rules``: the table to consult (by default :func:`~mograph.shapes.builtin_rules`); a caller that
+    holds the plugin registry passes the built-in table merged with the registered custom-op rules.
+    """
+
+    #: Longest int64 vector whose elements are tracked.
+    max_vector = 64
+
+    def __init__(self, graph: ir.Graph, rules: ShapeRules | None = None) -> None:
+        self.graph = graph
+        self.rules = rules if rules is not None else builtin_rules()
+        self._opsets = dict(graph.opset_imports)
+        self._dims: dict[ir.Value, Dims | None] = {}
+        self._vec: dict[ir.Value, Vector] = {}
+        #: atom -> (value, axis): the first value carrying it (graph inputs first)
+        self.witness: dict[str, tuple[ir.Value, int]] = {}
+        #: tracked vectors that hold booleans (``Equal``), not int64
+        self.bools: set[ir.Value] = set()
+        #: graph position of each node output (graph inputs and initializers: absent), for witness order
+        self.position: dict[ir.Value, int] = {}
+        self._fresh = itertools.count()
+        for value in graph.inputs:
+            self._set_dims(value, self._declared(value))
+        for value in graph.initializers.values():
+            self._set_dims(value, None)
+            self._constant(value)
+        for index, node in enumerate(graph):
+            for value in node.outputs:
+                self.position[value] = index
+            self._visit(node)
+
+    # --- what passes ask -----------------------------------------------------------------------
+    def dims(self, value: ir.Value | None) -> Dims | None:
+        """The symbolic dims of ``value``; ``None`` if its rank is unknown."""
+        return None if value is None else self._dims.get(value)
+
+    def values(self, value: ir.Value | None) -> Vector | None:
+        """``(is_scalar, elements)`` of a tracked int64 shape vector; ``None`` if it is not one."""
+        return None if value is None else self._vec.get(value)
+
+    def dim(self, value: ir.Value | None, axis: int) -> Dim | None:
+        """Dim ``axis`` of ``value`` (negative counts from the end); ``None`` where unknown."""
+        dims = self.dims(value)
+        if dims is None or not -len(dims) <= axis < len(dims):
+            return None
+        return dims[axis]
+
+    def same_dim(self, a: ir.Value | None, axis_a: int, b: ir.Value | None, axis_b: int) -> bool:
+        """Whether dim ``axis_a`` of ``a`` and dim ``axis_b`` of ``b`` are equal for every input the model accepts."""
+        da, db = self.dim(a, axis_a), self.dim(b, axis_b)
+        return da is not None and da == db
+
+    def ints(self, value: ir.Value | None) -> list[int] | None:
+        """The values of a constant int32/int64 scalar or 1-D tensor of at most :attr:`max_vector` elements."""
+        tensor = None if value is None else ir.convenience.get_const_tensor(value)
+        if tensor is None:
+            return None
+        if tensor.dtype not in (ir.DataType.INT64, ir.DataType.INT32) or tensor.size > self.max_vector:
+            return None
+        arr = np.asarray(tensor.numpy())
+        if arr.ndim > 1:
+            return None
+        return [int(x) for x in arr.reshape(-1)]
+
+    def reshape_dims(self, data: Dims | None, target: tuple[Dim | None, ...], allowzero: bool) -> Dims | None:
+        """The dims ``Reshape`` gives ``data`` for a target with elements ``target``."""
+        return reshape_dims(data, target, allowzero)
+
+    # --- the sweep -------------------------------------------------------------------------------
+    def _declared(self, value: ir.Value) -> Dims | None:
+        shape = value.shape
+        if shape is None:
+            if value.const_value is not None:
+                return tuple(Dim.lit(int(d)) for d in value.const_value.shape.numpy())
+            return None
+        out: list[Dim | None] = []
+        for axis, d in enumerate(shape):
+            if isinstance(d, int):
+                out.append(Dim.lit(d))
+            elif d.value is not None and not d.value.startswith("unk__"):
+                out.append(Dim.sym(f"={d.value}"))
+            else:
+                out.append(Dim.sym(f"?{next(self._fresh)}:{value.name}:{axis}"))
+        return tuple(out)
+
+    def _set_dims(self, value: ir.Value, dims: Dims | None) -> None:
+        declared = self._declared(value)
+        if dims is None:
+            dims = declared
+        elif declared is not None and len(declared) == len(dims):
+            # A literal from inference beats a symbol; an unknown is filled from inference.
+            dims = tuple(d if (dec is None or (d is not None and not dec.is_literal)) else dec
+                         for d, dec in zip(dims, declared))
+        if dims is not None:
+            dims = tuple(Dim.sym(f"?{next(self._fresh)}:{value.name}") if d is None else _as_dim(d) for d in dims)
+            for axis, d in enumerate(dims):
+                name = d.symbol if d is not None else None
+                if name is not None and name not in self.witness:
+                    self.witness[name] = (value, axis)
+        self._dims[value] = dims
+
+    def _constant(self, value: ir.Value) -> None:
+        tensor = ir.convenience.get_const_tensor(value)
+        if tensor is not None and self._dims.get(value) is None:
+            self._dims[value] = tuple(Dim.lit(int(d)) for d in tensor.shape.numpy())
+        ints = self.ints(value)
+        if ints is not None and tensor is not None and tensor.dtype == ir.DataType.INT64:
+            self._vec[value] = (tensor.shape.rank() == 0, tuple(Dim.lit(i) for i in ints))
+
+    def _visit(self, node: ir.Node) -> None:
+        outs = list(node.outputs)
+        rule = self.rules.lookup(node.domain, node.op_type, node_version(node, self._opsets))
+        result = None
+        if rule is not None and rule.dims is not None:
+            try:
+                result = rule.dims(node, self)
+            except _RULE_ERRORS:
+                result = None
+        results: list[Dims | None] = list(result) if result is not None else []
+        results += [None] * (len(outs) - len(results))
+        for value, dims in zip(outs, results):
+            self._set_dims(value, dims)
+        if node.domain in _STD and node.op_type == "Constant" and outs:
+            self._constant(outs[0])
+        elif outs and rule is not None and rule.values is not None:
+            try:
+                vec = rule.values(node, self)
+            except _RULE_ERRORS:
+                vec = None
+            if vec is not None and len(vec[1]) <= self.max_vector:
+                self._vec[outs[0]] = vec
+                if node.op_type == "Equal" or (node.op_type in ("Where", "Identity") and node.inputs[-1] in self.bools):
+                    self.bools.add(outs[0])

@@ -1,0 +1,79 @@
+"""The rule table (registration, versions, clashes) and what the query answers over a graph."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from mograph.errors import MographError
+from mograph.shapes import Dim, ShapeQuery, ShapeRule, ShapeRuleError, ShapeRules, builtin_rules, shape_rule
+
+
+def _graph(opset: int = 18) -> tuple[ir.Graph, dict[str, ir.Value]]:
+    """x[b, s, 8] -> Relu -> Reshape(., Concat(Shape(x)[0:1], [-1, 2])) -> Custom (domain my.ops)."""
+    x = ir.Value(name="x", shape=ir.Shape(["b", "s", 8]), type=ir.TensorType(ir.DataType.FLOAT))
+    other = ir.Value(name="other", shape=ir.Shape(["b", "unk__0"]), type=ir.TensorType(ir.DataType.FLOAT))
+    tail = ir.Value(name="tail", const_value=ir.tensor(np.array([-1, 2], dtype=np.int64)))
+    tail.shape, tail.type = ir.Shape([2]), ir.TensorType(ir.DataType.INT64)
+    relu = ir.node("Relu", [x])
+    shape = ir.node("Shape", [x], attributes={"end": 1})
+    target = ir.node("Concat", [shape.outputs[0], tail], attributes={"axis": 0})
+    reshape = ir.node("Reshape", [relu.outputs[0], target.outputs[0]])
+    custom = ir.node("Twice", [reshape.outputs[0]], domain="my.ops")
+    graph = ir.Graph([x, other], [custom.outputs[0]], nodes=[relu, shape, target, reshape, custom], initializers=[tail],
+                     opset_imports={"": opset, "my.ops": 1})
+    return graph, {"x": x, "other": other, "relu": relu.outputs[0], "target": target.outputs[0],
+                   "reshape": reshape.outputs[0], "custom": custom.outputs[0]}
+
+
+def test_query_dims_values_same_dim_and_witness() -> None:
+    graph, v = _graph()
+    q = ShapeQuery(graph)
+    assert q.dims(v["relu"]) == (("=b",), ("=s",), (8,))
+    assert q.values(v["target"]) == (False, (("=b",), (-1,), (2,)))
+    assert q.dims(v["reshape"]) == (("=b",), (4, "=s"), (2,))  # -1 is the rest: 8*s / 2
+    assert q.same_dim(v["x"], 0, v["reshape"], 0) and q.same_dim(v["x"], 0, v["other"], 0)
+    assert not q.same_dim(v["x"], 1, v["reshape"], 1)
+    assert q.dim(v["x"], -1) == Dim.lit(8) and q.dim(v["x"], 3) is None
+    assert q.witness["=b"] == (v["x"], 0)  # the first value (graph inputs first) carrying b
+    # An unk__ dim is a fresh atom of that value alone, never equal to another value's.
+    assert not q.same_dim(v["other"], 1, v["other"], 0) and q.dim(v["other"], 1).symbol.startswith("?")
+    assert q.dims(v["custom"]) is None  # no rule for my.ops::Twice, nothing inferred
+
+
+def test_registered_rules_are_a_parameter() -> None:
+    """A custom op's rule, registered into a table the caller hands over, is consulted like a built-in."""
+    rules = builtin_rules()
+
+    @shape_rule(rules, "my.ops", "Twice")
+    def twice(node: ir.Node, q: ShapeQuery) -> list:
+        d = q.dims(node.inputs[0])
+        return [d[:-1] + (Dim.lit(2 * d[-1].coef),)]
+
+    graph, v = _graph()
+    assert ShapeQuery(graph, rules).dims(v["custom"]) == (("=b",), (4, "=s"), (4,))
+    plain = ShapeRules([ShapeRule("my.ops", "Twice", 1, dims=lambda node, q: [(("=s", 2), 1, (0, "x"))])])
+    assert ShapeQuery(graph, plain).dims(v["custom"]) == ((2, "=s"), (), (0,))  # plain tuples: read in normal form
+    assert ShapeQuery(graph).dims(v["custom"]) is None  # the default table is fresh, not shared
+
+
+def test_lookup_by_version_and_clashes() -> None:
+    def one(node: ir.Node, q: ShapeQuery) -> None:
+        return None
+
+    table = ShapeRules([ShapeRule("", "Op", 1, dims=one), ShapeRule("ai.onnx", "Op", 13, dims=one)])
+    assert table.lookup("", "Op", 12).since_version == 1
+    assert table.lookup("ai.onnx", "Op", 13).since_version == 13
+    assert table.lookup("", "Op", None).since_version == 13  # unknown version: the newest
+    assert table.lookup("", "Other", 13) is None and len(table) == 2
+    with pytest.raises(ShapeRuleError, match="already registered") as info:
+        table.register(ShapeRule("", "Op", 13, dims=one))
+    assert isinstance(info.value, MographError)
+    with pytest.raises(ShapeRuleError):
+        table.merged([ShapeRule("ai.onnx", "Op", 1, values=one)])
+    shape_rule(table, "", "Op", 13, kind="values")(one)  # a values rule completes the dims rule of the key
+    assert table.lookup("", "Op", 13).values is one and table.lookup("", "Op", 13).dims is one
+    with pytest.raises(ShapeRuleError):
+        shape_rule(table, "", "Op", 13, kind="values")(one)
+
