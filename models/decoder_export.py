@@ -126,15 +126,16 @@ def _large(cfg: Any) -> bool:
 
 
 def export(cfg: Any, step: str, exporter: str, path: str | os.PathLike[str], seed: int = 0,
-           hf_dir: str | os.PathLike[str] | None = None) -> Path:
+           hf_dir: str | os.PathLike[str] | None = None, tokens: int = 3) -> Path:
     """Export the ``step`` (``prefill`` | ``decode``) graph with dynamic batch / sequence / past dims (weights of
-    ``hf_dir`` if given, else seeded random ones)."""
+    ``hf_dir`` if given, else seeded random ones), traced with ``tokens`` new tokens; ``tokens=1`` (dynamo) gives
+    a decode step specialized to one token, as an export traced with one token is (its sequence dim static 1)."""
     import torch
 
     path = Path(path)
     module = build(cfg, step, seed, hf_dir)
     names, outputs = input_names(cfg, step), output_names(cfg)
-    sample = feeds(cfg, step, batch=2, seq=3, past=4, seed=seed)
+    sample = feeds(cfg, step, batch=2, seq=tokens, past=4, seed=seed)
     args = tuple(torch.from_numpy(sample[n]) for n in names)
     if exporter == "torchscript":
         axes: dict[str, dict[int, str]] = {"input_ids": {0: "batch", 1: "seq"},
@@ -146,7 +147,7 @@ def export(cfg: Any, step: str, exporter: str, path: str | os.PathLike[str], see
                               dynamo=False, dynamic_axes=axes, do_constant_folding=True)
         return path
     batch, seq = torch.export.Dim("batch", max=1024), torch.export.Dim("seq", max=4096)
-    shapes: list[Any] = [{0: batch, 1: seq}]
+    shapes: list[Any] = [{0: batch, 1: seq} if tokens > 1 else {0: batch}]
     if step == "decode":
         past, total = torch.export.Dim("past", max=4096), torch.export.Dim("total", max=8192)
         shapes.append({0: batch, 1: total})

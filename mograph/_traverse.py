@@ -15,6 +15,18 @@ import onnx_ir as ir
 __all__ = ["iter_nodes", "subgraphs"]
 
 
+_GRAPH = ir.AttributeType.GRAPH
+_GRAPHS = ir.AttributeType.GRAPHS
+
+
+def _has_subgraph(node: ir.Node) -> bool:
+    # ``attributes`` is a UserDict: its ``data`` dict is read directly (no Python-level __len__/__iter__)
+    for attr in node.attributes.data.values():
+        if attr.type == _GRAPH or attr.type == _GRAPHS:
+            return True
+    return False
+
+
 def _node_subgraphs(node: ir.Node) -> Iterator[ir.Graph]:
     for attr in node.attributes.values():
         if attr.type == ir.AttributeType.GRAPH and not attr.is_ref():
@@ -27,7 +39,7 @@ def iter_nodes(graph: ir.Graph | ir.Function) -> Iterator[ir.Node]:
     """Every node of ``graph`` and, after each node, the nodes of its subgraphs (recursively)."""
     for node in graph:
         yield node
-        if node.attributes:
+        if node.attributes.data and _has_subgraph(node):
             for sub in _node_subgraphs(node):
                 yield from iter_nodes(sub)
 
@@ -36,7 +48,7 @@ def subgraphs(graph: ir.Graph | ir.Function) -> list[ir.Graph]:
     """Every subgraph under ``graph`` (If/Loop/Scan bodies, nested), in node order."""
     out: list[ir.Graph] = []
     for node in graph:
-        if node.attributes:
+        if node.attributes.data and _has_subgraph(node):
             for sub in _node_subgraphs(node):
                 out.append(sub)
                 out.extend(subgraphs(sub))

@@ -282,6 +282,13 @@ def count_nodes(model: ir.Model) -> int:
     return sum(1 for _ in _iter_nodes(model.graph))
 
 
+#: Attribute types whose values are plain Python scalars or lists of them (never a graph or a tensor).
+_PLAIN_ATTRS = frozenset({
+    ir.AttributeType.INT, ir.AttributeType.FLOAT, ir.AttributeType.STRING,
+    ir.AttributeType.INTS, ir.AttributeType.FLOATS, ir.AttributeType.STRINGS,
+})
+
+
 def graph_fingerprint(model: ir.Model) -> str:
     """A hash of the graph's structure: nodes, attributes, edges, inputs, outputs, initializers.
 
@@ -305,7 +312,9 @@ def graph_fingerprint(model: ir.Model) -> str:
         for node in graph:
             attrs: list[tuple[str, object]] = []
             for k, a in node.attributes.items():
-                if isinstance(a.value, ir.Graph):
+                if a.type in _PLAIN_ATTRS:  # ints, floats, strings: no need for the (slow) protocol check
+                    attrs.append((k, repr(a.value)))
+                elif isinstance(a.value, ir.Graph):
                     walk(a.value)
                     attrs.append((k, "graph"))
                 elif isinstance(a.value, ir.TensorProtocol):
@@ -433,9 +442,10 @@ class PassManager:
                 that is not a :class:`PassResult`, or ``modified=False`` for a changed graph.
         """
         report = report if report is not None else PipelineReport()
+        # One walk of the model per pass: the nodes after a pass are the nodes before the next one (nothing
+        # runs in between).  The old nodes are kept alive while comparing so their ids cannot be reused.
+        before_nodes = list(_iter_nodes(model.graph))
         for p in self.passes:
-            # Keep the old nodes alive while comparing so their ids cannot be reused by new ones.
-            before_nodes = list(_iter_nodes(model.graph))
             before_ids = {id(n) for n in before_nodes}
             nodes_before = len(before_ids)
             fp_before = graph_fingerprint(model) if self.check_modified else None
@@ -458,10 +468,11 @@ class PassManager:
             seconds = time.perf_counter() - start - (check_seconds or 0.0)
             if not isinstance(result, PassResult):
                 raise InternalError(p.name, f"returned {type(result).__name__}, not a PassResult")
-            new_nodes = [n for n in _iter_nodes(model.graph) if id(n) not in before_ids]
+            after_nodes = list(_iter_nodes(model.graph))
+            new_nodes = [n for n in after_nodes if id(n) not in before_ids]
             for node in new_nodes:
                 stamp(node, p.name)
-            del before_nodes
+            before_nodes = after_nodes
             if fp_before is not None and not result.modified and graph_fingerprint(model) != fp_before:
                 raise InternalError(p.name, "reported modified=False but changed the graph")
             if new_nodes and not result.modified:
@@ -472,7 +483,7 @@ class PassManager:
                 stats=dict(result.stats),
                 seconds=seconds,
                 nodes_before=nodes_before,
-                nodes_after=count_nodes(model),
+                nodes_after=len(after_nodes),
                 details=dict(result.details),
                 check_seconds=check_seconds,
             )

@@ -40,6 +40,7 @@ pinned by the installed onnxscript version; this module is the one place that kn
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -496,8 +497,13 @@ def _removal_blocker(nodes: Sequence[ir.Node], outputs: Sequence[ir.Value],
     return None
 
 
-def remove_dead_producers(graph: ir.Graph, values: Iterable[ir.Value | None]) -> None:
-    """Remove producers of ``values`` that nothing reads any more (transitively)."""
+def remove_dead_producers(
+    graph: ir.Graph, values: Iterable[ir.Value | None], on_delete: Callable[[str], None] | None = None
+) -> None:
+    """Remove producers of ``values`` that nothing reads any more (transitively).
+
+    ``on_delete(name)`` is called for each initializer removed (the sweep's :class:`_InitializerNames`
+    learns which names are free again)."""
     stack = [v for v in values if v is not None]
     while stack:
         v = stack.pop()
@@ -513,6 +519,8 @@ def remove_dead_producers(graph: ir.Graph, values: Iterable[ir.Value | None]) ->
                 and graph.initializers[v.name] is v
             ):
                 del graph.initializers[v.name]
+                if on_delete is not None:
+                    on_delete(v.name)
             continue
         if node.graph is not graph:
             continue
@@ -543,6 +551,55 @@ def _node_checks(match: MatchResult, context: _basics.MatchContext) -> str | Non
     return None
 
 
+class _InitializerNames:
+    """Names for the initializers a sweep over one graph adds: for a rewrite's ``base`` (``mograph_one``),
+    ``base`` itself if free, else the first of ``base_1``, ``base_2`` ... that no initializer has.
+
+    Probing from ``base_1`` at every rewrite costs as many lookups as there are such names already, which
+    over a sweep grows with the square of the graph (a placeholder per fused norm).  So the first index
+    not yet probed is kept per base, and the indices below it that became free during the sweep (an
+    initializer removed through :meth:`deleted`) are kept aside: the name chosen is the same as probing
+    from 1 would choose, provided every removal during the sweep is reported (the sweep's removals go
+    through :func:`remove_dead_producers`, which reports them).
+    """
+
+    def __init__(self, graph: ir.Graph) -> None:
+        self.graph = graph
+        self.cursor: dict[str, int] = {}  # base -> every base_i with 0 < i < cursor was taken when probed
+        self.freed: dict[str, list[int]] = {}  # base -> indices below the cursor removed since (a heap)
+        self.probes = 0  # names looked up (the regression test counts them)
+
+    def fresh(self, name: str | None) -> str:
+        taken = self.graph.initializers
+        self.probes += 1
+        if name and name not in taken:
+            return name
+        base = name or "mograph_const"
+        heap = self.freed.get(base)
+        while heap:  # a name freed below the cursor (left in place: the next call finds it taken if used)
+            self.probes += 1
+            if f"{base}_{heap[0]}" not in taken:
+                return f"{base}_{heap[0]}"
+            heapq.heappop(heap)
+        i = self.cursor.get(base, 1)
+        while True:
+            self.probes += 1
+            candidate = f"{base}_{i}"
+            if candidate not in taken:
+                self.cursor[base] = i
+                return candidate
+            i += 1
+
+    def deleted(self, name: str) -> None:
+        """Learn that the initializer ``name`` was removed (its name may be given again)."""
+        base, sep, index = name.rpartition("_")
+        if sep and index.isdigit() and str(int(index)) == index and int(index) > 0:
+            i = int(index)
+            heap = self.freed.setdefault(base, [])
+            if i < self.cursor.get(base, 1) and i not in heap:
+                heapq.heappush(heap, i)
+
+
 def _try(
     rule: Rule,
     model: ir.Model,
@@ -550,6 +607,7 @@ def _try(
     node: ir.Node,
     report: RuleReport,
     fused_nodes: set[ir.Node],
+    names: _InitializerNames,
 ) -> list[ir.Node] | None:
     """Try ``rule`` at root ``node``; on success rewrite and return the new nodes."""
     best_miss: tuple[int, str, list[ir.Node]] | None = None
@@ -608,10 +666,7 @@ def _try(
             if domain not in model.opset_imports:
                 model.opset_imports[domain] = version if version is not None else 1
         for init in replacement.new_initializers:
-            base, i = init.name or "mograph_const", 0
-            while init.name in graph.initializers or not init.name:
-                i += 1
-                init.name = f"{base}_{i}"
+            init.name = names.fresh(init.name)
             graph.register_initializer(init)
         old_vals, new_vals = [], []
         node_set = set(nodes)
@@ -624,7 +679,7 @@ def _try(
             new_vals.append(new)
         inputs_read = [v for n in nodes for v in n.inputs]
         ir.convenience.replace_nodes_and_values(graph, node, nodes, replacement.new_nodes, old_vals, new_vals)
-        remove_dead_producers(graph, inputs_read)
+        remove_dead_producers(graph, inputs_read, names.deleted)
         report.stats[rule.name] += 1
         report.candidates[rule.name] += 1
         if label:
@@ -688,11 +743,12 @@ def _apply_graph(
     fused: set[ir.Node] = set()
     created: list[ir.Node] = []
     by_op = _rules_by_root_op(rules)
+    names = _InitializerNames(graph)
     for node in graph:
         if node in fused:
             continue
         for rule in by_op.get(node.op_type, by_op[None]):
-            new_nodes = _try(rule, model, graph, node, report, fused)
+            new_nodes = _try(rule, model, graph, node, report, fused, names)
             if new_nodes is not None:
                 if namer is not None:
                     for n in new_nodes:

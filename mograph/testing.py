@@ -13,7 +13,8 @@ unchanged), (5) a second run that changes nothing.  :func:`check_pass` does 1, 2
 A pass may be a :class:`Pipeline` of several (a fusion and the ``lower`` step, say): their stats are
 merged and ``modified`` is true if any changed the model.  Installed as a pytest plugin (entry point
 ``pytest11``), it also gives the fixture ``mograph_testing`` (this module).  Needs onnxruntime for the
-numeric check.
+numeric check: without it, the tests that call :func:`run_ort` or :func:`check_pass` are skipped (no
+``importorskip`` needed in the tests).
 
 Like :func:`mograph.run_passes`, these helpers are a composition root: a pass made by hand (no
 ``registry``) is given the current environment's registry before it runs, as
@@ -22,6 +23,7 @@ Like :func:`mograph.run_passes`, these helpers are a composition root: a pass ma
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -148,9 +150,9 @@ def run_ort(model: onnx.ModelProto | ir.Model, feeds: Mapping[str, np.ndarray]) 
     """Run on ONNX Runtime's CPU provider with its graph optimizations off (they could hide a broken rewrite).
 
     External data of an ``onnx_ir.Model`` is read in; feeds the model has no input for are left out.
+    Without onnxruntime, a test that calls it (or :func:`check_pass`) is skipped, as ``importorskip`` does.
     """
-    import onnxruntime as ort
-
+    ort = _onnxruntime()
     proto = to_proto(model, with_data=True) if isinstance(model, ir.Model) else model
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
@@ -159,6 +161,21 @@ def run_ort(model: onnx.ModelProto | ir.Model, feeds: Mapping[str, np.ndarray]) 
     sess = ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
     names = {i.name for i in sess.get_inputs()}
     return sess.run(None, {k: v for k, v in feeds.items() if k in names})
+
+
+def _onnxruntime() -> Any:
+    """onnxruntime; without it, the running test is skipped (outside a test, the error naming the extra)."""
+    try:
+        import onnxruntime
+    except ImportError:
+        if "PYTEST_CURRENT_TEST" in os.environ:  # set by pytest while a test runs
+            import pytest
+
+            pytest.skip("onnxruntime is not installed: pip install 'mograph[ort]'")
+        from mograph.errors import BackendUnavailableError
+
+        raise BackendUnavailableError("onnxruntime", "ort") from None
+    return onnxruntime
 
 
 def tolerance_for(arrays: Iterable[np.ndarray]) -> float:

@@ -36,3 +36,17 @@ def kernel_library(tmp_path_factory):
     if build.find_nvcc() is None:
         pytest.skip("nvcc not found on PATH (nor NVCC / CUDA_HOME): cannot build")
     return build.build(build_dir=tmp_path_factory.mktemp("kernels_build"), force=True)
+
+
+@pytest.fixture(scope="session")
+def export_dir(tmp_path_factory):
+    """One folder for the models the tests export with torch, shared by every test module of the run (an export
+    takes seconds to minutes; modules that export the same model find it there). ``MOGRAPH_TEST_EXPORT_DIR``
+    keeps it across runs."""
+    import os
+
+    env = os.environ.get("MOGRAPH_TEST_EXPORT_DIR")
+    if env:
+        Path(env).mkdir(parents=True, exist_ok=True)
+        return Path(env)
+    return tmp_path_factory.mktemp("exports")

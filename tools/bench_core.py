@@ -40,9 +40,11 @@ limit (``--timeout``), through:
   num_heads=..., hidden_size=..., opt_level=0)`` then ``save_model_to_file`` (the reference);
 * ``inspect``: ``mograph.inspect.summarize(path)``.
 
-The table gives seconds, peak RSS and peak RSS over the model's bytes per tool and size, and the time
-ratio of the largest size to the 10k one.  ``--model FILE`` adds an existing model (e.g. a 30-layer
-LLaMA export) to the same table; with ``--scaling`` and no sizes only the given models run.
+The table gives seconds, the worker process's CPU seconds (on a machine shared with other jobs the wall
+time mostly measures the load; the CPU time does not), peak RSS and peak RSS over the model's bytes per
+tool and size, and the time ratio of the largest size to the 10k one.  ``--model FILE`` adds an existing
+model (e.g. a 30-layer LLaMA export) to the same table; with ``--scaling`` and no sizes only the given
+models run.  ``--markdown FILE`` also writes the table and the per-pass breakdown as markdown.
 """
 
 from __future__ import annotations
@@ -426,7 +428,7 @@ def _scale_worker(tool: str, src: str, dst: str, result_path: str, heads: str, h
     else:
         from onnxruntime.transformers.optimizer import optimize_model
     out: dict[str, Any] = {"import_s": time.perf_counter() - t_imp, "rss_after_import": _rss_now()}
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     if tool == "mograph":
         model, report = mograph.optimize(src, passes="cleanup,fuse")
         mid = time.perf_counter()
@@ -442,6 +444,7 @@ def _scale_worker(tool: str, src: str, dst: str, result_path: str, heads: str, h
         opt.save_model_to_file(dst)
         out["nodes_out"] = len(opt.model.graph.node)
     out["seconds"] = time.perf_counter() - start
+    out["cpu_s"] = time.process_time() - cpu_start  # this process's CPU time: what a shared machine's load leaves
     out["peak_rss"] = _peak_rss()
     Path(result_path).write_text(json.dumps(out))
 
@@ -488,7 +491,8 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
             dst = out_dir / f"{m['path'].stem}.{tool}.onnx"
             r = run_scale_tool(tool, m["path"], dst, m["heads"], m["hidden"], args.timeout)
             row["tools"][tool] = r
-            what = r.get("error") or f"{r['seconds']:.2f}s, peak RSS {_fmt_mb(r['peak_rss'])} MB"
+            what = r.get("error") or (f"{r['seconds']:.2f}s (CPU {r['cpu_s']:.2f}s), "
+                                      f"peak RSS {_fmt_mb(r['peak_rss'])} MB")
             print(f"  {m['label']:>14} ({m['nodes']} nodes) {tool:8s} {what}", flush=True)
         rows.append(row)
 
@@ -496,7 +500,7 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
     print(f"cleanup,fuse + save (mograph) vs ONNX Runtime's transformers optimizer (ort), and inspect; "
           f"LLaMA-style stacks, hidden {args.hidden}; each run a fresh process")
     head = f"{'model':>18} {'nodes':>7} {'MB':>6}" + "".join(
-        f" {t + ' s':>10} {t + ' peakMB':>14} {'xbytes':>6}" for t in tools)
+        f" {t + ' s':>10} {t + ' cpu s':>12} {t + ' peakMB':>14} {'xbytes':>6}" for t in tools)
     print(head)
     print("-" * len(head))
     for row in rows:
@@ -504,9 +508,9 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
         for t in tools:
             r = row["tools"][t]
             if "error" in r:
-                line += f" {'-':>10} {'-':>14} {'-':>6}"
+                line += f" {'-':>10} {'-':>12} {'-':>14} {'-':>6}"
                 continue
-            line += (f" {r['seconds']:>10.2f} {_fmt_mb(r['peak_rss']):>14} "
+            line += (f" {r['seconds']:>10.2f} {r['cpu_s']:>12.2f} {_fmt_mb(r['peak_rss']):>14} "
                      f"{r['peak_rss'] / max(row['bytes'], 1):>6.1f}")
         print(line)
     for row in rows:
@@ -520,7 +524,8 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
         for t in tools:
             a, b = ten["tools"][t], top["tools"][t]
             if "error" not in a and "error" not in b:
-                print(f"{t}: {top['nodes']} nodes take x{b['seconds'] / a['seconds']:.1f} the time of {ten['nodes']} "
+                print(f"{t}: {top['nodes']} nodes take x{b['seconds'] / a['seconds']:.1f} the time "
+                      f"(x{b['cpu_s'] / a['cpu_s']:.1f} the CPU time) of {ten['nodes']} "
                       f"(nodes x{top['nodes'] / ten['nodes']:.1f})")
     print("\nmograph per pass (s):")
     for row in rows:
@@ -530,7 +535,52 @@ def scaling(args: argparse.Namespace) -> dict[str, Any]:
             worst = max(r["passes"], key=lambda p: p[1])
             print(f"  {row['model']}: " + ", ".join(f"{n} {s:.2f}" for n, s in r["passes"]))
             print(f"    largest pass: {worst[0]} {worst[1]:.2f}s = {100 * worst[1] / total:.0f}% of {total:.2f}s")
-    return {"hidden": args.hidden, "rows": rows}
+    result = {"hidden": args.hidden, "rows": rows}
+    if args.markdown:
+        args.markdown.write_text(scaling_markdown(result, tools, " ".join(sys.argv)))
+        print(f"\nwrote {args.markdown}")
+    return result
+
+
+def scaling_markdown(result: dict[str, Any], tools: list[str], command: str) -> str:
+    """The scaling table and the per-pass breakdown as markdown (``--markdown``)."""
+    lines = [f"Command: `{command}`", "",
+             "Seconds are wall time of the job in a fresh process (load, passes, output check, save; imports "
+             "excluded); CPU is that process's own CPU time, which a loaded shared machine does not inflate.", ""]
+    head = "| model | nodes | MB |" + "".join(f" {t} s | {t} CPU s | {t} peak MB | {t} peak/bytes |" for t in tools)
+    lines += [head, "|" + "---|" * (3 + 4 * len(tools))]
+    for row in result["rows"]:
+        cells = [row["model"], str(row["nodes"]), _fmt_mb(row["bytes"])]
+        for t in tools:
+            r = row["tools"][t]
+            if "error" in r:
+                cells += [r["error"], "-", "-", "-"]
+            else:
+                cells += [f"{r['seconds']:.1f}", f"{r.get('cpu_s', float('nan')):.1f}", _fmt_mb(r["peak_rss"]),
+                          f"{r['peak_rss'] / max(row['bytes'], 1):.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    stacks = [r for r in result["rows"] if r["model"].startswith("stack")]
+    ten = min(stacks, key=lambda r: abs(r["nodes"] - 10_000), default=None)
+    top = max(stacks, key=lambda r: r["nodes"], default=None)
+    if ten is not None and top is not None and top is not ten:
+        lines.append("")
+        for t in tools:
+            a, b = ten["tools"][t], top["tools"][t]
+            if "error" not in a and "error" not in b:
+                lines.append(f"- {t}: {top['nodes']} nodes take x{b['seconds'] / a['seconds']:.1f} the wall time and "
+                             f"x{b['cpu_s'] / a['cpu_s']:.1f} the CPU time of {ten['nodes']} nodes "
+                             f"(x{top['nodes'] / ten['nodes']:.1f} the nodes)")
+    lines += ["", "Per pass (wall seconds inside the pipeline, and share of the passes' total):", ""]
+    for row in result["rows"]:
+        r = row["tools"].get("mograph", {})
+        if "passes" not in r:
+            continue
+        total = sum(sec for _, sec in r["passes"]) or 1.0
+        worst = max(r["passes"], key=lambda p: p[1])
+        lines.append(f"- {row['model']} ({row['nodes']} nodes): largest pass {worst[0]} {worst[1]:.2f}s = "
+                     f"{100 * worst[1] / total:.0f}% of {total:.2f}s; "
+                     + ", ".join(f"{n} {sec:.2f} ({100 * sec / total:.0f}%)" for n, sec in r["passes"]))
+    return "\n".join(lines) + "\n"
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -566,6 +616,7 @@ def main() -> None:
     ap.add_argument("--tools", default=",".join(SCALE_TOOLS), help="scaling mode: tools to run")
     ap.add_argument("--timeout", type=float, default=600, help="scaling mode: seconds per run")
     ap.add_argument("--model", type=Path, action="append", help="scaling mode: also run this model")
+    ap.add_argument("--markdown", type=Path, help="scaling mode: also write the table as markdown to this file")
     ap.add_argument("--model-heads", type=int, default=9, help="num_heads given to ort for --model")
     ap.add_argument("--model-hidden", type=int, default=576, help="hidden_size given to ort for --model")
     args = ap.parse_args()

@@ -71,7 +71,7 @@ from mograph.passes.fusion.attention_op import (
     ROTARY_OP,
     attention,
 )
-from mograph.passes.fusion.lowerings.attention import is_zero_bias
+from mograph.passes.fusion.lowerings.attention_proofs import is_zero_bias
 
 from mograph.irutil import same_dim
 from mograph.pass_infra import Option, PassResult
@@ -807,14 +807,20 @@ def _mask_format(raw: object) -> str:
 
 MASK_FORMAT_OPTION = Option(
     "mask-format", _mask_format, "bias",
-    "how --target ort passes a key-padding mask to attention (Attention with packed QKV for self-attention, "
-    "else MultiHeadAttention): bias (default: the additive attention_bias, built once and shared by the layers; exact for any mask, left or right padding; on the "
-    "H200 an additive (1,1,S,S) bias ran cuDNN flash attention, (B,1,S,S) is not yet measured), lengths (1-D "
-    "key lengths, ReduceSum of the 0/1 attention_mask: measured fastest, but exact only for RIGHT-padded "
-    "masks: a left-padded row attends to its first keys instead; masks not traced to an attention_mask input "
-    "stay bias; for LLaMA/Qwen-style decoders: GroupQueryAttention with the rotary inside and packed QKV, "
-    "exact when the mask is all ones or right padded), "
-    "raw (the 2-D mask as mask_index: exact, but ONNX Runtime CUDA's slow unfused kernel)",
+    "how --target ort passes a key-padding mask to attention, and what each form assumes: "
+    "bias (default; exact for every mask, assumes nothing): the additive attention_bias, built once and shared by "
+    "the layers (Attention with packed QKV for self-attention, else MultiHeadAttention; on the H200 an additive "
+    "(1,1,S,S) bias ran cuDNN flash attention, (B,1,S,S) is not yet measured); for a LLaMA/Qwen-style decoder's "
+    "causal attention with rotary and an attention_mask: GroupQueryAttention (rotary inside, packed QKV) behind a "
+    "check computed on the device in every run (an If per layer: every mask row ones then zeros with at least one "
+    "key; a decode step: every key present, and one new token or one row), the MultiHeadAttention/bias form when "
+    "the check fails, so left padding is exact too (an If cannot be captured as a CUDA graph: see --kv-cache "
+    "shared); "
+    "lengths (ASSUMES RIGHT PADDING, ones then zeros, no check): 1-D key lengths, ReduceSum of the 0/1 "
+    "attention_mask, and for such decoders GroupQueryAttention without the check: measured fastest, but a "
+    "left-padded row attends to its first keys instead and gives other numbers; masks not traced to an "
+    "attention_mask input stay bias; "
+    "raw (exact for 0/1 masks): the 2-D mask as mask_index, but ONNX Runtime CUDA's slow unfused kernel",
     metavar="bias|lengths|raw",
 )
 

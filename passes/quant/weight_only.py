@@ -35,6 +35,11 @@ most sensitive are raised to INT8, and if INT8 everywhere is not enough, the few
 the model outputs meet the budget (binary searches, every figure measured end to end on the float model
 with the dequantized weights, which is what the kernels compute).
 
+The plan stays per layer: a decoder's ``q_proj``, ``k_proj`` and ``v_proj`` are listed, decided and quantized one
+by one; ``lower`` packs the three into one ``MatMulNBits`` for ``GroupQueryAttention`` only where they came out
+with the same bits and block size (:mod:`mograph.passes.fusion.lowerings.packed_nbits`: exact, the per-column
+blocks stacked along N), so an edited plan means what it says.
+
 all-MiniLM-L6-v2 (real weights; 80 calibration sentences, judged on 220 others; ``tools/bench_int4.py``, one
 run): 1 - mean embedding cosine 0.0147 with every MatMul at 4 bits (``--output-projection bits``), against
 0.0365 for ModelOpt ``awq_clip`` and 0.0410 for ONNX Runtime's RTN, at the same file size (51.2 MiB).

@@ -1,6 +1,7 @@
 """How the fused ``mograph`` ops lower to each target: the lowerings their declarations carry.
 
-One module per op family (:mod:`.norms`, :mod:`.embed`, :mod:`.gelu`, :mod:`.attention`); :func:`lowerings_for`
+One module per op family (:mod:`.norms`, :mod:`.embed`, :mod:`.gelu`, :mod:`.attention`, which packs quantized
+Q/K/V projections through :mod:`.packed_nbits`); :func:`lowerings_for`
 gives the table of one op, which :func:`mograph.passes.fusion.ops.custom_ops` puts into the op's
 :class:`~mograph.custom_ops.CustomOp` declaration.  Nothing calls these functions directly: the one
 ``lower`` step (:mod:`mograph.lowering`) finds them through the custom-op registry.

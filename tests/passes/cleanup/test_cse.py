@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
-from _cleanup_testing import assert_same_outputs, assert_second_run_changes_nothing, op_types, run_pass, to_ir
+from _cleanup_testing import assert_same_outputs
+from _pass_testing import assert_second_run_changes_nothing, run_pass
 from mograph.passes.cleanup import CsePass
 from onnx import helper, numpy_helper
 
 from models.builders import make_model
+from mograph.testing import op_types, to_ir
 
 FEEDS = {"x": np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)}
 IO = ([("x", np.float32, [2, 3])], [("y", np.float32, [2, 3])])

@@ -6,12 +6,14 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from _cleanup_testing import assert_same_outputs, assert_second_run_changes_nothing, op_types, run_pass, to_ir
+from _cleanup_testing import assert_same_outputs
+from _pass_testing import assert_second_run_changes_nothing, run_pass
 from mograph.passes.cleanup import FoldConstantsPass, InferShapesPass
 from onnx import helper, numpy_helper
 
 from models.builders import make_model
 from mograph.errors import OptionError
+from mograph.testing import op_types, to_ir
 
 RNG = np.random.default_rng(0)
 FEEDS = {"x": RNG.standard_normal((2, 3)).astype(np.float32)}

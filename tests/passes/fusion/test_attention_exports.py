@@ -12,6 +12,7 @@ cross-attention (Whisper's decoder), and decode steps with a KV cache (GPT-2, LL
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import onnx
@@ -22,12 +23,13 @@ pytestmark = pytest.mark.torch
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from _fusion_util import assert_close, lowered, op_counts, run_ort, to_ir, to_proto  # noqa: E402
+from _fusion_util import lowered  # noqa: E402
 from mograph.passes.fusion.attention import FuseAttentionPass  # noqa: E402
 
 from models import attention_corpus as corpus  # noqa: E402
 from mograph.pass_infra import graph_fingerprint  # noqa: E402
 from mograph.plugins import get_registry  # noqa: E402
+from mograph.testing import assert_close, op_counts, run_ort, to_ir, to_proto  # noqa: E402
 
 C = corpus.Case
 #: families whose every attention is self-attention over `x @ W (+ b)` projections: lowered with packed QKV
@@ -82,10 +84,17 @@ def test_corpus_export_fuses_every_attention(corpus_dir: Path, case: corpus.Case
     n = case.attention_count
     assert stats["AttentionFusion"] == n and stats["lowered.Attention"] == n, stats
     left = op_counts(model)
+    guarded = left["If"]  # the default's run-time right-padding check: GroupQueryAttention, else the exact form
+    assert guarded == (n if case.family == "llama" and case.mask in ("pad", "cache") else 0), left
+    if guarded:  # what follows reads the exact (else) branches
+        every = Counter(f"{x.domain}.{x.op_type}" if x.domain else x.op_type for x in model.graph.all_nodes())
+        assert every["com.microsoft.GroupQueryAttention"] == n and every["com.microsoft.MultiHeadAttention"] == n
+        left = every - Counter({"com.microsoft.GroupQueryAttention": n})
     packed, separate = left["com.microsoft.Attention"], left["com.microsoft.MultiHeadAttention"]
     grouped = left["com.microsoft.GroupQueryAttention"]
     assert packed + separate + grouped == n and "Softmax" not in left, left
-    kernels = [node for node in model.graph if node.domain == "com.microsoft" and "Attention" in node.op_type]
+    kernels = [x for x in model.graph.all_nodes() if x.domain == "com.microsoft" and "Attention" in x.op_type
+               and not (guarded and x.op_type == "GroupQueryAttention")]
     if case.name in CAUSAL:  # no bias: the kernel's causal mask (GQA is causal by itself)
         assert all(k.op_type == CAUSAL[case.name] and (k.op_type == "GroupQueryAttention" or len(k.inputs) <= 4)
                    for k in kernels), left  # MultiHeadAttention: Q, K, V (and the projection's bias), no mask

@@ -8,9 +8,12 @@ optimizer drops it; passed on, it sends every layer down the attention-bias path
 from __future__ import annotations
 
 import pytest
-from _fusion_util import check_fusion, lowered, op_types, parse
+from _fusion_util import lowered
 from mograph.passes.fusion.attention import FuseAttentionPass
 from test_attention import B, S, _feeds, attention_text
+
+from mograph.testing import check_pass as check_fusion
+from mograph.testing import op_types, parse
 
 _MASK = [
     "n = Gather<axis=0>(kshape, one)", "r = Range(zero, n, one)", "r1 = Unsqueeze(r, ax0)", "r2 = Unsqueeze(r1, ax0)",

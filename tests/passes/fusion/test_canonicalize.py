@@ -11,12 +11,12 @@ import math
 from collections import Counter
 
 import pytest
-from _fusion_util import assert_untouched, check_fusion, parse, run_pass
 from mograph.passes.fusion.gelu import FuseGeluPass
 from mograph.passes.fusion.layernorm import FuseLayerNormPass
 from mograph.passes.fusion.rmsnorm import FuseRMSNormPass
 
-from mograph.testing import op_types, to_ir
+from mograph.testing import assert_untouched, op_types, parse, run_pass, to_ir
+from mograph.testing import check_pass as check_fusion
 
 H = 8
 G = ",".join(f"{0.5 + 0.1 * i:.2f}" for i in range(H))
@@ -241,3 +241,24 @@ def test_dynamic_batch_shape_of_another_tensor_is_a_near_miss() -> None:
     # both sum-based reductions without kept dims are reported, each with where its match stopped
     assert sorted(r["op"] for r in regions) == ["ReduceSum", "ReduceSum"], regions
     assert all(r.get("failed_at") for r in regions), regions
+
+
+def test_rules_say_why_they_did_not_apply() -> None:
+    """Each rule that does not rewrite a node says why (a value, for diagnostics); one that would says ""."""
+    from mograph.passes.fusion.canonicalize import RULES, Canonicalizer
+
+    body = "t = Mul(x, two)\n nx = Neg(x)\n u = Add(t, nx)\n w = Identity(u)\n y = Mul(w, one)"
+    model = to_ir(parse(_model(body, "float two = {2.0}")))
+    nodes = {n.outputs[0].name: n for n in model.graph}
+    canon = Canonicalizer(model.graph, 17)
+    times_two = canon.why_not(nodes["t"])
+    assert set(times_two) == {r.name for r in RULES}
+    assert all(times_two.values()), times_two  # nothing rewrites x * 2
+    assert times_two["neutral"] == "no operand is a one that leaves the other's shape"
+    assert times_two["sub"] == "applies to Add nodes, not Mul"
+    assert times_two["cube"] == "not a product of exactly three of one value (and constants)"
+    plus_neg = canon.why_not(nodes["u"])
+    assert plus_neg["sub"] == "" and plus_neg["neutral"].startswith("no operand is a zero")
+    assert canon.why_not(nodes["w"])["identity"] == ""
+    assert op_types(model) == ["Mul", "Neg", "Add", "Identity", "Mul"]  # asking changed nothing
+    assert canon.apply() == Counter({"sub": 1, "identity": 1})  # y = w * 1 is a graph output: kept as it is

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import onnx
 import pytest
-from _fusion_util import assert_close, feeds_for, op_counts, run_ort, to_ir, to_proto
 
 from mograph.pass_infra import graph_fingerprint
 from mograph.plugins import get_registry
+from mograph.testing import assert_close, feeds_for, op_counts, run_ort, to_ir, to_proto
 
 CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpus"
 MANIFEST = json.loads((CORPUS / "manifest.json").read_text())["models"]

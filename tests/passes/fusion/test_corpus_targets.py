@@ -26,7 +26,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from _fusion_util import assert_close, feeds_for, op_counts, run_ort, to_ir, to_proto
 from mograph.passes.fusion import ops
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
@@ -35,6 +34,7 @@ from test_tensorrt_target import LayerNorm, RMSNorm
 from mograph.output_check import check_model_output
 from mograph.pass_infra import graph_fingerprint
 from mograph.plugins import get_registry
+from mograph.testing import assert_close, feeds_for, op_counts, run_ort, to_ir, to_proto
 
 CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpus"
 MANIFEST = json.loads((CORPUS / "manifest.json").read_text())["models"]
@@ -185,8 +185,9 @@ class SkipRMSNorm(OpRun):
 
 
 def _residual(norm: str, opset: int) -> onnx.ModelProto:
-    from _fusion_util import parse
     from test_norms import layernorm_model, rmsnorm_model
+
+    from mograph.testing import parse
 
     if norm == "ln":
         text = layernorm_model(opset=opset)

@@ -5,23 +5,23 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from _fusion_util import (
+from _fusion_util import lowered
+from mograph.passes.fusion.embed_layernorm import FuseEmbedLayerNormPass
+from mograph.passes.fusion.layernorm import FuseLayerNormPass
+
+from mograph.plugins import get_registry
+from mograph.testing import (
+    Pipeline,
     assert_close,
     assert_untouched,
-    check_fusion,
     feeds_for,
-    lowered,
     op_types,
     parse,
     run_ort,
     run_pass,
     to_proto,
 )
-from mograph.passes.fusion.embed_layernorm import FuseEmbedLayerNormPass
-from mograph.passes.fusion.layernorm import FuseLayerNormPass
-
-from mograph.plugins import get_registry
-from mograph.testing import Pipeline
+from mograph.testing import check_pass as check_fusion
 
 H, VOCAB, TYPES, MAXPOS = 16, 50, 2, 12
 DIMS = {"batch": 2, "seq": 5, "vocab": TYPES}  # ids below 2 are valid in every table

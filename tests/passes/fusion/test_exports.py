@@ -9,7 +9,6 @@ optimizations off: max abs error <= 1e-4 of the output scale.
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from pathlib import Path
 
@@ -20,11 +19,10 @@ pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from _fusion_util import assert_close, op_counts, run_ort, to_ir, to_proto  # noqa: E402
-
 from models import export_hf  # noqa: E402
 from mograph.pass_infra import graph_fingerprint  # noqa: E402
 from mograph.plugins import get_registry  # noqa: E402
+from mograph.testing import assert_close, op_counts, run_ort, to_ir, to_proto  # noqa: E402
 
 L = 2  # layers
 # What each architecture holds with L layers: norms and GELUs.
@@ -54,15 +52,6 @@ CASES = sorted(k for k in EXPECTED if k[2] in export_hf.SUPPORTED.get((k[0], k[1
 
 RULES = ("LayerNormFusion", "RMSNormFusion", "EmbedLayerNormFusion", "SkipLayerNormFusion", "SkipLayerNormGemmBiasFusion", "SkipRMSNormFusion",
          "GeluFusion", "GeluTanhFusion", "QuickGeluFusion", "BiasGeluFusion", "GemmBiasGeluFusion")
-
-
-@pytest.fixture(scope="session")
-def export_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    env = os.environ.get("MOGRAPH_TEST_EXPORT_DIR")
-    if env:
-        Path(env).mkdir(parents=True, exist_ok=True)
-        return Path(env)
-    return tmp_path_factory.mktemp("exports")
 
 
 def _export(export_dir: Path, kind: str, exporter: str, opset: int) -> Path:

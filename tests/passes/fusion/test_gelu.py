@@ -6,10 +6,13 @@ import math
 
 import numpy as np
 import pytest
-from _fusion_util import assert_untouched, check_fusion, lowered, op_types, parse
+from _fusion_util import lowered
 from mograph.passes.fusion import ops
 from mograph.passes.fusion.bias_gelu import FuseBiasGeluPass
 from mograph.passes.fusion.gelu import FuseGeluPass
+
+from mograph.testing import assert_untouched, op_types, parse
+from mograph.testing import check_pass as check_fusion
 
 H = 8
 HEAD = f'<ir_version: 8, opset_import: ["" : 17]>\ng (float[2,3,{H}] x) => (float[2,3,{H}] y) '
@@ -75,7 +78,7 @@ def test_gelu_targets(target, expected):
 
 
 def test_gelu_target_onnx_below_opset_20_inlines_the_body():
-    from _fusion_util import assert_close, feeds_for, run_ort, run_pass, to_proto
+    from mograph.testing import assert_close, feeds_for, run_ort, run_pass, to_proto
 
     proto = parse(model("z = Div(x, sqrt2)\n e = Erf(z)\n t = Add(one, e)\n" + OUTER["(x*t)*0.5"]))
     m, result = run_pass(lowered(FuseGeluPass(), "onnx"), proto)
@@ -109,9 +112,8 @@ BIAS = ",".join(f"{0.1 * i - 0.3:.2f}" for i in range(H))
 @pytest.mark.parametrize("form,op_name", [("exact", "BiasGelu"), ("tanh", "BiasFastGelu")])
 @pytest.mark.parametrize("target", ["mograph", "ort"])
 def test_bias_gelu(form, op_name, target):
-    from _fusion_util import feeds_for, op_types, run_ort, to_ir, to_proto
-
     from mograph.pass_infra import graph_fingerprint
+    from mograph.testing import feeds_for, op_types, run_ort, to_ir, to_proto
 
     gelu = ("z = Div(xb, sqrt2)\n e = Erf(z)\n t = Add(one, e)\n h = Mul(xb, t)\n y = Mul(h, half)" if form == "exact"
             else "cube = Pow(xb, three)\n p = Mul(cube, a)\n q = Add(xb, p)\n u = Mul(c, q)\n e = Tanh(u)\n"
@@ -137,7 +139,7 @@ def test_bias_gelu(form, op_name, target):
 def test_bias_gelu_near_miss_bias_not_constant():
     text = model("z = Div(xb, sqrt2)\n e = Erf(z)\n t = Add(one, e)\n h = Mul(xb, t)\n y = Mul(h, half)")
     text = text.replace("g (float[2,3,8] x)", "g (float[2,3,8] x, float[8] b)").replace("  z = Div", "  xb = Add(x, b)\n  z = Div")
-    from _fusion_util import to_ir
+    from mograph.testing import to_ir
 
     m = to_ir(parse(text))
     FuseGeluPass().call(m)
@@ -153,8 +155,9 @@ def test_bias_gelu_near_miss_bias_not_constant():
 def test_references_match_function_bodies():
     """The numpy references agree with the ONNX function bodies run by ONNX Runtime."""
     import onnx
-    from _fusion_util import run_ort
     from onnx import helper
+
+    from mograph.testing import run_ort
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 3, H)).astype(np.float32)

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _fusion_util import assert_untouched, check_fusion, feeds_for, lowered, parse, run_ort, to_ir, to_proto
+from _fusion_util import lowered
 from mograph.passes.fusion.bias_gelu import FuseBiasGeluPass
 from mograph.passes.fusion.skip_layernorm import FuseSkipLayerNormPass
+
+from mograph.testing import assert_untouched, feeds_for, parse, run_ort, to_ir, to_proto
+from mograph.testing import check_pass as check_fusion
 
 H = 8
 W = ",".join(f"{((i * 7) % 11 - 5) / 10:.1f}" for i in range(H * H))

@@ -100,15 +100,84 @@ def test_decode_lengths_becomes_gqa_over_the_cache(exports: Any, exporter: str) 
         assert _max_diff(_run(path, feeds), _run(model, feeds)) < 1e-5
 
 
-def test_default_mask_format_keeps_exact_multihead_attention(exports: Any) -> None:
-    """A padding mask without ``--mask-format lengths``: GroupQueryAttention's lengths would be wrong for left
-    padding, so the exact MultiHeadAttention form stays (and left padding matches the export)."""
+def _branches(model: onnx.ModelProto) -> list[dict[str, Counter[str]]]:
+    """Each top-level ``If``'s branches: name -> op counts."""
+    return [{a.name: Counter(n.op_type for n in a.g.node) for a in node.attribute}
+            for node in model.graph.node if node.op_type == "If"]
+
+
+def _checks(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[bool]:
+    """What each ``If`` decided for ``feeds`` (its condition made a graph output of a copy of the model)."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    conds = [n.input[0] for n in probe.graph.node if n.op_type == "If"]
+    probe.graph.output.extend(onnx.helper.make_tensor_value_info(c, onnx.TensorProto.BOOL, []) for c in conds)
+    return [bool(x) for x in _run(probe, feeds)[-len(conds):]]
+
+
+#: the default's cases: (step, batch, new tokens, padding, GroupQueryAttention taken); a decode step takes it
+#: only with every key present (the export puts the new token at P + s) and one token or one row (ONNX Runtime)
+DEFAULT_CASES = [("prefill", 2, 6, "none", True), ("prefill", 2, 6, "right", True), ("prefill", 2, 6, "left", False),
+                 ("prefill", 1, 5, "none", True),
+                 ("decode", 2, 1, "none", True), ("decode", 1, 4, "none", True), ("decode", 2, 1, "left", False),
+                 ("decode", 2, 3, "none", False)]
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+def test_default_checks_right_padding_on_the_device(exports: Any, exporter: str, step: str) -> None:
+    """The default mask format: GroupQueryAttention where the graph checks at run time that the mask is right
+    padded (an ``If`` per layer on one shared check), the exact MultiHeadAttention form (bias, K/V repeated)
+    otherwise; the export's numbers either way, the branch taken as the check says."""
+    path = exports("llama", step, exporter)
+    model, report = mograph.optimize(onnx.load(path), passes=["cleanup", "fuse"], options={"target": "ort"})
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert ops["If"] == 2 and ops["GroupQueryAttention"] == 0 and ops["MultiHeadAttention"] == 0, ops
+    assert ops["RotaryEmbedding"] == 0 and ops["Transpose"] == 0, ops  # the exact form's work sits in its branch
+    assert ops["MatMul"] == 9, ops  # o_proj + MLP per layer, lm_head: the projections moved into the branches
+    for branches in _branches(model):
+        assert branches["then_branch"] == Counter({"MatMul": 1, "GroupQueryAttention": 1}), branches
+        assert branches["else_branch"]["MultiHeadAttention"] == 1 and branches["else_branch"]["RotaryEmbedding"] == 2
+        assert branches["else_branch"]["GroupQueryAttention"] == 0
+    lower = next(p for p in report.to_dict()["passes"] if p["name"] == "lower")
+    stats = lower["stats"]
+    assert (stats["attention.gqa_rotary"], stats["attention.padding_check"], stats["padding_checks"]) == (2, 2, 1)
+    assert stats.get("attention.kv_cache", 0) == (2 if step == "decode" else 0)
+    cfg = de.config("llama", **CFG)
+    for kind, batch, seq, padding, fast in DEFAULT_CASES:
+        if kind != step:
+            continue
+        feeds = de.feeds(cfg, step, batch=batch, seq=seq, past=7, padding=padding)
+        assert _checks(model, feeds) == [fast, fast], (batch, seq, padding)
+        assert _max_diff(_run(path, feeds), _run(model, feeds)) < 1e-5, (batch, seq, padding)
+
+
+def test_default_check_refuses_a_mask_other_than_zeros_and_ones(exports: Any) -> None:
+    """A mask value 2 (nonzero: a key the export attends to) would give a wrong key length: the exact branch."""
     path = exports("llama", "prefill", "torchscript")
     model = _optimize(path)
-    ops = Counter(n.op_type for n in model.graph.node)
-    assert ops["GroupQueryAttention"] == 0 and ops["MultiHeadAttention"] == 2, ops
-    feeds = de.feeds(de.config("llama", **CFG), "prefill", batch=2, seq=6, padding="left")
+    feeds = de.feeds(de.config("llama", **CFG), "prefill", batch=2, seq=6)
+    feeds["attention_mask"][0, 0] = 2
+    assert _checks(model, feeds) == [False, False]
     assert _max_diff(_run(path, feeds), _run(model, feeds)) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["lengths", "bias"])
+def test_one_token_dynamo_decode_becomes_gqa_with_rotary(tmp_path: Path, fmt: str) -> None:
+    """A dynamo decode step traced with exactly one new token (its token dim static 1: ``arange(1)`` folded to the
+    constant ``[0]``, the key count ``P + 1``) is proven like the others: GroupQueryAttention with the rotary inside."""
+    cfg = de.config("llama", **CFG)
+    path = de.export(cfg, "decode", "dynamo", tmp_path / "decode1.onnx", tokens=1)
+    model = _optimize(path, mask_format=fmt)
+    gqa = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+    gqa += [n for b in model.graph.node if b.op_type == "If" for a in b.attribute if a.name == "then_branch"
+            for n in a.g.node if n.op_type == "GroupQueryAttention"]
+    assert len(gqa) == 2 and all(onnx.helper.get_attribute_value(a) == 1 for n in gqa for a in n.attribute
+                                 if a.name == "do_rotary")
+    assert Counter(n.op_type for n in model.graph.node)["MultiHeadAttention"] == 0
+    for padding in ("none", "left") if fmt == "bias" else ("none",):
+        feeds = de.feeds(cfg, "decode", batch=2, seq=1, past=7, padding=padding)
+        assert _max_diff(_run(path, feeds), _run(model, feeds)) < 1e-5
 
 
 def test_lengths_is_not_exact_for_left_padding(exports: Any) -> None:
@@ -119,9 +188,10 @@ def test_lengths_is_not_exact_for_left_padding(exports: Any) -> None:
     assert _max_diff(_run(path, feeds), _run(model, feeds)) > 1e-2
 
 
-def test_second_lowering_changes_nothing(exports: Any) -> None:
-    model = _optimize(exports("llama", "decode", "dynamo"), mask_format="lengths")
-    again, report = mograph.optimize(model, passes=["cleanup", "fuse"], options={"target": "ort", "mask_format": "lengths"})
+@pytest.mark.parametrize("fmt", ["lengths", "bias"])
+def test_second_lowering_changes_nothing(exports: Any, fmt: str) -> None:
+    model = _optimize(exports("llama", "decode", "dynamo"), mask_format=fmt)
+    again, report = mograph.optimize(model, passes=["cleanup", "fuse"], options={"target": "ort", "mask_format": fmt})
     assert Counter(n.op_type for n in again.graph.node) == Counter(n.op_type for n in model.graph.node)
     lowered = [p for p in report.to_dict()["passes"] if p["name"] == "lower"]
     assert all(not p["modified"] for p in lowered), lowered
@@ -143,11 +213,23 @@ def test_fp16_decode_keeps_gqa(exports: Any, tmp_path: Path) -> None:
     assert report.capturable, report.blockers  # only Shape -> Cast -> Squeeze (total_sequence_length) on the host
 
 
-def test_unlowered_decode_step_is_not_capturable(exports: Any) -> None:
-    """Today's form (MultiHeadAttention, positions and mask computed from shapes) is named as blocking."""
+def test_default_decode_step_is_not_capturable(exports: Any) -> None:
+    """The default form (an If per layer on the padding check, computed from shapes) is named as blocking: the
+    capturable form is the opt-in ``--kv-cache shared``."""
     model = _optimize(exports("llama", "decode", "dynamo"))
-    report = cuda_graph_check(ir.serde.deserialize_model(model))
+    report = cuda_graph_check(ir.serde.deserialize_model(model), limit=1000)
     assert not report.capturable and report.blockers and all(b["reason"] for b in report.blockers)
+    assert [b["op"] for b in report.blockers].count("If") == 2, report.blockers
+
+
+@pytest.mark.parametrize(("options", "gqa"), [({"mask_format": "lengths"}, 2), ({"mask_format": "raw"}, 0),
+                                               ({"kv_cache": "shared"}, 2)])
+def test_opt_ins_write_no_check(exports: Any, options: dict[str, str], gqa: int) -> None:
+    """Near misses of the check: ``lengths`` and ``--kv-cache shared`` assume right padding (plain
+    GroupQueryAttention, no If: capturable), ``raw`` takes no GroupQueryAttention at all."""
+    model = _optimize(exports("llama", "decode", "dynamo"), **options)
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert ops["If"] == 0 and ops["GroupQueryAttention"] == gqa, ops
 
 
 MAX_LEN = 32

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _fusion_util import assert_untouched, check_fusion, feeds_for, lowered, op_types, parse, run_pass
+from _fusion_util import lowered
 from mograph.passes.fusion.layernorm import FuseLayerNormPass
 from mograph.passes.fusion.rmsnorm import FuseRMSNormPass
 from mograph.passes.fusion.skip_layernorm import FuseSkipLayerNormPass
+
+from mograph.testing import assert_untouched, feeds_for, op_types, parse, run_pass
+from mograph.testing import check_pass as check_fusion
 
 H = 16
 GAMMA = ",".join(f"{0.5 + 0.05 * i:.3f}" for i in range(H))
@@ -344,7 +347,7 @@ def test_skip_layernorm_after_fuse_layernorm():
     text = layernorm_model().replace("g (float[2,5,16] x)", "g (float[2,5,16] a, float[2,5,16] b)").replace(
         "  m = ReduceMean", "  x = Add(a, b)\n  m = ReduceMean")
     proto = parse(text)
-    from _fusion_util import run_ort, to_ir, to_proto
+    from mograph.testing import run_ort, to_ir, to_proto
     feeds = feeds_for(proto)
     model = to_ir(proto)
     FuseLayerNormPass().call(model)
@@ -396,7 +399,7 @@ def skip_rms_model(*, bias: bool = False, sum_output: bool = False, cast: bool =
 
 
 def _rms_fused(text: str, target: str):
-    from _fusion_util import to_ir, to_proto
+    from mograph.testing import to_ir, to_proto
 
     model = to_ir(parse(text))
     assert FuseRMSNormPass().call(model).stats["RMSNormFusion"] == 1  # canonical: lowering comes last
@@ -408,7 +411,7 @@ def _rms_fused(text: str, target: str):
 @pytest.mark.parametrize("target,op", [("ort", "com.microsoft.SkipSimplifiedLayerNormalization"),
                                        ("mograph", "mograph.SkipRMSNorm")])
 def test_skip_rmsnorm(bias, cast, sum_output, target, op):
-    from _fusion_util import assert_close, run_ort, to_proto
+    from mograph.testing import assert_close, run_ort, to_proto
 
     text = skip_rms_model(bias=bias, sum_output=sum_output, cast=cast)
     original = parse(text)
@@ -424,8 +427,9 @@ def test_skip_rmsnorm(bias, cast, sum_output, target, op):
 
 
 def test_skip_rmsnorm_reference_matches_function_body():
-    from _fusion_util import run_ort, to_proto
     from mograph.passes.fusion.ops import skip_rms_norm
+
+    from mograph.testing import run_ort, to_proto
 
     text = skip_rms_model(bias=True, sum_output=True)
     model = run_pass(FuseSkipLayerNormPass(), _rms_fused(text, "mograph"))[0]

@@ -13,11 +13,11 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from _fusion_util import assert_close, op_counts, run_ort, to_ir, to_proto
 from onnx import TensorProto, helper, numpy_helper
 
 from mograph.pass_infra import graph_fingerprint
 from mograph.plugins import get_registry
+from mograph.testing import assert_close, op_counts, run_ort, to_ir, to_proto
 
 pytest.importorskip("onnxruntime")
 

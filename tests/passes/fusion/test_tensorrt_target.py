@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from _fusion_util import assert_close, feeds_for, lowered, op_types, parse, to_ir, to_proto
+from _fusion_util import lowered
 from mograph.passes.fusion import ops
 from mograph.passes.fusion.layernorm import FuseLayerNormPass
 from mograph.passes.fusion.rmsnorm import FuseRMSNormPass
@@ -32,6 +32,7 @@ from mograph.backends import tensorrt as trt_backend
 from mograph.backends.tensorrt_plugins import PLUGINS
 from mograph.pass_infra import graph_fingerprint
 from mograph.plugins import get_registry
+from mograph.testing import assert_close, feeds_for, op_types, parse, to_ir, to_proto
 
 TRT_NAME = _trt_loader.find_trt_module()
 

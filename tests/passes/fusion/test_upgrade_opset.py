@@ -11,20 +11,7 @@ import math
 import numpy as np
 import onnx
 import pytest
-from _fusion_util import (
-    assert_close,
-    assert_untouched,
-    check_fusion,
-    feeds_for,
-    lowered,
-    op_counts,
-    op_types,
-    parse,
-    run_ort,
-    run_pass,
-    to_ir,
-    to_proto,
-)
+from _fusion_util import lowered
 from mograph.passes.fusion.gelu import FuseGeluPass
 from mograph.passes.fusion.layernorm import FuseLayerNormPass
 from mograph.passes.fusion.rmsnorm import FuseRMSNormPass
@@ -36,6 +23,19 @@ from mograph.lowering import LowerPass
 from mograph.opset import OpsetUpgradeError, upgrade_opset
 from mograph.pass_infra import graph_fingerprint
 from mograph.plugins import get_registry
+from mograph.testing import (
+    assert_close,
+    assert_untouched,
+    feeds_for,
+    op_counts,
+    op_types,
+    parse,
+    run_ort,
+    run_pass,
+    to_ir,
+    to_proto,
+)
+from mograph.testing import check_pass as check_fusion
 
 H = 8
 

@@ -1,23 +1,12 @@
-"""Helpers for the pruning tests: zero chosen channels of a model, run a pass as the pipeline does,
-run models under ONNX Runtime with its graph optimizations off."""
+"""Helpers for the pruning tests: zero chosen channels of a model, check a pruned model, read a shape."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
-import numpy as np
 import onnx
 import onnx_ir as ir
-import pytest
-from _pass_testing import assert_second_run_changes_nothing, op_types, run_pass  # noqa: F401 - re-exported
 from onnx import numpy_helper
-
-from mograph.testing import run_ort, to_ir  # noqa: F401 - to_ir re-exported for the tests
-
-
-def ort_run(model: onnx.ModelProto | ir.Model, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-    pytest.importorskip("onnxruntime")
-    return run_ort(model, feeds)
 
 
 def checked(model: ir.Model) -> onnx.ModelProto:

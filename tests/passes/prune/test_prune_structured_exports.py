@@ -10,10 +10,13 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from _prune_testing import assert_second_run_changes_nothing, checked, op_types, ort_run, run_pass, to_ir
+from _pass_testing import assert_second_run_changes_nothing, run_pass
+from _prune_testing import checked
 from mograph.passes.prune import PruneStructuredPass
 from mograph.passes.prune._deps import ShapeInfo, const_tensor
 from mograph.passes.prune.structured import _find_groups, _set_const
+
+from mograph.testing import op_types, run_ort, to_ir
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -54,7 +57,7 @@ def test_bert_export_heads_pruned_runs_at_several_lengths(tmp_path, exporter, op
     pruned = checked(model)
     for seq in (3, 16, 40):
         feeds = export_hf.sample_feeds("bert", batch=2, seq=seq)
-        for got, want in zip(ort_run(pruned, feeds), ort_run(reference, feeds)):
+        for got, want in zip(run_ort(pruned, feeds), run_ort(reference, feeds)):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert_second_run_changes_nothing(PruneStructuredPass(ratio=0.5, scope="heads"), model)
 
@@ -74,7 +77,7 @@ def test_export_all_scopes_stays_valid(tmp_path, kind):
     lengths = (5, 16) if kind == "bert" else (None,)
     for seq in lengths:
         feeds = export_hf.sample_feeds(kind, batch=2, seq=seq or 16)
-        got, want = ort_run(pruned, feeds), ort_run(reference, feeds)
+        got, want = run_ort(pruned, feeds), run_ort(reference, feeds)
         assert [g.shape for g in got] == [w.shape for w in want]
         assert all(np.isfinite(g).all() for g in got)
     assert_second_run_changes_nothing(PruneStructuredPass(ratio=0.5, scope="all", criterion="l2"), model)

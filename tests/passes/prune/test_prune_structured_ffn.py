@@ -10,20 +10,13 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 import pytest
-from _prune_testing import (
-    assert_second_run_changes_nothing,
-    checked,
-    init_shape,
-    op_types,
-    ort_run,
-    run_pass,
-    to_ir,
-    zero_slices,
-)
+from _pass_testing import assert_second_run_changes_nothing, run_pass
+from _prune_testing import checked, init_shape, zero_slices
 from mograph.passes.prune import PruneStructuredPass
 from onnx import helper, numpy_helper
 
 from models.builders import bert_feeds, bert_tiny, make_model
+from mograph.testing import op_types, run_ort, to_ir
 
 HIDDEN, FFN = 32, 64
 ZERO = sorted(np.random.default_rng(1).choice(FFN, 16, replace=False).tolist())  # 16 of 64 neurons, scattered
@@ -81,7 +74,7 @@ def test_zero_neurons_are_removed_and_outputs_are_bit_identical(criterion):
     pruned = checked(model)
     for seq in (3, 16):
         feeds = bert_feeds(batch=2, seq=seq)
-        np.testing.assert_array_equal(ort_run(pruned, feeds)[0], ort_run(proto, feeds)[0])
+        np.testing.assert_array_equal(run_ort(pruned, feeds)[0], run_ort(proto, feeds)[0])
     again = assert_second_run_changes_nothing(PruneStructuredPass(ratio=0.25, criterion=criterion), model)
     assert again.stats["ffn.pruned_groups"] == 0 and again.stats["ffn.removed_units"] == 0
 
@@ -112,13 +105,13 @@ def test_static_export_shapes_and_ratio_rounding():
     assert groups["/encoder/layer.0/intermediate/dense/MatMul:out"]["target_units"] == 48
     pruned = checked(model)
     feeds = bert_feeds(batch=1, seq=16)
-    out = ort_run(pruned, feeds)[0]
+    out = run_ort(pruned, feeds)[0]
     assert out.shape == (1, 16, HIDDEN) and np.isfinite(out).all()
     # With --round-to 1 the 30% is exact (19 removed) on an unpruned copy.
     model = to_ir(proto)
     entry = run_pass(PruneStructuredPass(ratio=0.3, round_to=1), model)
     assert entry.stats["ffn.removed_units"] == 19
-    ort_run(checked(model), feeds)
+    run_ort(checked(model), feeds)
 
 
 def test_ratio_is_relative_to_the_original_size():
@@ -140,7 +133,7 @@ def test_exclude_by_node_or_weight_name():
     assert init_shape(model, "encoder.layer.0.intermediate.dense.weight") == (HIDDEN, FFN)
     assert init_shape(model, "encoder.layer.1.intermediate.dense.weight") == (HIDDEN, 48)
     feeds = bert_feeds()
-    np.testing.assert_array_equal(ort_run(checked(model), feeds)[0], ort_run(proto, feeds)[0])
+    np.testing.assert_array_equal(run_ort(checked(model), feeds)[0], run_ort(proto, feeds)[0])
     model = to_ir(proto)
     entry = run_pass(PruneStructuredPass(ratio=0.25, exclude=["*layer.1.output.dense.weight"]), model)
     assert (entry.stats["ffn.pruned_groups"], entry.stats["ffn.excluded_groups"]) == (1, 1)
@@ -205,7 +198,7 @@ def test_weights_in_constant_nodes_are_pruned():
     assert entry.stats["ffn.removed_units"] == 8
     assert (entry.stats["params_before"], entry.stats["params_after"]) == (8 * 16 + 16 + 16 * 4, 8 * 8 + 8 + 8 * 4)
     assert (entry.stats["macs_before"], entry.stats["macs_after"]) == (2 * 16 * 8 + 2 * 4 * 16, 2 * 8 * 8 + 2 * 4 * 8)
-    np.testing.assert_array_equal(ort_run(checked(model), X)[0], ort_run(proto, X)[0])
+    np.testing.assert_array_equal(run_ort(checked(model), X)[0], run_ort(proto, X)[0])
     assert_second_run_changes_nothing(PruneStructuredPass(ratio=0.5), model)
 
 
@@ -225,7 +218,7 @@ def test_near_miss_channel_also_read_elsewhere_is_left_alone(reader, reason):
     assert reason in blocked["fc1:out"]
     assert "'y' is a graph output" in blocked["fc2:out"]
     assert entry.stats["params_after"] == entry.stats["params_before"]
-    for got, want in zip(ort_run(checked(model), X), ort_run(proto, X)):
+    for got, want in zip(run_ort(checked(model), X), run_ort(proto, X)):
         np.testing.assert_array_equal(got, want)
 
 
@@ -240,7 +233,7 @@ def test_shared_weight_gets_a_private_copy():
     assert init_shape(model, "w1") == (8, 16) and init_shape(model, "w1_pruned") == (8, 8)
     assert [n.inputs[1].name for n in model.graph if n.op_type == "MatMul"] == ["w1_pruned", "w2", "w1"]
     assert entry.stats["params_after"] - entry.stats["params_before"] == 8 * 8 - 8 - 8 * 4  # copy - cuts
-    for got, want in zip(ort_run(checked(model), X), ort_run(proto, X)):
+    for got, want in zip(run_ort(checked(model), X), run_ort(proto, X)):
         np.testing.assert_array_equal(got, want)
     assert_second_run_changes_nothing(PruneStructuredPass(ratio=0.5), model)
 
@@ -273,7 +266,7 @@ def test_concat_offsets():
     assert init_shape(model, "w3") == (16, 4)
     np.testing.assert_array_equal(model.graph.initializers["w3"].const_value.numpy(), np.concatenate([w["w3"][8:16], w["w3"][16:24]]))
     assert op_types(model) == ["MatMul", "Add", "Relu", "MatMul", "Add", "Tanh", "Concat", "MatMul"]
-    np.testing.assert_array_equal(ort_run(checked(model), X)[0], ort_run(proto, X)[0])
+    np.testing.assert_array_equal(run_ort(checked(model), X)[0], run_ort(proto, X)[0])
     assert_second_run_changes_nothing(PruneStructuredPass(ratio=0.5), model)
 
 

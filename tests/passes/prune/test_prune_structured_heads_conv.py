@@ -10,20 +10,13 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 import pytest
-from _prune_testing import (
-    assert_second_run_changes_nothing,
-    checked,
-    init_shape,
-    op_types,
-    ort_run,
-    run_pass,
-    to_ir,
-    zero_slices,
-)
+from _pass_testing import assert_second_run_changes_nothing, run_pass
+from _prune_testing import checked, init_shape, zero_slices
 from mograph.passes.prune import PruneStructuredPass
 from onnx import helper
 
 from models.builders import bert_feeds, bert_tiny, cnn_small, make_model, random_feeds
+from mograph.testing import op_types, run_ort, to_ir
 
 HIDDEN, HEADS, HEAD_DIM = 32, 4, 8
 
@@ -100,7 +93,7 @@ def test_zero_heads_are_removed_and_outputs_are_bit_identical(dynamic):
     pruned = checked(model)
     for seq in (5, 16, 33) if dynamic else (16,):
         feeds = bert_feeds(batch=2 if dynamic else 1, seq=seq)
-        np.testing.assert_array_equal(ort_run(pruned, feeds)[0], ort_run(proto, feeds)[0])
+        np.testing.assert_array_equal(run_ort(pruned, feeds)[0], run_ort(proto, feeds)[0])
     assert_second_run_changes_nothing(PruneStructuredPass(ratio=0.5, scope="heads"), model)
 
 
@@ -116,7 +109,7 @@ def test_heads_and_ffn_together_on_random_weights_stay_valid():
     assert s["macs_after"] < s["macs_before"] and s["params_after"] < s["params_before"]
     pruned = checked(model)
     for seq in (4, 16):
-        outs = ort_run(pruned, bert_feeds(batch=2, seq=seq))
+        outs = run_ort(pruned, bert_feeds(batch=2, seq=seq))
         assert [o.shape for o in outs] == [(2, seq, HIDDEN), (2, HIDDEN)]
     assert_second_run_changes_nothing(PruneStructuredPass(ratio=0.5, scope="all"), model)
 
@@ -133,7 +126,7 @@ def test_shared_reshape_constant_gets_a_private_copy():
     entry = run_pass(PruneStructuredPass(ratio=0.5, scope="heads", exclude=["/encoder/layer.1/*"]), model)
     assert (entry.stats["heads.pruned_groups"], entry.stats["heads.excluded_groups"]) == (1, 1)
     feeds = bert_feeds(batch=1, seq=16)
-    np.testing.assert_array_equal(ort_run(checked(model), feeds)[0], ort_run(proto, feeds)[0])
+    np.testing.assert_array_equal(run_ort(checked(model), feeds)[0], run_ort(proto, feeds)[0])
     targets = _reshape_targets(model)
     assert targets[0] == [1, 16, 2, HEAD_DIM] and targets[4] == [1, 16, HEADS, HEAD_DIM]
 
@@ -184,7 +177,7 @@ def test_zero_conv_channels_are_removed_with_bn_and_residual():
     assert s["conv.macs_after"] == 32 * 32 * 8 * 27 + 2 * 16 * 16 * 8 * 72 + 8 * 8 * 16 * 72 + 10 * 16
     pruned = checked(model)
     feeds = random_feeds(proto, {"batch": 3})
-    np.testing.assert_array_equal(ort_run(pruned, feeds)[0], ort_run(proto, feeds)[0])
+    np.testing.assert_array_equal(run_ort(pruned, feeds)[0], run_ort(proto, feeds)[0])
     assert_second_run_changes_nothing(PruneStructuredPass(ratio=0.5, scope="conv"), model)
 
 
@@ -196,7 +189,7 @@ def test_conv_round_to_keeps_multiples():
     assert init_shape(model, "down.conv.weight") == (24, 16, 3, 3)
     statuses = [g["status"] for g in entry.details["groups"]]
     assert statuses == ["kept", "kept", "pruned"]
-    ort_run(checked(model), random_feeds(cnn_small(), {"batch": 2}))
+    run_ort(checked(model), random_feeds(cnn_small(), {"batch": 2}))
 
 
 def test_conv_near_miss_channel_read_by_graph_output():
@@ -211,7 +204,7 @@ def test_conv_near_miss_channel_read_by_graph_output():
     blocked = {b["group"]: b["reasons"] for b in entry.details["blocked"]}
     assert blocked == {"/block1.0/conv/Conv:out": ["'/block1.0/Relu_output_0' is a graph output"]}
     feeds = random_feeds(proto, {"batch": 2})
-    for got, want in zip(ort_run(checked(model), feeds), ort_run(proto, feeds)):
+    for got, want in zip(run_ort(checked(model), feeds), run_ort(proto, feeds)):
         np.testing.assert_array_equal(got, want)
 
 
@@ -275,5 +268,5 @@ def test_fused_qkv_split_offsets_and_sizes():
     consts = {n: model.graph.initializers[n].const_value.numpy().tolist() for n in ("sizes", "split_shape", "merge_shape")}
     assert consts == {"sizes": [8, 8, 8], "split_shape": [1, 4, 1, 8], "merge_shape": [1, 4, 8]}
     feeds = {"x": rng.standard_normal((1, 4, hidden)).astype(np.float32)}
-    np.testing.assert_array_equal(ort_run(checked(model), feeds)[0], ort_run(proto, feeds)[0])
+    np.testing.assert_array_equal(run_ort(checked(model), feeds)[0], run_ort(proto, feeds)[0])
     assert_second_run_changes_nothing(PruneStructuredPass(ratio=0.5, scope="heads", round_to=1), model)

@@ -7,11 +7,13 @@ independent, loop-based reference of the rule (ONNX Runtime, optimizations off).
 from __future__ import annotations
 
 import numpy as np
-from _prune_testing import assert_second_run_changes_nothing, checked, op_types, ort_run, run_pass, to_ir
+from _pass_testing import assert_second_run_changes_nothing, run_pass
+from _prune_testing import checked
 from mograph.passes.prune import Sparsity2to4Pass
 from onnx import helper, numpy_helper
 
 from models.builders import make_model
+from mograph.testing import op_types, run_ort, to_ir
 
 RNG = np.random.default_rng(0)
 W = {
@@ -88,7 +90,7 @@ def test_two_of_four_masked_along_reduction_axis():
     masked = proto
     for t in masked.graph.initializer:
         t.CopyFrom(numpy_helper.from_array(want[t.name], t.name))
-    for g, w in zip(ort_run(checked(model), FEEDS), ort_run(masked, FEEDS)):
+    for g, w in zip(run_ort(checked(model), FEEDS), run_ort(masked, FEEDS)):
         np.testing.assert_array_equal(g, w)
     again = assert_second_run_changes_nothing(Sparsity2to4Pass(), model)
     assert again.stats["weights_masked"] == 0 and again.stats["weights_qualifying"] == qualifying
@@ -100,7 +102,7 @@ def test_near_miss_reduction_not_multiple_of_four():
     entry = run_pass(Sparsity2to4Pass(), model)
     assert entry.modified is False
     assert entry.stats == {"layers": 0, "layers_skipped": 1, "weights_qualifying": 0, "weights_masked": 0}
-    np.testing.assert_array_equal(ort_run(checked(model), FEEDS)[0], ort_run(proto, FEEDS)[0])
+    np.testing.assert_array_equal(run_ort(checked(model), FEEDS)[0], run_ort(proto, FEEDS)[0])
 
 
 def test_exclude_and_constant_node_weights():
@@ -121,6 +123,6 @@ def test_exclude_and_constant_node_weights():
     np.testing.assert_array_equal(consts["u"], _reference_mask(w, 0))
     feeds = {"x4": RNG.standard_normal((2, 4)).astype(np.float32)}
     np.testing.assert_allclose(
-        ort_run(checked(model), feeds)[0], feeds["x4"] @ w @ _reference_mask(w, 0), rtol=1e-5, atol=1e-5
+        run_ort(checked(model), feeds)[0], feeds["x4"] @ w @ _reference_mask(w, 0), rtol=1e-5, atol=1e-5
     )
     assert_second_run_changes_nothing(Sparsity2to4Pass(exclude=["keep_*"]), model)

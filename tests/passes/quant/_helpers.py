@@ -10,7 +10,6 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from mograph.ir_version import fit_ir_version
-from mograph.testing import to_ir  # noqa: F401 - re-exported for the tests
 
 
 def run(model: ir.Model | onnx.ModelProto, feeds: dict, optimize: bool = False) -> list[np.ndarray]:
@@ -46,6 +45,3 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     b = b.astype(np.float64).ravel()
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
-
-def op_counts(model: ir.Model) -> Counter:
-    return Counter(n.op_type for n in model.graph)

@@ -8,7 +8,6 @@ the attention fusion still matching after the pass, before or after ``cleanup,fu
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from pathlib import Path
 
@@ -33,15 +32,6 @@ FP8 = ml_dtypes.float8_e4m3fn
 GPT2 = corpus.Case("gpt2", "torchscript", "eager", "cache")
 LLAMA = corpus.Case("llama", "torchscript", "eager", "cache")
 CACHE = ["past_key_0", "past_value_0", "past_key_1", "past_value_1"]
-
-
-@pytest.fixture(scope="module")
-def export_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    env = os.environ.get("MOGRAPH_TEST_EXPORT_DIR")
-    if env:
-        Path(env).mkdir(parents=True, exist_ok=True)
-        return Path(env)
-    return tmp_path_factory.mktemp("kvcache")
 
 
 def _export(case: corpus.Case, folder: Path) -> onnx.ModelProto:

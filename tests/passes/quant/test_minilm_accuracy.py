@@ -28,7 +28,7 @@ import onnx_ir as ir  # noqa: E402
 from mograph.passes.quant import QdqInt8Pass  # noqa: E402
 
 from models.sentences import CALIBRATION, CALIBRATION_ALL, EVALUATION, EVALUATION_ALL  # noqa: E402
-from tests.passes.quant._helpers import op_counts  # noqa: E402
+from mograph.testing import op_counts  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.torch]
 

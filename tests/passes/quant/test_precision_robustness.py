@@ -27,8 +27,9 @@ from onnx import helper, numpy_helper
 from mograph.errors import OptionError
 from mograph.ir_version import fit_ir_version, make_model, needed_ir_version, runtime_max_ir_version
 from mograph.output_check import check_model_output
+from mograph.testing import op_counts, to_ir
 from mograph.validate import compare_outputs, tolerance_for
-from tests.passes.quant._helpers import cosine, op_counts, run, to_ir
+from tests.passes.quant._helpers import cosine, run
 
 F32 = onnx.TensorProto.FLOAT
 

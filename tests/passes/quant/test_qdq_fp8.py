@@ -11,7 +11,8 @@ from mograph.passes.quant import QdqFp8Pass
 from onnx import helper, numpy_helper
 
 from models.builders import bert_feeds, bert_tiny
-from tests.passes.quant._helpers import cosine, op_counts, run, to_ir
+from mograph.testing import op_counts, to_ir
+from tests.passes.quant._helpers import cosine, run
 
 FP8 = ml_dtypes.float8_e4m3fn
 

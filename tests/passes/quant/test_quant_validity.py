@@ -20,7 +20,8 @@ from onnx import helper, numpy_helper
 
 from mograph.errors import ModelError
 from mograph.output_check import check_model_output
-from tests.passes.quant._helpers import cosine, op_counts, run, to_ir
+from mograph.testing import op_counts, to_ir
+from tests.passes.quant._helpers import cosine, run
 
 F32, F16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
 

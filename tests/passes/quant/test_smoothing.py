@@ -15,7 +15,8 @@ from mograph.passes.quant.smoothing import apply_smoothing, choose_alpha, smooth
 from onnx import helper, numpy_helper
 
 from mograph.errors import OptionError
-from tests.passes.quant._helpers import cosine, op_counts, run, to_ir
+from mograph.testing import op_counts, to_ir
+from tests.passes.quant._helpers import cosine, run
 
 F32 = onnx.TensorProto.FLOAT
 

@@ -17,8 +17,7 @@ from mograph.passes.quant import QdqInt8Pass, smoothing
 from mograph.passes.quant._qdq import find_candidates
 from onnx import helper, numpy_helper
 
-from mograph.testing import assert_close, assert_untouched, check_pass, op_counts, run_ort, to_proto
-from tests.passes.quant._helpers import to_ir
+from mograph.testing import assert_close, assert_untouched, check_pass, op_counts, run_ort, to_ir, to_proto
 
 F32 = onnx.TensorProto.FLOAT
 D = 16

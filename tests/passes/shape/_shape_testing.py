@@ -1,4 +1,4 @@
-"""Helpers of the shape-pass tests: ONNX Runtime with its optimizations off, IR round trips, op counts."""
+"""Helpers of the shape-pass tests: models built with ``onnx.helper``, op counts, a value's dims."""
 
 from __future__ import annotations
 
@@ -7,16 +7,7 @@ from collections import Counter
 import numpy as np
 import onnx
 import onnx_ir as ir
-import pytest
 from onnx import TensorProto, helper
-
-from mograph import testing
-from mograph.testing import to_ir  # noqa: F401 - re-exported for the tests
-
-
-def run_ort(model: onnx.ModelProto | ir.Model, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    pytest.importorskip("onnxruntime")
-    return testing.run_ort(model, feeds)
 
 
 def ops(model: ir.Model) -> Counter[str]:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 import pytest
-from _shape_testing import f32, i64, to_ir
+from _shape_testing import f32, i64
 from mograph.passes.shape._dyn_base import _NeedTag, _Refuse
 from mograph.passes.shape._dyn_rules import RULES
 from mograph.passes.shape._dyn_symbolic import _Analysis
@@ -22,6 +22,7 @@ from mograph.passes.shape._shapes import infer_shapes
 from onnx import TensorProto, helper
 
 from mograph.shapes import Dim
+from mograph.testing import to_ir
 
 N = helper.make_node
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from _shape_testing import dims, f32, graph_input, i64, make, ops, run_ort, to_ir
+from _shape_testing import dims, f32, graph_input, i64, make, ops
 from mograph.passes.shape import FixShapesPass
 from onnx import helper
 
 from models import bert_feeds, bert_tiny, cnn_small
 from mograph.errors import OptionError
 from mograph.pass_infra import graph_fingerprint
+from mograph.testing import run_ort, to_ir
 
 SHAPE_OPS = {"Shape", "Concat", "Slice", "Range"}
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 import pytest
-from _shape_testing import const, dims, f32, graph_input, i64, make, ops, run_ort, to_ir
+from _shape_testing import const, dims, f32, graph_input, i64, make, ops
 from mograph.passes.shape import MakeDynamicPass
 from onnx import TensorProto, helper
 
 from mograph.errors import OptionError, PassFailedError
 from mograph.pass_infra import graph_fingerprint
+from mograph.testing import run_ort, to_ir
 
 RNG = np.random.default_rng(0)
 

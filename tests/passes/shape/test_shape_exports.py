@@ -14,8 +14,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from _shape_testing import run_ort, to_ir
 from mograph.passes.shape import FixShapesPass, MakeDynamicPass
+
+from mograph.testing import run_ort, to_ir
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")

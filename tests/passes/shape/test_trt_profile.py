@@ -6,11 +6,11 @@ import json
 
 import onnx_ir as ir
 import pytest
-from _shape_testing import to_ir
 from mograph.passes.shape import METADATA_KEY, SetTrtProfilePass, read_profiles
 
 from models import bert_tiny
 from mograph.errors import OptionError
+from mograph.testing import to_ir
 
 
 def test_profiles_recorded_and_read_back():

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 #: Bottom to top: (layer, module names or package prefixes).  Every module of ``mograph/`` and
 #: ``passes/`` must be listed (a new module is a decision about its layer).

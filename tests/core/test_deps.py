@@ -23,7 +23,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("onnxruntime", "polygraphy", "torch", "tensorrt", "tensorrt_rtx", "transformers", "onnx_graphsurgeon")
 
 IMPORT_ALL = r"""

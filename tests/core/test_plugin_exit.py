@@ -10,10 +10,10 @@ reason and the others are measured.
 from __future__ import annotations
 
 import pytest
-from test_plugins import _model_file, site, write_plugin  # noqa: F401 - site is a fixture
 
 from mograph.cli import main
 from mograph.workflow.ledger import open_ledger
+from tests.core.test_plugins import _model_file, site, write_plugin  # noqa: F401 - site is a fixture
 
 
 def _exiting_plugin(raise_what: str) -> str:

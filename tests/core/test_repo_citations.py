@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TEXT = {".py", ".md", ".toml", ".yaml", ".yml", ".sh", ".txt", ".cfg", ".ini", ".cu", ".h", ".cpp"}
 OUTSIDE = re.compile(r"/work/|\.\./shared|\b(?:STYLE|DESIGN|FACTS)\.md\b|gpu-requests/|gpu-results/")
 MD_LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")

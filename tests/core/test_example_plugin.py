@@ -28,7 +28,7 @@ from onnx import helper
 
 from models.builders import make_model
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PLUGIN = ROOT / "plugins" / "mograph-example-plugin"
 
 

@@ -22,7 +22,7 @@ import mograph
 from mograph import irutil
 from mograph._traverse import iter_nodes, subgraphs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _stack(layers: int, **kw: int) -> onnx.ModelProto:
@@ -122,3 +122,121 @@ def test_llama_stack_fuses_every_norm() -> None:
     ref, got = (ort.InferenceSession(m.SerializeToString(), opts, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
                 for m in (proto, model))
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+# --- operation counts that must grow linearly with the graph (no wall-clock assertions) ---------------
+
+
+def _count_initializer_lookups(monkeypatch: pytest.MonkeyPatch, layers: int) -> tuple[int, int]:
+    """(lookups of a name in the graph's initializers during ``fuse-rmsnorm``, RMSNorms fused)."""
+    model, _ = mograph.optimize(ir.serde.deserialize_model(_stack(layers)), passes="cleanup", check_output=False)
+    container = type(model.graph.initializers)
+    real = container.__contains__
+    count = [0]
+
+    def counting(self: object, key: object) -> bool:
+        count[0] += 1
+        return real(self, key)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(container, "__contains__", counting)
+    _, report = mograph.optimize(model, passes="fuse-rmsnorm", check_output=False)
+    monkeypatch.setattr(container, "__contains__", real)
+    return count[0], int(report.passes[0].stats["RMSNormFusion"])
+
+
+def test_fusion_names_its_initializers_in_linear_lookups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each fused norm adds a placeholder initializer (``mograph_one``, ``mograph_one_1`` ...); finding a free
+    name by probing from ``_1`` every time made the sweep quadratic in the number of norms."""
+    small, fused_small = _count_initializer_lookups(monkeypatch, 12)
+    large, fused_large = _count_initializer_lookups(monkeypatch, 48)
+    assert fused_small == 2 * 12 + 1 and fused_large == 2 * 48 + 1
+    # 4x the layers: linear lookups give about 4x (probing from _1 gave over 9x here)
+    assert large <= 5 * small, (small, large)
+
+
+def test_initializer_names_are_the_first_free_ones() -> None:
+    """The sweep's names are exactly what probing base, base_1, base_2 ... gives, removals included."""
+    from mograph.patterns import _InitializerNames
+
+    graph = ir.Graph([], [], nodes=[])
+
+    def add(name: str) -> None:
+        graph.register_initializer(ir.Value(name=name, const_value=ir.tensor(np.zeros(1, np.float32))))
+
+    names = _InitializerNames(graph)
+    got = []
+    for _ in range(4):
+        got.append(names.fresh("one"))
+        add(got[-1])
+    assert got == ["one", "one_1", "one_2", "one_3"]
+    for gone in ("one_1", "one_2"):
+        del graph.initializers[gone]
+        names.deleted(gone)
+    assert names.fresh("one") == "one_1"
+    add("one_1")
+    add("one_4")  # taken by someone else meanwhile
+    assert [names.fresh("one") for _ in range(2)] == ["one_2", "one_2"]  # not registered: still free
+    add("one_2")
+    assert names.fresh("one") == "one_5"
+    assert names.fresh(None) == "mograph_const_1"
+
+
+def test_the_pass_manager_walks_the_model_once_per_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counting nodes before and after each pass and finding the nodes it created share one walk."""
+    from mograph import pass_infra
+
+    real = pass_infra._iter_nodes
+    walks = [0]
+
+    def counting(graph: ir.Graph) -> object:
+        walks[0] += 1
+        return real(graph)
+
+    monkeypatch.setattr(pass_infra, "_iter_nodes", counting)
+    model, report = mograph.optimize(ir.serde.deserialize_model(_stack(1)), passes="eliminate-identity,eliminate-dead,topo-sort",
+                                     check_output=False)
+    assert len(report.passes) == 3
+    assert walks[0] == 3 + 1, walks[0]
+    assert [p.nodes_after for p in report.passes] == [p.nodes_before for p in report.passes[1:]] + [
+        sum(1 for _ in model.graph)]
+
+
+def test_fingerprint_still_sees_attribute_changes() -> None:
+    from mograph.pass_infra import graph_fingerprint
+
+    model = ir.serde.deserialize_model(_stack(1))
+    before = graph_fingerprint(model)
+    node = next(n for n in model.graph if n.op_type == "Softmax")
+    node.attributes["axis"] = ir.AttrInt64("axis", 1)
+    assert graph_fingerprint(model) != before
+    node = next(n for n in model.graph if n.op_type == "Transpose")
+    node.attributes["perm"] = ir.AttrInt64s("perm", [0, 1, 2, 3])
+    assert graph_fingerprint(model) != before
+
+
+def test_the_pipeline_keeps_the_loaded_model_out_of_full_collections() -> None:
+    """The objects alive when the pipeline starts are frozen (not walked by each full collection) while
+    it runs, and unfrozen after it; a process that froze objects of its own keeps them as they were."""
+    import gc
+
+    seen: list[int] = []
+
+    def instrument(pass_: object, model: object, context: object) -> object:
+        seen.append(gc.get_freeze_count())
+        result = yield
+        return result
+
+    model = ir.serde.deserialize_model(_stack(1))
+    live = sum(1 for _ in model.graph)
+    assert gc.get_freeze_count() == 0
+    mograph.optimize(model, passes="eliminate-identity,topo-sort", instruments=[instrument], check_output=False)
+    assert len(seen) == 2 and min(seen) >= live  # the model's nodes (and more) were frozen during the passes
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        mine = gc.get_freeze_count()
+        seen.clear()
+        mograph.optimize(model, passes="eliminate-identity", instruments=[instrument], check_output=False)
+        assert seen == [mine] and gc.get_freeze_count() == mine  # neither added to nor released
+    finally:
+        gc.unfreeze()

@@ -20,7 +20,7 @@ from mograph.errors import UsageError
 from mograph.plugins import BUILTIN_PLUGINS
 from mograph.profile import SCHEMA, format_profile, profile_model
 
-BERT = Path(__file__).resolve().parent.parent / "mograph" / "examples" / "bert-tiny.onnx"
+BERT = Path(__file__).resolve().parents[2] / "mograph" / "examples" / "bert-tiny.onnx"
 
 
 @pytest.fixture(autouse=True)

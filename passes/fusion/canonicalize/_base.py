@@ -1,0 +1,106 @@
+"""What a canonical rewrite is: a rule (name, root op types, rewrite) whose rewrite returns a build or a miss.
+
+A rule is tried at one node, the *root*: the last node of the spelling it rewrites.  Its rewrite either
+returns a :class:`Build` (the value that replaces the root's output and the nodes and initializers made
+for it) or a :class:`Miss` that says, in one line, why the rule does not apply there.  A miss is a value,
+not an exception: the engine goes on with the next rule, and a diagnostic (``Canonicalizer.why_not``)
+can show a person why a spelling was left as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import onnx_ir as ir
+
+from mograph.patterns import constant_array
+
+if TYPE_CHECKING:
+    from mograph.passes.fusion.canonicalize._engine import Canonicalizer
+
+__all__ = ["Build", "CanonRule", "Miss", "Rewrite"]
+
+#: The default ONNX domain, as a node may spell it.
+STD = ("", "ai.onnx")
+
+
+@dataclass
+class Build:
+    """What a rewrite returns when it applies: the value replacing the root's output, and what it made."""
+
+    value: ir.Value
+    nodes: list[ir.Node] = field(default_factory=list)
+    inits: list[ir.Value] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Miss:
+    """Why a rule did not apply at a node (one line, for diagnostics)."""
+
+    reason: str
+
+
+Rewrite = Callable[["Canonicalizer", ir.Node], "Build | Miss"]
+
+
+@dataclass(frozen=True)
+class CanonRule:
+    """One canonical rewrite: its name (counted in the pass's details), the default-domain op types its
+    root may be, whether its numbers are exact or exact up to float rounding, and the rewrite."""
+
+    name: str
+    ops: tuple[str, ...]
+    rewrite: Rewrite
+    exact: bool = True
+
+    def apply(self, c: Canonicalizer, node: ir.Node) -> Build | Miss:
+        """The rewrite of ``node``, or why there is none (a root of another op type included)."""
+        if node.domain not in STD or node.op_type not in self.ops:
+            return Miss(f"applies to {'/'.join(self.ops)} nodes, not {node.op_type}")
+        return self.rewrite(c, node)
+
+
+# -- helpers the rules share ----------------------------------------------------------------------
+
+
+def std(node: ir.Node | None, *ops: str) -> bool:
+    """Whether ``node`` is a default-domain node of one of ``ops``."""
+    return node is not None and node.domain in STD and node.op_type in ops
+
+
+def scalar(value: ir.Value | None) -> float | None:
+    arr = constant_array(value)
+    if arr is None or arr.size != 1:
+        return None
+    return float(arr.reshape(()))
+
+
+def rank_of(value: ir.Value | None) -> int | None:
+    return len(value.shape) if value is not None and value.shape is not None else None
+
+
+def keeps_shape(v: ir.Value, c: ir.Value) -> bool:
+    """``v op c`` has v's shape when c is one element of rank <= v's."""
+    arr = constant_array(c)
+    rv = rank_of(v)
+    return arr is not None and arr.size == 1 and rv is not None and arr.ndim <= rv
+
+
+def single_use(value: ir.Value) -> bool:
+    return len(value.uses()) == 1 and not value.is_graph_output()
+
+
+def one(c: Canonicalizer, op: str, inputs: list[ir.Value], like: ir.Value, **attrs: object) -> Build:
+    """A build of one new node ``op(inputs)`` shaped like ``like``."""
+    node = c.node(op, inputs, like, **attrs)
+    return Build(node.outputs[0], [node])
+
+
+def broadcasts_into(shape: tuple[int, ...], v: ir.Value) -> bool:
+    """Whether a constant of ``shape`` broadcast against ``v`` leaves v's (static) shape as it is."""
+    if v.shape is None or len(shape) > len(v.shape):
+        return False
+    dims = list(v.shape)[len(v.shape) - len(shape):]
+    return all(c == 1 or (isinstance(d, int) and c == d) for c, d in zip(shape, dims))

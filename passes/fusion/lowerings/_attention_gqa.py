@@ -1,0 +1,340 @@
+"""A decoder's attention as ``GroupQueryAttention`` with the rotary inside (``do_rotary``), packed QKV, the KV
+cache as its past/present, lengths from the ``attention_mask``, and, under the default mask format, the run-time
+right-padding check that chooses between it and the exact form by an ``If``.  The conditions and what each form
+assumes: :mod:`mograph.passes.fusion.lowerings.attention`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx_ir as ir
+from mograph.passes.fusion.attention_op import KV_CACHE_KEY, MASK_FORMAT_KEY
+from mograph.passes.fusion.lowerings._attention_ort import (
+    GQA_HEAD_MULTIPLE,
+    MS_DOMAIN,
+    _add,
+    _const,
+    _gqa_lengths,
+    _heads_to_bsh,
+    _kernel,
+    _key_lengths,
+    _present_outputs,
+    _replace,
+)
+from mograph.passes.fusion.lowerings._rotary import _notes
+from mograph.passes.fusion.lowerings.attention_proofs import (
+    _PAST_DIM_META,
+    Shared,
+    _causal_from,
+    _kv_cache,
+    _present_key_output,
+    _present_value_output,
+    _projection_of,
+    _rotary_positions,
+    _rotated_split,
+    _seq_dim,
+)
+from mograph.passes.fusion.lowerings.packed_nbits import pack_nbits_projections
+
+from mograph.custom_ops import Lowering
+from mograph.errors import PassFailedError
+from mograph.irutil import add_initializer
+from mograph.lowering import LoweringContext
+from mograph.metadata import LOWERED_FOR
+
+logger = logging.getLogger(__name__)
+
+
+#: rows of the cos/sin caches GroupQueryAttention's ``do_rotary`` reads (positions 0 .. MAX-1): option ``--max-length``
+GQA_MAX_LENGTH = 4096
+
+
+def _packed_qkv(xs: list[ir.Value], graph: ir.Graph, new_nodes: list[ir.Node]) -> ir.Value | None:
+    """One ``h @ [W_q | W_k | W_v] (+ [b_q | b_k | b_v])`` where Q, K, V are projections of one ``h``, read by
+    nothing else than what this lowering replaces (checked by the caller)."""
+    parts = [_projection_of(x) for x in xs]
+    if any(p is None for p in parts) or len({id(p[0]) for p in parts if p is not None}) != 1:
+        return None
+    h = parts[0][0]  # type: ignore[index]
+    if h.dtype is None:
+        return None
+    dtype = h.dtype.numpy()
+    w = np.concatenate([p[1] for p in parts], axis=1).astype(dtype)  # type: ignore[index]
+    out = _add(new_nodes, "MatMul", [h, add_initializer(graph, "mograph_qkv_weight", w)])
+    if any(p[2] is not None for p in parts):  # type: ignore[index]
+        b = np.concatenate([p[2] if p[2] is not None else np.zeros(p[1].shape[1], dtype)  # type: ignore[index]
+                            for p in parts]).astype(dtype)
+        out = _add(new_nodes, "Add", [out, add_initializer(graph, "mograph_qkv_bias", b)])
+    return out
+
+
+def _no_gqa(node: ir.Node, why: str) -> bool:
+    logger.debug("%s: no GroupQueryAttention with rotary: %s", node.name, why)
+    return False
+
+
+def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, scale: float,
+               exact: Lowering) -> bool:
+    """A decoder's causal self-attention with rotary embeddings on Q and K -> ``GroupQueryAttention`` with the
+    rotary inside (``do_rotary``, cos/sin caches as initializers), Q/K/V packed into one MatMul where they are
+    projections of one tensor, the KV cache (if any) as its past/present, ``seqlens_k`` / ``total_sequence_length``
+    from the ``attention_mask``.  See the module docstring for when it applies and what it assumes."""
+    q, k, v, bias = node.inputs
+    graph = node.graph
+    assert graph is not None and q is not None and k is not None and v is not None and bias is not None
+    shared = node.metadata_props.get(KV_CACHE_KEY) == "shared"
+    fmt = "lengths" if shared else node.metadata_props.get(MASK_FORMAT_KEY, "bias")
+    if fmt == "raw" or heads % kv_heads:
+        return _no_gqa(node, "--mask-format raw, or query heads not a multiple of the K/V heads")
+    ck, cv = _kv_cache(k), _kv_cache(v)
+    if (ck is None) != (cv is None):
+        return _no_gqa(node, "only one of K and V comes from a cache")
+    notes = _notes(ctx)
+    k_rot = _rotated_split(ck[1], notes) if ck is not None else k
+    if k_rot is None:
+        return _no_gqa(node, "the step's new keys are not a plain head split of the rotated projection")
+    new_nodes: list[ir.Node] = []
+    v_new = _heads_to_bsh(cv[1], new_nodes) if cv is not None else v  # (a Transpose + Reshape where not provable)
+    rq, rk = notes.get(id(q)), notes.get(id(k_rot))
+    if rq is None or rk is None or rq[1] is not rk[1] or rq[2] != rk[2] or (rq[3], rk[3]) != (heads, kv_heads):
+        return _no_gqa(node, "Q and K are not rotated by ONNX Runtime RotaryEmbedding kernels of one angle table")
+    xq, f, rscale, _ = rq
+    xk = rk[0]
+    if xq.shape is None or len(xq.shape) != 3 or not isinstance(xq.shape[2], int) or xq.dtype is None:
+        return _no_gqa(node, "the query's hidden size is not static")
+    head_size = xq.shape[2] // heads
+    if head_size % GQA_HEAD_MULTIPLE or f.shape is None or len(f.shape) != 3 or f.shape[2] != head_size // 2:
+        return _no_gqa(node, f"head size {head_size} not a multiple of {GQA_HEAD_MULTIPLE}, or a partial rotary")
+    past = ck[0] if ck is not None else None
+    rp = _rotary_positions(f, xq, past)
+    if rp is None:  # (found: f is [1, S, D/2] by construction, a 1-D pos unsqueezed to rank 3 times a 1-D inv_freq)
+        return _no_gqa(node, "the rotary angles are not provably (past + s) * inv_freq")
+    pos, inv = rp
+    keys = ck[2].shape[2] if ck is not None and ck[2].shape is not None else _seq_dim(xq)
+    causal = _causal_from(bias, pos, keys, past, xq)
+    if causal is None:
+        return _no_gqa(node, "the bias is not provably causal (and a key-padding mask)")
+    mask = causal[0]
+    guarded = mask is not None and fmt != "lengths"  # the lengths assume right padding: checked at run time
+    if guarded and node.metadata_props.get(_FALLBACK_KEY):
+        return _no_gqa(node, "the exact fallback branch of a right-padding check")
+    if mask is None and ck is not None:
+        return _no_gqa(node, "a cache step without a mask to take the lengths from")
+    # the caches: cos/sin of position p (rows 0 .. max-1), computed as the export does (float32 p * inv_freq)
+    max_len = int(node.metadata_props.get("mograph.gqa_max_length", GQA_MAX_LENGTH))
+    key = ("gqa_rotary_caches", id(f), rscale)
+    if key not in ctx.shared:
+        angles = np.arange(max_len, dtype=np.float32)[:, None] * inv.astype(np.float32)[None, :]
+        cos, sin = np.cos(angles), np.sin(angles)
+        if rscale is not None:
+            cos, sin = cos * np.float32(rscale), sin * np.float32(rscale)
+        dtype = xq.dtype.numpy()
+        ctx.shared[key] = (add_initializer(graph, "mograph_gqa_cos_cache", cos.astype(dtype)),
+                           add_initializer(graph, "mograph_gqa_sin_cache", sin.astype(dtype)))
+    cos_cache, sin_cache = ctx.shared[key]
+    outer: list[ir.Node] = []  # (guarded: what the layers share stays in the main graph)
+    if mask is not None:
+        seqlens, total = _mask_lengths_for_gqa(mask, outer if guarded else new_nodes, ctx.shared)
+    else:  # no padding: every row holds all S keys
+        seqlens, total = _gqa_lengths(xq, xq, 1, None, None, new_nodes, ctx.shared)
+    present_k = _present_key_output(graph, xk, f, rscale) if ck is None else None
+    present_v = _present_value_output(graph, v_new) if ck is None else None
+    logger.debug("%s: present outputs found: key %s, value %s", node.name, present_k, present_v)
+    packed = _packed_qkv([xq, xk, v_new], graph, new_nodes)
+    if packed is None:  # weight-only quantized projections (already MatMulNBits): one packed node where exact
+        packed = pack_nbits_projections([xq, xk, v_new], graph, new_nodes, ctx)
+    qkv: list[ir.Value | None] = [packed, None, None] if packed is not None else [xq, xk, v_new]
+    attrs = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": scale, "do_rotary": 1, "rotary_interleaved": 0}
+    kernel = _kernel("GroupQueryAttention", [*qkv, past, cv[0] if cv is not None else None, seqlens, total,
+                                             cos_cache, sin_cache], attrs, outputs=3)
+    # no NaN guard: the causal mask leaves every query row its own key (a row of length 0 is outside the contract)
+    for out in kernel.outputs:
+        out.dtype = xq.dtype
+    new_nodes.append(kernel)
+    if guarded:
+        assert mask is not None
+        ok = _right_padded(mask, ck[0] if ck is not None else None, outer, ctx.shared)
+        presents = (ck[2], cv[2]) if ck is not None and cv is not None else (present_k, present_v)
+        _guard(node, ctx, ok, outer, new_nodes, presents, exact)
+        ctx.count("attention.gqa_rotary")
+        ctx.count("attention.padding_check")
+        if packed is not None:
+            ctx.count("attention.packed_qkv")
+        if ck is not None:
+            ctx.count("attention.kv_cache")
+        return True
+    _replace(node, new_nodes, ctx)
+    if ck is not None and cv is not None:
+        _present_outputs(graph, kernel, (ck[2], cv[2]))
+        ctx.count("attention.kv_cache")
+        if shared:  # one [B, G, max_sequence_length, D] buffer bound as both past and present
+            for past_v, present in ((ck[0], kernel.outputs[1]), (cv[0], kernel.outputs[2])):
+                for val in (past_v, present):
+                    if val.shape is not None and len(val.shape) == 4:
+                        dims = list(val.shape)
+                        val.meta[_PAST_DIM_META] = dims[2]  # the other layers' proofs compare past lengths
+                        dims[2] = ir.SymbolicDim("max_sequence_length")
+                        val.shape = ir.Shape(dims)
+            ctx.count("attention.kv_cache_shared")
+    else:
+        for old, new in ((present_k, kernel.outputs[1]), (present_v, kernel.outputs[2])):
+            if old is not None:
+                _present_outputs(graph, kernel, (old,), (new,))
+    ctx.count("attention.gqa_rotary")
+    if packed is not None:
+        ctx.count("attention.packed_qkv")
+    ctx.stats["rotary.kernel"] = ctx.stats.get("rotary.kernel", 0) - 2  # both went into the kernel
+    return True
+
+
+#: node metadata of the copy of an attention lowered in the exact branch of a right-padding check: no GQA there
+_FALLBACK_KEY = "mograph.attention.padding_fallback"
+
+
+def _right_padded(mask: ir.Value, past: ir.Value | None, new_nodes: list[ir.Node], shared: Shared) -> ir.Value:
+    """A bool scalar, true where GroupQueryAttention's lengths give the export's numbers for ``mask`` ``[B, T]``: every
+    row is ones then zeros (``mask == (arange(T) < ReduceSum(mask, 1))``, compared in the mask's own dtype, so a value
+    other than 0 and 1 fails it) and every row holds at least one key (a prefill), or, for a decode step over the
+    cache ``past`` ``[B, G, P, D]``, every row holds every key (the export places the new tokens at ``P + s``,
+    GroupQueryAttention after each row's length) and the step is one token or the batch one row (ONNX Runtime's
+    kernel refuses more new tokens over a past for a batch).  Built once per mask and step kind, on the device
+    (ReduceSum, Range, Less, Equal, ReduceMin; Shape reads)."""
+    key = ("padding_checks", id(mask), past is not None)
+    if key in shared:
+        return shared[key]  # type: ignore[no-any-return]
+
+    def dim(value: ir.Value, axis: int) -> ir.Value:
+        got = _add(new_nodes, "Cast", [_add(new_nodes, "Shape", [value], start=axis, end=axis + 1)],
+                   to=ir.DataType.INT32.value)
+        return _add(new_nodes, "Squeeze", [got, _const(new_nodes, np.array([0], dtype=np.int64))])
+
+    lengths = _key_lengths(mask, new_nodes, shared)
+    total = dim(mask, 1)
+    zero, one = _const(new_nodes, np.array(0, dtype=np.int32)), _const(new_nodes, np.array(1, dtype=np.int32))
+    keys = _add(new_nodes, "Unsqueeze", [_add(new_nodes, "Range", [zero, total, one]),
+                                         _const(new_nodes, np.array([0], dtype=np.int64))])
+    rows = _add(new_nodes, "Unsqueeze", [lengths, _const(new_nodes, np.array([1], dtype=np.int64))])
+    expected = _add(new_nodes, "Less", [keys, rows])
+    if mask.dtype != ir.DataType.BOOL:
+        expected = _add(new_nodes, "Cast", [expected], to=(mask.dtype or ir.DataType.INT64).value)
+    same = _add(new_nodes, "Cast", [_add(new_nodes, "Equal", [mask, expected])], to=ir.DataType.INT32.value)
+    least = total if past is not None else one
+    ok = _add(new_nodes, "And", [_add(new_nodes, "Equal", [_add(new_nodes, "ReduceMin", [same], keepdims=0), one]),
+                                 _add(new_nodes, "GreaterOrEqual",
+                                      [_add(new_nodes, "ReduceMin", [lengths], keepdims=0), least])])
+    if past is not None:
+        step = _add(new_nodes, "Sub", [total, dim(past, 2)])
+        small = _add(new_nodes, "Or", [_add(new_nodes, "Equal", [step, one]),
+                                       _add(new_nodes, "Equal", [dim(mask, 0), one])])
+        ok = _add(new_nodes, "And", [ok, small])
+    shared[key] = ok
+    return ok
+
+
+def _guard(node: ir.Node, ctx: LoweringContext, ok: ir.Value, outer: list[ir.Node], fast: list[ir.Node],
+           presents: tuple[ir.Value | None, ...], exact: Lowering) -> None:
+    """``If(ok, then: fast, else: the exact lowering of a copy of node)`` in place of ``node``: the ``fast`` nodes end
+    in the GroupQueryAttention kernel (outputs ``Y, present_key, present_value``); ``presents`` are the export's
+    present outputs the kernel replaces (None: none).  The else branch is what ``exact`` writes without
+    GroupQueryAttention (MultiHeadAttention over repeated K/V heads with the mask as a bias, exact for every mask);
+    the nodes only it reads (the rotary kernels, the separate projections, the cache Concats) move into it, so the
+    fast branch computes none of them.  ``outer`` (the shared lengths and the check) goes before ``node``."""
+    graph = node.graph
+    assert graph is not None
+    base = node.name or node.op_type
+    kernel = fast[-1]
+    keep = [i for i, p in enumerate(presents) if p is not None]
+    then_outs = [kernel.outputs[0]] + [kernel.outputs[1 + i] for i in keep]
+    for i, n in enumerate(fast):
+        n.name = f"{base}/gqa/{i}"
+        n.metadata_props.update(node.metadata_props)
+        n.metadata_props[LOWERED_FOR] = ctx.target
+    copy = ir.node(node.op_type, list(node.inputs), attributes={k: a.value for k, a in node.attributes.items()},
+                   domain=node.domain, version=node.version, name=f"{base}/exact",
+                   metadata_props={**node.metadata_props, _FALLBACK_KEY: "1"})
+    copy.outputs[0].name = f"{base}/exact_y"
+    _like(copy.outputs[0], node.outputs[0])
+    idents = [ir.node("Identity", [presents[i]], name=f"{base}/exact/present{i}") for i in keep]
+    for i, n in zip(keep, idents):
+        n.outputs[0].name = f"{base}/exact_present{i}"
+        _like(n.outputs[0], presents[i], shape=False)
+    then_g = ir.Graph([], then_outs, nodes=fast, name=f"{base}_gqa")
+    else_g = ir.Graph([], [copy.outputs[0]] + [n.outputs[0] for n in idents], nodes=[copy, *idents], name=f"{base}_exact")
+    branch = LoweringContext(ctx.model, ctx.target, ctx.op)  # its own shared values: they live in the branch
+    if not exact(copy, branch):
+        raise PassFailedError("lower", f"attention '{base}': the exact branch of the right-padding check did not lower")
+    guard = ir.node("If", [ok], attributes={"then_branch": then_g, "else_branch": else_g}, name=f"{base}/if",
+                    num_outputs=len(then_outs), metadata_props={**node.metadata_props, LOWERED_FOR: ctx.target})
+    y = guard.outputs[0]
+    _like(y, node.outputs[0])
+    graph.insert_before(node, [*outer, guard])
+    graph.opset_imports.setdefault(MS_DOMAIN, 1)  # (the kernels sit in the branches)
+    for n in outer:
+        n.name = f"{base}/check/{n.name}" if n.name else f"{base}/check"
+    for i, new in zip(keep, guard.outputs[1:]):
+        old = presents[i]
+        assert old is not None
+        _like(new, old)
+        if old.is_graph_output():
+            name = old.name
+            old.name = f"{name}_exact"
+            new.name = name
+        for j, out in enumerate(graph.outputs):
+            if out is old:
+                graph.outputs[j] = new
+    ir.convenience.replace_all_uses_with(node.outputs[0], y, replace_graph_outputs=True)
+    y.name = node.outputs[0].name
+    node.outputs[0].name = f"{base}/replaced_y"
+    graph.remove(node, safe=True)
+    for sub in (else_g, then_g):  # ONNX names are one scope with the branches' (onnx-ir names per graph)
+        for i, n in enumerate(sub):
+            for j, out in enumerate(n.outputs):
+                out.name = f"{sub.name}/{i}:{j}"
+        _sink(graph, sub, ctx.shared)
+
+
+def _like(dst: ir.Value, src: ir.Value | None, shape: bool = True) -> None:
+    """``dst`` typed (and shaped) as ``src``."""
+    if src is not None and src.dtype is not None:
+        dst.dtype = src.dtype
+    if shape and src is not None and src.shape is not None:
+        dst.shape = src.shape
+
+
+def _sink(graph: ir.Graph, branch: ir.Graph, shared: Shared) -> None:
+    """Move into ``branch`` every node of ``graph`` whose outputs only ``branch`` reads (from the last, each put
+    before what is already there, so the order stays topological); what a lowering shares (``shared``: later
+    nodes may read it) stays."""
+    keep = {id(v) for key, got in shared.items() if key[0] != "rotary_outputs"  # (a note on an input, not built)
+            for v in (got if isinstance(got, tuple) else (got,))}
+    moved = True
+    while moved:  # until nothing moves: a node's readers may sit after it in no particular order
+        moved = False
+        for n in reversed(list(graph)):
+            if any(id(out) in keep or out.is_graph_output() for out in n.outputs) or any(
+                    a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in n.attributes.values()):
+                continue
+            uses = [u for out in n.outputs for u, _ in out.uses()]
+            if not uses:  # dead (what the rewrites above left): it would hold its inputs outside the branch
+                graph.remove(n, safe=True)
+                moved = True
+            elif all(u.graph is branch for u in uses):
+                graph.remove(n)
+                branch.insert_before(next(iter(branch)), n)
+                moved = True
+
+
+def _mask_lengths_for_gqa(mask: ir.Value, new_nodes: list[ir.Node], shared: Shared) -> tuple[ir.Value, ir.Value]:
+    """``seqlens_k = ReduceSum(int32(mask), 1) - 1`` and ``total_sequence_length = int32(Shape(mask)[1])``, built once
+    per mask (as ONNX Runtime GenAI feeds them)."""
+    key = ("gqa_mask_lengths", id(mask))
+    if key in shared:
+        return shared[key]  # type: ignore[no-any-return]
+    lengths = _key_lengths(mask, new_nodes, shared)
+    seqlens = _add(new_nodes, "Sub", [lengths, _const(new_nodes, np.array(1, dtype=np.int32))])
+    total = _add(new_nodes, "Cast", [_add(new_nodes, "Shape", [mask], start=1, end=2)], to=ir.DataType.INT32.value)
+    total = _add(new_nodes, "Squeeze", [total, _const(new_nodes, np.array([0], dtype=np.int64))])
+    shared[key] = (seqlens, total)
+    return seqlens, total

@@ -1,0 +1,849 @@
+"""What the ``mograph.Attention`` lowerings prove about the graph around a node, before they rewrite anything.
+
+Read-only questions, each answered by walking producers and comparing dims: is a bias a key-padding mask of an
+``attention_mask`` input (and which), is it provably causal (``Where(kv_idx <= pos, 0, c)`` with the padding lookups
+the exporters write), are K and V a KV cache's ``Concat(past, new)``, are the rotary angles ``(P + s) * inv_freq``,
+are Q/K/V projections of one tensor, which graph outputs are a prefill's present key and value.  Nothing here
+builds a node: the fusion may import it.  What the answers are used for is in
+:mod:`mograph.passes.fusion.lowerings.attention`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+from mograph.passes.fusion.ops import FLOAT_TYPES
+
+from mograph.irutil import attr_value, same_dim
+from mograph.patterns import constant_array, scalar_value
+
+logger = logging.getLogger(__name__)
+
+
+def _projection(value: ir.Value, user: ir.Node) -> tuple[ir.Value, np.ndarray, np.ndarray] | None:
+    """``(x, W, b)`` if ``value`` is ``x @ W + b`` (or ``x @ W``: b = 0) with constant 2-D W and 1-D b, read
+    only by ``user``."""
+    add = value.producer()
+    if add is None or add.domain != "" or value.is_graph_output():
+        return None
+    if any(c is not user for c, _ in value.uses()):
+        return None
+    if add.op_type == "MatMul":  # a projection without bias (Whisper's k_proj)
+        w, x = constant_array(add.inputs[1]), add.inputs[0]
+        if w is None or x is None or w.ndim != 2:
+            return None
+        return x, w, np.zeros(w.shape[1], dtype=w.dtype)
+    if add.op_type != "Add":
+        return None
+    for mm_in, b_in in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])):
+        mm = mm_in.producer() if mm_in is not None else None
+        if mm is None or mm.op_type != "MatMul" or mm.domain != "" or mm_in is None:
+            continue
+        if mm_in.is_graph_output() or len(mm_in.uses()) != 1:
+            continue
+        w, b = constant_array(mm.inputs[1]), constant_array(b_in)
+        x = mm.inputs[0]
+        if w is None or b is None or x is None or w.ndim != 2 or b.ndim != 1 or b.shape[0] != w.shape[1]:
+            continue
+        return x, w, b
+    return None
+
+
+def _packed(node: ir.Node) -> tuple[ir.Value, np.ndarray, np.ndarray] | None:
+    """One ``x`` and the packed ``[W_q | W_k | W_v]``, ``[b_q | b_k | b_v]`` if Q, K, V are its projections."""
+    parts = [_projection(v, node) if v is not None else None for v in node.inputs[:3]]
+    if any(p is None for p in parts):
+        return None
+    xs = {id(p[0]) for p in parts if p is not None}
+    widths = {p[1].shape[1] for p in parts if p is not None}
+    if len(xs) != 1 or len(widths) != 1 or len({id(v) for v in node.inputs[:3]}) != 3:
+        return None
+    x = parts[0][0]  # type: ignore[index]
+    if x.shape is None or len(x.shape) != 3 or x.dtype is None:
+        return None
+    dtype = x.dtype.numpy()
+    w = np.concatenate([p[1] for p in parts], axis=1).astype(dtype)  # type: ignore[index]
+    b = np.concatenate([p[2] for p in parts]).astype(dtype)  # type: ignore[index]
+    return x, w, b
+
+
+#: Lowerings of one pass run share what they build for the same input: key -> value.
+Shared = dict[tuple[Any, ...], Any]
+
+
+def _dim_key(dim: Any, owner: ir.Value) -> tuple[Any, ...]:
+    """A key equal for two dims known to be equal: the int, the symbolic name, else the owning value."""
+    if isinstance(dim, int):
+        return ("int", dim)
+    name = getattr(dim, "value", None)
+    return ("sym", name) if name is not None else ("value", id(owner))
+
+
+_INT_TYPES = {ir.DataType.INT64, ir.DataType.INT32, ir.DataType.INT16, ir.DataType.INT8, ir.DataType.UINT8,
+              ir.DataType.BOOL}
+
+
+def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
+    node = value.producer() if value is not None else None
+    return node if node is not None and node.op_type == op_type and node.domain == "" else None
+
+
+def _unsqueeze_axes(node: ir.Node) -> list[int] | None:
+    if "axes" in node.attributes:
+        return [int(a) for a in node.attributes["axes"].value]
+    arr = constant_array(node.inputs[1]) if len(node.inputs) > 1 else None
+    return None if arr is None else [int(a) for a in arr.reshape(-1)]
+
+
+def _mask_input(value: ir.Value | None, layout: tuple[str, ...]) -> ir.Value | None:
+    """The 2-D ``[B, T]`` integer/bool graph input ``value`` is, through Cast and Unsqueeze, laid out as ``layout``.
+
+    ``layout`` names the dims of ``value``: ``"b"``, ``"t"`` (the input's two dims) and ``"1"`` (an
+    inserted unit dim).  Casts are allowed as the values they carry are 0/1 masks (every cast keeps 0
+    and 1 apart).
+    """
+    dims: list[str] = list(layout)
+    while value is not None and not value.is_graph_input():
+        node = value.producer()
+        if node is None or node.domain != "" or node.op_type not in ("Cast", "Unsqueeze"):
+            return None
+        if node.op_type == "Unsqueeze":
+            axes = _unsqueeze_axes(node)
+            if axes is None:
+                return None
+            axes = sorted(a + len(dims) if a < 0 else a for a in axes)
+            if any(a >= len(dims) or dims[a] != "1" for a in axes):
+                return None
+            for a in reversed(axes):
+                del dims[a]
+        value = node.inputs[0]
+    if value is None or dims != ["b", "t"] or value.dtype not in _INT_TYPES:
+        return None
+    if value.shape is not None and len(value.shape) != 2:
+        return None
+    return value
+
+
+def _is_range_from_zero(value: ir.Value | None) -> ir.Node | None:
+    """The ``Range(0, n, 1)`` node ``value`` is (through Unsqueeze only), else None."""
+    while (node := _producer(value, "Unsqueeze")) is not None:
+        value = node.inputs[0]
+    rng = _producer(value, "Range")
+    if rng is None or scalar_value(rng.inputs[0]) != 0 or scalar_value(rng.inputs[2]) != 1:
+        return None
+    return rng
+
+
+def _all_true(value: ir.Value | None) -> bool:
+    """Whether ``value`` is provably all true: a constant, ``And`` of such, ``Range(0, n, 1) >= 0``, an
+    ``Expand``/``Unsqueeze``/``Reshape`` of such."""
+    arr = constant_array(value)
+    if arr is not None:
+        return arr.dtype == np.bool_ and bool(arr.all())
+    node = value.producer() if value is not None else None
+    if node is None or node.domain != "":
+        return False
+    if node.op_type == "ConstantOfShape":
+        fill = node.attributes.get("value")
+        return fill is not None and fill.value.dtype == ir.DataType.BOOL and bool(fill.value.numpy().all())
+    if node.op_type == "And":
+        return _all_true(node.inputs[0]) and _all_true(node.inputs[1])
+    if node.op_type in ("Expand", "Unsqueeze", "Reshape"):  # copies of the values (transformers 5.17 ViT's mask)
+        return _all_true(node.inputs[0])
+    if node.op_type == "Cast" and int(attr_value(node, "to", 0)) == ir.DataType.BOOL.value:
+        return _all_true(node.inputs[0])  # true stays true
+    if node.op_type == "GreaterOrEqual":
+        bound = scalar_value(node.inputs[1])
+        return bound is not None and bound <= 0 and _is_range_from_zero(node.inputs[0]) is not None
+    return False
+
+
+def is_zero_bias(value: ir.Value | None) -> bool:
+    """Whether the additive bias ``value`` is provably all zero: a float constant of zeros, or
+    ``Where(all true, zeros, _)`` (a key mask of only ones turned into a bias, as transformers 5.17 exports ViT)."""
+    arr = constant_array(value)
+    if arr is not None:
+        return arr.dtype.kind == "f" and not np.any(arr)
+    node = _producer(value, "Where")
+    if node is None or not _all_true(node.inputs[0]):
+        return False
+    zero = constant_array(node.inputs[1])
+    return zero is not None and zero.dtype.kind == "f" and not np.any(zero)
+
+
+def _dim_of(value: ir.Value | None, axis: int) -> ir.Value | None:
+    """The tensor whose dim ``axis`` the scalar ``value`` is (``Gather(Shape(x), axis)``), through Cast."""
+    while (cast := _producer(value, "Cast")) is not None:
+        value = cast.inputs[0]
+    gather = _producer(value, "Gather")
+    if gather is None or scalar_value(gather.inputs[1]) != axis or int(attr_value(gather, "axis", 0)) != 0:
+        return None
+    shape = _producer(gather.inputs[0], "Shape")
+    if shape is None or "start" in shape.attributes or "end" in shape.attributes:
+        return None
+    x = shape.inputs[0]
+    while (cast := _producer(x, "Cast")) is not None:
+        x = cast.inputs[0]
+    return x
+
+
+def _gathered_padding(value: ir.Value | None) -> ir.Value | None:
+    """The mask input of ``transformers``' index-based padding lookup, ``mask[b, t]`` laid out ``[B, 1, 1, T]``.
+
+    ``Reshape(Reshape(Gather(Flatten(Cast(mask, bool), axis=2), b * T + t), [-1]), Shape(b * T + t))``
+    where ``b`` is ``Range(0, B, 1)`` on axis 0 and ``t`` is ``Range(0, T, 1)`` on axis 3 of a
+    rank-4 index, ``T`` the mask's dim 1 (``Flatten`` makes ``[B*T, 1]``).
+    """
+    outer = _producer(value, "Reshape")
+    inner = _producer(outer.inputs[0], "Reshape") if outer is not None else None
+    gather = _producer(inner.inputs[0], "Gather") if inner is not None else None
+    if outer is None or inner is None or gather is None or int(attr_value(gather, "axis", 0)) != 0:
+        return None
+    flat = constant_array(inner.inputs[1])
+    target = outer.inputs[1]
+    if (concat := _producer(target, "Concat")) is not None and len(concat.inputs) == 1:
+        target = concat.inputs[0]  # a Concat of one input is that input
+    shape_of = _producer(target, "Shape")
+    if flat is None or flat.reshape(-1).tolist() != [-1] or shape_of is None or shape_of.inputs[0] is not gather.inputs[1]:
+        return None
+    flatten = _producer(gather.inputs[0], "Flatten")
+    if flatten is None or int(attr_value(flatten, "axis", 1)) != 2:
+        return None
+    cast = _producer(flatten.inputs[0], "Cast")
+    if cast is None or int(attr_value(cast, "to", 0)) != ir.DataType.BOOL.value:
+        return None
+    mask = _mask_input(cast.inputs[0], ("b", "t"))
+    add = _producer(gather.inputs[1], "Add")
+    if mask is None or add is None:
+        return None
+    for t_idx, bt in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])):
+        mul = _producer(bt, "Mul")
+        if mul is None:
+            continue
+        for b_idx, t_len in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
+            t_rng, b_rng = _is_range_from_zero(t_idx), _is_range_from_zero(b_idx)
+            if t_rng is None or b_rng is None or _range_axis(t_idx) != 3 or _range_axis(b_idx) != 0:
+                continue
+            if _dim_of(t_len, 1) is mask and _dim_of(t_rng.inputs[1], 1) is mask:
+                return mask
+    return None
+
+
+def _range_axis(value: ir.Value | None) -> int | None:
+    """The axis the 1-D ``Range`` under ``value`` lands on after the Unsqueezes between them (rank 4)."""
+    unsqueezes = []
+    while (node := _producer(value, "Unsqueeze")) is not None:
+        unsqueezes.append(node)
+        value = node.inputs[0]
+    dims = ["r"]
+    for node in reversed(unsqueezes):  # innermost first
+        axes = _unsqueeze_axes(node)
+        if axes is None:
+            return None
+        rank = len(dims) + len(axes)
+        for ax in sorted(x + rank if x < 0 else x for x in axes):
+            dims.insert(ax, "1")
+    return dims.index("r") if len(dims) == 4 else None
+
+
+def _keep(value: ir.Value | None) -> ir.Value | None:
+    """The mask input if ``value`` (bool, broadcastable to ``[B, 1, S, T]``) is ``mask[b, t] != 0`` for every s."""
+    node = value.producer() if value is not None else None
+    if node is None or node.domain != "":
+        return None
+    if node.op_type == "Expand":  # broadcasting copies values; the kernel broadcasts over S and heads itself
+        return _keep(node.inputs[0])
+    if node.op_type == "And":
+        a, b = node.inputs[0], node.inputs[1]
+        if _all_true(a):
+            return _keep(b)
+        if _all_true(b):
+            return _keep(a)
+        return None
+    if node.op_type == "Cast" and int(attr_value(node, "to", 0)) == ir.DataType.BOOL.value:
+        # a cast of a keep mask to bool keeps it; a cast of the mask to bool is mask != 0
+        return _keep(node.inputs[0]) or _mask_input(node.inputs[0], ("b", "1", "1", "t"))
+    if node.op_type == "Unsqueeze" and value is not None and value.dtype == ir.DataType.BOOL:
+        return _mask_input(value, ("b", "1", "1", "t"))  # a bool mask input
+    return _gathered_padding(value)
+
+
+def _padding_mask(bias: ir.Value) -> tuple[ir.Value, float] | None:
+    """``(mask, c)`` if ``bias[b, :, s, t]`` is 0 where the 2-D input ``mask[b, t]`` is 1 and ``c`` where it is 0.
+
+    The forms traced: ``(1 - float(mask[:, None, None, :])) * c`` (``transformers`` before 4.48) and
+    ``Where(keep, 0, c)`` with ``keep`` a bool cast of ``mask[:, None, None, :]`` or ``transformers``'
+    index-based padding lookup, possibly And-ed with provably all-true terms and expanded.  ``c`` must
+    be a negative scalar.  Exact for 0/1 masks, the contract of ``attention_mask``.
+    """
+    node = bias.producer()
+    if node is None or node.domain != "" or bias.dtype not in FLOAT_TYPES:
+        return None
+    mask: ir.Value | None = None
+    c: float | None = None
+    if node.op_type == "Mul":
+        for x, k in ((node.inputs[0], node.inputs[1]), (node.inputs[1], node.inputs[0])):
+            sub = _producer(x, "Sub")
+            c = scalar_value(k)
+            if sub is None or c is None or scalar_value(sub.inputs[0]) != 1.0:
+                continue
+            if sub.inputs[1] is not None and sub.inputs[1].dtype == bias.dtype:
+                mask = _mask_input(sub.inputs[1], ("b", "1", "1", "t"))
+            if mask is not None:
+                break
+    elif node.op_type == "Where" and scalar_value(node.inputs[1]) == 0.0:
+        c = scalar_value(node.inputs[2])
+        mask = _keep(node.inputs[0])
+    if mask is None or c is None or not c < 0 or not math.isfinite(c):
+        return None
+    return mask, c
+
+
+def _and_leaves(value: ir.Value | None) -> list[ir.Value | None]:
+    """The terms of a tree of ``And`` (an ``Expand`` only broadcasts: looked through)."""
+    node = value.producer() if value is not None else None
+    if node is not None and node.domain == "" and node.op_type == "Expand":
+        return _and_leaves(node.inputs[0])
+    if node is not None and node.domain == "" and node.op_type == "And":
+        return _and_leaves(node.inputs[0]) + _and_leaves(node.inputs[1])
+    return [value]
+
+
+def _seq_dim(value: ir.Value | None, shared: Shared | None = None, axis: int = 1) -> Any:
+    """Dim ``axis`` of a ``[B, S, .]`` value, looking through rotary embeddings (which keep the shape): a
+    ``mograph.RotaryEmbedding`` node, or one inlined in this run (noted in ``shared``)."""
+    for _ in range(8):
+        if value is None:
+            return None
+        x = shared.get(("rotary_outputs", id(value))) if shared is not None else None
+        node = value.producer()
+        if x is None and node is not None and node.op_type == "RotaryEmbedding":
+            x = node.inputs[0]
+        if x is None:
+            break
+        value = x
+    return value.shape[axis] if value is not None and value.shape is not None and len(value.shape) == 3 else None
+
+
+def _is_causal_term(term: ir.Value | None, q: ir.Value, k: ir.Value, shared: Shared | None) -> bool:
+    """Whether ``term`` is ``kv_idx <= q_idx`` over ``[1, 1, S, S]``, both ``Range(0, S, 1)`` of one S.
+
+    ``kv_idx`` lies on axis 3, ``q_idx`` on axis 2 (Unsqueezes of a 1-D Range); the two Ranges are one node,
+    share their end, or each has a length provably the query length, which is provably the key length (same
+    static or symbolic dim), so the term is exactly the lower-triangular mask a causal kernel applies.
+    """
+    node = term.producer() if term is not None else None
+    if node is None or node.domain != "" or node.op_type not in ("LessOrEqual", "GreaterOrEqual"):
+        return False
+    kv_idx, q_idx = node.inputs[0], node.inputs[1]
+    if node.op_type == "GreaterOrEqual":
+        kv_idx, q_idx = q_idx, kv_idx
+    kv_rng, q_rng = _is_range_from_zero(kv_idx), _is_range_from_zero(q_idx)
+    if kv_rng is None or q_rng is None or _range_axis(kv_idx) != 3 or _range_axis(q_idx) != 2:
+        return False
+    s_q, s_k = _seq_dim(q, shared), _seq_dim(k, shared)
+    if not same_dim(s_q, s_k) or not any(same_dim(n, s_q) for n in _range_lengths(q_rng)):
+        return False
+    return kv_rng is q_rng or kv_rng.inputs[1] is q_rng.inputs[1] or any(
+        same_dim(n, s_q) for n in _range_lengths(kv_rng))
+
+
+def _range_lengths(rng: ir.Node) -> list[Any]:
+    """Dims known equal to the length of ``Range(0, n, 1)``: its output's dim, and the dim ``n`` is read from
+    (``Gather(Shape(x), i)`` or ``Shape(x, start=i, end=i+1)``, through Cast/Squeeze/Unsqueeze/Reshape)."""
+    out = [rng.outputs[0].shape[0]] if rng.outputs[0].shape is not None and len(rng.outputs[0].shape) == 1 else []
+    end = rng.inputs[1]
+    while (node := end.producer() if end is not None else None) is not None and node.domain == "" and \
+            node.op_type in ("Cast", "Squeeze", "Unsqueeze", "Reshape"):
+        end = node.inputs[0]
+    node = end.producer() if end is not None else None
+    if node is not None and node.domain == "" and node.op_type == "Shape":
+        start, stop = node.attributes.get("start"), node.attributes.get("end")
+        x = node.inputs[0]
+        if start is not None and stop is not None and int(stop.value) == int(start.value) + 1 and x is not None \
+                and x.shape is not None and 0 <= int(start.value) < len(x.shape):
+            out.append(x.shape[int(start.value)])
+    x = _dim_of(end, 1)
+    if x is not None and x.shape is not None and len(x.shape) >= 2:
+        out.append(x.shape[1])
+    return out
+
+
+def _causal(bias: ir.Value, q: ir.Value, k: ir.Value, shared: Shared | None) -> tuple[ir.Value | None] | None:
+    """``(mask,)`` if ``bias`` is ``Where(causal & keep, 0, c)`` with ``c < 0``: ``mask`` the 2-D key-padding input
+    that ``keep`` reads (``None``: causal only, every other term provably all true); else None."""
+    node = bias.producer()
+    if node is None or node.domain != "" or node.op_type != "Where" or scalar_value(node.inputs[1]) != 0.0:
+        return None
+    c = scalar_value(node.inputs[2])
+    if c is None or not c < 0:
+        return None
+    leaves = [t for t in _and_leaves(node.inputs[0]) if not _all_true(t)]
+    causal = [t for t in leaves if _is_causal_term(t, q, k, shared)]
+    rest = [t for t in leaves if t not in causal]
+    if not causal or len(rest) > 1:
+        return None
+    if not rest:
+        return (None,)
+    mask = _keep(rest[0])
+    return None if mask is None else (mask,)
+
+
+def _kv_cache(kv: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value] | None:
+    """``(past, new, concat)`` if ``kv`` is ``Reshape(Transpose(Concat(past, new, axis=2), [0, 2, 1, 3]), [0, 0, -1])``:
+    a KV cache, ``past`` a ``[B, G, P, D]`` graph input, ``new`` the step's ``[B, G, S, D]`` heads."""
+    reshape = _producer(kv, "Reshape")
+    transpose = _producer(reshape.inputs[0], "Transpose") if reshape is not None else None
+    if reshape is None or transpose is None or list(attr_value(transpose, "perm", [])) != [0, 2, 1, 3]:
+        return None
+    target = constant_array(reshape.inputs[1])
+    if target is None or target.reshape(-1).tolist() != [0, 0, -1]:
+        return None
+    concat = _producer(transpose.inputs[0], "Concat")
+    if concat is None or len(concat.inputs) != 2 or int(attr_value(concat, "axis", 0)) not in (2, -2):
+        return None
+    past, new = concat.inputs
+    if past is None or new is None or not past.is_graph_input() or past.shape is None or len(past.shape) != 4:
+        return None
+    return past, new, concat.outputs[0]
+
+
+def _shape_entries(target: ir.Value | None) -> list[Any] | None:
+    """The entries of a Reshape target: ints where constant, ``(z, i)`` where an entry is ``Gather(Shape(z), i)``
+    (through Unsqueeze, inside a Concat of 1-D pieces); None when neither."""
+    arr = constant_array(target)
+    if arr is not None:
+        return [int(a) for a in arr.reshape(-1)]
+    concat = _producer(target, "Concat")
+    if concat is None:
+        return None
+    out: list[Any] = []
+    for piece in concat.inputs:
+        arr = constant_array(piece)
+        if arr is not None:
+            out.extend(int(a) for a in arr.reshape(-1))
+            continue
+        v = piece
+        while (node := _producer(v, "Unsqueeze")) is not None:
+            v = node.inputs[0]
+        sliced = _producer(v, "Shape")  # Shape(z, start=i, end=i+1): dynamo's read of one dim
+        if sliced is not None and "start" in sliced.attributes and "end" in sliced.attributes:
+            start, end = int(attr_value(sliced, "start", 0)), int(attr_value(sliced, "end", 0))
+            if start >= 0 and end == start + 1:
+                out.append((sliced.inputs[0], start))
+                continue
+        gather = _producer(v, "Gather")
+        shape = _producer(gather.inputs[0], "Shape") if gather is not None else None
+        axis = scalar_value(gather.inputs[1]) if gather is not None else None
+        if shape is None or axis is None or "start" in shape.attributes or "end" in shape.attributes:
+            return None
+        out.append((shape.inputs[0], int(axis)))
+    return out
+
+
+def _same_leading_dim(z: ir.Value | None, x: ir.Value, i: int) -> bool:
+    """Whether dim ``i`` of ``z`` is dim ``i`` of ``x``: the same value, outputs of one Split on another
+    axis, or one static / named dim."""
+    if z is None:
+        return False
+    if z is x:
+        return True
+    split = z.producer()
+    if split is not None and split is x.producer() and split.op_type == "Split" and split.domain == "":
+        axis = int(attr_value(split, "axis", 0))
+        rank = len(x.shape) if x.shape is not None else None
+        return rank is not None and (axis + rank if axis < 0 else axis) != i
+    return (z.shape is not None and x.shape is not None and i < len(z.shape) and i < len(x.shape)
+            and same_dim(z.shape[i], x.shape[i]) and not str(x.shape[i]).startswith("unk__"))
+
+
+def _splits_last_dim(x: ir.Value, target: list[Any]) -> bool:
+    """Whether ``Reshape(x, target)`` of a ``[B, S, G*D]`` ``x`` only splits its last dim: ``target`` is
+    ``[b, s, g, d]`` where ``b``/``s`` are each ``0``, the static dim, or ``x``'s own dim read by ``Shape``
+    (:func:`_same_leading_dim`), or one of them ``-1`` then determined, and ``g * d`` is the (static) last dim
+    (one of ``g``/``d`` may be ``-1`` when ``b`` and ``s`` are both kept)."""
+    if x.shape is None or len(x.shape) != 3 or len(target) != 4:
+        return False
+    last = x.shape[2]
+    if not isinstance(last, int) or last <= 0:
+        return False
+    kept = [t == 0 or (isinstance(t, int) and isinstance(x.shape[i], int) and t == x.shape[i])
+            or (isinstance(t, tuple) and _same_leading_dim(t[0], x, i)) for i, t in enumerate(target[:2])]
+    g, d = target[2], target[3]
+    if not isinstance(g, int) or not isinstance(d, int):
+        return False
+    if g > 0 and d > 0:
+        return g * d == last and (all(kept) or (sum(t == -1 for t in target[:2]) == 1 and any(kept)))
+    if all(kept) and sorted([g, d])[0] == -1 and max(g, d) > 0:
+        return last % max(g, d) == 0
+    return False
+
+
+def _half_angles(t: ir.Value | None) -> tuple[ir.Value, str, float | None] | None:
+    """``(f, "Cos"|"Sin", c)`` if ``t`` is ``Unsqueeze(Cos(Concat(f, f, axis=-1)) [* c], axis 1)``: the rank-3
+    ``[Bc, S, D/2]`` angles ``f`` of an export's rotary table laid out ``[Bc, 1, S, D]`` (``c`` a scalar constant,
+    transformers' ``attention_scaling``), so ``cos[..., :D/2] == cos[..., D/2:] == Cos(f) * c``."""
+    unsq = _producer(t, "Unsqueeze")
+    if unsq is None or _unsqueeze_axes(unsq) != [1]:
+        return None
+    value, c = unsq.inputs[0], None
+    if (mul := _producer(value, "Mul")) is not None:
+        for a, b in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
+            k = scalar_value(b)
+            prod = a.producer() if a is not None else None
+            if k is not None and prod is not None and prod.op_type in ("Cos", "Sin"):
+                value, c = a, k
+                break
+        else:
+            return None
+    trig = value.producer() if value is not None else None
+    if trig is None or trig.domain != "" or trig.op_type not in ("Cos", "Sin"):
+        return None
+    concat = _producer(trig.inputs[0], "Concat")
+    if concat is None or len(concat.inputs) != 2 or concat.inputs[0] is not concat.inputs[1]:
+        return None
+    f = concat.inputs[0]
+    if f is None or f.shape is None or len(f.shape) != 3 or int(attr_value(concat, "axis", 0)) not in (-1, 2):
+        return None
+    return f, trig.op_type, c
+
+
+def _through_unsqueeze(value: ir.Value | None, base: ir.Value, rank: int) -> int | None:
+    """The axis that the 1-D ``base`` lands on in ``value`` (``Unsqueeze``s of ``base``, rank ``rank``), else None."""
+    chain = []
+    while value is not None and value is not base:
+        node = _producer(value, "Unsqueeze")
+        if node is None:
+            return None
+        chain.append(node)
+        value = node.inputs[0]
+    if value is None:
+        return None
+    dims = ["r"]
+    for node in reversed(chain):
+        axes = _unsqueeze_axes(node)
+        if axes is None:
+            return None
+        new_rank = len(dims) + len(axes)
+        for ax in sorted(a + new_rank if a < 0 else a for a in axes):
+            dims.insert(ax, "1")
+    return dims.index("r") if len(dims) == rank else None
+
+
+#: in-memory note on a past input renamed to ``max_sequence_length`` (``--kv-cache shared``): its dim before
+_PAST_DIM_META = "mograph.past_dim"
+
+
+def _past_length_of(value: ir.Value | None, past: ir.Value | None) -> bool:
+    """Whether the scalar ``value`` is dim 2 (the past length) of a ``[B, G, P, D]`` graph input whose P is the
+    same dim as ``past``'s."""
+    while (cast := _producer(value, "Cast")) is not None:
+        value = cast.inputs[0]
+    node = value.producer() if value is not None else None
+    src: ir.Value | None = None
+    if node is not None and node.domain == "" and node.op_type == "Squeeze":
+        value = node.inputs[0]
+        node = value.producer() if value is not None else None
+        if node is not None and node.op_type == "Shape" and int(attr_value(node, "start", 0)) == 2 \
+                and int(attr_value(node, "end", 0)) == 3:
+            src = node.inputs[0]
+    elif node is not None and node.domain == "" and node.op_type == "Gather" and scalar_value(node.inputs[1]) == 2:
+        shape = _producer(node.inputs[0], "Shape")
+        if shape is not None and not shape.attributes and int(attr_value(node, "axis", 0)) == 0:
+            src = shape.inputs[0]
+    if src is None or past is None or not src.is_graph_input() or src.shape is None or len(src.shape) != 4:
+        return False
+    if past.shape is None or len(past.shape) != 4:
+        return False
+    return same_dim(src.meta.get(_PAST_DIM_META, src.shape[2]), past.meta.get(_PAST_DIM_META, past.shape[2]))
+
+
+def _positions(pos: ir.Value | None, q: ir.Value, past: ir.Value | None) -> bool:
+    """Whether the 1-D ``pos`` is ``P + s`` for every query position ``s``: ``Range(0, S, 1)`` (no cache) or
+    ``Range(0, S, 1) + P`` with ``P`` the cache's past length, ``S`` provably the query length; the Range may be
+    the constant ``[0, 1, .., S-1]`` where ``S`` is static (an export traced with one new token folds ``arange(1)``
+    to ``[0]``)."""
+    def steps(value: ir.Value | None) -> bool:
+        rng = _producer(value, "Range")
+        if rng is not None:
+            return scalar_value(rng.inputs[0]) == 0 and scalar_value(rng.inputs[2]) == 1 and any(
+                same_dim(n, _seq_dim(q)) for n in _range_lengths(rng))
+        arr = constant_array(value) if value is not None else None
+        seq = _seq_dim(q)
+        return (arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu" and isinstance(seq, int)
+                and arr.tolist() == list(range(seq)))
+
+    if past is None:
+        return steps(pos)
+    add = _producer(pos, "Add")
+    return add is not None and any(steps(a) and _past_length_of(b, past) for a, b in (
+        (add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])))
+
+
+def _angle_factors(f: ir.Value) -> list[tuple[ir.Value, np.ndarray, int]]:
+    """The ways the angle table ``f`` ``[B, S, D/2]`` may be ``positions x inv_freq``: ``(value, inv_freq, axis)``
+    with ``value`` the float positions laid out with S on ``axis``.  Two spellings: ``Mul(pos[B, S, 1], inv[D/2])``
+    and the outer product ``Transpose(MatMul(inv[1, D/2, 1], pos[B, 1, S]), perm=[0, 2, 1])`` (transformers 5.17's
+    rotary, ``inv`` ``Expand``-ed over the batch: a matrix product over an inner dimension of one, the same values in
+    every batch row)."""
+    out = []
+    mul = _producer(f, "Mul")
+    if mul is not None:
+        for a, b in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
+            inv = constant_array(b)
+            if a is not None and inv is not None and inv.ndim == 1:
+                out.append((a, inv, 1))
+    tr = _producer(f, "Transpose")
+    if tr is not None and list(attr_value(tr, "perm", [])) == [0, 2, 1]:
+        mm = _producer(tr.inputs[0], "MatMul")
+        left = mm.inputs[0] if mm is not None else None
+        if (ex := _producer(left, "Expand")) is not None:  # inv broadcast over the batch: the same values per row
+            left = ex.inputs[0]
+        inv = constant_array(left) if left is not None else None
+        if mm is not None and mm.inputs[1] is not None and inv is not None and inv.ndim == 3 \
+                and inv.shape[0] == 1 and inv.shape[2] == 1:
+            out.append((mm.inputs[1], inv.reshape(-1), 2))
+    return out
+
+
+def _rotary_positions(f: ir.Value, q: ir.Value, past: ir.Value | None) -> tuple[ir.Value, np.ndarray] | None:
+    """``(pos, inv_freq)`` if the angle table ``f`` ``[1, S, D/2]`` is ``pos[s] * inv_freq[i]`` (``Cast(pos)`` laid
+    out ``[1, S, 1]`` times a constant 1-D ``inv_freq``, or the outer-product spelling of :func:`_angle_factors`)
+    with ``pos`` the query positions ``P + s``."""
+    for factor, inv, axis in _angle_factors(f):
+        if inv.dtype not in (np.float32, np.float16):
+            continue
+        cast = _producer(factor, "Cast")  # (float16 after the fp16 pass)
+        if cast is None or int(attr_value(cast, "to", 0)) not in (ir.DataType.FLOAT.value, ir.DataType.FLOAT16.value):
+            continue
+        value = cast.inputs[0]
+        pos = value
+        while (un := _producer(pos, "Unsqueeze")) is not None:
+            pos = un.inputs[0]
+        if pos is None or _through_unsqueeze(value, pos, 3) != axis or not _positions(pos, q, past):
+            continue
+        return pos, inv
+    return None
+
+
+def _gathernd_padding(value: ir.Value | None, kv_idx: ir.Value) -> ir.Value | None:
+    """The mask input of dynamo's padding lookup ``GatherND(Cast(mask, bool), [b, t])`` where the index pairs are
+    ``Concat(Unsqueeze(Expand(b_idx), -1), Unsqueeze(Expand(kv_idx), -1), axis=-1)``: ``b_idx`` a ``Range(0, B, 1)``
+    on axis 0 and ``kv_idx`` the causal term's own key index (axis 3)."""
+    node = _producer(value, "GatherND")
+    if node is None or int(attr_value(node, "batch_dims", 0)) != 0:
+        return None
+    cast = _producer(node.inputs[0], "Cast")
+    if cast is None or int(attr_value(cast, "to", 0)) != ir.DataType.BOOL.value:
+        return None
+    mask = _mask_input(cast.inputs[0], ("b", "t"))
+    concat = _producer(node.inputs[1], "Concat")
+    if mask is None or concat is None or len(concat.inputs) != 2 or int(attr_value(concat, "axis", 0)) != -1:
+        return None
+    picked = []
+    for piece in concat.inputs:
+        un = _producer(piece, "Unsqueeze")
+        ex = _producer(un.inputs[0], "Expand") if un is not None else None
+        if un is None or ex is None or _unsqueeze_axes(un) != [-1]:
+            return None
+        picked.append(ex.inputs[0])
+    b_idx, t_idx = picked
+    if t_idx is not kv_idx or _is_range_from_zero(b_idx) is None or _range_axis(b_idx) != 0:
+        return None
+    return mask
+
+
+def _query_length_of(value: ir.Value | None, q: ir.Value) -> bool:
+    """Whether the scalar ``value`` reads dim 1 of a tensor whose dim 1 is the query length (``Gather(Shape(z), 1)``
+    or ``Shape(z, start=1, end=2)``, through Cast/Squeeze/Unsqueeze), or is that length as a constant where it is
+    static (an export traced with one new token)."""
+    if value is not None and (arr := constant_array(value)) is not None:
+        seq = _seq_dim(q)
+        return arr.size == 1 and arr.dtype.kind in "iu" and isinstance(seq, int) and int(arr.reshape(-1)[0]) == seq
+    while (node := value.producer() if value is not None else None) is not None and node.domain == "" and \
+            node.op_type in ("Cast", "Squeeze", "Unsqueeze"):
+        value = node.inputs[0]
+    node = value.producer() if value is not None else None
+    z = None
+    if node is not None and node.op_type == "Shape" and int(attr_value(node, "start", 0)) == 1 \
+            and int(attr_value(node, "end", 0)) == 2:
+        z = node.inputs[0]
+    elif node is not None and node.op_type == "Gather":
+        z = _dim_of(value, 1)
+    return z is not None and z.shape is not None and len(z.shape) >= 2 and same_dim(z.shape[1], _seq_dim(q))
+
+
+def _past_plus_query(rng: ir.Node, past: ir.Value | None, q: ir.Value) -> bool:
+    """Whether ``Range(0, n, 1)``'s ``n`` is ``P + S``: the cache's past length plus the query length."""
+    add = _producer(rng.inputs[1], "Add")
+    if add is None or past is None:
+        return False
+    a, b = add.inputs[0], add.inputs[1]
+    return (_past_length_of(a, past) and _query_length_of(b, q)) or (_past_length_of(b, past) and _query_length_of(a, q))
+
+
+def _causal_from(bias: ir.Value, pos: ir.Value, keys: Any, past: ir.Value | None = None,
+                 q: ir.Value | None = None) -> tuple[ir.Value | None] | None:
+    """``(mask,)`` if ``bias`` is ``Where(kv_idx <= pos[s] [& mask[b, kv_idx]] [& all true], 0, c)``, ``c < 0``, with
+    ``pos`` the query positions (on axis 2) and ``kv_idx`` a ``Range(0, n, 1)`` on axis 3 whose length is provably
+    ``keys`` (the key count) or is the same dim; ``mask`` is None when there is no padding term."""
+    node = _producer(bias, "Where")
+    if node is None or scalar_value(node.inputs[1]) != 0.0:
+        return None
+    c = scalar_value(node.inputs[2])
+    if c is None or not c < 0:
+        return None
+    leaves = [t for t in _and_leaves(node.inputs[0]) if not _all_true(t)]
+    kv_idx = None
+    rest = []
+    for leaf in leaves:
+        le = leaf.producer() if leaf is not None else None
+        if le is not None and le.domain == "" and le.op_type in ("LessOrEqual", "GreaterOrEqual") and kv_idx is None:
+            a, b = le.inputs[0], le.inputs[1]
+            if le.op_type == "GreaterOrEqual":
+                a, b = b, a
+            rng = _is_range_from_zero(a)
+            if (rng is not None and _range_axis(a) == 3 and b is not None and _through_unsqueeze(b, pos, 4) == 2
+                    and (any(same_dim(n, keys) for n in _range_lengths(rng)) or q is not None and _past_plus_query(rng, past, q))):
+                kv_idx = a
+                continue
+        rest.append(leaf)
+    if kv_idx is None or len(rest) > 1:
+        return None
+    if not rest:
+        return (None,)
+    mask = _keep(rest[0])
+    if mask is None:  # dynamo's GatherND lookup of the key index the causal term uses
+        mask = _gathernd_padding(rest[0], kv_idx)
+    if mask is None:  # TorchScript's flat lookup, its Reshapes merged by cleanup
+        mask = _flat_padding(rest[0], kv_idx)
+    return None if mask is None else (mask,)
+
+
+def _flat_padding(value: ir.Value | None, kv_idx: ir.Value) -> ir.Value | None:
+    """The mask input of ``Reshape(Gather(Flatten(Cast(mask, bool), axis=2), kv_idx + b_idx * T), [0, 1, 1, 0])``
+    (``allowzero`` 0; or TorchScript's ``Reshape(Reshape(., [-1]), Shape(index))``): ``mask[b, t]`` laid out
+    ``[B, 1, 1, T]`` with ``kv_idx`` the causal term's key index (axis 3),
+    ``b_idx`` a ``Range(0, B, 1)`` on axis 0 and ``T`` the mask's dim 1."""
+    reshape = _producer(value, "Reshape")
+    if reshape is None or int(attr_value(reshape, "allowzero", 0)):
+        return None
+    target = constant_array(reshape.inputs[1])
+    inner = _producer(reshape.inputs[0], "Reshape")
+    flat = constant_array(inner.inputs[1]) if inner is not None else None
+    if inner is not None and flat is not None and flat.reshape(-1).tolist() == [-1]:
+        gather = _producer(inner.inputs[0], "Gather")  # Reshape(Reshape(g, [-1]), Shape(index)): the index's shape
+        outer_target = reshape.inputs[1]
+        if (concat := _producer(outer_target, "Concat")) is not None and len(concat.inputs) == 1:
+            outer_target = concat.inputs[0]
+        shape_of = _producer(outer_target, "Shape")
+        if gather is None or shape_of is None or shape_of.attributes or shape_of.inputs[0] is not gather.inputs[1]:
+            return None
+    elif target is not None and target.reshape(-1).tolist() == [0, 1, 1, 0]:
+        gather = _producer(reshape.inputs[0], "Gather")  # [B, 1, 1, T, 1] -> [B, 1, 1, T]
+    else:
+        return None
+    flatten = _producer(gather.inputs[0], "Flatten") if gather is not None else None
+    cast = _producer(flatten.inputs[0], "Cast") if flatten is not None else None
+    if gather is None or flatten is None or cast is None or int(attr_value(gather, "axis", 0)) != 0 \
+            or int(attr_value(flatten, "axis", 1)) != 2 or int(attr_value(cast, "to", 0)) != ir.DataType.BOOL.value:
+        return None
+    mask = _mask_input(cast.inputs[0], ("b", "t"))
+    add = _producer(gather.inputs[1], "Add")
+    if mask is None or add is None:
+        return None
+    for t_idx, bt in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])):
+        mul = _producer(bt, "Mul")
+        if t_idx is not kv_idx or mul is None:
+            continue
+        for b_idx, t_len in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
+            if _is_range_from_zero(b_idx) is None or _range_axis(b_idx) != 0:
+                continue
+            shape = _producer(t_len, "Shape")
+            if shape is not None and shape.inputs[0] is mask and int(attr_value(shape, "start", 0)) == 1 \
+                    and int(attr_value(shape, "end", 2)) == 2:
+                return mask
+            if _dim_of(t_len, 1) is mask:
+                return mask
+    return None
+
+
+def _projection_of(x: ir.Value) -> tuple[ir.Value, np.ndarray, np.ndarray | None] | None:
+    """``(h, W, b)`` if ``x`` is ``h @ W`` or ``h @ W + b`` with constant 2-D ``W`` (and 1-D ``b``)."""
+    node = x.producer()
+    if node is None or node.domain != "":
+        return None
+    bias = None
+    if node.op_type == "Add":
+        for mm_in, b_in in ((node.inputs[0], node.inputs[1]), (node.inputs[1], node.inputs[0])):
+            if _producer(mm_in, "MatMul") is not None and constant_array(b_in) is not None:
+                bias = constant_array(b_in)
+                node = mm_in.producer()  # type: ignore[union-attr]
+                break
+        else:
+            return None
+    if node is None or node.op_type != "MatMul" or node.domain != "":
+        return None
+    w = constant_array(node.inputs[1])
+    h = node.inputs[0]
+    if w is None or h is None or w.ndim != 2 or (bias is not None and (bias.ndim != 1 or bias.shape[0] != w.shape[1])):
+        return None
+    return h, w, bias
+
+
+def _present_value_output(graph: ir.Graph, v: ir.Value) -> ir.Value | None:
+    """The graph output that is ``Transpose(Reshape(v, [b, s, G, D]), [0, 2, 1, 3])``: the prefill's present value."""
+    return next((out for out in graph.outputs if _is_head_split(out, v)), None)
+
+
+def _is_head_split(x: ir.Value, v: ir.Value) -> bool:
+    """``x`` is ``Transpose(Reshape(v, [b, s, G, D]), [0, 2, 1, 3])`` with the Reshape only splitting ``v``'s last dim."""
+    tr = _producer(x, "Transpose")
+    rs = _producer(tr.inputs[0], "Reshape") if tr is not None else None
+    if tr is None or rs is None or list(attr_value(tr, "perm", [])) != [0, 2, 1, 3] or rs.inputs[0] is not v:
+        return False
+    target = _shape_entries(rs.inputs[1])
+    return target is not None and _splits_last_dim(v, target)
+
+
+def _present_key_output(graph: ir.Graph, k: ir.Value, f: ir.Value, scale: float | None) -> ir.Value | None:
+    """The graph output that is the exporter's rotated ``[B, G, S, D]`` keys: ``rotate(Transpose(Reshape(k)))`` with
+    cos/sin ``Unsqueeze(Cos/Sin(Concat(f, f)) [* c], 1)`` of the same angle table: the prefill's present key."""
+    from mograph.passes.fusion.attention import _rotary  # the fusion's own proof of transformers' rotate_half form
+
+    for out in graph.outputs:
+        rot = _rotary(out) if out.producer() is not None else None
+        if rot is None:
+            continue
+        x, cos, sin = rot
+        hc, hs = _half_angles(cos), _half_angles(sin)
+        if hc is None or hs is None or hc[0] is not f or hs[0] is not f or (hc[1], hs[1]) != ("Cos", "Sin"):
+            continue
+        if hc[2] != scale or hs[2] != scale:
+            continue
+        if _is_head_split(x, k):
+            return out
+    return None
+
+
+def _rotated_split(heads: ir.Value, notes: dict[int, Any]) -> ir.Value | None:
+    """The rotated ``[B, S, G*D]`` keys ``r`` if ``heads`` is ``Transpose(Reshape(r, [0, 0, G, D]), [0, 2, 1, 3])``
+    (as the fusion rebuilds a decode step's new keys) with ``r`` a noted RotaryEmbedding kernel's output."""
+    tr = _producer(heads, "Transpose")
+    rs = _producer(tr.inputs[0], "Reshape") if tr is not None else None
+    if tr is None or rs is None or list(attr_value(tr, "perm", [])) != [0, 2, 1, 3]:
+        return None
+    r, target = rs.inputs[0], constant_array(rs.inputs[1])
+    note = notes.get(id(r)) if r is not None else None
+    if note is None or target is None or int(attr_value(rs, "allowzero", 0)):
+        return None
+    x = note[0]
+    width = x.shape[2] if x.shape is not None and len(x.shape) == 3 else None
+    t = target.reshape(-1).tolist()
+    if len(t) != 4 or t[:2] != [0, 0] or not isinstance(width, int) or t[2] * t[3] != width or min(t[2:]) <= 0:
+        return None
+    return r

@@ -1,8 +1,0 @@
-"""Make the shared helpers of this folder (``_shape_testing``) importable under any pytest import mode."""
-
-import sys
-from pathlib import Path
-
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)
