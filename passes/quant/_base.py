@@ -287,7 +287,9 @@ class QdqPassBase(Pass):
         done: list[SmoothGroup] = []
         records = []
         observed = set(raw)
-        for g in groups:
+        for i, g in enumerate(groups):
+            if self.progress is not None and alpha == "auto":  # the alpha search: ~70 s on a 135M LLM
+                self.progress(i, len(groups))
             amax = raw[g.name].channel_amax if g.name in raw else None
             if amax is None or (alpha == "auto" and not any(x.size for x in xs.get(g.name, []))):
                 continue
@@ -307,6 +309,8 @@ class QdqPassBase(Pass):
                 records.append(rec)
                 for c in g.cands:
                     self._smoothed_keys[c.key] = a
+        if self.progress is not None and alpha == "auto" and groups:
+            self.progress(len(groups), len(groups))
         stats["smoothed"] = len(done)
         if done:
             stats["smoothed.folded"] = sum(1 for g in done if g.folded)

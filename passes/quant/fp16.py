@@ -437,7 +437,10 @@ class Fp16Pass(Pass):
         fixed = {p: d[0] for p, d in decisions.items()}
         amax_by_name = {name: s.amax for name, s in stats_by.items()}
 
+        evaluations = 0
+
         def evaluate(extra: set[int]) -> float:
+            nonlocal evaluations
             copy = ir_io.copy_model(model)  # made per evaluation, not held through the search
             chosen = {**fixed, **{p: ("fp32" if p in extra else "fp16") for p in candidates}}
             self._convert(copy, chosen, floats, pinned_in, pinned_out, amax_by_name)
@@ -445,6 +448,9 @@ class Fp16Pass(Pass):
             halves = {v.name for v in copy.graph.inputs if v.dtype == ir.DataType.FLOAT16}
             feeds = [{k: (a.astype(np.float16) if k in halves else a) for k, a in f.items()} for f in samples]
             outs = list(cal.run_model(copy, feeds, folder=folder))
+            evaluations += 1
+            if self.progress is not None:  # each one a whole-model run: minutes on a real LLM (issue 31)
+                self.progress(evaluations, None)
             return output_metric(budget, refs, outs, keeps)
 
         ranked = sorted(candidates, key=lambda p: measured.error.get(p, 0.0), reverse=True)

@@ -146,6 +146,13 @@ def test_measured_budget_keeps_the_sensitive_node():
     assert op_counts(model)["Cast"] == 2  # d to float16, y back to float32: x goes in as float32
     for f in calib:
         assert cosine(run(proto, f)[0], run(model, f)[0]) >= 0.9999
+    # the search reports progress after the local measurement: one step per whole-model evaluation
+    seen: list = []
+    again = Fp16Pass(calibration_data=calib)
+    again.progress = lambda done, total: seen.append((done, total))
+    again.call(to_ir(proto))
+    assert seen[:4] == [(i, 4) for i in range(1, 5)]
+    assert seen[4:] == [(i, None) for i in range(1, len(seen) - 3)] and len(seen) > 4
     # without the check everything is float16, and the same data shows why it was needed
     loose = to_ir(proto)
     assert Fp16Pass(calibration_data=calib, fp16_budget="none").call(loose).stats["kept_fp32"] == 0

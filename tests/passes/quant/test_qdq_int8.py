@@ -201,12 +201,24 @@ def test_calibration_sources(tmp_path, monkeypatch):
 
 def test_progress_is_reported(caplog):
     seen = []
-    p = QdqInt8Pass(calibration_data=calib_feeds(10), **RULES)
+    p = QdqInt8Pass(calibration_data=calib_feeds(10), **RULES, smoothing="off")
     p.progress = lambda done, total: seen.append((done, total))
     with caplog.at_level(logging.INFO, logger="mograph.passes.quant.calibration"):
         p.call(to_ir(bert_tiny()))
     assert seen[-1] == (10, 10) and len(seen) == 10
     assert any("calibration: 10/10" in r.message for r in caplog.records)
+
+
+def test_smoothing_search_reports_progress():
+    # issue 31 item 3: the alpha search (about 70 s on a 135M LLM) showed nothing after the calibration bar
+    seen = []
+    p = QdqInt8Pass(calibration_data=calib_feeds(10), **RULES)  # --smoothing auto, the default
+    p.progress = lambda done, total: seen.append((done, total))
+    p.call(to_ir(bert_tiny()))
+    assert seen[:10] == [(i, 10) for i in range(1, 11)]  # calibration first
+    groups = seen[-1][1]
+    assert groups is not None and groups >= 4  # bert-tiny: the weight-MatMul inputs of its 2 layers
+    assert seen[10:] == [(i, groups) for i in range(groups + 1)]  # then one step per smoothing group
 
 
 @pytest.mark.parametrize("calibrator", ["percentile", "entropy"])
