@@ -322,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--windows", type=int, default=8, help="evaluation windows of --seq tokens")
     p.add_argument("--samples", type=int, default=8, help="calibration samples of --seq tokens")
-    p.add_argument("--genai-python", default="/work/venv-genai/bin/python")
+    p.add_argument("--genai-python", default=sys.executable,
+                   help="the Python that has onnxruntime-genai installed (default: this one)")
     p.add_argument("--calibration-seq", type=int, default=0,
                    help="cut the calibration samples to this many tokens (fp16's local measurement keeps every "
                         "intermediate tensor of a sample: 256 tokens of this model need more than 10 GB)")
