@@ -276,17 +276,17 @@ def _chunks(model: ir.Model, positions: Sequence[int], floats: set[str], pinned_
             units.append((p, cost))
     groups: list[tuple[list[int], set[int], bool]] = []
     used = budget + 1
-    for p, cost in units:
+    for unit, cost in units:
         if not groups or used + cost > budget:
             groups.append(([], set(), False))
             used = 0
         used += cost
-        if p is None:
+        if unit is None:
             groups[-1] = (groups[-1][0], groups[-1][1], True)
         else:
-            groups[-1][1].add(p)
-            if p in twins:
-                groups[-1][0].append(p)
+            groups[-1][1].add(unit)
+            if unit in twins:
+                groups[-1][0].append(unit)
     return groups
 
 
