@@ -211,7 +211,8 @@ def _tensor_sizes(model: ir.Model, feed: cal.Feed) -> dict[str, int | None]:
     """Number of elements of every tensor of ``model`` on ``feed`` (``None`` where not inferred).
 
     ONNX shape inference on a copy whose graph inputs have ``feed``'s shapes; a symbolic dim left is
-    bound by its name to the feed's dim of the same name.
+    bound by its name to the feed's dim of the same name; a size still unknown is estimated as the sum of
+    its node's input sizes (exact for elementwise ops, reshapes and concatenations; an estimate otherwise).
     """
     copy = ir_io.copy_model(model)
     bind: dict[str, int] = {}
@@ -227,10 +228,10 @@ def _tensor_sizes(model: ir.Model, feed: cal.Feed) -> dict[str, int | None]:
             v.shape = None
     try:
         run_shape_inference(copy)
-    except Exception:  # noqa: BLE001 - best effort: an unknown size is estimated as the largest known one
+    except Exception:  # noqa: BLE001 - best effort: sizes are then estimated from inputs
         logger.debug("fp16: shape inference for the measuring chunks failed", exc_info=True)
     sizes: dict[str, int | None] = {}
-    for v in [*copy.graph.inputs, *(o for n in copy.graph for o in n.outputs)]:
+    for v in [*copy.graph.inputs, *copy.graph.initializers.values(), *(o for n in copy.graph for o in n.outputs)]:
         if not v.name:
             continue
         count: int | None = None
@@ -243,6 +244,13 @@ def _tensor_sizes(model: ir.Model, feed: cal.Feed) -> dict[str, int | None]:
                     break
                 count *= n
         sizes[v.name] = count
+    # what inference left unknown (a Range from shape arithmetic and everything after it): the sum of the
+    # node's input sizes, in graph order, so an estimate follows the tensors it is computed from
+    for node in copy.graph:
+        for v in node.outputs:
+            if v.name and sizes.get(v.name) is None:
+                known = [sizes.get(i.name or "") for i in node.inputs if i is not None]
+                sizes[v.name] = sum(c for c in known if c is not None) or None
     return sizes
 
 
@@ -300,7 +308,8 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
     sample (issue 31: 5,568 nodes of a 270M decoder, 268 MB of logits alone).  So the nodes are split, in
     graph order, into groups whose requested tensors take at most :data:`MEASURE_BYTES` (512 MiB, or
     ``$MOGRAPH_FP16_MEASURE_BYTES``) per sample — sizes from ONNX shape inference with the first sample's
-    input shapes; an unknown size counts as the largest known one — and each group gets its own session
+    input shapes, or estimated from the node's inputs where inference gives none (:func:`_tensor_sizes`)
+    — and each group gets its own session
     with only its twins and only its tensors as outputs, run over every sample (``source`` is iterated
     once per group: a :class:`~mograph.passes.quant.calibration.CalibrationSource` or a list).  A node's
     figures come from one group, summed over the samples in the same order, so every number is the one
