@@ -3,9 +3,10 @@
 **Local error (one run per calibration sample).**  A copy of the model gets, beside every candidate node,
 a float16 *twin*: the same op and attributes, fed with the float32 model's own inputs of that node
 rounded to float16 (values beyond the float16 range saturate to +-65504, and constants are stored the way
-the conversion stores them).  One ONNX Runtime session (optimizations off) computes the float32 graph
-and every twin together, so each node's error is measured on the inputs it really sees and is not mixed
-with the error of the nodes before it::
+the conversion stores them).  An ONNX Runtime session (optimizations off) computes the float32 graph
+and the twins together, so each node's error is measured on the inputs it really sees and is not mixed
+with the error of the nodes before it (the nodes are measured in groups, each with its own session, so
+that the tensors read back per sample stay under a byte budget: :func:`measure_local`)::
 
     local_error(n) = sqrt(sum ||y16 - sat(y32)||^2 / sum ||sat(y32)||^2)     over samples and outputs
 
