@@ -9,8 +9,9 @@ copies them a third time: the peak memory of a pass would be several times the w
 So every place that gives a model to a runtime or a checker asks this module first:
 
 * :func:`too_big`: whether the tensors the model holds *in memory* reach :func:`spill_bytes` (external
-  tensors are references and cost nothing in a protobuf): protobuf's limit, or 256 MiB, where the copies
-  that serialization makes start to cost more memory than writing a file costs time.  Below it, nothing
+  tensors are references and cost nothing in a protobuf): protobuf's limit, or 32 MiB, where the copies
+  that serialization makes (three of them: the ``ModelProto``, its bytes, ONNX Runtime's parse) start to
+  cost more memory than writing a file costs time.  Below it, nothing
   changes: bytes, as before.
 * :func:`spill`: the model written into an owned temporary folder (:mod:`mograph._tempfiles`: removed
   with the handle, on an exception, and by the next run after SIGKILL) as a small ``model.onnx`` whose
@@ -35,6 +36,7 @@ so a test can drive a model of a few megabytes through the same paths a 4 GB one
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -54,6 +56,7 @@ __all__ = [
     "proto_limit",
     "inline_bytes",
     "spill_bytes",
+    "save_external_bytes",
     "too_big",
     "Spilled",
     "spill",
@@ -63,6 +66,10 @@ __all__ = [
     "Payload",
     "payload",
     "drop_pages",
+    "remember_data_files",
+    "trim_heap",
+    "release_pages",
+    "free_dropped",
 ]
 
 logger = logging.getLogger(__name__)
@@ -73,8 +80,13 @@ DEFAULT_PROTO_LIMIT = 2**31 - 64 * 2**20
 #: From this many bytes of in-memory tensors a model is spilled even below the protobuf limit: handed
 #: over as bytes, its weights would be copied into the ``ModelProto``, again into the bytes, and again by
 #: ONNX Runtime (four times the weights at the peak); written to a file, they are copied once, by the
-#: runtime, and the disk write of a few hundred megabytes takes about a second.
-SPILL_BYTES = 256 * 2**20
+#: runtime, and the disk write of a few tens of megabytes takes a fraction of a second.  (Measured with
+#: ``tools/bench_memory.py``: at 256 MiB, the float16 copy of a 411 MB model went as bytes to every
+#: session, and ``fp16 --verify`` peaked at 3.6x the weights; at 32 MiB, 2.x.)
+SPILL_BYTES = 32 * 2**20
+#: From this many bytes of initializers :func:`mograph.ir_io.save_model` writes external data by default
+#: (what a user gets: a single file below it, as before).
+SAVE_EXTERNAL_BYTES = 256 * 2**20
 #: In-memory tensors up to this size stay inside the spilled protobuf (shape constants and the like:
 #: shape inference and ONNX Runtime's constant handling read them there).
 INLINE_BYTES = 1024
@@ -130,15 +142,77 @@ def inline_bytes(model: ir.Model) -> int:
     return total
 
 
+#: Resolved paths of the external-data files this process has read weights from (:func:`remember_data_files`).
+_DATA_FILES: set[str] = set()
+
+
+def remember_data_files(model: ir.Model) -> None:
+    """Note the external-data files ``model`` reads, so :func:`drop_pages` can forget their pages later even
+    when no model that is passed to it refers to them any more (the input's float weights after a pass
+    gave every value a converted tensor, still mapped by the untouched copy a check keeps)."""
+    for t in _external(model):
+        with contextlib.suppress(OSError, ValueError):
+            _DATA_FILES.add(os.path.realpath(t.path))
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> Any:
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    libc = ctypes.CDLL(name, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    return libc
+
+
+def _drop_file_maps() -> int:
+    """``MADV_DONTNEED`` on every read-only map of a :data:`_DATA_FILES` file in this process (``onnx_ir``'s
+    maps of tensors this process no longer holds a model of, ONNX Runtime's own); how many were advised.
+    Linux only (``/proc/self/maps``); elsewhere 0."""
+    import mmap
+
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if advice is None or not _DATA_FILES or not os.path.exists("/proc/self/maps"):
+        return 0
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+        libc = _libc()
+    except OSError:  # pragma: no cover - no procfs or libc
+        return 0
+    if libc is None:  # pragma: no cover
+        return 0
+    count = 0
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) < 6 or "w" in parts[1] or "x" in parts[1]:
+            continue  # a writable map could hold changes that are not in the file: never advised
+        if parts[5] not in _DATA_FILES:
+            continue
+        start, end = (int(x, 16) for x in parts[0].split("-"))
+        if libc.madvise(start, end - start, advice) == 0:
+            count += 1
+    return count
+
+
 def drop_pages(model: ir.Model) -> int:
-    """Drop the pages of ``model``'s memory-mapped external tensors from this process's resident memory;
-    return how many maps were advised.
+    """Drop the pages of memory-mapped external tensors from this process's resident memory; return how
+    many maps were advised.
 
     A weight read once (to convert or quantize it) stays mapped, and its pages count in the process's
     memory until the map is closed, on top of what ONNX Runtime then loads.  ``MADV_DONTNEED`` on a
     read-only file map only forgets the pages (the page cache keeps them; a later read maps them again),
-    so it is safe while numpy views of the map are alive, unlike closing it.  Called before a session is
-    made (:func:`payload`).  Does nothing where ``madvise`` is not available.
+    so it is safe while numpy views of the map are alive, unlike closing it.  ``model``'s own maps are
+    advised, and on Linux every read-only map of a data file any model of this process was loaded from
+    (:func:`remember_data_files`): after a pass the untouched input a check keeps still maps the float
+    weights the pass read.  Called before a session is made (:func:`payload`); it also collects the
+    cycles of model copies a pass dropped (an IR graph is a web of back references: a copy's tensors are
+    freed by the cycle collector, not when the last name of it goes) and hands the freed heap back to
+    the system (:func:`trim_heap`).  Does nothing where ``madvise`` is not available.
     """
     import mmap
 
@@ -146,13 +220,67 @@ def drop_pages(model: ir.Model) -> int:
     count = 0
     if advice is None:  # pragma: no cover - not Linux/macOS
         return count
+    remember_data_files(model)
     for t in _external(model):
         raw = getattr(t, "raw", None)
         if isinstance(raw, mmap.mmap) and not raw.closed:
             with contextlib.suppress(OSError, ValueError):
                 raw.madvise(advice)
                 count += 1
+    count += _drop_file_maps()
+    free_dropped()
     return count
+
+
+def free_dropped() -> None:
+    """Free the model copies nothing refers to any more and give the freed heap back to the system.
+
+    An IR graph is a web of back references (values know their producers and users), so a copy a pass
+    dropped is freed by the cycle collector, not when its last name goes: its tensors could otherwise
+    sit beside ONNX Runtime's copy of the next session.  Then :func:`trim_heap`.
+    """
+    import gc
+
+    gc.collect()
+    trim_heap()
+
+
+def release_pages(tensor: ir.TensorProtocol | None) -> None:
+    """Forget the resident pages of ``tensor``'s memory map when it is an external tensor that was read.
+
+    For a pass that reads each weight once to make a converted copy (float16, quantized): called right
+    after the copy is made, the float weights are never all resident at once (the page cache keeps them;
+    a later read maps them again).  Anything else: nothing happens.
+    """
+    import mmap
+
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    raw = getattr(tensor, "raw", None) if isinstance(tensor, ir.ExternalTensor) else None
+    if advice is not None and isinstance(raw, mmap.mmap) and not raw.closed:
+        with contextlib.suppress(OSError, ValueError):
+            raw.madvise(advice)
+
+
+def trim_heap() -> None:
+    """Give the heap memory this process freed back to the system (glibc's ``malloc_trim``).
+
+    Weights are freed one by one as a pass replaces them; glibc keeps freed blocks below its (adaptive,
+    up to 32 MiB) map threshold in its heap, counted in the process's memory, and ONNX Runtime's copy of
+    the model then comes on top of them.  Nothing outside glibc: a no-op.
+    """
+    try:
+        libc = _libc()
+        trim = getattr(libc, "malloc_trim", None) if libc is not None else None
+    except OSError:  # pragma: no cover
+        return
+    if trim is not None:
+        trim(0)
+
+
+def save_external_bytes() -> int:
+    """Bytes of initializers from which a saved model gets external data by default: :func:`proto_limit`, and
+    at most :data:`SAVE_EXTERNAL_BYTES`."""
+    return min(proto_limit(), SAVE_EXTERNAL_BYTES)
 
 
 def spill_bytes() -> int:

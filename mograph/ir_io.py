@@ -496,6 +496,9 @@ def load_model(source: ModelSource, *, check: bool = True, base_dir: str | os.Pa
         _decode_initializers(model)
     if origin == "a path":
         _CHECKED_FILES[str(model.meta[SOURCE_KEY])] = stamp  # taken before reading: a later change shows
+    from mograph import _spill
+
+    _spill.remember_data_files(model)  # their pages are dropped before each session (_spill.drop_pages)
     if check:
         _check_structure(model)
         check_declarations(model)
@@ -565,7 +568,7 @@ def save_model(
         path: destination ``.onnx`` file.
         external_data: write initializers to a data file beside the model (``<name>.data``, or
             ``<name>.<id>.data`` when a file of that name is already there). ``None`` chooses it when
-            the initializers need 256 MiB or more (:func:`mograph._spill.spill_bytes`: written inline,
+            the initializers need 256 MiB or more (:func:`mograph._spill.save_external_bytes`: written inline,
             they would be copied twice in memory on the way) or the model already had external data; ``False``
             writes one self-contained file (external tensors are read in for it).
         forbid: a path that must not be written over (the input model).
@@ -593,7 +596,7 @@ def save_model(
     if external_data is None:
         from mograph import _spill
 
-        external_data = model_size_bytes(model) >= _spill.spill_bytes() or any(
+        external_data = model_size_bytes(model) >= _spill.save_external_bytes() or any(
             isinstance(v.const_value, ir.ExternalTensor) for v in _all_initializers(model)
         )
     elif not external_data and model_size_bytes(model) >= TWO_GB:
@@ -658,36 +661,63 @@ def _write_inline(model: ir.Model, path: Path) -> None:
 
     ``ir.save`` builds the whole ``ModelProto`` (a copy of every weight) and then its serialized bytes
     (another copy): a model with 1 GB of weights needs 3 GB to be written.  Here the model is
-    serialized without its large initializers of the main graph, and each of those is then serialized
-    on its own and appended to the graph's bytes (protobuf lets a message's repeated fields come in
-    any order and in separate pieces), so at most one weight is copied at a time.  The file parses to
-    the same model, large initializers listed after the others.
+    serialized with a stand-in (an external reference, no data) for each large initializer of the main
+    graph, the stand-ins are taken out of the graph's message, and each large initializer is then
+    serialized on its own and appended to the graph's bytes (protobuf lets a message's repeated fields
+    come in any order and in separate pieces), so at most one weight is copied at a time.  The file
+    parses to the same model (the initializers' value infos and annotations included), large
+    initializers listed after the others.
+
+    Each streamed tensor is named after its *value*, as ``ir.serde`` names every initializer: a pass's
+    new tensor (``ir.tensor(array)``) has no name of its own, and an unnamed initializer in the file is
+    dropped by the next load, leaving its node reading nothing.
     """
     graph = model.graph
-    order = list(graph.initializers.values())
-    big = [v for v in order if v.const_value is not None and v.const_value.nbytes >= _STREAMED_BYTES]
+    big = [v for v in graph.initializers.values() if v.const_value is not None and v.const_value.nbytes >= _STREAMED_BYTES]
+    stand_ins: dict[str, ir.Value] = {}
+    real: list[ir.TensorProtocol] = []
     try:
         for v in big:
-            graph.initializers.pop(v.name)  # type: ignore[arg-type]
+            t = v.const_value
+            assert t is not None
+            location = f"mograph-streamed-{len(stand_ins)}"
+            stand_ins[location] = v
+            real.append(t)
+            v.const_value = ir.ExternalTensor(location, 0, t.nbytes, t.dtype, shape=ir.Shape(t.shape.numpy()),
+                                              name=v.name, base_dir="")  # type: ignore[arg-type]
         proto = ir.serde.serialize_model(model)
     finally:
-        for v in order:  # back in their order
-            if v.name is not None and graph.initializers.get(v.name) is v:
-                graph.initializers.pop(v.name)
-        for v in order:
-            graph.initializers.add(v)
+        for v, t in zip(stand_ins.values(), real):
+            v.const_value = t
+    inits = proto.graph.initializer
+    taken = 0
+    for i in reversed(range(len(inits))):
+        where = {e.key: e.value for e in inits[i].external_data}
+        if inits[i].data_location == onnx.TensorProto.EXTERNAL and where.get("location") in stand_ins:
+            del inits[i]
+            taken += 1
+    if taken != len(big):
+        raise InternalError("save", f"{len(big)} large initializers to stream, {taken} stand-ins found")
     graph_bytes = proto.graph.SerializeToString()
     proto.ClearField("graph")
     head = proto.SerializeToString()
     del proto
-    sizes = [ir.serde.serialize_tensor(v.const_value).ByteSize() for v in big]  # type: ignore[arg-type]
+
+    def tensor_proto(v: ir.Value) -> onnx.TensorProto:
+        if not v.name:
+            raise InternalError("save", "an initializer of the graph has no name")
+        out = ir.serde.serialize_tensor(v.const_value)  # type: ignore[arg-type]
+        out.name = v.name  # the value's name, whatever the tensor's is
+        return out
+
+    sizes = [tensor_proto(v).ByteSize() for v in big]
     graph_len = len(graph_bytes) + sum(1 + len(_varint(n)) + n for n in sizes)
     with open(path, "wb") as f:
         f.write(head)
         f.write(b"\x3a" + _varint(graph_len))  # ModelProto.graph: field 7, length-delimited
         f.write(graph_bytes)
         for v, n in zip(big, sizes):
-            data = ir.serde.serialize_tensor(v.const_value).SerializeToString()  # type: ignore[arg-type]
+            data = tensor_proto(v).SerializeToString()
             if len(data) != n:
                 raise InternalError("save", f"initializer '{v.name}' serialized to {len(data)} bytes, not {n}")
             f.write(b"\x2a" + _varint(n))  # GraphProto.initializer: field 5, length-delimited

@@ -45,22 +45,32 @@ With ``--target ort`` (the pass reads ``target``) :class:`~.standard_attention.S
 takes such an ``Attention`` into ``mograph.Attention`` too, and the trace follows a standard
 ``RotaryEmbedding`` on Q/K heads (``Heads.half_rotary``), so ORT gets the same kernels as below 23; for
 the other targets both stay as written (a rotated attention is then a near miss that says so).
+
+This module is the rule and the pass; the trace of the heads is :mod:`._attention_trace` (its graph readers
+:mod:`._attention_reads`, the rotary forms it follows :mod:`._attention_rotary`), and ``--explain``'s walker
+over the softmaxes left is :mod:`._attention_explain`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 import onnx_ir as ir
+from mograph.passes.fusion._attention_explain import explain_unfused
+from mograph.passes.fusion._attention_reads import _entries as _entries
+from mograph.passes.fusion._attention_reads import _keeps_leading as _keeps_leading
+from mograph.passes.fusion._attention_reads import _producer
+from mograph.passes.fusion._attention_rotary import _rotary as _rotary
+from mograph.passes.fusion._attention_trace import Heads, _keys_transposed
+from mograph.passes.fusion._attention_trace import _repeated as _repeated
+from mograph.passes.fusion._attention_trace import _split_heads as _split_heads
 from mograph.passes.fusion._common import (
     EXPLAIN_OPTION,
     TARGET_OPTION,
     FusionPass,
     adopts_standard_ops,
-    is_float,
     mograph_op,
 )
 from mograph.passes.fusion.attention_op import (
@@ -73,485 +83,10 @@ from mograph.passes.fusion.attention_op import (
 )
 from mograph.passes.fusion.lowerings.attention_proofs import is_zero_bias
 
-from mograph.irutil import same_dim
 from mograph.pass_infra import Option, PassResult
 from mograph.patterns import MatchResult, OrValue, Rule, Var, constant_array, scalar_value
 
 __all__ = ["AttentionFusion", "FuseAttentionPass", "attention", "ATTENTION_OP", "explain_unfused"]
-
-
-# ---------------------------------------------------------------------------------------------
-# reshape targets
-# ---------------------------------------------------------------------------------------------
-
-#: An entry of a reshape target: a constant, ("dim", i) for "dim i of a runtime shape", or None.
-Entry = Any
-
-
-def _runtime_dim(value: ir.Value | None) -> tuple[str, int] | None:
-    """``("dim", i)`` if ``value`` is a 1-element tensor holding dim ``i`` of some tensor's runtime shape."""
-    node = value.producer() if value is not None else None
-    while node is not None and node.op_type in ("Unsqueeze", "Cast", "Reshape", "Squeeze") and node.domain == "":
-        node = node.inputs[0].producer() if node.inputs[0] is not None else None
-    if node is None:
-        return None
-    if node.op_type == "Shape":
-        start = node.attributes.get("start")
-        end = node.attributes.get("end")
-        if start is None or end is None or int(end.value) != int(start.value) + 1 or int(start.value) < 0:
-            return None
-        return ("dim", int(start.value))
-    if node.op_type == "Gather" and node.inputs[0] is not None:
-        shape_node = node.inputs[0].producer()
-        idx = constant_array(node.inputs[1])
-        if shape_node is None or shape_node.op_type != "Shape" or idx is None or idx.size != 1:
-            return None
-        start = shape_node.attributes.get("start")
-        if shape_node.attributes.get("end") is not None or int(idx.reshape(())) < 0:
-            return None
-        return ("dim", int(idx.reshape(())) + (int(start.value) if start is not None else 0))
-    return None
-
-
-def _entries(value: ir.Value | None) -> list[Entry] | None:
-    """The entries of a reshape target, each resolved as far as it can be; None if even its length is unknown."""
-    if value is None:
-        return None
-    arr = constant_array(value)
-    if arr is not None:
-        return [int(a) for a in arr.reshape(-1)]
-    node = value.producer()
-    if node is not None and node.op_type == "Where" and node.domain == "":
-        eq = node.inputs[0].producer() if node.inputs[0] is not None else None
-        if eq is not None and eq.op_type == "Equal" and node.inputs[2] in eq.inputs:
-            inner = _entries(node.inputs[2])  # Where(r == -1, 1, r): the same entries where none is -1
-            return inner if inner is not None and -1 not in inner and None not in inner else None
-    if node is not None and node.op_type == "Reshape" and node.domain == "":
-        flat = constant_array(node.inputs[1])
-        if flat is not None and flat.reshape(-1).tolist() == [-1]:
-            return _entries(node.inputs[0])
-    if node is None or node.op_type != "Concat":
-        return None
-    out: list[Entry] = []
-    for inp in node.inputs:
-        part = constant_array(inp)
-        if part is not None:
-            out.extend(int(a) for a in part.reshape(-1))
-            continue
-        dim = _runtime_dim(inp)
-        if dim is not None:
-            out.append(dim)
-        elif inp is not None and inp.shape is not None and list(inp.shape) == [1]:
-            out.append(None)
-        else:
-            return None
-    return out
-
-
-def _keeps_leading(reshape: ir.Node, rest_is_last: bool = False) -> bool:
-    """Whether a Reshape keeps dims 0 and 1 of its input (its target starts with ``B, S``).
-
-    ``rest_is_last``: the caller proved that the target's entries after the first two multiply to the
-    input's last dim (a ``[B, S, N]`` -> ``[B, ?, H, D]`` split with ``H * D = N``), so a -1 in place of
-    ``S`` can only be ``S``."""
-    x, target = reshape.inputs[0], reshape.inputs[1]
-    out = reshape.outputs[0]
-    if x is None or x.shape is None or len(x.shape) < 2:
-        return False
-    if out.shape is not None and len(out.shape) >= 2 and all(same_dim(out.shape[i], x.shape[i]) for i in (0, 1)):
-        return True
-    entries = _entries(target)
-    if entries is None or len(entries) < 2:
-        return False
-    allowzero = reshape.attributes.get("allowzero")
-    zero_copies = allowzero is None or int(allowzero.value) == 0
-    for i in (0, 1):
-        e = entries[i]
-        if e == ("dim", i) or (e == 0 and zero_copies):
-            continue
-        if i == 1 and e == -1 and rest_is_last and len(x.shape) == 3 and -1 not in entries[2:]:
-            continue
-        if isinstance(e, int) and isinstance(x.shape[i], int) and x.shape[i] == e:
-            continue
-        return False
-    return True
-
-
-def _heads_and_dim(reshape: ir.Node, hidden: int) -> tuple[int, int] | str:
-    """``(H, D)`` of a ``[B, S, H*D] -> [B, S, H, D]`` Reshape, or why they cannot be determined."""
-    entries = _entries(reshape.inputs[1])
-    out = reshape.outputs[0]
-    h: Any = None
-    d: Any = None
-    if entries is not None and len(entries) == 4:
-        h, d = entries[2], entries[3]
-    elif entries is not None:
-        return f"reshape '{reshape.name}' is not to 4 dims"
-    if not (isinstance(h, int) and isinstance(d, int)) and out.shape is not None and len(out.shape) == 4:
-        h, d = out.shape[2], out.shape[3]
-    if not (isinstance(h, int) and isinstance(d, int)):
-        return f"num_heads cannot be determined: reshape target of '{reshape.name}' is not constant"
-    if h == -1 and d > 0 and hidden % d == 0:
-        h = hidden // d
-    elif d == -1 and h > 0 and hidden % h == 0:
-        d = hidden // h
-    if h <= 0 or d <= 0 or h * d != hidden:
-        return f"reshape '{reshape.name}' splits {hidden} into {h} x {d}"
-    if not _keeps_leading(reshape, rest_is_last=entries is not None and len(entries) == 4 and -1 not in entries[2:]):
-        return f"reshape '{reshape.name}' does not keep the batch and sequence dims"
-    return h, d
-
-
-# ---------------------------------------------------------------------------------------------
-# tracing Q, K, V from the 4-D head tensors back to [batch, seq, hidden]
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Heads:
-    """A ``[B, N, S, D]`` head tensor traced back: ``x`` is ``[B, S, N*D]``, times ``factor``."""
-
-    x: ir.Value
-    heads: int
-    dim: int
-    factor: float = 1.0
-    #: K/V heads repeated this many times (grouped-query attention's ``repeat_kv``)
-    repeat: int = 1
-    #: (cos, sin) of a rotary embedding applied to the heads, broadcastable to [B, N, S, D]
-    rotary: tuple[ir.Value, ir.Value] | None = None
-    #: K/V with a cache: ``Concat(past, new heads, axis=2)`` ``[B, N, P+T, D]`` (the present, a graph output)
-    cached: ir.Value | None = None
-    #: (cos, sin) ``[B, S, D/2]`` of opset 23's standard ``RotaryEmbedding`` on the heads (not interleaved)
-    half_rotary: tuple[ir.Value, ir.Value] | None = None
-
-
-def _producer(value: ir.Value | None, *op_types: str) -> ir.Node | None:
-    node = value.producer() if value is not None else None
-    if node is None or node.domain not in ("", "ai.onnx") or node.op_type not in op_types:
-        return None
-    return node
-
-
-def _perm(node: ir.Node) -> list[int] | None:
-    attr = node.attributes.get("perm")
-    return None if attr is None else [int(p) for p in attr.value]
-
-
-def _scaled(value: ir.Value) -> tuple[ir.Value, float]:
-    """``value`` as ``base * factor`` through ``Mul``/``Div`` by single-element constants."""
-    factor = 1.0
-    for _ in range(4):
-        node = _producer(value, "Mul", "Div")
-        if node is None or node.inputs[0] is None or node.inputs[1] is None:
-            break
-        a, b = node.inputs[0], node.inputs[1]
-        cb, ca = scalar_value(b), scalar_value(a) if node.op_type == "Mul" else None
-        if cb is not None and (node.op_type == "Mul" or cb != 0):
-            factor *= cb if node.op_type == "Mul" else 1.0 / cb
-            value = a
-        elif ca is not None:
-            factor *= ca
-            value = b
-        else:
-            break
-    return value, factor
-
-
-def _what(value: ir.Value | None) -> str:
-    node = value.producer() if value is not None else None
-    return "a graph input" if node is None else f"{node.op_type} '{node.name}'"
-
-
-def _slice_of(value: ir.Value | None, x: ir.Value | None = None) -> tuple[ir.Value, int, int] | None:
-    """``(input, start, end)`` of a ``Slice`` of the last of 4 axes with step 1 (``x``: it must slice ``x``)."""
-    node = _producer(value, "Slice")
-    if node is None or len(node.inputs) < 4 or (x is not None and node.inputs[0] is not x):
-        return None
-    vals = [constant_array(node.inputs[i]) if i < len(node.inputs) else None for i in (1, 2, 3, 4)]
-    for i in (0, 1):
-        if vals[i] is None:
-            vals[i] = _half_last_dim(node.inputs[i + 1], node.inputs[0])
-    if any(v is None or v.size != 1 for v in vals[:3]):
-        return None
-    if vals[3] is not None and int(vals[3].reshape(())) != 1:  # type: ignore[union-attr]
-        return None
-    if int(vals[2].reshape(())) not in (-1, 3):  # type: ignore[union-attr]
-        return None
-    return node.inputs[0], int(vals[0].reshape(())), int(vals[1].reshape(()))  # type: ignore[union-attr,return-value]
-
-
-def _half_last_dim(value: ir.Value | None, x: ir.Value | None) -> np.ndarray | None:
-    """``D / 2`` if ``value`` is TorchScript's ``Unsqueeze(Div(Gather(Shape(x), 3), 2))`` and x's dim 3 is ``D``."""
-    un = _producer(value, "Unsqueeze")
-    div = _producer(un.inputs[0], "Div") if un is not None else None
-    gather = _producer(div.inputs[0], "Gather") if div is not None else None
-    shape = _producer(gather.inputs[0], "Shape") if gather is not None else None
-    if shape is None or shape.inputs[0] is not x or scalar_value(div.inputs[1]) != 2 or shape.attributes:  # type: ignore[union-attr]
-        return None
-    d = x.shape[3] if x is not None and x.shape is not None and len(x.shape) == 4 else None
-    axis = scalar_value(gather.inputs[1]) if gather is not None else None
-    if axis not in (3.0, -1.0) or not isinstance(d, int):
-        return None
-    return np.array([d // 2])
-
-
-def _rotary(value: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value] | None:
-    """``(x, cos, sin)`` if ``value = x * cos + rotate_half(x) * sin`` with
-    ``rotate_half(x) = Concat(Neg(x[..., D/2:]), x[..., :D/2], axis=-1)`` (transformers' ``apply_rotary_pos_emb``)."""
-    add = _producer(value, "Add")
-    if add is None:
-        return None
-    for a, b in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])):
-        m_rot, m_x = _producer(b, "Mul"), _producer(a, "Mul")
-        if m_rot is None or m_x is None:
-            continue
-        for rot, sin in ((m_rot.inputs[0], m_rot.inputs[1]), (m_rot.inputs[1], m_rot.inputs[0])):
-            cat = _producer(rot, "Concat")
-            if cat is None or len(cat.inputs) != 2 or int(cat.attributes["axis"].value) not in (-1, 3):
-                continue
-            neg = _producer(cat.inputs[0], "Neg")
-            second = _slice_of(neg.inputs[0]) if neg is not None else None
-            if second is None:
-                continue
-            x = second[0]
-            first = _slice_of(cat.inputs[1], x)
-            d = x.shape[3] if x.shape is not None and len(x.shape) == 4 else None
-            if first is None or not isinstance(d, int) or d % 2:
-                continue
-            if (first[1], first[2]) != (0, d // 2) or second[1] != d // 2 or second[2] < d:
-                continue
-            for xx, cos in ((m_x.inputs[0], m_x.inputs[1]), (m_x.inputs[1], m_x.inputs[0])):
-                if xx is x and cos is not None and sin is not None and cos.shape is not None and len(cos.shape) == 4:
-                    return x, cos, sin
-    return None
-
-
-def _standard_rotary(value: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value] | None:
-    """``(x, cos, sin)`` if ``value`` is opset 23's ``RotaryEmbedding(x [B, N, S, D], cos, sin)`` over the whole
-    head, halves rotated (``interleaved=0``), without ``position_ids``: ``cos``/``sin`` are ``[B, S, D/2]``."""
-    node = _producer(value, "RotaryEmbedding")
-    if node is None or len(node.inputs) < 3 or any(v is not None for v in node.inputs[3:]):
-        return None
-    if any(int(node.attributes[k].value) for k in ("interleaved", "rotary_embedding_dim") if k in node.attributes):
-        return None
-    x, cos, sin = node.inputs[0], node.inputs[1], node.inputs[2]
-    if x is None or cos is None or sin is None or x.shape is None or len(x.shape) != 4:
-        return None
-    return x, cos, sin
-
-
-def full_rotary_tables(op: Any, heads: Heads) -> tuple[ir.Value, ir.Value] | None:
-    """The (cos, sin) ``[B, 1, S, D]`` that ``mograph.RotaryEmbedding`` takes: the decomposed rotary's own, or
-    a standard RotaryEmbedding's half tables doubled (``Cos(Concat(f, f))`` where they are ``Cos(f)``, the form
-    the ``ort`` lowering reads back into ONNX Runtime's kernel)."""
-    if heads.half_rotary is None:
-        return heads.rotary
-    axes = op.initializer(ir.tensor(np.array([1], dtype=np.int64)), name="mograph_axis_1")
-    cos, sin = heads.half_rotary
-    cos_src, sin_src = _producer(cos, "Cos"), _producer(sin, "Sin")
-    if cos_src is not None and sin_src is not None and cos_src.inputs[0] is sin_src.inputs[0]:
-        f = cos_src.inputs[0]
-        both = op.Concat(f, f, axis=-1)
-        return op.Unsqueeze(op.Cos(both), axes), op.Unsqueeze(op.Sin(both), axes)
-    return (op.Unsqueeze(op.Concat(cos, cos, axis=-1), axes), op.Unsqueeze(op.Concat(sin, sin, axis=-1), axes))
-
-
-def _split_heads(v4: ir.Value, role: str) -> Heads | str:
-    """``v4 = Transpose(Reshape(x, [B, S, N, D]), [0, 2, 1, 3])`` (with scalar factors on either side),
-    possibly rotated (:func:`_rotary`) after the split."""
-    v, f1 = _scaled(v4)
-    std = _standard_rotary(v)
-    if std is not None:  # opset 23's RotaryEmbedding (the dynamo exporter's) on the split heads
-        inner = _split_heads(std[0], role)
-        if isinstance(inner, Heads):
-            if inner.rotary is not None or inner.half_rotary is not None:
-                return f"{role}: two rotary embeddings"
-            half = std[1].shape[-1] if std[1].shape is not None and len(std[1].shape) == 3 else None
-            if half != inner.dim // 2 or inner.dim % 2:
-                return f"{role}: the cos/sin of RotaryEmbedding '{v.producer().name}' are not [batch, seq, {inner.dim // 2}]"  # type: ignore[union-attr]
-            inner.half_rotary = (std[1], std[2])
-            inner.factor *= f1
-        return inner
-    rot = _rotary(v)
-    if rot is not None:
-        inner = _split_heads(rot[0], role)
-        if isinstance(inner, Heads):
-            if inner.rotary is not None:
-                return f"{role}: two rotary embeddings"
-            inner.rotary = (rot[1], rot[2])
-            inner.factor *= f1
-        return inner
-    tr = _producer(v, "Transpose")
-    if tr is None or _perm(tr) != [0, 2, 1, 3]:
-        return f"{role}: expected Transpose perm [0, 2, 1, 3] splitting heads, got {_what(v)}"
-    rs = _producer(tr.inputs[0], "Reshape")
-    if rs is None:
-        return f"{role}: expected Reshape to [batch, seq, heads, head_dim], got {_what(tr.inputs[0])}"
-    x, f2 = _scaled(rs.inputs[0])  # type: ignore[arg-type]
-    if not is_float(x):
-        return f"{role} '{x.name}' is not a floating-point tensor"
-    if x.shape is None or len(x.shape) != 3 or not isinstance(x.shape[2], int):
-        return f"{role} '{x.name}' is not [batch, seq, hidden] with a static hidden size"
-    hd = _heads_and_dim(rs, x.shape[2])
-    if isinstance(hd, str):
-        return f"{role}: {hd}"
-    return Heads(x, hd[0], hd[1], f1 * f2)
-
-
-def _cached_or_split(kh: ir.Value, role: str) -> Heads | str:
-    """K/V heads, possibly after a KV cache: ``Concat(past [B, N, P, D], new heads, axis=2)``."""
-    cat = _producer(kh, "Concat")
-    if cat is None:
-        return _split_heads(kh, role)
-    axis = int(cat.attributes["axis"].value) if "axis" in cat.attributes else None
-    if axis not in (2, -2) or len(cat.inputs) != 2 or cat.inputs[0] is None or cat.inputs[1] is None:
-        return f"{role}: Concat '{cat.name}' is not a KV cache (past, new) on the sequence axis"
-    new = _split_heads(cat.inputs[1], role)
-    if isinstance(new, str):
-        return new
-    past = cat.inputs[0]
-    if past.dtype != new.x.dtype or past.shape is None or len(past.shape) != 4:
-        return f"{role}: the past '{past.name}' of Concat '{cat.name}' is not a 4-D tensor of the new heads' dtype"
-    if isinstance(past.shape[1], int) and past.shape[1] != new.heads or (
-            isinstance(past.shape[3], int) and past.shape[3] != new.dim):
-        return f"{role}: the past '{past.name}' is not [batch, {new.heads}, past, {new.dim}]"
-    if new.factor != 1.0:
-        return f"{role}: the new heads are scaled before the cache (the past is not)"
-    if new.half_rotary is not None:
-        return f"{role}: a standard RotaryEmbedding before a KV cache Concat is not taken (yet)"
-    # a rotary embedding on the new heads (LLaMA's decode step): fused, the rewrite then builds the cache's
-    # Concat again for the present output; other readers of the exporter's Concat keep it (they are shape
-    # reads of the repeat_kv the fusion replaces, so it dies with them)
-    return Heads(new.x, new.heads, new.dim, 1.0, rotary=new.rotary, cached=kh)
-
-
-def _repeated(kh: ir.Value, role: str) -> Heads | str:
-    """K or V heads, possibly repeated for grouped-query attention:
-    ``Reshape(Expand(Unsqueeze(h, 2), [B, G, n, T, D]), [B, G*n, T, D])``."""
-    rs = _producer(kh, "Reshape")
-    ex = _producer(rs.inputs[0], "Expand") if rs is not None else None
-    un = _producer(ex.inputs[0], "Unsqueeze") if ex is not None else None
-    if rs is None or ex is None or un is None:
-        return _cached_or_split(kh, role)
-    axes = constant_array(un.inputs[1]) if len(un.inputs) > 1 else None
-    if axes is None and "axes" in un.attributes:
-        axes = np.array(un.attributes["axes"].value)
-    if axes is None or axes.reshape(-1).tolist() != [2]:
-        return f"{role}: Unsqueeze '{un.name}' of a repeat_kv is not on axis 2"
-    inner = _cached_or_split(un.inputs[0], role)  # type: ignore[arg-type]
-    if isinstance(inner, str):
-        return inner
-    rep_entries = _entries(ex.inputs[1])
-    out_entries = _entries(rs.inputs[1])
-    rep = rep_entries[2] if rep_entries is not None and len(rep_entries) == 5 else None
-    if not isinstance(rep, int) or rep < 1:
-        return f"{role}: the repeat count of Expand '{ex.name}' is not a constant"
-    merged_ok = out_entries is not None and len(out_entries) == 4 and (
-        out_entries[1] in (inner.heads * rep, -1)
-        # [B, ?, T, D] of the [B, G, rep, T, D] expansion: by the element count, ? is G * rep
-        or (out_entries[1] is None and out_entries[2:] == [("dim", 2), ("dim", 3)]))
-    if rep_entries[1] not in (inner.heads, ("dim", 1)) or (  # type: ignore[index]
-            out_entries is not None and len(out_entries) == 4 and not merged_ok):
-        return f"{role}: Expand '{ex.name}' / Reshape '{rs.name}' do not repeat {inner.heads} heads {rep} times"
-    if out_entries is None or len(out_entries) != 4:
-        return f"{role}: Reshape '{rs.name}' of a repeat_kv is not to 4 dims"
-    inner.repeat = rep
-    return inner
-
-
-def _keys_transposed(kt: ir.Value) -> Heads | str:
-    """``K^T`` ``[B, N, D, T]``: ``Transpose(Reshape(k), [0, 2, 3, 1])``, ``Transpose(K_h, [0, 1, 3, 2])``, or
-    the dynamo export of sdpa's transpose (``Reshape(Transpose(Reshape(K_h, [-1, T, D]), [0, 2, 1]), [B, N, D, T])``)."""
-    v, f = _scaled(kt)
-    tr = _producer(v, "Transpose")
-    if tr is not None and _perm(tr) == [0, 2, 3, 1]:
-        # the same split as the others, with the transpose folded in: check it on a [0, 2, 1, 3] view
-        rs = _producer(tr.inputs[0], "Reshape")
-        if rs is None:
-            return f"key: expected Reshape to [batch, seq, heads, head_dim], got {_what(tr.inputs[0])}"
-        x, f2 = _scaled(rs.inputs[0])  # type: ignore[arg-type]
-        if not is_float(x) or x.shape is None or len(x.shape) != 3 or not isinstance(x.shape[2], int):
-            return f"key '{x.name}' is not a floating-point [batch, seq, hidden] with a static hidden size"
-        hd = _heads_and_dim(rs, x.shape[2])
-        if isinstance(hd, str):
-            return f"key: {hd}"
-        return Heads(x, hd[0], hd[1], f * f2)
-    if tr is not None and _perm(tr) == [0, 1, 3, 2]:
-        heads = _repeated(tr.inputs[0], "key")  # type: ignore[arg-type]
-    elif (outer := _producer(v, "Reshape")) is not None:
-        heads = _flat_transposed(outer)
-    else:
-        return f"key: expected K transposed (Transpose perm [0, 2, 3, 1] or [0, 1, 3, 2]), got {_what(v)}"
-    if isinstance(heads, Heads):
-        heads.factor *= f
-    return heads
-
-
-def _flat_transposed(outer: ir.Node) -> Heads | str:
-    """dynamo's sdpa: ``Reshape(Transpose(Reshape(K_h, [-1, T, D]), [0, 2, 1]), [B, N, D, T])``."""
-    tr = _producer(outer.inputs[0], "Transpose")
-    inner = _producer(tr.inputs[0], "Reshape") if tr is not None else None
-    if tr is None or inner is None or _perm(tr) != [0, 2, 1]:
-        return f"key: expected Transpose perm [0, 2, 1] of flattened key heads, got {_what(outer.inputs[0])}"
-    kh = inner.inputs[0]
-    a, b, c = kh.shape if kh is not None else None, inner.outputs[0].shape, outer.outputs[0].shape
-    ok = (a is not None and b is not None and c is not None and len(a) == 4 and len(b) == 3 and len(c) == 4
-          and same_dim(b[1], a[2]) and same_dim(b[2], a[3]) and same_dim(c[0], a[0]) and same_dim(c[1], a[1])
-          and same_dim(c[2], a[3]) and same_dim(c[3], a[2]))
-    if not ok and kh is not None:  # dims left unknown by shape inference: read the targets (dynamo at opset 17)
-        want_inner = [None, ("dim", kh, 2), ("dim", kh, 3)]  # [-1 (= B*N), T, D]
-        want_outer = [("dim", kh, 0), ("dim", kh, 1), ("dim", kh, 3), ("dim", kh, 2)]  # [B, N, D, T]
-        got_inner, got_outer = _shape_vector(inner.inputs[1]), _shape_vector(outer.inputs[1])
-        ok = (got_inner is not None and got_outer is not None and len(got_inner) == 3
-              and got_inner[0] == -1 and got_inner[1:] == want_inner[1:] and got_outer == want_outer)
-    if not ok:
-        return (f"key: cannot prove Reshape '{inner.name}' / Transpose / Reshape '{outer.name}' swap the last two dims: "
-                "their shapes are not known statically and their targets are not read from the key heads' own shape")
-    return _repeated(kh, "key")  # type: ignore[arg-type]
-
-
-def _shape_vector(value: ir.Value | None) -> list[Any] | None:
-    """A Reshape target as entries: an int (a constant) or ``("dim", X, i)`` (dim ``i`` of ``X``, ``i >= 0``),
-    for a constant or a ``Concat`` of constants, ``Shape(X)`` (with start/end) and ``Slice``s of one with
-    constant bounds; ``None`` for any other computation."""
-    if value is None:
-        return None
-    const = ir.convenience.get_const_tensor(value)
-    if const is not None:
-        return [int(v) for v in np.asarray(const.numpy()).reshape(-1)]
-    node = value.producer()
-    if node is None or node.domain not in ("", "ai.onnx"):
-        return None
-    if node.op_type == "Concat":
-        out: list[Any] = []
-        for part in node.inputs:
-            entries = _shape_vector(part)
-            if entries is None:
-                return None
-            out += entries
-        return out
-    if node.op_type == "Shape":
-        x = node.inputs[0]
-        if x is None or x.shape is None:
-            return None
-        rank = len(x.shape)
-        start_attr, end_attr = node.attributes.get("start"), node.attributes.get("end")
-        start = start_attr.as_int() if start_attr is not None else 0
-        end = end_attr.as_int() if end_attr is not None else rank
-        return [("dim", x, i) for i in range(*slice(start, end).indices(rank))]
-    if node.op_type == "Slice" and len(node.inputs) >= 3:
-        whole = _shape_vector(node.inputs[0])
-        bounds = [_shape_vector(v) if v is not None else None for v in node.inputs[1:5]]
-        if whole is None or any(b is None or len(b) != 1 or not isinstance(b[0], int)
-                                for b in bounds[:2]):
-            return None
-        if len(bounds) > 2 and node.inputs[3] is not None and bounds[2] != [0]:
-            return None  # only axis 0 of a vector
-        if len(bounds) > 3 and node.inputs[4] is not None and bounds[3] != [1]:
-            return None
-        start, end = bounds[0][0], bounds[1][0]  # type: ignore[index]
-        return whole[slice(start, end)]
-    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -786,6 +321,22 @@ class AttentionFusion(Rule):
         return ".".join(parts)
 
 
+def full_rotary_tables(op: Any, heads: Heads) -> tuple[ir.Value, ir.Value] | None:
+    """The (cos, sin) ``[B, 1, S, D]`` that ``mograph.RotaryEmbedding`` takes: the decomposed rotary's own, or
+    a standard RotaryEmbedding's half tables doubled (``Cos(Concat(f, f))`` where they are ``Cos(f)``, the form
+    the ``ort`` lowering reads back into ONNX Runtime's kernel)."""
+    if heads.half_rotary is None:
+        return heads.rotary
+    axes = op.initializer(ir.tensor(np.array([1], dtype=np.int64)), name="mograph_axis_1")
+    cos, sin = heads.half_rotary
+    cos_src, sin_src = _producer(cos, "Cos"), _producer(sin, "Sin")
+    if cos_src is not None and sin_src is not None and cos_src.inputs[0] is sin_src.inputs[0]:
+        f = cos_src.inputs[0]
+        both = op.Concat(f, f, axis=-1)
+        return op.Unsqueeze(op.Cos(both), axes), op.Unsqueeze(op.Sin(both), axes)
+    return (op.Unsqueeze(op.Concat(cos, cos, axis=-1), axes), op.Unsqueeze(op.Concat(sin, sin, axis=-1), axes))
+
+
 def _finite_bias(mask: ir.Value) -> bool:
     """Whether the bias provably holds no -inf: a constant, or ``Where(c, a, b)`` of finite constants."""
     arr = constant_array(mask)
@@ -871,79 +422,3 @@ class FuseAttentionPass(FusionPass):
             result.details["unfused_softmax"] = explain_unfused(model, result.details)
         return result
 
-
-# ---------------------------------------------------------------------------------------------
-# --explain: every softmax that looks like attention and stayed
-# ---------------------------------------------------------------------------------------------
-
-
-def _looks_like_attention(softmax: ir.Node) -> bool:
-    """A Softmax whose input comes (through Add/Div/Mul/Where) from a MatMul and whose output feeds a MatMul."""
-    value = softmax.inputs[0]
-    for _ in range(4):
-        node = value.producer() if value is not None else None
-        if node is None:
-            return False
-        if node.op_type == "MatMul":
-            break
-        if node.op_type not in ("Add", "Div", "Mul", "Where", "Cast", "Identity"):
-            return False
-        value = node.inputs[0] if node.op_type != "Where" else node.inputs[2]
-        if node.op_type == "Add" and value is not None and value.producer() is None:
-            value = node.inputs[1]
-    else:
-        return False
-    return _feeds_matmul(softmax.outputs[0], 3)
-
-
-def _feeds_matmul(value: ir.Value, depth: int) -> bool:
-    for c, _ in value.uses():
-        if c.op_type == "MatMul":
-            return True
-        if depth > 0 and c.op_type in ("Where", "IsNaN", "Cast", "Add", "Mul", "Div") and any(_feeds_matmul(o, depth - 1) for o in c.outputs):
-            return True
-    return False
-
-
-def _first_mismatch_below(softmax: ir.Node) -> str:
-    """Walk the attention output from the softmax; name the first node that is not what the rule expects."""
-    value = softmax.outputs[0]
-    uses = [c for c, _ in value.uses()]
-    where = next((c for c in uses if c.op_type == "Where"), None)
-    if where is not None and len(uses) <= 2:
-        value = where.outputs[0]
-        uses = [c for c, _ in value.uses()]
-    mm = next((c for c in uses if c.op_type == "MatMul" and c.inputs[0] is value), None)
-    if mm is None:
-        got = ", ".join(f"{c.op_type} '{c.name}'" for c in uses) or "nothing"
-        return f"expected MatMul(probabilities, V) after Softmax '{softmax.name}', got {got}"
-    value = mm.outputs[0]
-    for step, (op_type, what) in enumerate((("Transpose", "perm [0, 2, 1, 3] merging the heads"),
-                                             ("Reshape", "to [batch, seq, heads * head_dim]"))):
-        users = [c for c, _ in value.uses()]
-        if len(users) != 1:
-            got = ", ".join(f"{c.op_type} '{c.name}'" for c in users) or "nothing (a graph output)"
-            return f"expected one {op_type} {what} after '{value.name}', got {got}"
-        nxt = users[0]
-        if step == 0 and nxt.op_type == "Reshape":  # sdpa's no-op reshape before the merge
-            value = nxt.outputs[0]
-            users = [c for c, _ in value.uses()]
-            nxt = users[0] if len(users) == 1 else nxt
-        if nxt.op_type != op_type or (op_type == "Transpose" and _perm(nxt) != [0, 2, 1, 3]):
-            return f"expected {op_type} {what} after '{value.name}', got {nxt.op_type} '{nxt.name}'"
-        value = nxt.outputs[0]
-    return "the attention output matched; the scores, mask or Q/K/V side did not (see near_miss_list)"
-
-
-def explain_unfused(model: ir.Model, details: dict[str, Any]) -> list[dict[str, str]]:
-    """For every Softmax left that looks like attention: the near miss that reached it, or the first mismatch."""
-    misses = details.get("rules", {}).get("AttentionFusion", {}).get("near_miss_list", [])
-    out = []
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        if node.op_type != "Softmax" or node.domain not in ("", "ai.onnx") or not _looks_like_attention(node):
-            continue
-        key = node.name or node.op_type  # near misses list unnamed nodes by op type
-        hit = next((m for m in misses if key in m["nodes"]), None)
-        reason = hit["reason"] if hit is not None else _first_mismatch_below(node)
-        out.append({"softmax": node.name or "", "reason": reason})
-    return out

@@ -44,7 +44,7 @@ import onnx_ir as ir
 from mograph.passes.quant import calibration as cal
 from mograph.passes.quant.plan import Budget
 
-from mograph import ir_io
+from mograph import _spill, ir_io
 from mograph.errors import OptionError
 from mograph.irutil import fresh_name, run_shape_inference
 
@@ -135,6 +135,7 @@ def _twin_model(model: ir.Model, positions: Sequence[int], floats: set[str], pin
             return halves[id(v)]
         if v.const_value is not None and v.is_initializer():
             t = ir.tensor(to_half(v.const_value.numpy()), name=fresh_name(taken, f"{v.name}_twin16"))
+            _spill.release_pages(v.const_value)
             out = ir.Value(name=t.name, const_value=t)
             out.dtype, out.shape = ir.DataType.FLOAT16, v.shape
             graph.register_initializer(out)
@@ -322,6 +323,7 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
     groups = _chunks(model, positions, floats, pinned_out, first, _measure_bytes()) if first is not None else []
     if not groups:
         groups = [(list(positions), set(range(len(model.graph))), True)]
+    _spill.free_dropped()  # the shape-inference copy, before the first session
     if len(groups) > 1:
         logger.info("fp16: measuring %d nodes in %d groups of at most %d bytes of tensors per sample",
                     len(positions), len(groups), _measure_bytes())
@@ -335,6 +337,7 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
         names = [v.name for v in twin.graph.outputs]
         sess = cal._session(twin, cal.model_folder(model))  # too big for one protobuf: spilled to a file
         del twin  # the session holds its own copy of the float16 twins
+        _spill.free_dropped()
         for name in watched:
             result.stats[name] = cal.TensorStats()
         num.update(dict.fromkeys(pairs, 0.0))

@@ -45,6 +45,7 @@ import numpy as np
 import onnx_ir as ir
 from mograph.passes.quant.plan import node_key
 
+from mograph import _spill
 from mograph.irutil import fresh_name
 
 __all__ = [
@@ -350,9 +351,10 @@ def quantize_weight_array(w: np.ndarray, axis: int | None, s: Scheme,
     else:
         scale = _round_scale(max(float(np.abs(w).max()) / s.qmax, 1e-12), scale_dtype)
         q = w / scale.astype(np.float32)
-    if s.is_float:
-        return np.clip(q, -s.qmax, s.qmax).astype(_fp8()), scale
-    return np.clip(np.rint(q), -127, 127).astype(np.int8), scale
+    if s.is_float:  # q is a new array (the division): rounded and clipped in place
+        return np.clip(q, -s.qmax, s.qmax, out=q).astype(_fp8()), scale
+    np.rint(q, out=q)  # in place: one float temporary per weight, not three
+    return np.clip(q, -127, 127, out=q).astype(np.int8), scale
 
 
 def fake_quant_weight(w: np.ndarray, axis: int | None, s: Scheme) -> np.ndarray:
@@ -464,8 +466,9 @@ class QdqWriter:
         tensor = const_tensor(value)
         assert tensor is not None
         ftype = tensor.dtype if tensor.dtype in _FLOATS else ir.DataType.FLOAT
-        w = tensor.numpy().astype(np.float32)
+        w = tensor.numpy().astype(np.float32, copy=False)  # read only: a float32 weight is not copied
         qarr, scale = quantize_weight_array(w, axis, self.scheme, scale_numpy_type(ftype))
+        _spill.release_pages(tensor)  # the mapped float weights need not stay resident
         base = value.name or "weight"
         home = self._home(value)
         zp = np.zeros(scale.shape, qarr.dtype)

@@ -66,7 +66,7 @@ from mograph.passes.quant._fp16_measure import (
 )
 from mograph.passes.quant.plan import Budget, PrecisionPlan, load_plan, node_key, parse_budget
 
-from mograph import ir_io
+from mograph import _spill, ir_io
 from mograph.custom_ops import DOMAIN as CUSTOM_DOMAIN
 from mograph.errors import OptionError
 from mograph.irutil import fresh_name
@@ -325,7 +325,11 @@ class Fp16Pass(Pass):
             if v is None or v.name not in floats:
                 return 0.0
             if v.const_value is not None:
-                return float(np.abs(v.const_value.numpy()).max()) if v.const_value.size else 0.0
+                if not v.const_value.size:
+                    return 0.0
+                peak = float(np.abs(v.const_value.numpy()).max())
+                _spill.release_pages(v.const_value)
+                return peak
             s = stats_by.get(v.name or "")
             return s.amax if s is not None else 0.0
 
@@ -449,6 +453,8 @@ class Fp16Pass(Pass):
             halves = {v.name for v in copy.graph.inputs if v.dtype == ir.DataType.FLOAT16}
             feeds = [{k: (a.astype(np.float16) if k in halves else a) for k, a in f.items()} for f in samples]
             outs = list(cal.run_model(copy, feeds, folder=folder))
+            del copy
+            _spill.free_dropped()  # not beside the next evaluation's copy
             evaluations += 1
             if self.progress is not None:  # each one a whole-model run: minutes on a real LLM (issue 31)
                 self.progress(evaluations, None)
@@ -527,7 +533,9 @@ class Fp16Pass(Pass):
             uses = list(v.uses())
             readers16 = [u for u in uses if wants_half(u)]
             if uses and len(readers16) == len(uses) and not v.is_graph_output():
-                v.const_value = ir.tensor(to_half(v.const_value.numpy()), name=name)
+                float_weight = v.const_value
+                v.const_value = ir.tensor(to_half(float_weight.numpy()), name=name)
+                _spill.release_pages(float_weight)  # the float weights are never all resident at once
                 v.dtype = ir.DataType.FLOAT16
                 home[id(v)] = "fp16"
                 counts["initializers"] += 1
@@ -535,6 +543,7 @@ class Fp16Pass(Pass):
                 copy_name = fresh_name(taken, f"{name}_fp16")
                 copy = ir.Value(name=copy_name, shape=v.shape, type=ir.TensorType(ir.DataType.FLOAT16),
                                 const_value=ir.tensor(to_half(v.const_value.numpy()), name=copy_name))
+                _spill.release_pages(v.const_value)
                 graph.register_initializer(copy)
                 for u in readers16:
                     u.node.replace_input_with(u.idx, copy)

@@ -131,8 +131,6 @@ def _layer_errors(
         )
         proto = make_model_proto(graph, {"": opset})
         singles[c.key] = by_signature[signature] = _session(proto.SerializeToString())
-    weights_q: dict[tuple[str, int], np.ndarray] = {}
-    weights_f: dict[tuple[str, int], np.ndarray] = {}
     err_num = {c.key: 0.0 for c in cands}
     err_den = {c.key: 0.0 for c in cands}
     macs = {c.key: 0.0 for c in cands}
@@ -142,6 +140,7 @@ def _layer_errors(
         acts = dict(zip(names, _run_feed(sess, outputs, feed, source, index)))
         for c in cands:
             xs_f, xs_q = {}, {}
+            read: list[Any] = []
             seen = True
             for i, v in enumerate(c.node.inputs):
                 assert v is not None
@@ -154,27 +153,32 @@ def _layer_errors(
                     lo, hi = ranges[v.name or ""]
                     xs_f[f"x{i}"], xs_q[f"x{i}"] = x, fake_quant_activation(x, lo, hi, scheme)
                 else:
-                    if (c.key, i) not in weights_f:  # read (and converted) once, not once per sample
-                        tensor = const_tensor(v)  # an initializer or a Constant node's value, in any graph
-                        assert tensor is not None
-                        weights_f[(c.key, i)] = np.ascontiguousarray(tensor.numpy(), dtype=np.float32)
-                    w = weights_f[(c.key, i)]
+                    # read (and fake-quantized) per candidate and sample, never all at once: holding the
+                    # float and quantized copies of every weight through the samples was twice the weights
+                    tensor = const_tensor(v)  # an initializer or a Constant node's value, in any graph
+                    assert tensor is not None
+                    w = np.ascontiguousarray(tensor.numpy(), dtype=np.float32)
+                    read.append(tensor)
                     xs_f[f"x{i}"] = w
-                    if i == c.weight_input:
-                        if (c.key, i) not in weights_q:
-                            weights_q[(c.key, i)] = fake_quant_weight(w, c.weight_axis, scheme)
-                        xs_q[f"x{i}"] = weights_q[(c.key, i)]
-                    else:
-                        xs_q[f"x{i}"] = w
+                    xs_q[f"x{i}"] = fake_quant_weight(w, c.weight_axis, scheme) if i == c.weight_input else w
             if not seen:
+                _release(read)
                 continue
             y = singles[c.key].run(None, xs_f)[0].astype(np.float64)
             yq = singles[c.key].run(None, xs_q)[0].astype(np.float64)
             err_num[c.key] += float(((yq - y) ** 2).sum())
             err_den[c.key] += float((y**2).sum())
             macs[c.key] += float(y.size) * _reduction(c, xs_f)
+            del xs_f, xs_q
+            _release(read)
     errors = {k: (err_num[k] / err_den[k]) ** 0.5 if err_den[k] > 0 else 0.0 for k in err_num}
     return errors, {k: v / max(len(samples), 1) for k, v in macs.items()}
+
+
+def _release(tensors: list[Any]) -> None:
+    for t in tensors:
+        _spill.release_pages(t)
+    tensors.clear()
 
 
 class _Samples:
@@ -226,6 +230,8 @@ def _evaluate_mix(
         if c.key in quantized:
             writer.quantize(c)
     outs = list(run_model(m, samples, folder=folder))  # too big for one protobuf: spilled to a file
+    del m, writer
+    _spill.free_dropped()  # its quantized weights are not beside the next evaluation's
     return _metric(budget, refs, outs)
 
 

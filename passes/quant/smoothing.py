@@ -36,6 +36,7 @@ import numpy as np
 import onnx_ir as ir
 from mograph.passes.quant._qdq import Candidate, Scheme, const_tensor, fake_quant_activation, fake_quant_weight
 
+from mograph import _spill
 from mograph.irutil import fresh_name
 
 __all__ = [
@@ -120,7 +121,9 @@ def _weight_rows_amax(g: SmoothGroup) -> np.ndarray:
     """Largest |w| per input channel over every weight of the group."""
     out = None
     for c in g.cands:
-        w = const_tensor(c.node.inputs[c.weight_input]).numpy().astype(np.float32)  # type: ignore[union-attr,index]
+        tensor = const_tensor(c.node.inputs[c.weight_input])  # type: ignore[index]
+        w = tensor.numpy().astype(np.float32)  # type: ignore[union-attr]
+        _spill.release_pages(tensor)  # a copy was made: the mapped float weights need not stay resident
         amax = np.abs(w).max(axis=1 - int(_row_axis(c)))  # type: ignore[arg-type]
         out = amax if out is None else np.maximum(out, amax)
     assert out is not None
@@ -171,7 +174,9 @@ def choose_alpha(g: SmoothGroup, xs: list[np.ndarray], act_amax: np.ndarray, sch
         rows = rows[np.linspace(0, len(rows) - 1, max_rows).astype(np.int64)]
     weights = []
     for c in g.cands:
-        w = const_tensor(c.node.inputs[c.weight_input]).numpy().astype(np.float32)  # type: ignore[union-attr,index]
+        tensor = const_tensor(c.node.inputs[c.weight_input])  # type: ignore[index]
+        w = tensor.numpy().astype(np.float32)  # type: ignore[union-attr]
+        _spill.release_pages(tensor)
         weights.append(w if _row_axis(c) == 0 else np.ascontiguousarray(w.T))  # [K, N]
     refs = [rows @ w for w in weights]
     w_amax = _weight_rows_amax(g)
@@ -310,7 +315,9 @@ def apply_smoothing(model: ir.Model, g: SmoothGroup, act_amax: np.ndarray, alpha
         axis = int(_row_axis(c))  # type: ignore[arg-type]
         w_val = c.node.inputs[c.weight_input]  # type: ignore[index]
         assert w_val is not None
-        w = const_tensor(w_val).numpy().astype(np.float32)  # type: ignore[union-attr]
+        tensor = const_tensor(w_val)
+        w = tensor.numpy().astype(np.float32)  # type: ignore[union-attr]
+        _spill.release_pages(tensor)
         ws = w * (s[:, None] if axis == 0 else s[None, :])
         new = ir.Value(name=fresh(f"{w_val.name or 'weight'}_smoothed"), const_value=ir.tensor(ws.astype(np.float32)))
         new.shape = ir.Shape(list(ws.shape))

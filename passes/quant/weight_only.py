@@ -67,6 +67,7 @@ from mograph.passes.quant._qdq import default_precision, find_candidates, sensit
 from mograph.passes.quant.plan import PrecisionPlan, load_plan, node_key, parse_budget
 from mograph.passes.quant.weight_only_op import OP_NAME
 
+from mograph import _spill
 from mograph.custom_ops import DOMAIN, DOMAIN_VERSION
 from mograph.errors import OptionError
 from mograph.pass_infra import Option, Pass, PassResult, stamp
@@ -287,7 +288,7 @@ class WeightOnlyPass(Pass):
             if w.ndim != 2:
                 skipped.append((node, f"weight of rank {w.ndim} (only 2-D weights are block-quantized)"))
                 continue
-            w = w.astype(np.float32)
+            w = w.astype(np.float32, copy=False)  # float32 weights stay a view (of their file's map): not copied
             bias = None
             bias_value = None
             if node.op_type == "Gemm":
@@ -297,7 +298,8 @@ class WeightOnlyPass(Pass):
                     continue
                 if int(attrs.get("transB", 0)):
                     w = w.T
-                w = w * float(attrs.get("alpha", 1.0))
+                if float(attrs.get("alpha", 1.0)) != 1.0:
+                    w = w * float(attrs.get("alpha", 1.0))
                 beta = float(attrs.get("beta", 1.0))
                 if len(node.inputs) > 2 and node.inputs[2] is not None:
                     c_arr = constant_array(node.inputs[2])
@@ -357,7 +359,6 @@ class WeightOnlyPass(Pass):
     def _observe(self, model: ir.Model, names: list[str], source: Any, max_rows: int) -> tuple[dict[str, _InputStats], int]:
         from mograph.passes.quant.calibration import model_folder, run_model
 
-        from mograph import _spill
 
         proto, spilled = _spill.model_proto(model)  # a model too big for one protobuf: spilled to a file
         have = {o.name for o in proto.graph.output}
@@ -406,27 +407,33 @@ class WeightOnlyPass(Pass):
         for layer in layers:
             groups.setdefault(layer.act.name or "", []).append(layer)
         for name, group in groups.items():
-            st = stats.get(name)
-            if algorithm == "rtn" or st is None:
-                for layer in group:
-                    layer.quant[bits] = (bw.rtn(layer.weight, spec), None)
-                continue
-            importance = np.diag(st.hessian) / max(st.rows, 1)
-            if algorithm == "awq":
-                assert st.sample is not None
-                a, alpha = bw.awq_scales([layer.weight for layer in group], st.sample, spec)
-                logger.debug("%s: awq alpha %.2f for %d layer(s)", name, alpha, len(group))
-                scaled_imp = importance / (a.astype(np.float64) ** 2)
-                for layer in group:
-                    ws = layer.weight * a[:, None]
-                    s, z = bw.search_params(ws, spec, scaled_imp)
-                    layer.quant[bits] = (bw.quantize(ws, s, z, spec), a if alpha > 0 else None)
-            else:
-                h = st.hessian / max(st.rows, 1)
-                for layer in group:
-                    q = bw.gptq(layer.weight, h, spec, damp=float(self.config.get("damping") or 0.1),
-                                act_order=bool(self.config.get("act_order")), importance=importance)
-                    layer.quant[bits] = (q, None)
+            self._quantize_group(name, group, bits, algorithm, stats, spec)
+            for layer in group:  # a layer's weight may be a view of its file's map: not all resident at once
+                _spill.release_pages(layer.node.inputs[1].const_value)  # type: ignore[union-attr]
+
+    def _quantize_group(self, name: str, group: list[_Layer], bits: int, algorithm: str,
+                        stats: dict[str, _InputStats], spec: bw.QuantSpec) -> None:
+        st = stats.get(name)
+        if algorithm == "rtn" or st is None:
+            for layer in group:
+                layer.quant[bits] = (bw.rtn(layer.weight, spec), None)
+            return
+        importance = np.diag(st.hessian) / max(st.rows, 1)
+        if algorithm == "awq":
+            assert st.sample is not None
+            a, alpha = bw.awq_scales([layer.weight for layer in group], st.sample, spec)
+            logger.debug("%s: awq alpha %.2f for %d layer(s)", name, alpha, len(group))
+            scaled_imp = importance / (a.astype(np.float64) ** 2)
+            for layer in group:
+                ws = layer.weight * a[:, None]
+                s, z = bw.search_params(ws, spec, scaled_imp)
+                layer.quant[bits] = (bw.quantize(ws, s, z, spec), a if alpha > 0 else None)
+        else:
+            h = st.hessian / max(st.rows, 1)
+            for layer in group:
+                q = bw.gptq(layer.weight, h, spec, damp=float(self.config.get("damping") or 0.1),
+                            act_order=bool(self.config.get("act_order")), importance=importance)
+                layer.quant[bits] = (q, None)
 
     # ------------------------------------------------------------------ the float model with weights as feeds
 
@@ -440,7 +447,6 @@ class WeightOnlyPass(Pass):
             model_folder,
         )
 
-        from mograph import _spill
 
         proto, spilled = _spill.model_proto(model)  # a model too big for one protobuf: spilled to a file
         names = {layer.node.inputs[1].name for layer in layers}  # type: ignore[union-attr]
@@ -574,26 +580,29 @@ class WeightOnlyPass(Pass):
                 measured: list[_Layer], samples: list[dict[str, np.ndarray]], low_bits: int,
                 budget: Any) -> dict[str, Any]:
         sess, fixed, as_input = self._weight_session(model, layers)
+        # The effective (dequantized, float) weights of the last evaluation only: consecutive evaluations
+        # share most of them, and keeping every (layer, bits) ever fed held two float copies of the weights.
         eff: dict[tuple[str, int], np.ndarray] = {}
 
-        def weight_for(layer: _Layer, prec: str) -> np.ndarray:
-            name = str(layer.node.inputs[1].name)  # type: ignore[union-attr]
-            if prec == "float":
-                return fixed[name]
-            bits = 8 if prec == "int8" else 4
-            key = (layer.key, bits)
-            if key not in eff:
-                eff[key] = as_input(layer, layer.effective(bits))
-            return eff[key]
+        def key_of(layer: _Layer, prec: str) -> tuple[str, int] | None:
+            return None if prec == "float" else (layer.key, 8 if prec == "int8" else 4)
 
         refs = [sess.run(None, {**s, **fixed}) for s in samples]
+        _spill.drop_pages(model)  # read again only for the layers an evaluation keeps float
         evaluations = 0
 
         def evaluate(assign: dict[str, str]) -> float:
             nonlocal evaluations
+            wanted = {key_of(layer, assign.get(layer.key, "float")) for layer in layers} - {None}
+            for stale in set(eff) - wanted:  # dropped before the new ones are made
+                del eff[stale]
             feeds: dict[str, np.ndarray] = dict(fixed)
             for layer in layers:
-                feeds[str(layer.node.inputs[1].name)] = weight_for(layer, assign.get(layer.key, "float"))  # type: ignore[union-attr]
+                key = key_of(layer, assign.get(layer.key, "float"))
+                name = str(layer.node.inputs[1].name)  # type: ignore[union-attr]
+                if key is not None and key not in eff:
+                    eff[key] = as_input(layer, layer.effective(key[1]))
+                feeds[name] = fixed[name] if key is None else eff[key]
             values = []
             for s, ref in zip(samples, refs):
                 out = sess.run(None, {**s, **feeds})

@@ -193,6 +193,29 @@ def test_bytes_with_external_data_outside_the_given_folder_are_refused(tmp_path,
         mograph.load(data, base_dir=str(work))
 
 
+def test_streamed_initializers_keep_the_values_names(tmp_path, monkeypatch):
+    # A pass gives a value a new tensor without a name (``ir.tensor(array)``); only the value is named.
+    # Written without external data, each large initializer is serialized on its own: it must carry the
+    # value's name, or the file's node reads an initializer that is not there (a dangling input, which
+    # the loader refuses).  The limit is lowered so a few kilobytes count as large.
+    monkeypatch.setattr(ir_io, "_STREAMED_BYTES", 1024)
+    model = mograph.load(_model())
+    expected = {}
+    for v in model.graph.initializers.values():
+        array = v.const_value.numpy() * 2
+        v.const_value = ir.tensor(array)  # no name: what a pass that converts weights makes
+        expected[v.name] = array
+    assert model.graph.initializers["w"].const_value.nbytes >= 1024  # streamed
+    assert model.graph.initializers["w"].const_value.name is None
+    out = ir_io.save_model(model, tmp_path / "out.onnx", external_data=False)
+    proto = onnx.load(str(out))
+    onnx.checker.check_model(proto)
+    assert [t.name for t in proto.graph.initializer] == ["b", "w"]  # b inline, then the streamed w
+    back = ir_io.load_model(out)  # no dangling input
+    for name, array in expected.items():
+        np.testing.assert_array_equal(back.graph.initializers[name].const_value.numpy(), array)
+
+
 def test_save_is_atomic_when_writing_fails(tmp_path, monkeypatch):
     out = tmp_path / "out.onnx"
     out.write_bytes(b"previous result")

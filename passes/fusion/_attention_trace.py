@@ -1,0 +1,204 @@
+"""The trace of ``fuse-attention`` (:mod:`.attention`): Q, K and V from the 4-D head tensors back to ``[B, S, N*D]``.
+
+Each head tensor is followed through its head split (``Transpose(Reshape(x, [B, S, N, D]), [0, 2, 1, 3])``),
+scalar factors on either side, a rotary embedding (:mod:`._attention_rotary`), a KV cache's ``Concat`` and
+grouped-query attention's ``repeat_kv``, and K through each exporter's transpose.  The result is a
+:class:`Heads`, or a string that says why the trace stopped (the rule's near-miss reason).  Read-only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+from mograph.passes.fusion._attention_reads import (
+    _entries,
+    _heads_and_dim,
+    _perm,
+    _producer,
+    _scaled,
+    _shape_vector,
+    _what,
+)
+from mograph.passes.fusion._attention_rotary import _rotary, _standard_rotary
+from mograph.passes.fusion._common import is_float
+
+from mograph.irutil import same_dim
+from mograph.patterns import constant_array
+
+# ---------------------------------------------------------------------------------------------
+# tracing Q, K, V from the 4-D head tensors back to [batch, seq, hidden]
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Heads:
+    """A ``[B, N, S, D]`` head tensor traced back: ``x`` is ``[B, S, N*D]``, times ``factor``."""
+
+    x: ir.Value
+    heads: int
+    dim: int
+    factor: float = 1.0
+    #: K/V heads repeated this many times (grouped-query attention's ``repeat_kv``)
+    repeat: int = 1
+    #: (cos, sin) of a rotary embedding applied to the heads, broadcastable to [B, N, S, D]
+    rotary: tuple[ir.Value, ir.Value] | None = None
+    #: K/V with a cache: ``Concat(past, new heads, axis=2)`` ``[B, N, P+T, D]`` (the present, a graph output)
+    cached: ir.Value | None = None
+    #: (cos, sin) ``[B, S, D/2]`` of opset 23's standard ``RotaryEmbedding`` on the heads (not interleaved)
+    half_rotary: tuple[ir.Value, ir.Value] | None = None
+
+
+def _split_heads(v4: ir.Value, role: str) -> Heads | str:
+    """``v4 = Transpose(Reshape(x, [B, S, N, D]), [0, 2, 1, 3])`` (with scalar factors on either side),
+    possibly rotated (:func:`_rotary`) after the split."""
+    v, f1 = _scaled(v4)
+    std = _standard_rotary(v)
+    if std is not None:  # opset 23's RotaryEmbedding (the dynamo exporter's) on the split heads
+        inner = _split_heads(std[0], role)
+        if isinstance(inner, Heads):
+            if inner.rotary is not None or inner.half_rotary is not None:
+                return f"{role}: two rotary embeddings"
+            half = std[1].shape[-1] if std[1].shape is not None and len(std[1].shape) == 3 else None
+            if half != inner.dim // 2 or inner.dim % 2:
+                return f"{role}: the cos/sin of RotaryEmbedding '{v.producer().name}' are not [batch, seq, {inner.dim // 2}]"  # type: ignore[union-attr]
+            inner.half_rotary = (std[1], std[2])
+            inner.factor *= f1
+        return inner
+    rot = _rotary(v)
+    if rot is not None:
+        inner = _split_heads(rot[0], role)
+        if isinstance(inner, Heads):
+            if inner.rotary is not None:
+                return f"{role}: two rotary embeddings"
+            inner.rotary = (rot[1], rot[2])
+            inner.factor *= f1
+        return inner
+    tr = _producer(v, "Transpose")
+    if tr is None or _perm(tr) != [0, 2, 1, 3]:
+        return f"{role}: expected Transpose perm [0, 2, 1, 3] splitting heads, got {_what(v)}"
+    rs = _producer(tr.inputs[0], "Reshape")
+    if rs is None:
+        return f"{role}: expected Reshape to [batch, seq, heads, head_dim], got {_what(tr.inputs[0])}"
+    x, f2 = _scaled(rs.inputs[0])  # type: ignore[arg-type]
+    if not is_float(x):
+        return f"{role} '{x.name}' is not a floating-point tensor"
+    if x.shape is None or len(x.shape) != 3 or not isinstance(x.shape[2], int):
+        return f"{role} '{x.name}' is not [batch, seq, hidden] with a static hidden size"
+    hd = _heads_and_dim(rs, x.shape[2])
+    if isinstance(hd, str):
+        return f"{role}: {hd}"
+    return Heads(x, hd[0], hd[1], f1 * f2)
+
+
+def _cached_or_split(kh: ir.Value, role: str) -> Heads | str:
+    """K/V heads, possibly after a KV cache: ``Concat(past [B, N, P, D], new heads, axis=2)``."""
+    cat = _producer(kh, "Concat")
+    if cat is None:
+        return _split_heads(kh, role)
+    axis = int(cat.attributes["axis"].value) if "axis" in cat.attributes else None
+    if axis not in (2, -2) or len(cat.inputs) != 2 or cat.inputs[0] is None or cat.inputs[1] is None:
+        return f"{role}: Concat '{cat.name}' is not a KV cache (past, new) on the sequence axis"
+    new = _split_heads(cat.inputs[1], role)
+    if isinstance(new, str):
+        return new
+    past = cat.inputs[0]
+    if past.dtype != new.x.dtype or past.shape is None or len(past.shape) != 4:
+        return f"{role}: the past '{past.name}' of Concat '{cat.name}' is not a 4-D tensor of the new heads' dtype"
+    if isinstance(past.shape[1], int) and past.shape[1] != new.heads or (
+            isinstance(past.shape[3], int) and past.shape[3] != new.dim):
+        return f"{role}: the past '{past.name}' is not [batch, {new.heads}, past, {new.dim}]"
+    if new.factor != 1.0:
+        return f"{role}: the new heads are scaled before the cache (the past is not)"
+    if new.half_rotary is not None:
+        return f"{role}: a standard RotaryEmbedding before a KV cache Concat is not taken (yet)"
+    # a rotary embedding on the new heads (LLaMA's decode step): fused, the rewrite then builds the cache's
+    # Concat again for the present output; other readers of the exporter's Concat keep it (they are shape
+    # reads of the repeat_kv the fusion replaces, so it dies with them)
+    return Heads(new.x, new.heads, new.dim, 1.0, rotary=new.rotary, cached=kh)
+
+
+def _repeated(kh: ir.Value, role: str) -> Heads | str:
+    """K or V heads, possibly repeated for grouped-query attention:
+    ``Reshape(Expand(Unsqueeze(h, 2), [B, G, n, T, D]), [B, G*n, T, D])``."""
+    rs = _producer(kh, "Reshape")
+    ex = _producer(rs.inputs[0], "Expand") if rs is not None else None
+    un = _producer(ex.inputs[0], "Unsqueeze") if ex is not None else None
+    if rs is None or ex is None or un is None:
+        return _cached_or_split(kh, role)
+    axes = constant_array(un.inputs[1]) if len(un.inputs) > 1 else None
+    if axes is None and "axes" in un.attributes:
+        axes = np.array(un.attributes["axes"].value)
+    if axes is None or axes.reshape(-1).tolist() != [2]:
+        return f"{role}: Unsqueeze '{un.name}' of a repeat_kv is not on axis 2"
+    inner = _cached_or_split(un.inputs[0], role)  # type: ignore[arg-type]
+    if isinstance(inner, str):
+        return inner
+    rep_entries = _entries(ex.inputs[1])
+    out_entries = _entries(rs.inputs[1])
+    rep = rep_entries[2] if rep_entries is not None and len(rep_entries) == 5 else None
+    if not isinstance(rep, int) or rep < 1:
+        return f"{role}: the repeat count of Expand '{ex.name}' is not a constant"
+    merged_ok = out_entries is not None and len(out_entries) == 4 and (
+        out_entries[1] in (inner.heads * rep, -1)
+        # [B, ?, T, D] of the [B, G, rep, T, D] expansion: by the element count, ? is G * rep
+        or (out_entries[1] is None and out_entries[2:] == [("dim", 2), ("dim", 3)]))
+    if rep_entries[1] not in (inner.heads, ("dim", 1)) or (  # type: ignore[index]
+            out_entries is not None and len(out_entries) == 4 and not merged_ok):
+        return f"{role}: Expand '{ex.name}' / Reshape '{rs.name}' do not repeat {inner.heads} heads {rep} times"
+    if out_entries is None or len(out_entries) != 4:
+        return f"{role}: Reshape '{rs.name}' of a repeat_kv is not to 4 dims"
+    inner.repeat = rep
+    return inner
+
+
+def _keys_transposed(kt: ir.Value) -> Heads | str:
+    """``K^T`` ``[B, N, D, T]``: ``Transpose(Reshape(k), [0, 2, 3, 1])``, ``Transpose(K_h, [0, 1, 3, 2])``, or
+    the dynamo export of sdpa's transpose (``Reshape(Transpose(Reshape(K_h, [-1, T, D]), [0, 2, 1]), [B, N, D, T])``)."""
+    v, f = _scaled(kt)
+    tr = _producer(v, "Transpose")
+    if tr is not None and _perm(tr) == [0, 2, 3, 1]:
+        # the same split as the others, with the transpose folded in: check it on a [0, 2, 1, 3] view
+        rs = _producer(tr.inputs[0], "Reshape")
+        if rs is None:
+            return f"key: expected Reshape to [batch, seq, heads, head_dim], got {_what(tr.inputs[0])}"
+        x, f2 = _scaled(rs.inputs[0])  # type: ignore[arg-type]
+        if not is_float(x) or x.shape is None or len(x.shape) != 3 or not isinstance(x.shape[2], int):
+            return f"key '{x.name}' is not a floating-point [batch, seq, hidden] with a static hidden size"
+        hd = _heads_and_dim(rs, x.shape[2])
+        if isinstance(hd, str):
+            return f"key: {hd}"
+        return Heads(x, hd[0], hd[1], f * f2)
+    if tr is not None and _perm(tr) == [0, 1, 3, 2]:
+        heads = _repeated(tr.inputs[0], "key")  # type: ignore[arg-type]
+    elif (outer := _producer(v, "Reshape")) is not None:
+        heads = _flat_transposed(outer)
+    else:
+        return f"key: expected K transposed (Transpose perm [0, 2, 3, 1] or [0, 1, 3, 2]), got {_what(v)}"
+    if isinstance(heads, Heads):
+        heads.factor *= f
+    return heads
+
+
+def _flat_transposed(outer: ir.Node) -> Heads | str:
+    """dynamo's sdpa: ``Reshape(Transpose(Reshape(K_h, [-1, T, D]), [0, 2, 1]), [B, N, D, T])``."""
+    tr = _producer(outer.inputs[0], "Transpose")
+    inner = _producer(tr.inputs[0], "Reshape") if tr is not None else None
+    if tr is None or inner is None or _perm(tr) != [0, 2, 1]:
+        return f"key: expected Transpose perm [0, 2, 1] of flattened key heads, got {_what(outer.inputs[0])}"
+    kh = inner.inputs[0]
+    a, b, c = kh.shape if kh is not None else None, inner.outputs[0].shape, outer.outputs[0].shape
+    ok = (a is not None and b is not None and c is not None and len(a) == 4 and len(b) == 3 and len(c) == 4
+          and same_dim(b[1], a[2]) and same_dim(b[2], a[3]) and same_dim(c[0], a[0]) and same_dim(c[1], a[1])
+          and same_dim(c[2], a[3]) and same_dim(c[3], a[2]))
+    if not ok and kh is not None:  # dims left unknown by shape inference: read the targets (dynamo at opset 17)
+        want_inner = [None, ("dim", kh, 2), ("dim", kh, 3)]  # [-1 (= B*N), T, D]
+        want_outer = [("dim", kh, 0), ("dim", kh, 1), ("dim", kh, 3), ("dim", kh, 2)]  # [B, N, D, T]
+        got_inner, got_outer = _shape_vector(inner.inputs[1]), _shape_vector(outer.inputs[1])
+        ok = (got_inner is not None and got_outer is not None and len(got_inner) == 3
+              and got_inner[0] == -1 and got_inner[1:] == want_inner[1:] and got_outer == want_outer)
+    if not ok:
+        return (f"key: cannot prove Reshape '{inner.name}' / Transpose / Reshape '{outer.name}' swap the last two dims: "
+                "their shapes are not known statically and their targets are not read from the key heads' own shape")
+    return _repeated(kh, "key")  # type: ignore[arg-type]
