@@ -3,9 +3,10 @@
 **Local error (one run per calibration sample).**  A copy of the model gets, beside every candidate node,
 a float16 *twin*: the same op and attributes, fed with the float32 model's own inputs of that node
 rounded to float16 (values beyond the float16 range saturate to +-65504, and constants are stored the way
-the conversion stores them).  One ONNX Runtime session (optimizations off) computes the float32 graph
-and every twin together, so each node's error is measured on the inputs it really sees and is not mixed
-with the error of the nodes before it::
+the conversion stores them).  An ONNX Runtime session (optimizations off) computes the float32 graph
+and the twins together, so each node's error is measured on the inputs it really sees and is not mixed
+with the error of the nodes before it (the nodes are measured in groups, each with its own session, so
+that the tensors read back per sample stay under a byte budget: :func:`measure_local`)::
 
     local_error(n) = sqrt(sum ||y16 - sat(y32)||^2 / sum ||sat(y32)||^2)     over samples and outputs
 
@@ -34,6 +35,7 @@ error, that meet the budget (a binary search over how many).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -43,10 +45,11 @@ from mograph.passes.quant import calibration as cal
 from mograph.passes.quant.plan import Budget
 
 from mograph import _spill, ir_io
-from mograph.irutil import fresh_name
+from mograph.errors import OptionError
+from mograph.irutil import fresh_name, run_shape_inference
 
 __all__ = ["FP16_LIMIT", "LocalMeasure", "Search", "keep_fp16_rounding", "measure_local", "output_metric",
-           "fewest_fp32", "to_half", "SIGNAL_FLOOR"]
+           "fewest_fp32", "to_half", "SIGNAL_FLOOR", "MEASURE_BYTES", "MEASURE_BYTES_ENV"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,12 +105,16 @@ class LocalMeasure:
 
 
 def _twin_model(model: ir.Model, positions: Sequence[int], floats: set[str], pinned_in: dict[int, frozenset[int]],
-                pinned_out: dict[int, frozenset[int]],
-                retype: Callable[[ir.Node], None]) -> tuple[ir.Model, dict[int, list[tuple[str, str]]], list[str]]:
+                pinned_out: dict[int, frozenset[int]], retype: Callable[[ir.Node], None],
+                watch_nodes: set[int] | None = None, watch_inputs: bool = True,
+                ) -> tuple[ir.Model, dict[int, list[tuple[str, str]]], list[str]]:
     """A copy of ``model`` with a float16 twin beside each node at ``positions``.
 
     Returns the copy, for each position the ``(float32 output, twin output)`` name pairs to compare, and
-    the names of the float32 tensors whose statistics are wanted.
+    the names of the float32 tensors whose statistics are wanted: the float outputs of the nodes at
+    ``watch_nodes`` (every node when ``None``) and, with ``watch_inputs``, the float graph inputs.  The
+    copy's graph outputs are exactly those tensors and the twins' outputs (the model's own outputs are
+    dropped unless among them, so ONNX Runtime frees them like any other intermediate).
     """
     copy = ir_io.copy_model(model)
     graph = copy.graph
@@ -164,58 +171,216 @@ def _twin_model(model: ir.Model, positions: Sequence[int], floats: set[str], pin
     for node in added:
         graph.append(node)
     keep_fp16_rounding(copy)
-    watched = [v.name for n in nodes for v in n.outputs if v.name and v.name in floats]
-    watched += [v.name for v in graph.inputs if v.name and v.name in floats]
-    have = {v.name for v in graph.outputs}
-    by_name = {v.name: v for n in [*nodes, *added] for v in n.outputs if v.name}
+    watched = [v.name for p, n in enumerate(nodes) if watch_nodes is None or p in watch_nodes
+               for v in n.outputs if v.name and v.name in floats]
+    if watch_inputs:
+        watched += [v.name for v in graph.inputs if v.name and v.name in floats]
+    # after keep_fp16_rounding a float16 graph output's name is on its Identity: look names up afterwards
+    by_name = {v.name: v for n in graph for v in n.outputs if v.name}
     by_name.update({v.name: v for v in graph.inputs if v.name})
-    for name in dict.fromkeys([*watched, *(t for p in pairs.values() for pair in p for t in pair)]):
-        if name not in have and name in by_name:
+    wanted = [name for name in dict.fromkeys([*watched, *(t for p in pairs.values() for pair in p for t in pair)])
+              if name in by_name]
+    if wanted:
+        graph.outputs.clear()
+        for name in wanted:
             v = by_name[name]
             if v.dtype is None:
                 v.dtype = ir.DataType.FLOAT
             graph.outputs.append(v)
-            have.add(name)
     return copy, pairs, watched
+
+
+#: Environment variable that sets how many bytes of requested tensors one measuring run may return.
+MEASURE_BYTES_ENV = "MOGRAPH_FP16_MEASURE_BYTES"
+#: Default of :data:`MEASURE_BYTES_ENV`: 512 MiB.
+MEASURE_BYTES = 512 * 2**20
+
+
+def _measure_bytes() -> int:
+    raw = os.environ.get(MEASURE_BYTES_ENV, "").strip()
+    if not raw:
+        return MEASURE_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise OptionError(f"{MEASURE_BYTES_ENV}={raw!r}: give a positive number of bytes")
+    return value
+
+
+def _tensor_sizes(model: ir.Model, feed: cal.Feed) -> dict[str, int | None]:
+    """Number of elements of every tensor of ``model`` on ``feed`` (``None`` where not inferred).
+
+    ONNX shape inference on a copy whose graph inputs have ``feed``'s shapes; a symbolic dim left is
+    bound by its name to the feed's dim of the same name; a size still unknown is estimated as the sum of
+    its node's input sizes (exact for elementwise ops, reshapes and concatenations; an estimate otherwise).
+    """
+    copy = ir_io.copy_model(model)
+    bind: dict[str, int] = {}
+    for v in copy.graph.inputs:
+        if v.name in feed:
+            arr = np.asarray(feed[v.name])
+            if v.shape is not None and len(v.shape) == arr.ndim:
+                bind.update((str(d), int(n)) for d, n in zip(v.shape, arr.shape) if isinstance(d, ir.SymbolicDim)
+                            and d.value is not None)
+            v.shape = ir.Shape(list(arr.shape))
+    for node in copy.graph:
+        for v in node.outputs:
+            v.shape = None
+    try:
+        run_shape_inference(copy)
+    except Exception:  # noqa: BLE001 - best effort: sizes are then estimated from inputs
+        logger.debug("fp16: shape inference for the measuring chunks failed", exc_info=True)
+    sizes: dict[str, int | None] = {}
+    for v in [*copy.graph.inputs, *copy.graph.initializers.values(), *(o for n in copy.graph for o in n.outputs)]:
+        if not v.name:
+            continue
+        count: int | None = None
+        if v.shape is not None:
+            count = 1
+            for d in v.shape:
+                n = d if isinstance(d, int) else bind.get(str(d)) if d.value is not None else None
+                if n is None:
+                    count = None
+                    break
+                count *= n
+        sizes[v.name] = count
+    # what inference left unknown (a Range from shape arithmetic and everything after it): the sum of the
+    # node's input sizes, in graph order, so an estimate follows the tensors it is computed from
+    for node in copy.graph:
+        for v in node.outputs:
+            if v.name and sizes.get(v.name) is None:
+                known = [sizes.get(i.name or "") for i in node.inputs if i is not None]
+                sizes[v.name] = sum(c for c in known if c is not None) or None
+    return sizes
+
+
+def _chunks(model: ir.Model, positions: Sequence[int], floats: set[str], pinned_out: dict[int, frozenset[int]],
+            feed: cal.Feed, budget: int) -> list[tuple[list[int], set[int], bool]]:
+    """Groups of work for one measuring session each: ``(twin positions, watched node positions, watch the
+    graph inputs)``, in graph order, each requesting at most ``budget`` bytes per sample where its parts
+    allow (one node whose own outputs exceed the budget is a group of its own)."""
+    sizes = _tensor_sizes(model, feed)
+    known = [c for c in sizes.values() if c is not None]
+    fallback = max(known) if known else 1
+
+    def nbytes(v: ir.Value, itemsize: int | None = None) -> int:
+        count = sizes.get(v.name or "")
+        size = itemsize or (v.dtype.itemsize if v.dtype is not None and v.dtype.is_floating_point() else 4)
+        return int(size * (fallback if count is None else count))
+
+    twins = set(positions)
+    units: list[tuple[int | None, int]] = []  # (node position or None for the graph inputs, bytes)
+    inputs = sum(nbytes(v) for v in model.graph.inputs if v.name in floats)
+    if inputs:
+        units.append((None, inputs))
+    for p, n in enumerate(model.graph):
+        cost = 0
+        for j, v in enumerate(n.outputs):
+            if v.name and v.name in floats:
+                cost += nbytes(v)
+                if p in twins:
+                    cost += nbytes(v, 4 if j in pinned_out.get(p, ()) else 2)
+        if cost or p in twins:
+            units.append((p, cost))
+    groups: list[tuple[list[int], set[int], bool]] = []
+    used = budget + 1
+    for unit, cost in units:
+        if not groups or used + cost > budget:
+            groups.append(([], set(), False))
+            used = 0
+        used += cost
+        if unit is None:
+            groups[-1] = (groups[-1][0], groups[-1][1], True)
+        else:
+            groups[-1][1].add(unit)
+            if unit in twins:
+                groups[-1][0].append(unit)
+    return groups
 
 
 def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], pinned_in: dict[int, frozenset[int]],
                   pinned_out: dict[int, frozenset[int]], retype: Callable[[ir.Node], None],
                   source: Iterable[cal.Feed], *, progress: Callable[[int, int | None], None] | None = None,
                   total: int | None = None) -> LocalMeasure:
-    """Run the float32 model and every twin on each sample of ``source`` (module docstring)."""
-    twin, pairs, watched = _twin_model(model, positions, floats, pinned_in, pinned_out, retype)
-    names = [v.name for v in twin.graph.outputs]
-    sess = cal._session(twin, cal.model_folder(model))  # too big for one protobuf: spilled to a file
-    del twin  # the session holds its own copy of the float16 twins
-    _spill.free_dropped()
-    result = LocalMeasure(stats={name: cal.TensorStats() for name in watched})
-    num = dict.fromkeys(pairs, 0.0)
-    den = dict.fromkeys(pairs, 0.0)
-    for index, feed in enumerate(source):
-        # a feed the model rejects is the same one-line OptionError (exit 2) as in every precision pass
-        outs = dict(zip(names, cal._run_feed(sess, names, feed, source, index)))
+    """Run the float32 model and every twin on each sample of ``source`` (module docstring).
+
+    **Memory.**  Every float tensor and every twin output is read back, which on an LLM is gigabytes per
+    sample (issue 31: 5,568 nodes of a 270M decoder, 268 MB of logits alone).  So the nodes are split, in
+    graph order, into groups whose requested tensors take at most :data:`MEASURE_BYTES` (512 MiB, or
+    ``$MOGRAPH_FP16_MEASURE_BYTES``) per sample — sizes from ONNX shape inference with the first sample's
+    input shapes, or estimated from the node's inputs where inference gives none (:func:`_tensor_sizes`)
+    — and each group gets its own session
+    with only its twins and only its tensors as outputs, run over every sample (``source`` is iterated
+    once per group: a :class:`~mograph.passes.quant.calibration.CalibrationSource` or a list).  A node's
+    figures come from one group, summed over the samples in the same order, so every number is the one
+    a single session over all nodes gives; only the number of model runs grows, by the number of groups.
+    """
+    if iter(source) is source:  # a one-shot iterator: each group reads every sample
+        source = list(source)
+    first = next(iter(source), None)
+    groups = _chunks(model, positions, floats, pinned_out, first, _measure_bytes()) if first is not None else []
+    if not groups:
+        groups = [(list(positions), set(range(len(model.graph))), True)]
+    _spill.free_dropped()  # the shape-inference copy, before the first session
+    if len(groups) > 1:
+        logger.info("fp16: measuring %d nodes in %d groups of at most %d bytes of tensors per sample",
+                    len(positions), len(groups), _measure_bytes())
+    result = LocalMeasure()
+    num: dict[int, float] = {}
+    den: dict[int, float] = {}
+    runs = 0
+    for chunk, watch_nodes, watch_inputs in groups:
+        twin, pairs, watched = _twin_model(model, chunk, floats, pinned_in, pinned_out, retype, watch_nodes,
+                                           watch_inputs)
+        names = [v.name for v in twin.graph.outputs]
+        sess = cal._session(twin, cal.model_folder(model))  # too big for one protobuf: spilled to a file
+        del twin  # the session holds its own copy of the float16 twins
+        _spill.free_dropped()
         for name in watched:
-            result.stats[name].update(outs[name], False)
-        for pos, compare in pairs.items():
-            for ref_name, twin_name in compare:
-                ref = np.asarray(outs[ref_name], np.float64)
-                y16 = np.asarray(outs[twin_name], np.float64)
-                finite = np.isfinite(ref)
-                bad = finite & ~np.isfinite(y16)
-                if bad.any():
-                    peak = float(np.abs(ref[bad]).max())
-                    result.overflow[pos] = max(result.overflow.get(pos, 0.0), peak)
-                    continue
-                sat = np.clip(ref[finite], -FP16_LIMIT, FP16_LIMIT)
-                num[pos] += float(((y16[finite] - sat) ** 2).sum())
-                den[pos] += float((sat**2).sum())
-        result.samples += 1
-        if progress is not None:
-            progress(result.samples, total)
+            result.stats[name] = cal.TensorStats()
+        num.update(dict.fromkeys(pairs, 0.0))
+        den.update(dict.fromkeys(pairs, 0.0))
+        samples = 0
+        for index, feed in enumerate(source):
+            # a feed the model rejects is the same one-line OptionError (exit 2) as in every precision pass
+            outs = dict(zip(names, cal._run_feed(sess, names, feed, source, index)))
+            for name in watched:
+                result.stats[name].update(outs[name], False)
+            for pos, compare in pairs.items():
+                for ref_name, twin_name in compare:
+                    _compare(result, num, den, pos, outs[ref_name], outs[twin_name])
+            del outs
+            samples += 1
+            runs += 1
+            if progress is not None:
+                progress(runs, total * len(groups) if total is not None else None)
+        result.samples = samples
+        del sess
     result.error = {pos: (num[pos] / den[pos]) ** 0.5 if den[pos] > 0 else (0.0 if num[pos] == 0 else float("inf"))
-                    for pos in pairs}
+                    for pos in num}
     return result
+
+
+def _compare(result: LocalMeasure, num: dict[int, float], den: dict[int, float], pos: int,
+             ref32: np.ndarray, out16: np.ndarray) -> None:
+    """Add one output of one sample to node ``pos``'s error sums (or its overflow)."""
+    ref = np.asarray(ref32, np.float64)
+    y16 = np.asarray(out16, np.float64)
+    finite = np.isfinite(ref)
+    bad = finite & ~np.isfinite(y16)
+    if bad.any():
+        peak = float(np.abs(ref[bad]).max())
+        result.overflow[pos] = max(result.overflow.get(pos, 0.0), peak)
+        return
+    sat = np.clip(ref[finite], -FP16_LIMIT, FP16_LIMIT)
+    del ref, bad
+    diff = y16[finite]
+    del y16, finite
+    diff -= sat
+    num[pos] += float((diff**2).sum())
+    den[pos] += float((sat**2).sum())
 
 
 #: Outputs whose largest magnitude (in both models) is at most this are not judged by cosine: the floor

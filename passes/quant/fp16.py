@@ -15,7 +15,8 @@ the calibration data (:mod:`mograph.passes.quant._fp16_measure`):
    op of an unknown custom domain, and control flow (``If``/``Loop``/``Scan``: its subgraphs are not
    converted) stay float32 — **no float16 form** / **control flow**;
 2. **each node's own float16 error**: every other node gets a float16 twin fed with the float32 model's
-   inputs rounded to float16, all run in one pass over the calibration data.  A twin that gives a
+   inputs rounded to float16, run over the calibration data (in groups whose read-back tensors fit
+   ``$MOGRAPH_FP16_MEASURE_BYTES``, default 512 MiB per sample).  A twin that gives a
    non-finite value where float32 is finite keeps the node float32 — **overflow**; a reduction over at
    least ``--fp16-reduction-limit`` elements (default 4096) also stays — **deep reduction**;
 3. **the end-to-end check**: the model converted with everything else in float16 runs on the first

@@ -1,0 +1,121 @@
+"""fp16's per-node measurement keeps each ONNX Runtime run's requested tensors under a byte budget (issue 31).
+
+A chain of many nodes, measured once with a budget that holds everything (one session, every tensor read
+back per sample: what the pass did before) and once with a small budget: every run requests at most the
+budget, and every measured figure — local error, overflow, float32 statistics — and the pass's decisions
+are identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+import pytest
+from mograph.passes.quant import Fp16Pass
+from mograph.passes.quant import _fp16_measure as fm
+from mograph.passes.quant import calibration as cal
+from onnx import helper, numpy_helper
+
+from mograph.errors import OptionError
+from mograph.testing import op_counts, to_ir
+
+ROWS, WIDTH, LAYERS = 8, 64, 12  # one float32 activation: 2 KiB
+ENV = "MOGRAPH_FP16_MEASURE_BYTES"  # spelled out: the test also runs (and fails) on the unbounded code
+
+
+def _chain() -> onnx.ModelProto:
+    """x -> LAYERS x (MatMul, Add, Tanh, Mul by a big scale in the middle layer: overflows in float16) -> y."""
+    rng = np.random.default_rng(0)
+    nodes, inits, prev = [], [], "x"
+    for i in range(LAYERS):
+        w = (rng.standard_normal((WIDTH, WIDTH)) / 8).astype(np.float32)
+        b = rng.standard_normal(WIDTH).astype(np.float32)
+        s = np.array(3e4 if i == LAYERS // 2 else 1.5, np.float32)
+        inits += [numpy_helper.from_array(w, f"w{i}"), numpy_helper.from_array(b, f"b{i}"),
+                  numpy_helper.from_array(s, f"s{i}")]
+        nodes += [helper.make_node("MatMul", [prev, f"w{i}"], [f"m{i}"], name=f"mm{i}"),
+                  helper.make_node("Add", [f"m{i}", f"b{i}"], [f"a{i}"], name=f"add{i}"),
+                  helper.make_node("Tanh", [f"a{i}"], [f"t{i}"], name=f"tanh{i}"),
+                  helper.make_node("Mul", [f"t{i}", f"s{i}"], [f"h{i}"], name=f"mul{i}")]
+        prev = f"h{i}"
+    nodes.append(helper.make_node("Identity", [prev], ["y"], name="out"))
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", WIDTH])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["n", WIDTH])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _feeds(n: int = 3) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(1)
+    return [{"x": rng.standard_normal((ROWS, WIDTH)).astype(np.float32)} for _ in range(n)]
+
+
+def _measure(monkeypatch, budget: int) -> tuple[fm.LocalMeasure, list[int]]:
+    """measure_local on the chain under ``budget`` bytes; also the bytes each session run returned."""
+    monkeypatch.setenv(ENV, str(budget))
+    sent: list[int] = []
+    real = cal._run_feed
+
+    def spy(sess, outputs, feed, source, index):
+        outs = real(sess, outputs, feed, source, index)
+        sent.append(sum(np.asarray(o).nbytes for o in outs))
+        return outs
+
+    monkeypatch.setattr(cal, "_run_feed", spy)
+    model = to_ir(_chain())
+    floats = {v.name for v in model.graph.inputs} | {v.name for n in model.graph for v in n.outputs}
+    floats |= set(model.graph.initializers)
+    positions = list(range(len(model.graph)))
+    result = fm.measure_local(model, positions, floats, {}, {}, lambda node: None, _feeds())
+    return result, sent
+
+
+def _same(a: fm.LocalMeasure, b: fm.LocalMeasure) -> None:
+    assert a.samples == b.samples == 3
+    assert a.error == b.error  # exactly: the same sums in the same order
+    assert a.overflow == b.overflow
+    assert sorted(a.stats) == sorted(b.stats)
+    for name in a.stats:
+        assert dataclasses.asdict(a.stats[name]) == dataclasses.asdict(b.stats[name]), name
+
+
+def test_runs_stay_under_the_budget_with_identical_figures(monkeypatch):
+    whole, sent_whole = _measure(monkeypatch, 2**40)
+    assert len(sent_whole) == 3  # one session, one run per sample: every tensor of the model at once
+    everything = max(sent_whole)
+    # x, 49 float32 outputs and 49 float16 twins of 8x64: 2 KiB + 49 * (2 KiB + 1 KiB)
+    assert everything == ROWS * WIDTH * (4 + (4 * LAYERS + 1) * 6)
+    budget = 16 * 1024
+    chunked, sent = _measure(monkeypatch, budget)
+    assert max(sent) <= budget < everything
+    assert len(sent) == 3 * len(sent) // 3 and len(sent) // 3 >= everything // budget  # groups x samples
+    _same(whole, chunked)
+    assert chunked.overflow and max(chunked.error.values()) > 0  # figures worth comparing
+    assert set(chunked.overflow) == {4 * (LAYERS // 2 + 1)}  # the MatMul after the Mul by 3e4
+
+
+def test_one_node_over_the_budget_is_a_group_of_its_own(monkeypatch):
+    whole, _ = _measure(monkeypatch, 2**40)
+    tiny, sent = _measure(monkeypatch, 1)
+    assert len(sent) == 3 * (1 + 4 * LAYERS + 1)  # the graph input, then every node alone
+    assert max(sent) == ROWS * WIDTH * 6  # one float32 output and its float16 twin
+    _same(whole, tiny)
+
+
+def test_pass_decisions_unchanged_under_a_small_budget(monkeypatch):
+    results = []
+    for budget in (2**40, 8 * 1024):
+        monkeypatch.setenv(ENV, str(budget))
+        model = to_ir(_chain())
+        result = Fp16Pass(calibration_data=_feeds()).call(model)
+        results.append((dict(result.stats), result.details["plan"], op_counts(model)))
+    assert results[0] == results[1]
+    assert results[0][0]["kept_fp32.overflow"] >= 1
+
+
+@pytest.mark.parametrize("raw", ["0", "-5", "lots"])
+def test_bad_budget_is_one_option_error(monkeypatch, raw):
+    monkeypatch.setenv(ENV, raw)
+    with pytest.raises(OptionError, match=ENV):
+        fm.measure_local(to_ir(_chain()), [0], {"x", "w0", "m0"}, {}, {}, lambda node: None, _feeds(1))
