@@ -247,6 +247,39 @@ def parse_variant(text: str) -> tuple[str, str, str, str]:
     return name, exp, passes, extra
 
 
+def _variant_export(args: argparse.Namespace, dirname: str) -> str:
+    """``NAME-KIND`` (a variant's output folder) -> ``EXP-KIND`` (the export folder it is made from)."""
+    for v in args.variant:
+        vname, exp, _, _ = parse_variant(v)
+        for kind in ("prefill", "decode"):
+            if dirname == f"{vname}-{kind}":
+                return f"{exp}-{kind}"
+    return ""
+
+
+def _step(name: str, target: Path, make: Any, retry: bool) -> bool:
+    """Build one cached artefact unless it is there (or failed before and ``retry`` is off); False if it failed."""
+    if target.exists():
+        return True
+    err = target.parent / "FAILED"
+    if err.exists() and not retry:
+        return True
+    log(f"{name}: building {target.parent.name}")
+    t = time.perf_counter()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        make()
+        err.unlink(missing_ok=True)
+        log(f"{name}: {target.parent.name} done in {time.perf_counter() - t:.1f} s")
+        return True
+    except Exception as exc:  # noqa: BLE001
+        err.write_text(f"{type(exc).__name__}: {exc}"[-3000:])
+        log(f"{name}: {target.parent.name} FAILED: {str(exc)[-600:]}")
+        if target.name == "model.onnx" and target.exists():
+            target.unlink()
+        return False
+
+
 def prepare(args: argparse.Namespace) -> int:
     root = Path(args.cache)
     failed = 0
@@ -271,25 +304,30 @@ def prepare(args: argparse.Namespace) -> int:
                               lambda d=d, exp=exp, kind=kind, vname=vname, passes=passes, extra=extra: run_mograph(
                                   d / f"export-{exp}-{kind}" / "model.onnx", d / f"{vname}-{kind}" / "model.onnx",
                                   passes, extra)))
-        for target, make in steps:
-            if target.exists():
-                continue
-            err = target.parent / "FAILED"
-            if err.exists() and not args.retry:
-                continue
-            log(f"{name}: building {target.parent.name}")
-            t = time.perf_counter()
-            try:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                make()
-                err.unlink(missing_ok=True)
-                log(f"{name}: {target.parent.name} done in {time.perf_counter() - t:.1f} s")
-            except Exception as exc:  # noqa: BLE001
-                failed += 1
-                err.write_text(f"{type(exc).__name__}: {exc}"[-3000:])
-                log(f"{name}: {target.parent.name} FAILED: {str(exc)[-600:]}")
-                if target.name == "model.onnx" and target.exists():
-                    target.unlink()
+        if args.jobs <= 1:
+            failed += sum(not _step(name, t, m, args.retry) for t, m in steps)
+            continue
+        # --jobs N: the HF folder and the exports run here, one after another (torch in this process); the
+        # builders (one after another: they share a cache folder) and mograph's runs are subprocesses, run N at a
+        # time, each variant as soon as its export is there
+        from concurrent.futures import ThreadPoolExecutor
+
+        builders = [(t, m) for t, m in steps if t.parent.name.startswith("builder-")]
+        exports = [(t, m) for t, m in steps if t.parent.name.startswith("export-")]
+        variants = [(t, m) for t, m in steps[1:] if (t, m) not in builders and (t, m) not in exports]
+        if not _step(name, *steps[0], args.retry):
+            failed += 1
+            continue
+        with ThreadPoolExecutor(args.jobs) as pool:
+            futures = [pool.submit(lambda n=name, bs=builders: all([_step(n, t, m, args.retry) for t, m in bs]))]
+            for t, m in exports:
+                if not _step(name, t, m, args.retry):
+                    failed += 1
+                    continue
+                exp_kind = t.parent.name.removeprefix("export-")
+                futures += [pool.submit(_step, name, vt, vm, args.retry) for vt, vm in variants
+                            if _variant_export(args, vt.parent.name) == exp_kind]
+            failed += sum(not f.result() for f in futures)
     return 1 if failed else 0
 
 
@@ -614,6 +652,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--builder-precisions", default="fp16,int4", help="builder -p values (fp32 for a CPU smoke)")
     ap.add_argument("--builder-ep", default="cuda", help="builder -e (cpu for a CPU smoke)")
     ap.add_argument("--retry", action="store_true", help="retry steps that failed before")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="prepare: run the builders and mograph's runs N at a time (the exports stay one at a time)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--min-time", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=5)
