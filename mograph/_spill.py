@@ -486,6 +486,9 @@ class Payload:
         """An ``InferenceSession``; it keeps the spilled folder alive (removed when the session is freed)."""
         import onnxruntime as ort
 
+        threads = os.environ.get("MOGRAPH_ORT_THREADS", "")
+        if threads.isdigit() and int(threads) > 0 and not sess_options.intra_op_num_threads:
+            sess_options.intra_op_num_threads = int(threads)  # several mograph processes side by side
         if self.path is not None:
             sess = ort.InferenceSession(self.path, sess_options, providers=providers)
             if self.spilled is not None:

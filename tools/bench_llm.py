@@ -227,12 +227,15 @@ def export(spec: Spec, hf: Path, exporter: str, kind: str, out: Path) -> None:
     np.savez(out.parent / "calibration.npz", **feeds)
 
 
+_JOB_ENV: dict[str, str] = {}  # set by ``prepare --jobs``: the threads each mograph run may use
+
+
 def run_mograph(src: Path, out: Path, passes: str, extra: str) -> None:
     cmd = [sys.executable, "-m", "mograph", "optimize", str(src), "-o", str(out), "--passes", passes, *extra.split()]
     if "--calibration" not in extra:
         cmd += ["--calibration-data", str(src.parent / "calibration.npz")]
     t = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=str(out.parent))
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=str(out.parent), env=_JOB_ENV or None)
     if done.returncode:
         raise RuntimeError(f"mograph exit {done.returncode}: {(done.stderr or done.stdout)[-1500:]}")
     log(f"  {out.name}: {time.perf_counter() - t:.1f} s")
@@ -311,6 +314,13 @@ def prepare(args: argparse.Namespace) -> int:
         # builders (one after another: they share a cache folder) and mograph's runs are subprocesses, run N at a
         # time, each variant as soon as its export is there
         from concurrent.futures import ThreadPoolExecutor
+
+        # N runs side by side must share the cores: each ONNX Runtime session (MOGRAPH_ORT_THREADS) and BLAS
+        # pool gets cores / N threads, else N x cores threads thrash (seen on the H200: 5-10x slower builds)
+        share = str(max(1, len(os.sched_getaffinity(0)) // args.jobs))
+        _JOB_ENV.update({k: os.environ.get(k, share) for k in (
+            "MOGRAPH_ORT_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")})
+        _JOB_ENV.update({k: v for k, v in os.environ.items() if k not in _JOB_ENV})
 
         builders = [(t, m) for t, m in steps if t.parent.name.startswith("builder-")]
         exports = [(t, m) for t, m in steps if t.parent.name.startswith("export-")]
@@ -589,7 +599,15 @@ def time_model(args: argparse.Namespace, name: str, out: Any) -> None:
 
 def time_all(args: argparse.Namespace) -> int:
     if args.device == "cuda":
-        import torch  # noqa: F401  (loads the CUDA libraries ONNX Runtime's provider needs)
+        import importlib
+
+        import torch  # noqa: F401  (loads the CUDA libraries ONNX Runtime's provider needs: before onnxruntime)
+
+        ort = importlib.import_module("onnxruntime")
+
+        if "CUDAExecutionProvider" not in ort.get_available_providers():  # e.g. the CPU wheel is the one imported
+            raise SystemExit(f"bench_llm: --device cuda, but onnxruntime {ort.__version__} at {ort.__file__} has no "
+                             "CUDAExecutionProvider (install onnxruntime-gpu first)")
     with open(args.out, "a") as out:
         for name in args.models.split(","):
             time_model(args, name, out)
@@ -653,7 +671,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--builder-ep", default="cuda", help="builder -e (cpu for a CPU smoke)")
     ap.add_argument("--retry", action="store_true", help="retry steps that failed before")
     ap.add_argument("--jobs", type=int, default=1,
-                    help="prepare: run the builders and mograph's runs N at a time (the exports stay one at a time)")
+                    help="prepare: run the builders and mograph's runs N at a time (the exports stay one at a time), each "
+                         "with cores/N threads (MOGRAPH_ORT_THREADS, OMP_NUM_THREADS); with several models at once "
+                         "(tools/gpu_llm.sh starts one process per model) set MOGRAPH_ORT_THREADS yourself")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--min-time", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=5)
