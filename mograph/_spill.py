@@ -70,6 +70,7 @@ __all__ = [
     "trim_heap",
     "release_pages",
     "free_dropped",
+    "footprint",
 ]
 
 logger = logging.getLogger(__name__)
@@ -209,10 +210,9 @@ def drop_pages(model: ir.Model) -> int:
     so it is safe while numpy views of the map are alive, unlike closing it.  ``model``'s own maps are
     advised, and on Linux every read-only map of a data file any model of this process was loaded from
     (:func:`remember_data_files`): after a pass the untouched input a check keeps still maps the float
-    weights the pass read.  Called before a session is made (:func:`payload`); it also collects the
-    cycles of model copies a pass dropped (an IR graph is a web of back references: a copy's tensors are
-    freed by the cycle collector, not when the last name of it goes) and hands the freed heap back to
-    the system (:func:`trim_heap`).  Does nothing where ``madvise`` is not available.
+    weights the pass read.  Called before a session is made (:func:`payload`); it also frees the model
+    copies a pass dropped (:func:`free_dropped`, counting copies of ``model``'s size) and hands the freed
+    heap back to the system.  Does nothing where ``madvise`` is not available.
     """
     import mmap
 
@@ -228,21 +228,65 @@ def drop_pages(model: ir.Model) -> int:
                 raw.madvise(advice)
                 count += 1
     count += _drop_file_maps()
-    free_dropped()
+    free_dropped(model)
     return count
 
 
-def free_dropped() -> None:
-    """Free the model copies nothing refers to any more and give the freed heap back to the system.
+#: What one node of an IR graph costs in memory, roughly (the node, its values and their uses,
+#: attributes): the graph's share of :func:`footprint`.
+NODE_BYTES = 1024
+#: Estimated bytes of the model copies dropped since the last collection of :func:`free_dropped`.
+_pending_bytes = 0
+
+
+def footprint(model: ir.Model) -> int:
+    """Estimated bytes of a copy of ``model`` that a pass makes: its tensors, in memory or external (a
+    pass's converted copy of an external weight is in memory), and :data:`NODE_BYTES` per node."""
+    total = 0
+    for value in _initializer_values(model):
+        if value.const_value is not None:
+            total += value.const_value.nbytes
+    nodes = 0
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        nodes += 1
+        for attr in node.attributes.values():
+            if attr.is_ref() or attr.value is None:
+                continue
+            if attr.type == ir.AttributeType.TENSOR:
+                total += attr.value.nbytes
+            elif attr.type == ir.AttributeType.TENSORS:
+                total += sum(t.nbytes for t in attr.value)
+    return total + nodes * NODE_BYTES
+
+
+def free_dropped(dropped: ir.Model | int | None = None) -> bool:
+    """Free the model copies nothing refers to any more and give the freed heap back to the system
+    (:func:`trim_heap`); return whether it collected.
 
     An IR graph is a web of back references (values know their producers and users), so a copy a pass
     dropped is freed by the cycle collector, not when its last name goes: its tensors could otherwise
-    sit beside ONNX Runtime's copy of the next session.  Then :func:`trim_heap`.
+    sit beside ONNX Runtime's copy of the next session.
+
+    A full collection walks every object the process holds, whatever the model's size: a tenth of a
+    second in a process of a few hundred thousand objects (a test run, a notebook), which on a small
+    model cost more than the session it came before (issue 28: most of the time of the float16 tests).
+    So ``dropped`` says what was dropped: a model whose copies were (their size is its
+    :func:`footprint`), or a number of bytes.  The estimates add up, and the collection runs once they
+    reach :func:`spill_bytes` (32 MiB, where memory starts to matter more than time; less with
+    ``MOGRAPH_PROTO_LIMIT``): at every call for a model of that size or more, as before, and seldom for
+    small ones, whose counted copies wait for at most that much.  Without ``dropped``: always.
     """
     import gc
 
+    global _pending_bytes
+    if dropped is not None:
+        _pending_bytes += dropped if isinstance(dropped, int) else footprint(dropped)
+        if _pending_bytes < spill_bytes():
+            return False
+    _pending_bytes = 0
     gc.collect()
     trim_heap()
+    return True
 
 
 def release_pages(tensor: ir.TensorProtocol | None) -> None:

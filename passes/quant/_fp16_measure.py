@@ -323,7 +323,7 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
     groups = _chunks(model, positions, floats, pinned_out, first, _measure_bytes()) if first is not None else []
     if not groups:
         groups = [(list(positions), set(range(len(model.graph))), True)]
-    _spill.free_dropped()  # the shape-inference copy, before the first session
+    _spill.free_dropped(model)  # the shape-inference copy, before the first session
     if len(groups) > 1:
         logger.info("fp16: measuring %d nodes in %d groups of at most %d bytes of tensors per sample",
                     len(positions), len(groups), _measure_bytes())
@@ -337,7 +337,7 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
         names = [v.name for v in twin.graph.outputs]
         sess = cal._session(twin, cal.model_folder(model))  # too big for one protobuf: spilled to a file
         del twin  # the session holds its own copy of the float16 twins
-        _spill.free_dropped()
+        _spill.free_dropped(model)  # the twin: a copy of about the model's size
         for name in watched:
             result.stats[name] = cal.TensorStats()
         num.update(dict.fromkeys(pairs, 0.0))

@@ -454,7 +454,7 @@ class Fp16Pass(Pass):
             feeds = [{k: (a.astype(np.float16) if k in halves else a) for k, a in f.items()} for f in samples]
             outs = list(cal.run_model(copy, feeds, folder=folder))
             del copy
-            _spill.free_dropped()  # not beside the next evaluation's copy
+            _spill.free_dropped(model)  # not beside the next evaluation's copy
             evaluations += 1
             if self.progress is not None:  # each one a whole-model run: minutes on a real LLM (issue 31)
                 self.progress(evaluations, None)

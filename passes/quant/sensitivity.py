@@ -230,8 +230,9 @@ def _evaluate_mix(
         if c.key in quantized:
             writer.quantize(c)
     outs = list(run_model(m, samples, folder=folder))  # too big for one protobuf: spilled to a file
+    dropped = _spill.footprint(m)
     del m, writer
-    _spill.free_dropped()  # its quantized weights are not beside the next evaluation's
+    _spill.free_dropped(dropped)  # its quantized weights are not beside the next evaluation's
     return _metric(budget, refs, outs)
 
 

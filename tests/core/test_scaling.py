@@ -76,6 +76,33 @@ def test_infer_types_reuses_inference_only_while_the_graph_is_unchanged(monkeypa
     assert len(calls) == 2
 
 
+
+def test_infer_types_silences_inference_warnings_without_touching_logger_levels(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # onnx_ir's warnings during the (best-effort) inference are dropped, its errors kept; no logger's level is
+    # set: each Logger.setLevel clears the cache of every logger of the process (thousands with torch loaded)
+    import logging
+
+    name = "onnx_ir.passes.common.shape_inference"
+    quiet = logging.getLogger(name)
+
+    def infer(m: ir.Model, **kw: object) -> None:
+        quiet.warning("inside: warning")
+        quiet.error("inside: error")
+
+    set_levels: list[str] = []
+    real_set_level = logging.Logger.setLevel
+    monkeypatch.setattr(logging.Logger, "setLevel", lambda self, lv: (set_levels.append(self.name),
+                                                                       real_set_level(self, lv))[1])
+    monkeypatch.setattr(irutil, "run_shape_inference", infer)
+    with caplog.at_level(logging.WARNING, logger=name):
+        set_levels.clear()
+        irutil.infer_types(ir.serde.deserialize_model(_stack(1)))
+        assert set_levels == []
+        quiet.warning("after: warning")  # the filter is gone with the inference
+    seen = [r.getMessage() for r in caplog.records if r.name == name]
+    assert seen == ["inside: error", "after: warning"]
+
 def test_load_decodes_weights_once_with_the_same_values(tmp_path: Path) -> None:
     proto = _stack(1, hidden=64)
     path = tmp_path / "m.onnx"

@@ -44,6 +44,43 @@ def test_calibrators_order():
     assert r[0] <= p[0] and r[0] <= e[0]
 
 
+
+def _entropy_threshold_by_chunks(s: TensorStats, levels: int = 128) -> float:
+    """The entropy calibrator's threshold written chunk by chunk (``np.array_split``), as it was before its
+    vectorization: the two must agree exactly."""
+    import math
+
+    half = s.hist.size // 2
+    absh = (s.hist[half:] + s.hist[:half][::-1]).astype(np.float64)
+    last = int(np.nonzero(absh)[0][-1]) + 1
+    best_i, best_kl = last, math.inf
+    for i in range(levels, last + 1, max(1, (last - levels) // 256)):
+        ref = absh[:i].copy()
+        ref[i - 1] += absh[i:].sum()
+        q = np.concatenate([np.where(c > 0, c.sum() / max(int((c > 0).sum()), 1), 0.0)
+                            for c in np.array_split(absh[:i], levels)])
+        if q.sum() == 0:
+            continue
+        p, qq = ref / ref.sum(), q / q.sum()
+        mask = p > 0
+        kl = float(np.sum(p[mask] * np.log(p[mask] / np.maximum(qq[mask], 1e-12))))
+        if kl < best_kl:
+            best_kl, best_i = kl, i
+    return (best_i + 0.5) * s.hist_range / half
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_entropy_threshold_equals_the_chunk_by_chunk_computation(seed):
+    rng = np.random.default_rng(seed)
+    heavy = rng.standard_t(2 + seed, 20000).astype(np.float32)  # long tails: the threshold is inside
+    sparse = np.repeat(rng.standard_normal(40).astype(np.float32), 25)  # mostly empty bins
+    s = _stream([heavy, sparse * (1 + seed), np.array([50.0 * (seed + 1)], np.float32)])
+    lo, hi = compute_ranges({"t": s}, "entropy")["t"]
+    t = _entropy_threshold_by_chunks(s)
+    assert t < s.max  # the outlier is clipped: a threshold was chosen, not the range
+    assert (lo, hi) == (max(s.min, -t), min(s.max, t))
+
+
 def test_nonfinite_values_are_counted_not_used():
     s = TensorStats()
     s.update(np.array([1.0, np.inf, -2.0, np.nan], np.float32), histogram=True)

@@ -80,7 +80,6 @@ def _same(a: fm.LocalMeasure, b: fm.LocalMeasure) -> None:
         assert dataclasses.asdict(a.stats[name]) == dataclasses.asdict(b.stats[name]), name
 
 
-@pytest.mark.slow  # one ONNX Runtime session per group at tiny budgets: 10-48 s in the full run
 def test_runs_stay_under_the_budget_with_identical_figures(monkeypatch):
     whole, sent_whole = _measure(monkeypatch, 2**40)
     assert len(sent_whole) == 3  # one session, one run per sample: every tensor of the model at once
@@ -96,7 +95,6 @@ def test_runs_stay_under_the_budget_with_identical_figures(monkeypatch):
     assert set(chunked.overflow) == {4 * (LAYERS // 2 + 1)}  # the MatMul after the Mul by 3e4
 
 
-@pytest.mark.slow  # one ONNX Runtime session per group at tiny budgets: 10-48 s in the full run
 def test_one_node_over_the_budget_is_a_group_of_its_own(monkeypatch):
     whole, _ = _measure(monkeypatch, 2**40)
     tiny, sent = _measure(monkeypatch, 1)
@@ -105,7 +103,6 @@ def test_one_node_over_the_budget_is_a_group_of_its_own(monkeypatch):
     _same(whole, tiny)
 
 
-@pytest.mark.slow  # one ONNX Runtime session per group at tiny budgets: 10-48 s in the full run
 def test_pass_decisions_unchanged_under_a_small_budget(monkeypatch):
     results = []
     for budget in (2**40, 8 * 1024):
