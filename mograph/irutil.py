@@ -8,6 +8,7 @@ handled the same way everywhere.
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -69,6 +70,8 @@ _BINARY: dict[str, Callable[[np.ndarray, np.ndarray], Any]] = {
     "Div": lambda a, b: a / b if a.dtype.kind == "f" else a // b,
     "Pow": np.power,
 }
+#: The ops :func:`constant_array` looks through (besides ``Constant``): any other producer is no constant.
+_THROUGH = frozenset({"Cast", "CastLike", "Reshape", "Unsqueeze", "Squeeze", *_UNARY, *_BINARY})
 
 
 def constant_array(value: ir.Value | None, _depth: int = 0) -> np.ndarray | None:
@@ -94,6 +97,8 @@ def constant_array(value: ir.Value | None, _depth: int = 0) -> np.ndarray | None
     op = node.op_type
     if op == "Constant":
         return attr_constant(node)
+    if op not in _THROUGH:  # without evaluating its inputs first: deep chains of activations cost nothing
+        return None
     # The first input decides (most ops read activations, not constants): evaluate it alone first.
     if not node.inputs or node.inputs[0] is None:
         return None
@@ -220,14 +225,7 @@ def infer_types(model: ir.Model) -> TypeSnapshot:
     from paying a whole-model inference per pass.
     """
     graphs = _graphs(model)
-    snapshot: TypeSnapshot = []
-    for graph in graphs:
-        for v in list(graph.inputs) + list(graph.initializers.values()):
-            snapshot.append((v, v.type, v.shape))
-        for node in graph:
-            for v in node.outputs:
-                snapshot.append((v, v.type, v.shape))
-    structure = _structure(graphs)
+    structure, snapshot = _walk(graphs)
     cached = model.meta.get(_INFERRED_KEY)
     if cached is not None and _same_objects(cached[0], structure) and _same_types(cached[1], snapshot):
         for (value, _, _), (type_, shape) in zip(snapshot, cached[2]):
@@ -278,36 +276,46 @@ def run_shape_inference(model: ir.Model, *, data_prop: bool = True) -> None:
         _infer_flat(model, data_prop)
 
 
-def _structure(graphs: list[ir.Graph]) -> list[object]:
-    """The objects that make up the graphs, in order (compared by identity: an edit replaces one)."""
-    out: list[object] = []
+def _walk(graphs: list[ir.Graph]) -> tuple[list[object], TypeSnapshot]:
+    """One walk over ``graphs``: the objects that make them up, in order (compared by identity: an edit
+    replaces one), and each value's type and shape (graph inputs, initializers, node outputs)."""
+    structure: list[object] = []
+    snapshot: TypeSnapshot = []
+    add, extend, keep = structure.append, structure.extend, snapshot.append
     for graph in graphs:
-        out.append(graph)
-        out.extend(graph.inputs)
-        out.append(None)
-        out.extend(graph.outputs)
-        out.append(None)
+        inputs = graph.inputs
+        add(graph)
+        extend(inputs)
+        add(None)
+        extend(graph.outputs)
+        add(None)
+        for v in inputs:
+            keep((v, v.type, v.shape))
         for v in graph.initializers.values():
-            out.append(v)
-            out.append(v.const_value)
+            add(v)
+            add(v.const_value)
+            keep((v, v.type, v.shape))
         for node in graph:
-            out.append(node)
-            out.extend(node.inputs)
-            out.append(None)
-            out.extend(node.outputs)
-            out.append(None)
-            out.extend(node.attributes.values())
-            out.append(None)
-    return out
+            outputs = node.outputs
+            add(node)
+            extend(node.inputs)
+            add(None)
+            extend(outputs)
+            add(None)
+            extend(node.attributes.values())
+            add(None)
+            for v in outputs:
+                keep((v, v.type, v.shape))
+    return structure, snapshot
 
 
 def _same_objects(a: list[object], b: list[object]) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def _same_types(before: list[tuple[Any, Any]], snapshot: TypeSnapshot) -> bool:
     return len(before) == len(snapshot) and all(
-        t == t2 and sh == sh2 for (t, sh), (_, t2, sh2) in zip(before, snapshot)
+        (t is t2 or t == t2) and (sh is sh2 or sh == sh2) for (t, sh), (_, t2, sh2) in zip(before, snapshot)
     )
 
 

@@ -267,3 +267,29 @@ def test_the_pipeline_keeps_the_loaded_model_out_of_full_collections() -> None:
         assert seen == [mine] and gc.get_freeze_count() == mine  # neither added to nor released
     finally:
         gc.unfreeze()
+
+
+def test_constant_array_does_not_walk_up_activations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asking whether an activation is a constant looks at its producer only: walking up through ops that never
+    give a constant (here a chain of ``Relu``) cost the fusion sweeps millions of calls on a large graph."""
+    x = ir.Value(name="x", shape=ir.Shape([2]), type=ir.TensorType(ir.DataType.FLOAT))
+    v, nodes = x, []
+    for _ in range(6):
+        nodes.append(ir.node("Relu", [v]))
+        v = nodes[-1].outputs[0]
+    c = ir.Value(name="c", const_value=ir.tensor(np.array([4.0], np.float32)))
+    sqrt = ir.node("Sqrt", [c])
+    nodes.append(sqrt)
+    ir.Graph([x], [v, sqrt.outputs[0]], nodes=nodes, initializers=[c])
+    real = irutil.constant_array
+    calls = [0]
+
+    def counting(value: ir.Value | None, _depth: int = 0) -> np.ndarray | None:
+        calls[0] += 1
+        return real(value, _depth)
+
+    monkeypatch.setattr(irutil, "constant_array", counting)
+    assert counting(v) is None
+    assert calls[0] == 1, calls[0]  # was 7: down the chain of Relu to the input
+    np.testing.assert_array_equal(counting(sqrt.outputs[0]), np.array([2.0], np.float32))  # still looks through
+    assert calls[0] == 3
