@@ -569,6 +569,12 @@ def lowered_for(model: Any, target: str, *, registry: Declarations) -> tuple[Any
 
     ir_model = model if isinstance(model, ir.Model) else ir_io.load_model(model)
     if not has_custom_ops(ir_model, registry):
+        if ir_model is not model:
+            # loaded here only to look: its weights (decoded, for a model whose weights are inside its file)
+            # go now, not when the cycle collector reaches the graph, so they never sit beside the session
+            for graph in (ir_model.graph, *ir_model.graph.subgraphs()):
+                for value in graph.initializers.values():
+                    value.const_value = None
         return model, {}
     if ir_model is model:
         ir_model = ir_io.copy_model(model)

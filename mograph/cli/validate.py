@@ -166,6 +166,11 @@ def run(args: argparse.Namespace) -> CommandResult:
         verifier = make_verifier()
         options.update(cuda_graph=True, shapes={n: tuple(a.shape) for n, a in verifier.feeds.items()})
         runner = backend.make_runner(str(candidate_model), optimizations=True, **options, **runner_keywords)
+    elif args.backend == "ort":
+        # ONNX Runtime and the device were checked above: the reference first, its session freed before the
+        # candidate's is made, so the two never hold the weights at once (peak memory, issue 25)
+        verifier = make_verifier()
+        runner = backend.make_runner(str(candidate_model), optimizations=True, **options, **runner_keywords)
     else:
         # The candidate first: a backend that cannot run here (TensorRT without a GPU) says so before any work.
         runner = backend.make_runner(str(candidate_model), optimizations=True, **options, **runner_keywords)

@@ -436,7 +436,7 @@ def run_sweep(
     built models in (their rows' ``model_path`` points there); by default they are built in a
     temporary folder removed afterwards (``model_path`` is then ``None``).
     """
-    from mograph import ir_io
+    from mograph import _spill, ir_io
     from mograph._paths import write_bytes
     from mograph.plugins import get_registry
     from mograph.validate import make_feeds
@@ -516,6 +516,9 @@ def run_sweep(
             built = []
             for i, job in enumerate(jobs):
                 built.append(build_configuration(job))
+                # the configuration's model is saved: an IR graph is a web of cycles, freed by the collector,
+                # so it is collected now, not left beside the next configuration's build or the sessions
+                _spill.free_dropped()
                 if progress is not None:
                     progress(f"built {job.name}", i + 1, len(jobs))
         executor.release()  # a Ray instance started for the builds must not share the CPUs with the timing

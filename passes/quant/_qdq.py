@@ -555,6 +555,9 @@ class QdqWriter:
             producer.graph.remove(producer, safe=True)
 
 
+#: Bytes of float32 rows ``quantize_embeddings`` handles at once.
+_SLICE_BYTES = 16 * 2**20
+
 #: Smallest embedding table (elements) that ``quantize_embeddings`` converts; smaller ones are not worth it.
 EMBEDDING_MIN_ELEMENTS = 1 << 16
 
@@ -587,10 +590,17 @@ def quantize_embeddings(model: ir.Model, min_elements: int = EMBEDDING_MIN_ELEME
             for u, idx in uses
         ):
             continue
-        w = arr.astype(np.float32)
-        amax = np.abs(w).max(axis=0)
+        # in slices of rows (the same figures as on the whole table: a maximum and elementwise rounding), so
+        # no float copy of the table is made, and its pages are forgotten once read
+        step = max(1, _SLICE_BYTES // (4 * arr.shape[1]))
+        amax = np.abs(arr[:step].astype(np.float32)).max(axis=0)
+        for i in range(step, arr.shape[0], step):
+            np.maximum(amax, np.abs(arr[i:i + step].astype(np.float32)).max(axis=0), out=amax)
         scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
-        q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+        q = np.empty(arr.shape, np.int8)
+        for i in range(0, arr.shape[0], step):
+            q[i:i + step] = np.clip(np.rint(arr[i:i + step].astype(np.float32) / scale), -127, 127)
+        _spill.release_pages(table.const_value)
         q_value = ir.Value(name=fresh(f"{table.name}_int8"), const_value=ir.tensor(q))
         s_value = ir.Value(name=fresh(f"{table.name}_scale"), const_value=ir.tensor(scale.astype(arr.dtype)))
         z_value = ir.Value(name=fresh(f"{table.name}_zero_point"), const_value=ir.tensor(np.zeros_like(q[0])))

@@ -234,6 +234,25 @@ class _Segments:
         return new_states, len(states) if outs else 0
 
 
+def _hessian_factor(states: list[dict[str, np.ndarray]], name: str, damp: float, act_order: bool
+                    ) -> tuple[np.ndarray, bw.GptqFactor]:
+    """``diag H`` and the GPTQ factor of ``H = E[x x^T]`` over the value ``name`` of every state; ``H`` itself
+    is given away to the factor (changed in place), so no second ``[K, K]`` copy is made."""
+    h: np.ndarray | None = None
+    rows = 0
+    for st in states:
+        x = np.asarray(st[name], np.float64)
+        x = x.reshape(-1, x.shape[-1])
+        if h is None:
+            h = x.T @ x
+        else:
+            h += x.T @ x  # in place: the same sums as h + x.T @ x, without a third [K, K]
+        rows += x.shape[0]
+    assert h is not None
+    h /= max(rows, 1)
+    return np.diag(h).copy(), bw.gptq_factor(h, damp=damp, act_order=act_order, consume=True)
+
+
 class WeightOnlyPass(Pass):
     """Block-wise INT4/INT8 weight-only MatMul/Gemm (RTN, AWQ- or GPTQ-style) with a per-layer 4/8/float plan."""
 
@@ -429,10 +448,12 @@ class WeightOnlyPass(Pass):
                 s, z = bw.search_params(ws, spec, scaled_imp)
                 layer.quant[bits] = (bw.quantize(ws, s, z, spec), a if alpha > 0 else None)
         else:
-            h = st.hessian / max(st.rows, 1)
+            damp, act_order = float(self.config.get("damping") or 0.1), bool(self.config.get("act_order"))
+            # one factor of H for the group (the same figures each layer's own made), H given away to it
+            factor = bw.gptq_factor(st.hessian / max(st.rows, 1), damp=damp, act_order=act_order, consume=True)
             for layer in group:
-                q = bw.gptq(layer.weight, h, spec, damp=float(self.config.get("damping") or 0.1),
-                            act_order=bool(self.config.get("act_order")), importance=importance)
+                q = bw.gptq(layer.weight, None, spec, damp=damp, act_order=act_order, importance=importance,
+                            factor=factor)
                 layer.quant[bits] = (q, None)
 
     # ------------------------------------------------------------------ the float model with weights as feeds
@@ -507,27 +528,33 @@ class WeightOnlyPass(Pass):
             logger.info("sequential gptq: %s; quantizing each group from a run of the whole model", segments.problem)
             return self._sequential_gptq_whole(model, layers, bits, samples, keep_float)
         replaced: dict[str, np.ndarray] = {}  # weight initializer name -> effective weight fed to later segments
+        # the last node (before the last cut) reading each value: a dequantized weight is dropped once the
+        # segment holding its readers has run, and never made for readers past the last cut (never run)
+        last_read: dict[str, int] = {}
+        for p, rs in enumerate(segments.reads):
+            for v in rs:
+                if v.name:
+                    last_read[v.name] = p
         states: list[dict[str, np.ndarray]] = [dict(s) for s in samples]
         runs = 0
         damp = float(self.config.get("damping") or 0.1)
-        for i, (_cut, name) in enumerate(cuts):
+        act_order = bool(self.config.get("act_order"))
+        for i, (cut, name) in enumerate(cuts):
             states, n = segments.advance(i, states, replaced)
             runs += n
-            h: np.ndarray | None = None
-            rows = 0
-            for st in states:
-                x = np.asarray(st[name], np.float64)
-                x = x.reshape(-1, x.shape[-1])
-                h = x.T @ x if h is None else h + x.T @ x
-                rows += x.shape[0]
-            assert h is not None
-            h /= max(rows, 1)
+            for wname in [w for w in replaced if last_read.get(w, -1) < cut]:
+                del replaced[wname]  # its segment has run
+            importance, factor = _hessian_factor(states, name, damp, act_order)
             for layer in groups[name]:
-                q = bw.gptq(layer.weight, h, spec, damp=damp, act_order=bool(self.config.get("act_order")),
-                            importance=np.diag(h))
+                q = bw.gptq(layer.weight, None, spec, damp=damp, act_order=act_order, importance=importance,
+                            factor=factor)
                 layer.quant[bits] = (q, None)
-                if layer.key not in keep_float:
-                    replaced[str(layer.node.inputs[1].name)] = self._as_weight(layer, q.dequantize())  # type: ignore[union-attr]
+                weight = layer.node.inputs[1]
+                _spill.release_pages(weight.const_value)  # type: ignore[union-attr]  # read once: not all resident
+                wname = str(weight.name)  # type: ignore[union-attr]
+                if layer.key not in keep_float and last_read.get(wname, -1) >= cut:
+                    replaced[wname] = self._as_weight(layer, q.dequantize())
+            del factor
             if self.progress is not None:
                 self.progress(i + 1, len(cuts))
         return runs

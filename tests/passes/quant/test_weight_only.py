@@ -329,3 +329,25 @@ def test_default_gptq_five_checks_on_a_residual_graph():
                ops_left=["LayerNormalization", "mograph.WeightOnlyMatMul", "Relu", "mograph.WeightOnlyMatMul", "Add",
                          "MatMul"],
                feeds={"x": rng.standard_normal((2, 3, K)).astype(np.float32)})
+
+
+@pytest.mark.parametrize("act_order", [True, False])
+def test_gptq_factor_made_once_in_place_gives_the_same_codes(act_order: bool) -> None:
+    """One factor per layer group, made in the Hessian's own buffer (less memory), quantizes every layer
+    exactly as each layer's own factor did (a dead input row included)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((64, 96))
+    x[:, 7] = 0.0  # a dead input channel: diag H = 0
+    h = x.T @ x / 64
+    spec = bw.QuantSpec(4, 32, False)
+    perm = rng.permutation(96)
+    assert np.array_equal(bw._permute(h.copy(), perm), h[np.ix_(perm, perm)])
+    given = h.copy()
+    factor = bw.gptq_factor(given, damp=0.1, act_order=act_order, consume=True)
+    for _ in range(2):
+        w = rng.standard_normal((96, 40)).astype(np.float32)
+        own = bw.gptq(w, h, spec, damp=0.1, act_order=act_order, importance=np.diag(h))
+        shared = bw.gptq(w, None, spec, damp=0.1, act_order=act_order, importance=np.diag(h), factor=factor)
+        for field in ("q", "scale", "zero"):
+            assert np.array_equal(getattr(own, field), getattr(shared, field))
+    assert not np.array_equal(given, h)  # consumed: changed in place, not copied
