@@ -11,6 +11,7 @@ that says which standard ops keep their input's shape, broadcast, or reduce.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 from mograph.shapes._rules import ShapeRules, shape_rule
 
 __all__ = ["BROADCAST_OPS", "MS_DOMAIN", "REDUCE_OPS", "SAME_SHAPE_OPS", "builtin_rules", "broadcast", "reshape_dims", "reshape_entries",
-           "shape_range"]
+           "same_shape_rule", "shape_range"]
 
 MS_DOMAIN = "com.microsoft"
 
@@ -449,17 +450,22 @@ def _elementwise(op: str, args: list[Dim | None]) -> Dim | None:
     return None
 
 
+def same_shape_rule(outputs: tuple[int, ...]) -> Callable[[ir.Node, ShapeQuery], list[Dims | None]]:
+    """The dims rule of an op whose ``outputs`` have input 0's dims (a foreign op's ``same_shape_outputs``)."""
+    def same(node: ir.Node, q: ShapeQuery) -> list[Dims | None]:
+        out: list[Dims | None] = [None] * len(node.outputs)
+        for i in outputs:
+            if i < len(out):
+                out[i] = q.dims(node.inputs[0])
+        return out
+
+    return same
+
+
 # --- com.microsoft ----------------------------------------------------------------------------------
 def _register_ms(t: ShapeRules) -> None:
     for op, outputs in MS_SAME_SHAPE.items():
-        def same(node: ir.Node, q: ShapeQuery, outputs: tuple[int, ...] = outputs) -> list[Dims | None]:
-            out: list[Dims | None] = [None] * len(node.outputs)
-            for i in outputs:
-                if i < len(out):
-                    out[i] = q.dims(node.inputs[0])
-            return out
-
-        shape_rule(t, MS_DOMAIN, op)(same)
+        shape_rule(t, MS_DOMAIN, op)(same_shape_rule(outputs))
 
     @shape_rule(t, MS_DOMAIN, "EmbedLayerNormalization")
     def embed_layer_norm(node: ir.Node, q: ShapeQuery) -> list[Dims | None] | None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
+from mograph.passes.fusion._attention_rotary import _rotary  # the fusion's proof of transformers' rotate_half form
 from mograph.passes.fusion.ops import FLOAT_TYPES
 
 from mograph.irutil import attr_value, same_dim
@@ -813,8 +814,6 @@ def _is_head_split(x: ir.Value, v: ir.Value) -> bool:
 def _present_key_output(graph: ir.Graph, k: ir.Value, f: ir.Value, scale: float | None) -> ir.Value | None:
     """The graph output that is the exporter's rotated ``[B, G, S, D]`` keys: ``rotate(Transpose(Reshape(k)))`` with
     cos/sin ``Unsqueeze(Cos/Sin(Concat(f, f)) [* c], 1)`` of the same angle table: the prefill's present key."""
-    from mograph.passes.fusion.attention import _rotary  # the fusion's own proof of transformers' rotate_half form
-
     for out in graph.outputs:
         rot = _rotary(out) if out.producer() is not None else None
         if rot is None:
