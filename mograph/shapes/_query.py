@@ -86,6 +86,10 @@ class ShapeQuery:
         """The symbolic dims of ``value``; ``None`` if its rank is unknown."""
         return None if value is None else self._dims.get(value)
 
+    def knows(self, value: ir.Value) -> bool:
+        """Whether the sweep met ``value`` (a graph input, initializer or node output of the graph then)."""
+        return value in self._dims
+
     def values(self, value: ir.Value | None) -> Vector | None:
         """``(is_scalar, elements)`` of a tracked int64 shape vector; ``None`` if it is not one."""
         return None if value is None else self._vec.get(value)
@@ -117,6 +121,11 @@ class ShapeQuery:
     def reshape_dims(self, data: Dims | None, target: tuple[Dim | None, ...], allowzero: bool) -> Dims | None:
         """The dims ``Reshape`` gives ``data`` for a target with elements ``target``."""
         return reshape_dims(data, target, allowzero)
+
+    def declared(self, value: ir.Value) -> Dims | None:
+        """The dims ONNX inference left on ``value`` (a value the sweep did not meet), read the query's way:
+        named dims as their atoms, other unknowns as fresh atoms."""
+        return self._declared(value)
 
     # --- the sweep -------------------------------------------------------------------------------
     def _declared(self, value: ir.Value) -> Dims | None:

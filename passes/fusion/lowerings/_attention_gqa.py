@@ -262,7 +262,7 @@ def _guard(node: ir.Node, ctx: LoweringContext, ok: ir.Value, outer: list[ir.Nod
         _like(n.outputs[0], presents[i], shape=False)
     then_g = ir.Graph([], then_outs, nodes=fast, name=f"{base}_gqa")
     else_g = ir.Graph([], [copy.outputs[0]] + [n.outputs[0] for n in idents], nodes=[copy, *idents], name=f"{base}_exact")
-    branch = LoweringContext(ctx.model, ctx.target, ctx.op)  # its own shared values: they live in the branch
+    branch = LoweringContext(ctx.model, ctx.target, ctx.op, shape_rules=ctx.shape_rules)  # its own shared values: they live in the branch
     if not exact(copy, branch):
         raise PassFailedError("lower", f"attention '{base}': the exact branch of the right-padding check did not lower")
     guard = ir.node("If", [ok], attributes={"then_branch": then_g, "else_branch": else_g}, name=f"{base}/if",
