@@ -48,7 +48,7 @@ from mograph.metadata import LOWERED_FOR
 from mograph.opset import OpsetUpgradeError, model_opset, upgrade_opset
 from mograph.pass_infra import Option, Pass, PassResult
 from mograph.patterns import attr_constant, constant_array, remove_dead_producers
-from mograph.shapes import Dims, ShapeQuery, ShapeRules, rules_for
+from mograph.shapes import Dims, ShapeQuery, ShapeRules, Vector, rules_for
 from mograph.targets import BUILTIN_TARGETS, DEFAULT_TARGET, LOWER_PASS, Target
 
 if TYPE_CHECKING:
@@ -152,6 +152,14 @@ class LoweringContext:
         if not self.shapes.knows(value) and value.graph is self.model.graph:
             self._query = ShapeQuery(self.model.graph, self.shape_rules)
         return self.shapes.dims(value) if self.shapes.knows(value) else self.shapes.declared(value)
+
+    def values(self, value: ir.Value | None) -> Vector | None:
+        """The elements of a small int64 shape vector (:meth:`ShapeQuery.values`), swept again as :meth:`dims` is."""
+        if value is None:
+            return None
+        if not self.shapes.knows(value) and value.graph is self.model.graph:
+            self._query = ShapeQuery(self.model.graph, self.shape_rules)
+        return self.shapes.values(value)
 
     @property
     def opset(self) -> int:

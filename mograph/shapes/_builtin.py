@@ -141,6 +141,19 @@ def shape_range(node: ir.Node, rank: int) -> tuple[int, int]:
     return start, stop
 
 
+def peek_tensor(value: ir.Value) -> ir.TensorProtocol | None:
+    """``ir.convenience.get_const_tensor`` without its one write: it names a ``Constant`` node's ``value`` tensor
+    after the node's output, and a query only reads."""
+    node = value.producer()
+    attr = node.attributes.get("value") if node is not None and node.op_type == "Constant" else None
+    held = attr.value if attr is not None and attr.type == ir.AttributeType.TENSOR else None
+    name = held.name if held is not None else None
+    tensor = ir.convenience.get_const_tensor(value)
+    if held is not None:
+        held.name = name
+    return tensor
+
+
 def _attr(node: ir.Node, name: str, default: Any = None) -> Any:
     attr = node.attributes.get(name)
     return default if attr is None else attr.value
@@ -347,7 +360,7 @@ def _register_values(t: ShapeRules) -> None:  # noqa: C901 - one short rule per 
         x, idx = q.values(node.inputs[0]), q.ints(node.inputs[1])
         if x is None or x[0] or idx is None or _iattr(node, "axis", 0) != 0:
             return None
-        itensor = ir.convenience.get_const_tensor(node.inputs[1]) if node.inputs[1] is not None else None
+        itensor = peek_tensor(node.inputs[1]) if node.inputs[1] is not None else None
         scalar = itensor is not None and itensor.shape.rank() == 0
         size = len(x[1])
         if any(not -size <= i < size for i in idx):

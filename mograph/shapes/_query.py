@@ -25,7 +25,7 @@ from typing import Union
 import numpy as np
 import onnx_ir as ir
 
-from mograph.shapes._builtin import builtin_rules, reshape_dims
+from mograph.shapes._builtin import builtin_rules, peek_tensor, reshape_dims
 from mograph.shapes._dim import Dim
 from mograph.shapes._rules import ShapeRules, node_version
 
@@ -108,7 +108,7 @@ class ShapeQuery:
 
     def ints(self, value: ir.Value | None) -> list[int] | None:
         """The values of a constant int32/int64 scalar or 1-D tensor of at most :attr:`max_vector` elements."""
-        tensor = None if value is None else ir.convenience.get_const_tensor(value)
+        tensor = None if value is None else peek_tensor(value)
         if tensor is None:
             return None
         if tensor.dtype not in (ir.DataType.INT64, ir.DataType.INT32) or tensor.size > self.max_vector:
@@ -161,7 +161,7 @@ class ShapeQuery:
         self._dims[value] = dims
 
     def _constant(self, value: ir.Value) -> None:
-        tensor = ir.convenience.get_const_tensor(value)
+        tensor = peek_tensor(value)
         if tensor is not None and self._dims.get(value) is None:
             self._dims[value] = tuple(Dim.lit(int(d)) for d in tensor.shape.numpy())
         ints = self.ints(value)
