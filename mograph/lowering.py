@@ -144,21 +144,21 @@ class LoweringContext:
         return self._query
 
     def dims(self, value: ir.Value | None) -> Dims | None:
-        """The symbolic dims of ``value`` (:meth:`ShapeQuery.dims`); a value written since the last sweep (by an
-        earlier lowering of this run) has the graph swept again.  ``None``: rank unknown (a value outside the main
+        """The symbolic dims of ``value`` (:meth:`ShapeQuery.dims`); a value written since the sweep (by an earlier
+        lowering of this run) has the new nodes visited (:meth:`ShapeQuery.refresh`).  ``None``: rank unknown (a value outside the main
         graph: the dims ONNX inference left on it, read the query's way)."""
         if value is None:
             return None
         if not self.shapes.knows(value) and value.graph is self.model.graph:
-            self._query = ShapeQuery(self.model.graph, self.shape_rules)
+            self.shapes.refresh()
         return self.shapes.dims(value) if self.shapes.knows(value) else self.shapes.declared(value)
 
     def values(self, value: ir.Value | None) -> Vector | None:
-        """The elements of a small int64 shape vector (:meth:`ShapeQuery.values`), swept again as :meth:`dims` is."""
+        """The elements of a small int64 shape vector (:meth:`ShapeQuery.values`), refreshed as :meth:`dims` is."""
         if value is None:
             return None
         if not self.shapes.knows(value) and value.graph is self.model.graph:
-            self._query = ShapeQuery(self.model.graph, self.shape_rules)
+            self.shapes.refresh()
         return self.shapes.values(value)
 
     @property

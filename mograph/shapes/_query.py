@@ -86,6 +86,23 @@ class ShapeQuery:
         """The symbolic dims of ``value``; ``None`` if its rank is unknown."""
         return None if value is None else self._dims.get(value)
 
+    def refresh(self) -> None:
+        """Visit the nodes written into the graph since the sweep (in graph order), keeping what is known: for a
+        caller that rewrites the graph as it goes (the ``lower`` step) without changing the values already swept."""
+        for value in self.graph.inputs:
+            if value not in self._dims:
+                self._set_dims(value, self._declared(value))
+        for value in self.graph.initializers.values():
+            if value not in self._dims:
+                self._set_dims(value, None)
+                self._constant(value)
+        for index, node in enumerate(self.graph):
+            if all(out in self._dims for out in node.outputs):
+                continue
+            for value in node.outputs:
+                self.position[value] = index
+            self._visit(node)
+
     def knows(self, value: ir.Value) -> bool:
         """Whether the sweep met ``value`` (a graph input, initializer or node output of the graph then)."""
         return value in self._dims

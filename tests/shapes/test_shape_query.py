@@ -93,3 +93,17 @@ def test_the_query_only_reads() -> None:
     assert q.values(const.outputs[0]) == (False, ((0,), (-1,)))  # read: [0, -1]
     assert q.dims(reshape.outputs[0]) == (("=b",), (8,))
     assert const.attributes["value"].value.name is None and reshape.outputs[0].shape is None
+
+
+def test_refresh_visits_only_the_new_nodes() -> None:
+    """A node written after the sweep is unknown until :meth:`ShapeQuery.refresh`, which visits it from the dims
+    already known (an earlier value keeps its dims, even one whose producer changed)."""
+    graph, v = _graph()
+    q = ShapeQuery(graph)
+    relu_dims = q.dims(v["relu"])
+    tanh = ir.node("Tanh", [v["reshape"]])
+    graph.insert_after(v["reshape"].producer(), tanh)
+    assert not q.knows(tanh.outputs[0]) and q.dims(tanh.outputs[0]) is None
+    q.refresh()
+    assert q.knows(tanh.outputs[0]) and q.dims(tanh.outputs[0]) == q.dims(v["reshape"]) == (("=b",), (4, "=s"), (2,))
+    assert q.dims(v["relu"]) is relu_dims
