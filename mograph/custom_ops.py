@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from mograph.foreign_ops import ForeignOp
     from mograph.targets import Target
 
-__all__ = ["CustomOp", "Declarations", "TensorRTPlugin", "Lowering", "DOMAIN", "DOMAIN_VERSION", "PLUGIN_NAMESPACE",
+__all__ = ["CustomOp", "Declarations", "TensorRTPlugin", "Lowering", "ShapeFn", "DOMAIN", "DOMAIN_VERSION", "PLUGIN_NAMESPACE",
            "PLUGIN_VERSION"]
 
 #: The domain all built-in fused ops live in, and its version.
@@ -42,6 +42,11 @@ DOMAIN_VERSION = 1
 #: Namespace and version of mograph's TensorRT plugins (attributes of every plugin node).
 PLUGIN_NAMESPACE = "mograph"
 PLUGIN_VERSION = "1"
+
+#: ``dims(node, query) -> list | None``: a shape rule's symbolic dims of each output, read from the inputs through
+#: ``query`` (a :class:`mograph.shapes.ShapeQuery`; the shape facility sits above these declarations, so the
+#: type is not named here).  ``values(node, query)``: the elements of a small int64 vector the op computes.
+ShapeFn = Callable[["ir.Node", Any], Any]
 
 #: ``lower(node, ctx) -> bool``: replace ``node`` (still in its graph) by the target's form and
 #: return True, or return False to leave it (it then keeps its function body, or is inlined for
@@ -146,6 +151,11 @@ class CustomOp:
         function: ``function(opset) -> onnx_ir.Function``: the body in default-domain ops of that
             opset (``None`` if the op has none: then it cannot run outside its lowerings).
         infer_shapes: ``infer_shapes(node) -> None`` sets the output values' dtype and shape.
+        shape_dims: the op's symbolic shape rule (:data:`ShapeFn`): the dims of each output as
+            :class:`mograph.shapes.Dim` tuples, read from the inputs through the query passes ask; the
+            registry files it under ``(domain, name, version)`` (:func:`mograph.shapes.rules_for`).
+            ``None``: the query keeps what ONNX inference left on the outputs.
+        shape_values: for an op that computes a small int64 shape vector, its elements (same table).
         lowerings: target name -> :data:`Lowering`.
         onnx_opset: the default-domain opset from which the ``onnx`` lowering has a standard op
             (``--upgrade-opset`` raises the opset to reach it); ``None`` if it never has one.
@@ -168,6 +178,8 @@ class CustomOp:
     reference: Callable[..., Any] | None = None
     function: Callable[[int], Any] | None = None
     infer_shapes: Callable[..., Any] | None = None
+    shape_dims: ShapeFn | None = None
+    shape_values: ShapeFn | None = None
     lowerings: dict[str, Lowering] = field(default_factory=dict)
     onnx_opset: int | None = None
     tensorrt_plugin: TensorRTPlugin | None = None

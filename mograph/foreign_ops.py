@@ -13,8 +13,12 @@ facts in their own declarations (:class:`mograph.custom_ops.CustomOp`); :func:`f
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
 
 __all__ = ["BUILTIN_FOREIGN_OPS", "ForeignOp", "MS_DOMAIN", "foreign_ops", "fused_kinds"]
 
@@ -34,7 +38,12 @@ class ForeignOp:
         cache: ``(past input index, present output index)`` pairs of an op that carries a KV cache.
         affine: ``(gamma input index, beta input index)`` of a normalization whose output is
             ``normalized * gamma + beta`` over the last axis; ``None`` otherwise.
-        same_shape_outputs: the outputs that have input 0's shape.
+        same_shape_outputs: the outputs that have input 0's shape (a shape rule follows from it where
+            ``shape_dims`` is not given: :func:`mograph.shapes.rules_for`).
+        shape_dims: the op's symbolic shape rule ``dims(node, query)`` (as
+            :attr:`mograph.custom_ops.CustomOp.shape_dims`), in force from ``since_version`` of its domain.
+        shape_values: ``values(node, query)`` for an op that computes a small int64 shape vector.
+        since_version: the domain version the shape rule reads the op's layout from.
     """
 
     name: str
@@ -43,6 +52,9 @@ class ForeignOp:
     cache: tuple[tuple[int, int], ...] = ()
     affine: tuple[int, int] | None = None
     same_shape_outputs: tuple[int, ...] = ()
+    shape_dims: Callable[[ir.Node, Any], Any] | None = None
+    shape_values: Callable[[ir.Node, Any], Any] | None = None
+    since_version: int = 1
 
     @property
     def key(self) -> tuple[str, str]:

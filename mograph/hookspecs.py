@@ -102,7 +102,9 @@ def mograph_add_custom_ops() -> list[CustomOp]:
 
     Returns:
         A list of :class:`mograph.custom_ops.CustomOp`: name, domain, version, numpy reference,
-        ONNX function body, shape function, per-target lowerings and TensorRT plugin.
+        ONNX function body, shape function, symbolic shape rule (``shape_dims``: what the core's shape
+        query, :class:`mograph.shapes.ShapeQuery`, concludes about the op's outputs; filed under
+        ``(domain, name, version)``), per-target lowerings and TensorRT plugin.
         ``(domain, name)`` must be unique across plugins: a second declaration is an error naming
         both plugins.
     """
@@ -131,7 +133,8 @@ def mograph_add_foreign_ops() -> list[ForeignOp]:
     Called once, when the registry is built.  A :class:`mograph.foreign_ops.ForeignOp` says which
     computation the op is an already-fused form of (``computes``: the profile counts its time as
     fused), where it reads and writes a KV cache (``cache``: ``kv-cache-fp8`` quantizes it there),
-    its gamma/beta inputs (``affine``) and the outputs shaped like input 0.  The built-in plugin
+    its gamma/beta inputs (``affine``), the outputs shaped like input 0 (``same_shape_outputs``, from which
+    its shape rule follows) or its own shape rule (``shape_dims`` from ``since_version``).  The built-in plugin
     ``mograph.lowering`` declares the ``com.microsoft`` and standard ops mograph meets this way.
 
     Returns:

@@ -3,8 +3,7 @@
 Fusion passes write only canonical custom ops (``mograph.LayerNorm``, ``mograph.Attention``, a
 plugin's own ops), each with an ONNX function body.  Lowering happens at the end of the
 pipeline (the ``lower`` pass, which ``--target`` adds to a pipeline, followed by the ``after-lower``
-preset, whose second ``lower`` only picks up what shape simplification made lowerable) or as a
-backend's first act,
+preset of shape clean-ups) or as a backend's first act,
 and asks the custom-op registry how: for every node of a registered op it calls the op's declared
 lowering for the target (:attr:`mograph.custom_ops.CustomOp.lowerings`).
 
@@ -49,6 +48,7 @@ from mograph.metadata import LOWERED_FOR
 from mograph.opset import OpsetUpgradeError, model_opset, upgrade_opset
 from mograph.pass_infra import Option, Pass, PassResult
 from mograph.patterns import attr_constant, constant_array, remove_dead_producers
+from mograph.shapes import Dims, ShapeQuery, ShapeRules, Vector, rules_for
 from mograph.targets import BUILTIN_TARGETS, DEFAULT_TARGET, LOWER_PASS, Target
 
 if TYPE_CHECKING:
@@ -124,6 +124,8 @@ class LoweringContext:
             tuples whose first item names the kind (``("mask_index", ...)``): each kind is counted in
             the stats.
         stats: extra counts a lowering wants reported.
+        shape_rules: the shape-rule table of the run's registry (:func:`mograph.shapes.rules_for`), which
+            :meth:`dims` asks; ``None``: the built-in rules.
     """
 
     model: ir.Model
@@ -131,6 +133,33 @@ class LoweringContext:
     op: CustomOp | None = None
     shared: dict[tuple[Any, ...], Any] = field(default_factory=dict)
     stats: dict[str, int] = field(default_factory=dict)
+    shape_rules: ShapeRules | None = None
+    _query: ShapeQuery | None = field(default=None, repr=False)
+
+    @property
+    def shapes(self) -> ShapeQuery:
+        """The core's shape query over the main graph (:class:`mograph.shapes.ShapeQuery`), swept on first ask."""
+        if self._query is None:
+            self._query = ShapeQuery(self.model.graph, self.shape_rules)
+        return self._query
+
+    def dims(self, value: ir.Value | None) -> Dims | None:
+        """The symbolic dims of ``value`` (:meth:`ShapeQuery.dims`); a value written since the sweep (by an earlier
+        lowering of this run) has the new nodes visited (:meth:`ShapeQuery.refresh`).  ``None``: rank unknown (a value outside the main
+        graph: the dims ONNX inference left on it, read the query's way)."""
+        if value is None:
+            return None
+        if not self.shapes.knows(value) and value.graph is self.model.graph:
+            self.shapes.refresh()
+        return self.shapes.dims(value) if self.shapes.knows(value) else self.shapes.declared(value)
+
+    def values(self, value: ir.Value | None) -> Vector | None:
+        """The elements of a small int64 shape vector (:meth:`ShapeQuery.values`), refreshed as :meth:`dims` is."""
+        if value is None:
+            return None
+        if not self.shapes.knows(value) and value.graph is self.model.graph:
+            self.shapes.refresh()
+        return self.shapes.values(value)
 
     @property
     def opset(self) -> int:
@@ -505,7 +534,7 @@ def lower_model(model: ir.Model, target: str = DEFAULT_TARGET, *, registry: Decl
     snapshot = infer_types(model)
     if spec.standard_opset and upgrade is not None:
         _upgrade_for(model, nodes, upgrade, stats, details, ops)
-    ctx = LoweringContext(model, target)
+    ctx = LoweringContext(model, target, shape_rules=rules_for(registry))
     unlowered: dict[str, int] = {}
     for node, op in nodes:  # graph order: what is shared is built before its first user
         if node.graph is None:

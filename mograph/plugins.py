@@ -365,8 +365,7 @@ class Registry:
         so ``--passes fuse,int8 --target ort`` fuses, quantizes, then lowers once.  The lowered forms
         leave shape computations of their own (a mask expanded per layer), so an added ``lower`` is
         followed by the preset :data:`AFTER_LOWER` where a plugin registers one (the built-in cleanup
-        plugin does: shape simplification, lower again, shape simplification, CSE, dead-node
-        elimination), unless the target does not lower (``mograph``: the fused ops are kept, so the lowering wrote
+        plugin does: shape simplification, CSE, dead-node elimination), unless the target does not lower (``mograph``: the fused ops are kept, so the lowering wrote
         nothing to tidy).  A list that names ``lower`` itself runs it where it stands, and nothing is
         added after it.
         """

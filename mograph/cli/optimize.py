@@ -42,7 +42,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                    "A model that fails --verify is kept as OUT.failed.onnx (exit 5)")
     p.add_argument("--passes", default="cleanup", help="comma-separated passes and presets, in order (default: cleanup); 'lower' (for --target) "
                    "is appended when a pass writes fused ops or --target is given, followed (unless --target mograph) by "
-                   "the after-lower preset (simplify-shapes, lower, simplify-shapes, cse, eliminate-dead); a list naming 'lower' gets nothing after it")
+                   "the after-lower preset (simplify-shapes, cse, eliminate-dead); a list naming 'lower' gets nothing after it")
     p.add_argument(
         "--verify",
         nargs="?",

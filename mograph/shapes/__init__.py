@@ -7,6 +7,8 @@
   ``com.microsoft`` ones, and the op-class tables (:data:`SAME_SHAPE_OPS`, :data:`BROADCAST_OPS`,
   :data:`REDUCE_OPS`) say once which standard ops keep, broadcast or reduce their input's shape
   (``_rules``, ``_builtin``);
+- :func:`rules_for`: the built-in table with the rules the registry's custom-op and foreign-op records
+  declare (``shape_dims`` / ``shape_values``), for a caller that was handed the registry (``_declared``);
 - :class:`ShapeQuery`: one sweep over a graph, then ``dims``, ``dim``, ``same_dim``, ``values`` (the
   elements of shape vectors), ``reshape_dims`` and the witness of each symbolic dim (``_query``);
 - :class:`InferredShapes`, :func:`shape_literals`, :func:`const_tensor`, :func:`int_vector`: the numeric
@@ -14,7 +16,7 @@
   target, for passes that edit weights and shape constants (``_inferred``).
 
 This package is part of the IR toolbox: it imports neither passes, backends nor the plugin registry.  A
-caller that holds the registry merges the custom ops' rules into a table and hands it to the query.
+caller that was handed the registry asks :func:`rules_for` for its table and hands it to the query.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from mograph.shapes._builtin import (
     builtin_rules,
     reshape_dims,
     reshape_entries,
+    same_shape_rule,
     shape_range,
 )
+from mograph.shapes._declared import declared_rules, rules_for
 from mograph.shapes._dim import Dim, Factor, add, div, mul, prod, same_dim, sub
 from mograph.shapes._inferred import (
     DimSize,
@@ -46,6 +50,6 @@ from mograph.shapes._rules import ShapeRule, ShapeRuleError, ShapeRules, node_ve
 __all__ = [
     "BROADCAST_OPS", "MS_DOMAIN", "REDUCE_OPS", "SAME_SHAPE_OPS", "Dim", "DimSize", "Dims", "Factor", "InferredShapes",
     "ShapeLiteral", "ShapeQuery", "ShapeRule", "ShapeRuleError", "ShapeRules", "Vector", "add", "broadcast",
-    "builtin_rules", "const_tensor", "div", "int_vector", "mul", "node_version", "owns_tensor", "prod", "reshape_dims",
-    "reshape_entries", "same_dim", "shape_literals", "shape_range", "shape_rule", "sub",
+    "builtin_rules", "const_tensor", "declared_rules", "div", "int_vector", "mul", "node_version", "owns_tensor", "prod", "reshape_dims",
+    "reshape_entries", "rules_for", "same_dim", "same_shape_rule", "shape_literals", "shape_range", "shape_rule", "sub",
 ]

@@ -11,6 +11,7 @@ that says which standard ops keep their input's shape, broadcast, or reduce.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 from mograph.shapes._rules import ShapeRules, shape_rule
 
 __all__ = ["BROADCAST_OPS", "MS_DOMAIN", "REDUCE_OPS", "SAME_SHAPE_OPS", "builtin_rules", "broadcast", "reshape_dims", "reshape_entries",
-           "shape_range"]
+           "same_shape_rule", "shape_range"]
 
 MS_DOMAIN = "com.microsoft"
 
@@ -138,6 +139,19 @@ def shape_range(node: ir.Node, rank: int) -> tuple[int, int]:
     start = min(max(start + rank if start < 0 else start, 0), rank)
     stop = min(max(stop + rank if stop < 0 else stop, 0), rank)
     return start, stop
+
+
+def peek_tensor(value: ir.Value) -> ir.TensorProtocol | None:
+    """``ir.convenience.get_const_tensor`` without its one write: it names a ``Constant`` node's ``value`` tensor
+    after the node's output, and a query only reads."""
+    node = value.producer()
+    attr = node.attributes.get("value") if node is not None and node.op_type == "Constant" else None
+    held = attr.value if attr is not None and attr.type == ir.AttributeType.TENSOR else None
+    name = held.name if held is not None else None
+    tensor = ir.convenience.get_const_tensor(value)
+    if held is not None:
+        held.name = name
+    return tensor
 
 
 def _attr(node: ir.Node, name: str, default: Any = None) -> Any:
@@ -346,7 +360,7 @@ def _register_values(t: ShapeRules) -> None:  # noqa: C901 - one short rule per 
         x, idx = q.values(node.inputs[0]), q.ints(node.inputs[1])
         if x is None or x[0] or idx is None or _iattr(node, "axis", 0) != 0:
             return None
-        itensor = ir.convenience.get_const_tensor(node.inputs[1]) if node.inputs[1] is not None else None
+        itensor = peek_tensor(node.inputs[1]) if node.inputs[1] is not None else None
         scalar = itensor is not None and itensor.shape.rank() == 0
         size = len(x[1])
         if any(not -size <= i < size for i in idx):
@@ -449,17 +463,22 @@ def _elementwise(op: str, args: list[Dim | None]) -> Dim | None:
     return None
 
 
+def same_shape_rule(outputs: tuple[int, ...]) -> Callable[[ir.Node, ShapeQuery], list[Dims | None]]:
+    """The dims rule of an op whose ``outputs`` have input 0's dims (a foreign op's ``same_shape_outputs``)."""
+    def same(node: ir.Node, q: ShapeQuery) -> list[Dims | None]:
+        out: list[Dims | None] = [None] * len(node.outputs)
+        for i in outputs:
+            if i < len(out):
+                out[i] = q.dims(node.inputs[0])
+        return out
+
+    return same
+
+
 # --- com.microsoft ----------------------------------------------------------------------------------
 def _register_ms(t: ShapeRules) -> None:
     for op, outputs in MS_SAME_SHAPE.items():
-        def same(node: ir.Node, q: ShapeQuery, outputs: tuple[int, ...] = outputs) -> list[Dims | None]:
-            out: list[Dims | None] = [None] * len(node.outputs)
-            for i in outputs:
-                if i < len(out):
-                    out[i] = q.dims(node.inputs[0])
-            return out
-
-        shape_rule(t, MS_DOMAIN, op)(same)
+        shape_rule(t, MS_DOMAIN, op)(same_shape_rule(outputs))
 
     @shape_rule(t, MS_DOMAIN, "EmbedLayerNormalization")
     def embed_layer_norm(node: ir.Node, q: ShapeQuery) -> list[Dims | None] | None:

@@ -25,7 +25,7 @@ from typing import Union
 import numpy as np
 import onnx_ir as ir
 
-from mograph.shapes._builtin import builtin_rules, reshape_dims
+from mograph.shapes._builtin import builtin_rules, peek_tensor, reshape_dims
 from mograph.shapes._dim import Dim
 from mograph.shapes._rules import ShapeRules, node_version
 
@@ -86,6 +86,27 @@ class ShapeQuery:
         """The symbolic dims of ``value``; ``None`` if its rank is unknown."""
         return None if value is None else self._dims.get(value)
 
+    def refresh(self) -> None:
+        """Visit the nodes written into the graph since the sweep (in graph order), keeping what is known: for a
+        caller that rewrites the graph as it goes (the ``lower`` step) without changing the values already swept."""
+        for value in self.graph.inputs:
+            if value not in self._dims:
+                self._set_dims(value, self._declared(value))
+        for value in self.graph.initializers.values():
+            if value not in self._dims:
+                self._set_dims(value, None)
+                self._constant(value)
+        for index, node in enumerate(self.graph):
+            if all(out in self._dims for out in node.outputs):
+                continue
+            for value in node.outputs:
+                self.position[value] = index
+            self._visit(node)
+
+    def knows(self, value: ir.Value) -> bool:
+        """Whether the sweep met ``value`` (a graph input, initializer or node output of the graph then)."""
+        return value in self._dims
+
     def values(self, value: ir.Value | None) -> Vector | None:
         """``(is_scalar, elements)`` of a tracked int64 shape vector; ``None`` if it is not one."""
         return None if value is None else self._vec.get(value)
@@ -104,7 +125,7 @@ class ShapeQuery:
 
     def ints(self, value: ir.Value | None) -> list[int] | None:
         """The values of a constant int32/int64 scalar or 1-D tensor of at most :attr:`max_vector` elements."""
-        tensor = None if value is None else ir.convenience.get_const_tensor(value)
+        tensor = None if value is None else peek_tensor(value)
         if tensor is None:
             return None
         if tensor.dtype not in (ir.DataType.INT64, ir.DataType.INT32) or tensor.size > self.max_vector:
@@ -117,6 +138,11 @@ class ShapeQuery:
     def reshape_dims(self, data: Dims | None, target: tuple[Dim | None, ...], allowzero: bool) -> Dims | None:
         """The dims ``Reshape`` gives ``data`` for a target with elements ``target``."""
         return reshape_dims(data, target, allowzero)
+
+    def declared(self, value: ir.Value) -> Dims | None:
+        """The dims ONNX inference left on ``value`` (a value the sweep did not meet), read the query's way:
+        named dims as their atoms, other unknowns as fresh atoms."""
+        return self._declared(value)
 
     # --- the sweep -------------------------------------------------------------------------------
     def _declared(self, value: ir.Value) -> Dims | None:
@@ -152,7 +178,7 @@ class ShapeQuery:
         self._dims[value] = dims
 
     def _constant(self, value: ir.Value) -> None:
-        tensor = ir.convenience.get_const_tensor(value)
+        tensor = peek_tensor(value)
         if tensor is not None and self._dims.get(value) is None:
             self._dims[value] = tuple(Dim.lit(int(d)) for d in tensor.shape.numpy())
         ints = self.ints(value)

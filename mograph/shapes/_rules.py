@@ -104,6 +104,13 @@ class ShapeRules:
         """A new table with this table's rules and ``other``'s (a key in both is an error)."""
         return ShapeRules([*self, *other])
 
+    def overridden(self, other: Iterable[ShapeRule]) -> ShapeRules:
+        """A new table with ``other``'s rules, and this table's where ``other`` has none of the same key
+        (two of ``other`` with one key is an error)."""
+        theirs = ShapeRules(other)
+        keys = {r.key for r in theirs}
+        return ShapeRules([*(r for r in self if r.key not in keys), *theirs])
+
     def __iter__(self) -> Iterator[ShapeRule]:
         for versions in self._by_op.values():
             yield from versions

@@ -46,7 +46,7 @@ from onnx_ir.passes import common as irp
 from mograph._traverse import iter_nodes
 from mograph.irutil import attr_value, fresh_name, unique_initializer_name
 from mograph.pass_infra import Option, Pass, PassResult
-from mograph.shapes import Dim, Dims, ShapeQuery, reshape_entries, shape_range
+from mograph.shapes import Dim, Dims, ShapeQuery, reshape_entries, rules_for, shape_range
 
 __all__ = ["SimplifyShapesPass"]
 
@@ -257,7 +257,7 @@ class SimplifyShapesPass(Pass):
         return PassResult(modified=bool(changed), stats=stats)
 
     def _round(self, model: ir.Model, stats: dict[str, int | float]) -> bool:
-        an = ShapeQuery(model.graph)
+        an = ShapeQuery(model.graph, rules_for(self.registry))
         shape_ops = _shape_ops(an)
         builder = _Builder(model, an)
         changed = False

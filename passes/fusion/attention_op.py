@@ -26,6 +26,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mograph.custom_ops import DOMAIN, DOMAIN_VERSION, CustomOp
+from mograph.shapes import Dim, Dims, ShapeQuery, mul
 
 __all__ = ["ATTENTION_OP", "ROTARY_OP", "rotary_embedding", "rotary_function", "MASK_FORMATS", "MASK_FORMAT_KEY", "KV_CACHE_KEY", "ONNX_ATTENTION_OPSET", "attention", "attention_function",
            "custom_ops"]
@@ -199,6 +200,25 @@ def rotary_function(opset: int) -> ir.Function:
     return ir.Function(DOMAIN, ROTARY_OP, "", graph=graph, attributes=[ir.AttrInt64("num_heads", 1)])
 
 
+def _attention_dims(node: ir.Node, q: ShapeQuery) -> list[Dims | None] | None:
+    """Y ``[B, S, H*Dv]``: Q's first two dims, then V's width (times ``num_heads / kv_num_heads`` for GQA)."""
+    dq, dv = q.dims(node.inputs[0]), q.dims(node.inputs[2])
+    if dq is None or dv is None or len(dq) != 3 or len(dv) != 3:
+        return None
+    heads = int(node.attributes["num_heads"].value) if "num_heads" in node.attributes else 1
+    kv = int(node.attributes["kv_num_heads"].value) if "kv_num_heads" in node.attributes else 0
+    width = dv[2]
+    if kv and heads % kv == 0:
+        width = mul(width, Dim.lit(heads // kv))
+    elif kv:
+        width = None
+    return [(dq[0], dq[1], width)]
+
+
+def _dims_of_x(node: ir.Node, q: ShapeQuery) -> list[Dims | None]:
+    return [q.dims(node.inputs[0])]
+
+
 def _same_as_x(node: ir.Node) -> None:
     x, out = node.inputs[0], node.outputs[0]
     if x is not None:
@@ -226,6 +246,7 @@ def custom_ops() -> list[CustomOp]:
                           nan_to_zero=nan_to_zero),),
             function=attention_function,
             infer_shapes=_infer_shapes,
+            shape_dims=_attention_dims,
             lowerings=lowerings_for(ATTENTION_OP),
             onnx_opset=ONNX_ATTENTION_OPSET,
             computes="attention",
@@ -242,6 +263,7 @@ def custom_ops() -> list[CustomOp]:
             reference=lambda x, cos, sin, num_heads=1: (rotary_embedding(x, cos, sin, num_heads=num_heads),),
             function=rotary_function,
             infer_shapes=_same_as_x,
+            shape_dims=_dims_of_x,
             lowerings=lowerings_for(ROTARY_OP),
         ),
     ]

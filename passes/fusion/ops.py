@@ -45,6 +45,7 @@ import onnx_ir as ir
 from mograph._kernels import reference as _reference
 from mograph.custom_ops import DOMAIN, DOMAIN_VERSION, CustomOp
 from mograph.kernel_plugins import TENSORRT_PLUGINS
+from mograph.shapes import Dims, ShapeQuery, broadcast
 
 __all__ = [
     "DOMAIN",
@@ -319,6 +320,31 @@ def _embed_shape(node: ir.Node) -> None:
     node.outputs[0].shape = ir.Shape([*dims, word.shape[1]])
 
 
+# symbolic shape rules (the core's shape query asks them: ``CustomOp.shape_dims``)
+# ---------------------------------------------------------------------------------------------
+
+
+def _dims_of_x(node: ir.Node, q: ShapeQuery) -> list[Dims | None]:
+    """Every output has input 0's dims."""
+    return [q.dims(node.inputs[0])] * len(node.outputs)
+
+
+def _dims_of_x_plus_1(node: ir.Node, q: ShapeQuery) -> list[Dims | None]:
+    """Every output has the broadcast dims of inputs 0 and 1 (``X + Skip``, ``X + Bias``)."""
+    y = broadcast(q.dims(node.inputs[0]), q.dims(node.inputs[1]) if len(node.inputs) > 1 else None)
+    return [y] * len(node.outputs)
+
+
+def _embed_dims(node: ir.Node, q: ShapeQuery) -> list[Dims | None] | None:
+    """Y: the broadcast dims of the three id tensors, then the word table's hidden size."""
+    ids = [q.dims(v) for v in node.inputs[:3]]
+    word = q.dims(node.inputs[3]) if len(node.inputs) > 3 else None
+    if word is None or len(word) != 2 or any(d is None for d in ids) or len({len(d) for d in ids if d}) != 1:
+        return None
+    y = broadcast(broadcast(ids[0], ids[1]), ids[2])
+    return None if y is None else [(*y, word[1])]
+
+
 # ---------------------------------------------------------------------------------------------
 # declarations
 # ---------------------------------------------------------------------------------------------
@@ -336,7 +362,7 @@ def custom_ops() -> list[CustomOp]:
             doc="LayerNorm over the last axis: (X - mean) / sqrt(var + epsilon) * Scale + B.",
             inputs=("X", "Scale", "B"), outputs=("Y",), attributes={"epsilon": 1e-5, "stash_type": 1},
             reference=lambda x, scale, b, epsilon=1e-5, stash_type=1: (layer_norm(x, scale, b, epsilon),),
-            function=_layer_norm_fn, infer_shapes=_same_as_first, lowerings=lowerings_for("LayerNorm"),
+            function=_layer_norm_fn, infer_shapes=_same_as_first, shape_dims=_dims_of_x, lowerings=lowerings_for("LayerNorm"),
             onnx_opset=17, tensorrt_plugin=plugins["LayerNorm"], computes="LayerNorm",
         ),
         CustomOp(
@@ -344,7 +370,7 @@ def custom_ops() -> list[CustomOp]:
             doc="RMSNorm over the last axis: X / sqrt(mean(X^2) + epsilon) * Scale.",
             inputs=("X", "Scale"), outputs=("Y",), attributes={"epsilon": 1e-6, "stash_type": 1},
             reference=lambda x, scale, epsilon=1e-6, stash_type=1: (rms_norm(x, scale, epsilon),),
-            function=_rms_norm_fn, infer_shapes=_same_as_first, lowerings=lowerings_for("RMSNorm"),
+            function=_rms_norm_fn, infer_shapes=_same_as_first, shape_dims=_dims_of_x, lowerings=lowerings_for("RMSNorm"),
             onnx_opset=23, tensorrt_plugin=plugins["RMSNorm"], computes="RMSNorm",
         ),
         CustomOp(
@@ -354,7 +380,7 @@ def custom_ops() -> list[CustomOp]:
             attributes={"epsilon": 1e-5, "stash_type": 1},
             reference=lambda x, skip, scale, b, bias, epsilon=1e-5, stash_type=1: skip_layer_norm(
                 x, skip, scale, b, bias, epsilon),
-            function=_skip_layer_norm_fn, infer_shapes=_same_as_first, lowerings=lowerings_for("SkipLayerNorm"),
+            function=_skip_layer_norm_fn, infer_shapes=_same_as_first, shape_dims=_dims_of_x_plus_1, lowerings=lowerings_for("SkipLayerNorm"),
             onnx_opset=17, tensorrt_plugin=plugins["SkipLayerNorm"], computes="LayerNorm",
         ),
         CustomOp(
@@ -363,7 +389,7 @@ def custom_ops() -> list[CustomOp]:
             inputs=("X", "Skip", "Scale", "Bias"), outputs=("Y", "Sum?"), attributes={"epsilon": 1e-6, "stash_type": 1},
             reference=lambda x, skip, scale, bias, epsilon=1e-6, stash_type=1: skip_rms_norm(
                 x, skip, scale, bias, epsilon),
-            function=_skip_rms_norm_fn, infer_shapes=_same_as_first, lowerings=lowerings_for("SkipRMSNorm"),
+            function=_skip_rms_norm_fn, infer_shapes=_same_as_first, shape_dims=_dims_of_x_plus_1, lowerings=lowerings_for("SkipRMSNorm"),
             onnx_opset=23, tensorrt_plugin=plugins["SkipRMSNorm"], computes="RMSNorm",
         ),
         CustomOp(
@@ -374,14 +400,15 @@ def custom_ops() -> list[CustomOp]:
             outputs=("Y",), attributes={"epsilon": 1e-5, "stash_type": 1},
             reference=lambda ids, seg, pos, word, segment, position, scale, b, epsilon=1e-5, stash_type=1: (
                 embed_layer_norm(ids, seg, pos, word, segment, position, scale, b, epsilon),),
-            function=_embed_layer_norm_fn, infer_shapes=_embed_shape, lowerings=lowerings_for("EmbedLayerNorm"),
+            function=_embed_layer_norm_fn, infer_shapes=_embed_shape, shape_dims=_embed_dims, lowerings=lowerings_for("EmbedLayerNorm"),
             onnx_opset=17, computes="LayerNorm",
         ),
         CustomOp(
             name="Gelu", domain=DOMAIN, version=DOMAIN_VERSION, doc="Exact GELU: X/2 (1 + erf(X / sqrt(2))).",
             inputs=("X",), outputs=("Y",), attributes={"stash_type": 1},
             reference=lambda x, stash_type=1: (gelu(x, "none"),),
-            function=_gelu_fn("Gelu", "none", False), infer_shapes=_same_as_first, lowerings=lowerings_for("Gelu"),
+            function=_gelu_fn("Gelu", "none", False), infer_shapes=_same_as_first,
+            shape_dims=_dims_of_x, lowerings=lowerings_for("Gelu"),
             onnx_opset=20, tensorrt_plugin=plugins["Gelu"], tensorrt_fields={"approximate": "none"}, computes="GELU",
         ),
         CustomOp(
@@ -389,7 +416,7 @@ def custom_ops() -> list[CustomOp]:
             doc="GELU, tanh approximation: X/2 (1 + tanh(sqrt(2/pi) (X + 0.044715 X^3))).",
             inputs=("X",), outputs=("Y",), attributes={"stash_type": 1},
             reference=lambda x, stash_type=1: (gelu(x, "tanh"),),
-            function=_gelu_fn("FastGelu", "tanh", False), infer_shapes=_same_as_first,
+            function=_gelu_fn("FastGelu", "tanh", False), infer_shapes=_same_as_first, shape_dims=_dims_of_x,
             lowerings=lowerings_for("FastGelu"), onnx_opset=20, tensorrt_plugin=plugins["Gelu"],
             tensorrt_fields={"approximate": "tanh"}, computes="GELU",
         ),
@@ -397,13 +424,13 @@ def custom_ops() -> list[CustomOp]:
             name="QuickGelu", domain=DOMAIN, version=DOMAIN_VERSION, doc="Sigmoid GELU approximation: X sigmoid(alpha X).",
             inputs=("X",), outputs=("Y",), attributes={"alpha": QUICK_GELU_ALPHA, "stash_type": 1},
             reference=lambda x, alpha=QUICK_GELU_ALPHA, stash_type=1: (quick_gelu(x, alpha),),
-            function=_quick_gelu_fn, infer_shapes=_same_as_first, lowerings=lowerings_for("QuickGelu"), computes="GELU",
+            function=_quick_gelu_fn, infer_shapes=_same_as_first, shape_dims=_dims_of_x, lowerings=lowerings_for("QuickGelu"), computes="GELU",
         ),
         CustomOp(
             name="BiasGelu", domain=DOMAIN, version=DOMAIN_VERSION, doc="Exact GELU of X + Bias.",
             inputs=("X", "Bias"), outputs=("Y",), attributes={"stash_type": 1},
             reference=lambda x, bias, stash_type=1: (bias_gelu(x, bias, "none"),),
-            function=_gelu_fn("BiasGelu", "none", True), infer_shapes=_same_as_first,
+            function=_gelu_fn("BiasGelu", "none", True), infer_shapes=_same_as_first, shape_dims=_dims_of_x_plus_1,
             lowerings=lowerings_for("BiasGelu"), onnx_opset=20, tensorrt_plugin=plugins["BiasGelu"],
             tensorrt_fields={"approximate": "none"}, computes="GELU",
         ),
@@ -411,7 +438,7 @@ def custom_ops() -> list[CustomOp]:
             name="BiasFastGelu", domain=DOMAIN, version=DOMAIN_VERSION, doc="tanh-approximated GELU of X + Bias.",
             inputs=("X", "Bias"), outputs=("Y",), attributes={"stash_type": 1},
             reference=lambda x, bias, stash_type=1: (bias_gelu(x, bias, "tanh"),),
-            function=_gelu_fn("BiasFastGelu", "tanh", True), infer_shapes=_same_as_first,
+            function=_gelu_fn("BiasFastGelu", "tanh", True), infer_shapes=_same_as_first, shape_dims=_dims_of_x_plus_1,
             lowerings=lowerings_for("BiasFastGelu"), onnx_opset=20, tensorrt_plugin=plugins["BiasGelu"],
             tensorrt_fields={"approximate": "tanh"}, computes="GELU",
         ),

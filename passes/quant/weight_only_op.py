@@ -41,6 +41,7 @@ from mograph.custom_ops import DOMAIN, DOMAIN_VERSION, CustomOp, Lowering
 from mograph.irutil import add_initializer
 from mograph.lowering import LoweringContext, replace_node
 from mograph.patterns import constant_array
+from mograph.shapes import Dim, Dims, ShapeQuery
 
 __all__ = ["OP_NAME", "weight_only_matmul_op", "reference", "function_body", "MS_DOMAIN"]
 
@@ -116,6 +117,12 @@ def _infer(node: ir.Node) -> None:
     n = _attr(node, "N")
     if a.shape is not None and n:
         out.shape = ir.Shape([*list(a.shape)[:-1], n])
+
+
+def _dims(node: ir.Node, q: ShapeQuery) -> list[Dims | None] | None:
+    """Y: A's dims with the last replaced by ``N``."""
+    a, n = q.dims(node.inputs[0]), _attr(node, "N")
+    return None if a is None or not a or not n else [(*a[:-1], Dim.lit(int(n)))]
 
 
 def _constants(node: ir.Node) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -223,6 +230,7 @@ def weight_only_matmul_op() -> CustomOp:
         reference=reference,
         function=function_body,
         infer_shapes=_infer,
+        shape_dims=_dims,
         lowerings=dict(LOWERINGS),
         onnx_opset=BLOCKED_DQ_OPSET,
     )

@@ -184,3 +184,23 @@ def test_the_check_resolves_relative_imports(tmp_path: Path) -> None:
     pkg = tmp_path / "mod.py"
     pkg.write_text("from . import _feeds\nfrom ..backends import ort\n")
     assert {"mograph.validate._feeds", "mograph.backends.ort"} <= _imports(pkg, "mograph.validate.mod")
+
+
+def _reach(module: str) -> set[str]:
+    """Every module ``module`` imports, directly or through others (static edges, deferred imports included)."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        for m in _edges(todo.pop()):
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return seen
+
+
+def test_the_attention_proofs_do_not_import_the_fusion() -> None:
+    """The fusion reads the lowering's proofs (``is_zero_bias``); the proofs read only leaf modules of the fusion
+    (``_attention_rotary``), never the fusion itself: no import cycle between them."""
+    fusion, proofs = "mograph.passes.fusion.attention", "mograph.passes.fusion.lowerings.attention_proofs"
+    assert proofs in _reach(fusion)
+    assert fusion not in _reach(proofs)

@@ -77,3 +77,33 @@ def test_lookup_by_version_and_clashes() -> None:
     with pytest.raises(ShapeRuleError):
         shape_rule(table, "", "Op", 13, kind="values")(one)
 
+
+
+def test_the_query_only_reads() -> None:
+    """Sweeping a graph writes nothing into it: a ``Constant``'s tensor keeps its own name (ONNX IR's
+    ``get_const_tensor`` would name it after the node's output), and the dims on the values stay."""
+    x = ir.Value(name="x", shape=ir.Shape(["b", 8]), type=ir.TensorType(ir.DataType.FLOAT))
+    tensor = ir.tensor(np.array([0, -1], dtype=np.int64))
+    assert tensor.name is None
+    const = ir.node("Constant", [], attributes={"value": tensor})
+    const.outputs[0].name = "target"
+    reshape = ir.node("Reshape", [x, const.outputs[0]])
+    graph = ir.Graph([x], reshape.outputs, nodes=[const, reshape], opset_imports={"": 18})
+    q = ShapeQuery(graph)
+    assert q.values(const.outputs[0]) == (False, ((0,), (-1,)))  # read: [0, -1]
+    assert q.dims(reshape.outputs[0]) == (("=b",), (8,))
+    assert const.attributes["value"].value.name is None and reshape.outputs[0].shape is None
+
+
+def test_refresh_visits_only_the_new_nodes() -> None:
+    """A node written after the sweep is unknown until :meth:`ShapeQuery.refresh`, which visits it from the dims
+    already known (an earlier value keeps its dims, even one whose producer changed)."""
+    graph, v = _graph()
+    q = ShapeQuery(graph)
+    relu_dims = q.dims(v["relu"])
+    tanh = ir.node("Tanh", [v["reshape"]])
+    graph.insert_after(v["reshape"].producer(), tanh)
+    assert not q.knows(tanh.outputs[0]) and q.dims(tanh.outputs[0]) is None
+    q.refresh()
+    assert q.knows(tanh.outputs[0]) and q.dims(tanh.outputs[0]) == q.dims(v["reshape"]) == (("=b",), (4, "=s"), (2,))
+    assert q.dims(v["relu"]) is relu_dims

@@ -97,7 +97,7 @@ def test_registry_errors():
     with pytest.raises(SweepError, match="option 'ratio' is taken by prune-structured, none of which is in its pipeline"):
         check_against_registry(sweep)
     sweep = parse_config({"configurations": [{"name": "a", "passes": "cleanup,fuse", "options": {"target": "ort"}}]}, "s")
-    assert check_against_registry(sweep)["a"][-6] == "lower"  # then the after-lower preset
+    assert check_against_registry(sweep)["a"][-4] == "lower"  # then the after-lower preset
 
 
 def test_config_file_errors_and_relative_paths(tmp_path, capsys):
@@ -151,7 +151,7 @@ def test_shipped_example_sweep(tmp_path, capsys, monkeypatch):
         assert r["versions"]["onnx"] == onnx.__version__ and r["provider"] == "CPUExecutionProvider"
         assert r["settings"]["eval_samples"] == 2 and r["settings"]["iterations"] == 20
     fused = rows["fused"]
-    assert fused["pipeline"][-6] == "lower" and "fuse-layernorm" in fused["pipeline"]
+    assert fused["pipeline"][-4] == "lower" and "fuse-layernorm" in fused["pipeline"]
     assert fused["metrics"]["max_abs"] < 1e-4 and fused["calib_hash"] is None
     assert any(p["name"] == "fuse-attention" for p in fused["report"])
     assert rows["fp16"]["metrics"]["size_bytes"] < 0.7 * m0["size_bytes"]

@@ -108,12 +108,13 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
     if head_size % GQA_HEAD_MULTIPLE or f.shape is None or len(f.shape) != 3 or f.shape[2] != head_size // 2:
         return _no_gqa(node, f"head size {head_size} not a multiple of {GQA_HEAD_MULTIPLE}, or a partial rotary")
     past = ck[0] if ck is not None else None
-    rp = _rotary_positions(f, xq, past)
+    rp = _rotary_positions(f, xq, past, ctx)
     if rp is None:  # (found: f is [1, S, D/2] by construction, a 1-D pos unsqueezed to rank 3 times a 1-D inv_freq)
         return _no_gqa(node, "the rotary angles are not provably (past + s) * inv_freq")
     pos, inv = rp
-    keys = ck[2].shape[2] if ck is not None and ck[2].shape is not None else _seq_dim(xq)
-    causal = _causal_from(bias, pos, keys, past, xq)
+    kv = ctx.dims(ck[2]) if ck is not None else None
+    keys = (kv[2] if kv is not None and len(kv) == 4 else None) if ck is not None else _seq_dim(xq, ctx)
+    causal = _causal_from(bias, pos, keys, ctx, past, xq)
     if causal is None:
         return _no_gqa(node, "the bias is not provably causal (and a key-padding mask)")
     mask = causal[0]
@@ -262,7 +263,7 @@ def _guard(node: ir.Node, ctx: LoweringContext, ok: ir.Value, outer: list[ir.Nod
         _like(n.outputs[0], presents[i], shape=False)
     then_g = ir.Graph([], then_outs, nodes=fast, name=f"{base}_gqa")
     else_g = ir.Graph([], [copy.outputs[0]] + [n.outputs[0] for n in idents], nodes=[copy, *idents], name=f"{base}_exact")
-    branch = LoweringContext(ctx.model, ctx.target, ctx.op)  # its own shared values: they live in the branch
+    branch = LoweringContext(ctx.model, ctx.target, ctx.op, shape_rules=ctx.shape_rules)  # its own shared values: they live in the branch
     if not exact(copy, branch):
         raise PassFailedError("lower", f"attention '{base}': the exact branch of the right-padding check did not lower")
     guard = ir.node("If", [ok], attributes={"then_branch": then_g, "else_branch": else_g}, name=f"{base}/if",

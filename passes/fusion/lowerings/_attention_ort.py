@@ -24,6 +24,7 @@ from mograph.passes.fusion.lowerings.attention_proofs import (
 from mograph.irutil import add_initializer, attr_value, is_zero, same_dim
 from mograph.lowering import LoweringContext, replace_node
 from mograph.patterns import constant_array, remove_dead_producers
+from mograph.shapes import Dim
 
 logger = logging.getLogger(__name__)
 
@@ -229,9 +230,10 @@ def _kernel(op_type: str, inputs: list[ir.Value | None], attrs: dict[str, Any], 
 GQA_HEAD_MULTIPLE = 8
 
 
-def _gqa_head_ok(q: ir.Value, heads: int, shared: Shared | None) -> bool:
-    width = _seq_dim(q, shared, axis=2)
-    return isinstance(width, int) and width % heads == 0 and (width // heads) % GQA_HEAD_MULTIPLE == 0
+def _gqa_head_ok(q: ir.Value, heads: int, ctx: LoweringContext) -> bool:
+    width = _seq_dim(q, ctx, ctx.shared, axis=2)
+    n = width.value if width is not None else None
+    return n is not None and n % heads == 0 and (n // heads) % GQA_HEAD_MULTIPLE == 0
 
 
 def _lower_cached(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, attrs: dict[str, Any]) -> bool:
@@ -249,8 +251,8 @@ def _lower_cached(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int
     ck, cv = _kv_cache(k), _kv_cache(v)
     if ck is None or cv is None:
         return False
-    if kv_heads != heads and not (is_zero(bias) and same_dim(_seq_dim(q, ctx.shared), 1)
-                                  and _gqa_head_ok(q, heads, ctx.shared)):
+    if kv_heads != heads and not (is_zero(bias) and _seq_dim(q, ctx, ctx.shared) == Dim.lit(1)
+                                  and _gqa_head_ok(q, heads, ctx)):
         return False  # (nothing built yet: what is built lands in ``shared``)
     new_nodes: list[ir.Node] = []
     ab = None if is_zero(bias) else _bias_for_kernel(bias, q, new_nodes, ctx.shared)

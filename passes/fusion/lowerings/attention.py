@@ -174,8 +174,8 @@ def _lower_ort(node: ir.Node, ctx: LoweringContext) -> bool:
         return True
     fmt = node.metadata_props.get(MASK_FORMAT_KEY, "bias")
     new_nodes: list[ir.Node] = []
-    causal = None if is_zero(bias) else _causal(bias, q, k, ctx.shared)
-    if causal is not None and kv_heads != heads and not _gqa_head_ok(q, heads, ctx.shared):
+    causal = None if is_zero(bias) else _causal(bias, q, k, ctx.shared, ctx)
+    if causal is not None and kv_heads != heads and not _gqa_head_ok(q, heads, ctx):
         causal = None
     if causal is not None and causal[0] is not None and fmt != "lengths":
         causal = None  # causal + key padding: a kernel mask only as (right-padding) lengths
@@ -197,7 +197,7 @@ def _lower_ort(node: ir.Node, ctx: LoweringContext) -> bool:
         else:
             k = _repeat_heads(k, kv_heads, heads // kv_heads, new_nodes, ctx.shared)
             v = _repeat_heads(v, kv_heads, heads // kv_heads, new_nodes, ctx.shared)
-    padding = None if bias is None or is_zero(bias) or fmt == "bias" else _padding_mask(bias)
+    padding = None if bias is None or is_zero(bias) or fmt == "bias" else _padding_mask(bias, ctx)
     if padding is not None:  # raw: the [B, T] mask, masked scores filled with mask_filter_value;
         mask, attrs["mask_filter_value"] = padding  # lengths: the 1-D [B] right-padding key lengths
         lengths = (_key_lengths(mask, new_nodes, ctx.shared) if fmt == "lengths"

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import onnx_ir as ir
+from mograph.passes.fusion._attention_rotary import _rotary  # the fusion's proof of transformers' rotate_half form
 from mograph.passes.fusion.ops import FLOAT_TYPES
 
 from mograph.irutil import attr_value, same_dim
 from mograph.patterns import constant_array, scalar_value
+from mograph.shapes import Dim, Dims, Vector
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,23 @@ def _packed(node: ir.Node) -> tuple[ir.Value, np.ndarray, np.ndarray] | None:
 
 #: Lowerings of one pass run share what they build for the same input: key -> value.
 Shared = dict[tuple[Any, ...], Any]
+
+
+class Shapes(Protocol):
+    """What the proofs ask about dims: the core's shape query, as :class:`mograph.lowering.LoweringContext` (or a
+    :class:`mograph.shapes.ShapeQuery`) answers it."""
+
+    def dims(self, value: ir.Value | None) -> Dims | None: ...
+
+    def values(self, value: ir.Value | None) -> Vector | None: ...
+
+
+def _reads_dim(shapes: Shapes, scalar: ir.Value | None, x: ir.Value | None, axis: int) -> bool:
+    """Whether the one-element shape vector ``scalar`` holds dim ``axis`` of ``x`` for every input (``Gather(Shape(x),
+    axis)``, however spelled: the query follows Cast, Squeeze, Unsqueeze, Reshape, Slice, Concat)."""
+    vec, dims = shapes.values(scalar), shapes.dims(x)
+    return (vec is not None and len(vec[1]) == 1 and vec[1][0] is not None and dims is not None
+            and -len(dims) <= axis < len(dims) and vec[1][0] == dims[axis])
 
 
 def _dim_key(dim: Any, owner: ir.Value) -> tuple[Any, ...]:
@@ -175,23 +194,7 @@ def is_zero_bias(value: ir.Value | None) -> bool:
     return zero is not None and zero.dtype.kind == "f" and not np.any(zero)
 
 
-def _dim_of(value: ir.Value | None, axis: int) -> ir.Value | None:
-    """The tensor whose dim ``axis`` the scalar ``value`` is (``Gather(Shape(x), axis)``), through Cast."""
-    while (cast := _producer(value, "Cast")) is not None:
-        value = cast.inputs[0]
-    gather = _producer(value, "Gather")
-    if gather is None or scalar_value(gather.inputs[1]) != axis or int(attr_value(gather, "axis", 0)) != 0:
-        return None
-    shape = _producer(gather.inputs[0], "Shape")
-    if shape is None or "start" in shape.attributes or "end" in shape.attributes:
-        return None
-    x = shape.inputs[0]
-    while (cast := _producer(x, "Cast")) is not None:
-        x = cast.inputs[0]
-    return x
-
-
-def _gathered_padding(value: ir.Value | None) -> ir.Value | None:
+def _gathered_padding(value: ir.Value | None, shapes: Shapes) -> ir.Value | None:
     """The mask input of ``transformers``' index-based padding lookup, ``mask[b, t]`` laid out ``[B, 1, 1, T]``.
 
     ``Reshape(Reshape(Gather(Flatten(Cast(mask, bool), axis=2), b * T + t), [-1]), Shape(b * T + t))``
@@ -228,7 +231,7 @@ def _gathered_padding(value: ir.Value | None) -> ir.Value | None:
             t_rng, b_rng = _is_range_from_zero(t_idx), _is_range_from_zero(b_idx)
             if t_rng is None or b_rng is None or _range_axis(t_idx) != 3 or _range_axis(b_idx) != 0:
                 continue
-            if _dim_of(t_len, 1) is mask and _dim_of(t_rng.inputs[1], 1) is mask:
+            if _reads_dim(shapes, t_len, mask, 1) and _reads_dim(shapes, t_rng.inputs[1], mask, 1):
                 return mask
     return None
 
@@ -250,29 +253,29 @@ def _range_axis(value: ir.Value | None) -> int | None:
     return dims.index("r") if len(dims) == 4 else None
 
 
-def _keep(value: ir.Value | None) -> ir.Value | None:
+def _keep(value: ir.Value | None, shapes: Shapes) -> ir.Value | None:
     """The mask input if ``value`` (bool, broadcastable to ``[B, 1, S, T]``) is ``mask[b, t] != 0`` for every s."""
     node = value.producer() if value is not None else None
     if node is None or node.domain != "":
         return None
     if node.op_type == "Expand":  # broadcasting copies values; the kernel broadcasts over S and heads itself
-        return _keep(node.inputs[0])
+        return _keep(node.inputs[0], shapes)
     if node.op_type == "And":
         a, b = node.inputs[0], node.inputs[1]
         if _all_true(a):
-            return _keep(b)
+            return _keep(b, shapes)
         if _all_true(b):
-            return _keep(a)
+            return _keep(a, shapes)
         return None
     if node.op_type == "Cast" and int(attr_value(node, "to", 0)) == ir.DataType.BOOL.value:
         # a cast of a keep mask to bool keeps it; a cast of the mask to bool is mask != 0
-        return _keep(node.inputs[0]) or _mask_input(node.inputs[0], ("b", "1", "1", "t"))
+        return _keep(node.inputs[0], shapes) or _mask_input(node.inputs[0], ("b", "1", "1", "t"))
     if node.op_type == "Unsqueeze" and value is not None and value.dtype == ir.DataType.BOOL:
         return _mask_input(value, ("b", "1", "1", "t"))  # a bool mask input
-    return _gathered_padding(value)
+    return _gathered_padding(value, shapes)
 
 
-def _padding_mask(bias: ir.Value) -> tuple[ir.Value, float] | None:
+def _padding_mask(bias: ir.Value, shapes: Shapes) -> tuple[ir.Value, float] | None:
     """``(mask, c)`` if ``bias[b, :, s, t]`` is 0 where the 2-D input ``mask[b, t]`` is 1 and ``c`` where it is 0.
 
     The forms traced: ``(1 - float(mask[:, None, None, :])) * c`` (``transformers`` before 4.48) and
@@ -297,7 +300,7 @@ def _padding_mask(bias: ir.Value) -> tuple[ir.Value, float] | None:
                 break
     elif node.op_type == "Where" and scalar_value(node.inputs[1]) == 0.0:
         c = scalar_value(node.inputs[2])
-        mask = _keep(node.inputs[0])
+        mask = _keep(node.inputs[0], shapes)
     if mask is None or c is None or not c < 0 or not math.isfinite(c):
         return None
     return mask, c
@@ -313,9 +316,9 @@ def _and_leaves(value: ir.Value | None) -> list[ir.Value | None]:
     return [value]
 
 
-def _seq_dim(value: ir.Value | None, shared: Shared | None = None, axis: int = 1) -> Any:
-    """Dim ``axis`` of a ``[B, S, .]`` value, looking through rotary embeddings (which keep the shape): a
-    ``mograph.RotaryEmbedding`` node, or one inlined in this run (noted in ``shared``)."""
+def _seq_dim(value: ir.Value | None, shapes: Shapes, shared: Shared | None = None, axis: int = 1) -> Dim | None:
+    """Dim ``axis`` of a ``[B, S, .]`` value (the shape query's), looking through rotary embeddings (which keep the
+    shape): a ``mograph.RotaryEmbedding`` node, or one inlined in this run (noted in ``shared``)."""
     for _ in range(8):
         if value is None:
             return None
@@ -326,10 +329,11 @@ def _seq_dim(value: ir.Value | None, shared: Shared | None = None, axis: int = 1
         if x is None:
             break
         value = x
-    return value.shape[axis] if value is not None and value.shape is not None and len(value.shape) == 3 else None
+    dims = shapes.dims(value)
+    return dims[axis] if dims is not None and len(dims) == 3 else None
 
 
-def _is_causal_term(term: ir.Value | None, q: ir.Value, k: ir.Value, shared: Shared | None) -> bool:
+def _is_causal_term(term: ir.Value | None, q: ir.Value, k: ir.Value, shared: Shared | None, shapes: Shapes) -> bool:
     """Whether ``term`` is ``kv_idx <= q_idx`` over ``[1, 1, S, S]``, both ``Range(0, S, 1)`` of one S.
 
     ``kv_idx`` lies on axis 3, ``q_idx`` on axis 2 (Unsqueezes of a 1-D Range); the two Ranges are one node,
@@ -345,35 +349,21 @@ def _is_causal_term(term: ir.Value | None, q: ir.Value, k: ir.Value, shared: Sha
     kv_rng, q_rng = _is_range_from_zero(kv_idx), _is_range_from_zero(q_idx)
     if kv_rng is None or q_rng is None or _range_axis(kv_idx) != 3 or _range_axis(q_idx) != 2:
         return False
-    s_q, s_k = _seq_dim(q, shared), _seq_dim(k, shared)
-    if not same_dim(s_q, s_k) or not any(same_dim(n, s_q) for n in _range_lengths(q_rng)):
+    s_q, s_k = _seq_dim(q, shapes, shared), _seq_dim(k, shapes, shared)
+    if s_q is None or s_q != s_k or _range_length(q_rng, shapes) != s_q:
         return False
-    return kv_rng is q_rng or kv_rng.inputs[1] is q_rng.inputs[1] or any(
-        same_dim(n, s_q) for n in _range_lengths(kv_rng))
+    return kv_rng is q_rng or kv_rng.inputs[1] is q_rng.inputs[1] or _range_length(kv_rng, shapes) == s_q
 
 
-def _range_lengths(rng: ir.Node) -> list[Any]:
-    """Dims known equal to the length of ``Range(0, n, 1)``: its output's dim, and the dim ``n`` is read from
-    (``Gather(Shape(x), i)`` or ``Shape(x, start=i, end=i+1)``, through Cast/Squeeze/Unsqueeze/Reshape)."""
-    out = [rng.outputs[0].shape[0]] if rng.outputs[0].shape is not None and len(rng.outputs[0].shape) == 1 else []
-    end = rng.inputs[1]
-    while (node := end.producer() if end is not None else None) is not None and node.domain == "" and \
-            node.op_type in ("Cast", "Squeeze", "Unsqueeze", "Reshape"):
-        end = node.inputs[0]
-    node = end.producer() if end is not None else None
-    if node is not None and node.domain == "" and node.op_type == "Shape":
-        start, stop = node.attributes.get("start"), node.attributes.get("end")
-        x = node.inputs[0]
-        if start is not None and stop is not None and int(stop.value) == int(start.value) + 1 and x is not None \
-                and x.shape is not None and 0 <= int(start.value) < len(x.shape):
-            out.append(x.shape[int(start.value)])
-    x = _dim_of(end, 1)
-    if x is not None and x.shape is not None and len(x.shape) >= 2:
-        out.append(x.shape[1])
-    return out
+def _range_length(rng: ir.Node, shapes: Shapes) -> Dim | None:
+    """The length of the 1-D ``Range``, as the shape query has it (its output's dim: the limit's value for
+    ``Range(0, n, 1)``, through however ``n`` is read from a shape)."""
+    dims = shapes.dims(rng.outputs[0])
+    return dims[0] if dims is not None and len(dims) == 1 else None
 
 
-def _causal(bias: ir.Value, q: ir.Value, k: ir.Value, shared: Shared | None) -> tuple[ir.Value | None] | None:
+def _causal(bias: ir.Value, q: ir.Value, k: ir.Value, shared: Shared | None, shapes: Shapes
+            ) -> tuple[ir.Value | None] | None:
     """``(mask,)`` if ``bias`` is ``Where(causal & keep, 0, c)`` with ``c < 0``: ``mask`` the 2-D key-padding input
     that ``keep`` reads (``None``: causal only, every other term provably all true); else None."""
     node = bias.producer()
@@ -383,13 +373,13 @@ def _causal(bias: ir.Value, q: ir.Value, k: ir.Value, shared: Shared | None) -> 
     if c is None or not c < 0:
         return None
     leaves = [t for t in _and_leaves(node.inputs[0]) if not _all_true(t)]
-    causal = [t for t in leaves if _is_causal_term(t, q, k, shared)]
+    causal = [t for t in leaves if _is_causal_term(t, q, k, shared, shapes)]
     rest = [t for t in leaves if t not in causal]
     if not causal or len(rest) > 1:
         return None
     if not rest:
         return (None,)
-    mask = _keep(rest[0])
+    mask = _keep(rest[0], shapes)
     return None if mask is None else (mask,)
 
 
@@ -562,7 +552,7 @@ def _past_length_of(value: ir.Value | None, past: ir.Value | None) -> bool:
     return same_dim(src.meta.get(_PAST_DIM_META, src.shape[2]), past.meta.get(_PAST_DIM_META, past.shape[2]))
 
 
-def _positions(pos: ir.Value | None, q: ir.Value, past: ir.Value | None) -> bool:
+def _positions(pos: ir.Value | None, q: ir.Value, past: ir.Value | None, shapes: Shapes) -> bool:
     """Whether the 1-D ``pos`` is ``P + s`` for every query position ``s``: ``Range(0, S, 1)`` (no cache) or
     ``Range(0, S, 1) + P`` with ``P`` the cache's past length, ``S`` provably the query length; the Range may be
     the constant ``[0, 1, .., S-1]`` where ``S`` is static (an export traced with one new token folds ``arange(1)``
@@ -570,12 +560,13 @@ def _positions(pos: ir.Value | None, q: ir.Value, past: ir.Value | None) -> bool
     def steps(value: ir.Value | None) -> bool:
         rng = _producer(value, "Range")
         if rng is not None:
-            return scalar_value(rng.inputs[0]) == 0 and scalar_value(rng.inputs[2]) == 1 and any(
-                same_dim(n, _seq_dim(q)) for n in _range_lengths(rng))
+            seq = _seq_dim(q, shapes)
+            return scalar_value(rng.inputs[0]) == 0 and scalar_value(rng.inputs[2]) == 1 and seq is not None \
+                and _range_length(rng, shapes) == seq
         arr = constant_array(value) if value is not None else None
-        seq = _seq_dim(q)
-        return (arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu" and isinstance(seq, int)
-                and arr.tolist() == list(range(seq)))
+        n = _seq_dim(q, shapes)
+        return (arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu" and n is not None and n.is_literal
+                and arr.tolist() == list(range(n.coef)))
 
     if past is None:
         return steps(pos)
@@ -610,7 +601,8 @@ def _angle_factors(f: ir.Value) -> list[tuple[ir.Value, np.ndarray, int]]:
     return out
 
 
-def _rotary_positions(f: ir.Value, q: ir.Value, past: ir.Value | None) -> tuple[ir.Value, np.ndarray] | None:
+def _rotary_positions(f: ir.Value, q: ir.Value, past: ir.Value | None, shapes: Shapes
+                      ) -> tuple[ir.Value, np.ndarray] | None:
     """``(pos, inv_freq)`` if the angle table ``f`` ``[1, S, D/2]`` is ``pos[s] * inv_freq[i]`` (``Cast(pos)`` laid
     out ``[1, S, 1]`` times a constant 1-D ``inv_freq``, or the outer-product spelling of :func:`_angle_factors`)
     with ``pos`` the query positions ``P + s``."""
@@ -624,7 +616,7 @@ def _rotary_positions(f: ir.Value, q: ir.Value, past: ir.Value | None) -> tuple[
         pos = value
         while (un := _producer(pos, "Unsqueeze")) is not None:
             pos = un.inputs[0]
-        if pos is None or _through_unsqueeze(value, pos, 3) != axis or not _positions(pos, q, past):
+        if pos is None or _through_unsqueeze(value, pos, 3) != axis or not _positions(pos, q, past, shapes):
             continue
         return pos, inv
     return None
@@ -657,36 +649,25 @@ def _gathernd_padding(value: ir.Value | None, kv_idx: ir.Value) -> ir.Value | No
     return mask
 
 
-def _query_length_of(value: ir.Value | None, q: ir.Value) -> bool:
-    """Whether the scalar ``value`` reads dim 1 of a tensor whose dim 1 is the query length (``Gather(Shape(z), 1)``
-    or ``Shape(z, start=1, end=2)``, through Cast/Squeeze/Unsqueeze), or is that length as a constant where it is
-    static (an export traced with one new token)."""
-    if value is not None and (arr := constant_array(value)) is not None:
-        seq = _seq_dim(q)
-        return arr.size == 1 and arr.dtype.kind in "iu" and isinstance(seq, int) and int(arr.reshape(-1)[0]) == seq
-    while (node := value.producer() if value is not None else None) is not None and node.domain == "" and \
-            node.op_type in ("Cast", "Squeeze", "Unsqueeze"):
-        value = node.inputs[0]
-    node = value.producer() if value is not None else None
-    z = None
-    if node is not None and node.op_type == "Shape" and int(attr_value(node, "start", 0)) == 1 \
-            and int(attr_value(node, "end", 0)) == 2:
-        z = node.inputs[0]
-    elif node is not None and node.op_type == "Gather":
-        z = _dim_of(value, 1)
-    return z is not None and z.shape is not None and len(z.shape) >= 2 and same_dim(z.shape[1], _seq_dim(q))
+def _query_length_of(value: ir.Value | None, q: ir.Value, shapes: Shapes) -> bool:
+    """Whether the scalar ``value`` is the query length for every input: read from a shape (``Gather(Shape(z), 1)``,
+    ``Shape(z, start=1, end=2)``, through Cast/Squeeze/Unsqueeze) of a tensor whose dim is the query's, or that
+    length as a constant where it is static (an export traced with one new token); the shape query's elements."""
+    vec, seq = shapes.values(value), _seq_dim(q, shapes)
+    return vec is not None and len(vec[1]) == 1 and seq is not None and vec[1][0] == seq
 
 
-def _past_plus_query(rng: ir.Node, past: ir.Value | None, q: ir.Value) -> bool:
+def _past_plus_query(rng: ir.Node, past: ir.Value | None, q: ir.Value, shapes: Shapes) -> bool:
     """Whether ``Range(0, n, 1)``'s ``n`` is ``P + S``: the cache's past length plus the query length."""
     add = _producer(rng.inputs[1], "Add")
     if add is None or past is None:
         return False
     a, b = add.inputs[0], add.inputs[1]
-    return (_past_length_of(a, past) and _query_length_of(b, q)) or (_past_length_of(b, past) and _query_length_of(a, q))
+    return ((_past_length_of(a, past) and _query_length_of(b, q, shapes))
+            or (_past_length_of(b, past) and _query_length_of(a, q, shapes)))
 
 
-def _causal_from(bias: ir.Value, pos: ir.Value, keys: Any, past: ir.Value | None = None,
+def _causal_from(bias: ir.Value, pos: ir.Value, keys: Dim | None, shapes: Shapes, past: ir.Value | None = None,
                  q: ir.Value | None = None) -> tuple[ir.Value | None] | None:
     """``(mask,)`` if ``bias`` is ``Where(kv_idx <= pos[s] [& mask[b, kv_idx]] [& all true], 0, c)``, ``c < 0``, with
     ``pos`` the query positions (on axis 2) and ``kv_idx`` a ``Range(0, n, 1)`` on axis 3 whose length is provably
@@ -708,7 +689,8 @@ def _causal_from(bias: ir.Value, pos: ir.Value, keys: Any, past: ir.Value | None
                 a, b = b, a
             rng = _is_range_from_zero(a)
             if (rng is not None and _range_axis(a) == 3 and b is not None and _through_unsqueeze(b, pos, 4) == 2
-                    and (any(same_dim(n, keys) for n in _range_lengths(rng)) or q is not None and _past_plus_query(rng, past, q))):
+                    and ((keys is not None and _range_length(rng, shapes) == keys)
+                         or q is not None and _past_plus_query(rng, past, q, shapes))):
                 kv_idx = a
                 continue
         rest.append(leaf)
@@ -716,15 +698,15 @@ def _causal_from(bias: ir.Value, pos: ir.Value, keys: Any, past: ir.Value | None
         return None
     if not rest:
         return (None,)
-    mask = _keep(rest[0])
+    mask = _keep(rest[0], shapes)
     if mask is None:  # dynamo's GatherND lookup of the key index the causal term uses
         mask = _gathernd_padding(rest[0], kv_idx)
     if mask is None:  # TorchScript's flat lookup, its Reshapes merged by cleanup
-        mask = _flat_padding(rest[0], kv_idx)
+        mask = _flat_padding(rest[0], kv_idx, shapes)
     return None if mask is None else (mask,)
 
 
-def _flat_padding(value: ir.Value | None, kv_idx: ir.Value) -> ir.Value | None:
+def _flat_padding(value: ir.Value | None, kv_idx: ir.Value, shapes: Shapes) -> ir.Value | None:
     """The mask input of ``Reshape(Gather(Flatten(Cast(mask, bool), axis=2), kv_idx + b_idx * T), [0, 1, 1, 0])``
     (``allowzero`` 0; or TorchScript's ``Reshape(Reshape(., [-1]), Shape(index))``): ``mask[b, t]`` laid out
     ``[B, 1, 1, T]`` with ``kv_idx`` the causal term's key index (axis 3),
@@ -763,11 +745,7 @@ def _flat_padding(value: ir.Value | None, kv_idx: ir.Value) -> ir.Value | None:
         for b_idx, t_len in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
             if _is_range_from_zero(b_idx) is None or _range_axis(b_idx) != 0:
                 continue
-            shape = _producer(t_len, "Shape")
-            if shape is not None and shape.inputs[0] is mask and int(attr_value(shape, "start", 0)) == 1 \
-                    and int(attr_value(shape, "end", 2)) == 2:
-                return mask
-            if _dim_of(t_len, 1) is mask:
+            if _reads_dim(shapes, t_len, mask, 1):
                 return mask
     return None
 
@@ -813,8 +791,6 @@ def _is_head_split(x: ir.Value, v: ir.Value) -> bool:
 def _present_key_output(graph: ir.Graph, k: ir.Value, f: ir.Value, scale: float | None) -> ir.Value | None:
     """The graph output that is the exporter's rotated ``[B, G, S, D]`` keys: ``rotate(Transpose(Reshape(k)))`` with
     cos/sin ``Unsqueeze(Cos/Sin(Concat(f, f)) [* c], 1)`` of the same angle table: the prefill's present key."""
-    from mograph.passes.fusion.attention import _rotary  # the fusion's own proof of transformers' rotate_half form
-
     for out in graph.outputs:
         rot = _rotary(out) if out.producer() is not None else None
         if rot is None:

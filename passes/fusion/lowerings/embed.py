@@ -25,7 +25,7 @@ import onnx_ir as ir
 from mograph.custom_ops import Lowering
 from mograph.irutil import attr_value, is_zero
 from mograph.lowering import LoweringContext, as_vector, replace_node
-from mograph.patterns import constant_array, scalar_value
+from mograph.patterns import constant_array
 
 __all__ = ["LOWERINGS", "MS_DOMAIN", "is_arange_positions"]
 
@@ -35,23 +35,6 @@ MS_DOMAIN = "com.microsoft"
 def _same_dims_at(a: ir.Value, b: ir.Value, i: int) -> bool:
     x, y = a.shape[i], b.shape[i]  # type: ignore[index]
     return x == y if isinstance(x, int) or isinstance(y, int) else x.value is not None and x.value == y.value
-
-
-def _dim_of(value: ir.Value | None, ids: ir.Value, i: int) -> bool:
-    """Whether ``value`` is ``[ids.shape[i]]``: ``Unsqueeze(Gather(Shape(ids), i))`` or ``Slice(Shape(ids), i, i+1)``."""
-    node = value.producer() if value is not None else None
-    if node is None or node.domain != "":
-        return False
-    if node.op_type == "Unsqueeze":
-        inner = node.inputs[0].producer() if node.inputs[0] is not None else None
-        if inner is None or inner.op_type != "Gather" or scalar_value(inner.inputs[1]) != i:
-            return False
-        node = inner
-    elif node.op_type != "Slice" or scalar_value(node.inputs[1]) != i or scalar_value(node.inputs[2]) != i + 1:
-        return False
-    shape = node.inputs[0].producer() if node.inputs[0] is not None else None
-    return (shape is not None and shape.op_type == "Shape" and shape.inputs[0] is ids
-            and int(attr_value(shape, "start", 0)) == 0 and "end" not in shape.attributes)
 
 
 def _const(value: ir.Value | None) -> np.ndarray | None:
@@ -73,75 +56,31 @@ def _const(value: ir.Value | None) -> np.ndarray | None:
     return None
 
 
-def _is_shape_of(value: ir.Value | None, ids: ir.Value) -> bool:
-    """Whether ``value`` provably holds ``Shape(ids)`` (rank 2): the Shape itself, ``Concat`` of its dims
-    (through ``Reshape``), or ``Where(Equal(s, negative constant), _, s)`` of such an ``s`` (the -1 to 1
-    rewrite of ``torch.expand`` sizes, a no-op on a shape, whose values are never negative)."""
-    node = value.producer() if value is not None else None
-    if node is None or node.domain != "":
-        return False
-    if node.op_type == "Shape":
-        return node.inputs[0] is ids and int(attr_value(node, "start", 0)) == 0 and "end" not in node.attributes
-    if node.op_type == "Reshape":
-        target = constant_array(node.inputs[1])
-        return target is not None and target.reshape(-1).tolist() == [-1] and _is_shape_of(node.inputs[0], ids)
-    if node.op_type == "Concat":
-        return len(node.inputs) == 2 and all(_dim_of(v, ids, i) for i, v in enumerate(node.inputs))
-    if node.op_type == "Where":
-        cond = node.inputs[0].producer() if node.inputs[0] is not None else None
-        if cond is None or cond.op_type != "Equal" or cond.inputs[0] is not node.inputs[2]:
-            return False
-        c = _const(cond.inputs[1])
-        return c is not None and bool((c < 0).all()) and _is_shape_of(node.inputs[2], ids)
-    return False
+def _is_shape_of(value: ir.Value | None, ids: ir.Value, ctx: LoweringContext) -> bool:
+    """Whether ``value`` provably holds ``Shape(ids)`` (rank 2), however the graph spells it (the shape query's
+    elements: ``Shape`` itself, a ``Concat`` of its dims, a ``Reshape`` to ``[-1]``, the ``Where(Equal(s, -1), 1, s)``
+    of ``torch.expand`` sizes, a no-op on a shape, whose values are never negative)."""
+    vec, dims = ctx.values(value), ctx.dims(ids)
+    return vec is not None and not vec[0] and dims is not None and len(dims) == 2 and vec[1] == dims
 
 
-def _same_seq(x: ir.Value | None, ids: ir.Value) -> bool:
-    """Whether dim 1 of ``x`` is provably dim 1 of ``ids``: ``x`` is ``ids``, or their dims 1 are one static
-    size or one symbolic dim (``attention_mask`` and ``input_ids`` declared ``[batch, seq]``)."""
-    if x is None:
-        return False
-    if x is ids:
-        return True
-    if x.shape is None or ids.shape is None or len(x.shape) < 2 or len(ids.shape) < 2:
-        return False
-    return _same_dims_at(x, ids, 1)
-
-
-def _shape_dim_of(value: ir.Value | None, ids: ir.Value) -> bool:
-    """Whether ``value`` (through Unsqueeze/Reshape/Cast/Squeeze) is dim 1 of ``ids`` at run time:
-    ``Gather(Shape(x), 1)``, ``Slice(Shape(x), 1, 2)`` or ``Shape<start=1, end=2>(x)`` of an ``x`` whose
-    dim 1 is provably the ids' (:func:`_same_seq`)."""
-    while value is not None:
-        node = value.producer()
-        if node is None or node.domain != "":
-            return False
-        if node.op_type in ("Unsqueeze", "Reshape", "Cast", "Squeeze"):
-            value = node.inputs[0]
-            continue
-        if node.op_type == "Shape":
-            return (int(attr_value(node, "start", 0)) == 1 and int(attr_value(node, "end", 0)) == 2
-                    and _same_seq(node.inputs[0], ids))
-        shape = node.inputs[0].producer() if node.inputs[0] is not None else None
-        if shape is None or shape.op_type != "Shape" or int(attr_value(shape, "start", 0)) != 0 \
-                or "end" in shape.attributes or not _same_seq(shape.inputs[0], ids):
-            return False
-        if node.op_type == "Gather":
-            return scalar_value(node.inputs[1]) == 1
-        if node.op_type == "Slice":
-            return (scalar_value(node.inputs[1]) == 1 and scalar_value(node.inputs[2]) == 2
-                    and (len(node.inputs) < 4 or node.inputs[3] is None or scalar_value(node.inputs[3]) in (0, -1)))
-        return False
-    return False
+def _is_seq_of(value: ir.Value | None, ids: ir.Value, ctx: LoweringContext) -> bool:
+    """Whether the one-element ``value`` is dim 1 of ``ids`` at run time, however read from a shape (the shape
+    query's elements: ``Gather(Shape(x), 1)``, ``Slice(Shape(x), 1, 2)``, ``Shape<start=1, end=2>(x)`` of an ``x``
+    whose dim 1 is the ids', through Unsqueeze/Reshape/Cast/Squeeze)."""
+    vec, dims = ctx.values(value), ctx.dims(ids)
+    return (vec is not None and len(vec[1]) == 1 and vec[1][0] is not None and dims is not None and len(dims) == 2
+            and vec[1][0] == dims[1])
 
 
 def _is_arange_row(arr: np.ndarray) -> bool:
     return arr.ndim == 2 and arr.shape[0] == 1 and np.array_equal(arr[0], np.arange(arr.shape[1]))
 
 
-def is_arange_positions(pos: ir.Value, ids: ir.Value) -> bool:
+def is_arange_positions(pos: ir.Value, ids: ir.Value, ctx: LoweringContext) -> bool:
     """Whether position ids ``pos`` are provably ``[[0, 1, .., S-1]]`` with ``S`` dim 1 of ``ids`` ``[B, S]``."""
-    seq = ids.shape[1] if ids.shape is not None and len(ids.shape) == 2 else None
+    dims = ctx.dims(ids)
+    seq = dims[1].value if dims is not None and len(dims) == 2 and dims[1] is not None else None
     arr = constant_array(pos)
     if arr is not None:
         if arr.ndim == 1:
@@ -166,7 +105,7 @@ def is_arange_positions(pos: ir.Value, ids: ir.Value) -> bool:
     end = constant_array(ends)
     if end is not None:
         return end.size == 1 and isinstance(seq, int) and int(end.reshape(-1)[0]) == seq
-    return _shape_dim_of(ends, ids)
+    return _is_seq_of(ends, ids, ctx)
 
 
 def _int32(graph: ir.Graph, value: ir.Value, nodes: list[ir.Node], ctx: LoweringContext) -> ir.Value:
@@ -208,7 +147,7 @@ def _like_ids(graph: ir.Graph, v: ir.Value, ids: ir.Value, nodes: list[ir.Node],
     if _same_dims(v, ids):
         return v
     expand = v.producer()
-    if expand is not None and expand.op_type == "Expand" and _is_shape_of(expand.inputs[1], ids):
+    if expand is not None and expand.op_type == "Expand" and _is_shape_of(expand.inputs[1], ids, ctx):
         return v  # broadcast to Shape(ids): ids' shape, or larger (which the kernel rejects: an error, never wrong)
     key = ("embed_ids_shape", id(ids))
     shape = ctx.shared.get(key)
@@ -243,7 +182,7 @@ def _ort(node: ir.Node, ctx: LoweringContext) -> bool:
     seg = _like_ids(graph, seg, ids, nodes, ctx)
     inputs: list[ir.Value | None] = [_int32(graph, ids, nodes, ctx), _int32(graph, seg, nodes, ctx), word,
                                      position, segment, gamma, b]
-    if is_arange_positions(pos, ids):
+    if is_arange_positions(pos, ids, ctx):
         ctx.count("embed_implicit_positions")
     else:
         if not (pos.shape is not None and pos.shape[0] == 1 and _same_dims_at(pos, ids, 1)):

@@ -26,10 +26,12 @@ import onnx_ir as ir
 from mograph.custom_ops import Lowering
 from mograph.irutil import attr_value, is_zero, value_used
 from mograph.lowering import LoweringContext, as_vector, plugin_node, plugin_vectors, replace_node
+from mograph.shapes import Dim
 
 __all__ = ["LOWERINGS", "MS_DOMAIN"]
 
 MS_DOMAIN = "com.microsoft"
+_ONE = Dim()
 
 Vectors = list[tuple[ir.Value | None, str, bool]]  # (value, base name of a built vector, optional)
 
@@ -131,27 +133,29 @@ def _rms_trt(node: ir.Node, ctx: LoweringContext) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def _skip_order(x: ir.Value, skip: ir.Value) -> tuple[ir.Value, ir.Value] | None:
+def _skip_order(x: ir.Value, skip: ir.Value, ctx: LoweringContext) -> tuple[ir.Value, ir.Value] | None:
     """(input, skip) as ORT's SkipLayerNormalization needs them, or None if it cannot take them.
 
     The kernel broadcasts ``skip`` (``[1, S, H]`` or ``[S, H]``) over ``input`` ``[B, S, H]`` but
-    never the other way, and gives a wrong shape if ``input`` is the smaller one.  A static 1 in a
-    dim of one operand where the other has a different dim makes that operand the skip; symbolic dims
-    of the two operands are taken to be equal (both are residual-stream activations).
+    never the other way, and gives a wrong shape if ``input`` is the smaller one.  A 1 in a dim of one
+    operand where the other has a different dim makes that operand the skip; other symbolic dims of the
+    two operands are taken to be equal (both are residual-stream activations).  The dims are the core
+    shape query's (:meth:`LoweringContext.dims`), so a 1 spelled as a shape computation counts.
     """
-    x_shape, s_shape = x.shape, skip.shape
-    if x_shape is None or s_shape is None:
+    x_dims, s_dims = ctx.dims(x), ctx.dims(skip)
+    if x_dims is None or s_dims is None:
         return None
-    if len(x_shape) < len(s_shape):
+    if len(x_dims) < len(s_dims):
         x, skip = skip, x
-        x_shape, s_shape = s_shape, x_shape
-    if len(x_shape) not in (2, 3) or len(s_shape) not in (2, 3):
+        x_dims, s_dims = s_dims, x_dims
+    if len(x_dims) not in (2, 3) or len(s_dims) not in (2, 3):
         return None
-    if not isinstance(x_shape[-1], int) or x_shape[-1] != s_shape[-1]:
+    last = x_dims[-1]
+    if last is None or not last.is_literal or last != s_dims[-1]:
         return None
-    if len(x_shape) == len(s_shape):
-        x_ones = any(d == 1 and e != 1 for d, e in zip(x_shape, s_shape))
-        s_ones = any(e == 1 and d != 1 for d, e in zip(x_shape, s_shape))
+    if len(x_dims) == len(s_dims):
+        x_ones = any(d == _ONE and e != _ONE for d, e in zip(x_dims, s_dims))
+        s_ones = any(e == _ONE and d != _ONE for d, e in zip(x_dims, s_dims))
         if x_ones and s_ones:
             return None
         if x_ones:
@@ -181,7 +185,7 @@ def _skip_to_ort(op_type: str, vectors_of: Any, epsilon: float) -> Lowering:
         x, skip = node.inputs[0], node.inputs[1]
         graph = node.graph
         assert graph is not None and x is not None and skip is not None
-        order = _skip_order(x, skip)
+        order = _skip_order(x, skip, ctx)
         if order is None:
             return False
         x, skip = order

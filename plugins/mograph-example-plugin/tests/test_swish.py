@@ -173,3 +173,15 @@ def test_lowering_declines_an_untyped_input():
     model = ir.Model(graph, ir_version=8)
     assert lower_swish(node, LoweringContext(model, "ort")) is False
     assert _ops(model) == ["example.BetaSwish"]
+
+
+def test_shape_rule_through_mograph_shapes():
+    """The op's declared shape rule reaches mograph's shape query: ``Y`` has ``X``'s symbolic dims."""
+    from mograph.shapes import ShapeQuery, builtin_rules, declared_rules
+
+    x = ir.Value(name="x", shape=ir.Shape(["batch", 7, 8]), type=ir.TensorType(ir.DataType.FLOAT))
+    node = ir.node(SWISH.name, [x], domain=SWISH.domain)
+    graph = ir.Graph([x], node.outputs, nodes=[node], opset_imports={"": 17, SWISH.domain: SWISH.version})
+    query = ShapeQuery(graph, builtin_rules().merged(declared_rules([SWISH])))
+    assert query.dims(node.outputs[0]) == query.dims(x) and query.dims(x) is not None
+    assert ShapeQuery(graph).dims(node.outputs[0]) is None  # without the declaration nothing is known

@@ -83,6 +83,11 @@ def _infer_shapes(node: ir.Node) -> None:
         out.shape = x.shape
 
 
+def _shape_dims(node: ir.Node, query: Any) -> list[Any]:
+    """The symbolic shape rule mograph's shape query asks: ``Y`` has ``X``'s dims."""
+    return [query.dims(node.inputs[0])]
+
+
 def _beta(node: ir.Node) -> float:
     attr = node.attributes.get("beta")
     return 1.0 if attr is None else float(attr.as_float())
@@ -124,6 +129,7 @@ SWISH = mograph.CustomOp(
     reference=_reference,
     function=swish_function,
     infer_shapes=_infer_shapes,
+    shape_dims=_shape_dims,
     lowerings={"onnx": lower_swish, "ort": lower_swish},
 )
 
