@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["BUILTIN_FOREIGN_OPS", "ForeignOp", "MS_DOMAIN", "foreign_ops", "fused_kinds"]
+__all__ = ["BUILTIN_FOREIGN_OPS", "ForeignOp", "MS_DOMAIN", "affine_inputs", "foreign_ops", "fused_kinds"]
 
 #: ONNX Runtime's contrib-op domain.
 MS_DOMAIN = "com.microsoft"
@@ -35,6 +35,10 @@ class ForeignOp:
         affine: ``(gamma input index, beta input index)`` of a normalization whose output is
             ``normalized * gamma + beta`` over the last axis; ``None`` otherwise.
         same_shape_outputs: the outputs that have input 0's shape.
+        host_inputs: the inputs ONNX Runtime's CUDA kernel reads on the host (a length, a shape): a
+            value there computed on the device needs a copy back, which a CUDA graph cannot hold.
+        shape_rule: the built-in shape rule family the op's outputs follow (``"attention"``: output 0 is
+            ``[batch, sequence, hidden]`` of a rank-3 query), ``None`` for none.
     """
 
     name: str
@@ -43,6 +47,8 @@ class ForeignOp:
     cache: tuple[tuple[int, int], ...] = ()
     affine: tuple[int, int] | None = None
     same_shape_outputs: tuple[int, ...] = ()
+    host_inputs: tuple[int, ...] = ()
+    shape_rule: str | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -72,10 +78,10 @@ BUILTIN_FOREIGN_OPS: tuple[ForeignOp, ...] = (
     _ms("QuickGelu", "GELU", same_shape_outputs=(0,)),
     _ms("BiasAdd", same_shape_outputs=(0,)),
     _ms("RotaryEmbedding", same_shape_outputs=(0,)),
-    _ms("Attention", "attention"),
-    _ms("MultiHeadAttention", "attention", cache=((6, 1), (7, 2))),
-    _ms("GroupQueryAttention", "attention", cache=((3, 1), (4, 2))),
-    _ms("PackedAttention", "attention"),
+    _ms("Attention", "attention", shape_rule="attention"),
+    _ms("MultiHeadAttention", "attention", cache=((6, 1), (7, 2)), shape_rule="attention"),
+    _ms("GroupQueryAttention", "attention", cache=((3, 1), (4, 2)), host_inputs=(6,), shape_rule="attention"),
+    _ms("PackedAttention", "attention", shape_rule="attention"),
     _ms("PackedMultiHeadAttention", "attention"),
     _ms("DecoderMaskedMultiHeadAttention", "attention"),
     _ms("SparseAttention", "attention"),
@@ -99,4 +105,23 @@ def fused_kinds(custom_ops: Iterable[object], registered: Mapping[tuple[str, str
         name = getattr(op, "name", None)
         if isinstance(computes, str) and isinstance(name, str):
             out.setdefault(name, computes)
+    return out
+
+
+def affine_inputs(custom_ops: Iterable[object], registered: Mapping[tuple[str, str], ForeignOp] | None = None
+                  ) -> dict[tuple[str, str], tuple[int, int]]:
+    """``(domain, op type)`` -> ``(gamma input, beta input)`` of the normalizations whose output is
+    ``normalized * gamma + beta`` over the last axis, read off the declarations: the foreign ops' records
+    (a standard op under ``""`` and ``"ai.onnx"`` alike) and the custom ops' ``affine``."""
+    out: dict[tuple[str, str], tuple[int, int]] = {}
+    for op in foreign_ops(registered).values():
+        if op.affine is not None:
+            out[op.key] = op.affine
+            if op.domain == "":
+                out[("ai.onnx", op.name)] = op.affine
+    for cop in custom_ops:
+        affine = getattr(cop, "affine", None)
+        key = getattr(cop, "key", None)
+        if affine is not None and isinstance(key, tuple):
+            out.setdefault(key, tuple(affine))  # type: ignore[arg-type]
     return out

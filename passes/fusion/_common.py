@@ -19,10 +19,10 @@ import onnx_ir as ir
 from mograph.passes.fusion.ops import FLOAT_TYPES, body_supports
 
 from mograph.custom_ops import DOMAIN, DOMAIN_VERSION, CustomOp
+from mograph.errors import InternalError
 from mograph.irutil import infer_types, restore_types
 from mograph.lowering import TARGET_OPTION, drop_unused_functions, ensure_functions
 from mograph.opset import model_opset
-from mograph.errors import InternalError
 from mograph.pass_infra import Candidate, Option, Pass, PassResult, iter_nodes, stamp
 from mograph.patterns import MatchResult as MatchResult
 from mograph.patterns import OrValue, Rule, RuleReport, any_value, apply_rules, const, constant_array, scalar_value

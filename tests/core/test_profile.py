@@ -17,8 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from mograph.cli import main
 from mograph.errors import UsageError
-from mograph.plugins import BUILTIN_PLUGINS
-from mograph.plugins import get_registry
+from mograph.plugins import BUILTIN_PLUGINS, get_registry
 from mograph.profile import SCHEMA, _named_copy, decomposed_candidates, format_profile, profile_model
 
 BERT = Path(__file__).resolve().parents[2] / "mograph" / "examples" / "bert-tiny.onnx"
