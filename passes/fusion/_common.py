@@ -189,9 +189,9 @@ def _regions(report: RuleReport, originals: list[ir.Node], copies: list[ir.Node]
                 changed = True
     members: dict[int, list[str]] = {}
     for o in originals:  # in graph order
-        i = owner.get(id(o))
-        if i is not None and o.op_type != "Constant":
-            members.setdefault(find(i), []).append(o.name or o.op_type)
+        at = owner.get(id(o))
+        if at is not None and o.op_type != "Constant":
+            members.setdefault(find(at), []).append(o.name or o.op_type)
     out = [Candidate(rules[i], tuple(names), op_of[i], kinds.get(op_of[i] or ""))
            for i, names in members.items()]
     out += [Candidate(m.rule, tuple(m.nodes), reason=m.reason) for m in report.near_misses]
