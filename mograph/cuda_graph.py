@@ -29,6 +29,8 @@ from typing import Any
 
 import onnx_ir as ir
 
+from mograph.foreign_ops import BUILTIN_FOREIGN_OPS
+
 __all__ = ["CaptureReport", "HOST_INPUTS", "NO_CUDA_KERNEL", "cuda_graph_check"]
 
 #: (domain, op) -> indices of inputs the CUDA kernel reads from host memory
@@ -50,7 +52,8 @@ HOST_INPUTS: dict[tuple[str, str], frozenset[int]] = {
     **{("", op): frozenset({1}) for op in ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd",
                                            "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp",
                                            "ReduceSumSquare")},
-    ("com.microsoft", "GroupQueryAttention"): frozenset({6}),
+    # the foreign ops' records say which of their inputs their kernels read on the host
+    **{op.key: frozenset(op.host_inputs) for op in BUILTIN_FOREIGN_OPS if op.host_inputs},
 }
 
 #: ops whose output ONNX Runtime's CUDA kernels write to host memory

@@ -166,6 +166,8 @@ class CustomOp:
         computes: the computation the op is a fused form of (``"LayerNorm"``, ``"RMSNorm"``, ``"GELU"``,
             ``"attention"``), so "which op types are an already-fused X" is read off the declarations
             (:func:`fused_kinds`); ``None`` for an op that is no such computation.
+        affine: ``(gamma input, beta input)`` of a normalization whose output is ``normalized * gamma +
+            beta`` over the last axis (a pass may fold a per-channel scale into them); ``None`` otherwise.
     """
 
     name: str
@@ -185,6 +187,7 @@ class CustomOp:
     tensorrt_plugin: TensorRTPlugin | None = None
     tensorrt_fields: dict[str, Any] = field(default_factory=dict)
     computes: str | None = None
+    affine: tuple[int, int] | None = None
 
     @property
     def key(self) -> tuple[str, str]:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import onnx_ir as ir
 
-__all__ = ["BUILTIN_FOREIGN_OPS", "ForeignOp", "MS_DOMAIN", "foreign_ops", "fused_kinds"]
+__all__ = ["BUILTIN_FOREIGN_OPS", "ForeignOp", "MS_DOMAIN", "affine_inputs", "foreign_ops", "fused_kinds"]
 
 #: ONNX Runtime's contrib-op domain.
 MS_DOMAIN = "com.microsoft"
@@ -44,6 +44,10 @@ class ForeignOp:
             :attr:`mograph.custom_ops.CustomOp.shape_dims`), in force from ``since_version`` of its domain.
         shape_values: ``values(node, query)`` for an op that computes a small int64 shape vector.
         since_version: the domain version the shape rule reads the op's layout from.
+        host_inputs: the inputs ONNX Runtime's CUDA kernel reads on the host (a length, a shape): a
+            value there computed on the device needs a copy back, which a CUDA graph cannot hold.
+        shape_rule: the built-in shape rule family the op's outputs follow (``"attention"``: output 0 is
+            ``[batch, sequence, hidden]`` of a rank-3 query), ``None`` for none.
     """
 
     name: str
@@ -55,6 +59,8 @@ class ForeignOp:
     shape_dims: Callable[[ir.Node, Any], Any] | None = None
     shape_values: Callable[[ir.Node, Any], Any] | None = None
     since_version: int = 1
+    host_inputs: tuple[int, ...] = ()
+    shape_rule: str | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -84,10 +90,10 @@ BUILTIN_FOREIGN_OPS: tuple[ForeignOp, ...] = (
     _ms("QuickGelu", "GELU", same_shape_outputs=(0,)),
     _ms("BiasAdd", same_shape_outputs=(0,)),
     _ms("RotaryEmbedding", same_shape_outputs=(0,)),
-    _ms("Attention", "attention"),
-    _ms("MultiHeadAttention", "attention", cache=((6, 1), (7, 2))),
-    _ms("GroupQueryAttention", "attention", cache=((3, 1), (4, 2))),
-    _ms("PackedAttention", "attention"),
+    _ms("Attention", "attention", shape_rule="attention"),
+    _ms("MultiHeadAttention", "attention", cache=((6, 1), (7, 2)), shape_rule="attention"),
+    _ms("GroupQueryAttention", "attention", cache=((3, 1), (4, 2)), host_inputs=(6,), shape_rule="attention"),
+    _ms("PackedAttention", "attention", shape_rule="attention"),
     _ms("PackedMultiHeadAttention", "attention"),
     _ms("DecoderMaskedMultiHeadAttention", "attention"),
     _ms("SparseAttention", "attention"),
@@ -111,4 +117,23 @@ def fused_kinds(custom_ops: Iterable[object], registered: Mapping[tuple[str, str
         name = getattr(op, "name", None)
         if isinstance(computes, str) and isinstance(name, str):
             out.setdefault(name, computes)
+    return out
+
+
+def affine_inputs(custom_ops: Iterable[object], registered: Mapping[tuple[str, str], ForeignOp] | None = None
+                  ) -> dict[tuple[str, str], tuple[int, int]]:
+    """``(domain, op type)`` -> ``(gamma input, beta input)`` of the normalizations whose output is
+    ``normalized * gamma + beta`` over the last axis, read off the declarations: the foreign ops' records
+    (a standard op under ``""`` and ``"ai.onnx"`` alike) and the custom ops' ``affine``."""
+    out: dict[tuple[str, str], tuple[int, int]] = {}
+    for op in foreign_ops(registered).values():
+        if op.affine is not None:
+            out[op.key] = op.affine
+            if op.domain == "":
+                out[("ai.onnx", op.name)] = op.affine
+    for cop in custom_ops:
+        affine = getattr(cop, "affine", None)
+        key = getattr(cop, "key", None)
+        if affine is not None and isinstance(key, tuple):
+            out.setdefault(key, tuple(affine))  # type: ignore[arg-type]
     return out

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Option",
+    "Candidate",
     "Pass",
     "PassResult",
     "PassReport",
@@ -214,8 +215,34 @@ class PipelineReport:
         return out
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """A region a pass would rewrite, or a near miss and why not (:meth:`Pass.candidates`).
+
+    Attributes:
+        rule: the rule that matched (or almost matched) the region.
+        nodes: the names of the model's nodes the rewrite would replace (what matched and what dies
+            with it, ``Constant`` nodes left out), or for a near miss the nodes the match got through.
+        op: the op type the region would become (``None`` for a near miss).
+        kind: the computation that op is a fused form of, from its declaration (``"LayerNorm"``,
+            ``"GELU"``, ``"attention"`` ...), ``None`` when it declares none.
+        reason: ``None`` for a region the pass would rewrite, else why it would not.
+    """
+
+    rule: str
+    nodes: tuple[str, ...]
+    op: str | None = None
+    kind: str | None = None
+    reason: str | None = None
+
+
 class Pass:
-    """Base class of every pass. Subclasses set ``name``, ``family``, ``options`` and ``call``."""
+    """Base class of every pass. Subclasses set ``name``, ``family``, ``options`` and ``call``.
+
+    A pass that rewrites regions it finds by matching (the fusion passes) also says, read-only, what it
+    would rewrite: :meth:`candidates`.  The profile and ``--explain`` ask it, so what counts as "a
+    decomposed LayerNorm" is defined once, by the rule that fuses it.
+    """
 
     name: ClassVar[str] = ""
     family: ClassVar[str] = "cleanup"
@@ -263,6 +290,11 @@ class Pass:
 
     def call(self, model: ir.Model) -> PassResult:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def candidates(self, model: ir.Model) -> list[Candidate]:
+        """The regions of ``model`` this pass would rewrite (``reason`` None) and its near misses (with
+        the reason), without changing ``model``.  The base pass finds none."""
+        return []
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config})"

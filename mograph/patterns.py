@@ -349,13 +349,17 @@ class RuleReport:
     ``stats`` counts rewrites per rule (``{"LayerNormFusion": 5}``) and per rule variant
     (``"LayerNormFusion.div-sqrt"``); ``candidates`` counts root nodes where a rule matched at least
     its ``min_candidate_nodes`` (fused or not); ``near_misses`` explains the ones not fused.
-    ``new_nodes`` are the nodes the rules created, in creation order.
+    ``new_nodes`` are the nodes the rules created, in creation order.  With ``record`` (a read-only
+    :meth:`mograph.pass_infra.Pass.candidates` asks for it), ``rewrites`` lists every rewrite as
+    ``(rule name, nodes it replaced, nodes it made)``; otherwise it stays empty.
     """
 
     stats: Counter = field(default_factory=Counter)
     candidates: Counter = field(default_factory=Counter)
     near_misses: list[NearMiss] = field(default_factory=list)
     new_nodes: list[ir.Node] = field(default_factory=list)
+    record: bool = False
+    rewrites: list[tuple[str, list[ir.Node], list[ir.Node]]] = field(default_factory=list)
 
     @property
     def count(self) -> int:
@@ -685,6 +689,8 @@ def _try(
         if label:
             report.stats[f"{rule.name}.{label}"] += 1
         fused_nodes.update(nodes)
+        if report.record:
+            report.rewrites.append((rule.name, nodes, list(replacement.new_nodes)))
         return list(replacement.new_nodes)
     if best_miss is not None:
         report.candidates[rule.name] += 1
@@ -774,15 +780,17 @@ def apply_rules(
     rules: Sequence[Rule],
     *,
     namer: Callable[[ir.Node, Rule], None] | None = None,
+    record: bool = False,
 ) -> RuleReport:
     """Apply ``rules`` once over every node of the main graph and its subgraphs, in graph order.
 
     At each node the rules are tried in the given order and the first that matches, passes its
     check and rewrites wins.  Nodes created by a rewrite are seen by later nodes' matches, so a
     rule may build on what an earlier rule produced in the same sweep.  ``namer(node, rule)`` is
-    called for every created node (to name it and stamp provenance).
+    called for every created node (to name it and stamp provenance); ``record`` keeps each rewrite's
+    replaced and created nodes in ``RuleReport.rewrites``.
     """
-    report = RuleReport()
+    report = RuleReport(record=record)
     _apply_graph(model, model.graph, rules, report, namer)
     # Remove near-miss duplicates: the same nodes reported from several roots keep the first.
     seen: set[tuple[str, tuple[str, ...]]] = set()

@@ -28,8 +28,9 @@ Every ``ms`` is per run, summed over a row's nodes (or kernel launches); every `
 fusions (nodes it fused are gone, and its fused nodes carry new names), with the ``Memcpy`` nodes it
 inserted.  Unnamed nodes of the model are named ``<op_type>_<n>`` first, so every node can be found.
 
-**Candidates**: the decomposed LayerNorm / RMSNorm / GELU / attention subgraphs of the model
-(:mod:`mograph._subgraphs`, a structural heuristic): ``instances`` found, ``ms``/``pct`` the summed time
+**Candidates**: the decomposed LayerNorm / RMSNorm / GELU / attention subgraphs of the model, as the
+registered fusion passes' rules see them (:func:`decomposed_candidates`, each pass's read-only
+:meth:`~mograph.pass_infra.Pass.candidates`: what a rule would fuse, and what dies with it): ``instances`` found, ``ms``/``pct`` the summed time
 of their nodes that still ran under their own names (``timed_nodes`` of ``nodes``; the rest were fused
 by ONNX Runtime itself, which ``--no-ort-optimizations`` turns off), ``fused: false``; and the fused ops
 of each kind that ran (``LayerNormalization``, ``SkipLayerNormalization``, ``Attention``, ``Gelu``, ...,
@@ -62,7 +63,7 @@ from mograph.errors import UsageError
 if TYPE_CHECKING:
     from mograph.plugins import Registry
 
-__all__ = ["profile_model", "format_profile", "SCHEMA"]
+__all__ = ["profile_model", "format_profile", "decomposed_candidates", "SCHEMA"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,57 @@ def _named_copy(model: ir.Model) -> bool:
         seen.add(node.name)
         changed = True
     return changed
+
+
+def decomposed_candidates(model: ir.Model, registry: Registry) -> list[dict[str, Any]]:
+    """The decomposed computations in ``model`` that the registered passes would fuse, read-only:
+    ``[{"kind": "LayerNorm", "nodes": [node names], "pass": "fuse-layernorm", "op": "LayerNorm"}]``.
+
+    The passes are asked as a pipeline would run them: on a copy of ``model`` after the ``cleanup``
+    preset (which, for one, removes the no-op ``Cast`` s an exporter leaves inside an attention), each
+    fusion pass on that same model (the ``fuse`` preset's order, then any other pass that answers
+    :meth:`~mograph.pass_infra.Pass.candidates`, by name).  A region counts when its fused op declares the
+    computation it is (``computes``) and it holds no op that already is one (a rule that adopts an
+    exporter's ``LayerNormalization`` finds no *decomposed* LayerNorm); only nodes of ``model`` are listed
+    (a node the cleanup made has no time of its own there), each in one region at most (the first's); a
+    no-op node the cleanup removed (a ``Cast`` to the type it has) joins the region that alone reads it.
+    """
+    from mograph.foreign_ops import fused_kinds
+    from mograph.ir_io import copy_model
+    from mograph.pass_infra import Pass
+
+    fused_of = fused_kinds(registry.custom_ops.values(), registry.foreign_ops)
+    work = copy_model(model)
+    for cleanup in registry.instantiate([n for n in registry.presets.get("cleanup", []) if n in registry.passes]):
+        cleanup.call(work)
+    op_type = {n.name: n.op_type for n in ir.traversal.RecursiveGraphIterator(work.graph) if n.name}
+    own = {n.name for n in ir.traversal.RecursiveGraphIterator(model.graph) if n.name}
+    fuse = [n for n in registry.presets.get("fuse", []) if n in registry.passes]
+    asked = [*fuse, *sorted(n for n in registry.passes if n not in fuse and registry.passes[n].candidates is not Pass.candidates)]
+    taken: set[str] = set()
+    found: list[dict[str, Any]] = []
+    for name in asked:
+        (pass_,) = registry.instantiate([name])
+        for cand in pass_.candidates(work):
+            if cand.reason is not None or cand.kind is None or any(op_type.get(n) in fused_of for n in cand.nodes):
+                continue
+            nodes = [n for n in cand.nodes if n in own and n not in taken]
+            if nodes:
+                taken.update(nodes)
+                found.append({"kind": cand.kind, "nodes": nodes, "pass": name, "op": cand.op})
+    # A node the cleanup removed as a no-op (a Cast to the same type: it reads a node that stayed) whose
+    # readers all are in one region goes with that region; a folded shape computation does not.
+    region = {n: i for i, c in enumerate(found) for n in c["nodes"]}
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if not node.name or node.name in op_type or any(v.is_graph_output() for v in node.outputs):
+            continue
+        stayed = any(p is not None and p.name in op_type and p.op_type != "Constant"
+                     for p in (v.producer() if v is not None else None for v in node.inputs))
+        readers = {region.get(u.name or "") for v in node.outputs for u, _ in v.uses()}
+        if stayed and len(readers) == 1 and None not in readers:
+            (i,) = readers
+            found[i]["nodes"].append(node.name)  # type: ignore[index]
+    return found
 
 
 def _profiled_events(
@@ -247,7 +299,6 @@ def profile_model(
         ModelError: the model cannot be loaded or run.
     """
     from mograph import ir_io
-    from mograph._subgraphs import KINDS, find_decomposed
     from mograph.backends import _ort_profile, ort
     from mograph.foreign_ops import fused_kinds
     from mograph.lowering import lowered_for
@@ -280,7 +331,7 @@ def profile_model(
         feed_arrays, _info = make_feeds(run_model, shapes=shapes, feeds=feeds, seed=seed)
     else:
         feed_arrays = {k: np.asarray(v) for k, v in feeds.items()}
-    candidates_found = find_decomposed(run_model.graph)
+    candidates_found = decomposed_candidates(run_model, registry)
 
     tmp = tempfile.mkdtemp(prefix="mograph-profile-model-")
     try:
@@ -341,7 +392,8 @@ def profile_model(
     ms_by_name = {n["name"]: n["ms"] for n in nodes}
     fused_of = fused_kinds(registry.custom_ops.values(), registry.foreign_ops)  # op type -> the computation
     candidates = []
-    for k in KINDS:
+    kinds = dict.fromkeys([*fused_of.values(), *(c["kind"] for c in candidates_found)])  # declarations' order
+    for k in kinds:
         found = [c for c in candidates_found if c["kind"] == k]
         if found:
             names = [nm for c in found for nm in c["nodes"]]

@@ -56,7 +56,9 @@ REDUCE_OPS = frozenset({
 #: (:mod:`mograph.foreign_ops`, one record per foreign op).
 MS_SAME_SHAPE = {op.name: op.same_shape_outputs for op in BUILTIN_FOREIGN_OPS
                  if op.domain == MS_DOMAIN and op.same_shape_outputs}
-MS_ATTENTION = ("Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention")
+#: ``com.microsoft`` attention ops whose output 0 is ``[batch, sequence, hidden]``: the records whose
+#: ``shape_rule`` is ``"attention"``.
+MS_ATTENTION = tuple(op.name for op in BUILTIN_FOREIGN_OPS if op.domain == MS_DOMAIN and op.shape_rule == "attention")
 
 ONE = Dim()
 ZERO = Dim.lit(0)

@@ -19,10 +19,11 @@ import onnx_ir as ir
 from mograph.passes.fusion.ops import FLOAT_TYPES, body_supports
 
 from mograph.custom_ops import DOMAIN, DOMAIN_VERSION, CustomOp
+from mograph.errors import InternalError
 from mograph.irutil import infer_types, restore_types
 from mograph.lowering import TARGET_OPTION, drop_unused_functions, ensure_functions
 from mograph.opset import model_opset
-from mograph.pass_infra import Option, Pass, PassResult, iter_nodes, stamp
+from mograph.pass_infra import Candidate, Option, Pass, PassResult, iter_nodes, stamp
 from mograph.patterns import MatchResult as MatchResult
 from mograph.patterns import OrValue, Rule, RuleReport, any_value, apply_rules, const, constant_array, scalar_value
 from mograph.specs import parse_bool
@@ -75,6 +76,26 @@ class FusionPass(Pass):
         return [cls() for cls in self.rules]
 
     def call(self, model: ir.Model) -> PassResult:
+        return self._fuse(model)[0]
+
+    def candidates(self, model: ir.Model) -> list[Candidate]:
+        """What the rules would fuse in ``model`` and their near misses, ``model`` unchanged.
+
+        The pass runs on a copy, recording each rewrite; a region is what one rewrite replaced plus what
+        died with it, grown by the rewrites that took its fused op in (a scale, a bias); its ``kind`` is the
+        ``computes`` of the op it became (:func:`fused_ops`).  Node names are the model's own.
+        """
+        from mograph.ir_io import copy_model
+
+        copy = copy_model(model)
+        originals, copies = list(iter_nodes(model.graph)), list(iter_nodes(copy.graph))
+        if len(originals) != len(copies):
+            raise InternalError(self.name, f"copying the model changed its nodes ({len(originals)} -> {len(copies)})")
+        original_of = {id(c): o for c, o in zip(copies, originals)}
+        report = self._fuse(copy, record=True)[1]
+        return _regions(report, originals, copies, original_of, iter_nodes(copy.graph))
+
+    def _fuse(self, model: ir.Model, record: bool = False) -> tuple[PassResult, RuleReport]:
         rules = self.make_rules()
         for rule in rules:
             rule.model_opset = model_opset(model)  # type: ignore[attr-defined]
@@ -99,7 +120,7 @@ class FusionPass(Pass):
             canon = Canonicalizer(model.graph, model_opset(model), kinds)
             canon.apply()
         try:
-            report: RuleReport = apply_rules(model, rules, namer=namer)
+            report: RuleReport = apply_rules(model, rules, namer=namer, record=record)
             regions = None
             if self.explain_regions and self.config.get("explain"):
                 from mograph.passes.fusion._explain import unfused_regions
@@ -122,7 +143,59 @@ class FusionPass(Pass):
         if modified:
             ensure_functions(model, fused_ops())
             drop_unused_functions(model, fused_ops())
-        return PassResult(modified=modified, stats=stats, details=details)
+        return PassResult(modified=modified, stats=stats, details=details), report
+
+
+def _regions(report: RuleReport, originals: list[ir.Node], copies: list[ir.Node],
+             original_of: dict[int, ir.Node], left: Any) -> list[Candidate]:
+    """:meth:`FusionPass.candidates` from the recorded rewrites of the copy (``copies``, of ``originals``)."""
+    kinds = {op.name: op.computes for op in fused_ops().values()}
+    parent: list[int] = []  # union-find over rewrites: one that took in another's fused op joins its region
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    made_by: dict[int, int] = {}  # id(created node) -> the rewrite that made it
+    rules: list[str] = []
+    op_of: list[str | None] = []
+    owner: dict[int, int] = {}  # id(original node) -> rewrite
+    for i, (rule, replaced, made) in enumerate(report.rewrites):
+        parent.append(i)
+        rules.append(rule)
+        fused = [n for n in made if n.domain == DOMAIN]
+        op_of.append(fused[-1].op_type if fused else None)
+        for n in replaced:
+            if id(n) in made_by:
+                parent[find(made_by[id(n)])] = i  # the later rewrite's op is the region's
+            elif id(n) in original_of:
+                owner[id(original_of[id(n)])] = i
+        for n in made:
+            made_by[id(n)] = i
+    alive = {id(n) for n in left}
+    # What else the rewrites removed (dead producers, the exporter's nodes a canonical form stood for) joins
+    # the region its outputs fed.
+    gone = [o for c, o in zip(copies, originals) if id(c) not in alive and id(o) not in owner]
+    changed = True
+    while gone and changed:
+        changed = False
+        for o in list(gone):
+            fed = [owner[id(u)] for v in o.outputs for u, _ in v.uses() if id(u) in owner]
+            if fed:
+                owner[id(o)] = fed[0]
+                gone.remove(o)
+                changed = True
+    members: dict[int, list[str]] = {}
+    for o in originals:  # in graph order
+        at = owner.get(id(o))
+        if at is not None and o.op_type != "Constant":
+            members.setdefault(find(at), []).append(o.name or o.op_type)
+    out = [Candidate(rules[i], tuple(names), op_of[i], kinds.get(op_of[i] or ""))
+           for i, names in members.items()]
+    out += [Candidate(m.rule, tuple(m.nodes), reason=m.reason) for m in report.near_misses]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

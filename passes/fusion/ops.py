@@ -363,7 +363,7 @@ def custom_ops() -> list[CustomOp]:
             inputs=("X", "Scale", "B"), outputs=("Y",), attributes={"epsilon": 1e-5, "stash_type": 1},
             reference=lambda x, scale, b, epsilon=1e-5, stash_type=1: (layer_norm(x, scale, b, epsilon),),
             function=_layer_norm_fn, infer_shapes=_same_as_first, shape_dims=_dims_of_x, lowerings=lowerings_for("LayerNorm"),
-            onnx_opset=17, tensorrt_plugin=plugins["LayerNorm"], computes="LayerNorm",
+            onnx_opset=17, tensorrt_plugin=plugins["LayerNorm"], computes="LayerNorm", affine=(1, 2),
         ),
         CustomOp(
             name="RMSNorm", domain=DOMAIN, version=DOMAIN_VERSION,
@@ -381,7 +381,7 @@ def custom_ops() -> list[CustomOp]:
             reference=lambda x, skip, scale, b, bias, epsilon=1e-5, stash_type=1: skip_layer_norm(
                 x, skip, scale, b, bias, epsilon),
             function=_skip_layer_norm_fn, infer_shapes=_same_as_first, shape_dims=_dims_of_x_plus_1, lowerings=lowerings_for("SkipLayerNorm"),
-            onnx_opset=17, tensorrt_plugin=plugins["SkipLayerNorm"], computes="LayerNorm",
+            onnx_opset=17, tensorrt_plugin=plugins["SkipLayerNorm"], computes="LayerNorm", affine=(2, 3),
         ),
         CustomOp(
             name="SkipRMSNorm", domain=DOMAIN, version=DOMAIN_VERSION,

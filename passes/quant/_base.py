@@ -44,6 +44,7 @@ from mograph.passes.quant._qdq import (
 from mograph.passes.quant.plan import PrecisionPlan, load_plan, node_key, parse_budget
 from mograph.passes.quant.smoothing import (
     SmoothGroup,
+    affine_norms,
     apply_bias_correction,
     apply_smoothing,
     choose_alpha,
@@ -287,6 +288,7 @@ class QdqPassBase(Pass):
         done: list[SmoothGroup] = []
         records = []
         observed = set(raw)
+        norms = affine_norms(self.registry)  # the norms whose gamma/beta can take a scale, from the declarations
         for i, g in enumerate(groups):
             if self.progress is not None and alpha == "auto":  # the alpha search: ~70 s on a 135M LLM
                 self.progress(i, len(groups))
@@ -297,7 +299,7 @@ class QdqPassBase(Pass):
             if self.config.get("bias_correction") == "on" and g.bias_shift:
                 for key in apply_bias_correction(model, g):
                     self._bias_corrected.add(key)
-            if apply_smoothing(model, g, amax, a, observed, self._reobserve):
+            if apply_smoothing(model, g, amax, a, observed, self._reobserve, norms):
                 done.append(g)
                 assert g.scale is not None
                 rec: dict[str, Any] = {"tensor": g.name, "alpha": a, "consumers": [c.key for c in g.cands],

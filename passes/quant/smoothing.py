@@ -29,15 +29,20 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx_ir as ir
 from mograph.passes.quant._qdq import Candidate, Scheme, const_tensor, fake_quant_activation, fake_quant_weight
 
 from mograph import _spill
+from mograph.foreign_ops import affine_inputs
 from mograph.irutil import fresh_name
+
+if TYPE_CHECKING:
+    from mograph.custom_ops import Declarations
 
 __all__ = [
     "SmoothGroup",
@@ -264,14 +269,16 @@ def _drop_if_unused(value: ir.Value, home: ir.Graph) -> None:
 
 
 def apply_smoothing(model: ir.Model, g: SmoothGroup, act_amax: np.ndarray, alpha: float,
-                    observed: Collection[str] = (), reobserve: set[str] | None = None) -> bool:
+                    observed: Collection[str] = (), reobserve: set[str] | None = None,
+                    norms: Mapping[tuple[str, str], tuple[int, int]] | None = None) -> bool:
     """Make ``X / s`` for the group's candidates and scale their weights' rows by ``s``.
 
     ``X / s`` is folded into the producer of ``X`` where that is exact (:func:`fold_target`: a LayerNorm's
     gamma and beta, a MatMul/Gemm's weight columns and bias; ``g.folded`` says where), else computed by
     a new ``Mul(X, 1/s)`` read by the candidates only.  ``observed``: the tensors whose calibrated ranges
     are taken already (a fold must not change them, unless ``reobserve`` collects them to be observed
-    again: see :func:`fold_target`).
+    again: see :func:`fold_target`).  ``norms``: the affine norms a fold may use (:func:`affine_norms`;
+    default: the built-in declarations').
 
     A weight that other nodes read as well is copied, not changed in place.  Returns False (nothing
     changed) when ``alpha`` is 0 or no channel would be scaled.
@@ -288,7 +295,7 @@ def apply_smoothing(model: ir.Model, g: SmoothGroup, act_amax: np.ndarray, alpha
     fresh = functools.partial(fresh_name, names)
 
     pending: set[str] | None = set() if reobserve is not None else None
-    fold = fold_target(g, int(s.shape[0]), observed, pending)
+    fold = fold_target(g, int(s.shape[0]), observed, pending, norms)
     if fold is not None:
         if reobserve is not None and pending:
             reobserve.update(pending)
@@ -388,14 +395,15 @@ def _insert_mul(x: ir.Value, s: np.ndarray, home: ir.Graph, fresh: Callable[[str
     return out
 
 
-#: The norms whose output is ``normalised * gamma + beta`` over the last axis: op type -> (gamma, beta) inputs.
-_NORMS = {
-    ("", "LayerNormalization"): (1, 2),
-    ("ai.onnx", "LayerNormalization"): (1, 2),
-    ("mograph", "LayerNorm"): (1, 2),
-    ("mograph", "SkipLayerNorm"): (2, 3),
-    ("com.microsoft", "SkipLayerNormalization"): (2, 3),
-}
+def affine_norms(declarations: Declarations | None = None) -> dict[tuple[str, str], tuple[int, int]]:
+    """The norms whose output is ``normalised * gamma + beta`` over the last axis: ``(domain, op type)`` ->
+    ``(gamma, beta)`` inputs, read off the declarations (:func:`mograph.foreign_ops.affine_inputs`): the
+    registry's when given, else the built-in foreign-op records and the built-in fused ops'."""
+    if declarations is not None:
+        return affine_inputs(declarations.custom_ops.values(), declarations.foreign_ops)
+    from mograph.passes.fusion._common import fused_ops
+
+    return affine_inputs(fused_ops().values())
 
 
 def _const_1d(v: ir.Value | None, n: int) -> np.ndarray | None:
@@ -406,7 +414,8 @@ def _const_1d(v: ir.Value | None, n: int) -> np.ndarray | None:
     return t.numpy().astype(np.float32)
 
 
-def fold_target(g: SmoothGroup, n: int, observed: Collection[str] = (), reobserve: set[str] | None = None
+def fold_target(g: SmoothGroup, n: int, observed: Collection[str] = (), reobserve: set[str] | None = None,
+                norms: Mapping[tuple[str, str], tuple[int, int]] | None = None,
                 ) -> tuple[str, list[tuple[ir.Node, int, int | None]]] | None:
     """Where ``X / s`` can be computed exactly by the producer of the group's activation ``X``, or None.
 
@@ -437,8 +446,9 @@ def fold_target(g: SmoothGroup, n: int, observed: Collection[str] = (), reobserv
     if p is None or p.graph is not g.cands[0].node.graph:
         return None
     key = (p.domain, p.op_type)
-    if key in _NORMS and p.outputs[0] is x:
-        gi, bi = _NORMS[key]
+    norms = affine_norms() if norms is None else norms
+    if key in norms and p.outputs[0] is x:
+        gi, bi = norms[key]
         axis = p.attributes.get("axis")
         if axis is not None and axis.as_int() != -1:
             return None

@@ -1,5 +1,6 @@
 """``mograph.profile.profile_model`` and ``mograph bench --profile``: where the time goes, on the CPU here,
-and the structural finder of decomposed LayerNorm / RMSNorm / GELU / attention subgraphs."""
+and the decomposed LayerNorm / RMSNorm / GELU / attention subgraphs it reports, as the fusion passes' own
+rules find them (``decomposed_candidates``, through the registry)."""
 
 from __future__ import annotations
 
@@ -14,23 +15,31 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from mograph._subgraphs import find_decomposed
 from mograph.cli import main
 from mograph.errors import UsageError
-from mograph.plugins import BUILTIN_PLUGINS
-from mograph.profile import SCHEMA, format_profile, profile_model
+from mograph.plugins import BUILTIN_PLUGINS, get_registry
+from mograph.profile import SCHEMA, _named_copy, decomposed_candidates, format_profile, profile_model
 
 BERT = Path(__file__).resolve().parents[2] / "mograph" / "examples" / "bert-tiny.onnx"
 
 
 @pytest.fixture(autouse=True)
 def _only_core_plugins(monkeypatch):
-    monkeypatch.setenv("MOGRAPH_BLOCK_PLUGINS", ",".join(m for m in BUILTIN_PLUGINS if m.startswith("mograph.passes")))
+    # the core, and the passes the profile asks what they would fuse (the cleanup preset, then the fusion rules)
+    keep = ("mograph.passes.fusion", "mograph.passes.cleanup")
+    monkeypatch.setenv("MOGRAPH_BLOCK_PLUGINS", ",".join(m for m in BUILTIN_PLUGINS
+                                                         if m.startswith("mograph.passes") and m not in keep))
     monkeypatch.setenv("MOGRAPH_DISABLE_PLUGIN_AUTOLOAD", "1")
 
 
+def find_decomposed(model: onnx.ModelProto) -> list[dict]:
+    loaded = ir.serde.deserialize_model(model)
+    _named_copy(loaded)  # as profile_model does: regions are listed by node name
+    return decomposed_candidates(loaded, get_registry())
+
+
 def _kinds(model: onnx.ModelProto) -> Counter:
-    return Counter(c["kind"] for c in find_decomposed(ir.serde.deserialize_model(model).graph))
+    return Counter(c["kind"] for c in find_decomposed(model))
 
 
 def _c(name: str, value: float) -> onnx.TensorProto:
@@ -81,7 +90,7 @@ def test_finder_tanh_gelu_rmsnorm_quickgelu_and_near_misses():
         helper.make_node("Mul", ["n", "w"], ["y"]),
     ]
     rms_inits = [_c("two", 2.0), _c("eps", 1e-6), numpy_helper.from_array(np.ones(8, np.float32), "w")]
-    found = find_decomposed(ir.serde.deserialize_model(_model(rms, rms_inits)).graph)
+    found = find_decomposed(_model(rms, rms_inits))
     assert [c["kind"] for c in found] == ["RMSNorm"] and len(found[0]["nodes"]) == 7
     # near miss: no Sqrt
     no_sqrt = [rms[0], rms[1], rms[2], helper.make_node("Reciprocal", ["mse"], ["inv"]), rms[5], rms[6]]
