@@ -587,10 +587,13 @@ def quantize_embeddings(model: ir.Model, min_elements: int = EMBEDDING_MIN_ELEME
             for u, idx in uses
         ):
             continue
-        w = arr.astype(np.float32)
-        amax = np.abs(w).max(axis=0)
+        # no float copy of the whole table: the column ranges from max/min, the codes a slice of rows at a time
+        amax = np.maximum(arr.max(axis=0), -arr.min(axis=0)).astype(np.float32)
         scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
-        q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+        q = np.empty(arr.shape, np.int8)
+        step = max(1, (1 << 20) // arr.shape[1])
+        for lo in range(0, arr.shape[0], step):
+            q[lo:lo + step] = np.clip(np.rint(arr[lo:lo + step].astype(np.float32) / scale), -127, 127)
         q_value = ir.Value(name=fresh(f"{table.name}_int8"), const_value=ir.tensor(q))
         s_value = ir.Value(name=fresh(f"{table.name}_scale"), const_value=ir.tensor(scale.astype(arr.dtype)))
         z_value = ir.Value(name=fresh(f"{table.name}_zero_point"), const_value=ir.tensor(np.zeros_like(q[0])))

@@ -143,7 +143,7 @@ def _ort(node: ir.Node, ctx: LoweringContext) -> bool:
                   attributes={"bits": bits, "block_size": bs, "gather_axis": 0, "quantize_axis": 1})
     new.outputs[0].type, new.outputs[0].shape = node.outputs[0].type, node.outputs[0].shape
     replace_node(node, [*extra, new], [new.outputs[0]], ctx.target)
-    if not extra and not data_v.uses() and data_v.name in graph.initializers:
+    if not extra and not data_v.uses() and data_v.name and data_v.name in graph.initializers:
         graph.initializers.pop(data_v.name)  # replaced by its 2-D form
     return True
 

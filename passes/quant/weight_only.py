@@ -28,7 +28,16 @@ model (one pass over the calibration data).
 INT8 plan (:mod:`mograph.passes.quant.plan`; ``--precision-plan-out``, edited back with
 ``--precision-plan``).  Default rules: weight MatMuls take ``--bits``; the output projection / LM head
 (a weight MatMul with no other one downstream) stays float (``--output-projection`` changes that);
-embedding tables (``Gather``), normalization and softmax are listed as float — the pass never touches them.
+normalization and softmax are listed as float — the pass never touches them.  Embedding tables (a float
+initializer read only by ``Gather`` on axis 0, and maybe by a tied LM head) are listed as float too, unless
+``--embedding-precision int8|bits`` (or the plan's entry for the ``Gather``) quantizes them: RTN blocks of
+``--block-size`` along the hidden axis, one ``mograph.BlockQuantizedGather`` per Gather
+(:mod:`mograph.passes.quant.gather_block_op`; ``lower`` makes it ``com.microsoft.GatherBlockQuantized``).  The
+data layout is ``MatMulNBits``'s, so a table whose LM head is tied to it (the same initializer through
+``Gemm(transB=1)``, or an equal copy of its transpose, as TorchScript writes a tied head) shares the head's
+codes, scales and zero points when the head is quantized at the same bits without an AWQ input scale: one
+copy in the file.  A table that is the float head's own initializer stays float (a quantized copy would add
+size); one whose head is an equal float copy is quantized (the head keeps its copy).
 ``--accuracy-budget cosine>=X`` replaces the rules for the measured layers: each layer is measured alone at
 ``--bits`` (model-output cosine on ``--sensitivity-samples`` calibration samples), then the fewest of the
 most sensitive are raised to INT8, and if INT8 everywhere is not enough, the fewest to float, so that
@@ -764,8 +773,8 @@ class WeightOnlyPass(Pass):
                 by_weight.setdefault(id(layer.node.inputs[1]), []).append(layer)
         out: list[_Table] = []
         for value in list(model.graph.initializers.values()):
-            if value.dtype not in _FLOAT_DTYPES or value.shape is None or len(value.shape) != 2 \
-                    or value.is_graph_output() or value.const_value is None:
+            if value.dtype not in _FLOAT_DTYPES or value.const_value is None or value.const_value.shape.rank() != 2 \
+                    or value.is_graph_output():
                 continue
             uses = list(value.uses())
             gathers = [u.node for u in uses if u.node.op_type == "Gather" and u.node.domain in ("", "ai.onnx")
@@ -775,7 +784,7 @@ class WeightOnlyPass(Pass):
             if not gathers or any(id(u.node) not in {id(la.node) for la in by_weight.get(id(value), [])}
                                   for u in others):
                 continue
-            rows, hidden = (int(d) for d in value.shape)
+            rows, hidden = (int(d) for d in value.const_value.shape.numpy())
             head = None
             same = False
             if others:  # the same initializer: Gemm(transB=1) / MatMul reading it as its weight
@@ -861,7 +870,7 @@ class WeightOnlyPass(Pass):
                                          "a quantized copy would add size, not save it (quantize the head too)")
             else:
                 reason = f"{why}: {prec} blocks along the hidden axis" + (
-                    f", sharing the tied LM head's quantized data" if reuse is not None else "")
+                    ", sharing the tied LM head's quantized data" if reuse is not None else "")
             if prec != "float":
                 bits = 8 if prec == "int8" else 4
                 vals = reuse if reuse is not None else self._quantize_table(model, table, bits)

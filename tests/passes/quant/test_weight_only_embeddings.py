@@ -156,3 +156,15 @@ def test_cuda_recipe_quantizes_embeddings_and_says_speed_is_not_measured():
     b = table["bytes"]
     assert b[("untied", "bits", "float")] < b[("untied", "float", "float")]
     assert b[("tied", "bits", "bits")] < b[("tied", "bits", "float")] < b[("tied", "float", "float")]
+
+
+def test_plan_entry_of_the_gather_decides():
+    rng = np.random.default_rng(5)
+    table, w1, head = _weights(rng, bits=8)
+    plan = {"pass": "weight-only", "nodes": [{"node": "embed", "precision": "int8", "reason": "edited"}]}
+    result = WeightOnlyPass(algorithm="rtn", precision_plan=plan).call(model := to_ir(lm(table, w1, head)))
+    assert result.stats["quantized.embeddings"] == 1
+    node = model.graph.node(0)
+    assert node.op_type == "BlockQuantizedGather" and node.attributes["bits"].as_int() == 8
+    entry = next(e for e in result.details["plan"]["nodes"] if e["node"] == "embed")
+    assert entry["precision"] == "int8" and entry["reason"].startswith("from plan")
