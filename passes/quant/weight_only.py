@@ -865,6 +865,9 @@ class WeightOnlyPass(Pass):
                     reuse = vals
             if prec == "float":
                 reason = "default rule: embedding lookup" if why.endswith("float") else f"{why}: kept float"
+            elif table.hidden % int(self.config.get("block_size") or 128):
+                prec, reason = "float", (f"{why} asked {prec}, but the hidden size {table.hidden} is not a multiple "
+                                         "of --block-size (GatherBlockQuantized has no padding)")
             elif reuse is None and table.same and head_prec == "float":
                 prec, reason = "float", (f"{why} asked {prec}, but the table is the float LM head's own weight: "
                                          "a quantized copy would add size, not save it (quantize the head too)")

@@ -168,3 +168,14 @@ def test_plan_entry_of_the_gather_decides():
     assert node.op_type == "BlockQuantizedGather" and node.attributes["bits"].as_int() == 8
     entry = next(e for e in result.details["plan"]["nodes"] if e["node"] == "embed")
     assert entry["precision"] == "int8" and entry["reason"].startswith("from plan")
+
+
+def test_hidden_size_not_a_multiple_of_the_block_stays_float():
+    rng = np.random.default_rng(6)
+    table = (rng.standard_normal((V, 200)) * 0.05).astype(np.float32)
+    proto = lm(table, (rng.standard_normal((200, 200)) * 0.05).astype(np.float32),
+               (rng.standard_normal((200, V)) * 0.05).astype(np.float32))
+    result = WeightOnlyPass(algorithm="rtn", block_size=64, embedding_precision="bits").call(model := to_ir(proto))
+    assert "quantized.embeddings" not in result.stats and op_types(model)[0] == "Gather"
+    entry = next(e for e in result.details["plan"]["nodes"] if e["node"] == "embed")
+    assert entry["precision"] == "float" and "not a multiple of --block-size" in entry["reason"]
