@@ -286,6 +286,7 @@ class AttentionFusion(Rule):
                     old.name = f"{name}_unfused"
                     graph.outputs[i] = present
                     present.name = name
+                    present.type, present.shape = old.type, old.shape  # a graph output keeps its declared type
             k.cached = present
         flat = None
         for heads in (k, v):

@@ -40,9 +40,10 @@ def mograph_add_presets() -> dict[str, list[str]]:
 
 @hookimpl
 def mograph_add_custom_ops() -> list:
+    from mograph.passes.quant.gather_block_op import block_quantized_gather_op
     from mograph.passes.quant.weight_only_op import weight_only_matmul_op
 
-    return [weight_only_matmul_op()]
+    return [weight_only_matmul_op(), block_quantized_gather_op()]
 
 
 @hookimpl

@@ -66,6 +66,7 @@ __all__ = [
     "compute_ranges",
     "needs_histogram",
     "run_model",
+    "feed_rejected",
     "infer_dtypes",
     "padding_mask_input",
     "collect",
@@ -170,15 +171,16 @@ class RandomSource(CalibrationSource):
             if s.name not in shapes and any(not isinstance(d, int) for d in (s.shape or ()))
         ]
 
+        sized = {s.name: tuple(shapes[s.name]) if s.name in shapes
+                 else tuple(d if isinstance(d, int) else 1 for d in (s.shape or ())) for s in specs}
+        sized.update(_decode_mask_sizes(specs, sized, set(shapes)))
+
         def make() -> Iterator[Feed]:
             rng = np.random.default_rng(seed)
             for _ in range(samples):
                 feed = {}
                 for s in specs:
-                    if s.name in shapes:
-                        shape = tuple(shapes[s.name])
-                    else:
-                        shape = tuple(d if isinstance(d, int) else 1 for d in (s.shape or ()))
+                    shape = sized[s.name]
                     if np.issubdtype(s.dtype, np.floating):
                         feed[s.name] = rng.standard_normal(shape).astype(s.dtype)
                     elif s.dtype == np.bool_:
@@ -190,6 +192,37 @@ class RandomSource(CalibrationSource):
                 yield feed
 
         super().__init__(make, f"RANDOM data ({samples} seeded samples)", model, count=samples)
+
+
+def _decode_mask_sizes(specs: list[_InputSpec], sized: Mapping[str, tuple[int, ...]], given: set[str]
+                       ) -> dict[str, tuple[int, ...]]:
+    """The shapes of a decode step's attention masks: ``[batch, past + new]``.
+
+    A decoder's decode step takes its KV cache (float inputs of rank 4 named ``past...``, ``[batch, heads,
+    past, head_dim]``) and an attention mask over every position, past and new; the mask's last dim is a
+    symbol of its own (``total``) that the model computes as ``past + new``.  Sized 1 like the other dynamic
+    dims, the mask disagrees with the cache and the model rejects the feed.  For each rank-2 integer input
+    named ``...mask`` whose last dim is such an unshared symbol (and not sized by ``--shape``), the last dim
+    becomes the cache's past length plus the token ids' last dim (a rank-2 integer input that is not a
+    mask).  Nothing changes for a model without such a cache.
+    """
+    cache = [s for s in specs if s.rank == 4 and np.issubdtype(s.dtype, np.floating) and "past" in s.name.lower()
+             and s.shape is not None and not isinstance(s.shape[2], int)]
+    ids = [s for s in specs if s.rank == 2 and np.issubdtype(s.dtype, np.integer) and "mask" not in s.name.lower()]
+    if not cache or not ids:
+        return {}
+    symbols = [d for s in specs for d in (s.shape or ()) if isinstance(d, str)]
+    past = sized[cache[0].name][2]
+    new = sized[ids[0].name][1]
+    out: dict[str, tuple[int, ...]] = {}
+    for s in specs:
+        if (s.name in given or s.rank != 2 or "mask" not in s.name.lower() or s.shape is None
+                or not np.issubdtype(s.dtype, np.integer)):
+            continue
+        last = s.shape[1]
+        if isinstance(last, str) and symbols.count(last) == 1:
+            out[s.name] = (sized[s.name][0], past + new)
+    return out
 
 
 def _vocab_sizes(model: ir.Model) -> dict[str, int]:
@@ -626,27 +659,33 @@ def _run_feed(sess: Any, outputs: list[str] | None, feed: Feed, source: Calibrat
     try:
         return sess.run(outputs, feed, quiet)
     except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types for bad feeds
-        reason = _ort_reason(exc)
-        if len(reason) > 300:
-            reason = reason[:300] + "..."
-        shapes = ", ".join(f"{k} {'x'.join(map(str, v.shape)) or 'scalar'} {v.dtype}" for k, v in feed.items())
-        if getattr(source, "random", False):
-            defaulted = list(getattr(source, "defaulted", []))
-            named = [k for k in feed if f"input: {k}" in reason or f"'{k}'" in reason]
-            culprits = named or defaulted
-            which = (
-                f"input(s) {culprits} (dynamic dims set to 1)" if culprits and not named
-                else f"input(s) {culprits}" if culprits else "the feed"
-            )
-            raise OptionError(
-                f"the model rejects its random calibration feed ({shapes}): {which} do not fit ({reason}); "
-                "give real samples with --calibration-data (a folder of .npz, a stacked .npz or "
-                "module:function), or the sizes of dynamic dims with --shape NAME:DIMS"
-            ) from exc
-        raise OptionError(
-            f"the model rejects calibration sample {index} from {source.description} ({shapes}): {reason}; "
-            "each --calibration-data sample must fit the model's inputs (names, shapes, dtypes)"
-        ) from exc
+        raise feed_rejected(exc, feed, source, index) from exc
+
+
+def feed_rejected(exc: Exception, feed: Feed, source: CalibrationSource, index: int) -> OptionError:
+    """The one-line :class:`OptionError` for ONNX Runtime's refusal ``exc`` of calibration ``feed`` (the
+    model's inputs of sample ``index`` from ``source``): names the inputs and how to give data it accepts."""
+    reason = _ort_reason(exc)
+    if len(reason) > 300:
+        reason = reason[:300] + "..."
+    shapes = ", ".join(f"{k} {'x'.join(map(str, v.shape)) or 'scalar'} {v.dtype}" for k, v in feed.items())
+    if getattr(source, "random", False):
+        defaulted = list(getattr(source, "defaulted", []))
+        named = [k for k in feed if f"input: {k}" in reason or f"'{k}'" in reason]
+        culprits = named or defaulted
+        which = (
+            f"input(s) {culprits} (dynamic dims set to 1)" if culprits and not named
+            else f"input(s) {culprits}" if culprits else "the feed"
+        )
+        return OptionError(
+            f"the model rejects its random calibration feed ({shapes}): {which} do not fit ({reason}); "
+            "give real samples with --calibration-data (a folder of .npz, a stacked .npz or "
+            "module:function), or the sizes of dynamic dims with --shape NAME:DIMS"
+        )
+    return OptionError(
+        f"the model rejects calibration sample {index} from {source.description} ({shapes}): {reason}; "
+        "each --calibration-data sample must fit the model's inputs (names, shapes, dtypes)"
+    )
 
 
 def _ort_reason(exc: Exception) -> str:

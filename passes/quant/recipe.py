@@ -24,7 +24,9 @@ still written when asked for explicitly (``--passes qdq-fp8`` / ``qdq-int8``), b
 :func:`resolve` returns one line with the measured reason and the alternatives, ``optimize`` prints it and
 the report records it under ``recipe``.
 
-The output projection / LM head and embeddings are listed per device (:data:`PLACEMENT`) with the reason.
+The output projection / LM head and embeddings are listed per device (:data:`PLACEMENT`) with the reason.  On
+``cuda`` the embedding table is block-quantized (``--embedding-precision bits``): it pays in file size, measured
+(:data:`EMBEDDINGS`, with the command); its GPU speed is not measured, so no speed-up is claimed for it.
 
 Only what ``--device`` names is changed: without it the pipeline is exactly what ``--passes`` says.
 """
@@ -35,7 +37,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["KERNELS", "PLACEMENT", "Recipe", "resolve", "lowering_ratios", "table_rows"]
+__all__ = ["EMBEDDINGS", "KERNELS", "PLACEMENT", "Recipe", "resolve", "lowering_ratios", "table_rows"]
 
 #: Median wall milliseconds per run of one-node graphs ``[M, K] x [K, N]``, per lowering.  ``float`` is the
 #: device's float MatMul.  Lowerings: ``nbits4`` / ``nbits8``: weight-only ``com.microsoft.MatMulNBits``
@@ -101,14 +103,40 @@ PLACEMENT: dict[str, dict[str, tuple[str, str]]] = {
             "--output-projection bits|int8 quantizes it for decode-bound use",
         ),
         "embeddings": (
-            "float",
-            "kept float16: a Gather reads M rows per call, so a quantized table (GatherBlockQuantized) saves "
-            "file size, not time; not measured, not written by this recipe",
+            "bits",
+            "block-quantized like the other layers (mograph.BlockQuantizedGather -> GatherBlockQuantized, blocks "
+            "along the hidden axis; shares the data of an LM head tied to it and quantized too): size: measured "
+            "(EMBEDDINGS['cuda']); GPU speed: not measured (a Gather reads M rows per call, so no speed-up is "
+            "claimed); --embedding-precision float keeps the table float16",
         ),
     },
     "cpu": {
         "output_projection": ("float", "default rule of weight-only: the LM head stays float32"),
         "embeddings": ("float", "a Gather reads M rows per call: quantizing the table saves size, not time"),
+    },
+}
+
+#: File sizes with the embedding table float or block-quantized (``--embedding-precision``), the reason the
+#: ``cuda`` recipe quantizes it.  Size only: the GPU speed of ``GatherBlockQuantized`` is not measured.
+EMBEDDINGS: dict[str, dict[str, Any]] = {
+    "cuda": {
+        "size": "measured",
+        "gpu_speed": "not measured",
+        "model": "random LLaMA, SmolLM2-135M widths (hidden 576, 9/3 heads, FFN 1536), 2 layers, vocab 49152, "
+                 "TorchScript prefill export, float32 (254,918,812 bytes; the tied export holds the head as an equal "
+                 "copy of the table, as TorchScript writes it); --passes int4 --target ort --algorithm rtn (float32 "
+                 "elsewhere: the cuda recipe's fp16 halves the float parts too); 2-core CPU machine, 2026-12-02",
+        "bytes": {  # (head, embeddings, lm head) -> bytes of the written file
+            ("untied", "float", "float"): 230_677_061,
+            ("untied", "bits", "float"): 134_391_027,
+            ("untied", "float", "bits"): 134_290_468,
+            ("untied", "bits", "bits"): 38_004_434,
+            ("tied", "float", "float"): 230_677_061,
+            ("tied", "bits", "float"): 134_391_027,
+            ("tied", "float", "bits"): 134_290_468,
+            ("tied", "bits", "bits"): 21_292_472,  # the table and the head share one copy of codes and scales
+        },
+        "command": "python tools/embedding_sizes.py --layers 2 --vocab 49152",
     },
 }
 
@@ -239,6 +267,8 @@ def resolve(names: list[str], options: dict[str, Any], device: str) -> Recipe:
         out_opts["target"] = "ort"  # MatMulNBits is ONNX Runtime's op
     if kind == "cuda" and not tensorrt and out_opts.get("output_projection") is None and "weight-only" in recipe.passes:
         out_opts["output_projection"] = PLACEMENT["cuda"]["output_projection"][0]
+    if kind == "cuda" and not tensorrt and out_opts.get("embedding_precision") is None and "weight-only" in recipe.passes:
+        out_opts["embedding_precision"] = PLACEMENT["cuda"]["embeddings"][0]
     return recipe
 
 

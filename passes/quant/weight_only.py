@@ -28,7 +28,16 @@ model (one pass over the calibration data).
 INT8 plan (:mod:`mograph.passes.quant.plan`; ``--precision-plan-out``, edited back with
 ``--precision-plan``).  Default rules: weight MatMuls take ``--bits``; the output projection / LM head
 (a weight MatMul with no other one downstream) stays float (``--output-projection`` changes that);
-embedding tables (``Gather``), normalization and softmax are listed as float — the pass never touches them.
+normalization and softmax are listed as float — the pass never touches them.  Embedding tables (a float
+initializer read only by ``Gather`` on axis 0, and maybe by a tied LM head) are listed as float too, unless
+``--embedding-precision int8|bits`` (or the plan's entry for the ``Gather``) quantizes them: RTN blocks of
+``--block-size`` along the hidden axis, one ``mograph.BlockQuantizedGather`` per Gather
+(:mod:`mograph.passes.quant.gather_block_op`; ``lower`` makes it ``com.microsoft.GatherBlockQuantized``).  The
+data layout is ``MatMulNBits``'s, so a table whose LM head is tied to it (the same initializer through
+``Gemm(transB=1)``, or an equal copy of its transpose, as TorchScript writes a tied head) shares the head's
+codes, scales and zero points when the head is quantized at the same bits without an AWQ input scale: one
+copy in the file.  A table that is the float head's own initializer stays float (a quantized copy would add
+size); one whose head is an equal float copy is quantized (the head keeps its copy).
 ``--accuracy-budget cosine>=X`` replaces the rules for the measured layers: each layer is measured alone at
 ``--bits`` (model-output cosine on ``--sensitivity-samples`` calibration samples), then the fewest of the
 most sensitive are raised to INT8, and if INT8 everywhere is not enough, the fewest to float, so that
@@ -106,6 +115,19 @@ class _Layer:
         q, a = self.quant[bits]
         w = q.dequantize()
         return w / a[:, None] if a is not None else w
+
+
+@dataclass
+class _Table:
+    """An embedding table: its initializer, the Gathers reading it, and the LM head tied to it (if any; ``same``:
+    it reads this very initializer)."""
+
+    value: ir.Value
+    gathers: list[ir.Node]
+    rows: int
+    hidden: int
+    head: _Layer | None
+    same: bool
 
 
 @dataclass
@@ -218,18 +240,28 @@ class _Segments:
         sess = _session(proto, model_folder(self.model))  # a segment too big for one protobuf is spilled
         return sess, [v.name or "" for v in inputs.values()], [v.name or "" for v in live_out]
 
-    def advance(self, i: int, states: list[dict[str, np.ndarray]], replaced: dict[str, np.ndarray]
-                ) -> tuple[list[dict[str, np.ndarray]], int]:
+    def advance(self, i: int, states: list[dict[str, np.ndarray]], replaced: dict[str, np.ndarray],
+                source: Any = None) -> tuple[list[dict[str, np.ndarray]], int]:
         """Run segment ``i`` on each sample's values live across the previous cut; return the values live
-        across cut ``i`` and the number of runs made."""
+        across cut ``i`` and the number of runs made.  Segments read the calibration feeds' own inputs: a run
+        the model refuses is an :class:`OptionError` naming ``source`` and the sample's inputs."""
         lo = self.cuts[i - 1] if i else 0
         keep = [v.name or "" for v in self.live[i]]
         if lo == self.cuts[i]:
             return [{k: st[k] for k in keep} for st in states], 0
         sess, ins, outs = self._session(i, replaced, states[0])
         new_states = []
-        for st in states:
-            got = dict(zip(outs, sess.run(outs, {k: st[k] for k in ins}))) if outs else {}
+        from mograph.passes.quant.calibration import feed_rejected
+
+        fed = {v.name for v in self.model.graph.inputs}
+        for n, st in enumerate(states):
+            feed = {k: st[k] for k in ins}
+            try:
+                got = dict(zip(outs, sess.run(outs, feed))) if outs else {}
+            except Exception as exc:  # noqa: BLE001 - ORT's own exception types; a sample the model rejects
+                if source is None:
+                    raise
+                raise feed_rejected(exc, {k: v for k, v in st.items() if k in fed}, source, n) from exc
             new_states.append({k: got[k] if k in got else st[k] for k in keep})
         return new_states, len(states) if outs else 0
 
@@ -274,6 +306,10 @@ class WeightOnlyPass(Pass):
                metavar="yes|no"),
         Option("output-projection", str, "float", "the output projection / LM head: float (default rule), int8, "
                "or bits (like the other layers)", choices=("float", "int8", "bits")),
+        Option("embedding-precision", str, "float", "embedding tables read by Gather: float (default rule), int8, or "
+               "bits (like the other layers): block-wise along the hidden axis (mograph.BlockQuantizedGather, "
+               "ONNX Runtime's GatherBlockQuantized); a table tied to a quantized LM head shares its data",
+               choices=("float", "int8", "bits")),
         Option("accuracy-budget", str, "auto", "measure per-layer sensitivity and raise the fewest layers to int8, "
                "then float, to meet this budget on the model outputs (auto, the default, and off: the plan's "
                "default rules decide)", metavar="cosine>=X|max-abs<=X|auto|off"),
@@ -376,7 +412,11 @@ class WeightOnlyPass(Pass):
     # ------------------------------------------------------------------ calibration
 
     def _observe(self, model: ir.Model, names: list[str], source: Any, max_rows: int) -> tuple[dict[str, _InputStats], int]:
-        from mograph.passes.quant.calibration import model_folder, run_model
+        from mograph.passes.quant.calibration import (  # noqa: PLC2701 - the module's session and feed check
+            _run_feed,
+            _session,
+            model_folder,
+        )
 
 
         proto, spilled = _spill.model_proto(model)  # a model too big for one protobuf: spilled to a file
@@ -394,7 +434,9 @@ class WeightOnlyPass(Pass):
         rng = np.random.default_rng(0)
         seen = 0
         total = source.count
-        for outs in run_model(_spill.payload(proto, model_folder(model), spilled), iter(source), names):
+        sess = _session(_spill.payload(proto, model_folder(model), spilled))
+        for index, feed in enumerate(source):
+            outs = _run_feed(sess, names, feed, source, index)  # a feed the model rejects: one clear line
             for name, arr in zip(names, outs):
                 x = np.asarray(arr, np.float32).reshape(-1, arr.shape[-1])
                 s = stats.get(name)
@@ -501,7 +543,7 @@ class WeightOnlyPass(Pass):
         return sess, fixed, as_input
 
     def _sequential_gptq(self, model: ir.Model, layers: list[_Layer], bits: int, samples: list[dict[str, np.ndarray]],
-                         keep_float: set[str], quantize_kept: bool = True) -> int:
+                         keep_float: set[str], quantize_kept: bool = True, source: Any = None) -> int:
         """GPTQ layer group by layer group in graph order, each from the inputs it sees with the groups before it
         already quantized (weights kept float by the plan stay float); returns the segment runs made.
 
@@ -540,7 +582,7 @@ class WeightOnlyPass(Pass):
         damp = float(self.config.get("damping") or 0.1)
         act_order = bool(self.config.get("act_order"))
         for i, (cut, name) in enumerate(cuts):
-            states, n = segments.advance(i, states, replaced)
+            states, n = segments.advance(i, states, replaced, source)
             runs += n
             for wname in [w for w in replaced if last_read.get(w, -1) < cut]:
                 del replaced[wname]  # its segment has run
@@ -704,7 +746,8 @@ class WeightOnlyPass(Pass):
 
     # ------------------------------------------------------------------ rewrite
 
-    def _write(self, model: ir.Model, layer: _Layer, bits: int, awq_inputs: dict[str, ir.Value]) -> None:
+    def _write(self, model: ir.Model, layer: _Layer, bits: int, awq_inputs: dict[str, ir.Value]
+               ) -> tuple[ir.Value, ir.Value, ir.Value]:
         graph = model.graph
         q, a = layer.quant[bits]
         node = layer.node
@@ -743,6 +786,135 @@ class WeightOnlyPass(Pass):
         for v in old_inputs[1:]:
             if v is not None and v.is_initializer() and not v.uses() and not v.is_graph_output():
                 graph.initializers.pop(v.name, None)  # type: ignore[arg-type]
+        return b_val, s_val, z_val
+
+    # ------------------------------------------------------------------ embeddings
+
+    def _tables(self, model: ir.Model, layers: list[_Layer]) -> list[_Table]:
+        """Float 2-D initializers read only by default-domain ``Gather`` (axis 0, as the data) and, maybe, by a
+        weight layer whose ``[K, N]`` weight is the table transposed (a tied LM head: the same initializer
+        through ``Gemm(transB=1)``, or an equal copy, as TorchScript exports write it)."""
+        by_weight: dict[int, list[_Layer]] = {}
+        for layer in layers:
+            if layer.node.inputs[1] is not None:
+                by_weight.setdefault(id(layer.node.inputs[1]), []).append(layer)
+        out: list[_Table] = []
+        for value in list(model.graph.initializers.values()):
+            if value.dtype not in _FLOAT_DTYPES or value.const_value is None or value.const_value.shape.rank() != 2 \
+                    or value.is_graph_output():
+                continue
+            uses = list(value.uses())
+            gathers = [u.node for u in uses if u.node.op_type == "Gather" and u.node.domain in ("", "ai.onnx")
+                       and u.idx == 0 and u.node.graph is model.graph
+                       and int(u.node.attributes["axis"].as_int() if "axis" in u.node.attributes else 0) == 0]
+            others = [u for u in uses if u.node not in gathers]
+            if not gathers or any(id(u.node) not in {id(la.node) for la in by_weight.get(id(value), [])}
+                                  for u in others):
+                continue
+            rows, hidden = (int(d) for d in value.const_value.shape.numpy())
+            head = None
+            same = False
+            if others:  # the same initializer: Gemm(transB=1) / MatMul reading it as its weight
+                heads = by_weight[id(value)]
+                if len(heads) == 1 and heads[0].weight.shape == (hidden, rows):
+                    head, same = heads[0], True
+                else:
+                    continue
+            else:
+                for layer in layers:
+                    if layer.weight.shape == (hidden, rows) and layer.bias is None and self._alpha(layer) == 1.0 \
+                            and np.array_equal(layer.weight.T, value.const_value.numpy()):
+                        head = layer
+                        break
+            out.append(_Table(value, gathers, rows, hidden, head, same))
+        return out
+
+    def _quantize_table(self, model: ir.Model, table: _Table, bits: int) -> tuple[ir.Value, ir.Value, ir.Value]:
+        """RTN block-wise along the hidden axis, a slice of rows at a time (the float temporaries stay one
+        slice large, however long the vocabulary)."""
+        spec = bw.QuantSpec(bits, int(self.config.get("block_size") or 128), bool(self.config.get("symmetric")))
+        arr = table.value.const_value.numpy()  # type: ignore[union-attr]
+        datas, scales, zeros = [], [], []
+        step = max(1, (1 << 22) // max(table.hidden, 1))
+        for lo in range(0, table.rows, step):
+            q = bw.rtn(np.asarray(arr[lo:lo + step], np.float32).T, spec)
+            datas.append(bw.pack_nbits(q))
+            scales.append(np.ascontiguousarray(q.scale.T))
+            zeros.append(np.ascontiguousarray(q.zero.T).astype(np.uint8))
+        _spill.release_pages(table.value.const_value)  # type: ignore[arg-type]
+        from mograph.irutil import add_initializer
+
+        base = (table.value.name or "embedding").replace("/", "_")
+        dtype = table.value.dtype.numpy()  # type: ignore[union-attr]
+        return (add_initializer(model.graph, f"{base}_q{bits}", np.concatenate(datas)),
+                add_initializer(model.graph, f"{base}_scales", np.concatenate(scales).astype(dtype)),
+                add_initializer(model.graph, f"{base}_zeros", np.concatenate(zeros)))
+
+    def _write_gather(self, model: ir.Model, gather: ir.Node, table: _Table, bits: int,
+                      quantized: tuple[ir.Value, ir.Value, ir.Value]) -> None:
+        from mograph.passes.quant.gather_block_op import OP_NAME as GATHER_OP
+
+        data, scales, zeros = quantized
+        new = ir.node(GATHER_OP, [data, gather.inputs[1], scales, zeros], domain=DOMAIN,
+                      attributes={"K": table.hidden, "bits": bits,
+                                  "block_size": int(self.config.get("block_size") or 128)})
+        old = gather.outputs[0]
+        new.outputs[0].type, new.outputs[0].shape = old.type, old.shape
+        new.name = gather.name or f"embedding/{old.name}"
+        stamp(new, self.name, "embedding")
+        ir.convenience.replace_nodes_and_values(model.graph, gather, [gather], [new], [old], [new.outputs[0]])
+
+    def _embeddings(self, model: ir.Model, layers: list[_Layer], decisions: dict[str, tuple[str, str]],
+                    written: dict[str, tuple[int, tuple[ir.Value, ir.Value, ir.Value]]], low: str,
+                    stats: dict[str, int | float], plan: PrecisionPlan) -> set[int]:
+        """Decide and write the embedding tables (``--embedding-precision``, or the plan's entry of each
+        ``Gather``); return the ids of the Gather nodes given a plan entry here."""
+        choice = str(self.config.get("embedding_precision") or "float")
+        wanted = {"float": "float", "int8": "int8", "bits": low}[choice]
+        user: dict[str, str] = {}
+        plan_src = self.config.get("precision_plan")
+        if plan_src:
+            for e in load_plan(plan_src).entries:
+                user[e.node] = "float" if e.precision in FLOAT_NAMES else e.precision
+        listed: set[int] = set()
+        for table in self._tables(model, layers):
+            keys = [node_key(g) for g in table.gathers]
+            prec = next((user[k] for k in keys if k in user), wanted)
+            why = f"from plan {plan_src}" if any(k in user for k in keys) else f"--embedding-precision {choice}"
+            if prec not in ("int4", "int8", "float"):
+                raise OptionError(f"{self.name}: plan entry {keys[0]!r} has precision {prec!r}; use int4, int8 or float")
+            head_prec = decisions[table.head.key][0] if table.head is not None else None
+            reuse = None
+            if prec != "float" and table.head is not None and table.head.key in written:
+                b, vals = written[table.head.key]
+                a = table.head.quant[b][1]
+                if f"int{b}" == prec and a is None:
+                    reuse = vals
+            if prec == "float":
+                reason = "default rule: embedding lookup" if why.endswith("float") else f"{why}: kept float"
+            elif table.hidden % int(self.config.get("block_size") or 128):
+                prec, reason = "float", (f"{why} asked {prec}, but the hidden size {table.hidden} is not a multiple "
+                                         "of --block-size (GatherBlockQuantized has no padding)")
+            elif reuse is None and table.same and head_prec == "float":
+                prec, reason = "float", (f"{why} asked {prec}, but the table is the float LM head's own weight: "
+                                         "a quantized copy would add size, not save it (quantize the head too)")
+            else:
+                reason = f"{why}: {prec} blocks along the hidden axis" + (
+                    ", sharing the tied LM head's quantized data" if reuse is not None else "")
+            if prec != "float":
+                bits = 8 if prec == "int8" else 4
+                vals = reuse if reuse is not None else self._quantize_table(model, table, bits)
+                for g in table.gathers:
+                    self._write_gather(model, g, table, bits, vals)
+                if not table.value.uses():
+                    model.graph.initializers.pop(str(table.value.name), None)
+                stats["quantized.embeddings"] = stats.get("quantized.embeddings", 0) + len(table.gathers)
+                if reuse is not None:
+                    stats["embeddings.shared_with_head"] = stats.get("embeddings.shared_with_head", 0) + 1
+            for g in table.gathers:
+                plan.add(g, prec, reason)
+                listed.add(id(g))
+        return listed
 
     def _awq_inputs(self, model: ir.Model, layers: list[_Layer], stats: dict[str, int | float]) -> dict[str, ir.Value]:
         """For each activation with AWQ scales: the value its quantized readers take (LayerNorm folded, or a Mul)."""
@@ -839,7 +1011,7 @@ class WeightOnlyPass(Pass):
                 samples_all = list(iter(source))  # type: ignore[arg-type]
                 keep = {k for k, (p, _) in decisions.items() if p == "float"}
                 stats["sequential_runs"] = self._sequential_gptq(model, layers, b, samples_all, keep,
-                                                                 quantize_kept=budget is not None)
+                                                                 quantize_kept=budget is not None, source=source)
             else:
                 self._quantize(layers, b, algorithm, input_stats)
         notes: list[str] = []
@@ -867,11 +1039,12 @@ class WeightOnlyPass(Pass):
                     spec = q.spec
                     layer.quant[b] = (bw.rtn(layer.weight, spec), None)
         awq_inputs = self._awq_inputs(model, awq_layers, stats)
+        written: dict[str, tuple[int, tuple[ir.Value, ir.Value, ir.Value]]] = {}
         for layer in layers:
             prec, reason = decisions[layer.key]
             if prec != "float":
                 b = 8 if prec == "int8" else 4
-                self._write(model, layer, b, awq_inputs)
+                written[layer.key] = (b, self._write(model, layer, b, awq_inputs))
                 stats["quantized"] += 1
                 stats[f"quantized.int{b}"] = stats.get(f"quantized.int{b}", 0) + 1
             else:
@@ -879,8 +1052,20 @@ class WeightOnlyPass(Pass):
             plan.add(layer.node, prec, reason)
         for node, reason in skipped:
             plan.add(node, "float", reason)
+        listed = self._embeddings(model, layers, decisions, written, low, stats, plan)
         for node, reason in sensitive_nodes(model):
-            plan.add(node, "float", reason)
+            if id(node) not in listed:
+                plan.add(node, "float", reason)
+        if stats.get("quantized.embeddings"):
+            from mograph.passes.quant.gather_block_op import block_quantized_gather_op
+
+            model.opset_imports.setdefault(DOMAIN, DOMAIN_VERSION)
+            gop = block_quantized_gather_op()
+            ops_g = dict(self.registry.custom_ops) if self.registry is not None else {}
+            ops_g.setdefault(gop.key, gop)
+            from mograph.lowering import ensure_functions as _ensure
+
+            _ensure(model, ops_g)
         if stats["quantized"]:
             model.opset_imports.setdefault(DOMAIN, DOMAIN_VERSION)
             from mograph.passes.quant.weight_only_op import weight_only_matmul_op
@@ -893,6 +1078,6 @@ class WeightOnlyPass(Pass):
             ensure_functions(model, ops)
         details: dict[str, Any] = {"plan": plan.to_dict()}
         publish_notes_and_plan(self, plan, details, notes)
-        if not stats["quantized"]:
+        if not stats["quantized"] and not stats.get("quantized.embeddings"):
             return PassResult(False, {}, details)
         return PassResult(True, stats, details)

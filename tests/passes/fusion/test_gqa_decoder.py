@@ -299,3 +299,33 @@ def test_kv_cache_shared_greedy_loop_matches_the_export(exports: Any, exporter: 
         total = present.shape[2]
         assert np.abs(buffers[n].numpy()[:, :, :total] - present).max() < 1e-5
         assert not buffers[n].numpy()[:, :, total:].any()
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_target_mograph_keeps_the_presents_typed(tmp_path: Path, tokens: int) -> None:
+    """``--target mograph`` (no lowering) on a dynamo decode step: the fused rotary's cache Concat, which becomes the
+    present output, keeps the output's declared type and shape (untyped, the output check refused the model)."""
+    cfg = de.config("llama", **CFG)
+    path = de.export(cfg, "decode", "dynamo", tmp_path / f"decode{tokens}.onnx", tokens=tokens)
+    model, _ = mograph.optimize(onnx.load(path), passes=["cleanup", "fuse"], options={"target": "mograph"})
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert ops["Attention"] == 2 and ops["RotaryEmbedding"] == 4
+    original = {o.name: o.type for o in onnx.load(path).graph.output}
+    assert {o.name: o.type for o in model.graph.output} == original
+    feeds = de.feeds(cfg, "decode", batch=2, seq=tokens, past=7)
+    assert _max_diff(_run(path, feeds), _run(model, feeds)) < 1e-5
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_int4_with_random_calibration_on_a_decode_step(exports: Any, exporter: str) -> None:
+    """``--passes int4 --calibration-random`` on a decode step: the random mask is ``past + new`` long (sized 1 like
+    the other dynamic dims, the export rejected the feed and weight-only failed with an internal error)."""
+    path = exports("llama", "decode", exporter)
+    model, _ = mograph.optimize(onnx.load(path), passes=["int4"], options={"calibration_random": 2})
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert ops["WeightOnlyMatMul"] == 14 and ops["MatMul"] - Counter(
+        n.op_type for n in onnx.load(path).graph.node)["MatMul"] == -14
+    feeds = de.feeds(de.config("llama", **CFG), "decode", batch=2, seq=3, past=7)
+    ref, got = _run(path, feeds), _run(model, feeds)
+    cos = float(np.dot(ref[0].ravel(), got[0].ravel()) / (np.linalg.norm(ref[0]) * np.linalg.norm(got[0])))
+    assert cos > 0.99

@@ -351,3 +351,63 @@ def test_gptq_factor_made_once_in_place_gives_the_same_codes(act_order: bool) ->
         for field in ("q", "scale", "zero"):
             assert np.array_equal(getattr(own, field), getattr(shared, field))
     assert not np.array_equal(given, h)  # consumed: changed in place, not copied
+
+
+def _decode_step() -> onnx.ModelProto:
+    """A decode step's inputs and their constraint: ``past_key_values.0.key`` ``[batch, 2, past, 16]``, ``input_ids``
+    ``[batch, seq]`` and an ``attention_mask`` ``[batch, total]`` the model needs to be ``past + seq`` long (it is
+    concatenated under the rows of the ``[B, 2, seq, past + seq]`` scores of the new tokens against the cache and
+    themselves); a weight MatMul on the embedded tokens and one after the mask is read."""
+    rng = np.random.default_rng(0)
+    f = onnx.TensorProto.FLOAT
+    nodes = [
+        helper.make_node("Gather", ["emb", "input_ids"], ["x"]),
+        helper.make_node("MatMul", ["x", "Wk"], ["k_flat"], name="k_proj"),
+        helper.make_node("Reshape", ["k_flat", "heads_shape"], ["k_heads"]),
+        helper.make_node("Transpose", ["k_heads"], ["k_new"], perm=[0, 2, 1, 3]),
+        helper.make_node("Concat", ["past_key_values.0.key", "k_new"], ["present.0.key"], axis=2),
+        helper.make_node("Transpose", ["present.0.key"], ["k_t"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["k_new", "k_t"], ["scores"]),  # [B, 2, seq, past + seq]
+        helper.make_node("Cast", ["attention_mask"], ["mask_f"], to=f),
+        helper.make_node("Flatten", ["scores"], ["rows"], axis=3),  # [B * 2 * seq, past + seq]
+        helper.make_node("Concat", ["rows", "mask_f"], ["both"], axis=0),  # needs total == past + seq
+        helper.make_node("ReduceMean", ["both"], ["pooled"], keepdims=0),
+        helper.make_node("Add", ["x", "pooled"], ["h"]),
+        helper.make_node("MatMul", ["h", "Wo"], ["logits"], name="out_proj"),
+    ]
+    inits = [numpy_helper.from_array(rng.standard_normal((50, 32)).astype(np.float32), "emb"),
+             numpy_helper.from_array(rng.standard_normal((32, 32)).astype(np.float32), "Wk"),
+             numpy_helper.from_array(rng.standard_normal((32, 32)).astype(np.float32), "Wo"),
+             numpy_helper.from_array(np.array([0, 0, 2, 16], np.int64), "heads_shape")]
+    i64 = onnx.TensorProto.INT64
+    graph = helper.make_graph(
+        nodes, "decode_step",
+        [helper.make_tensor_value_info("input_ids", i64, ["batch", "seq"]),
+         helper.make_tensor_value_info("attention_mask", i64, ["batch", "total"]),
+         helper.make_tensor_value_info("past_key_values.0.key", f, ["batch", 2, "past", 16])],
+        [helper.make_tensor_value_info("logits", f, ["batch", "seq", 32]),
+         helper.make_tensor_value_info("present.0.key", f, ["batch", 2, "total", 16])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    onnx.checker.check_model(model)
+    return model
+
+
+@pytest.mark.parametrize("algorithm", ["gptq", "awq"])
+def test_random_calibration_of_a_decode_step_sizes_the_mask_past_plus_new(algorithm):
+    """``--calibration-random`` on a decode step: every dynamic dim is 1, except the mask's own ``total``, which is
+    the cache's past length plus the new tokens (sized 1 too, the model rejected the feed: an internal error)."""
+    from mograph.passes.quant.calibration import RandomSource
+
+    model = _decode_step()
+    feed = next(iter(RandomSource(to_ir(model), 1)))
+    assert {k: v.shape for k, v in feed.items()} == {
+        "input_ids": (1, 1), "attention_mask": (1, 2), "past_key_values.0.key": (1, 2, 1, 16)}
+    result = WeightOnlyPass(calibration_random=2, algorithm=algorithm, output_projection="bits").call(to_ir(model))
+    assert result.modified and result.stats["quantized"] == 2 and result.stats["calibrated_on_random_data"] == 1
+
+    # a mask the user sizes against the cache is not resized: the model's rejection is one line, exit 2
+    with pytest.raises(OptionError) as info:
+        WeightOnlyPass(calibration_random=2, algorithm=algorithm, output_projection="bits",
+                       shape=["attention_mask:1x3"]).call(to_ir(model))
+    assert info.value.exit_code == 2 and len(str(info.value).splitlines()) == 1
+    assert "rejects its random calibration feed" in str(info.value)
