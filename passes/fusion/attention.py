@@ -16,6 +16,12 @@ alternatives of the trace, not copies of the rule)::
     Kh, Vh = Transpose(Reshape(x, [B, T, G, D]), [0, 2, 1, 3]), possibly repeated for grouped-query
        attention: Reshape(Expand(Unsqueeze(., 2), [B, G, H/G, T, D]), [B, H, T, D])  (repeat_kv)
 
+A norm over each head's ``D`` values right after the split (Gemma 3 and Qwen 3's ``q_norm`` / ``k_norm``:
+``mograph.RMSNorm`` or ``LayerNorm``, or the standard ``RMSNormalization`` / ``LayerNormalization`` over the last
+axis, scale and bias 1-D) may sit between the split and the rotary: it normalizes each position's head on its own,
+so the rewrite applies the same norm to ``Reshape(x, [B, S, N, D])`` and merges it back
+(:func:`head_norm`), exactly; a per-head scale (``[N, 1, D]``) or a norm after the rotary is a near miss.
+
 ``scale`` is any constant: ``Div``/``Mul`` of the scores, and single-element constant factors on
 ``q``, ``Qh``, ``Kt`` or ``k`` (exporters that split ``1/sqrt(D)`` into ``D^-1/4`` on each side, Whisper's
 pre-scaled query) are folded into it.  ``M`` is optional; it is taken as it is, whatever computed it
