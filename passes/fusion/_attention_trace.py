@@ -48,6 +48,31 @@ class Heads:
     cached: ir.Value | None = None
     #: (cos, sin) ``[B, S, D/2]`` of opset 23's standard ``RotaryEmbedding`` on the heads (not interleaved)
     half_rotary: tuple[ir.Value, ir.Value] | None = None
+    #: a norm over each head's ``D`` values applied right after the split, before any rotary (Gemma 3 and Qwen 3's
+    #: ``q_norm`` / ``k_norm``): ``mograph.RMSNorm`` / ``mograph.LayerNorm`` (or the standard ``RMSNormalization`` /
+    #: ``LayerNormalization`` over the last axis) with 1-D or single-element scale and bias
+    norm: ir.Node | None = None
+
+
+#: Norms over the last axis that ``fuse-attention`` follows on the split heads: (domain, op type).
+HEAD_NORMS = {("mograph", "RMSNorm"), ("mograph", "LayerNorm"), ("", "RMSNormalization"), ("", "LayerNormalization")}
+
+
+def _head_norm(v: ir.Value) -> ir.Node | str | None:
+    """The norm over the last axis (:data:`HEAD_NORMS`) that produces ``v``, a string when it is one that
+    cannot move to the ``[B, S, N, D]`` layout (a scale or bias of more than one axis, another axis), else None."""
+    node = v.producer()
+    if node is None or (node.domain if node.domain != "ai.onnx" else "", node.op_type) not in HEAD_NORMS:
+        return None
+    if node.outputs[0] is not v or node.inputs[0] is None:
+        return None
+    axis = node.attributes.get("axis")
+    if axis is not None and int(axis.value) not in (-1, 3):
+        return f"{node.op_type} '{node.name}' on the heads normalizes from axis {int(axis.value)}, not the head's last"
+    for extra in node.inputs[1:]:
+        if extra is not None and (extra.shape is None or len(extra.shape) > 1):
+            return f"{node.op_type} '{node.name}' on the heads has a scale or bias that is not 1-D"
+    return node
 
 
 def _split_heads(v4: ir.Value, role: str) -> Heads | str:
@@ -74,6 +99,19 @@ def _split_heads(v4: ir.Value, role: str) -> Heads | str:
                 return f"{role}: two rotary embeddings"
             inner.rotary = (rot[1], rot[2])
             inner.factor *= f1
+        return inner
+    norm = _head_norm(v)
+    if isinstance(norm, str):
+        return f"{role}: {norm}"
+    if norm is not None:  # RMSNorm(heads) over D is RMSNorm over D of [B, S, N, D]: the rewrite applies it there
+        inner = _split_heads(norm.inputs[0], role)  # type: ignore[arg-type]
+        if isinstance(inner, Heads):
+            if inner.norm is not None or inner.rotary is not None or inner.half_rotary is not None:
+                return f"{role}: {norm.op_type} '{norm.name}' follows another norm or a rotary embedding on the heads"
+            if inner.factor != 1.0:
+                return f"{role}: the heads are scaled before {norm.op_type} '{norm.name}' (not linear through a norm)"
+            inner.norm = norm
+            inner.factor = f1
         return inner
     tr = _producer(v, "Transpose")
     if tr is None or _perm(tr) != [0, 2, 1, 3]:

@@ -16,6 +16,12 @@ alternatives of the trace, not copies of the rule)::
     Kh, Vh = Transpose(Reshape(x, [B, T, G, D]), [0, 2, 1, 3]), possibly repeated for grouped-query
        attention: Reshape(Expand(Unsqueeze(., 2), [B, G, H/G, T, D]), [B, H, T, D])  (repeat_kv)
 
+A norm over each head's ``D`` values right after the split (Gemma 3 and Qwen 3's ``q_norm`` / ``k_norm``:
+``mograph.RMSNorm`` or ``LayerNorm``, or the standard ``RMSNormalization`` / ``LayerNormalization`` over the last
+axis, scale and bias 1-D) may sit between the split and the rotary: it normalizes each position's head on its own,
+so the rewrite applies the same norm to ``Reshape(x, [B, S, N, D])`` and merges it back
+(:func:`head_norm`), exactly; a per-head scale (``[N, 1, D]``) or a norm after the rotary is a near miss.
+
 ``scale`` is any constant: ``Div``/``Mul`` of the scores, and single-element constant factors on
 ``q``, ``Qh``, ``Kt`` or ``k`` (exporters that split ``1/sqrt(D)`` into ``D^-1/4`` on each side, Whisper's
 pre-scaled query) are folded into it.  ``M`` is optional; it is taken as it is, whatever computed it
@@ -83,6 +89,7 @@ from mograph.passes.fusion.attention_op import (
 )
 from mograph.passes.fusion.lowerings.attention_proofs import is_zero_bias
 
+from mograph.custom_ops import DOMAIN, DOMAIN_VERSION
 from mograph.pass_infra import Option, PassResult
 from mograph.patterns import MatchResult, OrValue, Rule, Var, constant_array, scalar_value
 
@@ -267,8 +274,9 @@ class AttentionFusion(Rule):
         if f["nan"] and not _finite_bias(mask):
             attrs["nan_to_zero"] = 1
         q_tables, k_tables = full_rotary_tables(op, q), full_rotary_tables(op, k)
-        qx = q.x if q_tables is None else mograph_op(op, ROTARY_OP, q.x, *q_tables, num_heads=q.heads)
-        kx = k.x if k_tables is None else mograph_op(op, ROTARY_OP, k.x, *k_tables, num_heads=k.heads)
+        qx, kx = head_norm(op, q), head_norm(op, k)
+        qx = qx if q_tables is None else mograph_op(op, ROTARY_OP, qx, *q_tables, num_heads=q.heads)
+        kx = kx if k_tables is None else mograph_op(op, ROTARY_OP, kx, *k_tables, num_heads=k.heads)
         if k.cached is not None and k.rotary is not None:
             # the new keys rotated by a fused rotary embedding, then the cache's Concat again (the present
             # output, name kept); the exporter's Concat and its decomposed rotary are left unused
@@ -295,7 +303,7 @@ class AttentionFusion(Rule):
                     flat = op.initializer(ir.tensor(np.array([0, 0, -1], dtype=np.int64)), name="mograph_merge_heads")
                 merged = op.Reshape(op.Transpose(heads.cached, perm=[0, 2, 1, 3]), flat)
                 kx, vx = (merged, None) if heads is k else (kx, merged)
-        vx = v.x if v.cached is None else vx  # type: ignore[possibly-undefined]
+        vx = head_norm(op, v) if v.cached is None else vx  # type: ignore[possibly-undefined]
         y = mograph_op(op, ATTENTION_OP, qx, kx, vx, mask, **attrs)
         fmt = getattr(self, "mask_format", None)
         if fmt and fmt != "bias" and f["mask"] is not None:
@@ -320,6 +328,24 @@ class AttentionFusion(Rule):
         if f["k"].cached is not None:
             parts.append("cache")
         return ".".join(parts)
+
+
+def head_norm(op: Any, heads: Heads) -> Any:
+    """``heads.x`` ``[B, S, N*D]`` with the heads' own norm (``Heads.norm``: Gemma 3's ``q_norm``) applied:
+    ``Reshape(Norm(Reshape(x, [0, 0, N, D])), [0, 0, N*D])``.  The norm is over each head's ``D`` values of one
+    position, so it gives on ``[B, S, N, D]`` exactly what it gave on the split ``[B, N, S, D]`` heads (its scale
+    and bias are 1-D, checked by the trace); the same op, attributes, scale and bias."""
+    norm = heads.norm
+    if norm is None:
+        return heads.x
+    split = op.initializer(ir.tensor(np.array([0, 0, heads.heads, heads.dim], dtype=np.int64)),
+                           name="mograph_head_norm_split")
+    merge = op.initializer(ir.tensor(np.array([0, 0, heads.heads * heads.dim], dtype=np.int64)),
+                           name="mograph_head_norm_merge")
+    attrs = {k: a.value for k, a in norm.attributes.items()}
+    domain = {"_domain": norm.domain, "_version": DOMAIN_VERSION} if norm.domain == DOMAIN else {}
+    y = getattr(op, norm.op_type)(op.Reshape(heads.x, split), *norm.inputs[1:], **domain, **attrs)
+    return op.Reshape(y, merge)
 
 
 def full_rotary_tables(op: Any, heads: Heads) -> tuple[ir.Value, ir.Value] | None:

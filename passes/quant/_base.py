@@ -277,14 +277,20 @@ class QdqPassBase(Pass):
 
     def _smooth(self, model: ir.Model, groups: list[SmoothGroup], raw: dict[str, cal.TensorStats],
                 source: cal.CalibrationSource, scheme: Scheme, alpha: float | str, mask: str | None,
-                plan: PrecisionPlan, stats: dict[str, int | float]) -> list[SmoothGroup]:
-        """Smooth every group whose activation statistics allow it (see :mod:`.smoothing`); return those done."""
+                plan: PrecisionPlan, stats: dict[str, int | float],
+                captured: dict[str, list[np.ndarray]] | None = None) -> list[SmoothGroup]:
+        """Smooth every group whose activation statistics allow it (see :mod:`.smoothing`); return those done.
+
+        ``captured``: the groups' activations on the first samples, kept by the calibration run
+        (:func:`~mograph.passes.quant.calibration.observe`); the model is run again only for a group missing there."""
         # only the main graph: the tensors of If branches are seen on the samples that take the branch only
         groups = [g for g in groups if all(c.node.graph is model.graph for c in g.cands)]
-        xs: dict[str, list[np.ndarray]] = {}
-        if alpha == "auto" and groups:
+        xs: dict[str, list[np.ndarray]] = dict(captured or {})
+        missing = [g.name for g in groups if g.name not in xs]
+        if alpha == "auto" and missing:
             n = int(self.config.get("sensitivity_samples") or 8)
-            xs = cal.collect(model, [g.name for g in groups], list(itertools.islice(iter(source), n)), mask)
+            xs.update(cal.collect(model, missing, list(itertools.islice(iter(source), n)), mask))
+        correct = self.config.get("bias_correction") == "on"
         done: list[SmoothGroup] = []
         records = []
         observed = set(raw)
@@ -295,8 +301,9 @@ class QdqPassBase(Pass):
             amax = raw[g.name].channel_amax if g.name in raw else None
             if amax is None or (alpha == "auto" and not any(x.size for x in xs.get(g.name, []))):
                 continue
-            a = choose_alpha(g, xs[g.name], amax, scheme) if alpha == "auto" else float(alpha)
-            if self.config.get("bias_correction") == "on" and g.bias_shift:
+            a = choose_alpha(g, xs[g.name], amax, scheme, bias_shift=correct) if alpha == "auto" else float(alpha)
+            xs.pop(g.name, None)  # searched: its rows are not needed again
+            if correct and g.bias_shift:
                 for key in apply_bias_correction(model, g):
                     self._bias_corrected.add(key)
             if apply_smoothing(model, g, amax, a, observed, self._reobserve, norms):
@@ -403,6 +410,7 @@ class QdqPassBase(Pass):
             mask = cal.padding_mask_input(model)
             alpha = self._smoothing_alpha()
             groups = smoothing_groups(observe_for) if alpha is not None else []
+            captured: dict[str, list[np.ndarray]] = {}
             raw = cal.observe(
                 model,
                 tensors_to_observe(observe_for),
@@ -411,11 +419,16 @@ class QdqPassBase(Pass):
                 progress=self.progress,
                 channels=[g.name for g in groups],
                 padding_mask=mask,
+                # the alpha search's inputs come from this run: no second run of the model for them
+                capture=[g.name for g in groups] if alpha == "auto" else (),
+                capture_samples=int(self.config.get("sensitivity_samples") or 8),
+                captured=captured,
             )
             if mask is not None:
                 plan.meta["calibration_padding"] = f"positions where {mask} is 0 are left out of the statistics"
             if groups and alpha is not None:
-                smoothed = self._smooth(model, groups, raw, source, scheme, alpha, mask, plan, stats)
+                smoothed = self._smooth(model, groups, raw, source, scheme, alpha, mask, plan, stats, captured)
+                captured.clear()
                 self._smoothed_groups = smoothed
                 names = [g.smoothed.name or "" for g in smoothed if g.smoothed is not None]
                 if names and cal.needs_histogram(calibrator):

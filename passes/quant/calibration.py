@@ -710,6 +710,9 @@ def observe(
     dtypes: dict[str, int] | None = None,
     channels: Iterable[str] = (),
     padding_mask: str | None = None,
+    capture: Iterable[str] = (),
+    capture_samples: int = 0,
+    captured: dict[str, list[np.ndarray]] | None = None,
 ) -> dict[str, TensorStats]:
     """Run every calibration feed once and return streaming statistics of each named tensor.
 
@@ -717,6 +720,10 @@ def observe(
     (:attr:`TensorStats.ch_min` / ``ch_max``).  ``padding_mask`` names an integer ``[batch, seq]`` model
     input (see :func:`padding_mask_input`): positions where it is 0 are left out of the statistics of
     every ``[batch, seq, hidden]`` tensor, since no output depends on them.
+
+    ``capture`` names tensors (among ``tensors``) whose values on the first ``capture_samples`` feeds are
+    appended to ``captured[name]`` as float32 arrays, padded positions dropped: what :func:`collect` gives for
+    those feeds, taken from this run instead of another run of the model (the smoothing strength search).
     """
     names = list(dict.fromkeys(tensors))
     per_channel = set(channels)
@@ -729,6 +736,9 @@ def observe(
     total = source.count
     every = max(1, (total or 100) // 10)
     seen = 0
+    keep_values = set(capture) if captured is not None and capture_samples > 0 else set()
+    for name in keep_values:
+        captured.setdefault(name, [])  # type: ignore[union-attr]
     for feed in source:
         outs = _run_feed(sess, [mapping[n] for n in observed], feed, source, seen)
         keep = _kept_positions(feed, padding_mask)
@@ -737,6 +747,8 @@ def observe(
                 if keep is not None and arr.ndim == 3 and arr.shape[:2] == keep.shape:
                     arr = arr[keep][None]
                 stats[name].update(arr, histogram, name in per_channel)
+                if seen < capture_samples and name in keep_values:
+                    captured[name].append(np.asarray(arr, np.float32))  # type: ignore[index]
         seen += 1
         if progress is not None:
             progress(seen, total)

@@ -55,6 +55,7 @@ __all__ = [
     "fold_target",
     "ALPHAS",
     "MIN_GAIN",
+    "MAX_COLUMNS",
 ]
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,8 @@ logger = logging.getLogger(__name__)
 ALPHAS = (0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 #: ``alpha="auto"`` smooths an activation only if that divides its group's error by at least this much.
 MIN_GAIN = 1.1
+#: ``alpha="auto"`` judges a weight wider than this many output channels on this many of them (:func:`choose_alpha`).
+MAX_COLUMNS = 8192
 
 
 @dataclass
@@ -166,13 +169,23 @@ def _group_error(g: SmoothGroup, x: np.ndarray, refs: list[np.ndarray], weights:
 
 
 def choose_alpha(g: SmoothGroup, xs: list[np.ndarray], act_amax: np.ndarray, scheme: Scheme,
-                 alphas: Sequence[float] = ALPHAS, max_rows: int = 2048, min_gain: float = MIN_GAIN) -> float:
+                 alphas: Sequence[float] = ALPHAS, max_rows: int = 2048, min_gain: float = MIN_GAIN,
+                 max_columns: int = MAX_COLUMNS, bias_shift: bool = True) -> float:
     """The ``alpha`` of ``alphas`` whose smoothed, fake-quantized group output is closest to float on ``xs``.
 
     ``xs`` are the group's activation on a few calibration samples (float model); at most ``max_rows``
     of their rows (tokens), evenly spaced, are used.  ``alpha = 0`` (no smoothing) is among the
     candidates, and smoothing is chosen only where it divides the error by at least ``min_gain``: its
     ``Mul`` costs about as much time as a LayerNorm on ONNX Runtime CPU.
+
+    A weight wider than ``max_columns`` output channels (an LLM's LM head: 262,144 on Gemma 3) is judged on
+    ``max_columns`` of its columns, evenly spaced: weights are quantized per output channel, so each column's
+    error depends on that column and the shared activation only, and the subset's error estimates the whole
+    one's (``s`` itself still comes from every column's range; with ``bias_shift`` every column is used, as the
+    shift is wanted for each).  Without it one such group costs more than
+    every other group together (Gemma 3 270M: 2,048 x 640 x 262,144 multiply-adds per alpha, and two 2 GB
+    output copies).  ``bias_shift``: also measure the mean output shift per channel at the chosen alpha
+    (``g.bias_shift``, for ``--bias-correction``; one more product of the group, so off when not wanted).
     """
     rows = np.concatenate([x.reshape(-1, x.shape[-1]) for x in xs]).astype(np.float32)
     if len(rows) > max_rows:
@@ -182,7 +195,10 @@ def choose_alpha(g: SmoothGroup, xs: list[np.ndarray], act_amax: np.ndarray, sch
         tensor = const_tensor(c.node.inputs[c.weight_input])  # type: ignore[index]
         w = tensor.numpy().astype(np.float32)  # type: ignore[union-attr]
         _spill.release_pages(tensor)
-        weights.append(w if _row_axis(c) == 0 else np.ascontiguousarray(w.T))  # [K, N]
+        w = w if _row_axis(c) == 0 else w.T  # [K, N]
+        if w.shape[1] > max_columns and not bias_shift:
+            w = w[:, np.linspace(0, w.shape[1] - 1, max_columns).astype(np.int64)]
+        weights.append(np.ascontiguousarray(w))
     refs = [rows @ w for w in weights]
     w_amax = _weight_rows_amax(g)
     best, best_err = 0.0, float("inf")
@@ -193,6 +209,8 @@ def choose_alpha(g: SmoothGroup, xs: list[np.ndarray], act_amax: np.ndarray, sch
             best, best_err = float(a), err
     if best > 0 and 0.0 in g.errors and best_err * min_gain > g.errors[0.0]:
         best = 0.0  # the Mul costs time (about a LayerNorm's): not worth it for a small gain
+    if not bias_shift:
+        return best
     g.bias_shift = _mean_shift(rows, refs, weights, smoothing_scale(act_amax, w_amax, best) if best > 0 else None,
                                scheme, [c.key for c in g.cands])
     return best

@@ -15,7 +15,7 @@ from mograph.passes.quant.smoothing import apply_smoothing, choose_alpha, smooth
 from onnx import helper, numpy_helper
 
 from mograph.errors import OptionError
-from mograph.testing import op_counts, to_ir
+from mograph.testing import op_counts, to_ir, to_proto
 from tests.passes.quant._helpers import cosine, run
 
 F32 = onnx.TensorProto.FLOAT
@@ -162,3 +162,57 @@ def test_bias_correction_is_opt_in_and_changes_only_the_bias():
     assert sorted(model.graph.initializers) != sorted(plain.graph.initializers)
     feeds = calib[0]
     assert cosine(run(proto, feeds)[0], run(model, feeds)[0]) > 0.99
+
+
+def test_alpha_search_takes_its_inputs_from_the_calibration_run(monkeypatch):
+    """issue 31 item 3: the alpha search reads the activations the calibration run kept (no second run of the model),
+    and chooses exactly what a separate run of the model (``collect``) gave it: the same errors, alphas and model."""
+    from mograph.passes.quant import calibration as cal
+
+    proto = _outlier_model()
+    runs = []
+    real_collect = cal.collect
+    monkeypatch.setattr(cal, "collect", lambda *a, **k: runs.append(a[1]) or real_collect(*a, **k))
+    reused = to_ir(proto)
+    got = QdqInt8Pass(accuracy_budget="off", calibration_data=_feeds(8)).call(reused)
+    assert runs == []  # nothing ran the model again for the search
+    real_observe = cal.observe
+    monkeypatch.setattr(cal, "observe", lambda *a, **k: real_observe(*a, **{**k, "captured": None}))
+    again = to_ir(proto)
+    ref = QdqInt8Pass(accuracy_budget="off", calibration_data=_feeds(8)).call(again)
+    assert len(runs) == 1  # the old way: one more run for the search's samples
+    assert got.stats == ref.stats and got.stats["smoothed"] == 1
+    assert got.details["plan"]["smoothing"] == ref.details["plan"]["smoothing"]
+    feeds = _feeds(1, seed=9)[0]
+    got_y = run(to_proto(reused, with_data=True), feeds)[0]
+    np.testing.assert_array_equal(got_y, run(to_proto(again, with_data=True), feeds)[0])
+
+
+def test_wide_weights_are_judged_on_a_column_subset():
+    """A weight wider than ``max_columns`` (an LLM's LM head) is judged on evenly spaced columns: the errors are
+    estimates of the full ones (per-channel weights: each column's error is its own), the choice the same here;
+    with ``bias_shift`` every column is used (the shift is per column)."""
+    rng = np.random.default_rng(3)
+    d, n = 16, 600
+    gamma = np.ones(d, np.float32)
+    gamma[5] = 30.0
+    inits = [numpy_helper.from_array(gamma, "gamma"), numpy_helper.from_array(np.zeros(d, np.float32), "beta"),
+             numpy_helper.from_array((rng.standard_normal((d, n)) * 0.2).astype(np.float32), "w_head")]
+    nodes = [helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["h"], name="ln", axis=-1),
+             helper.make_node("MatMul", ["h", "w_head"], ["y"], name="head")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F32, ["b", "s", d])],
+                              [helper.make_tensor_value_info("y", F32, ["b", "s", n])], inits)
+    model = to_ir(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    cands, _ = find_candidates(model)
+    xs = [(rng.standard_normal((1, 32, d)) * gamma).astype(np.float32) for _ in range(4)]
+    amax = np.abs(np.concatenate(xs, axis=1)).max(axis=(0, 1))
+    full, part = smoothing_groups(cands)[0], smoothing_groups(cands)[0]
+    a_full = choose_alpha(full, xs, amax, INT8_U8, bias_shift=False)
+    a_part = choose_alpha(part, xs, amax, INT8_U8, max_columns=100, bias_shift=False)
+    assert a_full == a_part and a_full > 0
+    for a, err in full.errors.items():
+        assert abs(part.errors[a] - err) < 0.15 * err, (a, part.errors[a], err)
+    assert part.bias_shift == {}  # not asked for
+    shifted = smoothing_groups(cands)[0]
+    choose_alpha(shifted, xs, amax, INT8_U8, max_columns=100, bias_shift=True)
+    assert shifted.errors == full.errors and shifted.bias_shift["head"].shape == (n,)
