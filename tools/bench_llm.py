@@ -333,7 +333,7 @@ def _variant_export(args: argparse.Namespace, dirname: str) -> str:
     for v in args.variant:
         vname, exp, _, _ = parse_variant(v)
         for kind in ("prefill", "decode"):
-            if dirname == f"{vname}-{kind}":
+            if exp != "from" and dirname == f"{vname}-{kind}":
                 return f"{exp}-{kind}"
     return ""
 
