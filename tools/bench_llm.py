@@ -38,13 +38,13 @@ wheels are carried over by a script kept outside this repository)::
     python tools/bench_llm.py prepare --models smollm --cache /tmp/llm          # HF folder, builder, exports, mograph
     python tools/bench_llm.py time --models smollm --cache /tmp/llm --out r.jsonl
     python tools/bench_llm.py markdown --out r.jsonl
-    python tools/bench_llm.py prepare --models smollm,1b --cache /tmp/llm --jobs 4 \
-        --variant "mograph-ts-shared=ts:cleanup,fuse,fp16:--target ort --fp16-io yes --kv-cache shared" \
-        --variant "mograph-ts-int4-shared=ts:cleanup,fuse,int4:--target ort --device cuda --fp16-io yes --kv-cache shared" \
-        --variant "mograph-ts-int8-shared=ts:cleanup,fuse,int8:--target ort --device cuda --fp16-io yes --kv-cache shared" \
-        --variant "ort-int4-b32=from:mograph-ts-shared:nbits4:block=32,sym" \
-        --variant "ort-int4-b128=from:mograph-ts-shared:nbits4" --variant "ort-nbits8=from:mograph-ts-shared:nbits8"
-    # then `time` with the same --models, --cache and --variant list (issue 26 item 3)
+    S="--target ort --fp16-io yes --kv-cache shared"; V=(--variant "mograph-ts-shared=ts:cleanup,fuse,fp16:$S" \\
+        --variant "mograph-ts-int4-shared=ts:cleanup,fuse,int4:$S --device cuda" \\
+        --variant "mograph-ts-int8-shared=ts:cleanup,fuse,int8:$S --device cuda" \\
+        --variant "ort-int4-b32=from:mograph-ts-shared:nbits4:block=32,sym" \\
+        --variant "ort-int4-b128=from:mograph-ts-shared:nbits4" --variant "ort-nbits8=from:mograph-ts-shared:nbits8")
+    python tools/bench_llm.py prepare --models smollm,1b --cache /tmp/llm --jobs 4 "${V[@]}"
+    python tools/bench_llm.py time --models smollm,1b --cache /tmp/llm --out r.jsonl "${V[@]}"
     python tools/bench_llm.py prepare --models tiny --cache /tmp/llm --device cpu && \\
         python tools/bench_llm.py time --models tiny --cache /tmp/llm --device cpu --out /tmp/r.jsonl  # smoke
 """

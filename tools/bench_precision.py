@@ -79,8 +79,9 @@ def export_bert(model: str, out: Path, attn: str = "eager") -> None:
 
     layers, hidden, heads, ffn = MODELS[model]
     torch.manual_seed(0)
+    kw: dict[str, Any] = {"attn_implementation": attn}
     cfg = T.BertConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                       intermediate_size=ffn, max_position_embeddings=512, attn_implementation=attn)
+                       intermediate_size=ffn, max_position_embeddings=512, **kw)
     bert = T.BertModel(cfg, add_pooling_layer=False).eval()
 
     class Text(torch.nn.Module):
