@@ -25,7 +25,12 @@ rounds so drift hits all variants alike.
 
 A variant spec is ``NAME=EXPORT:PASSES[:EXTRA CLI ARGS]``, e.g. ``mograph-ts=ts:cleanup,fuse,fp16:--target ort``
 or ``mograph-ts-shared=ts:cleanup,fuse,fp16:--target ort --kv-cache shared``; mograph runs as
-``python -m mograph optimize`` on the export of the cell's kind (prefill or decode graph).
+``python -m mograph optimize`` on the export of the cell's kind (prefill or decode graph).  A spec
+``NAME=from:VARIANT:nbits4|nbits8[:block=K,sym,acc=N]`` is ONNX Runtime's ``MatMulNBitsQuantizer`` (RTN; block
+128 and asymmetric unless given) on the graphs of another ``ts``/``dynamo`` variant of the run (every MatMul with
+a constant weight, the LM head too), e.g. ``ort-int4-b32=from:mograph-ts-shared:nbits4:block=32,sym`` (the
+builder's ``-p int4`` blocks) or ``ort-int4-b128=from:mograph-ts-shared:nbits4``: with ``--jobs`` it waits for
+that variant's graph.  Names holding ``int4`` or ``nbits4`` are compared with ``builder-int4`` in ``markdown``.
 
 Usage (the H200, with onnxruntime-gpu and onnxruntime-genai installed there; the device has no network, so their
 wheels are carried over by a script kept outside this repository)::
@@ -33,6 +38,13 @@ wheels are carried over by a script kept outside this repository)::
     python tools/bench_llm.py prepare --models smollm --cache /tmp/llm          # HF folder, builder, exports, mograph
     python tools/bench_llm.py time --models smollm --cache /tmp/llm --out r.jsonl
     python tools/bench_llm.py markdown --out r.jsonl
+    S="--target ort --fp16-io yes --kv-cache shared"; V=(--variant "mograph-ts-shared=ts:cleanup,fuse,fp16:$S" \\
+        --variant "mograph-ts-int4-shared=ts:cleanup,fuse,int4:$S --device cuda" \\
+        --variant "mograph-ts-int8-shared=ts:cleanup,fuse,int8:$S --device cuda" \\
+        --variant "ort-int4-b32=from:mograph-ts-shared:nbits4:block=32,sym" \\
+        --variant "ort-int4-b128=from:mograph-ts-shared:nbits4" --variant "ort-nbits8=from:mograph-ts-shared:nbits8")
+    python tools/bench_llm.py prepare --models smollm,1b --cache /tmp/llm --jobs 4 "${V[@]}"
+    python tools/bench_llm.py time --models smollm,1b --cache /tmp/llm --out r.jsonl "${V[@]}"
     python tools/bench_llm.py prepare --models tiny --cache /tmp/llm --device cpu && \\
         python tools/bench_llm.py time --models tiny --cache /tmp/llm --device cpu --out /tmp/r.jsonl  # smoke
 """
@@ -241,13 +253,82 @@ def run_mograph(src: Path, out: Path, passes: str, extra: str) -> None:
     log(f"  {out.name}: {time.perf_counter() - t:.1f} s")
 
 
+def parse_nbits(text: str) -> dict[str, Any]:
+    """``nbits4|nbits8[:block=K,sym,acc=N]`` -> ``{"bits", "block", "symmetric", "accuracy_level"}``
+    (defaults: block 128, asymmetric, no accuracy level)."""
+    head, _, opts = text.partition(":")
+    m = re.fullmatch(r"nbits([248])", head)
+    if not m:
+        raise ValueError(f"expected nbits4|nbits8[:block=K,sym,acc=N], got {text!r}")
+    out: dict[str, Any] = {"bits": int(m.group(1)), "block": 128, "symmetric": False, "accuracy_level": None}
+    for opt in filter(None, opts.split(",")):
+        key, _, value = opt.partition("=")
+        if key == "block" and value.isdigit():
+            out["block"] = int(value)
+        elif key == "sym" and not value:
+            out["symmetric"] = True
+        elif key == "acc" and value.isdigit():
+            out["accuracy_level"] = int(value)
+        else:
+            raise ValueError(f"unknown nbits option {opt!r} in {text!r}")
+    return out
+
+
+def ort_nbits(src: Path, out: Path, bits: int, block: int, symmetric: bool = False,
+              accuracy_level: int | None = None) -> None:
+    """ONNX Runtime's ``MatMulNBitsQuantizer`` (RTN, the default weight-only config) on the graph ``src``: every
+    MatMul with a constant weight becomes ``com.microsoft.MatMulNBits`` of ``bits`` bits, blocks of ``block``
+    along K, float16 scales where the weights were float16; written with its weights as external data."""
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    t = time.perf_counter()
+    model = onnx.load(str(src))
+    quant = MatMulNBitsQuantizer(model, bits=bits, block_size=block, is_symmetric=symmetric,
+                                 accuracy_level=accuracy_level)
+    quant.process()
+    n = sum(node.op_type == "MatMulNBits" for node in quant.model.model.graph.node)
+    if not n:
+        raise RuntimeError(f"MatMulNBitsQuantizer made no MatMulNBits node in {src}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    quant.model.save_model_to_file(str(out), use_external_data_format=True)
+    log(f"  {out.parent.name}: {n} MatMulNBits ({bits}-bit, block {block}) in {time.perf_counter() - t:.1f} s")
+
+
 def parse_variant(text: str) -> tuple[str, str, str, str]:
+    """``NAME=ts|dynamo:PASSES[:ARGS]`` -> (name, export, passes, args); ``NAME=from:BASE:nbitsB[:OPTS]`` (ONNX
+    Runtime's MatMulNBitsQuantizer on the graphs of the variant BASE, see :func:`parse_nbits`) -> (name, "from",
+    BASE, "nbitsB[:OPTS]")."""
     name, _, body = text.partition("=")
     exp, _, rest = body.partition(":")
     passes, _, extra = rest.partition(":")
+    if name and exp == "from" and passes:
+        try:
+            parse_nbits(extra)
+        except ValueError as exc:
+            raise SystemExit(f"bench_llm: bad --variant {text!r}: {exc}") from None
+        return name, exp, passes, extra
     if not (name and exp in ("ts", "dynamo") and passes):
-        raise SystemExit(f"bench_llm: bad --variant {text!r}: expected NAME=ts|dynamo:PASSES[:ARGS]")
+        raise SystemExit(f"bench_llm: bad --variant {text!r}: expected NAME=ts|dynamo:PASSES[:ARGS] or "
+                         "NAME=from:VARIANT:nbits4|nbits8[:block=K,sym,acc=N]")
     return name, exp, passes, extra
+
+
+def _variant_base(args: argparse.Namespace, dirname: str) -> str:
+    """``NAME-KIND`` of a ``from:`` variant -> ``BASE-KIND`` (the folder of the graph it quantizes); else ''."""
+    for v in args.variant:
+        vname, exp, base, _ = parse_variant(v)
+        for kind in ("prefill", "decode"):
+            if exp == "from" and dirname == f"{vname}-{kind}":
+                return f"{base}-{kind}"
+    return ""
+
+
+def _after(base: Any, name: str, target: Path, make: Any, retry: bool) -> bool:
+    """:func:`_step` once the future ``base`` (the step it reads, submitted earlier to the same pool) is done."""
+    if base is not None:
+        base.result()
+    return _step(name, target, make, retry)
 
 
 def _variant_export(args: argparse.Namespace, dirname: str) -> str:
@@ -255,7 +336,7 @@ def _variant_export(args: argparse.Namespace, dirname: str) -> str:
     for v in args.variant:
         vname, exp, _, _ = parse_variant(v)
         for kind in ("prefill", "decode"):
-            if dirname == f"{vname}-{kind}":
+            if exp != "from" and dirname == f"{vname}-{kind}":
                 return f"{exp}-{kind}"
     return ""
 
@@ -294,7 +375,12 @@ def prepare(args: argparse.Namespace) -> int:
                 steps.append((d / f"builder-{prec}" / "model.onnx",
                               lambda d=d, prec=prec: run_builder(d / "hf", d / f"builder-{prec}", prec, d / "hfcache",
                                                                  args.builder_ep)))
-        exps = {parse_variant(v)[1] for v in args.variant}
+        exps = {parse_variant(v)[1] for v in args.variant} - {"from"}
+        bases = {parse_variant(v)[0]: parse_variant(v)[1] for v in args.variant}
+        for v in args.variant:
+            vname, exp, base, _ = parse_variant(v)
+            if exp == "from" and bases.get(base) not in ("ts", "dynamo"):
+                raise SystemExit(f"bench_llm: --variant {vname}: from:{base} is not a ts/dynamo --variant of this run")
         for exp in sorted(exps):
             for kind in ("prefill", "decode"):
                 steps.append((d / f"export-{exp}-{kind}" / "model.onnx",
@@ -303,10 +389,20 @@ def prepare(args: argparse.Namespace) -> int:
         for v in args.variant:
             vname, exp, passes, extra = parse_variant(v)
             for kind in ("prefill", "decode"):
+                if exp == "from":
+                    continue
                 steps.append((d / f"{vname}-{kind}" / "model.onnx",
                               lambda d=d, exp=exp, kind=kind, vname=vname, passes=passes, extra=extra: run_mograph(
                                   d / f"export-{exp}-{kind}" / "model.onnx", d / f"{vname}-{kind}" / "model.onnx",
                                   passes, extra)))
+        for v in args.variant:  # after every variant they may read
+            vname, exp, base, extra = parse_variant(v)
+            for kind in ("prefill", "decode"):
+                if exp == "from":
+                    steps.append((d / f"{vname}-{kind}" / "model.onnx",
+                                  lambda d=d, kind=kind, vname=vname, base=base, extra=extra: ort_nbits(
+                                      d / f"{base}-{kind}" / "model.onnx", d / f"{vname}-{kind}" / "model.onnx",
+                                      **parse_nbits(extra))))
         if args.jobs <= 1:
             failed += sum(not _step(name, t, m, args.retry) for t, m in steps)
             continue
@@ -324,19 +420,34 @@ def prepare(args: argparse.Namespace) -> int:
 
         builders = [(t, m) for t, m in steps if t.parent.name.startswith("builder-")]
         exports = [(t, m) for t, m in steps if t.parent.name.startswith("export-")]
-        variants = [(t, m) for t, m in steps[1:] if (t, m) not in builders and (t, m) not in exports]
+        variants = [(t, m) for t, m in steps[1:] if (t, m) not in builders and (t, m) not in exports
+                    and not _variant_base(args, t.parent.name)]
+        derived = [(t, m) for t, m in steps if _variant_base(args, t.parent.name)]
         if not _step(name, *steps[0], args.retry):
             failed += 1
             continue
         with ThreadPoolExecutor(args.jobs) as pool:
             futures = [pool.submit(lambda n=name, bs=builders: all([_step(n, t, m, args.retry) for t, m in bs]))]
+            by_dir: dict[str, Any] = {}
             for t, m in exports:
                 if not _step(name, t, m, args.retry):
                     failed += 1
                     continue
                 exp_kind = t.parent.name.removeprefix("export-")
-                futures += [pool.submit(_step, name, vt, vm, args.retry) for vt, vm in variants
-                            if _variant_export(args, vt.parent.name) == exp_kind]
+                for vt, vm in variants:
+                    if _variant_export(args, vt.parent.name) == exp_kind:
+                        by_dir[vt.parent.name] = pool.submit(_step, name, vt, vm, args.retry)
+                        futures.append(by_dir[vt.parent.name])
+                # a from: variant waits in the pool for its base, submitted before it (the queue is FIFO, so the
+                # base is running or done by then: no deadlock)
+                for vt, vm in derived:
+                    base = _variant_base(args, vt.parent.name)
+                    if base in by_dir and vt.parent.name not in by_dir:
+                        by_dir[vt.parent.name] = pool.submit(_after, by_dir[base], name, vt, vm, args.retry)
+                        futures.append(by_dir[vt.parent.name])
+            # those whose base's export failed: their step fails, unless the base's graph is cached
+            futures += [pool.submit(_step, name, vt, vm, args.retry) for vt, vm in derived
+                        if vt.parent.name not in by_dir]
             failed += sum(not f.result() for f in futures)
     return 1 if failed else 0
 
@@ -623,7 +734,7 @@ def markdown(args: argparse.Namespace) -> int:
     ours = [v for v in variants if not v.startswith("builder")]
 
     def peer(v: str) -> str:
-        return "builder-int4" if "int4" in v else "builder-fp16"
+        return "builder-int4" if "int4" in v or "nbits4" in v else "builder-fp16"
 
     lines = ["| model | cell | mode | " + " | ".join(variants) + " | " + " | ".join(f"{v} / {peer(v)}" for v in ours)
              + " |", "|---|---|---|" + "---:|" * (len(variants) + len(ours))]
