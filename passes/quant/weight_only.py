@@ -759,10 +759,12 @@ class WeightOnlyPass(Pass):
         b_val = add_initializer(graph, f"{base}_wq{bits}", b)
         s_val = add_initializer(graph, f"{base}_wscales", np.ascontiguousarray(q.scale.T).astype(dtype))
         z_val = add_initializer(graph, f"{base}_wzeros", np.ascontiguousarray(q.zero.T).astype(np.uint8))
-        act = layer.act
+        # the node's input now, not the one found: an earlier layer's rewrite replaces it in a chain MatMul -> MatMul
+        act = node.inputs[0]
+        assert act is not None
         new_nodes: list[ir.Node] = []
         if a is not None:
-            act = awq_inputs[act.name or ""]
+            act = awq_inputs[layer.act.name or ""]
         k, n = layer.weight.shape
         mm = ir.node(OP_NAME, [act, b_val, s_val, z_val], domain=DOMAIN,
                      attributes={"K": k, "N": n, "bits": bits, "block_size": q.spec.block_size})

@@ -411,3 +411,35 @@ def test_random_calibration_of_a_decode_step_sizes_the_mask_past_plus_new(algori
                        shape=["attention_mask:1x3"]).call(to_ir(model))
     assert info.value.exit_code == 2 and len(str(info.value).splitlines()) == 1
     assert "rejects its random calibration feed" in str(info.value)
+
+
+@pytest.mark.parametrize("algorithm", ["rtn", "gptq", "awq"])
+def test_a_chain_of_quantized_matmuls_reads_the_rewritten_producer(algorithm: str) -> None:
+    """MatMul -> MatMul (here a layer feeding the LM head directly): the second layer's new node reads the first
+    layer's new output, not the value the first rewrite replaced (before: a producer-less input, which
+    ``eliminate-dead`` then pruned, and a model the checker refuses)."""
+    rng = np.random.default_rng(0)
+    f = onnx.TensorProto.FLOAT
+    nodes = [helper.make_node("Gather", ["emb", "ids"], ["x"]),
+             helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+             helper.make_node("MatMul", ["h", "H"], ["logits"], name="lm_head")]
+    inits = [numpy_helper.from_array(rng.standard_normal((64, 128)).astype(np.float32), "emb"),
+             numpy_helper.from_array(rng.standard_normal((128, 128)).astype(np.float32), "W"),
+             numpy_helper.from_array(rng.standard_normal((128, 64)).astype(np.float32), "H")]
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["b", "s"])],
+                              [helper.make_tensor_value_info("logits", f, ["b", "s", 64])], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = to_ir(proto)
+    result = WeightOnlyPass(calibration_random=2, algorithm=algorithm, output_projection="bits").call(model)
+    assert result.modified and result.stats["quantized"] == 2
+    mm, head = [n for n in model.graph if n.op_type == "WeightOnlyMatMul"]
+    assert head.inputs[0] is not None and head.inputs[0].producer() is not None
+    assert head.inputs[0].producer().op_type in ("WeightOnlyMatMul", "Mul")  # Mul: AWQ's scale on the input
+    out = to_proto(model)
+    onnx.checker.check_model(out)
+    lower_model(model, "ort", registry=get_registry())
+    feeds = {"ids": rng.integers(0, 64, (2, 5)).astype(np.int64)}
+    got = run_ort(to_proto(model), feeds)[0]
+    want = run_ort(proto, feeds)[0]
+    cos = float((got * want).sum() / np.linalg.norm(got) / np.linalg.norm(want))
+    assert cos > 0.98  # 4-bit blocks of random weights on random calibration
