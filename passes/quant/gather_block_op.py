@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
+from mograph.passes.quant.weight_only_op import dequantized_rows
 
 from mograph.custom_ops import DOMAIN, DOMAIN_VERSION, CustomOp, Lowering
 from mograph.irutil import add_initializer
@@ -80,17 +81,7 @@ def function_body(opset: int) -> ir.Function:
         return op("Constant", value=ir.tensor(np.array(values, np.int64)))
 
     data, ids, scales, zp = (ir.Value(name=n) for n in ("data", "indices", "scales", "zero_points"))
-    nbits = op("Constant", value_int=ir.RefAttr("value_int", "bits", ir.AttributeType.INT))
-    shifts = op("Cast", op("Range", op("Constant", value=ir.tensor(np.array(0, np.int64))),
-                           op("Constant", value=ir.tensor(np.array(8, np.int64))), nbits), to=ir.DataType.UINT32)
-    modulus = op("BitShift", op("Constant", value=ir.tensor(np.array([1], np.uint32))),
-                 op("Cast", nbits, to=ir.DataType.UINT32), direction="LEFT")
-    wide = op("Unsqueeze", op("Cast", data, to=ir.DataType.UINT32), ints(-1))
-    codes = op("Reshape", op("Mod", op("BitShift", wide, shifts, direction="RIGHT"), modulus), ints(0, 0, -1))
-    centred = op("Sub", op("Cast", codes, to=ir.DataType.FLOAT), op("Unsqueeze", op("Cast", zp, to=ir.DataType.FLOAT), ints(-1)))
-    table = op("Reshape", op("Mul", centred, op("Unsqueeze", op("Cast", scales, to=ir.DataType.FLOAT), ints(-1))), ints(0, -1))
-    k = op("Constant", value_int=ir.RefAttr("value_int", "K", ir.AttributeType.INT))
-    table = op("Slice", table, ints(0), op("Unsqueeze", k, ints(0)), ints(1))
+    table = dequantized_rows(op, ints, data, scales, zp)
     y = op("Gather", op("CastLike", table, scales) if opset >= 15 else table, ids, axis=0)
     graph = ir.Graph([data, ids, scales, zp], [y], nodes=nodes, opset_imports={"": opset})
     attrs = [ir.AttrInt64("K", 0), ir.AttrInt64("bits", 4), ir.AttrInt64("block_size", 128)]

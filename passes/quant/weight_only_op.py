@@ -76,6 +76,25 @@ def reference(a: np.ndarray, b: np.ndarray, scales: np.ndarray, zero_points: np.
     return ((a.astype(np.float32) @ w).astype(a.dtype),)
 
 
+def dequantized_rows(op: Any, ints: Any, packed: ir.Value, scales: ir.Value, zp: ir.Value) -> ir.Value:
+    """Body nodes, built with ``op``/``ints`` (a function body's node makers), that turn packed blocks
+    ``[N, blocks, bytes]`` with their ``scales``/``zero_points`` ``[N, blocks]`` into float rows ``[N, K]``
+    (attributes ``bits`` and ``K`` referenced from the function): shared by the weight-only MatMul and the
+    block-quantized Gather, which store their tables in one layout."""
+    # codes_j = (B >> (bits * j)) mod 2^bits for j < 8 / bits: one body for 4 and 8 bits
+    nbits = op("Constant", value_int=ir.RefAttr("value_int", "bits", ir.AttributeType.INT))
+    shifts = op("Cast", op("Range", op("Constant", value=ir.tensor(np.array(0, np.int64))),
+                           op("Constant", value=ir.tensor(np.array(8, np.int64))), nbits), to=ir.DataType.UINT32)
+    modulus = op("BitShift", op("Constant", value=ir.tensor(np.array([1], np.uint32))),
+                 op("Cast", nbits, to=ir.DataType.UINT32), direction="LEFT")
+    wide = op("Unsqueeze", op("Cast", packed, to=ir.DataType.UINT32), ints(-1))
+    codes = op("Reshape", op("Mod", op("BitShift", wide, shifts, direction="RIGHT"), modulus), ints(0, 0, -1))
+    centred = op("Sub", op("Cast", codes, to=ir.DataType.FLOAT), op("Unsqueeze", op("Cast", zp, to=ir.DataType.FLOAT), ints(-1)))
+    rows = op("Reshape", op("Mul", centred, op("Unsqueeze", op("Cast", scales, to=ir.DataType.FLOAT), ints(-1))), ints(0, -1))
+    k = op("Constant", value_int=ir.RefAttr("value_int", "K", ir.AttributeType.INT))
+    return op("Slice", rows, ints(0), op("Unsqueeze", k, ints(0)), ints(1))
+
+
 def function_body(opset: int) -> ir.Function:
     """The body in default-domain ops (opset >= 13)."""
     nodes: list[ir.Node] = []
@@ -89,18 +108,7 @@ def function_body(opset: int) -> ir.Function:
         return op("Constant", value=ir.tensor(np.array(values, np.int64)))
 
     a, b, scales, zp = (ir.Value(name=n) for n in ("A", "B", "scales", "zero_points"))
-    # codes_j = (B >> (bits * j)) mod 2^bits for j < 8 / bits: one body for 4 and 8 bits
-    nbits = op("Constant", value_int=ir.RefAttr("value_int", "bits", ir.AttributeType.INT))
-    shifts = op("Cast", op("Range", op("Constant", value=ir.tensor(np.array(0, np.int64))),
-                           op("Constant", value=ir.tensor(np.array(8, np.int64))), nbits), to=ir.DataType.UINT32)
-    modulus = op("BitShift", op("Constant", value=ir.tensor(np.array([1], np.uint32))),
-                 op("Cast", nbits, to=ir.DataType.UINT32), direction="LEFT")
-    wide = op("Unsqueeze", op("Cast", b, to=ir.DataType.UINT32), ints(-1))
-    codes = op("Reshape", op("Mod", op("BitShift", wide, shifts, direction="RIGHT"), modulus), ints(0, 0, -1))
-    centred = op("Sub", op("Cast", codes, to=ir.DataType.FLOAT), op("Unsqueeze", op("Cast", zp, to=ir.DataType.FLOAT), ints(-1)))
-    w_nk = op("Reshape", op("Mul", centred, op("Unsqueeze", op("Cast", scales, to=ir.DataType.FLOAT), ints(-1))), ints(0, -1))
-    k = op("Constant", value_int=ir.RefAttr("value_int", "K", ir.AttributeType.INT))
-    w_nk = op("Slice", w_nk, ints(0), op("Unsqueeze", k, ints(0)), ints(1))
+    w_nk = dequantized_rows(op, ints, b, scales, zp)
     w = op("Transpose", w_nk, perm=[1, 0])
     y = op("MatMul", a, op("CastLike", w, a)) if opset >= 15 else op("MatMul", a, w)
     graph = ir.Graph([a, b, scales, zp], [y], nodes=nodes, opset_imports={"": opset})
