@@ -141,13 +141,22 @@ def attr_value(node: ir.Node, name: str, default: Any = None) -> Any:
     return default if attr is None else attr.value
 
 
-def fresh_name(taken: set[str], base: str) -> str:
-    """``base``, or ``base_1``, ``base_2`` ...: the first name not in ``taken``, which then holds it."""
-    name, i = base, 0
+def fresh_name(taken: set[str], base: str, cursors: dict[str, int] | None = None) -> str:
+    """``base``, or ``base_1``, ``base_2`` ...: the first name not in ``taken``, which then holds it.
+
+    ``cursors`` (one dict per ``taken`` set, for a caller that names many nodes from one base) remembers
+    where the last search for each base ended, so the next starts there instead of at ``base``: the same
+    name while ``taken`` only grows, without probing every name given so far (quadratic in their number:
+    2 CPU-seconds for the 4,760 shape nodes of a 100k-node graph).
+    """
+    i = 0 if cursors is None else cursors.get(base, 0)
+    name = base if i == 0 else f"{base}_{i}"
     while name in taken:
         i += 1
         name = f"{base}_{i}"
     taken.add(name)
+    if cursors is not None:
+        cursors[base] = i
     return name
 
 

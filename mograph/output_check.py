@@ -11,7 +11,9 @@ What is checked:
 0. the graph has at least one output (the ONNX checker accepts a graph with none; the loader refuses
    such an input, so a pass must not make one);
 1. the ONNX checker (``onnx.checker.check_model``, no shape inference) on a skeleton of the model in
-   which tensors above :data:`PLACEHOLDER_BYTES` are stand-ins, so no weight is copied or read.
+   which tensors above :data:`PLACEHOLDER_BYTES` are stand-ins, so no weight is copied or read (for a
+   model ONNX Runtime is given as a spilled file, a copy of that file's proto, whose large tensors are
+   references to their data: the graph is serialized once for both steps).
    Default-domain nodes that ONNX Runtime runs with a kernel of its own where ONNX has no schema at
    the model's opset (``LayerNormalization`` below 17, ``SimplifiedLayerNormalization`` at any opset:
    what the ``ort`` lowering writes) are hidden from the checker; which ones those are is asked of
@@ -145,6 +147,31 @@ def _skeleton(model: ir.Model) -> Any:
             node.attributes[key] = attr
 
 
+def _references_emptied(proto: Any) -> Any:
+    """A copy of a spilled model's proto whose external tensors are empty in-memory stand-ins (dims
+    ``[0]``): the checker reads nothing, and does not look for the data file in the current directory."""
+    import onnx
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    graphs = [copy.graph]
+    while graphs:
+        graph = graphs.pop()
+        for t in graph.initializer:
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                del t.external_data[:]
+                t.data_location = onnx.TensorProto.DEFAULT
+                del t.dims[:]
+                t.dims.append(0)
+                t.raw_data = b""
+        for node in graph.node:
+            for attr in node.attribute:
+                if attr.HasField("g"):
+                    graphs.append(attr.g)
+                graphs.extend(attr.graphs)
+    return copy
+
+
 @functools.lru_cache(maxsize=1)
 def _ort_cpu_default_domain_kernels() -> tuple[tuple[str, int, int], ...] | None:
     """``(op_type, first, last opset)`` of every default-domain CPU kernel ONNX Runtime registers, or
@@ -256,22 +283,25 @@ def _ort_skip_reason(model: ir.Model) -> str | None:
     return None
 
 
-def _ort_load(model: ir.Model) -> None:
-    import onnxruntime as ort
-
-    from mograph import ir_io
+def _ort_payload(model: ir.Model) -> Any:
+    """What ONNX Runtime loads (:class:`mograph._spill.Payload`): in-memory tensors past the protobuf limit
+    are spilled to a file (:mod:`mograph._spill`)."""
+    from mograph import _spill, ir_io
 
     # Every external tensor, tensor attributes too: as bytes, the model's locations would otherwise be
     # resolved against the current directory.
     folders = {str(t.base_dir) for t in ir_io.external_tensors(model)}
-    from mograph import _spill
+    return _spill.payload(model, folders.pop() if folders else None)
+
+
+def _ort_load(model: ir.Model, payload: Any = None) -> None:
+    import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 4
     try:
-        # In-memory tensors past the protobuf limit: the model is spilled to a file (mograph._spill).
-        _spill.payload(model, folders.pop() if folders else None).session(so, ["CPUExecutionProvider"])
+        (payload if payload is not None else _ort_payload(model)).session(so, ["CPUExecutionProvider"])
     except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types for a refused model
         message = str(exc)
         raise InvalidModel("onnxruntime", _short(message), _node_in(message)) from exc
@@ -291,7 +321,20 @@ def check_model_output(model: ir.Model) -> dict[str, str]:
     out: dict[str, str] = {}
     if not model.graph.outputs:  # the checker accepts it; an input with no outputs is refused on load (exit 3)
         raise InvalidModel("output check", "the graph has no outputs: the model computes nothing", None)
-    skeleton, hidden, source = _hide_ort_default_domain_ops(_skeleton(model))
+    reason = _ort_skip_reason(model)
+    payload = None
+    if reason is None:
+        from mograph import _spill
+
+        if _spill.too_big(model):
+            # The spilled file's proto holds every large tensor as a reference to its data already: a copy
+            # of it is the checker's skeleton, so the graph is serialized once, not twice.
+            payload = _ort_payload(model)
+    if payload is not None and payload.spilled is not None:
+        skeleton = _references_emptied(payload.spilled.proto)
+    else:
+        skeleton = _skeleton(model)
+    skeleton, hidden, source = _hide_ort_default_domain_ops(skeleton)
     try:
         onnx.checker.check_model(skeleton)
     except onnx.checker.ValidationError as exc:
@@ -301,11 +344,11 @@ def check_model_output(model: ir.Model) -> dict[str, str]:
     if hidden:
         out["onnx_checker"] = (f"passed (ONNX Runtime's own default-domain ops left to its load: {', '.join(hidden)}; "
                                f"{'listed by onnxruntime' if source == 'onnxruntime' else 'onnxruntime absent: not checked'})")
-    reason = _ort_skip_reason(model)
+    del skeleton
     if reason is not None:
         out["onnxruntime"] = f"skipped: {reason}"
         logger.info("output check: ONNX Runtime load skipped (%s)", reason)
         return out
-    _ort_load(model)
+    _ort_load(model, payload)
     out["onnxruntime"] = "passed (loaded, graph optimizations off)"
     return out

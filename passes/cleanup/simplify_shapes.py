@@ -70,6 +70,7 @@ class _Builder:
         self.cache: dict[tuple, ir.Value] = {}
         self.built = 0
         self.names = {n.name for n in iter_nodes(self.graph) if n.name}
+        self.name_cursors: dict[str, int] = {}  # fresh_name: names only join self.names
 
     def plan(self, scalar: bool, elems: Sequence[Dim | None], reader: ir.Node) -> list[tuple] | None:
         """Pieces (``("const", ints)`` / ``("shape", value, start, end)``) that make ``elems`` for ``reader``.
@@ -173,7 +174,7 @@ class _Builder:
         return self.cache[key]
 
     def _node(self, before: ir.Node, op: str, inputs: list[ir.Value], **attrs: object) -> ir.Value:
-        node = ir.node(op, inputs, attributes=attrs, name=fresh_name(self.names, f"mograph_shape_{op}"))  # type: ignore[arg-type]
+        node = ir.node(op, inputs, attributes=attrs, name=fresh_name(self.names, f"mograph_shape_{op}", self.name_cursors))  # type: ignore[arg-type]
         self.graph.insert_before(before, node)
         self.built += 1
         out = node.outputs[0]
