@@ -322,3 +322,77 @@ def test_a_pass_that_drops_every_output_writes_nothing(tmp_path, monkeypatch, ca
     assert code == 4, err
     assert "drop-outputs" in err and "no outputs" in err
     assert not (tmp_path / "out.onnx").exists()
+
+
+def _with_plugin_passes(monkeypatch, *passes: type[Pass]) -> None:
+    import sys
+    import types
+
+    from mograph import plugins
+    from mograph.hookspecs import hookimpl
+
+    plugin = types.ModuleType("mograph_test_output_check_passes")
+
+    @hookimpl
+    def mograph_add_passes():  # type: ignore[no-untyped-def]
+        return list(passes)
+
+    plugin.mograph_add_passes = mograph_add_passes  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, plugin.__name__, plugin)
+    monkeypatch.setattr(plugins, "BUILTIN_PLUGINS", (*plugins.BUILTIN_PLUGINS, plugin.__name__))
+    plugins.reset()
+
+
+def test_a_model_read_from_a_file_is_read_again_to_bisect_not_copied_up_front(tmp_path, monkeypatch):
+    """optimize(path): no copy of the input is made before the passes (on a 100k-node graph it cost 4
+    CPU-seconds and a second graph's memory); a failed check reads the file again and still names the
+    first bad pass, not the last one that changed the model."""
+    from mograph import plugins
+
+    src = tmp_path / "m.onnx"
+    onnx.save(ir.serde.serialize_model(_model()), src)
+    copies: list[object] = []
+    real = api._snapshot
+    monkeypatch.setattr(api, "_snapshot", lambda m: copies.append(m) or real(m))
+    reads: list[object] = []
+    real_load = ir_io.load_model
+    monkeypatch.setattr(ir_io, "load_model", lambda source, **kw: reads.append(source) or real_load(source, **kw))
+    _with_plugin_passes(monkeypatch, HalfWeightPass, RenamePass)
+    try:
+        model, report = api.optimize(str(src), ["rename"])
+        assert report.extra["output_check"]["onnxruntime"].startswith("passed")
+        assert copies == [] and reads == [str(src)]  # read once, never copied
+        with pytest.raises(PassFailedError) as err:
+            api.optimize(str(src), ["half-weight", "rename"])
+        assert err.value.pass_name == "half-weight"
+        assert copies == [] and reads == [str(src)] * 3  # the failed run read the file a second time
+        with pytest.raises(PassFailedError) as err:  # an onnx_ir.Model is rewritten in place: copied up front
+            api.optimize(_model(), ["half-weight", "rename"])
+        assert err.value.pass_name == "half-weight" and len(copies) == 1
+    finally:
+        plugins.reset()
+
+
+def test_a_spilled_model_is_serialized_once_for_the_checker_and_onnxruntime(monkeypatch):
+    """Above the spill size the checker gets a copy of the spilled file's proto (its external tensors
+    emptied) instead of a second serialization of the graph; a model below it still gets the skeleton."""
+    from mograph import _spill, output_check
+
+    calls: list[str] = []
+    real_serialize = ir.serde.serialize_model
+    monkeypatch.setattr(ir.serde, "serialize_model", lambda m, *a, **k: calls.append("serialize") or real_serialize(m, *a, **k))
+    real_skeleton = output_check._skeleton
+    monkeypatch.setattr(output_check, "_skeleton", lambda m: calls.append("skeleton") or real_skeleton(m))
+    out = check_model_output(_model())
+    assert out["onnxruntime"].startswith("passed") and calls.count("skeleton") == 1
+    calls.clear()
+    monkeypatch.setenv(_spill.PROTO_LIMIT_ENV, "0")  # every model is spilled
+    model = _model()
+    out = check_model_output(model)
+    assert out["onnx_checker"] == "passed" and out["onnxruntime"].startswith("passed")
+    assert calls == ["serialize"]  # the spill's; no skeleton
+    calls.clear()
+    with pytest.raises(PassFailedError) as err:  # the checker still refuses what it refused on the skeleton
+        api.run_passes(model, [RenamePass(), BadAttributePass()], blocked=BLOCK)
+    assert err.value.pass_name == "bad-attribute" and "onnx checker" in str(err.value)
+    assert "skeleton" not in calls

@@ -321,3 +321,26 @@ def test_the_pipeline_raises_the_collector_thresholds_while_it_runs() -> None:
         assert seen == [(0, 10, 10)] and gc.get_threshold() == (0, 10, 10)
     finally:
         gc.set_threshold(*before)
+
+
+def test_fresh_name_with_cursors_gives_the_same_names_without_reprobing() -> None:
+    """simplify-shapes names thousands of nodes from one base: with a cursor each name is found without
+    probing every name given before (quadratic), and the names are those of the search from ``base``."""
+
+    class Counting(set):  # type: ignore[type-arg]
+        probes = 0
+
+        def __contains__(self, item: object) -> bool:
+            Counting.probes += 1
+            return super().__contains__(item)
+
+    plain = {"n", "n_2", "m"}
+    fast = Counting(plain)
+    cursors: dict[str, int] = {}
+    for base in ["n"] * 200 + ["m", "n", "m"]:
+        assert irutil.fresh_name(fast, base, cursors) == irutil.fresh_name(plain, base)
+        if base == "n" and len(plain) == 50:
+            plain.add("n_60")  # a name taken meanwhile is skipped by both
+            fast.add("n_60")
+    assert fast == plain
+    assert Counting.probes < 3 * 203  # two or three probes a call (searching from base: over 20,000)
