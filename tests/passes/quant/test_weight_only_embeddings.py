@@ -34,6 +34,7 @@ def lm(table: np.ndarray, w1: np.ndarray, head: np.ndarray | None, *, tied: str 
         out = helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["N", v])
     else:
         w = np.ascontiguousarray(table.T) if tied == "copy" else head
+        assert w is not None
         inits.append(numpy_helper.from_array(w, "Whead"))
         nodes.append(helper.make_node("MatMul", ["hid", "Whead"], ["logits"], name="lm_head"))
         out = helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["B", "S", v])
