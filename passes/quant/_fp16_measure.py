@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx_ir as ir
@@ -47,6 +48,9 @@ from mograph.passes.quant.plan import Budget
 from mograph import _spill, ir_io
 from mograph.errors import OptionError
 from mograph.irutil import fresh_name, run_shape_inference
+
+if TYPE_CHECKING:
+    from mograph.custom_ops import CustomOp
 
 __all__ = ["FP16_LIMIT", "LocalMeasure", "Search", "keep_fp16_rounding", "measure_local", "output_metric",
            "fewest_fp32", "to_half", "SIGNAL_FLOOR", "MEASURE_BYTES", "MEASURE_BYTES_ENV"]
@@ -209,12 +213,42 @@ def _measure_bytes() -> int:
     return value
 
 
-def _tensor_sizes(model: ir.Model, feed: cal.Feed) -> dict[str, int | None]:
+def _bind_custom(model: ir.Model, ops: Mapping[tuple[str, str], CustomOp], bind: dict[str, int]) -> None:
+    """Bind the symbolic dims ONNX inference leaves on custom ops' outputs to what the ops' own rules say.
+
+    ONNX infers a custom op through its function body, whose attribute-driven ``Reshape`` leaves the output's
+    last dim a fresh symbol (``unk__N``: a ``WeightOnlyMatMul``'s ``N``, a ``BlockQuantizedGather``'s ``K``);
+    the nodes ONNX inferred after it carry the same symbol.  In graph order, each custom op's ``infer_shapes``
+    rewrites its outputs' shapes on ``model`` (a copy), and every symbol the rule turns into a number is
+    bound, so those downstream tensors are sized too."""
+    for node in model.graph:
+        op = ops.get((node.domain, node.op_type))
+        if op is None or op.infer_shapes is None:
+            continue
+        before = [v.shape for v in node.outputs]
+        try:
+            op.infer_shapes(node)
+        except Exception:  # noqa: BLE001 - best effort, as the inference above
+            logger.debug("fp16: shape rule of %s failed", node.op_type, exc_info=True)
+            continue
+        for old, v in zip(before, node.outputs):
+            if old is None or v.shape is None or len(old) != len(v.shape):
+                continue
+            for was, now in zip(old, v.shape):
+                known = now if isinstance(now, int) else bind.get(str(now)) if now.value is not None else None
+                if not isinstance(was, int) and was.value is not None and known is not None:
+                    bind.setdefault(str(was), int(known))
+
+
+def _tensor_sizes(model: ir.Model, feed: cal.Feed,
+                  ops: Mapping[tuple[str, str], CustomOp] | None = None) -> dict[str, int | None]:
     """Number of elements of every tensor of ``model`` on ``feed`` (``None`` where not inferred).
 
     ONNX shape inference on a copy whose graph inputs have ``feed``'s shapes; a symbolic dim left is
-    bound by its name to the feed's dim of the same name; a size still unknown is estimated as the sum of
-    its node's input sizes (exact for elementwise ops, reshapes and concatenations; an estimate otherwise).
+    bound by its name to the feed's dim of the same name, or to what a custom op's rule among ``ops`` says
+    (:func:`_bind_custom`); a size still unknown is estimated as the sum of its node's input sizes (exact
+    for elementwise ops, reshapes and concatenations; an estimate otherwise, which counts a weight's
+    elements as if they were the output's).
     """
     copy = ir_io.copy_model(model)
     bind: dict[str, int] = {}
@@ -232,6 +266,8 @@ def _tensor_sizes(model: ir.Model, feed: cal.Feed) -> dict[str, int | None]:
         run_shape_inference(copy)
     except Exception:  # noqa: BLE001 - best effort: sizes are then estimated from inputs
         logger.debug("fp16: shape inference for the measuring chunks failed", exc_info=True)
+    if ops:
+        _bind_custom(copy, ops, bind)
     sizes: dict[str, int | None] = {}
     for v in [*copy.graph.inputs, *copy.graph.initializers.values(), *(o for n in copy.graph for o in n.outputs)]:
         if not v.name:
@@ -257,11 +293,12 @@ def _tensor_sizes(model: ir.Model, feed: cal.Feed) -> dict[str, int | None]:
 
 
 def _chunks(model: ir.Model, positions: Sequence[int], floats: set[str], pinned_out: dict[int, frozenset[int]],
-            feed: cal.Feed, budget: int) -> list[tuple[list[int], set[int], bool]]:
+            feed: cal.Feed, budget: int, ops: Mapping[tuple[str, str], CustomOp] | None = None,
+            ) -> list[tuple[list[int], set[int], bool]]:
     """Groups of work for one measuring session each: ``(twin positions, watched node positions, watch the
     graph inputs)``, in graph order, each requesting at most ``budget`` bytes per sample where its parts
     allow (one node whose own outputs exceed the budget is a group of its own)."""
-    sizes = _tensor_sizes(model, feed)
+    sizes = _tensor_sizes(model, feed, ops)
     known = [c for c in sizes.values() if c is not None]
     fallback = max(known) if known else 1
 
@@ -303,7 +340,7 @@ def _chunks(model: ir.Model, positions: Sequence[int], floats: set[str], pinned_
 def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], pinned_in: dict[int, frozenset[int]],
                   pinned_out: dict[int, frozenset[int]], retype: Callable[[ir.Node], None],
                   source: Iterable[cal.Feed], *, progress: Callable[[int, int | None], None] | None = None,
-                  total: int | None = None) -> LocalMeasure:
+                  total: int | None = None, ops: Mapping[tuple[str, str], CustomOp] | None = None) -> LocalMeasure:
     """Run the float32 model and every twin on each sample of ``source`` (module docstring).
 
     **Memory.**  Every float tensor and every twin output is read back, which on an LLM is gigabytes per
@@ -316,11 +353,12 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
     once per group: a :class:`~mograph.passes.quant.calibration.CalibrationSource` or a list).  A node's
     figures come from one group, summed over the samples in the same order, so every number is the one
     a single session over all nodes gives; only the number of model runs grows, by the number of groups.
+    ``ops``: the declared custom ops (the registry's), whose shape rules size their outputs.
     """
     if iter(source) is source:  # a one-shot iterator: each group reads every sample
         source = list(source)
     first = next(iter(source), None)
-    groups = _chunks(model, positions, floats, pinned_out, first, _measure_bytes()) if first is not None else []
+    groups = _chunks(model, positions, floats, pinned_out, first, _measure_bytes(), ops) if first is not None else []
     if not groups:
         groups = [(list(positions), set(range(len(model.graph))), True)]
     _spill.free_dropped(model)  # the shape-inference copy, before the first session

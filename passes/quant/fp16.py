@@ -316,7 +316,8 @@ class Fp16Pass(Pass):
                 decisions[p] = ("fp32", "default rule: control flow (its subgraphs stay float32, so do its outputs)")
         undecided = [p for p in positions if p not in decisions]
         measured = measure_local(model, [p for p in undecided if nodes[p].inputs], floats, pinned_in, pinned_out,
-                                 self._retype_attributes, source, progress=self.progress, total=source.count)
+                                 self._retype_attributes, source, progress=self.progress, total=source.count,
+                                 ops=self.registry.custom_ops if self.registry is not None else None)
         stats_by = measured.stats
         limit_abs = float(self.config["fp16_max"])
         limit_red = int(self.config["fp16_reduction_limit"])

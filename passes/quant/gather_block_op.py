@@ -14,8 +14,8 @@ The layout is the one :mod:`mograph.passes.quant.weight_only_op` gives a weight 
 ``zero_points`` with ``N`` rows): an LM head tied to the embedding table (``logits = x @ E^T``, so its weight's
 ``N`` columns are the table's rows) and the table can therefore share the same quantized initializers.
 
-The function body dequantizes the table and gathers (a reference form in default-domain ops, opset 13 or
-later).
+The function body gathers the looked-up rows' codes, scales and zero points and dequantizes those rows only
+(a reference form in default-domain ops, opset 13 or later; never a float copy of the whole table).
 
 Lowerings (called by the ``lower`` step only):
 
@@ -69,7 +69,8 @@ def reference(data: np.ndarray, indices: np.ndarray, scales: np.ndarray, zero_po
 
 
 def function_body(opset: int) -> ir.Function:
-    """The body in default-domain ops (opset >= 13): dequantize the table, then ``Gather``."""
+    """The body in default-domain ops (opset >= 13): ``Gather`` the rows' codes, scales and zero points, then
+    dequantize those rows only."""
     nodes: list[ir.Node] = []
 
     def op(op_type: str, *inputs: ir.Value, **attrs: Any) -> ir.Value:
@@ -81,8 +82,15 @@ def function_body(opset: int) -> ir.Function:
         return op("Constant", value=ir.tensor(np.array(values, np.int64)))
 
     data, ids, scales, zp = (ir.Value(name=n) for n in ("data", "indices", "scales", "zero_points"))
-    table = dequantized_rows(op, ints, data, scales, zp)
-    y = op("Gather", op("CastLike", table, scales) if opset >= 15 else table, ids, axis=0)
+    # the looked-up rows first, then dequantize only those: a body that dequantized the whole table (what an
+    # ONNX Runtime session runs before the ``ort`` lowering, e.g. the fp16 pass's measuring sessions) made
+    # a float32 copy of it, and its integer temporaries, at every run (Gemma 3's 262,144 x 640: 4.7 GB peak)
+    flat = op("Reshape", ids, ints(-1))
+    rows = dequantized_rows(op, ints, op("Gather", data, flat, axis=0), op("Gather", scales, flat, axis=0),
+                            op("Gather", zp, flat, axis=0))
+    k = op("Constant", value_int=ir.RefAttr("value_int", "K", ir.AttributeType.INT))
+    shape = op("Concat", op("Shape", ids), op("Unsqueeze", k, ints(0)), axis=0)
+    y = op("Reshape", op("CastLike", rows, scales) if opset >= 15 else rows, shape)
     graph = ir.Graph([data, ids, scales, zp], [y], nodes=nodes, opset_imports={"": opset})
     attrs = [ir.AttrInt64("K", 0), ir.AttrInt64("bits", 4), ir.AttrInt64("block_size", 128)]
     return ir.Function(DOMAIN, OP_NAME, "", graph=graph, attributes=attrs)

@@ -19,7 +19,7 @@ from mograph.passes.quant import calibration as cal
 from onnx import helper, numpy_helper
 
 from mograph.errors import OptionError
-from mograph.testing import op_counts, to_ir
+from mograph.testing import op_counts, to_ir, to_proto
 
 ROWS, WIDTH, LAYERS = 8, 64, 12  # one float32 activation: 2 KiB
 ENV = "MOGRAPH_FP16_MEASURE_BYTES"  # spelled out: the test also runs (and fails) on the unbounded code
@@ -119,3 +119,112 @@ def test_bad_budget_is_one_option_error(monkeypatch, raw):
     monkeypatch.setenv(ENV, raw)
     with pytest.raises(OptionError, match=ENV):
         fm.measure_local(to_ir(_chain()), [0], {"x", "w0", "m0"}, {}, {}, lambda node: None, _feeds(1))
+
+
+# ----------------------------------------------------------------------------- custom ops' own shape rules
+# Issue 26 item 4: after ``--embedding-precision bits`` the fp16 step of the cuda recipe on Gemma 3 270M split its
+# measurement into 387 groups instead of 14 (3,096 model runs).  ONNX infers a custom op through its function
+# body and leaves the output's last dim a fresh symbol, so the op's size was estimated as the sum of its inputs:
+# a BlockQuantizedGather counted the whole packed table, and everything after it inherited that size.
+
+
+def _quantized_lm() -> tuple[onnx.ModelProto, int, int]:
+    """Gather -> MatMul -> tied LM head, all three through weight-only 4 bits (the table shares the head's data)."""
+    from mograph.passes.quant import WeightOnlyPass
+    from test_weight_only_embeddings import H as hidden
+    from test_weight_only_embeddings import V as vocab
+    from test_weight_only_embeddings import _weights, lm
+
+    table, w1, head = _weights(np.random.default_rng(0))
+    model = to_ir(lm(table, w1, head, tied="copy"))
+    stats = WeightOnlyPass(algorithm="rtn", embedding_precision="bits", output_projection="bits").call(model).stats
+    assert stats["quantized.embeddings"] == 1 and stats["embeddings.shared_with_head"] == 1
+    return to_proto(model), vocab, hidden
+
+
+def _lm_feeds(vocab: int, n: int = 3) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(2)
+    return [{"input_ids": rng.integers(0, vocab, (2, 5)).astype(np.int64)} for _ in range(n)]
+
+
+def test_custom_ops_are_sized_by_their_own_rules():
+    from mograph.plugins import get_registry
+
+    proto, vocab, hidden = _quantized_lm()
+    model = to_ir(proto)
+    feed = _lm_feeds(vocab, 1)[0]
+    ops = get_registry().custom_ops
+    sizes = fm._tensor_sizes(model, feed, ops)
+    got = {n.op_type + ":" + str(n.outputs[0].name): sizes[str(n.outputs[0].name)] for n in model.graph}
+    assert list(got.values()) == [10 * hidden, 10 * hidden, 10 * vocab]  # exact: what ORT returns
+    # without the rules (the old code) the weight-only MatMul's output counts its packed weight and the table's
+    # output before it; the Gather's own body now lets ONNX infer its output (it reshapes to ids' shape + [K])
+    hid = str(model.graph.node(1).outputs[0].name)
+    guessed = fm._tensor_sizes(model, feed)
+    assert guessed[hid] > hidden * hidden // 2
+    # near miss: an op the mapping does not declare keeps the estimate
+    partial = {k: v for k, v in ops.items() if k[1] != "WeightOnlyMatMul"}
+    assert fm._tensor_sizes(model, feed, partial)[hid] == guessed[hid]
+
+
+def test_quantized_table_does_not_split_the_measurement(monkeypatch):
+    from mograph.plugins import get_registry
+
+    proto, vocab, _ = _quantized_lm()
+    sent: list[int] = []
+    real = cal._run_feed
+
+    def spy(sess, outputs, feed, source, index):
+        outs = real(sess, outputs, feed, source, index)
+        sent.append(sum(np.asarray(o).nbytes for o in outs))
+        return outs
+
+    monkeypatch.setattr(cal, "_run_feed", spy)
+
+    def measure(budget: int, ops) -> fm.LocalMeasure:
+        monkeypatch.setenv(ENV, str(budget))
+        sent.clear()
+        model = to_ir(proto)
+        floats = {v.name for n in model.graph for v in n.outputs}
+        # no twins (those need the pass's retyping): the float tensors alone are what the groups are cut by
+        return fm.measure_local(model, [], floats, {}, {}, lambda node: None, _lm_feeds(vocab), ops=ops)
+
+    whole = measure(2**40, None)
+    everything = max(sent)
+    assert len(sent) == 3
+    exact = measure(everything, get_registry().custom_ops)
+    assert len(sent) == 3 and max(sent) == everything  # one group: the real bytes fit the budget
+    guessed = measure(everything, None)
+    assert len(sent) > 3  # the old estimate split it (every node alone)
+    assert whole.samples == exact.samples == guessed.samples == 3 and len(whole.stats) == 3
+    for name in whole.stats:  # the same float32 statistics, however grouped
+        assert dataclasses.asdict(whole.stats[name]) == dataclasses.asdict(exact.stats[name]) \
+            == dataclasses.asdict(guessed.stats[name])
+
+
+def test_fp16_pass_on_a_quantized_table_five_checks(monkeypatch):
+    from mograph.passes.quant import Fp16Pass
+
+    from mograph.plugins import get_registry
+    from mograph.testing import assert_close, graph_fingerprint, op_types, run_ort, run_pass
+
+    proto, vocab, _ = _quantized_lm()
+    feeds = _lm_feeds(vocab)
+    monkeypatch.setenv(ENV, str(2**20))  # 1 MiB: every tensor of the model fits in one group
+    model, result = run_pass(Fp16Pass(registry=get_registry(), calibration_data=feeds), proto)
+    assert op_types(model) == ["mograph.BlockQuantizedGather", "mograph.WeightOnlyMatMul",
+                               "mograph.WeightOnlyMatMul", "Cast"]
+    counts = {k: v for k, v in result.stats.items() if isinstance(v, int) and v}
+    assert counts == {"converted": 3, "initializers_fp16": 2, "casts": 1, "accuracy.evaluations": 1}
+    assert result.stats["accuracy.metric"] > 0.9999
+    ref = run_ort(proto, feeds[0])
+    assert_close(ref, run_ort(to_proto(model), feeds[0]), 1e-2)  # float16 activations
+    before = graph_fingerprint(model)
+    assert Fp16Pass(registry=get_registry(), calibration_data=feeds).call(model).modified is False
+    assert graph_fingerprint(model) == before
+    # near miss: nothing float to convert (an integer-only graph) is left untouched
+    g = helper.make_graph([helper.make_node("Add", ["i", "i"], ["o"])], "ints",
+                          [helper.make_tensor_value_info("i", onnx.TensorProto.INT64, [2])],
+                          [helper.make_tensor_value_info("o", onnx.TensorProto.INT64, [2])])
+    ints = to_ir(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    assert Fp16Pass(registry=get_registry(), calibration_data=feeds).call(ints).modified is False

@@ -34,6 +34,7 @@ def lm(table: np.ndarray, w1: np.ndarray, head: np.ndarray | None, *, tied: str 
         out = helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["N", v])
     else:
         w = np.ascontiguousarray(table.T) if tied == "copy" else head
+        assert w is not None
         inits.append(numpy_helper.from_array(w, "Whead"))
         nodes.append(helper.make_node("MatMul", ["hid", "Whead"], ["logits"], name="lm_head"))
         out = helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["B", "S", v])
@@ -179,3 +180,37 @@ def test_hidden_size_not_a_multiple_of_the_block_stays_float():
     assert "quantized.embeddings" not in result.stats and op_types(model)[0] == "Gather"
     entry = next(e for e in result.details["plan"]["nodes"] if e["node"] == "embed")
     assert entry["precision"] == "float" and "not a multiple of --block-size" in entry["reason"]
+
+
+def test_function_body_dequantizes_only_the_gathered_rows():
+    """The body (what ONNX Runtime runs before the ``ort`` lowering, e.g. in the fp16 pass's measuring sessions)
+    gathers the rows first: it once dequantized the whole table at every run (4.7 GB on Gemma 3's table)."""
+    from mograph.passes.quant.gather_block_op import function_body
+
+    body = function_body(18)
+    data = body.inputs[0]
+    assert [(u.node.op_type, u.idx) for u in data.uses()] == [("Gather", 0)]  # the packed codes: only gathered
+    for v in body.inputs[2:]:
+        assert [u.node.op_type for u in v.uses()] == ["Gather", "CastLike"] if v.name == "scales" \
+            else [u.node.op_type for u in v.uses()] == ["Gather"]
+    rng = np.random.default_rng(5)
+    table = (rng.standard_normal((V, H)) * 0.05).astype(np.float32)
+    model = to_ir(lm(table, (rng.standard_normal((H, H)) * 0.05).astype(np.float32), None, tied="copy"))
+    WeightOnlyPass(algorithm="rtn", block_size=64, embedding_precision="bits", output_projection="bits").call(model)
+    node = model.graph.node(0)
+    data_, scales, zp = (node.inputs[i].const_value.numpy() for i in (0, 2, 3))
+    # any shape of ids, negative ones too (Gather counts them from the end): the body equals the reference
+    ids = np.array([[[0, V - 1, -1], [7, -V, 3]]], np.int64)
+    want = reference(data_, ids % V, scales, zp, K=H, bits=4, block_size=64)[0]
+    proto = to_proto(model)  # its functions and initializers; one node reading 3-D ids
+    proto.graph.ClearField("node")
+    proto.graph.ClearField("input")
+    proto.graph.input.extend([helper.make_tensor_value_info("input_ids", onnx.TensorProto.INT64, None)])
+    proto.graph.node.extend([helper.make_node("BlockQuantizedGather", [node.inputs[0].name, "input_ids",
+                                              node.inputs[2].name, node.inputs[3].name], ["y"], domain="mograph",
+                                              K=H, bits=4, block_size=64)])
+    proto.graph.ClearField("output")
+    proto.graph.output.extend([helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)])
+    got = run_ort(proto, {"input_ids": ids})[0]
+    assert got.shape == (1, 2, 3, H)
+    np.testing.assert_array_equal(got, want)
