@@ -111,9 +111,8 @@ def test_measuring_sessions_have_the_arena_off_and_make_session_keeps_orts_defau
 
 
 def test_verify_sessions_have_the_arena_off(monkeypatch):
-    from mograph.backends import ort as ort_backend
-
     from mograph import api
+    from mograph.backends import ort as ort_backend
 
     seen: list[bool] = []
     real = ort_backend.make_session
