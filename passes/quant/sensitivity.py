@@ -141,8 +141,9 @@ def _layer_errors(
     # candidates' float and fake-quantized weights are made (the same runs, in the same order: same numbers).
     acts_list: list[dict[str, np.ndarray] | None] = []
     for index, feed in enumerate(samples):
-        acts_list.append(dict(zip(names, _run_feed(sess, outputs, feed, source, index))))
-        if index == 0 and sum(a.nbytes for a in acts_list[0].values()) * len(samples) > _spill.footprint(model):
+        got = dict(zip(names, _run_feed(sess, outputs, feed, source, index)))
+        acts_list.append(got)
+        if index == 0 and sum(int(a.nbytes) for a in got.values()) * len(samples) > _spill.footprint(model):
             break
     if len(acts_list) == len(samples):
         sess = None
