@@ -464,16 +464,16 @@ def _session(model_bytes: Any, folder: str | None = None) -> Any:
     (what :func:`_with_outputs_mapped` returns): one too big for a protobuf reaches ONNX Runtime as a
     file in a temporary folder (:mod:`mograph._spill`), never serialized whole.
 
-    The CPU memory arena and memory pattern are off: these sessions read numbers, not time, and with the
-    arena every buffer a run frees stays the process's (the float32 copies that the CPU provider's inserted
-    Casts make of float16 weights on each run among them).  The numbers are the same.
+    The CPU memory arena is off: these sessions read numbers, not time, and with the arena every buffer a
+    run frees stays the process's (the float32 copies that the CPU provider's inserted Casts make of float16
+    weights on each run among them).  The memory pattern stays on (one planned block per run; without it
+    the heap fragments: see :func:`mograph.backends.ort.make_session`).  The numbers are the same.
     """
     ort = _require_ort()
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 3
     so.enable_cpu_mem_arena = False
-    so.enable_mem_pattern = False
     return _spill.payload(model_bytes, folder).session(so, ["CPUExecutionProvider"])
 
 
