@@ -258,3 +258,34 @@ def test_int4_tied_head_is_still_found():
     tables = WeightOnlyPass(algorithm="rtn")._tables(model, layers)
     assert len(tables) == 1 and tables[0].head is not None and not tables[0].same
     assert tables[0].head.key == layers[0].key
+
+
+def _pin_in_subprocess(env: dict[str, str]) -> str:
+    import os
+    import subprocess
+    import sys
+
+    code = "from mograph import _spill; print(_spill.pin_mmap_threshold(), _spill._pinned)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="glibc's mallopt")
+def test_mmap_threshold_pinned_unless_the_user_set_one():
+    assert _pin_in_subprocess({}) == f"True [{_spill.MMAP_THRESHOLD}]"
+    assert _pin_in_subprocess({_spill.MMAP_THRESHOLD_ENV: "1048576"}) == "True [1048576]"
+    assert _pin_in_subprocess({_spill.MMAP_THRESHOLD_ENV: "0"}) == "False []"
+    assert _pin_in_subprocess({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}) == "False []"
+
+
+def test_payload_pins_the_threshold_for_large_models_only(monkeypatch):
+    calls: list[int] = []
+    monkeypatch.setattr(_spill, "pin_mmap_threshold", lambda: calls.append(1) or True)
+    model = to_ir(_matmul_model())  # 128 bytes of weights
+    _spill.payload(model)
+    assert calls == []
+    monkeypatch.setenv(_spill.PROTO_LIMIT_ENV, "64")  # the weights now count as large
+    _spill.payload(model)
+    assert calls == [1]
