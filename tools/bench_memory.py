@@ -54,12 +54,15 @@ def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 def sample():
+    # A frame object kept past its function's return keeps that function's locals alive (a model copy a
+    # pass has dropped): every frame reference is let go at once, or the tool would measure itself.
     while True:
         now = rss()
         if step and abs(now - state["last"]) >= step:
             frame = sys._current_frames().get(main_id)
             where = [f"{fs.filename.split('/')[-1]}:{fs.lineno}:{fs.name}" for fs in traceback.extract_stack(frame)
                      if "mograph" in fs.filename or "passes" in fs.filename][-3:] if frame is not None else []
+            frame = None
             state["trace"].append([now >> 20, " < ".join(reversed(where))])
             state["last"] = now
         if now > state["peak"]:
@@ -67,6 +70,7 @@ def sample():
             state["peak"] = now
             if frame is not None:
                 lines = traceback.format_stack(frame)
+                frame = None
                 state["stack"] = "".join(l for l in lines if "mograph" in l or "passes" in l)[-3000:]
         time.sleep(0.02)
 threading.Thread(target=sample, daemon=True).start()

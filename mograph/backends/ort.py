@@ -303,6 +303,7 @@ def make_session(
     profile_prefix: str | None = None,
     tf32: bool | None = None,
     base_dir: str | os.PathLike | None = None,
+    memory_arena: bool = True,
 ) -> Any:
     """Create an ``onnxruntime.InferenceSession``.
 
@@ -326,6 +327,14 @@ def make_session(
             default, on, otherwise).
         base_dir: the folder the external data of a model given as bytes or a ``ModelProto`` is read
             from (they have none of their own: without it, their external data is refused).
+        memory_arena: ONNX Runtime's CPU memory arena (its default, what deployments run).  ``False``
+            for a session that checks numbers once: a freed buffer goes back to the system instead of
+            staying in the arena, which keeps, among others, the float32 copy of every float16 weight
+            that the CPU provider's inserted Casts make on each run (measured: a 64 MiB float16 MatMul
+            weight costs 136 MiB more per run with the arena, none without).  The memory pattern stays
+            on: without it every intermediate is its own allocation, and the heap of a multi-threaded
+            run fragments (measured on a 411 MB decoder's int4 form: 377 MiB resident after a run with
+            the pattern, 694 MiB without).  The numbers are the same either way.
 
     Raises:
         BackendUnavailableError: onnxruntime is not installed; exit code 7 too when ``device="cuda"``
@@ -346,6 +355,8 @@ def make_session(
         ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimizations else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     )
     opts.log_severity_level = 3  # errors only: ONNX Runtime's warnings are not ours to print
+    if not memory_arena:
+        opts.enable_cpu_mem_arena = False
     if threads is not None:
         if threads < 1:
             raise UsageError(f"threads must be at least 1, not {threads}")

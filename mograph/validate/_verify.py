@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnx_ir as ir
 
-from mograph import ir_io
+from mograph import _spill, ir_io
 from mograph.backend_protocol import Runner
 from mograph.errors import ModelError, MographError, UsageError
 from mograph.validate._compare import _fmt, _polygraphy, compare_outputs
@@ -186,7 +186,8 @@ class Verifier:
             logger.info("verification feeds: %s (seed %d)", _feeds_brief(self.feed_info["inputs"]), self.seed)
             return
         try:
-            session = ort.make_session(original, optimizations=False, threads=threads, device=self.device)
+            session = ort.make_session(original, optimizations=False, threads=threads, device=self.device,
+                                       memory_arena=False)
         except ModelError as exc:
             raise ModelError(f"cannot run the original model for verification: {exc}") from exc
         self.output_names = [o.name for o in session.get_outputs()]
@@ -200,6 +201,7 @@ class Verifier:
         where = "CPU" if self.device is None else f"{self.device.upper()}, TF32 off"
         self.backend = f"onnxruntime {ort.ort_version()} ({where}, graph optimizations off)"
         del session
+        _spill.trim_heap()  # its buffers back to the system before the passes run
         logger.info("verification feeds: %s (seed %d)", _feeds_brief(self.feed_info["inputs"]), self.seed)
 
     def tolerances(self, family: str | Iterable[str] | None) -> dict[str, Tolerance]:
@@ -300,7 +302,8 @@ class Verifier:
                 shapes[name][ax] = size
             try:
                 feeds, info = make_feeds(model, shapes=shapes, seed=self.seed + 1, limit_bytes=self.feed_limit)
-                session = ort.make_session(model, optimizations=False, threads=self.threads, device=self.device)
+                session = ort.make_session(model, optimizations=False, threads=self.threads, device=self.device,
+                                           memory_arena=False)
                 names = [o.name for o in session.get_outputs()]
                 outputs = ort.run(session, {i.name: feeds[i.name] for i in session.get_inputs()}, names)
             except MographError as exc:
@@ -312,7 +315,7 @@ class Verifier:
                 first = {n: (a[:old_size] if any(n == p[0] for p in places) else a) for n, a in feeds.items()}
                 second = {n: (a[old_size:] if any(n == p[0] for p in places) else a) for n, a in feeds.items()}
                 ref_session = ort.make_session(self._original_copy, optimizations=False, threads=self.threads,
-                                               device=self.device)
+                                               device=self.device, memory_arena=False)
                 try:
                     parts = [ort.run(ref_session, f, self.output_names) for f in (first, second)]
                 except ModelError as exc:
@@ -375,7 +378,8 @@ class Verifier:
         from mograph.backends import ort
 
         try:
-            session = ort.make_session(model, optimizations=False, threads=self.threads, device=self.device)
+            session = ort.make_session(model, optimizations=False, threads=self.threads, device=self.device,
+                                       memory_arena=False)
         except ModelError as exc:
             self._fail(check, f"the optimized model cannot be loaded: {exc}")
             return None
@@ -409,6 +413,8 @@ class Verifier:
         except ModelError as exc:
             self._fail(check, f"the optimized model fails on the verification feeds: {exc}")
             return None
+        del session
+        _spill.trim_heap()  # its buffers back to the system before the comparison and the save
         for name, arr in outputs.items():  # an FP8 KV cache is compared by the values it stands for
             if name in cache and dtype_class(arr.dtype) == "float8":
                 outputs[name] = arr.astype(np.float32) * cache[name]

@@ -463,11 +463,17 @@ def _session(model_bytes: Any, folder: str | None = None) -> Any:
     ``model_bytes`` may also be an ``onnx_ir.Model``, a ``ModelProto`` or a :class:`mograph._spill.Payload`
     (what :func:`_with_outputs_mapped` returns): one too big for a protobuf reaches ONNX Runtime as a
     file in a temporary folder (:mod:`mograph._spill`), never serialized whole.
+
+    The CPU memory arena is off: these sessions read numbers, not time, and with the arena every buffer a
+    run frees stays the process's (the float32 copies that the CPU provider's inserted Casts make of float16
+    weights on each run among them).  The memory pattern stays on (one planned block per run; without it
+    the heap fragments: see :func:`mograph.backends.ort.make_session`).  The numbers are the same.
     """
     ort = _require_ort()
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 3
+    so.enable_cpu_mem_arena = False
     return _spill.payload(model_bytes, folder).session(so, ["CPUExecutionProvider"])
 
 
@@ -649,6 +655,10 @@ def run_model(
     sess = _session(model_bytes, folder)
     for feed in feeds:
         yield sess.run(output_names, feed)
+    # ONNX Runtime's buffers (its copy of the weights among them) go back to the system with the session:
+    # glibc keeps freed blocks below its map threshold in the heap, beside whatever the caller makes next
+    del sess
+    _spill.trim_heap()
 
 
 def _run_feed(sess: Any, outputs: list[str] | None, feed: Feed, source: CalibrationSource, index: int) -> list[np.ndarray]:

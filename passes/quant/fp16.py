@@ -440,6 +440,7 @@ class Fp16Pass(Pass):
         ref_sess = cal._session(model, folder)  # too big for one protobuf: spilled to a file
         refs = [cal._run_feed(ref_sess, None, f, source, i) for i, f in enumerate(samples)]
         del ref_sess
+        _spill.trim_heap()  # its buffers back to the system before the evaluations' copies and sessions
         fixed = {p: d[0] for p, d in decisions.items()}
         amax_by_name = {name: s.amax for name, s in stats_by.items()}
 
@@ -453,9 +454,13 @@ class Fp16Pass(Pass):
             keep_fp16_rounding(copy)  # ORT's CPU provider would otherwise compute it all in float32
             halves = {v.name for v in copy.graph.inputs if v.dtype == ir.DataType.FLOAT16}
             feeds = [{k: (a.astype(np.float16) if k in halves else a) for k, a in f.items()} for f in samples]
-            outs = list(cal.run_model(copy, feeds, folder=folder))
+            # written for ONNX Runtime (a file when too big for one protobuf) and freed before its session is
+            # made: the copy's float16 weights are not beside the session's
+            payload = _spill.payload(copy, folder)
             del copy
-            _spill.free_dropped(model)  # not beside the next evaluation's copy
+            _spill.free_dropped(model)  # not beside the session, nor the next evaluation's copy
+            outs = list(cal.run_model(payload, feeds))
+            del payload
             evaluations += 1
             if self.progress is not None:  # each one a whole-model run: minutes on a real LLM (issue 31)
                 self.progress(evaluations, None)

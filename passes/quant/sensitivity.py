@@ -136,8 +136,24 @@ def _layer_errors(
     macs = {c.key: 0.0 for c in cands}
     outputs = [mapping[n] for n in names]
     source = source if source is not None else _Samples()
+    # The session holds the model's weights (once more than the pass's own copy, which smoothing made): when
+    # every sample's activations take less than them, all are read first and the session is freed before the
+    # candidates' float and fake-quantized weights are made (the same runs, in the same order: same numbers).
+    acts_list: list[dict[str, np.ndarray] | None] = []
     for index, feed in enumerate(samples):
-        acts = dict(zip(names, _run_feed(sess, outputs, feed, source, index)))
+        got = dict(zip(names, _run_feed(sess, outputs, feed, source, index)))
+        acts_list.append(got)
+        if index == 0 and sum(int(a.nbytes) for a in got.values()) * len(samples) > _spill.footprint(model):
+            break
+    if len(acts_list) == len(samples):
+        sess = None
+        _spill.trim_heap()
+    for index, feed in enumerate(samples):
+        if index < len(acts_list):
+            acts, acts_list[index] = acts_list[index], None
+        else:
+            acts = dict(zip(names, _run_feed(sess, outputs, feed, source, index)))
+        assert acts is not None
         for c in cands:
             xs_f, xs_q = {}, {}
             read: list[Any] = []
@@ -216,12 +232,11 @@ def keep_order(alone: dict[str, float], cost: dict[str, float], *, cheap: float 
     return sorted(alone, key=key)
 
 
-def _evaluate_mix(
-    base: Any, folder: str | None, scheme: Scheme, ranges: dict[str, tuple[float, float]], samples: list[Feed],
-    budget: Budget, refs: list[list[np.ndarray]], quantized: set[str],
-) -> float:
-    """Build the Q/DQ model with ``quantized`` layers from the float proto ``base``, run it, measure the budget
-    metric.  A plain function of plain data, so an executor can run it in another process or machine."""
+def _mix_payload(base: Any, folder: str | None, scheme: Scheme, ranges: dict[str, tuple[float, float]],
+                 quantized: set[str]) -> tuple[Any, int]:
+    """The Q/DQ model with ``quantized`` layers built from the float proto ``base``, as ONNX Runtime is given it
+    (a file when too big for one protobuf), and its :func:`~mograph._spill.footprint`.  The model itself
+    (its quantized weights, every candidate's node) is dropped on return."""
     m = ir.serde.deserialize_model(base)
     set_model_folder(m, folder)
     all_cands, _ = find_candidates(m)
@@ -229,10 +244,21 @@ def _evaluate_mix(
     for c in all_cands:
         if c.key in quantized:
             writer.quantize(c)
-    outs = list(run_model(m, samples, folder=folder))  # too big for one protobuf: spilled to a file
-    dropped = _spill.footprint(m)
-    del m, writer
-    _spill.free_dropped(dropped)  # its quantized weights are not beside the next evaluation's
+    return _spill.payload(m, folder), _spill.footprint(m)
+
+
+def _evaluate_mix(
+    base: Any, folder: str | None, scheme: Scheme, ranges: dict[str, tuple[float, float]], samples: list[Feed],
+    budget: Budget, refs: list[list[np.ndarray]], quantized: set[str],
+) -> float:
+    """Build the Q/DQ model with ``quantized`` layers from the float proto ``base``, run it, measure the budget
+    metric.  A plain function of plain data, so an executor can run it in another process or machine."""
+    payload, dropped = _mix_payload(base, folder, scheme, ranges, quantized)
+    # the model is freed before its session is made: its weights are not beside the session's, nor beside
+    # the next evaluation's
+    _spill.free_dropped(dropped)
+    outs = list(run_model(payload, samples))
+    del payload
     return _metric(budget, refs, outs)
 
 

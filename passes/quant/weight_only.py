@@ -266,6 +266,28 @@ class _Segments:
         return new_states, len(states) if outs else 0
 
 
+def _same_table(layer: _Layer, table: ir.TensorProtocol) -> bool:
+    """Whether ``layer``'s weight ``[hidden, rows]`` is the embedding ``table`` ``[rows, hidden]`` transposed:
+    ``np.array_equal(layer.weight.T, table)``, a slice of rows at a time, stopping at the first slice that
+    differs (an untied head differs in its first rows).  Both are memory maps of the weights, which the pass
+    has forgotten by then: the whole compare held both back in memory with a boolean temporary, the
+    int4 pass's peak on a decoder with a large vocabulary; the pages read are forgotten again."""
+    arr = table.numpy()
+    rows = arr.shape[0]
+    step = max(1, (1 << 22) // max(arr.shape[1], 1))
+    same = True
+    try:
+        for lo in range(0, rows, step):
+            if not np.array_equal(layer.weight[:, lo:lo + step].T, arr[lo:lo + step]):
+                same = False
+                break
+    finally:
+        _spill.release_pages(table)
+        _spill.release_pages(layer.node.inputs[1].const_value if len(layer.node.inputs) > 1
+                             and layer.node.inputs[1] is not None else None)
+    return same
+
+
 def _hessian_factor(states: list[dict[str, np.ndarray]], name: str, damp: float, act_order: bool
                     ) -> tuple[np.ndarray, bw.GptqFactor]:
     """``diag H`` and the GPTQ factor of ``H = E[x x^T]`` over the value ``name`` of every state; ``H`` itself
@@ -825,7 +847,7 @@ class WeightOnlyPass(Pass):
             else:
                 for layer in layers:
                     if layer.weight.shape == (hidden, rows) and layer.bias is None and self._alpha(layer) == 1.0 \
-                            and np.array_equal(layer.weight.T, value.const_value.numpy()):
+                            and _same_table(layer, value.const_value):
                         head = layer
                         break
             out.append(_Table(value, gathers, rows, hidden, head, same))
