@@ -82,15 +82,28 @@ class SensitivityResult:
 
 
 def _metric(budget: Budget, refs: list[list[np.ndarray]], outs: list[list[np.ndarray]]) -> float:
+    # each sample's float outputs, one float64 vector per side, written into two buffers made once: a new
+    # pair of vectors per sample (a decoder's logits: 100 MB each) cost three times as much, in page faults
+    size = max((sum(a.size for a in ref if np.issubdtype(a.dtype, np.floating)) for ref in refs), default=0)
+    buf_r, buf_o = np.empty(size, np.float64), np.empty(size, np.float64)
     values = []
     for ref, out in zip(refs, outs):
-        r = np.concatenate([np.asarray(a, np.float64).ravel() for a in ref if np.issubdtype(a.dtype, np.floating)])
-        o = np.concatenate([np.asarray(a, np.float64).ravel() for a in out if np.issubdtype(a.dtype, np.floating)])
+        r = _flat_floats(ref, buf_r)
+        o = _flat_floats(out, buf_o)
         if budget.metric == "cosine":
             values.append(float(r @ o / (np.linalg.norm(r) * np.linalg.norm(o) + 1e-30)))
         else:
             values.append(float(np.abs(r - o).max()))
     return min(values) if budget.metric == "cosine" else max(values)
+
+
+def _flat_floats(arrays: list[np.ndarray], buf: np.ndarray) -> np.ndarray:
+    """The floating arrays of ``arrays``, raveled and joined as float64 (exact), in ``buf`` when it is big enough."""
+    parts = [np.asarray(a).ravel() for a in arrays if np.issubdtype(a.dtype, np.floating)]
+    n = sum(p.size for p in parts)
+    if not parts or n > buf.size:
+        return np.concatenate([np.asarray(p, np.float64) for p in parts]) if parts else np.empty(0, np.float64)
+    return np.concatenate(parts, out=buf[:n])
 
 
 def _observation(model: ir.Model, cands: list[Candidate], samples: list[Feed], source: Any = None,

@@ -241,3 +241,30 @@ def test_kept_quantized_weight_is_fake_quant_weight(axis):
         assert q.dtype == np.int8
         np.testing.assert_array_equal((q.astype(np.float32) * scale).astype(np.float32),
                                       fake_quant_weight(w, axis, scheme))
+
+
+@pytest.mark.parametrize("metric", ["cosine", "max-abs"])
+def test_metric_in_reused_buffers_is_the_old_formula(metric):
+    """The budget metric computed in buffers made once is bit for bit the one computed on new vectors per sample."""
+    from mograph.passes.quant.plan import parse_budget
+
+    budget = parse_budget("cosine>=0.99" if metric == "cosine" else "max-abs<=1")
+    rng = np.random.default_rng(5)
+    refs, outs = [], []
+    for n in (300, 170, 300):  # samples of different lengths: the buffers fit the largest
+        ref = [rng.standard_normal((1, n, 7)).astype(np.float32), np.arange(n, dtype=np.int64),
+               rng.standard_normal((2, n)).astype(np.float16)]
+        refs.append(ref)
+        outs.append([ref[0] + np.float32(0.01) * rng.standard_normal(ref[0].shape).astype(np.float32), ref[1],
+                     ref[2]])
+
+    def old(r_arrays, o_arrays):  # type: ignore[no-untyped-def]
+        r = np.concatenate([np.asarray(a, np.float64).ravel() for a in r_arrays if np.issubdtype(a.dtype, np.floating)])
+        o = np.concatenate([np.asarray(a, np.float64).ravel() for a in o_arrays if np.issubdtype(a.dtype, np.floating)])
+        if metric == "cosine":
+            return float(r @ o / (np.linalg.norm(r) * np.linalg.norm(o) + 1e-30))
+        return float(np.abs(r - o).max())
+
+    values = [old(r, o) for r, o in zip(refs, outs)]
+    expected = min(values) if metric == "cosine" else max(values)
+    assert sensitivity._metric(budget, refs, outs) == expected
