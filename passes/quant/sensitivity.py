@@ -143,7 +143,7 @@ def _layer_errors(
     (multiply-adds per sample: output elements times the reduction length, as run on the samples).
 
     ``acts`` gives the candidates' inputs on each sample (default: :func:`_observation`, a run of a copy of
-    the model per sample).  Each weight is quantized once, on its first use, and kept as INT8 with its scales
+    the model per sample); each sample's dict is emptied as its tensors' last readers are measured.  Each weight is quantized once, on its first use, and kept as INT8 with its scales
     (a quarter of the float weight) for the later samples; its fake-quantized float copy is made per sample
     from them, the same numbers as :func:`fake_quant_weight` gives."""
     import onnx
@@ -179,8 +179,13 @@ def _layer_errors(
     quantized: dict[tuple[int, int | None], tuple[np.ndarray, np.ndarray]] = {}
     if acts is None:
         acts = _observation(model, cands, samples, source)
+    last_reader = {(v.name or ""): j for j, c in enumerate(cands) for i, v in enumerate(c.node.inputs)
+                   if v is not None and i in c.act_inputs}
     for index, sample in enumerate(acts):
-        for c in cands:
+        # input tensor -> (float32, fake-quantized), made once per sample (Q, K and V read one hidden state)
+        # and dropped, with the sample's own copy, after the last layer reading it
+        act_q: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        for j, c in enumerate(cands):
             xs_f, xs_q = {}, {}
             read: list[Any] = []
             seen = True
@@ -191,9 +196,12 @@ def _layer_errors(
                     if x is None or x.size == 0 or (v.name or "") not in ranges:
                         seen = False  # inside a Loop/Scan body, or an If branch this sample did not take
                         break
-                    x = x.astype(np.float32)
-                    lo, hi = ranges[v.name or ""]
-                    xs_f[f"x{i}"], xs_q[f"x{i}"] = x, fake_quant_activation(x, lo, hi, scheme)
+                    name = v.name or ""
+                    if name not in act_q:
+                        x = np.asarray(x, np.float32)
+                        lo, hi = ranges[name]
+                        act_q[name] = (x, fake_quant_activation(x, lo, hi, scheme))
+                    xs_f[f"x{i}"], xs_q[f"x{i}"] = act_q[name]
                 else:
                     # read per candidate and sample, never all at once: holding the float and quantized
                     # copies of every weight through the samples was twice the weights
@@ -209,7 +217,11 @@ def _layer_errors(
                     if key not in quantized:
                         quantized[key] = _quantized_weight(w, c.weight_axis, scheme)
                     q, scale = quantized[key]
-                    xs_q[f"x{i}"] = (q.astype(np.float32) * scale).astype(np.float32)
+                    xs_q[f"x{i}"] = np.multiply(q, scale, dtype=np.float32)  # fake_quant_weight's numbers
+            for i, v in enumerate(c.node.inputs):
+                if i in c.act_inputs and v is not None and last_reader.get(v.name or "") == j:
+                    act_q.pop(v.name or "", None)
+                    sample.pop(v.name or "", None)
             if not seen:
                 _release(read)
                 continue
@@ -220,7 +232,7 @@ def _layer_errors(
             macs[c.key] += float(y.size) * _reduction(c, xs_f)
             del xs_f, xs_q
             _release(read)
-        del sample
+        del sample, act_q
         if progress is not None:
             progress(index + 1, len(samples))
     quantized.clear()
@@ -229,8 +241,8 @@ def _layer_errors(
 
 
 def _quantized_weight(w: np.ndarray, axis: int | None, scheme: Scheme) -> tuple[np.ndarray, np.ndarray]:
-    """``w``'s quantized values and its scales shaped to broadcast against it: ``q * scale`` (in float32)
-    is :func:`fake_quant_weight`'s result."""
+    """``w``'s quantized values and its scales shaped to broadcast against it: ``q * scale`` in float32
+    (``np.multiply(q, scale, dtype=np.float32)``) is :func:`fake_quant_weight`'s result."""
     q, scale = quantize_weight_array(w, axis, scheme)
     if scale.ndim == 1 and axis is not None:
         bshape = [1] * w.ndim

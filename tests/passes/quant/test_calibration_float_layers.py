@@ -239,8 +239,7 @@ def test_kept_quantized_weight_is_fake_quant_weight(axis):
     for scheme in (INT8_U8, INT8_S8):
         q, scale = sensitivity._quantized_weight(w, axis, scheme)
         assert q.dtype == np.int8
-        np.testing.assert_array_equal((q.astype(np.float32) * scale).astype(np.float32),
-                                      fake_quant_weight(w, axis, scheme))
+        np.testing.assert_array_equal(np.multiply(q, scale, dtype=np.float32), fake_quant_weight(w, axis, scheme))
 
 
 @pytest.mark.parametrize("metric", ["cosine", "max-abs"])
@@ -280,3 +279,30 @@ def test_per_layer_measurement_reports_progress():
     n = len(_feeds())
     evaluations = result.stats["sensitivity_evaluations"]
     assert seen == [(i, n) for i in range(1, n + 1)] * 2 + [(i, None) for i in range(1, evaluations + 1)]
+
+
+def test_layer_errors_fake_quantize_a_shared_input_once_per_sample(monkeypatch):
+    """Layers reading one tensor (Q, K and V of a hidden state) share its fake-quantized copy on each sample."""
+    from mograph.passes.quant._qdq import INT8_U8, find_candidates
+
+    rng = np.random.default_rng(1)
+    nodes = [helper.make_node("MatMul", ["x", f"w{i}"], [f"y{i}"], name=f"proj{i}") for i in range(3)]
+    nodes.append(helper.make_node("Sum", ["y0", "y1", "y2"], ["out"], name="sum"))
+    inits = [numpy_helper.from_array(rng.standard_normal((8, 4)).astype(np.float32), f"w{i}") for i in range(3)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["b", 8])],
+                              [helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, None)], inits)
+    model = ir_io.load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    cands, _ = find_candidates(model)
+    ranges = cal.compute_ranges(cal.observe(model, ["x"], cal.open_source(_feeds(), model)), "minmax")
+    ref, _ = sensitivity._layer_errors(model, cands, ranges, INT8_U8, _feeds()[:3])
+    calls: list[int] = []
+    real = sensitivity.fake_quant_activation
+
+    def counting(x, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(sensitivity, "fake_quant_activation", counting)
+    errors, _ = sensitivity._layer_errors(model, cands, ranges, INT8_U8, _feeds()[:3])
+    assert len(calls) == 3  # one per sample; old code: one per layer and sample (9)
+    assert errors == ref and len(set(errors.values())) == 3
