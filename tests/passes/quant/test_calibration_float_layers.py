@@ -306,3 +306,13 @@ def test_layer_errors_fake_quantize_a_shared_input_once_per_sample(monkeypatch):
     errors, _ = sensitivity._layer_errors(model, cands, ranges, INT8_U8, _feeds()[:3])
     assert len(calls) == 3  # one per sample; old code: one per layer and sample (9)
     assert errors == ref and len(set(errors.values())) == 3
+
+
+def test_error_terms_are_the_float64_formula():
+    """The per-layer error sums made without float64 copies are bit for bit the old float64 expressions."""
+    rng = np.random.default_rng(7)
+    for shape in [(3, 257, 33), (1, 4099), (5,)]:
+        y = (rng.standard_normal(shape) * 40).astype(np.float32)
+        yq = y + (rng.standard_normal(shape) * 0.3).astype(np.float32)
+        y64, yq64 = y.astype(np.float64), yq.astype(np.float64)
+        assert sensitivity._error_terms(y, yq) == (float(((yq64 - y64) ** 2).sum()), float((y64**2).sum()))
