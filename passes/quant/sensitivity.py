@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,8 +41,8 @@ from mograph.passes.quant._qdq import (
     Scheme,
     const_tensor,
     fake_quant_activation,
-    fake_quant_weight,
     find_candidates,
+    quantize_weight_array,
     tensors_to_observe,
 )
 from mograph.passes.quant.calibration import (
@@ -82,15 +82,73 @@ class SensitivityResult:
 
 
 def _metric(budget: Budget, refs: list[list[np.ndarray]], outs: list[list[np.ndarray]]) -> float:
+    # each sample's float outputs, one float64 vector per side, written into two buffers made once: a new
+    # pair of vectors per sample (a decoder's logits: 100 MB each) cost three times as much, in page faults
+    size = max((sum(a.size for a in ref if np.issubdtype(a.dtype, np.floating)) for ref in refs), default=0)
+    buf_r, buf_o = np.empty(size, np.float64), np.empty(size, np.float64)
     values = []
     for ref, out in zip(refs, outs):
-        r = np.concatenate([np.asarray(a, np.float64).ravel() for a in ref if np.issubdtype(a.dtype, np.floating)])
-        o = np.concatenate([np.asarray(a, np.float64).ravel() for a in out if np.issubdtype(a.dtype, np.floating)])
+        r = _flat_floats(ref, buf_r)
+        o = _flat_floats(out, buf_o)
         if budget.metric == "cosine":
             values.append(float(r @ o / (np.linalg.norm(r) * np.linalg.norm(o) + 1e-30)))
         else:
             values.append(float(np.abs(r - o).max()))
     return min(values) if budget.metric == "cosine" else max(values)
+
+
+def _flat_floats(arrays: list[np.ndarray], buf: np.ndarray) -> np.ndarray:
+    """The floating arrays of ``arrays``, raveled and joined as float64 (exact), in ``buf`` when it is big enough."""
+    parts = [np.asarray(a).ravel() for a in arrays if np.issubdtype(a.dtype, np.floating)]
+    n = sum(p.size for p in parts)
+    if not parts or n > buf.size:
+        return np.concatenate([np.asarray(p, np.float64) for p in parts]) if parts else np.empty(0, np.float64)
+    return np.concatenate(parts, out=buf[:n])
+
+
+def _observation(model: ir.Model, cands: list[Candidate], samples: list[Feed], source: Any = None,
+                 refs: list[list[np.ndarray]] | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """The candidates' inputs on each sample (the float model, ORT optimizations off), one dict per sample.
+
+    With ``refs``, the copy run is the whole model with the inputs as extra outputs, and each sample's model
+    outputs are appended to ``refs``: the end-to-end reference and the per-layer inputs come from one run of
+    the model per sample (the same graph and kernels as a run of the model alone, so the same numbers).
+    Without, the copy keeps only the nodes the inputs need (:func:`_with_outputs_mapped` ``only``)."""
+    proto_bytes, mapping = _with_outputs_mapped(model, tensors_to_observe(cands), only=refs is None)
+    names = list(mapping)
+    model_outputs = [v.name or "" for v in model.graph.outputs] if refs is not None else []
+    fetch = list(dict.fromkeys([*model_outputs, *(mapping[n] for n in names)]))
+    where = {name: i for i, name in enumerate(fetch)}
+    sess: Any = _session(proto_bytes, model_folder(model))
+    del proto_bytes
+    source = source if source is not None else _Samples()
+    # The session holds the model's weights (once more than the pass's own copy, which smoothing made): when
+    # every sample's activations take less than them, all samples are run first and the session is freed
+    # before the candidates' float and fake-quantized weights are made (the same runs in the same order: the
+    # same numbers).  Otherwise each sample is run as it is consumed.
+    ahead: list[dict[str, np.ndarray] | None] = []
+    for index, feed in enumerate(samples):
+        outs = _run_feed(sess, fetch, feed, source, index)
+        if refs is not None:
+            refs.append([outs[where[n]] for n in model_outputs])
+        got = {n: outs[where[mapping[n]]] for n in names}
+        ahead.append(got)
+        del outs
+        if index == 0 and sum(int(a.nbytes) for a in got.values()) * len(samples) > _spill.footprint(model):
+            break
+    if len(ahead) == len(samples):
+        sess = None
+        _spill.trim_heap()
+    for index, feed in enumerate(samples):
+        if index < len(ahead):
+            kept, ahead[index] = ahead[index], None
+            assert kept is not None
+            yield kept
+            continue
+        outs = _run_feed(sess, fetch, feed, source, index)
+        if refs is not None:
+            refs.append([outs[where[n]] for n in model_outputs])
+        yield {n: outs[where[mapping[n]]] for n in names}
 
 
 def _layer_errors(
@@ -100,14 +158,18 @@ def _layer_errors(
     scheme: Scheme,
     samples: list[Feed],
     source: Any = None,
+    acts: Iterable[dict[str, np.ndarray]] | None = None,
+    progress: Callable[[int, int | None], None] | None = None,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Relative output error of each candidate run alone with quantized inputs and weights, and its cost
-    (multiply-adds per sample: output elements times the reduction length, as run on the samples)."""
+    (multiply-adds per sample: output elements times the reduction length, as run on the samples).
+
+    ``acts`` gives the candidates' inputs on each sample (default: :func:`_observation`, a run of a copy of
+    the model per sample); each sample's dict is emptied as its tensors' last readers are measured.  Each weight is quantized once, on its first use, and kept as INT8 with its scales
+    (a quarter of the float weight) for the later samples; its fake-quantized float copy is made per sample
+    from them, the same numbers as :func:`fake_quant_weight` gives."""
     import onnx
 
-    proto_bytes, mapping = _with_outputs_mapped(model, tensors_to_observe(cands), only=True)
-    names = list(mapping)
-    sess = _session(proto_bytes, model_folder(model))
     opset = model.opset_imports.get("", 13)
     singles = {}
     by_signature: dict[bytes, Any] = {}  # one session per distinct node (op, attributes, inputs): 271 -> 1 on a LLaMA
@@ -134,61 +196,96 @@ def _layer_errors(
     err_num = {c.key: 0.0 for c in cands}
     err_den = {c.key: 0.0 for c in cands}
     macs = {c.key: 0.0 for c in cands}
-    outputs = [mapping[n] for n in names]
-    source = source if source is not None else _Samples()
-    # The session holds the model's weights (once more than the pass's own copy, which smoothing made): when
-    # every sample's activations take less than them, all are read first and the session is freed before the
-    # candidates' float and fake-quantized weights are made (the same runs, in the same order: same numbers).
-    acts_list: list[dict[str, np.ndarray] | None] = []
-    for index, feed in enumerate(samples):
-        got = dict(zip(names, _run_feed(sess, outputs, feed, source, index)))
-        acts_list.append(got)
-        if index == 0 and sum(int(a.nbytes) for a in got.values()) * len(samples) > _spill.footprint(model):
-            break
-    if len(acts_list) == len(samples):
-        sess = None
-        _spill.trim_heap()
-    for index, feed in enumerate(samples):
-        if index < len(acts_list):
-            acts, acts_list[index] = acts_list[index], None
-        else:
-            acts = dict(zip(names, _run_feed(sess, outputs, feed, source, index)))
-        assert acts is not None
-        for c in cands:
+    # weight (value, axis) -> its INT8 values and scales, quantized once: fake-quantizing every weight again
+    # on every sample was a fifth of this function's time on a 135M LLaMA
+    quantized: dict[tuple[int, int | None], tuple[np.ndarray, np.ndarray]] = {}
+    if acts is None:
+        acts = _observation(model, cands, samples, source)
+    last_reader = {(v.name or ""): j for j, c in enumerate(cands) for i, v in enumerate(c.node.inputs)
+                   if v is not None and i in c.act_inputs}
+    for index, sample in enumerate(acts):
+        # input tensor -> (float32, fake-quantized), made once per sample (Q, K and V read one hidden state)
+        # and dropped, with the sample's own copy, after the last layer reading it
+        act_q: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        for j, c in enumerate(cands):
             xs_f, xs_q = {}, {}
             read: list[Any] = []
             seen = True
             for i, v in enumerate(c.node.inputs):
                 assert v is not None
                 if i in c.act_inputs:
-                    x = acts.get(v.name or "")
+                    x = sample.get(v.name or "")
                     if x is None or x.size == 0 or (v.name or "") not in ranges:
                         seen = False  # inside a Loop/Scan body, or an If branch this sample did not take
                         break
-                    x = x.astype(np.float32)
-                    lo, hi = ranges[v.name or ""]
-                    xs_f[f"x{i}"], xs_q[f"x{i}"] = x, fake_quant_activation(x, lo, hi, scheme)
+                    name = v.name or ""
+                    if name not in act_q:
+                        x = np.asarray(x, np.float32)
+                        lo, hi = ranges[name]
+                        act_q[name] = (x, fake_quant_activation(x, lo, hi, scheme))
+                    xs_f[f"x{i}"], xs_q[f"x{i}"] = act_q[name]
                 else:
-                    # read (and fake-quantized) per candidate and sample, never all at once: holding the
-                    # float and quantized copies of every weight through the samples was twice the weights
+                    # read per candidate and sample, never all at once: holding the float and quantized
+                    # copies of every weight through the samples was twice the weights
                     tensor = const_tensor(v)  # an initializer or a Constant node's value, in any graph
                     assert tensor is not None
                     w = np.ascontiguousarray(tensor.numpy(), dtype=np.float32)
                     read.append(tensor)
                     xs_f[f"x{i}"] = w
-                    xs_q[f"x{i}"] = fake_quant_weight(w, c.weight_axis, scheme) if i == c.weight_input else w
+                    if i != c.weight_input:
+                        xs_q[f"x{i}"] = w
+                        continue
+                    key = (id(v), c.weight_axis)
+                    if key not in quantized:
+                        quantized[key] = _quantized_weight(w, c.weight_axis, scheme)
+                    q, scale = quantized[key]
+                    xs_q[f"x{i}"] = np.multiply(q, scale, dtype=np.float32)  # fake_quant_weight's numbers
+            for i, v in enumerate(c.node.inputs):
+                if i in c.act_inputs and v is not None and last_reader.get(v.name or "") == j:
+                    act_q.pop(v.name or "", None)
+                    sample.pop(v.name or "", None)
             if not seen:
                 _release(read)
                 continue
-            y = singles[c.key].run(None, xs_f)[0].astype(np.float64)
-            yq = singles[c.key].run(None, xs_q)[0].astype(np.float64)
-            err_num[c.key] += float(((yq - y) ** 2).sum())
-            err_den[c.key] += float((y**2).sum())
+            y = singles[c.key].run(None, xs_f)[0]
+            yq = singles[c.key].run(None, xs_q)[0]
+            num, den = _error_terms(y, yq)
+            err_num[c.key] += num
+            err_den[c.key] += den
             macs[c.key] += float(y.size) * _reduction(c, xs_f)
+            del y, yq
             del xs_f, xs_q
             _release(read)
+        del sample, act_q
+        if progress is not None:
+            progress(index + 1, len(samples))
+    quantized.clear()
     errors = {k: (err_num[k] / err_den[k]) ** 0.5 if err_den[k] > 0 else 0.0 for k in err_num}
     return errors, {k: v / max(len(samples), 1) for k, v in macs.items()}
+
+
+def _error_terms(y: np.ndarray, yq: np.ndarray) -> tuple[float, float]:
+    """``sum((yq - y)**2)`` and ``sum(y**2)`` in float64, without float64 copies of ``y`` and ``yq`` (the same
+    numbers: each is widened exactly before the subtraction or square; on Gemma 3's LM head output, 256 x 262,144
+    per sample, the copies were a sixth of the analysis)."""
+    d = np.subtract(yq, y, dtype=np.float64)
+    np.square(d, out=d)
+    num = float(d.sum())
+    if d.shape != y.shape:
+        return num, float(np.square(y, dtype=np.float64).sum())
+    np.square(y, out=d, dtype=np.float64)
+    return num, float(d.sum())
+
+
+def _quantized_weight(w: np.ndarray, axis: int | None, scheme: Scheme) -> tuple[np.ndarray, np.ndarray]:
+    """``w``'s quantized values and its scales shaped to broadcast against it: ``q * scale`` in float32
+    (``np.multiply(q, scale, dtype=np.float32)``) is :func:`fake_quant_weight`'s result."""
+    q, scale = quantize_weight_array(w, axis, scheme)
+    if scale.ndim == 1 and axis is not None:
+        bshape = [1] * w.ndim
+        bshape[axis] = -1
+        scale = scale.reshape(bshape)
+    return q, scale
 
 
 def _release(tensors: list[Any]) -> None:
@@ -297,9 +394,12 @@ def analyse(
     # its weights read from that folder (kept alive by ``spilled`` until the search ends).
     base, spilled = _spill.model_proto(model)
     folder = str(spilled.folder) if spilled is not None else model_folder(model)
-    refs = list(run_model(base, samples, folder=folder))
+    # one run of the model per sample gives both the reference outputs and every candidate's inputs
+    refs: list[list[np.ndarray]] = []
     result = SensitivityResult()
-    result.alone, result.cost = _layer_errors(model, cands, ranges, scheme, samples, source)
+    result.alone, result.cost = _layer_errors(model, cands, ranges, scheme, samples, source,
+                                              acts=_observation(model, cands, samples, source, refs),
+                                              progress=progress)
     evaluate = functools.partial(_evaluate_mix, base, folder, scheme, ranges, samples, budget, refs)
 
     worst_first = result.order = keep_order(result.alone, result.cost)
