@@ -18,7 +18,7 @@ import onnx_ir as ir
 from mograph._traverse import subgraphs
 
 __all__ = ["attr_constant", "constant_array", "scalar_value", "attr_value", "add_initializer", "unique_initializer_name", "is_zero", "static_last_dim", "value_used",
-           "infer_types", "restore_types", "run_shape_inference", "TypeSnapshot", "same_dim", "fresh_name"]
+           "infer_types", "restore_types", "run_shape_inference", "TypeSnapshot", "fresh_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -192,14 +192,6 @@ def static_last_dim(value: ir.Value | None) -> int | None:
         return None
     dim = value.shape[-1]
     return dim if isinstance(dim, int) else None
-
-
-def same_dim(a: Any, b: Any) -> bool:
-    """Whether two dims of a shape are known to be equal: the same int, or the same symbolic name."""
-    if isinstance(a, int) or isinstance(b, int):
-        return isinstance(a, int) and isinstance(b, int) and a == b
-    va, vb = getattr(a, "value", None), getattr(b, "value", None)
-    return va is not None and va == vb
 
 
 def value_used(value: ir.Value) -> bool:

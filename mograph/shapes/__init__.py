@@ -11,9 +11,9 @@
   declare (``shape_dims`` / ``shape_values``), for a caller that was handed the registry (``_declared``);
 - :class:`ShapeQuery`: one sweep over a graph, then ``dims``, ``dim``, ``same_dim``, ``values`` (the
   elements of shape vectors), ``reshape_dims`` and the witness of each symbolic dim (``_query``);
-- :class:`InferredShapes`, :func:`shape_literals`, :func:`const_tensor`, :func:`int_vector`: the numeric
-  side, sizes from a full shape inference on a serialized copy and the stored entries of a reshape
-  target, for passes that edit weights and shape constants (``_inferred``).
+- :class:`Sizes`, :func:`shape_literals`, :func:`const_tensor`, :func:`int_vector`: the numeric side,
+  the query's dims read as ints or names and the stored entries of a reshape target, for passes that
+  edit weights and shape constants (``_sizes``).
 
 This package is part of the IR toolbox: it imports neither passes, backends nor the plugin registry.  A
 caller that was handed the registry asks :func:`rules_for` for its table and hands it to the query.
@@ -35,21 +35,13 @@ from mograph.shapes._builtin import (
 )
 from mograph.shapes._declared import declared_rules, rules_for
 from mograph.shapes._dim import Dim, Factor, add, div, mul, prod, same_dim, sub
-from mograph.shapes._inferred import (
-    DimSize,
-    InferredShapes,
-    ShapeLiteral,
-    const_tensor,
-    int_vector,
-    owns_tensor,
-    shape_literals,
-)
 from mograph.shapes._query import Dims, ShapeQuery, Vector
 from mograph.shapes._rules import ShapeRule, ShapeRuleError, ShapeRules, node_version, shape_rule
+from mograph.shapes._sizes import DimSize, ShapeLiteral, Sizes, const_tensor, int_vector, owns_tensor, shape_literals
 
 __all__ = [
-    "BROADCAST_OPS", "MS_DOMAIN", "REDUCE_OPS", "SAME_SHAPE_OPS", "Dim", "DimSize", "Dims", "Factor", "InferredShapes",
-    "ShapeLiteral", "ShapeQuery", "ShapeRule", "ShapeRuleError", "ShapeRules", "Vector", "add", "broadcast",
+    "BROADCAST_OPS", "MS_DOMAIN", "REDUCE_OPS", "SAME_SHAPE_OPS", "Dim", "DimSize", "Dims", "Factor", "ShapeLiteral",
+    "ShapeQuery", "ShapeRule", "ShapeRuleError", "ShapeRules", "Sizes", "Vector", "add", "broadcast",
     "builtin_rules", "const_tensor", "declared_rules", "div", "int_vector", "mul", "node_version", "owns_tensor", "prod", "reshape_dims",
     "reshape_entries", "rules_for", "same_dim", "same_shape_rule", "shape_literals", "shape_range", "shape_rule", "sub",
 ]

@@ -145,15 +145,36 @@ def shape_range(node: ir.Node, rank: int) -> tuple[int, int]:
 
 def peek_tensor(value: ir.Value) -> ir.TensorProtocol | None:
     """``ir.convenience.get_const_tensor`` without its one write: it names a ``Constant`` node's ``value`` tensor
-    after the node's output, and a query only reads."""
+    after the node's output (and putting the old name back would still mark the field as set), and a query only
+    reads.  That tensor is returned as it is held."""
     node = value.producer()
-    attr = node.attributes.get("value") if node is not None and node.op_type == "Constant" else None
-    held = attr.value if attr is not None and attr.type == ir.AttributeType.TENSOR else None
-    name = held.name if held is not None else None
-    tensor = ir.convenience.get_const_tensor(value)
-    if held is not None:
-        held.name = name
-    return tensor
+    if value.const_value is None and node is not None and node.op_type == "Constant" and node.domain == "" \
+            and len(node.attributes) == 1 and len(node.outputs) == 1:
+        attr = node.attributes.get("value")
+        if attr is not None and attr.type == ir.AttributeType.TENSOR and not attr.is_ref():
+            return attr.value
+    return ir.convenience.get_const_tensor(value)
+
+
+def _windows(node: ir.Node, d0: Dims, kernel: list[int | None]) -> list[Dim | None]:
+    """The spatial dims of a Conv or pool over ``d0`` (``[N, C, *spatial]``): a literal where the input's dim
+    and the kernel are literals and the pads explicit (or ``VALID``), else unknown."""
+    n = len(d0) - 2
+    pads = list(_attr(node, "pads") or [0] * 2 * n)
+    strides = list(_attr(node, "strides") or [1] * n)
+    dilations = list(_attr(node, "dilations") or [1] * n)
+    auto_pad = _attr(node, "auto_pad", "NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    spatial: list[Dim | None] = []
+    for i in range(n):
+        dim, k = d0[2 + i], kernel[i]
+        size = dim.value if dim is not None else None
+        if size is None or k is None or auto_pad not in ("NOTSET", "VALID"):
+            spatial.append(None)
+            continue
+        pad = pads[i] + pads[i + n] if auto_pad == "NOTSET" else 0
+        spatial.append(Dim.lit((size + pad - dilations[i] * (k - 1) - 1) // strides[i] + 1))
+    return spatial
 
 
 def _attr(node: ir.Node, name: str, default: Any = None) -> Any:
@@ -287,8 +308,9 @@ def _register_dims(t: ShapeRules) -> None:  # noqa: C901 - one short rule per op
         steps = q.ints(ins[4]) if len(ins) > 4 and ins[4] is not None else None
         if d0 is None:
             return None
-        if starts is None or ends is None:
-            return [None]
+        if starts is None or ends is None:  # bounds computed at run time: the rank is kept, the sliced dims unknown
+            cut = {a % len(d0) for a in axes} if axes is not None else set(range(len(d0)))
+            return [tuple(None if i in cut else m for i, m in enumerate(d0))]
         axes = axes if axes is not None else list(range(len(starts)))
         steps = steps if steps is not None else [1] * len(starts)
         out = list(d0)
@@ -323,6 +345,74 @@ def _register_dims(t: ShapeRules) -> None:  # noqa: C901 - one short rule per op
         if d0 is None:
             return None
         return [(Dim.lit(len(d0[slice(*shape_range(node, len(d0)))])),)]
+
+    @shape_rule(t, "", "ConstantOfShape", 9)
+    def constant_of_shape(node: ir.Node, q: ShapeQuery) -> list[Dims | None] | None:
+        vec = q.values(node.inputs[0])
+        return None if vec is None or vec[0] else [vec[1]]
+
+    @shape_rule(t, "", "Flatten")
+    def flatten(node: ir.Node, q: ShapeQuery) -> list[Dims | None] | None:
+        d0 = q.dims(node.inputs[0])
+        if d0 is None:
+            return None
+        axis = _iattr(node, "axis", 1)
+        axis = axis + len(d0) if axis < 0 else axis
+        if not 0 <= axis <= len(d0):
+            return None
+        return [(prod(d0[:axis]), prod(d0[axis:]))]
+
+    @shape_rule(t, "", "GatherElements", 11)
+    def gather_elements(node: ir.Node, q: ShapeQuery) -> list[Dims | None] | None:
+        return [q.dims(node.inputs[1])]
+
+    @shape_rule(t, "", "Conv")
+    def conv(node: ir.Node, q: ShapeQuery) -> list[Dims | None] | None:
+        """Batch and output channels; a spatial dim as a literal where its input's is one (explicit pads)."""
+        d0, dw = q.dims(node.inputs[0]), q.dims(node.inputs[1])
+        if d0 is None or dw is None or len(d0) != len(dw) or len(d0) < 3:
+            return None
+        return [(d0[0], dw[0], *_windows(node, d0, [m.value if m is not None else None for m in dw[2:]]))]
+
+    @shape_rule(t, "", ["AveragePool", "LpPool", "MaxPool"])
+    def pool(node: ir.Node, q: ShapeQuery) -> list[Dims | None] | None:
+        """Batch and channels kept; a spatial dim as a literal where its input's is one (floor mode, explicit pads)."""
+        d0 = q.dims(node.inputs[0])
+        kernel = _attr(node, "kernel_shape")
+        if d0 is None or len(d0) < 3 or kernel is None or _iattr(node, "ceil_mode", 0):
+            return None
+        return [(d0[0], d0[1], *_windows(node, d0, list(kernel)))] + [None] * (len(node.outputs) - 1)
+
+    @shape_rule(t, "", ["GlobalAveragePool", "GlobalLpPool", "GlobalMaxPool"])
+    def global_pool(node: ir.Node, q: ShapeQuery) -> list[Dims | None] | None:
+        d0 = q.dims(node.inputs[0])
+        return None if d0 is None or len(d0) < 3 else [(d0[0], d0[1], *[ONE] * (len(d0) - 2))]
+
+    def reduce_dims(node: ir.Node, q: ShapeQuery, axes: list[int] | None) -> list[Dims | None] | None:
+        d0 = q.dims(node.inputs[0])
+        if d0 is None:
+            return None
+        if not axes:
+            if _iattr(node, "noop_with_empty_axes", 0):
+                return [d0]
+            axes = list(range(len(d0)))
+        drop = {a % len(d0) for a in axes}
+        if _iattr(node, "keepdims", 1):
+            return [tuple(ONE if i in drop else m for i, m in enumerate(d0))]
+        return [tuple(m for i, m in enumerate(d0) if i not in drop)]
+
+    @shape_rule(t, "", sorted(REDUCE_OPS))
+    def reduce_attr(node: ir.Node, q: ShapeQuery) -> list[Dims | None] | None:
+        axes = _attr(node, "axes")
+        return reduce_dims(node, q, list(axes) if axes is not None else None)
+
+    def reduce_input(node: ir.Node, q: ShapeQuery) -> list[Dims | None] | None:
+        given = len(node.inputs) > 1 and node.inputs[1] is not None
+        axes = q.ints(node.inputs[1]) if given else []
+        return None if axes is None else reduce_dims(node, q, axes)
+
+    shape_rule(t, "", "ReduceSum", 13)(reduce_input)
+    shape_rule(t, "", sorted(REDUCE_OPS - {"ReduceSum"}), 18)(reduce_input)
 
 
 # --- elements of int64 shape vectors -----------------------------------------------------------------

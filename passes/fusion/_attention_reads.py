@@ -3,18 +3,22 @@
 A reshape target is read entry by entry (:func:`_entries`): a constant, ``("dim", i)`` where it is dim ``i``
 of a runtime ``Shape`` (through ``Gather``/``Unsqueeze``/``Concat``), or None where only its place is known;
 :func:`_shape_vector` reads one as ``("dim", X, i)`` naming the tensor ``X`` too.  :func:`_heads_and_dim`
-proves a ``[B, S, H*D] -> [B, S, H, D]`` split from them.  Read-only: nothing here changes the graph.
+proves a ``[B, S, H*D] -> [B, S, H, D]`` split from them, and :func:`_keeps_leading` a kept ``B, S``; where
+the targets do not tell, they ask the shape query (:class:`~mograph.passes.fusion._common.GraphShapes`).
+Read-only: nothing here changes the graph.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx_ir as ir
 
-from mograph.irutil import same_dim
 from mograph.patterns import constant_array, scalar_value
+
+if TYPE_CHECKING:
+    from mograph.passes.fusion._common import GraphShapes
 
 
 def _producer(value: ir.Value | None, *op_types: str) -> ir.Node | None:
@@ -122,8 +126,8 @@ def _entries(value: ir.Value | None) -> list[Entry] | None:
     return out
 
 
-def _keeps_leading(reshape: ir.Node, rest_is_last: bool = False) -> bool:
-    """Whether a Reshape keeps dims 0 and 1 of its input (its target starts with ``B, S``).
+def _keeps_leading(reshape: ir.Node, shapes: GraphShapes, rest_is_last: bool = False) -> bool:
+    """Whether a Reshape keeps dims 0 and 1 of its input (the shape query says so, or its target starts with ``B, S``).
 
     ``rest_is_last``: the caller proved that the target's entries after the first two multiply to the
     input's last dim (a ``[B, S, N]`` -> ``[B, ?, H, D]`` split with ``H * D = N``), so a -1 in place of
@@ -132,7 +136,7 @@ def _keeps_leading(reshape: ir.Node, rest_is_last: bool = False) -> bool:
     out = reshape.outputs[0]
     if x is None or x.shape is None or len(x.shape) < 2:
         return False
-    if out.shape is not None and len(out.shape) >= 2 and all(same_dim(out.shape[i], x.shape[i]) for i in (0, 1)):
+    if all(shapes.same_dim(out, i, x, i) for i in (0, 1)):
         return True
     entries = _entries(target)
     if entries is None or len(entries) < 2:
@@ -151,8 +155,9 @@ def _keeps_leading(reshape: ir.Node, rest_is_last: bool = False) -> bool:
     return True
 
 
-def _heads_and_dim(reshape: ir.Node, hidden: int) -> tuple[int, int] | str:
-    """``(H, D)`` of a ``[B, S, H*D] -> [B, S, H, D]`` Reshape, or why they cannot be determined."""
+def _heads_and_dim(reshape: ir.Node, hidden: int, shapes: GraphShapes) -> tuple[int, int] | str:
+    """``(H, D)`` of a ``[B, S, H*D] -> [B, S, H, D]`` Reshape (from its target, else the shape query's dims of its
+    output), or why they cannot be determined."""
     entries = _entries(reshape.inputs[1])
     out = reshape.outputs[0]
     h: Any = None
@@ -161,8 +166,9 @@ def _heads_and_dim(reshape: ir.Node, hidden: int) -> tuple[int, int] | str:
         h, d = entries[2], entries[3]
     elif entries is not None:
         return f"reshape '{reshape.name}' is not to 4 dims"
-    if not (isinstance(h, int) and isinstance(d, int)) and out.shape is not None and len(out.shape) == 4:
-        h, d = out.shape[2], out.shape[3]
+    dims = shapes.dims(out) if not (isinstance(h, int) and isinstance(d, int)) else None
+    if dims is not None and len(dims) == 4:
+        h, d = (m.value if m is not None else None for m in dims[2:])
     if not (isinstance(h, int) and isinstance(d, int)):
         return f"num_heads cannot be determined: reshape target of '{reshape.name}' is not constant"
     if h == -1 and d > 0 and hidden % d == 0:
@@ -171,7 +177,7 @@ def _heads_and_dim(reshape: ir.Node, hidden: int) -> tuple[int, int] | str:
         d = hidden // h
     if h <= 0 or d <= 0 or h * d != hidden:
         return f"reshape '{reshape.name}' splits {hidden} into {h} x {d}"
-    if not _keeps_leading(reshape, rest_is_last=entries is not None and len(entries) == 4 and -1 not in entries[2:]):
+    if not _keeps_leading(reshape, shapes, rest_is_last=entries is not None and len(entries) == 4 and -1 not in entries[2:]):
         return f"reshape '{reshape.name}' does not keep the batch and sequence dims"
     return h, d
 

@@ -22,9 +22,8 @@ from mograph.passes.fusion._attention_reads import (
     _what,
 )
 from mograph.passes.fusion._attention_rotary import _rotary, _standard_rotary
-from mograph.passes.fusion._common import is_float
+from mograph.passes.fusion._common import GraphShapes, is_float
 
-from mograph.irutil import same_dim
 from mograph.patterns import constant_array
 
 # ---------------------------------------------------------------------------------------------
@@ -75,13 +74,13 @@ def _head_norm(v: ir.Value) -> ir.Node | str | None:
     return node
 
 
-def _split_heads(v4: ir.Value, role: str) -> Heads | str:
+def _split_heads(v4: ir.Value, role: str, shapes: GraphShapes) -> Heads | str:
     """``v4 = Transpose(Reshape(x, [B, S, N, D]), [0, 2, 1, 3])`` (with scalar factors on either side),
     possibly rotated (:func:`_rotary`) after the split."""
     v, f1 = _scaled(v4)
     std = _standard_rotary(v)
     if std is not None:  # opset 23's RotaryEmbedding (the dynamo exporter's) on the split heads
-        inner = _split_heads(std[0], role)
+        inner = _split_heads(std[0], role, shapes)
         if isinstance(inner, Heads):
             if inner.rotary is not None or inner.half_rotary is not None:
                 return f"{role}: two rotary embeddings"
@@ -93,7 +92,7 @@ def _split_heads(v4: ir.Value, role: str) -> Heads | str:
         return inner
     rot = _rotary(v)
     if rot is not None:
-        inner = _split_heads(rot[0], role)
+        inner = _split_heads(rot[0], role, shapes)
         if isinstance(inner, Heads):
             if inner.rotary is not None:
                 return f"{role}: two rotary embeddings"
@@ -104,7 +103,7 @@ def _split_heads(v4: ir.Value, role: str) -> Heads | str:
     if isinstance(norm, str):
         return f"{role}: {norm}"
     if norm is not None:  # RMSNorm(heads) over D is RMSNorm over D of [B, S, N, D]: the rewrite applies it there
-        inner = _split_heads(norm.inputs[0], role)  # type: ignore[arg-type]
+        inner = _split_heads(norm.inputs[0], role, shapes)  # type: ignore[arg-type]
         if isinstance(inner, Heads):
             if inner.norm is not None or inner.rotary is not None or inner.half_rotary is not None:
                 return f"{role}: {norm.op_type} '{norm.name}' follows another norm or a rotary embedding on the heads"
@@ -124,21 +123,21 @@ def _split_heads(v4: ir.Value, role: str) -> Heads | str:
         return f"{role} '{x.name}' is not a floating-point tensor"
     if x.shape is None or len(x.shape) != 3 or not isinstance(x.shape[2], int):
         return f"{role} '{x.name}' is not [batch, seq, hidden] with a static hidden size"
-    hd = _heads_and_dim(rs, x.shape[2])
+    hd = _heads_and_dim(rs, x.shape[2], shapes)
     if isinstance(hd, str):
         return f"{role}: {hd}"
     return Heads(x, hd[0], hd[1], f1 * f2)
 
 
-def _cached_or_split(kh: ir.Value, role: str) -> Heads | str:
+def _cached_or_split(kh: ir.Value, role: str, shapes: GraphShapes) -> Heads | str:
     """K/V heads, possibly after a KV cache: ``Concat(past [B, N, P, D], new heads, axis=2)``."""
     cat = _producer(kh, "Concat")
     if cat is None:
-        return _split_heads(kh, role)
+        return _split_heads(kh, role, shapes)
     axis = int(cat.attributes["axis"].value) if "axis" in cat.attributes else None
     if axis not in (2, -2) or len(cat.inputs) != 2 or cat.inputs[0] is None or cat.inputs[1] is None:
         return f"{role}: Concat '{cat.name}' is not a KV cache (past, new) on the sequence axis"
-    new = _split_heads(cat.inputs[1], role)
+    new = _split_heads(cat.inputs[1], role, shapes)
     if isinstance(new, str):
         return new
     past = cat.inputs[0]
@@ -157,20 +156,20 @@ def _cached_or_split(kh: ir.Value, role: str) -> Heads | str:
     return Heads(new.x, new.heads, new.dim, 1.0, rotary=new.rotary, cached=kh)
 
 
-def _repeated(kh: ir.Value, role: str) -> Heads | str:
+def _repeated(kh: ir.Value, role: str, shapes: GraphShapes) -> Heads | str:
     """K or V heads, possibly repeated for grouped-query attention:
     ``Reshape(Expand(Unsqueeze(h, 2), [B, G, n, T, D]), [B, G*n, T, D])``."""
     rs = _producer(kh, "Reshape")
     ex = _producer(rs.inputs[0], "Expand") if rs is not None else None
     un = _producer(ex.inputs[0], "Unsqueeze") if ex is not None else None
     if rs is None or ex is None or un is None:
-        return _cached_or_split(kh, role)
+        return _cached_or_split(kh, role, shapes)
     axes = constant_array(un.inputs[1]) if len(un.inputs) > 1 else None
     if axes is None and "axes" in un.attributes:
         axes = np.array(un.attributes["axes"].value)
     if axes is None or axes.reshape(-1).tolist() != [2]:
         return f"{role}: Unsqueeze '{un.name}' of a repeat_kv is not on axis 2"
-    inner = _cached_or_split(un.inputs[0], role)  # type: ignore[arg-type]
+    inner = _cached_or_split(un.inputs[0], role, shapes)  # type: ignore[arg-type]
     if isinstance(inner, str):
         return inner
     rep_entries = _entries(ex.inputs[1])
@@ -191,7 +190,7 @@ def _repeated(kh: ir.Value, role: str) -> Heads | str:
     return inner
 
 
-def _keys_transposed(kt: ir.Value) -> Heads | str:
+def _keys_transposed(kt: ir.Value, shapes: GraphShapes) -> Heads | str:
     """``K^T`` ``[B, N, D, T]``: ``Transpose(Reshape(k), [0, 2, 3, 1])``, ``Transpose(K_h, [0, 1, 3, 2])``, or
     the dynamo export of sdpa's transpose (``Reshape(Transpose(Reshape(K_h, [-1, T, D]), [0, 2, 1]), [B, N, D, T])``)."""
     v, f = _scaled(kt)
@@ -204,14 +203,14 @@ def _keys_transposed(kt: ir.Value) -> Heads | str:
         x, f2 = _scaled(rs.inputs[0])  # type: ignore[arg-type]
         if not is_float(x) or x.shape is None or len(x.shape) != 3 or not isinstance(x.shape[2], int):
             return f"key '{x.name}' is not a floating-point [batch, seq, hidden] with a static hidden size"
-        hd = _heads_and_dim(rs, x.shape[2])
+        hd = _heads_and_dim(rs, x.shape[2], shapes)
         if isinstance(hd, str):
             return f"key: {hd}"
         return Heads(x, hd[0], hd[1], f * f2)
     if tr is not None and _perm(tr) == [0, 1, 3, 2]:
-        heads = _repeated(tr.inputs[0], "key")  # type: ignore[arg-type]
+        heads = _repeated(tr.inputs[0], "key", shapes)  # type: ignore[arg-type]
     elif (outer := _producer(v, "Reshape")) is not None:
-        heads = _flat_transposed(outer)
+        heads = _flat_transposed(outer, shapes)
     else:
         return f"key: expected K transposed (Transpose perm [0, 2, 3, 1] or [0, 1, 3, 2]), got {_what(v)}"
     if isinstance(heads, Heads):
@@ -219,17 +218,18 @@ def _keys_transposed(kt: ir.Value) -> Heads | str:
     return heads
 
 
-def _flat_transposed(outer: ir.Node) -> Heads | str:
+def _flat_transposed(outer: ir.Node, shapes: GraphShapes) -> Heads | str:
     """dynamo's sdpa: ``Reshape(Transpose(Reshape(K_h, [-1, T, D]), [0, 2, 1]), [B, N, D, T])``."""
     tr = _producer(outer.inputs[0], "Transpose")
     inner = _producer(tr.inputs[0], "Reshape") if tr is not None else None
     if tr is None or inner is None or _perm(tr) != [0, 2, 1]:
         return f"key: expected Transpose perm [0, 2, 1] of flattened key heads, got {_what(outer.inputs[0])}"
     kh = inner.inputs[0]
-    a, b, c = kh.shape if kh is not None else None, inner.outputs[0].shape, outer.outputs[0].shape
-    ok = (a is not None and b is not None and c is not None and len(a) == 4 and len(b) == 3 and len(c) == 4
-          and same_dim(b[1], a[2]) and same_dim(b[2], a[3]) and same_dim(c[0], a[0]) and same_dim(c[1], a[1])
-          and same_dim(c[2], a[3]) and same_dim(c[3], a[2]))
+    mid, out = inner.outputs[0], outer.outputs[0]
+    ra, rb, rc = (len(d) if d is not None else None for d in (shapes.dims(kh), shapes.dims(mid), shapes.dims(out)))
+    ok = (ra == 4 and rb == 3 and rc == 4
+          and all(shapes.same_dim(v, i, kh, j) for v, i, j in ((mid, 1, 2), (mid, 2, 3), (out, 0, 0), (out, 1, 1),
+                                                                (out, 2, 3), (out, 3, 2))))
     if not ok and kh is not None:  # dims left unknown by shape inference: read the targets (dynamo at opset 17)
         want_inner = [None, ("dim", kh, 2), ("dim", kh, 3)]  # [-1 (= B*N), T, D]
         want_outer = [("dim", kh, 0), ("dim", kh, 1), ("dim", kh, 3), ("dim", kh, 2)]  # [B, N, D, T]
@@ -239,4 +239,4 @@ def _flat_transposed(outer: ir.Node) -> Heads | str:
     if not ok:
         return (f"key: cannot prove Reshape '{inner.name}' / Transpose / Reshape '{outer.name}' swap the last two dims: "
                 "their shapes are not known statically and their targets are not read from the key heads' own shape")
-    return _repeated(kh, "key")  # type: ignore[arg-type]
+    return _repeated(kh, "key", shapes)  # type: ignore[arg-type]

@@ -26,11 +26,12 @@ from mograph.opset import model_opset
 from mograph.pass_infra import Candidate, Option, Pass, PassResult, iter_nodes, stamp
 from mograph.patterns import MatchResult as MatchResult
 from mograph.patterns import OrValue, Rule, RuleReport, any_value, apply_rules, const, constant_array, scalar_value
+from mograph.shapes import Dims, ShapeQuery, ShapeRules, rules_for
 from mograph.specs import parse_bool
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FusionPass", "TARGET_OPTION", "ADOPT_STANDARD_TARGETS", "adopts_standard_ops", "mean_last", "square", "check_reduction", "norm_attrs", "fused_ops"]
+__all__ = ["FusionPass", "GraphShapes", "rule_shapes", "TARGET_OPTION", "ADOPT_STANDARD_TARGETS", "adopts_standard_ops", "mean_last", "square", "check_reduction", "norm_attrs", "fused_ops"]
 
 
 EXPLAIN_OPTION = Option("explain", parse_bool, False, "list near misses and why each rule did not apply")
@@ -57,6 +58,52 @@ def fused_ops() -> dict[tuple[str, str], CustomOp]:
 
         _FUSED_OPS.update({op.key: op for op in ops.custom_ops() + attention_op.custom_ops()})
     return _FUSED_OPS
+
+
+class GraphShapes:
+    """The shape query (:class:`mograph.shapes.ShapeQuery`) of the graph a fusion pass rewrites, as its rules'
+    readers ask it: swept on the first ask, after canonicalization; a value that an earlier rewrite of the run
+    wrote has the nodes written since visited (:meth:`ShapeQuery.refresh`; a rewrite keeps the values it does
+    not replace, so what was swept stays true); a value of another graph (a function body, a subgraph) has the
+    dims ONNX inference left on it, read the query's way."""
+
+    def __init__(self, graph: ir.Graph, rules: ShapeRules | None = None) -> None:
+        self.graph = graph
+        self.rules = rules
+        self._query: ShapeQuery | None = None
+
+    def dims(self, value: ir.Value | None) -> Dims | None:
+        """The symbolic dims of ``value``; ``None`` if its rank is unknown."""
+        if value is None:
+            return None
+        if self._query is None:
+            self._query = ShapeQuery(self.graph, self.rules)
+        query = self._query
+        if not query.knows(value) and value.graph is self.graph:
+            query.refresh()
+        return query.dims(value) if query.knows(value) else query.declared(value)
+
+    def same_dim(self, a: ir.Value | None, axis_a: int, b: ir.Value | None, axis_b: int) -> bool:
+        """Whether dim ``axis_a`` of ``a`` and dim ``axis_b`` of ``b`` are equal for every input the model accepts."""
+        da, db = self.dims(a), self.dims(b)
+        if da is None or db is None or not -len(da) <= axis_a < len(da) or not -len(db) <= axis_b < len(db):
+            return False
+        return da[axis_a] is not None and da[axis_a] == db[axis_b]
+
+
+def rule_shapes(rule: Rule, value: ir.Value) -> GraphShapes:
+    """The shape query a rule's check asks: the one its pass set for the run (:meth:`FusionPass._fuse`), else (a
+    rule applied on its own) one for ``value``'s graph, kept on the rule."""
+    shapes: GraphShapes | None = getattr(rule, "shapes", None)
+    if shapes is not None:
+        return shapes
+    own: GraphShapes | None = getattr(rule, "own_shapes", None)
+    if own is None or own.graph is not value.graph:
+        if value.graph is None:
+            raise InternalError(rule.name, f"value {value.name!r} is in no graph: no shape query to ask")
+        own = GraphShapes(value.graph)
+        rule.own_shapes = own  # type: ignore[attr-defined]
+    return own
 
 
 class FusionPass(Pass):
@@ -97,8 +144,10 @@ class FusionPass(Pass):
 
     def _fuse(self, model: ir.Model, record: bool = False) -> tuple[PassResult, RuleReport]:
         rules = self.make_rules()
+        shapes = GraphShapes(model.graph, rules_for(self.registry))  # swept on the first ask, after canonicalization
         for rule in rules:
             rule.model_opset = model_opset(model)  # type: ignore[attr-defined]
+            rule.shapes = shapes  # type: ignore[attr-defined]
         names = {n.name for n in iter_nodes(model.graph) if n.name}
         counter = itertools.count()
 

@@ -78,6 +78,7 @@ from mograph.passes.fusion._common import (
     FusionPass,
     adopts_standard_ops,
     mograph_op,
+    rule_shapes,
 )
 from mograph.passes.fusion.attention_op import (
     ATTENTION_OP,
@@ -146,13 +147,14 @@ class AttentionFusion(Rule):
         axis = softmax.attributes.get("axis")
         if axis is not None and int(axis.value) not in (-1, 3):
             return self.fail(f"Softmax is over axis {int(axis.value)}, not the key axis", softmax)
-        q = _split_heads(qh, "query")
+        shapes = rule_shapes(self, qh)
+        q = _split_heads(qh, "query", shapes)
         if isinstance(q, str):
             return self.fail(q, qh)
-        k = _keys_transposed(kt)
+        k = _keys_transposed(kt, shapes)
         if isinstance(k, str):
             return self.fail(k, kt)
-        v = _repeated(vh, "value")
+        v = _repeated(vh, "value", shapes)
         if isinstance(v, str):
             return self.fail(v, vh)
         if not (q.x.dtype == k.x.dtype == v.x.dtype):
@@ -196,7 +198,7 @@ class AttentionFusion(Rule):
                 last = y.shape[2] if last not in (-1, width) else last
             if entries is not None and len(entries) != 3:
                 return self.fail("the output reshape is not to [batch, seq, hidden] or [batch * seq, hidden]", out_reshape)
-            if last not in (-1, width) or not _keeps_leading(out_reshape):
+            if last not in (-1, width) or not _keeps_leading(out_reshape, shapes):
                 return self.fail("the output reshape is not to [batch, seq, heads * head_dim]", out_reshape)
         scale = self._scale(kw)
         if isinstance(scale, str):

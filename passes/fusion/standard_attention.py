@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
+from mograph.passes.fusion._common import rule_shapes
 from mograph.passes.fusion.attention import (
     AttentionFusion,
     _entries,
@@ -70,13 +71,14 @@ class StandardAttentionFusion(AttentionFusion):
             return self.fail(f"Attention '{node.name}' is causal (is_causal=1): not converted", node)
         if float(_attr(node, "softcap", 0.0)) != 0.0:
             return self.fail(f"Attention '{node.name}' caps its scores (softcap)", node)
-        q = _split_heads(qh, "query")
+        shapes = rule_shapes(self, qh)
+        q = _split_heads(qh, "query", shapes)
         if isinstance(q, str):
             return self.fail(q, qh)
-        k = _repeated(kh, "key")
+        k = _repeated(kh, "key", shapes)
         if isinstance(k, str):
             return self.fail(k, kh)
-        v = _repeated(vh, "value")
+        v = _repeated(vh, "value", shapes)
         if isinstance(v, str):
             return self.fail(v, vh)
         if not (q.x.dtype == k.x.dtype == v.x.dtype):
@@ -105,7 +107,7 @@ class StandardAttentionFusion(AttentionFusion):
             last = entries[-1] if entries else None
             if y.shape is not None and len(y.shape) == 3 and isinstance(y.shape[2], int) and last not in (-1, width):
                 last = y.shape[2]
-            if last not in (-1, width) or not _keeps_leading(out_reshape):
+            if last not in (-1, width) or not _keeps_leading(out_reshape, shapes):
                 return self.fail("the output reshape is not to [batch, seq, heads * head_dim]", out_reshape)
         scale = _attr(node, "scale", None)
         scale = 1.0 / math.sqrt(q.dim) if scale is None else float(scale)

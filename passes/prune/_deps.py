@@ -24,9 +24,11 @@ a group with any reason is *blocked* — left alone — because the dimension is
 A weight also read outside the group (exporters share equal tensors, often through ``Identity``) does
 not block: the group gets a private, sliced copy and the other readers keep the original.
 
-Shapes come from the core's concrete shape inference (:class:`mograph.shapes.InferredShapes`, run on a
-serialized copy, so the analysed model is never mutated here): ONNX Runtime's symbolic inference when
-onnxruntime is installed, else ONNX's own, completed with the shapes already on the values.  An unknown size is taken as possibly coupled (never as a broadcast 1).
+Sizes come from the core's shape facility (:class:`mograph.shapes.ShapeQuery`, read as numbers through
+:class:`mograph.shapes.Sizes`): its per-op rules follow run-time shape arithmetic (an attention mask built
+by ``Expand`` keeps its broadcast 1 on the head axis), completed with what ONNX inference left on the
+values; the analysed model is neither serialized nor mutated here.  An unknown size is taken as possibly
+coupled (never as a broadcast 1).
 """
 
 from __future__ import annotations
@@ -38,11 +40,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from mograph.shapes import DimSize, InferredShapes, const_tensor, int_vector, owns_tensor, shape_literals
+from mograph.shapes import DimSize, ShapeQuery, ShapeRules, Sizes, const_tensor, int_vector, owns_tensor, shape_literals
 from mograph.shapes import ShapeLiteral as _Literal
 
-#: The shapes the analysis reads (the core's concrete shape inference; the name is kept for importers).
-ShapeInfo = InferredShapes
+#: The sizes the analysis reads (the shape facility's query, as numbers).
+ShapeInfo = Sizes
+
+
+def shape_info(model: ir.Model, rules: ShapeRules | None = None) -> ShapeInfo:
+    """The sizes of ``model``'s main graph: one :class:`~mograph.shapes.ShapeQuery` sweep with ``rules`` (the
+    run's table, :func:`mograph.shapes.rules_for`; by default the built-in rules)."""
+    return Sizes(ShapeQuery(model.graph, rules))
 
 __all__ = [
     "ConstSlice",
@@ -56,6 +64,7 @@ __all__ = [
     "int_vector",
     "owns_tensor",
     "reshape_plan",
+    "shape_info",
 ]
 
 

@@ -45,11 +45,21 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 from mograph.passes.prune._cost import count_params, param_count, total_macs
-from mograph.passes.prune._deps import Dim, Group, ShapeInfo, analyze, const_tensor, owns_tensor, reshape_plan
+from mograph.passes.prune._deps import (
+    Dim,
+    Group,
+    ShapeInfo,
+    analyze,
+    const_tensor,
+    owns_tensor,
+    reshape_plan,
+    shape_info,
+)
 
 from mograph.errors import OptionError
 from mograph.opset import model_opset
 from mograph.pass_infra import Option, Pass, PassResult
+from mograph.shapes import rules_for
 
 __all__ = ["PruneStructuredPass", "SCOPES", "EXCLUDE_OPTION"]
 
@@ -98,7 +108,7 @@ class PruneStructuredPass(Pass):
         patterns: list[str] = self.config["exclude"] or []
         graph = model.graph
         opset = model_opset(model)
-        shapes = ShapeInfo(model)
+        shapes = shape_info(model, rules_for(self.registry))
 
         groups = _find_groups(graph, shapes, opset, scopes)
         stats: dict[str, int | float] = {}

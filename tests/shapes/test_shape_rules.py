@@ -16,7 +16,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from mograph.shapes import BROADCAST_OPS, MS_DOMAIN, SAME_SHAPE_OPS, Dim, ShapeQuery, builtin_rules
+from mograph.shapes import BROADCAST_OPS, MS_DOMAIN, REDUCE_OPS, SAME_SHAPE_OPS, Dim, ShapeQuery, builtin_rules
 
 OPSET = 18
 
@@ -128,6 +128,40 @@ DIMS: dict[tuple[str, str, int], list[tuple[list[Any], dict[str, Any], list[Any]
         ([_S, np.array([0, 2]), np.array([1 << 62, 6]), np.array([1, 2])], {}, [["b", "s", 4]], OPSET),
         ([_S, np.array([1]), np.array([1 << 62]), np.array([1])], {}, [["b", "?", 8]], OPSET),
         ([[10], np.array([-3]), np.array([1 << 62]), None, np.array([2])], {}, [[2]], OPSET),
+        ([_S, [1], [1], np.array([1])], {}, [["b", "?", 8]], OPSET),  # bounds at run time: the rank is kept
+        ([_S, [1], [1]], {}, [["?", "?", "?"]], OPSET),  # ... and without axes every dim may be cut
+    ],
+    ("", "ConstantOfShape", 9): [
+        ([("shape", ["b", "s"])], {}, [["b", "s"]], OPSET),
+        ([np.array([3, 4])], {}, [[3, 4]], OPSET),
+    ],
+    ("", "GatherElements", 11): [([_S, ["b", "t", 8]], {"axis": 1}, [["b", "t", 8]], OPSET)],
+    ("", "Flatten", 1): [
+        ([["b", "s", 2, 4]], {}, [["b", "8*s"]], OPSET),
+        ([["b", "s", 8]], {"axis": -1}, [["b*s", 8]], OPSET),
+        ([["b", 8]], {"axis": 0}, [[1, "8*b"]], OPSET),
+    ],
+    ("", "Conv", 1): [
+        ([["b", 3, 32, 32], np.zeros((16, 3, 3, 3), np.float32)], {"pads": [1, 1, 1, 1], "strides": [2, 2]},
+         [["b", 16, 16, 16]], OPSET),
+        ([["b", 3, "h", 32], np.zeros((16, 3, 3, 3), np.float32)], {}, [["b", 16, "?", 30]], OPSET),
+        ([["b", 3, 32, 32], np.zeros((16, 3, 3, 3), np.float32)], {"auto_pad": "SAME_UPPER"},
+         [["b", 16, "?", "?"]], OPSET),  # implicit pads: left to inference
+    ],
+    ("", "AveragePool", 1): [([["b", 8, 32, 32]], {"kernel_shape": [2, 2], "strides": [2, 2]}, [["b", 8, 16, 16]],
+                              OPSET),
+                             ([["b", 8, 32, 32]], {"kernel_shape": [2, 2], "ceil_mode": 1}, [None], OPSET)],
+    ("", "LpPool", 1): [([["b", 8, 9]], {"kernel_shape": [3], "pads": [1, 1]}, [["b", 8, 9]], OPSET)],
+    ("", "MaxPool", 1): [([["b", 8, 32, 32]], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
+                          [["b", 8, 16, 16]], OPSET)],
+    ("", "GlobalAveragePool", 1): [([["b", 8, 7, 7]], {}, [["b", 8, 1, 1]], OPSET)],
+    ("", "GlobalLpPool", 1): [([["b", 8, 7]], {}, [["b", 8, 1]], OPSET)],
+    ("", "GlobalMaxPool", 1): [([["b", 8, "h", "w"]], {}, [["b", 8, 1, 1]], OPSET)],
+    ("", "ReduceSum", 13): [
+        ([_S, np.array([-1])], {}, [["b", "s", 1]], OPSET),
+        ([_S, np.array([0, 2])], {"keepdims": 0}, [["s"]], OPSET),
+        ([_S, None], {"noop_with_empty_axes": 1}, [["b", "s", 8]], OPSET),
+        ([_S, [1]], {}, [None], OPSET),  # axes at run time
     ],
     ("", "Concat", 1): [
         ([["b", 3], ["b", 5]], {"axis": 1}, [["b", 8]], OPSET),
@@ -155,6 +189,11 @@ DIMS: dict[tuple[str, str, int], list[tuple[list[Any], dict[str, Any], list[Any]
         ([["t", 64], [64, 192]], {}, [None], OPSET),  # packed tokens (rank 2): no rule
     ],
 }
+for _op in sorted(REDUCE_OPS):
+    DIMS[("", _op, 1)] = [([_S], {"axes": [1]}, [["b", 1, 8]], 11), ([_S], {"keepdims": 0}, [[]], 11)]
+    if _op != "ReduceSum":
+        DIMS[("", _op, 18)] = [([_S, np.array([-1])], {"keepdims": 0}, [["b", "s"]], OPSET),
+                               ([_S, None], {}, [[1, 1, 1]], OPSET)]
 for _op in sorted(SAME_SHAPE_OPS):
     DIMS[("", _op, 1)] = [([["b", "s", 8]], {}, [["b", "s", 8]], OPSET)]
 for _op in sorted(BROADCAST_OPS):

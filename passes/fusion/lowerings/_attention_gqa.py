@@ -96,7 +96,7 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
     if k_rot is None:
         return _no_gqa(node, "the step's new keys are not a plain head split of the rotated projection")
     new_nodes: list[ir.Node] = []
-    v_new = _heads_to_bsh(cv[1], new_nodes) if cv is not None else v  # (a Transpose + Reshape where not provable)
+    v_new = _heads_to_bsh(cv[1], new_nodes, ctx) if cv is not None else v  # (a Transpose + Reshape where not provable)
     rq, rk = notes.get(id(q)), notes.get(id(k_rot))
     if rq is None or rk is None or rq[1] is not rk[1] or rq[2] != rk[2] or (rq[3], rk[3]) != (heads, kv_heads):
         return _no_gqa(node, "Q and K are not rotated by ONNX Runtime RotaryEmbedding kernels of one angle table")
@@ -140,8 +140,8 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
         seqlens, total = _mask_lengths_for_gqa(mask, outer if guarded else new_nodes, ctx.shared)
     else:  # no padding: every row holds all S keys
         seqlens, total = _gqa_lengths(xq, xq, 1, None, None, new_nodes, ctx.shared)
-    present_k = _present_key_output(graph, xk, f, rscale) if ck is None else None
-    present_v = _present_value_output(graph, v_new) if ck is None else None
+    present_k = _present_key_output(graph, xk, f, rscale, ctx) if ck is None else None
+    present_v = _present_value_output(graph, v_new, ctx) if ck is None else None
     logger.debug("%s: present outputs found: key %s, value %s", node.name, present_k, present_v)
     packed = _packed_qkv([xq, xk, v_new], graph, new_nodes)
     if packed is None:  # weight-only quantized projections (already MatMulNBits): one packed node where exact
@@ -175,7 +175,8 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
                 for val in (past_v, present):
                     if val.shape is not None and len(val.shape) == 4:
                         dims = list(val.shape)
-                        val.meta[_PAST_DIM_META] = dims[2]  # the other layers' proofs compare past lengths
+                        known = ctx.dims(val)  # the other layers' proofs compare past lengths (the query's dims)
+                        val.meta[_PAST_DIM_META] = known[2] if known is not None and len(known) == 4 else None
                         dims[2] = ir.SymbolicDim("max_sequence_length")
                         val.shape = ir.Shape(dims)
             ctx.count("attention.kv_cache_shared")

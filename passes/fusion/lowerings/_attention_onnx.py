@@ -72,7 +72,7 @@ def _lower_onnx(node: ir.Node, ctx: LoweringContext) -> bool:
     new_nodes: list[ir.Node] = []
     inputs: list[ir.Value | None] = [q, k, v]
     if not is_zero(bias):
-        inputs.append(_bias_for_kernel(bias, q, new_nodes, ctx.shared))  # type: ignore[arg-type]
+        inputs.append(_bias_for_kernel(bias, q, new_nodes, ctx, ctx.shared))  # type: ignore[arg-type]
     kv_heads = int(attr_value(node, "kv_num_heads", 0)) or heads
     att = ir.node("Attention", inputs, attributes={"q_num_heads": heads, "kv_num_heads": kv_heads,
                                                    "scale": float(attr_value(node, "scale", 1.0))})

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 from mograph.passes.fusion.lowerings.attention_proofs import (
+    Shapes,
     Shared,
     _dim_key,
     _kv_cache,
@@ -21,7 +22,7 @@ from mograph.passes.fusion.lowerings.attention_proofs import (
     _splits_last_dim,
 )
 
-from mograph.irutil import add_initializer, attr_value, is_zero, same_dim
+from mograph.irutil import add_initializer, attr_value, is_zero
 from mograph.lowering import LoweringContext, replace_node
 from mograph.patterns import constant_array, remove_dead_producers
 from mograph.shapes import Dim
@@ -32,17 +33,18 @@ logger = logging.getLogger(__name__)
 MS_DOMAIN = "com.microsoft"
 
 
-def _bias_for_kernel(bias: ir.Value, seq_of: ir.Value, new_nodes: list[ir.Node],
+def _bias_for_kernel(bias: ir.Value, seq_of: ir.Value, new_nodes: list[ir.Node], shapes: Shapes,
                      shared: Shared | None = None) -> ir.Value:
     """The additive bias as ONNX Runtime's kernels take it: rank 4 with dim 2 = the query length.
 
     The kernels broadcast dims 0 and 1 of ``attention_bias`` but not dim 2, so a key-padding bias
     ``[B, 1, 1, T]`` is expanded to ``[B, 1, S, T]`` (exactly the same values).  With ``shared``, an
     expansion of the same bias to a query length known to be equal (same static or symbolic dim)
-    is built once and reused by every layer.
+    is built once and reused by every layer.  Whether dim 2 already is the query length: the shape query's.
     """
-    shape = bias.shape
-    if shape is not None and len(shape) == 4 and seq_of.shape is not None and same_dim(shape[2], seq_of.shape[1]):
+    bias_dims, seq_dims = shapes.dims(bias), shapes.dims(seq_of)
+    if bias_dims is not None and len(bias_dims) == 4 and seq_dims is not None and len(seq_dims) >= 2 \
+            and bias_dims[2] is not None and bias_dims[2] == seq_dims[1]:
         return bias
     seq_dim = seq_of.shape[1] if seq_of.shape is not None and len(seq_of.shape) >= 2 else None
     key = ("bias_expansions", id(bias), *_dim_key(seq_dim, seq_of))
@@ -151,7 +153,7 @@ def _const(new_nodes: list[ir.Node], arr: np.ndarray) -> ir.Value:
     return _add(new_nodes, "Constant", [], value=ir.tensor(arr))
 
 
-def _heads_to_bsh(new: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
+def _heads_to_bsh(new: ir.Value, new_nodes: list[ir.Node], shapes: Shapes) -> ir.Value:
     """``[B, G, S, D]`` heads as ``[B, S, G*D]``: the exporter's own ``[B, S, G*D]`` value where the heads are
     ``Transpose(Reshape(x, [0, 0, G, D]), [0, 2, 1, 3])`` of it, else Transpose + Reshape."""
     transpose = _producer(new, "Transpose")
@@ -159,7 +161,7 @@ def _heads_to_bsh(new: ir.Value, new_nodes: list[ir.Node]) -> ir.Value:
     if transpose is not None and reshape is not None and list(attr_value(transpose, "perm", [])) == [0, 2, 1, 3]:
         x = reshape.inputs[0]
         target = _shape_entries(reshape.inputs[1])
-        if x is not None and target is not None and _splits_last_dim(x, target):
+        if x is not None and target is not None and _splits_last_dim(x, target, shapes):
             return x
     t = _add(new_nodes, "Transpose", [new], perm=[0, 2, 1, 3])
     return _add(new_nodes, "Reshape", [t, _const(new_nodes, np.array([0, 0, -1], dtype=np.int64))])
@@ -255,8 +257,8 @@ def _lower_cached(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int
                                   and _gqa_head_ok(q, heads, ctx)):
         return False  # (nothing built yet: what is built lands in ``shared``)
     new_nodes: list[ir.Node] = []
-    ab = None if is_zero(bias) else _bias_for_kernel(bias, q, new_nodes, ctx.shared)
-    k_new, v_new = _heads_to_bsh(ck[1], new_nodes), _heads_to_bsh(cv[1], new_nodes)
+    ab = None if is_zero(bias) else _bias_for_kernel(bias, q, new_nodes, ctx, ctx.shared)
+    k_new, v_new = _heads_to_bsh(ck[1], new_nodes, ctx), _heads_to_bsh(cv[1], new_nodes, ctx)
     if kv_heads == heads:
         kernel = _kernel("MultiHeadAttention", [q, k_new, v_new, None, None, ab, ck[0], cv[0]], attrs, outputs=3)
     else:

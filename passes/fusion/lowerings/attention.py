@@ -205,7 +205,7 @@ def _lower_ort(node: ir.Node, ctx: LoweringContext) -> bool:
     packed = _packed(node) if kv_heads == heads else None
     seq_of = packed[0] if packed is not None else q
     ab = None if bias is None or is_zero(bias) or padding is not None else _bias_for_kernel(bias, seq_of, new_nodes,
-                                                                                             ctx.shared)
+                                                                                             ctx, ctx.shared)
     if packed is not None:  # self-attention: one [hidden, 3*H*D] GEMM for Q, K and V inside the kernel
         x, w, b = packed
         wv = add_initializer(graph, "mograph_qkv_weight", w)

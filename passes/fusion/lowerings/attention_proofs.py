@@ -19,7 +19,7 @@ import onnx_ir as ir
 from mograph.passes.fusion._attention_rotary import _rotary  # the fusion's proof of transformers' rotate_half form
 from mograph.passes.fusion.ops import FLOAT_TYPES
 
-from mograph.irutil import attr_value, same_dim
+from mograph.irutil import attr_value
 from mograph.patterns import constant_array, scalar_value
 from mograph.shapes import Dim, Dims, Vector
 
@@ -435,9 +435,9 @@ def _shape_entries(target: ir.Value | None) -> list[Any] | None:
     return out
 
 
-def _same_leading_dim(z: ir.Value | None, x: ir.Value, i: int) -> bool:
+def _same_leading_dim(z: ir.Value | None, x: ir.Value, i: int, shapes: Shapes) -> bool:
     """Whether dim ``i`` of ``z`` is dim ``i`` of ``x``: the same value, outputs of one Split on another
-    axis, or one static / named dim."""
+    axis, or one dim for the shape query."""
     if z is None:
         return False
     if z is x:
@@ -445,13 +445,14 @@ def _same_leading_dim(z: ir.Value | None, x: ir.Value, i: int) -> bool:
     split = z.producer()
     if split is not None and split is x.producer() and split.op_type == "Split" and split.domain == "":
         axis = int(attr_value(split, "axis", 0))
-        rank = len(x.shape) if x.shape is not None else None
+        dims = shapes.dims(x)
+        rank = len(dims) if dims is not None else None
         return rank is not None and (axis + rank if axis < 0 else axis) != i
-    return (z.shape is not None and x.shape is not None and i < len(z.shape) and i < len(x.shape)
-            and same_dim(z.shape[i], x.shape[i]) and not str(x.shape[i]).startswith("unk__"))
+    dz, dx = shapes.dims(z), shapes.dims(x)
+    return dz is not None and dx is not None and i < len(dz) and i < len(dx) and dz[i] is not None and dz[i] == dx[i]
 
 
-def _splits_last_dim(x: ir.Value, target: list[Any]) -> bool:
+def _splits_last_dim(x: ir.Value, target: list[Any], shapes: Shapes) -> bool:
     """Whether ``Reshape(x, target)`` of a ``[B, S, G*D]`` ``x`` only splits its last dim: ``target`` is
     ``[b, s, g, d]`` where ``b``/``s`` are each ``0``, the static dim, or ``x``'s own dim read by ``Shape``
     (:func:`_same_leading_dim`), or one of them ``-1`` then determined, and ``g * d`` is the (static) last dim
@@ -462,7 +463,7 @@ def _splits_last_dim(x: ir.Value, target: list[Any]) -> bool:
     if not isinstance(last, int) or last <= 0:
         return False
     kept = [t == 0 or (isinstance(t, int) and isinstance(x.shape[i], int) and t == x.shape[i])
-            or (isinstance(t, tuple) and _same_leading_dim(t[0], x, i)) for i, t in enumerate(target[:2])]
+            or (isinstance(t, tuple) and _same_leading_dim(t[0], x, i, shapes)) for i, t in enumerate(target[:2])]
     g, d = target[2], target[3]
     if not isinstance(g, int) or not isinstance(d, int):
         return False
@@ -524,13 +525,15 @@ def _through_unsqueeze(value: ir.Value | None, base: ir.Value, rank: int) -> int
     return dims.index("r") if len(dims) == rank else None
 
 
-#: in-memory note on a past input renamed to ``max_sequence_length`` (``--kv-cache shared``): its dim before
+#: in-memory note on a past input renamed to ``max_sequence_length`` (``--kv-cache shared``): its dim (the shape
+#: query's) before
 _PAST_DIM_META = "mograph.past_dim"
 
 
-def _past_length_of(value: ir.Value | None, past: ir.Value | None) -> bool:
+def _past_length_of(value: ir.Value | None, past: ir.Value | None, shapes: Shapes) -> bool:
     """Whether the scalar ``value`` is dim 2 (the past length) of a ``[B, G, P, D]`` graph input whose P is the
-    same dim as ``past``'s."""
+    same dim as ``past``'s for the shape query (or, for a cache input whose P a shared-buffer lowering renamed,
+    the dim noted before the renaming)."""
     while (cast := _producer(value, "Cast")) is not None:
         value = cast.inputs[0]
     node = value.producer() if value is not None else None
@@ -545,11 +548,13 @@ def _past_length_of(value: ir.Value | None, past: ir.Value | None) -> bool:
         shape = _producer(node.inputs[0], "Shape")
         if shape is not None and not shape.attributes and int(attr_value(node, "axis", 0)) == 0:
             src = shape.inputs[0]
-    if src is None or past is None or not src.is_graph_input() or src.shape is None or len(src.shape) != 4:
+    if src is None or past is None or not src.is_graph_input():
         return False
-    if past.shape is None or len(past.shape) != 4:
+    src_dims, past_dims = shapes.dims(src), shapes.dims(past)
+    if src_dims is None or len(src_dims) != 4 or past_dims is None or len(past_dims) != 4:
         return False
-    return same_dim(src.meta.get(_PAST_DIM_META, src.shape[2]), past.meta.get(_PAST_DIM_META, past.shape[2]))
+    p = src.meta.get(_PAST_DIM_META, src_dims[2])
+    return p is not None and p == past.meta.get(_PAST_DIM_META, past_dims[2])
 
 
 def _positions(pos: ir.Value | None, q: ir.Value, past: ir.Value | None, shapes: Shapes) -> bool:
@@ -571,7 +576,7 @@ def _positions(pos: ir.Value | None, q: ir.Value, past: ir.Value | None, shapes:
     if past is None:
         return steps(pos)
     add = _producer(pos, "Add")
-    return add is not None and any(steps(a) and _past_length_of(b, past) for a, b in (
+    return add is not None and any(steps(a) and _past_length_of(b, past, shapes) for a, b in (
         (add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])))
 
 
@@ -663,8 +668,8 @@ def _past_plus_query(rng: ir.Node, past: ir.Value | None, q: ir.Value, shapes: S
     if add is None or past is None:
         return False
     a, b = add.inputs[0], add.inputs[1]
-    return ((_past_length_of(a, past) and _query_length_of(b, q, shapes))
-            or (_past_length_of(b, past) and _query_length_of(a, q, shapes)))
+    return ((_past_length_of(a, past, shapes) and _query_length_of(b, q, shapes))
+            or (_past_length_of(b, past, shapes) and _query_length_of(a, q, shapes)))
 
 
 def _causal_from(bias: ir.Value, pos: ir.Value, keys: Dim | None, shapes: Shapes, past: ir.Value | None = None,
@@ -773,22 +778,23 @@ def _projection_of(x: ir.Value) -> tuple[ir.Value, np.ndarray, np.ndarray | None
     return h, w, bias
 
 
-def _present_value_output(graph: ir.Graph, v: ir.Value) -> ir.Value | None:
+def _present_value_output(graph: ir.Graph, v: ir.Value, shapes: Shapes) -> ir.Value | None:
     """The graph output that is ``Transpose(Reshape(v, [b, s, G, D]), [0, 2, 1, 3])``: the prefill's present value."""
-    return next((out for out in graph.outputs if _is_head_split(out, v)), None)
+    return next((out for out in graph.outputs if _is_head_split(out, v, shapes)), None)
 
 
-def _is_head_split(x: ir.Value, v: ir.Value) -> bool:
+def _is_head_split(x: ir.Value, v: ir.Value, shapes: Shapes) -> bool:
     """``x`` is ``Transpose(Reshape(v, [b, s, G, D]), [0, 2, 1, 3])`` with the Reshape only splitting ``v``'s last dim."""
     tr = _producer(x, "Transpose")
     rs = _producer(tr.inputs[0], "Reshape") if tr is not None else None
     if tr is None or rs is None or list(attr_value(tr, "perm", [])) != [0, 2, 1, 3] or rs.inputs[0] is not v:
         return False
     target = _shape_entries(rs.inputs[1])
-    return target is not None and _splits_last_dim(v, target)
+    return target is not None and _splits_last_dim(v, target, shapes)
 
 
-def _present_key_output(graph: ir.Graph, k: ir.Value, f: ir.Value, scale: float | None) -> ir.Value | None:
+def _present_key_output(graph: ir.Graph, k: ir.Value, f: ir.Value, scale: float | None,
+                        shapes: Shapes) -> ir.Value | None:
     """The graph output that is the exporter's rotated ``[B, G, S, D]`` keys: ``rotate(Transpose(Reshape(k)))`` with
     cos/sin ``Unsqueeze(Cos/Sin(Concat(f, f)) [* c], 1)`` of the same angle table: the prefill's present key."""
     for out in graph.outputs:
@@ -801,7 +807,7 @@ def _present_key_output(graph: ir.Graph, k: ir.Value, f: ir.Value, scale: float 
             continue
         if hc[2] != scale or hs[2] != scale:
             continue
-        if _is_head_split(x, k):
+        if _is_head_split(x, k, shapes):
             return out
     return None
 

@@ -32,9 +32,10 @@ __all__ = ["LOWERINGS", "MS_DOMAIN", "is_arange_positions"]
 MS_DOMAIN = "com.microsoft"
 
 
-def _same_dims_at(a: ir.Value, b: ir.Value, i: int) -> bool:
-    x, y = a.shape[i], b.shape[i]  # type: ignore[index]
-    return x == y if isinstance(x, int) or isinstance(y, int) else x.value is not None and x.value == y.value
+def _same_dims_at(a: ir.Value, b: ir.Value, i: int, ctx: LoweringContext) -> bool:
+    """Whether dim ``i`` of ``a`` and of ``b`` are one dim for the shape query."""
+    da, db = ctx.dims(a), ctx.dims(b)
+    return da is not None and db is not None and i < len(da) and i < len(db) and da[i] is not None and da[i] == db[i]
 
 
 def _const(value: ir.Value | None) -> np.ndarray | None:
@@ -134,17 +135,17 @@ def _rank2(v: ir.Value) -> bool:
     return v.shape is not None and len(v.shape) == 2
 
 
-def _same_dims(a: ir.Value, b: ir.Value) -> bool:
-    """Whether ``a`` and ``b`` provably have one shape (static dims equal, symbolic dims of one name)."""
-    if a.shape is None or b.shape is None or len(a.shape) != len(b.shape):
-        return False
-    return all(_same_dims_at(a, b, i) for i in range(len(a.shape)))
+def _same_dims(a: ir.Value, b: ir.Value, ctx: LoweringContext) -> bool:
+    """Whether ``a`` and ``b`` provably have one shape (the shape query's dims)."""
+    da, db = ctx.dims(a), ctx.dims(b)
+    return da is not None and db is not None and len(da) == len(db) and all(
+        _same_dims_at(a, b, i, ctx) for i in range(len(da)))
 
 
 def _like_ids(graph: ir.Graph, v: ir.Value, ids: ir.Value, nodes: list[ir.Node], ctx: LoweringContext) -> ir.Value:
     """``v`` in the shape of ``ids``: itself when provably so, else ``Expand(v, Shape(ids))`` (exact: ``v``
     broadcasts against ``ids`` in the original sum; the kernel rejects anything larger)."""
-    if _same_dims(v, ids):
+    if _same_dims(v, ids, ctx):
         return v
     expand = v.producer()
     if expand is not None and expand.op_type == "Expand" and _is_shape_of(expand.inputs[1], ids, ctx):
@@ -185,7 +186,7 @@ def _ort(node: ir.Node, ctx: LoweringContext) -> bool:
     if is_arange_positions(pos, ids, ctx):
         ctx.count("embed_implicit_positions")
     else:
-        if not (pos.shape is not None and pos.shape[0] == 1 and _same_dims_at(pos, ids, 1)):
+        if not (pos.shape is not None and pos.shape[0] == 1 and _same_dims_at(pos, ids, 1, ctx)):
             pos = _like_ids(graph, pos, ids, nodes, ctx)
         inputs += [None, _int32(graph, pos, nodes, ctx)]
     new = ir.node("EmbedLayerNormalization", inputs, domain=MS_DOMAIN, num_outputs=2,

@@ -548,3 +548,23 @@ def test_near_miss_rotary_table_halves_differ_inlined() -> None:
                                 "rotary_outputs": 2})
     left = op_counts(model)
     assert "com.microsoft.RotaryEmbedding" not in left and "Neg" in left, left
+
+
+def test_heads_from_a_computed_target_are_the_shape_querys() -> None:
+    """The head count of a target computed as ``[Shape(x)[:2], Shape(x)[2:] / D, D]``: ONNX's inference leaves that
+    entry (a ``Div``) and the reshape's head dim unknown, the shape query computes it (``HID / D``), so the split is
+    proven and the attention fused (before the readers asked the query: "num_heads cannot be determined")."""
+    text = attention_text()
+    split = ("sq = Shape(q)\n  lead = Slice(sq, z1, two1)\n  hid = Slice(sq, two1, three1)\n"
+             "  heads = Div(hid, d1)\n  shp = Concat<axis=0>(lead, heads, d1)\n  q4 = Reshape(q, shp)")
+    text = text.replace("q4 = Reshape(q, shp)", split, 1).replace(
+        f"int64[4] shp = {{0, 0, {H}, -1}}",
+        f"int64[4] shp = {{0, 0, {H}, -1}}, int64[1] z1 = {{0}}, int64[1] two1 = {{2}}, int64[1] three1 = {{3}}, "
+        f"int64[1] d1 = {{{D}}}")
+    text = text.replace("k4 = Reshape(k, shp)", "k4 = Reshape(k, shpk)").replace(
+        "v4 = Reshape(v, shp)", "v4 = Reshape(v, shpk)").replace("int64[4] shp = ", "int64[4] shpk = ")
+    proto = parse(text)
+    model = check_fusion(FuseAttentionPass(), proto, stats=_stats("div.mask", lowered=False),
+                         ops_left=["mograph.Attention"], feeds=_feeds(proto))
+    node = next(n for n in model.graph if n.op_type == "Attention")
+    assert node.attributes["num_heads"].value == H

@@ -1,27 +1,24 @@
-"""Concrete shapes from a full shape inference, and the constant entries of shape vectors.
+"""Sizes as numbers, and the constant entries of shape vectors.
 
-The symbolic side of the shape facility is :class:`~mograph.shapes.ShapeQuery`; this module is its
-numeric side, for passes that need sizes as numbers (how many channels a weight has, how many entries a
-reshape target holds) and where each constant entry of a shape vector is stored, so it can be edited:
+The shape facility reasons symbolically (:class:`~mograph.shapes.ShapeQuery`); this module reads its
+answers as numbers, for passes that need them (how many channels a weight has, how many entries a
+reshape target holds), and says where each constant entry of a shape vector is stored, so it can be edited:
 
-- :class:`InferredShapes`: dims of every value from shape inference on a serialized copy;
+- :class:`Sizes`: the dims of every value as ints or names, read from a :class:`~mograph.shapes.ShapeQuery`;
 - :func:`const_tensor` / :func:`int_vector`: constant tensors, seen through ``Constant`` and ``Identity``;
 - :func:`shape_literals`: a reshape target entry by entry, with the constant that holds each entry.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import TYPE_CHECKING, Union
+from typing import Union
 
 import onnx_ir as ir
 
-if TYPE_CHECKING:
-    import onnx
+from mograph.shapes._dim import Dim
+from mograph.shapes._query import ShapeQuery
 
-__all__ = ["DimSize", "InferredShapes", "ShapeLiteral", "const_tensor", "int_vector", "owns_tensor", "shape_literals"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["DimSize", "ShapeLiteral", "Sizes", "const_tensor", "int_vector", "owns_tensor", "shape_literals"]
 
 #: A concrete dim: a number, a ``dim_param`` name, or ``None`` (unknown).
 DimSize = Union[int, str, None]
@@ -49,56 +46,20 @@ def owns_tensor(value: ir.Value) -> bool:
     return node is None or node.op_type == "Constant"
 
 
-def _symbolic_inference(proto: onnx.ModelProto) -> onnx.ModelProto | None:
-    """ONNX Runtime's symbolic shape inference, when installed: it follows run-time shape arithmetic
-    (an attention mask built by ``Expand`` keeps its broadcast 1 on the head axis) where ONNX's own
-    inference gives up."""
-    try:
-        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-    except ImportError:
-        return None
-    try:
-        return SymbolicShapeInference.infer_shapes(proto, auto_merge=True, guess_output_rank=False)
-    except Exception as exc:  # noqa: BLE001 - fall back to ONNX's inference
-        logger.info("symbolic shape inference failed (%s)", exc)
-        return None
+class Sizes:
+    """Concrete sizes of one graph's values, read from a :class:`~mograph.shapes.ShapeQuery`.
 
-
-class InferredShapes:
-    """Concrete shapes of the values of one graph: inferred on a serialized copy, then the values' own shapes.
-
-    Where :class:`~mograph.shapes.ShapeQuery` reasons symbolically about one graph's shape computation,
-    this asks a full shape inference for numbers: ONNX Runtime's symbolic inference when onnxruntime is
-    installed (it follows run-time shape arithmetic), else ONNX's own with data propagation.  A dim is an
-    int, a ``dim_param`` name, or ``None``.  The model is never mutated; inference is a help, not a
-    requirement (a failure is logged and the values' own shapes are used).
+    A pass that edits weights and shape constants (pruning) needs each dim as a number where it is one: a
+    dim is an ``int`` (a literal of the query), a ``str`` (a symbolic dim: the name of a named input dim,
+    else the query's product of atoms, ``"*"``-joined), or ``None`` (unknown).  The query's dims are used as
+    they are (its rules, and what ONNX inference left on the values where no rule tells); the model is
+    neither serialized nor mutated.  A constant's dims are its tensor's (through ``Identity``).  The pass
+    may record sizes it derives (:meth:`refine`) or changes (:meth:`set_size`); they are kept here, per value.
     """
 
-    def __init__(self, model: ir.Model) -> None:
-        self._by_name: dict[str, list[DimSize]] = {}
-        try:
-            import onnx
-
-            from mograph import _spill
-
-            # Shapes need no weights: above the protobuf limit they are left out (types and shapes kept).
-            proto = _spill.shape_proto(model) if _spill.too_big(model) else ir.serde.serialize_model(model)
-            inferred = _symbolic_inference(proto) or onnx.shape_inference.infer_shapes(proto, data_prop=True)
-            for vi in [*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input]:
-                tt = vi.type.tensor_type
-                if not tt.HasField("shape"):
-                    continue
-                dims: list[DimSize] = []
-                for d in tt.shape.dim:
-                    if d.HasField("dim_value"):
-                        dims.append(d.dim_value)
-                    elif d.HasField("dim_param"):
-                        dims.append(d.dim_param)
-                    else:
-                        dims.append(None)
-                self._by_name[vi.name] = dims
-        except Exception as exc:  # noqa: BLE001 - inference is a help, not a requirement
-            logger.info("shape inference failed (%s); using the shapes on the values", exc)
+    def __init__(self, query: ShapeQuery) -> None:
+        self.query = query
+        self._known: dict[ir.Value, list[DimSize]] = {}
 
     def dims(self, value: ir.Value | None) -> list[DimSize] | None:
         if value is None:
@@ -106,15 +67,11 @@ class InferredShapes:
         tensor = const_tensor(value)
         if tensor is not None:
             return [int(d) for d in tensor.shape.numpy()]
-        own = None
-        if value.shape is not None:
-            own = [d if isinstance(d, int) else (d.value if d.value is not None else None) for d in value.shape]
-        inferred = self._by_name.get(value.name or "")
-        if own is None:
-            return list(inferred) if inferred is not None else None
-        if inferred is not None and len(inferred) == len(own):
-            return [o if isinstance(o, int) else (i if i is not None else o) for o, i in zip(own, inferred)]
-        return own
+        known = self._known.get(value)
+        if known is not None:
+            return list(known)
+        dims = self.query.dims(value) if self.query.knows(value) else self.query.declared(value)
+        return None if dims is None else [_size(d) for d in dims]
 
     def rank(self, value: ir.Value | None) -> int | None:
         dims = self.dims(value)
@@ -128,16 +85,28 @@ class InferredShapes:
         """Fill unknown sizes of ``value`` with sizes derived by a rule (a Reshape's ``-1``)."""
         known = self.dims(value)
         if known is None or len(known) != len(dims):
-            self._by_name[value.name or ""] = list(dims)
+            self._known[value] = list(dims)
             return
-        self._by_name[value.name or ""] = [k if isinstance(k, int) else d for k, d in zip(known, dims)]
+        self._known[value] = [k if isinstance(k, int) else d for k, d in zip(known, dims)]
 
     def set_size(self, value: ir.Value, axis: int, size: int) -> None:
         """Record a pruned size (used after pruning to recount multiply-accumulates)."""
         dims = self.dims(value)
         if dims is not None and 0 <= axis < len(dims):
             dims[axis] = size
-            self._by_name[value.name or ""] = dims
+            self._known[value] = dims
+
+
+def _size(d: Dim | None) -> DimSize:
+    """A query dim as a size: its number, or a name (``=name`` atoms are named input dims)."""
+    if d is None:
+        return None
+    if d.is_literal:
+        return d.value
+    name = d.symbol
+    if name is not None and name.startswith("="):
+        return name[1:]
+    return "*".join(str(f) for f in d)
 
 
 def int_vector(value: ir.Value | None) -> list[int] | None:
@@ -157,7 +126,7 @@ def int_vector(value: ir.Value | None) -> list[int] | None:
 ShapeLiteral = tuple[Union[int, None], Union[ir.Value, None], int, Union[ir.Node, None], int]
 
 
-def shape_literals(value: ir.Value, shapes: InferredShapes) -> list[ShapeLiteral] | None:
+def shape_literals(value: ir.Value, shapes: Sizes) -> list[ShapeLiteral] | None:
     """A 1-D int64 shape vector element by element: ``(value, holder, index, reader, reader_input)``.
 
     Handles a constant and a ``Concat`` (axis 0) of constants and run-time parts (``Unsqueeze`` of a

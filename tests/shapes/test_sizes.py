@@ -1,4 +1,4 @@
-"""The numeric side of the shape facility: sizes from shape inference, constants through Identity, and a
+"""The numeric side of the shape facility: the query's sizes as numbers, constants through Identity, and a
 reshape target entry by entry with the constant that stores each entry."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mograph.shapes import InferredShapes, const_tensor, int_vector, owns_tensor, shape_literals
+from mograph.shapes import ShapeQuery, Sizes, const_tensor, int_vector, owns_tensor, shape_literals
 
 
 def _model() -> tuple[ir.Model, dict[str, ir.Value]]:
@@ -33,9 +33,9 @@ def _model() -> tuple[ir.Model, dict[str, ir.Value]]:
                                             "target": target.outputs[0], "tail": tail, "y": reshape.outputs[0]}
 
 
-def test_inferred_sizes_constants_and_reshape_entries() -> None:
+def test_sizes_constants_and_reshape_entries() -> None:
     model, v = _model()
-    shapes = InferredShapes(model)
+    shapes = Sizes(ShapeQuery(model.graph))
     assert shapes.dims(v["mm"]) == ["b", 4] and shapes.rank(v["mm"]) == 2 and shapes.size(v["mm"], 1) == 4
     assert shapes.dims(v["y"]) is not None and shapes.dims(v["y"])[1:] == [2, 2]
     assert shapes.dims(v["wid"]) == [6, 4]  # a constant behind an Identity: its tensor's shape
