@@ -111,7 +111,7 @@ class AttentionFusion(Rule):
     #: probabilities to the merge Reshape (the root), so a near miss on the output side is reported too.
     anchors = (Anchor(("Softmax",), "attention", value="probs"),)
     labels = {"probs": "probabilities", "vh": "V", "ctx": "P V", "out_shape": "[batch, seq, heads * head_dim]",  # noqa: RUF012
-              "noop_shape": "its own shape", "nan_fill": "0", "merged_a": "the merged heads",
+              "noop_shape": "its own shape", "nan_fill": "0", "ctx_same": "P V", "merged_a": "the merged heads",
               "merged_b": "the merged heads"}
 
     def pattern(self, op: Any, qh: Any, kt: Any, vh: Any, out_shape: Any) -> Any:
