@@ -11,7 +11,7 @@ Two ways to reach the rule from an anchor:
   part of the pattern below that value must match at the anchor whole (that is what makes the node a region),
   then the pattern's nodes above it are followed from the anchor, consumer by consumer, to the rule's root.  A
   node where the pattern expects another is the failure ("expected MatMul(probabilities, V) after Softmax 'p',
-  got Add 'pb'"); a root reached is tried as the sweep tries it (:func:`mograph.patterns.attempt`: the match,
+  got Add 'pb'"); a root reached is tried as the sweep tries it (:func:`attempt`: the match,
   the node checks, the values read outside and the rule's check), and its reason is reported.  So a near miss
   between the anchor and the root, which no root's match reaches, is reported too.  Up to ``Anchor.skip``
   nodes not of the pattern next to the anchor are looked through, so such a region is still found.
@@ -31,9 +31,9 @@ import onnx_ir as ir
 from onnxscript.rewriter import _pattern_ir
 
 from mograph._traverse import iter_nodes
-from mograph.patterns import COMMUTATIVE, Anchor, MatchResult, Rule, _Matcher, attempt
+from mograph.patterns import COMMUTATIVE, Anchor, MatchResult, Rule, _judge, _Matcher
 
-__all__ = ["downstream", "unfused_regions"]
+__all__ = ["Attempt", "attempt", "downstream", "unfused_regions"]
 
 Namer = Callable[[ir.Node], str]
 
@@ -67,6 +67,37 @@ def unfused_regions(model: ir.Model, rules: Sequence[Rule],
         if entry is not None:
             out.append(entry)
     return out
+
+
+@dataclass
+class Attempt:
+    """What :func:`attempt` found at a root: ``reason`` None when the rule would rewrite there, else the deepest
+    failure: the nodes it got through, the node it stopped at and why."""
+
+    reason: str | None
+    nodes: list[ir.Node]
+    failed_at: ir.Node | None = None
+    #: the structural depth of a failed match; a whole match refused by a check ranks above every one
+    rank: int = 0
+
+
+def attempt(rule: Rule, model: ir.Model, graph: ir.Graph, node: ir.Node) -> Attempt | None:
+    """Try ``rule`` at root ``node`` as :func:`mograph.patterns.apply_rules` would, read-only: whether it would
+    rewrite there, or how far it got and why not (``None`` when no root alternative has ``node``'s op type)."""
+    best: Attempt | None = None
+    for gp, matcher, tag in rule.compiled():
+        root_op = gp.output_nodes[0].op_identifier()
+        if root_op is not None and root_op[1] != node.op_type:
+            continue
+        verdict = _judge(rule, model, graph, node, gp, matcher, tag, rewire=False)
+        if verdict is None:
+            continue
+        if verdict.reason is None:
+            return Attempt(None, verdict.nodes)
+        rank = matcher.best_depth if verdict.structural else len(verdict.nodes) + 1000
+        if best is None or rank > best.rank:
+            best = Attempt(verdict.reason, verdict.nodes, verdict.failed_at, rank)
+    return best
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,7 +319,7 @@ def _along_pattern(model: ir.Model, anchor: ir.Node, declared: list[tuple[Rule, 
         for gp, _matcher, _tag in rule.compiled():
             shape = _shape(gp)
             value = shape.named.get(a.value or "")
-            if value is None:
+            if value is None or value.output_index >= len(anchor.outputs):
                 continue
             below = _below_matches(model, gp, value, anchor, a.skip)
             if not below:

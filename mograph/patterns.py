@@ -35,7 +35,8 @@ model-local functions: those are the fused ops' own bodies), and returns a :clas
 with exact counts per rule and variant and, per rule, the near misses and why they failed.
 
 The matcher builds on private modules of onnxscript (``_matcher``, ``_pattern_ir``, ``_basics``),
-pinned by the installed onnxscript version; this module is the one place that knows about them.
+pinned by the installed onnxscript version; this module is the one place that knows about them (with
+:mod:`mograph.pattern_explain`, which follows the rules' patterns from their :class:`Anchor` s for ``--explain``).
 """
 
 from __future__ import annotations
@@ -57,7 +58,6 @@ from mograph.metadata import LOWERED_FOR
 
 __all__ = [
     "Anchor",
-    "Attempt",
     "MatchResult",
     "OrValue",
     "any_value",
@@ -66,7 +66,6 @@ __all__ = [
     "RuleReport",
     "Var",
     "apply_rules",
-    "attempt",
     "const",
     "constant_array",
     "remove_dead_producers",
@@ -714,37 +713,6 @@ def _failure_node(result: MatchResult | None) -> ir.Node | None:
         if producer is not None:
             return producer
     return None
-
-
-@dataclass
-class Attempt:
-    """What :func:`attempt` found at a root: ``reason`` None when the rule would rewrite there, else the deepest
-    failure: the nodes it got through, the node it stopped at and why."""
-
-    reason: str | None
-    nodes: list[ir.Node]
-    failed_at: ir.Node | None = None
-    #: the structural depth of a failed match; a whole match refused by a check ranks above every one
-    rank: int = 0
-
-
-def attempt(rule: Rule, model: ir.Model, graph: ir.Graph, node: ir.Node) -> Attempt | None:
-    """Try ``rule`` at root ``node`` as :func:`apply_rules` would, read-only: whether it would rewrite there, or
-    how far it got and why not (``None`` when no root alternative of the rule has ``node``'s op type)."""
-    best: Attempt | None = None
-    for gp, matcher, tag in rule.compiled():
-        root_op = gp.output_nodes[0].op_identifier()
-        if root_op is not None and root_op[1] != node.op_type:
-            continue
-        verdict = _judge(rule, model, graph, node, gp, matcher, tag, rewire=False)
-        if verdict is None:
-            continue
-        if verdict.reason is None:
-            return Attempt(None, verdict.nodes)
-        rank = matcher.best_depth if verdict.structural else len(verdict.nodes) + 1000
-        if best is None or rank > best.rank:
-            best = Attempt(verdict.reason, verdict.nodes, verdict.failed_at, rank)
-    return best
 
 
 def _try(
