@@ -282,20 +282,23 @@ def _follow(rule: Rule, shape: _Shape, value: _pattern_ir.ValuePattern, graph_va
                 _follow(rule, shape, value, written, consumer, depth, skipped + 1, skip, walk, name)
 
 
-def _below_matches(model: ir.Model, gp: _pattern_ir.GraphPattern, value: _pattern_ir.NodeOutputPattern,
-                   anchor: ir.Node, skip: int) -> int:
+def _below_matches(model: ir.Model, rule: Rule, gp: _pattern_ir.GraphPattern, value: _pattern_ir.NodeOutputPattern,
+                   anchor: ir.Node, skip: int, name: Namer) -> tuple[int, tuple[ir.Node, str] | None]:
     """How many nodes the pattern below ``value`` matched at ``anchor`` whole (0: it did not), looking through up
-    to ``skip`` nodes between the anchor and the pattern's next node."""
+    to ``skip`` nodes between the anchor and the pattern's next node; and the node looked through (the first
+    node below the anchor where the pattern expects another) with what the pattern expected there."""
     graph = anchor.graph
     assert graph is not None
     matcher = _Matcher(_pattern_ir.GraphPattern(gp.inputs, [value], gp._nodes))
     if matcher.match(model, graph, anchor, remove_nodes=False):
-        return len(matcher._match.nodes)
+        return len(matcher._match.nodes), None
     node = value.producer()
     if not node.matches(anchor, MatchResult()):
-        return 0
+        return 0, None
     for i, graph_value in enumerate(anchor.inputs):
-        if i >= len(node.inputs) or node.inputs[i] is None:
+        stray = graph_value.producer() if graph_value is not None else None
+        expected = node.inputs[i] if i < len(node.inputs) else None
+        if expected is None or stray is None:
             continue
         frontier = [graph_value]
         for _ in range(skip):  # the inputs of a node not of the pattern, read in its place
@@ -306,8 +309,12 @@ def _below_matches(model: ir.Model, gp: _pattern_ir.GraphPattern, value: _patter
                 inputs[i] = seen
                 matcher._init_match(0)
                 if matcher._match_inputs(node.inputs, inputs):
-                    return matcher._match.num_matched_nodes() + 1
-    return 0
+                    wanted = [alt.producer() for alt in _alternatives(expected)]
+                    texts = dict.fromkeys(_describe(rule, w, -1, "") for w in wanted if w is not None)
+                    reason = (f"expected {' or '.join(texts)} before {anchor.op_type} '{name(anchor)}', got "
+                              f"{stray.op_type} '{name(stray)}'")
+                    return matcher._match.num_matched_nodes() + 1, (stray, reason)
+    return 0, None
 
 
 def _along_pattern(model: ir.Model, anchor: ir.Node, declared: list[tuple[Rule, Anchor]],
@@ -321,7 +328,7 @@ def _along_pattern(model: ir.Model, anchor: ir.Node, declared: list[tuple[Rule, 
             value = shape.named.get(a.value or "")
             if value is None or value.output_index >= len(anchor.outputs):
                 continue
-            below = _below_matches(model, gp, value, anchor, a.skip)
+            below, stray = _below_matches(model, rule, gp, value, anchor, a.skip, name)
             if not below:
                 continue
             walk = _Walk()
@@ -331,17 +338,17 @@ def _along_pattern(model: ir.Model, anchor: ir.Node, declared: list[tuple[Rule, 
             entry: dict[str, Any] = {"anchor": name(anchor), "op": anchor.op_type, "kind": a.kind, "rule": rule.name}
             rank: tuple[int, int]
             if walk.roots:
-                tried = [t for t in (attempt(rule, model, r.graph, r) for r in walk.roots if r.graph is not None)
-                         if t is not None]
-                if any(t.reason is None for t in tried):
+                tried = [(r, t) for r, t in ((r, attempt(rule, model, r.graph, r)) for r in walk.roots
+                                             if r.graph is not None) if t is not None]
+                if any(t.reason is None for _, t in tried):
                     return None  # the rule would fuse it (a form the sweep does not take back, e.g. lowered)
                 if not tried:
                     continue
-                root, got = max(zip(walk.roots, tried), key=lambda rt: rt[1].rank)
-                at = got.failed_at
+                root, got = max(tried, key=lambda rt: rt[1].rank)
+                at, reason = (got.failed_at, got.reason) if stray is None else stray
                 entry.update(root=name(root), failed_at=name(at) if at is not None else None,
                              failed_at_op=at.op_type if at is not None else None, nodes_matched=len(got.nodes),
-                             reason=got.reason)
+                             reason=reason)
                 rank = (2, got.rank)
             elif walk.failure is not None:
                 depth, at, reason = walk.failure

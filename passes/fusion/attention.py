@@ -110,7 +110,7 @@ class AttentionFusion(Rule):
     #: ``--explain``: a Softmax whose scores the pattern matches is an attention; the pattern is followed from its
     #: probabilities to the merge Reshape (the root), so a near miss on the output side is reported too.
     anchors = (Anchor(("Softmax",), "attention", value="probs"),)
-    labels = {"probs": "probabilities", "vh": "V", "ctx": "P V", "out_shape": "[batch, seq, heads * head_dim]",  # noqa: RUF012
+    labels = {"probs": "probabilities", "qh": "Q", "kt": "K^T", "vh": "V", "ctx": "P V", "out_shape": "[batch, seq, heads * head_dim]",  # noqa: RUF012
               "noop_shape": "its own shape", "nan_fill": "0", "ctx_same": "P V", "merged_a": "the merged heads",
               "merged_b": "the merged heads"}
 

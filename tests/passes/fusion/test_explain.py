@@ -125,3 +125,14 @@ g (float[2,4,5,8] q, float[2,4,8,5] k, float[2,4,5,5] m) => (float[2,4,5,5] y) {
 }'''
     result = assert_untouched(FuseAttentionPass(explain="true"), parse(text))
     assert result.details["unfused_softmax"] == []
+
+
+def test_attention_scores_side_stray_node_is_named() -> None:
+    """An Identity between the scores and the Softmax: the rule's pattern below the probabilities is found through
+    it, and --explain names it with what the rule expected there (the old walker only said the output matched)."""
+    text = attention_text().replace("sm = Add(bias, s)", "sm0 = Add(bias, s)\n  sm = Identity(sm0)")
+    result = assert_untouched(lowered(FuseAttentionPass(explain="true"), "ort"), parse(text))
+    (entry,) = result.details["fuse-attention"]["unfused_softmax"]
+    assert entry["failed_at_op"] == "Identity", entry
+    assert entry["reason"].startswith("expected Add(..., mask) or Div("), entry
+    assert "MatMul(Q, K^T) before Softmax" in entry["reason"] and "got Identity" in entry["reason"], entry
