@@ -240,8 +240,9 @@ class Pass:
     """Base class of every pass. Subclasses set ``name``, ``family``, ``options`` and ``call``.
 
     A pass that rewrites regions it finds by matching (the fusion passes) also says, read-only, what it
-    would rewrite: :meth:`candidates`.  The profile and ``--explain`` ask it, so what counts as "a
-    decomposed LayerNorm" is defined once, by the rule that fuses it.
+    would rewrite: :meth:`candidates`.  The profile asks it, and ``--explain`` asks the same rules from the
+    anchors they declare (:attr:`mograph.patterns.Rule.anchors`), so what counts as "a decomposed LayerNorm" is
+    defined once, by the rule that fuses it.
     """
 
     name: ClassVar[str] = ""

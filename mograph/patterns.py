@@ -35,7 +35,8 @@ model-local functions: those are the fused ops' own bodies), and returns a :clas
 with exact counts per rule and variant and, per rule, the near misses and why they failed.
 
 The matcher builds on private modules of onnxscript (``_matcher``, ``_pattern_ir``, ``_basics``),
-pinned by the installed onnxscript version; this module is the one place that knows about them.
+pinned by the installed onnxscript version; this module is the one place that knows about them (with
+:mod:`mograph.pattern_explain`, which follows the rules' patterns from their :class:`Anchor` s for ``--explain``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from mograph.irutil import attr_constant, constant_array, scalar_value
 from mograph.metadata import LOWERED_FOR
 
 __all__ = [
+    "Anchor",
     "MatchResult",
     "OrValue",
     "any_value",
@@ -247,6 +249,41 @@ class _Matcher(_matcher.SimplePatternMatcher):
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Anchor:
+    """Where ``--explain`` looks for what a rule did not fuse (:attr:`Rule.anchors`).
+
+    A node of one of ``ops`` (default domain) that ``admits`` (when given) is a region the rule's computation
+    would hold; after the rules ran, each such node left is reported with the rule's deepest failed match
+    around it (:mod:`mograph.pattern_explain`).
+
+    Attributes:
+        ops: the op types of the anchor node.
+        kind: what the region is, for people (``"norm"``, ``"gelu"``, ``"attention"``).
+        value: the name of the pattern value (``_outputs=[...]``) the anchor node writes.  With it, the region
+            is found by the pattern itself: the part of the pattern below that value must match at the anchor
+            whole, and the pattern is followed from the anchor to the rule's root, so a failure between the
+            anchor and the root (where no root is reached) is reported too.  Without it the rule is matched
+            at every node up to ``reach`` steps below the anchor.
+        admits: which nodes of ``ops`` are regions (``None``: all of them).
+        reach: how far below the anchor roots are tried (without ``value``).
+        skip: how many nodes not of the pattern the anchor's region may hold next to the anchor (with
+            ``value``): a node where the pattern expects another is reported, and the region is still found.
+    """
+
+    ops: tuple[str, ...]
+    kind: str
+    value: str | None = None
+    admits: Callable[[ir.Node], bool] | None = None
+    reach: int = 10
+    skip: int = 2
+
+    def takes(self, node: ir.Node) -> bool:
+        """Whether ``node`` is an anchor of this kind."""
+        return (node.op_type in self.ops and node.domain in ("", "ai.onnx")
+                and (self.admits is None or self.admits(node)))
+
+
 class Rule(RewriteRuleClassBase):
     """A declarative rewrite rule: ``pattern``, ``check`` (returns a reason on failure), ``rewrite``.
 
@@ -276,6 +313,11 @@ class Rule(RewriteRuleClassBase):
     #: for a pattern so small that a partial match says nothing.
     structural_near_misses: bool = True
     remove_shape_readers: bool = False
+    #: Where ``--explain`` looks for regions of this rule left unfused (:class:`Anchor`); none: it reports
+    #: only the near misses of the rules' sweep.
+    anchors: tuple[Anchor, ...] = ()
+    #: Names for people of the pattern's values (``{"vh": "V"}``), used in ``--explain``'s reasons.
+    labels: dict[str, str] = {}  # noqa: RUF012 - read-only, declared by subclasses
 
     def __init__(self) -> None:
         super().__init__(type(self).__name__)
@@ -604,6 +646,75 @@ class _InitializerNames:
                 heapq.heappush(heap, i)
 
 
+@dataclass
+class _Verdict:
+    """One root alternative of a rule tried at a node: matched whole and passed every check (``reason`` None),
+    or why not, with the nodes it got through and the node it stopped at."""
+
+    match: MatchResult
+    nodes: list[ir.Node]
+    reason: str | None
+    structural: bool  # failed while matching (else: a node check, a value read outside, or the rule's check)
+    failed_at: ir.Node | None = None
+
+
+def _judge(rule: Rule, model: ir.Model, graph: ir.Graph, node: ir.Node, gp: _pattern_ir.GraphPattern,
+           matcher: _Matcher, tag: tuple[str, Any] | None, *, rewire: bool) -> _Verdict | None:
+    """Match one root alternative of ``rule`` at ``node`` and run its checks; ``None`` for a lowered form.
+
+    ``rewire``: rewire the ``Shape`` readers outside the pattern once the check passed (what a rewrite needs);
+    without it nothing in the graph changes (a reader counts as rewirable when the rule can compute its shape).
+    """
+    match = matcher.match(model, graph, node, remove_nodes=False)
+    if not match:
+        return _Verdict(match, list(matcher.best_nodes), matcher.best_reason or match.reason, True, matcher.best_node)
+    if tag is not None:
+        match.bind(tag[0], tag[1])
+    _bind_defaults(rule, gp, match)
+    nodes = list(dict.fromkeys(match.nodes))
+    if any(LOWERED_FOR in n.metadata_props for n in nodes):
+        # a target's form written by the lower step (an inlined body, x * sigmoid(a x) for TensorRT's
+        # QuickGelu, ...): rules fuse to canonical ops and never take a lowered form back
+        return None
+    readers: list[ir.Node] = []
+    if getattr(rule, "remove_shape_readers", False):  # Shape readers that die with the pattern go with it
+        nodes += shape_dependents(nodes, [v for v in match.bindings.values() if isinstance(v, ir.Value)])
+        readers = shape_readers(nodes, match.outputs)  # the others are rewired once the check passed
+    context = _basics.MatchContext(model, graph, node, match)
+    failed: MatchResult | None = None
+    reason = _node_checks(match, context)
+    if reason is None:
+        reason = _removal_blocker(nodes, match.outputs, readers)
+    if reason is None:
+        try:
+            result = rule.check(context, **match.bindings)
+        except _basics.MatchFailureError as exc:
+            result = MatchResult().fail(exc.reason)
+        if not result:
+            reason = getattr(result, "reason", "") or "check failed"
+            failed = result
+    if reason is None and readers:
+        if rewire:
+            stuck = [r for r in readers if not _rewire_shape_reader(rule, graph, r)]
+        else:
+            shape_of = getattr(rule, "shape_of", None)
+            stuck = [r for r in readers if shape_of is None or r.inputs[0] is None or shape_of(r.inputs[0]) is None]
+        if stuck:
+            reason = _removal_blocker(nodes, match.outputs, () if rewire else [r for r in readers if r not in stuck])
+    return _Verdict(match, nodes, reason, False, _failure_node(failed) or node if reason is not None else None)
+
+
+def _failure_node(result: MatchResult | None) -> ir.Node | None:
+    """The node a failed check names (a value's producer for a value), if any."""
+    for source in (result.failure_nodes_and_values if result is not None else []):
+        if isinstance(source, ir.Node):
+            return source
+        producer = source.producer()
+        if producer is not None:
+            return producer
+    return None
+
+
 def _try(
     rule: Rule,
     model: ir.Model,
@@ -619,40 +730,16 @@ def _try(
         root_op = gp.output_nodes[0].op_identifier()
         if root_op is not None and root_op[1] != node.op_type:
             continue  # the root's op type differs: the matcher would fail at depth 0 (no near miss)
-        match = matcher.match(model, graph, node, remove_nodes=False)
-        if not match:
+        verdict = _judge(rule, model, graph, node, gp, matcher, tag, rewire=True)
+        if verdict is None:
+            continue
+        match, nodes, reason = verdict.match, verdict.nodes, verdict.reason
+        if verdict.structural:
             depth = matcher.best_depth
             if (rule.structural_near_misses and depth >= rule.min_candidate_nodes
                     and (best_miss is None or depth > best_miss[0])):
-                best_miss = (depth, matcher.best_reason or match.reason, list(matcher.best_nodes))
+                best_miss = (depth, reason or "", nodes)
             continue
-        if tag is not None:
-            match.bind(tag[0], tag[1])
-        _bind_defaults(rule, gp, match)
-        nodes = list(dict.fromkeys(match.nodes))
-        if any(LOWERED_FOR in n.metadata_props for n in nodes):
-            # a target's form written by the lower step (an inlined body, x * sigmoid(a x) for TensorRT's
-            # QuickGelu, ...): rules fuse to canonical ops and never take a lowered form back
-            continue
-        readers: list[ir.Node] = []
-        if getattr(rule, "remove_shape_readers", False):  # Shape readers that die with the pattern go with it
-            nodes += shape_dependents(nodes, [v for v in match.bindings.values() if isinstance(v, ir.Value)])
-            readers = shape_readers(nodes, match.outputs)  # the others are rewired once the check passed
-        context = _basics.MatchContext(model, graph, node, match)
-        reason = _node_checks(match, context)
-        if reason is None:
-            reason = _removal_blocker(nodes, match.outputs, readers)
-        if reason is None:
-            try:
-                result = rule.check(context, **match.bindings)
-            except _basics.MatchFailureError as exc:
-                result = MatchResult().fail(exc.reason)
-            if not result:
-                reason = getattr(result, "reason", "") or "check failed"
-        if reason is None and readers:
-            stuck = [r for r in readers if not _rewire_shape_reader(rule, graph, r)]
-            if stuck:
-                reason = _removal_blocker(nodes, match.outputs)
         if reason is not None:
             if len(nodes) >= rule.min_candidate_nodes and (best_miss is None or len(nodes) + 1000 > best_miss[0]):
                 best_miss = (len(nodes) + 1000, reason, nodes)

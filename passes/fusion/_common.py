@@ -24,14 +24,25 @@ from mograph.irutil import infer_types, restore_types
 from mograph.lowering import TARGET_OPTION, drop_unused_functions, ensure_functions
 from mograph.opset import model_opset
 from mograph.pass_infra import Candidate, Option, Pass, PassResult, iter_nodes, stamp
+from mograph.pattern_explain import downstream, unfused_regions
+from mograph.patterns import (
+    Anchor,
+    OrValue,
+    Rule,
+    RuleReport,
+    any_value,
+    apply_rules,
+    const,
+    constant_array,
+    scalar_value,
+)
 from mograph.patterns import MatchResult as MatchResult
-from mograph.patterns import OrValue, Rule, RuleReport, any_value, apply_rules, const, constant_array, scalar_value
 from mograph.shapes import Dims, ShapeQuery, ShapeRules, rules_for
 from mograph.specs import parse_bool
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FusionPass", "GraphShapes", "rule_shapes", "TARGET_OPTION", "ADOPT_STANDARD_TARGETS", "adopts_standard_ops", "mean_last", "square", "check_reduction", "norm_attrs", "fused_ops"]
+__all__ = ["FusionPass", "GraphShapes", "rule_shapes", "TARGET_OPTION", "ADOPT_STANDARD_TARGETS", "adopts_standard_ops", "mean_last", "square", "check_reduction", "norm_attrs", "fused_ops", "NORM_ANCHOR"]
 
 
 EXPLAIN_OPTION = Option("explain", parse_bool, False, "list near misses and why each rule did not apply")
@@ -116,8 +127,9 @@ class FusionPass(Pass):
     #: Canonicalize the main graph before the rules (:mod:`.canonicalize`), keeping only what a fusion used.
     #: ``True`` for every rewrite, or the names of the rewrites to run.
     canonicalize: ClassVar[bool | tuple[str, ...]] = False
-    #: With ``--explain``: list the unfused regions of this kind ('norm' or 'gelu', :mod:`._explain`).
-    explain_regions: ClassVar[str | None] = None
+    #: With ``--explain``: the key of ``details`` listing the regions the rules' anchors found left unfused
+    #: (:attr:`mograph.patterns.Rule.anchors`, :func:`mograph.pattern_explain.unfused_regions`).
+    explain_key: ClassVar[str] = "unfused_regions"
 
     def make_rules(self) -> list[Rule]:
         return [cls() for cls in self.rules]
@@ -141,6 +153,10 @@ class FusionPass(Pass):
         original_of = {id(c): o for c, o in zip(copies, originals)}
         report = self._fuse(copy, record=True)[1]
         return _regions(report, originals, copies, original_of, iter_nodes(copy.graph))
+
+    def explained(self, regions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``--explain``'s entries as this pass reports them (under :attr:`explain_key`)."""
+        return regions
 
     def _fuse(self, model: ir.Model, record: bool = False) -> tuple[PassResult, RuleReport]:
         rules = self.make_rules()
@@ -171,11 +187,8 @@ class FusionPass(Pass):
         try:
             report: RuleReport = apply_rules(model, rules, namer=namer, record=record)
             regions = None
-            if self.explain_regions and self.config.get("explain"):
-                from mograph.passes.fusion._explain import unfused_regions
-
-                regions = unfused_regions(model, rules, self.explain_regions,
-                                          canon.origin if canon is not None else None)
+            if self.config.get("explain") and any(rule.anchors for rule in rules):
+                regions = self.explained(unfused_regions(model, rules, canon.origin if canon is not None else None))
         finally:  # also when a rule failed: no detached node may outlive the pass
             kept = canon.resolve()[0] if canon is not None else None
             if canon is not None and not _sorted(model.graph):
@@ -188,7 +201,7 @@ class FusionPass(Pass):
         if kept:
             details["canonicalized"] = dict(sorted(kept.items()))
         if regions is not None:
-            details["unfused_regions"] = regions
+            details[self.explain_key] = regions
         if modified:
             ensure_functions(model, fused_ops())
             drop_unused_functions(model, fused_ops())
@@ -309,6 +322,38 @@ def check_mean_divisor(context: Any, node: ir.Node) -> MatchResult:
     if abs(n - dim) > 1e-3 * dim:
         return result.fail(f"divisor {n:g} of '{red.name}' is not the last axis size {dim}", node)
     return result
+
+
+#: Ops below a reduction that make a sum look like a norm's (a root of the variance, or its inverse).
+_ROOTS = ("Sqrt", "Reciprocal", "Pow", "Div")
+
+
+def _last_axis(node: ir.Node) -> bool:
+    """Whether ``node`` reduces the last axis only, with kept dims or not (jax2tf and Flax reduce without
+    them and reshape back)."""
+    x = node.inputs[0] if node.inputs else None
+    rank = len(x.shape) if x is not None and x.shape is not None else None
+    if node.op_type == "GlobalAveragePool":
+        return rank == 3
+    axes = _axes_of(node)
+    if not isinstance(axes, list) or len(axes) != 1:
+        return False
+    return axes[0] == -1 or (rank is not None and axes[0] == rank - 1)
+
+
+def looks_like_norm(node: ir.Node) -> bool:
+    """A last-axis reduction a LayerNorm / RMSNorm starts from (its mean or mean square): a mean
+    (``ReduceMean``, ``GlobalAveragePool``) as such; a ``ReduceSum`` only with a root or a division within
+    reach below it (a sum-based mean or mean square), so the sum of a softmax is not one."""
+    if not _last_axis(node):
+        return False
+    if node.op_type != "ReduceSum":
+        return True
+    return any(n.op_type in _ROOTS and n.domain in ("", "ai.onnx") for n in downstream(node, NORM_ANCHOR.reach))
+
+
+#: Where ``--explain`` looks for the norms left unfused: every last-axis reduction that looks like one.
+NORM_ANCHOR = Anchor(("ReduceMean", "ReduceSum", "GlobalAveragePool"), "norm", admits=looks_like_norm)
 
 
 def mean_last(op: Any, v: Any, tag: str | None = None) -> Any:

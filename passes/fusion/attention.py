@@ -53,8 +53,10 @@ takes such an ``Attention`` into ``mograph.Attention`` too, and the trace follow
 the other targets both stay as written (a rotated attention is then a near miss that says so).
 
 This module is the rule and the pass; the trace of the heads is :mod:`._attention_trace` (its graph readers
-:mod:`._attention_reads`, the rotary forms it follows :mod:`._attention_rotary`), and ``--explain``'s walker
-over the softmaxes left is :mod:`._attention_explain`.
+:mod:`._attention_reads`, the rotary forms it follows :mod:`._attention_rotary`).  ``--explain`` lists every
+Softmax left where the rule's pattern below the probabilities matches (the rule's declared anchor), with the
+first node where the rule stopped, following the pattern from the Softmax to the merge ``Reshape``
+(:mod:`mograph.pattern_explain`).
 """
 
 from __future__ import annotations
@@ -64,7 +66,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 import onnx_ir as ir
-from mograph.passes.fusion._attention_explain import explain_unfused
 from mograph.passes.fusion._attention_reads import _entries as _entries
 from mograph.passes.fusion._attention_reads import _keeps_leading as _keeps_leading
 from mograph.passes.fusion._attention_reads import _producer
@@ -91,10 +92,10 @@ from mograph.passes.fusion.attention_op import (
 from mograph.passes.fusion.lowerings.attention_proofs import is_zero_bias
 
 from mograph.custom_ops import DOMAIN, DOMAIN_VERSION
-from mograph.pass_infra import Option, PassResult
-from mograph.patterns import MatchResult, OrValue, Rule, Var, constant_array, scalar_value
+from mograph.pass_infra import Option
+from mograph.patterns import Anchor, MatchResult, OrValue, Rule, Var, constant_array, scalar_value
 
-__all__ = ["AttentionFusion", "FuseAttentionPass", "attention", "ATTENTION_OP", "explain_unfused"]
+__all__ = ["AttentionFusion", "FuseAttentionPass", "attention", "ATTENTION_OP"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,6 +108,12 @@ class AttentionFusion(Rule):
 
     min_candidate_nodes = 5
     remove_shape_readers = True
+    #: ``--explain``: a Softmax whose scores the pattern matches is an attention; the pattern is followed from its
+    #: probabilities to the merge Reshape (the root), so a near miss on the output side is reported too.
+    anchors = (Anchor(("Softmax",), "attention", value="probs"),)
+    labels = {"probs": "probabilities", "qh": "Q", "kt": "K^T", "vh": "V", "ctx": "P V", "out_shape": "[batch, seq, heads * head_dim]",  # noqa: RUF012
+              "noop_shape": "its own shape", "nan_fill": "0", "ctx_same": "P V", "merged_a": "the merged heads",
+              "merged_b": "the merged heads"}
 
     def pattern(self, op: Any, qh: Any, kt: Any, vh: Any, out_shape: Any) -> Any:
         mm = op.MatMul(qh, kt)
@@ -445,9 +452,10 @@ class FuseAttentionPass(FusionPass):
             rule.adopt_standard = adopts_standard_ops(self.config)  # type: ignore[attr-defined]
         return rules
 
-    def call(self, model: ir.Model) -> PassResult:
-        result = super().call(model)
-        if self.config.get("explain"):  # every softmax that looks like attention and did not fuse, and why
-            result.details["unfused_softmax"] = explain_unfused(model, result.details)
-        return result
+    explain_key = "unfused_softmax"
+
+    def explained(self, regions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Every Softmax left that the rule's pattern below the probabilities matches, and why it did not fuse."""
+        return [{"softmax": r["anchor"], "reason": r.get("reason") or "",
+                 "failed_at": r.get("failed_at"), "failed_at_op": r.get("failed_at_op")} for r in regions]
 

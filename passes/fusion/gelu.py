@@ -23,7 +23,7 @@ import onnx_ir as ir
 from mograph.passes.fusion._common import FusionPass, is_float, mograph_op
 from mograph.passes.fusion.ops import GELU_TANH_COEF, QUICK_GELU_ALPHA, SQRT_2, SQRT_2_OVER_PI, body_supports
 
-from mograph.patterns import MatchResult, OrValue, Rule, const
+from mograph.patterns import Anchor, MatchResult, OrValue, Rule, const
 
 __all__ = ["GeluFusion", "GeluTanhFusion", "QuickGeluFusion", "FuseGeluPass", "half_x_times"]
 
@@ -66,6 +66,8 @@ class _GeluRule(Rule):
 class GeluFusion(_GeluRule):
     """0.5 x (1 + erf(x / sqrt 2)) -> mograph.Gelu(x)."""
 
+    anchors = (Anchor(("Erf",), "gelu"),)
+
     def pattern(self, op: Any, x: Any) -> Any:
         scaled = OrValue([op.Div(x, const(SQRT_2)), op.Mul(x, const(1.0 / SQRT_2))],
                          tag_var="scale", tag_values=["div-sqrt2", "mul-inv-sqrt2"])
@@ -77,6 +79,7 @@ class GeluTanhFusion(_GeluRule):
 
     op_name = "FastGelu"
     min_candidate_nodes = 5
+    anchors = (Anchor(("Tanh",), "gelu"),)
 
     def pattern(self, op: Any, x: Any) -> Any:
         cube = OrValue([op.Pow(x, const(3.0)), op.Mul(op.Mul(x, x), x)], tag_var="cube",
@@ -99,6 +102,7 @@ class QuickGeluFusion(_GeluRule):
 
     op_name = "QuickGelu"
     min_candidate_nodes = 3
+    anchors = (Anchor(("Sigmoid",), "gelu"),)
 
     def pattern(self, op: Any, x: Any) -> Any:
         return op.Mul(x, op.Sigmoid(op.Mul(x, const(QUICK_GELU_ALPHA))))
@@ -112,7 +116,6 @@ class FuseGeluPass(FusionPass):
 
     name = "fuse-gelu"
     canonicalize = True
-    explain_regions = "gelu"
 
     def make_rules(self) -> list[Rule]:
         return [GeluFusion(), GeluTanhFusion(), QuickGeluFusion()]

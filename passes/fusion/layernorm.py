@@ -25,6 +25,7 @@ from typing import Any
 import onnx_ir as ir
 from mograph.passes.fusion._absorb import NormBiasFusion, NormCastFusion, NormScaleFusion
 from mograph.passes.fusion._common import (
+    NORM_ANCHOR,
     FusionPass,
     check_norm_input,
     divide_by_root,
@@ -42,6 +43,7 @@ __all__ = ["LayerNormFusion", "FuseLayerNormPass"]
 class LayerNormFusion(Rule):
     """(x - E[x]) / sqrt(Var[x] + eps) over the last axis -> mograph.LayerNorm(x, 1, 0)."""
 
+    anchors = (NORM_ANCHOR,)
     min_candidate_nodes = 4
 
     def pattern(self, op: Any, x: Any, eps: Any) -> Any:
@@ -79,7 +81,6 @@ class FuseLayerNormPass(FusionPass):
 
     name = "fuse-layernorm"
     canonicalize = True
-    explain_regions = "norm"
 
     def make_rules(self) -> list[Rule]:
         return [

@@ -27,6 +27,7 @@ import onnx_ir as ir
 from mograph.passes.fusion._absorb import NormCastFusion, NormScaleFusion
 from mograph.passes.fusion._common import (
     EXPLAIN_OPTION,
+    NORM_ANCHOR,
     TARGET_OPTION,
     FusionPass,
     adopts_standard_ops,
@@ -49,6 +50,7 @@ __all__ = ["RMSNormFusion", "StandardRMSNormFusion", "FuseRMSNormPass"]
 class RMSNormFusion(Rule):
     """x / sqrt(E[x^2] + eps) over the last axis -> mograph.RMSNorm(x, 1)."""
 
+    anchors = (NORM_ANCHOR,)
     min_candidate_nodes = 3
 
     def pattern(self, op: Any, x: Any, eps: Any) -> Any:
@@ -108,7 +110,6 @@ class FuseRMSNormPass(FusionPass):
 
     name = "fuse-rmsnorm"
     canonicalize = True
-    explain_regions = "norm"
     options: ClassVar[tuple[Option, ...]] = (EXPLAIN_OPTION, TARGET_OPTION)
 
     def make_rules(self) -> list[Rule]:

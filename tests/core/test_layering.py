@@ -42,7 +42,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "mograph.irutil", "mograph.opset", "mograph.inspect", "mograph.output_check",
         "mograph.shapes",  # the shape facility: dim algebra, per-op rules, the query passes ask
     )),
-    ("pass-infra", ("mograph.pass_infra", "mograph.patterns")),
+    ("pass-infra", ("mograph.pass_infra", "mograph.patterns", "mograph.pattern_explain")),
     ("registry", ("mograph.hookspecs", "mograph.plugins")),
     ("lowering", ("mograph.lowering",)),
     ("plugins", ("mograph.passes", "mograph.backends")),
