@@ -170,3 +170,36 @@ def test_validate_defaults_to_a_backend_that_runs_here(tmp_path, capsys):
     out = capsys.readouterr()
     assert code == 0, out.err
     assert json.loads(out.out)["backend"] == "ort"
+
+
+def test_fp16_report_lists_each_float32_node_with_its_measured_reason(tmp_path, capsys):
+    """Issue 31 item 1: the report names every node the fp16 pass kept in float32 and why (measured), and the
+    written model runs exactly those in float32."""
+    nodes = [helper.make_node("Sub", ["x", "c"], ["d"], name="sub"),  # x near 1000: float16 steps of 0.5
+             helper.make_node("Mul", ["d", "k"], ["e"], name="mul"),
+             helper.make_node("Relu", ["e"], ["y"], name="relu"),
+             helper.make_node("Mul", ["x", "k"], ["z"], name="big")]  # |x * 100| ~ 1e5 > 65504
+    proto = make_model(nodes, [("x", np.float32, ["n", 8])], [("y", np.float32, ["n", 8]), ("z", np.float32, ["n", 8])],
+                       {"c": np.array(1000.0, np.float32), "k": np.array(100.0, np.float32)})
+    onnx.save(proto, tmp_path / "m.onnx")
+    rng = np.random.default_rng(0)
+    x = (1000 + rng.standard_normal((4, 1, 8))).astype(np.float32)  # 4 samples of [1, 8]
+    np.savez(tmp_path / "calib.npz", x=x)
+    np.savez(tmp_path / "feeds.npz", x=x[0])
+    code, _, err = _cli(capsys, "optimize", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "out.onnx"), "--passes",
+                        "fp16", "--calibration-data", str(tmp_path / "calib.npz"), "--feeds",
+                        str(tmp_path / "feeds.npz"), "--report", str(tmp_path / "r.json"))
+    assert code == 0, err
+    fp16 = next(p for p in json.loads((tmp_path / "r.json").read_text())["passes"] if p["name"] == "fp16")
+    kept = fp16["details"]["kept_fp32"]
+    assert [(e["node"], e["op"]) for e in kept] == [("sub", "Sub"), ("big", "Mul")]
+    assert kept[0]["reason"].startswith("measured sensitivity: local float16 error ")
+    assert kept[1]["reason"].startswith("measured overflow: the float16 result is not finite where float32 reaches")
+    assert fp16["stats"]["kept_fp32"] == len(kept) and fp16["stats"]["converted"] == 2
+    plan = {e["node"]: e["precision"] for e in fp16["details"]["plan"]["nodes"]}
+    assert plan == {"sub": "fp32", "mul": "fp16", "relu": "fp16", "big": "fp32"}
+    out = onnx.shape_inference.infer_shapes(onnx.load(tmp_path / "out.onnx"))
+    types = {v.name: v.type.tensor_type.elem_type for v in [*out.graph.value_info, *out.graph.output]}
+    float32_outputs = {n.name for n in out.graph.node if types.get(n.output[0]) == onnx.TensorProto.FLOAT
+                       and n.op_type != "Cast"}
+    assert float32_outputs == {"sub", "big"}
