@@ -1,10 +1,10 @@
 """The graph readers of ``fuse-attention`` (:mod:`.attention`): typed producers, scalar factors and reshape targets.
 
 A reshape target is read entry by entry (:func:`_entries`): a constant, ``("dim", i)`` where it is dim ``i``
-of a runtime ``Shape`` (through ``Gather``/``Unsqueeze``/``Concat``), or None where only its place is known;
-:func:`_shape_vector` reads one as ``("dim", X, i)`` naming the tensor ``X`` too.  :func:`_heads_and_dim`
-proves a ``[B, S, H*D] -> [B, S, H, D]`` split from them, and :func:`_keeps_leading` a kept ``B, S``; where
-the targets do not tell, they ask the shape query (:class:`~mograph.passes.fusion._common.GraphShapes`).
+of a runtime ``Shape`` (through ``Gather``/``Unsqueeze``/``Concat``), or None where only its place is known (a
+target compared with another tensor's dims is read by the shape query, ``GraphShapes.values``).
+:func:`_heads_and_dim` proves a ``[B, S, H*D] -> [B, S, H, D]`` split from them, and :func:`_keeps_leading` a kept
+``B, S``; where the targets do not tell, they ask the shape query (:class:`~mograph.passes.fusion._common.GraphShapes`).
 Read-only: nothing here changes the graph.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import onnx_ir as ir
 
 from mograph.patterns import constant_array, scalar_value
@@ -180,47 +179,3 @@ def _heads_and_dim(reshape: ir.Node, hidden: int, shapes: GraphShapes) -> tuple[
     if not _keeps_leading(reshape, shapes, rest_is_last=entries is not None and len(entries) == 4 and -1 not in entries[2:]):
         return f"reshape '{reshape.name}' does not keep the batch and sequence dims"
     return h, d
-
-
-def _shape_vector(value: ir.Value | None) -> list[Any] | None:
-    """A Reshape target as entries: an int (a constant) or ``("dim", X, i)`` (dim ``i`` of ``X``, ``i >= 0``),
-    for a constant or a ``Concat`` of constants, ``Shape(X)`` (with start/end) and ``Slice``s of one with
-    constant bounds; ``None`` for any other computation."""
-    if value is None:
-        return None
-    const = ir.convenience.get_const_tensor(value)
-    if const is not None:
-        return [int(v) for v in np.asarray(const.numpy()).reshape(-1)]
-    node = value.producer()
-    if node is None or node.domain not in ("", "ai.onnx"):
-        return None
-    if node.op_type == "Concat":
-        out: list[Any] = []
-        for part in node.inputs:
-            entries = _shape_vector(part)
-            if entries is None:
-                return None
-            out += entries
-        return out
-    if node.op_type == "Shape":
-        x = node.inputs[0]
-        if x is None or x.shape is None:
-            return None
-        rank = len(x.shape)
-        start_attr, end_attr = node.attributes.get("start"), node.attributes.get("end")
-        start = start_attr.as_int() if start_attr is not None else 0
-        end = end_attr.as_int() if end_attr is not None else rank
-        return [("dim", x, i) for i in range(*slice(start, end).indices(rank))]
-    if node.op_type == "Slice" and len(node.inputs) >= 3:
-        whole = _shape_vector(node.inputs[0])
-        bounds = [_shape_vector(v) if v is not None else None for v in node.inputs[1:5]]
-        if whole is None or any(b is None or len(b) != 1 or not isinstance(b[0], int)
-                                for b in bounds[:2]):
-            return None
-        if len(bounds) > 2 and node.inputs[3] is not None and bounds[2] != [0]:
-            return None  # only axis 0 of a vector
-        if len(bounds) > 3 and node.inputs[4] is not None and bounds[3] != [1]:
-            return None
-        start, end = bounds[0][0], bounds[1][0]  # type: ignore[index]
-        return whole[slice(start, end)]
-    return None

@@ -18,13 +18,13 @@ from mograph.passes.fusion._attention_reads import (
     _perm,
     _producer,
     _scaled,
-    _shape_vector,
     _what,
 )
 from mograph.passes.fusion._attention_rotary import _rotary, _standard_rotary
 from mograph.passes.fusion._common import GraphShapes, is_float
 
 from mograph.patterns import constant_array
+from mograph.shapes import Dim
 
 # ---------------------------------------------------------------------------------------------
 # tracing Q, K, V from the 4-D head tensors back to [batch, seq, hidden]
@@ -230,12 +230,12 @@ def _flat_transposed(outer: ir.Node, shapes: GraphShapes) -> Heads | str:
     ok = (ra == 4 and rb == 3 and rc == 4
           and all(shapes.same_dim(v, i, kh, j) for v, i, j in ((mid, 1, 2), (mid, 2, 3), (out, 0, 0), (out, 1, 1),
                                                                 (out, 2, 3), (out, 3, 2))))
-    if not ok and kh is not None:  # dims left unknown by shape inference: read the targets (dynamo at opset 17)
-        want_inner = [None, ("dim", kh, 2), ("dim", kh, 3)]  # [-1 (= B*N), T, D]
-        want_outer = [("dim", kh, 0), ("dim", kh, 1), ("dim", kh, 3), ("dim", kh, 2)]  # [B, N, D, T]
-        got_inner, got_outer = _shape_vector(inner.inputs[1]), _shape_vector(outer.inputs[1])
-        ok = (got_inner is not None and got_outer is not None and len(got_inner) == 3
-              and got_inner[0] == -1 and got_inner[1:] == want_inner[1:] and got_outer == want_outer)
+    kd = shapes.dims(kh)
+    if not ok and kd is not None and len(kd) == 4:  # the reshapes' dims disagree: read their targets (dynamo, opset 17)
+        got_inner, got_outer = shapes.values(inner.inputs[1]), shapes.values(outer.inputs[1])
+        ok = (got_inner is not None and got_outer is not None
+              and got_inner[1] == (Dim.lit(-1), kd[2], kd[3])  # [-1 (= B*N), T, D]
+              and got_outer[1] == (kd[0], kd[1], kd[3], kd[2]))  # [B, N, D, T]
     if not ok:
         return (f"key: cannot prove Reshape '{inner.name}' / Transpose / Reshape '{outer.name}' swap the last two dims: "
                 "their shapes are not known statically and their targets are not read from the key heads' own shape")

@@ -37,7 +37,7 @@ from mograph.patterns import (
     scalar_value,
 )
 from mograph.patterns import MatchResult as MatchResult
-from mograph.shapes import Dims, ShapeQuery, ShapeRules, rules_for
+from mograph.shapes import Dims, ShapeQuery, ShapeRules, Vector, rules_for
 from mograph.specs import parse_bool
 
 logger = logging.getLogger(__name__)
@@ -93,6 +93,17 @@ class GraphShapes:
         if not query.knows(value) and value.graph is self.graph:
             query.refresh()
         return query.dims(value) if query.knows(value) else query.declared(value)
+
+    def values(self, value: ir.Value | None) -> Vector | None:
+        """``(is_scalar, elements)`` of a small int64 shape vector of the graph (a reshape target); ``None`` if the
+        query does not track it (as :meth:`ShapeQuery.values`)."""
+        if value is None or value.graph is not self.graph:
+            return None
+        if self._query is None:
+            self._query = ShapeQuery(self.graph, self.rules)
+        if not self._query.knows(value):
+            self._query.refresh()
+        return self._query.values(value)
 
     def same_dim(self, a: ir.Value | None, axis_a: int, b: ir.Value | None, axis_b: int) -> bool:
         """Whether dim ``axis_a`` of ``a`` and dim ``axis_b`` of ``b`` are equal for every input the model accepts."""

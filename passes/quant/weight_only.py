@@ -52,13 +52,16 @@ blocks stacked along N), so an edited plan means what it says.
 all-MiniLM-L6-v2 (real weights; 80 calibration sentences, judged on 220 others; ``tools/bench_int4.py``, one
 run): 1 - mean embedding cosine 0.0147 with every MatMul at 4 bits (``--output-projection bits``), against
 0.0365 for ModelOpt ``awq_clip`` and 0.0410 for ONNX Runtime's RTN, at the same file size (51.2 MiB).
+
+Code layout: this module holds the pass; its records (layers, input statistics) are in ``_wo_layers``, the
+embedding tables (which they are, the tied-head check, their blocks) in ``_wo_tables``, and the model cut into
+segments for sequential GPTQ in ``_wo_segments``.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -73,6 +76,9 @@ from mograph.passes.quant._base import (
     publish_notes_and_plan,
 )
 from mograph.passes.quant._qdq import default_precision, find_candidates, sensitive_nodes
+from mograph.passes.quant._wo_layers import _FLOAT_DTYPES, _InputStats, _Layer, gemm_alpha
+from mograph.passes.quant._wo_segments import _hessian_factor, _Segments
+from mograph.passes.quant._wo_tables import _same_table, _Table, find_tables, quantize_table  # noqa: F401 - _same_table: tests read it here
 from mograph.passes.quant.plan import PrecisionPlan, load_plan, node_key, parse_budget
 from mograph.passes.quant.weight_only_op import OP_NAME
 
@@ -88,7 +94,6 @@ __all__ = ["WeightOnlyPass"]
 logger = logging.getLogger(__name__)
 
 FLOAT_NAMES = ("float", "fp32", "fp16", "bf16")
-_FLOAT_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
 MIN_K = 16
 
 
@@ -97,214 +102,6 @@ def _block_size(raw: str) -> int:
     if value not in (16, 32, 64, 128, 256):
         raise ValueError("block size must be 16, 32, 64, 128 or 256")
     return value
-
-
-@dataclass
-class _Layer:
-    node: ir.Node
-    key: str
-    weight: np.ndarray  # [K, N] float32, transB and alpha applied
-    act: ir.Value
-    bias: np.ndarray | None = None  # Gemm C (times beta), added after
-    bias_value: ir.Value | None = None
-    dtype: ir.DataType = ir.DataType.FLOAT
-    quant: dict[int, tuple[bw.BlockQuantized, np.ndarray | None]] = field(default_factory=dict)  # bits -> (q, awq scale)
-
-    def effective(self, bits: int) -> np.ndarray:
-        """The weight the kernel multiplies by, in float (AWQ's input scale folded back)."""
-        q, a = self.quant[bits]
-        w = q.dequantize()
-        return w / a[:, None] if a is not None else w
-
-
-@dataclass
-class _Table:
-    """An embedding table: its initializer, the Gathers reading it, and the LM head tied to it (if any; ``same``:
-    it reads this very initializer)."""
-
-    value: ir.Value
-    gathers: list[ir.Node]
-    rows: int
-    hidden: int
-    head: _Layer | None
-    same: bool
-
-
-@dataclass
-class _InputStats:
-    hessian: np.ndarray
-    abs_sum: np.ndarray
-    rows: int = 0
-    sample: np.ndarray | None = None
-    keys: np.ndarray | None = None
-
-
-def _reads(node: ir.Node) -> list[ir.Value]:
-    """The values ``node`` reads, its subgraphs' reads of outer values included."""
-    out = [v for v in node.inputs if v is not None]
-    for attr in node.attributes.values():
-        graphs = [attr.value] if attr.type == ir.AttributeType.GRAPH else (
-            list(attr.value) if attr.type == ir.AttributeType.GRAPHS else [])
-        for g in graphs:
-            for inner in g:
-                out.extend(_reads(inner))
-    return out
-
-
-class _Segments:
-    """``model``'s top-level nodes cut before the node indices ``cuts``; segment ``i`` holds the nodes
-    ``[cuts[i-1], cuts[i])`` and turns the values live across cut ``i-1`` into those live across cut ``i``.
-
-    A value is live across a cut when a node before it (or the graph's inputs) makes it and a node from
-    the cut up to the last cut reads it; the input of the group cut at ``cuts[j]`` counts as read there.
-    ``problem`` names why the graph cannot be cut this way (a live value that is not a tensor), else ``""``.
-    """
-
-    def __init__(self, model: ir.Model, nodes: list[ir.Node], cuts: list[int]) -> None:
-        self.model, self.nodes, self.cuts = model, nodes, cuts
-        self.problem = ""
-        graph = model.graph
-        fed = [v for v in graph.inputs if not v.is_initializer()]
-        top = {id(v) for v in fed} | {id(o) for n in nodes for o in n.outputs}
-        made: dict[int, int] = {id(v): -1 for v in fed}
-        self.by_id: dict[int, ir.Value] = {id(v): v for v in fed}
-        for i, n in enumerate(nodes):
-            for o in n.outputs:
-                made[id(o)] = i
-                self.by_id[id(o)] = o
-        last = cuts[-1]
-        last_read: dict[int, int] = {}
-        self.reads: list[list[ir.Value]] = []
-        for i, n in enumerate(nodes[:last]):
-            rs = _reads(n)
-            self.reads.append(rs)
-            for v in rs:
-                if id(v) in top:
-                    last_read[id(v)] = max(last_read.get(id(v), -1), i)
-        for node_idx in cuts:  # a group's input is read at its cut (its other layers may lie past the last cut)
-            for v in _reads(nodes[node_idx]):
-                if id(v) in top:
-                    last_read[id(v)] = max(last_read.get(id(v), -1), node_idx)
-        self.live: list[list[ir.Value]] = []
-        for c in cuts:
-            self.live.append([self.by_id[k] for k, r in last_read.items() if made[k] < c <= r])
-        for vals in self.live:
-            for v in vals:
-                if (v.type is not None and not isinstance(v.type, ir.TensorType)) or not v.name:
-                    self.problem = f"value {v.name!r} crosses a layer boundary with type {v.type}"
-                    return
-
-    def _session(self, i: int, replaced: dict[str, np.ndarray], sample: dict[str, np.ndarray]
-                 ) -> tuple[Any, list[str], list[str]]:
-        import onnx
-        from mograph.passes.quant.calibration import (
-            _session,  # noqa: PLC2701 - the module's session factory
-            model_folder,
-        )
-
-        lo = self.cuts[i - 1] if i else 0
-        hi = self.cuts[i]
-        seg = self.nodes[lo:hi]
-        made = {id(o) for n in seg for o in n.outputs}
-        inputs: dict[int, ir.Value] = {}
-        inits: dict[str, ir.Value] = {}
-        for rs in self.reads[lo:hi]:
-            for v in rs:
-                if id(v) in made:
-                    continue
-                if v.is_initializer() or (v.const_value is not None and v.producer() is None
-                                          and id(v) not in self.by_id):
-                    inits[v.name or ""] = v
-                elif id(v) in self.by_id:
-                    inputs[id(v)] = v
-        live_out = [v for v in self.live[i] if id(v) in made]
-        graph = onnx.GraphProto(name=f"segment{i}")
-        graph.node.extend(ir.serde.serialize_node(n) for n in seg)
-        for v in inputs.values():  # the element type of the values this sample holds (a graph may not record it)
-            elem = onnx.helper.np_dtype_to_tensor_dtype(np.asarray(sample[v.name or ""]).dtype)
-            graph.input.append(onnx.helper.make_tensor_value_info(v.name or "", elem, None))
-        for v in live_out:  # ONNX Runtime infers the output types
-            graph.output.append(onnx.helper.make_empty_tensor_value_info(v.name or ""))
-        for name, v in inits.items():
-            if name in replaced:
-                graph.initializer.append(onnx.numpy_helper.from_array(replaced[name], name))
-            else:
-                tensor = ir.serde.serialize_tensor(v.const_value)  # type: ignore[arg-type]
-                tensor.name = name
-                graph.initializer.append(tensor)
-        proto = onnx.ModelProto(ir_version=self.model.ir_version, graph=graph)
-        for domain, version in self.model.opset_imports.items():
-            proto.opset_import.append(onnx.helper.make_opsetid(domain, version))
-        for f in self.model.functions.values():
-            proto.functions.append(ir.serde.serialize_function(f))
-        sess = _session(proto, model_folder(self.model))  # a segment too big for one protobuf is spilled
-        return sess, [v.name or "" for v in inputs.values()], [v.name or "" for v in live_out]
-
-    def advance(self, i: int, states: list[dict[str, np.ndarray]], replaced: dict[str, np.ndarray],
-                source: Any = None) -> tuple[list[dict[str, np.ndarray]], int]:
-        """Run segment ``i`` on each sample's values live across the previous cut; return the values live
-        across cut ``i`` and the number of runs made.  Segments read the calibration feeds' own inputs: a run
-        the model refuses is an :class:`OptionError` naming ``source`` and the sample's inputs."""
-        lo = self.cuts[i - 1] if i else 0
-        keep = [v.name or "" for v in self.live[i]]
-        if lo == self.cuts[i]:
-            return [{k: st[k] for k in keep} for st in states], 0
-        sess, ins, outs = self._session(i, replaced, states[0])
-        new_states = []
-        from mograph.passes.quant.calibration import feed_rejected
-
-        fed = {v.name for v in self.model.graph.inputs}
-        for n, st in enumerate(states):
-            feed = {k: st[k] for k in ins}
-            try:
-                got = dict(zip(outs, sess.run(outs, feed))) if outs else {}
-            except Exception as exc:  # noqa: BLE001 - ORT's own exception types; a sample the model rejects
-                if source is None:
-                    raise
-                raise feed_rejected(exc, {k: v for k, v in st.items() if k in fed}, source, n) from exc
-            new_states.append({k: got[k] if k in got else st[k] for k in keep})
-        return new_states, len(states) if outs else 0
-
-
-def _same_table(layer: _Layer, table: ir.TensorProtocol) -> bool:
-    """Whether ``layer``'s weight ``[hidden, rows]`` is the embedding ``table`` ``[rows, hidden]`` transposed:
-    ``np.array_equal(layer.weight.T, table)``, a slice of rows at a time, stopping at the first slice that
-    differs (an untied head differs in its first rows).  Both are memory maps of the weights, which the pass
-    has forgotten by then: the whole compare held both back in memory with a boolean temporary, the
-    int4 pass's peak on a decoder with a large vocabulary; the pages read are forgotten again."""
-    arr = table.numpy()
-    rows = arr.shape[0]
-    step = max(1, (1 << 22) // max(arr.shape[1], 1))
-    same = True
-    try:
-        for lo in range(0, rows, step):
-            if not np.array_equal(layer.weight[:, lo:lo + step].T, arr[lo:lo + step]):
-                same = False
-                break
-    finally:
-        _spill.release_pages(table)
-        _spill.release_pages(layer.node.inputs[1].const_value if len(layer.node.inputs) > 1
-                             and layer.node.inputs[1] is not None else None)
-    return same
-
-
-def _hessian_factor(states: list[dict[str, np.ndarray]], name: str, damp: float, act_order: bool
-                    ) -> tuple[np.ndarray, bw.GptqFactor]:
-    """``diag H`` and the GPTQ factor of ``H = E[x x^T]`` over the value ``name`` of every state; ``H`` itself
-    is given away to the factor (changed in place), so no second ``[K, K]`` copy is made."""
-    h: np.ndarray | None = None
-    rows = 0
-    for st in states:
-        x = np.asarray(st[name], np.float64)
-        x = x.reshape(-1, x.shape[-1])
-        if h is None:
-            h = x.T @ x
-        else:
-            h += x.T @ x  # in place: the same sums as h + x.T @ x, without a third [K, K]
-        rows += x.shape[0]
-    assert h is not None
-    h /= max(rows, 1)
-    return np.diag(h).copy(), bw.gptq_factor(h, damp=damp, act_order=act_order, consume=True)
 
 
 class WeightOnlyPass(Pass):
@@ -761,10 +558,7 @@ class WeightOnlyPass(Pass):
                 "samples": len(samples), "evaluations": evaluations}
 
     def _alpha(self, layer: _Layer) -> float:
-        if layer.node.op_type != "Gemm":
-            return 1.0
-        a = layer.node.attributes.get("alpha")
-        return float(a.value) if a is not None else 1.0
+        return gemm_alpha(layer)
 
     # ------------------------------------------------------------------ rewrite
 
@@ -815,64 +609,8 @@ class WeightOnlyPass(Pass):
     # ------------------------------------------------------------------ embeddings
 
     def _tables(self, model: ir.Model, layers: list[_Layer]) -> list[_Table]:
-        """Float 2-D initializers read only by default-domain ``Gather`` (axis 0, as the data) and, maybe, by a
-        weight layer whose ``[K, N]`` weight is the table transposed (a tied LM head: the same initializer
-        through ``Gemm(transB=1)``, or an equal copy, as TorchScript exports write it)."""
-        by_weight: dict[int, list[_Layer]] = {}
-        for layer in layers:
-            if layer.node.inputs[1] is not None:
-                by_weight.setdefault(id(layer.node.inputs[1]), []).append(layer)
-        out: list[_Table] = []
-        for value in list(model.graph.initializers.values()):
-            if value.dtype not in _FLOAT_DTYPES or value.const_value is None or value.const_value.shape.rank() != 2 \
-                    or value.is_graph_output():
-                continue
-            uses = list(value.uses())
-            gathers = [u.node for u in uses if u.node.op_type == "Gather" and u.node.domain in ("", "ai.onnx")
-                       and u.idx == 0 and u.node.graph is model.graph
-                       and int(u.node.attributes["axis"].as_int() if "axis" in u.node.attributes else 0) == 0]
-            others = [u for u in uses if u.node not in gathers]
-            if not gathers or any(id(u.node) not in {id(la.node) for la in by_weight.get(id(value), [])}
-                                  for u in others):
-                continue
-            rows, hidden = (int(d) for d in value.const_value.shape.numpy())
-            head = None
-            same = False
-            if others:  # the same initializer: Gemm(transB=1) / MatMul reading it as its weight
-                heads = by_weight[id(value)]
-                if len(heads) == 1 and heads[0].weight.shape == (hidden, rows):
-                    head, same = heads[0], True
-                else:
-                    continue
-            else:
-                for layer in layers:
-                    if layer.weight.shape == (hidden, rows) and layer.bias is None and self._alpha(layer) == 1.0 \
-                            and _same_table(layer, value.const_value):
-                        head = layer
-                        break
-            out.append(_Table(value, gathers, rows, hidden, head, same))
-        return out
-
-    def _quantize_table(self, model: ir.Model, table: _Table, bits: int) -> tuple[ir.Value, ir.Value, ir.Value]:
-        """RTN block-wise along the hidden axis, a slice of rows at a time (the float temporaries stay one
-        slice large, however long the vocabulary)."""
-        spec = bw.QuantSpec(bits, int(self.config.get("block_size") or 128), bool(self.config.get("symmetric")))
-        arr = table.value.const_value.numpy()  # type: ignore[union-attr]
-        datas, scales, zeros = [], [], []
-        step = max(1, (1 << 22) // max(table.hidden, 1))
-        for lo in range(0, table.rows, step):
-            q = bw.rtn(np.asarray(arr[lo:lo + step], np.float32).T, spec)
-            datas.append(bw.pack_nbits(q))
-            scales.append(np.ascontiguousarray(q.scale.T))
-            zeros.append(np.ascontiguousarray(q.zero.T).astype(np.uint8))
-        _spill.release_pages(table.value.const_value)  # type: ignore[arg-type]
-        from mograph.irutil import add_initializer
-
-        base = (table.value.name or "embedding").replace("/", "_")
-        dtype = table.value.dtype.numpy()  # type: ignore[union-attr]
-        return (add_initializer(model.graph, f"{base}_q{bits}", np.concatenate(datas)),
-                add_initializer(model.graph, f"{base}_scales", np.concatenate(scales).astype(dtype)),
-                add_initializer(model.graph, f"{base}_zeros", np.concatenate(zeros)))
+        """The embedding tables of ``model`` and their tied heads among ``layers`` (:func:`find_tables`)."""
+        return find_tables(model, layers)
 
     def _write_gather(self, model: ir.Model, gather: ir.Node, table: _Table, bits: int,
                       quantized: tuple[ir.Value, ir.Value, ir.Value]) -> None:
@@ -927,7 +665,8 @@ class WeightOnlyPass(Pass):
                     ", sharing the tied LM head's quantized data" if reuse is not None else "")
             if prec != "float":
                 bits = 8 if prec == "int8" else 4
-                vals = reuse if reuse is not None else self._quantize_table(model, table, bits)
+                spec = bw.QuantSpec(bits, int(self.config.get("block_size") or 128), bool(self.config.get("symmetric")))
+                vals = reuse if reuse is not None else quantize_table(model, table, spec)
                 for g in table.gathers:
                     self._write_gather(model, g, table, bits, vals)
                 if not table.value.uses():

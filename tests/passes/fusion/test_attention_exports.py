@@ -11,7 +11,6 @@ cross-attention (Whisper's decoder), and decode steps with a KV cache (GPT-2, LL
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from pathlib import Path
 
@@ -52,15 +51,6 @@ CAUSAL = {"gpt2-dynamo-eager-none": "MultiHeadAttention", "llama-dynamo-eager-no
           "llama-torchscript-eager-none": "GroupQueryAttention"}
 
 
-@pytest.fixture(scope="session")
-def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    env = os.environ.get("MOGRAPH_TEST_EXPORT_DIR")
-    if env:
-        Path(env).mkdir(parents=True, exist_ok=True)
-        return Path(env)
-    return tmp_path_factory.mktemp("corpus")
-
-
 def _preset(model, config: dict) -> dict:
     reg = get_registry()
     stats: dict = {}
@@ -73,8 +63,8 @@ def _preset(model, config: dict) -> dict:
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.exporter == "dynamo" else [])
                                   for c in CASES])  # dynamo exports: slow (5-7 s each); CI runs them all
-def test_corpus_export_fuses_every_attention(corpus_dir: Path, case: corpus.Case) -> None:
-    path = corpus_dir / f"{case.name}.onnx"
+def test_corpus_export_fuses_every_attention(export_dir: Path, case: corpus.Case) -> None:
+    path = export_dir / f"{case.name}.onnx"
     if not path.exists():
         corpus.export(case, path)
     proto = onnx.load(str(path))
@@ -134,11 +124,11 @@ def test_corpus_export_fuses_every_attention(corpus_dir: Path, case: corpus.Case
 
 @pytest.mark.parametrize("case", [C("bert", "torchscript", "eager", "pad"), C("bert", "dynamo", "eager", "pad")],
                          ids=lambda c: c.name)
-def test_corpus_bert_lengths(corpus_dir: Path, case: corpus.Case) -> None:
+def test_corpus_bert_lengths(export_dir: Path, case: corpus.Case) -> None:
     """--mask-format lengths on a real export: the padding mask becomes 1-D key lengths where it is traced
     (TorchScript's index lookup with a finite fill); dynamo's GatherND lookup is not traced and keeps the exact
     bias (so do sdpa's -inf fills)."""
-    path = corpus_dir / f"{case.name}.onnx"
+    path = export_dir / f"{case.name}.onnx"
     if not path.exists():
         corpus.export(case, path)
     proto = onnx.load(str(path))
@@ -200,11 +190,11 @@ def _export_whisper_decode_step(path: Path, attn: str) -> dict:
     return feeds
 
 
-def test_whisper_decoder_kv_cache_into_multihead_attention(corpus_dir: Path) -> None:
+def test_whisper_decoder_kv_cache_into_multihead_attention(export_dir: Path) -> None:
     """Whisper's decoder, one decode step: each self-attention gets past_key/past_value and gives the present
     outputs (the exporter's Concats gone), the cross-attention stays MultiHeadAttention over the encoder states;
     equal to the export on ORT CPU with a left-padded row."""
-    path = corpus_dir / "whisper-dec-torchscript-eager-step.onnx"
+    path = export_dir / "whisper-dec-torchscript-eager-step.onnx"
     feeds = _export_whisper_decode_step(path, "eager")
     proto = onnx.load(str(path))
     model = to_ir(proto)
@@ -219,12 +209,12 @@ def test_whisper_decoder_kv_cache_into_multihead_attention(corpus_dir: Path) -> 
     assert_close(run_ort(proto, feeds), run_ort(to_proto(model), feeds), 1e-4)
 
 
-def test_corpus_llama_lengths_group_query_attention(corpus_dir: Path) -> None:
+def test_corpus_llama_lengths_group_query_attention(export_dir: Path) -> None:
     """--mask-format lengths on LLaMA's TorchScript export: the causal + key-padding mask becomes
     GroupQueryAttention's own causal mask with ``seqlens_k = ReduceSum(mask) - 1`` (K/V not repeated), equal to
     the export on right-padded feeds; the default ``bias`` keeps MultiHeadAttention over the dense bias."""
     case = C("llama", "torchscript", "eager", "pad")
-    path = corpus_dir / f"{case.name}.onnx"
+    path = export_dir / f"{case.name}.onnx"
     if not path.exists():
         corpus.export(case, path)
     proto = onnx.load(str(path))

@@ -25,7 +25,6 @@ down-conversion): a test says so, so a torch that fixes it shows up.
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -92,15 +91,6 @@ def expected_ops(kind: str, opset: int, target: str) -> dict[str, int]:
 #: what never stays for --target ort: the exporter's attention, norms and GELU, written out or standard
 ORT_GONE = {"Softmax", "Attention", "RMSNormalization", "RotaryEmbedding", "LayerNormalization", "ReduceMean",
             "Sqrt", "Erf", "Pow", "Gelu", "Neg"}
-
-
-@pytest.fixture(scope="session")
-def export_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    env = os.environ.get("MOGRAPH_TEST_EXPORT_DIR")
-    if env:
-        Path(env).mkdir(parents=True, exist_ok=True)
-        return Path(env)
-    return tmp_path_factory.mktemp("dynamo_opsets")
 
 
 def _export(export_dir: Path, kind: str, opset: int) -> Path:
