@@ -104,10 +104,10 @@ def export_bert(model: str, out: Path, attn: str = "eager") -> None:
              attention_mask=np.ones((8, 64), np.int64))
 
 
-def make_variant(d: Path, name: str) -> None:
+def make_variant(d: Path, name: str, extra: str = "") -> None:
     how, a, b = VARIANTS[name]
     if how == "mograph":
-        run_mograph(d / "fp32" / "model.onnx", d / name / "model.onnx", a, b)
+        run_mograph(d / "fp32" / "model.onnx", d / name / "model.onnx", a, f"{b} {extra}".strip() if name != "fp16" else b)
     else:
         ort_nbits(d / a / "model.onnx", d / name / "model.onnx", **parse_nbits(b))
 
@@ -129,7 +129,7 @@ def prepare(args: argparse.Namespace) -> int:
     with ThreadPoolExecutor(max(args.jobs, 1)) as pool:
         # the mograph runs first, then the ones reading their graph (FIFO: a base is running or done by then)
         for n in sorted(names, key=lambda n: VARIANTS[n][0] == "nbits"):
-            target, make = d / n / "model.onnx", (lambda n=n: make_variant(d, n))
+            target, make = d / n / "model.onnx", (lambda n=n: make_variant(d, n, args.quant_args))
             base = futures.get(VARIANTS[n][1]) if VARIANTS[n][0] == "nbits" else None
             futures[n] = pool.submit(_after, base, args.model, target, make, args.retry)
         failed = sum(not f.result() for f in futures.values())
@@ -320,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attn", default="eager", choices=("eager", "sdpa"), help="transformers attention at export")
     ap.add_argument("--cells", default=CELLS)
     ap.add_argument("--jobs", type=int, default=1, help="prepare: variants built N at a time")
+    ap.add_argument("--quant-args", default="", help="prepare: extra mograph options for the int8/int4 variants, e.g. "
+                    "'--algorithm rtn --accuracy-budget off' for a timing-only build (the same ops and shapes as the "
+                    "default GPTQ/AWQ plan, in seconds instead of minutes; the accuracy columns then are RTN's)")
     ap.add_argument("--retry", action="store_true", help="retry steps that failed before")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--min-time", type=float, default=1.0)
