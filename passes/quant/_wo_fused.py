@@ -53,8 +53,8 @@ def _row_gather(node: ir.Node, idx: int) -> bool:
 def _expand(node: ir.Node, pass_name: str) -> None:
     """Replace the fused ``node`` by its Gathers, Adds and ``mograph.LayerNorm``."""
     graph = node.graph
-    assert graph is not None
     ids, seg, pos, word, segment, position, scale, beta = node.inputs
+    assert graph is not None and ids is not None and seg is not None and word is not None
     y = node.outputs[0]
     base = word_gather_name(node)[: -len("/word")]
     parts = {"word": ir.node("Gather", [word, ids], name=f"{base}/word"),
@@ -67,6 +67,13 @@ def _expand(node: ir.Node, pass_name: str) -> None:
                    attributes=attrs, name=f"{base}/norm")
     for n in (*parts.values(), first, total):
         n.outputs[0].type = y.type
+    hidden = word.shape[1] if word.shape is not None else None
+    for n in parts.values():  # rows: the ids' shape and the hidden size (what the fp16 pass's measurement sizes)
+        rows_ids = n.inputs[1]
+        if rows_ids is not None and rows_ids.shape is not None:
+            n.outputs[0].shape = ir.Shape([*rows_ids.shape, hidden])
+    if ids.shape is not None and seg.shape is not None and list(ids.shape) == list(seg.shape):
+        first.outputs[0].shape = parts["word"].outputs[0].shape
     total.outputs[0].shape = y.shape
     for role in ("segment", "position"):
         parts[role].metadata_props[SMALL_TABLE] = role

@@ -90,6 +90,8 @@ def test_five_checks_fused_word_table_quantized():
     assert [g.inputs[0].name for g in gathers] == ["types", "pos"]  # the small tables stay float
     assert [g.metadata_props[SMALL_TABLE] for g in gathers] == ["segment", "position"]
     assert "word" not in model.graph.initializers
+    # the rows keep a shape (the fp16 pass's measurement sizes its groups by them)
+    assert [list(n.outputs[0].shape) for n in model.graph if n.op_type.endswith("Gather")] == [["batch", "seq", 64]] * 3
     assert not any(key[1] == "EmbedLayerNorm" for key in model.functions)  # its body went with the node
     assert any(key[1] == "LayerNorm" for key in model.functions)
     plan = _plan(WeightOnlyPass(algorithm="rtn", block_size=64, embedding_precision="bits").call(to_ir(proto)))
