@@ -105,7 +105,8 @@ PLACEMENT: dict[str, dict[str, tuple[str, str]]] = {
         "embeddings": (
             "bits",
             "block-quantized like the other layers (mograph.BlockQuantizedGather -> GatherBlockQuantized, blocks "
-            "along the hidden axis; shares the data of an LM head tied to it and quantized too): size: measured "
+            "along the hidden axis; shares the data of an LM head tied to it and quantized too; a BERT word table "
+            "read by the fused EmbedLayerNorm too, that node expanded to its parts): size: measured "
             "(EMBEDDINGS['cuda']); GPU speed: not measured (a Gather reads M rows per call, so no speed-up is "
             "claimed); --embedding-precision float keeps the table float16",
         ),

@@ -37,7 +37,10 @@ data layout is ``MatMulNBits``'s, so a table whose LM head is tied to it (the sa
 ``Gemm(transB=1)``, or an equal copy of its transpose, as TorchScript writes a tied head) shares the head's
 codes, scales and zero points when the head is quantized at the same bits without an AWQ input scale: one
 copy in the file.  A table that is the float head's own initializer stays float (a quantized copy would add
-size); one whose head is an equal float copy is quantized (the head keeps its copy).
+size); one whose head is an equal float copy is quantized (the head keeps its copy).  A word table read by a
+fused ``mograph.EmbedLayerNorm`` (``fuse-embed-layernorm``, BERT's) is quantized too: that node is expanded
+back to its Gathers, Adds and ``mograph.LayerNorm`` first, and its small segment and position tables stay float
+(:mod:`mograph.passes.quant._wo_fused`; stat ``expanded.embed_layernorm``).
 ``--accuracy-budget cosine>=X`` replaces the rules for the measured layers: each layer is measured alone at
 ``--bits`` (model-output cosine on ``--sensitivity-samples`` calibration samples), then the fewest of the
 most sensitive are raised to INT8, and if INT8 everywhere is not enough, the fewest to float, so that
@@ -76,6 +79,7 @@ from mograph.passes.quant._base import (
     publish_notes_and_plan,
 )
 from mograph.passes.quant._qdq import default_precision, find_candidates, sensitive_nodes
+from mograph.passes.quant._wo_fused import SMALL_TABLE, expand_for_tables
 from mograph.passes.quant._wo_layers import _FLOAT_DTYPES, _InputStats, _Layer, gemm_alpha
 from mograph.passes.quant._wo_segments import _hessian_factor, _Segments
 from mograph.passes.quant._wo_tables import _same_table, _Table, find_tables, quantize_table  # noqa: F401 - _same_table: tests read it here
@@ -639,9 +643,14 @@ class WeightOnlyPass(Pass):
             for e in load_plan(plan_src).entries:
                 user[e.node] = "float" if e.precision in FLOAT_NAMES else e.precision
         listed: set[int] = set()
+        block = int(self.config.get("block_size") or 128)
+        expanded = expand_for_tables(model, layers, decisions, wanted, user, block, self.name)
+        if expanded:
+            stats["expanded.embed_layernorm"] = expanded
         for table in self._tables(model, layers):
             keys = [node_key(g) for g in table.gathers]
-            prec = next((user[k] for k in keys if k in user), wanted)
+            small = all(SMALL_TABLE in g.metadata_props for g in table.gathers)
+            prec = next((user[k] for k in keys if k in user), "float" if small else wanted)
             why = f"from plan {plan_src}" if any(k in user for k in keys) else f"--embedding-precision {choice}"
             if prec not in ("int4", "int8", "float"):
                 raise OptionError(f"{self.name}: plan entry {keys[0]!r} has precision {prec!r}; use int4, int8 or float")
@@ -652,7 +661,10 @@ class WeightOnlyPass(Pass):
                 a = table.head.quant[b][1]
                 if f"int{b}" == prec and a is None:
                     reuse = vals
-            if prec == "float":
+            if prec == "float" and small and why.startswith("--"):
+                reason = (f"the {table.gathers[0].metadata_props[SMALL_TABLE]} table of a fused embedding layer "
+                          "expanded for its word table: small, kept float")
+            elif prec == "float":
                 reason = "default rule: embedding lookup" if why.endswith("float") else f"{why}: kept float"
             elif table.hidden % int(self.config.get("block_size") or 128):
                 prec, reason = "float", (f"{why} asked {prec}, but the hidden size {table.hidden} is not a multiple "
@@ -819,16 +831,22 @@ class WeightOnlyPass(Pass):
         for node, reason in sensitive_nodes(model):
             if id(node) not in listed:
                 plan.add(node, "float", reason)
-        if stats.get("quantized.embeddings"):
+        if stats.get("quantized.embeddings") or stats.get("expanded.embed_layernorm"):
+            from mograph.passes.fusion.ops import custom_ops as fused_ops
             from mograph.passes.quant.gather_block_op import block_quantized_gather_op
 
             model.opset_imports.setdefault(DOMAIN, DOMAIN_VERSION)
             gop = block_quantized_gather_op()
             ops_g = dict(self.registry.custom_ops) if self.registry is not None else {}
             ops_g.setdefault(gop.key, gop)
+            for fop in fused_ops():  # the expansion's mograph.LayerNorm
+                ops_g.setdefault(fop.key, fop)
+            from mograph.lowering import drop_unused_functions
             from mograph.lowering import ensure_functions as _ensure
 
             _ensure(model, ops_g)
+            if stats.get("expanded.embed_layernorm"):  # the expanded op's body, if no node calls it any more
+                drop_unused_functions(model, {k: v for k, v in ops_g.items() if k[1] == "EmbedLayerNorm"})
         if stats["quantized"]:
             model.opset_imports.setdefault(DOMAIN, DOMAIN_VERSION)
             from mograph.passes.quant.weight_only_op import weight_only_matmul_op
@@ -841,6 +859,6 @@ class WeightOnlyPass(Pass):
             ensure_functions(model, ops)
         details: dict[str, Any] = {"plan": plan.to_dict()}
         publish_notes_and_plan(self, plan, details, notes)
-        if not stats["quantized"] and not stats.get("quantized.embeddings"):
+        if not stats["quantized"] and not stats.get("quantized.embeddings") and not stats.get("expanded.embed_layernorm"):
             return PassResult(False, {}, details)
         return PassResult(True, stats, details)
