@@ -8,7 +8,8 @@ never a memory figure: ``tools/bench_memory.py`` measures those.
   for byte, as without paging;
 * sweep: a model whose weights reach :func:`mograph._spill.save_external_bytes` is measured one model at a
   time: no other model's runner is alive when a session is made;
-* bench and validate: the model each loads to read its inputs is collected before the session; validate
+* bench, validate and every ONNX Runtime runner (:func:`mograph.lowering.lowered_for`): the model each loads
+  to read its inputs is collected before the session; validate
   keeps no copy of an original given as a file and does not read the file again to learn its inputs.
 """
 
@@ -259,3 +260,30 @@ def test_validate_keeps_no_copy_of_a_file_and_reads_it_once(tmp_path, monkeypatc
     # its session, so the file is read by the Verifier only (and by the runner's lowering check)
     assert sessions_made_with_loaded_alive and not sessions_made_with_loaded_alive[0]
     assert len(loads) <= 2
+
+
+def test_lowered_for_collects_a_large_model_it_loaded_only_to_look(tmp_path, monkeypatch):
+    from mograph import ir_io
+    from mograph.lowering import lowered_for
+    from mograph.plugins import get_registry
+
+    path = tmp_path / "m.onnx"
+    _inline_model(path)
+    registry = get_registry()
+    graphs: list[weakref.ref] = []
+    real_load = ir_io.load_model
+
+    def load_spy(*args, **kwargs):
+        model = real_load(*args, **kwargs)
+        graphs.append(weakref.ref(model.graph))
+        return model
+
+    monkeypatch.setattr(ir_io, "load_model", load_spy)
+    monkeypatch.setenv(_spill.PROTO_LIMIT_ENV, "256")  # 512 bytes of weights count as large
+    gc.disable()  # only the collection lowered_for asks for may free the graph
+    try:
+        out, stats = lowered_for(str(path), "ort", registry=registry)
+    finally:
+        gc.enable()
+    assert out == str(path) and stats == {}  # nothing to lower: the file itself is run
+    assert graphs and graphs[0]() is None
