@@ -382,7 +382,8 @@ def too_big(model: ir.Model | onnx.ModelProto) -> bool:
     :func:`spill_bytes`."""
     if isinstance(model, onnx.ModelProto):
         return model.ByteSize() >= spill_bytes()
-    return inline_bytes(model) >= spill_bytes()
+    # a paged tensor's file is in no folder a serialized copy could name beside the model's own data
+    return inline_bytes(model) >= spill_bytes() or any(isinstance(t, PagedTensor) for t in _external(model))
 
 
 @contextlib.contextmanager

@@ -109,6 +109,21 @@ def test_int8_smoothed_weights_are_not_in_memory_at_the_sessions_and_the_output_
     assert paged == plain  # byte for byte
 
 
+def test_a_model_with_a_few_paged_tensors_left_still_reaches_onnx_runtime_as_a_file(monkeypatch):
+    from mograph.passes.quant import calibration as cal
+
+    model = to_ir(_chain())
+    feed = {"x": np.ones((4, 32), np.float32)}
+    want = next(cal.run_model(_spill.payload(model), [feed]))[0]
+    monkeypatch.setenv(_spill.PROTO_LIMIT_ENV, "1024")
+    _spill.page_out(model)
+    monkeypatch.delenv(_spill.PROTO_LIMIT_ENV)  # the paged bytes are far below the limit again (most quantized)
+    assert _spill.inline_bytes(model) < _spill.spill_bytes() and _spill.too_big(model)
+    payload = _spill.payload(model)
+    assert payload.path is not None  # spilled: never bytes that name a paged file relative to another folder
+    assert np.array_equal(next(cal.run_model(payload, [feed]))[0], want)
+
+
 # ------------------------------------------------------------------------------------------------ sweep
 def _targets(tmp_path):
     from mograph.workflow import metrics as M
