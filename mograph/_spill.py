@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 
@@ -73,6 +74,9 @@ __all__ = [
     "footprint",
     "pin_mmap_threshold",
     "MMAP_THRESHOLD_ENV",
+    "PagedTensor",
+    "page_out",
+    "page_in",
 ]
 
 logger = logging.getLogger(__name__)
@@ -137,8 +141,8 @@ def inline_bytes(model: ir.Model) -> int:
     total = 0
     for value in _initializer_values(model):
         t = value.const_value
-        if t is not None and not isinstance(t, ir.ExternalTensor):
-            total += t.nbytes
+        if t is not None and (not isinstance(t, ir.ExternalTensor) or isinstance(t, PagedTensor)):
+            total += t.nbytes  # a paged tensor is not in the model's folder: it goes into a serialized copy
     for t in _attribute_tensors(model):
         if not isinstance(t, ir.ExternalTensor):
             total += t.nbytes
@@ -378,7 +382,8 @@ def too_big(model: ir.Model | onnx.ModelProto) -> bool:
     :func:`spill_bytes`."""
     if isinstance(model, onnx.ModelProto):
         return model.ByteSize() >= spill_bytes()
-    return inline_bytes(model) >= spill_bytes()
+    # a paged tensor's file is in no folder a serialized copy could name beside the model's own data
+    return inline_bytes(model) >= spill_bytes() or any(isinstance(t, PagedTensor) for t in _external(model))
 
 
 @contextlib.contextmanager
@@ -492,6 +497,83 @@ def spill(model: ir.Model) -> Spilled:
         raise
     logger.debug("spilled the model to %s (%d external file(s) copied)", folder, len(copies))
     return Spilled(str(path), proto, folder, tmp)
+
+
+class PagedTensor(ir.ExternalTensor):  # pylint: disable=too-many-ancestors
+    """An external tensor in a file :func:`page_out` wrote; it keeps that file's owned temporary folder alive
+    (the folder is removed once no paged tensor refers to it)."""
+
+    __slots__ = ("_keep",)
+
+    def __init__(self, *args: Any, keep: OwnedTempDir, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._keep = keep
+
+
+def page_out(model: ir.Model) -> int:
+    """Move the in-memory initializers of ``model`` (above :data:`INLINE_BYTES`) to a file and read them back
+    through a memory map (:class:`PagedTensor`); return the bytes moved (0: nothing done).
+
+    For tensors a pass made and keeps until it is done (smoothed weights): in memory they sit beside every
+    ONNX Runtime session the pass makes afterwards; mapped from a file, their pages are the page cache's,
+    counted in the process only while they are read, and dropped again (:func:`drop_pages`) before the next
+    session.  The bytes are the same, so every number read from them is.  Only when they reach
+    :func:`spill_bytes` (below it, nothing changes); the file lives in an owned temporary folder
+    (:mod:`mograph._tempfiles`), removed once the last paged tensor is freed, or by the next run after SIGKILL.
+    """
+    values: list[ir.Value] = []
+    total = 0
+    for v in _initializer_values(model):
+        t = v.const_value
+        if (t is not None and not isinstance(t, ir.ExternalTensor) and t.nbytes > INLINE_BYTES
+                and t.dtype != ir.DataType.STRING):  # strings have no external form
+            values.append(v)
+            total += t.nbytes
+    if not values or total < spill_bytes():
+        return 0
+    tmp = owned_tempdir("mograph-paged-")
+    try:
+        with open(tmp.path / _DATA, "wb") as data:
+            places = []
+            for v in values:
+                t = v.const_value
+                assert t is not None
+                offset = -data.tell() % _ALIGN
+                if offset:
+                    data.write(b"\0" * offset)
+                start = data.tell()
+                raw = t.tobytes()
+                data.write(raw)
+                places.append((start, len(raw)))
+                del raw
+    except BaseException:
+        tmp.cleanup()
+        raise
+    for v, (start, length) in zip(values, places):
+        t = v.const_value
+        assert t is not None
+        v.const_value = PagedTensor(_DATA, start, length, t.dtype, shape=ir.Shape(t.shape.numpy()),
+                                    name=t.name,  # type: ignore[arg-type]  # onnx_ir accepts None
+                                    base_dir=str(tmp.path), keep=tmp)
+    del values, t
+    remember_data_files(model)
+    free_dropped()  # the in-memory copies, now unreferenced
+    logger.debug("paged out %d bytes of in-memory initializers to %s", total, tmp.path)
+    return total
+
+
+def page_in(model: ir.Model) -> int:
+    """Read every :class:`PagedTensor` of ``model`` back into memory (the pass that paged them out is done);
+    return the bytes read.  The model is then as it would have been without :func:`page_out`: a saved model
+    holds its tensors where it would have, byte for byte."""
+    total = 0
+    for value in _initializer_values(model):
+        t = value.const_value
+        if isinstance(t, PagedTensor):
+            value.const_value = ir.Tensor(np.array(t.numpy()), dtype=t.dtype, name=t.name)
+            release_pages(t)
+            total += t.nbytes
+    return total
 
 
 def spill_proto(proto: onnx.ModelProto, base_dir: str | os.PathLike | None = None) -> Spilled:

@@ -587,6 +587,13 @@ def has_custom_ops(model: ir.Model, registry: Declarations) -> bool:
                for n in iter_nodes(model.graph))
 
 
+def _drop_weights(model: ir.Model) -> None:
+    """Let go of every initializer's tensor of ``model`` (in a function: no loop variable keeps a graph)."""
+    for graph in (model.graph, *model.graph.subgraphs()):
+        for value in graph.initializers.values():
+            value.const_value = None
+
+
 def lowered_for(model: Any, target: str, *, registry: Declarations) -> tuple[Any, dict[str, int | float]]:
     """A backend's first act: ``model`` lowered for ``target`` if it holds custom ops, else ``model`` itself.
 
@@ -600,10 +607,14 @@ def lowered_for(model: Any, target: str, *, registry: Declarations) -> tuple[Any
     if not has_custom_ops(ir_model, registry):
         if ir_model is not model:
             # loaded here only to look: its weights (decoded, for a model whose weights are inside its file)
-            # go now, not when the cycle collector reaches the graph, so they never sit beside the session
-            for graph in (ir_model.graph, *ir_model.graph.subgraphs()):
-                for value in graph.initializers.values():
-                    value.const_value = None
+            # go now, not when the cycle collector reaches the graph, so they never sit beside the session;
+            # the graph itself, and the heap its loading used, with them when the model is large
+            from mograph import _spill
+
+            dropped = _spill.footprint(ir_model)
+            _drop_weights(ir_model)
+            del ir_model
+            _spill.free_dropped(dropped)
         return model, {}
     if ir_model is model:
         ir_model = ir_io.copy_model(model)

@@ -211,7 +211,7 @@ def _mib(n: int | None) -> str:
 
 
 def run(args: argparse.Namespace) -> CommandResult:
-    from mograph import ir_io
+    from mograph import _spill, ir_io
     from mograph.backend_protocol import check_device, get_backend, registry_keywords, require_available
     from mograph.plugins import get_registry
     from mograph.validate import make_feeds
@@ -251,6 +251,9 @@ def run(args: argparse.Namespace) -> CommandResult:
     )
     batch = _batch_size(model, feeds, args.batch)
     del model
+    # an IR graph is a web of cycles: collected now, its weights (decoded, for a model whose weights are inside
+    # its file) do not sit beside the session measured next
+    _spill.free_dropped()
     progress = _Progress(enabled=not (args.json or args.quiet))
     if args.cuda_graph:
         runner_options.update(cuda_graph=True, shapes={n: tuple(a.shape) for n, a in feeds.items()})

@@ -98,6 +98,20 @@ def _input_names(model: Any) -> list[str] | None:
     return [str(v.name) for v in graph_inputs(loaded)]
 
 
+def _session_inputs(runner: Any) -> list[str] | None:
+    """The inputs an ONNX Runtime runner's session takes (its graph inputs that are not initializers), or
+    ``None`` for another runner: a model file need not be read again (decoded, for a model whose weights
+    are inside its file, beside the session that holds them) to learn them."""
+    session = getattr(runner, "session", None)
+    get_inputs = getattr(session, "get_inputs", None)
+    if not callable(get_inputs):
+        return None
+    try:
+        return [str(i.name) for i in get_inputs()]
+    except Exception:  # noqa: BLE001 - any runtime's session-like object: read the file instead
+        return None
+
+
 class Verifier:
     """Checks rewritten versions of one model against it, on fixed feeds.
 
@@ -170,9 +184,17 @@ class Verifier:
         }
         # The original is usually rewritten in place afterwards: a small one with static input dims is kept,
         # so a model whose axes became dynamic can be checked at a second size too (see _second_shape).
-        self._original_copy: ir.Model | None = None
+        # (an original given as a file is that file: read again if a second shape is checked, not copied here,
+        # where its weights, decoded when they are inside the file, would sit beside every session made next)
+        self._original_copy: ir.Model | str | None = None
         if reference_runner is None and _static_dims(self.input_dims) and _weight_bytes(model) <= SECOND_SHAPE_COPY_LIMIT:
-            self._original_copy = ir_io.copy_model(model)
+            self._original_copy = (os.fspath(original) if isinstance(original, (str, os.PathLike))
+                                   else ir_io.copy_model(model))
+        if model is not original:
+            # loaded here to read its inputs: collected now (an IR graph is a web of cycles), its weights do not
+            # sit beside the session of the original made next
+            del model
+            _spill.free_dropped()
         if reference_runner is not None:
             try:
                 self.reference = _run(reference_runner, self.feeds)
@@ -422,7 +444,9 @@ class Verifier:
 
     def _run_candidate(self, check: dict[str, Any], model: Any, runner: Runner) -> dict[str, np.ndarray] | None:
         feeds = dict(self.feeds)
-        inputs = _input_names(model)
+        inputs = _session_inputs(runner) if isinstance(model, (str, os.PathLike)) else None
+        if inputs is None:
+            inputs = _input_names(model)
         if inputs is not None:
             extra = [n for n in inputs if n not in self.feeds]
             if extra:

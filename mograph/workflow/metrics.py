@@ -5,7 +5,9 @@ The same procedure serves ``mograph sweep`` (every configuration of a sweep, sid
 
 * **latency / throughput** — every model gets a session first; then the timed runs are
   *interleaved*: each round runs every model once on the same timing feed, the order rotating from
-  round to round, so a load change on the machine hits every model alike.  Latency is reported as
+  round to round, so a load change on the machine hits every model alike (``mograph sweep`` of a model
+  whose weights reach 256 MiB measures one model at a time instead: see :func:`measure`'s
+  ``one_at_a_time``).  Latency is reported as
   p50/p90/p99 in milliseconds over the timed runs after warm-up; throughput is timed runs divided by
   their summed time (inferences/s).
 * **peak memory** — the peak resident set size of this process (sampled every 2 ms by psutil, as
@@ -372,12 +374,18 @@ def measure(
     progress: Callable[[str, int, int], None] | None = None,
     timing_feeds: Mapping[str, Feed] | None = None,
     repeats: int = 1,
+    one_at_a_time: bool = False,
 ) -> dict[str, Measured]:
     """Measure ``targets`` side by side (see the module docstring); a target that fails to load or run
     gets ``error`` set and no metrics, the others are still measured.  ``timing_feeds`` gives a target
     its own timing feed (other shapes); the others use ``timing_feed``.  After ``warmup`` rounds, the
     ``iterations`` timed rounds are run ``repeats`` times (each target's runs kept per repeat in
-    ``Measured.latencies``); the percentiles are over all of them."""
+    ``Measured.latencies``); the percentiles are over all of them.
+
+    ``one_at_a_time``: each target's session is made, run on the samples, timed (its warm-up and rounds
+    alone) and freed before the next target's is made, so at most one model's session is alive (the
+    runtime's copies of several large models side by side are several times their weights); the timed
+    runs are then not interleaved with the other targets'."""
     from mograph.backend_protocol import get_backend, registry_keywords, require_available
     from mograph.errors import MographError
     from mograph.plugins import get_registry
@@ -397,7 +405,8 @@ def measure(
         if progress is not None:
             progress(phase, done, steps)
 
-    for t in targets:
+    def open_target(t: Target) -> None:
+        nonlocal done
         m = results[t.name]
         try:
             backend = get_backend(backends, t.backend, job="measure")
@@ -423,25 +432,40 @@ def measure(
         except MographError as exc:
             m.error = str(exc)
             done += len(eval_samples) + warmup + iterations * repeats
-    live = [t.name for t in targets if t.name in runners]
-    latencies: dict[str, list[list[float]]] = {n: [[] for _ in range(repeats)] for n in live}
-    for r in range(warmup + iterations * repeats):
-        order = live[r % len(live):] + live[: r % len(live)] if live else []
-        for name in order:
-            start = time.perf_counter()
-            try:
-                runners[name](feed_of[name])
-            except MographError as exc:
-                results[name].error = str(exc)
-                continue
-            if r >= warmup:
-                latencies[name][(r - warmup) // iterations].append(time.perf_counter() - start)
-            tick("warm-up" if r < warmup else "timing")
-    for name in live:
-        runs = [x for rep in latencies[name] for x in rep]
-        if runs and results[name].error is None:
-            results[name].metrics.update(_percentiles(runs))
-            results[name].latencies = latencies[name]
+
+    def time_rounds(live: list[str]) -> None:
+        latencies: dict[str, list[list[float]]] = {n: [[] for _ in range(repeats)] for n in live}
+        for r in range(warmup + iterations * repeats):
+            order = live[r % len(live):] + live[: r % len(live)] if live else []
+            for name in order:
+                start = time.perf_counter()
+                try:
+                    runners[name](feed_of[name])
+                except MographError as exc:
+                    results[name].error = str(exc)
+                    continue
+                if r >= warmup:
+                    latencies[name][(r - warmup) // iterations].append(time.perf_counter() - start)
+                tick("warm-up" if r < warmup else "timing")
+        for name in live:
+            runs = [x for rep in latencies[name] for x in rep]
+            if runs and results[name].error is None:
+                results[name].metrics.update(_percentiles(runs))
+                results[name].latencies = latencies[name]
+
+    if one_at_a_time:
+        from mograph import _spill
+
+        for t in targets:
+            open_target(t)
+            if t.name in runners:
+                time_rounds([t.name])
+                del runners[t.name]  # the session goes before the next one is made
+            _spill.free_dropped()
+        return results
+    for t in targets:
+        open_target(t)
+    time_rounds([t.name for t in targets if t.name in runners])
     with contextlib.suppress(Exception):
         runners.clear()
     return results

@@ -33,7 +33,9 @@ runs it from a ledger).
 Each configuration's pipeline is built with :func:`mograph.api.optimize` (through the executor: in
 this process, or as Ray tasks), saved, then every built model and the baseline are measured together
 in one run (:func:`mograph.workflow.metrics.measure`: interleaved timed runs, peak memory, size, and
-accuracy against the baseline on the evaluation set), and one ledger row per model is written, each
+accuracy against the baseline on the evaluation set; for a model whose weights reach 256 MiB, one model
+at a time, each session freed before the next is made, so the peak stays one session's, not the sum of
+all of them), and one ledger row per model is written, each
 in its own transaction.  A configuration that fails to build is a ``failed`` row with the error; the
 others go on.
 """
@@ -474,6 +476,10 @@ def run_sweep(
     model_hash = M.hash_file(src)
     timing = {c.name: make_feeds(model, shapes=c.shapes, seed=sweep.seed)[0] for c in sweep.configurations}
     base_feed = make_feeds(model, shapes=sweep.shapes, seed=sweep.seed)[0]
+    # Sessions of a large model side by side cost several times its weights (the baseline's, a float16
+    # model's float32 copy on a CPU provider, ...): from the size mograph saves as external data, each
+    # model is measured alone, its session freed before the next one is made.
+    one_at_a_time = ir_io.model_size_bytes(model) >= _spill.save_external_bytes()
     del model
     vers = M.versions()
     settings_common = {
@@ -539,7 +545,7 @@ def run_sweep(
                 feeds[conf.name] = timing[conf.name]
         measured = M.measure(
             targets, base_feed, samples, warmup=sweep.warmup, iterations=sweep.iterations, blocked=blocked,
-            progress=progress, timing_feeds=feeds,
+            progress=progress, timing_feeds=feeds, one_at_a_time=one_at_a_time,
         )
         reference = measured[BASELINE].outputs
         if measured[BASELINE].error:

@@ -52,7 +52,7 @@ from mograph.passes.quant.smoothing import (
     unsmooth,
 )
 
-from mograph import specs
+from mograph import _spill, specs
 from mograph.errors import ModelError, OptionError
 from mograph.ir_version import fit_ir_version
 from mograph.pass_infra import Option, Pass, PassResult
@@ -357,6 +357,12 @@ class QdqPassBase(Pass):
         """Weights quantized without calibration besides the Q/DQ candidates (none by default)."""
 
     def call(self, model: ir.Model) -> PassResult:
+        try:
+            return self._call(model)
+        finally:
+            _spill.page_in(model)  # what stays float of the weights paged out after smoothing
+
+    def _call(self, model: ir.Model) -> PassResult:
         self._smoothed_keys: dict[str, float] = {}
         self._bias_corrected: set[str] = set()
         self._reobserve: set[str] = set()
@@ -429,6 +435,9 @@ class QdqPassBase(Pass):
             if groups and alpha is not None:
                 smoothed = self._smooth(model, groups, raw, source, scheme, alpha, mask, plan, stats, captured)
                 captured.clear()
+                # the smoothed weights are read again only to run and quantize the model: mapped from a file,
+                # they are not beside the sessions of the calibration and sensitivity runs that follow
+                _spill.page_out(model)
                 self._smoothed_groups = smoothed
                 names = [g.smoothed.name or "" for g in smoothed if g.smoothed is not None]
                 if names and cal.needs_histogram(calibrator):

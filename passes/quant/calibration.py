@@ -521,6 +521,7 @@ def _with_outputs_mapped(model: ir.Model, names: Iterable[str], dtypes: dict[str
     if only and mapping:
         _prune_to_outputs(proto.graph, set(mapping.values()))
     if spilled is not None:
+        _spill.drop_pages(model)  # weights the pass read (paged out, smoothed): not resident beside the session
         return _spill.payload(proto, spilled=spilled), mapping
     return proto.SerializeToString(), mapping
 
