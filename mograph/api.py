@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, cast
 
 import onnx_ir as ir
 
@@ -142,14 +142,20 @@ def run_passes(
         return _run_passes(model, passes, verify, verify_options, check_modified, blocked, instruments, check_output)
 
 
+_T = TypeVar("_T")
+
 #: Makes a fresh copy of a pipeline's input, for the output check's bisection (:func:`_check_output`).
 Reload = Callable[[], "ir.Model | None"]
 
 
 @contextlib.contextmanager
-def _frozen_heap() -> Iterator[None]:
+def _frozen_heap(load: Callable[[], _T] | None = None) -> Iterator[_T | None]:
     """Keep the objects alive when the pipeline starts (the loaded model: millions of objects on a
     100k-node graph) out of the garbage collector's full collections while it runs.
+
+    ``load`` (a model's load, for :func:`optimize`) runs first with the collector off and its result is
+    what the block gets: the objects it makes are frozen without any collection walking them (once the
+    collector is back on, the first young collection would otherwise walk them all).
 
     Every full collection walks every tracked object, and a pipeline triggers a few per pass, so on a
     large graph the collector's time grew faster than the graph (a fifth of the CPU time at 100k
@@ -161,7 +167,10 @@ def _frozen_heap() -> Iterator[None]:
     allocations) a 100k-node pipeline ran 13k young and 34 full collections (11 of its 66 CPU-seconds).
     While it runs, the thresholds are raised to ``_PIPELINE_GC_THRESHOLD`` (same peak memory on that
     graph, 1.40 GB; 55 CPU-s) and put back after; large dropped copies are still collected on purpose
-    (:func:`mograph._spill.free_dropped`).
+    (:func:`mograph._spill.free_dropped`).  The middle generation's threshold is raised too: what survives
+    a young collection in a pipeline is mostly the graph being rebuilt, which lives to the end, and each
+    middle collection walked it again for little (100k nodes: 5 of them, 0.6 CPU-s, found 7,946 objects
+    out of the 360k the young ones found; at 10k nodes there were none).
     """
     old = gc.get_threshold()
     raise_threshold = old[0] and old[0] < _PIPELINE_GC_THRESHOLD[0]  # 0: the caller turned collection off
@@ -169,11 +178,15 @@ def _frozen_heap() -> Iterator[None]:
         gc.set_threshold(*_PIPELINE_GC_THRESHOLD)
     try:
         if gc.get_freeze_count():
-            yield
+            yield load() if load is not None else None
             return
-        gc.freeze()
+        loaded = None
+        with ir_io.collection_paused():
+            if load is not None:
+                loaded = load()
+            gc.freeze()
         try:
-            yield
+            yield loaded
         finally:
             gc.unfreeze()
     finally:
@@ -182,7 +195,7 @@ def _frozen_heap() -> Iterator[None]:
 
 
 #: The collector's thresholds while a pipeline runs (see :func:`_frozen_heap`).
-_PIPELINE_GC_THRESHOLD = (50_000, 20, 20)
+_PIPELINE_GC_THRESHOLD = (50_000, 200, 20)
 
 
 def _run_passes(
@@ -412,13 +425,13 @@ def optimize(
             raise OptionError(message)
         logger.warning("%s; ignored", message)
     instances = reg.instantiate(names, options)
-    ir_model = ir_io.load_model(model)
     reload: Reload | None = None
     if isinstance(model, (str, os.PathLike, bytes, bytearray)):  # not rewritten in place: read it again
         source = model
         reload = lambda: ir_io.load_model(source)  # noqa: E731
     try:
-        with _frozen_heap():
+        with _frozen_heap(lambda: ir_io.load_model(model)) as loaded:
+            ir_model = cast(ir.Model, loaded)
             report = _run_passes(ir_model, instances, verify, verify_options, check_modified, blocked, instruments,
                                  check_output, reload)
     except VerificationError as exc:  # the failed model goes with the error, for inspection

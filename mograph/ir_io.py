@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import math
 import os
 import re
@@ -426,6 +427,27 @@ def _from_proto(proto: onnx.ModelProto) -> ir.Model:
     return model
 
 
+@contextlib.contextmanager
+def collection_paused() -> Iterator[None]:
+    """Turn the cyclic garbage collector off while the block runs (as it was, after).
+
+    Why: decoding a model makes millions of objects that all stay alive (a 100k-node graph: its nodes,
+    values, attributes and their protobuf fields), and each collection on the way walks what was made so
+    far: loading that graph ran 10 full collections (1.1 of its 4.6 CPU-seconds) that together found 20
+    unreachable objects, against 2 (0.07 s) at 10k nodes: the part of the load that grew faster than the
+    graph.  Objects freed by reference counting are freed as usual; a reference cycle made in the block
+    waits for the next collection after it.  Nothing changes when the collector is already off.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def load_model(source: ModelSource, *, check: bool = True, base_dir: str | os.PathLike | None = None) -> ir.Model:
     """Turn any accepted model form into an ``onnx_ir.Model``.
 
@@ -439,9 +461,17 @@ def load_model(source: ModelSource, *, check: bool = True, base_dir: str | os.Pa
         base_dir: the folder external data is read from, for a model given as bytes or a
             ``ModelProto`` (which have none of their own: without it their external data is refused).
 
+    The garbage collector is off while it runs (:func:`collection_paused`).
+
     Raises:
         ModelError: the file is missing, not ONNX, truncated, or structurally invalid.
     """
+    with collection_paused():
+        return _load_model(source, check=check, base_dir=base_dir)
+
+
+def _load_model(source: ModelSource, *, check: bool = True, base_dir: str | os.PathLike | None = None) -> ir.Model:
+    """:func:`load_model`, with the collector as the caller left it."""
     folder = Path(base_dir) if base_dir is not None else None
     origin = "an onnx_ir.Model"
     if isinstance(source, ir.Model):
