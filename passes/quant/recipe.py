@@ -24,7 +24,8 @@ still written when asked for explicitly (``--passes qdq-fp8`` / ``qdq-int8``), b
 :func:`resolve` returns one line with the measured reason and the alternatives, ``optimize`` prints it and
 the report records it under ``recipe``.
 
-The output projection / LM head and embeddings are listed per device (:data:`PLACEMENT`) with the reason.  On
+The output projection / LM head and embeddings are listed per device (:data:`PLACEMENT`) with the reason; the
+``cuda`` recipe's 4-bit weights are blocks of 32 without zero points (:data:`LAYOUT`, measured on whole decoders).  On
 ``cuda`` the embedding table is block-quantized (``--embedding-precision bits``): it pays in file size, measured
 (:data:`EMBEDDINGS`, with the command); its GPU speed is not measured, so no speed-up is claimed for it.
 
@@ -37,7 +38,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["EMBEDDINGS", "KERNELS", "PLACEMENT", "Recipe", "resolve", "lowering_ratios", "table_rows"]
+__all__ = ["EMBEDDINGS", "KERNELS", "LAYOUT", "PLACEMENT", "Recipe", "resolve", "lowering_ratios", "table_rows"]
 
 #: Median wall milliseconds per run of one-node graphs ``[M, K] x [K, N]``, per lowering.  ``float`` is the
 #: device's float MatMul.  Lowerings: ``nbits4`` / ``nbits8``: weight-only ``com.microsoft.MatMulNBits``
@@ -141,6 +142,24 @@ EMBEDDINGS: dict[str, dict[str, Any]] = {
     },
 }
 
+#: The block layout of the 4-bit weights the ``cuda`` recipe writes (the user's ``--block-size`` / ``--symmetric``
+#: win), measured on whole decoders: at M=8 ONNX Runtime's batched 4-bit kernel with zero points is the slower one.
+LAYOUT: dict[str, dict[str, Any]] = {
+    "cuda": {
+        "block_size": 32,
+        "symmetric": True,
+        "reason": "4-bit blocks of 32 without zero points (MatMulFloat4BitsKernelM1<half, 32, false>, "
+                  "MatMulFloat4BatchedKernel<half, 32, false, 8, 2>): against blocks of 128 with zero points, "
+                  "SmolLM2-135M shape as CUDA graphs: decode 1x512 1.180 vs 1.275 ms, decode 8x512 1.471 vs 1.543 "
+                  "ms, prefill 1x512 2.136 vs 2.187 ms (ONNX Runtime GenAI's int4: 1.181 / 1.454 / 2.107 ms)",
+        "source": "NVIDIA H200, ONNX Runtime 1.31.1 CUDA provider, random-weight LlamaForCausalLM, IO binding, "
+                  "median ms; BENCHMARKS-GPU.md session 9 lease 2 (benchmarks/llm-h200-session9b.jsonl)",
+        "command": "python3 tools/bench_llm.py time --models smollm --cells decode:1x512,decode:8x512,1x512 "
+                   "--variant 'mograph-ts-int4b32s-shared=ts:cleanup,fuse,int4:--target ort --device cuda "
+                   "--fp16-io yes --kv-cache shared --block-size 32 --symmetric yes' (and the same without the last two)",
+    },
+}
+
 _FLOAT_BASELINE = {"cuda": "float16", "cpu": "float32"}
 _NAMES = {"nbits4": "MatMulNBits 4-bit", "nbits8": "MatMulNBits 8-bit", "fp8_gemm": "GemmFloat8 (E4M3)",
           "matmulinteger": "MatMulInteger (INT8 activations)", "qdq_a8w8": "Q/DQ A8W8 -> MatMul"}
@@ -193,7 +212,10 @@ class Recipe:
         return {"device": self.device, "passes": list(self.passes), "decisions": self.decisions,
                 "warnings": self.warnings, "placement": {k: {"precision": p, "reason": r}
                                                          for k, (p, r) in PLACEMENT[self.device].items()},
-                "table": {"source": KERNELS[self.device]["source"], "command": KERNELS[self.device]["command"]}}
+                "table": {"source": KERNELS[self.device]["source"], "command": KERNELS[self.device]["command"]},
+                **({"layout": {k: self.options[k] for k in ("block_size", "symmetric")}
+                    | {"reason": LAYOUT[self.device]["reason"]}}
+                   if self.device in LAYOUT and self.options.get("block_size") is not None else {})}
 
 
 def device_kind(device: str) -> str:
@@ -270,6 +292,10 @@ def resolve(names: list[str], options: dict[str, Any], device: str) -> Recipe:
         out_opts["output_projection"] = PLACEMENT["cuda"]["output_projection"][0]
     if kind == "cuda" and not tensorrt and out_opts.get("embedding_precision") is None and "weight-only" in recipe.passes:
         out_opts["embedding_precision"] = PLACEMENT["cuda"]["embeddings"][0]
+    if kind == "cuda" and not tensorrt and out_opts.get("bits") == 4 and "weight-only" in recipe.passes:
+        for key in ("block_size", "symmetric"):
+            if out_opts.get(key) is None:
+                out_opts[key] = LAYOUT["cuda"][key]
     return recipe
 
 

@@ -45,7 +45,8 @@ def test_table_picks_per_device():
     r = rc.resolve(["cleanup", "int4"], {}, "cuda")
     assert r.passes == ["cleanup", "weight-only", "fp16"]
     assert r.options == {"bits": 4, "target": "ort", "output_projection": "float",
-                         "embedding_precision": "bits"}  # the table quantized: size measured, GPU speed not
+                         "embedding_precision": "bits",  # the table quantized: size measured, GPU speed not
+                         "block_size": 32, "symmetric": True}  # measured on whole decoders (rc.LAYOUT)
     assert r.decisions[0]["lowering"] == "nbits4"
     assert r.decisions[0]["ratios_to_float"] == rc.lowering_ratios("cuda", "nbits4") == (0.781, 1.26, 1.078)
     r8 = rc.resolve(["int8"], {}, "cuda:1")
@@ -141,3 +142,36 @@ def test_cli_device_without_gpu_and_warning(tmp_path, capsys, caplog):
     warned = [r.getMessage() for r in caplog.records if "qdq-fp8 on ONNX Runtime CUDA is measured slower" in r.getMessage()]
     assert len(warned) == 1
     assert json.loads(rep2.read_text())["recipe"]["warnings"] == warned
+
+
+def test_cuda_int4_layout_is_the_measured_one_unless_the_user_says():
+    """Blocks of 32 without zero points for the cuda recipe's 4-bit weights (the kernels ONNX Runtime runs fastest
+    on whole decoders, rc.LAYOUT); the user's --block-size / --symmetric win; int8 and the CPU keep the defaults."""
+    r = rc.resolve(["int4"], {}, "cuda")
+    assert (r.options["block_size"], r.options["symmetric"]) == (32, True)
+    assert r.to_dict()["layout"]["block_size"] == 32 and "zero points" in r.to_dict()["layout"]["reason"]
+    mine = rc.resolve(["int4"], {"block_size": 128, "symmetric": False}, "cuda")
+    assert (mine.options["block_size"], mine.options["symmetric"]) == (128, False)
+    assert "block_size" not in rc.resolve(["int8"], {}, "cuda").options  # 8-bit: not measured, the pass's default
+    assert "block_size" not in rc.resolve(["int4"], {}, "cpu").options
+    assert "block_size" not in rc.resolve(["int4"], {"target": "tensorrt"}, "cuda").options
+
+
+def test_api_cuda_int4_writes_blocks_of_32_without_zero_points():
+    proto = residual_mlp()
+    model, report = mograph.optimize(proto, "int4", device="cuda", options={"calibration_random": 4})
+    out = model if isinstance(model, onnx.ModelProto) else to_proto(model)
+    nbits = [n for n in out.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == 2 and all({a.name: a.i for a in n.attribute}["block_size"] == 32 for n in nbits)
+    assert all(len([i for i in n.input if i]) == 3 for n in nbits)  # A, B, scales: no zero points
+    assert report.to_dict()["recipe"]["layout"]["symmetric"] is True
+    x = {"x": np.random.default_rng(3).standard_normal((2, 5, K)).astype(np.float32)}
+    ref, got = run_ort(proto, x)[0], run_ort(out, x)[0]
+    cos = float((ref * got).sum() / np.linalg.norm(ref) / np.linalg.norm(got))
+    assert cos > 0.99, cos
+    # near miss: the user's layout is kept (blocks of 128 with zero points)
+    model2, _ = mograph.optimize(proto, "int4", device="cuda",
+                                 options={"calibration_random": 4, "block_size": 128, "symmetric": False})
+    out2 = model2 if isinstance(model2, onnx.ModelProto) else to_proto(model2)
+    nbits2 = [n for n in out2.graph.node if n.op_type == "MatMulNBits"]
+    assert all({a.name: a.i for a in n.attribute}["block_size"] == 128 and len(n.input) == 4 for n in nbits2)
