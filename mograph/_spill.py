@@ -98,6 +98,19 @@ SAVE_EXTERNAL_BYTES = 256 * 2**20
 #: shape inference and ONNX Runtime's constant handling read them there).
 INLINE_BYTES = 1024
 _ALIGN = 4096
+
+
+def _append_aligned(data: Any, t: ir.TensorProtocol) -> tuple[int, int]:
+    """Write ``t``'s bytes at the next :data:`_ALIGN` boundary of the open file ``data``: ``(offset, length)``."""
+    pad = -data.tell() % _ALIGN
+    if pad:
+        data.write(b"\0" * pad)
+    start = data.tell()
+    raw = t.tobytes()
+    data.write(raw)
+    return start, len(raw)
+
+
 _DATA = "inline.data"
 
 
@@ -476,14 +489,7 @@ def spill(model: ir.Model) -> Spilled:
                     return _reference(t, name, t.offset, t.length, folder)
                 if t.nbytes <= INLINE_BYTES:
                     return None
-                offset = -data.tell() % _ALIGN
-                if offset:
-                    data.write(b"\0" * offset)
-                start = data.tell()
-                raw = t.tobytes()
-                data.write(raw)
-                length = len(raw)
-                del raw
+                start, length = _append_aligned(data, t)
                 return _reference(t, _DATA, start, length, folder)
 
             from mograph.ir_io import _attributes_inlined
@@ -538,14 +544,7 @@ def page_out(model: ir.Model) -> int:
             for v in values:
                 t = v.const_value
                 assert t is not None
-                offset = -data.tell() % _ALIGN
-                if offset:
-                    data.write(b"\0" * offset)
-                start = data.tell()
-                raw = t.tobytes()
-                data.write(raw)
-                places.append((start, len(raw)))
-                del raw
+                places.append(_append_aligned(data, t))
     except BaseException:
         tmp.cleanup()
         raise
