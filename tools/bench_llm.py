@@ -7,8 +7,8 @@ rounds so drift hits all variants alike.
 * **models** (``--models``): ``smollm`` (SmolLM2-135M shape: 30 layers, hidden 576, 9/3 heads, FFN 1536,
   vocab 49152), ``1b`` (1B class: 16 layers, hidden 2048, 32/8 heads, FFN 8192, vocab 128256), ``qwen``
   (Qwen2.5-0.5B shape, ``Qwen2ForCausalLM``: 24 layers, hidden 896, 14/2 heads, FFN 4864, QKV biases), and
-  ``tiny`` (2 layers, hidden 64: the CPU smoke test). Each is saved as a Hugging Face folder (safetensors and a
-  word-level tokenizer) so the builder runs on it offline.
+  ``tiny`` / ``tiny-qwen`` (2 layers, hidden 64: the CPU smoke tests). Each is saved as a Hugging Face
+  folder (safetensors and a word-level tokenizer) so the builder runs on it offline.
 * **graphs**: ``builder-fp16`` / ``builder-int4`` (``python -m onnxruntime_genai.models.builder -p fp16|int4
   -e cuda``); the exports ``ts`` (``torch.onnx.export(dynamo=False)``, opset 17) and ``dynamo`` (opset 18) of
   ``*ForCausalLM`` (prefill: ``input_ids, attention_mask -> logits, present_*``; decode: ``input_ids,
@@ -89,6 +89,7 @@ MODELS = {
     "1b": Spec("llama", 16, 2048, 32, 8, 8192, 128256, 500000.0),
     "qwen": Spec("qwen2", 24, 896, 14, 2, 4864, 151936, 1000000.0),
     "tiny": Spec("llama", 2, 64, 4, 2, 128, 1000, 10000.0),
+    "tiny-qwen": Spec("qwen2", 2, 64, 4, 2, 128, 1000, 1000000.0),
 }
 DEFAULT_VARIANTS = [
     "mograph-ts=ts:cleanup,fuse,fp16:--target ort --fp16-io yes --mask-format lengths",
