@@ -598,7 +598,7 @@ class Fp16Pass(Pass):
             if home.get(id(v)) == "fp16" and not io16:
                 out_name = v.name
                 v.name = fresh_name(taken, f"{out_name}_fp16")
-                cast = ir.node("Cast", [v], {"to": _F32}, name=f"{out_name}_to_fp32")
+                cast = ir.node("Cast", [v], {"to": _F32}, name=fresh_name(taken, f"{out_name}_to_fp32"))
                 cast.metadata_props[_CAST_MARK] = "1"
                 cast.outputs[0].name = out_name
                 cast.outputs[0].dtype = ir.DataType.FLOAT

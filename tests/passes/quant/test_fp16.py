@@ -489,3 +489,36 @@ def test_sdpa_exports_convert(kind, fp16_first, tmp_path, monkeypatch):
     feeds = sample_feeds(kind, 2, 16, seed=1)
     ref = run(onnx.load(str(src)), feeds)[0]
     assert cosine(ref, run(model, feeds)[0]) > 0.999
+
+
+def test_output_also_read_by_a_float32_node_gets_unique_cast_names():
+    """An fp16 graph output that a kept-float32 node also reads gets two Casts to float32 (one for the
+    consumer, one for the output): their node names must differ (ONNX Runtime refuses duplicate node
+    names; seen on a 2.2 GB decoder whose present_value_0 fed a node kept in float32)."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 8)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+         helper.make_node("Mul", ["h", "s"], ["hs"], name="scale"),
+         helper.make_node("ReduceSum", ["hs", "axes"], ["y"], name="sum", keepdims=0)],
+        "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", 8])],
+        [helper.make_tensor_value_info("h", onnx.TensorProto.FLOAT, ["n", 8]),
+         helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["n"])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array(30000.0, np.float32), "s"),
+         numpy_helper.from_array(np.array([-1], np.int64), "axes")],
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = to_ir(proto)
+    result = Fp16Pass(calibration_data=_calib()).call(model)
+    by = {e["node"]: e for e in result.details["plan"]["nodes"]}
+    assert by["mm"]["precision"] == "fp16" and by["scale"]["precision"] == "fp32"
+    names = [n.name for n in model.graph]
+    assert len(names) == len(set(names)), names
+    assert op_counts(model)["Cast"] == 3  # x in, h to the kept Mul, h out
+    assert [v.name for v in model.graph.outputs] == ["h", "y"]
+    feeds = _calib(1)[0]
+    for ref, out in zip(run(proto, feeds), run(model, feeds)):
+        assert out.dtype == np.float32
+        assert cosine(ref, out) > 0.999
+    assert not Fp16Pass(calibration_data=_calib()).call(model).modified
