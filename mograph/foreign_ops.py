@@ -88,6 +88,9 @@ BUILTIN_FOREIGN_OPS: tuple[ForeignOp, ...] = (
     ForeignOp("RMSNormalization", "", "RMSNorm", normalizes=True),
     ForeignOp("Gelu", "", "GELU", elementwise=True),
     ForeignOp("Attention", "", "attention"),
+    # ONNX Runtime's contrib op in the default domain (where ONNX Runtime registers it and the ``ort``
+    # lowering writes it)
+    ForeignOp("SimplifiedLayerNormalization", "", "RMSNorm", same_shape_outputs=(0,), normalizes=True),
     # ONNX Runtime contrib ops
     _ms("LayerNormalization", "LayerNorm", same_shape_outputs=(0,), normalizes=True),
     _ms("SkipLayerNormalization", "LayerNorm", affine=(2, 3), same_shape_outputs=(0, 3), normalizes=True),

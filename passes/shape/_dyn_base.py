@@ -64,11 +64,11 @@ class _SourceAction:
 
 
 #: Shape-preserving ops this pass treats alike (output 0 has input 0's shape, read off input 0 alone): the
-#: standard ones and the ``com.microsoft`` ones whose foreign-op record lists output 0 in
-#: ``same_shape_outputs`` and says ``elementwise`` or ``normalizes`` (their other inputs are parameters or
-#: tensors of input 0's shape).  ``RotaryEmbedding`` keeps input 0's shape too but reads position rows of
+#: standard ones and the ``com.microsoft`` (or default-domain contrib) ones whose foreign-op record lists
+#: output 0 in ``same_shape_outputs`` and says ``elementwise`` or ``normalizes`` (their other inputs are
+#: parameters or tensors of input 0's shape).  ``RotaryEmbedding`` keeps input 0's shape too but reads position rows of
 #: its cos/sin caches, whose length may be the old sequence size: this rule would not see it, so no rule.
-_UNARY = SAME_SHAPE_OPS | {op.name for op in BUILTIN_FOREIGN_OPS if op.domain == MS_DOMAIN
+_UNARY = SAME_SHAPE_OPS | {op.name for op in BUILTIN_FOREIGN_OPS if op.domain in ("", MS_DOMAIN)
                            and 0 in op.same_shape_outputs and (op.elementwise or op.normalizes)}
 _BROADCAST = BROADCAST_OPS
 _REDUCE = REDUCE_OPS
