@@ -41,7 +41,18 @@ import numpy as np
 import onnx_ir as ir
 
 from mograph.foreign_ops import ForeignOp, elementwise_ops, normalization_ops
-from mograph.shapes import DimSize, ShapeQuery, ShapeRules, Sizes, const_tensor, int_vector, owns_tensor, shape_literals
+from mograph.shapes import (
+    BROADCAST_OPS,
+    REDUCE_OPS,
+    DimSize,
+    ShapeQuery,
+    ShapeRules,
+    Sizes,
+    const_tensor,
+    int_vector,
+    owns_tensor,
+    shape_literals,
+)
 from mograph.shapes import ShapeLiteral as _Literal
 
 #: The sizes the analysis reads (the shape facility's query, as numbers).
@@ -709,14 +720,9 @@ _UNARY = {
     "Identity", "Dropout", "Clip", "Floor", "Ceil", "Round", "Sign", "Sin", "Cos", "Not", "IsNaN", "IsInf",
     "ThresholdedRelu", "Shrink",
 }  # fmt: skip
-_BROADCAST = {
-    "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Mean", "Where", "PRelu", "Equal", "Less", "Greater",
-    "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor", "Mod",
-}  # fmt: skip
-_REDUCE = {
-    "ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2", "ReduceLogSum",
-    "ReduceLogSumExp", "ReduceSumSquare",
-}  # fmt: skip
+# the standard ops that broadcast and those that reduce: the core's op classes (mograph.shapes)
+_BROADCAST = BROADCAST_OPS
+_REDUCE = REDUCE_OPS
 
 Rule = Callable[[_Ctx, ir.Node, bool, int, Dim], RuleResult]
 _RULES: dict[tuple[str, str], Rule] = {}

@@ -18,6 +18,7 @@ from onnx import helper, numpy_helper
 
 from models.builders import make_model
 from mograph.foreign_ops import ForeignOp
+from mograph.shapes import BROADCAST_OPS, REDUCE_OPS
 from mograph.testing import op_types, run_ort, to_ir
 
 RNG = np.random.default_rng(0)
@@ -114,3 +115,6 @@ def test_rules_follow_the_records():
         assert rules[key].__name__ == "_layernorm", key
     assert rules[("", "Gelu")].__name__ == "_unary"  # a standard op's own rule wins over its record
     assert (ms, "EmbedLayerNormalization") not in rules and (ms, "RotaryEmbedding") not in rules
+    # the standard op classes are the core's (mograph.shapes), not tables of the pass
+    assert {op for (d, op), r in rules.items() if d == "" and r.__name__ == "_broadcast"} == set(BROADCAST_OPS)
+    assert {op for (d, op), r in rules.items() if d == "" and r.__name__ == "_reduce"} == set(REDUCE_OPS)
