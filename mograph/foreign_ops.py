@@ -3,7 +3,8 @@
 Passes, lowerings and the profiler meet ops of other domains (ONNX Runtime's ``com.microsoft`` contrib
 ops, standard ONNX ops that are a fused computation) and need a few facts about them: which computation
 an op is an already-fused form of, where an attention op reads its past KV cache and writes the
-present one, which inputs are a normalization's gamma and beta, which outputs have input 0's shape.
+present one, which inputs are a normalization's gamma and beta, which outputs have input 0's shape,
+whether it is elementwise or a row normalization.
 Each fact is a field of the op's record here, not a private table in the pass that needs it.
 
 The built-in records are :data:`BUILTIN_FOREIGN_OPS`; a plugin adds records (for its runtime's ops)
@@ -20,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import onnx_ir as ir
 
-__all__ = ["BUILTIN_FOREIGN_OPS", "ForeignOp", "MS_DOMAIN", "affine_inputs", "foreign_ops", "fused_kinds"]
+__all__ = ["BUILTIN_FOREIGN_OPS", "ForeignOp", "MS_DOMAIN", "affine_inputs", "elementwise_ops", "foreign_ops",
+           "fused_kinds", "normalization_ops"]
 
 #: ONNX Runtime's contrib-op domain.
 MS_DOMAIN = "com.microsoft"
@@ -48,6 +50,12 @@ class ForeignOp:
             value there computed on the device needs a copy back, which a CUDA graph cannot hold.
         shape_rule: the built-in shape rule family the op's outputs follow (``"attention"``: output 0 is
             ``[batch, sequence, hidden]`` of a rank-3 query), ``None`` for none.
+        elementwise: output 0 is computed element by element from all the inputs broadcast together
+            (numpy rules), like ``Add``: ``prune-structured`` couples a channel through it on every input.
+        normalizes: output 0 normalizes input 0 over the axes from its ``axis`` attribute (default -1) on,
+            each row on its own; the other inputs are the norm's parameters (or a residual added first), the
+            other outputs its statistics (or that sum).  The Q/DQ plans list it as a normalization, ``fp16``
+            counts its reduction depth, ``prune-structured`` couples a channel on an axis before ``axis``.
     """
 
     name: str
@@ -61,6 +69,8 @@ class ForeignOp:
     since_version: int = 1
     host_inputs: tuple[int, ...] = ()
     shape_rule: str | None = None
+    elementwise: bool = False
+    normalizes: bool = False
 
     @property
     def key(self) -> tuple[str, str]:
@@ -74,21 +84,24 @@ def _ms(name: str, computes: str | None = None, **facts: object) -> ForeignOp:
 #: The records every installation has (registered by the built-in plugin ``mograph.lowering``).
 BUILTIN_FOREIGN_OPS: tuple[ForeignOp, ...] = (
     # standard ONNX forms of the fused computations
-    ForeignOp("LayerNormalization", "", "LayerNorm", affine=(1, 2)),
-    ForeignOp("RMSNormalization", "", "RMSNorm"),
-    ForeignOp("Gelu", "", "GELU"),
+    ForeignOp("LayerNormalization", "", "LayerNorm", affine=(1, 2), normalizes=True),
+    ForeignOp("RMSNormalization", "", "RMSNorm", normalizes=True),
+    ForeignOp("Gelu", "", "GELU", elementwise=True),
     ForeignOp("Attention", "", "attention"),
+    # ONNX Runtime's contrib op in the default domain (where ONNX Runtime registers it and the ``ort``
+    # lowering writes it)
+    ForeignOp("SimplifiedLayerNormalization", "", "RMSNorm", same_shape_outputs=(0,), normalizes=True),
     # ONNX Runtime contrib ops
-    _ms("LayerNormalization", "LayerNorm", same_shape_outputs=(0,)),
-    _ms("SkipLayerNormalization", "LayerNorm", affine=(2, 3), same_shape_outputs=(0, 3)),
+    _ms("LayerNormalization", "LayerNorm", same_shape_outputs=(0,), normalizes=True),
+    _ms("SkipLayerNormalization", "LayerNorm", affine=(2, 3), same_shape_outputs=(0, 3), normalizes=True),
     _ms("EmbedLayerNormalization", "LayerNorm"),
-    _ms("SimplifiedLayerNormalization", "RMSNorm", same_shape_outputs=(0,)),
-    _ms("SkipSimplifiedLayerNormalization", "RMSNorm", same_shape_outputs=(0, 3)),
-    _ms("Gelu", "GELU", same_shape_outputs=(0,)),
-    _ms("FastGelu", "GELU", same_shape_outputs=(0,)),
-    _ms("BiasGelu", "GELU", same_shape_outputs=(0,)),
-    _ms("QuickGelu", "GELU", same_shape_outputs=(0,)),
-    _ms("BiasAdd", same_shape_outputs=(0,)),
+    _ms("SimplifiedLayerNormalization", "RMSNorm", same_shape_outputs=(0,), normalizes=True),
+    _ms("SkipSimplifiedLayerNormalization", "RMSNorm", same_shape_outputs=(0, 3), normalizes=True),
+    _ms("Gelu", "GELU", same_shape_outputs=(0,), elementwise=True),
+    _ms("FastGelu", "GELU", same_shape_outputs=(0,), elementwise=True),
+    _ms("BiasGelu", "GELU", same_shape_outputs=(0,), elementwise=True),
+    _ms("QuickGelu", "GELU", same_shape_outputs=(0,), elementwise=True),
+    _ms("BiasAdd", same_shape_outputs=(0,), elementwise=True),
     _ms("RotaryEmbedding", same_shape_outputs=(0,)),
     _ms("Attention", "attention", shape_rule="attention"),
     _ms("MultiHeadAttention", "attention", cache=((6, 1), (7, 2)), shape_rule="attention"),
@@ -137,3 +150,13 @@ def affine_inputs(custom_ops: Iterable[object], registered: Mapping[tuple[str, s
         if affine is not None and isinstance(key, tuple):
             out.setdefault(key, tuple(affine))  # type: ignore[arg-type]
     return out
+
+
+def elementwise_ops(registered: Mapping[tuple[str, str], ForeignOp] | None = None) -> frozenset[tuple[str, str]]:
+    """``(domain, op type)`` of the foreign ops whose record says ``elementwise``."""
+    return frozenset(op.key for op in foreign_ops(registered).values() if op.elementwise)
+
+
+def normalization_ops(registered: Mapping[tuple[str, str], ForeignOp] | None = None) -> frozenset[tuple[str, str]]:
+    """``(domain, op type)`` of the foreign ops whose record says ``normalizes``."""
+    return frozenset(op.key for op in foreign_ops(registered).values() if op.normalizes)

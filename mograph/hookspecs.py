@@ -134,7 +134,9 @@ def mograph_add_foreign_ops() -> list[ForeignOp]:
     computation the op is an already-fused form of (``computes``: the profile counts its time as
     fused), where it reads and writes a KV cache (``cache``: ``kv-cache-fp8`` quantizes it there),
     its gamma/beta inputs (``affine``), the outputs shaped like input 0 (``same_shape_outputs``, from which
-    its shape rule follows) or its own shape rule (``shape_dims`` from ``since_version``).  The built-in plugin
+    its shape rule follows) or its own shape rule (``shape_dims`` from ``since_version``), whether it is
+    elementwise over its broadcast inputs (``elementwise``) or normalizes rows of input 0 (``normalizes``:
+    the Q/DQ plans, ``fp16`` and ``prune-structured`` treat it as they treat ``LayerNormalization``).  The built-in plugin
     ``mograph.lowering`` declares the ``com.microsoft`` and standard ops mograph meets this way.
 
     Returns:

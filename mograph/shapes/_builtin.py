@@ -56,6 +56,10 @@ REDUCE_OPS = frozenset({
 #: (:mod:`mograph.foreign_ops`, one record per foreign op).
 MS_SAME_SHAPE = {op.name: op.same_shape_outputs for op in BUILTIN_FOREIGN_OPS
                  if op.domain == MS_DOMAIN and op.same_shape_outputs}
+#: ONNX Runtime's contrib ops in the default domain (``SimplifiedLayerNormalization``) whose listed outputs
+#: have input 0's shape: their records' ``same_shape_outputs``.
+CONTRIB_SAME_SHAPE = {op.name: op.same_shape_outputs for op in BUILTIN_FOREIGN_OPS
+                      if op.domain == "" and op.same_shape_outputs}
 #: ``com.microsoft`` attention ops whose output 0 is ``[batch, sequence, hidden]``: the records whose
 #: ``shape_rule`` is ``"attention"``.
 MS_ATTENTION = tuple(op.name for op in BUILTIN_FOREIGN_OPS if op.domain == MS_DOMAIN and op.shape_rule == "attention")
@@ -571,6 +575,8 @@ def same_shape_rule(outputs: tuple[int, ...]) -> Callable[[ir.Node, ShapeQuery],
 def _register_ms(t: ShapeRules) -> None:
     for op, outputs in MS_SAME_SHAPE.items():
         shape_rule(t, MS_DOMAIN, op)(same_shape_rule(outputs))
+    for op, outputs in CONTRIB_SAME_SHAPE.items():
+        shape_rule(t, "", op)(same_shape_rule(outputs))
 
     @shape_rule(t, MS_DOMAIN, "EmbedLayerNormalization")
     def embed_layer_norm(node: ir.Node, q: ShapeQuery) -> list[Dims | None] | None:

@@ -12,7 +12,7 @@ of the axis.  ``inner`` is 1 for single neurons and channels, and ``head_dim`` f
 of an attention projection whose heads are the units; ``offset`` is non-zero behind a ``Concat``.
 
 Each operator has a rule mapping a dimension on one of its ports to the coupled dimensions on its other
-ports (:data:`_RULES`).  Constants (initializers and ``Constant`` node outputs) end the walk: they are
+ports (:func:`op_rules`: the standard ops' and, from their records, the foreign ops').  Constants (initializers and ``Constant`` node outputs) end the walk: they are
 the weights that get sliced.  The walk never stops early; every obstacle is collected as a reason, and
 a group with any reason is *blocked* — left alone — because the dimension is:
 
@@ -34,13 +34,25 @@ coupled (never as a broadcast 1).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
 
-from mograph.shapes import DimSize, ShapeQuery, ShapeRules, Sizes, const_tensor, int_vector, owns_tensor, shape_literals
+from mograph.foreign_ops import ForeignOp, elementwise_ops, normalization_ops
+from mograph.shapes import (
+    BROADCAST_OPS,
+    REDUCE_OPS,
+    DimSize,
+    ShapeQuery,
+    ShapeRules,
+    Sizes,
+    const_tensor,
+    int_vector,
+    owns_tensor,
+    shape_literals,
+)
 from mograph.shapes import ShapeLiteral as _Literal
 
 #: The sizes the analysis reads (the shape facility's query, as numbers).
@@ -62,6 +74,7 @@ __all__ = [
     "analyze",
     "const_tensor",
     "int_vector",
+    "op_rules",
     "owns_tensor",
     "reshape_plan",
     "shape_info",
@@ -163,6 +176,7 @@ class _Ctx:
     shapes: ShapeInfo
     opset: int
     group: Group
+    rules: Mapping[tuple[str, str], Rule]
 
 
 def _norm_axis(axis: int, rank: int) -> int:
@@ -706,14 +720,9 @@ _UNARY = {
     "Identity", "Dropout", "Clip", "Floor", "Ceil", "Round", "Sign", "Sin", "Cos", "Not", "IsNaN", "IsInf",
     "ThresholdedRelu", "Shrink",
 }  # fmt: skip
-_BROADCAST = {
-    "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Mean", "Where", "PRelu", "Equal", "Less", "Greater",
-    "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor", "Mod",
-}  # fmt: skip
-_REDUCE = {
-    "ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2", "ReduceLogSum",
-    "ReduceLogSumExp", "ReduceSumSquare",
-}  # fmt: skip
+# the standard ops that broadcast and those that reduce: the core's op classes (mograph.shapes)
+_BROADCAST = BROADCAST_OPS
+_REDUCE = REDUCE_OPS
 
 Rule = Callable[[_Ctx, ir.Node, bool, int, Dim], RuleResult]
 _RULES: dict[tuple[str, str], Rule] = {}
@@ -727,8 +736,6 @@ for _op in ("Softmax", "LogSoftmax", "Hardmax"):
     _RULES[("", _op)] = _axis_op
 for _op in ("MaxPool", "AveragePool", "LpPool", "GlobalAveragePool", "GlobalMaxPool", "GlobalLpPool"):
     _RULES[("", _op)] = _pool
-for _op in ("Gelu", "FastGelu", "BiasGelu", "QuickGelu"):
-    _RULES[("com.microsoft", _op)] = _broadcast
 _RULES.update(
     {
         ("", "Transpose"): _transpose,
@@ -736,8 +743,6 @@ _RULES.update(
         ("", "Gemm"): _gemm,
         ("", "Conv"): _conv,
         ("", "BatchNormalization"): _batchnorm,
-        ("", "LayerNormalization"): _layernorm,
-        ("com.microsoft", "SkipLayerNormalization"): _layernorm,
         ("", "Flatten"): _flatten,
         ("", "Squeeze"): _squeeze_like,
         ("", "Unsqueeze"): _squeeze_like,
@@ -749,13 +754,30 @@ _RULES.update(
 )
 
 
+def op_rules(foreign: Mapping[tuple[str, str], ForeignOp] | None = None) -> dict[tuple[str, str], Rule]:
+    """The rule of each op: the standard ops' above, then the foreign ops' from their records
+    (:mod:`mograph.foreign_ops`; ``foreign``: the registry's, default the built-in ones): an ``elementwise``
+    op broadcasts (:func:`_broadcast`), one that ``normalizes`` rows is a LayerNorm (:func:`_layernorm`)."""
+    rules = dict(_RULES)
+    for key in sorted(elementwise_ops(foreign)):
+        rules.setdefault(key, _broadcast)
+    for key in sorted(normalization_ops(foreign)):
+        rules.setdefault(key, _layernorm)
+    return rules
+
+
+_BUILTIN_RULES = op_rules()
+
 # ------------------------------------------------------------------------------------------- closure
 
 
-def analyze(seed_node: ir.Node, seed: Dim, units: int, scope: str, name: str, shapes: ShapeInfo, opset: int) -> Group:
-    """The group of every dimension coupled to ``seed`` (``units`` prunable units), with its obstacles."""
+def analyze(seed_node: ir.Node, seed: Dim, units: int, scope: str, name: str, shapes: ShapeInfo, opset: int,
+            rules: Mapping[tuple[str, str], Rule] | None = None) -> Group:
+    """The group of every dimension coupled to ``seed`` (``units`` prunable units), with its obstacles.
+
+    ``rules``: the rule of each ``(domain, op type)`` (:func:`op_rules`; default: with the built-in records)."""
     group = Group(name=name, scope=scope, seed=seed_node, units=units)
-    ctx = _Ctx(shapes, opset, group)
+    ctx = _Ctx(shapes, opset, group, _BUILTIN_RULES if rules is None else rules)
     work: list[tuple[Dim, str]] = [(seed, "")]
     while work:
         d, role = work.pop()
@@ -798,7 +820,7 @@ def _visit(ctx: _Ctx, node: ir.Node, is_input: bool, index: int, d: Dim, work: l
     group = ctx.group
     group.nodes[id(node)] = node
     domain = "" if node.domain == "ai.onnx" else node.domain
-    rule = _RULES.get((domain, node.op_type))
+    rule = ctx.rules.get((domain, node.op_type))
     if rule is None:
         group.reasons.append(f"{node.op_type} {node.name!r} ({domain or 'ai.onnx'}) has no pruning rule")
         return

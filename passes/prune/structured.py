@@ -40,6 +40,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -51,6 +52,7 @@ from mograph.passes.prune._deps import (
     ShapeInfo,
     analyze,
     const_tensor,
+    op_rules,
     owns_tensor,
     reshape_plan,
     shape_info,
@@ -109,8 +111,9 @@ class PruneStructuredPass(Pass):
         graph = model.graph
         opset = model_opset(model)
         shapes = shape_info(model, rules_for(self.registry))
+        rules = op_rules(self.registry.foreign_ops if self.registry is not None else None)
 
-        groups = _find_groups(graph, shapes, opset, scopes)
+        groups = _find_groups(graph, shapes, opset, scopes, rules)
         stats: dict[str, int | float] = {}
         listing: list[dict[str, Any]] = []
         blocked: list[dict[str, Any]] = []
@@ -180,8 +183,10 @@ class PruneStructuredPass(Pass):
 # ------------------------------------------------------------------------------------------- seeds
 
 
-def _find_groups(graph: ir.Graph, shapes: ShapeInfo, opset: int, scopes: tuple[str, ...]) -> list[Group]:
-    """Analyse every seed of the chosen scopes (heads first: their groups contain the Q/K/V neurons)."""
+def _find_groups(graph: ir.Graph, shapes: ShapeInfo, opset: int, scopes: tuple[str, ...],
+                 rules: Mapping[tuple[str, str], Any] | None = None) -> list[Group]:
+    """Analyse every seed of the chosen scopes (heads first: their groups contain the Q/K/V neurons) with
+    ``rules`` (:func:`~mograph.passes.prune._deps.op_rules`; default: with the built-in foreign-op records)."""
     seeds: list[tuple[str, ir.Node, Dim, int, str]] = []
     for node in graph:
         if node.domain not in ("", "ai.onnx"):
@@ -210,7 +215,7 @@ def _find_groups(graph: ir.Graph, shapes: ShapeInfo, opset: int, scopes: tuple[s
     for scope, node, dim, units, name in seeds:
         if (id(dim.value), dim.axis) in covered:  # already inside an earlier group, at any offset
             continue
-        g = analyze(node, dim, units, scope, name, shapes, opset)
+        g = analyze(node, dim, units, scope, name, shapes, opset, rules)
         covered |= {key[:2] for key in g.dims}
         groups.append(g)
     return groups

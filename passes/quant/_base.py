@@ -489,7 +489,7 @@ class QdqPassBase(Pass):
         self._unsmooth_float(model, decisions, plan, stats)
         self.quantize_extra(model, plan, stats)  # before the rule-based float list: an INT8 table is not float
         loop_bodies = _loop_bodies(model)
-        sensitive = sensitive_nodes(model)
+        sensitive = sensitive_nodes(model, self.registry.foreign_ops if self.registry is not None else None)
         writer = QdqWriter(model, scheme, ranges, float_types)
         for c in cands:
             prec, reason = decisions[c.key]

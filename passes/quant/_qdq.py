@@ -38,6 +38,7 @@ Conv/Gemm biases stay float (an INT32 bias scale ``act_scale * weight_scale`` un
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,7 @@ import onnx_ir as ir
 from mograph.passes.quant.plan import node_key
 
 from mograph import _spill
+from mograph.foreign_ops import ForeignOp, normalization_ops
 from mograph.irutil import fresh_name
 
 __all__ = [
@@ -69,15 +71,9 @@ __all__ = [
 
 QUANT_OPS = ("MatMul", "Gemm", "Conv")
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, None)
-_NORM_OPS = {
-    "LayerNormalization",
-    "SimplifiedLayerNormalization",
-    "SkipLayerNormalization",
-    "BatchNormalization",
-    "InstanceNormalization",
-    "GroupNormalization",
-    "RMSNormalization",
-}
+#: Standard normalizations over a channel or group axis; those over the last axes (``LayerNormalization``,
+#: ``RMSNormalization``, ONNX Runtime's) are the foreign-op records that say ``normalizes``.
+_CHANNEL_NORMS = frozenset({"BatchNormalization", "InstanceNormalization", "GroupNormalization"})
 
 
 @dataclass
@@ -264,13 +260,19 @@ def default_precision(model: ir.Model, cands: list[Candidate], precision: str) -
     return out
 
 
-def sensitive_nodes(model: ir.Model) -> list[tuple[ir.Node, str]]:
-    """Nodes that stay in float by rule (listed in the plan): embeddings, normalization, softmax."""
+def sensitive_nodes(model: ir.Model, foreign: Mapping[tuple[str, str], ForeignOp] | None = None
+                    ) -> list[tuple[ir.Node, str]]:
+    """Nodes that stay in float by rule (listed in the plan): embeddings, normalization, softmax.
+
+    The normalizations are the standard channel norms and the ops whose foreign-op record says
+    ``normalizes`` (``foreign``: the registry's records, default the built-in ones)."""
+    norms = normalization_ops(foreign)
     out = []
     for node in model.graph:
         if node.op_type == "Gather" and node.inputs and _is_const(node.inputs[0]) and _is_float(node.inputs[0]):
             out.append((node, "default rule: embedding lookup"))
-        elif node.op_type in _NORM_OPS:
+        elif node.op_type in _CHANNEL_NORMS or (
+                "" if node.domain == "ai.onnx" else node.domain, node.op_type) in norms:
             out.append((node, "default rule: normalization"))
         elif node.op_type in ("Softmax", "LogSoftmax"):
             out.append((node, "default rule: softmax"))

@@ -69,6 +69,7 @@ from mograph.passes.quant.plan import Budget, PrecisionPlan, load_plan, node_key
 from mograph import _spill, ir_io
 from mograph.custom_ops import DOMAIN as CUSTOM_DOMAIN
 from mograph.errors import OptionError
+from mograph.foreign_ops import normalization_ops
 from mograph.irutil import fresh_name
 from mograph.pass_infra import Option, Pass, PassResult
 from mograph.specs import parse_bool
@@ -81,8 +82,9 @@ _F32 = ir.DataType.FLOAT.value
 _F16 = ir.DataType.FLOAT16.value
 _REDUCTIONS_BY_SIZE = {"ReduceSum", "ReduceMean", "ReduceSumSquare", "ReduceL1", "ReduceL2", "ReduceLogSumExp",
                        "ReduceProd", "GlobalAveragePool", "CumSum"}
-_REDUCTIONS_LAST_AXIS = {"LayerNormalization", "SimplifiedLayerNormalization", "GroupNormalization",
-                         "InstanceNormalization", "RMSNormalization", "Softmax", "LogSoftmax"}
+#: Standard ops whose reduction depth is input 0's last axis; with them, the ops whose foreign-op record
+#: says ``normalizes`` (``LayerNormalization``, ``RMSNormalization``, ONNX Runtime's norms).
+_REDUCTIONS_LAST_AXIS = frozenset({"GroupNormalization", "InstanceNormalization", "Softmax", "LogSoftmax"})
 _FP16_MARK = "mograph.fp16"
 _CAST_MARK = "mograph.fp16.cast"
 
@@ -334,19 +336,24 @@ class Fp16Pass(Pass):
             s = stats_by.get(v.name or "")
             return s.amax if s is not None else 0.0
 
+        norms = normalization_ops(self.registry.foreign_ops if self.registry is not None else None)
+
+        def along_last_axis(n: ir.Node) -> bool:
+            return n.op_type in _REDUCTIONS_LAST_AXIS or ("" if n.domain == "ai.onnx" else n.domain, n.op_type) in norms
+
         def reduced(n: ir.Node) -> int:
             x = stats_by.get(n.inputs[0].name or "") if n.inputs and n.inputs[0] is not None else None
             y = stats_by.get(n.outputs[0].name or "")
             if x is None:
                 return 0
-            if n.op_type in _REDUCTIONS_LAST_AXIS:
+            if along_last_axis(n):
                 return x.max_reduced
             return x.max_size // max(y.max_size, 1) if y is not None else x.max_size
 
         candidates: list[int] = []
         for p in undecided:
             n = nodes[p]
-            depth = reduced(n) if n.op_type in _REDUCTIONS_BY_SIZE | _REDUCTIONS_LAST_AXIS else 0
+            depth = reduced(n) if n.op_type in _REDUCTIONS_BY_SIZE or along_last_axis(n) else 0
             peak = max((amax(v) for v in (*n.inputs, *n.outputs)), default=0.0)
             if p in measured.overflow:
                 decisions[p] = ("fp32", f"measured overflow: the float16 result is not finite where float32 "

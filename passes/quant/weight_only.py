@@ -828,7 +828,7 @@ class WeightOnlyPass(Pass):
         for node, reason in skipped:
             plan.add(node, "float", reason)
         listed = self._embeddings(model, layers, decisions, written, low, stats, plan)
-        for node, reason in sensitive_nodes(model):
+        for node, reason in sensitive_nodes(model, self.registry.foreign_ops if self.registry is not None else None):
             if id(node) not in listed:
                 plan.add(node, "float", reason)
         if stats.get("quantized.embeddings") or stats.get("expanded.embed_layernorm"):

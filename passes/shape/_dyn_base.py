@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from mograph.foreign_ops import BUILTIN_FOREIGN_OPS, MS_DOMAIN
 from mograph.irutil import attr_value as _attr
 from mograph.shapes import BROADCAST_OPS, REDUCE_OPS, SAME_SHAPE_OPS, Dim
 
@@ -62,8 +63,13 @@ class _SourceAction:
     kind: str = "arange"  # or "uniform": every slice along ``axis`` is the same
 
 
-#: Shape-preserving ops this pass treats alike: the standard ones and the com.microsoft ones the fusions emit.
-_UNARY = SAME_SHAPE_OPS | {"SimplifiedLayerNormalization", "SkipLayerNormalization", "FastGelu", "BiasGelu"}
+#: Shape-preserving ops this pass treats alike (output 0 has input 0's shape, read off input 0 alone): the
+#: standard ones and the ``com.microsoft`` (or default-domain contrib) ones whose foreign-op record lists
+#: output 0 in ``same_shape_outputs`` and says ``elementwise`` or ``normalizes`` (their other inputs are
+#: parameters or tensors of input 0's shape).  ``RotaryEmbedding`` keeps input 0's shape too but reads position rows of
+#: its cos/sin caches, whose length may be the old sequence size: this rule would not see it, so no rule.
+_UNARY = SAME_SHAPE_OPS | {op.name for op in BUILTIN_FOREIGN_OPS if op.domain in ("", MS_DOMAIN)
+                           and 0 in op.same_shape_outputs and (op.elementwise or op.normalizes)}
 _BROADCAST = BROADCAST_OPS
 _REDUCE = REDUCE_OPS
 _POOL = {"Conv", "ConvTranspose", "MaxPool", "AveragePool", "LpPool"}

@@ -208,6 +208,8 @@ for _op, _outs in _MS_SAME.items():
     if _outs == 4:
         _expect[3] = ["b", "s", 8]  # the residual sum
     DIMS[(MS_DOMAIN, _op, 1)] = [([["b", "s", 8], ["b", "s", 8]], {}, _expect, OPSET)]
+# ONNX Runtime registers SimplifiedLayerNormalization in the default domain (its record says so)
+DIMS[("", "SimplifiedLayerNormalization", 1)] = [([["b", "s", 8], [8]], {}, [["b", "s", 8]], OPSET)]
 
 
 # (op, since_version): [(inputs, attributes, (is_scalar, expected elements) or None, opset)]

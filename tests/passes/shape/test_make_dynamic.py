@@ -8,6 +8,7 @@ axis already dynamic) is left alone.
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import pytest
 from _shape_testing import const, dims, f32, graph_input, i64, make, ops
@@ -221,6 +222,56 @@ def test_registered_as_plugin():
     reg = get_registry()
     assert reg.passes["make-dynamic"] is MakeDynamicPass
     assert isinstance(ir.Model, type)
+
+
+# --- com.microsoft ops: their class comes from their foreign-op records ---------------------------------
+
+
+def _ms_model(nodes: list, inputs: list, outputs: list, inits: list) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 9
+    return model
+
+
+def test_com_microsoft_ops_from_their_records():
+    # QuickGelu (elementwise) and SkipSimplifiedLayerNormalization (normalizes) keep input 0's shape by
+    # their records in mograph.foreign_ops; no hand list of make-dynamic names them
+    gamma = np.linspace(0.5, 1.5, 8).astype(np.float32)
+    nodes = [
+        helper.make_node("QuickGelu", ["x"], ["h"], domain="com.microsoft", alpha=1.702, name="quick_gelu"),
+        helper.make_node("SkipSimplifiedLayerNormalization", ["h", "x", "g"], ["n"], domain="com.microsoft",
+                         epsilon=1e-5, name="skip_rms"),
+        helper.make_node("Reshape", ["n", "t"], ["y"], name="reshape"),
+    ]
+    proto = _ms_model(nodes, [f32("x", [2, 4, 8])], [f32("y", [2, 32])], [const("g", gamma), i64("t", [2, 32])])
+
+    def reference(x: np.ndarray) -> np.ndarray:
+        s = x / (1 + np.exp(-1.702 * x)) + x
+        return (s / np.sqrt((s * s).mean(-1, keepdims=True) + 1e-5) * gamma).reshape(len(x), 32)
+
+    model = to_ir(proto)
+    result = MakeDynamicPass(dynamic=["x:0=n"]).call(model)
+    assert result.modified
+    assert result.stats == {"dims_made_dynamic": 1, "rewritten.Reshape": 1, "nodes_added": 3}
+    assert ops(model) == {"QuickGelu": 1, "SkipSimplifiedLayerNormalization": 1, "Shape": 1, "Gather": 1,
+                          "Concat": 1, "Reshape": 1}
+    assert dims(model.graph.outputs[0]) == ["n", 32]
+    for n in (2, 5, 1):
+        x = RNG.standard_normal((n, 4, 8)).astype(np.float32)
+        np.testing.assert_allclose(run_ort(model, {"x": x})[0], reference(x), rtol=1e-5, atol=1e-5)
+    fp = graph_fingerprint(model)
+    assert not MakeDynamicPass(dynamic=["x:0=n"]).call(model).modified and graph_fingerprint(model) == fp
+
+
+def test_refuses_rotary_embedding():
+    # RotaryEmbedding keeps input 0's shape, but its caches' length may be the old sequence size
+    cache = np.ones((4, 2), np.float32)
+    nodes = [helper.make_node("RotaryEmbedding", ["x", "pos", "cos", "sin"], ["y"], domain="com.microsoft",
+                              num_heads=2, name="rotary")]
+    proto = _ms_model(nodes, [f32("x", [1, 4, 8])], [f32("y", [1, 4, 8])],
+                      [i64("pos", [[0, 1, 2, 3]]), const("cos", cache), const("sin", cache)])
+    _refused(proto, "x:1=seq", "node 'rotary'", "no rule for RotaryEmbedding")
 
 
 # --- Resize (every YOLO-style detector upsamples its feature maps) ------------------------------------
