@@ -203,3 +203,37 @@ def test_projection_read_elsewhere_keeps_three(monkeypatch: pytest.MonkeyPatch) 
     f = feeds()
     for got, ref in zip(run_ort(packed, f), run_ort(separate, f)):
         assert float(np.abs(got - ref).max()) <= 1e-6 * max(float(np.abs(ref).max()), 1.0)
+
+
+def test_projections_without_bias(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layer 0's three projections without their bias Add (no ``bias`` input then), layer 1's key without it (zeros in
+    its part of ``[b_q | b_k | b_v]``, as Whisper's k_proj): both packed, with the unpacked lowering's numbers."""
+    def canonical() -> ir.Model:
+        model, _ = mograph.optimize(bert_tiny(batch=4), passes=["cleanup", "fuse", "weight-only"],
+                                    options={"target": "mograph", "algorithm": "rtn", "bits": 8})
+        producers = {o: n for n in model.graph.node for o in n.output}
+        for att in (n for n in model.graph.node if n.op_type == "Attention"):
+            for i in (0, 1, 2) if att.name == "AttentionFusion_0" else (1,):
+                add = producers[att.input[i]]
+                assert add.op_type == "Add"
+                att.input[i] = next(x for x in add.input if x in producers)  # the projection before its bias
+                model.graph.node.remove(add)
+        return to_ir(model)
+
+    model, reference = canonical(), canonical()
+    result = lower_model(model, "ort", registry=get_registry())
+    assert qkv_stats(result.stats) == {"attention.packed_qkv": 2, "attention.packed_qkv.nbits": 2,
+                                       "attention.qkv_bias": 1}
+    with monkeypatch.context() as mp:
+        mp.setattr(attention_lowering, "pack_nbits_qkv", lambda *args, **kwargs: None)
+        lower_model(reference, "ort", registry=get_registry())
+    packed, separate = to_proto(model), to_proto(reference)
+    assert ops(packed)["Split"] == 2 and ops(separate)["MatMulNBits"] - ops(packed)["MatMulNBits"] == 4
+    mha = {n.name: n for n in packed.graph.node if n.op_type == "MultiHeadAttention"}
+    assert len(mha["AttentionFusion_0"].input) < 4 or not mha["AttentionFusion_0"].input[3]  # no bias input
+    bias = next(t for t in packed.graph.initializer if t.name == mha["AttentionFusion_1"].input[3])
+    b = onnx.numpy_helper.to_array(bias)
+    assert b.shape == (3 * 64,) and not b[64:128].any() and b[:64].any() and b[128:].any()
+    f = feeds()
+    got, ref = run_ort(packed, f)[0], run_ort(separate, f)[0]
+    assert float(np.abs(got - ref).max()) <= 1e-6 * max(float(np.abs(ref).max()), 1.0)
