@@ -6,7 +6,11 @@
     ``[hidden, 3*H*D]`` GEMM inside the op (what ONNX Runtime's transformers optimizer emits: one kernel per
     layer instead of three MatMuls and three bias Adds); anything else (cross-attention, a KV cache, grouped
     query heads, projections read elsewhere) gets ``com.microsoft.MultiHeadAttention`` with separate Q, K, V
-    (cuDNN flash attention on CUDA: the kernels BENCHMARKS-GPU.md names, session 4).  How a mask gets
+    (cuDNN flash attention on CUDA: the kernels BENCHMARKS-GPU.md names, session 4).  Such a self-attention whose
+    projections are weight-only quantized (already ``com.microsoft.MatMulNBits``, which ``Attention`` cannot take)
+    gets ONE packed ``MatMulNBits`` ``[3*H*D]`` wide, a ``Split`` into Q, K, V and ``[b_q | b_k | b_v]`` as
+    ``MultiHeadAttention``'s ``bias`` (stats ``attention.packed_qkv``, ``attention.packed_qkv.nbits``,
+    ``attention.qkv_bias``; near misses ``attention.unpacked_qkv.<why>``): :mod:`.packed_nbits`.  How a mask gets
     there is the node's :data:`~mograph.passes.fusion.attention_op.MASK_FORMAT_KEY` hint (the
     ``fuse-attention`` option ``--mask-format``):
 
@@ -148,6 +152,7 @@ from mograph.passes.fusion.lowerings._attention_ort import (
 )
 from mograph.passes.fusion.lowerings._rotary import _lower_rotary_ort
 from mograph.passes.fusion.lowerings.attention_proofs import _causal, _kv_cache, _packed, _padding_mask, is_zero_bias
+from mograph.passes.fusion.lowerings.packed_nbits import pack_nbits_qkv
 
 from mograph.custom_ops import Lowering
 from mograph.errors import PassFailedError
@@ -203,7 +208,9 @@ def _lower_ort(node: ir.Node, ctx: LoweringContext) -> bool:
         lengths = (_key_lengths(mask, new_nodes, ctx.shared) if fmt == "lengths"
                    else _mask_index(mask, new_nodes, ctx.shared))
     packed = _packed(node) if kv_heads == heads else None
-    seq_of = packed[0] if packed is not None else q
+    # weight-only quantized projections (already MatMulNBits): one packed node, Split, the biases into the kernel
+    nbits = pack_nbits_qkv(q, k, v, node, graph, new_nodes, ctx) if packed is None and kv_heads == heads else None
+    seq_of = packed[0] if packed is not None else nbits.x if nbits is not None else q
     ab = None if bias is None or is_zero(bias) or padding is not None else _bias_for_kernel(bias, seq_of, new_nodes,
                                                                                              ctx, ctx.shared)
     if packed is not None:  # self-attention: one [hidden, 3*H*D] GEMM for Q, K and V inside the kernel
@@ -212,7 +219,11 @@ def _lower_ort(node: ir.Node, ctx: LoweringContext) -> bool:
         bv = add_initializer(graph, "mograph_qkv_bias", b)
         kernel = _kernel("Attention", [x, wv, bv, lengths, None, ab], attrs)
     else:
-        qkv_bias = _split_bias(node, q, k, v) if kv_heads == heads else None
+        if nbits is not None:
+            q, k, v, qkv_bias = nbits.q, nbits.k, nbits.v, nbits.bias
+            ctx.count("attention.packed_qkv")
+        else:
+            qkv_bias = _split_bias(node, q, k, v) if kv_heads == heads else None
         kernel = _kernel("MultiHeadAttention", [q, k, v, qkv_bias, lengths, ab], attrs)
         if qkv_bias is not None:
             ctx.count("attention.qkv_bias")

@@ -23,11 +23,29 @@ block size) are left as they are.  Stats: ``attention.packed_qkv.nbits`` (packed
 ``attention.packed_qkv``), ``attention.unpacked_qkv.<why>`` with ``why`` one of ``mixed_precision`` (float
 next to quantized, or different ``bits``), ``block_size``, ``accuracy_level``, ``other`` (different inputs,
 a ``g_idx`` or ``bias`` input, weights that are not constants, bits other than 4 and 8).
+
+Encoders (:func:`pack_nbits_qkv`, BERT-like self-attention lowered to ``MultiHeadAttention``): Q, K, V are ``x @ W +
+b`` of one ``x``, each ``MatMulNBits`` then a bias ``Add``.  The three nodes become the packed one, then ``Split``
+(constant sizes ``[N_q, N_k, N_v]``, last axis) gives ``MultiHeadAttention`` its ``query``, ``key``, ``value``, and
+``[b_q | b_k | b_v]`` goes to its ``bias`` input (a projection without bias adds zeros): one ``MatMulNBits`` per layer
+instead of three, and the three bias ``Add`` nodes go into the kernel.  Not ``MultiHeadAttention``'s packed query
+``[B, S, N, 3, H]`` (``key``/``value`` empty, no Split; ONNX Runtime's CUDA kernel takes it with ``bias``): the CPU
+kernel refuses it ("Packed QKV of shape (B, L, N, 3, H) not implemented for CPU", onnxruntime 1.32), so that form
+could not be checked on CPU; the Split form runs on both providers.  Exact: the packed node computes the three's
+columns as they did, and the kernel adds each bias as the ``Add`` did (the same float additions).
+
+Considered only: three projections (``MatMulNBits`` or float ``MatMul`` of a constant 2-D weight, optionally plus a
+constant 1-D bias) of one input, at least one of them quantized.  A projection read by anything but the attention
+(or a ``MatMulNBits`` read by anything but its ``Add``), biases of different types, or an opset below 13 (``Split``
+without its sizes input) count ``attention.unpacked_qkv.other``; the reasons of :func:`pack_nbits_projections` count
+as above.  Cross-attention (different inputs) and Q/K/V that are not projections (rotated by a rotary embedding)
+are not its business: nothing is counted.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import numpy as np
 import onnx_ir as ir
@@ -36,7 +54,7 @@ from mograph.irutil import add_initializer
 from mograph.lowering import LoweringContext
 from mograph.patterns import constant_array
 
-__all__ = ["MS_DOMAIN", "pack_nbits_projections"]
+__all__ = ["MS_DOMAIN", "PackedQKV", "pack_nbits_projections", "pack_nbits_qkv"]
 
 logger = logging.getLogger(__name__)
 
@@ -146,3 +164,92 @@ def pack_nbits_projections(xs: list[ir.Value], graph: ir.Graph, new_nodes: list[
     new_nodes.append(node)
     ctx.count("attention.packed_qkv.nbits")
     return out
+
+
+class PackedQKV(NamedTuple):
+    """What :func:`pack_nbits_qkv` built: ``x`` (the input the three projections read), ``q``, ``k``, ``v`` (the
+    ``Split`` of the packed node: MultiHeadAttention's query, key and value) and ``bias`` (``[b_q | b_k | b_v]`` for its
+    ``bias`` input; None where no projection had one)."""
+
+    x: ir.Value
+    q: ir.Value
+    k: ir.Value
+    v: ir.Value
+    bias: ir.Value | None
+
+
+def _projection(value: ir.Value) -> tuple[ir.Value, np.ndarray | None, ir.Value, int] | None:
+    """``(y, b, x, n)`` where ``value`` is ``y + b`` (either order, ``b`` a constant ``[n]``) or ``y`` itself, and ``y`` is
+    ``MatMulNBits(x)`` or a float ``MatMul(x, W)`` with a constant 2-D ``W`` (``n`` output columns); None otherwise."""
+    y, b = value, None
+    add = value.producer()
+    if add is not None and add.domain == "" and add.op_type == "Add" and len(add.inputs) == 2:
+        for i in (0, 1):
+            arr, other = constant_array(add.inputs[1 - i]), add.inputs[i]
+            if arr is not None and arr.ndim == 1 and other is not None and other.producer() is not None:
+                y, b = other, arr
+                break
+        else:
+            return None
+    mm = y.producer()
+    if mm is None or mm.inputs[0] is None:
+        return None
+    if _nbits_node(y) is not None:
+        n = _int_attr(mm, "N", 0)
+    elif mm.domain == "" and mm.op_type == "MatMul" and (w := constant_array(mm.inputs[1])) is not None and w.ndim == 2:
+        n = int(w.shape[1])
+    else:
+        return None
+    if b is not None and b.shape[0] != n:
+        return None
+    return y, b, mm.inputs[0], n
+
+
+def _only_read_by(value: ir.Value, reader: ir.Node) -> bool:
+    return not value.is_graph_output() and all(u.node is reader for u in value.uses())
+
+
+def pack_nbits_qkv(q: ir.Value, k: ir.Value, v: ir.Value, reader: ir.Node, graph: ir.Graph, new_nodes: list[ir.Node],
+                   ctx: LoweringContext) -> PackedQKV | None:
+    """Q, K, V of a self-attention ``reader`` as the ``Split`` of one packed ``MatMulNBits`` and one
+    ``[b_q | b_k | b_v]`` (the encoder form of the module docstring); the new nodes are appended to ``new_nodes``.
+
+    None, and nothing built, where Q, K, V are not three projections of one input with at least one
+    ``MatMulNBits`` (nothing counted), or where they cannot be packed exactly (counted as
+    ``attention.unpacked_qkv.<why>``).  The old projections are left for the caller's dead-producer sweep.
+    """
+    values = (q, k, v)
+    if len({id(x) for x in values}) != 3:
+        return None
+    parts = [_projection(x) for x in values]
+    if any(p is None for p in parts):
+        return None
+    ps = [p for p in parts if p is not None]
+    if all(_nbits_node(y) is None for y, *_ in ps) or len({id(x) for _, _, x, _ in ps}) != 1:
+        return None  # no quantized projection, or not self-attention
+    biases = [b for _, b, _, _ in ps if b is not None]
+    dtype = q.dtype.numpy() if q.dtype is not None else biases[0].dtype if biases else None
+    readers_ok = all(_only_read_by(x, reader) for x in values) and all(
+        y is x or _only_read_by(y, x.producer())  # type: ignore[arg-type]
+        for x, (y, *_) in zip(values, ps))
+    if not readers_ok or any(b.dtype != dtype for b in biases) or graph.opset_imports.get("", 13) < 13:
+        ctx.count("attention.unpacked_qkv.other")  # read elsewhere, biases of another type, no Split sizes input
+        logger.debug("%s: Q/K/V projections not packed: read elsewhere, or biases of another type", reader.name)
+        return None
+    packed = pack_nbits_projections([y for y, *_ in ps], graph, new_nodes, ctx)
+    if packed is None:
+        return None
+    sizes = [n for *_, n in ps]
+    const = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(sizes, dtype=np.int64))})
+    split = ir.node("Split", [packed, const.outputs[0]], attributes={"axis": -1}, num_outputs=3)
+    new_nodes += [const, split]
+    for out, old in zip(split.outputs, values):
+        if old.dtype is not None:
+            out.dtype = old.dtype
+        out.shape = ir.Shape(list(old.shape)) if old.shape is not None else None
+    bias = None
+    if biases:
+        assert dtype is not None
+        b_all = np.concatenate([b if b is not None else np.zeros(n, dtype) for _, b, _, n in ps]).astype(dtype)
+        bias = add_initializer(graph, "mograph_qkv_bias", b_all)
+    return PackedQKV(ps[0][2], split.outputs[0], split.outputs[1], split.outputs[2], bias)
