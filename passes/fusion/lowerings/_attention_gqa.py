@@ -36,7 +36,7 @@ from mograph.passes.fusion.lowerings.attention_proofs import (
     _rotated_split,
     _seq_dim,
 )
-from mograph.passes.fusion.lowerings.packed_nbits import pack_nbits_projections
+from mograph.passes.fusion.lowerings.packed_nbits import pack_nbits_biased, pack_nbits_projections
 
 from mograph.custom_ops import Lowering
 from mograph.errors import PassFailedError
@@ -145,7 +145,9 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
     logger.debug("%s: present outputs found: key %s, value %s", node.name, present_k, present_v)
     packed = _packed_qkv([xq, xk, v_new], graph, new_nodes)
     if packed is None:  # weight-only quantized projections (already MatMulNBits): one packed node where exact
-        packed = pack_nbits_projections([xq, xk, v_new], graph, new_nodes, ctx)
+        handled, packed = pack_nbits_biased([xq, xk, v_new], graph, new_nodes, ctx)  # y + b (Qwen2)
+        if not handled:
+            packed = pack_nbits_projections([xq, xk, v_new], graph, new_nodes, ctx)
     qkv: list[ir.Value | None] = [packed, None, None] if packed is not None else [xq, xk, v_new]
     attrs = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": scale, "do_rotary": 1, "rotary_interleaved": 0}
     kernel = _kernel("GroupQueryAttention", [*qkv, past, cv[0] if cv is not None else None, seqlens, total,

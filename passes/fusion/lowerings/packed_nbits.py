@@ -16,6 +16,9 @@ arrays along N *is* quantizing ``[W_q | W_k | W_v]`` with the same per-column bl
 computes exactly what the three compute, provided ``K``, ``bits``, ``block_size`` and ``accuracy_level``
 agree and all three read the same ``A``.  A node without zero points (symmetric) next to one with them gets
 its default zero points written out (``0x88`` per byte at 4 bits, ``128`` at 8 bits), which changes nothing.
+Projections with a bias (Qwen2's Q/K/V: ``MatMulNBits`` then ``Add`` of a constant ``[N]``) are packed by
+:func:`pack_nbits_biased`: the packed node, then one ``Add`` of ``[b_q | b_k | b_v]`` (zeros for one without); ONNX
+Runtime folds that ``Add`` into the kernel's bias as it did each of the three (stat ``attention.packed_qkv.bias``).
 
 The decision stays per layer: the precision plan still names ``q_proj``, ``k_proj``, ``v_proj`` one by one,
 and projections the plan gives different precisions (one ``float``, or ``int4`` next to ``int8``, or another
@@ -54,7 +57,7 @@ from mograph.irutil import add_initializer
 from mograph.lowering import LoweringContext
 from mograph.patterns import constant_array
 
-__all__ = ["MS_DOMAIN", "PackedQKV", "pack_nbits_projections", "pack_nbits_qkv"]
+__all__ = ["MS_DOMAIN", "PackedQKV", "pack_nbits_biased", "pack_nbits_projections", "pack_nbits_qkv"]
 
 logger = logging.getLogger(__name__)
 
@@ -253,3 +256,38 @@ def pack_nbits_qkv(q: ir.Value, k: ir.Value, v: ir.Value, reader: ir.Node, graph
         b_all = np.concatenate([b if b is not None else np.zeros(n, dtype) for _, b, _, n in ps]).astype(dtype)
         bias = add_initializer(graph, "mograph_qkv_bias", b_all)
     return PackedQKV(ps[0][2], split.outputs[0], split.outputs[1], split.outputs[2], bias)
+
+
+def pack_nbits_biased(xs: list[ir.Value], graph: ir.Graph, new_nodes: list[ir.Node],
+                      ctx: LoweringContext) -> tuple[bool, ir.Value | None]:
+    """:func:`pack_nbits_projections` for projections of which at least one adds a constant bias after its
+    ``MatMulNBits`` (``y + b``): the packed node, then one ``Add`` of ``[b_q | b_k | b_v]``.
+
+    ``(False, None)``: not this form (no bias ``Add`` after a ``MatMulNBits``; nothing counted, the caller may try
+    :func:`pack_nbits_projections`); ``(True, None)``: this form but not packed (the reason counted); ``(True, out)``:
+    packed.  Each ``MatMulNBits`` output must be read by its ``Add`` only (the caller checks ``xs``' readers).
+    """
+    parts = [_projection(x) for x in xs]
+    if any(p is None for p in parts):
+        return False, None
+    ps = [p for p in parts if p is not None]
+    if all(b is None for _, b, _, _ in ps) or not any(
+            b is not None and _nbits_node(y) is not None for y, b, _, _ in ps):
+        return False, None
+    biases = [b for _, b, _, _ in ps if b is not None]
+    dtype = xs[0].dtype.numpy() if xs[0].dtype is not None else biases[0].dtype
+    if any(y is not x and not _only_read_by(y, x.producer()) for x, (y, *_) in zip(xs, ps)) or any(  # type: ignore[arg-type]
+            b.dtype != dtype for b in biases):
+        ctx.count("attention.unpacked_qkv.other")  # a product also read elsewhere, or biases of another type
+        return True, None
+    packed = pack_nbits_projections([y for y, *_ in ps], graph, new_nodes, ctx)
+    if packed is None:
+        return True, None
+    b_all = np.concatenate([b if b is not None else np.zeros(n, dtype) for _, b, _, n in ps]).astype(dtype)
+    add = ir.node("Add", [packed, add_initializer(graph, "mograph_qkv_bias", b_all)])
+    if packed.dtype is not None:
+        add.outputs[0].dtype = packed.dtype
+    add.outputs[0].shape = packed.shape
+    new_nodes.append(add)
+    ctx.count("attention.packed_qkv.bias")
+    return True, add.outputs[0]
