@@ -414,6 +414,26 @@ def _is_dtype(value: object) -> bool:
         return False
 
 
+def _load_file(path: Path, *, stream: bool = True) -> ir.Model:
+    """The model in the ``.onnx`` file at ``path``: a large file with its big weights read from the file
+    straight into their arrays (:mod:`mograph._stream_load`: they are in memory once, not twice), any
+    other (or with ``stream=False``) with ``onnx.load``."""
+    from mograph import _stream_load
+
+    try:
+        streamed = _stream_load.load(path) if stream else None
+        proto = streamed.proto if streamed is not None else onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # noqa: BLE001 - protobuf raises several unrelated types
+        raise ModelError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc})") from exc
+    if not proto.graph.node and not proto.graph.output:
+        raise ModelError(f"{path}: not an ONNX model (no graph found: truncated or another format?)")
+    model = _from_proto(proto)
+    del proto
+    if streamed is not None and not streamed.fill(model):
+        return _load_file(path, stream=False)
+    return model
+
+
 def _from_proto(proto: onnx.ModelProto) -> ir.Model:
     try:
         model = ir.serde.deserialize_model(proto)
@@ -486,13 +506,7 @@ def _load_model(source: ModelSource, *, check: bool = True, base_dir: str | os.P
             raise ModelError(f"{path}: not a regular file")
         folder = path.resolve().parent
         origin = "a path"
-        try:
-            proto = onnx.load(str(path), load_external_data=False)
-        except Exception as exc:  # noqa: BLE001 - protobuf raises several unrelated types
-            raise ModelError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc})") from exc
-        if not proto.graph.node and not proto.graph.output:
-            raise ModelError(f"{path}: not an ONNX model (no graph found: truncated or another format?)")
-        model = _from_proto(proto)
+        model = _load_file(path)
         model.meta[SOURCE_KEY] = str(path.resolve())
         stamp = _stamp(path.resolve())
     elif isinstance(source, (bytes, bytearray)):
