@@ -810,8 +810,10 @@ def _locations(path: Path) -> set[str]:
     """The external-data locations the model file at ``path`` reads (none if it is not one)."""
     if not path.is_file():
         return set()
+    from mograph import _stream_load
+
     try:
-        proto = onnx.load(str(path), load_external_data=False)
+        proto = _stream_load.proto_without_weights(path)  # a large file's weights are not read
     except Exception:  # noqa: BLE001 - an unreadable old output reads nothing of ours
         return set()
     found: set[str] = set()
