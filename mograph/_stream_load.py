@@ -57,6 +57,11 @@ _PLAIN_DTYPES = frozenset(int(d) for d in (
 ))
 
 
+#: ``madvise`` advice where the platform has it (``None`` elsewhere: then the scan just does not advise).
+_DONTNEED = getattr(mmap, "MADV_DONTNEED", None) if hasattr(mmap.mmap, "madvise") else None
+_RANDOM = getattr(mmap, "MADV_RANDOM", None) if hasattr(mmap.mmap, "madvise") else None
+
+
 class _NotPlain(Exception):
     """The file is not in the form this loader takes: load it the ordinary way."""
 
@@ -71,10 +76,12 @@ class _Stripped:
 @dataclass
 class Loaded:
     """The skeleton's proto, and ``fill(model)``, which puts the weights left out of it into the model
-    deserialized from that proto (``False`` if it could not: then load the file with ``onnx.load``)."""
+    deserialized from that proto (``False`` if it could not: then load the file with ``onnx.load``).
+    The file stays open until ``fill`` has run, or ``close`` is called (a caller that gives up before)."""
 
     proto: onnx.ModelProto
     fill: Callable[[ir.Model], bool]
+    close: Callable[[], None]
 
 
 def _varint(buf: Any, pos: int) -> tuple[int, int]:
@@ -184,10 +191,10 @@ def _scan_graph(buf: Any, pos: int, end: int, stripped: list[_Stripped], count: 
         parts += [buf[run:start], _encode_varint(key), _encode_varint(len(data)), data]
         run = pos
         stripped.append(_Stripped(index, offset, length))
-        if isinstance(buf, mmap.mmap) and offset >= mmap.PAGESIZE:
+        if _DONTNEED is not None and isinstance(buf, mmap.mmap) and offset >= mmap.PAGESIZE:
             # Unmap what the scan touched so far: the kernel maps file pages in large blocks around the
             # ones read (a block per tensor header: +190 MiB on a 622 MiB file), and they count as ours.
-            buf.madvise(mmap.MADV_DONTNEED, 0, offset - offset % mmap.PAGESIZE)
+            buf.madvise(_DONTNEED, 0, offset - offset % mmap.PAGESIZE)
     if pos != end:
         raise _NotPlain("a field runs past its message")
     parts.append(buf[run:end])
@@ -245,7 +252,8 @@ def _skeleton(path: Path) -> tuple[Any, onnx.ModelProto, list[_Stripped]] | None
             file.close()
             return None
         with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            buf.madvise(mmap.MADV_RANDOM)  # read the pages the scan touches, not the weights around them
+            if _RANDOM is not None:  # read the pages the scan touches, not the weights around them
+                buf.madvise(_RANDOM)
             try:
                 skeleton, stripped, count = _scan_model(buf, size)
             except (_NotPlain, IndexError):
@@ -320,4 +328,4 @@ def load(path: Path) -> Loaded | None:
             file.close()
         return True
 
-    return Loaded(proto, fill)
+    return Loaded(proto, fill, file.close)

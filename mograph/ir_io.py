@@ -425,9 +425,14 @@ def _load_file(path: Path, *, stream: bool = True) -> ir.Model:
         proto = streamed.proto if streamed is not None else onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # noqa: BLE001 - protobuf raises several unrelated types
         raise ModelError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc})") from exc
-    if not proto.graph.node and not proto.graph.output:
-        raise ModelError(f"{path}: not an ONNX model (no graph found: truncated or another format?)")
-    model = _from_proto(proto)
+    try:
+        if not proto.graph.node and not proto.graph.output:
+            raise ModelError(f"{path}: not an ONNX model (no graph found: truncated or another format?)")
+        model = _from_proto(proto)
+    except BaseException:
+        if streamed is not None:
+            streamed.close()
+        raise
     del proto
     if streamed is not None and not streamed.fill(model):
         return _load_file(path, stream=False)

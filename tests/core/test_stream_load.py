@@ -200,3 +200,27 @@ def test_data_shorter_than_the_shape_gives_the_ordinary_error(tmp_path, streamed
     with pytest.raises(ModelError) as ordinary_err:
         ir_io.load_model(path)
     assert str(streamed_err.value) == str(ordinary_err.value)
+
+
+def test_a_failed_read_loads_the_file_again_the_ordinary_way(tmp_path, streamed, monkeypatch):
+    path = _model(tmp_path)
+
+    def fail(file, offset, length):
+        raise _stream_load._NotPlain("the file ended before a tensor's data")
+
+    monkeypatch.setattr(_stream_load, "_read_into", fail)
+    model = ir_io.load_model(path)
+    _assert_same(model, _ordinary(path, monkeypatch))
+
+
+def test_optimize_on_a_streamed_file_writes_what_it_wrote_before(tmp_path, streamed, monkeypatch):
+    import mograph
+
+    path = _model(tmp_path)
+    model, report = mograph.optimize(path, passes="cleanup")
+    assert streamed  # the weights came through the streaming load
+    with monkeypatch.context() as m:
+        m.setattr(_stream_load, "MIN_FILE_BYTES", 1 << 62)
+        reference, ref_report = mograph.optimize(path, passes="cleanup")
+    assert ir.serde.serialize_model(model).SerializeToString() == ir.serde.serialize_model(reference).SerializeToString()
+    assert [(p.name, p.stats) for p in report.passes] == [(p.name, p.stats) for p in ref_report.passes]
