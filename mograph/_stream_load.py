@@ -36,7 +36,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-__all__: list[str] = []
+__all__ = ["Loaded", "load", "proto_without_weights", "MIN_FILE_BYTES", "MIN_TENSOR_BYTES"]
 
 #: Files smaller than this are loaded with ``onnx.load``.
 MIN_FILE_BYTES = 64 << 20

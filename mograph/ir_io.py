@@ -478,7 +478,8 @@ def load_model(source: ModelSource, *, check: bool = True, base_dir: str | os.Pa
 
     Args:
         source: a path to an ``.onnx`` file (external data is resolved next to it and mapped
-            lazily), the bytes of a serialised model, an ``onnx.ModelProto``, an ``onnx_ir.Model``
+            lazily; in a file of 64 MiB or more, large in-protobuf weights are read from the file
+            straight into their arrays: :mod:`mograph._stream_load`), the bytes of a serialised model, an ``onnx.ModelProto``, an ``onnx_ir.Model``
             (returned as is: passes then rewrite it in place) or an ``onnx_graphsurgeon.Graph``.
         check: refuse models with a missing initializer, a cycle, or a missing external-data file.
             External data outside the model's folder is refused whatever ``check`` says (except in an
