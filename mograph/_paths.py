@@ -49,12 +49,14 @@ def model_files(path: str | os.PathLike[str] | None) -> list[Path]:
         return []
     out = [p]
     try:
-        import onnx
+        from mograph import _stream_load
 
-        proto = onnx.load(str(p), load_external_data=False)
+        proto = _stream_load.proto_without_weights(p)  # a large file's weights are not read
     except Exception:  # noqa: BLE001 - not a model we can read: the loader says why later
         return out
     names: set[str] = set()
+    import onnx
+
     for tensor in onnx.external_data_helper._get_all_tensors(proto):
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             names.update(e.value for e in tensor.external_data if e.key == "location")

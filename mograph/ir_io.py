@@ -414,6 +414,31 @@ def _is_dtype(value: object) -> bool:
         return False
 
 
+def _load_file(path: Path, *, stream: bool = True) -> ir.Model:
+    """The model in the ``.onnx`` file at ``path``: a large file with its big weights read from the file
+    straight into their arrays (:mod:`mograph._stream_load`: they are in memory once, not twice), any
+    other (or with ``stream=False``) with ``onnx.load``."""
+    from mograph import _stream_load
+
+    try:
+        streamed = _stream_load.load(path) if stream else None
+        proto = streamed.proto if streamed is not None else onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # noqa: BLE001 - protobuf raises several unrelated types
+        raise ModelError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc})") from exc
+    try:
+        if not proto.graph.node and not proto.graph.output:
+            raise ModelError(f"{path}: not an ONNX model (no graph found: truncated or another format?)")
+        model = _from_proto(proto)
+    except BaseException:
+        if streamed is not None:
+            streamed.close()
+        raise
+    del proto
+    if streamed is not None and not streamed.fill(model):
+        return _load_file(path, stream=False)
+    return model
+
+
 def _from_proto(proto: onnx.ModelProto) -> ir.Model:
     try:
         model = ir.serde.deserialize_model(proto)
@@ -453,7 +478,8 @@ def load_model(source: ModelSource, *, check: bool = True, base_dir: str | os.Pa
 
     Args:
         source: a path to an ``.onnx`` file (external data is resolved next to it and mapped
-            lazily), the bytes of a serialised model, an ``onnx.ModelProto``, an ``onnx_ir.Model``
+            lazily; in a file of 64 MiB or more, large in-protobuf weights are read from the file
+            straight into their arrays: :mod:`mograph._stream_load`), the bytes of a serialised model, an ``onnx.ModelProto``, an ``onnx_ir.Model``
             (returned as is: passes then rewrite it in place) or an ``onnx_graphsurgeon.Graph``.
         check: refuse models with a missing initializer, a cycle, or a missing external-data file.
             External data outside the model's folder is refused whatever ``check`` says (except in an
@@ -486,13 +512,7 @@ def _load_model(source: ModelSource, *, check: bool = True, base_dir: str | os.P
             raise ModelError(f"{path}: not a regular file")
         folder = path.resolve().parent
         origin = "a path"
-        try:
-            proto = onnx.load(str(path), load_external_data=False)
-        except Exception as exc:  # noqa: BLE001 - protobuf raises several unrelated types
-            raise ModelError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc})") from exc
-        if not proto.graph.node and not proto.graph.output:
-            raise ModelError(f"{path}: not an ONNX model (no graph found: truncated or another format?)")
-        model = _from_proto(proto)
+        model = _load_file(path)
         model.meta[SOURCE_KEY] = str(path.resolve())
         stamp = _stamp(path.resolve())
     elif isinstance(source, (bytes, bytearray)):
@@ -796,8 +816,10 @@ def _locations(path: Path) -> set[str]:
     """The external-data locations the model file at ``path`` reads (none if it is not one)."""
     if not path.is_file():
         return set()
+    from mograph import _stream_load
+
     try:
-        proto = onnx.load(str(path), load_external_data=False)
+        proto = _stream_load.proto_without_weights(path)  # a large file's weights are not read
     except Exception:  # noqa: BLE001 - an unreadable old output reads nothing of ours
         return set()
     found: set[str] = set()

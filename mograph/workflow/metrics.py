@@ -89,8 +89,10 @@ def hash_file(path: str | os.PathLike[str]) -> str:
 def _external_files(path: Path) -> list[Path]:
     import onnx
 
+    from mograph import _stream_load
+
     try:
-        proto = onnx.load(str(path), load_external_data=False)
+        proto = _stream_load.proto_without_weights(path)  # a large file's weights are not read
     except Exception:  # noqa: BLE001 - not our job to judge the model here; the loader does that
         return []
     names = set()

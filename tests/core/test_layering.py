@@ -34,6 +34,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         # leaf utilities that know nothing of models or plugins
         "mograph._signals", "mograph._tempfiles", "mograph._yaml", "mograph._paths", "mograph.progress",
         "mograph.cuda_graph", "mograph._kernels", "mograph.examples", "mograph._user_code",
+        # the .onnx file's wire format, read without copying weights (imports no mograph module; _paths uses it)
+        "mograph._stream_load",
         # where work runs (in process or on Ray): the quant passes fan out through it as the workflow does
         "mograph.workflow.executors",
     )),

@@ -396,3 +396,30 @@ def test_a_spilled_model_is_serialized_once_for_the_checker_and_onnxruntime(monk
         api.run_passes(model, [RenamePass(), BadAttributePass()], blocked=BLOCK)
     assert err.value.pass_name == "bad-attribute" and "onnx checker" in str(err.value)
     assert "skeleton" not in calls
+
+
+def test_the_onnxruntime_load_runs_without_optimizations_or_weight_prepacking(monkeypatch):
+    """The check's session: graph optimizations off and ``session.disable_prepacking`` set (a prepacked
+    copy of every MatMul weight doubled the check's peak memory); a model ONNX Runtime refuses is still
+    refused with these options."""
+    import onnxruntime as ort
+
+    from mograph import _spill
+
+    seen: list[ort.SessionOptions] = []
+    real_session = _spill.Payload.session
+
+    def session(self, sess_options, providers):
+        seen.append(sess_options)
+        return real_session(self, sess_options, providers)
+
+    monkeypatch.setattr(_spill.Payload, "session", session)
+    assert check_model_output(_model())["onnxruntime"].startswith("passed")
+    assert len(seen) == 1
+    assert seen[0].graph_optimization_level == ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    assert seen[0].get_session_config_entry("session.disable_prepacking") == "1"
+    bad = _model()
+    HalfWeightPass().call(bad)
+    with pytest.raises(InvalidModel) as err:
+        check_model_output(bad)
+    assert err.value.tool == "onnxruntime" and len(seen) == 2

@@ -503,3 +503,23 @@ def test_the_cli_progress_is_an_instrument_not_a_registered_plugin(tmp_path, cap
     assert "[1/2] eliminate-identity ...\n[2/2] topo-sort ...\n" in err
     names = {name for name, _ in mograph.plugins.get_registry().pm.list_name_plugin()}
     assert not any("progress" in name or "verify" in name for name in names)
+
+
+def test_graph_fingerprint_sees_a_constant_value_replaced_and_nothing_else():
+    """A ``Constant``'s tensor counts by identity (no protocol check): replacing it, or changing an
+    int attribute, changes the fingerprint; a second fingerprint of the same graph is the same."""
+    from mograph.pass_infra import graph_fingerprint
+
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([3]))
+    const = ir.Node("", "Constant", [], attributes=[ir.AttrTensor("value", ir.tensor(np.ones(3, np.float32)))])
+    add = ir.Node("", "Add", [x, const.outputs[0]])
+    concat = ir.Node("", "Concat", [add.outputs[0], x], attributes=[ir.AttrInt64("axis", 0)])
+    graph = ir.Graph([x], concat.outputs, nodes=[const, add, concat], opset_imports={"": 17})
+    model = ir.Model(graph, ir_version=10)
+    before = graph_fingerprint(model)
+    assert graph_fingerprint(model) == before
+    const.attributes["value"] = ir.AttrTensor("value", ir.tensor(np.ones(3, np.float32)))  # equal values, new tensor
+    replaced = graph_fingerprint(model)
+    assert replaced != before
+    concat.attributes["axis"] = ir.AttrInt64("axis", -1)
+    assert graph_fingerprint(model) != replaced
