@@ -19,9 +19,9 @@ from mograph.passes.fusion.canonicalize._base import (
     single_use,
     std,
 )
-from mograph.passes.fusion.canonicalize._dims import dims_of
 
 from mograph.patterns import constant_array
+from mograph.shapes import Dim
 
 if TYPE_CHECKING:
     from mograph.passes.fusion.canonicalize._engine import Canonicalizer
@@ -43,9 +43,9 @@ def _neutral(c: Canonicalizer, n: ir.Node) -> Build | Miss:
             if _broadcast_fill(k) == unit and v.dtype == n.outputs[0].dtype and constant_array(v) is None:
                 # a constant broadcast to a shape computed at run time (Flax's RMSNorm subtracts
                 # zeros of x's shape but the last dim): neutral if its dims go into v's
-                kd, vd = dims_of(k, c.dims_cache), dims_of(v, c.dims_cache)
+                kd, vd = c.shapes.dims(k), c.shapes.dims(v)
                 if kd is not None and vd is not None and len(kd) <= len(vd) and all(
-                        d == 1 or d == e for d, e in zip(kd, vd[len(vd) - len(kd):])):
+                        d == Dim() or (d is not None and d == e) for d, e in zip(kd, vd[len(vd) - len(kd):])):
                     return Build(v)
             continue
         if arr.size == 0 or not bool(np.all(arr == unit)) or v.dtype != n.outputs[0].dtype:

@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING
 import onnx_ir as ir
 
 from mograph.patterns import constant_array
+from mograph.shapes import Dim
 
 if TYPE_CHECKING:
     from mograph.passes.fusion.canonicalize._engine import Canonicalizer
 
-__all__ = ["Build", "CanonRule", "Miss", "Rewrite"]
+__all__ = ["Build", "CanonRule", "Miss", "Rewrite", "shape_entries"]
 
 #: The default ONNX domain, as a node may spell it.
 STD = ("", "ai.onnx")
@@ -104,3 +105,13 @@ def broadcasts_into(shape: tuple[int, ...], v: ir.Value) -> bool:
         return False
     dims = list(v.shape)[len(v.shape) - len(shape):]
     return all(c == 1 or (isinstance(d, int) and c == d) for c, d in zip(shape, dims))
+
+
+def shape_entries(c: Canonicalizer, value: ir.Value | None) -> list[Dim] | None:
+    """The elements of the 1-D shape vector ``value``, each known, as the canonicalizer's shape query reads them
+    (a constant, or one computed at run time: ``Shape`` with ``start``/``end``, ``Cast``, ``Concat``, ``Slice``,
+    ``Gather``, ...: how exporters write ``x.shape[:-1] + [1]`` when the batch dim is dynamic); else None."""
+    vec = c.shapes.values(value)
+    if vec is None or vec[0] or any(e is None for e in vec[1]):
+        return None
+    return list(vec[1])  # type: ignore[arg-type]
