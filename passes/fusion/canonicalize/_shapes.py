@@ -37,7 +37,7 @@ def _expand_noop(c: Canonicalizer, n: ir.Node) -> Build | Miss:
         return Miss("expands a constant (fold-broadcast's case)")
     if arr is not None:
         shape = tuple(int(d) for d in arr.reshape(-1))
-        if broadcasts_into(shape, v):
+        if broadcasts_into(c, shape, v):
             return Build(v)
         return Miss(f"the shape {list(shape)} is not provably '{v.name}'s own")
     # a shape computed at run time: a no-op if every dim is 1 or provably v's own
@@ -58,6 +58,8 @@ def _keepdims(c: Canonicalizer, n: ir.Node) -> Build | Miss:
     if not n.inputs or n.inputs[0] is None:
         return Miss(f"the {n.op_type} has no data input")
     v = n.inputs[0]
+    if not _reductions_below(v, 0):  # before any dim is asked: most Reshapes are not this, and need no sweep
+        return Miss(f"'{v.name}' is not elementwise ops of last-axis reductions without kept dims")
     target: list[Dim] | None
     if n.op_type == "Reshape":
         allowzero = n.attributes.get("allowzero")
@@ -79,6 +81,26 @@ def _keepdims(c: Canonicalizer, n: ir.Node) -> Build | Miss:
     if value is None:
         return Miss(f"'{v.name}' is not elementwise ops of last-axis reductions without kept dims")
     return Build(value, made)
+
+
+def _reductions_below(v: ir.Value, depth: int) -> bool:
+    """What :func:`_hoist` needs of ``v``'s producers, by op types alone: elementwise ops (single-element
+    constants as the other operands) of reductions without kept dims."""
+    p = v.producer()
+    if p is None or p.domain not in STD or depth > 12 or len(p.outputs) != 1:
+        return False
+    if p.op_type in ("ReduceSum", "ReduceMean"):
+        keep = p.attributes.get("keepdims")
+        return keep is not None and int(keep.value) == 0
+    if p.op_type not in _ELEMENTWISE:
+        return False
+    for u in p.inputs:
+        if u is None:
+            return False
+        arr = constant_array(u)
+        if not (arr is not None and arr.size == 1) and not _reductions_below(u, depth + 1):
+            return False
+    return True
 
 
 def _hoist(c: Canonicalizer, v: ir.Value, target: list[Dim], made: list[ir.Node], depth: int) -> ir.Value | None:
