@@ -37,7 +37,7 @@ from mograph.patterns import (
     scalar_value,
 )
 from mograph.patterns import MatchResult as MatchResult
-from mograph.shapes import Dims, ShapeQuery, ShapeRules, Vector, rules_for
+from mograph.shapes import Dim, Dims, ShapeQuery, ShapeRules, Vector, rules_for
 from mograph.specs import parse_bool
 
 logger = logging.getLogger(__name__)
@@ -98,6 +98,11 @@ class GraphShapes:
         if not query.knows(value) and value.graph is self.graph:
             query.refresh()
         return query.dims(value) if query.knows(value) else query.declared(value)
+
+    def dim(self, value: ir.Value | None, axis: int) -> Dim | None:
+        """Dim ``axis`` of ``value`` (negative counts from the end); ``None`` where its rank is unknown."""
+        dims = self.dims(value)
+        return dims[axis] if dims is not None and -len(dims) <= axis < len(dims) else None
 
     def values(self, value: ir.Value | None) -> Vector | None:
         """``(is_scalar, elements)`` of a small int64 shape vector of the graph (a reshape target); ``None`` if the
