@@ -434,7 +434,9 @@ def _register_values(t: ShapeRules) -> None:  # noqa: C901 - one short rule per 
 
     @shape_rule(t, "", "Cast", kind="values")
     def cast(node: ir.Node, q: ShapeQuery) -> Vector | None:
-        return q.values(node.inputs[0]) if _attr(node, "to") == ir.DataType.INT64 else None
+        """Cast to int64 keeps the elements; to int32 too, for a query that tracks int32 vectors."""
+        to = _attr(node, "to")
+        return q.values(node.inputs[0]) if to == ir.DataType.INT64 or (q.int32 and to == ir.DataType.INT32) else None
 
     @shape_rule(t, "", "ConstantOfShape", 9, kind="values")
     def constant_of_shape(node: ir.Node, q: ShapeQuery) -> Vector | None:

@@ -15,6 +15,13 @@ The dims come from the rule table (:mod:`mograph.shapes._rules`): the rule in fo
 ``(domain, op_type, version)``; where there is none, or it cannot tell, the dims ONNX inference left on
 the value are used.  Inference wins where it has a literal and the rule has a symbol.  Subgraphs and
 functions are not entered.
+
+Shape vectors are int64, as ``Reshape``, ``Expand`` and ``Shape`` have them.  Some exporters do the shape
+arithmetic in int32 (jax2tf through tf2onnx: ``Cast<to=int64>(Concat(Slice(Cast<to=int32>(Shape(x))), ...))``),
+which is exact only while every dim is below 2**31.  A query made with ``int32=True`` takes that on and tracks
+int32 vectors too (int32 constants, ``Cast`` to int32, and everything the vector rules compute from them), so the
+int64 vector cast back from them has elements, and a ``Reshape``/``Expand`` to it has dims; by default it does
+not.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from mograph.shapes._builtin import builtin_rules, peek_tensor, reshape_dims
 from mograph.shapes._dim import Dim
 from mograph.shapes._rules import ShapeRules, node_version
 
-__all__ = ["Dims", "ShapeQuery", "Vector"]
+__all__ = ["Dims", "ShapeQuery", "Vector", "as_ir_shape"]
 
 #: The dims of one value: one per axis, ``None`` where unknown.
 Dims = tuple[Union[Dim, None], ...]
@@ -48,19 +55,37 @@ def _as_dim(d: Dim | int | tuple) -> Dim:
     return Dim.lit(d) if isinstance(d, int) else Dim(d).normal()
 
 
+def as_ir_shape(dims: Dims) -> ir.Shape:
+    """``dims`` written back as an IR shape, the inverse of how the query reads one: a literal as its number, a
+    named input dim (the atom ``=name``) as its name, anything else (a product, an unknown) as an unnamed dim."""
+    out: list[int | str | None] = []
+    for d in dims:
+        name = d.symbol if d is not None else None
+        if d is not None and d.is_literal:
+            out.append(d.value)
+        elif name is not None and name.startswith("="):
+            out.append(name[1:])
+        else:
+            out.append(None)
+    return ir.Shape(out)
+
+
 class ShapeQuery:
     """Symbolic dims of every value of ``graph`` and elements of its small int64 vectors, in one sweep.
 
     ``rules``: the table to consult (by default :func:`~mograph.shapes.builtin_rules`); a caller that
     holds the plugin registry passes the built-in table merged with the registered custom-op rules.
+    ``int32``: also track int32 shape vectors (the module docstring says when that is exact).
     """
 
     #: Longest int64 vector whose elements are tracked.
     max_vector = 64
 
-    def __init__(self, graph: ir.Graph, rules: ShapeRules | None = None) -> None:
+    def __init__(self, graph: ir.Graph, rules: ShapeRules | None = None, *, int32: bool = False) -> None:
         self.graph = graph
         self.rules = rules if rules is not None else builtin_rules()
+        #: whether int32 shape vectors are tracked (and ``Cast`` to int32 has a vector rule)
+        self.int32 = int32
         self._opsets = dict(graph.opset_imports)
         self._dims: dict[ir.Value, Dims | None] = {}
         self._vec: dict[ir.Value, Vector] = {}
@@ -108,7 +133,8 @@ class ShapeQuery:
         return value in self._dims
 
     def values(self, value: ir.Value | None) -> Vector | None:
-        """``(is_scalar, elements)`` of a tracked int64 shape vector; ``None`` if it is not one."""
+        """``(is_scalar, elements)`` of a tracked int64 shape vector (or int32, with ``int32=True``); ``None`` if it
+        is not one."""
         return None if value is None else self._vec.get(value)
 
     def dim(self, value: ir.Value | None, axis: int) -> Dim | None:
@@ -182,7 +208,8 @@ class ShapeQuery:
         if tensor is not None and self._dims.get(value) is None:
             self._dims[value] = tuple(Dim.lit(int(d)) for d in tensor.shape.numpy())
         ints = self.ints(value)
-        if ints is not None and tensor is not None and tensor.dtype == ir.DataType.INT64:
+        if ints is not None and tensor is not None and (
+                tensor.dtype == ir.DataType.INT64 or (self.int32 and tensor.dtype == ir.DataType.INT32)):
             self._vec[value] = (tensor.shape.rank() == 0, tuple(Dim.lit(i) for i in ints))
 
     def _visit(self, node: ir.Node) -> None:

@@ -1,8 +1,9 @@
 """The graph readers of ``fuse-attention`` (:mod:`.attention`): typed producers, scalar factors and reshape targets.
 
-A reshape target is read entry by entry (:func:`_entries`): a constant, ``("dim", i)`` where it is dim ``i``
-of a runtime ``Shape`` (through ``Gather``/``Unsqueeze``/``Concat``), or None where only its place is known (a
-target compared with another tensor's dims is read by the shape query, ``GraphShapes.values``).
+A reshape target is read entry by entry by the shape query (:func:`_entries`, ``GraphShapes.values``): a number,
+the symbolic dim it holds (a runtime ``Shape`` read), or None where only its place is known; an entry is compared
+with a tensor's dim by the query's dims (:func:`_is_dim`), and where the query cannot tell, an entry read from dim
+``i`` of a run-time shape at place ``i`` is taken to keep that dim (:func:`_reads_own_axis`).
 :func:`_heads_and_dim` proves a ``[B, S, H*D] -> [B, S, H, D]`` split from them, and :func:`_keeps_leading` a kept
 ``B, S``; where the targets do not tell, they ask the shape query (:class:`~mograph.passes.fusion._common.GraphShapes`).
 Read-only: nothing here changes the graph.
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import onnx_ir as ir
 
 from mograph.patterns import constant_array, scalar_value
+from mograph.shapes import Dim
 
 if TYPE_CHECKING:
     from mograph.passes.fusion._common import GraphShapes
@@ -61,12 +63,32 @@ def _what(value: ir.Value | None) -> str:
 # reshape targets
 # ---------------------------------------------------------------------------------------------
 
-#: An entry of a reshape target: a constant, ("dim", i) for "dim i of a runtime shape", or None.
+#: An entry of a reshape target: an int where the shape query knows it as a number (``0`` and ``-1`` included), the
+#: query's :class:`~mograph.shapes.Dim` where it is symbolic (a runtime dim), or None where only its place is known.
 Entry = Any
 
 
-def _runtime_dim(value: ir.Value | None) -> tuple[str, int] | None:
-    """``("dim", i)`` if ``value`` is a 1-element tensor holding dim ``i`` of some tensor's runtime shape."""
+def _entries(value: ir.Value | None, shapes: GraphShapes) -> list[Entry] | None:
+    """The entries of a reshape target as the shape query reads them (:meth:`GraphShapes.values`: constants, ``Shape``
+    through ``Gather``/``Slice``/``Unsqueeze``/``Concat``/``Cast``, ``Where(r == -1, 1, r)``, ...); None if the query
+    does not track it (not even its length is known)."""
+    vec = shapes.values(value)
+    if vec is None or vec[0]:
+        return None
+    return [None if e is None else (e.value if e.is_literal else e) for e in vec[1]]
+
+
+def _is_dim(entry: Entry, dim: Dim | None) -> bool:
+    """Whether a target entry is ``dim`` for every input (the number of a literal dim, or the same symbolic dim)."""
+    if dim is None or entry is None:
+        return False
+    return entry == dim.value if dim.is_literal else entry == dim
+
+
+def _shape_axis(value: ir.Value | None) -> int | None:
+    """The axis ``i`` when the one-element ``value`` is read at run time from a ``Shape``: ``Gather(Shape(t), i)`` or
+    ``Shape(t, start=i, end=i+1)``, through ``Unsqueeze``/``Cast``/``Reshape``/``Squeeze``.  How the target was
+    built, not what it holds (that is the query's)."""
     node = value.producer() if value is not None else None
     while node is not None and node.op_type in ("Unsqueeze", "Cast", "Reshape", "Squeeze") and node.domain == "":
         node = node.inputs[0].producer() if node.inputs[0] is not None else None
@@ -77,7 +99,7 @@ def _runtime_dim(value: ir.Value | None) -> tuple[str, int] | None:
         end = node.attributes.get("end")
         if start is None or end is None or int(end.value) != int(start.value) + 1 or int(start.value) < 0:
             return None
-        return ("dim", int(start.value))
+        return int(start.value)
     if node.op_type == "Gather" and node.inputs[0] is not None:
         shape_node = node.inputs[0].producer()
         idx = constant_array(node.inputs[1])
@@ -86,43 +108,41 @@ def _runtime_dim(value: ir.Value | None) -> tuple[str, int] | None:
         start = shape_node.attributes.get("start")
         if shape_node.attributes.get("end") is not None or int(idx.reshape(())) < 0:
             return None
-        return ("dim", int(idx.reshape(())) + (int(start.value) if start is not None else 0))
+        return int(idx.reshape(())) + (int(start.value) if start is not None else 0)
     return None
 
 
-def _entries(value: ir.Value | None) -> list[Entry] | None:
-    """The entries of a reshape target, each resolved as far as it can be; None if even its length is unknown."""
-    if value is None:
+def _read_axes(value: ir.Value | None, shapes: GraphShapes) -> list[int | None] | None:
+    """For each entry of a reshape target, the axis of the run-time ``Shape`` it is read from (:func:`_shape_axis`),
+    else None; the pieces of a ``Concat`` are sized by the shape query.  ``Where(r == -1, 1, r)`` (equal to ``r``
+    for the query) and ``Reshape(r, [-1])`` are read through."""
+    node = value.producer() if value is not None else None
+    if node is None or node.domain not in ("", "ai.onnx"):
         return None
-    arr = constant_array(value)
-    if arr is not None:
-        return [int(a) for a in arr.reshape(-1)]
-    node = value.producer()
-    if node is not None and node.op_type == "Where" and node.domain == "":
-        eq = node.inputs[0].producer() if node.inputs[0] is not None else None
-        if eq is not None and eq.op_type == "Equal" and node.inputs[2] in eq.inputs:
-            inner = _entries(node.inputs[2])  # Where(r == -1, 1, r): the same entries where none is -1
-            return inner if inner is not None and -1 not in inner and None not in inner else None
-    if node is not None and node.op_type == "Reshape" and node.domain == "":
-        flat = constant_array(node.inputs[1])
-        if flat is not None and flat.reshape(-1).tolist() == [-1]:
-            return _entries(node.inputs[0])
-    if node is None or node.op_type != "Concat":
+    if node.op_type == "Where" and len(node.inputs) == 3 and shapes.values(value) == shapes.values(node.inputs[2]):
+        return _read_axes(node.inputs[2], shapes)
+    if node.op_type == "Reshape":
+        return _read_axes(node.inputs[0], shapes)
+    if node.op_type != "Concat":
         return None
-    out: list[Entry] = []
-    for inp in node.inputs:
-        part = constant_array(inp)
-        if part is not None:
-            out.extend(int(a) for a in part.reshape(-1))
-            continue
-        dim = _runtime_dim(inp)
-        if dim is not None:
-            out.append(dim)
-        elif inp is not None and inp.shape is not None and list(inp.shape) == [1]:
-            out.append(None)
-        else:
+    out: list[int | None] = []
+    for piece in node.inputs:
+        vec = shapes.values(piece)
+        if vec is None:
             return None
+        out.extend([_shape_axis(piece)] if len(vec[1]) == 1 else [None] * len(vec[1]))
     return out
+
+
+def _reads_own_axis(target: ir.Value | None, i: int, shapes: GraphShapes) -> bool:
+    """Whether entry ``i`` of a reshape target is read at run time from axis ``i`` of a ``Shape``.
+
+    The exporters write ``Reshape(x, [Shape(ids)[0], Shape(ids)[1], -1])`` where the query cannot tell that ``x``'s
+    leading dims are the ids' (they come through a broadcast with the mask, or through ops it has no exact rule
+    for); a target that reads dim ``i`` at place ``i`` is taken to keep it, as the ``fuse-attention`` readers
+    always have."""
+    axes = _read_axes(target, shapes)
+    return axes is not None and i < len(axes) and axes[i] == i
 
 
 def _keeps_leading(reshape: ir.Node, shapes: GraphShapes, rest_is_last: bool = False) -> bool:
@@ -133,22 +153,21 @@ def _keeps_leading(reshape: ir.Node, shapes: GraphShapes, rest_is_last: bool = F
     ``S`` can only be ``S``."""
     x, target = reshape.inputs[0], reshape.inputs[1]
     out = reshape.outputs[0]
-    if x is None or x.shape is None or len(x.shape) < 2:
+    dx = shapes.dims(x)
+    if x is None or dx is None or len(dx) < 2:
         return False
     if all(shapes.same_dim(out, i, x, i) for i in (0, 1)):
         return True
-    entries = _entries(target)
+    entries = _entries(target, shapes)
     if entries is None or len(entries) < 2:
         return False
     allowzero = reshape.attributes.get("allowzero")
     zero_copies = allowzero is None or int(allowzero.value) == 0
     for i in (0, 1):
         e = entries[i]
-        if e == ("dim", i) or (e == 0 and zero_copies):
+        if (e == 0 and zero_copies) or _is_dim(e, dx[i]) or _reads_own_axis(target, i, shapes):
             continue
-        if i == 1 and e == -1 and rest_is_last and len(x.shape) == 3 and -1 not in entries[2:]:
-            continue
-        if isinstance(e, int) and isinstance(x.shape[i], int) and x.shape[i] == e:
+        if i == 1 and e == -1 and rest_is_last and len(dx) == 3 and -1 not in entries[2:]:
             continue
         return False
     return True
@@ -157,7 +176,7 @@ def _keeps_leading(reshape: ir.Node, shapes: GraphShapes, rest_is_last: bool = F
 def _heads_and_dim(reshape: ir.Node, hidden: int, shapes: GraphShapes) -> tuple[int, int] | str:
     """``(H, D)`` of a ``[B, S, H*D] -> [B, S, H, D]`` Reshape (from its target, else the shape query's dims of its
     output), or why they cannot be determined."""
-    entries = _entries(reshape.inputs[1])
+    entries = _entries(reshape.inputs[1], shapes)
     out = reshape.outputs[0]
     h: Any = None
     d: Any = None

@@ -15,8 +15,10 @@ import onnx_ir as ir
 from mograph.passes.fusion._attention_reads import (
     _entries,
     _heads_and_dim,
+    _is_dim,
     _perm,
     _producer,
+    _reads_own_axis,
     _scaled,
     _what,
 )
@@ -24,7 +26,7 @@ from mograph.passes.fusion._attention_rotary import _rotary, _standard_rotary
 from mograph.passes.fusion._common import GraphShapes, is_float
 
 from mograph.patterns import constant_array
-from mograph.shapes import Dim
+from mograph.shapes import Dim, mul
 
 # ---------------------------------------------------------------------------------------------
 # tracing Q, K, V from the 4-D head tensors back to [batch, seq, hidden]
@@ -172,16 +174,21 @@ def _repeated(kh: ir.Value, role: str, shapes: GraphShapes) -> Heads | str:
     inner = _cached_or_split(un.inputs[0], role, shapes)  # type: ignore[arg-type]
     if isinstance(inner, str):
         return inner
-    rep_entries = _entries(ex.inputs[1])
-    out_entries = _entries(rs.inputs[1])
+    rep_entries = _entries(ex.inputs[1], shapes)
+    out_entries = _entries(rs.inputs[1], shapes)
     rep = rep_entries[2] if rep_entries is not None and len(rep_entries) == 5 else None
     if not isinstance(rep, int) or rep < 1:
         return f"{role}: the repeat count of Expand '{ex.name}' is not a constant"
+    kv = shapes.dims(un.inputs[0])  # the [B, G, T, D] heads repeated
+    kv_dim = (lambda i: kv[i] if kv is not None and len(kv) == 4 else None)  # noqa: E731
     merged_ok = out_entries is not None and len(out_entries) == 4 and (
         out_entries[1] in (inner.heads * rep, -1)
+        or _is_dim(out_entries[1], mul(kv_dim(1), Dim.lit(rep)))  # G * rep, G read from the heads' shape
         # [B, ?, T, D] of the [B, G, rep, T, D] expansion: by the element count, ? is G * rep
-        or (out_entries[1] is None and out_entries[2:] == [("dim", 2), ("dim", 3)]))
-    if rep_entries[1] not in (inner.heads, ("dim", 1)) or (  # type: ignore[index]
+        or (out_entries[1] is None and all(_is_dim(out_entries[i], kv_dim(i)) or _reads_own_axis(rs.inputs[1], i, shapes)
+                                           for i in (2, 3))))
+    if not (rep_entries[1] == inner.heads or _is_dim(rep_entries[1], kv_dim(1))  # type: ignore[index]
+            or _reads_own_axis(ex.inputs[1], 1, shapes)) or (  # type: ignore[index]
             out_entries is not None and len(out_entries) == 4 and not merged_ok):
         return f"{role}: Expand '{ex.name}' / Reshape '{rs.name}' do not repeat {inner.heads} heads {rep} times"
     if out_entries is None or len(out_entries) != 4:

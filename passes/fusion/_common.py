@@ -37,7 +37,7 @@ from mograph.patterns import (
     scalar_value,
 )
 from mograph.patterns import MatchResult as MatchResult
-from mograph.shapes import Dims, ShapeQuery, ShapeRules, Vector, rules_for
+from mograph.shapes import Dim, Dims, ShapeQuery, ShapeRules, Vector, rules_for
 from mograph.specs import parse_bool
 
 logger = logging.getLogger(__name__)
@@ -76,34 +76,43 @@ class GraphShapes:
     readers ask it: swept on the first ask, after canonicalization; a value that an earlier rewrite of the run
     wrote has the nodes written since visited (:meth:`ShapeQuery.refresh`; a rewrite keeps the values it does
     not replace, so what was swept stays true); a value of another graph (a function body, a subgraph) has the
-    dims ONNX inference left on it, read the query's way."""
+    dims ONNX inference left on it, read the query's way.  ``int32``: the query tracks int32 shape vectors too
+    (:class:`ShapeQuery`'s ``int32``)."""
 
-    def __init__(self, graph: ir.Graph, rules: ShapeRules | None = None) -> None:
+    def __init__(self, graph: ir.Graph, rules: ShapeRules | None = None, *, int32: bool = False) -> None:
         self.graph = graph
         self.rules = rules
+        self.int32 = int32
         self._query: ShapeQuery | None = None
+
+    def _swept(self) -> ShapeQuery:
+        if self._query is None:
+            self._query = ShapeQuery(self.graph, self.rules, int32=self.int32)
+        return self._query
 
     def dims(self, value: ir.Value | None) -> Dims | None:
         """The symbolic dims of ``value``; ``None`` if its rank is unknown."""
         if value is None:
             return None
-        if self._query is None:
-            self._query = ShapeQuery(self.graph, self.rules)
-        query = self._query
+        query = self._swept()
         if not query.knows(value) and value.graph is self.graph:
             query.refresh()
         return query.dims(value) if query.knows(value) else query.declared(value)
+
+    def dim(self, value: ir.Value | None, axis: int) -> Dim | None:
+        """Dim ``axis`` of ``value`` (negative counts from the end); ``None`` where its rank is unknown."""
+        dims = self.dims(value)
+        return dims[axis] if dims is not None and -len(dims) <= axis < len(dims) else None
 
     def values(self, value: ir.Value | None) -> Vector | None:
         """``(is_scalar, elements)`` of a small int64 shape vector of the graph (a reshape target); ``None`` if the
         query does not track it (as :meth:`ShapeQuery.values`)."""
         if value is None or value.graph is not self.graph:
             return None
-        if self._query is None:
-            self._query = ShapeQuery(self.graph, self.rules)
-        if not self._query.knows(value):
-            self._query.refresh()
-        return self._query.values(value)
+        query = self._swept()
+        if not query.knows(value):
+            query.refresh()
+        return query.values(value)
 
     def same_dim(self, a: ir.Value | None, axis_a: int, b: ir.Value | None, axis_b: int) -> bool:
         """Whether dim ``axis_a`` of ``a`` and dim ``axis_b`` of ``b`` are equal for every input the model accepts."""
@@ -193,7 +202,8 @@ class FusionPass(Pass):
             from mograph.passes.fusion.canonicalize import Canonicalizer
 
             kinds = None if self.canonicalize is True else tuple(self.canonicalize)  # type: ignore[arg-type]
-            canon = Canonicalizer(model.graph, model_opset(model), kinds)
+            canon = Canonicalizer(model.graph, model_opset(model), kinds,
+                                  GraphShapes(model.graph, rules_for(self.registry), int32=True))
             canon.apply()
         try:
             report: RuleReport = apply_rules(model, rules, namer=namer, record=record)

@@ -67,8 +67,10 @@ from typing import Any, ClassVar
 import numpy as np
 import onnx_ir as ir
 from mograph.passes.fusion._attention_reads import _entries as _entries
+from mograph.passes.fusion._attention_reads import _is_dim as _is_dim
 from mograph.passes.fusion._attention_reads import _keeps_leading as _keeps_leading
 from mograph.passes.fusion._attention_reads import _producer
+from mograph.passes.fusion._attention_reads import _reads_own_axis as _reads_own_axis
 from mograph.passes.fusion._attention_rotary import _rotary as _rotary
 from mograph.passes.fusion._attention_trace import Heads, _keys_transposed
 from mograph.passes.fusion._attention_trace import _repeated as _repeated
@@ -187,15 +189,16 @@ class AttentionFusion(Rule):
             same = kw["ctx_same"]
             ctx = same.producer().inputs[0]
             if ctx.shape is None or same.shape is None or list(same.shape) != list(ctx.shape):
-                entries = _entries(kw.get("noop_shape"))
-                if entries is None or len(entries) != 4 or entries[1] not in (-1, q.heads) or entries[0] not in (0, ("dim", 0)):
+                entries = _entries(kw.get("noop_shape"), shapes)
+                if entries is None or len(entries) != 4 or entries[1] not in (-1, q.heads) or not (
+                        entries[0] == 0 or _is_dim(entries[0], shapes.dim(ctx, 0)) or _reads_own_axis(kw.get("noop_shape"), 0, shapes)):
                     return self.fail("the reshape of the attention output is not shown to keep its shape", same)
         if kw.get("nan_guard") == "guard" and scalar_value(kw.get("nan_fill")) != 0.0:
             return self.fail("NaN probabilities are replaced by something other than 0", softmax)
         width = q.heads * v.dim
         out_reshape = y.producer()
         assert out_reshape is not None
-        entries = _entries(out_reshape.inputs[1])
+        entries = _entries(out_reshape.inputs[1], shapes)
         flat = False
         if entries is not None and len(entries) == 2 and entries[-1] in (width,) and entries[0] == -1:
             flat = True  # [B * S, H * Dv] (dynamo's input to a Gemm)

@@ -98,7 +98,7 @@ class StandardAttentionFusion(AttentionFusion):
         width = q.heads * v.dim
         out_reshape = y.producer()
         assert out_reshape is not None
-        entries = _entries(out_reshape.inputs[1])
+        entries = _entries(out_reshape.inputs[1], shapes)
         flat = entries is not None and len(entries) == 2 and entries[0] == -1 and entries[1] == width
         if not flat:
             if entries is not None and len(entries) != 3:

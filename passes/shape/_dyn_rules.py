@@ -8,7 +8,23 @@ dim: trace it back) or :class:`_Refuse` (anything it cannot vouch for).  :func:`
 an op: a class rule (shape-preserving, broadcasting, reductions, pools) or the one named after the op.
 
 These are rules about *rewriting* sizes, with refusals; what an op's output shape is, in general, is the
-core's :mod:`mograph.shapes` table.  Each rule has a case in ``tests/passes/shape/test_dyn_rules.py``.
+core's :mod:`mograph.shapes` table.  Where a rule here would only repeat a registered core rule (the dims move,
+nothing is merged, no size is baked in: ``Transpose``, ``GatherElements``, ``Shape``'s elements), the walk asks
+the core rule (:func:`_core`, through :class:`_Facts`, which answers what a core rule asks from the walk's
+state).  The others stay here because they do what the core's cannot:
+
+- they check sizes against the *export*: the walk knows every symbol's size in the exported model, and a static
+  operand of the same size as a dynamic dim (``Add``, ``MatMul``, ``Concat``, ``Gemm``, ``Expand``, ``Tile``, pools)
+  is a baked size to trace back (``_NeedTag``), not a broadcast;
+- they refuse what holds only at the export size (``Squeeze`` of a dynamic axis that is 1 there, ``Split``/
+  ``Slice``/``Gather`` at fixed positions of a dynamic axis, axes computed at run time);
+- they plan rewrites of the constants that bake a size in (``Reshape``, ``Expand``, ``Tile``, ``Resize``, ``Range``,
+  ``Slice``, ``Gather`` of every index, ``GatherND``, ``Pad``, ``ConstantOfShape``), placing symbols in row-major
+  order (ordered :class:`~mograph.shapes.Dim` products, where the core keeps normal forms);
+- they track small int shape tensors through raw constants (``0``, ``-1``) that a reshape target holds, and
+  read ranks the core would need a version-specific rule for from ONNX inference (``Unsqueeze`` at any opset).
+
+Each rule has a case in ``tests/passes/shape/test_dyn_rules.py``.
 """
 
 from __future__ import annotations
@@ -35,7 +51,7 @@ from mograph.passes.shape._dyn_base import (
     _Refuse,
 )
 
-from mograph.shapes import Dim
+from mograph.shapes import Dim, Dims, builtin_rules, node_version
 
 if TYPE_CHECKING:
     from mograph.passes.shape._dyn_symbolic import _Analysis
@@ -58,6 +74,35 @@ def rule_for(op_type: str) -> Rule | None:
     if op_type in _GLOBAL_POOL:
         return r_global_pool
     return RULES.get(op_type.lower())
+
+
+_CORE = builtin_rules()
+
+
+class _Facts:
+    """The walk's state as the core shape rules it uses ask it (``dims``, ``ints``): a value's symbolic dims (its
+    static ones where it is not dynamic; a refusal where those are unknown), a constant's ints."""
+
+    def __init__(self, an: _Analysis, node: ir.Node) -> None:
+        self.an, self.node = an, node
+
+    def dims(self, value: ir.Value | None) -> Dims | None:
+        return None if value is None else tuple(self.an.dims(self.node, value))
+
+    def ints(self, value: ir.Value | None) -> list[int] | None:
+        arr = _const(value)
+        return None if arr is None or arr.dtype.kind not in "iu" or arr.ndim > 1 else [int(x) for x in arr.reshape(-1)]
+
+
+def _core(an: _Analysis, node: ir.Node, kind: str = "dims") -> Any:
+    """What the registered core rule of ``node`` (its domain, op and opset version) concludes from the walk's
+    state (:class:`_Facts`); a refusal where there is no such rule or it cannot tell."""
+    rule = _CORE.lookup(node.domain, node.op_type, node_version(node, dict(an.graph.opset_imports)))
+    fn = getattr(rule, kind) if rule is not None else None
+    result = fn(node, _Facts(an, node)) if fn is not None else None  # type: ignore[operator]
+    if result is None or (kind == "dims" and any(d is None or any(m is None for m in d) for d in result)):
+        raise _Refuse(node, f"the shape rule of {node.op_type} cannot tell its output's dims here")
+    return result
 
 
 def r_unary(an: _Analysis, node: ir.Node) -> None:
@@ -150,9 +195,8 @@ def r_gemm(an: _Analysis, node: ir.Node) -> None:
 
 
 def r_transpose(an: _Analysis, node: ir.Node) -> None:
-    dims = an.dims(node, _input(node, 0))
-    perm = _attr(node, "perm") or list(range(len(dims)))[::-1]
-    an.set(node, node.outputs[0], [dims[p] for p in perm])
+    """The core's ``Transpose`` rule: the dims permuted."""
+    an.set(node, node.outputs[0], list(_core(an, node)[0]))
 
 
 def _axes(an: _Analysis, node: ir.Node, rank: int, input_index: int = 1, attr: str = "axes") -> list[int] | None:
@@ -244,10 +288,8 @@ def r_split(an: _Analysis, node: ir.Node) -> None:
 
 
 def r_shape(an: _Analysis, node: ir.Node) -> None:
-    dims = an.dims(node, _input(node, 0))
-    start, end = _attr(node, "start", 0), _attr(node, "end", None)
-    sel = dims[slice(start, end)]
-    an.elems[node.outputs[0]] = list(sel)
+    """The core's ``Shape`` elements rule: the input's dims from ``start`` to ``end``."""
+    an.elems[node.outputs[0]] = list(_core(an, node, "values")[1])
 
 
 def r_size(an: _Analysis, node: ir.Node) -> None:
@@ -698,7 +740,8 @@ def r_gathernd(an: _Analysis, node: ir.Node) -> None:
 
 
 def r_gatherelements(an: _Analysis, node: ir.Node) -> None:
-    an.set(node, node.outputs[0], an.dims(node, _input(node, 1)))
+    """The core's ``GatherElements`` rule: the indices' dims."""
+    an.set(node, node.outputs[0], list(_core(an, node)[0]))
 
 
 def r_scatterelements(an: _Analysis, node: ir.Node) -> None:

@@ -107,3 +107,49 @@ def test_refresh_visits_only_the_new_nodes() -> None:
     q.refresh()
     assert q.knows(tanh.outputs[0]) and q.dims(tanh.outputs[0]) == q.dims(v["reshape"]) == (("=b",), (4, "=s"), (2,))
     assert q.dims(v["relu"]) is relu_dims
+
+
+def _int32_graph() -> tuple[ir.Graph, dict[str, ir.Value]]:
+    """jax2tf's dynamic-batch target: Reshape(m, Cast<to=int64>(Concat(Slice(Cast<to=int32>(Shape(x)), 0, 1), [3], [1])))."""
+    x = ir.Value(name="x", shape=ir.Shape(["b", 3, 8]), type=ir.TensorType(ir.DataType.FLOAT))
+    m = ir.Value(name="m", shape=ir.Shape(["b", 3]), type=ir.TensorType(ir.DataType.FLOAT))
+    consts = {}
+    for name, arr in (("z", [0]), ("o", [1]), ("three", [3])):
+        consts[name] = ir.Value(name=name, const_value=ir.tensor(np.array(arr, dtype=np.int32)))
+        consts[name].shape, consts[name].type = ir.Shape([1]), ir.TensorType(ir.DataType.INT32)
+    shape = ir.node("Shape", [x])
+    sh32 = ir.node("Cast", [shape.outputs[0]], attributes={"to": ir.DataType.INT32})
+    batch = ir.node("Slice", [sh32.outputs[0], consts["z"], consts["o"], consts["z"]])
+    k32 = ir.node("Concat", [batch.outputs[0], consts["three"], consts["o"]], attributes={"axis": 0})
+    k64 = ir.node("Cast", [k32.outputs[0]], attributes={"to": ir.DataType.INT64})
+    reshape = ir.node("Reshape", [m, k64.outputs[0]])
+    graph = ir.Graph([x, m], reshape.outputs, nodes=[shape, sh32, batch, k32, k64, reshape],
+                     initializers=list(consts.values()), opset_imports={"": 18})
+    return graph, {"k32": k32.outputs[0], "k64": k64.outputs[0], "reshape": reshape.outputs[0], "three": consts["three"]}
+
+
+@pytest.mark.parametrize(("int32", "k32", "k64", "reshaped"), [
+    (False, None, None, None),  # the default: int32 vectors untracked, the Reshape's dims unknown
+    (True, (False, (("=b",), (3,), ())), (False, (("=b",), (3,), ())), (("=b",), (3,), ())),
+])
+def test_int32_shape_vectors_only_when_asked(int32: bool, k32: object, k64: object, reshaped: object) -> None:
+    """``int32=True``: int32 constants and ``Cast`` to int32 are tracked, so the int64 vector cast back has elements
+    and the ``Reshape`` to it has dims (a dim of 1 is ``Dim()``); the default query tracks neither."""
+    graph, v = _int32_graph()
+    q = ShapeQuery(graph, int32=int32)
+    assert q.int32 is int32
+    assert q.values(v["k32"]) == k32 and q.values(v["k64"]) == k64
+    assert q.values(v["three"]) == ((False, ((3,),)) if int32 else None)
+    assert q.dims(v["reshape"]) == reshaped
+
+
+@pytest.mark.parametrize(("dims", "shape"), [
+    ((Dim.lit(4), Dim(), Dim.sym("=batch")), [4, 1, "batch"]),  # literals, 1, a named input dim
+    ((Dim((2, "=s")), Dim.sym("?0:x:1")), [None, None]),  # a product, a fresh atom: unnamed
+    ((), []),
+])
+def test_as_ir_shape_writes_the_query_dims_back(dims: tuple, shape: list) -> None:
+    from mograph.shapes import as_ir_shape
+
+    got = as_ir_shape(dims)
+    assert [d if isinstance(d, int) else d.value for d in got] == shape

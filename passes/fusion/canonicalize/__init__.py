@@ -54,8 +54,8 @@ rule                        rewrite                                             
 Each rewrite is a :class:`CanonRule` (``_base``): a name, the op types its root may be, and a rewrite
 that returns the replacement or a :class:`Miss` saying why it does not apply (``Canonicalizer.why_not``
 lists them per rule, for diagnostics).  The rules live by kind in ``_casts``, ``_algebra`` and
-``_shapes`` (with the dim reasoning they share in ``_dims``); ``_rules`` orders them; ``_engine`` applies
-them and commits or undoes each edit.
+``_shapes`` (the dims they compare asked of the core's shape query, :attr:`Canonicalizer.shapes`); ``_rules``
+orders them; ``_engine`` applies them and commits or undoes each edit.
 
 Canonicalization changes nothing that no fusion uses.  Every rewrite is an edit that keeps what it
 replaced: the replaced nodes stay in the graph, detached (no inputs, a private domain, so no rule

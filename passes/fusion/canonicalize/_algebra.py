@@ -19,9 +19,9 @@ from mograph.passes.fusion.canonicalize._base import (
     single_use,
     std,
 )
-from mograph.passes.fusion.canonicalize._dims import dims_of
 
 from mograph.patterns import constant_array
+from mograph.shapes import Dim
 
 if TYPE_CHECKING:
     from mograph.passes.fusion.canonicalize._engine import Canonicalizer
@@ -43,14 +43,14 @@ def _neutral(c: Canonicalizer, n: ir.Node) -> Build | Miss:
             if _broadcast_fill(k) == unit and v.dtype == n.outputs[0].dtype and constant_array(v) is None:
                 # a constant broadcast to a shape computed at run time (Flax's RMSNorm subtracts
                 # zeros of x's shape but the last dim): neutral if its dims go into v's
-                kd, vd = dims_of(k, c.dims_cache), dims_of(v, c.dims_cache)
+                kd, vd = c.shapes.dims(k), c.shapes.dims(v)
                 if kd is not None and vd is not None and len(kd) <= len(vd) and all(
-                        d == 1 or d == e for d, e in zip(kd, vd[len(vd) - len(kd):])):
+                        d == Dim() or (d is not None and d == e) for d, e in zip(kd, vd[len(vd) - len(kd):])):
                     return Build(v)
             continue
         if arr.size == 0 or not bool(np.all(arr == unit)) or v.dtype != n.outputs[0].dtype:
             continue
-        if constant_array(v) is None and broadcasts_into(arr.shape, v):
+        if constant_array(v) is None and broadcasts_into(c, arr.shape, v):
             return Build(v)
     return Miss(f"no operand is a {'one' if n.op_type in ('Mul', 'Div') else 'zero'} that leaves the other's shape")
 
@@ -134,7 +134,7 @@ def _sub(c: Canonicalizer, n: ir.Node) -> Build | Miss:
             b = p.inputs[0]
         elif std(p, "Mul") and p is not None and len(p.inputs) == 2:
             for v, k in (p.inputs, p.inputs[::-1]):
-                if k is not None and v is not None and scalar(k) == -1.0 and keeps_shape(v, k):
+                if k is not None and v is not None and scalar(k) == -1.0 and keeps_shape(c, v, k):
                     b = v
                     break
         if b is not None and a is not None and constant_array(b) is None:
@@ -146,8 +146,9 @@ def _global_average_pool(c: Canonicalizer, n: ir.Node) -> Build | Miss:
     if not n.inputs or n.inputs[0] is None:
         return Miss("the GlobalAveragePool has no input")
     x = n.inputs[0]
-    if rank_of(x) != 3:
-        return Miss(f"the input has rank {rank_of(x)}, not 3")
+    rank = rank_of(c, x)
+    if rank != 3:
+        return Miss(f"the input has rank {rank}, not 3")
     out = n.outputs[0]
     if c.opset >= 18:
         axes = c.constant(np.array([2], dtype=np.int64), "axes")
@@ -169,7 +170,7 @@ def _const_chain(c: Canonicalizer, n: ir.Node) -> Build | Miss:
             c1 = constant_array(k1)
             if c1 is None or c1.size != 1 or a is None or constant_array(a) is not None:
                 continue
-            if c1.dtype != c2.dtype or not (keeps_shape(a, k1) and keeps_shape(a, k2)):  # type: ignore[arg-type]
+            if c1.dtype != c2.dtype or not (keeps_shape(c, a, k1) and keeps_shape(c, a, k2)):  # type: ignore[arg-type]
                 continue
             prod = c.constant(np.asarray(c1 * c2).reshape(c2.shape).astype(c2.dtype), k2.name)  # type: ignore[union-attr]
             b = one(c, "Mul", [a, prod], n.outputs[0])

@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING
 import onnx_ir as ir
 
 from mograph.patterns import constant_array
+from mograph.shapes import Dim
 
 if TYPE_CHECKING:
     from mograph.passes.fusion.canonicalize._engine import Canonicalizer
 
-__all__ = ["Build", "CanonRule", "Miss", "Rewrite"]
+__all__ = ["Build", "CanonRule", "Miss", "Rewrite", "shape_entries"]
 
 #: The default ONNX domain, as a node may spell it.
 STD = ("", "ai.onnx")
@@ -77,15 +78,19 @@ def scalar(value: ir.Value | None) -> float | None:
     return float(arr.reshape(()))
 
 
-def rank_of(value: ir.Value | None) -> int | None:
-    return len(value.shape) if value is not None and value.shape is not None else None
+def rank_of(c: Canonicalizer, value: ir.Value | None) -> int | None:
+    """``value``'s rank, as the canonicalizer's shape query knows it; None if unknown."""
+    dims = c.shapes.dims(value)
+    return None if dims is None else len(dims)
 
 
-def keeps_shape(v: ir.Value, c: ir.Value) -> bool:
-    """``v op c`` has v's shape when c is one element of rank <= v's."""
-    arr = constant_array(c)
-    rv = rank_of(v)
-    return arr is not None and arr.size == 1 and rv is not None and arr.ndim <= rv
+def keeps_shape(c: Canonicalizer, v: ir.Value, k: ir.Value) -> bool:
+    """``v op k`` has v's shape when k is one element of rank <= v's."""
+    arr = constant_array(k)
+    if arr is None or arr.size != 1:
+        return False
+    rv = rank_of(c, v)
+    return rv is not None and arr.ndim <= rv
 
 
 def single_use(value: ir.Value) -> bool:
@@ -98,9 +103,21 @@ def one(c: Canonicalizer, op: str, inputs: list[ir.Value], like: ir.Value, **att
     return Build(node.outputs[0], [node])
 
 
-def broadcasts_into(shape: tuple[int, ...], v: ir.Value) -> bool:
-    """Whether a constant of ``shape`` broadcast against ``v`` leaves v's (static) shape as it is."""
-    if v.shape is None or len(shape) > len(v.shape):
+def broadcasts_into(c: Canonicalizer, shape: tuple[int, ...], v: ir.Value) -> bool:
+    """Whether a constant of ``shape`` broadcast against ``v`` leaves v's shape as it is: each of its dims 1, or
+    the literal dim of ``v`` the shape query knows at that place."""
+    dims = c.shapes.dims(v)
+    if dims is None or len(shape) > len(dims):
         return False
-    dims = list(v.shape)[len(v.shape) - len(shape):]
-    return all(c == 1 or (isinstance(d, int) and c == d) for c, d in zip(shape, dims))
+    tail = dims[len(dims) - len(shape):]
+    return all(s == 1 or (d is not None and d.value == s) for s, d in zip(shape, tail))
+
+
+def shape_entries(c: Canonicalizer, value: ir.Value | None) -> list[Dim] | None:
+    """The elements of the 1-D shape vector ``value``, each known, as the canonicalizer's shape query reads them
+    (a constant, or one computed at run time: ``Shape`` with ``start``/``end``, ``Cast``, ``Concat``, ``Slice``,
+    ``Gather``, ...: how exporters write ``x.shape[:-1] + [1]`` when the batch dim is dynamic); else None."""
+    vec = c.shapes.values(value)
+    if vec is None or vec[0] or any(e is None for e in vec[1]):
+        return None
+    return list(vec[1])  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
+from mograph.passes.fusion._common import GraphShapes
 from mograph.passes.fusion.canonicalize._base import STD, Build, CanonRule, Miss
 from mograph.passes.fusion.canonicalize._rules import RULES
 
@@ -47,10 +48,21 @@ class _Edit:
 
 
 class Canonicalizer:
-    """Apply the rewrites to a graph (:meth:`apply`), then keep those a fusion used (:meth:`resolve`)."""
+    """Apply the rewrites to a graph (:meth:`apply`), then keep those a fusion used (:meth:`resolve`).
 
-    def __init__(self, graph: ir.Graph, opset: int, rules: tuple[str, ...] | None = None) -> None:
+    ``shapes``: the shape query the rules that must prove two shapes equal ask (``expand-noop``, ``keepdims``,
+    ``neutral``); by default one over ``graph`` with the built-in rules.  It tracks int32 shape vectors: the
+    exporters whose spellings these rules undo (jax2tf through tf2onnx) compute a dynamic batch dim's shape in
+    int32, and the rewrites are exact for every dim that int32 holds, as the exported graph itself is.  Swept
+    on the first ask, so a graph no such rule looks at is not swept; a value an edit made is visited when asked
+    (:class:`~mograph.passes.fusion._common.GraphShapes`); an edit keeps the shapes of what it replaces, so what
+    was swept stays true.
+    """
+
+    def __init__(self, graph: ir.Graph, opset: int, rules: tuple[str, ...] | None = None,
+                 shapes: GraphShapes | None = None) -> None:
         self.graph = graph
+        self.shapes = shapes if shapes is not None else GraphShapes(graph, int32=True)
         self.opset = opset
         self.rules: list[CanonRule] = [r for r in RULES if rules is None or r.name in rules]
         self._by_op: dict[str, list[CanonRule]] = {}  # root op type -> its rules, in RULES' order
@@ -61,7 +73,6 @@ class Canonicalizer:
         self.position: dict[int, int] = {}
         self.original: set[ir.Node] = set()
         self.memo: dict[tuple[int, tuple[object, ...]], tuple[ir.Value, ir.Value]] = {}
-        self.dims_cache: dict[int, list[object] | None] = {}  # _dims_of's derived dims (values stay alive)
         self._n = 0
 
     # -- building blocks ------------------------------------------------------------------

@@ -1,4 +1,9 @@
-"""Rules on shapes: ``expand-noop``, ``keepdims`` and ``fold-broadcast`` (all exact)."""
+"""Rules on shapes: ``expand-noop``, ``keepdims`` and ``fold-broadcast`` (all exact).
+
+The dims they compare and the elements of shape vectors computed at run time come from the canonicalizer's
+shape query (:attr:`Canonicalizer.shapes`, the core's :class:`~mograph.shapes.ShapeQuery`): a dim is a
+:class:`~mograph.shapes.Dim`, equal to another only where it is for every input the model accepts.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +11,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx_ir as ir
-from mograph.passes.fusion.canonicalize._base import STD, Build, CanonRule, Miss, broadcasts_into
-from mograph.passes.fusion.canonicalize._dims import DimKey, dims_of, shape_keys, shape_of_keys
+from mograph.passes.fusion.canonicalize._base import STD, Build, CanonRule, Miss, broadcasts_into, shape_entries
 
 from mograph.patterns import constant_array
+from mograph.shapes import Dim, Dims, as_ir_shape
 
 if TYPE_CHECKING:
     from mograph.passes.fusion.canonicalize._engine import Canonicalizer
@@ -18,6 +23,7 @@ __all__ = ["EXPAND_NOOP", "FOLD_BROADCAST", "KEEPDIMS"]
 
 #: Constants folded by ``fold-broadcast`` up to this many elements (scale and bias vectors).
 _FOLD_LIMIT = 1 << 16
+_ONE = Dim()
 #: Elementwise ops ``keepdims`` carries a kept dim through.
 _ELEMENTWISE = ("Add", "Sub", "Mul", "Div", "Max", "Min", "Neg", "Sqrt", "Reciprocal", "Pow", "Abs", "Relu")
 
@@ -31,15 +37,15 @@ def _expand_noop(c: Canonicalizer, n: ir.Node) -> Build | Miss:
         return Miss("expands a constant (fold-broadcast's case)")
     if arr is not None:
         shape = tuple(int(d) for d in arr.reshape(-1))
-        if broadcasts_into(shape, v):
+        if broadcasts_into(c, shape, v):
             return Build(v)
         return Miss(f"the shape {list(shape)} is not provably '{v.name}'s own")
     # a shape computed at run time: a no-op if every dim is 1 or provably v's own
-    keys, dims = shape_keys(shp), dims_of(v, c.dims_cache)
+    keys, dims = shape_entries(c, shp), c.shapes.dims(v)
     if keys is None or dims is None or len(keys) > len(dims):
         return Miss(f"the shape computed at run time is not provably '{v.name}'s own")
     tail = dims[len(dims) - len(keys):]
-    if all(k == 1 or k == d for k, d in zip(keys, tail)):
+    if all(k == _ONE or k == d for k, d in zip(keys, tail)):
         return Build(v)
     return Miss(f"the shape computed at run time is not provably '{v.name}'s own")
 
@@ -48,26 +54,28 @@ def _keepdims(c: Canonicalizer, n: ir.Node) -> Build | Miss:
     """Reshape/Unsqueeze adding a trailing 1 to f(reduction without kept dims) -> f(reduction with kept dims).
 
     The Reshape's shape may be computed at run time (a dynamic batch dim): it must provably be the
-    reduced input's dims with the last one 1 (:func:`shape_keys`)."""
+    reduced input's dims with the last one 1 (:func:`shape_entries`)."""
     if not n.inputs or n.inputs[0] is None:
         return Miss(f"the {n.op_type} has no data input")
     v = n.inputs[0]
-    target: list[DimKey] | None
+    if not _reductions_below(v, 0):  # before any dim is asked: most Reshapes are not this, and need no sweep
+        return Miss(f"'{v.name}' is not elementwise ops of last-axis reductions without kept dims")
+    target: list[Dim] | None
     if n.op_type == "Reshape":
         allowzero = n.attributes.get("allowzero")
-        target = shape_keys(n.inputs[1]) if len(n.inputs) > 1 else None
-        if (target is None or not target or target[-1] != 1 or (allowzero is not None and int(allowzero.value))
-                or any(isinstance(k, int) and k < 1 for k in target)):
+        target = shape_entries(c, n.inputs[1]) if len(n.inputs) > 1 else None
+        if (target is None or not target or target[-1] != _ONE or (allowzero is not None and int(allowzero.value))
+                or any(k.is_literal and k.coef < 1 for k in target)):
             return Miss("the Reshape's shape is not provably dims ending in a 1")
     else:
         attr = n.attributes.get("axes")
         arr = constant_array(n.inputs[1]) if len(n.inputs) > 1 else None
         axes = [int(a) for a in attr.value] if attr is not None else (
             [int(a) for a in arr.reshape(-1)] if arr is not None else None)
-        dims = dims_of(v, c.dims_cache)
-        if dims is None or axes not in ([-1], [len(dims)]):
+        dims = c.shapes.dims(v)
+        if dims is None or axes not in ([-1], [len(dims)]) or any(d is None for d in dims):
             return Miss("the Unsqueeze does not provably add a trailing axis")
-        target = dims + [1]
+        target = [*dims, _ONE]  # type: ignore[list-item]
     made: list[ir.Node] = []
     value = _hoist(c, v, target, made, 0)
     if value is None:
@@ -75,7 +83,27 @@ def _keepdims(c: Canonicalizer, n: ir.Node) -> Build | Miss:
     return Build(value, made)
 
 
-def _hoist(c: Canonicalizer, v: ir.Value, target: list[DimKey], made: list[ir.Node], depth: int) -> ir.Value | None:
+def _reductions_below(v: ir.Value, depth: int) -> bool:
+    """What :func:`_hoist` needs of ``v``'s producers, by op types alone: elementwise ops (single-element
+    constants as the other operands) of reductions without kept dims."""
+    p = v.producer()
+    if p is None or p.domain not in STD or depth > 12 or len(p.outputs) != 1:
+        return False
+    if p.op_type in ("ReduceSum", "ReduceMean"):
+        keep = p.attributes.get("keepdims")
+        return keep is not None and int(keep.value) == 0
+    if p.op_type not in _ELEMENTWISE:
+        return False
+    for u in p.inputs:
+        if u is None:
+            return False
+        arr = constant_array(u)
+        if not (arr is not None and arr.size == 1) and not _reductions_below(u, depth + 1):
+            return False
+    return True
+
+
+def _hoist(c: Canonicalizer, v: ir.Value, target: list[Dim], made: list[ir.Node], depth: int) -> ir.Value | None:
     """``v`` computed with a trailing kept dim (dims ``target``), or None; built nodes appended to ``made``.
 
     ``v`` is elementwise ops (single-element constants as the other operands) of reductions over the
@@ -91,12 +119,12 @@ def _hoist(c: Canonicalizer, v: ir.Value, target: list[DimKey], made: list[ir.No
     p = v.producer()
     if p is None or p.domain not in STD or depth > 12 or len(p.outputs) != 1:
         return None
-    like = ir.Value(name=v.name, shape=shape_of_keys(target), type=v.type)
+    like = ir.Value(name=v.name, shape=as_ir_shape(tuple(target)), type=v.type)
     if p.op_type in ("ReduceSum", "ReduceMean"):
         x = p.inputs[0]
         keep = p.attributes.get("keepdims")
-        xs = dims_of(x, c.dims_cache)
-        if x is None or keep is None or int(keep.value) != 0 or xs is None or xs[:-1] + [1] != target:
+        xs: Dims | None = c.shapes.dims(x)
+        if x is None or keep is None or int(keep.value) != 0 or xs is None or [*xs[:-1], _ONE] != target:
             return None
         attr = p.attributes.get("axes")
         arr = constant_array(p.inputs[1]) if len(p.inputs) > 1 and p.inputs[1] is not None else None
@@ -105,7 +133,7 @@ def _hoist(c: Canonicalizer, v: ir.Value, target: list[DimKey], made: list[ir.No
         if axes not in ([-1], [len(xs) - 1]):
             return None
         if x.shape is None:  # derived (inference stopped upstream): the rules' checks read x's rank and last dim
-            x.shape = shape_of_keys(xs)
+            x.shape = as_ir_shape(xs)
         attrs = {k: a.value for k, a in p.attributes.items()}
         attrs["keepdims"] = 1
         node = c.node(p.op_type, list(p.inputs), like, **attrs)  # type: ignore[arg-type]

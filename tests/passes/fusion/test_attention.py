@@ -568,3 +568,52 @@ def test_heads_from_a_computed_target_are_the_shape_querys() -> None:
                          ops_left=["mograph.Attention"], feeds=_feeds(proto))
     node = next(n for n in model.graph if n.op_type == "Attention")
     assert node.attributes["num_heads"].value == H
+
+
+# ------------------------------------------------------------------ reshape targets, read by the shape query ----
+_TARGETS = """<ir_version: 8, opset_import: ["" : 17]>
+m (float[batch, seq, 64] x, int64[batch, seq] ids) => (float[batch, seq, 4, 16] a, float[batch, seq, 4, 16] b,
+                                                     float[batch, seq, 4, 16] c) <int64[2] hd = {4, 16},
+                                                     int64 zero = {0}, int64 one = {1}, int64[1] ax = {0}> {
+  s = Shape(x)
+  s0 = Gather<axis=0>(s, zero)
+  s1 = Gather<axis=0>(s, one)
+  u0 = Unsqueeze(s0, ax)
+  u1 = Unsqueeze(s1, ax)
+  t_own = Concat<axis=0>(u0, u1, hd)
+  a = Reshape(x, t_own)
+  i = Shape(ids)
+  j1 = Gather<axis=0>(i, one)
+  v1 = Unsqueeze(j1, ax)
+  t_ids = Concat<axis=0>(u0, v1, hd)
+  b = Reshape(x, t_ids)
+  t_swapped = Concat<axis=0>(v1, u0, hd)
+  c = Reshape(x, t_swapped)
+}"""
+
+
+@pytest.mark.parametrize(("target", "entries", "dim1_is_x", "own_axes"), [
+    ("t_own", ["=batch", "=seq", 4, 16], True, [0, 1]),  # x's own dims: equal by the query
+    ("t_ids", ["=batch", "=seq", 4, 16], True, [0, 1]),  # seq read from the ids: named dims of one name are equal
+    ("t_swapped", ["=seq", "=batch", 4, 16], False, []),  # dims read, each at the other's place: not kept
+])
+def test_reshape_target_entries_come_from_the_shape_query(target: str, entries: list, dim1_is_x: bool,
+                                                          own_axes: list[int]) -> None:
+    """``_entries`` reads a target through the query (ints where it knows a number, the symbolic dim elsewhere);
+    ``_is_dim`` compares an entry with a dim, ``_reads_own_axis`` says whether entry ``i`` is read from axis ``i`` of a
+    run-time shape."""
+    from mograph.passes.fusion._attention_reads import _entries, _is_dim, _keeps_leading, _reads_own_axis
+    from mograph.passes.fusion._common import GraphShapes
+
+    from mograph.shapes import Dim
+
+    model = to_ir(parse(_TARGETS))
+    shapes = GraphShapes(model.graph)
+    values = {v.name: v for n in model.graph for v in n.outputs}
+    got = _entries(values[target], shapes)
+    assert got == [Dim.sym(e) if isinstance(e, str) else e for e in entries]
+    x = model.graph.inputs[0]
+    assert _is_dim(got[1], shapes.dim(x, 1)) is dim1_is_x and _is_dim(got[2], Dim.lit(4)) and not _is_dim(got[2], None)
+    assert [i for i in (0, 1) if _reads_own_axis(values[target], i, shapes)] == own_axes
+    reshape = next(iter(values[target].uses()))[0]
+    assert _keeps_leading(reshape, shapes) is dim1_is_x

@@ -185,3 +185,20 @@ def test_rule(rule: str, case: tuple) -> None:
     else:
         assert an.actions == []
     assert _shown(an.tags[value]) == expected
+
+
+@pytest.mark.parametrize("rule", ["transpose", "shape", "gatherelements"])
+def test_rules_that_repeat_the_core_ask_it(rule: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Transpose``, ``Shape`` and ``GatherElements`` are the core's registered rules (:mod:`mograph.shapes`), asked
+    from the walk's state: with an empty core table the walk refuses them instead of concluding on its own."""
+    from mograph.passes.shape import _dyn_rules
+
+    from mograph.shapes import ShapeRules
+
+    nodes, inputs, inits, out, _ = CASES[rule][0][:5]
+    dynamic = CASES[rule][0][5] if len(CASES[rule][0]) > 5 else None
+    name, dtype = out if isinstance(out, tuple) else (out, TensorProto.FLOAT)
+    _walk(nodes, inputs, name, dtype, inits, dynamic)  # the table as it is: concludes (test_rule checks what)
+    monkeypatch.setattr(_dyn_rules, "_CORE", ShapeRules())
+    with pytest.raises(_Refuse, match="cannot tell"):
+        _walk(nodes, inputs, name, dtype, inits, dynamic)
