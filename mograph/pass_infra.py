@@ -19,10 +19,12 @@ declares.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import inspect
 import logging
 import numbers
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,7 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import onnx_ir as ir
 
 from mograph._traverse import iter_nodes
-from mograph.errors import InternalError, MographError, OptionError, PluginError
+from mograph.errors import InternalError, MographError, OptionError, PassFailedError, PluginError
 
 if TYPE_CHECKING:
     from mograph.custom_ops import Declarations
@@ -422,6 +424,14 @@ def run_instrumented(
     raise MographError(f"instrument {instruments[0]!r}: mograph_run_pass yielded twice")
 
 
+#: ``OSError`` numbers that mean the disk (or the user's quota) is full: a pass then fails cleanly (exit 4).
+_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def _file_of(exc: OSError) -> str:
+    return f" writing {exc.filename}" if exc.filename else ""
+
+
 class PassManager:
     """Runs passes in the given order through the plugin manager's ``mograph_run_pass`` hook.
 
@@ -496,6 +506,13 @@ class PassManager:
                     f"plugin '{plugin}' misbehaved: pass '{p.name}' (or a wrapper around it) called "
                     f"sys.exit({exc.code!r}); a pass returns a PassResult or raises an error"
                 ) from exc
+            except OSError as exc:
+                if exc.errno in _DISK_FULL:  # the machine's limit, not a bug: say what to do
+                    raise PassFailedError(p.name, f"the disk is full ({exc.strerror}{_file_of(exc)}): large models "
+                                          "are spilled to temporary files under TMPDIR (now "
+                                          f"{tempfile.gettempdir()}); free space there or point TMPDIR at a "
+                                          "larger disk") from exc
+                raise InternalError(p.name, f"{type(exc).__name__}: {exc}") from exc
             except Exception as exc:  # noqa: BLE001 - any other exception is a bug: name the pass
                 raise InternalError(p.name, f"{type(exc).__name__}: {exc}") from exc
             # A wrapper's numeric check (``--verify each``) reports its own time; the pass's excludes it.

@@ -38,7 +38,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["EMBEDDINGS", "KERNELS", "LAYOUT", "PLACEMENT", "Recipe", "resolve", "lowering_ratios", "table_rows"]
+__all__ = ["EMBEDDINGS", "KERNELS", "LAYOUT", "PLACEMENT", "WHOLE_MODELS", "Recipe", "resolve", "lowering_ratios",
+           "table_rows"]
 
 #: Median wall milliseconds per run of one-node graphs ``[M, K] x [K, N]``, per lowering.  ``float`` is the
 #: device's float MatMul.  Lowerings: ``nbits4`` / ``nbits8``: weight-only ``com.microsoft.MatMulNBits``
@@ -139,6 +140,23 @@ EMBEDDINGS: dict[str, dict[str, Any]] = {
             ("tied", "bits", "bits"): 21_292_472,  # the table and the head share one copy of codes and scales
         },
         "command": "python tools/embedding_sizes.py --layers 2 --vocab 49152",
+    },
+}
+
+#: Whole models through the ``cuda`` recipe against mograph's own fp16 graph (time ratio, size ratio), so the recipe's
+#: line says where a precision is smaller but not faster.  Per-kernel ratios (:data:`KERNELS`) decide the lowering;
+#: these say what a user gets from it.
+WHOLE_MODELS: dict[str, dict[str, Any]] = {
+    "cuda": {
+        "int8": ["BERT-base 1x128 / 8x128 / 8x512: 1.44 / 1.46 / 1.22x fp16's time at 0.525x its size (smaller, "
+                 "not faster: at M >= 128 each MatMulNBits dequantizes before a float16 GEMM; ONNX Runtime's "
+                 "MatMulNBitsQuantizer 8-bit on the same fp16 graph: 1.16 / 1.24 / 1.07x at 0.714x)"],
+        "int4": ["1B-class decoder, decode 1x512 as a CUDA graph: 0.76x fp16's time (the GenAI builder's int4: 0.76x); "
+                 "prefill 1x512: 1.28x (every MatMulNBits dequantizes first, the builder's too)",
+                 "BERT-base 1x128 / 8x128 / 8x512: 1.42 / 1.46 / 1.22x fp16's time at 0.300x its size"],
+        "source": "NVIDIA H200, ONNX Runtime 1.31.1 CUDA, random weights, IO binding, median ms; 2026-12-03 "
+                  "(BENCHMARKS-GPU.md, session 10)",
+        "command": "python tools/bench_precision.py prepare|time (BERT); bash tools/gpu_llm.sh start|time (decoders)",
     },
 }
 
@@ -251,8 +269,11 @@ def resolve(names: list[str], options: dict[str, Any], device: str) -> Recipe:
             if name == "int8":
                 slow = [lw for lw in LOWERINGS[kind]["int8"] if lw != lowering]
                 text += "; INT8 activations not used: " + "; ".join(_figures(kind, lw) for lw in slow)
+            models = WHOLE_MODELS.get(kind, {}).get(name, [])
+            if models:
+                text += "; whole models measured: " + "; ".join(models)
             recipe.decisions.append({"precision": name, "lowering": lowering, "ratios_to_float": ratios,
-                                     "passes": ["weight-only", "fp16"], "reason": text})
+                                     "passes": ["weight-only", "fp16"], "reason": text, "whole_models": models})
         elif name == "int8" and kind == "cpu" and not tensorrt:
             lowering, ratios = best_lowering(kind, "int8")
             chosen = ["weight-only"] if lowering.startswith("nbits") else ["qdq-int8"]

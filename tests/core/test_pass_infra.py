@@ -523,3 +523,32 @@ def test_graph_fingerprint_sees_a_constant_value_replaced_and_nothing_else():
     assert replaced != before
     concat.attributes["axis"] = ir.AttrInt64("axis", -1)
     assert graph_fingerprint(model) != replaced
+
+
+def test_a_full_disk_is_a_pass_failure_that_says_what_to_do_not_a_bug():
+    """ENOSPC inside a pass (a 4.9 GB decoder's fp16 spill on a full /tmp) is exit 4 naming the pass, the file and
+    TMPDIR; any other OSError stays an internal error."""
+    import errno
+
+    class Full(mograph.Pass):
+        """Write to a full disk."""
+
+        name = "full"
+
+        def call(self, model: ir.Model) -> PassResult:
+            raise OSError(errno.ENOSPC, "No space left on device", "/tmp/spill/w.bin")
+
+    class Denied(mograph.Pass):
+        """Another OS error."""
+
+        name = "denied"
+
+        def call(self, model: ir.Model) -> PassResult:
+            raise OSError(errno.EACCES, "Permission denied", "/x")
+
+    with pytest.raises(PassFailedError, match=r"pass 'full' failed: the disk is full \(No space left on device "
+                                              r"writing /tmp/spill/w.bin\).*TMPDIR") as info:
+        PassManager([Full()]).run(_model())
+    assert info.value.exit_code == 4 and isinstance(info.value.__cause__, OSError)
+    with pytest.raises(InternalError, match="internal error in pass 'denied': PermissionError"):
+        PassManager([Denied()]).run(_model())

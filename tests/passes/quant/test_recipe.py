@@ -63,6 +63,18 @@ def test_table_picks_per_device():
     assert rc.resolve(["cleanup", "fuse"], {}, "cuda").options == {}
 
 
+def test_cuda_recipe_line_says_where_whole_models_are_smaller_not_faster(monkeypatch):
+    """The measured whole-model ratios (rc.WHOLE_MODELS) are in the decision's line and record; a device without
+    such rows gets none."""
+    r8 = rc.resolve(["int8"], {}, "cuda")
+    assert r8.decisions[0]["whole_models"] == rc.WHOLE_MODELS["cuda"]["int8"]
+    assert "whole models measured: BERT-base" in r8.decisions[0]["reason"]
+    assert "smaller, not faster" in r8.decisions[0]["reason"]
+    monkeypatch.setattr(rc, "WHOLE_MODELS", {})
+    r8 = rc.resolve(["int8"], {}, "cuda")
+    assert r8.decisions[0]["whole_models"] == [] and "whole models" not in r8.decisions[0]["reason"]
+
+
 def test_the_data_decides(monkeypatch):
     """Change the measured figures and the choice follows: 8-bit MatMulNBits measured fastest on the CPU wins int8."""
     table = json.loads(json.dumps(rc.KERNELS))
