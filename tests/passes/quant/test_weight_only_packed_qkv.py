@@ -31,14 +31,18 @@ MAX_LEN = 32
 LAYER0_K = "/inner/model/layers.0/self_attn/k_proj/MatMul"
 
 
-@pytest.fixture(scope="module")
-def export(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    base = tmp_path_factory.mktemp("packed_qkv")
-    cfg = de.config("llama", **CFG)
+def _decode_export(tmp_path_factory: pytest.TempPathFactory, family: str) -> tuple[Path, Path]:
+    base = tmp_path_factory.mktemp(f"packed_qkv_{family}")
+    cfg = de.config(family, **CFG)
     path = de.export(cfg, "decode", "torchscript", base / "decode.onnx")
     calibration = base / "calibration.npz"
     np.savez(calibration, **de.feeds(cfg, "decode", batch=1, seq=1, past=7))
     return path, calibration
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return _decode_export(tmp_path_factory, "llama")
 
 
 def build(export: tuple[Path, Path], device: str | None, pack: bool, monkeypatch: pytest.MonkeyPatch,
@@ -147,12 +151,7 @@ def test_plan_with_different_precisions_keeps_that_layer_apart(export: tuple[Pat
 
 @pytest.fixture(scope="module")
 def qwen_export(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    base = tmp_path_factory.mktemp("packed_qkv_qwen")
-    cfg = de.config("qwen2", **CFG)
-    path = de.export(cfg, "decode", "torchscript", base / "decode.onnx")
-    calibration = base / "calibration.npz"
-    np.savez(calibration, **de.feeds(cfg, "decode", batch=1, seq=1, past=7))
-    return path, calibration
+    return _decode_export(tmp_path_factory, "qwen2")
 
 
 @pytest.mark.parametrize(("device", "rel"), [(None, 1e-6), ("cuda", 1e-3)])
