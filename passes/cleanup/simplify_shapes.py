@@ -79,6 +79,8 @@ class _Builder:
         self.names = {n.name for n in iter_nodes(self.graph) if n.name}
         self.name_cursors: dict[str, int] = {}  # fresh_name: names only join self.names
         self.read = _shape_read_witnesses(model.graph, analysis)
+        #: values read in place of the query's witness (:meth:`_source`): their gathered reads are rebuilt
+        self.moved: set[ir.Value] = set()
         for value in self.graph.initializers.values():  # the constants an earlier round or run made: made once
             if value.name is not None and value.name.startswith(_CONST_PREFIX) and not value.is_graph_input():
                 vec = self._const_vector(value)
@@ -127,6 +129,8 @@ class _Builder:
             return first
         read = self.read.get(symbol)
         if read is not None and self.an.position.get(read[0], -1) < limit:
+            if read[0] is not first[0]:
+                self.moved.add(read[0])
             return read
         return first if self.an.position.get(first[0], -1) < limit else None
 
@@ -169,7 +173,11 @@ class _Builder:
         return False
 
     def _matches_gathered(self, value: ir.Value, piece: tuple) -> bool:
-        """``Gather(Shape(w), [start .. end-1])``: the form built below opset 15."""
+        """``Gather(Shape(w), [start .. end-1])``: the form built below opset 15.  From opset 15 on, not where ``w``
+        stands in for the query's witness (:meth:`_source`): read from the witness, the read would be rebuilt as one
+        ``Shape(witness, start, end)``, and reading ``w`` instead must not cost a node more."""
+        if self.opset >= 15 and piece[1] in self.moved:
+            return False
         node = value.producer()
         if node is None or node.op_type != "Gather" or node.domain not in _STD or int(attr_value(node, "axis", 0)) != 0:  # type: ignore[call-overload]
             return False
