@@ -29,7 +29,12 @@ declares):
   make ``-1`` ambiguous); with ``allowzero=1`` a target is only replaced when it is fully constant;
 - any other int64 shape vector whose value is fully known becomes an initializer, and one known in
   terms of input dims is rebuilt from the first value carrying each dim (``Shape(input_ids, 0, 2)``),
-  so the per-layer copies become one computation shared by all layers.
+  so the per-layer copies become one computation shared by all layers.  A dim no graph input carries is
+  read from the first value carrying it whose shape the graph already reads (and that something else
+  reads too), before the first value carrying it at all: that one may lie inside a computation a fusion
+  takes whole (BERT's embedding sum before its LayerNorm), where a new ``Shape`` reader would block it.
+  The shape constants are made once, those of an earlier run included (one ``[0, 0, -1]``, so that CSE
+  merges what reads it).
 
 Nodes left unused are removed.  Subgraphs and functions are left alone.
 """
@@ -51,6 +56,8 @@ from mograph.shapes import Dim, Dims, ShapeQuery, reshape_entries, rules_for, sh
 __all__ = ["SimplifyShapesPass"]
 
 _STD = ("", "ai.onnx")
+#: the name of the shape constants this pass makes (``mograph_shape``, ``mograph_shape_1``, ...)
+_CONST_PREFIX = "mograph_shape"
 
 
 def _shape_ops(query: ShapeQuery) -> frozenset[str]:
@@ -71,6 +78,15 @@ class _Builder:
         self.built = 0
         self.names = {n.name for n in iter_nodes(self.graph) if n.name}
         self.name_cursors: dict[str, int] = {}  # fresh_name: names only join self.names
+        self.read = _shape_read_witnesses(model.graph, analysis)
+        #: values read in place of the query's witness (:meth:`_source`): their gathered reads are rebuilt
+        self.moved: set[ir.Value] = set()
+        for value in self.graph.initializers.values():  # the constants an earlier round or run made: made once
+            if value.name is not None and value.name.startswith(_CONST_PREFIX) and not value.is_graph_input():
+                vec = self._const_vector(value)
+                made = (vec, False) if vec is not None else self._const_scalar(value)
+                if made is not None:
+                    self.cache.setdefault(("const", *made), value)
 
     def plan(self, scalar: bool, elems: Sequence[Dim | None], reader: ir.Node) -> list[tuple] | None:
         """Pieces (``("const", ints)`` / ``("shape", value, start, end)``) that make ``elems`` for ``reader``.
@@ -89,11 +105,10 @@ class _Builder:
                 else:
                     pieces.append(("const", (m.coef,)))
                 continue
-            if m.symbol is None or m.symbol not in self.an.witness:
+            source = self._source(m.symbol, limit)
+            if source is None:
                 return None
-            value, axis = self.an.witness[m.symbol]
-            if self.an.position.get(value, -1) >= limit:
-                return None
+            value, axis = source
             last = pieces[-1] if pieces else None
             if last is not None and last[0] == "shape" and last[1] is value and last[3] == axis:
                 pieces[-1] = ("shape", value, last[2], axis + 1)
@@ -102,6 +117,22 @@ class _Builder:
         if scalar and (len(pieces) != 1 or len(elems) != 1):
             return None
         return pieces
+
+    def _source(self, symbol: str | None, limit: int) -> tuple[ir.Value, int] | None:
+        """Where a dim is read from for a reader at position ``limit``: the query's witness when it is a graph input,
+        else the first value carrying the dim whose shape the graph already reads (see :func:`_shape_read_witnesses`),
+        else the witness; None when the one chosen comes at or after the reader."""
+        if symbol is None or symbol not in self.an.witness:
+            return None
+        first = self.an.witness[symbol]
+        if first[0] not in self.an.position:  # a graph input
+            return first
+        read = self.read.get(symbol)
+        if read is not None and self.an.position.get(read[0], -1) < limit:
+            if read[0] is not first[0]:
+                self.moved.add(read[0])
+            return read
+        return first if self.an.position.get(first[0], -1) < limit else None
 
     def matches(self, value: ir.Value, pieces: list[tuple], scalar: bool) -> bool:
         if scalar:
@@ -112,6 +143,14 @@ class _Builder:
         if node is None or node.op_type != "Concat" or node.domain not in _STD or len(node.inputs) != len(pieces):
             return False
         return all(v is not None and self._matches_piece(v, p) for v, p in zip(node.inputs, pieces))
+
+    @staticmethod
+    def _const_scalar(value: ir.Value) -> tuple[tuple[int, ...], bool] | None:
+        """``((n,), True)`` for an int64 scalar constant ``n``."""
+        t = ir.convenience.get_const_tensor(value)
+        if t is None or t.dtype != ir.DataType.INT64 or t.shape.rank() != 0:
+            return None
+        return (int(t.numpy()),), True
 
     @staticmethod
     def _const_vector(value: ir.Value) -> tuple[int, ...] | None:
@@ -134,7 +173,11 @@ class _Builder:
         return False
 
     def _matches_gathered(self, value: ir.Value, piece: tuple) -> bool:
-        """``Gather(Shape(w), [start .. end-1])``: the form built below opset 15."""
+        """``Gather(Shape(w), [start .. end-1])``: the form built below opset 15.  From opset 15 on, not where ``w``
+        stands in for the query's witness (:meth:`_source`): read from the witness, the read would be rebuilt as one
+        ``Shape(witness, start, end)``, and reading ``w`` instead must not cost a node more."""
+        if self.opset >= 15 and piece[1] in self.moved:
+            return False
         node = value.producer()
         if node is None or node.op_type != "Gather" or node.domain not in _STD or int(attr_value(node, "axis", 0)) != 0:  # type: ignore[call-overload]
             return False
@@ -165,7 +208,7 @@ class _Builder:
         key = ("const", tuple(ints), scalar)
         if key not in self.cache:
             arr = np.asarray(ints[0] if scalar else list(ints), dtype=np.int64)
-            value = ir.Value(name=unique_initializer_name(self.graph, "mograph_shape"), const_value=ir.tensor(arr))
+            value = ir.Value(name=unique_initializer_name(self.graph, _CONST_PREFIX), const_value=ir.tensor(arr))
             value.type = ir.TensorType(ir.DataType.INT64)
             value.shape = ir.Shape(list(arr.shape))
             self.graph.register_initializer(value)
@@ -220,6 +263,27 @@ class _Builder:
             out.shape = ir.Shape([sum(len(p[1]) if p[0] == "const" else p[3] - p[2] for p in pieces)])
             self.cache[ckey] = out
         return self.cache[ckey]
+
+
+def _shape_read_witnesses(graph: ir.Graph, analysis: ShapeQuery) -> dict[str, tuple[ir.Value, int]]:
+    """Atom -> ``(value, axis)``: the first value (graph order) carrying the atom whose shape a ``Shape`` node
+    already reads, and that something other than ``Shape`` reads too (it stays whatever the shapes read).
+
+    A rebuilt dim reads one of these before the query's witness (the first value carrying it at all): the
+    witness may be a value no ``Shape`` read, in the middle of a computation a fusion takes whole (the
+    embedding sum before BERT's LayerNorm), and a new reader there would keep the fusion from removing it.
+    Reading a value whose shape is read already adds no reader to a value that had none."""
+    out: dict[str, tuple[ir.Value, int]] = {}
+    values = [*graph.inputs, *(v for node in graph for v in node.outputs)]
+    for value in values:
+        shape = [user.op_type == "Shape" and user.domain in _STD for user, _ in value.uses()]
+        if not any(shape) or (all(shape) and not value.is_graph_output()):
+            continue  # no Shape reads it, or only Shapes do (it lives for them: read elsewhere, it can go)
+        for axis, dim in enumerate(analysis.dims(value) or ()):
+            symbol = dim.symbol if dim is not None else None
+            if symbol is not None and symbol not in out:
+                out[symbol] = (value, axis)
+    return out
 
 
 def _replace_uses(old: ir.Value, new: ir.Value) -> bool:

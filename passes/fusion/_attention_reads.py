@@ -85,35 +85,45 @@ def _is_dim(entry: Entry, dim: Dim | None) -> bool:
     return entry == dim.value if dim.is_literal else entry == dim
 
 
-def _shape_axis(value: ir.Value | None) -> int | None:
-    """The axis ``i`` when the one-element ``value`` is read at run time from a ``Shape``: ``Gather(Shape(t), i)`` or
-    ``Shape(t, start=i, end=i+1)``, through ``Unsqueeze``/``Cast``/``Reshape``/``Squeeze``.  How the target was
-    built, not what it holds (that is the query's)."""
+def _shape_axes(value: ir.Value | None, n: int, shapes: GraphShapes) -> list[int] | None:
+    """The axes ``[i, .., i+n-1]`` when the ``n``-element ``value`` is read at run time from a ``Shape``:
+    ``Gather(Shape(t), i)`` / ``Gather(Shape(t), [i, ..])``, or ``Shape(t, start=i, end=i+n)`` (``start`` and
+    ``end`` may be left out, as ``simplify-shapes`` writes them: ``Shape(t, end=2)`` is axes 0 and 1), through
+    ``Unsqueeze``/``Cast``/``Reshape``/``Squeeze``.  How the target was built, not what it holds (that is the
+    query's)."""
     node = value.producer() if value is not None else None
     while node is not None and node.op_type in ("Unsqueeze", "Cast", "Reshape", "Squeeze") and node.domain == "":
         node = node.inputs[0].producer() if node.inputs[0] is not None else None
-    if node is None:
+    if node is None or node.domain not in ("", "ai.onnx"):
         return None
     if node.op_type == "Shape":
-        start = node.attributes.get("start")
-        end = node.attributes.get("end")
-        if start is None or end is None or int(end.value) != int(start.value) + 1 or int(start.value) < 0:
+        start_attr, end_attr = node.attributes.get("start"), node.attributes.get("end")
+        start = 0 if start_attr is None else int(start_attr.value)
+        if end_attr is None:  # to the end: the rank must be known
+            dims = shapes.dims(node.inputs[0])
+            if dims is None:
+                return None
+            end = len(dims)
+        else:
+            end = int(end_attr.value)
+        if start < 0 or end < 0 or end - start != n:
             return None
-        return int(start.value)
+        return list(range(start, end))
     if node.op_type == "Gather" and node.inputs[0] is not None:
         shape_node = node.inputs[0].producer()
         idx = constant_array(node.inputs[1])
-        if shape_node is None or shape_node.op_type != "Shape" or idx is None or idx.size != 1:
+        if shape_node is None or shape_node.op_type != "Shape" or idx is None or idx.size != n:
             return None
-        start = shape_node.attributes.get("start")
-        if shape_node.attributes.get("end") is not None or int(idx.reshape(())) < 0:
+        offset = shape_node.attributes.get("start")
+        if shape_node.attributes.get("end") is not None or (idx < 0).any():
             return None
-        return int(idx.reshape(())) + (int(start.value) if start is not None else 0)
+        base = int(offset.value) if offset is not None else 0
+        return [int(i) + base for i in idx.reshape(-1)]
     return None
 
 
 def _read_axes(value: ir.Value | None, shapes: GraphShapes) -> list[int | None] | None:
-    """For each entry of a reshape target, the axis of the run-time ``Shape`` it is read from (:func:`_shape_axis`),
+    """For each entry of a reshape target, the axis of the run-time ``Shape`` it is read from (:func:`_shape_axes`),
     else None; the pieces of a ``Concat`` are sized by the shape query.  ``Where(r == -1, 1, r)`` (equal to ``r``
     for the query) and ``Reshape(r, [-1])`` are read through."""
     node = value.producer() if value is not None else None
@@ -130,7 +140,9 @@ def _read_axes(value: ir.Value | None, shapes: GraphShapes) -> list[int | None] 
         vec = shapes.values(piece)
         if vec is None:
             return None
-        out.extend([_shape_axis(piece)] if len(vec[1]) == 1 else [None] * len(vec[1]))
+        n = len(vec[1])
+        axes = _shape_axes(piece, n, shapes) if n else None
+        out.extend([None] * n if axes is None else axes)
     return out
 
 

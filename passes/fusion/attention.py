@@ -79,6 +79,7 @@ from mograph.passes.fusion._common import (
     EXPLAIN_OPTION,
     TARGET_OPTION,
     FusionPass,
+    GraphShapes,
     adopts_standard_ops,
     mograph_op,
     rule_shapes,
@@ -96,6 +97,7 @@ from mograph.passes.fusion.lowerings.attention_proofs import is_zero_bias
 from mograph.custom_ops import DOMAIN, DOMAIN_VERSION
 from mograph.pass_infra import Option
 from mograph.patterns import Anchor, MatchResult, OrValue, Rule, Var, constant_array, scalar_value
+from mograph.shapes import mul, same_dim
 
 __all__ = ["AttentionFusion", "FuseAttentionPass", "attention", "ATTENTION_OP"]
 
@@ -202,6 +204,8 @@ class AttentionFusion(Rule):
         flat = False
         if entries is not None and len(entries) == 2 and entries[-1] in (width,) and entries[0] == -1:
             flat = True  # [B * S, H * Dv] (dynamo's input to a Gemm)
+        elif entries is not None and len(entries) == 2 and _flattens(out_reshape, width, shapes):
+            flat = True  # [0, H * Dv] where S is 1 (a decode step's merged Reshapes): [B, H * Dv] is [B * S, H * Dv]
         else:
             last = entries[-1] if entries else None
             if y.shape is not None and len(y.shape) == 3 and isinstance(y.shape[2], int):
@@ -340,6 +344,15 @@ class AttentionFusion(Rule):
         if f["k"].cached is not None:
             parts.append("cache")
         return ".".join(parts)
+
+
+def _flattens(reshape: ir.Node, width: int, shapes: GraphShapes) -> bool:
+    """Whether the shape query proves that ``reshape`` turns its ``[B, S, H, Dv]`` input into ``[B * S, width]``
+    (its output's dims, as the query reads them from the target, equal those for every input)."""
+    dx, dy = shapes.dims(reshape.inputs[0]), shapes.dims(reshape.outputs[0])
+    if dx is None or dy is None or len(dx) != 4 or len(dy) != 2 or dy[1] is None or dy[1].value != width:
+        return False
+    return same_dim(dy[0], mul(dx[0], dx[1]))
 
 
 def head_norm(op: Any, heads: Heads) -> Any:

@@ -386,3 +386,41 @@ def test_below_opset_15_the_pieces_are_gathered_from_one_shape():
                        ops_left=["Reshape", "Gemm", "Shape", "Gather", "Concat", "Reshape"],
                        feeds=feeds_for(proto, dims={"batch": 2, "seq": 3}))
     _same_on_all_sizes(proto, model)
+
+
+# A dim first carried by an intermediate value: Add(x, p) broadcasts seq with pos (no rule says which wins),
+# so the sum's dim 1 is a new unknown; the exporter reads it from Shape(t), t = Relu(sum), as BERT's attention
+# masks read the embeddings' LayerNorm output and never the sum the embedding fusion takes whole.
+BORN_INSIDE = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[batch, seq, 8] x, float[1, pos, 8] p) => (float[batch, seq, 8] w, float[batch, seq, 2, 4] y) {
+    s = Add(x, p)
+    t = Relu(s)
+    sh = Shape(t)
+    i0 = Constant<value = int64 {0}>()
+    i1 = Constant<value = int64 {1}>()
+    ax = Constant<value = int64[1] {0}>()
+    b = Gather<axis = 0>(sh, i0)
+    q = Gather<axis = 0>(sh, i1)
+    ub = Unsqueeze(b, ax)
+    uq = Unsqueeze(q, ax)
+    rest = Constant<value = int64[2] {2, 4}>()
+    target = Concat<axis = 0>(ub, uq, rest)
+    w = Neg(t)
+    one = Constant<value = float[1] {1.0}>()
+    y = Expand(one, target)
+}
+"""
+
+
+def test_rebuilt_dim_reads_a_value_whose_shape_is_read_already():
+    """The batch is rebuilt from the input ``x``; the sum's new dim from ``t``, whose shape the graph reads already,
+    not from the sum (the first value carrying it), so no ``Shape`` reader is added to the sum."""
+    proto = parse(BORN_INSIDE)
+    sizes = [{"batch": 2, "seq": 5, "pos": 5}, {"batch": 3, "seq": 1, "pos": 1}, {"batch": 1, "seq": 4, "pos": 1}]
+    model = check_pass(SimplifyShapesPass(), proto, stats=_stats(shapes_rebuilt=1, removed_nodes=7),
+                       feeds=feeds_for(proto, seed=1, dims=sizes[0]))
+    shapes = [n for n in model.graph if n.op_type == "Shape"]
+    assert sorted((n.inputs[0].name, n.attributes["start"].value if "start" in n.attributes else 0,
+                   n.attributes["end"].value) for n in shapes) == [("t", 1, 2), ("x", 0, 1)]
+    _same_on_all_sizes(proto, model, sizes)
