@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import onnx_ir as ir
 
-__all__ = ["iter_nodes", "subgraphs"]
+__all__ = ["graphs_and_functions", "iter_nodes", "subgraphs"]
 
 
 _GRAPH = ir.AttributeType.GRAPH
@@ -52,4 +52,14 @@ def subgraphs(graph: ir.Graph | ir.Function) -> list[ir.Graph]:
             for sub in _node_subgraphs(node):
                 out.append(sub)
                 out.extend(subgraphs(sub))
+    return out
+
+
+def graphs_and_functions(model: ir.Model) -> list[ir.Graph | ir.Function]:
+    """The main graph, every subgraph (If/Loop/Scan bodies, nested) and every model-local function
+    with its own subgraphs: everywhere a tensor can sit."""
+    out: list[ir.Graph | ir.Function] = [model.graph, *subgraphs(model.graph)]
+    for function in model.functions.values():
+        out.append(function)
+        out.extend(subgraphs(function))
     return out

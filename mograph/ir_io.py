@@ -24,7 +24,6 @@ Why this matters:
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import math
 import os
@@ -38,9 +37,9 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from mograph._model_checks import check_declarations
+from mograph._model_checks import check_declarations, check_structure
 from mograph._tempfiles import owned_tempdir, sweep_stale
-from mograph._traverse import iter_nodes, subgraphs
+from mograph._traverse import graphs_and_functions, subgraphs
 from mograph.errors import InternalError, ModelError, UsageError
 from mograph.ir_version import fit_ir_version
 
@@ -65,21 +64,11 @@ TWO_GB = 2**31
 ModelSource = Union[str, os.PathLike, bytes, onnx.ModelProto, ir.Model, Any]
 
 
-def _graphs_and_functions(model: ir.Model) -> list[ir.Graph | ir.Function]:
-    """The main graph, every subgraph (If/Loop/Scan bodies, nested) and every model-local function
-    with its own subgraphs: everywhere a tensor can sit."""
-    out: list[ir.Graph | ir.Function] = [model.graph, *subgraphs(model.graph)]
-    for function in model.functions.values():
-        out.append(function)
-        out.extend(subgraphs(function))
-    return out
-
-
 def _all_tensors(model: ir.Model) -> Iterator[tuple[str, ir.TensorProtocol]]:
     """Every tensor in the model with a description of where it sits: initializers of every graph,
     and tensor-valued attributes (``value`` of Constant, TENSOR and TENSORS attributes of any node)
     in the main graph, its subgraphs and model-local functions."""
-    for owner in _graphs_and_functions(model):
+    for owner in graphs_and_functions(model):
         if isinstance(owner, ir.Graph):
             for value in owner.initializers.values():
                 if value.const_value is not None:
@@ -279,141 +268,6 @@ def _all_initializers(model: ir.Model) -> list[ir.Value]:
     return out
 
 
-def _check_structure(model: ir.Model) -> None:
-    """Refuse models whose structure no pass can work on: no outputs, dangling references and cycles."""
-    graph = model.graph
-    if not graph.outputs:
-        raise ModelError("the graph has no outputs: there is nothing to compute")
-    for node in iter_nodes(graph):
-        for inp in node.inputs:
-            if inp is None:
-                continue
-            if inp.producer() is None and not inp.is_graph_input() and not inp.is_initializer():
-                # Values captured from an outer scope are fine inside subgraphs.
-                if node.graph is graph:
-                    raise ModelError(
-                        f"node '{node.name or node.op_type}' reads '{inp.name}', which is neither a "
-                        "graph input, an initializer nor the output of any node (missing initializer?)"
-                    )
-    for owner in _graphs_and_functions(model):
-        _check_acyclic(owner)
-    _check_attributes(model)
-
-
-def _reads(node: ir.Node) -> set[int]:
-    """Ids of the values ``node`` reads, its subgraphs' reads (captured from outer scopes) included."""
-    values = {id(v) for v in node.inputs if v is not None}
-    for attr in node.attributes.values():
-        if attr.is_ref():
-            continue
-        graphs = [attr.value] if attr.type == ir.AttributeType.GRAPH else (
-            list(attr.value) if attr.type == ir.AttributeType.GRAPHS else []
-        )
-        for sub in graphs:
-            for inner in iter_nodes(sub):
-                values.update(id(v) for v in inner.inputs if v is not None)
-    return values
-
-
-def _check_acyclic(owner: ir.Graph | ir.Function) -> None:
-    """Kahn's algorithm; a subgraph reading a value of its own graph depends on its producer."""
-    nodes = list(owner)
-    members = {id(n) for n in nodes}
-    producer = {id(v): id(n) for n in nodes for v in n.outputs}
-    preds = {id(n): {producer[v] for v in _reads(n) if v in producer} & members for n in nodes}
-    succs: dict[int, list[ir.Node]] = {id(n): [] for n in nodes}
-    for n in nodes:
-        for p in preds[id(n)]:
-            succs[p].append(n)
-    indeg = {k: len(v) for k, v in preds.items()}
-    ready = [n for n in nodes if indeg[id(n)] == 0]
-    seen = 0
-    while ready:
-        n = ready.pop()
-        seen += 1
-        for succ in succs[id(n)]:
-            indeg[id(succ)] -= 1
-            if indeg[id(succ)] == 0:
-                ready.append(succ)
-    if seen != len(nodes):
-        stuck = [n.name or n.op_type for n in nodes if indeg[id(n)] > 0][:5]
-        where = "the graph" if isinstance(owner, ir.Graph) and owner.name is None else f"graph '{owner.name}'"
-        raise ModelError(f"{where} has a cycle through nodes {stuck}")
-
-
-@functools.lru_cache(maxsize=4096)
-def _schema(op_type: str, version: int) -> onnx.defs.OpSchema | None:
-    """The default-domain schema of ``op_type`` at ``version`` (looked up once per op and opset)."""
-    try:
-        return onnx.defs.get_schema(op_type, version, "")
-    except onnx.defs.SchemaError:
-        return None
-
-
-def _check_attributes(model: ir.Model) -> None:
-    """Standard ops' attributes must be the ones their schema declares, of the declared type, with
-    the required ones present, and their required inputs must be given: passes read them without
-    second-guessing (``axes`` as a list, ``value`` as a tensor, ``Unsqueeze`` with data)."""
-    for owner in _graphs_and_functions(model):
-        opsets = owner.opset_imports if isinstance(owner, ir.Function) else model.opset_imports
-        for node in owner:
-            if node.domain not in ("", "ai.onnx"):
-                continue
-            version = opsets.get("", opsets.get("ai.onnx", model.opset_imports.get("")))
-            if version is None:
-                raise ModelError(
-                    f"node '{node.name or node.op_type}' is a standard {node.op_type}, but the model imports no "
-                    "opset for the default domain"
-                )
-            schema = _schema(node.op_type, version)
-            if schema is None:
-                continue  # not a standard op at this opset: ONNX Runtime will say so
-            label = f"node '{node.name or node.op_type}' ({node.op_type})"
-            for name, attr in node.attributes.items():
-                declared = schema.attributes.get(name)
-                if declared is None:
-                    raise ModelError(f"{label} has an attribute '{name}' that {node.op_type}-{version} does not define")
-                if attr.is_ref():
-                    continue
-                want = ir.AttributeType(int(declared.type))  # type: ignore[call-overload]
-                if attr.type != want:
-                    raise ModelError(f"{label}: attribute '{name}' must be {want.name}, not {attr.type.name}")
-            for name, declared in schema.attributes.items():
-                if declared.required and name not in node.attributes:
-                    raise ModelError(f"{label} lacks its required attribute '{name}'")
-            inputs = list(node.inputs)
-            if len(inputs) > schema.max_input:
-                raise ModelError(f"{label} has {len(inputs)} inputs; {node.op_type}-{version} takes at most {schema.max_input}")
-            single = onnx.defs.OpSchema.FormalParameterOption.Single
-            for i, formal in enumerate(schema.inputs):
-                if formal.option == single and (i >= len(inputs) or inputs[i] is None):
-                    raise ModelError(f"{label} lacks its required input {i} ('{formal.name}')")
-            for name in _DTYPE_ATTRIBUTES.get(node.op_type, ()):
-                named = node.attributes.get(name)
-                if named is not None and not named.is_ref() and not _is_dtype(named.value):
-                    raise ModelError(f"{label}: attribute '{name}' = {named.value} is not an ONNX data type")
-
-
-#: Attributes that name a data type (``TensorProto.DataType``), by op.
-_DTYPE_ATTRIBUTES = {
-    "Cast": ("to",),
-    "EyeLike": ("dtype",),
-    "RandomNormal": ("dtype",),
-    "RandomUniform": ("dtype",),
-    "RandomNormalLike": ("dtype",),
-    "RandomUniformLike": ("dtype",),
-    "Multinomial": ("dtype",),
-    "Bernoulli": ("dtype",),
-}
-
-
-def _is_dtype(value: object) -> bool:
-    try:
-        return isinstance(value, int) and ir.DataType(value) != ir.DataType.UNDEFINED
-    except ValueError:
-        return False
-
-
 def _load_file(path: Path, *, stream: bool = True) -> ir.Model:
     """The model in the ``.onnx`` file at ``path``: a large file with its big weights read from the file
     straight into their arrays (:mod:`mograph._stream_load`: they are in memory once, not twice), any
@@ -550,7 +404,7 @@ def _load_model(source: ModelSource, *, check: bool = True, base_dir: str | os.P
 
     _spill.remember_data_files(model)  # their pages are dropped before each session (_spill.drop_pages)
     if check:
-        _check_structure(model)
+        check_structure(model)
         check_declarations(model)
     return model
 
@@ -577,7 +431,7 @@ def _decode_initializers(model: ir.Model) -> None:
             decoded = _decoded(value.const_value)
             if decoded is not None:
                 value.const_value = decoded
-    for owner in _graphs_and_functions(model):
+    for owner in graphs_and_functions(model):
         for node in owner:
             for key, attr in list(node.attributes.items()):
                 if attr.type == ir.AttributeType.TENSOR and not attr.is_ref():
@@ -876,7 +730,7 @@ def _attributes_inlined(model: ir.Model) -> Iterator[None]:
     beside it (or none at all).
     """
     swapped: list[tuple[ir.Node, str, ir.Attr]] = []
-    for owner in _graphs_and_functions(model):
+    for owner in graphs_and_functions(model):
         for node in owner:
             for name, attr in list(node.attributes.items()):
                 if attr.is_ref() or attr.value is None:
