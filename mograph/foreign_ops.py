@@ -56,6 +56,9 @@ class ForeignOp:
             each row on its own; the other inputs are the norm's parameters (or a residual added first), the
             other outputs its statistics (or that sum).  The Q/DQ plans list it as a normalization, ``fp16``
             counts its reduction depth, ``prune-structured`` couples a channel on an axis before ``axis``.
+        ort_default_domain: ONNX Runtime registers a kernel of it in the default domain at every opset, also
+            at opsets where ONNX has no schema for it (the output check's list when ``onnxruntime`` cannot be
+            asked: :data:`mograph.output_check.ORT_DEFAULT_DOMAIN_OPS_FALLBACK`).
     """
 
     name: str
@@ -71,6 +74,7 @@ class ForeignOp:
     shape_rule: str | None = None
     elementwise: bool = False
     normalizes: bool = False
+    ort_default_domain: bool = False
 
     @property
     def key(self) -> tuple[str, str]:
@@ -84,13 +88,14 @@ def _ms(name: str, computes: str | None = None, **facts: object) -> ForeignOp:
 #: The records every installation has (registered by the built-in plugin ``mograph.lowering``).
 BUILTIN_FOREIGN_OPS: tuple[ForeignOp, ...] = (
     # standard ONNX forms of the fused computations
-    ForeignOp("LayerNormalization", "", "LayerNorm", affine=(1, 2), normalizes=True),
+    ForeignOp("LayerNormalization", "", "LayerNorm", affine=(1, 2), normalizes=True, ort_default_domain=True),
     ForeignOp("RMSNormalization", "", "RMSNorm", normalizes=True),
     ForeignOp("Gelu", "", "GELU", elementwise=True),
     ForeignOp("Attention", "", "attention"),
     # ONNX Runtime's contrib op in the default domain (where ONNX Runtime registers it and the ``ort``
     # lowering writes it)
-    ForeignOp("SimplifiedLayerNormalization", "", "RMSNorm", same_shape_outputs=(0,), normalizes=True),
+    ForeignOp("SimplifiedLayerNormalization", "", "RMSNorm", same_shape_outputs=(0,), normalizes=True,
+              ort_default_domain=True),
     # ONNX Runtime contrib ops
     _ms("LayerNormalization", "LayerNorm", same_shape_outputs=(0,), normalizes=True),
     _ms("SkipLayerNormalization", "LayerNorm", affine=(2, 3), same_shape_outputs=(0, 3), normalizes=True),

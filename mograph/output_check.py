@@ -44,6 +44,7 @@ from typing import Any
 import onnx_ir as ir
 
 from mograph._traverse import iter_nodes
+from mograph.foreign_ops import BUILTIN_FOREIGN_OPS
 
 __all__ = ["InvalidModel", "check_model_output", "ORT_DOMAINS", "ORT_DEFAULT_DOMAIN_OPS_FALLBACK", "ORT_MAX_BYTES",
            "ort_default_domain_ops", "PLACEHOLDER_BYTES"]
@@ -53,9 +54,10 @@ logger = logging.getLogger(__name__)
 #: Operator domains ONNX Runtime implements (its contrib ops included).
 ORT_DOMAINS = frozenset({"", "ai.onnx", "com.microsoft", "ai.onnx.ml"})
 #: Used only when ``onnxruntime`` is not installed, so ONNX Runtime cannot be asked: the default-domain ops
-#: mograph's ``ort`` lowering writes that ONNX Runtime runs at opsets where ONNX has no schema for them.
+#: mograph's ``ort`` lowering writes that ONNX Runtime runs at opsets where ONNX has no schema for them (the
+#: foreign-op records that say ``ort_default_domain``).
 #: With ``onnxruntime`` installed the set comes from its registered kernels (:func:`ort_default_domain_ops`).
-ORT_DEFAULT_DOMAIN_OPS_FALLBACK = frozenset({"LayerNormalization", "SimplifiedLayerNormalization"})
+ORT_DEFAULT_DOMAIN_OPS_FALLBACK = frozenset(op.name for op in BUILTIN_FOREIGN_OPS if op.domain == "" and op.ort_default_domain)
 #: Largest total of weight bytes (in memory and external) for which the ONNX Runtime load runs.
 ORT_MAX_BYTES = 1 << 30
 #: Tensors larger than this are replaced by a one-element stand-in for the ONNX checker.

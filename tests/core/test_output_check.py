@@ -423,3 +423,17 @@ def test_the_onnxruntime_load_runs_without_optimizations_or_weight_prepacking(mo
     with pytest.raises(InvalidModel) as err:
         check_model_output(bad)
     assert err.value.tool == "onnxruntime" and len(seen) == 2
+
+
+def test_fallback_list_is_read_off_the_foreign_op_records():
+    """Without onnxruntime, the default-domain ops ONNX Runtime runs beyond ONNX's schemas are the records that
+    say so (issue 28: one record per foreign op, no hand list); they agree with what ORT itself reports at opset
+    12 where it is installed."""
+    import mograph.foreign_ops as fo
+    import mograph.output_check as oc
+
+    assert oc.ORT_DEFAULT_DOMAIN_OPS_FALLBACK == {"LayerNormalization", "SimplifiedLayerNormalization"}
+    assert all(op.domain == "" for op in fo.BUILTIN_FOREIGN_OPS if op.ort_default_domain)
+    ort_ops, source = oc.ort_default_domain_ops(12)
+    if source == "onnxruntime":
+        assert oc.ORT_DEFAULT_DOMAIN_OPS_FALLBACK <= ort_ops
