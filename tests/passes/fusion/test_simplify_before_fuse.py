@@ -19,6 +19,7 @@ from mograph.passes.fusion._common import GraphShapes
 from mograph.passes.fusion.attention import FuseAttentionPass
 
 from mograph.testing import assert_untouched, check_pass, feeds_for, parse, to_ir
+from tools.fusions_after_simplify import fusions
 
 #: the reshape target pieces simplify-shapes writes, and what the attention readers see in them
 _TARGETS = """
@@ -89,18 +90,8 @@ def test_merged_heads_to_batch_rows_needs_seq_one() -> None:
 
 
 def _fusions(model, passes: str) -> dict[str, int]:  # type: ignore[no-untyped-def]
-    from mograph.plugins import get_registry
-
-    reg = get_registry()
-    config = {"target": "ort"}
-    counts: dict[str, int] = {}
-    for p in reg.instantiate(reg.plan(passes, config), config):
-        stats = p.call(model).stats
-        if p.name.startswith("fuse-"):
-            for k, v in stats.items():
-                if "." not in k:
-                    counts[k] = counts.get(k, 0) + int(v)
-    return counts
+    """Per-rule fusion counts (the counting of ``tools/fusions_after_simplify.py``)."""
+    return fusions(model, passes)[0]
 
 
 # (case, the fusions both pipelines make)
