@@ -30,7 +30,11 @@ or ``mograph-ts-shared=ts:cleanup,fuse,fp16:--target ort --kv-cache shared``; mo
 128 and asymmetric unless given) on the graphs of another ``ts``/``dynamo`` variant of the run (every MatMul with
 a constant weight, the LM head too), e.g. ``ort-int4-b32=from:mograph-ts-shared:nbits4:block=32,sym`` (the
 builder's ``-p int4`` blocks) or ``ort-int4-b128=from:mograph-ts-shared:nbits4``: with ``--jobs`` it waits for
-that variant's graph.  Names holding ``int4`` or ``nbits4`` are compared with ``builder-int4`` in ``markdown``.
+that variant's graph.  A spec ``NAME=same:VARIANT:KEY=VALUE[,...]`` times the graphs of another variant (or of
+``builder-fp16`` / ``builder-int4``) with ONNX Runtime session config entries, built by nothing, e.g.
+``builder-int4+fpa=same:builder-int4:ep.cuda.fpa_intb_gemm=1`` (ONNX Runtime's CUTLASS weight-only GEMM/GEMV for
+``MatMulNBits``, off by default).  Names holding ``int4`` or ``nbits4`` are compared with ``builder-int4`` in
+``markdown`` (a name ``X+SUFFIX`` with ``builder-int4+SUFFIX`` where the run has it).
 
 Usage (the H200, with onnxruntime-gpu and onnxruntime-genai installed there; the device has no network, so their
 wheels are carried over by a script kept outside this repository)::
@@ -303,6 +307,12 @@ def parse_variant(text: str) -> tuple[str, str, str, str]:
     name, _, body = text.partition("=")
     exp, _, rest = body.partition(":")
     passes, _, extra = rest.partition(":")
+    if name and exp == "same" and passes:
+        try:
+            parse_config(extra)
+        except ValueError as exc:
+            raise SystemExit(f"bench_llm: bad --variant {text!r}: {exc}") from None
+        return name, exp, passes, extra
     if name and exp == "from" and passes:
         try:
             parse_nbits(extra)
@@ -310,9 +320,22 @@ def parse_variant(text: str) -> tuple[str, str, str, str]:
             raise SystemExit(f"bench_llm: bad --variant {text!r}: {exc}") from None
         return name, exp, passes, extra
     if not (name and exp in ("ts", "dynamo") and passes):
-        raise SystemExit(f"bench_llm: bad --variant {text!r}: expected NAME=ts|dynamo:PASSES[:ARGS] or "
-                         "NAME=from:VARIANT:nbits4|nbits8[:block=K,sym,acc=N]")
+        raise SystemExit(f"bench_llm: bad --variant {text!r}: expected NAME=ts|dynamo:PASSES[:ARGS], "
+                         "NAME=from:VARIANT:nbits4|nbits8[:block=K,sym,acc=N] or NAME=same:VARIANT:KEY=VALUE[,...]")
     return name, exp, passes, extra
+
+
+def parse_config(text: str) -> dict[str, str]:
+    """``KEY=VALUE[,KEY=VALUE]`` -> ONNX Runtime session config entries (``SessionOptions.add_session_config_entry``)."""
+    entries = {}
+    for item in filter(None, text.split(",")):
+        key, eq, value = item.partition("=")
+        if not (key and eq):
+            raise ValueError(f"session config entry {item!r}: expected KEY=VALUE")
+        entries[key.strip()] = value.strip()
+    if not entries:
+        raise ValueError("a same: variant needs at least one session config entry KEY=VALUE")
+    return entries
 
 
 def _variant_base(args: argparse.Namespace, dirname: str) -> str:
@@ -376,10 +399,12 @@ def prepare(args: argparse.Namespace) -> int:
                 steps.append((d / f"builder-{prec}" / "model.onnx",
                               lambda d=d, prec=prec: run_builder(d / "hf", d / f"builder-{prec}", prec, d / "hfcache",
                                                                  args.builder_ep)))
-        exps = {parse_variant(v)[1] for v in args.variant} - {"from"}
+        exps = {parse_variant(v)[1] for v in args.variant} - {"from", "same"}
         bases = {parse_variant(v)[0]: parse_variant(v)[1] for v in args.variant}
         for v in args.variant:
             vname, exp, base, _ = parse_variant(v)
+            if exp == "same" and bases.get(base) is None and not base.startswith("builder-"):
+                raise SystemExit(f"bench_llm: --variant {vname}: same:{base} is not a --variant or builder graph of this run")
             if exp == "from" and bases.get(base) not in ("ts", "dynamo"):
                 raise SystemExit(f"bench_llm: --variant {vname}: from:{base} is not a ts/dynamo --variant of this run")
         for exp in sorted(exps):
@@ -390,7 +415,7 @@ def prepare(args: argparse.Namespace) -> int:
         for v in args.variant:
             vname, exp, passes, extra = parse_variant(v)
             for kind in ("prefill", "decode"):
-                if exp == "from":
+                if exp in ("from", "same"):
                     continue
                 steps.append((d / f"{vname}-{kind}" / "model.onnx",
                               lambda d=d, exp=exp, kind=kind, vname=vname, passes=passes, extra=extra: run_mograph(
@@ -464,12 +489,15 @@ _NP = {"tensor(float16)": np.float16, "tensor(float)": np.float32, "tensor(int64
 class Graph:
     """One ONNX file and how to feed it: which inputs are past K/V (and their dtype), which outputs present."""
 
-    def __init__(self, name: str, path: Path, device: str, cuda_graph: bool) -> None:
+    def __init__(self, name: str, path: Path, device: str, cuda_graph: bool,
+                 config: dict[str, str] | None = None) -> None:
         import onnxruntime as ort
 
         self.name, self.path, self.device = name, path, device
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
+        for key, value in (config or {}).items():
+            opts.add_session_config_entry(key, value)
         if device == "cuda":
             po = {"enable_cuda_graph": "1" if cuda_graph else "0"}
             providers: list[Any] = [("CUDAExecutionProvider", po), "CPUExecutionProvider"]
@@ -553,8 +581,23 @@ def cell_step(g: Graph, spec: Spec, cell: str, shared: bool, seed: int) -> Step:
 def graph_files(d: Path, variants: list[str], kind: str) -> dict[str, Path]:
     files = {f"builder-{p}": d / f"builder-{p}" / "model.onnx" for p in ("fp16", "int4", "fp32")}
     for v in variants:
-        files[parse_variant(v)[0]] = d / f"{parse_variant(v)[0]}-{kind}" / "model.onnx"
+        vname, exp, base, _ = parse_variant(v)
+        if exp != "same":
+            files[vname] = d / f"{vname}-{kind}" / "model.onnx"
+    for v in variants:  # a same: variant runs its base's file
+        vname, exp, base, _ = parse_variant(v)
+        if exp == "same" and base in files:
+            files[vname] = files[base]
     return {k: v for k, v in files.items() if v.exists()}
+
+
+def session_config(variants: list[str], name: str) -> dict[str, str]:
+    """The session config entries of variant ``name`` (a ``same:`` variant), else none."""
+    for v in variants:
+        vname, exp, _, extra = parse_variant(v)
+        if vname == name and exp == "same":
+            return parse_config(extra)
+    return {}
 
 
 def shared_ok(g: Graph) -> bool:
@@ -654,7 +697,9 @@ def time_model(args: argparse.Namespace, name: str, out: Any) -> None:
     for vname in sorted(set(pre) & set(dec)):
         row: dict[str, Any] = {"model": name, "variant": vname, "cell": "accuracy", "when": time.time()}
         try:
-            gp, gd = Graph(vname, pre[vname], args.device, False), Graph(vname, dec[vname], args.device, False)
+            cfg = session_config(args.variant, vname)
+            gp, gd = (Graph(vname, pre[vname], args.device, False, cfg),
+                      Graph(vname, dec[vname], args.device, False, cfg))
             shared = shared_ok(gd)
             logits, tokens = greedy(gp, gd, spec, ids, shared)
             cos, mx = cosine(logits[0, -1], ref_logits[0, -1])
@@ -677,7 +722,8 @@ def time_model(args: argparse.Namespace, name: str, out: Any) -> None:
             notes: dict[str, str] = {}
             for vname, path in files.items():
                 try:
-                    g = Graph(vname, path, args.device, mode == "graph" and args.device == "cuda")
+                    g = Graph(vname, path, args.device, mode == "graph" and args.device == "cuda",
+                              session_config(args.variant, vname))
                     shared = mode == "graph" and shared_ok(g)
                     if mode == "graph" and kind == "decode" and not shared:
                         notes[vname] = "not capturable in a generation loop: no shared past/present buffer"
@@ -734,8 +780,10 @@ def markdown(args: argparse.Namespace) -> int:
     variants = sorted({k[3] for k in latest})
     ours = [v for v in variants if not v.startswith("builder")]
 
-    def peer(v: str) -> str:
-        return "builder-int4" if "int4" in v or "nbits4" in v else "builder-fp16"
+    def peer(v: str) -> str:  # a same: variant named NAME+X is compared with builder-...+X where the run has it
+        base = "builder-int4" if "int4" in v or "nbits4" in v else "builder-fp16"
+        suffix = v[v.index("+"):] if "+" in v else ""
+        return base + suffix if suffix and base + suffix in variants else base
 
     lines = ["| model | cell | mode | " + " | ".join(variants) + " | " + " | ".join(f"{v} / {peer(v)}" for v in ours)
              + " |", "|---|---|---|" + "---:|" * (len(variants) + len(ours))]

@@ -19,7 +19,9 @@ Usage (the H200; ``prepare`` is CPU work, ``--jobs`` runs the variants N at a ti
   ``MatMulNBits`` with float16 activations), ``int4`` (``--passes cleanup,fuse,int4 --target ort --device
   cuda``), every mograph run with ``--calibration-data`` (one seeded feed of 8x64); ``ort-nbits4`` /
   ``ort-nbits8`` (``onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer``, RTN, block 128,
-  asymmetric, on the ``fp16`` variant's graph).
+  asymmetric, on the ``fp16`` variant's graph); ``int8-wo-b32`` (the int8 recipe in blocks of 32 without zero
+  points); ``int8-wo-b32+fpa`` / ``int4+fpa`` (those graphs, nothing built, run with the session config entry
+  ``ep.cuda.fpa_intb_gemm=1``: ONNX Runtime's CUTLASS weight-only kernels, off by default).
 * **cells** (``--cells``, default ``1x128,8x128,8x512``), each ``plain`` (IO binding, inputs and the output bound
   once on the device) and, on ``--device cuda``, ``graph`` (the same under ``enable_cuda_graph``; a variant ONNX
   Runtime does not capture is recorded with its error); the variants of a cell are timed in interleaved rounds.
@@ -46,7 +48,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu import cosine, cuda_kernels, time_runners  # noqa: E402
-from bench_llm import _after, _step, ort_nbits, parse_nbits, run_mograph  # noqa: E402
+from bench_llm import _after, _step, ort_nbits, parse_config, parse_nbits, run_mograph  # noqa: E402
 
 #: layers, hidden, heads, FFN
 MODELS = {"bert-base": (12, 768, 12, 3072), "bert-tiny": (2, 128, 2, 512)}
@@ -58,6 +60,11 @@ VARIANTS: dict[str, tuple[str, str, str]] = {
     "int4": ("mograph", "cleanup,fuse,int4", "--target ort --device cuda"),
     "ort-nbits4": ("nbits", "fp16", "nbits4:block=128"),
     "ort-nbits8": ("nbits", "fp16", "nbits8:block=128"),
+    # ONNX Runtime's CUTLASS weight-only kernels (fpA_intB: 4/8-bit blocks of 32 without zero points or bias), off by
+    # default in onnxruntime-gpu 1.31, switched on per session: the graphs of another variant, nothing built
+    "int8-wo-b32": ("mograph", "cleanup,fuse,int8", "--target ort --device cuda --block-size 32 --symmetric yes"),
+    "int8-wo-b32+fpa": ("same", "int8-wo-b32", "ep.cuda.fpa_intb_gemm=1"),
+    "int4+fpa": ("same", "int4", "ep.cuda.fpa_intb_gemm=1"),
 }
 CELLS = "1x128,8x128,8x512"
 _NP = {"tensor(float16)": np.float16, "tensor(float)": np.float32, "tensor(int64)": np.int64,
@@ -118,8 +125,8 @@ def prepare(args: argparse.Namespace) -> int:
     for n in names:
         if n not in VARIANTS:
             raise SystemExit(f"bench_precision: unknown variant {n!r} (known: {', '.join(VARIANTS)})")
-        if VARIANTS[n][0] == "nbits" and VARIANTS[n][1] not in names:
-            raise SystemExit(f"bench_precision: {n} quantizes {VARIANTS[n][1]}'s graph: list it too")
+        if VARIANTS[n][0] in ("nbits", "same") and VARIANTS[n][1] not in names:
+            raise SystemExit(f"bench_precision: {n} reads {VARIANTS[n][1]}'s graph: list it too")
     if not _step(args.model, d / "fp32" / "model.onnx", lambda: export_bert(args.model, d / "fp32" / "model.onnx",
                                                                              args.attn), args.retry):
         return 1
@@ -128,7 +135,7 @@ def prepare(args: argparse.Namespace) -> int:
     futures: dict[str, Any] = {}
     with ThreadPoolExecutor(max(args.jobs, 1)) as pool:
         # the mograph runs first, then the ones reading their graph (FIFO: a base is running or done by then)
-        for n in sorted(names, key=lambda n: VARIANTS[n][0] == "nbits"):
+        for n in sorted((n for n in names if VARIANTS[n][0] != "same"), key=lambda n: VARIANTS[n][0] == "nbits"):
             target, make = d / n / "model.onnx", (lambda n=n: make_variant(d, n, args.quant_args))
             base = futures.get(VARIANTS[n][1]) if VARIANTS[n][0] == "nbits" else None
             futures[n] = pool.submit(_after, base, args.model, target, make, args.retry)
@@ -161,11 +168,14 @@ def graph_facts(path: Path) -> dict[str, Any]:
 class Runner:
     """One variant on one cell: inputs and the output bound once as device OrtValues (a CUDA graph replays)."""
 
-    def __init__(self, path: Path, device: str, cuda_graph: bool, feeds: dict[str, np.ndarray], hidden: int) -> None:
+    def __init__(self, path: Path, device: str, cuda_graph: bool, feeds: dict[str, np.ndarray], hidden: int,
+                 config: dict[str, str] | None = None) -> None:
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
+        for key, value in (config or {}).items():
+            opts.add_session_config_entry(key, value)
         providers: list[Any] = (
             [("CUDAExecutionProvider", {"enable_cuda_graph": "1" if cuda_graph else "0"}), "CPUExecutionProvider"]
             if device == "cuda" else ["CPUExecutionProvider"])
@@ -196,7 +206,8 @@ def time_all(args: argparse.Namespace) -> int:
     d = Path(args.cache) / args.model
     hidden = MODELS[args.model][1]
     names = ["fp32", *args.variants.split(",")]
-    paths = {n: d / n / "model.onnx" for n in names}
+    paths = {n: d / (VARIANTS[n][1] if VARIANTS.get(n, ("",))[0] == "same" else n) / "model.onnx" for n in names}
+    configs = {n: parse_config(VARIANTS[n][2]) for n in names if VARIANTS.get(n, ("",))[0] == "same"}
     with open(args.out, "a") as out:
 
         def write(row: dict[str, Any]) -> None:
@@ -224,7 +235,7 @@ def time_all(args: argparse.Namespace) -> int:
                     if not p.exists():
                         continue
                     try:
-                        runners[n] = Runner(p, args.device, mode == "graph", feeds, hidden)
+                        runners[n] = Runner(p, args.device, mode == "graph", feeds, hidden, configs.get(n))
                     except Exception as exc:  # noqa: BLE001
                         notes[n] = f"{type(exc).__name__}: {str(exc).strip()[:400]}"
                 timed = time_runners(runners, args.warmup, args.min_time, args.rounds, args.max_iters)
@@ -297,13 +308,15 @@ def markdown(args: argparse.Namespace) -> int:
             ratio = f"{r['bytes'] / fp16:.3f}" if fp16 else "–"
             lines.append(f"| {v} | {r['bytes'] / 2**20:.1f} | {ratio} | {r['matmulnbits_bits'] or ''} | "
                          f"{r['matmul']} | {r['int8_ops'] or ''} | |")
-        size8 = latest.get((model, device, "size", "", "int8-wo"), {}).get("bytes")
-        worst = [ms((model, device, c, m, "int8-wo")) / base for c, m in cells  # type: ignore[operator]
-                 if (base := ms((model, device, c, m, "fp16"))) and ms((model, device, c, m, "int8-wo"))]
-        if worst and size8 and fp16:
-            ok = max(worst) <= 1.05 and size8 / fp16 < 0.6
-            lines += ["", f"int8-wo goal (<= 1.05x fp16 time in every cell, < 0.6x its size): worst time "
-                      f"{max(worst):.2f}x, size {size8 / fp16:.3f}x: **{'met' if ok else 'not met'}**"]
+        for v8 in (v for v in variants if v.startswith("int8-wo")):
+            sized = VARIANTS[v8][1] if VARIANTS.get(v8, ("",))[0] == "same" else v8
+            size8 = latest.get((model, device, "size", "", sized), {}).get("bytes")
+            worst = [ms((model, device, c, m, v8)) / base for c, m in cells  # type: ignore[operator]
+                     if (base := ms((model, device, c, m, "fp16"))) and ms((model, device, c, m, v8))]
+            if worst and size8 and fp16:
+                ok = max(worst) <= 1.05 and size8 / fp16 < 0.6
+                lines += ["", f"{v8} goal (<= 1.05x fp16 time in every cell, < 0.6x its size): worst time "
+                          f"{max(worst):.2f}x, size {size8 / fp16:.3f}x: **{'met' if ok else 'not met'}**"]
         lines.append("")
     print("\n".join(lines))
     return 0

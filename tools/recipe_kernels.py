@@ -4,7 +4,10 @@ Each lowering of a low-precision MatMul ``[M, K] x [K, N]`` is timed alone again
 (float32 on the CPU, float16 on CUDA), median wall milliseconds per ``run`` over ``--runs`` runs:
 
 - ``float``: ``MatMul``;
-- ``nbits4_b32`` / ``nbits4_b128`` / ``nbits8_b128``: ``com.microsoft.MatMulNBits`` (weight-only, float activations);
+- ``nbits4_b32`` / ``nbits4_b128`` / ``nbits8_b32`` / ``nbits8_b128``: ``com.microsoft.MatMulNBits`` (weight-only,
+  float activations, no zero points); with ``--fpa`` also ``nbits4_b32+fpa`` / ``nbits8_b32+fpa``: the same graphs
+  with the session config entry ``ep.cuda.fpa_intb_gemm=1`` (ONNX Runtime's CUTLASS weight-only GEMM and GEMV,
+  which take blocks of 32 without zero points or bias; off by default in onnxruntime-gpu 1.31);
 - ``matmulinteger``: ``DynamicQuantizeLinear`` + ``MatMulInteger`` + rescale (INT8 activations and weights);
 - ``qdq_a8w8``: ``QuantizeLinear``/``DequantizeLinear`` on the activation and an INT8 weight's
   ``DequantizeLinear`` before ``MatMul`` (ONNX Runtime's optimizations on, so it may fuse them to ``QLinearMatMul``).
@@ -49,7 +52,7 @@ def graphs(k: int, n: int, half: bool) -> dict[str, bytes]:
     out: dict[str, bytes] = {}
     out["float"] = _model([helper.make_node("MatMul", ["A", "W"], ["Y"])],
                           [onnx.numpy_helper.from_array(w, "W")], a_type, k, n)
-    for bits, bs in ((4, 32), (4, 128), (8, 128)):
+    for bits, bs in ((4, 32), (4, 128), (8, 32), (8, 128)):
         blocks = k // bs
         b = rng.integers(0, 256, (n, blocks, bs * bits // 8), dtype=np.uint8)
         s = (rng.random((n, blocks)) * 0.01).astype(ft)
@@ -80,15 +83,21 @@ def graphs(k: int, n: int, half: bool) -> dict[str, bytes]:
     return out
 
 
-def time_all(models: dict[str, bytes], ms: list[int], k: int, device: str, runs: int) -> dict[str, list[float]]:
+def time_all(models: dict[str, bytes], ms: list[int], k: int, device: str, runs: int,
+             configs: dict[str, tuple[str, dict[str, str]]] | None = None) -> dict[str, list[float]]:
+    """Median wall ms per label; ``configs`` adds labels: ``label -> (graph label, session config entries)``."""
     import onnxruntime as ort
 
     providers = ["CUDAExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
     half = device == "cuda"
     result: dict[str, list[float]] = {}
-    for label, data in models.items():
+    runs_of = {label: (data, {}) for label, data in models.items()}
+    runs_of |= {label: (models[base], cfg) for label, (base, cfg) in (configs or {}).items()}
+    for label, (data, cfg) in runs_of.items():
         so = ort.SessionOptions()
         so.log_severity_level = 3
+        for key, value in cfg.items():
+            so.add_session_config_entry(key, value)
         try:
             sess = ort.InferenceSession(data, so, providers=providers)
         except Exception as exc:  # noqa: BLE001 - a lowering the runtime lacks is a row saying so
@@ -125,10 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--m", default="1,128", help="comma-separated row counts")
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--json", help="also write the table here")
+    ap.add_argument("--fpa", action="store_true",
+                    help="also time the 32-blocks with ep.cuda.fpa_intb_gemm=1 (CUDA: ONNX Runtime's CUTLASS kernels)")
     args = ap.parse_args(argv)
     ms = [int(x) for x in args.m.split(",")]
     print(f"device {args.device}, [M, {args.k}] x [{args.k}, {args.n}], median wall ms for M = {ms}")
-    table = time_all(graphs(args.k, args.n, args.device == "cuda"), ms, args.k, args.device, args.runs)
+    fpa = {f"{g}+fpa": (g, {"ep.cuda.fpa_intb_gemm": "1"}) for g in ("nbits4_b32", "nbits8_b32")} if args.fpa else {}
+    table = time_all(graphs(args.k, args.n, args.device == "cuda"), ms, args.k, args.device, args.runs, fpa)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": args.device, "k": args.k, "n": args.n, "m": ms, "ms": table}, f, indent=1)
