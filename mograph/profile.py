@@ -145,7 +145,7 @@ def decomposed_candidates(model: ir.Model, registry: Registry) -> list[dict[str,
 
 def _profiled_events(
     model: Any, feeds: Mapping[str, np.ndarray], runs: int, warmup: int, device: str,
-    optimizations: bool, threads: int | None,
+    optimizations: bool, threads: int | None, config: Mapping[str, str] | None = None,
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """Run ``model`` (a path) ``warmup + runs`` times under ONNX Runtime's profiler; return the events
     worth keeping (Session / Node / Kernel) and the session's providers."""
@@ -155,7 +155,7 @@ def _profiled_events(
     try:
         session = ort.make_session(
             model, optimizations=optimizations, threads=threads,
-            device=device if device != "cpu" else None, profile_prefix=os.path.join(folder, "ort"),
+            device=device if device != "cpu" else None, profile_prefix=os.path.join(folder, "ort"), config=config,
         )
         runner = ort.OrtRunner(session, device=device)
         step = runner.bind(feeds)
@@ -225,7 +225,8 @@ def _events_launch_blocking(*args: Any) -> tuple[list[dict[str, Any]], list[str]
 
 
 def _torch_kernels(model: Any, feeds: Mapping[str, np.ndarray], runs: int, device: str,
-                   optimizations: bool, threads: int | None) -> list[dict[str, Any]] | str:
+                   optimizations: bool, threads: int | None,
+                   config: Mapping[str, str] | None = None) -> list[dict[str, Any]] | str:
     """GPU kernels of ``runs`` IO-bound runs seen by ``torch.profiler``; a sentence when it cannot."""
     import importlib.util
 
@@ -239,7 +240,7 @@ def _torch_kernels(model: Any, feeds: Mapping[str, np.ndarray], runs: int, devic
         from torch.profiler import profile as torch_profile
     except Exception as exc:  # noqa: BLE001
         return f"no CUDA kernel events: torch.profiler is not usable ({exc})"
-    session = ort.make_session(model, optimizations=optimizations, threads=threads, device=device)
+    session = ort.make_session(model, optimizations=optimizations, threads=threads, device=device, config=config)
     runner = ort.OrtRunner(session, device=device)
     step = runner.bind(feeds)
     for _ in range(3):
@@ -274,6 +275,7 @@ def profile_model(
     kernels: bool | None = None,
     launch_blocking: bool | None = None,
     registry: Registry | None = None,
+    session_config: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Profile ``model_path`` and say where its time goes (the dict described in the module docstring).
 
@@ -292,6 +294,7 @@ def profile_model(
             on CUDA); also usable on the CPU, where it changes nothing but the process.
         registry: the plugins' registry (its custom ops are lowered for ``ort`` first); default: the
             current environment's (this is a composition root).
+        session_config: ONNX Runtime session config entries of the profiled sessions.
 
     Raises:
         UsageError: another backend than ``ort``, or ``runs``/``top`` below 1.
@@ -341,7 +344,7 @@ def profile_model(
             payload = os.path.join(tmp, "model.onnx")
             ir_io.save_model(run_model, payload, external_data=ort.needs_file(run_model))  # attributes' data too
         blocking = (kind == "cuda") if launch_blocking is None else bool(launch_blocking)
-        args = (payload, feed_arrays, runs, warmup, device, optimizations, threads)
+        args = (payload, feed_arrays, runs, warmup, device, optimizations, threads, session_config)
         if blocking:
             events, providers = _events_launch_blocking(*args)
             node_timing = (
@@ -357,7 +360,7 @@ def profile_model(
         kernels_source: str | None = "onnxruntime profiler" if kernel_rows else None
         want_kernels = (kind == "cuda") if kernels is None else bool(kernels)
         if want_kernels and not kernel_rows and kind == "cuda":
-            got = _torch_kernels(payload, feed_arrays, runs, device, optimizations, threads)
+            got = _torch_kernels(payload, feed_arrays, runs, device, optimizations, threads, session_config)
             if isinstance(got, str):
                 notes.append(got)
             else:

@@ -304,6 +304,7 @@ def make_session(
     tf32: bool | None = None,
     base_dir: str | os.PathLike | None = None,
     memory_arena: bool = True,
+    config: Mapping[str, str] | None = None,
 ) -> Any:
     """Create an ``onnxruntime.InferenceSession``.
 
@@ -335,6 +336,8 @@ def make_session(
             on: without it every intermediate is its own allocation, and the heap of a multi-threaded
             run fragments (measured on a 411 MB decoder's int4 form: 377 MiB resident after a run with
             the pattern, 694 MiB without).  The numbers are the same either way.
+        config: ONNX Runtime session config entries (``SessionOptions.add_session_config_entry``), e.g.
+            ``{"ep.cuda.fpa_intb_gemm": "1"}``; ONNX Runtime ignores keys it does not know.
 
     Raises:
         BackendUnavailableError: onnxruntime is not installed; exit code 7 too when ``device="cuda"``
@@ -364,6 +367,8 @@ def make_session(
         opts.inter_op_num_threads = 1
     for name, value in (free_dims or {}).items():
         opts.add_free_dimension_override_by_name(str(name), int(value))
+    for key, value in (config or {}).items():
+        opts.add_session_config_entry(str(key), str(value))
     if profile_prefix is not None:
         opts.enable_profiling = True
         opts.profile_file_prefix = profile_prefix
@@ -710,6 +715,7 @@ class OrtBackend(Backend):
         placement: bool | None = None,
         tf32: bool | None = None,
         registry: Declarations | None = None,
+        session_config: Mapping[str, str] | None = None,
     ) -> OrtRunner:
         """A runner of ``model`` in an ONNX Runtime session (:class:`OrtRunner`).
 
@@ -728,6 +734,7 @@ class OrtBackend(Backend):
                 optimizations; off without).
             registry: the job's registry, whose custom ops are lowered for ``ort`` first; without it
                 nothing is lowered (custom ops run as their function bodies).
+            session_config: ONNX Runtime session config entries for the session(s) (:func:`make_session`).
         """
         from mograph.lowering import lowered_for
 
@@ -740,7 +747,8 @@ class OrtBackend(Backend):
         if registry is not None:
             model, lowered = lowered_for(model, "ort", registry=registry)
         if cuda_graph:
-            return self._graph_runner(model, lowered, optimizations, threads, device or "cuda", shapes, tf32)
+            return self._graph_runner(model, lowered, optimizations, threads, device or "cuda", shapes, tf32,
+                                      session_config)
         if placement is None:
             placement = kind == "cuda"
         profile_dir = tempfile.mkdtemp(prefix="mograph-ort-profile-") if placement else None
@@ -753,6 +761,7 @@ class OrtBackend(Backend):
                 device=device if kind == "cuda" else None,
                 profile_prefix=os.path.join(profile_dir, "ort") if profile_dir else None,
                 tf32=tf32 if kind == "cuda" else None,
+                config=session_config,
             )
         except BaseException:
             if profile_dir is not None:
@@ -764,7 +773,7 @@ class OrtBackend(Backend):
     @staticmethod
     def _graph_runner(
         model: Any, lowered: Mapping[str, Any], optimizations: bool, threads: int | None, device: str,
-        shapes: Mapping[str, Any] | None, tf32: bool | None = None,
+        shapes: Mapping[str, Any] | None, tf32: bool | None = None, session_config: Mapping[str, str] | None = None,
     ) -> OrtRunner:
         """A CUDA-graph runner: a probe session without the graph first (zero feeds of ``shapes``), for
         the output shapes the graph's buffers need and for where the nodes run, then the graph session;
@@ -774,13 +783,13 @@ class OrtBackend(Backend):
         free = _free_dims(model, shapes)
         folder = tempfile.mkdtemp(prefix="mograph-ort-profile-")
         probe = make_session(model, optimizations=optimizations, threads=threads, device=device, free_dims=free,
-                             profile_prefix=os.path.join(folder, "ort"), tf32=tf32)
+                             profile_prefix=os.path.join(folder, "ort"), tf32=tf32, config=session_config)
         specs = probe_outputs(probe, _zero_feeds(probe, shapes), device)
         where = profile_placement(probe, folder, CUDA_PROVIDER)
         del probe
         try:
             session = make_session(model, optimizations=optimizations, threads=threads, device=device,
-                                   cuda_graph=True, free_dims=free, tf32=tf32)
+                                   cuda_graph=True, free_dims=free, tf32=tf32, config=session_config)
         except CudaGraphRefused as exc:
             off = where["fallback"]
             names = ", ".join(f"{e['name']} ({e['op_type']}, {e['provider']})" for e in off[:8])

@@ -85,6 +85,14 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--threads", type=int, metavar="N", help="intra-op threads (default: the runtime's choice)")
     p.add_argument(
+        "--session-config",
+        action="append",
+        metavar="KEY=VALUE",
+        help="an ONNX Runtime session config entry for the timed (and profiled) sessions, repeatable, e.g. "
+        "ep.cuda.fpa_intb_gemm=1 (ONNX Runtime's CUTLASS kernels for MatMulNBits; see the precision recipe); "
+        "ONNX Runtime ignores keys it does not know; --backend ort only",
+    )
+    p.add_argument(
         "--shape",
         action="append",
         metavar="NAME:DIMS",
@@ -225,9 +233,14 @@ def run(args: argparse.Namespace) -> CommandResult:
         raise UsageError("--top and --profile-runs must be at least 1")
     if args.device and args.provider:
         raise UsageError("give --device or --provider, not both (--device cuda picks the CUDA provider)")
+    session_config = parse_session_config(args.session_config)
+    if session_config and args.backend != "ort":
+        raise UsageError(f"--session-config sets ONNX Runtime sessions: it needs --backend ort, not '{args.backend}'")
     registry = get_registry(args.block_plugin)
     backend = get_backend(registry.backends, args.backend, job="bench")
     runner_options = check_device(backend, args.device)
+    if session_config:
+        runner_options["session_config"] = session_config
     runner_options.update(registry_keywords(backend.make_runner, registry))
     device = runner_options.get("device", "cpu")
     on_gpu = device.startswith("cuda") or "CUDAExecutionProvider" in (args.provider or [])
@@ -317,6 +330,7 @@ def run(args: argparse.Namespace) -> CommandResult:
         "providers": providers,
         "ort_optimizations": bool(args.ort_optimizations),
         "threads": args.threads,
+        "session_config": session_config,
         "device": device,
         "io_binding": io_binding,
         "cuda_graph": bool(args.cuda_graph),
@@ -347,6 +361,7 @@ def run(args: argparse.Namespace) -> CommandResult:
         profile = profile_model(
             src, backend=backend, feeds=feeds, runs=args.profile_runs, device=device,
             optimizations=args.ort_optimizations, threads=args.threads, top=args.top, registry=registry,
+            session_config=session_config or None,
         )
         data["profile"] = profile
     lat = data["latency_ms"]
@@ -354,7 +369,8 @@ def run(args: argparse.Namespace) -> CommandResult:
     lines = [
         f"model:      {src}",
         f"backend:    {runtime} [{', '.join(providers) or '-'}], graph optimizations "
-        f"{'on' if args.ort_optimizations else 'off'}, threads {args.threads or 'default'}",
+        f"{'on' if args.ort_optimizations else 'off'}, threads {args.threads or 'default'}"
+        + (f", session config {', '.join(f'{k}={v}' for k, v in session_config.items())}" if session_config else ""),
         f"device:     {device}; timed runs: "
         + (f"IO binding (feeds and outputs on {device}, run waited for)" if io_binding else "run(feeds) (host copies included)")
         + ("; CUDA graph replay" if args.cuda_graph else ""),
@@ -415,6 +431,20 @@ def placement_lines(placement: dict[str, Any] | None, limit: int = 8) -> list[st
     if memcpy:
         lines.append(f"            {len(memcpy)} Memcpy node(s) inserted by ONNX Runtime: {names(memcpy)}")
     return lines
+
+
+def parse_session_config(items: list[str] | None) -> dict[str, str]:
+    """``["KEY=VALUE", ...]`` -> ``{KEY: VALUE}`` (a malformed or repeated key is a usage error)."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        key, eq, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not (eq and key and value):
+            raise UsageError(f"--session-config {item!r}: expected KEY=VALUE, e.g. ep.cuda.fpa_intb_gemm=1")
+        if key in out and out[key] != value:
+            raise UsageError(f"--session-config {key} given twice ({out[key]!r} and {value!r})")
+        out[key] = value
+    return out
 
 
 def _make_runner(backend: Any, src: Path, feeds: dict[str, np.ndarray], args: argparse.Namespace,

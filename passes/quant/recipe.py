@@ -29,6 +29,10 @@ The output projection / LM head and embeddings are listed per device (:data:`PLA
 ``cuda`` the embedding table is block-quantized (``--embedding-precision bits``): it pays in file size, measured
 (:data:`EMBEDDINGS`, with the command); its GPU speed is not measured, so no speed-up is claimed for it.
 
+ONNX Runtime settings that change how the written graph runs (session config entries, which a model file cannot
+carry) are measured too (:data:`RUNTIME_OPTIONS`): the decision text names each with where it pays and where it
+costs, and mograph does not set them (``mograph bench --session-config KEY=VALUE`` measures them on a model).
+
 Only what ``--device`` names is changed: without it the pipeline is exactly what ``--passes`` says.
 """
 
@@ -38,8 +42,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["EMBEDDINGS", "KERNELS", "LAYOUT", "PLACEMENT", "WHOLE_MODELS", "Recipe", "resolve", "lowering_ratios",
-           "table_rows"]
+__all__ = ["EMBEDDINGS", "KERNELS", "LAYOUT", "PLACEMENT", "RUNTIME_OPTIONS", "WHOLE_MODELS", "Recipe", "resolve",
+           "lowering_ratios", "runtime_line", "table_rows"]
 
 #: Median wall milliseconds per run of one-node graphs ``[M, K] x [K, N]``, per lowering.  ``float`` is the
 #: device's float MatMul.  Lowerings: ``nbits4`` / ``nbits8``: weight-only ``com.microsoft.MatMulNBits``
@@ -148,14 +152,16 @@ EMBEDDINGS: dict[str, dict[str, Any]] = {
 #: these say what a user gets from it.
 WHOLE_MODELS: dict[str, dict[str, Any]] = {
     "cuda": {
-        "int8": ["BERT-base 1x128 / 8x128 / 8x512: 1.44 / 1.46 / 1.22x fp16's time at 0.525x its size (smaller, "
+        "int8": ["BERT-base 1x128 / 8x128 / 8x512: 1.45 / 1.39 / 1.21x fp16's time at 0.525x its size (smaller, "
                  "not faster: at M >= 128 each MatMulNBits dequantizes before a float16 GEMM; ONNX Runtime's "
-                 "MatMulNBitsQuantizer 8-bit on the same fp16 graph: 1.16 / 1.24 / 1.07x at 0.714x)"],
-        "int4": ["1B-class decoder, decode 1x512 as a CUDA graph: 0.76x fp16's time (the GenAI builder's int4: 0.76x); "
-                 "prefill 1x512: 1.28x (every MatMulNBits dequantizes first, the builder's too)",
-                 "BERT-base 1x128 / 8x128 / 8x512: 1.42 / 1.46 / 1.22x fp16's time at 0.300x its size"],
+                 "MatMulNBitsQuantizer 8-bit on the same fp16 graph: 1.17 / 1.15 / 1.05x at 0.714x)"],
+        "int4": ["1B-class decoder, decode 1x512 as a CUDA graph: 0.75x fp16's time (0.966 vs 1.280 ms; the GenAI "
+                 "builder's int4: 0.967 ms); decode 8x512: 1.35x (ONNX Runtime's batched 4-bit kernel; see "
+                 "RUNTIME_OPTIONS); prefill 1x512: 1.23x with the LM head float16 (this recipe's default), 1.29x "
+                 "with it 4-bit (every MatMulNBits dequantizes first, the builder's too)",
+                 "BERT-base 1x128 / 8x128 / 8x512: 1.43 / 1.40 / 1.19x fp16's time at 0.300x its size"],
         "source": "NVIDIA H200, ONNX Runtime 1.31.1 CUDA, random weights, IO binding, median ms; 2026-12-03 "
-                  "(BENCHMARKS-GPU.md, session 10)",
+                  "(BENCHMARKS-GPU.md, session 11: the quiet reruns)",
         "command": "python tools/bench_precision.py prepare|time (BERT); bash tools/gpu_llm.sh start|time (decoders)",
     },
 }
@@ -177,6 +183,54 @@ LAYOUT: dict[str, dict[str, Any]] = {
                    "--fp16-io yes --kv-cache shared --block-size 32 --symmetric yes' (and the same without the last two)",
     },
 }
+
+#: ONNX Runtime settings that change how the written graph runs, measured; mograph cannot store them in the model (they
+#: are session config entries of whoever runs it), so the recipe reports them with the figures instead of setting them.
+RUNTIME_OPTIONS: dict[str, dict[str, dict[str, Any]]] = {
+    "cuda": {
+        "fpa_intb": {
+            "session_config": {"ep.cuda.fpa_intb_gemm": "1"},
+            "default": "off (onnxruntime-gpu 1.31)",
+            "what": "ONNX Runtime's CUTLASS weight-only GEMM and GEMV for MatMulNBits (fpA_intB)",
+            "eligible": "float16 activations, 4 or 8 bits, blocks of 32 without zero points and without a bias input, "
+                        "N a multiple of 64 (4-bit) or 32 (8-bit): the cuda recipe's 4-bit layout (LAYOUT); its 8-bit "
+                        "layout with --block-size 32 --symmetric yes",
+            "kernel_ms": {  # median wall ms, M x 4096 x 4096
+                "m": (1, 8, 512, 4096),
+                "float": (0.0327, 0.0320, 0.0493, 0.2199),
+                "nbits4_b32": (0.0206, 0.0291, 0.0566, 0.2139),
+                "nbits4_b32+fpa": (0.0201, 0.0224, 0.0840, 0.4300),
+                "nbits8_b32": (0.0261, 0.0422, 0.0628, 0.2114),
+                "nbits8_b32+fpa": (0.0195, 0.0237, 0.0856, 0.3998),
+            },
+            "whole_models": [
+                "1B-class decoder int4 as CUDA graphs: decode 8x512 1.846 -> 1.388 ms (fp16 1.381), decode 1x512 "
+                "0.977 -> 1.239 ms, prefill 1x512 4.042 -> 5.310 ms",
+                "Qwen2.5-0.5B shape int4, CUDA graphs: decode 8x512 1.887 -> 1.542 ms (fp16 1.479), decode 1x512 "
+                "1.340 -> 1.456 ms, prefill 1x512 2.920 -> 3.903 ms",
+                "BERT-base int4 (quiet run): 1x128 1.382 -> 1.175 ms, 8x512 2.885 -> 3.963 ms (fp16 0.967 / 2.430)",
+            ],
+            "advice": "faster only for a few rows per call (batched decode, M about 2-64), slower at M=1 in whole "
+                      "decoders and 1.5-2x slower in prefill (M >= 512): set it only in a session that runs batched "
+                      "decode steps",
+            "source": "NVIDIA H200, ONNX Runtime 1.31.1 CUDA provider, IO binding, median ms; 2026-12-03 "
+                      "(BENCHMARKS-GPU.md, session 11; builds ran on the CPU during the kernel table)",
+            "command": "python tools/recipe_kernels.py --device cuda --k 4096 --n 4096 --m 1,8,512,4096 --runs 50 --fpa; "
+                       "bench_llm.py / bench_precision.py variants NAME+fpa=same:NAME:ep.cuda.fpa_intb_gemm=1",
+        },
+    },
+}
+
+
+def runtime_line(device: str) -> str:
+    """One sentence per measured runtime option of ``device`` for the recipe's decision text ('' if none)."""
+    parts = []
+    for opt in RUNTIME_OPTIONS.get(device, {}).values():
+        cfg = ", ".join(f"{k}={v}" for k, v in opt["session_config"].items())
+        parts.append(f"runtime option not set by mograph: {opt['what']} (session config {cfg}, default "
+                     f"{opt['default']}): {opt['advice']}; measured: {opt['whole_models'][0]}")
+    return "; ".join(parts)
+
 
 _FLOAT_BASELINE = {"cuda": "float16", "cpu": "float32"}
 _NAMES = {"nbits4": "MatMulNBits 4-bit", "nbits8": "MatMulNBits 8-bit", "fp8_gemm": "GemmFloat8 (E4M3)",
@@ -231,6 +285,7 @@ class Recipe:
                 "warnings": self.warnings, "placement": {k: {"precision": p, "reason": r}
                                                          for k, (p, r) in PLACEMENT[self.device].items()},
                 "table": {"source": KERNELS[self.device]["source"], "command": KERNELS[self.device]["command"]},
+                **({"runtime_options": RUNTIME_OPTIONS[self.device]} if self.device in RUNTIME_OPTIONS else {}),
                 **({"layout": {k: self.options[k] for k in ("block_size", "symmetric")}
                     | {"reason": LAYOUT[self.device]["reason"]}}
                    if self.device in LAYOUT and self.options.get("block_size") is not None else {})}
@@ -272,6 +327,8 @@ def resolve(names: list[str], options: dict[str, Any], device: str) -> Recipe:
             models = WHOLE_MODELS.get(kind, {}).get(name, [])
             if models:
                 text += "; whole models measured: " + "; ".join(models)
+            if runtime_line(kind):
+                text += "; " + runtime_line(kind)
             recipe.decisions.append({"precision": name, "lowering": lowering, "ratios_to_float": ratios,
                                      "passes": ["weight-only", "fp16"], "reason": text, "whole_models": models})
         elif name == "int8" and kind == "cpu" and not tensorrt:

@@ -87,3 +87,26 @@ def test_bench_help():
     with pytest.raises(SystemExit) as info:
         main(["bench", "--help"])
     assert info.value.code == 0
+
+
+def test_bench_session_config_reaches_onnx_runtime(tmp_path, capsys):
+    """--session-config KEY=VALUE goes into the session: recorded in the JSON, and a key with an effect has it
+    (session.load_model_format=ORT makes ONNX Runtime read the .onnx file as an ORT-format file: refused)."""
+    from mograph.backends.ort import make_session
+
+    path = tmp_path / "m.onnx"
+    _model(path)
+    code, data = _bench(capsys, path, "--session-config", "session.intra_op.allow_spinning=0")
+    assert code == 0 and data["session_config"] == {"session.intra_op.allow_spinning": "0"}
+    code, data = _bench(capsys, path)
+    assert code == 0 and data["session_config"] == {}
+    sess = make_session(str(path), config={"session.intra_op.allow_spinning": "0"})
+    assert sess.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    code = main(["bench", str(path), "--iterations", "1", "--session-config", "session.load_model_format=ORT"])
+    assert code != 0 and "ORT" in capsys.readouterr().err
+    for bad in ("novalue", "=1", "key="):
+        assert main(["bench", str(path), "--iterations", "1", "--session-config", bad]) == 2
+        assert "KEY=VALUE" in capsys.readouterr().err
+    assert main(["bench", str(path), "--iterations", "1", "--session-config", "a=1", "--session-config", "a=2"]) == 2
+    assert main(["bench", str(path), "--iterations", "1", "--backend", "tensorrt", "--session-config", "a=1"]) == 2
+    assert "--backend ort" in capsys.readouterr().err

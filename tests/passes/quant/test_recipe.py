@@ -75,6 +75,28 @@ def test_cuda_recipe_line_says_where_whole_models_are_smaller_not_faster(monkeyp
     assert r8.decisions[0]["whole_models"] == [] and "whole models" not in r8.decisions[0]["reason"]
 
 
+def test_runtime_options_are_reported_not_set(monkeypatch):
+    """A measured ONNX Runtime session setting (fpA_intB) is named in the cuda decisions and the report with its
+    figures; it is never written into the options, and a device without such rows gets no line."""
+    opt = rc.RUNTIME_OPTIONS["cuda"]["fpa_intb"]
+    table = opt["kernel_ms"]
+    assert all(len(v) == len(table["m"]) for v in table.values())
+    # the data says where it pays: fewer ms at M=8, more at M=512, for both bit widths
+    for lw in ("nbits4_b32", "nbits8_b32"):
+        at = dict(zip(table["m"], zip(table[lw], table[lw + "+fpa"])))
+        assert at[8][1] < at[8][0] and at[512][1] > at[512][0]
+    for precision in ("int4", "int8"):
+        r = rc.resolve([precision], {}, "cuda")
+        reason = r.decisions[0]["reason"]
+        assert "ep.cuda.fpa_intb_gemm=1" in reason and "not set by mograph" in reason
+        assert "ep.cuda.fpa_intb_gemm" not in json.dumps(r.options)
+        assert r.to_dict()["runtime_options"]["fpa_intb"]["session_config"] == {"ep.cuda.fpa_intb_gemm": "1"}
+    assert "runtime option" not in rc.resolve(["int8"], {}, "cpu").decisions[0]["reason"]
+    assert "runtime_options" not in rc.resolve(["int8"], {}, "cpu").to_dict()
+    monkeypatch.setattr(rc, "RUNTIME_OPTIONS", {})
+    assert "runtime option" not in rc.resolve(["int4"], {}, "cuda").decisions[0]["reason"]
+
+
 def test_the_data_decides(monkeypatch):
     """Change the measured figures and the choice follows: 8-bit MatMulNBits measured fastest on the CPU wins int8."""
     table = json.loads(json.dumps(rc.KERNELS))
