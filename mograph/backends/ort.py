@@ -367,8 +367,8 @@ def make_session(
         opts.inter_op_num_threads = 1
     for name, value in (free_dims or {}).items():
         opts.add_free_dimension_override_by_name(str(name), int(value))
-    for key, value in (config or {}).items():
-        opts.add_session_config_entry(str(key), str(value))
+    for key, entry in (config or {}).items():
+        opts.add_session_config_entry(str(key), str(entry))
     if profile_prefix is not None:
         opts.enable_profiling = True
         opts.profile_file_prefix = profile_prefix
