@@ -48,7 +48,7 @@ from mograph.metadata import LOWERED_FOR
 from mograph.opset import OpsetUpgradeError, model_opset, upgrade_opset
 from mograph.pass_infra import Option, Pass, PassResult
 from mograph.patterns import attr_constant, constant_array, remove_dead_producers
-from mograph.shapes import Dims, ShapeQuery, ShapeRules, Vector, rules_for
+from mograph.shapes import DimKey, Dims, ShapeQuery, ShapeRules, Vector, rules_for
 from mograph.targets import BUILTIN_TARGETS, DEFAULT_TARGET, LOWER_PASS, Target
 
 if TYPE_CHECKING:
@@ -152,6 +152,13 @@ class LoweringContext:
         if not self.shapes.knows(value) and value.graph is self.model.graph:
             self.shapes.refresh()
         return self.shapes.dims(value) if self.shapes.knows(value) else self.shapes.declared(value)
+
+    def dim_key(self, value: ir.Value, axis: int, *, spelled: bool = False) -> DimKey:
+        """A key of dim ``axis`` of ``value``, equal for dims known to be equal (:meth:`ShapeQuery.dim_key`),
+        refreshed as :meth:`dims` is; a value outside the main graph keys by the shape written on it."""
+        if not self.shapes.knows(value) and value.graph is self.model.graph:
+            self.shapes.refresh()
+        return self.shapes.dim_key(value, axis, spelled=spelled or not self.shapes.knows(value))
 
     def values(self, value: ir.Value | None) -> Vector | None:
         """The elements of a small int64 shape vector (:meth:`ShapeQuery.values`), refreshed as :meth:`dims` is."""

@@ -8,6 +8,7 @@
   value's);
 - for a small int64 vector (a ``Shape`` result, a reshape target), its *values*: ``(is_scalar,
   elements)``, each element a ``Dim`` or ``None``;
+- for each dim, a hashable *key* (:meth:`ShapeQuery.dim_key`), equal for dims it proves equal;
 - the *witness* of each atom: the first value (graph inputs first) carrying it as a dim, so a pass can
   rebuild a dim as ``Shape(witness)[axis]``.
 
@@ -36,12 +37,14 @@ from mograph.shapes._builtin import builtin_rules, peek_tensor, reshape_dims
 from mograph.shapes._dim import Dim
 from mograph.shapes._rules import ShapeRules, node_version
 
-__all__ = ["Dims", "ShapeQuery", "Vector", "as_ir_shape"]
+__all__ = ["DimKey", "Dims", "ShapeQuery", "Vector", "as_ir_shape"]
 
 #: The dims of one value: one per axis, ``None`` where unknown.
 Dims = tuple[Union[Dim, None], ...]
 #: The elements of a small int64 vector: ``(is_scalar, elements)``.
 Vector = tuple[bool, tuple[Union[Dim, None], ...]]
+#: A key of one dim (:meth:`ShapeQuery.dim_key`): ``("dim", normal form)``, ``("unk", name)`` or ``("at", value, axis)``.
+DimKey = tuple[object, ...]
 
 _STD = ("", "ai.onnx")
 #: Errors a rule may raise on a malformed node; the query then treats the rule as not telling.
@@ -148,6 +151,36 @@ class ShapeQuery:
         """Whether dim ``axis_a`` of ``a`` and dim ``axis_b`` of ``b`` are equal for every input the model accepts."""
         da, db = self.dim(a, axis_a), self.dim(b, axis_b)
         return da is not None and da == db
+
+    def dim_key(self, value: ir.Value, axis: int, *, spelled: bool = False) -> DimKey:
+        """A hashable key of dim ``axis`` of ``value``, equal for two dims known to be equal: for a pass that builds
+        something once per size (a bias expanded to a query length) and shares it where that size recurs.
+
+        By default the query's proof: ``("dim", d)``, ``d`` the dim in normal form, so dims the rules derive equal
+        share a key; ``("at", value, axis)``, a key of that dim alone, where the rank is unknown.  With ``spelled``
+        only the shape written on ``value`` counts: a literal and a named dim key as themselves, an ``unk__`` name
+        by its name (ONNX inference names each dim it cannot tell once per graph and copies that name to the
+        values carrying it; the rules never take it as equal to another value's), an unnamed dim or an unknown
+        rank as ``("at", value, axis)``.
+        """
+        if spelled:
+            shape = value.shape
+            if shape is None or not -len(shape) <= axis < len(shape):
+                return ("at", value, axis)
+            axis %= len(shape)
+            spelt = shape[axis]
+            if isinstance(spelt, int):
+                return ("dim", Dim.lit(spelt))
+            name = spelt.value
+            if name is None:
+                return ("at", value, axis)
+            return ("unk", name) if name.startswith("unk__") else ("dim", Dim.sym(f"={name}"))
+        dims = self.dims(value)
+        if dims is None or not -len(dims) <= axis < len(dims):
+            return ("at", value, axis)
+        axis %= len(dims)
+        d = dims[axis]
+        return ("at", value, axis) if d is None else ("dim", d.normal())
 
     def ints(self, value: ir.Value | None) -> list[int] | None:
         """The values of a constant int32/int64 scalar or 1-D tensor of at most :attr:`max_vector` elements."""

@@ -153,3 +153,58 @@ def test_as_ir_shape_writes_the_query_dims_back(dims: tuple, shape: list) -> Non
 
     got = as_ir_shape(dims)
     assert [d if isinstance(d, int) else d.value for d in got] == shape
+
+
+def _key_graph() -> tuple[ShapeQuery, dict[str, ir.Value]]:
+    """x[b, s, 8], u[b, unk__0], w[b, unk__0], a constant c[8]; relu = Relu(x) with no shape written on it, r =
+    Reshape(relu, [0, -1, 2]) (dims [b, 4*s, 2]), t = Twice(r) (my.ops: no rule, rank unknown)."""
+    x = ir.Value(name="x", shape=ir.Shape(["b", "s", 8]), type=ir.TensorType(ir.DataType.FLOAT))
+    u = ir.Value(name="u", shape=ir.Shape(["b", "unk__0"]), type=ir.TensorType(ir.DataType.FLOAT))
+    w = ir.Value(name="w", shape=ir.Shape(["b", "unk__0"]), type=ir.TensorType(ir.DataType.FLOAT))
+    c = ir.Value(name="c", const_value=ir.tensor(np.zeros(8, dtype=np.float32)))
+    c.shape, c.type = ir.Shape([8]), ir.TensorType(ir.DataType.FLOAT)
+    target = ir.Value(name="target", const_value=ir.tensor(np.array([0, -1, 2], dtype=np.int64)))
+    target.shape, target.type = ir.Shape([3]), ir.TensorType(ir.DataType.INT64)
+    relu = ir.node("Relu", [x])
+    reshape = ir.node("Reshape", [relu.outputs[0], target])
+    twice = ir.node("Twice", [reshape.outputs[0]], domain="my.ops")
+    graph = ir.Graph([x, u, w], twice.outputs, nodes=[relu, reshape, twice], initializers=[c, target],
+                     opset_imports={"": 18, "my.ops": 1})
+    return ShapeQuery(graph), {"x": x, "u": u, "w": w, "c": c, "relu": relu.outputs[0], "r": reshape.outputs[0],
+                               "t": twice.outputs[0]}
+
+
+@pytest.mark.parametrize(("a", "axis_a", "b", "axis_b", "spelled", "equal"), [
+    ("x", 0, "u", 0, False, True),  # one input dim name, two values
+    ("x", 0, "u", 0, True, True),
+    ("x", 2, "c", 0, False, True),  # literal 8
+    ("x", 2, "c", 0, True, True),
+    ("x", -1, "x", 2, False, True),  # a negative axis counts from the end
+    ("x", -1, "x", 2, True, True),
+    ("x", 1, "relu", 1, False, True),  # the rules derive relu's dims; nothing is written on relu
+    ("x", 1, "relu", 1, True, False),
+    ("relu", 1, "relu", 1, True, True),  # an unwritten dim still keys as itself
+    ("x", 1, "r", 1, False, False),  # s and 4*s
+    ("u", 1, "w", 1, False, False),  # an unk__ name: a fresh atom per value for the rules ...
+    ("u", 1, "w", 1, True, True),  # ... but the same name as spelled
+    ("u", 1, "u", 0, True, False),
+    ("t", 0, "t", 1, False, False),  # rank unknown: a key of each axis alone
+    ("t", 0, "t", 0, False, True),
+    ("t", 0, "r", 0, False, False),
+])
+def test_dim_key_equal_exactly_for_dims_known_equal(a: str, axis_a: int, b: str, axis_b: int, spelled: bool,
+                                                    equal: bool) -> None:
+    q, v = _key_graph()
+    ka, kb = q.dim_key(v[a], axis_a, spelled=spelled), q.dim_key(v[b], axis_b, spelled=spelled)
+    assert (ka == kb) is equal and hash(ka) == hash(q.dim_key(v[a], axis_a, spelled=spelled))
+    if equal and not spelled and ka[0] == "dim":
+        assert q.same_dim(v[a], axis_a, v[b], axis_b)  # the key says what same_dim says
+
+
+def test_dim_key_forms() -> None:
+    q, v = _key_graph()
+    assert q.dim_key(v["r"], 1) == ("dim", Dim((4, "=s")))
+    assert q.dim_key(v["x"], 0, spelled=True) == q.dim_key(v["x"], 0) == ("dim", Dim.sym("=b"))
+    assert q.dim_key(v["u"], 1, spelled=True) == ("unk", "unk__0")
+    assert q.dim_key(v["t"], 5) == ("at", v["t"], 5) and q.dim_key(v["x"], 3, spelled=True) == ("at", v["x"], 3)
+    assert q.dim_key(v["relu"], -2, spelled=True) == ("at", v["relu"], -2)  # no shape written: axis as asked

@@ -21,7 +21,7 @@ from mograph.passes.fusion.ops import FLOAT_TYPES
 
 from mograph.irutil import attr_value
 from mograph.patterns import constant_array, scalar_value
-from mograph.shapes import Dim, Dims, Vector
+from mograph.shapes import Dim, DimKey, Dims, Vector
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,8 @@ class Shapes(Protocol):
 
     def values(self, value: ir.Value | None) -> Vector | None: ...
 
+    def dim_key(self, value: ir.Value, axis: int, *, spelled: bool = False) -> DimKey: ...
+
 
 def _reads_dim(shapes: Shapes, scalar: ir.Value | None, x: ir.Value | None, axis: int) -> bool:
     """Whether the one-element shape vector ``scalar`` holds dim ``axis`` of ``x`` for every input (``Gather(Shape(x),
@@ -92,14 +94,6 @@ def _reads_dim(shapes: Shapes, scalar: ir.Value | None, x: ir.Value | None, axis
     vec, dims = shapes.values(scalar), shapes.dims(x)
     return (vec is not None and len(vec[1]) == 1 and vec[1][0] is not None and dims is not None
             and -len(dims) <= axis < len(dims) and vec[1][0] == dims[axis])
-
-
-def _dim_key(dim: Any, owner: ir.Value) -> tuple[Any, ...]:
-    """A key equal for two dims known to be equal: the int, the symbolic name, else the owning value."""
-    if isinstance(dim, int):
-        return ("int", dim)
-    name = getattr(dim, "value", None)
-    return ("sym", name) if name is not None else ("value", id(owner))
 
 
 _INT_TYPES = {ir.DataType.INT64, ir.DataType.INT32, ir.DataType.INT16, ir.DataType.INT8, ir.DataType.UINT8,
