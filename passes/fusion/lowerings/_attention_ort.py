@@ -17,7 +17,6 @@ from mograph.passes.fusion.lowerings.attention_proofs import (
     _kv_cache,
     _producer,
     _seq_dim,
-    _shape_entries,
     _splits_last_dim,
 )
 
@@ -162,8 +161,7 @@ def _heads_to_bsh(new: ir.Value, new_nodes: list[ir.Node], shapes: Shapes) -> ir
     reshape = _producer(transpose.inputs[0], "Reshape") if transpose is not None else None
     if transpose is not None and reshape is not None and list(attr_value(transpose, "perm", [])) == [0, 2, 1, 3]:
         x = reshape.inputs[0]
-        target = _shape_entries(reshape.inputs[1])
-        if x is not None and target is not None and _splits_last_dim(x, target, shapes):
+        if x is not None and _splits_last_dim(x, reshape.inputs[1], shapes):
             return x
     t = _add(new_nodes, "Transpose", [new], perm=[0, 2, 1, 3])
     return _add(new_nodes, "Reshape", [t, _const(new_nodes, np.array([0, 0, -1], dtype=np.int64))])

@@ -21,9 +21,11 @@ from mograph.passes.fusion.ops import FLOAT_TYPES
 
 from mograph.irutil import attr_value
 from mograph.patterns import constant_array, scalar_value
-from mograph.shapes import Dim, DimKey, Dims, Vector
+from mograph.shapes import Dim, DimKey, Dims, Vector, same_dim
 
 logger = logging.getLogger(__name__)
+
+_ZERO, _MINUS_ONE = Dim.lit(0), Dim.lit(-1)
 
 
 def _projection(value: ir.Value, user: ir.Node) -> tuple[ir.Value, np.ndarray, np.ndarray] | None:
@@ -396,73 +398,24 @@ def _kv_cache(kv: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value] | None:
     return past, new, concat.outputs[0]
 
 
-def _shape_entries(target: ir.Value | None) -> list[Any] | None:
-    """The entries of a Reshape target: ints where constant, ``(z, i)`` where an entry is ``Gather(Shape(z), i)``
-    (through Unsqueeze, inside a Concat of 1-D pieces); None when neither."""
-    arr = constant_array(target)
-    if arr is not None:
-        return [int(a) for a in arr.reshape(-1)]
-    concat = _producer(target, "Concat")
-    if concat is None:
-        return None
-    out: list[Any] = []
-    for piece in concat.inputs:
-        arr = constant_array(piece)
-        if arr is not None:
-            out.extend(int(a) for a in arr.reshape(-1))
-            continue
-        v = piece
-        while (node := _producer(v, "Unsqueeze")) is not None:
-            v = node.inputs[0]
-        sliced = _producer(v, "Shape")  # Shape(z, start=i, end=i+1): dynamo's read of one dim
-        if sliced is not None and "start" in sliced.attributes and "end" in sliced.attributes:
-            start, end = int(attr_value(sliced, "start", 0)), int(attr_value(sliced, "end", 0))
-            if start >= 0 and end == start + 1:
-                out.append((sliced.inputs[0], start))
-                continue
-        gather = _producer(v, "Gather")
-        shape = _producer(gather.inputs[0], "Shape") if gather is not None else None
-        axis = scalar_value(gather.inputs[1]) if gather is not None else None
-        if shape is None or axis is None or "start" in shape.attributes or "end" in shape.attributes:
-            return None
-        out.append((shape.inputs[0], int(axis)))
-    return out
-
-
-def _same_leading_dim(z: ir.Value | None, x: ir.Value, i: int, shapes: Shapes) -> bool:
-    """Whether dim ``i`` of ``z`` is dim ``i`` of ``x``: the same value, outputs of one Split on another
-    axis, or one dim for the shape query."""
-    if z is None:
+def _splits_last_dim(x: ir.Value, target: ir.Value | None, shapes: Shapes) -> bool:
+    """Whether ``Reshape(x, target)`` of a ``[B, S, G*D]`` ``x`` only splits its last dim: the shape query reads
+    ``target`` as ``[b, s, g, d]`` where ``b``/``s`` are each ``0`` or provably ``x``'s own dim at that place (a
+    static dim, or read by ``Shape`` however spelled), or one of them ``-1`` then determined, and ``g * d`` is the
+    (static) last dim (one of ``g``/``d`` may be ``-1`` when ``b`` and ``s`` are both kept)."""
+    vec, dims = shapes.values(target), shapes.dims(x)
+    if vec is None or vec[0] or len(vec[1]) != 4 or dims is None or len(dims) != 3 or dims[2] is None:
         return False
-    if z is x:
-        return True
-    split = z.producer()
-    if split is not None and split is x.producer() and split.op_type == "Split" and split.domain == "":
-        axis = int(attr_value(split, "axis", 0))
-        dims = shapes.dims(x)
-        rank = len(dims) if dims is not None else None
-        return rank is not None and (axis + rank if axis < 0 else axis) != i
-    dz, dx = shapes.dims(z), shapes.dims(x)
-    return dz is not None and dx is not None and i < len(dz) and i < len(dx) and dz[i] is not None and dz[i] == dx[i]
-
-
-def _splits_last_dim(x: ir.Value, target: list[Any], shapes: Shapes) -> bool:
-    """Whether ``Reshape(x, target)`` of a ``[B, S, G*D]`` ``x`` only splits its last dim: ``target`` is
-    ``[b, s, g, d]`` where ``b``/``s`` are each ``0``, the static dim, or ``x``'s own dim read by ``Shape``
-    (:func:`_same_leading_dim`), or one of them ``-1`` then determined, and ``g * d`` is the (static) last dim
-    (one of ``g``/``d`` may be ``-1`` when ``b`` and ``s`` are both kept)."""
-    if x.shape is None or len(x.shape) != 3 or len(target) != 4:
+    last = dims[2].value
+    if last is None or last <= 0:
         return False
-    last = x.shape[2]
-    if not isinstance(last, int) or last <= 0:
-        return False
-    kept = [t == 0 or (isinstance(t, int) and isinstance(x.shape[i], int) and t == x.shape[i])
-            or (isinstance(t, tuple) and _same_leading_dim(t[0], x, i, shapes)) for i, t in enumerate(target[:2])]
-    g, d = target[2], target[3]
-    if not isinstance(g, int) or not isinstance(d, int):
+    entries = vec[1]
+    kept = [t is not None and (t == _ZERO or same_dim(t, dims[i])) for i, t in enumerate(entries[:2])]
+    g, d = (None if t is None else t.value for t in entries[2:])
+    if g is None or d is None:
         return False
     if g > 0 and d > 0:
-        return g * d == last and (all(kept) or (sum(t == -1 for t in target[:2]) == 1 and any(kept)))
+        return g * d == last and (all(kept) or (sum(t == _MINUS_ONE for t in entries[:2]) == 1 and any(kept)))
     if all(kept) and sorted([g, d])[0] == -1 and max(g, d) > 0:
         return last % max(g, d) == 0
     return False
@@ -783,8 +736,7 @@ def _is_head_split(x: ir.Value, v: ir.Value, shapes: Shapes) -> bool:
     rs = _producer(tr.inputs[0], "Reshape") if tr is not None else None
     if tr is None or rs is None or list(attr_value(tr, "perm", [])) != [0, 2, 1, 3] or rs.inputs[0] is not v:
         return False
-    target = _shape_entries(rs.inputs[1])
-    return target is not None and _splits_last_dim(v, target, shapes)
+    return _splits_last_dim(v, rs.inputs[1], shapes)
 
 
 def _present_key_output(graph: ir.Graph, k: ir.Value, f: ir.Value, scale: float | None,
