@@ -255,7 +255,8 @@ def run_gate(
     del ref_model
     providers = settings.get("providers") or ([compared["provider"]] if compared.get("provider") else None)
     common = dict(providers=providers, ort_optimizations=bool(settings.get("ort_optimizations", True)),
-                  threads=settings.get("threads"), backend=compared.get("backend") or "ort")
+                  threads=settings.get("threads"), backend=compared.get("backend") or "ort",
+                  session_config=settings.get("session_config") or None)
     targets = [M.Target("reference", ref_path, **common), M.Target("candidate", cand, **common)]  # type: ignore[arg-type]
     remeasure = compared is reference
     if not compared.get("baseline"):

@@ -313,6 +313,8 @@ class Target:
     ort_optimizations: bool = True
     threads: int | None = None
     backend: str = "ort"
+    #: ONNX Runtime session config entries of the target's session (backend ``ort``)
+    session_config: dict[str, str] | None = None
 
 
 @dataclass
@@ -421,6 +423,7 @@ def measure(
                 runner = backend.make_runner(
                     t.path, optimizations=t.ort_optimizations, threads=t.threads, providers=t.providers,
                     **registry_keywords(backend.make_runner, registry),
+                    **({"session_config": t.session_config} if t.session_config else {}),
                 )
                 runner(feed_of[t.name])
             m.metrics["peak_mem_mb"] = sampler.increase_mb

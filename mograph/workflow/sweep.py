@@ -13,13 +13,15 @@ A sweep config is a YAML (or JSON) file.  Its schema, every key optional except 
     backend: ort                   # registered backend that runs the models
     ort_optimizations: true        # ONNX Runtime graph optimizations on (as deployed)
     threads: 1                     # intra-op threads of every session
+    session_config: {ep.cuda.fpa_intb_gemm: "1"}   # ONNX Runtime session config entries (backend ort only)
     warmup: 5                      # untimed rounds
     iterations: 50                 # timed rounds (each round runs every model once, order rotating)
     configurations:
       - name: int8                 # unique; 'baseline' is the unoptimized model and is always measured
         passes: [cleanup, fuse, qdq-int8]   # or "cleanup,fuse,qdq-int8"
         options: {target: ort, accuracy-budget: "cosine>=0.99"}   # pass options, as on the command line
-        provider: ...              # and shapes / backend / ort_optimizations / threads, per configuration
+        provider: ...              # and shapes / backend / ort_optimizations / threads / session_config, per
+                                   # configuration (a configuration's session_config entries add to the top one's)
 
 Unknown keys, unknown passes or presets and unknown pass options are refused before anything runs,
 each with a one-line error naming the file, the configuration and the closest known name.  The file is
@@ -63,9 +65,10 @@ logger = logging.getLogger(__name__)
 
 TOP_KEYS = (
     "version", "eval_data", "eval_samples", "calibration_data", "task_metric", "seed", "shapes", "provider",
-    "backend", "ort_optimizations", "threads", "warmup", "iterations", "configurations",
+    "backend", "ort_optimizations", "threads", "warmup", "iterations", "configurations", "session_config",
 )
-CONFIG_KEYS = ("name", "passes", "options", "provider", "backend", "shapes", "ort_optimizations", "threads")
+CONFIG_KEYS = ("name", "passes", "options", "provider", "backend", "shapes", "ort_optimizations", "threads",
+               "session_config")
 BASELINE = "baseline"
 #: Largest sweep config read (a config is a page of text).
 MAX_CONFIG_BYTES = 1 << 20
@@ -85,6 +88,7 @@ class Configuration:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     ort_optimizations: bool = True
     threads: int | None = 1
+    session_config: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -100,6 +104,7 @@ class SweepConfig:
     backend: str = "ort"
     ort_optimizations: bool = True
     threads: int | None = 1
+    session_config: dict[str, str] = field(default_factory=dict)
     warmup: int = 5
     iterations: int = 50
     source: str = "<config>"
@@ -111,6 +116,20 @@ def _unknown(keys: Iterable[str], known: Sequence[str], where: str) -> None:
             close = difflib.get_close_matches(str(key), known, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise SweepError(f"{where}: unknown key {shown(key)}{hint}; known: {', '.join(known)}")
+
+
+def _session_config(value: Any, where: str) -> dict[str, str]:
+    """A mapping of ONNX Runtime session config entries (keys and values as text; numbers and booleans as text)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise SweepError(f"{where}: expected a mapping of ONNX Runtime session config entries, got {shown(value)}")
+    out = {}
+    for key, entry in value.items():
+        if not isinstance(key, str) or not key or isinstance(entry, (dict, list)) or entry is None:
+            raise SweepError(f"{where}: expected KEY: VALUE entries (text, numbers), got {shown(key)}: {shown(entry)}")
+        out[key] = str(entry).lower() if isinstance(entry, bool) else str(entry)
+    return out
 
 
 def _int(value: Any, where: str, minimum: int = 0) -> int:
@@ -195,6 +214,7 @@ def parse_config(data: Any, source: str = "<config>") -> SweepConfig:
     if "ort_optimizations" in data:
         sweep.ort_optimizations = _bool(data["ort_optimizations"], f"{source}: ort_optimizations")
     sweep.provider = _providers(data.get("provider"), f"{source}: provider")
+    sweep.session_config = _session_config(data.get("session_config"), f"{source}: session_config")
     sweep.shapes = _shapes(data.get("shapes"), f"{source}: shapes")
     names: set[str] = set()
     files: dict[str, str] = {}  # file name (case folded) -> the configuration that builds into it
@@ -237,8 +257,15 @@ def parse_config(data: Any, source: str = "<config>") -> SweepConfig:
             if "ort_optimizations" in raw else sweep.ort_optimizations,
             threads=(None if raw["threads"] is None else _int(raw["threads"], f"{where}: threads", 1))
             if "threads" in raw else sweep.threads,
+            session_config={**sweep.session_config,
+                            **_session_config(raw.get("session_config"), f"{where}: session_config")},
         )
+        if conf.session_config and conf.backend != "ort":
+            raise SweepError(f"{where}: session_config sets ONNX Runtime sessions; backend {shown(conf.backend)} "
+                             "has none")
         sweep.configurations.append(conf)
+    if sweep.session_config and sweep.backend != "ort":
+        raise SweepError(f"{source}: session_config sets ONNX Runtime sessions; backend {shown(sweep.backend)} has none")
     return sweep
 
 
@@ -536,12 +563,13 @@ def run_sweep(
                 b.files = {}
 
         rows: list[dict[str, Any]] = []
-        targets = [M.Target(BASELINE, src, sweep.provider, sweep.ort_optimizations, sweep.threads, sweep.backend)]
+        targets = [M.Target(BASELINE, src, sweep.provider, sweep.ort_optimizations, sweep.threads, sweep.backend,
+                            sweep.session_config)]
         feeds = {BASELINE: base_feed}
         for conf, b in zip(sweep.configurations, built):
             if b.ok and b.path:
                 targets.append(M.Target(conf.name, Path(b.path), conf.provider, conf.ort_optimizations, conf.threads,
-                                        conf.backend))
+                                        conf.backend, conf.session_config))
                 feeds[conf.name] = timing[conf.name]
         measured = M.measure(
             targets, base_feed, samples, warmup=sweep.warmup, iterations=sweep.iterations, blocked=blocked,
@@ -571,7 +599,8 @@ def run_sweep(
             "provider": None, "backend": sweep.backend, "shapes": {k: list(v) for k, v in sweep.shapes.items()},
             "calib_hash": None, "eval_hash": eval_hash, "versions": vers, "baseline": True,
             "settings": {**settings_common, "output_hash": model_hash, "threads": sweep.threads,
-                         "ort_optimizations": sweep.ort_optimizations, "providers": sweep.provider},
+                         "ort_optimizations": sweep.ort_optimizations, "providers": sweep.provider,
+                         "session_config": sweep.session_config},
         }
         finish(base_row, measured[BASELINE])
         for job, conf, b in zip(jobs, sweep.configurations, built):
@@ -585,7 +614,8 @@ def run_sweep(
                 "baseline": False,
                 "settings": {**settings_common, "passes": conf.passes, "threads": conf.threads,
                              "ort_optimizations": conf.ort_optimizations,
-                             "providers": conf.provider, "build_seconds": round(b.seconds, 3), "build_host": b.host},
+                             "providers": conf.provider, "session_config": conf.session_config,
+                             "build_seconds": round(b.seconds, 3), "build_host": b.host},
             }
             if not b.ok:
                 row.update(status="failed", error=b.error, metrics={}, time=now_iso())

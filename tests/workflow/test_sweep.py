@@ -79,6 +79,11 @@ def write(path, text: str):
         ({"shapes": {"x": "1xq"}, "configurations": [{"name": "a", "passes": ["cse"]}]}, "not an integer"),
         ({"ort_optimizations": "yes", "configurations": [{"name": "a", "passes": ["cse"]}]}, "expected true or false"),
         ({"provider": 3, "configurations": [{"name": "a", "passes": ["cse"]}]}, "provider: expected a provider name"),
+        ({"session_config": ["a=1"], "configurations": [{"name": "a", "passes": ["cse"]}]},
+         "session_config: expected a mapping"),
+        ({"configurations": [{"name": "a", "passes": ["cse"], "session_config": {"k": [1]}}]}, "expected KEY: VALUE"),
+        ({"backend": "tensorrt", "session_config": {"k": 1}, "configurations": [{"name": "a", "passes": ["cse"]}]},
+         "session_config sets ONNX Runtime sessions"),
     ],
 )
 def test_schema_errors(data, message):
@@ -186,6 +191,39 @@ def test_failed_configuration_is_a_row(tmp_path, capsys):
     assert rows["baseline"]["settings"]["eval_data"] == "random:4:seed=0"
     code = main(["ledger", "list", "--ledger", str(tmp_path / "l.db"), "--failed"])
     assert "bad-shape  failed" in capsys.readouterr().out
+
+
+def test_session_config_per_configuration(tmp_path):
+    """session_config entries reach each configuration's ONNX Runtime session and the ledger: the top-level ones
+    everywhere, a configuration's own added to them (one with an effect, session.load_model_format=ORT, makes only
+    that configuration fail to load, as a failed row; the others are measured)."""
+    sweep = parse_config({"session_config": {"session.intra_op.allow_spinning": 0},
+                          "configurations": [{"name": "a", "passes": ["cse"]},
+                                             {"name": "b", "passes": ["cse"], "session_config": {"x.y": True}}]}, "s")
+    assert sweep.session_config == {"session.intra_op.allow_spinning": "0"}
+    assert sweep.configurations[0].session_config == {"session.intra_op.allow_spinning": "0"}
+    assert sweep.configurations[1].session_config == {"session.intra_op.allow_spinning": "0", "x.y": "true"}
+    model = tmp_path / "m.onnx"
+    small_model(model)
+    cfg = write(tmp_path / "s.yaml", """
+        eval_samples: 2
+        warmup: 1
+        iterations: 3
+        session_config: {session.intra_op.allow_spinning: "0"}
+        configurations:
+          - {name: plain, passes: [cleanup]}
+          - {name: ort-format, passes: [cleanup], session_config: {session.load_model_format: ORT}}
+    """)
+    code = main(["sweep", str(model), "--config", str(cfg), "--ledger", str(tmp_path / "l.db"), "-q"])
+    assert code == 4
+    with open_ledger(tmp_path / "l.db", readonly=True) as ledger:
+        rows = {r["name"]: r for r in ledger.rows()}
+    assert rows["plain"]["status"] == "ok" and rows["baseline"]["status"] == "ok"
+    assert rows["plain"]["settings"]["session_config"] == {"session.intra_op.allow_spinning": "0"}
+    assert rows["baseline"]["settings"]["session_config"] == {"session.intra_op.allow_spinning": "0"}
+    assert rows["ort-format"]["status"] == "failed" and "ORT" in rows["ort-format"]["error"]
+    assert rows["ort-format"]["settings"]["session_config"] == {"session.intra_op.allow_spinning": "0",
+                                                                "session.load_model_format": "ORT"}
 
 
 def test_task_metric_and_data_override(tmp_path, capsys, monkeypatch):
