@@ -140,6 +140,11 @@ def _summary(report: Any, out: Path | None) -> str:
     if recipe:
         for d in recipe.get("decisions", []):
             lines.append(f"recipe ({recipe['device']}): {d['precision']} -> {','.join(d['passes'])}")
+        if any(d["passes"] != [d["precision"]] for d in recipe.get("decisions", [])):
+            for opt in (recipe.get("runtime_options") or {}).values():  # measured, not settable from the file
+                cfg = ", ".join(f"{k}={v}" for k, v in opt["session_config"].items())
+                lines.append(f"recipe ({recipe['device']}): not set, your session's choice: {cfg} ({opt['what']}): "
+                             f"{opt['advice']}")
     if report.verification is not None:
         v = report.verification
         lines.append(f"verify: {v.get('summary', 'passed' if v['passed'] else 'FAILED')}")

@@ -165,14 +165,16 @@ def test_cli_device_without_gpu_and_warning(tmp_path, capsys, caplog):
                  "-o", str(out), "--report", str(rep)])
     text = capsys.readouterr().out
     assert code == 0 and "recipe (cuda): int4 -> weight-only,fp16" in text
+    assert "recipe (cuda): not set, your session's choice: ep.cuda.fpa_intb_gemm=1" in text  # measured, not written
     data = json.loads(rep.read_text())
+    assert data["recipe"]["runtime_options"]["fpa_intb"]["session_config"] == {"ep.cuda.fpa_intb_gemm": "1"}
     assert data["pipeline"][:3] == ["weight-only", "fp16", "lower"] and data["recipe"]["device"] == "cuda"
     assert sum(n.op_type == "MatMulNBits" for n in onnx.load(out).graph.node) == 2
     out2, rep2 = tmp_path / "o2.onnx", tmp_path / "r2.json"
     with caplog.at_level(logging.WARNING):
         code = main(["optimize", str(src), "--passes", "qdq-fp8", "--device", "cuda", "--calibration-random", "2",
                      "-o", str(out2), "--report", str(rep2)])
-    assert code == 0
+    assert code == 0 and "your session's choice" not in capsys.readouterr().out  # qdq-fp8 writes no MatMulNBits
     warned = [r.getMessage() for r in caplog.records if "qdq-fp8 on ONNX Runtime CUDA is measured slower" in r.getMessage()]
     assert len(warned) == 1
     assert json.loads(rep2.read_text())["recipe"]["warnings"] == warned
