@@ -42,8 +42,9 @@ def config(family: str, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv
                attn_implementation=attn, tie_word_embeddings=False)
 
 
-def input_names(cfg: Any, step: str) -> list[str]:
-    names = ["input_ids", "attention_mask"]
+def input_names(cfg: Any, step: str, position_ids: bool = False) -> list[str]:
+    """The graph's inputs; ``position_ids`` (``[B, S]``, as optimum's exports take them) after the mask if asked."""
+    names = ["input_ids", "attention_mask"] + (["position_ids"] if position_ids else [])
     if step == "decode":
         for i in range(cfg.num_hidden_layers):
             names += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
@@ -57,9 +58,11 @@ def output_names(cfg: Any) -> list[str]:
     return out
 
 
-def build(cfg: Any, step: str, seed: int = 0, hf_dir: str | os.PathLike[str] | None = None) -> Any:
+def build(cfg: Any, step: str, seed: int = 0, hf_dir: str | os.PathLike[str] | None = None,
+          position_ids: bool = False) -> Any:
     """The eval-mode wrapper module (plain tensors in and out): seeded random weights, or the weights of a local
-    Hugging Face folder ``hf_dir`` (read from disk, nothing downloaded)."""
+    Hugging Face folder ``hf_dir`` (read from disk, nothing downloaded); with ``position_ids`` the third input is
+    the positions the rotary embedding takes (else transformers derives them from the past length)."""
     import torch
     import transformers as tf
 
@@ -82,12 +85,13 @@ def build(cfg: Any, step: str, seed: int = 0, hf_dir: str | os.PathLike[str] | N
             super().__init__()
             self.inner = inner
 
-        def forward(self, input_ids: Any, attention_mask: Any, *past: Any) -> Any:
+        def forward(self, input_ids: Any, attention_mask: Any, *rest: Any) -> Any:
+            positions, past = (rest[0], rest[1:]) if position_ids else (None, rest)
             cache = tf.DynamicCache(config=cfg)
             for i in range(len(past) // 2):
                 cache.update(past[2 * i], past[2 * i + 1], i)
             out = self.inner(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-                             use_cache=True, return_dict=True)
+                             position_ids=positions, use_cache=True, return_dict=True)
             c = out.past_key_values
             flat = []
             for i in range(layers):
@@ -98,9 +102,10 @@ def build(cfg: Any, step: str, seed: int = 0, hf_dir: str | os.PathLike[str] | N
 
 
 def feeds(cfg: Any, step: str, batch: int = 2, seq: int = 5, past: int = 7, seed: int = 0,
-          padding: str = "none") -> dict[str, np.ndarray]:
+          padding: str = "none", position_ids: bool = False) -> dict[str, np.ndarray]:
     """Seeded feeds.  ``padding``: ``none`` (all ones), ``right`` (row 1 shorter, zeros at the end; prefill only),
-    ``left`` (row 1's first positions 0)."""
+    ``left`` (row 1's first positions 0).  ``position_ids``: each row's count of ones in the mask before each new
+    token (what generation loops feed: left padding shifts a row's positions)."""
     rng = np.random.default_rng(seed)
     total = seq + (past if step == "decode" else 0)
     out: dict[str, np.ndarray] = {"input_ids": rng.integers(1, cfg.vocab_size, size=(batch, seq), dtype=np.int64),
@@ -109,6 +114,9 @@ def feeds(cfg: Any, step: str, batch: int = 2, seq: int = 5, past: int = 7, seed
         out["attention_mask"][1, total - 2:] = 0
     elif padding == "left" and batch > 1:
         out["attention_mask"][1, :2] = 0
+    if position_ids:
+        before = np.cumsum(out["attention_mask"], axis=1) - 1
+        out["position_ids"] = np.maximum(before[:, total - seq:], 0).astype(np.int64)
     if step == "decode":
         d = cfg.hidden_size // cfg.num_attention_heads
         for i in range(cfg.num_hidden_layers):
@@ -126,21 +134,24 @@ def _large(cfg: Any) -> bool:
 
 
 def export(cfg: Any, step: str, exporter: str, path: str | os.PathLike[str], seed: int = 0,
-           hf_dir: str | os.PathLike[str] | None = None, tokens: int = 3) -> Path:
+           hf_dir: str | os.PathLike[str] | None = None, tokens: int = 3, position_ids: bool = False) -> Path:
     """Export the ``step`` (``prefill`` | ``decode``) graph with dynamic batch / sequence / past dims (weights of
     ``hf_dir`` if given, else seeded random ones), traced with ``tokens`` new tokens; ``tokens=1`` (dynamo) gives
     a decode step specialized to one token, as an export traced with one token is (its sequence dim static 1)."""
     import torch
 
     path = Path(path)
-    module = build(cfg, step, seed, hf_dir)
-    names, outputs = input_names(cfg, step), output_names(cfg)
-    sample = feeds(cfg, step, batch=2, seq=tokens, past=4, seed=seed)
+    module = build(cfg, step, seed, hf_dir, position_ids)
+    names, outputs = input_names(cfg, step, position_ids), output_names(cfg)
+    sample = feeds(cfg, step, batch=2, seq=tokens, past=4, seed=seed, position_ids=position_ids)
+    fixed = 3 if position_ids else 2  # the inputs before the past
     args = tuple(torch.from_numpy(sample[n]) for n in names)
     if exporter == "torchscript":
         axes: dict[str, dict[int, str]] = {"input_ids": {0: "batch", 1: "seq"},
                                            "attention_mask": {0: "batch", 1: "total"}, "logits": {0: "batch", 1: "seq"}}
-        axes.update({n: {0: "batch", 2: "past"} for n in names[2:]})
+        if position_ids:
+            axes["position_ids"] = {0: "batch", 1: "seq"}
+        axes.update({n: {0: "batch", 2: "past"} for n in names[fixed:]})
         axes.update({n: {0: "batch", 2: "total"} for n in outputs[1:]})
         with torch.no_grad():
             torch.onnx.export(module, args, str(path), input_names=names, output_names=outputs, opset_version=17,
@@ -151,9 +162,13 @@ def export(cfg: Any, step: str, exporter: str, path: str | os.PathLike[str], see
     if step == "decode":
         past, total = torch.export.Dim("past", max=4096), torch.export.Dim("total", max=8192)
         shapes.append({0: batch, 1: total})
-        shapes.append(tuple({0: batch, 2: past} for _ in names[2:]))  # the *past varargs
     else:
         shapes.append({0: batch, 1: seq})
+    rest: list[Any] = [{0: batch, 1: seq} if tokens > 1 else {0: batch}] if position_ids else []
+    if step == "decode":
+        rest += [{0: batch, 2: past} for _ in names[fixed:]]
+    if rest:
+        shapes.append(tuple(rest))  # the *rest varargs: position_ids, then the past
     with torch.no_grad():
         torch.onnx.export(module, args, str(path), input_names=names, output_names=outputs, opset_version=18,
                           dynamo=True, dynamic_shapes=tuple(shapes), external_data=_large(cfg), verbose=False)

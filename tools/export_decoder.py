@@ -32,6 +32,8 @@ def main() -> None:
     p.add_argument("--step", choices=["prefill", "decode"], required=True)
     p.add_argument("--exporter", choices=["torchscript", "dynamo"], default="torchscript")
     p.add_argument("--feeds", help="also write seeded feeds (.npz) for --calibration-data")
+    p.add_argument("--position-ids", action="store_true",
+                   help="take position_ids [B, S] as the third input (as optimum's exports do)")
     p.add_argument("-o", "--output", required=True)
     args = p.parse_args()
     if args.hf_dir:
@@ -45,11 +47,12 @@ def main() -> None:
         if args.layers:
             sizes["layers"] = args.layers
         cfg = de.config(args.family, **sizes)
-    de.export(cfg, args.step, args.exporter, args.output, hf_dir=args.hf_dir)
+    de.export(cfg, args.step, args.exporter, args.output, hf_dir=args.hf_dir, position_ids=args.position_ids)
     if args.feeds:
         import numpy as np
 
-        feeds: dict[str, Any] = de.feeds(cfg, args.step, batch=1, seq=1 if args.step == "decode" else 8, past=8)
+        feeds: dict[str, Any] = de.feeds(cfg, args.step, batch=1, seq=1 if args.step == "decode" else 8, past=8,
+                                         position_ids=args.position_ids)
         np.savez(args.feeds, **feeds)
     print(f"wrote {args.output}")
 
