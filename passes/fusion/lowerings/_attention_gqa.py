@@ -27,14 +27,21 @@ from mograph.passes.fusion.lowerings._rotary import _notes
 from mograph.passes.fusion.lowerings.attention_proofs import (
     _PAST_DIM_META,
     Shared,
+    _all_true,
+    _and_leaves,
     _causal_from,
+    _is_range_from_zero,
     _kv_cache,
+    _positions,
     _present_key_output,
     _present_value_output,
+    _producer,
     _projection_of,
+    _range_axis,
     _rotary_positions,
     _rotated_split,
     _seq_dim,
+    _through_unsqueeze,
 )
 from mograph.passes.fusion.lowerings.packed_nbits import pack_nbits_biased, pack_nbits_projections
 
@@ -68,6 +75,29 @@ def _packed_qkv(xs: list[ir.Value], graph: ir.Graph, new_nodes: list[ir.Node]) -
                             for p in parts]).astype(dtype)
         out = _add(new_nodes, "Add", [out, add_initializer(graph, "mograph_qkv_bias", b)])
     return out
+
+
+def _causal_positions(bias: ir.Value, q: ir.Value, past: ir.Value | None, ctx: LoweringContext) -> ir.Value | None:
+    """The causal term's own query positions: the 1-D ``pos`` of ``Where(kv_idx <= pos[s] ..., 0, c)`` (``kv_idx`` a
+    ``Range(0, n, 1)`` on axis 3, ``pos`` unsqueezed onto axis 2), if it is provably ``P + s``.  Exports that take
+    ``position_ids`` as an input rotate by those, which nothing proves equal to ``P + s``; their causal mask is still
+    built from the cache position (transformers' ``cache_position``), which this finds."""
+    where = _producer(bias, "Where")
+    if where is None:
+        return None
+    for leaf in _and_leaves(where.inputs[0]):
+        le = leaf.producer() if leaf is not None and not _all_true(leaf) else None
+        if le is None or le.domain != "" or le.op_type not in ("LessOrEqual", "GreaterOrEqual"):
+            continue
+        a, b = (le.inputs[1], le.inputs[0]) if le.op_type == "GreaterOrEqual" else (le.inputs[0], le.inputs[1])
+        if a is None or b is None or _is_range_from_zero(a) is None or _range_axis(a) != 3:
+            continue
+        pos = b
+        while (un := _producer(pos, "Unsqueeze")) is not None:
+            pos = un.inputs[0]
+        if pos is not None and _through_unsqueeze(b, pos, 4) == 2 and _positions(pos, q, past, ctx):
+            return pos
+    return None
 
 
 def _no_gqa(node: ir.Node, why: str) -> bool:
@@ -109,9 +139,18 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
         return _no_gqa(node, f"head size {head_size} not a multiple of {GQA_HEAD_MULTIPLE}, or a partial rotary")
     past = ck[0] if ck is not None else None
     rp = _rotary_positions(f, xq, past, ctx)
-    if rp is None:  # (found: f is [1, S, D/2] by construction, a 1-D pos unsqueezed to rank 3 times a 1-D inv_freq)
-        return _no_gqa(node, "the rotary angles are not provably (past + s) * inv_freq")
-    pos, inv = rp
+    # rotary outside (do_rotary 0) where the angles are not provably (past + s) * inv_freq, e.g. position_ids given
+    # as an input: ONNX Runtime's RotaryEmbedding kernels rotate Q and K by the export's own angles before the op
+    external = rp is None
+    if external:
+        found = _causal_positions(bias, xq, past, ctx)
+        if found is None:
+            return _no_gqa(node, "the rotary angles are not provably (past + s) * inv_freq, nor is the causal mask's "
+                                 "query position")
+        pos, inv = found, None
+    else:
+        assert rp is not None
+        pos, inv = rp
     kv = ctx.dims(ck[2]) if ck is not None else None
     keys = (kv[2] if kv is not None and len(kv) == 4 else None) if ck is not None else _seq_dim(xq, ctx)
     causal = _causal_from(bias, pos, keys, ctx, past, xq)
@@ -126,7 +165,7 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
     # the caches: cos/sin of position p (rows 0 .. max-1), computed as the export does (float32 p * inv_freq)
     max_len = int(node.metadata_props.get("mograph.gqa_max_length", GQA_MAX_LENGTH))
     key = ("gqa_rotary_caches", id(f), rscale)
-    if key not in ctx.shared:
+    if inv is not None and key not in ctx.shared:
         angles = np.arange(max_len, dtype=np.float32)[:, None] * inv.astype(np.float32)[None, :]
         cos, sin = np.cos(angles), np.sin(angles)
         if rscale is not None:
@@ -134,7 +173,7 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
         dtype = xq.dtype.numpy()
         ctx.shared[key] = (add_initializer(graph, "mograph_gqa_cos_cache", cos.astype(dtype)),
                            add_initializer(graph, "mograph_gqa_sin_cache", sin.astype(dtype)))
-    cos_cache, sin_cache = ctx.shared[key]
+    cos_cache, sin_cache = ctx.shared[key] if inv is not None else (None, None)
     outer: list[ir.Node] = []  # (guarded: what the layers share stays in the main graph)
     if mask is not None:
         seqlens, total = _mask_lengths_for_gqa(mask, outer if guarded else new_nodes, ctx.shared)
@@ -143,13 +182,18 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
     present_k = _present_key_output(graph, xk, f, rscale, ctx) if ck is None else None
     present_v = _present_value_output(graph, v_new, ctx) if ck is None else None
     logger.debug("%s: present outputs found: key %s, value %s", node.name, present_k, present_v)
-    packed = _packed_qkv([xq, xk, v_new], graph, new_nodes)
-    if packed is None:  # weight-only quantized projections (already MatMulNBits): one packed node where exact
+    packed = None if external else _packed_qkv([xq, xk, v_new], graph, new_nodes)
+    if packed is None and not external:  # weight-only quantized projections (MatMulNBits): one packed node if exact
         handled, packed = pack_nbits_biased([xq, xk, v_new], graph, new_nodes, ctx)  # y + b (Qwen2)
         if not handled:
             packed = pack_nbits_projections([xq, xk, v_new], graph, new_nodes, ctx)
+    if external:  # one packed input: ONNX Runtime's CUDA GroupQueryAttentionFusion would take RotaryEmbedding kernels
+        # feeding the op directly into it (do_rotary 1 with their caches, read by absolute position, and the
+        # position ids dropped: wrong for these per-token caches); a Concat in between is not its pattern
+        packed = _add(new_nodes, "Concat", [q, k_rot, v_new], axis=-1)
     qkv: list[ir.Value | None] = [packed, None, None] if packed is not None else [xq, xk, v_new]
-    attrs = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": scale, "do_rotary": 1, "rotary_interleaved": 0}
+    attrs = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": scale, "do_rotary": 0 if external else 1,
+             "rotary_interleaved": 0}
     kernel = _kernel("GroupQueryAttention", [*qkv, past, cv[0] if cv is not None else None, seqlens, total,
                                              cos_cache, sin_cache], attrs, outputs=3)
     # no NaN guard: the causal mask leaves every query row its own key (a row of length 0 is outside the contract)
@@ -161,7 +205,7 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
         ok = _right_padded(mask, ck[0] if ck is not None else None, outer, ctx.shared)
         presents = (ck[2], cv[2]) if ck is not None and cv is not None else (present_k, present_v)
         _guard(node, ctx, ok, outer, new_nodes, presents, exact)
-        ctx.count("attention.gqa_rotary")
+        ctx.count("attention.gqa_external_rotary" if external else "attention.gqa_rotary")
         ctx.count("attention.padding_check")
         if packed is not None:
             ctx.count("attention.packed_qkv")
@@ -186,6 +230,9 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
         for old, new in ((present_k, kernel.outputs[1]), (present_v, kernel.outputs[2])):
             if old is not None:
                 _present_outputs(graph, kernel, (old,), (new,))
+    if external:  # the rotary kernels stay in front of it
+        ctx.count("attention.gqa_external_rotary")
+        return True
     ctx.count("attention.gqa_rotary")
     if packed is not None:
         ctx.count("attention.packed_qkv")

@@ -98,6 +98,17 @@
       an ``If``'s condition on the host: such a graph cannot be captured as a CUDA graph (``--kv-cache
       shared`` is the capturable form).
 
+    Where the angles are NOT provably ``(past + s) * inv_freq`` (an export that takes ``position_ids`` as an input,
+    as optimum's do, or an ``inv_freq`` computed at run time) but the causal mask's own query positions are
+    (transformers builds the mask from the cache position, ``Range(0, S, 1) [+ P]``), the rotary stays outside:
+    ``GroupQueryAttention`` with ``do_rotary=0`` on the Q and K that the two RotaryEmbedding kernels rotated by the
+    export's own angles, packed into the op's one QKV input by a ``Concat`` (no cos/sin caches; stat
+    ``attention.gqa_external_rotary``): ONNX Runtime's CUDA ``GroupQueryAttentionFusion`` takes RotaryEmbedding
+    kernels that feed the op directly into ``do_rotary`` with their caches read by absolute position and the
+    position ids dropped, which is wrong for these per-token caches (the H200 refused the unpacked form: "cos_cache
+    dimension 0 shall not be less than total_sequence_length"); the Concat is outside that pattern.  Everything
+    else (lengths, the check, the cache, ``--kv-cache shared``) as above.
+
     Without a mask input it is exact and taken by default.  No
     NaN guard: the causal mask leaves every query its own key.  Stats ``attention.gqa_rotary``,
     ``attention.packed_qkv``, ``attention.kv_cache_shared``; the two rotary kernels taken in are subtracted from

@@ -1,10 +1,10 @@
 """Decoder exports that take ``position_ids`` as an input (as optimum's do): their rotary angles come from that input,
-which nothing proves equal to ``past + s``, so the rotary cannot go inside ``GroupQueryAttention``.  Today they lower
-for ``--target ort`` to the exact form (ONNX Runtime's ``RotaryEmbedding`` kernels over the export's own angles,
-``MultiHeadAttention`` over repeated K/V heads), equal to the export on ONNX Runtime CPU, and ``--kv-cache shared``
-refuses them by name.  (A ``GroupQueryAttention`` with ``do_rotary`` 0 after those kernels was tried, commit b538b8e:
-exact on ONNX Runtime CPU, but ONNX Runtime 1.31.1's CUDA provider with its default optimizations failed it on the
-H200 with "cos_cache dimension 0 shall not be less than total_sequence_length", so it is not written.)"""
+which nothing proves equal to ``past + s``, so the rotary cannot go inside ``GroupQueryAttention``; the causal mask is
+still built from the cache position.  ``--target ort`` lowers them to ``GroupQueryAttention`` with ``do_rotary`` 0 and
+ONNX Runtime's ``RotaryEmbedding`` kernels in front, packed into its one QKV input by a ``Concat`` (no K/V head
+repeat, the cache as its past/present, the shared buffer possible), exact against the export on ONNX Runtime CPU.
+The Concat keeps the graph outside ONNX Runtime's CUDA ``GroupQueryAttentionFusion`` (RotaryEmbedding kernels feeding
+the op directly), which would read these per-token rotary caches by absolute position; checked here structurally."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from models import decoder_export as de  # noqa: E402
 pytestmark = pytest.mark.slow
 
 CFG: dict[str, Any] = {"hidden": 128, "heads": 4, "kv_heads": 2}  # head size 32 (GQA's CPU kernel: multiple of 8)
+MAX_LEN = 16
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +70,18 @@ def _gqa_attrs(nodes: Any) -> list[dict[str, Any]]:
             for n in nodes if n.op_type == "GroupQueryAttention"]
 
 
+def _not_ort_cuda_gqa_fusion_pattern(graph: onnx.GraphProto) -> None:
+    """Every GroupQueryAttention takes one packed input made by a Concat of the two RotaryEmbedding outputs and V:
+    no RotaryEmbedding node feeds it directly (ONNX Runtime's CUDA GroupQueryAttentionFusion looks for exactly that)."""
+    producer = {o: n for n in graph.node for o in n.output}
+    for gqa in (n for n in graph.node if n.op_type == "GroupQueryAttention"):
+        assert gqa.input[1] == "" and gqa.input[2] == "", list(gqa.input)
+        assert all(producer[i].op_type != "RotaryEmbedding" for i in gqa.input if i in producer)
+        concat = producer[gqa.input[0]]
+        assert concat.op_type == "Concat"
+        assert [producer[i].op_type for i in concat.input[:2]] == ["RotaryEmbedding", "RotaryEmbedding"]
+
+
 #: (step, batch, new tokens, padding): the cases each form must match the export on
 CASES = {"prefill": [(2, 6, "none"), (2, 6, "right"), (1, 5, "none")],
          "decode": [(2, 1, "none"), (1, 4, "none")]}
@@ -76,21 +89,110 @@ CASES = {"prefill": [(2, 6, "none"), (2, 6, "right"), (1, 5, "none")],
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 @pytest.mark.parametrize("step", ["prefill", "decode"])
-def test_position_ids_exports_lower_exactly(exports: Any, exporter: str, step: str) -> None:
+def test_lengths_becomes_gqa_with_the_rotary_outside(exports: Any, exporter: str, step: str) -> None:
     path = exports(step, exporter)
-    for options in ({"mask_format": "lengths"}, {}):
-        model, stats = _optimize(path, **options)
-        ops = Counter(n.op_type for n in model.graph.node)
-        assert ops["MultiHeadAttention"] == 2 and ops["GroupQueryAttention"] == 0 and ops["RotaryEmbedding"] == 4, ops
-        assert ops["If"] == 0 and stats["rotary.kernel"] == 4 and "attention.gqa_rotary" not in stats
-        cfg = de.config("llama", **CFG)
-        for batch, seq, padding in CASES[step] + ([(2, 6, "left")] if step == "prefill" else [(2, 1, "left")]):
-            feeds = de.feeds(cfg, step, batch=batch, seq=seq, past=7, padding=padding, position_ids=True)
-            assert _max_diff(_run(path, feeds), _run(model, feeds)) < 1e-5, (options, batch, seq, padding)
-        again, _ = mograph.optimize(model, passes=["cleanup", "fuse"], options={"target": "ort", **options})
-        assert Counter(n.op_type for n in again.graph.node) == ops  # a second run changes nothing
+    model, stats = _optimize(path, mask_format="lengths")
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert ops["GroupQueryAttention"] == 2 and ops["RotaryEmbedding"] == 4, ops
+    for gone in ("MultiHeadAttention", "Expand", "Softmax", "If"):
+        assert ops[gone] == 0, (gone, ops)  # no K/V head repeat, no check
+    assert ops["Concat"] == 2, ops  # the packing Concat per layer, no exporter cache Concat
+    for attrs in _gqa_attrs(model.graph.node):
+        assert attrs["do_rotary"] == 0 and attrs["num_heads"] == 4 and attrs["kv_num_heads"] == 2
+    _not_ort_cuda_gqa_fusion_pattern(model.graph)
+    assert stats["attention.gqa_external_rotary"] == 2 and "attention.gqa_rotary" not in stats
+    assert stats["rotary.kernel"] == 4  # the kernels stay in front of the op
+    assert stats.get("attention.kv_cache", 0) == (2 if step == "decode" else 0)
+    if step == "decode":
+        gqa = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+        assert [n.input[3] for n in gqa] == ["past_key_values.0.key", "past_key_values.1.key"]
+        assert [n.output[1] for n in gqa] == ["present.0.key", "present.1.key"]
+    cfg = de.config("llama", **CFG)
+    for batch, seq, padding in CASES[step]:
+        feeds = de.feeds(cfg, step, batch=batch, seq=seq, past=7, padding=padding, position_ids=True)
+        assert _max_diff(_run(path, feeds), _run(model, feeds)) < 1e-5, (batch, seq, padding)
+    again, _ = mograph.optimize(model, passes=["cleanup", "fuse"], options={"target": "ort", "mask_format": "lengths"})
+    assert Counter(n.op_type for n in again.graph.node) == ops  # a second run changes nothing
 
 
-def test_kv_cache_shared_refuses_them_by_name(exports: Any) -> None:
-    with pytest.raises(mograph.MographError, match="cannot become GroupQueryAttention with rotary inside"):
-        _optimize(exports("decode", "torchscript"), kv_cache="shared")
+def _checks(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[bool]:
+    """What each top-level ``If`` decided for ``feeds``."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    conds = [n.input[0] for n in probe.graph.node if n.op_type == "If"]
+    probe.graph.output.extend(onnx.helper.make_tensor_value_info(c, onnx.TensorProto.BOOL, []) for c in conds)
+    return [bool(x) for x in _run(probe, feeds)[-len(conds):]]
+
+
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+def test_default_checks_right_padding(exports: Any, step: str) -> None:
+    """The default mask format: the right-padding check on the device picks GroupQueryAttention (rotary outside) or
+    the exact form per run; left padding takes the exact branch; the export's numbers either way."""
+    path = exports(step, "torchscript")
+    model, stats = _optimize(path)
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert ops["If"] == 2 and ops["RotaryEmbedding"] == 4, ops  # both branches read the rotated Q and K
+    branches = [{a.name: a.g for a in n.attribute} for n in model.graph.node if n.op_type == "If"]
+    for b in branches:
+        fast = Counter(n.op_type for n in b["then_branch"].node)
+        assert fast["GroupQueryAttention"] == 1 and fast["RotaryEmbedding"] == 0 and fast["Concat"] == 1, fast
+        assert [a["do_rotary"] for a in _gqa_attrs(b["then_branch"].node)] == [0]
+        assert Counter(n.op_type for n in b["else_branch"].node)["MultiHeadAttention"] == 1
+    assert (stats["attention.gqa_external_rotary"], stats["attention.padding_check"]) == (2, 2)
+    cfg = de.config("llama", **CFG)
+    cases = [(2, 6, "none", True), (2, 6, "right", True), (2, 6, "left", False)] if step == "prefill" else \
+        [(2, 1, "none", True), (2, 1, "left", False)]
+    for batch, seq, padding, fast_taken in cases:
+        feeds = de.feeds(cfg, step, batch=batch, seq=seq, past=7, padding=padding, position_ids=True)
+        assert _checks(model, feeds) == [fast_taken, fast_taken], (batch, seq, padding)
+        assert _max_diff(_run(path, feeds), _run(model, feeds)) < 1e-5, (batch, seq, padding)
+
+
+def test_kv_cache_shared_greedy_loop_matches_the_export(exports: Any) -> None:
+    """``--kv-cache shared`` with position_ids: past and present bound to one static buffer per layer, position_ids
+    fed as a generation loop does; the greedy tokens and logits are the export's (its cache grown by Concat)."""
+    path = exports("decode", "torchscript")
+    model, stats = _optimize(path, kv_cache="shared")
+    assert stats["attention.kv_cache_shared"] == 2 and stats["attention.gqa_external_rotary"] == 2
+    _not_ort_cuda_gqa_fusion_pattern(model.graph)
+    cfg = de.config("llama", **CFG)
+    layers = cfg.num_hidden_layers
+    names = [f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+    start = de.feeds(cfg, "decode", batch=1, seq=1, past=3, position_ids=True)
+    ref, opt = _session(path), _session(model)
+    feeds = dict(start)
+    ref_logits, ref_tokens = [], []
+    for _ in range(6):
+        out = ref.run(None, feeds)
+        ref_logits.append(out[0])
+        ref_tokens.append(int(out[0][0, -1].argmax()))
+        past_len = out[1].shape[2]
+        feeds = {"input_ids": np.array([[ref_tokens[-1]]], dtype=np.int64),
+                 "attention_mask": np.ones((1, past_len + 1), dtype=np.int64),
+                 "position_ids": np.array([[past_len]], dtype=np.int64)}
+        feeds.update(dict(zip(names, out[1:])))
+    buffers = {}
+    for n in names:
+        buf = np.zeros((1, 2, MAX_LEN, 32), dtype=np.float32)
+        buf[:, :, :3] = start[n]
+        buffers[n] = ort.OrtValue.ortvalue_from_numpy(buf)
+    mask = np.zeros((1, MAX_LEN), dtype=np.int64)
+    token_ids, length = start["input_ids"], 4
+    tokens, worst = [], 0.0
+    for step in range(6):
+        mask[0, :length] = 1
+        binding = opt.io_binding()
+        binding.bind_cpu_input("input_ids", token_ids)
+        binding.bind_cpu_input("attention_mask", mask)
+        binding.bind_cpu_input("position_ids", np.array([[length - 1]], dtype=np.int64))
+        binding.bind_output("logits")
+        for n in names:
+            binding.bind_ortvalue_input(n, buffers[n])
+            binding.bind_ortvalue_output(n.replace("past_key_values", "present"), buffers[n])
+        opt.run_with_iobinding(binding)
+        logits = binding.copy_outputs_to_cpu()[0]
+        worst = max(worst, float(np.abs(logits - ref_logits[step]).max()))
+        tokens.append(int(logits[0, -1].argmax()))
+        token_ids = np.array([[tokens[-1]]], dtype=np.int64)
+        length += 1
+    assert tokens == ref_tokens and worst < 1e-5

@@ -105,7 +105,9 @@ def test_outer_product_rotary_decode_becomes_gqa(tmp_path: Path, mask_format: st
 
 def test_outer_product_with_a_non_constant_factor_stays_unproven(tmp_path: Path) -> None:
     """Near miss: the same spelling but ``inv_freq`` computed from a graph input is not provably the standard
-    rotary, so ``--kv-cache shared`` refuses it with the named reason (never a silent wrong graph)."""
+    rotary, so the rotary does not go inside GroupQueryAttention (``do_rotary`` 0): ONNX Runtime's RotaryEmbedding
+    kernels over the export's own angles stay in front of it, and the numbers are the export's (before the
+    rotary-outside form, ``--kv-cache shared`` refused it with the named reason)."""
     cfg = de.config("llama", **CFG)
     path = de.export(cfg, "decode", "torchscript", tmp_path / "decode.onnx")
     spelled = _outer_product_rotary(onnx.load(path))
@@ -117,5 +119,12 @@ def test_outer_product_with_a_non_constant_factor_stays_unproven(tmp_path: Path)
     for n in g.node:
         if n.name == "rot_expand":
             n.input[0] = "rot_inv_dyn"
-    with pytest.raises(mograph.MographError, match="cannot become GroupQueryAttention"):
-        mograph.optimize(spelled, passes=["cleanup", "fuse"], options={"target": "ort", "kv_cache": "shared"})
+    feeds = de.feeds(cfg, "decode", batch=2, seq=1, past=7)
+    for options in ({"target": "ort", "mask_format": "lengths"}, {"target": "ort", "kv_cache": "shared"}):
+        model, _ = mograph.optimize(spelled, passes=["cleanup", "fuse"], options=options)
+        ops = Counter(n.op_type for n in model.graph.node)
+        assert ops["GroupQueryAttention"] == 2 and ops["RotaryEmbedding"] == 4 and ops["MultiHeadAttention"] == 0, ops
+        gqa = next(n for n in model.graph.node if n.op_type == "GroupQueryAttention")
+        assert {a.name: helper.get_attribute_value(a) for a in gqa.attribute}["do_rotary"] == 0
+        if "mask_format" in options:  # the same I/O as the export
+            assert _max_diff(_run(spelled, feeds), _run(model, feeds)) < 1e-5
