@@ -47,10 +47,12 @@ tool and size, and the time ratio of the largest size to the 10k one.  ``--model
 model (e.g. a 30-layer LLaMA export) to the same table; with ``--scaling`` and no sizes only the given
 models run.  ``--markdown FILE`` also writes the table and the per-pass breakdown as markdown.
 
-Results are kept in ``benchmarks/scaling.md``.  Latest (2026-12-03, shared 2-core CPU box, with save): 1k nodes
-0.8 CPU-s, 10k 4.9-5.1, 30k 14.5-15.7, 100k 50.1-53.9 (x10.3-10.6 the 10k one), peak 159 / 248 / 449 /
-1,111 MiB; the 30-layer LLaMA export (622 MiB of in-protobuf weights) 4.8 CPU-s, peak 903 MiB (1.45x its
-bytes); largest pass fold-constants, 20-23% of the passes' CPU time at every size.
+Results are kept in ``benchmarks/scaling.md``.  Session 10 (2026-12-03 morning, shared 2-core CPU box, with
+save): 1k nodes 0.8 CPU-s, 10k 4.9-5.1, 30k 14.5-15.7, 100k 50.1-53.9 (x10.3-10.6 the 10k one), peak 159 / 248 /
+449 / 1,111 MiB; the 30-layer LLaMA export (622 MiB of in-protobuf weights) 4.8 CPU-s, peak 903 MiB (1.45x its
+bytes); largest pass fold-constants, 20-23% of the passes' CPU time at every size.  Session 11 (same day, another
+helper's jobs beside it: both codes slower): 10k 5.8-6.1, 100k 61.9-62.7 (x10.3-10.6), peak 248 / 1,110 MiB;
+LLaMA 7.5 CPU-s, peak 903 MiB, fold-constants 20%.
 """
 
 from __future__ import annotations

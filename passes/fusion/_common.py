@@ -180,6 +180,11 @@ class FusionPass(Pass):
 
     def _fuse(self, model: ir.Model, record: bool = False) -> tuple[PassResult, RuleReport]:
         rules = self.make_rules()
+        if not self.canonicalize and not self.config.get("explain") and not _roots_present(model, rules):
+            # Nothing to try anywhere (:func:`_roots_present`): the result of the sweep below, without the
+            # whole-model type inference before it and the type restore after it.
+            empty = RuleReport(record=record)
+            return PassResult(modified=False, stats={}, details={"rules": empty.details(rules, False)}), empty
         shapes = GraphShapes(model.graph, rules_for(self.registry))  # swept on the first ask, after canonicalization
         for rule in rules:
             rule.model_opset = model_opset(model)  # type: ignore[attr-defined]
@@ -227,6 +232,26 @@ class FusionPass(Pass):
             ensure_functions(model, fused_ops())
             drop_unused_functions(model, fused_ops())
         return PassResult(modified=modified, stats=stats, details=details), report
+
+
+def _roots_present(model: ir.Model, rules: list[Rule]) -> bool:
+    """Whether a node of the main graph or its subgraphs has the op type of a root of one of ``rules`` (or a
+    rule has a root of any op type).
+
+    :func:`mograph.patterns.apply_rules` tries a rule only at nodes of its roots' op types, so where this is
+    ``False`` and the pass does not canonicalize (which could make such nodes), the sweep changes nothing and
+    reports nothing, and the pass's result is known without inferring types first: on a LLaMA-style graph,
+    ``fuse-embed-layernorm`` (no LayerNorm) and ``fuse-bias-gelu`` (no GELU) skip a walk of the whole model
+    each, or a whole-model ONNX shape inference.
+    """
+    roots: set[str] = set()
+    for rule in rules:
+        for gp, _, _ in rule.compiled():
+            ident = gp.output_nodes[0].op_identifier()
+            if ident is None:
+                return True
+            roots.add(ident[1])
+    return any(node.op_type in roots for node in iter_nodes(model.graph))
 
 
 def _regions(report: RuleReport, originals: list[ir.Node], copies: list[ir.Node],

@@ -400,8 +400,8 @@ def test_a_spilled_model_is_serialized_once_for_the_checker_and_onnxruntime(monk
 
 def test_the_onnxruntime_load_runs_without_optimizations_or_weight_prepacking(monkeypatch):
     """The check's session: graph optimizations off and ``session.disable_prepacking`` set (a prepacked
-    copy of every MatMul weight doubled the check's peak memory); a model ONNX Runtime refuses is still
-    refused with these options."""
+    copy of every MatMul weight doubled the check's peak memory), the memory pattern off (its planner is
+    quadratic in the initializers); a model ONNX Runtime refuses is still refused with these options."""
     import onnxruntime as ort
 
     from mograph import _spill
@@ -418,6 +418,7 @@ def test_the_onnxruntime_load_runs_without_optimizations_or_weight_prepacking(mo
     assert len(seen) == 1
     assert seen[0].graph_optimization_level == ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     assert seen[0].get_session_config_entry("session.disable_prepacking") == "1"
+    assert seen[0].enable_mem_pattern is False
     bad = _model()
     HalfWeightPass().call(bad)
     with pytest.raises(InvalidModel) as err:

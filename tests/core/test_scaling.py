@@ -421,3 +421,64 @@ def test_optimize_freezes_the_loaded_model_without_walking_it() -> None:
     assert state["ran"] == [], state["ran"]
     assert state["frozen"] >= state["nodes"] > 300  # type: ignore[operator]
     assert gc.get_freeze_count() == 0 and gc.isenabled()
+
+
+def _pipeline_with_inference_counted(monkeypatch: pytest.MonkeyPatch, proto: bytes, passes: str,
+                                     counted: str) -> tuple[bytes, list[list[object]], int]:
+    """Run ``passes`` on ``proto``: (the result's graph bytes, every pass's (name, modified, stats, details), the
+    type inferences the fusion pass ``counted`` ran)."""
+    from mograph.passes.fusion import _common
+
+    real = irutil.infer_types
+    current: list[str] = []
+    calls = [0]
+
+    def infer_types(model: ir.Model) -> irutil.TypeSnapshot:
+        calls[0] += current == [counted]
+        return real(model)
+
+    def instrument(pass_: object, model: object, context: object) -> object:
+        current.append(pass_.name)  # type: ignore[attr-defined]
+        result = yield
+        current.pop()
+        return result
+
+    monkeypatch.setattr(_common, "infer_types", infer_types)
+    model, report = mograph.optimize(proto, passes=passes, instruments=[instrument], check_output=False)
+    graph = onnx.ModelProto.FromString(model).graph.SerializeToString(deterministic=True)  # bytes in, bytes out
+    return graph, [[p.name, p.modified, p.stats, p.details] for p in report.passes], calls[0]
+
+
+@pytest.mark.parametrize("skipped", ["fuse-embed-layernorm", "fuse-bias-gelu"])
+def test_a_fusion_pass_with_no_root_op_in_the_graph_infers_no_types(monkeypatch: pytest.MonkeyPatch,
+                                                                    skipped: str) -> None:
+    """A fusion pass that does not canonicalize and whose rules' roots are op types the graph does not have
+    (no LayerNorm, no GELU in a LLaMA) knows its result before inferring types: no inference, and the same
+    model and the same report as when it runs the whole sweep."""
+    from mograph.passes.fusion import _common
+
+    proto = _stack(2).SerializeToString()
+    passes = f"cleanup,fuse-rmsnorm,{skipped}"
+    graph, report, inferences = _pipeline_with_inference_counted(monkeypatch, proto, passes, skipped)
+    assert inferences == 0
+    assert [p for p in report if p[0] == skipped][0][1:3] == [False, {}]
+    monkeypatch.setattr(_common, "_roots_present", lambda model, rules: True)  # the whole sweep, as before
+    full_graph, full_report, full_inferences = _pipeline_with_inference_counted(monkeypatch, proto, passes, skipped)
+    assert full_inferences == 1
+    assert (graph, report) == (full_graph, full_report)
+
+
+def test_a_fusion_pass_whose_root_op_is_there_still_runs_its_sweep(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The near miss: one standard ``LayerNormalization`` (a root of ``fuse-embed-layernorm``) and no embedding
+    lookups before it; the pass infers types and sweeps, finding nothing to fuse."""
+    nodes = [helper.make_node("LayerNormalization", ["x", "scale", "bias"], ["y"], name="ln", axis=-1)]
+    inits = [onnx.numpy_helper.from_array(np.ones([4], np.float32), "scale"),
+             onnx.numpy_helper.from_array(np.zeros([4], np.float32), "bias")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 4])], inits)
+    proto = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    _, report, inferences = _pipeline_with_inference_counted(monkeypatch, proto, "fuse-embed-layernorm",
+                                                             "fuse-embed-layernorm")
+    assert inferences == 1
+    assert report[0][1:4] == [False, {}, {"rules": {"EmbedLayerNormFusion": {"candidates": 0, "fused": 0,
+                                                                              "near_misses": 0}}}]
