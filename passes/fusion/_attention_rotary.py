@@ -24,6 +24,8 @@ class RotaryShapes(Protocol):
 
     def dims(self, value: ir.Value | None) -> Dims | None: ...
 
+    def static_dim(self, value: ir.Value | None, axis: int) -> int | None: ...
+
     def literals(self, value: ir.Value | None) -> list[int | None] | None: ...
 
 
@@ -76,8 +78,7 @@ def _rotary(value: ir.Value, shapes: RotaryShapes) -> tuple[ir.Value, ir.Value, 
                 continue
             x = second[0]
             first = _slice_of(cat.inputs[1], shapes, x)
-            dims = shapes.dims(x)
-            d = dims[3].value if dims is not None and len(dims) == 4 and dims[3] is not None else None
+            d = shapes.static_dim(x, 3) if len(shapes.dims(x) or ()) == 4 else None
             if first is None or d is None or d % 2:
                 continue
             if (first[1], first[2]) != (0, d // 2) or second[1] != d // 2 or second[2] < d:

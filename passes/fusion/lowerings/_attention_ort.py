@@ -132,8 +132,7 @@ def _repeat_heads_bnsh(x: ir.Value, heads: int, rep: int, new_nodes: list[ir.Nod
         return shared[key]
     x5 = _add(new_nodes, "Unsqueeze", [x, _const(new_nodes, np.array([2], dtype=np.int64))])  # [B, G, 1, T, D]
     big = _add(new_nodes, "Expand", [x5, _const(new_nodes, np.array([1, 1, rep, 1, 1], dtype=np.int64))])
-    dims = shapes.dims(x)
-    dim = dims[3].value if dims is not None and len(dims) == 4 and dims[3] is not None else None
+    dim = shapes.static_dim(x, 3) if len(shapes.dims(x) or ()) == 4 else None
     dim = -1 if dim is None else dim
     if dim == -1:  # head size unknown statically: merge (G, rep) by the element count, keeping T from the input
         t = _add(new_nodes, "Shape", [x], start=2)

@@ -91,6 +91,8 @@ class Shapes(Protocol):
 
     def is_shape_of(self, vector: ir.Value | None, value: ir.Value | None) -> bool: ...
 
+    def static_dim(self, value: ir.Value | None, axis: int) -> int | None: ...
+
     def literals(self, value: ir.Value | None) -> list[int | None] | None: ...
 
 
@@ -759,8 +761,7 @@ def _rotated_split(heads: ir.Value, notes: dict[int, Any], shapes: Shapes) -> ir
     if note is None or target is None or int(attr_value(rs, "allowzero", 0)):
         return None
     x = note[0]
-    dims = shapes.dims(x)
-    width = dims[2].value if dims is not None and len(dims) == 3 and dims[2] is not None else None
+    width = shapes.static_dim(x, 2) if len(shapes.dims(x) or ()) == 3 else None
     t = target.reshape(-1).tolist()
     if len(t) != 4 or t[:2] != [0, 0] or not isinstance(width, int) or t[2] * t[3] != width or min(t[2:]) <= 0:
         return None
