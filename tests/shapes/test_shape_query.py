@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import onnx_ir as ir
 import pytest
@@ -216,7 +218,7 @@ def _vectors() -> tuple[ShapeQuery, dict[str, ir.Value]]:
     y = ir.Value(name="y", shape=ir.Shape([2, 3]), type=ir.TensorType(ir.DataType.FLOAT))
     nodes: list[ir.Node] = []
 
-    def op(op_type: str, inputs: list, **attrs: object) -> ir.Value:
+    def op(op_type: str, inputs: list, **attrs: Any) -> ir.Value:
         nodes.append(ir.node(op_type, inputs, attributes=attrs))
         return nodes[-1].outputs[0]
 

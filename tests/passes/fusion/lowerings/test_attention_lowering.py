@@ -9,6 +9,7 @@ positions (zeros), so the masked softmax is exercised.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import onnx
@@ -453,7 +454,7 @@ def test_past_length_read_through_the_shape_query(read: str, renamed: bool, hold
         k0.meta[_PAST_DIM_META] = Dim.sym("=past")
     nodes: list[ir.Node] = []
 
-    def op(op_type: str, inputs: list, **attrs: object) -> ir.Value:
+    def op(op_type: str, inputs: list, **attrs: Any) -> ir.Value:
         nodes.append(ir.node(op_type, inputs, attributes=attrs))
         return nodes[-1].outputs[0]
 
