@@ -37,7 +37,7 @@ from mograph.shapes._builtin import builtin_rules, peek_tensor, reshape_dims
 from mograph.shapes._dim import Dim
 from mograph.shapes._rules import ShapeRules, node_version
 
-__all__ = ["DimKey", "Dims", "ShapeQuery", "Vector", "as_ir_shape"]
+__all__ = ["DimKey", "Dims", "ShapeQuery", "Vector", "as_ir_shape", "holds_dims", "static_dim", "vector_ints"]
 
 #: The dims of one value: one per axis, ``None`` where unknown.
 Dims = tuple[Union[Dim, None], ...]
@@ -71,6 +71,27 @@ def as_ir_shape(dims: Dims) -> ir.Shape:
         else:
             out.append(None)
     return ir.Shape(out)
+
+
+def static_dim(dims: Dims | None, axis: int) -> int | None:
+    """Dim ``axis`` of ``dims`` (negative counts from the end) as a number, where it is a literal; else ``None``."""
+    if dims is None or not -len(dims) <= axis < len(dims):
+        return None
+    d = dims[axis]
+    return None if d is None else d.value
+
+
+def vector_ints(vec: Vector | None) -> list[int | None] | None:
+    """The elements of a tracked shape vector as numbers (``None`` for an element that is not a literal);
+    ``None`` if ``vec`` is ``None``."""
+    return None if vec is None else [None if e is None else e.value for e in vec[1]]
+
+
+def holds_dims(vec: Vector | None, dims: Dims | None) -> bool:
+    """Whether the 1-D vector ``vec`` holds exactly ``dims``, element by element, for every input (what
+    ``Shape(x)`` holds for ``x`` of those dims: a ``Reshape`` to it gives its data ``x``'s shape)."""
+    return (vec is not None and not vec[0] and dims is not None and len(vec[1]) == len(dims)
+            and all(e is not None and e == d for e, d in zip(vec[1], dims)))
 
 
 class ShapeQuery:
@@ -181,6 +202,20 @@ class ShapeQuery:
         axis %= len(dims)
         d = dims[axis]
         return ("at", value, axis) if d is None else ("dim", d.normal())
+
+    def static_dim(self, value: ir.Value | None, axis: int) -> int | None:
+        """Dim ``axis`` of ``value`` as a number, where the query proves it a literal; ``None`` otherwise."""
+        return static_dim(self.dims(value), axis)
+
+    def literals(self, value: ir.Value | None) -> list[int | None] | None:
+        """The elements of a tracked shape vector as numbers, ``None`` for each one that is not a literal (a
+        ``Concat`` of ``Shape`` entries and constants: the constants); ``None`` if the query does not track it."""
+        return vector_ints(self.values(value))
+
+    def is_shape_of(self, vector: ir.Value | None, value: ir.Value | None) -> bool:
+        """Whether the shape vector ``vector`` holds ``value``'s dims for every input, however it is spelled
+        (``Shape(value)``, a ``Concat`` of its entries, a constant where they are static)."""
+        return holds_dims(self.values(vector), self.dims(value))
 
     def ints(self, value: ir.Value | None) -> list[int] | None:
         """The values of a constant int32/int64 scalar or 1-D tensor of at most :attr:`max_vector` elements."""

@@ -9,22 +9,38 @@ lowering's proofs use :func:`_rotary` too.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 import onnx_ir as ir
 from mograph.passes.fusion._attention_reads import _producer
 
-from mograph.patterns import constant_array, scalar_value
+from mograph.patterns import constant_array
+from mograph.shapes import Dims
 
 
-def _slice_of(value: ir.Value | None, x: ir.Value | None = None) -> tuple[ir.Value, int, int] | None:
-    """``(input, start, end)`` of a ``Slice`` of the last of 4 axes with step 1 (``x``: it must slice ``x``)."""
+class RotaryShapes(Protocol):
+    """What the rotary readers ask the core's shape query (a fusion's ``GraphShapes``, a ``LoweringContext``)."""
+
+    def dims(self, value: ir.Value | None) -> Dims | None: ...
+
+    def static_dim(self, value: ir.Value | None, axis: int) -> int | None: ...
+
+    def literals(self, value: ir.Value | None) -> list[int | None] | None: ...
+
+
+def _slice_of(value: ir.Value | None, shapes: RotaryShapes, x: ir.Value | None = None
+              ) -> tuple[ir.Value, int, int] | None:
+    """``(input, start, end)`` of a ``Slice`` of the last of 4 axes with step 1 (``x``: it must slice ``x``); a bound
+    that is not a constant counts where the shape query proves it one (TorchScript's ``D / 2``:
+    ``Unsqueeze(Div(Gather(Shape(x), 3), 2))`` of a static ``D``)."""
     node = _producer(value, "Slice")
     if node is None or len(node.inputs) < 4 or (x is not None and node.inputs[0] is not x):
         return None
     vals = [constant_array(node.inputs[i]) if i < len(node.inputs) else None for i in (1, 2, 3, 4)]
     for i in (0, 1):
         if vals[i] is None:
-            vals[i] = _half_last_dim(node.inputs[i + 1], node.inputs[0])
+            vals[i] = _static_bound(node.inputs[i + 1], shapes)
     if any(v is None or v.size != 1 for v in vals[:3]):
         return None
     if vals[3] is not None and int(vals[3].reshape(())) != 1:  # type: ignore[union-attr]
@@ -34,22 +50,15 @@ def _slice_of(value: ir.Value | None, x: ir.Value | None = None) -> tuple[ir.Val
     return node.inputs[0], int(vals[0].reshape(())), int(vals[1].reshape(()))  # type: ignore[union-attr,return-value]
 
 
-def _half_last_dim(value: ir.Value | None, x: ir.Value | None) -> np.ndarray | None:
-    """``D / 2`` if ``value`` is TorchScript's ``Unsqueeze(Div(Gather(Shape(x), 3), 2))`` and x's dim 3 is ``D``."""
-    un = _producer(value, "Unsqueeze")
-    div = _producer(un.inputs[0], "Div") if un is not None else None
-    gather = _producer(div.inputs[0], "Gather") if div is not None else None
-    shape = _producer(gather.inputs[0], "Shape") if gather is not None else None
-    if shape is None or shape.inputs[0] is not x or scalar_value(div.inputs[1]) != 2 or shape.attributes:  # type: ignore[union-attr]
+def _static_bound(value: ir.Value | None, shapes: RotaryShapes) -> np.ndarray | None:
+    """The one-element shape vector ``value`` as a constant, where the shape query proves it a literal."""
+    ints = shapes.literals(value)
+    if ints is None or len(ints) != 1 or ints[0] is None:
         return None
-    d = x.shape[3] if x is not None and x.shape is not None and len(x.shape) == 4 else None
-    axis = scalar_value(gather.inputs[1]) if gather is not None else None
-    if axis not in (3.0, -1.0) or not isinstance(d, int):
-        return None
-    return np.array([d // 2])
+    return np.array([ints[0]])
 
 
-def _rotary(value: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value] | None:
+def _rotary(value: ir.Value, shapes: RotaryShapes) -> tuple[ir.Value, ir.Value, ir.Value] | None:
     """``(x, cos, sin)`` if ``value = x * cos + rotate_half(x) * sin`` with
     ``rotate_half(x) = Concat(Neg(x[..., D/2:]), x[..., :D/2], axis=-1)`` (transformers' ``apply_rotary_pos_emb``)."""
     add = _producer(value, "Add")
@@ -64,13 +73,13 @@ def _rotary(value: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value] | None:
             if cat is None or len(cat.inputs) != 2 or int(cat.attributes["axis"].value) not in (-1, 3):
                 continue
             neg = _producer(cat.inputs[0], "Neg")
-            second = _slice_of(neg.inputs[0]) if neg is not None else None
+            second = _slice_of(neg.inputs[0], shapes) if neg is not None else None
             if second is None:
                 continue
             x = second[0]
-            first = _slice_of(cat.inputs[1], x)
-            d = x.shape[3] if x.shape is not None and len(x.shape) == 4 else None
-            if first is None or not isinstance(d, int) or d % 2:
+            first = _slice_of(cat.inputs[1], shapes, x)
+            d = shapes.static_dim(x, 3) if len(shapes.dims(x) or ()) == 4 else None
+            if first is None or d is None or d % 2:
                 continue
             if (first[1], first[2]) != (0, d // 2) or second[1] != d // 2 or second[2] < d:
                 continue

@@ -92,7 +92,7 @@ def _split_heads(v4: ir.Value, role: str, shapes: GraphShapes) -> Heads | str:
             inner.half_rotary = (std[1], std[2])
             inner.factor *= f1
         return inner
-    rot = _rotary(v)
+    rot = _rotary(v, shapes)
     if rot is not None:
         inner = _split_heads(rot[0], role, shapes)
         if isinstance(inner, Heads):

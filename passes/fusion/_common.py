@@ -37,7 +37,7 @@ from mograph.patterns import (
     scalar_value,
 )
 from mograph.patterns import MatchResult as MatchResult
-from mograph.shapes import Dim, Dims, ShapeQuery, ShapeRules, Vector, rules_for
+from mograph.shapes import Dim, Dims, ShapeQuery, ShapeRules, Vector, holds_dims, rules_for, static_dim, vector_ints
 from mograph.specs import parse_bool
 
 logger = logging.getLogger(__name__)
@@ -113,6 +113,18 @@ class GraphShapes:
         if not query.knows(value):
             query.refresh()
         return query.values(value)
+
+    def static_dim(self, value: ir.Value | None, axis: int) -> int | None:
+        """Dim ``axis`` of ``value`` as a number where the query proves it a literal (:meth:`ShapeQuery.static_dim`)."""
+        return static_dim(self.dims(value), axis)
+
+    def literals(self, value: ir.Value | None) -> list[int | None] | None:
+        """The elements of a tracked shape vector as numbers (:meth:`ShapeQuery.literals`)."""
+        return vector_ints(self.values(value))
+
+    def is_shape_of(self, vector: ir.Value | None, value: ir.Value | None) -> bool:
+        """Whether ``vector`` holds ``value``'s dims for every input (:meth:`ShapeQuery.is_shape_of`)."""
+        return holds_dims(self.values(vector), self.dims(value))
 
     def same_dim(self, a: ir.Value | None, axis_a: int, b: ir.Value | None, axis_b: int) -> bool:
         """Whether dim ``axis_a`` of ``a`` and dim ``axis_b`` of ``b`` are equal for every input the model accepts."""

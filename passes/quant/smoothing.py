@@ -40,6 +40,7 @@ from mograph.passes.quant._qdq import Candidate, Scheme, const_tensor, fake_quan
 from mograph import _spill
 from mograph.foreign_ops import affine_inputs
 from mograph.irutil import fresh_name
+from mograph.shapes import ShapeQuery
 
 if TYPE_CHECKING:
     from mograph.custom_ops import Declarations
@@ -537,25 +538,12 @@ def _only_reader(v: ir.Value | None) -> bool:
     return v is not None and len(v.uses()) == 1 and not v.is_graph_output()
 
 
-def _shape_tail(v: ir.Value | None, k: int) -> list[int] | None:
-    """The last ``k`` entries of a Reshape's shape input when they are constants (a constant shape, or a
-    ``Concat`` whose last inputs are constant), else None."""
-    t = const_tensor(v) if v is not None else None
-    if t is not None:
-        got = [int(a) for a in t.numpy().reshape(-1)]
-        return got[-k:] if len(got) >= k else None
-    cat = v.producer() if v is not None else None
-    if not _is(cat, "Concat"):
+def _shape_tail(shapes: ShapeQuery, v: ir.Value | None, k: int) -> list[int] | None:
+    """The last ``k`` entries of a Reshape's shape input where the shape query proves them literals, else None."""
+    ints = shapes.literals(v)
+    if ints is None or len(ints) < k or any(i is None for i in ints[len(ints) - k:]):
         return None
-    vals: list[int] = []
-    for i in reversed(cat.inputs):  # type: ignore[union-attr]
-        t = const_tensor(i) if i is not None else None
-        if t is None:
-            break
-        vals = [int(a) for a in t.numpy().reshape(-1)] + vals
-        if len(vals) >= k:
-            return vals[-k:]
-    return None
+    return ints[len(ints) - k:]  # type: ignore[return-value]
 
 
 def _leading_dims_of(shape: ir.Value | None, sources: set[int]) -> bool:
@@ -586,9 +574,6 @@ def _attention_value_fold(p: ir.Node, n: int) -> _Fold | None:
         a = node.attributes.get("perm") if node is not None else None
         return _is(node, "Transpose") and a is not None and tuple(a.as_ints()) == perm
 
-    # the merge: its last axis is the n channels of X (measured), so [.., n] or [.., -1] merge (H, D) row-major
-    if _shape_tail(p.inputs[1], 1) not in ([n], [-1]):
-        return None
     t1 = p.inputs[0].producer() if p.inputs[0] is not None else None
     if not tr(t1) or not _only_reader(p.inputs[0]):
         return None
@@ -599,9 +584,15 @@ def _attention_value_fold(p: ir.Node, n: int) -> _Fold | None:
     if not tr(t2) or not _only_reader(t2.inputs[0]):  # type: ignore[union-attr]
         return None
     r2 = t2.inputs[0].producer()  # type: ignore[union-attr]
-    if not _is(r2, "Reshape"):
+    if not _is(r2, "Reshape") or p.graph is None:
         return None
-    hd = _shape_tail(r2.inputs[1], 2)  # type: ignore[union-attr]
+    # the shapes, asked once the nodes are an attention's: the query sweeps the graph as it is now (earlier folds of
+    # the run may have written into it)
+    shapes = ShapeQuery(p.graph)
+    # the merge: its last axis is the n channels of X (measured), so [.., n] or [.., -1] merge (H, D) row-major
+    if _shape_tail(shapes, p.inputs[1], 1) not in ([n], [-1]):
+        return None
+    hd = _shape_tail(shapes, r2.inputs[1], 2)  # type: ignore[union-attr]
     v = r2.inputs[0]  # type: ignore[union-attr]
     prod = v.producer() if v is not None else None
     if hd is None or hd[1] <= 0 or n % hd[1] or not _only_reader(v) or prod is None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import onnx_ir as ir
 import pytest
@@ -208,3 +210,59 @@ def test_dim_key_forms() -> None:
     assert q.dim_key(v["u"], 1, spelled=True) == ("unk", "unk__0")
     assert q.dim_key(v["t"], 5) == ("at", v["t"], 5) and q.dim_key(v["x"], 3, spelled=True) == ("at", v["x"], 3)
     assert q.dim_key(v["relu"], -2, spelled=True) == ("at", v["relu"], -2)  # no shape written: axis as asked
+
+
+def _vectors() -> tuple[ShapeQuery, dict[str, ir.Value]]:
+    """x[b, s, 8], y[2, 3] and shape vectors of them, spelled the ways exporters write them."""
+    x = ir.Value(name="x", shape=ir.Shape(["b", "s", 8]), type=ir.TensorType(ir.DataType.FLOAT))
+    y = ir.Value(name="y", shape=ir.Shape([2, 3]), type=ir.TensorType(ir.DataType.FLOAT))
+    nodes: list[ir.Node] = []
+
+    def op(op_type: str, inputs: list, **attrs: Any) -> ir.Value:
+        nodes.append(ir.node(op_type, inputs, attributes=attrs))
+        return nodes[-1].outputs[0]
+
+    def const(vals: list[int] | int) -> ir.Value:
+        return op("Constant", [], value=ir.tensor(np.array(vals, dtype=np.int64)))
+
+    shape = op("Shape", [x])
+    dim0, dim1 = op("Gather", [shape, const(0)]), op("Gather", [shape, const(1)])
+    axes = const([0])
+    v = {"x": x, "y": y, "shape": shape, "dim0": dim0,
+         "head": op("Shape", [x], end=1), "tail": op("Shape", [x], start=1),
+         "spelled": op("Concat", [op("Unsqueeze", [dim0, axes]), op("Unsqueeze", [dim1, axes]), const([8])], axis=0),
+         "swapped": op("Concat", [op("Unsqueeze", [dim1, axes]), op("Unsqueeze", [dim0, axes]), const([8])], axis=0),
+         "split": op("Concat", [op("Shape", [x], end=1), const([-1, 2])], axis=0), "static": const([2, 3])}
+    graph = ir.Graph([x, y], [], nodes=nodes, opset_imports={"": 18})
+    return ShapeQuery(graph), v
+
+
+@pytest.mark.parametrize(("vector", "value", "holds"), [
+    ("shape", "x", True),  # Shape(x)
+    ("spelled", "x", True),  # Concat(Unsqueeze(Gather(Shape(x), i)) for each i, 8): x's static last dim
+    ("swapped", "x", False),  # the entries in another order
+    ("split", "x", False),  # [b, -1, 2]: a reshape target, not x's shape
+    ("head", "x", False), ("tail", "x", False),  # a part of the shape
+    ("dim0", "x", False),  # a scalar
+    ("static", "y", True), ("static", "x", False),  # a constant where the dims are static
+    ("x", "x", False),  # not a shape vector
+])
+def test_is_shape_of(vector: str, value: str, holds: bool) -> None:
+    q, v = _vectors()
+    assert q.is_shape_of(v[vector], v[value]) is holds
+
+
+@pytest.mark.parametrize(("vector", "ints"), [
+    ("shape", [None, None, 8]), ("split", [None, -1, 2]), ("static", [2, 3]), ("dim0", [None]), ("x", None),
+])
+def test_literals_of_a_shape_vector(vector: str, ints: list | None) -> None:
+    q, v = _vectors()
+    assert q.literals(v[vector]) == ints
+
+
+@pytest.mark.parametrize(("value", "axis", "size"), [
+    ("x", 2, 8), ("x", -1, 8), ("x", 0, None), ("x", 3, None), ("y", -2, 2), ("shape", 0, 3), ("dim0", 0, None),
+])
+def test_static_dim(value: str, axis: int, size: int | None) -> None:
+    q, v = _vectors()
+    assert q.static_dim(v[value], axis) == size

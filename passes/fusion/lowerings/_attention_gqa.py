@@ -122,7 +122,7 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
     if (ck is None) != (cv is None):
         return _no_gqa(node, "only one of K and V comes from a cache")
     notes = _notes(ctx)
-    k_rot = _rotated_split(ck[1], notes) if ck is not None else k
+    k_rot = _rotated_split(ck[1], notes, ctx) if ck is not None else k
     if k_rot is None:
         return _no_gqa(node, "the step's new keys are not a plain head split of the rotated projection")
     new_nodes: list[ir.Node] = []

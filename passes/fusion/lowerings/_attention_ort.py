@@ -122,7 +122,8 @@ def _repeat_heads(x: ir.Value, groups: int, rep: int, new_nodes: list[ir.Node], 
     return out
 
 
-def _repeat_heads_bnsh(x: ir.Value, heads: int, rep: int, new_nodes: list[ir.Node], shared: Shared | None) -> ir.Value:
+def _repeat_heads_bnsh(x: ir.Value, heads: int, rep: int, new_nodes: list[ir.Node], shared: Shared | None,
+                       shapes: Shapes) -> ir.Value:
     """``[B, G, T, D]`` (a KV cache's Concat, the exporter's own layout) -> ``[B, G*rep, T, D]``, each head
     repeated ``rep`` times in place: MultiHeadAttention reads 4-D K/V as ``[B, N, T, D]``, so the cache is not
     transposed to ``[B, T, N*D]`` first."""
@@ -131,7 +132,8 @@ def _repeat_heads_bnsh(x: ir.Value, heads: int, rep: int, new_nodes: list[ir.Nod
         return shared[key]
     x5 = _add(new_nodes, "Unsqueeze", [x, _const(new_nodes, np.array([2], dtype=np.int64))])  # [B, G, 1, T, D]
     big = _add(new_nodes, "Expand", [x5, _const(new_nodes, np.array([1, 1, rep, 1, 1], dtype=np.int64))])
-    dim = x.shape[3] if x.shape is not None and len(x.shape) == 4 and isinstance(x.shape[3], int) else -1
+    dim = shapes.static_dim(x, 3) if len(shapes.dims(x) or ()) == 4 else None
+    dim = -1 if dim is None else dim
     if dim == -1:  # head size unknown statically: merge (G, rep) by the element count, keeping T from the input
         t = _add(new_nodes, "Shape", [x], start=2)
         target_v = _add(new_nodes, "Concat", [_const(new_nodes, np.array([0, heads], dtype=np.int64)), t], axis=0)

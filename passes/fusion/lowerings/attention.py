@@ -208,8 +208,8 @@ def _lower_ort(node: ir.Node, ctx: LoweringContext) -> bool:
     elif kv_heads != heads:  # MultiHeadAttention has one K/V head per query head: repeat them (as repeat_kv does)
         ck, cv = _kv_cache(k), _kv_cache(v)
         if ck is not None and cv is not None:  # a (masked) decode step: the cache itself, [B, G, P+S, D]
-            k = _repeat_heads_bnsh(ck[2], heads, heads // kv_heads, new_nodes, ctx.shared)
-            v = _repeat_heads_bnsh(cv[2], heads, heads // kv_heads, new_nodes, ctx.shared)
+            k = _repeat_heads_bnsh(ck[2], heads, heads // kv_heads, new_nodes, ctx.shared, ctx)
+            v = _repeat_heads_bnsh(cv[2], heads, heads // kv_heads, new_nodes, ctx.shared, ctx)
         else:
             k = _repeat_heads(k, kv_heads, heads // kv_heads, new_nodes, ctx.shared)
             v = _repeat_heads(v, kv_heads, heads // kv_heads, new_nodes, ctx.shared)

@@ -89,6 +89,12 @@ class Shapes(Protocol):
 
     def dim_key(self, value: ir.Value, axis: int, *, spelled: bool = False) -> DimKey: ...
 
+    def is_shape_of(self, vector: ir.Value | None, value: ir.Value | None) -> bool: ...
+
+    def static_dim(self, value: ir.Value | None, axis: int) -> int | None: ...
+
+    def literals(self, value: ir.Value | None) -> list[int | None] | None: ...
+
 
 def _reads_dim(shapes: Shapes, scalar: ir.Value | None, x: ir.Value | None, axis: int) -> bool:
     """Whether the one-element shape vector ``scalar`` holds dim ``axis`` of ``x`` for every input (``Gather(Shape(x),
@@ -193,8 +199,8 @@ def is_zero_bias(value: ir.Value | None) -> bool:
 def _gathered_padding(value: ir.Value | None, shapes: Shapes) -> ir.Value | None:
     """The mask input of ``transformers``' index-based padding lookup, ``mask[b, t]`` laid out ``[B, 1, 1, T]``.
 
-    ``Reshape(Reshape(Gather(Flatten(Cast(mask, bool), axis=2), b * T + t), [-1]), Shape(b * T + t))``
-    where ``b`` is ``Range(0, B, 1)`` on axis 0 and ``t`` is ``Range(0, T, 1)`` on axis 3 of a
+    ``Reshape(Reshape(Gather(Flatten(Cast(mask, bool), axis=2), b * T + t), [-1]), Shape(b * T + t))`` (the outer
+    target: any vector the shape query proves holds the index's dims) where ``b`` is ``Range(0, B, 1)`` on axis 0 and ``t`` is ``Range(0, T, 1)`` on axis 3 of a
     rank-4 index, ``T`` the mask's dim 1 (``Flatten`` makes ``[B*T, 1]``).
     """
     outer = _producer(value, "Reshape")
@@ -203,12 +209,8 @@ def _gathered_padding(value: ir.Value | None, shapes: Shapes) -> ir.Value | None
     if outer is None or inner is None or gather is None or int(attr_value(gather, "axis", 0)) != 0:
         return None
     flat = constant_array(inner.inputs[1])
-    target = outer.inputs[1]
-    if (concat := _producer(target, "Concat")) is not None and len(concat.inputs) == 1:
-        target = concat.inputs[0]  # a Concat of one input is that input
-    shape_of = _producer(target, "Shape")
-    if flat is None or flat.reshape(-1).tolist() != [-1] or shape_of is None or shape_of.inputs[0] is not gather.inputs[1]:
-        return None
+    if flat is None or flat.reshape(-1).tolist() != [-1] or not shapes.is_shape_of(outer.inputs[1], gather.inputs[1]):
+        return None  # the flat lookup reshaped back to its index's shape
     flatten = _producer(gather.inputs[0], "Flatten")
     if flatten is None or int(attr_value(flatten, "axis", 1)) != 2:
         return None
@@ -478,30 +480,23 @@ _PAST_DIM_META = "mograph.past_dim"
 
 
 def _past_length_of(value: ir.Value | None, past: ir.Value | None, shapes: Shapes) -> bool:
-    """Whether the scalar ``value`` is dim 2 (the past length) of a ``[B, G, P, D]`` graph input whose P is the
-    same dim as ``past``'s for the shape query (or, for a cache input whose P a shared-buffer lowering renamed,
-    the dim noted before the renaming)."""
-    while (cast := _producer(value, "Cast")) is not None:
-        value = cast.inputs[0]
-    node = value.producer() if value is not None else None
-    src: ir.Value | None = None
-    if node is not None and node.domain == "" and node.op_type == "Squeeze":
-        value = node.inputs[0]
-        node = value.producer() if value is not None else None
-        if node is not None and node.op_type == "Shape" and int(attr_value(node, "start", 0)) == 2 \
-                and int(attr_value(node, "end", 0)) == 3:
-            src = node.inputs[0]
-    elif node is not None and node.domain == "" and node.op_type == "Gather" and scalar_value(node.inputs[1]) == 2:
-        shape = _producer(node.inputs[0], "Shape")
-        if shape is not None and not shape.attributes and int(attr_value(node, "axis", 0)) == 0:
-            src = shape.inputs[0]
-    if src is None or past is None or not src.is_graph_input():
+    """Whether the scalar ``value`` is dim 2 (the past length) of the ``[B, G, P, D]`` cache input ``past`` for every
+    input: the shape query's element of it (``Gather(Shape(src), 2)``, ``Squeeze(Shape(src, 2, 3))``, through Cast,
+    of a tensor whose dim is ``past``'s).  For a cache input whose P a shared-buffer lowering renamed, the dim noted
+    before the renaming counts: ``past``'s, and that of the renamed input ``value`` reads."""
+    vec = shapes.values(value)
+    past_dims = shapes.dims(past)
+    if vec is None or len(vec[1]) != 1 or vec[1][0] is None or past is None or past_dims is None or len(past_dims) != 4:
         return False
-    src_dims, past_dims = shapes.dims(src), shapes.dims(past)
-    if src_dims is None or len(src_dims) != 4 or past_dims is None or len(past_dims) != 4:
+    read, p = vec[1][0], past.meta.get(_PAST_DIM_META, past_dims[2])
+    if p is None:
         return False
-    p = src.meta.get(_PAST_DIM_META, src_dims[2])
-    return p is not None and p == past.meta.get(_PAST_DIM_META, past_dims[2])
+    if read == p:
+        return True
+    graph = past.graph
+    renamed = [src for src in graph.inputs if _PAST_DIM_META in src.meta] if graph is not None else []
+    return any(src.meta[_PAST_DIM_META] == p and (d := shapes.dims(src)) is not None and len(d) == 4 and d[2] == read
+               for src in renamed)
 
 
 def _positions(pos: ir.Value | None, q: ir.Value, past: ir.Value | None, shapes: Shapes) -> bool:
@@ -671,11 +666,7 @@ def _flat_padding(value: ir.Value | None, kv_idx: ir.Value, shapes: Shapes) -> i
     flat = constant_array(inner.inputs[1]) if inner is not None else None
     if inner is not None and flat is not None and flat.reshape(-1).tolist() == [-1]:
         gather = _producer(inner.inputs[0], "Gather")  # Reshape(Reshape(g, [-1]), Shape(index)): the index's shape
-        outer_target = reshape.inputs[1]
-        if (concat := _producer(outer_target, "Concat")) is not None and len(concat.inputs) == 1:
-            outer_target = concat.inputs[0]
-        shape_of = _producer(outer_target, "Shape")
-        if gather is None or shape_of is None or shape_of.attributes or shape_of.inputs[0] is not gather.inputs[1]:
+        if gather is None or not shapes.is_shape_of(reshape.inputs[1], gather.inputs[1]):
             return None
     elif target is not None and target.reshape(-1).tolist() == [0, 1, 1, 0]:
         gather = _producer(reshape.inputs[0], "Gather")  # [B, 1, 1, T, 1] -> [B, 1, 1, T]
@@ -744,7 +735,7 @@ def _present_key_output(graph: ir.Graph, k: ir.Value, f: ir.Value, scale: float 
     """The graph output that is the exporter's rotated ``[B, G, S, D]`` keys: ``rotate(Transpose(Reshape(k)))`` with
     cos/sin ``Unsqueeze(Cos/Sin(Concat(f, f)) [* c], 1)`` of the same angle table: the prefill's present key."""
     for out in graph.outputs:
-        rot = _rotary(out) if out.producer() is not None else None
+        rot = _rotary(out, shapes) if out.producer() is not None else None
         if rot is None:
             continue
         x, cos, sin = rot
@@ -758,7 +749,7 @@ def _present_key_output(graph: ir.Graph, k: ir.Value, f: ir.Value, scale: float 
     return None
 
 
-def _rotated_split(heads: ir.Value, notes: dict[int, Any]) -> ir.Value | None:
+def _rotated_split(heads: ir.Value, notes: dict[int, Any], shapes: Shapes) -> ir.Value | None:
     """The rotated ``[B, S, G*D]`` keys ``r`` if ``heads`` is ``Transpose(Reshape(r, [0, 0, G, D]), [0, 2, 1, 3])``
     (as the fusion rebuilds a decode step's new keys) with ``r`` a noted RotaryEmbedding kernel's output."""
     tr = _producer(heads, "Transpose")
@@ -770,7 +761,7 @@ def _rotated_split(heads: ir.Value, notes: dict[int, Any]) -> ir.Value | None:
     if note is None or target is None or int(attr_value(rs, "allowzero", 0)):
         return None
     x = note[0]
-    width = x.shape[2] if x.shape is not None and len(x.shape) == 3 else None
+    width = shapes.static_dim(x, 2) if len(shapes.dims(x) or ()) == 3 else None
     t = target.reshape(-1).tolist()
     if len(t) != 4 or t[:2] != [0, 0] or not isinstance(width, int) or t[2] * t[3] != width or min(t[2:]) <= 0:
         return None

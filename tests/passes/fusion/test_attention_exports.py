@@ -209,6 +209,33 @@ def test_whisper_decoder_kv_cache_into_multihead_attention(export_dir: Path) -> 
     assert_close(run_ort(proto, feeds), run_ort(to_proto(model), feeds), 1e-4)
 
 
+
+#: ``cleanup,fuse --target ort`` on Whisper's decoder step (2 layers): every op left, pinned.  Each self-attention's
+#: new K/V reach MultiHeadAttention as the exporter's own ``[B, 1, G*D]`` projections (the shape query proves the
+#: ``Reshape`` to ``[B, S, G, D]`` only splits the last dim), so no Transpose + Reshape pair rebuilds them: 104
+#: nodes, where reading the Reshape target by its spelled structure left 120 (8 Transpose and 8 Reshape more).
+WHISPER_STEP_ORT_OPS = {
+    "Add": 11, "And": 2, "Cast": 1, "Concat": 3, "Constant": 13, "ConstantOfShape": 2, "Equal": 1, "Expand": 2,
+    "Flatten": 1, "Gather": 7, "LessOrEqual": 1, "MatMul": 20, "Mul": 2, "Range": 3, "Reshape": 1, "Shape": 6,
+    "Tile": 1, "Unsqueeze": 12, "Where": 2, "com.microsoft.BiasGelu": 2, "com.microsoft.MultiHeadAttention": 4,
+    "com.microsoft.SkipLayerNormalization": 7,
+}
+
+
+def test_whisper_decoder_step_ort_op_counts(export_dir: Path) -> None:
+    """The lowered Whisper decode step keeps exactly :data:`WHISPER_STEP_ORT_OPS` (104 nodes, no Transpose, one
+    Reshape) and equals the export on ORT CPU with a left-padded row."""
+    path = export_dir / "whisper-dec-torchscript-eager-step.onnx"
+    feeds = _export_whisper_decode_step(path, "eager")
+    proto = onnx.load(str(path))
+    model = to_ir(proto)
+    _preset(model, {"target": "ort"})
+    left = op_counts(model)
+    assert dict(left) == WHISPER_STEP_ORT_OPS, dict(left)
+    assert sum(left.values()) == len(list(model.graph)) == 104
+    assert "Transpose" not in left and left["Reshape"] == 1, left
+    assert_close(run_ort(proto, feeds), run_ort(to_proto(model), feeds), 1e-4)
+
 def test_corpus_llama_lengths_group_query_attention(export_dir: Path) -> None:
     """--mask-format lengths on LLaMA's TorchScript export: the causal + key-padding mask becomes
     GroupQueryAttention's own causal mask with ``seqlens_k = ReduceSum(mask) - 1`` (K/V not repeated), equal to

@@ -9,6 +9,7 @@ positions (zeros), so the masked softmax is exercised.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import onnx
@@ -424,3 +425,46 @@ def test_causal_with_padding_other_formats_keep_the_bias(fmt: str) -> None:
                          stats={"AttentionFusion": 1, "AttentionFusion.mul.mask": 1, "lowered.Attention": 1})
     node = _kernel(model, "MultiHeadAttention")
     assert "unidirectional" not in node.attributes and node.inputs[5] is not None
+
+
+# ------------------------------------------------------------------ the proofs' reads ------------
+
+
+@pytest.mark.parametrize(("read", "renamed", "holds"), [
+    ("gather", False, True),  # Gather(Shape(past_key_0), 2): P, the dim past_key_1 has too
+    ("squeeze", False, True),  # Squeeze(Shape(past_key_0, 2, 3))
+    ("cast", False, True),  # Cast(Gather(Shape(past_key_0), 2))
+    ("other", False, False),  # dim 2 of a tensor whose dim is another one
+    ("head", False, False),  # dim 3 of the cache: D, not P
+    ("gather", True, True),  # past_key_0's P renamed to max_sequence_length: the dim noted before counts
+    ("other", True, False),
+])
+def test_past_length_read_through_the_shape_query(read: str, renamed: bool, holds: bool) -> None:
+    """``_past_length_of`` asks the shape query whether a scalar is the cache's past length (dim 2 of ``past``),
+    and honours the note a shared-buffer lowering leaves on a cache input it renamed."""
+    from mograph.passes.fusion.lowerings.attention_proofs import _PAST_DIM_META, _past_length_of
+
+    from mograph.shapes import Dim, ShapeQuery
+
+    f32 = ir.TensorType(ir.DataType.FLOAT)
+    k0 = ir.Value(name="past_key_0", shape=ir.Shape(["b", 2, "max_sequence_length" if renamed else "past", 4]), type=f32)
+    k1 = ir.Value(name="past_key_1", shape=ir.Shape(["b", 2, "past", 4]), type=f32)
+    other = ir.Value(name="other", shape=ir.Shape(["b", 2, "other", 4]), type=f32)
+    if renamed:
+        k0.meta[_PAST_DIM_META] = Dim.sym("=past")
+    nodes: list[ir.Node] = []
+
+    def op(op_type: str, inputs: list, **attrs: Any) -> ir.Value:
+        nodes.append(ir.node(op_type, inputs, attributes=attrs))
+        return nodes[-1].outputs[0]
+
+    def const(v: int) -> ir.Value:
+        return op("Constant", [], value=ir.tensor(np.array(v, dtype=np.int64)))
+
+    reads = {"gather": op("Gather", [op("Shape", [k0]), const(2)]),
+             "squeeze": op("Squeeze", [op("Shape", [k0], start=2, end=3)]),
+             "cast": op("Cast", [op("Gather", [op("Shape", [k0]), const(2)])], to=ir.DataType.INT64.value),
+             "other": op("Gather", [op("Shape", [other]), const(2)]),
+             "head": op("Gather", [op("Shape", [k0]), const(3)])}
+    graph = ir.Graph([k0, k1, other], [], nodes=nodes, opset_imports={"": 18})
+    assert _past_length_of(reads[read], k1, ShapeQuery(graph)) is holds
