@@ -31,6 +31,7 @@ import json
 import os
 import socket
 import sqlite3
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -168,6 +169,31 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+#: How long opening a ledger waits for another process's lock (as the connection's busy timeout does for writes).
+_LOCK_WAIT_S = 60.0
+
+
+def _locked(exc: sqlite3.OperationalError) -> bool:
+    text = str(exc).lower()
+    return "locked" in text or "busy" in text
+
+
+def _write_ahead_log(db: sqlite3.Connection) -> None:
+    """``PRAGMA journal_mode = WAL``, retried while another process holds the file: SQLite answers a journal-mode
+    change that meets another connection's lock with "database is locked" at once, without its busy handler
+    (two sweeps opening one new ledger at the same moment)."""
+    start, delay = time.monotonic(), 0.005
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if not _locked(exc) or time.monotonic() - start > _LOCK_WAIT_S:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.25)
+
+
 class Ledger:
     """A ledger open on one SQLite file.  Use :func:`open_ledger` to get one; close it (or use ``with``)."""
 
@@ -187,11 +213,15 @@ class Ledger:
                 self._db = sqlite3.connect(str(path), timeout=60, isolation_level=None)
             self._db.execute("PRAGMA busy_timeout = 60000")
             if not readonly:
-                self._db.execute("PRAGMA journal_mode = WAL")
+                _write_ahead_log(self._db)
                 self._db.execute("PRAGMA synchronous = NORMAL")
                 self._init_schema()
             else:
                 self._check_schema()
+        except sqlite3.OperationalError as exc:
+            if _locked(exc):
+                raise LedgerError(f"ledger {path} stayed locked by another process for {_LOCK_WAIT_S:.0f} s ({exc})") from exc
+            raise LedgerError(f"ledger {path} cannot be opened ({exc})") from exc
         except sqlite3.DatabaseError as exc:
             raise LedgerError(f"ledger {path} is not a SQLite database ({exc})") from exc
 

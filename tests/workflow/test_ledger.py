@@ -237,3 +237,36 @@ def _number(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def test_opening_waits_out_a_journal_mode_lock(tmp_path, monkeypatch):
+    """SQLite answers a journal-mode change that meets another process's lock with "database is locked" at once
+    (no busy handler): opening retries it, a lasting lock is worded as a lock (not "not a SQLite database"), and
+    other errors are not retried."""
+    from mograph.workflow import ledger as L
+
+    class Flaky:
+        def __init__(self, fails: int, message: str = "database is locked") -> None:
+            self.fails, self.message, self.calls = fails, message, 0
+
+        def execute(self, sql: str) -> None:
+            assert sql == "PRAGMA journal_mode = WAL"
+            self.calls += 1
+            if self.calls <= self.fails:
+                raise sqlite3.OperationalError(self.message)
+
+    db = Flaky(3)
+    L._write_ahead_log(db)  # type: ignore[arg-type]
+    assert db.calls == 4
+    with pytest.raises(sqlite3.OperationalError, match="disk I/O error"):
+        L._write_ahead_log(Flaky(1, "disk I/O error"))  # type: ignore[arg-type]
+    monkeypatch.setattr(L, "_LOCK_WAIT_S", 0.05)
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        L._write_ahead_log(Flaky(10**6))  # type: ignore[arg-type]
+
+    def locked(db: object) -> None:
+        raise sqlite3.OperationalError("database is locked")
+
+    monkeypatch.setattr(L, "_write_ahead_log", locked)
+    with pytest.raises(L.LedgerError, match="stayed locked by another process"):
+        open_ledger(tmp_path / "l.db")
