@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx.parser
 import onnx_ir as ir
 import pytest
 from mograph.passes.quant import Fp16Pass
@@ -563,3 +564,31 @@ def test_weight_only_matmul_below_opset15_stays_float32(opset):
         assert (result.stats["kept_fp32.no_float16_form"], result.stats["converted"]) == (0, 3)
     _check_loads_and_matches(quantized, model, _calib(1, width=64)[0])
     assert not Fp16Pass(calibration_data=_calib(width=64), registry=get_registry()).call(model).modified
+
+
+@pytest.mark.parametrize("opset", [13, 17])
+def test_fused_gelu_below_opset15_stays_float32(opset):
+    """``--passes cleanup,fuse,fp16 --target ort`` runs fp16 on the fused mograph ops (lowered at the end).  Their
+    bodies reach their input's dtype through CastLike (opset 15); below it the fp16 pass's float16 twin of a
+    mograph.Gelu was a model ONNX Runtime refused (exit 1 on magika's tf2onnx model, opset 13)."""
+    from mograph.passes.fusion.gelu import FuseGeluPass
+
+    text = (f'<ir_version: 8, opset_import: ["" : {opset}]>\n'
+            "g (float[3,8] x) => (float[3,8] y) <float s2 = {1.41421356}, float one = {1.0}, float half = {0.5},"
+            " float[8,8] w = {" + ",".join(f"{0.05 * ((i * 7) % 11) - 0.25:.2f}" for i in range(64)) + "}> {\n"
+            "  h = MatMul(x, w)\n  d = Div(h, s2)\n  e = Erf(d)\n  p = Add(e, one)\n  m = Mul(h, p)\n  y = Mul(m, half)\n}")
+    proto = onnx.parser.parse_model(text)
+    model = to_ir(proto)
+    assert FuseGeluPass(registry=get_registry()).call(model).stats["GeluFusion"] == 1
+    fused = ir.serde.serialize_model(model)
+    result = Fp16Pass(calibration_data=_calib(), fp16_budget="none", registry=get_registry()).call(model)
+    plan = {e["op"]: e for e in result.details["plan"]["nodes"]}
+    assert plan["MatMul"]["precision"] == "fp16"
+    if opset < 15:
+        assert plan["Gelu"]["precision"] == "fp32" and "custom domain mograph" in plan["Gelu"]["reason"]
+        assert (result.stats["kept_fp32.no_float16_form"], result.stats["converted"]) == (1, 1)
+    else:
+        assert plan["Gelu"]["precision"] == "fp16"
+        assert (result.stats["kept_fp32.no_float16_form"], result.stats["converted"]) == (0, 2)
+    _check_loads_and_matches(fused, model, _calib(1)[0])
+    assert not Fp16Pass(calibration_data=_calib(), registry=get_registry()).call(model).modified
