@@ -7,7 +7,10 @@
 * a ``dim_value`` below -1: no meaning anywhere.  A ``-1`` is what some converters write for
   "unknown" (ONNX spells that as a named or unset dim; ONNX Runtime reads -1 as unknown too), so it is
   not refused: it becomes an unset dim, with one warning per model, before any consumer of the shape
-  (random verification feeds first) could take it as a size.
+  (random verification feeds first) could take it as a size.  A dim named ``?`` is read the same
+  way: paddle2onnx writes that name for every unknown dim, so an image input ``[-1, 3, ?, ?]`` would
+  otherwise say that its height and width are one size (ONNX: equal names, equal sizes), and a
+  ``--shape x:1x3x48x192`` would be refused.
 
 :func:`check_structure` refuses a graph without outputs, a value read but never made, a cycle in any
 graph or function, and standard ops whose attributes or required inputs are not their schema's.  Tensors
@@ -27,22 +30,26 @@ import onnx_ir as ir
 from mograph._traverse import graphs_and_functions, iter_nodes
 from mograph.errors import ModelError
 
-__all__ = ["check_declarations", "check_structure"]
+__all__ = ["check_declarations", "check_structure", "UNKNOWN_DIM_NAME"]
 
 logger = logging.getLogger(__name__)
+
+#: A dim name that means "unknown", not a symbol shared by every dim that has it (paddle2onnx's).
+UNKNOWN_DIM_NAME = "?"
 
 
 def check_declarations(model: ir.Model) -> None:
     """Raise :class:`ModelError` for the first value with an UNDEFINED element type or a dim below -1.
 
-    A ``-1`` dim is made an unset (unknown) dim in place, with a warning naming the first value that had one.
+    A ``-1`` dim, or a dim named :data:`UNKNOWN_DIM_NAME`, is made an unset (unknown) dim in place, with a
+    warning naming the first value that had one.
     """
     unknown: list[str] = []
     for graph, _owner in _graphs(model.graph):
         for role, value in _declared_values(graph):
             _check_value(value, role, unknown)
     if unknown:
-        logger.warning("%d value(s) declare a dimension of -1 (first: %s); read as unknown dimensions",
+        logger.warning("%d value(s) declare a dimension of -1 or '?' (first: %s); read as unknown dimensions",
                        len(unknown), unknown[0])
 
 
@@ -83,9 +90,16 @@ def _check_value(value: ir.Value, role: str, unknown: list[str]) -> None:
                 f"{role} '{value.name}' dimension {axis} is {dim}: a dimension is a size >= 0 or a name "
                 "(an unknown size is a named or unset dim)"
             )
-    if any(isinstance(d, int) and d == -1 for d in dims):
+    if any(_unknown(d) for d in dims):
         unknown.append(f"{role} '{value.name}'")
-        value.shape = ir.Shape([None if isinstance(d, int) and d == -1 else d for d in dims])
+        value.shape = ir.Shape([None if _unknown(d) else d for d in dims])
+
+
+def _unknown(dim: object) -> bool:
+    """A dim a converter wrote for "unknown": ``-1``, or the name :data:`UNKNOWN_DIM_NAME`."""
+    if isinstance(dim, int):
+        return dim == -1
+    return isinstance(dim, ir.SymbolicDim) and dim.value == UNKNOWN_DIM_NAME
 
 
 def check_structure(model: ir.Model) -> None:

@@ -168,6 +168,9 @@ class CustomOp:
             (:func:`fused_kinds`); ``None`` for an op that is no such computation.
         affine: ``(gamma input, beta input)`` of a normalization whose output is ``normalized * gamma +
             beta`` over the last axis (a pass may fold a per-channel scale into them); ``None`` otherwise.
+        float_generic_opset: the lowest default-domain opset at which the function body computes in its
+            float inputs' dtype (15 for a body that needs ``CastLike``); below it the body computes float32
+            whatever it is given, so the fp16 pass keeps such a node float32.  ``None``: at every opset.
     """
 
     name: str
@@ -188,6 +191,7 @@ class CustomOp:
     tensorrt_fields: dict[str, Any] = field(default_factory=dict)
     computes: str | None = None
     affine: tuple[int, int] | None = None
+    float_generic_opset: int | None = None
 
     @property
     def key(self) -> tuple[str, str]:

@@ -18,7 +18,7 @@ import onnx_ir as ir
 from mograph._traverse import subgraphs
 
 __all__ = ["attr_constant", "constant_array", "scalar_value", "attr_value", "add_initializer", "unique_initializer_name", "is_zero", "static_last_dim", "value_used",
-           "infer_types", "restore_types", "run_shape_inference", "TypeSnapshot", "fresh_name"]
+           "infer_types", "restore_types", "run_shape_inference", "TypeSnapshot", "fresh_name", "unshadow_value_names"]
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +158,55 @@ def fresh_name(taken: set[str], base: str, cursors: dict[str, int] | None = None
     if cursors is not None:
         cursors[base] = i
     return name
+
+
+def unshadow_value_names(model: ir.Model) -> int:
+    """Rename each subgraph value whose name is taken in its own graph or an enclosing one; return how many.
+
+    ONNX wants a value's name unique in its graph and in every graph around it (a branch's value may not
+    shadow an outer one: the ONNX checker refuses the model, and a node of the branch that reads the
+    outer value would read the inner one once serialized).  onnx_ir names a new value from its own
+    graph's counter (``val_0``, ``val_1`` ...), and a subgraph's counter knows nothing of the graphs
+    around it: a pass that adds nodes both to an ``If`` branch and to the main graph (a lowering that
+    inlines a function body in each) writes ``val_0`` twice.  The main graph keeps its names (its inputs
+    and outputs are the model's interface), and so does every value whose name is free; a clashing one
+    becomes ``name_1``, ``name_2`` ...  Sibling branches may share names (neither encloses the other).
+    Walks the model once, only when it has subgraphs.
+    """
+    scope: set[str] = set()
+    renamed = 0
+
+    def own_values(graph: ir.Graph) -> list[ir.Value]:
+        return [*graph.inputs, *graph.initializers.values(), *(o for n in graph for o in n.outputs)]
+
+    def visit(graph: ir.Graph, main: bool) -> None:
+        nonlocal renamed
+        added: list[str] = []
+        for value in own_values(graph):
+            name = value.name
+            if not name:
+                continue
+            if name in scope and not main:
+                value.name = fresh_name(scope, name)
+                renamed += 1
+            else:
+                scope.add(name)
+            added.append(value.name or name)
+        for node in graph:
+            for attr in node.attributes.values():
+                if attr.is_ref():
+                    continue
+                if attr.type == ir.AttributeType.GRAPH:
+                    visit(attr.value, False)
+                elif attr.type == ir.AttributeType.GRAPHS:
+                    for sub in attr.value:
+                        visit(sub, False)
+        if not main:
+            scope.difference_update(added)
+
+    if subgraphs(model.graph):
+        visit(model.graph, True)
+    return renamed
 
 
 def unique_initializer_name(graph: ir.Graph, base: str) -> str:

@@ -34,6 +34,7 @@ import onnx_ir as ir
 
 from mograph._traverse import iter_nodes
 from mograph.errors import InternalError, MographError, OptionError, PassFailedError, PluginError
+from mograph.irutil import unshadow_value_names
 
 if TYPE_CHECKING:
     from mograph.custom_ops import Declarations
@@ -52,6 +53,7 @@ __all__ = [
     "PROVENANCE_RULE",
     "stamp",
     "graph_fingerprint",
+    "call_pass",
 ]
 
 logger = logging.getLogger(__name__)
@@ -303,6 +305,22 @@ class Pass:
         return f"{type(self).__name__}({self.config})"
 
 
+def call_pass(p: Pass, model: ir.Model) -> PassResult:
+    """Run ``p`` on ``model``: the innermost step of every pass run (the plugin manager's core
+    ``mograph_run_pass`` and :class:`PassManager` without plugins), so the wrappers around it see the same model.
+
+    After a pass that changed the model, a value it added inside a subgraph under a name an enclosing
+    graph already has is renamed (:func:`mograph.irutil.unshadow_value_names`): onnx_ir names new values
+    per graph, and a serialized model must not have a branch's value shadow an outer one.
+    """
+    result = p.call(model)
+    if isinstance(result, PassResult) and result.modified:
+        renamed = unshadow_value_names(model)
+        if renamed:
+            logger.debug("pass %s: renamed %d subgraph value(s) that shadowed an outer name", p.name, renamed)
+    return result
+
+
 def stamp(node: ir.Node, pass_name: str, rule: str | None = None) -> None:
     """Record which pass (and rule) created ``node`` in its metadata properties."""
     node.metadata_props.setdefault(PROVENANCE_PASS, pass_name)
@@ -469,7 +487,7 @@ class PassManager:
     def _run_one(self, p: Pass, model: ir.Model) -> PassResult:
         def call() -> PassResult:
             if self.hook is None:
-                return p.call(model)
+                return call_pass(p, model)
             return self.hook.mograph_run_pass(pass_=p, model=model, context=self.context)
 
         return run_instrumented(self.instruments, p, model, self.context, call)

@@ -37,7 +37,7 @@ from mograph.backend_protocol import backend_problems
 from mograph.custom_ops import CustomOp
 from mograph.errors import PluginError, UnknownPassError
 from mograph.foreign_ops import ForeignOp
-from mograph.pass_infra import Option, Pass, PassResult
+from mograph.pass_infra import Option, Pass, PassResult, call_pass
 from mograph.targets import DEFAULT_TARGET, LOWER_PASS, Target
 
 __all__ = [
@@ -76,7 +76,7 @@ class _CorePlugin:
 
     @hookspecs.hookimpl(trylast=True)
     def mograph_run_pass(self, pass_: Pass, model: Any, context: dict[str, Any]) -> PassResult:
-        return pass_.call(model)
+        return call_pass(pass_, model)
 
 
 def _autoload_disabled() -> bool:

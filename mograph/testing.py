@@ -33,7 +33,7 @@ import onnx
 import onnx.parser
 import onnx_ir as ir
 
-from mograph.pass_infra import Pass, PassResult, graph_fingerprint
+from mograph.pass_infra import Pass, PassResult, call_pass, graph_fingerprint
 
 __all__ = [
     "Pipeline",
@@ -78,7 +78,7 @@ class Pipeline:
         modified = False
         with_registry(self)
         for p in self.passes:
-            result = p.call(model)
+            result = p.call(model) if isinstance(p, Pipeline) else call_pass(p, model)
             modified = modified or result.modified
             for key, value in result.stats.items():
                 stats[key] = stats.get(key, 0) + value
@@ -199,8 +199,10 @@ def assert_close(ref: list[np.ndarray], got: list[np.ndarray], rel: float = 1e-4
 
 
 def run_pass(pass_obj: Pass | Pipeline, proto: onnx.ModelProto) -> tuple[ir.Model, PassResult]:
+    """Run the pass (each pass of a :class:`Pipeline`) on ``proto`` as the pass manager does (:func:`call_pass`)."""
     model = to_ir(proto)
-    return model, with_registry(pass_obj).call(model)
+    pass_obj = with_registry(pass_obj)
+    return model, pass_obj.call(model) if isinstance(pass_obj, Pipeline) else call_pass(pass_obj, model)
 
 
 def check_pass(

@@ -78,6 +78,11 @@ def _attr_int(node: ir.Node, name: str, default: int) -> int:
     return attr.as_int() if attr is not None else default
 
 
+#: Gathers whose data is a block-quantized table: ``mograph.BlockQuantizedGather`` and ONNX Runtime's
+#: ``com.microsoft.GatherBlockQuantized``; their indices (input 1) pick rows of the data (input 0).
+_BLOCK_QUANTIZED_GATHERS = frozenset({("mograph", "BlockQuantizedGather"), ("com.microsoft", "GatherBlockQuantized")})
+
+
 def _index_bound(value: ir.Value) -> tuple[int | None, str]:
     """Exclusive upper bound for an integer input used as indices, and why (``None``: no such use)."""
     bound: int | None = None
@@ -105,6 +110,13 @@ def _index_bound(value: ir.Value) -> tuple[int | None, str]:
                         what = f"indices of {_node_ref(node)} (depth {found})"
                 elif node.op_type in _VALUE_PRESERVING and idx == 0 and depth < 4:
                     frontier.extend((out, depth + 1) for out in node.outputs)
+            elif (node.domain, node.op_type) in _BLOCK_QUANTIZED_GATHERS and idx == 1 and node.inputs[0] is not None:
+                # an embedding table stored block-quantized (weight-only's, or ONNX Runtime's lowering of it):
+                # its rows are the data's gather axis, whatever the packing of the other axis
+                axis = _attr_int(node, "gather_axis", 0) if node.domain == "com.microsoft" else 0
+                found = _static_dim(node.inputs[0], axis)
+                if found is not None:
+                    what = f"indices of {_node_ref(node)} ({found} entries)"
             if found is not None and found > 0 and (bound is None or found < bound):
                 bound, why = found, what
     return bound, why

@@ -250,6 +250,7 @@ def custom_ops() -> list[CustomOp]:
             lowerings=lowerings_for(ATTENTION_OP),
             onnx_opset=ONNX_ATTENTION_OPSET,
             computes="attention",
+            float_generic_opset=15,  # the body's CastLike of the scale and zero
         ),
         CustomOp(
             name=ROTARY_OP,

@@ -349,6 +349,11 @@ def _embed_dims(node: ir.Node, q: ShapeQuery) -> list[Dims | None] | None:
 # declarations
 # ---------------------------------------------------------------------------------------------
 
+#: Below this opset the bodies have no ``CastLike`` and compute float32 only (module docstring): the fp16
+#: pass keeps such nodes float32 there (``CustomOp.float_generic_opset``).
+FLOAT_GENERIC_OPSET = 15
+
+
 def custom_ops() -> list[CustomOp]:
     """The declarations contributed through ``mograph_add_custom_ops``: one :class:`CustomOp` per op, with
     everything about it (schema, numpy reference, function body, shapes, lowerings, standard opset,
@@ -358,7 +363,7 @@ def custom_ops() -> list[CustomOp]:
     plugins = TENSORRT_PLUGINS
     return [
         CustomOp(
-            name="LayerNorm", domain=DOMAIN, version=DOMAIN_VERSION,
+            name="LayerNorm", domain=DOMAIN, version=DOMAIN_VERSION, float_generic_opset=FLOAT_GENERIC_OPSET,
             doc="LayerNorm over the last axis: (X - mean) / sqrt(var + epsilon) * Scale + B.",
             inputs=("X", "Scale", "B"), outputs=("Y",), attributes={"epsilon": 1e-5, "stash_type": 1},
             reference=lambda x, scale, b, epsilon=1e-5, stash_type=1: (layer_norm(x, scale, b, epsilon),),
@@ -366,7 +371,7 @@ def custom_ops() -> list[CustomOp]:
             onnx_opset=17, tensorrt_plugin=plugins["LayerNorm"], computes="LayerNorm", affine=(1, 2),
         ),
         CustomOp(
-            name="RMSNorm", domain=DOMAIN, version=DOMAIN_VERSION,
+            name="RMSNorm", domain=DOMAIN, version=DOMAIN_VERSION, float_generic_opset=FLOAT_GENERIC_OPSET,
             doc="RMSNorm over the last axis: X / sqrt(mean(X^2) + epsilon) * Scale.",
             inputs=("X", "Scale"), outputs=("Y",), attributes={"epsilon": 1e-6, "stash_type": 1},
             reference=lambda x, scale, epsilon=1e-6, stash_type=1: (rms_norm(x, scale, epsilon),),
@@ -374,7 +379,7 @@ def custom_ops() -> list[CustomOp]:
             onnx_opset=23, tensorrt_plugin=plugins["RMSNorm"], computes="RMSNorm",
         ),
         CustomOp(
-            name="SkipLayerNorm", domain=DOMAIN, version=DOMAIN_VERSION,
+            name="SkipLayerNorm", domain=DOMAIN, version=DOMAIN_VERSION, float_generic_opset=FLOAT_GENERIC_OPSET,
             doc="Residual add and LayerNorm: Sum = X + Bias + Skip, Y = LayerNorm(Sum).",
             inputs=("X", "Skip", "Scale", "B", "Bias"), outputs=("Y", "Sum?"),
             attributes={"epsilon": 1e-5, "stash_type": 1},
@@ -384,7 +389,7 @@ def custom_ops() -> list[CustomOp]:
             onnx_opset=17, tensorrt_plugin=plugins["SkipLayerNorm"], computes="LayerNorm", affine=(2, 3),
         ),
         CustomOp(
-            name="SkipRMSNorm", domain=DOMAIN, version=DOMAIN_VERSION,
+            name="SkipRMSNorm", domain=DOMAIN, version=DOMAIN_VERSION, float_generic_opset=FLOAT_GENERIC_OPSET,
             doc="Residual add and RMSNorm: Sum = X + Bias + Skip, Y = RMSNorm(Sum).",
             inputs=("X", "Skip", "Scale", "Bias"), outputs=("Y", "Sum?"), attributes={"epsilon": 1e-6, "stash_type": 1},
             reference=lambda x, skip, scale, bias, epsilon=1e-6, stash_type=1: skip_rms_norm(
@@ -393,7 +398,7 @@ def custom_ops() -> list[CustomOp]:
             onnx_opset=23, tensorrt_plugin=plugins["SkipRMSNorm"], computes="RMSNorm",
         ),
         CustomOp(
-            name="EmbedLayerNorm", domain=DOMAIN, version=DOMAIN_VERSION,
+            name="EmbedLayerNorm", domain=DOMAIN, version=DOMAIN_VERSION, float_generic_opset=FLOAT_GENERIC_OPSET,
             doc="Embedding layer: LayerNorm(Word[InputIds] + Segment[SegmentIds] + Position[PositionIds]).",
             inputs=("InputIds", "SegmentIds", "PositionIds", "WordEmbedding", "SegmentEmbedding", "PositionEmbedding",
                     "Scale", "B"),
@@ -404,7 +409,7 @@ def custom_ops() -> list[CustomOp]:
             onnx_opset=17, computes="LayerNorm",
         ),
         CustomOp(
-            name="Gelu", domain=DOMAIN, version=DOMAIN_VERSION, doc="Exact GELU: X/2 (1 + erf(X / sqrt(2))).",
+            name="Gelu", domain=DOMAIN, version=DOMAIN_VERSION, float_generic_opset=FLOAT_GENERIC_OPSET, doc="Exact GELU: X/2 (1 + erf(X / sqrt(2))).",
             inputs=("X",), outputs=("Y",), attributes={"stash_type": 1},
             reference=lambda x, stash_type=1: (gelu(x, "none"),),
             function=_gelu_fn("Gelu", "none", False), infer_shapes=_same_as_first,
@@ -412,7 +417,7 @@ def custom_ops() -> list[CustomOp]:
             onnx_opset=20, tensorrt_plugin=plugins["Gelu"], tensorrt_fields={"approximate": "none"}, computes="GELU",
         ),
         CustomOp(
-            name="FastGelu", domain=DOMAIN, version=DOMAIN_VERSION,
+            name="FastGelu", domain=DOMAIN, version=DOMAIN_VERSION, float_generic_opset=FLOAT_GENERIC_OPSET,
             doc="GELU, tanh approximation: X/2 (1 + tanh(sqrt(2/pi) (X + 0.044715 X^3))).",
             inputs=("X",), outputs=("Y",), attributes={"stash_type": 1},
             reference=lambda x, stash_type=1: (gelu(x, "tanh"),),
@@ -421,13 +426,13 @@ def custom_ops() -> list[CustomOp]:
             tensorrt_fields={"approximate": "tanh"}, computes="GELU",
         ),
         CustomOp(
-            name="QuickGelu", domain=DOMAIN, version=DOMAIN_VERSION, doc="Sigmoid GELU approximation: X sigmoid(alpha X).",
+            name="QuickGelu", domain=DOMAIN, version=DOMAIN_VERSION, float_generic_opset=FLOAT_GENERIC_OPSET, doc="Sigmoid GELU approximation: X sigmoid(alpha X).",
             inputs=("X",), outputs=("Y",), attributes={"alpha": QUICK_GELU_ALPHA, "stash_type": 1},
             reference=lambda x, alpha=QUICK_GELU_ALPHA, stash_type=1: (quick_gelu(x, alpha),),
             function=_quick_gelu_fn, infer_shapes=_same_as_first, shape_dims=_dims_of_x, lowerings=lowerings_for("QuickGelu"), computes="GELU",
         ),
         CustomOp(
-            name="BiasGelu", domain=DOMAIN, version=DOMAIN_VERSION, doc="Exact GELU of X + Bias.",
+            name="BiasGelu", domain=DOMAIN, version=DOMAIN_VERSION, float_generic_opset=FLOAT_GENERIC_OPSET, doc="Exact GELU of X + Bias.",
             inputs=("X", "Bias"), outputs=("Y",), attributes={"stash_type": 1},
             reference=lambda x, bias, stash_type=1: (bias_gelu(x, bias, "none"),),
             function=_gelu_fn("BiasGelu", "none", True), infer_shapes=_same_as_first, shape_dims=_dims_of_x_plus_1,
@@ -435,7 +440,7 @@ def custom_ops() -> list[CustomOp]:
             tensorrt_fields={"approximate": "none"}, computes="GELU",
         ),
         CustomOp(
-            name="BiasFastGelu", domain=DOMAIN, version=DOMAIN_VERSION, doc="tanh-approximated GELU of X + Bias.",
+            name="BiasFastGelu", domain=DOMAIN, version=DOMAIN_VERSION, float_generic_opset=FLOAT_GENERIC_OPSET, doc="tanh-approximated GELU of X + Bias.",
             inputs=("X", "Bias"), outputs=("Y",), attributes={"stash_type": 1},
             reference=lambda x, bias, stash_type=1: (bias_gelu(x, bias, "tanh"),),
             function=_gelu_fn("BiasFastGelu", "tanh", True), infer_shapes=_same_as_first, shape_dims=_dims_of_x_plus_1,

@@ -406,6 +406,20 @@ class QdqPassBase(Pass):
             budget = None
         # the sensitivity analysis measures layers of the main graph; those in subgraphs keep their rules
         measured = [c for c in cands if c.key not in overridden and c.node.graph is model.graph] if budget else []
+        # ... and are left out of its end-to-end figure: the report says so rather than claim the budget met
+        unmeasured = sum(1 for c in cands if budget and c.node.graph is not model.graph
+                         and decisions[c.key][0] == self.precision)
+        fixed_main = any(c.key in overridden and decisions[c.key][0] == self.precision and c.node.graph is model.graph
+                         for c in cands)
+        if budget is not None and not measured and not fixed_main:
+            # nothing to measure (every layer in an If/Loop body, or fixed by the user): no figure to report
+            plan.meta["accuracy_budget"] = {
+                "budget": str(budget), "default": is_default, "measured": None, "met": None, "kept_float": 0,
+                "samples": 0, "evaluations": 0, "unmeasured": unmeasured,
+                "reason": "no layer of the main graph to measure: the default rules decided"}
+            notes.append(f"accuracy budget {budget} not measured: no candidate layer in the main graph "
+                         + (f"({unmeasured} inside subgraphs, left to the default rules)" if unmeasured else ""))
+            budget = None
         wanted = [c for c in cands if decisions[c.key][0] == self.precision]
         observe_for = wanted if not budget else [c for c in cands if c in measured or c in wanted]
         source = None
@@ -482,7 +496,11 @@ class QdqPassBase(Pass):
                          "keep float), then the rest; in each, by quantized-alone error, most sensitive first "
                          f"(errors within a factor {TIE_FACTOR:g}: cheapest first)",
                 "metric_by_kept_float": {int(k): round(v, 6) for k, v in res.curve.items()},
+                "unmeasured": unmeasured,
             }
+            if unmeasured:
+                notes.append(f"{unmeasured} layer(s) inside subgraphs, left to the default rules, are not in the "
+                             f"measured {budget} figure")
             stats["sensitivity_evaluations"] = res.evaluations
             if not res.met:
                 notes.append(f"accuracy budget {budget} not met even with every measured layer in float")

@@ -226,16 +226,28 @@ def _decode_mask_sizes(specs: list[_InputSpec], sized: Mapping[str, tuple[int, .
 
 
 def _vocab_sizes(model: ir.Model) -> dict[str, int]:
-    """For integer graph inputs used as Gather indices into an initializer: that table's row count."""
+    """For integer graph inputs used as Gather indices into an initializer: that table's row count.
+
+    A table stored block-quantized (``mograph.BlockQuantizedGather``, or ONNX Runtime's
+    ``com.microsoft.GatherBlockQuantized``) counts too: its rows are the data's first axis (its gather axis),
+    whatever the packing of the others.
+    """
     out: dict[str, int] = {}
     for v in model.graph.inputs:
         for use in v.uses():
             node = use.node
-            if node.op_type == "Gather" and use.idx == 1 and node.inputs[0] is not None:
+            gathers = node.op_type == "Gather" or (node.domain, node.op_type) in _BLOCK_QUANTIZED_GATHERS
+            if gathers and use.idx == 1 and node.inputs[0] is not None:
                 table = node.inputs[0].const_value
-                if table is not None and len(table.shape) > 0:
-                    out[v.name or ""] = int(table.shape.numpy()[0])
+                attr = node.attributes.get("gather_axis" if node.domain == "com.microsoft" else "axis")
+                axis = attr.as_int() if attr is not None else 0
+                if table is not None and -len(table.shape) <= axis < len(table.shape):
+                    out[v.name or ""] = int(table.shape.numpy()[axis])
     return out
+
+
+#: Gathers whose data input is a block-quantized table: their indices pick rows of it.
+_BLOCK_QUANTIZED_GATHERS = frozenset({("mograph", "BlockQuantizedGather"), ("com.microsoft", "GatherBlockQuantized")})
 
 
 class _Replay:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -68,6 +69,7 @@ from mograph.passes.quant.plan import Budget, PrecisionPlan, load_plan, node_key
 
 from mograph import _spill, ir_io
 from mograph.custom_ops import DOMAIN as CUSTOM_DOMAIN
+from mograph.custom_ops import CustomOp
 from mograph.errors import OptionError
 from mograph.foreign_ops import normalization_ops
 from mograph.irutil import fresh_name
@@ -135,12 +137,15 @@ def _ort_schema(domain: str, op_type: str, version: int) -> Any | None:
     return max(found, key=lambda s: s.since_version) if found else None
 
 
-def _schema(node: ir.Node, opset: int, opsets: dict[str, int]) -> tuple[Any | None, bool]:
+def _schema(node: ir.Node, opset: int, opsets: dict[str, int],
+            ops: Mapping[tuple[str, str], CustomOp] | None = None) -> tuple[Any | None, bool]:
     """The node's schema at the model's opsets, and whether the node's op is known at all.
 
     Default-domain ops read ``onnx.defs``; contrib ops (``com.microsoft``) ONNX Runtime's registry; ops of
     the ``mograph`` domain are declared float-generic (their bodies compute in ``stash_type``), so they are
-    known without a schema.
+    known without a schema, except below their declaration's ``float_generic_opset`` (``ops``), where the
+    body computes float32 only: such a node is not known in float16 (a float16 twin of a weight-only MatMul
+    at opset 14 was a model ONNX Runtime refused, exit 1).
     """
     import onnx
 
@@ -150,7 +155,9 @@ def _schema(node: ir.Node, opset: int, opsets: dict[str, int]) -> tuple[Any | No
         except onnx.defs.SchemaError:
             return None, True
     if node.domain == CUSTOM_DOMAIN:
-        return None, True
+        op = (ops or {}).get((node.domain, node.op_type))
+        generic_from = op.float_generic_opset if op is not None else None
+        return None, generic_from is None or opset >= generic_from
     schema = _ort_schema(node.domain, node.op_type, int(opsets.get(node.domain, 1)))
     return schema, schema is not None
 
@@ -208,8 +215,8 @@ def _complete_dtypes(model: ir.Model, dtypes: dict[str, int], opset: int, opsets
                 dtypes[node.outputs[j].name] = code  # type: ignore[index]
 
 
-def _half_support(node: ir.Node, opset: int, floats: set[str],
-                  opsets: dict[str, int] | None = None) -> tuple[bool, frozenset[int], frozenset[int]]:
+def _half_support(node: ir.Node, opset: int, floats: set[str], opsets: dict[str, int] | None = None,
+                  ops: Mapping[tuple[str, str], CustomOp] | None = None) -> tuple[bool, frozenset[int], frozenset[int]]:
     """Whether ``node`` can compute in float16, and which of its float inputs and outputs must stay float32.
 
     Read from the operator's schema at ``opset`` (:func:`_schema`): a node whose op has no known schema
@@ -217,7 +224,7 @@ def _half_support(node: ir.Node, opset: int, floats: set[str],
     ``LayerNormalization``, ``mean``/``inv_std_var`` of ``SkipLayerNormalization``) computes in float16 with
     that output left float32; one whose every float output is float32-only has no float16 form.
     """
-    schema, known = _schema(node, opset, opsets or {})
+    schema, known = _schema(node, opset, opsets or {}, ops)
     if not known:
         return False, frozenset(), frozenset()
     if schema is None:
@@ -293,7 +300,8 @@ class Fp16Pass(Pass):
         nodes = list(graph)
         where = {id(n): i for i, n in enumerate(nodes)}
         positions = [where[id(n)] for n in compute]
-        support = {p: _half_support(nodes[p], opset, floats, opsets) for p in positions}
+        ops = self.registry.custom_ops if self.registry is not None else None
+        support = {p: _half_support(nodes[p], opset, floats, opsets, ops) for p in positions}
         pinned_in = {p: value[1] for p, value in support.items() if value[1]}
         pinned_out = {p: value[2] for p, value in support.items() if value[2]}
         decisions: dict[int, tuple[str, str]] = {}

@@ -165,4 +165,5 @@ def block_quantized_gather_op() -> CustomOp:
         function=function_body,
         infer_shapes=_infer,
         lowerings=dict(LOWERINGS),
+        float_generic_opset=15,  # the body's CastLike; below it the body computes float32
     )

@@ -241,4 +241,5 @@ def weight_only_matmul_op() -> CustomOp:
         shape_dims=_dims,
         lowerings=dict(LOWERINGS),
         onnx_opset=BLOCKED_DQ_OPSET,
+        float_generic_opset=15,  # the body's CastLike; below it the body computes float32
     )

@@ -246,6 +246,32 @@ def test_a_minus_one_dim_is_read_as_unknown(capsys, workdir, caplog):
     assert onnx.load(str(path)).graph.input[0].type.tensor_type.shape.dim[0].dim_value == -1  # input unchanged
 
 
+def test_dims_named_question_mark_are_each_unknown_not_one_shared_size(capsys, workdir):
+    """paddle2onnx names every unknown dim ``?`` (PP-OCR's classifier: ``x [-1, 3, ?, ?]``).  Read as one
+    symbol, height and width had to be equal: ``--shape x:1x3x48x192`` was refused (exit 2) by both
+    ``--verify`` ("sets '?' to 192, but another input already set it to 48") and ``fix-shapes``."""
+    pytest.importorskip("polygraphy")
+    nodes = [helper.make_node("Relu", ["x"], ["t"]), helper.make_node("Neg", ["t"], ["y"])]
+    proto = make_model(nodes, [("x", np.float32, [-1, 3, "?", "?"])], [("y", np.float32, [-1, 3, "?", "?"])])
+    path = workdir / "question_marks.onnx"
+    onnx.save(proto, path)
+    dims = ir_io.load_model(path).graph.inputs[0].shape.dims
+    assert dims[1] == 3 and all(not isinstance(d, int) and d.value is None for d in (dims[0], dims[2], dims[3]))
+    out = workdir / "out.onnx"
+    code, _out, err = _cli(capsys, "optimize", str(path), "-o", str(out), "--verify", "--shape", "x:1x3x48x192", "-q")
+    assert code == 0, err
+    code, _out, err = _cli(capsys, "optimize", str(path), "-o", str(out), "--passes", "fix-shapes",
+                           "--shape", "x:1x3x48x192", "-q")
+    assert code == 0, err
+    fixed = onnx.load(str(out))
+    assert [d.dim_value for d in fixed.graph.input[0].type.tensor_type.shape.dim] == [1, 3, 48, 192]
+    x = np.random.default_rng(0).standard_normal((1, 3, 48, 192)).astype(np.float32)
+    from mograph.testing import run_ort
+
+    np.testing.assert_array_equal(run_ort(fixed, {"x": x})[0], -np.maximum(x, 0))
+    assert onnx.load(str(path)).graph.input[0].type.tensor_type.shape.dim[2].dim_param == "?"  # input unchanged
+
+
 def test_a_subgraph_out_of_order_without_a_cycle_loads():
     """Only a cycle is refused: a branch listing its nodes out of order (and reading an outer value) is fine."""
     proto = _subgraph_cycle()

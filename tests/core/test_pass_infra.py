@@ -552,3 +552,62 @@ def test_a_full_disk_is_a_pass_failure_that_says_what_to_do_not_a_bug():
     assert info.value.exit_code == 4 and isinstance(info.value.__cause__, OSError)
     with pytest.raises(InternalError, match="internal error in pass 'denied': PermissionError"):
         PassManager([Denied()]).run(_model())
+
+
+def _branch(name: str, node_outputs: list[str], reads: ir.Value) -> ir.Graph:
+    """A branch: a chain of Neg nodes from ``reads`` (an outer value), outputs named ``node_outputs``."""
+    nodes, prev = [], reads
+    for out in node_outputs:
+        n = ir.node("Neg", [prev])
+        n.outputs[0].name = out
+        nodes.append(n)
+        prev = n.outputs[0]
+    return ir.Graph([], [prev], nodes=nodes, name=name)
+
+
+def test_a_value_added_inside_a_branch_never_shadows_an_enclosing_graphs_name():
+    """onnx_ir names new values per graph (``val_0`` in the main graph and in a branch): after a pass that
+    changed the model the manager renames the branch's clashing values, outer and inner alike, and keeps the
+    main graph's names and the names sibling branches may share."""
+    x = ir.Value(name="x", shape=ir.Shape([3]), type=ir.TensorType(ir.DataType.FLOAT))
+    c = ir.Value(name="c", shape=ir.Shape([]), type=ir.TensorType(ir.DataType.BOOL))
+    main = ir.node("Relu", [x])
+    main.outputs[0].name = "val_0"
+    then_g = _branch("then", ["val_0", "t1"], main.outputs[0])  # shadows the main graph's val_0
+    inner_if = ir.node("If", [c], attributes={"then_branch": _branch("in_then", ["t1", "u"], then_g.outputs[0]),
+                                              "else_branch": _branch("in_else", ["u"], then_g.outputs[0])},
+                       num_outputs=1)
+    inner_if.outputs[0].name = "w"
+    then_g.append(inner_if)
+    then_g.outputs[0] = inner_if.outputs[0]
+    else_g = _branch("else", ["t1"], main.outputs[0])  # t1 again, in a sibling: allowed
+    outer_if = ir.node("If", [c], attributes={"then_branch": then_g, "else_branch": else_g}, num_outputs=1)
+    outer_if.outputs[0].name = "y"
+    outer_if.outputs[0].type = ir.TensorType(ir.DataType.FLOAT)
+    outer_if.outputs[0].shape = ir.Shape([3])
+    graph = ir.Graph([x, c], [outer_if.outputs[0]], nodes=[main, outer_if], opset_imports={"": 17}, name="g")
+    model = ir.Model(graph, ir_version=8)
+
+    class Touch(mograph.Pass):
+        name = "touch"
+
+        def call(self, model: ir.Model) -> PassResult:
+            return PassResult(modified=True)
+
+    PassManager([Touch()]).run(model)
+    names = lambda g: [o.name for n in g for o in n.outputs]  # noqa: E731
+    assert names(graph) == ["val_0", "y"]
+    assert names(then_g) == ["val_0_1", "t1", "w"]
+    assert names(inner_if.attributes["then_branch"].value) == ["t1_1", "u"]  # t1 is its enclosing branch's
+    assert names(inner_if.attributes["else_branch"].value) == ["u"]  # a sibling may reuse u
+    assert names(else_g) == ["t1"]
+    import onnx
+
+    from mograph.testing import run_ort
+
+    proto = ir.serde.serialize_model(model)
+    onnx.checker.check_model(proto)
+    xs = np.array([-1.0, 0.5, 2.0], np.float32)
+    for cond, want in ((True, np.maximum(xs, 0)), (False, -np.maximum(xs, 0))):  # four Negs, or one
+        (got,) = run_ort(proto, {"x": xs, "c": np.array(cond)})
+        np.testing.assert_array_equal(got, want)

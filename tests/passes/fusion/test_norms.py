@@ -9,7 +9,7 @@ from mograph.passes.fusion.layernorm import FuseLayerNormPass
 from mograph.passes.fusion.rmsnorm import FuseRMSNormPass
 from mograph.passes.fusion.skip_layernorm import FuseSkipLayerNormPass
 
-from mograph.testing import assert_untouched, feeds_for, op_types, parse, run_pass
+from mograph.testing import assert_untouched, feeds_for, op_types, parse, run_ort, run_pass
 from mograph.testing import check_pass as check_fusion
 
 H = 16
@@ -485,3 +485,46 @@ def test_skip_rmsnorm_near_miss_inverse_std_used():
     result = assert_untouched(lowered(FuseSkipLayerNormPass(explain=True), "ort"), proto)
     # ORT's SimplifiedLayerNormalization is a lowered form: the rules never take it (issue 14)
     assert result.details["rules"]["SkipRMSNormFusion"]["fused"] == 0
+
+
+def _ln14(x: str, p: str, out: str) -> str:
+    """Lines of an opset-14 LayerNorm of ``x`` into ``out``, its values prefixed with ``p``."""
+    return "\n".join([
+        f"{p}m = ReduceMean<axes=[-1]>({x})", f"{p}d = Sub({x}, {p}m)", f"{p}dd = Pow({p}d, two)",
+        f"{p}v = ReduceMean<axes=[-1]>({p}dd)", f"{p}ve = Add({p}v, eps)", f"{p}sd = Sqrt({p}ve)",
+        f"{p}n = Div({p}d, {p}sd)", f"{p}s = Mul(gamma, {p}n)", f"{out} = Add({p}s, beta)",
+    ])
+
+
+def test_layernorm_in_an_if_branch_and_the_main_graph_inlined_below_opset17():
+    """A LayerNorm in the main graph and one in an ``If`` branch (openWakeWord's classifiers: a verifier
+    model in the then-branch), inlined at opset 14: onnx_ir names the body's new values from each graph's
+    own counter, so both graphs got ``val_0``...; the branch's must not shadow the main graph's (the ONNX
+    checker refused the model: "'val_0' has been used as output names multiple times")."""
+    import onnx
+    import onnx_ir as ir
+
+    inits = [f"float[{H}] gamma = {{{GAMMA}}}", f"float[{H}] beta = {{{BETA}}}", "float eps = {1e-5}",
+             "float two = {2.0}"]
+    main = _ln14("x", "a_", "y0").replace("\n", "\n  ")
+    branch = _ln14("y0", "b_", "t").replace("\n", "\n    ")
+    text = (f'<ir_version: 8, opset_import: ["" : 14]>\n'
+            f"g (float[2,5,{H}] x, bool c) => (float[2,5,{H}] y) <{', '.join(inits)}> {{\n  {main}\n"
+            f"  y = If(c) <then_branch = then_g () => (float[2,5,{H}] t) {{\n    {branch}\n  }},"
+            f" else_branch = else_g () => (float[2,5,{H}] e) {{\n    e = Identity(y0)\n  }}>\n}}")
+    proto = parse(text)
+    stats = {k: 2 * v for k, v in _stats("div-sqrt.centered.reducemean").items()}
+    for c in (True, False):
+        feeds = {**feeds_for(proto), "c": np.array(c)}
+        model = check_fusion(lowered(FuseLayerNormPass(), "onnx"), proto, feeds=feeds, second_run="last",
+                             stats={**stats, "inlined.LayerNorm": 2})
+        onnx.checker.check_model(ir.serde.serialize_model(model))  # no value of the branch shadows one outside it
+        assert not model.functions and "If" in op_types(model)
+        assert not any(n.domain == "mograph" for n in model.graph)
+    # The same through the pipeline (the plugin manager's core mograph_run_pass), checked and loaded on the way out.
+    import mograph
+
+    out, report = mograph.optimize(proto, "fuse-layernorm", options={"target": "onnx"}, check_output=True)
+    onnx.checker.check_model(out)
+    feeds = {**feeds_for(proto), "c": np.array(True)}
+    np.testing.assert_allclose(run_ort(out, feeds)[0], run_ort(proto, feeds)[0], rtol=1e-5, atol=1e-5)

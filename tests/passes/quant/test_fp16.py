@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx.parser
 import onnx_ir as ir
 import pytest
 from mograph.passes.quant import Fp16Pass
@@ -522,3 +523,72 @@ def test_output_also_read_by_a_float32_node_gets_unique_cast_names():
         assert out.dtype == np.float32
         assert cosine(ref, out) > 0.999
     assert not Fp16Pass(calibration_data=_calib()).call(model).modified
+
+
+def _weight_only_model(opset: int) -> onnx.ModelProto:
+    """x [3, 64] -> MatMul w1 [64, 64] -> Relu -> MatMul w2 [64, 32] -> y, at ``opset`` (the weight-only pass's
+    default keeps the last MatMul, the output projection, float)."""
+    rng = np.random.default_rng(2)
+    w1 = rng.standard_normal((64, 64)).astype(np.float32) * 0.2
+    w2 = rng.standard_normal((64, 32)).astype(np.float32) * 0.2
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm"), helper.make_node("Relu", ["h"], ["r"], name="relu"),
+         helper.make_node("MatMul", ["r", "w2"], ["y"], name="proj")],
+        "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3, 64])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [3, 32])],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+@pytest.mark.parametrize("opset", [14, 15])
+def test_weight_only_matmul_below_opset15_stays_float32(opset):
+    """``int4 --device cuda`` is weight-only then fp16.  mograph.WeightOnlyMatMul's body casts its weight to A's
+    dtype with CastLike (opset 15); below it the body is float32 only, and the fp16 pass's float16 twin of the
+    node was a model ONNX Runtime refused ("B has inconsistent type"): exit 1 on a tf2onnx BERT at opset 14.
+    Below 15 the node now stays float32 (saying why); from 15 it converts."""
+    from mograph.passes.quant import WeightOnlyPass
+
+    proto = _weight_only_model(opset)
+    model = to_ir(proto)
+    WeightOnlyPass(block_size=32, registry=get_registry()).call(model)
+    assert op_counts(model)["mograph.WeightOnlyMatMul"] == 1
+    quantized = ir.serde.serialize_model(model)
+    result = Fp16Pass(calibration_data=_calib(width=64), fp16_budget="none", registry=get_registry()).call(model)
+    plan = {e["node"]: e for e in result.details["plan"]["nodes"]}
+    assert plan["relu"]["precision"] == plan["proj"]["precision"] == "fp16"
+    if opset < 15:
+        assert plan["mm"]["precision"] == "fp32" and "custom domain mograph" in plan["mm"]["reason"]
+        assert (result.stats["kept_fp32.no_float16_form"], result.stats["converted"]) == (1, 2)
+    else:
+        assert plan["mm"]["precision"] == "fp16"
+        assert (result.stats["kept_fp32.no_float16_form"], result.stats["converted"]) == (0, 3)
+    _check_loads_and_matches(quantized, model, _calib(1, width=64)[0])
+    assert not Fp16Pass(calibration_data=_calib(width=64), registry=get_registry()).call(model).modified
+
+
+@pytest.mark.parametrize("opset", [13, 17])
+def test_fused_gelu_below_opset15_stays_float32(opset):
+    """``--passes cleanup,fuse,fp16 --target ort`` runs fp16 on the fused mograph ops (lowered at the end).  Their
+    bodies reach their input's dtype through CastLike (opset 15); below it the fp16 pass's float16 twin of a
+    mograph.Gelu was a model ONNX Runtime refused (exit 1 on magika's tf2onnx model, opset 13)."""
+    from mograph.passes.fusion.gelu import FuseGeluPass
+
+    text = (f'<ir_version: 8, opset_import: ["" : {opset}]>\n'
+            "g (float[3,8] x) => (float[3,8] y) <float s2 = {1.41421356}, float one = {1.0}, float half = {0.5},"
+            " float[8,8] w = {" + ",".join(f"{0.05 * ((i * 7) % 11) - 0.25:.2f}" for i in range(64)) + "}> {\n"
+            "  h = MatMul(x, w)\n  d = Div(h, s2)\n  e = Erf(d)\n  p = Add(e, one)\n  m = Mul(h, p)\n  y = Mul(m, half)\n}")
+    proto = onnx.parser.parse_model(text)
+    model = to_ir(proto)
+    assert FuseGeluPass(registry=get_registry()).call(model).stats["GeluFusion"] == 1
+    fused = ir.serde.serialize_model(model)
+    result = Fp16Pass(calibration_data=_calib(), fp16_budget="none", registry=get_registry()).call(model)
+    plan = {e["op"]: e for e in result.details["plan"]["nodes"]}
+    assert plan["MatMul"]["precision"] == "fp16"
+    if opset < 15:
+        assert plan["Gelu"]["precision"] == "fp32" and "custom domain mograph" in plan["Gelu"]["reason"]
+        assert (result.stats["kept_fp32.no_float16_form"], result.stats["converted"]) == (1, 1)
+    else:
+        assert plan["Gelu"]["precision"] == "fp16"
+        assert (result.stats["kept_fp32.no_float16_form"], result.stats["converted"]) == (0, 2)
+    _check_loads_and_matches(fused, model, _calib(1)[0])
+    assert not Fp16Pass(calibration_data=_calib(), registry=get_registry()).call(model).modified

@@ -132,3 +132,69 @@ def test_keep_order_is_latency_aware():
     # median cost 4e6: scores and context are cheap; ffn and proj tie on error (within 1.25x): proj is cheaper
     assert keep_order(alone, cost) == ["context", "scores", "worst", "proj", "ffn", "quiet"]
     assert keep_order(alone, cost, cheap=0.0, tie=1.0 + 1e-9)[:3] == ["worst", "context", "ffn"]
+
+
+def _conv_in_branch_model(main_conv: bool) -> onnx.ModelProto:
+    """``If(c)`` whose then-branch is Conv, Relu, Conv of ``x`` (else: a slice of ``x``); with ``main_conv`` a Conv
+    of ``x`` in the main graph too, added to the If's result (silero-vad's shape: its whole network sits in the
+    branches).  The branch's last Conv is the final projection, which the default rules keep float."""
+    rng = np.random.default_rng(3)
+    w = rng.normal(0, 0.3, (4, C, 3, 3)).astype(np.float32)
+    w2 = rng.normal(0, 0.3, (4, 4, 1, 1)).astype(np.float32)
+    wm = rng.normal(0, 0.3, (4, C, 3, 3)).astype(np.float32)
+    body = [helper.make_node("Conv", ["x", "w"], ["t0"], "branch_conv", pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", ["t0"], ["t1"], "branch_relu"),
+            helper.make_node("Conv", ["t1", "w2"], ["t"], "branch_proj")]
+    then_g = helper.make_graph(body, "then", [], [helper.make_tensor_value_info("t", onnx.TensorProto.FLOAT, None)])
+    else_g = helper.make_graph([helper.make_node("Slice", ["x", "s0", "s4", "s1"], ["e"], "first4")], "else", [],
+                               [helper.make_tensor_value_info("e", onnx.TensorProto.FLOAT, None)])
+    nodes = [helper.make_node("If", ["c"], ["b"], "branch", then_branch=then_g, else_branch=else_g)]
+    if main_conv:
+        nodes += [helper.make_node("Conv", ["x", "wm"], ["m"], "main_conv", pads=[1, 1, 1, 1]),
+                  helper.make_node("Add", ["b", "m"], ["y"], "add")]
+    else:
+        nodes.append(helper.make_node("Identity", ["b"], ["y"], "out"))
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(w2, "w2")] + (
+        [numpy_helper.from_array(wm, "wm")] if main_conv else []) + [
+        numpy_helper.from_array(np.array([v], np.int64), n) for v, n in ((0, "s0"), (4, "s4"), (1, "s1"))]
+    graph = helper.make_graph(
+        nodes, "conv_in_branch",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, C, 10, 10]),
+         helper.make_tensor_value_info("c", onnx.TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4, 10, 10])], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(proto)
+    return proto
+
+
+def _branch_feeds(n: int, seed: int) -> list[dict[str, np.ndarray]]:
+    return [{**f, "c": np.array(True)} for f in _feeds(n, seed)]
+
+
+def test_a_budget_with_every_layer_in_a_subgraph_reports_no_figure():
+    """The sensitivity analysis measures main-graph layers only.  With none there, it used to run anyway and
+    report ``measured: 1.0, met: true`` for a model whose branch Conv it then quantized unmeasured."""
+    proto = _conv_in_branch_model(main_conv=False)
+    # the branch's first Conv quantized (input, weight and output pairs: 2 Q, 3 DQ),
+    # the final projection kept float by the default rules, no end-to-end evaluation
+    stats = {"quantized": 1, "quantized.Conv": 1, "kept_float": 1, "skipped_already_quantized": 0,
+             "calibration_samples": 8, "q_nodes": 2, "dq_nodes": 3}
+    check_pass(QdqInt8Pass(calibration_data=_branch_feeds(8, 1)), proto, stats=stats, rel=0.05,
+               feeds=_branch_feeds(1, 7)[0])
+    result = QdqInt8Pass(calibration_data=_branch_feeds(8, 1)).call(to_ir(proto))
+    budget = result.details["plan"]["accuracy_budget"]
+    assert budget["measured"] is None and budget["met"] is None and budget["evaluations"] == 0
+    assert budget["unmeasured"] == 1
+    assert [(e["node"], e["precision"]) for e in result.details["plan"]["nodes"]] == [
+        ("branch_conv", "int8"), ("branch_proj", "fp32")]
+    assert any("not measured: no candidate layer in the main graph (1 inside subgraphs" in n
+               for n in result.details["notes"])
+
+
+def test_a_measured_budget_says_which_layers_it_leaves_out():
+    proto = _conv_in_branch_model(main_conv=True)
+    result = QdqInt8Pass(calibration_data=_branch_feeds(8, 1)).call(to_ir(proto))
+    budget = result.details["plan"]["accuracy_budget"]
+    assert budget["evaluations"] >= 1 and budget["measured"] is not None and budget["unmeasured"] == 1
+    assert any("1 layer(s) inside subgraphs, left to the default rules, are not in the measured" in n
+               for n in result.details["notes"])

@@ -214,3 +214,34 @@ def test_function_body_dequantizes_only_the_gathered_rows():
     got = run_ort(proto, {"input_ids": ids})[0]
     assert got.shape == (1, 2, 3, H)
     np.testing.assert_array_equal(got, want)
+
+
+def test_random_feeds_index_a_block_quantized_table_within_its_rows():
+    """Random calibration and verification feeds bound token ids by the embedding table's rows.  A table
+    made ``mograph.BlockQuantizedGather`` by weight-only (the ``cuda`` recipe, ``int4 --device cuda``, then
+    calibrates fp16 on it) was not recognised: ids up to 100 into a 32-row table (g2p-id's BERT) and the
+    model refused its random calibration feed (exit 2).  Its ONNX Runtime lowering counts too."""
+    from mograph.passes.quant.calibration import RandomSource
+
+    from mograph.validate import make_feeds
+
+    rng = np.random.default_rng(0)
+    table, w1, head = _weights(rng)
+    rows = 32
+    proto = lm(np.ascontiguousarray(table[:rows]), w1, head)
+    before = to_ir(proto)
+    assert max(int(f["input_ids"].max()) for f in RandomSource(before, 8, {"input_ids": (2, 64)})) < rows
+    for target in (None, "ort"):
+        model = to_ir(proto)
+        WeightOnlyPass(algorithm="rtn", embedding_precision="bits").call(model)
+        if target:
+            lower_model(model, target, registry=get_registry())
+        kinds = {(n.domain, n.op_type) for n in model.graph}
+        assert (("mograph", "BlockQuantizedGather") if target is None else ("com.microsoft", "GatherBlockQuantized")) in kinds
+        feeds = list(RandomSource(model, 8, {"input_ids": (2, 64)}))
+        ids = np.concatenate([f["input_ids"].ravel() for f in feeds])
+        assert ids.max() < rows and ids.max() >= rows // 2  # the whole table's range, not a guess below it
+        verify_ids = make_feeds(model, shapes={"input_ids": (2, 64)})[0]["input_ids"]
+        assert 0 <= verify_ids.min() and rows // 2 <= verify_ids.max() < rows  # not "unknown use: 0..7"
+        want = run_ort(proto, feeds[0])[0]
+        np.testing.assert_allclose(run_ort(to_proto(model), feeds[0])[0], want, rtol=1e-4, atol=1e-3)
