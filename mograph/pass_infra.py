@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import onnx_ir as ir
 
 from mograph._traverse import iter_nodes
-from mograph.errors import InternalError, MographError, OptionError, PassFailedError, PluginError
+from mograph.errors import InternalError, ModelError, MographError, OptionError, PassFailedError, PluginError
 from mograph.irutil import unshadow_value_names
 
 if TYPE_CHECKING:
@@ -492,6 +492,29 @@ class PassManager:
 
         return run_instrumented(self.instruments, p, model, self.context, call)
 
+    def _refused_input(self, index: int, model: ir.Model, before_ids: set[int]) -> MographError | None:
+        """After pass ``index`` crashed: the error to raise instead of an internal one when the model it was
+        given (unchanged by it: the same nodes) does not load in ONNX Runtime, as when an earlier pass's
+        user-chosen option made it invalid (``fix-shapes --shape`` pinning a size that a dead branch cannot take)
+        and the crashed pass opened an ONNX Runtime session on it; else None (the crash is the pass's)."""
+        from mograph.output_check import InvalidModel, _ort_load, _ort_skip_reason
+
+        if {id(n) for n in _iter_nodes(model.graph)} != before_ids or _ort_skip_reason(model) is not None:
+            return None
+        try:
+            _ort_load(model)
+        except InvalidModel as refusal:
+            name = self.passes[index].name
+            earlier = [q.name for q in self.passes[:index]]
+            if not earlier:
+                return ModelError(f"ONNX Runtime cannot load the model given to '{name}': {refusal}")
+            return PassFailedError(name, f"the model it was given does not load in ONNX Runtime ({refusal}); it is "
+                                         f"the output of {', '.join(earlier)}: check their options (fix-shapes' "
+                                         "--shape sizes must be ones every branch of the model can take)")
+        except Exception:  # noqa: BLE001 - the check itself failing says nothing about the model
+            return None
+        return None
+
     def run(self, model: ir.Model, report: PipelineReport | None = None) -> PipelineReport:
         """Run every pass in order on ``model`` (in place), appending one entry per pass to ``report``.
 
@@ -508,7 +531,7 @@ class PassManager:
         # One walk of the model per pass: the nodes after a pass are the nodes before the next one (nothing
         # runs in between).  The old nodes are kept alive while comparing so their ids cannot be reused.
         before_nodes = list(_iter_nodes(model.graph))
-        for p in self.passes:
+        for index, p in enumerate(self.passes):
             before_ids = {id(n) for n in before_nodes}
             nodes_before = len(before_ids)
             fp_before = graph_fingerprint(model) if self.check_modified else None
@@ -532,6 +555,9 @@ class PassManager:
                                           "larger disk") from exc
                 raise InternalError(p.name, f"{type(exc).__name__}: {exc}") from exc
             except Exception as exc:  # noqa: BLE001 - any other exception is a bug: name the pass
+                refused = self._refused_input(index, model, before_ids)
+                if refused is not None:  # not the pass's bug: the model it was given does not load
+                    raise refused from exc
                 raise InternalError(p.name, f"{type(exc).__name__}: {exc}") from exc
             # A wrapper's numeric check (``--verify each``) reports its own time; the pass's excludes it.
             check_seconds = self.context.pop("last_check_seconds", None)

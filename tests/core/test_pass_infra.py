@@ -10,7 +10,7 @@ from onnx import helper
 
 import mograph
 from models.builders import make_model
-from mograph.errors import InternalError, OptionError, PassFailedError, PluginError, UnknownPassError
+from mograph.errors import InternalError, ModelError, OptionError, PassFailedError, PluginError, UnknownPassError
 from mograph.hookspecs import hookimpl
 from mograph.pass_infra import PROVENANCE_PASS, PROVENANCE_RULE, Option, PassManager, PassResult
 from mograph.plugins import Registry, get_plugin_manager
@@ -611,3 +611,44 @@ def test_a_value_added_inside_a_branch_never_shadows_an_enclosing_graphs_name():
     for cond, want in ((True, np.maximum(xs, 0)), (False, -np.maximum(xs, 0))):  # four Negs, or one
         (got,) = run_ort(proto, {"x": xs, "c": np.array(cond)})
         np.testing.assert_array_equal(got, want)
+
+
+class _BreakForOrt(mograph.Pass):
+    """Make the model one ONNX Runtime refuses to load (Relu's output declared int64: a type clash at load),
+    as a user's option can (fix-shapes pinning a size a dead branch cannot take)."""
+
+    name = "break-for-ort"
+
+    def call(self, model: ir.Model) -> PassResult:
+        relu = next(n for n in model.graph if n.op_type == "Relu")
+        relu.outputs[0].dtype = ir.DataType.INT64
+        return PassResult(modified=True, stats={"broken": 1})
+
+
+class _OrtSession(mograph.Pass):
+    """Open an ONNX Runtime session on the model it gets (as calibration does), crashing if it cannot."""
+
+    name = "ort-session"
+
+    def call(self, model: ir.Model) -> PassResult:
+        import onnxruntime as ort
+
+        ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), providers=["CPUExecutionProvider"])
+        return PassResult(modified=False)
+
+
+def test_a_crash_on_a_model_onnx_runtime_refuses_names_the_earlier_passes():
+    """A pass that crashes because the model it was given does not load in ONNX Runtime is not called a bug:
+    exit 4 naming the passes that wrote it (exit 3 when it is the user's own model); a crash on a model that
+    loads stays an internal error."""
+    pytest.importorskip("onnxruntime")
+    with pytest.raises(PassFailedError, match=r"pass 'ort-session' failed: the model it was given does not load in "
+                                              r"ONNX Runtime .*output of break-for-ort") as info:
+        PassManager([_BreakForOrt(), _OrtSession()]).run(_model())
+    assert info.value.exit_code == 4
+    broken = _model()
+    _BreakForOrt().call(broken)
+    with pytest.raises(ModelError, match="ONNX Runtime cannot load the model given to 'ort-session'"):
+        PassManager([_OrtSession()]).run(broken)
+    with pytest.raises(InternalError, match="internal error in pass 'crashing'"):
+        PassManager([_RemoveLeaky(), _Crashing()]).run(_model())  # the model loads: the crash is the pass's
