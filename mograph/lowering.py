@@ -48,7 +48,7 @@ from mograph.metadata import LOWERED_FOR
 from mograph.opset import OpsetUpgradeError, model_opset, upgrade_opset
 from mograph.pass_infra import Option, Pass, PassResult
 from mograph.patterns import attr_constant, constant_array, remove_dead_producers
-from mograph.shapes import DimKey, Dims, ShapeQuery, ShapeRules, Vector, holds_dims, rules_for, static_dim, vector_ints
+from mograph.shapes import DimKey, Dims, ShapeQuery, ShapeReads, ShapeRules, Vector, rules_for
 from mograph.targets import BUILTIN_TARGETS, DEFAULT_TARGET, LOWER_PASS, Target
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ def is_plugin_node(node: ir.Node) -> bool:
 
 
 @dataclass
-class LoweringContext:
+class LoweringContext(ShapeReads):
     """What one lowering run gives each lowering function.
 
     Attributes:
@@ -168,17 +168,6 @@ class LoweringContext:
             self.shapes.refresh()
         return self.shapes.values(value)
 
-    def static_dim(self, value: ir.Value | None, axis: int) -> int | None:
-        """Dim ``axis`` of ``value`` as a number where the query proves it a literal (:meth:`ShapeQuery.static_dim`)."""
-        return static_dim(self.dims(value), axis)
-
-    def literals(self, value: ir.Value | None) -> list[int | None] | None:
-        """The elements of a tracked shape vector as numbers (:meth:`ShapeQuery.literals`)."""
-        return vector_ints(self.values(value))
-
-    def is_shape_of(self, vector: ir.Value | None, value: ir.Value | None) -> bool:
-        """Whether ``vector`` holds ``value``'s dims for every input (:meth:`ShapeQuery.is_shape_of`)."""
-        return holds_dims(self.values(vector), self.dims(value))
 
     @property
     def opset(self) -> int:

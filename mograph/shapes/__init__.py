@@ -39,14 +39,24 @@ from mograph.shapes._builtin import (
 )
 from mograph.shapes._declared import declared_rules, rules_for
 from mograph.shapes._dim import Dim, Factor, add, div, mul, prod, same_dim, sub
-from mograph.shapes._query import DimKey, Dims, ShapeQuery, Vector, as_ir_shape, holds_dims, static_dim, vector_ints
+from mograph.shapes._query import (
+    DimKey,
+    Dims,
+    ShapeQuery,
+    ShapeReads,
+    Vector,
+    as_ir_shape,
+    holds_dims,
+    static_dim,
+    vector_ints,
+)
 from mograph.shapes._rules import ShapeRule, ShapeRuleError, ShapeRules, node_version, shape_rule
 from mograph.shapes._sizes import DimSize, ShapeLiteral, Sizes, const_tensor, int_vector, owns_tensor, shape_literals
 
 __all__ = [
     "BROADCAST_OPS", "MS_DOMAIN", "REDUCE_OPS", "SAME_SHAPE_OPS", "Dim", "DimKey", "DimSize", "Dims", "Factor",
-    "ShapeLiteral", "ShapeQuery", "ShapeRule", "ShapeRuleError", "ShapeRules", "Sizes", "Vector", "add", "as_ir_shape",
-    "broadcast", "builtin_rules", "const_tensor", "declared_rules", "div", "holds_dims", "int_vector", "mul",
-    "node_version", "owns_tensor", "prod", "reshape_dims", "reshape_entries", "rules_for", "same_dim",
+    "ShapeLiteral", "ShapeQuery", "ShapeReads", "ShapeRule", "ShapeRuleError", "ShapeRules", "Sizes", "Vector", "add",
+    "as_ir_shape", "broadcast", "builtin_rules", "const_tensor", "declared_rules", "div", "holds_dims", "int_vector",
+    "mul", "node_version", "owns_tensor", "prod", "reshape_dims", "reshape_entries", "rules_for", "same_dim",
     "same_shape_rule", "shape_literals", "shape_range", "shape_rule", "static_dim", "sub", "vector_ints",
 ]

@@ -94,7 +94,32 @@ def holds_dims(vec: Vector | None, dims: Dims | None) -> bool:
             and all(e is not None and e == d for e, d in zip(vec[1], dims)))
 
 
-class ShapeQuery:
+class ShapeReads:
+    """The reads built on :meth:`dims` and :meth:`values`, one definition for the query and its wrappers (the
+    lowering context and the fusion's graph shapes refresh the query before they read, then read the same way)."""
+
+    def dims(self, value: ir.Value | None) -> Dims | None:
+        raise NotImplementedError
+
+    def values(self, value: ir.Value | None) -> Vector | None:
+        raise NotImplementedError
+
+    def static_dim(self, value: ir.Value | None, axis: int) -> int | None:
+        """Dim ``axis`` of ``value`` as a number, where the query proves it a literal; ``None`` otherwise."""
+        return static_dim(self.dims(value), axis)
+
+    def literals(self, value: ir.Value | None) -> list[int | None] | None:
+        """The elements of a tracked shape vector as numbers, ``None`` for each one that is not a literal (a
+        ``Concat`` of ``Shape`` entries and constants: the constants); ``None`` if the query does not track it."""
+        return vector_ints(self.values(value))
+
+    def is_shape_of(self, vector: ir.Value | None, value: ir.Value | None) -> bool:
+        """Whether the shape vector ``vector`` holds ``value``'s dims for every input, however it is spelled
+        (``Shape(value)``, a ``Concat`` of its entries, a constant where they are static)."""
+        return holds_dims(self.values(vector), self.dims(value))
+
+
+class ShapeQuery(ShapeReads):
     """Symbolic dims of every value of ``graph`` and elements of its small int64 vectors, in one sweep.
 
     ``rules``: the table to consult (by default :func:`~mograph.shapes.builtin_rules`); a caller that
@@ -203,19 +228,6 @@ class ShapeQuery:
         d = dims[axis]
         return ("at", value, axis) if d is None else ("dim", d.normal())
 
-    def static_dim(self, value: ir.Value | None, axis: int) -> int | None:
-        """Dim ``axis`` of ``value`` as a number, where the query proves it a literal; ``None`` otherwise."""
-        return static_dim(self.dims(value), axis)
-
-    def literals(self, value: ir.Value | None) -> list[int | None] | None:
-        """The elements of a tracked shape vector as numbers, ``None`` for each one that is not a literal (a
-        ``Concat`` of ``Shape`` entries and constants: the constants); ``None`` if the query does not track it."""
-        return vector_ints(self.values(value))
-
-    def is_shape_of(self, vector: ir.Value | None, value: ir.Value | None) -> bool:
-        """Whether the shape vector ``vector`` holds ``value``'s dims for every input, however it is spelled
-        (``Shape(value)``, a ``Concat`` of its entries, a constant where they are static)."""
-        return holds_dims(self.values(vector), self.dims(value))
 
     def ints(self, value: ir.Value | None) -> list[int] | None:
         """The values of a constant int32/int64 scalar or 1-D tensor of at most :attr:`max_vector` elements."""

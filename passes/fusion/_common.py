@@ -37,7 +37,7 @@ from mograph.patterns import (
     scalar_value,
 )
 from mograph.patterns import MatchResult as MatchResult
-from mograph.shapes import Dim, Dims, ShapeQuery, ShapeRules, Vector, holds_dims, rules_for, static_dim, vector_ints
+from mograph.shapes import Dim, Dims, ShapeQuery, ShapeReads, ShapeRules, Vector, rules_for
 from mograph.specs import parse_bool
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def fused_ops() -> dict[tuple[str, str], CustomOp]:
     return _FUSED_OPS
 
 
-class GraphShapes:
+class GraphShapes(ShapeReads):
     """The shape query (:class:`mograph.shapes.ShapeQuery`) of the graph a fusion pass rewrites, as its rules'
     readers ask it: swept on the first ask, after canonicalization; a value that an earlier rewrite of the run
     wrote has the nodes written since visited (:meth:`ShapeQuery.refresh`; a rewrite keeps the values it does
@@ -114,17 +114,6 @@ class GraphShapes:
             query.refresh()
         return query.values(value)
 
-    def static_dim(self, value: ir.Value | None, axis: int) -> int | None:
-        """Dim ``axis`` of ``value`` as a number where the query proves it a literal (:meth:`ShapeQuery.static_dim`)."""
-        return static_dim(self.dims(value), axis)
-
-    def literals(self, value: ir.Value | None) -> list[int | None] | None:
-        """The elements of a tracked shape vector as numbers (:meth:`ShapeQuery.literals`)."""
-        return vector_ints(self.values(value))
-
-    def is_shape_of(self, vector: ir.Value | None, value: ir.Value | None) -> bool:
-        """Whether ``vector`` holds ``value``'s dims for every input (:meth:`ShapeQuery.is_shape_of`)."""
-        return holds_dims(self.values(vector), self.dims(value))
 
     def same_dim(self, a: ir.Value | None, axis_a: int, b: ir.Value | None, axis_b: int) -> bool:
         """Whether dim ``axis_a`` of ``a`` and dim ``axis_b`` of ``b`` are equal for every input the model accepts."""
