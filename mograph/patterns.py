@@ -127,6 +127,13 @@ def _merge_partial(match: MatchResult) -> None:
     outer._matched_nodes.extend(inner._matched_nodes)
 
 
+#: onnxscript's matcher messages that --explain shows, in the words of a user's graph
+_PLAIN_REASONS = {
+    "Mismatch: Computed node pattern does not match uncomputed IR value.":
+        "an input the pattern expects to be computed by a node is a graph input or a constant here",
+}
+
+
 class _Matcher(_matcher.SimplePatternMatcher):
     """onnxscript's matcher plus commutation, tolerant constants, eager checks and deepest reasons."""
 
@@ -139,6 +146,7 @@ class _Matcher(_matcher.SimplePatternMatcher):
         self.constant_misses: list[str] = []  # every constant that was off, for --explain
 
     def fail(self, reason: str, node: ir.Node | None = None) -> bool:
+        reason = _PLAIN_REASONS.get(reason, reason)
         depth = self._match.num_matched_nodes()
         if depth >= self.best_depth:
             self.best_depth = depth

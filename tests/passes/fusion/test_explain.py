@@ -136,3 +136,18 @@ def test_attention_scores_side_stray_node_is_named() -> None:
     assert entry["failed_at_op"] == "Identity", entry
     assert entry["reason"].startswith("expected Add(..., mask) or Div("), entry
     assert "MatMul(Q, K^T) before Softmax" in entry["reason"] and "got Identity" in entry["reason"], entry
+
+
+def test_a_graph_input_where_the_pattern_wants_a_node_is_said_plainly() -> None:
+    """onnxscript's "Computed node pattern does not match uncomputed IR value" becomes words about the user's
+    graph: the toy pattern wants Abs(Exp(..)), the model's Abs reads a graph input."""
+    from mograph.patterns import apply_rules
+
+    model = to_ir(parse('''<ir_version: 8, opset_import: ["" : 17]>
+g (float[2,3] a) => (float[2,3] y) {
+  b = Abs(a)
+  y = Sqrt(b)
+}'''))
+    report = apply_rules(model, [_Toy()])
+    assert [m.reason for m in report.near_misses] == [
+        "an input the pattern expects to be computed by a node is a graph input or a constant here"]
