@@ -41,6 +41,7 @@ __all__ = [
     "assert_untouched",
     "check_pass",
     "feeds_for",
+    "if_decisions",
     "op_counts",
     "op_types",
     "parse",
@@ -161,6 +162,16 @@ def run_ort(model: onnx.ModelProto | ir.Model, feeds: Mapping[str, np.ndarray]) 
     sess = ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
     names = {i.name for i in sess.get_inputs()}
     return sess.run(None, {k: v for k, v in feeds.items() if k in names})
+
+
+def if_decisions(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> list[bool]:
+    """What each top-level ``If`` of ``model`` decided for ``feeds`` (:func:`run_ort` on a copy whose graph also
+    outputs every ``If`` condition), in graph order: which branch a run-time check took."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    conds = [n.input[0] for n in probe.graph.node if n.op_type == "If"]
+    probe.graph.output.extend(onnx.helper.make_tensor_value_info(c, onnx.TensorProto.BOOL, []) for c in conds)
+    return [bool(x) for x in run_ort(probe, feeds)[-len(conds):]] if conds else []
 
 
 def _onnxruntime() -> Any:

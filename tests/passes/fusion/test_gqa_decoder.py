@@ -20,6 +20,7 @@ import onnx_ir as ir  # noqa: E402
 import mograph  # noqa: E402
 from models import decoder_export as de  # noqa: E402
 from mograph.cuda_graph import cuda_graph_check  # noqa: E402
+from mograph.testing import if_decisions  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -106,15 +107,6 @@ def _branches(model: onnx.ModelProto) -> list[dict[str, Counter[str]]]:
             for node in model.graph.node if node.op_type == "If"]
 
 
-def _checks(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[bool]:
-    """What each ``If`` decided for ``feeds`` (its condition made a graph output of a copy of the model)."""
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    conds = [n.input[0] for n in probe.graph.node if n.op_type == "If"]
-    probe.graph.output.extend(onnx.helper.make_tensor_value_info(c, onnx.TensorProto.BOOL, []) for c in conds)
-    return [bool(x) for x in _run(probe, feeds)[-len(conds):]]
-
-
 #: the default's cases: (step, batch, new tokens, padding, GroupQueryAttention taken); a decode step takes it
 #: only with every key present (the export puts the new token at P + s) and one token or one row (ONNX Runtime)
 DEFAULT_CASES = [("prefill", 2, 6, "none", True), ("prefill", 2, 6, "right", True), ("prefill", 2, 6, "left", False),
@@ -148,7 +140,7 @@ def test_default_checks_right_padding_on_the_device(exports: Any, exporter: str,
         if kind != step:
             continue
         feeds = de.feeds(cfg, step, batch=batch, seq=seq, past=7, padding=padding)
-        assert _checks(model, feeds) == [fast, fast], (batch, seq, padding)
+        assert if_decisions(model, feeds) == [fast, fast], (batch, seq, padding)
         assert _max_diff(_run(path, feeds), _run(model, feeds)) < 1e-5, (batch, seq, padding)
 
 
@@ -158,7 +150,7 @@ def test_default_check_refuses_a_mask_other_than_zeros_and_ones(exports: Any) ->
     model = _optimize(path)
     feeds = de.feeds(de.config("llama", **CFG), "prefill", batch=2, seq=6)
     feeds["attention_mask"][0, 0] = 2
-    assert _checks(model, feeds) == [False, False]
+    assert if_decisions(model, feeds) == [False, False]
     assert _max_diff(_run(path, feeds), _run(model, feeds)) < 1e-5
 
 

@@ -22,6 +22,7 @@ ort = pytest.importorskip("onnxruntime")
 
 import mograph  # noqa: E402
 from models import decoder_export as de  # noqa: E402
+from mograph.testing import if_decisions  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -115,15 +116,6 @@ def test_lengths_becomes_gqa_with_the_rotary_outside(exports: Any, exporter: str
     assert Counter(n.op_type for n in again.graph.node) == ops  # a second run changes nothing
 
 
-def _checks(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[bool]:
-    """What each top-level ``If`` decided for ``feeds``."""
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    conds = [n.input[0] for n in probe.graph.node if n.op_type == "If"]
-    probe.graph.output.extend(onnx.helper.make_tensor_value_info(c, onnx.TensorProto.BOOL, []) for c in conds)
-    return [bool(x) for x in _run(probe, feeds)[-len(conds):]]
-
-
 @pytest.mark.parametrize("step", ["prefill", "decode"])
 def test_default_checks_right_padding(exports: Any, step: str) -> None:
     """The default mask format: the right-padding check on the device picks GroupQueryAttention (rotary outside) or
@@ -144,7 +136,7 @@ def test_default_checks_right_padding(exports: Any, step: str) -> None:
         [(2, 1, "none", True), (2, 1, "left", False)]
     for batch, seq, padding, fast_taken in cases:
         feeds = de.feeds(cfg, step, batch=batch, seq=seq, past=7, padding=padding, position_ids=True)
-        assert _checks(model, feeds) == [fast_taken, fast_taken], (batch, seq, padding)
+        assert if_decisions(model, feeds) == [fast_taken, fast_taken], (batch, seq, padding)
         assert _max_diff(_run(path, feeds), _run(model, feeds)) < 1e-5, (batch, seq, padding)
 
 
