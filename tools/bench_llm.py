@@ -13,7 +13,9 @@ rounds so drift hits all variants alike.
   -e cuda``); the exports ``ts`` (``torch.onnx.export(dynamo=False)``, opset 17) and ``dynamo`` (opset 18) of
   ``*ForCausalLM`` (prefill: ``input_ids, attention_mask -> logits, present_*``; decode: ``input_ids,
   attention_mask, past_* -> logits, present_*``), each through mograph: ``mograph-<exp>`` (``--variant`` specs
-  below; default ``cleanup,fuse,fp16 --target ort``), so a variant is a pipeline, not code.
+  below; default ``cleanup,fuse,fp16 --target ort``), so a variant is a pipeline, not code. ``ts-pos`` /
+  ``dynamo-pos`` are the same exports taking ``position_ids`` ``[B, S]`` as a third input, as optimum's do
+  (``models/decoder_export.py``); the harness feeds each new token's position (the mask's ones before it).
 * **cells**: prefill ``BxS`` (no past) and decode ``decode:BxP`` (one token over a past of P), each ``plain``
   (IO binding, outputs on the device, present grown by the graph) and ``graph`` (``enable_cuda_graph``; the
   past/present share one static buffer of ``P + 64`` positions per layer and the mask is that long, zeros after
@@ -103,6 +105,9 @@ DEFAULT_VARIANTS = [
     "mograph-ts-int4h-shared=ts:cleanup,fuse,int4:--target ort --device cuda --fp16-io yes --kv-cache shared "
     "--output-projection bits",
 ]
+#: the exports a variant starts from: ``-pos`` ones take ``position_ids`` ``[B, S]`` as their third input (as optimum's
+#: exports do; made by ``models/decoder_export.py``, its ``past_key_values.i.key`` / ``present.i.key`` names)
+EXPORTS = ("ts", "dynamo", "ts-pos", "dynamo-pos")
 CELLS = ["1x512", "8x512", "decode:1x512", "decode:8x512"]
 PROMPT, STEPS = 16, 64
 
@@ -195,7 +200,31 @@ def wrappers(model: Any, layers: int) -> tuple[Any, Any]:
     return Prefill().eval(), Decode().eval()
 
 
+def export_position_ids(spec: Spec, hf: Path, exporter: str, kind: str, out: Path) -> None:
+    """The ``ts-pos`` / ``dynamo-pos`` exports: ``models/decoder_export.py`` on the folder's weights, with
+    ``position_ids``; calibration feeds like :func:`export`'s."""
+    import transformers as T
+
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.append(root)  # appended: the installed mograph keeps precedence over the source tree
+    from models import decoder_export as de
+
+    cfg = T.AutoConfig.from_pretrained(str(hf), local_files_only=True)
+    cfg._attn_implementation = "sdpa"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    de.export(cfg, kind, "torchscript" if exporter == "ts-pos" else "dynamo", out, hf_dir=hf, position_ids=True)
+    feeds = de.feeds(cfg, kind, batch=2, seq=16 if kind == "prefill" else 1, past=16, seed=3, position_ids=True)
+    for name in feeds:
+        if name.startswith("past"):
+            feeds[name] = (0.5 * feeds[name]).astype(np.float32)
+    np.savez(out.parent / "calibration.npz", **feeds)
+
+
 def export(spec: Spec, hf: Path, exporter: str, kind: str, out: Path) -> None:
+    if exporter.endswith("-pos"):
+        export_position_ids(spec, hf, exporter, kind, out)
+        return
     import torch
     import transformers as T
 
@@ -319,8 +348,8 @@ def parse_variant(text: str) -> tuple[str, str, str, str]:
         except ValueError as exc:
             raise SystemExit(f"bench_llm: bad --variant {text!r}: {exc}") from None
         return name, exp, passes, extra
-    if not (name and exp in ("ts", "dynamo") and passes):
-        raise SystemExit(f"bench_llm: bad --variant {text!r}: expected NAME=ts|dynamo:PASSES[:ARGS], "
+    if not (name and exp in EXPORTS and passes):
+        raise SystemExit(f"bench_llm: bad --variant {text!r}: expected NAME=ts|dynamo|ts-pos|dynamo-pos:PASSES[:ARGS], "
                          "NAME=from:VARIANT:nbits4|nbits8[:block=K,sym,acc=N] or NAME=same:VARIANT:KEY=VALUE[,...]")
     return name, exp, passes, extra
 
@@ -405,8 +434,8 @@ def prepare(args: argparse.Namespace) -> int:
             vname, exp, base, _ = parse_variant(v)
             if exp == "same" and bases.get(base) is None and not base.startswith("builder-"):
                 raise SystemExit(f"bench_llm: --variant {vname}: same:{base} is not a --variant or builder graph of this run")
-            if exp == "from" and bases.get(base) not in ("ts", "dynamo"):
-                raise SystemExit(f"bench_llm: --variant {vname}: from:{base} is not a ts/dynamo --variant of this run")
+            if exp == "from" and bases.get(base) not in EXPORTS:
+                raise SystemExit(f"bench_llm: --variant {vname}: from:{base} is not an export --variant of this run")
         for exp in sorted(exps):
             for kind in ("prefill", "decode"):
                 steps.append((d / f"export-{exp}-{kind}" / "model.onnx",
@@ -531,6 +560,11 @@ class Step:
                      g.value(mask.astype(_NP[g.inputs["attention_mask"].type]))]
         self.io.bind_ortvalue_input("input_ids", self.keep[0])
         self.io.bind_ortvalue_input("attention_mask", self.keep[1])
+        if "position_ids" in g.inputs:  # each new token's position: the mask's ones before it (a loop's feed)
+            s = ids.shape[1]
+            pos = mask.sum(axis=1, keepdims=True) - s + np.arange(s)[None, :]
+            self.keep.append(g.value(pos.astype(_NP[g.inputs["position_ids"].type])))
+            self.io.bind_ortvalue_input("position_ids", self.keep[-1])
         for key, name in g.past.items():
             self.io.bind_ortvalue_input(name, past[key])
         for name in g.outputs:
@@ -824,7 +858,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", default="/tmp/mograph-llm")
     ap.add_argument("--out", default="bench_llm.jsonl")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--variant", action="append", help="NAME=ts|dynamo:PASSES[:ARGS] (repeatable)")
+    ap.add_argument("--variant", action="append", help="NAME=ts|dynamo|ts-pos|dynamo-pos:PASSES[:ARGS] (repeatable)")
     ap.add_argument("--cells", default=",".join(CELLS))
     ap.add_argument("--no-builder", action="store_true")
     ap.add_argument("--builder-precisions", default="fp16,int4", help="builder -p values (fp32 for a CPU smoke)")
