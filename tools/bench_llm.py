@@ -435,7 +435,7 @@ def prepare(args: argparse.Namespace) -> int:
             if exp == "same" and bases.get(base) is None and not base.startswith("builder-"):
                 raise SystemExit(f"bench_llm: --variant {vname}: same:{base} is not a --variant or builder graph of this run")
             if exp == "from" and bases.get(base) not in EXPORTS:
-                raise SystemExit(f"bench_llm: --variant {vname}: from:{base} is not an export --variant of this run")
+                raise SystemExit(f"bench_llm: --variant {vname}: from:{base} is not a ts/dynamo(-pos) --variant of this run")
         for exp in sorted(exps):
             for kind in ("prefill", "decode"):
                 steps.append((d / f"export-{exp}-{kind}" / "model.onnx",

@@ -95,6 +95,57 @@ _HALF = "tensor(float16)"
 #: Newest opset ``fp16`` raises a model to, to give an op its float16 form.
 FP16_UPGRADE_LIMIT = 21
 _CONTROL_FLOW = {"If", "Loop", "Scan"}
+#: ops an angle passes through between an integer position turned float and the Cos/Sin of it (rotary and
+#: sinusoidal position embeddings computed at run time)
+_ANGLE_OPS = frozenset({"Mul", "Div", "Add", "Sub", "MatMul", "Einsum", "Unsqueeze", "Squeeze", "Reshape", "Flatten",
+                        "Transpose", "Concat", "Expand", "Tile", "Gather", "Slice", "Identity", "Cast"})
+_ANGLE_REASON = ("default rule: angle of an integer position (Cos/Sin of it): float16 holds positions only to "
+                 "2048 exactly and an angle of position p to p/1024 rad")
+
+
+def _position_angles(nodes: list[ir.Node], floats: set[str]) -> set[int]:
+    """Indices of the nodes that compute Cos/Sin of positions: from a Cast of an integer tensor to float (or a
+    float Range) through :data:`_ANGLE_OPS` to a Cos or Sin, those included.  In float16 a position above 2048
+    rounds (to 4 above 4096) and the angle ``p * inv_freq`` loses ``p/1024`` rad, so a rotary embedding computed
+    at run time from ``position_ids`` would rotate long-context tokens by visibly wrong angles."""
+    where = {id(n): i for i, n in enumerate(nodes)}
+
+    def is_float(v: ir.Value | None) -> bool:
+        return v is not None and v.name in floats
+
+    sources = [n for n in nodes if (n.op_type == "Cast" and n.inputs and n.inputs[0] is not None
+                                     and not is_float(n.inputs[0]) and is_float(n.outputs[0])
+                                     and n.inputs[0].dtype is not None and n.inputs[0].dtype.is_integer())
+               or (n.op_type == "Range" and is_float(n.outputs[0]))]
+    reach: set[int] = set()
+    ends: list[ir.Node] = []
+    stack = list(sources)
+    while stack:
+        n = stack.pop()
+        if id(n) in reach or id(n) not in where:
+            continue
+        reach.add(id(n))
+        if n.op_type in ("Cos", "Sin"):
+            ends.append(n)
+            continue
+        for v in n.outputs:
+            if not is_float(v):
+                continue
+            for use in v.uses():
+                if use.node.op_type in _ANGLE_OPS or use.node.op_type in ("Cos", "Sin"):
+                    stack.append(use.node)
+    keep: set[int] = set()
+    stack = list(ends)
+    while stack:
+        n = stack.pop()
+        if id(n) in keep:
+            continue
+        keep.add(id(n))
+        for v in n.inputs:
+            prod = v.producer() if v is not None else None
+            if prod is not None and id(prod) in reach:
+                stack.append(prod)
+    return {where[i] for i in keep}
 
 
 def _formal(formals: list[Any], i: int) -> Any | None:
@@ -307,6 +358,7 @@ class Fp16Pass(Pass):
         decisions: dict[int, tuple[str, str]] = {}
         keep = set(self.config.get("keep_fp32") or [])
         user = load_plan(self.config["precision_plan"]) if self.config.get("precision_plan") else None
+        angles = _position_angles(nodes, floats)
         for p in positions:
             n = nodes[p]
             key = node_key(n)
@@ -324,6 +376,8 @@ class Fp16Pass(Pass):
                 decisions[p] = ("fp32", f"default rule: {n.op_type} has no float16 form at opset {opset}")
             elif n.op_type in _CONTROL_FLOW:
                 decisions[p] = ("fp32", "default rule: control flow (its subgraphs stay float32, so do its outputs)")
+            elif p in angles:
+                decisions[p] = ("fp32", _ANGLE_REASON)
         undecided = [p for p in positions if p not in decisions]
         measured = measure_local(model, [p for p in undecided if nodes[p].inputs], floats, pinned_in, pinned_out,
                                  self._retype_attributes, source, progress=self.progress, total=source.count,
@@ -424,6 +478,9 @@ class Fp16Pass(Pass):
             "casts": converted["casts"],
             **stats,
         }
+        angle_kept = sum(1 for p in kept if decisions[p][1] == _ANGLE_REASON)
+        if angle_kept:  # only where there are any (models without run-time position angles report as before)
+            stats["kept_fp32.position_angle"] = angle_kept
         if search is not None:
             stats["accuracy.metric"] = round(search.metric, 8)
             stats["accuracy.evaluations"] = search.evaluations

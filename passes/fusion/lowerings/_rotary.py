@@ -69,6 +69,8 @@ def _lower_rotary_ort(node: ir.Node, ctx: LoweringContext) -> bool:
             t = _add(new_nodes, trig, [f])
             if scale is not None and f.dtype is not None:
                 t = _add(new_nodes, "Mul", [t, _const(new_nodes, np.array(scale, dtype=f.dtype.numpy()))])
+            if x.dtype is not None and f.dtype is not None and f.dtype != x.dtype:
+                t = _add(new_nodes, "Cast", [t], to=x.dtype.value)  # float32 angles (fp16) -> X's type
             caches.append(_add(new_nodes, "Reshape", [t, flat]))
         cos_cache, sin_cache = caches
         lead = _add(new_nodes, "Slice", [_add(new_nodes, "Shape", [f]), _const(new_nodes, np.array([0], dtype=np.int64)),

@@ -423,6 +423,17 @@ def _splits_last_dim(x: ir.Value, target: ir.Value | None, shapes: Shapes) -> bo
     return False
 
 
+def _through_float_casts(value: ir.Value | None) -> ir.Value | None:
+    """``value`` before any float-to-float ``Cast``s (fp16 keeps the Cos/Sin of positions in float32 and casts
+    their results: the cos/sin values are the same up to the cast)."""
+    while (cast := _producer(value, "Cast")) is not None:
+        src = cast.inputs[0]
+        if src is None or src.dtype is None or not src.dtype.is_floating_point():
+            break
+        value = src
+    return value
+
+
 def _half_angles(t: ir.Value | None) -> tuple[ir.Value, str, float | None] | None:
     """``(f, "Cos"|"Sin", c)`` if ``t`` is ``Unsqueeze(Cos(Concat(f, f, axis=-1)) [* c], axis 1)``: the rank-3
     ``[Bc, S, D/2]`` angles ``f`` of an export's rotary table laid out ``[Bc, 1, S, D]`` (``c`` a scalar constant,
@@ -430,10 +441,11 @@ def _half_angles(t: ir.Value | None) -> tuple[ir.Value, str, float | None] | Non
     unsq = _producer(t, "Unsqueeze")
     if unsq is None or _unsqueeze_axes(unsq) != [1]:
         return None
-    value, c = unsq.inputs[0], None
+    value, c = _through_float_casts(unsq.inputs[0]), None
     if (mul := _producer(value, "Mul")) is not None:
         for a, b in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
             k = scalar_value(b)
+            a = _through_float_casts(a)
             prod = a.producer() if a is not None else None
             if k is not None and prod is not None and prod.op_type in ("Cos", "Sin"):
                 value, c = a, k

@@ -188,3 +188,29 @@ def test_kv_cache_shared_greedy_loop_matches_the_export(exports: Any) -> None:
         token_ids = np.array([[tokens[-1]]], dtype=np.int64)
         length += 1
     assert tokens == ref_tokens and worst < 1e-5
+
+
+def test_fp16_keeps_long_positions_exact(exports: Any, tmp_path: Path) -> None:
+    """fp16 after fusion: the rotary angles of run-time ``position_ids`` stay float32 (Cos/Sin of them cast
+    after), so a token at position 4,000-7,000 gets float16-rounding errors only; float16 angles gave present keys
+    off by 0.06-0.1 there (measured before the rule)."""
+    path = exports("decode", "torchscript")
+    cfg = de.config("llama", **CFG)
+    feeds = de.feeds(cfg, "decode", batch=2, seq=1, past=7, position_ids=True)
+    np.savez(tmp_path / "calib.npz", **feeds)
+    model, report = mograph.optimize(onnx.load(path), passes=["cleanup", "fuse", "fp16"],
+                                     options={"target": "ort", "mask_format": "lengths", "fp16_io": "yes",
+                                              "calibration_data": str(tmp_path / "calib.npz")})
+    fp16 = next(p for p in report.to_dict()["passes"] if p["name"] == "fp16")
+    assert fp16["stats"]["kept_fp32.position_angle"] >= 4  # Cast, MatMul/Mul, Cos, Sin at least
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert ops["GroupQueryAttention"] == 2 and ops["RotaryEmbedding"] == 4, ops
+    inferred = onnx.shape_inference.infer_shapes(model)
+    dtype = {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info}
+    trig = [n for n in model.graph.node if n.op_type in ("Cos", "Sin")]
+    assert trig and all(dtype[n.output[0]] == onnx.TensorProto.FLOAT for n in trig)
+    for start in (0, 4000, 7000):
+        f = dict(feeds)
+        f["position_ids"] = feeds["position_ids"] + start
+        half = {k: (v.astype(np.float16) if v.dtype == np.float32 else v) for k, v in f.items()}
+        assert _max_diff(_run(path, f), _run(model, half)) < 5e-3, start

@@ -592,3 +592,77 @@ def test_fused_gelu_below_opset15_stays_float32(opset):
         assert (result.stats["kept_fp32.no_float16_form"], result.stats["converted"]) == (0, 2)
     _check_loads_and_matches(fused, model, _calib(1)[0])
     assert not Fp16Pass(calibration_data=_calib(), registry=get_registry()).call(model).modified
+
+
+def _rotary_model(with_trig: bool = True) -> onnx.ModelProto:
+    """positions (int64 [1, S]) -> Cast float -> Unsqueeze -> MatMul inv_freq -> Concat(f, f) -> Cos / Sin, then
+    x * cos + x * sin (a rotary table computed at run time, as exports with ``position_ids`` do).  The near miss
+    (``with_trig`` False): the same float positions scaled and added to x, no Cos/Sin."""
+    d = 8
+    inv = (1.0 / (10000.0 ** (np.arange(0, d, 2, dtype=np.float32) / d))).reshape(1, d // 2)
+    nodes = [helper.make_node("Cast", ["pos"], ["pf"], name="cast", to=onnx.TensorProto.FLOAT),
+             helper.make_node("Unsqueeze", ["pf", "ax"], ["pu"], name="unsq"),
+             helper.make_node("MatMul", ["pu", "inv"], ["f"], name="freqs"),
+             helper.make_node("Concat", ["f", "f"], ["emb"], name="cat", axis=-1)]
+    if with_trig:
+        nodes += [helper.make_node("Cos", ["emb"], ["cos"], name="cos"),
+                  helper.make_node("Sin", ["emb"], ["sin"], name="sin"),
+                  helper.make_node("Mul", ["x", "cos"], ["xc"], name="xc"),
+                  helper.make_node("Mul", ["x", "sin"], ["xs"], name="xs"),
+                  helper.make_node("Add", ["xc", "xs"], ["y"], name="y")]
+    else:
+        nodes += [helper.make_node("Mul", ["emb", "tiny"], ["small"], name="small"),
+                  helper.make_node("Add", ["x", "small"], ["y"], name="y")]
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, "s", d]),
+         helper.make_tensor_value_info("pos", onnx.TensorProto.INT64, [1, "s"])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, "s", d])],
+        [numpy_helper.from_array(inv, "inv"), numpy_helper.from_array(np.array([-1], np.int64), "ax"),
+         numpy_helper.from_array(np.array(1e-4, np.float32), "tiny")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _rotary_feeds(start: int, n: int = 6) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(start)
+    return {"x": rng.standard_normal((1, n, 8)).astype(np.float32),
+            "pos": (start + np.arange(n, dtype=np.int64))[None, :]}
+
+
+def test_position_angles_stay_float32():
+    """Cos/Sin of run-time positions and everything from the integer Cast to them stay float32 (float16 holds a
+    position above 2048 only to 2 or 4 and its angle to p/1024 rad); Cos/Sin's results go on in float16."""
+    model = to_ir(_rotary_model())
+    result = Fp16Pass(calibration_data=[_rotary_feeds(0), _rotary_feeds(3000)], fp16_budget="none").call(model)
+    assert result.modified
+    stats = result.stats
+    assert stats["kept_fp32.position_angle"] == 6 and stats["kept_fp32"] == 6  # Cast, Unsqueeze, MatMul, Concat, Cos, Sin
+    assert stats["converted"] == 3  # the Muls and the Add
+    proto = ir.serde.serialize_model(model)
+    inferred = onnx.shape_inference.infer_shapes(proto)
+    dtype = {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info}
+    for name in ("pf", "f", "emb", "cos", "sin"):
+        assert dtype[name] == onnx.TensorProto.FLOAT, name
+    assert dtype["xc"] == onnx.TensorProto.FLOAT16
+    plan = {row["node"]: row for row in result.details["plan"]["nodes"]}
+    assert "integer position" in plan["cos"]["reason"]
+    for start in (0, 2049, 4001, 7000):
+        feeds = _rotary_feeds(start)
+        want = run(_rotary_model(), feeds, optimize=False)[0]
+        got = run(proto, feeds, optimize=False)[0]
+        # float16 of the products only: ~1e-3; with float16 angles at position 7000 the error is ~1 (checked below)
+        assert float(np.abs(want - got).max()) < 8e-3, start
+    p = np.float16(7003.0).astype(np.float32)  # the position float16 would have held: 7004
+    assert abs(float(np.cos(p) - np.cos(np.float32(7003.0)))) > 0.3  # what the rule prevents
+    again = Fp16Pass(calibration_data=[_rotary_feeds(0)], fp16_budget="none").call(model)
+    assert not again.modified or again.stats["converted"] == 0
+
+
+def test_position_arithmetic_without_cos_sin_converts():
+    """The near miss: float positions that reach no Cos/Sin are ordinary float16 candidates (nothing kept)."""
+    model = to_ir(_rotary_model(with_trig=False))
+    result = Fp16Pass(calibration_data=[_rotary_feeds(0)], fp16_budget="none").call(model)
+    assert "kept_fp32.position_angle" not in result.stats
+    assert result.stats["kept_fp32"] == 0
+    inferred = onnx.shape_inference.infer_shapes(ir.serde.serialize_model(model))
+    assert {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info}["f"] == onnx.TensorProto.FLOAT16
