@@ -89,6 +89,7 @@ from mograph.passes.fusion.attention_op import (
     KV_CACHE_KEY,
     MASK_FORMAT_KEY,
     MASK_FORMATS,
+    POSITION_IDS_KEY,
     ROTARY_OP,
     attention,
 )
@@ -326,6 +327,8 @@ class AttentionFusion(Rule):
             y.producer().metadata_props[MASK_FORMAT_KEY] = fmt
         if getattr(self, "kv_cache", None) == "shared":
             y.producer().metadata_props[KV_CACHE_KEY] = "shared"
+        if getattr(self, "position_ids", None) == "cache":
+            y.producer().metadata_props[POSITION_IDS_KEY] = "cache"
         if f["flat"]:
             y = op.Reshape(y, op.initializer(ir.tensor(np.array([-1, f["width"]], dtype=np.int64)),
                                              name="mograph_flat_shape"))
@@ -447,11 +450,32 @@ KV_CACHE_OPTION = Option(
 )
 
 
+def _position_ids_mode(raw: object) -> str:
+    text = str(raw).strip().lower()
+    if text not in ("as-given", "cache"):
+        raise ValueError("expected as-given or cache")
+    return text
+
+
+POSITION_IDS_OPTION = Option(
+    "position-ids", _position_ids_mode, "as-given",
+    "a decoder export's position_ids input (optimum's exports take one) for --target ort's GroupQueryAttention: "
+    "as-given (default, exact: the rotary angles are the export's own, computed from position_ids, and "
+    "ONNX Runtime's RotaryEmbedding kernels rotate Q and K before GroupQueryAttention; measured 1.25-1.3x the "
+    "rotary-inside form on the H200) or cache (ASSUMES position_ids[b, s] is each token's cache position, past "
+    "length + s, as a generation loop without left padding feeds it: GroupQueryAttention then computes the "
+    "rotary itself from its cache lengths and position_ids is not read; left padding, offsets or packed "
+    "sequences give other numbers)",
+    metavar="as-given|cache",
+)
+
+
 class FuseAttentionPass(FusionPass):
     """Fuse multi-head self-/cross-attention (Q/K/V split, scaled scores, mask bias, softmax, merge) into one op."""
 
     name = "fuse-attention"
-    options: ClassVar[tuple[Option, ...]] = (EXPLAIN_OPTION, MASK_FORMAT_OPTION, KV_CACHE_OPTION, TARGET_OPTION)
+    options: ClassVar[tuple[Option, ...]] = (EXPLAIN_OPTION, MASK_FORMAT_OPTION, KV_CACHE_OPTION, POSITION_IDS_OPTION,
+                                             TARGET_OPTION)
     rules: ClassVar[tuple[type[Rule], ...]] = (AttentionFusion,)
 
     def make_rules(self) -> list[Rule]:
@@ -465,6 +489,7 @@ class FuseAttentionPass(FusionPass):
         for rule in rules:
             rule.mask_format = fmt  # type: ignore[attr-defined]
             rule.kv_cache = kv  # type: ignore[attr-defined]
+            rule.position_ids = self.config.get("position_ids")  # type: ignore[attr-defined]
             rule.adopt_standard = adopts_standard_ops(self.config)  # type: ignore[attr-defined]
         return rules
 

@@ -28,7 +28,7 @@ import onnx_ir as ir
 from mograph.custom_ops import DOMAIN, DOMAIN_VERSION, CustomOp
 from mograph.shapes import Dim, Dims, ShapeQuery, mul
 
-__all__ = ["ATTENTION_OP", "ROTARY_OP", "rotary_embedding", "rotary_function", "MASK_FORMATS", "MASK_FORMAT_KEY", "KV_CACHE_KEY", "ONNX_ATTENTION_OPSET", "attention", "attention_function",
+__all__ = ["ATTENTION_OP", "ROTARY_OP", "rotary_embedding", "rotary_function", "MASK_FORMATS", "MASK_FORMAT_KEY", "KV_CACHE_KEY", "POSITION_IDS_KEY", "ONNX_ATTENTION_OPSET", "attention", "attention_function",
            "custom_ops"]
 
 #: The fused op's type in the ``mograph`` domain.
@@ -39,6 +39,9 @@ ONNX_ATTENTION_OPSET = 23
 MASK_FORMAT_KEY = "mograph.attention.mask_format"
 #: Node metadata: ``shared`` where ``--kv-cache shared`` asks a decode step's cache to be one static buffer.
 KV_CACHE_KEY = "mograph.attention.kv_cache"
+#: Node metadata: ``cache`` where ``--position-ids cache`` lets a decoder's ``position_ids`` input stand for each
+#: token's cache position (the rotary then goes inside GroupQueryAttention; an assumption, see the option).
+POSITION_IDS_KEY = "mograph.attention.position_ids"
 #: ``bias``: the additive bias itself (``attention_bias`` of Attention / MultiHeadAttention), exact for every mask;
 #: ``lengths``: a 1-D ``[B]`` key-length ``mask_index`` (ReduceSum of a 0/1 ``attention_mask``), exact for
 #: right-padded masks only; ``raw``: the 2-D ``[B, T]`` mask as ``mask_index``, exact for every 0/1 mask.

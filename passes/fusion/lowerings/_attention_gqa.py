@@ -10,7 +10,7 @@ import logging
 
 import numpy as np
 import onnx_ir as ir
-from mograph.passes.fusion.attention_op import KV_CACHE_KEY, MASK_FORMAT_KEY
+from mograph.passes.fusion.attention_op import KV_CACHE_KEY, MASK_FORMAT_KEY, POSITION_IDS_KEY
 from mograph.passes.fusion.lowerings._attention_ort import (
     GQA_HEAD_MULTIPLE,
     MS_DOMAIN,
@@ -29,6 +29,7 @@ from mograph.passes.fusion.lowerings.attention_proofs import (
     Shared,
     _all_true,
     _and_leaves,
+    _angle_factors,
     _causal_from,
     _is_range_from_zero,
     _kv_cache,
@@ -100,6 +101,20 @@ def _causal_positions(bias: ir.Value, q: ir.Value, past: ir.Value | None, ctx: L
     return None
 
 
+def _input_positions_inv(f: ir.Value) -> np.ndarray | None:
+    """``inv_freq`` where the angle table ``f`` is ``Cast(p) x inv_freq`` with ``p`` an integer graph input (a
+    ``position_ids`` input, through Unsqueezes), else None (``--position-ids cache`` assumes only such an input)."""
+    for factor, inv, _ in _angle_factors(f):
+        cast = _producer(factor, "Cast")
+        value = cast.inputs[0] if cast is not None else None
+        while (un := _producer(value, "Unsqueeze")) is not None:
+            value = un.inputs[0]
+        if (value is not None and value.is_graph_input() and value.dtype is not None and value.dtype.is_integer()
+                and inv.dtype in (np.float32, np.float16)):
+            return inv
+    return None
+
+
 def _no_gqa(node: ir.Node, why: str) -> bool:
     logger.debug("%s: no GroupQueryAttention with rotary: %s", node.name, why)
     return False
@@ -148,6 +163,11 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
             return _no_gqa(node, "the rotary angles are not provably (past + s) * inv_freq, nor is the causal mask's "
                                  "query position")
         pos, inv = found, None
+        if node.metadata_props.get(POSITION_IDS_KEY) == "cache":  # the user's assumption: position_ids == P + s
+            inv = _input_positions_inv(f)
+            external = inv is None
+            if not external:
+                ctx.count("attention.position_ids_assumed")
     else:
         assert rp is not None
         pos, inv = rp

@@ -214,3 +214,39 @@ def test_fp16_keeps_long_positions_exact(exports: Any, tmp_path: Path) -> None:
         f["position_ids"] = feeds["position_ids"] + start
         half = {k: (v.astype(np.float16) if v.dtype == np.float32 else v) for k, v in f.items()}
         assert _max_diff(_run(path, f), _run(model, half)) < 5e-3, start
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_position_ids_cache_puts_the_rotary_inside(exports: Any, exporter: str) -> None:
+    """``--position-ids cache`` (an assumption, documented): position_ids taken as each token's cache position, so
+    GroupQueryAttention computes the rotary itself (do_rotary 1, packed QKV, no RotaryEmbedding kernel, position_ids
+    unread): the export's numbers where the assumption holds, other numbers where it does not (offset positions)."""
+    path = exports("decode", exporter)
+    model, stats = _optimize(path, mask_format="lengths", position_ids="cache")
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert ops["GroupQueryAttention"] == 2 and ops["RotaryEmbedding"] == 0 and ops["Cos"] == 0, ops
+    assert [a["do_rotary"] for a in _gqa_attrs(model.graph.node)] == [1, 1]
+    assert stats["attention.position_ids_assumed"] == 2 and stats["attention.gqa_rotary"] == 2
+    assert "attention.gqa_external_rotary" not in stats and stats["attention.packed_qkv"] == 2
+    cfg = de.config("llama", **CFG)
+    feeds = de.feeds(cfg, "decode", batch=2, seq=1, past=7, position_ids=True)  # no padding: positions P + s
+    assert _max_diff(_run(path, feeds), _run(model, feeds)) < 1e-5
+    shifted = dict(feeds, position_ids=feeds["position_ids"] + 5)  # outside the assumption
+    assert _max_diff(_run(path, shifted), _run(model, shifted)) > 1e-2
+    exact, _ = _optimize(path, mask_format="lengths")  # the default form follows the given positions
+    assert _max_diff(_run(path, shifted), _run(exact, shifted)) < 1e-5
+    again, _ = mograph.optimize(model, passes=["cleanup", "fuse"],
+                                options={"target": "ort", "mask_format": "lengths", "position_ids": "cache"})
+    assert Counter(n.op_type for n in again.graph.node) == ops
+
+
+def test_position_ids_cache_changes_nothing_without_the_input(tmp_path: Path) -> None:
+    """The near miss: an export without a position_ids input (its positions proved from the cache length) lowers to
+    the same graph with the option as without it, nothing assumed (no stat)."""
+    path = de.export(de.config("llama", **CFG), "decode", "torchscript", tmp_path / "d.onnx")
+    plain, plain_stats = _optimize(path, mask_format="lengths")
+    model, stats = _optimize(path, mask_format="lengths", position_ids="cache")
+    assert "attention.position_ids_assumed" not in stats and stats == plain_stats
+    assert [n.op_type for n in model.graph.node] == [n.op_type for n in plain.graph.node]
+    feeds = de.feeds(de.config("llama", **CFG), "decode", batch=2, seq=1, past=7)
+    assert _max_diff(_run(path, feeds), _run(model, feeds)) < 1e-5
