@@ -101,6 +101,45 @@ def _causal_positions(bias: ir.Value, q: ir.Value, past: ir.Value | None, ctx: L
     return None
 
 
+def _packed_external(q: ir.Value, xs: list[ir.Value], heads: int, kv_heads: int, head_size: int, graph: ir.Graph,
+                     new_nodes: list[ir.Node], ctx: LoweringContext) -> ir.Value | None:
+    """The rotary-outside form with one projection: ``Concat(RotaryEmbedding(QK), V)`` of ``Split(h @ [W_q | W_k |
+    W_v])``, one RotaryEmbedding over the Q and K heads together (each head rotated alike by its token's position:
+    the same numbers as one kernel per projection), else None (projections not of one tensor, or Q's kernel not
+    the :mod:`_rotary` form: positions ``Expand``-ed over the batch)."""
+    rot = q.producer()
+    if rot is None or rot.op_type != "RotaryEmbedding" or len(rot.inputs) != 4:
+        return None
+    expand = _producer(rot.inputs[1], "Expand")
+    if expand is None or expand.inputs[0] is None:
+        return None
+    mark = len(new_nodes)
+    packed = _packed_qkv(xs, graph, new_nodes)
+    if packed is None:
+        handled, packed = pack_nbits_biased(xs, graph, new_nodes, ctx)
+        if not handled:
+            packed = pack_nbits_projections(xs, graph, new_nodes, ctx)
+    if packed is None:
+        del new_nodes[mark:]
+        return None
+    qk_width, v_width = (heads + kv_heads) * head_size, kv_heads * head_size
+    split = ir.node("Split", [packed, _const(new_nodes, np.array([qk_width, v_width], dtype=np.int64))],
+                    attributes={"axis": -1}, num_outputs=2)
+    new_nodes.append(split)
+    qk, v = split.outputs
+    batch_seq = _add(new_nodes, "Slice", [_add(new_nodes, "Shape", [qk]), _const(new_nodes, np.array([0], np.int64)),
+                                          _const(new_nodes, np.array([2], np.int64))])
+    pos = _add(new_nodes, "Expand", [expand.inputs[0], batch_seq])
+    kernel = _kernel("RotaryEmbedding", [qk, pos, rot.inputs[2], rot.inputs[3]],
+                     {"num_heads": heads + kv_heads, "interleaved": 0})
+    if q.dtype is not None:
+        kernel.outputs[0].dtype = q.dtype
+    new_nodes.append(kernel)
+    ctx.count("attention.packed_qkv")
+    ctx.stats["rotary.kernel"] = ctx.stats.get("rotary.kernel", 0) - 1  # Q's and K's kernels: one now
+    return _add(new_nodes, "Concat", [kernel.outputs[0], v], axis=-1)
+
+
 def _input_positions_inv(f: ir.Value) -> np.ndarray | None:
     """``inv_freq`` where the angle table ``f`` is ``Cast(p) x inv_freq`` with ``p`` an integer graph input (a
     ``position_ids`` input, through Unsqueezes), else None (``--position-ids cache`` assumes only such an input)."""
@@ -210,7 +249,11 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
     if external:  # one packed input: ONNX Runtime's CUDA GroupQueryAttentionFusion would take RotaryEmbedding kernels
         # feeding the op directly into it (do_rotary 1 with their caches, read by absolute position, and the
         # position ids dropped: wrong for these per-token caches); a Concat in between is not its pattern
-        packed = _add(new_nodes, "Concat", [q, k_rot, v_new], axis=-1)
+        # (behind the padding check the exact branch reads the kernels' Q and K anyway: packing there adds work)
+        packed = None if guarded else _packed_external(q, [xq, xk, v_new], heads, kv_heads, head_size, graph,
+                                                       new_nodes, ctx)
+        if packed is None:
+            packed = _add(new_nodes, "Concat", [q, k_rot, v_new], axis=-1)
     qkv: list[ir.Value | None] = [packed, None, None] if packed is not None else [xq, xk, v_new]
     attrs = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": scale, "do_rotary": 0 if external else 1,
              "rotary_interleaved": 0}

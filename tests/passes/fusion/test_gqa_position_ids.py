@@ -1,8 +1,9 @@
 """Decoder exports that take ``position_ids`` as an input (as optimum's do): their rotary angles come from that input,
 which nothing proves equal to ``past + s``, so the rotary cannot go inside ``GroupQueryAttention``; the causal mask is
-still built from the cache position.  ``--target ort`` lowers them to ``GroupQueryAttention`` with ``do_rotary`` 0 and
-ONNX Runtime's ``RotaryEmbedding`` kernels in front, packed into its one QKV input by a ``Concat`` (no K/V head
-repeat, the cache as its past/present, the shared buffer possible), exact against the export on ONNX Runtime CPU.
+still built from the cache position.  ``--target ort`` lowers them to ``GroupQueryAttention`` with ``do_rotary`` 0 over one
+packed projection: ``Split(h @ [W_q | W_k | W_v])``, one ONNX Runtime ``RotaryEmbedding`` kernel over the Q and K
+heads together, ``Concat`` with V into its one QKV input (no K/V head repeat, the cache as its past/present, the
+shared buffer possible), exact against the export on ONNX Runtime CPU.
 The Concat keeps the graph outside ONNX Runtime's CUDA ``GroupQueryAttentionFusion`` (RotaryEmbedding kernels feeding
 the op directly), which would read these per-token rotary caches by absolute position; checked here structurally."""
 
@@ -71,16 +72,24 @@ def _gqa_attrs(nodes: Any) -> list[dict[str, Any]]:
             for n in nodes if n.op_type == "GroupQueryAttention"]
 
 
-def _not_ort_cuda_gqa_fusion_pattern(graph: onnx.GraphProto) -> None:
-    """Every GroupQueryAttention takes one packed input made by a Concat of the two RotaryEmbedding outputs and V:
-    no RotaryEmbedding node feeds it directly (ONNX Runtime's CUDA GroupQueryAttentionFusion looks for exactly that)."""
+def _not_ort_cuda_gqa_fusion_pattern(graph: onnx.GraphProto, packed: bool = True) -> None:
+    """Every GroupQueryAttention takes one packed input made by a Concat of the rotated Q and K heads (one
+    RotaryEmbedding over a Split of the packed projection; two kernels where not ``packed``) and V: no
+    RotaryEmbedding node feeds it directly (ONNX Runtime's CUDA GroupQueryAttentionFusion looks for exactly that)."""
     producer = {o: n for n in graph.node for o in n.output}
     for gqa in (n for n in graph.node if n.op_type == "GroupQueryAttention"):
         assert gqa.input[1] == "" and gqa.input[2] == "", list(gqa.input)
         assert all(producer[i].op_type != "RotaryEmbedding" for i in gqa.input if i in producer)
         concat = producer[gqa.input[0]]
         assert concat.op_type == "Concat"
-        assert [producer[i].op_type for i in concat.input[:2]] == ["RotaryEmbedding", "RotaryEmbedding"]
+        if packed:
+            rot, split = producer[concat.input[0]], producer[concat.input[1]]
+            assert (len(concat.input), rot.op_type, split.op_type) == (2, "RotaryEmbedding", "Split")
+            assert producer[rot.input[0]] is split and producer[split.input[0]].op_type == "MatMul"
+            heads = {a.name: a.i for a in rot.attribute}["num_heads"]
+            assert heads == CFG["heads"] + CFG["kv_heads"]  # the Q and K heads together
+        else:
+            assert [producer[i].op_type for i in concat.input[:2]] == ["RotaryEmbedding", "RotaryEmbedding"]
 
 
 #: (step, batch, new tokens, padding): the cases each form must match the export on
@@ -94,7 +103,8 @@ def test_lengths_becomes_gqa_with_the_rotary_outside(exports: Any, exporter: str
     path = exports(step, exporter)
     model, stats = _optimize(path, mask_format="lengths")
     ops = Counter(n.op_type for n in model.graph.node)
-    assert ops["GroupQueryAttention"] == 2 and ops["RotaryEmbedding"] == 4, ops
+    assert ops["GroupQueryAttention"] == 2 and ops["RotaryEmbedding"] == 2 and ops["Split"] == 2, ops
+    assert ops["MatMul"] == 11, ops  # one packed Q/K/V projection per layer (2 x 5 + the LM head)
     for gone in ("MultiHeadAttention", "Expand", "Softmax", "If"):
         assert ops[gone] == 0, (gone, ops)  # no K/V head repeat, no check
     assert ops["Concat"] == 2, ops  # the packing Concat per layer, no exporter cache Concat
@@ -102,7 +112,7 @@ def test_lengths_becomes_gqa_with_the_rotary_outside(exports: Any, exporter: str
         assert attrs["do_rotary"] == 0 and attrs["num_heads"] == 4 and attrs["kv_num_heads"] == 2
     _not_ort_cuda_gqa_fusion_pattern(model.graph)
     assert stats["attention.gqa_external_rotary"] == 2 and "attention.gqa_rotary" not in stats
-    assert stats["rotary.kernel"] == 4  # the kernels stay in front of the op
+    assert stats["rotary.kernel"] == 2 and stats["attention.packed_qkv"] == 2  # one kernel per layer, in front
     assert stats.get("attention.kv_cache", 0) == (2 if step == "decode" else 0)
     if step == "decode":
         gqa = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
@@ -204,7 +214,7 @@ def test_fp16_keeps_long_positions_exact(exports: Any, tmp_path: Path) -> None:
     fp16 = next(p for p in report.to_dict()["passes"] if p["name"] == "fp16")
     assert fp16["stats"]["kept_fp32.position_angle"] >= 4  # Cast, MatMul/Mul, Cos, Sin at least
     ops = Counter(n.op_type for n in model.graph.node)
-    assert ops["GroupQueryAttention"] == 2 and ops["RotaryEmbedding"] == 4, ops
+    assert ops["GroupQueryAttention"] == 2 and ops["RotaryEmbedding"] == 2, ops  # one over Q and K per layer
     inferred = onnx.shape_inference.infer_shapes(model)
     dtype = {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info}
     trig = [n for n in model.graph.node if n.op_type in ("Cos", "Sin")]

@@ -123,7 +123,7 @@ def test_outer_product_with_a_non_constant_factor_stays_unproven(tmp_path: Path)
     for options in ({"target": "ort", "mask_format": "lengths"}, {"target": "ort", "kv_cache": "shared"}):
         model, _ = mograph.optimize(spelled, passes=["cleanup", "fuse"], options=options)
         ops = Counter(n.op_type for n in model.graph.node)
-        assert ops["GroupQueryAttention"] == 2 and ops["RotaryEmbedding"] == 4 and ops["MultiHeadAttention"] == 0, ops
+        assert ops["GroupQueryAttention"] == 2 and ops["RotaryEmbedding"] == 2 and ops["MultiHeadAttention"] == 0, ops  # one kernel over Q and K per layer
         gqa = next(n for n in model.graph.node if n.op_type == "GroupQueryAttention")
         assert {a.name: helper.get_attribute_value(a) for a in gqa.attribute}["do_rotary"] == 0
         if "mask_format" in options:  # the same I/O as the export
