@@ -103,7 +103,7 @@ _ANGLE_REASON = ("default rule: angle of an integer position (Cos/Sin of it): fl
                  "2048 exactly and an angle of position p to p/1024 rad")
 
 
-def _position_angles(nodes: list[ir.Node], floats: set[str]) -> set[int]:
+def _position_angles(nodes: list[ir.Node], floats: set[str], dtypes: Mapping[str, int]) -> set[int]:
     """Indices of the nodes that compute Cos/Sin of positions: from a Cast of an integer tensor to float (or a
     float Range) through :data:`_ANGLE_OPS` to a Cos or Sin, those included.  In float16 a position above 2048
     rounds (to 4 above 4096) and the angle ``p * inv_freq`` loses ``p/1024`` rad, so a rotary embedding computed
@@ -113,9 +113,13 @@ def _position_angles(nodes: list[ir.Node], floats: set[str]) -> set[int]:
     def is_float(v: ir.Value | None) -> bool:
         return v is not None and v.name in floats
 
+    def is_integer(v: ir.Value) -> bool:
+        code = dtypes.get(v.name or "")
+        dtype = v.dtype if code is None else ir.DataType(code)
+        return dtype is not None and dtype.is_integer()
+
     sources = [n for n in nodes if (n.op_type == "Cast" and n.inputs and n.inputs[0] is not None
-                                     and not is_float(n.inputs[0]) and is_float(n.outputs[0])
-                                     and n.inputs[0].dtype is not None and n.inputs[0].dtype.is_integer())
+                                     and is_integer(n.inputs[0]) and is_float(n.outputs[0]))
                or (n.op_type == "Range" and is_float(n.outputs[0]))]
     reach: set[int] = set()
     ends: list[ir.Node] = []
@@ -134,6 +138,20 @@ def _position_angles(nodes: list[ir.Node], floats: set[str]) -> set[int]:
             for use in v.uses():
                 if use.node.op_type in _ANGLE_OPS or use.node.op_type in ("Cos", "Sin"):
                     stack.append(use.node)
+    memo: dict[int, bool] = {}
+
+    def constant_side(v: ir.Value) -> bool:
+        """Whether ``v`` is computed from constants only through angle ops (``inv_freq`` expanded over the batch
+        and cast, as transformers writes it): it stays float32 with the positions it multiplies."""
+        prod = v.producer()
+        if prod is None:
+            return v.const_value is not None or v.is_initializer()
+        if id(prod) not in memo:
+            memo[id(prod)] = False  # (a cycle cannot happen in a DAG; this only stops re-entry)
+            memo[id(prod)] = (prod.op_type in _ANGLE_OPS | {"Constant", "ConstantOfShape", "Where", "Shape", "Equal"}
+                              and all(x is None or not is_float(x) or constant_side(x) for x in prod.inputs))
+        return memo[id(prod)]
+
     keep: set[int] = set()
     stack = list(ends)
     while stack:
@@ -141,11 +159,11 @@ def _position_angles(nodes: list[ir.Node], floats: set[str]) -> set[int]:
         if id(n) in keep:
             continue
         keep.add(id(n))
-        for v in n.inputs:
-            prod = v.producer() if v is not None else None
-            if prod is not None and id(prod) in reach:
+        for inp in n.inputs:
+            prod = inp.producer() if inp is not None else None
+            if prod is not None and inp is not None and (id(prod) in reach or (is_float(inp) and constant_side(inp))):
                 stack.append(prod)
-    return {where[i] for i in keep}
+    return {where[i] for i in keep if i in where}
 
 
 def _formal(formals: list[Any], i: int) -> Any | None:
@@ -358,7 +376,7 @@ class Fp16Pass(Pass):
         decisions: dict[int, tuple[str, str]] = {}
         keep = set(self.config.get("keep_fp32") or [])
         user = load_plan(self.config["precision_plan"]) if self.config.get("precision_plan") else None
-        angles = _position_angles(nodes, floats)
+        angles = _position_angles(nodes, floats, dtypes)
         for p in positions:
             n = nodes[p]
             key = node_key(n)

@@ -128,3 +128,26 @@ def test_outer_product_with_a_non_constant_factor_stays_unproven(tmp_path: Path)
         assert {a.name: helper.get_attribute_value(a) for a in gqa.attribute}["do_rotary"] == 0
         if "mask_format" in options:  # the same I/O as the export
             assert _max_diff(_run(spelled, feeds), _run(model, feeds)) < 1e-5
+
+
+REAL_517 = Path(__file__).resolve().parents[2] / "data" / "decoders" / "llama_ts_decode_transformers517.onnx"
+
+
+def test_transformers_517_export_keeps_the_rotary_inside_under_fp16(tmp_path: Path) -> None:
+    """A real TorchScript export by transformers 5.17 (the H200 image's; 1 layer, hidden 64, seeded random weights,
+    made by ``tools/bench_llm.py``'s ``export``): its inv_freq is a Constant node times ``Cast(pos)`` after
+    cleanup. fp16 keeps both float32, so ``--kv-cache shared`` still puts the rotary inside GroupQueryAttention
+    (without the rule for the constant side: a float16 inv_freq cast back, the rotary-outside form)."""
+    model = onnx.load(REAL_517)
+    rng = np.random.default_rng(0)
+    feeds = {"input_ids": rng.integers(0, 100, (2, 1)), "attention_mask": np.ones((2, 9), np.int64),
+             "past_0_key": rng.standard_normal((2, 2, 8, 16)).astype(np.float32),
+             "past_0_value": rng.standard_normal((2, 2, 8, 16)).astype(np.float32)}
+    np.savez(tmp_path / "calib.npz", **feeds)
+    opt, report = mograph.optimize(model, passes=["cleanup", "fuse", "fp16"],
+                                   options={"target": "ort", "kv_cache": "shared", "fp16_io": "yes",
+                                            "calibration_data": str(tmp_path / "calib.npz")})
+    lower = next(p for p in report.to_dict()["passes"] if p["name"] == "lower")["stats"]
+    assert lower["attention.gqa_rotary"] == 1 and "attention.gqa_external_rotary" not in lower, lower
+    ops = Counter(n.op_type for n in opt.graph.node)
+    assert ops["RotaryEmbedding"] == 0 and ops["Cos"] == 0 and ops["GroupQueryAttention"] == 1, ops
