@@ -51,6 +51,14 @@ _STD = ("", "ai.onnx")
 _RULE_ERRORS = (IndexError, ValueError, TypeError, ZeroDivisionError)
 
 
+#: The dims :meth:`ShapeQuery._declared` reads off every value's shape, made once: a literal, and a named dim's atom
+#: (``=name``).  A ``Dim`` is an immutable tuple, so one object serves every value that has that dim; at most
+#: ``_KEPT_DIMS`` of each are kept (a long-lived process sees many models).
+_LITERAL_DIMS: dict[int, Dim] = {}
+_NAMED_DIMS: dict[str, Dim] = {}
+_KEPT_DIMS = 4096
+
+
 def _as_dim(d: Dim | int | tuple) -> Dim:
     """A rule's dim as the query keeps it: a registered rule may give an int or a plain factor tuple."""
     if isinstance(d, Dim):
@@ -260,9 +268,21 @@ class ShapeQuery(ShapeReads):
         out: list[Dim | None] = []
         for axis, d in enumerate(shape):
             if isinstance(d, int):
-                out.append(Dim.lit(d))
-            elif d.value is not None and not d.value.startswith("unk__"):
-                out.append(Dim.sym(f"={d.value}"))
+                dim = _LITERAL_DIMS.get(d)
+                if dim is None:
+                    dim = Dim.lit(d)
+                    if len(_LITERAL_DIMS) < _KEPT_DIMS:
+                        _LITERAL_DIMS[d] = dim
+                out.append(dim)
+                continue
+            name = d.value
+            if name is not None and not name.startswith("unk__"):
+                dim = _NAMED_DIMS.get(name)
+                if dim is None:
+                    dim = Dim.sym(f"={name}")
+                    if len(_NAMED_DIMS) < _KEPT_DIMS:
+                        _NAMED_DIMS[name] = dim
+                out.append(dim)
             else:
                 out.append(Dim.sym(f"?{next(self._fresh)}:{value.name}:{axis}"))
         return tuple(out)
@@ -273,14 +293,23 @@ class ShapeQuery(ShapeReads):
             dims = declared
         elif declared is not None and len(declared) == len(dims):
             # A literal from inference beats a symbol; an unknown is filled from inference.
-            dims = tuple(d if (dec is None or (d is not None and not dec.is_literal)) else dec
+            dims = tuple(d if (dec is None or (d is not None and dec.has_sym)) else dec
                          for d, dec in zip(dims, declared))
         if dims is not None:
-            dims = tuple(Dim.sym(f"?{next(self._fresh)}:{value.name}") if d is None else _as_dim(d) for d in dims)
+            # One loop (this runs for every value of every sweep): an unknown dim becomes a fresh atom, in axis
+            # order; a dim that is exactly one symbol names its first witness.
+            fresh, witness, out = self._fresh, self.witness, []
             for axis, d in enumerate(dims):
-                name = d.symbol if d is not None else None
-                if name is not None and name not in self.witness:
-                    self.witness[name] = (value, axis)
+                if d is None:
+                    d = Dim.sym(f"?{next(fresh)}:{value.name}")
+                elif type(d) is not Dim:
+                    d = _as_dim(d)
+                out.append(d)
+                if len(d) == 1:
+                    name = d[0]
+                    if isinstance(name, str) and name not in witness:
+                        witness[name] = (value, axis)
+            dims = tuple(out)
         self._dims[value] = dims
 
     def _constant(self, value: ir.Value) -> None:
