@@ -35,7 +35,7 @@ import onnx_ir as ir
 
 from mograph.shapes._builtin import builtin_rules, peek_tensor, reshape_dims
 from mograph.shapes._dim import Dim
-from mograph.shapes._rules import ShapeRules, node_version
+from mograph.shapes._rules import ShapeRule, ShapeRules, node_version
 
 __all__ = ["DimKey", "Dims", "ShapeQuery", "Vector", "as_ir_shape", "holds_dims", "static_dim", "vector_ints"]
 
@@ -144,6 +144,7 @@ class ShapeQuery(ShapeReads):
         #: whether int32 shape vectors are tracked (and ``Cast`` to int32 has a vector rule)
         self.int32 = int32
         self._opsets = dict(graph.opset_imports)
+        self._rule_of: dict[tuple[str, str, int | None], ShapeRule | None] = {}  # (domain, op_type, version) -> rule or None
         self._dims: dict[ir.Value, Dims | None] = {}
         self._vec: dict[ir.Value, Vector] = {}
         #: atom -> (value, axis): the first value carrying it (graph inputs first)
@@ -323,7 +324,11 @@ class ShapeQuery(ShapeReads):
 
     def _visit(self, node: ir.Node) -> None:
         outs = list(node.outputs)
-        rule = self.rules.lookup(node.domain, node.op_type, node_version(node, self._opsets))
+        key = (node.domain, node.op_type, node.version)
+        if key in self._rule_of:  # looked up once per op: the table and the graph's opsets do not change under a query
+            rule = self._rule_of[key]
+        else:
+            rule = self._rule_of[key] = self.rules.lookup(node.domain, node.op_type, node_version(node, self._opsets))
         result = None
         if rule is not None and rule.dims is not None:
             try:
