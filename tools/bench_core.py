@@ -52,7 +52,8 @@ save): 1k nodes 0.8 CPU-s, 10k 4.9-5.1, 30k 14.5-15.7, 100k 50.1-53.9 (x10.3-10.
 449 / 1,111 MiB; the 30-layer LLaMA export (622 MiB of in-protobuf weights) 4.8 CPU-s, peak 903 MiB (1.45x its
 bytes); largest pass fold-constants, 20-23% of the passes' CPU time at every size.  Session 11 (same day, another
 helper's jobs beside it: both codes slower): 10k 5.8-6.1, 100k 61.9-62.7 (x10.3-10.6), peak 248 / 1,110 MiB;
-LLaMA 7.5 CPU-s, peak 903 MiB, fold-constants 20%.
+LLaMA 7.5 CPU-s, peak 903 MiB, fold-constants 20%.  Session 12 (load average about 2.5, the shape query's sweep
+made cheaper): 1k 0.9, 10k 5.75, 30k 17.7, 100k 60.2 (x10.5), peak 159 / 248 / 449 / 1,110 MiB.
 """
 
 from __future__ import annotations

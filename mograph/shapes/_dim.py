@@ -51,18 +51,22 @@ class Dim(tuple):  # type: ignore[type-arg]
     @classmethod
     def lit(cls, n: int) -> Dim:
         """The literal size ``n`` (any int: 0 and negative entries of shape vectors included)."""
-        return cls((int(n),))
+        n = int(n)  # what ``cls((n,))`` makes, without its loop: the shape query builds one per dim of every value
+        return tuple.__new__(cls, () if n == 1 else (n,))
 
     @classmethod
     def sym(cls, name: str) -> Dim:
         """The size named ``name``."""
-        return cls((name,))
+        return tuple.__new__(cls, (name,)) if isinstance(name, str) else cls((name,))
 
     # --- reading ----------------------------------------------------------------------------
     @property
     def has_sym(self) -> bool:
         """Whether any factor is a symbol (the size is not known as a number)."""
-        return any(isinstance(f, str) for f in self)
+        for f in self:  # a loop, not ``any`` over a generator: asked of every dim the shape query sets
+            if isinstance(f, str):
+                return True
+        return False
 
     @property
     def is_literal(self) -> bool:

@@ -35,7 +35,7 @@ import onnx_ir as ir
 
 from mograph.shapes._builtin import builtin_rules, peek_tensor, reshape_dims
 from mograph.shapes._dim import Dim
-from mograph.shapes._rules import ShapeRules, node_version
+from mograph.shapes._rules import ShapeRule, ShapeRules, node_version
 
 __all__ = ["DimKey", "Dims", "ShapeQuery", "Vector", "as_ir_shape", "holds_dims", "static_dim", "vector_ints"]
 
@@ -49,6 +49,14 @@ DimKey = tuple[object, ...]
 _STD = ("", "ai.onnx")
 #: Errors a rule may raise on a malformed node; the query then treats the rule as not telling.
 _RULE_ERRORS = (IndexError, ValueError, TypeError, ZeroDivisionError)
+
+
+#: The dims :meth:`ShapeQuery._declared` reads off every value's shape, made once: a literal, and a named dim's atom
+#: (``=name``).  A ``Dim`` is an immutable tuple, so one object serves every value that has that dim; at most
+#: ``_KEPT_DIMS`` of each are kept (a long-lived process sees many models).
+_LITERAL_DIMS: dict[int, Dim] = {}
+_NAMED_DIMS: dict[str, Dim] = {}
+_KEPT_DIMS = 4096
 
 
 def _as_dim(d: Dim | int | tuple) -> Dim:
@@ -136,6 +144,7 @@ class ShapeQuery(ShapeReads):
         #: whether int32 shape vectors are tracked (and ``Cast`` to int32 has a vector rule)
         self.int32 = int32
         self._opsets = dict(graph.opset_imports)
+        self._rule_of: dict[tuple[str, str, int | None], ShapeRule | None] = {}  # (domain, op_type, version) -> rule or None
         self._dims: dict[ir.Value, Dims | None] = {}
         self._vec: dict[ir.Value, Vector] = {}
         #: atom -> (value, axis): the first value carrying it (graph inputs first)
@@ -260,9 +269,21 @@ class ShapeQuery(ShapeReads):
         out: list[Dim | None] = []
         for axis, d in enumerate(shape):
             if isinstance(d, int):
-                out.append(Dim.lit(d))
-            elif d.value is not None and not d.value.startswith("unk__"):
-                out.append(Dim.sym(f"={d.value}"))
+                dim = _LITERAL_DIMS.get(d)
+                if dim is None:
+                    dim = Dim.lit(d)
+                    if len(_LITERAL_DIMS) < _KEPT_DIMS:
+                        _LITERAL_DIMS[d] = dim
+                out.append(dim)
+                continue
+            name = d.value
+            if name is not None and not name.startswith("unk__"):
+                dim = _NAMED_DIMS.get(name)
+                if dim is None:
+                    dim = Dim.sym(f"={name}")
+                    if len(_NAMED_DIMS) < _KEPT_DIMS:
+                        _NAMED_DIMS[name] = dim
+                out.append(dim)
             else:
                 out.append(Dim.sym(f"?{next(self._fresh)}:{value.name}:{axis}"))
         return tuple(out)
@@ -273,14 +294,23 @@ class ShapeQuery(ShapeReads):
             dims = declared
         elif declared is not None and len(declared) == len(dims):
             # A literal from inference beats a symbol; an unknown is filled from inference.
-            dims = tuple(d if (dec is None or (d is not None and not dec.is_literal)) else dec
+            dims = tuple(d if (dec is None or (d is not None and dec.has_sym)) else dec
                          for d, dec in zip(dims, declared))
         if dims is not None:
-            dims = tuple(Dim.sym(f"?{next(self._fresh)}:{value.name}") if d is None else _as_dim(d) for d in dims)
+            # One loop (this runs for every value of every sweep): an unknown dim becomes a fresh atom, in axis
+            # order; a dim that is exactly one symbol names its first witness.
+            fresh, witness, out = self._fresh, self.witness, []
             for axis, d in enumerate(dims):
-                name = d.symbol if d is not None else None
-                if name is not None and name not in self.witness:
-                    self.witness[name] = (value, axis)
+                if d is None:
+                    d = Dim.sym(f"?{next(fresh)}:{value.name}")
+                elif type(d) is not Dim:
+                    d = _as_dim(d)
+                out.append(d)
+                if len(d) == 1:
+                    name = d[0]
+                    if isinstance(name, str) and name not in witness:
+                        witness[name] = (value, axis)
+            dims = tuple(out)
         self._dims[value] = dims
 
     def _constant(self, value: ir.Value) -> None:
@@ -294,7 +324,11 @@ class ShapeQuery(ShapeReads):
 
     def _visit(self, node: ir.Node) -> None:
         outs = list(node.outputs)
-        rule = self.rules.lookup(node.domain, node.op_type, node_version(node, self._opsets))
+        key = (node.domain, node.op_type, node.version)
+        if key in self._rule_of:  # looked up once per op: the table and the graph's opsets do not change under a query
+            rule = self._rule_of[key]
+        else:
+            rule = self._rule_of[key] = self.rules.lookup(node.domain, node.op_type, node_version(node, self._opsets))
         result = None
         if rule is not None and rule.dims is not None:
             try:

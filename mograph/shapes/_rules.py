@@ -97,8 +97,10 @@ class ShapeRules:
             return None
         if version is None:
             return versions[-1]
-        found = [r for r in versions if r.since_version <= version]
-        return found[-1] if found else None
+        for rule in reversed(versions):  # the last one in force (no list: looked up for every node of a sweep)
+            if rule.since_version <= version:
+                return rule
+        return None
 
     def merged(self, other: Iterable[ShapeRule]) -> ShapeRules:
         """A new table with this table's rules and ``other``'s (a key in both is an error)."""

@@ -22,6 +22,22 @@ def test_canonical_factors(factors: tuple, expected: tuple) -> None:
     assert Dim(factors) == expected
 
 
+@pytest.mark.parametrize("n", [1, 0, -1, 2, 64, True, 3.0])
+def test_literal_is_the_canonical_one_factor_dim(n: object) -> None:
+    got = Dim.lit(n)  # type: ignore[arg-type]
+    assert type(got) is Dim and got == Dim((int(n),))  # type: ignore[call-overload]
+    assert got.is_literal and not got.has_sym
+
+
+@pytest.mark.parametrize("name", ["b", "=seq", "?3:x:0"])
+def test_symbol_is_the_one_factor_dim(name: str) -> None:
+    got = Dim.sym(name)
+    assert type(got) is Dim
+    assert got == Dim((name,))
+    assert tuple(got) == (name,)
+    assert got.has_sym and not got.is_literal and got.symbol == name
+
+
 @pytest.mark.parametrize(("dim", "value", "coef", "atoms", "symbol", "text"), [
     (Dim(), 1, 1, (), None, "1"),
     (Dim.lit(0), 0, 0, (), None, "0"),
