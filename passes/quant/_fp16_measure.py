@@ -99,6 +99,10 @@ def keep_fp16_rounding(model: ir.Model) -> ir.Model:
     return model
 
 
+#: First default-domain opset whose ``Clip`` takes its bounds as inputs (attributes ``min``/``max`` before).
+CLIP_INPUTS_OPSET = 11
+
+
 @dataclass
 class LocalMeasure:
     """What one calibration run measured, per node position (index in the graph's node order)."""
@@ -127,9 +131,10 @@ def _twin_model(model: ir.Model, positions: Sequence[int], floats: set[str], pin
     taken = {v.name for n in nodes for v in n.outputs if v.name} | {v.name for v in graph.inputs if v.name}
     taken |= set(graph.initializers)
     halves: dict[int, ir.Value] = {}
+    clip_inputs = int(copy.opset_imports.get("", copy.opset_imports.get("ai.onnx", 1))) >= CLIP_INPUTS_OPSET
     lo = ir.Value(name=fresh_name(taken, "fp16_twin_lo"), const_value=ir.tensor(np.array(-FP16_LIMIT, np.float32)))
     hi = ir.Value(name=fresh_name(taken, "fp16_twin_hi"), const_value=ir.tensor(np.array(FP16_LIMIT, np.float32)))
-    for v in (lo, hi):
+    for v in (lo, hi) if clip_inputs else ():
         v.const_value.name = v.name  # type: ignore[union-attr]
         v.dtype, v.shape = ir.DataType.FLOAT, ir.Shape([])
         graph.register_initializer(v)
@@ -145,7 +150,11 @@ def _twin_model(model: ir.Model, positions: Sequence[int], floats: set[str], pin
             out.dtype, out.shape = ir.DataType.FLOAT16, v.shape
             graph.register_initializer(out)
         else:
-            clip = ir.node("Clip", [v, lo, hi], name=fresh_name(taken, f"{v.name}_twin_clip"))
+            if clip_inputs:
+                clip = ir.node("Clip", [v, lo, hi], name=fresh_name(taken, f"{v.name}_twin_clip"))
+            else:  # before opset 11 the bounds are attributes
+                clip = ir.node("Clip", [v], {"min": -FP16_LIMIT, "max": FP16_LIMIT},
+                               name=fresh_name(taken, f"{v.name}_twin_clip"))
             cast = ir.node("Cast", [clip.outputs[0]], {"to": ir.DataType.FLOAT16.value},
                            name=fresh_name(taken, f"{v.name}_twin_cast"))
             clip.outputs[0].name = fresh_name(taken, f"{v.name}_twin_clipped")

@@ -56,6 +56,7 @@ import onnx_ir as ir
 from mograph.passes.quant import calibration as cal
 from mograph.passes.quant._base import CALIBRATION_OPTIONS, PLAN_OPTIONS, calibration_meta, open_calibration
 from mograph.passes.quant._fp16_measure import (
+    CLIP_INPUTS_OPSET,
     FP16_LIMIT,
     LocalMeasure,
     Search,
@@ -631,7 +632,15 @@ class Fp16Pass(Pass):
         to = ir.DataType.FLOAT16 if want == "fp16" else ir.DataType.FLOAT
         src = v
         made: list[ir.Node] = []
-        if want == "fp16" and saturate:  # float32 values beyond +-65504 would become infinite
+        opset = int(graph.opset_imports.get("", graph.opset_imports.get("ai.onnx", 1)))
+        if want == "fp16" and saturate and opset < CLIP_INPUTS_OPSET:  # the bounds are attributes
+            clip = ir.node("Clip", [v], {"min": -FP16_LIMIT, "max": FP16_LIMIT}, name=fresh_name(taken, f"{v.name}_saturate"))
+            clip.outputs[0].name = fresh_name(taken, clip.name or "c")
+            clip.outputs[0].dtype = ir.DataType.FLOAT
+            clip.metadata_props[_CAST_MARK] = "1"
+            made.append(clip)
+            src = clip.outputs[0]
+        elif want == "fp16" and saturate:  # float32 values beyond +-65504 would become infinite
             lo = ir.node("Constant", [], {"value": ir.tensor(np.array(-FP16_LIMIT, np.float32))},
                          name=fresh_name(taken, f"{v.name}_fp16_lo"))
             hi = ir.node("Constant", [], {"value": ir.tensor(np.array(FP16_LIMIT, np.float32))},

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from mograph.passes.quant import QdqFp8Pass, QdqInt8Pass
+from mograph.passes.quant import Fp16Pass, QdqFp8Pass, QdqInt8Pass, WeightOnlyPass
 from onnx import helper, numpy_helper
 
 from mograph.errors import ModelError
@@ -256,3 +256,62 @@ def test_weight_inside_a_loop_body_stays_float_and_says_why():
     assert by["body_mm"]["reason"] == "inside a Loop/Scan body, whose tensors calibration cannot observe"
     assert by["head"]["reason"] == "default rule: final projection"
     assert check_model_output(model)["onnxruntime"].startswith("passed")
+
+
+# --- old opsets met on real models (issue 27): weight-only and fp16 write what their opset allows ------------
+
+
+def test_weight_only_upgrades_opset_12_to_13_for_its_function_body():
+    """DNSMOS (keras2onnx, opset 12): the WeightOnlyMatMul body's ``Unsqueeze`` takes its axes as an input
+    (opset 13), so ONNX Runtime refused the opset-12 model it wrote (exit 4); the opset is raised now."""
+    proto = _mlp(opset=12)
+    model = to_ir(proto)
+    result = WeightOnlyPass(algorithm="rtn", block_size=32).call(model)
+    assert result.modified and result.stats["quantized"] == 1 and result.stats["kept_float"] == 0
+    assert result.stats["opset_upgrade.from"] == 12 and result.stats["opset_upgrade.to"] == 13
+    assert result.details["opset_upgrade"]["reason"] == "function bodies of the quantized ops (opset 13)"
+    assert model.opset_imports[""] == 13
+    assert op_counts(model) == {"mograph.WeightOnlyMatMul": 1, "Relu": 1, "MatMul": 1}
+    _loads_and_matches(proto, model, _feeds(2), 0.99)
+    assert not WeightOnlyPass(algorithm="rtn", block_size=32).call(model).modified
+
+
+def test_weight_only_at_opset_13_keeps_the_opset():
+    proto = _mlp(opset=13)
+    model = to_ir(proto)
+    result = WeightOnlyPass(algorithm="rtn", block_size=32).call(model)
+    assert result.stats["quantized"] == 1 and "opset_upgrade.to" not in result.stats
+    assert "opset_upgrade" not in result.details and model.opset_imports[""] == 13
+
+
+def _saturating(opset: int) -> onnx.ModelProto:
+    """y = Sigmoid(x * 1e6) @ w: the Mul overflows float16 (stays float32), so the Sigmoid's input is clipped
+    to +-65504 on its way to float16, by the measuring twins and by the written model."""
+    w = np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)
+    nodes = [helper.make_node("Mul", ["x", "big"], ["h"], name="scale"),
+             helper.make_node("Sigmoid", ["h"], ["s"], name="squash"),
+             helper.make_node("MatMul", ["s", "w"], ["y"], name="mm")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F32, ["n", 16])],
+                              [helper.make_tensor_value_info("y", F32, ["n", 8])],
+                              [numpy_helper.from_array(np.array(1e6, np.float32), "big"), numpy_helper.from_array(w, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+@pytest.mark.parametrize("opset", [9, 13])
+def test_fp16_clips_with_the_clip_of_the_model_opset(opset):
+    """AECMOS (PyTorch 1.11, opset 9): the measuring copy's and the written model's saturating ``Clip`` took
+    their bounds as inputs, which ``Clip`` reads only from opset 11 (an internal error before the fix)."""
+    proto = _saturating(opset)
+    model = to_ir(proto)
+    result = Fp16Pass(calibration_data=_feeds()).call(model)
+    assert result.stats["converted"] == 2 and result.stats["kept_fp32.overflow"] == 1 and result.stats["casts"] == 2
+    clip = next(n for n in model.graph if n.op_type == "Clip")
+    if opset < 11:
+        assert op_counts(model) == {"Mul": 1, "Clip": 1, "Cast": 2, "Sigmoid": 1, "MatMul": 1}
+        assert len(clip.inputs) == 1 and clip.attributes["max"].as_float() == 65504.0
+    else:  # the bounds are two Constant nodes
+        assert op_counts(model) == {"Mul": 1, "Constant": 2, "Clip": 1, "Cast": 2, "Sigmoid": 1, "MatMul": 1}
+        assert len(clip.inputs) == 3 and not clip.attributes
+    assert model.opset_imports[""] == opset
+    _loads_and_matches(proto, model, _feeds(2), 0.9999)
+    assert not Fp16Pass(calibration_data=_feeds()).call(model).modified
