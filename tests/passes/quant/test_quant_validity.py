@@ -315,3 +315,47 @@ def test_fp16_clips_with_the_clip_of_the_model_opset(opset):
     assert model.opset_imports[""] == opset
     _loads_and_matches(proto, model, _feeds(2), 0.9999)
     assert not Fp16Pass(calibration_data=_feeds()).call(model).modified
+
+
+def _gemm_after(gate: float) -> onnx.ModelProto:
+    """y = Gemm(Relu(Gemm(x * gate, w, b)), wh): with ``gate`` 0 the first Gemm's input is calibrated all zeros."""
+    rng = np.random.default_rng(3)
+    w, b = rng.standard_normal((8, 16)).astype(np.float32), rng.standard_normal(8).astype(np.float32)
+    wh = rng.standard_normal((4, 8)).astype(np.float32)
+    nodes = [helper.make_node("Mul", ["x", "gate"], ["g"], name="gate"),
+             helper.make_node("Gemm", ["g", "w", "b"], ["h"], name="bridge", transB=1),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("Gemm", ["r", "wh"], ["y"], name="head", transB=1)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F32, ["n", 16])],
+                              [helper.make_tensor_value_info("y", F32, ["n", 4])],
+                              [numpy_helper.from_array(np.array(gate, np.float32), "gate"),
+                               numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b"),
+                               numpy_helper.from_array(wh, "wh")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def test_int8_keeps_a_bias_float_when_its_input_was_calibrated_constant():
+    """Arabic name romanizer's encoder (issue 27): a masked mean whose calibration input was all zeros gave the
+    bridge Gemm an input scale of 1e-12; its INT32 bias at scale 1e-12 * w_scale was clipped to about 0, so the
+    hidden state lost the bias (cosine 0 against the original, exit 0).  Such a bias stays float now."""
+    proto = _gemm_after(0.0)
+    model = to_ir(proto)
+    result = QdqInt8Pass(accuracy_budget="off", calibration_data=_feeds()).call(model)
+    assert result.stats["quantized"] == 1 and result.stats["q_nodes"] == 2 and result.stats["dq_nodes"] == 3
+    bridge = next(n for n in model.graph if n.name == "bridge")
+    assert bridge.inputs[2] is not None and bridge.inputs[2].name == "b" and bridge.inputs[2].is_initializer()
+    _loads_and_matches(proto, model, _feeds(2), 0.999)
+    assert not QdqInt8Pass(accuracy_budget="off", calibration_data=_feeds()).call(model).modified
+
+
+def test_int8_bias_of_a_live_input_is_int32():
+    """The near miss: an input with a real range keeps the INT32 bias ONNX Runtime's QGemm fusion wants."""
+    proto = _gemm_after(1.0)
+    model = to_ir(proto)
+    result = QdqInt8Pass(accuracy_budget="off", calibration_data=_feeds()).call(model)
+    assert result.stats["quantized"] == 1 and result.stats["q_nodes"] == 2 and result.stats["dq_nodes"] == 4
+    bridge = next(n for n in model.graph if n.name == "bridge")
+    dq = bridge.inputs[2].producer()  # type: ignore[union-attr]
+    assert dq is not None and dq.op_type == "DequantizeLinear"
+    assert dq.inputs[0].const_value.dtype == ir.DataType.INT32  # type: ignore[union-attr]
+    _loads_and_matches(proto, model, _feeds(2), 0.99)
