@@ -53,7 +53,7 @@ from mograph.irutil import fresh_name, run_shape_inference
 if TYPE_CHECKING:
     from mograph.custom_ops import CustomOp
 
-__all__ = ["FP16_LIMIT", "LocalMeasure", "Search", "keep_fp16_rounding", "measure_local", "output_metric",
+__all__ = ["FP16_LIMIT", "LocalMeasure", "Search", "keep_fp16_rounding", "measure_local", "output_metric", "output_value",
            "fewest_fp32", "to_half", "SIGNAL_FLOOR", "MEASURE_BYTES", "MEASURE_BYTES_ENV"]
 
 logger = logging.getLogger(__name__)
@@ -468,7 +468,7 @@ def _rows(a: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
     return a[keep]
 
 
-def _output_value(budget: Budget, ref: np.ndarray, out: np.ndarray) -> float:
+def output_value(budget: Budget, ref: np.ndarray, out: np.ndarray) -> float:
     """One output of one sample judged as the verifier judges it: float64, NaN (or the same infinity) where
     both have it is agreement, a non-finite value alone is a failure, all-zero against all-zero agrees,
     an output whose values all stay within :data:`SIGNAL_FLOOR` is not judged by cosine."""
@@ -495,7 +495,7 @@ def output_metric(budget: Budget, refs: list[list[np.ndarray]], outs: list[list[
                   keeps: Sequence[np.ndarray | None] | None = None) -> float:
     """The budget's metric: the smallest cosine, or the largest |diff|, over every float output of every sample.
 
-    Each output is judged on its own, as ``--verify`` judges it (:func:`_output_value`), never concatenated
+    Each output is judged on its own, as ``--verify`` judges it (:func:`output_value`), never concatenated
     with the others: a small output (a probability map in float16's subnormal range) next to a large one
     keeps its own figure.  ``keeps`` (per sample, ``[batch, seq]`` of real positions, or ``None``) leaves
     out the positions the ``attention_mask`` marks as padding: no output value there is read (a padded
@@ -507,7 +507,7 @@ def output_metric(budget: Budget, refs: list[list[np.ndarray]], outs: list[list[
         for r, o in zip(ref, out):
             if not (np.issubdtype(np.asarray(r).dtype, np.floating) or np.issubdtype(np.asarray(o).dtype, np.floating)):
                 continue
-            values.append(_output_value(budget, _rows(np.asarray(r), keep), _rows(np.asarray(o), keep)))
+            values.append(output_value(budget, _rows(np.asarray(r), keep), _rows(np.asarray(o), keep)))
     if not values:
         return 1.0 if budget.metric == "cosine" else 0.0
     return min(values) if budget.metric == "cosine" else max(values)

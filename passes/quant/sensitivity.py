@@ -1,8 +1,8 @@
 """Per-layer sensitivity analysis: keep the fewest layers in higher precision that meets an accuracy budget.
 
-Given a budget on the model outputs (``cosine>=0.995``: the smallest per-sample cosine similarity between
-the quantized and the float outputs; ``max-abs<=X``: the largest absolute difference), measured on the
-first calibration samples:
+Given a budget on the model outputs (``cosine>=0.995``: the smallest cosine similarity between the quantized
+and the float outputs, per sample with its outputs joined and per output on its own, as ``--verify`` judges
+it; ``max-abs<=X``: the largest absolute difference), measured on the first calibration samples:
 
 1. **rank**: every candidate layer is run alone (a one-node model, ONNX Runtime) on the inputs it sees in
    the float model for those samples, once in float and once with its inputs and weights fake-quantized
@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
+from mograph.passes.quant._fp16_measure import output_value
 from mograph.passes.quant._qdq import (
     Candidate,
     QdqWriter,
@@ -81,7 +82,13 @@ class SensitivityResult:
     evaluations: int = 0
 
 
-def _metric(budget: Budget, refs: list[list[np.ndarray]], outs: list[list[np.ndarray]]) -> float:
+def _metric(budget: Budget, refs: list[list[np.ndarray]], outs: list[list[np.ndarray]],
+            per_output: bool = False) -> float:
+    """The smallest cosine (largest |diff|) between each sample's float outputs joined into one vector; with
+    ``per_output`` also over each output on its own (:func:`~mograph.passes.quant._fp16_measure.output_value`,
+    as ``--verify`` judges it), the metric the budget is checked on: joined alone, a small output that
+    quantization wrecked hid behind a large exact one (a GRU encoder's bridge state, cosine 0, beside its
+    memory output: 0.998 joined)."""
     # each sample's float outputs, one float64 vector per side, written into two buffers made once: a new
     # pair of vectors per sample (a decoder's logits: 100 MB each) cost three times as much, in page faults
     size = max((sum(a.size for a in ref if np.issubdtype(a.dtype, np.floating)) for ref in refs), default=0)
@@ -94,7 +101,26 @@ def _metric(budget: Budget, refs: list[list[np.ndarray]], outs: list[list[np.nda
             values.append(float(r @ o / (np.linalg.norm(r) * np.linalg.norm(o) + 1e-30)))
         else:
             values.append(float(np.abs(r - o).max()))
+        if per_output:
+            values.extend(_each_output(budget, ref, out, r, o))
     return min(values) if budget.metric == "cosine" else max(values)
+
+
+def _each_output(budget: Budget, ref: list[np.ndarray], out: list[np.ndarray], r: np.ndarray,
+                 o: np.ndarray) -> list[float]:
+    """Each float output pair judged on its own, read from the joined vectors ``r``/``o`` where both sides
+    put it at the same place with the same shape (no copy), else from the arrays themselves."""
+    values = []
+    at_r = at_o = 0
+    for a, b in zip(ref, out):
+        fa, fb = np.issubdtype(a.dtype, np.floating), np.issubdtype(b.dtype, np.floating)
+        if fa and fb and a.shape == b.shape and at_r == at_o:
+            values.append(output_value(budget, r[at_r:at_r + a.size], o[at_o:at_o + b.size]))
+        elif fa:
+            values.append(output_value(budget, np.asarray(a), np.asarray(b)))
+        at_r += a.size if fa else 0
+        at_o += b.size if fb else 0
+    return values
 
 
 def _flat_floats(arrays: list[np.ndarray], buf: np.ndarray) -> np.ndarray:
@@ -356,7 +382,7 @@ def _evaluate_mix(
     _spill.free_dropped(dropped)
     outs = list(run_model(payload, samples))
     del payload
-    return _metric(budget, refs, outs)
+    return _metric(budget, refs, outs, per_output=True)
 
 
 def _spread(lo: int, hi: int, m: int) -> list[int]:

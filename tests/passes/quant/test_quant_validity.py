@@ -359,3 +359,38 @@ def test_int8_bias_of_a_live_input_is_int32():
     assert dq is not None and dq.op_type == "DequantizeLinear"
     assert dq.inputs[0].const_value.dtype == ir.DataType.INT32  # type: ignore[union-attr]
     _loads_and_matches(proto, model, _feeds(2), 0.99)
+
+
+def test_int8_budget_judges_each_output_on_its_own():
+    """Two outputs, a large exact one and a small one that quantization wrecks (an activation channel 300x the
+    others: uint8 steps of ~7 erase the rest, smoothing off).  The budget used to be one cosine over both
+    joined, so the large exact output hid the small one's cosine of 0.14 and the MatMul was quantized
+    (issue 27: the romanizer encoder's bridge state, cosine 0, next to its exact memory output)."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((16, 8)).astype(np.float32)
+    w[0] = 0.0  # the outlier channel does not reach the output: its range only costs the others their steps
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["small"], name="mm"), helper.make_node("Mul", ["x", "k"], ["big"], name="scale")],
+        "g", [helper.make_tensor_value_info("x", F32, ["n", 16])],
+        [helper.make_tensor_value_info("big", F32, ["n", 16]), helper.make_tensor_value_info("small", F32, ["n", 8])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array(100.0, np.float32), "k")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+    def outlier_feeds(n: int, seed: int) -> list[dict]:
+        r = np.random.default_rng(seed)
+        feeds = [{"x": r.standard_normal((8, 16)).astype(np.float32)} for _ in range(n)]
+        for f in feeds:
+            f["x"][:, 0] *= 300
+        return feeds
+
+    model = to_ir(proto)
+    result = QdqInt8Pass(smoothing="off", calibration_data=outlier_feeds(4, 1)).call(model)
+    assert not result.modified and result.stats["quantized"] == 0 and result.stats["kept_float"] == 1
+    assert op_counts(model) == {"MatMul": 1, "Mul": 1}
+    # what the old joined metric let through: quantized alone, the small output is far off
+    forced = to_ir(proto)
+    QdqInt8Pass(smoothing="off", accuracy_budget="cosine>=0", calibration_data=outlier_feeds(4, 1)).call(forced)
+    f = outlier_feeds(1, 9)[0]
+    big, small = run(proto, f)
+    big_q, small_q = run(forced, f)
+    assert cosine(big, big_q) > 0.9999 and cosine(small, small_q) < 0.9
