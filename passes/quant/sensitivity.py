@@ -132,6 +132,15 @@ def _flat_floats(arrays: list[np.ndarray], buf: np.ndarray) -> np.ndarray:
     return np.concatenate(parts, out=buf[:n])
 
 
+def _computed_inputs(cands: list[Candidate]) -> list[str]:
+    """Names of the candidates' other inputs that are computed, not constant: a Gemm bias read through an
+    ``Identity`` (PyTorch's export of a parameter shared by an unrolled LSTM's steps) stays float and unquantized
+    in the Q/DQ model, so a layer run alone reads it as the float model made it."""
+    names = [v.name for c in cands for i, v in enumerate(c.node.inputs)
+             if v is not None and v.name and i not in c.act_inputs and const_tensor(v) is None]
+    return list(dict.fromkeys(names))
+
+
 def _observation(model: ir.Model, cands: list[Candidate], samples: list[Feed], source: Any = None,
                  refs: list[list[np.ndarray]] | None = None) -> Iterator[dict[str, np.ndarray]]:
     """The candidates' inputs on each sample (the float model, ORT optimizations off), one dict per sample.
@@ -140,7 +149,8 @@ def _observation(model: ir.Model, cands: list[Candidate], samples: list[Feed], s
     outputs are appended to ``refs``: the end-to-end reference and the per-layer inputs come from one run of
     the model per sample (the same graph and kernels as a run of the model alone, so the same numbers).
     Without, the copy keeps only the nodes the inputs need (:func:`_with_outputs_mapped` ``only``)."""
-    proto_bytes, mapping = _with_outputs_mapped(model, tensors_to_observe(cands), only=refs is None)
+    proto_bytes, mapping = _with_outputs_mapped(model, [*tensors_to_observe(cands), *_computed_inputs(cands)],
+                                                only=refs is None)
     names = list(mapping)
     model_outputs = [v.name or "" for v in model.graph.outputs] if refs is not None else []
     fetch = list(dict.fromkeys([*model_outputs, *(mapping[n] for n in names)]))
@@ -250,6 +260,12 @@ def _layer_errors(
                         lo, hi = ranges[name]
                         act_q[name] = (x, fake_quant_activation(x, lo, hi, scheme))
                     xs_f[f"x{i}"], xs_q[f"x{i}"] = act_q[name]
+                elif const_tensor(v) is None:  # computed, left float by the writer (_computed_inputs)
+                    x = sample.get(v.name or "")
+                    if x is None:
+                        seen = False
+                        break
+                    xs_f[f"x{i}"] = xs_q[f"x{i}"] = np.asarray(x, np.float32)
                 else:
                     # read per candidate and sample, never all at once: holding the float and quantized
                     # copies of every weight through the samples was twice the weights

@@ -394,3 +394,28 @@ def test_int8_budget_judges_each_output_on_its_own():
     big, small = run(proto, f)
     big_q, small_q = run(forced, f)
     assert cosine(big, big_q) > 0.9999 and cosine(small, small_q) < 0.9
+
+
+def test_int8_budget_measures_a_gemm_whose_bias_is_computed():
+    """An unrolled LSTM exported by PyTorch (captcha CRNN, issue 27) reads each shared bias through an
+    ``Identity``: not a constant, so the writer leaves it float, but the per-layer measurement took every
+    non-activation input for a constant and failed an assertion (exit 1).  It reads the computed bias now."""
+    rng = np.random.default_rng(4)
+    w, b = rng.standard_normal((8, 16)).astype(np.float32), rng.standard_normal(8).astype(np.float32)
+    wh = rng.standard_normal((4, 8)).astype(np.float32)
+    nodes = [helper.make_node("Identity", ["b"], ["b_shared"], name="share"),
+             helper.make_node("Gemm", ["x", "w", "b_shared"], ["h"], name="cell", transB=1),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("Gemm", ["r", "wh"], ["y"], name="head", transB=1)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F32, ["n", 16])],
+                              [helper.make_tensor_value_info("y", F32, ["n", 4])],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b"),
+                               numpy_helper.from_array(wh, "wh")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model = to_ir(proto)
+    result = QdqInt8Pass(calibration_data=_feeds()).call(model)
+    assert result.stats["quantized"] == 2 and result.stats["sensitivity_evaluations"] == 1
+    cell = next(n for n in model.graph if n.name == "cell")
+    assert cell.inputs[2] is not None and cell.inputs[2].name == "b_shared"  # left float, as it was
+    assert cell.inputs[1] is not None and cell.inputs[1].producer().op_type == "DequantizeLinear"  # type: ignore[union-attr]
+    _loads_and_matches(proto, model, _feeds(2), 0.99)
