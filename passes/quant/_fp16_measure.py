@@ -111,17 +111,21 @@ class LocalMeasure:
     overflow: dict[int, float] = field(default_factory=dict)  # position -> largest |y32| where y16 was not finite
     stats: dict[str, cal.TensorStats] = field(default_factory=dict)  # float32 statistics by tensor name
     samples: int = 0
+    # position -> ONNX Runtime's refusal of the node's float16 twin (no float16 kernel for its attributes)
+    no_kernel: dict[int, str] = field(default_factory=dict)
 
 
 def _twin_model(model: ir.Model, positions: Sequence[int], floats: set[str], pinned_in: dict[int, frozenset[int]],
                 pinned_out: dict[int, frozenset[int]], retype: Callable[[ir.Node], None],
                 watch_nodes: set[int] | None = None, watch_inputs: bool = True,
+                twin_names: dict[str, int] | None = None,
                 ) -> tuple[ir.Model, dict[int, list[tuple[str, str]]], list[str]]:
     """A copy of ``model`` with a float16 twin beside each node at ``positions``.
 
     Returns the copy, for each position the ``(float32 output, twin output)`` name pairs to compare, and
     the names of the float32 tensors whose statistics are wanted: the float outputs of the nodes at
-    ``watch_nodes`` (every node when ``None``) and, with ``watch_inputs``, the float graph inputs.  The
+    ``watch_nodes`` (every node when ``None``) and, with ``watch_inputs``, the float graph inputs
+    (``twin_names``, if given, gets each twin node's name with its position).  The
     copy's graph outputs are exactly those tensors and the twins' outputs (the model's own outputs are
     dropped unless among them, so ONNX Runtime frees them like any other intermediate).
     """
@@ -173,6 +177,8 @@ def _twin_model(model: ir.Model, positions: Sequence[int], floats: set[str], pin
         twin = ir.Node(n.domain, n.op_type, ins, [a for a in n.attributes.values()], num_outputs=len(n.outputs),
                        overload=n.overload, name=fresh_name(taken, f"{n.name or n.op_type}_twin16"))
         retype(twin)
+        if twin_names is not None and twin.name:
+            twin_names[twin.name] = pos
         compare = []
         for j, (ref, out) in enumerate(zip(n.outputs, twin.outputs)):
             out.name = fresh_name(taken, f"{ref.name}_twin16")
@@ -399,25 +405,43 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
     num: dict[int, float] = {}
     den: dict[int, float] = {}
     runs = 0
-    for chunk, watch_nodes, watch_inputs in groups:
+    todo = list(groups)
+    while todo:
+        chunk, watch_nodes, watch_inputs = todo.pop(0)
+        chunk = [p for p in chunk if p not in result.no_kernel]
+        twin_names: dict[str, int] = {}
         twin, pairs, watched = _twin_model(model, chunk, floats, pinned_in, pinned_out, retype, watch_nodes,
-                                           watch_inputs)
+                                           watch_inputs, twin_names)
         names = [v.name for v in twin.graph.outputs]
         # too big for one protobuf: spilled to a file, which the session reads; the twin (its float16 copies
         # of the weights) is freed before the session is made, not beside it (measured: 0.5x the weights)
         payload = _spill.payload(twin, cal.model_folder(model))
         del twin
         _spill.free_dropped(model)  # the twin: a copy of about the model's size
-        sess = cal._session(payload)
+        try:
+            sess = cal._session(payload)
+        except Exception as exc:  # noqa: BLE001 - ORT's own types; only a refused twin is handled here
+            if _refused_twin(exc, twin_names, result) is None:
+                raise
+            todo.insert(0, (chunk, watch_nodes, watch_inputs))  # again, without that twin
+            continue
         del payload
         for name in watched:
             result.stats[name] = cal.TensorStats()
         num.update(dict.fromkeys(pairs, 0.0))
         den.update(dict.fromkeys(pairs, 0.0))
         samples = 0
+        refused = False
         for index, feed in enumerate(source):
-            # a feed the model rejects is the same one-line OptionError (exit 2) as in every precision pass
-            outs = dict(zip(names, cal._run_feed(sess, names, feed, source, index)))
+            # a feed the model rejects is the same one-line OptionError (exit 2) as in every precision pass;
+            # a float16 twin that ONNX Runtime cannot run is not the feed's fault: that node stays float32
+            try:
+                outs = dict(zip(names, cal._run_feed(sess, names, feed, source, index)))
+            except OptionError as exc:
+                if _refused_twin(exc.__cause__ or exc, twin_names, result) is None:
+                    raise
+                refused = True
+                break
             for name in watched:
                 result.stats[name].update(outs[name], False)
             for pos, compare in pairs.items():
@@ -428,12 +452,33 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
             runs += 1
             if progress is not None:
                 progress(runs, total * len(groups) if total is not None else None)
-        result.samples = samples
         del sess
         _spill.trim_heap()  # the session's buffers back to the system, before the next group's or the caller's
+        if refused:  # this group again from its first sample, without the refused twin
+            for pos in pairs:
+                num.pop(pos, None)
+                den.pop(pos, None)
+                result.overflow.pop(pos, None)
+            todo.insert(0, (chunk, watch_nodes, watch_inputs))
+            continue
+        result.samples = samples
     result.error = {pos: (num[pos] / den[pos]) ** 0.5 if den[pos] > 0 else (0.0 if num[pos] == 0 else float("inf"))
                     for pos in num}
     return result
+
+
+def _refused_twin(exc: BaseException, twin_names: Mapping[str, int], result: LocalMeasure) -> int | None:
+    """The position of the float16 twin that ONNX Runtime's error ``exc`` names, recorded in
+    ``result.no_kernel`` with the reason (``ScatterElements`` with ``reduction='add'`` has no float16 CPU
+    kernel although its schema allows float16); ``None`` when no twin is named (not a float16 problem)."""
+    text = " ".join(str(exc).split())
+    for name, pos in twin_names.items():
+        if f"'{name}'" in text and pos not in result.no_kernel:
+            result.no_kernel[pos] = cal._ort_reason(exc)[:300]
+            logger.info("fp16: ONNX Runtime cannot run node %s in float16 (%s): kept float32",
+                        name, result.no_kernel[pos])
+            return pos
+    return None
 
 
 def _compare(result: LocalMeasure, num: dict[int, float], den: dict[int, float], pos: int,

@@ -16,7 +16,9 @@ the calibration data (:mod:`mograph.passes.quant._fp16_measure`):
    converted) stay float32 — **no float16 form** / **control flow**;
 2. **each node's own float16 error**: every other node gets a float16 twin fed with the float32 model's
    inputs rounded to float16, run over the calibration data (in groups whose read-back tensors fit
-   ``$MOGRAPH_FP16_MEASURE_BYTES``, default 512 MiB per sample).  A twin that gives a
+   ``$MOGRAPH_FP16_MEASURE_BYTES``, default 512 MiB per sample).  A twin that ONNX Runtime refuses to
+   run although the schema allows float16 (``ScatterElements`` with ``reduction='add'`` on CPU) keeps its
+   node float32 — **no float16 form** (in ONNX Runtime) — and its group is measured again.  A twin that gives a
    non-finite value where float32 is finite keeps the node float32 — **overflow**; a reduction over at
    least ``--fp16-reduction-limit`` elements (default 4096) also stays — **deep reduction**;
 3. **the end-to-end check**: the model converted with everything else in float16 runs on the first
@@ -364,7 +366,10 @@ class Fp16Pass(Pass):
             n = nodes[p]
             depth = reduced(n) if n.op_type in _REDUCTIONS_BY_SIZE or along_last_axis(n) else 0
             peak = max((amax(v) for v in (*n.inputs, *n.outputs)), default=0.0)
-            if p in measured.overflow:
+            if p in measured.no_kernel:
+                decisions[p] = ("fp32", f"no float16 form in ONNX Runtime (its float16 twin failed: "
+                                        f"{measured.no_kernel[p]})")
+            elif p in measured.overflow:
                 decisions[p] = ("fp32", f"measured overflow: the float16 result is not finite where float32 "
                                         f"reaches |y| = {measured.overflow[p]:.4g}")
             elif peak >= limit_abs and limit_abs < FP16_LIMIT:

@@ -419,3 +419,36 @@ def test_int8_budget_measures_a_gemm_whose_bias_is_computed():
     assert cell.inputs[2] is not None and cell.inputs[2].name == "b_shared"  # left float, as it was
     assert cell.inputs[1] is not None and cell.inputs[1].producer().op_type == "DequantizeLinear"  # type: ignore[union-attr]
     _loads_and_matches(proto, model, _feeds(2), 0.99)
+
+
+def test_fp16_keeps_float32_a_node_onnx_runtime_cannot_run_in_float16():
+    """A GNN's message passing (caustic NMR, issue 27): ``ScatterElements`` with ``reduction='add'`` allows
+    float16 by its schema, but ONNX Runtime's CPU kernel refuses it; its float16 twin failed the measuring
+    run, reported as 'the model rejects calibration sample 0' (exit 2).  The node stays float32 now."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((4, 3)).astype(np.float32)
+    idx = np.array([[0, 1, 2, 3], [2, 2, 0, 1], [1, 0, 3, 3]], np.int64)
+    nodes = [helper.make_node("Relu", ["x"], ["base"], name="base"),
+             helper.make_node("Sigmoid", ["u"], ["msg"], name="message"),
+             helper.make_node("ScatterElements", ["base", "idx", "msg"], ["agg"], name="aggregate", axis=0,
+                              reduction="add"),
+             helper.make_node("MatMul", ["agg", "w"], ["y"], name="readout")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F32, [5, 4]),
+                                           helper.make_tensor_value_info("u", F32, [3, 4])],
+                              [helper.make_tensor_value_info("y", F32, [5, 3])],
+                              [numpy_helper.from_array(idx, "idx"), numpy_helper.from_array(w, "w")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    feeds = [{"x": rng.standard_normal((5, 4)).astype(np.float32), "u": rng.standard_normal((3, 4)).astype(np.float32)}
+             for _ in range(4)]
+    model = to_ir(proto)
+    result = Fp16Pass(calibration_data=feeds).call(model)
+    assert result.stats["kept_fp32"] == 1 and result.stats["kept_fp32.no_float16_form"] == 1
+    assert result.stats["converted"] == 3
+    by = {e["node"]: e for e in result.details["plan"]["nodes"]}
+    assert by["aggregate"]["precision"] == "fp32"
+    assert by["aggregate"]["reason"].startswith("no float16 form in ONNX Runtime (its float16 twin failed: ")
+    assert by["readout"]["precision"] == "fp16"
+    assert check_model_output(model)["onnxruntime"].startswith("passed")
+    for f in feeds[:2]:
+        ref, out = run(proto, f)[0], run(model, f)[0]
+        assert cosine(ref, out) > 0.9999
