@@ -516,7 +516,8 @@ def _rows(a: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
 def output_value(budget: Budget, ref: np.ndarray, out: np.ndarray) -> float:
     """One output of one sample judged as the verifier judges it: float64, NaN (or the same infinity) where
     both have it is agreement, a non-finite value alone is a failure, all-zero against all-zero agrees,
-    an output whose values all stay within :data:`SIGNAL_FLOOR` is not judged by cosine."""
+    an output whose values all stay within :data:`SIGNAL_FLOOR` is not judged by cosine.  The cosine is
+    made scale-aware: at most ``1 - e^2 / 2`` for a relative norm error ``e``."""
     r = np.asarray(ref, np.float64).ravel()
     o = np.asarray(out, np.float64).ravel()
     if r.shape != o.shape:
@@ -533,7 +534,12 @@ def output_value(budget: Budget, ref: np.ndarray, out: np.ndarray) -> float:
     nr, no = float(np.linalg.norm(r)), float(np.linalg.norm(o))
     if nr == 0.0 or no == 0.0:
         return 0.0
-    return max(-1.0, min(1.0, float(r @ o / (nr * no))))
+    cos = max(-1.0, min(1.0, float(r @ o / (nr * no))))
+    # a cosine is blind to scale: an output uniformly 2x off (a divisor saturated at 65504 in float16) kept
+    # cosine 1.  Its norm's relative error e counts as the cosine of an angle error of the same size,
+    # 1 - e^2 / 2, so a scale error is judged like a direction error and never loosens the cosine
+    rel = abs(no - nr) / nr
+    return min(cos, 1.0 - 0.5 * rel * rel)
 
 
 def output_metric(budget: Budget, refs: list[list[np.ndarray]], outs: list[list[np.ndarray]],

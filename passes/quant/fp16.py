@@ -24,7 +24,8 @@ the calibration data (:mod:`mograph.passes.quant._fp16_measure`):
 3. **the end-to-end check**: the model converted with everything else in float16 runs on the first
    ``--fp16-samples`` calibration samples; if its outputs miss ``--fp16-budget`` (default
    ``cosine>=0.9999``, the smallest cosine against float32 of any output of any sample, each output
-   judged on its own as ``--verify`` judges it, padded positions of an ``attention_mask`` left out;
+   judged on its own as ``--verify`` judges it, made scale-aware (a relative norm error ``e`` caps it at
+   ``1 - e^2/2``), padded positions of an ``attention_mask`` left out;
    :func:`~mograph.passes.quant._fp16_measure.output_metric`), the nodes with the largest
    local error are kept float32, the fewest that meet the budget (a binary search) — **measured
    sensitivity**.  ``--fp16-budget none`` skips this step.

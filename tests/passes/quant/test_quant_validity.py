@@ -452,3 +452,31 @@ def test_fp16_keeps_float32_a_node_onnx_runtime_cannot_run_in_float16():
     for f in feeds[:2]:
         ref, out = run(proto, f)[0], run(model, f)[0]
         assert cosine(ref, out) > 0.9999
+
+
+def test_fp16_budget_sees_a_scale_error():
+    """y = (100 x) / (1e4 * sum|x|): the divisor overflows float16, stays float32 and reaches the float16
+    Div saturated to 65504, so y comes out about twice too large, everywhere alike: cosine 1.  The budget
+    was a plain cosine and let it through (a GNN's outputs 24x too small on issue 27's held-out run); the
+    norm's relative error now counts like an angle error, and the Div stays float32."""
+    nodes = [helper.make_node("Abs", ["x"], ["a"], name="abs"),
+             helper.make_node("ReduceSum", ["a", "axes"], ["s"], name="total", keepdims=1),
+             helper.make_node("Mul", ["s", "k"], ["c"], name="divisor"),
+             helper.make_node("Mul", ["x", "gain"], ["xs"], name="gain"),
+             helper.make_node("Div", ["xs", "c"], ["y"], name="normalize")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F32, [1, 16])],
+                              [helper.make_tensor_value_info("y", F32, [1, 16])],
+                              [numpy_helper.from_array(np.array([1], np.int64), "axes"),
+                               numpy_helper.from_array(np.array(1e4, np.float32), "k"),
+                               numpy_helper.from_array(np.array(100, np.float32), "gain")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal((1, 16)).astype(np.float32)} for _ in range(4)]
+    model = to_ir(proto)
+    result = Fp16Pass(calibration_data=feeds).call(model)
+    assert result.stats["kept_fp32.overflow"] == 1 and result.stats["kept_fp32.budget"] == 1
+    by = {e["node"]: e for e in result.details["plan"]["nodes"]}
+    assert by["divisor"]["precision"] == "fp32" and by["normalize"]["precision"] == "fp32"
+    for f in feeds:
+        ref, out = run(proto, f)[0], run(model, f)[0]
+        assert np.abs(out - ref).max() <= 1e-3 * np.abs(ref).max()
