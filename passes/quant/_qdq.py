@@ -251,12 +251,43 @@ def _final_projections(model: ir.Model, cands: list[Candidate]) -> set[str]:
     return {c.key for c in cands if not downstream.get(id(c.node), False)}
 
 
+#: Reason of a MatMul whose second input is computed from constants only, not stored as one.
+COMPUTED_WEIGHT_REASON = ("default rule: its weight is computed at run time from constants (a Transpose or an "
+                          "in-graph dequantization of a stored weight), so it is not quantized as a weight; run "
+                          "'cleanup' (fold-constants) before this pass to quantize it")
+
+
+def computed_from_constants(v: ir.Value | None, limit: int = 16) -> bool:
+    """Whether ``v`` is made by nodes (at most ``limit`` of them) that read only constants: a weight stored
+    otherwise than as the MatMul's input (PyTorch's ``Transpose`` of a Linear weight, an int8 weight times
+    its scale), which ``fold-constants`` turns into one."""
+    if v is None or const_tensor(v) is not None:
+        return False
+    seen: set[int] = set()
+    todo = [v]
+    while todo:
+        value = todo.pop()
+        if const_tensor(value) is not None:
+            continue
+        node = value.producer()
+        if node is None or id(node) in seen or node.attributes and any(
+                a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
+            return False  # a graph input, a captured outer value, or control flow
+        seen.add(id(node))
+        if len(seen) > limit:
+            return False
+        todo.extend(x for x in node.inputs if x is not None)
+    return True
+
+
 def default_precision(model: ir.Model, cands: list[Candidate], precision: str) -> dict[str, tuple[str, str]]:
     """Default rule decision and reason for every candidate."""
     finals = _final_projections(model, cands)
     out: dict[str, tuple[str, str]] = {}
     for c in cands:
-        if not c.has_weight:
+        if not c.has_weight and computed_from_constants(c.node.inputs[1]):
+            out[c.key] = ("fp32", COMPUTED_WEIGHT_REASON)
+        elif not c.has_weight:
             out[c.key] = ("fp32", "default rule: activation x activation matmul (attention); sensitive, little gain")
         elif c.key in finals:
             out[c.key] = ("fp32", "default rule: final projection")

@@ -77,10 +77,17 @@ from mograph.passes.quant._base import (
     NO_BUDGET,
     PLAN_OPTIONS,
     calibration_meta,
+    computed_weights_note,
     open_calibration,
     publish_notes_and_plan,
 )
-from mograph.passes.quant._qdq import default_precision, find_candidates, sensitive_nodes
+from mograph.passes.quant._qdq import (
+    COMPUTED_WEIGHT_REASON,
+    computed_from_constants,
+    default_precision,
+    find_candidates,
+    sensitive_nodes,
+)
 from mograph.passes.quant._wo_fused import SMALL_TABLE, expand_for_tables
 from mograph.passes.quant._wo_layers import _FLOAT_DTYPES, _InputStats, _Layer, gemm_alpha
 from mograph.passes.quant._wo_segments import _hessian_factor, _Segments
@@ -154,7 +161,8 @@ class WeightOnlyPass(Pass):
         for c in cands:
             node = c.node
             if not c.has_weight:
-                skipped.append((node, "default rule: activation x activation matmul (no weight)"))
+                skipped.append((node, COMPUTED_WEIGHT_REASON if computed_from_constants(node.inputs[1])
+                                else "default rule: activation x activation matmul (no weight)"))
                 continue
             if node.graph is not model.graph:
                 skipped.append((node, "inside a subgraph (not handled by weight-only)"))
@@ -771,8 +779,11 @@ class WeightOnlyPass(Pass):
         low = f"int{bits}"
         layers, skipped = self._layers(model)
         stats: dict[str, int | float] = {"quantized": 0, "kept_float": 0}
+        computed = sum(1 for _, reason in skipped if reason == COMPUTED_WEIGHT_REASON)
+        if computed:
+            logger.warning("%s: %s", self.name, computed_weights_note(computed))
         if not layers:
-            return PassResult(False, {}, {})
+            return PassResult(False, {}, {"notes": [computed_weights_note(computed)]} if computed else {})
         algorithm = self.config.get("algorithm") or "auto"
         has_data = self.config.get("calibration_data") is not None or int(self.config.get("calibration_random") or 0) > 0
         if algorithm == "auto":

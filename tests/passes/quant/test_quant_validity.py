@@ -480,3 +480,36 @@ def test_fp16_budget_sees_a_scale_error():
     for f in feeds:
         ref, out = run(proto, f)[0], run(model, f)[0]
         assert np.abs(out - ref).max() <= 1e-3 * np.abs(ref).max()
+
+
+def _computed_weights() -> onnx.ModelProto:
+    """h = x @ Transpose(w) (PyTorch's Linear as its dynamo exporter writes it, unfolded), y = h @ h^T over
+    rows (attention-like, two activations)."""
+    w = np.random.default_rng(6).standard_normal((8, 16)).astype(np.float32)
+    nodes = [helper.make_node("Transpose", ["w"], ["wt"], name="w_t", perm=[1, 0]),
+             helper.make_node("MatMul", ["x", "wt"], ["h"], name="linear"),
+             helper.make_node("Transpose", ["h"], ["ht"], name="h_t", perm=[1, 0]),
+             helper.make_node("MatMul", ["h", "ht"], ["y"], name="scores")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F32, ["n", 16])],
+                              [helper.make_tensor_value_info("y", F32, ["n", "n"])], [numpy_helper.from_array(w, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+
+
+def test_a_weight_computed_from_constants_is_named_with_the_way_out(caplog):
+    """A PyTorch MiniLM (issue 27) reads every Linear weight through an in-graph dequantization: int4 changed
+    nothing and fp8 listed the 36 projections as 'activation x activation matmul (attention)'.  They are
+    named as weights computed from constants now, with 'run cleanup first'; the real attention keeps its reason."""
+    proto = _computed_weights()
+    model = to_ir(proto)
+    result = QdqFp8Pass(calibration_data=_feeds()).call(model)
+    by = {e["node"]: e["reason"] for e in result.details["plan"]["nodes"]}
+    assert by["linear"].startswith("default rule: its weight is computed at run time from constants")
+    assert by["scores"] == "default rule: activation x activation matmul (attention); sensitive, little gain"
+    assert result.details["notes"] == ["1 MatMul(s) read a weight computed at run time from constants (a Transpose "
+                                       "or an in-graph dequantization of a stored weight), not quantized as "
+                                       "weights: run 'cleanup' (fold-constants) before this pass"]
+    model = to_ir(proto)
+    with caplog.at_level("WARNING"):
+        result = WeightOnlyPass(algorithm="rtn").call(model)
+    assert not result.modified and result.details["notes"][0].startswith("1 MatMul(s) read a weight computed")
+    assert "run 'cleanup' (fold-constants) before this pass" in caplog.text
