@@ -301,9 +301,53 @@ def _from_proto(proto: onnx.ModelProto) -> ir.Model:
         inner: BaseException = exc
         while inner.__cause__ is not None:
             inner = inner.__cause__
+        maps = _map_typed(proto) if isinstance(inner, NotImplementedError) else []
+        if maps:
+            raise ModelError(
+                f"cannot read the model: {maps[0]}{f' (and {len(maps) - 1} more)' if len(maps) > 1 else ''} "
+                "has a map type, which mograph's IR (onnx-ir) cannot hold; a classifier's ZipMap output can be "
+                "left out at conversion (skl2onnx/onnxmltools: zipmap=False)"
+            ) from exc
         detail = str(exc) if inner is exc else f"{exc} ({type(inner).__name__}: {inner})"
         raise ModelError(f"cannot read the model: {detail}") from exc
     return model
+
+
+def _map_typed(proto: onnx.ModelProto) -> list[str]:
+    """The main graph's values whose type holds a map (``map``, or a ``sequence``/``optional`` of one), each
+    said as ``role 'name' (TYPE, made by OP)``."""
+    def has_map(t: onnx.TypeProto) -> bool:
+        kind = t.WhichOneof("value")
+        if kind == "map_type":
+            return True
+        if kind == "sequence_type":
+            return has_map(t.sequence_type.elem_type)
+        if kind == "optional_type":
+            return has_map(t.optional_type.elem_type)
+        return False
+
+    def text(t: onnx.TypeProto) -> str:
+        kind = t.WhichOneof("value")
+        if kind == "tensor_type":
+            return f"tensor({onnx.TensorProto.DataType.Name(t.tensor_type.elem_type).lower()})"
+        if kind == "map_type":
+            key = onnx.TensorProto.DataType.Name(t.map_type.key_type).lower()
+            return f"map({key}, {text(t.map_type.value_type)})"
+        if kind == "sequence_type":
+            return f"seq({text(t.sequence_type.elem_type)})"
+        if kind == "optional_type":
+            return f"optional({text(t.optional_type.elem_type)})"
+        return str(kind)
+
+    graph = proto.graph
+    made_by = {o: n.op_type for n in graph.node for o in n.output}
+    found = []
+    for role, values in (("input", graph.input), ("output", graph.output), ("value", graph.value_info)):
+        for v in values:
+            if has_map(v.type):
+                op = made_by.get(v.name)
+                found.append(f"{role} '{v.name}' ({text(v.type)}{f', made by {op}' if op else ''})")
+    return found
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mograph import _spill, ir_io
+from mograph._traverse import iter_nodes
 from mograph.backend_protocol import Runner
 from mograph.errors import ModelError, MographError, UsageError
 from mograph.validate._compare import _fmt, _polygraphy, compare_outputs
@@ -177,6 +178,9 @@ class Verifier:
             model, shapes=shapes, feeds=feeds, seed=self.seed, limit_bytes=feed_limit
         )
         self.feed_limit = feed_limit
+        #: Whether the original quantizes activations while it runs: a last-bit change before the quantizer
+        #: (a fused op's other rounding) can move a value by one quantization step (said with a failure).
+        self.runtime_quantized = _quantizes_activations(model)
         #: Each input's dims in the original (an int where static), to find axes a shape pass made dynamic.
         self.input_dims = {
             str(v.name): [d if isinstance(d, int) else None for d in (v.shape.dims if v.shape is not None else ())]
@@ -531,7 +535,28 @@ class Verifier:
                 parts.append(f"output '{name}' ({e['dtype']}): " + "; ".join(e.get("failures", [])))
         fam = check.get("family") or []
         fam_s = f" (tolerances of {', '.join(fam)})" if fam else ""
-        return ("; ".join(parts) or "no output failed") + fam_s + where
+        hint = ""
+        if parts and getattr(self, "runtime_quantized", False):
+            hint = (" (the original quantizes activations while it runs (DynamicQuantizeLinear / QuantizeLinear): "
+                    "a last-bit change before a quantizer, as a fused op rounds differently, moves a value by a "
+                    "whole quantization step; judge it on the task's metric, or with `mograph diff` at a looser --atol)")
+        return ("; ".join(parts) or "no output failed") + fam_s + hint + where
+
+
+def _quantizes_activations(model: ir.Model) -> bool:
+    """Whether ``model`` has a ``DynamicQuantizeLinear`` (any graph) or a ``QuantizeLinear`` whose input is
+    not a constant: its outputs move by whole quantization steps when a value before it moves by one ulp."""
+    for node in iter_nodes(model.graph):
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type == "DynamicQuantizeLinear":
+            return True
+        if node.op_type == "QuantizeLinear" and node.inputs and node.inputs[0] is not None:
+            x = node.inputs[0]
+            made = x.producer()
+            if x.const_value is None and (made is None or made.op_type != "Constant"):
+                return True
+    return False
 
 
 def diff_models(

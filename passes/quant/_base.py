@@ -36,6 +36,7 @@ from mograph.passes.quant._qdq import (
     Candidate,
     QdqWriter,
     Scheme,
+    computed_from_constants,
     default_precision,
     find_candidates,
     sensitive_nodes,
@@ -171,6 +172,13 @@ def calibration_meta(source: cal.CalibrationSource, samples: int, calibrator: st
     if source.random:
         meta["warning"] = RANDOM_WARNING
     return meta
+
+
+def computed_weights_note(count: int) -> str:
+    """The note for ``count`` MatMuls whose weight is computed from constants at run time."""
+    return (f"{count} MatMul(s) read a weight computed at run time from constants (a Transpose or an in-graph "
+            "dequantization of a stored weight), not quantized as weights: run 'cleanup' (fold-constants) before "
+            "this pass")
 
 
 def publish_notes_and_plan(p: Pass, plan: PrecisionPlan, details: dict[str, Any], notes: list[str]) -> None:
@@ -384,6 +392,9 @@ class QdqPassBase(Pass):
             cands, done = find_candidates(model)  # nodes the converter rewrote are new objects
         float_types = {k: ir.DataType(t) for k, t in cal.infer_dtypes(model).items()} if half else {}
         decisions, overridden, notes = self._decide(model, cands)
+        computed = sum(1 for c in cands if not c.has_weight and computed_from_constants(c.node.inputs[1]))
+        if computed:
+            notes.append(computed_weights_note(computed))
         budget = None
         budget_text = str(self.config.get("accuracy_budget") or "auto").strip()
         is_default = budget_text.lower() == "auto"

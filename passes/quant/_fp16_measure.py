@@ -53,7 +53,7 @@ from mograph.irutil import fresh_name, run_shape_inference
 if TYPE_CHECKING:
     from mograph.custom_ops import CustomOp
 
-__all__ = ["FP16_LIMIT", "LocalMeasure", "Search", "keep_fp16_rounding", "measure_local", "output_metric",
+__all__ = ["FP16_LIMIT", "LocalMeasure", "Search", "keep_fp16_rounding", "measure_local", "output_metric", "output_value",
            "fewest_fp32", "to_half", "SIGNAL_FLOOR", "MEASURE_BYTES", "MEASURE_BYTES_ENV"]
 
 logger = logging.getLogger(__name__)
@@ -99,6 +99,10 @@ def keep_fp16_rounding(model: ir.Model) -> ir.Model:
     return model
 
 
+#: First default-domain opset whose ``Clip`` takes its bounds as inputs (attributes ``min``/``max`` before).
+CLIP_INPUTS_OPSET = 11
+
+
 @dataclass
 class LocalMeasure:
     """What one calibration run measured, per node position (index in the graph's node order)."""
@@ -107,17 +111,21 @@ class LocalMeasure:
     overflow: dict[int, float] = field(default_factory=dict)  # position -> largest |y32| where y16 was not finite
     stats: dict[str, cal.TensorStats] = field(default_factory=dict)  # float32 statistics by tensor name
     samples: int = 0
+    # position -> ONNX Runtime's refusal of the node's float16 twin (no float16 kernel for its attributes)
+    no_kernel: dict[int, str] = field(default_factory=dict)
 
 
 def _twin_model(model: ir.Model, positions: Sequence[int], floats: set[str], pinned_in: dict[int, frozenset[int]],
                 pinned_out: dict[int, frozenset[int]], retype: Callable[[ir.Node], None],
                 watch_nodes: set[int] | None = None, watch_inputs: bool = True,
+                twin_names: dict[str, int] | None = None,
                 ) -> tuple[ir.Model, dict[int, list[tuple[str, str]]], list[str]]:
     """A copy of ``model`` with a float16 twin beside each node at ``positions``.
 
     Returns the copy, for each position the ``(float32 output, twin output)`` name pairs to compare, and
     the names of the float32 tensors whose statistics are wanted: the float outputs of the nodes at
-    ``watch_nodes`` (every node when ``None``) and, with ``watch_inputs``, the float graph inputs.  The
+    ``watch_nodes`` (every node when ``None``) and, with ``watch_inputs``, the float graph inputs
+    (``twin_names``, if given, gets each twin node's name with its position).  The
     copy's graph outputs are exactly those tensors and the twins' outputs (the model's own outputs are
     dropped unless among them, so ONNX Runtime frees them like any other intermediate).
     """
@@ -127,9 +135,10 @@ def _twin_model(model: ir.Model, positions: Sequence[int], floats: set[str], pin
     taken = {v.name for n in nodes for v in n.outputs if v.name} | {v.name for v in graph.inputs if v.name}
     taken |= set(graph.initializers)
     halves: dict[int, ir.Value] = {}
+    clip_inputs = int(copy.opset_imports.get("", copy.opset_imports.get("ai.onnx", 1))) >= CLIP_INPUTS_OPSET
     lo = ir.Value(name=fresh_name(taken, "fp16_twin_lo"), const_value=ir.tensor(np.array(-FP16_LIMIT, np.float32)))
     hi = ir.Value(name=fresh_name(taken, "fp16_twin_hi"), const_value=ir.tensor(np.array(FP16_LIMIT, np.float32)))
-    for v in (lo, hi):
+    for v in (lo, hi) if clip_inputs else ():
         v.const_value.name = v.name  # type: ignore[union-attr]
         v.dtype, v.shape = ir.DataType.FLOAT, ir.Shape([])
         graph.register_initializer(v)
@@ -145,7 +154,11 @@ def _twin_model(model: ir.Model, positions: Sequence[int], floats: set[str], pin
             out.dtype, out.shape = ir.DataType.FLOAT16, v.shape
             graph.register_initializer(out)
         else:
-            clip = ir.node("Clip", [v, lo, hi], name=fresh_name(taken, f"{v.name}_twin_clip"))
+            if clip_inputs:
+                clip = ir.node("Clip", [v, lo, hi], name=fresh_name(taken, f"{v.name}_twin_clip"))
+            else:  # before opset 11 the bounds are attributes
+                clip = ir.node("Clip", [v], {"min": -FP16_LIMIT, "max": FP16_LIMIT},
+                               name=fresh_name(taken, f"{v.name}_twin_clip"))
             cast = ir.node("Cast", [clip.outputs[0]], {"to": ir.DataType.FLOAT16.value},
                            name=fresh_name(taken, f"{v.name}_twin_cast"))
             clip.outputs[0].name = fresh_name(taken, f"{v.name}_twin_clipped")
@@ -164,6 +177,8 @@ def _twin_model(model: ir.Model, positions: Sequence[int], floats: set[str], pin
         twin = ir.Node(n.domain, n.op_type, ins, [a for a in n.attributes.values()], num_outputs=len(n.outputs),
                        overload=n.overload, name=fresh_name(taken, f"{n.name or n.op_type}_twin16"))
         retype(twin)
+        if twin_names is not None and twin.name:
+            twin_names[twin.name] = pos
         compare = []
         for j, (ref, out) in enumerate(zip(n.outputs, twin.outputs)):
             out.name = fresh_name(taken, f"{ref.name}_twin16")
@@ -390,25 +405,43 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
     num: dict[int, float] = {}
     den: dict[int, float] = {}
     runs = 0
-    for chunk, watch_nodes, watch_inputs in groups:
+    todo = list(groups)
+    while todo:
+        chunk, watch_nodes, watch_inputs = todo.pop(0)
+        chunk = [p for p in chunk if p not in result.no_kernel]
+        twin_names: dict[str, int] = {}
         twin, pairs, watched = _twin_model(model, chunk, floats, pinned_in, pinned_out, retype, watch_nodes,
-                                           watch_inputs)
+                                           watch_inputs, twin_names)
         names = [v.name for v in twin.graph.outputs]
         # too big for one protobuf: spilled to a file, which the session reads; the twin (its float16 copies
         # of the weights) is freed before the session is made, not beside it (measured: 0.5x the weights)
         payload = _spill.payload(twin, cal.model_folder(model))
         del twin
         _spill.free_dropped(model)  # the twin: a copy of about the model's size
-        sess = cal._session(payload)
+        try:
+            sess = cal._session(payload)
+        except Exception as exc:  # noqa: BLE001 - ORT's own types; only a refused twin is handled here
+            if _refused_twin(exc, twin_names, result) is None:
+                raise
+            todo.insert(0, (chunk, watch_nodes, watch_inputs))  # again, without that twin
+            continue
         del payload
         for name in watched:
             result.stats[name] = cal.TensorStats()
         num.update(dict.fromkeys(pairs, 0.0))
         den.update(dict.fromkeys(pairs, 0.0))
         samples = 0
+        refused = False
         for index, feed in enumerate(source):
-            # a feed the model rejects is the same one-line OptionError (exit 2) as in every precision pass
-            outs = dict(zip(names, cal._run_feed(sess, names, feed, source, index)))
+            # a feed the model rejects is the same one-line OptionError (exit 2) as in every precision pass;
+            # a float16 twin that ONNX Runtime cannot run is not the feed's fault: that node stays float32
+            try:
+                outs = dict(zip(names, cal._run_feed(sess, names, feed, source, index)))
+            except OptionError as exc:
+                if _refused_twin(exc.__cause__ or exc, twin_names, result) is None:
+                    raise
+                refused = True
+                break
             for name in watched:
                 result.stats[name].update(outs[name], False)
             for pos, compare in pairs.items():
@@ -419,12 +452,33 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
             runs += 1
             if progress is not None:
                 progress(runs, total * len(groups) if total is not None else None)
-        result.samples = samples
         del sess
         _spill.trim_heap()  # the session's buffers back to the system, before the next group's or the caller's
+        if refused:  # this group again from its first sample, without the refused twin
+            for pos in pairs:
+                num.pop(pos, None)
+                den.pop(pos, None)
+                result.overflow.pop(pos, None)
+            todo.insert(0, (chunk, watch_nodes, watch_inputs))
+            continue
+        result.samples = samples
     result.error = {pos: (num[pos] / den[pos]) ** 0.5 if den[pos] > 0 else (0.0 if num[pos] == 0 else float("inf"))
                     for pos in num}
     return result
+
+
+def _refused_twin(exc: BaseException, twin_names: Mapping[str, int], result: LocalMeasure) -> int | None:
+    """The position of the float16 twin that ONNX Runtime's error ``exc`` names, recorded in
+    ``result.no_kernel`` with the reason (``ScatterElements`` with ``reduction='add'`` has no float16 CPU
+    kernel although its schema allows float16); ``None`` when no twin is named (not a float16 problem)."""
+    text = " ".join(str(exc).split())
+    for name, pos in twin_names.items():
+        if f"'{name}'" in text and pos not in result.no_kernel:
+            result.no_kernel[pos] = cal._ort_reason(exc)[:300]
+            logger.info("fp16: ONNX Runtime cannot run node %s in float16 (%s): kept float32",
+                        name, result.no_kernel[pos])
+            return pos
+    return None
 
 
 def _compare(result: LocalMeasure, num: dict[int, float], den: dict[int, float], pos: int,
@@ -459,10 +513,11 @@ def _rows(a: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
     return a[keep]
 
 
-def _output_value(budget: Budget, ref: np.ndarray, out: np.ndarray) -> float:
+def output_value(budget: Budget, ref: np.ndarray, out: np.ndarray) -> float:
     """One output of one sample judged as the verifier judges it: float64, NaN (or the same infinity) where
     both have it is agreement, a non-finite value alone is a failure, all-zero against all-zero agrees,
-    an output whose values all stay within :data:`SIGNAL_FLOOR` is not judged by cosine."""
+    an output whose values all stay within :data:`SIGNAL_FLOOR` is not judged by cosine.  The cosine is
+    made scale-aware: at most ``1 - e^2 / 2`` for a relative norm error ``e``."""
     r = np.asarray(ref, np.float64).ravel()
     o = np.asarray(out, np.float64).ravel()
     if r.shape != o.shape:
@@ -479,14 +534,19 @@ def _output_value(budget: Budget, ref: np.ndarray, out: np.ndarray) -> float:
     nr, no = float(np.linalg.norm(r)), float(np.linalg.norm(o))
     if nr == 0.0 or no == 0.0:
         return 0.0
-    return max(-1.0, min(1.0, float(r @ o / (nr * no))))
+    cos = max(-1.0, min(1.0, float(r @ o / (nr * no))))
+    # a cosine is blind to scale: an output uniformly 2x off (a divisor saturated at 65504 in float16) kept
+    # cosine 1.  Its norm's relative error e counts as the cosine of an angle error of the same size,
+    # 1 - e^2 / 2, so a scale error is judged like a direction error and never loosens the cosine
+    rel = abs(no - nr) / nr
+    return min(cos, 1.0 - 0.5 * rel * rel)
 
 
 def output_metric(budget: Budget, refs: list[list[np.ndarray]], outs: list[list[np.ndarray]],
                   keeps: Sequence[np.ndarray | None] | None = None) -> float:
     """The budget's metric: the smallest cosine, or the largest |diff|, over every float output of every sample.
 
-    Each output is judged on its own, as ``--verify`` judges it (:func:`_output_value`), never concatenated
+    Each output is judged on its own, as ``--verify`` judges it (:func:`output_value`), never concatenated
     with the others: a small output (a probability map in float16's subnormal range) next to a large one
     keeps its own figure.  ``keeps`` (per sample, ``[batch, seq]`` of real positions, or ``None``) leaves
     out the positions the ``attention_mask`` marks as padding: no output value there is read (a padded
@@ -498,7 +558,7 @@ def output_metric(budget: Budget, refs: list[list[np.ndarray]], outs: list[list[
         for r, o in zip(ref, out):
             if not (np.issubdtype(np.asarray(r).dtype, np.floating) or np.issubdtype(np.asarray(o).dtype, np.floating)):
                 continue
-            values.append(_output_value(budget, _rows(np.asarray(r), keep), _rows(np.asarray(o), keep)))
+            values.append(output_value(budget, _rows(np.asarray(r), keep), _rows(np.asarray(o), keep)))
     if not values:
         return 1.0 if budget.metric == "cosine" else 0.0
     return min(values) if budget.metric == "cosine" else max(values)

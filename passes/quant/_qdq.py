@@ -10,7 +10,9 @@ Placement follows what the backends fuse:
   symmetric (zero point 0, range ``[-127, 127]``) with one scale per output channel (MatMul ``[K, N]``:
   axis 1; Gemm: axis 0 with ``transB=1``, else 1; Conv ``[M, C, kh, kw]``: axis 0).
 - **bias** of Conv and Gemm becomes INT32 with scale ``input_scale * weight_scale[c]``, as ONNX Runtime's
-  ``QLinearConv``/``QGemm`` fusions require.
+  ``QLinearConv``/``QGemm`` fusions require, unless a bias value does not fit INT32 at that scale (an
+  input calibrated constant, e.g. all zeros, has a scale near 0): clipped, it would be lost, so that
+  bias stays float.
 - **Conv and Gemm outputs** get their own pair as well: ONNX Runtime forms ``QLinearConv``/``QGemm`` only from
   ``DQ → Conv → Q`` (``DQ → Gemm → Q``); MatMul needs no output pair (``DQ → MatMul`` becomes
   ``MatMulIntegerToFloat``).
@@ -38,6 +40,7 @@ Conv/Gemm biases stay float (an INT32 bias scale ``act_scale * weight_scale`` un
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +52,8 @@ from mograph.passes.quant.plan import node_key
 from mograph import _spill
 from mograph.foreign_ops import ForeignOp, normalization_ops
 from mograph.irutil import fresh_name
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "Candidate",
@@ -246,12 +251,43 @@ def _final_projections(model: ir.Model, cands: list[Candidate]) -> set[str]:
     return {c.key for c in cands if not downstream.get(id(c.node), False)}
 
 
+#: Reason of a MatMul whose second input is computed from constants only, not stored as one.
+COMPUTED_WEIGHT_REASON = ("default rule: its weight is computed at run time from constants (a Transpose or an "
+                          "in-graph dequantization of a stored weight), so it is not quantized as a weight; run "
+                          "'cleanup' (fold-constants) before this pass to quantize it")
+
+
+def computed_from_constants(v: ir.Value | None, limit: int = 16) -> bool:
+    """Whether ``v`` is made by nodes (at most ``limit`` of them) that read only constants: a weight stored
+    otherwise than as the MatMul's input (PyTorch's ``Transpose`` of a Linear weight, an int8 weight times
+    its scale), which ``fold-constants`` turns into one."""
+    if v is None or const_tensor(v) is not None:
+        return False
+    seen: set[int] = set()
+    todo = [v]
+    while todo:
+        value = todo.pop()
+        if const_tensor(value) is not None:
+            continue
+        node = value.producer()
+        if node is None or id(node) in seen or node.attributes and any(
+                a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
+            return False  # a graph input, a captured outer value, or control flow
+        seen.add(id(node))
+        if len(seen) > limit:
+            return False
+        todo.extend(x for x in node.inputs if x is not None)
+    return True
+
+
 def default_precision(model: ir.Model, cands: list[Candidate], precision: str) -> dict[str, tuple[str, str]]:
     """Default rule decision and reason for every candidate."""
     finals = _final_projections(model, cands)
     out: dict[str, tuple[str, str]] = {}
     for c in cands:
-        if not c.has_weight:
+        if not c.has_weight and computed_from_constants(c.node.inputs[1]):
+            out[c.key] = ("fp32", COMPUTED_WEIGHT_REASON)
+        elif not c.has_weight:
             out[c.key] = ("fp32", "default rule: activation x activation matmul (attention); sensitive, little gain")
         elif c.key in finals:
             out[c.key] = ("fp32", "default rule: final projection")
@@ -487,14 +523,21 @@ class QdqWriter:
         self._weight[key] = (dq.outputs[0], scale)
         return self._weight[key]
 
-    def bias(self, value: ir.Value, act_scale: np.ndarray, w_scale: np.ndarray) -> ir.Value:
+    def bias(self, value: ir.Value, act_scale: np.ndarray, w_scale: np.ndarray) -> ir.Value | None:
+        """The INT32 bias ``DequantizeLinear`` output for ``value``; ``None`` when a value would not fit INT32
+        at scale ``act_scale * w_scale`` (the bias then stays float: clipped, it would be lost)."""
         b = const_tensor(value).numpy().astype(np.float64)  # type: ignore[union-attr]
-        home = self._home(value)
         scale = (float(act_scale) * w_scale.astype(np.float64)).reshape(-1)
         if scale.size == 1:
             scale = np.full(b.shape, scale[0])
         scale = np.maximum(scale, 1e-30)
-        q = np.clip(np.rint(b / scale), -(2**31), 2**31 - 1).astype(np.int32)
+        codes = np.rint(b / scale)
+        if codes.size and float(np.abs(codes).max()) > 2**31 - 1:
+            logger.info("bias %s stays float: at scale %.3g (input scale %.3g) it does not fit INT32",
+                        value.name, float(scale.min()), float(act_scale))
+            return None
+        home = self._home(value)
+        q = codes.astype(np.int32)
         base = value.name or "bias"
         q_val = self._init(f"{base}_quantized", q, home)
         s_val = self._init(f"{base}_scale", scale.astype(np.float32), home)
@@ -534,8 +577,10 @@ class QdqWriter:
                     and act_scale.dtype == np.float32):
                 b_in = node.inputs[c.bias_input]
                 assert b_in is not None
-                node.replace_input_with(c.bias_input, self.bias(b_in, act_scale, w_scale))
-                self._drop_if_unused(b_in)
+                b_dq = self.bias(b_in, act_scale, w_scale)
+                if b_dq is not None:
+                    node.replace_input_with(c.bias_input, b_dq)
+                    self._drop_if_unused(b_in)
         if c.quantize_output:
             out = node.outputs[0]
             dq_out, _ = self.activation(out)  # type: ignore[misc]

@@ -16,13 +16,16 @@ the calibration data (:mod:`mograph.passes.quant._fp16_measure`):
    converted) stay float32 — **no float16 form** / **control flow**;
 2. **each node's own float16 error**: every other node gets a float16 twin fed with the float32 model's
    inputs rounded to float16, run over the calibration data (in groups whose read-back tensors fit
-   ``$MOGRAPH_FP16_MEASURE_BYTES``, default 512 MiB per sample).  A twin that gives a
+   ``$MOGRAPH_FP16_MEASURE_BYTES``, default 512 MiB per sample).  A twin that ONNX Runtime refuses to
+   run although the schema allows float16 (``ScatterElements`` with ``reduction='add'`` on CPU) keeps its
+   node float32 — **no float16 form** (in ONNX Runtime) — and its group is measured again.  A twin that gives a
    non-finite value where float32 is finite keeps the node float32 — **overflow**; a reduction over at
    least ``--fp16-reduction-limit`` elements (default 4096) also stays — **deep reduction**;
 3. **the end-to-end check**: the model converted with everything else in float16 runs on the first
    ``--fp16-samples`` calibration samples; if its outputs miss ``--fp16-budget`` (default
    ``cosine>=0.9999``, the smallest cosine against float32 of any output of any sample, each output
-   judged on its own as ``--verify`` judges it, padded positions of an ``attention_mask`` left out;
+   judged on its own as ``--verify`` judges it, made scale-aware (a relative norm error ``e`` caps it at
+   ``1 - e^2/2``), padded positions of an ``attention_mask`` left out;
    :func:`~mograph.passes.quant._fp16_measure.output_metric`), the nodes with the largest
    local error are kept float32, the fewest that meet the budget (a binary search) — **measured
    sensitivity**.  ``--fp16-budget none`` skips this step.
@@ -56,6 +59,7 @@ import onnx_ir as ir
 from mograph.passes.quant import calibration as cal
 from mograph.passes.quant._base import CALIBRATION_OPTIONS, PLAN_OPTIONS, calibration_meta, open_calibration
 from mograph.passes.quant._fp16_measure import (
+    CLIP_INPUTS_OPSET,
     FP16_LIMIT,
     LocalMeasure,
     Search,
@@ -435,7 +439,10 @@ class Fp16Pass(Pass):
             n = nodes[p]
             depth = reduced(n) if n.op_type in _REDUCTIONS_BY_SIZE or along_last_axis(n) else 0
             peak = max((amax(v) for v in (*n.inputs, *n.outputs)), default=0.0)
-            if p in measured.overflow:
+            if p in measured.no_kernel:
+                decisions[p] = ("fp32", f"no float16 form in ONNX Runtime (its float16 twin failed: "
+                                        f"{measured.no_kernel[p]})")
+            elif p in measured.overflow:
                 decisions[p] = ("fp32", f"measured overflow: the float16 result is not finite where float32 "
                                         f"reaches |y| = {measured.overflow[p]:.4g}")
             elif peak >= limit_abs and limit_abs < FP16_LIMIT:
@@ -706,7 +713,15 @@ class Fp16Pass(Pass):
         to = ir.DataType.FLOAT16 if want == "fp16" else ir.DataType.FLOAT
         src = v
         made: list[ir.Node] = []
-        if want == "fp16" and saturate:  # float32 values beyond +-65504 would become infinite
+        opset = int(graph.opset_imports.get("", graph.opset_imports.get("ai.onnx", 1)))
+        if want == "fp16" and saturate and opset < CLIP_INPUTS_OPSET:  # the bounds are attributes
+            clip = ir.node("Clip", [v], {"min": -FP16_LIMIT, "max": FP16_LIMIT}, name=fresh_name(taken, f"{v.name}_saturate"))
+            clip.outputs[0].name = fresh_name(taken, clip.name or "c")
+            clip.outputs[0].dtype = ir.DataType.FLOAT
+            clip.metadata_props[_CAST_MARK] = "1"
+            made.append(clip)
+            src = clip.outputs[0]
+        elif want == "fp16" and saturate:  # float32 values beyond +-65504 would become infinite
             lo = ir.node("Constant", [], {"value": ir.tensor(np.array(-FP16_LIMIT, np.float32))},
                          name=fresh_name(taken, f"{v.name}_fp16_lo"))
             hi = ir.node("Constant", [], {"value": ir.tensor(np.array(FP16_LIMIT, np.float32))},

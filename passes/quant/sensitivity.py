@@ -1,8 +1,8 @@
 """Per-layer sensitivity analysis: keep the fewest layers in higher precision that meets an accuracy budget.
 
-Given a budget on the model outputs (``cosine>=0.995``: the smallest per-sample cosine similarity between
-the quantized and the float outputs; ``max-abs<=X``: the largest absolute difference), measured on the
-first calibration samples:
+Given a budget on the model outputs (``cosine>=0.995``: the smallest cosine similarity between the quantized
+and the float outputs, per sample with its outputs joined and per output on its own, as ``--verify`` judges
+it; ``max-abs<=X``: the largest absolute difference), measured on the first calibration samples:
 
 1. **rank**: every candidate layer is run alone (a one-node model, ONNX Runtime) on the inputs it sees in
    the float model for those samples, once in float and once with its inputs and weights fake-quantized
@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
+from mograph.passes.quant._fp16_measure import output_value
 from mograph.passes.quant._qdq import (
     Candidate,
     QdqWriter,
@@ -81,7 +82,13 @@ class SensitivityResult:
     evaluations: int = 0
 
 
-def _metric(budget: Budget, refs: list[list[np.ndarray]], outs: list[list[np.ndarray]]) -> float:
+def _metric(budget: Budget, refs: list[list[np.ndarray]], outs: list[list[np.ndarray]],
+            per_output: bool = False) -> float:
+    """The smallest cosine (largest |diff|) between each sample's float outputs joined into one vector; with
+    ``per_output`` also over each output on its own (:func:`~mograph.passes.quant._fp16_measure.output_value`,
+    as ``--verify`` judges it), the metric the budget is checked on: joined alone, a small output that
+    quantization wrecked hid behind a large exact one (a GRU encoder's bridge state, cosine 0, beside its
+    memory output: 0.998 joined)."""
     # each sample's float outputs, one float64 vector per side, written into two buffers made once: a new
     # pair of vectors per sample (a decoder's logits: 100 MB each) cost three times as much, in page faults
     size = max((sum(a.size for a in ref if np.issubdtype(a.dtype, np.floating)) for ref in refs), default=0)
@@ -94,7 +101,26 @@ def _metric(budget: Budget, refs: list[list[np.ndarray]], outs: list[list[np.nda
             values.append(float(r @ o / (np.linalg.norm(r) * np.linalg.norm(o) + 1e-30)))
         else:
             values.append(float(np.abs(r - o).max()))
+        if per_output:
+            values.extend(_each_output(budget, ref, out, r, o))
     return min(values) if budget.metric == "cosine" else max(values)
+
+
+def _each_output(budget: Budget, ref: list[np.ndarray], out: list[np.ndarray], r: np.ndarray,
+                 o: np.ndarray) -> list[float]:
+    """Each float output pair judged on its own, read from the joined vectors ``r``/``o`` where both sides
+    put it at the same place with the same shape (no copy), else from the arrays themselves."""
+    values = []
+    at_r = at_o = 0
+    for a, b in zip(ref, out):
+        fa, fb = np.issubdtype(a.dtype, np.floating), np.issubdtype(b.dtype, np.floating)
+        if fa and fb and a.shape == b.shape and at_r == at_o:
+            values.append(output_value(budget, r[at_r:at_r + a.size], o[at_o:at_o + b.size]))
+        elif fa:
+            values.append(output_value(budget, np.asarray(a), np.asarray(b)))
+        at_r += a.size if fa else 0
+        at_o += b.size if fb else 0
+    return values
 
 
 def _flat_floats(arrays: list[np.ndarray], buf: np.ndarray) -> np.ndarray:
@@ -106,6 +132,15 @@ def _flat_floats(arrays: list[np.ndarray], buf: np.ndarray) -> np.ndarray:
     return np.concatenate(parts, out=buf[:n])
 
 
+def _computed_inputs(cands: list[Candidate]) -> list[str]:
+    """Names of the candidates' other inputs that are computed, not constant: a Gemm bias read through an
+    ``Identity`` (PyTorch's export of a parameter shared by an unrolled LSTM's steps) stays float and unquantized
+    in the Q/DQ model, so a layer run alone reads it as the float model made it."""
+    names = [v.name for c in cands for i, v in enumerate(c.node.inputs)
+             if v is not None and v.name and i not in c.act_inputs and const_tensor(v) is None]
+    return list(dict.fromkeys(names))
+
+
 def _observation(model: ir.Model, cands: list[Candidate], samples: list[Feed], source: Any = None,
                  refs: list[list[np.ndarray]] | None = None) -> Iterator[dict[str, np.ndarray]]:
     """The candidates' inputs on each sample (the float model, ORT optimizations off), one dict per sample.
@@ -114,7 +149,8 @@ def _observation(model: ir.Model, cands: list[Candidate], samples: list[Feed], s
     outputs are appended to ``refs``: the end-to-end reference and the per-layer inputs come from one run of
     the model per sample (the same graph and kernels as a run of the model alone, so the same numbers).
     Without, the copy keeps only the nodes the inputs need (:func:`_with_outputs_mapped` ``only``)."""
-    proto_bytes, mapping = _with_outputs_mapped(model, tensors_to_observe(cands), only=refs is None)
+    proto_bytes, mapping = _with_outputs_mapped(model, [*tensors_to_observe(cands), *_computed_inputs(cands)],
+                                                only=refs is None)
     names = list(mapping)
     model_outputs = [v.name or "" for v in model.graph.outputs] if refs is not None else []
     fetch = list(dict.fromkeys([*model_outputs, *(mapping[n] for n in names)]))
@@ -224,6 +260,12 @@ def _layer_errors(
                         lo, hi = ranges[name]
                         act_q[name] = (x, fake_quant_activation(x, lo, hi, scheme))
                     xs_f[f"x{i}"], xs_q[f"x{i}"] = act_q[name]
+                elif const_tensor(v) is None:  # computed, left float by the writer (_computed_inputs)
+                    x = sample.get(v.name or "")
+                    if x is None:
+                        seen = False
+                        break
+                    xs_f[f"x{i}"] = xs_q[f"x{i}"] = np.asarray(x, np.float32)
                 else:
                     # read per candidate and sample, never all at once: holding the float and quantized
                     # copies of every weight through the samples was twice the weights
@@ -356,7 +398,7 @@ def _evaluate_mix(
     _spill.free_dropped(dropped)
     outs = list(run_model(payload, samples))
     del payload
-    return _metric(budget, refs, outs)
+    return _metric(budget, refs, outs, per_output=True)
 
 
 def _spread(lo: int, hi: int, m: int) -> list[int]:

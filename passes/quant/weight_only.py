@@ -5,7 +5,9 @@ becomes one ``mograph.WeightOnlyMatMul`` (:mod:`mograph.passes.quant.weight_only
 along ``K`` into blocks of ``--block-size`` rows (32, 64 or 128; default 128), one scale and one zero
 point per block and output column, codes of ``--bits`` (4 or 8) packed two to a byte at 4 bits.  The
 ``lower`` step turns it into ``com.microsoft.MatMulNBits`` for ``--target ort`` and into a blocked
-``DequantizeLinear`` (opset 21, INT4/UINT4) + ``MatMul`` for ``--target onnx`` / ``tensorrt``.
+``DequantizeLinear`` (opset 21, INT4/UINT4) + ``MatMul`` for ``--target onnx`` / ``tensorrt``.  The op's
+function body needs opset 13: an older model is raised to it (:func:`mograph.opset.upgrade_opset`, in the
+stats and ``details["opset_upgrade"]``, refused in one line when it cannot be converted), like the Q/DQ passes.
 
 ``--algorithm`` (see :mod:`mograph.passes.quant._blockwise` for the math):
 
@@ -75,20 +77,27 @@ from mograph.passes.quant._base import (
     NO_BUDGET,
     PLAN_OPTIONS,
     calibration_meta,
+    computed_weights_note,
     open_calibration,
     publish_notes_and_plan,
 )
-from mograph.passes.quant._qdq import default_precision, find_candidates, sensitive_nodes
+from mograph.passes.quant._qdq import (
+    COMPUTED_WEIGHT_REASON,
+    computed_from_constants,
+    default_precision,
+    find_candidates,
+    sensitive_nodes,
+)
 from mograph.passes.quant._wo_fused import SMALL_TABLE, expand_for_tables
 from mograph.passes.quant._wo_layers import _FLOAT_DTYPES, _InputStats, _Layer, gemm_alpha
 from mograph.passes.quant._wo_segments import _hessian_factor, _Segments
 from mograph.passes.quant._wo_tables import _same_table, _Table, find_tables, quantize_table  # noqa: F401 - _same_table: tests read it here
 from mograph.passes.quant.plan import PrecisionPlan, load_plan, node_key, parse_budget
-from mograph.passes.quant.weight_only_op import OP_NAME
+from mograph.passes.quant.weight_only_op import BODY_OPSET, OP_NAME
 
 from mograph import _spill
 from mograph.custom_ops import DOMAIN, DOMAIN_VERSION
-from mograph.errors import OptionError
+from mograph.errors import ModelError, OptionError
 from mograph.pass_infra import Option, Pass, PassResult, stamp
 from mograph.patterns import constant_array
 from mograph.specs import parse_bool
@@ -152,7 +161,8 @@ class WeightOnlyPass(Pass):
         for c in cands:
             node = c.node
             if not c.has_weight:
-                skipped.append((node, "default rule: activation x activation matmul (no weight)"))
+                skipped.append((node, COMPUTED_WEIGHT_REASON if computed_from_constants(node.inputs[1])
+                                else "default rule: activation x activation matmul (no weight)"))
                 continue
             if node.graph is not model.graph:
                 skipped.append((node, "inside a subgraph (not handled by weight-only)"))
@@ -739,13 +749,41 @@ class WeightOnlyPass(Pass):
 
     # ------------------------------------------------------------------ the pass
 
+    def _ensure_body_opset(self, model: ir.Model, stats: dict[str, int | float]) -> dict[str, Any] | None:
+        """Raise the default-domain opset to :data:`BODY_OPSET` (the one the written ops' function bodies are
+        in: ``Unsqueeze`` with its axes as an input) when the model is older, like the Q/DQ passes do; the
+        conversion's figures go into ``stats``, and its details are returned (``None``: not needed).
+
+        Raises:
+            ModelError: the model cannot be converted (it is unchanged then).
+        """
+        from mograph.opset import OpsetUpgradeError, model_opset, upgrade_opset
+
+        old = model_opset(model)
+        if old >= BODY_OPSET:
+            return None
+        try:
+            done = upgrade_opset(model, BODY_OPSET, ops=self.registry.custom_ops if self.registry is not None else {})
+        except OpsetUpgradeError as exc:
+            raise ModelError(f"{self.name}: the quantized MatMul's function body needs opset >= {BODY_OPSET}; the "
+                             f"model's opset cannot be upgraded from {old}: {exc}") from exc
+        stats["opset_upgrade.from"] = done.from_opset
+        stats["opset_upgrade.to"] = done.to_opset
+        stats["opset_upgrade.rewritten"] = sum(done.rewritten.values())
+        logger.info("%s: opset %d -> %d for the function bodies of the quantized ops", self.name, old, done.to_opset)
+        return {"done": True, "from": done.from_opset, "to": done.to_opset,
+                "reason": f"function bodies of the quantized ops (opset {BODY_OPSET})", "rewritten": dict(done.rewritten)}
+
     def call(self, model: ir.Model) -> PassResult:
         bits = int(self.config.get("bits") or 4)
         low = f"int{bits}"
         layers, skipped = self._layers(model)
         stats: dict[str, int | float] = {"quantized": 0, "kept_float": 0}
+        computed = sum(1 for _, reason in skipped if reason == COMPUTED_WEIGHT_REASON)
+        if computed:
+            logger.warning("%s: %s", self.name, computed_weights_note(computed))
         if not layers:
-            return PassResult(False, {}, {})
+            return PassResult(False, {}, {"notes": [computed_weights_note(computed)]} if computed else {})
         algorithm = self.config.get("algorithm") or "auto"
         has_data = self.config.get("calibration_data") is not None or int(self.config.get("calibration_random") or 0) > 0
         if algorithm == "auto":
@@ -757,6 +795,10 @@ class WeightOnlyPass(Pass):
             budget = parse_budget(budget_text)
         if budget is None and all(p == "float" for p, _ in decisions.values()):
             return PassResult(False, {}, {})  # every candidate stays float: nothing to observe or write
+        upgrade = self._ensure_body_opset(model, stats)
+        if upgrade is not None:  # the nodes were rewritten: find the layers again in the converted graph
+            layers, skipped = self._layers(model)
+            decisions, overridden = self._decide(model, layers, low)
         plan = PrecisionPlan(self.name, meta={"scheme": {"bits": bits, "block_size": int(self.config.get("block_size") or 128),
                                                          "symmetric": bool(self.config.get("symmetric")),
                                                          "algorithm": algorithm}})
@@ -858,7 +900,10 @@ class WeightOnlyPass(Pass):
             ops.setdefault(op.key, op)
             ensure_functions(model, ops)
         details: dict[str, Any] = {"plan": plan.to_dict()}
+        if upgrade is not None:
+            details["opset_upgrade"] = upgrade
         publish_notes_and_plan(self, plan, details, notes)
-        if not stats["quantized"] and not stats.get("quantized.embeddings") and not stats.get("expanded.embed_layernorm"):
+        if (not stats["quantized"] and not stats.get("quantized.embeddings") and not stats.get("expanded.embed_layernorm")
+                and upgrade is None):
             return PassResult(False, {}, details)
         return PassResult(True, stats, details)

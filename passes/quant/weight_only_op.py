@@ -43,7 +43,7 @@ from mograph.lowering import LoweringContext, replace_node
 from mograph.patterns import constant_array
 from mograph.shapes import Dim, Dims, ShapeQuery
 
-__all__ = ["OP_NAME", "weight_only_matmul_op", "reference", "function_body", "MS_DOMAIN"]
+__all__ = ["OP_NAME", "BODY_OPSET", "weight_only_matmul_op", "reference", "function_body", "MS_DOMAIN"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,9 @@ OP_NAME = "WeightOnlyMatMul"
 MS_DOMAIN = "com.microsoft"
 #: Opset of the blocked ``DequantizeLinear`` (INT4/UINT4 and ``block_size``).
 BLOCKED_DQ_OPSET = 21
+#: Lowest default-domain opset of the function bodies (``Unsqueeze`` with its axes as an input); the
+#: ``weight-only`` pass raises an older model's opset to it.
+BODY_OPSET = 13
 
 
 def _attr(node: ir.Node, name: str, default: int = 0) -> int:

@@ -307,3 +307,30 @@ def test_model_size_does_not_read_external_data(tmp_path):
     model = mograph.load(src)
     assert ir_io.model_size_bytes(model) == (8 * 64 + 64) * 4
     assert all(v.const_value.raw is None for v in model.graph.initializers.values())
+
+
+def _zipmap_classifier() -> onnx.ModelProto:
+    """A scikit-learn classifier as skl2onnx writes it by default: labels plus a ZipMap of probabilities."""
+    f32 = onnx.TensorProto.FLOAT
+    classify = helper.make_node("LinearClassifier", ["x"], ["label", "prob"], domain="ai.onnx.ml",
+                                coefficients=[1.0, -1.0, 0.5, 0.5], intercepts=[0.0, 0.1], classlabels_ints=[0, 1],
+                                post_transform="LOGISTIC")
+    zipmap = helper.make_node("ZipMap", ["prob"], ["probabilities"], domain="ai.onnx.ml", classlabels_int64s=[0, 1])
+    probabilities = helper.make_value_info("probabilities", helper.make_sequence_type_proto(
+        helper.make_map_type_proto(onnx.TensorProto.INT64, helper.make_tensor_type_proto(f32, []))))
+    graph = helper.make_graph([classify, zipmap], "g", [helper.make_tensor_value_info("x", f32, ["n", 2])],
+                              [helper.make_tensor_value_info("label", onnx.TensorProto.INT64, ["n"]), probabilities])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13), helper.make_opsetid("ai.onnx.ml", 1)])
+
+
+def test_a_map_typed_output_is_refused_naming_it(tmp_path):
+    """A LightGBM classifier from onnxmltools (issue 27's held-out run) ends in ZipMap, whose output is a
+    sequence of maps: onnx-ir has no map type, and the refusal was its internal message with a graph hash."""
+    path = tmp_path / "classifier.onnx"
+    onnx.save(_zipmap_classifier(), str(path))
+    with pytest.raises(ModelError) as info:
+        mograph.optimize(str(path), passes=["cleanup"])
+    message = str(info.value)
+    assert message.startswith("cannot read the model: output 'probabilities' (seq(map(int64, tensor(float))), "
+                              "made by ZipMap) has a map type")
+    assert "zipmap=False" in message and "_deserialize_graph" not in message

@@ -435,3 +435,34 @@ def test_diff_models_on_a_backend_runs_both_sides_there():
     check = diff_models(matmul_model(w), matmul_model(w), backend=Numpy(), shapes={"x": (3, 8)})
     assert check["passed"] is True and calls == [False, False]
     assert check["backend"] == "backend 'numpy' (its graph optimizations off)"
+
+
+def _dynamic_quant_model(w: np.ndarray) -> onnx.ModelProto:
+    """x quantized while it runs (DynamicQuantizeLinear), then MatMulInteger with int8 ``w``, as ONNX Runtime's
+    quantize_dynamic writes a Linear (the T5 encoder of issue 27's held-out run)."""
+    nodes = [helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"]),
+             helper.make_node("MatMulInteger", ["xq", "w", "xz", "wz"], ["acc"]),
+             helper.make_node("Cast", ["acc"], ["accf"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["accf", "xs"], ["y"])]
+    return _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", w.shape[1]])],
+                  [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array(0, np.int8), "wz")])
+
+
+def test_failure_on_a_model_that_quantizes_activations_says_why_it_can_be_noise():
+    """A fusion's last-bit change before DynamicQuantizeLinear moved a T5 encoder's output by 0.003 (exit 5);
+    the failure now says that the original quantizes activations while it runs.  A float model's does not."""
+    w = np.random.default_rng(2).integers(-20, 20, (8, 4)).astype(np.int8)
+    verifier = Verifier(_ir(_dynamic_quant_model(w)), shapes={"x": (3, 8)}, seed=7)
+    w2 = w.copy()
+    w2[0, 0] += 5
+    check = verifier.check(_ir(_dynamic_quant_model(w2)), family="fusion")
+    assert check["passed"] is False
+    message = verifier.describe_failure(check)
+    assert "the original quantizes activations while it runs (DynamicQuantizeLinear / QuantizeLinear)" in message
+    wf = _w()
+    float_verifier = Verifier(_ir(matmul_model(wf)), shapes={"x": (3, 8)}, seed=7)
+    wf2 = wf.copy()
+    wf2[3, 1] += 0.25
+    check = float_verifier.check(_ir(matmul_model(wf2)), family="fusion")
+    assert check["passed"] is False and "quantizes activations" not in float_verifier.describe_failure(check)
