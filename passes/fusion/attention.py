@@ -451,6 +451,9 @@ class FuseAttentionPass(FusionPass):
     """Fuse multi-head self-/cross-attention (Q/K/V split, scaled scores, mask bias, softmax, merge) into one op."""
 
     name = "fuse-attention"
+    #: Keras/tf2onnx's Einsum attention into the MatMul form the rule reads (:mod:`.canonicalize._layout`)
+    canonicalize = ("unit-axes", "shape-unit-axes", "squeeze-reshape", "gemm-rows", "batched-matmul", "bias-split", "matmul-transpose",
+                    "einsum-matmul")
     options: ClassVar[tuple[Option, ...]] = (EXPLAIN_OPTION, MASK_FORMAT_OPTION, KV_CACHE_OPTION, TARGET_OPTION)
     rules: ClassVar[tuple[type[Rule], ...]] = (AttentionFusion,)
 
