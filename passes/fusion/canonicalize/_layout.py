@@ -17,8 +17,8 @@ float rounding of another summation order)::
     squeeze-reshape  Squeeze(Reshape(y, t), axes) -> Reshape(y, Gather(t, kept)) where t's entries at ``axes``
                      are provably 1.
     gemm-rows        Reshape(Gemm(Reshape(x, [P, K]), W), t) -> Reshape(MatMul(x, W) (+ C), t) where ``x`` is
-                     ``[..., K]`` with ``P`` its other dims, and ``t`` splits the output (more dims than ``x``:
-                     a plain linear layer is left as written).
+                     ``[B, S, K]`` with ``P = B*S``, and ``t`` splits the output (more dims than ``x``: a plain
+                     linear layer is left as written; a merge of heads ``[B, S, N, D]`` into rows too).
     bias-split       Add(Reshape(y, t), c) -> Reshape(Add(y, c.flatten()), t) where the Reshape only splits y's
                      last dim into c's dims (the bias of ``abc,cde->abde`` is ``[d, e]``).
     batched-matmul   Reshape(MatMul(Reshape(A, [B*N, M, K]), Reshape(Bm, [B*N, K, L])), [B, N, M, L]) ->
@@ -224,8 +224,8 @@ def _gemm_rows(c: Canonicalizer, n: ir.Node) -> Build | Miss:
         return Miss("the Gemm scales or transposes its rows")
     x = flat.inputs[0]
     xd, fd, od = c.shapes.dims(x), c.shapes.dims(flat.outputs[0]), c.shapes.dims(n.outputs[0])
-    if not _known(xd) or not _known(fd, 2) or od is None or xd is None or fd is None or len(xd) < 3:
-        return Miss("the rows' dims are not known, or not flattened from a tensor of rank >= 3")
+    if not _known(xd, 3) or not _known(fd, 2) or od is None or xd is None or fd is None:
+        return Miss("the rows' dims are not known, or not flattened from a [batch, seq, hidden] tensor")
     if fd[1] != xd[-1] or fd[0] != prod(xd[:-1]):
         return Miss("the Reshape does not flatten all but the last dim of its input")
     if len(od) <= len(xd):
@@ -327,13 +327,13 @@ def _batched_matmul(c: Canonicalizer, n: ir.Node) -> Build | Miss:
     assert da is not None and db is not None
     if da[0] != db[0] or da[1] != db[1]:
         return Miss("the operands' two leading dims are not provably the same")
-    made: list[ir.Node] = []
-    a4 = _transposed(c, a, [0, 1, 3, 2], made) if sa else a
-    b4 = _transposed(c, b, [0, 1, 3, 2], made) if sb else b
     rows = da[3] if sa else da[2]
     cols = db[2] if sb else db[3]
     if not _known(od, 4) or od is None or list(od) != [da[0], da[1], rows, cols]:
         return Miss("the Reshape is not provably to [batch, heads, rows, columns] of the product")
+    made: list[ir.Node] = []  # (built only once the rule applies: a node made reads its inputs)
+    a4 = _transposed(c, a, [0, 1, 3, 2], made) if sa else a
+    b4 = _transposed(c, b, [0, 1, 3, 2], made) if sb else b
     node = c.node("MatMul", [a4, b4], n.outputs[0])
     made.append(node)
     return Build(node.outputs[0], made)
