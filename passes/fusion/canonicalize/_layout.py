@@ -192,9 +192,10 @@ def _squeeze_reshape(c: Canonicalizer, n: ir.Node) -> Build | Miss:
     kept = [i for i in range(len(entries)) if i not in dropped]
     made: list[ir.Node] = []
     inits: list[ir.Value] = []
-    target = constant_array(rs.inputs[1])
-    if target is not None:
-        new_target = c.constant(np.asarray(target.reshape(-1)[kept], dtype=np.int64), rs.inputs[1].name)
+    shape_in = rs.inputs[1]
+    target = constant_array(shape_in)
+    if target is not None and shape_in is not None:
+        new_target = c.constant(np.asarray(target.reshape(-1)[kept], dtype=np.int64), shape_in.name)
         inits.append(new_target)
     else:
         idx = c.constant(np.array(kept, dtype=np.int64), "mograph_kept_axes")
@@ -318,11 +319,10 @@ def _batched_matmul(c: Canonicalizer, n: ir.Node) -> Build | Miss:
     mm = _producer(n.inputs[0], "MatMul")
     if mm is None or not single_use(mm.outputs[0]):
         return Miss("reads no MatMul read only here")
-    sides = [_operand(c, v) for v in mm.inputs]
-    for s in sides:
-        if isinstance(s, str):
-            return Miss(s)
-    (a, sa), (b, sb) = sides  # type: ignore[misc]
+    left, right = (_operand(c, v) for v in mm.inputs)
+    if isinstance(left, str) or isinstance(right, str):
+        return Miss(left if isinstance(left, str) else right)  # type: ignore[arg-type]
+    (a, sa), (b, sb) = left, right
     da, db, od = c.shapes.dims(a), c.shapes.dims(b), c.shapes.dims(n.outputs[0])
     assert da is not None and db is not None
     if da[0] != db[0] or da[1] != db[1]:
@@ -376,7 +376,7 @@ def _einsum_matmul(c: Canonicalizer, n: ir.Node) -> Build | Miss:
     lhs, rhs = lhs_rhs.split(",")
     x, w = n.inputs
     warr = constant_array(w)
-    if warr is None or w.const_value is None:
+    if x is None or w is None or warr is None or w.const_value is None:
         return Miss("the second operand is not a constant weight")
     con = [ch for ch in lhs if ch in rhs]
     k = len(con)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from typing import Any
 
 import numpy as np
 import onnx
@@ -42,7 +43,7 @@ def keras_mha(*, hidden: int = 16, heads: int = 4, key_dim: int = 4, value_dim: 
     def ints(name: str, vals: list[int]) -> str:
         return const(name, np.array(vals, dtype=np.int64))
 
-    def n(op: str, ins: list[str], out_name: str, **attrs: object) -> str:
+    def n(op: str, ins: list[str], out_name: str, **attrs: Any) -> str:
         nodes.append(helper.make_node(op, ins, [out_name], name=out_name, **attrs))
         return out_name
 
