@@ -494,7 +494,8 @@ def _register_values(t: ShapeRules) -> None:  # noqa: C901 - one short rule per 
             return None
         return True, x[1]
 
-    @shape_rule(t, "", "ReduceProd", kind="values")
+    @shape_rule(t, "", "ReduceProd", 18, kind="values")  # axes an input
+    @shape_rule(t, "", "ReduceProd", 1, kind="values")
     def reduce_prod(node: ir.Node, q: ShapeQuery) -> Vector | None:
         """The product of a 1-D vector's elements (tf2onnx's merged batch dims: ``ReduceProd(Shape(x)[0:2])``)."""
         x = q.values(node.inputs[0])
