@@ -24,7 +24,9 @@ float rounding of another summation order)::
     batched-matmul   Reshape(MatMul(Reshape(A, [B*N, M, K]), Reshape(Bm, [B*N, K, L])), [B, N, M, L]) ->
                      MatMul(A, Bm) for 4-D ``A`` ``[B, N, M, K]`` and ``Bm`` ``[B, N, K, L]`` (either side may be
                      ``Transpose(Reshape(X, [B*N, K, M]), [0, 2, 1])``: then it is ``Transpose(X, [0, 1, 3, 2])``);
-                     every dim proved by the shape query.
+                     every dim proved by the shape query.  One head: ``A`` may be ``[B, S, 1, K]`` read as
+                     its ``Transpose(A, [0, 2, 1, 3])`` (the exporter left out a transpose of a unit axis), or a
+                     Reshape of a 4-D tensor that only moves unit axes (read through).
     matmul-transpose Transpose(MatMul(a, b), swap last two) -> MatMul(Transpose(b), Transpose(a)):
                      ``(a b)^T = b^T a^T``, the same sums.
     einsum-matmul    Einsum(x, W) contracting x's trailing letters with W's leading ones (``abc,cde->abde``,
@@ -42,7 +44,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx_ir as ir
-from mograph.passes.fusion.canonicalize._base import Build, CanonRule, Miss, shape_entries, single_use, std
+from mograph.passes.fusion.canonicalize._base import (
+    Build,
+    CanonRule,
+    Miss,
+    rank_of,
+    shape_entries,
+    single_use,
+    std,
+)
 
 from mograph.patterns import constant_array
 from mograph.shapes import Dim, Dims, as_ir_shape, mul, prod
@@ -297,7 +307,7 @@ def _bias_split(c: Canonicalizer, n: ir.Node) -> Build | Miss:
 # -- batched-matmul -----------------------------------------------------------------------------
 
 
-def _operand(c: Canonicalizer, v: ir.Value | None) -> tuple[ir.Value, bool] | str:
+def _operand(c: Canonicalizer, v: ir.Value | None) -> tuple[ir.Value | _HeadsFirst, bool] | str:
     """A 3-D MatMul operand as ``(X, swapped)``: ``Reshape(X, [B*N, p, q])`` (X ``[B, N, p, q]``), or
     ``Transpose`` ``[0, 2, 1]`` of one (swapped)."""
     tr = _producer(v, "Transpose")
@@ -307,12 +317,42 @@ def _operand(c: Canonicalizer, v: ir.Value | None) -> tuple[ir.Value, bool] | st
     if rs is None or rs.inputs[0] is None:
         return "an operand is not a Reshape (or its Transpose [0, 2, 1]) of a 4-D tensor"
     x = rs.inputs[0]
+    unit = _producer(x, "Reshape")
+    if unit is not None and unit.inputs[0] is not None and _no_zero(shape_entries(c, rs.inputs[1])):
+        x4 = unit.inputs[0]  # Reshape(Reshape(X, a), b) is Reshape(X, b): tf2onnx writes a Transpose that moves
+        if rank_of(c, x4) == 4 and rank_of(c, x) != 4:  # only unit axes as a Reshape (one head)
+            x = x4
     d4, d3 = c.shapes.dims(x), c.shapes.dims(rs.outputs[0])
     if not _known(d4, 4) or not _known(d3, 3) or d4 is None or d3 is None:
         return "an operand's dims are not known"
-    if d3[1] != d4[2] or d3[2] != d4[3] or d3[0] != mul(d4[0], d4[1]):
-        return "an operand's Reshape does not merge the two leading dims of a 4-D tensor"
-    return x, swapped
+    if d3[1] == d4[2] and d3[2] == d4[3] and d3[0] == mul(d4[0], d4[1]):
+        return x, swapped
+    if d4[2] == _ONE and d3[0] == d4[0] and d3[1] == d4[1] and d3[2] == d4[3]:
+        # [B, S, 1, D] merged as [B*1, S, D]: one head, whose [0, 2, 1, 3] transpose moves a unit axis only
+        return _HeadsFirst(x), swapped
+    return "an operand's Reshape does not merge the two leading dims of a 4-D tensor"
+
+
+class _HeadsFirst:
+    """An operand ``[B, S, 1, D]`` that stands for its ``Transpose(., [0, 2, 1, 3])`` (one head)."""
+
+    def __init__(self, x: ir.Value) -> None:
+        self.x = x
+
+
+def _view(c: Canonicalizer, x: ir.Value | _HeadsFirst) -> Dims | None:
+    """The ``[B, N, p, q]`` dims an operand stands for."""
+    if isinstance(x, _HeadsFirst):
+        d = c.shapes.dims(x.x)
+        return None if d is None else (d[0], d[2], d[1], d[3])
+    return c.shapes.dims(x)
+
+
+def _side(c: Canonicalizer, x: ir.Value | _HeadsFirst, swapped: bool, made: list[ir.Node]) -> ir.Value:
+    """The 4-D operand: ``x`` (a ``[B, S, 1, D]`` one through ``[0, 2, 1, 3]``), its last two dims swapped if so."""
+    if isinstance(x, _HeadsFirst):
+        return _transposed(c, x.x, [0, 2, 3, 1] if swapped else [0, 2, 1, 3], made)
+    return _transposed(c, x, [0, 1, 3, 2], made) if swapped else x
 
 
 def _batched_matmul(c: Canonicalizer, n: ir.Node) -> Build | Miss:
@@ -323,7 +363,7 @@ def _batched_matmul(c: Canonicalizer, n: ir.Node) -> Build | Miss:
     if isinstance(left, str) or isinstance(right, str):
         return Miss(left if isinstance(left, str) else right)  # type: ignore[arg-type]
     (a, sa), (b, sb) = left, right
-    da, db, od = c.shapes.dims(a), c.shapes.dims(b), c.shapes.dims(n.outputs[0])
+    da, db, od = _view(c, a), _view(c, b), c.shapes.dims(n.outputs[0])
     assert da is not None and db is not None
     if da[0] != db[0] or da[1] != db[1]:
         return Miss("the operands' two leading dims are not provably the same")
@@ -332,8 +372,7 @@ def _batched_matmul(c: Canonicalizer, n: ir.Node) -> Build | Miss:
     if not _known(od, 4) or od is None or list(od) != [da[0], da[1], rows, cols]:
         return Miss("the Reshape is not provably to [batch, heads, rows, columns] of the product")
     made: list[ir.Node] = []  # (built only once the rule applies: a node made reads its inputs)
-    a4 = _transposed(c, a, [0, 1, 3, 2], made) if sa else a
-    b4 = _transposed(c, b, [0, 1, 3, 2], made) if sb else b
+    a4, b4 = _side(c, a, sa, made), _side(c, b, sb, made)
     node = c.node("MatMul", [a4, b4], n.outputs[0])
     made.append(node)
     return Build(node.outputs[0], made)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,7 @@ from _fusion_util import lowered
 from mograph.passes.fusion.attention import FuseAttentionPass
 from onnx import TensorProto, helper, numpy_helper
 
-from mograph.testing import assert_close, assert_untouched, check_pass, run_ort, to_proto
+from mograph.testing import assert_close, assert_untouched, check_pass, feeds_for, run_ort, to_proto
 
 B, S = 2, 4
 G2P = os.environ.get("MOGRAPH_G2P_BERT", "/tmp/heldout/models/g2p_bert.onnx")
@@ -195,3 +196,37 @@ def test_real_g2p_bert_export(target: str) -> None:
         # ONNX Runtime's kernels (packed QKV Attention where the projections pack); the classifier's Softmax stays
         assert ops["Attention"] + ops["MultiHeadAttention"] == 2 and ops["Softmax"] == 1
     assert_close(run_ort(proto, feeds), run_ort(out, feeds), rel=1e-5)
+
+
+# ------------------------------------------------------------- real Keras 3 exports of the corpus -----
+
+CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpus"
+#: keras.layers.MultiHeadAttention(num_heads=1, key_dim=16) exported by tf2onnx 1.17 (tools/corpus/make_corpus.py):
+#: one head, so tf2onnx writes the head transposes as Reshapes (or leaves them out); the scale on the scores.
+KERAS3 = ["keras_tf2onnx13_ln-tanh", "keras_tf2onnx17_ln-tanh", "keras_tf2onnx17_ln-tanh_fp16"]
+
+
+@pytest.mark.parametrize("target", ["mograph", "ort"])
+@pytest.mark.parametrize("name", KERAS3)
+def test_keras3_corpus_export_fuses(name: str, target: str) -> None:
+    proto = onnx.load(str(CORPUS / f"{name}.onnx"))
+    stats = {"AttentionFusion": 1, "AttentionFusion.mul.nomask": 1}
+    fused = "mograph.Attention"
+    if target == "ort":
+        stats["lowered.Attention"] = 1
+        fused = "com.microsoft.Attention"  # x @ W projections of one input: packed QKV
+    left = {"Softmax": 0, "Einsum": 0, "Squeeze": 0, fused: 1}
+    model = check_pass(lowered(FuseAttentionPass(), target), proto, stats=stats, feeds=feeds_for(proto))
+    ops = Counter(f"{n.domain}.{n.op_type}" if n.domain else n.op_type for n in model.graph)
+    assert {k: ops[k] for k in left} == left, ops
+
+
+def test_keras3_export_softmax_over_queries_is_a_near_miss_explained() -> None:
+    """The real export with its Softmax over the query axis (2): not attention; untouched, and --explain says so."""
+    proto = onnx.load(str(CORPUS / "keras_tf2onnx17_ln-tanh.onnx"))
+    softmax = next(n for n in proto.graph.node if n.op_type == "Softmax")
+    del softmax.attribute[:]
+    softmax.attribute.append(helper.make_attribute("axis", 2))
+    result = assert_untouched(FuseAttentionPass(explain="true"), proto)
+    (entry,) = result.details["unfused_softmax"]
+    assert entry["softmax"] == softmax.name and "Softmax is over axis 2, not the key axis" in entry["reason"]
