@@ -243,12 +243,10 @@ def _gemm_rows(c: Canonicalizer, n: ir.Node) -> Build | Miss:
         return Miss("the output is not split into more dims than the rows had (a plain linear layer)")
     cvec = g.inputs[2] if len(g.inputs) > 2 else None
     beta = float(at.get("beta", 1.0))  # type: ignore[arg-type]
-    if cvec is not None and beta != 0.0:
+    if cvec is not None:  # (tf2onnx writes beta=0 without a C)
         arr = constant_array(cvec)
         if beta != 1.0 or arr is None or arr.ndim > 1:
             return Miss("the Gemm's C is not a 1-D constant added once")
-    else:
-        cvec = None  # absent, or times 0 (tf2onnx writes beta=0 without C)
     made: list[ir.Node] = []
     inits: list[ir.Value] = []
     w = g.inputs[1]
@@ -420,7 +418,7 @@ def _einsum_matmul(c: Canonicalizer, n: ir.Node) -> Build | Miss:
     con = [ch for ch in lhs if ch in rhs]
     k = len(con)
     if (not k or len(set(lhs)) != len(lhs) or len(set(rhs)) != len(rhs) or lhs[len(lhs) - k:] != rhs[:k]
-            or out != lhs[:len(lhs) - k] + rhs[k:] or len(lhs) == k or warr.ndim != len(rhs)):
+            or out != lhs[:len(lhs) - k] + rhs[k:] or len(lhs) == k or len(rhs) == k or warr.ndim != len(rhs)):
         return Miss(f"equation '{text}' does not contract x's trailing axes with the weight's leading ones")
     xd = c.shapes.dims(x)
     if xd is None or len(xd) != len(lhs) or x.dtype != w.dtype:
