@@ -29,7 +29,8 @@ G2P = os.environ.get("MOGRAPH_G2P_BERT", "/tmp/heldout/models/g2p_bert.onnx")
 
 
 def keras_mha(*, hidden: int = 16, heads: int = 4, key_dim: int = 4, value_dim: int | None = None,
-              bias: bool = True, mask: str = "none", out: str = "einsum", seed: int = 0) -> onnx.ModelProto:
+              bias: bool = True, mask: str = "none", out: str = "einsum", proj: str = "gemm",
+              seed: int = 0) -> onnx.ModelProto:
     """One Keras MultiHeadAttention (self-attention) in tf2onnx's spelling; ``mask``: none, bias (Keras'
     ``(1 - m) * -1e9`` added to the scores) or after-softmax (a near miss: the mask multiplies the probabilities)."""
     rng = np.random.default_rng(seed)
@@ -51,21 +52,24 @@ def keras_mha(*, hidden: int = 16, heads: int = 4, key_dim: int = 4, value_dim: 
     def weight(name: str, shape: tuple[int, ...]) -> str:
         return const(name, (rng.standard_normal(shape) * 0.3).astype(np.float32))
 
-    xu = n("Unsqueeze", ["x", ints("ax23", [2, 3])], "xu")
-    sx = n("Shape", [xu], "sx")
-    bs = n("Gather", [sx, ints("i01", [0, 1])], "bs")
-    xf = n("Reshape", [xu, ints("flat", [-1, hidden])], "xf")
+    if proj == "gemm":  # the rows Gemm reads, and the [B, S] its output is reshaped with
+        xu = n("Unsqueeze", ["x", ints("ax23", [2, 3])], "xu")
+        bs = n("Gather", [n("Shape", [xu], "sx"), ints("i01", [0, 1])], "bs")
+        xf = n("Reshape", [xu, ints("flat", [-1, hidden])], "xf")
 
-    def proj(p: str, d: int) -> str:
-        g = n("Gemm", [xf, weight(f"W{p}", (heads * d, hidden))], f"g{p}", alpha=1.0, beta=0.0, transB=1)
-        t5 = n("Concat", [bs, ints(f"nd{p}", [heads, d, 1])], f"t5{p}", axis=0)
-        y = n("Squeeze", [n("Reshape", [g, t5], f"r{p}"), ints(f"ax4{p}", [4])], f"s{p}")
+    def project(p: str, d: int) -> str:
+        if proj == "einsum":  # the Einsum kept as Keras wrote it (the heads inside the weight)
+            y = n("Einsum", ["x", weight(f"W{p}", (hidden, heads, d))], f"e{p}", equation="abc,cde->abde")
+        else:
+            g = n("Gemm", [xf, weight(f"W{p}", (heads * d, hidden))], f"g{p}", alpha=1.0, beta=0.0, transB=1)
+            t5 = n("Concat", [bs, ints(f"nd{p}", [heads, d, 1])], f"t5{p}", axis=0)
+            y = n("Squeeze", [n("Reshape", [g, t5], f"r{p}"), ints(f"ax4{p}", [4])], f"s{p}")
         if bias:
             y = n("Add", [y, weight(f"b{p}", (heads, d))], f"{p}_add")
         return y
 
-    q = n("Mul", [proj("q", key_dim), const("scale", np.array(key_dim ** -0.5, dtype=np.float32))], "q_scaled")
-    k, v = proj("k", key_dim), proj("v", vd)
+    q = n("Mul", [project("q", key_dim), const("scale", np.array(key_dim ** -0.5, dtype=np.float32))], "q_scaled")
+    k, v = project("k", key_dim), project("v", vd)
 
     def merged(name: str, t: str, last: int) -> tuple[str, str]:
         """Reshape(t, [prod(shape[0:2]), -1, shape[last]]) as tf2onnx reads it, and the Shape it reads."""
@@ -142,6 +146,8 @@ CONFIGS: dict[str, tuple[dict[str, object], str, dict[str, int], dict[str, int]]
     # Reshape, whose target the rule computes again from Q), the mask's adder; ort packs Q/K/V when it can.
     "heads4-bias-einsum": ({}, "mul-qk.nomask", {"MatMul": 4, "Add": 4}, {"com.microsoft.Attention": 1, "MatMul": 1,
                                                                              "Add": 1}),
+    "heads2-einsum-proj": ({"heads": 2, "key_dim": 8, "proj": "einsum"}, "mul-qk.nomask", {"MatMul": 4, "Add": 4},
+                           {"com.microsoft.Attention": 1, "MatMul": 1, "Add": 1}),
     "heads1-nobias-gemm": ({"heads": 1, "key_dim": 16, "bias": False, "out": "gemm"}, "mul-qk.nomask",
                            {"MatMul": 3, "Add": 1, **_GEMM_OUT}, {"com.microsoft.MultiHeadAttention": 1, "MatMul": 3,
                                                                   "Add": 1, **_GEMM_OUT}),
