@@ -521,8 +521,8 @@ def _rewire_shape_reader(rule: Rule, graph: ir.Graph, reader: ir.Node) -> bool:
         sl = ir.node("Slice", [full, consts[0].outputs[0], consts[1].outputs[0]])
         new_nodes = [*new_nodes, *consts, sl]
         full = sl.outputs[0]
-    for n in new_nodes:
-        n.name = f"{reader.name or 'Shape'}/{n.op_type}_{len(graph)}"
+    for i, n in enumerate(new_nodes):  # (the shape of a value of several dims reads several Shapes: one name each)
+        n.name = f"{reader.name or 'Shape'}/{n.op_type}_{len(graph)}_{i}"
     graph.insert_before(reader, new_nodes)
     ir.convenience.replace_all_uses_with(reader.outputs[0], full)
     full.shape, full.type = reader.outputs[0].shape, reader.outputs[0].type

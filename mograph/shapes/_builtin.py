@@ -494,6 +494,21 @@ def _register_values(t: ShapeRules) -> None:  # noqa: C901 - one short rule per 
             return None
         return True, x[1]
 
+    @shape_rule(t, "", "ReduceProd", 18, kind="values")  # axes an input
+    @shape_rule(t, "", "ReduceProd", 1, kind="values")
+    def reduce_prod(node: ir.Node, q: ShapeQuery) -> Vector | None:
+        """The product of a 1-D vector's elements (tf2onnx's merged batch dims: ``ReduceProd(Shape(x)[0:2])``)."""
+        x = q.values(node.inputs[0])
+        if x is None or x[0] or _iattr(node, "noop_with_empty_axes", 0):
+            return None
+        axes = q.ints(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
+        if axes is None and "axes" in node.attributes:
+            axes = [int(a) for a in node.attributes["axes"].value]
+        if axes not in (None, [0], [-1]):
+            return None
+        n = prod(x[1])
+        return None if n is None else (not _iattr(node, "keepdims", 1), (n,))
+
     @shape_rule(t, "", "Reshape", 5, kind="values")
     def reshape(node: ir.Node, q: ShapeQuery) -> Vector | None:
         x, target = q.values(node.inputs[0]), q.ints(node.inputs[1])
@@ -512,7 +527,7 @@ def _register_values(t: ShapeRules) -> None:  # noqa: C901 - one short rule per 
             return None
         return False, tuple(m for p in parts for m in p[1])  # type: ignore[index]
 
-    @shape_rule(t, "", ("Add", "Sub", "Mul", "Div", "Equal", "Where"), kind="values")
+    @shape_rule(t, "", ("Add", "Sub", "Mul", "Div", "Equal", "Where", "Max", "Min"), kind="values")
     def elementwise(node: ir.Node, q: ShapeQuery) -> Vector | None:
         parts = [q.values(v) for v in node.inputs]
         if any(p is None for p in parts):
@@ -527,8 +542,16 @@ def _register_values(t: ShapeRules) -> None:  # noqa: C901 - one short rule per 
 
 
 def _elementwise(op: str, args: list[Dim | None]) -> Dim | None:
-    """One element of an int64 ``Add``/``Sub``/``Mul``/``Div``/``Equal``/``Where`` on shape vectors."""
+    """One element of an int64 ``Add``/``Sub``/``Mul``/``Div``/``Equal``/``Where``/``Max``/``Min`` on shape vectors
+    (``Max``/``Min`` of equal elements is that element: tf2onnx's broadcast batch dims of a batched MatMul)."""
     if any(a is None for a in args):
+        return None
+    if op in ("Max", "Min"):
+        if all(a == args[0] for a in args):
+            return args[0]
+        if all(a is not None and a.is_literal for a in args):
+            pick = max if op == "Max" else min
+            return Dim.lit(pick(a.coef for a in args))  # type: ignore[union-attr]
         return None
     if op == "Where":
         cond, a, b = args

@@ -117,9 +117,10 @@ def _split_heads(v4: ir.Value, role: str, shapes: GraphShapes) -> Heads | str:
     tr = _producer(v, "Transpose")
     if tr is None or _perm(tr) != [0, 2, 1, 3]:
         return f"{role}: expected Transpose perm [0, 2, 1, 3] splitting heads, got {_what(v)}"
-    rs = _producer(tr.inputs[0], "Reshape")
+    split, f3 = _scaled(tr.inputs[0])  # type: ignore[arg-type]  # a factor on the split heads (Keras' query)
+    rs = _producer(split, "Reshape")
     if rs is None:
-        return f"{role}: expected Reshape to [batch, seq, heads, head_dim], got {_what(tr.inputs[0])}"
+        return f"{role}: expected Reshape to [batch, seq, heads, head_dim], got {_what(split)}"
     x, f2 = _scaled(rs.inputs[0])  # type: ignore[arg-type]
     if not is_float(x):
         return f"{role} '{x.name}' is not a floating-point tensor"
@@ -128,7 +129,7 @@ def _split_heads(v4: ir.Value, role: str, shapes: GraphShapes) -> Heads | str:
     hd = _heads_and_dim(rs, x.shape[2], shapes)
     if isinstance(hd, str):
         return f"{role}: {hd}"
-    return Heads(x, hd[0], hd[1], f1 * f2)
+    return Heads(x, hd[0], hd[1], f1 * f2 * f3)
 
 
 def _cached_or_split(kh: ir.Value, role: str, shapes: GraphShapes) -> Heads | str:
@@ -204,10 +205,12 @@ def _keys_transposed(kt: ir.Value, shapes: GraphShapes) -> Heads | str:
     tr = _producer(v, "Transpose")
     if tr is not None and _perm(tr) == [0, 2, 3, 1]:
         # the same split as the others, with the transpose folded in: check it on a [0, 2, 1, 3] view
-        rs = _producer(tr.inputs[0], "Reshape")
+        split, f3 = _scaled(tr.inputs[0])  # type: ignore[arg-type]
+        rs = _producer(split, "Reshape")
         if rs is None:
-            return f"key: expected Reshape to [batch, seq, heads, head_dim], got {_what(tr.inputs[0])}"
+            return f"key: expected Reshape to [batch, seq, heads, head_dim], got {_what(split)}"
         x, f2 = _scaled(rs.inputs[0])  # type: ignore[arg-type]
+        f2 *= f3
         if not is_float(x) or x.shape is None or len(x.shape) != 3 or not isinstance(x.shape[2], int):
             return f"key '{x.name}' is not a floating-point [batch, seq, hidden] with a static hidden size"
         hd = _heads_and_dim(rs, x.shape[2], shapes)

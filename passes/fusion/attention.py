@@ -38,6 +38,13 @@ decode step of LLaMA-style models), the rotary becomes a ``mograph.RotaryEmbeddi
 the exporter's Concat is the new Concat, under the same name, and the exporter's Concat and decomposed
 rotary die with the pattern.
 
+Keras' ``MultiHeadAttention`` is written with ``Einsum`` (projections ``abc,cde->abde``, scores
+``aecd,abcd->acbe``, context ``acbe,aecd->abcd``, output ``abcd,cde->abe``), which tf2onnx keeps or decomposes into
+3-D ``MatMul`` over ``[B*N, ., .]`` reshapes; the pass's canonicalization (:mod:`.canonicalize._layout`) first
+puts that into the form above, each rewrite exact (up to the rounding of a summation order for an ``Einsum`` or
+``Gemm`` written as ``MatMul``) and undone where no attention fused.  A factor on the split heads between their
+Reshape and Transpose (Keras scales the query after the split) is folded into ``scale`` like the others.
+
 The fused op (:mod:`.attention_op`) is lowered by the ``lower`` step
 (:mod:`mograph.passes.fusion.lowerings.attention`): for ``ort``, ``com.microsoft.Attention`` with Q/K/V
 packed into one GEMM for self-attention over ``x @ W (+ b)`` projections, else ``MultiHeadAttention``
@@ -474,6 +481,9 @@ class FuseAttentionPass(FusionPass):
     """Fuse multi-head self-/cross-attention (Q/K/V split, scaled scores, mask bias, softmax, merge) into one op."""
 
     name = "fuse-attention"
+    #: Keras/tf2onnx's Einsum attention into the MatMul form the rule reads (:mod:`.canonicalize._layout`)
+    canonicalize = ("unit-axes", "shape-unit-axes", "squeeze-reshape", "gemm-rows", "batched-matmul", "bias-split",
+                    "matmul-transpose", "einsum-matmul")
     options: ClassVar[tuple[Option, ...]] = (EXPLAIN_OPTION, MASK_FORMAT_OPTION, KV_CACHE_OPTION, POSITION_IDS_OPTION,
                                              TARGET_OPTION)
     rules: ClassVar[tuple[type[Rule], ...]] = (AttentionFusion,)

@@ -243,6 +243,14 @@ VALUES: dict[tuple[str, int], list[tuple[list[Any], dict[str, Any], Any, int]]] 
     ("Equal", 1): [([("shape", _S), np.array([-1, 3, 8])], {}, (False, [0, None, 1]), OPSET)],
     ("Where", 1): [([("eq", np.array([1, 2]), np.array([1, 3])), ("shape", ["b", "s"]), np.array([0, 5])], {},
                     (False, ["b", 5]), OPSET)],
+    # tf2onnx's batched MatMul: Max of the two operands' batch dims, ReduceProd of the merged ones
+    ("Max", 1): [([("shape", _S), ("shape", _S)], {}, (False, ["b", "s", 8]), OPSET),
+                 ([("shape", ["b", 8]), np.array([1, 8])], {}, (False, [None, 8]), OPSET)],  # b vs 1: either
+    ("Min", 1): [([np.array([3, 5]), np.array([4, 2])], {}, (False, [3, 2]), OPSET)],
+    ("ReduceProd", 18): [([("shape", _S)], {}, (False, ["8*b*s"]), OPSET),
+                         ([("shape", _S), np.array([0])], {"keepdims": 0}, (True, ["8*b*s"]), OPSET)],
+    ("ReduceProd", 1): [([("shape", _S)], {"axes": [0]}, (False, ["8*b*s"]), 13),
+                        ([("shape", _S)], {"axes": [1]}, None, 13)],  # no axis 1 in a vector
 }
 
 

@@ -51,18 +51,26 @@ rule                        rewrite                                             
                             in the normalized shape)
 ==========================  ===================================================  ==================
 
+``fuse-attention`` names the layout rewrites of :mod:`._layout` besides (``unit-axes``, ``shape-unit-axes``,
+``squeeze-reshape``, ``gemm-rows``, ``batched-matmul``, ``bias-split``, ``matmul-transpose``, ``einsum-matmul``:
+Keras' ``MultiHeadAttention`` as tf2onnx writes it); a pass that asks for every rewrite (``True``) gets the
+algebraic ones above only.
+
 Each rewrite is a :class:`CanonRule` (``_base``): a name, the op types its root may be, and a rewrite
 that returns the replacement or a :class:`Miss` saying why it does not apply (``Canonicalizer.why_not``
 lists them per rule, for diagnostics).  The rules live by kind in ``_casts``, ``_algebra`` and
 ``_shapes`` (the dims they compare asked of the core's shape query, :attr:`Canonicalizer.shapes`); ``_rules``
-orders them; ``_engine`` applies them and commits or undoes each edit.
+orders them (``_layout`` holds the layout ones); ``_engine`` applies them and commits or undoes each edit.
 
 Canonicalization changes nothing that no fusion uses.  Every rewrite is an edit that keeps what it
 replaced: the replaced nodes stay in the graph, detached (no inputs, a private domain, so no rule
 matches them), until the fusion rules have run.  Then each edit is **committed** if a fusion
 consumed what it made (the replaced nodes are deleted), or **undone** otherwise (the replaced nodes
 get their inputs back, their readers are wired back to them, and what the edit made is removed),
-in reverse order, so a graph where nothing fused comes back exactly as it was.
+in reverse order, so a graph where nothing fused comes back exactly as it was.  An edit is also used when a
+fused op reads what it made (an attention takes a projection as its input and leaves the split it traced through
+to die); a producer that only two edits' roots read, deleted with the later edit kept, is put back for the
+earlier one undone; dead producers are removed once every edit is resolved.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import numpy as np
 import onnx_ir as ir
 from mograph.passes.fusion._common import GraphShapes
 from mograph.passes.fusion.canonicalize._base import STD, Build, CanonRule, Miss
+from mograph.passes.fusion.canonicalize._layout import LAYOUT_RULES
 from mograph.passes.fusion.canonicalize._rules import RULES
 
 from mograph.errors import InternalError
@@ -64,7 +65,9 @@ class Canonicalizer:
         self.graph = graph
         self.shapes = shapes if shapes is not None else GraphShapes(graph, int32=True)
         self.opset = opset
-        self.rules: list[CanonRule] = [r for r in RULES if rules is None or r.name in rules]
+        # every algebraic rewrite by default; the layout ones (:mod:`._layout`) only where named
+        self.rules: list[CanonRule] = (list(RULES) if rules is None else
+                                       [r for r in (*RULES, *LAYOUT_RULES) if r.name in rules])
         self._by_op: dict[str, list[CanonRule]] = {}  # root op type -> its rules, in RULES' order
         for rule in self.rules:
             for op in rule.ops:
@@ -73,6 +76,8 @@ class Canonicalizer:
         self.position: dict[int, int] = {}
         self.original: set[ir.Node] = set()
         self.memo: dict[tuple[int, tuple[object, ...]], tuple[ir.Value, ir.Value]] = {}
+        #: nodes a kept edit deleted, with their inputs and domain: an earlier edit undone after it may read them
+        self._removed: dict[int, tuple[ir.Node, list[ir.Value | None], str]] = {}
         self._n = 0
 
     # -- building blocks ------------------------------------------------------------------
@@ -204,23 +209,32 @@ class Canonicalizer:
         kept: Counter = Counter()
         undone: Counter = Counter()
         graph = self.graph
+        made = {id(n) for e in self.edits for n in e.new_nodes}
+        dead: list[ir.Value | None] = []
         for edit in reversed(self.edits):
             if edit.new_nodes or edit.new_value in edit.new_inits:
-                # what the edit made, or a reader it rewired, went into a fusion
+                # what the edit made, or a reader it rewired, went into a fusion; or a fused op reads what it
+                # made (fuse-attention takes a projection as its input and leaves the split it traced through
+                # to die: the split is still in the graph here, unread)
                 used = any(n.graph is not graph for n in edit.new_nodes) or any(
-                    u.graph is not graph for u, _ in edit.moved)
+                    u.graph is not graph for u, _ in edit.moved) or any(
+                    u.graph is graph and u not in self.original and id(u) not in made
+                    for n in edit.new_nodes for v in n.outputs for u, _ in v.uses())
             else:
                 # an existing value stands in for the node (Identity, no-op Cast ...): the edit was used
                 # only if that value itself went into a fusion; a fusion that merely reads it (its
                 # input) is rewired to the original node on undo
                 used = self._stand_in_used(edit)
             if used:
-                self._keep(edit)
+                dead.extend(self._keep(edit))
                 kept[edit.rule] += 1
             else:
                 self._undo(edit)
                 undone[edit.rule] += 1
+        # once every edit is resolved: an earlier edit undone may read again what a kept one left unread
+        remove_dead_producers(graph, dead)
         self.edits.clear()
+        self._removed.clear()
         self._check()
         return kept, undone
 
@@ -239,21 +253,24 @@ class Canonicalizer:
         moved_gone = any(u.graph is not graph for u, _ in edit.moved)
         return moved_gone and any(u.graph is not graph for u in edit.direct)
 
-    def _keep(self, edit: _Edit) -> None:
+    def _keep(self, edit: _Edit) -> list[ir.Value | None]:
+        """Delete what the edit replaced; the values those nodes read (to remove once nothing reads them)."""
         graph = self.graph
         inputs = [v for _, ins, _ in edit.detached for v in ins]
-        for node, _, _ in edit.detached:
+        for node, ins, domain in edit.detached:
             if node.graph is graph:
                 graph.remove(node)
+                self._removed[id(node)] = (node, ins, domain)
         if edit.names is not None:  # the replaced value is gone: give it its name back for the record
             edit.old_value.name = edit.names[0] + "__mograph_canon_removed" if edit.names[0] else None
-        remove_dead_producers(graph, inputs)
+        return inputs
 
     def _undo(self, edit: _Edit) -> None:
         graph = self.graph
         for node, inputs, domain in reversed(edit.detached):
             node.domain = domain
             for i, v in enumerate(inputs):
+                self._restore(v, node)
                 p = v.producer() if v is not None else None
                 if (v is not None and p is None and v.const_value is not None and v.name
                         and v.name not in graph.initializers and not v.is_graph_input()):
@@ -282,6 +299,20 @@ class Canonicalizer:
             name = init.name
             if name is not None and not init.uses() and graph.initializers.get(name) is init:
                 del graph.initializers[name]
+
+    def _restore(self, value: ir.Value | None, reader: ir.Node) -> None:
+        """Put back (before ``reader``) the producer of ``value`` if a kept edit deleted it: a producer that only
+        the roots of two edits read goes with the later one, and the earlier one, undone, reads it again."""
+        p = value.producer() if value is not None else None
+        held = self._removed.pop(id(p), None) if p is not None and p.graph is None else None
+        if held is None:
+            return
+        node, inputs, domain = held
+        self.graph.insert_before(reader, node)
+        node.domain = domain
+        for i, v in enumerate(inputs):
+            self._restore(v, node)
+            node.replace_input_with(i, v)
 
     def _check(self) -> None:
         """Every input is produced in the graph, an initializer, a graph input or an outer value."""
