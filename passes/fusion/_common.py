@@ -204,6 +204,7 @@ class FusionPass(Pass):
 
         snapshot = infer_types(model)
         canon = None
+        was_sorted = bool(self.canonicalize) and _sorted(model.graph)  # (an input out of order is left so)
         if self.canonicalize:  # see :mod:`.canonicalize`: edits no fusion consumes are undone below
             from mograph.passes.fusion.canonicalize import Canonicalizer
 
@@ -218,7 +219,7 @@ class FusionPass(Pass):
                 regions = self.explained(unfused_regions(model, rules, canon.origin if canon is not None else None))
         finally:  # also when a rule failed: no detached node may outlive the pass
             kept = canon.resolve()[0] if canon is not None else None
-            if canon is not None and not _sorted(model.graph):
+            if canon is not None and was_sorted and not _sorted(model.graph):
                 model.graph.sort()  # an undo can rewire a fused op to a value made after it
         stats: dict[str, int | float] = {k: int(v) for k, v in sorted(report.stats.items())}
         modified = report.count > 0

@@ -70,7 +70,9 @@ def test_minilm_int8_sentence_embeddings(exported):
     assert result.modified
     assert result.stats["calibration_samples"] == len(CALIBRATION)
     assert result.details["plan"]["accuracy_budget"]["met"] is True
-    assert result.stats["quantized"] >= 30  # most of the 48 MatMuls run in INT8
+    # most of the 48 MatMuls run in INT8: 30+ while the budget joined the outputs, 27 since it also judges each
+    # output on its own, as --verify does (session 12, measured)
+    assert result.stats["quantized"] >= 25
     assert op_counts(model)["DequantizeLinear"] > 0
     cos = minilm.cosine_rows(ref, _embed(model, tok))
     print(f"MiniLM INT8 vs FP32 over {len(cos)} sentences: mean {cos.mean():.5f} min {cos.min():.5f}")
