@@ -468,8 +468,8 @@ POSITION_IDS_OPTION = Option(
     "position-ids", _position_ids_mode, "as-given",
     "a decoder export's position_ids input (optimum's exports take one) for --target ort's GroupQueryAttention: "
     "as-given (default, exact: the rotary angles are the export's own, computed from position_ids, and "
-    "ONNX Runtime's RotaryEmbedding kernels rotate Q and K before GroupQueryAttention; measured 1.25-1.3x the "
-    "rotary-inside form on the H200) or cache (ASSUMES position_ids[b, s] is each token's cache position, past "
+    "one ONNX Runtime RotaryEmbedding kernel rotates Q and K before GroupQueryAttention; measured 1.10-1.17x the "
+    "builder's rotary-inside graphs on the H200) or cache (ASSUMES position_ids[b, s] is each token's cache position, past "
     "length + s, as a generation loop without left padding feeds it: GroupQueryAttention then computes the "
     "rotary itself from its cache lengths and position_ids is not read; left padding, offsets or packed "
     "sequences give other numbers)",
