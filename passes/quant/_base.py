@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 import numpy as np
 import onnx_ir as ir
 from mograph.passes.quant import calibration as cal
+from mograph.passes.quant._output_check import OutputCheck
 from mograph.passes.quant._qdq import (
     Candidate,
     QdqWriter,
@@ -398,6 +399,7 @@ class QdqPassBase(Pass):
         budget = None
         budget_text = str(self.config.get("accuracy_budget") or "auto").strip()
         is_default = budget_text.lower() == "auto"
+        explicit_off = budget_text.lower() in NO_BUDGET  # also skips the output check (:mod:`._output_check`)
         if is_default:
             budget_text = self.default_budget or "off"
         if budget_text.lower() not in NO_BUDGET and not self.config.get("precision_plan"):
@@ -435,8 +437,12 @@ class QdqPassBase(Pass):
         observe_for = wanted if not budget else [c for c in cands if c in measured or c in wanted]
         source = None
         ranges: dict[str, tuple[float, float]] = {}
+        check = None
         if observe_for:
             source = open_calibration(self, model)
+            if budget is None and not explicit_off:  # nothing measured the result: the one-run output check
+                check = OutputCheck.start(self.name, model, source,
+                                          samples=int(self.config.get("sensitivity_samples") or 8))
             calibrator = self.config.get("calibrator") or "minmax"
             mask = cal.padding_mask_input(model)
             alpha = self._smoothing_alpha()
@@ -544,6 +550,8 @@ class QdqPassBase(Pass):
             plan.add(node, "quantized", "already quantized (inputs come from DequantizeLinear)")
         stats["q_nodes"] = writer.q_nodes
         stats["dq_nodes"] = writer.dq_nodes
+        if check is not None and (stats["quantized"] or stats.get("quantized.embeddings")):
+            check.finish(model, stats, details, notes)
         details = {"plan": plan.to_dict(), **details}
         if source is not None and source.random:
             details = {"WARNING": RANDOM_WARNING, **details}

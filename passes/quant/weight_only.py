@@ -79,8 +79,10 @@ from mograph.passes.quant._base import (
     calibration_meta,
     computed_weights_note,
     open_calibration,
+    parse_shapes,
     publish_notes_and_plan,
 )
+from mograph.passes.quant._output_check import OutputCheck
 from mograph.passes.quant._qdq import (
     COMPUTED_WEIGHT_REASON,
     computed_from_constants,
@@ -823,6 +825,10 @@ class WeightOnlyPass(Pass):
             plan.meta["calibration"] = calibration_meta(source, seen, None)
             if source.random:
                 stats["calibrated_on_random_data"] = 1
+        check = None
+        if budget is None and budget_text.lower() not in NO_BUDGET:  # nothing measures the result: check it once
+            check = OutputCheck.start(self.name, model, source, samples=int(self.config.get("sensitivity_samples") or 8),
+                                      shapes=parse_shapes(self.config.get("shape")))
         for b in sorted(wanted_bits):
             if sequential and b == bits:
                 samples_all = list(iter(source))  # type: ignore[arg-type]
@@ -902,6 +908,8 @@ class WeightOnlyPass(Pass):
         details: dict[str, Any] = {"plan": plan.to_dict()}
         if upgrade is not None:
             details["opset_upgrade"] = upgrade
+        if check is not None and (stats["quantized"] or stats.get("quantized.embeddings")):
+            check.finish(model, stats, details, notes)
         publish_notes_and_plan(self, plan, details, notes)
         if (not stats["quantized"] and not stats.get("quantized.embeddings") and not stats.get("expanded.embed_layernorm")
                 and upgrade is None):
