@@ -13,7 +13,10 @@ The flow of a Q/DQ pass (``qdq-int8``, ``qdq-fp8``):
    the weights' rows scaled to match, alpha measured per activation) and the ranges are those of the
    smoothed tensors;
 4. with ``--accuracy-budget``, replace the default rules by a measured per-layer sensitivity analysis;
-5. insert Q/DQ and write the precision plan (report ``details`` and ``--precision-plan-out``).
+5. insert Q/DQ and write the precision plan (report ``details`` and ``--precision-plan-out``);
+6. when no budget measured the result (``qdq-fp8`` by default, ``qdq-int8`` on a float16 model or a second
+   run), check it once against the float model (:mod:`mograph.passes.quant._output_check`: one warning
+   below its floor); ``--accuracy-budget off`` skips the check too.
 
 Before any of it, the model's opset is raised when the Q/DQ needs a newer one (``min_opset`` of the pass;
 19 whenever float16 or bfloat16 tensors are quantized, as ``QuantizeLinear`` takes them from opset 19 with
@@ -121,8 +124,8 @@ BUDGET_OPTION = Option(
     str,
     "auto",
     "measure per-layer sensitivity on the calibration data and keep the fewest layers in float that meet this "
-    "budget on the model outputs; auto (default): cosine>=0.992 for qdq-int8, off for qdq-fp8; off: the "
-    "default rules decide",
+    "budget on the model outputs; auto (default): cosine>=0.992 for qdq-int8, for qdq-fp8 the default rules "
+    "and a one-run output check that warns below cosine 0.8; off: the default rules decide, nothing measured",
     metavar="cosine>=X|max-abs<=X|auto|off",
 )
 

@@ -47,7 +47,9 @@ back to its Gathers, Adds and ``mograph.LayerNorm`` first, and its small segment
 ``--bits`` (model-output cosine on ``--sensitivity-samples`` calibration samples), then the fewest of the
 most sensitive are raised to INT8, and if INT8 everywhere is not enough, the fewest to float, so that
 the model outputs meet the budget (binary searches, every figure measured end to end on the float model
-with the dequantized weights, which is what the kernels compute).
+with the dequantized weights, which is what the kernels compute).  Without a budget (``auto``, the default)
+the written model is checked once against the float one (:mod:`mograph.passes.quant._output_check`: a
+warning when an output is wrecked); ``off`` skips that too.
 
 The plan stays per layer: a decoder's ``q_proj``, ``k_proj`` and ``v_proj`` are listed, decided and quantized one
 by one; ``lower`` packs the three into one ``MatMulNBits`` for ``GroupQueryAttention`` only where they came out
@@ -145,8 +147,9 @@ class WeightOnlyPass(Pass):
                "ONNX Runtime's GatherBlockQuantized); a table tied to a quantized LM head shares its data",
                choices=("float", "int8", "bits")),
         Option("accuracy-budget", str, "auto", "measure per-layer sensitivity and raise the fewest layers to int8, "
-               "then float, to meet this budget on the model outputs (auto, the default, and off: the plan's "
-               "default rules decide)", metavar="cosine>=X|max-abs<=X|auto|off"),
+               "then float, to meet this budget on the model outputs (auto, the default: the plan's default "
+               "rules and a one-run output check that warns below cosine 0.8; off: the rules, nothing measured)",
+               metavar="cosine>=X|max-abs<=X|auto|off"),
         Option("sensitivity-samples", int, 8, "calibration samples used by the sensitivity analysis", metavar="N"),
         Option("calibration-rows", int, 2048, "rows of each layer input kept for the awq searches", metavar="N"),
         *CALIBRATION_OPTIONS,
