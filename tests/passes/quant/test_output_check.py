@@ -66,10 +66,10 @@ def test_int4_default_warns_on_a_wrecked_model(caplog):
     assert figure < 0 and check["samples"] == 4
     assert check["output"] == "y" and check["data"] == "seeded random" and check["passed"] is False
     assert check["floor"] == oc.CHECK_FLOOR
-    # the figure is the written model's, on the check's own feeds
+    # the figure is what the written model computes on the check's own feeds
     feeds = list(oc.cal.RandomSource(to_ir(proto), 4))
     ref, out = run(proto, feeds[check["sample"]])[0], run(model, feeds[check["sample"]])[0]
-    assert output_value(Budget("cosine", 0.0), ref, out) == pytest.approx(figure, abs=1e-5)
+    assert output_value(Budget("cosine", 0.0), ref, out) == pytest.approx(figure, rel=1e-4)  # the kernels' form
     assert np.linalg.norm(out) > 2 * np.linalg.norm(ref)  # the difference read is all quantization noise
     (line,) = _warnings(caplog)
     assert line.startswith("weight-only: output 'y' of the quantized model has cosine ")
