@@ -180,3 +180,22 @@ def test_cli_int4_on_a_wrecked_model_exits_0_with_one_warning(tmp_path: Path, ca
     entry = json.loads(report.read_text())["passes"][0]
     assert entry["stats"]["output_check.below_floor"] == 1
     assert entry["details"]["output_check"]["measured"] < 0 and entry["details"]["output_check"]["output"] == "y"
+
+
+def test_int8_on_a_float16_model_is_checked_too(caplog):
+    """qdq-int8's default budget is not measured on a float16 model (the rules decide, said in a note): the
+    output check stands in for it, on the written Q/DQ graph."""
+    proto = _model()
+    for init in proto.graph.initializer:
+        init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float16), init.name))
+    for v in (*proto.graph.input, *proto.graph.output):
+        v.type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
+    feeds = [{"x": f["x"].astype(np.float16)} for f in _feeds()]
+    with caplog.at_level(logging.WARNING):
+        result = QdqInt8Pass(calibration_data=feeds, smoothing="off").call(to_ir(proto))
+    assert result.stats["quantized"] == 2 and result.stats["output_check.below_floor"] == 1
+    check = result.details["output_check"]
+    assert check["ran"] == "the written model" and check["output"] == "y" and check["measured"] < oc.CHECK_FLOOR
+    assert any(n.startswith("float16/bfloat16 model: the default rules chose") for n in result.details["notes"])
+    (line,) = _warnings(caplog)
+    assert line.startswith("qdq-int8: output 'y' of the quantized model has cosine ")
