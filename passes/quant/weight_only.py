@@ -97,7 +97,7 @@ from mograph.passes.quant._wo_layers import _FLOAT_DTYPES, _InputStats, _Layer, 
 from mograph.passes.quant._wo_segments import _hessian_factor, _Segments
 from mograph.passes.quant._wo_tables import _same_table, _Table, find_tables, quantize_table  # noqa: F401 - _same_table: tests read it here
 from mograph.passes.quant.plan import PrecisionPlan, load_plan, node_key, parse_budget
-from mograph.passes.quant.weight_only_op import BODY_OPSET, OP_NAME
+from mograph.passes.quant.weight_only_op import BODY_OPSET, FLOAT_GENERIC_OPSET, OP_NAME
 
 from mograph import _spill
 from mograph.custom_ops import DOMAIN, DOMAIN_VERSION
@@ -774,10 +774,13 @@ class WeightOnlyPass(Pass):
 
     # ------------------------------------------------------------------ the pass
 
-    def _ensure_body_opset(self, model: ir.Model, stats: dict[str, int | float]) -> dict[str, Any] | None:
-        """Raise the default-domain opset to :data:`BODY_OPSET` (the one the written ops' function bodies are
-        in: ``Unsqueeze`` with its axes as an input) when the model is older, like the Q/DQ passes do; the
-        conversion's figures go into ``stats``, and its details are returned (``None``: not needed).
+    def _ensure_body_opset(self, model: ir.Model, stats: dict[str, int | float],
+                           target: int = BODY_OPSET) -> dict[str, Any] | None:
+        """Raise the default-domain opset to ``target`` (:data:`BODY_OPSET`: the one the written ops' function
+        bodies are in, ``Unsqueeze`` with its axes as an input; :data:`FLOAT_GENERIC_OPSET` for float16
+        activations, whose bodies cast the float32 weight to the activation's type with ``CastLike``) when the
+        model is older, like the Q/DQ passes do; the conversion's figures go into ``stats``, and its details
+        are returned (``None``: not needed).
 
         Raises:
             ModelError: the model cannot be converted (it is unchanged then).
@@ -785,19 +788,21 @@ class WeightOnlyPass(Pass):
         from mograph.opset import OpsetUpgradeError, model_opset, upgrade_opset
 
         old = model_opset(model)
-        if old >= BODY_OPSET:
+        if old >= target:
             return None
+        why = (f"function bodies of the quantized ops (opset {target}"
+               + (": CastLike to the float16 activations)" if target > BODY_OPSET else ")"))
         try:
-            done = upgrade_opset(model, BODY_OPSET, ops=self.registry.custom_ops if self.registry is not None else {})
+            done = upgrade_opset(model, target, ops=self.registry.custom_ops if self.registry is not None else {})
         except OpsetUpgradeError as exc:
-            raise ModelError(f"{self.name}: the quantized MatMul's function body needs opset >= {BODY_OPSET}; the "
+            raise ModelError(f"{self.name}: the quantized MatMul's function body needs opset >= {target}; the "
                              f"model's opset cannot be upgraded from {old}: {exc}") from exc
         stats["opset_upgrade.from"] = done.from_opset
         stats["opset_upgrade.to"] = done.to_opset
         stats["opset_upgrade.rewritten"] = sum(done.rewritten.values())
         logger.info("%s: opset %d -> %d for the function bodies of the quantized ops", self.name, old, done.to_opset)
         return {"done": True, "from": done.from_opset, "to": done.to_opset,
-                "reason": f"function bodies of the quantized ops (opset {BODY_OPSET})", "rewritten": dict(done.rewritten)}
+                "reason": why, "rewritten": dict(done.rewritten)}
 
     def call(self, model: ir.Model) -> PassResult:
         bits = int(self.config.get("bits") or 4)
@@ -820,7 +825,10 @@ class WeightOnlyPass(Pass):
             budget = parse_budget(budget_text)
         if budget is None and all(p == "float" for p, _ in decisions.values()):
             return PassResult(False, {}, {})  # every candidate stays float: nothing to observe or write
-        upgrade = self._ensure_body_opset(model, stats)
+        # below opset 15 the bodies have no CastLike and compute float32: a float16 activation then meets a
+        # float32 weight in the body's MatMul, which ONNX Runtime refuses ("B has inconsistent type")
+        generic = any(layer.dtype != ir.DataType.FLOAT for layer in layers)
+        upgrade = self._ensure_body_opset(model, stats, FLOAT_GENERIC_OPSET if generic else BODY_OPSET)
         if upgrade is not None:  # the nodes were rewritten: find the layers again in the converted graph
             layers, skipped = self._layers(model)
             decisions, overridden = self._decide(model, layers, low)

@@ -43,7 +43,7 @@ from mograph.lowering import LoweringContext, replace_node
 from mograph.patterns import constant_array
 from mograph.shapes import Dim, Dims, ShapeQuery
 
-__all__ = ["OP_NAME", "BODY_OPSET", "weight_only_matmul_op", "reference", "function_body", "MS_DOMAIN"]
+__all__ = ["OP_NAME", "BODY_OPSET", "FLOAT_GENERIC_OPSET", "weight_only_matmul_op", "reference", "function_body", "MS_DOMAIN"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,9 @@ BLOCKED_DQ_OPSET = 21
 #: Lowest default-domain opset of the function bodies (``Unsqueeze`` with its axes as an input); the
 #: ``weight-only`` pass raises an older model's opset to it.
 BODY_OPSET = 13
+#: Lowest opset at which the bodies compute in A's dtype (their ``CastLike``); below it they compute float32,
+#: so the pass raises a model with float16 activations to it.
+FLOAT_GENERIC_OPSET = 15
 
 
 def _attr(node: ir.Node, name: str, default: int = 0) -> int:
@@ -113,7 +116,7 @@ def function_body(opset: int) -> ir.Function:
     a, b, scales, zp = (ir.Value(name=n) for n in ("A", "B", "scales", "zero_points"))
     w_nk = dequantized_rows(op, ints, b, scales, zp)
     w = op("Transpose", w_nk, perm=[1, 0])
-    y = op("MatMul", a, op("CastLike", w, a)) if opset >= 15 else op("MatMul", a, w)
+    y = op("MatMul", a, op("CastLike", w, a)) if opset >= FLOAT_GENERIC_OPSET else op("MatMul", a, w)
     graph = ir.Graph([a, b, scales, zp], [y], nodes=nodes, opset_imports={"": opset})
     attrs = [ir.AttrInt64("K", 0), ir.AttrInt64("N", 0), ir.AttrInt64("bits", 4), ir.AttrInt64("block_size", 128)]
     return ir.Function(DOMAIN, OP_NAME, "", graph=graph, attributes=attrs)
@@ -244,5 +247,5 @@ def weight_only_matmul_op() -> CustomOp:
         shape_dims=_dims,
         lowerings=dict(LOWERINGS),
         onnx_opset=BLOCKED_DQ_OPSET,
-        float_generic_opset=15,  # the body's CastLike; below it the body computes float32
+        float_generic_opset=FLOAT_GENERIC_OPSET,  # the body's CastLike; below it the body computes float32
     )

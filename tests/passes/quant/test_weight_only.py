@@ -16,7 +16,7 @@ from models.builders import bert_feeds, bert_tiny
 from mograph.errors import OptionError
 from mograph.lowering import lower_model
 from mograph.plugins import get_registry
-from mograph.testing import assert_untouched, check_pass, op_types, run_ort, to_ir, to_proto
+from mograph.testing import assert_close, assert_untouched, check_pass, op_types, run_ort, to_ir, to_proto
 
 K, N1, N2 = 256, 128, 64
 
@@ -443,3 +443,44 @@ def test_a_chain_of_quantized_matmuls_reads_the_rewritten_producer(algorithm: st
     want = run_ort(proto, feeds)[0]
     cos = float((got * want).sum() / np.linalg.norm(got) / np.linalg.norm(want))
     assert cos > 0.98  # 4-bit blocks of random weights on random calibration
+
+
+def _fp16_mlp(w1: np.ndarray, w2: np.ndarray, opset: int) -> onnx.ModelProto:
+    """float16 activations and weights, ``x @ W1 -> Relu -> @ W2``, at ``opset``."""
+    k, n = w1.shape[0], w2.shape[1]
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W1"], ["h"], name="fc1"), helper.make_node("Relu", ["h"], ["hr"], name="relu"),
+         helper.make_node("MatMul", ["hr", "W2"], ["y"], name="out")],
+        "mlp16", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT16, ["B", "S", k])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT16, ["B", "S", n])],
+        [numpy_helper.from_array(w1.astype(np.float16), "W1"), numpy_helper.from_array(w2.astype(np.float16), "W2")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    onnx.checker.check_model(model)
+    return model
+
+
+@pytest.mark.parametrize("opset", [14, 17])
+def test_five_checks_on_float16_activations(opset: int) -> None:
+    """A float16 model's function bodies meet float16 activations: below opset 15 (no ``CastLike``) the body's
+    float32 weight met them in its MatMul and ONNX Runtime refused the model ("B has inconsistent type
+    tensor(float)"); the pass now raises such a model to opset 15.  Numbers within 2e-3 of the float16 model's
+    output scale (the default 16-bit tolerance: representable weights, the scales rounded to float16), with
+    ONNX Runtime's graph optimizations off (check_pass) and on."""
+    ort = pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng(7)
+    proto = _fp16_mlp(representable(rng, K, N1), representable(rng, N1, N2), opset)
+    feeds = {"x": rng.standard_normal((2, 3, K)).astype(np.float16)}
+    stats: dict[str, int] = {"quantized": 2, "kept_float": 0, "quantized.int4": 2}
+    if opset < 15:
+        stats.update({"opset_upgrade.from": opset, "opset_upgrade.to": 15, "opset_upgrade.rewritten": 0})
+    model = check_pass(WeightOnlyPass(algorithm="rtn", output_projection="bits"), proto, stats=stats,
+                       ops_left=["mograph.WeightOnlyMatMul", "Relu", "mograph.WeightOnlyMatMul"], feeds=feeds)
+    assert model.opset_imports[""] >= 15
+    assert model.graph.node(0).inputs[2].const_value.dtype == ir.DataType.FLOAT16  # scales in A's dtype
+    ref = run_ort(proto, feeds)
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    sess = ort.InferenceSession(to_proto(model).SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    got = sess.run(None, feeds)
+    assert got[0].dtype == np.float16
+    assert_close(ref, got, 2e-3)
