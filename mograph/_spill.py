@@ -60,6 +60,7 @@ __all__ = [
     "spill_bytes",
     "save_external_bytes",
     "too_big",
+    "Census",
     "Spilled",
     "spill",
     "model_proto",
@@ -149,6 +150,112 @@ def _attribute_tensors(model: ir.Model) -> Iterator[ir.TensorProtocol]:
                     yield attr.value
 
 
+@dataclass
+class Census:
+    """Where a model's tensors sit, from one walk of it: what :func:`inline_bytes`, :func:`too_big`,
+    :func:`footprint`, :func:`remember_data_files`, :func:`drop_pages` and :func:`payload` (and the output
+    check, :mod:`mograph.output_check`) would each find by walking the model again.
+
+    Why: a check of one model asked those questions in turn, about ten walks of the whole model (about a
+    second of CPU time on a 100k-node graph).  A census holds the model's own objects (no copy), and is valid
+    while the model's graphs, nodes, attributes and initializers are not edited: make it, ask it, drop it.
+    """
+
+    #: The main graph and its subgraphs (:func:`mograph._traverse.subgraphs` order).
+    graphs: list[ir.Graph]
+    #: The initializer values of :attr:`graphs`, in order (:func:`_initializer_values`).
+    initializers: list[ir.Value]
+    #: ``(node, attribute)`` of each TENSOR or TENSORS attribute with a value (not a reference) of the nodes of
+    #: :attr:`graphs`.
+    attrs: list[tuple[ir.Node, ir.Attr]]
+    #: Tensors of the model-local functions' TENSOR attributes (subgraphs included), what
+    #: :func:`_attribute_tensors` adds for them.
+    function_tensors: list[ir.TensorProtocol]
+    #: Tensors of the functions' TENSORS attributes and the initializers of their subgraphs (only
+    #: :meth:`all_external` counts them, as :func:`mograph.ir_io.external_tensors` does).
+    function_others: list[ir.TensorProtocol]
+    #: ``(domain, op_type)`` of every node of :attr:`graphs`.
+    ops: set[tuple[str, str]]
+    #: How many nodes :attr:`graphs` have.
+    nodes: int
+
+    @classmethod
+    def of(cls, model: ir.Model) -> Census:
+        graphs = [model.graph, *subgraphs(model.graph)]
+        initializers = [v for g in graphs for v in g.initializers.values()]
+        attrs: list[tuple[ir.Node, ir.Attr]] = []
+        ops: set[tuple[str, str]] = set()
+        nodes = 0
+        tensor, tensors = ir.AttributeType.TENSOR, ir.AttributeType.TENSORS
+        for node in iter_nodes(model.graph):
+            nodes += 1
+            ops.add((node.domain, node.op_type))
+            for attr in node.attributes.data.values():
+                if (attr.type == tensor or attr.type == tensors) and not attr.is_ref() and attr.value is not None:
+                    attrs.append((node, attr))
+        function_tensors: list[ir.TensorProtocol] = []
+        function_others: list[ir.TensorProtocol] = []
+        for function in model.functions.values():
+            for sub in subgraphs(function):
+                function_others.extend(v.const_value for v in sub.initializers.values() if v.const_value is not None)
+            for node in iter_nodes(function):
+                for attr in node.attributes.values():
+                    if attr.is_ref() or attr.value is None:
+                        continue
+                    if attr.type == tensor:
+                        function_tensors.append(attr.value)
+                    elif attr.type == tensors:
+                        function_others.extend(attr.value)
+        return cls(graphs, initializers, attrs, function_tensors, function_others, ops, nodes)
+
+    def attribute_tensors(self) -> list[ir.TensorProtocol]:
+        """What :func:`_attribute_tensors` yields, in its order."""
+        out: list[ir.TensorProtocol] = []
+        for _, attr in self.attrs:
+            if attr.type == ir.AttributeType.TENSOR:
+                out.append(attr.value)
+            else:
+                out.extend(attr.value)
+        out.extend(self.function_tensors)
+        return out
+
+    def external(self) -> list[ir.ExternalTensor]:
+        """What :func:`_external` yields, in its order."""
+        out = [v.const_value for v in self.initializers if isinstance(v.const_value, ir.ExternalTensor)]
+        out.extend(t for t in self.attribute_tensors() if isinstance(t, ir.ExternalTensor))
+        return out
+
+    def all_external(self) -> list[ir.ExternalTensor]:
+        """The tensors :func:`mograph.ir_io.external_tensors` lists (in another order)."""
+        return [*self.external(), *(t for t in self.function_others if isinstance(t, ir.ExternalTensor))]
+
+    def inline_bytes(self) -> int:
+        """:func:`inline_bytes`."""
+        total = 0
+        for value in self.initializers:
+            t = value.const_value
+            if t is not None and (not isinstance(t, ir.ExternalTensor) or isinstance(t, PagedTensor)):
+                total += t.nbytes
+        for t in self.attribute_tensors():
+            if not isinstance(t, ir.ExternalTensor):
+                total += t.nbytes
+        return total
+
+    def footprint(self) -> int:
+        """:func:`footprint`."""
+        total = sum(v.const_value.nbytes for v in self.initializers if v.const_value is not None)
+        for _, attr in self.attrs:
+            if attr.type == ir.AttributeType.TENSOR:
+                total += attr.value.nbytes
+            else:
+                total += sum(t.nbytes for t in attr.value)
+        return total + self.nodes * NODE_BYTES
+
+    def too_big(self) -> bool:
+        """:func:`too_big`."""
+        return self.inline_bytes() >= spill_bytes() or any(isinstance(t, PagedTensor) for t in self.external())
+
+
 def inline_bytes(model: ir.Model) -> int:
     """Bytes of the tensors ``model`` holds in memory (initializers and tensor attributes), that is, what a
     serialized copy of it would hold; external tensors are references and count nothing."""
@@ -167,11 +274,12 @@ def inline_bytes(model: ir.Model) -> int:
 _DATA_FILES: set[str] = set()
 
 
-def remember_data_files(model: ir.Model) -> None:
+def remember_data_files(model: ir.Model, census: Census | None = None) -> None:
     """Note the external-data files ``model`` reads, so :func:`drop_pages` can forget their pages later even
     when no model that is passed to it refers to them any more (the input's float weights after a pass
-    gave every value a converted tensor, still mapped by the untouched copy a check keeps)."""
-    for t in _external(model):
+    gave every value a converted tensor, still mapped by the untouched copy a check keeps).  ``census``:
+    ``model``'s (:class:`Census`), to walk it no more."""
+    for t in (census.external() if census is not None else _external(model)):
         with contextlib.suppress(OSError, ValueError):
             _DATA_FILES.add(os.path.realpath(t.path))
 
@@ -220,7 +328,7 @@ def _drop_file_maps() -> int:
     return count
 
 
-def drop_pages(model: ir.Model) -> int:
+def drop_pages(model: ir.Model, census: Census | None = None) -> int:
     """Drop the pages of memory-mapped external tensors from this process's resident memory; return how
     many maps were advised.
 
@@ -232,7 +340,8 @@ def drop_pages(model: ir.Model) -> int:
     (:func:`remember_data_files`): after a pass the untouched input a check keeps still maps the float
     weights the pass read.  Called before a session is made (:func:`payload`); it also frees the model
     copies a pass dropped (:func:`free_dropped`, counting copies of ``model``'s size) and hands the freed
-    heap back to the system.  Does nothing where ``madvise`` is not available.
+    heap back to the system.  Does nothing where ``madvise`` is not available.  ``census``: ``model``'s
+    (:class:`Census`), to walk it no more.
     """
     import mmap
 
@@ -240,15 +349,16 @@ def drop_pages(model: ir.Model) -> int:
     count = 0
     if advice is None:  # pragma: no cover - not Linux/macOS
         return count
-    remember_data_files(model)
-    for t in _external(model):
+    external = census.external() if census is not None else list(_external(model))
+    remember_data_files(model, census)
+    for t in external:
         raw = getattr(t, "raw", None)
         if isinstance(raw, mmap.mmap) and not raw.closed:
             with contextlib.suppress(OSError, ValueError):
                 raw.madvise(advice)
                 count += 1
     count += _drop_file_maps()
-    free_dropped(model)
+    free_dropped(census.footprint() if census is not None else model)
     return count
 
 
@@ -667,11 +777,12 @@ class Payload:
 
 
 def payload(model: ir.Model | onnx.ModelProto | bytes | Payload, folder: str | os.PathLike | None = None,
-            spilled: Spilled | None = None) -> Payload:
+            spilled: Spilled | None = None, census: Census | None = None) -> Payload:
     """:class:`Payload` of ``model``: bytes below :func:`proto_limit`, else a spilled file.
 
     ``folder`` is where the external data of bytes or a ``ModelProto`` is read from; ``spilled`` says
-    that a ``ModelProto`` is an edited :attr:`Spilled.proto` (written beside that data, never re-spilled).
+    that a ``ModelProto`` is an edited :attr:`Spilled.proto` (written beside that data, never re-spilled);
+    ``census``, an ``onnx_ir.Model``'s :class:`Census`, which then answers for it (one walk, not five).
     """
     if isinstance(model, Payload):
         return model
@@ -684,13 +795,13 @@ def payload(model: ir.Model | onnx.ModelProto | bytes | Payload, folder: str | o
             return Payload(data=model.SerializeToString(), folder=str(folder) if folder else None)
         sp = spill_proto(model, folder)
         return Payload(path=sp.path, spilled=sp)
-    drop_pages(model)  # weights read by the pass: not resident twice once ONNX Runtime loads its copy
-    if footprint(model) >= spill_bytes():
+    drop_pages(model, census)  # weights read by the pass: not resident twice once ONNX Runtime loads its copy
+    if (census.footprint() if census is not None else footprint(model)) >= spill_bytes():
         pin_mmap_threshold()  # ONNX Runtime's buffers of a large model's run go back when freed
-    if too_big(model):
+    if census.too_big() if census is not None else too_big(model):
         sp = spill(model)
         return Payload(path=sp.path, spilled=sp)
-    folders = {str(t.base_dir) for t in _external(model) if t.base_dir}
+    folders = {str(t.base_dir) for t in (census.external() if census is not None else _external(model)) if t.base_dir}
     return Payload(data=ir.serde.serialize_model(model).SerializeToString(),
                    folder=next(iter(folders)) if len(folders) == 1 else (str(folder) if folder else None))
 

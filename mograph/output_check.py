@@ -102,11 +102,15 @@ def _short(message: str, lines: int = 3) -> str:
     return text[:600]
 
 
-def _all_values(model: ir.Model) -> list[ir.Value]:
-    out: list[ir.Value] = []
-    for graph in model.graphs():
-        out.extend(graph.initializers.values())
-    return out
+def _all_values(model: ir.Model, census: Any = None) -> list[ir.Value]:
+    """The initializer values of the main graph and its subgraphs, each graph once; ``census``: ``model``'s
+    :class:`mograph._spill.Census`, whose graphs are those."""
+    if census is None:
+        return [v for graph in model.graphs() for v in graph.initializers.values()]
+    graphs = dict.fromkeys(census.graphs)  # (onnx_ir's ``Model.graphs`` lists a graph once)
+    if len(graphs) == len(census.graphs):
+        return census.initializers
+    return [v for graph in graphs for v in graph.initializers.values()]
 
 
 def _placeholder(t: ir.TensorProtocol) -> ir.TensorProtocol:
@@ -123,25 +127,29 @@ def _big(t: ir.TensorProtocol | None) -> bool:
     return t is not None and (isinstance(t, ir.ExternalTensor) or t.nbytes > PLACEHOLDER_BYTES)
 
 
-def _skeleton(model: ir.Model) -> Any:
+def _skeleton(model: ir.Model, census: Any = None) -> Any:
     """A ``ModelProto`` of ``model`` whose large tensors are one-element stand-ins (nothing big is read).
 
     The stand-ins are put in place for the serialization only and the model's own tensors put back
     after it (``Model.clone`` cannot copy every valid graph: a branch that outputs an outer value).
+    ``census``: ``model``'s :class:`mograph._spill.Census` (no walk of the model here then).
     """
     swapped_values: list[tuple[ir.Value, ir.TensorProtocol]] = []
     swapped_attrs: list[tuple[ir.Node, str, ir.Attr]] = []
     try:
-        for value in _all_values(model):
+        for value in _all_values(model, census):
             t = value.const_value
             if t is not None and _big(t):
                 swapped_values.append((value, t))
                 value.const_value = _placeholder(t)
-        for node in iter_nodes(model.graph):
-            for key, attr in list(node.attributes.items()):
-                if attr.type == ir.AttributeType.TENSOR and _big(attr.value):
-                    swapped_attrs.append((node, key, attr))
-                    node.attributes[key] = ir.AttrTensor(key, _placeholder(attr.value))
+        if census is not None:
+            attrs = [(node, attr.name, attr) for node, attr in census.attrs]
+        else:
+            attrs = [(node, key, attr) for node in iter_nodes(model.graph) for key, attr in node.attributes.items()]
+        for node, key, attr in attrs:
+            if attr.type == ir.AttributeType.TENSOR and _big(attr.value):
+                swapped_attrs.append((node, key, attr))
+                node.attributes[key] = ir.AttrTensor(key, _placeholder(attr.value))
         return ir.serde.serialize_model(model)
     finally:
         for value, t in swapped_values:
@@ -150,14 +158,17 @@ def _skeleton(model: ir.Model) -> Any:
             node.attributes[key] = attr
 
 
-def _references_emptied(proto: Any) -> Any:
+def _references_emptied(proto: Any, copy: bool = True) -> Any:
     """A copy of a spilled model's proto whose external tensors are empty in-memory stand-ins (dims
-    ``[0]``): the checker reads nothing, and does not look for the data file in the current directory."""
+    ``[0]``): the checker reads nothing, and does not look for the data file in the current directory.
+    ``copy=False``: ``proto`` itself, edited (for a proto whose file is written and that nothing reads again)."""
     import onnx
 
-    copy = onnx.ModelProto()
-    copy.CopyFrom(proto)
-    graphs = [copy.graph]
+    if copy:
+        copy_ = onnx.ModelProto()
+        copy_.CopyFrom(proto)
+        proto = copy_
+    graphs = [proto.graph]
     while graphs:
         graph = graphs.pop()
         for t in graph.initializer:
@@ -172,7 +183,7 @@ def _references_emptied(proto: Any) -> Any:
                 if attr.HasField("g"):
                     graphs.append(attr.g)
                 graphs.extend(attr.graphs)
-    return copy
+    return proto
 
 
 @functools.lru_cache(maxsize=1)
@@ -260,41 +271,45 @@ def _size(n: int) -> str:
     return f"{n} bytes"
 
 
-def _ort_skip_reason(model: ir.Model) -> str | None:
+def _ort_skip_reason(model: ir.Model, census: Any = None) -> str | None:
+    """Why ONNX Runtime's load cannot run, or ``None``; ``census``: ``model``'s :class:`mograph._spill.Census`
+    (then the model is not walked here)."""
     try:
         import onnxruntime  # noqa: F401
     except ImportError:
         return "onnxruntime is not installed"
     local = {(d, n) for d, n, _ in model.functions}
+    ops = census.ops if census is not None else {(node.domain, node.op_type) for node in iter_nodes(model.graph)}
     unknown = sorted({
-        node.domain or "ai.onnx"
-        for node in iter_nodes(model.graph)
-        if node.domain not in ORT_DOMAINS and (node.domain, node.op_type) not in local
+        domain or "ai.onnx" for domain, op_type in ops if domain not in ORT_DOMAINS and (domain, op_type) not in local
     })
     if unknown:
         return f"ops in domain(s) ONNX Runtime does not know: {', '.join(unknown)}"
-    total = sum(v.const_value.nbytes for v in _all_values(model) if v.const_value is not None)
+    total = sum(v.const_value.nbytes for v in _all_values(model, census) if v.const_value is not None)
     if total > ORT_MAX_BYTES:
         return f"{_size(total)} of weights (load limit {_size(ORT_MAX_BYTES)})"
-    from mograph import ir_io
-
-    # Every external tensor, tensor attributes too: as bytes, the model's locations would otherwise be
-    # resolved against the current directory.
-    folders = {str(t.base_dir) for t in ir_io.external_tensors(model)}
+    folders = _folders(model, census)
     if len(folders) > 1:
         return f"external data in {len(folders)} different folders"
     return None
 
 
-def _ort_payload(model: ir.Model) -> Any:
-    """What ONNX Runtime loads (:class:`mograph._spill.Payload`): in-memory tensors past the protobuf limit
-    are spilled to a file (:mod:`mograph._spill`)."""
-    from mograph import _spill, ir_io
+def _folders(model: ir.Model, census: Any = None) -> set[str]:
+    """The folders of every external tensor, tensor attributes too: as bytes, the model's locations would
+    otherwise be resolved against the current directory."""
+    from mograph import ir_io
 
-    # Every external tensor, tensor attributes too: as bytes, the model's locations would otherwise be
-    # resolved against the current directory.
-    folders = {str(t.base_dir) for t in ir_io.external_tensors(model)}
-    return _spill.payload(model, folders.pop() if folders else None)
+    tensors = census.all_external() if census is not None else ir_io.external_tensors(model)
+    return {str(t.base_dir) for t in tensors}
+
+
+def _ort_payload(model: ir.Model, census: Any = None) -> Any:
+    """What ONNX Runtime loads (:class:`mograph._spill.Payload`): in-memory tensors past the protobuf limit
+    are spilled to a file (:mod:`mograph._spill`).  ``census``: ``model``'s :class:`mograph._spill.Census`."""
+    from mograph import _spill
+
+    folders = _folders(model, census)
+    return _spill.payload(model, folders.pop() if folders else None, census=census)
 
 
 def _ort_check_options() -> Any:
@@ -330,10 +345,10 @@ def _ort_check_options() -> Any:
     return so
 
 
-def _ort_load(model: ir.Model, payload: Any = None) -> None:
+def _ort_load(model: ir.Model, payload: Any = None, census: Any = None) -> None:
     so = _ort_check_options()
     try:
-        (payload if payload is not None else _ort_payload(model)).session(so, ["CPUExecutionProvider"])
+        (payload if payload is not None else _ort_payload(model, census)).session(so, ["CPUExecutionProvider"])
     except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types for a refused model
         message = str(exc)
         raise InvalidModel("onnxruntime", _short(message), _node_in(message)) from exc
@@ -353,19 +368,22 @@ def check_model_output(model: ir.Model) -> dict[str, str]:
     out: dict[str, str] = {}
     if not model.graph.outputs:  # the checker accepts it; an input with no outputs is refused on load (exit 3)
         raise InvalidModel("output check", "the graph has no outputs: the model computes nothing", None)
-    reason = _ort_skip_reason(model)
-    payload = None
-    if reason is None:
-        from mograph import _spill
+    from mograph import _spill
 
-        if _spill.too_big(model):
-            # The spilled file's proto holds every large tensor as a reference to its data already: a copy
-            # of it is the checker's skeleton, so the graph is serialized once, not twice.
-            payload = _ort_payload(model)
+    # One walk answers what the steps below ask about the model's tensors and ops (it is not edited here: the
+    # skeleton's stand-ins are put back before ONNX Runtime's load).
+    census = _spill.Census.of(model)
+    reason = _ort_skip_reason(model, census)
+    payload = None
+    if reason is None and census.too_big():
+        # The spilled file's proto holds every large tensor as a reference to its data already: it is the
+        # checker's skeleton, so the graph is serialized once, not twice.  Edited in place, not copied: its file
+        # is written (ONNX Runtime loads that), and the payload is this check's own, read by nothing else.
+        payload = _ort_payload(model, census)
     if payload is not None and payload.spilled is not None:
-        skeleton = _references_emptied(payload.spilled.proto)
+        skeleton = _references_emptied(payload.spilled.proto, copy=False)
     else:
-        skeleton = _skeleton(model)
+        skeleton = _skeleton(model, census)
     skeleton, hidden, source = _hide_ort_default_domain_ops(skeleton)
     try:
         onnx.checker.check_model(skeleton)
@@ -381,6 +399,6 @@ def check_model_output(model: ir.Model) -> dict[str, str]:
         out["onnxruntime"] = f"skipped: {reason}"
         logger.info("output check: ONNX Runtime load skipped (%s)", reason)
         return out
-    _ort_load(model, payload)
+    _ort_load(model, payload, census)
     out["onnxruntime"] = "passed (loaded, graph optimizations off)"
     return out

@@ -253,7 +253,7 @@ def test_without_onnxruntime_the_fallback_names_what_went_unchecked(monkeypatch)
     import mograph.output_check as oc
 
     monkeypatch.setattr(oc, "_ort_cpu_default_domain_kernels", lambda: None)
-    monkeypatch.setattr(oc, "_ort_skip_reason", lambda model: "onnxruntime is not installed")
+    monkeypatch.setattr(oc, "_ort_skip_reason", lambda model, census=None: "onnxruntime is not installed")
     result = check_model_output(ir.serde.deserialize_model(_ort_layernorm_model(12)))
     assert "onnxruntime absent: not checked" in result["onnx_checker"], result
     assert result["onnxruntime"] == "skipped: onnxruntime is not installed"
@@ -382,7 +382,7 @@ def test_a_spilled_model_is_serialized_once_for_the_checker_and_onnxruntime(monk
     real_serialize = ir.serde.serialize_model
     monkeypatch.setattr(ir.serde, "serialize_model", lambda m, *a, **k: calls.append("serialize") or real_serialize(m, *a, **k))
     real_skeleton = output_check._skeleton
-    monkeypatch.setattr(output_check, "_skeleton", lambda m: calls.append("skeleton") or real_skeleton(m))
+    monkeypatch.setattr(output_check, "_skeleton", lambda m, census=None: calls.append("skeleton") or real_skeleton(m, census))
     out = check_model_output(_model())
     assert out["onnxruntime"].startswith("passed") and calls.count("skeleton") == 1
     calls.clear()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -482,3 +483,93 @@ def test_a_fusion_pass_whose_root_op_is_there_still_runs_its_sweep(monkeypatch: 
     assert inferences == 1
     assert report[0][1:4] == [False, {}, {"rules": {"EmbedLayerNormFusion": {"candidates": 0, "fused": 0,
                                                                               "near_misses": 0}}}]
+
+
+def _census_model(tmp_path: Path) -> ir.Model:
+    """A model with tensors everywhere a census looks: external and in-memory initializers (main graph and an
+    ``If`` branch), big and small ``Constant`` tensors, a TENSORS attribute, and a model-local function with a
+    ``Constant``."""
+    rng = np.random.default_rng(0)
+    big = onnx.numpy_helper.from_array(rng.standard_normal([64, 64]).astype(np.float32), "w")
+    small = onnx.numpy_helper.from_array(np.ones([4], np.float32), "s")
+    then_init = onnx.numpy_helper.from_array(rng.standard_normal([600]).astype(np.float32), "tw")
+    then_g = helper.make_graph([helper.make_node("Add", ["tw", "tw"], ["t"], name="tadd")], "then", [],
+                               [helper.make_tensor_value_info("t", TensorProto.FLOAT, [600])], [then_init])
+    else_g = helper.make_graph([helper.make_node("Constant", [], ["e"], name="econst",
+                                                 value=onnx.numpy_helper.from_array(np.zeros([600], np.float32)))],
+                               "else", [], [helper.make_tensor_value_info("e", TensorProto.FLOAT, [600])])
+    many = [onnx.numpy_helper.from_array(np.full([300], i, np.float32)) for i in range(2)]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+        helper.make_node("Constant", [], ["c"], name="const", value=onnx.numpy_helper.from_array(
+            rng.standard_normal([400]).astype(np.float32))),
+        helper.make_node("If", ["cond"], ["y"], name="if", then_branch=then_g, else_branch=else_g),
+        helper.make_node("Pack", ["s"], ["p"], name="pack", domain="custom.tests", tensors=many),
+        helper.make_node("Fn", ["m"], ["f"], name="fn", domain="local.fn"),
+    ]
+    fn = helper.make_function("local.fn", "Fn", ["a"], ["b"], [
+        helper.make_node("Constant", [], ["k"], value=onnx.numpy_helper.from_array(np.ones([512], np.float32))),
+        helper.make_node("Mul", ["a", "k"], ["b"])], [helper.make_opsetid("", 17)])
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64]),
+                                       helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+                          [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("f", "c", "y", "p")],
+                          [big, small])
+    proto = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("local.fn", 1),
+                                                helper.make_opsetid("custom.tests", 1)], functions=[fn])
+    path = tmp_path / "m.onnx"
+    onnx.save(proto, str(path), save_as_external_data=True, location="m.data", size_threshold=1024)
+    return mograph.ir_io.load_model(path)
+
+
+def test_a_census_answers_as_the_walks_it_replaces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """:class:`mograph._spill.Census` (one walk) gives what each walk of the model gave: in-memory bytes, the
+    footprint, whether the model spills, the external tensors (as ``_spill`` and ``ir_io`` list them), the
+    initializer values the output check swaps, the ops."""
+    from mograph import _spill, ir_io, output_check
+
+    model = _census_model(tmp_path)
+    census = _spill.Census.of(model)
+    assert census.inline_bytes() == _spill.inline_bytes(model) > 0
+    assert census.footprint() == _spill.footprint(model)
+    assert census.too_big() == _spill.too_big(model)
+    external = list(_spill._external(model))
+    assert len(external) >= 1  # the MatMul weight
+    assert [id(t) for t in census.external()] == [id(t) for t in external]
+    assert [id(t) for t in census.attribute_tensors()] == [id(t) for t in _spill._attribute_tensors(model)]
+    assert sorted(map(id, census.all_external())) == sorted(map(id, ir_io.external_tensors(model)))
+    assert [id(v) for v in output_check._all_values(model, census)] == [id(v) for v in output_check._all_values(model)]
+    assert census.ops == {(n.domain, n.op_type) for n in iter_nodes(model.graph)}
+    assert output_check._ort_skip_reason(model, census) == output_check._ort_skip_reason(model)
+    assert output_check._folders(model, census) == output_check._folders(model) == {str(tmp_path)}
+    before = onnx.ModelProto.FromString(ir.serde.serialize_model(model).SerializeToString())
+    skeleton = output_check._skeleton(model, census)
+    assert skeleton.SerializeToString(deterministic=True) == output_check._skeleton(model).SerializeToString(
+        deterministic=True)
+    assert ir.serde.serialize_model(model).SerializeToString() == before.SerializeToString()  # tensors put back
+    monkeypatch.setattr(_spill, "spill_bytes", lambda: 1)  # the in-memory bytes past the limit: spilled
+    assert census.too_big() == _spill.too_big(model) is True
+
+
+@pytest.mark.parametrize("spilled", [False, True])
+def test_the_output_check_walks_the_model_once(monkeypatch: pytest.MonkeyPatch, spilled: bool) -> None:
+    """The output check asks one census of the model what about ten walks answered (each of ``too_big``,
+    ``footprint``, ``drop_pages``, the ONNX Runtime skip reason, the folders ...: 28 iterations of the main
+    graph on a 12-layer stack as bytes, 22 spilled).  Left: the census, the serializations (the skeleton and
+    the bytes, or the spill) and the spill's own swaps."""
+    from mograph import ir_io, output_check
+
+    if spilled:
+        monkeypatch.setenv("MOGRAPH_PROTO_LIMIT", "0")
+    model = ir_io.load_model(_stack(2).SerializeToString())
+    count = [0]
+    iterate = ir.Graph.__iter__
+
+    def counted(self: ir.Graph) -> Any:
+        if self is model.graph:
+            count[0] += 1
+        return iterate(self)
+
+    monkeypatch.setattr(ir.Graph, "__iter__", counted)
+    result = output_check.check_model_output(model)
+    assert result["onnxruntime"].startswith("passed")
+    assert count[0] <= 6
