@@ -32,6 +32,7 @@ from mograph.passes.fusion.lowerings.attention_proofs import (
     _angle_factors,
     _causal_from,
     _is_range_from_zero,
+    _key_slice,
     _kv_cache,
     _positions,
     _present_key_output,
@@ -86,7 +87,8 @@ def _causal_positions(bias: ir.Value, q: ir.Value, past: ir.Value | None, ctx: L
     where = _producer(bias, "Where")
     if where is None:
         return None
-    for leaf in _and_leaves(where.inputs[0]):
+    sliced = _key_slice(where.inputs[0])  # (what the slice keeps is checked where the causal term is proved)
+    for leaf in _and_leaves(sliced[0] if sliced is not None else where.inputs[0]):
         le = leaf.producer() if leaf is not None and not _all_true(leaf) else None
         if le is None or le.domain != "" or le.op_type not in ("LessOrEqual", "GreaterOrEqual"):
             continue

@@ -304,6 +304,23 @@ def _padding_mask(bias: ir.Value, shapes: Shapes) -> tuple[ir.Value, float] | No
     return mask, c
 
 
+def _key_slice(value: ir.Value | None) -> tuple[ir.Value, ir.Value] | None:
+    """``(x, end)`` if ``value`` is ``Slice(x, [0], [end], [3], [1])`` of a rank-4 ``x``: the first ``end`` columns on
+    the key axis (transformers 4.5x's sdpa cuts its mask to the key length, ``mask[:, :, :, :k.shape[-2]]``)."""
+    node = _producer(value, "Slice")
+    if node is None or len(node.inputs) < 4 or node.inputs[0] is None or node.inputs[2] is None:
+        return None
+    starts, axes = constant_array(node.inputs[1]), constant_array(node.inputs[3])
+    steps = constant_array(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else None
+    x = node.inputs[0]
+    rank = len(x.shape) if x.shape is not None else None
+    if starts is None or axes is None or starts.reshape(-1).tolist() != [0] or rank != 4:
+        return None
+    if axes.reshape(-1).tolist() not in ([3], [-1]) or (steps is not None and steps.reshape(-1).tolist() != [1]):
+        return None
+    return x, node.inputs[2]
+
+
 def _and_leaves(value: ir.Value | None) -> list[ir.Value | None]:
     """The terms of a tree of ``And`` (an ``Expand`` only broadcasts: looked through)."""
     node = value.producer() if value is not None else None
@@ -530,8 +547,26 @@ def _positions(pos: ir.Value | None, q: ir.Value, past: ir.Value | None, shapes:
     if past is None:
         return steps(pos)
     add = _producer(pos, "Add")
-    return add is not None and any(steps(a) and _past_length_of(b, past, shapes) for a, b in (
+    if add is None:
+        return _offset_range(pos, q, past, shapes)
+    return any(steps(a) and _past_length_of(b, past, shapes) for a, b in (
         (add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])))
+
+
+def _offset_range(pos: ir.Value | None, q: ir.Value, past: ir.Value, shapes: Shapes) -> bool:
+    """Whether ``pos`` is ``Range(P, P + S, 1)``: the cache position as transformers 4.5x computes it
+    (``arange(past_seen_tokens, past_seen_tokens + S)``, as optimum's TorchScript exports hold it), with ``P`` the
+    cache's past length and ``S`` the query length (the limit an ``Add`` of the two, casts looked through)."""
+    rng = _producer(pos, "Range")
+    if rng is None or scalar_value(rng.inputs[2]) != 1 or not _past_length_of(rng.inputs[0], past, shapes):
+        return False
+    limit = rng.inputs[1]
+    while (cast := _producer(limit, "Cast")) is not None:
+        limit = cast.inputs[0]
+    add = _producer(limit, "Add")
+    return add is not None and any(
+        _past_length_of(a, past, shapes) and _query_length_of(b, q, shapes)
+        for a, b in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])))
 
 
 def _angle_factors(f: ir.Value) -> list[tuple[ir.Value, np.ndarray, int]]:
@@ -618,12 +653,30 @@ def _query_length_of(value: ir.Value | None, q: ir.Value, shapes: Shapes) -> boo
 
 def _past_plus_query(rng: ir.Node, past: ir.Value | None, q: ir.Value, shapes: Shapes) -> bool:
     """Whether ``Range(0, n, 1)``'s ``n`` is ``P + S``: the cache's past length plus the query length."""
-    add = _producer(rng.inputs[1], "Add")
+    limit = rng.inputs[1]
+    while (cast := _producer(limit, "Cast")) is not None:
+        limit = cast.inputs[0]
+    add = _producer(limit, "Add")
     if add is None or past is None:
         return False
     a, b = add.inputs[0], add.inputs[1]
-    return ((_past_length_of(a, past, shapes) and _query_length_of(b, q, shapes))
-            or (_past_length_of(b, past, shapes) and _query_length_of(a, q, shapes)))
+    return any(_past_length_of(x, past, shapes)
+               and (_query_length_of(y, q, shapes) or _offset_range_length(y, q, past, shapes))
+               for x, y in ((a, b), (b, a)))
+
+
+def _offset_range_length(value: ir.Value | None, q: ir.Value, past: ir.Value, shapes: Shapes) -> bool:
+    """Whether the scalar ``value`` is ``Gather(Shape(r), 0)`` of the cache positions ``r = Range(P, P + S, 1)``:
+    ``S``, the query length (transformers 4.5x's ``past_seen_tokens + cache_position.shape[0]``)."""
+    while (cast := _producer(value, "Cast")) is not None:
+        value = cast.inputs[0]
+    gather = _producer(value, "Gather")
+    shape = _producer(gather.inputs[0], "Shape") if gather is not None else None
+    if gather is None or shape is None or scalar_value(gather.inputs[1]) != 0 or int(attr_value(gather, "axis", 0)):
+        return False
+    if int(attr_value(shape, "start", 0)) != 0:
+        return False
+    return _offset_range(shape.inputs[0], q, past, shapes)
 
 
 def _causal_from(bias: ir.Value, pos: ir.Value, keys: Dim | None, shapes: Shapes, past: ir.Value | None = None,
@@ -637,7 +690,14 @@ def _causal_from(bias: ir.Value, pos: ir.Value, keys: Dim | None, shapes: Shapes
     c = scalar_value(node.inputs[2])
     if c is None or not c < 0:
         return None
-    leaves = [t for t in _and_leaves(node.inputs[0]) if not _all_true(t)]
+    cond = node.inputs[0]
+    sliced = _key_slice(cond)
+    if sliced is not None:  # mask[..., :keys] (transformers 4.5x's sdpa): the first `keys` columns of the formula
+        ends = shapes.values(sliced[1])
+        if keys is None or ends is None or len(ends[1]) != 1 or ends[1][0] != keys:
+            return None
+        cond = sliced[0]
+    leaves = [t for t in _and_leaves(cond) if not _all_true(t)]
     kv_idx = None
     rest = []
     for leaf in leaves:
