@@ -156,7 +156,8 @@ def _cached_or_split(kh: ir.Value, role: str, shapes: GraphShapes) -> Heads | st
     # a rotary embedding on the new heads (LLaMA's decode step): fused, the rewrite then builds the cache's
     # Concat again for the present output; other readers of the exporter's Concat keep it (they are shape
     # reads of the repeat_kv the fusion replaces, so it dies with them)
-    return Heads(new.x, new.heads, new.dim, 1.0, rotary=new.rotary, cached=kh)
+    # (the heads' own norm, Gemma 3's k_norm, stays with them: the rewrite applies it before the rotary)
+    return Heads(new.x, new.heads, new.dim, 1.0, rotary=new.rotary, cached=kh, norm=new.norm)
 
 
 def _repeated(kh: ir.Value, role: str, shapes: GraphShapes) -> Heads | str:

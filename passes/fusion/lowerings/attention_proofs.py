@@ -680,10 +680,13 @@ def _offset_range_length(value: ir.Value | None, q: ir.Value, past: ir.Value, sh
 
 
 def _causal_from(bias: ir.Value, pos: ir.Value, keys: Dim | None, shapes: Shapes, past: ir.Value | None = None,
-                 q: ir.Value | None = None) -> tuple[ir.Value | None] | None:
+                 q: ir.Value | None = None, window: list[int] | None = None) -> tuple[ir.Value | None] | None:
     """``(mask,)`` if ``bias`` is ``Where(kv_idx <= pos[s] [& mask[b, kv_idx]] [& all true], 0, c)``, ``c < 0``, with
     ``pos`` the query positions (on axis 2) and ``kv_idx`` a ``Range(0, n, 1)`` on axis 3 whose length is provably
-    ``keys`` (the key count) or is the same dim; ``mask`` is None when there is no padding term."""
+    ``keys`` (the key count) or is the same dim; ``mask`` is None when there is no padding term.
+
+    With ``window`` (a list to fill) one more term is accepted: a sliding window ``kv_idx > pos[s] - W`` (transformers'
+    sliding-window layers: Mistral, Gemma 2/3), its ``W`` (a positive integer constant) appended to ``window``."""
     node = _producer(bias, "Where")
     if node is None or scalar_value(node.inputs[1]) != 0.0:
         return None
@@ -713,7 +716,14 @@ def _causal_from(bias: ir.Value, pos: ir.Value, keys: Dim | None, shapes: Shapes
                 kv_idx = a
                 continue
         rest.append(leaf)
-    if kv_idx is None or len(rest) > 1:
+    if kv_idx is None:
+        return None
+    if window is not None:
+        slides = [w for w in (_window_term(t, kv_idx, pos) for t in rest) if w is not None]
+        if len(slides) == 1:
+            rest = [t for t in rest if _window_term(t, kv_idx, pos) is None]
+            window.append(slides[0])
+    if len(rest) > 1:
         return None
     if not rest:
         return (None,)
@@ -723,6 +733,21 @@ def _causal_from(bias: ir.Value, pos: ir.Value, keys: Dim | None, shapes: Shapes
     if mask is None:  # TorchScript's flat lookup, its Reshapes merged by cleanup
         mask = _flat_padding(rest[0], kv_idx, shapes)
     return None if mask is None else (mask,)
+
+
+def _window_term(term: ir.Value | None, kv_idx: ir.Value, pos: ir.Value) -> int | None:
+    """``W`` if ``term`` is ``kv_idx > pos[s] - W`` (or ``pos[s] - W < kv_idx``) with ``kv_idx`` the causal term's own
+    key index (axis 3), ``pos`` the query positions on axis 2 and ``W`` a positive integer constant: each query keeps
+    the ``W`` keys up to its own position."""
+    node = term.producer() if term is not None else None
+    if node is None or node.domain != "" or node.op_type not in ("Greater", "Less"):
+        return None
+    a, b = (node.inputs[0], node.inputs[1]) if node.op_type == "Greater" else (node.inputs[1], node.inputs[0])
+    sub = _producer(b, "Sub")
+    if a is not kv_idx or sub is None or _through_unsqueeze(sub.inputs[0], pos, 4) != 2:
+        return None
+    w = scalar_value(sub.inputs[1])
+    return int(w) if w is not None and float(w).is_integer() and w > 0 else None
 
 
 def _flat_padding(value: ir.Value | None, kv_idx: ir.Value, shapes: Shapes) -> ir.Value | None:

@@ -7,8 +7,13 @@ key range ends at ``P + cache_position.shape[0]`` (through a Cast), and sdpa cut
 (``Slice(mask, [0], [k_len], [3])``); without those three rules the attention stayed MultiHeadAttention with the
 K/V heads repeated by Expand, and ``--kv-cache shared`` refused the model.
 
-The file: ``LlamaForCausalLM`` (2 layers, hidden 64, 4 query / 2 KV heads of 16, vocab 100), seeded random weights,
-exported by ``optimum-cli`` from a ``save_pretrained`` folder (no hub)."""
+The files: ``LlamaForCausalLM`` and ``Gemma3ForCausalLM`` (2 layers, hidden 64, 4 query / 2 KV heads of 16, vocab
+100; Gemma 3 with ``sliding_window`` 3 so a 6-token prefill is cut by it, no ``position_ids`` input), seeded random
+weights, exported by ``optimum-cli`` from a ``save_pretrained`` folder (no hub).
+
+Gemma 3's layers slide: the mask And-s ``kv_idx > q_idx - W`` in, which becomes GroupQueryAttention's
+``local_window_size`` W (ONNX Runtime keeps the last W keys; measured on its CPU kernel).  Its ``k_norm`` on the new
+keys of a cache step was dropped by the attention fusion (exit 0, logits 2.4 off the export)."""
 
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from mograph.cuda_graph import cuda_graph_check  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "decoders"
 LLAMA = DATA / "llama_optimum_transformers457.onnx"
+GEMMA3 = DATA / "gemma3_sliding_optimum_transformers457.onnx"
 LAYERS, KV_HEADS, HEAD = 2, 2, 16
 PAST = [f"past_key_values.{i}.{kv}" for i in range(LAYERS) for kv in ("key", "value")]
 
@@ -41,11 +47,12 @@ def _session(model: Any) -> Any:
     return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
 
 
-def _feeds(ids: np.ndarray, past: list[np.ndarray] | None) -> dict[str, np.ndarray]:
+def _feeds(ids: np.ndarray, past: list[np.ndarray] | None, position_ids: bool = True) -> dict[str, np.ndarray]:
     b, s = ids.shape
     p = past[0].shape[2] if past else 0
-    feeds = {"input_ids": ids, "attention_mask": np.ones((b, p + s), np.int64),
-             "position_ids": np.tile(np.arange(p, p + s, dtype=np.int64), (b, 1))}
+    feeds = {"input_ids": ids, "attention_mask": np.ones((b, p + s), np.int64)}
+    if position_ids:
+        feeds["position_ids"] = np.tile(np.arange(p, p + s, dtype=np.int64), (b, 1))
     for name, i in zip(PAST, range(len(PAST))):
         feeds[name] = past[i] if past else np.zeros((b, KV_HEADS, 0, HEAD), np.float32)
     return feeds
@@ -54,9 +61,10 @@ def _feeds(ids: np.ndarray, past: list[np.ndarray] | None) -> dict[str, np.ndarr
 def _steps(ref: Any) -> tuple[list[dict[str, np.ndarray]], list[list[np.ndarray]]]:
     """A prefill (past 0 long) and a decode step over the export's own presents, with the export's outputs."""
     rng = np.random.default_rng(0)
-    prefill = _feeds(rng.integers(0, 100, (2, 6)), None)
+    pos = "position_ids" in {i.name for i in ref.get_inputs()}
+    prefill = _feeds(rng.integers(0, 100, (2, 6)), None, pos)
     out = ref.run(None, prefill)
-    decode = _feeds(rng.integers(0, 100, (2, 1)), out[1:])
+    decode = _feeds(rng.integers(0, 100, (2, 1)), out[1:], pos)
     return [prefill, decode], [out, ref.run(None, decode)]
 
 
@@ -65,8 +73,8 @@ def _max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
 
 
-def _optimize(**options: Any) -> tuple[onnx.ModelProto, dict[str, Any]]:
-    model, report = mograph.optimize(onnx.load(LLAMA), passes=["cleanup", "fuse"], options={"target": "ort", **options})
+def _optimize(path: Path = LLAMA, **options: Any) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    model, report = mograph.optimize(onnx.load(path), passes=["cleanup", "fuse"], options={"target": "ort", **options})
     lower = next(p for p in report.to_dict()["passes"] if p["name"] == "lower")
     return model, lower["stats"]
 
@@ -100,13 +108,14 @@ def test_default_puts_group_query_attention_behind_the_padding_check() -> None:
         assert _max_diff(opt.run(None, f), want) < 1e-5
 
 
-def test_kv_cache_shared_decode_step_writes_the_buffer_in_place() -> None:
-    model, stats = _optimize(kv_cache="shared")
+@pytest.mark.parametrize("path", [LLAMA, GEMMA3], ids=["llama", "gemma3"])
+def test_kv_cache_shared_decode_step_writes_the_buffer_in_place(path: Path) -> None:
+    model, stats = _optimize(path, kv_cache="shared")
     assert stats["attention.kv_cache_shared"] == LAYERS, stats
     ops = Counter(n.op_type for n in model.graph.node)
     assert ops["GroupQueryAttention"] == LAYERS and ops["If"] == 0, ops
     assert cuda_graph_check(ir.serde.deserialize_model(model)).capturable
-    ref = _session(LLAMA)
+    ref = _session(path)
     feeds, outs = _steps(ref)
     opt, size, past = _session(model), 16, outs[0][1:]
     prev = past[0].shape[2]
@@ -120,7 +129,8 @@ def test_kv_cache_shared_decode_step_writes_the_buffer_in_place() -> None:
     binding = opt.io_binding()
     binding.bind_cpu_input("input_ids", feeds[1]["input_ids"])
     binding.bind_cpu_input("attention_mask", mask)
-    binding.bind_cpu_input("position_ids", feeds[1]["position_ids"])
+    if "position_ids" in feeds[1]:
+        binding.bind_cpu_input("position_ids", feeds[1]["position_ids"])
     binding.bind_output("logits")
     for name in PAST:
         binding.bind_ortvalue_input(name, buffers[name])
@@ -129,6 +139,34 @@ def test_kv_cache_shared_decode_step_writes_the_buffer_in_place() -> None:
     assert float(np.abs(binding.copy_outputs_to_cpu()[0] - outs[1][0]).max()) < 1e-5
     for name, present in zip(PAST, outs[1][1:]):
         assert np.abs(buffers[name].numpy()[:, :, :prev + 1] - present).max() < 1e-5
+
+
+def test_sliding_window_becomes_local_window_size() -> None:
+    model, stats = _optimize(GEMMA3, mask_format="lengths")
+    assert stats["attention.sliding_window"] == LAYERS and stats["attention.gqa_rotary"] == LAYERS, stats
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert ops["GroupQueryAttention"] == LAYERS and ops["MultiHeadAttention"] == 0 and ops["Expand"] == 0, ops
+    for gqa in (n for n in model.graph.node if n.op_type == "GroupQueryAttention"):
+        attrs = {a.name: helper.get_attribute_value(a) for a in gqa.attribute}
+        assert attrs["local_window_size"] == 3 and attrs["do_rotary"] == 1, attrs
+    ref, opt = _session(GEMMA3), _session(model)
+    feeds, outs = _steps(ref)
+    for f, want in zip(feeds, outs):  # a 6-token prefill (the window cuts it) and a decode step over it
+        assert _max_diff(opt.run(None, f), want) < 1e-5
+
+
+def test_gemma3_default_keeps_k_norm_on_the_cached_keys() -> None:
+    """The default form (GroupQueryAttention behind the padding check, the bias form in its exact branch): the new
+    keys of a cache step keep their ``k_norm`` in both branches."""
+    model, _ = _optimize(GEMMA3)
+    ref, opt = _session(GEMMA3), _session(model)
+    feeds, outs = _steps(ref)
+    for f, want in zip(feeds, outs):
+        assert _max_diff(opt.run(None, f), want) < 1e-5
+    left = dict(feeds[0])
+    left["attention_mask"] = left["attention_mask"].copy()
+    left["attention_mask"][1, :3] = 0  # left padding: the exact branch
+    assert _max_diff(opt.run(None, left), ref.run(None, left)) < 1e-5
 
 
 def test_verify_runs_the_export_on_its_own_feeds(tmp_path: Path) -> None:
