@@ -118,6 +118,13 @@ def _split_heads(v4: ir.Value, role: str, shapes: GraphShapes) -> Heads | str:
     if tr is None or _perm(tr) != [0, 2, 1, 3]:
         return f"{role}: expected Transpose perm [0, 2, 1, 3] splitting heads, got {_what(v)}"
     split, f3 = _scaled(tr.inputs[0])  # type: ignore[arg-type]  # a factor on the split heads (Keras' query)
+    pre = _head_norm(split)  # Qwen 3's q_norm / k_norm on [B, S, N, D], before the transpose: the same per-head norm
+    if isinstance(pre, str):
+        return f"{role}: {pre}"
+    if pre is not None:
+        split, f4 = _scaled(pre.inputs[0])  # type: ignore[arg-type]
+        if f4 != 1.0:
+            return f"{role}: the heads are scaled before {pre.op_type} '{pre.name}' (not linear through a norm)"
     rs = _producer(split, "Reshape")
     if rs is None:
         return f"{role}: expected Reshape to [batch, seq, heads, head_dim], got {_what(split)}"
@@ -129,7 +136,9 @@ def _split_heads(v4: ir.Value, role: str, shapes: GraphShapes) -> Heads | str:
     hd = _heads_and_dim(rs, x.shape[2], shapes)
     if isinstance(hd, str):
         return f"{role}: {hd}"
-    return Heads(x, hd[0], hd[1], f1 * f2 * f3)
+    if pre is not None and f2 != 1.0:
+        return f"{role}: the projection is scaled before {pre.op_type} '{pre.name}' (not linear through a norm)"
+    return Heads(x, hd[0], hd[1], f1 * f2 * f3, norm=pre)
 
 
 def _cached_or_split(kh: ir.Value, role: str, shapes: GraphShapes) -> Heads | str:

@@ -13,7 +13,9 @@ weights, exported by ``optimum-cli`` from a ``save_pretrained`` folder (no hub).
 
 Gemma 3's layers slide: the mask And-s ``kv_idx > q_idx - W`` in, which becomes GroupQueryAttention's
 ``local_window_size`` W (ONNX Runtime keeps the last W keys; measured on its CPU kernel).  Its ``k_norm`` on the new
-keys of a cache step was dropped by the attention fusion (exit 0, logits 2.4 off the export)."""
+keys of a cache step was dropped by the attention fusion (exit 0, logits 2.4 off the export).  Qwen 3 (same shape,
+``position_ids`` an input) norms its heads before the transpose, ``Transpose(q_norm(Reshape(q)))``: the attention was
+left unfused."""
 
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from mograph.cuda_graph import cuda_graph_check  # noqa: E402
 DATA = Path(__file__).resolve().parents[2] / "data" / "decoders"
 LLAMA = DATA / "llama_optimum_transformers457.onnx"
 GEMMA3 = DATA / "gemma3_sliding_optimum_transformers457.onnx"
+QWEN3 = DATA / "qwen3_optimum_transformers457.onnx"
 LAYERS, KV_HEADS, HEAD = 2, 2, 16
 PAST = [f"past_key_values.{i}.{kv}" for i in range(LAYERS) for kv in ("key", "value")]
 
@@ -108,7 +111,7 @@ def test_default_puts_group_query_attention_behind_the_padding_check() -> None:
         assert _max_diff(opt.run(None, f), want) < 1e-5
 
 
-@pytest.mark.parametrize("path", [LLAMA, GEMMA3], ids=["llama", "gemma3"])
+@pytest.mark.parametrize("path", [LLAMA, GEMMA3, QWEN3], ids=["llama", "gemma3", "qwen3"])
 def test_kv_cache_shared_decode_step_writes_the_buffer_in_place(path: Path) -> None:
     model, stats = _optimize(path, kv_cache="shared")
     assert stats["attention.kv_cache_shared"] == LAYERS, stats
@@ -167,6 +170,18 @@ def test_gemma3_default_keeps_k_norm_on_the_cached_keys() -> None:
     left["attention_mask"] = left["attention_mask"].copy()
     left["attention_mask"][1, :3] = 0  # left padding: the exact branch
     assert _max_diff(opt.run(None, left), ref.run(None, left)) < 1e-5
+
+
+def test_qwen3_heads_normed_before_the_transpose_fuse() -> None:
+    for options in ({"mask_format": "lengths"}, {}):
+        model, stats = _optimize(QWEN3, **options)
+        ops = Counter(n.op_type for n in model.graph.node)
+        assert ops["MultiHeadAttention"] == 0 and ops["Softmax"] == 0, ops
+        assert ops["GroupQueryAttention" if options else "If"] == LAYERS and stats.get("kv_repeats", 0) == 0, ops
+        ref, opt = _session(QWEN3), _session(model)
+        feeds, outs = _steps(ref)
+        for f, want in zip(feeds, outs):
+            assert _max_diff(opt.run(None, f), want) < 1e-5
 
 
 def test_verify_runs_the_export_on_its_own_feeds(tmp_path: Path) -> None:
