@@ -22,7 +22,7 @@ from mograph.passes.fusion._attention_reads import (
     _scaled,
     _what,
 )
-from mograph.passes.fusion._attention_rotary import _rotary, _standard_rotary
+from mograph.passes.fusion._attention_rotary import _rotary, _slice_of, _standard_rotary
 from mograph.passes.fusion._common import GraphShapes, is_float
 
 from mograph.patterns import constant_array
@@ -76,6 +76,25 @@ def _head_norm(v: ir.Value) -> ir.Node | str | None:
     return node
 
 
+def _whole_partial_rotary(v: ir.Value, shapes: GraphShapes) -> tuple[ir.Value, ir.Value, ir.Value] | None:
+    """``(x, cos, sin)`` if ``v`` is transformers' partial-rotary spelling with the rotary over every one of the ``D``
+    values of a head: ``Concat(rotary(x[..., :r]), x[..., r:], axis=-1)`` (Phi 3) where ``r`` is provably at least
+    ``D`` (``x[..., :r]`` is ``x``, ``x[..., r:]`` empty): the rotary of ``x`` itself."""
+    cat = _producer(v, "Concat")
+    if cat is None or len(cat.inputs) != 2 or int(cat.attributes["axis"].value) not in (-1, 3):
+        return None
+    rot = _rotary(cat.inputs[0], shapes) if cat.inputs[0] is not None else None
+    head = _slice_of(rot[0], shapes) if rot is not None else None
+    if rot is None or head is None:
+        return None
+    x = head[0]
+    rest = _slice_of(cat.inputs[1], shapes, x)
+    d = shapes.static_dim(x, 3) if len(shapes.dims(x) or ()) == 4 else None
+    if rest is None or d is None or head[1] != 0 or head[2] < d or rest[1] < d:
+        return None
+    return x, rot[1], rot[2]
+
+
 def _split_heads(v4: ir.Value, role: str, shapes: GraphShapes) -> Heads | str:
     """``v4 = Transpose(Reshape(x, [B, S, N, D]), [0, 2, 1, 3])`` (with scalar factors on either side),
     possibly rotated (:func:`_rotary`) after the split."""
@@ -92,7 +111,7 @@ def _split_heads(v4: ir.Value, role: str, shapes: GraphShapes) -> Heads | str:
             inner.half_rotary = (std[1], std[2])
             inner.factor *= f1
         return inner
-    rot = _rotary(v, shapes)
+    rot = _rotary(v, shapes) or _whole_partial_rotary(v, shapes)
     if rot is not None:
         inner = _split_heads(rot[0], role, shapes)
         if isinstance(inner, Heads):

@@ -15,7 +15,9 @@ Gemma 3's layers slide: the mask And-s ``kv_idx > q_idx - W`` in, which becomes 
 ``local_window_size`` W (ONNX Runtime keeps the last W keys; measured on its CPU kernel).  Its ``k_norm`` on the new
 keys of a cache step was dropped by the attention fusion (exit 0, logits 2.4 off the export).  Qwen 3 (same shape,
 ``position_ids`` an input) norms its heads before the transpose, ``Transpose(q_norm(Reshape(q)))``: the attention was
-left unfused."""
+left unfused.  Phi 3 (fused ``qkv_proj``, ``position_ids`` an input) rotates ``Concat(rotary(q[..., :r]),
+q[..., r:])`` with ``r = cos.shape[-1]``, the whole head: the shape query now takes a Slice bound it proves literal,
+and the trace reads the spelling as the rotary of the whole head (it was left unfused)."""
 
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ DATA = Path(__file__).resolve().parents[2] / "data" / "decoders"
 LLAMA = DATA / "llama_optimum_transformers457.onnx"
 GEMMA3 = DATA / "gemma3_sliding_optimum_transformers457.onnx"
 QWEN3 = DATA / "qwen3_optimum_transformers457.onnx"
+PHI3 = DATA / "phi3_optimum_transformers457.onnx"
 LAYERS, KV_HEADS, HEAD = 2, 2, 16
 PAST = [f"past_key_values.{i}.{kv}" for i in range(LAYERS) for kv in ("key", "value")]
 
@@ -111,7 +114,7 @@ def test_default_puts_group_query_attention_behind_the_padding_check() -> None:
         assert _max_diff(opt.run(None, f), want) < 1e-5
 
 
-@pytest.mark.parametrize("path", [LLAMA, GEMMA3, QWEN3], ids=["llama", "gemma3", "qwen3"])
+@pytest.mark.parametrize("path", [LLAMA, GEMMA3, QWEN3, PHI3], ids=["llama", "gemma3", "qwen3", "phi3"])
 def test_kv_cache_shared_decode_step_writes_the_buffer_in_place(path: Path) -> None:
     model, stats = _optimize(path, kv_cache="shared")
     assert stats["attention.kv_cache_shared"] == LAYERS, stats
@@ -172,13 +175,14 @@ def test_gemma3_default_keeps_k_norm_on_the_cached_keys() -> None:
     assert _max_diff(opt.run(None, left), ref.run(None, left)) < 1e-5
 
 
-def test_qwen3_heads_normed_before_the_transpose_fuse() -> None:
+@pytest.mark.parametrize("path", [QWEN3, PHI3], ids=["qwen3", "phi3"])
+def test_qwen3_and_phi3_attention_fuses(path: Path) -> None:
     for options in ({"mask_format": "lengths"}, {}):
-        model, stats = _optimize(QWEN3, **options)
+        model, stats = _optimize(path, **options)
         ops = Counter(n.op_type for n in model.graph.node)
         assert ops["MultiHeadAttention"] == 0 and ops["Softmax"] == 0, ops
         assert ops["GroupQueryAttention" if options else "If"] == LAYERS and stats.get("kv_repeats", 0) == 0, ops
-        ref, opt = _session(QWEN3), _session(model)
+        ref, opt = _session(path), _session(model)
         feeds, outs = _steps(ref)
         for f, want in zip(feeds, outs):
             assert _max_diff(opt.run(None, f), want) < 1e-5
