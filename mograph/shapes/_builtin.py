@@ -304,10 +304,20 @@ def _register_dims(t: ShapeRules) -> None:  # noqa: C901 - one short rule per op
 
     @shape_rule(t, "", "Slice", 10)
     def slice_(node: ir.Node, q: ShapeQuery) -> list[Dims | None] | None:
-        """Constant starts/ends/axes/steps: literal dims exactly, a dim kept whole where the slice is [0:big]."""
+        """Constant starts/ends/axes/steps: literal dims exactly, a dim kept whole where the slice is [0:big].  A
+        start or end computed from shapes counts where the value sweep proves every element a literal (TorchScript's
+        ``q[..., :cos.shape[-1]]`` of a static head size: Phi 3's rotary)."""
         d0 = q.dims(node.inputs[0])
         ins = node.inputs
-        starts, ends = q.ints(ins[1]), q.ints(ins[2])
+
+        def bound(v: ir.Value | None) -> list[int] | None:
+            got = q.ints(v)
+            if got is None:
+                lits = q.literals(v)
+                got = None if lits is None or any(x is None for x in lits) else [int(x) for x in lits]  # type: ignore[arg-type]
+            return got
+
+        starts, ends = bound(ins[1]), bound(ins[2])
         axes = q.ints(ins[3]) if len(ins) > 3 and ins[3] is not None else None
         steps = q.ints(ins[4]) if len(ins) > 4 and ins[4] is not None else None
         if d0 is None:

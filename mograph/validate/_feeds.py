@@ -5,6 +5,7 @@ Part of :mod:`mograph.validate` (which documents the rules and re-exports the pu
 
 from __future__ import annotations
 
+import ast
 import math
 import os
 from collections.abc import Iterable, Mapping
@@ -184,6 +185,44 @@ def _default_dim(value: ir.Value, axis: int, symbol: str | None, dtype: np.dtype
     return 16
 
 
+def _dim_expression(symbol: str | None) -> ast.expr | None:
+    """The parsed ``symbol`` if it is an arithmetic expression of other dims (``past_sequence_length +
+    sequence_length``, as optimum names a decoder's mask length): names and integers joined by ``+``, ``-``, ``*``;
+    else None (a plain name, or anything else)."""
+    if not symbol or not any(op in symbol for op in "+-*"):
+        return None
+    try:
+        tree = ast.parse(symbol, mode="eval").body
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult)):
+            continue
+        if isinstance(node, (ast.Add, ast.Sub, ast.Mult, ast.Load)):
+            continue
+        if isinstance(node, ast.Name) or (isinstance(node, ast.Constant) and type(node.value) is int):
+            continue
+        return None
+    return tree if isinstance(tree, ast.BinOp) else None
+
+
+def _evaluate(tree: ast.expr, bindings: Mapping[str, int]) -> int | None:
+    """The value of a :func:`_dim_expression` tree with its names bound, else None (a name not bound)."""
+    if isinstance(tree, ast.Constant):
+        return tree.value if isinstance(tree.value, int) else None
+    if isinstance(tree, ast.Name):
+        return bindings.get(tree.id)
+    assert isinstance(tree, ast.BinOp)
+    a, b = _evaluate(tree.left, bindings), _evaluate(tree.right, bindings)
+    if a is None or b is None:
+        return None
+    return a + b if isinstance(tree.op, ast.Add) else a - b if isinstance(tree.op, ast.Sub) else a * b
+
+
+def _expression_names(tree: ast.expr) -> list[str]:
+    return [n.id for n in ast.walk(tree) if isinstance(n, ast.Name)]
+
+
 def _bind(value: ir.Value, shape: tuple[int, ...], bindings: dict[str, int], what: str) -> None:
     """Check ``shape`` against the input's declared dims; bind its symbolic dims."""
     declared = value.shape
@@ -281,7 +320,12 @@ def make_feeds(
         _bind(by_name[name], shape, bindings, "shape")
     defaulted: dict[str, int] = {}
     rng = np.random.default_rng(seed)
-    for value in inputs:
+    # A dim named by an expression of other dims (optimum's 'past_sequence_length + sequence_length' on a decoder's
+    # attention_mask) is sized from them: inputs with one come after the others, which bind its names.
+    order = sorted(inputs, key=lambda v: v.shape is not None and str(v.name) not in sizes and any(
+        not isinstance(d, int) and d.value not in bindings and _dim_expression(d.value) is not None
+        for d in v.shape))
+    for value in order:
         name = str(value.name)
         dtype = _np_dtype(value)
         if name in out:
@@ -304,6 +348,17 @@ def make_feeds(
                 if symbol is not None and symbol in bindings:
                     dims.append(bindings[symbol])
                     continue
+                tree = _dim_expression(symbol)
+                if tree is not None:
+                    for part in _expression_names(tree):  # a name no other input carries: the default size
+                        if part not in bindings:
+                            bindings[part] = defaulted[part] = _default_dim(value, axis, part, dtype, batch)
+                    total = _evaluate(tree, bindings)
+                    if total is not None and total >= 0:
+                        assert symbol is not None
+                        bindings[symbol] = total
+                        dims.append(total)
+                        continue
                 size = _default_dim(value, axis, symbol, dtype, batch)
                 if symbol is not None:
                     bindings[symbol] = size
@@ -325,4 +380,6 @@ def make_feeds(
         array = np.asarray(array)  # numpy makes a scalar, not an array, for shape (): ONNX Runtime wants arrays
         out[name] = array
         report[name] = {"shape": list(array.shape), "dtype": str(array.dtype), "source": "random", **info}
+    out = {str(v.name): out[str(v.name)] for v in inputs}  # the model's input order
+    report = {str(v.name): report[str(v.name)] for v in inputs}
     return out, {"inputs": report, "defaulted_dims": defaulted, "notes": notes}

@@ -22,7 +22,7 @@ from mograph.passes.fusion._attention_reads import (
     _scaled,
     _what,
 )
-from mograph.passes.fusion._attention_rotary import _rotary, _standard_rotary
+from mograph.passes.fusion._attention_rotary import _rotary, _slice_of, _standard_rotary
 from mograph.passes.fusion._common import GraphShapes, is_float
 
 from mograph.patterns import constant_array
@@ -76,6 +76,25 @@ def _head_norm(v: ir.Value) -> ir.Node | str | None:
     return node
 
 
+def _whole_partial_rotary(v: ir.Value, shapes: GraphShapes) -> tuple[ir.Value, ir.Value, ir.Value] | None:
+    """``(x, cos, sin)`` if ``v`` is transformers' partial-rotary spelling with the rotary over every one of the ``D``
+    values of a head: ``Concat(rotary(x[..., :r]), x[..., r:], axis=-1)`` (Phi 3) where ``r`` is provably at least
+    ``D`` (``x[..., :r]`` is ``x``, ``x[..., r:]`` empty): the rotary of ``x`` itself."""
+    cat = _producer(v, "Concat")
+    if cat is None or len(cat.inputs) != 2 or int(cat.attributes["axis"].value) not in (-1, 3):
+        return None
+    rot = _rotary(cat.inputs[0], shapes) if cat.inputs[0] is not None else None
+    head = _slice_of(rot[0], shapes) if rot is not None else None
+    if rot is None or head is None:
+        return None
+    x = head[0]
+    rest = _slice_of(cat.inputs[1], shapes, x)
+    d = shapes.static_dim(x, 3) if len(shapes.dims(x) or ()) == 4 else None
+    if rest is None or d is None or head[1] != 0 or head[2] < d or rest[1] < d:
+        return None
+    return x, rot[1], rot[2]
+
+
 def _split_heads(v4: ir.Value, role: str, shapes: GraphShapes) -> Heads | str:
     """``v4 = Transpose(Reshape(x, [B, S, N, D]), [0, 2, 1, 3])`` (with scalar factors on either side),
     possibly rotated (:func:`_rotary`) after the split."""
@@ -92,7 +111,7 @@ def _split_heads(v4: ir.Value, role: str, shapes: GraphShapes) -> Heads | str:
             inner.half_rotary = (std[1], std[2])
             inner.factor *= f1
         return inner
-    rot = _rotary(v, shapes)
+    rot = _rotary(v, shapes) or _whole_partial_rotary(v, shapes)
     if rot is not None:
         inner = _split_heads(rot[0], role, shapes)
         if isinstance(inner, Heads):
@@ -118,6 +137,13 @@ def _split_heads(v4: ir.Value, role: str, shapes: GraphShapes) -> Heads | str:
     if tr is None or _perm(tr) != [0, 2, 1, 3]:
         return f"{role}: expected Transpose perm [0, 2, 1, 3] splitting heads, got {_what(v)}"
     split, f3 = _scaled(tr.inputs[0])  # type: ignore[arg-type]  # a factor on the split heads (Keras' query)
+    pre = _head_norm(split)  # Qwen 3's q_norm / k_norm on [B, S, N, D], before the transpose: the same per-head norm
+    if isinstance(pre, str):
+        return f"{role}: {pre}"
+    if pre is not None:
+        split, f4 = _scaled(pre.inputs[0])  # type: ignore[arg-type]
+        if f4 != 1.0:
+            return f"{role}: the heads are scaled before {pre.op_type} '{pre.name}' (not linear through a norm)"
     rs = _producer(split, "Reshape")
     if rs is None:
         return f"{role}: expected Reshape to [batch, seq, heads, head_dim], got {_what(split)}"
@@ -129,7 +155,9 @@ def _split_heads(v4: ir.Value, role: str, shapes: GraphShapes) -> Heads | str:
     hd = _heads_and_dim(rs, x.shape[2], shapes)
     if isinstance(hd, str):
         return f"{role}: {hd}"
-    return Heads(x, hd[0], hd[1], f1 * f2 * f3)
+    if pre is not None and f2 != 1.0:
+        return f"{role}: the projection is scaled before {pre.op_type} '{pre.name}' (not linear through a norm)"
+    return Heads(x, hd[0], hd[1], f1 * f2 * f3, norm=pre)
 
 
 def _cached_or_split(kh: ir.Value, role: str, shapes: GraphShapes) -> Heads | str:
@@ -156,7 +184,8 @@ def _cached_or_split(kh: ir.Value, role: str, shapes: GraphShapes) -> Heads | st
     # a rotary embedding on the new heads (LLaMA's decode step): fused, the rewrite then builds the cache's
     # Concat again for the present output; other readers of the exporter's Concat keep it (they are shape
     # reads of the repeat_kv the fusion replaces, so it dies with them)
-    return Heads(new.x, new.heads, new.dim, 1.0, rotary=new.rotary, cached=kh)
+    # (the heads' own norm, Gemma 3's k_norm, stays with them: the rewrite applies it before the rotary)
+    return Heads(new.x, new.heads, new.dim, 1.0, rotary=new.rotary, cached=kh, norm=new.norm)
 
 
 def _repeated(kh: ir.Value, role: str, shapes: GraphShapes) -> Heads | str:

@@ -231,6 +231,33 @@ def test_dynamic_dims_from_shapes_and_defaults():
         make_feeds(_ir(unnamed), shapes={"nope": (1,)})
 
 
+def test_a_dim_named_by_an_expression_is_sized_from_its_parts():
+    """optimum names a decoder's mask length ``past_sequence_length + sequence_length`` (the mask comes before the
+    cache inputs): the random feeds size it as the sum of what the other inputs bind, so the export runs on them
+    (sized as a new symbol it was 16 wide against a 64-long past: the export's own mask lookup failed)."""
+    model = _model(
+        [helper.make_node("Shape", ["mask"], ["n"]), helper.make_node("Identity", ["past"], ["p"])],
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
+         helper.make_tensor_value_info("mask", TensorProto.INT64,
+                                       ["batch_size", "past_sequence_length + sequence_length"]),
+         helper.make_tensor_value_info("past", TensorProto.FLOAT, ["batch_size", 2, "past_sequence_length", 8]),
+         helper.make_tensor_value_info("twice", TensorProto.FLOAT, ["2*sequence_length - 1"])],
+        [helper.make_tensor_value_info("n", TensorProto.INT64, [2]),
+         helper.make_tensor_value_info("p", TensorProto.FLOAT, ["batch_size", 2, "past_sequence_length", 8])],
+    )
+    feeds, info = make_feeds(_ir(model))
+    assert list(feeds) == ["ids", "mask", "past", "twice"]  # the model's order
+    seq, past = feeds["ids"].shape[1], feeds["past"].shape[2]
+    assert feeds["mask"].shape == (1, past + seq) and feeds["twice"].shape == (2 * seq - 1,)
+    feeds, _ = make_feeds(_ir(model), shapes={"past": (1, 2, 5, 8), "ids": (1, 3)})
+    assert feeds["mask"].shape == (1, 8)
+    alone = _model([helper.make_node("Identity", ["mask"], ["m"])],
+                   [helper.make_tensor_value_info("mask", TensorProto.INT64, ["b", "p + s"])],
+                   [helper.make_tensor_value_info("m", TensorProto.INT64, ["b", "p + s"])])
+    feeds, info = make_feeds(_ir(alone))  # parts no other input carries: each its default size
+    assert feeds["mask"].shape == (1, 32) and info["defaulted_dims"] == {"b": 1, "p": 16, "s": 16}
+
+
 def test_changed_outputs_fail_with_a_reason():
     w = _w()
     verifier = Verifier(_ir(matmul_model(w)), shapes={"x": (1, 8)})

@@ -32,6 +32,7 @@ from mograph.passes.fusion.lowerings.attention_proofs import (
     _angle_factors,
     _causal_from,
     _is_range_from_zero,
+    _key_slice,
     _kv_cache,
     _positions,
     _present_key_output,
@@ -86,7 +87,8 @@ def _causal_positions(bias: ir.Value, q: ir.Value, past: ir.Value | None, ctx: L
     where = _producer(bias, "Where")
     if where is None:
         return None
-    for leaf in _and_leaves(where.inputs[0]):
+    sliced = _key_slice(where.inputs[0])  # (what the slice keeps is checked where the causal term is proved)
+    for leaf in _and_leaves(sliced[0] if sliced is not None else where.inputs[0]):
         le = leaf.producer() if leaf is not None and not _all_true(leaf) else None
         if le is None or le.domain != "" or le.op_type not in ("LessOrEqual", "GreaterOrEqual"):
             continue
@@ -212,7 +214,8 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
         pos, inv = rp
     kv = ctx.dims(ck[2]) if ck is not None else None
     keys = (kv[2] if kv is not None and len(kv) == 4 else None) if ck is not None else _seq_dim(xq, ctx)
-    causal = _causal_from(bias, pos, keys, ctx, past, xq)
+    window: list[int] = []  # a sliding window of W keys: GroupQueryAttention's local_window_size W (as measured)
+    causal = _causal_from(bias, pos, keys, ctx, past, xq, window)
     if causal is None:
         return _no_gqa(node, "the bias is not provably causal (and a key-padding mask)")
     mask = causal[0]
@@ -257,6 +260,9 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
     qkv: list[ir.Value | None] = [packed, None, None] if packed is not None else [xq, xk, v_new]
     attrs = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": scale, "do_rotary": 0 if external else 1,
              "rotary_interleaved": 0}
+    if window:
+        attrs["local_window_size"] = window[0]
+        ctx.count("attention.sliding_window")
     kernel = _kernel("GroupQueryAttention", [*qkv, past, cv[0] if cv is not None else None, seqlens, total,
                                              cos_cache, sin_cache], attrs, outputs=3)
     # no NaN guard: the causal mask leaves every query row its own key (a row of length 0 is outside the contract)

@@ -304,6 +304,23 @@ def _padding_mask(bias: ir.Value, shapes: Shapes) -> tuple[ir.Value, float] | No
     return mask, c
 
 
+def _key_slice(value: ir.Value | None) -> tuple[ir.Value, ir.Value] | None:
+    """``(x, end)`` if ``value`` is ``Slice(x, [0], [end], [3], [1])`` of a rank-4 ``x``: the first ``end`` columns on
+    the key axis (transformers 4.5x's sdpa cuts its mask to the key length, ``mask[:, :, :, :k.shape[-2]]``)."""
+    node = _producer(value, "Slice")
+    if node is None or len(node.inputs) < 4 or node.inputs[0] is None or node.inputs[2] is None:
+        return None
+    starts, axes = constant_array(node.inputs[1]), constant_array(node.inputs[3])
+    steps = constant_array(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else None
+    x = node.inputs[0]
+    rank = len(x.shape) if x.shape is not None else None
+    if starts is None or axes is None or starts.reshape(-1).tolist() != [0] or rank != 4:
+        return None
+    if axes.reshape(-1).tolist() not in ([3], [-1]) or (steps is not None and steps.reshape(-1).tolist() != [1]):
+        return None
+    return x, node.inputs[2]
+
+
 def _and_leaves(value: ir.Value | None) -> list[ir.Value | None]:
     """The terms of a tree of ``And`` (an ``Expand`` only broadcasts: looked through)."""
     node = value.producer() if value is not None else None
@@ -530,8 +547,26 @@ def _positions(pos: ir.Value | None, q: ir.Value, past: ir.Value | None, shapes:
     if past is None:
         return steps(pos)
     add = _producer(pos, "Add")
-    return add is not None and any(steps(a) and _past_length_of(b, past, shapes) for a, b in (
+    if add is None:
+        return _offset_range(pos, q, past, shapes)
+    return any(steps(a) and _past_length_of(b, past, shapes) for a, b in (
         (add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])))
+
+
+def _offset_range(pos: ir.Value | None, q: ir.Value, past: ir.Value, shapes: Shapes) -> bool:
+    """Whether ``pos`` is ``Range(P, P + S, 1)``: the cache position as transformers 4.5x computes it
+    (``arange(past_seen_tokens, past_seen_tokens + S)``, as optimum's TorchScript exports hold it), with ``P`` the
+    cache's past length and ``S`` the query length (the limit an ``Add`` of the two, casts looked through)."""
+    rng = _producer(pos, "Range")
+    if rng is None or scalar_value(rng.inputs[2]) != 1 or not _past_length_of(rng.inputs[0], past, shapes):
+        return False
+    limit = rng.inputs[1]
+    while (cast := _producer(limit, "Cast")) is not None:
+        limit = cast.inputs[0]
+    add = _producer(limit, "Add")
+    return add is not None and any(
+        _past_length_of(a, past, shapes) and _query_length_of(b, q, shapes)
+        for a, b in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])))
 
 
 def _angle_factors(f: ir.Value) -> list[tuple[ir.Value, np.ndarray, int]]:
@@ -618,26 +653,54 @@ def _query_length_of(value: ir.Value | None, q: ir.Value, shapes: Shapes) -> boo
 
 def _past_plus_query(rng: ir.Node, past: ir.Value | None, q: ir.Value, shapes: Shapes) -> bool:
     """Whether ``Range(0, n, 1)``'s ``n`` is ``P + S``: the cache's past length plus the query length."""
-    add = _producer(rng.inputs[1], "Add")
+    limit = rng.inputs[1]
+    while (cast := _producer(limit, "Cast")) is not None:
+        limit = cast.inputs[0]
+    add = _producer(limit, "Add")
     if add is None or past is None:
         return False
     a, b = add.inputs[0], add.inputs[1]
-    return ((_past_length_of(a, past, shapes) and _query_length_of(b, q, shapes))
-            or (_past_length_of(b, past, shapes) and _query_length_of(a, q, shapes)))
+    return any(_past_length_of(x, past, shapes)
+               and (_query_length_of(y, q, shapes) or _offset_range_length(y, q, past, shapes))
+               for x, y in ((a, b), (b, a)))
+
+
+def _offset_range_length(value: ir.Value | None, q: ir.Value, past: ir.Value, shapes: Shapes) -> bool:
+    """Whether the scalar ``value`` is ``Gather(Shape(r), 0)`` of the cache positions ``r = Range(P, P + S, 1)``:
+    ``S``, the query length (transformers 4.5x's ``past_seen_tokens + cache_position.shape[0]``)."""
+    while (cast := _producer(value, "Cast")) is not None:
+        value = cast.inputs[0]
+    gather = _producer(value, "Gather")
+    shape = _producer(gather.inputs[0], "Shape") if gather is not None else None
+    if gather is None or shape is None or scalar_value(gather.inputs[1]) != 0 or int(attr_value(gather, "axis", 0)):
+        return False
+    if int(attr_value(shape, "start", 0)) != 0:
+        return False
+    return _offset_range(shape.inputs[0], q, past, shapes)
 
 
 def _causal_from(bias: ir.Value, pos: ir.Value, keys: Dim | None, shapes: Shapes, past: ir.Value | None = None,
-                 q: ir.Value | None = None) -> tuple[ir.Value | None] | None:
+                 q: ir.Value | None = None, window: list[int] | None = None) -> tuple[ir.Value | None] | None:
     """``(mask,)`` if ``bias`` is ``Where(kv_idx <= pos[s] [& mask[b, kv_idx]] [& all true], 0, c)``, ``c < 0``, with
     ``pos`` the query positions (on axis 2) and ``kv_idx`` a ``Range(0, n, 1)`` on axis 3 whose length is provably
-    ``keys`` (the key count) or is the same dim; ``mask`` is None when there is no padding term."""
+    ``keys`` (the key count) or is the same dim; ``mask`` is None when there is no padding term.
+
+    With ``window`` (a list to fill) one more term is accepted: a sliding window ``kv_idx > pos[s] - W`` (transformers'
+    sliding-window layers: Mistral, Gemma 2/3), its ``W`` (a positive integer constant) appended to ``window``."""
     node = _producer(bias, "Where")
     if node is None or scalar_value(node.inputs[1]) != 0.0:
         return None
     c = scalar_value(node.inputs[2])
     if c is None or not c < 0:
         return None
-    leaves = [t for t in _and_leaves(node.inputs[0]) if not _all_true(t)]
+    cond = node.inputs[0]
+    sliced = _key_slice(cond)
+    if sliced is not None:  # mask[..., :keys] (transformers 4.5x's sdpa): the first `keys` columns of the formula
+        ends = shapes.values(sliced[1])
+        if keys is None or ends is None or len(ends[1]) != 1 or ends[1][0] != keys:
+            return None
+        cond = sliced[0]
+    leaves = [t for t in _and_leaves(cond) if not _all_true(t)]
     kv_idx = None
     rest = []
     for leaf in leaves:
@@ -653,7 +716,14 @@ def _causal_from(bias: ir.Value, pos: ir.Value, keys: Dim | None, shapes: Shapes
                 kv_idx = a
                 continue
         rest.append(leaf)
-    if kv_idx is None or len(rest) > 1:
+    if kv_idx is None:
+        return None
+    if window is not None:
+        slides = [w for w in (_window_term(t, kv_idx, pos) for t in rest) if w is not None]
+        if len(slides) == 1:
+            rest = [t for t in rest if _window_term(t, kv_idx, pos) is None]
+            window.append(slides[0])
+    if len(rest) > 1:
         return None
     if not rest:
         return (None,)
@@ -663,6 +733,21 @@ def _causal_from(bias: ir.Value, pos: ir.Value, keys: Dim | None, shapes: Shapes
     if mask is None:  # TorchScript's flat lookup, its Reshapes merged by cleanup
         mask = _flat_padding(rest[0], kv_idx, shapes)
     return None if mask is None else (mask,)
+
+
+def _window_term(term: ir.Value | None, kv_idx: ir.Value, pos: ir.Value) -> int | None:
+    """``W`` if ``term`` is ``kv_idx > pos[s] - W`` (or ``pos[s] - W < kv_idx``) with ``kv_idx`` the causal term's own
+    key index (axis 3), ``pos`` the query positions on axis 2 and ``W`` a positive integer constant: each query keeps
+    the ``W`` keys up to its own position."""
+    node = term.producer() if term is not None else None
+    if node is None or node.domain != "" or node.op_type not in ("Greater", "Less"):
+        return None
+    a, b = (node.inputs[0], node.inputs[1]) if node.op_type == "Greater" else (node.inputs[1], node.inputs[0])
+    sub = _producer(b, "Sub")
+    if a is not kv_idx or sub is None or _through_unsqueeze(sub.inputs[0], pos, 4) != 2:
+        return None
+    w = scalar_value(sub.inputs[1])
+    return int(w) if w is not None and float(w).is_integer() and w > 0 else None
 
 
 def _flat_padding(value: ir.Value | None, kv_idx: ir.Value, shapes: Shapes) -> ir.Value | None:
