@@ -103,7 +103,8 @@ from mograph.passes.fusion.attention_op import (
 from mograph.passes.fusion.lowerings.attention_proofs import is_zero_bias
 
 from mograph.custom_ops import DOMAIN, DOMAIN_VERSION
-from mograph.pass_infra import Option
+from mograph.errors import PassFailedError
+from mograph.pass_infra import Option, PassResult
 from mograph.patterns import Anchor, MatchResult, OrValue, Rule, Var, constant_array, scalar_value
 from mograph.shapes import mul, same_dim
 
@@ -505,8 +506,34 @@ class FuseAttentionPass(FusionPass):
 
     explain_key = "unfused_softmax"
 
+    def call(self, model: ir.Model) -> PassResult:
+        result = super().call(model)
+        if self.config.get("kv_cache") == "shared":
+            _shared_caches_fused(model, self.name)
+        return result
+
     def explained(self, regions: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Every Softmax left that the rule's pattern below the probabilities matches, and why it did not fuse."""
         return [{"softmax": r["anchor"], "reason": r.get("reason") or "",
                  "failed_at": r.get("failed_at"), "failed_at_op": r.get("failed_at_op")} for r in regions]
+
+
+def _shared_caches_fused(model: ir.Model, pass_name: str) -> None:
+    """``--kv-cache shared``: refuse a decode step whose exporter cache Concats (a rank-4 graph input joined
+    with the new keys or values into a graph output) outnumber what the fused attentions tagged ``shared`` take
+    (two each: K and V). Such a cache keeps growing by Concat, so a generation loop that binds one static buffer
+    as past and present would fail at run time (or read garbage), while the pass reported success."""
+    graph = model.graph
+    inputs = {id(v) for v in graph.inputs if v.shape is not None and len(v.shape) == 4}
+    outputs = {id(v) for v in graph.outputs}
+    caches = [n for n in graph if n.op_type == "Concat" and n.domain in ("", "ai.onnx") and n.inputs
+              and n.inputs[0] is not None and id(n.inputs[0]) in inputs and id(n.outputs[0]) in outputs]
+    tagged = sum(1 for n in graph if n.metadata_props.get(KV_CACHE_KEY) == "shared")
+    if caches and 2 * tagged < len(caches):
+        first = caches[0].inputs[0]
+        assert first is not None
+        raise PassFailedError(pass_name, f"--kv-cache shared: {len(caches)} KV caches grow by Concat (the first: "
+                              f"'{first.name}') but {tagged} fused attention(s) take a cache "
+                              f"({2 * tagged} caches): the rest cannot share one static buffer; run with --explain "
+                              "to see why those attentions did not fuse, or drop --kv-cache shared")
 

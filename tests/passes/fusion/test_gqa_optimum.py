@@ -196,3 +196,16 @@ def test_verify_runs_the_export_on_its_own_feeds(tmp_path: Path) -> None:
     assert Counter(n.op_type for n in model.graph.node)["If"] == LAYERS  # (random masks: the exact branch runs)
     verify = report.to_dict()["verification"]
     assert verify["passed"], verify
+
+
+def test_kv_cache_shared_refuses_a_cache_no_fused_attention_takes() -> None:
+    """Near miss: one layer's Softmax made a LogSoftmax (that attention cannot fuse). ``--kv-cache shared`` used to
+    end with exit 0 and that layer's cache still a growing Concat, so a loop binding one buffer as past and present
+    failed at run time; now the pass refuses it, naming the count; the unchanged export still goes through."""
+    proto = onnx.load(LLAMA)
+    softmax = next(n for n in proto.graph.node if n.op_type == "Softmax")
+    softmax.op_type = "LogSoftmax"
+    with pytest.raises(mograph.PassFailedError, match=r"--kv-cache shared: 4 KV caches grow by Concat .* but 1 fused"):
+        mograph.optimize(proto, passes=["cleanup", "fuse"], options={"target": "ort", "kv_cache": "shared"})
+    model, stats = _optimize(kv_cache="shared")
+    assert stats["attention.kv_cache_shared"] == LAYERS, stats
