@@ -168,11 +168,33 @@ def find_candidates(model: ir.Model, ops: tuple[str, ...] = QUANT_OPS) -> tuple[
     """
     cands: list[Candidate] = []
     done: list[ir.Node] = []
+    inferred: dict[str, int] = {}
+
+    def operands_float(a: ir.Value | None, b: ir.Value | None) -> bool:
+        """Whether the two operands (one element type ``T`` in MatMul, Gemm and Conv) are float32/16.
+
+        A known type decides; when neither operand has one (a computed weight of a model without
+        ``value_info``: skl2onnx's float64 Gaussian process), ONNX shape inference does, once: an untyped
+        float64 operand taken for float32 was observed as a float32 graph output, which ONNX Runtime refused.
+        """
+        if a is None or b is None:
+            return False
+        known = [v.dtype for v in (a, b) if v.dtype is not None]
+        if known:
+            return all(t in _FLOATS for t in known)
+        if not inferred:
+            from mograph.passes.quant.calibration import infer_dtypes
+
+            inferred.update(infer_dtypes(model))
+            inferred.setdefault("", 0)  # inferred once, even when nothing was
+        elem = inferred.get(a.name or "") or inferred.get(b.name or "")
+        return not elem or ir.DataType(elem) in _FLOATS
+
     for node in _all_nodes(model):
         if node.domain not in ("", "ai.onnx") or node.op_type not in ops:
             continue
         ins = list(node.inputs)
-        if len(ins) < 2 or not all(_is_float(v) for v in ins[:2]):
+        if len(ins) < 2 or not operands_float(ins[0], ins[1]):
             continue
         if any(_from_dq(v) for v in ins[:2]):
             done.append(node)
