@@ -608,9 +608,15 @@ class Fp16Pass(Pass):
         nodes = list(graph)
         where = {id(n): i for i, n in enumerate(nodes)}
         half = {p for p, prec in decisions.items() if prec == "fp16"}
-        if not half:
-            return {"initializers": 0, "casts": 0}
         io16 = bool(self.config.get("fp16_io"))
+        if not half:
+            # nothing runs in float16 (a tree ensemble: no float16 form): the float outputs stay float32, as
+            # for a kept node below; --fp16-io was ignored here, the model written with float32 inputs, exit 0
+            for v in graph.outputs if io16 else ():
+                if v.name in floats:
+                    raise OptionError(f"{self.name}: output {v.name} stays float32 (no node runs in float16); "
+                                      "--fp16-io not possible")
+            return {"initializers": 0, "casts": 0}
         counts = {"initializers": 0, "casts": 0}
         taken = {v.name for n in nodes for v in n.outputs if v.name} | set(graph.initializers)
         taken |= {v.name for v in graph.inputs if v.name}

@@ -104,6 +104,24 @@ def test_fp16_io():
     np.testing.assert_allclose(outs[1].astype(np.float32), run(proto, _calib(1)[0])[1], rtol=2e-2, atol=2e-2)
 
 
+
+def test_fp16_io_when_no_node_runs_in_float16_is_refused():
+    """A model whose only node has no float16 form (an ai.onnx.ml Scaler, as skl2onnx/onnxmltools write tree
+    ensembles and scalers): --fp16-io cannot make its output float16. Old code: the option was ignored, the
+    model kept float32 inputs and outputs, and the pass said nothing (exit 0); a kept node that writes an
+    output already said this."""
+    graph = helper.make_graph(
+        [helper.make_node("Scaler", ["x"], ["y"], domain="ai.onnx.ml", offset=[0.5] * 3, scale=[2.0] * 3)],
+        "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", 3])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["n", 3])])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 3)],
+                              ir_version=8)
+    calib = [{"x": np.random.default_rng(i).standard_normal((2, 3)).astype(np.float32)} for i in range(2)]
+    with pytest.raises(OptionError, match=r"output y stays float32 \(no node runs in float16\); --fp16-io not possible"):
+        Fp16Pass(calibration_data=calib, fp16_io="yes").call(to_ir(proto))
+    model = to_ir(proto)  # without --fp16-io: nothing to do, nothing refused
+    assert not Fp16Pass(calibration_data=calib).call(model).modified
+
 def test_bert_tiny_mask_saturates_instead_of_staying_float32():
     proto = bert_tiny()
     model = to_ir(proto)
