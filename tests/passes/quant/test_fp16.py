@@ -122,6 +122,29 @@ def test_fp16_io_when_no_node_runs_in_float16_is_refused():
     model = to_ir(proto)  # without --fp16-io: nothing to do, nothing refused
     assert not Fp16Pass(calibration_data=calib).call(model).modified
 
+
+def test_fp16_io_budget_search_probing_every_node_kept_is_not_refused():
+    """The budget search measures a copy with every candidate kept float32 when all-float16 misses the budget
+    (``fewest_fp32``); --fp16-io must not refuse that probe. ``y1 = -(x*1000 - x*999.9)`` cancels in float16, so
+    its three nodes stay float32 and the Neg and Relu that write the outputs run in float16 (found on basic-pitch's
+    nmp model, converted whole before the refusal above was first put where the search reaches it)."""
+    f32 = onnx.TensorProto.FLOAT
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "a"], ["xa"]), helper.make_node("Mul", ["x", "b"], ["xb"]),
+         helper.make_node("Sub", ["xa", "xb"], ["d"]), helper.make_node("Neg", ["d"], ["y1"]),
+         helper.make_node("Relu", ["x"], ["y2"])],
+        "g", [helper.make_tensor_value_info("x", f32, ["n", 8])],
+        [helper.make_tensor_value_info("y1", f32, ["n", 8]), helper.make_tensor_value_info("y2", f32, ["n", 8])],
+        [numpy_helper.from_array(np.array(1000.0, np.float32), "a"),
+         numpy_helper.from_array(np.array(999.9, np.float32), "b")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    calib = [{"x": np.random.default_rng(i).standard_normal((4, 8)).astype(np.float32)} for i in range(4)]
+    model = to_ir(proto)
+    result = Fp16Pass(calibration_data=calib, fp16_io="yes").call(model)
+    assert result.stats["converted"] == 2 and result.stats["kept_fp32.budget"] == 3
+    assert model.graph.inputs[0].dtype == ir.DataType.FLOAT16
+    assert all(v.dtype == ir.DataType.FLOAT16 for v in model.graph.outputs)
+
 def test_bert_tiny_mask_saturates_instead_of_staying_float32():
     proto = bert_tiny()
     model = to_ir(proto)
