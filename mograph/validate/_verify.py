@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -360,7 +360,11 @@ class Verifier:
                 saved = self.reference
                 try:
                     self.reference = reference
-                    self.judge(sub, outputs, family)
+                    # the original ran at the old batch size and the model at twice it: ONNX Runtime's
+                    # kernels round otherwise there (mediapipe's pose landmark model: 0.047 on an output
+                    # reaching 1330, for two identical halves), so an error small beside the output's largest
+                    # magnitude passes; a batch mixed up is off by the values themselves
+                    self.judge(sub, outputs, family, peak_scaled=True)
                 finally:
                     self.reference = saved
                 entry.update(compared=True, passed=sub["passed"], summary=sub["summary"])
@@ -485,9 +489,14 @@ class Verifier:
         return f"{what}: original {self.output_names}, optimized {names}"
 
     def judge(
-        self, check: dict[str, Any], outputs: Mapping[str, np.ndarray], family: str | Iterable[str] | None
+        self, check: dict[str, Any], outputs: Mapping[str, np.ndarray], family: str | Iterable[str] | None,
+        *, peak_scaled: bool = False,
     ) -> dict[str, Any]:
-        """Fill ``check`` (from :meth:`check`) with the verdict on ``outputs`` (named as the original's)."""
+        """Fill ``check`` (from :meth:`check`) with the verdict on ``outputs`` (named as the original's).
+
+        ``peak_scaled``: a float output's ``atol`` is at least ``rtol`` times the reference's largest
+        magnitude (the two runs are at different batch sizes, where ONNX Runtime's kernels round otherwise).
+        """
         tolerances = self.tolerances(family)
         for name, arr in outputs.items():
             ref_dtype = self.reference[name].dtype
@@ -496,6 +505,15 @@ class Verifier:
                 tolerances[name] = tolerances[name].loosest(
                     tolerance_for(arr.dtype, family, atol=self.atol, rtol=self.rtol, min_cosine=self.min_cosine)
                 )
+        if peak_scaled:
+            for name, tol in tolerances.items():
+                ref = self.reference.get(name)
+                if tol.atol is None or not tol.rtol or ref is None or ref.dtype.kind != "f" or not ref.size:
+                    continue
+                finite = np.abs(ref[np.isfinite(ref)].astype(np.float64))
+                peak = float(finite.max()) if finite.size else 0.0
+                if tol.rtol * peak > tol.atol:
+                    tolerances[name] = replace(tol, atol=tol.rtol * peak)
         entries = compare_outputs(self.reference, outputs, tolerances)
         check["outputs"] = entries
         check["passed"] = all(e["passed"] for e in entries.values())

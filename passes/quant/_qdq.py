@@ -161,6 +161,29 @@ def _all_nodes(model: ir.Model) -> list[ir.Node]:
     return [node for graph in model.graphs() for node in graph]
 
 
+def _inferred_dtypes(model: ir.Model) -> dict[str, int]:
+    """Element type of every named value, by ONNX shape inference on a copy without the weights' data."""
+    import onnx
+
+    proto = _spill.shape_proto(model)  # types and shapes only: nothing of a large model is copied
+    try:
+        proto = onnx.shape_inference.infer_shapes(proto)
+    except Exception as exc:  # noqa: BLE001 - best effort: an unknown type stays unknown (taken as float)
+        logger.debug("shape inference failed: %s", exc)
+    out: dict[str, int] = {}
+    graphs = [proto.graph]
+    while graphs:
+        g = graphs.pop()
+        for vi in [*g.input, *g.value_info, *g.output]:
+            if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+                out[vi.name] = vi.type.tensor_type.elem_type
+        for n in g.node:
+            for attr in n.attribute:
+                graphs.extend([attr.g] if attr.HasField("g") else [])
+                graphs.extend(attr.graphs)
+    return out
+
+
 def find_candidates(model: ir.Model, ops: tuple[str, ...] = QUANT_OPS) -> tuple[list[Candidate], list[ir.Node]]:
     """Nodes Q/DQ can go in front of, in the graph and its subgraphs, and those already quantized (skipped).
 
@@ -168,11 +191,31 @@ def find_candidates(model: ir.Model, ops: tuple[str, ...] = QUANT_OPS) -> tuple[
     """
     cands: list[Candidate] = []
     done: list[ir.Node] = []
+    inferred: dict[str, int] = {}
+
+    def operands_float(a: ir.Value | None, b: ir.Value | None) -> bool:
+        """Whether the two operands (one element type ``T`` in MatMul, Gemm and Conv) are float32/16.
+
+        A known type decides; when neither operand has one (a computed weight of a model without
+        ``value_info``: skl2onnx's float64 Gaussian process), ONNX shape inference does, once: an untyped
+        float64 operand taken for float32 was observed as a float32 graph output, which ONNX Runtime refused.
+        """
+        if a is None or b is None:
+            return False
+        known = [v.dtype for v in (a, b) if v.dtype is not None]
+        if known:
+            return all(t in _FLOATS for t in known)
+        if not inferred:
+            inferred.update(_inferred_dtypes(model))
+            inferred.setdefault("", 0)  # inferred once, even when nothing was
+        elem = inferred.get(a.name or "") or inferred.get(b.name or "")
+        return not elem or ir.DataType(elem) in _FLOATS
+
     for node in _all_nodes(model):
         if node.domain not in ("", "ai.onnx") or node.op_type not in ops:
             continue
         ins = list(node.inputs)
-        if len(ins) < 2 or not all(_is_float(v) for v in ins[:2]):
+        if len(ins) < 2 or not operands_float(ins[0], ins[1]):
             continue
         if any(_from_dq(v) for v in ins[:2]):
             done.append(node)

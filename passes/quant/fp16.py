@@ -474,6 +474,13 @@ class Fp16Pass(Pass):
                 err = measured.error.get(p)
                 decisions[p] = ("fp16", "float16" + (f" (local float16 error {err:.3g})" if err is not None else ""))
         amax_by_name = {name: s.amax for name, s in stats_by.items()}
+        if self.config.get("fp16_io") and not any(d[0] == "fp16" for d in decisions.values()):
+            # nothing runs in float16 (a tree ensemble: no float16 form): the float outputs stay float32, as
+            # for a kept node that writes one; --fp16-io was ignored, float32 inputs and outputs written, exit 0
+            for v in model.graph.outputs:
+                if v.name in floats:
+                    raise OptionError(f"{self.name}: output {v.name} stays float32 (no node runs in float16); "
+                                      "--fp16-io not possible")
         converted = self._convert(model, {p: d[0] for p, d in decisions.items()}, floats, pinned_in, pinned_out,
                                   amax_by_name)
         plan = PrecisionPlan(self.name)

@@ -104,6 +104,47 @@ def test_fp16_io():
     np.testing.assert_allclose(outs[1].astype(np.float32), run(proto, _calib(1)[0])[1], rtol=2e-2, atol=2e-2)
 
 
+
+def test_fp16_io_when_no_node_runs_in_float16_is_refused():
+    """A model whose only node has no float16 form (an ai.onnx.ml Scaler, as skl2onnx/onnxmltools write tree
+    ensembles and scalers): --fp16-io cannot make its output float16. Old code: the option was ignored, the
+    model kept float32 inputs and outputs, and the pass said nothing (exit 0); a kept node that writes an
+    output already said this."""
+    graph = helper.make_graph(
+        [helper.make_node("Scaler", ["x"], ["y"], domain="ai.onnx.ml", offset=[0.5] * 3, scale=[2.0] * 3)],
+        "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", 3])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["n", 3])])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 3)],
+                              ir_version=8)
+    calib = [{"x": np.random.default_rng(i).standard_normal((2, 3)).astype(np.float32)} for i in range(2)]
+    with pytest.raises(OptionError, match=r"output y stays float32 \(no node runs in float16\); --fp16-io not possible"):
+        Fp16Pass(calibration_data=calib, fp16_io="yes").call(to_ir(proto))
+    model = to_ir(proto)  # without --fp16-io: nothing to do, nothing refused
+    assert not Fp16Pass(calibration_data=calib).call(model).modified
+
+
+def test_fp16_io_budget_search_probing_every_node_kept_is_not_refused():
+    """The budget search measures a copy with every candidate kept float32 when all-float16 misses the budget
+    (``fewest_fp32``); --fp16-io must not refuse that probe. ``y1 = -(x*1000 - x*999.9)`` cancels in float16, so
+    its three nodes stay float32 and the Neg and Relu that write the outputs run in float16 (found on basic-pitch's
+    nmp model, converted whole before the refusal above was first put where the search reaches it)."""
+    f32 = onnx.TensorProto.FLOAT
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "a"], ["xa"]), helper.make_node("Mul", ["x", "b"], ["xb"]),
+         helper.make_node("Sub", ["xa", "xb"], ["d"]), helper.make_node("Neg", ["d"], ["y1"]),
+         helper.make_node("Relu", ["x"], ["y2"])],
+        "g", [helper.make_tensor_value_info("x", f32, ["n", 8])],
+        [helper.make_tensor_value_info("y1", f32, ["n", 8]), helper.make_tensor_value_info("y2", f32, ["n", 8])],
+        [numpy_helper.from_array(np.array(1000.0, np.float32), "a"),
+         numpy_helper.from_array(np.array(999.9, np.float32), "b")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    calib = [{"x": np.random.default_rng(i).standard_normal((4, 8)).astype(np.float32)} for i in range(4)]
+    model = to_ir(proto)
+    result = Fp16Pass(calibration_data=calib, fp16_io="yes").call(model)
+    assert result.stats["converted"] == 2 and result.stats["kept_fp32.budget"] == 3
+    assert model.graph.inputs[0].dtype == ir.DataType.FLOAT16
+    assert all(v.dtype == ir.DataType.FLOAT16 for v in model.graph.outputs)
+
 def test_bert_tiny_mask_saturates_instead_of_staying_float32():
     proto = bert_tiny()
     model = to_ir(proto)
