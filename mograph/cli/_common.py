@@ -97,7 +97,7 @@ def default_output(src: Path, suffix: str = ".opt.onnx", cwd_for: bool = False) 
 def add_tolerance_arguments(parser: Any, judged: str) -> None:
     """``--atol``, ``--rtol``, ``--min-cosine`` and ``--family``: how the outputs of ``judged`` are judged
     (:func:`mograph.validate.tolerance_for`)."""
-    parser.add_argument("--atol", type=float, help="absolute tolerance for floating outputs (overrides the table)")
+    parser.add_argument("--atol", type=float, help="absolute tolerance for floating outputs, taken as given (default: the table's, or 0.1 x rtol x the output's largest magnitude where that is larger)")
     parser.add_argument("--rtol", type=float, help="relative tolerance for floating outputs (overrides the table)")
     parser.add_argument("--min-cosine", type=float, help="minimum cosine similarity for floating outputs")
     parser.add_argument(

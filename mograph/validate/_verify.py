@@ -29,6 +29,10 @@ __all__ = ["Verifier", "diff_models"]
 
 logger = logging.getLogger("mograph.validate")
 
+#: Of an output's largest magnitude times the tolerance's ``rtol``: the least ``atol`` of the element-wise bound
+#: (float32 exact passes: 1e-4 of the peak; an output peaking at 1 or less keeps the table's 1e-4).
+PEAK_FRACTION = 0.1
+
 
 #: The original is kept for the second-shape check only when its weights are at most this big.
 SECOND_SHAPE_COPY_LIMIT = 256 * 2**20
@@ -494,8 +498,9 @@ class Verifier:
     ) -> dict[str, Any]:
         """Fill ``check`` (from :meth:`check`) with the verdict on ``outputs`` (named as the original's).
 
-        ``peak_scaled``: a float output's ``atol`` is at least ``rtol`` times the reference's largest
-        magnitude (the two runs are at different batch sizes, where ONNX Runtime's kernels round otherwise).
+        A float output's ``atol`` is at least :data:`PEAK_FRACTION` x ``rtol`` times the reference's largest
+        magnitude unless the verifier was given an ``atol``; ``peak_scaled``: at least ``rtol`` times it (the two
+        runs are at different batch sizes, where ONNX Runtime's kernels round otherwise).
         """
         tolerances = self.tolerances(family)
         for name, arr in outputs.items():
@@ -505,15 +510,21 @@ class Verifier:
                 tolerances[name] = tolerances[name].loosest(
                     tolerance_for(arr.dtype, family, atol=self.atol, rtol=self.rtol, min_cosine=self.min_cosine)
                 )
-        if peak_scaled:
+        # The absolute floor of the element-wise bound follows the output's scale: a reordered float sum is
+        # off by rounding relative to the magnitudes summed, not to each element, so an exact rewrite of a deep
+        # model with large values (a real Gemma 3 270M: logits 3.8e-4 off at fixed atol 1e-4) failed on the
+        # elements near zero. The floor is PEAK_FRACTION of rtol times the largest magnitude (rtol itself for
+        # the second-shape run); a --atol the user gives is taken as given.
+        fraction = 1.0 if peak_scaled else (PEAK_FRACTION if self.atol is None else 0.0)
+        if fraction:
             for name, tol in tolerances.items():
                 ref = self.reference.get(name)
                 if tol.atol is None or not tol.rtol or ref is None or ref.dtype.kind != "f" or not ref.size:
                     continue
                 finite = np.abs(ref[np.isfinite(ref)].astype(np.float64))
                 peak = float(finite.max()) if finite.size else 0.0
-                if tol.rtol * peak > tol.atol:
-                    tolerances[name] = replace(tol, atol=tol.rtol * peak)
+                if fraction * tol.rtol * peak > tol.atol:
+                    tolerances[name] = replace(tol, atol=fraction * tol.rtol * peak)
         entries = compare_outputs(self.reference, outputs, tolerances)
         check["outputs"] = entries
         check["passed"] = all(e["passed"] for e in entries.values())

@@ -86,7 +86,8 @@ def test_identical_models_pass():
     assert check["passed"] is True
     out = check["outputs"]["y"]
     assert out["max_abs"] == 0.0 and out["cosine"] == pytest.approx(1.0)
-    assert out["atol"] == 1e-4 and out["rtol"] == 1e-3
+    peak = float(np.abs(verifier.reference["y"]).max())  # the floor follows the output's scale (PEAK_FRACTION)
+    assert out["atol"] == pytest.approx(max(1e-4, 0.1 * 1e-3 * peak)) and out["rtol"] == 1e-3
     assert check["seed"] == 0 and check["feeds"]["x"]["shape"] == [2, 8]
     assert check["summary"].startswith("passed")
     import json
@@ -430,7 +431,8 @@ def test_verifier_checks_a_backend_runner_with_the_same_verdict():
 
     check = verifier.check(matmul_model(w), runner=good, label="numpy")
     assert check["passed"] is True and check["candidate"] == "numpy"
-    assert check["outputs"]["y"]["atol"] == 1e-4  # the float32 row of the table, as for --verify
+    peak = float(np.abs(verifier.reference["y"]).max())  # the float32 row of the table, as for --verify
+    assert check["outputs"]["y"]["atol"] == pytest.approx(max(1e-4, 0.1 * 1e-3 * peak))
 
     def off(feeds):
         return {"y": feeds["x"] @ w + 1.01}
@@ -540,3 +542,28 @@ def test_quantize_linear_hint_only_within_its_scale_step():
     check = verifier.check(_ir(_static_quant_model(w2, zero)), family="fusion")
     assert check["passed"] is False and "quantizes activations" not in verifier.describe_failure(check)
     assert 0 < verifier.one_step["y"] < check["outputs"]["y"]["max_abs"]
+
+
+def test_exact_bound_floor_follows_the_output_scale():
+    """A deep exact rewrite is off by rounding relative to the output's scale: an output peaking at 1000 with an
+    error of 0.05 on an element near zero passes (floor 1e-4 x 1000 = 0.1); 0.2 fails; a user's --atol is taken
+    as given (0.05 fails at atol 1e-4)."""
+    import onnx_ir as ir
+    from onnx import TensorProto, helper
+
+    g = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+    model = ir.serde.deserialize_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)],
+                                                         ir_version=10))
+    x = np.array([1000.0, -3.0, 0.001, 0.5], np.float32)
+
+    def runner(err):
+        return lambda feeds: {"y": feeds["x"] + np.array([0, 0, err, 0], np.float32)}
+
+    verifier = Verifier(model, feeds={"x": x})
+    ok = verifier.check(model, runner=runner(0.05), label="numpy", family="fusion")
+    assert ok["passed"] is True and ok["outputs"]["y"]["atol"] == pytest.approx(0.1)
+    assert verifier.check(model, runner=runner(0.2), label="numpy", family="fusion")["passed"] is False
+    strict = Verifier(model, feeds={"x": x}, atol=1e-4)
+    assert strict.check(model, runner=runner(0.05), label="numpy", family="fusion")["passed"] is False
