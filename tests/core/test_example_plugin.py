@@ -268,7 +268,8 @@ def test_validate_compares_the_plugin_backend_with_onnx_runtime(fused_model, cap
     assert data["passed"] is True and data["backend"] == "example-ref" and data["target"] == "onnx"
     assert data["feeds"] == {"x": [1, 8]}
     entry = data["outputs"]["y"]
-    assert entry["passed"] and entry["max_abs"] < 1e-4 and entry["atol"] == 1e-4  # the float32 row of the table
+    # the float32 row of the table (its floor, 0.1 x rtol x the output's peak, is 1.03e-4 here)
+    assert entry["passed"] and entry["max_abs"] < 1e-4 and entry["atol"] == pytest.approx(1e-4, rel=0.1)
     # Against another model as the reference, the same verdict fails: exit 5, figures still shown.
     other = src.parent / "other.onnx"
     _silu_model(other, seed=1)
