@@ -219,25 +219,15 @@ class QdqPassBase(Pass):
     def _ensure_opset(self, model: ir.Model, half: bool, stats: dict[str, int | float],
                       details: dict[str, Any]) -> bool:
         """Raise the opset to what the Q/DQ needs (see the module docstring); True if it was raised."""
-        from mograph.opset import OpsetUpgradeError, model_opset, upgrade_opset
+        from mograph.opset import model_opset
 
         need, reason = self.min_opset, self.min_opset_reason
         if half and need < 19:
             need, reason = 19, "float16 tensors are quantized (QuantizeLinear 19)"
-        old = model_opset(model)
-        if old >= need:
+        if model_opset(model) >= need:
             return False
-        try:
-            done = upgrade_opset(model, need, ops=self.registry.custom_ops if self.registry is not None else {})
-        except OpsetUpgradeError as exc:
-            raise ModelError(f"{self.name}: needs opset >= {need} for {reason}; the model's opset cannot be "
-                             f"upgraded from {old}: {exc}") from exc
-        stats["opset_upgrade.from"] = done.from_opset
-        stats["opset_upgrade.to"] = done.to_opset
-        stats["opset_upgrade.rewritten"] = sum(done.rewritten.values())
-        details["opset_upgrade"] = {"done": True, "from": done.from_opset, "to": done.to_opset, "reason": reason,
-                                    "rewritten": dict(done.rewritten)}
-        logger.info("%s: opset %d -> %d for %s", self.name, done.from_opset, done.to_opset, reason)
+        details["opset_upgrade"] = raise_opset(self, model, need, f"needs opset >= {need} for {reason}", reason,
+                                               stats)
         return True
 
     def _decide(self, model: ir.Model, cands: list[Candidate]) -> tuple[dict[str, tuple[str, str]], set[str], list[str]]:
@@ -578,3 +568,24 @@ def _loop_bodies(model: ir.Model) -> set[int]:
 
 
 __all__ += ["node_key", "RANDOM_WARNING", "QDQ_OPTIONS", "calibration_meta"]
+
+
+def raise_opset(pass_: Any, model: ir.Model, need: int, needs: str, reason: str,
+                stats: dict[str, int | float]) -> dict[str, Any]:
+    """Upgrade ``model`` to opset ``need`` for a precision pass (its op declarations from the registry), count it in
+    ``stats`` and return the report's ``opset_upgrade`` entry; :class:`ModelError` (``"NAME: NEEDS; the model's
+    opset cannot be upgraded ..."``) where it cannot be."""
+    from mograph.opset import OpsetUpgradeError, model_opset, upgrade_opset
+
+    old = model_opset(model)
+    try:
+        done = upgrade_opset(model, need, ops=pass_.registry.custom_ops if pass_.registry is not None else {})
+    except OpsetUpgradeError as exc:
+        raise ModelError(f"{pass_.name}: {needs}; the model's opset cannot be upgraded from {old}: {exc}") from exc
+    stats["opset_upgrade.from"] = done.from_opset
+    stats["opset_upgrade.to"] = done.to_opset
+    stats["opset_upgrade.rewritten"] = sum(done.rewritten.values())
+    logger.info("%s: opset %d -> %d for %s", pass_.name, done.from_opset, done.to_opset, reason)
+    return {"done": True, "from": done.from_opset, "to": done.to_opset, "reason": reason,
+            "rewritten": dict(done.rewritten)}
+

@@ -83,6 +83,7 @@ from mograph.passes.quant._base import (
     open_calibration,
     parse_shapes,
     publish_notes_and_plan,
+    raise_opset,
 )
 from mograph.passes.quant._output_check import OutputCheck
 from mograph.passes.quant._qdq import (
@@ -101,7 +102,7 @@ from mograph.passes.quant.weight_only_op import BODY_OPSET, FLOAT_GENERIC_OPSET,
 
 from mograph import _spill
 from mograph.custom_ops import DOMAIN, DOMAIN_VERSION
-from mograph.errors import ModelError, OptionError
+from mograph.errors import OptionError
 from mograph.pass_infra import Option, Pass, PassResult, stamp
 from mograph.patterns import constant_array
 from mograph.specs import parse_bool
@@ -785,24 +786,14 @@ class WeightOnlyPass(Pass):
         Raises:
             ModelError: the model cannot be converted (it is unchanged then).
         """
-        from mograph.opset import OpsetUpgradeError, model_opset, upgrade_opset
+        from mograph.opset import model_opset
 
-        old = model_opset(model)
-        if old >= target:
+        if model_opset(model) >= target:
             return None
         why = (f"function bodies of the quantized ops (opset {target}"
                + (": CastLike to the float16 activations)" if target > BODY_OPSET else ")"))
-        try:
-            done = upgrade_opset(model, target, ops=self.registry.custom_ops if self.registry is not None else {})
-        except OpsetUpgradeError as exc:
-            raise ModelError(f"{self.name}: the quantized MatMul's function body needs opset >= {target}; the "
-                             f"model's opset cannot be upgraded from {old}: {exc}") from exc
-        stats["opset_upgrade.from"] = done.from_opset
-        stats["opset_upgrade.to"] = done.to_opset
-        stats["opset_upgrade.rewritten"] = sum(done.rewritten.values())
-        logger.info("%s: opset %d -> %d for the function bodies of the quantized ops", self.name, old, done.to_opset)
-        return {"done": True, "from": done.from_opset, "to": done.to_opset,
-                "reason": why, "rewritten": dict(done.rewritten)}
+        return raise_opset(self, model, target, f"the quantized MatMul's function body needs opset >= {target}", why,
+                           stats)
 
     def call(self, model: ir.Model) -> PassResult:
         bits = int(self.config.get("bits") or 4)
