@@ -186,17 +186,39 @@ def _references_emptied(proto: Any, copy: bool = True) -> Any:
     return proto
 
 
+#: Execution providers whose presence does not make ONNX Runtime's kernel listing load provider libraries.
+_LISTING_SAFE_PROVIDERS = frozenset({"CPUExecutionProvider", "AzureExecutionProvider"})
+#: Seconds the kernel listing may take in its own process (a GPU build's; normally about a second).
+LISTING_TIMEOUT_S = 120.0
+#: The listing, run in a child process: one ``[op, first, last]`` per default-domain CPU kernel, as JSON.
+_LISTING_SCRIPT = (
+    "import json\n"
+    "from onnxruntime.capi import _pybind_state as c\n"
+    "print(json.dumps(sorted({(k.op_name, int(k.version_range[0]), int(k.version_range[1])) for k in "
+    "c.get_all_opkernel_def() if k.domain in ('', 'ai.onnx') and k.provider == 'CPUExecutionProvider'})))\n"
+)
+
+
 @functools.lru_cache(maxsize=1)
 def _ort_cpu_default_domain_kernels() -> tuple[tuple[str, int, int], ...] | None:
     """``(op_type, first, last opset)`` of every default-domain CPU kernel ONNX Runtime registers, or
-    ``None`` when ``onnxruntime`` (or its kernel listing) is not there."""
+    ``None`` when ``onnxruntime`` (or its kernel listing) is not there.
+
+    ``get_all_opkernel_def`` walks every provider of the build, loading their libraries: in an
+    ``onnxruntime-gpu`` build whose TensorRT (or CUDA) libraries are not installed, a usual setup, it
+    crashes the process (a segmentation fault, seen with onnxruntime-gpu 1.31.1 on an H200 without
+    TensorRT and on a machine without CUDA).  So a build with providers beyond the CPU lists its kernels
+    in a child process, and a child that fails answers ``None`` (the fallback list)."""
     try:
+        import onnxruntime as ort
         from onnxruntime.capi import _pybind_state as ort_c
     except ImportError:
         return None
     listing = getattr(ort_c, "get_all_opkernel_def", None)
     if listing is None:
         return None
+    if not set(ort.get_available_providers()) <= _LISTING_SAFE_PROVIDERS:
+        return _kernels_in_child()
     try:
         kernels = listing()
     except Exception:  # noqa: BLE001 - an ONNX Runtime build without the listing: fall back
@@ -208,6 +230,31 @@ def _ort_cpu_default_domain_kernels() -> tuple[tuple[str, int, int], ...] | None
             first, last = k.version_range
             out.add((k.op_name, int(first), int(last)))
     return tuple(sorted(out))
+
+
+def _kernels_in_child() -> tuple[tuple[str, int, int], ...] | None:
+    """:func:`_ort_cpu_default_domain_kernels`'s listing in a child process (same interpreter and path);
+    ``None`` when the child fails, crashes or runs past :data:`LISTING_TIMEOUT_S`."""
+    import json
+    import subprocess
+    import sys
+
+    try:
+        done = subprocess.run([sys.executable, "-c", _LISTING_SCRIPT], capture_output=True, text=True,
+                              timeout=LISTING_TIMEOUT_S, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.info("output check: onnxruntime's kernel listing did not run (%s): using the fallback list", exc)
+        return None
+    if done.returncode != 0:
+        logger.info("output check: onnxruntime's kernel listing failed in its own process (exit %s): using the "
+                    "fallback list", done.returncode)
+        return None
+    try:
+        rows = json.loads(done.stdout.strip().splitlines()[-1])
+        return tuple(sorted((str(op), int(first), int(last)) for op, first, last in rows))
+    except (ValueError, IndexError, TypeError) as exc:
+        logger.info("output check: onnxruntime's kernel listing was not readable (%s): using the fallback list", exc)
+        return None
 
 
 def ort_default_domain_ops(opset: int) -> tuple[frozenset[str], str]:

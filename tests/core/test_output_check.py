@@ -227,6 +227,35 @@ def test_ort_default_domain_ops_come_from_onnxruntime_itself():
     assert "Relu" not in below  # an op with an ONNX schema is the checker's
 
 
+def test_a_gpu_build_lists_its_kernels_in_a_child_process(monkeypatch):
+    """onnxruntime-gpu 1.31.1's ``get_all_opkernel_def`` loads every provider's library and crashed the whole
+    process (a segmentation fault inside the output check of every pass) where TensorRT or CUDA libraries were
+    missing (an H200 without TensorRT; any machine without CUDA): a build with providers beyond the CPU lists its
+    kernels in a child process, and a child that crashes gives the fallback list, not a dead process."""
+    pytest.importorskip("onnxruntime")
+    import onnxruntime as ort
+    from onnxruntime.capi import _pybind_state as ort_c
+
+    import mograph.output_check as oc
+
+    oc._ort_cpu_default_domain_kernels.cache_clear()
+    want = oc._ort_cpu_default_domain_kernels()
+    assert want
+    calls: list[int] = []
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["TensorrtExecutionProvider", "CUDAExecutionProvider",
+                                                                  "CPUExecutionProvider"])
+    monkeypatch.setattr(ort_c, "get_all_opkernel_def", lambda: calls.append(1) or [])
+    try:
+        oc._ort_cpu_default_domain_kernels.cache_clear()
+        assert oc._ort_cpu_default_domain_kernels() == want and calls == []  # the child's listing, same kernels
+        monkeypatch.setattr(oc, "_LISTING_SCRIPT", "import os; os.abort()")  # the crash, in the child
+        oc._ort_cpu_default_domain_kernels.cache_clear()
+        assert oc._ort_cpu_default_domain_kernels() is None and calls == []
+        assert oc.ort_default_domain_ops(12)[1] == "fallback"
+    finally:
+        oc._ort_cpu_default_domain_kernels.cache_clear()
+
+
 def _ort_layernorm_model(opset: int):
     from onnx import TensorProto, helper
 
