@@ -425,6 +425,12 @@ def optimize(
             raise OptionError(message)
         logger.warning("%s; ignored", message)
     instances = reg.instantiate(names, options)
+    if verify:
+        from mograph.validate._feeds import decoder_assumptions
+
+        assumed = decoder_assumptions(options)
+        if assumed and "assumptions" not in (verify_options or {}):
+            verify_options = {**(verify_options or {}), "assumptions": assumed}
     reload: Reload | None = None
     if isinstance(model, (str, os.PathLike, bytes, bytearray)):  # not rewritten in place: read it again
         source = model

@@ -383,3 +383,49 @@ def make_feeds(
     out = {str(v.name): out[str(v.name)] for v in inputs}  # the model's input order
     report = {str(v.name): report[str(v.name)] for v in inputs}
     return out, {"inputs": report, "defaulted_dims": defaulted, "notes": notes}
+
+
+#: The optimize options whose graphs ASSUME something of a decoder's inputs (README: "LLM decoders"), as the
+#: verifier names them: GroupQueryAttention's lengths mean right padding; ``--position-ids cache`` reads each
+#: token's position as its cache position.
+DECODER_ASSUMPTIONS = {
+    "mask_format": ("lengths", "--mask-format lengths"),
+    "kv_cache": ("shared", "--kv-cache shared"),
+    "position_ids": ("cache", "--position-ids cache"),
+}
+
+
+def decoder_assumptions(options: Mapping[str, Any]) -> list[str]:
+    """The flags of ``options`` (optimize's, underscored) that make a decoder graph assume right padding or
+    cache positions: the verifier's random feeds must keep those assumptions to compare like with like."""
+    return [flag for key, (value, flag) in DECODER_ASSUMPTIONS.items() if options.get(key) == value]
+
+
+def keep_decoder_assumptions(feeds: dict[str, np.ndarray], info: dict[str, Any], assumptions: Iterable[str]) -> None:
+    """Make random feeds keep what ``assumptions`` (:func:`decoder_assumptions`) assume, in place.
+
+    A random mask has holes (mostly ones): a graph optimized under ``--mask-format lengths`` or ``--kv-cache
+    shared`` reads a mask as right padding and gives other numbers there, as documented, so the verifier would
+    fail an exact rewrite.  Random mask-like inputs become all ones (no padding: right padding's simplest
+    case), and a random 2-D integer ``position_ids`` input ``[B, S]`` becomes each token's cache position
+    ``P + s`` (``P`` the past length: the 2-D mask's length minus ``S``, else 0).  Feeds the user gave stay
+    as given; the report says what changed and why."""
+    flags = list(assumptions)
+    if not flags:
+        return
+    why = f"{', '.join(flags)} assume{'s' if len(flags) == 1 else ''}"
+    rows = info.get("inputs", {})
+    masks = [n for n in feeds if _is_mask(n) and rows.get(n, {}).get("source") == "random"]
+    for name in masks:
+        feeds[name] = np.ones_like(feeds[name])
+        rows[name].update(range=[1, 1], why=f"all ones: {why} right padding")
+    mask_len = next((int(a.shape[1]) for n, a in feeds.items() if _is_mask(n) and a.ndim == 2), None)
+    for name, array in list(feeds.items()):
+        if ("position_ids" not in name.lower() or rows.get(name, {}).get("source") != "random" or array.ndim != 2
+                or dtype_class(array.dtype) != "int"):
+            continue
+        b, s = array.shape
+        past = max(mask_len - s, 0) if mask_len is not None else 0
+        feeds[name] = np.tile(np.arange(past, past + s, dtype=array.dtype), (b, 1))
+        rows[name].update(range=[past, past + s - 1], why=f"each token's cache position past + s: {why} right padding")
+

@@ -19,7 +19,7 @@ from mograph._traverse import iter_nodes
 from mograph.backend_protocol import Runner
 from mograph.errors import ModelError, MographError, UsageError
 from mograph.validate._compare import _fmt, _polygraphy, compare_outputs
-from mograph.validate._feeds import graph_inputs, make_feeds
+from mograph.validate._feeds import graph_inputs, keep_decoder_assumptions, make_feeds
 from mograph.validate._tolerances import Tolerance, _families, dtype_class, tolerance_for
 
 if TYPE_CHECKING:
@@ -138,6 +138,11 @@ class Verifier:
             (the CUDA provider, TF32 off, the CPU for the nodes CUDA has no kernel for; exit code 7
             without onnxruntime-gpu), so a pass is checked on the kernels it will run on.
         reference_label: what ``reference_runner`` is, for the report (``check["backend"]``).
+        assumptions: optimize flags whose graphs assume a decoder's inputs are right-padded and its
+            ``position_ids`` cache positions (``--mask-format lengths``, ``--kv-cache shared``, ``--position-ids
+            cache``; :func:`~mograph.validate._feeds.decoder_assumptions`): the random feeds keep them (masks
+            all ones, ``position_ids`` = past + s), so an exact rewrite is not failed on inputs it documents it
+            does not take.
         registry: what the plugins declared (the composition root's registry): a candidate's TensorRT
             plugin nodes are checked through the function bodies of the ops declaring them; without it
             they are reported unchecked.
@@ -164,6 +169,7 @@ class Verifier:
         reference_label: str | None = None,
         device: str | None = None,
         registry: Declarations | None = None,
+        assumptions: Iterable[str] = (),
     ) -> None:
         from mograph.backends import ort
 
@@ -181,6 +187,10 @@ class Verifier:
         self.feeds, self.feed_info = make_feeds(
             model, shapes=shapes, feeds=feeds, seed=self.seed, limit_bytes=feed_limit
         )
+        #: The optimize flags whose graphs assume right padding / cache positions (``decoder_assumptions``): the
+        #: random feeds keep them, and the report says so.
+        self.assumptions = list(assumptions)
+        keep_decoder_assumptions(self.feeds, self.feed_info, self.assumptions)
         self.feed_limit = feed_limit
         #: Whether the original quantizes activations while it runs: a last-bit change before the quantizer
         #: (a fused op's other rounding) can move a value by one quantization step (said with a failure).
@@ -256,6 +266,7 @@ class Verifier:
             "defaulted_dims": self.feed_info["defaulted_dims"],
             "seed": self.seed,
             "backend": self.backend,
+            "assumptions": list(self.assumptions),
         }
 
     def _fail(self, check: dict[str, Any], reason: str) -> dict[str, Any]:
@@ -337,6 +348,7 @@ class Verifier:
                 shapes[name][ax] = size
             try:
                 feeds, info = make_feeds(model, shapes=shapes, seed=self.seed + 1, limit_bytes=self.feed_limit)
+                keep_decoder_assumptions(feeds, info, self.assumptions)
                 session = ort.make_session(model, optimizations=False, threads=self.threads, device=self.device,
                                            memory_arena=False)
                 names = [o.name for o in session.get_outputs()]
@@ -550,6 +562,9 @@ class Verifier:
         n_fail = sum(not e["passed"] for e in outputs.values())
         head = f"passed ({len(outputs)} outputs)" if check["passed"] else f"FAILED ({n_fail} of {len(outputs)} outputs)"
         head += f" on {_feeds_brief(check.get('feeds') or {})}"
+        if self.assumptions:  # the random masks / position_ids were made to keep the documented assumptions
+            verb = "assumes" if len(self.assumptions) == 1 else "assume"
+            head += f" (masks all ones, position_ids past + s, as {', '.join(self.assumptions)} {verb})"
         if worst is None:
             return f"{head}: the model has no outputs"
         e = outputs[worst]

@@ -209,3 +209,36 @@ def test_kv_cache_shared_refuses_a_cache_no_fused_attention_takes() -> None:
         mograph.optimize(proto, passes=["cleanup", "fuse"], options={"target": "ort", "kv_cache": "shared"})
     model, stats = _optimize(kv_cache="shared")
     assert stats["attention.kv_cache_shared"] == LAYERS, stats
+
+
+@pytest.mark.parametrize("options", [{"kv_cache": "shared"}, {"mask_format": "lengths"},
+                                     {"mask_format": "lengths", "position_ids": "cache"}],
+                         ids=["shared", "lengths", "lengths-cache"])
+def test_verify_keeps_what_the_options_assume(options: dict[str, str]) -> None:
+    """``--verify`` with ``--kv-cache shared`` or ``--mask-format lengths`` failed an exact rewrite (exit 5, logits
+    0.2 off): its random mask had holes, which those graphs read as right padding, as documented.  The random
+    masks are all ones and ``position_ids`` each token's cache position there, and the report says so."""
+    pytest.importorskip("polygraphy")
+    model, report = mograph.optimize(onnx.load(LLAMA), passes=["cleanup", "fuse"],
+                                     options={"target": "ort", **options}, verify=True)
+    assert Counter(n.op_type for n in model.graph.node)["GroupQueryAttention"] == LAYERS
+    verify = report.to_dict()["verification"]
+    assert verify["passed"], verify
+    assert verify["assumptions"] and "masks all ones" in verify["summary"], verify["summary"]
+    assert verify["feeds"]["attention_mask"]["range"] == [1, 1]
+    past = verify["feeds"]["past_key_values.0.key"]["shape"][2]
+    assert verify["feeds"]["position_ids"]["range"] == [past, past + verify["feeds"]["position_ids"]["shape"][1] - 1]
+
+
+def test_verify_without_an_assumption_keeps_random_masks() -> None:
+    """The default form checks the padding at run time: its feeds keep the random holes (the exact branch runs)."""
+    from mograph.validate._feeds import keep_decoder_assumptions
+
+    pytest.importorskip("polygraphy")
+    _, report = mograph.optimize(onnx.load(LLAMA), passes=["cleanup", "fuse"], options={"target": "ort"}, verify=True)
+    verify = report.to_dict()["verification"]
+    assert verify["passed"] and not verify["assumptions"] and verify["feeds"]["attention_mask"]["range"] == [0, 1]
+    given = {"attention_mask": np.array([[1, 1, 0]]), "position_ids": np.array([[5, 6]])}
+    info = {"inputs": {"attention_mask": {"source": "file"}, "position_ids": {"source": "file"}}}
+    keep_decoder_assumptions(given, info, ["--kv-cache shared"])  # the user's feeds stay as given
+    assert given["attention_mask"].tolist() == [[1, 1, 0]] and given["position_ids"].tolist() == [[5, 6]]
