@@ -209,6 +209,8 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
             external = inv is None
             if not external:
                 ctx.count("attention.position_ids_assumed")
+        elif _input_positions_inv(f) is not None:  # the lowering says once what --position-ids cache would change
+            ctx.count("attention.position_ids_as_given")
     else:
         assert rp is not None
         pos, inv = rp

@@ -242,3 +242,18 @@ def test_verify_without_an_assumption_keeps_random_masks() -> None:
     info = {"inputs": {"attention_mask": {"source": "file"}, "position_ids": {"source": "file"}}}
     keep_decoder_assumptions(given, info, ["--kv-cache shared"])  # the user's feeds stay as given
     assert given["attention_mask"].tolist() == [[1, 1, 0]] and given["position_ids"].tolist() == [[5, 6]]
+
+
+def test_rotary_outside_says_what_position_ids_cache_would_change(caplog: pytest.LogCaptureFixture) -> None:
+    """An export with a ``position_ids`` input keeps the rotary outside GroupQueryAttention (exact, 1.10-1.25x the
+    GenAI builder's graphs on the H200): the lowering says so once and names the opt-in; with it, nothing is said."""
+    with caplog.at_level("WARNING", logger="mograph.lowering"):
+        model, stats = _optimize(kv_cache="shared")
+    assert stats["attention.position_ids_as_given"] == LAYERS and stats["attention.gqa_external_rotary"] == LAYERS
+    notes = [r.getMessage() for r in caplog.records if "--position-ids cache" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].startswith(f"lower: {LAYERS} GroupQueryAttention"), notes
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mograph.lowering"):
+        _, stats = _optimize(kv_cache="shared", position_ids="cache")
+    assert "attention.position_ids_as_given" not in stats and stats["attention.position_ids_assumed"] == LAYERS
+    assert not [r for r in caplog.records if "--position-ids cache" in r.getMessage()]
