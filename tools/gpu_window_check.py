@@ -4,7 +4,8 @@ mograph writes a sliding-window layer (Mistral, Gemma 2/3: the mask keeps ``q_id
 ``local_window_size`` W; that is exact only where the kernel keeps the last W keys (not W + 1).  This runs one
 float16 GroupQueryAttention node (prefill and a decode step over a past) on every provider given and compares it
 with NumPy attention over a band of W and of W + 1 keys; then, with ``--gemma3``, the committed Gemma 3 optimum
-export (window 3) fused with ``--mask-format lengths`` and ``fp16`` against the float32 export on the CPU.
+export (window 3) fused with ``--mask-format lengths`` and ``fp16`` against the float32 export on the CPU;
+with ``--decoders``, every committed optimum export (tests/data/decoders), default and ``lengths`` forms.
 
     python tools/gpu_window_check.py --providers CUDAExecutionProvider,CPUExecutionProvider --gemma3
 """
@@ -94,44 +95,60 @@ def one_node(providers: list[str], window: int) -> list[dict]:
     return rows
 
 
-def gemma3(providers: list[str]) -> list[dict]:
-    """The committed Gemma 3 optimum export (window 3), fused and fp16, against the float32 export on the CPU."""
+DECODERS = Path(__file__).resolve().parents[1] / "tests" / "data" / "decoders"
+
+
+def decoder_rows(path: Path, providers: list[str], options: dict) -> list[dict]:
+    """A committed optimum export, fused with ``options`` and ``fp16``, against the float32 export on the CPU: a
+    9-token prompt then a token step over the export's presents (the optimized graph's own presents fed back)."""
     import onnxruntime as ort
 
     import mograph
 
-    path = Path(__file__).resolve().parents[1] / "tests" / "data" / "decoders" / "gemma3_sliding_optimum_transformers457.onnx"
     src = onnx.load(path)
     model, _ = mograph.optimize(onnx.load(path), passes=["cleanup", "fuse", "fp16"],
-                                options={"target": "ort", "mask_format": "lengths", "calibration_random": 4})
+                                options={"target": "ort", "calibration_random": 4, **options})
     ref = ort.InferenceSession(src.SerializeToString(), providers=["CPUExecutionProvider"])
+    inputs = {i.name: i for i in ref.get_inputs()}
     rng = np.random.default_rng(0)
-    names = [i.name for i in ref.get_inputs() if i.name.startswith("past_key_values")]
+    names = [n for n in inputs if n.startswith("past_key_values")]
+    kv, head = inputs[names[0]].shape[1], inputs[names[0]].shape[3]
     b, s = 2, 9
-    ids = rng.integers(0, 100, (b, s))
-    feeds = {"input_ids": ids, "attention_mask": np.ones((b, s), np.int64)}
-    for n in names:
-        feeds[n] = np.zeros((b, 2, 0, 16), np.float32)
-    want = ref.run(None, feeds)
-    dec = {"input_ids": rng.integers(0, 100, (b, 1)), "attention_mask": np.ones((b, s + 1), np.int64)}
-    for n, p in zip(names, want[1:]):
-        dec[n] = p
-    want_dec = ref.run(None, dec)
+
+    def feeds_for(ids: np.ndarray, past: list[np.ndarray] | None) -> dict:
+        p = past[0].shape[2] if past else 0
+        f = {"input_ids": ids, "attention_mask": np.ones((b, p + ids.shape[1]), np.int64)}
+        if "position_ids" in inputs:
+            f["position_ids"] = np.tile(np.arange(p, p + ids.shape[1], dtype=np.int64), (b, 1))
+        for i, n in enumerate(names):
+            f[n] = past[i] if past else np.zeros((b, kv, 0, head), np.float32)
+        return f
+
+    prompt = feeds_for(rng.integers(0, 100, (b, s)), None)
+    want = ref.run(None, prompt)
+    step_ids = rng.integers(0, 100, (b, 1))
+    want_dec = ref.run(None, feeds_for(step_ids, want[1:]))
     rows = []
     for prov in providers:
-        sess = ort.InferenceSession(model.SerializeToString(), providers=[prov])
-        cast = {i.name: i.type for i in sess.get_inputs()}
+        so = ort.SessionOptions()
+        if prov != "CPUExecutionProvider":
+            so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        try:
+            sess = ort.InferenceSession(model.SerializeToString(), so, providers=[prov])
+            all_on = True
+        except Exception:  # noqa: BLE001 - some node has no kernel on this provider: run with the CPU beside it
+            sess = ort.InferenceSession(model.SerializeToString(), providers=[prov, "CPUExecutionProvider"])
+            all_on = False
+        types = {i.name: i.type for i in sess.get_inputs()}
 
-        def conv(f: dict, cast: dict = cast) -> dict:
-            return {k: (v.astype(np.float16) if "float16" in cast[k] else v) for k, v in f.items()}
+        def conv(f: dict, types: dict = types) -> dict:
+            return {k: (v.astype(np.float16) if "float16" in types[k] else v) for k, v in f.items()}
 
-        got = sess.run(None, conv(feeds))
-        dec_o = dict(dec)
-        for n, p in zip(names, got[1:]):
-            dec_o[n] = p.astype(np.float32)
-        got_dec = sess.run(None, conv(dec_o))
-        rows.append({"provider": prov, "gemma3_prefill_logits_max_abs": float(np.abs(got[0].astype(np.float32) - want[0]).max()),
-                     "gemma3_decode_logits_max_abs": float(np.abs(got_dec[0].astype(np.float32) - want_dec[0]).max()),
+        got = sess.run(None, conv(prompt))
+        got_dec = sess.run(None, conv(feeds_for(step_ids, [g.astype(np.float32) for g in got[1:]])))
+        rows.append({"model": path.stem, "options": options, "provider": prov, "every_node_on_provider": all_on,
+                     "prefill_logits_max_abs": float(np.abs(got[0].astype(np.float32) - want[0]).max()),
+                     "decode_logits_max_abs": float(np.abs(got_dec[0].astype(np.float32) - want_dec[0]).max()),
                      "logits_peak": float(np.abs(want[0]).max())})
     return rows
 
@@ -140,7 +157,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--providers", default="CPUExecutionProvider")
     ap.add_argument("--windows", default="2,3")
-    ap.add_argument("--gemma3", action="store_true")
+    ap.add_argument("--gemma3", action="store_true", help="the Gemma 3 export (window 3) only, --mask-format lengths")
+    ap.add_argument("--decoders", action="store_true",
+                    help="every committed optimum export, default and --mask-format lengths forms")
     args = ap.parse_args()
     try:
         import torch  # noqa: F401  (lets the CUDA provider find cuDNN / cuBLAS)
@@ -150,9 +169,12 @@ def main() -> int:
     for w in (int(x) for x in args.windows.split(",")):
         for row in one_node(provs, w):
             print(json.dumps(row))
-    if args.gemma3:
-        for row in gemma3(provs):
-            print(json.dumps(row))
+    paths = sorted(DECODERS.glob("*optimum*.onnx"))
+    if args.gemma3 or args.decoders:
+        for path in paths if args.decoders else [p for p in paths if "gemma3" in p.name]:
+            for options in ([{}, {"mask_format": "lengths"}] if args.decoders else [{"mask_format": "lengths"}]):
+                for row in decoder_rows(path, provs, options):
+                    print(json.dumps(row), flush=True)
     return 0
 
 
