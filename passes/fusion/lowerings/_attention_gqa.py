@@ -52,6 +52,7 @@ from mograph.errors import PassFailedError
 from mograph.irutil import add_initializer
 from mograph.lowering import LoweringContext
 from mograph.metadata import LOWERED_FOR
+from mograph.patterns import constant_array
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +61,66 @@ logger = logging.getLogger(__name__)
 GQA_MAX_LENGTH = 4096
 
 
-def _packed_qkv(xs: list[ir.Value], graph: ir.Graph, new_nodes: list[ir.Node]) -> ir.Value | None:
+def _slice_bounds(node: ir.Node, ctx: LoweringContext) -> list[int] | None:
+    """``[start, end, axis, step]`` of a one-axis ``Slice`` whose bounds are constants or shape values the query
+    proves literal (a missing step is 1, a missing axis 0)."""
+    got: list[int] = []
+    for i, default in ((1, None), (2, None), (3, 0), (4, 1)):
+        value = node.inputs[i] if i < len(node.inputs) else None
+        if value is None:
+            if default is None:
+                return None
+            got.append(default)
+            continue
+        arr = constant_array(value)
+        if arr is not None:
+            if arr.size != 1:
+                return None
+            got.append(int(arr.reshape(())))
+            continue
+        ints = ctx.literals(value)
+        if ints is None or len(ints) != 1 or ints[0] is None:
+            return None
+        got.append(ints[0])
+    return got
+
+
+def _sliced_qkv(xs: list[ir.Value], widths: list[int], ctx: LoweringContext) -> ir.Value | None:
+    """``X`` where Q, K, V are ``X[..., 0:w_q]``, ``X[..., w_q:w_q+w_k]``, ``X[..., w_q+w_k:]`` (one-axis Slices, step
+    1, of the last axis) and ``X``'s static last dim is ``w_q + w_k + w_v``: ``X`` is already the packed ``[q | k |
+    v]`` rows GroupQueryAttention reads (Phi 3's fused ``qkv_proj``), else None."""
+    src: ir.Value | None = None
+    offset = 0
+    for x, width in zip(xs, widths):
+        node = x.producer()
+        if node is None or node.op_type != "Slice" or node.domain != "" or len(node.inputs) < 3:
+            return None
+        if src is None:
+            src = node.inputs[0]
+        if src is None or node.inputs[0] is not src:
+            return None
+        rank, total = len(ctx.dims(src) or ()), ctx.static_dim(src, -1)
+        bounds = _slice_bounds(node, ctx)
+        if total is None or bounds is None:
+            return None
+        start, end, axis, step = bounds
+        if not rank or axis not in (-1, rank - 1) or step != 1:
+            return None
+        start, end = (v + total if v < 0 else v for v in (start, end))
+        start, end = min(max(start, 0), total), min(max(end, 0), total)
+        if start != offset or end != offset + width:
+            return None
+        offset = end
+    return src if src is not None and offset == ctx.static_dim(src, -1) else None
+
+
+def _packed_qkv(xs: list[ir.Value], graph: ir.Graph, new_nodes: list[ir.Node], widths: list[int] | None = None,
+                ctx: LoweringContext | None = None) -> ir.Value | None:
     """One ``h @ [W_q | W_k | W_v] (+ [b_q | b_k | b_v])`` where Q, K, V are projections of one ``h``, read by
-    nothing else than what this lowering replaces (checked by the caller)."""
+    nothing else than what this lowering replaces (checked by the caller); or, given the ``widths`` of Q, K, V,
+    the one tensor they are cut from side by side (:func:`_sliced_qkv`: nothing to build)."""
+    if widths is not None and ctx is not None and (whole := _sliced_qkv(xs, widths, ctx)) is not None:
+        return whole
     parts = [_projection_of(x) for x in xs]
     if any(p is None for p in parts) or len({id(p[0]) for p in parts if p is not None}) != 1:
         return None
@@ -116,7 +174,7 @@ def _packed_external(q: ir.Value, xs: list[ir.Value], heads: int, kv_heads: int,
     if expand is None or expand.inputs[0] is None:
         return None
     mark = len(new_nodes)
-    packed = _packed_qkv(xs, graph, new_nodes)
+    packed = _packed_qkv(xs, graph, new_nodes, [heads * head_size, kv_heads * head_size, kv_heads * head_size], ctx)
     if packed is None:
         handled, packed = pack_nbits_biased(xs, graph, new_nodes, ctx)
         if not handled:
@@ -132,8 +190,9 @@ def _packed_external(q: ir.Value, xs: list[ir.Value], heads: int, kv_heads: int,
     batch_seq = _add(new_nodes, "Slice", [_add(new_nodes, "Shape", [qk]), _const(new_nodes, np.array([0], np.int64)),
                                           _const(new_nodes, np.array([2], np.int64))])
     pos = _add(new_nodes, "Expand", [expand.inputs[0], batch_seq])
+    partial = {k: a.value for k, a in rot.attributes.items() if k == "rotary_embedding_dim"}
     kernel = _kernel("RotaryEmbedding", [qk, pos, rot.inputs[2], rot.inputs[3]],
-                     {"num_heads": heads + kv_heads, "interleaved": 0})
+                     {"num_heads": heads + kv_heads, "interleaved": 0, **partial})
     if q.dtype is not None:
         kernel.outputs[0].dtype = q.dtype
     new_nodes.append(kernel)
@@ -184,34 +243,39 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
     new_nodes: list[ir.Node] = []
     v_new = _heads_to_bsh(cv[1], new_nodes, ctx) if cv is not None else v  # (a Transpose + Reshape where not provable)
     rq, rk = notes.get(id(q)), notes.get(id(k_rot))
-    if rq is None or rk is None or rq[1] is not rk[1] or rq[2] != rk[2] or (rq[3], rk[3]) != (heads, kv_heads):
+    if (rq is None or rk is None or rq[1] is not rk[1] or rq[2] != rk[2] or (rq[3], rk[3]) != (heads, kv_heads)
+            or rq[4] != rk[4]):
         return _no_gqa(node, "Q and K are not rotated by ONNX Runtime RotaryEmbedding kernels of one angle table")
-    xq, f, rscale, _ = rq
+    xq, f, rscale, _, partial = rq
     xk = rk[0]
     if xq.shape is None or len(xq.shape) != 3 or not isinstance(xq.shape[2], int) or xq.dtype is None:
         return _no_gqa(node, "the query's hidden size is not static")
     head_size = xq.shape[2] // heads
-    if head_size % GQA_HEAD_MULTIPLE or f.shape is None or len(f.shape) != 3 or f.shape[2] != head_size // 2:
-        return _no_gqa(node, f"head size {head_size} not a multiple of {GQA_HEAD_MULTIPLE}, or a partial rotary")
+    if head_size % GQA_HEAD_MULTIPLE or f.shape is None or len(f.shape) != 3 or 2 * f.shape[2] != (partial or head_size):
+        return _no_gqa(node, f"head size {head_size} not a multiple of {GQA_HEAD_MULTIPLE}, or the angle table is not "
+                             "as wide as the rotary")
+    # a partial rotary (the first R of D values rotated) goes inside where do_rotary takes R/2-wide caches: ONNX
+    # Runtime's kernel (CPU, measured) rotates the first 2 x cos_cache.shape[1] values of each head and asks that width
+    # of a multiple of 8 values (it refuses R = 12 of D = 16 at run time)
+    fits = not partial or (partial // 2) % GQA_HEAD_MULTIPLE == 0
     past = ck[0] if ck is not None else None
     rp = _rotary_positions(f, xq, past, ctx)
     # rotary outside (do_rotary 0) where the angles are not provably (past + s) * inv_freq, e.g. position_ids given
     # as an input: ONNX Runtime's RotaryEmbedding kernels rotate Q and K by the export's own angles before the op
-    external = rp is None
-    if external:
+    external = rp is None or not fits
+    if rp is None:
         found = _causal_positions(bias, xq, past, ctx)
         if found is None:
             return _no_gqa(node, "the rotary angles are not provably (past + s) * inv_freq, nor is the causal mask's "
                                  "query position")
         pos, inv = found, None
-        if node.metadata_props.get(POSITION_IDS_KEY) == "cache":  # the user's assumption: position_ids == P + s
+        if node.metadata_props.get(POSITION_IDS_KEY) == "cache" and fits:  # the user's assumption: ids == P + s
             inv = _input_positions_inv(f)
             external = inv is None
             if not external:
                 ctx.count("attention.position_ids_assumed")
     else:
-        assert rp is not None
-        pos, inv = rp
+        pos, inv = rp[0], rp[1] if fits else None
     kv = ctx.dims(ck[2]) if ck is not None else None
     keys = (kv[2] if kv is not None and len(kv) == 4 else None) if ck is not None else _seq_dim(xq, ctx)
     window: list[int] = []  # a sliding window of W keys: GroupQueryAttention's local_window_size W (as measured)
@@ -244,7 +308,8 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
     present_k = _present_key_output(graph, xk, f, rscale, ctx) if ck is None else None
     present_v = _present_value_output(graph, v_new, ctx) if ck is None else None
     logger.debug("%s: present outputs found: key %s, value %s", node.name, present_k, present_v)
-    packed = None if external else _packed_qkv([xq, xk, v_new], graph, new_nodes)
+    widths = [heads * head_size, kv_heads * head_size, kv_heads * head_size]
+    packed = None if external else _packed_qkv([xq, xk, v_new], graph, new_nodes, widths, ctx)
     if packed is None and not external:  # weight-only quantized projections (MatMulNBits): one packed node if exact
         handled, packed = pack_nbits_biased([xq, xk, v_new], graph, new_nodes, ctx)  # y + b (Qwen2)
         if not handled:
