@@ -52,7 +52,7 @@ from mograph.errors import PassFailedError
 from mograph.irutil import add_initializer
 from mograph.lowering import LoweringContext
 from mograph.metadata import LOWERED_FOR
-from mograph.patterns import constant_array
+from mograph.patterns import constant_array, remove_dead_producers
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +135,69 @@ def _packed_qkv(xs: list[ir.Value], graph: ir.Graph, new_nodes: list[ir.Node], w
                             for p in parts]).astype(dtype)
         out = _add(new_nodes, "Add", [out, add_initializer(graph, "mograph_qkv_bias", b)])
     return out
+
+
+#: how many nodes (a head split Reshape, a per-head norm, the merge Reshape: Qwen 3's q_norm / k_norm) may sit between
+#: a projection and the Q, K or V that GroupQueryAttention reads, for :func:`_packed_projections`
+_UPSTREAM_HOPS = 4
+
+
+def _upstream_projection(x: ir.Value) -> ir.Value | None:
+    """The projection ``h @ W (+ b)`` (:func:`_projection_of`) that ``x`` is computed from along first inputs, through
+    at most :data:`_UPSTREAM_HOPS` nodes whose other inputs are constants, else None."""
+    v: ir.Value | None = x
+    for _ in range(_UPSTREAM_HOPS + 1):
+        if v is None:
+            return None
+        if _projection_of(v) is not None:
+            return v
+        node = v.producer()
+        if node is None or any(i is not None and constant_array(i) is None for i in node.inputs[1:]):
+            return None
+        v = node.inputs[0]
+    return None
+
+
+def _packed_projections(node: ir.Node, xs: list[ir.Value], ctx: LoweringContext) -> list[ir.Value]:
+    """Where Q, K and V reach three projections of one ``h`` through what sits between (Qwen 3's per-head
+    ``q_norm`` / ``k_norm``, not just a head split), one ``Split(h @ [W_q | W_k | W_v] (+ [b_q | b_k | b_v]))``
+    takes the three MatMuls' place: each of its outputs is read where the projection was (the values are the same,
+    up to the order of a GEMM's sums), so whatever follows (the norms, the rotary) is unchanged, in both branches
+    of a padding check.  The op still takes Q, K, V apart (the norms sit between); one GEMM instead of three
+    (stat ``attention.packed_projections``).  Returns ``xs`` with each one that was a projection itself replaced
+    by its Split output (``xs`` as they are where they are not such projections: nothing changed)."""
+    found = [_upstream_projection(x) for x in xs]
+    if any(f is None for f in found) or len({id(f) for f in found}) != len(found):
+        return xs
+    graph = node.graph
+    assert graph is not None
+    new_nodes: list[ir.Node] = []
+    packed = _packed_qkv(found, graph, new_nodes)  # type: ignore[arg-type]
+    if packed is None:
+        return xs
+    parts = [_projection_of(f) for f in found]  # type: ignore[arg-type]
+    sizes = np.array([p[1].shape[1] for p in parts], dtype=np.int64)  # type: ignore[index]
+    split = ir.node("Split", [packed, _const(new_nodes, sizes)], attributes={"axis": -1}, num_outputs=len(found))
+    new_nodes.append(split)
+    producers = {id(n) for f in found for n in (f.producer(), _producer(f.producer().inputs[0], "MatMul"))  # type: ignore[union-attr]
+                 if n is not None}
+    first = next(n for n in graph if id(n) in producers)
+    base = node.name or node.op_type
+    for i, n in enumerate(new_nodes):
+        n.name = f"{base}/packed_projections/{i}"
+        n.metadata_props.update(node.metadata_props)
+        n.metadata_props[LOWERED_FOR] = ctx.target
+    graph.insert_before(first, new_nodes)
+    for old, new in zip(found, split.outputs):
+        assert old is not None
+        if old.dtype is not None:
+            new.dtype = old.dtype
+        new.shape = old.shape
+        ir.convenience.replace_all_uses_with(old, new)
+    remove_dead_producers(graph, found)
+    ctx.count("attention.packed_projections")
+    new_of = {id(old): new for old, new in zip(found, split.outputs)}
+    return [new_of.get(id(x), x) for x in xs]
 
 
 def _causal_positions(bias: ir.Value, q: ir.Value, past: ir.Value | None, ctx: LoweringContext) -> ir.Value | None:
@@ -322,6 +385,8 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
                                                        new_nodes, ctx)
         if packed is None:
             packed = _add(new_nodes, "Concat", [q, k_rot, v_new], axis=-1)
+    if packed is None or external and packed.producer() is not None and packed.producer().op_type == "Concat":  # type: ignore[union-attr]
+        xq, xk, v_new = _packed_projections(node, [xq, xk, v_new], ctx)  # (Q, K, V stay apart; one GEMM)
     qkv: list[ir.Value | None] = [packed, None, None] if packed is not None else [xq, xk, v_new]
     attrs = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": scale, "do_rotary": 0 if external else 1,
              "rotary_interleaved": 0}

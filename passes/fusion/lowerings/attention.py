@@ -76,7 +76,10 @@
     dynamo's ``GatherND`` of that very index); head size a multiple of 8.  Q/K/V that are projections of one
     tensor are packed (``x @ [Wq|Wk|Wv] (+ [bq|bk|bv])``, ``key``/``value`` empty; weight-only quantized ones, already
     ``MatMulNBits``, by :mod:`.packed_nbits`); Q/K/V that are ``X[..., :wq]``, ``X[..., wq:wq+wk]``, ``X[..., wq+wk:]``
-    of one ``X`` exactly ``wq + 2 wk`` wide (Phi 3's fused ``qkv_proj``, Sliced) are ``X`` as it is.  A partial
+    of one ``X`` exactly ``wq + 2 wk`` wide (Phi 3's fused ``qkv_proj``, Sliced) are ``X`` as it is; where Q and K
+    reach their projections through per-head norms (Qwen 3's ``q_norm`` / ``k_norm``) the three projections become
+    one ``Split(h @ [Wq|Wk|Wv])`` read where each was (stat ``attention.packed_projections``; the op still takes Q,
+    K, V apart).  A partial
     rotary (``rotary_dim`` R < D: ``rotary_embedding_dim`` kernels, ``f`` ``[.., R/2]``) goes inside with R/2-wide
     caches where R/2 is a multiple of 8 (ONNX Runtime's kernel refuses other widths at run time), else stays
     outside as below; the cache is the kernel's past

@@ -357,3 +357,38 @@ def test_partial_rotary_with_its_halves_swapped_is_left_unfused() -> None:
     feeds, outs = _steps(ref)
     for f, want in zip(feeds, outs):
         assert _max_diff(opt.run(None, f), want) < 1e-5
+
+
+@pytest.mark.parametrize("options", [{"mask_format": "lengths"}, {"mask_format": "lengths", "position_ids": "cache"},
+                                     {}], ids=["rotary-outside", "rotary-inside", "padding-check"])
+def test_qwen3_projections_packed_through_the_head_norms(options: dict[str, str]) -> None:
+    """Qwen 3's ``q_norm`` / ``k_norm`` sit between the projections and the rotary, so Q and K stay apart at
+    GroupQueryAttention; the three projections of one ``h`` become one ``Split(h @ [Wq | Wk | Wv])`` read where each
+    was (the norms and the rotary unchanged): one MatMul per layer instead of three, in both branches of the check."""
+    model, stats = _optimize(QWEN3, **options)
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert stats["attention.packed_projections"] == LAYERS and stats.get("attention.packed_qkv", 0) == (
+        LAYERS if not options else 0), stats  # (behind the check: a Concat of the rotated Q, K and V)
+    # per layer QKV, o_proj, gate, up, down; the lm_head; the angle table's (rotary outside)
+    assert ops["Split"] == LAYERS and ops["MatMul"] == LAYERS * 5 + 1 + (0 if options.get("position_ids") else 1), ops
+    assert ops["SimplifiedLayerNormalization"] == 2 * LAYERS + 1, ops  # (the heads' and the final norm)
+    ref, opt = _session(QWEN3), _session(model)
+    feeds, outs = _steps(ref)
+    for f, want in zip(feeds, outs):
+        assert _max_diff(opt.run(None, f), want) < 1e-5
+    again, _ = mograph.optimize(model, passes=["cleanup", "fuse"], options={"target": "ort", **options})
+    assert Counter(n.op_type for n in again.graph.node) == ops  # a second run changes nothing
+
+
+def test_qwen3_value_of_another_tensor_keeps_its_projections() -> None:
+    """Near miss: layer 0's ``v_proj`` reads the embeddings, not the normed ``h`` the Q and K projections read: its
+    three MatMuls stay (layer 1 packs), and the numbers are the (changed) export's."""
+    proto = onnx.load(QWEN3)
+    v_proj = next(n for n in proto.graph.node if n.op_type == "MatMul" and "layers.0/self_attn/v_proj" in n.name)
+    v_proj.input[0] = next(n.output[0] for n in proto.graph.node if n.op_type == "Gather" and "embed_tokens" in n.name)
+    model, stats = _lower_stats(proto, mask_format="lengths", position_ids="cache")
+    assert stats["attention.packed_projections"] == 1 and stats["attention.gqa_rotary"] == LAYERS, stats
+    ref, opt = _session(proto), _session(model)
+    feeds, outs = _steps(ref)
+    for f, want in zip(feeds, outs):
+        assert _max_diff(opt.run(None, f), want) < 1e-5
