@@ -380,13 +380,15 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
     if external:  # one packed input: ONNX Runtime's CUDA GroupQueryAttentionFusion would take RotaryEmbedding kernels
         # feeding the op directly into it (do_rotary 1 with their caches, read by absolute position, and the
         # position ids dropped: wrong for these per-token caches); a Concat in between is not its pattern
-        # (behind the padding check the exact branch reads the kernels' Q and K anyway: packing there adds work)
+        # (behind the padding check the exact branch reads the kernels' Q and K anyway: a second packed copy there
+        # adds work; the projections packed where they are, below, serve both branches)
         packed = None if guarded else _packed_external(q, [xq, xk, v_new], heads, kv_heads, head_size, graph,
                                                        new_nodes, ctx)
         if packed is None:
             packed = _add(new_nodes, "Concat", [q, k_rot, v_new], axis=-1)
-    if packed is None or external and packed.producer() is not None and packed.producer().op_type == "Concat":  # type: ignore[union-attr]
-        xq, xk, v_new = _packed_projections(node, [xq, xk, v_new], ctx)  # (Q, K, V stay apart; one GEMM)
+            xq, xk, v_new = _packed_projections(node, [xq, xk, v_new], ctx)  # (one GEMM for the kernels' inputs)
+    elif packed is None:
+        xq, xk, v_new = _packed_projections(node, [xq, xk, v_new], ctx)  # (Q, K, V stay apart: norms between)
     qkv: list[ir.Value | None] = [packed, None, None] if packed is not None else [xq, xk, v_new]
     attrs = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": scale, "do_rotary": 0 if external else 1,
              "rotary_interleaved": 0}

@@ -392,3 +392,22 @@ def test_qwen3_value_of_another_tensor_keeps_its_projections() -> None:
     feeds, outs = _steps(ref)
     for f, want in zip(feeds, outs):
         assert _max_diff(opt.run(None, f), want) < 1e-5
+
+
+def test_default_check_reads_one_packed_projection_in_both_branches() -> None:
+    """The default form (rotary outside behind the padding check): the exact branch reads the rotary kernels, so no
+    second packed copy is built there; the three projections themselves become one ``Split(h @ [Wq | Wk | Wv])``
+    that both branches read (the main graph had 3 MatMuls per layer for them, now 1)."""
+    model, stats = _optimize()
+    assert stats["attention.packed_projections"] == LAYERS and stats["attention.padding_check"] == LAYERS, stats
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert ops["MatMul"] == LAYERS * 5 + 2 and ops["Split"] == LAYERS, ops  # (+ the lm_head and the angle table)
+    ref, opt = _session(LLAMA), _session(model)
+    feeds, outs = _steps(ref)
+    left = dict(feeds[0])
+    left["attention_mask"] = left["attention_mask"].copy()
+    left["attention_mask"][1, :3] = 0
+    for f, want in [*zip(feeds, outs), (left, ref.run(None, left))]:
+        assert _max_diff(opt.run(None, f), want) < 1e-5
+    again, _ = mograph.optimize(model, passes=["cleanup", "fuse"], options={"target": "ort"})
+    assert Counter(n.op_type for n in again.graph.node) == ops
