@@ -53,6 +53,8 @@ class Heads:
     #: ``q_norm`` / ``k_norm``): ``mograph.RMSNorm`` / ``mograph.LayerNorm`` (or the standard ``RMSNormalization`` /
     #: ``LayerNormalization`` over the last axis) with 1-D or single-element scale and bias
     norm: ir.Node | None = None
+    #: the rotary's width R where it rotates only each head's first R of D values (a partial rotary), else 0
+    rotary_dim: int = 0
 
 
 #: Norms over the last axis that ``fuse-attention`` follows on the split heads: (domain, op type).
@@ -76,10 +78,11 @@ def _head_norm(v: ir.Value) -> ir.Node | str | None:
     return node
 
 
-def _whole_partial_rotary(v: ir.Value, shapes: GraphShapes) -> tuple[ir.Value, ir.Value, ir.Value] | None:
-    """``(x, cos, sin)`` if ``v`` is transformers' partial-rotary spelling with the rotary over every one of the ``D``
-    values of a head: ``Concat(rotary(x[..., :r]), x[..., r:], axis=-1)`` (Phi 3) where ``r`` is provably at least
-    ``D`` (``x[..., :r]`` is ``x``, ``x[..., r:]`` empty): the rotary of ``x`` itself."""
+def _partial_rotary(v: ir.Value, shapes: GraphShapes) -> tuple[ir.Value, ir.Value, ir.Value, int] | None:
+    """``(x, cos, sin, R)`` if ``v`` is transformers' partial-rotary spelling ``Concat(rotary(x[..., :r]), x[..., r:],
+    axis=-1)`` (Phi 3 / Phi-4-mini, StableLM, Phi): ``R = 0`` where ``r`` is provably at least the head's ``D``
+    (``x[..., :r]`` is ``x``, ``x[..., r:]`` empty: the rotary of ``x`` itself), else ``R = r`` (even, below ``D``):
+    the first ``R`` values of each head rotated (their halves ``R / 2`` apart), the other ``D - R`` passed on."""
     cat = _producer(v, "Concat")
     if cat is None or len(cat.inputs) != 2 or int(cat.attributes["axis"].value) not in (-1, 3):
         return None
@@ -90,9 +93,14 @@ def _whole_partial_rotary(v: ir.Value, shapes: GraphShapes) -> tuple[ir.Value, i
     x = head[0]
     rest = _slice_of(cat.inputs[1], shapes, x)
     d = shapes.static_dim(x, 3) if len(shapes.dims(x) or ()) == 4 else None
-    if rest is None or d is None or head[1] != 0 or head[2] < d or rest[1] < d:
+    if rest is None or d is None or head[1] != 0:
         return None
-    return x, rot[1], rot[2]
+    if head[2] >= d and rest[1] >= d:
+        return x, rot[1], rot[2], 0
+    r = head[2]
+    if 0 < r < d and r % 2 == 0 and rest[1] == r and rest[2] >= d and shapes.static_dim(rot[0], 3) == r:
+        return x, rot[1], rot[2], r
+    return None
 
 
 def _split_heads(v4: ir.Value, role: str, shapes: GraphShapes) -> Heads | str:
@@ -111,13 +119,15 @@ def _split_heads(v4: ir.Value, role: str, shapes: GraphShapes) -> Heads | str:
             inner.half_rotary = (std[1], std[2])
             inner.factor *= f1
         return inner
-    rot = _rotary(v, shapes) or _whole_partial_rotary(v, shapes)
-    if rot is not None:
-        inner = _split_heads(rot[0], role, shapes)
+    rot = _rotary(v, shapes)
+    rot4 = (*rot, 0) if rot is not None else _partial_rotary(v, shapes)
+    if rot4 is not None:
+        inner = _split_heads(rot4[0], role, shapes)
         if isinstance(inner, Heads):
             if inner.rotary is not None:
                 return f"{role}: two rotary embeddings"
-            inner.rotary = (rot[1], rot[2])
+            inner.rotary = (rot4[1], rot4[2])
+            inner.rotary_dim = rot4[3]
             inner.factor *= f1
         return inner
     norm = _head_norm(v)
@@ -185,7 +195,8 @@ def _cached_or_split(kh: ir.Value, role: str, shapes: GraphShapes) -> Heads | st
     # Concat again for the present output; other readers of the exporter's Concat keep it (they are shape
     # reads of the repeat_kv the fusion replaces, so it dies with them)
     # (the heads' own norm, Gemma 3's k_norm, stays with them: the rewrite applies it before the rotary)
-    return Heads(new.x, new.heads, new.dim, 1.0, rotary=new.rotary, cached=kh, norm=new.norm)
+    return Heads(new.x, new.heads, new.dim, 1.0, rotary=new.rotary, cached=kh, norm=new.norm,
+                 rotary_dim=new.rotary_dim)
 
 
 def _repeated(kh: ir.Value, role: str, shapes: GraphShapes) -> Heads | str:

@@ -36,7 +36,9 @@ With a KV cache, ``Kh``/``Vh`` are ``Concat(past, new heads, axis=2)``.  When th
 decode step of LLaMA-style models), the rotary becomes a ``mograph.RotaryEmbedding`` on the new keys'
 ``[B, S, G*D]`` projection and the Concat is built again after it; a graph output (the present) that was
 the exporter's Concat is the new Concat, under the same name, and the exporter's Concat and decomposed
-rotary die with the pattern.
+rotary die with the pattern.  A partial rotary, ``Concat(rotary(x[..., :R]), x[..., R:], axis=-1)`` with R even and
+below ``D`` (Phi-4-mini's ``partial_rotary_factor``; the rotary's halves R/2 apart), is
+``mograph.RotaryEmbedding(rotary_dim=R)``; with R provably at least ``D`` (Phi 3) the rotary of the whole head.
 
 Keras' ``MultiHeadAttention`` is written with ``Einsum`` (projections ``abc,cde->abde``, scores
 ``aecd,abcd->acbe``, context ``acbe,aecd->abcd``, output ``abcd,cde->abe``), which tf2onnx keeps or decomposes into
@@ -300,8 +302,8 @@ class AttentionFusion(Rule):
             attrs["nan_to_zero"] = 1
         q_tables, k_tables = full_rotary_tables(op, q), full_rotary_tables(op, k)
         qx, kx = head_norm(op, q), head_norm(op, k)
-        qx = qx if q_tables is None else mograph_op(op, ROTARY_OP, qx, *q_tables, num_heads=q.heads)
-        kx = kx if k_tables is None else mograph_op(op, ROTARY_OP, kx, *k_tables, num_heads=k.heads)
+        qx = qx if q_tables is None else mograph_op(op, ROTARY_OP, qx, *q_tables, **_rotary_attrs(q))
+        kx = kx if k_tables is None else mograph_op(op, ROTARY_OP, kx, *k_tables, **_rotary_attrs(k))
         if k.cached is not None and k.rotary is not None:
             # the new keys rotated by a fused rotary embedding, then the cache's Concat again (the present
             # output, name kept); the exporter's Concat and its decomposed rotary are left unused
@@ -382,6 +384,11 @@ def head_norm(op: Any, heads: Heads) -> Any:
     domain = {"_domain": norm.domain, "_version": DOMAIN_VERSION} if norm.domain == DOMAIN else {}
     y = getattr(op, norm.op_type)(op.Reshape(heads.x, split), *norm.inputs[1:], **domain, **attrs)
     return op.Reshape(y, merge)
+
+
+def _rotary_attrs(heads: Heads) -> dict[str, int]:
+    """``mograph.RotaryEmbedding``'s attributes for ``heads``: ``rotary_dim`` only for a partial rotary."""
+    return {"num_heads": heads.heads, **({"rotary_dim": heads.rotary_dim} if heads.rotary_dim else {})}
 
 
 def full_rotary_tables(op: Any, heads: Heads) -> tuple[ir.Value, ir.Value] | None:

@@ -157,15 +157,20 @@ def _infer_shapes(node: ir.Node) -> None:
 ROTARY_OP = "RotaryEmbedding"
 
 
-def rotary_embedding(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, *, num_heads: int) -> np.ndarray:
+def rotary_embedding(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, *, num_heads: int,
+                     rotary_dim: int = 0) -> np.ndarray:
     """``X`` ``[B, S, N*D]`` rotated per head: ``X_h * cos + rotate_half(X_h) * sin`` (cos, sin broadcastable
-    to the head layout ``[B, N, S, D]``; ``rotate_half(x) = concat(-x[..., D/2:], x[..., :D/2])``)."""
+    to the head layout ``[B, N, S, D]``; ``rotate_half(x) = concat(-x[..., D/2:], x[..., :D/2])``).  With
+    ``rotary_dim`` R (0 < R < D: a partial rotary, Phi-4-mini / StableLM's ``partial_rotary_factor``) only each
+    head's first R values are rotated (as above, with R for D and cos, sin ``[..., R]``); the rest pass as they are."""
     dt: Any = np.float64 if x.dtype == np.float64 else np.float32
     b, s, hidden = x.shape
     d = hidden // num_heads
+    r = rotary_dim or d
     xh: np.ndarray = x.astype(dt).reshape(b, s, num_heads, d).transpose(0, 2, 1, 3)
-    half = np.concatenate([-xh[..., d // 2:], xh[..., : d // 2]], axis=-1)
-    y = xh * cos.astype(dt) + half * sin.astype(dt)
+    xr = xh[..., :r]
+    half = np.concatenate([-xr[..., r // 2:], xr[..., : r // 2]], axis=-1)
+    y = np.concatenate([xr * cos.astype(dt) + half * sin.astype(dt), xh[..., r:]], axis=-1)
     return y.transpose(0, 2, 1, 3).reshape(b, s, hidden).astype(x.dtype)
 
 
@@ -192,15 +197,22 @@ def rotary_function(opset: int) -> ir.Function:
 
     d = add("Shape", x4, start=3) if opset >= 15 else add("Slice", add("Shape", x4), add("Constant", value_ints=[3]),
                                                             add("Constant", value_ints=[4]))
-    h = add("Div", d, add("Constant", value_ints=[2]))
-    axes = add("Constant", value_ints=[3])
-    first = add("Slice", x4, add("Constant", value_ints=[0]), h, axes)
-    second = add("Slice", x4, h, add("Constant", value_ints=[2**62]), axes)
+    # the rotated width R: rotary_dim, or D where it is 0 (the whole head); the D - R values after it pass
+    rd = add("Reshape", add("Constant", value_int=ir.RefAttr("value_int", "rotary_dim", ir.AttributeType.INT)),
+             add("Constant", value_ints=[1]))
+    r = add("Where", add("Equal", rd, add("Constant", value_ints=[0])), d, rd)
+    h = add("Div", r, add("Constant", value_ints=[2]))
+    axes, zero, end = add("Constant", value_ints=[3]), add("Constant", value_ints=[0]), add("Constant", value_ints=[2**62])
+    xr = add("Slice", x4, zero, r, axes)
+    first = add("Slice", xr, zero, h, axes)
+    second = add("Slice", xr, h, end, axes)
     half = add("Concat", add("Neg", second), first, axis=-1)
-    y = add("Add", add("Mul", x4, to_bsnd(cos)), add("Mul", half, to_bsnd(sin)))
+    y = add("Add", add("Mul", xr, to_bsnd(cos)), add("Mul", half, to_bsnd(sin)))
+    y = add("Concat", y, add("Slice", x4, r, end, axes), axis=-1)
     y = add("Reshape", y, add("Constant", value_ints=[0, 0, -1]))
     graph = ir.Graph([x, cos, sin], [y], nodes=nodes, opset_imports={"": opset})
-    return ir.Function(DOMAIN, ROTARY_OP, "", graph=graph, attributes=[ir.AttrInt64("num_heads", 1)])
+    return ir.Function(DOMAIN, ROTARY_OP, "", graph=graph,
+                       attributes=[ir.AttrInt64("num_heads", 1), ir.AttrInt64("rotary_dim", 0)])
 
 
 def _attention_dims(node: ir.Node, q: ShapeQuery) -> list[Dims | None] | None:
@@ -260,11 +272,14 @@ def custom_ops() -> list[CustomOp]:
             domain=DOMAIN,
             version=DOMAIN_VERSION,
             doc="Rotary position embedding of X [B, S, N*D] per head: X_h * Cos + rotate_half(X_h) * Sin, Cos and "
-                "Sin broadcastable to [B, N, S, D], rotate_half(x) = concat(-x[..., D/2:], x[..., :D/2]).",
+                "Sin broadcastable to [B, N, S, D], rotate_half(x) = concat(-x[..., D/2:], x[..., :D/2]); "
+                "rotary_dim R > 0 (a partial rotary): the same on each head's first R values (Cos, Sin [..., R]), "
+                "the other D - R passed through.",
             inputs=("X", "Cos", "Sin"),
             outputs=("Y",),
-            attributes={"num_heads": 1},
-            reference=lambda x, cos, sin, num_heads=1: (rotary_embedding(x, cos, sin, num_heads=num_heads),),
+            attributes={"num_heads": 1, "rotary_dim": 0},
+            reference=lambda x, cos, sin, num_heads=1, rotary_dim=0: (
+                rotary_embedding(x, cos, sin, num_heads=num_heads, rotary_dim=rotary_dim),),
             function=rotary_function,
             infer_shapes=_same_as_x,
             shape_dims=_dims_of_x,

@@ -52,6 +52,7 @@ from mograph.errors import PassFailedError
 from mograph.irutil import add_initializer
 from mograph.lowering import LoweringContext
 from mograph.metadata import LOWERED_FOR
+from mograph.patterns import constant_array, remove_dead_producers
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +61,66 @@ logger = logging.getLogger(__name__)
 GQA_MAX_LENGTH = 4096
 
 
-def _packed_qkv(xs: list[ir.Value], graph: ir.Graph, new_nodes: list[ir.Node]) -> ir.Value | None:
+def _slice_bounds(node: ir.Node, ctx: LoweringContext) -> list[int] | None:
+    """``[start, end, axis, step]`` of a one-axis ``Slice`` whose bounds are constants or shape values the query
+    proves literal (a missing step is 1, a missing axis 0)."""
+    got: list[int] = []
+    for i, default in ((1, None), (2, None), (3, 0), (4, 1)):
+        value = node.inputs[i] if i < len(node.inputs) else None
+        if value is None:
+            if default is None:
+                return None
+            got.append(default)
+            continue
+        arr = constant_array(value)
+        if arr is not None:
+            if arr.size != 1:
+                return None
+            got.append(int(arr.reshape(())))
+            continue
+        ints = ctx.literals(value)
+        if ints is None or len(ints) != 1 or ints[0] is None:
+            return None
+        got.append(ints[0])
+    return got
+
+
+def _sliced_qkv(xs: list[ir.Value], widths: list[int], ctx: LoweringContext) -> ir.Value | None:
+    """``X`` where Q, K, V are ``X[..., 0:w_q]``, ``X[..., w_q:w_q+w_k]``, ``X[..., w_q+w_k:]`` (one-axis Slices, step
+    1, of the last axis) and ``X``'s static last dim is ``w_q + w_k + w_v``: ``X`` is already the packed ``[q | k |
+    v]`` rows GroupQueryAttention reads (Phi 3's fused ``qkv_proj``), else None."""
+    src: ir.Value | None = None
+    offset = 0
+    for x, width in zip(xs, widths):
+        node = x.producer()
+        if node is None or node.op_type != "Slice" or node.domain != "" or len(node.inputs) < 3:
+            return None
+        if src is None:
+            src = node.inputs[0]
+        if src is None or node.inputs[0] is not src:
+            return None
+        rank, total = len(ctx.dims(src) or ()), ctx.static_dim(src, -1)
+        bounds = _slice_bounds(node, ctx)
+        if total is None or bounds is None:
+            return None
+        start, end, axis, step = bounds
+        if not rank or axis not in (-1, rank - 1) or step != 1:
+            return None
+        start, end = (v + total if v < 0 else v for v in (start, end))
+        start, end = min(max(start, 0), total), min(max(end, 0), total)
+        if start != offset or end != offset + width:
+            return None
+        offset = end
+    return src if src is not None and offset == ctx.static_dim(src, -1) else None
+
+
+def _packed_qkv(xs: list[ir.Value], graph: ir.Graph, new_nodes: list[ir.Node], widths: list[int] | None = None,
+                ctx: LoweringContext | None = None) -> ir.Value | None:
     """One ``h @ [W_q | W_k | W_v] (+ [b_q | b_k | b_v])`` where Q, K, V are projections of one ``h``, read by
-    nothing else than what this lowering replaces (checked by the caller)."""
+    nothing else than what this lowering replaces (checked by the caller); or, given the ``widths`` of Q, K, V,
+    the one tensor they are cut from side by side (:func:`_sliced_qkv`: nothing to build)."""
+    if widths is not None and ctx is not None and (whole := _sliced_qkv(xs, widths, ctx)) is not None:
+        return whole
     parts = [_projection_of(x) for x in xs]
     if any(p is None for p in parts) or len({id(p[0]) for p in parts if p is not None}) != 1:
         return None
@@ -77,6 +135,69 @@ def _packed_qkv(xs: list[ir.Value], graph: ir.Graph, new_nodes: list[ir.Node]) -
                             for p in parts]).astype(dtype)
         out = _add(new_nodes, "Add", [out, add_initializer(graph, "mograph_qkv_bias", b)])
     return out
+
+
+#: how many nodes (a head split Reshape, a per-head norm, the merge Reshape: Qwen 3's q_norm / k_norm) may sit between
+#: a projection and the Q, K or V that GroupQueryAttention reads, for :func:`_packed_projections`
+_UPSTREAM_HOPS = 4
+
+
+def _upstream_projection(x: ir.Value) -> ir.Value | None:
+    """The projection ``h @ W (+ b)`` (:func:`_projection_of`) that ``x`` is computed from along first inputs, through
+    at most :data:`_UPSTREAM_HOPS` nodes whose other inputs are constants, else None."""
+    v: ir.Value | None = x
+    for _ in range(_UPSTREAM_HOPS + 1):
+        if v is None:
+            return None
+        if _projection_of(v) is not None:
+            return v
+        node = v.producer()
+        if node is None or any(i is not None and constant_array(i) is None for i in node.inputs[1:]):
+            return None
+        v = node.inputs[0]
+    return None
+
+
+def _packed_projections(node: ir.Node, xs: list[ir.Value], ctx: LoweringContext) -> list[ir.Value]:
+    """Where Q, K and V reach three projections of one ``h`` through what sits between (Qwen 3's per-head
+    ``q_norm`` / ``k_norm``, not just a head split), one ``Split(h @ [W_q | W_k | W_v] (+ [b_q | b_k | b_v]))``
+    takes the three MatMuls' place: each of its outputs is read where the projection was (the values are the same,
+    up to the order of a GEMM's sums), so whatever follows (the norms, the rotary) is unchanged, in both branches
+    of a padding check.  The op still takes Q, K, V apart (the norms sit between); one GEMM instead of three
+    (stat ``attention.packed_projections``).  Returns ``xs`` with each one that was a projection itself replaced
+    by its Split output (``xs`` as they are where they are not such projections: nothing changed)."""
+    found = [_upstream_projection(x) for x in xs]
+    if any(f is None for f in found) or len({id(f) for f in found}) != len(found):
+        return xs
+    graph = node.graph
+    assert graph is not None
+    new_nodes: list[ir.Node] = []
+    packed = _packed_qkv(found, graph, new_nodes)  # type: ignore[arg-type]
+    if packed is None:
+        return xs
+    parts = [_projection_of(f) for f in found]  # type: ignore[arg-type]
+    sizes = np.array([p[1].shape[1] for p in parts], dtype=np.int64)  # type: ignore[index]
+    split = ir.node("Split", [packed, _const(new_nodes, sizes)], attributes={"axis": -1}, num_outputs=len(found))
+    new_nodes.append(split)
+    producers = {id(n) for f in found for n in (f.producer(), _producer(f.producer().inputs[0], "MatMul"))  # type: ignore[union-attr]
+                 if n is not None}
+    first = next(n for n in graph if id(n) in producers)
+    base = node.name or node.op_type
+    for i, n in enumerate(new_nodes):
+        n.name = f"{base}/packed_projections/{i}"
+        n.metadata_props.update(node.metadata_props)
+        n.metadata_props[LOWERED_FOR] = ctx.target
+    graph.insert_before(first, new_nodes)
+    for old, new in zip(found, split.outputs):
+        assert old is not None
+        if old.dtype is not None:
+            new.dtype = old.dtype
+        new.shape = old.shape
+        ir.convenience.replace_all_uses_with(old, new)
+    remove_dead_producers(graph, found)
+    ctx.count("attention.packed_projections")
+    new_of = {id(old): new for old, new in zip(found, split.outputs)}
+    return [new_of.get(id(x), x) for x in xs]
 
 
 def _causal_positions(bias: ir.Value, q: ir.Value, past: ir.Value | None, ctx: LoweringContext) -> ir.Value | None:
@@ -116,7 +237,7 @@ def _packed_external(q: ir.Value, xs: list[ir.Value], heads: int, kv_heads: int,
     if expand is None or expand.inputs[0] is None:
         return None
     mark = len(new_nodes)
-    packed = _packed_qkv(xs, graph, new_nodes)
+    packed = _packed_qkv(xs, graph, new_nodes, [heads * head_size, kv_heads * head_size, kv_heads * head_size], ctx)
     if packed is None:
         handled, packed = pack_nbits_biased(xs, graph, new_nodes, ctx)
         if not handled:
@@ -132,8 +253,9 @@ def _packed_external(q: ir.Value, xs: list[ir.Value], heads: int, kv_heads: int,
     batch_seq = _add(new_nodes, "Slice", [_add(new_nodes, "Shape", [qk]), _const(new_nodes, np.array([0], np.int64)),
                                           _const(new_nodes, np.array([2], np.int64))])
     pos = _add(new_nodes, "Expand", [expand.inputs[0], batch_seq])
+    partial = {k: a.value for k, a in rot.attributes.items() if k == "rotary_embedding_dim"}
     kernel = _kernel("RotaryEmbedding", [qk, pos, rot.inputs[2], rot.inputs[3]],
-                     {"num_heads": heads + kv_heads, "interleaved": 0})
+                     {"num_heads": heads + kv_heads, "interleaved": 0, **partial})
     if q.dtype is not None:
         kernel.outputs[0].dtype = q.dtype
     new_nodes.append(kernel)
@@ -184,27 +306,33 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
     new_nodes: list[ir.Node] = []
     v_new = _heads_to_bsh(cv[1], new_nodes, ctx) if cv is not None else v  # (a Transpose + Reshape where not provable)
     rq, rk = notes.get(id(q)), notes.get(id(k_rot))
-    if rq is None or rk is None or rq[1] is not rk[1] or rq[2] != rk[2] or (rq[3], rk[3]) != (heads, kv_heads):
+    if (rq is None or rk is None or rq[1] is not rk[1] or rq[2] != rk[2] or (rq[3], rk[3]) != (heads, kv_heads)
+            or rq[4] != rk[4]):
         return _no_gqa(node, "Q and K are not rotated by ONNX Runtime RotaryEmbedding kernels of one angle table")
-    xq, f, rscale, _ = rq
+    xq, f, rscale, _, partial = rq
     xk = rk[0]
     if xq.shape is None or len(xq.shape) != 3 or not isinstance(xq.shape[2], int) or xq.dtype is None:
         return _no_gqa(node, "the query's hidden size is not static")
     head_size = xq.shape[2] // heads
-    if head_size % GQA_HEAD_MULTIPLE or f.shape is None or len(f.shape) != 3 or f.shape[2] != head_size // 2:
-        return _no_gqa(node, f"head size {head_size} not a multiple of {GQA_HEAD_MULTIPLE}, or a partial rotary")
+    if head_size % GQA_HEAD_MULTIPLE or f.shape is None or len(f.shape) != 3 or 2 * f.shape[2] != (partial or head_size):
+        return _no_gqa(node, f"head size {head_size} not a multiple of {GQA_HEAD_MULTIPLE}, or the angle table is not "
+                             "as wide as the rotary")
+    # a partial rotary (the first R of D values rotated) goes inside where do_rotary takes R/2-wide caches: ONNX
+    # Runtime's kernel (CPU, measured) rotates the first 2 x cos_cache.shape[1] values of each head and asks that width
+    # of a multiple of 8 values (it refuses R = 12 of D = 16 at run time)
+    fits = not partial or (partial // 2) % GQA_HEAD_MULTIPLE == 0
     past = ck[0] if ck is not None else None
     rp = _rotary_positions(f, xq, past, ctx)
     # rotary outside (do_rotary 0) where the angles are not provably (past + s) * inv_freq, e.g. position_ids given
     # as an input: ONNX Runtime's RotaryEmbedding kernels rotate Q and K by the export's own angles before the op
-    external = rp is None
-    if external:
+    external = rp is None or not fits
+    if rp is None:
         found = _causal_positions(bias, xq, past, ctx)
         if found is None:
             return _no_gqa(node, "the rotary angles are not provably (past + s) * inv_freq, nor is the causal mask's "
                                  "query position")
         pos, inv = found, None
-        if node.metadata_props.get(POSITION_IDS_KEY) == "cache":  # the user's assumption: position_ids == P + s
+        if node.metadata_props.get(POSITION_IDS_KEY) == "cache" and fits:  # the user's assumption: ids == P + s
             inv = _input_positions_inv(f)
             external = inv is None
             if not external:
@@ -212,8 +340,7 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
         elif _input_positions_inv(f) is not None:  # the lowering says once what --position-ids cache would change
             ctx.count("attention.position_ids_as_given")
     else:
-        assert rp is not None
-        pos, inv = rp
+        pos, inv = rp[0], rp[1] if fits else None
     kv = ctx.dims(ck[2]) if ck is not None else None
     keys = (kv[2] if kv is not None and len(kv) == 4 else None) if ck is not None else _seq_dim(xq, ctx)
     window: list[int] = []  # a sliding window of W keys: GroupQueryAttention's local_window_size W (as measured)
@@ -246,7 +373,8 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
     present_k = _present_key_output(graph, xk, f, rscale, ctx) if ck is None else None
     present_v = _present_value_output(graph, v_new, ctx) if ck is None else None
     logger.debug("%s: present outputs found: key %s, value %s", node.name, present_k, present_v)
-    packed = None if external else _packed_qkv([xq, xk, v_new], graph, new_nodes)
+    widths = [heads * head_size, kv_heads * head_size, kv_heads * head_size]
+    packed = None if external else _packed_qkv([xq, xk, v_new], graph, new_nodes, widths, ctx)
     if packed is None and not external:  # weight-only quantized projections (MatMulNBits): one packed node if exact
         handled, packed = pack_nbits_biased([xq, xk, v_new], graph, new_nodes, ctx)  # y + b (Qwen2)
         if not handled:
@@ -254,11 +382,15 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
     if external:  # one packed input: ONNX Runtime's CUDA GroupQueryAttentionFusion would take RotaryEmbedding kernels
         # feeding the op directly into it (do_rotary 1 with their caches, read by absolute position, and the
         # position ids dropped: wrong for these per-token caches); a Concat in between is not its pattern
-        # (behind the padding check the exact branch reads the kernels' Q and K anyway: packing there adds work)
+        # (behind the padding check the exact branch reads the kernels' Q and K anyway: a second packed copy there
+        # adds work; the projections packed where they are, below, serve both branches)
         packed = None if guarded else _packed_external(q, [xq, xk, v_new], heads, kv_heads, head_size, graph,
                                                        new_nodes, ctx)
         if packed is None:
             packed = _add(new_nodes, "Concat", [q, k_rot, v_new], axis=-1)
+            xq, xk, v_new = _packed_projections(node, [xq, xk, v_new], ctx)  # (one GEMM for the kernels' inputs)
+    elif packed is None:
+        xq, xk, v_new = _packed_projections(node, [xq, xk, v_new], ctx)  # (Q, K, V stay apart: norms between)
     qkv: list[ir.Value | None] = [packed, None, None] if packed is not None else [xq, xk, v_new]
     attrs = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": scale, "do_rotary": 0 if external else 1,
              "rotary_interleaved": 0}

@@ -40,16 +40,19 @@ def _lower_rotary_ort(node: ir.Node, ctx: LoweringContext) -> bool:
     one rank-3 angle table ``f`` ``[Bc, S, D/2]`` (laid out ``[Bc, 1, S, D]``): the caches are ``Cos(f)``,
     ``Sin(f)`` (times the scaling constant) reshaped to ``[Bc*S, D/2]``, and each token's position id is its
     row in them (``b*S + s``, expanded over the batch when ``Bc`` is 1), so every token gets exactly the cos/sin
-    the export computed, whatever its positions were.  Else the body, inlined."""
+    the export computed, whatever its positions were.  A partial rotary (``rotary_dim`` R < D, ``f`` ``[Bc, S,
+    R/2]``) is the kernel's ``rotary_embedding_dim`` R (measured on its CPU kernel: the first R values of each head
+    rotated, the rest copied).  Else the body, inlined."""
     x, cos, sin = node.inputs
     uses = list(node.outputs[0].uses())
-    heads = int(attr_value(node, "num_heads", 1))
+    heads, partial = int(attr_value(node, "num_heads", 1)), int(attr_value(node, "rotary_dim", 0))
     hc, hs = _half_angles(cos), _half_angles(sin)
     width = x.shape[2] if x is not None and x.shape is not None and len(x.shape) == 3 else None
     half_dim = hc[0].shape[2] if hc is not None and hc[0].shape is not None else None
     if (x is None or hc is None or hs is None or hc[0] is not hs[0] or hc[1] != "Cos" or hs[1] != "Sin"
             or hc[2] != hs[2] or not isinstance(width, int) or width % heads
-            or not isinstance(half_dim, int) or 2 * half_dim != width // heads):
+            or not isinstance(half_dim, int) or 2 * half_dim != (partial or width // heads)
+            or not 0 <= partial < width // heads):
         if not ctx.inline(node):
             return False
         _note_rotary(node, uses, x, ctx)
@@ -83,7 +86,8 @@ def _lower_rotary_ort(node: ir.Node, ctx: LoweringContext) -> bool:
     batch_seq = _add(new_nodes, "Slice", [_add(new_nodes, "Shape", [x]), _const(new_nodes, np.array([0], dtype=np.int64)),
                                           _const(new_nodes, np.array([2], dtype=np.int64))])
     pos = _add(new_nodes, "Expand", [positions, batch_seq])
-    kernel = _kernel("RotaryEmbedding", [x, pos, cos_cache, sin_cache], {"num_heads": heads, "interleaved": 0})
+    attrs = {"num_heads": heads, "interleaved": 0, **({"rotary_embedding_dim": partial} if partial else {})}
+    kernel = _kernel("RotaryEmbedding", [x, pos, cos_cache, sin_cache], attrs)
     kernel.outputs[0].shape = x.shape
     if x.dtype is not None:
         kernel.outputs[0].dtype = x.dtype
@@ -92,13 +96,14 @@ def _lower_rotary_ort(node: ir.Node, ctx: LoweringContext) -> bool:
     ctx.count("rotary.kernel")
     if kernel.outputs[0].shape is None:  # the replaced output's unknown shape came over: the op keeps X's
         kernel.outputs[0].shape = x.shape
-    _notes(ctx)[id(kernel.outputs[0])] = (x, f, scale, heads)
+    _notes(ctx)[id(kernel.outputs[0])] = (x, f, scale, heads, partial)
     _note_rotary(node, uses, x, ctx)
     return True
 
 
 def _notes(ctx: LoweringContext) -> dict[int, Any]:
-    """ONNX Runtime RotaryEmbedding kernels built in this run: id(output) -> (x, f, scale, num_heads)."""
+    """ONNX Runtime RotaryEmbedding kernels built in this run: id(output) -> (x, f, scale, num_heads, R) (R the
+    rotated width of a partial rotary, ``rotary_embedding_dim``; 0: the whole head)."""
     notes = getattr(ctx, "_rotary_kernels", None)
     if notes is None:
         notes = {}

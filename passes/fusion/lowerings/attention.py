@@ -75,7 +75,14 @@
     with ``kv_idx`` a ``Range`` of the key count (the padding lookup as TorchScript's flat ``Gather`` or
     dynamo's ``GatherND`` of that very index); head size a multiple of 8.  Q/K/V that are projections of one
     tensor are packed (``x @ [Wq|Wk|Wv] (+ [bq|bk|bv])``, ``key``/``value`` empty; weight-only quantized ones, already
-    ``MatMulNBits``, by :mod:`.packed_nbits`); the cache is the kernel's past
+    ``MatMulNBits``, by :mod:`.packed_nbits`); Q/K/V that are ``X[..., :wq]``, ``X[..., wq:wq+wk]``, ``X[..., wq+wk:]``
+    of one ``X`` exactly ``wq + 2 wk`` wide (Phi 3's fused ``qkv_proj``, Sliced) are ``X`` as it is; where Q and K
+    reach their projections through per-head norms (Qwen 3's ``q_norm`` / ``k_norm``) the three projections become
+    one ``Split(h @ [Wq|Wk|Wv])`` read where each was (stat ``attention.packed_projections``; the op still takes Q,
+    K, V apart).  A partial
+    rotary (``rotary_dim`` R < D: ``rotary_embedding_dim`` kernels, ``f`` ``[.., R/2]``) goes inside with R/2-wide
+    caches where R/2 is a multiple of 8 (ONNX Runtime's kernel refuses other widths at run time), else stays
+    outside as below; the cache is the kernel's past
     and present (the exporter's Concat removed), and a prefill's present outputs (the exporter's own rotated keys
     and split values) become the kernel's.  Lengths: ``seqlens_k = ReduceSum(int32(mask), 1) - 1``,
     ``total_sequence_length = int32(Shape(mask)[1])`` (as ONNX Runtime GenAI builds them) -- which assume RIGHT
@@ -102,7 +109,8 @@
     as optimum's do, or an ``inv_freq`` computed at run time) but the causal mask's own query positions are
     (transformers builds the mask from the cache position, ``Range(0, S, 1) [+ P]``), the rotary stays outside:
     ``GroupQueryAttention`` with ``do_rotary=0`` on the Q and K that the two RotaryEmbedding kernels rotated by the
-    export's own angles, packed into the op's one QKV input by a ``Concat`` (no cos/sin caches; stat
+    export's own angles, packed into the op's one QKV input by a ``Concat`` (with one packed projection, one kernel
+    rotates the Q and K heads of ``Split(h @ [Wq|Wk|Wv])``, or of the Sliced ``X`` above; no cos/sin caches; stat
     ``attention.gqa_external_rotary``): ONNX Runtime's CUDA ``GroupQueryAttentionFusion`` takes RotaryEmbedding
     kernels that feed the op directly into ``do_rotary`` with their caches read by absolute position and the
     position ids dropped, which is wrong for these per-token caches (the H200 refused the unpacked form: "cos_cache
@@ -119,7 +127,8 @@
     of one per-token angle table ``f`` ``[Bc, S, D/2]`` (transformers' ``rotary_emb``, times its scaling
     constant): ONNX Runtime's kernel takes position-indexed caches, so the caches are that table itself
     (``Cos(f)``, ``Sin(f)`` reshaped to ``[Bc*S, D/2]``, built once per table) and each token's position id is its
-    own row ``b*S + s``: exact whatever positions the export used.  Otherwise, and for the other targets, the
+    own row ``b*S + s``: exact whatever positions the export used; a partial rotary (``rotary_dim`` R, ``f`` ``[Bc,
+    S, R/2]``) as the kernel's ``rotary_embedding_dim`` R.  Otherwise, and for the other targets, the
     body is inlined (X rotated in its ``[B, S, N, D]`` view; only cos/sin are transposed).
     Where the attention after it becomes ``GroupQueryAttention`` with ``do_rotary`` (above), the kernel is
     absorbed into it.

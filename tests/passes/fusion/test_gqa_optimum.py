@@ -17,7 +17,13 @@ keys of a cache step was dropped by the attention fusion (exit 0, logits 2.4 off
 ``position_ids`` an input) norms its heads before the transpose, ``Transpose(q_norm(Reshape(q)))``: the attention was
 left unfused.  Phi 3 (fused ``qkv_proj``, ``position_ids`` an input) rotates ``Concat(rotary(q[..., :r]),
 q[..., r:])`` with ``r = cos.shape[-1]``, the whole head: the shape query now takes a Slice bound it proves literal,
-and the trace reads the spelling as the rotary of the whole head (it was left unfused)."""
+and the trace reads the spelling as the rotary of the whole head (it was left unfused); its Sliced ``qkv_proj`` is
+GroupQueryAttention's packed input as it is.
+
+Phi-4-mini style (``Phi3ForCausalLM`` with ``partial_rotary_factor`` 0.75, ``pad_token_id`` 0): the same spelling
+with ``r`` = 12 of 16 (hidden 64, 4 / 2 heads), and 48 of 64 (hidden 128, 2 query / 1 KV head of 64, FFN 64), where
+GroupQueryAttention's ``do_rotary`` takes the 24-wide caches (it refuses 6: not a multiple of 8).  Both were left
+unfused (exact, slow)."""
 
 from __future__ import annotations
 
@@ -42,6 +48,8 @@ LLAMA = DATA / "llama_optimum_transformers457.onnx"
 GEMMA3 = DATA / "gemma3_sliding_optimum_transformers457.onnx"
 QWEN3 = DATA / "qwen3_optimum_transformers457.onnx"
 PHI3 = DATA / "phi3_optimum_transformers457.onnx"
+PHI4 = DATA / "phi4mini_partial_optimum_transformers457.onnx"  # partial_rotary_factor 0.75: 12 of 16 rotated
+PHI4_64 = DATA / "phi4mini_partial_head64_optimum_transformers457.onnx"  # 48 of 64 rotated, 2 query / 1 KV head
 LAYERS, KV_HEADS, HEAD = 2, 2, 16
 PAST = [f"past_key_values.{i}.{kv}" for i in range(LAYERS) for kv in ("key", "value")]
 
@@ -53,14 +61,21 @@ def _session(model: Any) -> Any:
     return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
 
 
-def _feeds(ids: np.ndarray, past: list[np.ndarray] | None, position_ids: bool = True) -> dict[str, np.ndarray]:
+def _cache_dims(model: Any) -> tuple[int, int]:
+    """(K/V heads, head size) of a session's ``[batch, G, past, D]`` cache inputs."""
+    shape = next(i.shape for i in model.get_inputs() if i.name == PAST[0])
+    return int(shape[1]), int(shape[3])
+
+
+def _feeds(ids: np.ndarray, past: list[np.ndarray] | None, position_ids: bool = True,
+           cache: tuple[int, int] = (KV_HEADS, HEAD)) -> dict[str, np.ndarray]:
     b, s = ids.shape
     p = past[0].shape[2] if past else 0
     feeds = {"input_ids": ids, "attention_mask": np.ones((b, p + s), np.int64)}
     if position_ids:
         feeds["position_ids"] = np.tile(np.arange(p, p + s, dtype=np.int64), (b, 1))
     for name, i in zip(PAST, range(len(PAST))):
-        feeds[name] = past[i] if past else np.zeros((b, KV_HEADS, 0, HEAD), np.float32)
+        feeds[name] = past[i] if past else np.zeros((b, cache[0], 0, cache[1]), np.float32)
     return feeds
 
 
@@ -68,9 +83,9 @@ def _steps(ref: Any) -> tuple[list[dict[str, np.ndarray]], list[list[np.ndarray]
     """A prefill (past 0 long) and a decode step over the export's own presents, with the export's outputs."""
     rng = np.random.default_rng(0)
     pos = "position_ids" in {i.name for i in ref.get_inputs()}
-    prefill = _feeds(rng.integers(0, 100, (2, 6)), None, pos)
+    prefill = _feeds(rng.integers(0, 100, (2, 6)), None, pos, _cache_dims(ref))
     out = ref.run(None, prefill)
-    decode = _feeds(rng.integers(0, 100, (2, 1)), out[1:], pos)
+    decode = _feeds(rng.integers(0, 100, (2, 1)), out[1:], pos, _cache_dims(ref))
     return [prefill, decode], [out, ref.run(None, decode)]
 
 
@@ -114,7 +129,8 @@ def test_default_puts_group_query_attention_behind_the_padding_check() -> None:
         assert _max_diff(opt.run(None, f), want) < 1e-5
 
 
-@pytest.mark.parametrize("path", [LLAMA, GEMMA3, QWEN3, PHI3], ids=["llama", "gemma3", "qwen3", "phi3"])
+@pytest.mark.parametrize("path", [LLAMA, GEMMA3, QWEN3, PHI3, PHI4, PHI4_64],
+                         ids=["llama", "gemma3", "qwen3", "phi3", "phi4-partial", "phi4-partial-64"])
 def test_kv_cache_shared_decode_step_writes_the_buffer_in_place(path: Path) -> None:
     model, stats = _optimize(path, kv_cache="shared")
     assert stats["attention.kv_cache_shared"] == LAYERS, stats
@@ -125,9 +141,9 @@ def test_kv_cache_shared_decode_step_writes_the_buffer_in_place(path: Path) -> N
     feeds, outs = _steps(ref)
     opt, size, past = _session(model), 16, outs[0][1:]
     prev = past[0].shape[2]
-    buffers = {}
+    buffers, (g, d) = {}, _cache_dims(ref)
     for name, p in zip(PAST, past):
-        buf = np.zeros((2, KV_HEADS, size, HEAD), np.float32)
+        buf = np.zeros((2, g, size, d), np.float32)
         buf[:, :, :prev] = p
         buffers[name] = ort.OrtValue.ortvalue_from_numpy(buf)
     mask = np.zeros((2, size), np.int64)
@@ -257,3 +273,189 @@ def test_rotary_outside_says_what_position_ids_cache_would_change(caplog: pytest
         _, stats = _optimize(kv_cache="shared", position_ids="cache")
     assert "attention.position_ids_as_given" not in stats and stats["attention.position_ids_assumed"] == LAYERS
     assert not [r for r in caplog.records if "--position-ids cache" in r.getMessage()]
+
+
+@pytest.mark.parametrize("options", [{"mask_format": "lengths"}, {"mask_format": "lengths", "position_ids": "cache"},
+                                     {"kv_cache": "shared", "position_ids": "cache"}],
+                         ids=["rotary-outside", "rotary-inside", "shared-inside"])
+def test_phi3_fused_qkv_proj_feeds_group_query_attention_packed(options: dict[str, str]) -> None:
+    """Phi 3's ``qkv_proj`` output is Sliced into ``[q | k | v]`` side by side, the layout GroupQueryAttention's packed
+    input reads: it goes in as it is (the op got the three Slices, and with the rotary outside two RotaryEmbedding
+    kernels and a Concat); with the rotary outside one kernel rotates the Q and K heads of a Split of it."""
+    model, stats = _optimize(PHI3, **options)
+    ops = Counter(n.op_type for n in model.graph.node)
+    inside = options.get("position_ids") == "cache"
+    assert stats["attention.packed_qkv"] == LAYERS and stats.get("kv_repeats", 0) == 0, stats
+    assert stats["attention.gqa_rotary" if inside else "attention.gqa_external_rotary"] == LAYERS, stats
+    assert ops["GroupQueryAttention"] == LAYERS and ops["RotaryEmbedding"] == (0 if inside else LAYERS), ops
+    assert ops["Slice"] == 2 * LAYERS + (0 if inside else 1), ops  # the MLP's gate/up halves (and the angle table's)
+    assert ops["Split"] == (0 if inside else LAYERS) and ops["Concat"] == (0 if inside else LAYERS + 1), ops
+    gqa = next(n for n in model.graph.node if n.op_type == "GroupQueryAttention")
+    assert gqa.input[1] == gqa.input[2] == "", list(gqa.input)  # one packed input
+    ref = _session(PHI3)
+    feeds, outs = _steps(ref)
+    if "kv_cache" not in options:
+        opt = _session(model)
+        for f, want in zip(feeds, outs):
+            assert _max_diff(opt.run(None, f), want) < 1e-5
+    again, _ = mograph.optimize(model, passes=["cleanup", "fuse"], options={"target": "ort", **options})
+    assert Counter(n.op_type for n in again.graph.node) == ops  # a second run changes nothing
+
+
+def test_phi3_qkv_slices_that_leave_columns_out_stay_three_inputs() -> None:
+    """Near miss: ``qkv_proj`` given 8 more columns that no Slice reads (V's Slice ends at 128, not at the end):
+    the whole output is not ``[q | k | v]``, so the three Slices stay GroupQueryAttention's inputs, still exact."""
+    proto = onnx.load(PHI3)
+    inits = {i.name: i for i in proto.graph.initializer}
+    for node in [n for n in proto.graph.node if n.op_type == "MatMul" and "qkv_proj" in n.output[0]]:
+        w = onnx.numpy_helper.to_array(inits[node.input[1]])
+        wide = np.concatenate([w, np.ones((w.shape[0], 8), w.dtype)], axis=1)
+        inits[node.input[1]].CopyFrom(onnx.numpy_helper.from_array(wide, node.input[1]))
+    ends = {n.input[2] for n in proto.graph.node if n.op_type == "Slice" and "self_attn/Slice_2" in n.output[0]}
+    for node in proto.graph.node:
+        if node.op_type == "Constant" and node.output[0] in ends:
+            node.attribute[0].t.CopyFrom(onnx.numpy_helper.from_array(np.array([128], np.int64)))
+    for vi in list(proto.graph.value_info):
+        if "qkv_proj" in vi.name:
+            proto.graph.value_info.remove(vi)
+    model, report = mograph.optimize(proto, passes=["cleanup", "fuse"],
+                                     options={"target": "ort", "mask_format": "lengths", "position_ids": "cache"})
+    stats = next(p for p in report.to_dict()["passes"] if p["name"] == "lower")["stats"]
+    assert stats["attention.gqa_rotary"] == LAYERS and stats.get("attention.packed_qkv", 0) == 0, stats
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert ops["GroupQueryAttention"] == LAYERS and ops["Slice"] == 5 * LAYERS, ops
+    ref, opt = _session(proto), _session(model)
+    feeds, outs = _steps(ref)
+    for f, want in zip(feeds, outs):
+        assert _max_diff(opt.run(None, f), want) < 1e-5
+
+
+def _lower_stats(model: onnx.ModelProto, **options: Any) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    out, report = mograph.optimize(model, passes=["cleanup", "fuse"], options={"target": "ort", **options})
+    return out, next(p for p in report.to_dict()["passes"] if p["name"] == "lower")["stats"]
+
+
+@pytest.mark.parametrize("path, inside", [(PHI4, False), (PHI4_64, True)], ids=["r12-of-16", "r48-of-64"])
+def test_partial_rotary_lowers_to_group_query_attention(path: Path, inside: bool) -> None:
+    """Phi-4-mini's ``partial_rotary_factor`` 0.75 (``Concat(rotary(x[..., :R]), x[..., R:])``, the halves R/2
+    apart): the attention was left unfused (exact, but MatMul/Softmax per layer).  Now the trace takes R, the rotary
+    is ``mograph.RotaryEmbedding(rotary_dim=R)``, ONNX Runtime's kernel ``rotary_embedding_dim`` R, and with
+    ``--position-ids cache`` GroupQueryAttention's ``do_rotary`` where its kernel takes the R/2-wide caches (a
+    multiple of 8: R = 48 of 64; R = 12 of 16 it refuses at run time, so that one keeps one kernel outside)."""
+    ref = _session(path)
+    feeds, outs = _steps(ref)
+    for options in ({"mask_format": "lengths"}, {"mask_format": "lengths", "position_ids": "cache"}, {}):
+        model, stats = _lower_stats(onnx.load(path), **options)
+        ops = Counter(n.op_type for n in model.graph.node)
+        assert ops["Softmax"] == 0 and ops["MultiHeadAttention"] == 0 and stats.get("kv_repeats", 0) == 0, ops
+        opt = _session(model)
+        for f, want in zip(feeds, outs):
+            assert _max_diff(opt.run(None, f), want) < 1e-5
+        if not options:  # the default: behind the padding check; left padding takes the exact branch
+            assert ops["If"] == LAYERS and stats["attention.padding_check"] == LAYERS, stats
+            left = dict(feeds[0])
+            left["attention_mask"] = left["attention_mask"].copy()
+            left["attention_mask"][0, :2] = 0
+            assert _max_diff(opt.run(None, left), ref.run(None, left)) < 1e-5
+            continue
+        rotary_in = inside and options.get("position_ids") == "cache"
+        assert stats["attention.gqa_rotary" if rotary_in else "attention.gqa_external_rotary"] == LAYERS, stats
+        assert stats["attention.packed_qkv"] == LAYERS, stats  # (Phi's qkv_proj as it is)
+        assert ops["GroupQueryAttention"] == LAYERS and ops["RotaryEmbedding"] == (0 if rotary_in else LAYERS), ops
+        width = 48 if inside else 12
+        for n in model.graph.node:
+            attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+            if n.op_type == "RotaryEmbedding":
+                assert attrs["rotary_embedding_dim"] == width and attrs["num_heads"] == (3 if inside else 6), attrs
+            if n.op_type == "GroupQueryAttention":
+                assert attrs["do_rotary"] == int(rotary_in), attrs
+                if rotary_in:
+                    cos = next(i for i in model.graph.initializer if i.name == n.input[7])
+                    assert list(cos.dims) == [4096, width // 2]
+        again, _ = mograph.optimize(model, passes=["cleanup", "fuse"], options={"target": "ort", **options})
+        assert Counter(n.op_type for n in again.graph.node) == ops  # a second run changes nothing
+
+
+def test_partial_rotary_inlined_for_the_onnx_target() -> None:
+    """``--target onnx``: ``mograph.RotaryEmbedding(rotary_dim=12)``'s function body, inlined, rotates the first 12
+    values of each head and passes the other 4 (the standard Attention takes the rest)."""
+    model, report = mograph.optimize(onnx.load(PHI4), passes=["cleanup", "fuse"], options={"target": "onnx"})
+    fuse = next(p for p in report.to_dict()["passes"] if p["name"] == "fuse-attention")
+    assert fuse["stats"].get("AttentionFusion", 0) == LAYERS, fuse["stats"]
+    assert all(n.domain in ("", "ai.onnx") for n in model.graph.node)
+    ref, opt = _session(PHI4), _session(model)
+    feeds, outs = _steps(ref)
+    for f, want in zip(feeds, outs):
+        assert _max_diff(opt.run(None, f), want) < 1e-5
+
+
+def test_partial_rotary_with_its_halves_swapped_is_left_unfused() -> None:
+    """Near miss: layer 0's query spelled ``Concat(x[..., R:], rotary(x[..., :R]))`` (the pass-through first: not a
+    rotary of the head's first R values): that layer stays unfused, the other lowers, the numbers stay the export's."""
+    proto = onnx.load(PHI4)
+    prod = {o: n for n in proto.graph.node for o in n.output}
+    q_cat = next(n for n in proto.graph.node if n.op_type == "Concat" and n.name.startswith("/model/layers.0/self_attn/")
+                 and n.output[0] in {m.input[0] for m in proto.graph.node if m.op_type == "Mul"}
+                 and prod[n.input[1]].op_type == "Slice" and prod[n.input[0]].op_type == "Add")
+    q_cat.input[0], q_cat.input[1] = q_cat.input[1], q_cat.input[0]
+    model, stats = _lower_stats(proto, mask_format="lengths")
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert ops["GroupQueryAttention"] == 1 and ops["Softmax"] == 1 and stats["attention.gqa_external_rotary"] == 1, ops
+    ref, opt = _session(proto), _session(model)
+    feeds, outs = _steps(ref)
+    for f, want in zip(feeds, outs):
+        assert _max_diff(opt.run(None, f), want) < 1e-5
+
+
+@pytest.mark.parametrize("options", [{"mask_format": "lengths"}, {"mask_format": "lengths", "position_ids": "cache"},
+                                     {}], ids=["rotary-outside", "rotary-inside", "padding-check"])
+def test_qwen3_projections_packed_through_the_head_norms(options: dict[str, str]) -> None:
+    """Qwen 3's ``q_norm`` / ``k_norm`` sit between the projections and the rotary, so Q and K stay apart at
+    GroupQueryAttention; the three projections of one ``h`` become one ``Split(h @ [Wq | Wk | Wv])`` read where each
+    was (the norms and the rotary unchanged): one MatMul per layer instead of three, in both branches of the check."""
+    model, stats = _optimize(QWEN3, **options)
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert stats["attention.packed_projections"] == LAYERS and stats.get("attention.packed_qkv", 0) == (
+        LAYERS if not options else 0), stats  # (behind the check: a Concat of the rotated Q, K and V)
+    # per layer QKV, o_proj, gate, up, down; the lm_head; the angle table's (rotary outside)
+    assert ops["Split"] == LAYERS and ops["MatMul"] == LAYERS * 5 + 1 + (0 if options.get("position_ids") else 1), ops
+    assert ops["SimplifiedLayerNormalization"] == 2 * LAYERS + 1, ops  # (the heads' and the final norm)
+    ref, opt = _session(QWEN3), _session(model)
+    feeds, outs = _steps(ref)
+    for f, want in zip(feeds, outs):
+        assert _max_diff(opt.run(None, f), want) < 1e-5
+    again, _ = mograph.optimize(model, passes=["cleanup", "fuse"], options={"target": "ort", **options})
+    assert Counter(n.op_type for n in again.graph.node) == ops  # a second run changes nothing
+
+
+def test_qwen3_value_of_another_tensor_keeps_its_projections() -> None:
+    """Near miss: layer 0's ``v_proj`` reads the embeddings, not the normed ``h`` the Q and K projections read: its
+    three MatMuls stay (layer 1 packs), and the numbers are the (changed) export's."""
+    proto = onnx.load(QWEN3)
+    v_proj = next(n for n in proto.graph.node if n.op_type == "MatMul" and "layers.0/self_attn/v_proj" in n.name)
+    v_proj.input[0] = next(n.output[0] for n in proto.graph.node if n.op_type == "Gather" and "embed_tokens" in n.name)
+    model, stats = _lower_stats(proto, mask_format="lengths", position_ids="cache")
+    assert stats["attention.packed_projections"] == 1 and stats["attention.gqa_rotary"] == LAYERS, stats
+    ref, opt = _session(proto), _session(model)
+    feeds, outs = _steps(ref)
+    for f, want in zip(feeds, outs):
+        assert _max_diff(opt.run(None, f), want) < 1e-5
+
+
+def test_default_check_reads_one_packed_projection_in_both_branches() -> None:
+    """The default form (rotary outside behind the padding check): the exact branch reads the rotary kernels, so no
+    second packed copy is built there; the three projections themselves become one ``Split(h @ [Wq | Wk | Wv])``
+    that both branches read (the main graph had 3 MatMuls per layer for them, now 1)."""
+    model, stats = _optimize()
+    assert stats["attention.packed_projections"] == LAYERS and stats["attention.padding_check"] == LAYERS, stats
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert ops["MatMul"] == LAYERS * 5 + 2 and ops["Split"] == LAYERS, ops  # (+ the lm_head and the angle table)
+    ref, opt = _session(LLAMA), _session(model)
+    feeds, outs = _steps(ref)
+    left = dict(feeds[0])
+    left["attention_mask"] = left["attention_mask"].copy()
+    left["attention_mask"][1, :3] = 0
+    for f, want in [*zip(feeds, outs), (left, ref.run(None, left))]:
+        assert _max_diff(opt.run(None, f), want) < 1e-5
+    again, _ = mograph.optimize(model, passes=["cleanup", "fuse"], options={"target": "ort"})
+    assert Counter(n.op_type for n in again.graph.node) == ops
