@@ -96,6 +96,8 @@ def one_node(providers: list[str], window: int) -> list[dict]:
 
 
 DECODERS = Path(__file__).resolve().parents[1] / "tests" / "data" / "decoders"
+#: The forms ``--decoders`` checks: the default (padding check), lengths, and the rotary inside (position_ids assumed).
+DECODER_FORMS = [{}, {"mask_format": "lengths"}, {"mask_format": "lengths", "position_ids": "cache"}]
 
 
 def decoder_rows(path: Path, providers: list[str], options: dict) -> list[dict]:
@@ -172,7 +174,7 @@ def main() -> int:
     paths = sorted(DECODERS.glob("*optimum*.onnx"))
     if args.gemma3 or args.decoders:
         for path in paths if args.decoders else [p for p in paths if "gemma3" in p.name]:
-            for options in ([{}, {"mask_format": "lengths"}] if args.decoders else [{"mask_format": "lengths"}]):
+            for options in (DECODER_FORMS if args.decoders else [{"mask_format": "lengths"}]):
                 for row in decoder_rows(path, provs, options):
                     print(json.dumps(row), flush=True)
     return 0
