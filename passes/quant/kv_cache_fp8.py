@@ -311,24 +311,40 @@ def _past_length(feed: cal.Feed, pairs: list[CachePair]) -> int:
 def _run_stored(model: ir.Model, feeds: list[cal.Feed]) -> list[list[np.ndarray]]:
     """Run the stored-mode ``model`` on float ``feeds``: FP8 past inputs quantized with the scales its metadata
     records (saturated, as ``QuantizeLinear`` does), FP8 presents read back as the values they stand for."""
-    import ml_dtypes
+    import ctypes
 
-    from mograph.backends import ort
+    import ml_dtypes
+    import onnx
+
     from mograph.metadata import kv_cache_scales
 
+    ort = cal._require_ort()  # noqa: SLF001 - same package
+    fp8_type = "tensor(float8e4m3fn)"
     scales = kv_cache_scales(model)
-    session = ort.make_session(model, optimizations=False, memory_arena=False)
-    names = [o.name for o in session.get_outputs()]
-    fp8_in = {i.name for i in session.get_inputs() if i.type == "tensor(float8e4m3fn)"}
-    outs = []
+    session = cal._session(model, cal.model_folder(model))  # noqa: SLF001
+    in_types = {i.name: i.type for i in session.get_inputs()}
+    outputs = [(o.name, o.type) for o in session.get_outputs()]
+    results = []
     for feed in feeds:
-        fed = {k: (np.clip(np.asarray(v, np.float32) / scales[k], -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
-                   if k in fp8_in and k in scales else v) for k, v in feed.items()}
-        got = ort.run(session, fed, names)
-        outs.append([got[n].astype(np.float32) * scales[n] if n in scales and got[n].dtype.itemsize == 1 else got[n]
-                     for n in names])
+        values = {}
+        for name, arr in feed.items():
+            if in_types.get(name) == fp8_type and name in scales:
+                q = np.clip(np.asarray(arr, np.float32) / scales[name], -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+                values[name] = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+                    np.ascontiguousarray(q).view(np.uint8), onnx.TensorProto.FLOAT8E4M3FN)
+            else:
+                values[name] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr))
+        row = []
+        for (name, kind), value in zip(outputs, session.run_with_ort_values([n for n, _ in outputs], values)):
+            if kind == fp8_type and name in scales:
+                raw = ctypes.string_at(value.data_ptr(), value.tensor_size_in_bytes())
+                fp8 = np.frombuffer(raw, np.uint8).view(ml_dtypes.float8_e4m3fn).reshape(value.shape())
+                row.append(fp8.astype(np.float32) * scales[name])
+            else:
+                row.append(value.numpy())
+        results.append(row)
     del session
-    return outs
+    return results
 
 
 class KvCacheFp8Pass(Pass):
