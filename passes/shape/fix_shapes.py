@@ -44,6 +44,7 @@ from onnx_ir.passes import common as irp
 from onnxscript.optimizer import _constant_folding as cf
 
 from mograph.errors import ModelError, OptionError
+from mograph.irutil import constants_as_tensors
 from mograph.pass_infra import Option, Pass, PassResult
 from mograph.specs import parse_shape
 
@@ -199,6 +200,7 @@ class FixShapesPass(Pass):
                 should_fold=_small_shape_vector,
             )(model)
             irp.RemoveUnusedNodesPass()(model)
+            constants_as_tensors(model)  # the folder's Constant(value_ints=...) is opset 12
             if not folded.modified:
                 break
             infer_shapes(model)
