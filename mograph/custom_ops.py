@@ -170,7 +170,8 @@ class CustomOp:
             beta`` over the last axis (a pass may fold a per-channel scale into them); ``None`` otherwise.
         float_generic_opset: the lowest default-domain opset at which the function body computes in its
             float inputs' dtype (15 for a body that needs ``CastLike``); below it the body computes float32
-            whatever it is given, so the fp16 pass keeps such a node float32.  ``None``: at every opset.
+            whatever it is given, so the fp16 pass raises such a model to it (or, where it cannot be converted,
+            keeps the node float32).  ``None``: at every opset.
     """
 
     name: str

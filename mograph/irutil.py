@@ -18,7 +18,8 @@ import onnx_ir as ir
 from mograph._traverse import subgraphs
 
 __all__ = ["attr_constant", "constant_array", "scalar_value", "attr_value", "add_initializer", "unique_initializer_name", "is_zero", "static_last_dim", "value_used",
-           "infer_types", "restore_types", "run_shape_inference", "TypeSnapshot", "fresh_name", "unshadow_value_names"]
+           "infer_types", "restore_types", "run_shape_inference", "TypeSnapshot", "fresh_name", "unshadow_value_names",
+           "constants_as_tensors"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,38 @@ def attr_constant(node: ir.Node) -> np.ndarray | None:
         if key == "value_ints":
             return np.array(list(attr.value), dtype=np.int64)
     return None
+
+
+#: ``Constant``'s numeric scalar and list attributes, added in opset 12 (before it only ``value``, a tensor,
+#: and ``sparse_value``): attribute -> numpy dtype of the tensor that says the same.  (The string forms are
+#: opset 12 too; no folder writes them.)
+_CONSTANT_LIST_ATTRS = {"value_float": np.float32, "value_floats": np.float32, "value_int": np.int64,
+                        "value_ints": np.int64}
+CONSTANT_LIST_OPSET = 12
+
+
+def constants_as_tensors(model: ir.Model) -> int:
+    """Below opset 12, rewrite every ``Constant`` that uses ``value_int(s)`` or ``value_float(s)`` (opset 12
+    attributes, which onnxscript's constant folder writes whatever the opset)
+    into the ``value`` tensor form, in every graph; return how many.  The ONNX checker refuses those
+    attributes at opset 11 ("Unrecognized attribute: value_ints for operator Constant")."""
+    opset = int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", CONSTANT_LIST_OPSET)))
+    if opset >= CONSTANT_LIST_OPSET:
+        return 0
+    done = 0
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+            continue
+        hits = [k for k in node.attributes if k in _CONSTANT_LIST_ATTRS and not node.attributes[k].is_ref()]
+        if len(hits) != 1:
+            continue
+        attr = node.attributes[hits[0]]
+        raw = attr.value if hits[0] in ("value_float", "value_int") else list(attr.value)
+        arr = np.array(raw, dtype=_CONSTANT_LIST_ATTRS[hits[0]])
+        del node.attributes[hits[0]]
+        node.attributes["value"] = ir.AttrTensor("value", ir.tensor(arr))
+        done += 1
+    return done
 
 
 _UNARY: dict[str, Callable[[np.ndarray], Any]] = {

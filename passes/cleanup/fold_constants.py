@@ -30,6 +30,7 @@ import onnx_ir as ir
 from mograph.passes.cleanup._util import op_histogram, removed_by_op
 from onnxscript.optimizer import _constant_folding as cf
 
+from mograph.irutil import constants_as_tensors
 from mograph.pass_infra import Option, Pass, PassResult, graph_fingerprint
 
 __all__ = ["FoldConstantsPass"]
@@ -121,10 +122,13 @@ class FoldConstantsPass(Pass):
             output_size_limit=limit,
             should_fold=keep_external_lazy,
         )(model)
+        legal = constants_as_tensors(model)  # the folder's Constant(value_ints=...) is opset 12
         after = op_histogram(model)
         removed = removed_by_op(before, after)
         stats: dict[str, int | float] = {"folded_nodes": sum(removed.values())}
         stats.update({f"removed.{op}": n for op, n in removed.items()})
+        if legal:
+            stats["constants_as_tensors"] = legal
         # The folder also types the values it visits, but does not always count that as a change.
         modified = bool(result.modified) or graph_fingerprint(model) != fingerprint
         return PassResult(modified=modified, stats=stats)

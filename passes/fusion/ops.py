@@ -350,7 +350,7 @@ def _embed_dims(node: ir.Node, q: ShapeQuery) -> list[Dims | None] | None:
 # ---------------------------------------------------------------------------------------------
 
 #: Below this opset the bodies have no ``CastLike`` and compute float32 only (module docstring): the fp16
-#: pass keeps such nodes float32 there (``CustomOp.float_generic_opset``).
+#: pass raises such a model to it (``CustomOp.float_generic_opset``).
 FLOAT_GENERIC_OPSET = 15
 
 

@@ -32,7 +32,8 @@ group already at its target and changes nothing.  A zero ratio changes nothing e
 **Report.**  ``stats`` counts groups found, pruned, blocked and excluded and units removed per scope,
 and parameters and multiply-accumulates (MatMul/Gemm/Conv; symbolic dims count as 1) before and after,
 for the whole model and per scope (the layers of that scope's prunable groups).  ``details`` lists
-every group with its decision, and every blocked group with the reasons.
+every group with its decision, and every blocked group with the reasons, and ``details["output_check"]``
+the pruned model's smallest output cosine against the original (:data:`FIGURE_OPTION`; reported only).
 """
 
 from __future__ import annotations
@@ -57,18 +58,37 @@ from mograph.passes.prune._deps import (
     reshape_plan,
     shape_info,
 )
+from mograph.passes.quant._base import BUDGET_OPTION
 
 from mograph.errors import OptionError
 from mograph.opset import model_opset
 from mograph.pass_infra import Option, Pass, PassResult
 from mograph.shapes import rules_for
 
-__all__ = ["PruneStructuredPass", "SCOPES", "EXCLUDE_OPTION"]
+__all__ = ["PruneStructuredPass", "SCOPES", "EXCLUDE_OPTION", "FIGURE_OPTION", "start_figure"]
 
 logger = logging.getLogger(__name__)
 
 SCOPES = ("ffn", "heads", "conv")
 META_UNITS = "mograph.prune.units"
+
+#: The switch of the output figure both pruning passes report (``details["output_check"]``: the smallest
+#: per-output cosine of the pruned model against the original on seeded random feeds, as
+#: :mod:`mograph.passes.quant._output_check` measures it, but never judged: pruning is lossy by design and
+#: fine-tuning is expected).  Same name as the precision passes' switch, so ``--accuracy-budget off``
+#: skips every such run of a pipeline.
+#: (the precision passes' declaration, so ``--help`` shows one text: any value but ``off`` takes the figure).
+FIGURE_OPTION = BUDGET_OPTION
+
+
+def start_figure(pass_: Pass, model: ir.Model) -> Any:
+    """The float side of the output figure (``None`` when ``--accuracy-budget off``), taken before pruning."""
+    from mograph.passes.quant._output_check import CHECK_SAMPLES, OutputCheck
+
+    if str(pass_.config.get("accuracy_budget") or "auto").strip().lower() in ("off", "rules", "none"):
+        return None
+    return OutputCheck.start(pass_.name, model, None, samples=CHECK_SAMPLES, judged=False)
+
 
 EXCLUDE_OPTION = Option(
     "exclude",
@@ -88,7 +108,8 @@ def _ratio(raw: str) -> float:
 
 
 class PruneStructuredPass(Pass):
-    """Remove the least important FFN neurons, attention heads or conv channels, with their dependencies."""
+    """Remove the least important FFN neurons, attention heads or conv channels, with their dependencies (the
+    output's cosine against the original is reported)."""
 
     name = "prune-structured"
     family = "prune"
@@ -98,6 +119,7 @@ class PruneStructuredPass(Pass):
         Option("round-to", int, 8, "keep channel counts multiples of N (1: no rounding)", metavar="N"),
         Option("scope", str, "ffn", "what to prune", choices=("ffn", "heads", "conv", "all")),
         EXCLUDE_OPTION,
+        FIGURE_OPTION,
     )
 
     def call(self, model: ir.Model) -> PassResult:
@@ -158,6 +180,7 @@ class PruneStructuredPass(Pass):
             s: (_scope_params(live, s), total_macs(scope_nodes[s], shapes)) for s in scopes
         }
 
+        figure = start_figure(self, model) if plans else None
         for g, removed, original in plans:
             _apply(graph, g, removed, shapes)
             g.seed.metadata_props[META_UNITS] = str(original)
@@ -176,6 +199,8 @@ class PruneStructuredPass(Pass):
         details: dict[str, Any] = {"groups": listing, "macs_note": "MatMul/Gemm/Conv; symbolic dims count as 1"}
         if blocked:
             details["blocked"] = blocked
+        if figure is not None:
+            figure.finish(model, stats, details)
         logger.info("prune-structured: %d groups pruned, %d blocked", len(plans), len(blocked))
         return PassResult(modified=bool(plans), stats=stats, details=details)
 

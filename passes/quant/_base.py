@@ -124,8 +124,10 @@ BUDGET_OPTION = Option(
     str,
     "auto",
     "measure per-layer sensitivity on the calibration data and keep the fewest layers in float that meet this "
-    "budget on the model outputs; auto (default): cosine>=0.992 for qdq-int8, for qdq-fp8 the default rules "
-    "and a one-run output check that warns below cosine 0.8; off: the default rules decide, nothing measured",
+    "budget on the model outputs; auto (default): cosine>=0.992 for qdq-int8, for qdq-fp8, weight-only and "
+    "kv-cache-fp8 the default rules and a one-run output check that warns below cosine 0.8 (kv-cache-fp8 keeps "
+    "nothing float: any budget runs that check), for prune-structured and sparsity-2to4 that output figure "
+    "reported, never judged; off: the default rules decide, nothing measured",
     metavar="cosine>=X|max-abs<=X|auto|off",
 )
 

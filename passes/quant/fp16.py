@@ -36,7 +36,10 @@ When an op has a float16 form only at a newer opset (``CumSum`` 14, ``Dequantize
 opset is raised to the smallest one that gives every such node its form, at most ``FP16_UPGRADE_LIMIT``
 (``onnx.version_converter`` node by node, :func:`mograph.opset.upgrade_opset`; reported in
 the stats and ``details["opset_upgrade"]``).  When the converter cannot convert the model, the opset is
-left as it is, those nodes stay float32 and ``details["opset_upgrade"]`` says why.
+left as it is, those nodes stay float32 and ``details["opset_upgrade"]`` says why.  The same holds for the
+fused ops whose declaration gives a ``float_generic_opset`` (``mograph.LayerNorm``, ``mograph.Attention``, the
+weight-only MatMul: their function bodies reach float16 through ``CastLike``, opset 15): a model below it is
+raised to it, as the int4 pass does for float16 activations, rather than leaving those nodes float32.
 
 Conversion: float initializers are stored in float16 (saturated to +-65504: an attention mask's float32
 minimum becomes -65504, never -inf), or as a float16 copy beside the float32 one when both precisions read
@@ -580,19 +583,33 @@ class Fp16Pass(Pass):
 
         opset = int(model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1)))
         keep = set(self.config.get("keep_fp32") or [])
+        ops = self.registry.custom_ops if self.registry is not None else {}
         needs: dict[str, int] = {}
+        generic: dict[str, int] = {}  # declared ops whose function bodies compute float32 below an opset
         for n in compute:
-            if n.domain not in ("", "ai.onnx") or n.op_type in keep or node_key(n) in keep:
+            if n.op_type in keep or node_key(n) in keep:
+                continue
+            if n.domain not in ("", "ai.onnx"):
+                op = ops.get((n.domain, n.op_type)) if n.domain == CUSTOM_DOMAIN else None
+                if op is not None and op.float_generic_opset is not None and opset < op.float_generic_opset:
+                    generic[f"{n.domain}.{n.op_type}"] = op.float_generic_opset
                 continue
             if _half_support(n, opset, floats)[0]:
                 continue
             version = _opset_with_half(n, opset, floats)
             if version is not None:
                 needs[n.op_type] = version
-        if not needs:
+        if not needs and not generic:
             return False
-        target = max(needs.values())
-        reason = "float16 forms of " + ", ".join(f"{k} ({v})" for k, v in sorted(needs.items()))
+        target = max((*needs.values(), *generic.values()))
+        reasons = []
+        if needs:
+            reasons.append("float16 forms of " + ", ".join(f"{k} ({v})" for k, v in sorted(needs.items())))
+        for version in sorted(set(generic.values())):
+            names = ", ".join(sorted(k for k, v in generic.items() if v == version))
+            reasons.append(f"float16 function bodies of {names} (CastLike, opset {version}; below it they "
+                           "compute float32 and would stay float32)")
+        reason = "; ".join(reasons)
         try:
             done = upgrade_opset(model, target, ops=self.registry.custom_ops if self.registry is not None else {})
         except OpsetUpgradeError as exc:

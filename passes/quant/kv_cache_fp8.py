@@ -45,6 +45,13 @@ wherever it was read (the ``Concat``, a ``Shape``, the attention op) with the sa
 present's Q/DQ follows the ``Concat`` (or the attention op's present output), so the attention fusions
 match the same structure before and after this pass, and it can run before ``fuse`` or after it.
 
+**Output check.**  As ``int4`` and ``qdq-fp8`` do by default (:mod:`mograph.passes.quant._output_check`), the
+written model is run once against the float one on the first 4 calibration feeds (each holds a past: the cache
+inputs are graph inputs; ``--calibration-random`` sizes it 1 unless ``--shape`` says otherwise), stored mode
+fed and read back through the recorded scales; the smallest per-output cosine goes into
+``details["output_check"]``, a warning and ``output_check.below_floor`` below 0.8; ``--accuracy-budget off``
+skips it, and a model over 1 GiB of weights is not run.
+
 Needs opset 19 (FP8 ``QuantizeLinear``); an older model's opset is raised with ``onnx.version_converter``
 first (recorded in the stats).  A pass run twice changes nothing: pasts already read through a
 ``QuantizeLinear``/``DequantizeLinear`` are counted as done.
@@ -62,7 +69,16 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 from mograph.passes.quant import calibration as cal
-from mograph.passes.quant._base import CALIBRATION_OPTIONS, PLAN_OPTIONS, RANDOM_WARNING, open_calibration
+from mograph.passes.quant._base import (
+    BUDGET_OPTION,
+    CALIBRATION_OPTIONS,
+    NO_BUDGET,
+    PLAN_OPTIONS,
+    RANDOM_WARNING,
+    open_calibration,
+    parse_shapes,
+)
+from mograph.passes.quant._output_check import CHECK_SAMPLES, OutputCheck
 from mograph.passes.quant.plan import PrecisionPlan
 
 from mograph.custom_ops import CustomOp
@@ -95,6 +111,7 @@ KV_OPTIONS = (
         "one FP8 scale per KV head ('head') or per cache tensor ('tensor'), from calibration amax",
         choices=("head", "tensor"),
     ),
+    BUDGET_OPTION,  # no layer to keep float: any value but off runs the output check
 )
 
 
@@ -284,6 +301,52 @@ def _amax(model: ir.Model, pairs: list[CachePair], source: cal.CalibrationSource
     return [np.asarray(0.0 if a is None else a, np.float32) for a in amax], seen
 
 
+def _past_length(feed: cal.Feed, pairs: list[CachePair]) -> int:
+    """The longest past (sequence axis 2) among the cache inputs of ``feed``."""
+    lengths = [np.shape(feed[p.past.name])[2] for p in pairs
+               if p.past.name in feed and np.ndim(feed[p.past.name]) == 4]
+    return int(max(lengths, default=0))
+
+
+def _run_stored(model: ir.Model, feeds: list[cal.Feed]) -> list[list[np.ndarray]]:
+    """Run the stored-mode ``model`` on float ``feeds``: FP8 past inputs quantized with the scales its metadata
+    records (saturated, as ``QuantizeLinear`` does), FP8 presents read back as the values they stand for."""
+    import ctypes
+
+    import ml_dtypes
+    import onnx
+
+    from mograph.metadata import kv_cache_scales
+
+    ort = cal._require_ort()  # noqa: SLF001 - same package
+    fp8_type = "tensor(float8e4m3fn)"
+    scales = kv_cache_scales(model)
+    session = cal._session(model, cal.model_folder(model))  # noqa: SLF001
+    in_types = {i.name: i.type for i in session.get_inputs()}
+    outputs = [(o.name, o.type) for o in session.get_outputs()]
+    results = []
+    for feed in feeds:
+        values = {}
+        for name, arr in feed.items():
+            if in_types.get(name) == fp8_type and name in scales:
+                q = np.clip(np.asarray(arr, np.float32) / scales[name], -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+                values[name] = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+                    np.ascontiguousarray(q).view(np.uint8), onnx.TensorProto.FLOAT8E4M3FN)
+            else:
+                values[name] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr))
+        row = []
+        for (name, kind), value in zip(outputs, session.run_with_ort_values([n for n, _ in outputs], values)):
+            if kind == fp8_type and name in scales:
+                raw = ctypes.string_at(value.data_ptr(), value.tensor_size_in_bytes())
+                fp8 = np.frombuffer(raw, np.uint8).view(ml_dtypes.float8_e4m3fn).reshape(value.shape())
+                row.append(fp8.astype(np.float32) * scales[name])
+            else:
+                row.append(value.numpy())
+        results.append(row)
+    del session
+    return results
+
+
 class KvCacheFp8Pass(Pass):
     """FP8 E4M3 Q/DQ on a decoder's KV-cache inputs/outputs (past_*/present_*), simulated or stored in FP8."""
 
@@ -305,6 +368,10 @@ class KvCacheFp8Pass(Pass):
                                   "op's past)" + (f"; {why}" if why else ""))
         details: dict[str, Any] = {}
         source = open_calibration(self, model)  # refuses before anything changes
+        check = None
+        if str(self.config.get("accuracy_budget") or "auto").strip().lower() not in NO_BUDGET:
+            check = OutputCheck.start(self.name, model, source, samples=CHECK_SAMPLES,
+                                      shapes=parse_shapes(self.config.get("shape")))
         upgraded = self._ensure_opset(model, stats, details)
         if upgraded:
             pairs, done, _ = find_cache_pairs(model, ops, foreign)
@@ -342,6 +409,14 @@ class KvCacheFp8Pass(Pass):
         details["plan"] = plan.to_dict()
         if missed:
             details["not_cache"] = missed
+        if check is not None:
+            if stored:  # FP8 graph I/O: fed and read back through the recorded scales, as --verify does
+                check.run_quantized(lambda feeds: _run_stored(model, feeds), "the written model (FP8 cache I/O "
+                                    "quantized and read back with the recorded scales)")
+            check.finish(model, stats, details)
+            if check.samples and not any(_past_length(f, pairs) for f in check.samples):
+                details["output_check"]["note"] = ("every checked feed has an empty past: the figure covers the "
+                                                   "presents only, not reading a quantized past")
         out = self.config.get("precision_plan_out")
         if out:
             plan.write(out)

@@ -18,8 +18,15 @@ and two requests giving one symbol different sizes.
 
 Every derived shape (node outputs, graph outputs, value_info, subgraphs included) is cleared before
 shape inference runs again, so a wrong declared shape never survives: inference is derived from the
-computation.  Only where inference derives nothing does a graph output keep its declared shape, with
-the pinned symbols substituted.  Folding is onnxscript's constant folder followed by dead-node removal;
+computation.  Only where inference derives nothing (ops of ``ai.onnx.ml`` such as ``ArrayFeatureExtractor``,
+which onnxmltools and skl2onnx classifiers end with) does a graph output keep its declared shape, with the
+pinned symbols substituted.  Such a declaration is checked when every input is static after pinning: the model
+runs once (ONNX Runtime CPU, optimizations off, seeded random feeds; not above 1 GiB of weights), and a declared
+size the run contradicts is provably wrong (onnxmltools' LightGBM classifier declares its ``label`` ``[1]``; at
+batch 4 it computes 4 rows).  Those dims are written unknown (the whole shape when the rank is wrong), not the
+size seen, which one run cannot prove for every input; ``outputs_declared_shape_corrected`` counts them and
+``details["declared_outputs"]`` gives each kept output's declared, observed and written dims, or why it was
+not checked.  Folding is onnxscript's constant folder followed by dead-node removal;
 it folds results up to ``FOLD_OUTPUT_LIMIT`` elements (shape arithmetic is tiny; bigger folds are the
 ``fold-constants`` pass's business).
 """
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import onnx_ir as ir
 from mograph.passes.shape._shapes import infer_shapes, reinfer_shapes, value_dims
@@ -36,6 +44,7 @@ from onnx_ir.passes import common as irp
 from onnxscript.optimizer import _constant_folding as cf
 
 from mograph.errors import ModelError, OptionError
+from mograph.irutil import constants_as_tensors
 from mograph.pass_infra import Option, Pass, PassResult
 from mograph.specs import parse_shape
 
@@ -176,12 +185,12 @@ class FixShapesPass(Pass):
         # Forget every derived shape: declared ones may be wrong, and stale symbols must not survive.
         declared = {id(v): value_dims(v) for v in graph.outputs}
         reinfer_shapes(model)
-        kept_declared = 0
+        kept: list[ir.Value] = []
         for v in graph.outputs:
             if v.shape is None and declared.get(id(v)) is not None and not v.is_graph_input():
                 dims = [pinned.get(d, d) if isinstance(d, str) else d for d in declared[id(v)]]  # type: ignore[union-attr]
                 v.shape = ir.Shape(dims)
-                kept_declared += 1
+                kept.append(v)
                 logger.info("fix-shapes: inference derived no shape for output %s; kept its declared one", v.name)
 
         # A fold can make more shapes static (an Expand whose shape was computed), which lets more fold.
@@ -191,6 +200,7 @@ class FixShapesPass(Pass):
                 should_fold=_small_shape_vector,
             )(model)
             irp.RemoveUnusedNodesPass()(model)
+            constants_as_tensors(model)  # the folder's Constant(value_ints=...) is opset 12
             if not folded.modified:
                 break
             infer_shapes(model)
@@ -200,10 +210,78 @@ class FixShapesPass(Pass):
             "dims_fixed": dims_fixed,
             "nodes_removed": nodes_before - nodes_after,
         }
-        if kept_declared:
-            stats["outputs_declared_shape_kept"] = kept_declared
-        details = {"inputs": {k: list(v) for k, v in plan.items()}, "symbols": pinned}
+        details: dict[str, Any] = {"inputs": {k: list(v) for k, v in plan.items()}, "symbols": pinned}
+        if kept:
+            checked = _check_declared(model, kept)
+            wrong = sum(1 for c in checked.values() if c.get("corrected"))
+            if len(kept) > wrong:
+                stats["outputs_declared_shape_kept"] = len(kept) - wrong
+            if wrong:
+                stats["outputs_declared_shape_corrected"] = wrong
+            details["declared_outputs"] = checked
         return PassResult(modified=True, stats=stats, details=details)
+
+
+def _check_declared(model: ir.Model, kept: list[ir.Value]) -> dict[str, dict[str, Any]]:
+    """Check the declared shapes of the outputs ``kept`` (inference derived none) against one run, and clear
+    the dims a run contradicts (module docstring); return, per output, what was declared, seen and written."""
+    out: dict[str, dict[str, Any]] = {str(v.name): {"declared": value_dims(v)} for v in kept}
+    inputs = [v for v in model.graph.inputs if v.name not in model.graph.initializers]
+    loose = [str(v.name) for v in inputs if v.shape is None or not v.shape.is_static()]
+    why = None
+    if loose:
+        why = f"input(s) {loose} still dynamic: no run at one size proves a declared size wrong"
+    else:
+        try:
+            seen = _run_once(model)
+        except Exception as exc:  # noqa: BLE001 - no runtime, a refused feed, a kernel error: unchecked, said why
+            why = "the check run failed: " + (" ".join(str(exc).split())[:200] or type(exc).__name__)
+    for v in kept:
+        entry = out[str(v.name)]
+        if why is not None:
+            entry["checked"] = f"no: {why}"
+            continue
+        shape = seen.get(str(v.name))
+        if shape is None:
+            entry["checked"] = "no: the output is not a tensor"
+            continue
+        entry["checked"] = "one run on seeded random feeds at the pinned shapes"
+        entry["observed"] = list(shape)
+        have = entry["declared"]
+        if len(have) != len(shape):
+            v.shape = None  # its rank is wrong too: no claim at all rather than a wrong one
+        elif any(isinstance(d, int) and d != n for d, n in zip(have, shape)):
+            v.shape = ir.Shape([None if isinstance(d, int) and d != n else d for d, n in zip(have, shape)])
+        else:
+            continue
+        entry["corrected"] = True
+        entry["written"] = value_dims(v)
+        logger.warning("fix-shapes: output %s is declared [%s] but computes [%s] at the pinned shapes; its contradicted "
+                       "dims are written unknown (shape inference derives none)", v.name, _fmt(have), _fmt(list(shape)))
+    return out
+
+
+def _run_once(model: ir.Model) -> dict[str, tuple[int, ...]]:
+    """Output shapes of one ONNX Runtime run (CPU, optimizations off) on seeded random feeds; a model over
+    :data:`mograph.output_check.ORT_MAX_BYTES` of weights is not run (:class:`ModelError`)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from mograph import _spill
+    from mograph.output_check import ORT_MAX_BYTES
+    from mograph.validate import make_feeds
+
+    size = sum(v.const_value.nbytes for g in model.graphs() for v in g.initializers.values()
+               if v.const_value is not None)
+    if size > ORT_MAX_BYTES:
+        raise ModelError(f"{size / 2**30:.1f} GiB of weights, over the {ORT_MAX_BYTES / 2**30:g} GiB a check may load")
+    feeds, _ = make_feeds(model, seed=0)
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    opts.log_severity_level = 3  # its "expected shape ... does not match" warning is what this reports
+    session = _spill.payload(model).session(opts, ["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return {n: tuple(np.shape(a)) for n, a in zip(names, session.run(names, feeds)) if isinstance(a, np.ndarray)}
 
 
 def _small_shape_vector(node: ir.Node) -> bool | None:

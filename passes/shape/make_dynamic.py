@@ -72,6 +72,7 @@ from mograph.passes.shape._spec import find_input, parse_dynamic
 from onnxscript.optimizer import _constant_folding as cf
 
 from mograph.errors import OptionError, PassFailedError
+from mograph.irutil import constants_as_tensors
 from mograph.pass_infra import Option, Pass, PassResult
 from mograph.shapes import Dim
 
@@ -156,6 +157,7 @@ class MakeDynamicPass(Pass):
             shape_inference=True, input_size_limit=FOLD_INPUT_LIMIT, output_size_limit=FOLD_OUTPUT_LIMIT,
             should_fold=_is_shape_arithmetic,
         )(model)
+        constants_as_tensors(model)  # the folder's Constant(value_ints=...) is opset 12
         infer_shapes(model)
         seeds: dict[ir.Value, list[Dim]] = {}
         for v, axes in per_input.items():

@@ -23,7 +23,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mograph.custom_ops import Lowering
-from mograph.irutil import attr_value, is_zero
+from mograph.irutil import attr_value, fresh_name, is_zero
 from mograph.lowering import LoweringContext, as_vector, replace_node
 from mograph.patterns import constant_array
 
@@ -116,19 +116,32 @@ def _int32(graph: ir.Graph, value: ir.Value, nodes: list[ir.Node], ctx: Lowering
     key = ("embed_ids_int32", id(value))
     if key in ctx.shared:
         return ctx.shared[key]
+    # unique: the segment and position ids are often unnamed Expand outputs (made by _like_ids), and two
+    # "ids_int32" broke SSA (exit 4 on a TorchScript BERT at opset 12, --target ort)
+    name = fresh_name(_taken(graph, ctx), f"{value.name or 'ids'}_int32")
     arr = constant_array(value)
     if arr is not None:
-        name = f"{value.name or 'ids'}_int32"
         out = ir.Value(name=name, const_value=ir.tensor(arr.astype(np.int32), name=name))
         graph.register_initializer(out)
     else:
         cast = ir.node("Cast", [value], attributes={"to": ir.DataType.INT32.value})
         nodes.append(cast)
         out = cast.outputs[0]
-        out.name = f"{value.name or 'ids'}_int32"
+        out.name = name
         out.type, out.shape = ir.TensorType(ir.DataType.INT32), value.shape
     ctx.shared[key] = out
     return out
+
+
+def _taken(graph: ir.Graph, ctx: LoweringContext) -> set[str]:
+    """The value names of ``graph`` (its inputs, initializers and node outputs), gathered once per lowering."""
+    key = (None, "embed_names", id(graph))  # not a str first: not a kind counted in the stats
+    if key not in ctx.shared:
+        names = {v.name for v in graph.inputs} | set(graph.initializers)
+        names |= {o.name for n in graph for o in n.outputs}
+        ctx.shared[key] = {n for n in names if n}
+    taken: set[str] = ctx.shared[key]
+    return taken
 
 
 def _rank2(v: ir.Value) -> bool:

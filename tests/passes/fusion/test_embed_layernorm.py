@@ -268,3 +268,20 @@ def test_embed_layernorm_fp16(lower_first):
     feeds = _feeds(proto)
     got = run_ort(to_proto(keep_fp16_rounding(model)), feeds)
     assert_close(run_ort(proto, feeds), got, rel=5e-3)
+
+
+def test_embed_layernorm_ort_two_expanded_ids_get_unique_names():
+    """Token type ids and position ids both of an unproven shape: both are expanded (unnamed values), and their
+    int32 casts were both named ``ids_int32`` (not SSA: exit 4 on a TorchScript BERT at opset 12, --target ort)."""
+    proto = embed_model(positions="slice-mask-len")
+    tt = next(i for i in proto.graph.input if i.name == "token_type_ids")
+    for d, name in zip(tt.type.tensor_type.shape.dim, ("b2", "s2")):
+        d.dim_param = name
+    feeds = _feeds(proto)
+    feeds["attention_mask"] = np.ones((2, 5), dtype=np.int64)
+    feeds["token_type_ids"] = np.random.default_rng(2).integers(0, TYPES, (2, 5)).astype(np.int64)
+    stats = {**STATS, "lowered.EmbedLayerNorm": 1, "embed_ids_int32": 3, "embed_ids_expanded": 2, "embed_ids_shape": 1}
+    model = check_fusion(lowered(FuseEmbedLayerNormPass(), "ort"), proto, stats=stats, feeds=feeds)
+    names = [o.name for n in model.graph for o in n.outputs]
+    assert len(names) == len(set(names)) and sum(n.startswith("ids_int32") for n in names) == 2
+    onnx.checker.check_model(to_proto(model), full_check=True)

@@ -36,7 +36,8 @@ def test_the_analysis_does_not_serialize_the_model(monkeypatch) -> None:
 
     model = to_ir(bert_tiny(layers=2, hidden=32, heads=4, ffn=64, dynamic=True))
     monkeypatch.setattr(ir.serde, "serialize_model", counting)
-    entry = run_pass(PruneStructuredPass(ratio=0.5, scope="all"), model)
+    # the output figure runs ONNX Runtime, which needs the model serialized; the analysis itself must not
+    entry = run_pass(PruneStructuredPass(ratio=0.5, scope="all", accuracy_budget="off"), model)
     monkeypatch.setattr(ir.serde, "serialize_model", real)
     assert not calls
     s = entry.stats

@@ -297,3 +297,16 @@ def test_registered_as_builtin_plugin():
     assert registry.expand(["prune"]) == ["prune-structured", "eliminate-dead"]
     assert isinstance(PruneStructuredPass().config["ratio"], float)
     _ = ir  # onnx_ir is imported for type clarity in helpers
+
+
+def test_output_figure_is_reported_not_judged():
+    """The pruned model's smallest output cosine against the original is in the details (reported only)."""
+    from mograph.passes.quant import _output_check as oc
+
+    entry = run_pass(PruneStructuredPass(ratio=0.5, round_to=1), to_ir(_mlp()))
+    check = entry.details["output_check"]
+    assert check["judged"] is False and check["note"] == oc.UNJUDGED_NOTE and "passed" not in check
+    assert check["samples"] == 4 and -1.0 <= check["measured"] <= 1.0
+    assert not any(k.startswith("output_check") for k in entry.stats)
+    off = run_pass(PruneStructuredPass(ratio=0.5, round_to=1, accuracy_budget="off"), to_ir(_mlp()))
+    assert "output_check" not in off.details and off.stats == entry.stats

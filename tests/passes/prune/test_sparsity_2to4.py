@@ -126,3 +126,35 @@ def test_exclude_and_constant_node_weights():
         run_ort(checked(model), feeds)[0], feeds["x4"] @ w @ _reference_mask(w, 0), rtol=1e-5, atol=1e-5
     )
     assert_second_run_changes_nothing(Sparsity2to4Pass(exclude=["keep_*"]), model)
+
+
+def test_output_figure_is_reported_not_judged(caplog, monkeypatch):
+    """sparsity-2to4 is lossy by design (fine-tuning follows): its output cosine against the original is in
+    the details, with no floor, warning or stat; ``--accuracy-budget off`` skips it; nothing masked, no run."""
+    import logging
+
+    from mograph.passes.quant import _output_check as oc
+
+    proto = _model()
+    model = to_ir(proto)
+    with caplog.at_level(logging.WARNING):
+        entry = run_pass(Sparsity2to4Pass(), model)
+    check = entry.details["output_check"]
+    assert check["judged"] is False and check["note"] == oc.UNJUDGED_NOTE and "floor" not in check
+    assert check["samples"] == 4 and check["data"] == "seeded random" and check["output"] in ("y", "c")
+    assert set(entry.stats) == {"layers", "layers_skipped", "weights_qualifying", "weights_masked"}
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    # the figure is what the masked model computes on those feeds
+    feeds = list(oc.cal.RandomSource(to_ir(proto), 4))[check["sample"]]
+    names = ["y", "c", "z"]
+    ref, out = run_ort(proto, feeds), run_ort(model, feeds)
+    i = names.index(check["output"])
+    got = oc.output_value(oc._COSINE, ref[i], out[i])
+    assert abs(got - check["measured"]) < 1e-5 and -1.0 <= got < 1.0
+
+    def refuse(*_a, **_k):
+        raise AssertionError("the check ran")
+
+    monkeypatch.setattr(oc.OutputCheck, "start", refuse)
+    assert "output_check" not in run_pass(Sparsity2to4Pass(accuracy_budget="off"), to_ir(_model())).details
+    assert "output_check" not in run_pass(Sparsity2to4Pass(), model).details  # the second run masks nothing

@@ -365,7 +365,7 @@ def test_opset_not_raisable_keeps_those_nodes_float32_and_says_why():
 # --- fused graphs: contrib ops and mograph.* ops (issue 15 item 4) ----------------------------------------
 
 
-def _fused_bert(target: str | None) -> ir.Model:
+def _fused_bert(target: str | None, opset: int = 17) -> ir.Model:
     """bert_tiny after cleanup + the fusion passes, lowered for ``target`` (None: the mograph.* ops)."""
     from mograph.passes.fusion import FUSE
 
@@ -374,7 +374,7 @@ def _fused_bert(target: str | None) -> ir.Model:
 
     reg = get_registry()
     names = [*reg.plan(["cleanup"], {}), *FUSE] if target is None else reg.plan(["cleanup", "fuse"], {"target": target})
-    model = to_ir(bert_tiny())
+    model = to_ir(bert_tiny(opset=opset))
     run_passes(model, reg.instantiate(names, {} if target is None else {"target": target}))
     return model
 
@@ -442,6 +442,47 @@ def test_mograph_ops_before_lowering_then_lowered():
     feeds = bert_feeds(2, 16, seed=1)
     emulated = keep_fp16_rounding(ir.serde.deserialize_model(ir.serde.serialize_model(model)))
     assert cosine(run(ref, feeds)[0], run(emulated, feeds)[0]) > 0.999
+
+
+@pytest.mark.parametrize("opset", [13, 14, 17])
+def test_fused_ops_below_opset15_raise_the_opset_and_convert(opset):
+    """The fused ops' function bodies reach float16 through CastLike (opset 15); below it they compute float32
+    only, and fp16 kept every mograph.* node float32 at opsets 13 and 14 (8 and 9 nodes of bert_tiny).  Like
+    int4 for float16 activations, fp16 now raises such a model to 15 (stats, details) and converts them."""
+    model = _fused_bert(None, opset)
+    fused = sorted(n.op_type for n in model.graph if n.domain == "mograph")
+    assert {"Attention", "SkipLayerNorm"} <= set(fused)
+    ref = ir.serde.serialize_model(model)
+    calib = [bert_feeds(2, 8 + i, seed=100 + i) for i in range(4)]
+    result = Fp16Pass(calibration_data=calib, fp16_budget="none", registry=get_registry()).call(model)
+    # 1. the same fused ops, every one of them float16, the opset 15 where it was lower
+    assert sorted(n.op_type for n in model.graph if n.domain == "mograph") == fused
+    assert all(n.metadata_props.get("mograph.fp16") == "1" for n in model.graph if n.domain == "mograph")
+    assert model.opset_imports[""] == max(opset, 15)
+    # 2. the stats and the reason
+    assert (result.stats["kept_fp32"], result.stats["kept_fp32.no_float16_form"], result.stats["casts"]) == (0, 0, 1)
+    if opset < 15:
+        assert (result.stats["opset_upgrade.from"], result.stats["opset_upgrade.to"]) == (opset, 15)
+        upgrade = result.details["opset_upgrade"]
+        assert upgrade["done"] and (upgrade["from"], upgrade["to"]) == (opset, 15)
+        assert "mograph.Attention" in upgrade["reason"] and "mograph.SkipLayerNorm" in upgrade["reason"]
+        assert "CastLike, opset 15" in upgrade["reason"]
+    else:
+        assert "opset_upgrade.to" not in result.stats and "opset_upgrade" not in result.details
+    # 3. numbers against the float32 fused model (ORT CPU, optimizations off)
+    _check_loads_and_matches(ref, model, bert_feeds(2, 16, seed=1))
+    # 5. a second run changes nothing
+    assert not Fp16Pass(calibration_data=calib, registry=get_registry()).call(model).modified
+
+
+def test_fused_ops_kept_fp32_by_the_user_do_not_raise_the_opset():
+    """4. near miss: at opset 13 with every fused op kept float32 (--keep-fp32), nothing needs opset 15."""
+    model = _fused_bert(None, 13)
+    keep = sorted({n.op_type for n in model.graph if n.domain == "mograph"})
+    result = Fp16Pass(calibration_data=[bert_feeds(2, 8, seed=100)], fp16_budget="none", keep_fp32=keep,
+                      registry=get_registry()).call(model)
+    assert model.opset_imports[""] == 13 and "opset_upgrade.to" not in result.stats
+    assert result.stats["kept_fp32.user"] == sum(1 for n in model.graph if n.domain == "mograph") > 0
 
 
 def test_dtype_attribute_follows():
@@ -582,11 +623,11 @@ def _weight_only_model(opset: int) -> onnx.ModelProto:
 
 
 @pytest.mark.parametrize("opset", [14, 15])
-def test_weight_only_matmul_below_opset15_stays_float32(opset):
+def test_weight_only_matmul_below_opset15_raises_the_opset(opset):
     """``int4 --device cuda`` is weight-only then fp16.  mograph.WeightOnlyMatMul's body casts its weight to A's
     dtype with CastLike (opset 15); below it the body is float32 only, and the fp16 pass's float16 twin of the
     node was a model ONNX Runtime refused ("B has inconsistent type"): exit 1 on a tf2onnx BERT at opset 14.
-    Below 15 the node now stays float32 (saying why); from 15 it converts."""
+    Then below 15 the node stayed float32; now the model is raised to opset 15 and the node converts."""
     from mograph.passes.quant import WeightOnlyPass
 
     proto = _weight_only_model(opset)
@@ -597,21 +638,20 @@ def test_weight_only_matmul_below_opset15_stays_float32(opset):
     result = Fp16Pass(calibration_data=_calib(width=64), fp16_budget="none", registry=get_registry()).call(model)
     plan = {e["node"]: e for e in result.details["plan"]["nodes"]}
     assert plan["relu"]["precision"] == plan["proj"]["precision"] == "fp16"
-    if opset < 15:
-        assert plan["mm"]["precision"] == "fp32" and "custom domain mograph" in plan["mm"]["reason"]
-        assert (result.stats["kept_fp32.no_float16_form"], result.stats["converted"]) == (1, 2)
-    else:
-        assert plan["mm"]["precision"] == "fp16"
-        assert (result.stats["kept_fp32.no_float16_form"], result.stats["converted"]) == (0, 3)
+    assert plan["mm"]["precision"] == "fp16"
+    assert (result.stats["kept_fp32.no_float16_form"], result.stats["converted"]) == (0, 3)
+    assert model.opset_imports[""] == 15
+    assert result.stats.get("opset_upgrade.to") == (15 if opset < 15 else None)
     _check_loads_and_matches(quantized, model, _calib(1, width=64)[0])
     assert not Fp16Pass(calibration_data=_calib(width=64), registry=get_registry()).call(model).modified
 
 
 @pytest.mark.parametrize("opset", [13, 17])
-def test_fused_gelu_below_opset15_stays_float32(opset):
+def test_fused_gelu_below_opset15_raises_the_opset(opset):
     """``--passes cleanup,fuse,fp16 --target ort`` runs fp16 on the fused mograph ops (lowered at the end).  Their
     bodies reach their input's dtype through CastLike (opset 15); below it the fp16 pass's float16 twin of a
-    mograph.Gelu was a model ONNX Runtime refused (exit 1 on magika's tf2onnx model, opset 13)."""
+    mograph.Gelu was a model ONNX Runtime refused (exit 1 on magika's tf2onnx model, opset 13).  Then the node
+    stayed float32; now the model is raised to opset 15 and it converts."""
     from mograph.passes.fusion.gelu import FuseGeluPass
 
     text = (f'<ir_version: 8, opset_import: ["" : {opset}]>\n'
@@ -625,12 +665,10 @@ def test_fused_gelu_below_opset15_stays_float32(opset):
     result = Fp16Pass(calibration_data=_calib(), fp16_budget="none", registry=get_registry()).call(model)
     plan = {e["op"]: e for e in result.details["plan"]["nodes"]}
     assert plan["MatMul"]["precision"] == "fp16"
-    if opset < 15:
-        assert plan["Gelu"]["precision"] == "fp32" and "custom domain mograph" in plan["Gelu"]["reason"]
-        assert (result.stats["kept_fp32.no_float16_form"], result.stats["converted"]) == (1, 1)
-    else:
-        assert plan["Gelu"]["precision"] == "fp16"
-        assert (result.stats["kept_fp32.no_float16_form"], result.stats["converted"]) == (0, 2)
+    assert plan["Gelu"]["precision"] == "fp16"
+    assert (result.stats["kept_fp32.no_float16_form"], result.stats["converted"]) == (0, 2)
+    assert model.opset_imports[""] == max(opset, 15)
+    assert result.stats.get("opset_upgrade.to") == (15 if opset < 15 else None)
     _check_loads_and_matches(fused, model, _calib(1)[0])
     assert not Fp16Pass(calibration_data=_calib(), registry=get_registry()).call(model).modified
 

@@ -387,3 +387,82 @@ def test_no_calibration_data_is_refused_before_anything_changes(gpt2: onnx.Model
     with pytest.raises(OptionError, match="needs calibration data") as err:
         KvCacheFp8Pass().call(model)
     assert err.value.exit_code == 2 and graph_fingerprint(model) == before
+
+
+def test_default_output_check_in_both_modes(gpt2: onnx.ModelProto) -> None:
+    """kv-cache-fp8 ran no output check (int4 and qdq-fp8 do): now the same one-run figure, on calibration feeds
+    that hold a past; stored mode is fed and read back through the recorded scales, so both modes read the same."""
+    figures = {}
+    for io in ("float", "fp8"):
+        res = KvCacheFp8Pass(calibration_data=_calib(GPT2), kv_cache_io=io).call(to_ir(gpt2))
+        check = res.details["output_check"]
+        assert check["samples"] == 4 and check["data"] == "calibration" and check["passed"] is True
+        assert "output_check.below_floor" not in res.stats and "note" not in check
+        assert ("recorded scales" in check["ran"]) == (io == "fp8")
+        figures[io] = check["measured"]
+    assert 0.99 < figures["float"] < 1.0 and figures["fp8"] == figures["float"]
+
+
+def _offset_cache(past: int = 3) -> tuple[onnx.ModelProto, list[dict[str, np.ndarray]]]:
+    """A cache whose values sit at 100 +- 0.01 and an output that reads them minus 100: FP8's step there (a 32nd
+    of the range) is all the output sees after the pass (cancellation)."""
+    f = TensorProto.FLOAT
+    vi = helper.make_tensor_value_info
+    nodes = [helper.make_node("Concat", ["past_key_0", "new_k"], ["present_key_0"], axis=2),
+             helper.make_node("Sub", ["past_key_0", "hundred"], ["y"])]
+    graph = helper.make_graph(nodes, "offset", [vi("past_key_0", f, ["B", 2, "P", 4]), vi("new_k", f, ["B", 2, 1, 4])],
+                              [vi("present_key_0", f, ["B", 2, "T", 4]), vi("y", f, ["B", 2, "P", 4])],
+                              [onnx.numpy_helper.from_array(np.array(100.0, np.float32), "hundred")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    rng = np.random.default_rng(0)
+    feeds = [{"past_key_0": (100 + 0.01 * rng.standard_normal((2, 2, past, 4))).astype(np.float32),
+              "new_k": (100 + 0.01 * rng.standard_normal((2, 2, 1, 4))).astype(np.float32)} for _ in range(4)]
+    return proto, feeds
+
+
+def test_a_wrecked_output_warns_and_off_skips(caplog: pytest.LogCaptureFixture, monkeypatch) -> None:
+    import logging
+
+    from mograph.passes.quant import _output_check as oc
+
+    proto, feeds = _offset_cache()
+    with caplog.at_level(logging.WARNING):
+        res = KvCacheFp8Pass(calibration_data=feeds).call(to_ir(proto))
+    check = res.details["output_check"]
+    assert check["output"] == "y" and check["measured"] < oc.CHECK_FLOOR and check["passed"] is False
+    assert res.stats["output_check.below_floor"] == 1 and res.stats["cache_tensors"] == 1
+    (line,) = [r.getMessage() for r in caplog.records if "wrecked" in r.getMessage()]
+    assert line.startswith("kv-cache-fp8: output 'y' of the quantized model has cosine ")
+
+    def refuse(*_a, **_k):
+        raise AssertionError("the check ran")
+
+    monkeypatch.setattr(oc.OutputCheck, "start", refuse)
+    res = KvCacheFp8Pass(calibration_data=feeds, accuracy_budget="off").call(to_ir(proto))
+    assert res.stats["cache_tensors"] == 1 and "output_check" not in res.details
+    assert not any(k.startswith("output_check") for k in res.stats)
+
+
+def test_feeds_with_an_empty_past_say_so() -> None:
+    proto, feeds = _offset_cache(past=0)
+    res = KvCacheFp8Pass(calibration_data=feeds).call(to_ir(proto))
+    assert res.details["output_check"]["note"].startswith("every checked feed has an empty past")
+
+
+def test_cli_reports_the_check_and_accuracy_budget_off_is_accepted(tmp_path: Path) -> None:
+    import json
+
+    from mograph.cli import main
+
+    proto, _ = _offset_cache()
+    src = tmp_path / "cache.onnx"
+    onnx.save(proto, str(src))
+    for i, (extra, present) in enumerate((([], True), (["--accuracy-budget", "off"], False))):
+        report = tmp_path / f"r{i}.json"
+        code = main(["optimize", str(src), "-o", str(tmp_path / f"o{i}.onnx"), "--passes", "kv-cache-fp8",
+                     "--calibration-random", "2", "--report", str(report), "-q", *extra])
+        assert code == 0
+        details = json.loads(report.read_text())["passes"][0]["details"]
+        assert ("output_check" in details) is present
+        if present:  # random feeds size the dynamic past 1: a past is read
+            assert details["output_check"]["samples"] == 2 and "note" not in details["output_check"]

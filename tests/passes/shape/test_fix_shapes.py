@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from _shape_testing import dims, f32, graph_input, i64, make, ops
+from _shape_testing import const, dims, f32, graph_input, i64, make, ops
 from mograph.passes.shape import FixShapesPass
 from onnx import helper
 
@@ -163,3 +163,64 @@ def test_lstm_inside_if_keeps_its_input_rank(same_names):
         feeds = {"x": np.random.default_rng(1).standard_normal((1, 5, 8)).astype(np.float32), "c": np.array(cond),
                  "h": np.random.default_rng(2).standard_normal((2, 1, 4)).astype(np.float32)}
         np.testing.assert_allclose(run_ort(model, feeds)[0], run_ort(proto, feeds)[0], rtol=1e-5, atol=1e-5)
+
+
+def _classifier(label: list) -> onnx.ModelProto:
+    """The tail of an onnxmltools LightGBM binary classifier: tree scores -> sigmoid -> probabilities, their
+    ArgMax picks the class label through ``ai.onnx.ml.ArrayFeatureExtractor`` (ONNX infers no shape for it), and
+    the ``label`` output is declared with the dims ``label`` (onnxmltools wrote ``[1]`` whatever the batch)."""
+    tree = helper.make_node(
+        "TreeEnsembleRegressor", ["X"], ["raw"], domain="ai.onnx.ml", n_targets=1, nodes_treeids=[0, 0, 0],
+        nodes_nodeids=[0, 1, 2], nodes_featureids=[0, 0, 0], nodes_modes=["BRANCH_LEQ", "LEAF", "LEAF"],
+        nodes_values=[0.5, 0.0, 0.0], nodes_truenodeids=[1, 0, 0], nodes_falsenodeids=[2, 0, 0],
+        target_treeids=[0, 0], target_nodeids=[1, 2], target_ids=[0, 0], target_weights=[-1.0, 1.0])
+    nodes = [tree, helper.make_node("Sigmoid", ["raw"], ["p1"]), helper.make_node("Sub", ["one", "p1"], ["p0"]),
+             helper.make_node("Concat", ["p0", "p1"], ["probabilities"], axis=1),
+             helper.make_node("ArgMax", ["probabilities"], ["idx"], axis=1, keepdims=0),
+             helper.make_node("ArrayFeatureExtractor", ["classes", "idx"], ["picked"], domain="ai.onnx.ml"),
+             helper.make_node("Squeeze", ["picked", "zero"], ["label"])]
+    graph = helper.make_graph(
+        nodes, "lgbm", [f32("X", ["N", 3])],
+        [helper.make_tensor_value_info("label", onnx.TensorProto.INT64, label), f32("probabilities", ["N", 2])],
+        [const("one", np.array(1.0, np.float32)), i64("classes", [0, 1]), i64("zero", [0])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 3)])
+    model.ir_version = 9
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def test_declared_output_size_a_run_contradicts_is_cleared():
+    """onnxmltools' LightGBM classifier: ``label`` declared ``[1]`` stayed ``[1]`` after fix-shapes at batch 4
+    (inference derives nothing there), while ONNX Runtime returns 4 rows.  One run at the pinned shapes proves the
+    declared size wrong: it is written unknown, counted and detailed; a right declaration is kept."""
+    proto = _classifier([1])
+    model = to_ir(proto)
+    result = FixShapesPass(shape=["X:4x3"]).call(model)
+    assert result.stats == {"inputs_fixed": 1, "dims_fixed": 1, "nodes_removed": 0,
+                            "outputs_declared_shape_corrected": 1}
+    assert [dims(v) if v.shape is not None else None for v in model.graph.outputs] == [[None], [4, 2]]
+    entry = result.details["declared_outputs"]["label"]
+    assert (entry["declared"], entry["observed"], entry["written"], entry["corrected"]) == ([1], [4], [None], True)
+    x = np.random.default_rng(0).random((4, 3)).astype(np.float32)
+    got, ref = run_ort(model, {"X": x}), run_ort(proto, {"X": x})
+    assert got[0].shape == (4,) and all(np.array_equal(a, b) for a, b in zip(got, ref))
+    # a declaration the run agrees with (the symbol, substituted) is kept; a second run changes nothing more
+    right = to_ir(_classifier(["N"]))
+    result = FixShapesPass(shape=["X:4x3"]).call(right)
+    assert result.stats["outputs_declared_shape_kept"] == 1 and "outputs_declared_shape_corrected" not in result.stats
+    assert dims(right.graph.outputs[0]) == [4] and result.details["declared_outputs"]["label"]["observed"] == [4]
+    assert not FixShapesPass(shape=["X:4x3"]).call(model).modified
+
+
+def test_declared_output_shapes_are_not_checked_while_inputs_stay_dynamic():
+    """A wrong rank is cleared whole; with a dynamic input left, nothing is run and the details say why."""
+    model = to_ir(_classifier([1, 1]))
+    FixShapesPass(shape=["X:4x3"]).call(model)
+    assert model.graph.outputs[0].shape is None
+    proto = _classifier([1])
+    extra = helper.make_tensor_value_info("unused", onnx.TensorProto.FLOAT, ["M"])
+    proto.graph.input.append(extra)
+    model = to_ir(proto)
+    result = FixShapesPass(shape=["X:4x3"]).call(model)
+    assert dims(model.graph.outputs[0]) == [1] and result.stats["outputs_declared_shape_kept"] == 1
+    assert result.details["declared_outputs"]["label"]["checked"].startswith("no: input(s) ['unused'] still dynamic")
