@@ -43,6 +43,9 @@ minimum becomes -65504, never -inf), or as a float16 copy beside the float32 one
 them (no ``Cast`` at run time); ``Cast``s to float and float ``Constant``/``ConstantOfShape`` values follow.
 One ``Cast`` is inserted per value and direction on each edge that crosses precisions — with everything
 in float16 that is only the graph boundary: graph inputs and outputs stay float32 unless ``--fp16-io yes``.
+With ``--fp16-io yes`` an output that a kept float32 node writes (a real LM head whose logits miss the budget
+in float16) is computed in float32 and rounded to float16 once at the boundary
+(``stats["outputs_rounded_to_fp16"]``); only a model where no node runs in float16 is refused.
 A float32 value measured beyond +-65504 is clipped before its ``Cast`` to float16.  Every node is listed in
 the precision plan with its reason and measured error; ``details["kept_fp32"]`` lists the float32 ones.
 """
@@ -513,6 +516,8 @@ class Fp16Pass(Pass):
         angle_kept = sum(1 for p in kept if decisions[p][1] == _ANGLE_REASON)
         if angle_kept:  # only where there are any (models without run-time position angles report as before)
             stats["kept_fp32.position_angle"] = angle_kept
+        if converted.get("outputs_rounded"):  # --fp16-io over an output a float32 node writes
+            stats["outputs_rounded_to_fp16"] = converted["outputs_rounded"]
         if search is not None:
             stats["accuracy.metric"] = round(search.metric, 8)
             stats["accuracy.evaluations"] = search.evaluations
@@ -711,7 +716,16 @@ class Fp16Pass(Pass):
                 graph.outputs[i] = cast.outputs[0]
                 counts["casts"] += 1
             elif home.get(id(v)) == "fp32" and io16 and v.name in floats:
-                raise OptionError(f"{self.name}: output {v.name} stays float32 (kept node); --fp16-io not possible")
+                # a kept node writes this output (an LM head whose logits miss the budget in float16): it still
+                # computes in float32, and the boundary rounds its result to float16 as --fp16-io asks (one
+                # rounding, saturated to +-65504 where the calibration saw more); graph inputs already are
+                out_name = v.name
+                v.name = fresh_name(taken, f"{out_name}_fp32")
+                half_out = self._cast(graph, v, "fp16", amax.get(out_name, 0.0) >= FP16_LIMIT, first, taken)
+                half_out.name = out_name
+                graph.outputs[i] = half_out
+                counts["casts"] += 1
+                counts["outputs_rounded"] = counts.get("outputs_rounded", 0) + 1
         return counts
 
     @staticmethod
