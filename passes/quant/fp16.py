@@ -173,6 +173,45 @@ def _position_angles(nodes: list[ir.Node], floats: set[str], dtypes: Mapping[str
     return {where[i] for i in keep if i in where}
 
 
+#: ops between a fused attention and the projections it reads: head splits, the exporter's cache Concat, rotary
+_ATTENTION_GLUE = frozenset({"Reshape", "Transpose", "Concat", "Slice", "Split", "Squeeze", "Unsqueeze", "Identity",
+                             "Expand", "Cast"})
+_ATTENTION_REASON = ("default rule: a decoder's fused attention, its rotary and its KV cache take one precision, "
+                     "float16 (ONNX Runtime's GroupQueryAttention has float16 kernels only on CUDA, and a Cast inside "
+                     "the unit leaves it MultiHeadAttention over repeated K/V heads and --kv-cache shared impossible)")
+
+
+def _attention_units(nodes: list[ir.Node]) -> set[int]:
+    """Positions of each decoder attention unit: a fused ``mograph`` ``Attention`` whose inputs are rotated
+    (a ``mograph`` ``RotaryEmbedding``) or read a KV cache (a Concat with a graph input), with the glue
+    (:data:`_ATTENTION_GLUE`) and rotary nodes between it and the projections.  The lowering turns such a unit
+    into one GroupQueryAttention only when no precision boundary cuts it."""
+    where = {id(n): i for i, n in enumerate(nodes)}
+    units: set[int] = set()
+    for p, n in enumerate(nodes):
+        if n.domain != CUSTOM_DOMAIN or n.op_type != "Attention":
+            continue
+        unit, decoder = {p}, False
+        stack = [v for v in n.inputs[:3] if v is not None]
+        while stack:
+            v = stack.pop()
+            prod = v.producer()
+            if prod is None or id(prod) not in where or where[id(prod)] in unit:
+                continue
+            rotary = prod.domain == CUSTOM_DOMAIN and prod.op_type == "RotaryEmbedding"
+            if not rotary and (prod.domain not in ("", "ai.onnx") or prod.op_type not in _ATTENTION_GLUE):
+                continue
+            if rotary or (prod.op_type == "Concat" and any(x is not None and x.is_graph_input()
+                                                           for x in prod.inputs)):
+                decoder = True
+            unit.add(where[id(prod)])
+            data = prod.inputs if prod.op_type == "Concat" and not rotary else prod.inputs[:1]  # not shapes, axes
+            stack.extend(x for x in data if x is not None)
+        if decoder:
+            units |= unit
+    return units
+
+
 def _formal(formals: list[Any], i: int) -> Any | None:
     """The schema's formal parameter for input or output ``i`` (the last one repeats when variadic)."""
     if i < len(formals):
@@ -463,6 +502,9 @@ class Fp16Pass(Pass):
                     where[id(u.node)], ("fp16",))[0] == "fp32" for u in uses) and not any(
                     v.is_graph_output() for v in n.outputs):
                 decisions[p] = ("fp32", "default rule: feeds only inputs that must stay float32")
+        attention = _attention_units(nodes) & set(candidates) - set(decisions)
+        for p in attention:
+            decisions[p] = ("fp16", _ATTENTION_REASON)
         candidates = [p for p in candidates if p not in decisions]
         search = None
         if budget is not None and candidates:
@@ -513,6 +555,8 @@ class Fp16Pass(Pass):
             "casts": converted["casts"],
             **stats,
         }
+        if attention:  # only where there are any
+            stats["fp16.attention_unit"] = len(attention)
         angle_kept = sum(1 for p in kept if decisions[p][1] == _ANGLE_REASON)
         if angle_kept:  # only where there are any (models without run-time position angles report as before)
             stats["kept_fp32.position_angle"] = angle_kept
