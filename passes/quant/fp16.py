@@ -176,7 +176,8 @@ def _position_angles(nodes: list[ir.Node], floats: set[str], dtypes: Mapping[str
 #: ops between a fused attention and the projections it reads: head splits, the exporter's cache Concat, rotary
 _ATTENTION_GLUE = frozenset({"Reshape", "Transpose", "Concat", "Slice", "Split", "Squeeze", "Unsqueeze", "Identity",
                              "Expand", "Cast"})
-_ATTENTION_REASON = ("default rule: a decoder's fused attention, its rotary and its KV cache take one precision, "
+_ATTENTION_REASON = ("default rule: a decoder's fused attention, its Q/K/V projections, rotary and KV cache take "
+                     "one precision, "
                      "float16 (ONNX Runtime's GroupQueryAttention has float16 kernels only on CUDA, and a Cast inside "
                      "the unit leaves it MultiHeadAttention over repeated K/V heads and --kv-cache shared impossible)")
 
@@ -184,8 +185,9 @@ _ATTENTION_REASON = ("default rule: a decoder's fused attention, its rotary and 
 def _attention_units(nodes: list[ir.Node]) -> set[int]:
     """Positions of each decoder attention unit: a fused ``mograph`` ``Attention`` whose inputs are rotated
     (a ``mograph`` ``RotaryEmbedding``) or read a KV cache (a Concat with a graph input), with the glue
-    (:data:`_ATTENTION_GLUE`) and rotary nodes between it and the projections.  The lowering turns such a unit
-    into one GroupQueryAttention only when no precision boundary cuts it."""
+    (:data:`_ATTENTION_GLUE`) and rotary nodes between it and the projections, and the Q/K/V projections (MatMul and
+    bias Add).  The lowering turns such a unit into one GroupQueryAttention only when no precision boundary cuts
+    it (a Cast between the projection and the head split leaves it unlowered)."""
     where = {id(n): i for i, n in enumerate(nodes)}
     units: set[int] = set()
     for p, n in enumerate(nodes):
@@ -199,7 +201,14 @@ def _attention_units(nodes: list[ir.Node]) -> set[int]:
             if prod is None or id(prod) not in where or where[id(prod)] in unit:
                 continue
             rotary = prod.domain == CUSTOM_DOMAIN and prod.op_type == "RotaryEmbedding"
-            if not rotary and (prod.domain not in ("", "ai.onnx") or prod.op_type not in _ATTENTION_GLUE):
+            standard = prod.domain in ("", "ai.onnx")
+            if standard and prod.op_type in ("MatMul", "Gemm", "Add"):  # the Q/K/V projection (and its bias):
+                unit.add(where[id(prod)])  # in float16 too, so no Cast sits between it and the head split
+                if prod.op_type == "Add":
+                    stack.extend(x for x in prod.inputs if x is not None and (m := x.producer()) is not None
+                                 and m.op_type in ("MatMul", "Gemm"))
+                continue
+            if not rotary and (not standard or prod.op_type not in _ATTENTION_GLUE):
                 continue
             if rotary or (prod.op_type == "Concat" and any(x is not None and x.is_graph_input()
                                                            for x in prod.inputs)):
