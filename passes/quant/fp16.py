@@ -173,7 +173,7 @@ def _position_angles(nodes: list[ir.Node], floats: set[str], dtypes: Mapping[str
     return {where[i] for i in keep if i in where}
 
 
-#: ops between a fused attention and the projections it reads: head splits, the exporter's cache Concat, rotary
+#: data-movement ops whose first input alone is data (the rest: shapes, bounds, axes)
 _ATTENTION_GLUE = frozenset({"Reshape", "Transpose", "Concat", "Slice", "Split", "Squeeze", "Unsqueeze", "Identity",
                              "Expand", "Cast"})
 _ATTENTION_REASON = ("default rule: a decoder's fused attention, its Q/K/V projections, rotary and KV cache take "
@@ -185,16 +185,16 @@ _ATTENTION_REASON = ("default rule: a decoder's fused attention, its Q/K/V proje
 def _attention_units(nodes: list[ir.Node]) -> set[int]:
     """Positions of each decoder attention unit: a fused ``mograph`` ``Attention`` whose inputs are rotated
     (a ``mograph`` ``RotaryEmbedding``) or read a KV cache (a Concat with a graph input), with the glue
-    (:data:`_ATTENTION_GLUE`) and rotary nodes between it and the projections, and the Q/K/V projections (MatMul and
-    bias Add).  The lowering turns such a unit into one GroupQueryAttention only when no precision boundary cuts
-    it (a Cast between the projection and the head split leaves it unlowered)."""
+    and rotary nodes (fused, or spelled out as Mul/Slice/Neg/Concat/Add) between it and the Q/K/V projections, the
+    projections (MatMul, bias Add) included.  The lowering turns such a unit into one GroupQueryAttention only when
+    no precision boundary cuts it (a Cast between the projection and the head split leaves it unlowered)."""
     where = {id(n): i for i, n in enumerate(nodes)}
     units: set[int] = set()
     for p, n in enumerate(nodes):
         if n.domain != CUSTOM_DOMAIN or n.op_type != "Attention":
             continue
         unit, decoder = {p}, False
-        stack = [v for v in n.inputs[:3] if v is not None]
+        stack = [v for v in n.inputs[:4] if v is not None]  # Q, K, V and the mask bias
         while stack:
             v = stack.pop()
             prod = v.producer()
@@ -202,19 +202,16 @@ def _attention_units(nodes: list[ir.Node]) -> set[int]:
                 continue
             rotary = prod.domain == CUSTOM_DOMAIN and prod.op_type == "RotaryEmbedding"
             standard = prod.domain in ("", "ai.onnx")
-            if standard and prod.op_type in ("MatMul", "Gemm", "Add"):  # the Q/K/V projection (and its bias):
-                unit.add(where[id(prod)])  # in float16 too, so no Cast sits between it and the head split
-                if prod.op_type == "Add":
-                    stack.extend(x for x in prod.inputs if x is not None and (m := x.producer()) is not None
-                                 and m.op_type in ("MatMul", "Gemm"))
+            if not (rotary or standard) or prod.op_type in _CONTROL_FLOW:
                 continue
-            if not rotary and (not standard or prod.op_type not in _ATTENTION_GLUE):
-                continue
-            if rotary or (prod.op_type == "Concat" and any(x is not None and x.is_graph_input()
-                                                           for x in prod.inputs)):
-                decoder = True
             unit.add(where[id(prod)])
-            data = prod.inputs if prod.op_type == "Concat" and not rotary else prod.inputs[:1]  # not shapes, axes
+            if prod.op_type in ("MatMul", "Gemm"):  # the Q/K/V projection: in float16 too, and the walk ends
+                continue
+            if rotary or (prod.op_type == "Concat" and any(x is not None and x.is_graph_input() for x in prod.inputs)):
+                decoder = True
+            # data inputs only (not a Reshape's shape, a Slice's bounds): the head split, the rotary (spelled
+            # out or fused, its cos/sin angles stay float32 by their own rule) and the cache Concat
+            data = prod.inputs[:1] if prod.op_type in _ATTENTION_GLUE and prod.op_type != "Concat" else prod.inputs
             stack.extend(x for x in data if x is not None)
         if decoder:
             units |= unit

@@ -257,6 +257,18 @@ def test_fp16_budget_never_cuts_a_decoder_attention_unit() -> None:
     assert fp16_again == fp16
 
 
+def test_fp16_budget_out_of_reach_keeps_the_attention_unit_float16() -> None:
+    """On the real Qwen2.5-Coder-0.5B no choice met ``cosine>=0.9999`` with the attention units in float16, so
+    every other node stayed float32: the Q/K/V projections, the spelled-out rotary and the mask chain too, and a Cast
+    between them and the attention left it unlowered (exit 4). The unit now takes all of them; a budget out of
+    reach (cosine 1) shows the same here."""
+    model, fp16, lower = _fp16_shared(fp16_budget="cosine>=1")
+    assert fp16["kept_fp32.budget"] > 0 and fp16["fp16.attention_unit"] > 0, fp16
+    assert lower["attention.kv_cache_shared"] == LAYERS and lower["attention.packed_qkv"] == LAYERS, lower
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert ops["GroupQueryAttention"] == LAYERS and ops["MultiHeadAttention"] == 0, ops
+
+
 def test_kv_cache_shared_refuses_an_attention_the_user_keeps_float32() -> None:
     """``--keep-fp32 Attention`` puts a Cast between the float16 cache and the attention: the lowering's refusal
     did not see the cache through it, wrote MultiHeadAttention with the cache still a growing Concat and exited 0.
