@@ -185,6 +185,38 @@ def _default_dim(value: ir.Value, axis: int, symbol: str | None, dtype: np.dtype
     return 16
 
 
+def _decoder_mask_lengths(inputs: list[ir.Value], fixed: set[str]) -> dict[str, ast.expr]:
+    """A decoder's mask length that its exporter named by a symbol of its own (``total``, ``mask_len``: a
+    TorchScript export's ``dynamic_axes``), read as ``past + seq``: the mask covers the cached tokens and the new
+    ones, so sized alone (16, beside a past of 64) the original model itself fails on the feeds.  Only where the
+    graph is a decoder step without doubt: a rank-2 mask-named input whose last dim's symbol no other input
+    carries, a rank-4 ``past``-named input whose dim 2 is a symbol, and a rank-2 integer token input whose dim 1
+    is another symbol.  ``fixed``: names sized by the user, left alone."""
+
+    def symbol(value: ir.Value, axis: int, rank: int) -> str | None:
+        if value.shape is None or len(value.shape) != rank:
+            return None
+        dim = value.shape[axis]
+        return None if isinstance(dim, int) else dim.value
+
+    names = {str(v.name): v for v in inputs}
+    past = {s for n, v in names.items() if "past" in n.lower() and (s := symbol(v, 2, 4)) is not None}
+    seq = {s for n, v in names.items() if not _is_mask(n) and v.dtype is not None
+           and dtype_class(v.dtype.numpy()) == "int" and (s := symbol(v, 1, 2)) is not None}
+    if len(past) != 1 or len(seq) != 1 or past == seq:
+        return {}
+    out: dict[str, ast.expr] = {}
+    for n, v in names.items():
+        total = symbol(v, 1, 2)
+        if not _is_mask(n) or n in fixed or total is None or total in past | seq or _dim_expression(total):
+            continue
+        elsewhere = any(not isinstance(d, int) and d.value == total for m, w in names.items() if m != n
+                        for d in (w.shape or ()))
+        if not elsewhere:
+            out[total] = ast.BinOp(left=ast.Name(id=next(iter(past))), op=ast.Add(), right=ast.Name(id=next(iter(seq))))
+    return out
+
+
 def _dim_expression(symbol: str | None) -> ast.expr | None:
     """The parsed ``symbol`` if it is an arithmetic expression of other dims (``past_sequence_length +
     sequence_length``, as optimum names a decoder's mask length): names and integers joined by ``+``, ``-``, ``*``;
@@ -322,8 +354,13 @@ def make_feeds(
     rng = np.random.default_rng(seed)
     # A dim named by an expression of other dims (optimum's 'past_sequence_length + sequence_length' on a decoder's
     # attention_mask) is sized from them: inputs with one come after the others, which bind its names.
+    implied = _decoder_mask_lengths(inputs, set(sizes) | set(given))
+
+    def expression(symbol: str | None) -> ast.expr | None:
+        return implied.get(symbol or "") or _dim_expression(symbol)
+
     order = sorted(inputs, key=lambda v: v.shape is not None and str(v.name) not in sizes and any(
-        not isinstance(d, int) and d.value not in bindings and _dim_expression(d.value) is not None
+        not isinstance(d, int) and d.value not in bindings and expression(d.value) is not None
         for d in v.shape))
     for value in order:
         name = str(value.name)
@@ -348,7 +385,7 @@ def make_feeds(
                 if symbol is not None and symbol in bindings:
                     dims.append(bindings[symbol])
                     continue
-                tree = _dim_expression(symbol)
+                tree = expression(symbol)
                 if tree is not None:
                     for part in _expression_names(tree):  # a name no other input carries: the default size
                         if part not in bindings:
@@ -358,6 +395,10 @@ def make_feeds(
                         assert symbol is not None
                         bindings[symbol] = total
                         dims.append(total)
+                        if symbol in implied:
+                            notes.append(f"input '{name}': dim '{symbol}' sized {total} as "
+                                         f"{' + '.join(_expression_names(implied[symbol]))} (a decoder's mask covers the past and "
+                                         "the new tokens)")
                         continue
                 size = _default_dim(value, axis, symbol, dtype, batch)
                 if symbol is not None:

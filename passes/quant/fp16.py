@@ -46,6 +46,9 @@ minimum becomes -65504, never -inf), or as a float16 copy beside the float32 one
 them (no ``Cast`` at run time); ``Cast``s to float and float ``Constant``/``ConstantOfShape`` values follow.
 One ``Cast`` is inserted per value and direction on each edge that crosses precisions — with everything
 in float16 that is only the graph boundary: graph inputs and outputs stay float32 unless ``--fp16-io yes``.
+With ``--fp16-io yes`` an output that a kept float32 node writes (a real LM head whose logits miss the budget
+in float16) is computed in float32 and rounded to float16 once at the boundary
+(``stats["outputs_rounded_to_fp16"]``); only a model where no node runs in float16 is refused.
 A float32 value measured beyond +-65504 is clipped before its ``Cast`` to float16.  Every node is listed in
 the precision plan with its reason and measured error; ``details["kept_fp32"]`` lists the float32 ones.
 """
@@ -171,6 +174,51 @@ def _position_angles(nodes: list[ir.Node], floats: set[str], dtypes: Mapping[str
             if prod is not None and inp is not None and (id(prod) in reach or (is_float(inp) and constant_side(inp))):
                 stack.append(prod)
     return {where[i] for i in keep if i in where}
+
+
+#: data-movement ops whose first input alone is data (the rest: shapes, bounds, axes)
+_ATTENTION_GLUE = frozenset({"Reshape", "Transpose", "Concat", "Slice", "Split", "Squeeze", "Unsqueeze", "Identity",
+                             "Expand", "Cast"})
+_ATTENTION_REASON = ("default rule: a decoder's fused attention, its Q/K/V projections, rotary and KV cache take "
+                     "one precision, "
+                     "float16 (ONNX Runtime's GroupQueryAttention has float16 kernels only on CUDA, and a Cast inside "
+                     "the unit leaves it MultiHeadAttention over repeated K/V heads and --kv-cache shared impossible)")
+
+
+def _attention_units(nodes: list[ir.Node]) -> set[int]:
+    """Positions of each decoder attention unit: a fused ``mograph`` ``Attention`` whose inputs are rotated
+    (a ``mograph`` ``RotaryEmbedding``) or read a KV cache (a Concat with a graph input), with the glue
+    and rotary nodes (fused, or spelled out as Mul/Slice/Neg/Concat/Add) between it and the Q/K/V projections, the
+    projections (MatMul, bias Add) included.  The lowering turns such a unit into one GroupQueryAttention only when
+    no precision boundary cuts it (a Cast between the projection and the head split leaves it unlowered)."""
+    where = {id(n): i for i, n in enumerate(nodes)}
+    units: set[int] = set()
+    for p, n in enumerate(nodes):
+        if n.domain != CUSTOM_DOMAIN or n.op_type != "Attention":
+            continue
+        unit, decoder = {p}, False
+        stack = [v for v in n.inputs[:4] if v is not None]  # Q, K, V and the mask bias
+        while stack:
+            v = stack.pop()
+            prod = v.producer()
+            if prod is None or id(prod) not in where or where[id(prod)] in unit:
+                continue
+            rotary = prod.domain == CUSTOM_DOMAIN and prod.op_type == "RotaryEmbedding"
+            standard = prod.domain in ("", "ai.onnx")
+            if not (rotary or standard) or prod.op_type in _CONTROL_FLOW:
+                continue
+            unit.add(where[id(prod)])
+            if prod.op_type in ("MatMul", "Gemm"):  # the Q/K/V projection: in float16 too, and the walk ends
+                continue
+            if rotary or (prod.op_type == "Concat" and any(x is not None and x.is_graph_input() for x in prod.inputs)):
+                decoder = True
+            # data inputs only (not a Reshape's shape, a Slice's bounds): the head split, the rotary (spelled
+            # out or fused, its cos/sin angles stay float32 by their own rule) and the cache Concat
+            data = prod.inputs[:1] if prod.op_type in _ATTENTION_GLUE and prod.op_type != "Concat" else prod.inputs
+            stack.extend(x for x in data if x is not None)
+        if decoder:
+            units |= unit
+    return units
 
 
 def _formal(formals: list[Any], i: int) -> Any | None:
@@ -463,6 +511,9 @@ class Fp16Pass(Pass):
                     where[id(u.node)], ("fp16",))[0] == "fp32" for u in uses) and not any(
                     v.is_graph_output() for v in n.outputs):
                 decisions[p] = ("fp32", "default rule: feeds only inputs that must stay float32")
+        attention = _attention_units(nodes) & set(candidates) - set(decisions)
+        for p in attention:
+            decisions[p] = ("fp16", _ATTENTION_REASON)
         candidates = [p for p in candidates if p not in decisions]
         search = None
         if budget is not None and candidates:
@@ -513,9 +564,13 @@ class Fp16Pass(Pass):
             "casts": converted["casts"],
             **stats,
         }
+        if attention:  # only where there are any
+            stats["fp16.attention_unit"] = len(attention)
         angle_kept = sum(1 for p in kept if decisions[p][1] == _ANGLE_REASON)
         if angle_kept:  # only where there are any (models without run-time position angles report as before)
             stats["kept_fp32.position_angle"] = angle_kept
+        if converted.get("outputs_rounded"):  # --fp16-io over an output a float32 node writes
+            stats["outputs_rounded_to_fp16"] = converted["outputs_rounded"]
         if search is not None:
             stats["accuracy.metric"] = round(search.metric, 8)
             stats["accuracy.evaluations"] = search.evaluations
@@ -728,7 +783,16 @@ class Fp16Pass(Pass):
                 graph.outputs[i] = cast.outputs[0]
                 counts["casts"] += 1
             elif home.get(id(v)) == "fp32" and io16 and v.name in floats:
-                raise OptionError(f"{self.name}: output {v.name} stays float32 (kept node); --fp16-io not possible")
+                # a kept node writes this output (an LM head whose logits miss the budget in float16): it still
+                # computes in float32, and the boundary rounds its result to float16 as --fp16-io asks (one
+                # rounding, saturated to +-65504 where the calibration saw more); graph inputs already are
+                out_name = v.name
+                v.name = fresh_name(taken, f"{out_name}_fp32")
+                half_out = self._cast(graph, v, "fp16", amax.get(out_name, 0.0) >= FP16_LIMIT, first, taken)
+                half_out.name = out_name
+                graph.outputs[i] = half_out
+                counts["casts"] += 1
+                counts["outputs_rounded"] = counts.get("outputs_rounded", 0) + 1
         return counts
 
     @staticmethod

@@ -259,6 +259,37 @@ def test_a_dim_named_by_an_expression_is_sized_from_its_parts():
     assert feeds["mask"].shape == (1, 32) and info["defaulted_dims"] == {"b": 1, "p": 16, "s": 16}
 
 
+def test_a_decoder_mask_named_by_its_own_symbol_covers_the_past_and_the_new_tokens():
+    """A TorchScript decoder export names its mask length as its author chose (``dynamic_axes``: ``total``), not
+    ``past + seq``: sized alone it was 16 wide beside a 64-long past, the export itself failed on the feeds, and
+    ``--verify`` refused a real Qwen2.5-Coder-0.5B decode graph (exit 3). A rank-2 mask whose symbol no other
+    input carries, beside a rank-4 ``past`` input and integer tokens, is now sized past + seq."""
+    def decoder(mask_dims: list, ids: str = "input_ids") -> onnx.ModelProto:
+        return _model(
+            [helper.make_node("Shape", ["attention_mask"], ["n"]), helper.make_node("Identity", ["past.0.key"], ["p"])],
+            [helper.make_tensor_value_info(ids, TensorProto.INT64, ["batch", "seq"]),
+             helper.make_tensor_value_info("attention_mask", TensorProto.INT64, mask_dims),
+             helper.make_tensor_value_info("past.0.key", TensorProto.FLOAT, ["batch", 2, "past", 8])],
+            [helper.make_tensor_value_info("n", TensorProto.INT64, [2]),
+             helper.make_tensor_value_info("p", TensorProto.FLOAT, ["batch", 2, "past", 8])])
+
+    feeds, info = make_feeds(_ir(decoder(["batch", "total"])))
+    seq, past = feeds["input_ids"].shape[1], feeds["past.0.key"].shape[2]
+    assert feeds["attention_mask"].shape == (1, past + seq) == (1, 80)
+    assert any("'total' sized 80 as past + seq" in n for n in info["notes"]), info["notes"]
+    feeds, _ = make_feeds(_ir(decoder(["batch", "total"])), shapes={"past.0.key": (1, 2, 5, 8), "input_ids": (1, 3)})
+    assert feeds["attention_mask"].shape == (1, 8)
+    feeds, _ = make_feeds(_ir(decoder(["batch", "total"])), shapes={"attention_mask": (1, 4)})  # the user's wins
+    assert feeds["attention_mask"].shape == (1, 4)
+    # a mask sharing the token dim (a prefill graph) or with no past beside it keeps the plain default
+    assert make_feeds(_ir(decoder(["batch", "seq"])))[0]["attention_mask"].shape == (1, 16)
+    no_past = _model([helper.make_node("Shape", ["attention_mask"], ["n"])],
+                     [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
+                      helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "total"])],
+                     [helper.make_tensor_value_info("n", TensorProto.INT64, [2])])
+    assert make_feeds(_ir(no_past))[0]["attention_mask"].shape == (1, 16)
+
+
 def test_changed_outputs_fail_with_a_reason():
     w = _w()
     verifier = Verifier(_ir(matmul_model(w)), shapes={"x": (1, 8)})

@@ -181,6 +181,14 @@ from mograph.lowering import LoweringContext
 
 __all__ = ["is_zero_bias", "LOWERINGS"]
 
+def _through_casts(v: ir.Value) -> ir.Value:
+    """``v`` above any ``Cast`` chain (an attention kept float32 by ``fp16`` reads its float16 cache through one)."""
+    while (p := v.producer()) is not None and p.op_type == "Cast" and p.domain in ("", "ai.onnx") and p.inputs \
+            and p.inputs[0] is not None:
+        v = p.inputs[0]
+    return v
+
+
 def _lower_ort(node: ir.Node, ctx: LoweringContext) -> bool:
     """``com.microsoft`` Attention / MultiHeadAttention / GroupQueryAttention (see the module docstring)."""
     q, k, v, bias = node.inputs
@@ -191,7 +199,7 @@ def _lower_ort(node: ir.Node, ctx: LoweringContext) -> bool:
     attrs: dict[str, Any] = {"num_heads": heads, "scale": float(attr_value(node, "scale", 1.0))}
     if _lower_gqa(node, ctx, heads, kv_heads, attrs["scale"], _lower_ort):
         return True
-    if node.metadata_props.get(KV_CACHE_KEY) == "shared" and _kv_cache(k) is not None:
+    if node.metadata_props.get(KV_CACHE_KEY) == "shared" and _kv_cache(_through_casts(k)) is not None:
         raise PassFailedError("lower", f"--kv-cache shared: attention '{node.name}' over a KV cache cannot become "
                               "GroupQueryAttention with rotary inside (run with -vv for why; after fp16 the past inputs must feed it "
                               "directly: --fp16-io yes); drop --kv-cache shared")

@@ -791,3 +791,29 @@ def test_position_angles_keep_the_inv_freq_side_float32():
         feeds = _rotary_feeds(start)
         want = run(_outer_rotary_model(), feeds)[0]
         assert float(np.abs(want - run(proto, feeds)[0]).max()) < 8e-3, start
+
+
+def test_fp16_io_rounds_an_output_a_kept_node_writes():
+    """--fp16-io yes over a model whose output node stays float32 (here by --keep-fp32; on the held-out
+    Qwen2.5-Coder-0.5B export the LM head's logits missed the budget in float16). Old code: exit 2 "output logits
+    stays float32 (kept node); --fp16-io not possible", so `cleanup,fuse,fp16 --fp16-io yes` refused a real trained
+    decoder. Now the kept node computes in float32 and its output is rounded to float16 once at the boundary."""
+    f32 = onnx.TensorProto.FLOAT
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["h"], name="relu"), helper.make_node("MatMul", ["h", "w"], ["y"], name="head")],
+        "g", [helper.make_tensor_value_info("x", f32, ["n", 8])], [helper.make_tensor_value_info("y", f32, ["n", 4])],
+        [numpy_helper.from_array(rng.standard_normal((8, 4)).astype(np.float32), "w")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    calib = [{"x": np.random.default_rng(i).standard_normal((2, 8)).astype(np.float32)} for i in range(2)]
+    model = to_ir(proto)
+    result = Fp16Pass(calibration_data=calib, fp16_io="yes", keep_fp32="head").call(model)
+    assert result.stats["outputs_rounded_to_fp16"] == 1 and result.stats["kept_fp32"] == 1, result.stats
+    by = {e["node"]: e["precision"] for e in result.details["plan"]["nodes"]}
+    assert by == {"relu": "fp16", "head": "fp32"}
+    assert [v.dtype for v in (*model.graph.inputs, *model.graph.outputs)] == [ir.DataType.FLOAT16] * 2
+    assert [v.name for v in model.graph.outputs] == ["y"]
+    outs = run(model, {"x": calib[0]["x"].astype(np.float16)})
+    assert outs[0].dtype == np.float16
+    np.testing.assert_allclose(outs[0].astype(np.float32), run(proto, calib[0])[0], rtol=2e-3, atol=2e-3)
+    assert op_counts(model)["Cast"] == 2  # h to float32 for the head, y to float16 at the boundary
