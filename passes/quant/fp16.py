@@ -582,6 +582,14 @@ class Fp16Pass(Pass):
         if search is not None and not search.met:
             details["note"] = (f"accuracy budget {budget} not met even with every measured node in float32 "
                                f"({search.metric:.6g})")
+            # never quiet: the nodes kept float32 for a budget they cannot reach cost speed on a GPU
+            all_half = search.tried.get(0)
+            logger.warning(
+                "%s: accuracy budget %s not met even with all %d measured node(s) kept float32 (%s=%.6g%s); they "
+                "stay float32 (slower on a GPU). A looser budget (--fp16-budget %s...) or --fp16-budget "
+                "none converts them", self.name, budget, len(search.keep), budget.metric, search.metric,
+                f"; all float16: {all_half:.6g}" if all_half is not None else "",
+                f"{budget.metric}{'>=' if budget.metric == 'cosine' else '<='}")
         if source.random:
             from mograph.passes.quant._base import RANDOM_WARNING
 
