@@ -579,7 +579,7 @@ class Fp16Pass(Pass):
         details = {"plan": plan.to_dict(), **details}
         details["kept_fp32"] = [{"node": node_key(nodes[p]), "op": nodes[p].op_type, "reason": decisions[p][1]}
                                 for p in kept]
-        if search is not None and not search.met:
+        if search is not None and not search.met and budget is not None:
             details["note"] = (f"accuracy budget {budget} not met even with every measured node in float32 "
                                f"({search.metric:.6g})")
             # never quiet: the nodes kept float32 for a budget they cannot reach cost speed on a GPU
