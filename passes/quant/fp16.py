@@ -580,16 +580,28 @@ class Fp16Pass(Pass):
         details["kept_fp32"] = [{"node": node_key(nodes[p]), "op": nodes[p].op_type, "reason": decisions[p][1]}
                                 for p in kept]
         if search is not None and not search.met and budget is not None:
-            details["note"] = (f"accuracy budget {budget} not met even with every measured node in float32 "
-                               f"({search.metric:.6g})")
-            # never quiet: the nodes kept float32 for a budget they cannot reach cost speed on a GPU
+            # never quiet: nodes kept float32 for a budget they cannot reach cost speed on a GPU
             all_half = search.tried.get(0)
-            logger.warning(
-                "%s: accuracy budget %s not met even with all %d measured node(s) kept float32 (%s=%.6g%s); they "
-                "stay float32 (slower on a GPU). A looser budget (--fp16-budget %s...) or --fp16-budget "
-                "none converts them", self.name, budget, len(search.keep), budget.metric, search.metric,
-                f"; all float16: {all_half:.6g}" if all_half is not None else "",
-                f"{budget.metric}{'>=' if budget.metric == 'cosine' else '<='}")
+            way_out = (f"a looser budget (--fp16-budget {budget.metric}{'>=' if budget.metric == 'cosine' else '<='}"
+                       "...) or --fp16-budget none")
+            if search.keep:
+                details["note"] = (f"accuracy budget {budget} not met even with every measured node in float32 "
+                                   f"({search.metric:.6g})")
+                message = (f"accuracy budget {budget} not met even with all {len(search.keep)} measured node(s) "
+                           f"kept float32 ({budget.metric}={search.metric:.6g}"
+                           f"{f'; all float16: {all_half:.6g}' if all_half is not None else ''}); they stay float32 "
+                           f"(slower on a GPU); {way_out} converts them")
+            elif max(search.tried) == 0:  # nothing measured to keep
+                details["note"] = f"accuracy budget {budget} not met ({search.metric:.6g}); no measured node to keep"
+                message = details["note"] + "; check the outputs (--verify)"
+            else:
+                most = max(search.tried)
+                details["note"] = (f"accuracy budget {budget} not met: all float16 gives {search.metric:.6g}, keeping "
+                                   f"all {most} measured nodes float32 {search.tried[most]:.6g} (no better): none kept")
+                message = (f"accuracy budget {budget} not met: all float16 gives {budget.metric}={search.metric:.6g} "
+                           f"and keeping all {most} measured node(s) float32 no better ({search.tried[most]:.6g}), so "
+                           "every one is converted; check the outputs (--verify); --keep-fp32 NODE keeps chosen nodes float32")
+            logger.warning("%s: %s", self.name, message)
         if source.random:
             from mograph.passes.quant._base import RANDOM_WARNING
 

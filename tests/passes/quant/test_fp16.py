@@ -838,3 +838,34 @@ def test_a_budget_out_of_reach_is_said_as_a_warning(monkeypatch, caplog):
     assert len(lines) == 1, lines
     assert "all float16: 0.9997" in lines[0] and "cosine=0.99985" in lines[0] and "--fp16-budget none" in lines[0]
     assert "--fp16-budget cosine>=" in lines[0]
+
+
+def test_a_budget_out_of_reach_keeps_nothing_that_measured_no_better(monkeypatch, caplog):
+    """On a real Qwen2.5-Coder-0.5B every node float16 gave cosine 0.999889 and keeping all 242 measured nodes float32
+    gave 0.99985 (worse): the search kept the 242 float32 anyway (the FFN MatMuls: slower on a GPU, for nothing).
+    Out of reach, it keeps them only where that measured better than keeping none."""
+    from mograph.passes.quant._fp16_measure import fewest_fp32
+    from mograph.passes.quant.plan import parse_budget
+
+    budget = parse_budget("cosine>=0.9999")
+    worse = fewest_fp32([3, 1, 2], lambda kept: 0.99985 if kept else 0.999889, budget)
+    assert worse.keep == [] and not worse.met and worse.metric == 0.999889 and worse.tried == {0: 0.999889, 3: 0.99985}
+    better = fewest_fp32([3, 1, 2], lambda kept: 0.99989 if kept else 0.999889, budget)
+    assert better.keep == [3, 1, 2] and not better.met  # still out of reach, but keeping them helps: kept
+    near = fewest_fp32([3, 1, 2], lambda kept: 0.9 + 0.1 * len(kept) / 3, parse_budget("cosine>=0.95"))
+    assert near.met and near.keep == [3, 1]  # a budget in reach: the fewest, as before
+
+    import mograph.passes.quant.fp16 as fp16_mod
+
+    def measured_worse(ranked, evaluate, budget):
+        return fewest_fp32(ranked, lambda kept: 0.99985 if kept else 0.999889, budget)
+
+    monkeypatch.setattr(fp16_mod, "fewest_fp32", measured_worse)
+    proto = _model()
+    model = to_ir(proto)
+    with caplog.at_level("WARNING", logger="mograph.passes.quant.fp16"):
+        result = Fp16Pass(calibration_data=_calib()).call(model)
+    assert result.stats["kept_fp32.budget"] == 0 and result.stats["kept_fp32"] == 0
+    assert "none kept" in result.details["note"]
+    lines = [r.getMessage() for r in caplog.records if "not met" in r.getMessage()]
+    assert len(lines) == 1 and "every one is converted" in lines[0] and "0.999889" in lines[0], lines
