@@ -583,10 +583,18 @@ def lower_model(model: ir.Model, target: str = DEFAULT_TARGET, *, registry: Decl
     as_given = int(stats.get("attention.position_ids_as_given", 0))
     if as_given:  # exact, but slower than ONNX Runtime GenAI's graphs: say what the opt-in would change
         note = (f"{as_given} GroupQueryAttention node(s) keep the rotary outside the op (position_ids is a model "
-                "input, read as given: exact; 1.10-1.25x ONNX Runtime GenAI's graphs on an H200). If your loop "
-                "always feeds each token's cache position (past + s, as ONNX Runtime GenAI does), "
-                "--position-ids cache puts the rotary inside (1.00x there)")
+                "input, read as given (--position-ids as-given): exact; 1.10-1.25x ONNX Runtime GenAI's graphs on "
+                "an H200). If your loop always feeds each token's cache position (past + s, as ONNX Runtime GenAI "
+                "does), --position-ids cache (or auto) puts the rotary inside (1.00x there)")
         logger.warning("%s: %s", LOWER_PASS, note)
+        details["position_ids_note"] = note
+    assumed = int(stats.get("attention.position_ids_assumed", 0))
+    if assumed:  # an assumption the user may have made only through --kv-cache shared / --mask-format lengths
+        note = (f"{assumed} GroupQueryAttention node(s) read the position_ids input as each token's cache position "
+                "(past + s; --position-ids cache, or auto under --kv-cache shared / --mask-format lengths, which "
+                "already assume right padding): other positions (offsets, packed sequences) give other numbers; "
+                "--position-ids as-given keeps the export's")
+        logger.info("%s: %s", LOWER_PASS, note)
         details["position_ids_note"] = note
     changed = ensure_functions(model, ops)
     changed = drop_unused_functions(model, ops) or changed

@@ -337,7 +337,11 @@ class AttentionFusion(Rule):
             y.producer().metadata_props[MASK_FORMAT_KEY] = fmt
         if getattr(self, "kv_cache", None) == "shared":
             y.producer().metadata_props[KV_CACHE_KEY] = "shared"
-        if getattr(self, "position_ids", None) == "cache":
+        positions = getattr(self, "position_ids", None)
+        # auto: where the graph already assumes right padding (lengths, the shared buffer), a position_ids input is
+        # read as what such a loop feeds, each token's cache position; otherwise as given
+        if positions == "cache" or (positions == "auto" and (getattr(self, "kv_cache", None) == "shared" or (
+                fmt == "lengths" and f["mask"] is not None))):
             y.producer().metadata_props[POSITION_IDS_KEY] = "cache"
         if f["flat"]:
             y = op.Reshape(y, op.initializer(ir.tensor(np.array([-1, f["width"]], dtype=np.int64)),
@@ -467,21 +471,23 @@ KV_CACHE_OPTION = Option(
 
 def _position_ids_mode(raw: object) -> str:
     text = str(raw).strip().lower()
-    if text not in ("as-given", "cache"):
-        raise ValueError("expected as-given or cache")
+    if text not in ("auto", "as-given", "cache"):
+        raise ValueError("expected auto, as-given or cache")
     return text
 
 
 POSITION_IDS_OPTION = Option(
-    "position-ids", _position_ids_mode, "as-given",
+    "position-ids", _position_ids_mode, "auto",
     "a decoder export's position_ids input (optimum's exports take one) for --target ort's GroupQueryAttention: "
-    "as-given (default, exact: the rotary angles are the export's own, computed from position_ids, and "
-    "one ONNX Runtime RotaryEmbedding kernel rotates Q and K before GroupQueryAttention; measured 1.10-1.17x the "
-    "builder's rotary-inside graphs on the H200) or cache (ASSUMES position_ids[b, s] is each token's cache position, past "
-    "length + s, as a generation loop without left padding feeds it: GroupQueryAttention then computes the "
-    "rotary itself from its cache lengths and position_ids is not read; left padding, offsets or packed "
-    "sequences give other numbers)",
-    metavar="as-given|cache",
+    "auto (default): cache where the graph already ASSUMES right padding (--mask-format lengths, --kv-cache "
+    "shared: a loop feeding such masks feeds each token's cache position), else as-given; as-given (exact): "
+    "behind the default mask format's run-time check, which then also checks position_ids[b, s] == past + s, "
+    "GroupQueryAttention computes the rotary itself and other positions take the exact branch; without the "
+    "check the export's own angles, one ONNX Runtime RotaryEmbedding kernel before GroupQueryAttention "
+    "(1.10-1.25x the builder's graphs on the H200, session 14); cache (ASSUMES position_ids[b, s] is each "
+    "token's cache position, past length + s: GroupQueryAttention computes the rotary from its cache lengths "
+    "and position_ids is not read; left padding, offsets or packed sequences give other numbers)",
+    metavar="auto|as-given|cache",
 )
 
 

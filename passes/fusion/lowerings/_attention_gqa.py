@@ -264,8 +264,8 @@ def _packed_external(q: ir.Value, xs: list[ir.Value], heads: int, kv_heads: int,
     return _add(new_nodes, "Concat", [kernel.outputs[0], v], axis=-1)
 
 
-def _input_positions_inv(f: ir.Value) -> np.ndarray | None:
-    """``inv_freq`` where the angle table ``f`` is ``Cast(p) x inv_freq`` with ``p`` an integer graph input (a
+def _input_positions(f: ir.Value) -> tuple[ir.Value, np.ndarray] | None:
+    """``(p, inv_freq)`` where the angle table ``f`` is ``Cast(p) x inv_freq`` with ``p`` an integer graph input (a
     ``position_ids`` input, through Unsqueezes), else None (``--position-ids cache`` assumes only such an input)."""
     for factor, inv, _ in _angle_factors(f):
         cast = _producer(factor, "Cast")
@@ -274,8 +274,13 @@ def _input_positions_inv(f: ir.Value) -> np.ndarray | None:
             value = un.inputs[0]
         if (value is not None and value.is_graph_input() and value.dtype is not None and value.dtype.is_integer()
                 and inv.dtype in (np.float32, np.float16)):
-            return inv
+            return value, inv
     return None
+
+
+def _input_positions_inv(f: ir.Value) -> np.ndarray | None:
+    found = _input_positions(f)
+    return found[1] if found is not None else None
 
 
 def _no_gqa(node: ir.Node, why: str) -> bool:
@@ -323,6 +328,7 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
     fits = not partial or (partial // 2) % GQA_HEAD_MULTIPLE == 0
     past = ck[0] if ck is not None else None
     rp = _rotary_positions(f, xq, past, ctx)
+    checked_ids: ir.Value | None = None  # a position_ids input the run-time check compares with P + s
     # rotary outside (do_rotary 0) where the angles are not provably (past + s) * inv_freq, e.g. position_ids given
     # as an input: ONNX Runtime's RotaryEmbedding kernels rotate Q and K by the export's own angles before the op
     external = rp is None or not fits
@@ -337,8 +343,10 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
             external = inv is None
             if not external:
                 ctx.count("attention.position_ids_assumed")
-        elif _input_positions_inv(f) is not None:  # the lowering says once what --position-ids cache would change
-            ctx.count("attention.position_ids_as_given")
+        elif fits and fmt != "lengths" and (given := _input_positions(f)) is not None:
+            # behind the padding check (decided below: a mask) the check also compares the ids with P + s
+            checked_ids, inv = given
+            external = False
     else:
         pos, inv = rp[0], rp[1] if fits else None
     kv = ctx.dims(ck[2]) if ck is not None else None
@@ -349,6 +357,10 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
         return _no_gqa(node, "the bias is not provably causal (and a key-padding mask)")
     mask = causal[0]
     guarded = mask is not None and fmt != "lengths"  # the lengths assume right padding: checked at run time
+    if checked_ids is not None and not guarded:  # no check to add it to: the export's angles, as given
+        checked_ids, inv, external = None, None, True
+    if external and _input_positions_inv(f) is not None:  # the lowering says once what --position-ids would change
+        ctx.count("attention.position_ids_as_given")
     if guarded and node.metadata_props.get(_FALLBACK_KEY):
         return _no_gqa(node, "the exact fallback branch of a right-padding check")
     if mask is None and ck is not None:
@@ -406,6 +418,10 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
     if guarded:
         assert mask is not None
         ok = _right_padded(mask, ck[0] if ck is not None else None, outer, ctx.shared)
+        if checked_ids is not None:
+            ok = _add(outer, "And", [ok, _cache_positions(checked_ids, ck[0] if ck is not None else None, outer,
+                                                          ctx.shared)])
+            ctx.count("attention.position_ids_checked")
         presents = (ck[2], cv[2]) if ck is not None and cv is not None else (present_k, present_v)
         _guard(node, ctx, ok, outer, new_nodes, presents, exact)
         ctx.count("attention.gqa_external_rotary" if external else "attention.gqa_rotary")
@@ -483,6 +499,28 @@ def _right_padded(mask: ir.Value, past: ir.Value | None, new_nodes: list[ir.Node
         small = _add(new_nodes, "Or", [_add(new_nodes, "Equal", [step, one]),
                                        _add(new_nodes, "Equal", [dim(mask, 0), one])])
         ok = _add(new_nodes, "And", [ok, small])
+    shared[key] = ok
+    return ok
+
+
+def _cache_positions(ids: ir.Value, past: ir.Value | None, new_nodes: list[ir.Node], shared: Shared) -> ir.Value:
+    """A bool scalar, true where the ``position_ids`` input ``ids`` ``[B, S]`` is each token's cache position,
+    ``ids[b, s] == P + s`` (``P`` the past ``[B, G, P, D]``'s length, 0 without one): where GroupQueryAttention's own
+    rotary gives the export's angles.  Built once per input and step kind, on the device."""
+    key = ("position_checks", id(ids), past is not None)
+    if key in shared:
+        return shared[key]  # type: ignore[no-any-return]
+    zero, one = _const(new_nodes, np.array(0, dtype=np.int64)), _const(new_nodes, np.array(1, dtype=np.int64))
+    axis0 = _const(new_nodes, np.array([0], dtype=np.int64))
+    seq = _add(new_nodes, "Squeeze", [_add(new_nodes, "Shape", [ids], start=1, end=2), axis0])
+    start = _add(new_nodes, "Squeeze", [_add(new_nodes, "Shape", [past], start=2, end=3), axis0]) \
+        if past is not None else zero
+    expected = _add(new_nodes, "Unsqueeze", [_add(new_nodes, "Range", [start, _add(new_nodes, "Add", [start, seq]),
+                                                                       one]), axis0])
+    given = ids if ids.dtype == ir.DataType.INT64 else _add(new_nodes, "Cast", [ids], to=ir.DataType.INT64.value)
+    same = _add(new_nodes, "Cast", [_add(new_nodes, "Equal", [given, expected])], to=ir.DataType.INT32.value)
+    ok = _add(new_nodes, "Equal", [_add(new_nodes, "ReduceMin", [same], keepdims=0),
+                                   _const(new_nodes, np.array(1, dtype=np.int32))])
     shared[key] = ok
     return ok
 

@@ -101,7 +101,7 @@ def _optimize(path: Path = LLAMA, **options: Any) -> tuple[onnx.ModelProto, dict
 
 
 def test_lengths_lowers_to_group_query_attention_without_a_kv_repeat() -> None:
-    model, stats = _optimize(mask_format="lengths")
+    model, stats = _optimize(mask_format="lengths", position_ids="as-given")
     ops = Counter(n.op_type for n in model.graph.node)
     assert ops["GroupQueryAttention"] == LAYERS and ops["MultiHeadAttention"] == 0, ops
     assert ops["RotaryEmbedding"] == LAYERS, ops  # one kernel over the Q and K heads (position_ids as given)
@@ -264,7 +264,7 @@ def test_rotary_outside_says_what_position_ids_cache_would_change(caplog: pytest
     """An export with a ``position_ids`` input keeps the rotary outside GroupQueryAttention (exact, 1.10-1.25x the
     GenAI builder's graphs on the H200): the lowering says so once and names the opt-in; with it, nothing is said."""
     with caplog.at_level("WARNING", logger="mograph.lowering"):
-        model, stats = _optimize(kv_cache="shared")
+        model, stats = _optimize(kv_cache="shared", position_ids="as-given")
     assert stats["attention.position_ids_as_given"] == LAYERS and stats["attention.gqa_external_rotary"] == LAYERS
     notes = [r.getMessage() for r in caplog.records if "--position-ids cache" in r.getMessage()]
     assert len(notes) == 1 and notes[0].startswith(f"lower: {LAYERS} GroupQueryAttention"), notes
@@ -275,7 +275,8 @@ def test_rotary_outside_says_what_position_ids_cache_would_change(caplog: pytest
     assert not [r for r in caplog.records if "--position-ids cache" in r.getMessage()]
 
 
-@pytest.mark.parametrize("options", [{"mask_format": "lengths"}, {"mask_format": "lengths", "position_ids": "cache"},
+@pytest.mark.parametrize("options", [{"mask_format": "lengths", "position_ids": "as-given"},
+                                     {"mask_format": "lengths", "position_ids": "cache"},
                                      {"kv_cache": "shared", "position_ids": "cache"}],
                          ids=["rotary-outside", "rotary-inside", "shared-inside"])
 def test_phi3_fused_qkv_proj_feeds_group_query_attention_packed(options: dict[str, str]) -> None:
@@ -344,7 +345,8 @@ def test_partial_rotary_lowers_to_group_query_attention(path: Path, inside: bool
     multiple of 8: R = 48 of 64; R = 12 of 16 it refuses at run time, so that one keeps one kernel outside)."""
     ref = _session(path)
     feeds, outs = _steps(ref)
-    for options in ({"mask_format": "lengths"}, {"mask_format": "lengths", "position_ids": "cache"}, {}):
+    for options in ({"mask_format": "lengths", "position_ids": "as-given"},
+                    {"mask_format": "lengths", "position_ids": "cache"}, {}):
         model, stats = _lower_stats(onnx.load(path), **options)
         ops = Counter(n.op_type for n in model.graph.node)
         assert ops["Softmax"] == 0 and ops["MultiHeadAttention"] == 0 and stats.get("kv_repeats", 0) == 0, ops
@@ -407,7 +409,8 @@ def test_partial_rotary_with_its_halves_swapped_is_left_unfused() -> None:
         assert _max_diff(opt.run(None, f), want) < 1e-5
 
 
-@pytest.mark.parametrize("options", [{"mask_format": "lengths"}, {"mask_format": "lengths", "position_ids": "cache"},
+@pytest.mark.parametrize("options", [{"mask_format": "lengths", "position_ids": "as-given"},
+                                     {"mask_format": "lengths", "position_ids": "cache"},
                                      {}], ids=["rotary-outside", "rotary-inside", "padding-check"])
 def test_qwen3_projections_packed_through_the_head_norms(options: dict[str, str]) -> None:
     """Qwen 3's ``q_norm`` / ``k_norm`` sit between the projections and the rotary, so Q and K stay apart at
@@ -415,10 +418,10 @@ def test_qwen3_projections_packed_through_the_head_norms(options: dict[str, str]
     was (the norms and the rotary unchanged): one MatMul per layer instead of three, in both branches of the check."""
     model, stats = _optimize(QWEN3, **options)
     ops = Counter(n.op_type for n in model.graph.node)
-    assert stats["attention.packed_projections"] == LAYERS and stats.get("attention.packed_qkv", 0) == (
-        LAYERS if not options else 0), stats  # (behind the check: a Concat of the rotated Q, K and V)
-    # per layer QKV, o_proj, gate, up, down; the lm_head; the angle table's (rotary outside)
-    assert ops["Split"] == LAYERS and ops["MatMul"] == LAYERS * 5 + 1 + (0 if options.get("position_ids") else 1), ops
+    assert stats["attention.packed_projections"] == LAYERS and stats.get("attention.packed_qkv", 0) == 0, stats
+    # per layer QKV, o_proj, gate, up, down; the lm_head; the angle table's (rotary outside, or the exact branch's)
+    assert ops["Split"] == LAYERS and ops["MatMul"] == LAYERS * 5 + 1 + (
+        0 if options.get("position_ids") == "cache" else 1), ops
     assert ops["SimplifiedLayerNormalization"] == 2 * LAYERS + 1, ops  # (the heads' and the final norm)
     ref, opt = _session(QWEN3), _session(model)
     feeds, outs = _steps(ref)
@@ -442,14 +445,19 @@ def test_qwen3_value_of_another_tensor_keeps_its_projections() -> None:
         assert _max_diff(opt.run(None, f), want) < 1e-5
 
 
-def test_default_check_reads_one_packed_projection_in_both_branches() -> None:
-    """The default form (rotary outside behind the padding check): the exact branch reads the rotary kernels, so no
-    second packed copy is built there; the three projections themselves become one ``Split(h @ [Wq | Wk | Wv])``
-    that both branches read (the main graph had 3 MatMuls per layer for them, now 1)."""
+def test_default_check_branches_read_their_own_projections() -> None:
+    """The default form behind the check (right padding and ``position_ids == past + s``): the fast branch is one
+    packed ``h @ [Wq | Wk | Wv]`` into GroupQueryAttention with the rotary inside; the exact branch keeps the three
+    projections and its rotary kernels; the main graph holds neither (a run computes one set of projections)."""
     model, stats = _optimize()
-    assert stats["attention.packed_projections"] == LAYERS and stats["attention.padding_check"] == LAYERS, stats
+    assert stats["attention.packed_qkv"] == LAYERS and stats["attention.padding_check"] == LAYERS, stats
+    assert stats["attention.position_ids_checked"] == LAYERS and "attention.packed_projections" not in stats, stats
     ops = Counter(n.op_type for n in model.graph.node)
-    assert ops["MatMul"] == LAYERS * 5 + 2 and ops["Split"] == LAYERS, ops  # (+ the lm_head and the angle table)
+    assert ops["MatMul"] == LAYERS * 4 + 2 and ops["Split"] == 0, ops  # (+ the lm_head and the angle table)
+    for node in (n for n in model.graph.node if n.op_type == "If"):
+        branch = {a.name: Counter(x.op_type for x in a.g.node) for a in node.attribute}
+        assert branch["then_branch"] == Counter({"MatMul": 1, "GroupQueryAttention": 1}), branch["then_branch"]
+        assert branch["else_branch"]["MatMul"] == 3 and branch["else_branch"]["MultiHeadAttention"] == 1
     ref, opt = _session(LLAMA), _session(model)
     feeds, outs = _steps(ref)
     left = dict(feeds[0])

@@ -1,11 +1,17 @@
 """Decoder exports that take ``position_ids`` as an input (as optimum's do): their rotary angles come from that input,
-which nothing proves equal to ``past + s``, so the rotary cannot go inside ``GroupQueryAttention``; the causal mask is
-still built from the cache position.  ``--target ort`` lowers them to ``GroupQueryAttention`` with ``do_rotary`` 0 over one
-packed projection: ``Split(h @ [W_q | W_k | W_v])``, one ONNX Runtime ``RotaryEmbedding`` kernel over the Q and K
-heads together, ``Concat`` with V into its one QKV input (no K/V head repeat, the cache as its past/present, the
-shared buffer possible), exact against the export on ONNX Runtime CPU.
-The Concat keeps the graph outside ONNX Runtime's CUDA ``GroupQueryAttentionFusion`` (RotaryEmbedding kernels feeding
-the op directly), which would read these per-token rotary caches by absolute position; checked here structurally."""
+which nothing proves equal to ``past + s``; the causal mask is still built from the cache position.  Three forms:
+
+* the default mask format: its run-time check (right padding) also checks ``position_ids == past + s``; where it
+  holds, ``GroupQueryAttention`` computes the rotary itself (``do_rotary`` 1), else the exact branch runs;
+* ``--mask-format lengths`` / ``--kv-cache shared`` (they assume right padding): by default (``--position-ids auto``)
+  the ids are read as cache positions, as ``--position-ids cache`` does (rotary inside, the ids unread);
+* ``--position-ids as-given`` under those: ``do_rotary`` 0 over one packed projection, ``Split(h @ [W_q | W_k |
+  W_v])``, one ONNX Runtime ``RotaryEmbedding`` kernel over the Q and K heads together, ``Concat`` with V into its one
+  QKV input (no K/V head repeat, the cache as its past/present, the shared buffer possible).  The Concat keeps the
+  graph outside ONNX Runtime's CUDA ``GroupQueryAttentionFusion`` (RotaryEmbedding kernels feeding the op directly),
+  which would read these per-token rotary caches by absolute position; checked here structurally.
+
+Each exact against the export on ONNX Runtime CPU where its assumption holds."""
 
 from __future__ import annotations
 
@@ -101,7 +107,7 @@ CASES = {"prefill": [(2, 6, "none"), (2, 6, "right"), (1, 5, "none")],
 @pytest.mark.parametrize("step", ["prefill", "decode"])
 def test_lengths_becomes_gqa_with_the_rotary_outside(exports: Any, exporter: str, step: str) -> None:
     path = exports(step, exporter)
-    model, stats = _optimize(path, mask_format="lengths")
+    model, stats = _optimize(path, mask_format="lengths", position_ids="as-given")
     ops = Counter(n.op_type for n in model.graph.node)
     assert ops["GroupQueryAttention"] == 2 and ops["RotaryEmbedding"] == 2 and ops["Split"] == 2, ops
     assert ops["MatMul"] == 11, ops  # one packed Q/K/V projection per layer (2 x 5 + the LM head)
@@ -122,41 +128,61 @@ def test_lengths_becomes_gqa_with_the_rotary_outside(exports: Any, exporter: str
     for batch, seq, padding in CASES[step]:
         feeds = de.feeds(cfg, step, batch=batch, seq=seq, past=7, padding=padding, position_ids=True)
         assert _max_diff(_run(path, feeds), _run(model, feeds)) < 1e-5, (batch, seq, padding)
-    again, _ = mograph.optimize(model, passes=["cleanup", "fuse"], options={"target": "ort", "mask_format": "lengths"})
+    again, _ = mograph.optimize(model, passes=["cleanup", "fuse"],
+                                options={"target": "ort", "mask_format": "lengths", "position_ids": "as-given"})
     assert Counter(n.op_type for n in again.graph.node) == ops  # a second run changes nothing
 
 
 @pytest.mark.parametrize("step", ["prefill", "decode"])
-def test_default_checks_right_padding(exports: Any, step: str) -> None:
-    """The default mask format: the right-padding check on the device picks GroupQueryAttention (rotary outside) or
-    the exact form per run; left padding takes the exact branch; the export's numbers either way."""
+def test_default_checks_right_padding_and_positions(exports: Any, step: str) -> None:
+    """The default mask format: the check on the device (right padding, and position_ids each token's cache
+    position ``P + s``) picks GroupQueryAttention with the rotary inside (do_rotary 1, position_ids unread) or the
+    exact form per run; left padding and offset positions take the exact branch; the export's numbers either way."""
     path = exports(step, "torchscript")
     model, stats = _optimize(path)
     ops = Counter(n.op_type for n in model.graph.node)
-    assert ops["If"] == 2 and ops["RotaryEmbedding"] == 4, ops  # both branches read the rotated Q and K
+    assert ops["If"] == 2, ops
     branches = [{a.name: a.g for a in n.attribute} for n in model.graph.node if n.op_type == "If"]
     for b in branches:
         fast = Counter(n.op_type for n in b["then_branch"].node)
-        assert fast["GroupQueryAttention"] == 1 and fast["RotaryEmbedding"] == 0 and fast["Concat"] == 1, fast
-        assert [a["do_rotary"] for a in _gqa_attrs(b["then_branch"].node)] == [0]
-        assert Counter(n.op_type for n in b["else_branch"].node)["MultiHeadAttention"] == 1
-    assert (stats["attention.gqa_external_rotary"], stats["attention.padding_check"]) == (2, 2)
+        assert fast["GroupQueryAttention"] == 1 and fast["RotaryEmbedding"] == 0 and fast["Concat"] == 0, fast
+        assert [a["do_rotary"] for a in _gqa_attrs(b["then_branch"].node)] == [1]
+        exact = Counter(n.op_type for n in b["else_branch"].node)
+        assert exact["MultiHeadAttention"] == 1 and exact["RotaryEmbedding"] == 2, exact  # its own Q and K kernels
+    assert (stats["attention.gqa_rotary"], stats["attention.padding_check"]) == (2, 2)
+    assert stats["attention.position_ids_checked"] == 2 and "attention.gqa_external_rotary" not in stats
+    assert "attention.position_ids_as_given" not in stats  # (no note: nothing stays outside)
     cfg = de.config("llama", **CFG)
-    cases = [(2, 6, "none", True), (2, 6, "right", True), (2, 6, "left", False)] if step == "prefill" else \
-        [(2, 1, "none", True), (2, 1, "left", False)]
+    cases = [(2, 6, "none", True), (2, 6, "right", False), (2, 6, "left", False), (1, 5, "none", True)] \
+        if step == "prefill" else [(2, 1, "none", True), (2, 1, "left", False), (1, 4, "none", True)]
     for batch, seq, padding, fast_taken in cases:
         feeds = de.feeds(cfg, step, batch=batch, seq=seq, past=7, padding=padding, position_ids=True)
         assert if_decisions(model, feeds) == [fast_taken, fast_taken], (batch, seq, padding)
         assert _max_diff(_run(path, feeds), _run(model, feeds)) < 1e-5, (batch, seq, padding)
+        shifted = dict(feeds, position_ids=feeds["position_ids"] + 3)  # offsets: the exact branch, same numbers
+        assert if_decisions(model, shifted) == [False, False], (batch, seq, padding)
+        assert _max_diff(_run(path, shifted), _run(model, shifted)) < 1e-5, (batch, seq, padding)
+    again, _ = mograph.optimize(model, passes=["cleanup", "fuse"], options={"target": "ort"})
+    assert Counter(n.op_type for n in again.graph.node) == ops  # a second run changes nothing
 
 
-def test_kv_cache_shared_greedy_loop_matches_the_export(exports: Any) -> None:
+@pytest.mark.parametrize("positions", ["as-given", "auto"])
+def test_kv_cache_shared_greedy_loop_matches_the_export(exports: Any, positions: str) -> None:
     """``--kv-cache shared`` with position_ids: past and present bound to one static buffer per layer, position_ids
-    fed as a generation loop does; the greedy tokens and logits are the export's (its cache grown by Concat)."""
+    fed as a generation loop does; the greedy tokens and logits are the export's (its cache grown by Concat).
+    ``as-given``: the rotary outside; ``auto`` (the default): the shared buffer's right padding implies cache
+    positions, so GroupQueryAttention computes the rotary itself (position_ids unread)."""
     path = exports("decode", "torchscript")
-    model, stats = _optimize(path, kv_cache="shared")
-    assert stats["attention.kv_cache_shared"] == 2 and stats["attention.gqa_external_rotary"] == 2
-    _not_ort_cuda_gqa_fusion_pattern(model.graph)
+    model, stats = _optimize(path, kv_cache="shared", position_ids=positions)
+    assert stats["attention.kv_cache_shared"] == 2
+    if positions == "as-given":
+        assert stats["attention.gqa_external_rotary"] == 2
+        _not_ort_cuda_gqa_fusion_pattern(model.graph)
+    else:
+        assert stats["attention.gqa_rotary"] == 2 and stats["attention.position_ids_assumed"] == 2
+        assert "attention.gqa_external_rotary" not in stats
+        assert [a["do_rotary"] for a in _gqa_attrs(model.graph.node)] == [1, 1]
+        assert Counter(n.op_type for n in model.graph.node)["RotaryEmbedding"] == 0
     cfg = de.config("llama", **CFG)
     layers = cfg.num_hidden_layers
     names = [f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
@@ -210,6 +236,7 @@ def test_fp16_keeps_long_positions_exact(exports: Any, tmp_path: Path) -> None:
     np.savez(tmp_path / "calib.npz", **feeds)
     model, report = mograph.optimize(onnx.load(path), passes=["cleanup", "fuse", "fp16"],
                                      options={"target": "ort", "mask_format": "lengths", "fp16_io": "yes",
+                                              "position_ids": "as-given",
                                               "calibration_data": str(tmp_path / "calib.npz")})
     fp16 = next(p for p in report.to_dict()["passes"] if p["name"] == "fp16")
     assert fp16["stats"]["kept_fp32.position_angle"] >= 4  # Cast, MatMul/Mul, Cos, Sin at least
@@ -243,11 +270,23 @@ def test_position_ids_cache_puts_the_rotary_inside(exports: Any, exporter: str) 
     assert _max_diff(_run(path, feeds), _run(model, feeds)) < 1e-5
     shifted = dict(feeds, position_ids=feeds["position_ids"] + 5)  # outside the assumption
     assert _max_diff(_run(path, shifted), _run(model, shifted)) > 1e-2
-    exact, _ = _optimize(path, mask_format="lengths")  # the default form follows the given positions
+    exact, _ = _optimize(path, mask_format="lengths", position_ids="as-given")  # follows the given positions
     assert _max_diff(_run(path, shifted), _run(exact, shifted)) < 1e-5
     again, _ = mograph.optimize(model, passes=["cleanup", "fuse"],
                                 options={"target": "ort", "mask_format": "lengths", "position_ids": "cache"})
     assert Counter(n.op_type for n in again.graph.node) == ops
+
+
+def test_lengths_implies_cache_positions_by_default(exports: Any) -> None:
+    """``--mask-format lengths`` without ``--position-ids``: the default ``auto`` reads position_ids as cache positions
+    (the graph already assumes right padding), the same graph as ``--position-ids cache``; the lower step says so."""
+    path = exports("decode", "torchscript")
+    model, stats = _optimize(path, mask_format="lengths")
+    cache, cache_stats = _optimize(path, mask_format="lengths", position_ids="cache")
+    assert stats == cache_stats and stats["attention.position_ids_assumed"] == 2
+    assert [n.op_type for n in model.graph.node] == [n.op_type for n in cache.graph.node]
+    feeds = de.feeds(de.config("llama", **CFG), "decode", batch=2, seq=1, past=7, position_ids=True)
+    assert _max_diff(_run(path, feeds), _run(model, feeds)) < 1e-5
 
 
 def test_position_ids_cache_changes_nothing_without_the_input(tmp_path: Path) -> None:
