@@ -118,7 +118,7 @@ def feeds(cfg: Any, step: str, batch: int = 2, seq: int = 5, past: int = 7, seed
         before = np.cumsum(out["attention_mask"], axis=1) - 1
         out["position_ids"] = np.maximum(before[:, total - seq:], 0).astype(np.int64)
     if step == "decode":
-        d = cfg.hidden_size // cfg.num_attention_heads
+        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         for i in range(cfg.num_hidden_layers):
             for n in ("key", "value"):
                 out[f"past_key_values.{i}.{n}"] = rng.standard_normal(

@@ -84,10 +84,12 @@ class Spec:
     ffn: int
     vocab: int
     theta: float = 10000.0
+    head_dim: int = 0  # 0: hidden // heads
+    window: int = 0  # gemma3: the sliding layers' window
 
     @property
     def head(self) -> int:
-        return self.hidden // self.heads
+        return self.head_dim or self.hidden // self.heads
 
 
 MODELS = {
@@ -96,7 +98,15 @@ MODELS = {
     "qwen": Spec("qwen2", 24, 896, 14, 2, 4864, 151936, 1000000.0),
     "tiny": Spec("llama", 2, 64, 4, 2, 128, 1000, 10000.0),
     "tiny-qwen": Spec("qwen2", 2, 64, 4, 2, 128, 1000, 1000000.0),
+    # Qwen3-0.6B's shape (q_norm / k_norm on each head before the rotary; head_dim 128 apart from hidden / heads)
+    "qwen3": Spec("qwen3", 28, 1024, 16, 8, 3072, 151936, 1000000.0, head_dim=128),
+    # Gemma 3 270M's shape (5 sliding-window layers of 512 to each global one, head_dim 256, one KV head)
+    "gemma3": Spec("gemma3", 18, 640, 4, 1, 2048, 262144, 1000000.0, head_dim=256, window=512),
+    "tiny-qwen3": Spec("qwen3", 2, 64, 4, 2, 128, 1000, 1000000.0, head_dim=32),
+    "tiny-gemma3": Spec("gemma3", 2, 64, 4, 1, 128, 1000, 1000000.0, head_dim=32, window=8),
 }
+#: the transformers config class of each ``Spec.arch``
+CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "gemma3": "Gemma3TextConfig"}
 DEFAULT_VARIANTS = [
     "mograph-ts=ts:cleanup,fuse,fp16:--target ort --fp16-io yes --mask-format lengths",
     "mograph-ts-shared=ts:cleanup,fuse,fp16:--target ort --fp16-io yes --kv-cache shared",
@@ -129,8 +139,14 @@ def hf_module(spec: Spec, seed: int = 0) -> Any:
                   num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv,
                   max_position_embeddings=4096, rope_theta=spec.theta, tie_word_embeddings=True,
                   attn_implementation="eager")
-    cfg = T.Qwen2Config(**common) if spec.arch == "qwen2" else T.LlamaConfig(**common)
-    model = (T.Qwen2ForCausalLM if spec.arch == "qwen2" else T.LlamaForCausalLM)(cfg).eval()
+    if spec.head_dim:
+        common["head_dim"] = spec.head_dim
+    if spec.arch == "gemma3":  # every 6th layer global, the others a sliding window (Gemma 3's pattern)
+        common.update(sliding_window=spec.window, query_pre_attn_scalar=spec.head,
+                      layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                   for i in range(spec.layers)])
+    cfg = getattr(T, CONFIGS[spec.arch])(**common)
+    model = T.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():  # non-trivial norms and biases, as trained weights have
         g = torch.Generator().manual_seed(seed + 1)
         for name, p in model.named_parameters():
@@ -182,7 +198,10 @@ def wrappers(model: Any, layers: int) -> tuple[Any, Any]:
             self.m = model
 
         def forward(self, input_ids: Any, attention_mask: Any) -> Any:
-            out = self.m(input_ids=input_ids, attention_mask=attention_mask, use_cache=True)
+            # a cache without the config: every layer keeps every key (Gemma 3's sliding layers would keep only
+            # the last window-1 keys as their present; the graphs here keep all, their masks apply the window)
+            out = self.m(input_ids=input_ids, attention_mask=attention_mask, past_key_values=T.DynamicCache(),
+                         use_cache=True)
             return (out.logits, *flat(out.past_key_values))
 
     class Decode(torch.nn.Module):
@@ -228,8 +247,7 @@ def export(spec: Spec, hf: Path, exporter: str, kind: str, out: Path) -> None:
     import torch
     import transformers as T
 
-    model = (T.Qwen2ForCausalLM if spec.arch == "qwen2" else T.LlamaForCausalLM).from_pretrained(
-        hf, attn_implementation="eager", dtype=torch.float32).eval()
+    model = T.AutoModelForCausalLM.from_pretrained(hf, attn_implementation="eager", dtype=torch.float32).eval()
     prefill, decode = wrappers(model, spec.layers)
     b, s, p = 2, 8, 8
     present = [f"present_{i}_{kv}" for i in range(spec.layers) for kv in ("key", "value")]
@@ -377,6 +395,25 @@ def _variant_base(args: argparse.Namespace, dirname: str) -> str:
     return ""
 
 
+def _drop_when_done(folder: Path, futures: list[Any]) -> None:
+    """Delete ``folder`` (an export) once every future reading it is done (``prepare --drop-exports``)."""
+    import shutil
+    import threading
+
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def done(_: Any) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0] == 0:
+                shutil.rmtree(folder, ignore_errors=True)
+                log(f"dropped {folder.parent.name}/{folder.name}")
+
+    for f in futures:
+        f.add_done_callback(done)
+
+
 def _after(base: Any, name: str, target: Path, make: Any, retry: bool) -> bool:
     """:func:`_step` once the future ``base`` (the step it reads, submitted earlier to the same pool) is done."""
     if base is not None:
@@ -489,10 +526,14 @@ def prepare(args: argparse.Namespace) -> int:
                     failed += 1
                     continue
                 exp_kind = t.parent.name.removeprefix("export-")
+                readers = []
                 for vt, vm in variants:
                     if _variant_export(args, vt.parent.name) == exp_kind:
                         by_dir[vt.parent.name] = pool.submit(_step, name, vt, vm, args.retry)
                         futures.append(by_dir[vt.parent.name])
+                        readers.append(by_dir[vt.parent.name])
+                if args.drop_exports and readers:  # the export's disk back once every graph made from it is there
+                    _drop_when_done(t.parent, readers)
                 # a from: variant waits in the pool for its base, submitted before it (the queue is FIFO, so the
                 # base is running or done by then: no deadlock)
                 for vt, vm in derived:
@@ -657,7 +698,7 @@ def torch_reference(spec: Spec, hf: Path, device: str, ids: np.ndarray) -> tuple
     import torch
     import transformers as T
 
-    model = (T.Qwen2ForCausalLM if spec.arch == "qwen2" else T.LlamaForCausalLM).from_pretrained(
+    model = T.AutoModelForCausalLM.from_pretrained(
         hf, attn_implementation="eager", dtype=torch.float32).eval().to(device)
     with torch.inference_mode():
         x = torch.from_numpy(ids).to(device)
@@ -864,6 +905,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--builder-precisions", default="fp16,int4", help="builder -p values (fp32 for a CPU smoke)")
     ap.add_argument("--builder-ep", default="cuda", help="builder -e (cpu for a CPU smoke)")
     ap.add_argument("--retry", action="store_true", help="retry steps that failed before")
+    ap.add_argument("--drop-exports", action="store_true",
+                    help="with --jobs: delete each export once every mograph graph made from it is built (disk)")
     ap.add_argument("--jobs", type=int, default=1,
                     help="prepare: run the builders and mograph's runs N at a time (the exports stay one at a time), each "
                          "with cores/N threads (MOGRAPH_ORT_THREADS, OMP_NUM_THREADS); with several models at once "
