@@ -56,6 +56,9 @@ from mograph.patterns import constant_array, remove_dead_producers
 
 logger = logging.getLogger(__name__)
 
+#: GroupQueryAttention's ``do_rotary`` takes head sizes of a multiple of 16 only (ONNX Runtime's cache check)
+ROTARY_HEAD_MULTIPLE = 16
+
 
 #: rows of the cos/sin caches GroupQueryAttention's ``do_rotary`` reads (positions 0 .. MAX-1): option ``--max-length``
 GQA_MAX_LENGTH = 4096
@@ -319,8 +322,12 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
                              "as wide as the rotary")
     # a partial rotary (the first R of D values rotated) goes inside where do_rotary takes R/2-wide caches: ONNX
     # Runtime's kernel (CPU, measured) rotates the first 2 x cos_cache.shape[1] values of each head and asks that width
-    # of a multiple of 8 values (it refuses R = 12 of D = 16 at run time)
-    fits = not partial or (partial // 2) % GQA_HEAD_MULTIPLE == 0
+    # of a multiple of 8 values (it refuses R = 12 of D = 16 at run time), at most (D / 16) * 8, and a head size of a
+    # multiple of 16 with any rotary (it refuses D = 40, a Phi-2 shape, at run time: "head_size shall be a multiple of
+    # 16"); else the rotary stays outside, in RotaryEmbedding kernels
+    half = (partial or head_size) // 2
+    fits = head_size % ROTARY_HEAD_MULTIPLE == 0 and half % GQA_HEAD_MULTIPLE == 0 \
+        and half <= (head_size // ROTARY_HEAD_MULTIPLE) * GQA_HEAD_MULTIPLE
     past = ck[0] if ck is not None else None
     rp = _rotary_positions(f, xq, past, ctx)
     # rotary outside (do_rotary 0) where the angles are not provably (past + s) * inv_freq, e.g. position_ids given
