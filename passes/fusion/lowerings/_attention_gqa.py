@@ -44,6 +44,7 @@ from mograph.passes.fusion.lowerings.attention_proofs import (
     _rotated_split,
     _seq_dim,
     _through_unsqueeze,
+    legacy_positions,
 )
 from mograph.passes.fusion.lowerings.packed_nbits import pack_nbits_biased, pack_nbits_projections
 
@@ -209,8 +210,9 @@ def _causal_positions(bias: ir.Value, q: ir.Value, past: ir.Value | None, ctx: L
     ``position_ids`` as an input rotate by those, which nothing proves equal to ``P + s``; their causal mask is still
     built from the cache position (transformers' ``cache_position``), which this finds."""
     where = _producer(bias, "Where")
-    if where is None:
-        return None
+    if where is None:  # transformers' legacy spelling (Trilu, ScatterND)
+        pos = legacy_positions(bias, ctx)
+        return pos if pos is not None and _positions(pos, q, past, ctx) else None
     sliced = _key_slice(where.inputs[0])  # (what the slice keeps is checked where the causal term is proved)
     for leaf in _and_leaves(sliced[0] if sliced is not None else where.inputs[0]):
         le = leaf.producer() if leaf is not None and not _all_true(leaf) else None

@@ -12,8 +12,11 @@ multiple of 16"): it stays outside now, in RotaryEmbedding kernels (``rotary_emb
 
 ``stablelm_partial``: ``StableLmForCausalLM``, 2 layers, hidden 128, 2 heads of 64, ``partial_rotary_factor`` 0.25,
 ``use_qkv_bias``, FFN 64.  Its sdpa export scales Q and K^T by ``sqrt(1 / sqrt(D))`` computed from the query's shape:
-the attention stayed unfused.  It fuses now; its causal mask (transformers' legacy ``Trilu`` / ``ScatterND``
-spelling) is not yet proved causal, so it lowers to MultiHeadAttention with the mask as a bias (exact).
+the attention stayed unfused.  Its causal mask is transformers' legacy spelling (``triu(full(min), 1) * (arange(T) >
+cache_position[:, None])``, the padding written over it by ``ScatterND``): proved causal now
+(:func:`mograph.passes.fusion.lowerings.attention_proofs.legacy_causal`), it lowers to GroupQueryAttention (it
+stayed MultiHeadAttention with the mask as a bias).  A Trilu that keeps a key after the query (``k`` 2) or the
+lower triangle is a near miss: MultiHeadAttention, exact.
 """
 
 from __future__ import annotations
@@ -171,19 +174,70 @@ def test_phi2_shared_buffer_decode_step_in_place() -> None:
         assert np.abs(buffers[name].numpy()[:, :, :prev + 1] - present).max() < 1e-5
 
 
-def test_stablelm_shape_computed_scale_fuses() -> None:
-    """The scale read from the query's shape folds: both attentions fuse (exact numbers, the causal mask kept as the
-    kernel's bias while its Trilu / ScatterND spelling is not proved causal)."""
+def test_stablelm_shape_computed_scale_and_legacy_mask_lower_to_gqa() -> None:
+    """The scale read from the query's shape folds, the Trilu / ScatterND mask is proved causal: GroupQueryAttention
+    behind the right-padding check, the rotary (16 of 64) outside as position_ids is an input."""
     model, passes = _optimize(STABLELM)
     fuse = passes["fuse-attention"]["stats"]
     assert fuse == {"AttentionFusion": LAYERS, "AttentionFusion.mul-qk.mask.rotary.cache": LAYERS}, fuse
+    stats = passes["lower"]["stats"]
+    assert stats["attention.padding_check"] == LAYERS and stats["attention.gqa_external_rotary"] == LAYERS, stats
     ops = _ops(model)
-    assert ops["Softmax"] == 0 and ops["GroupQueryAttention"] + ops["MultiHeadAttention"] == LAYERS, ops
-    assert ops["RotaryEmbedding"] == 2 * LAYERS, ops
+    assert ops["Softmax"] == 0 and ops["GroupQueryAttention"] == ops["MultiHeadAttention"] == LAYERS, ops
+    assert ops["If"] == LAYERS and ops["RotaryEmbedding"] == 2 * LAYERS, ops
     for rot in (n for n in model.graph.node if n.op_type == "RotaryEmbedding"):
         attrs = {a.name: helper.get_attribute_value(a) for a in rot.attribute}
         assert attrs["rotary_embedding_dim"] == 16, attrs  # 0.25 of 64
     _check_numbers(STABLELM, model, left_padded=True)
+
+
+@pytest.mark.parametrize("options", [{"mask_format": "lengths"}, {"mask_format": "lengths", "position_ids": "cache"}],
+                         ids=["lengths", "lengths-cache"])
+def test_stablelm_lengths_group_query_attention_alone(options: dict[str, str]) -> None:
+    """With the lengths: GroupQueryAttention alone (no Trilu, ScatterND or K/V Expand left); with ``--position-ids
+    cache`` the 16-of-64 rotary goes inside (``do_rotary``, 8-wide caches)."""
+    model, passes = _optimize(STABLELM, **options)
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert ops["GroupQueryAttention"] == LAYERS and ops["MultiHeadAttention"] == ops["If"] == 0, ops
+    assert ops["Trilu"] == ops["ScatterND"] == ops["Softmax"] == 0, ops
+    inside = "position_ids" in options
+    assert ops["RotaryEmbedding"] == (0 if inside else LAYERS), ops
+    for gqa in (n for n in model.graph.node if n.op_type == "GroupQueryAttention"):
+        attrs = {a.name: helper.get_attribute_value(a) for a in gqa.attribute}
+        assert attrs["do_rotary"] == int(inside) and attrs["num_heads"] == attrs["kv_num_heads"] == 2, attrs
+    if inside:
+        cos = next(i for i in model.graph.initializer if i.name.startswith("mograph_gqa_cos_cache"))
+        assert list(cos.dims)[1] == 8
+    stats = passes["lower"]["stats"]
+    assert stats["attention.kv_cache"] == LAYERS and stats["attention.packed_qkv"] == LAYERS, stats
+    _check_numbers(STABLELM, model)
+
+
+def _stablelm_trilu(k: int | None = None, upper: int | None = None) -> onnx.ModelProto:
+    model = onnx.load(STABLELM)
+    trilu = next(n for n in model.graph.node if n.op_type == "Trilu")
+    if k is not None:
+        model.graph.initializer.append(onnx.numpy_helper.from_array(np.array(k, np.int64), "near_miss_k"))
+        trilu.input[1] = "near_miss_k"
+    if upper is not None:
+        del trilu.attribute[:]
+        trilu.attribute.append(helper.make_attribute("upper", upper))
+    return model
+
+
+@pytest.mark.parametrize("change", [{"k": 2}, {"upper": 0}], ids=["diagonal-2", "lower-triangle"])
+def test_stablelm_near_miss_trilu_not_causal(change: dict[str, int]) -> None:
+    """``triu(full(min), 2)`` lets each query of a prefill see the next key; ``tril`` masks the past: neither is
+    causal, so the mask stays the kernel's bias (MultiHeadAttention), and the numbers stay the edited export's."""
+    edited = _stablelm_trilu(**change)
+    model, passes = _optimize(STABLELM, model=onnx.load_from_string(edited.SerializeToString()), mask_format="lengths")
+    ops = _ops(model)
+    assert ops["GroupQueryAttention"] == 0 and ops["MultiHeadAttention"] == LAYERS and ops["Softmax"] == 0, ops
+    assert passes["lower"]["stats"].get("attention.kv_cache") == LAYERS
+    ref, opt = _session(edited), _session(model)
+    feeds, outs = _steps(ref)
+    for f, want in zip(feeds, outs):
+        assert _max_diff(opt.run(None, f), want) < 1e-5
 
 
 @pytest.mark.parametrize("path", [PHI2, STABLELM], ids=["phi2", "stablelm"])
