@@ -11,6 +11,7 @@ Read-only: nothing here changes the graph.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import onnx_ir as ir
@@ -34,15 +35,54 @@ def _perm(node: ir.Node) -> list[int] | None:
     return None if attr is None else [int(p) for p in attr.value]
 
 
-def _scaled(value: ir.Value) -> tuple[ir.Value, float]:
-    """``value`` as ``base * factor`` through ``Mul``/``Div`` by single-element constants."""
+#: the float arithmetic :func:`_shape_scalar` evaluates (one element each)
+_ARITH = {"Sqrt": math.sqrt, "Reciprocal": lambda x: 1.0 / x, "Neg": lambda x: -x}
+_BINARY = {"Mul": lambda a, b: a * b, "Div": lambda a, b: a / b, "Add": lambda a, b: a + b, "Sub": lambda a, b: a - b,
+           "Pow": lambda a, b: a ** b}
+
+
+def _shape_scalar(value: ir.Value | None, shapes: GraphShapes | None, depth: int = 0) -> float | None:
+    """The one number a single-element ``value`` holds for every input, where it is a constant, or arithmetic
+    (``Cast``, ``Sqrt``, ``Reciprocal``, ``Neg``, ``Mul``, ``Div``, ``Add``, ``Sub``, ``Pow``) over constants and
+    dims the shape query proves literal (``Cast(Slice(Shape(q), -1))``: the head size an sdpa export reads from the
+    query's shape, as optimum's StableLM export scales by ``sqrt(1 / sqrt(D))`` on each side); else None.  A
+    division by zero or a root of a negative is None (the export's own value is then no number to fold)."""
+    c = scalar_value(value) if value is not None else None
+    if c is not None or value is None or shapes is None or depth > 8:
+        return None if c is None else float(c)
+    node = value.producer()
+    if node is None or node.domain not in ("", "ai.onnx"):
+        return None
+    if value.dtype is not None and value.dtype.is_integer():
+        vec = shapes.values(value)
+        if vec is None or len(vec[1]) != 1 or vec[1][0] is None or not vec[1][0].is_literal:
+            return None
+        return float(vec[1][0].value)  # type: ignore[arg-type]
+    args = [_shape_scalar(v, shapes, depth + 1) for v in node.inputs]
+    if any(a is None for a in args):
+        return None
+    try:
+        if node.op_type == "Cast" and len(args) == 1:
+            return args[0]
+        if node.op_type in _ARITH and len(args) == 1:
+            return float(_ARITH[node.op_type](args[0]))
+        if node.op_type in _BINARY and len(args) == 2:
+            return float(_BINARY[node.op_type](args[0], args[1]))
+    except (ValueError, ZeroDivisionError, OverflowError):
+        return None
+    return None
+
+
+def _scaled(value: ir.Value, shapes: GraphShapes | None = None) -> tuple[ir.Value, float]:
+    """``value`` as ``base * factor`` through ``Mul``/``Div`` by single-element constants (with ``shapes``: or by
+    numbers computed from literal dims, :func:`_shape_scalar`)."""
     factor = 1.0
     for _ in range(4):
         node = _producer(value, "Mul", "Div")
         if node is None or node.inputs[0] is None or node.inputs[1] is None:
             break
         a, b = node.inputs[0], node.inputs[1]
-        cb, ca = scalar_value(b), scalar_value(a) if node.op_type == "Mul" else None
+        cb, ca = _one(b, shapes), _one(a, shapes) if node.op_type == "Mul" else None
         if cb is not None and (node.op_type == "Mul" or cb != 0):
             factor *= cb if node.op_type == "Mul" else 1.0 / cb
             value = a
@@ -52,6 +92,14 @@ def _scaled(value: ir.Value) -> tuple[ir.Value, float]:
         else:
             break
     return value, factor
+
+
+def _one(value: ir.Value, shapes: GraphShapes | None) -> float | None:
+    """A single-element factor's number: a constant, or (``shapes`` given) one computed from literal dims."""
+    c = scalar_value(value)
+    if c is not None or shapes is None:
+        return c
+    return _shape_scalar(value, shapes)  # (its leaves are single elements: so is it)
 
 
 def _what(value: ir.Value | None) -> str:

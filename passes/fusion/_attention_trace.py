@@ -106,7 +106,7 @@ def _partial_rotary(v: ir.Value, shapes: GraphShapes) -> tuple[ir.Value, ir.Valu
 def _split_heads(v4: ir.Value, role: str, shapes: GraphShapes) -> Heads | str:
     """``v4 = Transpose(Reshape(x, [B, S, N, D]), [0, 2, 1, 3])`` (with scalar factors on either side),
     possibly rotated (:func:`_rotary`) after the split."""
-    v, f1 = _scaled(v4)
+    v, f1 = _scaled(v4, shapes)
     std = _standard_rotary(v)
     if std is not None:  # opset 23's RotaryEmbedding (the dynamo exporter's) on the split heads
         inner = _split_heads(std[0], role, shapes)
@@ -146,18 +146,18 @@ def _split_heads(v4: ir.Value, role: str, shapes: GraphShapes) -> Heads | str:
     tr = _producer(v, "Transpose")
     if tr is None or _perm(tr) != [0, 2, 1, 3]:
         return f"{role}: expected Transpose perm [0, 2, 1, 3] splitting heads, got {_what(v)}"
-    split, f3 = _scaled(tr.inputs[0])  # type: ignore[arg-type]  # a factor on the split heads (Keras' query)
+    split, f3 = _scaled(tr.inputs[0], shapes)  # type: ignore[arg-type]  # a factor on the split heads (Keras' query)
     pre = _head_norm(split)  # Qwen 3's q_norm / k_norm on [B, S, N, D], before the transpose: the same per-head norm
     if isinstance(pre, str):
         return f"{role}: {pre}"
     if pre is not None:
-        split, f4 = _scaled(pre.inputs[0])  # type: ignore[arg-type]
+        split, f4 = _scaled(pre.inputs[0], shapes)  # type: ignore[arg-type]
         if f4 != 1.0:
             return f"{role}: the heads are scaled before {pre.op_type} '{pre.name}' (not linear through a norm)"
     rs = _producer(split, "Reshape")
     if rs is None:
         return f"{role}: expected Reshape to [batch, seq, heads, head_dim], got {_what(split)}"
-    x, f2 = _scaled(rs.inputs[0])  # type: ignore[arg-type]
+    x, f2 = _scaled(rs.inputs[0], shapes)  # type: ignore[arg-type]
     if not is_float(x):
         return f"{role} '{x.name}' is not a floating-point tensor"
     if x.shape is None or len(x.shape) != 3 or not isinstance(x.shape[2], int):
@@ -241,15 +241,15 @@ def _repeated(kh: ir.Value, role: str, shapes: GraphShapes) -> Heads | str:
 def _keys_transposed(kt: ir.Value, shapes: GraphShapes) -> Heads | str:
     """``K^T`` ``[B, N, D, T]``: ``Transpose(Reshape(k), [0, 2, 3, 1])``, ``Transpose(K_h, [0, 1, 3, 2])``, or
     the dynamo export of sdpa's transpose (``Reshape(Transpose(Reshape(K_h, [-1, T, D]), [0, 2, 1]), [B, N, D, T])``)."""
-    v, f = _scaled(kt)
+    v, f = _scaled(kt, shapes)
     tr = _producer(v, "Transpose")
     if tr is not None and _perm(tr) == [0, 2, 3, 1]:
         # the same split as the others, with the transpose folded in: check it on a [0, 2, 1, 3] view
-        split, f3 = _scaled(tr.inputs[0])  # type: ignore[arg-type]
+        split, f3 = _scaled(tr.inputs[0], shapes)  # type: ignore[arg-type]
         rs = _producer(split, "Reshape")
         if rs is None:
             return f"key: expected Reshape to [batch, seq, heads, head_dim], got {_what(split)}"
-        x, f2 = _scaled(rs.inputs[0])  # type: ignore[arg-type]
+        x, f2 = _scaled(rs.inputs[0], shapes)  # type: ignore[arg-type]
         f2 *= f3
         if not is_float(x) or x.shape is None or len(x.shape) != 3 or not isinstance(x.shape[2], int):
             return f"key '{x.name}' is not a floating-point [batch, seq, hidden] with a static hidden size"

@@ -44,6 +44,7 @@ from mograph.passes.fusion.lowerings.attention_proofs import (
     _rotated_split,
     _seq_dim,
     _through_unsqueeze,
+    legacy_positions,
 )
 from mograph.passes.fusion.lowerings.packed_nbits import pack_nbits_biased, pack_nbits_projections
 
@@ -55,6 +56,9 @@ from mograph.metadata import LOWERED_FOR
 from mograph.patterns import constant_array, remove_dead_producers
 
 logger = logging.getLogger(__name__)
+
+#: GroupQueryAttention's ``do_rotary`` takes head sizes of a multiple of 16 only (ONNX Runtime's cache check)
+ROTARY_HEAD_MULTIPLE = 16
 
 
 #: rows of the cos/sin caches GroupQueryAttention's ``do_rotary`` reads (positions 0 .. MAX-1): option ``--max-length``
@@ -206,8 +210,9 @@ def _causal_positions(bias: ir.Value, q: ir.Value, past: ir.Value | None, ctx: L
     ``position_ids`` as an input rotate by those, which nothing proves equal to ``P + s``; their causal mask is still
     built from the cache position (transformers' ``cache_position``), which this finds."""
     where = _producer(bias, "Where")
-    if where is None:
-        return None
+    if where is None:  # transformers' legacy spelling (Trilu, ScatterND)
+        pos = legacy_positions(bias, ctx)
+        return pos if pos is not None and _positions(pos, q, past, ctx) else None
     sliced = _key_slice(where.inputs[0])  # (what the slice keeps is checked where the causal term is proved)
     for leaf in _and_leaves(sliced[0] if sliced is not None else where.inputs[0]):
         le = leaf.producer() if leaf is not None and not _all_true(leaf) else None
@@ -324,8 +329,12 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
                              "as wide as the rotary")
     # a partial rotary (the first R of D values rotated) goes inside where do_rotary takes R/2-wide caches: ONNX
     # Runtime's kernel (CPU, measured) rotates the first 2 x cos_cache.shape[1] values of each head and asks that width
-    # of a multiple of 8 values (it refuses R = 12 of D = 16 at run time)
-    fits = not partial or (partial // 2) % GQA_HEAD_MULTIPLE == 0
+    # of a multiple of 8 values (it refuses R = 12 of D = 16 at run time), at most (D / 16) * 8, and a head size of a
+    # multiple of 16 with any rotary (it refuses D = 40, a Phi-2 shape, at run time: "head_size shall be a multiple of
+    # 16"); else the rotary stays outside, in RotaryEmbedding kernels
+    half = (partial or head_size) // 2
+    fits = head_size % ROTARY_HEAD_MULTIPLE == 0 and half % GQA_HEAD_MULTIPLE == 0 \
+        and half <= (head_size // ROTARY_HEAD_MULTIPLE) * GQA_HEAD_MULTIPLE
     past = ck[0] if ck is not None else None
     rp = _rotary_positions(f, xq, past, ctx)
     checked_ids: ir.Value | None = None  # a position_ids input the run-time check compares with P + s

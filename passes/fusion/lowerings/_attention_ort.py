@@ -200,16 +200,25 @@ def _gqa_lengths(q: ir.Value, total_of: ir.Value, total_axis: int, extra: ir.Val
 def _present_outputs(graph: ir.Graph, kernel: ir.Node, concats: tuple[ir.Value, ...],
                      news: tuple[ir.Value, ...] | None = None) -> None:
     """The kernel's ``present_key`` / ``present_value`` (or ``news``) take the place (and names) of the exporter's
-    Concats (or other present computations), which are removed (with what only they read)."""
+    Concats (or other present computations), which are removed (with what only they read).  A kernel lowered inside
+    a subgraph (the exact branch of a right-padding check) takes the place of a Concat of the outer graph only for
+    the readers in its own graph: the outer graph's outputs are the If's to set (they stay the Concat here)."""
     for old, new in zip(concats, news if news is not None else kernel.outputs[1:3]):
         new.shape = old.shape
         if old.dtype is not None:
             new.dtype = old.dtype
-        if old.is_graph_output():
+        maker = old.producer()
+        here = maker is None or maker.graph is kernel.graph
+        if old.is_graph_output() and here:
             name = old.name
             old.name = f"{name}_replaced"
             new.name = name
-        ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+        if here:
+            ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+        else:
+            for user, index in list(old.uses()):
+                if user.graph is kernel.graph:
+                    user.replace_input_with(index, new)
     remove_dead_producers(graph, list(concats))
 
 

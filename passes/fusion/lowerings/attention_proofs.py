@@ -2,7 +2,7 @@
 
 Read-only questions, each answered by walking producers and comparing dims: is a bias a key-padding mask of an
 ``attention_mask`` input (and which), is it provably causal (``Where(kv_idx <= pos, 0, c)`` with the padding lookups
-the exporters write), are K and V a KV cache's ``Concat(past, new)``, are the rotary angles ``(P + s) * inv_freq``,
+the exporters write, or transformers' legacy ``Trilu`` / ``ScatterND`` spelling: :func:`legacy_causal`), are K and V a KV cache's ``Concat(past, new)``, are the rotary angles ``(P + s) * inv_freq``,
 are Q/K/V projections of one tensor, which graph outputs are a prefill's present key and value.  Nothing here
 builds a node: the fusion may import it.  What the answers are used for is in
 :mod:`mograph.passes.fusion.lowerings.attention`.
@@ -688,6 +688,8 @@ def _causal_from(bias: ir.Value, pos: ir.Value, keys: Dim | None, shapes: Shapes
     With ``window`` (a list to fill) one more term is accepted: a sliding window ``kv_idx > pos[s] - W`` (transformers'
     sliding-window layers: Mistral, Gemma 2/3), its ``W`` (a positive integer constant) appended to ``window``."""
     node = _producer(bias, "Where")
+    if node is None and q is not None:  # transformers' legacy spelling (Trilu, ScatterND): no sliding window there
+        return legacy_causal(bias, keys, shapes, past, q)
     if node is None or scalar_value(node.inputs[1]) != 0.0:
         return None
     c = scalar_value(node.inputs[2])
@@ -863,3 +865,274 @@ def _rotated_split(heads: ir.Value, notes: dict[int, Any], shapes: Shapes) -> ir
     if len(t) != 4 or t[:2] != [0, 0] or not isinstance(width, int) or t[2] * t[3] != width or min(t[2:]) <= 0:
         return None
     return r
+
+
+#: the most a masked position's additive bias may be in the legacy mask below: exp(c + score) is 0 in float32 for any
+#: score under 1e4 - 104 in size, so a key with that bias gets no weight, as a key the kernel masks
+_MASKED_AT_MOST = -1e4
+
+
+def _masking(c: float | None) -> bool:
+    """Whether ``c`` is finite and at most :data:`_MASKED_AT_MOST` (transformers' dtype minimum is)."""
+    return c is not None and math.isfinite(c) and c <= _MASKED_AT_MOST
+
+
+def _iota(value: ir.Value | None) -> bool:
+    """Whether ``value`` holds ``0, 1, 2, ..`` in row-major order: ``Range(0, n, 1)``, a prefix of a 1-D one
+    (``Slice(r, [0], [e](, [0](, [1])))``), or a ``Reshape`` of one."""
+    for _ in range(4):
+        node = value.producer() if value is not None else None
+        if node is None or node.domain != "":
+            return False
+        if node.op_type == "Range":
+            return scalar_value(node.inputs[0]) == 0 and scalar_value(node.inputs[2]) == 1
+        if node.op_type == "Reshape":
+            value = node.inputs[0]
+            continue
+        if _prefix(node) is None:
+            return False
+        value = node.inputs[0]
+    return False
+
+
+def _prefix(node: ir.Node) -> ir.Value | None:
+    """``e`` if ``node`` is ``Slice(r, [0], [e](, [0](, [1])))`` of a 1-D ``r``: its first ``e`` values."""
+    if node.op_type != "Slice" or node.domain != "" or len(node.inputs) < 3:
+        return None
+    r, starts = node.inputs[0], constant_array(node.inputs[1])
+    axes_in = node.inputs[3] if len(node.inputs) > 3 else None
+    steps_in = node.inputs[4] if len(node.inputs) > 4 else None
+    axes, steps = constant_array(axes_in), constant_array(steps_in)
+    if r is None or r.shape is None or len(r.shape) != 1 or starts is None or starts.reshape(-1).tolist() != [0]:
+        return None
+    if (axes_in is not None and (axes is None or axes.reshape(-1).tolist() not in ([0], [-1]))) or (
+            steps_in is not None and (steps is None or steps.reshape(-1).tolist() != [1])):
+        return None
+    return node.inputs[2]
+
+
+def _length_is(x: ir.Value, axis: int, dim: Dim, shapes: Shapes) -> Dim | None:
+    """The dim the shape query gives ``x`` on ``axis`` if that length is provably ``dim``: the same dim, or ``x`` a prefix
+    (:func:`_prefix`) of a 1-D value ``dim`` long that ends at ``dim`` (all of it); else None."""
+    dims = shapes.dims(x)
+    if dims is None or not -len(dims) <= axis < len(dims) or dims[axis] is None:
+        return None
+    if dims[axis] == dim:
+        return dims[axis]
+    node = x.producer()
+    end = _prefix(node) if node is not None else None
+    src = node.inputs[0] if node is not None and end is not None else None
+    ends, src_dims = shapes.values(end), shapes.dims(src)
+    if ends is None or len(ends[1]) != 1 or src_dims is None or len(src_dims) != 1:
+        return None
+    return dims[axis] if ends[1][0] == dim and src_dims[0] == dim else None
+
+
+def _full_grid(indices: ir.Value | None, grid: Dims, shapes: Shapes) -> bool:
+    """Whether the ``[..., 4]`` ScatterND indices hold ``(i0, i1, i2, i3)`` at ``[i0, i1, i2, i3]`` for every index of a
+    tensor of dims ``grid``: ``Concat(axis=-1)`` of four ``Unsqueeze(Expand(x_a, shape), [-1])``, ``x_a`` an iota
+    (:func:`_iota`) that is 1 long on every axis but ``a`` (right-aligned to rank 4), where it is ``grid[a]`` long
+    (:func:`_length_is`), and each ``shape``'s entries ``grid``'s (or the lengths proved equal to them): no entry
+    broadcasts an iota, so the Expands are ``grid``-shaped and each piece counts along its own axis."""
+    concat = _producer(indices, "Concat")
+    if concat is None or len(concat.inputs) != 4 or int(attr_value(concat, "axis", 0)) not in (-1, 4):
+        return False
+    one = Dim.lit(1)
+    same: list[set[Dim | None]] = [{d} for d in grid]  # each axis' dim and the dims proved to be it (None: no dim)
+    pieces = []
+    for axis, piece in enumerate(concat.inputs):
+        un = _producer(piece, "Unsqueeze")
+        ex = _producer(un.inputs[0], "Expand") if un is not None else None
+        if un is None or ex is None or ex.inputs[0] is None or _unsqueeze_axes(un) not in ([-1], [4]):
+            return False
+        x = ex.inputs[0]
+        dims = shapes.dims(x)
+        if dims is None or not 1 <= len(dims) <= 4 or not _iota(x):
+            return False
+        lead = 4 - len(dims)
+        if any(d != one for a, d in enumerate(dims) if a + lead != axis):
+            return False
+        if axis < lead:  # an iota of one value, 0, on an axis of one
+            if grid[axis] != one:
+                return False
+        else:
+            got = _length_is(x, axis - lead, grid[axis], shapes)  # type: ignore[arg-type]
+            if got is None:
+                return False
+            same[axis].add(got)
+        pieces.append(ex.inputs[1])
+    for shape in pieces:
+        vec = shapes.values(shape)
+        if vec is None or len(vec[1]) != 4 or any(e is None or e not in same[a] for a, e in enumerate(vec[1])):
+            return False
+    return True
+
+
+def _keeps_values(node: ir.Node, shapes: Shapes) -> bool:
+    """Whether the ``Reshape`` ``node`` keeps its rank-4 input's shape: each of its first three target entries is 0
+    (``allowzero`` 0: the input's dim) or provably the input's dim, so the last is forced to the input's (the element
+    count): every value stays at its index."""
+    x = node.inputs[0]
+    dims, target = shapes.dims(x), shapes.values(node.inputs[1])
+    if x is None or dims is None or len(dims) != 4 or target is None or len(target[1]) != 4:
+        return False
+    if int(attr_value(node, "allowzero", 0)):
+        return False
+    zero = Dim.lit(0)
+    return all(e is not None and (e == zero or (d is not None and e == d)) for e, d in zip(target[1][:3], dims[:3]))
+
+
+def _legacy_2d(value: ir.Value | None, shapes: Shapes) -> tuple[ir.Value, ir.Value, Dims] | None:
+    """``(kv, pos_column, [S, T])`` if the 2-D ``value`` is ``Mul(Trilu(ConstantOfShape([S, T], c), k, upper), Cast(kv >
+    pos_column))`` (either order; ``Less(pos_column, kv)`` too; the Trilu may be absent) with ``c`` masking, ``k <= 1``
+    and ``kv`` an iota ``T`` long: transformers' ``_prepare_4d_causal_attention_mask_with_cache_position``
+    (``triu(full(min), 1) * (arange(T) > cache_position.reshape(-1, 1))``).  Where ``pos[s] >= s``, the Trilu keeps
+    ``c`` wherever ``t > pos[s] >= s + k - 1`` (at any row ``r <= s`` a broadcast may read): the value is ``c`` where
+    ``t > pos[s]``, else 0 (or -0)."""
+    mul = _producer(value, "Mul")
+    if mul is None:
+        return None
+    for full, gate in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
+        trilu = _producer(full, "Trilu")
+        if trilu is not None:
+            k = scalar_value(trilu.inputs[1]) if len(trilu.inputs) > 1 and trilu.inputs[1] is not None else 0.0
+            if not int(attr_value(trilu, "upper", 1)) or k is None or k > 1:
+                continue
+            full = trilu.inputs[0]
+        const = _producer(full, "ConstantOfShape")
+        fill = const.attributes.get("value") if const is not None else None
+        size = shapes.values(const.inputs[0]) if const is not None else None
+        if fill is None or size is None or len(size[1]) != 2 or any(d is None for d in size[1]):
+            continue
+        arr = fill.value.numpy()
+        if arr.size != 1 or not _masking(float(arr.reshape(()))):
+            continue
+        cast = _producer(gate, "Cast")
+        cmp = cast.inputs[0].producer() if cast is not None and cast.inputs[0] is not None else None
+        if cmp is None or cmp.domain != "" or cmp.op_type not in ("Greater", "Less"):
+            continue
+        kv, col = (cmp.inputs[0], cmp.inputs[1]) if cmp.op_type == "Greater" else (cmp.inputs[1], cmp.inputs[0])
+        if kv is None or col is None or kv.shape is None or len(kv.shape) != 1 or not _iota(kv):
+            continue
+        if _length_is(kv, 0, size[1][1], shapes) is None:  # type: ignore[arg-type]
+            continue
+        return kv, col, size[1]  # type: ignore[return-value]
+    return None
+
+
+def _column(value: ir.Value | None) -> ir.Value | None:
+    """``pos`` if ``value`` is ``Reshape(pos, [-1, 1])`` of a 1-D ``pos`` (one position per row)."""
+    reshape = _producer(value, "Reshape")
+    target = constant_array(reshape.inputs[1]) if reshape is not None else None
+    if reshape is None or target is None or target.reshape(-1).tolist() != [-1, 1]:
+        return None
+    pos = reshape.inputs[0]
+    return pos if pos is not None and pos.shape is not None and len(pos.shape) == 1 else None
+
+
+def _leading_2d(value: ir.Value | None) -> ir.Value | None:
+    """The 2-D ``m`` that the rank-4 ``value`` is, ``m[s, t]`` at every ``[b, 0, s, t]``: ``Unsqueeze`` onto the two
+    leading axes, then ``Expand``s (broadcasts: they copy values)."""
+    while (ex := _producer(value, "Expand")) is not None:
+        value = ex.inputs[0]
+    dims: list[str] = ["1", "1", "s", "t"]
+    while (un := _producer(value, "Unsqueeze")) is not None:
+        axes = _unsqueeze_axes(un)
+        if axes is None:
+            return None
+        axes = sorted(a + len(dims) if a < 0 else a for a in axes)
+        if any(a >= len(dims) or dims[a] != "1" for a in axes):
+            return None
+        for a in reversed(axes):
+            del dims[a]
+        value = un.inputs[0]
+    return value if dims == ["s", "t"] and value is not None and value.shape is not None \
+        and len(value.shape) == 2 else None
+
+
+def _legacy_parts(bias: ir.Value, keys: Dim | None, shapes: Shapes
+                  ) -> tuple[ir.Value, ir.Value, ir.Value | None, Dims, Dims] | None:
+    """``(kv, pos_column, mask, [S, T], dims of full)`` of transformers' legacy 4-D causal mask (StableLM in
+    transformers 4.57, as optimum's TorchScript export spells it), ``bias`` ``[B, 1, S, keys]``::
+
+        full = Expand(m2d[None, None])                             (:func:`_legacy_2d`: c where t > pos[s], else 0)
+        upd  = Where(full[..., :L] + float(mask[:, None, None, :]) == 0, c2, full[..., :L])
+        bias = ScatterND(full, grid, Reshape(Expand(upd)))[..., :keys]     (or ``full`` alone, without a mask)
+
+    ``grid`` every index of ``full`` in place (:func:`_full_grid`), so the ScatterND writes all of ``full`` (the
+    update is ``grid``-shaped: the op asks that) and the Reshape keeps each value's index (:func:`_keeps_values`):
+    the result is ``upd``.  Every other op is elementwise over broadcast operands.  For a 0/1 mask and ``c``, ``c2``
+    masking, ``upd[b, 0, s, t]`` is 0 where ``t <= pos[s]`` and ``mask[b, t]`` is 1, else ``c`` or ``c2`` (``c + m``
+    is not 0 for a 0/1 ``m``; ``0 + m`` is 0 where ``m`` is).  ``keys`` None: the final cut is not checked."""
+    value: ir.Value | None = bias
+    sliced = _key_slice(value)
+    if sliced is not None:
+        ends = shapes.values(sliced[1])
+        if keys is not None and (ends is None or len(ends[1]) != 1 or ends[1][0] != keys):
+            return None
+        value = sliced[0]
+    scatter = _producer(value, "ScatterND")
+    mask = None
+    full = scatter.inputs[0] if scatter is not None else value
+    grid = shapes.dims(full)
+    if full is None or grid is None or len(grid) != 4 or any(d is None for d in grid):
+        return None
+    if sliced is None and (keys is not None and grid[3] != keys):
+        return None
+    if scatter is not None:
+        if attr_value(scatter, "reduction", "none") != "none" or not _full_grid(scatter.inputs[1], grid, shapes):
+            return None
+        upd = scatter.inputs[2]
+        reshape = _producer(upd, "Reshape")
+        if reshape is not None:
+            if not _keeps_values(reshape, shapes):
+                return None
+            upd = reshape.inputs[0]
+        while (ex := _producer(upd, "Expand")) is not None:  # broadcasts: each index reads its operand's
+            upd = ex.inputs[0]
+        where = _producer(upd, "Where")
+        eq = _producer(where.inputs[0], "Equal") if where is not None else None
+        if where is None or eq is None or not _masking(scalar_value(where.inputs[1])):
+            return None
+        if scalar_value(eq.inputs[1]) != 0.0:
+            return None
+        add, part = _producer(eq.inputs[0], "Add"), where.inputs[2]
+        if add is None or part is None:
+            return None
+        for a, b in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])):
+            if a is part and b is not None and b.dtype in FLOAT_TYPES:
+                mask = _mask_input(b, ("b", "1", "1", "t"))
+                if mask is not None:
+                    break
+        cut = _key_slice(part)  # full[..., :L]: the index t of the cut is t of full
+        if mask is None or (part is not full and (cut is None or cut[0] is not full)):
+            return None
+    m2d = _leading_2d(full)
+    got = _legacy_2d(m2d, shapes) if m2d is not None else None
+    if got is None:
+        return None
+    return got[0], got[1], mask, got[2], grid
+
+
+def legacy_positions(bias: ir.Value, shapes: Shapes) -> ir.Value | None:
+    """The query positions ``pos`` (1-D) the legacy causal mask (:func:`_legacy_parts`) compares the keys with, else
+    None (not proved to be ``P + s`` here: the caller does)."""
+    parts = _legacy_parts(bias, None, shapes)
+    return _column(parts[1]) if parts is not None else None
+
+
+def legacy_causal(bias: ir.Value, keys: Dim | None, shapes: Shapes, past: ir.Value | None, q: ir.Value
+                  ) -> tuple[ir.Value | None] | None:
+    """``(mask,)`` if ``bias`` is transformers' legacy causal mask (:func:`_legacy_parts`) over query positions ``pos``
+    provably ``P + s`` (so ``pos[s] >= s``: the Trilu changes nothing) and keys ``0 .. T-1``: then ``bias[b, 0, s, t]``
+    is 0 where ``t <= pos[s]`` and ``mask[b, t]`` is 1, and a masking constant elsewhere, what GroupQueryAttention
+    computes from the mask's lengths.  The 2-D part is ``[S, T]`` with ``S`` the query length (``pos`` that long too:
+    no row broadcasts) and ``T`` the key count, ``full``'s last dim."""
+    parts = _legacy_parts(bias, keys, shapes)
+    if parts is None or keys is None:
+        return None
+    kv, col, mask, (s, t), grid = parts
+    pos = _column(col)
+    if pos is None or not _positions(pos, q, past, shapes) or s != _seq_dim(q, shapes) or t != grid[3]:
+        return None
+    return (mask,)

@@ -617,3 +617,36 @@ def test_reshape_target_entries_come_from_the_shape_query(target: str, entries: 
     assert [i for i in (0, 1) if _reads_own_axis(values[target], i, shapes)] == own_axes
     reshape = next(iter(values[target].uses()))[0]
     assert _keeps_leading(reshape, shapes) is dim1_is_x
+
+
+def _shape_scaled_text(source: str) -> str:
+    """Q and K^T each scaled by ``sqrt(1 / sqrt(d))`` with ``d`` computed at run time (optimum's StableLM sdpa export:
+    ``d`` = the last dim of the query's shape, cast to float); ``source`` is what ``d`` is read from."""
+    text = attention_text(scale="mul-qk").replace(f"float qk = {{{D ** -0.25}}}, ", "")
+    reads = {"shape": "dq = Shape(qh)\n  dl = Slice(dq, last, big)\n  df = Cast<to=1>(dl)",
+             "input": "df = Identity(sc_in)"}[source]
+    text = text.replace("qs = Mul(qh, qk)", f"{reads}\n  rt = Sqrt(df)\n  inv = Div(one, rt)\n  qk = Sqrt(inv)\n"
+                                            "  qs = Mul(qh, qk)")
+    text = text.replace("float sc =", "int64[1] last = {-1}, int64[1] big = {9223372036854775807}, "
+                                      "float[1] one = {1.0}, float sc =")
+    if source == "input":
+        text = text.replace(f"float[{B},1,1,{S}] bias)", f"float[{B},1,1,{S}] bias, float sc_in)")
+    return text
+
+
+def test_query_key_factor_computed_from_a_literal_dim_folds_into_the_scale() -> None:
+    """A factor on Q and K^T computed from the query's static head size (``Sqrt(1 / Sqrt(Cast(Shape(q)[-1])))``) is
+    one number for every input: it folds into ``scale`` (optimum's StableLM export stayed unfused)."""
+    proto = parse(_shape_scaled_text("shape"))
+    model = check_fusion(FuseAttentionPass(), proto, stats=_stats("mul-qk.mask", lowered=False),
+                         ops_left=["mograph.Attention"], feeds=_feeds(proto))
+    node = next(iter(model.graph))
+    assert node.attributes["scale"].value == pytest.approx(1 / math.sqrt(D), rel=1e-6)
+
+
+def test_near_miss_query_key_factor_computed_from_an_input() -> None:
+    """The same arithmetic over a graph input is no constant: untouched, the reason names the scaled query."""
+    proto = onnx.parser.parse_model(_shape_scaled_text("input"))
+    result = assert_untouched(FuseAttentionPass(explain="true"), proto)
+    (miss,) = result.details["rules"]["AttentionFusion"]["near_miss_list"]
+    assert "splitting heads, got Mul" in miss["reason"], miss
