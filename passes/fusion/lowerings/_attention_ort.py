@@ -200,7 +200,10 @@ def _gqa_lengths(q: ir.Value, total_of: ir.Value, total_axis: int, extra: ir.Val
 def _present_outputs(graph: ir.Graph, kernel: ir.Node, concats: tuple[ir.Value, ...],
                      news: tuple[ir.Value, ...] | None = None) -> None:
     """The kernel's ``present_key`` / ``present_value`` (or ``news``) take the place (and names) of the exporter's
-    Concats (or other present computations), which are removed (with what only they read)."""
+    Concats (or other present computations), which are removed (with what only they read).  A reader the
+    kernel itself depends on keeps the Concat: optimum's Whisper decoder takes the present keys' Shape for its
+    mask, and reading the kernel's own output there was a cycle (a graph the checker refused, exit 4)."""
+    upstream = _ancestors(kernel)
     for old, new in zip(concats, news if news is not None else kernel.outputs[1:3]):
         new.shape = old.shape
         if old.dtype is not None:
@@ -209,8 +212,25 @@ def _present_outputs(graph: ir.Graph, kernel: ir.Node, concats: tuple[ir.Value, 
             name = old.name
             old.name = f"{name}_replaced"
             new.name = name
-        ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+            outputs = graph.outputs
+            outputs[[i for i, v in enumerate(outputs) if v is old][0]] = new
+        for use in list(old.uses()):
+            if id(use.node) not in upstream:
+                use.node.replace_input_with(use.idx, new)
     remove_dead_producers(graph, list(concats))
+
+
+def _ancestors(node: ir.Node) -> set[int]:
+    """``id``s of the nodes ``node`` reads from, directly or not (its own graph)."""
+    seen: set[int] = set()
+    stack = [v.producer() for v in node.inputs if v is not None]
+    while stack:
+        n = stack.pop()
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        stack.extend(v.producer() for v in n.inputs if v is not None)
+    return seen
 
 
 def _finish(node: ir.Node, kernel: ir.Node, q: ir.Value, new_nodes: list[ir.Node], ctx: LoweringContext) -> bool:
