@@ -188,7 +188,7 @@ class Verifier:
         self.threads = threads
         model = original if isinstance(original, ir.Model) else ir_io.load_model(original, check=False)
         self.feeds, self.feed_info = make_feeds(
-            model, shapes=shapes, feeds=feeds, seed=self.seed, limit_bytes=feed_limit, dims=dims
+            model, shapes=shapes, feeds=feeds, seed=self.seed, limit_bytes=feed_limit, named_dims=dims
         )
         #: The optimize flags whose graphs assume right padding / cache positions (``decoder_assumptions``): the
         #: random feeds keep them, and the report says so.
