@@ -332,6 +332,16 @@ def _ort_skip_reason(model: ir.Model, census: Any = None) -> str | None:
     })
     if unknown:
         return f"ops in domain(s) ONNX Runtime does not know: {', '.join(unknown)}"
+    if local & set(ops):
+        # a TensorRT plugin node (it carries plugin_namespace: mograph.lowering.is_plugin_node) beside a node the
+        # target kept as the op of the same name: ONNX Runtime reads the plugin node as a call of that op's
+        # function body, whose outputs and attributes are not the plugin's (torchaudio's Emformer RNN-T, two
+        # SkipLayerNorms kept among 28 plugins: refused, exit 4, on a model meant for TensorRT alone)
+        plugins = sorted({f"{n.domain}.{n.op_type}" for n in iter_nodes(model.graph)
+                          if (n.domain, n.op_type) in local and "plugin_namespace" in n.attributes})
+        if plugins:
+            return (f"TensorRT plugin node(s) {', '.join(plugins)}: ONNX Runtime would read them as the function "
+                    "of the op of the same name kept beside them")
     total = sum(v.const_value.nbytes for v in _all_values(model, census) if v.const_value is not None)
     if total > ORT_MAX_BYTES:
         return f"{_size(total)} of weights (load limit {_size(ORT_MAX_BYTES)})"

@@ -244,6 +244,9 @@ def run(args: argparse.Namespace) -> CommandResult:
     verify_options: dict[str, Any] = {"shapes": shapes, "feeds": args.feeds, "seed": args.seed}
     if args.device and args.verify:
         verify_options["device"] = args.device
+    pinned = _pinned_dims(options.get("dim"))
+    if pinned:  # fix-shapes' --dim sizes the verification feeds too, as --shape does
+        verify_options["dims"] = pinned
     if args.feed_limit is not None:
         verify_options["feed_limit"] = args.feed_limit
     external = True if args.external_data else None
@@ -270,6 +273,17 @@ def run(args: argparse.Namespace) -> CommandResult:
     if args.explain:
         text += "\n" + _explain_text(report)
     return CommandResult(data=data, text=text)
+
+
+def _pinned_dims(specs: Any) -> dict[str, int]:
+    """``--dim SYMBOL=SIZE`` values as ``{symbol: size}`` for the verification feeds; a malformed one is left
+    to the pass that reads it (it names the mistake)."""
+    out: dict[str, int] = {}
+    for spec in specs or []:
+        sym, sep, size = str(spec).partition("=")
+        if sep and sym.strip() and size.strip().isdigit() and int(size) > 0:
+            out[sym.strip()] = int(size)
+    return out
 
 
 def _check_paths(src: Path, out: Path, args: argparse.Namespace, declared: dict[str, Any], options: dict[str, Any]) -> None:

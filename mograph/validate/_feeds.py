@@ -300,11 +300,12 @@ def make_feeds(
     seed: int = 0,
     batch: int = 1,
     limit_bytes: int | None = None,
+    named_dims: Mapping[str, int] | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Build the feeds for ``model``'s inputs: the user's, then seeded random ones for the rest.
 
     ``batch`` is the size given to dynamic leading (batch) dims that neither ``shapes`` nor
-    ``feeds`` sized.  ``limit_bytes`` (default :data:`FEED_LIMIT_BYTES`) bounds the random feeds
+    ``feeds`` sized.  ``named_dims`` sizes named dims in every input (fix-shapes' ``--dim batch=2``).  ``limit_bytes`` (default :data:`FEED_LIMIT_BYTES`) bounds the random feeds
     together; it is checked before anything is allocated.
 
     Returns:
@@ -328,7 +329,7 @@ def make_feeds(
         unknown = [n for n in names if n not in by_name]
         if unknown:
             raise UsageError(f"{kind} given for unknown input(s) {unknown}; the model's inputs are: {known}")
-    bindings: dict[str, int] = {}
+    bindings: dict[str, int] = {str(k): int(v) for k, v in (named_dims or {}).items()}
     out: dict[str, np.ndarray] = {}
     report: dict[str, Any] = {}
     notes: list[str] = []

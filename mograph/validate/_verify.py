@@ -146,6 +146,8 @@ class Verifier:
         registry: what the plugins declared (the composition root's registry): a candidate's TensorRT
             plugin nodes are checked through the function bodies of the ops declaring them; without it
             they are reported unchecked.
+        dims: sizes of named dims in every input (``{"batch": 2}``: fix-shapes' ``--dim``), as ``shapes``
+            sizes whole inputs; a model pinned that way is checked at the sizes it was pinned to.
 
     Raises:
         UsageError: bad shapes or feeds, or feeds past ``feed_limit``.
@@ -170,6 +172,7 @@ class Verifier:
         device: str | None = None,
         registry: Declarations | None = None,
         assumptions: Iterable[str] = (),
+        dims: Mapping[str, int] | None = None,
     ) -> None:
         from mograph.backends import ort
 
@@ -185,7 +188,7 @@ class Verifier:
         self.threads = threads
         model = original if isinstance(original, ir.Model) else ir_io.load_model(original, check=False)
         self.feeds, self.feed_info = make_feeds(
-            model, shapes=shapes, feeds=feeds, seed=self.seed, limit_bytes=feed_limit
+            model, shapes=shapes, feeds=feeds, seed=self.seed, limit_bytes=feed_limit, named_dims=dims
         )
         #: The optimize flags whose graphs assume right padding / cache positions (``decoder_assumptions``): the
         #: random feeds keep them, and the report says so.

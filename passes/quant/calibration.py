@@ -226,7 +226,10 @@ def _decode_mask_sizes(specs: list[_InputSpec], sized: Mapping[str, tuple[int, .
 
 
 def _vocab_sizes(model: ir.Model) -> dict[str, int]:
-    """For integer graph inputs used as Gather indices into an initializer: that table's row count.
+    """For integer graph inputs used as Gather indices into an initializer: that table's row count (the
+    smallest, if several), also through ops that keep the values (:data:`_VALUE_PRESERVING`: torchaudio's
+    RNN-T predictor transposes its targets before the embedding; read directly only, its random ids went
+    past the table's 50 rows and every random calibration failed, exit 2).
 
     A table stored block-quantized (``mograph.BlockQuantizedGather``, or ONNX Runtime's
     ``com.microsoft.GatherBlockQuantized``) counts too: its rows are the data's first axis (its gather axis),
@@ -234,16 +237,32 @@ def _vocab_sizes(model: ir.Model) -> dict[str, int]:
     """
     out: dict[str, int] = {}
     for v in model.graph.inputs:
-        for use in v.uses():
-            node = use.node
-            gathers = node.op_type == "Gather" or (node.domain, node.op_type) in _BLOCK_QUANTIZED_GATHERS
-            if gathers and use.idx == 1 and node.inputs[0] is not None:
-                table = node.inputs[0].const_value
-                attr = node.attributes.get("gather_axis" if node.domain == "com.microsoft" else "axis")
-                axis = attr.as_int() if attr is not None else 0
-                if table is not None and -len(table.shape) <= axis < len(table.shape):
-                    out[v.name or ""] = int(table.shape.numpy()[axis])
+        frontier, seen = [(v, 0)], set()
+        while frontier:
+            val, depth = frontier.pop()
+            if id(val) in seen:
+                continue
+            seen.add(id(val))
+            for use in val.uses():
+                node = use.node
+                if node.domain in ("", "ai.onnx") and node.op_type in _VALUE_PRESERVING and use.idx == 0 and depth < 4:
+                    frontier.extend((o, depth + 1) for o in node.outputs)
+                    continue
+                gathers = node.op_type == "Gather" or (node.domain, node.op_type) in _BLOCK_QUANTIZED_GATHERS
+                if gathers and use.idx == 1 and node.inputs[0] is not None:
+                    table = node.inputs[0].const_value
+                    attr = node.attributes.get("gather_axis" if node.domain == "com.microsoft" else "axis")
+                    axis = attr.as_int() if attr is not None else 0
+                    if table is not None and -len(table.shape) <= axis < len(table.shape):
+                        rows = int(table.shape.numpy()[axis])
+                        name = v.name or ""
+                        out[name] = min(out.get(name, rows), rows)
     return out
+
+
+#: Ops whose output holds the input's values (moved, repeated, retyped): indices read through them.
+_VALUE_PRESERVING = frozenset({"Cast", "Identity", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Expand", "Transpose",
+                               "Tile"})
 
 
 #: Gathers whose data input is a block-quantized table: their indices pick rows of it.

@@ -864,6 +864,11 @@ class Fp16Pass(Pass):
             if to is not None and to.as_int() == _F32:
                 n.attributes["to"] = ir.AttrInt64("to", _F16)
         elif n.op_type in ("Constant", "ConstantOfShape"):
+            if n.op_type == "ConstantOfShape" and "value" not in n.attributes:
+                # no value: float32 zeros by default, so the float16 node writes them explicitly (its output,
+                # typed float16, was float32 at run time: ONNX Runtime refused the measuring twin, an internal
+                # error on torchvision's Swin V2 via the dynamo exporter)
+                n.attributes["value"] = ir.AttrTensor("value", ir.tensor(np.zeros(1, np.float16)))
             for key in ("value",):
                 a = n.attributes.get(key)
                 if a is not None and isinstance(a.value, ir.TensorProtocol) and a.value.dtype == ir.DataType.FLOAT:

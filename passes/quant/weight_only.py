@@ -85,6 +85,7 @@ from mograph.passes.quant._base import (
     publish_notes_and_plan,
     raise_opset,
 )
+from mograph.passes.quant._fp16_measure import SIGNAL_FLOOR
 from mograph.passes.quant._output_check import OutputCheck
 from mograph.passes.quant._qdq import (
     COMPUTED_WEIGHT_REASON,
@@ -516,8 +517,9 @@ class WeightOnlyPass(Pass):
                 out = sess.run(None, {**s, **feeds})
                 r = np.concatenate([np.asarray(a, np.float64).ravel() for a in ref])
                 o = np.concatenate([np.asarray(a, np.float64).ravel() for a in out])
-                if budget.metric == "cosine":
-                    values.append(float(r @ o / (np.linalg.norm(r) * np.linalg.norm(o) + 1e-30)))
+                if budget.metric == "cosine":  # all silent on both sides agree, as in sensitivity._metric
+                    quiet = max(float(np.abs(r).max(initial=0.0)), float(np.abs(o).max(initial=0.0))) <= SIGNAL_FLOOR
+                    values.append(1.0 if quiet else float(r @ o / (np.linalg.norm(r) * np.linalg.norm(o) + 1e-30)))
                 else:
                     values.append(float(np.abs(r - o).max()))
             evaluations += 1

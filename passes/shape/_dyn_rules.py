@@ -415,7 +415,13 @@ def _assign_reshape(an: _Analysis, node: ir.Node, ddims: list[Dim], entries: lis
 
 
 def _without_unit_syms(an: _Analysis, dims: tuple) -> tuple:
-    return tuple(Dim(tuple(f for f in d if not (isinstance(f, str) and an.sizes[f] == 1))) for d in dims)
+    """``dims`` with every dim that is a literal 1 apart from size-1 symbols read as 1: placements that
+    differ there alone tie.  A size-1 symbol inside a larger dim stays: ``[3 * batch, 4, 2]`` and
+    ``[3, 4 * batch, 2]`` (PyTorch's multi-head attention reshaping ``[L, batch, 8]`` to ``[L, batch *
+    heads, 2]``, exported at batch 1 as ``[3, 4, 2]``) are different models at batch 2, not a tie."""
+    def unit(d: Dim) -> bool:
+        return all(an.sizes[f] == 1 if isinstance(f, str) else f == 1 for f in d)
+    return tuple(ONE if unit(d) else d for d in dims)
 
 
 def _try_assign(an: _Analysis, syms: list[str], runs: list[int], values: list[int], assign: tuple[int, ...]) -> list[Dim] | None:

@@ -249,7 +249,9 @@ def _check_declared(model: ir.Model, kept: list[ir.Value]) -> dict[str, dict[str
         entry["observed"] = list(shape)
         have = entry["declared"]
         if len(have) != len(shape):
-            v.shape = None  # its rank is wrong too: no claim at all rather than a wrong one
+            # its rank is wrong too: the run's rank, every dim unknown (no shape at all is a graph output
+            # the ONNX checker refuses: CatBoost's regressor declares [N] and computes [N, 1])
+            v.shape = ir.Shape([None] * len(shape))
         elif any(isinstance(d, int) and d != n for d, n in zip(have, shape)):
             v.shape = ir.Shape([None if isinstance(d, int) and d != n else d for d, n in zip(have, shape)])
         else:

@@ -203,3 +203,21 @@ def test_fp16_report_lists_each_float32_node_with_its_measured_reason(tmp_path, 
     float32_outputs = {n.name for n in out.graph.node if types.get(n.output[0]) == onnx.TensorProto.FLOAT
                        and n.op_type != "Cast"}
     assert float32_outputs == {"sub", "big"}
+
+
+def test_fix_shapes_dim_sizes_the_verification_feeds(tmp_path, capsys):
+    """``fix-shapes --dim N=2 --verify`` (a paddle2onnx text model, batch named ``DynamicDimension.0``): the
+    feeds were made at batch 1 from the dynamic original, the pinned model refused them and a right rewrite
+    failed with exit 5.  The pinned sizes make the feeds, as ``--shape`` does."""
+    nodes = [helper.make_node("Add", ["x", "w"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 3])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 3])],
+                              [onnx.numpy_helper.from_array(np.ones(3, np.float32), "w")])
+    src = tmp_path / "dyn.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), src)
+    out = tmp_path / "pinned.onnx"
+    code, text, err = _cli(capsys, "optimize", str(src), "-o", str(out), "--passes", "fix-shapes", "--dim", "N=2",
+                           "--verify")
+    assert code == 0, err
+    assert "verify: passed" in text and "x 2x3" in text
+    assert [d.dim_value for d in onnx.load(out).graph.input[0].type.tensor_type.shape.dim] == [2, 3]

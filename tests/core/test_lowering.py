@@ -123,3 +123,26 @@ def test_backends_lower_first_without_changing_the_callers_model():
     _same, none = lowered_for(to_ir(parse('<ir_version: 8, opset_import: ["" : 17]> g (float[2] x) => (float[2] y) '
                                          '{ y = Relu(x) }')), "ort", registry=get_registry())
     assert none == {}
+
+
+def test_tensorrt_plugin_nodes_beside_a_kept_op_of_the_same_name_pass_the_output_check():
+    """torchaudio's Emformer RNN-T with ``--target tensorrt``: 28 SkipLayerNorms became plugin nodes, two (a
+    ``[hidden]`` bias as the skip, which the plugin does not broadcast) stayed ``mograph.SkipLayerNorm`` with
+    their function body.  ONNX Runtime's load then read the plugin nodes as calls of that body (two outputs
+    against the plugin node's one) and refused the model: exit 4, 'wrote a model that does not load'.  Such a
+    model is not ONNX Runtime's to load; the check says why it skipped."""
+    from mograph.passes.fusion.ops import function_for
+
+    from mograph.output_check import check_model_output
+
+    text = FUSED.replace("  y = mograph.Gelu(n)\n", "  m, t = mograph.SkipLayerNorm<epsilon=1e-5>(n, gamma, gamma, zero, zero)\n"
+                         "  y = Identity(m)\n")
+    proto = onnx.parser.parse_model(text)
+    proto.functions.append(mograph.ir_io.ir.serde.serialize_function(function_for("SkipLayerNorm", 17)))
+    onnx.checker.check_model(proto)
+    model = to_ir(proto)
+    result = LowerPass(target="tensorrt", registry=get_registry()).call(model)
+    assert result.stats == {"lowered.SkipLayerNorm": 1, "kept.SkipLayerNorm": 1}
+    assert any("plugin_namespace" in n.attributes for n in model.graph) and model.functions
+    out = check_model_output(model)
+    assert out["onnx_checker"] == "passed" and out["onnxruntime"].startswith("skipped: TensorRT plugin node"), out

@@ -202,7 +202,10 @@ def _present_outputs(graph: ir.Graph, kernel: ir.Node, concats: tuple[ir.Value, 
     """The kernel's ``present_key`` / ``present_value`` (or ``news``) take the place (and names) of the exporter's
     Concats (or other present computations), which are removed (with what only they read).  A kernel lowered inside
     a subgraph (the exact branch of a right-padding check) takes the place of a Concat of the outer graph only for
-    the readers in its own graph: the outer graph's outputs are the If's to set (they stay the Concat here)."""
+    the readers in its own graph: the outer graph's outputs are the If's to set (they stay the Concat here).  A
+    reader the kernel itself depends on keeps the Concat: optimum's Whisper decoder takes the present keys' Shape
+    for its mask, and reading the kernel's own output there was a cycle (a graph the checker refused, exit 4)."""
+    upstream = _ancestors(kernel)
     for old, new in zip(concats, news if news is not None else kernel.outputs[1:3]):
         new.shape = old.shape
         if old.dtype is not None:
@@ -213,13 +216,26 @@ def _present_outputs(graph: ir.Graph, kernel: ir.Node, concats: tuple[ir.Value, 
             name = old.name
             old.name = f"{name}_replaced"
             new.name = name
-        if here:
-            ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
-        else:
-            for user, index in list(old.uses()):
-                if user.graph is kernel.graph:
-                    user.replace_input_with(index, new)
+            owner = kernel.graph if kernel.graph is not None else graph
+            outputs = owner.outputs
+            outputs[[i for i, v in enumerate(outputs) if v is old][0]] = new
+        for use in list(old.uses()):
+            if id(use.node) not in upstream and (here or use.node.graph is kernel.graph):
+                use.node.replace_input_with(use.idx, new)
     remove_dead_producers(graph, list(concats))
+
+
+def _ancestors(node: ir.Node) -> set[int]:
+    """``id``s of the nodes ``node`` reads from, directly or not (its own graph)."""
+    seen: set[int] = set()
+    stack = [v.producer() for v in node.inputs if v is not None]
+    while stack:
+        n = stack.pop()
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        stack.extend(v.producer() for v in n.inputs if v is not None)
+    return seen
 
 
 def _finish(node: ir.Node, kernel: ir.Node, q: ir.Value, new_nodes: list[ir.Node], ctx: LoweringContext) -> bool:

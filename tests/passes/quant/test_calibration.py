@@ -297,3 +297,27 @@ def test_padded_positions_are_left_out_of_the_statistics():
     plain = observe(model, ["y"], open_source([feed], model))["y"]
     assert (plain.min, plain.max) == (-100.0, 100.0)
     del RandomSource
+
+
+def test_random_ids_stay_inside_a_table_read_through_a_transpose():
+    """torchaudio's RNN-T predictor transposes its ``targets`` ([batch, U] -> [U, batch]) before the embedding
+    Gather: random ids, bounded only for a Gather reading the input directly, went up to 99 for a 50-row table
+    and every random calibration of the model failed (exit 2)."""
+    import onnx
+    from mograph.passes.quant.calibration import RandomSource
+    from onnx import helper, numpy_helper
+
+    from mograph.testing import run_ort, to_ir
+
+    table = np.random.default_rng(0).standard_normal((50, 4)).astype(np.float32)
+    nodes = [helper.make_node("Transpose", ["targets"], ["t"], perm=[1, 0]),
+             helper.make_node("Gather", ["table", "t"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("targets", onnx.TensorProto.INT64, [1, 64])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [64, 1, 4])],
+                              [numpy_helper.from_array(table, "table")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    feeds = list(RandomSource(to_ir(proto), 4))
+    assert all(int(f["targets"].max()) < 50 for f in feeds)
+    assert max(int(f["targets"].max()) for f in feeds) >= 40  # the table's range, not a timid one
+    for f in feeds:
+        run_ort(proto, f)

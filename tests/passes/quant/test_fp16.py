@@ -869,3 +869,23 @@ def test_a_budget_out_of_reach_keeps_nothing_that_measured_no_better(monkeypatch
     assert "none kept" in result.details["note"]
     lines = [r.getMessage() for r in caplog.records if "not met" in r.getMessage()]
     assert len(lines) == 1 and "every one is converted" in lines[0] and "0.999889" in lines[0], lines
+
+
+def test_constant_of_shape_without_value_becomes_float16_zeros():
+    """torchvision's Swin V2 (dynamo exporter): a ``ConstantOfShape`` with no ``value`` (float32 zeros by
+    default) typed float16 still wrote float32; ONNX Runtime refused the measuring twin (internal error) and a
+    converted model would have been refused the same way.  The float16 node writes float16 zeros."""
+    w = np.random.default_rng(0).standard_normal((8, 8)).astype(np.float32)
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("ConstantOfShape", ["s"], ["z0"]),
+             helper.make_node("Add", ["x", "z0"], ["a"]), helper.make_node("MatMul", ["a", "w"], ["y"])]
+    graph = helper.make_graph(nodes, "cos", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3, 8])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [3, 8])],
+                              [numpy_helper.from_array(w, "w")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = to_ir(proto)
+    result = Fp16Pass(calibration_data=_calib()).call(model)
+    assert result.modified and result.stats["converted"] == 4  # Shape counts too
+    node = next(n for n in model.graph if n.op_type == "ConstantOfShape")
+    assert node.attributes["value"].value.dtype == ir.DataType.FLOAT16
+    feeds = _calib(1)[0]
+    np.testing.assert_allclose(run(model, feeds)[0], run(proto, feeds)[0], rtol=2e-2, atol=2e-2)

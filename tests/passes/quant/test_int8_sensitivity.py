@@ -198,3 +198,25 @@ def test_a_measured_budget_says_which_layers_it_leaves_out():
     assert budget["evaluations"] >= 1 and budget["measured"] is not None and budget["unmeasured"] == 1
     assert any("1 layer(s) inside subgraphs, left to the default rules, are not in the measured" in n
                for n in result.details["notes"])
+
+
+def test_outputs_silent_in_float_and_int8_meet_the_budget():
+    """An untrained torchvision ViT (dynamo export): its zero-initialised head writes zeros whatever the layers
+    before it do.  Float and INT8 outputs are both all zeros; their joined cosine, 0 / 0, read 0, no mix met
+    cosine>=0.992, every layer stayed float and the pass warned the budget was not met even so."""
+    rng = np.random.default_rng(0)
+    w1 = rng.normal(0, 0.3, (16, 16)).astype(np.float32)
+    w2 = np.zeros((16, 4), np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], "fc1"), helper.make_node("Relu", ["h"], ["r"], "relu"),
+             helper.make_node("MatMul", ["r", "w2"], ["y"], "head")]
+    graph = helper.make_graph(
+        nodes, "zero_head", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4, 16])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4, 4])],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    feeds = [{"x": np.random.default_rng(s).normal(0, 1, (4, 16)).astype(np.float32)} for s in range(8)]
+    result = QdqInt8Pass(calibration_data=feeds).call(to_ir(proto))
+    budget = result.details["plan"]["accuracy_budget"]
+    assert budget["met"] is True and budget["kept_float"] == 0 and budget["measured"] == 1.0
+    assert result.stats["quantized"] == 2 and not result.stats.get("kept_float")
+    assert not any("not met" in n for n in result.details.get("notes", []))

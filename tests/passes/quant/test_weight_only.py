@@ -484,3 +484,27 @@ def test_five_checks_on_float16_activations(opset: int) -> None:
     got = sess.run(None, feeds)
     assert got[0].dtype == np.float16
     assert_close(ref, got, 2e-3)
+
+
+def test_budget_met_when_outputs_are_silent_on_both_sides():
+    """A zero-initialised head (an untrained torchvision classifier) writes zeros whatever the layers before it
+    do: the float and quantized outputs agree.  Their cosine, 0 / 0, read 0: the budget was never met and every
+    measured layer stayed float."""
+    rng = np.random.default_rng(0)
+    w1 = rng.normal(0, 0.2, (64, 64)).astype(np.float32)
+    w2 = rng.normal(0, 0.2, (64, 64)).astype(np.float32)
+    head = np.zeros((64, 8), np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h1"], "fc1"), helper.make_node("Relu", ["h1"], ["r1"]),
+             helper.make_node("MatMul", ["r1", "w2"], ["h2"], "fc2"), helper.make_node("Relu", ["h2"], ["r2"]),
+             helper.make_node("MatMul", ["r2", "head"], ["y"], "head")]
+    graph = helper.make_graph(
+        nodes, "zero_head", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4, 64])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4, 8])],
+        [numpy_helper.from_array(w, n) for w, n in ((w1, "w1"), (w2, "w2"), (head, "head"))])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    feeds = [{"x": np.random.default_rng(s).normal(0, 1, (4, 64)).astype(np.float32)} for s in range(4)]
+    result = WeightOnlyPass(algorithm="rtn", calibration_data=feeds, accuracy_budget="cosine>=0.999",
+                            block_size=32).call(to_ir(proto))
+    budget = result.details["plan"]["accuracy_budget"]
+    assert budget["met"] and budget["measured"] == 1.0
+    assert result.stats["quantized"] >= 2

@@ -194,6 +194,19 @@ def test_refuses_reshape_that_splits_the_dynamic_axis():
     _refused(proto, "x:0=n", "node 'split_axis'", "cannot be matched")
 
 
+def test_refuses_a_batch_one_reshape_that_folds_batch_into_a_larger_dim():
+    # PyTorch's multi-head attention (torchvision's ViT through the dynamo exporter, batch 1): the
+    # sequence-first [L, batch, E] becomes [L, batch * heads, head_dim], exported as [3, 4, 2]. [3 * batch,
+    # 4, 2] fits batch 1 as well and was taken silently (the outermost placement, meant for a batch among
+    # literal 1s): at batch 2 it mixed the batch rows into the sequence (cosine 0.70 on the ViT, caught
+    # only by --verify).  The two readings differ at batch 2: refused.
+    proto = make([
+        helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0, 2]),
+        helper.make_node("Reshape", ["t", "s"], ["y"], name="split_heads"),
+    ], [f32("x", [1, 3, 8])], [f32("y", [3, 4, 2])], [i64("s", [3, 4, 2])])
+    _refused(proto, "x:0=batch", "node 'split_heads'", "ambiguous")
+
+
 def test_refuses_squeezing_a_size_one_dynamic_axis():
     proto = make([helper.make_node("Squeeze", ["x", "a"], ["y"], name="squeeze")],
                  [f32("x", [1, 4])], [f32("y", [4])], [i64("a", [0])])

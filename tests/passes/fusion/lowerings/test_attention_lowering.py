@@ -468,3 +468,28 @@ def test_past_length_read_through_the_shape_query(read: str, renamed: bool, hold
              "head": op("Gather", [op("Shape", [k0]), const(3)])}
     graph = ir.Graph([k0, k1, other], [], nodes=nodes, opset_imports={"": 18})
     assert _past_length_of(reads[read], k1, ShapeQuery(graph)) is holds
+
+
+def test_kv_cache_whose_mask_reads_the_present_length() -> None:
+    """optimum's Whisper decoder with past: the mask is cut to the present keys' length, ``Shape(present)``,
+    so the kernel depends on a reader of the Concat its own ``present_key`` replaces.  Every reader was moved
+    to the kernel's output: a cycle, and the lowered model did not load (exit 4).  The reader the kernel
+    depends on keeps the Concat; the present outputs are the kernel's."""
+    longer = PAST + 3
+    text = cached_text().replace(f"float[{B},1,1,{PAST + 1}] bias)", f"float[{B},1,1,{longer}] bias_all)")
+    text = text.replace("sm = Add(sc2, bias)", "kl = Shape<start=2,end=3>(kc)\n  bias = Slice(bias_all, zero1, kl, ax3)\n"
+                        "  sm = Add(sc2, bias)")
+    text = text.replace("int64[3] shp3 = {0, 0, -1}>", "int64[3] shp3 = {0, 0, -1}, int64[1] zero1 = {0}, "
+                        "int64[1] ax3 = {3}>")
+    proto = parse(text)
+    feeds = _cached_feeds(H)
+    pad = np.zeros((B, 1, 1, longer - PAST - 1), np.float32)
+    feeds["bias_all"] = np.concatenate([feeds.pop("bias"), pad], axis=-1)
+    stats = {"AttentionFusion": 1, "AttentionFusion.mul.mask.cache": 1, "lowered.Attention": 1,
+             "attention.kv_cache": 1}
+    model = check_fusion(lowered(FuseAttentionPass(), "ort"), proto, feeds=feeds, stats=stats)
+    node = _kernel(model, "MultiHeadAttention")
+    assert node.inputs[6].name == "past_key"
+    for out, kernel_out in zip(model.graph.outputs[1:], node.outputs[1:]):
+        assert out is kernel_out or out.producer().inputs[0] is kernel_out
+    assert op_counts(model)["Concat"] == 1  # the key Concat, for the mask's Shape only
