@@ -430,7 +430,7 @@ def _infer_flat(model: ir.Model, data_prop: bool = True) -> None:
                 graph.inputs.append(v)
             v.const_value = None
             graph.initializers.pop(v.name)  # type: ignore[arg-type]
-        proto = serialize_flat_model(model)
+        proto = serialize_model(model)
     finally:
         for v, tensor in hidden:
             v.const_value = tensor
@@ -459,13 +459,13 @@ def _infer_flat(model: ir.Model, data_prop: bool = True) -> None:
 
 
 class _Unusual(Exception):
-    """Raised by :func:`serialize_flat_model` on a part it leaves to onnx_ir's serializer."""
+    """Raised by :func:`serialize_model` on a part it leaves to onnx_ir's serializer."""
 
 
 _QUANT_ANNOTATION = "quant_parameter_tensor_names"  # onnx_ir's key in Value.meta for quantization annotations
 
 
-def serialize_flat_model(model: ir.Model) -> Any:
+def serialize_model(model: ir.Model) -> Any:
     """``ir.serde.serialize_model(model)``, faster on a large graph: the same message, byte for byte.
 
     Most of onnx_ir's time on a large graph goes to the value infos, each type and shape written field by field,
@@ -476,8 +476,10 @@ def serialize_flat_model(model: ir.Model) -> Any:
     onnx_ir), and the model's other fields by onnx_ir's ``serialize_model`` on the model with an empty graph.
     Anything unusual (a quantization annotation, a value's or a node's metadata, a value's doc string, a node's
     device configurations, a value without a name, a type other than a tensor type, a dim other than an int or a ``SymbolicDim``, functions of an IR version below 9 whose value infos go to
-    the main graph) is left to onnx_ir's ``serialize_model`` for the whole model.  ``tests/core/test_scaling.py``
-    compares the bytes with onnx_ir's on the stacks and the corpus."""
+    the main graph) is left to onnx_ir's ``serialize_model`` for the whole model; subgraphs (in attributes) are
+    onnx_ir's own.  Used where the pipeline serializes a whole model: the inferences, the output check, the spill
+    and the save.  ``tests/core/test_scaling.py`` compares the bytes with onnx_ir's on unusual values, a stack and
+    the corpus."""
     if model.functions and model.ir_version < 9:
         return ir.serde.serialize_model(model)
     graph = model.graph
