@@ -474,12 +474,13 @@ def serialize_model(model: ir.Model) -> Any:
     rest of the graph is written as ``serialize_graph_into`` writes it (the nodes' names in one call each, their
     attributes by onnx_ir's own functions, an ``ir.Tensor``'s fields as onnx_ir writes them, other tensors by
     onnx_ir), and the model's other fields by onnx_ir's ``serialize_model`` on the model with an empty graph.
-    Anything unusual (a quantization annotation, a value's or a node's metadata, a value's doc string, a node's
-    device configurations, a value without a name, a type other than a tensor type, a dim other than an int or a ``SymbolicDim``, functions of an IR version below 9 whose value infos go to
-    the main graph) is left to onnx_ir's ``serialize_model`` for the whole model; subgraphs (in attributes) are
-    onnx_ir's own.  Used where the pipeline serializes a whole model: the inferences, the output check, the spill
-    and the save.  ``tests/core/test_scaling.py`` compares the bytes with onnx_ir's on unusual values, a stack and
-    the corpus."""
+    Metadata (sorted by key) and doc strings are written as onnx_ir writes them.  Anything unusual (a quantization
+    annotation, a node's device configurations, a value without a name, a type other than a tensor type, a dim
+    other than an int or a ``SymbolicDim``, an initializer without a value, functions of an IR version below 9,
+    whose value infos go to the main graph) sends the whole model to onnx_ir's ``serialize_model``; subgraphs (in
+    attributes) are onnx_ir's own.  Used where the pipeline serializes a whole model: the inferences, the output
+    check, the spill and the save.  ``tests/core/test_scaling.py`` compares the bytes with onnx_ir's on unusual
+    values, a stack and the corpus."""
     if model.functions and model.ir_version < 9:
         return ir.serde.serialize_model(model)
     graph = model.graph
@@ -506,16 +507,22 @@ def _serialize_graph_into(gp: Any, graph: ir.Graph) -> None:
 
     def value_into(vi: onnx.ValueInfoProto, v: ir.Value) -> None:
         type_, shape = v.type, v.shape
-        if type(type_) is not tensor_type or v.metadata_props or v.doc_string or v.name is None:
+        if type(type_) is not tensor_type or v.name is None:
             raise _Unusual
-        vi.name = v.name  # type: ignore[assignment]
+        vi.name = v.name
+        props = v.metadata_props  # (onnxscript's folder leaves its ``folded_from`` on the values it folds)
+        for k in sorted(props):
+            vi.metadata_props.add(key=k, value=props[k])
+        if v.doc_string:
+            vi.doc_string = v.doc_string
+        dtype, denoted = type_.dtype, type_.denotation
         if shape is None:
-            key: tuple[Any, ...] = (None, type_.dtype, type_.denotation)  # no shape: not the scalar's []
+            key: tuple[Any, ...] = (None, dtype, denoted)  # no shape: not the scalar's []
         else:
             if type(shape) is not ir.Shape:
                 raise _Unusual
             denotation = shape.get_denotation
-            dims: list[Any] = [len(shape), type_.dtype, type_.denotation]
+            dims: list[Any] = [len(shape), dtype, denoted]
             for i, d in enumerate(shape.dims):
                 if type(d) is int:
                     dims.append(d)
@@ -526,18 +533,31 @@ def _serialize_graph_into(gp: Any, graph: ir.Graph) -> None:
                 dims.append(denotation(i))
             key = tuple(dims)
         tp = types.get(key)
-        if tp is None:
+        if tp is None:  # written as ``serialize_type_into`` and ``serialize_shape_into`` write a tensor type
             tp = types[key] = onnx.TypeProto()
-            ir.serde.serialize_type_into(tp, type_)
+            if denoted:
+                tp.denotation = denoted
+            tensor = tp.tensor_type
+            tensor.elem_type = dtype.value
             if shape is not None:
-                ir.serde.serialize_shape_into(tp, shape)
+                tensor.shape.ClearField("dim")  # an empty shape (a scalar) is still written
+                add_dim = tensor.shape.dim.add
+                for j in range(3, len(key), 2):
+                    dim, dim_denotation = key[j], key[j + 1]
+                    proto = add_dim()
+                    if dim_denotation:
+                        proto.denotation = dim_denotation
+                    if type(dim) is int:
+                        proto.dim_value = dim
+                    elif dim is not None:
+                        proto.dim_param = dim[1]
         vi.type.CopyFrom(tp)
 
     def annotated(v: ir.Value) -> bool:  # a quantization annotation (``in`` first: ``get`` raises on a miss)
         meta = v.meta
         return _QUANT_ANNOTATION in meta and bool(meta[_QUANT_ANNOTATION])
 
-    def wants_info(v: ir.Value) -> bool:  # onnx_ir's test; metadata and doc strings raised on above
+    def wants_info(v: ir.Value) -> bool:  # onnx_ir's test
         return bool(v.name) and (v.type is not None or v.shape is not None or bool(v.metadata_props)
                                  or bool(v.doc_string))
 
@@ -576,7 +596,7 @@ def _serialize_graph_into(gp: Any, graph: ir.Graph) -> None:
     attr_into, ref_into = ir.serde.serialize_attribute_into, ir.serde.serialize_reference_attribute_into
     add_node, add_info = gp.node.add, gp.value_info.add
     for node in graph:  # as ``serialize_node_into`` writes a node without metadata or device configurations
-        if node.metadata_props or getattr(node, "device_configurations", None):
+        if getattr(node, "device_configurations", None):
             raise _Unusual
         np_ = add_node()
         np_.op_type = node.op_type
@@ -588,6 +608,9 @@ def _serialize_graph_into(gp: Any, graph: ir.Graph) -> None:
             np_.overload = node.overload
         if node.doc_string:
             np_.doc_string = node.doc_string
+        props = node.metadata_props
+        for k in sorted(props):
+            np_.metadata_props.add(key=k, value=props[k])
         names = ["" if v is None else v.name for v in node.inputs]
         outputs = node.outputs
         last = len(outputs)
@@ -614,8 +637,9 @@ def _serialize_graph_into(gp: Any, graph: ir.Graph) -> None:
         if annotated(v):
             raise _Unusual
         value_into(gp.output.add(), v)
-    if graph.metadata_props:
-        raise _Unusual
+    props = graph.metadata_props
+    for k in sorted(props):
+        gp.metadata_props.add(key=k, value=props[k])
 
 
 def restore_types(snapshot: TypeSnapshot) -> None:

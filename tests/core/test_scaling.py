@@ -600,7 +600,7 @@ def _same_bytes(model: ir.Model) -> bool:
 
 
 @pytest.mark.parametrize("case", ["plain", "denotation", "annotation", "metadata", "doc", "graph-metadata",
-                                  "function-ir8", "untyped-input"])
+                                  "node-metadata", "function-ir8", "untyped-input"])
 def test_the_flat_serializer_writes_onnx_irs_bytes(case: str) -> None:
     model = _unusual_values()
     values = {v.name: v for n in model.graph for v in n.outputs}
@@ -609,11 +609,14 @@ def test_the_flat_serializer_writes_onnx_irs_bytes(case: str) -> None:
     elif case == "annotation":
         values["a"].meta["quant_parameter_tensor_names"] = {"SCALE_TENSOR": "w"}
     elif case == "metadata":
-        values["a"].metadata_props["k"] = "v"
+        values["a"].metadata_props.update({"k": "v", "b": "w"})
     elif case == "doc":
         values["s"].doc_string = "sum"
     elif case == "graph-metadata":
         model.graph.metadata_props["k"] = "v"
+    elif case == "node-metadata":
+        model.graph.node(0).metadata_props.update({"z": "1", "a": "2"})
+        model.graph.node(1).doc_string = "relu"
     elif case == "function-ir8":
         fn = ir.Function("local", "f", "", graph=ir.Graph([], [], nodes=[], opset_imports={"": 17}), attributes=[])
         model.functions[fn.identifier()] = fn
@@ -625,13 +628,13 @@ def test_the_flat_serializer_writes_onnx_irs_bytes(case: str) -> None:
 
 def test_the_flat_serializer_writes_each_distinct_type_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same bytes as onnx_ir's ``serialize_model`` on an inferred stack, its types written once per (type, shape)
-    (onnx_ir writes one per value: 300-odd on this stack)."""
+    (onnx_ir writes one per value info: 300-odd on this stack)."""
     model = ir.serde.deserialize_model(_stack(4))
     irutil.infer_types(model)
     assert _same_bytes(model)
     calls = []
-    real = ir.serde.serialize_type_into
-    monkeypatch.setattr(ir.serde, "serialize_type_into", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    real = onnx.TypeProto
+    monkeypatch.setattr(onnx, "TypeProto", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     proto = irutil.serialize_model(model)
     infos = len(proto.graph.value_info) + len(proto.graph.input) + len(proto.graph.output)
     assert infos > 300 and len(calls) < infos / 2
