@@ -19,7 +19,7 @@ from mograph._traverse import subgraphs
 
 __all__ = ["attr_constant", "constant_array", "scalar_value", "attr_value", "add_initializer", "unique_initializer_name", "is_zero", "static_last_dim", "value_used",
            "infer_types", "restore_types", "run_shape_inference", "TypeSnapshot", "fresh_name", "unshadow_value_names",
-           "constants_as_tensors"]
+           "constants_as_tensors", "inference_token"]
 
 logger = logging.getLogger(__name__)
 
@@ -339,6 +339,16 @@ def infer_types(model: ir.Model) -> TypeSnapshot:
 
 
 _INFERRED_KEY = "mograph.inferred_types"
+
+
+def inference_token(model: ir.Model) -> object | None:
+    """An object that stands for the last inference :func:`infer_types` ran on ``model`` (``None`` before any).
+
+    It is the same object after a later :func:`infer_types` call exactly when that call found the graph as the
+    inference had it (the same node, value, attribute and initializer objects, the same types before it) and put
+    the inferred types back without running it: a caller that keeps something it computed from the graph right
+    after an inference can tell, by this token, that the graph is again as it was then."""
+    return model.meta.get(_INFERRED_KEY)
 
 #: Initializers above this many bytes are passed to ONNX inference as typed inputs, without their data.
 _BIG_TENSOR_BYTES = 1000

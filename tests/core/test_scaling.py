@@ -648,3 +648,70 @@ def test_the_flat_serializer_writes_onnx_irs_bytes_on_the_corpus(path: Path) -> 
     if not subgraphs(model.graph):
         irutil.infer_types(model)
         assert _same_bytes(model)
+
+
+def _pipeline_with_sweeps_counted(monkeypatch: pytest.MonkeyPatch, proto: bytes,
+                                  passes: str) -> tuple[bytes, list[list[object]], list[str]]:
+    """Run ``passes`` on ``proto``: (the result's graph bytes, every pass's (name, modified, stats, details), the
+    pass of each shape query sweep)."""
+    from mograph.shapes import _query
+
+    real = _query.ShapeQuery.__init__
+    current: list[str] = []
+    sweeps: list[str] = []
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        sweeps.append(current[-1] if current else "")
+        real(self, *args, **kwargs)
+
+    def instrument(pass_: object, model: object, context: object) -> object:
+        current.append(pass_.name)  # type: ignore[attr-defined]
+        result = yield
+        current.pop()
+        return result
+
+    monkeypatch.setattr(_query.ShapeQuery, "__init__", init)
+    model, report = mograph.optimize(proto, passes=passes, instruments=[instrument], check_output=False)
+    graph = onnx.ModelProto.FromString(model).graph.SerializeToString(deterministic=True)  # bytes in, bytes out
+    return graph, [[p.name, p.modified, p.stats, p.details] for p in report.passes], sweeps
+
+
+def test_a_fusion_pass_takes_the_canonicalizers_sweep_of_the_pass_before_when_nothing_changed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fuse-layernorm`` fuses nothing in a LLaMA and leaves the graph as it was; ``fuse-rmsnorm`` after it
+    takes a copy of its canonicalizer's sweep (the grouped-query ``Expand`` asks ``expand-noop``) instead of
+    sweeping again, and the result is the same model and report as with a sweep in each pass.  ``fuse-gelu``,
+    after ``fuse-rmsnorm`` and ``fuse-skip-layernorm`` changed the graph, sweeps again."""
+    from mograph.passes.fusion import _common
+
+    proto = _stack(2).SerializeToString()
+    passes = "cleanup,fuse-layernorm,fuse-rmsnorm,fuse-skip-layernorm,fuse-gelu"
+    graph, report, sweeps = _pipeline_with_sweeps_counted(monkeypatch, proto, passes)
+    assert [s for s in sweeps if s.startswith("fuse")] == ["fuse-layernorm", "fuse-gelu"]
+    assert [p[1] for p in report if str(p[0]).startswith("fuse")] == [False, True, True, False]
+    monkeypatch.setattr(_common._KeptSweep, "take", lambda self, shapes: None)  # a sweep in every pass
+    full_graph, full_report, full_sweeps = _pipeline_with_sweeps_counted(monkeypatch, proto, passes)
+    assert [s for s in full_sweeps if s.startswith("fuse")] == ["fuse-layernorm", "fuse-rmsnorm", "fuse-gelu"]
+    assert (graph, report) == (full_graph, full_report)
+
+
+def test_a_copied_shape_query_knows_what_a_fresh_sweep_knows() -> None:
+    """:meth:`ShapeQuery.copy` holds the dims, vectors, witnesses and positions of a sweep of the same graph, and
+    the fresh atoms it makes next are the ones the sweep would make; a visit to the copy does not show in the
+    original."""
+    from mograph.shapes import ShapeQuery
+
+    model = ir.serde.deserialize_model(_stack(1))
+    irutil.infer_types(model)
+    query = ShapeQuery(model.graph, int32=True)
+    copy = query.copy()
+    again = ShapeQuery(model.graph, int32=True)
+    state = ("_dims", "_vec", "witness", "bools", "position")
+    assert all(getattr(copy, k) == getattr(again, k) for k in state)
+    assert copy.int32 and copy.graph is model.graph
+    value = ir.Value(name="loose", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([None, 3]))
+    assert copy.declared(value) == again.declared(value)
+    node = ir.node("Relu", [model.graph.inputs[0]])
+    model.graph.append(node)
+    copy.refresh()
+    assert copy.knows(node.outputs[0]) and not query.knows(node.outputs[0])
