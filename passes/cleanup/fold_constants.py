@@ -29,7 +29,7 @@ sends (op, opset, attributes, input types and shapes, small constant inputs) and
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import onnx
@@ -95,7 +95,7 @@ _PLACEHOLDER = "\x00mograph-dim:"
 def _attribute_key(node: ir.Node) -> tuple | None:
     """The node's attributes as a hashable key (name, type, value), or ``None`` for one the key does not cover
     (a tensor, a graph, a type, a reference): such a node's inference is not remembered."""
-    out = []
+    out: list[tuple] = []
     for name, attr in node.attributes.items():
         if attr.is_ref():
             return None
@@ -162,14 +162,14 @@ class _Folder(cf.FoldConstantsPass):
                         for d in own.tensor_type.shape.dim:
                             if d.dim_param.startswith(_PLACEHOLDER):
                                 d.dim_param = names[int(d.dim_param[len(_PLACEHOLDER):])]
-                        type_proto = own
+                        type_proto = own  # type: ignore[assignment]
                 shape = ir.serde.deserialize_type_proto_for_shape(type_proto)
                 output.shape = cf._merge_shapes(output.shape, shape)
                 output.type = ir.serde.deserialize_type_proto_for_type(type_proto)
         except Exception:  # noqa: BLE001 - as the folder: an output it cannot merge ends the node's update
             return
 
-    def _key(self, node: ir.Node) -> tuple[tuple, list[str]] | None | bool:
+    def _key(self, node: ir.Node) -> tuple[tuple, list[str]] | None | Literal[False]:
         """What the node's inference depends on, its named dims numbered by first appearance (the answer depends
         only on which dims share a name), and those names in that order; ``None`` where it is not covered,
         ``False`` where an input has no type (the folder then skips the node)."""
@@ -263,20 +263,20 @@ class _Folder(cf.FoldConstantsPass):
             return _FAILED
         answer = tuple(inferred.get(v.name) for v in node.outputs)  # type: ignore[arg-type]
         index = {name: i for i, name in enumerate(symbols)}
-        for type_proto in answer:
-            if type_proto is None:
+        for inferred_type in answer:  # first whether every named dim is one of the inputs', then the placeholders
+            if inferred_type is None:
                 continue
-            field = type_proto.WhichOneof("value")
-            if field != "tensor_type":
-                if "dim_param" in str(type_proto):
+            if inferred_type.WhichOneof("value") != "tensor_type":
+                if "dim_param" in str(inferred_type):
                     return answer, True
                 continue
-            for d in type_proto.tensor_type.shape.dim:
-                if d.dim_param:
-                    at = index.get(d.dim_param)
-                    if at is None:
-                        return answer, True
-                    d.dim_param = f"{_PLACEHOLDER}{at}"
+            if any(d.dim_param and d.dim_param not in index for d in inferred_type.tensor_type.shape.dim):
+                return answer, True
+        for inferred_type in answer:
+            if inferred_type is not None and inferred_type.WhichOneof("value") == "tensor_type":
+                for d in inferred_type.tensor_type.shape.dim:
+                    if d.dim_param:
+                        d.dim_param = f"{_PLACEHOLDER}{index[d.dim_param]}"
         return answer, False
 
 

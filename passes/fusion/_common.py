@@ -261,10 +261,10 @@ class FusionPass(Pass):
             from mograph.passes.fusion.canonicalize import Canonicalizer
 
             kinds = None if self.canonicalize is True else tuple(self.canonicalize)  # type: ignore[arg-type]
-            kept = _KeptSweep(model, self.registry, inference_token(model))
+            handed = _KeptSweep(model, self.registry, inference_token(model))
             canon = Canonicalizer(model.graph, model_opset(model), kinds,
-                                  GraphShapes(model.graph, rules_for(self.registry), int32=True, kept=kept))
-            kept.edits = canon.edits
+                                  GraphShapes(model.graph, rules_for(self.registry), int32=True, kept=handed))
+            handed.edits = canon.edits
             canon.apply()
         else:
             model.meta.pop(_KEPT_SWEEP_KEY, None)

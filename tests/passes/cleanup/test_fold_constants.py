@@ -230,3 +230,23 @@ def test_remembered_inference_folds_as_the_folder_does(monkeypatch, name):
         entry = call_pass(with_registry(FoldConstantsPass()), model)
         out.append((irutil.serialize_model(model).SerializeToString(deterministic=True), entry.stats))
     assert out[0] == out[1]
+
+
+def test_an_answer_with_a_dim_name_of_its_own_is_applied_as_given_and_not_remembered(monkeypatch):
+    """Where ONNX answers with a named dim that none of the node's inputs has (a name it made up), the answer
+    holds that name as it is: it is applied to that node only, and the next node of the same kind asks again.  (Here
+    every answer names ``made_up``: the two nodes of each layer that read the layer's input ask each time; the
+    four after them read ``made_up`` from their input, so their answers are remembered.)"""
+    calls = []
+
+    def made_up(schema, node, types, data, *args, **kwargs):
+        calls.append(node.name)
+        out = onnx.helper.make_tensor_type_proto(TensorProto.FLOAT, ["b", "made_up"])
+        return {name: out for name in node.output}
+
+    monkeypatch.setattr(onnx.shape_inference, "infer_node_outputs", made_up)
+    model = to_ir(_layers(3))
+    run_pass(FoldConstantsPass(), model)
+    assert len(calls) == 2 * 3 + 4
+    shapes = {name: shape for name, _, shape in _typed(model)}
+    assert shapes["u2"] == shapes["q2"] == (ir.SymbolicDim("b"), ir.SymbolicDim("made_up"))
