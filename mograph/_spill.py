@@ -51,6 +51,7 @@ import onnx_ir as ir
 
 from mograph._tempfiles import OwnedTempDir, owned_tempdir
 from mograph._traverse import iter_nodes, subgraphs
+from mograph.irutil import serialize_model
 
 __all__ = [
     "PROTO_LIMIT_ENV",
@@ -606,7 +607,7 @@ def spill(model: ir.Model) -> Spilled:
             from mograph.ir_io import _attributes_inlined
 
             with _swapped(model, replace), _attributes_inlined(model):  # attributes' external data: inline
-                proto = ir.serde.serialize_model(model)
+                proto = serialize_model(model)
         path = folder / "model.onnx"
         onnx.save(proto, str(path))
     except BaseException:
@@ -703,7 +704,7 @@ def model_proto(model: ir.Model) -> tuple[onnx.ModelProto, Spilled | None]:
     if too_big(model):
         spilled = spill(model)
         return spilled.proto, spilled
-    return ir.serde.serialize_model(model), None
+    return serialize_model(model), None
 
 
 def shared_copy(model: ir.Model, *, in_memory: bool = True) -> ir.Model:
@@ -745,7 +746,7 @@ def shape_proto(model: ir.Model) -> onnx.ModelProto:
         return None
 
     with _swapped(model, replace):
-        return ir.serde.serialize_model(model)
+        return serialize_model(model)
 
 
 @dataclass
@@ -802,7 +803,7 @@ def payload(model: ir.Model | onnx.ModelProto | bytes | Payload, folder: str | o
         sp = spill(model)
         return Payload(path=sp.path, spilled=sp)
     folders = {str(t.base_dir) for t in (census.external() if census is not None else _external(model)) if t.base_dir}
-    return Payload(data=ir.serde.serialize_model(model).SerializeToString(),
+    return Payload(data=serialize_model(model).SerializeToString(),
                    folder=next(iter(folders)) if len(folders) == 1 else (str(folder) if folder else None))
 
 

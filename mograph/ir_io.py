@@ -42,6 +42,7 @@ from mograph._tempfiles import owned_tempdir, sweep_stale
 from mograph._traverse import graphs_and_functions, subgraphs
 from mograph.errors import InternalError, ModelError, UsageError
 from mograph.ir_version import fit_ir_version
+from mograph.irutil import serialize_model
 
 __all__ = [
     "ModelSource",
@@ -633,7 +634,7 @@ def _write_inline(model: ir.Model, path: Path) -> None:
             real.append(t)
             v.const_value = ir.ExternalTensor(location, 0, t.nbytes, t.dtype, shape=ir.Shape(t.shape.numpy()),
                                               name=v.name, base_dir="")  # type: ignore[arg-type]
-        proto = ir.serde.serialize_model(model)
+        proto = serialize_model(model)
     finally:
         for v, t in zip(stand_ins.values(), real):
             v.const_value = t

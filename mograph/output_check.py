@@ -45,6 +45,7 @@ import onnx_ir as ir
 
 from mograph._traverse import iter_nodes
 from mograph.foreign_ops import BUILTIN_FOREIGN_OPS
+from mograph.irutil import serialize_model
 
 __all__ = ["InvalidModel", "check_model_output", "ORT_DOMAINS", "ORT_DEFAULT_DOMAIN_OPS_FALLBACK", "ORT_MAX_BYTES",
            "ort_default_domain_ops", "PLACEHOLDER_BYTES"]
@@ -150,7 +151,7 @@ def _skeleton(model: ir.Model, census: Any = None) -> Any:
             if attr.type == ir.AttributeType.TENSOR and _big(attr.value):
                 swapped_attrs.append((node, key, attr))
                 node.attributes[key] = ir.AttrTensor(key, _placeholder(attr.value))
-        return ir.serde.serialize_model(model)
+        return serialize_model(model)
     finally:
         for value, t in swapped_values:
             value.const_value = t

@@ -164,6 +164,19 @@ class ShapeQuery(ShapeReads):
                 self.position[value] = index
             self._visit(node)
 
+    def copy(self, rules: ShapeRules | None = None) -> ShapeQuery:
+        """A query with what this one knows now, as a sweep of the same graph in the same state would make it
+        (the next fresh atom included); later visits to either do not show in the other.  ``rules``: the table
+        the copy consults from now on (by default this one's)."""
+        out = object.__new__(type(self))
+        out.graph, out.rules, out.int32 = self.graph, self.rules if rules is None else rules, self.int32
+        out._opsets, out._rule_of = dict(self._opsets), dict(self._rule_of)
+        out._dims, out._vec, out.witness = dict(self._dims), dict(self._vec), dict(self.witness)
+        out.bools, out.position = set(self.bools), dict(self.position)
+        following = next(self._fresh)
+        self._fresh, out._fresh = itertools.count(following), itertools.count(following)
+        return out
+
     # --- what passes ask -----------------------------------------------------------------------
     def dims(self, value: ir.Value | None) -> Dims | None:
         """The symbolic dims of ``value``; ``None`` if its rank is unknown."""

@@ -20,7 +20,7 @@ from mograph.passes.fusion.ops import FLOAT_TYPES, body_supports
 
 from mograph.custom_ops import DOMAIN, DOMAIN_VERSION, CustomOp
 from mograph.errors import InternalError
-from mograph.irutil import infer_types, restore_types
+from mograph.irutil import infer_types, inference_token, restore_types
 from mograph.lowering import TARGET_OPTION, drop_unused_functions, ensure_functions
 from mograph.opset import model_opset
 from mograph.pass_infra import Candidate, Option, Pass, PassResult, iter_nodes, stamp
@@ -79,15 +79,22 @@ class GraphShapes(ShapeReads):
     dims ONNX inference left on it, read the query's way.  ``int32``: the query tracks int32 shape vectors too
     (:class:`ShapeQuery`'s ``int32``)."""
 
-    def __init__(self, graph: ir.Graph, rules: ShapeRules | None = None, *, int32: bool = False) -> None:
+    def __init__(self, graph: ir.Graph, rules: ShapeRules | None = None, *, int32: bool = False,
+                 kept: _KeptSweep | None = None) -> None:
         self.graph = graph
         self.rules = rules
         self.int32 = int32
+        self.kept = kept
         self._query: ShapeQuery | None = None
 
     def _swept(self) -> ShapeQuery:
         if self._query is None:
-            self._query = ShapeQuery(self.graph, self.rules, int32=self.int32)
+            query = self.kept.take(self) if self.kept is not None else None
+            if query is None:
+                query = ShapeQuery(self.graph, self.rules, int32=self.int32)
+                if self.kept is not None:
+                    self.kept.keep(self, query)
+            self._query = query
         return self._query
 
     def dims(self, value: ir.Value | None) -> Dims | None:
@@ -121,6 +128,51 @@ class GraphShapes(ShapeReads):
         if da is None or db is None or not -len(da) <= axis_a < len(da) or not -len(db) <= axis_b < len(db):
             return False
         return da[axis_a] is not None and da[axis_a] == db[axis_b]
+
+
+#: Where a fusion pass leaves the canonicalizer's sweep for the next one (:class:`_KeptSweep`), in ``model.meta``.
+_KEPT_SWEEP_KEY = "mograph.fusion.kept_sweep"
+
+
+class _KeptSweep:
+    """The canonicalizer's sweep handed from one fusion pass to the next while the graph is as it was.
+
+    ``fuse-layernorm``, ``fuse-rmsnorm`` and ``fuse-gelu`` each canonicalize the graph, and the shape rules
+    (``expand-noop`` on a LLaMA's grouped-query ``Expand``) sweep it; a pass that fuses nothing and keeps no edit
+    leaves the graph exactly as it was, so the next pass's sweep finds what the last one found (a tenth of a
+    100k-node run's sweeps).  A sweep made before any edit of its pass, right after the pass's type inference
+    (:func:`mograph.irutil.infer_types`), is kept as a copy with that inference's token
+    (:func:`mograph.irutil.inference_token`) and the registry; the next pass takes a copy of it instead of
+    sweeping when its own :func:`~mograph.irutil.infer_types` found the graph unchanged since that inference (the
+    same token), it has made no edit yet either, and the registry and ``int32`` match.  At most one is kept, and
+    each fusion pass takes it out of the model when it starts.
+    """
+
+    def __init__(self, model: ir.Model, registry: object, token: object | None) -> None:
+        self.model = model
+        self.registry = registry
+        self.token = token
+        #: the canonicalizer's list of edits (set once it is made; a reference to the list, not to the
+        #: canonicalizer, which holds this object through its shape query: no reference cycle outlives the pass)
+        self.edits: list[Any] | None = None
+        self.previous = model.meta.pop(_KEPT_SWEEP_KEY, None)
+
+    def pristine(self) -> bool:
+        """Whether the canonicalizer exists and has made no edit yet (the graph is as the inference left it)."""
+        return self.edits is not None and not self.edits
+
+    def take(self, shapes: GraphShapes) -> ShapeQuery | None:
+        kept, self.previous = self.previous, None
+        if (kept is None or self.token is None or not self.pristine() or kept[0] is not self.token
+                or kept[1] is not self.registry or kept[2] is not shapes.graph or kept[3].int32 != shapes.int32):
+            return None
+        query: ShapeQuery = kept[3].copy(shapes.rules if shapes.rules is not None else None)
+        self.model.meta[_KEPT_SWEEP_KEY] = kept  # still true for the pass after, if this one changes nothing
+        return query
+
+    def keep(self, shapes: GraphShapes, query: ShapeQuery) -> None:
+        if self.token is not None and self.pristine():
+            self.model.meta[_KEPT_SWEEP_KEY] = (self.token, self.registry, shapes.graph, query.copy())
 
 
 def rule_shapes(rule: Rule, value: ir.Value) -> GraphShapes:
@@ -209,9 +261,13 @@ class FusionPass(Pass):
             from mograph.passes.fusion.canonicalize import Canonicalizer
 
             kinds = None if self.canonicalize is True else tuple(self.canonicalize)  # type: ignore[arg-type]
+            handed = _KeptSweep(model, self.registry, inference_token(model))
             canon = Canonicalizer(model.graph, model_opset(model), kinds,
-                                  GraphShapes(model.graph, rules_for(self.registry), int32=True))
+                                  GraphShapes(model.graph, rules_for(self.registry), int32=True, kept=handed))
+            handed.edits = canon.edits
             canon.apply()
+        else:
+            model.meta.pop(_KEPT_SWEEP_KEY, None)
         try:
             report: RuleReport = apply_rules(model, rules, namer=namer, record=record)
             regions = None

@@ -563,9 +563,10 @@ def test_the_output_check_walks_the_model_once(monkeypatch: pytest.MonkeyPatch, 
     model = ir_io.load_model(_stack(2).SerializeToString())
     count = [0]
     iterate = ir.Graph.__iter__
+    main = model.graph  # (``irutil.serialize_model`` stands an empty graph in for it a moment: not a walk)
 
     def counted(self: ir.Graph) -> Any:
-        if self is model.graph:
+        if self is main:
             count[0] += 1
         return iterate(self)
 
@@ -573,3 +574,144 @@ def test_the_output_check_walks_the_model_once(monkeypatch: pytest.MonkeyPatch, 
     result = output_check.check_model_output(model)
     assert result["onnxruntime"].startswith("passed")
     assert count[0] <= 6
+
+
+def _unusual_values() -> ir.Model:
+    """A model whose values have what the fast serializer leaves to onnx_ir or must keep apart: no shape and a
+    scalar shape, unnamed and named symbolic dims, a denotation, and (set by the test) annotations and metadata."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", None, 3])
+    nodes = [helper.make_node("Relu", ["x"], ["a"], name="relu"),
+             helper.make_node("ReduceSum", ["a"], ["s"], name="sum", keepdims=0),
+             helper.make_node("Identity", ["s"], ["t"], name="id"),
+             helper.make_node("Neg", ["a"], ["y"], name="neg")]
+    g = helper.make_graph(nodes, "g", [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", None, 3])],
+                          initializer=[helper.make_tensor("w", TensorProto.FLOAT, [2], [1.0, 2.0])])
+    model = ir.serde.deserialize_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    values = {v.name: v for n in model.graph for v in n.outputs}
+    values["a"].type, values["a"].shape = ir.TensorType(ir.DataType.FLOAT), ir.Shape(["N", None, 3])
+    values["s"].type, values["s"].shape = ir.TensorType(ir.DataType.FLOAT), ir.Shape([])
+    values["t"].type = ir.TensorType(ir.DataType.FLOAT)  # no shape: must not share the scalar's type
+    return model
+
+
+def _same_bytes(model: ir.Model) -> bool:
+    return bool(irutil.serialize_model(model).SerializeToString(deterministic=True)
+                == ir.serde.serialize_model(model).SerializeToString(deterministic=True))
+
+
+@pytest.mark.parametrize("case", ["plain", "denotation", "annotation", "metadata", "doc", "graph-metadata",
+                                  "node-metadata", "function-ir8", "untyped-input"])
+def test_the_flat_serializer_writes_onnx_irs_bytes(case: str) -> None:
+    model = _unusual_values()
+    values = {v.name: v for n in model.graph for v in n.outputs}
+    if case == "denotation":
+        values["a"].shape.set_denotation(0, "DATA_BATCH")  # type: ignore[union-attr]
+    elif case == "annotation":
+        values["a"].meta["quant_parameter_tensor_names"] = {"SCALE_TENSOR": "w"}
+    elif case == "metadata":
+        values["a"].metadata_props.update({"k": "v", "b": "w"})
+    elif case == "doc":
+        values["s"].doc_string = "sum"
+    elif case == "graph-metadata":
+        model.graph.metadata_props["k"] = "v"
+    elif case == "node-metadata":
+        model.graph.node(0).metadata_props.update({"z": "1", "a": "2"})
+        model.graph.node(1).doc_string = "relu"
+    elif case == "function-ir8":
+        fn = ir.Function("local", "f", "", graph=ir.Graph([], [], nodes=[], opset_imports={"": 17}), attributes=[])
+        model.functions[fn.identifier()] = fn
+        model.ir_version = 8
+    elif case == "untyped-input":
+        model.graph.inputs[0].type = None
+    assert _same_bytes(model)
+
+
+def test_the_flat_serializer_writes_each_distinct_type_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same bytes as onnx_ir's ``serialize_model`` on an inferred stack, its types written once per (type, shape)
+    (onnx_ir writes one per value info: 300-odd on this stack)."""
+    model = ir.serde.deserialize_model(_stack(4))
+    irutil.infer_types(model)
+    assert _same_bytes(model)
+    calls = []
+    real = onnx.TypeProto
+    monkeypatch.setattr(onnx, "TypeProto", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    proto = irutil.serialize_model(model)
+    infos = len(proto.graph.value_info) + len(proto.graph.input) + len(proto.graph.output)
+    assert infos > 300 and len(calls) < infos / 2
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "tests" / "data" / "corpus").glob("*.onnx"))[::6],
+                         ids=lambda p: p.stem)
+def test_the_flat_serializer_writes_onnx_irs_bytes_on_the_corpus(path: Path) -> None:
+    model = mograph.ir_io.load_model(path)
+    assert _same_bytes(model)
+    if not subgraphs(model.graph):
+        irutil.infer_types(model)
+        assert _same_bytes(model)
+
+
+def _pipeline_with_sweeps_counted(monkeypatch: pytest.MonkeyPatch, proto: bytes,
+                                  passes: str) -> tuple[bytes, list[list[object]], list[str]]:
+    """Run ``passes`` on ``proto``: (the result's graph bytes, every pass's (name, modified, stats, details), the
+    pass of each shape query sweep)."""
+    from mograph.shapes import _query
+
+    real = _query.ShapeQuery.__init__
+    current: list[str] = []
+    sweeps: list[str] = []
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        sweeps.append(current[-1] if current else "")
+        real(self, *args, **kwargs)
+
+    def instrument(pass_: object, model: object, context: object) -> object:
+        current.append(pass_.name)  # type: ignore[attr-defined]
+        result = yield
+        current.pop()
+        return result
+
+    monkeypatch.setattr(_query.ShapeQuery, "__init__", init)
+    model, report = mograph.optimize(proto, passes=passes, instruments=[instrument], check_output=False)
+    graph = onnx.ModelProto.FromString(model).graph.SerializeToString(deterministic=True)  # bytes in, bytes out
+    return graph, [[p.name, p.modified, p.stats, p.details] for p in report.passes], sweeps
+
+
+def test_a_fusion_pass_takes_the_canonicalizers_sweep_of_the_pass_before_when_nothing_changed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fuse-layernorm`` fuses nothing in a LLaMA and leaves the graph as it was; ``fuse-rmsnorm`` after it
+    takes a copy of its canonicalizer's sweep (the grouped-query ``Expand`` asks ``expand-noop``) instead of
+    sweeping again, and the result is the same model and report as with a sweep in each pass.  ``fuse-gelu``,
+    after ``fuse-rmsnorm`` and ``fuse-skip-layernorm`` changed the graph, sweeps again."""
+    from mograph.passes.fusion import _common
+
+    proto = _stack(2).SerializeToString()
+    passes = "cleanup,fuse-layernorm,fuse-rmsnorm,fuse-skip-layernorm,fuse-gelu"
+    graph, report, sweeps = _pipeline_with_sweeps_counted(monkeypatch, proto, passes)
+    assert [s for s in sweeps if s.startswith("fuse")] == ["fuse-layernorm", "fuse-gelu"]
+    assert [p[1] for p in report if str(p[0]).startswith("fuse")] == [False, True, True, False]
+    monkeypatch.setattr(_common._KeptSweep, "take", lambda self, shapes: None)  # a sweep in every pass
+    full_graph, full_report, full_sweeps = _pipeline_with_sweeps_counted(monkeypatch, proto, passes)
+    assert [s for s in full_sweeps if s.startswith("fuse")] == ["fuse-layernorm", "fuse-rmsnorm", "fuse-gelu"]
+    assert (graph, report) == (full_graph, full_report)
+
+
+def test_a_copied_shape_query_knows_what_a_fresh_sweep_knows() -> None:
+    """:meth:`ShapeQuery.copy` holds the dims, vectors, witnesses and positions of a sweep of the same graph, and
+    the fresh atoms it makes next are the ones the sweep would make; a visit to the copy does not show in the
+    original."""
+    from mograph.shapes import ShapeQuery
+
+    model = ir.serde.deserialize_model(_stack(1))
+    irutil.infer_types(model)
+    query = ShapeQuery(model.graph, int32=True)
+    copy = query.copy()
+    again = ShapeQuery(model.graph, int32=True)
+    state = ("_dims", "_vec", "witness", "bools", "position")
+    assert all(getattr(copy, k) == getattr(again, k) for k in state)
+    assert copy.int32 and copy.graph is model.graph
+    value = ir.Value(name="loose", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([None, 3]))
+    assert copy.declared(value) == again.declared(value)
+    node = ir.node("Relu", [model.graph.inputs[0]])
+    model.graph.append(node)
+    copy.refresh()
+    assert copy.knows(node.outputs[0]) and not query.knows(node.outputs[0])

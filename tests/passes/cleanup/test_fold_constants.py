@@ -9,7 +9,7 @@ import pytest
 from _cleanup_testing import assert_same_outputs
 from _pass_testing import assert_second_run_changes_nothing, run_pass
 from mograph.passes.cleanup import FoldConstantsPass, InferShapesPass
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from models.builders import make_model
 from mograph.errors import OptionError
@@ -151,3 +151,102 @@ def test_single_use_transpose_of_in_memory_weight_folds_regardless_of_limit(tmp_
     assert op_types(model) == ["MatMul"]
     assert entry.stats == {"folded_nodes": 1, "removed.Transpose": 1}
     assert_same_outputs(proto, model, {"x": RNG.standard_normal((2, 50)).astype(np.float32)})
+
+
+def _layers(n: int) -> onnx.ModelProto:
+    """``n`` independent layers of the same ops, each on its own input of dims ``[b, s<i>]`` (a named dim of its
+    own) and with its own constants: ``Reshape(Transpose(Mul(x, w)), [-1]) + Unsqueeze(Cast(Relu(x)))``-like."""
+    nodes, inputs, outputs, inits = [], [], [], {}
+    for i in range(n):
+        inputs.append((f"x{i}", np.float32, ["b", f"s{i}"]))
+        inits[f"w{i}"] = np.full((1, 1), 2.0, np.float32)
+        inits[f"shape{i}"] = np.array([-1], np.int64)
+        inits[f"axes{i}"] = np.array([0], np.int64)
+        nodes += [
+            helper.make_node("Mul", [f"x{i}", f"w{i}"], [f"m{i}"]),
+            helper.make_node("Transpose", [f"m{i}"], [f"t{i}"], perm=[1, 0]),
+            helper.make_node("Reshape", [f"t{i}", f"shape{i}"], [f"r{i}"]),
+            helper.make_node("Relu", [f"x{i}"], [f"u{i}"]),
+            helper.make_node("Cast", [f"u{i}"], [f"c{i}"], to=TensorProto.DOUBLE),
+            helper.make_node("Unsqueeze", [f"c{i}", f"axes{i}"], [f"q{i}"]),
+        ]
+        outputs += [(f"r{i}", np.float32, None), (f"q{i}", np.float64, None)]
+    return make_model(nodes, inputs, outputs, inits, opset=17)
+
+
+def _typed(model: ir.Model) -> list:
+    return [(v.name, v.type, None if v.shape is None else tuple(v.shape)) for n in model.graph for v in n.outputs]
+
+
+def test_the_folders_node_inference_is_asked_once_per_kind_of_node(monkeypatch):
+    """The folder infers every node's output types before it tries to fold it, serializing the node and its inputs'
+    types each time (a tenth of a 100k-node run); the pass remembers each answer by what is sent, dims named per
+    layer included (numbered by first appearance): 30 layers of six ops ask ONNX six times, and every output gets
+    the types the folder's own inference gives, with its own layer's dim names."""
+    from mograph.passes.cleanup import fold_constants
+
+    calls = []
+    real = onnx.shape_inference.infer_node_outputs
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(onnx.shape_inference, "infer_node_outputs", counted)
+    model = to_ir(_layers(30))
+    run_pass(FoldConstantsPass(), model)
+    assert len(calls) == 6
+    mine = _typed(model)
+    assert mine[6 * 7 + 1] == ("t7", ir.TensorType(ir.DataType.FLOAT), (ir.SymbolicDim("s7"), ir.SymbolicDim("b")))
+    assert mine[6 * 29 + 5] == ("q29", ir.TensorType(ir.DataType.DOUBLE), (1, ir.SymbolicDim("b"), ir.SymbolicDim("s29")))
+    monkeypatch.setattr(fold_constants, "_Folder", fold_constants.cf.FoldConstantsPass)
+    calls.clear()
+    model = to_ir(_layers(30))
+    run_pass(FoldConstantsPass(), model)
+    assert len(calls) == 180
+    assert _typed(model) == mine
+
+
+@pytest.mark.parametrize("name", ["torch_ts17_ln-erf.onnx", "keras_tf2onnx17_rms.onnx", "flax_jax2onnx18_ln-tanh.onnx"])
+def test_remembered_inference_folds_as_the_folder_does(monkeypatch, name):
+    """After ``infer-shapes``, the pass gives the same model, byte for byte, as onnxscript's folder inferring every
+    node itself (corpus exports of three exporters)."""
+    from pathlib import Path
+
+    from mograph.passes.cleanup import fold_constants
+
+    from mograph import irutil
+    from mograph.pass_infra import call_pass
+    from mograph.testing import with_registry
+
+    path = Path(__file__).parents[2] / "data" / "corpus" / name
+    if not path.exists():
+        pytest.skip(f"{name} not in the corpus")
+    out = []
+    for folder in (fold_constants._Folder, fold_constants.cf.FoldConstantsPass):
+        monkeypatch.setattr(fold_constants, "_Folder", folder)
+        model = to_ir(onnx.load(str(path)))
+        call_pass(with_registry(InferShapesPass()), model)
+        entry = call_pass(with_registry(FoldConstantsPass()), model)
+        out.append((irutil.serialize_model(model).SerializeToString(deterministic=True), entry.stats))
+    assert out[0] == out[1]
+
+
+def test_an_answer_with_a_dim_name_of_its_own_is_applied_as_given_and_not_remembered(monkeypatch):
+    """Where ONNX answers with a named dim that none of the node's inputs has (a name it made up), the answer
+    holds that name as it is: it is applied to that node only, and the next node of the same kind asks again.  (Here
+    every answer names ``made_up``: the two nodes of each layer that read the layer's input ask each time; the
+    four after them read ``made_up`` from their input, so their answers are remembered.)"""
+    calls = []
+
+    def made_up(schema, node, types, data, *args, **kwargs):
+        calls.append(node.name)
+        out = onnx.helper.make_tensor_type_proto(TensorProto.FLOAT, ["b", "made_up"])
+        return {name: out for name in node.output}
+
+    monkeypatch.setattr(onnx.shape_inference, "infer_node_outputs", made_up)
+    model = to_ir(_layers(3))
+    run_pass(FoldConstantsPass(), model)
+    assert len(calls) == 2 * 3 + 4
+    shapes = {name: shape for name, _, shape in _typed(model)}
+    assert shapes["u2"] == shapes["q2"] == (ir.SymbolicDim("b"), ir.SymbolicDim("made_up"))
