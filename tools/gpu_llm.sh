@@ -34,7 +34,10 @@ time)  # time [bench_llm time args]: in a later call of the lease; installs the 
   shift
   rm -rf .gpu && ln -s /tmp/g .gpu && . .gpu/assemble.sh >/tmp/assemble.log 2>&1 || { tail -5 /tmp/assemble.log; exit 1; }
   cd /tmp && python3 /tmp/repo/tools/bench_llm.py time --cache /tmp/llm "$@" ;;
-wait)  # wait [MODEL]: until that model's build (default: every build) is done
-  while pgrep -f "bench_llm.py prepare --models ${2:-}" >/dev/null; do sleep 5; done
+wait)  # wait [MODEL] [SECONDS]: until that model's build (default: every build) is done, at most SECONDS (default
+  # 420: a call has 600 s, and a call that runs out loses its output; session 15 lost a lease that way)
+  end=$((SECONDS + ${3:-420}))
+  while pgrep -f "bench_llm.py prepare --models ${2:-}" >/dev/null && [ $SECONDS -lt $end ]; do sleep 5; done
+  pgrep -f "bench_llm.py prepare --models ${2:-}" >/dev/null && echo "still building after ${3:-420} s"
   grep -h -E "bench_llm" /tmp/llm-prepare-${2:-*}.log | tail -40 ;;
 esac
