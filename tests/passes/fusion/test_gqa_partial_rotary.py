@@ -176,12 +176,14 @@ def test_phi2_shared_buffer_decode_step_in_place() -> None:
 
 def test_stablelm_shape_computed_scale_and_legacy_mask_lower_to_gqa() -> None:
     """The scale read from the query's shape folds, the Trilu / ScatterND mask is proved causal: GroupQueryAttention
-    behind the right-padding check, the rotary (16 of 64) outside as position_ids is an input."""
+    behind the check (right padding and position_ids == past + s), the rotary (16 of 64) inside it there, and two
+    kernels in the exact branch."""
     model, passes = _optimize(STABLELM)
     fuse = passes["fuse-attention"]["stats"]
     assert fuse == {"AttentionFusion": LAYERS, "AttentionFusion.mul-qk.mask.rotary.cache": LAYERS}, fuse
     stats = passes["lower"]["stats"]
-    assert stats["attention.padding_check"] == LAYERS and stats["attention.gqa_external_rotary"] == LAYERS, stats
+    assert stats["attention.padding_check"] == LAYERS and stats["attention.gqa_rotary"] == LAYERS, stats
+    assert stats["attention.position_ids_checked"] == LAYERS, stats
     ops = _ops(model)
     assert ops["Softmax"] == 0 and ops["GroupQueryAttention"] == ops["MultiHeadAttention"] == LAYERS, ops
     assert ops["If"] == LAYERS and ops["RotaryEmbedding"] == 2 * LAYERS, ops
@@ -191,16 +193,18 @@ def test_stablelm_shape_computed_scale_and_legacy_mask_lower_to_gqa() -> None:
     _check_numbers(STABLELM, model, left_padded=True)
 
 
-@pytest.mark.parametrize("options", [{"mask_format": "lengths"}, {"mask_format": "lengths", "position_ids": "cache"}],
-                         ids=["lengths", "lengths-cache"])
+@pytest.mark.parametrize("options", [{"mask_format": "lengths", "position_ids": "as-given"},
+                                     {"mask_format": "lengths", "position_ids": "cache"}, {"mask_format": "lengths"}],
+                         ids=["lengths", "lengths-cache", "lengths-auto"])
 def test_stablelm_lengths_group_query_attention_alone(options: dict[str, str]) -> None:
     """With the lengths: GroupQueryAttention alone (no Trilu, ScatterND or K/V Expand left); with ``--position-ids
-    cache`` the 16-of-64 rotary goes inside (``do_rotary``, 8-wide caches)."""
+    cache`` (or the default auto, under the lengths) the 16-of-64 rotary goes inside (``do_rotary``, 8-wide caches),
+    with ``as-given`` one kernel outside."""
     model, passes = _optimize(STABLELM, **options)
     ops = Counter(n.op_type for n in model.graph.node)
     assert ops["GroupQueryAttention"] == LAYERS and ops["MultiHeadAttention"] == ops["If"] == 0, ops
     assert ops["Trilu"] == ops["ScatterND"] == ops["Softmax"] == 0, ops
-    inside = "position_ids" in options
+    inside = options.get("position_ids") != "as-given"  # (auto under the lengths: cache positions)
     assert ops["RotaryEmbedding"] == (0 if inside else LAYERS), ops
     for gqa in (n for n in model.graph.node if n.op_type == "GroupQueryAttention"):
         attrs = {a.name: helper.get_attribute_value(a) for a in gqa.attribute}
