@@ -445,6 +445,11 @@ def _infer_flat(model: ir.Model, data_prop: bool = True) -> None:
         for v, tensor in hidden:
             v.const_value = tensor
             graph.initializers.add(v)
+        if hidden and list(graph.initializers.values()) != inits:  # re-added at the end: the original order back
+            for v in inits:
+                graph.initializers.pop(v.name)  # type: ignore[arg-type]
+            for v in inits:
+                graph.initializers.add(v)
         while len(graph.inputs) > n_inputs:
             graph.inputs.pop()
     # The types sent, as messages: comparing messages costs a fifth of serializing each type to compare bytes

@@ -86,3 +86,24 @@ def test_custom_op_outputs_keep_their_declared_shape():
     run_pass(InferShapesPass(), model)
     assert _shapes(model)["t"][1] == [4, 5]
     assert _shapes(model)["y"][1] == [4, 5]
+
+
+def test_untouched_model_keeps_its_initializer_order():
+    """The near miss with a large initializer first: inference sends it without its data and put it back last, so a
+    pass that changed nothing (modified False) still reordered the initializers (seen on a jax2onnx export: the
+    graph's fingerprint moved).  Now the order is the model's."""
+    from onnx import numpy_helper
+
+    from mograph.testing import graph_fingerprint
+
+    big = numpy_helper.from_array(np.ones((16, 48), np.float32), "w_big")  # 3 KB: sent without its data
+    small = numpy_helper.from_array(np.ones((48,), np.float32), "b_small")
+    nodes = [helper.make_node("MatMul", ["x", "w_big"], ["t"]), helper.make_node("Add", ["t", "b_small"], ["y"])]
+    proto = make_model(nodes, [("x", np.float32, [2, 16])], [("y", np.float32, [2, 48])], initializers=[big, small])
+    proto.graph.value_info.append(tensor_info("t", np.float32, [2, 48]))
+    model = to_ir(proto)
+    before = graph_fingerprint(model)
+    entry = run_pass(InferShapesPass(), model)
+    assert entry.modified is False
+    assert list(model.graph.initializers) == ["w_big", "b_small"]
+    assert graph_fingerprint(model) == before
