@@ -1,6 +1,6 @@
 """Export small random-weight causal-LM decoders the way Hugging Face / optimum users do, for the GQA tests.
 
-``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` built from a config in code (seeded random weights, nothing
+``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``GPTNeoXForCausalLM`` built from a config in code (seeded random weights, nothing
 downloaded), wrapped so ``forward`` takes plain tensors:
 
 ``prefill``
@@ -25,7 +25,7 @@ import numpy as np
 
 __all__ = ["FAMILIES", "SMOLLM2_135M", "build", "config", "export", "feeds", "input_names", "output_names"]
 
-FAMILIES = ("llama", "qwen2")
+FAMILIES = ("llama", "qwen2", "gpt_neox")
 
 
 #: SmolLM2-135M's shape (30 layers, hidden 576, 9 query / 3 KV heads of 64, FFN 1536, vocab 49152)
@@ -36,6 +36,12 @@ def config(family: str, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv
            ffn: int = 128, vocab: int = 100, positions: int = 256, attn: str = "sdpa") -> Any:
     import transformers as tf
 
+    if family == "gpt_neox":  # Pythia: one head-interleaved query_key_value, a quarter of each head rotated
+        cfg = tf.GPTNeoXConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                               intermediate_size=ffn, vocab_size=vocab, max_position_embeddings=positions,
+                               rotary_pct=0.25, use_cache=True, attn_implementation=attn, tie_word_embeddings=False)
+        cfg.num_key_value_heads = heads  # (no grouped heads: what the feeds and the past shapes read)
+        return cfg
     cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config}[family]
     return cls(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                intermediate_size=ffn, vocab_size=vocab, max_position_embeddings=positions, use_cache=True,
@@ -71,7 +77,8 @@ def build(cfg: Any, step: str, seed: int = 0, hf_dir: str | os.PathLike[str] | N
                                                         attn_implementation=getattr(cfg, "_attn_implementation", None))
     else:
         torch.manual_seed(seed)
-        cls = {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM}[cfg.model_type]
+        cls = {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
+               "gpt_neox": tf.GPTNeoXForCausalLM}[cfg.model_type]
         inner = cls(cfg)
         gen = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():

@@ -219,7 +219,7 @@ class Canonicalizer:
                 used = any(n.graph is not graph for n in edit.new_nodes) or any(
                     u.graph is not graph for u, _ in edit.moved) or any(
                     u.graph is graph and u not in self.original and id(u) not in made
-                    for n in edit.new_nodes for v in n.outputs for u, _ in v.uses())
+                    for n in edit.new_nodes for v in n.outputs for u, _ in v.uses()) or self._cached(edit, made)
             else:
                 # an existing value stands in for the node (Identity, no-op Cast ...): the edit was used
                 # only if that value itself went into a fusion; a fusion that merely reads it (its
@@ -237,6 +237,16 @@ class Canonicalizer:
         self._removed.clear()
         self._check()
         return kept, undone
+
+    def _cached(self, edit: _Edit, made: set[int]) -> bool:
+        """Whether what the edit made reaches a fusion through the exporter's KV-cache ``Concat``: the new values
+        (GPT-NeoX's V, ``head-slice``) are the cache's ``Concat(past, new)``, the present, which stays (a graph
+        output) and which the fused op reads through what the fusion built after it, not directly."""
+        graph = self.graph
+        return any(w.graph is graph and w not in self.original and id(w) not in made
+                   for n in edit.new_nodes for v in n.outputs for u, _ in v.uses()
+                   if u.graph is graph and u in self.original and u.op_type == "Concat" and u.domain in STD
+                   for o in u.outputs for w, _ in o.uses())
 
     def _stand_in_used(self, edit: _Edit) -> bool:
         """Whether an edit that let an existing value stand in for a node went into a fusion.

@@ -31,6 +31,13 @@ float rounding of another summation order)::
                      ``(a b)^T = b^T a^T``, the same sums.
     einsum-matmul    Einsum(x, W) contracting x's trailing letters with W's leading ones (``abc,cde->abde``,
                      ``abcd,cde->abe``), W a constant -> Reshape(MatMul(Reshape(x, [0, .., K]), W[K, L]), [0, .., out]).
+    head-slice       Slice(Transpose(Reshape(x @ W (+ b), [B, S, H, E]), [0, 2, 1, 3]), a, c, axis=-1) ->
+                     Transpose(Reshape(x @ W' (+ b'), [0, 0, H, c-a]), [0, 2, 1, 3]) with ``W'`` the columns
+                     ``h*E + a .. h*E + c`` of every head ``h`` (``b'`` likewise; also without the Transpose):
+                     GPT-NeoX's ``query_key_value``, laid out per head as ``[q_h | k_h | v_h]`` and cut by
+                     ``chunk(3, -1)``, becomes three projections of ``x`` (each column the same dot product).
+                     ``W`` and ``b`` constants (the exporter's); the Slice's bounds literal (computed from
+                     the shape included); the heads read only by Slices that cut ``E`` into three equal parts.
 
 Consecutive Transposes a rewrite builds are composed into one (an identity one disappears).  The rules run
 only where a pass names them (``fuse-attention``); like every canonical rewrite, an edit no fusion consumes
@@ -60,8 +67,8 @@ from mograph.shapes import Dim, Dims, as_ir_shape, mul, prod
 if TYPE_CHECKING:
     from mograph.passes.fusion.canonicalize._engine import Canonicalizer
 
-__all__ = ["BATCHED_MATMUL", "BIAS_SPLIT", "EINSUM_MATMUL", "GEMM_ROWS", "LAYOUT_RULES", "MATMUL_TRANSPOSE",
-           "SHAPE_UNIT_AXES", "SQUEEZE_RESHAPE", "UNIT_AXES"]
+__all__ = ["BATCHED_MATMUL", "BIAS_SPLIT", "EINSUM_MATMUL", "GEMM_ROWS", "HEAD_SLICE", "LAYOUT_RULES",
+           "MATMUL_TRANSPOSE", "SHAPE_UNIT_AXES", "SQUEEZE_RESHAPE", "UNIT_AXES"]
 
 _ONE = Dim()
 
@@ -451,6 +458,128 @@ def _einsum_matmul(c: Canonicalizer, n: ir.Node) -> Build | Miss:
     return Build(node.outputs[0], made, inits)
 
 
+
+# -- head-slice ---------------------------------------------------------------------------------
+
+
+def _literal_int(c: Canonicalizer, value: ir.Value | None) -> int | None:
+    """The one integer a constant or a shape-computed scalar/1-element vector holds (None if not provably one)."""
+    arr = constant_array(value) if value is not None else None
+    if arr is not None:
+        return int(arr.reshape(-1)[0]) if arr.size == 1 and arr.dtype.kind in "iu" else None
+    vec = c.shapes.values(value)
+    if vec is None or len(vec[1]) != 1:
+        return None
+    e = vec[1][0]
+    return e.value if e is not None and e.is_literal else None  # type: ignore[return-value]
+
+
+def _slice_bounds(c: Canonicalizer, n: ir.Node) -> tuple[int, int, int, int] | None:
+    """``(start, end, axis, step)`` of a Slice whose bounds are literal (computed from the shape included)."""
+    got = [_literal_int(c, n.inputs[i]) if i < len(n.inputs) and n.inputs[i] is not None else d
+           for i, d in ((1, None), (2, None), (3, -1), (4, 1))]
+    return None if any(b is None for b in got) else tuple(got)  # type: ignore[return-value]
+
+
+def _parts(c: Canonicalizer, heads: ir.Value | None, e: int) -> list[tuple[int, int]] | None:
+    """The ``[start, end)`` ranges of the last axis (``e`` wide) that the Slices reading ``heads`` cut, besides
+    ``Shape`` readers; None if something else reads it."""
+    if heads is None:
+        return None
+    got: list[tuple[int, int]] = []
+    for user, i in heads.uses():
+        if std(user, "Shape") and i == 0:
+            continue
+        bounds = _slice_bounds(c, user) if std(user, "Slice") and i == 0 else None
+        if bounds is None or bounds[2] not in (-1, 3) or bounds[3] != 1:
+            return None
+        got.append(tuple(min(max(v + e if v < 0 else v, 0), e) for v in bounds[:2]))  # type: ignore[arg-type]
+    return got
+
+
+def _projection(y: ir.Value | None) -> tuple[ir.Value, np.ndarray, np.ndarray | None] | Miss:
+    """``(x, W, b)`` of ``y = x @ W (+ b)``, ``W`` a 2-D constant and ``b`` a 1-D constant as wide."""
+    add = _producer(y, "Add")
+    bias = None
+    if add is not None:
+        for side in (0, 1):
+            mm, arr = _producer(add.inputs[side], "MatMul"), constant_array(add.inputs[1 - side])
+            if mm is not None and arr is not None:
+                y, bias = add.inputs[side], arr
+                break
+        else:
+            return Miss("the heads are not split from a MatMul (+ a constant bias)")
+    mm = _producer(y, "MatMul")
+    w = constant_array(mm.inputs[1]) if mm is not None else None
+    if mm is None or mm.inputs[0] is None or w is None or w.ndim != 2:
+        return Miss("the heads are not split from x @ W with W a 2-D constant")
+    if bias is not None and (bias.ndim != 1 or bias.shape[0] != w.shape[1] or bias.dtype != w.dtype):
+        return Miss("the projection's bias is not one value per column")
+    if not single_use(y) or (add is not None and not single_use(add.outputs[0])):  # type: ignore[arg-type]
+        return Miss("the projection is read elsewhere too")
+    return mm.inputs[0], w, bias
+
+
+def _head_slice(c: Canonicalizer, n: ir.Node) -> Build | Miss:
+    """See the module docstring (``head-slice``)."""
+    src = n.inputs[0]
+    tr = _producer(src, "Transpose")
+    if tr is not None and _perm(tr) != [0, 2, 1, 3]:
+        return Miss("the Slice reads a Transpose other than [0, 2, 1, 3]")
+    rs = _producer(tr.inputs[0] if tr is not None else src, "Reshape")
+    if rs is None or rs.inputs[0] is None:
+        return Miss("the Slice does not read heads split by a Reshape")
+    if (tr is not None and rs.outputs[0].is_graph_output()) or (src is not None and src.is_graph_output()):
+        return Miss("the split heads are a graph output")
+    bounds = _slice_bounds(c, n)
+    if bounds is None:
+        return Miss("the Slice's bounds are not literal")
+    start, end, axis, step = bounds
+    mm = _producer(rs.inputs[0], "MatMul", "Add")
+    if mm is None or mm not in c.original:
+        return Miss("the heads are not split from an exporter's projection")
+    proj = _projection(rs.inputs[0])
+    if isinstance(proj, Miss):
+        return proj
+    x, w, bias = proj
+    ydims, hdims = c.shapes.dims(rs.inputs[0]), c.shapes.dims(rs.outputs[0])
+    if not _known(ydims, 3) or not _known(hdims, 4) or ydims is None or hdims is None:
+        return Miss("the projection is not [B, S, N] split into [B, S, H, E] with known dims")
+    heads, width = hdims[2], hdims[3]
+    if not (heads.is_literal and width.is_literal) or ydims[0] != hdims[0] or ydims[1] != hdims[1]:  # type: ignore[union-attr]
+        return Miss("the Reshape does not split only the last dim into literal heads")
+    h, e = int(heads.value), int(width.value)  # type: ignore[union-attr,arg-type]
+    if h * e != w.shape[1] or h < 2:
+        return Miss("the Reshape does not split the projection's columns into heads (or there is one head)")
+    if axis not in (-1, 3) or step != 1:  # type: ignore[operator]
+        return Miss("the Slice does not cut the last axis with step 1")
+    start, end = (min(max(v + e if v < 0 else v, 0), e) for v in (start, end))  # type: ignore[operator]
+    key = (id(src), ("head-slice", e))
+    hit = c.memo.get(key)
+    if hit is None or hit[0] is not src:  # (a sibling Slice rewritten first is detached: proved before it was)
+        parts = _parts(c, src, e)
+        if e % 3 or parts is None or sorted(parts) != [(0, e // 3), (e // 3, 2 * e // 3), (2 * e // 3, e)]:
+            return Miss("the heads are not cut into three equal parts [q | k | v] (and read by nothing else)")
+        c.memo[key] = (src, src)  # type: ignore[assignment]
+    cols = (np.arange(h)[:, None] * e + np.arange(start, end)[None, :]).reshape(-1)
+    inits = [c.constant(np.ascontiguousarray(w[:, cols]), "mograph_head_slice_weight")]
+    ylike = _like(rs.inputs[0], (ydims[0], ydims[1], Dim.lit(h * (end - start))))
+    made = [c.node("MatMul", [x, inits[0]], ylike)]
+    out = made[-1].outputs[0]
+    if bias is not None:
+        inits.append(c.constant(np.ascontiguousarray(bias[cols]), "mograph_head_slice_bias"))
+        made.append(c.node("Add", [out, inits[-1]], ylike))
+        out = made[-1].outputs[0]
+    inits.append(c.constant(np.array([0, 0, h, end - start], dtype=np.int64), "mograph_head_slice_shape"))
+    part = Dim.lit(end - start)
+    made.append(c.node("Reshape", [out, inits[-1]], _like(rs.outputs[0], (hdims[0], hdims[1], heads, part))))
+    out = made[-1].outputs[0]
+    if tr is not None:
+        made.append(c.node("Transpose", [out], _like(n.outputs[0], (hdims[0], heads, hdims[1], part)),
+                           perm=[0, 2, 1, 3]))
+    return Build(made[-1].outputs[0], made, inits)
+
+
 UNIT_AXES = CanonRule("unit-axes", ("Reshape",), _unit_axes)
 SHAPE_UNIT_AXES = CanonRule("shape-unit-axes", ("Shape",), _shape_unit_axes)
 SQUEEZE_RESHAPE = CanonRule("squeeze-reshape", ("Squeeze",), _squeeze_reshape)
@@ -459,7 +588,8 @@ BIAS_SPLIT = CanonRule("bias-split", ("Add",), _bias_split)
 BATCHED_MATMUL = CanonRule("batched-matmul", ("Reshape",), _batched_matmul)
 MATMUL_TRANSPOSE = CanonRule("matmul-transpose", ("Transpose",), _matmul_transpose)
 EINSUM_MATMUL = CanonRule("einsum-matmul", ("Einsum",), _einsum_matmul, exact=False)
+HEAD_SLICE = CanonRule("head-slice", ("Slice",), _head_slice)
 
 #: The layout rewrites, tried in this order (after the algebraic ones) where a pass names them.
 LAYOUT_RULES: tuple[CanonRule, ...] = (UNIT_AXES, SHAPE_UNIT_AXES, SQUEEZE_RESHAPE, GEMM_ROWS, BATCHED_MATMUL, BIAS_SPLIT,
-                                       MATMUL_TRANSPOSE, EINSUM_MATMUL)
+                                       MATMUL_TRANSPOSE, EINSUM_MATMUL, HEAD_SLICE)
