@@ -391,6 +391,8 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
         seqlens, total = _mask_lengths_for_gqa(mask, outer if guarded else new_nodes, ctx.shared)
     else:  # no padding: every row holds all S keys
         seqlens, total = _gqa_lengths(xq, xq, 1, None, None, new_nodes, ctx.shared)
+    if shared and external and rp is not None and mask is not None:
+        _buffer_positions([q, k_rot], rp[1], rscale, mask, xq, max_len, graph, ctx)
     present_k = _present_key_output(graph, xk, f, rscale, ctx) if ck is None else None
     present_v = _present_value_output(graph, v_new, ctx) if ck is None else None
     logger.debug("%s: present outputs found: key %s, value %s", node.name, present_k, present_v)
@@ -466,6 +468,47 @@ def _lower_gqa(node: ir.Node, ctx: LoweringContext, heads: int, kv_heads: int, s
         ctx.count("attention.packed_qkv")
     ctx.stats["rotary.kernel"] = ctx.stats.get("rotary.kernel", 0) - 2  # both went into the kernel
     return True
+
+
+def _buffer_positions(rotated: list[ir.Value], inv: np.ndarray, rscale: float | None, mask: ir.Value, xq: ir.Value,
+                      max_len: int, graph: ir.Graph, ctx: LoweringContext) -> None:
+    """``--kv-cache shared`` with the rotary outside (its width does not fit ``do_rotary``): the export's angles read
+    the past length ``P`` from the past's shape, which is the buffer's ``max_sequence_length`` now.  The kernels that
+    rotate Q and K read instead rows of ``cos/sin(p * inv_freq)`` caches (``p`` 0 .. ``max_len`` - 1, float32 as
+    the export computes them) at each token's position ``sum(mask[b]) - S + s`` (right padding: what the buffer's
+    mask says the row holds), as ``do_rotary`` does inside the op.  Built once per mask and angle table."""
+    kernels = [v.producer() for v in rotated]
+    expands = [_producer(k.inputs[1], "Expand") if k is not None and len(k.inputs) == 4 else None for k in kernels]
+    if any(k is None or k.op_type != "RotaryEmbedding" or k.domain != MS_DOMAIN for k in kernels) or None in expands:
+        raise PassFailedError("lower", "--kv-cache shared: the rotary kernels outside GroupQueryAttention (positions "
+                                       "Expand-ed over the batch) were not found")
+    order = {id(n): i for i, n in enumerate(graph)}
+    first = min(expands, key=lambda n: order.get(id(n), len(order)))  # (the kernels' positions are read from here)
+    key = ("gqa_buffer_positions", id(mask), inv.tobytes(), rscale)
+    if key not in ctx.shared:
+        angles = np.arange(max_len, dtype=np.float32)[:, None] * inv.astype(np.float32)[None, :]
+        cos, sin = np.cos(angles), np.sin(angles)
+        if rscale is not None:
+            cos, sin = cos * np.float32(rscale), sin * np.float32(rscale)
+        dtype = xq.dtype.numpy() if xq.dtype is not None else np.float32
+        made: list[ir.Node] = []
+        lengths = _add(made, "ReduceSum", [_add(made, "Cast", [mask], to=ir.DataType.INT64.value),
+                                           _const(made, np.array([1], dtype=np.int64))], keepdims=1)  # [B, 1]
+        seq = _add(made, "Shape", [xq], start=1, end=2)
+        start = _add(made, "Sub", [lengths, seq])
+        steps = _add(made, "Range", [_const(made, np.array(0, dtype=np.int64)),
+                                     _add(made, "Squeeze", [seq, _const(made, np.array([0], dtype=np.int64))]),
+                                     _const(made, np.array(1, dtype=np.int64))])
+        positions = _add(made, "Add", [start, steps])  # [B, S]
+        graph.insert_before(first, made)  # type: ignore[arg-type]
+        ctx.shared[key] = (positions, add_initializer(graph, "mograph_buffer_cos_cache", cos.astype(dtype)),
+                           add_initializer(graph, "mograph_buffer_sin_cache", sin.astype(dtype)))
+    positions, cos_cache, sin_cache = ctx.shared[key]
+    for kernel, expand in zip(kernels, expands):
+        assert kernel is not None and expand is not None
+        expand.replace_input_with(0, positions)  # ([B, S] expanded to [B, S]: the form _packed_external reads)
+        kernel.replace_input_with(2, cos_cache)
+        kernel.replace_input_with(3, sin_cache)
 
 
 #: node metadata of the copy of an attention lowered in the exact branch of a right-padding check: no GQA there
