@@ -227,3 +227,29 @@ def test_neox_second_run_changes_nothing(path: Path) -> None:
     assert not passes["fuse-attention"]["modified"] and not passes["lower"]["stats"].get("lowered.Attention")
     assert "canonicalized" not in passes["fuse-attention"]["details"]
     assert Counter(n.op_type for n in again.graph.node) == Counter(n.op_type for n in model.graph.node)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("position_ids", [False, True], ids=["cache-length", "position-ids"])
+def test_neox_head_of_64_rotary_inside(tmp_path: Path, position_ids: bool) -> None:
+    """Exported here with torch (TorchScript, transformers 5.x): 2 heads of 64, R 16 (``rotary_pct`` 0.25), so the
+    rotary fits ``do_rotary`` (R/2 = 8 a multiple of 8, at most (64 / 16) * 8): GroupQueryAttention alone, the
+    rotary inside, one packed [Q | K | V] MatMul per layer; given position_ids under ``--position-ids cache``."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from models import decoder_export as de
+
+    cfg = de.config("gpt_neox", hidden=128, heads=2)
+    path = de.export(cfg, "decode", "torchscript", tmp_path / "neox64.onnx", position_ids=position_ids)
+    options = {"mask_format": "lengths", **({"position_ids": "cache"} if position_ids else {})}
+    model, passes = _optimize(path, **options)
+    assert passes["fuse-attention"]["stats"] == FUSED
+    stats = passes["lower"]["stats"]
+    assert stats["attention.gqa_rotary"] == stats["attention.packed_qkv"] == LAYERS, stats
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert ops["GroupQueryAttention"] == LAYERS and ops["RotaryEmbedding"] == ops["Softmax"] == 0, ops
+    for gqa in (n for n in model.graph.node if n.op_type == "GroupQueryAttention"):
+        attrs = {a.name: helper.get_attribute_value(a) for a in gqa.attribute}
+        assert attrs["do_rotary"] == 1, attrs
+    _packed(model, heads=2, kv_heads=2)
+    _check_numbers(path, model)
