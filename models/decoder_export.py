@@ -42,6 +42,13 @@ def config(family: str, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv
                                rotary_pct=0.25, use_cache=True, attn_implementation=attn, tie_word_embeddings=False)
         cfg.num_key_value_heads = heads  # (no grouped heads: what the feeds and the past shapes read)
         return cfg
+    if family == "falcon":  # the new decoder architecture: one fused qkv, [q_1 .. q_n | k | v] per K/V group
+        cfg = tf.FalconConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                              num_kv_heads=kv_heads, vocab_size=vocab, new_decoder_architecture=True,
+                              multi_query=False, parallel_attn=True, bias=False, max_position_embeddings=positions,
+                              use_cache=True, attn_implementation=attn, tie_word_embeddings=False)
+        cfg.num_key_value_heads = heads  # (its cache holds K/V broadcast to every query head)
+        return cfg
     cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config}[family]
     return cls(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                intermediate_size=ffn, vocab_size=vocab, max_position_embeddings=positions, use_cache=True,
@@ -78,7 +85,7 @@ def build(cfg: Any, step: str, seed: int = 0, hf_dir: str | os.PathLike[str] | N
     else:
         torch.manual_seed(seed)
         cls = {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
-               "gpt_neox": tf.GPTNeoXForCausalLM}[cfg.model_type]
+               "gpt_neox": tf.GPTNeoXForCausalLM, "falcon": tf.FalconForCausalLM}[cfg.model_type]
         inner = cls(cfg)
         gen = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():

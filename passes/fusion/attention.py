@@ -497,7 +497,8 @@ class FuseAttentionPass(FusionPass):
     name = "fuse-attention"
     #: Keras/tf2onnx's Einsum attention into the MatMul form the rule reads (:mod:`.canonicalize._layout`)
     canonicalize = ("unit-axes", "shape-unit-axes", "squeeze-reshape", "gemm-rows", "batched-matmul", "bias-split",
-                    "matmul-transpose", "einsum-matmul", "head-slice")
+                    "matmul-transpose", "einsum-matmul", "head-slice",
+                    "group-slice", "heads-reshape")
     options: ClassVar[tuple[Option, ...]] = (EXPLAIN_OPTION, MASK_FORMAT_OPTION, KV_CACHE_OPTION, POSITION_IDS_OPTION,
                                              TARGET_OPTION)
     rules: ClassVar[tuple[type[Rule], ...]] = (AttentionFusion,)

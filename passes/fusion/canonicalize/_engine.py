@@ -219,12 +219,12 @@ class Canonicalizer:
                 used = any(n.graph is not graph for n in edit.new_nodes) or any(
                     u.graph is not graph for u, _ in edit.moved) or any(
                     u.graph is graph and u not in self.original and id(u) not in made
-                    for n in edit.new_nodes for v in n.outputs for u, _ in v.uses()) or self._cached(edit, made)
+                    for n in edit.new_nodes for v in n.outputs for u, _ in v.uses()) or self._cached([v for n in edit.new_nodes for v in n.outputs], made)
             else:
                 # an existing value stands in for the node (Identity, no-op Cast ...): the edit was used
                 # only if that value itself went into a fusion; a fusion that merely reads it (its
                 # input) is rewired to the original node on undo
-                used = self._stand_in_used(edit)
+                used = self._stand_in_used(edit) or self._cached([edit.new_value], made)
             if used:
                 dead.extend(self._keep(edit))
                 kept[edit.rule] += 1
@@ -238,15 +238,24 @@ class Canonicalizer:
         self._check()
         return kept, undone
 
-    def _cached(self, edit: _Edit, made: set[int]) -> bool:
-        """Whether what the edit made reaches a fusion through the exporter's KV-cache ``Concat``: the new values
+    def _cached(self, values: list[ir.Value], made: set[int]) -> bool:
+        """Whether what an edit made (``values``) reaches a fusion through the exporter's KV-cache ``Concat``: the new values
         (GPT-NeoX's V, ``head-slice``) are the cache's ``Concat(past, new)``, the present, which stays (a graph
-        output) and which the fused op reads through what the fusion built after it, not directly."""
+        output) and which the fused op reads through what the fusion built after it, not directly; up to two
+        exporter's Transpose / Reshape nodes of the heads may sit between the edit and the Concat."""
         graph = self.graph
-        return any(w.graph is graph and w not in self.original and id(w) not in made
-                   for n in edit.new_nodes for v in n.outputs for u, _ in v.uses()
-                   if u.graph is graph and u in self.original and u.op_type == "Concat" and u.domain in STD
-                   for o in u.outputs for w, _ in o.uses())
+        stack = [(v, 0) for v in values]
+        while stack:  # (through the exporter's Transpose / Reshape of the heads in front of the Concat: Falcon's)
+            v, depth = stack.pop()
+            for u, _ in v.uses():
+                if u.graph is not graph or u not in self.original or u.domain not in STD:
+                    continue
+                if u.op_type == "Concat" and any(w.graph is graph and w not in self.original and id(w) not in made
+                                                 for w, _ in u.outputs[0].uses()):
+                    return True
+                if u.op_type in ("Transpose", "Reshape") and depth < 2:
+                    stack.append((u.outputs[0], depth + 1))
+        return False
 
     def _stand_in_used(self, edit: _Edit) -> bool:
         """Whether an edit that let an existing value stand in for a node went into a fusion.

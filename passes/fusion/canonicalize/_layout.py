@@ -38,6 +38,15 @@ float rounding of another summation order)::
                      ``chunk(3, -1)``, becomes three projections of ``x`` (each column the same dot product).
                      ``W`` and ``b`` constants (the exporter's); the Slice's bounds literal (computed from
                      the shape included); the heads read only by Slices that cut ``E`` into three equal parts.
+    group-slice      Reshape(Slice(Reshape(x @ W (+ b), [B, S, G, n+2, D]), 0, n, axis=3), [B, S, G*n, D]) and
+                     Reshape(Expand(Gather(that, [n] | [n+1], axis=3), [B, S, G, n, D]), [B, S, G*n, D]) ->
+                     Reshape(x @ W' (+ b'), [0, 0, G*n, D]): Falcon's new decoder architecture, one fused
+                     ``query_key_value`` laid out per K/V group as ``[q_1 .. q_n | k | v]``, the key and value
+                     broadcast to the group's n query heads; ``W'`` holds the query columns of each group, or the
+                     group's key (value) columns once per query head (copies: the same dot products).  The 5-D
+                     heads read only by that Slice and the two Gathers.
+    heads-reshape    Reshape(Transpose(h, [0, 2, 1, 3]), t) -> Transpose(h, [0, 2, 1, 3]) where the shape query
+                     proves ``t`` the Transpose's own dims (Falcon's ``.transpose(1, 2).reshape(B, H, S, D)``).
 
 Consecutive Transposes a rewrite builds are composed into one (an identity one disappears).  The rules run
 only where a pass names them (``fuse-attention``); like every canonical rewrite, an edit no fusion consumes
@@ -67,7 +76,7 @@ from mograph.shapes import Dim, Dims, as_ir_shape, mul, prod
 if TYPE_CHECKING:
     from mograph.passes.fusion.canonicalize._engine import Canonicalizer
 
-__all__ = ["BATCHED_MATMUL", "BIAS_SPLIT", "EINSUM_MATMUL", "GEMM_ROWS", "HEAD_SLICE", "LAYOUT_RULES",
+__all__ = ["BATCHED_MATMUL", "BIAS_SPLIT", "EINSUM_MATMUL", "GEMM_ROWS", "GROUP_SLICE", "HEADS_RESHAPE", "HEAD_SLICE", "LAYOUT_RULES",
            "MATMUL_TRANSPOSE", "SHAPE_UNIT_AXES", "SQUEEZE_RESHAPE", "UNIT_AXES"]
 
 _ONE = Dim()
@@ -515,8 +524,9 @@ def _projection(y: ir.Value | None) -> tuple[ir.Value, np.ndarray, np.ndarray | 
         return Miss("the heads are not split from x @ W with W a 2-D constant")
     if bias is not None and (bias.ndim != 1 or bias.shape[0] != w.shape[1] or bias.dtype != w.dtype):
         return Miss("the projection's bias is not one value per column")
-    if not single_use(y) or (add is not None and not single_use(add.outputs[0])):  # type: ignore[arg-type]
-        return Miss("the projection is read elsewhere too")
+    for v in (y, add.outputs[0] if add is not None else None):  # (a Shape reads the same dims from the new one)
+        if v is not None and (v.is_graph_output() or sum(not std(u, "Shape") for u, _ in v.uses()) != 1):
+            return Miss("the projection is read elsewhere too")
     return mm.inputs[0], w, bias
 
 
@@ -580,6 +590,104 @@ def _head_slice(c: Canonicalizer, n: ir.Node) -> Build | Miss:
     return Build(made[-1].outputs[0], made, inits)
 
 
+
+# -- group-slice --------------------------------------------------------------------------------
+
+
+def _group_part(c: Canonicalizer, a: ir.Value | None, slots: int) -> tuple[ir.Node, int | None] | None:
+    """``(R5, None)`` where ``a`` is the query Slice ``[0, slots-2)`` of axis 3 of a 5-D Reshape, ``(R5, j)`` where it is
+    ``Expand(Gather(R5, [j], axis=3))`` (``j`` = ``slots``-2 or -1: the key, the value); else None."""
+    sl = _producer(a, "Slice")
+    if sl is not None:
+        bounds = _slice_bounds(c, sl)
+        rs = _producer(sl.inputs[0], "Reshape")
+        if bounds is None or rs is None or bounds[2] not in (3, -2) or bounds[3] != 1:
+            return None
+        start, end = (min(max(v + slots if v < 0 else v, 0), slots) for v in bounds[:2])
+        return (rs, None) if (start, end) == (0, slots - 2) else None
+    ex = _producer(a, "Expand")
+    g = _producer(ex.inputs[0], "Gather") if ex is not None else None
+    idx = constant_array(g.inputs[1]) if g is not None else None
+    if g is None or idx is None or idx.shape != (1,) or int(g.attributes.get("axis", ir.AttrInt64("axis", 0)).value) not in (3, -2):
+        return None
+    rs = _producer(g.inputs[0], "Reshape")
+    j = int(idx[0]) + (slots if int(idx[0]) < 0 else 0)
+    return (rs, j) if rs is not None and j in (slots - 2, slots - 1) else None
+
+
+def _group_slice(c: Canonicalizer, n: ir.Node) -> Build | Miss:
+    """See the module docstring (``group-slice``)."""
+    a = n.inputs[0]
+    adims, odims = c.shapes.dims(a), c.shapes.dims(n.outputs[0])
+    if not _known(adims, 5) or not _known(odims, 4) or adims is None or odims is None:
+        return Miss("does not merge two axes of a 5-D tensor with known dims")
+    first = _producer(a, "Slice") or _producer(a, "Expand")
+    src = (first.inputs[0] if first is not None and first.op_type == "Slice" else
+           _producer(first.inputs[0], "Gather").inputs[0] if first is not None and _producer(first.inputs[0], "Gather") is not None else None)  # type: ignore[union-attr]
+    r5 = _producer(src, "Reshape")
+    r5dims = c.shapes.dims(src) if r5 is not None else None
+    if r5 is None or not _known(r5dims, 5) or r5dims is None or not all(d.is_literal for d in r5dims[2:]):  # type: ignore[union-attr]
+        return Miss("does not read a Slice or a broadcast Gather of a [B, S, G, n+2, D] Reshape")
+    groups, slots, head = (int(d.value) for d in r5dims[2:])  # type: ignore[union-attr,arg-type]
+    part = _group_part(c, a, slots)
+    if part is None or part[0] is not r5:
+        return Miss("not the query Slice [0, n) nor the key/value Gather [n] / [n+1] of axis 3, broadcast")
+    per = slots - 2
+    if (list(adims[:3]) != list(r5dims[:3]) or adims[3] != Dim.lit(per) or adims[4] != r5dims[4]
+            or list(odims[:2]) != list(r5dims[:2]) or odims[2] != Dim.lit(groups * per) or odims[3] != r5dims[4]):
+        return Miss("the parts are not [B, S, G, n, D] merged into [B, S, G*n, D]")
+    key = (id(src), ("group-slice", slots))
+    hit = c.memo.get(key)
+    if src is None or src.is_graph_output():
+        return Miss("the grouped heads are a graph output")
+    if hit is None or hit[0] is not src:
+        found = []
+        for user, i in src.uses():  # type: ignore[union-attr]
+            if std(user, "Shape"):
+                continue
+            got = _group_part(c, user.outputs[0] if std(user, "Slice") else
+                              (user.outputs[0].uses()[0][0].outputs[0] if std(user, "Gather") and len(user.outputs[0].uses()) == 1
+                               and std(user.outputs[0].uses()[0][0], "Expand") else None), slots)
+            found.append(None if got is None else got[1])
+        if sorted(found, key=lambda v: -1 if v is None else v) != [None, slots - 2, slots - 1]:
+            return Miss("the grouped heads are not read by one query Slice and the key and value Gathers")
+        c.memo[key] = (src, src)  # type: ignore[assignment]
+    proj = _projection(r5.inputs[0])
+    if isinstance(proj, Miss):
+        return proj
+    x, w, bias = proj
+    ydims = c.shapes.dims(r5.inputs[0])
+    if not _known(ydims, 3) or ydims is None or w.shape[1] != groups * slots * head:
+        return Miss("the projection is not [B, S, G*(n+2)*D]")
+    j_of = list(range(per)) if part[1] is None else [part[1]] * per
+    cols = ((np.arange(groups)[:, None, None] * slots + np.array(j_of)[None, :, None]) * head
+            + np.arange(head)[None, None, :]).reshape(-1)
+    inits = [c.constant(np.ascontiguousarray(w[:, cols]), "mograph_group_slice_weight")]
+    ylike = _like(r5.inputs[0], (ydims[0], ydims[1], Dim.lit(cols.size)))
+    made = [c.node("MatMul", [x, inits[0]], ylike)]
+    out = made[-1].outputs[0]
+    if bias is not None:
+        inits.append(c.constant(np.ascontiguousarray(bias[cols]), "mograph_group_slice_bias"))
+        made.append(c.node("Add", [out, inits[-1]], ylike))
+        out = made[-1].outputs[0]
+    inits.append(c.constant(np.array([0, 0, groups * per, head], dtype=np.int64), "mograph_group_slice_shape"))
+    made.append(c.node("Reshape", [out, inits[-1]], _like(n.outputs[0], tuple(odims))))
+    return Build(made[-1].outputs[0], made, inits)
+
+
+
+def _heads_reshape(c: Canonicalizer, n: ir.Node) -> Build | Miss:
+    """See the module docstring (``heads-reshape``)."""
+    x = n.inputs[0]
+    tr = _producer(x, "Transpose")
+    if tr is None or _perm(tr) != [0, 2, 1, 3] or x is None:
+        return Miss("does not reshape heads a Transpose [0, 2, 1, 3] split")
+    xd, od = c.shapes.dims(x), c.shapes.dims(n.outputs[0])
+    if not _known(xd, 4) or not _known(od, 4) or list(xd) != list(od):  # type: ignore[arg-type]
+        return Miss("the Reshape is not provably a no-op")
+    return Build(x)
+
+
 UNIT_AXES = CanonRule("unit-axes", ("Reshape",), _unit_axes)
 SHAPE_UNIT_AXES = CanonRule("shape-unit-axes", ("Shape",), _shape_unit_axes)
 SQUEEZE_RESHAPE = CanonRule("squeeze-reshape", ("Squeeze",), _squeeze_reshape)
@@ -589,7 +697,10 @@ BATCHED_MATMUL = CanonRule("batched-matmul", ("Reshape",), _batched_matmul)
 MATMUL_TRANSPOSE = CanonRule("matmul-transpose", ("Transpose",), _matmul_transpose)
 EINSUM_MATMUL = CanonRule("einsum-matmul", ("Einsum",), _einsum_matmul, exact=False)
 HEAD_SLICE = CanonRule("head-slice", ("Slice",), _head_slice)
+GROUP_SLICE = CanonRule("group-slice", ("Reshape",), _group_slice)
+HEADS_RESHAPE = CanonRule("heads-reshape", ("Reshape",), _heads_reshape)
 
 #: The layout rewrites, tried in this order (after the algebraic ones) where a pass names them.
 LAYOUT_RULES: tuple[CanonRule, ...] = (UNIT_AXES, SHAPE_UNIT_AXES, SQUEEZE_RESHAPE, GEMM_ROWS, BATCHED_MATMUL, BIAS_SPLIT,
-                                       MATMUL_TRANSPOSE, EINSUM_MATMUL, HEAD_SLICE)
+                                       MATMUL_TRANSPOSE, EINSUM_MATMUL, HEAD_SLICE,
+                                       GROUP_SLICE, HEADS_RESHAPE)

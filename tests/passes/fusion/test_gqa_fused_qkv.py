@@ -1,4 +1,5 @@
-"""GPT-NeoX (Pythia, ``GPTNeoXForCausalLM``) decoders lowered to ``GroupQueryAttention`` (``--target ort``).
+"""GPT-NeoX (Pythia, ``GPTNeoXForCausalLM``) and Falcon (``FalconForCausalLM``, new decoder architecture) decoders,
+each with one fused ``query_key_value`` projection, lowered to ``GroupQueryAttention`` (``--target ort``).
 
 GPT-NeoX projects Q, K and V with one ``query_key_value`` whose columns are laid out per head, ``[q_h | k_h |
 v_h]`` for each head ``h``: ``Reshape(x @ W + b, [B, S, H, 3D])``, ``Transpose [0, 2, 1, 3]``, ``chunk(3, -1)``
@@ -15,6 +16,15 @@ each head is rotated (``rotary_pct`` 0.25), rotate-half, as StableLM's.
 exported by ``optimum-cli export onnx --task text-generation-with-past`` (optimum-onnx 0.1.0, optimum 2.1.0,
 transformers 4.57.6, torch 2.13.0, opset 18; ``position_ids`` an input).  The slow test exports a head of 64 with
 torch (R 16: the rotary goes inside GroupQueryAttention, ``do_rotary``).
+
+Falcon's new decoder architecture lays its ``query_key_value`` out per K/V group, ``[q_1 .. q_n | k | v]``:
+``Reshape(x @ W, [B, S, G, n+2, D])``, the queries a Slice ``[0, n)`` of axis 3, the key and the value Gathers ``[n]``
+/ ``[n+1]`` broadcast to the group's n query heads, each merged to ``[B, S, G*n, D]``, then ``.transpose(1, 2)
+.reshape(B, H, S, D)`` (a no-op Reshape after the head Transpose); its cache holds the broadcast K/V (H heads).
+``group-slice`` makes each part a projection (the key's and value's columns once per query head: copies) and
+``heads-reshape`` drops the no-op Reshape; the rotary (whole head of 16) goes inside GroupQueryAttention.
+``falcon_ts_decode_transformers524.onnx``: ``config("falcon")``, 2 layers, hidden 64, 4 query heads in 2 K/V groups of
+16, no biases, parallel attention, TorchScript decode graph as above (530 KB).
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import mograph  # noqa: E402
 DATA = Path(__file__).resolve().parents[2] / "data" / "decoders"
 NEOX = DATA / "gpt_neox_ts_decode_transformers524.onnx"
 NEOX_OPTIMUM = DATA / "gpt_neox_optimum_transformers457.onnx"
+FALCON = DATA / "falcon_ts_decode_transformers524.onnx"
 EXPORTS = pytest.mark.parametrize("path", [NEOX, NEOX_OPTIMUM], ids=["ts", "optimum"])
 LAYERS = 2
 PAST = [f"past_key_values.{i}.{kv}" for i in range(LAYERS) for kv in ("key", "value")]
@@ -253,3 +264,73 @@ def test_neox_head_of_64_rotary_inside(tmp_path: Path, position_ids: bool) -> No
         assert attrs["do_rotary"] == 1, attrs
     _packed(model, heads=2, kv_heads=2)
     _check_numbers(path, model)
+
+
+@pytest.mark.parametrize("options", [{"mask_format": "lengths"}, {"kv_cache": "shared"}, {}],
+                         ids=["lengths", "shared", "default"])
+def test_falcon_grouped_qkv_to_group_query_attention(options: dict[str, str]) -> None:
+    """The per-group qkv becomes three projections (K and V repeated per query head, as the export's cache holds
+    them), packed again; the rotary inside (a head of 16, the whole head rotated); exact."""
+    model, passes = _optimize(FALCON, **options)
+    onnx.checker.check_model(model)
+    fuse = passes["fuse-attention"]
+    assert fuse["stats"] == FUSED, fuse["stats"]
+    assert fuse["details"]["canonicalized"] == {"group-slice": 3 * LAYERS, "heads-reshape": 3 * LAYERS}, fuse["details"]
+    stats = passes["lower"]["stats"]
+    assert stats["attention.packed_qkv"] == stats["attention.gqa_rotary"] == stats["attention.kv_cache"] == LAYERS, stats
+    assert stats.get("attention.kv_cache_shared", 0) == (LAYERS if options.get("kv_cache") else 0), stats
+    assert stats.get("attention.padding_check", 0) == (0 if options else LAYERS), stats
+    ops = _ops(model)
+    assert ops["GroupQueryAttention"] == LAYERS and ops["Softmax"] == 0, ops
+    assert ops["MultiHeadAttention"] == ops["If"] == (0 if options else LAYERS), ops
+    if options:
+        assert ops["RotaryEmbedding"] == ops["Transpose"] == ops["Expand"] == ops["Slice"] == 0, ops
+        assert ops["MatMul"] == 1 + 4 * LAYERS, ops  # the head, and per layer one packed qkv, dense, the MLP's two
+        _packed(model)
+    if options.get("kv_cache") != "shared":
+        _check_numbers(FALCON, model, left=not options)
+    else:  # the in-place step: the new key and value written into a 16-row buffer bound as past and present
+        ref = _session(FALCON)
+        feeds, outs = _steps(ref)
+        opt, size, past = _session(model), 16, outs[0][1:]
+        prev = past[0].shape[2]
+        buffers = {}
+        for name, p in zip(PAST, past):
+            buf = np.zeros((2, p.shape[1], size, p.shape[3]), np.float32)
+            buf[:, :, :prev] = p
+            buffers[name] = ort.OrtValue.ortvalue_from_numpy(buf)
+        mask = np.zeros((2, size), np.int64)
+        mask[:, :prev + 1] = 1
+        binding = opt.io_binding()
+        binding.bind_cpu_input("input_ids", feeds[1]["input_ids"])
+        binding.bind_cpu_input("attention_mask", mask)
+        binding.bind_output("logits")
+        for name in PAST:
+            binding.bind_ortvalue_input(name, buffers[name])
+            binding.bind_ortvalue_output(name.replace("past_key_values", "present"), buffers[name])
+        opt.run_with_iobinding(binding)
+        assert float(np.abs(binding.copy_outputs_to_cpu()[0] - outs[1][0]).max()) < 1e-5
+        for name, present in zip(PAST, outs[1][1:]):
+            assert np.abs(buffers[name].numpy()[:, :, :prev + 1] - present).max() < 1e-5
+
+
+def test_falcon_grouped_heads_read_elsewhere_are_a_near_miss() -> None:
+    """The 5-D grouped qkv also a graph output: it must stay, so its parts do not become projections; nothing fuses,
+    the numbers are the export's."""
+    proto = onnx.load(FALCON)
+    heads = [n.output[0] for n in proto.graph.node if n.op_type == "Reshape" and n.name.endswith("self_attention/Reshape")]
+    assert len(heads) == LAYERS
+    proto.graph.output.extend(helper.make_tensor_value_info(h, onnx.TensorProto.FLOAT, None) for h in heads)
+    model, passes = _optimize(proto, mask_format="lengths")
+    fuse = passes["fuse-attention"]
+    assert not fuse["modified"] and fuse["stats"] == {} and "canonicalized" not in fuse["details"], fuse
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert ops["Softmax"] == LAYERS and ops["GroupQueryAttention"] == 0, ops
+    _check_numbers(proto, model)
+
+
+def test_falcon_second_run_changes_nothing() -> None:
+    model, _ = _optimize(FALCON, mask_format="lengths")
+    again, passes = _optimize(model, mask_format="lengths")
+    assert not passes["fuse-attention"]["modified"] and "canonicalized" not in passes["fuse-attention"]["details"]
+    assert Counter(n.op_type for n in again.graph.node) == Counter(n.op_type for n in model.graph.node)
