@@ -608,11 +608,20 @@ def _group_part(c: Canonicalizer, a: ir.Value | None, slots: int) -> tuple[ir.No
     ex = _producer(a, "Expand")
     g = _producer(ex.inputs[0], "Gather") if ex is not None else None
     idx = constant_array(g.inputs[1]) if g is not None else None
-    if g is None or idx is None or idx.shape != (1,) or int(g.attributes.get("axis", ir.AttrInt64("axis", 0)).value) not in (3, -2):
+    axis = g.attributes.get("axis") if g is not None else None
+    if g is None or idx is None or idx.shape != (1,) or (0 if axis is None else int(axis.value)) not in (3, -2):
         return None
     rs = _producer(g.inputs[0], "Reshape")
     j = int(idx[0]) + (slots if int(idx[0]) < 0 else 0)
     return (rs, j) if rs is not None and j in (slots - 2, slots - 1) else None
+
+
+def _part_value(user: ir.Node) -> ir.Value | None:
+    """What a reader of the 5-D heads makes of them: a Slice's output, or the Expand of a Gather read only there."""
+    if std(user, "Slice"):
+        return user.outputs[0]
+    uses = list(user.outputs[0].uses()) if std(user, "Gather") else []
+    return uses[0][0].outputs[0] if len(uses) == 1 and std(uses[0][0], "Expand") else None
 
 
 def _group_slice(c: Canonicalizer, n: ir.Node) -> Build | Miss:
@@ -621,9 +630,9 @@ def _group_slice(c: Canonicalizer, n: ir.Node) -> Build | Miss:
     adims, odims = c.shapes.dims(a), c.shapes.dims(n.outputs[0])
     if not _known(adims, 5) or not _known(odims, 4) or adims is None or odims is None:
         return Miss("does not merge two axes of a 5-D tensor with known dims")
-    first = _producer(a, "Slice") or _producer(a, "Expand")
-    src = (first.inputs[0] if first is not None and first.op_type == "Slice" else
-           _producer(first.inputs[0], "Gather").inputs[0] if first is not None and _producer(first.inputs[0], "Gather") is not None else None)  # type: ignore[union-attr]
+    sl, ex = _producer(a, "Slice"), _producer(a, "Expand")
+    gather = _producer(ex.inputs[0], "Gather") if ex is not None else None
+    src = sl.inputs[0] if sl is not None else (gather.inputs[0] if gather is not None else None)
     r5 = _producer(src, "Reshape")
     r5dims = c.shapes.dims(src) if r5 is not None else None
     if r5 is None or not _known(r5dims, 5) or r5dims is None or not all(d.is_literal for d in r5dims[2:]):  # type: ignore[union-attr]
@@ -641,15 +650,13 @@ def _group_slice(c: Canonicalizer, n: ir.Node) -> Build | Miss:
     if src is None or src.is_graph_output():
         return Miss("the grouped heads are a graph output")
     if hit is None or hit[0] is not src:
-        found = []
-        for user, i in src.uses():  # type: ignore[union-attr]
+        found: list[int] = []
+        for user, i in src.uses():
             if std(user, "Shape"):
                 continue
-            got = _group_part(c, user.outputs[0] if std(user, "Slice") else
-                              (user.outputs[0].uses()[0][0].outputs[0] if std(user, "Gather") and len(user.outputs[0].uses()) == 1
-                               and std(user.outputs[0].uses()[0][0], "Expand") else None), slots)
-            found.append(None if got is None else got[1])
-        if sorted(found, key=lambda v: -1 if v is None else v) != [None, slots - 2, slots - 1]:
+            got = _group_part(c, _part_value(user), slots) if i == 0 else None
+            found.append(-2 if got is None else (-1 if got[1] is None else got[1]))
+        if sorted(found) != [-1, slots - 2, slots - 1]:
             return Miss("the grouped heads are not read by one query Slice and the key and value Gathers")
         c.memo[key] = (src, src)  # type: ignore[assignment]
     proj = _projection(r5.inputs[0])
@@ -663,7 +670,7 @@ def _group_slice(c: Canonicalizer, n: ir.Node) -> Build | Miss:
     cols = ((np.arange(groups)[:, None, None] * slots + np.array(j_of)[None, :, None]) * head
             + np.arange(head)[None, None, :]).reshape(-1)
     inits = [c.constant(np.ascontiguousarray(w[:, cols]), "mograph_group_slice_weight")]
-    ylike = _like(r5.inputs[0], (ydims[0], ydims[1], Dim.lit(cols.size)))
+    ylike = _like(r5.inputs[0], (ydims[0], ydims[1], Dim.lit(cols.size)))  # type: ignore[arg-type]
     made = [c.node("MatMul", [x, inits[0]], ylike)]
     out = made[-1].outputs[0]
     if bias is not None:
