@@ -48,6 +48,7 @@ def config(family: str, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv
                               multi_query=False, parallel_attn=True, bias=False, max_position_embeddings=positions,
                               use_cache=True, attn_implementation=attn, tie_word_embeddings=False)
         cfg.num_key_value_heads = heads  # (its cache holds K/V broadcast to every query head)
+        cfg.intermediate_size = cfg.ffn_hidden_size  # (4 * hidden: what _large reads)
         return cfg
     cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config}[family]
     return cls(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
