@@ -212,6 +212,7 @@ class Canonicalizer:
         made = {id(n) for e in self.edits for n in e.new_nodes}
         dead: list[ir.Value | None] = []
         for edit in reversed(self.edits):
+            outs = [v for n in edit.new_nodes for v in n.outputs]
             if edit.new_nodes or edit.new_value in edit.new_inits:
                 # what the edit made, or a reader it rewired, went into a fusion; or a fused op reads what it
                 # made (fuse-attention takes a projection as its input and leaves the split it traced through
@@ -219,7 +220,7 @@ class Canonicalizer:
                 used = any(n.graph is not graph for n in edit.new_nodes) or any(
                     u.graph is not graph for u, _ in edit.moved) or any(
                     u.graph is graph and u not in self.original and id(u) not in made
-                    for n in edit.new_nodes for v in n.outputs for u, _ in v.uses()) or self._cached([v for n in edit.new_nodes for v in n.outputs], made)
+                    for v in outs for u, _ in v.uses()) or self._cached(outs, made)
             else:
                 # an existing value stands in for the node (Identity, no-op Cast ...): the edit was used
                 # only if that value itself went into a fusion; a fusion that merely reads it (its
@@ -239,10 +240,12 @@ class Canonicalizer:
         return kept, undone
 
     def _cached(self, values: list[ir.Value], made: set[int]) -> bool:
-        """Whether what an edit made (``values``) reaches a fusion through the exporter's KV-cache ``Concat``: the new values
-        (GPT-NeoX's V, ``head-slice``) are the cache's ``Concat(past, new)``, the present, which stays (a graph
-        output) and which the fused op reads through what the fusion built after it, not directly; up to two
-        exporter's Transpose / Reshape nodes of the heads may sit between the edit and the Concat."""
+        """Whether what an edit made (``values``) reaches a fusion through the exporter's KV-cache ``Concat``.
+
+        GPT-NeoX's and Falcon's new V heads (``head-slice``, ``group-slice``) are the ``new`` of the cache's
+        ``Concat(past, new)``, the present, which stays (a graph output); the fused op reads it through what the
+        fusion built after it, not directly.  Up to two exporter's Transpose / Reshape nodes of the heads may sit
+        between the edit and the Concat (Falcon's ``.transpose(1, 2).reshape(B, H, S, D)``)."""
         graph = self.graph
         stack = [(v, 0) for v in values]
         while stack:  # (through the exporter's Transpose / Reshape of the heads in front of the Concat: Falcon's)
