@@ -724,27 +724,41 @@ def _region_proto(model: ir.Model, nodes: list[ir.Node], outside: list[ir.Value]
     if not (model.functions and model.ir_version < 9):  # the functions' value infos stay in the main graph below 9
         gp.Clear()
     inputs = set(graph.inputs)
+    fast = _value_writer()
+
+    def value_into(vi: Any, v: ir.Value) -> None:
+        try:
+            fast(vi, v)
+        except _Unusual:
+            vi.Clear()
+            ir.serde.serialize_value_into(vi, v)
+
     for v in outside:
         tensor = v.const_value if v.name is not None and graph.initializers.get(v.name) is v else None
         if tensor is not None and tensor.nbytes <= _BIG_TENSOR_BYTES:
             if v in inputs:
                 return None
-            ir.serde.serialize_value_into(gp.value_info.add(), v)
+            value_into(gp.value_info.add(), v)
             tp = gp.initializer.add()
             ir.serde.serialize_tensor_into(tp, tensor)
             tp.name = v.name
         else:
-            ir.serde.serialize_value_into(gp.input.add(), v)
+            value_into(gp.input.add(), v)
     typed = []
     for node in nodes:
-        ir.serde.serialize_node_into(gp.node.add(), node)
+        if getattr(node, "device_configurations", None):
+            return None
+        try:
+            _node_into(gp.node.add(), node)
+        except _Unusual:
+            return None
         for out in node.outputs:
             if out.is_graph_output():
                 typed.append(out)
             elif out.type is not None or out.shape is not None:
-                ir.serde.serialize_value_into(gp.value_info.add(), out)
+                value_into(gp.value_info.add(), out)
     for out in typed:
-        ir.serde.serialize_value_into(gp.output.add(), out)
+        value_into(gp.output.add(), out)
     return proto
 
 
@@ -787,11 +801,13 @@ def serialize_model(model: ir.Model) -> Any:
     return proto
 
 
-def _serialize_graph_into(gp: Any, graph: ir.Graph) -> None:
-    """``ir.serde.serialize_graph_into`` in the same order, with each distinct type and shape written once."""
+def _value_writer() -> Callable[[Any, ir.Value], None]:
+    """A function that writes a value's info (``ValueInfoProto``) as ``ir.serde.serialize_value_into`` does, each
+    distinct type and shape written once (a ``TypeProto`` kept by what is written, copied into each value info
+    that has it); it raises :class:`_Unusual` on a value it leaves to onnx_ir (no name, a non-tensor type, a dim
+    other than an int or a ``SymbolicDim``)."""
     import onnx
 
-    gp.Clear()
     types: dict[tuple[Any, ...], onnx.TypeProto] = {}
     tensor_type, symbolic = ir.TensorType, ir.SymbolicDim
 
@@ -843,6 +859,47 @@ def _serialize_graph_into(gp: Any, graph: ir.Graph) -> None:
                         proto.dim_param = dim[1]
         vi.type.CopyFrom(tp)
 
+    return value_into
+
+
+def _node_into(np_: Any, node: ir.Node) -> None:
+    """Write ``node`` as ``ir.serde.serialize_node_into`` writes a node without device configurations (the
+    caller checks), its names in one call each; :class:`_Unusual` on a value without a name."""
+    np_.op_type = node.op_type
+    if node.domain:
+        np_.domain = node.domain
+    if node.name:
+        np_.name = node.name
+    if node.overload:
+        np_.overload = node.overload
+    if node.doc_string:
+        np_.doc_string = node.doc_string
+    props = node.metadata_props
+    for k in sorted(props):
+        np_.metadata_props.add(key=k, value=props[k])
+    names = ["" if v is None else v.name for v in node.inputs]
+    outputs = node.outputs
+    last = len(outputs)
+    while last and not outputs[last - 1].name:  # trailing outputs without a name are not written
+        last -= 1
+    names_out = [v.name for v in outputs[:last]]
+    if None in names or None in names_out:
+        raise _Unusual  # onnx_ir's error, from its own serializer
+    np_.input.extend(names)
+    np_.output.extend(names_out)
+    attr_into, ref_into = ir.serde.serialize_attribute_into, ir.serde.serialize_reference_attribute_into
+    for attr in node.attributes.values():
+        if attr.is_ref():
+            ref_into(np_.attribute.add(), from_=attr)
+        else:
+            attr_into(np_.attribute.add(), from_=attr)
+
+
+def _serialize_graph_into(gp: Any, graph: ir.Graph) -> None:
+    """``ir.serde.serialize_graph_into`` in the same order, with each distinct type and shape written once."""
+    gp.Clear()
+    value_into = _value_writer()
+
     def annotated(v: ir.Value) -> bool:  # a quantization annotation (``in`` first: ``get`` raises on a miss)
         meta = v.meta
         return _QUANT_ANNOTATION in meta and bool(meta[_QUANT_ANNOTATION])
@@ -883,39 +940,11 @@ def _serialize_graph_into(gp: Any, graph: ir.Graph) -> None:
         props = tensor.metadata_props
         for k in sorted(props):
             tp.metadata_props.add(key=k, value=props[k])
-    attr_into, ref_into = ir.serde.serialize_attribute_into, ir.serde.serialize_reference_attribute_into
     add_node, add_info = gp.node.add, gp.value_info.add
-    for node in graph:  # as ``serialize_node_into`` writes a node without metadata or device configurations
+    for node in graph:  # as ``serialize_node_into`` writes a node without device configurations
         if getattr(node, "device_configurations", None):
             raise _Unusual
-        np_ = add_node()
-        np_.op_type = node.op_type
-        if node.domain:
-            np_.domain = node.domain
-        if node.name:
-            np_.name = node.name
-        if node.overload:
-            np_.overload = node.overload
-        if node.doc_string:
-            np_.doc_string = node.doc_string
-        props = node.metadata_props
-        for k in sorted(props):
-            np_.metadata_props.add(key=k, value=props[k])
-        names = ["" if v is None else v.name for v in node.inputs]
-        outputs = node.outputs
-        last = len(outputs)
-        while last and not outputs[last - 1].name:  # trailing outputs without a name are not written
-            last -= 1
-        names_out = [v.name for v in outputs[:last]]
-        if None in names or None in names_out:
-            raise _Unusual  # onnx_ir's error, from its own serializer
-        np_.input.extend(names)
-        np_.output.extend(names_out)
-        for attr in node.attributes.values():
-            if attr.is_ref():
-                ref_into(np_.attribute.add(), from_=attr)
-            else:
-                attr_into(np_.attribute.add(), from_=attr)
+        _node_into(add_node(), node)
         for out in node.outputs:
             if out.is_graph_output():
                 continue
