@@ -19,7 +19,7 @@ from mograph._traverse import subgraphs
 
 __all__ = ["attr_constant", "constant_array", "scalar_value", "attr_value", "add_initializer", "unique_initializer_name", "is_zero", "static_last_dim", "value_used",
            "infer_types", "restore_types", "run_shape_inference", "TypeSnapshot", "fresh_name", "unshadow_value_names",
-           "constants_as_tensors", "inference_token"]
+           "constants_as_tensors", "inference_token", "remember_inference"]
 
 logger = logging.getLogger(__name__)
 
@@ -316,7 +316,7 @@ def infer_types(model: ir.Model) -> TypeSnapshot:
         return snapshot
     if cached is not None and len(graphs) == 1 and _confirmed_by_region(model, cached, structure, snapshot):
         model.meta[_INFERRED_KEY] = (structure, [(t, sh) for _, t, sh in snapshot],
-                                     [(v.type, v.shape) for v, _, _ in snapshot], [v for v, _, _ in snapshot], True)
+                                     [(v.type, v.shape) for v, _, _ in snapshot], [v for v, _, _ in snapshot], _context(model))
         return snapshot
     quiet = logging.getLogger("onnx_ir.passes.common.shape_inference")
     added = _ERRORS_ONLY not in quiet.filters  # not when an inference is already running (nested, a thread)
@@ -339,13 +339,33 @@ def infer_types(model: ir.Model) -> TypeSnapshot:
                         g.initializers.pop(v.name)
                 for v in inits:
                     g.initializers.add(v)
-    # Whether a later call may confirm this result by inferring only what changed (:func:`_confirmed_by_region`):
+    # What a later call needs to confirm this result by inferring only what changed (:func:`_confirmed_by_region`):
     # a flat model's inference that completed, on a graph in order.
     confirmable = completed and len(graphs) == 1 and _in_order(model.graph) is not None
     model.meta[_INFERRED_KEY] = (structure, [(t, sh) for _, t, sh in snapshot],
                                  [(v.type, v.shape) for v, _, _ in snapshot], [v for v, _, _ in snapshot],
-                                 confirmable)
+                                 _context(model) if confirmable else None)
     return snapshot
+
+
+def _context(model: ir.Model) -> tuple[Any, ...]:
+    """What an inference depends on besides the graph: the IR version, the opsets, the local functions."""
+    return model.ir_version, dict(model.opset_imports), dict(model.functions)
+
+
+def remember_inference(model: ir.Model) -> None:
+    """Record the types of ``model`` as the result of a whole-model inference that just completed (as
+    :func:`run_shape_inference` with data propagation leaves them, nothing changed since), so that the next
+    :func:`infer_types` may reuse or confirm it (:func:`_confirmed_by_region`) instead of inferring the whole
+    model again.  Recorded only for a flat model whose graph is in order (a fixed point of inference then);
+    otherwise any earlier record is dropped."""
+    graphs = _graphs(model)
+    if len(graphs) != 1 or _in_order(model.graph) is None:
+        model.meta.pop(_INFERRED_KEY, None)
+        return
+    structure, snapshot = _walk(graphs)
+    types = [(t, sh) for _, t, sh in snapshot]
+    model.meta[_INFERRED_KEY] = (structure, types, types, [v for v, _, _ in snapshot], _context(model))
 
 
 _INFERRED_KEY = "mograph.inferred_types"
@@ -579,10 +599,18 @@ def _confirmed_by_region(model: ir.Model, cached: tuple[Any, ...], structure: li
     type it does not have, or ONNX fails on the region."""
     import onnx
 
-    old_structure, _, old_after, old_values, confirmable = cached
-    if not confirmable:
+    old_structure, _, old_after, old_values, context = cached
+    if context is None or context[0] != model.ir_version:
         return False
     graph = model.graph
+    old_opsets, opsets = context[1], model.opset_imports
+    old_functions, functions = context[2], model.functions
+    # nodes of a domain whose opset changed since, or calling a function added, removed or replaced since: their
+    # inference is another (a function's body is read with the model's opsets: any change of one counts for all)
+    domains = {d for d in {*old_opsets, *opsets} if old_opsets.get(d) != opsets.get(d)}
+    calls = {k for k in {*old_functions, *functions} if old_functions.get(k) is not functions.get(k)}
+    if domains and functions:
+        calls.update(functions)
     n_in = len(graph.inputs)
     # The header: [graph, *inputs, None, *outputs, None]; the graph inputs must be the same objects.
     if not _same_objects(old_structure[:n_in + 2], structure[:n_in + 2]):
@@ -618,7 +646,10 @@ def _confirmed_by_region(model: ir.Model, cached: tuple[Any, ...], structure: li
     for node, (s, e) in nodes.items():
         old = old_nodes.get(node)
         if (old is None or not _same_objects(old_structure[old[0]:old[1]], structure[s:e])
-                or any(v in changed for v in node.inputs) or any(v in changed for v in node.outputs)):
+                or any(v in changed for v in node.inputs) or any(v in changed for v in node.outputs)
+                or (calls and (node.domain, node.op_type, node.overload) in calls)
+                or (domains and (node.domain in domains or (node.domain == "" and "ai.onnx" in domains)
+                                 or (node.domain == "ai.onnx" and "" in domains)))):
             region.append(node)  # type: ignore[arg-type]
     if not region:
         return True
