@@ -570,7 +570,7 @@ def _may_carry_data(value: ir.Value, graph: ir.Graph, memo: dict[ir.Value, bool]
 _MISSING = object()
 
 
-def _node_segments(structure: list[object], start: int) -> dict[object, tuple[int, int]]:
+def _node_segments(structure: list[Any], start: int) -> dict[ir.Node, tuple[int, int]]:
     """Where each node's part of a :func:`_walk` structure (from ``start``) begins and ends."""
     node_type = ir.Node
     marks = [i for i in range(start, len(structure)) if type(structure[i]) is node_type]
@@ -597,8 +597,6 @@ def _confirmed_by_region(model: ir.Model, cached: tuple[Any, ...], structure: li
     input of the region may carry data ONNX propagated (:func:`_may_carry_data`) or has no type, a value the
     region makes and something outside reads may carry data, an output of the region is unnamed or would get a
     type it does not have, or ONNX fails on the region."""
-    import onnx
-
     old_structure, _, old_after, old_values, context = cached
     if context is None or context[0] != model.ir_version:
         return False
@@ -650,7 +648,7 @@ def _confirmed_by_region(model: ir.Model, cached: tuple[Any, ...], structure: li
                 or (calls and (node.domain, node.op_type, node.overload) in calls)
                 or (domains and (node.domain in domains or (node.domain == "" and "ai.onnx" in domains)
                                  or (node.domain == "ai.onnx" and "" in domains)))):
-            region.append(node)  # type: ignore[arg-type]
+            region.append(node)
     if not region:
         return True
     applied: list[tuple[ir.Value, Any, Any]] = []  # (value, type, shape) before a type the region inferred
@@ -686,20 +684,20 @@ def _infer_region(model: ir.Model, graph: ir.Graph, region: list[ir.Node], posit
         outside: list[ir.Value] = []
         seen: set[ir.Value] = set()
         for node in region:
-            for v in node.inputs:
-                if v is None or v in made or v in seen:
+            for read in node.inputs:
+                if read is None or read in made or read in seen:
                     continue
-                seen.add(v)
-                producer = v.producer()
+                seen.add(read)
+                producer = read.producer()
                 if producer is not None and producer.op_type == "Constant" and producer.domain in ("", "ai.onnx"):
                     if producer not in members:
                         extra.append(producer)
                     continue
-                if v.type is None:
+                if read.type is None:
                     return False
-                if producer is not None and _may_carry_data(v, graph, memo):
+                if producer is not None and _may_carry_data(read, graph, memo):
                     return False
-                outside.append(v)
+                outside.append(read)
         proto = _region_proto(model, sorted([*region, *extra], key=position.__getitem__), outside)
         if proto is None:
             return False

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import mograph.passes.cleanup.infer_shapes  # noqa: F401 - imported before the tests patch what it imports
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -19,7 +20,6 @@ import pytest
 from onnx import TensorProto, helper
 
 import mograph
-import mograph.passes.cleanup.infer_shapes  # noqa: F401 - imported before the tests patch what it imports
 from mograph import irutil
 
 ROOT = Path(__file__).resolve().parents[2]
