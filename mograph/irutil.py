@@ -305,7 +305,9 @@ def infer_types(model: ir.Model) -> TypeSnapshot:
     (the node, input, attribute and initializer objects) and the types it started from: when neither
     changed since, inference would find the same again, and its types are put back without running
     it.  This is what keeps a pipeline of fusion passes that each change nothing (or change little)
-    from paying a whole-model inference per pass.
+    from paying a whole-model inference per pass.  When the graph changed since (a pass fused something), the
+    nodes that changed are inferred alone where that shows what the whole-model inference would find
+    (:func:`_confirmed_by_region`); the whole model is inferred otherwise.
     """
     graphs = _graphs(model)
     structure, snapshot = _walk(graphs)
