@@ -19,7 +19,7 @@ from mograph._traverse import subgraphs
 
 __all__ = ["attr_constant", "constant_array", "scalar_value", "attr_value", "add_initializer", "unique_initializer_name", "is_zero", "static_last_dim", "value_used",
            "infer_types", "restore_types", "run_shape_inference", "TypeSnapshot", "fresh_name", "unshadow_value_names",
-           "constants_as_tensors", "inference_token"]
+           "constants_as_tensors", "inference_token", "remember_inference"]
 
 logger = logging.getLogger(__name__)
 
@@ -305,7 +305,9 @@ def infer_types(model: ir.Model) -> TypeSnapshot:
     (the node, input, attribute and initializer objects) and the types it started from: when neither
     changed since, inference would find the same again, and its types are put back without running
     it.  This is what keeps a pipeline of fusion passes that each change nothing (or change little)
-    from paying a whole-model inference per pass.
+    from paying a whole-model inference per pass.  When the graph changed since (a pass fused something), the
+    nodes that changed are inferred alone where that shows what the whole-model inference would find
+    (:func:`_confirmed_by_region`); the whole model is inferred otherwise.
     """
     graphs = _graphs(model)
     structure, snapshot = _walk(graphs)
@@ -314,13 +316,19 @@ def infer_types(model: ir.Model) -> TypeSnapshot:
         for (value, _, _), (type_, shape) in zip(snapshot, cached[2]):
             value.type, value.shape = type_, shape
         return snapshot
+    if cached is not None and len(graphs) == 1 and _confirmed_by_region(model, cached, structure, snapshot):
+        model.meta[_INFERRED_KEY] = (structure, [(t, sh) for _, t, sh in snapshot],
+                                     [(v.type, v.shape) for v, _, _ in snapshot], [v for v, _, _ in snapshot], _context(model))
+        return snapshot
     quiet = logging.getLogger("onnx_ir.passes.common.shape_inference")
     added = _ERRORS_ONLY not in quiet.filters  # not when an inference is already running (nested, a thread)
     if added:
         quiet.addFilter(_ERRORS_ONLY)
     orders = [(g, list(g.initializers.values())) for g in graphs]
+    completed = False
     try:
         run_shape_inference(model)
+        completed = True
     except Exception:  # noqa: BLE001 - inference is best effort; rules fail with a reason without it
         logger.debug("shape inference failed", exc_info=True)
     finally:
@@ -333,9 +341,33 @@ def infer_types(model: ir.Model) -> TypeSnapshot:
                         g.initializers.pop(v.name)
                 for v in inits:
                     g.initializers.add(v)
+    # What a later call needs to confirm this result by inferring only what changed (:func:`_confirmed_by_region`):
+    # a flat model's inference that completed, on a graph in order.
+    confirmable = completed and len(graphs) == 1 and _in_order(model.graph) is not None
     model.meta[_INFERRED_KEY] = (structure, [(t, sh) for _, t, sh in snapshot],
-                                 [(v.type, v.shape) for v, _, _ in snapshot])
+                                 [(v.type, v.shape) for v, _, _ in snapshot], [v for v, _, _ in snapshot],
+                                 _context(model) if confirmable else None)
     return snapshot
+
+
+def _context(model: ir.Model) -> tuple[Any, ...]:
+    """What an inference depends on besides the graph: the IR version, the opsets, the local functions."""
+    return model.ir_version, dict(model.opset_imports), dict(model.functions)
+
+
+def remember_inference(model: ir.Model) -> None:
+    """Record the types of ``model`` as the result of a whole-model inference that just completed (as
+    :func:`run_shape_inference` with data propagation leaves them, nothing changed since), so that the next
+    :func:`infer_types` may reuse or confirm it (:func:`_confirmed_by_region`) instead of inferring the whole
+    model again.  Recorded only for a flat model whose graph is in order (a fixed point of inference then);
+    otherwise any earlier record is dropped."""
+    graphs = _graphs(model)
+    if len(graphs) != 1 or _in_order(model.graph) is None:
+        model.meta.pop(_INFERRED_KEY, None)
+        return
+    structure, snapshot = _walk(graphs)
+    types = [(t, sh) for _, t, sh in snapshot]
+    model.meta[_INFERRED_KEY] = (structure, types, types, [v for v, _, _ in snapshot], _context(model))
 
 
 _INFERRED_KEY = "mograph.inferred_types"
@@ -473,6 +505,294 @@ def _infer_flat(model: ir.Model, data_prop: bool = True) -> None:
             value.dtype = found.dtype
 
 
+def _in_order(graph: ir.Graph) -> dict[ir.Node, int] | None:
+    """Each node's position in ``graph``, or ``None`` unless every input of every node is a graph input, an
+    initializer or the output of a node before it (the order ONNX inference needs to see each producer first)."""
+    position: dict[ir.Node, int] = {}
+    inputs = set(graph.inputs)
+    initializers = graph.initializers
+    for i, node in enumerate(graph):
+        for v in node.inputs:
+            if v is None:
+                continue
+            producer = v.producer()
+            if producer is None:
+                if v not in inputs and (v.name is None or initializers.get(v.name) is not v):
+                    return None
+            elif position.get(producer, i) >= i:
+                return None
+        position[node] = i
+    return position
+
+
+#: Ops whose ONNX data propagation can give an output value data (``generated_shape_data``) that later nodes'
+#: inference reads (ONNX 1.23's ``PartialDataPropagationFunction`` s): the first two from the input's shape alone,
+#: ``Add``/``Sub``/``Mul`` from both inputs' data, the rest from their inputs' data.
+_DATA_FROM_SHAPE = frozenset({"Shape", "Size"})
+_DATA_FROM_BOTH = frozenset({"Add", "Sub", "Mul"})
+_DATA_FROM_ANY = frozenset({"Cast", "Concat", "Gather", "Slice", "Squeeze", "Unsqueeze"})
+
+
+def _may_carry_data(value: ir.Value, graph: ir.Graph, memo: dict[ir.Value, bool]) -> bool:
+    """Whether ONNX inference of ``graph`` (as :func:`_infer_flat` sends it) may know ``value``'s data: a small
+    initializer (sent with its data), a ``Constant``'s output, or an output of a data-propagating op (above)
+    whose inputs may carry data.  Over-approximates (any domain, any dtype)."""
+    stack = [value]
+    while stack:
+        v = stack[-1]
+        if v in memo:
+            stack.pop()
+            continue
+        producer = v.producer()
+        if producer is None:
+            tensor = v.const_value if v.name is not None and graph.initializers.get(v.name) is v else None
+            memo[v] = tensor is not None and tensor.nbytes <= _BIG_TENSOR_BYTES
+            stack.pop()
+            continue
+        op = producer.op_type
+        if op == "Constant" or op in _DATA_FROM_SHAPE:
+            memo[v] = True
+            stack.pop()
+            continue
+        if op not in _DATA_FROM_BOTH and op not in _DATA_FROM_ANY:
+            memo[v] = False
+            stack.pop()
+            continue
+        ins = [i for i in producer.inputs if i is not None]
+        todo = [i for i in ins if i not in memo]
+        if todo:
+            stack.extend(todo)
+            continue
+        known = [memo[i] for i in ins]
+        memo[v] = (all(known) and len(known) >= 2) if op in _DATA_FROM_BOTH else any(known)
+        stack.pop()
+    return memo[value]
+
+
+_MISSING = object()
+
+
+def _node_segments(structure: list[Any], start: int) -> dict[ir.Node, tuple[int, int]]:
+    """Where each node's part of a :func:`_walk` structure (from ``start``) begins and ends."""
+    node_type = ir.Node
+    marks = [i for i in range(start, len(structure)) if type(structure[i]) is node_type]
+    ends = [*marks[1:], len(structure)]
+    return {structure[i]: (i, j) for i, j in zip(marks, ends)}
+
+
+def _confirmed_by_region(model: ir.Model, cached: tuple[Any, ...], structure: list[object],
+                         snapshot: TypeSnapshot) -> bool:
+    """Whether a whole-model inference of ``model`` (flat: one graph) would change no value's type, shown by
+    inferring only the nodes that changed since the last one (``cached``); ``False`` when that cannot be shown.
+
+    The last inference completed on a graph in order (``cached[4]``), so it is a fixed point: a node whose inputs
+    have the types and the data (initializers, ``Constant`` s, ONNX's data propagation) they had then infers the
+    types its outputs have now, merged into them unchanged.  The nodes that may infer otherwise are the *region*:
+    new nodes, nodes whose inputs, outputs or attributes are other objects, and nodes that read or write a value
+    that is new or whose type differs from what that inference left (an edit of a type, a graph input's).  ONNX
+    infers the region alone, as :func:`_infer_flat` sends the whole model: its outside inputs as typed inputs (a
+    small initializer with its data, a large one without, a ``Constant`` feeding it as the node itself), its
+    outputs' types as value infos, the model's opsets and functions.  Where every output of the region infers the
+    type it has, the graph is a fixed point as it is, and the whole-model inference would change nothing (the
+    nodes after the region see the same types and data as before).  Not shown, and the caller runs the
+    inference, when: the graph is out of order or has a dangling input, the graph inputs changed, an outside
+    input of the region may carry data ONNX propagated (:func:`_may_carry_data`) or has no type, a value the
+    region makes and something outside reads may carry data, an output of the region is unnamed or would get a
+    type it does not have, or ONNX fails on the region."""
+    old_structure, _, old_after, old_values, context = cached
+    if context is None or context[0] != model.ir_version:
+        return False
+    graph = model.graph
+    old_opsets, opsets = context[1], model.opset_imports
+    old_functions, functions = context[2], model.functions
+    # nodes of a domain whose opset changed since, or calling a function added, removed or replaced since: their
+    # inference is another (a function's body is read with the model's opsets: any change of one counts for all)
+    domains = {d for d in {*old_opsets, *opsets} if old_opsets.get(d) != opsets.get(d)}
+    calls = {k for k in {*old_functions, *functions} if old_functions.get(k) is not functions.get(k)}
+    if domains and functions:
+        calls.update(functions)
+    n_in = len(graph.inputs)
+    # The header: [graph, *inputs, None, *outputs, None]; the graph inputs must be the same objects.
+    if not _same_objects(old_structure[:n_in + 2], structure[:n_in + 2]):
+        return False
+    position = _in_order(graph)
+    if position is None:
+        return False
+    for v in graph.initializers.values():  # what :func:`_infer_flat` does first
+        tensor = v.const_value
+        if tensor is not None:
+            if v.shape is None:
+                v.shape = tensor.shape  # type: ignore[assignment]
+            if v.dtype is None:
+                v.dtype = tensor.dtype
+    old_types = dict(zip(old_values, old_after))
+    changed: set[ir.Value] = set()
+    for v, _, _ in snapshot:
+        was = old_types.get(v)
+        t, sh = v.type, v.shape
+        if was is None or not ((t is was[0] or t == was[0]) and (sh is was[1] or sh == was[1])):
+            changed.add(v)
+    old_header = old_structure.index(None, old_structure.index(None, 1) + 1) + 1
+    header = structure.index(None, structure.index(None, 1) + 1) + 1
+    old_nodes = _node_segments(old_structure, old_header)
+    nodes = _node_segments(structure, header)
+    old_inits_end = min((s for s, _ in old_nodes.values()), default=len(old_structure))
+    inits_end = min((s for s, _ in nodes.values()), default=len(structure))
+    old_inits = {old_structure[i]: old_structure[i + 1] for i in range(old_header, old_inits_end, 2)}
+    for i in range(header, inits_end, 2):
+        if old_inits.get(structure[i], _MISSING) is not structure[i + 1]:  # a new initializer, or new data
+            changed.add(structure[i])  # type: ignore[arg-type]
+    region: list[ir.Node] = []
+    for node, (s, e) in nodes.items():
+        old = old_nodes.get(node)
+        if (old is None or not _same_objects(old_structure[old[0]:old[1]], structure[s:e])
+                or any(v in changed for v in node.inputs) or any(v in changed for v in node.outputs)
+                or (calls and (node.domain, node.op_type, node.overload) in calls)
+                or (domains and (node.domain in domains or (node.domain == "" and "ai.onnx" in domains)
+                                 or (node.domain == "ai.onnx" and "" in domains)))):
+            region.append(node)
+    if not region:
+        return True
+    applied: list[tuple[ir.Value, Any, Any]] = []  # (value, type, shape) before a type the region inferred
+    try:
+        shown = _infer_region(model, graph, region, position, applied)
+    finally:
+        if not shown:
+            for v, t, sh in reversed(applied):
+                v.type, v.shape = t, sh
+    return shown
+
+
+def _infer_region(model: ir.Model, graph: ir.Graph, region: list[ir.Node], position: dict[ir.Node, int],
+                  applied: list[tuple[ir.Value, Any, Any]]) -> bool:
+    """:func:`_confirmed_by_region`'s inference of the region, grown by the readers of each value whose type it
+    changes (a new value made without a type) until no output of the region changes; each change is applied as
+    :func:`_infer_flat` applies it and recorded in ``applied``.  A change is taken only if each named dim it
+    brings is one the region's model already has: a name ONNX makes up (``unk__N``) is numbered in the order of
+    the whole model's inference, which the region's does not follow."""
+    import onnx
+
+    memo: dict[ir.Value, bool] = {}
+    members = set(region)
+    for _ in range(len(graph) + 1):
+        made = {v for node in region for v in node.outputs}
+        for node in region:
+            for v in node.outputs:
+                if not v.name:
+                    return False
+                if any(user not in members for user, _ in v.uses()) and _may_carry_data(v, graph, memo):
+                    return False
+        extra: list[ir.Node] = []  # the Constants feeding the region from outside
+        outside: list[ir.Value] = []
+        seen: set[ir.Value] = set()
+        for node in region:
+            for read in node.inputs:
+                if read is None or read in made or read in seen:
+                    continue
+                seen.add(read)
+                producer = read.producer()
+                if producer is not None and producer.op_type == "Constant" and producer.domain in ("", "ai.onnx"):
+                    if producer not in members:
+                        extra.append(producer)
+                    continue
+                if read.type is None:
+                    return False
+                if producer is not None and _may_carry_data(read, graph, memo):
+                    return False
+                outside.append(read)
+        proto = _region_proto(model, sorted([*region, *extra], key=position.__getitem__), outside)
+        if proto is None:
+            return False
+        gp = proto.graph
+        sent = {vi.name: vi.type for vi in [*gp.input, *gp.output, *gp.value_info]}
+        try:
+            inferred = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True)
+        except Exception:  # noqa: BLE001 - not shown: the whole-model inference decides
+            logger.debug("region inference failed", exc_info=True)
+            return False
+        by_name = {v.name: v for v in made}
+        changes = [(by_name[vi.name], vi) for vi in [*inferred.graph.input, *inferred.graph.output,
+                                                      *inferred.graph.value_info]
+                   if vi.name in by_name and sent.get(vi.name) != vi.type]
+        if not changes:
+            return True
+        known = {d.dim_param for t in sent.values() if t.HasField("tensor_type")
+                 for d in t.tensor_type.shape.dim if d.dim_param}
+        readers: list[ir.Node] = []
+        for value, vi in changes:
+            t = vi.type
+            if not t.HasField("tensor_type") or any(
+                    d.dim_param and d.dim_param not in known for d in t.tensor_type.shape.dim):
+                return False
+            found = ir.serde.deserialize_value_info_proto(vi, None)
+            applied.append((value, value.type, value.shape))
+            if found.shape is not None and value.shape != found.shape:
+                value.shape = found.shape
+            if found.dtype is not None and value.dtype != found.dtype:
+                value.dtype = found.dtype
+            readers.extend(user for user, _ in value.uses() if user not in members)
+        for user in readers:
+            if user not in members:
+                members.add(user)
+                region.append(user)
+    return False
+
+
+def _region_proto(model: ir.Model, nodes: list[ir.Node], outside: list[ir.Value]) -> Any:
+    """The model :func:`_confirmed_by_region` infers: ``nodes`` (in graph order), the values in ``outside`` as
+    :func:`_infer_flat` sends them (a small initializer with its data, a large one as a typed input, any other
+    value as a typed input), the value infos of the nodes' typed outputs (the main graph's outputs as outputs),
+    and the model's other fields as :func:`serialize_model` writes them.  ``None`` where a value cannot be sent
+    as the whole model sends it (a small initializer that is also a graph input)."""
+    graph = model.graph
+    empty = ir.Graph((), (), nodes=(), opset_imports=graph.opset_imports)
+    model.graph = empty
+    try:
+        proto = ir.serde.serialize_model(model)
+    finally:
+        model.graph = graph
+    gp = proto.graph
+    if not (model.functions and model.ir_version < 9):  # the functions' value infos stay in the main graph below 9
+        gp.Clear()
+    inputs = set(graph.inputs)
+    fast = _value_writer()
+
+    def value_into(vi: Any, v: ir.Value) -> None:
+        try:
+            fast(vi, v)
+        except _Unusual:
+            vi.Clear()
+            ir.serde.serialize_value_into(vi, v)
+
+    for v in outside:
+        tensor = v.const_value if v.name is not None and graph.initializers.get(v.name) is v else None
+        if tensor is not None and tensor.nbytes <= _BIG_TENSOR_BYTES:
+            if v in inputs:
+                return None
+            value_into(gp.value_info.add(), v)
+            tp = gp.initializer.add()
+            ir.serde.serialize_tensor_into(tp, tensor)
+            tp.name = v.name
+        else:
+            value_into(gp.input.add(), v)
+    typed = []
+    for node in nodes:
+        if getattr(node, "device_configurations", None):
+            return None
+        try:
+            _node_into(gp.node.add(), node)
+        except _Unusual:
+            return None
+        for out in node.outputs:
+            if out.is_graph_output():
+                typed.append(out)
+            elif out.type is not None or out.shape is not None:
+                value_into(gp.value_info.add(), out)
+    for out in typed:
+        value_into(gp.output.add(), out)
+    return proto
+
+
 class _Unusual(Exception):
     """Raised by :func:`serialize_model` on a part it leaves to onnx_ir's serializer."""
 
@@ -512,11 +832,13 @@ def serialize_model(model: ir.Model) -> Any:
     return proto
 
 
-def _serialize_graph_into(gp: Any, graph: ir.Graph) -> None:
-    """``ir.serde.serialize_graph_into`` in the same order, with each distinct type and shape written once."""
+def _value_writer() -> Callable[[Any, ir.Value], None]:
+    """A function that writes a value's info (``ValueInfoProto``) as ``ir.serde.serialize_value_into`` does, each
+    distinct type and shape written once (a ``TypeProto`` kept by what is written, copied into each value info
+    that has it); it raises :class:`_Unusual` on a value it leaves to onnx_ir (no name, a non-tensor type, a dim
+    other than an int or a ``SymbolicDim``)."""
     import onnx
 
-    gp.Clear()
     types: dict[tuple[Any, ...], onnx.TypeProto] = {}
     tensor_type, symbolic = ir.TensorType, ir.SymbolicDim
 
@@ -568,6 +890,47 @@ def _serialize_graph_into(gp: Any, graph: ir.Graph) -> None:
                         proto.dim_param = dim[1]
         vi.type.CopyFrom(tp)
 
+    return value_into
+
+
+def _node_into(np_: Any, node: ir.Node) -> None:
+    """Write ``node`` as ``ir.serde.serialize_node_into`` writes a node without device configurations (the
+    caller checks), its names in one call each; :class:`_Unusual` on a value without a name."""
+    np_.op_type = node.op_type
+    if node.domain:
+        np_.domain = node.domain
+    if node.name:
+        np_.name = node.name
+    if node.overload:
+        np_.overload = node.overload
+    if node.doc_string:
+        np_.doc_string = node.doc_string
+    props = node.metadata_props
+    for k in sorted(props):
+        np_.metadata_props.add(key=k, value=props[k])
+    names = ["" if v is None else v.name for v in node.inputs]
+    outputs = node.outputs
+    last = len(outputs)
+    while last and not outputs[last - 1].name:  # trailing outputs without a name are not written
+        last -= 1
+    names_out = [v.name for v in outputs[:last]]
+    if None in names or None in names_out:
+        raise _Unusual  # onnx_ir's error, from its own serializer
+    np_.input.extend(names)
+    np_.output.extend(names_out)
+    attr_into, ref_into = ir.serde.serialize_attribute_into, ir.serde.serialize_reference_attribute_into
+    for attr in node.attributes.values():
+        if attr.is_ref():
+            ref_into(np_.attribute.add(), from_=attr)
+        else:
+            attr_into(np_.attribute.add(), from_=attr)
+
+
+def _serialize_graph_into(gp: Any, graph: ir.Graph) -> None:
+    """``ir.serde.serialize_graph_into`` in the same order, with each distinct type and shape written once."""
+    gp.Clear()
+    value_into = _value_writer()
+
     def annotated(v: ir.Value) -> bool:  # a quantization annotation (``in`` first: ``get`` raises on a miss)
         meta = v.meta
         return _QUANT_ANNOTATION in meta and bool(meta[_QUANT_ANNOTATION])
@@ -608,39 +971,11 @@ def _serialize_graph_into(gp: Any, graph: ir.Graph) -> None:
         props = tensor.metadata_props
         for k in sorted(props):
             tp.metadata_props.add(key=k, value=props[k])
-    attr_into, ref_into = ir.serde.serialize_attribute_into, ir.serde.serialize_reference_attribute_into
     add_node, add_info = gp.node.add, gp.value_info.add
-    for node in graph:  # as ``serialize_node_into`` writes a node without metadata or device configurations
+    for node in graph:  # as ``serialize_node_into`` writes a node without device configurations
         if getattr(node, "device_configurations", None):
             raise _Unusual
-        np_ = add_node()
-        np_.op_type = node.op_type
-        if node.domain:
-            np_.domain = node.domain
-        if node.name:
-            np_.name = node.name
-        if node.overload:
-            np_.overload = node.overload
-        if node.doc_string:
-            np_.doc_string = node.doc_string
-        props = node.metadata_props
-        for k in sorted(props):
-            np_.metadata_props.add(key=k, value=props[k])
-        names = ["" if v is None else v.name for v in node.inputs]
-        outputs = node.outputs
-        last = len(outputs)
-        while last and not outputs[last - 1].name:  # trailing outputs without a name are not written
-            last -= 1
-        names_out = [v.name for v in outputs[:last]]
-        if None in names or None in names_out:
-            raise _Unusual  # onnx_ir's error, from its own serializer
-        np_.input.extend(names)
-        np_.output.extend(names_out)
-        for attr in node.attributes.values():
-            if attr.is_ref():
-                ref_into(np_.attribute.add(), from_=attr)
-            else:
-                attr_into(np_.attribute.add(), from_=attr)
+        _node_into(add_node(), node)
         for out in node.outputs:
             if out.is_graph_output():
                 continue

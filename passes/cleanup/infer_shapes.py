@@ -28,7 +28,7 @@ import onnx
 import onnx_ir as ir
 
 from mograph._traverse import iter_nodes
-from mograph.irutil import run_shape_inference
+from mograph.irutil import remember_inference, run_shape_inference
 from mograph.pass_infra import Pass, PassResult
 
 __all__ = ["InferShapesPass"]
@@ -107,20 +107,33 @@ class InferShapesPass(Pass):
         data_prop = not _long_range(model)
         if not data_prop:
             logger.info("a Range is longer than %d elements: shape inference runs without data propagation", DATA_PROP_RANGE_LIMIT)
+        completed = False
         try:
             run_shape_inference(model, data_prop=data_prop)
+            completed = True
         except Exception as exc:  # noqa: BLE001 - as onnx_ir's pass: the model is left as it was
             logger.warning("Shape inference failed: %s. Model is left unchanged", exc)
         finally:
             corrected = 0
+            # Whether the types are a fixed point of the inference: each value read by a node has the type the
+            # inference gave it (a value nothing reads may keep its declared dims: its producer's inference merges
+            # into them unchanged, and no other node's inference reads it).
+            as_inferred = True
             for v, shape in declared:
                 if v.shape is None:
                     v.shape = shape
+                    as_inferred = as_inferred and not v.uses()
                     continue
-                v.shape, contradicts = _merge(shape, v.shape)
+                merged, contradicts = _merge(shape, v.shape)
+                as_inferred = as_inferred and (merged == v.shape or not v.uses())
+                v.shape = merged
                 if contradicts:
                     corrected += 1
                     logger.info("value %s: declared shape %s contradicts the inferred %s", v.name, shape, v.shape)
+        if completed and data_prop and as_inferred:
+            # A whole-model inference's result as it left it: the first fusion pass's inference may confirm it by
+            # inferring only what the passes between changed (:func:`mograph.irutil.infer_types`).
+            remember_inference(model)
         after = _typed_values(model)
         changed = sum(1 for k, v in after.items() if before.get(k) != v)
         known = sum(1 for t, s in after.values() if t is not None and s is not None)

@@ -72,7 +72,13 @@ def test_infer_types_reuses_inference_only_while_the_graph_is_unchanged(monkeypa
     assert len(calls) == 1  # same graph, same starting types: the last inference's types come back
     assert {v.name: (v.dtype, v.shape) for n in model.graph for v in n.outputs} == typed
     node = next(n for n in model.graph if n.op_type == "Sigmoid")
-    model.graph.insert_after(node, ir.node("Identity", [node.outputs[0]]))  # an edit
+    identity = ir.node("Identity", [node.outputs[0]])
+    model.graph.insert_after(node, identity)  # an edit: inferred alone (``tests/core/test_region_inference.py``)
+    irutil.infer_types(model)
+    assert len(calls) == 1 and (identity.outputs[0].dtype, identity.outputs[0].shape) == (node.outputs[0].dtype,
+                                                                                         node.outputs[0].shape)
+    monkeypatch.setattr(irutil, "_confirmed_by_region", lambda *args: False)  # where the region cannot show it
+    model.graph.insert_after(identity, ir.node("Identity", [identity.outputs[0]]))
     irutil.infer_types(model)
     assert len(calls) == 2
 
