@@ -203,6 +203,38 @@ def test_user_npz_feeds_are_used_exactly(tmp_path):
         Verifier(_ir(matmul_model(w)), feeds=str(tmp_path / "missing.npz"))
 
 
+def _string_model() -> onnx.ModelProto:
+    """y = float(LabelEncoder(text)): a string input, as skl2onnx's text pipelines take."""
+    graph = helper.make_graph(
+        [helper.make_node("LabelEncoder", ["text"], ["ids"], domain="ai.onnx.ml", keys_strings=["cat", "dog"],
+                          values_int64s=[3, 5], default_int64=-1),
+         helper.make_node("Cast", ["ids"], ["y"], to=TensorProto.FLOAT)],
+        "g", [helper.make_tensor_value_info("text", TensorProto.STRING, ["n", 1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 1])])
+    return helper.make_model(graph, opset_imports=[*OPSET, helper.make_opsetid("ai.onnx.ml", 2)])
+
+
+def test_string_inputs_are_fed_from_a_unicode_npz(tmp_path):
+    """A string input can only come from --feeds; the given feed was refused as if none had been given (exit 2,
+    "random feeds cannot make one; give --feeds") on skl2onnx's TfidfVectorizer and OneHotEncoder pipelines."""
+    path = tmp_path / "text.npz"
+    np.savez(path, text=np.asarray([["dog"], ["cat"], ["emu"]], dtype=str))
+    verifier = Verifier(_ir(_string_model()), feeds=str(path))
+    assert verifier.feeds["text"].dtype == object and verifier.feeds["text"].shape == (3, 1)
+    np.testing.assert_array_equal(verifier.reference["y"], np.array([[5.0], [3.0], [-1.0]], np.float32))
+    check = verifier.check(_ir(_string_model()), family="cleanup")
+    assert check["passed"] is True and check["feeds"]["text"]["source"] == "file"
+    # near misses: a numeric feed for the string input, no feed at all, an object (pickled) archive
+    np.savez(tmp_path / "num.npz", text=np.zeros((3, 1), np.float32))
+    with pytest.raises(UsageError, match="model's input is a string tensor"):
+        Verifier(_ir(_string_model()), feeds=str(tmp_path / "num.npz"))
+    with pytest.raises(UsageError, match="random feeds cannot make one; give --feeds"):
+        Verifier(_ir(_string_model()), shapes={"text": (3, 1)})
+    np.savez(tmp_path / "obj.npz", text=np.asarray([["dog"]], dtype=object))
+    with pytest.raises(UsageError, match="save strings as a unicode array"):
+        Verifier(_ir(_string_model()), feeds=str(tmp_path / "obj.npz"))
+
+
 def test_dynamic_dims_from_shapes_and_defaults():
     model = _model(
         [helper.make_node("Add", ["a", "b"], ["c"])],
