@@ -428,6 +428,43 @@ def test_diff_models_and_original_failures(tmp_path):
     assert not check["passed"] and "cannot be loaded" in check["reason"]
 
 
+def _shift(half: bool, off: float = 0.0) -> onnx.ModelProto:
+    """y = (x + 8) - (8 - off) with float32 input and output: computed in float16 between two Casts when ``half``
+    (what onnxconverter-common's ``keep_io_types`` writes, with its value_info), in float32 otherwise."""
+    f = TensorProto.FLOAT16 if half else TensorProto.FLOAT
+    eight = numpy_helper.from_array(np.array(8.0, np.float16 if half else np.float32), "eight")
+    back = numpy_helper.from_array(np.array(8.0 - off, np.float16 if half else np.float32), "back")
+    nodes = [helper.make_node("Add", ["xi", "eight"], ["s"]), helper.make_node("Sub", ["s", "back"], ["yi"])]
+    if half:
+        nodes = [helper.make_node("Cast", ["x"], ["xi"], to=f), *nodes,
+                 helper.make_node("Cast", ["yi"], ["y"], to=TensorProto.FLOAT)]
+    else:
+        nodes = [helper.make_node("Identity", ["x"], ["xi"]), *nodes, helper.make_node("Identity", ["yi"], ["y"])]
+    proto = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 64])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 64])], [eight, back])
+    proto.graph.value_info.append(helper.make_tensor_value_info("yi", f, [4, 64]))
+    return proto
+
+
+def test_float32_output_computed_in_float16_is_judged_at_float16_precision():
+    """A float16 model with float32 I/O (onnxconverter-common's) against a candidate off by a quarter of float16's
+    step at 8 (2**-9): within float16 rounding, beyond float32's bound near zero.  float32's bound refused such
+    differences (validate exit 5 on a correct float16 model, ONNX Runtime's optimizations on against off: 0.02 at
+    outputs near 20); an output cast from float16 is now judged at float16's bound.  The near miss: the same
+    difference on a float32 model's output keeps float32's bound and fails."""
+    feeds = {"x": np.random.default_rng(3).uniform(-3, 3, (4, 64)).astype(np.float32)}
+    half = Verifier(_ir(_shift(half=True)), feeds=feeds)
+    assert {k: np.dtype(v).name for k, v in half.computed_in.items()} == {"y": "float16"}
+    check = half.check(_ir(_shift(half=False, off=2.0**-9)), family="fusion")
+    out = check["outputs"]["y"]
+    assert check["passed"] is True, check["summary"]
+    assert out["rtol"] == 1e-2 and out["max_abs"] == pytest.approx(2.0**-9, rel=1e-3)  # float16's bound
+    strict = Verifier(_ir(_shift(half=False)), feeds=feeds)
+    assert strict.computed_in == {}
+    worse = strict.check(_ir(_shift(half=False, off=2.0**-9)), family="fusion")
+    assert worse["passed"] is False and worse["outputs"]["y"]["rtol"] == 1e-3
+
+
 def test_missing_onnxruntime_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "onnxruntime", None)
     with pytest.raises(BackendUnavailableError, match=r"mograph\[ort\]"):
