@@ -367,7 +367,10 @@ def test_int_outputs_are_exact():
 
     w = _w()
     verifier = Verifier(_ir(argmax_model(w)))
-    assert verifier.check(_ir(argmax_model(w)))["passed"]
+    same = verifier.check(_ir(argmax_model(w)))
+    assert same["passed"] and (verifier.reference["i"] == 0).any()
+    assert same["outputs"]["i"]["max_abs"] == 0.0 and same["outputs"]["i"]["max_rel"] == 0.0  # not 0/0 ("nan")
+    assert "max rel 0," in same["summary"]
     check = verifier.check(_ir(argmax_model(-w)))
     assert not check["passed"] and check["outputs"]["i"]["atol"] == 0.0
 
