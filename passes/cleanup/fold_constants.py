@@ -348,8 +348,14 @@ def _keep_dynamic_output_dims(model: ir.Model, declared: list[list | None]) -> i
     The folder merges each node's inferred shape into its outputs, preferring a number: an exporter's wrong static
     declaration upstream (hummingbird declares an intermediate output ``[4, 3]``, its calibration batch, under a
     dynamic input) then turned a declared-dynamic output into ``[4]``, a model that declares one batch and runs
-    another.  Cleanup does not narrow the model's interface: a dim the model declared dynamic stays so.
+    another.  A dim the model names with a symbol of its inputs (the batch) is the input's size, never a number:
+    cleanup keeps it.  An exporter's placeholder for an unknown dim (torch's ``Transposevariable_dim_1``) is
+    narrowed as before.
     """
+    input_syms = {
+        d.value for v in model.graph.inputs if v.shape is not None for d in v.shape.dims
+        if not isinstance(d, int) and d.value is not None
+    }
     kept = 0
     for value, dims in zip(model.graph.outputs, declared):
         if dims is None or value.shape is None or len(value.shape) != len(dims):
@@ -357,7 +363,7 @@ def _keep_dynamic_output_dims(model: ir.Model, declared: list[list | None]) -> i
         now = list(value.shape.dims)
         changed = False
         for axis, (old, new) in enumerate(zip(dims, now)):
-            if not isinstance(old, int) and isinstance(new, int):
+            if not isinstance(old, int) and old.value in input_syms and isinstance(new, int):
                 now[axis] = old
                 changed = True
                 kept += 1

@@ -110,6 +110,12 @@ def test_a_wrong_static_declaration_does_not_make_a_dynamic_output_static():
     near_entry = run_pass(FoldConstantsPass(), near)
     assert near_entry.stats == {"folded_nodes": 0}
     assert [str(d) for d in near.graph.outputs[0].shape.dims] == ["n"]
+    # an exporter's placeholder (no input's symbol) that inference pins is narrowed, as before
+    placeholder = _argmax_head([4, 3])
+    placeholder.graph.output[0].type.tensor_type.shape.dim[0].dim_param = "ArgMax_dim_0"
+    pinned = to_ir(placeholder)
+    assert run_pass(FoldConstantsPass(), pinned).stats == {"folded_nodes": 0}
+    assert list(pinned.graph.outputs[0].shape.dims) == [4]
 
 
 def test_computation_on_inputs_is_a_near_miss():
