@@ -179,6 +179,8 @@ def compare_outputs(
                 entry["failures"].append("the comparator could not compare this output")
                 continue
             entry["max_abs"], entry["max_rel"] = _num(s.max_absdiff), _num(s.max_reldiff)
+            if entry["max_abs"] == 0.0:  # identical: 0, not the 0/0 of an output holding zeros (printed "nan")
+                entry["max_rel"] = 0.0
             entry["mean_abs"] = _num(s.mean_absdiff)
             cos = None if c is None or isinstance(c, bool) else c.cosine_similarity
             entry["cosine"] = _num(cos)

@@ -39,7 +39,10 @@ def load_feeds(source: str | os.PathLike | Mapping[str, Any]) -> dict[str, np.nd
     except UsageError:
         raise
     except Exception as exc:  # noqa: BLE001 - numpy raises several unrelated types on bad files
-        raise UsageError(f"feeds file {path}: not a readable .npz archive ({exc})") from exc
+        hint = ""
+        if "allow_pickle" in str(exc):
+            hint = "; save strings as a unicode array (np.asarray(texts, dtype=str)), not dtype=object"
+        raise UsageError(f"feeds file {path}: not a readable .npz archive ({exc}){hint}") from exc
 
 
 def graph_inputs(model: ir.Model) -> list[ir.Value]:
@@ -335,6 +338,12 @@ def make_feeds(
     notes: list[str] = []
     for name, array in given.items():
         value = by_name[name]
+        if value.dtype == ir.DataType.STRING:  # only a feed can give one (random feeds cannot make strings)
+            if array.dtype.kind not in "USO":
+                raise UsageError(f"feed '{name}' has dtype {array.dtype}, but the model's input is a string tensor")
+            _bind(value, tuple(array.shape), bindings, "feed")
+            out[name] = array.astype(object)
+            continue
         want = _np_dtype(value)
         if array.dtype != want:
             src, dst = dtype_class(array.dtype), dtype_class(want)
@@ -365,10 +374,10 @@ def make_feeds(
         for d in v.shape))
     for value in order:
         name = str(value.name)
-        dtype = _np_dtype(value)
         if name in out:
             report[name] = {"shape": list(out[name].shape), "dtype": str(out[name].dtype), "source": "file"}
             continue
+        dtype = _np_dtype(value)
         if name in sizes:
             dims = list(sizes[name])
         else:

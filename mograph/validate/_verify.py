@@ -201,6 +201,10 @@ class Verifier:
         #: Per output, the max abs change when every activation quantizer's input moves by one of its steps
         #: (:meth:`_one_step_spread`); the hint above goes only with failures no larger (empty: not measured).
         self.one_step: dict[str, float] = {}
+        #: Outputs the original computes in float16/bfloat16 and casts to a wider float at the end (onnxconverter-
+        #: common's ``keep_io_types``, mograph's own fp16 with float32 I/O): judged at the precision they were computed
+        #: in, as an output a pass made float16 is (two correct runs differ by float16 rounding, not float32's).
+        self.computed_in = _computed_in_half(model)
         #: Each input's dims in the original (an int where static), to find axes a shape pass made dynamic.
         self.input_dims = {
             str(v.name): [d if isinstance(d, int) else None for d in (v.shape.dims if v.shape is not None else ())]
@@ -253,10 +257,15 @@ class Verifier:
         logger.info("verification feeds: %s (seed %d)", _feeds_brief(self.feed_info["inputs"]), self.seed)
 
     def tolerances(self, family: str | Iterable[str] | None) -> dict[str, Tolerance]:
-        return {
+        out = {
             name: tolerance_for(arr.dtype, family, atol=self.atol, rtol=self.rtol, min_cosine=self.min_cosine)
             for name, arr in self.reference.items()
         }
+        for name, dtype in getattr(self, "computed_in", {}).items():
+            if name in out:
+                out[name] = out[name].loosest(
+                    tolerance_for(dtype, family, atol=self.atol, rtol=self.rtol, min_cosine=self.min_cosine))
+        return out
 
     def _base(self, family: str | Iterable[str] | None) -> dict[str, Any]:
         return {
@@ -688,6 +697,31 @@ def _nudge_quantizer_inputs(model: ir.Model, seed: int) -> int:
         node.replace_input_with(0, moved_x.outputs[0])
         moved += 1
     return moved
+
+
+def _computed_in_half(model: ir.Model) -> dict[str, Any]:
+    """Graph outputs written by a ``Cast`` to float32/float64 from a float16/bfloat16 tensor: name -> numpy dtype
+    of the tensor cast (the precision the output was computed in)."""
+    wide = (ir.DataType.FLOAT, ir.DataType.DOUBLE)
+    half = {ir.DataType.FLOAT16: np.float16}
+    try:
+        import ml_dtypes
+
+        half[ir.DataType.BFLOAT16] = ml_dtypes.bfloat16
+    except ImportError:  # pragma: no cover - ml_dtypes comes with onnx
+        pass
+    out: dict[str, Any] = {}
+    for value in model.graph.outputs:
+        node = value.producer()
+        if node is None or node.op_type != "Cast" or node.domain not in ("", "ai.onnx") or not node.inputs:
+            continue
+        src = node.inputs[0]
+        to = node.attributes.get("to")
+        if src is None or to is None or to.is_ref() or ir.DataType(to.value) not in wide:
+            continue
+        if src.dtype in half:
+            out[str(value.name)] = half[src.dtype]
+    return out
 
 
 def _quantizes_activations(model: ir.Model) -> bool:

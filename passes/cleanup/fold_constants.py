@@ -320,6 +320,7 @@ class FoldConstantsPass(Pass):
 
         before = op_histogram(model)
         fingerprint = graph_fingerprint(model)
+        declared = [None if v.shape is None else list(v.shape.dims) for v in model.graph.outputs]
         result = _Folder(
             shape_inference=True,
             input_size_limit=max(limit, 1),
@@ -327,12 +328,45 @@ class FoldConstantsPass(Pass):
             should_fold=keep_external_lazy,
         )(model)
         legal = constants_as_tensors(model)  # the folder's Constant(value_ints=...) is opset 12
+        kept = _keep_dynamic_output_dims(model, declared)
         after = op_histogram(model)
         removed = removed_by_op(before, after)
         stats: dict[str, int | float] = {"folded_nodes": sum(removed.values())}
         stats.update({f"removed.{op}": n for op, n in removed.items()})
         if legal:
             stats["constants_as_tensors"] = legal
+        if kept:
+            stats["dynamic_output_dims_kept"] = kept
         # The folder also types the values it visits, but does not always count that as a change.
         modified = bool(result.modified) or graph_fingerprint(model) != fingerprint
         return PassResult(modified=modified, stats=stats)
+
+
+def _keep_dynamic_output_dims(model: ir.Model, declared: list[list | None]) -> int:
+    """Put back the graph outputs' dynamic dims that the folder's per-node inference made static; return how many.
+
+    The folder merges each node's inferred shape into its outputs, preferring a number: an exporter's wrong static
+    declaration upstream (hummingbird declares an intermediate output ``[4, 3]``, its calibration batch, under a
+    dynamic input) then turned a declared-dynamic output into ``[4]``, a model that declares one batch and runs
+    another.  A dim the model names with a symbol of its inputs (the batch) is the input's size, never a number:
+    cleanup keeps it.  An exporter's placeholder for an unknown dim (torch's ``Transposevariable_dim_1``) is
+    narrowed as before.
+    """
+    input_syms = {
+        d.value for v in model.graph.inputs if v.shape is not None for d in v.shape.dims
+        if not isinstance(d, int) and d.value is not None
+    }
+    kept = 0
+    for value, dims in zip(model.graph.outputs, declared):
+        if dims is None or value.shape is None or len(value.shape) != len(dims):
+            continue
+        now = list(value.shape.dims)
+        changed = False
+        for axis, (old, new) in enumerate(zip(dims, now)):
+            if not isinstance(old, int) and old.value in input_syms and isinstance(new, int):
+                now[axis] = old
+                changed = True
+                kept += 1
+        if changed:
+            value.shape = ir.Shape(now)
+    return kept

@@ -381,8 +381,7 @@ class QdqPassBase(Pass):
             return PassResult(False, stats, {"plan": plan.to_dict()} if done else {})
         self.check_model(model)
         details: dict[str, Any] = {}
-        half_types = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
-        half = any(v.dtype in half_types for v in (*model.graph.inputs, *model.graph.initializers.values()))
+        half = has_half_tensors(model)
         upgraded = self._ensure_opset(model, half, stats, details)
         if upgraded:
             cands, done = find_candidates(model)  # nodes the converter rewrote are new objects
@@ -570,6 +569,27 @@ def _loop_bodies(model: ir.Model) -> set[int]:
 
 
 __all__ += ["node_key", "RANDOM_WARNING", "QDQ_OPTIONS", "calibration_meta"]
+
+
+def has_half_tensors(model: ir.Model) -> bool:
+    """Whether ``model`` holds float16/bfloat16 tensors a Q/DQ may read: an input, an initializer, or a ``Constant``
+    node's value in any graph (the weights of paddle2onnx's and onnxconverter-common's models are ``Constant``
+    nodes that cleanup keeps; missing them left the opset below 19 and wrote float16 scales the model's
+    ``DequantizeLinear`` refuses)."""
+    from mograph._traverse import iter_nodes
+
+    half_types = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+    if any(v.dtype in half_types for v in (*model.graph.inputs, *model.graph.initializers.values())):
+        return True
+    for node in iter_nodes(model.graph):
+        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+            continue
+        attr = node.attributes.get("value")
+        if attr is not None and not attr.is_ref() and attr.value.dtype in half_types:
+            return True
+        if node.outputs and node.outputs[0].dtype in half_types:
+            return True
+    return False
 
 
 def raise_opset(pass_: Any, model: ir.Model, need: int, needs: str, reason: str,

@@ -539,8 +539,12 @@ def _with_outputs_mapped(model: ir.Model, names: Iterable[str], dtypes: dict[str
         v = values.get(name)
         if dtypes is not None and name in dtypes:
             elem = dtypes[name]
-        else:
-            elem = v.dtype.value if v is not None and v.dtype is not None else onnx.TensorProto.FLOAT
+        elif v is not None and v.dtype is not None:
+            elem = v.dtype.value
+        else:  # untyped (no shape inference ran before the pass): ONNX's inference, float32 only where it too fails
+            if dtypes is None:
+                dtypes = infer_dtypes(model)
+            elem = dtypes.get(name, onnx.TensorProto.FLOAT)
         top = v is None or v.graph is None or v.graph is model.graph
         out = name if top else _expose(proto.graph, name, elem, taken)
         if out is None:

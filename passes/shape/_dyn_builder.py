@@ -259,11 +259,14 @@ class _Builder:
         self.replaced.append(value)
 
     def drop_unused(self) -> None:
-        for v in self.replaced:
+        # A constant shared by several rewritten nodes (one Reshape target after CSE merged equal ones) is listed
+        # once per node: it goes once (a second remove raised "does not belong to this graph", exit 1).
+        for v in dict.fromkeys(self.replaced):
             if v.uses() or v.is_graph_output() or v.is_graph_input():
                 continue
             if v.name is not None and v.name in self.graph.initializers and self.graph.initializers[v.name] is v:
                 del self.graph.initializers[v.name]
             node = v.producer()
-            if node is not None and not any(o.uses() or o.is_graph_output() for o in node.outputs):
+            if node is not None and node.graph is self.graph and not any(
+                    o.uses() or o.is_graph_output() for o in node.outputs):
                 self.graph.remove(node, safe=True)

@@ -203,6 +203,38 @@ def test_user_npz_feeds_are_used_exactly(tmp_path):
         Verifier(_ir(matmul_model(w)), feeds=str(tmp_path / "missing.npz"))
 
 
+def _string_model() -> onnx.ModelProto:
+    """y = float(LabelEncoder(text)): a string input, as skl2onnx's text pipelines take."""
+    graph = helper.make_graph(
+        [helper.make_node("LabelEncoder", ["text"], ["ids"], domain="ai.onnx.ml", keys_strings=["cat", "dog"],
+                          values_int64s=[3, 5], default_int64=-1),
+         helper.make_node("Cast", ["ids"], ["y"], to=TensorProto.FLOAT)],
+        "g", [helper.make_tensor_value_info("text", TensorProto.STRING, ["n", 1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 1])])
+    return helper.make_model(graph, opset_imports=[*OPSET, helper.make_opsetid("ai.onnx.ml", 2)])
+
+
+def test_string_inputs_are_fed_from_a_unicode_npz(tmp_path):
+    """A string input can only come from --feeds; the given feed was refused as if none had been given (exit 2,
+    "random feeds cannot make one; give --feeds") on skl2onnx's TfidfVectorizer and OneHotEncoder pipelines."""
+    path = tmp_path / "text.npz"
+    np.savez(path, text=np.asarray([["dog"], ["cat"], ["emu"]], dtype=str))
+    verifier = Verifier(_ir(_string_model()), feeds=str(path))
+    assert verifier.feeds["text"].dtype == object and verifier.feeds["text"].shape == (3, 1)
+    np.testing.assert_array_equal(verifier.reference["y"], np.array([[5.0], [3.0], [-1.0]], np.float32))
+    check = verifier.check(_ir(_string_model()), family="cleanup")
+    assert check["passed"] is True and check["feeds"]["text"]["source"] == "file"
+    # near misses: a numeric feed for the string input, no feed at all, an object (pickled) archive
+    np.savez(tmp_path / "num.npz", text=np.zeros((3, 1), np.float32))
+    with pytest.raises(UsageError, match="model's input is a string tensor"):
+        Verifier(_ir(_string_model()), feeds=str(tmp_path / "num.npz"))
+    with pytest.raises(UsageError, match="random feeds cannot make one; give --feeds"):
+        Verifier(_ir(_string_model()), shapes={"text": (3, 1)})
+    np.savez(tmp_path / "obj.npz", text=np.asarray([["dog"]], dtype=object))
+    with pytest.raises(UsageError, match="save strings as a unicode array"):
+        Verifier(_ir(_string_model()), feeds=str(tmp_path / "obj.npz"))
+
+
 def test_dynamic_dims_from_shapes_and_defaults():
     model = _model(
         [helper.make_node("Add", ["a", "b"], ["c"])],
@@ -335,7 +367,10 @@ def test_int_outputs_are_exact():
 
     w = _w()
     verifier = Verifier(_ir(argmax_model(w)))
-    assert verifier.check(_ir(argmax_model(w)))["passed"]
+    same = verifier.check(_ir(argmax_model(w)))
+    assert same["passed"] and (verifier.reference["i"] == 0).any()
+    assert same["outputs"]["i"]["max_abs"] == 0.0 and same["outputs"]["i"]["max_rel"] == 0.0  # not 0/0 ("nan")
+    assert "max rel 0," in same["summary"]
     check = verifier.check(_ir(argmax_model(-w)))
     assert not check["passed"] and check["outputs"]["i"]["atol"] == 0.0
 
@@ -394,6 +429,43 @@ def test_diff_models_and_original_failures(tmp_path):
         Verifier(broken, shapes={"x": (1, 8)})
     check = Verifier(matmul_model(w), shapes={"x": (1, 8)}).check(broken)
     assert not check["passed"] and "cannot be loaded" in check["reason"]
+
+
+def _shift(half: bool, off: float = 0.0) -> onnx.ModelProto:
+    """y = (x + 8) - (8 - off) with float32 input and output: computed in float16 between two Casts when ``half``
+    (what onnxconverter-common's ``keep_io_types`` writes, with its value_info), in float32 otherwise."""
+    f = TensorProto.FLOAT16 if half else TensorProto.FLOAT
+    eight = numpy_helper.from_array(np.array(8.0, np.float16 if half else np.float32), "eight")
+    back = numpy_helper.from_array(np.array(8.0 - off, np.float16 if half else np.float32), "back")
+    nodes = [helper.make_node("Add", ["xi", "eight"], ["s"]), helper.make_node("Sub", ["s", "back"], ["yi"])]
+    if half:
+        nodes = [helper.make_node("Cast", ["x"], ["xi"], to=f), *nodes,
+                 helper.make_node("Cast", ["yi"], ["y"], to=TensorProto.FLOAT)]
+    else:
+        nodes = [helper.make_node("Identity", ["x"], ["xi"]), *nodes, helper.make_node("Identity", ["yi"], ["y"])]
+    proto = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 64])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 64])], [eight, back])
+    proto.graph.value_info.append(helper.make_tensor_value_info("yi", f, [4, 64]))
+    return proto
+
+
+def test_float32_output_computed_in_float16_is_judged_at_float16_precision():
+    """A float16 model with float32 I/O (onnxconverter-common's) against a candidate off by a quarter of float16's
+    step at 8 (2**-9): within float16 rounding, beyond float32's bound near zero.  float32's bound refused such
+    differences (validate exit 5 on a correct float16 model, ONNX Runtime's optimizations on against off: 0.02 at
+    outputs near 20); an output cast from float16 is now judged at float16's bound.  The near miss: the same
+    difference on a float32 model's output keeps float32's bound and fails."""
+    feeds = {"x": np.random.default_rng(3).uniform(-3, 3, (4, 64)).astype(np.float32)}
+    half = Verifier(_ir(_shift(half=True)), feeds=feeds)
+    assert {k: np.dtype(v).name for k, v in half.computed_in.items()} == {"y": "float16"}
+    check = half.check(_ir(_shift(half=False, off=2.0**-9)), family="fusion")
+    out = check["outputs"]["y"]
+    assert check["passed"] is True, check["summary"]
+    assert out["rtol"] == 1e-2 and out["max_abs"] == pytest.approx(2.0**-9, rel=1e-3)  # float16's bound
+    strict = Verifier(_ir(_shift(half=False)), feeds=feeds)
+    assert strict.computed_in == {}
+    worse = strict.check(_ir(_shift(half=False, off=2.0**-9)), family="fusion")
+    assert worse["passed"] is False and worse["outputs"]["y"]["rtol"] == 1e-3
 
 
 def test_missing_onnxruntime_names_the_extra(monkeypatch):

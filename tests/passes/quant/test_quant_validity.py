@@ -83,6 +83,39 @@ def test_int8_on_fp16_model_at_opset_15_upgrades_and_uses_fp16_scales():
     assert not QdqInt8Pass(calibration_data=_feeds(dtype=np.float16)).call(model).modified
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_int8_on_fp16_weights_in_constant_nodes_upgrades_the_opset(dtype):
+    """paddle2onnx's and onnxconverter-common's float16 models keep their weights in ``Constant`` nodes (no
+    initializer, no float16 input here either: ``keep_io_types`` casts a float32 input): the opset must still
+    go to 19 for the float16 scales.  Before the fix: opset 15 kept, ORT refused the measuring model (exit 1,
+    "Type 'tensor(float16)' of input parameter (w_scale) of operator (DequantizeLinear) ... is invalid").
+    The float32 twin is the near miss: opset 15 is enough for it and stays."""
+    half = dtype == np.float16
+    proto = _mlp(opset=15, dtype=dtype, weights="constant")
+    if half:  # float32 in and out, as onnxconverter-common's keep_io_types writes
+        g = proto.graph
+        g.input[0].type.tensor_type.elem_type = F32
+        g.output[0].type.tensor_type.elem_type = F32
+        g.node[2].input[0] = "x16"
+        g.node[4].output[0] = "y16"
+        g.node.insert(0, helper.make_node("Cast", ["x"], ["x16"], name="cast_in", to=F16))
+        g.node.append(helper.make_node("Cast", ["y16"], ["y"], name="cast_out", to=F32))
+    model = to_ir(proto)
+    result = QdqInt8Pass(accuracy_budget="off", calibration_data=_feeds()).call(model)
+    assert result.stats["quantized"] == 1 and result.stats["q_nodes"] == 1 and result.stats["dq_nodes"] == 2
+    extra = {"Cast": 2} if half else {"Mul": 1}  # smoothing's Mul on float32 only
+    assert op_counts(model) == {"Constant": 1, "QuantizeLinear": 1, "DequantizeLinear": 2, "MatMul": 2, "Relu": 1,
+                                **extra}
+    if half:
+        assert result.stats["opset_upgrade.from"] == 15 and result.stats["opset_upgrade.to"] == 19
+        assert model.opset_imports[""] == 19
+        assert model.graph.initializers["w_scale"].const_value.dtype == ir.DataType.FLOAT16  # type: ignore[union-attr]
+    else:
+        assert "opset_upgrade.to" not in result.stats and model.opset_imports[""] == 15
+    _loads_and_matches(proto, model, _feeds(2), 0.99)
+    assert not QdqInt8Pass(accuracy_budget="off", calibration_data=_feeds()).call(model).modified
+
+
 def test_fp8_on_fp16_model():
     proto = _mlp(opset=19, dtype=np.float16)
     model = to_ir(proto)

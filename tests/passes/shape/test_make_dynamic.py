@@ -51,6 +51,23 @@ def test_reshape_target_rewritten():
     assert dims(model.graph.outputs[0]) == ["n", 3, 2]
 
 
+def test_reshape_target_shared_by_two_reshapes_in_a_constant_node():
+    """One ``Constant`` target feeding two Reshapes (CSE merges paddle2onnx's equal targets): each is rewritten
+    and the Constant goes once.  Before the fix it was removed twice (exit 1, "does not belong to this graph")."""
+    target = helper.make_node("Constant", [], ["t"], name="target",
+                              value=onnx.numpy_helper.from_array(np.array([1, 3, 2], np.int64), "t"))
+    proto = make([target,
+                  helper.make_node("Reshape", ["x", "t"], ["y"], name="reshape_a"),
+                  helper.make_node("Relu", ["x"], ["r"], name="relu"),
+                  helper.make_node("Reshape", ["r", "t"], ["z"], name="reshape_b"),
+                  helper.make_node("Add", ["y", "z"], ["s"], name="add")],
+                 [f32("x", [1, 6])], [f32("s", [1, 3, 2])], [])
+    model = _check(proto, "x:0=n", lambda n: (n, 6), lambda x: (x + np.maximum(x, 0)).reshape(len(x), 3, 2),
+                   [1, 4], {"Shape": 1, "Gather": 1, "Concat": 2, "Reshape": 2, "Relu": 1, "Add": 1},
+                   {"dims_made_dynamic": 1, "rewritten.Reshape": 2, "nodes_added": 4})
+    assert dims(model.graph.outputs[0]) == ["n", 3, 2]
+
+
 def test_reshape_batch_one_flatten_and_unflatten():
     # [1, 4, 3] -> [4, 3] ([-1, 3]) -> [1, 4, 3]: with batch 1 the 1 in the second target is the batch.
     proto = make([
