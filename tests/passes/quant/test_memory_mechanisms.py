@@ -85,8 +85,10 @@ def test_gptq_factor_same_with_or_without_numpys_lapack(monkeypatch, act_order):
     fast = bw.gptq_factor(h.copy(), damp=0.01, act_order=act_order)
     monkeypatch.setattr(bw, "_numpy_lapack", lambda: None)
     plain = bw.gptq_factor(h.copy(), damp=0.01, act_order=act_order)
-    for a, b in zip((fast.perm, fast.hinv, fast.diag, fast.dead), (plain.perm, plain.hinv, plain.diag, plain.dead)):
+    for a, b in zip((fast.perm, fast.diag, fast.dead), (plain.perm, plain.diag, plain.dead)):
         assert np.array_equal(a, b)
+    # the factor: dpotrf + dtrtri through numpy's LAPACK, or numpy's cholesky and inv: equal up to rounding
+    assert np.max(np.abs(fast.hinv - plain.hinv)) <= 1e-13 * np.max(np.abs(plain.hinv))
     assert fast.hinv.flags.f_contiguous == plain.hinv.flags.f_contiguous  # the same layout for gptq's products
 
 
