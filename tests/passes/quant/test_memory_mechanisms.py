@@ -106,6 +106,8 @@ def test_measuring_sessions_have_the_arena_off_and_make_session_keeps_orts_defau
     proto = _matmul_model()
     calibration = cal._session(proto.SerializeToString()).get_session_options()
     assert not calibration.enable_cpu_mem_arena and calibration.enable_mem_pattern  # the pattern: one block
+    # no spinning between runs: GPTQ's numpy work runs there (the numbers are the same)
+    assert calibration.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     measuring = ort_backend.make_session(proto, memory_arena=False).get_session_options()
     assert not measuring.enable_cpu_mem_arena and measuring.enable_mem_pattern
     default = ort_backend.make_session(proto).get_session_options()  # bench and sweep time what deployments run
