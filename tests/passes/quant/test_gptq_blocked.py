@@ -164,3 +164,16 @@ def test_blas_threads_restores_the_count_and_keeps_products_equal():
         assert int(get()) == 2
     finally:
         put(before)
+
+
+def test_hessian_sums_are_the_plain_sums_bit_for_bit():
+    from mograph.passes.quant._wo_segments import _hessian_factor
+
+    rng = np.random.default_rng(4)
+    states = [{"x": rng.standard_normal((1, n, 40)).astype(np.float32)} for n in (7, 16, 3)]
+    want = sum(np.asarray(st["x"], np.float64).reshape(-1, 40).T @ np.asarray(st["x"], np.float64).reshape(-1, 40)
+               for st in states) / 26
+    diag, factor = _hessian_factor(states, "x", 0.1, True)
+    assert np.array_equal(diag, np.diag(want))
+    plain = bw.gptq_factor(want.copy(), damp=0.1, act_order=True)
+    assert np.array_equal(factor.perm, plain.perm) and np.array_equal(factor.hinv, plain.hinv)
