@@ -33,9 +33,11 @@ block_size * bits / 8]`` bytes, 4-bit codes two to a byte, the lower ``k`` in th
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +47,10 @@ __all__ = [
     "BlockQuantized",
     "QuantSpec",
     "awq_scales",
+    "blas_threads",
     "cholesky_of_inverse",
     "GptqFactor",
+    "inverse_upper_factor",
     "gptq",
     "gptq_factor",
     "pack_nbits",
@@ -58,6 +62,8 @@ __all__ = [
 
 CLIP_GRID = tuple(float(r) for r in np.linspace(1.0, 0.5, 21))
 AWQ_GRID = tuple(float(a) for a in np.linspace(0.0, 1.0, 21)[:-1])
+#: numpy's BLAS threads for GPTQ's factor and row updates (:func:`blas_threads` says why one)
+GPTQ_BLAS_THREADS = 1
 
 
 @dataclass(frozen=True)
@@ -100,15 +106,27 @@ def _blocks(w: np.ndarray, bs: int) -> np.ndarray:
     return w.reshape(nb, bs, n)
 
 
-def _params(wb: np.ndarray, spec: QuantSpec, ratio: np.ndarray | float = 1.0) -> tuple[np.ndarray, np.ndarray]:
-    """Scale and zero point per (block, column) of blocked weights ``[nb, bs, N]``, range shrunk by ``ratio``."""
+def _extremes(wb: np.ndarray, spec: QuantSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Per (block, column) of blocked weights ``[nb, bs, N]``: ``(max|w|, max|w|)`` (symmetric) or
+    ``(max(w, 0), min(w, 0))``, the range :func:`_params` shrinks."""
     if spec.symmetric:
-        amax = np.abs(wb).max(axis=1) * ratio
+        amax = np.abs(wb).max(axis=1)
+        return amax, amax
+    return np.maximum(wb.max(axis=1), 0.0), np.minimum(wb.min(axis=1), 0.0)
+
+
+def _params(wb: np.ndarray, spec: QuantSpec, ratio: np.ndarray | float = 1.0,
+            extremes: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Scale and zero point per (block, column) of blocked weights ``[nb, bs, N]``, range shrunk by ``ratio``
+    (``extremes``: :func:`_extremes` of ``wb``, made once for many ratios)."""
+    top, bottom = _extremes(wb, spec) if extremes is None else extremes
+    if spec.symmetric:
+        amax = top * ratio
         scale = amax / (spec.mid - 1)
         zero = np.full(scale.shape, spec.mid, np.float32)
     else:
-        hi = np.maximum(wb.max(axis=1), 0.0) * ratio
-        lo = np.minimum(wb.min(axis=1), 0.0) * ratio
+        hi = top * ratio
+        lo = bottom * ratio
         scale = (hi - lo) / spec.qmax
         safe = np.where(scale > 0, scale, 1.0)
         zero = np.clip(np.round(-lo / safe), 0, spec.qmax)
@@ -130,10 +148,21 @@ def search_params(w: np.ndarray, spec: QuantSpec, importance: np.ndarray | None 
     best_err = np.full((wb.shape[0], wb.shape[2]), np.inf, np.float32)
     best_s = np.ones_like(best_err)
     best_z = np.zeros_like(best_err)
+    ext = _extremes(wb, spec)
+    t = np.empty_like(wb)  # one scratch buffer for every ratio; the same operations as _codes and the error
     for r in grid:
-        s, z = _params(wb, spec, r)
-        q = _codes(wb, s[:, None, :], z[:, None, :], spec)
-        err = (db * (wb - (q - z[:, None, :]) * s[:, None, :]) ** 2).sum(axis=1)
+        s, z = _params(wb, spec, r, ext)
+        s3, z3 = s[:, None, :], z[:, None, :]
+        np.divide(wb, s3, out=t)
+        t += z3
+        np.round(t, out=t)
+        np.clip(t, 0, spec.qmax, out=t)  # the codes q
+        t -= z3
+        t *= s3
+        np.subtract(wb, t, out=t)
+        np.square(t, out=t)
+        t *= db
+        err = t.sum(axis=1)
         better = err < best_err
         best_err = np.where(better, err, best_err)
         best_s = np.where(better, s, best_s)
@@ -231,20 +260,20 @@ def gptq_factor(h: np.ndarray, *, damp: float = 0.01, act_order: bool = False, c
     perm = np.argsort(-diag, kind="stable") if act_order else np.arange(k)
     h = _permute(h, perm)
     h[np.diag_indices(k)] += damp * float(np.mean(diag))
-    try:
-        hinv = cholesky_of_inverse(h).T  # upper Cholesky factor of H^-1
-    except np.linalg.LinAlgError:
-        h[np.diag_indices(k)] += 10 * damp * float(np.mean(diag))
-        hinv = cholesky_of_inverse(h).T
+    with blas_threads(GPTQ_BLAS_THREADS):
+        try:
+            hinv = inverse_upper_factor(h)  # upper Cholesky factor of H^-1
+        except np.linalg.LinAlgError:
+            h[np.diag_indices(k)] += 10 * damp * float(np.mean(diag))
+            hinv = inverse_upper_factor(h)
     return GptqFactor(perm, hinv, diag, dead)
 
 
 @functools.lru_cache(maxsize=1)
-def _numpy_lapack() -> tuple[Any, Any] | None:
-    """``dgesv`` and ``dpotrf`` of the LAPACK numpy's own ``linalg`` calls (the scipy-openblas64 library its
-    wheels bundle, 64-bit integers), or ``None`` where it is not that library or cannot be found (then
-    :func:`cholesky_of_inverse` uses numpy itself).  Found among this process's maps, after numpy's
-    ``linalg`` has loaded it: only the library numpy already runs, never another one."""
+def _numpy_openblas() -> Any:
+    """The scipy-openblas64 library numpy's wheels bundle, as this process has loaded it for numpy's own
+    ``linalg`` (found among the process's maps: only the library numpy already runs, never another one), or
+    ``None`` where numpy's BLAS is another library or cannot be found."""
     import numpy.linalg  # noqa: F401 - loads numpy's LAPACK
 
     try:
@@ -257,12 +286,51 @@ def _numpy_lapack() -> tuple[Any, Any] | None:
         if not (name.startswith("libscipy_openblas64_") and ".so" in name):
             continue
         try:
-            lib = ctypes.CDLL(path)
-            gesv, potrf = lib.scipy_dgesv_64_, lib.scipy_dpotrf_64_
-        except (OSError, AttributeError):
+            return ctypes.CDLL(path)
+        except OSError:
             continue
-        return gesv, potrf
     return None
+
+
+@functools.lru_cache(maxsize=1)
+def _numpy_lapack() -> tuple[Any, Any, Any] | None:
+    """``dgesv``, ``dpotrf`` and ``dtrtri`` of the LAPACK numpy's own ``linalg`` calls (:func:`_numpy_openblas`,
+    64-bit integers), or ``None`` where it is not that library or cannot be found (then
+    :func:`cholesky_of_inverse` and :func:`inverse_upper_factor` use numpy itself)."""
+    lib = _numpy_openblas()
+    try:
+        return (lib.scipy_dgesv_64_, lib.scipy_dpotrf_64_, lib.scipy_dtrtri_64_) if lib is not None else None
+    except AttributeError:
+        return None
+
+
+@contextlib.contextmanager
+def blas_threads(n: int) -> Iterator[None]:
+    """numpy's BLAS (:func:`_numpy_openblas`) at ``n`` threads inside the block, its own count restored after;
+    nothing where that library is not found.  A product's numbers are the same at any count (OpenBLAS splits
+    it by blocks of the output); ``dpotrf`` and ``dtrtri`` block differently with threads, so GPTQ's factor
+    now comes out the same whatever the machine's thread count (rounding apart, it did before too).
+
+    GPTQ's factor and row updates run at one thread: on the 2-core development machine shared with other
+    work (load 5-9), the factor of a 576-wide Hessian took 2.4 s of wall at OpenBLAS's 2 threads and 0.05 s
+    at one, a 2048 x 8192 layer's update 12.3 s and 7.2 s, a 4096-wide factor 7.2 s and 3.5 s: the
+    threads wait on each other (OpenBLAS spins) for products too small to share (``benchmarks/quantize-time.md``).
+    """
+    lib = _numpy_openblas()
+    get = getattr(lib, "scipy_openblas_get_num_threads64_", None) if lib is not None else None
+    put = getattr(lib, "scipy_openblas_set_num_threads64_", None) if lib is not None else None
+    if get is None or put is None:
+        yield
+        return
+    before = int(get())
+    if before == n:
+        yield
+        return
+    put(ctypes.c_int(n))
+    try:
+        yield
+    finally:
+        put(ctypes.c_int(before))
 
 
 def cholesky_of_inverse(h: np.ndarray) -> np.ndarray:
@@ -279,7 +347,7 @@ def cholesky_of_inverse(h: np.ndarray) -> np.ndarray:
     routines = _numpy_lapack() if h.ndim == 2 and h.shape[0] == h.shape[1] and h.dtype == np.float64 else None
     if routines is None:
         return np.linalg.cholesky(np.linalg.inv(h))
-    gesv, potrf = routines
+    gesv, potrf = routines[:2]
     n = h.shape[0]
     ptr = ctypes.c_void_p
     size, info = ctypes.c_int64(n), ctypes.c_int64(0)
@@ -305,14 +373,68 @@ def cholesky_of_inverse(h: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b)
 
 
+def inverse_upper_factor(h: np.ndarray) -> np.ndarray:
+    """The upper Cholesky factor ``U`` of ``H^-1`` (``U^T U = H^-1``; ``cholesky_of_inverse(h).T``, F order)
+    from the Cholesky factor of ``h`` itself, without forming ``H^-1``.
+
+    With ``J`` the order-reversing permutation, the Cholesky factor ``L`` of ``J H J`` gives ``H = V V^T`` with
+    ``V = J L J`` upper, so ``H^-1 = (V^-1)^T V^-1`` and ``U = V^-1 = J L^-1 J`` (both factors are unique with
+    a positive diagonal): one ``dpotrf`` and one ``dtrtri`` (``2/3 K^3`` flops) where inverting ``h`` with
+    ``dgesv`` and factoring the inverse take ``3 K^3``, in two ``[K, K]`` buffers with ``h`` (left as it
+    was).  The same matrix up to rounding (a different order of the same sums; the tests bound the
+    difference).  Raises ``np.linalg.LinAlgError`` where ``h`` is not positive definite.
+    """
+    h = np.asarray(h, np.float64)
+    n = h.shape[0]
+    routines = _numpy_lapack() if h.ndim == 2 and n == h.shape[1] else None
+    if routines is None or n == 0:
+        low = np.linalg.cholesky(np.ascontiguousarray(h[::-1, ::-1]))  # J H J = L L^T
+        inv = np.linalg.inv(low)
+        return np.asfortranarray(np.triu(inv[::-1, ::-1]))
+    _, potrf, trtri = routines
+    a = np.empty((n, n), np.float64, order="F")
+    flat = a.reshape(-1, order="F")  # a view: a's own buffer
+    # J H J in a's buffer: h's numbers in reversed flat order (h is symmetric, so its rows are its columns)
+    flat[:] = np.ascontiguousarray(h).reshape(-1)[::-1]
+    ptr = ctypes.c_void_p
+    size, info = ctypes.c_int64(n), ctypes.c_int64(0)
+    lower, non_unit = ctypes.c_char(b"L"), ctypes.c_char(b"N")
+    potrf(ctypes.byref(lower), ctypes.byref(size), a.ctypes.data_as(ptr), ctypes.byref(size), ctypes.byref(info),
+          ctypes.c_size_t(1))
+    if info.value > 0:
+        raise np.linalg.LinAlgError("Matrix is not positive definite")
+    if info.value == 0:
+        trtri(ctypes.byref(lower), ctypes.byref(non_unit), ctypes.byref(size), a.ctypes.data_as(ptr),
+              ctypes.byref(size), ctypes.byref(info), ctypes.c_size_t(1), ctypes.c_size_t(1))
+        if info.value > 0:
+            raise np.linalg.LinAlgError("Singular matrix")
+    if info.value < 0:  # pragma: no cover - an argument LAPACK refused: numpy's own path says what
+        return np.asfortranarray(cholesky_of_inverse(h).T)
+    for j in range(1, n):  # the upper triangle (J H J's numbers, untouched): zeros
+        a[:j, j] = 0.0
+    half = flat.size // 2  # J L^-1 J: the buffer reversed in place (two halves that do not overlap)
+    if half:
+        tail = flat[flat.size - half:][::-1].copy()
+        flat[flat.size - half:] = flat[:half][::-1]
+        flat[:half] = tail
+    return a
+
+
 def gptq(w: np.ndarray, h: np.ndarray | None, spec: QuantSpec, *, damp: float = 0.01, act_order: bool = False,
-         importance: np.ndarray | None = None, step: int = 128, factor: GptqFactor | None = None) -> BlockQuantized:
+         importance: np.ndarray | None = None, step: int = 128, factor: GptqFactor | None = None,
+         sub_step: int = 16) -> BlockQuantized:
     """GPTQ of ``w`` ``[K, N]`` given the inputs' Hessian ``h`` ``[K, K]`` (``E[x x^T]``, any positive scale).
 
     Block parameters come from :func:`search_params` (activation-weighted clip search) on the weights as
     they stand when a block is reached (without ``act_order``), or on the original weights (with it).
     ``factor``: :func:`gptq_factor` of ``h`` made beforehand (with the same ``damp`` and ``act_order``); ``h``
     is then not read and may be ``None``.
+
+    Rows go ``step`` at a time (the other rows get their errors in one product per step, Frantar et al.'s
+    lazy batch) and, inside a step, ``sub_step`` at a time: each row's error goes to the rest of its
+    sub-step at once (a rank-1 update ``sub_step`` rows tall, not ``step``), the sub-step's errors to the rest
+    of the step in one product.  ``sub_step = step`` is the plain lazy batch; any ``sub_step`` adds the same
+    terms in another order (codes equal but for a value within rounding of a code boundary).
     """
     k, n = w.shape
     bs = spec.block_size
@@ -336,30 +458,43 @@ def gptq(w: np.ndarray, h: np.ndarray | None, spec: QuantSpec, *, damp: float = 
     w[dead[perm], :] = 0.0
     q = np.zeros((k, n), np.float32)
     have = np.zeros(nb, bool)
-    for i1 in range(0, k, step):
-        i2 = min(i1 + step, k)
-        w1 = w[i1:i2].copy()
-        err1 = np.zeros_like(w1)
-        hinv1 = hinv[i1:i2, i1:i2]
-        for j in range(i2 - i1):
-            row = perm[i1 + j]
-            b = row // bs
-            if not fixed and not have[b]:
-                # the block's rows in original order are perm[i: i + bs] when act_order is off
-                lo = i1 + j
-                blk = np.concatenate([w1[j:], w[i2:]], axis=0)[: min(bs, k - lo)]
-                s, z = search_params(blk.astype(np.float32), QuantSpec(spec.bits, blk.shape[0], spec.symmetric),
-                                     imp[perm[lo: lo + blk.shape[0]]])
-                scale[b], zero[b] = s[0], z[0]
-                have[b] = True
-            col = w1[j]
-            qc = np.clip(np.round(col / scale[b] + zero[b]), 0, spec.qmax)
-            q[row] = qc
-            dq = (qc - zero[b]) * scale[b]
-            e = (col - dq) / hinv1[j, j]
-            w1[j + 1:] -= np.outer(hinv1[j, j + 1:], e)
-            err1[j] = e
-        w[i2:] -= hinv[i1:i2, i2:].T @ err1
+    sub = max(1, min(sub_step, step))
+    with blas_threads(GPTQ_BLAS_THREADS):  # small products: one thread is faster (blas_threads)
+        for i1 in range(0, k, step):
+            i2 = min(i1 + step, k)
+            w1 = w[i1:i2].copy()
+            err1 = np.zeros_like(w1)
+            hinv1 = hinv[i1:i2, i1:i2]
+            for j0 in range(0, i2 - i1, sub):
+                # rows [j0, j1) one at a time, each one's error spread over the rest of [j0, j1) at once; the
+                # errors of rows [sent, j) reach the rows past j1 in one product (when a block starts, or at j1)
+                j1 = min(j0 + sub, i2 - i1)
+                sent = j0
+                for j in range(j0, j1):
+                    row = perm[i1 + j]
+                    b = row // bs
+                    if not fixed and not have[b]:
+                        if j > sent:  # the block's rows past j1 as they stand with the errors so far
+                            w1[j1:] -= hinv1[sent:j, j1:].T @ err1[sent:j]
+                            sent = j
+                        # the block's rows in original order are perm[i: i + bs] when act_order is off
+                        lo = i1 + j
+                        blk = np.concatenate([w1[j:], w[i2:]], axis=0)[: min(bs, k - lo)]
+                        s, z = search_params(blk.astype(np.float32), QuantSpec(spec.bits, blk.shape[0], spec.symmetric),
+                                             imp[perm[lo: lo + blk.shape[0]]])
+                        scale[b], zero[b] = s[0], z[0]
+                        have[b] = True
+                    col = w1[j]
+                    qc = np.clip(np.round(col / scale[b] + zero[b]), 0, spec.qmax)
+                    q[row] = qc
+                    e = (col - (qc - zero[b]) * scale[b]) / hinv1[j, j]
+                    if j + 1 < j1:
+                        w1[j + 1:j1] -= hinv1[j, j + 1:j1, None] * e
+                    err1[j] = e
+                if j1 > sent and j1 < i2 - i1:
+                    w1[j1:] -= hinv1[sent:j1, j1:].T @ err1[sent:j1]
+            if i2 < k:
+                w[i2:] -= hinv[i1:i2, i2:].T @ err1
     codes = np.zeros((nb * bs, n), np.uint8)
     codes[:k] = q.astype(np.uint8)
     codes[k:] = np.clip(np.round(zero[-1]), 0, spec.qmax).astype(np.uint8)  # padding dequantizes to 0

@@ -145,15 +145,21 @@ def _hessian_factor(states: list[dict[str, np.ndarray]], name: str, damp: float,
     """``diag H`` and the GPTQ factor of ``H = E[x x^T]`` over the value ``name`` of every state; ``H`` itself
     is given away to the factor (changed in place), so no second ``[K, K]`` copy is made."""
     h: np.ndarray | None = None
+    part: np.ndarray | None = None  # each later sample's x^T x, in one buffer made once (not one per sample)
     rows = 0
-    for st in states:
-        x = np.asarray(st[name], np.float64)
-        x = x.reshape(-1, x.shape[-1])
-        if h is None:
-            h = x.T @ x
-        else:
-            h += x.T @ x  # in place: the same sums as h + x.T @ x, without a third [K, K]
-        rows += x.shape[0]
+    with bw.blas_threads(bw.GPTQ_BLAS_THREADS):  # the same sums at any thread count (bw.blas_threads)
+        for st in states:
+            x = np.asarray(st[name], np.float64)
+            x = x.reshape(-1, x.shape[-1])
+            if h is None:
+                h = x.T @ x
+            else:
+                if part is None:
+                    part = np.empty_like(h)
+                np.matmul(x.T, x, out=part)
+                h += part  # in place: the same sums as h + x.T @ x
+            rows += x.shape[0]
+    del part
     assert h is not None
     h /= max(rows, 1)
     return np.diag(h).copy(), bw.gptq_factor(h, damp=damp, act_order=act_order, consume=True)
