@@ -20,6 +20,7 @@ from mograph.passes.fusion.lowerings.attention_proofs import (
     _splits_last_dim,
 )
 
+from mograph.cuda_graph import HOST_INPUTS
 from mograph.irutil import add_initializer, attr_value, is_zero
 from mograph.lowering import LoweringContext, replace_node
 from mograph.patterns import constant_array, remove_dead_producers
@@ -56,6 +57,49 @@ def _bias_for_kernel(bias: ir.Value, seq_of: ir.Value, new_nodes: list[ir.Node],
     one = _const(new_nodes, np.array([1], dtype=np.int64))
     seq = _add(new_nodes, "Gather", [_add(new_nodes, "Shape", [seq_of]), one], axis=0)
     out = _add(new_nodes, "Expand", [bias, _add(new_nodes, "Concat", [ones, seq, one], axis=0)])
+    if shared is not None:
+        shared[key] = out
+    return out
+
+
+def host_computed(value: ir.Value) -> bool:
+    """Whether ``value``'s data is computed from shape values (a ``Shape``/``Size`` read, or a ``Range``) through
+    inputs that ONNX Runtime's CUDA kernels read from device memory (:data:`mograph.cuda_graph.HOST_INPUTS` names
+    the others: a shape given to ``Expand`` or ``Reshape`` costs no copy).  Such a value is built on the host and
+    copied to the device (a ``Memcpy``): a graph that holds it cannot be captured as a CUDA graph."""
+    seen: set[int] = set()
+    stack = [value]
+    while stack:
+        node = stack.pop().producer()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        domain = "" if node.domain in ("", "ai.onnx") else node.domain
+        if domain == "" and node.op_type in ("Shape", "Size", "Range"):
+            return True
+        host = HOST_INPUTS.get((domain, node.op_type), frozenset())
+        stack.extend(v for i, v in enumerate(node.inputs) if v is not None and i not in host)
+    return False
+
+
+def _device_padding_bias(bias: ir.Value, mask: ir.Value, new_nodes: list[ir.Node], shared: Shared | None
+                         ) -> ir.Value | None:
+    """``Where(Unsqueeze(bool(mask), [1, 2]), zero, c)`` with the ``zero`` and ``c`` of ``bias = Where(keep, zero,
+    c)`` itself (their very values and dtype): the key-padding bias ``bias`` (proved to be ``zero`` where the 2-D
+    ``mask[b, t]`` is 1 and ``c`` where it is 0, for every head and query) as ``[B, 1, 1, T]``, built from the mask
+    input on the device (once per bias).  None where ``bias`` is not a ``Where``."""
+    where = _producer(bias, "Where")
+    if where is None or where.inputs[1] is None or where.inputs[2] is None:
+        return None
+    key = ("device_padding_bias", id(bias))
+    if shared is not None and key in shared:
+        return shared[key]  # type: ignore[no-any-return]
+    keep = mask if mask.dtype == ir.DataType.BOOL else _add(new_nodes, "Cast", [mask], to=ir.DataType.BOOL.value)
+    keep = _add(new_nodes, "Unsqueeze", [keep, _const(new_nodes, np.array([1, 2], dtype=np.int64))])
+    out = _add(new_nodes, "Where", [keep, where.inputs[1], where.inputs[2]])
+    out.type = bias.type
+    if mask.shape is not None and len(mask.shape) == 2:
+        out.shape = ir.Shape([mask.shape[0], 1, 1, mask.shape[1]])
     if shared is not None:
         shared[key] = out
     return out

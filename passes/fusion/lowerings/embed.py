@@ -23,11 +23,11 @@ import numpy as np
 import onnx_ir as ir
 
 from mograph.custom_ops import Lowering
-from mograph.irutil import attr_value, fresh_name, is_zero
+from mograph.irutil import add_initializer, attr_value, fresh_name, is_zero
 from mograph.lowering import LoweringContext, as_vector, replace_node
 from mograph.patterns import constant_array
 
-__all__ = ["LOWERINGS", "MS_DOMAIN", "is_arange_positions"]
+__all__ = ["LOWERINGS", "MS_DOMAIN", "is_arange_positions", "uniform_ids"]
 
 MS_DOMAIN = "com.microsoft"
 
@@ -179,6 +179,61 @@ def _like_ids(graph: ir.Graph, v: ir.Value, ids: ir.Value, nodes: list[ir.Node],
     return out
 
 
+#: ops whose output holds only values of their input 0 (indices, shapes and slice bounds pick, never compute)
+_PICKS = {"Expand", "Gather", "GatherElements", "GatherND", "Slice", "Reshape", "Unsqueeze", "Squeeze", "Tile",
+          "Transpose", "Flatten", "Identity"}
+
+
+def uniform_ids(value: ir.Value | None) -> int | None:
+    """The one integer every element of ``value`` provably holds, else None: a constant all of one value (or a
+    ``ConstantOfShape`` of one), through ops that only pick or lay out input 0's elements (:data:`_PICKS`) and
+    integer Casts -- as ``BertEmbeddings`` builds token type ids from its zero buffer (TorchScript: Slice and
+    Expand; transformers 5: ``GatherElements`` of it by the sliced position ids, then Expand)."""
+    narrowed = False  # an int32 Cast on the way: the value must fit (a wrapped id would be another row)
+    for _ in range(32):
+        if value is None:
+            return None
+        arr = constant_array(value)
+        node = value.producer() if arr is None else None
+        if node is not None and node.domain == "" and node.op_type == "ConstantOfShape":
+            fill = node.attributes.get("value")
+            arr = fill.value.numpy() if fill is not None else np.zeros(1, np.float32)
+        if arr is not None:
+            flat = np.asarray(arr).reshape(-1)
+            if flat.size == 0 or flat.dtype.kind not in "iu" or np.any(flat != flat[0]):
+                return None
+            first = int(flat[0])
+            return None if narrowed and not -2**31 <= first < 2**31 else first
+        if node is None or node.domain != "" or not node.inputs:
+            return None
+        if node.op_type == "Cast":
+            to = ir.DataType(int(attr_value(node, "to", 0)))
+            if to not in (ir.DataType.INT32, ir.DataType.INT64):
+                return None
+            narrowed |= to == ir.DataType.INT32
+        if node.op_type not in _PICKS and node.op_type != "Cast":
+            return None
+        value = node.inputs[0]
+    return None
+
+
+def _fold_segment_row(graph: ir.Graph, position: ir.Value, segment: ir.Value, row: int,
+                      ctx: LoweringContext) -> ir.Value | None:
+    """A new position table ``position + segment[row]`` (summed in float32, rounded once to the tables' dtype),
+    for segment ids that are all ``row``: the kernel then needs no segment input.  None where a table is not a
+    constant or ``row`` is not one of the segment table's."""
+    key = (None, "embed_folded_positions", id(position), id(segment), row)  # not a str first: not a stat
+    if key in ctx.shared:
+        return ctx.shared[key]  # type: ignore[no-any-return]
+    pos, seg = constant_array(position), constant_array(segment)
+    if pos is None or seg is None or pos.ndim != 2 or seg.ndim != 2 or not 0 <= row < seg.shape[0]:
+        return None
+    folded = (pos.astype(np.float32) + seg[row].astype(np.float32)).astype(pos.dtype)
+    out = add_initializer(graph, f"{position.name or 'position'}_with_segment_{row}", folded)
+    ctx.shared[key] = out
+    return out
+
+
 def _ort(node: ir.Node, ctx: LoweringContext) -> bool:
     ids, seg, pos, word, segment, position, scale, beta = node.inputs
     graph = node.graph
@@ -193,9 +248,14 @@ def _ort(node: ir.Node, ctx: LoweringContext) -> bool:
     if gamma is None or b is None:
         return False
     nodes: list[ir.Node] = []
-    seg = _like_ids(graph, seg, ids, nodes, ctx)
-    inputs: list[ir.Value | None] = [_int32(graph, ids, nodes, ctx), _int32(graph, seg, nodes, ctx), word,
-                                     position, segment, gamma, b]
+    row = uniform_ids(seg)
+    folded = _fold_segment_row(graph, position, segment, row, ctx) if row is not None else None
+    if folded is not None:  # every token has segment ``row``: its embedding goes into the position table
+        ctx.count("embed_segment_folded")
+        inputs: list[ir.Value | None] = [_int32(graph, ids, nodes, ctx), None, word, folded, None, gamma, b]
+    else:
+        seg = _like_ids(graph, seg, ids, nodes, ctx)
+        inputs = [_int32(graph, ids, nodes, ctx), _int32(graph, seg, nodes, ctx), word, position, segment, gamma, b]
     if is_arange_positions(pos, ids, ctx):
         ctx.count("embed_implicit_positions")
     else:
