@@ -14,6 +14,7 @@ import onnx_ir as ir
 from mograph.passes.fusion.lowerings.attention_proofs import (
     Shapes,
     Shared,
+    _keep,
     _kv_cache,
     _producer,
     _seq_dim,
@@ -82,18 +83,23 @@ def host_computed(value: ir.Value) -> bool:
     return False
 
 
-def _device_padding_bias(bias: ir.Value, mask: ir.Value, new_nodes: list[ir.Node], shared: Shared | None
-                         ) -> ir.Value | None:
-    """``Where(Unsqueeze(bool(mask), [1, 2]), zero, c)`` with the ``zero`` and ``c`` of ``bias = Where(keep, zero,
-    c)`` itself (their very values and dtype): the key-padding bias ``bias`` (proved to be ``zero`` where the 2-D
-    ``mask[b, t]`` is 1 and ``c`` where it is 0, for every head and query) as ``[B, 1, 1, T]``, built from the mask
-    input on the device (once per bias).  None where ``bias`` is not a ``Where``."""
+def device_padding_bias(bias: ir.Value, new_nodes: list[ir.Node], shapes: Shapes, shared: Shared | None
+                        ) -> ir.Value | None:
+    """``bias = Where(keep, a, b)`` whose ``keep`` is proved to be ``mask[b, t] != 0`` for every head and query
+    (:func:`~.attention_proofs._keep`: a bool cast of the 2-D mask input, or transformers' index-based padding lookup
+    as TorchScript or dynamo trace it, And-ed with provably all-true terms) as ``Where(Unsqueeze(bool(mask), [1,
+    2]), a, b)`` ``[B, 1, 1, T]``, with ``a`` and ``b`` the very values of ``bias`` (any constants, ``-inf`` too): the
+    same numbers, built from the mask input on the device (once per bias).  None where ``bias`` is not such a
+    ``Where``."""
     where = _producer(bias, "Where")
     if where is None or where.inputs[1] is None or where.inputs[2] is None:
         return None
     key = ("device_padding_bias", id(bias))
     if shared is not None and key in shared:
         return shared[key]  # type: ignore[no-any-return]
+    mask = _keep(where.inputs[0], shapes)
+    if mask is None:
+        return None
     keep = mask if mask.dtype == ir.DataType.BOOL else _add(new_nodes, "Cast", [mask], to=ir.DataType.BOOL.value)
     keep = _add(new_nodes, "Unsqueeze", [keep, _const(new_nodes, np.array([1, 2], dtype=np.int64))])
     out = _add(new_nodes, "Where", [keep, where.inputs[1], where.inputs[2]])

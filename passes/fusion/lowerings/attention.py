@@ -159,7 +159,6 @@ from mograph.passes.fusion.lowerings._attention_gqa import _lower_gqa
 from mograph.passes.fusion.lowerings._attention_onnx import _inline, _lower_onnx
 from mograph.passes.fusion.lowerings._attention_ort import (
     _bias_for_kernel,
-    _device_padding_bias,
     _finish,
     _gqa_head_ok,
     _gqa_lengths,
@@ -170,6 +169,7 @@ from mograph.passes.fusion.lowerings._attention_ort import (
     _repeat_heads,
     _repeat_heads_bnsh,
     _split_bias,
+    device_padding_bias,
     host_computed,
 )
 from mograph.passes.fusion.lowerings._rotary import _lower_rotary_ort
@@ -240,9 +240,7 @@ def _lower_ort(node: ir.Node, ctx: LoweringContext) -> bool:
     if bias is not None and not is_zero(bias) and padding is None and host_computed(bias):
         # the key-padding bias built from shape values on the host (transformers' index lookup): the same values
         # from the mask input on the device, which a CUDA graph can capture
-        proved = _padding_mask(bias, ctx)
-        device = _device_padding_bias(bias, proved[0], new_nodes, ctx.shared) if proved is not None else None
-        bias = device if device is not None else bias
+        bias = device_padding_bias(bias, new_nodes, ctx, ctx.shared) or bias
     packed = _packed(node) if kv_heads == heads else None
     # weight-only quantized projections (already MatMulNBits): one packed node, Split, the biases into the kernel
     nbits = pack_nbits_qkv(q, k, v, node, graph, new_nodes, ctx) if packed is None and kv_heads == heads else None

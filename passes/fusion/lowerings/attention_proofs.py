@@ -270,6 +270,16 @@ def _keep(value: ir.Value | None, shapes: Shapes) -> ir.Value | None:
         return _keep(node.inputs[0], shapes) or _mask_input(node.inputs[0], ("b", "1", "1", "t"))
     if node.op_type == "Unsqueeze" and value is not None and value.dtype == ir.DataType.BOOL:
         return _mask_input(value, ("b", "1", "1", "t"))  # a bool mask input
+    if node.op_type == "GatherND":  # dynamo's lookup: its key index a Range(0, T, 1) on axis 3, T the mask's dim 1
+        concat = _producer(node.inputs[1], "Concat")
+        un = _producer(concat.inputs[-1], "Unsqueeze") if concat is not None and concat.inputs else None
+        ex = _producer(un.inputs[0], "Expand") if un is not None else None
+        t_idx = ex.inputs[0] if ex is not None else None
+        t_rng = _is_range_from_zero(t_idx)
+        mask = _gathernd_padding(value, t_idx) if t_idx is not None and t_rng is not None else None
+        if mask is None or _range_axis(t_idx) != 3 or not _reads_dim(shapes, t_rng.inputs[1], mask, 1):
+            return None
+        return mask
     return _gathered_padding(value, shapes)
 
 
