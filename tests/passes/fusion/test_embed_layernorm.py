@@ -48,14 +48,20 @@ def embed_model(*, positions: str = "slice", order: str = "wt+p", axis: int = -1
     inits = ["int64[1] zero = {0}", "int64[1] one = {1}", "int64 one_s = {1}"]
     if token_types == "input":
         inputs.append("int64[batch,seq] token_type_ids")
-    else:
-        zeros = ",".join("0" for _ in range(MAXPOS))
-        inits += [f"int64[1,{MAXPOS}] tt_buffer = {{{zeros}}}", "int64[2] minus_one = {-1,-1}", "int64[2] ones = {1,1}",
-                  "int64 zero_s = {0}", "int64[1] flat = {-1}"]
+    else:  # "buffer", "gather": the zero buffer; "buffer-mixed": a buffer not all one id (a near miss)
+        ids = ["1" if token_types == "buffer-mixed" and i == 3 else "0" for i in range(MAXPOS)]
+        inits += [f"int64[1,{MAXPOS}] tt_buffer = {{{','.join(ids)}}}", "int64[2] minus_one = {-1,-1}",
+                  "int64[2] ones = {1,1}", "int64 zero_s = {0}", "int64[1] flat = {-1}"]
         lines += ["tshape = Shape(input_ids)", "b = Gather<axis=0>(tshape, zero_s)", "sq = Gather<axis=0>(tshape, one_s)",
                   "bu = Unsqueeze(b, zero)", "su = Unsqueeze(sq, zero)", "bs = Concat<axis=0>(bu, su)",
-                  "bsf = Reshape(bs, flat)", "neg = Equal(bsf, minus_one)", "size = Where(neg, ones, bsf)",
-                  "tt = Slice(tt_buffer, zero, su, one, one)", "token_type_ids = Expand(tt, size)"]
+                  "bsf = Reshape(bs, flat)", "neg = Equal(bsf, minus_one)", "size = Where(neg, ones, bsf)"]
+        if token_types == "gather":  # transformers 5: the buffer gathered by the (sliced) position ids
+            buf = ",".join(str(i) for i in range(MAXPOS))
+            inits.append(f"int64[1,{MAXPOS}] tt_pos = {{{buf}}}")
+            lines += ["tp = Slice(tt_pos, zero, su, one, one)", "tt = GatherElements<axis=1>(tt_buffer, tp)"]
+        else:
+            lines.append("tt = Slice(tt_buffer, zero, su, one, one)")
+        lines.append("token_type_ids = Expand(tt, size)")
     if positions == "slice":
         buf = ",".join(str(i) for i in range(MAXPOS))
         inits.append(f"int64[1,{MAXPOS}] pos_buffer = {{{buf}}}")
@@ -236,13 +242,53 @@ def test_embed_layernorm_ort_segment_ids_expanded_when_shape_unproven():
     assert_close(run_ort(proto, broadcast), run_ort(to_proto(fused), broadcast), rel=1e-5)
 
 
-def test_embed_layernorm_ort_buffered_token_types_need_no_expand():
-    """``BertEmbeddings``' zero buffer, expanded to ``Shape(input_ids)`` (through torch's -1 -> 1 ``Where``), already
-    has the ids' shape: it goes to the kernel as it is."""
-    proto = embed_model(token_types="buffer")
+@pytest.mark.parametrize("token_types", ["buffer", "gather"])
+def test_embed_layernorm_ort_buffered_token_types_folded(token_types):
+    """``BertEmbeddings``' zero buffer (TorchScript: sliced and expanded to ``Shape(input_ids)``; transformers 5: also
+    gathered by the position ids) holds segment 0 everywhere: row 0 of the segment table goes into the position
+    table and the kernel gets no segment inputs.  The ids' shape subgraph, computed on the host and copied to the
+    device before, is gone: ONNX Runtime's CUDA provider can capture the graph (it could not before)."""
+    from mograph.cuda_graph import cuda_graph_check
+
+    proto = embed_model(token_types=token_types)
+    assert not cuda_graph_check(run_pass(lowered(FuseEmbedLayerNormPass(), "onnx"), proto)[0]).capturable
+    stats = {**STATS, "lowered.EmbedLayerNorm": 1, "embed_ids_int32": 1, "embed_implicit_positions": 1,
+             "embed_segment_folded": 1}
+    model = check_fusion(lowered(FuseEmbedLayerNormPass(), "ort"), proto, stats=stats, feeds=_feeds(proto),
+                         ops_left=["Cast", "com.microsoft.EmbedLayerNormalization"])
+    (node,) = [n for n in model.graph if n.op_type == "EmbedLayerNormalization"]
+    assert node.inputs[1] is None and node.inputs[4] is None and len(node.inputs) == 7
+    rng = np.random.default_rng(3)  # the seeded tables of _tables: word, types, pos
+    rng.standard_normal((VOCAB, H))  # the word table
+    types, pos = rng.standard_normal((TYPES, H)), rng.standard_normal((MAXPOS, H))
+    folded = node.inputs[3].const_value.numpy()
+    expect = (np.round(pos, 4).astype(np.float32) + np.round(types[0], 4).astype(np.float32))
+    np.testing.assert_array_equal(folded, expect)
+    assert {"types", "pos"}.isdisjoint(model.graph.initializers)  # the old tables are read no more
+    report = cuda_graph_check(model)
+    assert report.capturable, report.blockers
+    for batch, seq in ((3, 7), (1, 12)):  # other shapes than the seeded feeds'
+        feeds = {"input_ids": np.random.default_rng(batch).integers(0, VOCAB, (batch, seq)).astype(np.int64)}
+        assert_close(run_ort(proto, feeds), run_ort(to_proto(model), feeds), rel=1e-5)
+
+
+def test_embed_layernorm_ort_token_types_not_one_id_kept():
+    """Near miss: a token type buffer that is not all one id (a 1 at position 3) stays the kernel's segment input."""
+    proto = embed_model(token_types="buffer-mixed")
     stats = {**STATS, "lowered.EmbedLayerNorm": 1, "embed_ids_int32": 2, "embed_implicit_positions": 1}
     model = check_fusion(lowered(FuseEmbedLayerNormPass(), "ort"), proto, stats=stats, feeds=_feeds(proto))
+    (node,) = [n for n in model.graph if n.op_type == "EmbedLayerNormalization"]
+    assert node.inputs[1] is not None and node.inputs[4].name == "types" and node.inputs[3].name == "pos"
     assert op_types(model).count("Expand") == 1  # the model's own
+
+
+def test_embed_layernorm_ort_token_type_input_kept():
+    """Near miss: token type ids that are a model input stay the kernel's segment ids (nothing folded)."""
+    proto = embed_model()
+    model = run_pass(lowered(FuseEmbedLayerNormPass(), "ort"), proto)[0]
+    (node,) = [n for n in model.graph if n.op_type == "EmbedLayerNormalization"]
+    assert node.inputs[1].producer().inputs[0].name == "token_type_ids"
+    assert node.inputs[3].name == "pos" and node.inputs[4].name == "types"
 
 
 @pytest.mark.parametrize("lower_first", [True, False])
