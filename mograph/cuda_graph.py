@@ -119,6 +119,9 @@ def cuda_graph_check(model: ir.Model, limit: int = 10) -> CaptureReport:
         key = (_domain(node), node.op_type)
         if key == ("", "Constant"):
             constant.update(id(o) for o in node.outputs)
+            tensor = node.attributes.get("value")  # an untyped Constant (made by a rewrite) still has its dtype
+            if tensor is not None and node.outputs[0].dtype is None:
+                dtypes[id(node.outputs[0])] = getattr(tensor.value, "dtype", None)
             continue
         inputs = [v for v in node.inputs if v is not None]
         if key in CONTROL_FLOW:

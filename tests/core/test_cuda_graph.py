@@ -38,6 +38,26 @@ def test_shape_subgraph_into_a_host_input_is_capturable() -> None:
     assert report.capturable and report.blockers == [] and report.cpu_nodes == 3
 
 
+def test_untyped_constant_in_a_shape_subgraph_is_a_shape_value() -> None:
+    """A rewrite's ``Constant`` node whose output carries no type (as the lowerings build them) concatenated with a
+    shape value: the Concat is a host shape op (its dtype read from the Constant's tensor), Expand reads it on the
+    host -- capturable.  It was taken for a device node reading a host value (a false "NO")."""
+    ones = helper.make_node("Constant", [], ["ones"], value=helper.make_tensor("v", TensorProto.INT64, [2], [1, 1]))
+    model = _model([ones, helper.make_node("Shape", ["x"], ["sh"]),
+                    helper.make_node("Gather", ["sh", "one"], ["s"], axis=0),
+                    helper.make_node("Unsqueeze", ["s", "zero1"], ["s1"]),
+                    helper.make_node("Concat", ["ones", "s1", "one1"], ["target"], axis=0),
+                    helper.make_node("Unsqueeze", ["x", "zero1"], ["x4"]),
+                    helper.make_node("Expand", ["x4", "target"], ["y"])],
+                   [X], [Y], [helper.make_tensor("one", TensorProto.INT64, [], [1]),
+                              helper.make_tensor("zero1", TensorProto.INT64, [1], [0]),
+                              helper.make_tensor("one1", TensorProto.INT64, [1], [1])])
+    model.graph.node(0).outputs[0].type = None  # as a rewrite leaves it: no recorded type
+    report = cuda_graph_check(model)
+    assert report.capturable, report.blockers
+    assert report.cpu_nodes == 3  # Gather, Unsqueeze, Concat
+
+
 def test_shape_value_into_a_device_input_blocks() -> None:
     """Positions from the shape (Range on the host) cast to float and added to a device tensor: a Memcpy."""
     model = _model([helper.make_node("Shape", ["x"], ["sh"]),
