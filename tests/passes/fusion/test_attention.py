@@ -18,6 +18,7 @@ from mograph.passes.fusion import attention_op
 from mograph.passes.fusion.attention import FuseAttentionPass
 
 from models.builders import bert_feeds, bert_tiny
+from mograph.cuda_graph import cuda_graph_check
 from mograph.pass_infra import graph_fingerprint
 from mograph.testing import assert_close, assert_untouched, op_counts, parse, run_ort, run_pass, to_ir, to_proto
 from mograph.testing import check_pass as check_fusion
@@ -222,16 +223,13 @@ def test_bert_export_ort(export_dir: Path, exporter: str, opset: int) -> None:
     feeds = export_hf.sample_feeds("bert", 3, 16, seed=1)
     assert feeds["attention_mask"].min() == 0
     feeds["attention_mask"][2, :] = 0  # a fully padded row too
-    traced = exporter == "torchscript"  # dynamo writes the padding lookup with GatherND: not traced, stays a bias
-    stats = {"AttentionFusion": L, "AttentionFusion.mul.mask": L, "lowered.Attention": L,
-             **({"mask_index_casts": 1} if traced else {})}
+    # transformers' index-based padding mask (TorchScript: a flat Gather; dynamo: GatherND) is traced to
+    # attention_mask: its computation is gone
+    stats = {"AttentionFusion": L, "AttentionFusion.mul.mask": L, "lowered.Attention": L, "mask_index_casts": 1}
     model = check_fusion(lowered(FuseAttentionPass(mask_format="raw"), "ort"), proto, stats=stats, feeds=feeds)
-    if traced:  # transformers' index-based padding mask is traced to attention_mask: its computation is gone
-        (cast,) = [n for n in model.graph if n.op_type == "Cast" and n.inputs[0].name == "attention_mask"]
-        assert mask_index_inputs(model) == {cast.outputs[0].name}
-        assert "Flatten" not in op_counts(model)
-    else:
-        assert mask_index_inputs(model) == set()
+    (cast,) = [n for n in model.graph if n.op_type == "Cast" and n.inputs[0].name == "attention_mask"]
+    assert mask_index_inputs(model) == {cast.outputs[0].name}
+    assert "Flatten" not in op_counts(model) and "GatherND" not in op_counts(model)
 
     # the whole preset, as deployed: cleanup then fuse, every fusion lowered for ONNX Runtime (default: bias)
     expands = op_counts(to_ir(proto))["Expand"]
@@ -245,9 +243,50 @@ def test_bert_export_ort(export_dir: Path, exporter: str, opset: int) -> None:
     assert left["com.microsoft.Attention"] == L and "Softmax" not in left, left  # Q/K/V packed
     assert left["Expand"] <= expands + 1  # at most one [B, 1, S, T] expansion of the bias for both layers
     assert_close(run_ort(proto, feeds), run_ort(to_proto(model), feeds), 1e-4)
+    # the export's shape subgraphs fed device nodes (token type ids, padding lookup); lowered, they are device forms
+    assert not cuda_graph_check(to_ir(proto)).capturable
+    report = cuda_graph_check(model)
+    assert report.capturable, report.blockers
     before = graph_fingerprint(model)
     assert not lowered(FuseAttentionPass(), "ort").call(model).modified
     assert graph_fingerprint(model) == before
+
+
+@pytest.mark.torch
+def test_bert_fp16_ort_cuda_graph_prediction_cli(export_dir: Path, tmp_path: Path) -> None:
+    """``mograph inspect --device cuda`` on a TorchScript BERT: NO on the export (its blockers named), yes after
+    ``cleanup,fuse,fp16 --target ort`` (EmbedLayerNormalization without segment inputs, the padding bias from the
+    mask input)."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from models import export_hf
+
+    path = export_dir / "bert_torchscript_17.onnx"  # the same cache as test_bert_export_ort
+    if not path.exists():
+        export_hf.export("bert", path, exporter="torchscript", opset=17, layers=L)
+
+    def capture(model: Path) -> dict:
+        out = subprocess.run([sys.executable, "-m", "mograph", "inspect", str(model), "--device", "cuda", "--json"],
+                             capture_output=True, text=True, check=True).stdout
+        data = json.loads(out)
+        return data.get("cuda_graph") or data["data"]["cuda_graph"]
+
+    before = capture(path)
+    assert not before["capturable"]
+    assert {"Gather", "And"} <= {b["op"] for b in before["blockers"]}
+    out = tmp_path / "bert_fp16.onnx"
+    subprocess.run([sys.executable, "-m", "mograph", "optimize", str(path), "-o", str(out), "--passes",
+                    "cleanup,fuse,fp16", "--target", "ort", "--calibration-random", "2"], check=True,
+                   capture_output=True)
+    after = capture(out)
+    assert after["capturable"] and after["blockers"] == [], after
+    ops = op_counts(to_ir(onnx.load(str(out))))
+    assert ops["com.microsoft.EmbedLayerNormalization"] == 1 and ops["com.microsoft.Attention"] == L
+    assert not {"Range", "Flatten", "GreaterOrEqual"} & set(ops), ops
 
 
 def test_pass_registered() -> None:
