@@ -276,10 +276,10 @@ def _keep(value: ir.Value | None, shapes: Shapes) -> ir.Value | None:
         ex = _producer(un.inputs[0], "Expand") if un is not None else None
         t_idx = ex.inputs[0] if ex is not None else None
         t_rng = _is_range_from_zero(t_idx)
-        mask = _gathernd_padding(value, t_idx) if t_idx is not None and t_rng is not None else None
-        if mask is None or _range_axis(t_idx) != 3 or not _reads_dim(shapes, t_rng.inputs[1], mask, 1):
+        if t_idx is None or t_rng is None or _range_axis(t_idx) != 3:
             return None
-        return mask
+        mask = _gathernd_padding(value, t_idx)
+        return mask if mask is not None and _reads_dim(shapes, t_rng.inputs[1], mask, 1) else None
     return _gathered_padding(value, shapes)
 
 

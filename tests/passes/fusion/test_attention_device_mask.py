@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from _fusion_util import lowered
 from mograph.passes.fusion.attention import FuseAttentionPass
-from test_attention import B, HID, S, attention_text
+from test_attention import HID, B, S, attention_text
 
 from mograph.cuda_graph import cuda_graph_check
 from mograph.testing import assert_close, parse, run_ort, run_pass, to_proto

@@ -126,8 +126,8 @@ def test_corpus_export_fuses_every_attention(export_dir: Path, case: corpus.Case
                          ids=lambda c: c.name)
 def test_corpus_bert_lengths(export_dir: Path, case: corpus.Case) -> None:
     """--mask-format lengths on a real export: the padding mask becomes 1-D key lengths where it is traced
-    (TorchScript's index lookup with a finite fill); dynamo's GatherND lookup is not traced and keeps the exact
-    bias (so do sdpa's -inf fills)."""
+    (TorchScript's flat index lookup and dynamo's GatherND lookup, with a finite fill; sdpa's -inf fills keep the
+    exact bias)."""
     path = export_dir / f"{case.name}.onnx"
     if not path.exists():
         corpus.export(case, path)
@@ -136,7 +136,7 @@ def test_corpus_bert_lengths(export_dir: Path, case: corpus.Case) -> None:
     _preset(model, {"target": "ort", "mask_format": "lengths"})
     left = op_counts(model)
     assert left["com.microsoft.Attention"] == case.attention_count  # packed Q/K/V, 1-D mask_index or bias
-    assert left.get("ReduceSum", 0) == (1 if case.exporter == "torchscript" else 0), left
+    assert left.get("ReduceSum", 0) == 1, left
     assert_close(run_ort(proto, corpus.feeds(case)), run_ort(to_proto(model), corpus.feeds(case)), 1e-4)
 
 
