@@ -16,7 +16,8 @@ or the sum (ONNX Runtime's kernel would have to return it).
 
 Runs before ``fuse-skip-layernorm``, which would otherwise take the last Add and the norm.  The ``lower``
 step turns the op into ``com.microsoft.EmbedLayerNormalization`` (``ort``: ids cast to int32, position ids
-left off when they provably are ``0 .. S-1``) or back into the Gathers, Adds and ``LayerNormalization``
+left off when they provably are ``0 .. S-1``, segment ids and table left off when the ids provably are one id,
+whose row goes into the position table) or back into the Gathers, Adds and ``LayerNormalization``
 (``onnx``, ``tensorrt``).
 """
 

@@ -18,7 +18,12 @@
         (for a LLaMA/Qwen-style decoder's attention: ``GroupQueryAttention`` behind a run-time right-padding
         check, this form in its else branch, below.)  ``M`` as ``attention_bias`` (of either op), expanded to ``[B|1, H|1, S, T]`` where the kernel needs it (one
         expansion per bias and query length, shared by every layer).  Exact for every mask (left or right
-        padding, causal, anything additive), and an additive bias still reaches flash attention on CUDA.
+        padding, causal, anything additive), and an additive bias still reaches flash attention on CUDA.  A
+        key-padding bias whose data is computed from shape values (transformers 5's index-based padding lookup,
+        TorchScript's flat ``Gather`` or dynamo's ``GatherND``, And-ed with ``Range >= 0``: run on the host by
+        ONNX Runtime's CUDA provider and copied to the device, so no CUDA graph) is built again from the mask
+        input, ``Where(Unsqueeze(bool(mask), [1, 2]), a, b)`` with the export's own ``a``/``b`` (stat
+        ``device_padding_bias``): the same numbers, computed on the device.
     ``lengths``
         (for a LLaMA/Qwen-style decoder's attention that becomes ``GroupQueryAttention`` with rotary, below: that
         form without a run-time check, assuming right padding.)  Otherwise,

@@ -252,7 +252,9 @@ def _range_axis(value: ir.Value | None) -> int | None:
 
 
 def _keep(value: ir.Value | None, shapes: Shapes) -> ir.Value | None:
-    """The mask input if ``value`` (bool, broadcastable to ``[B, 1, S, T]``) is ``mask[b, t] != 0`` for every s."""
+    """The mask input if ``value`` (bool, broadcastable to ``[B, 1, S, T]``) is ``mask[b, t] != 0`` for every s
+    (a bool cast of the mask input laid out ``[B, 1, 1, T]``, or transformers' padding lookup: TorchScript's flat
+    ``Gather`` or dynamo's ``GatherND`` of ``[b, t]`` pairs; And-ed with provably all-true terms, expanded)."""
     node = value.producer() if value is not None else None
     if node is None or node.domain != "":
         return None
@@ -288,7 +290,8 @@ def _padding_mask(bias: ir.Value, shapes: Shapes) -> tuple[ir.Value, float] | No
 
     The forms traced: ``(1 - float(mask[:, None, None, :])) * c`` (``transformers`` before 4.48) and
     ``Where(keep, 0, c)`` with ``keep`` a bool cast of ``mask[:, None, None, :]`` or ``transformers``'
-    index-based padding lookup, possibly And-ed with provably all-true terms and expanded.  ``c`` must
+    index-based padding lookup (TorchScript's flat ``Gather``, dynamo's ``GatherND``), possibly And-ed with
+    provably all-true terms and expanded.  ``c`` must
     be a negative scalar.  Exact for 0/1 masks, the contract of ``attention_mask``.
     """
     node = bias.producer()

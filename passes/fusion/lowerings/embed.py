@@ -6,7 +6,11 @@
     they provably are ``0 .. S-1`` (what the kernel uses without them: a constant ``arange`` of the ids'
     static length, or a ``Slice`` from 0 with step 1 of a constant ``[1, L]`` ``arange`` buffer whose end is
     the ids' dim 1, read by ``Shape``/``Gather`` of the ids or of an input declared with the same dim, such as
-    the ``attention_mask`` dynamo reads it from), else passed as int32 ``[1, S]`` or ``[B, S]``.  Segment (and
+    the ``attention_mask`` dynamo reads it from), else passed as int32 ``[1, S]`` or ``[B, S]``.  Segment ids that are
+    provably one id ``k`` everywhere (:func:`uniform_ids`: ``BertEmbeddings``' zero ``token_type_ids`` buffer, sliced,
+    gathered and expanded -- a shape subgraph ONNX Runtime's CUDA provider runs on the host and copies to the
+    device, which blocks CUDA graph capture) are left off with the segment table: row ``k`` of that table is added
+    into a new position table (float32 sum, rounded once; stat ``embed_segment_folded``).  Segment (and
     passed position) ids whose shape is not provably the input ids' (static or symbolic dims, or an ``Expand`` to
     ``Shape(input_ids)`` as TorchScript writes BERT's buffered ``token_type_ids``) get
     ``Expand(ids, Shape(input_ids))`` (exact where the original's sum broadcast them).  Ids are cast to int32 (constant ids are stored as int32).  The ``mask_index`` output is declared (the CUDA kernel

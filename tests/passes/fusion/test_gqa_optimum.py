@@ -136,7 +136,15 @@ def test_kv_cache_shared_decode_step_writes_the_buffer_in_place(path: Path) -> N
     assert stats["attention.kv_cache_shared"] == LAYERS, stats
     ops = Counter(n.op_type for n in model.graph.node)
     assert ops["GroupQueryAttention"] == LAYERS and ops["If"] == 0, ops
-    assert cuda_graph_check(ir.serde.deserialize_model(model)).capturable
+    report = cuda_graph_check(ir.serde.deserialize_model(model))
+    if path == PHI4:
+        # the partial rotary stays outside as RotaryEmbedding kernels whose position ids (rows b*S + s: a Range over
+        # shape values, run on the host) feed a device input: a Memcpy.  The check missed it while the lowering's
+        # untyped Constants hid that the Range is a shape op (a false yes).
+        assert {b["op"] for b in report.blockers} == {"RotaryEmbedding"}, report.blockers
+        assert all("input 1" in b["reason"] for b in report.blockers)
+    else:
+        assert report.capturable, report.blockers
     ref = _session(path)
     feeds, outs = _steps(ref)
     opt, size, past = _session(model), 16, outs[0][1:]
