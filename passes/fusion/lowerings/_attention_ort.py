@@ -104,8 +104,12 @@ def device_padding_bias(bias: ir.Value, new_nodes: list[ir.Node], shapes: Shapes
     keep = _add(new_nodes, "Unsqueeze", [keep, _const(new_nodes, np.array([1, 2], dtype=np.int64))])
     out = _add(new_nodes, "Where", [keep, where.inputs[1], where.inputs[2]])
     out.type = bias.type
-    if mask.shape is not None and len(mask.shape) == 2:
-        out.shape = ir.Shape([mask.shape[0], 1, 1, mask.shape[1]])
+
+    def unit(v: ir.Value) -> bool:
+        return v.shape is not None and all(d == 1 for d in v.shape)
+
+    if mask.shape is not None and len(mask.shape) == 2 and unit(where.inputs[1]) and unit(where.inputs[2]):
+        out.shape = ir.Shape([mask.shape[0], 1, 1, mask.shape[1]])  # (larger a / b broadcast it further)
     if shared is not None:
         shared[key] = out
     return out
