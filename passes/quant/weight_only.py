@@ -682,7 +682,7 @@ class WeightOnlyPass(Pass):
                 user[e.node] = "float" if e.precision in FLOAT_NAMES else e.precision
         listed: set[int] = set()
         block = int(self.config.get("block_size") or 128)
-        expanded = expand_for_tables(model, layers, decisions, wanted, user, block, self.name)
+        expanded = expand_for_tables(model, layers, decisions, wanted, user, block, self.name, stats)
         if expanded:
             stats["expanded.embed_layernorm"] = expanded
         for table in self._tables(model, layers):

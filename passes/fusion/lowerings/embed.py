@@ -23,6 +23,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import onnx_ir as ir
 
@@ -31,7 +33,7 @@ from mograph.irutil import add_initializer, attr_value, fresh_name, is_zero
 from mograph.lowering import LoweringContext, as_vector, replace_node
 from mograph.patterns import constant_array
 
-__all__ = ["LOWERINGS", "MS_DOMAIN", "is_arange_positions", "uniform_ids"]
+__all__ = ["LOWERINGS", "MS_DOMAIN", "arange_slice", "fold_segment_row", "is_arange_positions", "uniform_ids"]
 
 MS_DOMAIN = "com.microsoft"
 
@@ -82,6 +84,27 @@ def _is_arange_row(arr: np.ndarray) -> bool:
     return arr.ndim == 2 and arr.shape[0] == 1 and np.array_equal(arr[0], np.arange(arr.shape[1]))
 
 
+def arange_slice(pos: ir.Value) -> tuple[int, ir.Value] | None:
+    """``(L, end)`` where ``pos`` is ``Slice(A, [0], end, [1], [1])`` of a constant ``[1, L]`` ``arange`` buffer ``A``
+    (the position ids TorchScript slices from ``BertEmbeddings``' buffer): ``[[0 .. min(end, L) - 1]]``."""
+    node = pos.producer()
+    if node is None or node.op_type != "Slice" or node.domain != "" or len(node.inputs) < 3 or node.inputs[2] is None:
+        return None
+    buffer = constant_array(node.inputs[0])
+    if buffer is None or not _is_arange_row(buffer):
+        return None
+    starts = constant_array(node.inputs[1])
+    axes = constant_array(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
+    steps = constant_array(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else None
+    if starts is None or starts.size != 1 or int(starts.reshape(-1)[0]) != 0:
+        return None
+    if axes is None or axes.size != 1 or int(axes.reshape(-1)[0]) not in (1, -1):
+        return None
+    if steps is not None and (steps.size != 1 or int(steps.reshape(-1)[0]) != 1):
+        return None
+    return int(buffer.shape[1]), node.inputs[2]
+
+
 def is_arange_positions(pos: ir.Value, ids: ir.Value, ctx: LoweringContext) -> bool:
     """Whether position ids ``pos`` are provably ``[[0, 1, .., S-1]]`` with ``S`` dim 1 of ``ids`` ``[B, S]``."""
     dims = ctx.dims(ids)
@@ -91,22 +114,10 @@ def is_arange_positions(pos: ir.Value, ids: ir.Value, ctx: LoweringContext) -> b
         if arr.ndim == 1:
             arr = arr[None]
         return _is_arange_row(arr) and isinstance(seq, int) and arr.shape[1] == seq
-    node = pos.producer()
-    if node is None or node.op_type != "Slice" or node.domain != "" or len(node.inputs) < 3:
+    sliced = arange_slice(pos)
+    if sliced is None:
         return False
-    buffer = constant_array(node.inputs[0])
-    if buffer is None or not _is_arange_row(buffer):
-        return False
-    starts = constant_array(node.inputs[1])
-    axes = constant_array(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
-    steps = constant_array(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else None
-    if starts is None or starts.size != 1 or int(starts.reshape(-1)[0]) != 0:
-        return False
-    if axes is None or axes.size != 1 or int(axes.reshape(-1)[0]) not in (1, -1):
-        return False
-    if steps is not None and (steps.size != 1 or int(steps.reshape(-1)[0]) != 1):
-        return False
-    ends = node.inputs[2]
+    ends = sliced[1]
     end = constant_array(ends)
     if end is not None:
         return end.size == 1 and isinstance(seq, int) and int(end.reshape(-1)[0]) == seq
@@ -221,20 +232,21 @@ def uniform_ids(value: ir.Value | None) -> int | None:
     return None
 
 
-def _fold_segment_row(graph: ir.Graph, position: ir.Value, segment: ir.Value, row: int,
-                      ctx: LoweringContext) -> ir.Value | None:
+def fold_segment_row(graph: ir.Graph, position: ir.Value, segment: ir.Value, row: int,
+                     shared: dict[tuple[Any, ...], Any] | None = None) -> ir.Value | None:
     """A new position table ``position + segment[row]`` (summed in float32, rounded once to the tables' dtype),
-    for segment ids that are all ``row``: the kernel then needs no segment input.  None where a table is not a
-    constant or ``row`` is not one of the segment table's."""
+    for segment ids that are all ``row``: the segment lookup is then not needed.  None where a table is not a
+    constant or ``row`` is not one of the segment table's.  Built once per ``shared`` dict."""
     key = (None, "embed_folded_positions", id(position), id(segment), row)  # not a str first: not a stat
-    if key in ctx.shared:
-        return ctx.shared[key]  # type: ignore[no-any-return]
+    if shared is not None and key in shared:
+        return shared[key]  # type: ignore[no-any-return]
     pos, seg = constant_array(position), constant_array(segment)
     if pos is None or seg is None or pos.ndim != 2 or seg.ndim != 2 or not 0 <= row < seg.shape[0]:
         return None
     folded = (pos.astype(np.float32) + seg[row].astype(np.float32)).astype(pos.dtype)
     out = add_initializer(graph, f"{position.name or 'position'}_with_segment_{row}", folded)
-    ctx.shared[key] = out
+    if shared is not None:
+        shared[key] = out
     return out
 
 
@@ -253,7 +265,7 @@ def _ort(node: ir.Node, ctx: LoweringContext) -> bool:
         return False
     nodes: list[ir.Node] = []
     row = uniform_ids(seg)
-    folded = _fold_segment_row(graph, position, segment, row, ctx) if row is not None else None
+    folded = fold_segment_row(graph, position, segment, row, ctx.shared) if row is not None else None
     if folded is not None:  # every token has segment ``row``: its embedding goes into the position table
         ctx.count("embed_segment_folded")
         inputs: list[ir.Value | None] = [_int32(graph, ids, nodes, ctx), None, word, folded, None, gamma, b]

@@ -23,10 +23,12 @@ V, TYPES, MAXPOS = 300, 2, 16
 
 
 def bert_embeddings(word: np.ndarray, w1: np.ndarray, w2: np.ndarray, *, seed: int = 0,
-                    tied_head: bool = False) -> onnx.ModelProto:
+                    tied_head: bool = False, buffered: bool = False) -> onnx.ModelProto:
     """BERT's embeddings (word + token type + position lookups, LayerNorm) and two MatMuls, fused by
     ``fuse-embed-layernorm`` into one ``mograph.EmbedLayerNorm``; ``tied_head``: then an LM head reading the word
-    table itself (``Gemm(transB=1)``, as a masked-LM head tied to it)."""
+    table itself (``Gemm(transB=1)``, as a masked-LM head tied to it); ``buffered``: the token type and position
+    ids from ``BertEmbeddings``' buffers as TorchScript writes them (zeros and ``arange``, sliced to the ids' length,
+    the token types expanded to their shape), ``input_ids`` the only input."""
     rng = np.random.default_rng(seed)
     h = word.shape[1]
     inits = [numpy_helper.from_array(word, "word"),
@@ -42,8 +44,19 @@ def bert_embeddings(word: np.ndarray, w1: np.ndarray, w2: np.ndarray, *, seed: i
              helper.make_node("LayerNormalization", ["s", "gamma", "beta"], ["e"], axis=-1, epsilon=1e-12),
              helper.make_node("MatMul", ["e", "W1"], ["hid"], name="mlp"),
              helper.make_node("MatMul", ["hid", "W2"], ["y"], name="out")]
-    ids = [helper.make_tensor_value_info(n, onnx.TensorProto.INT64, ["batch", "seq"])
-           for n in ("input_ids", "token_type_ids", "position_ids")]
+    id_inputs = ("input_ids", "token_type_ids", "position_ids")
+    if buffered:
+        id_inputs = ("input_ids",)
+        inits += [numpy_helper.from_array(np.zeros((1, MAXPOS), np.int64), "tt_buffer"),
+                  numpy_helper.from_array(np.arange(MAXPOS, dtype=np.int64)[None], "pos_buffer"),
+                  numpy_helper.from_array(np.array([0], np.int64), "zero1"),
+                  numpy_helper.from_array(np.array([1], np.int64), "one1")]
+        nodes[:0] = [helper.make_node("Shape", ["input_ids"], ["shape"]),
+                     helper.make_node("Shape", ["input_ids"], ["seq1"], start=1, end=2),
+                     helper.make_node("Slice", ["pos_buffer", "zero1", "seq1", "one1", "one1"], ["position_ids"]),
+                     helper.make_node("Slice", ["tt_buffer", "zero1", "seq1", "one1", "one1"], ["tt"]),
+                     helper.make_node("Expand", ["tt", "shape"], ["token_type_ids"])]
+    ids = [helper.make_tensor_value_info(n, onnx.TensorProto.INT64, ["batch", "seq"]) for n in id_inputs]
     out = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", "seq", h])
     if tied_head:
         nodes += [helper.make_node("Reshape", ["y", "flat"], ["y2"]),
@@ -104,6 +117,60 @@ def test_five_checks_fused_word_table_quantized():
     result = again.call(model)
     assert result.stats == {"quantized": 1, "kept_float": 0, "quantized.int4": 1}
     assert [n.op_type for n in model.graph if n.op_type.endswith("Gather")] == ["BlockQuantizedGather", "Gather", "Gather"]
+
+
+def test_buffered_ids_become_device_lookups():
+    """Token type ids that are provably all 0 (the zero buffer) and position ids sliced from 0 of the ``arange``
+    buffer: segment row 0 goes into the position table (no segment Gather) and the position rows are ``Slice`` of
+    that table, so no lookup reads ids computed on the host from shape values: capturable as a CUDA graph once
+    lowered for ONNX Runtime (it was not: both Gathers read host ids, a Memcpy each)."""
+    from mograph.cuda_graph import cuda_graph_check
+
+    rng = np.random.default_rng(6)
+    word, w1, w2 = _representable(rng, 64, 64)
+    proto = bert_embeddings(word, w1, w2, buffered=True)
+    feeds = {"input_ids": rng.integers(0, V, (3, 7)).astype(np.int64)}
+    before = to_ir(proto)
+    WeightOnlyPass(algorithm="rtn", block_size=64, embedding_precision="bits",
+                   precision_plan={"pass": "weight-only", "nodes": []}).call(before)
+    model = check_pass(WeightOnlyPass(algorithm="rtn", block_size=64, embedding_precision="bits"), proto,
+                       stats={"quantized": 1, "kept_float": 1, "quantized.int4": 1, "quantized.embeddings": 1,
+                              "expanded.embed_layernorm": 1, "embeddings.segment_folded": 1,
+                              "embeddings.positions_sliced": 1},
+                       ops_left=["Shape", "Slice", "mograph.BlockQuantizedGather", "Unsqueeze", "Add",
+                                 "mograph.LayerNorm", "mograph.WeightOnlyMatMul", "MatMul"], feeds=feeds)
+    (cut,) = [n for n in model.graph if n.op_type == "Slice"]
+    folded = cut.inputs[0].const_value.numpy()
+    types, pos = (numpy_helper.to_array(next(i for i in proto.graph.initializer if i.name == n)) for n in ("types", "pos"))
+    np.testing.assert_array_equal(folded, pos + types[0])
+    assert {"types", "pos", "tt_buffer", "pos_buffer"}.isdisjoint(model.graph.initializers)
+    for shape in ((1, 1), (2, MAXPOS)):  # the shortest and the whole buffer
+        f = {"input_ids": rng.integers(0, V, shape).astype(np.int64)}
+        assert_close(run_ort(proto, f), run_ort(to_proto(model), f), 1e-5)
+    lower_model(model, "ort", registry=get_registry())
+    report = cuda_graph_check(model)
+    assert report.capturable, report.blockers
+
+
+def test_buffered_ids_named_by_the_plan_stay_gathers():
+    """Near miss: plan entries for the segment and position Gathers keep them (the plan decides their tables);
+    lowered, the check names both lookups that read host ids."""
+    from mograph.cuda_graph import cuda_graph_check
+
+    rng = np.random.default_rng(7)
+    word, w1, w2 = _representable(rng, 64, 64)
+    proto = bert_embeddings(word, w1, w2, buffered=True)
+    name = next(n.name for n in proto.graph.node if n.op_type == "EmbedLayerNorm")
+    plan = {"pass": "weight-only", "nodes": [{"node": f"{name}/segment", "precision": "float", "reason": "edited"},
+                                             {"node": f"{name}/position", "precision": "float", "reason": "edited"}]}
+    model = check_pass(WeightOnlyPass(algorithm="rtn", block_size=64, embedding_precision="bits", precision_plan=plan),
+                       proto, stats={"quantized": 1, "kept_float": 1, "quantized.int4": 1, "quantized.embeddings": 1,
+                                     "expanded.embed_layernorm": 1},
+                       feeds={"input_ids": rng.integers(0, V, (2, 5)).astype(np.int64)})
+    assert [g.inputs[0].name for g in model.graph if g.op_type == "Gather"] == ["types", "pos"]
+    lower_model(model, "ort", registry=get_registry())
+    report = cuda_graph_check(model)
+    assert {b["node"] for b in report.blockers} == {f"{name}/segment", f"{name}/position"}, report.blockers
 
 
 @pytest.mark.parametrize("bits", [4, 8])
