@@ -40,6 +40,7 @@ HOST_INPUTS: dict[tuple[str, str], frozenset[int]] = {
     ("", "Tile"): frozenset({1}),
     ("", "ConstantOfShape"): frozenset({0}),
     ("", "Range"): frozenset({0, 1, 2}),
+    ("", "CumSum"): frozenset({1}),
     ("", "Slice"): frozenset({1, 2, 3, 4}),
     ("", "Unsqueeze"): frozenset({1}),
     ("", "Squeeze"): frozenset({1}),
@@ -89,13 +90,16 @@ def _domain(node: ir.Node) -> str:
 
 def _dtype(value: ir.Value, node: ir.Node, known: dict[int, ir.DataType | None]) -> ir.DataType | None:
     """``value``'s element type; where it is not recorded: a Cast's ``to``, Shape/Size's int64, else the type its
-    inputs share (the shape ops: Gather, Concat, Squeeze, Add, ...)."""
+    inputs share (the shape ops: Gather, Concat, Squeeze, Add, ...); ConstantOfShape's fill value's type."""
     if value.dtype is not None:
         return value.dtype
     if node.op_type == "Cast" and "to" in node.attributes:
         return ir.DataType(int(node.attributes["to"].value))
     if node.op_type in ("Shape", "Size"):
         return ir.DataType.INT64
+    if node.op_type == "ConstantOfShape":  # its ``value``'s type (float32 without one), not its shape input's
+        fill = node.attributes.get("value")
+        return getattr(fill.value, "dtype", None) if fill is not None else ir.DataType.FLOAT
     if node.op_type in ("Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or"):
         return ir.DataType.BOOL
     types = {v.dtype if v.dtype is not None else known.get(id(v)) for v in node.inputs[:1] if v is not None}

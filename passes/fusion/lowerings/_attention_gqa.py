@@ -494,12 +494,15 @@ def _buffer_positions(rotated: list[ir.Value], inv: np.ndarray, rscale: float | 
         made: list[ir.Node] = []
         lengths = _add(made, "ReduceSum", [_add(made, "Cast", [mask], to=ir.DataType.INT64.value),
                                            _const(made, np.array([1], dtype=np.int64))], keepdims=1)  # [B, 1]
-        seq = _add(made, "Shape", [xq], start=1, end=2)
-        start = _add(made, "Sub", [lengths, seq])
-        steps = _add(made, "Range", [_const(made, np.array(0, dtype=np.int64)),
-                                     _add(made, "Squeeze", [seq, _const(made, np.array([0], dtype=np.int64))]),
-                                     _const(made, np.array(1, dtype=np.int64))])
-        positions = _add(made, "Add", [start, steps])  # [B, S]
+        # s - S for s < S counted on the device (float64 ones: exact), not by a Range over the query's shape on the
+        # host, whose Memcpy would keep the step from being captured as a CUDA graph
+        ones = _add(made, "ConstantOfShape", [_add(made, "Shape", [xq], start=1, end=2)],
+                    value=ir.tensor(np.array([1.0], dtype=np.float64)))  # [S]
+        axis0 = _const(made, np.array(0, dtype=np.int64))
+        before = _add(made, "CumSum", [ones, axis0], exclusive=1)  # s
+        back = _add(made, "Sub", [before, _add(made, "ReduceSum", [ones, _const(made, np.array([0], dtype=np.int64))],
+                                               keepdims=1)])  # s - S
+        positions = _add(made, "Add", [lengths, _add(made, "Cast", [back], to=ir.DataType.INT64.value)])  # [B, S]
         graph.insert_before(first, made)  # type: ignore[arg-type]
         ctx.shared[key] = (positions, add_initializer(graph, "mograph_buffer_cos_cache", cos.astype(dtype)),
                            add_initializer(graph, "mograph_buffer_sin_cache", sin.astype(dtype)))

@@ -78,9 +78,14 @@ def _lower_rotary_ort(node: ir.Node, ctx: LoweringContext) -> bool:
         cos_cache, sin_cache = caches
         lead = _add(new_nodes, "Slice", [_add(new_nodes, "Shape", [f]), _const(new_nodes, np.array([0], dtype=np.int64)),
                                          _const(new_nodes, np.array([2], dtype=np.int64))])  # [Bc, S]
-        rows = _add(new_nodes, "ReduceProd", [lead], keepdims=0)
-        ids = _add(new_nodes, "Range", [_const(new_nodes, np.array(0, dtype=np.int64)), rows,
-                                        _const(new_nodes, np.array(1, dtype=np.int64))])
+        # rows b*S + s counted on the device (an exclusive CumSum of ones, in float64: exact below 2**53), not
+        # by a Range over shape values: those run on the host and their Memcpy would keep a decode step from
+        # being captured as a CUDA graph
+        ones = _add(new_nodes, "ConstantOfShape", [lead],
+                    value=ir.tensor(np.array([1.0], dtype=np.float64)))
+        flat_ones = _add(new_nodes, "Reshape", [ones, _const(new_nodes, np.array([-1], dtype=np.int64))])
+        counted = _add(new_nodes, "CumSum", [flat_ones, _const(new_nodes, np.array(0, dtype=np.int64))], exclusive=1)
+        ids = _add(new_nodes, "Cast", [counted], to=ir.DataType.INT64.value)
         positions = _add(new_nodes, "Reshape", [ids, lead])  # [Bc, S]: row b*S + s
         ctx.shared[key] = (cos_cache, sin_cache, positions)
     batch_seq = _add(new_nodes, "Slice", [_add(new_nodes, "Shape", [x]), _const(new_nodes, np.array([0], dtype=np.int64)),

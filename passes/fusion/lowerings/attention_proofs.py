@@ -199,17 +199,20 @@ def is_zero_bias(value: ir.Value | None) -> bool:
 def _gathered_padding(value: ir.Value | None, shapes: Shapes) -> ir.Value | None:
     """The mask input of ``transformers``' index-based padding lookup, ``mask[b, t]`` laid out ``[B, 1, 1, T]``.
 
-    ``Reshape(Reshape(Gather(Flatten(Cast(mask, bool), axis=2), b * T + t), [-1]), Shape(b * T + t))`` (the outer
+    ``Reshape(Reshape(Gather(Flatten(Cast(mask, bool), axis=2), b * T + t), [-1]), Shape(b * T + t))`` (or the one
+    Reshape simplify-shapes merges them into; the outer
     target: any vector the shape query proves holds the index's dims) where ``b`` is ``Range(0, B, 1)`` on axis 0 and ``t`` is ``Range(0, T, 1)`` on axis 3 of a
     rank-4 index, ``T`` the mask's dim 1 (``Flatten`` makes ``[B*T, 1]``).
     """
     outer = _producer(value, "Reshape")
     inner = _producer(outer.inputs[0], "Reshape") if outer is not None else None
-    gather = _producer(inner.inputs[0], "Gather") if inner is not None else None
-    if outer is None or inner is None or gather is None or int(attr_value(gather, "axis", 0)) != 0:
+    # (simplify-shapes merges the two Reshapes into one: the lookup reshaped straight to its index's shape)
+    gather = _producer((inner or outer).inputs[0], "Gather") if outer is not None else None
+    if outer is None or gather is None or int(attr_value(gather, "axis", 0)) != 0:
         return None
-    flat = constant_array(inner.inputs[1])
-    if flat is None or flat.reshape(-1).tolist() != [-1] or not shapes.is_shape_of(outer.inputs[1], gather.inputs[1]):
+    flat = constant_array(inner.inputs[1]) if inner is not None else np.array([-1])
+    if flat is None or flat.reshape(-1).tolist() != [-1] or not (
+            shapes.is_shape_of(outer.inputs[1], gather.inputs[1]) or (inner is None and _copies_index_dims(outer))):
         return None  # the flat lookup reshaped back to its index's shape
     flatten = _producer(gather.inputs[0], "Flatten")
     if flatten is None or int(attr_value(flatten, "axis", 1)) != 2:
@@ -232,6 +235,20 @@ def _gathered_padding(value: ir.Value | None, shapes: Shapes) -> ir.Value | None
             if _reads_dim(shapes, t_len, mask, 1) and _reads_dim(shapes, t_rng.inputs[1], mask, 1):
                 return mask
     return None
+
+
+def _copies_index_dims(reshape: ir.Node) -> bool:
+    """Whether ``reshape`` of a ``Gather(table [N, 1], index)`` (shape ``index.shape + [1]``) gives ``index.shape``:
+    a constant target as long as the index's rank whose every entry is 0 (``allowzero`` 0: the Gather's dim, which
+    is the index's) or the index's own static dim there (simplify-shapes writes ``[0, 1, 1, 0]``)."""
+    gather = _producer(reshape.inputs[0], "Gather")
+    index = gather.inputs[1] if gather is not None else None
+    target = constant_array(reshape.inputs[1])
+    if index is None or index.shape is None or target is None or int(attr_value(reshape, "allowzero", 0)):
+        return False
+    dims = list(index.shape)
+    entries = target.reshape(-1).tolist()
+    return len(entries) == len(dims) and all(e == 0 or (isinstance(d, int) and e == d) for e, d in zip(entries, dims))
 
 
 def _range_axis(value: ir.Value | None) -> int | None:
