@@ -682,9 +682,10 @@ def _infer_region(model: ir.Model, graph: ir.Graph, region: list[ir.Node], posit
     """:func:`_confirmed_by_region`'s inference of the region, grown by the readers of each value whose type it
     changes (a new value made without a type) until no output of the region changes or every reader of a changed
     value is already in it (one inference then saw the changed types reach their readers: a second, with them
-    sent, would confirm them); each change is applied as :func:`_infer_flat` applies it and recorded in ``applied``.  A change is taken only if each named dim it
-    brings is one the region's model already has: a name ONNX makes up (``unk__N``) is numbered in the order of
-    the whole model's inference, which the region's does not follow."""
+    sent, would confirm them); each change is applied as :func:`_infer_flat` applies it and recorded in
+    ``applied``.  A change is taken only if each named dim it brings is one the region's model already has: a name
+    ONNX makes up (``unk__N``) is numbered in the order of the whole model's inference, which the region's does not
+    follow."""
     import onnx
 
     memo: dict[ir.Value, bool] = {}
