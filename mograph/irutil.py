@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import operator
+from collections import UserDict
 from collections.abc import Callable
 from typing import Any
 
@@ -310,15 +311,16 @@ def infer_types(model: ir.Model) -> TypeSnapshot:
     (:func:`_confirmed_by_region`); the whole model is inferred otherwise.
     """
     graphs = _graphs(model)
-    structure, snapshot = _walk(graphs)
+    structure, snapshot, marks = _walk(graphs)
     cached = model.meta.get(_INFERRED_KEY)
     if cached is not None and _same_objects(cached[0], structure) and _same_types(cached[1], snapshot):
         for (value, _, _), (type_, shape) in zip(snapshot, cached[2]):
             value.type, value.shape = type_, shape
         return snapshot
-    if cached is not None and len(graphs) == 1 and _confirmed_by_region(model, cached, structure, snapshot):
+    if cached is not None and len(graphs) == 1 and _confirmed_by_region(model, cached, structure, snapshot, marks):
         model.meta[_INFERRED_KEY] = (structure, [(t, sh) for _, t, sh in snapshot],
-                                     [(v.type, v.shape) for v, _, _ in snapshot], [v for v, _, _ in snapshot], _context(model))
+                                     [(v.type, v.shape) for v, _, _ in snapshot], [v for v, _, _ in snapshot], _context(model),
+                                     marks)
         return snapshot
     quiet = logging.getLogger("onnx_ir.passes.common.shape_inference")
     added = _ERRORS_ONLY not in quiet.filters  # not when an inference is already running (nested, a thread)
@@ -346,7 +348,7 @@ def infer_types(model: ir.Model) -> TypeSnapshot:
     confirmable = completed and len(graphs) == 1 and _in_order(model.graph) is not None
     model.meta[_INFERRED_KEY] = (structure, [(t, sh) for _, t, sh in snapshot],
                                  [(v.type, v.shape) for v, _, _ in snapshot], [v for v, _, _ in snapshot],
-                                 _context(model) if confirmable else None)
+                                 _context(model) if confirmable else None, marks)
     return snapshot
 
 
@@ -365,9 +367,9 @@ def remember_inference(model: ir.Model) -> None:
     if len(graphs) != 1 or _in_order(model.graph) is None:
         model.meta.pop(_INFERRED_KEY, None)
         return
-    structure, snapshot = _walk(graphs)
+    structure, snapshot, marks = _walk(graphs)
     types = [(t, sh) for _, t, sh in snapshot]
-    model.meta[_INFERRED_KEY] = (structure, types, types, [v for v, _, _ in snapshot], _context(model))
+    model.meta[_INFERRED_KEY] = (structure, types, types, [v for v, _, _ in snapshot], _context(model), marks)
 
 
 _INFERRED_KEY = "mograph.inferred_types"
@@ -401,12 +403,14 @@ def run_shape_inference(model: ir.Model, *, data_prop: bool = True) -> None:
         _infer_flat(model, data_prop)
 
 
-def _walk(graphs: list[ir.Graph]) -> tuple[list[object], TypeSnapshot]:
+def _walk(graphs: list[ir.Graph]) -> tuple[list[object], TypeSnapshot, list[int]]:
     """One walk over ``graphs``: the objects that make them up, in order (compared by identity: an edit
-    replaces one), and each value's type and shape (graph inputs, initializers, node outputs)."""
+    replaces one), each value's type and shape (graph inputs, initializers, node outputs), and where each
+    node's part of the structure begins (a node's part ends where the next one's begins, the last at the end)."""
     structure: list[object] = []
     snapshot: TypeSnapshot = []
-    add, extend, keep = structure.append, structure.extend, snapshot.append
+    marks: list[int] = []
+    add, extend, keep, mark = structure.append, structure.extend, snapshot.append, marks.append
     for graph in graphs:
         inputs = graph.inputs
         add(graph)
@@ -422,16 +426,18 @@ def _walk(graphs: list[ir.Graph]) -> tuple[list[object], TypeSnapshot]:
             keep((v, v.type, v.shape))
         for node in graph:
             outputs = node.outputs
+            mark(len(structure))
             add(node)
             extend(node.inputs)
             add(None)
             extend(outputs)
             add(None)
-            extend(node.attributes.values())
+            attributes = node.attributes  # its own dict's values: a UserDict's view yields each through two Python calls
+            extend(attributes.data.values() if isinstance(attributes, UserDict) else attributes.values())
             add(None)
             for v in outputs:
                 keep((v, v.type, v.shape))
-    return structure, snapshot
+    return structure, snapshot, marks
 
 
 def _same_objects(a: list[object], b: list[object]) -> bool:
@@ -572,16 +578,14 @@ def _may_carry_data(value: ir.Value, graph: ir.Graph, memo: dict[ir.Value, bool]
 _MISSING = object()
 
 
-def _node_segments(structure: list[Any], start: int) -> dict[ir.Node, tuple[int, int]]:
-    """Where each node's part of a :func:`_walk` structure (from ``start``) begins and ends."""
-    node_type = ir.Node
-    marks = [i for i in range(start, len(structure)) if type(structure[i]) is node_type]
+def _node_segments(structure: list[Any], marks: list[int]) -> dict[ir.Node, tuple[int, int]]:
+    """Where each node's part of a :func:`_walk` structure of one graph begins and ends (``marks``: the walk's)."""
     ends = [*marks[1:], len(structure)]
-    return {structure[i]: (i, j) for i, j in zip(marks, ends)}
+    return {structure[i]: (i, j) for i, j in zip(marks, ends)}  # type: ignore[misc]
 
 
 def _confirmed_by_region(model: ir.Model, cached: tuple[Any, ...], structure: list[object],
-                         snapshot: TypeSnapshot) -> bool:
+                         snapshot: TypeSnapshot, marks: list[int]) -> bool:
     """Whether a whole-model inference of ``model`` (flat: one graph) would change no value's type, shown by
     inferring only the nodes that changed since the last one (``cached``); ``False`` when that cannot be shown.
 
@@ -599,7 +603,7 @@ def _confirmed_by_region(model: ir.Model, cached: tuple[Any, ...], structure: li
     input of the region may carry data ONNX propagated (:func:`_may_carry_data`) or has no type, a value the
     region makes and something outside reads may carry data, an output of the region is unnamed or would get a
     type it does not have, or ONNX fails on the region."""
-    old_structure, _, old_after, old_values, context = cached
+    old_structure, _, old_after, old_values, context, old_marks = cached
     if context is None or context[0] != model.ir_version:
         return False
     graph = model.graph
@@ -634,19 +638,29 @@ def _confirmed_by_region(model: ir.Model, cached: tuple[Any, ...], structure: li
             changed.add(v)
     old_header = old_structure.index(None, old_structure.index(None, 1) + 1) + 1
     header = structure.index(None, structure.index(None, 1) + 1) + 1
-    old_nodes = _node_segments(old_structure, old_header)
-    nodes = _node_segments(structure, header)
-    old_inits_end = min((s for s, _ in old_nodes.values()), default=len(old_structure))
-    inits_end = min((s for s, _ in nodes.values()), default=len(structure))
+    old_nodes = _node_segments(old_structure, old_marks)
+    old_inits_end = old_marks[0] if old_marks else len(old_structure)
+    inits_end = marks[0] if marks else len(structure)
     old_inits = {old_structure[i]: old_structure[i + 1] for i in range(old_header, old_inits_end, 2)}
     for i in range(header, inits_end, 2):
         if old_inits.get(structure[i], _MISSING) is not structure[i + 1]:  # a new initializer, or new data
             changed.add(structure[i])  # type: ignore[arg-type]
+    # The nodes that read or write a changed value (a node's inputs are the values it is a user of, its outputs
+    # those it produces): found from the changed values, not by testing every node's inputs and outputs.
+    touched: set[ir.Node] = set()
+    for v in changed:
+        producer = v.producer()
+        if producer is not None:
+            touched.add(producer)
+        touched.update(user for user, _ in v.uses())
     region: list[ir.Node] = []
-    for node, (s, e) in nodes.items():
+    ends = [*marks[1:], len(structure)]
+    is_ = operator.is_
+    for s, e in zip(marks, ends):
+        node: ir.Node = structure[s]  # type: ignore[assignment]
         old = old_nodes.get(node)
-        if (old is None or not _same_objects(old_structure[old[0]:old[1]], structure[s:e])
-                or any(v in changed for v in node.inputs) or any(v in changed for v in node.outputs)
+        if (node in touched or old is None or old[1] - old[0] != e - s
+                or not all(map(is_, old_structure[old[0]:old[1]], structure[s:e]))
                 or (calls and (node.domain, node.op_type, node.overload) in calls)
                 or (domains and (node.domain in domains or (node.domain == "" and "ai.onnx" in domains)
                                  or (node.domain == "ai.onnx" and "" in domains)))):
@@ -666,10 +680,12 @@ def _confirmed_by_region(model: ir.Model, cached: tuple[Any, ...], structure: li
 def _infer_region(model: ir.Model, graph: ir.Graph, region: list[ir.Node], position: dict[ir.Node, int],
                   applied: list[tuple[ir.Value, Any, Any]]) -> bool:
     """:func:`_confirmed_by_region`'s inference of the region, grown by the readers of each value whose type it
-    changes (a new value made without a type) until no output of the region changes; each change is applied as
-    :func:`_infer_flat` applies it and recorded in ``applied``.  A change is taken only if each named dim it
-    brings is one the region's model already has: a name ONNX makes up (``unk__N``) is numbered in the order of
-    the whole model's inference, which the region's does not follow."""
+    changes (a new value made without a type) until no output of the region changes or every reader of a changed
+    value is already in it (one inference then saw the changed types reach their readers: a second, with them
+    sent, would confirm them); each change is applied as :func:`_infer_flat` applies it and recorded in
+    ``applied``.  A change is taken only if each named dim it brings is one the region's model already has: a name
+    ONNX makes up (``unk__N``) is numbered in the order of the whole model's inference, which the region's does not
+    follow."""
     import onnx
 
     memo: dict[ir.Value, bool] = {}
@@ -731,6 +747,10 @@ def _infer_region(model: ir.Model, graph: ir.Graph, region: list[ir.Node], posit
             if found.dtype is not None and value.dtype != found.dtype:
                 value.dtype = found.dtype
             readers.extend(user for user, _ in value.uses() if user not in members)
+        if not readers:
+            # Every reader of a changed value is in the region, which ONNX just inferred with the changed types
+            # flowing from node to node: inferred again with them sent, it would find each type as it now is.
+            return True
         for user in readers:
             if user not in members:
                 members.add(user)

@@ -542,11 +542,14 @@ def mograph_op(op: Any, name: str, *inputs: Any, **attrs: Any) -> Any:
 
 def _sorted(graph: ir.Graph) -> bool:
     """Whether every node of ``graph`` comes after the producers (in ``graph``) of its inputs."""
-    seen: set[int] = set()
+    seen: set[ir.Node] = set()
+    add = seen.add
     for node in graph:
         for v in node.inputs:
-            p = v.producer() if v is not None else None
-            if p is not None and p.graph is graph and id(p) not in seen:
-                return False
-        seen.add(id(node))
+            if v is not None:
+                p = v.producer()
+                # a producer seen already first: asking each for its graph (a property) cost more than the walk
+                if p is not None and p not in seen and p.graph is graph:
+                    return False
+        add(node)
     return True

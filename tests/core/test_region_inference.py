@@ -214,3 +214,53 @@ def test_a_region_reading_an_initializers_data_infers_as_the_whole_model(monkeyp
     assert (full, answers) == (0, [True])
     assert types["new"] == (ir.DataType.FLOAT, ["4", "4"])
     assert types == _edited(monkeypatch, build, _with_initializer_data, region=False)[0]
+
+
+def _two_new_negs(model: ir.Model) -> None:
+    """Two new Negs between Relu and Sigmoid: the first made without a type, the second with the type it infers (as
+    a fusion types what it writes)."""
+    relu = next(n for n in model.graph if n.op_type == "Relu")
+    sigmoid = next(n for n in model.graph if n.op_type == "Sigmoid")
+    first = ir.node("Neg", [relu.outputs[0]], name="first_neg")
+    second = ir.node("Neg", [first.outputs[0]], name="second_neg")
+    model.graph.insert_after(relu, [first, second])
+    first.outputs[0].name, second.outputs[0].name = "untyped", "typed"
+    second.outputs[0].dtype, second.outputs[0].shape = ir.DataType.FLOAT, ir.Shape([2, 8])
+    sigmoid.replace_input_with(0, second.outputs[0])
+
+
+def test_a_changed_type_read_only_inside_the_region_is_inferred_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The region (the new Negs, and the Sigmoid that reads a new value) is inferred once: that inference types the
+    first Neg's output and sees it reach its only reader (the second Neg, in the region), so no second inference of
+    the region confirms it (there were two before); the types are the whole inference's."""
+    calls: list[int] = []
+    real = onnx.shape_inference.infer_shapes
+
+    def counted(proto: onnx.ModelProto, *args: object, **kwargs: object) -> onnx.ModelProto:
+        calls.append(len(proto.graph.node))
+        return real(proto, *args, **kwargs)  # type: ignore[arg-type]
+
+    build = lambda: _chain([2, 8])  # noqa: E731
+    model = build()
+    irutil.restore_types(irutil.infer_types(model))  # as a pass that changed nothing
+    irutil.infer_types(model)  # unchanged: the last inference's types back
+    _two_new_negs(model)
+    full, answers = _counting(monkeypatch, region=True)
+    monkeypatch.setattr(onnx.shape_inference, "infer_shapes", counted)
+    irutil.infer_types(model)
+    types = _types(model)
+    monkeypatch.undo()
+    assert (len(full), answers, calls) == (0, [True], [3])  # one inference: the new Negs and the Sigmoid reading one
+    assert types["untyped"] == types["typed"] == (ir.DataType.FLOAT, ["2", "8"])
+    assert types == _edited(monkeypatch, build, _two_new_negs, region=False)[0]
+
+
+def test_the_walk_marks_where_each_node_begins() -> None:
+    """``_walk``'s marks: each node's part of the structure (the node, its inputs, outputs and attributes) starts
+    at its mark and ends at the next; the region check reads the nodes' parts from them."""
+    model = _shape_chain()
+    structure, _, marks = irutil._walk([model.graph])
+    assert [structure[i] for i in marks] == list(model.graph)
+    ends = [*marks[1:], len(structure)]
+    for node, s, e in zip(model.graph, marks, ends):
+        assert structure[s:e] == [node, *node.inputs, None, *node.outputs, None, *node.attributes.values(), None]
