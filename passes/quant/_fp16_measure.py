@@ -113,6 +113,9 @@ class LocalMeasure:
     samples: int = 0
     # position -> ONNX Runtime's refusal of the node's float16 twin (no float16 kernel for its attributes)
     no_kernel: dict[int, str] = field(default_factory=dict)
+    # the model's own outputs on the first samples (``measure_local(outputs=N)``), computed by the same float32
+    # nodes from the same tensors as a session of the model gives them; None where not all were read back
+    outputs: list[list[np.ndarray]] | None = None
 
 
 def _twin_model(model: ir.Model, positions: Sequence[int], floats: set[str], pinned_in: dict[int, frozenset[int]],
@@ -408,7 +411,7 @@ def _carry_plan(model: ir.Model, groups: Sequence[tuple[list[int], set[int], boo
     last_use: dict[str, int] = {}
     for n in nodes:
         for v in n.outputs:
-            if not v.name or v.is_graph_output():
+            if not v.name:
                 continue
             uses = [where.get(id(u.node)) for u in v.uses()]
             if any(u is None for u in uses):
@@ -462,7 +465,8 @@ def _cut(twin: ir.Model, carried_in: Mapping[str, np.ndarray], carry_out: Sequen
 def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], pinned_in: dict[int, frozenset[int]],
                   pinned_out: dict[int, frozenset[int]], retype: Callable[[ir.Node], None],
                   source: Iterable[cal.Feed], *, progress: Callable[[int, int | None], None] | None = None,
-                  total: int | None = None, ops: Mapping[tuple[str, str], CustomOp] | None = None) -> LocalMeasure:
+                  total: int | None = None, ops: Mapping[tuple[str, str], CustomOp] | None = None,
+                  outputs: int = 0) -> LocalMeasure:
     """Run the float32 model and every twin on each sample of ``source`` (module docstring).
 
     **Memory.**  Every float tensor and every twin output is read back, which on an LLM is gigabytes per
@@ -491,7 +495,14 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
     num: dict[int, float] = {}
     den: dict[int, float] = {}
     runs = 0
-    plan = _carry_plan(model, groups) if len(groups) > 1 else None
+    plan = _carry_plan(model, groups)
+    model_nodes = list(model.graph)
+    where = {id(n): i for i, n in enumerate(model_nodes)}
+    out_names = [v.name or "" for v in model.graph.outputs]
+    produced = {v.name or "": where.get(id(v.producer())) for v in model.graph.outputs}
+    if any(p is None for p in produced.values()):
+        outputs = 0  # an output no node writes (a graph input, a constant): the caller runs the model
+    captured: list[dict[str, np.ndarray]] = [{} for _ in range(outputs)] if plan is not None else []
     # per sample, the float32-side tensors computed by the groups so far that a later node reads
     carried: list[dict[str, np.ndarray]] = []
     carrying = plan is not None
@@ -503,14 +514,17 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
         twin, pairs, watched = _twin_model(model, chunk, floats, pinned_in, pinned_out, retype, watch_nodes,
                                            watch_inputs, twin_names)
         carry_out: list[str] = []
+        own: list[str] = []  # the model's outputs this group writes, read back for the first samples
         if plan is not None:
             start, end = plan.bounds[k]
-            if carrying and end < len(model.graph):
-                carry_out = [v.name for n in list(model.graph)[start:end] for v in n.outputs
+            if carrying and end < len(model_nodes):
+                # not a Constant's: ONNX Runtime reads a Constant as an initializer (a MatMul prepacks it)
+                carry_out = [v.name for n in model_nodes[start:end] if n.op_type != "Constant" for v in n.outputs
                              if v.name and plan.last_use.get(v.name, -1) >= end]
-            names = _cut(twin, carried[0] if carried else {}, carry_out)
+            own = [name for name, p in produced.items() if name and p is not None and start <= p < end]
+            names = _cut(twin, carried[0] if carried else {}, [*carry_out, *(own if captured else [])])
         else:
-            names = [v.name for v in twin.graph.outputs]
+            names = [v.name or "" for v in twin.graph.outputs]
         names_in = {v.name for v in twin.graph.inputs}
         # too big for one protobuf: spilled to a file, which the session reads; the twin (its float16 copies
         # of the weights) is freed before the session is made, not beside it (measured: 0.5x the weights)
@@ -553,6 +567,8 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
             if carry_out:
                 handed.append({name: outs[name] for name in carry_out if name in outs})
                 handed_bytes += sum(a.nbytes for a in handed[-1].values())
+            if index < len(captured):
+                captured[index].update((name, outs[name]) for name in own if name in outs)
             del outs
             samples += 1
             runs += 1
@@ -579,6 +595,8 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
         del handed
     result.error = {pos: (num[pos] / den[pos]) ** 0.5 if den[pos] > 0 else (0.0 if num[pos] == 0 else float("inf"))
                     for pos in num}
+    if captured and all(name in c for c in captured[:result.samples] for name in produced):
+        result.outputs = [[c[name] for name in out_names] for c in captured[:result.samples]]
     return result
 
 
@@ -612,7 +630,8 @@ def _compare(result: LocalMeasure, num: dict[int, float], den: dict[int, float],
             result.overflow[pos] = max(result.overflow.get(pos, 0.0), peak)
             return
         del bad, finite
-        sat = np.clip(np.asarray(ref_a, np.float64).ravel(), -FP16_LIMIT, FP16_LIMIT)
+        # clipped before the widening: +-65504 is exact in every float type, so the same float64 values
+        sat = np.asarray(np.clip(ref_a, -FP16_LIMIT, FP16_LIMIT), np.float64).ravel()
         diff = np.array(out_a, np.float64).ravel()
         diff -= sat
         num[pos] += float((diff**2).sum())

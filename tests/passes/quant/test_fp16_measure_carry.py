@@ -158,3 +158,54 @@ def test_output_value_is_the_float64_one(case, budget_text):
     for r, o in ((ref, out), (ref, ref), (ref * 1e-9, out * np.float16(0)), (ref, out.astype(np.float32) * 2),
                  (ref.ravel()[:0], out.ravel()[:0]), (ref, out.reshape(-1)[:-1])):
         assert fm.output_value(budget, r, o) == fm.output_value_exact(budget, r, o)
+
+
+@pytest.mark.parametrize("budget", [2**40, 3000])
+def test_model_outputs_read_back_equal_a_session_of_the_model(monkeypatch, budget):
+    from mograph.passes.quant import calibration as cal
+
+    result, _ = _measure(monkeypatch, budget)
+    assert result.outputs is None  # not asked for
+    monkeypatch.setenv(ENV, str(budget))
+    model = to_ir(_model())
+    floats = {"x"} | {v.name for n in model.graph for v in n.outputs if n.op_type != "Shape"}
+    floats |= set(model.graph.initializers)
+    positions = [p for p, n in enumerate(model.graph) if n.op_type not in ("Shape", "Reshape")]
+    result = fm.measure_local(model, positions, floats, {}, {}, lambda node: None, _feeds(), outputs=2)
+    plain = list(cal.run_model(to_ir(_model()), _feeds()[:2]))
+    assert result.outputs is not None and len(result.outputs) == 2
+    for got, want in zip(result.outputs, plain):
+        assert len(got) == len(want) == 1
+        assert got[0].dtype == want[0].dtype and np.array_equal(got[0], want[0])  # bit for bit
+
+
+def test_budget_search_reuses_the_measured_outputs(monkeypatch):
+    """The accuracy budget's float32 reference is the measuring runs' read-back, not another session of the
+    whole float32 model; the search's figures are the same as with that session."""
+    from mograph.passes.quant import calibration as cal
+
+    sessions: list[int] = []
+    real = cal._session
+
+    def spy(model_bytes, folder=None):
+        sessions.append(1)
+        return real(model_bytes, folder)
+
+    results = []
+    for keep_outputs in (False, True):
+        if not keep_outputs:  # the old path: no read-back, a session of the float32 model for the reference
+            real_measure = fm.measure_local
+            monkeypatch.setattr("mograph.passes.quant.fp16.measure_local",
+                                lambda *a, _m=real_measure, **k: _m(*a, **{**k, "outputs": 0}))
+        else:
+            monkeypatch.undo()
+        monkeypatch.setenv(ENV, "4000")
+        monkeypatch.setattr(cal, "_session", spy)
+        sessions.clear()
+        model = to_ir(_model())
+        result = Fp16Pass(calibration_data=_feeds(), fp16_budget="cosine>=0.99999999").call(model)
+        results.append((dict(result.stats), result.details["plan"], op_counts(model), len(sessions)))
+    (old_stats, old_plan, old_ops, old_sessions), (stats, plan, ops, new_sessions) = results
+    assert (stats, plan, ops) == (old_stats, old_plan, old_ops)
+    assert stats["accuracy.evaluations"] >= 2  # a search, not one all-float16 check
+    assert new_sessions == old_sessions - 1  # the float32 model's session is not made
