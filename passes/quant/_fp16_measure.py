@@ -478,7 +478,16 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
     with only its twins and only its tensors as outputs, run over every sample (``source`` is iterated
     once per group: a :class:`~mograph.passes.quant.calibration.CalibrationSource` or a list).  A node's
     figures come from one group, summed over the samples in the same order, so every number is the one
-    a single session over all nodes gives; only the number of model runs grows, by the number of groups.
+    a single session over all nodes gives.
+
+    **Time.**  ONNX Runtime runs every node of a session's graph whatever a run fetches, so each group would
+    compute the whole float32 model again.  Instead a group also reads back the tensors its nodes write that
+    a later node reads (not a ``Constant``'s), held for every sample up to ``max(budget, CARRY_BYTES)``
+    (beyond it the later groups compute them again), takes those of the earlier groups as graph inputs, and
+    keeps only the nodes its outputs need (:func:`_cut`): the float32 model is computed about once per
+    sample, from the same float32 tensors, so with the same numbers.  Not for a graph with subgraphs.
+    ``outputs``: also keep the model's own outputs for the first ``outputs`` samples
+    (:attr:`LocalMeasure.outputs`), for the accuracy budget's float32 reference.
     ``ops``: the declared custom ops (the registry's), whose shape rules size their outputs.
     """
     if iter(source) is source:  # a one-shot iterator: each group reads every sample
@@ -502,6 +511,10 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
     produced = {v.name or "": where.get(id(v.producer())) for v in model.graph.outputs}
     if any(p is None for p in produced.values()):
         outputs = 0  # an output no node writes (a graph input, a constant): the caller runs the model
+    if any(v.dtype == ir.DataType.FLOAT16 for n in model_nodes for v in n.outputs):
+        # float16 tensors of the model's own: the measuring copy keeps their rounding (keep_fp16_rounding),
+        # which a session of the model drops (Cast pairs ORT's CPU provider removes): not the same outputs
+        outputs = 0
     captured: list[dict[str, np.ndarray]] = [{} for _ in range(outputs)] if plan is not None else []
     # per sample, the float32-side tensors computed by the groups so far that a later node reads
     carried: list[dict[str, np.ndarray]] = []

@@ -209,3 +209,36 @@ def test_budget_search_reuses_the_measured_outputs(monkeypatch):
     assert (stats, plan, ops) == (old_stats, old_plan, old_ops)
     assert stats["accuracy.evaluations"] >= 2  # a search, not one all-float16 check
     assert new_sessions == old_sessions - 1  # the float32 model's session is not made
+
+
+def test_model_with_float16_tensors_keeps_its_own_reference_session(monkeypatch):
+    """A model with float16 tensors of its own (a float16 block between Casts): the measuring copy keeps
+    their rounding, a session of the model does not (ORT's CPU provider drops the Cast pairs), so the
+    reference is still that session's, and the records are the old path's exactly."""
+    from pathlib import Path
+
+    from mograph.passes.quant import calibration as cal
+
+    path = Path(__file__).parents[2] / "data" / "corpus" / "torch_ts17_rms_fp16_keepio.onnx"
+    sessions: list[int] = []
+    real = cal._session
+
+    def spy(model_bytes, folder=None):
+        sessions.append(1)
+        return real(model_bytes, folder)
+
+    results = []
+    for old_path in (True, False):
+        if old_path:
+            real_measure = fm.measure_local
+            monkeypatch.setattr("mograph.passes.quant.fp16.measure_local",
+                                lambda *a, _m=real_measure, **k: _m(*a, **{**k, "outputs": 0}))
+        else:
+            monkeypatch.undo()
+        monkeypatch.setattr(cal, "_session", spy)
+        sessions.clear()
+        model = to_ir(onnx.load(path))
+        result = Fp16Pass(calibration_random=4, fp16_budget="cosine>=0.9999999").call(model)
+        results.append((dict(result.stats), result.details["plan"], op_counts(model), len(sessions)))
+    assert results[0] == results[1]
+    assert results[0][0]["accuracy.evaluations"] >= 1
