@@ -578,7 +578,8 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
                 for ref_name, twin_name in compare:
                     _compare(result, num, den, pos, outs[ref_name], outs[twin_name])
             if carry_out:
-                handed.append({name: outs[name] for name in carry_out if name in outs})
+                # tensors only (a sequence is computed again by the groups that read it)
+                handed.append({name: outs[name] for name in carry_out if isinstance(outs.get(name), np.ndarray)})
                 handed_bytes += sum(a.nbytes for a in handed[-1].values())
             if index < len(captured):
                 captured[index].update((name, outs[name]) for name in own if name in outs)

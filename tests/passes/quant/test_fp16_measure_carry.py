@@ -242,3 +242,36 @@ def test_model_with_float16_tensors_keeps_its_own_reference_session(monkeypatch)
         results.append((dict(result.stats), result.details["plan"], op_counts(model), len(sessions)))
     assert results[0] == results[1]
     assert results[0][0]["accuracy.evaluations"] >= 1
+
+
+def _sequence_model() -> onnx.ModelProto:
+    """A tensor sequence (SplitToSequence) written first and read last, across every group."""
+    rng = np.random.default_rng(2)
+    nodes = [helper.make_node("SplitToSequence", ["x"], ["seq"], axis=1, name="tosequence")]
+    inits, prev = [], "x"
+    for i in range(4):
+        inits.append(numpy_helper.from_array((rng.standard_normal((WIDTH, WIDTH)) / 5).astype(np.float32), f"w{i}"))
+        nodes += [helper.make_node("MatMul", [prev, f"w{i}"], [f"m{i}"], name=f"mm{i}"),
+                  helper.make_node("Tanh", [f"m{i}"], [f"t{i}"], name=f"tanh{i}")]
+        prev = f"t{i}"
+    inits.append(numpy_helper.from_array(np.array(0, np.int64), "zero"))
+    nodes += [helper.make_node("SequenceAt", ["seq", "zero"], ["first"], name="at"),
+              helper.make_node("Mul", [prev, "first"], ["y"], name="out")]
+    graph = helper.make_graph(nodes, "seq", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [ROWS, WIDTH])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [ROWS, WIDTH])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_a_sequence_crossing_groups_is_computed_again(monkeypatch):
+    figures = []
+    for budget in (2**40, 1500):
+        monkeypatch.setenv(ENV, str(budget))
+        model = to_ir(_sequence_model())
+        floats = {"x", "first", "y"} | {v.name for n in model.graph for v in n.outputs if n.op_type in ("MatMul", "Tanh")}
+        floats |= {name for name in model.graph.initializers if name != "zero"}
+        positions = [p for p, n in enumerate(model.graph) if n.op_type in ("MatMul", "Tanh", "Mul")]
+        figures.append(fm.measure_local(model, positions, floats, {}, {}, lambda node: None, _feeds(), outputs=3))
+    whole, grouped = figures
+    _same(whole, grouped)
+    assert whole.outputs is not None and grouped.outputs is not None
+    assert all(np.array_equal(a[0], b[0]) for a, b in zip(whole.outputs, grouped.outputs))
