@@ -487,7 +487,8 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
     keeps only the nodes its outputs need (:func:`_cut`): the float32 model is computed about once per
     sample, from the same float32 tensors, so with the same numbers.  Not for a graph with subgraphs.
     ``outputs``: also keep the model's own outputs for the first ``outputs`` samples
-    (:attr:`LocalMeasure.outputs`), for the accuracy budget's float32 reference.
+    (:attr:`LocalMeasure.outputs`), for the accuracy budget's float32 reference (not beyond
+    ``max(budget, CARRY_BYTES)``, nor for a model with float16 tensors of its own: ``None`` then).
     ``ops``: the declared custom ops (the registry's), whose shape rules size their outputs.
     """
     if iter(source) is source:  # a one-shot iterator: each group reads every sample
@@ -516,6 +517,7 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
         # which a session of the model drops (Cast pairs ORT's CPU provider removes): not the same outputs
         outputs = 0
     captured: list[dict[str, np.ndarray]] = [{} for _ in range(outputs)] if plan is not None else []
+    captured_bytes = 0  # held at most max(budget, CARRY_BYTES), as the carried tensors
     # per sample, the float32-side tensors computed by the groups so far that a later node reads
     carried: list[dict[str, np.ndarray]] = []
     carrying = plan is not None
@@ -583,6 +585,9 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
                 handed_bytes += sum(a.nbytes for a in handed[-1].values())
             if index < len(captured):
                 captured[index].update((name, outs[name]) for name in own if name in outs)
+                captured_bytes += sum(getattr(outs[name], "nbytes", 0) for name in own if name in outs)
+                if captured_bytes > max(_measure_bytes(), CARRY_BYTES):
+                    captured = []  # not held through the measurement: the caller runs the model for them
             del outs
             samples += 1
             runs += 1

@@ -275,3 +275,14 @@ def test_a_sequence_crossing_groups_is_computed_again(monkeypatch):
     _same(whole, grouped)
     assert whole.outputs is not None and grouped.outputs is not None
     assert all(np.array_equal(a[0], b[0]) for a, b in zip(whole.outputs, grouped.outputs))
+
+
+def test_model_outputs_not_held_beyond_the_bytes(monkeypatch):
+    monkeypatch.setattr(fm, "CARRY_BYTES", 2 * ROWS * WIDTH * 4)  # two samples' outputs, not three
+    monkeypatch.setenv(ENV, "1")
+    model = to_ir(_model())
+    floats = {"x"} | {v.name for n in model.graph for v in n.outputs if n.op_type != "Shape"}
+    floats |= set(model.graph.initializers)
+    positions = [p for p, n in enumerate(model.graph) if n.op_type not in ("Shape", "Reshape")]
+    assert fm.measure_local(model, positions, floats, {}, {}, lambda node: None, _feeds(), outputs=2).outputs is not None
+    assert fm.measure_local(model, positions, floats, {}, {}, lambda node: None, _feeds(), outputs=3).outputs is None
