@@ -113,6 +113,9 @@ class LocalMeasure:
     samples: int = 0
     # position -> ONNX Runtime's refusal of the node's float16 twin (no float16 kernel for its attributes)
     no_kernel: dict[int, str] = field(default_factory=dict)
+    # the model's own outputs on the first samples (``measure_local(outputs=N)``), computed by the same float32
+    # nodes from the same tensors as a session of the model gives them; None where not all were read back
+    outputs: list[list[np.ndarray]] | None = None
 
 
 def _twin_model(model: ir.Model, positions: Sequence[int], floats: set[str], pinned_in: dict[int, frozenset[int]],
@@ -214,6 +217,10 @@ def _twin_model(model: ir.Model, positions: Sequence[int], floats: set[str], pin
 MEASURE_BYTES_ENV = "MOGRAPH_FP16_MEASURE_BYTES"
 #: Default of :data:`MEASURE_BYTES_ENV`: 512 MiB.
 MEASURE_BYTES = 512 * 2**20
+
+#: Bytes of float32-side tensors the measuring groups may hold for the later groups, over all samples (at
+#: least :data:`MEASURE_BYTES`' setting): beyond it the later groups compute them again from the inputs.
+CARRY_BYTES = 256 * 2**20
 
 
 def _measure_bytes() -> int:
@@ -373,10 +380,93 @@ def _chunks(model: ir.Model, positions: Sequence[int], floats: set[str], pinned_
     return groups
 
 
+
+@dataclass
+class _Carry:
+    """Float32-side tensors one measuring group hands to the next (:func:`_carry_plan`)."""
+
+    bounds: list[tuple[int, int]]  # per group: the node positions [start, end) it computes
+    last_use: dict[str, int]  # value name -> position of its last top-level consumer
+
+
+def _carry_plan(model: ir.Model, groups: Sequence[tuple[list[int], set[int], bool]]) -> _Carry | None:
+    """Where each group of :func:`measure_local` starts and ends in graph order, and the last consumer of
+    each node output; ``None`` (every group computes the whole model, as before) when the graph has
+    subgraphs (their implicit outer-scope reads are not node inputs) or the groups are not in graph order."""
+    nodes = list(model.graph)
+    if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for n in nodes for a in n.attributes.values()):
+        return None
+    starts = [min(w) if w else None for _, w, _ in groups]
+    known = [s for s in starts if s is not None]
+    if known != sorted(known) or len(set(known)) != len(known):
+        return None
+    bounds: list[tuple[int, int]] = []
+    for k, s in enumerate(starts):
+        if s is None:
+            bounds.append((0, 0))
+            continue
+        later = [t for t in starts[k + 1:] if t is not None]
+        bounds.append((0 if s == known[0] else s, later[0] if later else len(nodes)))
+    where = {id(n): i for i, n in enumerate(nodes)}
+    last_use: dict[str, int] = {}
+    for n in nodes:
+        for v in n.outputs:
+            if not v.name:
+                continue
+            uses = [where.get(id(u.node)) for u in v.uses()]
+            if any(u is None for u in uses):
+                return None
+            if uses:
+                last_use[v.name] = max(u for u in uses if u is not None)
+    return _Carry(bounds, last_use)
+
+
+def _cut(twin: ir.Model, carried_in: Mapping[str, np.ndarray], carry_out: Sequence[str]) -> list[str]:
+    """Make ``twin`` (a group's measuring copy) read ``carried_in`` (tensors an earlier group computed, by
+    name) as graph inputs, also return ``carry_out``, and drop every node its outputs do not need.
+
+    ONNX Runtime runs every node of a graph whatever outputs a run asks for, so without this each group
+    computed the whole float32 model again (4 groups: 4 whole models per sample on a 135M decoder).  The
+    float32 nodes a group keeps compute from the same float32 tensors as before, so every figure is the same.
+    Returns the names of the graph outputs, in order."""
+    graph = twin.graph
+    by_name = {v.name: v for n in graph for v in n.outputs if v.name}
+    taken = set(by_name) | {v.name for v in graph.inputs if v.name} | set(graph.initializers)
+    for name, array in carried_in.items():
+        v = by_name.get(name)
+        if v is None or not v.uses():
+            continue
+        fed = ir.Value(name=name, type=ir.TensorType(ir.DataType.from_numpy(array.dtype)))
+        v.name = fresh_name(taken, f"{name}_recomputed")  # its producer stays only for another output
+        for use in list(v.uses()):
+            use.node.replace_input_with(use.idx, fed)
+        graph.inputs.append(fed)
+    outs = {v.name for v in graph.outputs}
+    for name in carry_out:
+        v = by_name.get(name)
+        if v is not None and name not in outs and v.name == name:
+            graph.outputs.append(v)
+            outs.add(name)
+    needed: set[int] = set()
+    stack = [v.producer() for v in graph.outputs]
+    while stack:
+        n = stack.pop()
+        if n is None or id(n) in needed:
+            continue
+        needed.add(id(n))
+        stack.extend(x.producer() for x in n.inputs if x is not None)
+    graph.remove([n for n in graph if id(n) not in needed], safe=True)
+    for name, v in list(graph.initializers.items()):  # not serialized for the session
+        if not v.uses() and not v.is_graph_output() and not v.is_graph_input():
+            del graph.initializers[name]
+    return [v.name or "" for v in graph.outputs]
+
+
 def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], pinned_in: dict[int, frozenset[int]],
                   pinned_out: dict[int, frozenset[int]], retype: Callable[[ir.Node], None],
                   source: Iterable[cal.Feed], *, progress: Callable[[int, int | None], None] | None = None,
-                  total: int | None = None, ops: Mapping[tuple[str, str], CustomOp] | None = None) -> LocalMeasure:
+                  total: int | None = None, ops: Mapping[tuple[str, str], CustomOp] | None = None,
+                  outputs: int = 0) -> LocalMeasure:
     """Run the float32 model and every twin on each sample of ``source`` (module docstring).
 
     **Memory.**  Every float tensor and every twin output is read back, which on an LLM is gigabytes per
@@ -388,7 +478,17 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
     with only its twins and only its tensors as outputs, run over every sample (``source`` is iterated
     once per group: a :class:`~mograph.passes.quant.calibration.CalibrationSource` or a list).  A node's
     figures come from one group, summed over the samples in the same order, so every number is the one
-    a single session over all nodes gives; only the number of model runs grows, by the number of groups.
+    a single session over all nodes gives.
+
+    **Time.**  ONNX Runtime runs every node of a session's graph whatever a run fetches, so each group would
+    compute the whole float32 model again.  Instead a group also reads back the tensors its nodes write that
+    a later node reads (not a ``Constant``'s), held for every sample up to ``max(budget, CARRY_BYTES)``
+    (beyond it the later groups compute them again), takes those of the earlier groups as graph inputs, and
+    keeps only the nodes its outputs need (:func:`_cut`): the float32 model is computed about once per
+    sample, from the same float32 tensors, so with the same numbers.  Not for a graph with subgraphs.
+    ``outputs``: also keep the model's own outputs for the first ``outputs`` samples
+    (:attr:`LocalMeasure.outputs`), for the accuracy budget's float32 reference (not beyond
+    ``max(budget, CARRY_BYTES)``, nor for a model with float16 tensors of its own: ``None`` then).
     ``ops``: the declared custom ops (the registry's), whose shape rules size their outputs.
     """
     if iter(source) is source:  # a one-shot iterator: each group reads every sample
@@ -405,14 +505,42 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
     num: dict[int, float] = {}
     den: dict[int, float] = {}
     runs = 0
-    todo = list(groups)
+    plan = _carry_plan(model, groups)
+    model_nodes = list(model.graph)
+    where = {id(n): i for i, n in enumerate(model_nodes)}
+    out_names = [v.name or "" for v in model.graph.outputs]
+    produced = {v.name or "": where.get(id(v.producer())) for v in model.graph.outputs}
+    if any(p is None for p in produced.values()):
+        outputs = 0  # an output no node writes (a graph input, a constant): the caller runs the model
+    if any(v.dtype == ir.DataType.FLOAT16 for n in model_nodes for v in n.outputs):
+        # float16 tensors of the model's own: the measuring copy keeps their rounding (keep_fp16_rounding),
+        # which a session of the model drops (Cast pairs ORT's CPU provider removes): not the same outputs
+        outputs = 0
+    captured: list[dict[str, np.ndarray]] = [{} for _ in range(outputs)] if plan is not None else []
+    captured_bytes = 0  # held at most max(budget, CARRY_BYTES), as the carried tensors
+    # per sample, the float32-side tensors computed by the groups so far that a later node reads
+    carried: list[dict[str, np.ndarray]] = []
+    carrying = plan is not None
+    todo = list(enumerate(groups))
     while todo:
-        chunk, watch_nodes, watch_inputs = todo.pop(0)
+        k, (chunk, watch_nodes, watch_inputs) = todo.pop(0)
         chunk = [p for p in chunk if p not in result.no_kernel]
         twin_names: dict[str, int] = {}
         twin, pairs, watched = _twin_model(model, chunk, floats, pinned_in, pinned_out, retype, watch_nodes,
                                            watch_inputs, twin_names)
-        names = [v.name for v in twin.graph.outputs]
+        carry_out: list[str] = []
+        own: list[str] = []  # the model's outputs this group writes, read back for the first samples
+        if plan is not None:
+            start, end = plan.bounds[k]
+            if carrying and end < len(model_nodes):
+                # not a Constant's: ONNX Runtime reads a Constant as an initializer (a MatMul prepacks it)
+                carry_out = [v.name for n in model_nodes[start:end] if n.op_type != "Constant" for v in n.outputs
+                             if v.name and plan.last_use.get(v.name, -1) >= end]
+            own = [name for name, p in produced.items() if name and p is not None and start <= p < end]
+            names = _cut(twin, carried[0] if carried else {}, [*carry_out, *(own if captured else [])])
+        else:
+            names = [v.name or "" for v in twin.graph.outputs]
+        names_in = {v.name for v in twin.graph.inputs}
         # too big for one protobuf: spilled to a file, which the session reads; the twin (its float16 copies
         # of the weights) is freed before the session is made, not beside it (measured: 0.5x the weights)
         payload = _spill.payload(twin, cal.model_folder(model))
@@ -423,7 +551,7 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
         except Exception as exc:  # noqa: BLE001 - ORT's own types; only a refused twin is handled here
             if _refused_twin(exc, twin_names, result) is None:
                 raise
-            todo.insert(0, (chunk, watch_nodes, watch_inputs))  # again, without that twin
+            todo.insert(0, (k, (chunk, watch_nodes, watch_inputs)))  # again, without that twin
             continue
         del payload
         for name in watched:
@@ -432,9 +560,13 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
         den.update(dict.fromkeys(pairs, 0.0))
         samples = 0
         refused = False
+        handed: list[dict[str, np.ndarray]] = []  # this group's carry_out, per sample
+        handed_bytes = 0
         for index, feed in enumerate(source):
             # a feed the model rejects is the same one-line OptionError (exit 2) as in every precision pass;
             # a float16 twin that ONNX Runtime cannot run is not the feed's fault: that node stays float32
+            if carried:
+                feed = {**feed, **{k2: a for k2, a in carried[index].items() if k2 in names_in}}
             try:
                 outs = dict(zip(names, cal._run_feed(sess, names, feed, source, index)))
             except OptionError as exc:
@@ -447,6 +579,15 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
             for pos, compare in pairs.items():
                 for ref_name, twin_name in compare:
                     _compare(result, num, den, pos, outs[ref_name], outs[twin_name])
+            if carry_out:
+                # tensors only (a sequence is computed again by the groups that read it)
+                handed.append({name: outs[name] for name in carry_out if isinstance(outs.get(name), np.ndarray)})
+                handed_bytes += sum(a.nbytes for a in handed[-1].values())
+            if index < len(captured):
+                captured[index].update((name, outs[name]) for name in own if name in outs)
+                captured_bytes += sum(getattr(outs[name], "nbytes", 0) for name in own if name in outs)
+                if captured_bytes > max(_measure_bytes(), CARRY_BYTES):
+                    captured = []  # not held through the measurement: the caller runs the model for them
             del outs
             samples += 1
             runs += 1
@@ -459,11 +600,22 @@ def measure_local(model: ir.Model, positions: Sequence[int], floats: set[str], p
                 num.pop(pos, None)
                 den.pop(pos, None)
                 result.overflow.pop(pos, None)
-            todo.insert(0, (chunk, watch_nodes, watch_inputs))
+            todo.insert(0, (k, (chunk, watch_nodes, watch_inputs)))
             continue
         result.samples = samples
+        if carrying and plan is not None:
+            end = plan.bounds[k][1]
+            if handed_bytes + sum(a.nbytes for c in carried for a in c.values()) > max(_measure_bytes(), CARRY_BYTES):
+                carrying, carried = False, []  # too much to hold for every sample: later groups compute it again
+            else:
+                carried = [{name: a for name, a in (carried[i] if carried else {}).items()
+                            if plan.last_use.get(name, -1) >= end} | (handed[i] if handed else {})
+                           for i in range(samples)]
+        del handed
     result.error = {pos: (num[pos] / den[pos]) ** 0.5 if den[pos] > 0 else (0.0 if num[pos] == 0 else float("inf"))
                     for pos in num}
+    if captured and all(name in c for c in captured[:result.samples] for name in produced):
+        result.outputs = [[c[name] for name in out_names] for c in captured[:result.samples]]
     return result
 
 
@@ -483,7 +635,27 @@ def _refused_twin(exc: BaseException, twin_names: Mapping[str, int], result: Loc
 
 def _compare(result: LocalMeasure, num: dict[int, float], den: dict[int, float], pos: int,
              ref32: np.ndarray, out16: np.ndarray) -> None:
-    """Add one output of one sample to node ``pos``'s error sums (or its overflow)."""
+    """Add one output of one sample to node ``pos``'s error sums (or its overflow).
+
+    The sums are those of float64 copies of the finite positions, in C order; where every position is
+    finite (nearly always), those copies are the whole arrays raveled, made without the boolean-mask
+    copies and with the finiteness tested on the arrays as ONNX Runtime gave them: the same numbers."""
+    ref_a, out_a = np.asarray(ref32), np.asarray(out16)
+    finite = np.isfinite(ref_a)
+    if finite.all() and ref_a.shape == out_a.shape:
+        bad = ~np.isfinite(out_a)
+        if bad.any():
+            peak = float(np.abs(np.asarray(ref_a[bad], np.float64)).max())
+            result.overflow[pos] = max(result.overflow.get(pos, 0.0), peak)
+            return
+        del bad, finite
+        # clipped before the widening: +-65504 is exact in every float type, so the same float64 values
+        sat = np.asarray(np.clip(ref_a, -FP16_LIMIT, FP16_LIMIT), np.float64).ravel()
+        diff = np.array(out_a, np.float64).ravel()
+        diff -= sat
+        num[pos] += float((diff**2).sum())
+        den[pos] += float((sat**2).sum())
+        return
     ref = np.asarray(ref32, np.float64)
     y16 = np.asarray(out16, np.float64)
     finite = np.isfinite(ref)
@@ -517,7 +689,23 @@ def output_value(budget: Budget, ref: np.ndarray, out: np.ndarray) -> float:
     """One output of one sample judged as the verifier judges it: float64, NaN (or the same infinity) where
     both have it is agreement, a non-finite value alone is a failure, all-zero against all-zero agrees,
     an output whose values all stay within :data:`SIGNAL_FLOOR` is not judged by cosine.  The cosine is
-    made scale-aware: at most ``1 - e^2 / 2`` for a relative norm error ``e``."""
+    made scale-aware: at most ``1 - e^2 / 2`` for a relative norm error ``e``.
+
+    Two float arrays without NaN or infinity (nearly always) are checked as they come and turned float64
+    once, for the sums: the same figure with less memory traffic (a 135M decoder's logits, 8 x 12.6M values)."""
+    r_in, o_in = np.asarray(ref).ravel(), np.asarray(out).ravel()
+    if (r_in.dtype.kind == "f" and o_in.dtype.kind == "f" and r_in.shape == o_in.shape
+            and np.isfinite(r_in).all() and np.isfinite(o_in).all()):
+        if budget.metric != "cosine" or not r_in.size:
+            return output_value_exact(budget, r_in, o_in)
+        if np.abs(r_in).max() <= SIGNAL_FLOOR and np.abs(o_in).max() <= SIGNAL_FLOOR:
+            return 1.0
+        return _cosine(np.asarray(r_in, np.float64), np.asarray(o_in, np.float64))
+    return output_value_exact(budget, r_in, o_in)
+
+
+def output_value_exact(budget: Budget, ref: np.ndarray, out: np.ndarray) -> float:
+    """:func:`output_value` as it was written first, everything in float64 (NaN and infinity handled)."""
     r = np.asarray(ref, np.float64).ravel()
     o = np.asarray(out, np.float64).ravel()
     if r.shape != o.shape:
@@ -531,6 +719,11 @@ def output_value(budget: Budget, ref: np.ndarray, out: np.ndarray) -> float:
         return float(np.abs(r - o).max()) if r.size else 0.0
     if not r.size or (np.abs(r).max() <= SIGNAL_FLOOR and np.abs(o).max() <= SIGNAL_FLOOR):
         return 1.0
+    return _cosine(r, o)
+
+
+def _cosine(r: np.ndarray, o: np.ndarray) -> float:
+    """The scale-aware cosine of two finite float64 vectors, not both within the signal floor."""
     nr, no = float(np.linalg.norm(r)), float(np.linalg.norm(o))
     if nr == 0.0 or no == 0.0:
         return 0.0

@@ -454,7 +454,9 @@ class Fp16Pass(Pass):
         undecided = [p for p in positions if p not in decisions]
         measured = measure_local(model, [p for p in undecided if nodes[p].inputs], floats, pinned_in, pinned_out,
                                  self._retype_attributes, source, progress=self.progress, total=source.count,
-                                 ops=self.registry.custom_ops if self.registry is not None else None)
+                                 ops=self.registry.custom_ops if self.registry is not None else None,
+                                 outputs=max(1, int(self.config.get("fp16_samples") or 16))
+                                 if budget is not None else 0)
         stats_by = measured.stats
         limit_abs = float(self.config["fp16_max"])
         limit_red = int(self.config["fp16_reduction_limit"])
@@ -523,6 +525,7 @@ class Fp16Pass(Pass):
                 decisions[p] = ("fp32", f"measured sensitivity: local float16 error {measured.error.get(p, 0):.3g} "
                                         f"(rank {rank}); {budget} needs it float32 (all float16: "
                                         f"{budget.metric} {search.tried[0]:.6g})")
+        measured.outputs = None  # the float32 outputs kept for the search, not beside the conversion
         for p in candidates:
             if p not in decisions:
                 err = measured.error.get(p)
@@ -619,10 +622,16 @@ class Fp16Pass(Pass):
         folder = cal.model_folder(model)
         mask = cal.padding_mask_input(model)
         keeps = [cal._kept_positions(f, mask) for f in samples]  # padded positions are not judged
-        ref_sess = cal._session(model, folder)  # too big for one protobuf: spilled to a file
-        refs = [cal._run_feed(ref_sess, None, f, source, i) for i, f in enumerate(samples)]
-        del ref_sess
-        _spill.trim_heap()  # its buffers back to the system before the evaluations' copies and sessions
+        if measured.outputs is not None and len(measured.outputs) >= len(samples):
+            # the float32 model's outputs as the measuring runs computed them (the same nodes on the same
+            # tensors: the same numbers as a session of the model), not a second run of the whole model
+            refs = measured.outputs[:len(samples)]
+        else:
+            ref_sess = cal._session(model, folder)  # too big for one protobuf: spilled to a file
+            refs = [cal._run_feed(ref_sess, None, f, source, i) for i, f in enumerate(samples)]
+            del ref_sess
+            _spill.trim_heap()  # its buffers back to the system before the evaluations' copies and sessions
+        measured.outputs = None  # held by refs alone, freed with them
         fixed = {p: d[0] for p, d in decisions.items()}
         amax_by_name = {name: s.amax for name, s in stats_by.items()}
 
