@@ -450,6 +450,17 @@ def _same_types(before: list[tuple[Any, Any]], snapshot: TypeSnapshot) -> bool:
     )
 
 
+def _typed_from_tensor(v: ir.Value) -> Any:
+    """Give initializer ``v`` its tensor's shape and dtype where they are not recorded; return the tensor (or None)."""
+    tensor = v.const_value
+    if tensor is not None:
+        if v.shape is None:
+            v.shape = tensor.shape  # type: ignore[assignment]
+        if v.dtype is None:
+            v.dtype = tensor.dtype
+    return tensor
+
+
 def _infer_flat(model: ir.Model, data_prop: bool = True) -> None:
     """ONNX shape inference on a model without subgraphs, merged into its values in place.
 
@@ -464,12 +475,7 @@ def _infer_flat(model: ir.Model, data_prop: bool = True) -> None:
     is_input = set(graph.inputs)
     hidden: list[tuple[ir.Value, Any]] = []
     for v in inits:
-        tensor = v.const_value
-        if tensor is not None:
-            if v.shape is None:
-                v.shape = tensor.shape  # type: ignore[assignment]
-            if v.dtype is None:
-                v.dtype = tensor.dtype
+        tensor = _typed_from_tensor(v)
         if tensor is None or tensor.nbytes > _BIG_TENSOR_BYTES:
             hidden.append((v, tensor))
     try:
@@ -623,12 +629,7 @@ def _confirmed_by_region(model: ir.Model, cached: tuple[Any, ...], structure: li
     if position is None:
         return False
     for v in graph.initializers.values():  # what :func:`_infer_flat` does first
-        tensor = v.const_value
-        if tensor is not None:
-            if v.shape is None:
-                v.shape = tensor.shape  # type: ignore[assignment]
-            if v.dtype is None:
-                v.dtype = tensor.dtype
+        _typed_from_tensor(v)
     old_types = dict(zip(old_values, old_after))
     changed: set[ir.Value] = set()
     for v, _, _ in snapshot:
