@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Pack onnxruntime-gpu for the lent H200 in 5 carry calls instead of 9 (session 17).
 #
-# Run here, in the project root, after ../shared/gpu/prepare-ort-gpu.sh (which downloads the wheel into
+# Run here, in the project root, after the lent-GPU preparation script prepare-ort-gpu.sh (not in this repository; it downloads the wheel into
 # .gpu/ort.part.* and the small wheels into .gpu/whl; add onnxruntime-genai's wheel there yourself when the
 # builder is needed: pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
 # --platform manylinux_2_28_x86_64 -d .gpu/whl onnxruntime-genai==0.18.0).
