@@ -90,6 +90,7 @@ from mograph.passes.quant._output_check import OutputCheck
 from mograph.passes.quant._qdq import (
     COMPUTED_WEIGHT_REASON,
     computed_from_constants,
+    const_tensor,
     default_precision,
     find_candidates,
     sensitive_nodes,
@@ -176,7 +177,13 @@ class WeightOnlyPass(Pass):
                 continue
             act, wv = node.inputs[0], node.inputs[1]
             w = constant_array(wv)
-            if act is None or w is None or (wv.dtype if wv is not None else None) not in _FLOAT_DTYPES \
+            tensor = const_tensor(wv)
+            # a Constant node's output carries no type of its own in most models: its tensor's is the weight's
+            w_dtype = (wv.dtype or (tensor.dtype if tensor is not None else None)) if wv is not None else None
+            if wv is not None and wv.is_graph_output():
+                skipped.append((node, "its weight is also a graph output"))
+                continue
+            if act is None or w is None or w_dtype not in _FLOAT_DTYPES \
                     or act.dtype not in (*_FLOAT_DTYPES, None):
                 skipped.append((node, "input not float32/float16"))
                 continue
@@ -208,8 +215,32 @@ class WeightOnlyPass(Pass):
             if w.shape[0] < MIN_K:
                 skipped.append((node, f"K = {w.shape[0]} < {MIN_K}: too small to block-quantize"))
                 continue
-            layers.append(_Layer(node, c.key, np.ascontiguousarray(w), act, bias, bias_value, wv.dtype))  # type: ignore[union-attr]
+            layers.append(_Layer(node, c.key, np.ascontiguousarray(w), act, bias, bias_value, w_dtype))  # type: ignore[arg-type]
         return layers, skipped
+
+    @staticmethod
+    def _constants_as_initializers(model: ir.Model, layers: list[_Layer]) -> int:
+        """Make each layer weight that a ``Constant`` node of the main graph produces an initializer of the same
+        name and tensor (every reader rewired, the node removed), so the measuring sessions feed it and the
+        writer drops it like any initializer weight; the number of weights moved."""
+        graph = model.graph
+        moved = 0
+        for layer in layers:
+            old = layer.node.inputs[1]
+            producer = old.producer() if old is not None else None
+            if old is None or producer is None or producer.op_type != "Constant" or producer.graph is not graph:
+                continue
+            tensor = const_tensor(old)
+            if tensor is None:
+                continue
+            name = old.name
+            old.name = None  # the initializer takes the name the readers knew
+            new = ir.Value(name=name, shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
+            graph.register_initializer(new)
+            ir.convenience.replace_all_uses_with(old, new)
+            graph.remove(producer, safe=True)
+            moved += 1
+        return moved
 
     def _decide(self, model: ir.Model, layers: list[_Layer], low: str) -> tuple[dict[str, tuple[str, str]], set[str]]:
         cands, _ = find_candidates(model, ("MatMul", "Gemm"))
@@ -646,6 +677,10 @@ class WeightOnlyPass(Pass):
         for v in old_inputs[1:]:
             if v is not None and v.is_initializer() and not v.uses() and not v.is_graph_output():
                 graph.initializers.pop(v.name, None)  # type: ignore[arg-type]
+            elif v is not None and not v.uses() and not v.is_graph_output():
+                producer = v.producer()
+                if producer is not None and producer.op_type == "Constant" and producer.graph is graph:
+                    graph.remove(producer, safe=True)  # a Gemm bias from a Constant node, now read by the Add
         return b_val, s_val, z_val
 
     # ------------------------------------------------------------------ embeddings
@@ -825,6 +860,9 @@ class WeightOnlyPass(Pass):
         if upgrade is not None:  # the nodes were rewritten: find the layers again in the converted graph
             layers, skipped = self._layers(model)
             decisions, overridden = self._decide(model, layers, low)
+        promoted = self._constants_as_initializers(model, layers)
+        if promoted:
+            stats["constant_weights"] = promoted
         plan = PrecisionPlan(self.name, meta={"scheme": {"bits": bits, "block_size": int(self.config.get("block_size") or 128),
                                                          "symmetric": bool(self.config.get("symmetric")),
                                                          "algorithm": algorithm}})
@@ -942,6 +980,6 @@ class WeightOnlyPass(Pass):
             check.finish(model, stats, details, notes)
         publish_notes_and_plan(self, plan, details, notes)
         if (not stats["quantized"] and not stats.get("quantized.embeddings") and not stats.get("expanded.embed_layernorm")
-                and upgrade is None):
+                and upgrade is None and not promoted):
             return PassResult(False, {}, details)
         return PassResult(True, stats, details)

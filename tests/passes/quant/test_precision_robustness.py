@@ -99,6 +99,35 @@ def test_default_sensitivity_reads_constant_weights():
         assert cosine(run(proto, f)[0], run(model, f)[0]) >= 0.992
 
 
+@pytest.mark.parametrize("algorithm", ["rtn", "gptq"])
+def test_weight_only_reads_constant_weights_like_initializers(algorithm):
+    """Old code: a ``Constant`` weight's value has no type of its own, so weight-only skipped every such MatMul
+    as 'input not float32/float16' and returned unchanged with no plan (exit 0, nothing said)."""
+    from mograph.passes.quant import WeightOnlyPass
+
+    from_constants = _constant_weights_model()
+    from_initializers = onnx.ModelProto()
+    from_initializers.CopyFrom(from_constants)
+    graph = from_initializers.graph
+    for node in [n for n in graph.node if n.op_type == "Constant"]:
+        tensor = onnx.TensorProto()
+        tensor.CopyFrom(node.attribute[0].t)
+        tensor.name = node.output[0]
+        graph.initializer.append(tensor)
+        graph.node.remove(node)
+    plans = []
+    for proto in (from_constants, from_initializers):
+        model = to_ir(proto)
+        result = WeightOnlyPass(algorithm=algorithm, block_size=16, calibration_data=_feeds()).call(model)
+        assert result.modified and result.stats["quantized"] == 2 and result.stats["kept_float"] == 1, result.stats
+        plans.append({e["node"]: (e["precision"], e["reason"]) for e in result.details["plan"]["nodes"]})
+        assert "Constant" not in op_counts(model)
+        check_model_output(model)
+        for f in _feeds(2):
+            assert cosine(run(proto, f)[0], run(model, f)[0]) >= 0.99
+    assert plans[0] == plans[1]
+
+
 # --- a calibration feed the model rejects ----------------------------------------------------------------------
 
 
