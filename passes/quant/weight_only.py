@@ -439,7 +439,7 @@ class WeightOnlyPass(Pass):
         segments = _Segments(model, nodes, [c for c, _ in cuts])
         if segments.problem:
             logger.info("sequential gptq: %s; quantizing each group from a run of the whole model", segments.problem)
-            return self._sequential_gptq_whole(model, layers, bits, samples, keep_float)
+            return self._sequential_gptq_whole(model, layers, bits, samples, keep_float, source)
         replaced: dict[str, np.ndarray] = {}  # weight initializer name -> effective weight fed to later segments
         # the last node (before the last cut) reading each value: a dequantized weight is dropped once the
         # segment holding its readers has run, and never made for readers past the last cut (never run)
@@ -455,6 +455,7 @@ class WeightOnlyPass(Pass):
         for i, (cut, name) in enumerate(cuts):
             states, n = segments.advance(i, states, replaced, source)
             runs += n
+            self._check_width(groups[name], [st[name] for st in states], samples, source)
             for wname in [w for w in replaced if last_read.get(w, -1) < cut]:
                 del replaced[wname]  # its segment has run
             importance, factor = _hessian_factor(states, name, damp, act_order)
@@ -472,6 +473,30 @@ class WeightOnlyPass(Pass):
                 self.progress(i + 1, len(cuts))
         return runs
 
+    @staticmethod
+    def _check_width(group: list[_Layer], xs: list[Any], samples: list[dict[str, np.ndarray]], source: Any,
+                     first: int = 0) -> None:
+        """Each sample's input ``xs[n]`` of a layer group must have the weights' K as its last dim: the first group's
+        input can be a graph input, which no segment run checks (a feed the model rejects, with dynamic dims of a
+        random feed set to 1, reached the quantizer as a 1-wide Hessian: IndexError).  A feed that does not fit is
+        the calibration's one-line :class:`OptionError` (``samples[n]`` is sample ``first + n``)."""
+        from mograph.passes.quant.calibration import feed_rejected
+
+        layer = group[0]
+        k = layer.weight.shape[0]
+        for n, x in enumerate(xs):
+            shape = np.shape(x)
+            if shape and shape[-1] == k:
+                continue
+            node = layer.node
+            # worded like ONNX Runtime's refusal, the input not named: the message then says which inputs
+            # were made up (dynamic dims set to 1) as it does for every pass
+            exc = ValueError(f"{node.op_type} node '{node.name}': dimension mismatch: its data input is "
+                             f"{'x'.join(map(str, shape)) or 'a scalar'}, its weight has {k} rows")
+            if source is None or n >= len(samples):
+                raise exc
+            raise feed_rejected(exc, samples[n], source, first + n)
+
     def _as_weight(self, layer: _Layer, w: np.ndarray) -> np.ndarray:
         """An effective ``[K, N]`` weight as the node's own weight input (Gemm's alpha and transB undone)."""
         w = w / self._alpha(layer)
@@ -481,7 +506,7 @@ class WeightOnlyPass(Pass):
         return np.ascontiguousarray(w.astype(layer.dtype.numpy()))
 
     def _sequential_gptq_whole(self, model: ir.Model, layers: list[_Layer], bits: int,
-                               samples: list[dict[str, np.ndarray]], keep_float: set[str]) -> int:
+                               samples: list[dict[str, np.ndarray]], keep_float: set[str], source: Any = None) -> int:
         """The slow form, for graphs that cannot be cut (a live value that is not a tensor): one run of the
         whole model per group and sample."""
         spec = bw.QuantSpec(bits, int(self.config.get("block_size") or 128), bool(self.config.get("symmetric")))
@@ -495,8 +520,9 @@ class WeightOnlyPass(Pass):
         for name, group in groups.items():
             h: np.ndarray | None = None
             rows = 0
-            for s in samples:
+            for n_sample, s in enumerate(samples):
                 x = np.asarray(sess.run([name], {**s, **feeds})[0], np.float64)
+                self._check_width(group, [x], [s], source, n_sample)
                 x = x.reshape(-1, x.shape[-1])
                 h = x.T @ x if h is None else h + x.T @ x
                 rows += x.shape[0]

@@ -165,6 +165,37 @@ def test_rejected_calibration_sample_names_the_sample_in_fp16():
         Fp16Pass(calibration_data=bad).call(model)
 
 
+def _wide_concat_model() -> onnx.ModelProto:
+    """:func:`_concat_model` with 64-wide weights, wide enough for weight-only's blocks."""
+    rng = np.random.default_rng(3)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+         helper.make_node("MatMul", ["h", "w2"], ["h2"], name="mm2"),
+         helper.make_node("Concat", ["h2", "c"], ["y"], name="cat", axis=0)],
+        "g", [helper.make_tensor_value_info("x", F32, ["n", "d"])], [helper.make_tensor_value_info("y", F32, None)],
+        [numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), "w"),
+         numpy_helper.from_array(rng.standard_normal((64, 4)).astype(np.float32), "w2"),
+         numpy_helper.from_array(np.ones((1, 4), np.float32), "c")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("options", [{"algorithm": "gptq"}, {"algorithm": "gptq", "sequential": False},
+                                     {"algorithm": "awq"}, {"algorithm": "rtn", "accuracy_budget": "cosine>=0.99"}])
+def test_rejected_random_feed_is_the_same_line_in_weight_only(options):
+    """Old code: sequential GPTQ took the graph input as the first layer's input without running anything, and
+    its 1-wide Hessian failed in the quantizer (IndexError: exit 1, 'a bug')."""
+    from mograph.passes.quant import WeightOnlyPass
+
+    model = to_ir(_wide_concat_model())
+    with pytest.raises(OptionError) as err:
+        WeightOnlyPass(calibration_random=2, block_size=32, **options).call(model)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("the model rejects its random calibration feed (x 1x1 float32)")
+    assert "input(s) ['x'] (dynamic dims set to 1)" in message and "--shape NAME:DIMS" in message
+
+
 # --- fp16's budget judged like --verify --------------------------------------------------------------------------
 
 
