@@ -127,6 +127,16 @@ def check_writable_folder(path: str | os.PathLike[str], flag: str) -> None:
         raise UsageError(f"cannot write {flag} {path}: {folder} is not a folder")
 
 
+def sweep_dead_saves(folder: str | os.PathLike[str]) -> None:
+    """Remove what model saves into ``folder`` left when their process was killed (hidden folders whose lock
+    nobody holds: :func:`mograph.ir_io.sweep_save_leftovers`), before this run writes a file there; a folder
+    that cannot be listed is left to the write itself to report."""
+    from mograph._tempfiles import sweep_stale
+
+    with contextlib.suppress(OSError):
+        sweep_stale(Path(folder) if str(folder) else Path("."), ".")
+
+
 def write_text(path: str | os.PathLike[str], text: str, flag: str = "output") -> None:
     """Write ``text`` to ``path`` atomically, never through a symbolic link (a rename replaces the link).
 
@@ -141,6 +151,7 @@ def write_bytes(path: str | os.PathLike[str], data: bytes, flag: str = "output")
     check_writable_folder(dest, flag)
     if dest.is_symlink():
         raise UsageError(f"{flag} {dest} is a symbolic link: mograph never writes through a link; give the real path")
+    sweep_dead_saves(dest.parent)
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
     except OSError as exc:

@@ -680,8 +680,10 @@ def sweep_save_leftovers(folder: str | os.PathLike) -> list[Path]:
     A save writes into a hidden folder ``.<name>.<random>`` beside its destination that holds a lock
     file locked by the saving process (:mod:`mograph._tempfiles`); such a folder whose lock nobody
     holds is a dead save's (a SIGKILL mid-write leaves the partial model and data there).  Every run
-    that writes into ``folder`` calls this first, whatever model it writes; folders without the lock
-    file, and live saves (locked), are never touched.
+    that writes into ``folder`` calls this first, whatever model it writes (and every other file mograph
+    writes there: a report, a CSV export, a precision plan, a ledger, through
+    :func:`mograph._paths.sweep_dead_saves`); folders without the lock file, and live saves (locked), are
+    never touched.
     """
     return sweep_stale(folder, ".")
 

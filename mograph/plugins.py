@@ -117,6 +117,8 @@ def get_plugin_manager(blocked: Iterable[str] = (), autoload: bool | None = None
                 continue
             try:
                 plugin = ep.load()
+            except SystemExit as exc:  # ending the process would pass for a success (exit 0, nothing done)
+                raise PluginError(_exited(ep.name, exc, f"while loading ({ep.value})")) from exc
             except Exception as exc:  # noqa: BLE001 - any import failure is the plugin's
                 raise PluginError(
                     f"plugin '{ep.name}' ({ep.value}) failed to load: {type(exc).__name__}: {exc}"
@@ -171,6 +173,13 @@ def check_pending(pm: pluggy.PluginManager) -> None:
         raise PluginError(f"plugin '{plugin}' is not a valid mograph plugin: {exc}") from exc
 
 
+def _exited(plugin: str, exc: SystemExit, where: str) -> str:
+    """The message of a :class:`PluginError` for a plugin that called ``sys.exit`` ``where``: the process ending
+    there would pass for a success (exit 0, nothing written)."""
+    return (f"plugin '{plugin}' misbehaved: it called sys.exit({exc.code!r}) {where}; a plugin returns its "
+            "contributions or raises an error")
+
+
 def _call_collecting(pm: pluggy.PluginManager, hook_name: str) -> list[tuple[str, Any]]:
     """Call a collecting hook plugin by plugin, so a failure names the plugin responsible."""
     out: list[tuple[str, Any]] = []
@@ -179,6 +188,8 @@ def _call_collecting(pm: pluggy.PluginManager, hook_name: str) -> list[tuple[str
         name = pm.get_name(impl.plugin) or repr(impl.plugin)
         try:
             value = impl.function()
+        except SystemExit as exc:
+            raise PluginError(_exited(name, exc, f"in {hook_name}")) from exc
         except Exception as exc:  # noqa: BLE001
             raise PluginError(f"plugin '{name}' failed in {hook_name}: {type(exc).__name__}: {exc}") from exc
         if value is not None:
@@ -390,7 +401,12 @@ class Registry:
         names = list(names)
         if not device:
             return names, options, None
-        got = self.pm.hook.mograph_precision_recipe(passes=list(names), options=dict(options), device=device)
+        hook = self.pm.hook.mograph_precision_recipe
+        try:
+            got = hook(passes=list(names), options=dict(options), device=device)
+        except SystemExit as exc:
+            owners = ", ".join(sorted(self.pm.get_name(i.plugin) or repr(i.plugin) for i in hook.get_hookimpls()))
+            raise PluginError(_exited(owners, exc, "in mograph_precision_recipe")) from exc
         if got is None:
             return names, options, None
         return list(got["passes"]), dict(got["options"]), got.get("record")
@@ -402,7 +418,11 @@ class Registry:
         for name in names:
             pcls = self.passes[name]
             mine = {o.key: options[o.key] for o in pcls.options if options.get(o.key) is not None}
-            passes.append(pcls(registry=self, **mine))
+            try:
+                passes.append(pcls(registry=self, **mine))
+            except SystemExit as exc:
+                plugin = self.pass_source.get(name) or pcls.__module__.split(".")[0]
+                raise PluginError(_exited(plugin, exc, f"while pass '{name}' was created")) from exc
         return passes
 
     def unread_options(self, names: Iterable[str], options: dict[str, Any]) -> dict[str, list[str]]:

@@ -37,7 +37,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from mograph._paths import check_io
+from mograph._paths import check_io, sweep_dead_saves
 from mograph.errors import UsageError
 
 __all__ = [
@@ -210,6 +210,7 @@ class Ledger:
                     raise LedgerError(f"ledger {path}: folder {path.parent} does not exist")
                 # Never written (nor created) through a symbolic link: it would change the file it points to.
                 check_io(ledger_paths(path), [])
+                sweep_dead_saves(path.parent)  # a killed save's leftovers in the folder this run writes into
                 self._db = sqlite3.connect(str(path), timeout=60, isolation_level=None)
             self._db.execute("PRAGMA busy_timeout = 60000")
             if not readonly:

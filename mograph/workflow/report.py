@@ -705,6 +705,9 @@ def _atomic_write(path: Path, data: bytes) -> None:
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise UsageError(f"cannot write {path}: folder {folder} does not exist; create it first")
+    from mograph._paths import sweep_dead_saves
+
+    sweep_dead_saves(folder)  # a killed save's leftovers in the folder this run writes into
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "wb") as fh:

@@ -90,6 +90,7 @@ from mograph.passes.quant._output_check import OutputCheck
 from mograph.passes.quant._qdq import (
     COMPUTED_WEIGHT_REASON,
     computed_from_constants,
+    const_tensor,
     default_precision,
     find_candidates,
     sensitive_nodes,
@@ -176,7 +177,13 @@ class WeightOnlyPass(Pass):
                 continue
             act, wv = node.inputs[0], node.inputs[1]
             w = constant_array(wv)
-            if act is None or w is None or (wv.dtype if wv is not None else None) not in _FLOAT_DTYPES \
+            tensor = const_tensor(wv)
+            # a Constant node's output carries no type of its own in most models: its tensor's is the weight's
+            w_dtype = (wv.dtype or (tensor.dtype if tensor is not None else None)) if wv is not None else None
+            if wv is not None and wv.is_graph_output():
+                skipped.append((node, "its weight is also a graph output"))
+                continue
+            if act is None or w is None or w_dtype not in _FLOAT_DTYPES \
                     or act.dtype not in (*_FLOAT_DTYPES, None):
                 skipped.append((node, "input not float32/float16"))
                 continue
@@ -208,8 +215,32 @@ class WeightOnlyPass(Pass):
             if w.shape[0] < MIN_K:
                 skipped.append((node, f"K = {w.shape[0]} < {MIN_K}: too small to block-quantize"))
                 continue
-            layers.append(_Layer(node, c.key, np.ascontiguousarray(w), act, bias, bias_value, wv.dtype))  # type: ignore[union-attr]
+            layers.append(_Layer(node, c.key, np.ascontiguousarray(w), act, bias, bias_value, w_dtype))  # type: ignore[arg-type]
         return layers, skipped
+
+    @staticmethod
+    def _constants_as_initializers(model: ir.Model, layers: list[_Layer]) -> int:
+        """Make each layer weight that a ``Constant`` node of the main graph produces an initializer of the same
+        name and tensor (every reader rewired, the node removed), so the measuring sessions feed it and the
+        writer drops it like any initializer weight; the number of weights moved."""
+        graph = model.graph
+        moved = 0
+        for layer in layers:
+            old = layer.node.inputs[1]
+            producer = old.producer() if old is not None else None
+            if old is None or producer is None or producer.op_type != "Constant" or producer.graph is not graph:
+                continue
+            tensor = const_tensor(old)
+            if tensor is None:
+                continue
+            name = old.name
+            old.name = None  # the initializer takes the name the readers knew
+            new = ir.Value(name=name, shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
+            graph.register_initializer(new)
+            ir.convenience.replace_all_uses_with(old, new)
+            graph.remove(producer, safe=True)
+            moved += 1
+        return moved
 
     def _decide(self, model: ir.Model, layers: list[_Layer], low: str) -> tuple[dict[str, tuple[str, str]], set[str]]:
         cands, _ = find_candidates(model, ("MatMul", "Gemm"))
@@ -408,7 +439,7 @@ class WeightOnlyPass(Pass):
         segments = _Segments(model, nodes, [c for c, _ in cuts])
         if segments.problem:
             logger.info("sequential gptq: %s; quantizing each group from a run of the whole model", segments.problem)
-            return self._sequential_gptq_whole(model, layers, bits, samples, keep_float)
+            return self._sequential_gptq_whole(model, layers, bits, samples, keep_float, source)
         replaced: dict[str, np.ndarray] = {}  # weight initializer name -> effective weight fed to later segments
         # the last node (before the last cut) reading each value: a dequantized weight is dropped once the
         # segment holding its readers has run, and never made for readers past the last cut (never run)
@@ -424,6 +455,7 @@ class WeightOnlyPass(Pass):
         for i, (cut, name) in enumerate(cuts):
             states, n = segments.advance(i, states, replaced, source)
             runs += n
+            self._check_width(groups[name], [st[name] for st in states], samples, source)
             for wname in [w for w in replaced if last_read.get(w, -1) < cut]:
                 del replaced[wname]  # its segment has run
             importance, factor = _hessian_factor(states, name, damp, act_order)
@@ -441,6 +473,30 @@ class WeightOnlyPass(Pass):
                 self.progress(i + 1, len(cuts))
         return runs
 
+    @staticmethod
+    def _check_width(group: list[_Layer], xs: list[Any], samples: list[dict[str, np.ndarray]], source: Any,
+                     first: int = 0) -> None:
+        """Each sample's input ``xs[n]`` of a layer group must have the weights' K as its last dim: the first group's
+        input can be a graph input, which no segment run checks (a feed the model rejects, with dynamic dims of a
+        random feed set to 1, reached the quantizer as a 1-wide Hessian: IndexError).  A feed that does not fit is
+        the calibration's one-line :class:`OptionError` (``samples[n]`` is sample ``first + n``)."""
+        from mograph.passes.quant.calibration import feed_rejected
+
+        layer = group[0]
+        k = layer.weight.shape[0]
+        for n, x in enumerate(xs):
+            shape = np.shape(x)
+            if shape and shape[-1] == k:
+                continue
+            node = layer.node
+            # worded like ONNX Runtime's refusal, the input not named: the message then says which inputs
+            # were made up (dynamic dims set to 1) as it does for every pass
+            exc = ValueError(f"{node.op_type} node '{node.name}': dimension mismatch: its data input is "
+                             f"{'x'.join(map(str, shape)) or 'a scalar'}, its weight has {k} rows")
+            if source is None or n >= len(samples):
+                raise exc
+            raise feed_rejected(exc, samples[n], source, first + n)
+
     def _as_weight(self, layer: _Layer, w: np.ndarray) -> np.ndarray:
         """An effective ``[K, N]`` weight as the node's own weight input (Gemm's alpha and transB undone)."""
         w = w / self._alpha(layer)
@@ -450,7 +506,7 @@ class WeightOnlyPass(Pass):
         return np.ascontiguousarray(w.astype(layer.dtype.numpy()))
 
     def _sequential_gptq_whole(self, model: ir.Model, layers: list[_Layer], bits: int,
-                               samples: list[dict[str, np.ndarray]], keep_float: set[str]) -> int:
+                               samples: list[dict[str, np.ndarray]], keep_float: set[str], source: Any = None) -> int:
         """The slow form, for graphs that cannot be cut (a live value that is not a tensor): one run of the
         whole model per group and sample."""
         spec = bw.QuantSpec(bits, int(self.config.get("block_size") or 128), bool(self.config.get("symmetric")))
@@ -464,8 +520,9 @@ class WeightOnlyPass(Pass):
         for name, group in groups.items():
             h: np.ndarray | None = None
             rows = 0
-            for s in samples:
+            for n_sample, s in enumerate(samples):
                 x = np.asarray(sess.run([name], {**s, **feeds})[0], np.float64)
+                self._check_width(group, [x], [s], source, n_sample)
                 x = x.reshape(-1, x.shape[-1])
                 h = x.T @ x if h is None else h + x.T @ x
                 rows += x.shape[0]
@@ -646,6 +703,10 @@ class WeightOnlyPass(Pass):
         for v in old_inputs[1:]:
             if v is not None and v.is_initializer() and not v.uses() and not v.is_graph_output():
                 graph.initializers.pop(v.name, None)  # type: ignore[arg-type]
+            elif v is not None and not v.uses() and not v.is_graph_output():
+                producer = v.producer()
+                if producer is not None and producer.op_type == "Constant" and producer.graph is graph:
+                    graph.remove(producer, safe=True)  # a Gemm bias from a Constant node, now read by the Add
         return b_val, s_val, z_val
 
     # ------------------------------------------------------------------ embeddings
@@ -825,6 +886,9 @@ class WeightOnlyPass(Pass):
         if upgrade is not None:  # the nodes were rewritten: find the layers again in the converted graph
             layers, skipped = self._layers(model)
             decisions, overridden = self._decide(model, layers, low)
+        promoted = self._constants_as_initializers(model, layers)
+        if promoted:
+            stats["constant_weights"] = promoted
         plan = PrecisionPlan(self.name, meta={"scheme": {"bits": bits, "block_size": int(self.config.get("block_size") or 128),
                                                          "symmetric": bool(self.config.get("symmetric")),
                                                          "algorithm": algorithm}})
@@ -942,6 +1006,6 @@ class WeightOnlyPass(Pass):
             check.finish(model, stats, details, notes)
         publish_notes_and_plan(self, plan, details, notes)
         if (not stats["quantized"] and not stats.get("quantized.embeddings") and not stats.get("expanded.embed_layernorm")
-                and upgrade is None):
+                and upgrade is None and not promoted):
             return PassResult(False, {}, details)
         return PassResult(True, stats, details)

@@ -57,3 +57,25 @@ def test_relative_markdown_links_resolve_inside_the_repository() -> None:
             if not resolved.exists() or ROOT not in resolved.parents and resolved != ROOT:
                 broken.append(f"{path.relative_to(ROOT)}: {target}")
     assert not broken, "\n".join(broken)
+
+
+#: A path into one of the repository's own folders, as prose and docstrings cite files (``passes/quant/recipe.py``).
+REPO_PATH = re.compile(
+    r"(?<![\w/.:-])((?:benchmarks|tools|tests|models|mograph|passes|plugins)/[\w./-]*\.(?:md|py|jsonl|json|sh|yaml|yml|cuh|cu))"
+    r"(?![\w])")
+
+
+def test_cited_repository_paths_exist() -> None:
+    """A file cited by its path in the repository's folders is there (a moved file's old path is a citation of
+    a file the clone does not have: README named ``mograph/passes/quant/recipe.py`` and ``tests/test_layering.py``)."""
+    missing = []
+    for path in _tracked():
+        if path.resolve() == SELF or not path.is_file():
+            continue
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            for target in REPO_PATH.findall(line):
+                if any(c in target for c in "*{<"):
+                    continue  # a pattern, not a file
+                if not (ROOT / target).exists() and not (path.parent / target).exists():
+                    missing.append(f"{path.relative_to(ROOT)}:{n}: {target}")
+    assert not missing, "\n".join(missing)

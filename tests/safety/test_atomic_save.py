@@ -246,3 +246,35 @@ def test_runtime_copies_of_a_killed_verification_are_swept_by_the_next_one(tmp_p
     finally:
         spilled.cleanup()
     assert not Path(path).parent.exists()
+
+
+@pytest.mark.parametrize("what", ["ledger-csv", "report-html", "optimize-report-json", "ledger-db"])
+def test_a_killed_save_is_swept_by_a_run_writing_any_file_into_the_folder(tmp_path, capsys, what):
+    """Issue 27 item 6: a run that writes into the folder sweeps a killed save's leftovers, not only a run that
+    saves a model there (a CSV export, an HTML report, ``--report``'s JSON and a ledger created there left the
+    dead save's data in place)."""
+    from mograph.cli import main
+    from mograph.workflow.ledger import open_ledger
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    src = elsewhere / "m.onnx"
+    onnx.save(_model(2.0, "Relu"), src)
+    with open_ledger(elsewhere / "l.db") as ledger:
+        ledger.add({"name": "baseline", "baseline": True, "status": "ok", "model_hash": "a1", "pipeline": [],
+                    "metrics": {"latency_p50_ms": 1.0, "size_bytes": 100.0}})
+    folder = tmp_path / "out"
+    folder.mkdir()
+    left = _sigkilled_child_dir(folder, ".a.onnx.")
+    if what == "ledger-csv":
+        assert main(["ledger", "export", "--ledger", str(elsewhere / "l.db"), "--csv", str(folder / "x.csv")]) == 0
+    elif what == "report-html":
+        assert main(["report", "--ledger", str(elsewhere / "l.db"), "-o", str(folder / "r.html")]) == 0
+    elif what == "optimize-report-json":
+        assert main(["optimize", str(src), "-o", str(elsewhere / "o.onnx"), "--report", str(folder / "r.json")]) == 0
+    else:
+        with open_ledger(folder / "l.db"):
+            pass
+    capsys.readouterr()
+    assert not left.exists()
+    assert not [p for p in folder.iterdir() if p.name.startswith(".")], list(folder.iterdir())

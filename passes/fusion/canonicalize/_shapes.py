@@ -64,7 +64,10 @@ def _keepdims(c: Canonicalizer, n: ir.Node) -> Build | Miss:
     if n.op_type == "Reshape":
         allowzero = n.attributes.get("allowzero")
         target = shape_entries(c, n.inputs[1]) if len(n.inputs) > 1 else None
-        if (target is None or not target or target[-1] != _ONE or (allowzero is not None and int(allowzero.value))
+        literal_zero = allowzero is not None and int(allowzero.value)
+        if target is not None and not literal_zero:
+            target = _resolved(target, c.shapes.dims(v))
+        if (target is None or not target or target[-1] != _ONE or literal_zero
                 or any(k.is_literal and k.coef < 1 for k in target)):
             return Miss("the Reshape's shape is not provably dims ending in a 1")
     else:
@@ -81,6 +84,26 @@ def _keepdims(c: Canonicalizer, n: ir.Node) -> Build | Miss:
     if value is None:
         return Miss(f"'{v.name}' is not elementwise ops of last-axis reductions without kept dims")
     return Build(value, made)
+
+
+def _resolved(target: list[Dim], dims: Dims | None) -> list[Dim] | None:
+    """A Reshape target (``allowzero`` 0) with its ``0`` entries (the input's dim at that place) and its one
+    ``-1`` (the dim left over) read against ``dims``, the dims of the value reshaped, when that target is
+    ``dims`` with a 1 appended (``view(-1, S, 1)`` of a reduction without kept dims); ``target`` itself when
+    it has no such entry; ``None`` when it has them and is not that."""
+    special = [i for i, k in enumerate(target) if k.is_literal and k.coef in (0, -1)]
+    if not special:
+        return target
+    if dims is None or len(target) != len(dims) + 1 or any(d is None for d in dims) or target[-1] != _ONE:
+        return None
+    if sum(1 for i in special if target[i].coef == -1) > 1:
+        return None
+    # every entry but the -1 must be the input's dim at its place (a 0 is that by definition); the -1 is
+    # then the one dim left, since the element count is the same on both sides
+    for i, k in enumerate(target[:-1]):
+        if i not in special and k != dims[i]:
+            return None
+    return [*dims, _ONE]  # type: ignore[list-item]
 
 
 def _reductions_below(v: ir.Value, depth: int) -> bool:

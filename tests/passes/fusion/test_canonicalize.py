@@ -243,6 +243,37 @@ def test_dynamic_batch_shape_of_another_tensor_is_a_near_miss() -> None:
     assert all(r.get("failed_at") for r in regions), regions
 
 
+def _const_target_ln(target: str, allowzero: int = 0) -> str:
+    """A LayerNorm whose sum-based moments (keepdims 0) are reshaped back by a constant target with a 0 or
+    -1 entry (``view(-1, 3, 1)``), the batch dim dynamic."""
+    az = f"<allowzero={allowzero}>" if allowzero else ""
+    body = ("xx = Mul(x, x)\n s1 = ReduceSum<keepdims=0>(x, ax)\n s2 = ReduceSum<keepdims=0>(xx, ax)\n"
+            " m0 = Mul(s1, inv)\n e20 = Mul(s2, inv)\n mm = Mul(m0, m0)\n v0 = Sub(e20, mm)\n v1 = Max(zero, v0)\n"
+            f" m = Reshape{az}(m0, tgt)\n v = Reshape{az}(v1, tgt)\n d = Sub(x, m)\n"
+            " a = Add(v, eps)\n r0 = Sqrt(a)\n r = Reciprocal(r0)\n n = Mul(d, r)\n y = Mul(n, g)")
+    inits = (f"float eps = {{1e-5}}, float zero = {{0.0}}, float inv = {{{1 / H}}}, int64[1] ax = {{-1}}, "
+             f"int64[3] tgt = {{{target}}}, float[{H}] g = {{{G}}}")
+    return (f'<ir_version: 8, opset_import: ["" : 14]>\n'
+            f"m (float[N,3,{H}] x) => (float[N,3,{H}] y) <{inits}> {{\n  " + "\n  ".join(body.splitlines()) + "\n}")
+
+
+@pytest.mark.parametrize("target", ["-1, 3, 1", "0, 0, 1", "0, 3, 1", "0, -1, 1"])
+def test_kept_dims_restored_by_a_constant_target_with_0_or_minus_1(target: str) -> None:
+    """A constant Reshape target whose 0 copies the reduced value's dim and whose -1 is the one dim left:
+    provably the reduced input's dims ending in a 1 (it was refused as 'not provably dims ending in a 1')."""
+    proto = parse(_const_target_ln(target))
+    model = check_fusion(FuseLayerNormPass(), proto, stats={
+        "LayerNormFusion": 1, "LayerNormFusion.mul-reciprocal.moments.reducesum-mul.max0": 1, "LayerNormScaleFusion": 1})
+    assert op_types(model) == ["mograph.LayerNorm"]
+
+
+@pytest.mark.parametrize("target,allowzero", [("-1, 2, 1", 0), ("0, 0, 1", 1), ("-1, -1, 1", 0)])
+def test_a_constant_target_that_is_not_the_kept_dims_stays(target: str, allowzero: int) -> None:
+    """-1 beside a dim that is not the reduced value's, a 0 read literally (allowzero), two -1: untouched."""
+    proto = parse(_const_target_ln(target, allowzero))
+    assert_untouched(FuseLayerNormPass(), proto)
+
+
 def test_rules_say_why_they_did_not_apply() -> None:
     """Each rule that does not rewrite a node says why (a value, for diagnostics); one that would says ""."""
     from mograph.passes.fusion.canonicalize import RULES, Canonicalizer

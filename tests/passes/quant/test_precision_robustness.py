@@ -99,6 +99,35 @@ def test_default_sensitivity_reads_constant_weights():
         assert cosine(run(proto, f)[0], run(model, f)[0]) >= 0.992
 
 
+@pytest.mark.parametrize("algorithm", ["rtn", "gptq"])
+def test_weight_only_reads_constant_weights_like_initializers(algorithm):
+    """Old code: a ``Constant`` weight's value has no type of its own, so weight-only skipped every such MatMul
+    as 'input not float32/float16' and returned unchanged with no plan (exit 0, nothing said)."""
+    from mograph.passes.quant import WeightOnlyPass
+
+    from_constants = _constant_weights_model()
+    from_initializers = onnx.ModelProto()
+    from_initializers.CopyFrom(from_constants)
+    graph = from_initializers.graph
+    for node in [n for n in graph.node if n.op_type == "Constant"]:
+        tensor = onnx.TensorProto()
+        tensor.CopyFrom(node.attribute[0].t)
+        tensor.name = node.output[0]
+        graph.initializer.append(tensor)
+        graph.node.remove(node)
+    plans = []
+    for proto in (from_constants, from_initializers):
+        model = to_ir(proto)
+        result = WeightOnlyPass(algorithm=algorithm, block_size=16, calibration_data=_feeds()).call(model)
+        assert result.modified and result.stats["quantized"] == 2 and result.stats["kept_float"] == 1, result.stats
+        plans.append({e["node"]: (e["precision"], e["reason"]) for e in result.details["plan"]["nodes"]})
+        assert "Constant" not in op_counts(model)
+        check_model_output(model)
+        for f in _feeds(2):
+            assert cosine(run(proto, f)[0], run(model, f)[0]) >= 0.99
+    assert plans[0] == plans[1]
+
+
 # --- a calibration feed the model rejects ----------------------------------------------------------------------
 
 
@@ -134,6 +163,37 @@ def test_rejected_calibration_sample_names_the_sample_in_fp16():
     bad = [{"x": np.ones((2, 8), np.float32)}, {"x": np.ones((2, 5), np.float32)}]
     with pytest.raises(OptionError, match=r"^the model rejects calibration sample 1 from .*x 2x5 float32"):
         Fp16Pass(calibration_data=bad).call(model)
+
+
+def _wide_concat_model() -> onnx.ModelProto:
+    """:func:`_concat_model` with 64-wide weights, wide enough for weight-only's blocks."""
+    rng = np.random.default_rng(3)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+         helper.make_node("MatMul", ["h", "w2"], ["h2"], name="mm2"),
+         helper.make_node("Concat", ["h2", "c"], ["y"], name="cat", axis=0)],
+        "g", [helper.make_tensor_value_info("x", F32, ["n", "d"])], [helper.make_tensor_value_info("y", F32, None)],
+        [numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), "w"),
+         numpy_helper.from_array(rng.standard_normal((64, 4)).astype(np.float32), "w2"),
+         numpy_helper.from_array(np.ones((1, 4), np.float32), "c")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("options", [{"algorithm": "gptq"}, {"algorithm": "gptq", "sequential": False},
+                                     {"algorithm": "awq"}, {"algorithm": "rtn", "accuracy_budget": "cosine>=0.99"}])
+def test_rejected_random_feed_is_the_same_line_in_weight_only(options):
+    """Old code: sequential GPTQ took the graph input as the first layer's input without running anything, and
+    its 1-wide Hessian failed in the quantizer (IndexError: exit 1, 'a bug')."""
+    from mograph.passes.quant import WeightOnlyPass
+
+    model = to_ir(_wide_concat_model())
+    with pytest.raises(OptionError) as err:
+        WeightOnlyPass(calibration_random=2, block_size=32, **options).call(model)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("the model rejects its random calibration feed (x 1x1 float32)")
+    assert "input(s) ['x'] (dynamic dims set to 1)" in message and "--shape NAME:DIMS" in message
 
 
 # --- fp16's budget judged like --verify --------------------------------------------------------------------------
