@@ -41,7 +41,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     )),
     ("ir", (
         "mograph.ir_version", "mograph._traverse", "mograph._model_checks", "mograph._spill", "mograph.ir_io",
-        "mograph.irutil", "mograph.opset", "mograph.inspect", "mograph.output_check",
+        "mograph.irutil", "mograph.opset", "mograph.inspect", "mograph.output_check", "mograph._ort_parts",
         "mograph.shapes",  # the shape facility: dim algebra, per-op rules, the query passes ask
     )),
     ("pass-infra", ("mograph.pass_infra", "mograph.patterns", "mograph.pattern_explain")),
