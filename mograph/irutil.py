@@ -394,13 +394,77 @@ def _graphs(model: ir.Model) -> list[ir.Graph]:
 
 def run_shape_inference(model: ir.Model, *, data_prop: bool = True) -> None:
     """ONNX shape inference (``check_type`` and ``strict_mode`` off), its dtypes and shapes merged into
-    the model's values in place.  Raises what ONNX raises; the model is then unchanged."""
+    the model's values in place.  Raises what ONNX raises; the model is then unchanged.
+
+    Where an older version of an op infers less than its later versions (:data:`_CONSTANT_TARGET_BELOW`: a
+    ``Reshape`` below opset 14 has no output shape unless its target is a constant), the main graph's outputs
+    of those nodes get the dims the shape rules prove (:func:`_complete_shapes`), and ONNX infers again from
+    them, so that what follows is inferred as at the later opset (should ONNX fail on a later round, the
+    model keeps what the rounds before found)."""
+    _run_onnx_inference(model, data_prop)
+    for _ in range(len(model.graph)):  # each round gives at least one more such node its shape
+        if not _complete_shapes(model):
+            break
+        try:
+            _run_onnx_inference(model, data_prop)
+        except Exception:  # noqa: BLE001 - the first round's result stands, with the shapes completed since
+            logger.debug("shape inference after completing shapes failed", exc_info=True)
+            break
+
+
+def _run_onnx_inference(model: ir.Model, data_prop: bool) -> None:
     if subgraphs(model.graph):  # onnx_ir's pass matches the subgraphs' values to the inferred ones
         from onnx_ir.passes.common import ShapeInferencePass
 
         ShapeInferencePass(check_type=False, strict_mode=False, data_prop=data_prop)(model)
     else:
         _infer_flat(model, data_prop)
+
+
+#: Standard ops whose ONNX inference below an opset version gives their output no shape, not even a rank,
+#: unless the target shape (input 1) is a constant, where the later versions read its length and the elements
+#: ONNX's data propagation computed (``Shape``/``Gather``/``Concat`` of the runtime shape, as exporters write a
+#: reshape to ``[batch, seq, heads, head_dim]``): op type -> the first version that does.  Checked with onnx
+#: 1.23: ``Reshape`` 5 and 13 infer only from a constant target, 14 reads it as data.
+_CONSTANT_TARGET_BELOW: dict[str, int] = {"Reshape": 14}
+
+
+def _to_complete(node: ir.Node, opsets: dict[str, int]) -> bool:
+    """Whether ``node`` is one :func:`_complete_shapes` may give an output shape: an op of
+    :data:`_CONSTANT_TARGET_BELOW` below the version given there, whose typed output has no shape."""
+    below = _CONSTANT_TARGET_BELOW.get(node.op_type)
+    if below is None or node.domain not in ("", "ai.onnx") or not node.outputs:
+        return False
+    out = node.outputs[0]
+    if out.shape is not None or out.type is None:
+        return False
+    from mograph.shapes import node_version
+
+    version = node_version(node, opsets)
+    return version is not None and version < below
+
+
+def _complete_shapes(model: ir.Model) -> bool:
+    """Give each output that ONNX inference left without a shape, of a node :data:`_CONSTANT_TARGET_BELOW`
+    names at a version below the one given there, the dims the built-in shape rules prove
+    (:class:`mograph.shapes.ShapeQuery`: the target's elements tracked through ``Shape``/``Gather``/
+    ``Concat``/..., ``0`` and ``-1`` resolved as ``Reshape`` resolves them): a literal or a named input dim
+    as itself, any other dim unnamed.  Main graph only.  Whether any value got a shape."""
+    from mograph.shapes import ShapeQuery, as_ir_shape
+
+    graph = model.graph
+    opsets = dict(graph.opset_imports)
+    todo = [node.outputs[0] for node in graph if _to_complete(node, opsets)]
+    if not todo:
+        return False
+    query = ShapeQuery(graph)
+    filled = False
+    for out in todo:
+        dims = query.dims(out)
+        if dims is not None:
+            out.shape = as_ir_shape(dims)
+            filled = True
+    return filled
 
 
 def _walk(graphs: list[ir.Graph]) -> tuple[list[object], TypeSnapshot, list[int]]:
@@ -671,6 +735,8 @@ def _confirmed_by_region(model: ir.Model, cached: tuple[Any, ...], structure: li
     applied: list[tuple[ir.Value, Any, Any]] = []  # (value, type, shape) before a type the region inferred
     try:
         shown = _infer_region(model, graph, region, position, applied)
+        # a node of the region that :func:`run_shape_inference` would complete after ONNX: not shown by ONNX alone
+        shown = shown and not any(_to_complete(node, graph.opset_imports) for node in region)
     finally:
         if not shown:
             for v, t, sh in reversed(applied):

@@ -2,8 +2,9 @@
 
 Each rule is exact: it concludes a dim only where that dim holds for every input the model accepts, and
 returns ``None`` (or ``None`` for a dim) where it cannot tell.  The ``since_version`` of a rule is where
-the input layout it reads begins (``Unsqueeze``'s axes became an input in opset 13, so its rule starts
-there; below, the query falls back to what ONNX inference wrote on the value).
+the input layout it reads begins; where that layout changed, each layout has its rule, or one rule reads both
+(``Unsqueeze``/``Squeeze`` take ``axes`` as an attribute below opset 13 and as an input from 13 on, ``Split``
+its ``split`` sizes likewise); an op with no rule in force falls back to what ONNX inference wrote on the value.
 
 The op-class tables (:data:`SAME_SHAPE_OPS`, :data:`BROADCAST_OPS`, :data:`REDUCE_OPS`) are the one place
 that says which standard ops keep their input's shape, broadcast, or reduce.
@@ -190,6 +191,15 @@ def _iattr(node: ir.Node, name: str, default: int) -> int:
     return int(_attr(node, name, default))  # type: ignore[call-overload]
 
 
+def _axes(node: ir.Node, q: ShapeQuery) -> list[int] | None:
+    """The constant ``axes`` of an ``Unsqueeze`` or ``Squeeze``: input 1 (opset 13 on), else the attribute (below
+    13); ``None`` where neither holds constant ints."""
+    if len(node.inputs) > 1:
+        return q.ints(node.inputs[1])
+    axes = _attr(node, "axes")
+    return None if axes is None else [int(a) for a in axes]
+
+
 def builtin_rules() -> ShapeRules:
     """A fresh table holding every built-in rule (callers may register more into it)."""
     table = ShapeRules()
@@ -236,9 +246,9 @@ def _register_dims(t: ShapeRules) -> None:  # noqa: C901 - one short rule per op
         return [tuple(d0[p] for p in order)]
 
     @shape_rule(t, "", "Unsqueeze", 13)
+    @shape_rule(t, "", "Unsqueeze", 1)  # axes an attribute below 13
     def unsqueeze(node: ir.Node, q: ShapeQuery) -> list[Dims | None] | None:
-        d0 = q.dims(node.inputs[0])
-        axes = q.ints(node.inputs[1]) if len(node.inputs) > 1 else None
+        d0, axes = q.dims(node.inputs[0]), _axes(node, q)
         if d0 is None or axes is None:
             return None
         rank = len(d0) + len(axes)
@@ -247,9 +257,9 @@ def _register_dims(t: ShapeRules) -> None:  # noqa: C901 - one short rule per op
         return [tuple(ONE if i in norm else next(it) for i in range(rank))]
 
     @shape_rule(t, "", "Squeeze", 13)
+    @shape_rule(t, "", "Squeeze", 1)  # axes an attribute below 13
     def squeeze(node: ir.Node, q: ShapeQuery) -> list[Dims | None] | None:
-        d0 = q.dims(node.inputs[0])
-        axes = q.ints(node.inputs[1]) if len(node.inputs) > 1 else None
+        d0, axes = q.dims(node.inputs[0]), _axes(node, q)
         if d0 is None or axes is None:
             return None
         drop = {a % len(d0) for a in axes}
@@ -281,9 +291,14 @@ def _register_dims(t: ShapeRules) -> None:  # noqa: C901 - one short rule per op
         return [(m, n)]
 
     @shape_rule(t, "", "Split", 13)
+    @shape_rule(t, "", "Split", 2)  # sizes the attribute ``split`` from 2 to 12
     def split(node: ir.Node, q: ShapeQuery) -> list[Dims | None] | None:
         d0 = q.dims(node.inputs[0])
-        sizes = q.ints(node.inputs[1]) if len(node.inputs) > 1 else None
+        if len(node.inputs) > 1:
+            sizes = q.ints(node.inputs[1])
+        else:
+            given = _attr(node, "split")
+            sizes = [int(s) for s in given] if given is not None else None
         if d0 is None or sizes is None or len(sizes) != len(node.outputs):
             return None
         axis = _iattr(node, "axis", 0) % len(d0)
@@ -489,18 +504,18 @@ def _register_values(t: ShapeRules) -> None:  # noqa: C901 - one short rule per 
         return False, x[1][starts[0]:ends[0]:steps[0]]
 
     @shape_rule(t, "", "Unsqueeze", 13, kind="values")
+    @shape_rule(t, "", "Unsqueeze", 1, kind="values")
     def unsqueeze(node: ir.Node, q: ShapeQuery) -> Vector | None:
         x = q.values(node.inputs[0])
-        return (False, x[1]) if x is not None and x[0] and q.ints(node.inputs[1]) in ([0], [-1]) else None
+        return (False, x[1]) if x is not None and x[0] and _axes(node, q) in ([0], [-1]) else None
 
     @shape_rule(t, "", "Squeeze", 13, kind="values")
-    @shape_rule(t, "", "Squeeze", 1, kind="values")  # axes an attribute: still 1-D in, scalar out
+    @shape_rule(t, "", "Squeeze", 1, kind="values")  # axes an attribute below 13
     def squeeze(node: ir.Node, q: ShapeQuery) -> Vector | None:
         x = q.values(node.inputs[0])
         if x is None or x[0] or len(x[1]) != 1:
             return None
-        ins = node.inputs
-        if len(ins) > 1 and ins[1] is not None and q.ints(ins[1]) not in ([0], [-1]):
+        if (len(node.inputs) > 1 or "axes" in node.attributes) and _axes(node, q) not in ([0], [-1]):
             return None
         return True, x[1]
 

@@ -12,6 +12,10 @@ Afterwards each declared shape comes back where inference knows less: a dimensio
 unknown or symbolic keeps its declared size or name, and a value inference could not type at all
 (outputs of custom-domain ops are never cleared) keeps its declared shape whole.
 
+Below opset 14 ONNX's inference of a ``Reshape`` to a target computed at run time gives no shape at all (not
+even a rank), so nothing after it has one; such a ``Reshape`` gets the dims the shape rules prove and ONNX infers
+again from them (:func:`mograph.irutil.run_shape_inference`), as it infers at 14.
+
 Data propagation computes the values of a ``Range`` with constant bounds, whatever its length: a
 ``Range(0, 5e8, 1)`` costs gigabytes inside ONNX's C++ inference.  When a ``Range`` would produce more
 than :data:`DATA_PROP_RANGE_LIMIT` elements (or its step is zero), inference runs without data

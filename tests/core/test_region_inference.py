@@ -264,3 +264,36 @@ def test_the_walk_marks_where_each_node_begins() -> None:
     ends = [*marks[1:], len(structure)]
     for node, s, e in zip(model.graph, marks, ends):
         assert structure[s:e] == [node, *node.inputs, None, *node.outputs, None, *node.attributes.values(), None]
+
+
+def _opset13_chain() -> ir.Model:
+    """x [p, q] -> Relu -> Sigmoid -> y, and Identity(Shape(x)) -> t, the target a new Reshape will read (data that
+    ONNX does not propagate through the Identity: the region is not refused for it); opset 13."""
+    nodes = [helper.make_node("Shape", ["x"], ["s"], name="shape"),
+             helper.make_node("Identity", ["s"], ["t"], name="identity"),
+             helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("Sigmoid", ["r"], ["y"], name="sigmoid")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["p", "q"])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    return ir.serde.deserialize_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)]))
+
+
+def _reshape_to_computed_target(model: ir.Model) -> None:
+    """A new Reshape-13 of Relu's output to Shape(x), between Relu and Sigmoid: ONNX infers no shape for it (its
+    target is not a constant); the whole inference completes it from the shape rules."""
+    relu = next(n for n in model.graph if n.op_type == "Relu")
+    sigmoid = next(n for n in model.graph if n.op_type == "Sigmoid")
+    target = next(n for n in model.graph if n.op_type == "Identity").outputs[0]
+    reshape = ir.node("Reshape", [relu.outputs[0], target], name="new_reshape")
+    model.graph.insert_after(relu, reshape)
+    reshape.outputs[0].name = "new"
+    sigmoid.replace_input_with(0, reshape.outputs[0])
+
+
+def test_a_reshape_below_14_in_the_region_is_completed_by_the_whole_inference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ONNX alone, on the region, leaves the new Reshape-13 and the Sigmoid after it without a shape; the whole
+    inference gives them [p, q] (``run_shape_inference`` completes a Reshape below 14): the region does not decide."""
+    types, full, answers = _edited(monkeypatch, _opset13_chain, _reshape_to_computed_target, region=True)
+    assert (full, answers) == (1, [False])
+    assert types["new"] == types["y"] == (ir.DataType.FLOAT, ["p", "q"])
+    assert types == _edited(monkeypatch, _opset13_chain, _reshape_to_computed_target, region=False)[0]

@@ -103,6 +103,16 @@ DIMS: dict[tuple[str, str, int], list[tuple[list[Any], dict[str, Any], list[Any]
         ([["b", 1, 8], np.array([1])], {}, [["b", 8]], OPSET),
         ([["b", 1, 8], None], {}, [None], OPSET),  # no axes: cannot tell which 1s go
     ],
+    # below opset 13 the axes are an attribute (exporters at opset 11 and 12 write this form)
+    ("", "Unsqueeze", 1): [
+        ([["b", 8]], {"axes": [0, -1]}, [[1, "b", 8, 1]], 11),
+        ([["b", 8]], {"axes": [1]}, [["b", 1, 8]], 1),
+        ([["b", 8]], {}, [None], 11),  # no axes: an invalid node, no rule
+    ],
+    ("", "Squeeze", 1): [
+        ([["b", 1, 8]], {"axes": [-2]}, [["b", 8]], 11),
+        ([["b", 1, 8]], {}, [None], 11),  # no axes: cannot tell which 1s go
+    ],
     ("", "Gather", 1): [
         ([_S, np.array([[0, 1]])], {"axis": 1}, [["b", 1, 2, 8]], OPSET),
         ([_S, np.array(0)], {"axis": -1}, [["b", "s"]], OPSET),
@@ -118,6 +128,10 @@ DIMS: dict[tuple[str, str, int], list[tuple[list[Any], dict[str, Any], list[Any]
     ("", "Split", 13): [
         ([_S, np.array([3, 5])], {"axis": -1}, [["b", "s", 3], ["b", "s", 5]], OPSET),
         ([_S, None], {"axis": -1}, [None, None], OPSET),  # equal split without sizes: no rule
+    ],
+    ("", "Split", 2): [  # the sizes an attribute from 2 to 12
+        ([_S], {"axis": -1, "split": [3, 5]}, [["b", "s", 3], ["b", "s", 5]], 11),
+        ([_S], {"axis": -1}, [None, None], 11),  # equal split without sizes: no rule
     ],
     ("", "Range", 11): [
         ([np.array(0), ("dim", ["b", "s"], 1), np.array(1)], {}, [["s"]], OPSET),
@@ -227,6 +241,8 @@ VALUES: dict[tuple[str, int], list[tuple[list[Any], dict[str, Any], Any, int]]] 
                     ([("shape", _S), np.array([0]), np.array([3]), np.array([0]), np.array([2])], {},
                      (False, ["b", 8]), OPSET)],
     ("Unsqueeze", 13): [([("dim", _S, 0), np.array([0])], {}, (False, ["b"]), OPSET)],
+    ("Unsqueeze", 1): [([("dim", _S, 0)], {"axes": [0]}, (False, ["b"]), 11),
+                       ([("dim", _S, 0)], {"axes": [1]}, None, 11)],  # not a vector [b]
     ("Squeeze", 13): [([("shape", ["b"]), np.array([0])], {}, (True, ["b"]), OPSET)],
     ("Squeeze", 1): [([("shape", ["b"])], {"axes": [0]}, (True, ["b"]), 11)],
     ("Reshape", 5): [([("shape", _S), np.array([-1])], {}, (False, ["b", "s", 8]), OPSET),
@@ -301,7 +317,17 @@ def test_every_rule_has_a_case() -> None:
 
 
 def test_a_rule_starts_at_its_version() -> None:
-    """Below ``Unsqueeze``-13 (axes an attribute) there is no rule: the query keeps inference's dims."""
-    query, node = _query("", "Unsqueeze", [["b", 8]], {"axes": [0]}, 11, 1)
-    assert query.rules.lookup("", "Unsqueeze", 11) is None
+    """Below ``Slice``-10 (starts and ends attributes) there is no rule: the query keeps inference's dims."""
+    query, node = _query("", "Slice", [["b", 8]], {"starts": [0], "ends": [1], "axes": [0]}, 9, 1)
+    assert query.rules.lookup("", "Slice", 9) is None
     assert query.dims(node.outputs[0]) is None
+
+
+def test_the_attribute_forms_below_opset_13() -> None:
+    """``Unsqueeze``/``Squeeze``/``Split`` take at opset 11 and 12 an attribute, from 13 an input: the rule in force
+    at 12 starts below 13 and is the same function as at 13, which reads whichever form the node has."""
+    table = builtin_rules()
+    for op, since in (("Unsqueeze", 1), ("Squeeze", 1), ("Split", 2)):
+        rule = table.lookup("", op, 12)
+        assert rule is not None and rule.since_version == since
+        assert rule.dims is table.lookup("", op, 13).dims  # type: ignore[union-attr]
