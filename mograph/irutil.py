@@ -429,6 +429,12 @@ def _run_onnx_inference(model: ir.Model, data_prop: bool) -> None:
 _CONSTANT_TARGET_BELOW: dict[str, int] = {"Reshape": 14}
 
 
+def _old_default_opset(opsets: Any) -> bool:
+    """Whether the default domain's opset is below a version of :data:`_CONSTANT_TARGET_BELOW`."""
+    version = opsets.get("", opsets.get("ai.onnx"))
+    return version is not None and version < max(_CONSTANT_TARGET_BELOW.values())
+
+
 def _to_complete(node: ir.Node, opsets: dict[str, int]) -> bool:
     """Whether ``node`` is one :func:`_complete_shapes` may give an output shape: an op of
     :data:`_CONSTANT_TARGET_BELOW` below the version given there, whose typed output has no shape."""
@@ -454,6 +460,8 @@ def _complete_shapes(model: ir.Model) -> bool:
 
     graph = model.graph
     opsets = dict(graph.opset_imports)
+    if not _old_default_opset(opsets):
+        return False  # no node of the default domain is below those versions: no walk of the graph
     todo = [node.outputs[0] for node in graph if _to_complete(node, opsets)]
     if not todo:
         return False
@@ -736,7 +744,8 @@ def _confirmed_by_region(model: ir.Model, cached: tuple[Any, ...], structure: li
     try:
         shown = _infer_region(model, graph, region, position, applied)
         # a node of the region that :func:`run_shape_inference` would complete after ONNX: not shown by ONNX alone
-        shown = shown and not any(_to_complete(node, graph.opset_imports) for node in region)
+        shown = shown and not (_old_default_opset(graph.opset_imports)
+                               and any(_to_complete(node, graph.opset_imports) for node in region))
     finally:
         if not shown:
             for v, t, sh in reversed(applied):
