@@ -19,7 +19,7 @@ The tables share their hidden size and dtype (float); the ids are int32 or int64
 each other (TorchScript exports of BERT slice ``position_ids`` ``[1, S]`` from a buffer).  Which lookup is
 the position one is decided here, for the lowering: the one whose ids have a leading 1 where the others do
 not, else the one whose ids are a constant or sliced from one, else the one whose ids are a ``Range``
-(``torch.arange``, unsqueezed or expanded), else the last; the other two are interchangeable in the
+(``torch.arange``, unsqueezed or expanded), else (of two) the one of the smaller table, else the last; the other two are interchangeable in the
 math (word + segment), the larger table is called the word table.  (With two lookups either choice is the same
 math: the kernel adds the word and the position row, in either order the same float.)  Nothing else may read the
 partial sums or the sum (ONNX Runtime's kernel would have to return it); a ``Shape`` of a looked-up row
@@ -85,7 +85,12 @@ def _from_range(v: ir.Value) -> bool:
     return False
 
 
-def _position_index(ids: list[ir.Value]) -> int:
+def _rows(table: ir.Value) -> int:
+    dim = table.shape[0] if table.shape is not None else None
+    return dim if isinstance(dim, int) else 0
+
+
+def _position_index(ids: list[ir.Value], tables: list[ir.Value]) -> int:
     """Which of the two or three lookups is the position one (module docstring)."""
     lead = [i for i, v in enumerate(ids) if _leading_one(v)]
     if len(lead) == 1 and not all(_leading_one(v) for v in ids):
@@ -94,6 +99,8 @@ def _position_index(ids: list[ir.Value]) -> int:
         found = [i for i, v in enumerate(ids) if test(v)]
         if len(found) == 1:
             return found[0]
+    if len(ids) == 2 and _rows(tables[0]) != _rows(tables[1]):
+        return 0 if _rows(tables[0]) < _rows(tables[1]) else 1  # the larger table is the word table
     return len(ids) - 1
 
 
@@ -124,7 +131,7 @@ class EmbedLayerNormFusion(Rule):
         n = 3 if kw.get("table2") is not None else 2
         tables = [kw[f"table{i}"] for i in range(n)]
         hidden = set()
-        self._rows: dict[int, tuple[ir.Value, int]] = {}  # id(rows) -> (ids, hidden): for shape_of
+        self._row_shapes: dict[int, tuple[ir.Value, int]] = {}  # id(rows) -> (ids, hidden): for shape_of
         for i in range(n):
             gather = kw[f"rows{i}"].producer()
             axis = gather.attributes.get("axis")
@@ -136,7 +143,7 @@ class EmbedLayerNormFusion(Rule):
             if ids.dtype not in _INT_IDS:
                 return self.fail(f"the ids of Gather '{gather.name}' are not int32/int64 ({ids.dtype})", gather)
             hidden.add(table.shape[1])
-            self._rows[id(kw[f"rows{i}"])] = (ids, int(table.shape[1]))
+            self._row_shapes[id(kw[f"rows{i}"])] = (ids, int(table.shape[1]))
         if len(hidden) != 1:
             return self.fail(f"the embedding tables differ in hidden size ({sorted(hidden)})", sum)
         if not is_float(sum) or any(t.dtype != sum.dtype for t in tables):
@@ -149,7 +156,7 @@ class EmbedLayerNormFusion(Rule):
 
     def shape_of(self, value: ir.Value) -> tuple[list[ir.Node], ir.Value] | None:
         """The shape of a looked-up row tensor, ``Concat(Shape(ids), [hidden])`` (for ``Shape`` readers)."""
-        found = self._rows.get(id(value))
+        found = self._row_shapes.get(id(value))
         if found is None:
             return None
         ids, hidden = found
@@ -165,15 +172,14 @@ class EmbedLayerNormFusion(Rule):
         n = 3 if kw.get("table2") is not None else 2
         ids = [kw[f"ids{i}"] for i in range(n)]
         tables = [kw[f"table{i}"] for i in range(n)]
-        p = _position_index(ids)
+        p = _position_index(ids, tables)
         beta = norm_beta(op, node, sum)
         if n == 2:
             w = 1 - p
             seg_ids, segment = no_segment(op, sum.dtype, int(tables[w].shape[1]))
             return mograph_op(op, "EmbedLayerNorm", ids[w], seg_ids, ids[p], tables[w], segment, tables[p], scale,
                               beta, **attrs)
-        rest = sorted((i for i in range(3) if i != p), key=lambda i: -int(tables[i].shape[0])
-                      if isinstance(tables[i].shape[0], int) else 0)
+        rest = sorted((i for i in range(3) if i != p), key=lambda i: -_rows(tables[i]))
         w, s = rest
         return mograph_op(op, "EmbedLayerNorm", ids[w], ids[s], ids[p], tables[w], tables[s], tables[p], scale, beta,
                           **attrs)
