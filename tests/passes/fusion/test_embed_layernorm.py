@@ -20,7 +20,6 @@ from mograph.testing import (
     parse,
     run_ort,
     run_pass,
-    to_ir,
     to_proto,
 )
 from mograph.testing import check_pass as check_fusion
