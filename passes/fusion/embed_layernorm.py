@@ -19,12 +19,12 @@ The tables share their hidden size and dtype (float); the ids are int32 or int64
 each other (TorchScript exports of BERT slice ``position_ids`` ``[1, S]`` from a buffer).  Which lookup is
 the position one is decided here, for the lowering: the one whose ids have a leading 1 where the others do
 not, else the one whose ids are a constant or sliced from one, else the one whose ids are a ``Range``
-(``torch.arange``, unsqueezed or expanded), else (of two) the one of the smaller table, else the last; the other two are interchangeable in the
-math (word + segment), the larger table is called the word table.  (With two lookups either choice is the same
-math: the kernel adds the word and the position row, in either order the same float.)  Nothing else may read the
-partial sums or the sum (ONNX Runtime's kernel would have to return it); a ``Shape`` of a looked-up row
-(DistilBERT reads the sequence length as ``inputs_embeds.size(1)``) is rewired to ``Shape(ids)`` and the hidden
-size.
+(``torch.arange``, unsqueezed or expanded), else (of two) the one of the smaller table, else the last; the
+other two are interchangeable in the math (word + segment), the larger table is called the word table.  (With
+two lookups either choice is the same math: the kernel adds the word and the position row, in either order the
+same float.)  Nothing else may read the partial sums or the sum (ONNX Runtime's kernel would have to return
+it); a ``Shape`` of a looked-up row (DistilBERT reads the sequence length as ``inputs_embeds.size(1)``) is
+rewired to ``Shape(ids)`` and the hidden size.
 
 Runs before ``fuse-skip-layernorm``, which would otherwise take the last Add and the norm.  The ``lower``
 step turns the op into ``com.microsoft.EmbedLayerNormalization`` (``ort``: ids cast to int32, position ids
@@ -72,7 +72,8 @@ def _from_constant(v: ir.Value) -> bool:
 
 
 def _from_range(v: ir.Value) -> bool:
-    """Whether ``v`` is a ``Range`` laid out by :data:`_LAYOUT` ops (``torch.arange(S).unsqueeze(0).expand_as(ids)``)."""
+    """Whether ``v`` is a ``Range`` laid out by :data:`_LAYOUT` ops
+    (``torch.arange(S).unsqueeze(0).expand_as(ids)``)."""
     for _ in range(8):
         p = v.producer()
         if p is None or p.domain not in ("", "ai.onnx") or not p.inputs or p.inputs[0] is None:

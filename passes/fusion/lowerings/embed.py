@@ -269,7 +269,8 @@ def uniform_ids(value: ir.Value | None) -> int | None:
 def absent_segment(seg: ir.Value | None, segment: ir.Value | None) -> bool:
     """Whether the segment lookup adds nothing: the neutral one ``fuse-embed-layernorm`` writes for a layer of two
     lookups, a constant table all negative zeros (``x + -0.0`` is ``x`` for every ``x``) read at ids that are
-    provably one valid row (a zero table of a model's own, of positive zeros, is not taken: ``-0.0 + 0.0`` is ``+0.0``)."""
+    provably one valid row (a zero table of a model's own, of positive zeros, is not taken: ``-0.0 + 0.0`` is
+    ``+0.0``)."""
     table = constant_array(segment)
     row = uniform_ids(seg)
     if table is None or row is None or table.ndim != 2 or not 0 <= row < table.shape[0] or table.dtype.kind != "f":

@@ -385,7 +385,8 @@ def test_embed_layernorm_two_tables_ort(positions, implicit, ops_before, order):
     if positions == "slice-mask":
         feeds["attention_mask"] = np.ones((2, 5), dtype=np.int64)
     # int32 ids: input_ids, and the position ids where they are passed (a Cast, or a new constant)
-    stats = {**NO_SEGMENT_STATS, "lowered.EmbedLayerNorm": 1, "embed_no_segment": 1, "embed_ids_int32": 1 if implicit else 2}
+    stats = {**NO_SEGMENT_STATS, "lowered.EmbedLayerNorm": 1, "embed_no_segment": 1,
+             "embed_ids_int32": 1 if implicit else 2}
     if implicit:
         stats["embed_implicit_positions"] = 1
     model = check_fusion(lowered(FuseEmbedLayerNormPass(), "ort"), proto, stats=stats, feeds=feeds,
