@@ -7,7 +7,8 @@ MatMul went to 8 bits.  When the table is to be quantized, :func:`expand_for_tab
 back where it was::
 
     Word[InputIds] + Segment[SegmentIds] + Position[PositionIds]  ->  mograph.LayerNorm(., Scale, B)
-    (three default-domain Gathers, two Adds in the function body's order, the op's epsilon / stash_type)
+    (three default-domain Gathers, two Adds in the function body's order, the op's epsilon / stash_type;
+    two Gathers and one Add for a layer of two lookups, whose segment lookup is the neutral one: DistilBERT)
 
 and the word table's ``Gather`` then goes the way of every embedding table (``mograph.BlockQuantizedGather``,
 lowered to ``com.microsoft.GatherBlockQuantized``).  The math is the op's own function body, so the expanded
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from mograph.passes.fusion.lowerings.embed import arange_slice, fold_segment_row, uniform_ids
+from mograph.passes.fusion.lowerings.embed import absent_segment, arange_slice, fold_segment_row, uniform_ids
 from mograph.passes.quant._wo_layers import _FLOAT_DTYPES, _Layer
 
 from mograph.custom_ops import DOMAIN, DOMAIN_VERSION
@@ -71,27 +72,38 @@ def _device_lookups(node: ir.Node, base: str, user: dict[str, str], stats: dict[
     long as the table and no plan entry names ``<node>/position``, their rows as ``Unsqueeze(Slice(table, 0,
     end), 0)``: both lookups read ids built on the host from shape values (a Memcpy to the device in ONNX
     Runtime's CUDA provider: no CUDA graph), the new forms read the host values only as Slice bounds.  Returns
-    ``(position table, whether the segment row is in it, nodes before the rows, the rows' node or None)``."""
+    ``(position table, whether no segment lookup is left (its row folded in, or the neutral lookup of a layer of two
+    lookups), nodes before the rows, the rows' node or None)``."""
     graph = node.graph
     assert graph is not None
     _, seg, pos, _, segment, position, _, _ = node.inputs
     assert seg is not None and pos is not None and segment is not None and position is not None
     folded = None
+    if absent_segment(seg, segment):  # a layer of two lookups (word + position): no segment Gather, nothing to fold
+        return _position_rows(node, position, pos, base, user, stats, True)
     row = uniform_ids(seg) if f"{base}/segment" not in user else None
     if row is not None:
         folded = fold_segment_row(graph, position, segment, row)
     table = folded if folded is not None else position
     if folded is not None:
         stats["embeddings.segment_folded"] = stats.get("embeddings.segment_folded", 0) + 1
+    return _position_rows(node, table, pos, base, user, stats, folded is not None)
+
+
+def _position_rows(node: ir.Node, table: ir.Value, pos: ir.Value, base: str, user: dict[str, str],
+                   stats: dict[str, int], no_segment: bool) -> tuple[ir.Value, bool, list[ir.Node], ir.Node | None]:
+    """:func:`_device_lookups`' answer for the position ``table`` (``no_segment``: no segment lookup is left)."""
+    graph = node.graph
+    assert graph is not None
     sliced = arange_slice(pos) if f"{base}/position" not in user else None
     rows = table.shape[0] if table.shape is not None and len(table.shape) == 2 else None
     if sliced is None or sliced[0] != rows:
-        return table, folded is not None, [], None
+        return table, no_segment, [], None
     zero = add_initializer(graph, f"{base}_zero", np.array([0], np.int64))
     cut = ir.node("Slice", [table, zero, sliced[1], zero], name=f"{base}/position_rows")
     rows_node = ir.node("Unsqueeze", [cut.outputs[0], zero], name=f"{base}/position")
     stats["embeddings.positions_sliced"] = stats.get("embeddings.positions_sliced", 0) + 1
-    return table, folded is not None, [cut], rows_node
+    return table, no_segment, [cut], rows_node
 
 
 def _expand(node: ir.Node, pass_name: str, user: dict[str, str] | None = None,

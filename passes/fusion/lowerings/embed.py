@@ -1,12 +1,18 @@
 """Lowerings of ``EmbedLayerNorm`` (BERT's word + segment + position lookups and LayerNorm).
 
+A layer of two lookups (word + position: DistilBERT) carries the neutral segment lookup that
+``fuse-embed-layernorm`` writes (:func:`absent_segment`: a table of negative zeros, one id); every target leaves
+it out: ``ort`` passes no segment inputs (stat ``embed_no_segment``), ``onnx``/``tensorrt`` write two ``Gather``
+and one ``Add``.
+
 ``ort``
     ``com.microsoft.EmbedLayerNormalization``: ``input_ids``, ``segment_ids`` (int32, one shape ``[B, S]``),
     the three tables, ``gamma``/``beta`` as ``[hidden]`` vectors, no ``mask``; ``position_ids`` left off when
     they provably are ``0 .. S-1`` (what the kernel uses without them: a constant ``arange`` of the ids'
     static length, or a ``Slice`` from 0 with step 1 of a constant ``[1, L]`` ``arange`` buffer whose end is
     the ids' dim 1, read by ``Shape``/``Gather`` of the ids or of an input declared with the same dim, such as
-    the ``attention_mask`` dynamo reads it from), else passed as int32 ``[1, S]`` or ``[B, S]``.  Segment ids that are
+    the ``attention_mask`` dynamo reads it from, or ``Range(0, S, 1)`` of such an ``S``, unsqueezed to ``[1, S]`` or
+    expanded to ``Shape(input_ids)``: ``torch.arange``), else passed as int32 ``[1, S]`` or ``[B, S]``.  Segment ids that are
     provably one id ``k`` everywhere (:func:`uniform_ids`: ``BertEmbeddings``' zero ``token_type_ids`` buffer, sliced,
     gathered and expanded -- a shape subgraph ONNX Runtime's CUDA provider runs on the host and copies to the
     device, which blocks CUDA graph capture) are left off with the segment table: row ``k`` of that table is added
@@ -17,8 +23,8 @@
     writes it) and read by nothing.  Declines (the op is inlined) when the ids are not rank 2 of those
     shapes or a vector cannot be built.
 ``onnx`` / ``tensorrt``
-    the standard ops again: three ``Gather``, two ``Add`` and ``LayerNormalization`` (opset >= 17; below,
-    the step inlines the function body).
+    the standard ops again: three ``Gather``, two ``Add`` (two and one without a segment lookup) and
+    ``LayerNormalization`` (opset >= 17; below, the step inlines the function body).
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from mograph.irutil import add_initializer, attr_value, fresh_name, is_zero
 from mograph.lowering import LoweringContext, as_vector, replace_node
 from mograph.patterns import constant_array
 
-__all__ = ["LOWERINGS", "MS_DOMAIN", "arange_slice", "fold_segment_row", "is_arange_positions", "uniform_ids"]
+__all__ = ["LOWERINGS", "MS_DOMAIN", "absent_segment", "arange_slice", "fold_segment_row", "is_arange_positions",
+           "uniform_ids"]
 
 MS_DOMAIN = "com.microsoft"
 
@@ -105,8 +112,35 @@ def arange_slice(pos: ir.Value) -> tuple[int, ir.Value] | None:
     return int(buffer.shape[1]), node.inputs[2]
 
 
+def _scalar_const(value: ir.Value | None) -> int | None:
+    arr = constant_array(value)
+    return int(arr.reshape(-1)[0]) if arr is not None and arr.size == 1 and arr.dtype.kind in "iu" else None
+
+
+def _arange_range(pos: ir.Value, ids: ir.Value, ctx: LoweringContext) -> bool:
+    """Whether ``pos`` is ``Range(0, S, 1)`` with ``S`` dim 1 of ``ids``, as it is (``[S]``), unsqueezed on axis 0
+    (``[1, S]``) and then, maybe, expanded to ``Shape(ids)`` (``torch.arange(S).unsqueeze(0).expand_as(ids)``)."""
+    node = pos.producer()
+    if node is not None and node.op_type == "Expand" and node.domain == "" and _is_shape_of(node.inputs[1], ids, ctx):
+        node = node.inputs[0].producer() if node.inputs[0] is not None else None
+    if node is not None and node.op_type == "Unsqueeze" and node.domain == "":
+        axes = constant_array(node.inputs[1]) if len(node.inputs) > 1 else None
+        if axes is None and "axes" in node.attributes:  # opset < 13
+            axes = np.asarray(node.attributes["axes"].value)
+        if axes is None or axes.size != 1 or int(axes.reshape(-1)[0]) != 0 or node.inputs[0] is None:
+            return False
+        node = node.inputs[0].producer()
+    if node is None or node.op_type != "Range" or node.domain != "" or len(node.inputs) != 3:
+        return False
+    start, limit, delta = node.inputs
+    return _scalar_const(start) == 0 and _scalar_const(delta) == 1 and _is_seq_of(limit, ids, ctx)
+
+
 def is_arange_positions(pos: ir.Value, ids: ir.Value, ctx: LoweringContext) -> bool:
-    """Whether position ids ``pos`` are provably ``[[0, 1, .., S-1]]`` with ``S`` dim 1 of ``ids`` ``[B, S]``."""
+    """Whether position ids ``pos`` are provably ``[[0, 1, .., S-1]]`` (or rows of it, or ``[0 .. S-1]``) with
+    ``S`` dim 1 of ``ids`` ``[B, S]``."""
+    if _arange_range(pos, ids, ctx):
+        return True
     dims = ctx.dims(ids)
     seq = dims[1].value if dims is not None and len(dims) == 2 and dims[1] is not None else None
     arr = constant_array(pos)
@@ -232,6 +266,19 @@ def uniform_ids(value: ir.Value | None) -> int | None:
     return None
 
 
+def absent_segment(seg: ir.Value | None, segment: ir.Value | None) -> bool:
+    """Whether the segment lookup adds nothing: the neutral one ``fuse-embed-layernorm`` writes for a layer of two
+    lookups, a constant table all negative zeros (``x + -0.0`` is ``x`` for every ``x``) read at ids that are
+    provably one valid row (a zero table of a model's own, of positive zeros, is not taken: ``-0.0 + 0.0`` is
+    ``+0.0``)."""
+    table = constant_array(segment)
+    row = uniform_ids(seg)
+    if table is None or row is None or table.ndim != 2 or not 0 <= row < table.shape[0] or table.dtype.kind != "f":
+        return False
+    flat = table.astype(np.float32)
+    return not np.any(flat) and bool(np.all(np.signbit(flat)))
+
+
 def fold_segment_row(graph: ir.Graph, position: ir.Value, segment: ir.Value, row: int,
                      shared: dict[tuple[Any, ...], Any] | None = None) -> ir.Value | None:
     """A new position table ``position + segment[row]`` (summed in float32, rounded once to the tables' dtype),
@@ -255,7 +302,9 @@ def _ort(node: ir.Node, ctx: LoweringContext) -> bool:
     graph = node.graph
     assert graph is not None and ids is not None and seg is not None and pos is not None
     assert word is not None and segment is not None and position is not None and scale is not None
-    if not (_rank2(ids) and _rank2(seg) and _rank2(pos)):
+    absent = absent_segment(seg, segment)
+    implicit = _rank2(ids) and is_arange_positions(pos, ids, ctx)
+    if not (_rank2(ids) and (absent or _rank2(seg)) and (implicit or _rank2(pos))):
         return False
     y = node.outputs[0]
     like = ir.Value(name="", type=word.type, shape=ir.Shape([word.shape[1] if word.shape is not None else None]))
@@ -264,15 +313,18 @@ def _ort(node: ir.Node, ctx: LoweringContext) -> bool:
     if gamma is None or b is None:
         return False
     nodes: list[ir.Node] = []
-    row = uniform_ids(seg)
+    row = uniform_ids(seg) if not absent else None
     folded = fold_segment_row(graph, position, segment, row, ctx.shared) if row is not None else None
-    if folded is not None:  # every token has segment ``row``: its embedding goes into the position table
+    if absent:  # two lookups (word + position): the kernel's segment inputs are optional
+        ctx.count("embed_no_segment")
+        inputs: list[ir.Value | None] = [_int32(graph, ids, nodes, ctx), None, word, position, None, gamma, b]
+    elif folded is not None:  # every token has segment ``row``: its embedding goes into the position table
         ctx.count("embed_segment_folded")
-        inputs: list[ir.Value | None] = [_int32(graph, ids, nodes, ctx), None, word, folded, None, gamma, b]
+        inputs = [_int32(graph, ids, nodes, ctx), None, word, folded, None, gamma, b]
     else:
         seg = _like_ids(graph, seg, ids, nodes, ctx)
         inputs = [_int32(graph, ids, nodes, ctx), _int32(graph, seg, nodes, ctx), word, position, segment, gamma, b]
-    if is_arange_positions(pos, ids, ctx):
+    if implicit:
         ctx.count("embed_implicit_positions")
     else:
         if not (pos.shape is not None and pos.shape[0] == 1 and _same_dims_at(pos, ids, 1, ctx)):
@@ -303,10 +355,12 @@ def _standard(node: ir.Node, ctx: LoweringContext) -> bool:
     b = None if is_zero(beta) or beta is None else as_vector(graph, beta, like, "mograph_embed_ln_bias")
     if gamma is None or (b is None and not is_zero(beta)):
         return False
-    nodes = [ir.node("Gather", [word, ids]), ir.node("Gather", [segment, seg])]
-    nodes.append(ir.node("Add", [nodes[0].outputs[0], nodes[1].outputs[0]]))
+    nodes = [ir.node("Gather", [word, ids])]
+    if not absent_segment(seg, segment):  # (a layer of two lookups: the graph fuse-embed-layernorm matched)
+        nodes.append(ir.node("Gather", [segment, seg]))
+        nodes.append(ir.node("Add", [nodes[0].outputs[0], nodes[1].outputs[0]]))
     nodes.append(ir.node("Gather", [position, pos]))
-    nodes.append(ir.node("Add", [nodes[2].outputs[0], nodes[3].outputs[0]]))
+    nodes.append(ir.node("Add", [nodes[-2].outputs[0], nodes[-1].outputs[0]]))
     for n in nodes:
         n.outputs[0].type = y.type
     nodes[-1].outputs[0].shape = y.shape

@@ -23,12 +23,13 @@ V, TYPES, MAXPOS = 300, 2, 16
 
 
 def bert_embeddings(word: np.ndarray, w1: np.ndarray, w2: np.ndarray, *, seed: int = 0,
-                    tied_head: bool = False, buffered: bool = False) -> onnx.ModelProto:
+                    tied_head: bool = False, buffered: bool = False, two_tables: bool = False) -> onnx.ModelProto:
     """BERT's embeddings (word + token type + position lookups, LayerNorm) and two MatMuls, fused by
     ``fuse-embed-layernorm`` into one ``mograph.EmbedLayerNorm``; ``tied_head``: then an LM head reading the word
     table itself (``Gemm(transB=1)``, as a masked-LM head tied to it); ``buffered``: the token type and position
     ids from ``BertEmbeddings``' buffers as TorchScript writes them (zeros and ``arange``, sliced to the ids' length,
-    the token types expanded to their shape), ``input_ids`` the only input."""
+    the token types expanded to their shape), ``input_ids`` the only input; ``two_tables``: no token type lookup
+    (DistilBERT: word + position)."""
     rng = np.random.default_rng(seed)
     h = word.shape[1]
     inits = [numpy_helper.from_array(word, "word"),
@@ -45,6 +46,10 @@ def bert_embeddings(word: np.ndarray, w1: np.ndarray, w2: np.ndarray, *, seed: i
              helper.make_node("MatMul", ["e", "W1"], ["hid"], name="mlp"),
              helper.make_node("MatMul", ["hid", "W2"], ["y"], name="out")]
     id_inputs = ("input_ids", "token_type_ids", "position_ids")
+    if two_tables:
+        nodes[1:5] = [nodes[2], helper.make_node("Add", ["w", "p"], ["s"])]  # no token type Gather: one Add
+        del inits[1]
+        id_inputs = ("input_ids", "position_ids")
     if buffered:
         id_inputs = ("input_ids",)
         inits += [numpy_helper.from_array(np.zeros((1, MAXPOS), np.int64), "tt_buffer"),
@@ -55,7 +60,9 @@ def bert_embeddings(word: np.ndarray, w1: np.ndarray, w2: np.ndarray, *, seed: i
                      helper.make_node("Shape", ["input_ids"], ["seq1"], start=1, end=2),
                      helper.make_node("Slice", ["pos_buffer", "zero1", "seq1", "one1", "one1"], ["position_ids"]),
                      helper.make_node("Slice", ["tt_buffer", "zero1", "seq1", "one1", "one1"], ["tt"]),
-                     helper.make_node("Expand", ["tt", "shape"], ["token_type_ids"])]
+                     helper.make_node("Expand", ["tt", "shape"], ["token_type_ids"])][slice(1, 3) if two_tables else slice(5)]
+        if two_tables:
+            del inits[-4]  # the token type buffer
     ids = [helper.make_tensor_value_info(n, onnx.TensorProto.INT64, ["batch", "seq"]) for n in id_inputs]
     out = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", "seq", h])
     if tied_head:
@@ -71,10 +78,13 @@ def bert_embeddings(word: np.ndarray, w1: np.ndarray, w2: np.ndarray, *, seed: i
     return to_proto(fused)
 
 
-def _feeds(rng: np.random.Generator) -> dict[str, np.ndarray]:
-    return {"input_ids": rng.integers(0, V, (2, 5)).astype(np.int64),
-            "token_type_ids": rng.integers(0, TYPES, (2, 5)).astype(np.int64),
-            "position_ids": rng.integers(0, MAXPOS, (2, 5)).astype(np.int64)}
+def _feeds(rng: np.random.Generator, two_tables: bool = False) -> dict[str, np.ndarray]:
+    feeds = {"input_ids": rng.integers(0, V, (2, 5)).astype(np.int64),
+             "token_type_ids": rng.integers(0, TYPES, (2, 5)).astype(np.int64),
+             "position_ids": rng.integers(0, MAXPOS, (2, 5)).astype(np.int64)}
+    if two_tables:
+        del feeds["token_type_ids"]
+    return feeds
 
 
 def _representable(rng: np.random.Generator, h: int, bs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -257,3 +267,26 @@ def test_word_table_tied_to_the_head_is_shared_or_left_fused():
     gather, head = model.graph.node(0), next(n for n in model.graph if n.name == "lm_head")
     assert gather.op_type == "BlockQuantizedGather" and gather.inputs[0] is head.inputs[1]
     assert "word" not in model.graph.initializers
+
+
+@pytest.mark.parametrize("buffered", [False, True])
+def test_two_tables_expand_without_a_segment_lookup(buffered):
+    """A fused layer of two lookups (word + position: DistilBERT) expands to two Gathers and one Add: its neutral
+    segment lookup (negative zeros, one id) is neither a Gather nor folded into the position table, and goes."""
+    rng = np.random.default_rng(8)
+    word, w1, w2 = _representable(rng, 64, 64)
+    proto = bert_embeddings(word, w1, w2, buffered=buffered, two_tables=True)
+    (node,) = [n for n in proto.graph.node if n.op_type == "EmbedLayerNorm"]
+    assert node.input[1] == "mograph_no_segment_ids" and node.input[4] == "mograph_no_segment"
+    feeds = _feeds(rng, two_tables=True) if not buffered else {"input_ids": rng.integers(0, V, (3, 7)).astype(np.int64)}
+    stats = {"quantized": 1, "kept_float": 1, "quantized.int4": 1, "quantized.embeddings": 1,
+             "expanded.embed_layernorm": 1}
+    ops = ["mograph.BlockQuantizedGather", "Gather", "Add", "mograph.LayerNorm", "mograph.WeightOnlyMatMul", "MatMul"]
+    if buffered:  # the position rows sliced from the table (no host ids read by a Gather)
+        stats["embeddings.positions_sliced"] = 1
+        ops = ["Shape", "Slice", "mograph.BlockQuantizedGather", "Unsqueeze", *ops[2:]]
+    model = check_pass(WeightOnlyPass(algorithm="rtn", block_size=64, embedding_precision="bits"), proto,
+                       stats=stats, ops_left=ops, feeds=feeds)
+    assert not any(n.metadata_props.get(SMALL_TABLE) == "segment" for n in model.graph)
+    assert {"mograph_no_segment", "mograph_no_segment_ids"}.isdisjoint(model.graph.initializers)
+    assert "pos" in model.graph.initializers  # the position table itself, no folded copy
